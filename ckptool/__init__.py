@@ -1,0 +1,58 @@
+"""ckptool: make PyTorch checkpoints portable between machines, devices and model wrappers.
+
+Importing ckptool does not import torch; only the functions that materialise tensors (loading into a model,
+the demo) import it when called.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ckptool.errors import (
+    CkptError,
+    CorruptCheckpointError,
+    KeyCollisionError,
+    NotACheckpointError,
+    PrefixNotFoundError,
+    UnsafeCheckpointError,
+    UnsupportedError,
+    UsageError,
+)
+from ckptool.inspect import CheckpointInfo, StateDictInfo, TensorInfo, inspect
+from ckptool.remap import remap
+from ckptool.rewrite import WriteResult
+
+__version__ = "0.1.0"
+
+# name -> module for the parts of the API that are loaded on first use (they may import torch when called)
+_LAZY = {
+    "strip_prefix": "ckptool.prefixes",
+    "add_prefix": "ckptool.prefixes",
+    "strip_dataparallel": "ckptool.prefixes",
+    "unwrap": "ckptool.prefixes",
+    "rename_state_dict": "ckptool.prefixes",
+    "load_into": "ckptool.loading",
+    "load_training_state": "ckptool.loading",
+    "save_portable": "ckptool.loading",
+    "LoadReport": "ckptool.loading",
+    "verify": "ckptool.loading",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'ckptool' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(mod), name)
+
+
+__all__ = [
+    "CheckpointInfo", "CkptError", "CorruptCheckpointError", "KeyCollisionError", "NotACheckpointError",
+    "PrefixNotFoundError", "StateDictInfo", "TensorInfo", "UnsafeCheckpointError", "UnsupportedError",
+    "UsageError", "WriteResult", "inspect", "remap", *_LAZY,
+]

@@ -1,0 +1,3 @@
+from ckptool.cli import main
+
+main()

@@ -1,0 +1,243 @@
+"""Open a torch checkpoint's structure: the pickle as a node graph plus where each storage's bytes live.
+
+Nothing here reads tensor bytes or imports torch. For the zip format (torch >= 1.6) the storage of key ``k`` is
+the stored record ``<archive>/data/k``; for the legacy stream (``_use_new_zipfile_serialization=False``) it is
+found by walking the stream after the pickles: for each key of the storage-key list, an 8-byte little-endian
+element count then the raw bytes (torch/serialization.py ``_legacy_load``). TorchScript archives are read the
+same way as torch zip files (their ``data.pkl`` and ``constants.pkl``).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptool import formats
+from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedError
+from ckptool.unpickler import GlobalMeta, StorageRef, load_structure
+
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+LEGACY_PROTOCOL = 1001
+
+#: storage class name -> (dtype name, element size in bytes), as torch/storage.py defines them
+STORAGE_TYPES: dict[str, tuple[str, int]] = {
+    "DoubleStorage": ("float64", 8), "FloatStorage": ("float32", 4), "HalfStorage": ("float16", 2),
+    "BFloat16Storage": ("bfloat16", 2), "LongStorage": ("int64", 8), "IntStorage": ("int32", 4),
+    "ShortStorage": ("int16", 2), "CharStorage": ("int8", 1), "ByteStorage": ("uint8", 1),
+    "BoolStorage": ("bool", 1), "ComplexFloatStorage": ("complex64", 8), "ComplexDoubleStorage": ("complex128", 16),
+    "QInt8Storage": ("qint8", 1), "QUInt8Storage": ("quint8", 1), "QInt32Storage": ("qint32", 4),
+    "QUInt4x2Storage": ("quint4x2", 1), "QUInt2x4Storage": ("quint2x4", 1), "UntypedStorage": ("uint8", 1),
+}
+
+#: dtype name -> element size in bytes, for the dtypes ``_rebuild_tensor_v3`` names (torch.<dtype>.itemsize)
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1, "complex32": 4, "complex64": 8,
+    "complex128": 16, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1, "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1,
+    "quint2x4": 1, "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
+    **{f"int{i}": 1 for i in range(1, 8)}, **{f"uint{i}": 1 for i in range(1, 8)},
+}
+
+
+def storage_element(ref: StorageRef) -> tuple[str, int]:
+    """``(dtype name, element size)`` of a storage from its storage class (``torch.cuda.HalfStorage`` too).
+
+    Raises:
+        UnsupportedError: an unknown storage class.
+    """
+    name = ref.storage_type_name
+    try:
+        return STORAGE_TYPES[name]
+    except KeyError:
+        raise UnsupportedError(f"storage {ref.key!r} has unknown storage type {name!r}") from None
+
+
+def storage_nbytes(ref: StorageRef) -> int:
+    """Size in bytes of the storage's data: ``numel * element size`` (``numel`` is bytes for UntypedStorage)."""
+    return ref.numel * storage_element(ref)[1]
+
+
+@dataclass
+class Record:
+    """One record of the output or input archive: ``name`` relative to the archive folder (``data/0``,
+    ``version``), its data's offset and size in bytes in the source file, and its CRC-32 when known."""
+
+    name: str
+    offset: int
+    size: int
+    crc: int | None = None
+    zipinfo: zipfile.ZipInfo | None = None
+
+
+@dataclass
+class Checkpoint:
+    """The structure of one checkpoint file.
+
+    ``root`` is the main pickle as a node graph; ``storages`` maps storage key -> :class:`StorageRef` in first-use
+    order; ``records`` lists the file's records in file order (zip members, or for legacy files the storage
+    data blocks named ``data/<key>``); ``globals`` lists ``(module, name)`` of every global the pickles name.
+    """
+
+    path: str
+    format: str
+    size: int
+    root: Any = None
+    protocol: int = 2
+    storages: dict[str, StorageRef] = field(default_factory=dict)
+    records: list[Record] = field(default_factory=list)
+    globals: list[tuple[str, str]] = field(default_factory=list)
+    archive_name: str = "archive"
+    pickle_size: int = 0
+    extra_roots: dict[str, Any] = field(default_factory=dict)
+
+    def record(self, name: str) -> Record | None:
+        """The record called ``name`` (``data/0``, ``constants.pkl``), or None."""
+        for r in self.records:
+            if r.name == name:
+                return r
+        return None
+
+
+def read_checkpoint(path: str, fmt: str | None = None) -> Checkpoint:
+    """Read the structure of a torch zip, legacy or TorchScript file.
+
+    Raises:
+        UsageError / NotACheckpointError: see :func:`ckptool.formats.detect_format`.
+        CorruptCheckpointError: truncated or damaged file.
+        UnsupportedError: safetensors or plain pickles (no torch storages to read), big-endian legacy files.
+    """
+    fmt = fmt or formats.detect_format(path)
+    if fmt in (formats.TORCH_ZIP, formats.TORCHSCRIPT):
+        return _read_zip(path, fmt)
+    if fmt == formats.TORCH_LEGACY:
+        return _read_legacy(path)
+    raise UnsupportedError(f"{path} is {fmt}, not a torch.save checkpoint")
+
+
+def read_pickle_file(path: str) -> Checkpoint:
+    """Read a plain pickle file (``pickle.dump``) as a structure without storages."""
+    size = formats.check_readable(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    root, up = load_structure(data, f"pickle in {path}")
+    return Checkpoint(path, formats.PICKLE, size, root=root, protocol=data[1], globals=list(up.globals_seen),
+                      pickle_size=len(data))
+
+
+def _read_zip(path: str, fmt: str) -> Checkpoint:
+    size = os.path.getsize(path)
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise CorruptCheckpointError(f"{path} is a damaged zip ({e}); re-download or re-save it") from e
+    with zf:
+        infos = zf.infolist()
+        if not infos:
+            raise NotACheckpointError(f"{path} is an empty zip archive, not a torch checkpoint")
+        archive = infos[0].filename.split("/", 1)[0] if "/" in infos[0].filename else ""
+        ck = Checkpoint(path, fmt, size, archive_name=archive or "archive")
+        lead = archive + "/" if archive else ""
+        for zi in infos:
+            name = zi.filename[len(lead):] if zi.filename.startswith(lead) else zi.filename
+            if zi.header_offset + zi.compress_size > size:
+                raise CorruptCheckpointError(
+                    f"{path}: record {zi.filename!r} runs past the end of the file: truncated; re-download it"
+                )
+            ck.records.append(Record(name, -1, zi.file_size, zi.CRC, zi))
+
+        def read_member(name: str) -> bytes:
+            try:
+                return zf.read(lead + name)
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:  # bad CRC, truncated...
+                raise CorruptCheckpointError(f"{path}: cannot read {lead + name} ({e}); re-download it") from e
+
+        seen: dict[tuple[str, str], None] = {}
+        cache: dict[tuple[str, str], GlobalMeta] = {}
+        data = read_member("data.pkl")
+        ck.pickle_size = len(data)
+        ck.protocol = data[1] if len(data) > 1 and data[0] == 0x80 else 2
+        ck.root, up = load_structure(data, f"data.pkl in {path}", storages=ck.storages, global_cache=cache)
+        seen.update(up.globals_seen)
+        if fmt == formats.TORCHSCRIPT and ck.record("constants.pkl") is not None:
+            consts, up2 = load_structure(read_member("constants.pkl"), f"constants.pkl in {path}",
+                                         storages={}, global_cache=cache)
+            ck.extra_roots["constants"] = consts
+            seen.update(up2.globals_seen)
+        ck.globals = list(seen)
+    return ck
+
+
+def resolve_zip_offsets(ck: Checkpoint, f: Any) -> None:
+    """Fill ``Record.offset`` (start of the member's data) from each zip local header, reading 30 bytes +
+    name + extra per member of the open binary file ``f``.
+
+    Raises:
+        CorruptCheckpointError: a local header is missing or does not match the central directory.
+    """
+    for rec in ck.records:
+        zi = rec.zipinfo
+        if zi is None or rec.offset >= 0:
+            continue
+        f.seek(zi.header_offset)
+        hdr = f.read(30)
+        if len(hdr) != 30 or hdr[:4] != b"PK\x03\x04":
+            raise CorruptCheckpointError(f"{ck.path}: bad local header for {zi.filename!r}; the zip is damaged")
+        n, m = struct.unpack("<HH", hdr[26:30])
+        rec.offset = zi.header_offset + 30 + n + m
+
+
+def _read_legacy(path: str) -> Checkpoint:
+    size = os.path.getsize(path)
+    ck = Checkpoint(path, formats.TORCH_LEGACY, size, archive_name=os.path.splitext(os.path.basename(path))[0])
+    with open(path, "rb") as f:
+        magic, _ = load_structure(f, f"magic number of {path}")
+        if magic != LEGACY_MAGIC:
+            raise NotACheckpointError(f"{path} is not a torch legacy checkpoint (bad magic number)")
+        proto, _ = load_structure(f, f"protocol version of {path}")
+        if proto != LEGACY_PROTOCOL:
+            raise UnsupportedError(f"{path}: unsupported legacy protocol version {proto!r}")
+        sys_info, _ = load_structure(f, f"sys_info of {path}")
+        if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
+            raise UnsupportedError(f"{path} was saved on a big-endian machine; load and re-save it there")
+        start = f.tell()
+        ck.root, up = load_structure(f, f"main pickle of {path}", storages=ck.storages)
+        ck.pickle_size = f.tell() - start
+        ck.globals = list(up.globals_seen)
+        keys, _ = load_structure(f, f"storage key list of {path}")
+        if not isinstance(keys, list) or not all(isinstance(k, (str, int)) for k in keys):
+            raise CorruptCheckpointError(f"{path}: the storage key list is malformed; the file is damaged")
+        pos = f.tell()
+        for key in keys:
+            key = str(key)
+            ref = ck.storages.get(key)
+            if ref is None:
+                raise CorruptCheckpointError(f"{path}: storage {key!r} has data but no tensor uses it; damaged file")
+            f.seek(pos)
+            head = f.read(8)
+            if len(head) != 8:
+                raise CorruptCheckpointError(
+                    f"{path} is truncated: the data of storage {key!r} is missing; re-download or re-save it"
+                )
+            numel = struct.unpack("<q", head)[0]
+            elsize = storage_element(ref)[1]
+            if numel != ref.numel:
+                raise CorruptCheckpointError(
+                    f"{path}: storage {key!r} declares {ref.numel} elements but its data holds {numel}; damaged file"
+                )
+            nbytes = numel * elsize
+            if pos + 8 + nbytes > size:
+                raise CorruptCheckpointError(
+                    f"{path} is truncated: storage {key!r} needs {nbytes} bytes at offset {pos + 8} but the file "
+                    f"ends at {size}; re-download or re-save it"
+                )
+            ck.records.append(Record("data/" + key, pos + 8, nbytes))
+            pos += 8 + nbytes
+        have = {str(k) for k in keys}
+        missing = [k for k in ck.storages if k not in have]
+        if missing:
+            raise CorruptCheckpointError(f"{path}: no data for storages {missing[:5]}; the file is damaged")
+    return ck

@@ -1,0 +1,123 @@
+"""Recognise a checkpoint container from its first bytes (never from its file name).
+
+The signatures are those listed in ``shared/FORMATS.md`` and torch/serialization.py: the zip local-file
+magic ``PK\\x03\\x04``; the legacy stream's first pickle, the magic number ``0x1950a86a20f9469cfc6c`` as a
+protocol-2 LONG1 (``80 02 8a 0a 6c fc 9c 46 f9 20 6a a8 50 19``); the legacy tar (``ustar`` at offset 257);
+safetensors' 8-byte little-endian header length followed by ``{``. A zip is a TorchScript archive when it holds
+``constants.pkl`` or ``code/`` under its top folder, a torch checkpoint when it holds ``data.pkl``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+
+from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UsageError
+
+TORCH_ZIP = "torch-zip"
+TORCH_LEGACY = "torch-legacy"
+TORCHSCRIPT = "torchscript"
+SAFETENSORS = "safetensors"
+PICKLE = "pickle"
+
+LEGACY_MAGIC_PREFIX = bytes.fromhex("80028a0a6cfc9c46f9206aa85019")
+ZIP_MAGIC = b"PK\x03\x04"
+ZIP_EMPTY = b"PK\x05\x06"
+
+# other files people rename to .pt/.pth/.bin by mistake, to say what was found instead
+_KNOWN_MAGIC = [
+    (b"\x89PNG\r\n\x1a\n", "a PNG image"),
+    (b"\xff\xd8\xff", "a JPEG image"),
+    (b"GIF8", "a GIF image"),
+    (b"%PDF", "a PDF document"),
+    (b"\x1f\x8b", "a gzip archive (decompress it first)"),
+    (b"BZh", "a bzip2 archive (decompress it first)"),
+    (b"\xfd7zXZ\x00", "an xz archive (decompress it first)"),
+    (b"\x89HDF\r\n\x1a\n", "an HDF5 file (Keras/TensorFlow weights?)"),
+    (b"GGUF", "a GGUF file (llama.cpp)"),
+    (b"\x93NUMPY", "a NumPy .npy array (load it with numpy.load)"),
+    (b"<!DOCTYPE", "an HTML page (a failed download?)"),
+    (b"<html", "an HTML page (a failed download?)"),
+    (b"version https://git-lfs", "a Git LFS pointer, not the file itself (run `git lfs pull`)"),
+]
+
+
+def check_readable(path: str) -> int:
+    """Return the size of ``path`` in bytes.
+
+    Raises:
+        UsageError: the path does not exist or is a directory.
+        NotACheckpointError: the file is empty.
+    """
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: no such file; check the path")
+    if os.path.isdir(path):
+        raise UsageError(
+            f"{path} is a directory; give a checkpoint file (sharded and torch.distributed.checkpoint folders "
+            "are not supported by this command)"
+        )
+    size = os.path.getsize(path)
+    if size == 0:
+        raise NotACheckpointError(f"{path} is empty (0 bytes); re-download or re-save the checkpoint")
+    return size
+
+
+def detect_format(path: str) -> str:
+    """Return one of ``torch-zip``, ``torchscript``, ``torch-legacy``, ``safetensors``, ``pickle``.
+
+    Reads at most the first 512 bytes, plus the zip central directory for zip files.
+
+    Raises:
+        UsageError: missing path or a directory.
+        NotACheckpointError: empty file, another known file type, or unknown bytes.
+        CorruptCheckpointError: a zip whose central directory cannot be read (truncated download).
+    """
+    size = check_readable(path)
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if head.startswith(ZIP_MAGIC) or head.startswith(ZIP_EMPTY):
+        return _zip_kind(path)
+    if head.startswith(LEGACY_MAGIC_PREFIX):
+        return TORCH_LEGACY
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        raise NotACheckpointError(
+            f"{path} is a tar archive: the torch legacy tar format (torch < 0.4) is not supported; "
+            "load it with an old torch and re-save it with torch.save"
+        )
+    if len(head) >= 9 and head[8:9] == b"{":
+        n = struct.unpack("<Q", head[:8])[0]
+        if n + 8 > size:
+            raise CorruptCheckpointError(
+                f"{path} looks like safetensors but its header length ({n} bytes) runs past the end of the "
+                f"file ({size} bytes): truncated or not safetensors; re-download it"
+            )
+        return SAFETENSORS
+    if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
+        return PICKLE
+    for magic, what in _KNOWN_MAGIC:
+        if head.startswith(magic):
+            raise NotACheckpointError(f"{path} is {what}, not a PyTorch checkpoint")
+    raise NotACheckpointError(
+        f"{path} is not a PyTorch checkpoint (first bytes {head[:8].hex(' ')}): expected a torch zip or legacy "
+        "file, a TorchScript archive or safetensors"
+    )
+
+
+def _zip_kind(path: str) -> str:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise CorruptCheckpointError(
+            f"{path} is a damaged zip ({e}): the file is truncated or corrupted; re-download or re-save it"
+        ) from e
+    leaf = {n.split("/", 1)[1] if "/" in n else n for n in names}
+    if "constants.pkl" in leaf or any(n.startswith("code/") for n in leaf):
+        return TORCHSCRIPT
+    if "data.pkl" in leaf:
+        return TORCH_ZIP
+    raise NotACheckpointError(
+        f"{path} is a zip archive without data.pkl, not a torch checkpoint ({len(names)} entries, "
+        f"e.g. {', '.join(names[:3]) or 'none'})"
+    )

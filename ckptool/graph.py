@@ -1,0 +1,279 @@
+"""Walk a checkpoint's node graph: name its tensors by dotted path, find its state_dicts and modules.
+
+Naming follows what users see after ``torch.load``: ``conv1.weight`` at top level, ``model_state.lstm.weight``
+or ``optimizer_state.state.0.exp_avg`` when nested, and for a pickled ``nn.Module`` the names
+``model.state_dict()`` gives (parameters, then buffers, then submodules, from ``_parameters`` / ``_buffers`` /
+``_modules``; torch/nn/modules/module.py ``_save_to_state_dict``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ckptool.unpickler import GlobalMeta, ObjectNode, ParameterNode, PickledObject, ReduceNode, TensorNode
+
+_DICT_CLASSES = {("collections", "OrderedDict"), ("builtins", "dict"), ("__builtin__", "dict")}
+_SET_FUNCS = {("builtins", "set"), ("__builtin__", "set")}
+STATE_DICT_SKIP_SUFFIX = "_extra_state"
+
+
+def join(prefix: str, name: Any) -> str:
+    return f"{prefix}.{name}" if prefix else str(name)
+
+
+def _is_dict_reduce(obj: Any) -> bool:
+    return isinstance(obj, ReduceNode) and isinstance(obj.func, GlobalMeta) and (
+        obj.func.module, obj.func.name) in _DICT_CLASSES
+
+
+def _pairs_arg(obj: Any) -> list | None:
+    """The ``[[key, value], ...]`` argument of ``OrderedDict([...])`` as old (Python 2 era) torch pickled it."""
+    if _is_dict_reduce(obj) and len(obj.args) == 1 and isinstance(obj.args[0], (list, tuple)):
+        pairs = obj.args[0]
+        if all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+            return pairs
+    return None
+
+
+def mapping_items(obj: Any) -> list[tuple[Any, Any]] | None:
+    """The ``(key, value)`` pairs of a dict, an OrderedDict node (built by SETITEMS or from a list of pairs), or
+    another dict-like node; None for anything else."""
+    if type(obj) is dict:
+        return list(obj.items())
+    if isinstance(obj, PickledObject):
+        pairs = _pairs_arg(obj)
+        items = [(p[0], p[1]) for p in pairs] if pairs is not None else []
+        if obj.dictitems is not None:
+            items += obj.dictitems
+        if items or obj.dictitems is not None or _is_dict_reduce(obj):
+            return items
+    return None
+
+
+def set_mapping_items(obj: Any, items: list[tuple[Any, Any]]) -> None:
+    """Replace the pairs of a mapping found by :func:`mapping_items`, in place (identity and ``_metadata`` kept).
+
+    Raises:
+        TypeError: ``obj`` is not a mapping.
+    """
+    if type(obj) is dict:
+        obj.clear()
+        obj.update(items)
+        return
+    if not isinstance(obj, PickledObject) or mapping_items(obj) is None:
+        raise TypeError(f"not a mapping: {obj!r}")
+    pairs = _pairs_arg(obj)
+    if pairs is not None and obj.dictitems is None:  # OrderedDict([[k, v], ...]): keep that form
+        obj.args = ([[k, v] for k, v in items],)  # type: ignore[union-attr]
+        return
+    if pairs is not None:
+        obj.args = ([],)  # type: ignore[union-attr]
+    obj.dictitems = list(items)
+    if "setitems" not in obj.order:
+        obj.order.insert(0, "setitems")
+
+
+def is_dict_like(obj: Any) -> bool:
+    return mapping_items(obj) is not None
+
+
+def unwrap_tensor(obj: Any) -> TensorNode | None:
+    """The tensor node of a tensor or a Parameter node, else None."""
+    if isinstance(obj, TensorNode):
+        return obj
+    if isinstance(obj, ParameterNode) and isinstance(obj.tensor, TensorNode):
+        return obj.tensor
+    return None
+
+
+def is_tensor(obj: Any) -> bool:
+    return unwrap_tensor(obj) is not None
+
+
+def module_state(obj: Any) -> dict | None:
+    """The ``__dict__`` of a pickled ``nn.Module`` (a dict holding ``_parameters`` and ``_modules``), else None."""
+    if isinstance(obj, ObjectNode) and type(obj.state) is dict and "_parameters" in obj.state and "_modules" in obj.state:
+        return obj.state
+    return None
+
+
+def is_module(obj: Any) -> bool:
+    return module_state(obj) is not None
+
+
+def non_persistent_buffers(state: dict) -> set[str]:
+    """Names in a module's ``_non_persistent_buffers_set`` (pickled as ``set([...])`` or a set)."""
+    v = state.get("_non_persistent_buffers_set")
+    if isinstance(v, (set, frozenset)):
+        return {x for x in v if isinstance(x, str)}
+    if isinstance(v, ReduceNode) and isinstance(v.func, GlobalMeta) and (v.func.module, v.func.name) in _SET_FUNCS:
+        if v.args and isinstance(v.args[0], (list, tuple)):
+            return {x for x in v.args[0] if isinstance(x, str)}
+    return set()
+
+
+def module_entries(state: dict) -> Iterator[tuple[str, Any, str]]:
+    """``(name, value, kind)`` of a module's parameters, persistent buffers and submodules, in state_dict order;
+    kind is ``parameter``, ``buffer``, ``module`` or ``attribute`` (other tensors in ``__dict__``)."""
+    skip = non_persistent_buffers(state)
+    for kind, attr in (("parameter", "_parameters"), ("buffer", "_buffers")):
+        for name, v in mapping_items(state.get(attr)) or []:
+            if v is not None and not (kind == "buffer" and name in skip):
+                yield str(name), v, kind
+    for name, v in mapping_items(state.get("_modules")) or []:
+        if v is not None:
+            yield str(name), v, "module"
+
+
+def iter_tensors(root: Any, prefix: str = "") -> Iterator[tuple[str, TensorNode, bool]]:
+    """Yield ``(dotted key, tensor node, requires_grad)`` for every tensor reachable from ``root``.
+
+    Tensors are listed each time they are reached (tied weights appear under each name), containers once.
+    Non-persistent buffers and other tensors in a module's ``__dict__`` are listed under their attribute path.
+    """
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [(prefix, root)]
+    while stack:
+        path, obj = stack.pop()
+        t = unwrap_tensor(obj)
+        if t is not None:
+            rg = bool(obj.args[1]) if isinstance(obj, ParameterNode) and len(obj.args) > 1 else t.requires_grad
+            yield path, t, rg
+            continue
+        if obj is None or isinstance(obj, (str, int, float, bytes, bool, GlobalMeta)) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        children: list[tuple[str, Any]] = []
+        st = module_state(obj)
+        if st is not None:
+            named = set()
+            for name, v, _kind in module_entries(st):
+                children.append((join(path, name), v))
+                named.add(name)
+            for attr, v in st.items():  # other tensors kept as attributes (non-persistent buffers, caches)
+                if attr in ("_parameters", "_buffers", "_modules"):
+                    if attr == "_buffers":
+                        for name, b in mapping_items(v) or []:
+                            if name not in named and b is not None:
+                                children.append((join(path, name), b))
+                    continue
+                if isinstance(v, (dict, list, tuple, PickledObject)):
+                    children.append((join(path, attr), v))
+        elif (items := mapping_items(obj)) is not None:
+            children = [(join(path, k), v) for k, v in items]
+            if isinstance(obj, PickledObject) and obj.state is not None:
+                children.append((join(path, "_state"), obj.state))
+        elif isinstance(obj, (list, tuple)):
+            children = [(join(path, i), v) for i, v in enumerate(obj)]
+        elif isinstance(obj, (set, frozenset)):
+            children = [(join(path, i), v) for i, v in enumerate(obj)]
+        elif isinstance(obj, PickledObject):
+            if type(obj.state) is dict:
+                children += [(join(path, k), v) for k, v in obj.state.items()]
+            elif obj.state is not None:
+                children.append((path, obj.state))
+            if obj.listitems:
+                children += [(join(path, i), v) for i, v in enumerate(obj.listitems)]
+            args = obj.args if isinstance(obj, (ReduceNode, ObjectNode)) else ()
+            if args:
+                children += [(join(path, f"<arg{i}>"), v) for i, v in enumerate(args)]
+        stack.extend(reversed(children))
+
+
+@dataclass
+class StateDictRef:
+    """A state_dict found in a checkpoint: ``path`` (dotted, ``""`` for the top level), the container ``obj``
+    (a dict / OrderedDict node, or a module node for full-model pickles) and ``is_module``."""
+
+    path: str
+    obj: Any
+    is_module: bool = False
+
+    def keys(self) -> list[str]:
+        if self.is_module:
+            return [k for k, _t, _rg in iter_state_dict_of_module(self.obj)]
+        return [str(k) for k, v in mapping_items(self.obj) or [] if is_tensor(v)]
+
+
+def iter_state_dict_of_module(node: Any, prefix: str = "") -> Iterator[tuple[str, TensorNode, bool]]:
+    """``(key, tensor, requires_grad)`` in the order ``module.state_dict()`` would give."""
+    st = module_state(node)
+    if st is None:
+        return
+    for name, v, kind in module_entries(st):
+        if kind == "module":
+            yield from iter_state_dict_of_module(v, join(prefix, name))
+        else:
+            t = unwrap_tensor(v)
+            if t is not None:
+                yield join(prefix, name), t, isinstance(v, ParameterNode)
+
+
+def is_state_dict(obj: Any) -> bool:
+    """A mapping with string keys, at least one tensor value, and only tensors (or ``*_extra_state`` entries)."""
+    items = mapping_items(obj)
+    if not items:
+        return False
+    n = 0
+    for k, v in items:
+        if not isinstance(k, str):
+            return False
+        if is_tensor(v):
+            n += 1
+        elif not k.endswith(STATE_DICT_SKIP_SUFFIX):
+            return False
+    return n > 0
+
+
+def find_state_dicts(root: Any) -> list[StateDictRef]:
+    """Every state_dict in the graph, outermost first: the top level, nested ones (``state_dict``,
+    ``model_state_dict``, ``ema``, ...) and pickled modules (full models). Does not look inside a found one."""
+    out: list[StateDictRef] = []
+    seen: set[int] = set()
+    queue: list[tuple[str, Any]] = [("", root)]
+    while queue:
+        path, obj = queue.pop(0)
+        if id(obj) in seen or obj is None or isinstance(obj, (str, int, float, bytes, bool)):
+            continue
+        seen.add(id(obj))
+        if is_state_dict(obj):
+            out.append(StateDictRef(path, obj))
+            continue
+        if is_module(obj):
+            out.append(StateDictRef(path, obj, is_module=True))
+            continue
+        items = mapping_items(obj)
+        if items is not None:
+            queue.extend((join(path, k), v) for k, v in items if isinstance(k, (str, int)))
+        elif isinstance(obj, (list, tuple)):
+            queue.extend((join(path, i), v) for i, v in enumerate(obj))
+    return out
+
+
+def get_path(root: Any, path: str) -> Any:
+    """The object at dotted ``path`` (``""`` = root) following mapping keys, list indices and module attributes.
+
+    Raises:
+        KeyError: no such path.
+    """
+    if path == "":
+        return root
+    obj = root
+    for comp in path.split("."):
+        items = mapping_items(obj)
+        if items is not None:
+            for k, v in items:
+                if str(k) == comp:
+                    obj = v
+                    break
+            else:
+                raise KeyError(path)
+        elif isinstance(obj, (list, tuple)) and comp.isdigit() and int(comp) < len(obj):
+            obj = obj[int(comp)]
+        elif module_state(obj) is not None and comp in module_state(obj):
+            obj = module_state(obj)[comp]
+        else:
+            raise KeyError(path)
+    return obj

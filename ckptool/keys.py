@@ -1,0 +1,294 @@
+"""Key renaming by whole dotted components: the pure-string part of prefix handling.
+
+A state_dict key is a fully qualified name (FQN) such as ``module.encoder.layers.0.weight``; wrappers add
+components to it (``nn.DataParallel`` / ``DistributedDataParallel`` add ``module``, ``torch.compile``'s
+``OptimizedModule`` adds ``_orig_mod``, FSDP1 ``_fsdp_wrapped_module``, activation checkpointing
+``_checkpoint_wrapped_module``). Unlike ``k.replace('module.', '')`` every function here works on whole
+components, so ``mlp_module.fc.weight`` is never touched by a ``module.`` prefix (the same rule as torch's
+``consume_prefix_in_state_dict_if_present``).
+
+Nothing in this module imports torch; the functions take and return plain strings.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from ckptool.errors import KeyCollisionError, UsageError
+
+#: Components that wrappers add at the front of every key, in the order they are usually found.
+WRAPPER_COMPONENTS: tuple[str, ...] = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+#: Components that only wrappers use, so they are removed wherever they stand in a key.
+WRAPPER_ONLY_COMPONENTS: tuple[str, ...] = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+#: Attribute names under which a LightningModule or user wrapper commonly holds the real model.
+ATTRIBUTE_PREFIXES: tuple[str, ...] = ("model", "net", "network")
+_FLAT_PARAM_RE = re.compile(r"(^|\.)(_flat_param|flat_param_\d+|_fsdp_flat_param)$")
+
+
+def normalize_prefix(prefix: str) -> str:
+    """Return ``prefix`` as whole components ending in ``.`` (``"module"`` -> ``"module."``).
+
+    Raises:
+        UsageError: the prefix is empty, starts with a dot or holds an empty component (``a..b``).
+    """
+    p = prefix.strip()
+    if p and not p.endswith("."):
+        p += "."
+    if not p or p.startswith(".") or ".." in p:
+        raise UsageError(f"invalid prefix {prefix!r}: give whole dotted components such as 'module.' or 'model.'")
+    return p
+
+
+def has_prefix(key: str, prefix: str) -> bool:
+    """True when ``key`` starts with the whole components of ``prefix`` and keeps at least one after it."""
+    p = normalize_prefix(prefix)
+    return key.startswith(p) and len(key) > len(p)
+
+
+def is_flat_param_key(key: str) -> bool:
+    """True for FSDP flat-parameter keys (``_flat_param``, ``flat_param_0``), which cannot be renamed back to FQNs."""
+    return bool(_FLAT_PARAM_RE.search(key))
+
+
+def strip_prefix_keys(keys: Iterable[str], prefixes: Iterable[str]) -> dict[str, str]:
+    """Map each key to its name with ``prefixes`` removed from the front.
+
+    The prefixes are applied in the given order, each at most once (``strip_prefix_keys(k, ["module.",
+    "_orig_mod."])`` turns ``module._orig_mod.fc.w`` into ``fc.w``). Keys that do not carry a prefix map to
+    themselves. Returns ``{old_key: new_key}`` in the input order; collisions are not checked here (see
+    :func:`check_collisions`).
+    """
+    plist = [normalize_prefix(p) for p in prefixes]
+    return {key: strip_prefix_key(key, plist) for key in keys}
+
+
+def strip_prefix_key(key: str, prefixes: Iterable[str]) -> str:
+    """One key with each of the (normalised) ``prefixes`` removed from its front, in order, at most once each."""
+    for p in prefixes:
+        if key.startswith(p) and len(key) > len(p):
+            key = key[len(p):]
+    return key
+
+
+def add_prefix_keys(keys: Iterable[str], prefix: str) -> dict[str, str]:
+    """Map each key to ``prefix + key`` (``prefix`` normalised to whole components)."""
+    p = normalize_prefix(prefix)
+    return {k: p + k for k in keys}
+
+
+def unwrap_key(key: str) -> tuple[str, list[str]]:
+    """Remove wrapper components from one key.
+
+    Every component of :data:`WRAPPER_COMPONENTS` is removed from the front, in any stacking order
+    (``module._orig_mod.x`` and ``_orig_mod.module.x`` both give ``x``), and the wrapper-only names of
+    :data:`WRAPPER_ONLY_COMPONENTS` are removed wherever they stand (``a._checkpoint_wrapped_module.b``
+    gives ``a.b``). The last component (the parameter or buffer name) is never removed.
+
+    Returns ``(new_key, removed_components)``.
+    """
+    parts = key.split(".")
+    removed: list[str] = []
+    while len(parts) > 1 and parts[0] in WRAPPER_COMPONENTS:
+        removed.append(parts.pop(0))
+    kept = [parts[0]] if parts else []
+    for comp in parts[1:-1]:
+        if comp in WRAPPER_ONLY_COMPONENTS:
+            removed.append(comp)
+        else:
+            kept.append(comp)
+    if len(parts) > 1:
+        kept.append(parts[-1])
+    return ".".join(kept), removed
+
+
+def unwrap_keys(keys: Iterable[str]) -> tuple[dict[str, str], dict[str, int]]:
+    """Apply :func:`unwrap_key` to every key.
+
+    Returns ``({old_key: new_key}, {removed_component: number_of_keys_it_was_removed_from})``.
+    """
+    mapping: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    for k in keys:
+        new, removed = unwrap_key(k)
+        mapping[k] = new
+        for comp in dict.fromkeys(removed):
+            counts[comp] = counts.get(comp, 0) + 1
+    return mapping, counts
+
+
+def check_collisions(mapping: Mapping[str, str]) -> dict[str, list[str]]:
+    """Return ``{new_key: [old_keys...]}`` for every new key that two or more old keys would map to."""
+    seen: dict[str, list[str]] = {}
+    for old, new in mapping.items():
+        seen.setdefault(new, []).append(old)
+    return {new: olds for new, olds in seen.items() if len(olds) > 1}
+
+
+def raise_on_collisions(mapping: Mapping[str, str], where: str = "state_dict") -> None:
+    """Raise :class:`KeyCollisionError` listing the colliding keys when ``mapping`` is not one-to-one."""
+    coll = check_collisions(mapping)
+    if coll:
+        lines = [f"{new!r} <- " + ", ".join(repr(o) for o in olds) for new, olds in list(coll.items())[:10]]
+        more = f" (and {len(coll) - 10} more)" if len(coll) > 10 else ""
+        raise KeyCollisionError(
+            f"renaming would merge keys in {where}: " + "; ".join(lines) + more
+            + "; nothing was written. Rename with a more specific prefix, or fix the model so its keys are unique",
+            coll,
+        )
+
+
+def shared_prefixes(keys: Iterable[str]) -> list[str]:
+    """The wrapper prefixes shared by every key, as whole components ending in ``.``.
+
+    Walks the leading components that all keys have in common while each is a wrapper component
+    (:data:`WRAPPER_COMPONENTS`), then takes one more shared component if it is a common attribute name
+    (:data:`ATTRIBUTE_PREFIXES`, e.g. Lightning's ``model.``). A component is only a prefix while every key keeps
+    at least one component after it. ``["module.", "_orig_mod."]`` for a DDP-of-compiled state_dict, ``[]``
+    for a bare one.
+    """
+    split = [k.split(".") for k in keys]
+    if not split:
+        return []
+    out: list[str] = []
+    depth = 0
+    while True:
+        if any(len(p) <= depth + 1 for p in split):
+            break
+        comp = split[0][depth]
+        if any(p[depth] != comp for p in split):
+            break
+        if comp in WRAPPER_COMPONENTS:
+            out.append(comp + ".")
+            depth += 1
+            continue
+        if comp in ATTRIBUTE_PREFIXES:
+            out.append(comp + ".")
+        break
+    return out
+
+
+def suggest_command(prefixes: list[str]) -> str | None:
+    """The ckptool command that removes ``prefixes`` (as returned by :func:`shared_prefixes`), or None."""
+    if not prefixes:
+        return None
+    if prefixes == ["module."]:
+        return "ckptool strip-dataparallel"
+    if all(p[:-1] in WRAPPER_COMPONENTS for p in prefixes):
+        return "ckptool unwrap"
+    return "ckptool strip-prefix SRC " + "".join(prefixes)
+
+
+def _describe(old: str, new: str) -> tuple[str, str]:
+    """The (removed, added) dotted parts that turn ``old`` into ``new`` (common leading/trailing parts dropped)."""
+    a, b = old.split("."), new.split(".")
+    while a and b and a[-1] == b[-1]:
+        a.pop()
+        b.pop()
+    while a and b and a[0] == b[0]:
+        a.pop(0)
+        b.pop(0)
+    return (".".join(a) + "." if a else "", ".".join(b) + "." if b else "")
+
+
+@dataclass
+class Reconciliation:
+    """How checkpoint keys map onto model keys (see :func:`reconcile`).
+
+    ``mapping`` holds ``{checkpoint_key: model_key}`` for every checkpoint key (unmatched keys map to themselves);
+    ``removed`` / ``added`` are the prefix components taken off or put on (``["module."]``); ``matched`` the
+    number of checkpoint keys that name a model key after the mapping.
+    """
+
+    mapping: dict[str, str]
+    removed: list[str] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)
+    matched: int = 0
+
+    @property
+    def changed(self) -> bool:
+        return any(k != v for k, v in self.mapping.items())
+
+
+def reconcile(checkpoint_keys: Iterable[str], model_keys: Iterable[str]) -> Reconciliation:
+    """Find the renaming of ``checkpoint_keys`` that best matches ``model_keys``, in either direction.
+
+    Both sides are brought to a canonical form (wrapper components removed with :func:`unwrap_key`; on the
+    checkpoint side also a shared attribute prefix such as Lightning's ``model.``), and each checkpoint key is
+    mapped to the model key with the same canonical form. Handles a ``module.`` checkpoint into a bare model, a
+    bare checkpoint into a DataParallel or compiled model, compiled-DDP into bare, and a Lightning
+    ``model.``-prefixed state_dict into the inner model. The identity is kept unless a renaming matches more keys.
+
+    Returns a :class:`Reconciliation`; never raises for unmatched keys (those are left for ``load_state_dict``
+    to report as missing/unexpected).
+    """
+    ckeys = list(checkpoint_keys)
+    mkeys = list(model_keys)
+    mset = set(mkeys)
+    best = Reconciliation({k: k for k in ckeys}, matched=sum(k in mset for k in ckeys))
+    if best.matched == len(ckeys) and len(ckeys) == len(mset):
+        return best
+
+    canon_model: dict[str, str] = {}
+    for k in mkeys:
+        canon_model.setdefault(unwrap_key(k)[0], k)
+
+    # candidate prefixes to drop from the checkpoint before canonicalising: none, then each leading run of shared
+    # components (covers `model.` and deeper attribute wrappers)
+    candidates: list[str] = [""]
+    split = [k.split(".") for k in ckeys]
+    depth = 0
+    while split and all(len(p) > depth + 1 for p in split) and all(p[depth] == split[0][depth] for p in split):
+        candidates.append(".".join(split[0][: depth + 1]) + ".")
+        depth += 1
+
+    for drop in candidates:
+        mapping: dict[str, str] = {}
+        matched = 0
+        for k in ckeys:
+            base = k[len(drop):] if drop and k.startswith(drop) else k
+            target = canon_model.get(unwrap_key(base)[0])
+            if target is not None:
+                mapping[k] = target
+                matched += 1
+            else:
+                mapping[k] = k
+        if matched > best.matched and not check_collisions(mapping):
+            best = Reconciliation(mapping, matched=matched)
+    if best.changed:
+        removed: dict[str, None] = {}
+        added: dict[str, None] = {}
+        for old, new in best.mapping.items():
+            if old != new:
+                r, a = _describe(old, new)
+                if r:
+                    removed[r] = None
+                if a:
+                    added[a] = None
+        best.removed, best.added = list(removed), list(added)
+    return best
+
+
+_SENTINEL = "\x00"
+
+
+def metadata_key_mapping(metadata_keys: Iterable[str], key_fn) -> dict[str, str]:
+    """Rename the keys of a state_dict's ``_metadata`` (module paths: ``""``, ``"module"``, ``"module.fc"``)
+    consistently with ``key_fn``, the function that renames tensor keys.
+
+    Each module path is probed as the key of a tensor directly inside that module, so stripping ``module.``
+    turns ``"module"`` into ``""`` and ``"module.fc"`` into ``"fc"``, as torch's
+    ``consume_prefix_in_state_dict_if_present`` does. When two paths end on one name, the caller keeps the last
+    (the inner module's entry replaces the wrapper's root entry). Returns ``{old_path: new_path}``.
+    """
+    out: dict[str, str] = {}
+    for m in metadata_keys:
+        probe = (m + "." if m else "") + _SENTINEL
+        new = key_fn(probe)
+        if new.endswith(_SENTINEL):
+            new = new[: -len(_SENTINEL)].rstrip(".")
+        else:  # key_fn dropped the probe component: keep the path as it was
+            new = m
+        out[m] = new
+    return out

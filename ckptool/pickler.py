@@ -1,0 +1,249 @@
+"""Writes a node graph from :mod:`ckptool.unpickler` back to pickle bytes, importing nothing.
+
+The standard ``pickle.Pickler`` cannot be used: it verifies every global by importing its module, and the
+classes a checkpoint names (``__main__.Net``, torch internals) are placeholders here. This writer emits the
+opcodes itself (protocol 2, the one ``torch.save`` uses, plus the protocol 3-5 opcodes for values that only
+those protocols can express), so that ``torch.load`` of the result builds the same objects the source pickle
+built:
+
+* placeholders become GLOBAL; :class:`ReduceNode` becomes ``func args REDUCE``; :class:`ObjectNode` becomes
+  ``cls args NEWOBJ``; the recorded APPENDS / SETITEMS / ADDITEMS / BUILD follow in their original order;
+* :class:`StorageRef` becomes its persistent-id tuple and BINPERSID (with the possibly rewritten location tag);
+* every object is memoized by identity (so shared and recursive structure survives) and strings by value.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from ckptool.unpickler import GlobalMeta, ObjectNode, PersistentRef, ReduceNode, StorageRef
+
+_pack_i = struct.Struct("<i").pack
+_pack_I = struct.Struct("<I").pack
+_pack_Q = struct.Struct("<Q").pack
+_pack_d = struct.Struct(">d").pack
+
+PROTO, STOP, MARK, POP, POP_MARK = b"\x80", b".", b"(", b"0", b"1"
+NONE, NEWTRUE, NEWFALSE = b"N", b"\x88", b"\x89"
+BININT1, BININT2, BININT, LONG1, LONG4, BINFLOAT = b"K", b"M", b"J", b"\x8a", b"\x8b", b"G"
+BINUNICODE, BINUNICODE8 = b"X", b"\x8d"
+SHORT_BINBYTES, BINBYTES, BINBYTES8, BYTEARRAY8 = b"C", b"B", b"\x8e", b"\x96"
+EMPTY_TUPLE, TUPLE, TUPLE1, TUPLE2, TUPLE3 = b")", b"t", b"\x85", b"\x86", b"\x87"
+EMPTY_LIST, APPENDS, EMPTY_DICT, SETITEMS = b"]", b"e", b"}", b"u"
+EMPTY_SET, ADDITEMS, FROZENSET = b"\x8f", b"\x90", b"\x91"
+GLOBAL, REDUCE, NEWOBJ, NEWOBJ_EX, BUILD, BINPERSID = b"c", b"R", b"\x81", b"\x92", b"b", b"Q"
+BINPUT, LONG_BINPUT, BINGET, LONG_BINGET = b"q", b"r", b"h", b"j"
+
+_BATCH = 1000
+
+
+class PicklerError(Exception):
+    """The graph holds a value this writer cannot express (a global name with a newline, an unknown type)."""
+
+
+class GraphPickler:
+    """Serialise one graph. ``dumps(root)`` returns the pickle bytes (PROTO ... STOP).
+
+    ``storage_hook(ref) -> tuple`` may return a replacement persistent id for a :class:`StorageRef` (used by
+    remap to rewrite location tags without mutating the graph); the default writes ``ref.pid()``.
+    """
+
+    def __init__(self, protocol: int = 2, storage_hook: Any = None) -> None:
+        self.protocol = max(2, min(protocol, 5))
+        self.storage_hook = storage_hook
+        self.out: list[bytes] = []
+        self.memo: dict[int, int] = {}
+        self.str_memo: dict[str, int] = {}
+        self.keep: list[Any] = []  # objects memoized by id stay alive until the end
+
+    # ------------------------------------------------------------------ helpers
+    def _put(self) -> int:
+        idx = len(self.memo) + len(self.str_memo)
+        self.out.append(BINPUT + bytes((idx,)) if idx < 256 else LONG_BINPUT + _pack_I(idx))
+        return idx
+
+    def _get(self, idx: int) -> None:
+        self.out.append(BINGET + bytes((idx,)) if idx < 256 else LONG_BINGET + _pack_I(idx))
+
+    def _memoize(self, obj: Any) -> None:
+        self.memo[id(obj)] = self._put()
+        self.keep.append(obj)
+
+    def dumps(self, root: Any) -> bytes:
+        self.out.append(PROTO + bytes((self.protocol,)))
+        self.save(root)
+        self.out.append(STOP)
+        return b"".join(self.out)
+
+    # ------------------------------------------------------------------ dispatch
+    def save(self, obj: Any) -> None:  # noqa: C901 - one dispatch table, kept flat for speed
+        t = type(obj)
+        w = self.out.append
+        if t is str:
+            idx = self.str_memo.get(obj)
+            if idx is not None:
+                self._get(idx)
+                return
+            b = obj.encode("utf-8", "surrogatepass")
+            n = len(b)
+            w((BINUNICODE + _pack_I(n) if n < 0xFFFFFFFF else BINUNICODE8 + _pack_Q(n)) + b)
+            idx = len(self.memo) + len(self.str_memo)
+            self.str_memo[obj] = idx
+            w(BINPUT + bytes((idx,)) if idx < 256 else LONG_BINPUT + _pack_I(idx))
+            return
+        if t is int:
+            if 0 <= obj < 256:
+                w(BININT1 + bytes((obj,)))
+            elif 0 <= obj < 65536:
+                w(BININT2 + obj.to_bytes(2, "little"))
+            elif -0x80000000 <= obj <= 0x7FFFFFFF:
+                w(BININT + _pack_i(obj))
+            else:
+                n = (obj.bit_length() >> 3) + 1
+                enc = obj.to_bytes(n, "little", signed=True)
+                if obj < 0 and n > 1 and enc[-1] == 0xFF and (enc[-2] & 0x80):
+                    enc = enc[:-1]
+                w((LONG1 + bytes((len(enc),)) if len(enc) < 256 else LONG4 + _pack_i(len(enc))) + enc)
+            return
+        if obj is None:
+            w(NONE)
+            return
+        if t is bool:
+            w(NEWTRUE if obj else NEWFALSE)
+            return
+        if t is float:
+            w(BINFLOAT + _pack_d(obj))
+            return
+
+        idx = self.memo.get(id(obj))
+        if idx is not None:
+            self._get(idx)
+            return
+
+        if t is tuple:
+            self._save_tuple(obj)
+        elif t is StorageRef:
+            pid = self.storage_hook(obj) if self.storage_hook else obj.pid()
+            self._save_tuple(pid, memoize=False)
+            w(BINPERSID)
+        elif isinstance(obj, GlobalMeta):
+            mod, name = obj.module, obj.name
+            if "\n" in mod or "\n" in name:
+                raise PicklerError(f"global name {mod!r}.{name!r} holds a newline")
+            w(GLOBAL + mod.encode("utf-8") + b"\n" + name.encode("utf-8") + b"\n")
+            self._memoize(obj)
+        elif isinstance(obj, ObjectNode):
+            self.save(type(obj))
+            self._save_tuple(obj.args)
+            if obj.kwargs:
+                self.save(obj.kwargs)
+                w(NEWOBJ_EX)
+            else:
+                w(NEWOBJ)
+            self._memoize(obj)
+            self._save_ops(obj)
+        elif isinstance(obj, ReduceNode):
+            self.save(obj.func)
+            self._save_tuple(obj.args)
+            w(REDUCE)
+            self._memoize(obj)
+            self._save_ops(obj)
+        elif t is dict:
+            w(EMPTY_DICT)
+            self._memoize(obj)
+            self._save_setitems(list(obj.items()))
+        elif t is list:
+            w(EMPTY_LIST)
+            self._memoize(obj)
+            self._save_appends(obj)
+        elif t is PersistentRef:
+            self.save(obj.pid)
+            w(BINPERSID)
+        elif t is bytes:
+            n = len(obj)
+            if n < 256:
+                w(SHORT_BINBYTES + bytes((n,)) + obj)
+            elif n <= 0xFFFFFFFF:
+                w(BINBYTES + _pack_I(n) + obj)
+            else:
+                w(BINBYTES8 + _pack_Q(n) + obj)
+            self._memoize(obj)
+        elif t is bytearray:
+            w(BYTEARRAY8 + _pack_Q(len(obj)) + bytes(obj))
+            self._memoize(obj)
+        elif t is set:
+            w(EMPTY_SET)
+            self._memoize(obj)
+            items = list(obj)
+            for i in range(0, len(items), _BATCH):
+                w(MARK)
+                for x in items[i:i + _BATCH]:
+                    self.save(x)
+                w(ADDITEMS)
+        elif t is frozenset:
+            w(MARK)
+            for x in obj:
+                self.save(x)
+            w(FROZENSET)
+            self._memoize(obj)
+        else:
+            raise PicklerError(f"cannot write a value of type {t.__name__}")
+
+    def _save_tuple(self, obj: tuple, memoize: bool = True) -> None:
+        w = self.out.append
+        n = len(obj)
+        if n == 0:
+            w(EMPTY_TUPLE)
+            return
+        if n > 3:
+            w(MARK)
+        for x in obj:
+            self.save(x)
+        if memoize and id(obj) in self.memo:
+            # the tuple was reached recursively through its own items: drop what we pushed, fetch the memo
+            w(POP_MARK if n > 3 else POP * n)
+            self._get(self.memo[id(obj)])
+            return
+        w((TUPLE1, TUPLE2, TUPLE3)[n - 1] if n <= 3 else TUPLE)
+        if memoize:
+            self._memoize(obj)
+
+    def _save_appends(self, items: list) -> None:
+        w = self.out.append
+        for i in range(0, len(items), _BATCH):
+            w(MARK)
+            for x in items[i:i + _BATCH]:
+                self.save(x)
+            w(APPENDS)
+
+    def _save_setitems(self, items: list) -> None:
+        w = self.out.append
+        save = self.save
+        for i in range(0, len(items), _BATCH):
+            w(MARK)
+            for k, v in items[i:i + _BATCH]:
+                save(k)
+                save(v)
+            w(SETITEMS)
+
+    def _save_ops(self, node: Any) -> None:
+        for op in node.order:
+            if op == "setitems":
+                self._save_setitems(node.dictitems)
+            elif op == "appends":
+                self._save_appends(node.listitems)
+            elif op == "additems":
+                for i in range(0, len(node.setitems), _BATCH):
+                    self.out.append(MARK)
+                    for x in node.setitems[i:i + _BATCH]:
+                        self.save(x)
+                    self.out.append(ADDITEMS)
+            elif op == "build":
+                self.save(node.state)
+                self.out.append(BUILD)
+
+
+def dumps(root: Any, *, protocol: int = 2, storage_hook: Any = None) -> bytes:
+    """Pickle the node graph ``root`` (see :class:`GraphPickler`). Raises :class:`PicklerError`."""
+    return GraphPickler(protocol, storage_hook).dumps(root)

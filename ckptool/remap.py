@@ -1,0 +1,114 @@
+"""``ckptool.remap``: rewrite the location tags of a checkpoint's storages, without torch and without a GPU.
+
+``torch.load`` restores each storage on the device its location tag names (``default_restore_location`` in
+torch/serialization.py), unless a ``map_location`` says otherwise. Rewriting the tags in the file gives the same
+effect as ``torch.load(src, map_location=...)`` followed by ``torch.save``, but the tensor bytes are copied, not
+decoded, so no GPU, no torch and no memory for the tensors are needed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+
+from ckptool import formats
+from ckptool.checkpoint import read_checkpoint
+from ckptool.errors import UsageError
+from ckptool.rewrite import LocationFn, WriteResult, output_path, refuse_unwritable, rewrite_file
+
+_DEVICE_RE = re.compile(r"^(cpu|meta|mps|(cuda|xpu|hpu|mtia|npu|xla|privateuseone)(:\d+)?)$")
+DEVICE_HELP = "cpu, cuda, cuda:N, mps, meta, xpu:N, hpu:N, mtia:N"
+
+
+def parse_device(s: str) -> str:
+    """Validate a location tag such as ``cpu``, ``cuda:1``, ``mps`` and return it stripped.
+
+    Raises:
+        UsageError: not a device string torch writes as a location tag.
+    """
+    d = s.strip()
+    if not _DEVICE_RE.match(d):
+        raise UsageError(f"unknown device {s!r}: expected one of {DEVICE_HELP}")
+    return d
+
+
+def parse_mapping(items: Mapping[str, str] | list[str] | tuple[str, ...]) -> dict[str, str]:
+    """Turn ``["cuda:1=cuda:0", ...]`` (or a dict) into ``{"cuda:1": "cuda:0"}``, validating each side.
+
+    A bare device type on the left (``cuda``) matches every index of that type (``cuda:0``, ``cuda:3``).
+
+    Raises:
+        UsageError: an item without ``=``, or an invalid device on either side.
+    """
+    if isinstance(items, Mapping):
+        pairs = list(items.items())
+    else:
+        pairs = []
+        for it in items:
+            if "=" not in it:
+                raise UsageError(f"--map expects FROM=TO (e.g. cuda:1=cuda:0), got {it!r}")
+            a, b = it.split("=", 1)
+            pairs.append((a, b))
+    return {parse_device(a): parse_device(b) for a, b in pairs}
+
+
+def location_function(to: str | None = None, mapping: Mapping[str, str] | None = None) -> LocationFn:
+    """The tag rewrite for ``to`` (every storage) or ``mapping`` (matching tags only).
+
+    Raises:
+        UsageError: neither or both given.
+    """
+    if (to is None) == (not mapping):
+        raise UsageError("give exactly one of --to DEVICE or --map FROM=TO")
+    if to is not None:
+        target = parse_device(to)
+        return lambda loc: target
+    m = parse_mapping(mapping or {})
+
+    def fn(loc: str) -> str:
+        if loc in m:
+            return m[loc]
+        return m.get(loc.split(":", 1)[0], loc)
+
+    return fn
+
+
+def remap(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str] | None = None,
+    *,
+    to: str | None = None,
+    mapping: Mapping[str, str] | None = None,
+    in_place: bool = False,
+) -> WriteResult:
+    """Write a copy of checkpoint ``src`` whose storages are tagged for another device.
+
+    ``to="cpu"`` retags every storage; ``mapping={"cuda:1": "cuda:0"}`` only the matching ones (a bare device
+    type such as ``"cuda"`` matches every index). The result opens with a plain ``torch.load(dst)`` on the target.
+    Zip and legacy inputs are accepted; the output is torch's zip format (64-byte aligned records, so
+    ``torch.load(mmap=True)`` works). Everything else in the pickle is kept: dtypes, shapes, strides, storage
+    offsets, storage sharing, ``requires_grad``, ``_metadata`` and non-tensor values (a config string
+    ``"cuda:1"`` stays ``"cuda:1"``). Full-model pickles are rewritten without importing their classes.
+
+    ``dst`` defaults to ``<stem>.<target><ext>`` beside ``src`` (``model.cpu.pth``); ``in_place=True`` replaces
+    ``src``. Writing is atomic: a temporary file in the destination folder, fsynced, then renamed.
+
+    Returns a :class:`~ckptool.rewrite.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``).
+
+    Raises:
+        UsageError: bad device strings, ``dst`` equal to ``src`` without ``in_place``, missing output folder.
+        UnsupportedError: safetensors (no tags), TorchScript (use ``torch.jit.load(map_location=...)``), plain pickles.
+        NotACheckpointError / CorruptCheckpointError: unreadable input.
+    """
+    src = os.fspath(src)
+    fn = location_function(to, mapping)
+    fmt = formats.detect_format(src)
+    refuse_unwritable(fmt, src, "remap")
+    if to is not None:
+        tag = parse_device(to).replace(":", "")
+    else:
+        tag = "remapped"
+    out = output_path(src, os.fspath(dst) if dst is not None else None, in_place, tag)
+    ck = read_checkpoint(src, fmt)
+    return rewrite_file(ck, out, ck.root, fn)

@@ -1,0 +1,169 @@
+"""Stream a checkpoint into a new zip-format file with a rewritten pickle and retagged storages.
+
+This is the one write path behind ``remap`` and the key-renaming commands: the main pickle is written anew from
+its node graph (:mod:`ckptool.pickler`), every other record is copied byte for byte. Memory is bounded by the
+pickle, not by the tensors.
+
+Zip inputs keep their records, record order and archive folder; only ``data.pkl`` changes. Legacy inputs become
+the zip layout ``torch.save`` writes today (``data.pkl``, ``.format_version``, ``.storage_alignment``,
+``byteorder``, ``data/<key>``, ``version``, ``.data/serialization_id``), their storage keys kept as record names
+and their 6-field persistent ids written as the 5 fields the zip loader expects.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptool import formats
+from ckptool.checkpoint import Checkpoint, resolve_zip_offsets
+from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
+from ckptool.pickler import PicklerError, dumps
+from ckptool.unpickler import StorageRef
+from ckptool.writer import TorchZipWriter, atomic_output, file_mode
+
+#: ``fn(location_tag) -> location_tag`` applied to every storage persistent id on write
+LocationFn = Callable[[str], str]
+
+
+@dataclass
+class WriteResult:
+    """What a rewrite wrote: ``dst`` path, ``bytes_written``, storages re-tagged ``{(old, new): count}``."""
+
+    src: str
+    dst: str
+    format_in: str
+    storages: int = 0
+    bytes_written: int = 0
+    retagged: dict[tuple[str, str], int] = field(default_factory=dict)
+
+
+def refuse_unwritable(ck_format: str, path: str, action: str) -> None:
+    """Raise the clear error for formats that have no storages to rewrite (safetensors, TorchScript, pickle)."""
+    if ck_format == formats.SAFETENSORS:
+        raise UnsupportedError(
+            f"{path} is safetensors: it carries no device tags, so there is nothing to {action}; load it on any "
+            "device with safetensors.torch.load_file(path, device='cpu')"
+        )
+    if ck_format == formats.TORCHSCRIPT:
+        raise UnsupportedError(
+            f"{path} is a TorchScript archive, not a torch.save checkpoint; load it on any device with "
+            "torch.jit.load(path, map_location='cpu') (or 'cuda:0')"
+        )
+    if ck_format == formats.PICKLE:
+        raise UnsupportedError(f"{path} is a plain pickle without torch storages; there is nothing to {action}")
+
+
+def output_path(src: str, dst: str | None, in_place: bool, tag: str) -> str:
+    """Choose the output path: ``dst``, ``src`` itself for in-place, or ``<stem>.<tag><ext>`` beside ``src``.
+
+    Raises:
+        UsageError: both ``dst`` and ``in_place``, or ``dst`` is the input file without ``in_place``.
+    """
+    if in_place:
+        if dst is not None and not _same_file(src, dst):
+            raise UsageError("give either -o/--output or --in-place, not both")
+        return src
+    if dst is None:
+        stem, ext = os.path.splitext(src)
+        dst = f"{stem}.{tag}{ext or '.pt'}"
+    if _same_file(src, dst):
+        raise UsageError(f"output {dst} is the input file; pass --in-place to overwrite it, or choose another -o path")
+    return dst
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.abspath(a) == os.path.abspath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | None = None) -> WriteResult:
+    """Write ``ck`` with pickle ``root`` into the open binary file ``out`` in torch's zip layout.
+
+    Every storage record is copied unchanged; each storage's location tag becomes ``location_fn(tag)``.
+
+    Raises:
+        UnsupportedError: legacy storage views (``view_metadata``), values the pickle writer cannot express.
+        CorruptCheckpointError: a record is shorter than declared.
+    """
+    res = WriteResult(ck.path, "", ck.format, storages=len(ck.storages))
+    legacy = ck.format == formats.TORCH_LEGACY
+
+    def hook(ref: StorageRef) -> tuple:
+        new = location_fn(ref.location) if location_fn else ref.location
+        extra = ref.extra
+        if legacy:
+            if extra and extra[0] is not None:
+                raise UnsupportedError(
+                    f"{ck.path}: storage {ref.key!r} is a legacy storage view (torch < 0.4); load it with torch "
+                    "and re-save it"
+                )
+            extra = ()
+        return (ref.typename, ref.storage_type, ref.key, new, ref.numel, *extra)
+
+    try:
+        data_pkl = dumps(root, protocol=ck.protocol, storage_hook=hook)
+    except PicklerError as e:
+        raise UnsupportedError(f"{ck.path}: cannot write the pickle back ({e})") from e
+    res.retagged = _count_storages(ck, location_fn)
+
+    w = TorchZipWriter(out, ck.archive_name)
+    with open(ck.path, "rb") as src:
+        if legacy:
+            w.write_bytes("data.pkl", data_pkl)
+            w.write_bytes(".format_version", b"1")
+            w.write_bytes(".storage_alignment", b"64")
+            w.write_bytes("byteorder", b"little")
+            for rec in ck.records:
+                w.copy_record(rec.name, src, rec.offset, rec.size)
+            w.write_bytes("version", b"3\n")
+            w.write_bytes(".data/serialization_id", str(secrets.randbits(128)).zfill(40).encode())
+        else:
+            resolve_zip_offsets(ck, src)
+            for rec in ck.records:
+                if rec.name == "data.pkl":
+                    w.write_bytes("data.pkl", data_pkl)
+                elif rec.zipinfo is not None and rec.zipinfo.compress_type != 0:
+                    # torch never compresses records; a re-packed file might: store the inflated bytes
+                    import zipfile
+
+                    with zipfile.ZipFile(ck.path) as zf:
+                        w.write_bytes(rec.name, zf.read(rec.zipinfo))
+                else:
+                    if rec.offset + rec.size > ck.size:
+                        raise CorruptCheckpointError(f"{ck.path}: record {rec.name!r} is truncated; re-download it")
+                    w.copy_record(rec.name, src, rec.offset, rec.size, rec.crc)
+    w.close()
+    res.bytes_written = w.pos
+    return res
+
+
+def _count_storages(ck: Checkpoint, location_fn: LocationFn | None) -> dict[tuple[str, str], int]:
+    out: dict[tuple[str, str], int] = {}
+    if location_fn is None:
+        return out
+    for ref in ck.storages.values():
+        new = location_fn(ref.location)
+        if new != ref.location:
+            out[(ref.location, new)] = out.get((ref.location, new), 0) + 1
+    return out
+
+
+def rewrite_file(ck: Checkpoint, dst: str, root: Any, location_fn: LocationFn | None = None) -> WriteResult:
+    """Write ``ck`` (with pickle ``root``) to ``dst`` atomically (temporary file, fsync, rename).
+
+    When ``dst`` is the input (in-place), the input's permission bits are kept. Raises what :func:`write_zip`
+    and :func:`ckptool.writer.atomic_output` raise.
+    """
+    mode = file_mode(ck.path) if _same_file(ck.path, dst) else None
+    with atomic_output(dst, mode=mode) as out:
+        res = write_zip(ck, out, root, location_fn)
+    res.dst = dst
+    return res

@@ -1,0 +1,221 @@
+"""Safe output files and the zip container ``torch.save`` writes.
+
+:func:`atomic_output` writes to a temporary file in the destination folder, fsyncs it, renames it into place
+and fsyncs the folder; on any failure (or KeyboardInterrupt) the temporary file is removed and the destination is
+left as it was.
+
+:class:`TorchZipWriter` writes the zip layout of torch's ``PyTorchStreamWriter`` (caffe2/serialize/inline_container.cc):
+every record stored uncompressed under one top folder, its data starting on a 64-byte boundary (padding goes
+into a local-header extra field, id ``FB``) so that ``torch.load(mmap=True)`` can map it, with ZIP64 records
+when sizes, offsets or the entry count need them. Record bytes are copied from the source file with
+``os.copy_file_range`` where the kernel offers it (no user-space copy), else in 8 MiB chunks, so memory stays
+bounded whatever the record size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import struct
+import tempfile
+import zlib
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from ckptool.errors import CkptError, UsageError
+
+ALIGNMENT = 64
+CHUNK = 8 << 20
+_U32 = 0xFFFFFFFF
+_DOS_DATE = (0 << 11) | (0 << 5) | 0, (0 << 9) | (1 << 5) | 1  # 00:00:00, 1980-01-01 (what miniz writes)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
+    """Yield a binary file whose content becomes ``dst`` only if the block finishes without an exception.
+
+    ``mode`` sets the permission bits of the result (default: ``0o666`` less the umask, as for a new file).
+
+    Raises:
+        UsageError: the destination folder does not exist or ``dst`` is a directory.
+        CkptError: the write failed (disk full, permission denied...); nothing was left behind.
+    """
+    dst = os.path.abspath(dst)
+    folder = os.path.dirname(dst)
+    if not os.path.isdir(folder):
+        raise UsageError(f"output folder {folder} does not exist; create it first or choose another -o path")
+    if os.path.isdir(dst):
+        raise UsageError(f"output path {dst} is a directory; give a file name")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(dst) + ".", suffix=".ckptool-tmp", dir=folder)
+    except OSError as e:
+        raise CkptError(f"cannot write in {folder}: {e.strerror}; choose another output folder") from e
+    try:
+        with os.fdopen(fd, "w+b") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
+        os.replace(tmp, dst)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise CkptError(f"writing {dst} failed: {e.strerror or e}; nothing was written") from e
+        raise
+    with contextlib.suppress(OSError):  # make the rename durable; not possible on every filesystem
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def file_mode(path: str) -> int:
+    """Permission bits of ``path`` (to keep them on an in-place rewrite)."""
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+class TorchZipWriter:
+    """Write records into an open, seekable binary file in the zip layout torch reads.
+
+    Use :meth:`write_bytes` for small records, :meth:`copy_record` for a byte range of another file; then
+    :meth:`close` writes the central directory. The caller owns the file object.
+    """
+
+    def __init__(self, f: BinaryIO, archive_name: str) -> None:
+        self.f = f
+        self.prefix = archive_name.strip("/") + "/"
+        self.entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, local header offset
+        self.pos = f.tell()
+        self._copy_file_range = getattr(os, "copy_file_range", None)
+
+    # -- local header --------------------------------------------------------------------------------------
+    def _header(self, name: bytes, size: int, crc: int) -> tuple[bytes, int]:
+        zip64 = size >= _U32
+        extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
+        base = 30 + len(name) + len(extra)
+        pad = (-(self.pos + base + 4)) % ALIGNMENT
+        extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" padding field, as PyTorchStreamWriter
+        s32 = _U32 if zip64 else size
+        hdr = struct.pack(
+            "<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, _DOS_DATE[0], _DOS_DATE[1], crc, s32, s32,
+            len(name), len(extra),
+        ) + name + extra
+        return hdr, 14  # offset of the CRC field inside the header
+
+    def _begin(self, record: str, size: int, crc: int) -> tuple[bytes, int]:
+        name = (self.prefix + record).encode("utf-8")
+        offset = self.pos
+        hdr, _ = self._header(name, size, crc)
+        self.f.write(hdr)
+        self.pos += len(hdr)
+        return name, offset
+
+    def write_bytes(self, record: str, data: bytes) -> None:
+        """Write ``data`` as the record ``<archive>/<record>``."""
+        crc = zlib.crc32(data)
+        name, offset = self._begin(record, len(data), crc)
+        self.f.write(data)
+        self.pos += len(data)
+        self.entries.append((name, crc, len(data), offset))
+
+    def copy_record(self, record: str, src: BinaryIO, offset: int, size: int, crc: int | None = None) -> None:
+        """Copy ``size`` bytes at ``offset`` of ``src`` as the record ``<archive>/<record>``.
+
+        With a known ``crc`` (the source zip's CRC-32 of the same bytes) the bytes are copied by the kernel;
+        without it they are read in 8 MiB chunks to compute the CRC, and the local header is patched afterwards.
+
+        Raises:
+            CkptError: the source ended before ``size`` bytes were copied.
+        """
+        name, hoff = self._begin(record, size, crc or 0)
+        self.f.flush()
+        if crc is None:
+            crc = self._copy_with_crc(src, offset, size)
+            here = self.f.tell()
+            self.f.seek(hoff + 14)
+            self.f.write(struct.pack("<I", crc))
+            self.f.seek(here)
+        else:
+            self._copy_raw(src, offset, size)
+        self.pos += size
+        self.entries.append((name, crc, size, hoff))
+
+    def _copy_raw(self, src: BinaryIO, offset: int, size: int) -> None:
+        done = 0
+        if self._copy_file_range is not None:
+            dst_fd = self.f.fileno()
+            os.lseek(dst_fd, self.pos, os.SEEK_SET)
+            try:
+                while done < size:
+                    n = self._copy_file_range(src.fileno(), dst_fd, min(size - done, 1 << 30), offset + done)
+                    if n == 0:
+                        break
+                    done += n
+            except OSError:  # EXDEV on old kernels, unsupported filesystems: go on with read/write
+                pass
+        self.f.seek(self.pos + done)
+        if done < size:
+            self._copy_chunks(src, offset + done, size - done, None)
+
+    def _copy_with_crc(self, src: BinaryIO, offset: int, size: int) -> int:
+        return self._copy_chunks(src, offset, size, 0)
+
+    def _copy_chunks(self, src: BinaryIO, offset: int, size: int, crc: int | None) -> int:
+        buf = bytearray(min(CHUNK, max(size, 1)))
+        view = memoryview(buf)
+        src.seek(offset)
+        left = size
+        while left:
+            n = src.readinto(view[: min(left, len(buf))])
+            if not n:
+                raise CkptError(f"the input ended {left} bytes before the end of a record; it is truncated")
+            chunk = view[:n]
+            if crc is not None:
+                crc = zlib.crc32(chunk, crc)
+            self.f.write(chunk)
+            left -= n
+        return crc or 0
+
+    # -- central directory -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Write the central directory (with ZIP64 end records when needed)."""
+        f = self.f
+        cd_start = self.pos
+        out = bytearray()
+        for name, crc, size, off in self.entries:
+            zip64_fields = []
+            s32 = size
+            o32 = off
+            if size >= _U32:
+                zip64_fields += [size, size]
+                s32 = _U32
+            if off >= _U32:
+                zip64_fields.append(off)
+                o32 = _U32
+            extra = struct.pack("<HH", 0x0001, 8 * len(zip64_fields)) + struct.pack(
+                f"<{len(zip64_fields)}Q", *zip64_fields) if zip64_fields else b""
+            out += struct.pack(
+                "<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if zip64_fields else 20, 45 if zip64_fields else 20, 0, 0,
+                _DOS_DATE[0], _DOS_DATE[1], crc, s32, s32, len(name), len(extra), 0, 0, 0, 0, o32,
+            ) + name + extra
+        f.write(out)
+        cd_size = len(out)
+        end = cd_start + cd_size
+        n = len(self.entries)
+        if n >= 0xFFFF or cd_start >= _U32 or cd_size >= _U32:
+            f.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, cd_size, cd_start))
+            f.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
+            f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
+                                min(cd_size, _U32), min(cd_start, _U32), 0))
+        else:
+            f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, cd_start, 0))
+        self.pos = f.tell()
