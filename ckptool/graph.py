@@ -227,6 +227,13 @@ def is_state_dict(obj: Any) -> bool:
     return n > 0
 
 
+def is_optimizer_state(items: list[tuple[Any, Any]]) -> bool:
+    """True for ``optimizer.state_dict()`` (``state`` keyed by parameter index, ``param_groups``): its per-parameter
+    dicts of tensors (``exp_avg``...) are not model state_dicts."""
+    keys = {k for k, _v in items}
+    return "state" in keys and "param_groups" in keys
+
+
 def find_state_dicts(root: Any) -> list[StateDictRef]:
     """Every state_dict in the graph, outermost first: the top level, nested ones (``state_dict``,
     ``model_state_dict``, ``ema``, ...) and pickled modules (full models). Does not look inside a found one."""
@@ -246,6 +253,8 @@ def find_state_dicts(root: Any) -> list[StateDictRef]:
             continue
         items = mapping_items(obj)
         if items is not None:
+            if is_optimizer_state(items):
+                continue
             queue.extend((join(path, k), v) for k, v in items if isinstance(k, (str, int)))
         elif isinstance(obj, (list, tuple)):
             queue.extend((join(path, i), v) for i, v in enumerate(obj))

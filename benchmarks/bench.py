@@ -1,0 +1,604 @@
+#!/usr/bin/env python3
+"""End-to-end benchmark of the ckptool CLI against torch and ``cp`` baselines.
+
+Usage::
+
+    python benchmarks/bench.py [--workdir DIR] [--size-gib 2.0] [--many 50000]
+                               [--only inspect|remap|strip] [--repeat 3] [--keep] [--json]
+
+    # quick smoke run while developing
+    python benchmarks/bench.py --size-gib 0.05 --many 500 --repeat 1
+
+What it does
+------------
+1. Builds two checkpoints in the work dir, every storage tagged ``cuda:1`` (written on a CPU-only
+   machine with ``fixtures/tagging.py``), each in a child process so this process stays small:
+
+   * case (1) "big":  a zip-format state_dict of 192 float32 tensors ``layers.{i}.weight`` of equal
+     size (``rows x 1024``), ~``--size-gib`` GiB in all; tensor ``i`` is filled with ``float(i)``.
+   * case (2) "many": a state_dict of ``--many`` float32 tensors of 16 elements, ``blocks.{i}.w``,
+     tensor ``i`` filled with ``float(i)``.
+
+   With ``--keep`` an existing file of the same name (names encode the sizes) is reused, and the
+   files are left behind at the end; otherwise they are deleted.
+
+2. Runs each command below as a separate process, ``--repeat`` times per file.  Before every run the
+   previous output is deleted, ``os.sync()`` flushes pending writeback, and the input file is read once
+   (warm page cache), so every run starts from the same cache state.  A run is timed with
+   ``time.perf_counter`` around ``Popen`` .. ``os.wait4``, and its peak RSS is ``ru_maxrss`` from the
+   ``os.wait4`` rusage (KiB on Linux; it includes any children the command waited for).
+
+   =====================  ==============================================================================
+   label                  command
+   =====================  ==============================================================================
+   ckptool inspect        ``python -m ckptool inspect --json FILE``   (stdout to /dev/null)
+   ckptool remap          ``python -m ckptool remap FILE --to cpu -o OUT``
+   ckptool strip          ``python -m ckptool strip-dataparallel FILE -o OUT --allow-missing``
+   torch meta load        ``python -c "import torch; torch.load(FILE, map_location='meta')"``
+                          (weights_only default): what reading the structure costs with torch
+   torch mmap load+save   ``python -c "...; sd = torch.load(FILE, mmap=True, map_location='cpu');
+                          torch.save(sd, OUT)"``: the usual torch way to re-tag a checkpoint
+   cp                     ``cp FILE OUT``: the I/O floor for rewriting the file (no fsync)
+   cp + fsync             ``shutil.copyfile(FILE, OUT)`` then ``os.fsync(OUT)``: the floor for a
+                          durable rewrite (ckptool fsyncs its outputs)
+   =====================  ==============================================================================
+
+   ``--only inspect`` runs inspect + torch meta load; ``--only remap`` runs remap + torch mmap
+   load+save + cp + cp+fsync; ``--only strip`` runs strip + cp (the baselines each figure needs).
+
+   The ckptool commands run from this checkout (the repo root is put first on ``PYTHONPATH``).  A
+   command that fails (e.g. not written yet) is shown as ``n/a (failed: <message>)``; the message is
+   the ``Error:`` line of stderr if there is one, the last line of a Python traceback, or else the
+   first line of stderr.
+
+   After the remap runs, a child process checks that the output loads with
+   ``torch.load(OUT, mmap=True)`` and *no* ``map_location`` (the tags must now be ``cpu``), that
+   every tensor is on cpu, that the tensor count matches, and spot-checks the fill values.
+
+3. Prints machine info, a table of median wall seconds / max peak RSS (MiB) per command and case, and
+   the target figures with PASS/FAIL (``--json`` prints all of it as one JSON object instead):
+
+   * inspect (1) / torch meta load (1) wall time          <= 0.15
+   * inspect (1) peak RSS                                 <= 64 MiB
+   * inspect (2) / torch meta load (2) wall time          <= 0.2
+   * remap (1) / cp (1) wall time                         <= 1.5
+   * remap (1) peak RSS                                   <= 128 MiB
+   * remap (1) / cp + fsync (1) wall time                 (informational)
+   * remap (2) / torch mmap load+save (2) wall time       <= 0.3
+   * strip (1) / cp (1) wall time, strip (1) peak RSS     (informational)
+
+Note on peak RSS: on Linux a child's ``ru_maxrss`` is never below the peak RSS its parent had when it
+forked/exec'd it (``exec`` keeps the high-water mark of the address space it replaces).  This script
+therefore never imports torch and never holds a checkpoint in memory itself; everything heavy runs in
+child processes.  The "RSS floor" printed with the machine info is what any child inherits.
+
+Only the standard library is needed here; ``tabulate`` is used for the tables when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(REPO, "fixtures")
+DEFAULT_OUT_ROOT = os.path.join(REPO, "benchmarks", "out")  # git-ignored
+
+N_BIG_TENSORS = 192
+BIG_COLS = 1024
+MANY_NUMEL = 16
+TAG = "cuda:1"
+
+CASES = ("1", "2")
+CASE_NAMES = {"1": "big", "2": "many"}
+
+# label -> which --only groups include it
+COMMAND_GROUPS = {
+    "ckptool inspect": {"inspect"},
+    "ckptool remap": {"remap"},
+    "ckptool strip": {"strip"},
+    "torch meta load": {"inspect"},
+    "torch mmap load+save": {"remap"},
+    "cp": {"remap", "strip"},
+    "cp + fsync": {"remap"},
+}
+
+# ----------------------------------------------------------------------------------------------------
+# Child-process helpers (these are the only places torch is imported)
+# ----------------------------------------------------------------------------------------------------
+
+_TORCH_META_LOAD = "import sys, torch; torch.load(sys.argv[1], map_location='meta')"
+_TORCH_MMAP_LOAD_SAVE = (
+    "import sys, torch; sd = torch.load(sys.argv[1], mmap=True, map_location='cpu'); torch.save(sd, sys.argv[2])"
+)
+_CP_FSYNC = (
+    "import os, shutil, sys; shutil.copyfile(sys.argv[1], sys.argv[2]); "
+    "fd = os.open(sys.argv[2], os.O_RDONLY); os.fsync(fd); os.close(fd)"
+)
+
+
+def _child_build(kind: str, path: str, count: int, rows: int) -> None:
+    """Runs in a child process: write one tagged checkpoint to ``path`` (atomically)."""
+    sys.path.insert(0, FIXTURES)
+    from collections import OrderedDict
+
+    import torch
+    from tagging import save_tagged
+
+    sd: OrderedDict[str, torch.Tensor] = OrderedDict()
+    if kind == "big":
+        for i in range(count):
+            sd[f"layers.{i}.weight"] = torch.empty(rows, BIG_COLS, dtype=torch.float32).fill_(float(i))
+    elif kind == "many":
+        for i in range(count):
+            sd[f"blocks.{i}.w"] = torch.full((MANY_NUMEL,), float(i), dtype=torch.float32)
+    else:
+        raise SystemExit(f"unknown kind {kind!r}")
+    tmp = path + ".partial"
+    save_tagged(sd, tmp, TAG)
+    os.replace(tmp, path)
+
+
+def _child_check(path: str, count: int, kind: str) -> None:
+    """Runs in a child process: ``torch.load(path, mmap=True)`` with no map_location, then checks it."""
+    import torch
+
+    obj = torch.load(path, mmap=True)
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(o: object, prefix: str) -> None:
+        if isinstance(o, torch.Tensor):
+            tensors[prefix] = o
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        elif isinstance(o, (list, tuple)):
+            for k, v in enumerate(o):
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+
+    walk(obj, "")
+    problems = []
+    if len(tensors) != count:
+        problems.append(f"{len(tensors)} tensors, expected {count}")
+    not_cpu = sorted({str(t.device) for t in tensors.values() if t.device.type != "cpu"})
+    if not_cpu:
+        problems.append(f"tensors on {not_cpu}")
+    key_fmt = "layers.{}.weight" if kind == "big" else "blocks.{}.w"
+    for i in sorted({0, count // 2, count - 1}):
+        key = key_fmt.format(i)
+        t = tensors.get(key)
+        if t is None:
+            problems.append(f"missing {key}")
+        elif t.numel() and not bool((t.reshape(-1)[[0, -1]] == float(i)).all()):
+            problems.append(f"{key} has wrong values")
+    if problems:
+        print("; ".join(problems), file=sys.stderr)
+        raise SystemExit(1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Running and measuring processes
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    ok: bool
+    wall_s: float
+    maxrss_kib: int
+    error: str = ""
+
+
+@dataclass
+class Measurement:
+    case: str
+    label: str
+    command: list[str]
+    wall_s: list[float] = field(default_factory=list)
+    maxrss_kib: list[int] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and bool(self.wall_s)
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.wall_s) if self.ok else None
+
+    @property
+    def peak_mib(self) -> float | None:
+        return max(self.maxrss_kib) / 1024 if self.ok else None
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+    return env
+
+
+def _failure_summary(stderr: str, rc: int) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    if not lines:
+        return f"exit status {rc}"
+    for ln in reversed(lines):
+        if ln.startswith("Error:"):
+            return ln
+    if lines[0].startswith("Traceback"):
+        return lines[-1]
+    return lines[0]
+
+
+def run_measured(cmd: list[str], workdir: str, stdout_devnull: bool = True) -> RunResult:
+    """Run ``cmd`` as a child; wall clock around Popen..wait4, peak RSS from wait4's rusage."""
+    with tempfile.TemporaryFile(mode="w+", dir=workdir) as errf:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL if stdout_devnull else None,
+            stderr=errf,
+            env=_child_env(),
+            cwd=workdir,
+        )
+        try:
+            _, status, ru = os.wait4(proc.pid, 0)
+        except BaseException:
+            proc.kill()  # our own child, by pid
+            proc.wait()
+            raise
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)  # already reaped: keep Popen consistent
+        rc = proc.returncode
+        if rc != 0:
+            errf.seek(0)
+            return RunResult(False, wall, ru.ru_maxrss, _failure_summary(errf.read(), rc))
+        return RunResult(True, wall, ru.ru_maxrss)
+
+
+def run_plain(cmd: list[str], workdir: str) -> tuple[int, str, str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(), cwd=workdir)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def warm_cache(path: str) -> None:
+    """Read the whole file once through a small buffer (keeps this process's RSS flat)."""
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while os.readv(fd, [view]) > 0:
+            pass
+    finally:
+        os.close(fd)
+
+
+def remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Machine info
+# ----------------------------------------------------------------------------------------------------
+
+
+def machine_info(workdir: str) -> dict[str, object]:
+    info: dict[str, object] = {}
+    try:
+        info["nproc"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        info["nproc"] = os.cpu_count()
+    info["cpu"] = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith("model name"):
+                    info["cpu"] = ln.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            for ln in f:
+                if ln.startswith("MemTotal:"):
+                    info["mem_gib"] = round(int(ln.split()[1]) / 2**20, 1)
+                    break
+    except OSError:
+        pass
+    info["kernel"] = platform.release()
+    info["python"] = platform.python_version()
+    rc, out, err = run_plain([sys.executable, "-c", "import torch; print(torch.__version__)"], workdir)
+    info["torch"] = out.strip() if rc == 0 else f"n/a ({_failure_summary(err, rc)})"
+    rc, out, err = run_plain([sys.executable, "-c", "import ckptool, sys; print(getattr(ckptool, '__version__', '?'))"], workdir)
+    info["ckptool"] = out.strip() if rc == 0 else f"n/a ({_failure_summary(err, rc)})"
+    info["workdir"] = workdir
+    if shutil.which("df"):
+        rc, out, _ = run_plain(["df", "-T", workdir], workdir)
+        lines = out.strip().splitlines()
+        if rc == 0 and len(lines) >= 2:
+            parts = lines[-1].split()
+            info["filesystem"] = f"{parts[0]} ({parts[1]})" if len(parts) > 1 else lines[-1]
+            info["df"] = lines[-1]
+    # What every child inherits as a ru_maxrss floor (see module docstring).
+    info["rss_floor_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return info
+
+
+# ----------------------------------------------------------------------------------------------------
+# Benchmark
+# ----------------------------------------------------------------------------------------------------
+
+
+def build_files(workdir: str, size_gib: float, many: int, keep: bool) -> dict[str, dict[str, object]]:
+    elems = int(size_gib * 2**30 / 4 / N_BIG_TENSORS)
+    rows = max(1, round(elems / BIG_COLS))
+    size_tag = f"{size_gib:g}".replace(".", "p")
+    files = {
+        "1": {
+            "kind": "big",
+            "path": os.path.join(workdir, f"big-{size_tag}gib-{N_BIG_TENSORS}x{rows}x{BIG_COLS}.pt"),
+            "tensors": N_BIG_TENSORS,
+            "rows": rows,
+            "desc": f"{N_BIG_TENSORS} x float32[{rows},{BIG_COLS}], tagged {TAG}",
+        },
+        "2": {
+            "kind": "many",
+            "path": os.path.join(workdir, f"many-{many}x{MANY_NUMEL}.pt"),
+            "tensors": many,
+            "rows": 0,
+            "desc": f"{many} x float32[{MANY_NUMEL}], tagged {TAG}",
+        },
+    }
+    for case, f in files.items():
+        path = str(f["path"])
+        if keep and os.path.exists(path):
+            log(f"reusing {path}")
+        else:
+            remove(path)
+            log(f"building ({case}) {path} ...")
+            t0 = time.perf_counter()
+            cmd = [sys.executable, os.path.abspath(__file__), "_build", str(f["kind"]), path, str(f["tensors"]), str(f["rows"])]
+            rc, _, err = run_plain(cmd, workdir)
+            if rc != 0:
+                remove(path + ".partial")
+                raise SystemExit(f"building {path} failed:\n{err}")
+            log(f"  built in {time.perf_counter() - t0:.1f} s")
+        f["bytes"] = os.path.getsize(path)
+    return files
+
+
+def commands_for(label: str, src: str, out: str) -> list[str]:
+    py = sys.executable
+    return {
+        "ckptool inspect": [py, "-m", "ckptool", "inspect", "--json", src],
+        "ckptool remap": [py, "-m", "ckptool", "remap", src, "--to", "cpu", "-o", out],
+        "ckptool strip": [py, "-m", "ckptool", "strip-dataparallel", src, "-o", out, "--allow-missing"],
+        "torch meta load": [py, "-c", _TORCH_META_LOAD, src],
+        "torch mmap load+save": [py, "-c", _TORCH_MMAP_LOAD_SAVE, src, out],
+        "cp": ["cp", src, out],
+        "cp + fsync": [py, "-c", _CP_FSYNC, src, out],
+    }[label]
+
+
+def measure(case: str, label: str, src: str, out: str, workdir: str, repeat: int) -> Measurement:
+    cmd = commands_for(label, src, out)
+    m = Measurement(case=case, label=label, command=cmd)
+    for i in range(repeat):
+        remove(out)
+        os.sync()
+        warm_cache(src)
+        r = run_measured(cmd, workdir)
+        if not r.ok:
+            m.error = r.error
+            m.wall_s.clear()
+            m.maxrss_kib.clear()
+            log(f"  ({case}) {label:<22} run {i + 1}: FAILED ({r.error})")
+            break
+        m.wall_s.append(r.wall_s)
+        m.maxrss_kib.append(r.maxrss_kib)
+        log(f"  ({case}) {label:<22} run {i + 1}: {r.wall_s:8.3f} s  {r.maxrss_kib / 1024:8.1f} MiB")
+    return m
+
+
+def check_remap_output(out: str, f: dict[str, object], workdir: str) -> dict[str, object]:
+    cmd = [sys.executable, os.path.abspath(__file__), "_check", out, str(f["tensors"]), str(f["kind"])]
+    rc, _, err = run_plain(cmd, workdir)
+    if rc == 0:
+        return {"ok": True, "message": "remap output OK"}
+    return {"ok": False, "message": f"remap output BAD: {_failure_summary(err, rc)}"}
+
+
+def ratio(num: Measurement | None, den: Measurement | None) -> float | None:
+    if num is None or den is None or num.median_s is None or den.median_s is None or den.median_s <= 0:
+        return None
+    return num.median_s / den.median_s
+
+
+def targets(ms: dict[tuple[str, str], Measurement]) -> list[dict[str, object]]:
+    g = ms.get
+    rows: list[dict[str, object]] = []
+
+    def add(name: str, value: float | None, unit: str, limit: float | None, needs: list[tuple[str, str]]) -> None:
+        if not all(k in ms for k in needs):
+            return  # excluded by --only
+        if value is None:
+            failed = [f"{ms[k].label} ({k[0]})" for k in needs if not ms[k].ok]
+            status = "n/a" + (f" ({', '.join(failed)} failed)" if failed else "")
+        elif limit is None:
+            status = "info"
+        else:
+            status = "PASS" if value <= limit else "FAIL"
+        rows.append({"figure": name, "value": value, "unit": unit, "target": limit, "status": status})
+
+    ins1, meta1 = ("1", "ckptool inspect"), ("1", "torch meta load")
+    ins2, meta2 = ("2", "ckptool inspect"), ("2", "torch meta load")
+    rem1, cp1, cpf1 = ("1", "ckptool remap"), ("1", "cp"), ("1", "cp + fsync")
+    rem2, tsave2 = ("2", "ckptool remap"), ("2", "torch mmap load+save")
+    str1 = ("1", "ckptool strip")
+
+    add("inspect (1) / torch meta load (1)", ratio(g(ins1), g(meta1)), "x", 0.15, [ins1, meta1])
+    add("inspect (1) peak RSS", g(ins1).peak_mib if ins1 in ms else None, "MiB", 64, [ins1])
+    add("inspect (2) / torch meta load (2)", ratio(g(ins2), g(meta2)), "x", 0.2, [ins2, meta2])
+    add("remap (1) / cp (1)", ratio(g(rem1), g(cp1)), "x", 1.5, [rem1, cp1])
+    add("remap (1) peak RSS", g(rem1).peak_mib if rem1 in ms else None, "MiB", 128, [rem1])
+    add("remap (1) / cp + fsync (1)", ratio(g(rem1), g(cpf1)), "x", None, [rem1, cpf1])
+    add("remap (2) / torch mmap load+save (2)", ratio(g(rem2), g(tsave2)), "x", 0.3, [rem2, tsave2])
+    add("strip (1) / cp (1)", ratio(g(str1), g(cp1)), "x", None, [str1, cp1])
+    add("strip (1) peak RSS", g(str1).peak_mib if str1 in ms else None, "MiB", None, [str1])
+    return rows
+
+
+def _table(rows: list[list[object]], headers: list[str], colalign: tuple[str, ...] | None = None) -> str:
+    try:
+        from tabulate import tabulate
+    except ImportError:
+        tabulate = None
+    if tabulate is not None:
+        return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True, colalign=colalign)
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def report_text(info: dict[str, object], files: dict[str, dict[str, object]], ms: dict[tuple[str, str], Measurement],
+                checks: dict[str, dict[str, object]], tgt: list[dict[str, object]], repeat: int) -> str:
+    out = []
+    out.append("machine")
+    for k in ("nproc", "cpu", "mem_gib", "kernel", "python", "torch", "ckptool", "workdir", "filesystem", "rss_floor_mib"):
+        if k in info:
+            out.append(f"  {k:<14} {info[k]}")
+    out.append("")
+    out.append("files")
+    for case, f in files.items():
+        out.append(f"  ({case}) {CASE_NAMES[case]:<5} {f['bytes'] / 2**20:10.1f} MiB  {f['desc']}  {f['path']}")
+    out.append("")
+    rows = []
+    for (case, label), m in ms.items():
+        if m.ok:
+            rows.append([f"({case}) {CASE_NAMES[case]}", label, f"{m.median_s:.3f}", f"{m.peak_mib:.1f}"])
+        else:
+            rows.append([f"({case}) {CASE_NAMES[case]}", label, f"n/a (failed: {m.error})", "n/a"])
+    out.append(f"runs (median of {repeat} wall seconds, max peak RSS)")
+    out.append(_table(rows, ["case", "command", "median wall s", "peak RSS MiB"], ("left", "left", "right", "right")))
+    out.append("")
+    for case, c in checks.items():
+        out.append(f"({case}) {c['message']}")
+    if checks:
+        out.append("")
+    trows = []
+    for t in tgt:
+        v = t["value"]
+        val = "n/a" if v is None else (f"{v:.3f}" if t["unit"] == "x" else f"{v:.1f} MiB")
+        lim = "-" if t["target"] is None else (f"<= {t['target']}" + (" MiB" if t["unit"] == "MiB" else ""))
+        trows.append([t["figure"], val, lim, t["status"]])
+    out.append("targets")
+    out.append(_table(trows, ["figure", "value", "target", "result"], ("left", "right", "left", "left")))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="See the module docstring for what each figure means.")
+    ap.add_argument("--workdir", help="where to build the checkpoints and outputs (default: a fresh dir under "
+                    "benchmarks/out/, or benchmarks/out/keep with --keep)")
+    ap.add_argument("--size-gib", type=float, default=2.0, help="size of checkpoint (1) in GiB (default 2.0)")
+    ap.add_argument("--many", type=int, default=50000, help="number of small tensors in checkpoint (2) (default 50000)")
+    ap.add_argument("--only", choices=("inspect", "remap", "strip"), help="run only this ckptool command and its baselines")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per measurement; median time, max RSS (default 3)")
+    ap.add_argument("--keep", action="store_true", help="reuse existing input files and leave them behind")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
+    args = ap.parse_args(argv)
+    if args.size_gib <= 0 or args.many < 1 or args.repeat < 1:
+        ap.error("--size-gib, --many and --repeat must be positive")
+
+    created_dir = None
+    if args.workdir:
+        workdir = os.path.abspath(args.workdir)
+        os.makedirs(workdir, exist_ok=True)
+    elif args.keep:
+        workdir = os.path.join(DEFAULT_OUT_ROOT, "keep")
+        os.makedirs(workdir, exist_ok=True)
+    else:
+        os.makedirs(DEFAULT_OUT_ROOT, exist_ok=True)
+        workdir = created_dir = tempfile.mkdtemp(prefix="bench-", dir=DEFAULT_OUT_ROOT)
+
+    # Make Ctrl-C / SIGTERM go through the finally below (cleanup of multi-GB files).
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+
+    files: dict[str, dict[str, object]] = {}
+    outs: list[str] = []
+    try:
+        info = machine_info(workdir)
+        files = build_files(workdir, args.size_gib, args.many, args.keep)
+        labels = [lb for lb, groups in COMMAND_GROUPS.items() if args.only is None or args.only in groups]
+        ms: dict[tuple[str, str], Measurement] = {}
+        checks: dict[str, dict[str, object]] = {}
+        for case in CASES:
+            f = files[case]
+            src = str(f["path"])
+            out = os.path.join(workdir, f"out-{CASE_NAMES[case]}.pt")
+            outs.append(out)
+            for label in labels:
+                ms[(case, label)] = m = measure(case, label, src, out, workdir, args.repeat)
+                if label == "ckptool remap" and m.ok:
+                    checks[case] = check_remap_output(out, f, workdir)
+                    log(f"  ({case}) {checks[case]['message']}")
+                remove(out)
+        tgt = targets(ms)
+        if args.json:
+            doc = {
+                "machine": info,
+                "repeat": args.repeat,
+                "files": {c: {"name": CASE_NAMES[c], **f} for c, f in files.items()},
+                "runs": [
+                    {**{k: v for k, v in asdict(m).items()}, "ok": m.ok, "median_wall_s": m.median_s,
+                     "peak_rss_mib": m.peak_mib, "peak_rss_kib": max(m.maxrss_kib) if m.ok else None}
+                    for m in ms.values()
+                ],
+                "remap_checks": checks,
+                "targets": tgt,
+            }
+            print(json.dumps(doc, indent=2))
+        else:
+            print(report_text(info, files, ms, checks, tgt, args.repeat))
+    finally:
+        for out in outs:
+            remove(out)
+        if not args.keep:
+            for f in files.values():
+                remove(str(f["path"]))
+        for f in files.values():
+            remove(str(f["path"]) + ".partial")
+        if created_dir:
+            shutil.rmtree(created_dir, ignore_errors=True)
+            try:
+                os.rmdir(DEFAULT_OUT_ROOT)  # only if empty
+            except OSError:
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_build":  # internal: run in a child process by build_files
+        _child_build(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "_check":  # internal: run in a child by check_remap_output
+        _child_check(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    else:
+        sys.exit(main())
