@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 import struct
-import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool import formats
 from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedError
 from ckptool.unpickler import GlobalMeta, StorageRef, load_structure
+from ckptool.zipdir import ZipEntry, data_offset, read_member
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
@@ -70,7 +70,7 @@ class Record:
     offset: int
     size: int
     crc: int | None = None
-    zipinfo: zipfile.ZipInfo | None = None
+    zipinfo: ZipEntry | None = None
 
 
 @dataclass
@@ -130,64 +130,50 @@ def read_pickle_file(path: str) -> Checkpoint:
 
 def _read_zip(path: str, fmt: str) -> Checkpoint:
     size = os.path.getsize(path)
-    try:
-        zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-        raise CorruptCheckpointError(f"{path} is a damaged zip ({e}); re-download or re-save it") from e
-    with zf:
-        infos = zf.infolist()
-        if not infos:
-            raise NotACheckpointError(f"{path} is an empty zip archive, not a torch checkpoint")
-        archive = infos[0].filename.split("/", 1)[0] if "/" in infos[0].filename else ""
-        ck = Checkpoint(path, fmt, size, archive_name=archive or "archive")
-        lead = archive + "/" if archive else ""
-        for zi in infos:
-            name = zi.filename[len(lead):] if zi.filename.startswith(lead) else zi.filename
-            if zi.header_offset + zi.compress_size > size:
-                raise CorruptCheckpointError(
-                    f"{path}: record {zi.filename!r} runs past the end of the file: truncated; re-download it"
-                )
-            ck.records.append(Record(name, -1, zi.file_size, zi.CRC, zi))
-
-        def read_member(name: str) -> bytes:
-            try:
-                return zf.read(lead + name)
-            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:  # bad CRC, truncated...
-                raise CorruptCheckpointError(f"{path}: cannot read {lead + name} ({e}); re-download it") from e
-
-        seen: dict[tuple[str, str], None] = {}
-        cache: dict[tuple[str, str], GlobalMeta] = {}
-        data = read_member("data.pkl")
+    entries = formats.zip_entries(path)
+    if not entries:
+        raise NotACheckpointError(f"{path} is an empty zip archive, not a torch checkpoint")
+    first = entries[0].name
+    archive = first.split("/", 1)[0] if "/" in first else ""
+    ck = Checkpoint(path, fmt, size, archive_name=archive or "archive")
+    lead = archive + "/" if archive else ""
+    by_name: dict[str, ZipEntry] = {}
+    for e in entries:
+        name = e.name[len(lead):] if e.name.startswith(lead) else e.name
+        if e.header_offset + e.compress_size > size:
+            raise CorruptCheckpointError(
+                f"{path}: record {e.name!r} runs past the end of the file: truncated; re-download it")
+        ck.records.append(Record(name, -1, e.file_size, e.crc, e))
+        by_name[name] = e
+    if "data.pkl" not in by_name:
+        raise NotACheckpointError(f"{path} is a zip archive without data.pkl, not a torch checkpoint")
+    cache: dict[tuple[str, str], GlobalMeta] = {}
+    seen: dict[tuple[str, str], None] = {}
+    with open(path, "rb") as f:
+        data = read_member(f, by_name["data.pkl"], path)
         ck.pickle_size = len(data)
         ck.protocol = data[1] if len(data) > 1 and data[0] == 0x80 else 2
         ck.root, up = load_structure(data, f"data.pkl in {path}", storages=ck.storages, global_cache=cache)
         seen.update(up.globals_seen)
-        if fmt == formats.TORCHSCRIPT and ck.record("constants.pkl") is not None:
-            consts, up2 = load_structure(read_member("constants.pkl"), f"constants.pkl in {path}",
+        if fmt == formats.TORCHSCRIPT and "constants.pkl" in by_name:
+            consts, up2 = load_structure(read_member(f, by_name["constants.pkl"], path), f"constants.pkl in {path}",
                                          storages={}, global_cache=cache)
             ck.extra_roots["constants"] = consts
             seen.update(up2.globals_seen)
-        ck.globals = list(seen)
+    ck.globals = list(seen)
     return ck
 
 
 def resolve_zip_offsets(ck: Checkpoint, f: Any) -> None:
-    """Fill ``Record.offset`` (start of the member's data) from each zip local header, reading 30 bytes +
-    name + extra per member of the open binary file ``f``.
+    """Fill ``Record.offset`` (start of the member's data) from each zip local header of the open binary file
+    ``f`` (30 bytes + name + extra per member).
 
     Raises:
-        CorruptCheckpointError: a local header is missing or does not match the central directory.
+        CorruptCheckpointError: a local header is missing.
     """
     for rec in ck.records:
-        zi = rec.zipinfo
-        if zi is None or rec.offset >= 0:
-            continue
-        f.seek(zi.header_offset)
-        hdr = f.read(30)
-        if len(hdr) != 30 or hdr[:4] != b"PK\x03\x04":
-            raise CorruptCheckpointError(f"{ck.path}: bad local header for {zi.filename!r}; the zip is damaged")
-        n, m = struct.unpack("<HH", hdr[26:30])
-        rec.offset = zi.header_offset + 30 + n + m
+        if rec.zipinfo is not None and rec.offset < 0:
+            rec.offset = data_offset(f, rec.zipinfo, ck.path)
 
 
 def _read_legacy(path: str) -> Checkpoint:

@@ -184,23 +184,39 @@ def _advice(info: Any) -> list[str]:
 @click.option("--to", "to", metavar="DEVICE", help="Tag every storage for DEVICE (cpu, cuda, cuda:N, mps, meta).")
 @click.option("--map", "maps", metavar="FROM=TO", multiple=True,
               help="Re-tag only storages tagged FROM (repeatable); a bare type such as cuda matches every index.")
+@click.option("--unwrap", "unwrap_keys", is_flag=True,
+              help="Also remove wrapper components from the keys (module., _orig_mod., ...; see `ckptool unwrap`).")
+@click.option("--strip-dataparallel", is_flag=True, help="Also remove the leading module. from the keys.")
+@click.option("--strip-prefix", "strip_prefixes", metavar="PREFIX", multiple=True,
+              help="Also remove PREFIX from the front of the keys (repeatable, applied in order).")
+@click.option("--add-prefix", metavar="PREFIX", help="Also put PREFIX in front of every key (after any removal).")
+@click.option("--key", metavar="PATH", help="Dotted path of the state_dict to rename (default: every one found).")
 @output_options
-def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], dst: str | None, in_place: bool) -> None:
+def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool, strip_dataparallel: bool,
+              strip_prefixes: tuple[str, ...], add_prefix: str | None, key: str | None, dst: str | None,
+              in_place: bool) -> None:
     """Re-tag the storages of checkpoint SRC so that a plain torch.load opens it on another device.
 
     Tensor bytes are copied, not decoded: no GPU is needed for any source or target tag, and memory stays
     bounded however large the file. Zip and legacy inputs; the output is torch's zip format. Without -o the
-    result is written next to SRC with the target in the name (model.cpu.pth).
+    result is written next to SRC with the target in the name (model.cpu.pth). --unwrap, --strip-dataparallel,
+    --strip-prefix and --add-prefix rename the state_dict keys in the same pass (one write).
 
     \b
     Examples:
       ckptool remap model.pth --to cpu
       ckptool remap model.pth --map cuda:1=cuda:0 -o model.gpu0.pth
+      ckptool remap ddp_compiled.pth --to cpu --unwrap
     """
     from ckptool.remap import parse_mapping, remap
 
     mapping = parse_mapping(list(maps)) if maps else None
-    res = remap(src, dst, to=to, mapping=mapping, in_place=in_place)
+    res = remap(src, dst, to=to, mapping=mapping, in_place=in_place, unwrap=unwrap_keys,
+                strip_dataparallel=strip_dataparallel, strip_prefixes=strip_prefixes, add_prefix=add_prefix, key=key)
+    if hasattr(res, "changes"):
+        from ckptool.cli_prefixes import report_rename
+
+        report_rename(res)
     _report_write(res)
     click.echo("Load it with: torch.load(" + repr(res.dst) + ")")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 import struct
-import zipfile
 
 from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UsageError
+from ckptool.zipdir import ZipEntry, read_directory
 
 TORCH_ZIP = "torch-zip"
 TORCH_LEGACY = "torch-legacy"
@@ -104,14 +104,29 @@ def detect_format(path: str) -> str:
     )
 
 
+_zip_cache: dict[tuple[str, int, int, int], list[ZipEntry]] = {}
+
+
+def zip_entries(path: str) -> list[ZipEntry]:
+    """The central directory of the zip at ``path`` (:func:`ckptool.zipdir.read_directory`), parsed once per
+    file version: format detection and reading share it.
+
+    Raises:
+        CorruptCheckpointError: the central directory cannot be read.
+    """
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    entries = _zip_cache.get(key)
+    if entries is None:
+        with open(path, "rb") as f:
+            entries = read_directory(f, st.st_size, path)
+        _zip_cache.clear()
+        _zip_cache[key] = entries
+    return entries
+
+
 def _zip_kind(path: str) -> str:
-    try:
-        with zipfile.ZipFile(path) as zf:
-            names = zf.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-        raise CorruptCheckpointError(
-            f"{path} is a damaged zip ({e}): the file is truncated or corrupted; re-download or re-save it"
-        ) from e
+    names = [e.name for e in zip_entries(path)]
     leaf = {n.split("/", 1)[1] if "/" in n else n for n in names}
     if "constants.pkl" in leaf or any(n.startswith("code/") for n in leaf):
         return TORCHSCRIPT

@@ -39,16 +39,17 @@ def _pairs_arg(obj: Any) -> list | None:
 
 def mapping_items(obj: Any) -> list[tuple[Any, Any]] | None:
     """The ``(key, value)`` pairs of a dict, an OrderedDict node (built by SETITEMS or from a list of pairs), or
-    another dict-like node; None for anything else."""
+    another dict-like node; None for anything else. The list may be the node's own: do not mutate it (use
+    :func:`set_mapping_items`)."""
     if type(obj) is dict:
         return list(obj.items())
     if isinstance(obj, PickledObject):
         pairs = _pairs_arg(obj)
-        items = [(p[0], p[1]) for p in pairs] if pairs is not None else []
-        if obj.dictitems is not None:
-            items += obj.dictitems
-        if items or obj.dictitems is not None or _is_dict_reduce(obj):
-            return items
+        if pairs is None:
+            if obj.dictitems is not None:
+                return obj.dictitems  # not copied: callers only read it
+            return [] if _is_dict_reduce(obj) else None
+        return [(p[0], p[1]) for p in pairs] + (obj.dictitems or [])
     return None
 
 
@@ -72,7 +73,7 @@ def set_mapping_items(obj: Any, items: list[tuple[Any, Any]]) -> None:
         obj.args = ([],)  # type: ignore[union-attr]
     obj.dictitems = list(items)
     if "setitems" not in obj.order:
-        obj.order.insert(0, "setitems")
+        obj.order = ["setitems", *obj.order]
 
 
 def is_dict_like(obj: Any) -> bool:
@@ -128,58 +129,70 @@ def module_entries(state: dict) -> Iterator[tuple[str, Any, str]]:
 
 
 def iter_tensors(root: Any, prefix: str = "") -> Iterator[tuple[str, TensorNode, bool]]:
-    """Yield ``(dotted key, tensor node, requires_grad)`` for every tensor reachable from ``root``.
+    """Yield ``(dotted key, tensor node, requires_grad)`` for every tensor reachable from ``root``, in pickle order.
 
     Tensors are listed each time they are reached (tied weights appear under each name), containers once.
     Non-persistent buffers and other tensors in a module's ``__dict__`` are listed under their attribute path.
     """
     seen: set[int] = set()
-    stack: list[tuple[str, Any]] = [(prefix, root)]
-    while stack:
-        path, obj = stack.pop()
-        t = unwrap_tensor(obj)
-        if t is not None:
-            rg = bool(obj.args[1]) if isinstance(obj, ParameterNode) and len(obj.args) > 1 else t.requires_grad
-            yield path, t, rg
-            continue
-        if obj is None or isinstance(obj, (str, int, float, bytes, bool, GlobalMeta)) or id(obj) in seen:
-            continue
+
+    def visit(path: str, obj: Any) -> Iterator[tuple[str, TensorNode, bool]]:
+        t = type(obj)
+        if t is TensorNode:
+            yield path, obj, obj.requires_grad
+            return
+        if t is ParameterNode:
+            inner = obj.tensor
+            if type(inner) is TensorNode:
+                yield path, inner, bool(obj.args[1]) if len(obj.args) > 1 else inner.requires_grad
+                return
+        if obj is None or t in (str, int, float, bytes, bool) or isinstance(obj, GlobalMeta) or id(obj) in seen:
+            return
         seen.add(id(obj))
-        children: list[tuple[str, Any]] = []
-        st = module_state(obj)
-        if st is not None:
-            named = set()
-            for name, v, _kind in module_entries(st):
-                children.append((join(path, name), v))
-                named.add(name)
-            for attr, v in st.items():  # other tensors kept as attributes (non-persistent buffers, caches)
-                if attr in ("_parameters", "_buffers", "_modules"):
-                    if attr == "_buffers":
-                        for name, b in mapping_items(v) or []:
-                            if name not in named and b is not None:
-                                children.append((join(path, name), b))
-                    continue
-                if isinstance(v, (dict, list, tuple, PickledObject)):
-                    children.append((join(path, attr), v))
-        elif (items := mapping_items(obj)) is not None:
-            children = [(join(path, k), v) for k, v in items]
-            if isinstance(obj, PickledObject) and obj.state is not None:
-                children.append((join(path, "_state"), obj.state))
-        elif isinstance(obj, (list, tuple)):
-            children = [(join(path, i), v) for i, v in enumerate(obj)]
-        elif isinstance(obj, (set, frozenset)):
-            children = [(join(path, i), v) for i, v in enumerate(obj)]
-        elif isinstance(obj, PickledObject):
-            if type(obj.state) is dict:
-                children += [(join(path, k), v) for k, v in obj.state.items()]
-            elif obj.state is not None:
-                children.append((path, obj.state))
-            if obj.listitems:
-                children += [(join(path, i), v) for i, v in enumerate(obj.listitems)]
-            args = obj.args if isinstance(obj, (ReduceNode, ObjectNode)) else ()
-            if args:
-                children += [(join(path, f"<arg{i}>"), v) for i, v in enumerate(args)]
-        stack.extend(reversed(children))
+        for child_path, child in _children(path, obj):
+            if type(child) is TensorNode:  # the common case, without a generator per tensor
+                yield child_path, child, child.requires_grad
+            else:
+                yield from visit(child_path, child)
+
+    yield from visit(prefix, root)
+
+
+def _children(path: str, obj: Any) -> list[tuple[str, Any]]:
+    """The named children of one container or node, for :func:`iter_tensors`."""
+    st = module_state(obj)
+    if st is not None:
+        children = []
+        named = set()
+        for name, v, _kind in module_entries(st):
+            children.append((join(path, name), v))
+            named.add(name)
+        for attr, v in st.items():  # other tensors kept as attributes (non-persistent buffers, caches)
+            if attr == "_buffers":
+                children += [(join(path, n), b) for n, b in mapping_items(v) or [] if n not in named and b is not None]
+            elif attr not in ("_parameters", "_modules") and isinstance(v, (dict, list, tuple, PickledObject)):
+                children.append((join(path, attr), v))
+        return children
+    items = mapping_items(obj)
+    if items is not None:
+        children = [(f"{path}.{k}" if path else str(k), v) for k, v in items]
+        if isinstance(obj, PickledObject) and obj.state is not None:
+            children.append((join(path, "_state"), obj.state))
+        return children
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [(join(path, i), v) for i, v in enumerate(obj)]
+    children = []
+    if isinstance(obj, PickledObject):
+        if type(obj.state) is dict:
+            children += [(join(path, k), v) for k, v in obj.state.items()]
+        elif obj.state is not None:
+            children.append((path, obj.state))
+        if obj.listitems:
+            children += [(join(path, i), v) for i, v in enumerate(obj.listitems)]
+        args = getattr(obj, "args", ())
+        if isinstance(args, tuple):
+            children += [(join(path, f"<arg{i}>"), v) for i, v in enumerate(args)]
+    return children
 
 
 @dataclass

@@ -10,16 +10,17 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ckptool import formats
+from ckptool._gc import gc_paused
 from ckptool.allowlist import is_allowed
 from ckptool.checkpoint import DTYPE_SIZES, Checkpoint, read_checkpoint, read_pickle_file, storage_element
 from ckptool.errors import CorruptCheckpointError
 from ckptool.graph import find_state_dicts, is_module, is_state_dict, iter_tensors, mapping_items
 from ckptool.keys import is_flat_param_key, shared_prefixes, suggest_command
-from ckptool.unpickler import TensorNode, qualified_name
+from ckptool.unpickler import StorageRef, TensorNode, qualified_name
 
 # safetensors dtype codes -> torch dtype names (safetensors format description)
 _ST_DTYPES = {
@@ -90,7 +91,12 @@ class CheckpointInfo:
     metadata: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain JSON-ready dict (``dataclasses.asdict`` without its deep copies: fast for 50,000 tensors)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["tensors"] = [t.__dict__.copy() for t in self.tensors]
+        d["state_dicts"] = [sd.__dict__.copy() for sd in self.state_dicts]
+        d["globals"] = [g.__dict__.copy() for g in self.globals]
+        return d
 
     @property
     def unsafe_globals(self) -> list[str]:
@@ -120,15 +126,23 @@ def _numel(shape: tuple[int, ...]) -> int:
 def tensor_infos(root: Any) -> list[TensorInfo]:
     """A :class:`TensorInfo` for every tensor reachable from ``root`` (see :func:`ckptool.graph.iter_tensors`)."""
     out = []
+    dtype_cache: dict[int, str] = {}
     for key, t, rg in iter_tensors(root):
-        dtype = tensor_dtype(t)
-        ref = t.storage
-        shape = list(t.shape)
-        out.append(TensorInfo(
-            key=key, shape=shape, dtype=dtype, device=ref.location if ref else "meta",
-            nbytes=_numel(t.shape) * DTYPE_SIZES.get(dtype, 1), stride=list(t.stride),
-            storage_offset=t.storage_offset, storage_key=ref.key if ref else None, requires_grad=rg,
-        ))
+        a = t.args
+        if t.func.node_type is TensorNode and t.func.name == "_rebuild_tensor_v2" and len(a) >= 4 and type(
+                a[2]) is tuple and type(a[3]) is tuple and type(a[0]) is StorageRef:  # the common case, fast
+            ref, offset, shape, stride = a[0], a[1], list(a[2]), list(a[3])
+            dtype = dtype_cache.get(id(ref.storage_type))
+            if dtype is None:
+                dtype = dtype_cache[id(ref.storage_type)] = tensor_dtype(t)
+        else:
+            ref, offset, shape, stride = t.storage, t.storage_offset, list(t.shape), list(t.stride)
+            dtype = tensor_dtype(t)
+        n = 1
+        for s in shape:
+            n *= s
+        out.append(TensorInfo(key, shape, dtype, ref.location if ref else "meta", n * DTYPE_SIZES.get(dtype, 1),
+                              stride, offset, ref.key if ref else None, rg))
     return out
 
 
@@ -142,6 +156,7 @@ def _kind(root: Any, sds: list) -> str:
     return "tensors"
 
 
+@gc_paused
 def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Describe the checkpoint at ``path`` without importing torch or reading tensor data.
 

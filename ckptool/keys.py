@@ -169,15 +169,28 @@ def shared_prefixes(keys: Iterable[str]) -> list[str]:
     return out
 
 
-def suggest_command(prefixes: list[str]) -> str | None:
-    """The ckptool command that removes ``prefixes`` (as returned by :func:`shared_prefixes`), or None."""
+def suggest_command(prefixes: list[str], *, src: str | None = None, key: str | None = None) -> str | None:
+    """The ckptool command that removes ``prefixes`` (as returned by :func:`shared_prefixes`), or None.
+
+    ``["module."]`` gives ``ckptool strip-dataparallel``, wrapper components only (``["module.", "_orig_mod."]``)
+    ``ckptool unwrap``, anything else ``ckptool strip-prefix SRC model.`` (the prefixes joined into one). With
+    ``src`` (the file) the command names it (quoted for a POSIX shell) instead of leaving it to the reader (or,
+    for strip-prefix, the placeholder ``SRC``); with ``key`` (a nested state_dict's dotted path) it adds
+    ``--key PATH``.
+    """
     if not prefixes:
         return None
+    import shlex
+
+    where = shlex.quote(src) if src is not None else None
+    extra = f" --key {shlex.quote(key)}" if key else ""
     if prefixes == ["module."]:
-        return "ckptool strip-dataparallel"
-    if all(p[:-1] in WRAPPER_COMPONENTS for p in prefixes):
-        return "ckptool unwrap"
-    return "ckptool strip-prefix SRC " + "".join(prefixes)
+        cmd = "ckptool strip-dataparallel" + (f" {where}" if where else "")
+    elif all(p[:-1] in WRAPPER_COMPONENTS for p in prefixes):
+        cmd = "ckptool unwrap" + (f" {where}" if where else "")
+    else:
+        cmd = f"ckptool strip-prefix {where or 'SRC'} " + "".join(prefixes)
+    return cmd + extra
 
 
 def _describe(old: str, new: str) -> tuple[str, str]:

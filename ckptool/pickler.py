@@ -42,6 +42,18 @@ class PicklerError(Exception):
     """The graph holds a value this writer cannot express (a global name with a newline, an unknown type)."""
 
 
+_ATOMS = (int, float, bool, str, type(None))
+
+
+def _atoms_only(t: tuple) -> bool:
+    """A tuple of ints / floats / strings (a shape or stride): its identity cannot matter to the loader, so it is
+    written without a memo entry (smaller pickle, faster write)."""
+    for x in t:
+        if type(x) not in _ATOMS:
+            return False
+    return True
+
+
 class GraphPickler:
     """Serialise one graph. ``dumps(root)`` returns the pickle bytes (PROTO ... STOP).
 
@@ -55,11 +67,13 @@ class GraphPickler:
         self.out: list[bytes] = []
         self.memo: dict[int, int] = {}
         self.str_memo: dict[str, int] = {}
+        self.next_memo = 0
         self.keep: list[Any] = []  # objects memoized by id stay alive until the end
 
     # ------------------------------------------------------------------ helpers
     def _put(self) -> int:
-        idx = len(self.memo) + len(self.str_memo)
+        idx = self.next_memo
+        self.next_memo = idx + 1
         self.out.append(BINPUT + bytes((idx,)) if idx < 256 else LONG_BINPUT + _pack_I(idx))
         return idx
 
@@ -88,9 +102,7 @@ class GraphPickler:
             b = obj.encode("utf-8", "surrogatepass")
             n = len(b)
             w((BINUNICODE + _pack_I(n) if n < 0xFFFFFFFF else BINUNICODE8 + _pack_Q(n)) + b)
-            idx = len(self.memo) + len(self.str_memo)
-            self.str_memo[obj] = idx
-            w(BINPUT + bytes((idx,)) if idx < 256 else LONG_BINPUT + _pack_I(idx))
+            self.str_memo[obj] = self._put()
             return
         if t is int:
             if 0 <= obj < 256:
@@ -122,7 +134,7 @@ class GraphPickler:
             return
 
         if t is tuple:
-            self._save_tuple(obj)
+            self._save_tuple(obj, memoize=not _atoms_only(obj))
         elif t is StorageRef:
             pid = self.storage_hook(obj) if self.storage_hook else obj.pid()
             self._save_tuple(pid, memoize=False)

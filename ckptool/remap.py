@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ckptool import formats
+from ckptool._gc import gc_paused
 from ckptool.checkpoint import read_checkpoint
 from ckptool.errors import UsageError
 from ckptool.rewrite import LocationFn, WriteResult, output_path, refuse_unwritable, rewrite_file
@@ -74,6 +75,7 @@ def location_function(to: str | None = None, mapping: Mapping[str, str] | None =
     return fn
 
 
+@gc_paused
 def remap(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str] | None = None,
@@ -81,6 +83,12 @@ def remap(
     to: str | None = None,
     mapping: Mapping[str, str] | None = None,
     in_place: bool = False,
+    unwrap: bool = False,
+    strip_dataparallel: bool = False,
+    strip_prefixes: str | Sequence[str] = (),
+    add_prefix: str | None = None,
+    key: str | None = None,
+    allow_missing: bool = False,
 ) -> WriteResult:
     """Write a copy of checkpoint ``src`` whose storages are tagged for another device.
 
@@ -94,15 +102,32 @@ def remap(
     ``dst`` defaults to ``<stem>.<target><ext>`` beside ``src`` (``model.cpu.pth``); ``in_place=True`` replaces
     ``src``. Writing is atomic: a temporary file in the destination folder, fsynced, then renamed.
 
-    Returns a :class:`~ckptool.rewrite.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``).
+    The key renamings of :mod:`ckptool.prefixes` can be done in the same pass (one read, one write):
+    ``strip_prefixes``, ``strip_dataparallel``, ``unwrap`` and ``add_prefix``, applied in that order to the
+    state_dict(s) found, or to the one at dotted path ``key``; ``allow_missing`` as in
+    :func:`ckptool.prefixes.strip_prefix`.
+
+    Returns a :class:`~ckptool.rewrite.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``), a
+    :class:`~ckptool.prefixes.RenameResult` (a WriteResult with the renaming added) when keys were renamed.
 
     Raises:
-        UsageError: bad device strings, ``dst`` equal to ``src`` without ``in_place``, missing output folder.
+        UsageError: bad device strings, ``dst`` equal to ``src`` without ``in_place``, missing output folder,
+            ``key`` without a renaming, bad prefixes.
+        PrefixNotFoundError / KeyCollisionError: see :func:`ckptool.prefixes.strip_prefix`; nothing written.
         UnsupportedError: safetensors (no tags), TorchScript (use ``torch.jit.load(map_location=...)``), plain pickles.
         NotACheckpointError / CorruptCheckpointError: unreadable input.
     """
     src = os.fspath(src)
     fn = location_function(to, mapping)
+    plan = None
+    if unwrap or strip_dataparallel or strip_prefixes or add_prefix is not None:
+        from ckptool.prefixes import build_plan
+
+        plan = build_plan(strip_prefixes=strip_prefixes, strip_dataparallel=strip_dataparallel, unwrap=unwrap,
+                          add_prefix=add_prefix)
+    elif key is not None:
+        raise UsageError("--key selects the state_dict to rename: add --unwrap, --strip-dataparallel, "
+                         "--strip-prefix or --add-prefix")
     fmt = formats.detect_format(src)
     refuse_unwritable(fmt, src, "remap")
     if to is not None:
@@ -111,4 +136,9 @@ def remap(
         tag = "remapped"
     out = output_path(src, os.fspath(dst) if dst is not None else None, in_place, tag)
     ck = read_checkpoint(src, fmt)
-    return rewrite_file(ck, out, ck.root, fn)
+    if plan is None:
+        return rewrite_file(ck, out, ck.root, fn)
+    from ckptool.prefixes import RenameResult, rename_graph
+
+    root, summary = rename_graph(ck.root, plan, key=key, allow_missing=allow_missing, where=src)
+    return RenameResult.combine(rewrite_file(ck, out, root, fn), summary, "remap")

@@ -24,6 +24,7 @@ from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.pickler import PicklerError, dumps
 from ckptool.unpickler import StorageRef
 from ckptool.writer import TorchZipWriter, atomic_output, file_mode
+from ckptool.zipdir import read_member
 
 #: ``fn(location_tag) -> location_tag`` applied to every storage persistent id on write
 LocationFn = Callable[[str], str]
@@ -130,12 +131,9 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
             for rec in ck.records:
                 if rec.name == "data.pkl":
                     w.write_bytes("data.pkl", data_pkl)
-                elif rec.zipinfo is not None and rec.zipinfo.compress_type != 0:
+                elif rec.zipinfo is not None and rec.zipinfo.method != 0:
                     # torch never compresses records; a re-packed file might: store the inflated bytes
-                    import zipfile
-
-                    with zipfile.ZipFile(ck.path) as zf:
-                        w.write_bytes(rec.name, zf.read(rec.zipinfo))
+                    w.write_bytes(rec.name, read_member(src, rec.zipinfo, ck.path))
                 else:
                     if rec.offset + rec.size > ck.size:
                         raise CorruptCheckpointError(f"{ck.path}: record {rec.name!r} is truncated; re-download it")

@@ -53,18 +53,15 @@ class GlobalMeta(type):
 
     module: str
     name: str
+    node_type: Any
 
-    def __call__(cls, *args: Any, **kwargs: Any) -> ReduceNode:
-        key = (cls.module, cls.name)
-        if key in _STORAGE_TENSOR_REBUILDERS:
-            return TensorNode(cls, args)
-        if key in (REBUILD_PARAMETER, REBUILD_PARAMETER_WITH_STATE):
-            return ParameterNode(cls, args)
-        if key == REBUILD_FROM_TYPE_V2 and args and isinstance(args[0], GlobalMeta) and (
-            args[0].module, args[0].name
-        ) in _STORAGE_TENSOR_REBUILDERS:
-            return TensorNode(cls, args)
-        return ReduceNode(cls, args)
+    def __call__(cls, *args: Any) -> ReduceNode:  # type: ignore[override]
+        node = cls.node_type  # chosen once per global in find_class
+        if node is None:  # _rebuild_from_type_v2: a tensor when its rebuild function is a tensor rebuilder
+            inner = args[0] if args else None
+            tensor = isinstance(inner, GlobalMeta) and (inner.module, inner.name) in _STORAGE_TENSOR_REBUILDERS
+            node = TensorNode if tensor else ReduceNode
+        return node(cls, args)
 
     @property
     def qualified_name(cls) -> str:
@@ -83,18 +80,18 @@ class PickledObject:
     happened, so the writer can repeat them in the same order.
     """
 
-    __slots__ = ("dictitems", "listitems", "setitems", "state", "order", "__weakref__")
-
-    def _init_ops(self) -> None:
-        self.dictitems: list[tuple[Any, Any]] | None = None
-        self.listitems: list[Any] | None = None
-        self.setitems: list[Any] | None = None
-        self.state: Any = None
-        self.order: list[str] = []
+    # the operations live in the instance __dict__, created only when a pickle uses them: most nodes (the
+    # 50,000 tensors of a big state_dict) never need one, which keeps reading fast
+    __slots__ = ("__dict__", "__weakref__")
+    dictitems: list[tuple[Any, Any]] | None = None
+    listitems: list[Any] | None = None
+    setitems: list[Any] | None = None
+    state: Any = None
+    order: list[str] | tuple[()] = ()
 
     def _note(self, op: str) -> None:
         if op not in self.order:
-            self.order.append(op)
+            self.order = [*self.order, op]
 
     # --- the methods the C unpickler calls for BUILD / SETITEMS / APPENDS / ADDITEMS on non-builtin objects ---
     def __setstate__(self, state: Any) -> None:
@@ -135,7 +132,6 @@ class ReduceNode(PickledObject):
     def __init__(self, func: Any, args: tuple) -> None:
         self.func = func
         self.args = args
-        self._init_ops()
 
     def __call__(self, *args: Any) -> ReduceNode:  # REDUCE with a node as the callable
         return ReduceNode(self, args)
@@ -192,6 +188,9 @@ class TensorNode(ReduceNode):
 
     @property
     def requires_grad(self) -> bool:
+        a = self.args
+        if self.func.name == "_rebuild_tensor_v2" and len(a) > 4 and type(a[4]) is bool:  # the common case
+            return a[4]
         a = self.rebuild_args
         idx = 5 if self.rebuild_name == REBUILD_QTENSOR else 4
         return bool(a[idx]) if len(a) > idx and isinstance(a[idx], bool) else False
@@ -233,7 +232,6 @@ class ObjectNode(PickledObject):
         self = object.__new__(cls)
         self.args = args
         self.kwargs = kwargs
-        self._init_ops()
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # tp_new already did the work
@@ -324,7 +322,16 @@ class RestrictedUnpickler(pickle.Unpickler):
         self.globals_seen[key] = None
         g = self._globals.get(key)
         if g is None:
-            g = GlobalMeta("Global", (ObjectNode,), {"__slots__": (), "module": module, "name": name})
+            if key in _STORAGE_TENSOR_REBUILDERS:
+                node_type: Any = TensorNode
+            elif key in (REBUILD_PARAMETER, REBUILD_PARAMETER_WITH_STATE):
+                node_type = ParameterNode
+            elif key == REBUILD_FROM_TYPE_V2:
+                node_type = None
+            else:
+                node_type = ReduceNode
+            g = GlobalMeta("Global", (ObjectNode,),
+                           {"__slots__": (), "module": module, "name": name, "node_type": node_type})
             self._globals[key] = g
         return g
 

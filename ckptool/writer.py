@@ -27,6 +27,7 @@ from ckptool.errors import CkptError, UsageError
 
 ALIGNMENT = 64
 CHUNK = 8 << 20
+SMALL_RECORD = 1 << 20
 _U32 = 0xFFFFFFFF
 _DOS_DATE = (0 << 11) | (0 << 5) | 0, (0 << 9) | (1 << 5) | 1  # 00:00:00, 1980-01-01 (what miniz writes)
 
@@ -136,18 +137,33 @@ class TorchZipWriter:
         Raises:
             CkptError: the source ended before ``size`` bytes were copied.
         """
+        if size <= SMALL_RECORD:  # small records: one buffered read and write, no per-record syscalls
+            src.seek(offset)
+            data = src.read(size)
+            if len(data) != size:
+                raise CkptError(f"the input ended {size - len(data)} bytes before the end of a record; it is truncated")
+            if crc is None:
+                crc = zlib.crc32(data)
+            name, hoff = self._begin(record, size, crc)
+            self.f.write(data)
+            self.pos += size
+            self.entries.append((name, crc, size, hoff))
+            return
         name, hoff = self._begin(record, size, crc or 0)
         self.f.flush()
         if crc is None:
             crc = self._copy_with_crc(src, offset, size)
-            here = self.f.tell()
-            self.f.seek(hoff + 14)
-            self.f.write(struct.pack("<I", crc))
-            self.f.seek(here)
+            self._patch_crc(hoff, crc)
         else:
             self._copy_raw(src, offset, size)
         self.pos += size
         self.entries.append((name, crc, size, hoff))
+
+    def _patch_crc(self, header_offset: int, crc: int) -> None:
+        here = self.f.tell()
+        self.f.seek(header_offset + 14)
+        self.f.write(struct.pack("<I", crc))
+        self.f.seek(here)
 
     def _copy_raw(self, src: BinaryIO, offset: int, size: int) -> None:
         done = 0

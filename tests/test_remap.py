@@ -215,6 +215,7 @@ def test_interrupt_leaves_no_file(generated, tmp_path: Path, monkeypatch) -> Non
 def test_large_storage_copy_without_copy_file_range(generated, tmp_path: Path, monkeypatch) -> None:
     """The read/write fallback (no copy_file_range, small chunks) gives the same bytes."""
     monkeypatch.setattr(writer_mod, "CHUNK", 7)
+    monkeypatch.setattr(writer_mod, "SMALL_RECORD", 0)
     monkeypatch.setattr(writer_mod.os, "copy_file_range", None, raising=False)
     src = generated["dtypes_cuda0.pt"]
     dst = tmp_path / "d.pt"

@@ -1,0 +1,168 @@
+"""The wrapper-prefix commands: ``strip-dataparallel``, ``strip-prefix``, ``add-prefix`` and ``unwrap``.
+
+Each is a thin Click command over :mod:`ckptool.prefixes`; imported by :mod:`ckptool.cli` at start, so it imports
+neither torch nor the library module until a command runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ckptool.cli import cli, human_bytes, output_options
+
+_EPILOG_SAFETY = (
+    "Tensor records are copied, not decoded (torch is not imported): the cost is the cost of copying the file. "
+    "The output is written to a temporary file, fsynced and renamed into place; SRC is left untouched unless "
+    "--in-place is given, and nothing is written when the command fails."
+)
+
+
+def key_option(f: Any) -> Any:
+    """``--key PATH``: the dotted path of the state_dict to rename."""
+    return click.option(
+        "--key", metavar="PATH", default=None,
+        help="Dotted path of the state_dict to rename (state_dict, model_state_dict, model, ema.model). "
+             "Default: every state_dict found (optimizer state is never renamed).",
+    )(f)
+
+
+def allow_missing_option(f: Any) -> Any:
+    """``--allow-missing``: write the file even when no key carries the prefix."""
+    return click.option(
+        "--allow-missing", is_flag=True,
+        help="Write the output even when no key carries the prefix (default: exit with an error, write nothing).",
+    )(f)
+
+
+def _load_hint(res: Any) -> str | None:
+    """``model.load_state_dict(torch.load(...)[...])`` for the one state_dict renamed, if there is exactly one."""
+    if len(res.state_dicts) != 1 or any(c.is_module for c in res.changes):
+        return None
+    if res.format_in == "safetensors":
+        return f"Load it with: model.load_state_dict(safetensors.torch.load_file({res.dst!r}))"
+    path = res.state_dicts[0]
+    index = "".join(f"[{int(c)}]" if c.isdigit() else f"[{c!r}]" for c in path.split(".")) if path else ""
+    return f"Load it with: model.load_state_dict(torch.load({res.dst!r}, weights_only=True){index})"
+
+
+def report_rename(res: Any) -> None:
+    """Print what a rename did: one line per selected state_dict, then the wrappers removed from a full model."""
+    for ch in res.changes:
+        what = "module" if ch.is_module else "state_dict"
+        if not ch.renamed:
+            click.echo(f"{what} {ch.label}: {ch.keys} keys, unchanged (no key carries the prefix)")
+            continue
+        parts = [f"removed {c} ({n})" for c, n in ch.removed.items()]
+        parts += [f"added {c} ({n})" for c, n in ch.added.items()]
+        click.echo(f"{what} {ch.label}: renamed {ch.renamed} of {ch.keys} keys; " + ", ".join(parts))
+        if ch.wrappers_removed:
+            click.echo(f"  replaced wrapper object(s) by the module they hold: {', '.join(ch.wrappers_removed)}")
+
+
+def _run(res: Any) -> None:
+    report_rename(res)
+    click.echo(f"Wrote {res.dst} ({human_bytes(res.bytes_written)}, {res.storages} storages)")
+    hint = _load_hint(res)
+    if hint:
+        click.echo(hint)
+
+
+@cli.command("strip-dataparallel", epilog=_EPILOG_SAFETY)
+@click.argument("src", type=click.Path(dir_okay=True))
+@key_option
+@allow_missing_option
+@output_options
+def strip_dataparallel_cmd(src: str, key: str | None, allow_missing: bool, dst: str | None, in_place: bool) -> None:
+    """Remove the leading `module.` that nn.DataParallel / DistributedDataParallel add to state_dict keys.
+
+    Fixes "Unexpected key(s) in state_dict: module.conv1.weight" when loading into the bare model. Only whole
+    components are removed: mlp_module.fc.weight never changes. The state_dict's _metadata is renamed with the
+    keys; optimizer state and other entries stay as they are. On a full-model pickle
+    (torch.save(nn.DataParallel(model))) the output holds the inner module, written without importing its class.
+    Without -o the result is written next to SRC as <stem>.stripped<ext>.
+
+    \b
+    Examples:
+      ckptool strip-dataparallel model.pth
+      ckptool strip-dataparallel last.ckpt --key state_dict -o last.bare.ckpt
+    """
+    from ckptool.prefixes import strip_dataparallel
+
+    _run(strip_dataparallel(src, dst, key=key, in_place=in_place, allow_missing=allow_missing))
+
+
+@cli.command("strip-prefix", epilog=_EPILOG_SAFETY)
+@click.argument("src", type=click.Path(dir_okay=True))
+@click.argument("prefixes", nargs=-1, required=True, metavar="PREFIX [PREFIX ...]")
+@key_option
+@allow_missing_option
+@output_options
+def strip_prefix_cmd(src: str, prefixes: tuple[str, ...], key: str | None, allow_missing: bool, dst: str | None,
+                     in_place: bool) -> None:
+    """Remove PREFIX (whole dotted components, e.g. `model.`) from the front of state_dict keys.
+
+    Several prefixes are removed in the order given, each at most once per key, so `strip-prefix SRC model.
+    module.` turns both model.module.fc.weight and module.fc.weight into fc.weight. Keys without the prefix are
+    kept. The state_dict's _metadata is renamed with the keys; optimizer state and other entries stay as they
+    are. Exits with an error when no key carries a PREFIX (see --allow-missing) or when two keys would become
+    one (the colliding keys are listed). Without -o the result is written next to SRC as <stem>.stripped<ext>.
+
+    \b
+    Examples:
+      ckptool strip-prefix lightning.ckpt model.          # LightningModule attribute
+      ckptool strip-prefix ckpt.pt module. --key model_state_dict -o bare.pt
+    """
+    from ckptool.prefixes import strip_prefix
+
+    _run(strip_prefix(src, list(prefixes), dst, key=key, in_place=in_place, allow_missing=allow_missing))
+
+
+@cli.command("add-prefix", epilog=_EPILOG_SAFETY)
+@click.argument("src", type=click.Path(dir_okay=True))
+@click.argument("prefix")
+@key_option
+@output_options
+def add_prefix_cmd(src: str, prefix: str, key: str | None, dst: str | None, in_place: bool) -> None:
+    """Put PREFIX (whole dotted components, e.g. `module.`) in front of every state_dict key.
+
+    For loading a bare state_dict into a wrapped model with strict=True: `module.` for nn.DataParallel /
+    DistributedDataParallel, `_orig_mod.` for a torch.compile model. The state_dict's _metadata gets the
+    prefix too; optimizer state and other entries stay as they are. Without -o the result is written next to
+    SRC as <stem>.prefixed<ext>.
+
+    \b
+    Examples:
+      ckptool add-prefix model.pth module.
+      ckptool add-prefix ckpt.pt _orig_mod. --key model_state_dict -o compiled.pt
+    """
+    from ckptool.prefixes import add_prefix
+
+    _run(add_prefix(src, prefix, dst, key=key, in_place=in_place))
+
+
+@cli.command("unwrap", epilog=_EPILOG_SAFETY)
+@click.argument("src", type=click.Path(dir_okay=True))
+@key_option
+@allow_missing_option
+@output_options
+def unwrap_cmd(src: str, key: str | None, allow_missing: bool, dst: str | None, in_place: bool) -> None:
+    """Remove every wrapper component from state_dict keys and report what was removed.
+
+    Removes `module.` (DataParallel, DDP), `_orig_mod.` (torch.compile), `_fsdp_wrapped_module.` (FSDP) and
+    `_checkpoint_wrapped_module.` (activation checkpointing) from the front of keys in any stacking order
+    (module._orig_mod. and _orig_mod.module. both go), and the wrapper-only names _orig_mod,
+    _fsdp_wrapped_module and _checkpoint_wrapped_module also from the middle of keys. On a full-model pickle the
+    wrapper objects are replaced by the modules they hold. FSDP flat parameters (_flat_param) cannot be renamed:
+    the command explains how to consolidate them. Without -o the result is written next to SRC as
+    <stem>.unwrapped<ext>.
+
+    \b
+    Examples:
+      ckptool unwrap compiled_ddp.pt
+      ckptool unwrap model.pth --in-place
+    """
+    from ckptool.prefixes import unwrap
+
+    _run(unwrap(src, dst, key=key, in_place=in_place, allow_missing=allow_missing))
