@@ -50,20 +50,24 @@ def _load_hint(res: Any) -> str | None:
 def report_rename(res: Any) -> None:
     """Print what a rename did: one line per selected state_dict, then the wrappers removed from a full model."""
     for ch in res.changes:
-        what = "module" if ch.is_module else "state_dict"
+        what = "pickled module" if ch.is_module else "state_dict"
         if not ch.renamed:
-            click.echo(f"{what} {ch.label}: {ch.keys} keys, unchanged (no key carries the prefix)")
+            click.echo(f"{what} {ch.label}: {ch.keys} keys, unchanged (no key to rename)")
             continue
-        parts = [f"removed {c} ({n})" for c, n in ch.removed.items()]
-        parts += [f"added {c} ({n})" for c, n in ch.added.items()]
-        click.echo(f"{what} {ch.label}: renamed {ch.renamed} of {ch.keys} keys; " + ", ".join(parts))
+        parts = []
+        if ch.removed:
+            parts.append("removed " + ", ".join(f"{c} ({n})" for c, n in ch.removed.items()))
+        if ch.added:
+            parts.append("added " + ", ".join(f"{c} ({n})" for c, n in ch.added.items()))
+        click.echo(f"{what} {ch.label}: renamed {ch.renamed} of {ch.keys} keys; " + "; ".join(parts))
         if ch.wrappers_removed:
             click.echo(f"  replaced wrapper object(s) by the module they hold: {', '.join(ch.wrappers_removed)}")
 
 
 def _run(res: Any) -> None:
     report_rename(res)
-    click.echo(f"Wrote {res.dst} ({human_bytes(res.bytes_written)}, {res.storages} storages)")
+    unit = "tensors" if res.format_in == "safetensors" else "storages"
+    click.echo(f"Wrote {res.dst} ({human_bytes(res.bytes_written)}, {res.storages} {unit})")
     hint = _load_hint(res)
     if hint:
         click.echo(hint)

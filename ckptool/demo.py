@@ -171,7 +171,9 @@ def wrap_data_parallel(model: nn.Module, device: torch.device) -> nn.DataParalle
 
 # ---------------------------------------------------------------------------------------------------- printing
 class Printer:
-    """Prints the demo's sections with Click; ``quiet=True`` keeps only the summary and the output folder."""
+    """Prints the demo's sections through ``echo`` (``click.echo``): ``section`` a numbered heading and what the
+    step does, ``commands`` the equivalent ``$ ckptool ...`` lines and ``>>> python`` calls, ``result`` indented
+    results. ``quiet=True`` drops everything except lines printed with ``force=True``."""
 
     def __init__(self, quiet: bool = False, echo: Callable[..., None] = click.echo) -> None:
         self.quiet = quiet
@@ -302,7 +304,11 @@ def missing_gpu_tag() -> str:
 
 def make_received_copies(paths: dict[str, Path], tag: str) -> dict[str, Path]:
     """``ckptool.remap(src, dst, to=tag)`` for each file: the copies a user receives from a machine that saved on
-    ``tag``. Returns kind -> path (``<stem>.<kind>.<tag without colon>.pt``)."""
+    ``tag``. Returns kind -> path (``<stem>.<kind>.<tag without colon>.pt``).
+
+    Raises:
+        CkptError: from :func:`ckptool.remap` (not expected for files written by :func:`save_three_ways`).
+    """
     from ckptool.remap import remap
 
     out = {}
@@ -327,6 +333,10 @@ def fix_file(received: Path, kind: str) -> tuple[Path, Path]:
     ``ckptool.remap(received, <stem>.<kind>.cpu.pt, to="cpu")`` re-tags every storage for the CPU, then
     ``ckptool.strip_dataparallel(cpu, <stem>.<kind>.portable.pt)`` removes ``module.`` from the model's keys
     (for the full-model pickle it removes the ``nn.DataParallel`` object itself). Returns ``(cpu, portable)``.
+
+    Raises:
+        CkptError: from :func:`ckptool.remap` or :func:`ckptool.strip_dataparallel` (for instance
+            ``PrefixNotFoundError`` when no key carries ``module.``).
     """
     from ckptool.prefixes import strip_dataparallel
     from ckptool.remap import remap
@@ -367,6 +377,10 @@ def resume(path: Path, split: Split, device: torch.device, seed: int) -> dict[st
 
     Returns ``epoch`` and ``loss`` as saved, ``loss_after`` (mean loss of the extra epoch), ``lr`` (after the
     scheduler step), ``state_device`` (where the restored Adam state lives) and ``accuracy`` (held-out, 0..1).
+
+    Raises:
+        CkptError: from :func:`ckptool.load_training_state` (a model, optimizer or scheduler state that does not
+            fit, an unreadable file).
     """
     from ckptool.loading import load_training_state
 
@@ -461,8 +475,8 @@ class DemoRun:
         self.res = DemoResult(out, str(device), n_test=len(self.split.y_test))
         self.trained: Trained | None = None
 
-    # 1
     def train(self) -> None:
+        """Step 1: train (:func:`train`) and print the held-out accuracy."""
         p, s, n = self.p, self.split, len(self.split.y_test)
         p.section(1, self.TOTAL, "Train",
                   f"A 64-128-64-10 MLP on the bundled UCI 8x8 handwritten digits ({len(s.y_train)} to train on, "
@@ -479,8 +493,8 @@ class DemoRun:
         p.result(f"held-out accuracy {t.accuracy:.1%} ({round(t.accuracy * n)}/{n}; chance is 10%), "
                  f"final training loss {t.losses[-1]:.4f}")
 
-    # 2
     def save(self) -> None:
+        """Step 2: :func:`save_three_ways` into the output folder and print the file sizes."""
         assert self.trained is not None
         p = self.p
         p.section(2, self.TOTAL, "Save", f"Save on the training device ({self.device}) the three ways real "
@@ -493,8 +507,8 @@ class DemoRun:
         for path in saved.values():
             p.result(f"{path.name:30} {path.stat().st_size:>8,} bytes")
 
-    # 3
     def inspect(self) -> None:
+        """Step 3: :func:`ckptool.inspect` each saved file; print a table with its unsafe globals."""
         from tabulate import tabulate
 
         from ckptool.inspect import inspect
@@ -515,8 +529,8 @@ class DemoRun:
             p.result(f"The full model's pickle imports classes (such as {full[0]})\nthat torch.load(weights_only=True) "
                      "refuses: loading it means running code named by the file.")
 
-    # 4
     def failure(self) -> None:
+        """Step 4: :func:`make_received_copies` for :func:`missing_gpu_tag` and print :func:`plain_load_error`."""
         p, saved = self.p, self.res.saved
         tag = self.res.gpu_tag = missing_gpu_tag()
         n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -531,8 +545,9 @@ class DemoRun:
         err = self.res.plain_load_error = plain_load_error(rec["state_dict"])
         p.result(err or "(it loaded: this machine has that GPU)", fg="red" if err else None)
 
-    # 5
     def fix(self) -> None:
+        """Step 5: :func:`fix_file` each received copy, :func:`ckptool.verify` it into :func:`bare_model`, compare
+        predictions (:func:`predictions_match`) and load the fixed state_dict with plain torch (:func:`load_plain`)."""
         from ckptool.loading import verify
 
         assert self.trained is not None
@@ -546,7 +561,9 @@ class DemoRun:
         sd_cpu, sd = self.res.remapped["state_dict"], self.res.portable["state_dict"]
         shape = (1, *IMAGE_SHAPE) if dev.type != "cpu" else None  # off the CPU: one forward pass, dev vs CPU
         p.commands([f"ckptool remap {rec['state_dict'].name} --to cpu -o {sd_cpu.name}",
-                    f"ckptool strip-dataparallel {sd_cpu.name} -o {sd.name}"],
+                    f"ckptool strip-dataparallel {sd_cpu.name} -o {sd.name}",
+                    f"ckptool verify {sd.name} --model ckptool.demo:DigitsMLP --device {dev}"
+                    + (" --input-shape " + ",".join(map(str, shape)) if shape else "")],
                    [f"ckptool.remap({rec['state_dict'].name!r}, {sd_cpu.name!r}, to='cpu')",
                     f"ckptool.strip_dataparallel({sd_cpu.name!r}, {sd.name!r})",
                     f"ckptool.verify({sd.name!r}, DigitsMLP().to({str(dev)!r}), device={str(dev)!r}"
@@ -571,8 +588,8 @@ class DemoRun:
         p.commands([], f"model.load_state_dict(torch.load({sd.name!r}))   # plain torch, strict")
         p.result(f"loads strictly with plain torch: {same}/{n} held-out predictions match")
 
-    # 6
     def resume(self) -> None:
+        """Step 6: :func:`resume` from the received training checkpoint and print the losses."""
         p, dev, rec = self.p, self.device, self.res.received
         p.section(6, self.TOTAL, "Resume",
                   f"Continue training for one epoch on {dev} from the received {self.res.gpu_tag} training "
@@ -584,8 +601,8 @@ class DemoRun:
                  f"{r['loss_after']:.4f}; lr now {r['lr']:.2e}; Adam state on {r['state_device']}; "
                  f"held-out accuracy {r['accuracy']:.1%}")
 
-    # 7
     def summary(self) -> None:
+        """Step 7: the summary table (received vs portable file of each kind), printed even when quiet."""
         from tabulate import tabulate
 
         from ckptool.inspect import inspect

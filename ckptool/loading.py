@@ -33,7 +33,7 @@ import os
 import pickle
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -176,7 +176,7 @@ class LoadReport:
 
     @property
     def where(self) -> str:
-        return "top level" if self.key == "" else f"[{self.key}]"
+        return "top level" if self.key == "" else f"`{self.key}`"
 
     def summary(self) -> str:
         """One line: what was loaded where, and what did not fit."""
@@ -399,7 +399,10 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index or 0) == (b.index or 0) if a.type in ("cuda", "xpu", "mps") else a == b
+    """``cuda`` and ``cuda:0`` (index None and 0) count as one device; otherwise ``torch.device`` equality."""
+    if a.type != b.type:
+        return False
+    return (a.index or 0) == (b.index or 0)
 
 
 # ------------------------------------------------------------------------------------------------ loading files
@@ -757,9 +760,9 @@ def _shape_note(mod: str, entries: list[ShapeMismatch]) -> str:
             i, a, b = d[0]
             last = mod.rsplit(".", 1)[-1]
             if i == 0:
-                note = f"output size {a} in the checkpoint, {b} in the model"
-                if last in _HEAD_NAMES or last.isdigit() and mod:
-                    note += " (a head built for a different number of classes/outputs)"
+                note = f"{a} outputs in the checkpoint, {b} in the model"
+                if last in _HEAD_NAMES:
+                    note += ": a head built for a different number of classes"
                 return note
             return f"dim {i} is {a} in the checkpoint, {b} in the model"
     return f"{len(entries)} entries with different shapes"
@@ -810,7 +813,8 @@ def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key:
     skipped = {m.key for m in mismatched}
     missing = [k for k in result.missing_keys if k not in skipped]
     unexpected = [inverse.get(k, k) for k in result.unexpected_keys]
-    loaded = {k: v for k, v in to_load.items() if k not in set(result.unexpected_keys)}
+    unused = set(result.unexpected_keys)
+    loaded = {k: v for k, v in to_load.items() if k not in unused}
 
     casts = []
     for (cd, md), items in cast_groups.items():
@@ -839,8 +843,11 @@ def _dtype_name(dt: Any) -> str:
 
 
 def _same_bits(a: Any, b: Any) -> bool:
-    """Bitwise equality of two tensors (NaN-safe): same dtype, same shape, same bytes."""
+    """Bitwise equality of two tensors (NaN-safe): same dtype, same shape, same bytes (False for meta tensors,
+    which hold no data)."""
     if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    if a.device.type == "meta" or b.device.type == "meta":  # no data to compare
         return False
     if a.device != b.device:
         b = b.to(a.device)
@@ -868,9 +875,8 @@ def _suggestions(r: LoadReport, ckeys: list[str], model_keys: list[str]) -> list
     out: list[str] = []
     if r.prefixes_removed:
         prefs = shared_prefixes(ckeys)
-        cmd = suggest_command(prefs)
+        cmd = suggest_command(prefs, src=r.path, key=r.key or None)
         if cmd:
-            cmd = cmd.replace(" SRC ", f" {r.path} ") if " SRC " in cmd else f"{cmd} {r.path}"
             out.append(f"checkpoint keys start with `{''.join(prefs)}`: run `{cmd}` to write a file a plain "
                        "load_state_dict accepts (ckptool.load_into and verify already handle it)")
         else:
@@ -883,10 +889,9 @@ def _suggestions(r: LoadReport, ckeys: list[str], model_keys: list[str]) -> list
         out.append(f"the model's keys start with `{inner}` (a wrapper) and the checkpoint's do not: load into the "
                    f"inner model (`model.{attr}`) or keep using ckptool.load_into, which adds the prefix")
     for g in r.shape_groups:
-        names = ", ".join(g.names)
-        out.append(f"`{g.module or '(root)'}` ({names}) has other shapes in the checkpoint ({g.note}): build the "
-                   "model with the checkpoint's sizes, or load the rest with strict=False (--no-strict) and train "
-                   f"`{g.module or '(root)'}` anew")
+        mod = g.module or "(root)"
+        out.append(f"`{mod}` ({', '.join(g.names)}) does not fit: build the model with the checkpoint's sizes, or "
+                   f"load the rest with strict=False (--no-strict) and train `{mod}` anew")
     others = [p for p in r.found if p != r.key]
     if (r.missing or r.unexpected) and others:
         out.append(f"the checkpoint holds other state_dicts ({', '.join(p or 'top level' for p in others)}): pick one "
@@ -897,10 +902,10 @@ def _suggestions(r: LoadReport, ckeys: list[str], model_keys: list[str]) -> list
     if r.unexpected and r.loaded == 0:
         out.append("no checkpoint key matches the model: check that --model builds the architecture the "
                    "checkpoint was trained with, or pick another state_dict with --key")
-    gpu = sorted(t for t in r.saved_devices if t not in ("cpu", "meta") and t != r.device)
+    gpu = sorted(t for t in r.saved_devices if t not in ("cpu", "meta"))
     if gpu:
-        out.append(f"storages are tagged {', '.join(gpu)}: run `ckptool remap {r.path} --to cpu` so that a plain "
-                   "torch.load opens it on any machine")
+        out.append(f"storages are tagged {', '.join(gpu)}: a plain torch.load needs that device; run "
+                   f"`ckptool remap {r.path} --to cpu` so that it opens on any machine")
     return out
 
 
@@ -933,7 +938,7 @@ def _report_tables(r: LoadReport, limit: int | None) -> list[str]:
           [(c.checkpoint_dtype, c.model_dtype, c.count, c.example, "yes" if c.lossy else "no") for c in r.casts],
           ["checkpoint dtype", "model dtype", "tensors", "example", "lossy"])
     if r.suggestions:
-        out.append("Fix:")
+        out.append("Suggested fixes:" if not r.ok else "Suggestions:")
         out += [f"  - {s}" for s in r.suggestions]
         out.append("")
     while out and out[-1] == "":
@@ -977,6 +982,7 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: Any = N
         NotACheckpointError / CorruptCheckpointError: unreadable file.
         UnsupportedError: the file holds no state_dict.
         KeyCollisionError: stripping ``prefixes`` would merge two keys.
+        CkptError: the model's own ``load_state_dict`` refused a value (its RuntimeError is chained).
     """
     _check_model(model)
     dev = resolve_device(device) if device is not None else _model_device(model)
@@ -1039,8 +1045,10 @@ def load_training_state(model: nn.Module, optimizer: Any, path: str | os.PathLik
         StateDictMismatchError: ``strict`` and the model's state_dict does not fit.
         UsageError: bad device; no optimizer (or scheduler) state found, or it does not match the optimizer
             (different number of parameter groups or parameters).
-        UnsupportedError: the file is not a dict (not a training checkpoint: use :func:`load_into`).
+        UnsupportedError: the file is not a dict (not a training checkpoint: use :func:`load_into`), or it holds
+            no state_dict.
         UnsafeCheckpointError / NotACheckpointError / CorruptCheckpointError: as :func:`load_checkpoint`.
+        CkptError: the model's own ``load_state_dict`` refused a value.
     """
     _check_model(model)
     dev = resolve_device(device) if device is not None else _model_device(model)
@@ -1431,7 +1439,8 @@ def verify(path: str | os.PathLike[str], model: nn.Module | Callable[[], nn.Modu
         UnsafeCheckpointError: the file needs globals outside the weights-only allowlist and ``trust`` is False.
         NotACheckpointError / CorruptCheckpointError / UnsupportedError: as :func:`load_checkpoint` and
             :func:`select_state_dict`.
-        CkptError: the factory raised (its exception is chained).
+        CkptError: the factory raised (its exception is chained), or the model's ``load_state_dict`` refused a
+            value.
     """
     from torch import nn
 

@@ -42,6 +42,7 @@ from ckptool.graph import (
     STATE_DICT_SKIP_SUFFIX,
     get_path,
     is_module,
+    is_optimizer_state,
     is_state_dict,
     join,
     mapping_items,
@@ -107,6 +108,24 @@ class Step:
         new, comps = unwrap_key(key)
         return new, [c + "." for c in comps], []
 
+    def apply_path(self, path: str) -> str:
+        """The new name of a module path of ``_metadata`` (``""`` is the root module).
+
+        A path is renamed as a key directly inside that module would be; in addition, a wrapper level that a
+        multi-component prefix passes through (``"_orig_mod"`` under ``"_orig_mod.module."``) becomes the root,
+        as the wrapper it names is gone (the inner module's entry, later in ``_metadata``, then wins).
+        """
+        if self.kind == "strip":
+            for p in self.prefixes:
+                if (path + ".").startswith(p):
+                    path = path[len(p):]
+                elif path and p.startswith(path + "."):
+                    path = ""
+            return path
+        if self.kind == "add":
+            return self.prefixes[0] + path if path else self.prefixes[0][:-1]
+        return metadata_key_mapping([path], lambda k: unwrap_key(k)[0])[path]
+
 
 @dataclass(frozen=True)
 class RenamePlan:
@@ -119,6 +138,12 @@ class RenamePlan:
         for s in self.steps:
             key = s.apply(key)[0]
         return key
+
+    def rename_path(self, path: str) -> str:
+        """The new name of a ``_metadata`` module path (see :meth:`Step.apply_path`)."""
+        for s in self.steps:
+            path = s.apply_path(path)
+        return path
 
     def trace(self, key: str) -> tuple[str, list[list[str]], list[str]]:
         """``(new_key, removed per step, added)``."""
@@ -282,21 +307,25 @@ def _check_found(targets: list[tuple[str, list[str], bool]], plan: RenamePlan, s
                  where: str) -> None:
     examples = [k for _p, keys, _m in targets for k in keys[:3]][:3]
     seen = ", ".join(repr(k) for k in examples) or "no keys"
-    paths = ", ".join(_label(p) for p, _k, _m in targets)
+    if len(targets) == 1:
+        path = targets[0][0]
+        paths = f"the state_dict {path!r}" if path else "the top-level state_dict"
+    else:
+        paths = "the state_dicts " + ", ".join(_label(p) for p, _k, _m in targets)
     for step, hits in zip(plan.steps, step_hits):
         if step.kind == "strip":
             missing = [p for p in step.prefixes if p not in hits]
             if missing:
                 what = " or ".join(repr(p) for p in missing)
                 raise PrefixNotFoundError(
-                    f"{where}: no key of the state_dict(s) at {paths} starts with {what} (keys look like {seen}); "
+                    f"{where}: no key of {paths} starts with {what} (keys look like {seen}); "
                     "nothing was written. Check the prefix with `ckptool inspect`, or pass --allow-missing "
                     "(allow_missing=True) to write the file anyway"
                 )
         elif step.kind == "unwrap" and not hits:
             comps = ", ".join(c + "." for c in WRAPPER_COMPONENTS)
             raise PrefixNotFoundError(
-                f"{where}: no key of the state_dict(s) at {paths} carries a wrapper component ({comps}; keys look "
+                f"{where}: no key of {paths} carries a wrapper component ({comps}; keys look "
                 f"like {seen}); nothing was written. For another prefix such as 'model.' use strip-prefix, or pass "
                 "--allow-missing (allow_missing=True) to write the file anyway"
             )
@@ -329,15 +358,9 @@ def _class_name(obj: Any) -> str:
     return type(obj).__name__
 
 
-def _is_optimizer_state(items: list[tuple[Any, Any]]) -> bool:
-    """An optimizer's ``state_dict()`` (``{'state': {index: {...}}, 'param_groups': [...]}``): never renamed."""
-    keys = {k for k, _v in items if isinstance(k, str)}
-    return "state" in keys and "param_groups" in keys
-
-
 def _mapping_setter(obj: Any, index: int) -> Callable[[Any], None]:
     def set_value(new: Any) -> None:
-        items = mapping_items(obj) or []
+        items = list(mapping_items(obj) or [])  # a copy: mapping_items may return the node's own list
         k, _old = items[index]
         items[index] = (k, new)
         set_mapping_items(obj, items)
@@ -353,7 +376,7 @@ def _list_setter(obj: Any, index: int) -> Callable[[Any], None] | None:
     return set_value
 
 
-def find_targets(root: Any) -> list[_Target]:
+def _find_targets(root: Any) -> list[_Target]:
     """The state_dicts to rename when no key path is given, outermost first: what
     :func:`ckptool.graph.find_state_dicts` finds (the compiled-model pickle of ``torch.compile`` included), less
     anything inside an optimizer state_dict."""
@@ -373,7 +396,7 @@ def find_targets(root: Any) -> list[_Target]:
             continue
         items = mapping_items(obj)
         if items is not None:
-            if _is_optimizer_state(items):
+            if is_optimizer_state(items):
                 continue
             queue.extend((join(path, k), v, _mapping_setter(obj, i))
                          for i, (k, v) in enumerate(items) if isinstance(k, (str, int)))
@@ -386,7 +409,7 @@ def _target_at(root: Any, key: str, where: str) -> _Target:
     try:
         obj = get_path(root, key)
     except KeyError:
-        found = ", ".join(_label(t.path) for t in find_targets(root)) or "none"
+        found = ", ".join(_label(t.path) for t in _find_targets(root)) or "none"
         raise UsageError(f"{where}: no entry {key!r} (--key); state_dicts found: {found}") from None
     setter = None
     if key:
@@ -403,7 +426,7 @@ def _target_at(root: Any, key: str, where: str) -> _Target:
     if _is_module_node(obj):
         return _Target(key, obj, True, setter)
     if mapping_items(obj) is None:
-        found = ", ".join(_label(t.path) for t in find_targets(root)) or "none"
+        found = ", ".join(_label(t.path) for t in _find_targets(root)) or "none"
         raise UsageError(f"{where}: --key {key!r} selects a {_class_name(obj)}, not a state_dict; "
                          f"state_dicts found: {found}")
     return _Target(key, obj, False, setter)
@@ -532,8 +555,17 @@ def _rename_module(t: _Target, plan: RenamePlan, mapping: dict[str, str], where:
     return node, wrappers
 
 
-def _rename_mapping_node(obj: Any, mapping: dict[str, str], key_fn: Callable[[str], str]) -> None:
-    """Rename the keys of a dict / OrderedDict node in place, and the keys of its ``_metadata``."""
+def _renamed_metadata(items: Iterable[tuple[Any, Any]], path_fn: Callable[[str], str]) -> list[tuple[Any, Any]]:
+    """``_metadata`` pairs with each module path renamed by ``path_fn``; when two paths end on one name the later
+    entry (the inner module's, after its wrapper's) wins, in the place of the first."""
+    renamed: dict[Any, Any] = {}
+    for m, v in items:
+        renamed[path_fn(m) if isinstance(m, str) else m] = v
+    return list(renamed.items())
+
+
+def _rename_mapping_node(obj: Any, mapping: dict[str, str], path_fn: Callable[[str], str]) -> None:
+    """Rename the keys of a dict / OrderedDict node in place, and the module paths of its ``_metadata``."""
     items = mapping_items(obj) or []
     set_mapping_items(obj, [(mapping.get(k, k) if isinstance(k, str) else k, v) for k, v in items])
     state = obj.state if isinstance(obj, PickledObject) else None
@@ -541,11 +573,7 @@ def _rename_mapping_node(obj: Any, mapping: dict[str, str], key_fn: Callable[[st
         meta = state["_metadata"]
         meta_items = mapping_items(meta)
         if meta_items:
-            paths = metadata_key_mapping([m for m, _v in meta_items if isinstance(m, str)], key_fn)
-            renamed: dict[Any, Any] = {}
-            for m, v in meta_items:  # two paths ending on one name: the later (inner module) entry wins
-                renamed[paths.get(m, m) if isinstance(m, str) else m] = v
-            set_mapping_items(meta, list(renamed.items()))
+            set_mapping_items(meta, _renamed_metadata(meta_items, path_fn))
 
 
 def rename_graph(
@@ -554,8 +582,8 @@ def rename_graph(
     """Apply ``plan`` to the state_dict(s) of a checkpoint's node graph (:mod:`ckptool.unpickler`), in place.
 
     ``key`` (a dotted path, :func:`ckptool.graph.get_path`) selects one state_dict; without it every state_dict
-    that :func:`find_targets` finds is renamed where its keys carry the prefix. Dict and OrderedDict nodes get
-    their keys (and ``_metadata``) renamed; pickled modules (full-model pickles) get their wrapper objects
+    that :func:`ckptool.graph.find_state_dicts` finds (compiled-model pickles included, optimizer state never) is
+    renamed where its keys carry the prefix. Dict and OrderedDict nodes get their keys (and ``_metadata``) renamed; pickled modules (full-model pickles) get their wrapper objects
     (``DataParallel``, ``OptimizedModule``, ...) replaced by the module they hold, no class imported. ``where``
     names the checkpoint in messages.
 
@@ -570,7 +598,7 @@ def rename_graph(
     if key is not None:
         targets = [_target_at(root, key, where)]
     else:
-        targets = find_targets(root)
+        targets = _find_targets(root)
         if not targets:
             raise UnsupportedError(
                 f"{where}: no state_dict found (a mapping of parameter names to tensors, or a pickled nn.Module); "
@@ -582,7 +610,7 @@ def rename_graph(
         if not change.renamed:
             continue
         if not t.is_module:
-            _rename_mapping_node(t.obj, mapping, plan.rename)
+            _rename_mapping_node(t.obj, mapping, plan.rename_path)
             continue
         new, wrappers = _rename_module(t, plan, mapping, where)
         change.wrappers_removed = wrappers
@@ -679,6 +707,7 @@ def _looks_like_state_dict(m: Any) -> bool:
 
 def _new_like(m: Mapping[Any, Any], items: Iterable[tuple[Any, Any]]) -> Any:
     """A new mapping of ``type(m)`` holding ``items`` (a plain dict when that type cannot be built empty)."""
+    items = list(items)
     try:
         out = type(m)()
     except TypeError:
@@ -758,14 +787,12 @@ def _mem_replace(obj: Any, comps: list[Any], new: Any) -> Any:
     return items if isinstance(obj, list) else tuple(items)
 
 
-def _renamed_mapping(sd: Mapping[Any, Any], mapping: Mapping[str, str], key_fn: Callable[[str], str]) -> Any:
+def _renamed_mapping(sd: Mapping[Any, Any], mapping: Mapping[str, str], path_fn: Callable[[str], str]) -> Any:
     out = _new_like(sd, [(mapping.get(k, k) if isinstance(k, str) else k, v) for k, v in sd.items()])
     meta = getattr(sd, "_metadata", None)
     if isinstance(meta, Mapping):
-        paths = metadata_key_mapping([m for m in meta if isinstance(m, str)], key_fn)
-        new_meta: OrderedDict[Any, Any] = OrderedDict()
-        for m, v in meta.items():  # two paths ending on one name: the later (inner module) entry wins
-            new_meta[paths.get(m, m) if isinstance(m, str) else m] = dict(v) if isinstance(v, dict) else v
+        new_meta = OrderedDict(_renamed_metadata(
+            ((m, dict(v) if isinstance(v, dict) else v) for m, v in meta.items()), path_fn))
         try:
             out._metadata = new_meta
         except AttributeError:  # a plain dict cannot carry _metadata
@@ -780,15 +807,15 @@ def _rename_in_memory(obj: Mapping[Any, Any], plan: RenamePlan, *, key: str | No
     else:
         targets = _mem_targets(obj)
         if not targets:
-            raise UsageError(
+            raise UnsupportedError(
                 "no state_dict found in the given mapping (string keys mapped to tensors); pass key=... to "
                 "select the mapping to rename"
             )
     keyed = [(path, [k for k in sd if isinstance(k, str)], False) for _c, path, sd in targets]
-    mappings, summary = _plan_keys(keyed, plan, allow_missing=allow_missing, where="state_dict")
+    mappings, _summary = _plan_keys(keyed, plan, allow_missing=allow_missing, where="state_dict")
     result = obj
-    for (comps, _path, sd), mapping, change in zip(targets, mappings, summary.changes):
-        new = _renamed_mapping(sd, mapping, plan.rename)
+    for (comps, _path, sd), mapping in zip(targets, mappings):
+        new = _renamed_mapping(sd, mapping, plan.rename_path)
         result = _mem_replace(result, comps, new)
     if result is obj:  # nothing selected: still return a new mapping, as promised
         result = _copy_meta(obj, _new_like(obj, obj.items()))
@@ -810,7 +837,7 @@ def rename_state_dict(state_dict: Mapping[str, Any], key_fn: Callable[[str], str
     """
     mapping = {k: key_fn(k) for k in state_dict if isinstance(k, str)}
     raise_on_collisions(mapping)
-    return _renamed_mapping(state_dict, mapping, key_fn)
+    return _renamed_mapping(state_dict, mapping, lambda m: metadata_key_mapping([m], key_fn)[m])
 
 
 # ------------------------------------------------------------------------------------------------ public API
