@@ -100,8 +100,21 @@ def module_state(obj: Any) -> dict | None:
     return None
 
 
+OPTIMIZED_MODULE = ("torch._dynamo.eval_frame", "OptimizedModule")
+
+
+def compiled_inner(obj: Any) -> Any:
+    """The wrapped module of ``torch.save(torch.compile(model))`` (``OptimizedModule(orig_mod, dynamo_ctx)``
+    by its ``__reduce__``), else None."""
+    if (type(obj) is ReduceNode and isinstance(obj.func, GlobalMeta) and obj.args
+            and (obj.func.module, obj.func.name) == OPTIMIZED_MODULE):
+        return obj.args[0]
+    return None
+
+
 def is_module(obj: Any) -> bool:
-    return module_state(obj) is not None
+    """A pickled ``nn.Module`` (its ``__dict__`` holds ``_parameters`` and ``_modules``) or a compiled one."""
+    return module_state(obj) is not None or compiled_inner(obj) is not None
 
 
 def non_persistent_buffers(state: dict) -> set[str]:
@@ -160,6 +173,9 @@ def iter_tensors(root: Any, prefix: str = "") -> Iterator[tuple[str, TensorNode,
 
 def _children(path: str, obj: Any) -> list[tuple[str, Any]]:
     """The named children of one container or node, for :func:`iter_tensors`."""
+    inner = compiled_inner(obj)
+    if inner is not None:
+        return [(join(path, "_orig_mod"), inner)]
     st = module_state(obj)
     if st is not None:
         children = []
@@ -212,6 +228,10 @@ class StateDictRef:
 
 def iter_state_dict_of_module(node: Any, prefix: str = "") -> Iterator[tuple[str, TensorNode, bool]]:
     """``(key, tensor, requires_grad)`` in the order ``module.state_dict()`` would give."""
+    inner = compiled_inner(node)
+    if inner is not None:
+        yield from iter_state_dict_of_module(inner, join(prefix, "_orig_mod"))
+        return
     st = module_state(node)
     if st is None:
         return

@@ -39,6 +39,7 @@ from ckptool import formats
 from ckptool.checkpoint import read_checkpoint
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.graph import (
+    compiled_inner,
     STATE_DICT_SKIP_SUFFIX,
     get_path,
     is_module,
@@ -78,7 +79,6 @@ __all__ = [
     "unwrap",
 ]
 
-_OPTIMIZED_MODULE = ("torch._dynamo.eval_frame", "OptimizedModule")
 
 
 # ------------------------------------------------------------------------------------------------ the renaming
@@ -342,8 +342,7 @@ class _Target:
 
 def _is_optimized_module(obj: Any) -> bool:
     """A compiled model pickled by ``OptimizedModule.__reduce__``: ``OptimizedModule(orig_mod, dynamo_ctx)``."""
-    return (type(obj) is ReduceNode and isinstance(obj.func, GlobalMeta)
-            and (obj.func.module, obj.func.name) == _OPTIMIZED_MODULE and len(obj.args) >= 1)
+    return compiled_inner(obj) is not None
 
 
 def _is_module_node(obj: Any) -> bool:

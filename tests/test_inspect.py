@@ -200,3 +200,18 @@ def test_cli_full_model_marks_unsafe_globals(run_cli, generated: dict[str, Path]
     assert r.exit_code == 0
     assert "fixture_models.TinyNet" in r.output and "NOT allowed" in r.output
     assert "strip-dataparallel" in r.output
+
+
+def test_compiled_full_model(tmp_path: Path) -> None:
+    """torch.save(torch.compile(model)) pickles OptimizedModule(orig_mod, ctx): keys carry `_orig_mod.`."""
+    import fixture_models
+
+    model = fixture_models.TinyNet()
+    try:
+        torch.save(torch.compile(model), tmp_path / "c.pt")
+    except Exception as e:  # pragma: no cover - depends on torch's pickling support for compiled modules
+        pytest.skip(f"torch cannot pickle a compiled module here: {e}")
+    info = ckptool.inspect(tmp_path / "c.pt")
+    assert info.kind == "full_model"
+    assert [t.key for t in info.tensors][: len(model.state_dict())] == ["_orig_mod." + k for k in model.state_dict()]
+    assert info.state_dicts[0].prefixes == ["_orig_mod."]
