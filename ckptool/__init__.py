@@ -6,7 +6,7 @@ the demo) import it when called.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptool.errors import (
     CkptError,
@@ -37,10 +37,6 @@ _LAZY = {
     "LoadReport": "ckptool.loading",
     "verify": "ckptool.loading",
 }
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass
-
 
 def __getattr__(name: str) -> Any:
     mod = _LAZY.get(name)
