@@ -232,7 +232,8 @@ def main() -> None:
 
 
 # further commands live in their own modules and register on `cli` when imported
-for _mod in ("ckptool.cli_prefixes", "ckptool.cli_verify", "ckptool.cli_demo"):
+for _mod in ("ckptool.cli_prefixes", "ckptool.cli_verify", "ckptool.cli_demo", "ckptool.cli_convert",
+             "ckptool.cli_scan"):
     try:
         __import__(_mod)
     except ModuleNotFoundError as _e:
