@@ -40,6 +40,7 @@ from ckptool.checkpoint import read_checkpoint
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.graph import (
     compiled_inner,
+    iter_state_dict_of_module,
     STATE_DICT_SKIP_SUFFIX,
     get_path,
     is_module,
@@ -50,7 +51,6 @@ from ckptool.graph import (
     module_entries,
     module_state,
     set_mapping_items,
-    unwrap_tensor,
 )
 from ckptool.keys import (
     WRAPPER_COMPONENTS,
@@ -62,7 +62,7 @@ from ckptool.keys import (
     unwrap_key,
 )
 from ckptool.rewrite import WriteResult, output_path, rewrite_file
-from ckptool.unpickler import GlobalMeta, ObjectNode, PickledObject, ReduceNode
+from ckptool.unpickler import ObjectNode, PickledObject, ReduceNode
 
 __all__ = [
     "RenamePlan",
@@ -433,17 +433,7 @@ def _target_at(root: Any, key: str, where: str) -> _Target:
 
 def _module_keys(node: Any, prefix: str = "") -> Iterator[str]:
     """State_dict keys of a pickled module in ``module.state_dict()`` order (compiled submodules seen through)."""
-    if _is_optimized_module(node):
-        yield from _module_keys(node.args[0], join(prefix, "_orig_mod"))
-        return
-    st = module_state(node)
-    if st is None:
-        return
-    for name, v, kind in module_entries(st):
-        if kind == "module":
-            yield from _module_keys(v, join(prefix, name))
-        elif unwrap_tensor(v) is not None:
-            yield join(prefix, name)
+    return (key for key, _t, _is_param in iter_state_dict_of_module(node, prefix))
 
 
 def _target_keys(t: _Target) -> list[str]:
