@@ -9,6 +9,7 @@ same way as torch zip files (their ``data.pkl`` and ``constants.pkl``).
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 
 from ckptool import formats
 from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedError
-from ckptool.unpickler import GlobalMeta, StorageRef, load_structure
+from ckptool.unpickler import GlobalMeta, StorageRef, load_pickle_at, load_structure
 from ckptool.zipdir import ZipEntry, data_offset, read_member
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -137,13 +138,19 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
     archive = first.split("/", 1)[0] if "/" in first else ""
     ck = Checkpoint(path, fmt, size, archive_name=archive or "archive")
     lead = archive + "/" if archive else ""
+    n_lead = len(lead)
     by_name: dict[str, ZipEntry] = {}
+    records = ck.records
     for e in entries:
-        name = e.name[len(lead):] if e.name.startswith(lead) else e.name
+        name = e.name[n_lead:] if e.name.startswith(lead) else e.name
         if e.header_offset + e.compress_size > size:
             raise CorruptCheckpointError(
                 f"{path}: record {e.name!r} runs past the end of the file: truncated; re-download it")
-        ck.records.append(Record(name, -1, e.file_size, e.crc, e))
+        if name in by_name:
+            raise CorruptCheckpointError(
+                f"{path}: the zip holds two members named {e.name!r}; loaders may read either one, so ckptool "
+                "refuses the file (run `ckptool scan` on it)")
+        records.append(Record(name, -1, e.file_size, e.crc, e))
         by_name[name] = e
     if "data.pkl" not in by_name:
         raise NotACheckpointError(f"{path} is a zip archive without data.pkl, not a torch checkpoint")
@@ -155,13 +162,41 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
         ck.protocol = data[1] if len(data) > 1 and data[0] == 0x80 else 2
         ck.root, up = load_structure(data, f"data.pkl in {path}", storages=ck.storages, global_cache=cache)
         seen.update(up.globals_seen)
+        check_storage_records(path, ck.storages, by_name, "data/")
         if fmt == formats.TORCHSCRIPT and "constants.pkl" in by_name:
+            const_storages: dict[str, StorageRef] = {}
             consts, up2 = load_structure(read_member(f, by_name["constants.pkl"], path), f"constants.pkl in {path}",
-                                         storages={}, global_cache=cache)
+                                         storages=const_storages, global_cache=cache)
             ck.extra_roots["constants"] = consts
             seen.update(up2.globals_seen)
+            check_storage_records(path, const_storages, by_name, "constants/")
     ck.globals = list(seen)
     return ck
+
+
+def check_storage_records(path: str, storages: dict[str, StorageRef], by_name: dict[str, ZipEntry],
+                          folder: str) -> None:
+    """Check that every storage has its record ``<folder><key>`` and that the record holds at least the
+    ``numel * element size`` bytes its persistent id declares (torch reads that many bytes from it).
+
+    Raises:
+        CorruptCheckpointError: a record is missing or shorter than its storage.
+    """
+    elsize: dict[int, int] = {}
+    for key, ref in storages.items():
+        e = by_name.get(folder + key)
+        if e is None:
+            raise CorruptCheckpointError(
+                f"{path}: storage {key!r} has no record {folder}{key} in the archive; the file is damaged or "
+                "incomplete, re-download it")
+        st = id(ref.storage_type)
+        n = elsize.get(st)
+        if n is None:
+            n = elsize[st] = STORAGE_TYPES.get(ref.storage_type_name, ("", 1))[1]
+        if ref.numel * n > e.file_size:
+            raise CorruptCheckpointError(
+                f"{path}: storage {key!r} declares {ref.numel} elements ({ref.numel * n} bytes) but its record "
+                f"holds {e.file_size} bytes; the file is damaged or hostile, re-download it")
 
 
 def resolve_zip_offsets(ck: Checkpoint, f: Any) -> None:
@@ -180,50 +215,71 @@ def _read_legacy(path: str) -> Checkpoint:
     size = os.path.getsize(path)
     ck = Checkpoint(path, formats.TORCH_LEGACY, size, archive_name=os.path.splitext(os.path.basename(path))[0])
     with open(path, "rb") as f:
-        magic, _ = load_structure(f, f"magic number of {path}")
-        if magic != LEGACY_MAGIC:
-            raise NotACheckpointError(f"{path} is not a torch legacy checkpoint (bad magic number)")
-        proto, _ = load_structure(f, f"protocol version of {path}")
-        if proto != LEGACY_PROTOCOL:
-            raise UnsupportedError(f"{path}: unsupported legacy protocol version {proto!r}")
-        sys_info, _ = load_structure(f, f"sys_info of {path}")
-        if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
-            raise UnsupportedError(f"{path} was saved on a big-endian machine; load and re-save it there")
-        start = f.tell()
-        ck.root, up = load_structure(f, f"main pickle of {path}", storages=ck.storages)
-        ck.pickle_size = f.tell() - start
-        ck.globals = list(up.globals_seen)
-        keys, _ = load_structure(f, f"storage key list of {path}")
-        if not isinstance(keys, list) or not all(isinstance(k, (str, int)) for k in keys):
-            raise CorruptCheckpointError(f"{path}: the storage key list is malformed; the file is damaged")
-        pos = f.tell()
-        for key in keys:
-            key = str(key)
-            ref = ck.storages.get(key)
-            if ref is None:
-                raise CorruptCheckpointError(f"{path}: storage {key!r} has data but no tensor uses it; damaged file")
-            f.seek(pos)
-            head = f.read(8)
-            if len(head) != 8:
-                raise CorruptCheckpointError(
-                    f"{path} is truncated: the data of storage {key!r} is missing; re-download or re-save it"
-                )
-            numel = struct.unpack("<q", head)[0]
-            elsize = storage_element(ref)[1]
-            if numel != ref.numel:
-                raise CorruptCheckpointError(
-                    f"{path}: storage {key!r} declares {ref.numel} elements but its data holds {numel}; damaged file"
-                )
-            nbytes = numel * elsize
-            if pos + 8 + nbytes > size:
-                raise CorruptCheckpointError(
-                    f"{path} is truncated: storage {key!r} needs {nbytes} bytes at offset {pos + 8} but the file "
-                    f"ends at {size}; re-download or re-save it"
-                )
-            ck.records.append(Record("data/" + key, pos + 8, nbytes))
-            pos += 8 + nbytes
-        have = {str(k) for k in keys}
-        missing = [k for k in ck.storages if k not in have]
-        if missing:
-            raise CorruptCheckpointError(f"{path}: no data for storages {missing[:5]}; the file is damaged")
+        try:
+            buf: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):  # not mappable (a pipe, an odd filesystem): read it
+            buf = f.read()
+        try:
+            _legacy_structure(path, ck, buf, size)
+        finally:
+            if isinstance(buf, mmap.mmap):
+                buf.close()
     return ck
+
+
+def _legacy_structure(path: str, ck: Checkpoint, buf: Any, size: int) -> None:
+    """The five pickles of a legacy stream, then the storage blocks (torch/serialization.py ``_legacy_load``).
+    Every global of every pickle counts: ``torch.load`` unpickles all of them."""
+    seen: dict[tuple[str, str], None] = {}
+
+    def load(pos: int, what: str, **kw: Any) -> tuple[Any, int]:
+        root, up, end = load_pickle_at(buf, pos, f"{what} of {path}", **kw)
+        seen.update(up.globals_seen)
+        return root, end
+
+    magic, pos = load(0, "magic number")
+    if magic != LEGACY_MAGIC:
+        raise NotACheckpointError(f"{path} is not a torch legacy checkpoint (bad magic number)")
+    proto, pos = load(pos, "protocol version")
+    if proto != LEGACY_PROTOCOL:
+        raise UnsupportedError(f"{path}: unsupported legacy protocol version {proto!r}")
+    sys_info, pos = load(pos, "sys_info")
+    if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
+        raise UnsupportedError(f"{path} was saved on a big-endian machine; load and re-save it there")
+    start = pos
+    ck.root, pos = load(pos, "main pickle", storages=ck.storages)
+    ck.pickle_size = pos - start
+    keys, pos = load(pos, "storage key list")
+    ck.globals = list(seen)
+    if not isinstance(keys, list) or not all(isinstance(k, (str, int)) for k in keys):
+        raise CorruptCheckpointError(f"{path}: the storage key list is malformed; the file is damaged")
+    if len({str(k) for k in keys}) != len(keys):
+        raise CorruptCheckpointError(f"{path}: the storage key list names a storage twice; the file is damaged")
+    for key in keys:
+        key = str(key)
+        ref = ck.storages.get(key)
+        if ref is None:
+            raise CorruptCheckpointError(f"{path}: storage {key!r} has data but no tensor uses it; damaged file")
+        head = buf[pos:pos + 8]
+        if len(head) != 8:
+            raise CorruptCheckpointError(
+                f"{path} is truncated: the data of storage {key!r} is missing; re-download or re-save it"
+            )
+        numel = struct.unpack("<q", head)[0]
+        elsize = storage_element(ref)[1]
+        if numel != ref.numel:
+            raise CorruptCheckpointError(
+                f"{path}: storage {key!r} declares {ref.numel} elements but its data holds {numel}; damaged file"
+            )
+        nbytes = numel * elsize
+        if pos + 8 + nbytes > size:
+            raise CorruptCheckpointError(
+                f"{path} is truncated: storage {key!r} needs {nbytes} bytes at offset {pos + 8} but the file "
+                f"ends at {size}; re-download or re-save it"
+            )
+        ck.records.append(Record("data/" + key, pos + 8, nbytes))
+        pos += 8 + nbytes
+    have = {str(k) for k in keys}
+    missing = [k for k in ck.storages if k not in have]
+    if missing:
+        raise CorruptCheckpointError(f"{path}: no data for storages {missing[:5]}; the file is damaged")

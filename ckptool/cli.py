@@ -155,8 +155,9 @@ def _print_info(info: Any, limit: int | None) -> None:
     if info.globals:
         echo("")
         echo("Globals the pickle would import:")
-        echo(tabulate([(g.name, "allowed" if g.allowed else "NOT allowed") for g in info.globals],
-                      headers=["global", "torch.load(weights_only=True)"]))
+        echo(tabulate([(g.name, "allowed" if g.allowed else "NOT allowed",
+                        g.status if g.status != "dangerous" else f"DANGEROUS: {g.reason}") for g in info.globals],
+                      headers=["global", "torch.load(weights_only=True)", "ckptool scan"]))
     echo("")
     for line in _advice(info):
         echo(line)

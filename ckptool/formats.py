@@ -10,6 +10,7 @@ safetensors' 8-byte little-endian header length followed by ``{``. A zip is a To
 from __future__ import annotations
 
 import os
+import re
 import struct
 
 from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UsageError
@@ -125,12 +126,23 @@ def zip_entries(path: str) -> list[ZipEntry]:
     return entries
 
 
+_TORCHSCRIPT_MEMBER = re.compile(r"\n(?:[^/\n]*/)?(?:constants\.pkl\n|code/)")
+_DATA_PKL_MEMBER = re.compile(r"\n(?:[^/\n]*/)?data\.pkl\n")
+
+
 def _zip_kind(path: str) -> str:
     names = [e.name for e in zip_entries(path)]
-    leaf = {n.split("/", 1)[1] if "/" in n else n for n in names}
-    if "constants.pkl" in leaf or any(n.startswith("code/") for n in leaf):
+    # one search over all the names (50,000 records in a large state_dict) instead of a Python loop
+    text = "\n" + "\n".join(names) + "\n"
+    if text.count("\n") == len(names) + 1:
+        script, data = _TORCHSCRIPT_MEMBER.search(text), _DATA_PKL_MEMBER.search(text)
+    else:  # a member name holds a newline: look at each name
+        leaf = {n.split("/", 1)[1] if "/" in n else n for n in names}
+        script = "constants.pkl" in leaf or any(n.startswith("code/") for n in leaf)
+        data = "data.pkl" in leaf
+    if script:
         return TORCHSCRIPT
-    if "data.pkl" in leaf:
+    if data:
         return TORCH_ZIP
     raise NotACheckpointError(
         f"{path} is a zip archive without data.pkl, not a torch checkpoint ({len(names)} entries, "

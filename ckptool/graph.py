@@ -8,11 +8,24 @@ or ``optimizer_state.state.0.exp_avg`` when nested, and for a pickled ``nn.Modul
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ckptool.errors import CorruptCheckpointError
 from ckptool.unpickler import GlobalMeta, ObjectNode, ParameterNode, PickledObject, ReduceNode, TensorNode
+
+#: the most ``(key, tensor)`` entries :func:`iter_state_dict_of_module` yields: a pickle can share submodules
+#: between parents at every level, and a state_dict of such a tree grows exponentially with its depth
+MAX_MODULE_ENTRIES = 2_000_000
+
+
+def too_deep(e: RecursionError | None = None) -> CorruptCheckpointError:
+    """The error for a graph nested deeper than Python can walk (or holding a module that contains itself)."""
+    return CorruptCheckpointError(
+        "the pickle nests containers deeper than ckptool can walk (or a module contains itself); the file is "
+        "malformed or hostile")
 
 _DICT_CLASSES = {("collections", "OrderedDict"), ("builtins", "dict"), ("__builtin__", "dict")}
 _SET_FUNCS = {("builtins", "set"), ("__builtin__", "set")}
@@ -90,6 +103,8 @@ def unwrap_tensor(obj: Any) -> TensorNode | None:
 
 
 def is_tensor(obj: Any) -> bool:
+    if type(obj) is TensorNode:  # the common case, without a call
+        return True
     return unwrap_tensor(obj) is not None
 
 
@@ -168,7 +183,10 @@ def iter_tensors(root: Any, prefix: str = "") -> Iterator[tuple[str, TensorNode,
             else:
                 yield from visit(child_path, child)
 
-    yield from visit(prefix, root)
+    try:
+        yield from visit(prefix, root)
+    except RecursionError as e:
+        raise too_deep(e) from None
 
 
 def _children(path: str, obj: Any) -> list[tuple[str, Any]]:
@@ -227,21 +245,46 @@ class StateDictRef:
 
 
 def iter_state_dict_of_module(node: Any, prefix: str = "") -> Iterator[tuple[str, TensorNode, bool]]:
-    """``(key, tensor, requires_grad)`` in the order ``module.state_dict()`` would give."""
+    """``(key, tensor, requires_grad)`` in the order ``module.state_dict()`` would give.
+
+    Raises:
+        CorruptCheckpointError: a module contains itself, the tree is nested deeper than Python can walk, or it
+            would give more than :data:`MAX_MODULE_ENTRIES` entries (submodules shared at every level).
+    """
+    budget = [MAX_MODULE_ENTRIES]
+    try:
+        yield from _module_entries(node, prefix, set(), budget)
+    except RecursionError as e:
+        raise too_deep(e) from None
+
+
+def _module_entries(node: Any, prefix: str, active: set[int], budget: list[int]
+                    ) -> Iterator[tuple[str, TensorNode, bool]]:
+    if id(node) in active:
+        raise too_deep()
     inner = compiled_inner(node)
     if inner is not None:
-        yield from iter_state_dict_of_module(inner, join(prefix, "_orig_mod"))
+        active.add(id(node))
+        yield from _module_entries(inner, join(prefix, "_orig_mod"), active, budget)
+        active.discard(id(node))
         return
     st = module_state(node)
     if st is None:
         return
+    active.add(id(node))
     for name, v, kind in module_entries(st):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise CorruptCheckpointError(
+                f"the pickled module tree gives more than {MAX_MODULE_ENTRIES} state_dict entries (submodules "
+                "shared at every level?); the file is malformed or hostile")
         if kind == "module":
-            yield from iter_state_dict_of_module(v, join(prefix, name))
+            yield from _module_entries(v, join(prefix, name), active, budget)
         else:
             t = unwrap_tensor(v)
             if t is not None:
                 yield join(prefix, name), t, isinstance(v, ParameterNode)
+    active.discard(id(node))
 
 
 def is_state_dict(obj: Any) -> bool:
@@ -263,8 +306,13 @@ def is_state_dict(obj: Any) -> bool:
 def is_optimizer_state(items: list[tuple[Any, Any]]) -> bool:
     """True for ``optimizer.state_dict()`` (``state`` keyed by parameter index, ``param_groups``): its per-parameter
     dicts of tensors (``exp_avg``...) are not model state_dicts."""
-    keys = {k for k, _v in items}
-    return "state" in keys and "param_groups" in keys
+    # compared one by one, not put in a set: a key may be a hostile nest of tuples that cannot be hashed safely
+    state = groups = False
+    for k, _v in items:
+        if type(k) is str:
+            state = state or k == "state"
+            groups = groups or k == "param_groups"
+    return state and groups
 
 
 def find_state_dicts(root: Any) -> list[StateDictRef]:
@@ -272,9 +320,9 @@ def find_state_dicts(root: Any) -> list[StateDictRef]:
     ``model_state_dict``, ``ema``, ...) and pickled modules (full models). Does not look inside a found one."""
     out: list[StateDictRef] = []
     seen: set[int] = set()
-    queue: list[tuple[str, Any]] = [("", root)]
+    queue: deque[tuple[str, Any]] = deque([("", root)])
     while queue:
-        path, obj = queue.pop(0)
+        path, obj = queue.popleft()
         if id(obj) in seen or obj is None or isinstance(obj, (str, int, float, bytes, bool)):
             continue
         seen.add(id(obj))

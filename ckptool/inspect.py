@@ -18,8 +18,9 @@ from ckptool._gc import gc_paused
 from ckptool.allowlist import is_allowed
 from ckptool.checkpoint import DTYPE_SIZES, Checkpoint, read_checkpoint, read_pickle_file, storage_element
 from ckptool.errors import CorruptCheckpointError
-from ckptool.graph import find_state_dicts, is_module, is_state_dict, iter_tensors, mapping_items
+from ckptool.graph import find_state_dicts, is_module, is_state_dict, iter_tensors, mapping_items, too_deep
 from ckptool.keys import is_flat_param_key, shared_prefixes, suggest_command
+from ckptool.scan import ALLOWED, DANGEROUS, UNKNOWN, classify_global
 from ckptool.unpickler import StorageRef, TensorNode, qualified_name
 
 # safetensors dtype codes -> torch dtype names (safetensors format description)
@@ -64,10 +65,20 @@ class StateDictInfo:
 @dataclass
 class GlobalInfo:
     """A global the pickle would import (``module.qualname``), and whether ``torch.load(weights_only=True)``
-    accepts it."""
+    accepts it (``allowed``). ``status`` is how ``ckptool scan`` classifies it (``allowed``, ``dangerous`` or
+    ``unknown``, see :func:`ckptool.scan.classify_global`; filled in from ``name`` when not given) and ``reason``
+    says why."""
 
     name: str
     allowed: bool
+    status: str = ""
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.status:
+            self.status, self.reason = classify_global(self.name)
+            if self.allowed and self.status != ALLOWED:  # allowed by a caller's own list (DCP metadata)
+                self.status, self.reason = ALLOWED, "allowed for this format"
 
 
 @dataclass
@@ -95,12 +106,22 @@ class CheckpointInfo:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["tensors"] = [t.__dict__.copy() for t in self.tensors]
         d["state_dicts"] = [sd.__dict__.copy() for sd in self.state_dicts]
-        d["globals"] = [g.__dict__.copy() for g in self.globals]
+        d["globals"] = [{"name": g.name, "allowed": g.allowed} for g in self.globals]
+        d["security"] = {
+            "verdict": self.verdict,
+            "dangerous": [{"name": g.name, "reason": g.reason} for g in self.globals if g.status == DANGEROUS],
+            "unknown": [g.name for g in self.globals if g.status == UNKNOWN],
+        }
         return d
 
     @property
     def unsafe_globals(self) -> list[str]:
         return [g.name for g in self.globals if not g.allowed]
+
+    @property
+    def verdict(self) -> str:
+        """``safe`` when every global is allowed (as ``ckptool scan`` classifies them), else ``unsafe``."""
+        return "unsafe" if any(g.status != ALLOWED for g in self.globals) else "safe"
 
     @property
     def total_bytes(self) -> int:
@@ -147,6 +168,8 @@ def tensor_infos(root: Any) -> list[TensorInfo]:
 
 
 def _kind(root: Any, sds: list) -> str:
+    if sds and sds[0].obj is root and not sds[0].is_module:  # find_state_dicts already tested the root
+        return "state_dict"
     if is_state_dict(root):
         return "state_dict"
     if is_module(root):
@@ -161,21 +184,30 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Describe the checkpoint at ``path`` without importing torch or reading tensor data.
 
     Returns a :class:`CheckpointInfo`: format (``torch-zip``, ``torch-legacy``, ``torchscript``, ``safetensors``,
-    ``pickle``), kind (``state_dict``, ``training_checkpoint``, ``full_model``, ``torchscript``, ``tensors``),
-    every tensor (shared storages included), tensor counts per location tag, the state_dicts found with their
-    wrapper prefixes, and the globals the pickle names with their ``weights_only=True`` status.
+    ``pickle``; for an ``*.index.json`` or a folder ``sharded-safetensors``, ``sharded-torch`` or ``dcp``, see
+    :func:`ckptool.convert.inspect_set`), kind (``state_dict``, ``training_checkpoint``, ``full_model``,
+    ``torchscript``, ``tensors``), every tensor (shared storages included), tensor counts per location tag, the
+    state_dicts found with their wrapper prefixes, and the globals the pickle names with their
+    ``weights_only=True`` status.
 
     Raises:
-        UsageError: missing path or a directory.
+        UsageError: missing path, or a folder that is neither a DCP checkpoint nor holds one ``*.index.json``.
         NotACheckpointError: empty file, unknown bytes or another file type.
         CorruptCheckpointError: truncated or damaged file.
     """
     path = os.fspath(path)
+    if path.endswith(".index.json") or os.path.isdir(path):  # sharded sets and DCP folders
+        from ckptool.convert import inspect_set
+
+        return inspect_set(path)
     fmt = formats.detect_format(path)
     if fmt == formats.SAFETENSORS:
         return _inspect_safetensors(path)
-    ck = read_pickle_file(path) if fmt == formats.PICKLE else read_checkpoint(path, fmt)
-    return describe(ck)
+    try:
+        ck = read_pickle_file(path) if fmt == formats.PICKLE else read_checkpoint(path, fmt)
+        return describe(ck)
+    except RecursionError as e:
+        raise CorruptCheckpointError(f"{path}: {too_deep(e)}") from None
 
 
 def describe(ck: Checkpoint) -> CheckpointInfo:
@@ -202,7 +234,8 @@ def describe(ck: Checkpoint) -> CheckpointInfo:
         storage_bytes[ref.location] = storage_bytes.get(ref.location, 0) + nb
     kind = "torchscript" if ck.format == formats.TORCHSCRIPT else _kind(ck.root, sds)
     names = [qualified_name(m, n) for m, n in ck.globals]
-    globs = [GlobalInfo(n, is_allowed(n)) for n in dict.fromkeys(names)]
+    torchscript = ck.format == formats.TORCHSCRIPT and ck.record("constants.pkl") is not None
+    globs = [GlobalInfo(n, is_allowed(n), *classify_global(n, torchscript=torchscript)) for n in dict.fromkeys(names)]
     return CheckpointInfo(ck.path, ck.format, kind, ck.size, tensors, devices, storage_bytes, sd_infos, globs,
                           storages=len(ck.storages))
 
@@ -226,8 +259,10 @@ def read_safetensors_header(path: str) -> dict[str, Any]:
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{path}: safetensors header is not valid JSON ({e}); re-download it") from e
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise CorruptCheckpointError(
+            f"{path}: safetensors header is not valid JSON ({type(e).__name__}: {str(e)[:200]}); re-download it"
+        ) from e
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object; the file is damaged")
     data_len = size - 8 - n

@@ -257,5 +257,12 @@ class GraphPickler:
 
 
 def dumps(root: Any, *, protocol: int = 2, storage_hook: Any = None) -> bytes:
-    """Pickle the node graph ``root`` (see :class:`GraphPickler`). Raises :class:`PicklerError`."""
-    return GraphPickler(protocol, storage_hook).dumps(root)
+    """Pickle the node graph ``root`` (see :class:`GraphPickler`).
+
+    Raises:
+        PicklerError: a value this writer cannot express, or a graph nested deeper than Python's recursion limit.
+    """
+    try:
+        return GraphPickler(protocol, storage_hook).dumps(root)
+    except RecursionError:
+        raise PicklerError("the graph is nested deeper than Python's recursion limit allows writing") from None

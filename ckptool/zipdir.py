@@ -20,9 +20,18 @@ _CDH = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
 _U32 = 0xFFFFFFFF
 
 
+#: the most bytes a compressed (deflated) record may inflate to: torch stores every record uncompressed, so only
+#: re-packed archives compress, and a small record inflating to gigabytes is a zip bomb
+MAX_INFLATE = 1 << 30
+#: the largest central directory read (about 12 million records)
+MAX_DIRECTORY = 1 << 30
+_ENCRYPTED = 0x1 | 0x40  # general purpose flag bits 0 (encrypted) and 6 (strong encryption)
+
+
 class ZipEntry(NamedTuple):
     """One central-directory record: ``name`` (full path in the zip), ``header_offset`` (local header),
-    ``compress_size`` / ``file_size`` in bytes, ``crc`` (CRC-32), ``method`` (0 stored, 8 deflated)."""
+    ``compress_size`` / ``file_size`` in bytes, ``crc`` (CRC-32), ``method`` (0 stored, 8 deflated), ``flags``
+    (general purpose bit flags; bit 0 = encrypted)."""
 
     name: str
     header_offset: int
@@ -30,6 +39,7 @@ class ZipEntry(NamedTuple):
     file_size: int
     crc: int
     method: int
+    flags: int = 0
 
 
 def read_directory(f: BinaryIO, size: int, path: str) -> list[ZipEntry]:
@@ -57,6 +67,9 @@ def read_directory(f: BinaryIO, size: int, path: str) -> list[ZipEntry]:
         eocd_at = z64_at
     if cd_offset + cd_size > eocd_at:
         raise CorruptCheckpointError(f"{path} is a damaged zip (central directory out of bounds); re-download it")
+    if cd_size > MAX_DIRECTORY:
+        raise CorruptCheckpointError(
+            f"{path}: the zip central directory declares {cd_size} bytes, over ckptool's limit of {MAX_DIRECTORY}")
     f.seek(cd_offset)
     buf = f.read(cd_size)
     if len(buf) != cd_size:
@@ -64,6 +77,7 @@ def read_directory(f: BinaryIO, size: int, path: str) -> list[ZipEntry]:
     out: list[ZipEntry] = []
     p = 0
     unpack = _CDH.unpack_from
+    new = tuple.__new__  # ZipEntry(...) without the NamedTuple's Python-level __new__: 50,000 records add up
     try:
         for _ in range(count):
             (sig, _vm, _vn, flags, method, _t, _d2, crc, csize, usize, n, m, k, _disk, _ia, _ea,
@@ -74,10 +88,12 @@ def read_directory(f: BinaryIO, size: int, path: str) -> list[ZipEntry]:
             name = raw.decode("utf-8" if flags & 0x800 else "cp437")
             if usize == _U32 or csize == _U32 or off == _U32:
                 usize, csize, off = _zip64_extra(buf[p + 46 + n:p + 46 + n + m], usize, csize, off, path)
-            out.append(ZipEntry(name, off, csize, usize, crc, method))
+            out.append(new(ZipEntry, (name, off, csize, usize, crc, method, flags)))
             p += 46 + n + m + k
-    except struct.error as e:
+    except (struct.error, IndexError) as e:
         raise CorruptCheckpointError(f"{path} is a damaged zip (central directory cut short); re-download it") from e
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpointError(f"{path} is a damaged zip (a member name is not valid UTF-8); re-download it") from e
     return out
 
 
@@ -112,24 +128,69 @@ def data_offset(f: BinaryIO, entry: ZipEntry, path: str) -> int:
     return entry.header_offset + 30 + n + m
 
 
-def read_member(f: BinaryIO, entry: ZipEntry, path: str) -> bytes:
-    """The (inflated) bytes of ``entry``, checked against its CRC-32.
+def read_member(f: BinaryIO, entry: ZipEntry, path: str, *, limit: int | None = None,
+                check_crc: bool = True) -> bytes:
+    """The (inflated) bytes of ``entry``, checked against its CRC-32 unless ``check_crc=False``.
+
+    A deflated member inflates to at most its declared size, and that size may not exceed ``limit`` bytes
+    (default :data:`MAX_INFLATE`): a zip bomb is refused in bounded time and memory.
 
     Raises:
-        CorruptCheckpointError: truncated data, a bad CRC, or an unsupported compression method.
+        CorruptCheckpointError: truncated data, a bad CRC, an encrypted member, a member that inflates past its
+            declared size or ``limit``, or an unsupported compression method.
     """
+    limit = MAX_INFLATE if limit is None else limit
+    if entry.flags & _ENCRYPTED:
+        raise CorruptCheckpointError(f"{path}: {entry.name!r} is encrypted; torch cannot read it either")
+    if entry.method == 0 and entry.compress_size != entry.file_size:
+        raise CorruptCheckpointError(
+            f"{path}: stored member {entry.name!r} declares {entry.compress_size} bytes stored but {entry.file_size} "
+            "bytes of content; the zip is damaged")
+    if entry.method == 8 and entry.file_size > limit:
+        raise CorruptCheckpointError(
+            f"{path}: {entry.name!r} declares {entry.file_size} bytes once inflated, over ckptool's limit of {limit} "
+            "bytes for compressed records (a zip bomb?); torch never compresses records: re-save the checkpoint")
     start = data_offset(f, entry, path)
     f.seek(start)
     data = f.read(entry.compress_size)
     if len(data) != entry.compress_size:
         raise CorruptCheckpointError(f"{path}: {entry.name!r} is truncated; re-download the file")
     if entry.method == 8:
+        d = zlib.decompressobj(-15)
         try:
-            data = zlib.decompress(data, -15)
+            out = d.decompress(data, entry.file_size + 1)
         except zlib.error as e:
             raise CorruptCheckpointError(f"{path}: {entry.name!r} does not inflate ({e}); the file is damaged") from e
+        if len(out) > entry.file_size or (d.unconsumed_tail and not d.eof):
+            raise CorruptCheckpointError(
+                f"{path}: {entry.name!r} inflates past its declared size of {entry.file_size} bytes (a zip bomb or "
+                "a damaged file); refusing to read it")
+        if not d.eof:
+            raise CorruptCheckpointError(f"{path}: {entry.name!r} does not inflate completely; the file is damaged")
+        data = out
     elif entry.method != 0:
         raise CorruptCheckpointError(f"{path}: {entry.name!r} uses unsupported compression method {entry.method}")
-    if zlib.crc32(data) != entry.crc:
+    if check_crc and zlib.crc32(data) != entry.crc:
         raise CorruptCheckpointError(f"{path}: {entry.name!r} fails its CRC-32 check; the file is damaged, re-download it")
     return data
+
+
+def read_member_head(f: BinaryIO, entry: ZipEntry, path: str, n: int = 8) -> bytes:
+    """The first ``n`` bytes of ``entry``'s content (inflating at most 64 KiB of a deflated member), to see what
+    it is without reading it all.
+
+    Raises:
+        CorruptCheckpointError: an encrypted member, a local header that is missing, data that does not inflate, or
+            an unsupported compression method.
+    """
+    if entry.flags & _ENCRYPTED:
+        raise CorruptCheckpointError(f"{path}: {entry.name!r} is encrypted; torch cannot read it either")
+    f.seek(data_offset(f, entry, path))
+    if entry.method == 0:
+        return f.read(min(n, entry.compress_size))
+    if entry.method != 8:
+        raise CorruptCheckpointError(f"{path}: {entry.name!r} uses unsupported compression method {entry.method}")
+    try:
+        return zlib.decompressobj(-15).decompress(f.read(min(entry.compress_size, 1 << 16)), n)
+    except zlib.error as e:
+        raise CorruptCheckpointError(f"{path}: {entry.name!r} does not inflate ({e}); the file is damaged") from e

@@ -1,0 +1,152 @@
+"""The ``convert`` command: torch.save files, safetensors, sharded sets and DCP folders, in either direction.
+
+A thin Click command over :func:`ckptool.convert.convert`; imported by :mod:`ckptool.cli` at start, so it imports
+neither torch nor the library module until the command runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from ckptool.cli import cli, human_bytes
+
+_LIST = 8  # names listed before "and N more"
+
+
+def _names(items: list[str]) -> str:
+    more = f" and {len(items) - _LIST} more" if len(items) > _LIST else ""
+    return ", ".join(items[:_LIST]) + more
+
+
+class _Progress:
+    """A Click progress bar on stderr, shown only when stderr is a terminal and the data is large."""
+
+    def __init__(self, minimum: int) -> None:
+        self.minimum = minimum
+        self.bar: Any = None
+        self.done = 0
+        self.enabled = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total < self.minimum:
+            return
+        if self.bar is None:
+            self.bar = click.progressbar(length=total, label="converting", file=sys.stderr, show_eta=True,
+                                         show_percent=True)
+            self.bar.__enter__()
+        self.bar.update(done - self.done)
+        self.done = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
+def report_convert(res: Any) -> None:
+    """Print what a conversion did: the selection, what was left out, aliases, layout changes, casts, the files."""
+    echo = click.echo
+    if res.key:
+        what = f"state_dict {res.key!r}"
+    elif res.key == "":
+        what = "the top-level state_dict"
+    elif res.format_in == "safetensors" or res.format_in.startswith("sharded"):
+        what = "the tensors"
+    else:
+        what = "the whole checkpoint"
+    echo(f"Converted {what} of {res.src} ({res.format_in}) to {res.format_out}.")
+    if res.left_out:
+        echo(f"Not carried: {len(res.left_out)} other entr{'y' if len(res.left_out) == 1 else 'ies'} of the file "
+             "(pass --key PATH to convert another state_dict):")
+        for line in res.left_out[:20]:
+            echo(f"  {line}")
+        if len(res.left_out) > 20:
+            echo(f"  ... and {len(res.left_out) - 20} more")
+    if res.skipped:
+        echo(f"Not stored: {len(res.skipped)} non-tensor entr{'y' if len(res.skipped) == 1 else 'ies'} of the "
+             f"state_dict: {_names(res.skipped)}")
+    if res.aliases:
+        pairs = [f"{a} -> {k}" for a, k in res.aliases.items()]
+        echo(f"Shared storage: {len(res.aliases)} tensor(s) stored once, as views of another (recorded in "
+             f"__metadata__; ckptool restores them): {_names(pairs)}")
+    if res.made_contiguous:
+        echo(f"Stored contiguous (their layout was not): {_names(res.made_contiguous)}")
+    if res.trimmed_bytes:
+        echo(f"Storage bytes no tensor reaches were not carried: {human_bytes(res.trimmed_bytes)}")
+    if res.cast:
+        echo("Cast: " + ", ".join(f"{k} ({n})" for k, n in sorted(res.cast.items())))
+    if res.renamed:
+        echo(f"Renamed {res.renamed} key(s)")
+    for note in res.notes:
+        echo(f"Note: {note}")
+    shards = f", {res.shards} shards + index" if res.shards > 1 else ""
+    stored = f"{res.stored} of {res.tensors} tensors stored" if res.stored != res.tensors else f"{res.tensors} tensors"
+    echo(f"Wrote {res.dst} ({human_bytes(res.bytes_written)}, {stored}{shards})")
+    if res.verified:
+        echo(f"Verified: the output re-opens with {res.checked} equal to the source")
+    elif res.verified is None:
+        echo("Not verified (--no-verify)")
+
+
+@cli.command("convert")
+@click.argument("src", type=click.Path(dir_okay=True))
+@click.option("-o", "--output", "dst", required=True, type=click.Path(),
+              help="Output file, or folder with --max-shard-size or --format dcp.")
+@click.option("--format", "fmt", type=click.Choice(["torch", "safetensors", "dcp"]),
+              help="Output format. Default: from DST's suffix (.safetensors; .pt/.pth/.bin/.ckpt), safetensors "
+                   "with --max-shard-size.")
+@click.option("--key", metavar="PATH", help="Dotted path of the state_dict to convert (default: found automatically).")
+@click.option("--to", metavar="DEVICE", help="Location tag of every storage in torch output (cpu, cuda:0, ...).")
+@click.option("--unwrap", "unwrap_keys", is_flag=True,
+              help="Remove wrapper components from the keys (module., _orig_mod., ...; see `ckptool unwrap`).")
+@click.option("--strip-prefix", "strip_prefixes", metavar="PREFIX", multiple=True,
+              help="Remove PREFIX from the front of the keys (repeatable, applied in order).")
+@click.option("--max-shard-size", metavar="SIZE",
+              help="Write DST as a folder of shards of at most SIZE (5GB, 500MB, 2GiB) plus an index.")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "float64"]),
+              help="Cast floating tensors (integer, bool, complex and float8 tensors are untouched).")
+@click.option("--no-verify", is_flag=True, help="Skip re-opening the output to compare it with the source.")
+@click.option("--trust", is_flag=True,
+              help="Allow globals outside torch's weights-only allowlist where torch loads the data (DCP). Only for "
+                   "files you trust.")
+def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | None, unwrap_keys: bool,
+                strip_prefixes: tuple[str, ...], max_shard_size: str | None, dtype: str | None, no_verify: bool,
+                trust: bool) -> None:
+    """Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint.
+
+    SRC is a torch.save file, a safetensors file, a sharded set (*.index.json, or the folder holding it) or a
+    DCP folder. From a torch file the state_dict is converted (found automatically, or --key); what else the file
+    held (optimizer state, epoch...) is listed as not carried. Tied weights and views are stored once in
+    safetensors, the others recorded as aliases in __metadata__, and restored as shared storage when ckptool
+    converts the file back. Memory stays bounded by the largest tensor (DCP conversions excepted: torch's own
+    functions hold the state). After writing, the output is re-opened
+    and every tensor compared with the source (names, shapes, dtypes, CRC-32 checksums); the output is written
+    atomically and SRC never changes.
+
+    \b
+    Examples:
+      ckptool convert model.pth -o model.safetensors
+      ckptool convert last.ckpt -o model.safetensors --key state_dict --unwrap
+      ckptool convert model.safetensors -o model.pt --to cuda:0
+      ckptool convert model.pth -o out/ --max-shard-size 2GB --dtype bfloat16
+      ckptool convert checkpoints/step_1000/ -o model.pt           # a DCP folder
+      ckptool convert model.pt -o dcp_ckpt/ --format dcp
+    """
+    from ckptool.convert import _PROGRESS_MIN, convert
+
+    bar = _Progress(_PROGRESS_MIN)
+    try:
+        res = convert(src, dst, format=fmt, key=key, to=to, unwrap=unwrap_keys, strip_prefixes=strip_prefixes,
+                      max_shard_size=max_shard_size, dtype=dtype, verify=not no_verify, trust=trust, progress=bar)
+    finally:
+        bar.close()
+    report_convert(res)
+    if res.format_out == "safetensors" and res.shards == 1:
+        click.echo(f"Load it with: safetensors.torch.load_file({res.files[0]!r})")
+    elif res.format_out == "torch" and res.shards == 1:
+        click.echo(f"Load it with: torch.load({res.files[0]!r}, weights_only=True)")
+    elif res.format_out == "dcp":
+        click.echo(f"Load it with: torch.distributed.checkpoint.load(state_dict, checkpoint_id={res.dst!r})")

@@ -1,0 +1,612 @@
+"""``ckptool scan``: list every global each pickle in a file would import, and say whether loading it is safe.
+
+How a global is classified
+--------------------------
+* **allowed**: ``torch.load(weights_only=True)`` accepts it (:data:`ckptool.allowlist.WEIGHTS_ONLY_ALLOWED`,
+  taken from torch's ``_weights_only_unpickler._get_allowed_globals()``). In a TorchScript archive (a zip holding
+  ``constants.pkl``, the test ``torch.load`` itself uses to hand the file to ``torch.jit.load``) the names that
+  TorchScript's C++ unpickler resolves without Python are allowed too: ``__torch__.*`` (classes compiled from the
+  archive's own TorchScript code) and ``torch.jit._pickle.*``.
+* **dangerous**: a known process, file, network, import or code-evaluation gadget (``os.system``,
+  ``builtins.eval``, ``subprocess.Popen``, ``functools.partial``, ``torch.load`` inside a pickle...). This list
+  only *explains* why a name is bad; it never makes a name safe.
+* **unknown**: anything else (a model class such as ``mypkg.Net``, numpy internals...). Loading the file would
+  import and call it: only do that with ``weights_only=False`` for a source you trust.
+
+A file is *safe* when every global of every pickle in it is allowed, *unsafe* when any is not (even if the pickle
+is damaged after it: ``torch.load`` would already have run it), and an *error* when a pickle could not be read
+to its end (ckptool cannot vouch for what follows).
+
+Which pickles are read
+----------------------
+Scanning looks at the bytes, never at the file name, and reads every place a loader might find a pickle:
+
+* a zip (torch >= 1.6 or TorchScript): every member named ``*.pkl`` / ``*.debug_pkl`` / ``*.pickle`` in any
+  folder, duplicates included, with a bad CRC-32 noted but still read (torch does not check it); members that are
+  themselves zips are scanned recursively; other members that start like a pickle are read too;
+* a legacy stream: its five pickles (magic number, protocol, ``sys_info``, main object, storage keys);
+* a legacy tar (torch < 0.4): its ``sys_info``, ``pickle``, ``storages`` and ``tensors`` members;
+* a plain pickle (whatever its name: ``.pt``, ``.bin``...);
+* in every case, data after the last pickle: further pickles in a row are read, and a zip appended to the file
+  (which ``zipfile`` and some scanners see instead of the leading pickle) is scanned as well;
+* safetensors files hold no pickle: their header is checked and they are safe.
+
+Nothing is imported or called while scanning: the pickles are read by :mod:`ckptool.unpickler`.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import struct
+import tarfile
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptool import formats
+from ckptool.allowlist import is_allowed
+from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
+from ckptool.unpickler import check_pickle, load_pickle_at, partial_globals, qualified_name
+from ckptool.zipdir import ZipEntry, read_directory, read_member, read_member_head
+
+__all__ = ["ALLOWED", "DANGEROUS", "UNKNOWN", "GlobalFinding", "PickleFinding", "ScanResult", "classify_global",
+           "scan", "scan_file"]
+
+ALLOWED, DANGEROUS, UNKNOWN = "allowed", "dangerous", "unknown"
+
+#: modules whose every callable is a gadget (the module and its submodules): what each one can do
+DANGEROUS_MODULES: dict[str, str] = {
+    "os": "runs processes and changes files", "posix": "runs processes and changes files",
+    "nt": "runs processes and changes files", "subprocess": "runs processes", "pty": "runs processes",
+    "popen2": "runs processes", "commands": "runs processes", "multiprocessing": "runs processes",
+    "asyncio": "runs processes and opens connections", "socket": "opens network connections",
+    "_socket": "opens network connections", "ssl": "opens network connections",
+    "http": "opens network connections", "urllib": "opens network connections", "urllib2": "opens network connections",
+    "requests": "opens network connections", "httplib": "opens network connections",
+    "ftplib": "opens network connections", "smtplib": "opens network connections",
+    "telnetlib": "opens network connections", "webbrowser": "opens URLs",
+    "importlib": "imports any module", "pkgutil": "imports any module", "imp": "imports any module",
+    "runpy": "runs Python files and modules", "code": "runs Python code", "codeop": "compiles Python code",
+    "pydoc": "imports any module (pydoc.locate)", "ctypes": "calls C functions", "_ctypes": "calls C functions",
+    "cffi": "calls C functions", "shutil": "copies and deletes files", "tempfile": "creates files",
+    "pickle": "unpickles more data (running it)", "_pickle": "unpickles more data (running it)",
+    "cPickle": "unpickles more data (running it)", "dill": "unpickles more data (running it)",
+    "cloudpickle": "unpickles more data (running it)", "joblib": "unpickles more data (running it)",
+    "marshal": "loads code objects", "shelve": "unpickles more data (running it)",
+    "timeit": "runs Python code", "cProfile": "runs Python code", "profile": "runs Python code",
+    "trace": "runs Python code", "pdb": "runs Python code", "bdb": "runs Python code",
+    "doctest": "runs Python code", "sys": "changes the interpreter (sys.modules, hooks)",
+    "signal": "changes signal handlers",
+    "io": "opens files", "_io": "opens files", "codecs": "opens files (codecs.open)",
+    "fileinput": "opens files", "glob": "lists files", "pathlib": "reads and writes files",
+    "zipimport": "imports code from archives", "venv": "creates environments and runs pip",
+    "ensurepip": "runs pip", "pip": "installs packages", "setuptools": "runs build code",
+    "distutils": "runs build code", "gc": "reaches every live object (gc.get_objects)",
+    "inspect": "reaches frames and source", "types": "builds functions and code objects",
+}
+
+#: single names that are gadgets
+DANGEROUS_NAMES: dict[str, str] = {
+    "builtins.eval": "evaluates Python code", "builtins.exec": "runs Python code",
+    "builtins.compile": "compiles Python code", "builtins.__import__": "imports any module",
+    "builtins.getattr": "reaches any attribute (getattr(os, 'system'))", "builtins.setattr": "changes any attribute",
+    "builtins.delattr": "deletes any attribute", "builtins.open": "opens files", "builtins.input": "reads the console",
+    "builtins.breakpoint": "starts a debugger", "builtins.globals": "reaches module globals",
+    "builtins.locals": "reaches local variables", "builtins.vars": "reaches namespaces",
+    "builtins.help": "starts pydoc", "builtins.exit": "exits the process", "builtins.quit": "exits the process",
+    "builtins.memoryview": "reads raw memory",
+    "builtins.type": "creates classes", "builtins.super": "reaches parent-class methods",
+    "functools.partial": "binds arguments to any callable", "functools.reduce": "calls any callable repeatedly",
+    "functools.partialmethod": "binds arguments to any callable",
+    "operator.attrgetter": "reaches any attribute", "operator.methodcaller": "calls any method",
+    "pkgutil.resolve_name": "imports any module", "pydoc.locate": "imports any module",
+    "torch.load": "loads another checkpoint, possibly with weights_only=False",
+    "torch.serialization.load": "loads another checkpoint, possibly with weights_only=False",
+    "torch.jit.load": "loads TorchScript code", "torch.hub.load": "downloads and runs code",
+    "torch.hub.load_state_dict_from_url": "downloads files",
+    "torch.utils.cpp_extension.load": "compiles and loads C++ code",
+    "torch.utils.cpp_extension.load_inline": "compiles and loads C++ code",
+    "torch._inductor.codecache.compile_file": "compiles code",
+    "torch.storage._load_from_bytes": "unpickles more data (running it)",
+    "numpy.load": "unpickles .npy data with allow_pickle", "numpy.testing._private.utils.runstring": "runs Python code",
+    "numpy.lib.npyio.load": "unpickles .npy data with allow_pickle",
+}
+
+#: names TorchScript's C++ unpickler resolves itself (torch/csrc/jit/serialization/unpickler.cpp), never importing
+TORCHSCRIPT_NAMES = frozenset({
+    "torch.jit._pickle.build_intlist", "torch.jit._pickle.build_tensorlist", "torch.jit._pickle.build_doublelist",
+    "torch.jit._pickle.build_boollist", "torch.jit._pickle.build_tensor_from_id", "torch.jit._pickle.restore_type_tag",
+})
+
+
+def classify_global(name: str, *, torchscript: bool = False) -> tuple[str, str]:
+    """``(status, reason)`` of the global ``module.qualname`` (Python 3 module names).
+
+    ``status`` is :data:`ALLOWED` (in the ``torch.load(weights_only=True)`` allowlist, or resolved by TorchScript's
+    own unpickler when ``torchscript`` is true), :data:`DANGEROUS` (a known gadget; ``reason`` says what it can
+    do) or :data:`UNKNOWN` (anything else: loading would import and call it).
+    """
+    if is_allowed(name):
+        return ALLOWED, "accepted by torch.load(weights_only=True)"
+    if torchscript and (name.startswith("__torch__.") or name in TORCHSCRIPT_NAMES):
+        return ALLOWED, "resolved by torch.jit.load's own unpickler, not imported"
+    why = DANGEROUS_NAMES.get(name)
+    if why is None:
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            why = DANGEROUS_MODULES.get(".".join(parts[:i]))
+            if why is not None:
+                break
+    if why is not None:
+        return DANGEROUS, why
+    return UNKNOWN, "not in torch's weights_only allowlist: loading would import and call it"
+
+
+# ------------------------------------------------------------------------------------------------ results
+@dataclass
+class PickleFinding:
+    """One pickle found in a file: ``where`` (``archive/data.pkl``, ``pickle at byte 0``, ``legacy sys_info``,
+    ``inner.zip!archive/data.pkl``...), its byte ``offset`` in that container, the ``globals`` it names
+    (``module.qualname``, first use first) and ``error`` when it could not be read to its STOP opcode (the globals
+    are then those named before the failure)."""
+
+    where: str
+    offset: int
+    globals: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class GlobalFinding:
+    """A global named anywhere in the file, its classification (``allowed`` / ``dangerous`` / ``unknown``,
+    :func:`classify_global`), why, and the pickles (``where``) that name it."""
+
+    name: str
+    status: str
+    reason: str
+    where: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ScanResult:
+    """What :func:`scan_file` found in one file.
+
+    ``format`` is the container recognised from the bytes (``torch-zip``, ``torchscript``, ``zip``,
+    ``torch-legacy``, ``legacy-tar``, ``pickle``, ``safetensors``, or ``unknown``); ``notes`` list container
+    oddities (data after the last pickle, bad CRC-32, duplicate member names, unreadable extra members...);
+    ``error`` says why the file could not be read at all.
+    """
+
+    path: str
+    format: str = "unknown"
+    pickles: list[PickleFinding] = field(default_factory=list)
+    globals: list[GlobalFinding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def verdict(self) -> str:
+        """``unsafe`` if any global is not allowed; else ``error`` if a pickle (or the file) could not be read to
+        its end; else ``safe``."""
+        if any(g.status != ALLOWED for g in self.globals):
+            return "unsafe"
+        if self.error or any(p.error for p in self.pickles):
+            return "error"
+        return "safe"
+
+    @property
+    def exit_code(self) -> int:
+        """0 safe, 1 unsafe, 2 unreadable (the ``ckptool scan`` exit status for this file alone)."""
+        return {"safe": 0, "unsafe": 1, "error": 2}[self.verdict]
+
+    @property
+    def unsafe(self) -> list[GlobalFinding]:
+        """The globals that are not allowed (dangerous first)."""
+        bad = [g for g in self.globals if g.status != ALLOWED]
+        return sorted(bad, key=lambda g: g.status != DANGEROUS)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (what ``ckptool scan --json`` prints for each file)."""
+        return {
+            "path": self.path, "verdict": self.verdict, "format": self.format, "error": self.error,
+            "globals": [vars(g).copy() for g in self.globals],
+            "pickles": [vars(p).copy() for p in self.pickles],
+            "notes": list(self.notes),
+        }
+
+
+# ------------------------------------------------------------------------------------------------ scanning
+_PICKLE_SUFFIXES = (".pkl", ".debug_pkl", ".pickle")
+_ZIP_LOCAL = b"PK\x03\x04"
+_ZIP_EOCD = b"PK\x05\x06"
+_LEGACY_MAGIC = formats.LEGACY_MAGIC_PREFIX
+MAX_ZIP_DEPTH = 3
+MAX_TAR_MEMBERS = 10_000
+MAX_PICKLES_IN_A_ROW = 10_000
+#: a file's first byte starts a pickle only if it is an opcode a pickle can begin with
+_PICKLE_FIRST = frozenset(b"\x80(.012NQR}abdel]ostu)\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94"
+                          b"KhqJjMGUCXBT\x8a\x8b\x8c\x8d\x8e\x96ILFSVPgpci")
+
+
+class _Scanner:
+    def __init__(self, res: ScanResult) -> None:
+        self.res = res
+        self.torchscript = False
+        self._globals: dict[str, GlobalFinding] = {}
+
+    # -- recording -------------------------------------------------------------------------------------------
+    def record(self, finding: PickleFinding) -> None:
+        self.res.pickles.append(finding)
+        for name in finding.globals:
+            g = self._globals.get(name)
+            if g is None:
+                g = self._globals[name] = GlobalFinding(name, *classify_global(name, torchscript=self.torchscript))
+                self.res.globals.append(g)
+            if finding.where not in g.where:
+                g.where.append(finding.where)
+
+    def note(self, text: str) -> None:
+        self.res.notes.append(text)
+
+    # -- one pickle ------------------------------------------------------------------------------------------
+    def parse(self, buf: Any, pos: int, where: str, *, required: bool = True) -> int | None:
+        """Read the pickle at ``buf[pos]``; record it; return the offset after its STOP, or None if it failed.
+        A failed optional pickle (trailing data) is only recorded when it named a global."""
+        what = where
+        try:
+            _root, up, end = load_pickle_at(buf, pos, what)
+        except CkptError as e:
+            names = self._globals_before_failure(buf, pos, what, e)
+            if required or names:
+                self.record(PickleFinding(where, pos, names, str(e)))
+            elif not required:
+                self.note(f"{len(buf) - pos} bytes after the last pickle ({where}) are not a pickle; no loader reads them")
+            return None
+        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]))
+        return end
+
+    def _globals_before_failure(self, buf: Any, pos: int, what: str, e: CkptError) -> list[str]:
+        up = getattr(e, "unpickler", None)
+        if up is not None:  # unpickling itself failed: what it named so far
+            return [qualified_name(m, n) for m, n in up.globals_seen]
+        stop = getattr(e, "offset", None)
+        if stop is None:
+            return []
+        try:  # refused by the checks: read the flat stream (frames ignored) as far as it is sound
+            end = check_pickle(buf, pos, what=what, exact=False, strict_frames=False)
+            seen = partial_globals(buf, pos, end)
+        except CkptError as e2:
+            seen = partial_globals(buf, pos, getattr(e2, "offset", stop))
+        return [qualified_name(m, n) for m, n in seen]
+
+    def pickles_in_a_row(self, buf: Any, pos: int, where: str, *, first_required: bool = True) -> int | None:
+        """Read pickles one after another from ``pos``; return where the data that is not a pickle starts
+        (``len(buf)`` when everything was read), or None when the first (required) pickle failed."""
+        n = 0
+        size = len(buf)
+        while pos < size and n < MAX_PICKLES_IN_A_ROW:
+            if n and buf[pos:pos + 4] == _ZIP_LOCAL:
+                return pos
+            label = where if n == 0 else f"{where} (pickle {n + 1} in a row, byte {pos})"
+            end = self.parse(buf, pos, label, required=n == 0 and first_required)
+            if end is None:
+                return None if n == 0 and first_required else pos
+            pos = end
+            n += 1
+        return pos
+
+    # -- containers ------------------------------------------------------------------------------------------
+    def any(self, buf: Any, where: str, depth: int, f: Any = None) -> str:
+        """Scan ``buf`` (bytes or mmap, optionally its open file ``f``) as whatever its bytes say it is."""
+        head = bytes(buf[:512])
+        if head.startswith(_ZIP_LOCAL) or head.startswith(_ZIP_EOCD):
+            return self.zip(buf, where, depth, f)
+        if head.startswith(_LEGACY_MAGIC):
+            self.legacy(buf, where, depth)
+            return formats.TORCH_LEGACY
+        if len(head) >= 262 and head[257:262] == b"ustar":
+            self.tar(buf, where, depth)
+            return "legacy-tar"
+        if len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] + 8 <= len(buf):
+            return formats.SAFETENSORS
+        if not head or head[0] not in _PICKLE_FIRST:
+            raise _NotAPickle()
+        self.pickle_file(buf, where, depth)
+        return formats.PICKLE
+
+    def pickle_file(self, buf: Any, where: str, depth: int) -> None:
+        rest = self.pickles_in_a_row(buf, 0, where or "pickle at byte 0")
+        if rest is not None and rest < len(buf):
+            self.trailing(buf, rest, where, depth)
+
+    def trailing(self, buf: Any, pos: int, where: str, depth: int) -> None:
+        """Data after the structures a loader reads: more pickles, or an appended zip."""
+        start = _zip_start(buf, pos)
+        if start is not None:
+            self.note(f"a zip archive is appended at byte {start}{_in(where)} (zipfile-based tools read it instead)")
+            self.zip(memoryview(buf)[start:] if not isinstance(buf, bytes) else buf[start:],
+                     _join(where, f"appended zip at byte {start}"), depth + 1)
+            return
+        if bytes(buf[pos:pos + 1]) and buf[pos] in _PICKLE_FIRST:
+            rest = self.pickles_in_a_row(buf, pos, _join(where, f"data after the last pickle, byte {pos}"),
+                                         first_required=False)
+            if rest is not None and rest < len(buf):
+                if _zip_start(buf, rest) is None:
+                    self.note(f"{len(buf) - rest} bytes at byte {rest}{_in(where)} are not a pickle")
+        else:
+            self.note(f"{len(buf) - pos} bytes after the last pickle{_in(where)} (byte {pos}) are not a pickle")
+
+    def zip(self, buf: Any, where: str, depth: int, f: Any = None) -> str:
+        if depth > MAX_ZIP_DEPTH:
+            raise CorruptCheckpointError(f"zips nested more than {MAX_ZIP_DEPTH} deep{_in(where)}")
+        own = f is None
+        if own:
+            f = io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf))
+        size = len(buf)
+        entries = read_directory(f, size, self.res.path if not where else where)
+        if not entries:
+            raise CorruptCheckpointError(f"empty zip archive{_in(where)}")
+        first = entries[0].name
+        top = first.split("/", 1)[0] + "/" if "/" in first else ""
+        names = [e.name for e in entries]
+        self.torchscript = self.torchscript or (depth == 0 and top + "constants.pkl" in names)
+        kind = "torchscript" if top + "constants.pkl" in names else (
+            formats.TORCH_ZIP if top + "data.pkl" in names else "zip")
+        seen: set[str] = set()
+        for e in entries:
+            if e.name in seen:
+                self.note(f"the zip{_in(where)} holds two members named {e.name!r}: loaders may read either; both "
+                          "were scanned")
+            seen.add(e.name)
+        for e in entries:
+            self.zip_member(f, e, top, kind, where, depth)
+        end = _zip_end(buf)
+        if end is not None and end < size:
+            self.trailing(buf, end, where, depth)
+        return kind
+
+    def zip_member(self, f: Any, e: ZipEntry, top: str, kind: str, where: str, depth: int) -> None:
+        name = e.name
+        rel = name[len(top):] if name.startswith(top) else name
+        label = _join(where, name)
+        if name.endswith("/"):
+            return
+        storage = kind != "zip" and rel.startswith(("data/", "constants/", ".data/", "code/"))
+        is_pickle = name.endswith(_PICKLE_SUFFIXES)
+        if storage and not is_pickle:
+            return  # tensor bytes and TorchScript source: no loader unpickles them
+        try:
+            head = read_member_head(f, e, label)
+        except CkptError as err:
+            if is_pickle:
+                self.record(PickleFinding(label, 0, [], str(err)))
+            else:
+                self.note(f"member {label} could not be read ({err})")
+            return
+        nested = head.startswith(_ZIP_LOCAL)
+        looks_pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+        if not (is_pickle or nested or looks_pickled):
+            return
+        try:
+            data = read_member(f, e, label, check_crc=False)
+        except CkptError as err:
+            if is_pickle:
+                self.record(PickleFinding(label, 0, [], str(err)))
+            else:
+                self.note(f"member {label} could not be read ({err})")
+            return
+        if (e.crc & 0xFFFFFFFF) != zlib.crc32(data):
+            self.note(f"member {label} fails its CRC-32 check (torch does not check it); scanned anyway")
+        if nested:
+            self.note(f"member {label} is a zip archive; scanned it too")
+            try:
+                self.zip(data, label, depth + 1)
+            except CkptError as err:
+                self.note(f"the zip in member {label} could not be read ({err})")
+            return
+        rest = self.pickles_in_a_row(data, 0, label, first_required=is_pickle)
+        if rest is not None and rest < len(data):
+            self.trailing(data, rest, label, depth)
+
+    def legacy(self, buf: Any, where: str, depth: int) -> None:
+        """The five pickles of a torch legacy stream (torch/serialization.py ``_legacy_load``), then its storage
+        blocks, to find data after them."""
+        pos = 0
+        main_storages: dict[str, Any] = {}
+        keys: Any = None
+        for i, part in enumerate(("magic number", "protocol version", "sys_info", "main pickle", "storage keys")):
+            label = _join(where, f"legacy {part}")
+            try:
+                root, up, end = load_pickle_at(buf, pos, label,
+                                               **({"storages": main_storages} if i == 3 else {}))
+            except CkptError as e:
+                self.record(PickleFinding(label, pos, self._globals_before_failure(buf, pos, label, e), str(e)))
+                return
+            self.record(PickleFinding(label, pos, [qualified_name(m, n) for m, n in up.globals_seen]))
+            if i == 4:
+                keys = root
+            pos = end
+        # the storage blocks: 8-byte element count + numel * element size bytes each, in key order
+        from ckptool.checkpoint import STORAGE_TYPES
+
+        if not isinstance(keys, list):
+            self.note("the legacy storage key list is not a list; data after it was not checked")
+            return
+        for key in keys:
+            ref = main_storages.get(str(key)) if isinstance(key, (str, int)) else None
+            head = bytes(buf[pos:pos + 8])
+            if ref is None or len(head) != 8:
+                self.note("the legacy storage blocks do not match the storage keys; data after them was not checked")
+                return
+            numel = struct.unpack("<q", head)[0]
+            elsize = STORAGE_TYPES.get(ref.storage_type_name, ("", 1))[1]
+            if numel < 0 or pos + 8 + numel * elsize > len(buf):
+                self.note("a legacy storage block runs past the end of the file; data after it was not checked")
+                return
+            pos += 8 + numel * elsize
+        if pos < len(buf):
+            self.trailing(buf, pos, where, depth)
+
+    def tar(self, buf: Any, where: str, depth: int) -> None:
+        """A torch legacy tar (torch < 0.4): ``torch.load`` unpickles its ``sys_info``, ``pickle``, ``storages``
+        and ``tensors`` members; every member is read as pickles in a row."""
+        try:
+            tf = tarfile.open(fileobj=io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf)), mode="r:")
+        except tarfile.TarError as e:
+            raise CorruptCheckpointError(f"damaged tar archive{_in(where)} ({e})") from e
+        with tf:
+            for i, member in enumerate(tf):
+                if i >= MAX_TAR_MEMBERS:
+                    self.note(f"more than {MAX_TAR_MEMBERS} tar members; the rest were not scanned")
+                    break
+                if not member.isfile():
+                    continue
+                fobj = tf.extractfile(member)
+                data = fobj.read() if fobj is not None else b""
+                label = _join(where, f"tar member {member.name}")
+                known = member.name in ("sys_info", "pickle", "storages", "tensors")
+                if data[:1] and data[0] in _PICKLE_FIRST:
+                    rest = self.pickles_in_a_row(data, 0, label, first_required=known)
+                    if rest is not None and rest < len(data) and member.name not in ("storages", "tensors"):
+                        self.trailing(data, rest, label, depth)
+                elif known:
+                    self.record(PickleFinding(label, 0, [], "not a pickle"))
+
+
+class _NotAPickle(Exception):
+    pass
+
+
+def _in(where: str) -> str:
+    return f" in {where}" if where else ""
+
+
+def _join(where: str, name: str) -> str:
+    return f"{where}!{name}" if where else name
+
+
+def _eocd(buf: Any) -> tuple[int, int, int, int] | None:
+    """``(eocd offset, central directory size, central directory offset, comment length)`` of the last end of
+    central directory record in the last 64 KiB of ``buf``, or None."""
+    size = len(buf)
+    lo = max(0, size - (65535 + 22))
+    tail = bytes(buf[lo:size])
+    at = tail.rfind(_ZIP_EOCD)
+    if at < 0 or at + 22 > len(tail):
+        return None
+    _sig, _d, _dcd, _n, _count, cd_size, cd_offset, clen = struct.unpack_from("<IHHHHIIH", tail, at)
+    return lo + at, cd_size, cd_offset, clen
+
+
+def _zip_start(buf: Any, pos: int) -> int | None:
+    """Where a zip appended after ``pos`` starts (what ``zipfile`` computes: end record - directory size -
+    directory offset), or None."""
+    found = _eocd(buf)
+    if found is None:
+        return None
+    eocd_at, cd_size, cd_offset, _clen = found
+    start = eocd_at - cd_size - cd_offset
+    if start < pos or bytes(buf[start:start + 4]) != _ZIP_LOCAL:
+        return None
+    return start
+
+
+def _zip_end(buf: Any) -> int | None:
+    found = _eocd(buf)
+    return None if found is None else found[0] + 22 + found[3]
+
+
+def scan_file(path: str | os.PathLike[str]) -> ScanResult:
+    """Scan one file: every pickle in it (see the module docstring), each global classified.
+
+    Reads the file without importing or running anything from it, in time and memory bounded by its size. Problems
+    with the file's content never raise: they make the result's ``verdict`` ``error`` (with ``error`` or a
+    pickle's ``error`` saying what happened), or ``unsafe`` when globals outside the allowlist were found first.
+
+    Returns:
+        A :class:`ScanResult`; its ``exit_code`` is 0 (safe), 1 (unsafe) or 2 (unreadable).
+    """
+    path = os.fspath(path)
+    res = ScanResult(path)
+    sc = _Scanner(res)
+    try:
+        formats.check_readable(path)
+        with open(path, "rb") as f:
+            buf: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                res.format = sc.any(buf, "", 0, f)
+                if res.format == formats.SAFETENSORS:
+                    from ckptool.inspect import read_safetensors_header
+
+                    read_safetensors_header(path)
+            finally:
+                buf.close()
+    except _NotAPickle:
+        res.error = _not_a_pickle(path)
+    except CkptError as e:
+        res.error = str(e)
+    except RecursionError:
+        res.error = f"{path}: nested too deeply to scan"
+    if res.format == formats.PICKLE and res.pickles and res.pickles[0].error and not res.globals:
+        res.error = _not_a_pickle(path)  # a PNG starts with a byte that is also an opcode: say what it is
+    if res.format in ("zip", formats.TORCH_ZIP) and not res.pickles and not res.error:
+        res.notes.append("the zip holds no pickle")
+    return res
+
+
+def _not_a_pickle(path: str) -> str:
+    try:
+        formats.detect_format(path)
+    except CkptError as e:
+        return str(e)
+    return f"{path} is not a pickle, a torch checkpoint or safetensors; nothing to scan"
+
+
+#: file name endings scanned inside a directory (explicit file arguments are always scanned)
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".jit", ".tar", ".zip", ".safetensors",
+                       ".model", ".pts", ".torchscript", ".mar", ".npy", ".joblib", ".dat", ".data", ".distcp")
+
+
+def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
+    """The files to scan: each file as given, and in each directory (recursively, sorted) the files whose name ends
+    like a checkpoint or whose first bytes are a zip, a pickle protocol 2-5 header or a legacy torch stream.
+
+    Raises:
+        UsageError: a path does not exist.
+    """
+    for p in paths:
+        p = os.fspath(p)
+        if not os.path.exists(p):
+            raise UsageError(f"{p}: no such file or directory; check the path")
+        if not os.path.isdir(p):
+            yield p
+            continue
+        for root, dirs, files in os.walk(p):
+            dirs.sort()
+            for name in sorted(files):
+                full = os.path.join(root, name)
+                if os.path.islink(full) and not os.path.isfile(full):
+                    continue
+                if name.lower().endswith(CHECKPOINT_SUFFIXES) or _looks_like_checkpoint(full):
+                    yield full
+
+
+def _looks_like_checkpoint(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head.startswith(_ZIP_LOCAL) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+
+
+def scan(paths: Iterable[str | os.PathLike[str]]) -> list[ScanResult]:
+    """:func:`scan_file` for every file of :func:`iter_paths` (files as given, directories walked).
+
+    Raises:
+        UsageError: a path does not exist.
+    """
+    return [scan_file(p) for p in iter_paths(paths)]

