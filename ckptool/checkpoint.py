@@ -106,10 +106,17 @@ class Checkpoint:
 def read_checkpoint(path: str, fmt: str | None = None) -> Checkpoint:
     """Read the structure of a torch zip, legacy or TorchScript file.
 
+    Hostile input is refused in bounded time and memory (see :mod:`ckptool.unpickler` and :mod:`ckptool.zipdir`):
+    besides the pickle checks, every storage must have its record (``data/<key>``, ``constants/<key>`` for
+    TorchScript constants, or the legacy data block) holding at least ``numel * element size`` bytes, and member
+    names must be unique.
+
     Raises:
         UsageError / NotACheckpointError: see :func:`ckptool.formats.detect_format`.
-        CorruptCheckpointError: truncated or damaged file.
-        UnsupportedError: safetensors or plain pickles (no torch storages to read), big-endian legacy files.
+        CorruptCheckpointError: truncated, damaged or hostile file (memo bombs, lengths past the end, zip bombs,
+            storages larger than their records, duplicate members...).
+        UnsupportedError: safetensors or plain pickles (no torch storages to read), big-endian legacy files, tuple
+            nesting too deep to read safely.
     """
     fmt = fmt or formats.detect_format(path)
     if fmt in (formats.TORCH_ZIP, formats.TORCHSCRIPT):
@@ -120,7 +127,13 @@ def read_checkpoint(path: str, fmt: str | None = None) -> Checkpoint:
 
 
 def read_pickle_file(path: str) -> Checkpoint:
-    """Read a plain pickle file (``pickle.dump``) as a structure without storages."""
+    """Read a plain pickle file (``pickle.dump``) as a structure without storages (its first pickle).
+
+    Raises:
+        UsageError / NotACheckpointError: a missing path, a directory or an empty file.
+        CorruptCheckpointError: a truncated, malformed or hostile pickle.
+        UnsupportedError: tuple nesting too deep to read safely.
+    """
     size = formats.check_readable(path)
     with open(path, "rb") as f:
         data = f.read()

@@ -193,7 +193,9 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     Raises:
         UsageError: missing path, or a folder that is neither a DCP checkpoint nor holds one ``*.index.json``.
         NotACheckpointError: empty file, unknown bytes or another file type.
-        CorruptCheckpointError: truncated or damaged file.
+        CorruptCheckpointError: truncated, damaged or hostile file (see :func:`ckptool.checkpoint.read_checkpoint`),
+            or a pickle nested deeper than ckptool can walk.
+        UnsupportedError: tuple nesting too deep to read safely.
     """
     path = os.fspath(path)
     if path.endswith(".index.json") or os.path.isdir(path):  # sharded sets and DCP folders

@@ -263,7 +263,8 @@ class _Scanner:
             if required or names:
                 self.record(PickleFinding(where, pos, names, str(e)))
             elif not required:
-                self.note(f"{len(buf) - pos} bytes after the last pickle ({where}) are not a pickle; no loader reads them")
+                self.note(f"{len(buf) - pos} bytes after the last pickle ({where}) are not a pickle; no loader "
+                          "reads them")
             return None
         self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]))
         return end
@@ -327,8 +328,10 @@ class _Scanner:
         start = _zip_start(buf, pos)
         if start is not None:
             self.note(f"a zip archive is appended at byte {start}{_in(where)} (zipfile-based tools read it instead)")
-            self.zip(memoryview(buf)[start:] if not isinstance(buf, bytes) else buf[start:],
-                     _join(where, f"appended zip at byte {start}"), depth + 1)
+            try:
+                self.zip(bytes(buf[start:]), _join(where, f"appended zip at byte {start}"), depth + 1)
+            except CkptError as err:
+                self.note(f"the zip appended at byte {start}{_in(where)} could not be read ({err})")
             return
         if bytes(buf[pos:pos + 1]) and buf[pos] in _PICKLE_FIRST:
             rest = self.pickles_in_a_row(buf, pos, _join(where, f"data after the last pickle, byte {pos}"),
@@ -457,23 +460,30 @@ class _Scanner:
             tf = tarfile.open(fileobj=io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf)), mode="r:")
         except tarfile.TarError as e:
             raise CorruptCheckpointError(f"damaged tar archive{_in(where)} ({e})") from e
-        with tf:
-            for i, member in enumerate(tf):
-                if i >= MAX_TAR_MEMBERS:
-                    self.note(f"more than {MAX_TAR_MEMBERS} tar members; the rest were not scanned")
-                    break
-                if not member.isfile():
-                    continue
-                fobj = tf.extractfile(member)
-                data = fobj.read() if fobj is not None else b""
-                label = _join(where, f"tar member {member.name}")
-                known = member.name in ("sys_info", "pickle", "storages", "tensors")
-                if data[:1] and data[0] in _PICKLE_FIRST:
-                    rest = self.pickles_in_a_row(data, 0, label, first_required=known)
-                    if rest is not None and rest < len(data) and member.name not in ("storages", "tensors"):
-                        self.trailing(data, rest, label, depth)
-                elif known:
-                    self.record(PickleFinding(label, 0, [], "not a pickle"))
+        try:
+            self._tar_members(tf, where, depth)
+        except tarfile.TarError as e:
+            self.note(f"the tar archive{_in(where)} is damaged after its readable members ({e})")
+        finally:
+            tf.close()
+
+    def _tar_members(self, tf: tarfile.TarFile, where: str, depth: int) -> None:
+        for i, member in enumerate(tf):
+            if i >= MAX_TAR_MEMBERS:
+                self.note(f"more than {MAX_TAR_MEMBERS} tar members; the rest were not scanned")
+                break
+            if not member.isfile():
+                continue
+            fobj = tf.extractfile(member)
+            data = fobj.read() if fobj is not None else b""
+            label = _join(where, f"tar member {member.name}")
+            known = member.name in ("sys_info", "pickle", "storages", "tensors")
+            if data[:1] and data[0] in _PICKLE_FIRST:
+                rest = self.pickles_in_a_row(data, 0, label, first_required=known)
+                if rest is not None and rest < len(data) and member.name not in ("storages", "tensors"):
+                    self.trailing(data, rest, label, depth)
+            elif known:
+                self.record(PickleFinding(label, 0, [], "not a pickle"))
 
 
 class _NotAPickle(Exception):

@@ -12,9 +12,15 @@ Security policy
   into :class:`StorageRef` records; tensor bytes are never read. Two tensors that share a storage get the
   same :class:`StorageRef` object, so sharing is visible (and survives a rewrite).
 
+* Resource limits: before the C unpickler runs, :func:`check_pickle` walks the opcodes and refuses memo bombs,
+  lengths past the end of the data and FRAMEs that cut an opcode; tuple nesting deep enough to overflow the C stack
+  when hashed is unpickled in a thread with a stack sized for it (:func:`call_with_stack`). Every failure is a
+  :class:`~ckptool.errors.CorruptCheckpointError` (see "resource limits" below).
+
 The graph it produces is made of plain Python values (dict, list, tuple, str, int, float, bytes, ...) and the
 node types below; :mod:`ckptool.pickler` writes it back byte-for-byte equivalent for ``torch.load``.
-Parsing uses CPython's C ``pickle.Unpickler`` (fast), with its callbacks overridden.
+Parsing uses CPython's C ``pickle.Unpickler`` (fast), with its callbacks overridden, reading the checked bytes as
+one flat stream.
 """
 
 from __future__ import annotations
@@ -372,9 +378,14 @@ PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexEr
 # * memo bombs: PUT / LONG_BINPUT with a huge index make CPython's C unpickler grow its memo array to twice the
 #   index (``_Unpickler_MemoPut``): 16 bytes per unit of index, 64 GiB for ``r\xff\xff\xff\xff``, all written
 #   with NULLs. Picklers number memo entries 0, 1, 2, ... so at byte offset p an index above p cannot come from
-#   a real pickler; it is refused.
+#   a real pickler. An index is accepted when it is below p or below the pickle's size rounded down to a power of
+#   two (at least 65,536; for a stream of unknown length at most 4 Mi): the memo stays under 16 bytes per byte of
+#   input (1 MiB at least).
 # * lengths beyond the data: a string, bytes or FRAME whose declared length runs past the end is refused before
 #   anything is allocated for it.
+# * FRAMEs (protocol 4+) must hold whole opcodes and follow one another, as every pickler writes them: CPython's
+#   C unpickler reading a file without ``peek`` (torch.load's data.pkl) drops the rest of a frame an opcode runs
+#   past, so a malformed frame would make it see other opcodes than the ones checked here.
 # * deep tuple nesting: hashing a tuple recurses in C without a depth check, so a dict key or set element made of
 #   a million nested tuples (one byte each: TUPLE1 repeated) overflows the C stack (a segfault). The nesting depth
 #   of tuples is at most the number of tuple-building opcodes; when that bound is large, the unpickler runs in a
@@ -620,8 +631,12 @@ class _FlatReader(io.BytesIO):
     input buffer and reads it as one flat stream (no per-opcode ``read`` calls, which is also faster), the view that
     :func:`check_pickle` checked."""
 
-    def peek(self, size: int = 0) -> bytes:  # noqa: ARG002 - pickle asks for a prefetch size; we give all
-        return self.getbuffer()[self.tell():].tobytes()
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self._data = data
+
+    def peek(self, size: int = 0) -> memoryview:  # noqa: ARG002 - pickle asks for a prefetch size; we give all
+        return memoryview(self._data)[self.tell():]  # no copy
 
 
 def load_pickle_at(buf: Any, pos: int = 0, what: str = "pickle", *, exact: bool = False, strict_frames: bool = True,

@@ -93,7 +93,8 @@ def read_directory(f: BinaryIO, size: int, path: str) -> list[ZipEntry]:
     except (struct.error, IndexError) as e:
         raise CorruptCheckpointError(f"{path} is a damaged zip (central directory cut short); re-download it") from e
     except UnicodeDecodeError as e:
-        raise CorruptCheckpointError(f"{path} is a damaged zip (a member name is not valid UTF-8); re-download it") from e
+        raise CorruptCheckpointError(
+            f"{path} is a damaged zip (a member name is not valid UTF-8); re-download it") from e
     return out
 
 

@@ -209,7 +209,6 @@ def build() -> list[Entry]:
         out.append(Entry(f"gadget-{module}.{name}-zip.pth",
                          torch_zip(gadget_pickle(module, name, arg, 2)), "gadget-zip", {qual}))
     g = gadget_pickle("os", "system", "id", 2)
-    g4 = gadget_pickle("os", "system", "id", 4)
     # 2. container and stream tricks
     out += [
         Entry("plain-pickle.bin", g, "plain pickle named .bin", os_sys),
@@ -224,8 +223,10 @@ def build() -> list[Entry]:
         Entry("benign-then-gadget.pt", benign_pickle() + g, "several pickles in a row", os_sys, scan_only=True),
         Entry("benign-p0-then-gadget.pt", benign_pickle(0) + gadget_pickle("subprocess", "Popen", "id", 0),
               "several pickles in a row", {"subprocess.Popen"}, scan_only=True),
-        Entry("zip-then-gadget-pickle.pt", torch_zip(benign_pickle()) + g, "zip with a pickle appended", os_sys, scan_only=True),
-        Entry("zip-data-pkl-trailing-pickle.pt", torch_zip(benign_pickle() + g), "two pickles in data.pkl", os_sys, scan_only=True),
+        Entry("zip-then-gadget-pickle.pt", torch_zip(benign_pickle()) + g, "zip with a pickle appended", os_sys,
+              scan_only=True),
+        Entry("zip-data-pkl-trailing-pickle.pt", torch_zip(benign_pickle() + g), "two pickles in data.pkl", os_sys,
+              scan_only=True),
         Entry("zip-deflated-data-pkl.pt", torch_zip(g, compress=True), "deflated data.pkl", os_sys),
         Entry("zip-odd-folder.pt", torch_zip(g, folder="../../weird\\folder"), "odd member names", os_sys),
         Entry("zip-pkl-elsewhere.pt", torch_zip(benign_pickle(), extra={"/other/data.pkl": g}),
@@ -244,7 +245,8 @@ def build() -> list[Entry]:
               os_sys),
         Entry("zip-encrypted-flag.pt", _patch_zip(torch_zip(g), b"data.pkl", flags=0x0001), "encrypted flag",
               set()),
-        Entry("zip-nested.pt", torch_zip(benign_pickle(), extra={"inner.zip": torch_zip(g)}), "nested zip", os_sys, scan_only=True),
+        Entry("zip-nested.pt", torch_zip(benign_pickle(), extra={"inner.zip": torch_zip(g)}), "nested zip", os_sys,
+              scan_only=True),
         Entry("zip-nested-twice.pt",
               torch_zip(benign_pickle(), extra={"a.zip": torch_zip(benign_pickle(), extra={"b.zip": torch_zip(g)})}),
               "zip in a zip in a zip", os_sys, scan_only=True),

@@ -213,3 +213,196 @@ def test_directories_are_walked_for_checkpoints(tmp_path: Path, real_dir: Path) 
     found = [Path(p).relative_to(d).as_posix() for p in iter_paths([d])]
     assert found == ["weights", "sub/model.pth"]  # a folder's files, then its subfolders, each sorted
     assert [r.verdict for r in scan([d])] == ["unsafe", "safe"]
+
+
+# ------------------------------------------------------------------------------------------------ extract-state-dict
+import subprocess  # noqa: E402
+import textwrap  # noqa: E402
+import warnings  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from ckptool.errors import CkptError, UnsupportedError, UsageError  # noqa: E402
+from ckptool.extract import extract_state_dict  # noqa: E402
+
+COMPARE_SCRIPT = textwrap.dedent("""
+    # a process that has the model classes: torch.load(weights_only=False).state_dict() is the reference
+    import json, sys, warnings
+    warnings.simplefilter("ignore")
+    sys.path[:0] = [sys.argv[1], sys.argv[2]]
+    import torch
+    from helpers import assert_same_tensors, storage_groups
+    results = {}
+    for src, key, sub, out in json.loads(sys.argv[3]):
+        obj = torch.load(src, weights_only=False, map_location="cpu")
+        if key:
+            obj = obj[key]
+        for attr in sub:
+            obj = getattr(obj, attr)
+        ref = obj.state_dict()
+        got = torch.load(out, weights_only=True, map_location="cpu")   # the extracted file needs no trust
+        try:
+            assert_same_tensors(ref, got)
+            assert list(ref._metadata.items()) == list(got._metadata.items())
+            assert storage_groups(ref) == storage_groups(got), (storage_groups(ref), storage_groups(got))
+            results[out] = "same"
+        except AssertionError as e:
+            results[out] = "DIFFERENT: %s" % e
+    print(json.dumps(results))
+""")
+
+
+def _full_models(tmp_path: Path, generated: dict[str, Path]) -> list[tuple[Path, str | None, list[str], bool]]:
+    """(file, key, attributes to reach the module whose state_dict is the reference, unwrap)."""
+    import fixture_models
+
+    torch.manual_seed(0)
+    cases = [(generated["model_full_cuda0.pt"], None, [], False),
+             (generated["model_full_cuda0_legacy.pt"], None, [], False),
+             (generated["model_dp_full_cuda0.pt"], None, [], False),
+             (generated["model_dp_full_cuda0.pt"], None, ["module"], True),
+             (generated["model_dp_full_cuda0_legacy.pt"], None, ["module"], True)]
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, bias=False), nn.BatchNorm1d(4))
+    seq[1].weight = seq[0].weight  # tied parameters share a storage
+    seq.add_module("again", seq[0])  # a shared submodule: its keys appear twice
+    seq[2].running_mean.requires_grad_(False)
+    torch.save(seq, tmp_path / "tied.pt")
+    cases.append((tmp_path / "tied.pt", None, [], False))
+    torch.save({"epoch": 3, "model": fixture_models.MlpHolder(), "opt": {"lr": 0.1}}, tmp_path / "train.pt")
+    cases.append((tmp_path / "train.pt", "model", [], False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # importing torch._dynamo warns about torch.jit internals
+        compiled = torch.compile(fixture_models.TinyNet())
+    torch.save(compiled, tmp_path / "compiled.pt")
+    cases.append((tmp_path / "compiled.pt", None, [], False))
+    cases.append((tmp_path / "compiled.pt", None, ["_orig_mod"], True))
+    return cases
+
+
+def test_extract_equals_state_dict_of_the_loaded_model(tmp_path: Path, generated: dict[str, Path]) -> None:
+    """Extraction without the classes gives what ``torch.load(weights_only=False).state_dict()`` gives in a process
+    that has them: keys, values, dtypes, shapes, strides, requires_grad, _metadata, storage sharing."""
+    jobs = []
+    for i, (src, key, sub, unwrap) in enumerate(_full_models(tmp_path, generated)):
+        out = tmp_path / f"out{i}.pth"
+        res = extract_state_dict(src, out, key=key, unwrap=unwrap)
+        assert res.format == "torch-zip" and not res.trusted and res.keys
+        assert scan_file(out).verdict == "safe"  # the output names no model class
+        jobs.append([str(src), key, sub, str(out)])
+    r = subprocess.run([sys.executable, "-c", COMPARE_SCRIPT, str(REPO / "fixtures"), str(REPO / "tests"),
+                        json.dumps(jobs)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(r.stdout.strip().splitlines()[-1])
+    assert results == {job[3]: "same" for job in jobs}
+
+
+def test_extract_copies_only_the_storages_of_the_state_dict(generated: dict[str, Path], tmp_path: Path) -> None:
+    """TinyNet's non-persistent buffer ``offset`` is in the pickle but not in state_dict(), nor in the output."""
+    out = tmp_path / "sd.pth"
+    res = extract_state_dict(generated["model_full_cuda0.pt"], out)
+    assert "offset" not in res.keys and res.storages == len(res.keys) == 9
+    assert inspect(out).storages == 9 < inspect(generated["model_full_cuda0.pt"]).storages
+
+
+def test_extract_to_safetensors(generated: dict[str, Path], tmp_path: Path) -> None:
+    import fixture_models  # noqa: F401 - the reference load needs the class
+    from safetensors.torch import load_file
+
+    out = tmp_path / "sd.safetensors"
+    res = extract_state_dict(generated["model_dp_full_cuda0.pt"], out, unwrap=True)
+    assert res.format == "safetensors" and res.removed == {"module": 9}
+    ref = torch.load(generated["model_dp_full_cuda0.pt"], weights_only=False, map_location="cpu").module.state_dict()
+    got = load_file(out)
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
+
+
+def test_extract_retags_with_to(generated: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "sd.pth"
+    extract_state_dict(generated["model_full_cuda0.pt"], out, to="cpu")
+    sd = torch.load(out, weights_only=True)  # no map_location needed
+    assert all(t.device.type == "cpu" for t in sd.values())
+
+
+def test_extract_never_imports_the_class(tmp_path: Path, generated: dict[str, Path]) -> None:
+    """The model's module does not even exist: the walk needs nothing from it."""
+    import io
+    import zipfile
+
+    zin = zipfile.ZipFile(io.BytesIO(generated["model_full_cuda0.pt"].read_bytes()))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zout:  # rewritten member by member: the CRC-32s change with the bytes
+        for info in zin.infolist():
+            zout.writestr(zipfile.ZipInfo(info.filename),
+                          zin.read(info).replace(b"fixture_models", b"missing_module"))
+    src = tmp_path / "model.pt"
+    src.write_bytes(buf.getvalue())
+    before = set(sys.modules)
+    res = extract_state_dict(src, tmp_path / "sd.pth")
+    assert res.module == "missing_module.TinyNet" and "missing_module" not in sys.modules
+    assert not {m for m in set(sys.modules) - before if "missing" in m}
+    ref = extract_state_dict(generated["model_full_cuda0.pt"], tmp_path / "ref.pth")
+    assert res.keys == ref.keys
+
+
+def test_extract_refuses_what_it_cannot_reproduce(tmp_path: Path, generated: dict[str, Path],
+                                                  real_dir: Path) -> None:
+    hooked = nn.Linear(2, 2)
+    hooked._register_state_dict_hook(_hook)
+    torch.save(hooked, tmp_path / "hooked.pt")
+    with pytest.raises(UnsupportedError, match="state_dict hooks"):
+        extract_state_dict(tmp_path / "hooked.pt", tmp_path / "o.pth")
+    torch.save(nn.LazyLinear(3), tmp_path / "lazy.pt")
+    with pytest.raises(UnsupportedError, match="LazyLinear.*--trust"):
+        extract_state_dict(tmp_path / "lazy.pt", tmp_path / "o.pth")
+    with pytest.raises(UnsupportedError, match="holds no pickled nn.Module"):
+        extract_state_dict(generated["sd_cuda0.pt"], tmp_path / "o.pth")
+    with pytest.raises(UnsupportedError, match="TorchScript"):
+        extract_state_dict(real_dir / "silero-vad.jit", tmp_path / "o.pth")
+    with pytest.raises(UsageError, match="is the input file"):
+        extract_state_dict(generated["model_full_cuda0.pt"], generated["model_full_cuda0.pt"])
+    two = tmp_path / "two.pt"
+    torch.save({"a": nn.Linear(1, 1), "b": nn.Linear(1, 1)}, two)
+    with pytest.raises(UsageError, match="several modules .a, b.; choose one with --key"):
+        extract_state_dict(two, tmp_path / "o.pth")
+    assert extract_state_dict(two, tmp_path / "o.pth", key="b").path == "b"
+    assert not (tmp_path / "o.pth.tmp").exists()
+
+
+def _hook(module, state_dict, prefix, local_metadata):  # a module-level function: picklable
+    return state_dict
+
+
+def test_extract_trusted(tmp_path: Path, generated: dict[str, Path]) -> None:
+    import fixture_models  # noqa: F401 - trust needs the class importable
+
+    out = tmp_path / "sd.pth"
+    res = extract_state_dict(generated["model_dp_full_cuda0.pt"], out, trust=True, unwrap=True)
+    assert res.trusted and res.removed == {"module": 9}
+    from helpers import assert_same_tensors
+
+    ref = torch.load(generated["model_dp_full_cuda0.pt"], weights_only=False, map_location="cpu").module.state_dict()
+    assert_same_tensors(torch.load(out, weights_only=True), ref)
+    hidden = tmp_path / "hidden.pt"
+    hidden.write_bytes(hc.torch_zip(hc.gadget_pickle("no_such_module_xyz", "Net", "x", 2)))
+    with pytest.raises(CkptError, match="needs the model's classes importable"):
+        extract_state_dict(hidden, tmp_path / "h.pth", trust=True)
+
+
+def test_extract_cli(run_cli, generated: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "sd.pth"
+    r = run_cli("extract-state-dict", generated["model_dp_full_cuda0.pt"], "-o", out, "--unwrap")
+    assert r.exit_code == 0, r.output
+    assert "9 tensors from torch.nn.parallel.data_parallel.DataParallel" in r.output
+    assert "nothing from the file was imported or run" in r.output and "module. (9 keys)" in r.output
+    assert sorted(torch.load(out, weights_only=True, map_location="cpu"))[0] == "bn.bias"
+    r = run_cli("extract-state-dict", generated["sd_cuda0.pt"], "-o", tmp_path / "x.pth")
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 1 and len(lines) == 1
+    assert lines[0].startswith("Error: ") and "no pickled nn.Module" in lines[0]
+    src = tmp_path / "model.pt"
+    shutil.copy(generated["model_full_cuda0.pt"], src)
+    r = run_cli("extract-state-dict", src)
+    assert r.exit_code == 0 and (tmp_path / "model.state_dict.pth").is_file()
