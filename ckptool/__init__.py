@@ -36,6 +36,9 @@ _LAZY = {
     "save_portable": "ckptool.loading",
     "LoadReport": "ckptool.loading",
     "verify": "ckptool.loading",
+    "convert": "ckptool.convert",
+    "scan_file": "ckptool.scan",
+    "extract_state_dict": "ckptool.extract",
 }
 
 def __getattr__(name: str) -> Any:
@@ -44,7 +47,10 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'ckptool' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(mod), name)
+    value = getattr(importlib.import_module(mod), name)
+    # importing ckptool.convert binds the submodule as `ckptool.convert`; bind the function over it
+    globals()[name] = value
+    return value
 
 
 __all__ = [

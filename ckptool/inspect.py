@@ -20,7 +20,6 @@ from ckptool.checkpoint import DTYPE_SIZES, Checkpoint, read_checkpoint, read_pi
 from ckptool.errors import CorruptCheckpointError
 from ckptool.graph import find_state_dicts, is_module, is_state_dict, iter_tensors, mapping_items, too_deep
 from ckptool.keys import is_flat_param_key, shared_prefixes, suggest_command
-from ckptool.scan import ALLOWED, DANGEROUS, UNKNOWN, classify_global
 from ckptool.unpickler import StorageRef, TensorNode, qualified_name
 
 # safetensors dtype codes -> torch dtype names (safetensors format description)
@@ -31,6 +30,16 @@ _ST_DTYPES = {
     "F4": "float4_e2m1fn_x2",
 }
 _MAX_ST_HEADER = 100 << 20  # the safetensors library's own limit on the header size
+ALLOWED, DANGEROUS, UNKNOWN = "allowed", "dangerous", "unknown"  # the statuses of ckptool.scan.classify_global
+
+
+def classify_global(name: str, *, torchscript: bool = False) -> tuple[str, str]:
+    """:func:`ckptool.scan.classify_global`, importing the scanner only for globals outside the allowlist."""
+    if is_allowed(name):
+        return ALLOWED, "accepted by torch.load(weights_only=True)"
+    from ckptool.scan import classify_global as classify
+
+    return classify(name, torchscript=torchscript)
 
 
 @dataclass

@@ -40,7 +40,6 @@ import io
 import mmap
 import os
 import struct
-import tarfile
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -254,17 +253,13 @@ class _Scanner:
     # -- one pickle ------------------------------------------------------------------------------------------
     def parse(self, buf: Any, pos: int, where: str, *, required: bool = True) -> int | None:
         """Read the pickle at ``buf[pos]``; record it; return the offset after its STOP, or None if it failed.
-        A failed optional pickle (trailing data) is only recorded when it named a global."""
-        what = where
+        A failed optional pickle (data after the last pickle) is recorded only when it named a global."""
         try:
-            _root, up, end = load_pickle_at(buf, pos, what)
+            _root, up, end = load_pickle_at(buf, pos, where)
         except CkptError as e:
-            names = self._globals_before_failure(buf, pos, what, e)
+            names = self._globals_before_failure(buf, pos, where, e)
             if required or names:
                 self.record(PickleFinding(where, pos, names, str(e)))
-            elif not required:
-                self.note(f"{len(buf) - pos} bytes after the last pickle ({where}) are not a pickle; no loader "
-                          "reads them")
             return None
         self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]))
         return end
@@ -284,12 +279,12 @@ class _Scanner:
         return [qualified_name(m, n) for m, n in seen]
 
     def pickles_in_a_row(self, buf: Any, pos: int, where: str, *, first_required: bool = True) -> int | None:
-        """Read pickles one after another from ``pos``; return where the data that is not a pickle starts
-        (``len(buf)`` when everything was read), or None when the first (required) pickle failed."""
+        """Read pickles one after another from ``pos`` while the data looks like one; return the offset where
+        reading stopped (``len(buf)`` when everything was read), or None when the first, required, pickle failed."""
         n = 0
         size = len(buf)
         while pos < size and n < MAX_PICKLES_IN_A_ROW:
-            if n and buf[pos:pos + 4] == _ZIP_LOCAL:
+            if n and (buf[pos] not in _PICKLE_FIRST or buf[pos:pos + 4] == _ZIP_LOCAL):
                 return pos
             label = where if n == 0 else f"{where} (pickle {n + 1} in a row, byte {pos})"
             end = self.parse(buf, pos, label, required=n == 0 and first_required)
@@ -319,28 +314,27 @@ class _Scanner:
         return formats.PICKLE
 
     def pickle_file(self, buf: Any, where: str, depth: int) -> None:
-        rest = self.pickles_in_a_row(buf, 0, where or "pickle at byte 0")
-        if rest is not None and rest < len(buf):
-            self.trailing(buf, rest, where, depth)
+        end = self.parse(buf, 0, where or "pickle at byte 0")
+        if end is not None and end < len(buf):
+            self.trailing(buf, end, where, depth)
 
     def trailing(self, buf: Any, pos: int, where: str, depth: int) -> None:
-        """Data after the structures a loader reads: more pickles, or an appended zip."""
-        start = _zip_start(buf, pos)
+        """Data after the structures a loader reads: further pickles in a row, then possibly an appended zip."""
+        rest = pos
+        if buf[pos] in _PICKLE_FIRST and buf[pos:pos + 4] != _ZIP_LOCAL:
+            rest = self.pickles_in_a_row(buf, pos, _join(where, f"data after the last pickle, byte {pos}"),
+                                         first_required=False) or pos
+        start = _zip_start(buf, rest)
         if start is not None:
+            if start > rest:
+                self.note(f"{start - rest} bytes at byte {rest}{_in(where)} are not a pickle")
             self.note(f"a zip archive is appended at byte {start}{_in(where)} (zipfile-based tools read it instead)")
             try:
                 self.zip(bytes(buf[start:]), _join(where, f"appended zip at byte {start}"), depth + 1)
             except CkptError as err:
                 self.note(f"the zip appended at byte {start}{_in(where)} could not be read ({err})")
-            return
-        if bytes(buf[pos:pos + 1]) and buf[pos] in _PICKLE_FIRST:
-            rest = self.pickles_in_a_row(buf, pos, _join(where, f"data after the last pickle, byte {pos}"),
-                                         first_required=False)
-            if rest is not None and rest < len(buf):
-                if _zip_start(buf, rest) is None:
-                    self.note(f"{len(buf) - rest} bytes at byte {rest}{_in(where)} are not a pickle")
-        else:
-            self.note(f"{len(buf) - pos} bytes after the last pickle{_in(where)} (byte {pos}) are not a pickle")
+        elif rest < len(buf):
+            self.note(f"{len(buf) - rest} bytes at byte {rest}{_in(where)} are not a pickle (no loader reads them)")
 
     def zip(self, buf: Any, where: str, depth: int, f: Any = None) -> str:
         if depth > MAX_ZIP_DEPTH:
@@ -456,6 +450,8 @@ class _Scanner:
     def tar(self, buf: Any, where: str, depth: int) -> None:
         """A torch legacy tar (torch < 0.4): ``torch.load`` unpickles its ``sys_info``, ``pickle``, ``storages``
         and ``tensors`` members; every member is read as pickles in a row."""
+        import tarfile
+
         try:
             tf = tarfile.open(fileobj=io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf)), mode="r:")
         except tarfile.TarError as e:
@@ -467,7 +463,7 @@ class _Scanner:
         finally:
             tf.close()
 
-    def _tar_members(self, tf: tarfile.TarFile, where: str, depth: int) -> None:
+    def _tar_members(self, tf: Any, where: str, depth: int) -> None:
         for i, member in enumerate(tf):
             if i >= MAX_TAR_MEMBERS:
                 self.note(f"more than {MAX_TAR_MEMBERS} tar members; the rest were not scanned")

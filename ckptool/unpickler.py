@@ -391,7 +391,7 @@ PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexEr
 #   of tuples is at most the number of tuple-building opcodes; when that bound is large, the unpickler runs in a
 #   helper thread whose stack is sized for it.
 #
-# Scanning uses one regular expression that consumes runs of ordinary opcodes in C (strings shorter than 256 bytes
+# Scanning uses one regular expression that consumes runs of ordinary opcodes in C (strings shorter than 128 bytes
 # included) and stops at anything it cannot vouch for; those opcodes are checked one by one in Python.
 
 _NOARG = b"(012NQR}abdel]ostu)\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94\x97\x98"  # no argument (STOP apart)
@@ -430,9 +430,10 @@ def _cls(ops: bytes) -> bytes:
 
 
 def _counted(lengths: bytes) -> bytes:
-    """Alternatives ``<length prefix><that many bytes>`` for lengths 0..255 (prefix = byte + ``lengths`` zeros)."""
+    """Alternatives ``<length prefix><that many bytes>`` for lengths 0..127 (prefix = byte + ``lengths`` zeros);
+    longer values are rare in checkpoints (keys, location tags) and are checked in Python."""
     return b"(?:" + b"|".join(
-        b"\\x%02x" % n + b"\\x00" * len(lengths) + (b"[\\s\\S]{%d}" % n if n else b"") for n in range(256)) + b")"
+        b"\\x%02x" % n + b"\\x00" * len(lengths) + (b"[\\s\\S]{%d}" % n if n else b"") for n in range(128)) + b")"
 
 
 _patterns: dict[int, re.Pattern[bytes]] = {}
@@ -499,14 +500,23 @@ def check_pickle(buf: Any, start: int = 0, end: int | None = None, *, what: str 
         raise
 
 
+#: opcodes in the first bytes of a pickle are checked one by one in Python: compiling the fast expression costs
+#: a few milliseconds, more than walking a small pickle (the legacy stream's headers, small checkpoints)
+_PY_PREFIX = 24 << 10
+
+
 def _walk(buf: Any, start: int, end: int, what: str, exact: bool, strict_frames: bool, at: list[int]) -> int:
     size = end - start
     k = max(16, min(32, size.bit_length() - 1)) if exact else max(16, min(22, size.bit_length() - 1))
-    match = _run_pattern(k).match
+    fast_from = start + _PY_PREFIX
+    match = None
     pos = start
     limit = end  # the end of the current frame, or ``end``
     while True:
-        pos = match(buf, pos, limit).end()
+        if pos >= fast_from:
+            if match is None:
+                match = _run_pattern(k).match
+            pos = match(buf, pos, limit).end()
         at[0] = pos
         if pos == limit and limit != end:  # the frame is used up exactly
             limit = end

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import socket
 import stat
 import struct
 import tempfile
@@ -42,7 +41,8 @@ def _umask() -> int:
 
 
 TMP_SUFFIX = ".ckptool-tmp"
-_HOST = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname())[:32] or "host"
+_NODE = os.uname().nodename if hasattr(os, "uname") else os.environ.get("COMPUTERNAME", "")
+_HOST = "".join(c if c.isalnum() or c in "-_" else "_" for c in _NODE)[:32] or "host"
 
 
 def temp_prefix(dst: str) -> str:

@@ -121,6 +121,7 @@ def test_big_memo_indices_of_real_pickles_pass() -> None:
     b"Np1073741823\n.",  # the same with a protocol-0 PUT
     b"\x80\x02" + b"N" * 100 + b"r\x00\x00\x00\x40.",
     b"\x80\x02" + b"]" * 300 + b"r\x00\x00\x01\x00.",  # a 65,536 index 300 bytes into the pickle
+    b"\x80\x02" + b"N0" * 20_000 + b"Nr\x00\x00\x00\x40.",  # past the first 24 KiB: found by the fast scan
 ])
 def test_memo_bombs_are_refused_before_allocating(data: bytes) -> None:
     t = time.perf_counter()
@@ -156,6 +157,11 @@ def test_frame_that_cuts_an_opcode_is_refused() -> None:
     inner = b"\x95" + struct.pack("<Q", 1) + b"N"
     with pytest.raises(CorruptCheckpointError, match="inside the previous frame"):
         load_structure(b"\x80\x04\x95" + struct.pack("<Q", 12) + inner + b"0N.")
+    # the same far into a pickle, where the fast expression does the walking
+    body = b"N0" * 15_000 + b"\x8c\x02ab" + b"0N."
+    with pytest.raises(CorruptCheckpointError, match="runs past the end of its FRAME"):
+        load_structure(b"\x80\x04\x95" + struct.pack("<Q", 30_002) + body)
+    assert load_structure(b"\x80\x04\x95" + struct.pack("<Q", len(body)) + body)[0] is None
     # a frame of exactly the right size, and an empty one, are fine
     good = hc.gadget_pickle("os", "system", "id", 4)
     assert load_structure(good)[1].globals_seen == {("os", "system"): None}
