@@ -102,6 +102,8 @@ from ckptool.unpickler import (
     qualified_name,
 )
 from ckptool.writer import TorchZipWriter, atomic_output
+from ckptool.writer import copy_range as _copy_kernel
+from ckptool.writer import copy_range_crc as _copy_crc
 
 __all__ = [
     "SHARED_KEY", "ConvertResult", "convert", "inspect_set", "is_checkpoint_set", "parse_size", "read_dcp_metadata",
@@ -786,48 +788,6 @@ def _tensor_buffer(t: Any) -> Any:
     import torch
 
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-def _copy_crc(fsrc: Any, fdst: Any, offset: int, size: int, crc: int = 0) -> int:
-    """Copy ``size`` bytes at ``offset`` of ``fsrc`` to ``fdst`` in 8 MiB chunks; return their CRC-32.
-
-    Raises:
-        CorruptCheckpointError: the source ended early.
-    """
-    buf = bytearray(min(_CHUNK, max(size, 1)))
-    view = memoryview(buf)
-    fsrc.seek(offset)
-    left = size
-    while left:
-        n = fsrc.readinto(view[:min(left, len(buf))])
-        if not n:
-            raise CorruptCheckpointError(f"{fsrc.name} is truncated: the data of a tensor ends {left} bytes early; "
-                                         "re-download it")
-        crc = zlib.crc32(view[:n], crc)
-        fdst.write(view[:n])
-        left -= n
-    return crc
-
-
-def _copy_kernel(fsrc: Any, fdst: Any, offset: int, size: int) -> None:
-    """Copy ``size`` bytes at ``offset`` of ``fsrc`` to the current position of ``fdst`` with ``os.copy_file_range``
-    (no copy through user space) where the kernel offers it, else through :func:`_copy_crc`."""
-    done = 0
-    cfr = getattr(os, "copy_file_range", None)
-    fdst.flush()
-    pos = fdst.tell()
-    if cfr is not None:
-        try:
-            while done < size:
-                n = cfr(fsrc.fileno(), fdst.fileno(), min(size - done, 1 << 30), offset + done, pos + done)
-                if n == 0:
-                    break
-                done += n
-        except OSError:  # EXDEV on old kernels, filesystems without support: copy the rest by hand
-            pass
-    fdst.seek(pos + done)
-    if done < size:
-        _copy_crc(fsrc, fdst, offset + done, size - done)
 
 
 # ================================================================================================ planning

@@ -287,20 +287,26 @@ def _module_entries(node: Any, prefix: str, active: set[int], budget: list[int]
     active.discard(id(node))
 
 
-def is_state_dict(obj: Any) -> bool:
-    """A mapping with string keys, at least one tensor value, and only tensors (or ``*_extra_state`` entries)."""
-    items = mapping_items(obj)
+def looks_like_state_dict(items: Any, tensor_test: Any) -> bool:
+    """The state_dict rule, for any ``(key, value)`` pairs: string keys, at least one value for which
+    ``tensor_test(value)`` holds, and nothing else but ``*_extra_state`` entries. Shared by the node graph
+    (:func:`is_state_dict`) and by the loaded-object code (``prefixes``, ``loading``)."""
     if not items:
         return False
     n = 0
     for k, v in items:
         if not isinstance(k, str):
             return False
-        if is_tensor(v):
+        if tensor_test(v):
             n += 1
         elif not k.endswith(STATE_DICT_SKIP_SUFFIX):
             return False
     return n > 0
+
+
+def is_state_dict(obj: Any) -> bool:
+    """A mapping with string keys, at least one tensor value, and only tensors (or ``*_extra_state`` entries)."""
+    return looks_like_state_dict(mapping_items(obj), is_tensor)
 
 
 def is_optimizer_state(items: list[tuple[Any, Any]]) -> bool:

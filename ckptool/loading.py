@@ -541,17 +541,9 @@ def _map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
 def _is_state_dict(obj: Any) -> bool:
     import torch
 
-    if not isinstance(obj, Mapping) or not obj:
-        return False
-    n = 0
-    for k, v in obj.items():
-        if not isinstance(k, str):
-            return False
-        if isinstance(v, torch.Tensor):
-            n += 1
-        elif not k.endswith("_extra_state"):
-            return False
-    return n > 0
+    from ckptool.graph import looks_like_state_dict
+
+    return isinstance(obj, Mapping) and looks_like_state_dict(obj.items(), lambda v: isinstance(v, torch.Tensor))
 
 
 def _is_optimizer_state(obj: Any) -> bool:

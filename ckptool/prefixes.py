@@ -41,12 +41,12 @@ from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.graph import (
     compiled_inner,
     iter_state_dict_of_module,
-    STATE_DICT_SKIP_SUFFIX,
     get_path,
     is_module,
     is_optimizer_state,
     is_state_dict,
     join,
+    looks_like_state_dict,
     mapping_items,
     module_entries,
     module_state,
@@ -681,17 +681,7 @@ def _is_tensor_value(v: Any) -> bool:
 
 
 def _looks_like_state_dict(m: Any) -> bool:
-    if not isinstance(m, Mapping) or not m:
-        return False
-    n = 0
-    for k, v in m.items():
-        if not isinstance(k, str):
-            return False
-        if _is_tensor_value(v):
-            n += 1
-        elif not k.endswith(STATE_DICT_SKIP_SUFFIX):
-            return False
-    return n > 0
+    return isinstance(m, Mapping) and looks_like_state_dict(m.items(), _is_tensor_value)
 
 
 def _new_like(m: Mapping[Any, Any], items: Iterable[tuple[Any, Any]]) -> Any:

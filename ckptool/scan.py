@@ -247,6 +247,13 @@ class _Scanner:
             if finding.where not in g.where:
                 g.where.append(finding.where)
 
+    def _unreadable_member(self, label: str, is_pickle: bool, err: Exception) -> None:
+        """A zip member that could not be read: a finding for a pickle member, a note for anything else."""
+        if is_pickle:
+            self.record(PickleFinding(label, 0, [], str(err)))
+        else:
+            self.note(f"member {label} could not be read ({err})")
+
     def note(self, text: str) -> None:
         self.res.notes.append(text)
 
@@ -378,10 +385,7 @@ class _Scanner:
         try:
             head = read_member_head(f, e, label)
         except CkptError as err:
-            if is_pickle:
-                self.record(PickleFinding(label, 0, [], str(err)))
-            else:
-                self.note(f"member {label} could not be read ({err})")
+            self._unreadable_member(label, is_pickle, err)
             return
         nested = head.startswith(_ZIP_LOCAL)
         looks_pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
@@ -390,10 +394,7 @@ class _Scanner:
         try:
             data = read_member(f, e, label, check_crc=False)
         except CkptError as err:
-            if is_pickle:
-                self.record(PickleFinding(label, 0, [], str(err)))
-            else:
-                self.note(f"member {label} could not be read ({err})")
+            self._unreadable_member(label, is_pickle, err)
             return
         if (e.crc & 0xFFFFFFFF) != zlib.crc32(data):
             self.note(f"member {label} fails its CRC-32 check (torch does not check it); scanned anyway")

@@ -25,7 +25,7 @@ import zlib
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from ckptool.errors import CkptError, UsageError
+from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
 
 ALIGNMENT = 64
 CHUNK = 8 << 20
@@ -160,6 +160,55 @@ def file_mode(path: str) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
+def copy_range_crc(src: BinaryIO, dst: BinaryIO, offset: int, size: int, crc: int = 0) -> int:
+    """Copy ``size`` bytes at ``offset`` of ``src`` to the current position of ``dst`` in ``CHUNK``-byte
+    pieces (memory bounded by one chunk); return the CRC-32 of the bytes, continuing from ``crc``.
+
+    Raises:
+        CorruptCheckpointError: ``src`` ended before ``size`` bytes were read.
+    """
+    buf = bytearray(min(CHUNK, max(size, 1)))
+    view = memoryview(buf)
+    src.seek(offset)
+    left = size
+    while left:
+        n = src.readinto(view[: min(left, len(buf))])
+        if not n:
+            raise CorruptCheckpointError(
+                f"{getattr(src, 'name', 'the input')} is truncated: a record ends {left} bytes early; re-download it")
+        chunk = view[:n]
+        crc = zlib.crc32(chunk, crc)
+        dst.write(chunk)
+        left -= n
+    return crc
+
+
+def copy_range(src: BinaryIO, dst: BinaryIO, offset: int, size: int) -> None:
+    """Copy ``size`` bytes at ``offset`` of ``src`` to the current position of ``dst`` with
+    ``os.copy_file_range`` (no copy through user space) where the kernel offers it, else with
+    :func:`copy_range_crc`. ``dst`` ends positioned after the copied bytes.
+
+    Raises:
+        CorruptCheckpointError: ``src`` ended early.
+    """
+    dst.flush()
+    pos = dst.tell()
+    done = 0
+    cfr = getattr(os, "copy_file_range", None)
+    if cfr is not None:
+        try:
+            while done < size:
+                n = cfr(src.fileno(), dst.fileno(), min(size - done, 1 << 30), offset + done, pos + done)
+                if n == 0:
+                    break
+                done += n
+        except OSError:  # EXDEV on old kernels, filesystems without support: copy the rest by hand
+            pass
+    dst.seek(pos + done)
+    if done < size:
+        copy_range_crc(src, dst, offset + done, size - done)
+
+
 class TorchZipWriter:
     """Write records into an open, seekable binary file in the zip layout torch reads.
 
@@ -172,7 +221,6 @@ class TorchZipWriter:
         self.prefix = archive_name.strip("/") + "/"
         self.entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, local header offset
         self.pos = f.tell()
-        self._copy_file_range = getattr(os, "copy_file_range", None)
 
     # -- local header --------------------------------------------------------------------------------------
     def _header(self, name: bytes, size: int, crc: int) -> tuple[bytes, int]:
@@ -242,40 +290,11 @@ class TorchZipWriter:
         self.f.seek(here)
 
     def _copy_raw(self, src: BinaryIO, offset: int, size: int) -> None:
-        done = 0
-        if self._copy_file_range is not None:
-            dst_fd = self.f.fileno()
-            os.lseek(dst_fd, self.pos, os.SEEK_SET)
-            try:
-                while done < size:
-                    n = self._copy_file_range(src.fileno(), dst_fd, min(size - done, 1 << 30), offset + done)
-                    if n == 0:
-                        break
-                    done += n
-            except OSError:  # EXDEV on old kernels, unsupported filesystems: go on with read/write
-                pass
-        self.f.seek(self.pos + done)
-        if done < size:
-            self._copy_chunks(src, offset + done, size - done, None)
+        self.f.seek(self.pos)
+        copy_range(src, self.f, offset, size)
 
     def _copy_with_crc(self, src: BinaryIO, offset: int, size: int) -> int:
-        return self._copy_chunks(src, offset, size, 0)
-
-    def _copy_chunks(self, src: BinaryIO, offset: int, size: int, crc: int | None) -> int:
-        buf = bytearray(min(CHUNK, max(size, 1)))
-        view = memoryview(buf)
-        src.seek(offset)
-        left = size
-        while left:
-            n = src.readinto(view[: min(left, len(buf))])
-            if not n:
-                raise CkptError(f"the input ended {left} bytes before the end of a record; it is truncated")
-            chunk = view[:n]
-            if crc is not None:
-                crc = zlib.crc32(chunk, crc)
-            self.f.write(chunk)
-            left -= n
-        return crc or 0
+        return copy_range_crc(src, self.f, offset, size)
 
     # -- central directory -------------------------------------------------------------------------------------
     def close(self) -> None:
