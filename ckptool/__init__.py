@@ -18,27 +18,27 @@ from ckptool.errors import (
     UnsupportedError,
     UsageError,
 )
-from ckptool.inspect import CheckpointInfo, StateDictInfo, TensorInfo, inspect
-from ckptool.remap import remap
-from ckptool.rewrite import WriteResult
+from ckptool.ops.inspect import CheckpointInfo, StateDictInfo, TensorInfo, inspect
+from ckptool.ops.remap import remap
+from ckptool.ops.rewrite import WriteResult
 
 __version__ = "0.1.0"
 
 # name -> module for the parts of the API that are loaded on first use (they may import torch when called)
 _LAZY = {
-    "strip_prefix": "ckptool.prefixes",
-    "add_prefix": "ckptool.prefixes",
-    "strip_dataparallel": "ckptool.prefixes",
-    "unwrap": "ckptool.prefixes",
-    "rename_state_dict": "ckptool.prefixes",
-    "load_into": "ckptool.loading",
-    "load_training_state": "ckptool.loading",
-    "save_portable": "ckptool.loading",
-    "LoadReport": "ckptool.loading",
-    "verify": "ckptool.loading",
-    "convert": "ckptool.convert",
-    "scan_file": "ckptool.scan",
-    "extract_state_dict": "ckptool.extract",
+    "strip_prefix": "ckptool.ops.rename",
+    "add_prefix": "ckptool.ops.rename",
+    "strip_dataparallel": "ckptool.ops.rename",
+    "unwrap": "ckptool.ops.rename",
+    "rename_state_dict": "ckptool.ops.rename",
+    "load_into": "ckptool.torch_ops.loading",
+    "load_training_state": "ckptool.torch_ops.loading",
+    "save_portable": "ckptool.torch_ops.loading",
+    "LoadReport": "ckptool.torch_ops.loading",
+    "verify": "ckptool.torch_ops.loading",
+    "convert": "ckptool.ops.convert",
+    "scan_file": "ckptool.ops.scan",
+    "extract_state_dict": "ckptool.ops.extract",
 }
 
 def __getattr__(name: str) -> Any:

@@ -49,11 +49,11 @@ def main() -> None:
     import atheris  # noqa: PLC0415 - optional
 
     with atheris.instrument_imports():
-        import ckptool.checkpoint  # noqa: F401
-        import ckptool.inspect  # noqa: F401
-        import ckptool.scan  # noqa: F401
-        import ckptool.unpickler  # noqa: F401
-        import ckptool.zipdir  # noqa: F401
+        import ckptool.formats.torchfile  # noqa: F401
+        import ckptool.ops.inspect  # noqa: F401
+        import ckptool.ops.scan  # noqa: F401
+        import ckptool.formats.unpickler  # noqa: F401
+        import ckptool.formats.zipdir  # noqa: F401
     atheris.Setup(sys.argv, test_one_input)
     atheris.Fuzz()
 

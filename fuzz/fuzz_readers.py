@@ -95,10 +95,10 @@ def load_seeds(include_generated: bool = True, max_size: int = 4 << 20) -> list[
 
 def readers() -> list[tuple[str, Callable[[str], object]]]:
     """``(name, function(path))`` for every reader under test."""
-    from ckptool.checkpoint import read_checkpoint, read_pickle_file
-    from ckptool.inspect import inspect
-    from ckptool.scan import scan_file
-    from ckptool.unpickler import load_structure
+    from ckptool.formats.torchfile import read_checkpoint, read_pickle_file
+    from ckptool.ops.inspect import inspect
+    from ckptool.ops.scan import scan_file
+    from ckptool.formats.unpickler import load_structure
 
     def structure(path: str) -> object:
         with open(path, "rb") as f:
@@ -108,7 +108,7 @@ def readers() -> list[tuple[str, Callable[[str], object]]]:
         ("inspect", inspect), ("read_checkpoint", read_checkpoint), ("read_pickle_file", read_pickle_file),
         ("scan_file", scan_file), ("load_structure", structure)]
     try:
-        from ckptool.extract import extract_state_dict
+        from ckptool.ops.extract import extract_state_dict
 
         def extract(path: str) -> object:
             return extract_state_dict(path, path + ".sd.pth", quiet=True)

@@ -21,8 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file
 from torch import nn
 
-import ckptool.convert as cv
-from ckptool.convert import SHARED_KEY, VerificationError, convert, parse_size
+import ckptool.ops.convert as cv
+from ckptool.ops.convert import SHARED_KEY, VerificationError, convert, parse_size
 from ckptool.errors import (
     CkptError,
     PrefixNotFoundError,
@@ -105,7 +105,7 @@ def test_importing_the_cli_does_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import ckptool.cli, ckptool.convert, ckptool.cli_convert, sys; assert 'torch' not in sys.modules"
+    code = "import ckptool.cli, ckptool.ops.convert, ckptool.cli.convert, sys; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], check=False, capture_output=True).returncode == 0
 
 

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptool.errors import CkptError
-from ckptool.unpickler import load_structure
+from ckptool.formats.unpickler import load_structure
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))

@@ -21,12 +21,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptool import graph, unpickler, zipdir
-from ckptool.checkpoint import read_checkpoint
+from ckptool.model import graph
+from ckptool.formats import unpickler
+from ckptool.formats import zipdir
+from ckptool.formats.torchfile import read_checkpoint
 from ckptool.errors import CkptError, CorruptCheckpointError
-from ckptool.inspect import inspect
-from ckptool.pickler import PicklerError, dumps
-from ckptool.unpickler import check_pickle, load_structure
+from ckptool.ops.inspect import inspect
+from ckptool.formats.pickler import PicklerError, dumps
+from ckptool.formats.unpickler import check_pickle, load_structure
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))
@@ -181,8 +183,8 @@ def test_real_protocol_5_frames_pass() -> None:
 DEEP_TUPLE_SCRIPT = textwrap.dedent("""
     import sys
     from ckptool.errors import CkptError
-    from ckptool.inspect import inspect
-    from ckptool.unpickler import load_structure
+    from ckptool.ops.inspect import inspect
+    from ckptool.formats.unpickler import load_structure
     data = open(sys.argv[1], "rb").read()
     root, _ = load_structure(data)          # the dict is built: its key was hashed in a big-stack thread
     print("loaded", type(root).__name__)
@@ -390,7 +392,7 @@ def _legacy_keys_at(data: bytes) -> int:
 @pytest.mark.parametrize("name", ["safetensors-deep-json.safetensors", "safetensors-huge-int.safetensors"])
 def test_hostile_safetensors_headers(corpus, name: str) -> None:
     path = dict((e.name, p) for e, p in corpus)[name]
-    from ckptool.inspect import read_safetensors_header
+    from ckptool.ops.inspect import read_safetensors_header
 
     with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
         read_safetensors_header(str(path))
@@ -420,15 +422,15 @@ def test_every_hostile_file_reads_or_fails_cleanly(corpus) -> None:
 AUDIT_SCRIPT = textwrap.dedent("""
     import json, os, sys
     from ckptool.errors import CkptError
-    from ckptool.checkpoint import read_checkpoint, read_pickle_file
-    from ckptool.inspect import inspect
-    from ckptool import formats
+    from ckptool.formats.torchfile import read_checkpoint, read_pickle_file
+    from ckptool.ops.inspect import inspect
+    from ckptool.formats import detect as formats
     try:
-        from ckptool.scan import scan_file
+        from ckptool.ops.scan import scan_file
     except ImportError:
         scan_file = None
     try:
-        from ckptool.extract import extract_state_dict
+        from ckptool.ops.extract import extract_state_dict
     except ImportError:
         extract_state_dict = None
 
@@ -532,7 +534,8 @@ import os  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 
-from ckptool import writer  # noqa: E402
+from ckptool import _fileio as writer  # noqa: E402
+from ckptool.formats.torchzip import TorchZipWriter  # noqa: E402
 
 
 def _digest(p: Path) -> str:
@@ -556,7 +559,7 @@ def src(generated: dict[str, Path], tmp_path: Path) -> Path:
 def test_disk_full_leaves_input_and_folder_as_they_were(src: Path, run_cli, monkeypatch, in_place: bool) -> None:
     """ENOSPC while the records are copied (simulated): one clear error, the input intact, nothing left behind."""
     before = _digest(src)
-    real = writer.TorchZipWriter.copy_record
+    real = TorchZipWriter.copy_record
     calls = []
 
     def full(self, *a, **kw):
@@ -565,7 +568,7 @@ def test_disk_full_leaves_input_and_folder_as_they_were(src: Path, run_cli, monk
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(writer.TorchZipWriter, "copy_record", full)
+    monkeypatch.setattr(TorchZipWriter, "copy_record", full)
     args = ["--in-place"] if in_place else ["-o", src.parent / "out.pt"]
     line = _one_error(run_cli("remap", src, "--to", "cpu", *args))
     assert "No space left on device" in line and "nothing was written" in line and "free some space" in line
@@ -654,8 +657,8 @@ def test_symlink_to_the_input(src: Path, run_cli, tmp_path: Path) -> None:
 
 KILL_SCRIPT = textwrap.dedent("""
     import os, sys, time
-    import ckptool.writer as w
-    from ckptool.remap import remap
+    import ckptool._fileio as w
+    from ckptool.ops.remap import remap
 
     def hang(fd):
         print("writing", flush=True)
@@ -683,7 +686,7 @@ def test_killed_mid_write_leaves_input_and_destination_intact(src: Path, tmp_pat
     assert _digest(src) == before and out.read_bytes() == b"previous version"
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".ckptool-tmp")]
     assert len(leftovers) == 1 and leftovers[0].startswith(".out.pt.ckptool-") and f"-{child.pid}-" in leftovers[0]
-    from ckptool.remap import remap
+    from ckptool.ops.remap import remap
 
     remap(str(src), str(out), to="cpu")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "out.pt"]

@@ -1,4 +1,4 @@
-"""ckptool.inspect and `ckptool inspect`: structure read without torch and without tensor bytes."""
+"""ckptool.ops.inspect and `ckptool inspect`: structure read without torch and without tensor bytes."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from torch import nn
 
 import ckptool
 from ckptool.errors import CkptError, KeyCollisionError, UnsafeCheckpointError, UnsupportedError, UsageError
-from ckptool.loading import (
+from ckptool.torch_ops.loading import (
     StateDictMismatchError,
     _rename_metadata,
     find_state_dicts,
@@ -432,7 +432,7 @@ def test_torch_refusal_becomes_unsafe_error(tmp_path: Path, monkeypatch: pytest.
 
     path = tmp_path / "args.pt"
     torch.save({"args": argparse.Namespace(lr=0.1), "state_dict": trained().state_dict()}, path)
-    mod = sys.modules["ckptool.inspect"]
+    mod = sys.modules["ckptool.ops.inspect"]
     real = mod.inspect
 
     def no_globals(p: Any) -> Any:
@@ -659,7 +659,7 @@ def test_portable_key_keeps_attribute_named_module() -> None:
     assert portable_key("blocks.0._checkpoint_wrapped_module.fc.weight", []) == "blocks.0.fc.weight"
     assert portable_key("module.fc.weight", []) == "module.fc.weight"  # not shared by every key: an attribute
     sd = OrderedDict([("module.fc.weight", torch.ones(1)), ("head.weight", torch.ones(1))])
-    from ckptool.loading import _Memo, _portable_state_dict
+    from ckptool.torch_ops.loading import _Memo, _portable_state_dict
 
     assert list(_portable_state_dict(sd, _Memo())) == ["module.fc.weight", "head.weight"]
 
@@ -668,7 +668,7 @@ def test_importing_loading_does_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import ckptool.loading, ckptool.cli, sys; assert 'torch' not in sys.modules"
+    code = "import ckptool.torch_ops.loading, ckptool.cli, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.pickler import dumps
-from ckptool.unpickler import GlobalMeta, ObjectNode, ReduceNode, load_structure
+from ckptool.formats.pickler import dumps
+from ckptool.formats.unpickler import GlobalMeta, ObjectNode, ReduceNode, load_structure
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),

@@ -1,4 +1,4 @@
-"""ckptool.remap and `ckptool remap`: storages re-tagged, everything else byte-for-byte the same."""
+"""ckptool.ops.remap and `ckptool remap`: storages re-tagged, everything else byte-for-byte the same."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import ckptool
-from ckptool import writer as writer_mod
+from ckptool import _fileio as writer_mod
+from ckptool.formats import torchzip
+from ckptool.formats.torchzip import TorchZipWriter
 from helpers import assert_same_tensors, location_tags, requires_cuda, storage_groups
 
 
@@ -190,7 +192,7 @@ def test_failure_leaves_no_file(generated, tmp_path: Path, monkeypatch) -> None:
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(writer_mod.TorchZipWriter, "copy_record", boom)
+    monkeypatch.setattr(TorchZipWriter, "copy_record", boom)
     with pytest.raises(ckptool.CkptError, match="No space left on device"):
         ckptool.remap(src, tmp_path / "out.pt", to="cpu")
     with pytest.raises(ckptool.CkptError):
@@ -206,7 +208,7 @@ def test_interrupt_leaves_no_file(generated, tmp_path: Path, monkeypatch) -> Non
     def interrupt(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(writer_mod.TorchZipWriter, "close", interrupt)
+    monkeypatch.setattr(TorchZipWriter, "close", interrupt)
     with pytest.raises(KeyboardInterrupt):
         ckptool.remap(src, tmp_path / "out.pt", to="cpu")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
@@ -215,7 +217,7 @@ def test_interrupt_leaves_no_file(generated, tmp_path: Path, monkeypatch) -> Non
 def test_large_storage_copy_without_copy_file_range(generated, tmp_path: Path, monkeypatch) -> None:
     """The read/write fallback (no copy_file_range, small chunks) gives the same bytes."""
     monkeypatch.setattr(writer_mod, "CHUNK", 7)
-    monkeypatch.setattr(writer_mod, "SMALL_RECORD", 0)
+    monkeypatch.setattr(torchzip, "SMALL_RECORD", 0)
     monkeypatch.setattr(writer_mod.os, "copy_file_range", None, raising=False)
     src = generated["dtypes_cuda0.pt"]
     dst = tmp_path / "d.pt"

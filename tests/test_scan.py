@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptool.inspect import inspect
-from ckptool.scan import ALLOWED, DANGEROUS, UNKNOWN, classify_global, iter_paths, scan, scan_file
+from ckptool.ops.inspect import inspect
+from ckptool.ops.scan import ALLOWED, DANGEROUS, UNKNOWN, classify_global, iter_paths, scan, scan_file
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))
@@ -224,7 +224,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from ckptool.errors import CkptError, UnsupportedError, UsageError  # noqa: E402
-from ckptool.extract import extract_state_dict  # noqa: E402
+from ckptool.ops.extract import extract_state_dict  # noqa: E402
 
 COMPARE_SCRIPT = textwrap.dedent("""
     # a process that has the model classes: torch.load(weights_only=False).state_dict() is the reference

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import ckptool
-from ckptool.cli_verify import build_factory, import_callable, parse_input_shape
+from ckptool.cli.verify import build_factory, import_callable, parse_input_shape
 from ckptool.errors import CkptError, UnsafeCheckpointError, UsageError
-from ckptool.loading import _tolerance
+from ckptool.torch_ops.loading import _tolerance
 
 from helpers import requires_cuda
 from models import Classifier, Crepe, LpipsLinearLayers, PNet, build_classifier
@@ -56,7 +56,7 @@ def test_verify_real_checkpoints_with_forward(real_dir: Path) -> None:
 
 
 def test_verify_default_device() -> None:
-    from ckptool.loading import default_device
+    from ckptool.torch_ops.loading import default_device
 
     assert default_device() == (torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu"))
 

@@ -105,7 +105,7 @@ def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int) -> None:
     removes them, and the globals the pickle would import, marked by whether torch.load(weights_only=True)
     allows them. Torch is not imported.
     """
-    from ckptool.inspect import inspect
+    from ckptool.ops.inspect import inspect
 
     info = inspect(path)
     if as_json:
@@ -209,13 +209,13 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
       ckptool remap model.pth --map cuda:1=cuda:0 -o model.gpu0.pth
       ckptool remap ddp_compiled.pth --to cpu --unwrap
     """
-    from ckptool.remap import parse_mapping, remap
+    from ckptool.ops.remap import parse_mapping, remap
 
     mapping = parse_mapping(list(maps)) if maps else None
     res = remap(src, dst, to=to, mapping=mapping, in_place=in_place, unwrap=unwrap_keys,
                 strip_dataparallel=strip_dataparallel, strip_prefixes=strip_prefixes, add_prefix=add_prefix, key=key)
     if hasattr(res, "changes"):
-        from ckptool.cli_prefixes import report_rename
+        from ckptool.cli.prefixes import report_rename
 
         report_rename(res)
     _report_write(res)
@@ -233,8 +233,8 @@ def main() -> None:
 
 
 # further commands live in their own modules and register on `cli` when imported
-for _mod in ("ckptool.cli_prefixes", "ckptool.cli_verify", "ckptool.cli_demo", "ckptool.cli_convert",
-             "ckptool.cli_scan"):
+for _mod in ("ckptool.cli.prefixes", "ckptool.cli.verify", "ckptool.cli.demo", "ckptool.cli.convert",
+             "ckptool.cli.scan"):
     try:
         __import__(_mod)
     except ModuleNotFoundError as _e:

@@ -1,15 +1,9 @@
-"""Safe output files and the zip container ``torch.save`` writes.
+"""Safe output files and byte-range copies: the one home of atomic output, umask, fsync and range copy.
 
 :func:`atomic_output` writes to a temporary file in the destination folder, fsyncs it, renames it into place
 and fsyncs the folder; on any failure (or KeyboardInterrupt) the temporary file is removed and the destination is
-left as it was.
-
-:class:`TorchZipWriter` writes the zip layout of torch's ``PyTorchStreamWriter`` (caffe2/serialize/inline_container.cc):
-every record stored uncompressed under one top folder, its data starting on a 64-byte boundary (padding goes
-into a local-header extra field, id ``FB``) so that ``torch.load(mmap=True)`` can map it, with ZIP64 records
-when sizes, offsets or the entry count need them. Record bytes are copied from the source file with
-``os.copy_file_range`` where the kernel offers it (no user-space copy), else in 8 MiB chunks, so memory stays
-bounded whatever the record size.
+left as it was. :func:`copy_range` copies a byte range between files with ``os.copy_file_range`` where the kernel
+offers it (no user-space copy), else in 8 MiB chunks, so memory stays bounded whatever the size.
 """
 
 from __future__ import annotations
@@ -18,7 +12,6 @@ import contextlib
 import errno
 import os
 import stat
-import struct
 import tempfile
 import time
 import zlib
@@ -27,11 +20,7 @@ from typing import BinaryIO
 
 from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
 
-ALIGNMENT = 64
 CHUNK = 8 << 20
-SMALL_RECORD = 1 << 20
-_U32 = 0xFFFFFFFF
-_DOS_DATE = (0 << 11) | (0 << 5) | 0, (0 << 9) | (1 << 5) | 1  # 00:00:00, 1980-01-01 (what miniz writes)
 
 
 def _umask() -> int:
@@ -209,124 +198,3 @@ def copy_range(src: BinaryIO, dst: BinaryIO, offset: int, size: int) -> None:
         copy_range_crc(src, dst, offset + done, size - done)
 
 
-class TorchZipWriter:
-    """Write records into an open, seekable binary file in the zip layout torch reads.
-
-    Use :meth:`write_bytes` for small records, :meth:`copy_record` for a byte range of another file; then
-    :meth:`close` writes the central directory. The caller owns the file object.
-    """
-
-    def __init__(self, f: BinaryIO, archive_name: str) -> None:
-        self.f = f
-        self.prefix = archive_name.strip("/") + "/"
-        self.entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, local header offset
-        self.pos = f.tell()
-
-    # -- local header --------------------------------------------------------------------------------------
-    def _header(self, name: bytes, size: int, crc: int) -> tuple[bytes, int]:
-        zip64 = size >= _U32
-        extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
-        base = 30 + len(name) + len(extra)
-        pad = (-(self.pos + base + 4)) % ALIGNMENT
-        extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" padding field, as PyTorchStreamWriter
-        s32 = _U32 if zip64 else size
-        hdr = struct.pack(
-            "<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, _DOS_DATE[0], _DOS_DATE[1], crc, s32, s32,
-            len(name), len(extra),
-        ) + name + extra
-        return hdr, 14  # offset of the CRC field inside the header
-
-    def _begin(self, record: str, size: int, crc: int) -> tuple[bytes, int]:
-        name = (self.prefix + record).encode("utf-8")
-        offset = self.pos
-        hdr, _ = self._header(name, size, crc)
-        self.f.write(hdr)
-        self.pos += len(hdr)
-        return name, offset
-
-    def write_bytes(self, record: str, data: bytes) -> None:
-        """Write ``data`` as the record ``<archive>/<record>``."""
-        crc = zlib.crc32(data)
-        name, offset = self._begin(record, len(data), crc)
-        self.f.write(data)
-        self.pos += len(data)
-        self.entries.append((name, crc, len(data), offset))
-
-    def copy_record(self, record: str, src: BinaryIO, offset: int, size: int, crc: int | None = None) -> None:
-        """Copy ``size`` bytes at ``offset`` of ``src`` as the record ``<archive>/<record>``.
-
-        With a known ``crc`` (the source zip's CRC-32 of the same bytes) the bytes are copied by the kernel;
-        without it they are read in 8 MiB chunks to compute the CRC, and the local header is patched afterwards.
-
-        Raises:
-            CkptError: the source ended before ``size`` bytes were copied.
-        """
-        if size <= SMALL_RECORD:  # small records: one buffered read and write, no per-record syscalls
-            src.seek(offset)
-            data = src.read(size)
-            if len(data) != size:
-                raise CkptError(f"the input ended {size - len(data)} bytes before the end of a record; it is truncated")
-            if crc is None:
-                crc = zlib.crc32(data)
-            name, hoff = self._begin(record, size, crc)
-            self.f.write(data)
-            self.pos += size
-            self.entries.append((name, crc, size, hoff))
-            return
-        name, hoff = self._begin(record, size, crc or 0)
-        self.f.flush()
-        if crc is None:
-            crc = self._copy_with_crc(src, offset, size)
-            self._patch_crc(hoff, crc)
-        else:
-            self._copy_raw(src, offset, size)
-        self.pos += size
-        self.entries.append((name, crc, size, hoff))
-
-    def _patch_crc(self, header_offset: int, crc: int) -> None:
-        here = self.f.tell()
-        self.f.seek(header_offset + 14)
-        self.f.write(struct.pack("<I", crc))
-        self.f.seek(here)
-
-    def _copy_raw(self, src: BinaryIO, offset: int, size: int) -> None:
-        self.f.seek(self.pos)
-        copy_range(src, self.f, offset, size)
-
-    def _copy_with_crc(self, src: BinaryIO, offset: int, size: int) -> int:
-        return copy_range_crc(src, self.f, offset, size)
-
-    # -- central directory -------------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Write the central directory (with ZIP64 end records when needed)."""
-        f = self.f
-        cd_start = self.pos
-        out = bytearray()
-        for name, crc, size, off in self.entries:
-            zip64_fields = []
-            s32 = size
-            o32 = off
-            if size >= _U32:
-                zip64_fields += [size, size]
-                s32 = _U32
-            if off >= _U32:
-                zip64_fields.append(off)
-                o32 = _U32
-            extra = struct.pack("<HH", 0x0001, 8 * len(zip64_fields)) + struct.pack(
-                f"<{len(zip64_fields)}Q", *zip64_fields) if zip64_fields else b""
-            out += struct.pack(
-                "<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if zip64_fields else 20, 45 if zip64_fields else 20, 0, 0,
-                _DOS_DATE[0], _DOS_DATE[1], crc, s32, s32, len(name), len(extra), 0, 0, 0, 0, o32,
-            ) + name + extra
-        f.write(out)
-        cd_size = len(out)
-        end = cd_start + cd_size
-        n = len(self.entries)
-        if n >= 0xFFFF or cd_start >= _U32 or cd_size >= _U32:
-            f.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, cd_size, cd_start))
-            f.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
-            f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
-                                min(cd_size, _U32), min(cd_start, _U32), 0))
-        else:
-            f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, cd_start, 0))
-        self.pos = f.tell()

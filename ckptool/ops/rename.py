@@ -35,10 +35,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool import formats
-from ckptool.checkpoint import read_checkpoint
+from ckptool.formats import detect as formats
+from ckptool.formats.torchfile import read_checkpoint
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
-from ckptool.graph import (
+from ckptool.model.graph import (
     compiled_inner,
     iter_state_dict_of_module,
     get_path,
@@ -52,7 +52,7 @@ from ckptool.graph import (
     module_state,
     set_mapping_items,
 )
-from ckptool.keys import (
+from ckptool.model.keys import (
     WRAPPER_COMPONENTS,
     WRAPPER_ONLY_COMPONENTS,
     is_flat_param_key,
@@ -61,8 +61,8 @@ from ckptool.keys import (
     raise_on_collisions,
     unwrap_key,
 )
-from ckptool.rewrite import WriteResult, output_path, rewrite_file
-from ckptool.unpickler import ObjectNode, PickledObject, ReduceNode
+from ckptool.ops.rewrite import WriteResult, output_path, rewrite_file
+from ckptool.formats.unpickler import ObjectNode, PickledObject, ReduceNode
 
 __all__ = [
     "RenamePlan",
@@ -644,8 +644,8 @@ def _copy_range(fsrc: Any, fdst: Any, offset: int, size: int) -> None:
 
 def _rewrite_safetensors(src: str, out: str, plan: RenamePlan, *, key: str | None, allow_missing: bool,
                          operation: str) -> RenameResult:
-    from ckptool.inspect import read_safetensors_header
-    from ckptool.writer import atomic_output, file_mode
+    from ckptool.ops.inspect import read_safetensors_header
+    from ckptool._fileio import atomic_output, file_mode
 
     if key:
         raise UsageError(f"{src} is safetensors: it holds one flat mapping of tensors, so --key does not apply")

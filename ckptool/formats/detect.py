@@ -14,7 +14,7 @@ import re
 import struct
 
 from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UsageError
-from ckptool.zipdir import ZipEntry, read_directory
+from ckptool.formats.zipdir import ZipEntry, read_directory
 
 TORCH_ZIP = "torch-zip"
 TORCH_LEGACY = "torch-legacy"

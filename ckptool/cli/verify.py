@@ -149,7 +149,7 @@ def verify_cmd(ctx: click.Context, ckpt: str, model_spec: str, model_kwargs: str
       ckptool verify model.pth --model mypkg.models:Net --device cpu
       ckptool verify run.ckpt --model models.py:build --model-kwargs '{"num_classes": 10}' --input-shape 1,3,32,32
     """
-    from ckptool.loading import verify
+    from ckptool.torch_ops.loading import verify
 
     shape = parse_input_shape(input_shape) if input_shape else None
     factory = build_factory(model_spec, model_kwargs)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.unpickler import GlobalMeta, ObjectNode, ParameterNode, PickledObject, ReduceNode, TensorNode
+from ckptool.formats.unpickler import GlobalMeta, ObjectNode, ParameterNode, PickledObject, ReduceNode, TensorNode
 
 #: the most ``(key, tensor)`` entries :func:`iter_state_dict_of_module` yields: a pickle can share submodules
 #: between parents at every level, and a state_dict of such a tree grows exponentially with its depth

@@ -30,15 +30,15 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ckptool import formats
+from ckptool.formats import detect as formats
 from ckptool._gc import gc_paused
-from ckptool.checkpoint import DTYPE_SIZES, Checkpoint, read_checkpoint, resolve_zip_offsets, storage_element
+from ckptool.formats.torchfile import DTYPE_SIZES, Checkpoint, read_checkpoint, resolve_zip_offsets, storage_element
 from ckptool.errors import CkptError, UnsupportedError, UsageError
-from ckptool.graph import compiled_inner, find_state_dicts, get_path, is_module, mapping_items, module_entries, \
+from ckptool.model.graph import compiled_inner, find_state_dicts, get_path, is_module, mapping_items, module_entries, \
     module_state, too_deep, unwrap_tensor
-from ckptool.keys import metadata_key_mapping, raise_on_collisions, unwrap_key
-from ckptool.zipdir import read_member
-from ckptool.unpickler import (
+from ckptool.model.keys import metadata_key_mapping, raise_on_collisions, unwrap_key
+from ckptool.formats.zipdir import read_member
+from ckptool.formats.unpickler import (
     REBUILD_FROM_TYPE_V2,
     REBUILD_QTENSOR,
     GlobalMeta,
@@ -195,7 +195,7 @@ def _state_dict_graph(items: list[tuple[str, Any]], meta: dict[str, int]) -> Any
 
 
 def _write_zip(ck: Checkpoint, dst: str, sd: Any, used: set[str], location_fn: Any) -> tuple[int, int]:
-    from ckptool.rewrite import rewrite_file
+    from ckptool.ops.rewrite import rewrite_file
 
     keep = {"data/" + k for k in used}
     records = [r for r in ck.records if not r.name.startswith("data/") or r.name in keep]
@@ -217,7 +217,7 @@ def _materialize(ck: Checkpoint, entries: list[tuple[str, TensorNode]]) -> dict[
     """Each tensor as a contiguous CPU torch tensor, read from its storage record (one read per storage)."""
     import torch
 
-    from ckptool.inspect import tensor_dtype
+    from ckptool.ops.inspect import tensor_dtype
 
     out: dict[str, Any] = {}
     flat: dict[str, Any] = {}
@@ -258,7 +258,7 @@ def _materialize(ck: Checkpoint, entries: list[tuple[str, TensorNode]]) -> dict[
 def _save_safetensors(tensors: dict[str, Any], dst: str) -> int:
     from safetensors.torch import save
 
-    from ckptool.writer import atomic_output
+    from ckptool._fileio import atomic_output
 
     try:
         data = save(tensors, metadata={"format": "pt"})
@@ -312,14 +312,14 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
     """
     src = os.fspath(src)
     dst = os.fspath(dst) if dst is not None else _default_dst(src)
-    from ckptool.rewrite import _same_file
+    from ckptool.ops.rewrite import _same_file
 
     if _same_file(src, dst):
         raise UsageError(f"output {dst} is the input file; choose another -o path")
     safetensors_out = dst.endswith(".safetensors")
     location_fn = None
     if to is not None:
-        from ckptool.remap import location_function
+        from ckptool.ops.remap import location_function
 
         location_fn = location_function(to=to)
     fmt = formats.detect_format(src)
@@ -366,7 +366,7 @@ def _extract_trusted(src: str, dst: str, key: str | None, unwrap: bool, to: str 
     import torch
     from torch import nn
 
-    from ckptool.writer import atomic_output
+    from ckptool._fileio import atomic_output
 
     device = to or "cpu"
     try:
@@ -385,7 +385,7 @@ def _extract_trusted(src: str, dst: str, key: str | None, unwrap: bool, to: str 
     sd = module.state_dict()
     removed: dict[str, int] = {}
     if unwrap:
-        from ckptool.prefixes import rename_state_dict
+        from ckptool.ops.rename import rename_state_dict
 
         for k in sd:
             for c in unwrap_key(k)[1]:

@@ -45,11 +45,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool import formats
-from ckptool.allowlist import is_allowed
+from ckptool.formats import detect as formats
+from ckptool.model.allowlist import is_allowed
 from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
-from ckptool.unpickler import check_pickle, load_pickle_at, partial_globals, qualified_name
-from ckptool.zipdir import ZipEntry, read_directory, read_member, read_member_head
+from ckptool.formats.unpickler import check_pickle, load_pickle_at, partial_globals, qualified_name
+from ckptool.formats.zipdir import ZipEntry, read_directory, read_member, read_member_head
 
 __all__ = ["ALLOWED", "DANGEROUS", "UNKNOWN", "GlobalFinding", "PickleFinding", "ScanResult", "classify_global",
            "scan", "scan_file"]
@@ -428,7 +428,7 @@ class _Scanner:
                 keys = root
             pos = end
         # the storage blocks: 8-byte element count + numel * element size bytes each, in key order
-        from ckptool.checkpoint import STORAGE_TYPES
+        from ckptool.formats.torchfile import STORAGE_TYPES
 
         if not isinstance(keys, list):
             self.note("the legacy storage key list is not a list; data after it was not checked")
@@ -546,7 +546,7 @@ def scan_file(path: str | os.PathLike[str]) -> ScanResult:
             try:
                 res.format = sc.any(buf, "", 0, f)
                 if res.format == formats.SAFETENSORS:
-                    from ckptool.inspect import read_safetensors_header
+                    from ckptool.ops.inspect import read_safetensors_header
 
                     read_safetensors_header(path)
             finally:

@@ -15,10 +15,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool import formats
+from ckptool.formats import detect as formats
 from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedError
-from ckptool.unpickler import GlobalMeta, StorageRef, load_pickle_at, load_structure
-from ckptool.zipdir import ZipEntry, data_offset, read_member
+from ckptool.formats.unpickler import GlobalMeta, StorageRef, load_pickle_at, load_structure
+from ckptool.formats.zipdir import ZipEntry, data_offset, read_member
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001

@@ -92,7 +92,7 @@ def strip_dataparallel_cmd(src: str, key: str | None, allow_missing: bool, dst: 
       ckptool strip-dataparallel model.pth
       ckptool strip-dataparallel last.ckpt --key state_dict -o last.bare.ckpt
     """
-    from ckptool.prefixes import strip_dataparallel
+    from ckptool.ops.rename import strip_dataparallel
 
     _run(strip_dataparallel(src, dst, key=key, in_place=in_place, allow_missing=allow_missing))
 
@@ -118,7 +118,7 @@ def strip_prefix_cmd(src: str, prefixes: tuple[str, ...], key: str | None, allow
       ckptool strip-prefix lightning.ckpt model.          # LightningModule attribute
       ckptool strip-prefix ckpt.pt module. --key model_state_dict -o bare.pt
     """
-    from ckptool.prefixes import strip_prefix
+    from ckptool.ops.rename import strip_prefix
 
     _run(strip_prefix(src, list(prefixes), dst, key=key, in_place=in_place, allow_missing=allow_missing))
 
@@ -141,7 +141,7 @@ def add_prefix_cmd(src: str, prefix: str, key: str | None, dst: str | None, in_p
       ckptool add-prefix model.pth module.
       ckptool add-prefix ckpt.pt _orig_mod. --key model_state_dict -o compiled.pt
     """
-    from ckptool.prefixes import add_prefix
+    from ckptool.ops.rename import add_prefix
 
     _run(add_prefix(src, prefix, dst, key=key, in_place=in_place))
 
@@ -167,6 +167,6 @@ def unwrap_cmd(src: str, key: str | None, allow_missing: bool, dst: str | None, 
       ckptool unwrap compiled_ddp.pt
       ckptool unwrap model.pth --in-place
     """
-    from ckptool.prefixes import unwrap
+    from ckptool.ops.rename import unwrap
 
     _run(unwrap(src, dst, key=key, in_place=in_place, allow_missing=allow_missing))

@@ -5,7 +5,7 @@ The steps (each a function here, printed by :func:`run_demo` as a short headed s
 1. :func:`train`: a 64-128-64-10 MLP in the style of the PyTorch quickstart (``nn.Flatten`` + a
    ``linear_relu_stack``), wrapped in ``nn.DataParallel`` so its state_dict keys carry ``module.``, trained with
    ``nn.CrossEntropyLoss``, ``torch.optim.Adam`` and ``torch.optim.lr_scheduler.StepLR`` on the bundled UCI
-   handwritten digits (8x8, 1797 samples; ``ckptool/data/LICENSE-digits.txt``).
+   handwritten digits (8x8, 1797 samples; ``ckptool/demo/data/LICENSE-digits.txt``).
 2. :func:`save_three_ways`: ``torch.save`` of ``model.state_dict()``, of the model object itself, and of a training
    checkpoint (``epoch``, ``model_state_dict``, ``optimizer_state_dict``, ``scheduler_state_dict``, ``loss``).
 3. :func:`ckptool.inspect` on each file.
@@ -41,7 +41,7 @@ from torch import nn
 
 from ckptool.errors import CkptError, UnsafeCheckpointError, UsageError
 
-DATA_PACKAGE = "ckptool.data"
+DATA_PACKAGE = "ckptool.demo.data"
 DATA_FILE = "digits.csv.gz"
 N_CLASSES = 10
 IMAGE_SHAPE = (8, 8)
@@ -309,7 +309,7 @@ def make_received_copies(paths: dict[str, Path], tag: str) -> dict[str, Path]:
     Raises:
         CkptError: from :func:`ckptool.remap` (not expected for files written by :func:`save_three_ways`).
     """
-    from ckptool.remap import remap
+    from ckptool.ops.remap import remap
 
     out = {}
     for kind, src in paths.items():
@@ -338,8 +338,8 @@ def fix_file(received: Path, kind: str) -> tuple[Path, Path]:
         CkptError: from :func:`ckptool.remap` or :func:`ckptool.strip_dataparallel` (for instance
             ``PrefixNotFoundError`` when no key carries ``module.``).
     """
-    from ckptool.prefixes import strip_dataparallel
-    from ckptool.remap import remap
+    from ckptool.ops.rename import strip_dataparallel
+    from ckptool.ops.remap import remap
 
     cpu = received.with_name(f"{STEM}.{kind}.cpu.pt")
     portable = received.with_name(f"{STEM}.{kind}.portable.pt")
@@ -382,7 +382,7 @@ def resume(path: Path, split: Split, device: torch.device, seed: int) -> dict[st
         CkptError: from :func:`ckptool.load_training_state` (a model, optimizer or scheduler state that does not
             fit, an unreadable file).
     """
-    from ckptool.loading import load_training_state
+    from ckptool.torch_ops.loading import load_training_state
 
     model = bare_model(device)
     opt, sched = make_optimizer(model)
@@ -511,7 +511,7 @@ class DemoRun:
         """Step 3: :func:`ckptool.inspect` each saved file; print a table with its unsafe globals."""
         from tabulate import tabulate
 
-        from ckptool.inspect import inspect
+        from ckptool.ops.inspect import inspect
 
         p, saved = self.p, self.res.saved
         p.section(3, self.TOTAL, "Inspect", "Read each file without running its code or importing torch.")
@@ -540,7 +540,7 @@ class DemoRun:
                   "torch.load:")
         rec = self.res.received = make_received_copies(saved, tag)
         p.commands(f"ckptool remap {saved['state_dict'].name} --to {tag} -o {rec['state_dict'].name}",
-                   [f"ckptool.remap({saved['state_dict'].name!r}, {rec['state_dict'].name!r}, to={tag!r})",
+                   [f"ckptool.ops.remap({saved['state_dict'].name!r}, {rec['state_dict'].name!r}, to={tag!r})",
                     f"torch.load({rec['state_dict'].name!r})"])
         err = self.res.plain_load_error = plain_load_error(rec["state_dict"])
         p.result(err or "(it loaded: this machine has that GPU)", fg="red" if err else None)
@@ -548,7 +548,7 @@ class DemoRun:
     def fix(self) -> None:
         """Step 5: :func:`fix_file` each received copy, :func:`ckptool.verify` it into :func:`bare_model`, compare
         predictions (:func:`predictions_match`) and load the fixed state_dict with plain torch (:func:`load_plain`)."""
-        from ckptool.loading import verify
+        from ckptool.torch_ops.loading import verify
 
         assert self.trained is not None
         p, rec, dev, n = self.p, self.res.received, self.device, self.res.n_test
@@ -564,7 +564,7 @@ class DemoRun:
                     f"ckptool strip-dataparallel {sd_cpu.name} -o {sd.name}",
                     f"ckptool verify {sd.name} --model ckptool.demo:DigitsMLP --device {dev}"
                     + (" --input-shape " + ",".join(map(str, shape)) if shape else "")],
-                   [f"ckptool.remap({rec['state_dict'].name!r}, {sd_cpu.name!r}, to='cpu')",
+                   [f"ckptool.ops.remap({rec['state_dict'].name!r}, {sd_cpu.name!r}, to='cpu')",
                     f"ckptool.strip_dataparallel({sd_cpu.name!r}, {sd.name!r})",
                     f"ckptool.verify({sd.name!r}, DigitsMLP().to({str(dev)!r}), device={str(dev)!r}"
                     + (f", input_shape={shape})" if shape else ")")])
@@ -605,7 +605,7 @@ class DemoRun:
         """Step 7: the summary table (received vs portable file of each kind), printed even when quiet."""
         from tabulate import tabulate
 
-        from ckptool.inspect import inspect
+        from ckptool.ops.inspect import inspect
 
         self.p.section(7, self.TOTAL, "Summary", "")
         for kind in KINDS:

@@ -59,8 +59,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool import formats
-from ckptool.checkpoint import (
+from ckptool.formats import detect as formats
+from ckptool.formats.torchfile import (
     DTYPE_SIZES,
     STORAGE_TYPES,
     read_checkpoint,
@@ -74,7 +74,7 @@ from ckptool.errors import (
     UnsupportedError,
     UsageError,
 )
-from ckptool.graph import (
+from ckptool.model.graph import (
     find_state_dicts,
     get_path,
     is_module,
@@ -87,8 +87,8 @@ from ckptool.graph import (
     module_state,
     unwrap_tensor,
 )
-from ckptool.keys import raise_on_collisions
-from ckptool.unpickler import (
+from ckptool.model.keys import raise_on_collisions
+from ckptool.formats.unpickler import (
     REBUILD_FROM_TYPE_V2,
     REBUILD_QTENSOR,
     GlobalMeta,
@@ -101,9 +101,10 @@ from ckptool.unpickler import (
     load_structure,
     qualified_name,
 )
-from ckptool.writer import TorchZipWriter, atomic_output
-from ckptool.writer import copy_range as _copy_kernel
-from ckptool.writer import copy_range_crc as _copy_crc
+from ckptool._fileio import atomic_output
+from ckptool.formats.torchzip import TorchZipWriter
+from ckptool._fileio import copy_range as _copy_kernel
+from ckptool._fileio import copy_range_crc as _copy_crc
 
 __all__ = [
     "SHARED_KEY", "ConvertResult", "convert", "inspect_set", "is_checkpoint_set", "parse_size", "read_dcp_metadata",
@@ -348,7 +349,7 @@ def _set_kind(path: str) -> tuple[str, str]:
 
 # ================================================================================================ reading torch
 def _node_dtype(t: TensorNode) -> str:
-    from ckptool.inspect import tensor_dtype
+    from ckptool.ops.inspect import tensor_dtype
 
     return tensor_dtype(t)
 
@@ -405,7 +406,7 @@ def _left_out(root: Any, path: str) -> list[str]:
 
 
 def _state_dict_names() -> tuple[str, ...]:
-    from ckptool.loading import STATE_DICT_NAMES  # no torch import at module level
+    from ckptool.torch_ops.loading import STATE_DICT_NAMES  # no torch import at module level
 
     return STATE_DICT_NAMES
 
@@ -546,7 +547,7 @@ def _safetensors_header(path: str) -> tuple[dict[str, Any], dict[str, str] | Non
     Raises:
         CorruptCheckpointError: as :func:`ckptool.inspect.read_safetensors_header`.
     """
-    from ckptool.inspect import read_safetensors_header
+    from ckptool.ops.inspect import read_safetensors_header
 
     header = read_safetensors_header(path)
     with open(path, "rb") as f:
@@ -1003,7 +1004,7 @@ def _torch_pickle(tensors: list[_Tensor], keys: dict[int, str], cast: str | None
     """``data.pkl`` of an ``OrderedDict`` state_dict of ``tensors``, as ``torch.save`` writes it (protocol 2,
     ``_rebuild_tensor_v2`` over a typed storage class, ``_rebuild_tensor_v3`` over ``UntypedStorage`` for dtypes
     without one). Storages are named by ``keys[id(storage)]``."""
-    from ckptool.pickler import dumps
+    from ckptool.formats.pickler import dumps
 
     up = RestrictedUnpickler(io.BytesIO(b""))  # used only to make global placeholders
     G = up.find_class
@@ -1253,7 +1254,7 @@ DCP_GLOBALS = frozenset({
 
 
 def _dcp_allowed(name: str) -> bool:
-    from ckptool.allowlist import is_allowed
+    from ckptool.model.allowlist import is_allowed
 
     return name in DCP_GLOBALS or is_allowed(name)
 
@@ -1337,7 +1338,7 @@ def _dcp_check_safe(folder: str, trust: bool) -> None:
         except (zipfile.BadZipFile, StopIteration) as e:
             raise CorruptCheckpointError(f"{folder}: entry {ist['fqn']!r} is not a torch.save record; the folder "
                                          "is damaged") from e
-        from ckptool.allowlist import is_allowed
+        from ckptool.model.allowlist import is_allowed
 
         unsafe += [qualified_name(m, n) for m, n in up.globals_seen if not is_allowed(qualified_name(m, n))]
     if unsafe:
@@ -1402,7 +1403,7 @@ def _to_dcp(src: str, dst: str, *, key: str | None, trust: bool, verify: bool, r
     """
     import torch.distributed.checkpoint as dcp
 
-    from ckptool.loading import load_checkpoint
+    from ckptool.torch_ops.loading import load_checkpoint
 
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise UsageError(f"{dst} already exists and is not an empty folder; a DCP checkpoint is written into a new "
@@ -1540,7 +1541,7 @@ def _apply_renames(src: _Source, unwrap: bool, strip_prefixes: Sequence[str]) ->
     if not unwrap and not strip_prefixes:
         return 0, None
     from ckptool.errors import PrefixNotFoundError
-    from ckptool.prefixes import build_plan
+    from ckptool.ops.rename import build_plan
 
     plan = build_plan(strip_prefixes=list(strip_prefixes), unwrap=unwrap)
     mapping: dict[str, str] = {}
@@ -1801,7 +1802,7 @@ def convert(
     res.renamed, plan = _apply_renames(source, unwrap, strip_prefixes)
     res.notes += source.notes[len(res.notes):]
     if to is not None:
-        from ckptool.remap import parse_device
+        from ckptool.ops.remap import parse_device
 
         target = parse_device(to)
         location: Callable[[str], str] = lambda _loc: target
@@ -1832,14 +1833,14 @@ def inspect_set(path: str | os.PathLike[str]) -> Any:
         UsageError: a folder that is neither; a missing shard.
         CorruptCheckpointError / NotACheckpointError: a damaged index, shard or ``.metadata``.
     """
-    from ckptool.inspect import (
+    from ckptool.ops.inspect import (
         CheckpointInfo,
         GlobalInfo,
         StateDictInfo,
         TensorInfo,
         inspect,
     )
-    from ckptool.keys import is_flat_param_key, shared_prefixes, suggest_command
+    from ckptool.model.keys import is_flat_param_key, shared_prefixes, suggest_command
 
     p = os.fspath(path)
     kind, set_path = _set_kind(p)

@@ -12,11 +12,11 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
-from ckptool import formats
+from ckptool.formats import detect as formats
 from ckptool._gc import gc_paused
-from ckptool.checkpoint import read_checkpoint
+from ckptool.formats.torchfile import read_checkpoint
 from ckptool.errors import UsageError
-from ckptool.rewrite import LocationFn, WriteResult, output_path, refuse_unwritable, rewrite_file
+from ckptool.ops.rewrite import LocationFn, WriteResult, output_path, refuse_unwritable, rewrite_file
 
 _DEVICE_RE = re.compile(r"^(cpu|meta|mps|(cuda|xpu|hpu|mtia|npu|xla|privateuseone)(:\d+)?)$")
 DEVICE_HELP = "cpu, cuda, cuda:N, mps, meta, xpu:N, hpu:N, mtia:N"
@@ -121,7 +121,7 @@ def remap(
     fn = location_function(to, mapping)
     plan = None
     if unwrap or strip_dataparallel or strip_prefixes or add_prefix is not None:
-        from ckptool.prefixes import build_plan
+        from ckptool.ops.rename import build_plan
 
         plan = build_plan(strip_prefixes=strip_prefixes, strip_dataparallel=strip_dataparallel, unwrap=unwrap,
                           add_prefix=add_prefix)
@@ -138,7 +138,7 @@ def remap(
     ck = read_checkpoint(src, fmt)
     if plan is None:
         return rewrite_file(ck, out, ck.root, fn)
-    from ckptool.prefixes import RenameResult, rename_graph
+    from ckptool.ops.rename import RenameResult, rename_graph
 
     root, summary = rename_graph(ck.root, plan, key=key, allow_missing=allow_missing, where=src)
     return RenameResult.combine(rewrite_file(ck, out, root, fn), summary, "remap")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from ckptool.unpickler import GlobalMeta, ObjectNode, PersistentRef, ReduceNode, StorageRef
+from ckptool.formats.unpickler import GlobalMeta, ObjectNode, PersistentRef, ReduceNode, StorageRef
 
 _pack_i = struct.Struct("<i").pack
 _pack_I = struct.Struct("<I").pack

@@ -67,7 +67,7 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, show_all
       ckptool scan ~/Downloads/*.bin --json
       ckptool scan checkpoints/
     """
-    from ckptool.scan import scan
+    from ckptool.ops.scan import scan
 
     results = scan(paths)
     if as_json:
@@ -118,7 +118,7 @@ def extract_cmd(src: str, dst: str | None, key: str | None, unwrap_keys: bool, t
       ckptool extract-state-dict dp_model.pth -o model.safetensors --unwrap
       ckptool extract-state-dict ckpt.pth --key model --to cpu
     """
-    from ckptool.extract import extract_state_dict
+    from ckptool.ops.extract import extract_state_dict
 
     res = extract_state_dict(src, dst, key=key, unwrap=unwrap_keys, to=to, trust=trust)
     where = f" at {res.path}" if res.path else ""

@@ -18,13 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool import formats
-from ckptool.checkpoint import Checkpoint, resolve_zip_offsets
+from ckptool.formats import detect as formats
+from ckptool.formats.torchfile import Checkpoint, resolve_zip_offsets
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
-from ckptool.pickler import PicklerError, dumps
-from ckptool.unpickler import StorageRef
-from ckptool.writer import TorchZipWriter, atomic_output, file_mode
-from ckptool.zipdir import read_member
+from ckptool.formats.pickler import PicklerError, dumps
+from ckptool.formats.unpickler import StorageRef
+from ckptool._fileio import atomic_output, file_mode
+from ckptool.formats.torchzip import TorchZipWriter
+from ckptool.formats.zipdir import read_member
 
 #: ``fn(location_tag) -> location_tag`` applied to every storage persistent id on write
 LocationFn = Callable[[str], str]

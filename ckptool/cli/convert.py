@@ -135,7 +135,7 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
       ckptool convert checkpoints/step_1000/ -o model.pt           # a DCP folder
       ckptool convert model.pt -o dcp_ckpt/ --format dcp
     """
-    from ckptool.convert import _PROGRESS_MIN, convert
+    from ckptool.ops.convert import _PROGRESS_MIN, convert
 
     bar = _Progress(_PROGRESS_MIN)
     try:

@@ -13,14 +13,14 @@ import struct
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from ckptool import formats
+from ckptool.formats import detect as formats
 from ckptool._gc import gc_paused
-from ckptool.allowlist import is_allowed
-from ckptool.checkpoint import DTYPE_SIZES, Checkpoint, read_checkpoint, read_pickle_file, storage_element
+from ckptool.model.allowlist import is_allowed
+from ckptool.formats.torchfile import DTYPE_SIZES, Checkpoint, read_checkpoint, read_pickle_file, storage_element
 from ckptool.errors import CorruptCheckpointError
-from ckptool.graph import find_state_dicts, is_module, is_state_dict, iter_tensors, mapping_items, too_deep
-from ckptool.keys import is_flat_param_key, shared_prefixes, suggest_command
-from ckptool.unpickler import StorageRef, TensorNode, qualified_name
+from ckptool.model.graph import find_state_dicts, is_module, is_state_dict, iter_tensors, mapping_items, too_deep
+from ckptool.model.keys import is_flat_param_key, shared_prefixes, suggest_command
+from ckptool.formats.unpickler import StorageRef, TensorNode, qualified_name
 
 # safetensors dtype codes -> torch dtype names (safetensors format description)
 _ST_DTYPES = {
@@ -37,7 +37,7 @@ def classify_global(name: str, *, torchscript: bool = False) -> tuple[str, str]:
     """:func:`ckptool.scan.classify_global`, importing the scanner only for globals outside the allowlist."""
     if is_allowed(name):
         return ALLOWED, "accepted by torch.load(weights_only=True)"
-    from ckptool.scan import classify_global as classify
+    from ckptool.ops.scan import classify_global as classify
 
     return classify(name, torchscript=torchscript)
 
@@ -208,7 +208,7 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     """
     path = os.fspath(path)
     if path.endswith(".index.json") or os.path.isdir(path):  # sharded sets and DCP folders
-        from ckptool.convert import inspect_set
+        from ckptool.ops.convert import inspect_set
 
         return inspect_set(path)
     fmt = formats.detect_format(path)

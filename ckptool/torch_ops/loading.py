@@ -37,9 +37,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptool import formats
+from ckptool.formats import detect as formats
 from ckptool.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError, UsageError
-from ckptool.keys import (
+from ckptool.model.keys import (
     WRAPPER_COMPONENTS,
     WRAPPER_ONLY_COMPONENTS,
     Reconciliation,
@@ -486,7 +486,7 @@ def load_checkpoint(path: str | os.PathLike[str], device: Any = "cpu", *, trust:
                 raise CorruptCheckpointError(f"{path}: unpickling failed: {_first_line(e)}") from e
         return _map_tensors(obj, lambda t: t.to(dev)), {}
 
-    from ckptool.inspect import inspect
+    from ckptool.ops.inspect import inspect
 
     info = inspect(path)
     saved = dict(info.devices)
@@ -541,7 +541,7 @@ def _map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
 def _is_state_dict(obj: Any) -> bool:
     import torch
 
-    from ckptool.graph import looks_like_state_dict
+    from ckptool.model.graph import looks_like_state_dict
 
     return isinstance(obj, Mapping) and looks_like_state_dict(obj.items(), lambda v: isinstance(v, torch.Tensor))
 
@@ -1170,7 +1170,7 @@ def portable_key(key: str, lead: Sequence[str]) -> str:
 
 
 def _portable_state_dict(sd: Mapping[str, Any], memo: _Memo) -> dict:
-    from ckptool.keys import metadata_key_mapping
+    from ckptool.model.keys import metadata_key_mapping
 
     keys = list(sd)
     lead = [p for p in shared_prefixes(keys) if p[:-1] in WRAPPER_COMPONENTS]
@@ -1309,7 +1309,7 @@ def save_portable(obj: Any, path: str | os.PathLike[str]) -> str:
     import torch
     from torch import nn
 
-    from ckptool.writer import atomic_output
+    from ckptool._fileio import atomic_output
 
     memo = _Memo()
     if isinstance(obj, nn.Module):
