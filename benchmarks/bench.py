@@ -6,8 +6,8 @@ Usage::
     python benchmarks/bench.py [--workdir DIR] [--size-gib 2.0] [--many 50000]
                                [--only inspect|remap|strip] [--repeat 3] [--keep] [--json]
 
-    # quick smoke run while developing
-    python benchmarks/bench.py --size-gib 0.05 --many 500 --repeat 1
+    # quick smoke run (CI): --size-gib 0.05 --many 500 --repeat 1, exit 1 if a ckptool command fails
+    python benchmarks/bench.py --smoke
 
 What it does
 ------------
@@ -524,7 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement; median time, max RSS (default 3)")
     ap.add_argument("--keep", action="store_true", help="reuse existing input files and leave them behind")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
+    ap.add_argument("--smoke", action="store_true",
+                    help="quick check for CI: --size-gib 0.05 --many 500 --repeat 1, and exit 1 when a ckptool "
+                         "command fails or a remap output is wrong (timing targets are not enforced)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.size_gib, args.many, args.repeat = 0.05, 500, 1
     if args.size_gib <= 0 or args.many < 1 or args.repeat < 1:
         ap.error("--size-gib, --many and --repeat must be positive")
 
@@ -578,6 +583,14 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(doc, indent=2))
         else:
             print(report_text(info, files, ms, checks, tgt, args.repeat))
+        if args.smoke:
+            failed = [f"{m.label} ({m.case}): {m.error}" for m in ms.values()
+                      if m.label.startswith("ckptool") and not m.ok]
+            failed += [f"remap ({case}): {c['message']}" for case, c in checks.items() if not c["ok"]]
+            for line in failed:
+                log(f"smoke run FAILED: {line}")
+            if failed:
+                return 1
     finally:
         for out in outs:
             remove(out)

@@ -1,3 +1,6 @@
+"""``python -m ckptool``: the same as the ``ckptool`` command."""
+
 from ckptool.cli import main
 
-main()
+if __name__ == "__main__":
+    main()

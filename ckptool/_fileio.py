@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import stat
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
-from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
+from ckptool.errors import CorruptCheckpointError, OutputError, UsageError, os_error_advice
 
 CHUNK = 8 << 20
 
@@ -48,7 +49,7 @@ def remove_stale_temps(dst: str) -> list[str]:
     """
     folder, base = os.path.split(os.path.abspath(dst))
     lead = f".{base[:120]}.ckptool-"
-    removed = []
+    removed: list[str] = []
     try:
         names = [n for n in os.listdir(folder) if n.startswith(lead) and n.endswith(TMP_SUFFIX)]
     except OSError:
@@ -82,9 +83,53 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-_ADVICE = {errno.ENOSPC: "free some space or write elsewhere with -o", errno.EDQUOT: "free some space or write "
-           "elsewhere with -o", errno.EACCES: "choose a folder you can write to", errno.EPERM: "choose a folder "
-           "you can write to", errno.EROFS: "the filesystem is read-only: choose another output folder"}
+#: errno values only a write raises: such an OSError inside an :func:`atomic_output` block, raised by code that
+#: wrote to the output's file descriptor directly, is about the output
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+def _write_error(dst: str, e: OSError) -> OutputError:
+    advice = os_error_advice(e.errno)
+    return OutputError(f"writing {dst} failed: {e.strerror or e}; nothing was written"
+                       + (f" ({advice})" if advice else ""), dst, e.errno)
+
+
+class _OutputFile(io.BufferedRandom):
+    """The file :func:`atomic_output` yields: an ``OSError`` from any of :data:`_OUTPUT_METHODS` (a write, the flush
+    that a seek or close makes, a read back) is an error writing ``dst`` and is raised as :class:`OutputError`
+    naming it."""
+
+    def __init__(self, fd: int, dst: str) -> None:
+        super().__init__(io.FileIO(fd, "r+"))
+        self.dst = dst
+
+    def discard(self) -> None:
+        """Close without flushing what is still buffered (the output is being thrown away)."""
+        with contextlib.suppress(OSError):
+            self.raw.close()  # a closed raw file makes close() skip the flush
+        with contextlib.suppress(OSError):
+            super().close()
+
+
+#: the methods of :class:`_OutputFile` whose ``OSError`` is about the output file
+_OUTPUT_METHODS = ("write", "flush", "seek", "truncate", "read", "readinto", "close")
+
+
+def _blaming_output(name: str) -> Callable[..., object]:
+    base = getattr(io.BufferedRandom, name)
+
+    def method(self: _OutputFile, *args: object) -> object:
+        try:
+            return base(self, *args)
+        except OSError as e:
+            raise _write_error(self.dst, e) from e
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name in _OUTPUT_METHODS:
+    setattr(_OutputFile, _name, _blaming_output(_name))
 
 
 @contextlib.contextmanager
@@ -97,6 +142,12 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
     was. A process killed outright (SIGKILL) cannot clean up: the next write of the same ``dst`` removes such stale
     temporary files (:func:`remove_stale_temps`).
 
+    Errors are attributed to the file they concern: an ``OSError`` from the yielded file (write, flush, seek,
+    read back), from the fsync, the chmod or the rename becomes :class:`OutputError` naming ``dst``, as does an
+    ``OSError`` without a file name whose errno only a write raises (``ENOSPC``, ``EDQUOT``, ``EFBIG``, ``EROFS``:
+    code that wrote to the file descriptor directly). Any other exception raised in the block (reading the input
+    failed, a corrupt input, KeyboardInterrupt) propagates unchanged, after the clean-up.
+
     If ``dst`` is a symbolic link, the file it points to is replaced and the link is kept (what ``torch.save``
     and ``cp`` do when they open the link for writing); the temporary file is made beside that file.
 
@@ -104,8 +155,8 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
 
     Raises:
         UsageError: the destination folder does not exist or ``dst`` is a directory.
-        CkptError: the write failed (disk full, permission denied, read-only filesystem...); nothing was left
-            behind.
+        OutputError: the temporary file could not be made (its ``path`` is the folder) or writing, fsyncing or
+            renaming it failed (its ``path`` is ``dst``); nothing was left behind.
     """
     dst = os.path.abspath(dst)
     if os.path.islink(dst):
@@ -119,22 +170,28 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
     try:
         fd, tmp = tempfile.mkstemp(prefix=temp_prefix(dst), suffix=TMP_SUFFIX, dir=folder)
     except OSError as e:
-        advice = _ADVICE.get(e.errno, "choose another output folder")
-        raise CkptError(f"cannot write in {folder}: {e.strerror or e}; {advice}") from e
+        advice = os_error_advice(e.errno) or "choose another output folder"
+        raise OutputError(f"cannot write in {folder}: {e.strerror or e}; {advice}", folder, e.errno) from e
+    f = _OutputFile(fd, dst)
     try:
-        with os.fdopen(fd, "w+b") as f:
+        try:
             yield f
-            f.flush()
+        except OSError as e:
+            if e.filename is None and e.errno in _WRITE_ERRNOS:
+                raise _write_error(dst, e) from e
+            raise
+        f.flush()
+        try:
             os.fsync(f.fileno())
-        os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
-        os.replace(tmp, dst)
-    except BaseException as e:
+            f.close()
+            os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
+            os.replace(tmp, dst)
+        except OSError as e:
+            raise _write_error(dst, e) from e
+    except BaseException:
+        f.discard()
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        if isinstance(e, OSError):
-            advice = _ADVICE.get(e.errno)
-            raise CkptError(f"writing {dst} failed: {e.strerror or e}; nothing was written"
-                            + (f" ({advice})" if advice else "")) from e
         raise
     with contextlib.suppress(OSError):  # make the rename durable; not possible on every filesystem
         dfd = os.open(folder, os.O_RDONLY)
@@ -161,7 +218,7 @@ def copy_range_crc(src: BinaryIO, dst: BinaryIO, offset: int, size: int, crc: in
     src.seek(offset)
     left = size
     while left:
-        n = src.readinto(view[: min(left, len(buf))])
+        n = src.readinto(view[: min(left, len(buf))])  # type: ignore[attr-defined]  # BinaryIO omits readinto
         if not n:
             raise CorruptCheckpointError(
                 f"{getattr(src, 'name', 'the input')} is truncated: a record ends {left} bytes early; re-download it")
@@ -198,3 +255,12 @@ def copy_range(src: BinaryIO, dst: BinaryIO, offset: int, size: int) -> None:
         copy_range_crc(src, dst, offset + done, size - done)
 
 
+def same_file(a: str, b: str) -> bool:
+    """True when paths ``a`` and ``b`` name one file: equal absolute paths, or (both existing) the same inode through
+    a hard link or a symlink (``os.path.samefile``). A path that does not exist is the same only by name."""
+    if os.path.abspath(a) == os.path.abspath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

@@ -10,11 +10,27 @@ The message of each error says what was found and what to do next, in the manner
 
 from __future__ import annotations
 
+import errno as _errno
+
+# ------------------------------------------------------------------------------------------------ exit status
+# What the ``ckptool`` command's exit status means (``ckptool scan`` has its own verdict codes: 0 every file is
+# safe, 1 a file is unsafe, 2 a file could not be read).
+
+#: the command did what it was asked
+EXIT_OK = 0
+#: the input was refused or is invalid (a :class:`CkptError`), or the system refused: out of memory, permission
+#: denied, disk full, a package missing
+EXIT_FAILURE = 1
+#: bad arguments: Click's usage errors and :class:`UsageError`
+EXIT_USAGE = 2
+#: an internal error: a bug in ckptool (the message says how to get the traceback)
+EXIT_BUG = 3
+
 
 class CkptError(Exception):
     """Base class of every error ckptool raises on purpose. ``str(err)`` is the one-line message."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILURE
 
 
 class NotACheckpointError(CkptError):
@@ -33,7 +49,18 @@ class UnsupportedError(CkptError):
 class UsageError(CkptError):
     """Bad arguments: an unknown device string, output path equal to the input, a missing output folder..."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
+
+
+class OutputError(CkptError):
+    """Writing an output file failed (disk full, quota exceeded, permission denied, read-only filesystem...) and
+    nothing was written. ``path`` is the file or folder that could not be written; ``errno`` the OS error number
+    (``errno.ENOSPC``...) or ``None``."""
+
+    def __init__(self, message: str, path: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.errno = errno
 
 
 class KeyCollisionError(CkptError):
@@ -52,6 +79,21 @@ class UnsafeCheckpointError(CkptError):
     """Loading would need globals outside the ``torch.load(weights_only=True)`` allowlist and no trust flag
     was given. ``globals`` lists them as ``module.qualname`` strings."""
 
-    def __init__(self, message: str, globals: list[str] | None = None) -> None:  # noqa: A002 - pickle term
+    def __init__(self, message: str, globals: list[str] | None = None) -> None:  # "globals": the pickle term
         super().__init__(message)
         self.globals = globals or []
+
+
+_OS_ADVICE = {
+    _errno.ENOSPC: "free some space or write elsewhere with -o",
+    _errno.EDQUOT: "free some space or write elsewhere with -o",
+    _errno.EACCES: "choose a folder you can write to",
+    _errno.EPERM: "choose a folder you can write to",
+    _errno.EROFS: "the filesystem is read-only: choose another output folder",
+}
+
+
+def os_error_advice(errno: int | None) -> str | None:
+    """What to do next after an OS error numbered ``errno`` while writing (``ENOSPC`` -> "free some space or write
+    elsewhere with -o"), or ``None`` when there is nothing better to say than the error itself."""
+    return _OS_ADVICE.get(errno) if errno is not None else None

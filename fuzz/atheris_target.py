@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fuzz_readers  # noqa: E402
+import fuzz_readers
 
 _DIR = tempfile.mkdtemp(prefix="ckptool-atheris-")
 _PATH = os.path.join(_DIR, "input.pt")
@@ -46,14 +46,14 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--write-seeds":
         print(f"{write_seeds(Path(sys.argv[2]))} seeds written to {sys.argv[2]}")
         return
-    import atheris  # noqa: PLC0415 - optional
+    import atheris  # optional: pip install atheris
 
     with atheris.instrument_imports():
-        import ckptool.formats.torchfile  # noqa: F401
-        import ckptool.ops.inspect  # noqa: F401
+        import ckptool.formats.torchfile
+        import ckptool.formats.unpickler
+        import ckptool.formats.zipdir
+        import ckptool.ops.inspect
         import ckptool.ops.scan  # noqa: F401
-        import ckptool.formats.unpickler  # noqa: F401
-        import ckptool.formats.zipdir  # noqa: F401
     atheris.Setup(sys.argv, test_one_input)
     atheris.Fuzz()
 

@@ -96,9 +96,9 @@ def load_seeds(include_generated: bool = True, max_size: int = 4 << 20) -> list[
 def readers() -> list[tuple[str, Callable[[str], object]]]:
     """``(name, function(path))`` for every reader under test."""
     from ckptool.formats.torchfile import read_checkpoint, read_pickle_file
+    from ckptool.formats.unpickler import load_structure
     from ckptool.ops.inspect import inspect
     from ckptool.ops.scan import scan_file
-    from ckptool.formats.unpickler import load_structure
 
     def structure(path: str) -> object:
         with open(path, "rb") as f:
@@ -137,7 +137,7 @@ def check_file(path: str, timeout: float = 10.0) -> None:
             fn(path)
         except CkptError:
             pass
-        except Exception as e:  # noqa: BLE001 - the point: nothing else may escape
+        except Exception as e:  # the point: nothing else may escape
             raise ReaderBug(f"{name}: {type(e).__name__}: {e}\n{traceback.format_exc()}") from e
         finally:
             out = path + ".sd.pth"

@@ -110,8 +110,7 @@ def gadget_pickle(module: str, name: str, arg: str, proto: int, *, via_memo: boo
 
     Protocols 4-5 wrap the body in a FRAME; ``frame_len`` overrides its declared length (wrong-length frames)."""
     if proto == 0:
-        body = global_op(module, name, 0) + b"(" + _text_str(arg) + b"tR."
-        return body
+        return global_op(module, name, 0) + b"(" + _text_str(arg) + b"tR."
     if proto == 1:
         return global_op(module, name, 1) + b"(" + _bin_str(arg, 1) + b"tR."
     body = global_op(module, name, proto, via_memo=via_memo) + _bin_str(arg, proto) + b"\x85R"
@@ -203,9 +202,8 @@ def build() -> list[Entry]:
     # 1. every gadget, every protocol, as a plain pickle named like a checkpoint
     for module, name, arg in GADGETS:
         qual = f"{'builtins' if module == '__builtin__' else module}.{name}"
-        for proto in range(6):
-            out.append(Entry(f"gadget-{module}.{name}-p{proto}.pt", gadget_pickle(module, name, arg, proto),
-                             "gadget", {qual}))
+        out.extend(Entry(f"gadget-{module}.{name}-p{proto}.pt", gadget_pickle(module, name, arg, proto), "gadget",
+                         {qual}) for proto in range(6))
         out.append(Entry(f"gadget-{module}.{name}-zip.pth",
                          torch_zip(gadget_pickle(module, name, arg, 2)), "gadget-zip", {qual}))
     g = gadget_pickle("os", "system", "id", 2)

@@ -1,4 +1,4 @@
-"""Tests for ``ckptool convert`` (ckptool/convert.py, ckptool/cli_convert.py).
+"""Tests for ``ckptool convert`` (ckptool/ops/convert/, ckptool/cli/convert.py).
 
 Every output is checked through the other project's own reader (``safetensors.safe_open`` / ``load_file`` /
 ``load_model``, ``torch.load(weights_only=True)``, ``torch.distributed.checkpoint``), never only through ckptool.
@@ -21,8 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file
 from torch import nn
 
-import ckptool.ops.convert as cv
-from ckptool.ops.convert import SHARED_KEY, VerificationError, convert, parse_size
+import ckptool._fileio
+import ckptool.ops.convert.outputs as cv_outputs
+import ckptool.ops.convert.write as cv_write
 from ckptool.errors import (
     CkptError,
     PrefixNotFoundError,
@@ -30,6 +31,11 @@ from ckptool.errors import (
     UnsupportedError,
     UsageError,
 )
+from ckptool.formats.dtypes import ST_CODES
+from ckptool.ops.convert import SHARED_KEY, VerificationError, convert, parse_size
+from ckptool.ops.inspect import inspect_set
+from ckptool.torch_ops.cast import StorageCache
+from ckptool.torch_ops.convert_verify import flat_tensors, same_tensors
 
 SILERO = "silero-vad-16k.safetensors"
 
@@ -141,8 +147,8 @@ def test_contiguous_tensors_are_copied_without_torch(tmp_path: Path, monkeypatch
     def refuse(*_a: Any) -> None:
         raise AssertionError("a contiguous tensor was materialised")
 
-    monkeypatch.setattr(cv._StorageCache, "flat", refuse)
-    monkeypatch.setattr(cv, "_CHUNK", 64)  # many chunks per tensor: memory is bounded by the chunk
+    monkeypatch.setattr(StorageCache, "flat", refuse)
+    monkeypatch.setattr(ckptool._fileio, "CHUNK", 64)  # many chunks per tensor: memory is bounded by the chunk
     convert(tmp_path / "m.pt", tmp_path / "m.safetensors", verify=False)
     _assert_equal_values(sd, load_file(tmp_path / "m.safetensors"))
 
@@ -249,7 +255,8 @@ def test_training_checkpoint_reports_optimizer_left_out(tmp_path: Path, run_cli)
     _assert_equal_values(dict(model.state_dict()), load_file(tmp_path / "m.safetensors"))
     r = run_cli("convert", tmp_path / "train.pt", "-o", tmp_path / "m2.safetensors")
     assert r.exit_code == 0, r.output
-    assert "Not carried: 3 other entries" in r.output and "optimizer_state_dict: optimizer state (6 tensors)" in r.output
+    assert "Not carried: 3 other entries" in r.output
+    assert "optimizer_state_dict: optimizer state (6 tensors)" in r.output
 
 
 def test_key_selects_and_ambiguity_is_refused(tmp_path: Path) -> None:
@@ -260,7 +267,7 @@ def test_key_selects_and_ambiguity_is_refused(tmp_path: Path) -> None:
     assert res.left_out == ["state_dict: state_dict (1 tensors)"]
     assert torch.equal(load_file(tmp_path / "b.safetensors")["w"], b["w"])
     torch.save({"generator": a, "discriminator": b}, tmp_path / "gan.pt")
-    with pytest.raises(UsageError, match="several state_dicts: generator .*choose one with --key"):
+    with pytest.raises(UsageError, match=r"several state_dicts: generator .*choose one with --key"):
         convert(tmp_path / "gan.pt", tmp_path / "c.safetensors")
     with pytest.raises(UsageError, match="no entry 'nope'"):
         convert(tmp_path / "gan.pt", tmp_path / "c.safetensors", key="nope")
@@ -297,7 +304,7 @@ def test_unwrap_and_strip_prefix_rename_in_the_same_pass(generated, tmp_path: Pa
 def test_every_safetensors_dtype_round_trips(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(3)
     sd = {}
-    for name in cv.ST_CODES:
+    for name in ST_CODES:
         dt = getattr(torch, name, None)
         if dt is None:
             continue
@@ -398,7 +405,7 @@ def test_verification_catches_a_bad_write_and_keeps_nothing(tmp_path: Path, monk
                                                             legacy: bool) -> None:
     torch.save({"w": torch.randn(64), "b": torch.randn(8)}, tmp_path / "m.pt",
                _use_new_zipfile_serialization=not legacy)
-    real_crc, real_kernel = cv._copy_crc, cv._copy_kernel
+    real_crc, real_kernel = cv_write.copy_range_crc, cv_write.copy_range
 
     def corrupting_crc(fsrc: Any, fdst: Any, offset: int, size: int, crc: int = 0) -> int:
         good = real_crc(fsrc, fdst, offset, size, crc)
@@ -409,8 +416,8 @@ def test_verification_catches_a_bad_write_and_keeps_nothing(tmp_path: Path, monk
         real_kernel(fsrc, fdst, offset, size)
         _flip_last_byte(fdst)
 
-    monkeypatch.setattr(cv, "_copy_crc", corrupting_crc)
-    monkeypatch.setattr(cv, "_copy_kernel", corrupting_kernel)
+    monkeypatch.setattr(cv_write, "copy_range_crc", corrupting_crc)
+    monkeypatch.setattr(cv_write, "copy_range", corrupting_kernel)
     with pytest.raises(VerificationError, match="different bytes"):
         convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]  # no output, no temporary file
@@ -421,12 +428,12 @@ def test_verification_catches_a_bad_write_and_keeps_nothing(tmp_path: Path, monk
 def test_verification_of_torch_output_checks_record_crcs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     save_file({"w": torch.randn(4096)}, tmp_path / "m.safetensors")
 
-    class Corrupting(cv.TorchZipWriter):
+    class Corrupting(cv_write.TorchZipWriter):
         def copy_record(self, record: str, src: Any, offset: int, size: int, crc: int | None = None) -> None:
             super().copy_record(record, src, offset, size, crc)
             _flip_last_byte(self.f)
 
-    monkeypatch.setattr(cv, "TorchZipWriter", Corrupting)
+    monkeypatch.setattr(cv_write, "TorchZipWriter", Corrupting)
     with pytest.raises(VerificationError):
         convert(tmp_path / "m.safetensors", tmp_path / "m.pt")
     assert not (tmp_path / "m.pt").exists()
@@ -438,7 +445,7 @@ def test_no_verify_skips_reopening(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     def boom(*_a: Any) -> None:
         raise AssertionError("verified")
 
-    monkeypatch.setattr(cv, "_verify_safetensors", boom)
+    monkeypatch.setattr(cv_outputs, "verify_safetensors", boom)
     assert convert(tmp_path / "m.pt", tmp_path / "m.safetensors", verify=False).verified is None
 
 
@@ -588,14 +595,14 @@ def test_broken_index_is_reported(tmp_path: Path) -> None:
     doc = json.loads(text)
     doc["weight_map"]["ghost.weight"] = os.path.basename(res.files[0])
     index.write_text(json.dumps(doc))
-    with pytest.raises(CkptError, match="'ghost.weight' to model-00001-of-.* does not hold it"):
+    with pytest.raises(CkptError, match=r"'ghost\.weight' to model-00001-of-.* does not hold it"):
         convert(index, tmp_path / "x.pt")
     index.write_text(text)
     Path(res.files[1]).unlink()
-    with pytest.raises(UsageError, match="lists shard model-00002-.*download every shard"):
+    with pytest.raises(UsageError, match=r"lists shard model-00002-.*download every shard"):
         convert(index, tmp_path / "x.pt")
     with pytest.raises(UsageError, match="download every shard"):
-        cv.inspect_set(index)
+        inspect_set(index)
     assert not (tmp_path / "x.pt").exists()
 
 
@@ -631,13 +638,13 @@ def test_dcp_to_torch_and_back_every_tensor_equal(tmp_path: Path) -> None:
     assert res.format_in == "dcp" and res.verified
     got = torch.load(whole, weights_only=True)
     assert got["step"] == 11 and got["optim"]["param_groups"][0]["lr"] == 0.1
-    assert cv._same_tensors(cv._flat_tensors(state), cv._flat_tensors(got)) is None  # optimizer state too
+    assert same_tensors(flat_tensors(state), flat_tensors(got)) is None  # optimizer state too
     # and back into a new DCP folder
     res = convert(whole, tmp_path / "dcp2", format="dcp")
     assert res.verified and (tmp_path / "dcp2" / ".metadata").is_file()
     dcp_to_torch_save(tmp_path / "dcp2", tmp_path / "again.pt")
     again = torch.load(tmp_path / "again.pt", weights_only=True)
-    assert cv._same_tensors(cv._flat_tensors(state), cv._flat_tensors(again)) is None
+    assert same_tensors(flat_tensors(state), flat_tensors(again)) is None
     # one state_dict out of it, as safetensors, with the rest reported
     res = convert(tmp_path / "dcp", tmp_path / "model.safetensors")
     assert res.key == "model" and res.left_out == ["optim: optimizer state (4 tensors)", "step: int 11"]
@@ -651,7 +658,7 @@ def test_inspect_dcp_folder(tmp_path: Path, run_cli) -> None:
     _dcp_save(state, tmp_path / "dcp", tmp_path)
     info = ckptool.inspect(tmp_path / "dcp")
     assert info.format == "dcp" and info.kind == "training_checkpoint"
-    want = cv._flat_tensors(state)
+    want = flat_tensors(state)
     assert {t.key: (t.shape, t.dtype) for t in info.tensors} == {
         k: (list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in want.items()}
     assert [sd.path for sd in info.state_dicts] == ["model"]
@@ -665,7 +672,7 @@ def test_dcp_with_foreign_globals_needs_trust(tmp_path: Path) -> None:
 
     state = {"model": {"w": torch.ones(2)}, "args": argparse.Namespace(lr=0.1)}
     _dcp_save(state, tmp_path / "dcp", tmp_path)
-    with pytest.raises(UnsafeCheckpointError, match="argparse.Namespace") as e:
+    with pytest.raises(UnsafeCheckpointError, match=r"argparse\.Namespace") as e:
         convert(tmp_path / "dcp", tmp_path / "m.pt")
     assert e.value.globals == ["argparse.Namespace"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]  # nothing written, no temporary left
@@ -683,3 +690,109 @@ def test_torch_file_with_foreign_globals_to_dcp_needs_trust(tmp_path: Path) -> N
     assert res.key == "model" and res.left_out == ["args: argparse.Namespace object"]
     with pytest.raises(UsageError, match="not an empty folder"):
         convert(tmp_path / "m.pt", tmp_path / "dcp", format="dcp", key="model")
+
+
+def test_failed_dcp_write_leaves_no_staging_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptool.ops.convert.dcp as cv_dcp
+    from ckptool._fileio import TMP_SUFFIX, temp_prefix
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    staged: list[str] = []
+
+    def failing_save(state: dict[str, Any], folder: str) -> int:
+        staged.append(folder)
+        (Path(folder) / "__0_0.distcp").write_bytes(b"partial")  # something written before the failure
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cv_dcp, "save_dcp", failing_save)
+    with pytest.raises(OSError, match="No space"):
+        convert(tmp_path / "m.pt", tmp_path / "dcp", format="dcp")
+    # the staging folder was named as atomic_output names its temporary files, beside the output, and removed
+    assert len(staged) == 1 and Path(staged[0]).parent == tmp_path
+    assert Path(staged[0]).name.startswith(temp_prefix(str(tmp_path / "dcp"))) and staged[0].endswith(TMP_SUFFIX)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
+
+
+def test_failed_dcp_verification_keeps_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptool.ops.convert.dcp as cv_dcp
+
+    torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "m.pt")
+    monkeypatch.setattr(cv_dcp, "dcp_round_trip_difference", lambda *_a: "'model.w' has different bytes")
+    with pytest.raises(VerificationError, match="different bytes"):
+        convert(tmp_path / "m.pt", tmp_path / "dcp", format="dcp", key="model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]  # no output, no staging folder, no scratch file
+
+
+def test_scratch_file_of_a_killed_run_is_removed_by_the_next(tmp_path: Path) -> None:
+    from ckptool._fileio import TMP_SUFFIX, temp_prefix
+
+    torch.save({"model": {"w": torch.ones(2)}, "step": 3}, tmp_path / "m.pt")
+    dst = tmp_path / "dcp"
+    # what a run killed by SIGKILL leaves: a scratch file of a process that no longer runs
+    dead = subprocess_pid_that_exited()
+    stale = tmp_path / (temp_prefix(str(dst)).replace(f"-{os.getpid()}-", f"-{dead}-") + "x" + TMP_SUFFIX)
+    stale.write_bytes(b"left over")
+    res = convert(tmp_path / "m.pt", dst, format="dcp", key="model")
+    assert res.verified and not stale.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp", "m.pt"]
+
+
+def subprocess_pid_that_exited() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True,
+                       text=True)
+    return int(p.stdout)
+
+
+def test_whole_dcp_to_torch_is_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptool.ops.convert.dcp as cv_dcp
+
+    _dcp_save({"model": {"w": torch.arange(4.0)}}, tmp_path / "dcp", tmp_path)
+    (tmp_path / "whole.pt").write_bytes(b"old")
+    monkeypatch.setattr(cv_dcp, "metadata_difference", lambda *_a: (1, "'model.w' is missing"))
+    with pytest.raises(VerificationError, match="missing"):
+        convert(tmp_path / "dcp", tmp_path / "whole.pt")
+    assert (tmp_path / "whole.pt").read_bytes() == b"old"  # the earlier file is kept, no temporary file is left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp", "whole.pt"]
+
+
+def test_output_that_is_the_input_through_a_link_is_refused(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    os.link(tmp_path / "m.pt", tmp_path / "hard.pt")
+    os.symlink(tmp_path / "m.pt", tmp_path / "soft.pt")
+    for name in ("hard.pt", "soft.pt"):
+        with pytest.raises(UsageError, match="is the input"):
+            convert(tmp_path / "m.pt", tmp_path / name, format="torch")
+    assert torch.equal(torch.load(tmp_path / "m.pt", weights_only=True)["w"], torch.ones(2))
+
+
+def test_read_only_safetensors_dtype_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "f4.safetensors"
+    header = json.dumps({"x": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\x00")
+    with pytest.raises(UnsupportedError, match="'F4'"):
+        convert(path, tmp_path / "f4.pt")
+
+
+def test_importing_the_modules_keeps_the_public_functions(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import ckptool\n"
+        "convert, inspect = ckptool.convert, ckptool.inspect\n"
+        "import ckptool.ops.convert, ckptool.ops.inspect, ckptool.ops.convert.write, ckptool.ops.inspect as m\n"
+        "from ckptool.ops.convert import convert as c2\n"
+        "assert ckptool.convert is convert is c2 and ckptool.inspect is inspect, (ckptool.convert, ckptool.inspect)\n"
+        "assert callable(ckptool.convert) and callable(ckptool.inspect)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    # and the other way round: the modules first, then the public names
+    code = (
+        "import ckptool.ops.convert, ckptool.ops.inspect, ckptool\n"
+        "assert ckptool.convert is ckptool.ops.convert.convert and ckptool.inspect is ckptool.ops.inspect.inspect\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,6 @@
-"""Bad input and bad arguments: one `Error: ...` line, a non-zero exit, no traceback, no file left behind."""
+"""Bad input and bad arguments: one `Error: ...` line, a non-zero exit, no traceback, no file left behind.
+
+(--debug, the exit status of system errors and internal errors, and the help texts: tests/test_cli.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import ckptool
+from ckptool.errors import EXIT_FAILURE, EXIT_USAGE
 
 BAD_FILES = {
     # fixture: words the message must contain
@@ -42,7 +44,7 @@ def test_bad_files(generated, tmp_path: Path, run_cli, name: str, command: list[
     shutil.copy(generated[name], src)
     before = hashlib.sha256(src.read_bytes()).hexdigest()
     r = run_cli(command[0], src, *command[1:])
-    line = _one_error_line(r, code=1)
+    line = _one_error_line(r, code=EXIT_FAILURE)
     if "safetensors" in name and command[0] == "remap":
         assert "safetensors" in line
     else:
@@ -52,9 +54,9 @@ def test_bad_files(generated, tmp_path: Path, run_cli, name: str, command: list[
 
 
 def test_missing_file_and_directory(run_cli, tmp_path: Path) -> None:
-    line = _one_error_line(run_cli("inspect", tmp_path / "nope.pt"), code=2)
+    line = _one_error_line(run_cli("inspect", tmp_path / "nope.pt"), code=EXIT_USAGE)
     assert "no such file" in line
-    line = _one_error_line(run_cli("remap", tmp_path, "--to", "cpu"), code=2)
+    line = _one_error_line(run_cli("remap", tmp_path, "--to", "cpu"), code=EXIT_USAGE)
     assert "is a directory" in line
 
 
@@ -83,7 +85,7 @@ def test_safetensors_and_torchscript_remap_explain(real_dir: Path, run_cli, tmp_
     (["--to", "cpu", "--map", "cuda:0=cpu"], "exactly one of --to"),
 ])
 def test_bad_device_arguments(generated, run_cli, tmp_path: Path, args: list[str], words: str) -> None:
-    line = _one_error_line(run_cli("remap", generated["sd_cuda0.pt"], *args, "-o", tmp_path / "o.pt"), code=2)
+    line = _one_error_line(run_cli("remap", generated["sd_cuda0.pt"], *args, "-o", tmp_path / "o.pt"), code=EXIT_USAGE)
     assert words in line
     assert list(tmp_path.iterdir()) == []
 
@@ -91,35 +93,15 @@ def test_bad_device_arguments(generated, run_cli, tmp_path: Path, args: list[str
 def test_output_is_input(generated, run_cli, tmp_path: Path) -> None:
     src = tmp_path / "m.pt"
     shutil.copy(generated["sd_cuda0.pt"], src)
-    line = _one_error_line(run_cli("remap", src, "--to", "cpu", "-o", src), code=2)
+    line = _one_error_line(run_cli("remap", src, "--to", "cpu", "-o", src), code=EXIT_USAGE)
     assert "--in-place" in line
     link = tmp_path / "link.pt"
     link.symlink_to(src)
-    line = _one_error_line(run_cli("remap", src, "--to", "cpu", "-o", link), code=2)
+    line = _one_error_line(run_cli("remap", src, "--to", "cpu", "-o", link), code=EXIT_USAGE)
     assert "is the input file" in line
 
 
 def test_output_folder_missing(generated, run_cli, tmp_path: Path) -> None:
     line = _one_error_line(run_cli("remap", generated["sd_cuda0.pt"], "--to", "cpu", "-o", tmp_path / "no" / "o.pt"),
-                           code=2)
+                           code=EXIT_USAGE)
     assert "does not exist" in line
-
-
-def test_debug_shows_traceback(generated, run_cli) -> None:
-    r = run_cli("--debug", "inspect", generated["random.pt"], catch_exceptions=True)
-    assert r.exit_code != 0
-    assert isinstance(r.exception, ckptool.NotACheckpointError)
-
-
-def test_every_command_has_help(run_cli) -> None:
-    from ckptool.cli import cli
-
-    r = run_cli("--help")
-    assert r.exit_code == 0
-    for name, cmd in cli.commands.items():
-        assert cmd.help and len(cmd.help) > 40, name
-        h = run_cli(name, "--help")
-        assert h.exit_code == 0
-        for p in cmd.params:
-            if getattr(p, "help", None) is None and p.param_type_name == "option":
-                pytest.fail(f"{name}: option {p.name} has no help")

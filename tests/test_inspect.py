@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import location_tags
 
 import ckptool
-from helpers import location_tags
 
 REAL = {
     # file: (format, kind, tensors, devices)
@@ -215,3 +215,61 @@ def test_compiled_full_model(tmp_path: Path) -> None:
     assert info.kind == "full_model"
     assert [t.key for t in info.tensors][: len(model.state_dict())] == ["_orig_mod." + k for k in model.state_dict()]
     assert info.state_dicts[0].prefixes == ["_orig_mod."]
+
+
+# ------------------------------------------------------------------------------------------------ sharded sets
+def _sharded_folder(tmp_path: Path, fmt: str) -> Path:
+    torch.manual_seed(0)
+    sd = {f"layers.{i}.weight": torch.randn(32, 32) for i in range(4)}
+    torch.save(sd, tmp_path / "full.pt")
+    out = tmp_path / f"out-{fmt}"
+    ckptool.convert(tmp_path / "full.pt", out, format=fmt, max_shard_size="5KB")
+    return out
+
+
+@pytest.mark.parametrize(("fmt", "index", "expected"), [
+    ("safetensors", "model.safetensors.index.json", "sharded-safetensors"),
+    ("torch", "pytorch_model.bin.index.json", "sharded-torch"),
+])
+def test_sharded_folder_is_inspected_as_its_index(tmp_path: Path, run_cli, fmt: str, index: str,
+                                                  expected: str) -> None:
+    folder = _sharded_folder(tmp_path, fmt)
+    by_index = ckptool.inspect(folder / index)
+    by_folder = ckptool.inspect(folder)
+    assert by_folder.to_dict() == by_index.to_dict()
+    assert by_folder.format == expected and by_folder.kind == "state_dict"
+    assert sorted(t.key for t in by_folder.tensors) == [f"layers.{i}.weight" for i in range(4)]
+    assert by_folder.metadata is not None and by_folder.metadata["shards"] == "4"
+    for args in (["inspect", folder], ["inspect", "--json", folder], ["inspect", str(folder) + "/"]):
+        r = run_cli(*args)
+        assert r.exit_code == 0, r.output
+        assert expected in r.output and "layers.3.weight" in r.output
+
+
+def test_sharded_index_pointing_outside_its_folder_is_refused(tmp_path: Path) -> None:
+    folder = _sharded_folder(tmp_path, "safetensors")
+    index = folder / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["layers.0.weight"] = "../full.pt"
+    index.write_text(json.dumps(doc))
+    with pytest.raises(ckptool.CorruptCheckpointError, match="outside the index's folder"):
+        ckptool.inspect(folder)
+
+
+def test_folder_with_two_indexes_asks_for_one(tmp_path: Path) -> None:
+    folder = _sharded_folder(tmp_path, "safetensors")
+    (folder / "pytorch_model.bin.index.json").write_text('{"weight_map": {}}')
+    with pytest.raises(ckptool.UsageError, match="several sharded indexes"):
+        ckptool.inspect(folder)
+
+
+def test_inspecting_a_set_does_not_import_torch_or_convert(tmp_path: Path) -> None:
+    folder = _sharded_folder(tmp_path, "safetensors")
+    code = (
+        "import sys, ckptool\n"
+        f"info = ckptool.inspect({str(folder)!r})\n"
+        "assert info.format == 'sharded-safetensors'\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert 'ckptool.ops.convert' not in sys.modules, 'inspect imported convert'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,4 @@
-"""The loading API: ckptool.load_into, load_training_state, save_portable (ckptool/loading.py).
+"""The loading API: ckptool.load_into, load_training_state, save_portable (ckptool/torch_ops: load, training, portable).
 
 Real checkpoints from fixtures/real go into models that rebuild their layout (tests/models.py); the wrapper cases
 are built here from real wrappers (nn.DataParallel, DistributedDataParallel on a one-process gloo group,
@@ -17,25 +17,19 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import location_tags, requires_cuda
+from models import Classifier, Crepe, LitWrapper, LpipsLinearLayers, PNet, build_classifier
+from tagging import save_tagged
 from torch import nn
 
 import ckptool
 from ckptool.errors import CkptError, KeyCollisionError, UnsafeCheckpointError, UnsupportedError, UsageError
-from ckptool.torch_ops.loading import (
-    StateDictMismatchError,
-    _rename_metadata,
-    find_state_dicts,
-    get_path,
-    group_shape_mismatches,
-    place_optimizer_state,
-    portable_key,
-    resolve_device,
-    ShapeMismatch,
-)
-
-from helpers import location_tags, requires_cuda
-from models import Classifier, Crepe, LitWrapper, LpipsLinearLayers, PNet, build_classifier
-from tagging import save_tagged
+from ckptool.model.graph import get_path
+from ckptool.torch_ops.devices import resolve_device
+from ckptool.torch_ops.load import find_state_dicts
+from ckptool.torch_ops.portable import portable_key
+from ckptool.torch_ops.reports import ShapeMismatch, StateDictMismatchError, group_shape_mismatches
+from ckptool.torch_ops.training import place_optimizer_state
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -242,10 +236,16 @@ def test_metadata_versions_follow_the_renamed_keys(tmp_path: Path) -> None:
 
 
 def test_rename_metadata() -> None:
+    """load_into renames _metadata with the one rule of ckptool.model.keys, from the reconciled key mapping."""
+    from ckptool.model.keys import mapping_key_function, rename_metadata_items
+
+    def rename(meta: OrderedDict[str, Any], mapping: dict[str, str]) -> OrderedDict[str, Any]:
+        return OrderedDict(rename_metadata_items(meta.items(), mapping_key_function(mapping)))
+
     meta = OrderedDict([("", {"version": 1}), ("module", {"version": 2}), ("module.fc", {"version": 3})])
-    out = _rename_metadata(meta, {"module.fc.weight": "fc.weight"})
+    out = rename(meta, {"module.fc.weight": "fc.weight"})
     assert out == OrderedDict([("", {"version": 2}), ("fc", {"version": 3})])
-    out = _rename_metadata(OrderedDict([("", {}), ("fc", {"v": 1})]), {"fc.weight": "module.fc.weight"})
+    out = rename(OrderedDict([("", {}), ("fc", {"v": 1})]), {"fc.weight": "module.fc.weight"})
     assert list(out) == ["module", "module.fc"]
 
 
@@ -351,7 +351,7 @@ def test_state_dict_selection(tmp_path: Path) -> None:
     r = ckptool.load_into(m, path, key="ema")
     assert r.key == "ema" and r.found == ["ema", "state_dict"]
     assert_model_matches(m, ema.state_dict())
-    with pytest.raises(UsageError, match="no entry 'nope'.*ema, state_dict"):
+    with pytest.raises(UsageError, match=r"no entry 'nope'.*ema, state_dict"):
         ckptool.load_into(m, path, key="nope")
     with pytest.raises(UsageError, match="'epoch' is a int, not a state_dict"):
         ckptool.load_into(m, path, key="epoch")
@@ -450,7 +450,7 @@ def test_full_model_pickle_needs_trust(tmp_path: Path) -> None:
     src = trained()
     path = tmp_path / "full.pt"
     torch.save(src, path)
-    with pytest.raises(UnsafeCheckpointError, match="models.Classifier"):
+    with pytest.raises(UnsafeCheckpointError, match=r"models\.Classifier"):
         ckptool.load_into(build_classifier(), path)
     m = build_classifier()
     assert ckptool.load_into(m, path, trust=True).key == ""
@@ -470,7 +470,7 @@ def test_plain_pickle_and_torchscript_need_trust(tmp_path: Path, real_dir: Path)
 def test_bad_inputs(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="no such file"):
         ckptool.load_into(build_classifier(), tmp_path / "missing.pt")
-    with pytest.raises(UsageError, match="nn.Module"):
+    with pytest.raises(UsageError, match=r"nn\.Module"):
         ckptool.load_into({"not": "a model"}, tmp_path / "missing.pt")  # type: ignore[arg-type]
     bad = tmp_path / "trunc.pt"
     torch.save(trained().state_dict(), bad)
@@ -481,7 +481,7 @@ def test_bad_inputs(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_cuda_device_on_cpu_only_machine() -> None:
-    with pytest.raises(UsageError, match="torch.cuda.is_available\\(\\) is False"):
+    with pytest.raises(UsageError, match=r"torch\.cuda\.is_available\(\) is False"):
         resolve_device("cuda:0")
     with pytest.raises(UsageError, match="unknown device"):
         resolve_device("gpu7")
@@ -649,7 +649,7 @@ def test_save_portable_keeps_storage_sharing_and_layout(tmp_path: Path) -> None:
 
 def test_save_portable_refuses_what_weights_only_refuses(tmp_path: Path) -> None:
     dst = tmp_path / "x.pt"
-    with pytest.raises(UnsupportedError, match="args is a argparse.Namespace"):
+    with pytest.raises(UnsupportedError, match=r"args is a argparse\.Namespace"):
         ckptool.save_portable({"args": argparse.Namespace(lr=1), "model": trained().state_dict()}, dst)
     assert not dst.exists() and os.listdir(tmp_path) == []
 
@@ -659,18 +659,99 @@ def test_portable_key_keeps_attribute_named_module() -> None:
     assert portable_key("blocks.0._checkpoint_wrapped_module.fc.weight", []) == "blocks.0.fc.weight"
     assert portable_key("module.fc.weight", []) == "module.fc.weight"  # not shared by every key: an attribute
     sd = OrderedDict([("module.fc.weight", torch.ones(1)), ("head.weight", torch.ones(1))])
-    from ckptool.torch_ops.loading import _Memo, _portable_state_dict
+    from ckptool.torch_ops.devices import TensorMemo
+    from ckptool.torch_ops.portable import _portable_state_dict
 
-    assert list(_portable_state_dict(sd, _Memo())) == ["module.fc.weight", "head.weight"]
+    assert list(_portable_state_dict(sd, TensorMemo())) == ["module.fc.weight", "head.weight"]
 
 
 def test_importing_loading_does_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import ckptool.torch_ops.loading, ckptool.cli, sys; assert 'torch' not in sys.modules"
+    code = ("import ckptool.torch_ops.devices, ckptool.torch_ops.load, ckptool.torch_ops.reports, "
+            "ckptool.torch_ops.training, ckptool.torch_ops.portable, ckptool.torch_ops.verify, ckptool.cli, sys; "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
+
+# ------------------------------------------------------------------------------------------------ moving tensors
+def tied_objects() -> dict[str, Any]:
+    """A tied weight (one Parameter under two names) and a list holding itself. (A plain pickle does not keep
+    storage sharing between different tensors: torch pickles each storage by value.)"""
+    w = nn.Parameter(torch.arange(6.0).reshape(2, 3))
+    loop: list[Any] = [torch.ones(1)]
+    loop.append(loop)
+    return {"encoder": w, "decoder": w, "loop": loop}
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda:0", marks=requires_cuda)])
+def test_load_checkpoint_keeps_ties_when_moving_a_trusted_pickle(tmp_path: Path, device: str) -> None:
+    from ckptool.torch_ops.load import load_checkpoint
+
+    path = tmp_path / "tied.pkl"
+    with open(path, "wb") as f:
+        pickle.dump(tied_objects(), f)
+    out, saved = load_checkpoint(path, device, trust=True)  # meta: a device other than the CPU on any machine
+    assert saved == {}
+    enc = out["encoder"]
+    assert enc is out["decoder"]  # one object in, one object out
+    assert isinstance(enc, nn.Parameter) and enc.requires_grad and enc.device.type == device.split(":")[0]
+    assert out["loop"][1] is out["loop"] and out["loop"][0].device == enc.device
+    if device != "meta":
+        assert torch.equal(enc.detach().cpu(), torch.arange(6.0).reshape(2, 3))
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda:0", marks=requires_cuda)])
+def test_move_tensor_copies_each_storage_once(device: str) -> None:
+    from ckptool.torch_ops.devices import TensorMemo, map_tensors, move_tensor
+
+    base = torch.arange(12, dtype=torch.int16)
+    obj = {"a": base[:4], "b": base[4:].view(2, 4).t(), "c": (base, [base[2:3]]), "p": nn.Parameter(base[:2] * 1.0)}
+    memo = TensorMemo()
+    dev = torch.device(device)
+    out = map_tensors(obj, lambda t: move_tensor(t, dev, memo), memo)
+    assert len(memo.storages) == 2  # base's and the Parameter's
+    moved = [out["a"], out["b"], out["c"][0], out["c"][1][0]]
+    assert len({t.untyped_storage()._cdata for t in moved}) == 1
+    assert out["b"].stride() == (1, 4) and out["b"].storage_offset() == 4 and out["b"].dtype == torch.int16
+    assert isinstance(out["p"], nn.Parameter) and out["p"].requires_grad and out["p"].device == dev
+    assert all(t.device == dev and not t.requires_grad for t in moved)
+    if device != "meta":
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(moved, [base[:4], obj["b"], base, base[2:3]]))
+    same = map_tensors(obj, lambda t: move_tensor(t, torch.device("cpu"), TensorMemo()), TensorMemo())
+    assert same["a"] is obj["a"] and same is not obj  # already there: the tensor itself, in a rebuilt container
+
+
+def test_pre_read_agrees_with_inspect(real_dir: Path, tmp_path: Path) -> None:
+    """load_checkpoint reads globals and location tags without ckptool.ops; it must see what inspect sees."""
+    from ckptool.torch_ops.load import _saved_devices_and_unsafe_globals
+
+    path = tmp_path / "ns.pt"
+    torch.save({"args": argparse.Namespace(lr=1), "model": trained().state_dict()}, path)
+    for p in [path, *sorted(real_dir.glob("*.pt*"))]:
+        info = ckptool.inspect(p)
+        if info.format not in ("torch-zip", "torch-legacy"):
+            continue
+        saved, unsafe = _saved_devices_and_unsafe_globals(str(p), info.format)
+        assert saved == info.devices and unsafe == info.unsafe_globals, p
+
+
+def test_find_state_dicts_depth_limit_modules_and_key_types() -> None:
+    sd = {"w": torch.ones(1)}
+
+    def nested(n: int) -> Any:
+        obj: Any = sd
+        for _ in range(n):
+            obj = {"x": obj}
+        return obj
+
+    assert [p for p, _ in find_state_dicts(nested(6))] == ["x.x.x.x.x.x"]  # the state_dict at depth 6 is found
+    assert find_state_dicts(nested(7)) == []  # deeper ones are not looked for
+    model = nn.Linear(2, 1)
+    found = find_state_dicts({"net": model, 3: (sd,), "opt": {"state": {}, "param_groups": [], "x": sd}})
+    assert [p for p, _ in found] == ["net", "3.0"]
+    assert list(found[0][1]) == ["weight", "bias"] and found[1][1] is sd
 
 # ------------------------------------------------------------------------------------------------ CUDA
 @requires_cuda

@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptool.errors import CorruptCheckpointError
+from ckptool.formats.nodes import GlobalMeta, ObjectNode, ReduceNode
 from ckptool.formats.pickler import dumps
-from ckptool.formats.unpickler import GlobalMeta, ObjectNode, ReduceNode, load_structure
+from ckptool.formats.unpickler import load_structure
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
@@ -33,7 +34,7 @@ values = st.recursive(
 
 @settings(max_examples=300, deadline=None)
 @given(values, st.integers(min_value=2, max_value=5))
-def test_round_trip_equals_original(obj, protocol: int) -> None:
+def test_round_trip_equals_original(obj: object, protocol: int) -> None:
     data = pickle.dumps(obj, protocol=protocol)
     root, _ = load_structure(data)
     assert pickle.loads(dumps(root, protocol=protocol)) == obj
@@ -41,7 +42,7 @@ def test_round_trip_equals_original(obj, protocol: int) -> None:
 
 def test_shared_and_recursive_structure_survives() -> None:
     shared = [1, 2]
-    rec: list = [0]
+    rec: list[object] = [0]
     rec.append(rec)
     obj = {"a": shared, "b": shared, "t": (shared, shared), "rec": rec}
     root, _ = load_structure(pickle.dumps(obj, protocol=2))
@@ -51,7 +52,7 @@ def test_shared_and_recursive_structure_survives() -> None:
 
 
 class Evil:
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[object, tuple[str]]:
         import os
 
         return (os.system, ("echo pwned > /dev/null",))
@@ -63,7 +64,7 @@ def test_reading_imports_and_runs_nothing() -> None:
     before = set(sys.modules)
     calls: list[str] = []
 
-    def hook(event: str, args: tuple) -> None:
+    def hook(event: str, args: tuple[object, ...]) -> None:
         if event in ("os.system", "subprocess.Popen", "import", "exec"):
             calls.append(event)
 

@@ -12,16 +12,15 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import requires_cuda
+from models import Classifier, Crepe, LpipsLinearLayers, PNet, build_classifier
+from tagging import save_tagged
 from torch import nn
 
 import ckptool
 from ckptool.cli.verify import build_factory, import_callable, parse_input_shape
 from ckptool.errors import CkptError, UnsafeCheckpointError, UsageError
-from ckptool.torch_ops.loading import _tolerance
-
-from helpers import requires_cuda
-from models import Classifier, Crepe, LpipsLinearLayers, PNet, build_classifier
-from tagging import save_tagged
+from ckptool.torch_ops.verify import _tolerance
 
 
 def trained(num_classes: int = 4, seed: int = 0) -> Classifier:
@@ -56,7 +55,7 @@ def test_verify_real_checkpoints_with_forward(real_dir: Path) -> None:
 
 
 def test_verify_default_device() -> None:
-    from ckptool.torch_ops.loading import default_device
+    from ckptool.torch_ops.devices import default_device
 
     assert default_device() == (torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu"))
 
@@ -158,9 +157,9 @@ def test_tolerance_by_dtype() -> None:
 
 
 def test_verify_bad_arguments(tmp_path: Path, dp_ckpt: Path) -> None:
-    with pytest.raises(UsageError, match="nn.Module"):
+    with pytest.raises(UsageError, match=r"nn\.Module"):
         ckptool.verify(dp_ckpt, lambda: "not a model", device="cpu")
-    with pytest.raises(CkptError, match="building the model with .* failed: ValueError"):
+    with pytest.raises(CkptError, match=r"building the model with .* failed: ValueError"):
         ckptool.verify(dp_ckpt, lambda: Crepe("huge"), device="cpu")
     with pytest.raises(UsageError, match="input shape"):
         ckptool.verify(dp_ckpt, build_classifier, device="cpu", input_shape=(0, 8))
@@ -171,7 +170,7 @@ def test_verify_bad_arguments(tmp_path: Path, dp_ckpt: Path) -> None:
 def test_verify_needs_trust_for_namespace(tmp_path: Path) -> None:
     path = tmp_path / "args.pt"
     torch.save({"args": argparse.Namespace(arch="mlp"), "state_dict": trained().state_dict()}, path)
-    with pytest.raises(UnsafeCheckpointError, match="argparse.Namespace"):
+    with pytest.raises(UnsafeCheckpointError, match=r"argparse\.Namespace"):
         ckptool.verify(path, build_classifier, device="cpu")
     assert ckptool.verify(path, build_classifier, device="cpu", trust=True).ok
 

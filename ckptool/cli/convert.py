@@ -1,19 +1,24 @@
 """The ``convert`` command: torch.save files, safetensors, sharded sets and DCP folders, in either direction.
 
-A thin Click command over :func:`ckptool.convert.convert`; imported by :mod:`ckptool.cli` at start, so it imports
-neither torch nor the library module until the command runs.
+A thin Click command over :func:`ckptool.ops.convert.convert`; torch is imported only by the conversions that
+need it.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
-from ckptool.cli import cli, human_bytes
+from ckptool.cli._common import human_bytes, key_option, report_write
+from ckptool.ops.convert import ConvertResult, convert
+
+if TYPE_CHECKING:
+    from click._termui_impl import ProgressBar
 
 _LIST = 8  # names listed before "and N more"
+_PROGRESS_MIN = 256 << 20  # show a progress bar from this many bytes (when stderr is a terminal)
 
 
 def _names(items: list[str]) -> str:
@@ -26,7 +31,7 @@ class _Progress:
 
     def __init__(self, minimum: int) -> None:
         self.minimum = minimum
-        self.bar: Any = None
+        self.bar: ProgressBar[int] | None = None
         self.done = 0
         self.enabled = sys.stderr.isatty()
 
@@ -46,7 +51,7 @@ class _Progress:
             self.bar = None
 
 
-def report_convert(res: Any) -> None:
+def report_convert(res: ConvertResult) -> None:
     """Print what a conversion did: the selection, what was left out, aliases, layout changes, casts, the files."""
     echo = click.echo
     if res.key:
@@ -84,21 +89,21 @@ def report_convert(res: Any) -> None:
         echo(f"Note: {note}")
     shards = f", {res.shards} shards + index" if res.shards > 1 else ""
     stored = f"{res.stored} of {res.tensors} tensors stored" if res.stored != res.tensors else f"{res.tensors} tensors"
-    echo(f"Wrote {res.dst} ({human_bytes(res.bytes_written)}, {stored}{shards})")
+    report_write(res.dst, res.bytes_written, f"{stored}{shards}")
     if res.verified:
         echo(f"Verified: the output re-opens with {res.checked} equal to the source")
     elif res.verified is None:
         echo("Not verified (--no-verify)")
 
 
-@cli.command("convert")
+@click.command("convert")
 @click.argument("src", type=click.Path(dir_okay=True))
 @click.option("-o", "--output", "dst", required=True, type=click.Path(),
               help="Output file, or folder with --max-shard-size or --format dcp.")
 @click.option("--format", "fmt", type=click.Choice(["torch", "safetensors", "dcp"]),
               help="Output format. Default: from DST's suffix (.safetensors; .pt/.pth/.bin/.ckpt), safetensors "
                    "with --max-shard-size.")
-@click.option("--key", metavar="PATH", help="Dotted path of the state_dict to convert (default: found automatically).")
+@key_option("Dotted path of the state_dict to convert (default: found automatically).")
 @click.option("--to", metavar="DEVICE", help="Location tag of every storage in torch output (cpu, cuda:0, ...).")
 @click.option("--unwrap", "unwrap_keys", is_flag=True,
               help="Remove wrapper components from the keys (module., _orig_mod., ...; see `ckptool unwrap`).")
@@ -135,8 +140,6 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
       ckptool convert checkpoints/step_1000/ -o model.pt           # a DCP folder
       ckptool convert model.pt -o dcp_ckpt/ --format dcp
     """
-    from ckptool.ops.convert import _PROGRESS_MIN, convert
-
     bar = _Progress(_PROGRESS_MIN)
     try:
         res = convert(src, dst, format=fmt, key=key, to=to, unwrap=unwrap_keys, strip_prefixes=strip_prefixes,

@@ -1,17 +1,16 @@
 """The ``ckptool demo`` command: train, save, break and fix a checkpoint on this machine (see :mod:`ckptool.demo`).
 
-Imported by :mod:`ckptool.cli` at start, so it must not import torch: :mod:`ckptool.demo` (which does) is
-imported inside the command.
+:mod:`ckptool.demo` imports torch; this module is imported only when the command runs (:data:`ckptool.cli.COMMANDS`).
 """
 
 from __future__ import annotations
 
 import click
 
-from ckptool.cli import cli
+from ckptool.demo import run_demo
 
 
-@cli.command("demo")
+@click.command("demo")
 @click.option("--out", "out", type=click.Path(file_okay=False), metavar="DIR",
               help="Folder for every file the demo writes (created if missing). Default: a new temporary folder.")
 @click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda:N",
@@ -34,6 +33,4 @@ def demo_cmd(out: str | None, device: str, epochs: int, seed: int, quiet: bool) 
       ckptool demo
       ckptool demo --out demo-files --device cpu --epochs 10
     """
-    from ckptool.demo import run_demo
-
     run_demo(out=out, device=device, epochs=epochs, seed=seed, quiet=quiet)

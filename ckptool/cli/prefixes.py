@@ -1,16 +1,14 @@
 """The wrapper-prefix commands: ``strip-dataparallel``, ``strip-prefix``, ``add-prefix`` and ``unwrap``.
 
-Each is a thin Click command over :mod:`ckptool.prefixes`; imported by :mod:`ckptool.cli` at start, so it imports
-neither torch nor the library module until a command runs.
+Each is a thin Click command over :mod:`ckptool.ops.rename`; none imports torch.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import click
 
-from ckptool.cli import cli, human_bytes, output_options
+from ckptool.cli._common import allow_missing_option, key_option, output_options, report_rename, report_write
+from ckptool.ops.rename import RenameResult, add_prefix, strip_dataparallel, strip_prefix, unwrap
 
 _EPILOG_SAFETY = (
     "Tensor records are copied, not decoded (torch is not imported): the cost is the cost of copying the file. "
@@ -19,24 +17,7 @@ _EPILOG_SAFETY = (
 )
 
 
-def key_option(f: Any) -> Any:
-    """``--key PATH``: the dotted path of the state_dict to rename."""
-    return click.option(
-        "--key", metavar="PATH", default=None,
-        help="Dotted path of the state_dict to rename (state_dict, model_state_dict, model, ema.model). "
-             "Default: every state_dict found (optimizer state is never renamed).",
-    )(f)
-
-
-def allow_missing_option(f: Any) -> Any:
-    """``--allow-missing``: write the file even when no key carries the prefix."""
-    return click.option(
-        "--allow-missing", is_flag=True,
-        help="Write the output even when no key carries the prefix (default: exit with an error, write nothing).",
-    )(f)
-
-
-def _load_hint(res: Any) -> str | None:
+def _load_hint(res: RenameResult) -> str | None:
     """``model.load_state_dict(torch.load(...)[...])`` for the one state_dict renamed, if there is exactly one."""
     if len(res.state_dicts) != 1 or any(c.is_module for c in res.changes):
         return None
@@ -47,35 +28,18 @@ def _load_hint(res: Any) -> str | None:
     return f"Load it with: model.load_state_dict(torch.load({res.dst!r}, weights_only=True){index})"
 
 
-def report_rename(res: Any) -> None:
-    """Print what a rename did: one line per selected state_dict, then the wrappers removed from a full model."""
-    for ch in res.changes:
-        what = "pickled module" if ch.is_module else "state_dict"
-        if not ch.renamed:
-            click.echo(f"{what} {ch.label}: {ch.keys} keys, unchanged (no key to rename)")
-            continue
-        parts = []
-        if ch.removed:
-            parts.append("removed " + ", ".join(f"{c} ({n})" for c, n in ch.removed.items()))
-        if ch.added:
-            parts.append("added " + ", ".join(f"{c} ({n})" for c, n in ch.added.items()))
-        click.echo(f"{what} {ch.label}: renamed {ch.renamed} of {ch.keys} keys; " + "; ".join(parts))
-        if ch.wrappers_removed:
-            click.echo(f"  replaced wrapper object(s) by the module they hold: {', '.join(ch.wrappers_removed)}")
-
-
-def _run(res: Any) -> None:
+def _report(res: RenameResult) -> None:
     report_rename(res)
     unit = "tensors" if res.format_in == "safetensors" else "storages"
-    click.echo(f"Wrote {res.dst} ({human_bytes(res.bytes_written)}, {res.storages} {unit})")
+    report_write(res.dst, res.bytes_written, f"{res.storages} {unit}")
     hint = _load_hint(res)
     if hint:
         click.echo(hint)
 
 
-@cli.command("strip-dataparallel", epilog=_EPILOG_SAFETY)
+@click.command("strip-dataparallel", epilog=_EPILOG_SAFETY)
 @click.argument("src", type=click.Path(dir_okay=True))
-@key_option
+@key_option()
 @allow_missing_option
 @output_options
 def strip_dataparallel_cmd(src: str, key: str | None, allow_missing: bool, dst: str | None, in_place: bool) -> None:
@@ -92,15 +56,13 @@ def strip_dataparallel_cmd(src: str, key: str | None, allow_missing: bool, dst: 
       ckptool strip-dataparallel model.pth
       ckptool strip-dataparallel last.ckpt --key state_dict -o last.bare.ckpt
     """
-    from ckptool.ops.rename import strip_dataparallel
-
-    _run(strip_dataparallel(src, dst, key=key, in_place=in_place, allow_missing=allow_missing))
+    _report(strip_dataparallel(src, dst, key=key, in_place=in_place, allow_missing=allow_missing))
 
 
-@cli.command("strip-prefix", epilog=_EPILOG_SAFETY)
+@click.command("strip-prefix", epilog=_EPILOG_SAFETY)
 @click.argument("src", type=click.Path(dir_okay=True))
 @click.argument("prefixes", nargs=-1, required=True, metavar="PREFIX [PREFIX ...]")
-@key_option
+@key_option()
 @allow_missing_option
 @output_options
 def strip_prefix_cmd(src: str, prefixes: tuple[str, ...], key: str | None, allow_missing: bool, dst: str | None,
@@ -118,15 +80,13 @@ def strip_prefix_cmd(src: str, prefixes: tuple[str, ...], key: str | None, allow
       ckptool strip-prefix lightning.ckpt model.          # LightningModule attribute
       ckptool strip-prefix ckpt.pt module. --key model_state_dict -o bare.pt
     """
-    from ckptool.ops.rename import strip_prefix
-
-    _run(strip_prefix(src, list(prefixes), dst, key=key, in_place=in_place, allow_missing=allow_missing))
+    _report(strip_prefix(src, list(prefixes), dst, key=key, in_place=in_place, allow_missing=allow_missing))
 
 
-@cli.command("add-prefix", epilog=_EPILOG_SAFETY)
+@click.command("add-prefix", epilog=_EPILOG_SAFETY)
 @click.argument("src", type=click.Path(dir_okay=True))
 @click.argument("prefix")
-@key_option
+@key_option()
 @output_options
 def add_prefix_cmd(src: str, prefix: str, key: str | None, dst: str | None, in_place: bool) -> None:
     """Put PREFIX (whole dotted components, e.g. `module.`) in front of every state_dict key.
@@ -141,14 +101,12 @@ def add_prefix_cmd(src: str, prefix: str, key: str | None, dst: str | None, in_p
       ckptool add-prefix model.pth module.
       ckptool add-prefix ckpt.pt _orig_mod. --key model_state_dict -o compiled.pt
     """
-    from ckptool.ops.rename import add_prefix
-
-    _run(add_prefix(src, prefix, dst, key=key, in_place=in_place))
+    _report(add_prefix(src, prefix, dst, key=key, in_place=in_place))
 
 
-@cli.command("unwrap", epilog=_EPILOG_SAFETY)
+@click.command("unwrap", epilog=_EPILOG_SAFETY)
 @click.argument("src", type=click.Path(dir_okay=True))
-@key_option
+@key_option()
 @allow_missing_option
 @output_options
 def unwrap_cmd(src: str, key: str | None, allow_missing: bool, dst: str | None, in_place: bool) -> None:
@@ -167,6 +125,4 @@ def unwrap_cmd(src: str, key: str | None, allow_missing: bool, dst: str | None, 
       ckptool unwrap compiled_ddp.pt
       ckptool unwrap model.pth --in-place
     """
-    from ckptool.ops.rename import unwrap
-
-    _run(unwrap(src, dst, key=key, in_place=in_place, allow_missing=allow_missing))
+    _report(unwrap(src, dst, key=key, in_place=in_place, allow_missing=allow_missing))

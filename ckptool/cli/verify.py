@@ -1,7 +1,7 @@
 """``ckptool verify``: prove a checkpoint lands intact in the user's model on the user's device.
 
-Registered on :data:`ckptool.cli.cli` when ``ckptool.cli`` is imported. Torch is imported only when the command
-runs (through :mod:`ckptool.loading`).
+A thin command over :func:`ckptool.torch_ops.verify.verify`, which imports torch when it runs; the helpers here
+turn ``--model MODULE:CALLABLE`` and ``--model-kwargs JSON`` into a model factory.
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import click
 
-from ckptool.cli import cli
+from ckptool.cli._common import key_option
 from ckptool.errors import CkptError, UsageError
+from ckptool.torch_ops.verify import verify
 
 
 def parse_input_shape(text: str) -> list[int]:
@@ -64,7 +66,7 @@ def import_callable(spec: str) -> Callable[..., Any]:
         raise
     except Exception as e:  # the user's module failed to import: say which and why
         raise UsageError(f"--model {spec!r}: cannot import {mod_part}: {type(e).__name__}: {e}") from e
-    obj: Any = module
+    obj: object = module
     for name in attr.split("."):
         if not hasattr(obj, name):
             raise UsageError(f"--model {spec!r}: {mod_part} has no attribute {attr!r}")
@@ -74,7 +76,7 @@ def import_callable(spec: str) -> Callable[..., Any]:
     return obj
 
 
-def _import_file(path: str) -> Any:
+def _import_file(path: str) -> ModuleType:
     full = os.path.abspath(path)
     if not os.path.isfile(full):
         raise UsageError(f"--model: {path}: no such file")
@@ -119,14 +121,13 @@ def build_factory(spec: str, kwargs_json: str | None) -> Callable[[], Any]:
     return factory
 
 
-@cli.command("verify")
+@click.command("verify")
 @click.argument("ckpt", type=click.Path(dir_okay=True))
 @click.option("--model", "model_spec", required=True, metavar="MODULE:CALLABLE",
               help="Function or class that builds the model: mypkg.models:Net or path/to/models.py:build.")
 @click.option("--model-kwargs", metavar="JSON", help="Keyword arguments for CALLABLE, as a JSON object.")
 @click.option("--device", metavar="DEVICE", help="Target device. Default: cuda:0 when CUDA is available, else cpu.")
-@click.option("--key", metavar="PATH", help="Dotted path of the state_dict inside the checkpoint (state_dict, ema, "
-              "model...). Default: detected.")
+@key_option("Dotted path of the state_dict inside the checkpoint (state_dict, ema, model...). Default: detected.")
 @click.option("--strict/--no-strict", default=True, show_default=True,
               help="Missing, unexpected and shape-mismatched keys fail the check (--no-strict: only reported).")
 @click.option("--input-shape", metavar="N,...", help="Run one forward pass on a fixed-seed input of this shape "
@@ -149,8 +150,6 @@ def verify_cmd(ctx: click.Context, ckpt: str, model_spec: str, model_kwargs: str
       ckptool verify model.pth --model mypkg.models:Net --device cpu
       ckptool verify run.ckpt --model models.py:build --model-kwargs '{"num_classes": 10}' --input-shape 1,3,32,32
     """
-    from ckptool.torch_ops.loading import verify
-
     shape = parse_input_shape(input_shape) if input_shape else None
     factory = build_factory(model_spec, model_kwargs)
     report = verify(ckpt, factory, device=device, key=key, strict=strict, input_shape=shape, trust=trust)

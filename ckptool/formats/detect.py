@@ -77,7 +77,7 @@ def detect_format(path: str) -> str:
     size = check_readable(path)
     with open(path, "rb") as f:
         head = f.read(512)
-    if head.startswith(ZIP_MAGIC) or head.startswith(ZIP_EMPTY):
+    if head.startswith((ZIP_MAGIC, ZIP_EMPTY)):
         return _zip_kind(path)
     if head.startswith(LEGACY_MAGIC_PREFIX):
         return TORCH_LEGACY
@@ -109,7 +109,7 @@ _zip_cache: dict[tuple[str, int, int, int], list[ZipEntry]] = {}
 
 
 def zip_entries(path: str) -> list[ZipEntry]:
-    """The central directory of the zip at ``path`` (:func:`ckptool.zipdir.read_directory`), parsed once per
+    """The central directory of the zip at ``path`` (:func:`ckptool.formats.zipdir.read_directory`), parsed once per
     file version: format detection and reading share it.
 
     Raises:
@@ -135,7 +135,8 @@ def _zip_kind(path: str) -> str:
     # one search over all the names (50,000 records in a large state_dict) instead of a Python loop
     text = "\n" + "\n".join(names) + "\n"
     if text.count("\n") == len(names) + 1:
-        script, data = _TORCHSCRIPT_MEMBER.search(text), _DATA_PKL_MEMBER.search(text)
+        script = _TORCHSCRIPT_MEMBER.search(text) is not None
+        data = _DATA_PKL_MEMBER.search(text) is not None
     else:  # a member name holds a newline: look at each name
         leaf = {n.split("/", 1)[1] if "/" in n else n for n in names}
         script = "constants.pkl" in leaf or any(n.startswith("code/") for n in leaf)

@@ -1,4 +1,4 @@
-"""Writes a node graph from :mod:`ckptool.unpickler` back to pickle bytes, importing nothing.
+"""Writes a node graph from :mod:`ckptool.formats.unpickler` back to pickle bytes, importing nothing.
 
 The standard ``pickle.Pickler`` cannot be used: it verifies every global by importing its module, and the
 classes a checkpoint names (``__main__.Net``, torch internals) are placeholders here. This writer emits the
@@ -17,11 +17,11 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from ckptool.formats.unpickler import GlobalMeta, ObjectNode, PersistentRef, ReduceNode, StorageRef
+from ckptool.formats.nodes import GlobalMeta, ObjectNode, PersistentRef, ReduceNode, StorageRef
 
 _pack_i = struct.Struct("<i").pack
-_pack_I = struct.Struct("<I").pack
-_pack_Q = struct.Struct("<Q").pack
+_pack_u32 = struct.Struct("<I").pack
+_pack_u64 = struct.Struct("<Q").pack
 _pack_d = struct.Struct(">d").pack
 
 PROTO, STOP, MARK, POP, POP_MARK = b"\x80", b".", b"(", b"0", b"1"
@@ -45,13 +45,10 @@ class PicklerError(Exception):
 _ATOMS = (int, float, bool, str, type(None))
 
 
-def _atoms_only(t: tuple) -> bool:
+def _atoms_only(t: tuple[Any, ...]) -> bool:
     """A tuple of ints / floats / strings (a shape or stride): its identity cannot matter to the loader, so it is
     written without a memo entry (smaller pickle, faster write)."""
-    for x in t:
-        if type(x) not in _ATOMS:
-            return False
-    return True
+    return all(type(x) in _ATOMS for x in t)
 
 
 class GraphPickler:
@@ -74,11 +71,11 @@ class GraphPickler:
     def _put(self) -> int:
         idx = self.next_memo
         self.next_memo = idx + 1
-        self.out.append(BINPUT + bytes((idx,)) if idx < 256 else LONG_BINPUT + _pack_I(idx))
+        self.out.append(BINPUT + bytes((idx,)) if idx < 256 else LONG_BINPUT + _pack_u32(idx))
         return idx
 
     def _get(self, idx: int) -> None:
-        self.out.append(BINGET + bytes((idx,)) if idx < 256 else LONG_BINGET + _pack_I(idx))
+        self.out.append(BINGET + bytes((idx,)) if idx < 256 else LONG_BINGET + _pack_u32(idx))
 
     def _memoize(self, obj: Any) -> None:
         self.memo[id(obj)] = self._put()
@@ -91,7 +88,7 @@ class GraphPickler:
         return b"".join(self.out)
 
     # ------------------------------------------------------------------ dispatch
-    def save(self, obj: Any) -> None:  # noqa: C901 - one dispatch table, kept flat for speed
+    def save(self, obj: Any) -> None:  # one dispatch table, kept flat for speed
         t = type(obj)
         w = self.out.append
         if t is str:
@@ -101,7 +98,7 @@ class GraphPickler:
                 return
             b = obj.encode("utf-8", "surrogatepass")
             n = len(b)
-            w((BINUNICODE + _pack_I(n) if n < 0xFFFFFFFF else BINUNICODE8 + _pack_Q(n)) + b)
+            w((BINUNICODE + _pack_u32(n) if n < 0xFFFFFFFF else BINUNICODE8 + _pack_u64(n)) + b)
             self.str_memo[obj] = self._put()
             return
         if t is int:
@@ -177,12 +174,12 @@ class GraphPickler:
             if n < 256:
                 w(SHORT_BINBYTES + bytes((n,)) + obj)
             elif n <= 0xFFFFFFFF:
-                w(BINBYTES + _pack_I(n) + obj)
+                w(BINBYTES + _pack_u32(n) + obj)
             else:
-                w(BINBYTES8 + _pack_Q(n) + obj)
+                w(BINBYTES8 + _pack_u64(n) + obj)
             self._memoize(obj)
         elif t is bytearray:
-            w(BYTEARRAY8 + _pack_Q(len(obj)) + bytes(obj))
+            w(BYTEARRAY8 + _pack_u64(len(obj)) + bytes(obj))
             self._memoize(obj)
         elif t is set:
             w(EMPTY_SET)
@@ -202,7 +199,7 @@ class GraphPickler:
         else:
             raise PicklerError(f"cannot write a value of type {t.__name__}")
 
-    def _save_tuple(self, obj: tuple, memoize: bool = True) -> None:
+    def _save_tuple(self, obj: tuple[Any, ...], memoize: bool = True) -> None:
         w = self.out.append
         n = len(obj)
         if n == 0:
@@ -221,7 +218,7 @@ class GraphPickler:
         if memoize:
             self._memoize(obj)
 
-    def _save_appends(self, items: list) -> None:
+    def _save_appends(self, items: list[Any]) -> None:
         w = self.out.append
         for i in range(0, len(items), _BATCH):
             w(MARK)
@@ -229,7 +226,7 @@ class GraphPickler:
                 self.save(x)
             w(APPENDS)
 
-    def _save_setitems(self, items: list) -> None:
+    def _save_setitems(self, items: list[tuple[Any, Any]]) -> None:
         w = self.out.append
         save = self.save
         for i in range(0, len(items), _BATCH):

@@ -15,52 +15,15 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool.formats import detect as formats
 from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedError
-from ckptool.formats.unpickler import GlobalMeta, StorageRef, load_pickle_at, load_structure
+from ckptool.formats import detect as formats
+from ckptool.formats.dtypes import STORAGE_TYPES, storage_element
+from ckptool.formats.nodes import GlobalMeta, StorageRef
+from ckptool.formats.unpickler import load_pickle_at, load_structure
 from ckptool.formats.zipdir import ZipEntry, data_offset, read_member
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
-
-#: storage class name -> (dtype name, element size in bytes), as torch/storage.py defines them
-STORAGE_TYPES: dict[str, tuple[str, int]] = {
-    "DoubleStorage": ("float64", 8), "FloatStorage": ("float32", 4), "HalfStorage": ("float16", 2),
-    "BFloat16Storage": ("bfloat16", 2), "LongStorage": ("int64", 8), "IntStorage": ("int32", 4),
-    "ShortStorage": ("int16", 2), "CharStorage": ("int8", 1), "ByteStorage": ("uint8", 1),
-    "BoolStorage": ("bool", 1), "ComplexFloatStorage": ("complex64", 8), "ComplexDoubleStorage": ("complex128", 16),
-    "QInt8Storage": ("qint8", 1), "QUInt8Storage": ("quint8", 1), "QInt32Storage": ("qint32", 4),
-    "QUInt4x2Storage": ("quint4x2", 1), "QUInt2x4Storage": ("quint2x4", 1), "UntypedStorage": ("uint8", 1),
-}
-
-#: dtype name -> element size in bytes, for the dtypes ``_rebuild_tensor_v3`` names (torch.<dtype>.itemsize)
-DTYPE_SIZES: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1, "complex32": 4, "complex64": 8,
-    "complex128": 16, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1, "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1,
-    "quint2x4": 1, "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
-    **{f"int{i}": 1 for i in range(1, 8)}, **{f"uint{i}": 1 for i in range(1, 8)},
-}
-
-
-def storage_element(ref: StorageRef) -> tuple[str, int]:
-    """``(dtype name, element size)`` of a storage from its storage class (``torch.cuda.HalfStorage`` too).
-
-    Raises:
-        UnsupportedError: an unknown storage class.
-    """
-    name = ref.storage_type_name
-    try:
-        return STORAGE_TYPES[name]
-    except KeyError:
-        raise UnsupportedError(f"storage {ref.key!r} has unknown storage type {name!r}") from None
-
-
-def storage_nbytes(ref: StorageRef) -> int:
-    """Size in bytes of the storage's data: ``numel * element size`` (``numel`` is bytes for UntypedStorage)."""
-    return ref.numel * storage_element(ref)[1]
-
 
 @dataclass
 class Record:
@@ -106,13 +69,13 @@ class Checkpoint:
 def read_checkpoint(path: str, fmt: str | None = None) -> Checkpoint:
     """Read the structure of a torch zip, legacy or TorchScript file.
 
-    Hostile input is refused in bounded time and memory (see :mod:`ckptool.unpickler` and :mod:`ckptool.zipdir`):
-    besides the pickle checks, every storage must have its record (``data/<key>``, ``constants/<key>`` for
-    TorchScript constants, or the legacy data block) holding at least ``numel * element size`` bytes, and member
-    names must be unique.
+    Hostile input is refused in bounded time and memory (see :mod:`ckptool.formats.unpickler` and
+    :mod:`ckptool.formats.zipdir`): besides the pickle checks, every storage must have its record (``data/<key>``,
+    ``constants/<key>`` for TorchScript constants, or the legacy data block) holding at least ``numel * element
+    size`` bytes, and member names must be unique.
 
     Raises:
-        UsageError / NotACheckpointError: see :func:`ckptool.formats.detect_format`.
+        UsageError / NotACheckpointError: see :func:`ckptool.formats.detect.detect_format`.
         CorruptCheckpointError: truncated, damaged or hostile file (memo bombs, lengths past the end, zip bombs,
             storages larger than their records, duplicate members...).
         UnsupportedError: safetensors or plain pickles (no torch storages to read), big-endian legacy files, tuple
@@ -268,8 +231,8 @@ def _legacy_structure(path: str, ck: Checkpoint, buf: Any, size: int) -> None:
         raise CorruptCheckpointError(f"{path}: the storage key list is malformed; the file is damaged")
     if len({str(k) for k in keys}) != len(keys):
         raise CorruptCheckpointError(f"{path}: the storage key list names a storage twice; the file is damaged")
-    for key in keys:
-        key = str(key)
+    for k in keys:
+        key = str(k)
         ref = ck.storages.get(key)
         if ref is None:
             raise CorruptCheckpointError(f"{path}: storage {key!r} has data but no tensor uses it; damaged file")

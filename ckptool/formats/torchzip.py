@@ -10,6 +10,7 @@ whatever the record size.
 
 from __future__ import annotations
 
+import secrets
 import struct
 import zlib
 from typing import BinaryIO
@@ -111,6 +112,24 @@ class TorchZipWriter:
 
     def _copy_with_crc(self, src: BinaryIO, offset: int, size: int) -> int:
         return copy_range_crc(src, self.f, offset, size)
+
+    # -- torch.save's record sequence ----------------------------------------------------------------------
+    def begin_torch_save(self, data_pkl: bytes) -> None:
+        """Write the records ``torch.save`` puts before the storages: ``data.pkl`` (the pickle), then
+        ``.format_version`` (``1``), ``.storage_alignment`` (``64``) and ``byteorder`` (``little``), in that order
+        (torch/serialization.py ``_save``). Follow with one ``data/<key>`` record per storage, then
+        :meth:`end_torch_save`."""
+        self.write_bytes("data.pkl", data_pkl)
+        self.write_bytes(".format_version", b"1")
+        self.write_bytes(".storage_alignment", str(ALIGNMENT).encode())
+        self.write_bytes("byteorder", b"little")
+
+    def end_torch_save(self) -> None:
+        """Write the records ``torch.save`` puts after the storages (``version`` ``3`` and a random 40-digit
+        ``.data/serialization_id``), then the central directory."""
+        self.write_bytes("version", b"3\n")
+        self.write_bytes(".data/serialization_id", str(secrets.randbits(128)).zfill(40).encode())
+        self.close()
 
     # -- central directory -------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -57,7 +57,8 @@ def read_directory(f: BinaryIO, size: int, path: str) -> list[ZipEntry]:
             f"{path} is a damaged zip (no end of central directory: the file is truncated); re-download or re-save it")
     _sig, _d, _dcd, _n_here, count, cd_size, cd_offset, _clen = struct.unpack_from("<IHHHHIIH", tail, pos)
     eocd_at = size - tail_len + pos
-    if (count == 0xFFFF or cd_size == _U32 or cd_offset == _U32) and pos >= 20 and tail[pos - 20:pos - 16] == _EOCD64_LOCATOR:
+    zip64 = count == 0xFFFF or cd_size == _U32 or cd_offset == _U32
+    if zip64 and pos >= 20 and tail[pos - 20:pos - 16] == _EOCD64_LOCATOR:
         (z64_at,) = struct.unpack_from("<Q", tail, pos - 20 + 8)
         f.seek(z64_at)
         z = f.read(56)
@@ -125,6 +126,8 @@ def data_offset(f: BinaryIO, entry: ZipEntry, path: str) -> int:
     hdr = f.read(30)
     if len(hdr) != 30 or hdr[:4] != b"PK\x03\x04":
         raise CorruptCheckpointError(f"{path}: bad local header for {entry.name!r}; the zip is damaged")
+    n: int
+    m: int
     n, m = struct.unpack_from("<HH", hdr, 26)
     return entry.header_offset + 30 + n + m
 
@@ -133,12 +136,13 @@ def read_member(f: BinaryIO, entry: ZipEntry, path: str, *, limit: int | None = 
                 check_crc: bool = True) -> bytes:
     """The (inflated) bytes of ``entry``, checked against its CRC-32 unless ``check_crc=False``.
 
-    A deflated member inflates to at most its declared size, and that size may not exceed ``limit`` bytes
-    (default :data:`MAX_INFLATE`): a zip bomb is refused in bounded time and memory.
+    A deflated member must inflate to exactly its declared size (as miniz, torch's zip reader, requires), and
+    that size may not exceed ``limit`` bytes (default :data:`MAX_INFLATE`): a zip bomb is refused in bounded time
+    and memory.
 
     Raises:
-        CorruptCheckpointError: truncated data, a bad CRC, an encrypted member, a member that inflates past its
-            declared size or ``limit``, or an unsupported compression method.
+        CorruptCheckpointError: truncated data, a bad CRC, an encrypted member, a member that inflates past (or
+            short of) its declared size or past ``limit``, or an unsupported compression method.
     """
     limit = MAX_INFLATE if limit is None else limit
     if entry.flags & _ENCRYPTED:
@@ -166,13 +170,16 @@ def read_member(f: BinaryIO, entry: ZipEntry, path: str, *, limit: int | None = 
             raise CorruptCheckpointError(
                 f"{path}: {entry.name!r} inflates past its declared size of {entry.file_size} bytes (a zip bomb or "
                 "a damaged file); refusing to read it")
-        if not d.eof:
-            raise CorruptCheckpointError(f"{path}: {entry.name!r} does not inflate completely; the file is damaged")
+        if not d.eof or len(out) != entry.file_size:
+            raise CorruptCheckpointError(
+                f"{path}: {entry.name!r} inflates to {len(out)} bytes{'' if d.eof else ' before its data ends'}, not "
+                f"its declared {entry.file_size}; the file is damaged")
         data = out
     elif entry.method != 0:
         raise CorruptCheckpointError(f"{path}: {entry.name!r} uses unsupported compression method {entry.method}")
     if check_crc and zlib.crc32(data) != entry.crc:
-        raise CorruptCheckpointError(f"{path}: {entry.name!r} fails its CRC-32 check; the file is damaged, re-download it")
+        raise CorruptCheckpointError(
+            f"{path}: {entry.name!r} fails its CRC-32 check; the file is damaged, re-download it")
     return data
 
 

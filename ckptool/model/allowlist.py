@@ -1,8 +1,12 @@
-"""The globals ``torch.load(weights_only=True)`` accepts by default, without importing torch.
+"""The globals policy: which globals a pickle may name, and the verdict on each one. No torch import.
 
-Generated from ``torch._weights_only_unpickler._get_allowed_globals()`` of torch 2.13.0 (the keys of that
-dict, ``module.qualname``). A checkpoint whose pickle names only these (plus the opcodes torch's
-restricted unpickler handles itself) loads with ``weights_only=True``; anything else needs the user's trust
+:data:`WEIGHTS_ONLY_ALLOWED` lists the globals ``torch.load(weights_only=True)`` accepts by default;
+:func:`classify_global` gives every global named in a pickle a verdict (:data:`ALLOWED`, :data:`DANGEROUS` with
+what the gadget can do, or :data:`UNKNOWN`), used by ``ckptool scan`` and ``ckptool inspect``.
+
+:data:`WEIGHTS_ONLY_ALLOWED` is generated from ``torch._weights_only_unpickler._get_allowed_globals()`` of torch
+2.13.0 (the keys of that dict, ``module.qualname``). A checkpoint whose pickle names only these (plus the opcodes
+torch's restricted unpickler handles itself) loads with ``weights_only=True``; anything else needs the user's trust
 (``weights_only=False``) or ``torch.serialization.add_safe_globals``. Regenerate with
 ``python -c "from torch import _weights_only_unpickler as w; print(sorted(w._get_allowed_globals()))"``.
 """
@@ -159,7 +163,98 @@ WEIGHTS_ONLY_ALLOWED: frozenset[str] = frozenset(
 )
 
 
-
 def is_allowed(qualified_name: str) -> bool:
     """True when ``torch.load(weights_only=True)`` accepts the global ``module.qualname`` (Python 3 names)."""
     return qualified_name in WEIGHTS_ONLY_ALLOWED
+
+
+# ------------------------------------------------------------------------------------------------ verdicts
+#: the verdicts of :func:`classify_global`
+ALLOWED, DANGEROUS, UNKNOWN = "allowed", "dangerous", "unknown"
+
+#: modules whose every callable is a gadget (the module and its submodules): what each one can do
+DANGEROUS_MODULES: dict[str, str] = {
+    "os": "runs processes and changes files", "posix": "runs processes and changes files",
+    "nt": "runs processes and changes files", "subprocess": "runs processes", "pty": "runs processes",
+    "popen2": "runs processes", "commands": "runs processes", "multiprocessing": "runs processes",
+    "asyncio": "runs processes and opens connections", "socket": "opens network connections",
+    "_socket": "opens network connections", "ssl": "opens network connections",
+    "http": "opens network connections", "urllib": "opens network connections", "urllib2": "opens network connections",
+    "requests": "opens network connections", "httplib": "opens network connections",
+    "ftplib": "opens network connections", "smtplib": "opens network connections",
+    "telnetlib": "opens network connections", "webbrowser": "opens URLs",
+    "importlib": "imports any module", "pkgutil": "imports any module", "imp": "imports any module",
+    "runpy": "runs Python files and modules", "code": "runs Python code", "codeop": "compiles Python code",
+    "pydoc": "imports any module (pydoc.locate)", "ctypes": "calls C functions", "_ctypes": "calls C functions",
+    "cffi": "calls C functions", "shutil": "copies and deletes files", "tempfile": "creates files",
+    "pickle": "unpickles more data (running it)", "_pickle": "unpickles more data (running it)",
+    "cPickle": "unpickles more data (running it)", "dill": "unpickles more data (running it)",
+    "cloudpickle": "unpickles more data (running it)", "joblib": "unpickles more data (running it)",
+    "marshal": "loads code objects", "shelve": "unpickles more data (running it)",
+    "timeit": "runs Python code", "cProfile": "runs Python code", "profile": "runs Python code",
+    "trace": "runs Python code", "pdb": "runs Python code", "bdb": "runs Python code",
+    "doctest": "runs Python code", "sys": "changes the interpreter (sys.modules, hooks)",
+    "signal": "changes signal handlers",
+    "io": "opens files", "_io": "opens files", "codecs": "opens files (codecs.open)",
+    "fileinput": "opens files", "glob": "lists files", "pathlib": "reads and writes files",
+    "zipimport": "imports code from archives", "venv": "creates environments and runs pip",
+    "ensurepip": "runs pip", "pip": "installs packages", "setuptools": "runs build code",
+    "distutils": "runs build code", "gc": "reaches every live object (gc.get_objects)",
+    "inspect": "reaches frames and source", "types": "builds functions and code objects",
+}
+
+#: single names that are gadgets
+DANGEROUS_NAMES: dict[str, str] = {
+    "builtins.eval": "evaluates Python code", "builtins.exec": "runs Python code",
+    "builtins.compile": "compiles Python code", "builtins.__import__": "imports any module",
+    "builtins.getattr": "reaches any attribute (getattr(os, 'system'))", "builtins.setattr": "changes any attribute",
+    "builtins.delattr": "deletes any attribute", "builtins.open": "opens files", "builtins.input": "reads the console",
+    "builtins.breakpoint": "starts a debugger", "builtins.globals": "reaches module globals",
+    "builtins.locals": "reaches local variables", "builtins.vars": "reaches namespaces",
+    "builtins.help": "starts pydoc", "builtins.exit": "exits the process", "builtins.quit": "exits the process",
+    "builtins.memoryview": "reads raw memory",
+    "builtins.type": "creates classes", "builtins.super": "reaches parent-class methods",
+    "functools.partial": "binds arguments to any callable", "functools.reduce": "calls any callable repeatedly",
+    "functools.partialmethod": "binds arguments to any callable",
+    "operator.attrgetter": "reaches any attribute", "operator.methodcaller": "calls any method",
+    "pkgutil.resolve_name": "imports any module", "pydoc.locate": "imports any module",
+    "torch.load": "loads another checkpoint, possibly with weights_only=False",
+    "torch.serialization.load": "loads another checkpoint, possibly with weights_only=False",
+    "torch.jit.load": "loads TorchScript code", "torch.hub.load": "downloads and runs code",
+    "torch.hub.load_state_dict_from_url": "downloads files",
+    "torch.utils.cpp_extension.load": "compiles and loads C++ code",
+    "torch.utils.cpp_extension.load_inline": "compiles and loads C++ code",
+    "torch._inductor.codecache.compile_file": "compiles code",
+    "torch.storage._load_from_bytes": "unpickles more data (running it)",
+    "numpy.load": "unpickles .npy data with allow_pickle", "numpy.testing._private.utils.runstring": "runs Python code",
+    "numpy.lib.npyio.load": "unpickles .npy data with allow_pickle",
+}
+
+#: names TorchScript's C++ unpickler resolves itself (torch/csrc/jit/serialization/unpickler.cpp), never importing
+TORCHSCRIPT_NAMES = frozenset({
+    "torch.jit._pickle.build_intlist", "torch.jit._pickle.build_tensorlist", "torch.jit._pickle.build_doublelist",
+    "torch.jit._pickle.build_boollist", "torch.jit._pickle.build_tensor_from_id", "torch.jit._pickle.restore_type_tag",
+})
+
+
+def classify_global(name: str, *, torchscript: bool = False) -> tuple[str, str]:
+    """``(status, reason)`` of the global ``module.qualname`` (Python 3 module names).
+
+    ``status`` is :data:`ALLOWED` (in the ``torch.load(weights_only=True)`` allowlist, or resolved by TorchScript's
+    own unpickler when ``torchscript`` is true), :data:`DANGEROUS` (a known gadget; ``reason`` says what it can
+    do) or :data:`UNKNOWN` (anything else: loading would import and call it).
+    """
+    if is_allowed(name):
+        return ALLOWED, "accepted by torch.load(weights_only=True)"
+    if torchscript and (name.startswith("__torch__.") or name in TORCHSCRIPT_NAMES):
+        return ALLOWED, "resolved by torch.jit.load's own unpickler, not imported"
+    why = DANGEROUS_NAMES.get(name)
+    if why is None:
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            why = DANGEROUS_MODULES.get(".".join(parts[:i]))
+            if why is not None:
+                break
+    if why is not None:
+        return DANGEROUS, why
+    return UNKNOWN, "not in torch's weights_only allowlist: loading would import and call it"

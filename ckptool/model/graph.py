@@ -1,62 +1,86 @@
-"""Walk a checkpoint's node graph: name its tensors by dotted path, find its state_dicts and modules.
+"""Walk a checkpoint: name its tensors by dotted path, find its state_dicts and modules, follow a dotted path.
 
-Naming follows what users see after ``torch.load``: ``conv1.weight`` at top level, ``model_state.lstm.weight``
-or ``optimizer_state.state.0.exp_avg`` when nested, and for a pickled ``nn.Module`` the names
-``model.state_dict()`` gives (parameters, then buffers, then submodules, from ``_parameters`` / ``_buffers`` /
-``_modules``; torch/nn/modules/module.py ``_save_to_state_dict``).
+The node graph the restricted unpickler builds (:mod:`ckptool.formats.unpickler`) is read here: plain dicts, lists
+and tuples plus ``TensorNode`` / ``ReduceNode`` / ``ObjectNode`` records, mappings through :func:`mapping_items`,
+pickled ``nn.Module`` objects through their ``__dict__`` (:func:`module_state`). The traversal engines
+(:func:`depth_first`, :func:`breadth_first`) also serve loaded Python objects (:mod:`ckptool.model.objects`), and
+:func:`resolve_path` follows dotted paths in both. Every walk is iterative: linear in the number of nodes, and a
+too deep pickle gives :func:`too_deep`'s error, never a ``RecursionError``.
+
+Names are what users see after ``torch.load`` (``model_state.lstm.weight``, ``optimizer.state.0.exp_avg``) and,
+for a pickled ``nn.Module``, what ``model.state_dict()`` gives (torch/nn/modules/module.py ``_save_to_state_dict``).
 """
 
 from __future__ import annotations
 
+import io
+import re
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeVar
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.formats.unpickler import GlobalMeta, ObjectNode, ParameterNode, PickledObject, ReduceNode, TensorNode
+from ckptool.formats.nodes import (
+    GlobalMeta,
+    ObjectNode,
+    ParameterNode,
+    PersistentRef,
+    PickledObject,
+    ReduceNode,
+    StorageRef,
+    TensorNode,
+)
+from ckptool.formats.unpickler import RestrictedUnpickler
 
-#: the most ``(key, tensor)`` entries :func:`iter_state_dict_of_module` yields: a pickle can share submodules
-#: between parents at every level, and a state_dict of such a tree grows exponentially with its depth
+#: the most entries :func:`walk_module` yields (submodules shared at every level grow exponentially with depth)
 MAX_MODULE_ENTRIES = 2_000_000
+#: the deepest nesting of containers (or modules) a walk follows; no real checkpoint comes near it
+MAX_DEPTH = 5_000
+
+_T = TypeVar("_T")
+_ATOMS = (str, int, float, bytes, bool, complex, type(None))
+_LEAVES = (*_ATOMS, GlobalMeta)  # never entered by a walk
 
 
 def too_deep(e: RecursionError | None = None) -> CorruptCheckpointError:
-    """The error for a graph nested deeper than Python can walk (or holding a module that contains itself)."""
+    """The error for a graph nested deeper than ckptool walks (:data:`MAX_DEPTH`, or Python's recursion limit)."""
     return CorruptCheckpointError(
         "the pickle nests containers deeper than ckptool can walk (or a module contains itself); the file is "
         "malformed or hostile")
+
 
 _DICT_CLASSES = {("collections", "OrderedDict"), ("builtins", "dict"), ("__builtin__", "dict")}
 _SET_FUNCS = {("builtins", "set"), ("__builtin__", "set")}
 STATE_DICT_SKIP_SUFFIX = "_extra_state"
 
 
-def join(prefix: str, name: Any) -> str:
+def join(prefix: str, name: object) -> str:  # ``prefix.name``, or ``name`` alone at the top level
     return f"{prefix}.{name}" if prefix else str(name)
 
 
-def _is_dict_reduce(obj: Any) -> bool:
+# ------------------------------------------------------------------------------------------------ node access
+def _is_dict_reduce(obj: object) -> bool:
     return isinstance(obj, ReduceNode) and isinstance(obj.func, GlobalMeta) and (
         obj.func.module, obj.func.name) in _DICT_CLASSES
 
 
-def _pairs_arg(obj: Any) -> list | None:
+def _pairs_arg(obj: object) -> list[Any] | tuple[Any, ...] | None:
     """The ``[[key, value], ...]`` argument of ``OrderedDict([...])`` as old (Python 2 era) torch pickled it."""
-    if _is_dict_reduce(obj) and len(obj.args) == 1 and isinstance(obj.args[0], (list, tuple)):
-        pairs = obj.args[0]
-        if all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
-            return pairs
-    return None
+    ok = isinstance(obj, ReduceNode) and _is_dict_reduce(obj) and len(obj.args) == 1
+    pairs: Any = obj.args[0] if ok else None  # type: ignore[attr-defined]  # obj is a ReduceNode when ok
+    ok = isinstance(pairs, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs)
+    return pairs if ok else None
 
 
-def mapping_items(obj: Any) -> list[tuple[Any, Any]] | None:
+def mapping_items(obj: object) -> list[tuple[Any, Any]] | None:
     """The ``(key, value)`` pairs of a dict, an OrderedDict node (built by SETITEMS or from a list of pairs), or
     another dict-like node; None for anything else. The list may be the node's own: do not mutate it (use
     :func:`set_mapping_items`)."""
-    if type(obj) is dict:
-        return list(obj.items())
-    if isinstance(obj, PickledObject):
+    t = type(obj)
+    if t is dict:
+        return list(obj.items())  # type: ignore[attr-defined]  # obj is a dict
+    if t is not TensorNode and isinstance(obj, PickledObject):  # tensors first: the most common node by far
         pairs = _pairs_arg(obj)
         if pairs is None:
             if obj.dictitems is not None:
@@ -66,7 +90,7 @@ def mapping_items(obj: Any) -> list[tuple[Any, Any]] | None:
     return None
 
 
-def set_mapping_items(obj: Any, items: list[tuple[Any, Any]]) -> None:
+def set_mapping_items(obj: object, items: list[tuple[Any, Any]]) -> None:
     """Replace the pairs of a mapping found by :func:`mapping_items`, in place (identity and ``_metadata`` kept).
 
     Raises:
@@ -79,21 +103,35 @@ def set_mapping_items(obj: Any, items: list[tuple[Any, Any]]) -> None:
     if not isinstance(obj, PickledObject) or mapping_items(obj) is None:
         raise TypeError(f"not a mapping: {obj!r}")
     pairs = _pairs_arg(obj)
-    if pairs is not None and obj.dictitems is None:  # OrderedDict([[k, v], ...]): keep that form
-        obj.args = ([[k, v] for k, v in items],)  # type: ignore[union-attr]
+    if isinstance(obj, ReduceNode) and pairs is not None and obj.dictitems is None:
+        obj.args = ([[k, v] for k, v in items],)  # OrderedDict([[k, v], ...]): keep that form
         return
-    if pairs is not None:
-        obj.args = ([],)  # type: ignore[union-attr]
+    if isinstance(obj, ReduceNode) and pairs is not None:
+        obj.args = ([],)
     obj.dictitems = list(items)
     if "setitems" not in obj.order:
         obj.order = ["setitems", *obj.order]
 
 
-def is_dict_like(obj: Any) -> bool:
-    return mapping_items(obj) is not None
+def ordered_dict_node(items: Iterable[tuple[Any, Any]]) -> ReduceNode:
+    """A new ``collections.OrderedDict()`` node filled by SETITEMS with ``items``, as torch pickles a state_dict."""
+    node: ReduceNode = RestrictedUnpickler(io.BytesIO(b"")).find_class("collections", "OrderedDict")()
+    node.dictitems = list(items)
+    node.order = ["setitems"]
+    return node
 
 
-def unwrap_tensor(obj: Any) -> TensorNode | None:
+def class_name(obj: object) -> str:
+    """The qualified name of a node's class (``torch.nn.modules.linear.Linear``) or, for a ``func(*args)`` record,
+    of its callable (``torch._dynamo.eval_frame.OptimizedModule``); else the Python type's name."""
+    if isinstance(obj, ObjectNode):
+        return obj.global_name
+    if isinstance(obj, ReduceNode) and obj.global_name:
+        return obj.global_name
+    return type(obj).__name__
+
+
+def unwrap_tensor(obj: object) -> TensorNode | None:
     """The tensor node of a tensor or a Parameter node, else None."""
     if isinstance(obj, TensorNode):
         return obj
@@ -102,15 +140,26 @@ def unwrap_tensor(obj: Any) -> TensorNode | None:
     return None
 
 
-def is_tensor(obj: Any) -> bool:
+def is_tensor(obj: object) -> bool:
+    """A tensor node or a Parameter node holding one."""
     if type(obj) is TensorNode:  # the common case, without a call
         return True
     return unwrap_tensor(obj) is not None
 
 
-def module_state(obj: Any) -> dict | None:
+def parameter_requires_grad(node: ParameterNode) -> bool:
+    """``requires_grad`` of a pickled Parameter: ``_rebuild_parameter(data, requires_grad, hooks)``'s second
+    argument (``bool()`` of it, as torch passes it to ``Parameter(data, requires_grad)``); without one, the
+    tensor's own flag."""
+    if len(node.args) > 1:
+        return bool(node.args[1])
+    inner = node.tensor
+    return inner.requires_grad if isinstance(inner, TensorNode) else False
+
+
+def module_state(obj: object) -> dict[str, Any] | None:
     """The ``__dict__`` of a pickled ``nn.Module`` (a dict holding ``_parameters`` and ``_modules``), else None."""
-    if isinstance(obj, ObjectNode) and type(obj.state) is dict and "_parameters" in obj.state and "_modules" in obj.state:
+    if isinstance(obj, ObjectNode) and type(obj.state) is dict and {"_parameters", "_modules"} <= obj.state.keys():
         return obj.state
     return None
 
@@ -118,7 +167,7 @@ def module_state(obj: Any) -> dict | None:
 OPTIMIZED_MODULE = ("torch._dynamo.eval_frame", "OptimizedModule")
 
 
-def compiled_inner(obj: Any) -> Any:
+def compiled_inner(obj: object) -> Any:
     """The wrapped module of ``torch.save(torch.compile(model))`` (``OptimizedModule(orig_mod, dynamo_ctx)``
     by its ``__reduce__``), else None."""
     if (type(obj) is ReduceNode and isinstance(obj.func, GlobalMeta) and obj.args
@@ -127,25 +176,25 @@ def compiled_inner(obj: Any) -> Any:
     return None
 
 
-def is_module(obj: Any) -> bool:
+def is_module(obj: object) -> bool:
     """A pickled ``nn.Module`` (its ``__dict__`` holds ``_parameters`` and ``_modules``) or a compiled one."""
     return module_state(obj) is not None or compiled_inner(obj) is not None
 
 
-def non_persistent_buffers(state: dict) -> set[str]:
+def non_persistent_buffers(state: Mapping[str, Any]) -> set[str]:
     """Names in a module's ``_non_persistent_buffers_set`` (pickled as ``set([...])`` or a set)."""
     v = state.get("_non_persistent_buffers_set")
     if isinstance(v, (set, frozenset)):
         return {x for x in v if isinstance(x, str)}
-    if isinstance(v, ReduceNode) and isinstance(v.func, GlobalMeta) and (v.func.module, v.func.name) in _SET_FUNCS:
-        if v.args and isinstance(v.args[0], (list, tuple)):
-            return {x for x in v.args[0] if isinstance(x, str)}
+    if isinstance(v, ReduceNode) and isinstance(v.func, GlobalMeta) and (v.func.module, v.func.name) in _SET_FUNCS \
+            and v.args and isinstance(v.args[0], (list, tuple)):
+        return {x for x in v.args[0] if isinstance(x, str)}
     return set()
 
 
-def module_entries(state: dict) -> Iterator[tuple[str, Any, str]]:
+def module_entries(state: Mapping[str, Any]) -> Iterator[tuple[str, Any, str]]:
     """``(name, value, kind)`` of a module's parameters, persistent buffers and submodules, in state_dict order;
-    kind is ``parameter``, ``buffer``, ``module`` or ``attribute`` (other tensors in ``__dict__``)."""
+    kind is ``parameter``, ``buffer`` or ``module``."""
     skip = non_persistent_buffers(state)
     for kind, attr in (("parameter", "_parameters"), ("buffer", "_buffers")):
         for name, v in mapping_items(state.get(attr)) or []:
@@ -156,40 +205,68 @@ def module_entries(state: dict) -> Iterator[tuple[str, Any, str]]:
             yield str(name), v, "module"
 
 
-def iter_tensors(root: Any, prefix: str = "") -> Iterator[tuple[str, TensorNode, bool]]:
-    """Yield ``(dotted key, tensor node, requires_grad)`` for every tensor reachable from ``root``, in pickle order.
+# ------------------------------------------------------------------------------------------------ depth-first
+def depth_first(root: object, prefix: str, children: Callable[[str, Any], Iterable[tuple[str, Any]]],
+                 leaf: Callable[[Any], _T | None]) -> Iterator[tuple[str, _T]]:
+    """``(path, leaf(obj))`` for every node reachable from ``root`` for which ``leaf`` gives a value, depth-first
+    in ``children`` order. Leaves are reported each time they are reached, containers entered once.
+
+    Raises:
+        CorruptCheckpointError: containers nested deeper than :data:`MAX_DEPTH`."""
+    first = leaf(root)
+    if first is not None:
+        yield prefix, first
+        return
+    if isinstance(root, _LEAVES):
+        return
+    seen = {id(root)}
+    stack = [iter(children(prefix, root))]
+    while stack:
+        for path, obj in stack[-1]:
+            found = leaf(obj)
+            if found is not None:
+                yield path, found
+                continue
+            if isinstance(obj, _LEAVES) or id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if len(stack) >= MAX_DEPTH:
+                raise too_deep()
+            stack.append(iter(children(path, obj)))
+            break
+        else:
+            stack.pop()
+
+
+def _node_tensor(obj: object) -> tuple[TensorNode, bool] | None:
+    t = type(obj)
+    if t is TensorNode:  # the common case first, tested by exact type
+        assert isinstance(obj, TensorNode)
+        return obj, obj.requires_grad
+    if t is ParameterNode:
+        assert isinstance(obj, ParameterNode)
+        inner = obj.tensor
+        if type(inner) is TensorNode:
+            return inner, parameter_requires_grad(obj)
+    return None
+
+
+def iter_tensors(root: object, prefix: str = "") -> Iterator[tuple[str, TensorNode, bool]]:
+    """Yield ``(dotted key, tensor node, requires_grad)`` for every tensor reachable from node graph ``root``, in
+    pickle order.
 
     Tensors are listed each time they are reached (tied weights appear under each name), containers once.
     Non-persistent buffers and other tensors in a module's ``__dict__`` are listed under their attribute path.
+    Time is linear in the number of nodes.
+
+    Raises:
+        CorruptCheckpointError: containers nested deeper than :data:`MAX_DEPTH`.
     """
-    seen: set[int] = set()
-
-    def visit(path: str, obj: Any) -> Iterator[tuple[str, TensorNode, bool]]:
-        t = type(obj)
-        if t is TensorNode:
-            yield path, obj, obj.requires_grad
-            return
-        if t is ParameterNode:
-            inner = obj.tensor
-            if type(inner) is TensorNode:
-                yield path, inner, bool(obj.args[1]) if len(obj.args) > 1 else inner.requires_grad
-                return
-        if obj is None or t in (str, int, float, bytes, bool) or isinstance(obj, GlobalMeta) or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        for child_path, child in _children(path, obj):
-            if type(child) is TensorNode:  # the common case, without a generator per tensor
-                yield child_path, child, child.requires_grad
-            else:
-                yield from visit(child_path, child)
-
-    try:
-        yield from visit(prefix, root)
-    except RecursionError as e:
-        raise too_deep(e) from None
+    for path, (t, rg) in depth_first(root, prefix, _node_children, _node_tensor):
+        yield path, t, rg
 
 
-def _children(path: str, obj: Any) -> list[tuple[str, Any]]:
+def _node_children(path: str, obj: object) -> list[tuple[str, Any]]:
     """The named children of one container or node, for :func:`iter_tensors`."""
     inner = compiled_inner(obj)
     if inner is not None:
@@ -229,68 +306,83 @@ def _children(path: str, obj: Any) -> list[tuple[str, Any]]:
     return children
 
 
-@dataclass
-class StateDictRef:
-    """A state_dict found in a checkpoint: ``path`` (dotted, ``""`` for the top level), the container ``obj``
-    (a dict / OrderedDict node, or a module node for full-model pickles) and ``is_module``."""
+# ------------------------------------------------------------------------------------------------ module trees
+class ModuleEntry(NamedTuple):
+    """One step of :func:`walk_module`: ``kind`` ``"module"`` (``key``: the module path; ``value``: whatever the
+    pickle holds there), or ``"parameter"`` / ``"buffer"`` (``key``: the state_dict key; ``value``: its node)."""
 
-    path: str
-    obj: Any
-    is_module: bool = False
-
-    def keys(self) -> list[str]:
-        if self.is_module:
-            return [k for k, _t, _rg in iter_state_dict_of_module(self.obj)]
-        return [str(k) for k, v in mapping_items(self.obj) or [] if is_tensor(v)]
+    key: str
+    value: Any
+    kind: str
 
 
-def iter_state_dict_of_module(node: Any, prefix: str = "") -> Iterator[tuple[str, TensorNode, bool]]:
-    """``(key, tensor, requires_grad)`` in the order ``module.state_dict()`` would give.
+def walk_module(node: object, prefix: str = "") -> Iterator[ModuleEntry]:
+    """The module tree of a pickled ``nn.Module`` in ``module.state_dict()`` order: each module (pre-order, the root
+    first) followed by its parameters and persistent buffers, then its submodules. A compiled model
+    (``OptimizedModule``) is followed by the module it wraps, under ``_orig_mod``. Entries in a module position
+    that are not modules are reported (kind ``"module"``) but not entered.
 
     Raises:
-        CorruptCheckpointError: a module contains itself, the tree is nested deeper than Python can walk, or it
+        CorruptCheckpointError: a module contains itself, the tree is nested deeper than :data:`MAX_DEPTH`, or it
             would give more than :data:`MAX_MODULE_ENTRIES` entries (submodules shared at every level).
     """
-    budget = [MAX_MODULE_ENTRIES]
-    try:
-        yield from _module_entries(node, prefix, set(), budget)
-    except RecursionError as e:
-        raise too_deep(e) from None
+    budget = MAX_MODULE_ENTRIES
+    stack: list[tuple[Iterator[tuple[str, Any, str]], int, str]] = []  # (entries, id of the module, its path)
+    active: set[int] = set()  # the ids on the stack
 
+    def enter(obj: object, path: str) -> bool:
+        inner = compiled_inner(obj)
+        st = module_state(obj) if inner is None else None
+        if inner is None and st is None:
+            return False
+        if id(obj) in active:
+            raise CorruptCheckpointError(f"module {path or '(top level)'} contains itself; the file is malformed or "
+                                         "hostile")
+        if len(stack) >= MAX_DEPTH:
+            raise too_deep()
+        entries = iter([("_orig_mod", inner, "module")]) if st is None else module_entries(st)
+        stack.append((entries, id(obj), path))
+        active.add(id(obj))
+        return True
 
-def _module_entries(node: Any, prefix: str, active: set[int], budget: list[int]
-                    ) -> Iterator[tuple[str, TensorNode, bool]]:
-    if id(node) in active:
-        raise too_deep()
-    inner = compiled_inner(node)
-    if inner is not None:
-        active.add(id(node))
-        yield from _module_entries(inner, join(prefix, "_orig_mod"), active, budget)
-        active.discard(id(node))
-        return
-    st = module_state(node)
-    if st is None:
-        return
-    active.add(id(node))
-    for name, v, kind in module_entries(st):
-        budget[0] -= 1
-        if budget[0] < 0:
-            raise CorruptCheckpointError(
-                f"the pickled module tree gives more than {MAX_MODULE_ENTRIES} state_dict entries (submodules "
-                "shared at every level?); the file is malformed or hostile")
-        if kind == "module":
-            yield from _module_entries(v, join(prefix, name), active, budget)
+    yield ModuleEntry(prefix, node, "module")
+    enter(node, prefix)
+    while stack:
+        entries, node_id, path = stack[-1]
+        for name, value, kind in entries:
+            budget -= 1
+            if budget < 0:
+                raise CorruptCheckpointError(
+                    f"the pickled module tree gives more than {MAX_MODULE_ENTRIES} state_dict entries (submodules "
+                    "shared at every level?); the file is malformed or hostile")
+            key = join(path, name)
+            yield ModuleEntry(key, value, kind)
+            if kind == "module" and enter(value, key):
+                break
         else:
-            t = unwrap_tensor(v)
+            stack.pop()
+            active.discard(node_id)
+
+
+def iter_state_dict_of_module(node: object, prefix: str = "") -> Iterator[tuple[str, TensorNode, bool]]:
+    """``(key, tensor, is_parameter)`` in the order ``module.state_dict()`` would give (see :func:`walk_module`);
+    entries that are not tensors are left out.
+
+    Raises:
+        CorruptCheckpointError: as :func:`walk_module`.
+    """
+    for key, value, kind in walk_module(node, prefix):
+        if kind != "module":
+            t = unwrap_tensor(value)
             if t is not None:
-                yield join(prefix, name), t, isinstance(v, ParameterNode)
-    active.discard(id(node))
+                yield key, t, isinstance(value, ParameterNode)
 
 
-def looks_like_state_dict(items: Any, tensor_test: Any) -> bool:
+# ------------------------------------------------------------------------------------------------ state_dicts
+def looks_like_state_dict(items: Iterable[tuple[Any, Any]] | None, tensor_test: Callable[[Any], bool]) -> bool:
     """The state_dict rule, for any ``(key, value)`` pairs: string keys, at least one value for which
     ``tensor_test(value)`` holds, and nothing else but ``*_extra_state`` entries. Shared by the node graph
-    (:func:`is_state_dict`) and by the loaded-object code (``prefixes``, ``loading``)."""
+    (:func:`is_state_dict`) and by loaded objects (:func:`find_object_state_dicts`)."""
     if not items:
         return False
     n = 0
@@ -304,12 +396,12 @@ def looks_like_state_dict(items: Any, tensor_test: Any) -> bool:
     return n > 0
 
 
-def is_state_dict(obj: Any) -> bool:
-    """A mapping with string keys, at least one tensor value, and only tensors (or ``*_extra_state`` entries)."""
+def is_state_dict(obj: object) -> bool:
+    """A mapping node that :func:`looks_like_state_dict` (its tensors tested with :func:`is_tensor`)."""
     return looks_like_state_dict(mapping_items(obj), is_tensor)
 
 
-def is_optimizer_state(items: list[tuple[Any, Any]]) -> bool:
+def is_optimizer_state(items: Iterable[tuple[Any, Any]]) -> bool:
     """True for ``optimizer.state_dict()`` (``state`` keyed by parameter index, ``param_groups``): its per-parameter
     dicts of tensors (``exp_avg``...) are not model state_dicts."""
     # compared one by one, not put in a set: a key may be a hostile nest of tuples that cannot be hashed safely
@@ -321,55 +413,188 @@ def is_optimizer_state(items: list[tuple[Any, Any]]) -> bool:
     return state and groups
 
 
-def find_state_dicts(root: Any) -> list[StateDictRef]:
-    """Every state_dict in the graph, outermost first: the top level, nested ones (``state_dict``,
-    ``model_state_dict``, ``ema``, ...) and pickled modules (full models). Does not look inside a found one."""
+class Link(NamedTuple):
+    """One step of a path through a checkpoint: ``child`` is found in ``parent`` under ``key`` (a mapping key, a
+    list or tuple index, an attribute name, ``"_orig_mod"`` of a compiled model)."""
+
+    parent: Any
+    key: Any
+    child: Any
+
+
+@dataclass
+class StateDictRef:
+    """A state_dict found in a checkpoint: ``path`` (dotted, ``""`` for the top level), the container ``obj``
+    (a mapping, or a module for full-model pickles), ``is_module``, and the ``trail`` of :class:`Link` from the
+    root to it (empty for the root itself; the last link's parent and key say where to put a replacement)."""
+
+    path: str
+    obj: Any
+    is_module: bool = False
+    trail: tuple[Link, ...] = field(default=(), repr=False)
+
+    def keys(self) -> list[str]:
+        """The state_dict keys (node graph): module keys in ``state_dict()`` order, or the mapping's tensor keys."""
+        if self.is_module:
+            return [k for k, _t, _p in iter_state_dict_of_module(self.obj)]
+        return [str(k) for k, v in mapping_items(self.obj) or [] if is_tensor(v)]
+
+
+def breadth_first(root: object, *, items: Callable[[Any], list[tuple[Any, Any]] | None],
+                  tensor_test: Callable[[Any], bool], is_module: Callable[[Any], bool],
+                  max_depth: int | None) -> list[StateDictRef]:
+    """The state_dict search behind :func:`find_state_dicts` and
+    :func:`ckptool.model.objects.find_object_state_dicts`, breadth-first (outermost first): ``items`` gives the
+    pairs of a mapping (None for anything else), ``tensor_test`` tells tensors apart, ``is_module`` modules."""
     out: list[StateDictRef] = []
     seen: set[int] = set()
-    queue: deque[tuple[str, Any]] = deque([("", root)])
+    # (object, back-pointer, depth); a back-pointer is (the parent's back-pointer, parent, key), None at the root,
+    # so that paths and trails are only built for what is found
+    queue: deque[tuple[Any, Any, int]] = deque([(root, None, 0)])
     while queue:
-        path, obj = queue.popleft()
-        if id(obj) in seen or obj is None or isinstance(obj, (str, int, float, bytes, bool)):
+        obj, up, depth = queue.popleft()
+        if isinstance(obj, _LEAVES) or id(obj) in seen:
             continue
         seen.add(id(obj))
-        if is_state_dict(obj):
-            out.append(StateDictRef(path, obj))
+        pairs = items(obj)
+        hit = pairs is not None and looks_like_state_dict(pairs, tensor_test)
+        if hit or is_module(obj):
+            trail: list[Link] = []
+            child = obj
+            while up is not None:
+                up, parent, key = up
+                trail.append(Link(parent, key, child))
+                child = parent
+            trail.reverse()
+            out.append(StateDictRef(".".join(str(link.key) for link in trail), obj, not hit, tuple(trail)))
             continue
-        if is_module(obj):
-            out.append(StateDictRef(path, obj, is_module=True))
+        if max_depth is not None and depth >= max_depth:
             continue
-        items = mapping_items(obj)
-        if items is not None:
-            if is_optimizer_state(items):
-                continue
-            queue.extend((join(path, k), v) for k, v in items if isinstance(k, (str, int)))
+        if pairs is not None:
+            if not is_optimizer_state(pairs):
+                queue.extend((v, (up, obj, k), depth + 1) for k, v in pairs if type(k) is str or type(k) is int)
         elif isinstance(obj, (list, tuple)):
-            queue.extend((join(path, i), v) for i, v in enumerate(obj))
+            queue.extend((v, (up, obj, i), depth + 1) for i, v in enumerate(obj))
     return out
 
 
-def get_path(root: Any, path: str) -> Any:
-    """The object at dotted ``path`` (``""`` = root) following mapping keys, list indices and module attributes.
+def find_state_dicts(root: object) -> list[StateDictRef]:
+    """Every state_dict in node graph ``root``, outermost first (breadth-first): the top level, nested ones
+    (``state_dict``, ``model_state_dict``, ``ema``, ...) and pickled modules (full models, compiled ones included).
+    Does not look inside a found one, nor inside an optimizer's state_dict; enters mappings (by string and int
+    keys), lists and tuples. Time is linear in the number of nodes."""
+    return breadth_first(root, items=mapping_items, tensor_test=is_tensor, is_module=is_module, max_depth=None)
+
+
+# ------------------------------------------------------------------------------------------------ dotted paths
+_NODE_TYPES = (PickledObject, GlobalMeta, StorageRef, PersistentRef)
+_INT_RE = re.compile(r"-?[0-9]+")
+
+
+def _keyed(obj: object) -> Mapping[Any, Any] | None:
+    """A loaded mapping itself, a mapping node as ``{key: value}`` of its str and int keys (later pairs win)."""
+    if isinstance(obj, Mapping):
+        return obj
+    pairs = mapping_items(obj)
+    if pairs is None:
+        return None
+    return {k: v for k, v in pairs if type(k) is str or type(k) is int}
+
+
+def _attribute(obj: object, name: str) -> tuple[Any, Any] | None:
+    """``(parent, child)`` of attribute ``name``: a compiled model's ``_orig_mod``, a pickled module's attribute
+    (its ``__dict__``, then parameters, buffers, submodules, as ``nn.Module.__getattr__`` looks), an attribute of
+    a loaded object; None when there is none."""
+    inner = compiled_inner(obj)
+    if inner is not None:
+        return (obj, inner) if name == "_orig_mod" else None
+    st = module_state(obj)
+    if st is not None:
+        if name in st:
+            return st, st[name]
+        for attr in ("_parameters", "_buffers", "_modules"):
+            for k, v in mapping_items(st.get(attr)) or []:
+                if k == name:
+                    return st[attr], v
+        return None
+    if isinstance(obj, (*_NODE_TYPES, *_ATOMS, list, tuple)):
+        return None
+    try:
+        return obj, getattr(obj, name)
+    except AttributeError:
+        return None
+
+
+def resolve_path(root: object, path: str) -> list[Link]:
+    """The :class:`Link` trail from ``root`` to the object at dotted ``path`` (``""``: ``root``, an empty trail).
+
+    Each component is matched as a mapping key, longest dotted run first (so a key that itself holds dots, such as
+    ``"model.ema"``, is reached whole), string key before int key (negative ones included: ``"-1"``); a single
+    component is also a list or tuple index (``"0"``), a compiled model's ``_orig_mod``, a pickled module's
+    attribute (its ``__dict__``, then parameters, buffers and submodules, as ``nn.Module.__getattr__`` looks), or,
+    for a loaded object that is not a container, an attribute (``getattr``). Works on node graphs and on loaded
+    objects; the syntax of :func:`get_path`.
 
     Raises:
-        KeyError: no such path.
+        KeyError: nothing at ``path`` (the message is ``path``).
     """
+    trail: list[Link] = []
     if path == "":
-        return root
-    obj = root
-    for comp in path.split("."):
-        items = mapping_items(obj)
-        if items is not None:
-            for k, v in items:
-                if str(k) == comp:
-                    obj = v
+        return trail
+    parts = path.split(".")
+    obj: Any = root
+    i = 0
+    while i < len(parts):
+        keyed = _keyed(obj)
+        link: Link | None = None
+        if keyed is not None:
+            for j in range(len(parts), i, -1):
+                comp = ".".join(parts[i:j])
+                for key in (comp, int(comp)) if _INT_RE.fullmatch(comp) else (comp,):
+                    if key in keyed:
+                        link = Link(obj, key, keyed[key])
+                        break
+                if link is not None:
+                    i = j
                     break
-            else:
-                raise KeyError(path)
-        elif isinstance(obj, (list, tuple)) and comp.isdigit() and int(comp) < len(obj):
-            obj = obj[int(comp)]
-        elif module_state(obj) is not None and comp in module_state(obj):
-            obj = module_state(obj)[comp]
+        elif isinstance(obj, (list, tuple)):
+            comp = parts[i]
+            if comp.isascii() and comp.isdigit() and int(comp) < len(obj):
+                link = Link(obj, int(comp), obj[int(comp)])
+                i += 1
         else:
+            found = _attribute(obj, parts[i])
+            if found is not None:
+                link = Link(found[0], parts[i], found[1])
+                i += 1
+        if link is None:
             raise KeyError(path)
-    return obj
+        trail.append(link)
+        obj = link.child
+    return trail
+
+
+def get_path(root: object, path: str) -> Any:
+    """The object at dotted ``path`` (``""`` = root); see :func:`resolve_path` for the syntax and the KeyError."""
+    return trail[-1].child if (trail := resolve_path(root, path)) else root
+
+
+def replace_child(link: Link, new: object) -> bool:
+    """Put ``new`` where ``link.child`` is in ``link.parent``, in place. Returns False when the parent cannot be
+    changed (a tuple, an attribute of a loaded object)."""
+    parent, key, old = link
+    if isinstance(parent, (dict, list)):
+        parent[key] = new
+        return True
+    if compiled_inner(parent) is not None and key == "_orig_mod":
+        parent.args = (new, *parent.args[1:])
+        return True
+    pairs = mapping_items(parent)
+    if pairs is None:
+        return False
+    pairs = list(pairs)  # a copy: mapping_items may return the node's own list
+    at = [i for i, (k, v) in enumerate(pairs) if v is old and type(k) is type(key) and k == key]
+    if at:
+        pairs[at[-1]] = (key, new)
+        set_mapping_items(parent, pairs)
+    return bool(at)

@@ -13,8 +13,10 @@ Nothing in this module imports torch; the functions take and return plain string
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+import shlex
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from ckptool.errors import KeyCollisionError, UsageError
 
@@ -24,6 +26,21 @@ WRAPPER_COMPONENTS: tuple[str, ...] = ("module", "_orig_mod", "_fsdp_wrapped_mod
 WRAPPER_ONLY_COMPONENTS: tuple[str, ...] = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 #: Attribute names under which a LightningModule or user wrapper commonly holds the real model.
 ATTRIBUTE_PREFIXES: tuple[str, ...] = ("model", "net", "network")
+#: Names under which training checkpoints commonly keep the model's state_dict, most preferred first
+#: (PyTorch tutorials, Lightning, timm, many repositories). EMA copies come last.
+STATE_DICT_NAMES: tuple[str, ...] = (
+    "state_dict", "model_state_dict", "model", "model_state", "net", "network", "module", "weights", "params",
+    "ema", "state_dict_ema", "model_ema", "ema_state_dict", "ema_model",
+)
+#: Names under which training checkpoints commonly keep the optimizer's state_dict.
+OPTIMIZER_NAMES: tuple[str, ...] = (
+    "optimizer_state_dict", "optimizer", "optimizer_state", "optim", "opt", "optimizer_states",
+)
+#: Names under which training checkpoints commonly keep the learning-rate scheduler's state_dict.
+SCHEDULER_NAMES: tuple[str, ...] = (
+    "scheduler_state_dict", "scheduler", "lr_scheduler", "lr_scheduler_state_dict", "scheduler_state", "sched",
+    "lr_schedulers",
+)
 _FLAT_PARAM_RE = re.compile(r"(^|\.)(_flat_param|flat_param_\d+|_fsdp_flat_param)$")
 
 
@@ -180,8 +197,6 @@ def suggest_command(prefixes: list[str], *, src: str | None = None, key: str | N
     """
     if not prefixes:
         return None
-    import shlex
-
     where = shlex.quote(src) if src is not None else None
     extra = f" --key {shlex.quote(key)}" if key else ""
     if prefixes == ["module."]:
@@ -283,25 +298,118 @@ def reconcile(checkpoint_keys: Iterable[str], model_keys: Iterable[str]) -> Reco
     return best
 
 
+# ------------------------------------------------------------------------------------------------ _metadata
+# A state_dict's ``_metadata`` maps each module path (``""`` the root, ``"module"``, ``"module.fc"``) to that
+# module's ``{"version": ...}``; ``load_state_dict`` passes it to each module's ``_load_from_state_dict``. When keys
+# are renamed, the paths must follow. One rule does that everywhere (rename, extract, convert, loading):
+# :func:`metadata_key_mapping`; :func:`rename_metadata_items` applies it to the entries.
 _SENTINEL = "\x00"
+_V = TypeVar("_V")
 
 
-def metadata_key_mapping(metadata_keys: Iterable[str], key_fn) -> dict[str, str]:
-    """Rename the keys of a state_dict's ``_metadata`` (module paths: ``""``, ``"module"``, ``"module.fc"``)
-    consistently with ``key_fn``, the function that renames tensor keys.
+def _probe(path: str, key_fn: Callable[[str], str]) -> str:
+    """What ``key_fn`` makes of module ``path``: the module part of the new name of a key directly inside it."""
+    new = key_fn((path + "." if path else "") + _SENTINEL)
+    if new.endswith(_SENTINEL):
+        return new[: -len(_SENTINEL)].rstrip(".")
+    return path  # key_fn dropped the probe component: keep the path as it was
 
-    Each module path is probed as the key of a tensor directly inside that module, so stripping ``module.``
-    turns ``"module"`` into ``""`` and ``"module.fc"`` into ``"fc"``, as torch's
-    ``consume_prefix_in_state_dict_if_present`` does. When two paths end on one name, the caller keeps the last
-    (the inner module's entry replaces the wrapper's root entry). Returns ``{old_path: new_path}``.
+
+def metadata_key_mapping(metadata_keys: Iterable[str], key_fn: Callable[[str], str]) -> dict[str, str]:
+    """Rename the module paths of a state_dict's ``_metadata`` consistently with ``key_fn``, the function that
+    renames its tensor keys. Returns ``{old_path: new_path}`` for every path of ``metadata_keys``.
+
+    The rule:
+
+    1. A path is renamed as a key directly inside that module would be (``key_fn`` is called on a probe key), so
+       stripping ``module.`` turns ``"module"`` into ``""`` and ``"module.fc"`` into ``"fc"``, as torch's
+       ``consume_prefix_in_state_dict_if_present`` does.
+    2. A path that rule 1 leaves as it is, but that lies strictly inside the components a renamed path lost, goes
+       where that renamed path went: stripping ``"_orig_mod.module."`` maps ``"_orig_mod.module"`` to ``""`` and
+       so the wrapper level ``"_orig_mod"`` too (the wrapper it names is gone). torch's own function keeps such a
+       path, which then names no module.
+
+    When two paths end on one name the caller keeps the later entry (the inner module's, after its wrapper's) in
+    the place of the first: :func:`rename_metadata_items`.
     """
-    out: dict[str, str] = {}
-    for m in metadata_keys:
-        probe = (m + "." if m else "") + _SENTINEL
-        new = key_fn(probe)
-        if new.endswith(_SENTINEL):
-            new = new[: -len(_SENTINEL)].rstrip(".")
-        else:  # key_fn dropped the probe component: keep the path as it was
-            new = m
-        out[m] = new
+    paths = list(metadata_keys)
+    out = {m: _probe(m, key_fn) for m in paths}
+    collapsed: dict[str, str] = {}
+    for old, new in out.items():
+        if new == old:
+            continue
+        a = old.split(".") if old else []
+        b = new.split(".") if new else []
+        while a and b and a[-1] == b[-1]:
+            a.pop()
+            b.pop()
+        lead = 0
+        while lead < min(len(a), len(b)) and a[lead] == b[lead]:
+            lead += 1
+        for i in range(lead + 1, len(a)):  # the levels strictly inside the lost components
+            collapsed.setdefault(".".join(a[:i]), ".".join(b))
+    return {m: collapsed.get(m, new) if new == m else new for m, new in out.items()}
+
+
+def rename_metadata_items(items: Iterable[tuple[Any, _V]], key_fn: Callable[[str], str]) -> list[tuple[Any, _V]]:
+    """The ``(module path, value)`` entries of a ``_metadata`` with every path renamed by
+    :func:`metadata_key_mapping` (``key_fn`` renames tensor keys); entries whose key is not a string are kept as
+    they are, in place.
+
+    When two paths end on one name the later entry (the inner module's, after its wrapper's) wins, in the place
+    of the first: what torch's ``consume_prefix_in_state_dict_if_present`` does with ``_metadata[new] =
+    _metadata.pop(old)`` for DataParallel's ``""`` and ``"module"``. Values are not copied.
+    """
+    entries = list(items)
+    mapping = metadata_key_mapping([m for m, _v in entries if isinstance(m, str)], key_fn)
+    out: list[tuple[Any, _V]] = []
+    index: dict[str, int] = {}
+    for m, v in entries:
+        if not isinstance(m, str):  # not hashed: a hostile key may be a nest of tuples too deep to hash
+            out.append((m, v))
+            continue
+        new = mapping[m]
+        if new in index:
+            out[index[new]] = (new, v)
+        else:
+            index[new] = len(out)
+            out.append((new, v))
     return out
+
+
+def mapping_key_function(mapping: Mapping[str, str]) -> Callable[[str], str]:
+    """A key renaming function from a plain ``{old_key: new_key}`` mapping (a :class:`Reconciliation`'s), that
+    also renames keys the mapping does not hold, such as the probe keys of :func:`metadata_key_mapping`.
+
+    Each mapped key tells where its modules went: the components it shares at its end with its new name are the
+    same modules (``module.fc.weight -> fc.weight``: ``module.fc -> fc`` and ``module -> ""``). Renamed keys are
+    read first, then unchanged ones; the first key to place a module wins. A key that is not in ``mapping`` is
+    moved with its longest module that is placed (``module.relu.x -> relu.x``), else kept. A key whose last
+    component changed says nothing about its modules.
+
+    Cost: O(keys * depth**2) to build, O(depth**2) per call.
+    """
+    modules: dict[str, str] = {}
+    for renamed in (True, False):
+        for old, new in mapping.items():
+            if (old != new) is not renamed:
+                continue
+            a, b = old.split("."), new.split(".")
+            common = 0
+            while common < min(len(a), len(b)) and a[-1 - common] == b[-1 - common]:
+                common += 1
+            for s in range(1, common + 1):
+                modules.setdefault(".".join(a[:-s]), ".".join(b[:-s]))
+
+    def key_fn(key: str) -> str:
+        if key in mapping:
+            return mapping[key]
+        parts = key.split(".")
+        for i in range(len(parts) - 1, -1, -1):
+            module = modules.get(".".join(parts[:i]))
+            if module is not None:
+                rest = ".".join(parts[i:])
+                return f"{module}.{rest}" if module else rest
+        return key
+
+    return key_fn

@@ -25,27 +25,33 @@ state_dict uses). Both are written atomically. Importing this module does not im
 
 from __future__ import annotations
 
-import io
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ckptool.formats import detect as formats
+from ckptool._fileio import same_file
 from ckptool._gc import gc_paused
-from ckptool.formats.torchfile import DTYPE_SIZES, Checkpoint, read_checkpoint, resolve_zip_offsets, storage_element
-from ckptool.errors import CkptError, UnsupportedError, UsageError
-from ckptool.model.graph import compiled_inner, find_state_dicts, get_path, is_module, mapping_items, module_entries, \
-    module_state, too_deep, unwrap_tensor
-from ckptool.model.keys import metadata_key_mapping, raise_on_collisions, unwrap_key
-from ckptool.formats.zipdir import read_member
-from ckptool.formats.unpickler import (
-    REBUILD_FROM_TYPE_V2,
-    REBUILD_QTENSOR,
-    GlobalMeta,
-    RestrictedUnpickler,
-    StorageRef,
-    TensorNode,
+from ckptool.errors import UnsupportedError, UsageError
+from ckptool.formats import detect as formats
+from ckptool.formats.nodes import REBUILD_FROM_TYPE_V2, REBUILD_QTENSOR, TensorNode
+from ckptool.formats.torchfile import Checkpoint, read_checkpoint
+from ckptool.model.devices import LocationFn, location_function
+from ckptool.model.graph import (
+    class_name,
+    compiled_inner,
+    find_state_dicts,
+    get_path,
+    is_module,
+    mapping_items,
+    module_state,
+    ordered_dict_node,
+    unwrap_tensor,
+    walk_module,
 )
+from ckptool.model.keys import raise_on_collisions, rename_metadata_items, unwrap_key
+from ckptool.model.rename_memory import rename_state_dict
+from ckptool.ops.rewrite import rewrite_file
+from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted
 
 __all__ = ["ExtractResult", "extract_state_dict", "module_versions"]
 
@@ -110,49 +116,48 @@ def _find_module(root: Any, key: str | None, path: str) -> tuple[str, Any]:
     return mods[0].path, mods[0].obj
 
 
-def _class_name(node: Any) -> str:
-    cls = type(node)
-    return cls.qualified_name if isinstance(cls, GlobalMeta) else type(node).__name__
+def _module_state_dict(module: Any) -> tuple[list[tuple[str, TensorNode]], dict[str, int]]:
+    """The ``(key, tensor)`` entries and ``_metadata`` versions ``{module path: version}`` of ``module.state_dict()``
+    for a pickled module tree (:func:`ckptool.model.graph.walk_module`).
 
-
-def _walk(node: Any, prefix: str, entries: list[tuple[str, TensorNode]], meta: dict[str, int],
-          active: set[int]) -> None:
-    if id(node) in active:
-        raise UnsupportedError(f"module {prefix[:-1] or '(top level)'} contains itself; the pickle is malformed")
-    inner = compiled_inner(node)
-    if inner is not None:  # torch.compile's OptimizedModule: an nn.Module holding the model as _orig_mod
-        meta.setdefault(prefix[:-1], 1)
-        active.add(id(node))
-        _walk(inner, prefix + "_orig_mod.", entries, meta, active)
-        active.discard(id(node))
-        return
-    st = module_state(node)
-    where = prefix[:-1] or "(top level)"
-    if st is None:
-        raise UnsupportedError(f"submodule {where} is not a pickled nn.Module ({_class_name(node)}); extract it with "
-                               "--trust")
-    cls = _class_name(node)
-    if cls.startswith(_CUSTOM_PREFIXES) or (cls.startswith("torch.nn.modules.") and ".Lazy" in cls):
-        raise UnsupportedError(
-            f"module {where} is a {cls}, whose state_dict torch computes with its own code; extract with --trust "
-            "(runs the file's code) or load the model and call state_dict()")
-    for hooks in ("_state_dict_hooks", "_state_dict_pre_hooks"):
-        if mapping_items(st.get(hooks)):
-            raise UnsupportedError(
-                f"module {where} ({cls}) has state_dict hooks, which change what state_dict() returns; extract with "
-                "--trust (runs the file's code)")
-    meta.setdefault(prefix[:-1], _VERSIONS.get(cls, 1))
-    active.add(id(node))
-    for name, value, kind in module_entries(st):
-        if kind == "module":
-            _walk(value, f"{prefix}{name}.", entries, meta, active)
+    Raises:
+        UnsupportedError: a submodule that is not a pickled ``nn.Module``, a class whose state_dict torch computes
+            with its own code (quantized, lazy), state_dict hooks, a parameter or buffer that is not a
+            storage-backed tensor.
+        CorruptCheckpointError: a module that contains itself, a tree too deep or too large.
+    """
+    entries: list[tuple[str, TensorNode]] = []
+    meta: dict[str, int] = {}
+    classes: dict[str, str] = {}
+    for key, value, kind in walk_module(module):
+        if kind != "module":
+            t = unwrap_tensor(value)
+            if t is None or t.storage is None:
+                owner = classes[key.rpartition(".")[0]]
+                raise UnsupportedError(
+                    f"{kind} {key} of {owner} is not a storage-backed tensor ({value!r}); extract with --trust")
+            entries.append((key, t))
             continue
-        t = unwrap_tensor(value)
-        if t is None or t.storage is None:
+        where = key or "(top level)"
+        if compiled_inner(value) is not None:  # torch.compile's OptimizedModule: an nn.Module holding _orig_mod
+            meta.setdefault(key, 1)
+            continue
+        st = module_state(value)
+        if st is None:
+            raise UnsupportedError(f"submodule {where} is not a pickled nn.Module ({class_name(value)}); extract it "
+                                   "with --trust")
+        cls = classes[key] = class_name(value)
+        if cls.startswith(_CUSTOM_PREFIXES) or (cls.startswith("torch.nn.modules.") and ".Lazy" in cls):
             raise UnsupportedError(
-                f"{kind} {prefix}{name} of {cls} is not a storage-backed tensor ({value!r}); extract with --trust")
-        entries.append((prefix + name, t))
-    active.discard(id(node))
+                f"module {where} is a {cls}, whose state_dict torch computes with its own code; extract with --trust "
+                "(runs the file's code) or load the model and call state_dict()")
+        for hooks in ("_state_dict_hooks", "_state_dict_pre_hooks"):
+            if mapping_items(st.get(hooks)):
+                raise UnsupportedError(
+                    f"module {where} ({cls}) has state_dict hooks, which change what state_dict() returns; extract "
+                    "with --trust (runs the file's code)")
+        meta.setdefault(key, _VERSIONS.get(cls, 1))
+    return entries, meta
 
 
 def _detached(t: TensorNode) -> TensorNode:
@@ -171,102 +176,25 @@ def _detached(t: TensorNode) -> TensorNode:
 
 def _collect(ck: Checkpoint, key: str | None) -> tuple[str, str, list[tuple[str, TensorNode]], dict[str, int]]:
     path, module = _find_module(ck.root, key, ck.path)
-    entries: list[tuple[str, TensorNode]] = []
-    meta: dict[str, int] = {}
-    try:
-        _walk(module, "", entries, meta, set())
-    except RecursionError:
-        raise too_deep() from None
-    return path, _class_name(compiled_inner(module) or module), entries, meta
+    entries, meta = _module_state_dict(module)
+    return path, class_name(compiled_inner(module) or module), entries, meta
 
 
 # ------------------------------------------------------------------------------------------------ writing
 def _state_dict_graph(items: list[tuple[str, Any]], meta: dict[str, int]) -> Any:
     """``OrderedDict`` node with the items and a ``_metadata`` attribute, as torch pickles a state_dict."""
-    od = RestrictedUnpickler(io.BytesIO(b"")).find_class("collections", "OrderedDict")
-    md = od()
-    md.dictitems = [(k, {"version": v}) for k, v in meta.items()]
-    md.order = ["setitems"]
-    sd = od()
-    sd.dictitems = list(items)
-    sd.state = {"_metadata": md}
+    sd = ordered_dict_node(items)
+    sd.state = {"_metadata": ordered_dict_node((k, {"version": v}) for k, v in meta.items())}
     sd.order = ["setitems", "build"]
     return sd
 
 
-def _write_zip(ck: Checkpoint, dst: str, sd: Any, used: set[str], location_fn: Any) -> tuple[int, int]:
-    from ckptool.ops.rewrite import rewrite_file
-
+def _write_zip(ck: Checkpoint, dst: str, sd: Any, used: set[str], location_fn: LocationFn | None) -> tuple[int, int]:
     keep = {"data/" + k for k in used}
     records = [r for r in ck.records if not r.name.startswith("data/") or r.name in keep]
     storages = {k: v for k, v in ck.storages.items() if k in used}
     res = rewrite_file(replace(ck, records=records, storages=storages), dst, sd, location_fn)
     return res.storages, res.bytes_written
-
-
-def _torch_dtype(name: str) -> Any:
-    import torch
-
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise UnsupportedError(f"dtype {name} is not available in this torch")
-    return dt
-
-
-def _materialize(ck: Checkpoint, entries: list[tuple[str, TensorNode]]) -> dict[str, Any]:
-    """Each tensor as a contiguous CPU torch tensor, read from its storage record (one read per storage)."""
-    import torch
-
-    from ckptool.ops.inspect import tensor_dtype
-
-    out: dict[str, Any] = {}
-    flat: dict[str, Any] = {}
-    with open(ck.path, "rb") as f:
-        if ck.format != formats.TORCH_LEGACY:
-            resolve_zip_offsets(ck, f)
-        for key, t in entries:
-            if t.rebuild_name == REBUILD_QTENSOR:
-                raise UnsupportedError(f"{key} is a quantized tensor: safetensors cannot hold it; write a .pth file")
-            ref: StorageRef = t.storage  # type: ignore[assignment]
-            dtype_name = tensor_dtype(t)
-            base = flat.get(ref.key)
-            if base is None:
-                rec = ck.record("data/" + ref.key)
-                nbytes = ref.numel * storage_element(ref)[1]
-                if rec is None or rec.size < nbytes:
-                    raise UnsupportedError(f"{ck.path}: storage {ref.key!r} has no complete record")
-                if rec.zipinfo is not None and rec.zipinfo.method != 0:  # a re-packed, compressed archive
-                    raw = bytearray(read_member(f, rec.zipinfo, ck.path)[:nbytes])
-                else:
-                    f.seek(rec.offset)
-                    raw = bytearray(f.read(nbytes))
-                if len(raw) != nbytes:
-                    raise CkptError(f"{ck.path}: storage {ref.key!r} is truncated; re-download the file")
-                base = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-                flat[ref.key] = base
-            el = DTYPE_SIZES.get(dtype_name, 1)
-            typed = base[: len(base) - len(base) % el].view(_torch_dtype(dtype_name))
-            try:
-                out[key] = typed.as_strided(t.shape, t.stride, t.storage_offset).clone(
-                    memory_format=torch.contiguous_format)
-            except RuntimeError as e:
-                raise CkptError(
-                    f"{ck.path}: tensor {key} does not fit in its storage ({e}); the file is damaged") from e
-    return out
-
-
-def _save_safetensors(tensors: dict[str, Any], dst: str) -> int:
-    from safetensors.torch import save
-
-    from ckptool._fileio import atomic_output
-
-    try:
-        data = save(tensors, metadata={"format": "pt"})
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise UnsupportedError(f"safetensors cannot hold this state_dict ({e}); write a .pth file instead") from e
-    with atomic_output(dst) as out:
-        out.write(data)
-    return len(data)
 
 
 # ------------------------------------------------------------------------------------------------ the API
@@ -312,16 +240,10 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
     """
     src = os.fspath(src)
     dst = os.fspath(dst) if dst is not None else _default_dst(src)
-    from ckptool.ops.rewrite import _same_file
-
-    if _same_file(src, dst):
+    if same_file(src, dst):
         raise UsageError(f"output {dst} is the input file; choose another -o path")
     safetensors_out = dst.endswith(".safetensors")
-    location_fn = None
-    if to is not None:
-        from ckptool.ops.remap import location_function
-
-        location_fn = location_function(to=to)
+    location_fn = location_function(to=to) if to is not None else None
     fmt = formats.detect_format(src)
     if fmt == formats.SAFETENSORS:
         raise UnsupportedError(f"{src} is safetensors: it already is a state_dict")
@@ -345,15 +267,11 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
                 removed[c] = removed.get(c, 0) + 1
         raise_on_collisions(mapping, "the extracted state_dict")
         items = [(mapping[k], t) for k, t in items]
-        renamed: dict[str, int] = {}
-        for old, new in metadata_key_mapping(list(meta), lambda k: unwrap_key(k)[0]).items():
-            renamed.pop(new, None)  # the inner module's entry (later) replaces the wrapper's
-            renamed[new] = meta[old]
-        meta = renamed
+        meta = dict(rename_metadata_items(meta.items(), lambda k: unwrap_key(k)[0]))
     res = ExtractResult(src, dst, formats.SAFETENSORS if safetensors_out else formats.TORCH_ZIP,
                         [k for k, _t in items], cls, path, removed=removed)
     if safetensors_out:
-        res.bytes_written = _save_safetensors(_materialize(ck, items), dst)
+        res.bytes_written = save_safetensors(materialize(ck, items), dst)
         res.storages = len({t.storage.key for _k, t in items if t.storage is not None})
         return res
     used = {t.storage.key for _k, t in items if t.storage is not None}
@@ -363,43 +281,16 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
 
 def _extract_trusted(src: str, dst: str, key: str | None, unwrap: bool, to: str | None,
                      safetensors_out: bool) -> ExtractResult:
-    import torch
-    from torch import nn
-
-    from ckptool._fileio import atomic_output
-
-    device = to or "cpu"
-    try:
-        obj = torch.load(src, map_location=device, weights_only=False)  # the user passed --trust
-    except (ModuleNotFoundError, AttributeError) as e:
-        raise CkptError(f"{src}: loading with --trust needs the model's classes importable here ({e}); run from the "
-                        "project that defines them, or extract without --trust") from e
-    path = key or ""
-    module = obj
-    if key is not None:
-        for comp in key.split("."):
-            module = module[comp] if isinstance(module, dict) else getattr(module, comp, None)
-    if not isinstance(module, nn.Module):
-        raise UsageError(f"{src}: {'the file' if key is None else repr(key)} is not an nn.Module (it is a "
-                         f"{type(module).__name__}); pick the module with --key")
+    module = load_trusted_module(src, key, to or "cpu")
     sd = module.state_dict()
     removed: dict[str, int] = {}
     if unwrap:
-        from ckptool.ops.rename import rename_state_dict
-
         for k in sd:
             for c in unwrap_key(k)[1]:
                 removed[c] = removed.get(c, 0) + 1
         sd = rename_state_dict(sd, lambda k: unwrap_key(k)[0])
     cls = f"{type(module).__module__}.{type(module).__qualname__}"
-    res = ExtractResult(src, dst, formats.SAFETENSORS if safetensors_out else formats.TORCH_ZIP, list(sd), cls, path,
-                        removed=removed, trusted=True)
-    if safetensors_out:
-        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in sd.items()}
-        res.bytes_written = _save_safetensors(tensors, dst)
-    else:
-        with atomic_output(dst) as out:
-            torch.save(sd, out)
-            res.bytes_written = out.tell()
-    res.storages = len({v.untyped_storage().data_ptr() for v in sd.values() if isinstance(v, torch.Tensor)})
+    res = ExtractResult(src, dst, formats.SAFETENSORS if safetensors_out else formats.TORCH_ZIP, list(sd), cls,
+                        key or "", removed=removed, trusted=True)
+    res.bytes_written, res.storages = save_trusted(sd, dst, safetensors_out)
     return res

@@ -1,45 +1,47 @@
-"""``ckptool.inspect``: what a checkpoint file holds, read without torch and without reading tensor bytes.
+"""``ckptool.inspect``: what a checkpoint holds, read without torch and without reading tensor bytes.
 
-For torch zip / legacy / TorchScript files the pickle is read with :mod:`ckptool.unpickler` (nothing imported or
-run); for safetensors only the JSON header is read (format: 8-byte little-endian length N, N bytes of JSON
-``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}``, then the data).
+For torch zip / legacy / TorchScript files the pickle is read with :mod:`ckptool.formats.unpickler` (nothing
+imported or run); for safetensors only the JSON header is read (:mod:`ckptool.formats.safetensors`). A sharded set
+(:mod:`ckptool.formats.sharded`: an ``*.index.json`` or the folder holding one) is described as one checkpoint
+from its shards, a DCP folder from its ``.metadata`` (:mod:`ckptool.formats.dcp`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from ckptool.formats import detect as formats
 from ckptool._gc import gc_paused
-from ckptool.model.allowlist import is_allowed
-from ckptool.formats.torchfile import DTYPE_SIZES, Checkpoint, read_checkpoint, read_pickle_file, storage_element
 from ckptool.errors import CorruptCheckpointError
-from ckptool.model.graph import find_state_dicts, is_module, is_state_dict, iter_tensors, mapping_items, too_deep
-from ckptool.model.keys import is_flat_param_key, shared_prefixes, suggest_command
+from ckptool.formats import detect as formats
+from ckptool.formats.dcp import read_dcp_metadata
+from ckptool.formats.dtypes import (
+    DTYPE_SIZES,
+    contiguous_stride,
+    numel,
+    safetensors_dtype,
+    storage_element,
+    tensor_dtype,
+)
+from ckptool.formats.safetensors import read_header
+from ckptool.formats.sharded import is_checkpoint_set, read_index, set_kind
+from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
 from ckptool.formats.unpickler import StorageRef, TensorNode, qualified_name
-
-# safetensors dtype codes -> torch dtype names (safetensors format description)
-_ST_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64", "F8_E8M0": "float8_e8m0fnu",
-    "F4": "float4_e2m1fn_x2",
-}
-_MAX_ST_HEADER = 100 << 20  # the safetensors library's own limit on the header size
-ALLOWED, DANGEROUS, UNKNOWN = "allowed", "dangerous", "unknown"  # the statuses of ckptool.scan.classify_global
-
-
-def classify_global(name: str, *, torchscript: bool = False) -> tuple[str, str]:
-    """:func:`ckptool.scan.classify_global`, importing the scanner only for globals outside the allowlist."""
-    if is_allowed(name):
-        return ALLOWED, "accepted by torch.load(weights_only=True)"
-    from ckptool.ops.scan import classify_global as classify
-
-    return classify(name, torchscript=torchscript)
+from ckptool.model.allowlist import ALLOWED, DANGEROUS, UNKNOWN, classify_global, is_allowed
+from ckptool.model.graph import (
+    StateDictRef,
+    find_state_dicts,
+    is_module,
+    is_state_dict,
+    iter_tensors,
+    mapping_items,
+    too_deep,
+)
+from ckptool.model.keys import is_flat_param_key, shared_prefixes, suggest_command
+from ckptool.ops.dcp_safety import is_dcp_allowed
 
 
 @dataclass
@@ -137,26 +139,11 @@ class CheckpointInfo:
         return sum(self.storage_bytes.values())
 
 
-def tensor_dtype(t: TensorNode) -> str:
-    """dtype name of a tensor node: the dtype global of ``_rebuild_tensor_v3``, else its storage class's."""
-    g = t.dtype_global
-    if g is not None:
-        return g.name
-    ref = t.storage
-    return storage_element(ref)[0] if ref is not None else "unknown"
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def tensor_infos(root: Any) -> list[TensorInfo]:
     """A :class:`TensorInfo` for every tensor reachable from ``root`` (see :func:`ckptool.graph.iter_tensors`)."""
     out = []
     dtype_cache: dict[int, str] = {}
+    ref: StorageRef | None
     for key, t, rg in iter_tensors(root):
         a = t.args
         if t.func.node_type is TensorNode and t.func.name == "_rebuild_tensor_v2" and len(a) >= 4 and type(
@@ -168,15 +155,18 @@ def tensor_infos(root: Any) -> list[TensorInfo]:
         else:
             ref, offset, shape, stride = t.storage, t.storage_offset, list(t.shape), list(t.stride)
             dtype = tensor_dtype(t)
-        n = 1
-        for s in shape:
-            n *= s
-        out.append(TensorInfo(key, shape, dtype, ref.location if ref else "meta", n * DTYPE_SIZES.get(dtype, 1),
-                              stride, offset, ref.key if ref else None, rg))
+        nbytes = numel(shape) * DTYPE_SIZES.get(dtype, 1)
+        out.append(TensorInfo(key, shape, dtype, ref.location if ref else "meta", nbytes, stride, offset,
+                              ref.key if ref else None, rg))
     return out
 
 
-def _kind(root: Any, sds: list) -> str:
+def _state_dict_info(path: str, keys: list[str]) -> StateDictInfo:
+    prefixes = shared_prefixes(keys)
+    return StateDictInfo(path, len(keys), prefixes, suggest_command(prefixes), any(is_flat_param_key(k) for k in keys))
+
+
+def _kind(root: Any, sds: list[StateDictRef]) -> str:
     if sds and sds[0].obj is root and not sds[0].is_module:  # find_state_dicts already tested the root
         return "state_dict"
     if is_state_dict(root):
@@ -194,7 +184,7 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
 
     Returns a :class:`CheckpointInfo`: format (``torch-zip``, ``torch-legacy``, ``torchscript``, ``safetensors``,
     ``pickle``; for an ``*.index.json`` or a folder ``sharded-safetensors``, ``sharded-torch`` or ``dcp``, see
-    :func:`ckptool.convert.inspect_set`), kind (``state_dict``, ``training_checkpoint``, ``full_model``,
+    :func:`inspect_set`), kind (``state_dict``, ``training_checkpoint``, ``full_model``,
     ``torchscript``, ``tensors``), every tensor (shared storages included), tensor counts per location tag, the
     state_dicts found with their wrapper prefixes, and the globals the pickle names with their
     ``weights_only=True`` status.
@@ -207,9 +197,7 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
         UnsupportedError: tuple nesting too deep to read safely.
     """
     path = os.fspath(path)
-    if path.endswith(".index.json") or os.path.isdir(path):  # sharded sets and DCP folders
-        from ckptool.ops.convert import inspect_set
-
+    if is_checkpoint_set(path):  # sharded sets and DCP folders
         return inspect_set(path)
     fmt = formats.detect_format(path)
     if fmt == formats.SAFETENSORS:
@@ -227,12 +215,7 @@ def describe(ck: Checkpoint) -> CheckpointInfo:
     for name, extra in ck.extra_roots.items():
         tensors += [TensorInfo(**{**asdict(t), "key": f"{name}.{t.key}"}) for t in tensor_infos(extra)]
     sds = find_state_dicts(ck.root)
-    sd_infos = []
-    for sd in sds:
-        keys = sd.keys()
-        prefixes = shared_prefixes(keys)
-        sd_infos.append(StateDictInfo(sd.path, len(keys), prefixes, suggest_command(prefixes),
-                                      any(is_flat_param_key(k) for k in keys)))
+    sd_infos = [_state_dict_info(sd.path, sd.keys()) for sd in sds]
     devices: dict[str, int] = {}
     for t in tensors:
         devices[t.device] = devices.get(t.device, 0) + 1
@@ -251,61 +234,109 @@ def describe(ck: Checkpoint) -> CheckpointInfo:
                           storages=len(ck.storages))
 
 
-def read_safetensors_header(path: str) -> dict[str, Any]:
-    """Parse the JSON header of a safetensors file (no tensor data is read).
-
-    Raises:
-        CorruptCheckpointError: the header length or JSON is invalid, or an entry is malformed.
-    """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CorruptCheckpointError(f"{path}: safetensors file shorter than its 8-byte header length")
-        n = struct.unpack("<Q", head)[0]
-        if n > _MAX_ST_HEADER or n + 8 > size:
-            raise CorruptCheckpointError(
-                f"{path}: safetensors header length {n} is larger than the file allows; the file is truncated "
-                "or damaged, re-download it")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
-        raise CorruptCheckpointError(
-            f"{path}: safetensors header is not valid JSON ({type(e).__name__}: {str(e)[:200]}); re-download it"
-        ) from e
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object; the file is damaged")
-    data_len = size - 8 - n
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        ok = (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and isinstance(entry.get("dtype"), str)
-              and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
-              and all(isinstance(x, int) and x >= 0 for x in entry["data_offsets"] + entry["shape"]))
-        if not ok or entry["data_offsets"][1] > data_len or entry["data_offsets"][0] > entry["data_offsets"][1]:
-            raise CorruptCheckpointError(f"{path}: safetensors entry {name!r} is malformed or points past the data")
-    return header
-
-
 def _inspect_safetensors(path: str) -> CheckpointInfo:
-    header = read_safetensors_header(path)
-    meta = header.pop("__metadata__", None)
+    header = read_header(path)
+    meta = header.metadata
     tensors = []
-    for name, e in header.items():
-        dtype = _ST_DTYPES.get(e["dtype"], e["dtype"].lower())
+    for name, e in header.entries.items():
         begin, end = e["data_offsets"]
         shape = e["shape"]
-        stride, acc = [], 1
-        for s in reversed(shape):
-            stride.insert(0, acc)
-            acc *= s
-        tensors.append(TensorInfo(name, shape, dtype, "cpu", end - begin, stride, 0, name))
-    keys = [t.key for t in tensors]
-    prefixes = shared_prefixes(keys)
-    sds = [StateDictInfo("", len(keys), prefixes, suggest_command(prefixes), any(is_flat_param_key(k) for k in keys))]
+        tensors.append(TensorInfo(name, shape, safetensors_dtype(e["dtype"]), "cpu", end - begin,
+                                  list(contiguous_stride(shape)), 0, name))
+    sds = [_state_dict_info("", [t.key for t in tensors])]
     return CheckpointInfo(
         path, formats.SAFETENSORS, "tensors", os.path.getsize(path), tensors,
         {"cpu": len(tensors)} if tensors else {}, {"cpu": sum(t.nbytes for t in tensors)}, sds, [],
         storages=len(tensors), metadata=meta if isinstance(meta, dict) else None,
     )
+
+
+@gc_paused
+def inspect_set(path: str | os.PathLike[str]) -> CheckpointInfo:
+    """Describe a sharded set (``*.index.json`` or the folder holding one) or a DCP folder as one checkpoint,
+    without torch and without reading tensor data. Returns a :class:`CheckpointInfo` with format
+    ``sharded-safetensors`` / ``sharded-torch`` (``sharded-mixed``) / ``dcp``; a model folder holding only
+    ``model.safetensors`` or ``pytorch_model.bin`` is that file's :func:`inspect`.
+
+    For a sharded set every shard is inspected and its tensors listed (storage keys prefixed by the shard file);
+    ``metadata`` holds the index's ``metadata`` (values that are not strings as JSON) and the shard count. For DCP
+    the tensors come from ``.metadata`` (names, dtypes, shapes; sizes = elements * element size; DCP records no
+    device, so ``cpu`` is shown, where ``dcp_to_torch_save`` puts them); non-tensor entries are listed under
+    ``metadata["non_tensor_entries"]``, and ``globals`` says which globals of ``.metadata`` ckptool accepts without
+    ``--trust`` (:func:`ckptool.ops.dcp_safety.is_dcp_allowed`).
+
+    Raises:
+        UsageError: a folder that is none of these; a missing shard.
+        CorruptCheckpointError / NotACheckpointError: a damaged index, shard or ``.metadata``.
+    """
+    kind, set_path = set_kind(os.fspath(path))
+    if kind == "file":
+        return inspect(set_path)
+    if kind == "index":
+        return _inspect_index(set_path)
+    return _inspect_dcp(set_path)
+
+
+def _inspect_index(path: str) -> CheckpointInfo:
+    index = read_index(path)
+    tensors: list[TensorInfo] = []
+    devices: dict[str, int] = {}
+    storage_bytes: dict[str, int] = {}
+    globs: dict[str, GlobalInfo] = {}
+    size = os.path.getsize(path)
+    storages = 0
+    fmts = set()
+    for shard in index.shards:
+        info = inspect(index.shard_path(shard))
+        fmts.add("safetensors" if info.format == formats.SAFETENSORS else "torch")
+        size += info.size
+        storages += info.storages
+        for t in info.tensors:
+            t.storage_key = f"{shard}:{t.storage_key}"
+            tensors.append(t)
+        for d, n in info.devices.items():
+            devices[d] = devices.get(d, 0) + n
+        for d, n in info.storage_bytes.items():
+            storage_bytes[d] = storage_bytes.get(d, 0) + n
+        for g in info.globals:
+            globs.setdefault(g.name, g)
+    meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (index.metadata or {}).items()}
+    meta["shards"] = str(len(index.shards))
+    fmt = "sharded-" + (fmts.pop() if len(fmts) == 1 else "mixed")
+    return CheckpointInfo(path, fmt, "state_dict", size, tensors, devices, storage_bytes,
+                          [_state_dict_info("", [t.key for t in tensors])], list(globs.values()), storages=storages,
+                          metadata=meta)
+
+
+_OPTIMIZER_STATE_RE = re.compile(r"(^|\.)state\.\d+$")  # an optimizer's per-parameter state: no state_dict
+
+
+def _inspect_dcp(folder: str) -> CheckpointInfo:
+    meta = read_dcp_metadata(folder)
+    tensors = []
+    groups: dict[str, list[str]] = {}
+    for fqn, dt, shape in meta.entries:
+        if dt is None:
+            continue
+        dims = shape or ()
+        tensors.append(TensorInfo(fqn, list(dims), dt, "cpu", numel(dims) * DTYPE_SIZES.get(dt, 1),
+                                  list(contiguous_stride(dims)), 0, fqn))
+        comps = meta.planner_data.get(fqn) if meta.planner_data is not None else None
+        if isinstance(comps, tuple) and comps:
+            parent, leaf = ".".join(map(str, comps[:-1])), str(comps[-1])
+        else:
+            parent, leaf = "", fqn
+        if not _OPTIMIZER_STATE_RE.search(parent):
+            groups.setdefault(parent, []).append(leaf)
+    non_tensor = [e.fqn for e in meta.entries if e.dtype is None]
+    size = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)
+               if os.path.isfile(os.path.join(folder, n)))
+    extra = {"non_tensor_entries": ", ".join(non_tensor)} if non_tensor else {}
+    if meta.version is not None:
+        extra["dcp_version"] = meta.version
+    kind = "state_dict" if len(groups) == 1 and not non_tensor else "training_checkpoint"
+    nbytes = sum(t.nbytes for t in tensors)
+    return CheckpointInfo(folder, "dcp", kind, size, tensors, {"cpu": len(tensors)} if tensors else {},
+                          {"cpu": nbytes} if tensors else {}, [_state_dict_info(g, keys) for g, keys in groups.items()],
+                          [GlobalInfo(n, is_dcp_allowed(n)) for n in dict.fromkeys(meta.globals)],
+                          storages=len(tensors), metadata=extra or None)

@@ -9,70 +9,16 @@ decoded, so no GPU, no torch and no memory for the tensors are needed.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping, Sequence
 
-from ckptool.formats import detect as formats
 from ckptool._gc import gc_paused
-from ckptool.formats.torchfile import read_checkpoint
 from ckptool.errors import UsageError
-from ckptool.ops.rewrite import LocationFn, WriteResult, output_path, refuse_unwritable, rewrite_file
-
-_DEVICE_RE = re.compile(r"^(cpu|meta|mps|(cuda|xpu|hpu|mtia|npu|xla|privateuseone)(:\d+)?)$")
-DEVICE_HELP = "cpu, cuda, cuda:N, mps, meta, xpu:N, hpu:N, mtia:N"
-
-
-def parse_device(s: str) -> str:
-    """Validate a location tag such as ``cpu``, ``cuda:1``, ``mps`` and return it stripped.
-
-    Raises:
-        UsageError: not a device string torch writes as a location tag.
-    """
-    d = s.strip()
-    if not _DEVICE_RE.match(d):
-        raise UsageError(f"unknown device {s!r}: expected one of {DEVICE_HELP}")
-    return d
-
-
-def parse_mapping(items: Mapping[str, str] | list[str] | tuple[str, ...]) -> dict[str, str]:
-    """Turn ``["cuda:1=cuda:0", ...]`` (or a dict) into ``{"cuda:1": "cuda:0"}``, validating each side.
-
-    A bare device type on the left (``cuda``) matches every index of that type (``cuda:0``, ``cuda:3``).
-
-    Raises:
-        UsageError: an item without ``=``, or an invalid device on either side.
-    """
-    if isinstance(items, Mapping):
-        pairs = list(items.items())
-    else:
-        pairs = []
-        for it in items:
-            if "=" not in it:
-                raise UsageError(f"--map expects FROM=TO (e.g. cuda:1=cuda:0), got {it!r}")
-            a, b = it.split("=", 1)
-            pairs.append((a, b))
-    return {parse_device(a): parse_device(b) for a, b in pairs}
-
-
-def location_function(to: str | None = None, mapping: Mapping[str, str] | None = None) -> LocationFn:
-    """The tag rewrite for ``to`` (every storage) or ``mapping`` (matching tags only).
-
-    Raises:
-        UsageError: neither or both given.
-    """
-    if (to is None) == (not mapping):
-        raise UsageError("give exactly one of --to DEVICE or --map FROM=TO")
-    if to is not None:
-        target = parse_device(to)
-        return lambda loc: target
-    m = parse_mapping(mapping or {})
-
-    def fn(loc: str) -> str:
-        if loc in m:
-            return m[loc]
-        return m.get(loc.split(":", 1)[0], loc)
-
-    return fn
+from ckptool.formats import detect as formats
+from ckptool.formats.torchfile import read_checkpoint
+from ckptool.model.devices import location_function, parse_device
+from ckptool.model.rename_plan import build_plan
+from ckptool.ops.rename import RenameResult, rename_graph
+from ckptool.ops.rewrite import WriteResult, output_path, refuse_unwritable, rewrite_file
 
 
 @gc_paused
@@ -121,8 +67,6 @@ def remap(
     fn = location_function(to, mapping)
     plan = None
     if unwrap or strip_dataparallel or strip_prefixes or add_prefix is not None:
-        from ckptool.ops.rename import build_plan
-
         plan = build_plan(strip_prefixes=strip_prefixes, strip_dataparallel=strip_dataparallel, unwrap=unwrap,
                           add_prefix=add_prefix)
     elif key is not None:
@@ -138,7 +82,5 @@ def remap(
     ck = read_checkpoint(src, fmt)
     if plan is None:
         return rewrite_file(ck, out, ck.root, fn)
-    from ckptool.ops.rename import RenameResult, rename_graph
-
     root, summary = rename_graph(ck.root, plan, key=key, allow_missing=allow_missing, where=src)
     return RenameResult.combine(rewrite_file(ck, out, root, fn), summary, "remap")

@@ -13,22 +13,18 @@ and their 6-field persistent ids written as the 5 fields the zip loader expects.
 from __future__ import annotations
 
 import os
-import secrets
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool.formats import detect as formats
-from ckptool.formats.torchfile import Checkpoint, resolve_zip_offsets
+from ckptool._fileio import atomic_output, file_mode, same_file
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
+from ckptool.formats import detect as formats
+from ckptool.formats.nodes import StorageRef
 from ckptool.formats.pickler import PicklerError, dumps
-from ckptool.formats.unpickler import StorageRef
-from ckptool._fileio import atomic_output, file_mode
+from ckptool.formats.torchfile import Checkpoint, resolve_zip_offsets
 from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.formats.zipdir import read_member
-
-#: ``fn(location_tag) -> location_tag`` applied to every storage persistent id on write
-LocationFn = Callable[[str], str]
+from ckptool.model.devices import LocationFn
 
 
 @dataclass
@@ -66,24 +62,15 @@ def output_path(src: str, dst: str | None, in_place: bool, tag: str) -> str:
         UsageError: both ``dst`` and ``in_place``, or ``dst`` is the input file without ``in_place``.
     """
     if in_place:
-        if dst is not None and not _same_file(src, dst):
+        if dst is not None and not same_file(src, dst):
             raise UsageError("give either -o/--output or --in-place, not both")
         return src
     if dst is None:
         stem, ext = os.path.splitext(src)
         dst = f"{stem}.{tag}{ext or '.pt'}"
-    if _same_file(src, dst):
+    if same_file(src, dst):
         raise UsageError(f"output {dst} is the input file; pass --in-place to overwrite it, or choose another -o path")
     return dst
-
-
-def _same_file(a: str, b: str) -> bool:
-    if os.path.abspath(a) == os.path.abspath(b):
-        return True
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | None = None) -> WriteResult:
@@ -98,7 +85,7 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
     res = WriteResult(ck.path, "", ck.format, storages=len(ck.storages))
     legacy = ck.format == formats.TORCH_LEGACY
 
-    def hook(ref: StorageRef) -> tuple:
+    def hook(ref: StorageRef) -> tuple[Any, ...]:
         new = location_fn(ref.location) if location_fn else ref.location
         extra = ref.extra
         if legacy:
@@ -119,14 +106,12 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
     w = TorchZipWriter(out, ck.archive_name)
     with open(ck.path, "rb") as src:
         if legacy:
-            w.write_bytes("data.pkl", data_pkl)
-            w.write_bytes(".format_version", b"1")
-            w.write_bytes(".storage_alignment", b"64")
-            w.write_bytes("byteorder", b"little")
+            w.begin_torch_save(data_pkl)
             for rec in ck.records:
                 w.copy_record(rec.name, src, rec.offset, rec.size)
-            w.write_bytes("version", b"3\n")
-            w.write_bytes(".data/serialization_id", str(secrets.randbits(128)).zfill(40).encode())
+            w.end_torch_save()
+            res.bytes_written = w.pos
+            return res
         else:
             resolve_zip_offsets(ck, src)
             for rec in ck.records:
@@ -161,7 +146,7 @@ def rewrite_file(ck: Checkpoint, dst: str, root: Any, location_fn: LocationFn | 
     When ``dst`` is the input (in-place), the input's permission bits are kept. Raises what :func:`write_zip`
     and :func:`ckptool.writer.atomic_output` raise.
     """
-    mode = file_mode(ck.path) if _same_file(ck.path, dst) else None
+    mode = file_mode(ck.path) if same_file(ck.path, dst) else None
     with atomic_output(dst, mode=mode) as out:
         res = write_zip(ck, out, root, location_fn)
     res.dst = dst

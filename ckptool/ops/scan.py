@@ -2,7 +2,9 @@
 
 How a global is classified
 --------------------------
-* **allowed**: ``torch.load(weights_only=True)`` accepts it (:data:`ckptool.allowlist.WEIGHTS_ONLY_ALLOWED`,
+The verdicts come from :func:`ckptool.model.allowlist.classify_global`:
+
+* **allowed**: ``torch.load(weights_only=True)`` accepts it (:data:`ckptool.model.allowlist.WEIGHTS_ONLY_ALLOWED`,
   taken from torch's ``_weights_only_unpickler._get_allowed_globals()``). In a TorchScript archive (a zip holding
   ``constants.pkl``, the test ``torch.load`` itself uses to hand the file to ``torch.jit.load``) the names that
   TorchScript's C++ unpickler resolves without Python are allowed too: ``__torch__.*`` (classes compiled from the
@@ -31,7 +33,7 @@ Scanning looks at the bytes, never at the file name, and reads every place a loa
   (which ``zipfile`` and some scanners see instead of the leading pickle) is scanned as well;
 * safetensors files hold no pickle: their header is checked and they are safe.
 
-Nothing is imported or called while scanning: the pickles are read by :mod:`ckptool.unpickler`.
+Nothing is imported or called while scanning: the pickles are read by :mod:`ckptool.formats.unpickler`.
 """
 
 from __future__ import annotations
@@ -40,109 +42,23 @@ import io
 import mmap
 import os
 import struct
+import tarfile
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
-from ckptool.formats import detect as formats
-from ckptool.model.allowlist import is_allowed
 from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
-from ckptool.formats.unpickler import check_pickle, load_pickle_at, partial_globals, qualified_name
+from ckptool.formats import detect as formats
+from ckptool.formats.dtypes import STORAGE_TYPES
+from ckptool.formats.nodes import StorageRef, qualified_name
+from ckptool.formats.pickle_check import PickleBuffer, check_pickle
+from ckptool.formats.safetensors import read_header
+from ckptool.formats.unpickler import load_pickle_at, partial_globals
 from ckptool.formats.zipdir import ZipEntry, read_directory, read_member, read_member_head
+from ckptool.model.allowlist import ALLOWED, DANGEROUS, classify_global
 
-__all__ = ["ALLOWED", "DANGEROUS", "UNKNOWN", "GlobalFinding", "PickleFinding", "ScanResult", "classify_global",
-           "scan", "scan_file"]
-
-ALLOWED, DANGEROUS, UNKNOWN = "allowed", "dangerous", "unknown"
-
-#: modules whose every callable is a gadget (the module and its submodules): what each one can do
-DANGEROUS_MODULES: dict[str, str] = {
-    "os": "runs processes and changes files", "posix": "runs processes and changes files",
-    "nt": "runs processes and changes files", "subprocess": "runs processes", "pty": "runs processes",
-    "popen2": "runs processes", "commands": "runs processes", "multiprocessing": "runs processes",
-    "asyncio": "runs processes and opens connections", "socket": "opens network connections",
-    "_socket": "opens network connections", "ssl": "opens network connections",
-    "http": "opens network connections", "urllib": "opens network connections", "urllib2": "opens network connections",
-    "requests": "opens network connections", "httplib": "opens network connections",
-    "ftplib": "opens network connections", "smtplib": "opens network connections",
-    "telnetlib": "opens network connections", "webbrowser": "opens URLs",
-    "importlib": "imports any module", "pkgutil": "imports any module", "imp": "imports any module",
-    "runpy": "runs Python files and modules", "code": "runs Python code", "codeop": "compiles Python code",
-    "pydoc": "imports any module (pydoc.locate)", "ctypes": "calls C functions", "_ctypes": "calls C functions",
-    "cffi": "calls C functions", "shutil": "copies and deletes files", "tempfile": "creates files",
-    "pickle": "unpickles more data (running it)", "_pickle": "unpickles more data (running it)",
-    "cPickle": "unpickles more data (running it)", "dill": "unpickles more data (running it)",
-    "cloudpickle": "unpickles more data (running it)", "joblib": "unpickles more data (running it)",
-    "marshal": "loads code objects", "shelve": "unpickles more data (running it)",
-    "timeit": "runs Python code", "cProfile": "runs Python code", "profile": "runs Python code",
-    "trace": "runs Python code", "pdb": "runs Python code", "bdb": "runs Python code",
-    "doctest": "runs Python code", "sys": "changes the interpreter (sys.modules, hooks)",
-    "signal": "changes signal handlers",
-    "io": "opens files", "_io": "opens files", "codecs": "opens files (codecs.open)",
-    "fileinput": "opens files", "glob": "lists files", "pathlib": "reads and writes files",
-    "zipimport": "imports code from archives", "venv": "creates environments and runs pip",
-    "ensurepip": "runs pip", "pip": "installs packages", "setuptools": "runs build code",
-    "distutils": "runs build code", "gc": "reaches every live object (gc.get_objects)",
-    "inspect": "reaches frames and source", "types": "builds functions and code objects",
-}
-
-#: single names that are gadgets
-DANGEROUS_NAMES: dict[str, str] = {
-    "builtins.eval": "evaluates Python code", "builtins.exec": "runs Python code",
-    "builtins.compile": "compiles Python code", "builtins.__import__": "imports any module",
-    "builtins.getattr": "reaches any attribute (getattr(os, 'system'))", "builtins.setattr": "changes any attribute",
-    "builtins.delattr": "deletes any attribute", "builtins.open": "opens files", "builtins.input": "reads the console",
-    "builtins.breakpoint": "starts a debugger", "builtins.globals": "reaches module globals",
-    "builtins.locals": "reaches local variables", "builtins.vars": "reaches namespaces",
-    "builtins.help": "starts pydoc", "builtins.exit": "exits the process", "builtins.quit": "exits the process",
-    "builtins.memoryview": "reads raw memory",
-    "builtins.type": "creates classes", "builtins.super": "reaches parent-class methods",
-    "functools.partial": "binds arguments to any callable", "functools.reduce": "calls any callable repeatedly",
-    "functools.partialmethod": "binds arguments to any callable",
-    "operator.attrgetter": "reaches any attribute", "operator.methodcaller": "calls any method",
-    "pkgutil.resolve_name": "imports any module", "pydoc.locate": "imports any module",
-    "torch.load": "loads another checkpoint, possibly with weights_only=False",
-    "torch.serialization.load": "loads another checkpoint, possibly with weights_only=False",
-    "torch.jit.load": "loads TorchScript code", "torch.hub.load": "downloads and runs code",
-    "torch.hub.load_state_dict_from_url": "downloads files",
-    "torch.utils.cpp_extension.load": "compiles and loads C++ code",
-    "torch.utils.cpp_extension.load_inline": "compiles and loads C++ code",
-    "torch._inductor.codecache.compile_file": "compiles code",
-    "torch.storage._load_from_bytes": "unpickles more data (running it)",
-    "numpy.load": "unpickles .npy data with allow_pickle", "numpy.testing._private.utils.runstring": "runs Python code",
-    "numpy.lib.npyio.load": "unpickles .npy data with allow_pickle",
-}
-
-#: names TorchScript's C++ unpickler resolves itself (torch/csrc/jit/serialization/unpickler.cpp), never importing
-TORCHSCRIPT_NAMES = frozenset({
-    "torch.jit._pickle.build_intlist", "torch.jit._pickle.build_tensorlist", "torch.jit._pickle.build_doublelist",
-    "torch.jit._pickle.build_boollist", "torch.jit._pickle.build_tensor_from_id", "torch.jit._pickle.restore_type_tag",
-})
-
-
-def classify_global(name: str, *, torchscript: bool = False) -> tuple[str, str]:
-    """``(status, reason)`` of the global ``module.qualname`` (Python 3 module names).
-
-    ``status`` is :data:`ALLOWED` (in the ``torch.load(weights_only=True)`` allowlist, or resolved by TorchScript's
-    own unpickler when ``torchscript`` is true), :data:`DANGEROUS` (a known gadget; ``reason`` says what it can
-    do) or :data:`UNKNOWN` (anything else: loading would import and call it).
-    """
-    if is_allowed(name):
-        return ALLOWED, "accepted by torch.load(weights_only=True)"
-    if torchscript and (name.startswith("__torch__.") or name in TORCHSCRIPT_NAMES):
-        return ALLOWED, "resolved by torch.jit.load's own unpickler, not imported"
-    why = DANGEROUS_NAMES.get(name)
-    if why is None:
-        parts = name.split(".")
-        for i in range(len(parts) - 1, 0, -1):
-            why = DANGEROUS_MODULES.get(".".join(parts[:i]))
-            if why is not None:
-                break
-    if why is not None:
-        return DANGEROUS, why
-    return UNKNOWN, "not in torch's weights_only allowlist: loading would import and call it"
-
+__all__ = ["GlobalFinding", "PickleFinding", "ScanResult", "iter_paths", "scan", "scan_file"]
 
 # ------------------------------------------------------------------------------------------------ results
 @dataclass
@@ -161,7 +77,7 @@ class PickleFinding:
 @dataclass
 class GlobalFinding:
     """A global named anywhere in the file, its classification (``allowed`` / ``dangerous`` / ``unknown``,
-    :func:`classify_global`), why, and the pickles (``where``) that name it."""
+    :func:`ckptool.model.allowlist.classify_global`), why, and the pickles (``where``) that name it."""
 
     name: str
     status: str
@@ -258,7 +174,7 @@ class _Scanner:
         self.res.notes.append(text)
 
     # -- one pickle ------------------------------------------------------------------------------------------
-    def parse(self, buf: Any, pos: int, where: str, *, required: bool = True) -> int | None:
+    def parse(self, buf: PickleBuffer, pos: int, where: str, *, required: bool = True) -> int | None:
         """Read the pickle at ``buf[pos]``; record it; return the offset after its STOP, or None if it failed.
         A failed optional pickle (data after the last pickle) is recorded only when it named a global."""
         try:
@@ -271,7 +187,7 @@ class _Scanner:
         self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]))
         return end
 
-    def _globals_before_failure(self, buf: Any, pos: int, what: str, e: CkptError) -> list[str]:
+    def _globals_before_failure(self, buf: PickleBuffer, pos: int, what: str, e: CkptError) -> list[str]:
         up = getattr(e, "unpickler", None)
         if up is not None:  # unpickling itself failed: what it named so far
             return [qualified_name(m, n) for m, n in up.globals_seen]
@@ -285,7 +201,7 @@ class _Scanner:
             seen = partial_globals(buf, pos, getattr(e2, "offset", stop))
         return [qualified_name(m, n) for m, n in seen]
 
-    def pickles_in_a_row(self, buf: Any, pos: int, where: str, *, first_required: bool = True) -> int | None:
+    def pickles_in_a_row(self, buf: PickleBuffer, pos: int, where: str, *, first_required: bool = True) -> int | None:
         """Read pickles one after another from ``pos`` while the data looks like one; return the offset where
         reading stopped (``len(buf)`` when everything was read), or None when the first, required, pickle failed."""
         n = 0
@@ -302,10 +218,10 @@ class _Scanner:
         return pos
 
     # -- containers ------------------------------------------------------------------------------------------
-    def any(self, buf: Any, where: str, depth: int, f: Any = None) -> str:
+    def any(self, buf: PickleBuffer, where: str, depth: int, f: BinaryIO | None = None) -> str:
         """Scan ``buf`` (bytes or mmap, optionally its open file ``f``) as whatever its bytes say it is."""
         head = bytes(buf[:512])
-        if head.startswith(_ZIP_LOCAL) or head.startswith(_ZIP_EOCD):
+        if head.startswith((_ZIP_LOCAL, _ZIP_EOCD)):
             return self.zip(buf, where, depth, f)
         if head.startswith(_LEGACY_MAGIC):
             self.legacy(buf, where, depth)
@@ -320,12 +236,12 @@ class _Scanner:
         self.pickle_file(buf, where, depth)
         return formats.PICKLE
 
-    def pickle_file(self, buf: Any, where: str, depth: int) -> None:
+    def pickle_file(self, buf: PickleBuffer, where: str, depth: int) -> None:
         end = self.parse(buf, 0, where or "pickle at byte 0")
         if end is not None and end < len(buf):
             self.trailing(buf, end, where, depth)
 
-    def trailing(self, buf: Any, pos: int, where: str, depth: int) -> None:
+    def trailing(self, buf: PickleBuffer, pos: int, where: str, depth: int) -> None:
         """Data after the structures a loader reads: further pickles in a row, then possibly an appended zip."""
         rest = pos
         if buf[pos] in _PICKLE_FIRST and buf[pos:pos + 4] != _ZIP_LOCAL:
@@ -343,14 +259,13 @@ class _Scanner:
         elif rest < len(buf):
             self.note(f"{len(buf) - rest} bytes at byte {rest}{_in(where)} are not a pickle (no loader reads them)")
 
-    def zip(self, buf: Any, where: str, depth: int, f: Any = None) -> str:
+    def zip(self, buf: PickleBuffer, where: str, depth: int, f: BinaryIO | None = None) -> str:
         if depth > MAX_ZIP_DEPTH:
             raise CorruptCheckpointError(f"zips nested more than {MAX_ZIP_DEPTH} deep{_in(where)}")
-        own = f is None
-        if own:
+        if f is None:
             f = io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf))
         size = len(buf)
-        entries = read_directory(f, size, self.res.path if not where else where)
+        entries = read_directory(f, size, where or self.res.path)
         if not entries:
             raise CorruptCheckpointError(f"empty zip archive{_in(where)}")
         first = entries[0].name
@@ -372,7 +287,7 @@ class _Scanner:
             self.trailing(buf, end, where, depth)
         return kind
 
-    def zip_member(self, f: Any, e: ZipEntry, top: str, kind: str, where: str, depth: int) -> None:
+    def zip_member(self, f: BinaryIO, e: ZipEntry, top: str, kind: str, where: str, depth: int) -> None:
         name = e.name
         rel = name[len(top):] if name.startswith(top) else name
         label = _join(where, name)
@@ -409,17 +324,16 @@ class _Scanner:
         if rest is not None and rest < len(data):
             self.trailing(data, rest, label, depth)
 
-    def legacy(self, buf: Any, where: str, depth: int) -> None:
+    def legacy(self, buf: PickleBuffer, where: str, depth: int) -> None:
         """The five pickles of a torch legacy stream (torch/serialization.py ``_legacy_load``), then its storage
         blocks, to find data after them."""
         pos = 0
-        main_storages: dict[str, Any] = {}
-        keys: Any = None
+        main_storages: dict[str, StorageRef] = {}
+        keys: object = None
         for i, part in enumerate(("magic number", "protocol version", "sys_info", "main pickle", "storage keys")):
             label = _join(where, f"legacy {part}")
             try:
-                root, up, end = load_pickle_at(buf, pos, label,
-                                               **({"storages": main_storages} if i == 3 else {}))
+                root, up, end = load_pickle_at(buf, pos, label, storages=main_storages if i == 3 else None)
             except CkptError as e:
                 self.record(PickleFinding(label, pos, self._globals_before_failure(buf, pos, label, e), str(e)))
                 return
@@ -428,8 +342,6 @@ class _Scanner:
                 keys = root
             pos = end
         # the storage blocks: 8-byte element count + numel * element size bytes each, in key order
-        from ckptool.formats.torchfile import STORAGE_TYPES
-
         if not isinstance(keys, list):
             self.note("the legacy storage key list is not a list; data after it was not checked")
             return
@@ -448,23 +360,22 @@ class _Scanner:
         if pos < len(buf):
             self.trailing(buf, pos, where, depth)
 
-    def tar(self, buf: Any, where: str, depth: int) -> None:
+    def tar(self, buf: PickleBuffer, where: str, depth: int) -> None:
         """A torch legacy tar (torch < 0.4): ``torch.load`` unpickles its ``sys_info``, ``pickle``, ``storages``
         and ``tensors`` members; every member is read as pickles in a row."""
-        import tarfile
-
         try:
-            tf = tarfile.open(fileobj=io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf)), mode="r:")
+            with tarfile.open(fileobj=io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf)), mode="r:") as tf:
+                self._tar_members(tf, where, depth)
         except tarfile.TarError as e:
             raise CorruptCheckpointError(f"damaged tar archive{_in(where)} ({e})") from e
+
+    def _tar_members(self, tf: tarfile.TarFile, where: str, depth: int) -> None:
         try:
-            self._tar_members(tf, where, depth)
+            self._read_tar_members(tf, where, depth)
         except tarfile.TarError as e:
             self.note(f"the tar archive{_in(where)} is damaged after its readable members ({e})")
-        finally:
-            tf.close()
 
-    def _tar_members(self, tf: Any, where: str, depth: int) -> None:
+    def _read_tar_members(self, tf: tarfile.TarFile, where: str, depth: int) -> None:
         for i, member in enumerate(tf):
             if i >= MAX_TAR_MEMBERS:
                 self.note(f"more than {MAX_TAR_MEMBERS} tar members; the rest were not scanned")
@@ -495,7 +406,7 @@ def _join(where: str, name: str) -> str:
     return f"{where}!{name}" if where else name
 
 
-def _eocd(buf: Any) -> tuple[int, int, int, int] | None:
+def _eocd(buf: PickleBuffer) -> tuple[int, int, int, int] | None:
     """``(eocd offset, central directory size, central directory offset, comment length)`` of the last end of
     central directory record in the last 64 KiB of ``buf``, or None."""
     size = len(buf)
@@ -508,7 +419,7 @@ def _eocd(buf: Any) -> tuple[int, int, int, int] | None:
     return lo + at, cd_size, cd_offset, clen
 
 
-def _zip_start(buf: Any, pos: int) -> int | None:
+def _zip_start(buf: PickleBuffer, pos: int) -> int | None:
     """Where a zip appended after ``pos`` starts (what ``zipfile`` computes: end record - directory size -
     directory offset), or None."""
     found = _eocd(buf)
@@ -521,7 +432,7 @@ def _zip_start(buf: Any, pos: int) -> int | None:
     return start
 
 
-def _zip_end(buf: Any) -> int | None:
+def _zip_end(buf: PickleBuffer) -> int | None:
     found = _eocd(buf)
     return None if found is None else found[0] + 22 + found[3]
 
@@ -542,13 +453,11 @@ def scan_file(path: str | os.PathLike[str]) -> ScanResult:
     try:
         formats.check_readable(path)
         with open(path, "rb") as f:
-            buf: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             try:
                 res.format = sc.any(buf, "", 0, f)
                 if res.format == formats.SAFETENSORS:
-                    from ckptool.ops.inspect import read_safetensors_header
-
-                    read_safetensors_header(path)
+                    read_header(path)
             finally:
                 buf.close()
     except _NotAPickle:
@@ -584,8 +493,8 @@ def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
     Raises:
         UsageError: a path does not exist.
     """
-    for p in paths:
-        p = os.fspath(p)
+    for given in paths:
+        p = os.fspath(given)
         if not os.path.exists(p):
             raise UsageError(f"{p}: no such file or directory; check the path")
         if not os.path.isdir(p):

@@ -1,0 +1,101 @@
+"""One table from exception type to the ``Error: ...`` line and exit status of the ``ckptool`` command.
+
+In the manner of huggingface_hub's ``cli/_errors.py``: the library raises its own :class:`~ckptool.errors.CkptError`
+for everything about the input, and the exceptions of the system (out of memory, permission denied, disk full, a
+missing package) pass through it unchanged; this table, used only by the group in :mod:`ckptool.cli`, says what
+each means to the user in one line. Anything else is a bug in ckptool (exit :data:`~ckptool.errors.EXIT_BUG`), and
+its line says so and how to get the traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable
+from typing import Any
+
+from ckptool.errors import EXIT_BUG, EXIT_FAILURE, CkptError, os_error_advice
+
+#: pip's name for a module whose distribution is named differently (default: the module's own name)
+_PIP_NAMES = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
+
+DEBUG_HINT = "run again with --debug (or CKPTOOL_DEBUG=1) for the traceback"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _ckpt(e: CkptError) -> tuple[str, int]:
+    return str(e), e.exit_code
+
+
+def _memory(e: MemoryError) -> tuple[str, int]:
+    detail = _first_line(e)
+    msg = (f"out of memory{f' ({detail})' if detail else ''}: this needed more memory than the machine could give; "
+           "close other programs or run it on a machine with more memory")
+    return msg, EXIT_FAILURE
+
+
+def _import(e: ImportError) -> tuple[str, int] | None:
+    top = (e.name or "").split(".")[0]
+    if top == "ckptool":
+        return None  # ckptool failed to import its own module: a bug
+    pip = _PIP_NAMES.get(top, top)
+    if not top:
+        msg = (f"an import failed ({_first_line(e)}); reinstall ckptool's dependencies: "
+               "pip install --force-reinstall ckptool")
+    elif isinstance(e, ModuleNotFoundError):
+        msg = f"this needs the {pip} package, which is not installed; install it with: pip install {pip}"
+    else:
+        msg = (f"importing {e.name} failed ({_first_line(e)}); the installed {pip} may be too old or broken: "
+               f"pip install --upgrade {pip}")
+    return msg, EXIT_FAILURE
+
+
+def _paths(e: OSError) -> str:
+    if e.filename is None:
+        return ""
+    return f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 is not None else "")
+
+
+def _permission(e: PermissionError) -> tuple[str, int]:
+    where = _paths(e)
+    msg = (f"permission denied: {where or _first_line(e)}; check its permissions, or choose a file or folder you "
+           "can access")
+    return msg, EXIT_FAILURE
+
+
+def _os(e: OSError) -> tuple[str, int]:
+    where = _paths(e)
+    reason = e.strerror or _first_line(e) or type(e).__name__
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"{reason}{f' writing {where}' if where else ''}; {os_error_advice(e.errno)}", EXIT_FAILURE)
+    return (f"{where}: {reason}" if where else reason), EXIT_FAILURE
+
+
+#: (exception type, formatter) in the order they are tried; a formatter gives (one-line message, exit status), or
+#: None when the exception is a bug after all. Each formatter takes its own row's type, hence ``Any`` here.
+ERRORS: tuple[tuple[type[BaseException], Callable[[Any], tuple[str, int] | None]], ...] = (
+    (CkptError, _ckpt),
+    (MemoryError, _memory),
+    (ImportError, _import),
+    (PermissionError, _permission),
+    (OSError, _os),
+)
+
+
+def describe_error(e: BaseException) -> tuple[str, int]:
+    """The one-line message (without ``Error: ``) and exit status for ``e``: the first row of :data:`ERRORS`
+    whose type ``e`` is an instance of; otherwise, or when that row declines, an internal error (exit
+    :data:`~ckptool.errors.EXIT_BUG`) whose message says it is a bug and how to get the traceback."""
+    for typ, formatter in ERRORS:
+        if isinstance(e, typ):
+            found = formatter(e)
+            if found is not None:
+                return found
+            break
+    detail = _first_line(e)
+    msg = (f"internal error (a bug in ckptool): {type(e).__name__}{f': {detail}' if detail else ''}; "
+           f"{DEBUG_HINT}, and report it")
+    return msg, EXIT_BUG

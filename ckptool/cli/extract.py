@@ -1,0 +1,54 @@
+"""``ckptool extract-state-dict``: the state_dict of a ``torch.save(model)`` file, without importing the model's
+class (a thin command over :func:`ckptool.ops.extract.extract_state_dict`; torch is imported only to write
+safetensors or with ``--trust``)."""
+
+from __future__ import annotations
+
+import click
+
+from ckptool.cli._common import human_bytes, key_option
+from ckptool.ops.extract import extract_state_dict
+
+
+@click.command("extract-state-dict")
+@click.argument("src", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "dst", type=click.Path(dir_okay=False),
+              help="Output file: *.safetensors for safetensors, anything else for torch's format. "
+                   "Default: SRC's stem + .state_dict.pth.")
+@key_option("Dotted path of the module in the file when it is not the top level (e.g. model).")
+@click.option("--unwrap", "unwrap_keys", is_flag=True,
+              help="Remove wrapper components from the keys (module. of DataParallel/DDP, _orig_mod. of "
+                   "torch.compile, ...).")
+@click.option("--to", "to", metavar="DEVICE", help="Re-tag every storage for DEVICE (cpu, cuda:N, ...) in a .pth "
+                                                   "output. Default: as saved.")
+@click.option("--trust", is_flag=True,
+              help="Load SRC with torch.load(weights_only=False), which imports its classes and RUNS ITS CODE, and "
+                   "call the module's own state_dict(). Only for files from a source you trust.")
+def extract_cmd(src: str, dst: str | None, key: str | None, unwrap_keys: bool, to: str | None, trust: bool) -> None:
+    """Write the state_dict of a torch.save(model) file SRC, without the model's class and without running it.
+
+    The pickled module tree is walked as nn.Module.state_dict() would walk it: parameters and persistent
+    buffers of each module, then its submodules, detached, with _metadata; the classes are never imported and
+    nothing from the file runs. Tensor bytes are copied, not decoded (.pth), or read with torch (.safetensors).
+    Modules whose state_dict needs their own code (quantized or lazy modules, state_dict hooks) are refused:
+    --trust loads the file with torch.load(weights_only=False) instead, which runs its code.
+
+    \b
+    Examples:
+      ckptool extract-state-dict model.pth -o model.sd.pth
+      ckptool extract-state-dict dp_model.pth -o model.safetensors --unwrap
+      ckptool extract-state-dict ckpt.pth --key model --to cpu
+    """
+    res = extract_state_dict(src, dst, key=key, unwrap=unwrap_keys, to=to, trust=trust)
+    where = f" at {res.path}" if res.path else ""
+    click.echo(f"Wrote {res.dst} ({res.format}, {human_bytes(res.bytes_written)}): {len(res.keys)} tensors from "
+               f"{res.module}{where}, {res.storages} storages" + (" [trusted: the file's code ran]" if res.trusted
+                                                                 else "; nothing from the file was imported or run"))
+    if res.removed:
+        click.echo("Removed wrapper components: "
+                   + ", ".join(f"{c}. ({n} keys)" for c, n in sorted(res.removed.items())))
+    if res.format == "safetensors":
+        click.echo(f"Load it with: safetensors.torch.load_file({res.dst!r})")
+    else:
+        click.echo(f"Load it with: torch.load({res.dst!r}, weights_only=True"
+                   + (")" if to or res.trusted else ", map_location='cpu')"))

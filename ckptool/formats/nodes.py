@@ -1,0 +1,311 @@
+"""The node types the restricted unpickler (:mod:`ckptool.formats.unpickler`) builds a checkpoint's graph from.
+
+A pickle read by ckptool is a graph of plain Python values (dict, list, tuple, str, int, float, bytes, ...) and
+these records, which only remember what the pickle asked for and never run it:
+
+* :class:`GlobalMeta` instances stand in for every global the pickle names (``module``, ``name``);
+* :class:`ReduceNode` (``func(*args)``, REDUCE), with :class:`TensorNode` and :class:`ParameterNode` for torch's
+  tensor and parameter rebuild functions, and :class:`ObjectNode` (``cls.__new__(cls, *args)``, NEWOBJ);
+* :class:`StorageRef` for a storage persistent id, :class:`PersistentRef` for any other persistent id.
+
+:mod:`ckptool.formats.pickler` writes such a graph back to pickle bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+# Names of the tensor rebuild functions torch writes (torch/_utils.py, torch/_tensor.py).
+REBUILD_TENSOR_V2 = ("torch._utils", "_rebuild_tensor_v2")
+REBUILD_TENSOR_V3 = ("torch._utils", "_rebuild_tensor_v3")
+REBUILD_TENSOR = ("torch._utils", "_rebuild_tensor")
+REBUILD_QTENSOR = ("torch._utils", "_rebuild_qtensor")
+REBUILD_PARAMETER = ("torch._utils", "_rebuild_parameter")
+REBUILD_PARAMETER_WITH_STATE = ("torch._utils", "_rebuild_parameter_with_state")
+REBUILD_FROM_TYPE_V2 = ("torch._tensor", "_rebuild_from_type_v2")
+#: the rebuild functions whose first argument is a storage (``_rebuild_from_type_v2`` wraps one of them)
+STORAGE_TENSOR_REBUILDERS = frozenset({REBUILD_TENSOR_V2, REBUILD_TENSOR_V3, REBUILD_TENSOR, REBUILD_QTENSOR})
+
+# protocol-2 pickles name builtins the Python 2 way; torch's allowlist is written with the Python 3 names
+_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+
+
+def qualified_name(module: str, name: str) -> str:
+    """``module.name`` with Python 2 module names mapped to Python 3 (``__builtin__`` -> ``builtins``)."""
+    return f"{_PY2_MODULES.get(module, module)}.{name}"
+
+
+class GlobalMeta(type):
+    """Metaclass of global placeholders. ``G.module`` / ``G.name`` are the names as written in the pickle.
+
+    Calling a placeholder (what REDUCE does) records a :class:`ReduceNode` (or a :class:`TensorNode` for
+    torch's tensor rebuild functions) instead of calling anything.
+    """
+
+    module: str
+    name: str
+    #: the node REDUCE records (:func:`node_type_for`); None for ``_rebuild_from_type_v2``, decided per call
+    node_type: type[ReduceNode] | None
+
+    def __call__(cls, *args: Any) -> ReduceNode:
+        node = cls.node_type  # chosen once per global in find_class
+        if node is None:  # _rebuild_from_type_v2: a tensor when its rebuild function is a tensor rebuilder
+            inner = args[0] if args else None
+            tensor = isinstance(inner, GlobalMeta) and (inner.module, inner.name) in STORAGE_TENSOR_REBUILDERS
+            node = TensorNode if tensor else ReduceNode
+        return node(cls, args)
+
+    @property
+    def qualified_name(cls) -> str:
+        """``module.name`` with Python 2 module names mapped to Python 3 (``__builtin__`` -> ``builtins``)."""
+        return qualified_name(cls.module, cls.name)
+
+    def __repr__(cls) -> str:
+        return f"<global {cls.module}.{cls.name}>"
+
+
+class PickledObject:
+    """A node for an object the pickle would build; records what was done to it after creation.
+
+    ``dictitems`` (SETITEMS/SETITEM), ``listitems`` (APPENDS/APPEND), ``setitems`` (ADDITEMS) and ``state``
+    (BUILD) are None until the pickle uses them; ``order`` lists those operations in the order they first
+    happened, so the writer can repeat them in the same order.
+    """
+
+    # the operations live in the instance __dict__, created only when a pickle uses them: most nodes (the
+    # 50,000 tensors of a big state_dict) never need one, which keeps reading fast
+    __slots__ = ("__dict__", "__weakref__")
+    dictitems: list[tuple[Any, Any]] | None = None
+    listitems: list[Any] | None = None
+    setitems: list[Any] | None = None
+    state: Any = None
+    order: list[str] | tuple[()] = ()
+
+    def _note(self, op: str) -> None:
+        if op not in self.order:
+            self.order = [*self.order, op]
+
+    # --- the methods the C unpickler calls for BUILD / SETITEMS / APPENDS / ADDITEMS on non-builtin objects ---
+    def __setstate__(self, state: Any) -> None:
+        self._note("build")
+        self.state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if self.dictitems is None:
+            self.dictitems = []
+        self._note("setitems")
+        self.dictitems.append((key, value))
+
+    def append(self, value: Any) -> None:
+        if self.listitems is None:
+            self.listitems = []
+        self._note("appends")
+        self.listitems.append(value)
+
+    def extend(self, values: Any) -> None:
+        for v in values:
+            self.append(v)
+
+    def add(self, value: Any) -> None:
+        if self.setitems is None:
+            self.setitems = []
+        self._note("additems")
+        self.setitems.append(value)
+
+    # nodes are compared and hashed by identity (they may be dict keys in the graph)
+    __hash__ = object.__hash__
+
+
+class ReduceNode(PickledObject):
+    """``func(*args)`` as REDUCE would call it. ``func`` is usually a :class:`GlobalMeta` placeholder."""
+
+    __slots__ = ("args", "func")
+
+    def __init__(self, func: Any, args: tuple[Any, ...]) -> None:
+        self.func = func
+        self.args = args
+
+    def __call__(self, *args: Any) -> ReduceNode:  # REDUCE with a node as the callable
+        return ReduceNode(self, args)
+
+    @property
+    def global_name(self) -> str | None:
+        """``module.name`` of the callable when it is a global, else None."""
+        return self.func.qualified_name if isinstance(self.func, GlobalMeta) else None
+
+    def __repr__(self) -> str:
+        return f"<reduce {self.global_name or self.func!r}>"
+
+
+class TensorNode(ReduceNode):
+    """A tensor as torch pickles it: ``_rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad,
+    backward_hooks[, metadata])``, ``_rebuild_tensor_v3(..., dtype)`` (dtypes without a legacy storage class),
+    ``_rebuild_qtensor`` or ``_rebuild_from_type_v2(rebuild_fn, type, args, state)`` (tensor subclasses)."""
+
+    __slots__ = ()
+
+    @property
+    def rebuild_args(self) -> tuple[Any, ...]:
+        """The arguments of the storage-backed rebuild function (unwrapping ``_rebuild_from_type_v2``)."""
+        if (self.func.module, self.func.name) == REBUILD_FROM_TYPE_V2:
+            inner = self.args[2] if len(self.args) > 2 else ()
+            return inner if isinstance(inner, tuple) else ()
+        return self.args
+
+    @property
+    def rebuild_name(self) -> tuple[str, str]:
+        if (self.func.module, self.func.name) == REBUILD_FROM_TYPE_V2:
+            return (self.args[0].module, self.args[0].name)
+        return (self.func.module, self.func.name)
+
+    @property
+    def storage(self) -> StorageRef | None:
+        a = self.rebuild_args
+        return a[0] if a and isinstance(a[0], StorageRef) else None
+
+    @property
+    def storage_offset(self) -> int:
+        a = self.rebuild_args
+        return a[1] if len(a) > 1 and isinstance(a[1], int) else 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        a = self.rebuild_args
+        return _int_tuple(a[2]) if len(a) > 2 else ()
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        a = self.rebuild_args
+        return _int_tuple(a[3]) if len(a) > 3 else ()
+
+    @property
+    def requires_grad(self) -> bool:
+        a = self.args
+        if self.func.name == "_rebuild_tensor_v2" and len(a) > 4 and type(a[4]) is bool:  # the common case
+            return a[4]
+        a = self.rebuild_args
+        idx = 5 if self.rebuild_name == REBUILD_QTENSOR else 4
+        return bool(a[idx]) if len(a) > idx and isinstance(a[idx], bool) else False
+
+    @property
+    def dtype_global(self) -> GlobalMeta | None:
+        """The dtype GLOBAL of ``_rebuild_tensor_v3`` (``torch.float8_e4m3fn``), else None."""
+        if self.rebuild_name == REBUILD_TENSOR_V3:
+            a = self.rebuild_args
+            if len(a) > 6 and isinstance(a[6], GlobalMeta):
+                return a[6]
+        return None
+
+    def __repr__(self) -> str:
+        return f"<tensor {self.shape} {self.storage!r}>"
+
+
+class ParameterNode(ReduceNode):
+    """``torch._utils._rebuild_parameter(data, requires_grad, backward_hooks)``; ``tensor`` is the data node."""
+
+    __slots__ = ()
+
+    @property
+    def tensor(self) -> Any:
+        return self.args[0] if self.args else None
+
+    def __repr__(self) -> str:
+        return f"<parameter {self.tensor!r}>"
+
+
+class ObjectNode(PickledObject):
+    """An instance made by NEWOBJ / NEWOBJ_EX / OBJ / INST: ``cls.__new__(cls, *args, **kwargs)`` then the
+    recorded operations (for an ``nn.Module``, BUILD with its ``__dict__``). ``type(node)`` is the class
+    placeholder, so ``node.cls`` gives ``module`` and ``name``."""
+
+    __slots__ = ("args", "kwargs")
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ObjectNode:
+        self = object.__new__(cls)
+        self.args = args
+        self.kwargs = kwargs
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # tp_new already did the work
+        pass
+
+    @property
+    def cls(self) -> GlobalMeta:
+        """The class placeholder (``type(node)``; find_class makes every placeholder a subclass of ObjectNode)."""
+        return cast(GlobalMeta, type(self))
+
+    @property
+    def global_name(self) -> str:
+        return self.cls.qualified_name
+
+    def __repr__(self) -> str:
+        return f"<object {self.cls.module}.{self.cls.name}>"
+
+
+class StorageRef:
+    """A storage persistent id: ``(typename, storage_type, key, location, numel, *extra)``.
+
+    ``storage_type`` is the GLOBAL placeholder (``torch.FloatStorage``, ``torch.storage.UntypedStorage``...),
+    ``key`` names the record (``data/<key>`` in the zip format), ``location`` is the location tag string
+    (``'cpu'``, ``'cuda:1'``), ``numel`` the element count of the typed storage (bytes for UntypedStorage).
+    ``extra`` keeps anything after ``numel`` (legacy files add ``view_metadata``, normally None).
+    """
+
+    __slots__ = ("__weakref__", "extra", "key", "location", "numel", "storage_type", "typename")
+
+    def __init__(self, typename: str, storage_type: Any, key: str, location: str, numel: int,
+                 extra: tuple[Any, ...]) -> None:
+        self.typename = typename
+        self.storage_type = storage_type
+        self.key = key
+        self.location = location
+        self.numel = numel
+        self.extra = extra
+
+    def pid(self) -> tuple[Any, ...]:
+        return (self.typename, self.storage_type, self.key, self.location, self.numel, *self.extra)
+
+    @property
+    def storage_type_name(self) -> str:
+        st = self.storage_type
+        return st.name if isinstance(st, GlobalMeta) else str(st)
+
+    def __repr__(self) -> str:
+        return f"<storage {self.key} {self.storage_type_name} {self.location} {self.numel}>"
+
+
+class PersistentRef:
+    """A persistent id that is not a storage (legacy ``('module', type, source_file, source)``), kept as-is."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: Any) -> None:
+        self.pid = pid
+
+    def __repr__(self) -> str:
+        return f"<persistent {self.pid!r}>"
+
+
+def _int_tuple(v: Any) -> tuple[int, ...]:
+    if isinstance(v, (tuple, list)) and all(isinstance(x, int) for x in v):
+        return tuple(v)
+    if isinstance(v, ReduceNode) and v.args and isinstance(v.args[0], (tuple, list)):  # torch.Size((..))
+        return _int_tuple(v.args[0])
+    return ()
+
+
+def node_type_for(module: str, name: str) -> type[ReduceNode] | None:
+    """The node REDUCE of global ``module.name`` records: :class:`TensorNode` for torch's storage-backed tensor
+    rebuild functions, :class:`ParameterNode` for ``_rebuild_parameter[_with_state]``, None for
+    ``_rebuild_from_type_v2`` (a tensor or not depending on the rebuild function it wraps), else
+    :class:`ReduceNode`."""
+    key = (module, name)
+    if key in STORAGE_TENSOR_REBUILDERS:
+        return TensorNode
+    if key in (REBUILD_PARAMETER, REBUILD_PARAMETER_WITH_STATE):
+        return ParameterNode
+    if key == REBUILD_FROM_TYPE_V2:
+        return None
+    return ReduceNode

@@ -1,0 +1,288 @@
+"""Opcode pre-check of a pickle, run before the C unpickler sees it, and a stack sized for deep tuple nesting.
+
+:func:`check_pickle` walks the opcodes without building anything and refuses what would make CPython's C unpickler
+allocate or recurse out of proportion to the input; :func:`call_with_stack` runs the unpickler in a thread whose C
+stack is large enough for the tuple nesting :func:`tuple_levels` bounds. Every refusal is a
+:class:`~ckptool.errors.CorruptCheckpointError` (or :class:`~ckptool.errors.UnsupportedError` for a stack over
+:data:`MAX_UNPICKLE_STACK`). Used by :mod:`ckptool.formats.unpickler`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+import threading
+from collections.abc import Callable
+from typing import TypeAlias, TypeVar
+
+from ckptool.errors import CorruptCheckpointError, UnsupportedError
+
+# The C unpickler trusts the lengths and indices written in the stream. Before it runs, check_pickle() walks the
+# opcodes (pickletools' opcode table: the same argument layout the C unpickler reads) and refuses what would make
+# it allocate or recurse out of proportion to the input:
+#
+# * memo bombs: PUT / LONG_BINPUT with a huge index make CPython's C unpickler grow its memo array to twice the
+#   index (``_Unpickler_MemoPut``): 16 bytes per unit of index, 64 GiB for ``r\xff\xff\xff\xff``, all written
+#   with NULLs. Picklers number memo entries 0, 1, 2, ... so at byte offset p an index above p cannot come from
+#   a real pickler. An index is accepted when it is below p or below the pickle's size rounded down to a power of
+#   two (at least 65,536; for a stream of unknown length at most 4 Mi): the memo stays under 16 bytes per byte of
+#   input (1 MiB at least).
+# * lengths beyond the data: a string, bytes or FRAME whose declared length runs past the end is refused before
+#   anything is allocated for it.
+# * FRAMEs (protocol 4+) must hold whole opcodes and follow one another, as every pickler writes them: CPython's
+#   C unpickler reading a file without ``peek`` (torch.load's data.pkl) drops the rest of a frame an opcode runs
+#   past, so a malformed frame would make it see other opcodes than the ones checked here.
+# * deep tuple nesting: hashing a tuple recurses in C without a depth check, so a dict key or set element made of
+#   a million nested tuples (one byte each: TUPLE1 repeated) overflows the C stack (a segfault). The nesting depth
+#   of tuples is at most the number of tuple-building opcodes; when that bound is large, the unpickler runs in a
+#   helper thread whose stack is sized for it.
+#
+# Scanning uses one regular expression that consumes runs of ordinary opcodes in C (strings shorter than 128 bytes
+# included) and stops at anything it cannot vouch for; those opcodes are checked one by one in Python.
+
+_NOARG = b"(012NQR}abdel]ostu)\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94\x97\x98"  # no argument (STOP apart)
+_ARG1 = b"Khq\x80\x82"  # BININT1 BINGET BINPUT PROTO EXT1
+_ARG2 = b"M\x83"  # BININT2 EXT2
+_ARG4 = b"Jj\x84r"  # BININT LONG_BINGET EXT4 LONG_BINPUT
+_ARG8 = b"G\x95"  # BINFLOAT FRAME (FRAME is checked in Python: frames must hold whole opcodes)
+_LEN1 = b"UC\x8c\x8a"  # SHORT_BINSTRING SHORT_BINBYTES SHORT_BINUNICODE LONG1: 1-byte length
+_LEN4_UNSIGNED = b"XB"  # BINUNICODE BINBYTES: 4-byte unsigned length
+_LEN4_SIGNED = b"T\x8b"  # BINSTRING LONG4: 4-byte signed length
+_LEN8 = b"\x8d\x8e\x96"  # BINUNICODE8 BINBYTES8 BYTEARRAY8: 8-byte length
+_LINE1 = b"ILFSVPgp"  # INT LONG FLOAT STRING UNICODE PERSID GET PUT: argument up to a newline
+_LINE2 = b"ci"  # GLOBAL INST: two lines
+_STOP = 0x2E
+_FRAME = 0x95
+_LONG_BINPUT = 0x72
+_PUT = 0x70
+_TUPLE_OPS = (b"t", b"\x85", b"\x86", b"\x87")
+
+_ARG_SIZE: dict[int, int] = {}
+for _ops, _n in ((_NOARG, 0), (_ARG1, 1), (_ARG2, 2), (_ARG4, 4), (_ARG8, 8)):
+    for _op in _ops:
+        _ARG_SIZE[_op] = _n
+
+#: tuple nesting up to this bound is unpickled in the caller's thread (about 64 bytes of C stack per level)
+INLINE_TUPLE_LEVELS = 2000
+_STACK_PER_LEVEL = 160
+_STACK_BASE = 4 << 20
+#: the largest helper-thread stack ckptool asks for (virtual memory; only what deep nesting uses is touched)
+MAX_UNPICKLE_STACK = 2 << 30
+_stack_lock = threading.Lock()
+_T = TypeVar("_T")
+
+#: what the checks and the unpickler read: the bytes of a pickle, or a mapped file holding one
+PickleBuffer: TypeAlias = "bytes | mmap.mmap"
+
+
+def _cls(ops: bytes) -> bytes:
+    return b"[" + b"".join(b"\\x%02x" % c for c in ops) + b"]"
+
+
+def _counted(lengths: bytes) -> bytes:
+    """Alternatives ``<length prefix><that many bytes>`` for lengths 0..127 (prefix = byte + ``lengths`` zeros);
+    longer values are rare in checkpoints (keys, location tags) and are checked in Python."""
+    return b"(?:" + b"|".join(
+        b"\\x%02x" % n + b"\\x00" * len(lengths) + (b"[\\s\\S]{%d}" % n if n else b"") for n in range(128)) + b")"
+
+
+_patterns: dict[int, re.Pattern[bytes]] = {}
+
+
+def _run_pattern(k: int) -> re.Pattern[bytes]:
+    """The opcode-run expression that accepts LONG_BINPUT indices below ``2**k`` (16 <= k <= 32)."""
+    pat = _patterns.get(k)
+    if pat is None:
+        nb, rem = divmod(k, 8)
+        put = b"r" + b"[\\s\\S]" * nb
+        if nb < 4:
+            put += b"[\\x00-\\x%02x]" % ((1 << rem) - 1) + b"\\x00" * (3 - nb)
+        alts = [
+            put,  # memo puts first: the commonest opcode of a torch pickle
+            _cls(_ARG1) + b"[\\s\\S]",
+            _cls(_NOARG),
+            _cls(_LEN4_UNSIGNED + _LEN4_SIGNED) + _counted(b"\x00\x00\x00"),
+            _cls(b"M\x83") + b"[\\s\\S]{2}",
+            _cls(b"Jj\x84") + b"[\\s\\S]{4}",
+            b"G[\\s\\S]{8}",
+            _cls(_LEN1) + _counted(b""),
+            _cls(b"ILFSVPg") + b"[^\\n]*\\n",
+            _cls(_LINE2) + b"[^\\n]*\\n[^\\n]*\\n",
+            b"p[0-9]{1,4}\\n",  # text PUT with a small index
+        ]
+        pat = _patterns[k] = re.compile(b"(?:" + b"|".join(alts) + b")*+")
+    return pat
+
+
+def _corrupt(what: str, detail: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{what} is corrupted or truncated ({detail}); re-download or re-save the checkpoint")
+
+
+def _memo_bomb(what: str, idx: int, pos: int, start: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{what} is malformed or hostile: memo index {idx} at byte {pos - start} is larger than the pickle could "
+        "have numbered (it would make the unpickler allocate gigabytes); refusing to read it")
+
+
+def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, what: str = "pickle",
+                 exact: bool = True, strict_frames: bool = True) -> int:
+    """Walk the opcodes of the pickle at ``buf[start:]`` (bytes or ``mmap``) without building anything and return
+    the offset just after its STOP opcode.
+
+    ``exact=True`` says the pickle fills ``buf[start:end]`` (a zip record); ``False`` that more data may follow
+    (the legacy stream). See the comment above for what is refused. With ``strict_frames`` (the default) every
+    FRAME (protocol 4+) must hold whole opcodes and end where the next FRAME starts, as every pickler writes them:
+    CPython's C unpickler reading from a file without ``peek`` (what ``torch.load`` does with ``data.pkl``) drops
+    the bytes of a frame that an opcode runs past, so a malformed frame makes it see other opcodes than an
+    in-memory read does. ``strict_frames=False`` reads the opcodes as one flat stream (frames are ignored).
+
+    Raises:
+        CorruptCheckpointError: an unknown opcode, an argument or length running past ``end``, no STOP opcode, a
+            memo index no pickler could have written (a memo bomb), or (``strict_frames``) a malformed FRAME.
+    """
+    end = len(buf) if end is None else end
+    at = [start]
+    try:
+        return _walk(buf, start, end, what, exact, strict_frames, at)
+    except CorruptCheckpointError as e:
+        e.offset = at[0]  # type: ignore[attr-defined] # where the refused opcode starts: what precedes was checked
+        raise
+
+
+#: opcodes in the first bytes of a pickle are checked one by one in Python: compiling the fast expression costs
+#: a few milliseconds, more than walking a small pickle (the legacy stream's headers, small checkpoints)
+_PY_PREFIX = 24 << 10
+
+
+def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, strict_frames: bool, at: list[int]) -> int:
+    size = end - start
+    k = max(16, min(32, size.bit_length() - 1)) if exact else max(16, min(22, size.bit_length() - 1))
+    fast_from = start + _PY_PREFIX
+    match = None
+    pos = start
+    limit = end  # the end of the current frame, or ``end``
+    while True:
+        if pos >= fast_from:
+            if match is None:
+                match = _run_pattern(k).match
+            m = match(buf, pos, limit)
+            assert m is not None  # the expression ends in ``*+``: it always matches, if only the empty string
+            pos = m.end()
+        at[0] = pos
+        if pos == limit and limit != end:  # the frame is used up exactly
+            limit = end
+            continue
+        if pos >= end:
+            raise _corrupt(what, "no STOP opcode: the pickle is cut short")
+        op = buf[pos]
+        if op == _STOP:
+            return pos + 1
+        if op == _FRAME:
+            if pos + 9 > end:
+                raise _corrupt(what, f"FRAME at byte {pos - start} is cut short")
+            if strict_frames:
+                if limit != end:
+                    raise _bad_frame(what, pos - start, "a FRAME starts inside the previous frame")
+                frame_end = pos + 9 + int.from_bytes(buf[pos + 1:pos + 9], "little")
+                if frame_end > end:
+                    raise _corrupt(what, f"FRAME at byte {pos - start} runs past the end of the data")
+                limit = frame_end
+            pos += 9
+            continue
+        nxt = _check_one(buf, op, pos, start, limit, what)
+        if nxt < 0:
+            if limit != end and _check_one(buf, op, pos, start, end, what) >= 0:
+                raise _bad_frame(what, pos - start, "an opcode runs past the end of its FRAME")
+            raise _corrupt(what, f"opcode {bytes([op])!r} at byte {pos - start} runs past the end of the data")
+        pos = nxt
+
+
+def _bad_frame(what: str, at: int, detail: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{what} is malformed or hostile: {detail} (byte {at}); loaders would disagree on what the pickle holds")
+
+
+def _check_one(buf: PickleBuffer, op: int, pos: int, start: int, end: int, what: str) -> int:
+    """Check one opcode the fast expression stopped at; return the offset of the next one, or -1 when the opcode
+    or its argument runs past ``end``."""
+    n = _ARG_SIZE.get(op)
+    if n is not None:
+        if pos + 1 + n > end:
+            return -1
+        if op == _LONG_BINPUT:
+            idx = int.from_bytes(buf[pos + 1:pos + 5], "little")
+            if idx > pos - start:
+                raise _memo_bomb(what, idx, pos, start)
+        return pos + 1 + n
+    if op in _LEN1 or op in _LEN4_UNSIGNED or op in _LEN4_SIGNED or op in _LEN8:
+        width = 1 if op in _LEN1 else 8 if op in _LEN8 else 4
+        if pos + 1 + width > end:
+            return -1
+        length = int.from_bytes(buf[pos + 1:pos + 1 + width], "little", signed=op in _LEN4_SIGNED)
+        if length < 0:
+            raise _corrupt(what, f"negative length {length} at byte {pos - start}")
+        nxt = pos + 1 + width + length
+        return nxt if nxt <= end else -1
+    if op in _LINE1 or op in _LINE2:
+        nl = buf.find(b"\n", pos + 1, end)
+        if nl < 0:
+            return -1
+        if op == _PUT:
+            try:
+                idx = int(bytes(buf[pos + 1:nl]))
+            except ValueError:
+                raise _corrupt(what, f"bad PUT argument at byte {pos - start}") from None
+            if idx > pos - start:
+                raise _memo_bomb(what, idx, pos, start)
+        if op in _LINE2:
+            nl = buf.find(b"\n", nl + 1, end)
+            if nl < 0:
+                return -1
+        return nl + 1
+    raise _corrupt(what, f"invalid opcode {bytes([op])!r} at byte {pos - start}")
+
+
+def tuple_levels(data: bytes) -> int:
+    """An upper bound on how deeply tuples can nest in pickle ``data``: its number of tuple-building opcode bytes."""
+    return sum(data.count(op) for op in _TUPLE_OPS)
+
+
+def call_with_stack(fn: Callable[[], _T], levels: int, what: str = "pickle") -> _T:
+    """``fn()``, run in a helper thread with a C stack large enough for ``levels`` of recursion in C (tuple hashing)
+    when ``levels`` exceeds :data:`INLINE_TUPLE_LEVELS`, else in the calling thread. Exceptions propagate.
+
+    Raises:
+        UnsupportedError: the stack it would need exceeds :data:`MAX_UNPICKLE_STACK`, or no thread can be started.
+    """
+    if levels <= INLINE_TUPLE_LEVELS:
+        return fn()
+    need = _STACK_BASE + levels * _STACK_PER_LEVEL
+    if need > MAX_UNPICKLE_STACK:
+        raise UnsupportedError(
+            f"{what} has {levels} tuple-building opcodes: reading it safely would need a "
+            f"{need >> 20} MiB stack, over ckptool's {MAX_UNPICKLE_STACK >> 20} MiB limit")
+    need = (need + (1 << 20) - 1) & ~((1 << 20) - 1)
+    result: list[_T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as e:  # handed back to the caller's thread
+            error.append(e)
+
+    with _stack_lock:
+        old = threading.stack_size()
+        try:
+            threading.stack_size(need)
+            t = threading.Thread(target=run, name="ckptool-unpickle", daemon=True)
+            t.start()
+        except (RuntimeError, ValueError, MemoryError) as e:
+            raise UnsupportedError(f"{what}: cannot start a reader thread with a {need >> 20} MiB stack ({e})") from e
+        finally:
+            threading.stack_size(old)
+    t.join()
+    if error:
+        raise error[0]
+    return result[0]

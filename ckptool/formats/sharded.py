@@ -1,0 +1,137 @@
+"""Sharded checkpoint sets: the ``*.index.json`` that maps each tensor to its shard, and the folder layout.
+
+Layout (``transformers`` ``save_pretrained``, ``huggingface_hub.split_state_dict_into_shards``): an index
+``{"metadata": {"total_size": bytes}, "weight_map": {tensor name: shard file name}}`` beside the shards
+``model-00001-of-00003.safetensors`` ... (``pytorch_model-00001-of-00003.bin`` for torch shards). A model folder
+whose weights fit one file holds ``model.safetensors`` or ``pytorch_model.bin`` and no index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ckptool.errors import CorruptCheckpointError, UsageError
+from ckptool.formats.dcp import is_dcp_folder
+
+INDEX_SUFFIX = ".index.json"
+#: output format -> (file stem, suffix) of its shards, as ``transformers`` names them
+SHARD_NAMES: dict[str, tuple[str, str]] = {"safetensors": ("model", ".safetensors"), "torch": ("pytorch_model", ".bin")}
+#: the one weights file of a model folder small enough for a single file
+SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+@dataclass
+class ShardIndex:
+    """A parsed ``*.index.json``: its ``path``, ``weight_map`` (tensor name -> shard file name, index order) and
+    ``metadata`` (the index's ``metadata`` object, ``None`` when absent or not an object)."""
+
+    path: str
+    weight_map: dict[str, str]
+    metadata: dict[str, Any] | None
+
+    @property
+    def folder(self) -> str:
+        return os.path.dirname(os.path.abspath(self.path))
+
+    @property
+    def shards(self) -> list[str]:
+        """Shard file names in order of first appearance in ``weight_map``."""
+        return list(dict.fromkeys(self.weight_map.values()))
+
+    def shard_path(self, shard: str) -> str:
+        return os.path.join(self.folder, shard)
+
+
+def read_index(path: str) -> ShardIndex:
+    """Read the sharded-set index at ``path`` and check that every shard it names exists beside it.
+
+    Raises:
+        CorruptCheckpointError: not JSON, no ``weight_map`` of strings to strings, or a shard path that points
+            outside the index's folder.
+        UsageError: a shard file is missing (the set was not downloaded completely).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{path} is not valid JSON ({e}); re-download it") from e
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise CorruptCheckpointError(f"{path} has no weight_map (tensor name -> shard file); it is not a "
+                                     "sharded checkpoint index")
+    meta = doc.get("metadata")
+    index = ShardIndex(path, wm, meta if isinstance(meta, dict) else None)
+    for shard in index.shards:
+        if os.path.isabs(shard) or os.path.normpath(shard).startswith(".."):
+            raise CorruptCheckpointError(f"{path}: shard path {shard!r} points outside the index's folder")
+        p = index.shard_path(shard)
+        if not os.path.isfile(p):
+            raise UsageError(f"{path} lists shard {shard} but {p} does not exist; download every shard")
+    return index
+
+
+def encode_index(weight_map: dict[str, str], total_size: int) -> bytes:
+    """The bytes of an index file: ``total_size`` (bytes of tensor data) and ``weight_map`` sorted by name, indented
+    as ``transformers`` writes it."""
+    doc = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(doc, indent=2) + "\n").encode("utf-8")
+
+
+def index_name(fmt: str) -> str:
+    """``model.safetensors.index.json`` / ``pytorch_model.bin.index.json`` for output format ``fmt``."""
+    stem, ext = SHARD_NAMES[fmt]
+    return f"{stem}{ext}{INDEX_SUFFIX}"
+
+
+def shard_names(fmt: str, n: int) -> list[str]:
+    """File names of ``n`` shards of format ``fmt``: the single file for ``n == 1``, else
+    ``model-00001-of-0000n.safetensors``..."""
+    stem, ext = SHARD_NAMES[fmt]
+    if n == 1:
+        return [stem + ext]
+    return [f"{stem}-{i + 1:05d}-of-{n:05d}{ext}" for i in range(n)]
+
+
+def is_set_file(name: str, fmt: str) -> bool:
+    """True for a file name a set of format ``fmt`` uses: a shard, the single file or the index."""
+    stem, ext = SHARD_NAMES[fmt]
+    return re.match(rf"^{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(ext)}(\.index\.json)?$", name) is not None
+
+
+def is_checkpoint_set(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a sharded index (``*.index.json``) or a folder (a DCP checkpoint, or a model folder):
+    inputs read as one checkpoint rather than one file."""
+    p = os.fspath(path)
+    return p.endswith(INDEX_SUFFIX) or os.path.isdir(p)
+
+
+def set_kind(path: str) -> tuple[str, str]:
+    """What the set at ``path`` is: ``("index", index path)`` for an ``*.index.json`` or a folder holding exactly
+    one, ``("dcp", folder)`` for a ``torch.distributed.checkpoint`` folder, ``("file", path)`` for a model folder
+    holding only ``model.safetensors`` or ``pytorch_model.bin``.
+
+    Raises:
+        UsageError: a missing index file; a folder that is none of these, or holds several indexes.
+    """
+    if path.endswith(INDEX_SUFFIX):
+        if not os.path.isfile(path):
+            raise UsageError(f"{path}: no such file; check the path")
+        return "index", path
+    if is_dcp_folder(path):
+        return "dcp", path
+    names = os.listdir(path)
+    indexes = sorted(n for n in names if n.endswith(INDEX_SUFFIX))
+    if len(indexes) == 1:
+        return "index", os.path.join(path, indexes[0])
+    if indexes:
+        raise UsageError(f"{path} holds several sharded indexes ({', '.join(indexes)}); pass one of them")
+    singles = sorted(n for n in names if n in SINGLE_FILES)
+    if len(singles) == 1:  # a model folder whose weights fit one file (save_pretrained writes no index then)
+        return "file", os.path.join(path, singles[0])
+    raise UsageError(
+        f"{path} is a folder but neither a torch.distributed.checkpoint folder (no .metadata) nor a sharded "
+        "checkpoint (no *.index.json, model.safetensors or pytorch_model.bin); pass the checkpoint file")

@@ -1,0 +1,295 @@
+"""``ckptool.convert``: move a state_dict between torch.save files, safetensors, sharded sets and DCP folders.
+
+One pass from SRC to DST, memory bounded by the largest storage, not by the file:
+
+* **torch -> safetensors.** The pickle is read as a node graph (:func:`ckptool.formats.torchfile.read_checkpoint`,
+  nothing imported or run) and the state_dict is selected (``key``, or found automatically; what else the file
+  held, such as optimizer state, is reported as not carried). Each tensor's bytes are read from its storage record
+  (zip member or legacy data block) and written straight into the safetensors data block; only a tensor that needs a
+  new layout (a non-contiguous view) or a ``dtype`` cast is materialised with torch, one storage at a time.
+  The safetensors format (:mod:`ckptool.formats.safetensors`) is written here rather than with
+  ``safetensors.torch.save_file``, which needs every tensor in memory at once; the result is re-opened with
+  ``safetensors.safe_open`` to verify it.
+* **Shared storages** (tied weights, views): safetensors holds no sharing, so each storage is stored once. A tensor
+  that lies inside a stored contiguous tensor of the same storage is not stored again: it becomes an *alias*. The
+  kept tensor is the first in state_dict order (the embedding before the head it is tied to), so
+  ``safetensors.torch.load_model`` (which re-ties from the model side) and ckptool both restore the model. The
+  layout of every shared storage is recorded in ``__metadata__["ckptool.shared"]`` (JSON, see
+  :data:`SHARED_KEY`), and each exact alias also as ``__metadata__[alias] = kept name``, the convention of
+  ``safetensors.torch.save_model``. Reading the file back with ckptool (``convert`` to torch) restores the aliases
+  as views of one storage, with their original offsets, shapes and strides.
+* **safetensors -> torch.** A zip checkpoint in the layout ``torch.save`` writes
+  (:class:`ckptool.formats.torchzip.TorchZipWriter`, records 64-byte aligned so ``torch.load(mmap=True)`` maps it)
+  holding an ``OrderedDict`` state_dict; ``torch.load(dst, weights_only=True)`` opens it. Storages are tagged
+  ``cpu`` or ``to``.
+* **dtype.** ``dtype`` casts floating tensors (float16, bfloat16, float32, float64); integer, bool, complex and
+  float8 tensors are untouched. A cast is applied to a whole storage, so views keep their offsets and strides.
+* **Sharded sets** (:mod:`ckptool.formats.sharded`). An ``*.index.json`` is read as one checkpoint.
+  ``max_shard_size`` writes a folder of shards plus an index that ``transformers`` and ``huggingface_hub`` read;
+  tensors that share a storage stay in one shard.
+* **DCP folders** (``torch.distributed.checkpoint``: ``.metadata`` plus ``__<rank>_<n>.distcp``) are converted with
+  torch's own machinery (:mod:`ckptool.torch_ops.dcp`). DCP's ``FileSystemReader`` unpickles ``.metadata`` and
+  non-tensor entries without restriction, so both are first read with ckptool's restricted unpickler and refused
+  unless every global they name is one DCP itself writes (or the weights-only allowlist accepts), or ``trust=True``
+  (:mod:`ckptool.ops.dcp_safety`).
+* **Verification** (on by default): the output is re-opened lazily by the format's own reader and every tensor's
+  name, shape and dtype, and a CRC-32 of its bytes, is compared with what was read from the source
+  (:mod:`ckptool.ops.convert.verify`).
+
+Importing this package does not import torch; the functions import it when they need it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ckptool._fileio import same_file
+from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
+from ckptool.formats import detect as formats
+from ckptool.formats.dcp import read_dcp_metadata
+from ckptool.formats.sharded import is_checkpoint_set, set_kind
+from ckptool.model.devices import location_function
+from ckptool.model.keys import raise_on_collisions
+from ckptool.model.rename_plan import RenamePlan, build_plan
+from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_torch, write_dcp
+from ckptool.ops.convert.outputs import scratch_file, write_outputs
+from ckptool.ops.convert.read_safetensors import index_source, safetensors_source
+from ckptool.ops.convert.read_torch import torch_source
+from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, ConvertResult, Source, parse_size
+from ckptool.ops.convert.verify import VerificationError
+from ckptool.ops.dcp_safety import check_dcp_safe
+from ckptool.torch_ops.dcp import dcp_to_torch_file
+from ckptool.torch_ops.load import load_checkpoint
+
+__all__ = ["SHARED_KEY", "ConvertResult", "VerificationError", "convert", "parse_size"]
+
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl")
+_PROGRESS_MIN = 256 << 20  # the CLI shows a progress bar from this many bytes (when stderr is a terminal)
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    format: str | None = None,
+    key: str | None = None,
+    to: str | None = None,
+    unwrap: bool = False,
+    strip_prefixes: str | Sequence[str] = (),
+    max_shard_size: int | str | None = None,
+    dtype: str | None = None,
+    verify: bool = True,
+    trust: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> ConvertResult:
+    """Convert checkpoint ``src`` to ``dst`` in one pass.
+
+    ``src`` is a torch.save file (zip or legacy), a safetensors file, a sharded set (its ``*.index.json``, or the
+    folder holding it) or a DCP folder. ``format`` is ``"torch"``, ``"safetensors"`` or ``"dcp"``; by default it
+    follows ``dst``'s suffix (``.safetensors``; ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt``), and is safetensors
+    with ``max_shard_size``.
+
+    * ``key`` selects the state_dict (dotted path such as ``"model_state_dict"``); by default it is found, and the
+      other entries of the file are reported in ``left_out``, not carried.
+    * ``to`` sets the location tag of every storage of a torch output (``"cpu"``, ``"cuda:0"``); by default torch
+      inputs keep theirs and other inputs get ``cpu``.
+    * ``unwrap`` / ``strip_prefixes`` rename the keys as ``ckptool unwrap`` / ``strip-prefix`` do.
+    * ``max_shard_size`` (bytes, or ``"5GB"``, ``"2GiB"``) makes ``dst`` a folder of shards plus an index
+      (``model.safetensors.index.json`` / ``pytorch_model.bin.index.json``).
+    * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors.
+    * ``verify`` re-opens the output and compares every tensor with the source (see the module docstring).
+    * ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
+    * ``progress(done_bytes, total_bytes)`` is called as tensor data is written.
+
+    Returns a :class:`ConvertResult`. The output is written atomically; ``src`` is never modified.
+
+    Raises:
+        UsageError: bad option values or combinations (``to`` for safetensors, ``key`` for a safetensors input,
+            an output suffix that names no format, ``dst`` the same file as ``src``), a missing output folder or
+            shard.
+        UnsupportedError: plain pickles and TorchScript archives; dtypes safetensors cannot hold (complex128,
+            quantized tensors); no state_dict found.
+        NotACheckpointError / CorruptCheckpointError: unreadable or damaged input.
+        UnsafeCheckpointError: a DCP folder (or a torch file converted to DCP) needs globals outside the allowlist
+            and ``trust`` is False.
+        PrefixNotFoundError / KeyCollisionError: as :func:`ckptool.ops.rename.strip_prefix`.
+        VerificationError: the output does not read back as the source (it is not kept).
+    """
+    src_p, dst_p = os.fspath(src), os.fspath(dst)
+    if isinstance(strip_prefixes, str):
+        strip_prefixes = [strip_prefixes]
+    shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
+    fmt_out = _output_format(dst_p, format, shard_bytes is not None)
+    if dtype is not None and dtype not in CAST_TO:
+        raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(CAST_TO)}")
+    if to is not None and fmt_out != "torch":
+        raise UsageError(f"--to sets torch location tags; {fmt_out} output carries none (load it with the device you "
+                         "want instead)")
+    if shard_bytes is not None and fmt_out == "dcp":
+        raise UsageError("--max-shard-size does not apply to DCP output (DCP writes one file per rank)")
+    if same_file(src_p, dst_p):
+        raise UsageError(f"output {dst_p} is the input; choose another -o path")
+    renames: dict[str, Any] = {"unwrap": unwrap, "strip_prefixes": list(strip_prefixes)}
+    if is_checkpoint_set(src_p):
+        kind, set_path = set_kind(src_p)
+        if kind == "file":
+            return convert(set_path, dst_p, format=format, key=key, to=to, unwrap=unwrap,
+                           strip_prefixes=strip_prefixes, max_shard_size=shard_bytes, dtype=dtype, verify=verify,
+                           trust=trust, progress=progress)
+        if kind == "dcp":
+            if fmt_out == "dcp":
+                raise UsageError(f"{src_p} is already a DCP checkpoint; convert it to torch or safetensors")
+            return _from_dcp(src_p, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
+                key=key, to=to, max_shard_size=shard_bytes, dtype=dtype, verify=verify, progress=progress, **renames))
+        if key is not None:
+            raise UsageError(f"{src_p} is a sharded set: it holds one flat mapping of tensors, so --key does not apply")
+        if fmt_out == "dcp":
+            return _to_dcp(set_path, dst_p, key=None, trust=trust, verify=verify, renames=renames, cast=dtype,
+                           fmt_in="sharded")
+        source = index_source(set_path)
+    else:
+        fmt_in = formats.detect_format(src_p)
+        if fmt_in == formats.PICKLE:
+            raise UnsupportedError(f"{src_p} is a plain pickle without torch storages, not a torch.save checkpoint")
+        if fmt_out == "dcp":
+            if fmt_in == formats.TORCHSCRIPT:
+                torch_source(src_p, fmt_in, key)  # raises the TorchScript message
+            return _to_dcp(src_p, dst_p, key=key, trust=trust, verify=verify,
+                           renames=renames if unwrap or strip_prefixes else {}, cast=dtype, fmt_in=fmt_in)
+        if fmt_in == formats.SAFETENSORS:
+            if key is not None:
+                raise UsageError(f"{src_p} is safetensors: it holds one flat mapping of tensors, so --key does not "
+                                 "apply")
+            source = safetensors_source(src_p)
+        else:
+            source = torch_source(src_p, fmt_in, key)
+    _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
+    res = ConvertResult(src_p, dst_p, source.format, fmt_out, key=source.key, left_out=list(source.left_out),
+                        skipped=list(source.skipped), notes=list(source.notes))
+    if not source.tensors:
+        raise UnsupportedError(f"{src_p}: the selected state_dict holds no tensors; nothing to convert")
+    res.renamed, plan = _apply_renames(source, unwrap, strip_prefixes)
+    res.notes += source.notes[len(res.notes):]
+    location = location_function(to=to) if to is not None else _keep_location
+    if fmt_out == "safetensors" and source.sd_state is not None:
+        res.notes.append("the state_dict's _metadata (module versions for load_state_dict) was not carried: "
+                         "safetensors holds tensors only")
+    write_outputs(source, dst_p, fmt_out, shard_bytes, dtype, location, plan.rename if plan else None, verify,
+                  progress, res)
+    return res
+
+
+def _keep_location(saved: str) -> str:
+    return saved
+
+
+def _output_format(dst: str, fmt: str | None, sharded: bool) -> str:
+    if fmt is not None:
+        if fmt not in ("torch", "safetensors", "dcp"):
+            raise UsageError(f"unknown format {fmt!r}: choose torch, safetensors or dcp")
+        return fmt
+    if sharded:
+        return "safetensors"
+    low = dst.lower()
+    if low.endswith(".safetensors"):
+        return "safetensors"
+    if low.endswith(_TORCH_SUFFIXES):
+        return "torch"
+    raise UsageError(f"cannot tell the output format from {dst!r}: name it *.safetensors or *.pt / *.pth / *.bin, "
+                     "or pass --format torch|safetensors|dcp")
+
+
+def _apply_renames(src: Source, unwrap: bool, strip_prefixes: Sequence[str]) -> tuple[int, RenamePlan | None]:
+    """Rename the source's keys in place with :func:`ckptool.model.rename_plan.build_plan`; returns ``(renamed
+    keys, plan)``. Unlike :func:`ckptool.model.rename_plan.plan_keys`, ``unwrap`` with no wrapper to remove is a
+    note, not an error.
+
+    Raises:
+        UsageError: a bad prefix.
+        PrefixNotFoundError: a prefix to strip is carried by no key.
+        KeyCollisionError: two keys would get one name.
+    """
+    if not unwrap and not strip_prefixes:
+        return 0, None
+    plan = build_plan(strip_prefixes=list(strip_prefixes), unwrap=unwrap)
+    mapping: dict[str, str] = {}
+    hits: set[str] = set()
+    for t in src.tensors:
+        new, removed, _added = plan.trace(t.name)
+        mapping[t.name] = new
+        hits.update(c for step in removed for c in step)
+    for step in plan.steps:
+        if step.kind == "strip":
+            missing = [p for p in step.prefixes if p not in hits]
+            if missing:
+                seen = ", ".join(repr(t.name) for t in src.tensors[:3]) or "no keys"
+                wanted = " or ".join(map(repr, missing))
+                raise PrefixNotFoundError(f"{src.path}: no key starts with {wanted} (keys look like {seen}); nothing "
+                                          "was written. Check the prefix with `ckptool inspect`")
+    raise_on_collisions(mapping, where=src.path)
+    n = 0
+    for t in src.tensors:
+        if mapping[t.name] != t.name:
+            n += 1
+            t.name = mapping[t.name]
+    if unwrap and not n:
+        src.notes.append("no key carried a wrapper component: nothing to unwrap")
+    return n, plan
+
+
+def _refuse_overwriting_input(src: Source, dst: str, folder: bool) -> None:
+    """Raise UsageError when the output would replace an input file (a shard of the input set; hard links and
+    symbolic links count), or when sharded output goes into the folder holding the input (its shards could carry
+    the same names)."""
+    inputs = dict.fromkeys([src.path, *(t.storage.path for t in src.tensors)])
+    if folder and any(same_file(os.path.dirname(os.path.abspath(p)), dst) for p in inputs):
+        raise UsageError(f"{dst} holds the input; write the shards into another folder")
+    if not folder and any(same_file(p, dst) for p in inputs):
+        raise UsageError(f"output {dst} is one of the input files; choose another -o path")
+
+
+def _from_dcp(src: str, dst: str, *, fmt_out: str, trust: bool, options: dict[str, Any]) -> ConvertResult:
+    """Convert a DCP folder: whole to a torch file, or through a temporary torch file beside ``dst``
+    (``format_utils.dcp_to_torch_save``) to ``dst`` with the other ``options``."""
+    meta = read_dcp_metadata(src)
+    check_dcp_safe(meta, trust)
+    whole = fmt_out == "torch" and not any(options.get(k) for k in ("key", "to", "max_shard_size", "dtype",
+                                                                     "unwrap", "strip_prefixes"))
+    if whole:
+        return whole_dcp_to_torch(meta, dst, options.get("verify", True))
+    with scratch_file(dst) as tmp:
+        dcp_to_torch_file(src, tmp)
+        res = convert(tmp, dst, format=fmt_out, trust=True, **options)  # the file was written by torch just now
+    res.src, res.format_in = src, "dcp"
+    return res
+
+
+def _to_dcp(src: str, dst: str, *, key: str | None, trust: bool, verify: bool, renames: dict[str, Any],
+            cast: str | None, fmt_in: str) -> ConvertResult:
+    """Write a DCP folder at ``dst`` (:func:`ckptool.ops.convert.dcp.write_dcp`).
+
+    A torch file converts whole (training state included) unless ``key``, renames or ``cast`` ask for one
+    state_dict; other inputs are first converted to a temporary torch file, loaded with
+    :func:`ckptool.torch_ops.load.load_checkpoint` (safe unless ``trust``).
+
+    Raises:
+        UsageError: ``dst`` is not a new or empty folder.
+        UnsupportedError: the input holds no dict.
+    """
+    check_dcp_target(dst)
+    res = ConvertResult(src, dst, fmt_in, "dcp")
+    if fmt_in in (formats.TORCH_ZIP, formats.TORCH_LEGACY) and key is None and not renames and cast is None:
+        res.notes.append(WHOLE_NOTE)
+        obj, _saved = load_checkpoint(src, "cpu", trust=trust)
+    else:
+        with scratch_file(dst) as tmp:
+            sub = convert(src, tmp, format="torch", key=key, dtype=cast, verify=False, trust=trust, **renames)
+            res.key, res.left_out, res.skipped, res.cast, res.renamed = (sub.key, sub.left_out, sub.skipped,
+                                                                         sub.cast, sub.renamed)
+            obj, _saved = load_checkpoint(tmp, "cpu", trust=trust)
+    if not isinstance(obj, dict):
+        raise UnsupportedError(f"{src} holds a {type(obj).__name__}, not a dict; DCP saves a state_dict (a dict)")
+    write_dcp(obj, dst, verify, res)
+    return res

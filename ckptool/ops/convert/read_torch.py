@@ -1,0 +1,227 @@
+"""Reading a torch zip or legacy file for ``convert``: the state_dict chosen from the node graph, no tensor bytes.
+
+The pickle is read as a node graph (:func:`ckptool.formats.torchfile.read_checkpoint`, nothing imported or run);
+each tensor becomes a :class:`~ckptool.ops.convert.source.Tensor` pointing at the byte range of its storage record
+(zip member or legacy data block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
+from ckptool.formats import detect as formats
+from ckptool.formats.dtypes import element_size, storage_nbytes, tensor_dtype
+from ckptool.formats.nodes import (
+    REBUILD_FROM_TYPE_V2,
+    REBUILD_QTENSOR,
+    ObjectNode,
+    ParameterNode,
+    PickledObject,
+    ReduceNode,
+    StorageRef,
+    TensorNode,
+)
+from ckptool.formats.torchfile import read_checkpoint, resolve_zip_offsets
+from ckptool.model.graph import (
+    Link,
+    StateDictRef,
+    find_state_dicts,
+    is_module,
+    is_optimizer_state,
+    is_state_dict,
+    iter_state_dict_of_module,
+    iter_tensors,
+    join,
+    mapping_items,
+    module_state,
+    parameter_requires_grad,
+    resolve_path,
+    unwrap_tensor,
+)
+from ckptool.model.keys import STATE_DICT_NAMES
+from ckptool.ops.convert.source import Source, Storage, Tensor
+
+
+def describe(v: Any) -> str:
+    """A short description of a graph value for the ``left_out`` report (``"optimizer state (4 tensors)"``)."""
+    t = unwrap_tensor(v)
+    if t is not None:
+        return f"tensor {'x'.join(map(str, t.shape)) or 'scalar'} {tensor_dtype(t)}"
+    if is_module(v):
+        st = module_state(v)
+        cls = v.global_name if isinstance(v, ObjectNode) else "module"
+        n = sum(1 for _ in iter_state_dict_of_module(v)) if st is not None else 0
+        return f"pickled nn.Module {cls} ({n} tensors)"
+    items = mapping_items(v)
+    if items is not None:
+        n = sum(1 for _ in iter_tensors(v))
+        if is_optimizer_state(items):
+            return f"optimizer state ({n} tensors)"
+        if is_state_dict(v):
+            return f"state_dict ({n} tensors)"
+        return f"mapping of {len(items)} entries" + (f", {n} tensors" if n else "")
+    if isinstance(v, (list, tuple)):
+        n = sum(1 for _ in iter_tensors(v))
+        return f"{type(v).__name__} of {len(v)} items" + (f", {n} tensors" if n else "")
+    if v is None or isinstance(v, (bool, int, float, str, bytes)):
+        r = repr(v)
+        return f"{type(v).__name__} {r if len(r) <= 40 else r[:37] + '...'}"
+    if isinstance(v, (ReduceNode, ObjectNode)):
+        return f"{v.global_name or 'object'} object"
+    return type(v).__name__
+
+
+def left_out(root: Any, trail: Sequence[Link]) -> list[str]:
+    """``"name: description"`` for every entry beside the one each link of ``trail`` (from ``root``) follows,
+    level by level; listing stops at a level that is no mapping, list or tuple (a module's attribute)."""
+    out: list[str] = []
+    node, prefix = root, ""
+    for link in trail:
+        items = mapping_items(node)
+        if items is None and isinstance(node, (list, tuple)):
+            items = list(enumerate(node))
+        if items is None or link.parent is not node:
+            break
+        chosen = False
+        for k, v in items:
+            if not chosen and v is link.child and k == link.key:
+                chosen = True
+            else:
+                out.append(f"{join(prefix, k)}: {describe(v)}")
+        node, prefix = link.child, join(prefix, link.key)
+    return out
+
+
+def select_state_dict(root: Any, key: str | None, where: str) -> StateDictRef:
+    """The state_dict to convert (its dotted path, container, whether it is a module, and the trail to it).
+
+    Without ``key``: the only state_dict found, or among several the one whose name ranks first in
+    :data:`ckptool.model.keys.STATE_DICT_NAMES` (``state_dict`` before ``ema``), then the shallowest; ties are
+    refused.
+
+    Raises:
+        UsageError: ``key`` names no entry or not a mapping / module; several equally likely state_dicts.
+        UnsupportedError: no state_dict at all.
+    """
+    found = find_state_dicts(root)
+    listing = ", ".join(f"{sd.path or '(top level)'} ({len(sd.keys())} tensors)" for sd in found) or "none"
+    if key is not None:
+        try:
+            trail = resolve_path(root, key)
+        except KeyError:
+            raise UsageError(f"{where}: no entry {key!r} (--key); state_dicts found: {listing}") from None
+        obj = trail[-1].child if trail else root
+        if not is_module(obj) and mapping_items(obj) is None:
+            raise UsageError(f"{where}: --key {key!r} selects a {describe(obj)}, not a state_dict; "
+                             f"state_dicts found: {listing}")
+        return StateDictRef(key, obj, is_module(obj), tuple(trail))
+    if not found:
+        raise UnsupportedError(
+            f"{where}: no state_dict found (a mapping of parameter names to tensors, or a pickled nn.Module); "
+            "pass --key PATH (key=...) to select the mapping to convert")
+    if len(found) == 1:
+        return found[0]
+    names = STATE_DICT_NAMES
+
+    def rank(sd: StateDictRef) -> tuple[int, int]:
+        last = sd.path.rsplit(".", 1)[-1]
+        return (names.index(last) if last in names else len(names), sd.path.count("."))
+
+    ranked = sorted(found, key=rank)
+    if rank(ranked[0]) == rank(ranked[1]) or rank(ranked[0])[0] == len(names):
+        raise UsageError(f"{where} holds several state_dicts: {listing}; choose one with --key PATH (key=...)")
+    return ranked[0]
+
+
+def _check_tensor_node(t: TensorNode, name: str, where: str) -> StorageRef:
+    if t.rebuild_name == REBUILD_QTENSOR:
+        raise UnsupportedError(
+            f"{where}: {name!r} is a quantized tensor (torch._utils._rebuild_qtensor): its scales and zero points "
+            "do not fit safetensors or a plain state_dict; dequantize it (tensor.dequantize()) and save again")
+    if t.storage is None:
+        raise UnsupportedError(f"{where}: {name!r} is a tensor without a storage; it cannot be converted")
+    return t.storage
+
+
+def _entries(src: Source, obj: Any, is_mod: bool) -> list[tuple[str, TensorNode, bool]]:
+    """``(key, tensor node, requires_grad)`` of the selected state_dict; non-tensor entries go to ``skipped``."""
+    if is_mod:
+        src.notes.append("the source is a pickled nn.Module: its state_dict (parameters and persistent buffers) "
+                         "was converted; the module's class and code are not part of the output")
+        return [(k, t, False) for k, t, _is_param in iter_state_dict_of_module(obj)]
+    entries = []
+    for k, v in mapping_items(obj) or []:
+        t = unwrap_tensor(v)
+        if t is None or not isinstance(k, str):
+            src.skipped.append(f"{k}: {describe(v)}" if isinstance(k, str) else f"{k!r} (not a string key)")
+            continue
+        rg = parameter_requires_grad(v) if isinstance(v, ParameterNode) else t.requires_grad
+        entries.append((k, t, rg))
+    if isinstance(obj, PickledObject) and type(obj.state) is dict:
+        src.sd_state = obj.state
+    return entries
+
+
+def torch_source(path: str, fmt: str, key: str | None) -> Source:
+    """Read a torch zip or legacy file's selected state_dict as a :class:`Source` (no tensor bytes read).
+
+    Raises:
+        UsageError / UnsupportedError: see :func:`select_state_dict`; quantized tensors, compressed records,
+            tensors of different dtypes on one storage, TorchScript archives.
+        CorruptCheckpointError: a storage record is missing, too short, or a view runs past its storage.
+    """
+    if fmt == formats.TORCHSCRIPT:
+        raise UnsupportedError(
+            f"{path} is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
+            "map_location='cpu'), save model.state_dict() with torch.save, then convert that file")
+    ck = read_checkpoint(path, fmt)
+    sd = select_state_dict(ck.root, key, path)
+    src = Source(path, ck.format, [], key=sd.path, left_out=left_out(ck.root, sd.trail))
+    entries = _entries(src, sd.obj, sd.is_module)
+    records = {r.name: r for r in ck.records}
+    if ck.format != formats.TORCH_LEGACY:
+        with open(path, "rb") as f:
+            resolve_zip_offsets(ck, f)
+    storages: dict[str, Storage] = {}
+    subclass = 0
+    for i, (name, t, rg) in enumerate(entries):
+        ref = _check_tensor_node(t, name, path)
+        if t.func.module == REBUILD_FROM_TYPE_V2[0] and t.func.name == REBUILD_FROM_TYPE_V2[1]:
+            subclass += 1
+        dtype = tensor_dtype(t)
+        st = storages.get(ref.key)
+        if st is None:
+            rec = records.get("data/" + ref.key)
+            if rec is None:
+                raise CorruptCheckpointError(f"{path}: storage {ref.key!r} of {name!r} has no data record; "
+                                             "the file is damaged, re-download or re-save it")
+            if rec.zipinfo is not None and rec.zipinfo.method != 0:
+                raise UnsupportedError(f"{path}: record data/{ref.key} is compressed; torch never writes that. "
+                                       f"Re-save the file with torch.save (or `ckptool remap {path} --to cpu`) first")
+            nbytes = storage_nbytes(ref)
+            if rec.size != nbytes:
+                raise CorruptCheckpointError(
+                    f"{path}: storage {ref.key!r} declares {nbytes} bytes but its record holds {rec.size}; the file "
+                    "is damaged, re-download or re-save it")
+            st = storages[ref.key] = Storage(path, rec.offset, nbytes, dtype, ref.location, rec.crc)
+            if nbytes % element_size(dtype):
+                raise CorruptCheckpointError(f"{path}: storage {ref.key!r} ({nbytes} bytes) is not a whole number "
+                                             f"of {dtype} elements; the file is damaged")
+        elif st.dtype != dtype:
+            raise UnsupportedError(f"{path}: {name!r} views storage {ref.key!r} as {dtype} while another tensor views "
+                                   f"it as {st.dtype}; such a checkpoint cannot be converted")
+        shape, stride = tuple(t.shape), tuple(t.stride)
+        if len(stride) != len(shape) or any(s < 0 for s in stride):
+            raise UnsupportedError(f"{path}: {name!r} has an unsupported layout (shape {shape}, stride {stride})")
+        tensor = Tensor(name, name, dtype, shape, stride, t.storage_offset, st, rg, i)
+        lo, hi = tensor.span
+        if hi > st.numel or lo < 0:
+            raise CorruptCheckpointError(f"{path}: {name!r} reaches element {hi} of a storage of {st.numel}; the "
+                                         "file is damaged")
+        src.tensors.append(tensor)
+    if subclass:
+        src.notes.append(f"{subclass} tensor subclass instance(s) (torch._tensor._rebuild_from_type_v2) were "
+                         "converted as plain tensors")
+    return src

@@ -1,0 +1,281 @@
+"""Writing ``convert``'s output files: safetensors (header and data block) and torch zip checkpoints.
+
+Memory stays bounded by the largest storage: bytes that need no change are copied from the source by range
+(``os.copy_file_range`` where the kernel offers it); only a storage that is cast, assembled from pieces or stored
+contiguous from a strided view is materialised with torch (:class:`ckptool.torch_ops.cast.StorageCache`).
+Every file is written atomically (:func:`ckptool._fileio.atomic_output`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, TypeVar
+
+from ckptool._fileio import atomic_output, copy_range, copy_range_crc
+from ckptool.errors import CorruptCheckpointError
+from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES, STORAGE_TYPES
+from ckptool.formats.nodes import StorageRef
+from ckptool.formats.pickler import dumps
+from ckptool.formats.safetensors import encode_header
+from ckptool.formats.torchzip import TorchZipWriter
+from ckptool.formats.unpickler import RestrictedUnpickler
+from ckptool.model.graph import mapping_items
+from ckptool.model.keys import rename_metadata_items
+from ckptool.ops.convert.plan import Unit, shared_metadata
+from ckptool.ops.convert.source import SHARED_KEY, ConvertResult, Storage, Tensor, is_contiguous, out_dtype
+from ckptool.torch_ops.cast import StorageCache, tensor_buffer
+
+#: dtype name -> legacy storage class ``torch.save`` names with ``_rebuild_tensor_v2`` (torch/storage.py); other
+#: dtypes are written as ``_rebuild_tensor_v3`` over an ``UntypedStorage``, as torch does for uint16, float8...
+_V2_STORAGE = {dt: cls for cls, (dt, _n) in STORAGE_TYPES.items() if not cls.startswith(("Q", "Untyped"))}
+
+W = TypeVar("W")
+
+
+class Files:
+    """Source files opened by path, read by range (closed by :meth:`close`)."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, BinaryIO] = {}
+
+    def get(self, path: str) -> BinaryIO:
+        f = self._open.get(path)
+        if f is None:
+            f = self._open[path] = open(path, "rb")  # noqa: SIM115 - closed in close()
+        return f
+
+    def read(self, path: str, offset: int, n: int) -> bytearray:
+        """``n`` bytes at ``offset`` of ``path``.
+
+        Raises:
+            CorruptCheckpointError: the file ends first.
+        """
+        f = self.get(path)
+        f.seek(offset)
+        buf = bytearray(n)
+        got = f.readinto(buf) if n else 0  # type: ignore[attr-defined]  # BinaryIO omits readinto
+        if got != n:
+            raise CorruptCheckpointError(f"{path} is truncated: {n} bytes expected at offset {offset}, {got} found; "
+                                         "re-download it")
+        return buf
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+    def cache(self, cast: str | None) -> StorageCache:
+        """A :class:`StorageCache` reading from these files, casting floating storages to ``cast``."""
+        return StorageCache(self.read, lambda dtype: out_dtype(dtype, cast))
+
+
+@dataclass
+class Written:
+    """What one output file holds, for verification: ``expect`` = ``[(name, dtype, shape, crc or None)]`` of the
+    stored tensors, ``metadata`` the ``__metadata__`` written, ``tensors`` every output tensor (aliases included)."""
+
+    expect: list[tuple[str, str, tuple[int, ...], int | None]]
+    metadata: dict[str, str] | None
+    tensors: list[Tensor]
+    units: list[Unit]
+    nbytes: int = 0
+    records: dict[str, int] = field(default_factory=dict)  # torch output: record name -> CRC-32
+
+
+def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str] | None, files: Files,
+                      cast: str | None, progress: Callable[[int], None] | None, res: ConvertResult,
+                      need_crc: bool = True) -> Written:
+    """Write the units of ``plan`` as one safetensors file into the open binary file ``out``.
+
+    Header keys follow state_dict order; data is laid out by element size (largest first), so every tensor starts
+    on a multiple of its element size, as the safetensors writer does. Tensor bytes that need no change are copied
+    by the kernel when their CRC-32 is known from the source zip (a tensor filling its storage record) or
+    ``need_crc`` is False; otherwise they pass through an 8 MiB buffer that computes it.
+    """
+    members = sorted((t for u in plan for t in u.members), key=lambda t: t.index)
+    positions = {id(t): i for i, t in enumerate(members)}
+    meta: dict[str, str] = dict(base_meta or {})
+    shared = shared_metadata(plan, positions)
+    if shared is not None:
+        meta[SHARED_KEY] = shared
+    for u in plan:
+        for t in u.members:
+            k = u.aliases.get(id(t))
+            if k is not None and (k.offset, k.shape, k.stride) == (t.offset, t.shape, t.stride):
+                meta.setdefault(t.name, k.name)  # safetensors.torch.save_model's record of a dropped name
+    if meta:
+        meta.setdefault("format", "pt")  # transformers requires it whenever metadata is present
+    stored = [(u, t) for u in plan for t in u.stored]
+    layout = sorted(stored, key=lambda ut: (-DTYPE_SIZES[ut[0].dtype], ut[0].first, ut[1].index))
+    offsets: dict[int, tuple[int, int]] = {}
+    pos = 0
+    for u, t in layout:
+        n = t.numel * DTYPE_SIZES[u.dtype]
+        offsets[id(t)] = (pos, pos + n)
+        pos += n
+    entries = {t.name: {"dtype": ST_CODES[u.dtype], "shape": list(t.shape), "data_offsets": list(offsets[id(t)])}
+               for u, t in sorted(stored, key=lambda ut: ut[1].index)}
+    head = encode_header(entries, meta or None)
+    out.write(head)
+    cache = files.cache(cast)
+    crcs: dict[int, int | None] = {}
+    for u, t in layout:
+        esize = DTYPE_SIZES[u.dtype]
+        st = t.storage
+        crc: int | None
+        if u.dtype == t.dtype and st.pieces is None and is_contiguous(t.shape, t.stride):
+            whole = t.offset == 0 and t.numel * esize == st.nbytes
+            if (whole and st.crc is not None) or not need_crc:  # the checksum is known, or not needed
+                copy_range(files.get(st.path), out, st.offset, t.numel * esize)
+                crc = st.crc if whole else None
+            else:
+                crc = copy_range_crc(files.get(st.path), out, st.offset + t.offset * esize, t.numel * esize)
+        else:
+            buf = tensor_buffer(cache.view(t))
+            out.write(buf)
+            crc = zlib.crc32(buf)
+            if not is_contiguous(t.shape, t.stride):
+                res.made_contiguous.append(t.name)
+        crcs[id(t)] = crc
+        if progress:
+            progress(t.numel * esize)
+    w = Written([], meta or None, members, plan, nbytes=len(head) + pos)
+    for u, t in stored:
+        w.expect.append((t.name, u.dtype, t.shape, crcs[id(t)]))
+    for u in plan:
+        for t in u.members:
+            k = u.aliases.get(id(t))
+            if k is not None:
+                res.aliases[t.name] = k.name
+    return w
+
+
+# ONE-HOME: the OrderedDict placeholder made through the restricted unpickler is also built by
+# ops/extract._state_dict_graph; one helper in the model layer should make it for both
+def _ordered_dict() -> Any:
+    return RestrictedUnpickler(io.BytesIO(b"")).find_class("collections", "OrderedDict")()
+
+
+def _renamed_meta_state(state: dict[str, Any], rename_key: Callable[[str], str] | None) -> dict[str, Any]:
+    """The selected OrderedDict's BUILD state (``{"_metadata": ...}``) with its module paths following the keys
+    renamed by ``rename_key`` (:func:`ckptool.model.keys.rename_metadata_items`)."""
+    items = mapping_items(state.get("_metadata"))
+    if items is None or rename_key is None:
+        return state
+    node = _ordered_dict()
+    node.dictitems = rename_metadata_items(items, rename_key)
+    node.order = ["setitems"]
+    return {**state, "_metadata": node}
+
+
+def torch_pickle(tensors: list[Tensor], keys: dict[int, str], cast: str | None, location: Callable[[str], str],
+                 sd_state: dict[str, Any] | None, rename_key: Callable[[str], str] | None) -> bytes:
+    """``data.pkl`` of an ``OrderedDict`` state_dict of ``tensors``, as ``torch.save`` writes it (protocol 2,
+    ``_rebuild_tensor_v2`` over a typed storage class, ``_rebuild_tensor_v3`` over ``UntypedStorage`` for dtypes
+    without one). Storages are named by ``keys[id(storage)]``."""
+    g = RestrictedUnpickler(io.BytesIO(b"")).find_class  # used only to make global placeholders
+    refs: dict[int, StorageRef] = {}
+    items = []
+    for t in tensors:
+        st = t.storage
+        dt = out_dtype(st.dtype, cast)
+        ref = refs.get(id(st))
+        if ref is None:
+            if dt in _V2_STORAGE:
+                ref = StorageRef("storage", g("torch", _V2_STORAGE[dt]), keys[id(st)], location(st.location),
+                                 st.numel, ())
+            else:
+                ref = StorageRef("storage", g("torch.storage", "UntypedStorage"), keys[id(st)], location(st.location),
+                                 st.numel * DTYPE_SIZES[dt], ())
+            refs[id(st)] = ref
+        if dt in _V2_STORAGE:
+            node = g("torch._utils", "_rebuild_tensor_v2")(ref, t.offset, t.shape, t.stride, t.requires_grad,
+                                                           _ordered_dict())
+        else:
+            node = g("torch._utils", "_rebuild_tensor_v3")(ref, t.offset, t.shape, t.stride, t.requires_grad,
+                                                           _ordered_dict(), g("torch", dt))
+        items.append((t.name, node))
+    root = _ordered_dict()
+    root.dictitems = items
+    root.order = ["setitems"]
+    if type(sd_state) is dict:
+        root.state = _renamed_meta_state(sd_state, rename_key)
+        root.order = ["setitems", "build"]
+    return dumps(root, protocol=2)
+
+
+def write_torch(out: BinaryIO, tensors: list[Tensor], files: Files, cast: str | None, location: Callable[[str], str],
+                archive: str, sd_state: dict[str, Any] | None, rename_key: Callable[[str], str] | None,
+                progress: Callable[[int], None] | None) -> Written:
+    """Write ``tensors`` as a torch zip checkpoint (an ``OrderedDict`` state_dict) into the open file ``out``.
+
+    Storage records are copied from the source byte for byte (kernel copy when the source's CRC-32 is known);
+    a storage that is cast or assembled from safetensors pieces is materialised, one at a time.
+    """
+    storages: list[Storage] = []
+    keys: dict[int, str] = {}
+    for t in tensors:
+        if id(t.storage) not in keys:
+            keys[id(t.storage)] = str(len(storages))
+            storages.append(t.storage)
+    pkl = torch_pickle(tensors, keys, cast, location, sd_state, rename_key)
+    w = TorchZipWriter(out, archive)
+    w.begin_torch_save(pkl)
+    cache = files.cache(cast)
+    written = Written([], None, list(tensors), [])
+    for st in storages:
+        name = f"data/{keys[id(st)]}"
+        if st.pieces is None and out_dtype(st.dtype, cast) == st.dtype:
+            w.copy_record(name, files.get(st.path), st.offset, st.nbytes, st.crc)
+        else:
+            buf = tensor_buffer(cache.flat(st))
+            w.write_bytes(name, buf)  # type: ignore[arg-type]  # any buffer works: len() is its byte count
+            del buf
+        written.records[name] = w.entries[-1][1]
+        if progress:
+            progress(st.numel * DTYPE_SIZES[out_dtype(st.dtype, cast)])
+    w.end_torch_save()
+    written.nbytes = w.pos
+    return written
+
+
+def archive_name(path: str) -> str:
+    """The top folder name of the zip records of a torch file written to ``path`` (as ``torch.save`` derives it)."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", stem) or "archive"
+
+
+def _fd_path(f: BinaryIO) -> str | None:
+    """The path of the open file ``f`` (Linux ``/proc/self/fd``), or None where the platform does not say."""
+    try:
+        p = os.readlink(f"/proc/self/fd/{f.fileno()}")
+    except (OSError, AttributeError, ValueError):
+        return None
+    return p if os.path.isfile(p) else None
+
+
+def emit(path: str, write: Callable[[BinaryIO], W], check: Callable[[W, str], None] | None) -> W:
+    """Write one output file atomically (:func:`ckptool._fileio.atomic_output`), checking it with ``check(result,
+    path of the bytes)`` before it is renamed into place (or, where the temporary file cannot be named, right after,
+    removing it on failure). Returns what ``write`` returned."""
+    with atomic_output(path) as out:
+        w = write(out)
+        out.flush()
+        tmp = _fd_path(out)
+        if check is not None and tmp is not None:
+            check(w, tmp)
+            check = None
+    if check is not None:
+        try:
+            check(w, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+    return w

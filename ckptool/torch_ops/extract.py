@@ -1,0 +1,146 @@
+"""The torch half of ``extract-state-dict``: tensors materialized for a safetensors output, and the trusted path.
+
+:func:`materialize` reads the storages of a node graph's tensors from the checkpoint file and builds contiguous
+CPU tensors (for safetensors, which stores each tensor on its own); :func:`save_safetensors` writes them
+atomically. :func:`load_trusted_module` / :func:`save_trusted` are ``extract_state_dict(trust=True)``:
+``torch.load(weights_only=False)`` (the file's code runs) and the module's own ``state_dict()``.
+
+Importing this module does not import torch; each function imports it when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ckptool._fileio import atomic_output
+from ckptool.errors import CkptError, UnsupportedError, UsageError
+from ckptool.formats import detect as formats
+from ckptool.formats.dtypes import DTYPE_SIZES, storage_element, tensor_dtype
+from ckptool.formats.nodes import REBUILD_QTENSOR, StorageRef, TensorNode
+from ckptool.formats.torchfile import Checkpoint, resolve_zip_offsets
+from ckptool.formats.zipdir import read_member
+from ckptool.model.graph import get_path
+from ckptool.torch_ops.cast import torch_dtype
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["load_trusted_module", "materialize", "save_safetensors", "save_trusted"]
+
+
+def materialize(ck: Checkpoint, entries: Sequence[tuple[str, TensorNode]]) -> dict[str, torch.Tensor]:
+    """Each ``(key, tensor node)`` of ``ck`` as a contiguous CPU tensor of its dtype and shape, read from its
+    storage record (one read per storage; tensors sharing a storage share that read).
+
+    Raises:
+        UnsupportedError: a quantized tensor (safetensors cannot hold it), a storage without a complete record, a
+            dtype this torch lacks.
+        CkptError: a truncated storage, or a tensor that does not fit in its storage.
+    """
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+    flat: dict[str, torch.Tensor] = {}
+    with open(ck.path, "rb") as f:
+        if ck.format != formats.TORCH_LEGACY:
+            resolve_zip_offsets(ck, f)
+        for key, t in entries:
+            if t.rebuild_name == REBUILD_QTENSOR:
+                raise UnsupportedError(f"{key} is a quantized tensor: safetensors cannot hold it; write a .pth file")
+            ref: StorageRef | None = t.storage
+            if ref is None:
+                raise UnsupportedError(f"{key} is not a storage-backed tensor; write a .pth file")
+            dtype_name = tensor_dtype(t)
+            base = flat.get(ref.key)
+            if base is None:
+                rec = ck.record("data/" + ref.key)
+                nbytes = ref.numel * storage_element(ref)[1]
+                if rec is None or rec.size < nbytes:
+                    raise UnsupportedError(f"{ck.path}: storage {ref.key!r} has no complete record")
+                if rec.zipinfo is not None and rec.zipinfo.method != 0:  # a re-packed, compressed archive
+                    raw = bytearray(read_member(f, rec.zipinfo, ck.path)[:nbytes])
+                else:
+                    f.seek(rec.offset)
+                    raw = bytearray(f.read(nbytes))
+                if len(raw) != nbytes:
+                    raise CkptError(f"{ck.path}: storage {ref.key!r} is truncated; re-download the file")
+                base = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                flat[ref.key] = base
+            el = DTYPE_SIZES.get(dtype_name, 1)
+            typed = base[: len(base) - len(base) % el].view(torch_dtype(dtype_name))
+            try:
+                out[key] = typed.as_strided(t.shape, t.stride, t.storage_offset).clone(
+                    memory_format=torch.contiguous_format)
+            except RuntimeError as e:
+                raise CkptError(
+                    f"{ck.path}: tensor {key} does not fit in its storage ({e}); the file is damaged") from e
+    return out
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], dst: str) -> int:
+    """Write ``tensors`` (contiguous, CPU) to safetensors file ``dst`` atomically; returns the bytes written.
+
+    Raises:
+        UnsupportedError: safetensors cannot hold them (shared or non-contiguous tensors, an unknown dtype).
+        OutputError: as :func:`ckptool._fileio.atomic_output`.
+    """
+    from safetensors.torch import save
+
+    try:
+        data = save(dict(tensors), metadata={"format": "pt"})
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise UnsupportedError(f"safetensors cannot hold this state_dict ({e}); write a .pth file instead") from e
+    with atomic_output(dst) as out:
+        out.write(data)
+    return len(data)
+
+
+def load_trusted_module(src: str, key: str | None, device: str) -> nn.Module:
+    """``torch.load(src, map_location=device, weights_only=False)`` (runs the file's code: the caller was told to
+    trust it) and the ``nn.Module`` in it, at dotted ``key`` (:func:`ckptool.model.graph.get_path`) if given.
+
+    Raises:
+        CkptError: the model's classes cannot be imported here.
+        UsageError: ``key`` names nothing, or the object is not an ``nn.Module``.
+    """
+    import torch
+    from torch import nn
+
+    try:
+        obj = torch.load(src, map_location=device, weights_only=False)  # the user passed --trust
+    except (ModuleNotFoundError, AttributeError) as e:
+        raise CkptError(f"{src}: loading with --trust needs the model's classes importable here ({e}); run from the "
+                        "project that defines them, or extract without --trust") from e
+    module = obj
+    if key is not None:
+        try:
+            module = get_path(obj, key)
+        except KeyError:
+            raise UsageError(f"{src}: no entry {key!r}; pick the module with --key") from None
+    if not isinstance(module, nn.Module):
+        raise UsageError(f"{src}: {'the file' if key is None else repr(key)} is not an nn.Module (it is a "
+                         f"{type(module).__name__}); pick the module with --key")
+    return module
+
+
+def save_trusted(state_dict: Mapping[str, Any], dst: str, safetensors_out: bool) -> tuple[int, int]:
+    """Write a module's ``state_dict()`` to ``dst`` atomically: safetensors (tensors detached, on the CPU,
+    contiguous) or ``torch.save``. Returns ``(bytes written, number of distinct storages)``.
+
+    Raises:
+        UnsupportedError: safetensors cannot hold the state_dict.
+        OutputError: as :func:`ckptool._fileio.atomic_output`.
+    """
+    import torch
+
+    if safetensors_out:
+        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}
+        written = save_safetensors(tensors, dst)
+    else:
+        with atomic_output(dst) as out:
+            torch.save(state_dict, out)
+            written = out.tell()
+    storages = len({v.untyped_storage().data_ptr() for v in state_dict.values() if isinstance(v, torch.Tensor)})
+    return written, storages

@@ -1,0 +1,471 @@
+"""Load a checkpoint onto a device and into the user's model.
+
+The functions here replace the usual loading boilerplate (``torch.load(..., map_location=...)``, picking
+``ckpt["state_dict"]``, ``k.replace("module.", "")``, deleting a head's keys before ``strict=False``)::
+
+    model = Net()
+    ckptool.load_into(model, "ckpt.pth", device="cuda:0")   # moves, maps, renames, loads; raises on mismatch
+
+:func:`load_into` moves the model to ``device``, loads the file with ``torch.load(map_location=device,
+weights_only=True)`` (:func:`load_checkpoint`), picks the state_dict inside it (:func:`select_state_dict`),
+reconciles wrapper prefixes (:func:`ckptool.model.keys.reconcile`) and calls the model's own
+``load_state_dict``; it returns a :class:`~ckptool.torch_ops.reports.LoadReport`.
+
+Safety (project rule 1): a file is loaded with ``weights_only=True`` unless ``trust=True``. Before calling torch,
+the pickle is read by ckptool's restricted reader (:mod:`ckptool.formats.torchfile`: nothing imported or run) and
+any global outside torch's allowlist is named in an :class:`~ckptool.errors.UnsafeCheckpointError`; a
+weights-only failure from torch itself becomes the same error. There is no silent fallback to
+``weights_only=False``.
+
+Importing this module does not import torch; each function imports it when called.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from ckptool._gc import gc_paused
+from ckptool.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError, UsageError
+from ckptool.formats import detect as formats
+from ckptool.formats.nodes import qualified_name
+from ckptool.formats.torchfile import read_checkpoint
+from ckptool.model import graph
+from ckptool.model.allowlist import is_allowed
+from ckptool.model.graph import get_path
+from ckptool.model.keys import (
+    STATE_DICT_NAMES,
+    Reconciliation,
+    mapping_key_function,
+    normalize_prefix,
+    raise_on_collisions,
+    reconcile,
+    rename_metadata_items,
+    strip_prefix_key,
+)
+from ckptool.model.objects import find_object_state_dicts, is_object_state_dict
+from ckptool.torch_ops.devices import TensorMemo, is_tensor, map_tensors, model_device, move_tensor, resolve_device
+from ckptool.torch_ops.reports import DtypeCast, LoadReport, ShapeMismatch, dtype_name, load_suggestions
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import TypeAlias
+
+    import torch
+    from torch import nn
+
+    from ckptool.torch_ops.devices import DeviceLike
+
+    #: how keys are matched to the model's: ``"auto"`` (reconcile wrapper prefixes), None / False / ``"none"``
+    #: (keys as saved), or the prefix (or prefixes, in order) to strip
+    PrefixSpec: TypeAlias = str | Sequence[str] | Literal[False] | None
+
+__all__ = ["find_state_dicts", "load_checkpoint", "load_into", "select_state_dict"]
+
+_MAX_WALK_DEPTH = 6
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+
+
+# ------------------------------------------------------------------------------------------------ loading files
+def first_line(e: BaseException) -> str:
+    """The first line of ``str(e)`` (the exception's class name when empty), at most 300 characters: the part of
+    a torch error that goes into ckptool's one-line messages."""
+    s = str(e).strip().splitlines()
+    return (s[0] if s else type(e).__name__)[:300]
+
+
+def _unsafe_error(path: str, names: list[str], reason: str | None = None) -> UnsafeCheckpointError:
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    what = f"globals outside torch.load(weights_only=True)'s allowlist: {shown}" if names else (
+        f"objects torch.load(weights_only=True) refuses ({reason})")
+    return UnsafeCheckpointError(
+        f"{path} holds {what}; loading it would run code named by the file. Pass trust=True (--trust) only if "
+        "you trust its source, or ask for a plain state_dict file", names)
+
+
+def registered_safe_globals() -> set[str]:
+    """``module.qualname`` of what the user added with ``torch.serialization.add_safe_globals``."""
+    import torch
+
+    out = set()
+    for g in torch.serialization.get_safe_globals():
+        obj = g[0] if isinstance(g, tuple) else g
+        if isinstance(g, tuple) and len(g) == 2 and isinstance(g[1], str):
+            out.add(g[1])
+        mod, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+        if mod and name:
+            out.add(f"{mod}.{name}")
+    return out
+
+
+@gc_paused
+def _saved_devices_and_unsafe_globals(path: str, fmt: str) -> tuple[dict[str, int], list[str]]:
+    """Read a torch zip / legacy file's structure without torch (:func:`ckptool.formats.torchfile.read_checkpoint`)
+    and return ``(location tag -> tensor count, globals outside torch's weights-only allowlist)``.
+
+    The same checks as :func:`ckptool.inspect` run first: a hostile or damaged file stops here, before torch.
+
+    Raises:
+        CorruptCheckpointError: truncated, damaged or hostile file, or a pickle nested deeper than ckptool can walk
+            (a module containing itself, a module tree giving more than ``MAX_MODULE_ENTRIES`` entries).
+        UnsupportedError: tuple nesting too deep to read safely.
+    """
+    try:
+        ck = read_checkpoint(path, fmt)
+        saved: dict[str, int] = {}
+        for root in (ck.root, *ck.extra_roots.values()):
+            for _key, t, _rg in graph.iter_tensors(root):
+                storage = t.storage
+                tag = storage.location if storage is not None else "meta"
+                saved[tag] = saved.get(tag, 0) + 1
+        for ref in graph.find_state_dicts(ck.root):  # a module tree that contains itself or explodes is corrupt
+            if ref.is_module:
+                for _entry in graph.iter_state_dict_of_module(ref.obj):
+                    pass
+    except RecursionError as e:
+        raise CorruptCheckpointError(f"{path}: {graph.too_deep(e)}") from None
+    names = dict.fromkeys(qualified_name(m, n) for m, n in ck.globals)
+    return saved, [n for n in names if not is_allowed(n)]
+
+
+def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *, trust: bool = False
+                    ) -> tuple[Any, dict[str, int]]:
+    """Load the object saved in ``path`` with every tensor on ``device``; safe unless ``trust``.
+
+    torch zip / legacy files: ``torch.load(path, map_location=device, weights_only=not trust)``; the pickle is
+    first read by ckptool's restricted reader (nothing imported), and a global outside torch's allowlist (and not
+    registered with ``torch.serialization.add_safe_globals``) stops the load with its name. safetensors:
+    ``safetensors.torch.load_file(path, device=...)``. TorchScript archives (only with ``trust``):
+    ``torch.jit.load(path, map_location=device).state_dict()``. Plain pickles (only with ``trust``):
+    ``pickle.load``, then tensors moved to ``device`` (:func:`~ckptool.torch_ops.devices.map_tensors`: an object
+    reached twice, such as tied weights, stays one object, and tensors sharing a storage still share one on
+    ``device``).
+
+    Returns ``(obj, saved_devices)``: the loaded object and location tag -> tensor count as saved in the file
+    (empty when unknown).
+
+    Raises:
+        UsageError: bad device, missing path or a directory.
+        NotACheckpointError / CorruptCheckpointError: unreadable input, or torch failed to read it.
+        UnsafeCheckpointError: the file needs globals outside the weights-only allowlist (or is TorchScript / a
+            plain pickle) and ``trust`` is False.
+        CkptError: a trusted pickle names code that is not importable here.
+    """
+    import torch
+
+    path = os.fspath(path)
+    dev = resolve_device(device)
+    fmt = formats.detect_format(path)
+    if fmt == formats.SAFETENSORS:
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(path, device=str(dev)), {}
+        except Exception as e:  # safetensors raises its own SafetensorError for damaged files
+            raise CorruptCheckpointError(f"{path}: safetensors could not read it ({e}); re-download it") from e
+    if fmt == formats.TORCHSCRIPT:
+        if not trust:
+            raise UnsafeCheckpointError(
+                f"{path} is a TorchScript archive: loading it compiles the code stored in it. Pass trust=True "
+                "(--trust) only if you trust its source; its state_dict is then taken from torch.jit.load")
+        try:
+            return dict(torch.jit.load(path, map_location=dev).state_dict()), {}  # type: ignore[no-untyped-call]
+        except Exception as e:
+            raise CorruptCheckpointError(f"{path}: torch.jit.load failed: {first_line(e)}") from e
+    if fmt == formats.PICKLE:
+        if not trust:
+            raise UnsafeCheckpointError(
+                f"{path} is a plain pickle, not a torch.save file: only an unrestricted unpickler reads it. Pass "
+                "trust=True (--trust) only if you trust its source")
+        with open(path, "rb") as f:
+            try:
+                obj = pickle.load(f)  # trusted by the caller
+            except Exception as e:
+                raise CorruptCheckpointError(f"{path}: unpickling failed: {first_line(e)}") from e
+        memo = TensorMemo()
+        return map_tensors(obj, lambda t: move_tensor(t, dev, memo), memo), {}
+
+    saved, unsafe = _saved_devices_and_unsafe_globals(path, fmt)
+    if not trust:
+        registered = registered_safe_globals()
+        unsafe = [g for g in unsafe if g not in registered]
+        if unsafe:
+            raise _unsafe_error(path, unsafe)
+    try:
+        obj = torch.load(path, map_location=dev, weights_only=not trust)
+    except pickle.UnpicklingError as e:
+        if trust:
+            raise CorruptCheckpointError(f"{path}: unpickling failed: {first_line(e)}") from e
+        msg = str(e)
+        names = list(dict.fromkeys(_GLOBAL_RE.findall(msg)))
+        reason = next((ln.strip() for ln in msg.splitlines() if "WeightsUnpickler error" in ln), first_line(e))
+        raise _unsafe_error(path, names, reason) from e
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError) as e:
+        raise CorruptCheckpointError(f"{path}: torch.load failed: {first_line(e)}; the file may be truncated "
+                                     "or damaged") from e
+    except (ImportError, AttributeError) as e:  # trusted full-model pickle whose classes are not importable here
+        raise CkptError(f"{path}: the pickle names code that is not importable here ({first_line(e)}); make the "
+                        "model's module importable (PYTHONPATH) or load a state_dict instead") from e
+    return obj, saved
+
+
+# ------------------------------------------------------------------------------------------------ state_dicts
+def find_state_dicts(obj: object) -> list[tuple[str, Mapping[str, Any]]]:
+    """Every state_dict in a loaded checkpoint, outermost first: ``[(dotted_path, state_dict)]``.
+
+    A state_dict is a mapping with string keys and tensor values (``*_extra_state`` entries allowed); an
+    ``nn.Module`` (a full-model pickle) counts as its ``state_dict()``. Optimizer state_dicts (``state`` +
+    ``param_groups``) are skipped. The walk (:func:`ckptool.model.objects.find_object_state_dicts`: breadth
+    first, linear) does not enter a state_dict it found, and stops at depth 6.
+    """
+    from torch import nn
+
+    refs = find_object_state_dicts(obj, is_tensor, is_module=lambda o: isinstance(o, nn.Module),
+                                   max_depth=_MAX_WALK_DEPTH)
+    return [(r.path, r.obj.state_dict() if r.is_module else r.obj) for r in refs]
+
+
+def _as_state_dict(obj: object) -> Mapping[str, Any] | None:
+    from torch import nn
+
+    if isinstance(obj, nn.Module):
+        return obj.state_dict()
+    return obj if isinstance(obj, Mapping) and is_object_state_dict(obj, is_tensor) else None
+
+
+def select_state_dict(obj: Any, key: str | None, model_keys: list[str] | None = None, *,
+                      prefixes: PrefixSpec = "auto", path: str = "checkpoint"
+                      ) -> tuple[str, Mapping[str, Any], list[str]]:
+    """Choose the state_dict to load from a loaded checkpoint.
+
+    With ``key`` (a dotted path such as ``"state_dict"``, ``"model"``, ``"ema"``; see
+    :func:`ckptool.model.graph.get_path`: a key holding dots is matched whole, longest dotted run first) that entry
+    is used. Without it, a top-level state_dict (or ``nn.Module``) wins; otherwise the nested candidates
+    (:func:`find_state_dicts`) are ranked by how many of their keys match ``model_keys`` (after prefix
+    reconciliation when ``prefixes == "auto"``), then by name (:data:`ckptool.model.keys.STATE_DICT_NAMES` order:
+    ``state_dict``, ``model_state_dict``, ``model``, ... EMA copies last), then by depth. Returns
+    ``(dotted_path, state_dict, every_candidate_path)``.
+
+    Raises:
+        UsageError: ``key`` names nothing, or something that is not a state_dict.
+        UnsupportedError: the checkpoint holds no state_dict at all.
+    """
+    found = find_state_dicts(obj)
+    paths = [p for p, _ in found]
+    listing = ", ".join(p or "(top level)" for p in paths) or "none"
+    if key is not None:
+        try:
+            sub = get_path(obj, key)
+        except KeyError:
+            raise UsageError(f"{path} has no entry {key!r}; state_dicts found: {listing}") from None
+        sd = _as_state_dict(sub)
+        if sd is None:
+            raise UsageError(f"{path}: {key!r} is a {type(sub).__name__}, not a state_dict (a mapping of names to "
+                             f"tensors); state_dicts found: {listing}")
+        return key, sd, paths
+    if not found:
+        top = ", ".join(map(str, list(obj)[:10])) if isinstance(obj, Mapping) else type(obj).__name__
+        raise UnsupportedError(f"{path} holds no state_dict (a mapping of names to tensors); found: {top}")
+    if found[0][0] == "":
+        return "", found[0][1], paths
+
+    def rank(item: tuple[int, tuple[str, Mapping[str, Any]]]) -> tuple[int, int, int, int]:
+        i, (p, sd) = item
+        last = p.rsplit(".", 1)[-1]
+        name_rank = STATE_DICT_NAMES.index(last) if last in STATE_DICT_NAMES else len(STATE_DICT_NAMES)
+        matched = 0
+        if model_keys is not None:
+            keys = list(sd)
+            matched = reconcile(keys, model_keys).matched if prefixes == "auto" else len(set(keys) & set(model_keys))
+        return (-matched, name_rank, p.count("."), i)
+
+    _, (best_path, best) = min(enumerate(found), key=rank)
+    return best_path, best, paths
+
+
+# ------------------------------------------------------------------------------------------------ key renaming
+def _reconciliation(ckeys: list[str], model_keys: list[str], prefixes: PrefixSpec) -> Reconciliation:
+    if prefixes == "auto":
+        return reconcile(ckeys, model_keys)
+    if prefixes is None or prefixes is False or prefixes == "none":
+        return Reconciliation({k: k for k in ckeys}, matched=sum(k in set(model_keys) for k in ckeys))
+    plist = [prefixes] if isinstance(prefixes, str) else list(prefixes)
+    try:
+        plist = [normalize_prefix(p) for p in plist]
+    except UsageError as e:
+        raise UsageError(f"prefixes must be 'auto', None or the prefixes to strip: {e}") from None
+    mapping = {k: strip_prefix_key(k, plist) for k in ckeys}
+    raise_on_collisions(mapping)
+    used = [p for p in plist if any(k.startswith(p) for k in ckeys)]
+    return Reconciliation(mapping, removed=used, matched=sum(v in set(model_keys) for v in mapping.values()))
+
+
+# ------------------------------------------------------------------------------------------------ core load
+@dataclass
+class Loaded:
+    """The result of :func:`load_selected`: the report, and model key -> the checkpoint tensor copied into it."""
+
+    report: LoadReport
+    loaded: dict[str, Any]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two tensors (NaN-safe): same dtype, same shape, same bytes (False for meta tensors,
+    which hold no data)."""
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    if a.device.type == "meta" or b.device.type == "meta":  # no data to compare
+        return False
+    if a.device != b.device:
+        b = b.to(a.device)
+    import torch
+
+    ra, rb = a.detach().reshape(-1), b.detach().reshape(-1)
+    if ra.numel() == 0:
+        return True
+    try:
+        return bool(torch.equal(ra.contiguous().view(torch.uint8), rb.contiguous().view(torch.uint8)))
+    except RuntimeError:  # layouts that cannot be viewed as bytes (quantized, sparse): compare values
+        return bool(torch.equal(ra, rb))
+
+
+def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key: str, found: list[str],
+                     device: torch.device, strict: bool, prefixes: PrefixSpec, saved: dict[str, int]) -> Loaded:
+    import torch
+    from torch.nn.parameter import is_lazy
+
+    model_sd = model.state_dict()
+    model_keys = list(model_sd)
+    ckeys = list(sd)
+    rec = _reconciliation(ckeys, model_keys, prefixes)
+    inverse = {v: k for k, v in rec.mapping.items()}
+
+    to_load: OrderedDict[str, Any] = OrderedDict()
+    mismatched: list[ShapeMismatch] = []
+    cast_groups: dict[tuple[str, str], list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+    for ck in ckeys:
+        mk = rec.mapping[ck]
+        v, target = sd[ck], model_sd.get(mk)
+        if isinstance(v, torch.Tensor) and isinstance(target, torch.Tensor) and not is_lazy(target):
+            if tuple(v.shape) != tuple(target.shape):
+                mismatched.append(ShapeMismatch(mk, ck, list(v.shape), list(target.shape)))
+                continue
+            if v.dtype != target.dtype:
+                cast_groups.setdefault((dtype_name(v.dtype), dtype_name(target.dtype)), []).append((mk, v, target))
+        to_load[mk] = v
+    meta = getattr(sd, "_metadata", None)
+    if meta is not None:
+        if rec.changed:  # module paths follow the keys (later entry wins in the first one's place, as torch does)
+            meta = OrderedDict(rename_metadata_items(meta.items(), mapping_key_function(rec.mapping)))
+        to_load._metadata = meta  # type: ignore[attr-defined]
+
+    try:
+        result = model.load_state_dict(to_load, strict=False)
+    except RuntimeError as e:  # a module's own _load_from_state_dict refused a value
+        raise CkptError(f"{type(model).__name__}.load_state_dict refused {path}: {first_line(e)}") from e
+    skipped = {m.key for m in mismatched}
+    missing = [k for k in result.missing_keys if k not in skipped]
+    unexpected = [inverse.get(k, k) for k in result.unexpected_keys]
+    unused = set(result.unexpected_keys)
+    loaded = {k: v for k, v in to_load.items() if k not in unused}
+
+    casts = []
+    for (cd, md), items in cast_groups.items():
+        lossy = any(not same_bits(v.to(t.dtype).to(v.dtype), v) for _, v, t in items)
+        casts.append(DtypeCast(cd, md, len(items), items[0][0], lossy))
+
+    report = LoadReport(
+        path=path, model=type(model).__name__, device=str(device), key=key, strict=strict, found=found,
+        prefixes_removed=list(rec.removed), prefixes_added=list(rec.added),
+        renamed=sum(1 for a, b in rec.mapping.items() if a != b), loaded=len(loaded), model_entries=len(model_keys),
+        checkpoint_entries=len(ckeys), missing=missing, unexpected=unexpected, mismatched=mismatched, casts=casts,
+        saved_devices=dict(saved),
+    )
+    report.suggestions = load_suggestions(report, ckeys, model_keys)
+    return Loaded(report, loaded)
+
+
+def load_selected(model: nn.Module, obj: Any, *, path: str, key: str | None, device: torch.device, strict: bool,
+                  prefixes: PrefixSpec, saved: dict[str, int]) -> Loaded:
+    """Choose the state_dict in the loaded ``obj`` (:func:`select_state_dict`) and load it into ``model`` as
+    :func:`load_into` does (never raising for a mismatch: the report says it).
+
+    Raises:
+        UsageError / UnsupportedError / KeyCollisionError: as :func:`select_state_dict` and ``prefixes``.
+        CkptError: the model's own ``load_state_dict`` refused a value.
+    """
+    model_keys = list(model.state_dict())
+    where, sd, found = select_state_dict(obj, key, model_keys, prefixes=prefixes, path=path)
+    return _load_state_dict(model, sd, path=path, key=where, found=found, device=device, strict=strict,
+                            prefixes=prefixes, saved=saved)
+
+
+# ------------------------------------------------------------------------------------------------ public API
+def check_model(model: object) -> None:
+    """Raise :class:`~ckptool.errors.UsageError` unless ``model`` is a ``torch.nn.Module``."""
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def load_for_model(model: nn.Module, path: str | os.PathLike[str], device: DeviceLike | None, *, trust: bool
+                   ) -> tuple[str, torch.device, Any, dict[str, int]]:
+    """Steps 1 and 2 of :func:`load_into`: ``model.to(device)`` when ``device`` is given (else the model's own
+    device is used), then :func:`load_checkpoint` onto that device. Returns ``(path as str, device, loaded object,
+    saved location tags)``.
+
+    Raises:
+        UsageError: ``model`` not an ``nn.Module``, bad device.
+        UnsafeCheckpointError / NotACheckpointError / CorruptCheckpointError / CkptError: as
+            :func:`load_checkpoint`.
+    """
+    check_model(model)
+    dev = resolve_device(device) if device is not None else model_device(model)
+    if device is not None:
+        model.to(dev)
+    p = os.fspath(path)
+    obj, saved = load_checkpoint(p, dev, trust=trust)
+    return p, dev, obj, saved
+
+
+def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceLike | None = None,
+              key: str | None = None, strict: bool = True, prefixes: PrefixSpec = "auto", trust: bool = False
+              ) -> LoadReport:
+    """Load the checkpoint at ``path`` into ``model`` on ``device``, fixing what usually needs boilerplate.
+
+    1. ``model.to(device)`` when ``device`` is given (else the model stays where it is, and its device is used).
+    2. The file is loaded straight onto that device: ``torch.load(map_location=device, weights_only=True)``
+       (see :func:`load_checkpoint`; safetensors and, with ``trust``, full-model pickles and TorchScript too).
+    3. The state_dict is chosen: ``key`` (dotted path, e.g. ``"state_dict"``, ``"ema"``) or automatically
+       (:func:`select_state_dict`).
+    4. Keys are reconciled with the model's (``prefixes="auto"``: :func:`ckptool.model.keys.reconcile`, e.g.
+       ``module.`` removed for a bare model or added for a DataParallel one, ``_orig_mod.`` for compiled models,
+       Lightning's ``model.``); ``prefixes=None`` keeps the keys as saved; a prefix or list of prefixes strips
+       exactly those. ``_metadata`` (module versions) is renamed alongside.
+    5. Entries whose shape differs from the model's are set aside (torch would raise even with ``strict=False``);
+       the rest go through the model's own ``load_state_dict(strict=False)``, which copies (and casts) each into
+       the existing parameters and buffers. Missing and unexpected keys are those torch reports.
+
+    With ``strict=True`` any missing, unexpected or shape-mismatched entry raises after the load, like torch's
+    ``load_state_dict(strict=True)`` (the matching entries have been copied by then); with ``strict=False`` they
+    are only reported. Returns the :class:`~ckptool.torch_ops.reports.LoadReport`.
+
+    Raises:
+        StateDictMismatchError: ``strict`` and the state_dict does not fit (message: the report's tables).
+        UnsafeCheckpointError: the file needs globals outside the weights-only allowlist and ``trust`` is False.
+        UsageError: bad device, ``model`` not an ``nn.Module``, ``key`` names no state_dict, bad ``prefixes``.
+        NotACheckpointError / CorruptCheckpointError: unreadable file.
+        UnsupportedError: the file holds no state_dict.
+        KeyCollisionError: stripping ``prefixes`` would merge two keys.
+        CkptError: the model's own ``load_state_dict`` refused a value (its RuntimeError is chained).
+    """
+    p, dev, obj, saved = load_for_model(model, path, device, trust=trust)
+    done = load_selected(model, obj, path=p, key=key, device=dev, strict=strict, prefixes=prefixes, saved=saved)
+    if strict:
+        done.report.raise_for_errors()
+    return done.report

@@ -1,0 +1,188 @@
+"""Resume a training checkpoint: the model, the optimizer (its state placed where torch would have created it)
+and the LR scheduler, on any device.
+
+Importing this module does not import torch; each function imports it when called.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ckptool.errors import UnsupportedError, UsageError
+from ckptool.model.graph import get_path, is_optimizer_state
+from ckptool.model.keys import OPTIMIZER_NAMES, SCHEDULER_NAMES
+from ckptool.torch_ops.load import first_line, load_for_model, load_selected
+from ckptool.torch_ops.reports import TrainingState
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import nn
+
+    from ckptool.torch_ops.devices import DeviceLike
+
+__all__ = ["SchedulerLike", "load_training_state", "place_optimizer_state"]
+
+
+class SchedulerLike(Protocol):
+    """What :func:`load_training_state` needs of a scheduler: ``load_state_dict`` (torch's ``LRScheduler``,
+    ``ReduceLROnPlateau``, timm's schedulers...)."""
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
+def _is_optimizer_state(obj: object) -> bool:
+    """A loaded ``optimizer.state_dict()``: a mapping with ``state`` and ``param_groups``
+    (:func:`ckptool.model.graph.is_optimizer_state`)."""
+    return isinstance(obj, Mapping) and is_optimizer_state(obj.items())
+
+
+def _find_entry(ck: Mapping[str, Any], key: str | None, names: Sequence[str], what: str, path: str,
+                accept: Callable[[Any], bool]) -> tuple[str | None, Any]:
+    """``(dotted key, value)`` of the entry ``key`` names (:func:`ckptool.model.graph.get_path`), else of the
+    first of ``names`` whose value (or a list's first element) ``accept`` takes; ``(None, None)`` when none does.
+
+    Raises:
+        UsageError: ``key`` names nothing.
+    """
+    if key is not None:
+        try:
+            return key, get_path(ck, key)
+        except KeyError:
+            raise UsageError(f"{path} has no entry {key!r} for the {what}; top-level keys: "
+                             f"{', '.join(map(str, list(ck)[:20]))}") from None
+    for n in names:
+        v = ck.get(n)
+        if isinstance(v, (list, tuple)) and v and accept(v[0]):
+            return f"{n}.0", v[0]
+        if v is not None and accept(v):
+            return n, v
+    return None, None
+
+
+def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike[str], *,
+                        device: DeviceLike | None = None, scheduler: SchedulerLike | None = None,
+                        model_key: str | None = None, optimizer_key: str | None = None,
+                        scheduler_key: str | None = None, strict: bool = True, trust: bool = False) -> TrainingState:
+    """Resume a training checkpoint (model, optimizer, optional LR scheduler) on ``device``, whatever device it
+    was saved on.
+
+    The model is moved to ``device`` *before* the optimizer state is loaded (moving it afterwards is what leaves
+    optimizer state behind and gives "Expected all tensors to be on the same device"). The file is loaded once
+    onto ``device`` (:func:`~ckptool.torch_ops.load.load_checkpoint`), the model's state_dict is loaded as in
+    :func:`~ckptool.torch_ops.load.load_into` (``model_key`` or automatic), then ``optimizer.load_state_dict``
+    (entry ``optimizer_key`` or the first of :data:`ckptool.model.keys.OPTIMIZER_NAMES`; Lightning's
+    ``optimizer_states`` list gives its first element), which casts every state tensor to its parameter's device
+    and floating dtype, ``step`` excepted (``Optimizer._process_value_according_to_param_policy``). Every state
+    entry (custom ones and nested containers included) is then placed by torch's own rule
+    (:func:`place_optimizer_state`). Finally ``scheduler.load_state_dict`` (``scheduler_key`` or
+    :data:`ckptool.model.keys.SCHEDULER_NAMES`).
+
+    Returns a :class:`~ckptool.torch_ops.reports.TrainingState` (the model's ``LoadReport``, ``epoch``,
+    ``global_step``, the keys used and every other top-level entry in ``extra``).
+
+    Raises:
+        StateDictMismatchError: ``strict`` and the model's state_dict does not fit.
+        UsageError: bad device; no optimizer (or scheduler) state found, or it does not match the optimizer
+            (different number of parameter groups or parameters).
+        UnsupportedError: the file is not a dict (not a training checkpoint: use ``load_into``), or it holds
+            no state_dict.
+        UnsafeCheckpointError / NotACheckpointError / CorruptCheckpointError: as ``load_checkpoint``.
+        CkptError: the model's own ``load_state_dict`` refused a value.
+    """
+    p, dev, ck, saved = load_for_model(model, path, device, trust=trust)
+    if not isinstance(ck, Mapping):
+        raise UnsupportedError(f"{p} holds a {type(ck).__name__}, not a training checkpoint dict; load it with "
+                               "ckptool.load_into(model, path)")
+    done = load_selected(model, ck, path=p, key=model_key, device=dev, strict=strict, prefixes="auto", saved=saved)
+    if strict:
+        done.report.raise_for_errors()
+    used = {done.report.key.split(".")[0]} if done.report.key else set()
+
+    opt_key = None
+    if optimizer is not None:
+        opt_key, opt_sd = _find_entry(ck, optimizer_key, OPTIMIZER_NAMES, "optimizer state", p,
+                                      _is_optimizer_state)
+        if opt_key is None or not _is_optimizer_state(opt_sd):
+            raise UsageError(f"{p}: no optimizer state_dict (a dict with 'state' and 'param_groups') found"
+                             + (f" at {optimizer_key!r}" if optimizer_key else "")
+                             + f"; top-level keys: {', '.join(map(str, list(ck)[:20]))}; pass optimizer_key=")
+        try:
+            optimizer.load_state_dict(opt_sd)
+        except (ValueError, KeyError) as e:
+            raise UsageError(f"{p}: the optimizer state at {opt_key!r} does not fit this optimizer: {first_line(e)}; "
+                             "build the optimizer over the same parameters, in the same groups, as when it was "
+                             "saved") from e
+        place_optimizer_state(optimizer)
+        used.add(opt_key.split(".")[0])
+
+    sched_key = None
+    if scheduler is not None:
+        sched_key, sched_sd = _find_entry(ck, scheduler_key, SCHEDULER_NAMES, "scheduler state", p,
+                                          lambda v: isinstance(v, Mapping))
+        if sched_key is None or sched_sd is None:
+            raise UsageError(f"{p}: no scheduler state found (looked for {', '.join(SCHEDULER_NAMES)}); "
+                             "pass scheduler_key=")
+        scheduler.load_state_dict(sched_sd)
+        used.add(sched_key.split(".")[0])
+
+    extra = {k: v for k, v in ck.items() if k not in used}
+    epoch = _as_int(ck.get("epoch"))
+    step = next((_as_int(ck.get(n)) for n in ("global_step", "step", "iteration", "iter") if n in ck), None)
+    return TrainingState(done.report, epoch, step, opt_key, sched_key, extra)
+
+
+def _as_int(v: object) -> int | None:
+    """``v`` as an int when it is a finite number or a one-element tensor holding one, else None."""
+    try:
+        import torch
+
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+    except (TypeError, ValueError):
+        return None
+
+
+def place_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
+    """Move every tensor of ``optimizer.state`` where torch would have created it; return how many moved.
+
+    ``step`` (a 0-dim tensor) goes to the CPU unless its group is ``fused`` or ``capturable``, in which case it
+    goes to the parameter's device (torch's ``Adam``/``AdamW``/``Adagrad``... create it there, and
+    ``Optimizer.load_state_dict`` casts it so); every other tensor, in nested dicts, lists and tuples too, goes to
+    its parameter's device. Values and dtypes are kept.
+    """
+    import torch
+
+    moved = 0
+
+    def place(v: Any, p: torch.Tensor, k: object, on_device_step: bool) -> Any:
+        nonlocal moved
+        if isinstance(v, torch.Tensor):
+            if k == "step" and v.dim() == 0:
+                target = p.device if on_device_step else torch.device("cpu")
+            else:
+                target = p.device
+            if v.device != target:
+                moved += 1
+                return v.to(target)
+            return v
+        if isinstance(v, dict):
+            for kk in list(v):
+                v[kk] = place(v[kk], p, kk, on_device_step)
+            return v
+        if isinstance(v, list):
+            return [place(x, p, None, on_device_step) for x in v]
+        if type(v) is tuple:
+            return tuple(place(x, p, None, on_device_step) for x in v)
+        return v
+
+    for group in optimizer.param_groups:
+        on_dev = bool(group.get("capturable", False)) or bool(group.get("fused", False))
+        for prm in group["params"]:
+            st = optimizer.state.get(prm)
+            if isinstance(st, dict):
+                place(st, prm, None, on_dev)
+    return moved
