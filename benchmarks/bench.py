@@ -78,6 +78,7 @@ Only the standard library is needed here; ``tabulate`` is used for the tables wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -269,7 +270,7 @@ def run_measured(cmd: list[str], workdir: str, stdout_devnull: bool = True) -> R
 
 
 def run_plain(cmd: list[str], workdir: str) -> tuple[int, str, str]:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(), cwd=workdir)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=_child_env(), cwd=workdir)
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -286,10 +287,8 @@ def warm_cache(path: str) -> None:
 
 
 def remove(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def log(msg: str) -> None:
@@ -325,7 +324,8 @@ def machine_info(workdir: str) -> dict[str, object]:
     info["python"] = platform.python_version()
     rc, out, err = run_plain([sys.executable, "-c", "import torch; print(torch.__version__)"], workdir)
     info["torch"] = out.strip() if rc == 0 else f"n/a ({_failure_summary(err, rc)})"
-    rc, out, err = run_plain([sys.executable, "-c", "import ckptool, sys; print(getattr(ckptool, '__version__', '?'))"], workdir)
+    version = "import ckptool, sys; print(getattr(ckptool, '__version__', '?'))"
+    rc, out, err = run_plain([sys.executable, "-c", version], workdir)
     info["ckptool"] = out.strip() if rc == 0 else f"n/a ({_failure_summary(err, rc)})"
     info["workdir"] = workdir
     if shutil.which("df"):
@@ -373,7 +373,8 @@ def build_files(workdir: str, size_gib: float, many: int, keep: bool) -> dict[st
             remove(path)
             log(f"building ({case}) {path} ...")
             t0 = time.perf_counter()
-            cmd = [sys.executable, os.path.abspath(__file__), "_build", str(f["kind"]), path, str(f["tensors"]), str(f["rows"])]
+            cmd = [sys.executable, os.path.abspath(__file__), "_build", str(f["kind"]), path, str(f["tensors"]),
+                   str(f["rows"])]
             rc, _, err = run_plain(cmd, workdir)
             if rc != 0:
                 remove(path + ".partial")
@@ -481,9 +482,8 @@ def report_text(info: dict[str, object], files: dict[str, dict[str, object]], ms
                 checks: dict[str, dict[str, object]], tgt: list[dict[str, object]], repeat: int) -> str:
     out = []
     out.append("machine")
-    for k in ("nproc", "cpu", "mem_gib", "kernel", "python", "torch", "ckptool", "workdir", "filesystem", "rss_floor_mib"):
-        if k in info:
-            out.append(f"  {k:<14} {info[k]}")
+    keys = ("nproc", "cpu", "mem_gib", "kernel", "python", "torch", "ckptool", "workdir", "filesystem", "rss_floor_mib")
+    out.extend(f"  {k:<14} {info[k]}" for k in keys if k in info)
     out.append("")
     out.append("files")
     for case, f in files.items():
@@ -520,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
                     "benchmarks/out/, or benchmarks/out/keep with --keep)")
     ap.add_argument("--size-gib", type=float, default=2.0, help="size of checkpoint (1) in GiB (default 2.0)")
     ap.add_argument("--many", type=int, default=50000, help="number of small tensors in checkpoint (2) (default 50000)")
-    ap.add_argument("--only", choices=("inspect", "remap", "strip"), help="run only this ckptool command and its baselines")
+    ap.add_argument("--only", choices=("inspect", "remap", "strip"),
+                    help="run only this ckptool command and its baselines")
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement; median time, max RSS (default 3)")
     ap.add_argument("--keep", action="store_true", help="reuse existing input files and leave them behind")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
@@ -573,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
                 "repeat": args.repeat,
                 "files": {c: {"name": CASE_NAMES[c], **f} for c, f in files.items()},
                 "runs": [
-                    {**{k: v for k, v in asdict(m).items()}, "ok": m.ok, "median_wall_s": m.median_s,
+                    {**dict(asdict(m).items()), "ok": m.ok, "median_wall_s": m.median_s,
                      "peak_rss_mib": m.peak_mib, "peak_rss_kib": max(m.maxrss_kib) if m.ok else None}
                     for m in ms.values()
                 ],
@@ -601,10 +602,8 @@ def main(argv: list[str] | None = None) -> int:
             remove(str(f["path"]) + ".partial")
         if created_dir:
             shutil.rmtree(created_dir, ignore_errors=True)
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(DEFAULT_OUT_ROOT)  # only if empty
-            except OSError:
-                pass
     return 0
 
 

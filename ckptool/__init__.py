@@ -1,18 +1,26 @@
 """ckptool: make PyTorch checkpoints portable between machines, devices and model wrappers.
 
-Importing ckptool does not import torch; only the functions that materialise tensors (loading into a model,
-the demo) import it when called.
+The public API is :data:`__all__`. Importing ckptool does not import torch: ``inspect``, ``remap`` and the result
+types are imported with the package; the other functions are loaded from their module on first use (PEP 562
+``__getattr__``), and only those that materialise tensors (loading into a model, ``verify``, ``save_portable``,
+trusted paths) import torch, when called. Type checkers see every name with its real type through the
+``TYPE_CHECKING`` block below, which names the same modules as :data:`_LAZY`.
+
+No submodule of ``ckptool`` shares a name with a public function: the operations live in ``ckptool.ops`` and
+``ckptool.torch_ops``, so ``import ckptool.ops.convert`` never replaces ``ckptool.convert``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING
 
 from ckptool.errors import (
     CkptError,
     CorruptCheckpointError,
     KeyCollisionError,
     NotACheckpointError,
+    OutputError,
     PrefixNotFoundError,
     UnsafeCheckpointError,
     UnsupportedError,
@@ -22,39 +30,97 @@ from ckptool.ops.inspect import CheckpointInfo, StateDictInfo, TensorInfo, inspe
 from ckptool.ops.remap import remap
 from ckptool.ops.rewrite import WriteResult
 
+if TYPE_CHECKING:
+    from ckptool.model.rename_memory import rename_state_dict
+    from ckptool.ops.convert import ConvertResult, VerificationError, convert
+    from ckptool.ops.extract import ExtractResult, extract_state_dict
+    from ckptool.ops.rename import RenameResult, add_prefix, strip_dataparallel, strip_prefix, unwrap
+    from ckptool.ops.scan import ScanResult, scan, scan_file
+    from ckptool.torch_ops.load import load_into
+    from ckptool.torch_ops.portable import save_portable
+    from ckptool.torch_ops.reports import LoadReport, StateDictMismatchError, TrainingState, VerifyReport
+    from ckptool.torch_ops.training import load_training_state
+    from ckptool.torch_ops.verify import verify
+
 __version__ = "0.1.0"
 
-# name -> module for the parts of the API that are loaded on first use (they may import torch when called)
-_LAZY = {
+#: public name -> the module that defines it, for the names loaded on first use
+_LAZY: dict[str, str] = {
     "strip_prefix": "ckptool.ops.rename",
     "add_prefix": "ckptool.ops.rename",
     "strip_dataparallel": "ckptool.ops.rename",
     "unwrap": "ckptool.ops.rename",
-    "rename_state_dict": "ckptool.ops.rename",
+    "RenameResult": "ckptool.ops.rename",
+    "rename_state_dict": "ckptool.model.rename_memory",
     "load_into": "ckptool.torch_ops.load",
     "load_training_state": "ckptool.torch_ops.training",
     "save_portable": "ckptool.torch_ops.portable",
     "LoadReport": "ckptool.torch_ops.reports",
+    "StateDictMismatchError": "ckptool.torch_ops.reports",
+    "TrainingState": "ckptool.torch_ops.reports",
+    "VerifyReport": "ckptool.torch_ops.reports",
     "verify": "ckptool.torch_ops.verify",
     "convert": "ckptool.ops.convert",
+    "ConvertResult": "ckptool.ops.convert",
+    "VerificationError": "ckptool.ops.convert",
+    "scan": "ckptool.ops.scan",
     "scan_file": "ckptool.ops.scan",
+    "ScanResult": "ckptool.ops.scan",
     "extract_state_dict": "ckptool.ops.extract",
+    "ExtractResult": "ckptool.ops.extract",
 }
 
-def __getattr__(name: str) -> Any:
+
+def __getattr__(name: str) -> object:
+    """Load a public name listed in :data:`_LAZY` from its module on first use (PEP 562)."""
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'ckptool' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(mod), name)
-    # importing ckptool.convert binds the submodule as `ckptool.convert`; bind the function over it
+    value: object = getattr(importlib.import_module(mod), name)
     globals()[name] = value
     return value
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
 __all__ = [
-    "CheckpointInfo", "CkptError", "CorruptCheckpointError", "KeyCollisionError", "NotACheckpointError",
-    "PrefixNotFoundError", "StateDictInfo", "TensorInfo", "UnsafeCheckpointError", "UnsupportedError",
-    "UsageError", "WriteResult", "inspect", "remap", *_LAZY,
+    "CheckpointInfo",
+    "CkptError",
+    "ConvertResult",
+    "CorruptCheckpointError",
+    "ExtractResult",
+    "KeyCollisionError",
+    "LoadReport",
+    "NotACheckpointError",
+    "OutputError",
+    "PrefixNotFoundError",
+    "RenameResult",
+    "ScanResult",
+    "StateDictInfo",
+    "StateDictMismatchError",
+    "TensorInfo",
+    "TrainingState",
+    "UnsafeCheckpointError",
+    "UnsupportedError",
+    "UsageError",
+    "VerificationError",
+    "VerifyReport",
+    "WriteResult",
+    "add_prefix",
+    "convert",
+    "extract_state_dict",
+    "inspect",
+    "load_into",
+    "load_training_state",
+    "remap",
+    "rename_state_dict",
+    "save_portable",
+    "scan",
+    "scan_file",
+    "strip_dataparallel",
+    "strip_prefix",
+    "unwrap",
+    "verify",
 ]

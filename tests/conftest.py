@@ -21,7 +21,7 @@ for _p in (FIXTURES_DIR, TESTS_DIR):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-import make_fixtures  # noqa: E402
+import make_fixtures
 
 
 @pytest.fixture(scope="session")

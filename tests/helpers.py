@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 __all__ = [
-    "requires_cuda",
-    "assert_same_tensors",
-    "storage_groups",
     "StorageRef",
-    "main_pickle_bytes",
-    "storage_refs",
+    "assert_same_tensors",
     "location_tags",
+    "main_pickle_bytes",
+    "requires_cuda",
+    "storage_groups",
+    "storage_refs",
 ]
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -105,3 +105,27 @@ def test_output_folder_missing(generated, run_cli, tmp_path: Path) -> None:
     line = _one_error_line(run_cli("remap", generated["sd_cuda0.pt"], "--to", "cpu", "-o", tmp_path / "no" / "o.pt"),
                            code=EXIT_USAGE)
     assert "does not exist" in line
+
+
+def test_out_of_memory_while_unpickling_is_not_called_corrupt(generated, run_cli, monkeypatch) -> None:
+    """A MemoryError inside the restricted unpickler is the machine's limit, not a damaged file: one line that
+    says out of memory and names the file, exit 1 (before, it read "corrupted or truncated")."""
+    from ckptool.formats.unpickler import RestrictedUnpickler
+
+    def no_memory(self):
+        raise MemoryError
+
+    monkeypatch.setattr(RestrictedUnpickler, "load", no_memory)
+    src = generated["sd_cpu.pt"]
+    line = _one_error_line(run_cli("inspect", src), code=EXIT_FAILURE)
+    assert "out of memory" in line
+    assert src.name in line
+    assert "corrupt" not in line
+
+
+def test_import_error_while_unpickling_is_not_swallowed(generated, monkeypatch) -> None:
+    """ImportError is no longer among the exceptions the unpickler turns into CorruptCheckpointError."""
+    from ckptool.formats.unpickler import PICKLE_ERRORS
+
+    assert MemoryError not in PICKLE_ERRORS
+    assert ImportError not in PICKLE_ERRORS

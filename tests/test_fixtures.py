@@ -11,13 +11,12 @@ import zipfile
 import zlib
 from pathlib import Path
 
-import pytest
-import torch
-from torch import nn
-
 import fixture_models
 import make_fixtures
+import pytest
+import torch
 from helpers import assert_same_tensors, location_tags, main_pickle_bytes, storage_groups, storage_refs
+from torch import nn
 
 MANIFEST = make_fixtures.MANIFEST
 CHECKPOINTS = sorted(n for n, i in MANIFEST.items() if i.kind in ("zip", "legacy"))
@@ -169,7 +168,7 @@ def test_training_checkpoint(generated: dict[str, Path]) -> None:
         assert_same_tensors(load_cpu(generated[name]), ckpt)
     for name in ("train_cuda1_memo_configfirst.pt", "train_cuda1_memo_configfirst_legacy.pt"):
         other = load_cpu(generated[name])
-        assert list(other)[0] == "config"
+        assert next(iter(other)) == "config"
         assert_same_tensors({k: other[k] for k in ckpt}, ckpt)
 
 
@@ -282,7 +281,7 @@ def test_torch_error_messages(generated: dict[str, Path], name: str, error: type
 
 def test_real_files_match_their_readme(real_dir: Path) -> None:
     readme = (real_dir / "README.md").read_text()
-    listed = dict((name, digest) for digest, name in re.findall(r"^([0-9a-f]{64})  (\S+)$", readme, re.M))
+    listed = {name: digest for digest, name in re.findall(r"^([0-9a-f]{64})  (\S+)$", readme, re.M)}
     assert listed and set(listed) == {p.name for p in real_dir.iterdir() if p.name != "README.md"}
     for name, digest in listed.items():
         assert hashlib.sha256((real_dir / name).read_bytes()).hexdigest() == digest, name

@@ -339,7 +339,7 @@ def test_lightning_checkpoint(run_cli, tmp_path: Path) -> None:
 
     # in memory: a new dict, the state_dict renamed, the rest the same objects
     new = ckptool.strip_prefix(ckpt, "model.")
-    assert new is not ckpt and type(new) is dict and list(ckpt["state_dict"])[0] == "model.conv.weight"
+    assert new is not ckpt and type(new) is dict and next(iter(ckpt["state_dict"])) == "model.conv.weight"
     assert new["optimizer_states"] is ckpt["optimizer_states"]
     _assert_renamed(new["state_dict"], ckpt["state_dict"], fn)
     assert all(new["state_dict"][fn(k)] is v for k, v in ckpt["state_dict"].items())
@@ -375,7 +375,7 @@ def test_training_checkpoint_key_option(run_cli, tmp_path: Path) -> None:
     assert "not a state_dict" in line
     # in memory, with key
     new = ckptool.strip_dataparallel(ckpt, key="ema")
-    assert list(new["ema"])[0] == "conv.weight" and new["model_state_dict"] is ckpt["model_state_dict"]
+    assert next(iter(new["ema"])) == "conv.weight" and new["model_state_dict"] is ckpt["model_state_dict"]
 
 
 def test_add_prefix_leaves_optimizer_state_alone(run_cli, tmp_path: Path) -> None:
@@ -394,7 +394,7 @@ def test_add_prefix_leaves_optimizer_state_alone(run_cli, tmp_path: Path) -> Non
     nn.DataParallel(Net()).load_state_dict(out["model"], strict=True)
     assert_same_tensors(out["optimizer"], ckpt["optimizer"])
     new = ckptool.add_prefix(ckpt, "module.")
-    assert new["optimizer"] is ckpt["optimizer"] and list(new["model"])[0] == "module.conv.weight"
+    assert new["optimizer"] is ckpt["optimizer"] and next(iter(new["model"])) == "module.conv.weight"
 
 
 def test_gpu_tagged_and_legacy_inputs(run_cli, tmp_path: Path) -> None:

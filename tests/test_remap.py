@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_same_tensors, location_tags, requires_cuda, storage_groups
 
 import ckptool
 from ckptool import _fileio as writer_mod
 from ckptool.formats import torchzip
 from ckptool.formats.torchzip import TorchZipWriter
-from helpers import assert_same_tensors, location_tags, requires_cuda, storage_groups
 
 
 def _sha(p: Path) -> str:

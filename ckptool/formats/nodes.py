@@ -309,3 +309,11 @@ def node_type_for(module: str, name: str) -> type[ReduceNode] | None:
     if key == REBUILD_FROM_TYPE_V2:
         return None
     return ReduceNode
+
+
+def global_placeholder(module: str, name: str) -> GlobalMeta:
+    """A new placeholder for global ``module.name``: a class whose call records a node (:func:`node_type_for`)
+    instead of calling anything. The restricted unpickler makes one per name it reads; writers use this to build
+    new graphs (a fresh ``collections.OrderedDict``, ``torch._utils._rebuild_tensor_v2``, a storage class)."""
+    return GlobalMeta("Global", (ObjectNode,),
+                      {"__slots__": (), "module": module, "name": name, "node_type": node_type_for(module, name)})

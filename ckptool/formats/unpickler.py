@@ -36,34 +36,11 @@ import pickle
 from typing import Any, BinaryIO
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
-from ckptool.formats.nodes import GlobalMeta, ObjectNode, PersistentRef, StorageRef, node_type_for
+from ckptool.formats.nodes import GlobalMeta, PersistentRef, StorageRef, global_placeholder
 from ckptool.formats.pickle_check import PickleBuffer, call_with_stack, check_pickle, tuple_levels
 
 __all__ = ["PICKLE_ERRORS", "RestrictedUnpickler", "load_pickle_at", "load_structure", "partial_globals"]
 
-# TEMPORARY re-exports for modules under rewrite (coordinator removes): ckptool.ops.convert, ckptool.model.graph,
-# ckptool.ops.inspect and ckptool.ops.rename import these names from here; their home is ckptool.formats.nodes.
-from ckptool.formats.nodes import (
-    REBUILD_FROM_TYPE_V2,
-    REBUILD_PARAMETER,
-    REBUILD_PARAMETER_WITH_STATE,
-    REBUILD_QTENSOR,
-    REBUILD_TENSOR,
-    REBUILD_TENSOR_V2,
-    REBUILD_TENSOR_V3,
-    ParameterNode,
-    PickledObject,
-    ReduceNode,
-    TensorNode,
-    qualified_name,
-)
-
-__all__ += [
-    "REBUILD_FROM_TYPE_V2", "REBUILD_PARAMETER", "REBUILD_PARAMETER_WITH_STATE", "REBUILD_QTENSOR", "REBUILD_TENSOR",
-    "REBUILD_TENSOR_V2", "REBUILD_TENSOR_V3", "GlobalMeta", "ObjectNode", "ParameterNode", "PersistentRef",
-    "PickledObject", "ReduceNode", "StorageRef", "TensorNode", "qualified_name",
-]
-# end of TEMPORARY re-exports
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -89,9 +66,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         self.globals_seen[key] = None
         g = self._globals.get(key)
         if g is None:
-            g = GlobalMeta("Global", (ObjectNode,),
-                           {"__slots__": (), "module": module, "name": name,
-                            "node_type": node_type_for(module, name)})
+            g = global_placeholder(module, name)
             self._globals[key] = g
         return g
 
@@ -119,7 +94,7 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 #: exceptions that a damaged or hostile pickle can raise inside the C unpickler
 PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, TypeError, AttributeError,
-                 OverflowError, UnicodeDecodeError, RecursionError, MemoryError, ImportError)
+                 OverflowError, UnicodeDecodeError, RecursionError)
 
 
 class _FlatReader(io.BytesIO):
@@ -156,6 +131,8 @@ def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exa
     up = RestrictedUnpickler(_FlatReader(chunk), storages=storages, global_cache=global_cache)
     try:
         root = call_with_stack(up.load, tuple_levels(chunk), what)
+    except MemoryError as e:  # not the file's fault as such: say which file needed it (the CLI reports it)
+        raise MemoryError(f"reading the {len(chunk)}-byte {what}") from e
     except PICKLE_ERRORS as e:
         err = CorruptCheckpointError(
             f"{what} is corrupted or truncated ({type(e).__name__}: {_short(e)}); re-download or re-save the checkpoint"

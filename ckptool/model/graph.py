@@ -13,7 +13,6 @@ for a pickled ``nn.Module``, what ``model.state_dict()`` gives (torch/nn/modules
 
 from __future__ import annotations
 
-import io
 import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -30,8 +29,8 @@ from ckptool.formats.nodes import (
     ReduceNode,
     StorageRef,
     TensorNode,
+    global_placeholder,
 )
-from ckptool.formats.unpickler import RestrictedUnpickler
 
 #: the most entries :func:`walk_module` yields (submodules shared at every level grow exponentially with depth)
 MAX_MODULE_ENTRIES = 2_000_000
@@ -115,7 +114,7 @@ def set_mapping_items(obj: object, items: list[tuple[Any, Any]]) -> None:
 
 def ordered_dict_node(items: Iterable[tuple[Any, Any]]) -> ReduceNode:
     """A new ``collections.OrderedDict()`` node filled by SETITEMS with ``items``, as torch pickles a state_dict."""
-    node: ReduceNode = RestrictedUnpickler(io.BytesIO(b"")).find_class("collections", "OrderedDict")()
+    node = global_placeholder("collections", "OrderedDict")()
     node.dictitems = list(items)
     node.order = ["setitems"]
     return node

@@ -26,10 +26,10 @@ from ckptool.formats.dtypes import (
     storage_element,
     tensor_dtype,
 )
+from ckptool.formats.nodes import StorageRef, TensorNode, qualified_name
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import is_checkpoint_set, read_index, set_kind
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
-from ckptool.formats.unpickler import StorageRef, TensorNode, qualified_name
 from ckptool.model.allowlist import ALLOWED, DANGEROUS, UNKNOWN, classify_global, is_allowed
 from ckptool.model.graph import (
     StateDictRef,

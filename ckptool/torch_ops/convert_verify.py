@@ -45,6 +45,8 @@ def torch_file_difference(path: str, expected: Sequence[ExpectedTensor], records
 
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except MemoryError:
+        raise
     except Exception as e:
         return f"torch.load(weights_only=True) refused it ({type(e).__name__}: {e})"
     if not isinstance(obj, dict) or list(obj) != [t.name for t in expected]:

@@ -27,7 +27,7 @@ def dcp_to_torch_file(folder: str, out: str | IO[bytes]) -> None:
 
     try:
         dcp_to_torch_save(folder, out)  # type: ignore[arg-type]  # torch.save inside takes a file object too
-    except CkptError:
+    except (CkptError, MemoryError, ImportError):
         raise
     except Exception as e:
         raise CorruptCheckpointError(f"{folder}: torch.distributed.checkpoint could not read it "

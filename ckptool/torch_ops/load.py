@@ -165,6 +165,8 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
 
         try:
             return load_file(path, device=str(dev)), {}
+        except (MemoryError, ImportError):  # the system's errors, not the file's: the CLI names them
+            raise
         except Exception as e:  # safetensors raises its own SafetensorError for damaged files
             raise CorruptCheckpointError(f"{path}: safetensors could not read it ({e}); re-download it") from e
     if fmt == formats.TORCHSCRIPT:
@@ -174,6 +176,8 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
                 "(--trust) only if you trust its source; its state_dict is then taken from torch.jit.load")
         try:
             return dict(torch.jit.load(path, map_location=dev).state_dict()), {}  # type: ignore[no-untyped-call]
+        except (MemoryError, ImportError):
+            raise
         except Exception as e:
             raise CorruptCheckpointError(f"{path}: torch.jit.load failed: {first_line(e)}") from e
     if fmt == formats.PICKLE:
@@ -184,7 +188,9 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
         with open(path, "rb") as f:
             try:
                 obj = pickle.load(f)  # trusted by the caller
-            except Exception as e:
+            except MemoryError:
+                raise
+            except Exception as e:  # an ImportError here is the file's: a class that no longer exists
                 raise CorruptCheckpointError(f"{path}: unpickling failed: {first_line(e)}") from e
         memo = TensorMemo()
         return map_tensors(obj, lambda t: move_tensor(t, dev, memo), memo), {}

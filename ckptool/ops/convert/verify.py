@@ -73,6 +73,8 @@ def verify_safetensors(w: Written, path: str) -> None:
     """
     try:
         diff = _safe_open_difference(w, path)
+    except (MemoryError, ImportError):
+        raise
     except Exception as e:  # the safetensors library refused the file
         raise verify_fail(path, f"safetensors.safe_open refused it ({type(e).__name__}: {e})") from e
     if diff is not None:

@@ -9,7 +9,6 @@ Every file is written atomically (:func:`ckptool._fileio.atomic_output`).
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import re
 import zlib
@@ -20,12 +19,11 @@ from typing import Any, BinaryIO, TypeVar
 from ckptool._fileio import atomic_output, copy_range, copy_range_crc
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES, STORAGE_TYPES
-from ckptool.formats.nodes import StorageRef
+from ckptool.formats.nodes import StorageRef, global_placeholder
 from ckptool.formats.pickler import dumps
 from ckptool.formats.safetensors import encode_header
 from ckptool.formats.torchzip import TorchZipWriter
-from ckptool.formats.unpickler import RestrictedUnpickler
-from ckptool.model.graph import mapping_items
+from ckptool.model.graph import mapping_items, ordered_dict_node
 from ckptool.model.keys import rename_metadata_items
 from ckptool.ops.convert.plan import Unit, shared_metadata
 from ckptool.ops.convert.source import SHARED_KEY, ConvertResult, Storage, Tensor, is_contiguous, out_dtype
@@ -156,22 +154,13 @@ def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str]
     return w
 
 
-# ONE-HOME: the OrderedDict placeholder made through the restricted unpickler is also built by
-# ops/extract._state_dict_graph; one helper in the model layer should make it for both
-def _ordered_dict() -> Any:
-    return RestrictedUnpickler(io.BytesIO(b"")).find_class("collections", "OrderedDict")()
-
-
 def _renamed_meta_state(state: dict[str, Any], rename_key: Callable[[str], str] | None) -> dict[str, Any]:
     """The selected OrderedDict's BUILD state (``{"_metadata": ...}``) with its module paths following the keys
     renamed by ``rename_key`` (:func:`ckptool.model.keys.rename_metadata_items`)."""
     items = mapping_items(state.get("_metadata"))
     if items is None or rename_key is None:
         return state
-    node = _ordered_dict()
-    node.dictitems = rename_metadata_items(items, rename_key)
-    node.order = ["setitems"]
-    return {**state, "_metadata": node}
+    return {**state, "_metadata": ordered_dict_node(rename_metadata_items(items, rename_key))}
 
 
 def torch_pickle(tensors: list[Tensor], keys: dict[int, str], cast: str | None, location: Callable[[str], str],
@@ -179,7 +168,7 @@ def torch_pickle(tensors: list[Tensor], keys: dict[int, str], cast: str | None, 
     """``data.pkl`` of an ``OrderedDict`` state_dict of ``tensors``, as ``torch.save`` writes it (protocol 2,
     ``_rebuild_tensor_v2`` over a typed storage class, ``_rebuild_tensor_v3`` over ``UntypedStorage`` for dtypes
     without one). Storages are named by ``keys[id(storage)]``."""
-    g = RestrictedUnpickler(io.BytesIO(b"")).find_class  # used only to make global placeholders
+    g = global_placeholder
     refs: dict[int, StorageRef] = {}
     items = []
     for t in tensors:
@@ -196,12 +185,12 @@ def torch_pickle(tensors: list[Tensor], keys: dict[int, str], cast: str | None, 
             refs[id(st)] = ref
         if dt in _V2_STORAGE:
             node = g("torch._utils", "_rebuild_tensor_v2")(ref, t.offset, t.shape, t.stride, t.requires_grad,
-                                                           _ordered_dict())
+                                                           g("collections", "OrderedDict")())
         else:
             node = g("torch._utils", "_rebuild_tensor_v3")(ref, t.offset, t.shape, t.stride, t.requires_grad,
-                                                           _ordered_dict(), g("torch", dt))
+                                                           g("collections", "OrderedDict")(), g("torch", dt))
         items.append((t.name, node))
-    root = _ordered_dict()
+    root = g("collections", "OrderedDict")()
     root.dictitems = items
     root.order = ["setitems"]
     if type(sd_state) is dict:
