@@ -36,7 +36,7 @@ class Step:
 
     ``kind`` is ``"strip"`` (remove each of ``prefixes`` from the front, in order, at most once each, only while
     a component stays after it), ``"add"`` (put ``prefixes[0]`` in front) or ``"unwrap"``
-    (:func:`ckptool.keys.unwrap_key`). Prefixes are normalised whole components ending in ``.``.
+    (:func:`ckptool.model.keys.unwrap_key`). Prefixes are normalised whole components ending in ``.``.
     """
 
     kind: str

@@ -3,7 +3,7 @@ class and without running anything from the file.
 
 A full-model pickle holds each ``nn.Module`` as an object whose ``__dict__`` carries ``_parameters``,
 ``_buffers``, ``_non_persistent_buffers_set`` and ``_modules``. Walking that tree in the node graph of
-:mod:`ckptool.unpickler` gives exactly what ``nn.Module.state_dict()`` gives (torch/nn/modules/module.py
+:mod:`ckptool.formats.unpickler` gives exactly what ``nn.Module.state_dict()`` gives (torch/nn/modules/module.py
 ``state_dict`` / ``_save_to_state_dict``): for each module, pre-order, its parameters then its persistent buffers
 (``None`` ones skipped), then its submodules, keys joined with ``.``; each value the tensor detached
 (``requires_grad=False``, a plain tensor, not a Parameter, sharing the parameter's storage); and ``_metadata``
@@ -219,7 +219,7 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
             ``<stem>.state_dict.pth`` beside ``src``.
         key: dotted path of the module inside the file (``"model"``) when it is not the top-level object.
         unwrap: remove wrapper components from the keys (``module.`` of DataParallel/DDP, ``_orig_mod.`` of
-            torch.compile...; :func:`ckptool.keys.unwrap_key`), renaming ``_metadata`` to match.
+            torch.compile...; :func:`ckptool.model.keys.unwrap_key`), renaming ``_metadata`` to match.
         to: re-tag every storage for this device (``cpu``, ``cuda:0``) in a ``.pth`` output; default: as saved.
         trust: load ``src`` with ``torch.load(weights_only=False)`` (runs the file's code, imports its classes)
             and call the module's own ``state_dict()``.

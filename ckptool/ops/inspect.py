@@ -77,7 +77,7 @@ class StateDictInfo:
 class GlobalInfo:
     """A global the pickle would import (``module.qualname``), and whether ``torch.load(weights_only=True)``
     accepts it (``allowed``). ``status`` is how ``ckptool scan`` classifies it (``allowed``, ``dangerous`` or
-    ``unknown``, see :func:`ckptool.scan.classify_global`; filled in from ``name`` when not given) and ``reason``
+    ``unknown``, see :func:`ckptool.model.allowlist.classify_global`; filled in from ``name`` when not given) and ``reason``
     says why."""
 
     name: str
@@ -140,7 +140,7 @@ class CheckpointInfo:
 
 
 def tensor_infos(root: Any) -> list[TensorInfo]:
-    """A :class:`TensorInfo` for every tensor reachable from ``root`` (see :func:`ckptool.graph.iter_tensors`)."""
+    """A :class:`TensorInfo` for every tensor reachable from ``root`` (see :func:`ckptool.model.graph.iter_tensors`)."""
     out = []
     dtype_cache: dict[int, str] = {}
     ref: StorageRef | None
@@ -192,7 +192,7 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     Raises:
         UsageError: missing path, or a folder that is neither a DCP checkpoint nor holds one ``*.index.json``.
         NotACheckpointError: empty file, unknown bytes or another file type.
-        CorruptCheckpointError: truncated, damaged or hostile file (see :func:`ckptool.checkpoint.read_checkpoint`),
+        CorruptCheckpointError: truncated, damaged or hostile file (see :func:`ckptool.formats.torchfile.read_checkpoint`),
             or a pickle nested deeper than ckptool can walk.
         UnsupportedError: tuple nesting too deep to read safely.
     """
@@ -210,7 +210,7 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
 
 
 def describe(ck: Checkpoint) -> CheckpointInfo:
-    """Build the :class:`CheckpointInfo` of an already-read :class:`~ckptool.checkpoint.Checkpoint`."""
+    """Build the :class:`CheckpointInfo` of an already-read :class:`~ckptool.formats.torchfile.Checkpoint`."""
     tensors = tensor_infos(ck.root)
     for name, extra in ck.extra_roots.items():
         tensors += [TensorInfo(**{**asdict(t), "key": f"{name}.{t.key}"}) for t in tensor_infos(extra)]

@@ -1,4 +1,4 @@
-"""``ckptool.remap``: rewrite the location tags of a checkpoint's storages, without torch and without a GPU.
+"""``ckptool.ops.remap``: rewrite the location tags of a checkpoint's storages, without torch and without a GPU.
 
 ``torch.load`` restores each storage on the device its location tag names (``default_restore_location`` in
 torch/serialization.py), unless a ``map_location`` says otherwise. Rewriting the tags in the file gives the same
@@ -48,18 +48,18 @@ def remap(
     ``dst`` defaults to ``<stem>.<target><ext>`` beside ``src`` (``model.cpu.pth``); ``in_place=True`` replaces
     ``src``. Writing is atomic: a temporary file in the destination folder, fsynced, then renamed.
 
-    The key renamings of :mod:`ckptool.prefixes` can be done in the same pass (one read, one write):
+    The key renamings of :mod:`ckptool.ops.rename` can be done in the same pass (one read, one write):
     ``strip_prefixes``, ``strip_dataparallel``, ``unwrap`` and ``add_prefix``, applied in that order to the
     state_dict(s) found, or to the one at dotted path ``key``; ``allow_missing`` as in
-    :func:`ckptool.prefixes.strip_prefix`.
+    :func:`ckptool.ops.rename.strip_prefix`.
 
     Returns a :class:`~ckptool.rewrite.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``), a
-    :class:`~ckptool.prefixes.RenameResult` (a WriteResult with the renaming added) when keys were renamed.
+    :class:`~ckptool.ops.rename.RenameResult` (a WriteResult with the renaming added) when keys were renamed.
 
     Raises:
         UsageError: bad device strings, ``dst`` equal to ``src`` without ``in_place``, missing output folder,
             ``key`` without a renaming, bad prefixes.
-        PrefixNotFoundError / KeyCollisionError: see :func:`ckptool.prefixes.strip_prefix`; nothing written.
+        PrefixNotFoundError / KeyCollisionError: see :func:`ckptool.ops.rename.strip_prefix`; nothing written.
         UnsupportedError: safetensors (no tags), TorchScript (use ``torch.jit.load(map_location=...)``), plain pickles.
         NotACheckpointError / CorruptCheckpointError: unreadable input.
     """

@@ -1,15 +1,15 @@
-"""``ckptool.prefixes``: remove or add wrapper prefixes in state_dict keys, in files and in memory.
+"""``ckptool.ops.rename``: remove or add wrapper prefixes in state_dict keys, in files and in memory.
 
 Wrappers put components in front of every fully qualified name (FQN) of the model they hold:
 ``nn.DataParallel`` and ``DistributedDataParallel`` add ``module.``, ``torch.compile``'s ``OptimizedModule``
 ``_orig_mod.``, FSDP1 ``_fsdp_wrapped_module.``, activation checkpointing ``_checkpoint_wrapped_module.``, a
 LightningModule the name of its attribute (``model.``). ``load_state_dict(strict=True)`` into the bare model then
 fails with "Missing key(s) ... Unexpected key(s): module.conv1.weight". The functions here rename whole dotted
-components only (:mod:`ckptool.keys`, the rule of torch's ``consume_prefix_in_state_dict_if_present``), so
+components only (:mod:`ckptool.model.keys`, the rule of torch's ``consume_prefix_in_state_dict_if_present``), so
 ``mlp_module.fc.weight`` never loses ``module``.
 
 On a file (a ``str`` or ``os.PathLike``) each function reads the pickle as a node graph
-(:func:`ckptool.checkpoint.read_checkpoint`, nothing imported or run), renames the keys of the selected
+(:func:`ckptool.formats.torchfile.read_checkpoint`, nothing imported or run), renames the keys of the selected
 state_dict(s) in the graph, and streams a new file with :func:`ckptool.rewrite.rewrite_file`: tensor records are
 copied byte for byte, never decoded, so the cost is the cost of copying the file and torch is not imported.
 safetensors files get a new JSON header and their data block copied unchanged. The output is written
@@ -250,10 +250,10 @@ def _rename_mapping_node(obj: Any, mapping: dict[str, str], plan: RenamePlan) ->
 def rename_graph(
     root: Any, plan: RenamePlan, *, key: str | None = None, allow_missing: bool = False, where: str = "checkpoint",
 ) -> tuple[Any, RenameSummary]:
-    """Apply ``plan`` to the state_dict(s) of a checkpoint's node graph (:mod:`ckptool.unpickler`), in place.
+    """Apply ``plan`` to the state_dict(s) of a checkpoint's node graph (:mod:`ckptool.formats.unpickler`), in place.
 
-    ``key`` (a dotted path, :func:`ckptool.graph.get_path`) selects one state_dict; without it every state_dict
-    that :func:`ckptool.graph.find_state_dicts` finds (compiled-model pickles included, optimizer state never) is
+    ``key`` (a dotted path, :func:`ckptool.model.graph.get_path`) selects one state_dict; without it every state_dict
+    that :func:`ckptool.model.graph.find_state_dicts` finds (compiled-model pickles included, optimizer state never) is
     renamed where its keys carry the prefix. Dict and OrderedDict nodes get their keys (and ``_metadata``) renamed;
     pickled modules (full-model pickles) get their wrapper objects
     (``DataParallel``, ``OptimizedModule``, ...) replaced by the module they hold, no class imported. ``where``
@@ -445,7 +445,7 @@ def unwrap(
     ``_checkpoint_wrapped_module.`` from the front of keys in any stacking order (DDP of a compiled model gives
     ``module._orig_mod.``, a compiled DDP ``_orig_mod.module.``), and the wrapper-only names (``_orig_mod``,
     ``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``) also in the middle of keys
-    (:func:`ckptool.keys.unwrap_key`).
+    (:func:`ckptool.model.keys.unwrap_key`).
 
     Default output ``<stem>.unwrapped<ext>``. On a full-model pickle (``torch.save(nn.DataParallel(model))``, a
     ``torch.compile`` model) the wrapper objects are replaced by the modules they hold, classes never imported.

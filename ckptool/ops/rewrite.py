@@ -1,7 +1,7 @@
 """Stream a checkpoint into a new zip-format file with a rewritten pickle and retagged storages.
 
 This is the one write path behind ``remap`` and the key-renaming commands: the main pickle is written anew from
-its node graph (:mod:`ckptool.pickler`), every other record is copied byte for byte. Memory is bounded by the
+its node graph (:mod:`ckptool.formats.pickler`), every other record is copied byte for byte. Memory is bounded by the
 pickle, not by the tensors.
 
 Zip inputs keep their records, record order and archive folder; only ``data.pkl`` changes. Legacy inputs become
@@ -144,7 +144,7 @@ def rewrite_file(ck: Checkpoint, dst: str, root: Any, location_fn: LocationFn | 
     """Write ``ck`` (with pickle ``root``) to ``dst`` atomically (temporary file, fsync, rename).
 
     When ``dst`` is the input (in-place), the input's permission bits are kept. Raises what :func:`write_zip`
-    and :func:`ckptool.writer.atomic_output` raise.
+    and :func:`ckptool._fileio.atomic_output` raise.
     """
     mode = file_mode(ck.path) if same_file(ck.path, dst) else None
     with atomic_output(dst, mode=mode) as out:

@@ -1,4 +1,4 @@
-"""``ckptool.convert``: move a state_dict between torch.save files, safetensors, sharded sets and DCP folders.
+"""``ckptool.ops.convert``: move a state_dict between torch.save files, safetensors, sharded sets and DCP folders.
 
 One pass from SRC to DST, memory bounded by the largest storage, not by the file:
 
