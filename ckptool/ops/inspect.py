@@ -77,8 +77,8 @@ class StateDictInfo:
 class GlobalInfo:
     """A global the pickle would import (``module.qualname``), and whether ``torch.load(weights_only=True)``
     accepts it (``allowed``). ``status`` is how ``ckptool scan`` classifies it (``allowed``, ``dangerous`` or
-    ``unknown``, see :func:`ckptool.model.allowlist.classify_global`; filled in from ``name`` when not given) and ``reason``
-    says why."""
+    ``unknown``, see :func:`ckptool.model.allowlist.classify_global`; filled in from ``name`` when not given) and
+    ``reason`` says why."""
 
     name: str
     allowed: bool
@@ -192,8 +192,8 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     Raises:
         UsageError: missing path, or a folder that is neither a DCP checkpoint nor holds one ``*.index.json``.
         NotACheckpointError: empty file, unknown bytes or another file type.
-        CorruptCheckpointError: truncated, damaged or hostile file (see :func:`ckptool.formats.torchfile.read_checkpoint`),
-            or a pickle nested deeper than ckptool can walk.
+        CorruptCheckpointError: truncated, damaged or hostile file (see
+            :func:`ckptool.formats.torchfile.read_checkpoint`), or a pickle nested deeper than ckptool can walk.
         UnsupportedError: tuple nesting too deep to read safely.
     """
     path = os.fspath(path)

@@ -10,7 +10,7 @@ components only (:mod:`ckptool.model.keys`, the rule of torch's ``consume_prefix
 
 On a file (a ``str`` or ``os.PathLike``) each function reads the pickle as a node graph
 (:func:`ckptool.formats.torchfile.read_checkpoint`, nothing imported or run), renames the keys of the selected
-state_dict(s) in the graph, and streams a new file with :func:`ckptool.rewrite.rewrite_file`: tensor records are
+state_dict(s) in the graph, and streams a new file with :func:`ckptool.ops.rewrite.rewrite_file`: tensor records are
 copied byte for byte, never decoded, so the cost is the cost of copying the file and torch is not imported.
 safetensors files get a new JSON header and their data block copied unchanged. The output is written
 atomically (temporary file, fsync, rename); nothing is written when an error is raised.
