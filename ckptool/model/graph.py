@@ -469,11 +469,13 @@ def breadth_first(root: object, *, items: Callable[[Any], list[tuple[Any, Any]] 
             continue
         if max_depth is not None and depth >= max_depth:
             continue
+        # tensors hold no state_dict, so they are not queued: one tensor test per item of a 200,000-tensor list
         if pairs is not None:
             if not is_optimizer_state(pairs):
-                queue.extend((v, (up, obj, k), depth + 1) for k, v in pairs if type(k) is str or type(k) is int)
+                queue.extend((v, (up, obj, k), depth + 1) for k, v in pairs
+                             if (type(k) is str or type(k) is int) and not tensor_test(v))
         elif isinstance(obj, (list, tuple)):
-            queue.extend((v, (up, obj, i), depth + 1) for i, v in enumerate(obj))
+            queue.extend((v, (up, obj, i), depth + 1) for i, v in enumerate(obj) if not tensor_test(v))
     return out
 
 
