@@ -19,16 +19,9 @@ from ckptool.formats.nodes import ObjectNode, ReduceNode, StorageRef, TensorNode
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.formats.unpickler import RestrictedUnpickler
 from ckptool.model import graph
-from ckptool.model.graph import (
-    find_state_dicts,
-    get_path,
-    iter_state_dict_of_module,
-    iter_tensors,
-    replace_child,
-    resolve_path,
-    walk_module,
-)
+from ckptool.model.graph import find_state_dicts, iter_state_dict_of_module, iter_tensors, walk_module
 from ckptool.model.objects import find_object_state_dicts, iter_object_tensors
+from ckptool.model.paths import get_path, replace_child, resolve_path
 
 # a small pool: drawing the same tensor twice gives a tied weight (one object under two keys)
 POOL = [torch.arange(3, dtype=torch.float32), torch.ones(2, 2, dtype=torch.float16), torch.zeros(0),

@@ -24,7 +24,7 @@ from torch import nn
 
 import ckptool
 from ckptool.errors import CkptError, KeyCollisionError, UnsafeCheckpointError, UnsupportedError, UsageError
-from ckptool.model.graph import get_path
+from ckptool.model.paths import get_path
 from ckptool.torch_ops.devices import resolve_device
 from ckptool.torch_ops.load import find_state_dicts
 from ckptool.torch_ops.portable import portable_key

@@ -4,8 +4,8 @@ The node graph the restricted unpickler builds (:mod:`ckptool.formats.unpickler`
 and tuples plus ``TensorNode`` / ``ReduceNode`` / ``ObjectNode`` records, mappings through :func:`mapping_items`,
 pickled ``nn.Module`` objects through their ``__dict__`` (:func:`module_state`). The traversal engines
 (:func:`depth_first`, :func:`breadth_first`) also serve loaded Python objects (:mod:`ckptool.model.objects`), and
-:func:`resolve_path` follows dotted paths in both. Every walk is iterative: linear in the number of nodes, and a
-too deep pickle gives :func:`too_deep`'s error, never a ``RecursionError``.
+:func:`ckptool.model.paths.resolve_path` follows dotted paths in both. Every walk is iterative: linear in the
+number of nodes, and a too deep pickle gives :func:`too_deep`'s error, never a ``RecursionError``.
 
 Names are what users see after ``torch.load`` (``model_state.lstm.weight``, ``optimizer.state.0.exp_avg``) and,
 for a pickled ``nn.Module``, what ``model.state_dict()`` gives (torch/nn/modules/module.py ``_save_to_state_dict``).
@@ -13,7 +13,6 @@ for a pickled ``nn.Module``, what ``model.state_dict()`` gives (torch/nn/modules
 
 from __future__ import annotations
 
-import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,10 +23,8 @@ from ckptool.formats.nodes import (
     GlobalMeta,
     ObjectNode,
     ParameterNode,
-    PersistentRef,
     PickledObject,
     ReduceNode,
-    StorageRef,
     TensorNode,
     global_placeholder,
 )
@@ -38,8 +35,8 @@ MAX_MODULE_ENTRIES = 2_000_000
 MAX_DEPTH = 5_000
 
 _T = TypeVar("_T")
-_ATOMS = (str, int, float, bytes, bool, complex, type(None))
-_LEAVES = (*_ATOMS, GlobalMeta)  # never entered by a walk
+ATOMS = (str, int, float, bytes, bool, complex, type(None))
+_LEAVES = (*ATOMS, GlobalMeta)  # never entered by a walk
 
 
 def too_deep(e: RecursionError | None = None) -> CorruptCheckpointError:
@@ -485,117 +482,3 @@ def find_state_dicts(root: object) -> list[StateDictRef]:
     Does not look inside a found one, nor inside an optimizer's state_dict; enters mappings (by string and int
     keys), lists and tuples. Time is linear in the number of nodes."""
     return breadth_first(root, items=mapping_items, tensor_test=is_tensor, is_module=is_module, max_depth=None)
-
-
-# ------------------------------------------------------------------------------------------------ dotted paths
-_NODE_TYPES = (PickledObject, GlobalMeta, StorageRef, PersistentRef)
-_INT_RE = re.compile(r"-?[0-9]+")
-
-
-def _keyed(obj: object) -> Mapping[Any, Any] | None:
-    """A loaded mapping itself, a mapping node as ``{key: value}`` of its str and int keys (later pairs win)."""
-    if isinstance(obj, Mapping):
-        return obj
-    pairs = mapping_items(obj)
-    if pairs is None:
-        return None
-    return {k: v for k, v in pairs if type(k) is str or type(k) is int}
-
-
-def _attribute(obj: object, name: str) -> tuple[Any, Any] | None:
-    """``(parent, child)`` of attribute ``name``: a compiled model's ``_orig_mod``, a pickled module's attribute
-    (its ``__dict__``, then parameters, buffers, submodules, as ``nn.Module.__getattr__`` looks), an attribute of
-    a loaded object; None when there is none."""
-    inner = compiled_inner(obj)
-    if inner is not None:
-        return (obj, inner) if name == "_orig_mod" else None
-    st = module_state(obj)
-    if st is not None:
-        if name in st:
-            return st, st[name]
-        for attr in ("_parameters", "_buffers", "_modules"):
-            for k, v in mapping_items(st.get(attr)) or []:
-                if k == name:
-                    return st[attr], v
-        return None
-    if isinstance(obj, (*_NODE_TYPES, *_ATOMS, list, tuple)):
-        return None
-    try:
-        return obj, getattr(obj, name)
-    except AttributeError:
-        return None
-
-
-def resolve_path(root: object, path: str) -> list[Link]:
-    """The :class:`Link` trail from ``root`` to the object at dotted ``path`` (``""``: ``root``, an empty trail).
-
-    Each component is matched as a mapping key, longest dotted run first (so a key that itself holds dots, such as
-    ``"model.ema"``, is reached whole), string key before int key (negative ones included: ``"-1"``); a single
-    component is also a list or tuple index (``"0"``), a compiled model's ``_orig_mod``, a pickled module's
-    attribute (its ``__dict__``, then parameters, buffers and submodules, as ``nn.Module.__getattr__`` looks), or,
-    for a loaded object that is not a container, an attribute (``getattr``). Works on node graphs and on loaded
-    objects; the syntax of :func:`get_path`.
-
-    Raises:
-        KeyError: nothing at ``path`` (the message is ``path``).
-    """
-    trail: list[Link] = []
-    if path == "":
-        return trail
-    parts = path.split(".")
-    obj: Any = root
-    i = 0
-    while i < len(parts):
-        keyed = _keyed(obj)
-        link: Link | None = None
-        if keyed is not None:
-            for j in range(len(parts), i, -1):
-                comp = ".".join(parts[i:j])
-                for key in (comp, int(comp)) if _INT_RE.fullmatch(comp) else (comp,):
-                    if key in keyed:
-                        link = Link(obj, key, keyed[key])
-                        break
-                if link is not None:
-                    i = j
-                    break
-        elif isinstance(obj, (list, tuple)):
-            comp = parts[i]
-            if comp.isascii() and comp.isdigit() and int(comp) < len(obj):
-                link = Link(obj, int(comp), obj[int(comp)])
-                i += 1
-        else:
-            found = _attribute(obj, parts[i])
-            if found is not None:
-                link = Link(found[0], parts[i], found[1])
-                i += 1
-        if link is None:
-            raise KeyError(path)
-        trail.append(link)
-        obj = link.child
-    return trail
-
-
-def get_path(root: object, path: str) -> Any:
-    """The object at dotted ``path`` (``""`` = root); see :func:`resolve_path` for the syntax and the KeyError."""
-    return trail[-1].child if (trail := resolve_path(root, path)) else root
-
-
-def replace_child(link: Link, new: object) -> bool:
-    """Put ``new`` where ``link.child`` is in ``link.parent``, in place. Returns False when the parent cannot be
-    changed (a tuple, an attribute of a loaded object)."""
-    parent, key, old = link
-    if isinstance(parent, (dict, list)):
-        parent[key] = new
-        return True
-    if compiled_inner(parent) is not None and key == "_orig_mod":
-        parent.args = (new, *parent.args[1:])
-        return True
-    pairs = mapping_items(parent)
-    if pairs is None:
-        return False
-    pairs = list(pairs)  # a copy: mapping_items may return the node's own list
-    at = [i for i, (k, v) in enumerate(pairs) if v is old and type(k) is type(key) and k == key]
-    if at:
-        pairs[at[-1]] = (key, new)
-        set_mapping_items(parent, pairs)
-    return bool(at)

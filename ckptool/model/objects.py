@@ -5,7 +5,7 @@ A loaded checkpoint is made of ``dict`` / ``OrderedDict``, ``list``, ``tuple`` a
 imports torch. The traversal engines are the node graph's (:func:`~ckptool.model.graph.depth_first`,
 :func:`~ckptool.model.graph.breadth_first`): iterative, linear in the number of nodes, the same naming and the
 same state_dict rule (:func:`~ckptool.model.graph.looks_like_state_dict`). Dotted paths into loaded objects are
-followed by :func:`ckptool.model.graph.resolve_path`.
+followed by :func:`ckptool.model.paths.resolve_path`.
 """
 
 from __future__ import annotations

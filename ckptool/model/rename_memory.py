@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ckptool.errors import UnsupportedError, UsageError
-from ckptool.model.graph import resolve_path
 from ckptool.model.keys import raise_on_collisions, rename_metadata_items
 from ckptool.model.objects import find_object_state_dicts
+from ckptool.model.paths import resolve_path
 from ckptool.model.rename_plan import RenamePlan, plan_keys
 
 __all__ = ["rename_mapping", "rename_state_dict"]
@@ -79,7 +79,7 @@ def _renamed(sd: Mapping[Any, Any], mapping: Mapping[str, str], key_fn: Callable
 
 
 def _selected(obj: Mapping[Any, Any], key: str) -> tuple[list[Any], Mapping[Any, Any]]:
-    """``(keys from obj, mapping)`` of the state_dict at dotted ``key`` (:func:`ckptool.model.graph.resolve_path`).
+    """``(keys from obj, mapping)`` of the state_dict at dotted ``key`` (:func:`ckptool.model.paths.resolve_path`).
 
     Raises:
         UsageError: nothing there, a path through something other than mappings, lists and tuples, or an entry that

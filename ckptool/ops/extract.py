@@ -40,7 +40,6 @@ from ckptool.model.graph import (
     class_name,
     compiled_inner,
     find_state_dicts,
-    get_path,
     is_module,
     mapping_items,
     module_state,
@@ -49,6 +48,7 @@ from ckptool.model.graph import (
     walk_module,
 )
 from ckptool.model.keys import raise_on_collisions, rename_metadata_items, unwrap_key
+from ckptool.model.paths import get_path
 from ckptool.model.rename_memory import rename_state_dict
 from ckptool.ops.rewrite import rewrite_file
 from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted

@@ -42,17 +42,15 @@ from ckptool.model.graph import (
     class_name,
     compiled_inner,
     find_state_dicts,
-    get_path,
     is_module,
     iter_state_dict_of_module,
     mapping_items,
     module_entries,
     module_state,
-    replace_child,
-    resolve_path,
     set_mapping_items,
 )
 from ckptool.model.keys import WRAPPER_COMPONENTS, WRAPPER_ONLY_COMPONENTS
+from ckptool.model.paths import get_path, replace_child, resolve_path
 from ckptool.model.rename_memory import rename_mapping, rename_state_dict
 from ckptool.model.rename_plan import (
     RenamePlan,
@@ -105,7 +103,7 @@ class RenameResult(WriteResult):
 
 # ------------------------------------------------------------------------------------------------ node graph
 def _target_at(root: Any, key: str, where: str) -> StateDictRef:
-    """The state_dict (mapping or module) at dotted ``key`` (:func:`ckptool.model.graph.resolve_path`).
+    """The state_dict (mapping or module) at dotted ``key`` (:func:`ckptool.model.paths.resolve_path`).
 
     Raises:
         UsageError: nothing there, or something that is neither a mapping nor a module.
@@ -252,7 +250,7 @@ def rename_graph(
 ) -> tuple[Any, RenameSummary]:
     """Apply ``plan`` to the state_dict(s) of a checkpoint's node graph (:mod:`ckptool.formats.unpickler`), in place.
 
-    ``key`` (a dotted path, :func:`ckptool.model.graph.get_path`) selects one state_dict; without it every state_dict
+    ``key`` (a dotted path, :func:`ckptool.model.paths.get_path`) selects one state_dict; without it every state_dict
     that :func:`ckptool.model.graph.find_state_dicts` finds (compiled-model pickles included, optimizer state never) is
     renamed where its keys carry the prefix. Dict and OrderedDict nodes get their keys (and ``_metadata``) renamed;
     pickled modules (full-model pickles) get their wrapper objects

@@ -20,7 +20,7 @@ from ckptool.formats.dtypes import DTYPE_SIZES, storage_element, tensor_dtype
 from ckptool.formats.nodes import REBUILD_QTENSOR, StorageRef, TensorNode
 from ckptool.formats.torchfile import Checkpoint, resolve_zip_offsets
 from ckptool.formats.zipdir import read_member
-from ckptool.model.graph import get_path
+from ckptool.model.paths import get_path
 from ckptool.torch_ops.cast import torch_dtype
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], dst: str) -> int:
 
 def load_trusted_module(src: str, key: str | None, device: str) -> nn.Module:
     """``torch.load(src, map_location=device, weights_only=False)`` (runs the file's code: the caller was told to
-    trust it) and the ``nn.Module`` in it, at dotted ``key`` (:func:`ckptool.model.graph.get_path`) if given.
+    trust it) and the ``nn.Module`` in it, at dotted ``key`` (:func:`ckptool.model.paths.get_path`) if given.
 
     Raises:
         CkptError: the model's classes cannot be imported here.

@@ -37,7 +37,6 @@ from ckptool.formats.nodes import qualified_name
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model import graph
 from ckptool.model.allowlist import is_allowed
-from ckptool.model.graph import get_path
 from ckptool.model.keys import (
     STATE_DICT_NAMES,
     Reconciliation,
@@ -49,6 +48,7 @@ from ckptool.model.keys import (
     strip_prefix_key,
 )
 from ckptool.model.objects import find_object_state_dicts, is_object_state_dict
+from ckptool.model.paths import get_path
 from ckptool.torch_ops.devices import TensorMemo, is_tensor, map_tensors, model_device, move_tensor, resolve_device
 from ckptool.torch_ops.reports import DtypeCast, LoadReport, ShapeMismatch, dtype_name, load_suggestions
 
@@ -249,7 +249,7 @@ def select_state_dict(obj: Any, key: str | None, model_keys: list[str] | None = 
     """Choose the state_dict to load from a loaded checkpoint.
 
     With ``key`` (a dotted path such as ``"state_dict"``, ``"model"``, ``"ema"``; see
-    :func:`ckptool.model.graph.get_path`: a key holding dots is matched whole, longest dotted run first) that entry
+    :func:`ckptool.model.paths.get_path`: a key holding dots is matched whole, longest dotted run first) that entry
     is used. Without it, a top-level state_dict (or ``nn.Module``) wins; otherwise the nested candidates
     (:func:`find_state_dicts`) are ranked by how many of their keys match ``model_keys`` (after prefix
     reconciliation when ``prefixes == "auto"``), then by name (:data:`ckptool.model.keys.STATE_DICT_NAMES` order:

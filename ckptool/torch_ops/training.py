@@ -12,8 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptool.errors import UnsupportedError, UsageError
-from ckptool.model.graph import get_path, is_optimizer_state
+from ckptool.model.graph import is_optimizer_state
 from ckptool.model.keys import OPTIMIZER_NAMES, SCHEDULER_NAMES
+from ckptool.model.paths import get_path
 from ckptool.torch_ops.load import first_line, load_for_model, load_selected
 from ckptool.torch_ops.reports import TrainingState
 
@@ -41,7 +42,7 @@ def _is_optimizer_state(obj: object) -> bool:
 
 def _find_entry(ck: Mapping[str, Any], key: str | None, names: Sequence[str], what: str, path: str,
                 accept: Callable[[Any], bool]) -> tuple[str | None, Any]:
-    """``(dotted key, value)`` of the entry ``key`` names (:func:`ckptool.model.graph.get_path`), else of the
+    """``(dotted key, value)`` of the entry ``key`` names (:func:`ckptool.model.paths.get_path`), else of the
     first of ``names`` whose value (or a list's first element) ``accept`` takes; ``(None, None)`` when none does.
 
     Raises:

@@ -37,10 +37,10 @@ from ckptool.model.graph import (
     mapping_items,
     module_state,
     parameter_requires_grad,
-    resolve_path,
     unwrap_tensor,
 )
 from ckptool.model.keys import STATE_DICT_NAMES
+from ckptool.model.paths import resolve_path
 from ckptool.ops.convert.source import Source, Storage, Tensor
 
 
