@@ -133,10 +133,10 @@ class StateDictChange:
 
     @property
     def label(self) -> str:
-        return repr(self.path) if self.path else "(top level)"
+        return label(self.path)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RenameSummary:
     """The renaming of a whole checkpoint: one :class:`StateDictChange` per selected state_dict (in ``changes``)
     and the totals: ``state_dicts`` (paths that changed), ``unchanged`` (selected but no key renamed),

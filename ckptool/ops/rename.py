@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ckptool._fileio import atomic_output, copy_range, file_mode, same_file
@@ -80,21 +80,14 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------------------ results
-@dataclass
-class RenameResult(WriteResult):
-    """What a prefix command wrote: the :class:`~ckptool.rewrite.WriteResult` fields (``src``, ``dst``,
+@dataclass(kw_only=True)
+class RenameResult(WriteResult, RenameSummary):
+    """What a prefix command wrote: the :class:`~ckptool.ops.rewrite.WriteResult` fields (``src``, ``dst``,
     ``format_in``, ``storages``, ``bytes_written`` in bytes, ``retagged``) plus ``operation`` and the
-    :class:`RenameSummary` fields (``state_dicts`` changed, ``unchanged``, ``renamed`` key count, ``removed`` /
-    ``added`` ``{prefix: keys}``, ``wrappers_removed``, per-state_dict ``changes``)."""
+    :class:`~ckptool.model.rename_plan.RenameSummary` fields (``state_dicts`` changed, ``unchanged``, ``renamed``
+    key count, ``removed`` / ``added`` ``{prefix: keys}``, ``wrappers_removed``, per-state_dict ``changes``)."""
 
     operation: str = ""
-    changes: list[StateDictChange] = field(default_factory=list)
-    state_dicts: list[str] = field(default_factory=list)
-    unchanged: list[str] = field(default_factory=list)
-    renamed: int = 0
-    removed: dict[str, int] = field(default_factory=dict)
-    added: dict[str, int] = field(default_factory=dict)
-    wrappers_removed: list[str] = field(default_factory=list)
 
     @classmethod
     def combine(cls, write: WriteResult, summary: RenameSummary, operation: str) -> RenameResult:
