@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 from ckptool.errors import (
     CkptError,
     CorruptCheckpointError,
+    DeviceNotFoundError,
     KeyCollisionError,
+    NestedPrefixError,
     NotACheckpointError,
     OutputError,
     PrefixNotFoundError,
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from ckptool.ops.convert import ConvertResult, VerificationError, convert
     from ckptool.ops.extract import ExtractResult, extract_state_dict
     from ckptool.ops.rename import RenameResult, add_prefix, strip_dataparallel, strip_prefix, unwrap
+    from ckptool.ops.sanitize import SanitizeResult, sanitize
     from ckptool.ops.scan import ScanResult, scan, scan_file
     from ckptool.torch_ops.load import load_into
     from ckptool.torch_ops.portable import save_portable
@@ -68,6 +71,8 @@ _LAZY: dict[str, str] = {
     "ScanResult": "ckptool.ops.scan",
     "extract_state_dict": "ckptool.ops.extract",
     "ExtractResult": "ckptool.ops.extract",
+    "sanitize": "ckptool.ops.sanitize",
+    "SanitizeResult": "ckptool.ops.sanitize",
 }
 
 
@@ -90,13 +95,16 @@ __all__ = [
     "CkptError",
     "ConvertResult",
     "CorruptCheckpointError",
+    "DeviceNotFoundError",
     "ExtractResult",
     "KeyCollisionError",
     "LoadReport",
+    "NestedPrefixError",
     "NotACheckpointError",
     "OutputError",
     "PrefixNotFoundError",
     "RenameResult",
+    "SanitizeResult",
     "ScanResult",
     "StateDictInfo",
     "StateDictMismatchError",
@@ -116,6 +124,7 @@ __all__ = [
     "load_training_state",
     "remap",
     "rename_state_dict",
+    "sanitize",
     "save_portable",
     "scan",
     "scan_file",

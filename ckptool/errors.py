@@ -97,3 +97,16 @@ def os_error_advice(errno: int | None) -> str | None:
     """What to do next after an OS error numbered ``errno`` while writing (``ENOSPC`` -> "free some space or write
     elsewhere with -o"), or ``None`` when there is nothing better to say than the error itself."""
     return _OS_ADVICE.get(errno) if errno is not None else None
+
+
+class DeviceNotFoundError(CkptError):
+    """A ``--map FROM=TO`` source device matches no storage of the checkpoint (nothing was written). ``found`` lists
+    the location tags the checkpoint holds."""
+
+    def __init__(self, message: str, found: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.found = found or []
+
+
+class NestedPrefixError(CkptError):
+    """A prefix to add is already carried by the keys (the result would be ``module.module.``); nothing written."""

@@ -13,6 +13,8 @@ import pytest
 
 import ckptool
 
+pytestmark = pytest.mark.torchfree  # needs no torch: .ci/run also runs it where torch is not installed
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

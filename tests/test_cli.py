@@ -73,6 +73,7 @@ def test_every_command_has_help_and_its_summary_is_its_first_paragraph(run_cli, 
     assert r.exit_code == 0 and _squash(COMMANDS[name].summary) in _squash(r.output)
 
 
+@pytest.mark.torchfree
 def test_top_level_help_lists_every_command_with_its_whole_summary(run_cli) -> None:
     r = run_cli("--help")
     assert r.exit_code == 0
@@ -85,11 +86,13 @@ def test_top_level_help_lists_every_command_with_its_whole_summary(run_cli) -> N
     assert "--debug" in EPILOG and "CKPTOOL_DEBUG=1" in EPILOG
 
 
+@pytest.mark.torchfree
 def test_unknown_command_suggests_without_loading(run_cli) -> None:
     r = run_cli("inspct")
     assert r.exit_code == EXIT_USAGE and "No such command 'inspct'" in r.output
 
 
+@pytest.mark.torchfree
 def test_importing_the_cli_imports_no_command_module_and_no_torch() -> None:
     command_modules = sorted({info.module for info in COMMANDS.values()})
     code = (
@@ -105,6 +108,7 @@ def test_importing_the_cli_imports_no_command_module_and_no_torch() -> None:
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.torchfree
 def test_running_a_command_imports_only_its_own_module(real_dir: Path) -> None:
     code = (
         "import sys, ckptool.cli\n"
@@ -119,6 +123,7 @@ def test_running_a_command_imports_only_its_own_module(real_dir: Path) -> None:
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.torchfree
 def test_no_command_module_imports_another_or_the_package() -> None:
     """Command modules share code only through ckptool/cli/_common.py; only the entry point imports ckptool.cli."""
     for path in CLI_DIR.glob("*.py"):
@@ -139,6 +144,7 @@ def test_no_command_module_imports_another_or_the_package() -> None:
 
 # ------------------------------------------------------------------------------------------------ --debug
 @pytest.mark.parametrize("where", ["before", "after"])
+@pytest.mark.torchfree
 def test_debug_before_or_after_the_command_raises_the_original(generated, run_cli, where: str) -> None:
     args = ["inspect", generated["random.pt"]]
     args = ["--debug", *args] if where == "before" else [*args, "--debug"]
@@ -146,6 +152,7 @@ def test_debug_before_or_after_the_command_raises_the_original(generated, run_cl
     assert isinstance(r.exception, NotACheckpointError)
 
 
+@pytest.mark.torchfree
 def test_debug_from_the_environment(generated, run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKPTOOL_DEBUG", "1")
     r = run_cli("inspect", generated["random.pt"], catch_exceptions=True)
@@ -154,12 +161,14 @@ def test_debug_from_the_environment(generated, run_cli, monkeypatch: pytest.Monk
     _one_error_line(run_cli("inspect", generated["random.pt"]), EXIT_FAILURE)
 
 
+@pytest.mark.torchfree
 def test_debug_is_hidden_from_command_help_but_accepted(run_cli) -> None:
     r = run_cli("inspect", "--help")
     assert r.exit_code == 0 and "--debug" not in r.output
     assert "--debug" in run_cli("--help").output
 
 
+@pytest.mark.torchfree
 def test_entry_point_with_debug_prints_the_traceback_and_keeps_the_exit_status(generated) -> None:
     r = subprocess.run([sys.executable, "-m", "ckptool", "inspect", str(generated["random.pt"]), "--debug"],
                        capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
@@ -189,6 +198,7 @@ def _inject(monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> None:
     monkeypatch.setattr(inspect_cli, "inspect", fail)
 
 
+@pytest.mark.torchfree
 def test_internal_error_exits_3_with_one_line_naming_debug(run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
     _inject(monkeypatch, RuntimeError("injected bug\nsecond line"))
     line = _one_error_line(run_cli("inspect", "x.pt"), EXIT_BUG)
@@ -221,6 +231,7 @@ def test_internal_error_exits_3_with_one_line_naming_debug(run_cli, monkeypatch:
      EXIT_FAILURE, "Error: writing /o.pt failed: No space left on device; nothing was written"),
     (UsageError("--to gpu0: unknown device"), EXIT_USAGE, "Error: --to gpu0: unknown device"),
 ])
+@pytest.mark.torchfree
 def test_each_kind_of_failure_has_its_line_and_exit_status(run_cli, monkeypatch: pytest.MonkeyPatch,
                                                            exc: BaseException, code: int, expected: str) -> None:
     _inject(monkeypatch, exc)
@@ -228,12 +239,14 @@ def test_each_kind_of_failure_has_its_line_and_exit_status(run_cli, monkeypatch:
     assert describe_error(exc) == (expected.removeprefix("Error: "), code)
 
 
+@pytest.mark.torchfree
 def test_keyboard_interrupt_aborts(run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
     _inject(monkeypatch, KeyboardInterrupt())
     r = run_cli("inspect", "x.pt")
     assert r.exit_code == 1 and "Aborted!" in r.output and "Traceback" not in r.output
 
 
+@pytest.mark.torchfree
 def test_click_usage_errors_exit_2(run_cli) -> None:
     r = run_cli("inspect", "--no-such-option", "x.pt")
     assert r.exit_code == EXIT_USAGE and "No such option" in r.output
@@ -241,6 +254,7 @@ def test_click_usage_errors_exit_2(run_cli) -> None:
     assert r.exit_code == EXIT_USAGE and "Missing argument 'SRC'" in r.output
 
 
+@pytest.mark.torchfree
 def test_input_error_inside_the_output_block_names_the_input(generated, run_cli, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A read of the input fails while the output is being written: the message is about the input, the output
@@ -260,10 +274,12 @@ def test_input_error_inside_the_output_block_names_the_input(generated, run_cli,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
 
 
+@pytest.mark.torchfree
 def test_scan_keeps_its_verdict_codes(generated, run_cli) -> None:
     assert run_cli("scan", generated["sd_cuda0.pt"]).exit_code == 0
 
 
+@pytest.mark.torchfree
 def test_readme_documents_the_exit_codes() -> None:
     text = (REPO / "README.md").read_text(encoding="utf-8")
     section = text.split("## Exit codes", 1)[1].split("\n## ", 1)[0]

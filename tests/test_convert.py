@@ -364,8 +364,11 @@ def test_safetensors_written_by_the_library_with_shared_names(tmp_path: Path) ->
     save_model(model, tmp_path / "lib.safetensors")  # drops one tied name, records it as metadata
     convert(tmp_path / "lib.safetensors", tmp_path / "m.pt")
     sd = torch.load(tmp_path / "m.pt", weights_only=True)
-    assert "head.weight" not in sd  # no ckptool record: nothing invented
+    # the library's record of the dropped name gives it back, tied: the file loads strictly into the model
+    assert sd["head.weight"].untyped_storage().data_ptr() == sd["embed.weight"].untyped_storage().data_ptr()
     assert torch.equal(sd["embed.weight"], model.embed.weight)
+    fresh = Tied()
+    fresh.load_state_dict(sd, strict=True)
     convert(tmp_path / "lib.safetensors", tmp_path / "half.safetensors", dtype="float16")
     with safe_open(tmp_path / "lib.safetensors", "pt") as f, safe_open(tmp_path / "half.safetensors", "pt") as g:
         assert g.metadata() == {**f.metadata(), "format": "pt"}  # the library's record of the dropped name stays
@@ -570,8 +573,9 @@ def test_resharding_removes_the_old_set(tmp_path: Path) -> None:
     res = convert(src, out, max_shard_size="1MB")  # now it fits one file: no index, as save_pretrained
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     assert res.files == [str(out / "model.safetensors")] and "earlier shard set" in res.notes[-1]
-    with pytest.raises(UsageError, match="names a folder"):
-        convert(src, out / "model.safetensors", max_shard_size="1MB")
+    (tmp_path / "notes").write_text("a file without a weights suffix")
+    with pytest.raises(UsageError, match="is a file; with --max-shard-size, -o names a folder"):
+        convert(src, tmp_path / "notes", max_shard_size="1MB")
 
 
 def test_inspect_sharded_index(tmp_path: Path) -> None:

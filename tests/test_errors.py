@@ -12,6 +12,8 @@ import pytest
 
 from ckptool.errors import EXIT_FAILURE, EXIT_USAGE
 
+pytestmark = pytest.mark.torchfree  # needs no torch: .ci/run also runs it where torch is not installed
+
 BAD_FILES = {
     # fixture: words the message must contain
     "empty.pt": "empty (0 bytes)",

@@ -14,6 +14,8 @@ from ckptool import _fileio
 from ckptool._fileio import TMP_SUFFIX, atomic_output
 from ckptool.errors import OutputError
 
+pytestmark = pytest.mark.torchfree  # needs no torch: .ci/run also runs it where torch is not installed
+
 OLD = b"previous version"
 
 

@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))
 import fuzz_readers
 
+pytestmark = pytest.mark.torchfree  # needs no torch: .ci/run also runs it where torch is not installed
+
 EXAMPLES = int(os.environ.get("CKPTOOL_FUZZ_EXAMPLES", "1500"))
 FUZZ_SETTINGS = settings(
     max_examples=EXAMPLES, deadline=None, database=None, derandomize=not os.environ.get("CKPTOOL_FUZZ_RANDOM"),

@@ -48,6 +48,7 @@ def _write(tmp_path: Path, name: str, data: bytes) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------ the opcode walk
+@pytest.mark.torchfree
 def test_opcode_tables_cover_pickletools_exactly() -> None:
     """Every opcode pickletools knows is classified with the argument layout it documents, and nothing else is."""
     layout = {
@@ -98,6 +99,7 @@ _values = st.recursive(
 
 @settings(max_examples=150, deadline=None)
 @given(obj=_values, protocol=st.integers(0, 5), tail=st.binary(max_size=8))
+@pytest.mark.torchfree
 def test_check_pickle_finds_the_stop_opcode_pickletools_finds(obj, protocol: int, tail: bytes) -> None:
     data = pickle.dumps(obj, protocol=protocol)
     *_, (op, _arg, pos) = pickletools.genops(data)
@@ -108,6 +110,7 @@ def test_check_pickle_finds_the_stop_opcode_pickletools_finds(obj, protocol: int
         assert root == obj
 
 
+@pytest.mark.torchfree
 def test_big_memo_indices_of_real_pickles_pass() -> None:
     """A pickle with more than 65,536 memo entries (LONG_BINPUT) is read both in memory and from a stream."""
     obj = [str(i) for i in range(70_000)]
@@ -127,6 +130,7 @@ def test_big_memo_indices_of_real_pickles_pass() -> None:
     b"\x80\x02" + b"]" * 300 + b"r\x00\x00\x01\x00.",  # a 65,536 index 300 bytes into the pickle
     b"\x80\x02" + b"N0" * 20_000 + b"Nr\x00\x00\x00\x40.",  # past the first 24 KiB: found by the fast scan
 ])
+@pytest.mark.torchfree
 def test_memo_bombs_are_refused_before_allocating(data: bytes) -> None:
     t = time.perf_counter()
     with pytest.raises(CorruptCheckpointError, match="memo index"):
@@ -143,6 +147,7 @@ def test_memo_bombs_are_refused_before_allocating(data: bytes) -> None:
     b"\x80\x04\x95" + struct.pack("<Q", (1 << 63) - 1) + b"N.",  # FRAME
     b"\x80\x02T\xff\xff\xff\xffabc.",  # BINSTRING with a negative length
 ])
+@pytest.mark.torchfree
 def test_huge_declared_lengths_are_refused(data: bytes) -> None:
     with pytest.raises(CorruptCheckpointError, match="corrupted or truncated"):
         load_structure(data)
@@ -151,6 +156,7 @@ def test_huge_declared_lengths_are_refused(data: bytes) -> None:
         load_structure(f)
 
 
+@pytest.mark.torchfree
 def test_frame_that_cuts_an_opcode_is_refused() -> None:
     """CPython's C unpickler reading from a file without peek (torch.load's ``data.pkl``) drops the rest of a frame
     that an opcode runs past, so it sees other opcodes than an in-memory read: such pickles are refused."""
@@ -175,6 +181,7 @@ def test_frame_that_cuts_an_opcode_is_refused() -> None:
     assert end == len(short)
 
 
+@pytest.mark.torchfree
 def test_real_protocol_5_frames_pass() -> None:
     obj = {f"k{i}": str(i) * 40 for i in range(5000)}  # several 64 KiB frames
     data = pickle.dumps(obj, protocol=5)
@@ -198,6 +205,7 @@ DEEP_TUPLE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.torchfree
 def test_deep_tuple_dict_key_does_not_crash(tmp_path: Path) -> None:
     """A million nested 1-tuples used as a dict key: hashing recurses in C without a depth check (a segfault on an
     8 MiB stack). Run in a child process so that a crash cannot take the test session down."""
@@ -209,6 +217,7 @@ def test_deep_tuple_dict_key_does_not_crash(tmp_path: Path) -> None:
     assert "CkptError" in r.stdout or "inspected" in r.stdout
 
 
+@pytest.mark.torchfree
 def test_call_with_stack_runs_deep_work_in_a_helper_thread() -> None:
     assert call_with_stack(lambda: threading.current_thread().name, 10) != "ckptool-unpickle"
     assert call_with_stack(lambda: threading.current_thread().name, 10**6) == "ckptool-unpickle"
@@ -223,12 +232,14 @@ def test_call_with_stack_runs_deep_work_in_a_helper_thread() -> None:
 
 
 @pytest.mark.parametrize("name", ["deep-list.pt", "deep-dict-values.pt"])
+@pytest.mark.torchfree
 def test_deep_nesting_is_a_clear_error(corpus, name: str) -> None:
     path = {e.name: p for e, p in corpus}[name]
     with pytest.raises(CorruptCheckpointError, match="deeper than ckptool can walk"):
         inspect(path)
 
 
+@pytest.mark.torchfree
 def test_pickler_refuses_too_deep_graphs() -> None:
     root: list = []
     for _ in range(sys.getrecursionlimit() + 1000):  # torch._dynamo raises the limit when a test compiles a model
@@ -247,6 +258,7 @@ def _module(params: dict, modules: dict) -> object:
     return m
 
 
+@pytest.mark.torchfree
 def test_module_that_contains_itself_is_refused(tmp_path: Path) -> None:
     m = _module({}, {})
     m.state["_modules"]["me"] = m
@@ -255,6 +267,7 @@ def test_module_that_contains_itself_is_refused(tmp_path: Path) -> None:
         inspect(p)
 
 
+@pytest.mark.torchfree
 def test_exponential_module_tree_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Submodules shared at every level: 2**40 state_dict entries from a pickle of a few KiB."""
     base = _module({"w": None}, {})
@@ -269,6 +282,7 @@ def test_exponential_module_tree_is_refused(tmp_path: Path, monkeypatch: pytest.
     assert time.perf_counter() - t < 5
 
 
+@pytest.mark.torchfree
 def test_many_items_do_not_make_find_state_dicts_quadratic(tmp_path: Path) -> None:
     p = _write(tmp_path, "wide.pt", pickle.dumps({"a": list(range(300_000))}, protocol=2))
     t = time.perf_counter()
@@ -332,6 +346,7 @@ def test_zip_bombs_are_refused_in_bounded_time(corpus, monkeypatch: pytest.Monke
         inspect(p)
 
 
+@pytest.mark.torchfree
 def test_duplicate_and_encrypted_members_are_refused(corpus) -> None:
     paths = {e.name: p for e, p in corpus}
     with pytest.raises(CorruptCheckpointError, match=r"two members named 'archive/data\.pkl'"):
@@ -340,6 +355,7 @@ def test_duplicate_and_encrypted_members_are_refused(corpus) -> None:
         inspect(paths["zip-encrypted-flag.pt"])
 
 
+@pytest.mark.torchfree
 def test_damaged_central_directories_are_clear_errors(tmp_path: Path) -> None:
     good = hc.torch_zip(hc.benign_pickle())
     cd = good.rfind(b"PK\x01\x02")
@@ -363,6 +379,7 @@ def test_damaged_central_directories_are_clear_errors(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ legacy streams
+@pytest.mark.torchfree
 def test_legacy_globals_of_every_pickle_are_reported(corpus) -> None:
     """torch.load unpickles all five pickles of a legacy stream: a gadget in sys_info counts."""
     path = {e.name: p for e, p in corpus}["legacy-sys-info-gadget.pt"]
@@ -393,6 +410,7 @@ def _legacy_keys_at(data: bytes) -> int:
 
 # ------------------------------------------------------------------------------------------------ safetensors
 @pytest.mark.parametrize("name", ["safetensors-deep-json.safetensors", "safetensors-huge-int.safetensors"])
+@pytest.mark.torchfree
 def test_hostile_safetensors_headers(corpus, name: str) -> None:
     path = {e.name: p for e, p in corpus}[name]
     from ckptool.formats.safetensors import read_header
@@ -402,6 +420,7 @@ def test_hostile_safetensors_headers(corpus, name: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the corpus
+@pytest.mark.torchfree
 def test_every_hostile_file_reads_or_fails_cleanly(corpus) -> None:
     """inspect either describes a hostile file (naming its gadget as a global torch would refuse) or raises a
     CkptError; bombs are always refused; nothing takes more than a second."""
@@ -510,6 +529,7 @@ def _warm_files(folder: Path) -> None:
     (folder / "bomb.pt").write_bytes(hc._zip_bomb(100))
 
 
+@pytest.mark.torchfree
 def test_reading_hostile_files_runs_nothing(corpus, tmp_path: Path) -> None:
     """With an audit hook armed, reading every hostile file (inspect, read_checkpoint, read_pickle_file, and scan /
     extract-state-dict where present) raises no process, network, import, code-execution or file-write event,
@@ -559,6 +579,7 @@ def src(generated: dict[str, Path], tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.torchfree
 def test_disk_full_leaves_input_and_folder_as_they_were(src: Path, run_cli, monkeypatch, in_place: bool) -> None:
     """ENOSPC while the records are copied (simulated): one clear error, the input intact, nothing left behind."""
     before = _digest(src)
@@ -579,6 +600,7 @@ def test_disk_full_leaves_input_and_folder_as_they_were(src: Path, run_cli, monk
     assert sorted(p.name for p in src.parent.iterdir()) == ["model.pt"]
 
 
+@pytest.mark.torchfree
 def test_disk_full_at_fsync(src: Path, run_cli, monkeypatch) -> None:
     def full(fd: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -588,6 +610,7 @@ def test_disk_full_at_fsync(src: Path, run_cli, monkeypatch) -> None:
     assert sorted(p.name for p in src.parent.iterdir()) == ["model.pt"]
 
 
+@pytest.mark.torchfree
 def test_real_write_failure_file_size_limit(src: Path) -> None:
     """A real failing write (RLIMIT_FSIZE: the kernel refuses to grow a file past it, EFBIG; Python ignores
     SIGXFSZ): the child exits 1 with one error line and leaves no file."""
@@ -604,6 +627,7 @@ def test_real_write_failure_file_size_limit(src: Path) -> None:
     assert sorted(p.name for p in src.parent.iterdir()) == ["model.pt"]
 
 
+@pytest.mark.torchfree
 def test_read_only_destination_folder(src: Path, run_cli, monkeypatch, tmp_path: Path) -> None:
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -646,6 +670,7 @@ def test_symlinked_destination_is_written_through(src: Path, run_cli, tmp_path: 
     assert dangling.is_symlink() and (tmp_path / "runs" / "new.pt").is_file()
 
 
+@pytest.mark.torchfree
 def test_symlink_to_the_input(src: Path, run_cli, tmp_path: Path) -> None:
     link = tmp_path / "link.pt"
     link.symlink_to(src)
@@ -672,6 +697,7 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.torchfree
 def test_killed_mid_write_leaves_input_and_destination_intact(src: Path, tmp_path: Path) -> None:
     """SIGKILL during a write: the input is intact, the destination untouched; the temporary file a killed
     process cannot remove (``.<name>.ckptool-<host>-<pid>-*.ckptool-tmp``) is cleaned by the next write."""
@@ -696,6 +722,7 @@ def test_killed_mid_write_leaves_input_and_destination_intact(src: Path, tmp_pat
     assert inspect(out).devices == {"cpu": len(inspect(out).tensors)}
 
 
+@pytest.mark.torchfree
 def test_remove_stale_temps_keeps_live_and_recent_ones(tmp_path: Path) -> None:
     dst = tmp_path / "m.pt"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,

@@ -15,6 +15,8 @@ from ckptool.formats.nodes import GlobalMeta, ObjectNode, ReduceNode
 from ckptool.formats.pickler import dumps
 from ckptool.formats.unpickler import load_structure
 
+pytestmark = pytest.mark.torchfree  # needs no torch: .ci/run also runs it where torch is not installed
+
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=False), st.text(max_size=20), st.binary(max_size=20),

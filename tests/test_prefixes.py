@@ -333,9 +333,11 @@ def test_lightning_checkpoint(run_cli, tmp_path: Path) -> None:
         if k != "state_dict":
             assert_same_tensors(out[k], ckpt[k])
     assert list(out) == list(ckpt)
-    # unwrap finds no wrapper component in a Lightning checkpoint: `model.` is an attribute, not a wrapper
-    line = _one_error_line(run_cli("unwrap", src))
-    assert "strip-prefix" in line
+    # unwrap removes what inspect calls a wrapper prefix, Lightning's shared `model.` included (issue 12, item 7)
+    r = run_cli("unwrap", src, "-o", tmp_path / "u.ckpt")
+    assert r.exit_code == 0 and "removed model. (9)" in r.output, r.output
+    unwrapped = _load(tmp_path / "u.ckpt")
+    assert_same_tensors(unwrapped, out)
 
     # in memory: a new dict, the state_dict renamed, the rest the same objects
     new = ckptool.strip_prefix(ckpt, "model.")

@@ -21,6 +21,8 @@ from ckptool.formats.torchfile import read_checkpoint
 from ckptool.formats.torchzip import ALIGNMENT, TorchZipWriter
 from ckptool.formats.zipdir import ZipEntry, data_offset, read_directory, read_member, read_member_head
 
+pytestmark = pytest.mark.torchfree  # needs no torch: .ci/run also runs it where torch is not installed
+
 MEMBERS = {
     "archive/data.pkl": b"\x80\x02}q\x00.",
     "archive/data/0": bytes(range(256)) * 40,

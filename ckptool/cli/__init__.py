@@ -54,7 +54,7 @@ COMMANDS: dict[str, CommandInfo] = {
         "Put PREFIX (whole dotted components, e.g. `module.`) in front of every state_dict key."),
     "unwrap": CommandInfo(
         "ckptool.cli.prefixes", "unwrap_cmd",
-        "Remove every wrapper component from state_dict keys and report what was removed."),
+        "Remove every wrapper prefix that `ckptool inspect` reports from state_dict keys, and say what was removed."),
     "convert": CommandInfo(
         "ckptool.cli.convert", "convert_cmd",
         "Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint."),
@@ -64,6 +64,9 @@ COMMANDS: dict[str, CommandInfo] = {
     "extract-state-dict": CommandInfo(
         "ckptool.cli.extract", "extract_cmd",
         "Write the state_dict of a torch.save(model) file SRC, without the model's class and without running it."),
+    "sanitize": CommandInfo(
+        "ckptool.cli.sanitize", "sanitize_cmd",
+        "Turn a checkpoint that torch.load(weights_only=True) refuses into one it accepts, without running it."),
     "verify": CommandInfo(
         "ckptool.cli.verify", "verify_cmd",
         "Check that checkpoint CKPT loads intact into the model --model builds, on DEVICE."),

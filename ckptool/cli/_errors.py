@@ -18,6 +18,11 @@ from ckptool.errors import EXIT_BUG, EXIT_FAILURE, CkptError, os_error_advice
 #: pip's name for a module whose distribution is named differently (default: the module's own name)
 _PIP_NAMES = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
 
+#: modules ``pip install ckptool`` leaves out and its ``torch`` extra adds (pyproject.toml): the commands that
+#: materialise tensors (verify, demo, DCP conversion, casts, trusted loads) import them when they run
+_TORCH_EXTRA = frozenset({"torch", "numpy"})
+TORCH_EXTRA_HINT = "pip install 'ckptool[torch]'"
+
 DEBUG_HINT = "run again with --debug (or CKPTOOL_DEBUG=1) for the traceback"
 
 
@@ -27,6 +32,11 @@ def _first_line(e: BaseException) -> str:
 
 
 def _ckpt(e: CkptError) -> tuple[str, int]:
+    cause = e.__cause__  # e.g. verify's --model module failed on `import torch`: the remedy is the torch extra
+    if isinstance(cause, ModuleNotFoundError) and (cause.name or "").split(".")[0] in _TORCH_EXTRA:
+        found = _import(cause)
+        if found is not None:
+            return found
     return str(e), e.exit_code
 
 
@@ -45,6 +55,9 @@ def _import(e: ImportError) -> tuple[str, int] | None:
     if not top:
         msg = (f"an import failed ({_first_line(e)}); reinstall ckptool's dependencies: "
                "pip install --force-reinstall ckptool")
+    elif isinstance(e, ModuleNotFoundError) and top in _TORCH_EXTRA:
+        msg = (f"this needs the {top} package, which is not installed (`pip install ckptool` leaves it out); "
+               f"install it with: {TORCH_EXTRA_HINT}")
     elif isinstance(e, ModuleNotFoundError):
         msg = f"this needs the {pip} package, which is not installed; install it with: pip install {pip}"
     else:

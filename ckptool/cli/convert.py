@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ckptool.cli._common import human_bytes, key_option, report_write
+from ckptool.cli._common import (
+    allow_missing_option,
+    device_options,
+    human_bytes,
+    key_option,
+    mapping_of,
+    report_hint,
+    report_write,
+)
 from ckptool.ops.convert import ConvertResult, convert
 
 if TYPE_CHECKING:
@@ -104,22 +112,24 @@ def report_convert(res: ConvertResult) -> None:
               help="Output format. Default: from DST's suffix (.safetensors; .pt/.pth/.bin/.ckpt), safetensors "
                    "with --max-shard-size.")
 @key_option("Dotted path of the state_dict to convert (default: found automatically).")
-@click.option("--to", metavar="DEVICE", help="Location tag of every storage in torch output (cpu, cuda:0, ...).")
+@device_options
 @click.option("--unwrap", "unwrap_keys", is_flag=True,
-              help="Remove wrapper components from the keys (module., _orig_mod., ...; see `ckptool unwrap`).")
+              help="Remove wrapper prefixes from the keys (module., _orig_mod., Lightning's model., ...; see "
+                   "`ckptool unwrap`).")
 @click.option("--strip-prefix", "strip_prefixes", metavar="PREFIX", multiple=True,
               help="Remove PREFIX from the front of the keys (repeatable, applied in order).")
 @click.option("--max-shard-size", metavar="SIZE",
               help="Write DST as a folder of shards of at most SIZE (5GB, 500MB, 2GiB) plus an index.")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "float64"]),
               help="Cast floating tensors (integer, bool, complex and float8 tensors are untouched).")
+@allow_missing_option
 @click.option("--no-verify", is_flag=True, help="Skip re-opening the output to compare it with the source.")
 @click.option("--trust", is_flag=True,
               help="Allow globals outside torch's weights-only allowlist where torch loads the data (DCP). Only for "
                    "files you trust.")
-def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | None, unwrap_keys: bool,
-                strip_prefixes: tuple[str, ...], max_shard_size: str | None, dtype: str | None, no_verify: bool,
-                trust: bool) -> None:
+def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | None, maps: tuple[str, ...],
+                unwrap_keys: bool, strip_prefixes: tuple[str, ...], max_shard_size: str | None, dtype: str | None,
+                allow_missing: bool, no_verify: bool, trust: bool) -> None:
     """Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint.
 
     SRC is a torch.save file, a safetensors file, a sharded set (*.index.json, or the folder holding it) or a
@@ -136,20 +146,18 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
       ckptool convert model.pth -o model.safetensors
       ckptool convert last.ckpt -o model.safetensors --key state_dict --unwrap
       ckptool convert model.safetensors -o model.pt --to cuda:0
+      ckptool convert gpu_model.pth -o model.pt --to cpu       # opens with a plain torch.load
       ckptool convert model.pth -o out/ --max-shard-size 2GB --dtype bfloat16
       ckptool convert checkpoints/step_1000/ -o model.pt           # a DCP folder
       ckptool convert model.pt -o dcp_ckpt/ --format dcp
     """
     bar = _Progress(_PROGRESS_MIN)
     try:
-        res = convert(src, dst, format=fmt, key=key, to=to, unwrap=unwrap_keys, strip_prefixes=strip_prefixes,
-                      max_shard_size=max_shard_size, dtype=dtype, verify=not no_verify, trust=trust, progress=bar)
+        res = convert(src, dst, format=fmt, key=key, to=to, mapping=mapping_of(maps), allow_missing=allow_missing,
+                      unwrap=unwrap_keys, strip_prefixes=strip_prefixes, max_shard_size=max_shard_size, dtype=dtype,
+                      verify=not no_verify, trust=trust, progress=bar)
     finally:
         bar.close()
     report_convert(res)
-    if res.format_out == "safetensors" and res.shards == 1:
-        click.echo(f"Load it with: safetensors.torch.load_file({res.files[0]!r})")
-    elif res.format_out == "torch" and res.shards == 1:
-        click.echo(f"Load it with: torch.load({res.files[0]!r}, weights_only=True)")
-    elif res.format_out == "dcp":
-        click.echo(f"Load it with: torch.distributed.checkpoint.load(state_dict, checkpoint_id={res.dst!r})")
+    written = res.files[-1] if res.shards > 1 and res.files else res.dst  # a sharded set: its index
+    report_hint(written, to=to, maps=maps)

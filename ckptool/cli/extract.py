@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import click
 
-from ckptool.cli._common import human_bytes, key_option
+from ckptool.cli._common import allow_missing_option, device_options, human_bytes, key_option, mapping_of, report_hint
 from ckptool.ops.extract import extract_state_dict
 
 
@@ -17,19 +17,21 @@ from ckptool.ops.extract import extract_state_dict
                    "Default: SRC's stem + .state_dict.pth.")
 @key_option("Dotted path of the module in the file when it is not the top level (e.g. model).")
 @click.option("--unwrap", "unwrap_keys", is_flag=True,
-              help="Remove wrapper components from the keys (module. of DataParallel/DDP, _orig_mod. of "
-                   "torch.compile, ...).")
-@click.option("--to", "to", metavar="DEVICE", help="Re-tag every storage for DEVICE (cpu, cuda:N, ...) in a .pth "
-                                                   "output. Default: as saved.")
+              help="Remove wrapper prefixes from the keys (module. of DataParallel/DDP, _orig_mod. of "
+                   "torch.compile, a shared attribute prefix such as model., ...; see `ckptool unwrap`).")
+@device_options
+@allow_missing_option
 @click.option("--trust", is_flag=True,
               help="Load SRC with torch.load(weights_only=False), which imports its classes and RUNS ITS CODE, and "
                    "call the module's own state_dict(). Only for files from a source you trust.")
-def extract_cmd(src: str, dst: str | None, key: str | None, unwrap_keys: bool, to: str | None, trust: bool) -> None:
+def extract_cmd(src: str, dst: str | None, key: str | None, unwrap_keys: bool, to: str | None, maps: tuple[str, ...],
+                allow_missing: bool, trust: bool) -> None:
     """Write the state_dict of a torch.save(model) file SRC, without the model's class and without running it.
 
     The pickled module tree is walked as nn.Module.state_dict() would walk it: parameters and persistent
     buffers of each module, then its submodules, detached, with _metadata; the classes are never imported and
-    nothing from the file runs. Tensor bytes are copied, not decoded (.pth), or read with torch (.safetensors).
+    nothing from the file runs. Tensor bytes are copied, not decoded (.pth), or read with torch (.safetensors);
+    --to / --map re-tag the storages of a .pth output in the same pass.
     Modules whose state_dict needs their own code (quantized or lazy modules, state_dict hooks) are refused:
     --trust loads the file with torch.load(weights_only=False) instead, which runs its code.
 
@@ -39,7 +41,8 @@ def extract_cmd(src: str, dst: str | None, key: str | None, unwrap_keys: bool, t
       ckptool extract-state-dict dp_model.pth -o model.safetensors --unwrap
       ckptool extract-state-dict ckpt.pth --key model --to cpu
     """
-    res = extract_state_dict(src, dst, key=key, unwrap=unwrap_keys, to=to, trust=trust)
+    res = extract_state_dict(src, dst, key=key, unwrap=unwrap_keys, to=to, mapping=mapping_of(maps),
+                             allow_missing=allow_missing, trust=trust)
     where = f" at {res.path}" if res.path else ""
     click.echo(f"Wrote {res.dst} ({res.format}, {human_bytes(res.bytes_written)}): {len(res.keys)} tensors from "
                f"{res.module}{where}, {res.storages} storages" + (" [trusted: the file's code ran]" if res.trusted
@@ -47,8 +50,4 @@ def extract_cmd(src: str, dst: str | None, key: str | None, unwrap_keys: bool, t
     if res.removed:
         click.echo("Removed wrapper components: "
                    + ", ".join(f"{c}. ({n} keys)" for c, n in sorted(res.removed.items())))
-    if res.format == "safetensors":
-        click.echo(f"Load it with: safetensors.torch.load_file({res.dst!r})")
-    else:
-        click.echo(f"Load it with: torch.load({res.dst!r}, weights_only=True"
-                   + (")" if to or res.trusted else ", map_location='cpu')"))
+    report_hint(res.dst, state_dict="", to=to, maps=maps)

@@ -13,6 +13,7 @@ these records, which only remember what the pickle asked for and never run it:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, cast
 
 # Names of the tensor rebuild functions torch writes (torch/_utils.py, torch/_tensor.py).
@@ -311,9 +312,16 @@ def node_type_for(module: str, name: str) -> type[ReduceNode] | None:
     return ReduceNode
 
 
-def global_placeholder(module: str, name: str) -> GlobalMeta:
+def new_global(module: str, name: str) -> GlobalMeta:
     """A new placeholder for global ``module.name``: a class whose call records a node (:func:`node_type_for`)
-    instead of calling anything. The restricted unpickler makes one per name it reads; writers use this to build
-    new graphs (a fresh ``collections.OrderedDict``, ``torch._utils._rebuild_tensor_v2``, a storage class)."""
+    instead of calling anything. The restricted unpickler makes one per name it reads (cached per file)."""
     return GlobalMeta("Global", (ObjectNode,),
                       {"__slots__": (), "module": module, "name": name, "node_type": node_type_for(module, name)})
+
+
+@functools.lru_cache(maxsize=1024)
+def global_placeholder(module: str, name: str) -> GlobalMeta:
+    """The placeholder writers use to build new graphs (a fresh ``collections.OrderedDict``,
+    ``torch._utils._rebuild_tensor_v2``, a storage class): one per name per process, so that a written pickle names
+    each global once and refers to it by memo afterwards, as ``torch.save`` does."""
+    return new_global(module, name)

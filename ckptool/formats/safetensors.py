@@ -3,6 +3,12 @@
 Layout (safetensors format description): an 8-byte little-endian header length ``N``, ``N`` bytes of UTF-8 JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`` padded with spaces to a
 multiple of 8, then the data block; ``data_offsets`` are byte offsets into the data block.
+
+safetensors holds no aliasing, so tied weights and other views of one storage are recorded in ``__metadata__``
+two ways (both written by ``ckptool convert``, both read back by :meth:`SafetensorsHeader.aliases` and
+:func:`decode_shared`): ``__metadata__[alias] = kept name`` for a tensor that is exactly another stored one (the
+convention of ``safetensors.torch.save_model``), and the full layout of every shared storage under
+:data:`SHARED_KEY` (:class:`SharedGroup`).
 """
 
 from __future__ import annotations
@@ -13,11 +19,14 @@ import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ckptool.errors import CorruptCheckpointError
+from ckptool.errors import CorruptCheckpointError, UnsupportedError
+from ckptool.formats.dtypes import ST_NAMES, element_size, numel
 
 #: the safetensors library's own limit on the header size (bytes)
 MAX_HEADER = 100 << 20
 METADATA_KEY = "__metadata__"
+#: ``__metadata__`` key holding the layout of shared storages (JSON, see :func:`encode_shared`)
+SHARED_KEY = "ckptool.shared"
 
 
 @dataclass
@@ -30,6 +39,14 @@ class SafetensorsHeader:
     metadata: dict[str, Any] | None
     data_start: int
     data_size: int
+
+    def aliases(self) -> dict[str, str]:
+        """``alias -> kept name`` recorded the way ``safetensors.torch.save_model`` records a dropped duplicate:
+        every ``__metadata__`` item whose key names no stored tensor and whose value names a stored one (a tensor
+        identical to the kept one, same shape and dtype)."""
+        meta = self.metadata or {}
+        return {k: v for k, v in meta.items()
+                if k != SHARED_KEY and k not in self.entries and isinstance(v, str) and v in self.entries}
 
 
 def read_header(path: str, *, strict_metadata: bool = False) -> SafetensorsHeader:
@@ -101,3 +118,84 @@ def encode_header(entries: dict[str, dict[str, Any]], metadata: dict[str, str] |
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
+
+
+# ------------------------------------------------------------------------------------------------ shared storages
+@dataclass(frozen=True)
+class SharedView:
+    """One tensor of a :class:`SharedGroup`: ``index`` its position in the state_dict, ``offset`` / ``shape`` /
+    ``stride`` its view in elements of the group's storage (as ``Tensor.as_strided`` takes them)."""
+
+    index: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """``[lo, hi)``: the storage elements the view reaches (``lo == hi`` when it is empty)."""
+        if numel(self.shape) == 0:
+            return self.offset, self.offset
+        return self.offset, self.offset + sum((s - 1) * st for s, st in zip(self.shape, self.stride)) + 1
+
+
+@dataclass
+class SharedGroup:
+    """One storage that several tensors shared: ``dtype`` (torch dtype name), ``numel`` elements (trimmed to what
+    its tensors reach) and ``tensors`` name -> :class:`SharedView`. Members present in the file are stored
+    contiguous copies of their view; the others are aliases."""
+
+    dtype: str
+    numel: int
+    tensors: dict[str, SharedView]
+
+
+def encode_shared(groups: list[SharedGroup]) -> str | None:
+    """The :data:`SHARED_KEY` value for ``groups`` (None when there are none): compact JSON ``{"version": 1,
+    "groups": [{"dtype": "float32", "numel": N, "tensors": {name: [index, offset, shape, stride]}}]}``."""
+    if not groups:
+        return None
+    doc = {"version": 1, "groups": [
+        {"dtype": g.dtype, "numel": g.numel,
+         "tensors": {n: [v.index, v.offset, list(v.shape), list(v.stride)] for n, v in g.tensors.items()}}
+        for g in groups]}
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def decode_shared(raw: str, path: str, entries: dict[str, dict[str, Any]]) -> list[SharedGroup]:
+    """Parse and check the :data:`SHARED_KEY` value ``raw`` of the file at ``path`` whose tensor entries are
+    ``entries``: every view lies inside its group's storage, every group has a stored member, and a stored member
+    has the dtype and shape its group and view record.
+
+    Raises:
+        CorruptCheckpointError: not the JSON :func:`encode_shared` writes, an unknown version or dtype, or
+            a record inconsistent with the stored tensors.
+    """
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: the {SHARED_KEY} metadata is inconsistent ({why}); the file was "
+                                      "edited or damaged. Remove that metadata entry to read the stored tensors alone")
+
+    try:
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(doc.get("groups"), list):
+            raise bad("unknown version")
+        groups = []
+        for g in doc["groups"]:
+            dtype, n = str(g["dtype"]), int(g["numel"])
+            element_size(dtype)
+            views = {str(name): SharedView(int(m[0]), int(m[1]), tuple(int(x) for x in m[2]),
+                                           tuple(int(x) for x in m[3])) for name, m in g["tensors"].items()}
+            groups.append(SharedGroup(dtype, n, views))
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, UnsupportedError) as e:
+        raise bad(f"{type(e).__name__}: {e}") from None
+    for grp in groups:
+        for name, v in grp.tensors.items():
+            lo, hi = v.span
+            if lo < 0 or hi > grp.numel or len(v.shape) != len(v.stride) or min(v.stride, default=0) < 0:
+                raise bad(f"{name!r} runs past its storage")
+            entry = entries.get(name)
+            if entry is not None and (tuple(entry["shape"]) != v.shape or ST_NAMES.get(entry["dtype"]) != grp.dtype):
+                raise bad(f"{name!r} is stored as {ST_NAMES.get(entry['dtype'], entry['dtype'])} {entry['shape']}")
+        if not any(name in entries for name in grp.tensors):
+            raise bad("a group without a stored tensor")
+    return groups

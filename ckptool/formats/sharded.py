@@ -1,9 +1,10 @@
-"""Sharded checkpoint sets: the ``*.index.json`` that maps each tensor to its shard, and the folder layout.
+"""Sharded checkpoint sets: the ``*.index.json`` that maps each tensor to its shard, and the file layout.
 
 Layout (``transformers`` ``save_pretrained``, ``huggingface_hub.split_state_dict_into_shards``): an index
 ``{"metadata": {"total_size": bytes}, "weight_map": {tensor name: shard file name}}`` beside the shards
-``model-00001-of-00003.safetensors`` ... (``pytorch_model-00001-of-00003.bin`` for torch shards). A model folder
-whose weights fit one file holds ``model.safetensors`` or ``pytorch_model.bin`` and no index.
+``model-00001-of-00003.safetensors`` ... (``pytorch_model-00001-of-00003.bin`` for torch shards): the index of
+``NAME.EXT`` shards is ``NAME.EXT.index.json`` (:class:`SetLayout`). A model folder whose weights fit one file
+holds ``model.safetensors`` or ``pytorch_model.bin`` and no index.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from ckptool.formats.dcp import is_dcp_folder
 INDEX_SUFFIX = ".index.json"
 #: output format -> (file stem, suffix) of its shards, as ``transformers`` names them
 SHARD_NAMES: dict[str, tuple[str, str]] = {"safetensors": ("model", ".safetensors"), "torch": ("pytorch_model", ".bin")}
+#: suffixes of an output name that make a sharded output a set of files beside it rather than a folder
+SET_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 #: the one weights file of a model folder small enough for a single file
 SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -81,25 +84,61 @@ def encode_index(weight_map: dict[str, str], total_size: int) -> bytes:
     return (json.dumps(doc, indent=2) + "\n").encode("utf-8")
 
 
-def index_name(fmt: str) -> str:
-    """``model.safetensors.index.json`` / ``pytorch_model.bin.index.json`` for output format ``fmt``."""
-    stem, ext = SHARD_NAMES[fmt]
-    return f"{stem}{ext}{INDEX_SUFFIX}"
+@dataclass(frozen=True)
+class SetLayout:
+    """Where a sharded output set goes: shards ``<stem>-00001-of-0000N<ext>``... and the index
+    ``<stem><ext>.index.json`` in ``folder``; a set of one shard is the single file ``<stem><ext>`` and no index
+    (``transformers`` ``save_pretrained``, ``huggingface_hub`` ``split_torch_state_dict_into_shards``).
+    ``is_output_folder``: the folder is the output itself (made when missing), not the folder of a named set."""
+
+    folder: str
+    stem: str
+    ext: str
+    is_output_folder: bool = False
+
+    @property
+    def index_name(self) -> str:
+        """``model.safetensors.index.json`` for stem ``model`` and ext ``.safetensors``."""
+        return f"{self.stem}{self.ext}{INDEX_SUFFIX}"
+
+    def shard_names(self, n: int) -> list[str]:
+        """File names of ``n`` shards: the single ``<stem><ext>`` for ``n == 1``, else
+        ``<stem>-00001-of-0000n<ext>``..."""
+        if n == 1:
+            return [self.stem + self.ext]
+        return [f"{self.stem}-{i + 1:05d}-of-{n:05d}{self.ext}" for i in range(n)]
+
+    def is_member(self, name: str) -> bool:
+        """True for a file name a set of this layout uses, whatever its shard count: a shard, the single file or
+        the index."""
+        stem, ext = re.escape(self.stem), re.escape(self.ext)
+        return re.fullmatch(rf"{stem}(-\d{{5}}-of-\d{{5}})?{ext}(\.index\.json)?", name) is not None
 
 
-def shard_names(fmt: str, n: int) -> list[str]:
-    """File names of ``n`` shards of format ``fmt``: the single file for ``n == 1``, else
-    ``model-00001-of-0000n.safetensors``..."""
-    stem, ext = SHARD_NAMES[fmt]
-    if n == 1:
-        return [stem + ext]
-    return [f"{stem}-{i + 1:05d}-of-{n:05d}{ext}" for i in range(n)]
+def output_layout(dst: str, fmt: str) -> SetLayout:
+    """The layout of a sharded output of format ``fmt`` (``"safetensors"`` / ``"torch"``) named ``dst``.
 
+    ``dst`` ending in one of :data:`SET_FILE_SUFFIXES` (and not an existing folder) names the set beside it, as
+    ``transformers`` names its files: ``x.safetensors`` gives ``x-00001-of-00003.safetensors``... plus
+    ``x.safetensors.index.json``. Any other ``dst`` (an existing folder, a name ending in ``/``, a name without
+    such a suffix) is the folder holding the set, named after :data:`SHARD_NAMES` (``model-00001-of-00003.safetensors``
+    / ``pytorch_model-00001-of-00003.bin``).
 
-def is_set_file(name: str, fmt: str) -> bool:
-    """True for a file name a set of format ``fmt`` uses: a shard, the single file or the index."""
-    stem, ext = SHARD_NAMES[fmt]
-    return re.match(rf"^{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(ext)}(\.index\.json)?$", name) is not None
+    Raises:
+        UsageError: ``dst`` is only a suffix (``.safetensors``): the shards would have no name; ``dst`` names a
+            folder but is a file.
+    """
+    name = os.path.basename(dst)
+    ext = next((name[-len(s):] for s in SET_FILE_SUFFIXES if name.lower().endswith(s)), None)
+    if ext is None or os.path.isdir(dst):  # a name ending in "/" has no basename, hence no suffix
+        if os.path.exists(dst) and not os.path.isdir(dst):
+            raise UsageError(f"{dst} is a file; with --max-shard-size, -o names a folder for the shards or a file "
+                             f"name ending in {' / '.join(SET_FILE_SUFFIXES)} to write the shards beside it")
+        stem, ext = SHARD_NAMES[fmt]
+        return SetLayout(os.path.abspath(dst), stem, ext, is_output_folder=True)
+    if name == ext:
+        raise UsageError(f"output {dst!r} names no file: give the shards a name, such as model{ext}")
+    return SetLayout(os.path.dirname(os.path.abspath(dst)), name[: -len(ext)], ext)
 
 
 def is_checkpoint_set(path: str | os.PathLike[str]) -> bool:

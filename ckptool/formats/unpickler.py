@@ -36,7 +36,7 @@ import pickle
 from typing import Any, BinaryIO
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
-from ckptool.formats.nodes import GlobalMeta, PersistentRef, StorageRef, global_placeholder
+from ckptool.formats.nodes import GlobalMeta, PersistentRef, StorageRef, new_global
 from ckptool.formats.pickle_check import PickleBuffer, call_with_stack, check_pickle, tuple_levels
 
 __all__ = ["PICKLE_ERRORS", "RestrictedUnpickler", "load_pickle_at", "load_structure", "partial_globals"]
@@ -66,7 +66,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         self.globals_seen[key] = None
         g = self._globals.get(key)
         if g is None:
-            g = global_placeholder(module, name)
+            g = new_global(module, name)
             self._globals[key] = g
         return g
 

@@ -2,7 +2,8 @@
 
 :data:`WEIGHTS_ONLY_ALLOWED` lists the globals ``torch.load(weights_only=True)`` accepts by default;
 :func:`classify_global` gives every global named in a pickle a verdict (:data:`ALLOWED`, :data:`DANGEROUS` with
-what the gadget can do, or :data:`UNKNOWN`), used by ``ckptool scan`` and ``ckptool inspect``.
+what the gadget can do, or :data:`UNKNOWN`), used by ``ckptool scan`` and ``ckptool inspect``;
+:func:`refusal_remedy` says what to do about a file ``torch.load(weights_only=True)`` refuses.
 
 :data:`WEIGHTS_ONLY_ALLOWED` is generated from ``torch._weights_only_unpickler._get_allowed_globals()`` of torch
 2.13.0 (the keys of that dict, ``module.qualname``). A checkpoint whose pickle names only these (plus the opcodes
@@ -12,6 +13,8 @@ torch's restricted unpickler handles itself) loads with ``weights_only=True``; a
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 WEIGHTS_ONLY_ALLOWED: frozenset[str] = frozenset(
     [
@@ -258,3 +261,18 @@ def classify_global(name: str, *, torchscript: bool = False) -> tuple[str, str]:
     if why is not None:
         return DANGEROUS, why
     return UNKNOWN, "not in torch's weights_only allowlist: loading would import and call it"
+
+
+def refusal_remedy(path: str, names: Iterable[str]) -> str:
+    """What to do about ``path``, whose pickle names ``names`` (``module.qualname``) outside the weights_only
+    allowlist: ``ckptool sanitize`` first (it converts numpy arrays and scalars, ``argparse.Namespace`` and other
+    plain records, pickled modules, without running anything; what it cannot convert it names with its key path),
+    trusting the file second. When a name is :data:`DANGEROUS` the advice is to scan it and not to trust it.
+    One or two sentences, starting with a capital."""
+    dangerous = [n for n in names if classify_global(n)[0] == DANGEROUS]
+    if dangerous:
+        return (f"It names {', '.join(dangerous[:3])}, which can run code on your machine: do not load it with "
+                f"trust; see `ckptool scan {path}`")
+    return (f"Convert it without running it: `ckptool sanitize {path} -o OUT.pth` (numpy arrays become tensors, "
+            "argparse.Namespace records dicts, a pickled model its state_dict); or pass trust=True (--trust) only "
+            "if you trust its source")

@@ -44,6 +44,9 @@ SCHEDULER_NAMES: tuple[str, ...] = (
 _FLAT_PARAM_RE = re.compile(r"(^|\.)(_flat_param|flat_param_\d+|_fsdp_flat_param)$")
 
 
+
+
+
 def normalize_prefix(prefix: str) -> str:
     """Return ``prefix`` as whole components ending in ``.`` (``"module"`` -> ``"module."``).
 
@@ -95,20 +98,29 @@ def add_prefix_keys(keys: Iterable[str], prefix: str) -> dict[str, str]:
     return {k: p + k for k in keys}
 
 
-def unwrap_key(key: str) -> tuple[str, list[str]]:
+def unwrap_key(key: str, attribute: str | None = None) -> tuple[str, list[str]]:
     """Remove wrapper components from one key.
 
     Every component of :data:`WRAPPER_COMPONENTS` is removed from the front, in any stacking order
     (``module._orig_mod.x`` and ``_orig_mod.module.x`` both give ``x``), and the wrapper-only names of
     :data:`WRAPPER_ONLY_COMPONENTS` are removed wherever they stand (``a._checkpoint_wrapped_module.b``
-    gives ``a.b``). The last component (the parameter or buffer name) is never removed.
+    gives ``a.b``). ``attribute`` (a component such as ``"model"``, as :func:`attribute_prefix` finds it for the
+    whole state_dict) is removed too where it follows the leading wrapper components, and wrapper components after
+    it. The last component (the parameter or buffer name) is never removed.
 
     Returns ``(new_key, removed_components)``.
     """
     parts = key.split(".")
     removed: list[str] = []
-    while len(parts) > 1 and parts[0] in WRAPPER_COMPONENTS:
+
+    def strip_front() -> None:
+        while len(parts) > 1 and parts[0] in WRAPPER_COMPONENTS:
+            removed.append(parts.pop(0))
+
+    strip_front()
+    if attribute is not None and len(parts) > 1 and parts[0] == attribute:
         removed.append(parts.pop(0))
+        strip_front()
     kept = [parts[0]] if parts else []
     for comp in parts[1:-1]:
         if comp in WRAPPER_ONLY_COMPONENTS:
@@ -120,15 +132,31 @@ def unwrap_key(key: str) -> tuple[str, list[str]]:
     return ".".join(kept), removed
 
 
+def attribute_prefix(keys: Iterable[str]) -> str | None:
+    """The attribute component (Lightning's ``model``, a user wrapper's ``net``) that :func:`shared_prefixes`
+    reports as a wrapper prefix of these keys, without its dot; None when it reports none.
+
+    This is the one rule that makes ``inspect`` and ``unwrap`` agree: what ``inspect`` lists as a wrapper prefix,
+    ``unwrap`` removes (:func:`unwrap_keys`).
+    """
+    prefixes = shared_prefixes(keys)
+    if prefixes and prefixes[-1][:-1] not in WRAPPER_COMPONENTS:
+        return prefixes[-1][:-1]
+    return None
+
+
 def unwrap_keys(keys: Iterable[str]) -> tuple[dict[str, str], dict[str, int]]:
-    """Apply :func:`unwrap_key` to every key.
+    """Apply :func:`unwrap_key` to every key of one state_dict, with the attribute prefix that every key shares
+    (:func:`attribute_prefix`): every prefix :func:`shared_prefixes` reports is removed.
 
     Returns ``({old_key: new_key}, {removed_component: number_of_keys_it_was_removed_from})``.
     """
+    keys = list(keys)
+    attribute = attribute_prefix(keys)
     mapping: dict[str, str] = {}
     counts: dict[str, int] = {}
     for k in keys:
-        new, removed = unwrap_key(k)
+        new, removed = unwrap_key(k, attribute)
         mapping[k] = new
         for comp in dict.fromkeys(removed):
             counts[comp] = counts.get(comp, 0) + 1

@@ -124,7 +124,7 @@ def rename_mapping(obj: Mapping[Any, Any], plan: RenamePlan, *, key: str | None 
     mappings, _summary = plan_keys(keyed, plan, allow_missing=allow_missing, where="state_dict")
     result: Any = obj
     for (keys, sd, _path), mapping in zip(targets, mappings):
-        result = _replace_at(result, keys, _renamed(sd, mapping, plan.rename))
+        result = _replace_at(result, keys, _renamed(sd, mapping, plan.bind(mapping).rename))
     if result is obj:  # nothing selected: still return a new mapping, as promised
         result = _copy_meta(obj, _new_like(obj, obj.items()))
     return result

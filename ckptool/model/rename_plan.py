@@ -10,12 +10,13 @@ plans to files and node graphs, :mod:`ckptool.model.rename_memory` to loaded map
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
+from ckptool.errors import NestedPrefixError, PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.model.keys import (
     WRAPPER_COMPONENTS,
+    attribute_prefix,
     is_flat_param_key,
     normalize_prefix,
     raise_on_collisions,
@@ -36,7 +37,9 @@ class Step:
 
     ``kind`` is ``"strip"`` (remove each of ``prefixes`` from the front, in order, at most once each, only while
     a component stays after it), ``"add"`` (put ``prefixes[0]`` in front) or ``"unwrap"``
-    (:func:`ckptool.model.keys.unwrap_key`). Prefixes are normalised whole components ending in ``.``.
+    (:func:`ckptool.model.keys.unwrap_key`; ``prefixes`` holds the attribute prefix that every key of the
+    state_dict shares, once the plan is bound to its keys by :meth:`RenamePlan.bind`). Prefixes are normalised
+    whole components ending in ``.``.
     """
 
     kind: str
@@ -53,15 +56,30 @@ class Step:
             return key, removed, []
         if self.kind == "add":
             return self.prefixes[0] + key, [], [self.prefixes[0]]
-        new, comps = unwrap_key(key)
+        new, comps = unwrap_key(key, self.prefixes[0][:-1] if self.prefixes else None)
         return new, [c + "." for c in comps], []
 
 
 @dataclass(frozen=True)
 class RenamePlan:
-    """The steps applied to every key of a selected state_dict, in order (see :func:`build_plan`)."""
+    """The steps applied to every key of a selected state_dict, in order (see :func:`build_plan`);
+    ``allow_nested`` lets an added prefix go in front of keys that already carry it."""
 
     steps: tuple[Step, ...]
+    allow_nested: bool = False
+
+    def bind(self, keys: Iterable[str]) -> RenamePlan:
+        """This plan for one state_dict with these keys: each unwrap step gets the attribute prefix the keys share
+        at that point (:func:`ckptool.model.keys.attribute_prefix`, Lightning's ``model.``), so unwrap removes every
+        prefix ``inspect`` calls a wrapper. Rename (and rename ``_metadata``) with the bound plan."""
+        current = list(keys)
+        steps: list[Step] = []
+        for step in self.steps:
+            attr = attribute_prefix(current) if step.kind == "unwrap" else None
+            bound = Step("unwrap", (attr + ".",) if attr else ()) if step.kind == "unwrap" else step
+            steps.append(bound)
+            current = [bound.apply(k)[0] for k in current]
+        return replace(self, steps=tuple(steps))
 
     def rename(self, key: str) -> str:
         """The new name of ``key``."""
@@ -91,9 +109,11 @@ def build_plan(
     strip_dataparallel: bool = False,
     unwrap: bool = False,
     add_prefix: str | None = None,
+    allow_nested: bool = False,
 ) -> RenamePlan:
     """Combine renaming operations into one :class:`RenamePlan`, applied in this order: ``strip_prefixes`` (each
-    at most once, in the order given), the ``module.`` of ``strip_dataparallel``, ``unwrap``, then ``add_prefix``.
+    at most once, in the order given), the ``module.`` of ``strip_dataparallel``, ``unwrap``, then ``add_prefix``
+    (``allow_nested``: even in front of keys that already carry it).
 
     Raises:
         UsageError: no operation given, or an invalid prefix (empty, ``a..b``, leading dot).
@@ -112,7 +132,7 @@ def build_plan(
         steps.append(Step("add", (normalize_prefix(add_prefix),)))
     if not steps:
         raise UsageError("nothing to rename: give a prefix to strip or add, or ask for unwrap")
-    return RenamePlan(tuple(steps))
+    return RenamePlan(tuple(steps), allow_nested)
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -161,13 +181,16 @@ def plan_keys(
 ) -> tuple[list[dict[str, str]], RenameSummary]:
     """Check and plan the renaming of every target ``(path, str keys, is_module)``.
 
-    Returns ``({old: new} per target, summary)``. Nothing is changed.
+    Returns ``({old: new} per target, summary)``. Nothing is changed. Each target is renamed by the plan bound to
+    its keys (:meth:`RenamePlan.bind`).
 
     Raises:
         UnsupportedError: a target holds FSDP flat parameters.
         KeyCollisionError: two keys of one target would get one name.
         PrefixNotFoundError: a prefix to strip (or, for unwrap, every wrapper component) is carried by no key of
             any target, unless ``allow_missing``.
+        NestedPrefixError: a prefix to add is already carried by keys (``module.module.`` would result), unless
+            the plan's ``allow_nested``.
     """
     summary = RenameSummary()
     mappings: list[dict[str, str]] = []
@@ -185,8 +208,9 @@ def plan_keys(
             )
         mapping: dict[str, str] = {}
         change = StateDictChange(path, len(keys), is_module=is_mod)
+        bound = plan.bind(keys)
         for k in keys:
-            new, removed, added = plan.trace(k)
+            new, removed, added = bound.trace(k)
             mapping[k] = new
             if new != k:
                 change.renamed += 1
@@ -197,6 +221,8 @@ def plan_keys(
             for c in added:
                 change.added[c] = change.added.get(c, 0) + 1
         raise_on_collisions(mapping, where=f"{where}, state_dict {label(path)}")
+        if not plan.allow_nested:
+            _check_not_nested(path, mapping, plan, where)
         mappings.append(mapping)
         summary.changes.append(change)
     if not allow_missing:
@@ -209,6 +235,21 @@ def plan_keys(
         for c, n in ch.added.items():
             summary.added[c] = summary.added.get(c, 0) + n
     return mappings, summary
+
+
+def _check_not_nested(path: str, mapping: dict[str, str], plan: RenamePlan, where: str) -> None:
+    """Raise :class:`NestedPrefixError` when an added prefix lands in front of itself (``module.module.fc.w``)."""
+    for step in plan.steps:
+        if step.kind != "add":
+            continue
+        doubled = step.prefixes[0] * 2
+        nested = [old for old, new in mapping.items() if new.startswith(doubled)]
+        if nested:
+            raise NestedPrefixError(
+                f"{where}: {len(nested)} of {len(mapping)} keys of state_dict {label(path)} already start with "
+                f"{step.prefixes[0]!r} (e.g. {nested[0]!r}), so adding it would give {doubled!r}; nothing was "
+                "written. Load it as it is, or pass --allow-nested (allow_nested=True) to add the prefix anyway"
+            )
 
 
 def _check_found(targets: list[PlanTarget], plan: RenamePlan, step_hits: list[dict[str, int]],

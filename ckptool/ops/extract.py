@@ -26,6 +26,7 @@ state_dict uses). Both are written atomically. Importing this module does not im
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,47 +34,24 @@ from ckptool._fileio import same_file
 from ckptool._gc import gc_paused
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.nodes import REBUILD_FROM_TYPE_V2, REBUILD_QTENSOR, TensorNode
+from ckptool.formats.nodes import TensorNode
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint
-from ckptool.model.devices import LocationFn, location_function
+from ckptool.model.devices import LocationFn
 from ckptool.model.graph import (
     class_name,
     compiled_inner,
     find_state_dicts,
     is_module,
-    mapping_items,
-    module_state,
-    ordered_dict_node,
-    unwrap_tensor,
-    walk_module,
 )
-from ckptool.model.keys import raise_on_collisions, rename_metadata_items, unwrap_key
+from ckptool.model.keys import raise_on_collisions, unwrap_keys
+from ckptool.model.module_state import detached, module_state_dict, state_dict_node
 from ckptool.model.paths import get_path
 from ckptool.model.rename_memory import rename_state_dict
-from ckptool.ops.rewrite import rewrite_file
+from ckptool.model.rename_plan import build_plan
+from ckptool.ops.rewrite import retag_function, rewrite_file
 from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted
 
-__all__ = ["ExtractResult", "extract_state_dict", "module_versions"]
-
-#: ``_version`` of torch module classes whose version is not nn.Module's 1 (torch 2.13,
-#: ``{c: c._version for c in nn.Module subclasses if c._version != 1}``, norm layers only)
-_VERSIONS: dict[str, int] = {
-    f"torch.nn.modules.{mod}.{cls}": 2
-    for mod, classes in {
-        "batchnorm": ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "_BatchNorm", "_NormBase"),
-        "instancenorm": ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "_InstanceNorm"),
-    }.items()
-    for cls in classes
-}
-#: torch classes whose state_dict is not nn.Module's default (custom ``_save_to_state_dict`` or ``state_dict``)
-_CUSTOM_PREFIXES = ("torch.ao.", "torch.nn.quantized.", "torch.nn.intrinsic.", "torch.nn.qat.",
-                    "torch.distributed.", "torch.quantization.")
-
-
-def module_versions() -> dict[str, int]:
-    """The ``_version`` table used for ``_metadata`` (class ``module.qualname`` -> version; others are 1)."""
-    return dict(_VERSIONS)
-
+__all__ = ["ExtractResult", "extract_state_dict"]
 
 @dataclass
 class ExtractResult:
@@ -116,79 +94,13 @@ def _find_module(root: Any, key: str | None, path: str) -> tuple[str, Any]:
     return mods[0].path, mods[0].obj
 
 
-def _module_state_dict(module: Any) -> tuple[list[tuple[str, TensorNode]], dict[str, int]]:
-    """The ``(key, tensor)`` entries and ``_metadata`` versions ``{module path: version}`` of ``module.state_dict()``
-    for a pickled module tree (:func:`ckptool.model.graph.walk_module`).
-
-    Raises:
-        UnsupportedError: a submodule that is not a pickled ``nn.Module``, a class whose state_dict torch computes
-            with its own code (quantized, lazy), state_dict hooks, a parameter or buffer that is not a
-            storage-backed tensor.
-        CorruptCheckpointError: a module that contains itself, a tree too deep or too large.
-    """
-    entries: list[tuple[str, TensorNode]] = []
-    meta: dict[str, int] = {}
-    classes: dict[str, str] = {}
-    for key, value, kind in walk_module(module):
-        if kind != "module":
-            t = unwrap_tensor(value)
-            if t is None or t.storage is None:
-                owner = classes[key.rpartition(".")[0]]
-                raise UnsupportedError(
-                    f"{kind} {key} of {owner} is not a storage-backed tensor ({value!r}); extract with --trust")
-            entries.append((key, t))
-            continue
-        where = key or "(top level)"
-        if compiled_inner(value) is not None:  # torch.compile's OptimizedModule: an nn.Module holding _orig_mod
-            meta.setdefault(key, 1)
-            continue
-        st = module_state(value)
-        if st is None:
-            raise UnsupportedError(f"submodule {where} is not a pickled nn.Module ({class_name(value)}); extract it "
-                                   "with --trust")
-        cls = classes[key] = class_name(value)
-        if cls.startswith(_CUSTOM_PREFIXES) or (cls.startswith("torch.nn.modules.") and ".Lazy" in cls):
-            raise UnsupportedError(
-                f"module {where} is a {cls}, whose state_dict torch computes with its own code; extract with --trust "
-                "(runs the file's code) or load the model and call state_dict()")
-        for hooks in ("_state_dict_hooks", "_state_dict_pre_hooks"):
-            if mapping_items(st.get(hooks)):
-                raise UnsupportedError(
-                    f"module {where} ({cls}) has state_dict hooks, which change what state_dict() returns; extract "
-                    "with --trust (runs the file's code)")
-        meta.setdefault(key, _VERSIONS.get(cls, 1))
-    return entries, meta
-
-
-def _detached(t: TensorNode) -> TensorNode:
-    """The tensor as ``state_dict()`` holds it: ``param.detach()``, so ``requires_grad=False``."""
-    if not t.requires_grad:
-        return t
-    args = list(t.args)
-    if (t.func.module, t.func.name) == REBUILD_FROM_TYPE_V2:
-        inner = list(args[2])
-        inner[5 if t.rebuild_name == REBUILD_QTENSOR else 4] = False
-        args[2] = tuple(inner)
-    else:
-        args[5 if t.rebuild_name == REBUILD_QTENSOR else 4] = False
-    return TensorNode(t.func, tuple(args))
-
-
 def _collect(ck: Checkpoint, key: str | None) -> tuple[str, str, list[tuple[str, TensorNode]], dict[str, int]]:
     path, module = _find_module(ck.root, key, ck.path)
-    entries, meta = _module_state_dict(module)
+    entries, meta = module_state_dict(module)
     return path, class_name(compiled_inner(module) or module), entries, meta
 
 
 # ------------------------------------------------------------------------------------------------ writing
-def _state_dict_graph(items: list[tuple[str, Any]], meta: dict[str, int]) -> Any:
-    """``OrderedDict`` node with the items and a ``_metadata`` attribute, as torch pickles a state_dict."""
-    sd = ordered_dict_node(items)
-    sd.state = {"_metadata": ordered_dict_node((k, {"version": v}) for k, v in meta.items())}
-    sd.order = ["setitems", "build"]
-    return sd
-
-
 def _write_zip(ck: Checkpoint, dst: str, sd: Any, used: set[str], location_fn: LocationFn | None) -> tuple[int, int]:
     keep = {"data/" + k for k in used}
     records = [r for r in ck.records if not r.name.startswith("data/") or r.name in keep]
@@ -205,7 +117,8 @@ def _default_dst(src: str) -> str:
 
 @gc_paused
 def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = None, *,
-                       key: str | None = None, unwrap: bool = False, to: str | None = None, trust: bool = False,
+                       key: str | None = None, unwrap: bool = False, to: str | None = None,
+                       mapping: Mapping[str, str] | None = None, allow_missing: bool = False, trust: bool = False,
                        quiet: bool = False) -> ExtractResult:
     """Write the state_dict of the ``nn.Module`` pickled in ``src`` (``torch.save(model)``) to ``dst``.
 
@@ -218,9 +131,12 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
         dst: ``*.safetensors`` for safetensors, anything else for torch's zip format. Default:
             ``<stem>.state_dict.pth`` beside ``src``.
         key: dotted path of the module inside the file (``"model"``) when it is not the top-level object.
-        unwrap: remove wrapper components from the keys (``module.`` of DataParallel/DDP, ``_orig_mod.`` of
-            torch.compile...; :func:`ckptool.model.keys.unwrap_key`), renaming ``_metadata`` to match.
+        unwrap: remove wrapper prefixes from the keys (``module.`` of DataParallel/DDP, ``_orig_mod.`` of
+            torch.compile, a shared attribute prefix such as ``model.``...; :func:`ckptool.model.keys.unwrap_keys`),
+            renaming ``_metadata`` to match.
         to: re-tag every storage for this device (``cpu``, ``cuda:0``) in a ``.pth`` output; default: as saved.
+        mapping: re-tag only the storages whose tag matches (``{"cuda:1": "cpu"}``), in a ``.pth`` output.
+        allow_missing: write the file even when a ``mapping`` source matches no storage.
         trust: load ``src`` with ``torch.load(weights_only=False)`` (runs the file's code, imports its classes)
             and call the module's own ``state_dict()``.
         quiet: unused by the library (kept for callers that print progress).
@@ -230,7 +146,9 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
 
     Raises:
         UsageError: ``dst`` is ``src``, a missing output folder, ``key`` naming nothing or not a module, several
-            modules without ``key``, a bad ``to`` device.
+            modules without ``key``, a bad ``to`` device, ``to`` / ``mapping`` with a ``.safetensors`` output,
+            ``mapping`` with ``trust``.
+        DeviceNotFoundError: a ``mapping`` source matches no storage (unless ``allow_missing``).
         UnsupportedError: no pickled module in the file, a TorchScript archive, safetensors input, a module whose
             state_dict needs its own code (quantized / lazy modules, state_dict hooks), a tensor safetensors
             cannot hold.
@@ -243,7 +161,11 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
     if same_file(src, dst):
         raise UsageError(f"output {dst} is the input file; choose another -o path")
     safetensors_out = dst.endswith(".safetensors")
-    location_fn = location_function(to=to) if to is not None else None
+    if safetensors_out and (to is not None or mapping):
+        raise UsageError("--to / --map set torch location tags; a safetensors output carries none (load it with "
+                         "safetensors.torch.load_file(path, device=...))")
+    if trust and mapping:
+        raise UsageError("--trust loads the module onto one device: give --to DEVICE instead of --map")
     fmt = formats.detect_format(src)
     if fmt == formats.SAFETENSORS:
         raise UnsupportedError(f"{src} is safetensors: it already is a state_dict")
@@ -255,19 +177,15 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
     if trust:
         return _extract_trusted(src, dst, key, unwrap, to, safetensors_out)
     ck = read_checkpoint(src, fmt)
+    location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     path, cls, entries, meta = _collect(ck, key)
-    items = [(k, _detached(t)) for k, t in entries]
+    items = [(k, detached(t)) for k, t in entries]
     removed: dict[str, int] = {}
     if unwrap:
-        mapping: dict[str, str] = {}
-        for k, _t in items:
-            new, comps = unwrap_key(k)
-            mapping[k] = new
-            for c in comps:
-                removed[c] = removed.get(c, 0) + 1
-        raise_on_collisions(mapping, "the extracted state_dict")
-        items = [(mapping[k], t) for k, t in items]
-        meta = dict(rename_metadata_items(meta.items(), lambda k: unwrap_key(k)[0]))
+        keys, removed = unwrap_keys(k for k, _t in items)
+        raise_on_collisions(keys, "the extracted state_dict")
+        items = [(keys[k], t) for k, t in items]
+        meta = dict(build_plan(unwrap=True).bind(keys).rename_metadata(meta.items()))
     res = ExtractResult(src, dst, formats.SAFETENSORS if safetensors_out else formats.TORCH_ZIP,
                         [k for k, _t in items], cls, path, removed=removed)
     if safetensors_out:
@@ -275,7 +193,7 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
         res.storages = len({t.storage.key for _k, t in items if t.storage is not None})
         return res
     used = {t.storage.key for _k, t in items if t.storage is not None}
-    res.storages, res.bytes_written = _write_zip(ck, dst, _state_dict_graph(items, meta), used, location_fn)
+    res.storages, res.bytes_written = _write_zip(ck, dst, state_dict_node(items, meta), used, location_fn)
     return res
 
 
@@ -285,10 +203,8 @@ def _extract_trusted(src: str, dst: str, key: str | None, unwrap: bool, to: str 
     sd = module.state_dict()
     removed: dict[str, int] = {}
     if unwrap:
-        for k in sd:
-            for c in unwrap_key(k)[1]:
-                removed[c] = removed.get(c, 0) + 1
-        sd = rename_state_dict(sd, lambda k: unwrap_key(k)[0])
+        keys, removed = unwrap_keys(sd)
+        sd = rename_state_dict(sd, build_plan(unwrap=True).bind(keys).rename)
     cls = f"{type(module).__module__}.{type(module).__qualname__}"
     res = ExtractResult(src, dst, formats.SAFETENSORS if safetensors_out else formats.TORCH_ZIP, list(sd), cls,
                         key or "", removed=removed, trusted=True)

@@ -15,10 +15,10 @@ from ckptool._gc import gc_paused
 from ckptool.errors import UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.torchfile import read_checkpoint
-from ckptool.model.devices import location_function, parse_device
+from ckptool.model.devices import parse_device
 from ckptool.model.rename_plan import build_plan
 from ckptool.ops.rename import RenameResult, rename_graph
-from ckptool.ops.rewrite import WriteResult, output_path, refuse_unwritable, rewrite_file
+from ckptool.ops.rewrite import WriteResult, output_path, refuse_unwritable, retag_function, rewrite_file
 
 
 @gc_paused
@@ -35,6 +35,7 @@ def remap(
     add_prefix: str | None = None,
     key: str | None = None,
     allow_missing: bool = False,
+    allow_nested: bool = False,
 ) -> WriteResult:
     """Write a copy of checkpoint ``src`` whose storages are tagged for another device.
 
@@ -51,7 +52,8 @@ def remap(
     The key renamings of :mod:`ckptool.ops.rename` can be done in the same pass (one read, one write):
     ``strip_prefixes``, ``strip_dataparallel``, ``unwrap`` and ``add_prefix``, applied in that order to the
     state_dict(s) found, or to the one at dotted path ``key``; ``allow_missing`` as in
-    :func:`ckptool.ops.rename.strip_prefix`.
+    :func:`ckptool.ops.rename.strip_prefix` (it also lets a ``mapping`` source that matches no storage pass),
+    ``allow_nested`` as in :func:`ckptool.ops.rename.add_prefix`.
 
     Returns a :class:`~ckptool.rewrite.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``), a
     :class:`~ckptool.ops.rename.RenameResult` (a WriteResult with the renaming added) when keys were renamed.
@@ -60,15 +62,19 @@ def remap(
         UsageError: bad device strings, ``dst`` equal to ``src`` without ``in_place``, missing output folder,
             ``key`` without a renaming, bad prefixes.
         PrefixNotFoundError / KeyCollisionError: see :func:`ckptool.ops.rename.strip_prefix`; nothing written.
+        NestedPrefixError: see :func:`ckptool.ops.rename.add_prefix`; nothing written.
+        DeviceNotFoundError: a ``mapping`` source matches no storage (the tags found are listed), unless
+            ``allow_missing``; nothing written.
         UnsupportedError: safetensors (no tags), TorchScript (use ``torch.jit.load(map_location=...)``), plain pickles.
         NotACheckpointError / CorruptCheckpointError: unreadable input.
     """
     src = os.fspath(src)
-    fn = location_function(to, mapping)
+    if (to is None) == (not mapping):
+        raise UsageError("give exactly one of --to DEVICE or --map FROM=TO")
     plan = None
     if unwrap or strip_dataparallel or strip_prefixes or add_prefix is not None:
         plan = build_plan(strip_prefixes=strip_prefixes, strip_dataparallel=strip_dataparallel, unwrap=unwrap,
-                          add_prefix=add_prefix)
+                          add_prefix=add_prefix, allow_nested=allow_nested)
     elif key is not None:
         raise UsageError("--key selects the state_dict to rename: add --unwrap, --strip-dataparallel, "
                          "--strip-prefix or --add-prefix")
@@ -80,6 +86,7 @@ def remap(
         tag = "remapped"
     out = output_path(src, os.fspath(dst) if dst is not None else None, in_place, tag)
     ck = read_checkpoint(src, fmt)
+    fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     if plan is None:
         return rewrite_file(ck, out, ck.root, fn)
     root, summary = rename_graph(ck.root, plan, key=key, allow_missing=allow_missing, where=src)

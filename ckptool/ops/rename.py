@@ -61,7 +61,7 @@ from ckptool.model.rename_plan import (
     label,
     plan_keys,
 )
-from ckptool.ops.rewrite import WriteResult, output_path, rewrite_file
+from ckptool.ops.rewrite import WriteResult, output_path, retag_function, rewrite_file
 
 __all__ = [
     "RenamePlan",
@@ -197,24 +197,16 @@ def _rename_module(t: StateDictRef, plan: RenamePlan, mapping: dict[str, str], w
             )
         if step.kind == "strip":
             for p in step.prefixes:
-                keys = list(_module_keys(node))
-                carried = [k.startswith(p) and len(k) > len(p) for k in keys]
-                if not any(carried):
-                    continue
-                if not all(carried):
-                    lost = [k for k, c in zip(keys, carried) if not c]
-                    raise UnsupportedError(
-                        f"{where}: {where_sd} is a pickled nn.Module; removing {p!r} means keeping only its submodule "
-                        f"{p[:-1]!r}, which would drop {len(lost)} tensor(s) such as {lost[0]!r}. Load it (trusted) "
-                        f"and save the submodule's state_dict instead"
-                    )
-                for comp in p[:-1].split("."):
-                    wrappers.append(class_name(node))
-                    node = get_path(node, comp)  # the submodule: every key goes through it
+                node = _enter_prefix(node, p, wrappers, where, where_sd)
         else:
             while (inner := _wrapped_inner(node, WRAPPER_COMPONENTS)) is not None:
                 wrappers.append(class_name(node))
                 node = inner
+            if step.prefixes:  # the attribute prefix every key shares (Lightning's model.)
+                node = _enter_prefix(node, step.prefixes[0], wrappers, where, where_sd)
+                while (inner := _wrapped_inner(node, WRAPPER_COMPONENTS)) is not None:
+                    wrappers.append(class_name(node))
+                    node = inner
             _unwrap_children(node, wrappers)
     new_keys = list(_module_keys(node))
     if new_keys != [mapping[k] for k in old_keys]:
@@ -224,6 +216,30 @@ def _rename_module(t: StateDictRef, plan: RenamePlan, mapping: dict[str, str], w
             "state_dict() with ckptool's in-memory API"
         )
     return node, wrappers
+
+
+def _enter_prefix(node: Any, p: str, wrappers: list[str], where: str, where_sd: str) -> Any:
+    """The submodule of pickled module ``node`` at prefix ``p`` when every key goes through it (the modules on the
+    way are added to ``wrappers``); ``node`` itself when no key carries ``p``.
+
+    Raises:
+        UnsupportedError: some keys do not carry ``p`` (keeping the submodule would drop them).
+    """
+    keys = list(_module_keys(node))
+    carried = [k.startswith(p) and len(k) > len(p) for k in keys]
+    if not any(carried):
+        return node
+    if not all(carried):
+        lost = [k for k, c in zip(keys, carried) if not c]
+        raise UnsupportedError(
+            f"{where}: {where_sd} is a pickled nn.Module; removing {p!r} means keeping only its submodule "
+            f"{p[:-1]!r}, which would drop {len(lost)} tensor(s) such as {lost[0]!r}. Load it (trusted) "
+            f"and save the submodule's state_dict instead"
+        )
+    for comp in p[:-1].split("."):
+        wrappers.append(class_name(node))
+        node = get_path(node, comp)  # the submodule: every key goes through it
+    return node
 
 
 def _rename_mapping_node(obj: Any, mapping: dict[str, str], plan: RenamePlan) -> None:
@@ -272,10 +288,11 @@ def rename_graph(
     for t, mapping, change in zip(targets, mappings, summary.changes):
         if not change.renamed:
             continue
+        bound = plan.bind(mapping)
         if not t.is_module:
-            _rename_mapping_node(t.obj, mapping, plan)
+            _rename_mapping_node(t.obj, mapping, bound)
             continue
-        new, wrappers = _rename_module(t, plan, mapping, where)
+        new, wrappers = _rename_module(t, bound, mapping, where)
         change.wrappers_removed = wrappers
         summary.wrappers_removed += wrappers
         if new is not t.obj:
@@ -309,17 +326,19 @@ def _rewrite_safetensors(src: str, out: str, plan: RenamePlan, *, key: str | Non
 # ------------------------------------------------------------------------------------------------ public API
 def apply_plan(
     src: Any, dst: str | os.PathLike[str] | None, plan: RenamePlan, *, operation: str, tag: str,
-    key: str | None = None, in_place: bool = False, allow_missing: bool = False,
+    key: str | None = None, in_place: bool = False, allow_missing: bool = False, to: str | None = None,
+    mapping: Mapping[str, str] | None = None,
 ) -> Any:
     """Run ``plan`` on a file (returns :class:`RenameResult`) or an in-memory mapping (returns a new mapping).
 
-    ``tag`` names the default output (``<stem>.<tag><ext>`` beside ``src``). See :func:`strip_prefix` for the
-    errors raised.
+    ``tag`` names the default output (``<stem>.<tag><ext>`` beside ``src``). ``to`` / ``mapping`` re-tag the
+    storages in the same pass, as :func:`ckptool.ops.remap.remap` does. See :func:`strip_prefix` for the errors
+    raised.
     """
     if isinstance(src, Mapping):
-        if dst is not None or in_place:
-            raise UsageError("dst and in_place apply to files; for an in-memory state_dict the new mapping is "
-                             "returned")
+        if dst is not None or in_place or to is not None or mapping:
+            raise UsageError("dst, in_place, to and mapping apply to files; for an in-memory state_dict the new "
+                             "mapping is returned (move its tensors with .to())")
         return rename_mapping(src, plan, key=key, allow_missing=allow_missing)
     if not isinstance(src, (str, os.PathLike)):
         hint = " (pass model.state_dict(), or the path of a saved file)" if hasattr(src, "state_dict") else ""
@@ -337,15 +356,20 @@ def apply_plan(
                                "load it and rename the state_dict in memory")
     out = output_path(src, os.fspath(dst) if dst is not None else None, in_place, tag)
     if fmt == formats.SAFETENSORS:
+        if to is not None or mapping:
+            raise UsageError(f"{src} is safetensors: it carries no location tags, so --to / --map do not apply "
+                             "(load it on any device with safetensors.torch.load_file(path, device=...))")
         return _rewrite_safetensors(src, out, plan, key=key, allow_missing=allow_missing, operation=operation)
     ck = read_checkpoint(src, fmt)
+    location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     root, summary = rename_graph(ck.root, plan, key=key, allow_missing=allow_missing, where=src)
-    res = rewrite_file(ck, out, root)
+    res = rewrite_file(ck, out, root, location_fn)
     return RenameResult.combine(res, summary, operation)
 
 def strip_prefix(
     src: Any, prefixes: str | Sequence[str], dst: str | os.PathLike[str] | None = None, *,
-    key: str | None = None, in_place: bool = False, allow_missing: bool = False,
+    key: str | None = None, in_place: bool = False, allow_missing: bool = False, to: str | None = None,
+    mapping: Mapping[str, str] | None = None,
 ) -> Any:
     """Remove ``prefixes`` (whole dotted components: ``"model."`` or ``"model"``) from the front of state_dict keys.
 
@@ -364,10 +388,16 @@ def strip_prefix(
     without it every state_dict found is renamed where its keys carry the prefix, never an optimizer's state.
     For a full-model pickle the wrapper objects along the prefix are replaced by the submodule they hold.
 
+    ``to`` (every storage) or ``mapping`` (``{"cuda:1": "cpu"}``, matching tags only) re-tag the storages of a
+    torch output in the same pass (:func:`ckptool.model.devices.location_function`), so ``to="cpu"`` gives a file
+    that a plain ``torch.load`` opens on a machine without a GPU.
+
     Raises:
         UsageError: bad prefix, ``key`` that names no mapping, ``dst`` equal to ``src`` without ``in_place``,
-            missing output folder, ``dst`` / ``in_place`` given with an in-memory mapping.
+            missing output folder, ``dst`` / ``in_place`` / ``to`` / ``mapping`` given with an in-memory mapping,
+            ``to`` / ``mapping`` for a safetensors file, a bad device string.
         PrefixNotFoundError: no key carries the prefix (unless ``allow_missing``); nothing written.
+        DeviceNotFoundError: a ``mapping`` source matches no storage (unless ``allow_missing``); nothing written.
         KeyCollisionError: two keys would get one name; the colliding keys are listed, nothing written.
         UnsupportedError: FSDP flat parameters (consolidate first), TorchScript or plain-pickle files, no
             state_dict found, a full-model pickle whose keys cannot be renamed by removing wrapper objects.
@@ -377,23 +407,25 @@ def strip_prefix(
         prefixes = [prefixes]
     plan = build_plan(strip_prefixes=list(prefixes))
     return apply_plan(src, dst, plan, operation="strip-prefix", tag="stripped", key=key, in_place=in_place,
-                      allow_missing=allow_missing)
+                      allow_missing=allow_missing, to=to, mapping=mapping)
 
 
 def strip_dataparallel(
     src: Any, dst: str | os.PathLike[str] | None = None, *, key: str | None = None, in_place: bool = False,
-    allow_missing: bool = False,
+    allow_missing: bool = False, to: str | None = None, mapping: Mapping[str, str] | None = None,
 ) -> Any:
     """Remove the leading ``module.`` that ``nn.DataParallel`` and ``DistributedDataParallel`` add to every key.
 
     The same as ``strip_prefix(src, "module.", ...)`` (default output ``<stem>.stripped<ext>``), and on a
     full-model pickle (``torch.save(nn.DataParallel(model))``) the file then holds the inner module object,
-    written without importing its class. Returns a :class:`RenameResult` for a path, a new mapping for a mapping.
+    written without importing its class. ``to`` / ``mapping`` re-tag the storages as in :func:`strip_prefix`.
+    Returns a :class:`RenameResult` for a path, a new mapping for a mapping.
 
     Raises:
         UsageError: ``key`` that names no mapping, ``dst`` equal to ``src`` without ``in_place``,
             missing output folder, ``dst`` / ``in_place`` given with an in-memory mapping.
         PrefixNotFoundError: no key starts with ``module.`` (unless ``allow_missing``); nothing written.
+        DeviceNotFoundError: a ``mapping`` source matches no storage (unless ``allow_missing``); nothing written.
         KeyCollisionError: two keys would get one name; the colliding keys are listed, nothing written.
         UnsupportedError: FSDP flat parameters (consolidate first), TorchScript or plain-pickle files, no
             state_dict found, a full-model pickle whose keys cannot be renamed by removing wrapper objects.
@@ -401,42 +433,51 @@ def strip_dataparallel(
     """
     plan = build_plan(strip_dataparallel=True)
     return apply_plan(src, dst, plan, operation="strip-dataparallel", tag="stripped", key=key, in_place=in_place,
-                      allow_missing=allow_missing)
+                      allow_missing=allow_missing, to=to, mapping=mapping)
 
 
 def add_prefix(
     src: Any, prefix: str, dst: str | os.PathLike[str] | None = None, *, key: str | None = None,
-    in_place: bool = False,
+    in_place: bool = False, allow_nested: bool = False, to: str | None = None,
+    mapping: Mapping[str, str] | None = None, allow_missing: bool = False,
 ) -> Any:
     """Put ``prefix`` (whole components, ``"module."``) in front of every key, e.g. to load a bare state_dict into
     ``nn.DataParallel(model)`` or a compiled model (``"_orig_mod."``) with ``strict=True``.
 
     ``_metadata`` paths get the prefix too (``"fc"`` -> ``"module.fc"``). Default output
     ``<stem>.prefixed<ext>``. Without ``key``, every state_dict found gets the prefix (optimizer state never).
-    Full-model pickles are refused (a wrapper object cannot be made without its class). Returns a
-    :class:`RenameResult` for a path, a new mapping for a mapping.
+    Full-model pickles are refused (a wrapper object cannot be made without its class). Keys that already start
+    with ``prefix`` are refused (the result would be ``module.module.``) unless ``allow_nested``. ``to`` /
+    ``mapping`` re-tag the storages as in :func:`strip_prefix` (``allow_missing`` lets a ``mapping`` source that
+    matches no storage pass). Returns a :class:`RenameResult` for a path, a new mapping for a mapping.
 
     Raises:
         UsageError: bad prefix, ``key`` that names no mapping, ``dst`` equal to ``src`` without ``in_place``,
-            missing output folder, ``dst`` / ``in_place`` given with an in-memory mapping.
+            missing output folder, ``dst`` / ``in_place`` / ``to`` / ``mapping`` given with an in-memory mapping,
+            ``to`` / ``mapping`` for a safetensors file, a bad device string.
+        NestedPrefixError: keys already carry ``prefix`` (unless ``allow_nested``); nothing written.
+        DeviceNotFoundError: a ``mapping`` source matches no storage (unless ``allow_missing``); nothing written.
         KeyCollisionError: two keys would get one name; the colliding keys are listed, nothing written.
         UnsupportedError: FSDP flat parameters (consolidate first), TorchScript or plain-pickle files, no
             state_dict found, a full-model pickle (a wrapper cannot be added to it).
         NotACheckpointError / CorruptCheckpointError: unreadable input.
     """
-    plan = build_plan(add_prefix=prefix)
-    return apply_plan(src, dst, plan, operation="add-prefix", tag="prefixed", key=key, in_place=in_place)
+    plan = build_plan(add_prefix=prefix, allow_nested=allow_nested)
+    return apply_plan(src, dst, plan, operation="add-prefix", tag="prefixed", key=key, in_place=in_place,
+                      allow_missing=allow_missing, to=to, mapping=mapping)
 
 
 def unwrap(
     src: Any, dst: str | os.PathLike[str] | None = None, *, key: str | None = None, in_place: bool = False,
-    allow_missing: bool = False,
+    allow_missing: bool = False, to: str | None = None, mapping: Mapping[str, str] | None = None,
 ) -> Any:
-    """Remove every wrapper component: ``module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.`` and
-    ``_checkpoint_wrapped_module.`` from the front of keys in any stacking order (DDP of a compiled model gives
-    ``module._orig_mod.``, a compiled DDP ``_orig_mod.module.``), and the wrapper-only names (``_orig_mod``,
-    ``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``) also in the middle of keys
-    (:func:`ckptool.model.keys.unwrap_key`).
+    """Remove every wrapper prefix that ``inspect`` reports: ``module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``
+    and ``_checkpoint_wrapped_module.`` from the front of keys in any stacking order (DDP of a compiled model gives
+    ``module._orig_mod.``, a compiled DDP ``_orig_mod.module.``), the wrapper-only names (``_orig_mod``,
+    ``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``) also in the middle of keys, and an attribute prefix
+    that every key of a state_dict shares (Lightning's ``model.``; :func:`ckptool.model.keys.unwrap_keys`, the
+    rule :func:`ckptool.model.keys.shared_prefixes` applies for ``inspect``). ``to`` / ``mapping`` re-tag the
+    storages as in :func:`strip_prefix`.
 
     Default output ``<stem>.unwrapped<ext>``. On a full-model pickle (``torch.save(nn.DataParallel(model))``, a
     ``torch.compile`` model) the wrapper objects are replaced by the modules they hold, classes never imported.
@@ -447,6 +488,7 @@ def unwrap(
         UsageError: ``key`` that names no mapping, ``dst`` equal to ``src`` without ``in_place``,
             missing output folder, ``dst`` / ``in_place`` given with an in-memory mapping.
         PrefixNotFoundError: no key carries a wrapper component (unless ``allow_missing``); nothing written.
+        DeviceNotFoundError: a ``mapping`` source matches no storage (unless ``allow_missing``); nothing written.
         KeyCollisionError: two keys would get one name; the colliding keys are listed, nothing written.
         UnsupportedError: FSDP flat parameters (consolidate first), TorchScript or plain-pickle files, no
             state_dict found, a full-model pickle whose keys cannot be renamed by removing wrapper objects.
@@ -454,4 +496,4 @@ def unwrap(
     """
     plan = build_plan(unwrap=True)
     return apply_plan(src, dst, plan, operation="unwrap", tag="unwrapped", key=key, in_place=in_place,
-                      allow_missing=allow_missing)
+                      allow_missing=allow_missing, to=to, mapping=mapping)

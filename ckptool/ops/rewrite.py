@@ -13,6 +13,7 @@ and their 6-field persistent ids written as the 5 fields the zip loader expects.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ from ckptool.formats.pickler import PicklerError, dumps
 from ckptool.formats.torchfile import Checkpoint, resolve_zip_offsets
 from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.formats.zipdir import read_member
-from ckptool.model.devices import LocationFn
+from ckptool.model.devices import LocationFn, location_function
 
 
 @dataclass
@@ -55,6 +56,20 @@ def refuse_unwritable(ck_format: str, path: str, action: str) -> None:
         raise UnsupportedError(f"{path} is a plain pickle without torch storages; there is nothing to {action}")
 
 
+def retag_function(ck: Checkpoint, to: str | None, mapping: Mapping[str, str] | None, *,
+                   allow_missing: bool = False) -> LocationFn | None:
+    """The location rewrite of ``--to`` / ``--map`` for checkpoint ``ck``
+    (:func:`ckptool.model.devices.location_function`, checked against the tags its storages carry); None when
+    neither is given.
+
+    Raises:
+        UsageError: both given, or a bad device string.
+        DeviceNotFoundError: a ``mapping`` source matches no storage of ``ck``, unless ``allow_missing``.
+    """
+    return location_function(to, mapping, tags=[r.location for r in ck.storages.values()],
+                             allow_missing=allow_missing, where=ck.path)
+
+
 def output_path(src: str, dst: str | None, in_place: bool, tag: str) -> str:
     """Choose the output path: ``dst``, ``src`` itself for in-place, or ``<stem>.<tag><ext>`` beside ``src``.
 
@@ -73,10 +88,13 @@ def output_path(src: str, dst: str | None, in_place: bool, tag: str) -> str:
     return dst
 
 
-def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | None = None) -> WriteResult:
+def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | None = None,
+              new_records: Sequence[tuple[str, bytes]] = ()) -> WriteResult:
     """Write ``ck`` with pickle ``root`` into the open binary file ``out`` in torch's zip layout.
 
     Every storage record is copied unchanged; each storage's location tag becomes ``location_fn(tag)``.
+    ``new_records`` (``(name, bytes)``, e.g. ``("data/7", ...)`` for a storage ``root`` adds) are written after
+    the copied records.
 
     Raises:
         UnsupportedError: legacy storage views (``view_metadata``), values the pickle writer cannot express.
@@ -109,6 +127,8 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
             w.begin_torch_save(data_pkl)
             for rec in ck.records:
                 w.copy_record(rec.name, src, rec.offset, rec.size)
+            for name, data in new_records:
+                w.write_bytes(name, data)
             w.end_torch_save()
             res.bytes_written = w.pos
             return res
@@ -124,6 +144,8 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
                     if rec.offset + rec.size > ck.size:
                         raise CorruptCheckpointError(f"{ck.path}: record {rec.name!r} is truncated; re-download it")
                     w.copy_record(rec.name, src, rec.offset, rec.size, rec.crc)
+            for name, data in new_records:
+                w.write_bytes(name, data)
     w.close()
     res.bytes_written = w.pos
     return res
@@ -140,7 +162,8 @@ def _count_storages(ck: Checkpoint, location_fn: LocationFn | None) -> dict[tupl
     return out
 
 
-def rewrite_file(ck: Checkpoint, dst: str, root: Any, location_fn: LocationFn | None = None) -> WriteResult:
+def rewrite_file(ck: Checkpoint, dst: str, root: Any, location_fn: LocationFn | None = None,
+                 new_records: Sequence[tuple[str, bytes]] = ()) -> WriteResult:
     """Write ``ck`` (with pickle ``root``) to ``dst`` atomically (temporary file, fsync, rename).
 
     When ``dst`` is the input (in-place), the input's permission bits are kept. Raises what :func:`write_zip`
@@ -148,6 +171,6 @@ def rewrite_file(ck: Checkpoint, dst: str, root: Any, location_fn: LocationFn | 
     """
     mode = file_mode(ck.path) if same_file(ck.path, dst) else None
     with atomic_output(dst, mode=mode) as out:
-        res = write_zip(ck, out, root, location_fn)
+        res = write_zip(ck, out, root, location_fn, new_records)
     res.dst = dst
     return res

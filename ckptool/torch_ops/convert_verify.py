@@ -1,14 +1,17 @@
-"""Reading ``ckptool convert``'s output back with torch and comparing it with what was meant to be written.
+"""Reading ``ckptool convert``'s output back with torch, NumPy or the safetensors library, and comparing it with
+what was meant to be written.
 
 Each check returns None when the output matches, else a one-line description of the first difference; the caller
-turns it into its error (``ckptool.ops.convert.VerificationError``).
+turns it into its error (``ckptool.ops.convert.VerificationError``). Where neither torch nor NumPy is installed
+(``pip install ckptool`` without the ``torch`` extra), :mod:`ckptool.ops.convert.verify` checks with ckptool's own
+readers instead; :func:`is_installed` and :func:`safetensors_framework` say which check runs.
 """
 
 from __future__ import annotations
 
-import zipfile
+import importlib
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckptool.model.graph import join
@@ -17,7 +20,62 @@ from ckptool.torch_ops.cast import tensor_buffer
 if TYPE_CHECKING:
     import torch
 
-_CHUNK = 8 << 20
+#: dtypes NumPy holds: files of only these are verified through safetensors' NumPy framework, without torch
+NUMPY_DTYPES = frozenset({"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "uint16",
+                          "uint32", "uint64", "bool", "complex64"})
+
+
+def is_installed(module: str) -> bool:
+    """True when ``module`` (``"torch"``, ``"numpy"``) imports; it is imported (and stays in ``sys.modules``)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def safetensors_framework(dtypes: Collection[str]) -> str | None:
+    """The ``safetensors.safe_open`` framework that can read tensors of ``dtypes`` here: ``"numpy"`` when NumPy is
+    installed and holds every one (torch is not imported), else ``"pt"`` when torch is installed, else None
+    (neither: the file is checked with ckptool's own reader)."""
+    if all(d in NUMPY_DTYPES for d in dtypes) and is_installed("numpy"):
+        return "numpy"
+    return "pt" if is_installed("torch") else None
+
+
+def _safe_open(path: str, framework: str) -> Any:
+    from safetensors import safe_open
+
+    try:  # pread: each tensor read into its own buffer, so memory stays bounded by one tensor
+        return safe_open(path, framework=framework, backend="pread")
+    except TypeError:  # safetensors < 0.7 has no backend choice
+        return safe_open(path, framework=framework)
+
+
+def safe_open_difference(path: str, expect: Sequence[tuple[str, str, tuple[int, ...], int | None]],
+                         metadata: Mapping[str, str] | None, framework: str) -> str | None:
+    """Open the safetensors file at ``path`` with ``safetensors.safe_open(framework=framework)`` (``"numpy"`` or
+    ``"pt"``, see :func:`safetensors_framework`) and compare its tensor names, each tensor's dtype name, shape and
+    CRC-32 (``expect``: ``[(name, dtype, shape, crc or None)]``) and its ``__metadata__`` with ``metadata``.
+
+    Raises:
+        Exception: whatever ``safe_open`` raises for a file it refuses (the caller reports it).
+    """
+    with _safe_open(path, framework) as f:
+        names = set(f.keys())
+        want = {e[0] for e in expect}
+        if names != want:
+            return f"tensor names differ ({', '.join(sorted(names ^ want)[:3])})"
+        if (f.metadata() or None) != (metadata or None):
+            return "__metadata__ differs"
+        for name, dtype, shape, crc in expect:
+            t = f.get_tensor(name)
+            if str(t.dtype).removeprefix("torch.") != dtype or tuple(t.shape) != tuple(shape):
+                return f"{name!r} reads back as {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)}"
+            if crc is not None and array_crc(t) != crc:
+                return f"{name!r} reads back with different bytes (CRC-32)"
+            del t
+    return None
 
 
 class ExpectedTensor(NamedTuple):
@@ -33,13 +91,11 @@ class ExpectedTensor(NamedTuple):
     storage: int
 
 
-def torch_file_difference(path: str, expected: Sequence[ExpectedTensor], records: Mapping[str, int]) -> str | None:
-    """Compare the torch zip file at ``path`` with ``expected`` and ``records`` (record name such as ``data/0`` ->
-    CRC-32 expected from the source).
-
-    The file is opened with ``torch.load(mmap=True, weights_only=True)``: every tensor's key (in order), dtype,
-    shape, stride, storage offset, ``requires_grad`` and storage sharing are compared; then every storage record is
-    read through ``zipfile`` (which checks its CRC-32) and its CRC-32 compared with ``records``.
+def torch_load_difference(path: str, expected: Sequence[ExpectedTensor]) -> str | None:
+    """Open the torch zip file at ``path`` with ``torch.load(mmap=True, weights_only=True)`` and compare every
+    tensor's key (in order), dtype, shape, stride, storage offset, ``requires_grad`` and storage sharing with
+    ``expected``. The storage records' CRC-32 are checked by the caller
+    (:func:`ckptool.ops.convert.verify.records_difference`).
     """
     import torch
 
@@ -66,19 +122,6 @@ def torch_file_difference(path: str, expected: Sequence[ExpectedTensor], records
         st = obj[t.name].untyped_storage()
         if st.nbytes() and by_storage.setdefault(t.storage, st.data_ptr()) != st.data_ptr():
             return f"{t.name!r} no longer shares its storage"
-    del obj
-    try:
-        with zipfile.ZipFile(path) as z:
-            infos = {i.filename.split("/", 1)[-1]: i for i in z.infolist()}
-            for name, crc in records.items():
-                info = infos.get(name)
-                if info is None or crc != info.CRC:
-                    return f"record {name} is missing or its CRC-32 differs from the source's"
-                with z.open(info) as fh:
-                    while fh.read(_CHUNK):
-                        pass
-    except zipfile.BadZipFile as e:
-        return f"a record fails its CRC-32 check ({e})"
     return None
 
 

@@ -34,9 +34,11 @@ from ckptool._gc import gc_paused
 from ckptool.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.nodes import qualified_name
+from ckptool.formats.safetensors import read_header
+from ckptool.formats.sharded import is_checkpoint_set, read_index, set_kind
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model import graph
-from ckptool.model.allowlist import is_allowed
+from ckptool.model.allowlist import is_allowed, refusal_remedy
 from ckptool.model.keys import (
     STATE_DICT_NAMES,
     Reconciliation,
@@ -51,6 +53,7 @@ from ckptool.model.objects import find_object_state_dicts, is_object_state_dict
 from ckptool.model.paths import get_path
 from ckptool.torch_ops.devices import TensorMemo, is_tensor, map_tensors, model_device, move_tensor, resolve_device
 from ckptool.torch_ops.reports import DtypeCast, LoadReport, ShapeMismatch, dtype_name, load_suggestions
+from ckptool.torch_ops.tied import restore_shared, tied_entries
 
 if TYPE_CHECKING:  # pragma: no cover
     from typing import TypeAlias
@@ -83,8 +86,8 @@ def _unsafe_error(path: str, names: list[str], reason: str | None = None) -> Uns
     what = f"globals outside torch.load(weights_only=True)'s allowlist: {shown}" if names else (
         f"objects torch.load(weights_only=True) refuses ({reason})")
     return UnsafeCheckpointError(
-        f"{path} holds {what}; loading it would run code named by the file. Pass trust=True (--trust) only if "
-        "you trust its source, or ask for a plain state_dict file", names)
+        f"{path} holds {what}; loading it would run code named by the file. {refusal_remedy(path, names)}",
+        names)
 
 
 def registered_safe_globals() -> set[str]:
@@ -139,7 +142,11 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
     torch zip / legacy files: ``torch.load(path, map_location=device, weights_only=not trust)``; the pickle is
     first read by ckptool's restricted reader (nothing imported), and a global outside torch's allowlist (and not
     registered with ``torch.serialization.add_safe_globals``) stops the load with its name. safetensors:
-    ``safetensors.torch.load_file(path, device=...)``. TorchScript archives (only with ``trust``):
+    ``safetensors.torch.load_file(path, device=...)``, then the tied weights and views recorded in the header's
+    ``__metadata__`` (by ``ckptool convert`` or ``safetensors.torch.save_model``) are given back their names as
+    views of one storage (:func:`ckptool.torch_ops.tied.restore_shared`). A sharded set (``*.index.json`` or its
+    folder) or a model folder: every shard loaded so, merged into one ``OrderedDict``. TorchScript archives (only
+    with ``trust``):
     ``torch.jit.load(path, map_location=device).state_dict()``. Plain pickles (only with ``trust``):
     ``pickle.load``, then tensors moved to ``device`` (:func:`~ckptool.torch_ops.devices.map_tensors`: an object
     reached twice, such as tied weights, stays one object, and tensors sharing a storage still share one on
@@ -149,8 +156,9 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
     (empty when unknown).
 
     Raises:
-        UsageError: bad device, missing path or a directory.
-        NotACheckpointError / CorruptCheckpointError: unreadable input, or torch failed to read it.
+        UsageError: bad device, missing path, a folder that holds no checkpoint set, a DCP folder.
+        NotACheckpointError / CorruptCheckpointError: unreadable input, torch failed to read it, an inconsistent
+            sharing record in a safetensors header, a tensor in two shards.
         UnsafeCheckpointError: the file needs globals outside the weights-only allowlist (or is TorchScript / a
             plain pickle) and ``trust`` is False.
         CkptError: a trusted pickle names code that is not importable here.
@@ -159,16 +167,20 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
 
     path = os.fspath(path)
     dev = resolve_device(device)
+    if is_checkpoint_set(path):
+        return _load_set(path, dev, trust)
     fmt = formats.detect_format(path)
     if fmt == formats.SAFETENSORS:
         from safetensors.torch import load_file
 
+        header = read_header(path)
         try:
-            return load_file(path, device=str(dev)), {}
+            tensors = load_file(path, device=str(dev))
         except (MemoryError, ImportError):  # the system's errors, not the file's: the CLI names them
             raise
         except Exception as e:  # safetensors raises its own SafetensorError for damaged files
             raise CorruptCheckpointError(f"{path}: safetensors could not read it ({e}); re-download it") from e
+        return restore_shared(tensors, header, path), {}
     if fmt == formats.TORCHSCRIPT:
         if not trust:
             raise UnsafeCheckpointError(
@@ -217,6 +229,39 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
         raise CkptError(f"{path}: the pickle names code that is not importable here ({first_line(e)}); make the "
                         "model's module importable (PYTHONPATH) or load a state_dict instead") from e
     return obj, saved
+
+
+def _load_set(path: str, dev: torch.device, trust: bool) -> tuple[Any, dict[str, int]]:
+    """:func:`load_checkpoint` for a sharded set (``*.index.json`` or its folder) or a model folder: every shard
+    loaded onto ``dev`` and merged into one ``OrderedDict`` state_dict in ``weight_map`` shard order (each
+    safetensors shard with its recorded sharing restored); saved location tags summed over the shards.
+
+    Raises:
+        UsageError: a missing index or shard, a folder that holds no set, a torch.distributed.checkpoint folder.
+        UnsupportedError: a shard that holds no state_dict.
+        CorruptCheckpointError: a tensor in two shards (and what loading each shard raises).
+    """
+    kind, where = set_kind(path)
+    if kind == "file":
+        return load_checkpoint(where, dev, trust=trust)
+    if kind == "dcp":
+        raise UsageError(f"{path} is a torch.distributed.checkpoint folder: convert it to one file first "
+                         f"(ckptool convert {path} -o model.pt)")
+    index = read_index(where)
+    out: OrderedDict[str, Any] = OrderedDict()
+    saved: dict[str, int] = {}
+    for shard in index.shards:
+        obj, tags = load_checkpoint(index.shard_path(shard), dev, trust=trust)
+        sd = _as_state_dict(obj)
+        if sd is None:
+            raise UnsupportedError(f"{where}: shard {shard} holds a {type(obj).__name__}, not a state_dict")
+        for k, v in sd.items():
+            if k in out:
+                raise CorruptCheckpointError(f"{where}: {k!r} is in two shards (the second is {shard})")
+            out[k] = v
+        for tag, n in tags.items():
+            saved[tag] = saved.get(tag, 0) + n
+    return out, saved
 
 
 # ------------------------------------------------------------------------------------------------ state_dicts
@@ -374,10 +419,12 @@ def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key:
     except RuntimeError as e:  # a module's own _load_from_state_dict refused a value
         raise CkptError(f"{type(model).__name__}.load_state_dict refused {path}: {first_line(e)}") from e
     skipped = {m.key for m in mismatched}
-    missing = [k for k in result.missing_keys if k not in skipped]
     unexpected = [inverse.get(k, k) for k in result.unexpected_keys]
     unused = set(result.unexpected_keys)
     loaded = {k: v for k, v in to_load.items() if k not in unused}
+    missing = [k for k in result.missing_keys if k not in skipped]
+    tied = tied_entries(model_sd, missing, loaded)  # lm_head.weight absent because it *is* embed.weight
+    missing = [k for k in missing if k not in tied]
 
     casts = []
     for (cd, md), items in cast_groups.items():
@@ -388,8 +435,8 @@ def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key:
         path=path, model=type(model).__name__, device=str(device), key=key, strict=strict, found=found,
         prefixes_removed=list(rec.removed), prefixes_added=list(rec.added),
         renamed=sum(1 for a, b in rec.mapping.items() if a != b), loaded=len(loaded), model_entries=len(model_keys),
-        checkpoint_entries=len(ckeys), missing=missing, unexpected=unexpected, mismatched=mismatched, casts=casts,
-        saved_devices=dict(saved),
+        checkpoint_entries=len(ckeys), missing=missing, tied=tied, unexpected=unexpected, mismatched=mismatched,
+        casts=casts, saved_devices=dict(saved),
     )
     report.suggestions = load_suggestions(report, ckeys, model_keys)
     return Loaded(report, loaded)
@@ -455,9 +502,13 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceL
        exactly those. ``_metadata`` (module versions) is renamed alongside.
     5. Entries whose shape differs from the model's are set aside (torch would raise even with ``strict=False``);
        the rest go through the model's own ``load_state_dict(strict=False)``, which copies (and casts) each into
-       the existing parameters and buffers. Missing and unexpected keys are those torch reports.
+       the existing parameters and buffers. Missing and unexpected keys are those torch reports, less the
+       *tied* ones: a model entry absent from the checkpoint whose tensor shares storage with a loaded entry
+       (``lm_head.weight`` is ``embed.weight``; :func:`ckptool.torch_ops.tied.tied_entries`) got its values from
+       that entry and is reported in ``LoadReport.tied``, not as missing.
 
-    With ``strict=True`` any missing, unexpected or shape-mismatched entry raises after the load, like torch's
+    With ``strict=True`` any missing (tied entries are not missing), unexpected or shape-mismatched entry raises
+    after the load, like torch's
     ``load_state_dict(strict=True)`` (the matching entries have been copied by then); with ``strict=False`` they
     are only reported. Returns the :class:`~ckptool.torch_ops.reports.LoadReport`.
 

@@ -85,7 +85,9 @@ class LoadReport:
     level) and ``found`` every state_dict path found; ``prefixes_removed`` / ``prefixes_added`` the wrapper
     prefixes taken off or put on the checkpoint's keys (``["module."]``) and ``renamed`` how many keys changed;
     ``loaded`` the number of checkpoint entries copied into the model and ``model_entries`` the size of the
-    model's state_dict; ``missing`` model keys with no value in the checkpoint; ``unexpected`` checkpoint keys
+    model's state_dict; ``missing`` model keys with no value in the checkpoint; ``tied`` model keys absent from the
+    checkpoint because they share storage with a loaded entry (tied weights: ``{"lm_head.weight":
+    "embed.weight"}``, the loaded model key they share it with; not missing); ``unexpected`` checkpoint keys
     (as in the file) the model has no place for; ``mismatched`` entries skipped because their shapes differ;
     ``casts`` dtype conversions; ``saved_devices`` location tag -> tensor count as saved in the file (when
     known); ``suggestions`` one-line fixes.
@@ -104,6 +106,7 @@ class LoadReport:
     model_entries: int = 0
     checkpoint_entries: int = 0
     missing: list[str] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[ShapeMismatch] = field(default_factory=list)
     casts: list[DtypeCast] = field(default_factory=list)
@@ -112,7 +115,8 @@ class LoadReport:
 
     @property
     def ok(self) -> bool:
-        """True when every model entry got a value and every checkpoint entry was used (casts are allowed)."""
+        """True when every model entry got a value (its own, or a tied entry's) and every checkpoint entry was
+        used (casts are allowed)."""
         return not (self.missing or self.unexpected or self.mismatched)
 
     @property
@@ -129,6 +133,8 @@ class LoadReport:
         head = "OK" if self.ok else "MISMATCH"
         s = (f"{head}: {self.path} ({self.where}) into {self.model} on {self.device}: "
              f"{self.loaded}/{self.model_entries} model entries loaded")
+        if self.tied:
+            s += f" (+{len(self.tied)} tied to a loaded entry)"
         if self.prefixes_removed or self.prefixes_added:
             s += "; " + _describe_prefixes(self.prefixes_removed, self.prefixes_added, self.renamed)
         problems = []
@@ -146,8 +152,8 @@ class LoadReport:
         return s
 
     def tables(self, limit: int | None = _TABLE_ROWS) -> str:
-        """The findings as tables (tabulate): missing keys, unexpected keys, shape mismatches grouped by module,
-        dtype casts, and the suggested fixes. Empty when there is nothing to report."""
+        """The findings as tables (tabulate): missing keys, tied keys, unexpected keys, shape mismatches grouped
+        by module, dtype casts, and the suggested fixes. Empty when there is nothing to report."""
         return "\n".join(_report_tables(self, limit))
 
     def format(self, limit: int | None = _TABLE_ROWS) -> str:
@@ -219,8 +225,9 @@ class VerifyReport:
     """The result of :func:`verify` (and ``ckptool verify``).
 
     ``load`` is the :class:`LoadReport`; ``off_device`` lists ``[name, device]`` for parameters and buffers not on
-    ``device``; ``checked`` counts the loaded entries compared with the checkpoint and ``value_mismatches`` names
-    those whose bits differ (after the dtype cast ``load_state_dict`` applies); ``forward`` is the optional
+    ``device``; ``checked`` counts the loaded entries (and the tied entries of the same shape as the one they are
+    tied to, :attr:`tied`) compared with the checkpoint and ``value_mismatches`` names those whose bits differ
+    (after the dtype cast ``load_state_dict`` applies); ``forward`` is the optional
     :class:`ForwardCheck`; ``problems`` says what failed (empty when everything holds).
     """
 
@@ -238,13 +245,21 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def tied(self) -> dict[str, str]:
+        """Model entries absent from the checkpoint because they share storage with a loaded one
+        (:attr:`LoadReport.tied`)."""
+        return self.load.tied
+
     def summary(self) -> str:
         if self.ok:
             extra = ""
             if self.forward is not None:
                 extra = f"; forward max |{self.device} - cpu| = {self.forward.max_abs_diff:.3g}"
+            tied = f" ({len(self.load.tied)} tied)" if self.load.tied else ""
             return (f"OK: {self.load.path} loads into {self.load.model} on {self.device}: "
-                    f"{self.load.loaded}/{self.load.model_entries} entries bit-identical{extra}")
+                    f"{self.load.loaded + len(self.load.tied)}/{self.load.model_entries} entries bit-identical"
+                    f"{tied}{extra}")
         return f"FAILED: {self.load.path} into {self.load.model} on {self.device}: " + "; ".join(self.problems)
 
     def __str__(self) -> str:
@@ -262,6 +277,9 @@ class VerifyReport:
         lines.append(f"  loaded:      {ld.loaded}/{ld.model_entries} model entries from "
                      f"{ld.checkpoint_entries} checkpoint entries"
                      + (" (strict)" if ld.strict else " (non-strict)"))
+        if ld.tied:
+            lines.append(f"  tied:        {len(ld.tied)} model entries share storage with a loaded one: "
+                         + ", ".join(f"{a} = {b}" for a, b in list(ld.tied.items())[:5]))
         n = self.parameters + self.buffers
         lines.append("  device:      " + (f"all {n} parameters and buffers on {self.device}" if not self.off_device
                                           else f"{len(self.off_device)}/{n} NOT on {self.device}: "
@@ -292,7 +310,7 @@ class VerifyReport:
         return {
             "ok": self.ok, "problems": list(self.problems), "device": self.device, "parameters": self.parameters,
             "buffers": self.buffers, "off_device": self.off_device, "checked": self.checked,
-            "value_mismatches": self.value_mismatches,
+            "value_mismatches": self.value_mismatches, "tied": dict(self.tied),
             "forward": None if self.forward is None else {**asdict(self.forward), "ok": self.forward.ok},
             "load": self.load.to_dict(),
         }
@@ -416,6 +434,8 @@ def _report_tables(r: LoadReport, limit: int | None) -> list[str]:
 
     block(f"Missing keys ({len(r.missing)}: in the model, not in the checkpoint):",
           [(k,) for k in r.missing], ["model key"])
+    block(f"Tied keys ({len(r.tied)}: not in the checkpoint, share storage with a loaded entry, so not missing):",
+          list(r.tied.items()), ["model key", "tied to"])
     block(f"Unexpected keys ({len(r.unexpected)}: in the checkpoint, not in the model):",
           [(k,) for k in r.unexpected], ["checkpoint key"])
     groups = r.shape_groups

@@ -123,9 +123,10 @@ def verify(path: str | os.PathLike[str], model: nn.Module | Callable[[], nn.Modu
     reconcile wrapper prefixes, as :func:`load_into` with ``strict=False`` (nothing raises for a mismatch: it is
     reported); then check that every parameter and buffer is on ``device`` and that every loaded value is
     bit-identical to the checkpoint's tensor (after the dtype cast ``load_state_dict`` applies, which is
-    reported). With ``input_shape`` (e.g. ``(1, 784)``), one forward pass in eval mode on a fixed-seed input
-    runs on ``device`` and on a CPU copy of the model and the largest absolute difference is compared with a
-    tolerance suited to the output dtype (:func:`_tolerance`).
+    reported); a model entry absent from the file because it is tied to a loaded one (``LoadReport.tied``) is
+    not missing, and is compared with what its partner was given. With ``input_shape`` (e.g. ``(1, 784)``), one
+    forward pass in eval mode on a fixed-seed input runs on ``device`` and on a CPU copy of the model and the
+    largest absolute difference is compared with a tolerance suited to the output dtype (:func:`_tolerance`).
 
     With ``strict=True`` missing, unexpected and shape-mismatched entries are failures; with ``strict=False``
     they are reported only. Returns a :class:`VerifyReport` (``ok`` when everything holds).
@@ -173,7 +174,9 @@ def verify(path: str | os.PathLike[str], model: nn.Module | Callable[[], nn.Modu
     import torch
 
     current = model.state_dict()
-    for mk, v in done.loaded.items():
+    tied = [(m, done.loaded[k]) for m, k in ld.tied.items()
+            if k in done.loaded and tuple(current[m].shape) == tuple(done.loaded[k].shape)]
+    for mk, v in [*done.loaded.items(), *tied]:  # a tied entry must hold what its partner was given
         t = current.get(mk)
         if not isinstance(v, torch.Tensor) or not isinstance(t, torch.Tensor):
             continue

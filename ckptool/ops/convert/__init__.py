@@ -25,8 +25,8 @@ One pass from SRC to DST, memory bounded by the largest storage, not by the file
 * **dtype.** ``dtype`` casts floating tensors (float16, bfloat16, float32, float64); integer, bool, complex and
   float8 tensors are untouched. A cast is applied to a whole storage, so views keep their offsets and strides.
 * **Sharded sets** (:mod:`ckptool.formats.sharded`). An ``*.index.json`` is read as one checkpoint.
-  ``max_shard_size`` writes a folder of shards plus an index that ``transformers`` and ``huggingface_hub`` read;
-  tensors that share a storage stay in one shard.
+  ``max_shard_size`` writes shards plus an index, named as ``transformers`` names them, that it and
+  ``huggingface_hub`` read; tensors that share a storage stay in one shard.
 * **DCP folders** (``torch.distributed.checkpoint``: ``.metadata`` plus ``__<rank>_<n>.distcp``) are converted with
   torch's own machinery (:mod:`ckptool.torch_ops.dcp`). DCP's ``FileSystemReader`` unpickles ``.metadata`` and
   non-tensor entries without restriction, so both are first read with ckptool's restricted unpickler and refused
@@ -42,7 +42,7 @@ Importing this package does not import torch; the functions import it when they 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckptool._fileio import same_file
@@ -55,7 +55,7 @@ from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_torch, write_dcp
 from ckptool.ops.convert.outputs import scratch_file, write_outputs
-from ckptool.ops.convert.read_safetensors import index_source, safetensors_source
+from ckptool.ops.convert.read_safetensors import index_source, restore_library_aliases, safetensors_source
 from ckptool.ops.convert.read_torch import torch_source
 from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, ConvertResult, Source, parse_size
 from ckptool.ops.convert.verify import VerificationError
@@ -76,6 +76,8 @@ def convert(
     format: str | None = None,
     key: str | None = None,
     to: str | None = None,
+    mapping: Mapping[str, str] | None = None,
+    allow_missing: bool = False,
     unwrap: bool = False,
     strip_prefixes: str | Sequence[str] = (),
     max_shard_size: int | str | None = None,
@@ -89,15 +91,19 @@ def convert(
     ``src`` is a torch.save file (zip or legacy), a safetensors file, a sharded set (its ``*.index.json``, or the
     folder holding it) or a DCP folder. ``format`` is ``"torch"``, ``"safetensors"`` or ``"dcp"``; by default it
     follows ``dst``'s suffix (``.safetensors``; ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt``), and is safetensors
-    with ``max_shard_size``.
+    for a folder of shards.
 
     * ``key`` selects the state_dict (dotted path such as ``"model_state_dict"``); by default it is found, and the
       other entries of the file are reported in ``left_out``, not carried.
-    * ``to`` sets the location tag of every storage of a torch output (``"cpu"``, ``"cuda:0"``); by default torch
-      inputs keep theirs and other inputs get ``cpu``.
+    * ``to`` sets the location tag of every storage of a torch output (``"cpu"``, ``"cuda:0"``), ``mapping``
+      (``{"cuda:1": "cpu"}``) only of the matching ones (:func:`ckptool.model.devices.location_function`); by
+      default torch inputs keep theirs and other inputs get ``cpu``.
     * ``unwrap`` / ``strip_prefixes`` rename the keys as ``ckptool unwrap`` / ``strip-prefix`` do.
-    * ``max_shard_size`` (bytes, or ``"5GB"``, ``"2GiB"``) makes ``dst`` a folder of shards plus an index
-      (``model.safetensors.index.json`` / ``pytorch_model.bin.index.json``).
+    * ``allow_missing``: write the output even when a prefix to strip, or a ``mapping`` source, matches nothing.
+    * ``max_shard_size`` (bytes, or ``"5GB"``, ``"2GiB"``) writes shards plus an index: ``x.safetensors`` gives
+      ``x-00001-of-0000N.safetensors``... and ``x.safetensors.index.json`` beside it (likewise ``.bin`` / ``.pt`` /
+      ``.pth``), a folder ``dst`` gets ``model-00001-of-0000N.safetensors``... / ``pytorch_model-...bin``; a set
+      that fits one shard is the single file, without index (``transformers`` ``save_pretrained``).
     * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors.
     * ``verify`` re-opens the output and compares every tensor with the source (see the module docstring).
     * ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
@@ -115,6 +121,7 @@ def convert(
         UnsafeCheckpointError: a DCP folder (or a torch file converted to DCP) needs globals outside the allowlist
             and ``trust`` is False.
         PrefixNotFoundError / KeyCollisionError: as :func:`ckptool.ops.rename.strip_prefix`.
+        DeviceNotFoundError: a ``mapping`` source matches no storage of the source (unless ``allow_missing``).
         VerificationError: the output does not read back as the source (it is not kept).
     """
     src_p, dst_p = os.fspath(src), os.fspath(dst)
@@ -124,9 +131,9 @@ def convert(
     fmt_out = _output_format(dst_p, format, shard_bytes is not None)
     if dtype is not None and dtype not in CAST_TO:
         raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(CAST_TO)}")
-    if to is not None and fmt_out != "torch":
-        raise UsageError(f"--to sets torch location tags; {fmt_out} output carries none (load it with the device you "
-                         "want instead)")
+    if (to is not None or mapping) and fmt_out != "torch":
+        raise UsageError(f"--to sets torch location tags, and so does --map; {fmt_out} output carries none (load "
+                         "it with the device you want instead)")
     if shard_bytes is not None and fmt_out == "dcp":
         raise UsageError("--max-shard-size does not apply to DCP output (DCP writes one file per rank)")
     if same_file(src_p, dst_p):
@@ -135,14 +142,16 @@ def convert(
     if is_checkpoint_set(src_p):
         kind, set_path = set_kind(src_p)
         if kind == "file":
-            return convert(set_path, dst_p, format=format, key=key, to=to, unwrap=unwrap,
+            return convert(set_path, dst_p, format=format, key=key, to=to, mapping=mapping,
+                           allow_missing=allow_missing, unwrap=unwrap,
                            strip_prefixes=strip_prefixes, max_shard_size=shard_bytes, dtype=dtype, verify=verify,
                            trust=trust, progress=progress)
         if kind == "dcp":
             if fmt_out == "dcp":
                 raise UsageError(f"{src_p} is already a DCP checkpoint; convert it to torch or safetensors")
             return _from_dcp(src_p, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
-                key=key, to=to, max_shard_size=shard_bytes, dtype=dtype, verify=verify, progress=progress, **renames))
+                key=key, to=to, mapping=mapping, allow_missing=allow_missing, max_shard_size=shard_bytes, dtype=dtype,
+                verify=verify, progress=progress, **renames))
         if key is not None:
             raise UsageError(f"{src_p} is a sharded set: it holds one flat mapping of tensors, so --key does not apply")
         if fmt_out == "dcp":
@@ -163,6 +172,8 @@ def convert(
                 raise UsageError(f"{src_p} is safetensors: it holds one flat mapping of tensors, so --key does not "
                                  "apply")
             source = safetensors_source(src_p)
+            if fmt_out == "torch":
+                restore_library_aliases(source)
         else:
             source = torch_source(src_p, fmt_in, key)
     _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
@@ -170,9 +181,10 @@ def convert(
                         skipped=list(source.skipped), notes=list(source.notes))
     if not source.tensors:
         raise UnsupportedError(f"{src_p}: the selected state_dict holds no tensors; nothing to convert")
-    res.renamed, plan = _apply_renames(source, unwrap, strip_prefixes)
+    location = location_function(to, mapping, tags=[t.storage.location for t in source.tensors],
+                                 allow_missing=allow_missing, where=src_p) or _keep_location
+    res.renamed, plan = _apply_renames(source, unwrap, strip_prefixes, allow_missing)
     res.notes += source.notes[len(res.notes):]
-    location = location_function(to=to) if to is not None else _keep_location
     if fmt_out == "safetensors" and source.sd_state is not None:
         res.notes.append("the state_dict's _metadata (module versions for load_state_dict) was not carried: "
                          "safetensors holds tensors only")
@@ -190,30 +202,31 @@ def _output_format(dst: str, fmt: str | None, sharded: bool) -> str:
         if fmt not in ("torch", "safetensors", "dcp"):
             raise UsageError(f"unknown format {fmt!r}: choose torch, safetensors or dcp")
         return fmt
-    if sharded:
-        return "safetensors"
     low = dst.lower()
     if low.endswith(".safetensors"):
         return "safetensors"
     if low.endswith(_TORCH_SUFFIXES):
         return "torch"
+    if sharded:  # a folder of shards
+        return "safetensors"
     raise UsageError(f"cannot tell the output format from {dst!r}: name it *.safetensors or *.pt / *.pth / *.bin, "
                      "or pass --format torch|safetensors|dcp")
 
 
-def _apply_renames(src: Source, unwrap: bool, strip_prefixes: Sequence[str]) -> tuple[int, RenamePlan | None]:
-    """Rename the source's keys in place with :func:`ckptool.model.rename_plan.build_plan`; returns ``(renamed
-    keys, plan)``. Unlike :func:`ckptool.model.rename_plan.plan_keys`, ``unwrap`` with no wrapper to remove is a
-    note, not an error.
+def _apply_renames(src: Source, unwrap: bool, strip_prefixes: Sequence[str],
+                   allow_missing: bool = False) -> tuple[int, RenamePlan | None]:
+    """Rename the source's keys in place with :func:`ckptool.model.rename_plan.build_plan` (bound to the source's
+    keys, :meth:`~ckptool.model.rename_plan.RenamePlan.bind`); returns ``(renamed keys, plan)``. Unlike
+    :func:`ckptool.model.rename_plan.plan_keys`, ``unwrap`` with no wrapper to remove is a note, not an error.
 
     Raises:
         UsageError: a bad prefix.
-        PrefixNotFoundError: a prefix to strip is carried by no key.
+        PrefixNotFoundError: a prefix to strip is carried by no key (unless ``allow_missing``).
         KeyCollisionError: two keys would get one name.
     """
     if not unwrap and not strip_prefixes:
         return 0, None
-    plan = build_plan(strip_prefixes=list(strip_prefixes), unwrap=unwrap)
+    plan = build_plan(strip_prefixes=list(strip_prefixes), unwrap=unwrap).bind(t.name for t in src.tensors)
     mapping: dict[str, str] = {}
     hits: set[str] = set()
     for t in src.tensors:
@@ -221,7 +234,7 @@ def _apply_renames(src: Source, unwrap: bool, strip_prefixes: Sequence[str]) -> 
         mapping[t.name] = new
         hits.update(c for step in removed for c in step)
     for step in plan.steps:
-        if step.kind == "strip":
+        if step.kind == "strip" and not allow_missing:
             missing = [p for p in step.prefixes if p not in hits]
             if missing:
                 seen = ", ".join(repr(t.name) for t in src.tensors[:3]) or "no keys"
@@ -255,8 +268,8 @@ def _from_dcp(src: str, dst: str, *, fmt_out: str, trust: bool, options: dict[st
     (``format_utils.dcp_to_torch_save``) to ``dst`` with the other ``options``."""
     meta = read_dcp_metadata(src)
     check_dcp_safe(meta, trust)
-    whole = fmt_out == "torch" and not any(options.get(k) for k in ("key", "to", "max_shard_size", "dtype",
-                                                                     "unwrap", "strip_prefixes"))
+    whole = fmt_out == "torch" and not any(options.get(k) for k in ("key", "to", "mapping", "max_shard_size",
+                                                                     "dtype", "unwrap", "strip_prefixes"))
     if whole:
         return whole_dcp_to_torch(meta, dst, options.get("verify", True))
     with scratch_file(dst) as tmp:

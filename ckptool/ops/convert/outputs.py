@@ -1,4 +1,4 @@
-"""Writing a planned conversion: one file, or a folder of shards plus its index; scratch files beside an output."""
+"""Writing a planned conversion: one file, or a set of shards plus its index; scratch files beside an output."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 
-from ckptool._fileio import TMP_SUFFIX, atomic_output, remove_stale_temps, temp_prefix
-from ckptool.errors import UsageError
+from ckptool._fileio import TMP_SUFFIX, atomic_output, remove_stale_temps, same_file, temp_prefix
+from ckptool.errors import OutputError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES
-from ckptool.formats.sharded import encode_index, index_name, is_set_file, shard_names
+from ckptool.formats.sharded import SetLayout, encode_index, output_layout
 from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, union_elements, units
 from ckptool.ops.convert.source import ConvertResult, Source, out_dtype
 from ckptool.ops.convert.verify import torch_verifier, verify_safetensors
@@ -43,13 +43,17 @@ def scratch_file(near: str) -> Iterator[str]:
 def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, cast: str | None,
                   location: Callable[[str], str], rename_key: Callable[[str], str] | None, verify: bool,
                   progress: Callable[[int, int], None] | None, res: ConvertResult) -> None:
-    """Write ``src`` to ``dst`` as ``fmt_out`` (``"safetensors"`` / ``"torch"``), in shards of at most
-    ``shard_bytes`` into the folder ``dst`` when given, filling ``res``.
+    """Write ``src`` to ``dst`` as ``fmt_out`` (``"safetensors"`` / ``"torch"``), filling ``res``: one file, or with
+    ``shard_bytes`` a set of shards of at most that many bytes each (:func:`ckptool.formats.sharded.output_layout`:
+    beside ``dst`` when it is named ``NAME.safetensors`` / ``.bin`` / ``.pt`` / ``.pth``, else in the folder
+    ``dst``), written as :func:`_write_set` describes.
 
     Raises:
         UnsupportedError: a dtype safetensors cannot hold.
-        UsageError: ``dst`` is a file while shards were asked for.
-        VerificationError: an output file does not read back as written (it is not kept).
+        UsageError: a file set named by a bare suffix; a folder output that is a file; a file of the output set
+            that is an input or a directory; a missing output folder.
+        OutputError: writing or renaming an output file failed.
+        VerificationError: an output file does not read back as written (nothing of the run is kept).
     """
     if fmt_out == "safetensors":
         check_safetensors_dtypes(src.tensors, cast, src.path)
@@ -68,40 +72,39 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
         if progress is not None:
             progress(done[0], total)
 
-    state = src.sd_state if shard_bytes is None else None  # one shard of several carries no _metadata
+    groups = [plan] if shard_bytes is None else split(plan, shard_bytes, unit_size)
+    state = src.sd_state if len(groups) == 1 else None  # one shard of several carries no _metadata
+    weight_map: dict[str, str] = {}
     files = Files()
+
+    def write(path: str, final: str, us: list[Unit]) -> None:
+        """Write the units ``us`` into ``path``, the bytes of the output file ``final``."""
+        tensors = sorted((t for u in us for t in u.members), key=lambda t: t.index)
+        if fmt_out == "safetensors":
+            meta = dict(src.metadata) if src.metadata else None
+            w = emit(path, functools.partial(write_safetensors, plan=us, base_meta=meta, files=files, cast=cast,
+                                             progress=tick, res=res, need_crc=verify),
+                     verify_safetensors if verify else None)
+            names = [t.name for u in us for t in u.stored]
+        else:
+            w = emit(path, functools.partial(write_torch, tensors=tensors, files=files, cast=cast,
+                                             location=location, archive=archive_name(final), sd_state=state,
+                                             rename_key=rename_key, progress=tick),
+                     torch_verifier(cast) if verify else None)
+            names = [t.name for t in tensors]
+        res.bytes_written += w.nbytes
+        weight_map.update((n, os.path.basename(final)) for n in names)
+
     try:
         if shard_bytes is None:
-            outputs = [(dst, plan)]
+            write(dst, dst, plan)
+            res.files.append(dst)
         else:
-            if os.path.exists(dst) and not os.path.isdir(dst):
-                raise UsageError(f"{dst} is a file; with --max-shard-size, -o names a folder for the shards")
-            os.makedirs(dst, exist_ok=True)
-            shards = split(plan, shard_bytes, unit_size)
-            outputs = [(os.path.join(dst, n), s) for n, s in zip(shard_names(fmt_out, len(shards)), shards)]
-        weight_map: dict[str, str] = {}
-        for path, us in outputs:
-            tensors = sorted((t for u in us for t in u.members), key=lambda t: t.index)
-            if fmt_out == "safetensors":
-                meta = dict(src.metadata) if src.metadata else None
-                w = emit(path, functools.partial(write_safetensors, plan=us, base_meta=meta, files=files, cast=cast,
-                                                 progress=tick, res=res, need_crc=verify),
-                         verify_safetensors if verify else None)
-                names = [t.name for u in us for t in u.stored]
-            else:
-                w = emit(path, functools.partial(write_torch, tensors=tensors, files=files, cast=cast,
-                                                 location=location, archive=archive_name(path), sd_state=state,
-                                                 rename_key=rename_key, progress=tick),
-                         torch_verifier(cast) if verify else None)
-                names = [t.name for t in tensors]
-            res.files.append(path)
-            res.bytes_written += w.nbytes
-            weight_map.update((n, os.path.basename(path)) for n in names)
-        res.shards = len(outputs)
-        if shard_bytes is not None:
-            _finish_folder(dst, fmt_out, [p for p, _u in outputs], weight_map, total, res)
+            inputs = list(dict.fromkeys([src.path, *(t.storage.path for t in src.tensors)]))
+            _write_set(output_layout(dst, fmt_out), groups, write, inputs, weight_map, total, res)
     finally:
         files.close()
+    res.shards = len(groups)
     res.tensors = len(src.tensors)
     res.stored = sum(len(u.stored) for u in plan) if fmt_out == "safetensors" else len(src.tensors)
     if fmt_out == "safetensors":  # torch output copies whole storages
@@ -116,20 +119,85 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
         res.verified = True
 
 
-def _finish_folder(dst: str, fmt_out: str, shards: list[str], weight_map: dict[str, str], total: int,
-                   res: ConvertResult) -> None:
-    """Write the index (several shards) and remove shards of an earlier run that the new set does not use."""
-    keep = {os.path.basename(p) for p in shards}
-    if len(shards) > 1:
-        index = os.path.join(dst, index_name(fmt_out))
-        with atomic_output(index) as f:
-            f.write(encode_index(weight_map, total))
-        res.files.append(index)
-        keep.add(os.path.basename(index))
-    stale = [n for n in os.listdir(dst) if is_set_file(n, fmt_out) and n not in keep]
-    for n in stale:
+def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str, str, list[Unit]], None],
+               inputs: list[str], weight_map: dict[str, str], total: int, res: ConvertResult) -> None:
+    """Write the shards ``groups`` with ``write(path, final path, units)`` as the set ``layout`` (several: shards
+    plus the index of ``weight_map``, which ``write`` fills, and ``total`` bytes; one: the single file, no index, as
+    ``transformers`` ``save_pretrained`` does), adding the files to ``res``.
+
+    The files an earlier run wrote for the same layout are this run's to replace (as ``convert`` replaces an
+    existing output file); nothing else is touched. Steps: (1) refuse before writing when a file of the set is an
+    input (by name, hard or symbolic link) or a directory; (2) write and verify every shard into a scratch file
+    beside its final name (:func:`scratch_file`; each written atomically by
+    :func:`ckptool.ops.convert.write.emit`), so an earlier set stays whole until the new one is complete;
+    (3) rename the shards into place, then write the index atomically; (4) remove the earlier set's files the new
+    one does not use. A failure in (2) or (3) removes every file of this run (and the folder when this run made
+    it) and raises.
+
+    Raises:
+        UsageError: step (1) refused, or the output folder is missing (file sets).
+        OutputError: a shard could not be renamed into place, or the index not written.
+        VerificationError: a shard does not read back as written.
+    """
+    n = len(groups)
+    paths = [os.path.join(layout.folder, name) for name in layout.shard_names(n)]
+    index = os.path.join(layout.folder, layout.index_name) if n > 1 else None
+    _refuse_set_target(layout, [*paths, *([index] if index else [])], inputs)
+    made = layout.is_output_folder and not os.path.isdir(layout.folder)
+    if made:
+        os.makedirs(layout.folder)
+    committed: list[str] = []
+    try:
+        with contextlib.ExitStack() as stack:  # the scratch files go when it closes, whatever happened
+            staged: list[tuple[str, str]] = []
+            for final, us in zip(paths, groups):
+                tmp = stack.enter_context(scratch_file(final))
+                write(tmp, final, us)
+                staged.append((tmp, final))
+            for tmp, final in staged:  # every shard is written and verified: put them in place
+                try:
+                    os.replace(tmp, final)
+                except OSError as e:
+                    raise OutputError(f"moving {final} into place failed: {e.strerror or e}; nothing was kept",
+                                      final, e.errno) from e
+                committed.append(final)
+        if index is not None:
+            with atomic_output(index) as f:
+                f.write(encode_index(weight_map, total))
+    except BaseException:
+        for p in committed:
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(layout.folder)
+        raise
+    res.files += paths + ([index] if index else [])
+    if index is not None and not layout.is_output_folder:
+        res.dst = index  # NAME.safetensors itself is not written: the index names the set
+    if n == 1:
+        res.notes.append(f"everything fits one shard: wrote the single file {os.path.basename(paths[0])} and no "
+                         "index, as transformers' save_pretrained does")
+    keep = {os.path.basename(p) for p in res.files}
+    stale = sorted(name for name in os.listdir(layout.folder) if layout.is_member(name) and name not in keep
+                   and os.path.isfile(os.path.join(layout.folder, name)))
+    for name in stale:
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(dst, n))
+            os.unlink(os.path.join(layout.folder, name))
     if stale:
-        res.notes.append(f"removed {len(stale)} file(s) of an earlier shard set in {dst}: "
-                         f"{', '.join(sorted(stale)[:3])}")
+        res.notes.append(f"removed {len(stale)} file(s) of an earlier shard set in {layout.folder}: "
+                         f"{', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''}")
+
+
+def _refuse_set_target(layout: SetLayout, targets: list[str], inputs: list[str]) -> None:
+    """Raise UsageError when a file of the output set (``targets``, or an existing file of the layout, which the
+    run removes) is one of the ``inputs`` (same path, hard link or symbolic link), or a target is a directory."""
+    folder = layout.folder
+    existing = [os.path.join(folder, n) for n in os.listdir(folder) if layout.is_member(n)] \
+        if os.path.isdir(folder) else []
+    for p in dict.fromkeys([*targets, *existing]):
+        hit = next((i for i in inputs if same_file(i, p)), None)
+        if hit is not None:
+            raise UsageError(f"the output set would replace the input {hit}; choose another -o path")
+        if os.path.isdir(p):
+            raise UsageError(f"output path {p} is a directory; choose another -o path")

@@ -1,17 +1,18 @@
 """Planning ``convert``'s output: tensors grouped by storage (units), what safetensors stores, shards.
 
 safetensors holds no sharing, so each storage is stored once: a tensor that lies inside a stored contiguous
-tensor of the same storage becomes an *alias*, recorded in ``__metadata__`` (:func:`shared_metadata`).
+tensor of the same storage becomes an *alias*, recorded in ``__metadata__`` (:func:`shared_metadata`; an exact
+alias also as ``alias -> kept name``, by :func:`ckptool.ops.convert.write.write_safetensors`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptool.errors import UnsupportedError
 from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
+from ckptool.formats.safetensors import SharedGroup, SharedView, encode_shared
 from ckptool.ops.convert.source import Storage, Tensor, is_contiguous, out_dtype
 
 
@@ -90,24 +91,18 @@ def union_elements(members: list[Tensor]) -> int:
 
 
 def shared_metadata(plan: list[Unit], positions: dict[int, int]) -> str | None:
-    """The :data:`~ckptool.ops.convert.source.SHARED_KEY` value for the units of ``plan`` holding more than one
-    tensor, or None.
+    """The :data:`~ckptool.formats.safetensors.SHARED_KEY` value (:func:`~ckptool.formats.safetensors.encode_shared`)
+    for the units of ``plan`` holding more than one tensor, or None.
 
-    JSON ``{"version": 1, "groups": [{"dtype": "float32", "numel": N, "tensors": {name: [index, offset, shape,
-    stride]}}]}``: one group per shared storage, trimmed to the elements its tensors reach (``numel``); each
-    member's ``offset`` / ``stride`` are in elements of that trimmed storage and ``index`` is its position in the
-    state_dict. Members present in the file are stored contiguous copies of their view; the others are aliases.
+    One group per shared storage, trimmed to the elements its tensors reach (``numel``); each member's ``offset`` /
+    ``stride`` are in elements of that trimmed storage and ``index`` is its position in the state_dict (``positions``:
+    id(tensor) -> position).
     """
-    groups = []
-    for u in plan:
-        if len(u.members) < 2:
-            continue
-        groups.append({"dtype": u.dtype, "numel": u.hi - u.lo, "tensors": {
-            t.name: [positions[id(t)], (t.offset - u.lo) if t.numel else 0, list(t.shape),
-                     list(t.stride)] for t in u.members}})
-    if not groups:
-        return None
-    return json.dumps({"version": 1, "groups": groups}, separators=(",", ":"))
+    return encode_shared([
+        SharedGroup(u.dtype, u.hi - u.lo, {
+            t.name: SharedView(positions[id(t)], (t.offset - u.lo) if t.numel else 0, t.shape, t.stride)
+            for t in u.members})
+        for u in plan if len(u.members) > 1])
 
 
 def check_safetensors_dtypes(tensors: list[Tensor], cast: str | None, where: str) -> None:

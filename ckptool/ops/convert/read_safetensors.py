@@ -1,21 +1,21 @@
 """Reading safetensors files and sharded sets for ``convert``: byte ranges from the headers, sharing restored.
 
 A safetensors file written by ckptool records the storages its tensors shared under ``__metadata__``
-(:data:`~ckptool.ops.convert.source.SHARED_KEY`); those groups become one storage again, with every member (the
-aliases included) a view of it. A sharded set is read through its ``*.index.json``, shard by shard.
+(:data:`~ckptool.formats.safetensors.SHARED_KEY`); those groups become one storage again, with every member (the
+aliases included) a view of it. A name dropped by ``safetensors.torch.save_model`` alone (``__metadata__[alias] =
+kept``, no ckptool record) stays a metadata item: ``load_into`` / ``verify`` restore it, ``convert`` carries it. A
+sharded set is read through its ``*.index.json``, shard by shard.
 """
 
 from __future__ import annotations
 
-import json
-
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import ST_NAMES, ST_READ_ONLY, contiguous_stride, element_size, numel
-from ckptool.formats.safetensors import read_header
+from ckptool.formats.safetensors import SHARED_KEY, SharedGroup, decode_shared, read_header
 from ckptool.formats.sharded import read_index
 from ckptool.ops.convert.read_torch import torch_source
-from ckptool.ops.convert.source import SHARED_KEY, Piece, Source, Storage, Tensor, is_contiguous, span
+from ckptool.ops.convert.source import Piece, Source, Storage, Tensor, is_contiguous
 
 
 def safetensors_source(path: str) -> Source:
@@ -48,65 +48,39 @@ def safetensors_source(path: str) -> Source:
         by_name[name] = t
         src.tensors.append(t)
     raw = (meta or {}).get(SHARED_KEY)
-    members = _restore_groups(src, by_name, raw, path) if raw is not None else set()
+    groups = decode_shared(raw, path, header.entries) if raw is not None else []
+    members = _restore_groups(src, by_name, groups, path)
+    for i, t in enumerate(src.tensors):
+        t.index = i
     if meta:  # carried to safetensors output, less what ckptool writes anew there
         src.metadata = {k: v for k, v in meta.items() if k != SHARED_KEY and k not in members}
     return src
 
 
-def _restore_groups(src: Source, by_name: dict[str, Tensor], raw: str, path: str) -> set[str]:
-    """Rebuild the storages recorded under :data:`SHARED_KEY` (see :func:`ckptool.ops.convert.plan.shared_metadata`),
-    in place; returns the names of every group member."""
-    def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{path}: the {SHARED_KEY} metadata is inconsistent ({why}); the file was "
-                                      "edited or damaged. Remove that metadata entry to read the stored tensors alone")
-
-    try:
-        doc = json.loads(raw)
-        groups = doc["groups"]
-        if doc.get("version") != 1 or not isinstance(groups, list):
-            raise bad("unknown version")
-    except (ValueError, KeyError, TypeError) as e:
-        raise bad(f"{type(e).__name__}: {e}") from None
+def _restore_groups(src: Source, by_name: dict[str, Tensor], groups: list[SharedGroup], path: str) -> set[str]:
+    """Rebuild the storages of ``groups`` (:func:`~ckptool.formats.safetensors.decode_shared`) in place: every
+    member becomes a view of its group's one storage, the aliases at their places in the state_dict order;
+    returns the names of every group member."""
     aliases: list[tuple[int, Tensor]] = []
     names: set[str] = set()
     for g in groups:
-        try:
-            dtype, n, members = g["dtype"], int(g["numel"]), g["tensors"]
-            esize = element_size(dtype)
-            parsed = {name: (int(m[0]), int(m[1]), tuple(int(x) for x in m[2]), tuple(int(x) for x in m[3]))
-                      for name, m in members.items()}
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise bad(f"{type(e).__name__}: {e}") from None
-        names.update(parsed)
-        pieces = []
-        for name, (_idx, off, shape, stride) in parsed.items():
-            lo, hi = span(off, shape, stride)
-            if lo < 0 or hi > n or len(shape) != len(stride):
-                raise bad(f"{name!r} runs past its storage")
-            t = by_name.get(name)
-            if t is not None:
-                if t.dtype != dtype or t.shape != shape:
-                    raise bad(f"{name!r} is stored as {t.dtype} {list(t.shape)}")
-                pieces.append(Piece(t.storage.offset, t.storage.nbytes, off, shape, stride))
-        if not pieces:
-            raise bad("a group without a stored tensor")
+        names.update(g.tensors)
+        esize = element_size(g.dtype)
+        pieces = [Piece(t.storage.offset, t.storage.nbytes, v.offset, v.shape, v.stride)
+                  for name, v in g.tensors.items() if (t := by_name.get(name)) is not None]
         p0 = pieces[0]
-        if len(pieces) == 1 and p0.offset == 0 and p0.nbytes == n * esize and is_contiguous(p0.shape, p0.stride):
-            storage = Storage(path, p0.file_offset, p0.nbytes, dtype, "cpu")  # the common case: one stored tensor
+        if len(pieces) == 1 and p0.offset == 0 and p0.nbytes == g.numel * esize and is_contiguous(p0.shape, p0.stride):
+            storage = Storage(path, p0.file_offset, p0.nbytes, g.dtype, "cpu")  # the common case: one stored tensor
         else:
-            storage = Storage(path, -1, n * esize, dtype, "cpu", pieces=pieces)
-        for name, (idx, off, shape, stride) in parsed.items():
+            storage = Storage(path, -1, g.numel * esize, g.dtype, "cpu", pieces=pieces)
+        for name, v in g.tensors.items():
             t = by_name.get(name)
             if t is None:
-                t = Tensor(name, name, dtype, shape, stride, off, storage)
-                aliases.append((idx, t))
+                aliases.append((v.index, Tensor(name, name, g.dtype, v.shape, v.stride, v.offset, storage)))
             else:
-                t.shape, t.stride, t.offset, t.storage = shape, stride, off, storage
+                t.shape, t.stride, t.offset, t.storage = v.shape, v.stride, v.offset, storage
     for idx, t in sorted(aliases, key=lambda a: a[0]):  # back at their places in the state_dict order
         src.tensors.insert(min(max(idx, 0), len(src.tensors)), t)
-    for i, t in enumerate(src.tensors):
-        t.index = i
     return names
 
 
@@ -146,3 +120,28 @@ def index_source(index_path: str) -> Source:
         t.index = i
     src.format = "sharded-" + (kinds.pop() if len(kinds) == 1 else "mixed")
     return src
+
+
+def restore_library_aliases(src: Source) -> list[str]:
+    """Give back the names ``safetensors.torch.save_model`` dropped from a safetensors ``src``: each
+    ``__metadata__`` record ``alias -> kept name`` (:meth:`ckptool.formats.safetensors.SafetensorsHeader.aliases`,
+    where no ckptool sharing record already restored it) becomes a tensor sharing the kept tensor's storage, after
+    the stored tensors, and its record leaves ``src.metadata``. For torch output, where storages can be shared, so
+    that ``model.load_state_dict`` finds both tied names. Returns the names restored.
+    """
+    meta = src.metadata or {}
+    by_name = {t.name: t for t in src.tensors}
+    restored = []
+    for alias, kept in meta.items():
+        t = by_name.get(kept) if isinstance(kept, str) else None
+        if t is None or alias in by_name or alias == SHARED_KEY:
+            continue
+        twin = Tensor(alias, alias, t.dtype, t.shape, t.stride, t.offset, t.storage, t.requires_grad, len(src.tensors))
+        src.tensors.append(twin)
+        by_name[alias] = twin
+        restored.append(alias)
+    if restored:
+        src.metadata = {k: v for k, v in meta.items() if k not in restored}
+        src.notes.append(f"restored {len(restored)} tied name(s) recorded by safetensors.torch.save_model "
+                         f"({', '.join(restored[:5])}) as views of the tensor they share")
+    return restored

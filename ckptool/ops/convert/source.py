@@ -8,10 +8,7 @@ from dataclasses import dataclass, field
 
 from ckptool.errors import UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES, numel
-
-#: ``__metadata__`` key holding the layout of shared storages (JSON, see
-#: :func:`ckptool.ops.convert.plan.shared_metadata`)
-SHARED_KEY = "ckptool.shared"
+from ckptool.formats.safetensors import SHARED_KEY as SHARED_KEY  # re-exported: ckptool.ops.convert.SHARED_KEY
 
 #: dtypes ``dtype=`` casts (floating point; float8 formats carry scales elsewhere and are left alone)
 CAST_FROM = ("float16", "bfloat16", "float32", "float64")

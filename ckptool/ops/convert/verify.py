@@ -1,23 +1,42 @@
-"""Verifying ``convert``'s output: re-opened by the format's own reader and compared with what was read.
+"""Verifying ``convert``'s output: re-opened by a reader other than the writer and compared with what was read.
 
-safetensors: ``safetensors.safe_open`` (its NumPy framework when NumPy holds every dtype, so torch is not needed)
-checks names, dtypes, shapes, CRC-32 and ``__metadata__``, then ckptool reads the file back and compares every
-tensor (aliases included) and the storage sharing. torch: ``torch.load(mmap=True, weights_only=True)`` plus the
-zip records' CRC-32 (:func:`ckptool.torch_ops.convert_verify.torch_file_difference`).
+Which reader depends on what is installed (:func:`verification_check` says which ran, for
+``ConvertResult.checked``):
+
+* safetensors: ``safetensors.safe_open`` (its NumPy framework when NumPy holds every dtype, else torch's) checks
+  names, dtypes, shapes, CRC-32 and ``__metadata__``; with neither torch nor NumPy installed, ckptool's own header
+  reader (:func:`ckptool.formats.safetensors.read_header`) with the safetensors library's layout rules and a CRC-32
+  of each tensor's bytes. Then ckptool reads the file back and compares every tensor (aliases included) and the
+  storage sharing.
+* torch: ``torch.load(mmap=True, weights_only=True)``
+  (:func:`ckptool.torch_ops.convert_verify.torch_load_difference`), or without torch ckptool's restricted reader
+  (:func:`ckptool.ops.convert.read_torch.torch_source`); then every storage record's CRC-32 through ``zipfile``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import os
+import zipfile
+from collections.abc import Callable, Collection, Mapping, Sequence
 
+from ckptool._fileio import copy_range_crc
 from ckptool.errors import CkptError
-from ckptool.formats.dtypes import contiguous_stride
+from ckptool.formats import detect as formats
+from ckptool.formats.dtypes import ST_NAMES, contiguous_stride, element_size, numel
+from ckptool.formats.safetensors import read_header
 from ckptool.ops.convert.read_safetensors import safetensors_source
+from ckptool.ops.convert.read_torch import torch_source
 from ckptool.ops.convert.source import Tensor, out_dtype
 from ckptool.ops.convert.write import Written
-from ckptool.torch_ops.convert_verify import ExpectedTensor, array_crc, torch_file_difference
+from ckptool.torch_ops.convert_verify import (
+    ExpectedTensor,
+    is_installed,
+    safe_open_difference,
+    safetensors_framework,
+    torch_load_difference,
+)
 
+_CHUNK = 8 << 20
 
 class VerificationError(CkptError):
     """The written output does not read back as the source: a name, shape, dtype, sharing or checksum differs.
@@ -30,51 +49,78 @@ def verify_fail(path: str, what: str) -> VerificationError:
                              "retry; if it fails again, report it with the source file's `ckptool inspect --json`")
 
 
-#: dtypes NumPy holds: files of only these are verified through safetensors' NumPy framework, without torch
-_NUMPY_DTYPES = frozenset({"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "uint16",
-                           "uint32", "uint64", "bool", "complex64"})
+def verification_check(fmt_out: str, dtypes: Collection[str]) -> str:
+    """What :func:`verify_safetensors` (``fmt_out="safetensors"``) or :func:`torch_verifier` (``"torch"``) compare
+    for an output of ``dtypes`` on this installation, and with which reader: the text for
+    ``ConvertResult.checked`` ("the output re-opens with ... equal to the source")."""
+    if fmt_out == "safetensors":
+        framework = safetensors_framework(dtypes)
+        if framework is None:
+            how = "ckptool's own safetensors reader: torch and NumPy are not installed"
+        else:
+            how = f"safetensors.safe_open with {'NumPy' if framework == 'numpy' else 'torch'}"
+        return f"names, shapes, dtypes and CRC-32 checksums ({how}; then read back by ckptool)"
+    how = ("torch.load(weights_only=True)" if is_installed("torch")
+           else "ckptool's own reader: torch is not installed")
+    return f"names, shapes, dtypes, strides, storage sharing and record CRC-32 checksums ({how}; zipfile)"
 
 
-def _safe_open(path: str, framework: str) -> Any:
-    from safetensors import safe_open
+def header_difference(path: str, expect: Sequence[tuple[str, str, tuple[int, ...], int | None]],
+                      metadata: Mapping[str, str] | None) -> str | None:
+    """The check of :func:`ckptool.torch_ops.convert_verify.safe_open_difference` without torch or NumPy: the
+    header is parsed by :func:`ckptool.formats.safetensors.read_header` and held to the rules the safetensors
+    library enforces on opening (the tensors' byte ranges follow one another without gap or overlap and fill the
+    data block, each as long as its dtype and shape need); then names, dtypes, shapes, ``__metadata__`` and the
+    CRC-32 of each tensor's bytes are compared with ``expect`` (``[(name, dtype, shape, crc or None)]``).
 
-    try:  # pread: each tensor read into its own buffer, so memory stays bounded by one tensor
-        return safe_open(path, framework=framework, backend="pread")
-    except TypeError:  # safetensors < 0.7 has no backend choice
-        return safe_open(path, framework=framework)
-
-
-def _safe_open_difference(w: Written, path: str) -> str | None:
-    numpy = all(e[1] in _NUMPY_DTYPES for e in w.expect)
-    with _safe_open(path, "numpy" if numpy else "pt") as f:
-        names = set(f.keys())
-        want = {e[0] for e in w.expect}
-        if names != want:
-            return f"tensor names differ ({', '.join(sorted(names ^ want)[:3])})"
-        if (f.metadata() or None) != (w.metadata or None):
-            return "__metadata__ differs"
-        for name, dtype, shape, crc in w.expect:
-            t = f.get_tensor(name)
-            if str(t.dtype).removeprefix("torch.") != dtype or tuple(t.shape) != tuple(shape):
-                return f"{name!r} reads back as {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)}"
-            if crc is not None and array_crc(t) != crc:
+    Raises:
+        CorruptCheckpointError: the header itself is malformed.
+        OSError: the file cannot be read.
+    """
+    h = read_header(path, strict_metadata=True)
+    if set(h.entries) != {e[0] for e in expect}:
+        return f"tensor names differ ({', '.join(sorted(set(h.entries) ^ {e[0] for e in expect})[:3])})"
+    if (h.metadata or None) != (metadata or None):
+        return "__metadata__ differs"
+    end = 0
+    for name, e in sorted(h.entries.items(), key=lambda ne: tuple(ne[1]["data_offsets"])):
+        begin, stop = e["data_offsets"]
+        dtype = ST_NAMES.get(e["dtype"])
+        if begin != end or dtype is None or stop - begin != numel(e["shape"]) * element_size(dtype):
+            return f"{name!r}: its data_offsets {[begin, stop]} do not follow the previous tensor or fit its shape"
+        end = stop
+    if end != h.data_size:
+        return f"the data block holds {h.data_size - end} bytes no tensor uses"
+    with open(path, "rb") as f, open(os.devnull, "wb") as sink:
+        for name, dtype, shape, crc in expect:
+            e = h.entries[name]
+            got = (ST_NAMES.get(e["dtype"]), tuple(e["shape"]))
+            if got != (dtype, tuple(shape)):
+                return f"{name!r} reads back as {got[0]} {list(got[1])}, expected {dtype} {list(shape)}"
+            begin, stop = e["data_offsets"]
+            if crc is not None and copy_range_crc(f, sink, h.data_start + begin, stop - begin) != crc:
                 return f"{name!r} reads back with different bytes (CRC-32)"
-            del t
     return None
 
 
 def verify_safetensors(w: Written, path: str) -> None:
-    """Re-open ``path`` with ``safetensors.safe_open`` and compare every stored tensor's name, dtype, shape and
-    CRC-32 with ``w.expect``, and the ``__metadata__``; then read it back with ckptool and compare every tensor
-    (aliases included) and the storage sharing with ``w``.
+    """Re-open ``path`` with ``safetensors.safe_open`` (or, without torch and NumPy, :func:`header_difference`) and
+    compare every stored tensor's name, dtype, shape and CRC-32 with ``w.expect``, and the ``__metadata__``; then
+    read it back with ckptool and compare every tensor (aliases included) and the storage sharing with ``w``.
 
     Raises:
         VerificationError: any difference.
     """
+    framework = safetensors_framework({e[1] for e in w.expect})
     try:
-        diff = _safe_open_difference(w, path)
+        if framework is None:
+            diff = header_difference(path, w.expect, w.metadata)
+        else:
+            diff = safe_open_difference(path, w.expect, w.metadata, framework)
     except (MemoryError, ImportError):
         raise
+    except CkptError as e:  # ckptool's header reader refused the file
+        raise verify_fail(path, str(e)) from e
     except Exception as e:  # the safetensors library refused the file
         raise verify_fail(path, f"safetensors.safe_open refused it ({type(e).__name__}: {e})") from e
     if diff is not None:
@@ -99,10 +145,55 @@ def verify_safetensors(w: Written, path: str) -> None:
             raise verify_fail(path, f"{u.members[0].name!r} and the tensors sharing its storage no longer share one")
 
 
+def records_difference(path: str, records: Mapping[str, int]) -> str | None:
+    """Read every record of the torch zip file at ``path`` named in ``records`` (``data/0`` -> CRC-32 expected from
+    the source) through ``zipfile``, which checks each record's bytes against its stored CRC-32, and compare that
+    CRC-32 with ``records``. None when all match, else the first difference."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = {i.filename.split("/", 1)[-1]: i for i in z.infolist()}
+            for name, crc in records.items():
+                info = infos.get(name)
+                if info is None or crc != info.CRC:
+                    return f"record {name} is missing or its CRC-32 differs from the source's"
+                with z.open(info) as fh:
+                    while fh.read(_CHUNK):
+                        pass
+    except zipfile.BadZipFile as e:
+        return f"a record fails its CRC-32 check ({e})"
+    return None
+
+
+def reader_difference(path: str, expected: Sequence[ExpectedTensor]) -> str | None:
+    """The check of :func:`ckptool.torch_ops.convert_verify.torch_load_difference` without torch: the torch zip
+    file at ``path`` is read back with ckptool's restricted reader (:func:`ckptool.ops.convert.read_torch.
+    torch_source`) and every tensor's key (in order), dtype, shape, stride, storage offset, ``requires_grad`` and
+    storage sharing compared with ``expected``."""
+    try:
+        back = torch_source(path, formats.TORCH_ZIP, None)
+    except CkptError as e:
+        return f"ckptool's reader refused it ({e})"
+    if [t.name for t in back.tensors] != [t.name for t in expected]:
+        return "the state_dict keys differ"
+    owner: dict[int, int] = {}
+    by_storage: dict[int, int] = {}
+    for t, x in zip(back.tensors, expected):
+        want = (x.dtype, x.shape, x.stride, x.offset, x.requires_grad)
+        got = (t.dtype, t.shape, t.stride, t.offset, t.requires_grad)
+        if got != want:
+            return f"{t.name!r} reads back as {got}, expected {want}"
+        if owner.setdefault(id(t.storage), x.storage) != x.storage:
+            return f"{t.name!r} shares a storage it should not"
+        if by_storage.setdefault(x.storage, id(t.storage)) != id(t.storage):
+            return f"{t.name!r} no longer shares its storage"
+    return None
+
+
 def torch_verifier(cast: str | None) -> Callable[[Written, str], None]:
     """A check for :func:`ckptool.ops.convert.write.emit` of a torch output written with ``cast``: it opens the file
-    with ``torch.load(mmap=True, weights_only=True)`` and compares every tensor's name, dtype, shape, stride,
-    storage offset, requires_grad and storage sharing, and every storage record's CRC-32, with what was written.
+    with ``torch.load(mmap=True, weights_only=True)`` (without torch: ckptool's own reader, :func:`reader_difference`)
+    and compares every tensor's name, dtype, shape, stride, storage offset, requires_grad and storage sharing, and
+    every storage record's CRC-32 (:func:`records_difference`), with what was written.
 
     The check raises :class:`VerificationError` on any difference.
     """
@@ -110,7 +201,11 @@ def torch_verifier(cast: str | None) -> Callable[[Written, str], None]:
         storage_ids: dict[int, int] = {}
         expected = [ExpectedTensor(t.name, out_dtype(t.dtype, cast), t.shape, t.stride, t.offset, t.requires_grad,
                                    storage_ids.setdefault(id(t.storage), len(storage_ids))) for t in w.tensors]
-        diff = torch_file_difference(path, expected, w.records)
+        if is_installed("torch"):
+            diff = torch_load_difference(path, expected)
+        else:
+            diff = reader_difference(path, expected)
+        diff = diff or records_difference(path, w.records)
         if diff is not None:
             raise verify_fail(path, diff)
 

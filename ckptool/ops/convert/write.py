@@ -18,20 +18,20 @@ from typing import Any, BinaryIO, TypeVar
 
 from ckptool._fileio import atomic_output, copy_range, copy_range_crc
 from ckptool.errors import CorruptCheckpointError
-from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES, STORAGE_TYPES
-from ckptool.formats.nodes import StorageRef, global_placeholder
+from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
+from ckptool.formats.nodes import StorageRef
 from ckptool.formats.pickler import dumps
-from ckptool.formats.safetensors import encode_header
+from ckptool.formats.safetensors import SHARED_KEY, encode_header
 from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.model.graph import mapping_items, ordered_dict_node
 from ckptool.model.keys import rename_metadata_items
+from ckptool.model.tensor_nodes import storage_ref, view_node
 from ckptool.ops.convert.plan import Unit, shared_metadata
-from ckptool.ops.convert.source import SHARED_KEY, ConvertResult, Storage, Tensor, is_contiguous, out_dtype
+from ckptool.ops.convert.source import ConvertResult, Storage, Tensor, is_contiguous, out_dtype
 from ckptool.torch_ops.cast import StorageCache, tensor_buffer
 
 #: dtype name -> legacy storage class ``torch.save`` names with ``_rebuild_tensor_v2`` (torch/storage.py); other
 #: dtypes are written as ``_rebuild_tensor_v3`` over an ``UntypedStorage``, as torch does for uint16, float8...
-_V2_STORAGE = {dt: cls for cls, (dt, _n) in STORAGE_TYPES.items() if not cls.startswith(("Q", "Untyped"))}
 
 W = TypeVar("W")
 
@@ -168,7 +168,6 @@ def torch_pickle(tensors: list[Tensor], keys: dict[int, str], cast: str | None, 
     """``data.pkl`` of an ``OrderedDict`` state_dict of ``tensors``, as ``torch.save`` writes it (protocol 2,
     ``_rebuild_tensor_v2`` over a typed storage class, ``_rebuild_tensor_v3`` over ``UntypedStorage`` for dtypes
     without one). Storages are named by ``keys[id(storage)]``."""
-    g = global_placeholder
     refs: dict[int, StorageRef] = {}
     items = []
     for t in tensors:
@@ -176,23 +175,9 @@ def torch_pickle(tensors: list[Tensor], keys: dict[int, str], cast: str | None, 
         dt = out_dtype(st.dtype, cast)
         ref = refs.get(id(st))
         if ref is None:
-            if dt in _V2_STORAGE:
-                ref = StorageRef("storage", g("torch", _V2_STORAGE[dt]), keys[id(st)], location(st.location),
-                                 st.numel, ())
-            else:
-                ref = StorageRef("storage", g("torch.storage", "UntypedStorage"), keys[id(st)], location(st.location),
-                                 st.numel * DTYPE_SIZES[dt], ())
-            refs[id(st)] = ref
-        if dt in _V2_STORAGE:
-            node = g("torch._utils", "_rebuild_tensor_v2")(ref, t.offset, t.shape, t.stride, t.requires_grad,
-                                                           g("collections", "OrderedDict")())
-        else:
-            node = g("torch._utils", "_rebuild_tensor_v3")(ref, t.offset, t.shape, t.stride, t.requires_grad,
-                                                           g("collections", "OrderedDict")(), g("torch", dt))
-        items.append((t.name, node))
-    root = g("collections", "OrderedDict")()
-    root.dictitems = items
-    root.order = ["setitems"]
+            ref = refs[id(st)] = storage_ref(keys[id(st)], dt, st.numel, location(st.location))
+        items.append((t.name, view_node(ref, dt, t.offset, t.shape, t.stride, t.requires_grad)))
+    root = ordered_dict_node(items)
     if type(sd_state) is dict:
         root.state = _renamed_meta_state(sd_state, rename_key)
         root.order = ["setitems", "build"]

@@ -1,0 +1,56 @@
+"""``ckptool sanitize``: make a checkpoint that ``torch.load(weights_only=True)`` refuses load with it, without
+running the file (a thin command over :func:`ckptool.ops.sanitize.sanitize`)."""
+
+from __future__ import annotations
+
+import click
+
+from ckptool.cli._common import (
+    allow_missing_option,
+    device_options,
+    mapping_of,
+    output_options,
+    report_hint,
+    report_write,
+)
+from ckptool.ops.sanitize import sanitize
+
+
+@click.command("sanitize")
+@click.argument("src", type=click.Path(dir_okay=False))
+@output_options
+@device_options
+@allow_missing_option
+@click.option("--drop-unknown", is_flag=True,
+              help="Leave out what no rule converts (listed) instead of refusing the file.")
+def sanitize_cmd(src: str, dst: str | None, in_place: bool, to: str | None, maps: tuple[str, ...],
+                 allow_missing: bool, drop_unknown: bool) -> None:
+    """Turn a checkpoint that torch.load(weights_only=True) refuses into one it accepts, without running it.
+
+    SRC is read without importing or running anything from it. numpy arrays and scalars become tensors
+    (dtype, shape and values kept), numpy dtypes the torch dtype of the same name, argparse.Namespace and
+    other plain records dicts, pathlib paths strings, and a pickled nn.Module (torch.save(model)) its
+    state_dict. Anything else outside torch's weights_only allowlist is named with its key path and nothing
+    is written, unless --drop-unknown leaves it out. The output is torch's zip format; existing tensor bytes
+    are copied, not decoded.
+
+    \b
+    Examples:
+      ckptool sanitize train.pth -o train.safe.pth
+      ckptool sanitize gpu_run.ckpt -o portable.pth --to cpu
+      ckptool sanitize model_full.pth -o model.sd.pth --drop-unknown
+    """
+    res = sanitize(src, dst, to=to, mapping=mapping_of(maps), allow_missing=allow_missing, drop_unknown=drop_unknown,
+                   in_place=in_place)
+    click.echo(f"Converted {len(res.converted)} object(s); nothing from the file was imported or run"
+               + (":" if res.converted else ""))
+    for c in res.converted:
+        click.echo(f"  {c.label}: {c.source} -> {c.detail}")
+    if res.dropped:
+        click.echo(f"Dropped {len(res.dropped)} object(s) no rule converts (--drop-unknown):")
+        for c in res.dropped:
+            click.echo(f"  {c.label}: {c.source} ({c.detail})")
+    retagged = ", ".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
+    report_write(res.dst, res.bytes_written, f"{res.storages} storages, {res.new_storages} new"
+                 + (f"; re-tagged: {retagged}" if retagged else ""))
+    report_hint(res.dst, to=to, maps=maps)
