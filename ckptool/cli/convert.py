@@ -107,7 +107,9 @@ def report_convert(res: ConvertResult) -> None:
 @click.command("convert")
 @click.argument("src", type=click.Path(dir_okay=True))
 @click.option("-o", "--output", "dst", required=True, type=click.Path(),
-              help="Output file, or folder with --max-shard-size or --format dcp.")
+              help="Output file; with --max-shard-size, NAME.safetensors (or .bin/.pt/.pth) gives "
+                   "NAME-00001-of-0000N.* shards plus NAME.*.index.json beside it, a folder (ending in /) the "
+                   "default shard names inside it; a folder with --format dcp.")
 @click.option("--format", "fmt", type=click.Choice(["torch", "safetensors", "dcp"]),
               help="Output format. Default: from DST's suffix (.safetensors; .pt/.pth/.bin/.ckpt), safetensors "
                    "with --max-shard-size.")
@@ -119,7 +121,8 @@ def report_convert(res: ConvertResult) -> None:
 @click.option("--strip-prefix", "strip_prefixes", metavar="PREFIX", multiple=True,
               help="Remove PREFIX from the front of the keys (repeatable, applied in order).")
 @click.option("--max-shard-size", metavar="SIZE",
-              help="Write DST as a folder of shards of at most SIZE (5GB, 500MB, 2GiB) plus an index.")
+              help="Write shards of at most SIZE (5GB, 500MB, 2GiB) plus an index, named as Hugging Face does "
+                   "(see -o); one shard that fits everything is written as the single file DST, without index.")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "float64"]),
               help="Cast floating tensors (integer, bool, complex and float8 tensors are untouched).")
 @allow_missing_option

@@ -19,18 +19,17 @@ CAST_TO = ("float16", "bfloat16", "float32", "float64")
 class ConvertResult:
     """What :func:`ckptool.ops.convert.convert` did.
 
-    ``dst`` is the file written, or the folder for sharded and DCP output; ``files`` lists every file written
-    (shards, then the index). ``key`` is the dotted path of the state_dict converted (``""``: top level; None for
-    safetensors, sharded and whole-object conversions). ``tensors`` counts the tensors of the output (aliases
-    included), ``stored`` those whose bytes were written, ``bytes_written`` the output size in bytes.
-    ``left_out`` describes the other entries of the source that were not carried (``"optimizer_state: optimizer
-    state (12 tensors)"``); ``skipped`` the non-tensor entries of the selected state_dict, which safetensors cannot
-    hold. ``aliases`` maps each tensor stored as a view of another to that tensor; ``made_contiguous`` lists tensors
-    stored contiguous although their layout was not; ``trimmed_bytes`` counts storage bytes that no tensor reached
-    (``torch.save`` of a slice keeps its whole storage). ``cast`` counts ``"float32->float16": tensors``.
-    ``renamed`` counts renamed keys. ``verified`` is True after a passing verification (``checked`` says what was
-    compared), None with ``verify=False``.
-    """
+    ``dst`` is the file written (the ``*.index.json`` of a named shard set), or the folder for a shard folder and
+    DCP output; ``files`` lists every file written (shards, then the index). ``key`` is the dotted path of the
+    state_dict converted (``""``: top level; None for safetensors, sharded and whole-object conversions).
+    ``tensors`` counts the tensors of the output (aliases included), ``stored`` those whose bytes were written,
+    ``bytes_written`` the output size in bytes. ``left_out`` describes the other entries of the source that were not
+    carried (``"optimizer_state: optimizer state (12 tensors)"``); ``skipped`` the non-tensor entries of the
+    selected state_dict, which safetensors cannot hold. ``aliases`` maps each tensor stored as a view of another to
+    that tensor; ``made_contiguous`` lists tensors stored contiguous although their layout was not;
+    ``trimmed_bytes`` counts storage bytes that no tensor reached (``torch.save`` of a slice keeps its whole
+    storage). ``cast`` counts ``"float32->float16": tensors``. ``renamed`` counts renamed keys. ``verified`` is True
+    after a passing verification (``checked`` says what was compared), None with ``verify=False``. """
 
     src: str
     dst: str
