@@ -35,6 +35,7 @@ from ckptool.ops.rewrite import WriteResult
 if TYPE_CHECKING:
     from ckptool.model.rename_memory import rename_state_dict
     from ckptool.ops.convert import ConvertResult, VerificationError, convert
+    from ckptool.ops.diff import DiffResult, diff
     from ckptool.ops.extract import ExtractResult, extract_state_dict
     from ckptool.ops.rename import RenameResult, add_prefix, strip_dataparallel, strip_prefix, unwrap
     from ckptool.ops.sanitize import SanitizeResult, sanitize
@@ -66,6 +67,8 @@ _LAZY: dict[str, str] = {
     "convert": "ckptool.ops.convert",
     "ConvertResult": "ckptool.ops.convert",
     "VerificationError": "ckptool.ops.convert",
+    "diff": "ckptool.ops.diff",
+    "DiffResult": "ckptool.ops.diff",
     "scan": "ckptool.ops.scan",
     "scan_file": "ckptool.ops.scan",
     "ScanResult": "ckptool.ops.scan",
@@ -96,6 +99,7 @@ __all__ = [
     "ConvertResult",
     "CorruptCheckpointError",
     "DeviceNotFoundError",
+    "DiffResult",
     "ExtractResult",
     "KeyCollisionError",
     "LoadReport",
@@ -118,6 +122,7 @@ __all__ = [
     "WriteResult",
     "add_prefix",
     "convert",
+    "diff",
     "extract_state_dict",
     "inspect",
     "load_into",

@@ -3,21 +3,25 @@
 :func:`atomic_output` writes to a temporary file in the destination folder, fsyncs it, renames it into place
 and fsyncs the folder; on any failure (or KeyboardInterrupt) the temporary file is removed and the destination is
 left as it was. :func:`copy_range` copies a byte range between files with ``os.copy_file_range`` where the kernel
-offers it (no user-space copy), else in 8 MiB chunks, so memory stays bounded whatever the size.
+offers it (no user-space copy), else in 8 MiB chunks, so memory stays bounded whatever the size; as it goes,
+:class:`WriteBehind` starts the write-back of what was copied (``sync_file_range``), so that the final fsync has
+little left to do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import io
 import os
 import stat
+import sys
 import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from ckptool.errors import CorruptCheckpointError, OutputError, UsageError, os_error_advice
 
@@ -206,9 +210,71 @@ def file_mode(path: str) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
-def copy_range_crc(src: BinaryIO, dst: BinaryIO, offset: int, size: int, crc: int = 0) -> int:
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """``sync_file_range(2)`` from the C library (Linux; Python's ``os`` does not offer it), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return cast("Callable[[int, int, int, int], int]", fn)
+
+
+#: ``sync_file_range`` (None where the platform lacks it: write-back then starts at the final fsync)
+sync_file_range = _libc_sync_file_range()
+SYNC_FILE_RANGE_WRITE = 2
+#: bytes written between two write-back requests
+WRITEBACK_WINDOW = 16 << 20
+
+
+class WriteBehind:
+    """Push an output file's pages to the disk while it is being written, so that the fsync that
+    :func:`atomic_output` makes at the end has little left to do: a durable copy then costs about what the
+    slower of the copy and the disk costs instead of their sum.
+
+    Every :data:`WRITEBACK_WINDOW` bytes, :meth:`written` starts the write-back of the new window
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``: asynchronous, it blocks only while the device queue is full,
+    which paces the copy to the disk). Waiting for earlier windows as well (``SYNC_FILE_RANGE_WAIT_*``) was
+    measured slower: 2 GiB on ext4, 2 cores, 1.60 s waiting 8 windows behind against 1.39 s not waiting, with
+    ``cp && sync`` at 1.45 s and one fsync at the end at 1.88 s. A hint only: durability still comes from the
+    final fsync, errors are ignored (the fsync reports them), and without ``sync_file_range`` (not Linux)
+    nothing is done.
+    """
+
+    def __init__(self, fd: int, start: int) -> None:
+        self.fd = fd
+        self.start = start  # first byte whose write-back has not been started
+
+    def written(self, end: int) -> None:
+        """The bytes before offset ``end`` are in the file (not in a user-space buffer); start their write-back
+        once a window is full."""
+        sfr = sync_file_range
+        n = end - self.start
+        if sfr is None or n < WRITEBACK_WINDOW:
+            return
+        sfr(self.fd, self.start, n, SYNC_FILE_RANGE_WRITE)
+        self.start = end
+
+
+def write_behind_for(f: BinaryIO) -> WriteBehind | None:
+    """A :class:`WriteBehind` for ``f`` at its current position, or None when ``f`` is not a file on disk."""
+    try:
+        return WriteBehind(f.fileno(), f.tell())
+    except (OSError, AttributeError, ValueError):  # io.UnsupportedOperation is both OSError and ValueError
+        return None
+
+
+def copy_range_crc(src: BinaryIO, dst: BinaryIO, offset: int, size: int, crc: int = 0, *,
+                   progress: Callable[[int], None] | None = None, behind: WriteBehind | None = None) -> int:
     """Copy ``size`` bytes at ``offset`` of ``src`` to the current position of ``dst`` in ``CHUNK``-byte
     pieces (memory bounded by one chunk); return the CRC-32 of the bytes, continuing from ``crc``.
+
+    ``progress`` is called with the number of bytes of each piece once it is written. When ``dst`` is a file on
+    disk, the write-back of what was copied starts as the copy goes (through ``behind``, the caller's
+    :class:`WriteBehind` for ``dst``, else one of its own).
 
     Raises:
         CorruptCheckpointError: ``src`` ended before ``size`` bytes were read.
@@ -216,6 +282,7 @@ def copy_range_crc(src: BinaryIO, dst: BinaryIO, offset: int, size: int, crc: in
     buf = bytearray(min(CHUNK, max(size, 1)))
     view = memoryview(buf)
     src.seek(offset)
+    wb = behind if behind is not None else (write_behind_for(dst) if size > WRITEBACK_WINDOW else None)
     left = size
     while left:
         n = src.readinto(view[: min(left, len(buf))])  # type: ignore[attr-defined]  # BinaryIO omits readinto
@@ -226,33 +293,61 @@ def copy_range_crc(src: BinaryIO, dst: BinaryIO, offset: int, size: int, crc: in
         crc = zlib.crc32(chunk, crc)
         dst.write(chunk)
         left -= n
+        if wb is not None:
+            dst.flush()
+            wb.written(dst.tell())
+        if progress is not None:
+            progress(n)
     return crc
 
 
-def copy_range(src: BinaryIO, dst: BinaryIO, offset: int, size: int) -> None:
+def _kernel_copy(sfd: int, dfd: int, offset: int, pos: int, size: int) -> int:
+    """Copy up to ``size`` bytes with ``os.copy_file_range``; return how many were copied (fewer at the end of
+    ``src``, 0 where the kernel or filesystem cannot: EXDEV on old kernels, ENOSYS, EINVAL...)."""
+    done = 0
+    try:
+        while done < size:
+            n = os.copy_file_range(sfd, dfd, size - done, offset + done, pos + done)
+            if n == 0:
+                break
+            done += n
+    except OSError:
+        pass
+    return done
+
+
+def copy_range(src: BinaryIO, dst: BinaryIO, offset: int, size: int, *,
+               progress: Callable[[int], None] | None = None, behind: WriteBehind | None = None) -> None:
     """Copy ``size`` bytes at ``offset`` of ``src`` to the current position of ``dst`` with
     ``os.copy_file_range`` (no copy through user space) where the kernel offers it, else with
     :func:`copy_range_crc`. ``dst`` ends positioned after the copied bytes.
+
+    The copy goes in :data:`WRITEBACK_WINDOW` pieces, starting the write-back of each piece as soon as it is
+    copied (through ``behind``, the caller's :class:`WriteBehind` for ``dst``, else one of its own);
+    ``progress`` is called with the number of bytes of each piece.
 
     Raises:
         CorruptCheckpointError: ``src`` ended early.
     """
     dst.flush()
     pos = dst.tell()
+    sfd, dfd = src.fileno(), dst.fileno()
+    wb = behind if behind is not None else WriteBehind(dfd, pos)
+    kernel = getattr(os, "copy_file_range", None) is not None  # None: switched off (tests)
     done = 0
-    cfr = getattr(os, "copy_file_range", None)
-    if cfr is not None:
-        try:
-            while done < size:
-                n = cfr(src.fileno(), dst.fileno(), min(size - done, 1 << 30), offset + done, pos + done)
-                if n == 0:
-                    break
-                done += n
-        except OSError:  # EXDEV on old kernels, filesystems without support: copy the rest by hand
-            pass
-    dst.seek(pos + done)
-    if done < size:
-        copy_range_crc(src, dst, offset + done, size - done)
+    while done < size:
+        n = min(size - done, WRITEBACK_WINDOW)
+        got = _kernel_copy(sfd, dfd, offset + done, pos + done, n) if kernel else 0
+        if got < n:  # no kernel copy (from here on), or the end of src: copy by hand (which reports truncation)
+            kernel = False
+            dst.seek(pos + done + got)
+            copy_range_crc(src, dst, offset + done + got, n - got, behind=wb)
+            dst.flush()
+        done += n
+        wb.written(pos + done)
+        if progress is not None:
+            progress(n)
+    dst.seek(pos + size)
 
 
 def same_file(a: str, b: str) -> bool:

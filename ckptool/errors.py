@@ -14,7 +14,7 @@ import errno as _errno
 
 # ------------------------------------------------------------------------------------------------ exit status
 # What the ``ckptool`` command's exit status means (``ckptool scan`` has its own verdict codes: 0 every file is
-# safe, 1 a file is unsafe, 2 a file could not be read).
+# safe, 1 a file is dangerous, 2 a file could not be read, 4 a file needs trust; see ckptool.ops.scan.EXIT_CODES).
 
 #: the command did what it was asked
 EXIT_OK = 0
@@ -110,3 +110,13 @@ class DeviceNotFoundError(CkptError):
 
 class NestedPrefixError(CkptError):
     """A prefix to add is already carried by the keys (the result would be ``module.module.``); nothing written."""
+
+
+# ------------------------------------------------------------------------------------------------ interruption
+# Exit status of a command stopped by a signal, as a shell reports it (128 + the signal number); the temporary
+# output is removed and the source left untouched.
+
+#: stopped by SIGINT (Ctrl-C)
+EXIT_INTERRUPTED = 130
+#: stopped by SIGTERM (``kill``)
+EXIT_TERMINATED = 143

@@ -59,6 +59,14 @@ GADGETS: list[tuple[str, str, str]] = [
     ("shutil", "rmtree", "/tmp/ckptool-nothing"),
     ("timeit", "timeit", "import os"),
     ("numpy.testing._private.utils", "runstring", "import os"),
+    # on no danger list: dangerous by the default rules of ckptool/model/allowlist.py (a function on no list, a
+    # method reached through its class, a class whose module opens files)
+    ("no_such_pkg.utils", "run_command", "id"),
+    ("operator", "call", "x"),
+    ("numpy.distutils.exec_command", "exec_command", "id"),
+    ("torch._tensor", "_rebuild_from_type", "x"),
+    ("pathlib", "Path.write_text", "/tmp/ckptool-pwned"),
+    ("logging", "FileHandler", "/tmp/ckptool-pwned"),
 ]
 
 GADGET_NAMES = {f"{'builtins' if m == '__builtin__' else m}.{n}" for m, n, _ in GADGETS}

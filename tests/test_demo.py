@@ -269,10 +269,47 @@ def test_cli_demo_runs_and_exits_0(run_cli, tmp_path):
     assert (tmp_path / "o" / "digits_mlp.state_dict.portable.pt").is_file()
 
 
-def test_cli_demo_quiet_prints_only_the_summary(run_cli, tmp_path):
+def test_run_demo_quiet_prints_nothing_at_all(tmp_path, capfd):
+    """``run_demo(quiet=True)``: not a line on stdout or stderr (read at the file-descriptor level, so C-level
+    output and warnings count too), no progress bar, and every file is still written and reported."""
+    lines: list[str] = []
+    res = demo.run_demo(out=tmp_path / "q", device="cpu", epochs=1, quiet=True)
+    assert capfd.readouterr() == ("", "")
+    res2 = demo.run_demo(out=tmp_path / "e", device="cpu", epochs=1, quiet=True, echo=lines.append,
+                         progress_bar=True)
+    assert capfd.readouterr() == ("", "") and lines == []
+    for r in (res, res2):
+        assert len(r.rows) == len(KINDS) and r.portable["state_dict"].is_file()
+        assert r.verified["state_dict"].startswith("yes")
+
+
+def test_run_demo_summary_only_prints_the_table_and_the_closing_line(tmp_path, capsys):
+    res = demo.run_demo(out=tmp_path / "s", device="cpu", epochs=1, summary_only=True)
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert err == "" and "== 1/7" not in out
+    assert lines[0].startswith("file ") and "tags received" in lines[0]
+    assert lines[-1].startswith("Done in ") and str(res.out) in lines[-1]
+    assert len(lines) == 2 + len(KINDS) + 1  # header, rule, one row per kind, the closing line
+
+
+@pytest.mark.parametrize(("kwargs", "shown"), [({}, ["a", "b"]), ({"quiet": True}, ["b"]), ({"silent": True}, []),
+                                               ({"quiet": True, "silent": True}, [])])
+def test_printer_modes(kwargs, shown):
+    """quiet keeps only forced lines (the summary), silent keeps nothing."""
+    got: list[str] = []
+    p = Printer(echo=got.append, **kwargs)
+    p.line("a")
+    p.line("b", force=True)
+    assert got == shown
+
+
+def test_cli_demo_quiet_prints_nothing(run_cli, tmp_path):
+    """--quiet means the same on every command: only errors are printed (issue 13); the files are still written."""
     res = run_cli("demo", "--out", tmp_path, "--device", "cpu", "--epochs", 1, "--quiet")
     assert res.exit_code == 0, res.output
-    assert "== 1/7" not in res.output and "tags received" in res.output and "Done in" in res.output
+    assert res.output == ""
+    assert any(tmp_path.rglob("*.pt"))
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -657,7 +657,7 @@ def test_symlinked_destination_is_written_through(src: Path, run_cli, tmp_path: 
     target.write_bytes(b"old")
     link = tmp_path / "latest.pt"
     link.symlink_to(target)
-    r = run_cli("remap", src, "--to", "cpu", "-o", link)
+    r = run_cli("remap", src, "--to", "cpu", "-o", link, "--force")
     assert r.exit_code == 0, r.output
     assert link.is_symlink() and link.resolve() == target.resolve()
     sd = torch.load(link, weights_only=True)

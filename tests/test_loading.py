@@ -805,3 +805,70 @@ def test_cuda_save_remap_to_cpu_then_load(tmp_path: Path) -> None:
     ckptool.save_portable(src, dst)
     assert set(location_tags(dst)) == {"cpu"}
     assert_model_matches(model, torch.load(dst, weights_only=True))
+
+
+# ------------------------------------------------------------------------------------------------ GradScaler
+def _scaler_after_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 3) -> torch.amp.GradScaler:
+    """A CPU ``torch.amp.GradScaler`` that has really stepped: growth every step, one backoff on an inf grad."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    x = torch.randn(2, 8)
+    for i in range(steps):
+        opt.zero_grad()
+        loss = model(x).float().sum()
+        if i == steps - 1:
+            loss = loss * float("inf")  # an overflow: the scale backs off
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return scaler
+
+
+@pytest.mark.parametrize("key", ["scaler", "grad_scaler", "scaler_state_dict", "native_amp_scaling_state"])
+def test_load_training_state_restores_the_grad_scaler(tmp_path: Path, key: str) -> None:
+    src = build_classifier(seed=0)
+    opt = torch.optim.SGD(src.parameters(), lr=0.01)
+    scaler = _scaler_after_steps(src, opt)
+    saved = scaler.state_dict()
+    assert saved["scale"] != 1024.0 and saved["growth_interval"] == 1  # it moved away from its initial state
+    path = tmp_path / "ck.pt"
+    save_tagged({"model": src.state_dict(), "optimizer": opt.state_dict(), key: saved, "epoch": 2}, str(path),
+                "cuda:0")
+
+    model = build_classifier(seed=1)
+    opt2 = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler2 = torch.amp.GradScaler("cpu")
+    state = ckptool.load_training_state(model, opt2, path, device="cpu", scaler=scaler2)
+    assert scaler2.state_dict() == saved
+    assert scaler2.get_scale() == saved["scale"] and scaler2.get_growth_interval() == 1
+    assert key not in state.extra and state.epoch == 2
+    # the restored scaler keeps working: one more scaled step
+    opt2.zero_grad()
+    scaler2.scale(model(torch.randn(2, 8)).float().sum()).backward()
+    scaler2.step(opt2)
+    scaler2.update()
+    assert scaler2.get_scale() == saved["scale"] * 2  # growth_interval 1: grows after one good step
+
+
+def test_grad_scaler_errors(tmp_path: Path) -> None:
+    src = build_classifier(seed=0)
+    opt = torch.optim.SGD(src.parameters(), lr=0.01)
+    path = tmp_path / "ck.pt"
+    torch.save({"model": src.state_dict(), "optimizer": opt.state_dict()}, path)
+    model = build_classifier(seed=1)
+    with pytest.raises(UsageError, match=r"no GradScaler state_dict .* \(looked for scaler, grad_scaler"):
+        ckptool.load_training_state(model, None, path, scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(UsageError, match="has no entry 'amp'"):
+        ckptool.load_training_state(model, None, path, scaler=torch.amp.GradScaler("cpu"), scaler_key="amp")
+    disabled = tmp_path / "disabled.pt"
+    torch.save({"model": src.state_dict(), "scaler": torch.amp.GradScaler("cpu", enabled=False).state_dict()},
+               disabled)
+    with pytest.raises(UsageError, match="saved from a disabled GradScaler"):
+        ckptool.load_training_state(model, None, disabled, scaler=torch.amp.GradScaler("cpu"))
+    # the entry under a custom name, with scaler_key; without scaler= the file loads as before
+    custom = tmp_path / "custom.pt"
+    saved = torch.amp.GradScaler("cpu", init_scale=8.0).state_dict()
+    torch.save({"model": src.state_dict(), "amp": {"loss": saved}}, custom)
+    scaler = torch.amp.GradScaler("cpu")
+    ckptool.load_training_state(model, None, custom, scaler=scaler, scaler_key="amp.loss")
+    assert scaler.get_scale() == 8.0
+    assert "amp" in ckptool.load_training_state(model, None, custom).extra

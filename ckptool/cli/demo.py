@@ -5,9 +5,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
+from ckptool.cli._common import emit_json, is_quiet, json_option, muted_stdout, progress_wanted
 from ckptool.demo import run_demo
+from ckptool.demo.run import SUMMARY_HEADERS, DemoResult
 
 
 @click.command("demo")
@@ -18,8 +22,8 @@ from ckptool.demo import run_demo
 @click.option("--epochs", default=30, show_default=True, type=click.IntRange(min=1), help="Training epochs.")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Seeds the train/held-out split, the initial weights and the batch order.")
-@click.option("-q", "--quiet", is_flag=True, help="Print only the summary table and the output folder.")
-def demo_cmd(out: str | None, device: str, epochs: int, seed: int, quiet: bool) -> None:
+@json_option("demo")
+def demo_cmd(out: str | None, device: str, epochs: int, seed: int, as_json: bool) -> None:
     """Train a small digit classifier and walk the whole checkpoint portability story with it.
 
     Trains a 64-128-64-10 MLP wrapped in nn.DataParallel on the bundled UCI 8x8 handwritten digits (no
@@ -33,4 +37,24 @@ def demo_cmd(out: str | None, device: str, epochs: int, seed: int, quiet: bool) 
       ckptool demo
       ckptool demo --out demo-files --device cpu --epochs 10
     """
-    run_demo(out=out, device=device, epochs=epochs, seed=seed, quiet=quiet)
+    quiet = is_quiet() or as_json
+    if as_json:
+        with muted_stdout():
+            res = run_demo(out=out, device=device, epochs=epochs, seed=seed, quiet=True, progress_bar=False)
+        emit_json("demo", _payload(res))
+        return
+    run_demo(out=out, device=device, epochs=epochs, seed=seed, quiet=quiet, progress_bar=progress_wanted())
+
+
+def _payload(res: DemoResult) -> dict[str, Any]:
+    """The ``ckptool.demo/1`` fields: ``out``, ``device``, ``accuracy`` (0..1), ``losses`` per epoch, the files
+    written by kind (``saved``, ``received``, ``remapped``, ``portable``: ``{kind: path}``), ``gpu_tag``,
+    ``plain_load_error``, ``n_test``, ``matches``, ``verified``, ``resumed``, ``summary`` (one object per row of
+    the summary table) and ``seconds``."""
+    files = {name: {k: str(p) for k, p in getattr(res, name).items()}
+             for name in ("saved", "received", "remapped", "portable")}
+    return {"out": str(res.out), "device": res.device, "accuracy": res.accuracy, "losses": res.losses, **files,
+            "gpu_tag": res.gpu_tag, "plain_load_error": res.plain_load_error, "n_test": res.n_test,
+            "matches": res.matches, "verified": res.verified, "resumed": res.resumed,
+            "summary": [dict(zip(SUMMARY_HEADERS, row, strict=False)) for row in res.rows],
+            "seconds": res.seconds}

@@ -6,8 +6,25 @@ from __future__ import annotations
 
 import click
 
-from ckptool.cli._common import allow_missing_option, device_options, human_bytes, key_option, mapping_of, report_hint
-from ckptool.ops.extract import extract_state_dict
+from ckptool.cli._common import (
+    ZIP_NEEDS_SEEK,
+    Progress,
+    allow_missing_option,
+    claim_output,
+    device_options,
+    emit_json,
+    force_option,
+    hint_for,
+    hint_payload,
+    human_bytes,
+    json_option,
+    key_option,
+    mapping_of,
+    refuse_stdout,
+    report_hint,
+    source_size,
+)
+from ckptool.ops.extract import default_output, extract_state_dict
 
 
 @click.command("extract-state-dict")
@@ -24,8 +41,10 @@ from ckptool.ops.extract import extract_state_dict
 @click.option("--trust", is_flag=True,
               help="Load SRC with torch.load(weights_only=False), which imports its classes and RUNS ITS CODE, and "
                    "call the module's own state_dict(). Only for files from a source you trust.")
+@force_option
+@json_option("extract-state-dict")
 def extract_cmd(src: str, dst: str | None, key: str | None, unwrap_keys: bool, to: str | None, maps: tuple[str, ...],
-                allow_missing: bool, trust: bool) -> None:
+                allow_missing: bool, trust: bool, force: bool, as_json: bool) -> None:
     """Write the state_dict of a torch.save(model) file SRC, without the model's class and without running it.
 
     The pickled module tree is walked as nn.Module.state_dict() would walk it: parameters and persistent
@@ -41,8 +60,17 @@ def extract_cmd(src: str, dst: str | None, key: str | None, unwrap_keys: bool, t
       ckptool extract-state-dict dp_model.pth -o model.safetensors --unwrap
       ckptool extract-state-dict ckpt.pth --key model --to cpu
     """
-    res = extract_state_dict(src, dst, key=key, unwrap=unwrap_keys, to=to, mapping=mapping_of(maps),
-                             allow_missing=allow_missing, trust=trust)
+    refuse_stdout(dst, f"{ZIP_NEEDS_SEEK}, and a safetensors output is written and checked as a file")
+    out = claim_output(dst if dst is not None else default_output(src), force=force)
+    with Progress("extract", source_size(src)) as bar:
+        res = extract_state_dict(src, out, key=key, unwrap=unwrap_keys, to=to, mapping=mapping_of(maps),
+                                 allow_missing=allow_missing, trust=trust, progress=bar)
+    if as_json:
+        emit_json("extract-state-dict", {
+            "src": res.src, "dst": res.dst, "format": res.format, "keys": res.keys, "module": res.module,
+            "path": res.path, "storages": res.storages, "bytes_written": res.bytes_written, "removed": res.removed,
+            "trusted": res.trusted, **hint_payload(hint_for(res.dst, state_dict="", to=to, maps=maps))})
+        return
     where = f" at {res.path}" if res.path else ""
     click.echo(f"Wrote {res.dst} ({res.format}, {human_bytes(res.bytes_written)}): {len(res.keys)} tensors from "
                f"{res.module}{where}, {res.storages} storages" + (" [trusted: the file's code ran]" if res.trusted

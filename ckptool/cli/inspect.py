@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import click
 
 from ckptool.cli._common import human_bytes
-from ckptool.ops.inspect import CheckpointInfo, inspect
+from ckptool.ops.inspect import SCHEMA, CheckpointInfo, inspect
+from ckptool.ops.inspect_values import ALL_VALUES, ValueInfo
+
+_PATH_PART = 48  # characters of one dotted key component shown in the tables (the JSON keeps them whole)
 
 
 @click.command("inspect")
 @click.argument("path", type=click.Path(dir_okay=True))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every tensor) instead of tables.")
-@click.option("--all", "show_all", is_flag=True, help="List every tensor (by default long tables are summarised).")
+@click.option("--json", "as_json", is_flag=True,
+              help=f"Print one JSON object instead of tables: \"schema\": \"{SCHEMA}\", every tensor, \"totals\" "
+                   "(storage bytes per device and dtype) and \"values\" (the non-tensor entries).")
+@click.option("--all", "show_all", is_flag=True,
+              help="List every tensor and many more non-tensor entries (by default long tables, lists and dicts are "
+                   "summarised).")
 @click.option("--limit", default=30, show_default=True, type=click.IntRange(min=1),
               help="Tensor rows to show before summarising.")
 def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int) -> None:
@@ -21,11 +29,13 @@ def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int) -> None:
 
     Prints the format (torch-zip, torch-legacy, torchscript, safetensors, pickle), the kind (state_dict,
     training_checkpoint, full_model, torchscript, tensors), a table of tensors (key, shape, dtype, saved device,
-    size), totals per device and dtype, the state_dicts found with their wrapper prefixes and the command that
-    removes them, and the globals the pickle would import, marked by whether torch.load(weights_only=True)
-    allows them. Torch is not imported.
+    size), storage bytes per device and dtype (a storage shared by several tensors, such as tied weights, counted
+    once), the state_dicts found with their wrapper prefixes and the command that removes them, the non-tensor
+    entries (epoch, steps, learning rates, hyper-parameters, scaler state; RNG states as "RNG state (N bytes)"),
+    and the globals the pickle would import, marked by whether torch.load(weights_only=True) allows them. Torch is
+    not imported and nothing from the file is run.
     """
-    info = inspect(path)
+    info = inspect(path, ALL_VALUES) if show_all else inspect(path)
     if as_json:
         d = info.to_dict()
         click.echo(json.dumps(d, indent=None if len(info.tensors) > 200 else 2))
@@ -37,29 +47,26 @@ def _print_info(info: CheckpointInfo, limit: int | None) -> None:
     from tabulate import tabulate
 
     echo = click.echo
-    shared = len(info.tensors) - info.storages if info.format != "safetensors" else 0
+    uses = Counter(t.storage_key for t in info.tensors if t.storage_key is not None)
+    shared = sum(n for n in uses.values() if n > 1)
     echo(f"File:     {info.path} ({human_bytes(info.size)})")
     echo(f"Format:   {info.format}")
     echo(f"Kind:     {info.kind}")
-    echo(f"Tensors:  {len(info.tensors)} in {info.storages} storages, {human_bytes(info.total_bytes)}"
-         + (f" ({shared} tensors share a storage with another)" if shared > 0 else ""))
+    echo(f"Tensors:  {len(info.tensors)} tensors, {info.storages} storages, {human_bytes(info.total_bytes)} in "
+         "storages (shared storages counted once)"
+         + (f"; {shared} tensors share storages (tied weights, views)" if shared else ""))
     if info.metadata:
         echo(f"Metadata: {json.dumps(info.metadata)[:200]}")
     if info.tensors:
-        rows = [(t.key, "x".join(map(str, t.shape)) or "scalar", t.dtype, t.device, human_bytes(t.nbytes))
+        rows = [(_short_path(t.key), "x".join(map(str, t.shape)) or "scalar", t.dtype, t.device, human_bytes(t.nbytes))
                 for t in (info.tensors if limit is None else info.tensors[:limit])]
         echo("")
         echo(tabulate(rows, headers=["key", "shape", "dtype", "device", "size"]))
         if limit is not None and len(info.tensors) > limit:
             echo(f"... {len(info.tensors) - limit} more tensors (use --all to list every tensor, --json for machines)")
-        totals: dict[tuple[str, str], list[int]] = {}
-        for t in info.tensors:
-            acc = totals.setdefault((t.device, t.dtype), [0, 0])
-            acc[0] += 1
-            acc[1] += t.nbytes
         echo("")
-        echo(tabulate([(d, dt, n, human_bytes(b)) for (d, dt), (n, b) in sorted(totals.items())],
-                      headers=["device", "dtype", "tensors", "tensor bytes"]))
+        echo(tabulate([(r.device, r.dtype, r.tensors, r.storages, human_bytes(r.bytes)) for r in info.totals],
+                      headers=["device", "dtype", "tensors", "storages", "storage bytes"]))
     if info.state_dicts:
         echo("")
         echo("State dicts:")
@@ -70,6 +77,12 @@ def _print_info(info: CheckpointInfo, limit: int | None) -> None:
                 fix = "FSDP flat parameters: consolidate first (torch.distributed.checkpoint / Lightning)"
             sd_rows.append((sd.path or "(top level)", sd.tensors, " ".join(sd.prefixes) or "-", fix or "-"))
         echo(tabulate(sd_rows, headers=["path", "tensors", "wrapper prefix", "remove with"]))
+    if info.values:
+        echo("")
+        echo("Other entries (not tensors):")
+        echo(tabulate([_value_row(v) for v in info.values], headers=["key", "type", "value"], disable_numparse=True))
+        if not info.values_complete:
+            echo("... more entries not shown (use --all to see more, --json for machines)")
     if info.globals:
         echo("")
         echo("Globals the pickle would import:")
@@ -79,6 +92,21 @@ def _print_info(info: CheckpointInfo, limit: int | None) -> None:
     echo("")
     for line in _advice(info):
         echo(line)
+
+
+def _one_line(text: str) -> str:
+    """``text`` with control characters escaped, so that a hostile key cannot break the table."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _short_path(path: str) -> str:
+    """A dotted key for a table: components longer than :data:`_PATH_PART` characters (Lightning's callback state
+    keys) cut, control characters escaped."""
+    return _one_line(".".join(p if len(p) <= _PATH_PART else p[:_PATH_PART - 1] + "…" for p in path.split(".")))
+
+
+def _value_row(v: ValueInfo) -> tuple[str, str, str]:
+    return _short_path(v.path), _one_line(v.type), _one_line(v.shown)
 
 
 def _advice(info: CheckpointInfo) -> list[str]:

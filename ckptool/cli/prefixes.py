@@ -5,21 +5,34 @@ Each is a thin Click command over :mod:`ckptool.ops.rename`; none imports torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import click
 
 from ckptool.cli._common import (
+    ZIP_NEEDS_SEEK,
+    Progress,
     allow_missing_option,
     allow_nested_option,
+    claim_output,
     device_options,
+    emit_json,
+    hint_for,
+    hint_payload,
+    json_option,
     key_option,
     mapping_of,
     output_options,
+    refuse_stdout,
     renamed_state_dict,
     report_hint,
     report_rename,
     report_write,
+    source_size,
+    write_payload,
 )
-from ckptool.ops.rename import RenameResult, add_prefix, strip_dataparallel, strip_prefix, unwrap
+from ckptool.ops.rename import RenameResult, add_prefix, rename_output, strip_dataparallel, strip_prefix, unwrap
+from ckptool.ops.rewrite import ProgressFn
 
 _EPILOG_SAFETY = (
     "Tensor records are copied, not decoded (torch is not imported): the cost is the cost of copying the file. "
@@ -29,7 +42,17 @@ _EPILOG_SAFETY = (
 )
 
 
-def _report(res: RenameResult, to: str | None, maps: tuple[str, ...]) -> None:
+def _run(operation: str, src: str, dst: str | None, in_place: bool, force: bool, as_json: bool, to: str | None,
+         maps: tuple[str, ...], write: Callable[[str, ProgressFn], RenameResult]) -> None:
+    """Check the output, run ``write(output path, progress callback)`` under the progress bar, and report."""
+    refuse_stdout(dst, ZIP_NEEDS_SEEK)
+    out = claim_output(rename_output(operation, src, dst, in_place), force=force, in_place=in_place)
+    with Progress(operation, source_size(src)) as bar:
+        res = write(out, bar)
+    if as_json:
+        hint = hint_for(res.dst, state_dict=renamed_state_dict(res), to=to, maps=maps)
+        emit_json(operation, {"operation": res.operation, **write_payload(res), **hint_payload(hint)})
+        return
     report_rename(res)
     unit = "tensors" if res.format_in == "safetensors" else "storages"
     retagged = "".join(f"; re-tagged {a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
@@ -43,8 +66,9 @@ def _report(res: RenameResult, to: str | None, maps: tuple[str, ...]) -> None:
 @device_options
 @allow_missing_option
 @output_options
+@json_option("strip-dataparallel")
 def strip_dataparallel_cmd(src: str, key: str | None, to: str | None, maps: tuple[str, ...], allow_missing: bool,
-                           dst: str | None, in_place: bool) -> None:
+                           dst: str | None, in_place: bool, force: bool, as_json: bool) -> None:
     """Remove the leading `module.` that nn.DataParallel / DistributedDataParallel add to state_dict keys.
 
     Fixes "Unexpected key(s) in state_dict: module.conv1.weight" when loading into the bare model. Only whole
@@ -58,8 +82,9 @@ def strip_dataparallel_cmd(src: str, key: str | None, to: str | None, maps: tupl
       ckptool strip-dataparallel model.pth
       ckptool strip-dataparallel last.ckpt --key state_dict -o last.bare.ckpt
     """
-    _report(strip_dataparallel(src, dst, key=key, in_place=in_place, allow_missing=allow_missing, to=to,
-                               mapping=mapping_of(maps)), to, maps)
+    _run("strip-dataparallel", src, dst, in_place, force, as_json, to, maps, lambda out, bar: strip_dataparallel(
+        src, out, key=key, in_place=in_place, allow_missing=allow_missing, to=to, mapping=mapping_of(maps),
+        progress=bar))
 
 
 @click.command("strip-prefix", epilog=_EPILOG_SAFETY)
@@ -69,8 +94,9 @@ def strip_dataparallel_cmd(src: str, key: str | None, to: str | None, maps: tupl
 @device_options
 @allow_missing_option
 @output_options
+@json_option("strip-prefix")
 def strip_prefix_cmd(src: str, prefixes: tuple[str, ...], key: str | None, to: str | None, maps: tuple[str, ...],
-                     allow_missing: bool, dst: str | None, in_place: bool) -> None:
+                     allow_missing: bool, dst: str | None, in_place: bool, force: bool, as_json: bool) -> None:
     """Remove PREFIX (whole dotted components, e.g. `model.`) from the front of state_dict keys.
 
     Several prefixes are removed in the order given, each at most once per key, so `strip-prefix SRC model.
@@ -84,8 +110,9 @@ def strip_prefix_cmd(src: str, prefixes: tuple[str, ...], key: str | None, to: s
       ckptool strip-prefix lightning.ckpt model.          # LightningModule attribute
       ckptool strip-prefix ckpt.pt module. --key model_state_dict -o bare.pt
     """
-    _report(strip_prefix(src, list(prefixes), dst, key=key, in_place=in_place, allow_missing=allow_missing, to=to,
-                         mapping=mapping_of(maps)), to, maps)
+    _run("strip-prefix", src, dst, in_place, force, as_json, to, maps, lambda out, bar: strip_prefix(
+        src, list(prefixes), out, key=key, in_place=in_place, allow_missing=allow_missing, to=to,
+        mapping=mapping_of(maps), progress=bar))
 
 
 @click.command("add-prefix", epilog=_EPILOG_SAFETY)
@@ -96,8 +123,10 @@ def strip_prefix_cmd(src: str, prefixes: tuple[str, ...], key: str | None, to: s
 @allow_nested_option
 @allow_missing_option
 @output_options
+@json_option("add-prefix")
 def add_prefix_cmd(src: str, prefix: str, key: str | None, to: str | None, maps: tuple[str, ...],
-                   allow_nested: bool, allow_missing: bool, dst: str | None, in_place: bool) -> None:
+                   allow_nested: bool, allow_missing: bool, dst: str | None, in_place: bool, force: bool,
+                   as_json: bool) -> None:
     """Put PREFIX (whole dotted components, e.g. `module.`) in front of every state_dict key.
 
     For loading a bare state_dict into a wrapped model with strict=True: `module.` for nn.DataParallel /
@@ -111,8 +140,9 @@ def add_prefix_cmd(src: str, prefix: str, key: str | None, to: str | None, maps:
       ckptool add-prefix model.pth module.
       ckptool add-prefix ckpt.pt _orig_mod. --key model_state_dict -o compiled.pt
     """
-    _report(add_prefix(src, prefix, dst, key=key, in_place=in_place, allow_nested=allow_nested,
-                       allow_missing=allow_missing, to=to, mapping=mapping_of(maps)), to, maps)
+    _run("add-prefix", src, dst, in_place, force, as_json, to, maps, lambda out, bar: add_prefix(
+        src, prefix, out, key=key, in_place=in_place, allow_nested=allow_nested, allow_missing=allow_missing, to=to,
+        mapping=mapping_of(maps), progress=bar))
 
 
 @click.command("unwrap", epilog=_EPILOG_SAFETY)
@@ -121,8 +151,9 @@ def add_prefix_cmd(src: str, prefix: str, key: str | None, to: str | None, maps:
 @device_options
 @allow_missing_option
 @output_options
+@json_option("unwrap")
 def unwrap_cmd(src: str, key: str | None, to: str | None, maps: tuple[str, ...], allow_missing: bool,
-               dst: str | None, in_place: bool) -> None:
+               dst: str | None, in_place: bool, force: bool, as_json: bool) -> None:
     """Remove every wrapper prefix that `ckptool inspect` reports from state_dict keys, and say what was removed.
 
     Removes `module.` (DataParallel, DDP), `_orig_mod.` (torch.compile), `_fsdp_wrapped_module.` (FSDP) and
@@ -139,5 +170,6 @@ def unwrap_cmd(src: str, key: str | None, to: str | None, maps: tuple[str, ...],
       ckptool unwrap compiled_ddp.pt
       ckptool unwrap model.pth --in-place
     """
-    _report(unwrap(src, dst, key=key, in_place=in_place, allow_missing=allow_missing, to=to,
-                   mapping=mapping_of(maps)), to, maps)
+    _run("unwrap", src, dst, in_place, force, as_json, to, maps, lambda out, bar: unwrap(
+        src, out, key=key, in_place=in_place, allow_missing=allow_missing, to=to, mapping=mapping_of(maps),
+        progress=bar))

@@ -6,18 +6,28 @@ from __future__ import annotations
 import click
 
 from ckptool.cli._common import (
+    ZIP_NEEDS_SEEK,
+    Progress,
     allow_missing_option,
     allow_nested_option,
+    claim_output,
     device_options,
+    emit_json,
+    hint_for,
+    hint_payload,
+    json_option,
     key_option,
     mapping_of,
     output_options,
+    refuse_stdout,
     renamed_state_dict,
     report_hint,
     report_rename,
     report_write,
+    source_size,
+    write_payload,
 )
-from ckptool.ops.remap import remap
+from ckptool.ops.remap import remap, remap_output
 from ckptool.ops.rename import RenameResult
 
 
@@ -35,9 +45,10 @@ from ckptool.ops.rename import RenameResult
 @allow_missing_option
 @allow_nested_option
 @output_options
+@json_option("remap")
 def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool, strip_dataparallel: bool,
               strip_prefixes: tuple[str, ...], add_prefix: str | None, key: str | None, allow_missing: bool,
-              allow_nested: bool, dst: str | None, in_place: bool) -> None:
+              allow_nested: bool, dst: str | None, in_place: bool, force: bool, as_json: bool) -> None:
     """Re-tag the storages of checkpoint SRC so that a plain torch.load opens it on another device.
 
     Tensor bytes are copied, not decoded: no GPU is needed for any source or target tag, and memory stays
@@ -52,13 +63,19 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
       ckptool remap model.pth --map cuda:1=cuda:0 -o model.gpu0.pth
       ckptool remap ddp_compiled.pth --to cpu --unwrap
     """
-    res = remap(src, dst, to=to, mapping=mapping_of(maps), in_place=in_place, unwrap=unwrap_keys,
-                strip_dataparallel=strip_dataparallel, strip_prefixes=strip_prefixes, add_prefix=add_prefix, key=key,
-                allow_missing=allow_missing, allow_nested=allow_nested)
-    state_dict = None
+    refuse_stdout(dst, ZIP_NEEDS_SEEK)
+    out = claim_output(remap_output(src, dst, to=to, in_place=in_place), force=force, in_place=in_place)
+    with Progress("remap", source_size(src)) as bar:
+        res = remap(src, out, to=to, mapping=mapping_of(maps), in_place=in_place, unwrap=unwrap_keys,
+                    strip_dataparallel=strip_dataparallel, strip_prefixes=strip_prefixes, add_prefix=add_prefix,
+                    key=key, allow_missing=allow_missing, allow_nested=allow_nested, progress=bar)
+    state_dict = renamed_state_dict(res) if isinstance(res, RenameResult) else None
+    if as_json:
+        emit_json("remap", {**write_payload(res), **hint_payload(hint_for(res.dst, state_dict=state_dict, to=to,
+                                                                          maps=maps))})
+        return
     if isinstance(res, RenameResult):
         report_rename(res)
-        state_dict = renamed_state_dict(res)
     changes = (", ".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
                or "none (tags already match)")
     report_write(res.dst, res.bytes_written, f"{res.storages} storages; re-tagged: {changes}")

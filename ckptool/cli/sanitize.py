@@ -6,14 +6,24 @@ from __future__ import annotations
 import click
 
 from ckptool.cli._common import (
+    ZIP_NEEDS_SEEK,
+    Progress,
     allow_missing_option,
+    claim_output,
     device_options,
+    emit_json,
+    hint_for,
+    hint_payload,
+    json_option,
     mapping_of,
     output_options,
+    refuse_stdout,
     report_hint,
     report_write,
+    retagged_list,
+    source_size,
 )
-from ckptool.ops.sanitize import sanitize
+from ckptool.ops.sanitize import Conversion, sanitize, sanitize_output
 
 
 @click.command("sanitize")
@@ -23,8 +33,9 @@ from ckptool.ops.sanitize import sanitize
 @allow_missing_option
 @click.option("--drop-unknown", is_flag=True,
               help="Leave out what no rule converts (listed) instead of refusing the file.")
-def sanitize_cmd(src: str, dst: str | None, in_place: bool, to: str | None, maps: tuple[str, ...],
-                 allow_missing: bool, drop_unknown: bool) -> None:
+@json_option("sanitize")
+def sanitize_cmd(src: str, dst: str | None, in_place: bool, force: bool, to: str | None, maps: tuple[str, ...],
+                 allow_missing: bool, drop_unknown: bool, as_json: bool) -> None:
     """Turn a checkpoint that torch.load(weights_only=True) refuses into one it accepts, without running it.
 
     SRC is read without importing or running anything from it. numpy arrays and scalars become tensors
@@ -40,8 +51,18 @@ def sanitize_cmd(src: str, dst: str | None, in_place: bool, to: str | None, maps
       ckptool sanitize gpu_run.ckpt -o portable.pth --to cpu
       ckptool sanitize model_full.pth -o model.sd.pth --drop-unknown
     """
-    res = sanitize(src, dst, to=to, mapping=mapping_of(maps), allow_missing=allow_missing, drop_unknown=drop_unknown,
-                   in_place=in_place)
+    refuse_stdout(dst, ZIP_NEEDS_SEEK)
+    out = claim_output(sanitize_output(src, dst, in_place), force=force, in_place=in_place)
+    with Progress("sanitize", source_size(src)) as bar:
+        res = sanitize(src, out, to=to, mapping=mapping_of(maps), allow_missing=allow_missing,
+                       drop_unknown=drop_unknown, in_place=in_place, progress=bar)
+    if as_json:
+        emit_json("sanitize", {
+            "src": res.src, "dst": res.dst, "format_in": res.format_in, "converted": _conversions(res.converted),
+            "dropped": _conversions(res.dropped), "storages": res.storages, "new_storages": res.new_storages,
+            "bytes_written": res.bytes_written, "devices": res.devices, "retagged": retagged_list(res.retagged),
+            **hint_payload(hint_for(res.dst, to=to, maps=maps))})
+        return
     click.echo(f"Converted {len(res.converted)} object(s); nothing from the file was imported or run"
                + (":" if res.converted else ""))
     for c in res.converted:
@@ -54,3 +75,7 @@ def sanitize_cmd(src: str, dst: str | None, in_place: bool, to: str | None, maps
     report_write(res.dst, res.bytes_written, f"{res.storages} storages, {res.new_storages} new"
                  + (f"; re-tagged: {retagged}" if retagged else ""))
     report_hint(res.dst, to=to, maps=maps)
+
+
+def _conversions(items: list[Conversion]) -> list[dict[str, str]]:
+    return [{"path": c.path, "kind": c.kind, "source": c.source, "detail": c.detail} for c in items]

@@ -3,28 +3,30 @@ command over :func:`ckptool.ops.scan.scan`; nothing is imported or run from the 
 
 from __future__ import annotations
 
-import json
-
 import click
 
-from ckptool.ops.scan import ScanResult, scan
+from ckptool.cli._common import emit_json, is_quiet, json_option
+from ckptool.ops.scan import ScanResult, exit_status, scan
+
+#: how each verdict is written on the first line of a file's report
+_SHOWN = {"safe": "safe", "needs-trust": "NEEDS TRUST", "dangerous": "DANGEROUS", "unsafe": "UNSAFE",
+          "error": "ERROR"}
 
 
-def _print_result(res: ScanResult, show_all: bool) -> None:
+def _print_result(res: ScanResult, show_all: bool, strict: bool) -> None:
     from tabulate import tabulate
 
-    verdict = {"safe": "safe", "unsafe": "UNSAFE", "error": "ERROR"}[res.verdict]
+    verdict = res.strict_verdict if strict else res.verdict
     n_pickles = len(res.pickles)
-    head = (f"{res.path}: {verdict} ({res.format}, {n_pickles} pickle{'s' if n_pickles != 1 else ''}, "
+    head = (f"{res.path}: {_SHOWN[verdict]} ({res.format}, {n_pickles} pickle{'s' if n_pickles != 1 else ''}, "
             f"{len(res.globals)} global{'s' if len(res.globals) != 1 else ''}")
     bad = res.unsafe
     head += f", {len(bad)} not allowed)" if bad else ")"
     click.echo(head)
-    rows = [(g.status.upper() if g.status == "dangerous" else g.status, g.name, g.reason if g.status != "unknown"
-             else "loading would import and call it", ", ".join(g.where))
+    rows = [(g.level.upper() if g.level == "dangerous" else g.level, g.name, g.reason, ", ".join(g.where))
             for g in (res.globals if show_all else bad)]
     if rows:
-        click.echo(tabulate(rows, headers=["status", "global", "why", "in"]))
+        click.echo(tabulate(rows, headers=["level", "global", "why", "in"]))
     if res.error:
         click.echo(f"  error: {res.error}")
     for p in res.pickles:
@@ -34,49 +36,74 @@ def _print_result(res: ScanResult, show_all: bool) -> None:
         click.echo(f"  note: {note}")
 
 
+def _summary(results: list[ScanResult], strict: bool) -> str:
+    if strict:
+        counts = {v: sum(r.strict_verdict == v for r in results) for v in ("safe", "unsafe", "error")}
+        return (f"{len(results)} files: {counts['safe']} safe, {counts['unsafe']} unsafe, "
+                f"{counts['error']} unreadable")
+    counts = {v: sum(r.verdict == v for r in results) for v in ("safe", "needs-trust", "dangerous", "error")}
+    return (f"{len(results)} files: {counts['safe']} safe, {counts['needs-trust']} need trust, "
+            f"{counts['dangerous']} dangerous, {counts['error']} unreadable")
+
+
 @click.command("scan")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(dir_okay=True))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per file (a JSON list) instead of text.")
+@json_option("scan")
 @click.option("--all", "show_all", is_flag=True, help="List allowed globals too, not only the ones that are not.")
+@click.option("--strict", is_flag=True,
+              help="One verdict: unsafe unless every global is in torch's weights_only allowlist (exit 0 safe, "
+                   "1 unsafe, 2 unreadable).")
 @click.pass_context
-def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, show_all: bool) -> None:
+def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, show_all: bool, strict: bool) -> None:
     """Say whether loading each checkpoint in PATHS could run code, without running or importing anything.
 
     Every pickle in each file is read (zip members such as data.pkl and other .pkl files, nested zips, the five
     pickles of a legacy stream, legacy tar members, plain pickles whatever their name, TorchScript pickles, and
-    pickles or zips appended after the data), and every global it would import is classified:
+    pickles or zips appended after the data), and every global it would import gets a level:
 
     \b
-      allowed    torch.load(weights_only=True) accepts it (in a TorchScript archive, also the
-                 __torch__.* types torch.jit.load resolves itself)
-      dangerous  a known process, file, network, import or eval gadget (os.system, builtins.eval,
-                 subprocess.Popen, functools.partial, torch.load, ...): the list only explains
-      unknown    anything else, such as a model class: loading would import and call it
+      safe         torch.load(weights_only=True) accepts it (in a TorchScript archive, also the
+                   __torch__.* types torch.jit.load resolves itself)
+      needs-trust  a library class that runs no code of the file's choosing when loaded (torch.nn
+                   modules, optimizers, numpy arrays and RNG state, argparse.Namespace, pathlib
+                   paths, DCP metadata), or a class on no list (mypkg.Net): load it with
+                   weights_only=False only if you trust the file and the package
+      dangerous    a process, file, network, import or eval gadget (os.system, builtins.eval,
+                   subprocess.Popen, functools.partial, torch.load, ...), or a function on no list:
+                   loading would call it with arguments the file chooses
 
-    A file is safe only when every global is allowed. Directories are walked for checkpoint files.
-    Exit status: 0 when every file is safe, 1 when any file is unsafe, 2 when a file could not be read
-    (and none is unsafe).
+    A file is as bad as its worst global; a file that could not be read to its end is unreadable (unless a
+    dangerous global came first). Directories are walked for checkpoint files.
+
+    \b
+    Exit status (the worst file decides):
+      0  every file is safe
+      1  a file is dangerous
+      2  a file could not be read (and none is dangerous)
+      4  a file needs trust (and none is dangerous or unreadable)
+
+    With --strict: 0 safe, 1 a file names a global outside the allowlist (unsafe), 2 unreadable.
+    --quiet prints nothing (the exit status answers); --json gives "strict", "exit_code" and "files" (per file:
+    "verdict", "level", and each global's "status" and "level").
 
     \b
     Examples:
       ckptool scan model.pth
       ckptool scan ~/Downloads/*.bin --json
-      ckptool scan checkpoints/
+      ckptool scan checkpoints/ --strict
     """
     results = scan(paths)
+    code = exit_status(results, strict=strict)
     if as_json:
-        click.echo(json.dumps([r.to_dict() for r in results], indent=2))
-    else:
+        emit_json("scan", {"strict": strict, "exit_code": code, "files": [r.to_dict(strict=strict) for r in results]})
+    elif not is_quiet():
         for i, r in enumerate(results):
             if i:
                 click.echo("")
-            _print_result(r, show_all)
+            _print_result(r, show_all, strict)
         if len(results) > 1:
-            counts = {v: sum(r.verdict == v for r in results) for v in ("safe", "unsafe", "error")}
             click.echo("")
-            click.echo(f"{len(results)} files: {counts['safe']} safe, {counts['unsafe']} unsafe, "
-                       f"{counts['error']} unreadable")
+            click.echo(_summary(results, strict))
         elif not results:
             click.echo("no checkpoint files found")
-    codes = [r.exit_code for r in results]
-    ctx.exit(1 if 1 in codes else 2 if 2 in codes else 0)
+    ctx.exit(code)

@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from ckptool.cli._common import key_option
+from ckptool.cli._common import emit_json, json_option, key_option
 from ckptool.errors import CkptError, UsageError
 from ckptool.torch_ops.verify import verify
 
@@ -134,7 +134,7 @@ def build_factory(spec: str, kwargs_json: str | None) -> Callable[[], Any]:
               "on DEVICE and on the CPU, and compare the outputs.")
 @click.option("--trust", is_flag=True, help="Allow a full (unrestricted) unpickle. Runs code named by the file: "
               "only for files from a source you trust.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the report.")
+@json_option("verify")
 @click.pass_context
 def verify_cmd(ctx: click.Context, ckpt: str, model_spec: str, model_kwargs: str | None, device: str | None,
                key: str | None, strict: bool, input_shape: str | None, trust: bool, as_json: bool) -> None:
@@ -154,7 +154,7 @@ def verify_cmd(ctx: click.Context, ckpt: str, model_spec: str, model_kwargs: str
     factory = build_factory(model_spec, model_kwargs)
     report = verify(ckpt, factory, device=device, key=key, strict=strict, input_shape=shape, trust=trust)
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        emit_json("verify", report.to_dict())
     else:
         click.echo(report.format())
     if not report.ok:

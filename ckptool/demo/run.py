@@ -43,14 +43,16 @@ from ckptool.torch_ops.verify import verify
 class Printer:
     """Prints the demo's sections through ``echo`` (``click.echo``): ``section`` a numbered heading and what the
     step does, ``commands`` the equivalent ``$ ckptool ...`` lines and ``>>> python`` calls, ``result`` indented
-    results. ``quiet=True`` drops everything except lines printed with ``force=True``."""
+    results. ``quiet=True`` drops everything except lines printed with ``force=True``; ``silent=True`` drops
+    everything."""
 
-    def __init__(self, quiet: bool = False, echo: Callable[..., None] = click.echo) -> None:
-        self.quiet = quiet
+    def __init__(self, quiet: bool = False, echo: Callable[..., None] = click.echo, silent: bool = False) -> None:
+        self.quiet = quiet or silent
+        self.silent = silent
         self._echo = echo
 
     def line(self, text: str = "", force: bool = False, **style: Any) -> None:
-        if force or not self.quiet:
+        if not self.silent and (force or not self.quiet):
             self._echo(click.style(text, **style) if style else text)
 
     def section(self, n: int, total: int, title: str, what: str) -> None:
@@ -265,7 +267,7 @@ class DemoRun:
                  f"held-out accuracy {r['accuracy']:.1%}")
 
     def summary(self) -> None:
-        """Step 7: the summary table (received vs portable file of each kind), printed even when quiet."""
+        """Step 7: the summary table (received vs portable file of each kind), printed unless silent."""
         self.p.section(7, self.TOTAL, "Summary", "")
         for kind in KINDS:
             before, after = inspect(self.res.received[kind]), inspect(self.res.portable[kind])
@@ -275,13 +277,16 @@ class DemoRun:
 
 
 def run_demo(out: str | os.PathLike[str] | None = None, device: str = "auto", epochs: int = 30, seed: int = 0,
-             quiet: bool = False, echo: Callable[..., None] = click.echo, progress_bar: bool = True) -> DemoResult:
+             quiet: bool = False, echo: Callable[..., None] = click.echo, progress_bar: bool = True,
+             summary_only: bool = False) -> DemoResult:
     """Run the seven steps of the module docstring, printing each as a headed section with ``echo``.
 
     ``out``: folder for every file written (created if missing; default a new temporary folder, named in the
     output). ``device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. ``epochs`` >= 1 (about 0.02 s each on a CPU).
-    ``seed`` seeds the train/held-out split, the initial weights and the batch order. ``quiet`` prints only the
-    summary table and the closing line; ``progress_bar`` shows Click's progress bar over the epochs.
+    ``seed`` seeds the train/held-out split, the initial weights and the batch order. ``quiet`` prints nothing at
+    all (no sections, no summary, no progress bar; read the returned :class:`DemoResult`); ``summary_only``
+    prints only the summary table and the closing line (``ckptool demo --quiet``); ``progress_bar`` shows Click's
+    progress bar over the epochs (never with ``quiet`` or ``summary_only``).
 
     Returns a :class:`DemoResult` (paths of every file, accuracy, summary rows, seconds).
 
@@ -294,9 +299,9 @@ def run_demo(out: str | os.PathLike[str] | None = None, device: str = "auto", ep
         raise UsageError(f"--epochs must be at least 1, got {epochs}")
     dev = resolve_device(device)
     out_dir = prepare_out(out)
-    p = Printer(quiet, echo)
+    p = Printer(summary_only, echo, silent=quiet)
     p.line(f"ckptool demo: training on {dev} for {epochs} epochs (seed {seed}); files go to {out_dir}", bold=True)
-    demo = DemoRun(out_dir, dev, epochs, seed, p, progress_bar and not quiet)
+    demo = DemoRun(out_dir, dev, epochs, seed, p, progress_bar and not p.quiet)
     for step in DemoRun.STEPS:
         getattr(demo, step)()
     res = demo.res

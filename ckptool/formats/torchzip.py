@@ -5,7 +5,8 @@ every record stored uncompressed under one top folder, its data starting on a 64
 into a local-header extra field, id ``FB``) so that ``torch.load(mmap=True)`` can map it, with ZIP64 records
 when sizes, offsets or the entry count need them. Record bytes are copied from the source file with
 :func:`ckptool._fileio.copy_range` (``os.copy_file_range`` where the kernel offers it), so memory stays bounded
-whatever the record size.
+whatever the record size, and the write-back of the output starts as it is written
+(:class:`ckptool._fileio.WriteBehind`), so that the final fsync of :func:`ckptool._fileio.atomic_output` is short.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 import secrets
 import struct
 import zlib
+from collections.abc import Callable
 from typing import BinaryIO
 
-from ckptool._fileio import copy_range, copy_range_crc
+from ckptool._fileio import copy_range, copy_range_crc, write_behind_for
 from ckptool.errors import CkptError
 
 ALIGNMENT = 64
@@ -24,20 +26,25 @@ _U32 = 0xFFFFFFFF
 _DOS_DATE = (0 << 11) | (0 << 5) | 0, (0 << 9) | (1 << 5) | 1  # 00:00:00, 1980-01-01 (what miniz writes)
 
 
-
-
 class TorchZipWriter:
     """Write records into an open, seekable binary file in the zip layout torch reads.
 
     Use :meth:`write_bytes` for small records, :meth:`copy_record` for a byte range of another file; then
     :meth:`close` writes the central directory. The caller owns the file object.
+
+    ``progress``, if given, is called with a number of bytes each time a piece of a record body has been copied
+    by :meth:`copy_record` (at most 8 MiB per call); the calls for one record add up to its size, so the calls
+    for a file add up to the sum of the ``size`` arguments of :meth:`copy_record`. Records written with
+    :meth:`write_bytes` (the pickle, small metadata) are not counted.
     """
 
-    def __init__(self, f: BinaryIO, archive_name: str) -> None:
+    def __init__(self, f: BinaryIO, archive_name: str, *, progress: Callable[[int], None] | None = None) -> None:
         self.f = f
         self.prefix = archive_name.strip("/") + "/"
         self.entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, local header offset
         self.pos = f.tell()
+        self.progress = progress
+        self._behind = write_behind_for(f)  # None for a file object without a descriptor (io.BytesIO)
 
     # -- local header --------------------------------------------------------------------------------------
     def _header(self, name: bytes, size: int, crc: int) -> tuple[bytes, int]:
@@ -89,14 +96,19 @@ class TorchZipWriter:
             self.f.write(data)
             self.pos += size
             self.entries.append((name, crc, size, hoff))
+            if self._behind is not None:
+                self._behind.written(self.pos)  # bytes still in the file object's buffer are left to the fsync
+            if self.progress is not None:
+                self.progress(size)
             return
         name, hoff = self._begin(record, size, crc or 0)
         self.f.flush()
         if crc is None:
-            crc = self._copy_with_crc(src, offset, size)
+            crc = copy_range_crc(src, self.f, offset, size, progress=self.progress, behind=self._behind)
             self._patch_crc(hoff, crc)
         else:
-            self._copy_raw(src, offset, size)
+            self.f.seek(self.pos)
+            copy_range(src, self.f, offset, size, progress=self.progress, behind=self._behind)
         self.pos += size
         self.entries.append((name, crc, size, hoff))
 
@@ -105,13 +117,6 @@ class TorchZipWriter:
         self.f.seek(header_offset + 14)
         self.f.write(struct.pack("<I", crc))
         self.f.seek(here)
-
-    def _copy_raw(self, src: BinaryIO, offset: int, size: int) -> None:
-        self.f.seek(self.pos)
-        copy_range(src, self.f, offset, size)
-
-    def _copy_with_crc(self, src: BinaryIO, offset: int, size: int) -> int:
-        return copy_range_crc(src, self.f, offset, size)
 
     # -- torch.save's record sequence ----------------------------------------------------------------------
     def begin_torch_save(self, data_pkl: bytes) -> None:

@@ -1,20 +1,47 @@
 """The globals policy: which globals a pickle may name, and the verdict on each one. No torch import.
 
 :data:`WEIGHTS_ONLY_ALLOWED` lists the globals ``torch.load(weights_only=True)`` accepts by default;
-:func:`classify_global` gives every global named in a pickle a verdict (:data:`ALLOWED`, :data:`DANGEROUS` with
-what the gadget can do, or :data:`UNKNOWN`), used by ``ckptool scan`` and ``ckptool inspect``;
-:func:`refusal_remedy` says what to do about a file ``torch.load(weights_only=True)`` refuses.
+:func:`classify_global` gives every global named in a pickle a status (:data:`ALLOWED`, :data:`NEEDS_TRUST`,
+:data:`UNKNOWN` or :data:`DANGEROUS`, with the reason), and :func:`level_of` / :func:`worst_level` turn statuses into
+the three levels of ``ckptool scan`` (:data:`SAFE`, :data:`NEEDS_TRUST`, :data:`DANGEROUS`), used by ``ckptool scan``
+and ``ckptool inspect``; :func:`refusal_remedy` says what to do about a file ``torch.load(weights_only=True)`` refuses.
 
 :data:`WEIGHTS_ONLY_ALLOWED` is generated from ``torch._weights_only_unpickler._get_allowed_globals()`` of torch
 2.13.0 (the keys of that dict, ``module.qualname``). A checkpoint whose pickle names only these (plus the opcodes
 torch's restricted unpickler handles itself) loads with ``weights_only=True``; anything else needs the user's trust
 (``weights_only=False``) or ``torch.serialization.add_safe_globals``. Regenerate with
 ``python -c "from torch import _weights_only_unpickler as w; print(sorted(w._get_allowed_globals()))"``.
+
+The three levels, and the rule that puts each global in one (first match wins):
+
+1. ``safe`` (status ``allowed``): in :data:`WEIGHTS_ONLY_ALLOWED`; in a TorchScript archive also the names its C++
+   unpickler resolves itself (``__torch__.*``, :data:`TORCHSCRIPT_NAMES`).
+2. ``needs-trust`` (status ``needs-trust``): a name on :data:`NEEDS_TRUST_NAMES` (exact), such as
+   ``argparse.Namespace``, ``pathlib.PosixPath``, numpy's array/dtype/RNG-state rebuilders, ``torch._C.Generator``
+   or the DCP metadata classes (:data:`ckptool.formats.dcp.DCP_GLOBALS`). This list is checked before rule 3, so
+   that ``pathlib.PosixPath`` is data while every other ``pathlib`` name stays dangerous.
+3. ``dangerous`` (status ``dangerous``): a known gadget, :data:`DANGEROUS_NAMES` or anything in a module of
+   :data:`DANGEROUS_MODULES` (process, file, network, import, eval...).
+4. ``needs-trust``: a class (last part CapWords, every part before it a lowercase module name) in a module of
+   :data:`NEEDS_TRUST_MODULES` (``torch.nn.modules``, ``torch.optim``, ``numpy.random``...): library classes that
+   carry state and run no code of the file's choosing when rebuilt.
+5. ``needs-trust`` (status ``unknown``): any other class of that shape (``mypkg.models.Net``). Nothing shows it
+   harmless: loading imports its module (running that module's top-level code) and calls the class or its
+   ``__setstate__`` with data from the file; a class-shaped name can even be an alias of a function. Load it only
+   if you trust both the file and the package.
+6. ``dangerous``: anything else, that is any function or attribute outside the lists (``operator.add``,
+   ``mypkg.utils.run``, ``pathlib.Path.write_text``): loading would call it with arguments the file chooses, and
+   no list shows it harmless.
+
+Names are rated by what they are, never by the file name or by how often they appear; the lists only add
+``needs-trust`` names and reasons: the default for a name on no list is at least ``needs-trust``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from ckptool.formats.dcp import DCP_GLOBALS
 
 WEIGHTS_ONLY_ALLOWED: frozenset[str] = frozenset(
     [
@@ -172,8 +199,28 @@ def is_allowed(qualified_name: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ verdicts
-#: the verdicts of :func:`classify_global`
-ALLOWED, DANGEROUS, UNKNOWN = "allowed", "dangerous", "unknown"
+#: the statuses of :func:`classify_global` (``NEEDS_TRUST`` and ``DANGEROUS`` are levels too)
+ALLOWED, NEEDS_TRUST, UNKNOWN, DANGEROUS = "allowed", "needs-trust", "unknown", "dangerous"
+#: the levels of ``ckptool scan``, from best to worst (:func:`level_of`)
+SAFE = "safe"
+LEVELS: tuple[str, str, str] = (SAFE, NEEDS_TRUST, DANGEROUS)
+_LEVEL_OF_STATUS = {ALLOWED: SAFE, NEEDS_TRUST: NEEDS_TRUST, UNKNOWN: NEEDS_TRUST, DANGEROUS: DANGEROUS}
+
+
+def level_of(status: str) -> str:
+    """The scan level (:data:`SAFE`, :data:`NEEDS_TRUST` or :data:`DANGEROUS`) of a :func:`classify_global` status:
+    ``allowed`` is safe, ``needs-trust`` and ``unknown`` (an unknown class) need trust, ``dangerous`` is dangerous.
+
+    Raises:
+        KeyError: ``status`` is not one of :data:`ALLOWED`, :data:`NEEDS_TRUST`, :data:`UNKNOWN`, :data:`DANGEROUS`.
+    """
+    return _LEVEL_OF_STATUS[status]
+
+
+def worst_level(statuses: Iterable[str]) -> str:
+    """The worst level among ``statuses`` (:func:`classify_global` statuses); :data:`SAFE` when there are none."""
+    return max((level_of(s) for s in statuses), key=LEVELS.index, default=SAFE)
+
 
 #: modules whose every callable is a gadget (the module and its submodules): what each one can do
 DANGEROUS_MODULES: dict[str, str] = {
@@ -204,6 +251,17 @@ DANGEROUS_MODULES: dict[str, str] = {
     "ensurepip": "runs pip", "pip": "installs packages", "setuptools": "runs build code",
     "distutils": "runs build code", "gc": "reaches every live object (gc.get_objects)",
     "inspect": "reaches frames and source", "types": "builds functions and code objects",
+    "logging": "opens files and connections (FileHandler, SocketHandler)", "zipfile": "creates and overwrites files",
+    "tarfile": "creates and overwrites files", "gzip": "opens files", "bz2": "opens files", "lzma": "opens files",
+    "sqlite3": "opens database files", "dbm": "opens database files", "mailbox": "creates files",
+    "wave": "opens files", "aifc": "opens files", "sunau": "opens files", "mmap": "maps files into memory",
+    "socketserver": "opens network servers", "xmlrpc": "opens network connections",
+    "imaplib": "opens network connections", "poplib": "opens network connections",
+    "nntplib": "opens network connections", "threading": "starts threads running any callable",
+    "_thread": "starts threads running any callable", "concurrent": "runs callables in threads and processes",
+    "atexit": "registers callables to run at exit", "weakref": "registers callables (weakref.finalize)",
+    "torch.utils.tensorboard": "creates log files", "tensorboardX": "creates log files",
+    "torch.multiprocessing": "runs processes", "torch.distributed.run": "runs processes",
 }
 
 #: single names that are gadgets
@@ -233,6 +291,60 @@ DANGEROUS_NAMES: dict[str, str] = {
     "numpy.lib.npyio.load": "unpickles .npy data with allow_pickle",
 }
 
+_NUMPY_ARRAY = "rebuilds a numpy array, scalar or dtype from its bytes"
+_NUMPY_RNG = "rebuilds a numpy random generator from its saved state (accelerate's random_states_*.pkl)"
+_PATH = "a file system path as plain data: building it reads and writes nothing (other pathlib names stay dangerous)"
+_BUILTIN_TYPE = "a built-in type: builds a value from the file's data, runs nothing"
+
+#: exact names that need trust but run no code of the file's choosing: what each one does when loaded
+NEEDS_TRUST_NAMES: dict[str, str] = {
+    **{f"numpy.{core}.multiarray.{n}": _NUMPY_ARRAY for core in ("core", "_core") for n in ("_reconstruct", "scalar")},
+    **{f"numpy.{core}.numeric._frombuffer": _NUMPY_ARRAY for core in ("core", "_core")},  # protocol 5 arrays
+    "numpy.ndarray": _NUMPY_ARRAY, "numpy.dtype": _NUMPY_ARRAY,
+    **{f"numpy.{t}": "a numpy scalar type: builds a number from the file's data" for t in (
+        "bool", "bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "intc", "uintc",
+        "intp", "uintp", "int_", "uint", "longlong", "ulonglong", "byte", "ubyte", "short", "ushort", "half",
+        "single", "double", "longdouble", "float16", "float32", "float64", "float128", "complex64", "complex128",
+        "complex256", "csingle", "cdouble", "clongdouble", "str_", "bytes_", "void", "datetime64", "timedelta64",
+        "object_")},
+    **{f"numpy.random._pickle.{n}": _NUMPY_RNG
+       for n in ("__randomstate_ctor", "__generator_ctor", "__bit_generator_ctor")},
+    "numpy.random.bit_generator.__pyx_unpickle_SeedSequence": _NUMPY_RNG,
+    "argparse.Namespace": "a record of attributes (training arguments): builds a namespace, runs nothing",
+    "types.SimpleNamespace": "a record of attributes: builds a namespace, runs nothing",
+    **{f"pathlib.{sub}{n}": _PATH for sub in ("", "_local.") for n in (
+        "Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")},
+    **{f"builtins.{n}": _BUILTIN_TYPE for n in ("object", "dict", "list", "tuple", "str", "bytes", "int", "float",
+                                                "bool", "frozenset", "slice", "range")},
+    "collections.defaultdict": "a dict with a default factory (stored, not called, when loaded)",
+    "collections.deque": "a queue of values: builds it, runs nothing",
+    "copyreg._reconstructor": "builds an object of a class named elsewhere in the pickle (rated on its own)",
+    **{f"datetime.{n}": "a date or time value: builds it, runs nothing"
+       for n in ("datetime", "date", "time", "timedelta", "timezone")},
+    "torch._C.Generator": "a torch random generator: restores its saved RNG state",
+    "torch._utils._rebuild_xla_tensor": "rebuilds an XLA tensor from its saved values (torch.save writes it)",
+    "torch.amp.grad_scaler._refresh_per_optimizer_state": "GradScaler's default factory (returns a fresh dict)",
+    "torch.cuda.amp.grad_scaler._refresh_per_optimizer_state": "GradScaler's default factory (returns a fresh dict)",
+    **{n: "torch.distributed.checkpoint writes it in .metadata: a record of where tensors lie"
+       for n in DCP_GLOBALS if not n.startswith("pathlib.")},
+}
+
+#: modules whose classes (``module.CapWordsName``, in the module or a submodule) need trust but carry state only
+NEEDS_TRUST_MODULES: dict[str, str] = {
+    "torch.nn.modules": "a torch.nn module: rebuilt from its saved attributes",
+    "torch.nn.parameter": "a torch parameter or buffer class: rebuilt from its saved tensor",
+    "torch.optim": "a torch optimizer or LR scheduler: rebuilt from its saved attributes (functions it holds are "
+                   "rated on their own)",
+    "torch.amp": "torch.amp's GradScaler: rebuilt from its saved scale and counters",
+    "torch.cuda.amp": "torch.amp's GradScaler: rebuilt from its saved scale and counters",
+    "torch.distributed.checkpoint": "a torch.distributed.checkpoint metadata record",
+    "torch.torch_version": "torch's version string class",
+    "numpy.random": "a numpy bit generator or RandomState: rebuilt from its saved state",
+    "numpy.dtypes": "a numpy dtype class",
+    "collections": "a standard container class",
+    "enum": "an enum class",
+}
+
 #: names TorchScript's C++ unpickler resolves itself (torch/csrc/jit/serialization/unpickler.cpp), never importing
 TORCHSCRIPT_NAMES = frozenset({
     "torch.jit._pickle.build_intlist", "torch.jit._pickle.build_tensorlist", "torch.jit._pickle.build_doublelist",
@@ -240,27 +352,62 @@ TORCHSCRIPT_NAMES = frozenset({
 })
 
 
+def _dangerous_reason(name: str) -> str | None:
+    """What the known gadget ``name`` can do (:data:`DANGEROUS_NAMES`, then the longest :data:`DANGEROUS_MODULES`
+    prefix), or None."""
+    why = DANGEROUS_NAMES.get(name)
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if why is not None:
+            break
+        why = DANGEROUS_MODULES.get(".".join(parts[:i]))
+    return why
+
+
+def _module_of_class(name: str) -> str | None:
+    """The module of ``name`` when it has the shape of a module-level class (``pkg.mod.ClassName``: the last part
+    starts with an uppercase letter, every part before it with a lowercase letter or ``_``, ``__main__``...), else
+    None (a function, a constant, an attribute inside a class such as ``pathlib.Path.write_text``)."""
+    module, _, last = name.rpartition(".")
+    if not module or not last[:1].isupper():
+        return None
+    if any(not p or not (p.lstrip("_")[:1].islower() or p.strip("_") == p.strip("_").lower()) for p in
+           module.split(".")):
+        return None
+    return module
+
+
 def classify_global(name: str, *, torchscript: bool = False) -> tuple[str, str]:
-    """``(status, reason)`` of the global ``module.qualname`` (Python 3 module names).
+    """``(status, reason)`` of the global ``module.qualname`` (Python 3 module names), by the rules of this
+    module's docstring (first match wins).
 
     ``status`` is :data:`ALLOWED` (in the ``torch.load(weights_only=True)`` allowlist, or resolved by TorchScript's
-    own unpickler when ``torchscript`` is true), :data:`DANGEROUS` (a known gadget; ``reason`` says what it can
-    do) or :data:`UNKNOWN` (anything else: loading would import and call it).
+    own unpickler when ``torchscript`` is true), :data:`NEEDS_TRUST` (a known library class or rebuilder that runs
+    no code of the file's choosing), :data:`DANGEROUS` (a known gadget, or a function on no list; ``reason`` says
+    what it can do) or :data:`UNKNOWN` (a class on no list: loading would import and build it). :func:`level_of`
+    turns it into a scan level.
     """
     if is_allowed(name):
         return ALLOWED, "accepted by torch.load(weights_only=True)"
     if torchscript and (name.startswith("__torch__.") or name in TORCHSCRIPT_NAMES):
         return ALLOWED, "resolved by torch.jit.load's own unpickler, not imported"
-    why = DANGEROUS_NAMES.get(name)
-    if why is None:
-        parts = name.split(".")
-        for i in range(len(parts) - 1, 0, -1):
-            why = DANGEROUS_MODULES.get(".".join(parts[:i]))
-            if why is not None:
-                break
+    if name in TORCHSCRIPT_NAMES:
+        return NEEDS_TRUST, "a TorchScript list builder; outside a TorchScript archive torch.load imports it"
+    why = NEEDS_TRUST_NAMES.get(name)
+    if why is not None:
+        return NEEDS_TRUST, why
+    why = _dangerous_reason(name)
     if why is not None:
         return DANGEROUS, why
-    return UNKNOWN, "not in torch's weights_only allowlist: loading would import and call it"
+    module = _module_of_class(name)
+    if module is None:
+        return DANGEROUS, "a function on no list: loading would call it with arguments the file chooses"
+    parts = module.split(".")
+    for i in range(len(parts), 0, -1):
+        why = NEEDS_TRUST_MODULES.get(".".join(parts[:i]))
+        if why is not None:
+            return NEEDS_TRUST, why
+    return UNKNOWN, "a class on no list: loading imports its package and builds it from the file's data"
 
 
 def refusal_remedy(path: str, names: Iterable[str]) -> str:

@@ -41,6 +41,11 @@ SCHEDULER_NAMES: tuple[str, ...] = (
     "scheduler_state_dict", "scheduler", "lr_scheduler", "lr_scheduler_state_dict", "scheduler_state", "sched",
     "lr_schedulers",
 )
+#: Names under which training checkpoints commonly keep ``GradScaler.state_dict()`` (torch's AMP recipe
+#: "scaler", accelerate/timm style "grad_scaler", "scaler_state_dict", Lightning's "native_amp_scaling_state").
+SCALER_NAMES: tuple[str, ...] = (
+    "scaler", "grad_scaler", "scaler_state_dict", "scaler_state", "native_amp_scaling_state",
+)
 _FLAT_PARAM_RE = re.compile(r"(^|\.)(_flat_param|flat_param_\d+|_fsdp_flat_param)$")
 
 

@@ -48,7 +48,7 @@ from ckptool.model.module_state import detached, module_state_dict, state_dict_n
 from ckptool.model.paths import get_path
 from ckptool.model.rename_memory import rename_state_dict
 from ckptool.model.rename_plan import build_plan
-from ckptool.ops.rewrite import retag_function, rewrite_file
+from ckptool.ops.rewrite import ProgressFn, retag_function, rewrite_file
 from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted
 
 __all__ = ["ExtractResult", "extract_state_dict"]
@@ -101,17 +101,20 @@ def _collect(ck: Checkpoint, key: str | None) -> tuple[str, str, list[tuple[str,
 
 
 # ------------------------------------------------------------------------------------------------ writing
-def _write_zip(ck: Checkpoint, dst: str, sd: Any, used: set[str], location_fn: LocationFn | None) -> tuple[int, int]:
+def _write_zip(ck: Checkpoint, dst: str, sd: Any, used: set[str], location_fn: LocationFn | None,
+               progress: ProgressFn | None) -> tuple[int, int]:
     keep = {"data/" + k for k in used}
     records = [r for r in ck.records if not r.name.startswith("data/") or r.name in keep]
     storages = {k: v for k, v in ck.storages.items() if k in used}
-    res = rewrite_file(replace(ck, records=records, storages=storages), dst, sd, location_fn)
+    res = rewrite_file(replace(ck, records=records, storages=storages), dst, sd, location_fn, progress=progress)
     return res.storages, res.bytes_written
 
 
 # ------------------------------------------------------------------------------------------------ the API
-def _default_dst(src: str) -> str:
-    stem, _ext = os.path.splitext(src)
+def default_output(src: str | os.PathLike[str]) -> str:
+    """The file :func:`extract_state_dict` writes when no ``dst`` is given: ``<stem>.state_dict.pth`` beside
+    ``src``."""
+    stem, _ext = os.path.splitext(os.fspath(src))
     return f"{stem}.state_dict.pth"
 
 
@@ -119,7 +122,7 @@ def _default_dst(src: str) -> str:
 def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = None, *,
                        key: str | None = None, unwrap: bool = False, to: str | None = None,
                        mapping: Mapping[str, str] | None = None, allow_missing: bool = False, trust: bool = False,
-                       quiet: bool = False) -> ExtractResult:
+                       quiet: bool = False, progress: ProgressFn | None = None) -> ExtractResult:
     """Write the state_dict of the ``nn.Module`` pickled in ``src`` (``torch.save(model)``) to ``dst``.
 
     Without ``trust`` nothing from the file is imported or run: the module tree in the pickle is walked (see the
@@ -140,6 +143,8 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
         trust: load ``src`` with ``torch.load(weights_only=False)`` (runs the file's code, imports its classes)
             and call the module's own ``state_dict()``.
         quiet: unused by the library (kept for callers that print progress).
+        progress: ``progress(nbytes)`` is called as storage records are copied into a ``.pth`` output (bytes since
+            the last call).
 
     Returns:
         An :class:`ExtractResult`.
@@ -157,7 +162,7 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
         CkptError: with ``trust``, the model's classes cannot be imported; writing failed.
     """
     src = os.fspath(src)
-    dst = os.fspath(dst) if dst is not None else _default_dst(src)
+    dst = os.fspath(dst) if dst is not None else default_output(src)
     if same_file(src, dst):
         raise UsageError(f"output {dst} is the input file; choose another -o path")
     safetensors_out = dst.endswith(".safetensors")
@@ -193,7 +198,7 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
         res.storages = len({t.storage.key for _k, t in items if t.storage is not None})
         return res
     used = {t.storage.key for _k, t in items if t.storage is not None}
-    res.storages, res.bytes_written = _write_zip(ck, dst, state_dict_node(items, meta), used, location_fn)
+    res.storages, res.bytes_written = _write_zip(ck, dst, state_dict_node(items, meta), used, location_fn, progress)
     return res
 
 

@@ -4,6 +4,11 @@ For torch zip / legacy / TorchScript files the pickle is read with :mod:`ckptool
 imported or run); for safetensors only the JSON header is read (:mod:`ckptool.formats.safetensors`). A sharded set
 (:mod:`ckptool.formats.sharded`: an ``*.index.json`` or the folder holding one) is described as one checkpoint
 from its shards, a DCP folder from its ``.metadata`` (:mod:`ckptool.formats.dcp`).
+
+Bytes are counted one way everywhere (the totals, the per-device / dtype table, ``--json``): the bytes of each
+storage, once, however many tensors (tied weights, views) use it; a tensor's own ``nbytes`` is its numel * element
+size. The non-tensor entries (epoch, steps, learning rates, hyper-parameters, RNG states) are described by
+:mod:`ckptool.ops.inspect_values`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ckptool._gc import gc_paused
-from ckptool.errors import CorruptCheckpointError
+from ckptool.errors import CkptError, CorruptCheckpointError
 from ckptool.formats import detect as formats
 from ckptool.formats.dcp import read_dcp_metadata
 from ckptool.formats.dtypes import (
@@ -24,6 +29,7 @@ from ckptool.formats.dtypes import (
     numel,
     safetensors_dtype,
     storage_element,
+    storage_nbytes,
     tensor_dtype,
 )
 from ckptool.formats.nodes import StorageRef, TensorNode, qualified_name
@@ -42,6 +48,10 @@ from ckptool.model.graph import (
 )
 from ckptool.model.keys import is_flat_param_key, shared_prefixes, suggest_command
 from ckptool.ops.dcp_safety import is_dcp_allowed
+from ckptool.ops.inspect_values import PreviewLimits, ValueInfo, value_infos
+
+#: the ``"schema"`` of :meth:`CheckpointInfo.to_dict` (``ckptool inspect --json``)
+SCHEMA = "ckptool.inspect/2"
 
 
 @dataclass
@@ -93,11 +103,28 @@ class GlobalInfo:
 
 
 @dataclass
+class ByteTotal:
+    """The tensors of one location tag and dtype: ``tensors`` counts every tensor (views and tied weights
+    included), ``storages`` the distinct storages they use and ``bytes`` those storages' bytes, each storage once
+    (a storage shared by tensors of several dtypes counts under the first one's). A storage no tensor uses counts
+    under its own storage class's dtype, with ``tensors`` 0."""
+
+    device: str
+    dtype: str
+    tensors: int = 0
+    storages: int = 0
+    bytes: int = 0
+
+
+@dataclass
 class CheckpointInfo:
     """The result of :func:`inspect`; :meth:`to_dict` is what ``ckptool inspect --json`` prints.
 
     ``size`` is the file size in bytes; ``devices`` maps location tag -> tensor count; ``storage_bytes`` maps
-    location tag -> bytes of distinct storages there; ``metadata`` holds safetensors ``__metadata__``.
+    location tag -> bytes of distinct storages there (each storage once); ``totals`` the same per location tag and
+    dtype (:class:`ByteTotal`); ``storages`` counts distinct storages; ``metadata`` holds safetensors
+    ``__metadata__``; ``values`` the non-tensor entries (:class:`~ckptool.ops.inspect_values.ValueInfo`), all of
+    them unless ``values_complete`` is False (cut by :class:`~ckptool.ops.inspect_values.PreviewLimits`).
     """
 
     path: str
@@ -111,11 +138,19 @@ class CheckpointInfo:
     globals: list[GlobalInfo]
     storages: int = 0
     metadata: dict[str, str] | None = None
+    totals: list[ByteTotal] = field(default_factory=list)
+    values: list[ValueInfo] = field(default_factory=list)
+    values_complete: bool = True
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict (``dataclasses.asdict`` without its deep copies: fast for 50,000 tensors)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        """Plain JSON-ready dict (``dataclasses.asdict`` without its deep copies: fast for 50,000 tensors), with
+        ``"schema": "ckptool.inspect/2"``, ``total_bytes`` (storage bytes, each storage once), ``totals`` and
+        ``values`` (``{"path", "type", "value"}`` or ``{"path", "type", "preview"}``)."""
+        d = {"schema": SCHEMA, **{f.name: getattr(self, f.name) for f in fields(self)}}
         d["tensors"] = [t.__dict__.copy() for t in self.tensors]
+        d["total_bytes"] = self.total_bytes
+        d["totals"] = [r.__dict__.copy() for r in self.totals]
+        d["values"] = [v.to_dict() for v in self.values]
         d["state_dicts"] = [sd.__dict__.copy() for sd in self.state_dicts]
         d["globals"] = [{"name": g.name, "allowed": g.allowed} for g in self.globals]
         d["security"] = {
@@ -136,11 +171,13 @@ class CheckpointInfo:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of all storages, each counted once (tied weights and views share theirs)."""
         return sum(self.storage_bytes.values())
 
 
-def tensor_infos(root: Any) -> list[TensorInfo]:
-    """A :class:`TensorInfo` for every tensor reachable from ``root`` (see :func:`ckptool.model.graph.iter_tensors`)."""
+def tensor_infos(root: Any, storages: dict[str, StorageRef] | None = None) -> list[TensorInfo]:
+    """A :class:`TensorInfo` for every tensor reachable from ``root`` (see :func:`ckptool.model.graph.iter_tensors`);
+    when ``storages`` is given, the storage of each is added to it by key."""
     out = []
     dtype_cache: dict[int, str] = {}
     ref: StorageRef | None
@@ -156,6 +193,8 @@ def tensor_infos(root: Any) -> list[TensorInfo]:
             ref, offset, shape, stride = t.storage, t.storage_offset, list(t.shape), list(t.stride)
             dtype = tensor_dtype(t)
         nbytes = numel(shape) * DTYPE_SIZES.get(dtype, 1)
+        if storages is not None and ref is not None:
+            storages.setdefault(ref.key, ref)
         out.append(TensorInfo(key, shape, dtype, ref.location if ref else "meta", nbytes, stride, offset,
                               ref.key if ref else None, rg))
     return out
@@ -178,16 +217,71 @@ def _kind(root: Any, sds: list[StateDictRef]) -> str:
     return "tensors"
 
 
+def byte_totals(tensors: list[TensorInfo], storages: dict[str, tuple[str, str, int]]) -> list[ByteTotal]:
+    """One :class:`ByteTotal` per (location tag, dtype), sorted, from ``tensors`` and ``storages`` (storage key ->
+    ``(location tag, dtype, bytes)`` of every storage in the file): each storage's bytes are counted once, under the
+    first tensor that uses it; storages no tensor uses under their own tag and dtype."""
+    rows: dict[tuple[str, str], ByteTotal] = {}
+    counted: set[str] = set()
+
+    def row(device: str, dtype: str) -> ByteTotal:
+        r = rows.get((device, dtype))
+        if r is None:
+            r = rows[device, dtype] = ByteTotal(device, dtype)
+        return r
+
+    for t in tensors:
+        r = row(t.device, t.dtype)
+        r.tensors += 1
+        key = t.storage_key
+        if key is not None and key not in counted and key in storages:
+            counted.add(key)
+            r.storages += 1
+            r.bytes += storages[key][2]
+    for key, (device, dtype, nbytes) in storages.items():
+        if key not in counted:
+            r = row(device, dtype)
+            r.storages += 1
+            r.bytes += nbytes
+    return [rows[k] for k in sorted(rows)]
+
+
+def _merge_totals(groups: list[list[ByteTotal]]) -> list[ByteTotal]:
+    """The rows of several disjoint sets of storages (the shards of a set) added up per (location tag, dtype)."""
+    rows: dict[tuple[str, str], ByteTotal] = {}
+    for group in groups:
+        for r in group:
+            acc = rows.setdefault((r.device, r.dtype), ByteTotal(r.device, r.dtype))
+            acc.tensors += r.tensors
+            acc.storages += r.storages
+            acc.bytes += r.bytes
+    return [rows[k] for k in sorted(rows)]
+
+
+def _device_bytes(totals: list[ByteTotal]) -> dict[str, int]:
+    """Location tag -> storage bytes, from :func:`byte_totals` rows."""
+    out: dict[str, int] = {}
+    for r in totals:
+        out[r.device] = out.get(r.device, 0) + r.bytes
+    return out
+
+
+def _one_storage_each(tensors: list[TensorInfo]) -> list[ByteTotal]:
+    """:func:`byte_totals` for formats where every tensor has its own data (safetensors, DCP)."""
+    return byte_totals(tensors, {t.storage_key or t.key: (t.device, t.dtype, t.nbytes) for t in tensors})
+
+
 @gc_paused
-def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
+def inspect(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -> CheckpointInfo:
     """Describe the checkpoint at ``path`` without importing torch or reading tensor data.
 
     Returns a :class:`CheckpointInfo`: format (``torch-zip``, ``torch-legacy``, ``torchscript``, ``safetensors``,
     ``pickle``; for an ``*.index.json`` or a folder ``sharded-safetensors``, ``sharded-torch`` or ``dcp``, see
     :func:`inspect_set`), kind (``state_dict``, ``training_checkpoint``, ``full_model``,
-    ``torchscript``, ``tensors``), every tensor (shared storages included), tensor counts per location tag, the
-    state_dicts found with their wrapper prefixes, and the globals the pickle names with their
-    ``weights_only=True`` status.
+    ``torchscript``, ``tensors``), every tensor (shared storages included), tensor counts per location tag, storage
+    bytes per location tag and dtype (each storage once), the state_dicts found with their wrapper prefixes, the
+    globals the pickle names with their ``weights_only=True`` status, and the non-tensor entries, as many as
+    ``limits`` allow (default :class:`~ckptool.ops.inspect_values.PreviewLimits`; ``ALL_VALUES`` for more).
 
     Raises:
         UsageError: missing path, or a folder that is neither a DCP checkpoint nor holds one ``*.index.json``.
@@ -198,40 +292,51 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     """
     path = os.fspath(path)
     if is_checkpoint_set(path):  # sharded sets and DCP folders
-        return inspect_set(path)
+        return inspect_set(path, limits)
     fmt = formats.detect_format(path)
     if fmt == formats.SAFETENSORS:
         return _inspect_safetensors(path)
     try:
         ck = read_pickle_file(path) if fmt == formats.PICKLE else read_checkpoint(path, fmt)
-        return describe(ck)
+        return describe(ck, limits)
     except RecursionError as e:
         raise CorruptCheckpointError(f"{path}: {too_deep(e)}") from None
 
 
-def describe(ck: Checkpoint) -> CheckpointInfo:
-    """Build the :class:`CheckpointInfo` of an already-read :class:`~ckptool.formats.torchfile.Checkpoint`."""
+def _storage_row(ref: StorageRef) -> tuple[str, str, int]:
+    """``(location tag, dtype, bytes)`` of a storage (an unknown storage class: its numel, as bytes)."""
+    try:
+        return ref.location, storage_element(ref)[0], storage_nbytes(ref)
+    except CkptError:
+        return ref.location, "unknown", ref.numel
+
+
+def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointInfo:
+    """Build the :class:`CheckpointInfo` of an already-read :class:`~ckptool.formats.torchfile.Checkpoint`
+    (``limits``: as :func:`inspect`). Tensors of extra roots (a TorchScript archive's ``constants.pkl``) are keyed
+    ``<root>.<key>``, their storages ``<root>/<key>``."""
     tensors = tensor_infos(ck.root)
+    storages = {key: _storage_row(ref) for key, ref in ck.storages.items()}
     for name, extra in ck.extra_roots.items():
-        tensors += [TensorInfo(**{**asdict(t), "key": f"{name}.{t.key}"}) for t in tensor_infos(extra)]
+        refs: dict[str, StorageRef] = {}
+        for t in tensor_infos(extra, refs):
+            key = t.storage_key and f"{name}/{t.storage_key}"
+            tensors.append(TensorInfo(**{**asdict(t), "key": f"{name}.{t.key}", "storage_key": key}))
+        storages.update({f"{name}/{key}": _storage_row(ref) for key, ref in refs.items()})
     sds = find_state_dicts(ck.root)
     sd_infos = [_state_dict_info(sd.path, sd.keys()) for sd in sds]
     devices: dict[str, int] = {}
     for t in tensors:
         devices[t.device] = devices.get(t.device, 0) + 1
-    storage_bytes: dict[str, int] = {}
-    for ref in ck.storages.values():
-        try:
-            nb = ref.numel * storage_element(ref)[1]
-        except Exception:  # unknown storage class: counted as bytes
-            nb = ref.numel
-        storage_bytes[ref.location] = storage_bytes.get(ref.location, 0) + nb
+    totals = byte_totals(tensors, storages)
     kind = "torchscript" if ck.format == formats.TORCHSCRIPT else _kind(ck.root, sds)
     names = [qualified_name(m, n) for m, n in ck.globals]
     torchscript = ck.format == formats.TORCHSCRIPT and ck.record("constants.pkl") is not None
     globs = [GlobalInfo(n, is_allowed(n), *classify_global(n, torchscript=torchscript)) for n in dict.fromkeys(names)]
-    return CheckpointInfo(ck.path, ck.format, kind, ck.size, tensors, devices, storage_bytes, sd_infos, globs,
-                          storages=len(ck.storages))
+    values, complete = ([], True) if kind == "torchscript" else value_infos(
+        ck.root, [sd.obj for sd in sds], limits or PreviewLimits())
+    return CheckpointInfo(ck.path, ck.format, kind, ck.size, tensors, devices, _device_bytes(totals), sd_infos, globs,
+                          storages=len(storages), totals=totals, values=values, values_complete=complete)
 
 
 def _inspect_safetensors(path: str) -> CheckpointInfo:
@@ -244,15 +349,16 @@ def _inspect_safetensors(path: str) -> CheckpointInfo:
         tensors.append(TensorInfo(name, shape, safetensors_dtype(e["dtype"]), "cpu", end - begin,
                                   list(contiguous_stride(shape)), 0, name))
     sds = [_state_dict_info("", [t.key for t in tensors])]
+    totals = _one_storage_each(tensors)
     return CheckpointInfo(
         path, formats.SAFETENSORS, "tensors", os.path.getsize(path), tensors,
         {"cpu": len(tensors)} if tensors else {}, {"cpu": sum(t.nbytes for t in tensors)}, sds, [],
-        storages=len(tensors), metadata=meta if isinstance(meta, dict) else None,
+        storages=len(tensors), metadata=meta if isinstance(meta, dict) else None, totals=totals,
     )
 
 
 @gc_paused
-def inspect_set(path: str | os.PathLike[str]) -> CheckpointInfo:
+def inspect_set(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -> CheckpointInfo:
     """Describe a sharded set (``*.index.json`` or the folder holding one) or a DCP folder as one checkpoint,
     without torch and without reading tensor data. Returns a :class:`CheckpointInfo` with format
     ``sharded-safetensors`` / ``sharded-torch`` (``sharded-mixed``) / ``dcp``; a model folder holding only
@@ -263,7 +369,8 @@ def inspect_set(path: str | os.PathLike[str]) -> CheckpointInfo:
     the tensors come from ``.metadata`` (names, dtypes, shapes; sizes = elements * element size; DCP records no
     device, so ``cpu`` is shown, where ``dcp_to_torch_save`` puts them); non-tensor entries are listed under
     ``metadata["non_tensor_entries"]``, and ``globals`` says which globals of ``.metadata`` ckptool accepts without
-    ``--trust`` (:func:`ckptool.ops.dcp_safety.is_dcp_allowed`).
+    ``--trust`` (:func:`ckptool.ops.dcp_safety.is_dcp_allowed`) and ``values`` names them (their bytes are not
+    read). ``limits``: as :func:`inspect`.
 
     Raises:
         UsageError: a folder that is none of these; a missing shard.
@@ -271,23 +378,25 @@ def inspect_set(path: str | os.PathLike[str]) -> CheckpointInfo:
     """
     kind, set_path = set_kind(os.fspath(path))
     if kind == "file":
-        return inspect(set_path)
+        return inspect(set_path, limits)
     if kind == "index":
-        return _inspect_index(set_path)
+        return _inspect_index(set_path, limits)
     return _inspect_dcp(set_path)
 
 
-def _inspect_index(path: str) -> CheckpointInfo:
+def _inspect_index(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
     index = read_index(path)
     tensors: list[TensorInfo] = []
     devices: dict[str, int] = {}
-    storage_bytes: dict[str, int] = {}
     globs: dict[str, GlobalInfo] = {}
+    totals: list[list[ByteTotal]] = []
+    values: list[ValueInfo] = []
+    complete = True
     size = os.path.getsize(path)
     storages = 0
     fmts = set()
     for shard in index.shards:
-        info = inspect(index.shard_path(shard))
+        info = inspect(index.shard_path(shard), limits)
         fmts.add("safetensors" if info.format == formats.SAFETENSORS else "torch")
         size += info.size
         storages += info.storages
@@ -296,16 +405,18 @@ def _inspect_index(path: str) -> CheckpointInfo:
             tensors.append(t)
         for d, n in info.devices.items():
             devices[d] = devices.get(d, 0) + n
-        for d, n in info.storage_bytes.items():
-            storage_bytes[d] = storage_bytes.get(d, 0) + n
+        totals.append(info.totals)
+        values += info.values
+        complete = complete and info.values_complete
         for g in info.globals:
             globs.setdefault(g.name, g)
     meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (index.metadata or {}).items()}
     meta["shards"] = str(len(index.shards))
     fmt = "sharded-" + (fmts.pop() if len(fmts) == 1 else "mixed")
-    return CheckpointInfo(path, fmt, "state_dict", size, tensors, devices, storage_bytes,
+    merged = _merge_totals(totals)
+    return CheckpointInfo(path, fmt, "state_dict", size, tensors, devices, _device_bytes(merged),
                           [_state_dict_info("", [t.key for t in tensors])], list(globs.values()), storages=storages,
-                          metadata=meta)
+                          metadata=meta, totals=merged, values=values, values_complete=complete)
 
 
 _OPTIMIZER_STATE_RE = re.compile(r"(^|\.)state\.\d+$")  # an optimizer's per-parameter state: no state_dict
@@ -336,7 +447,9 @@ def _inspect_dcp(folder: str) -> CheckpointInfo:
         extra["dcp_version"] = meta.version
     kind = "state_dict" if len(groups) == 1 and not non_tensor else "training_checkpoint"
     nbytes = sum(t.nbytes for t in tensors)
+    values = [ValueInfo(fqn, "object", "pickled in a .distcp file (not read)") for fqn in non_tensor]
     return CheckpointInfo(folder, "dcp", kind, size, tensors, {"cpu": len(tensors)} if tensors else {},
                           {"cpu": nbytes} if tensors else {}, [_state_dict_info(g, keys) for g, keys in groups.items()],
                           [GlobalInfo(n, is_dcp_allowed(n)) for n in dict.fromkeys(meta.globals)],
-                          storages=len(tensors), metadata=extra or None)
+                          storages=len(tensors), metadata=extra or None, totals=_one_storage_each(tensors),
+                          values=values)

@@ -18,7 +18,7 @@ from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model.devices import parse_device
 from ckptool.model.rename_plan import build_plan
 from ckptool.ops.rename import RenameResult, rename_graph
-from ckptool.ops.rewrite import WriteResult, output_path, refuse_unwritable, retag_function, rewrite_file
+from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, refuse_unwritable, retag_function, rewrite_file
 
 
 @gc_paused
@@ -36,6 +36,7 @@ def remap(
     key: str | None = None,
     allow_missing: bool = False,
     allow_nested: bool = False,
+    progress: ProgressFn | None = None,
 ) -> WriteResult:
     """Write a copy of checkpoint ``src`` whose storages are tagged for another device.
 
@@ -53,7 +54,8 @@ def remap(
     ``strip_prefixes``, ``strip_dataparallel``, ``unwrap`` and ``add_prefix``, applied in that order to the
     state_dict(s) found, or to the one at dotted path ``key``; ``allow_missing`` as in
     :func:`ckptool.ops.rename.strip_prefix` (it also lets a ``mapping`` source that matches no storage pass),
-    ``allow_nested`` as in :func:`ckptool.ops.rename.add_prefix`.
+    ``allow_nested`` as in :func:`ckptool.ops.rename.add_prefix`. ``progress(nbytes)`` is called as the input's
+    records are copied (bytes since the last call).
 
     Returns a :class:`~ckptool.rewrite.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``), a
     :class:`~ckptool.ops.rename.RenameResult` (a WriteResult with the renaming added) when keys were renamed.
@@ -80,14 +82,22 @@ def remap(
                          "--strip-prefix or --add-prefix")
     fmt = formats.detect_format(src)
     refuse_unwritable(fmt, src, "remap")
-    if to is not None:
-        tag = parse_device(to).replace(":", "")
-    else:
-        tag = "remapped"
-    out = output_path(src, os.fspath(dst) if dst is not None else None, in_place, tag)
+    out = remap_output(src, dst, to=to, in_place=in_place)
     ck = read_checkpoint(src, fmt)
     fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     if plan is None:
-        return rewrite_file(ck, out, ck.root, fn)
+        return rewrite_file(ck, out, ck.root, fn, progress=progress)
     root, summary = rename_graph(ck.root, plan, key=key, allow_missing=allow_missing, where=src)
-    return RenameResult.combine(rewrite_file(ck, out, root, fn), summary, "remap")
+    return RenameResult.combine(rewrite_file(ck, out, root, fn, progress=progress), summary, "remap")
+
+
+def remap_output(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None, *, to: str | None,
+                 in_place: bool = False) -> str:
+    """The file :func:`remap` writes: ``dst``, ``src`` itself with ``in_place``, or ``<stem>.<target><ext>`` beside
+    ``src`` (``model.cpu.pth``, ``model.cuda0.pth``; ``model.remapped.pth`` for a ``mapping``).
+
+    Raises:
+        UsageError: as :func:`ckptool.ops.rewrite.output_path`; a bad ``to`` device.
+    """
+    tag = parse_device(to).replace(":", "") if to is not None else "remapped"
+    return output_path(os.fspath(src), os.fspath(dst) if dst is not None else None, in_place, tag)

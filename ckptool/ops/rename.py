@@ -61,7 +61,7 @@ from ckptool.model.rename_plan import (
     label,
     plan_keys,
 )
-from ckptool.ops.rewrite import WriteResult, output_path, retag_function, rewrite_file
+from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, retag_function, rewrite_file
 
 __all__ = [
     "RenamePlan",
@@ -306,7 +306,7 @@ def rename_graph(
 
 # ------------------------------------------------------------------------------------------------ safetensors
 def _rewrite_safetensors(src: str, out: str, plan: RenamePlan, *, key: str | None, allow_missing: bool,
-                         operation: str) -> RenameResult:
+                         operation: str, progress: ProgressFn | None) -> RenameResult:
     if key:
         raise UsageError(f"{src} is safetensors: it holds one flat mapping of tensors, so --key does not apply")
     header = read_header(src)
@@ -318,22 +318,40 @@ def _rewrite_safetensors(src: str, out: str, plan: RenamePlan, *, key: str | Non
         with atomic_output(out, mode=mode) as o:
             o.write(raw)
             copy_range(f, o, header.data_start, header.data_size)
+            if progress is not None:
+                progress(header.data_size)
             written = o.tell()
     res = WriteResult(src, out, formats.SAFETENSORS, storages=len(keys), bytes_written=written)
     return RenameResult.combine(res, summary, operation)
 
 
 # ------------------------------------------------------------------------------------------------ public API
+#: the default output of each renaming command is ``<stem>.<tag><ext>`` beside its input (:func:`rename_output`)
+OUTPUT_TAGS = {"strip-prefix": "stripped", "strip-dataparallel": "stripped", "add-prefix": "prefixed",
+               "unwrap": "unwrapped"}
+
+
+def rename_output(operation: str, src: str | os.PathLike[str], dst: str | os.PathLike[str] | None,
+                  in_place: bool = False) -> str:
+    """The file the renaming ``operation`` (a key of :data:`OUTPUT_TAGS`) writes for ``src``: ``dst``, ``src`` with
+    ``in_place``, or ``<stem>.<tag><ext>`` beside ``src``.
+
+    Raises:
+        UsageError: as :func:`ckptool.ops.rewrite.output_path`.
+    """
+    return output_path(os.fspath(src), os.fspath(dst) if dst is not None else None, in_place, OUTPUT_TAGS[operation])
+
+
 def apply_plan(
-    src: Any, dst: str | os.PathLike[str] | None, plan: RenamePlan, *, operation: str, tag: str,
+    src: Any, dst: str | os.PathLike[str] | None, plan: RenamePlan, *, operation: str,
     key: str | None = None, in_place: bool = False, allow_missing: bool = False, to: str | None = None,
-    mapping: Mapping[str, str] | None = None,
+    mapping: Mapping[str, str] | None = None, progress: ProgressFn | None = None,
 ) -> Any:
     """Run ``plan`` on a file (returns :class:`RenameResult`) or an in-memory mapping (returns a new mapping).
 
-    ``tag`` names the default output (``<stem>.<tag><ext>`` beside ``src``). ``to`` / ``mapping`` re-tag the
-    storages in the same pass, as :func:`ckptool.ops.remap.remap` does. See :func:`strip_prefix` for the errors
-    raised.
+    The default output is :func:`rename_output`'s. ``to`` / ``mapping`` re-tag the storages in the same pass, as
+    :func:`ckptool.ops.remap.remap` does; ``progress`` as in :func:`strip_prefix`. See :func:`strip_prefix` for
+    the errors raised.
     """
     if isinstance(src, Mapping):
         if dst is not None or in_place or to is not None or mapping:
@@ -354,22 +372,23 @@ def apply_plan(
     if fmt == formats.PICKLE:
         raise UnsupportedError(f"{src} is a plain pickle without torch storages, not a torch.save checkpoint; "
                                "load it and rename the state_dict in memory")
-    out = output_path(src, os.fspath(dst) if dst is not None else None, in_place, tag)
+    out = rename_output(operation, src, dst, in_place)
     if fmt == formats.SAFETENSORS:
         if to is not None or mapping:
             raise UsageError(f"{src} is safetensors: it carries no location tags, so --to / --map do not apply "
                              "(load it on any device with safetensors.torch.load_file(path, device=...))")
-        return _rewrite_safetensors(src, out, plan, key=key, allow_missing=allow_missing, operation=operation)
+        return _rewrite_safetensors(src, out, plan, key=key, allow_missing=allow_missing, operation=operation,
+                                    progress=progress)
     ck = read_checkpoint(src, fmt)
     location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     root, summary = rename_graph(ck.root, plan, key=key, allow_missing=allow_missing, where=src)
-    res = rewrite_file(ck, out, root, location_fn)
+    res = rewrite_file(ck, out, root, location_fn, progress=progress)
     return RenameResult.combine(res, summary, operation)
 
 def strip_prefix(
     src: Any, prefixes: str | Sequence[str], dst: str | os.PathLike[str] | None = None, *,
     key: str | None = None, in_place: bool = False, allow_missing: bool = False, to: str | None = None,
-    mapping: Mapping[str, str] | None = None,
+    mapping: Mapping[str, str] | None = None, progress: ProgressFn | None = None,
 ) -> Any:
     """Remove ``prefixes`` (whole dotted components: ``"model."`` or ``"model"``) from the front of state_dict keys.
 
@@ -390,7 +409,8 @@ def strip_prefix(
 
     ``to`` (every storage) or ``mapping`` (``{"cuda:1": "cpu"}``, matching tags only) re-tag the storages of a
     torch output in the same pass (:func:`ckptool.model.devices.location_function`), so ``to="cpu"`` gives a file
-    that a plain ``torch.load`` opens on a machine without a GPU.
+    that a plain ``torch.load`` opens on a machine without a GPU. ``progress(nbytes)`` is called as the input's
+    tensor bytes are copied (bytes since the last call).
 
     Raises:
         UsageError: bad prefix, ``key`` that names no mapping, ``dst`` equal to ``src`` without ``in_place``,
@@ -406,13 +426,14 @@ def strip_prefix(
     if isinstance(prefixes, str):
         prefixes = [prefixes]
     plan = build_plan(strip_prefixes=list(prefixes))
-    return apply_plan(src, dst, plan, operation="strip-prefix", tag="stripped", key=key, in_place=in_place,
-                      allow_missing=allow_missing, to=to, mapping=mapping)
+    return apply_plan(src, dst, plan, operation="strip-prefix", key=key, in_place=in_place,
+                      allow_missing=allow_missing, to=to, mapping=mapping, progress=progress)
 
 
 def strip_dataparallel(
     src: Any, dst: str | os.PathLike[str] | None = None, *, key: str | None = None, in_place: bool = False,
     allow_missing: bool = False, to: str | None = None, mapping: Mapping[str, str] | None = None,
+    progress: ProgressFn | None = None,
 ) -> Any:
     """Remove the leading ``module.`` that ``nn.DataParallel`` and ``DistributedDataParallel`` add to every key.
 
@@ -432,14 +453,14 @@ def strip_dataparallel(
         NotACheckpointError / CorruptCheckpointError: unreadable input.
     """
     plan = build_plan(strip_dataparallel=True)
-    return apply_plan(src, dst, plan, operation="strip-dataparallel", tag="stripped", key=key, in_place=in_place,
-                      allow_missing=allow_missing, to=to, mapping=mapping)
+    return apply_plan(src, dst, plan, operation="strip-dataparallel", key=key, in_place=in_place,
+                      allow_missing=allow_missing, to=to, mapping=mapping, progress=progress)
 
 
 def add_prefix(
     src: Any, prefix: str, dst: str | os.PathLike[str] | None = None, *, key: str | None = None,
     in_place: bool = False, allow_nested: bool = False, to: str | None = None,
-    mapping: Mapping[str, str] | None = None, allow_missing: bool = False,
+    mapping: Mapping[str, str] | None = None, allow_missing: bool = False, progress: ProgressFn | None = None,
 ) -> Any:
     """Put ``prefix`` (whole components, ``"module."``) in front of every key, e.g. to load a bare state_dict into
     ``nn.DataParallel(model)`` or a compiled model (``"_orig_mod."``) with ``strict=True``.
@@ -463,13 +484,14 @@ def add_prefix(
         NotACheckpointError / CorruptCheckpointError: unreadable input.
     """
     plan = build_plan(add_prefix=prefix, allow_nested=allow_nested)
-    return apply_plan(src, dst, plan, operation="add-prefix", tag="prefixed", key=key, in_place=in_place,
-                      allow_missing=allow_missing, to=to, mapping=mapping)
+    return apply_plan(src, dst, plan, operation="add-prefix", key=key, in_place=in_place,
+                      allow_missing=allow_missing, to=to, mapping=mapping, progress=progress)
 
 
 def unwrap(
     src: Any, dst: str | os.PathLike[str] | None = None, *, key: str | None = None, in_place: bool = False,
     allow_missing: bool = False, to: str | None = None, mapping: Mapping[str, str] | None = None,
+    progress: ProgressFn | None = None,
 ) -> Any:
     """Remove every wrapper prefix that ``inspect`` reports: ``module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``
     and ``_checkpoint_wrapped_module.`` from the front of keys in any stacking order (DDP of a compiled model gives
@@ -495,5 +517,5 @@ def unwrap(
         NotACheckpointError / CorruptCheckpointError: unreadable input.
     """
     plan = build_plan(unwrap=True)
-    return apply_plan(src, dst, plan, operation="unwrap", tag="unwrapped", key=key, in_place=in_place,
-                      allow_missing=allow_missing, to=to, mapping=mapping)
+    return apply_plan(src, dst, plan, operation="unwrap", key=key, in_place=in_place,
+                      allow_missing=allow_missing, to=to, mapping=mapping, progress=progress)

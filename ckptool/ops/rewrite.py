@@ -13,7 +13,7 @@ and their 6-field persistent ids written as the 5 fields the zip loader expects.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,13 +88,17 @@ def output_path(src: str, dst: str | None, in_place: bool, tag: str) -> str:
     return dst
 
 
+#: ``progress(nbytes)``: called with the bytes of the input read (and copied) since the last call
+ProgressFn = Callable[[int], None]
+
+
 def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | None = None,
-              new_records: Sequence[tuple[str, bytes]] = ()) -> WriteResult:
+              new_records: Sequence[tuple[str, bytes]] = (), progress: ProgressFn | None = None) -> WriteResult:
     """Write ``ck`` with pickle ``root`` into the open binary file ``out`` in torch's zip layout.
 
     Every storage record is copied unchanged; each storage's location tag becomes ``location_fn(tag)``.
     ``new_records`` (``(name, bytes)``, e.g. ``("data/7", ...)`` for a storage ``root`` adds) are written after
-    the copied records.
+    the copied records. ``progress(nbytes)`` is called as record bytes are copied (by the writer, per chunk).
 
     Raises:
         UnsupportedError: legacy storage views (``view_metadata``), values the pickle writer cannot express.
@@ -121,7 +125,7 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
         raise UnsupportedError(f"{ck.path}: cannot write the pickle back ({e})") from e
     res.retagged = _count_storages(ck, location_fn)
 
-    w = TorchZipWriter(out, ck.archive_name)
+    w = TorchZipWriter(out, ck.archive_name, progress=progress)
     with open(ck.path, "rb") as src:
         if legacy:
             w.begin_torch_save(data_pkl)
@@ -140,6 +144,8 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
                 elif rec.zipinfo is not None and rec.zipinfo.method != 0:
                     # torch never compresses records; a re-packed file might: store the inflated bytes
                     w.write_bytes(rec.name, read_member(src, rec.zipinfo, ck.path))
+                    if progress is not None:
+                        progress(rec.size)
                 else:
                     if rec.offset + rec.size > ck.size:
                         raise CorruptCheckpointError(f"{ck.path}: record {rec.name!r} is truncated; re-download it")
@@ -163,14 +169,15 @@ def _count_storages(ck: Checkpoint, location_fn: LocationFn | None) -> dict[tupl
 
 
 def rewrite_file(ck: Checkpoint, dst: str, root: Any, location_fn: LocationFn | None = None,
-                 new_records: Sequence[tuple[str, bytes]] = ()) -> WriteResult:
-    """Write ``ck`` (with pickle ``root``) to ``dst`` atomically (temporary file, fsync, rename).
+                 new_records: Sequence[tuple[str, bytes]] = (), progress: ProgressFn | None = None) -> WriteResult:
+    """Write ``ck`` (with pickle ``root``) to ``dst`` atomically (temporary file, fsync, rename); ``progress`` as in
+    :func:`write_zip`.
 
     When ``dst`` is the input (in-place), the input's permission bits are kept. Raises what :func:`write_zip`
     and :func:`ckptool._fileio.atomic_output` raise.
     """
     mode = file_mode(ck.path) if same_file(ck.path, dst) else None
     with atomic_output(dst, mode=mode) as out:
-        res = write_zip(ck, out, root, location_fn, new_records)
+        res = write_zip(ck, out, root, location_fn, new_records, progress)
     res.dst = dst
     return res

@@ -54,7 +54,7 @@ from ckptool.model.graph import ATOMS, is_module, join, mapping_items, set_mappi
 from ckptool.model.module_state import detached, module_state_dict, state_dict_node
 from ckptool.model.numpy_nodes import numpy_kind, numpy_type_dtype, read_array, read_dtype
 from ckptool.model.tensor_nodes import tensor_node
-from ckptool.ops.rewrite import output_path, refuse_unwritable, retag_function, rewrite_file
+from ckptool.ops.rewrite import ProgressFn, output_path, refuse_unwritable, retag_function, rewrite_file
 
 __all__ = ["Conversion", "SanitizeResult", "sanitize"]
 
@@ -330,7 +330,7 @@ def _refusal(src: str, left: list[Conversion]) -> UnsafeCheckpointError:
 @gc_paused
 def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = None, *, to: str | None = None,
              mapping: Mapping[str, str] | None = None, allow_missing: bool = False, drop_unknown: bool = False,
-             in_place: bool = False) -> SanitizeResult:
+             in_place: bool = False, progress: ProgressFn | None = None) -> SanitizeResult:
     """Write ``src`` as a torch zip file that ``torch.load(path, weights_only=True)`` accepts, without importing
     or running anything from ``src`` (the rules: see the module docstring).
 
@@ -344,6 +344,8 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
         allow_missing: write the file even when a ``mapping`` source matches no storage.
         drop_unknown: leave out what no rule converts (listed in ``dropped``) instead of refusing.
         in_place: replace ``src`` itself (atomically).
+        progress: ``progress(nbytes)`` is called as the existing storage records are copied (bytes since the last
+            call).
 
     Returns:
         A :class:`SanitizeResult`: every converted object with its key path.
@@ -360,7 +362,7 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
         OutputError: writing failed (nothing is left behind).
     """
     src = os.fspath(src)
-    out = output_path(src, os.fspath(dst) if dst is not None else None, in_place, "sanitized")
+    out = sanitize_output(src, dst, in_place)
     fmt = formats.detect_format(src)
     refuse_unwritable(fmt, src, "sanitize")
     ck = read_checkpoint(src, fmt)
@@ -375,7 +377,7 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
     keep = {"data/" + k for k in s.used}
     kept = replace(ck, protocol=2, records=[r for r in ck.records if not r.name.startswith("data/") or r.name in keep],
                    storages={k: v for k, v in ck.storages.items() if k in s.used})
-    written = rewrite_file(kept, out, root, location_fn, s.new_records)
+    written = rewrite_file(kept, out, root, location_fn, s.new_records, progress)
     res = SanitizeResult(src, out, fmt, s.converted, s.left, storages=len(kept.storages) + len(s.new_records),
                          new_storages=len(s.new_records), bytes_written=written.bytes_written,
                          retagged=written.retagged)
@@ -386,3 +388,12 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
         tag = location_fn("cpu") if location_fn else "cpu"
         res.devices[tag] = res.devices.get(tag, 0) + len(s.new_records)
     return res
+
+
+def sanitize_output(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None, in_place: bool = False) -> str:
+    """The file :func:`sanitize` writes: ``dst``, ``src`` with ``in_place``, or ``<stem>.sanitized<ext>`` beside it.
+
+    Raises:
+        UsageError: as :func:`ckptool.ops.rewrite.output_path`.
+    """
+    return output_path(os.fspath(src), os.fspath(dst) if dst is not None else None, in_place, "sanitized")

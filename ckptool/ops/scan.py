@@ -2,22 +2,26 @@
 
 How a global is classified
 --------------------------
-The verdicts come from :func:`ckptool.model.allowlist.classify_global`:
+Each global gets a status and a level from :func:`ckptool.model.allowlist.classify_global` (the rules, with the
+reason for each list, are in :mod:`ckptool.model.allowlist`):
 
-* **allowed**: ``torch.load(weights_only=True)`` accepts it (:data:`ckptool.model.allowlist.WEIGHTS_ONLY_ALLOWED`,
-  taken from torch's ``_weights_only_unpickler._get_allowed_globals()``). In a TorchScript archive (a zip holding
-  ``constants.pkl``, the test ``torch.load`` itself uses to hand the file to ``torch.jit.load``) the names that
-  TorchScript's C++ unpickler resolves without Python are allowed too: ``__torch__.*`` (classes compiled from the
-  archive's own TorchScript code) and ``torch.jit._pickle.*``.
+* **safe** (status ``allowed``): ``torch.load(weights_only=True)`` accepts it
+  (:data:`ckptool.model.allowlist.WEIGHTS_ONLY_ALLOWED`, taken from torch's
+  ``_weights_only_unpickler._get_allowed_globals()``). In a TorchScript archive (a zip holding ``constants.pkl``,
+  the test ``torch.load`` itself uses to hand the file to ``torch.jit.load``) the names that TorchScript's C++
+  unpickler resolves without Python are safe too: ``__torch__.*`` and ``torch.jit._pickle.*``.
+* **needs-trust** (status ``needs-trust`` or ``unknown``): a library class or rebuilder that runs no code of the
+  file's choosing (``torch.nn`` modules, optimizers, numpy arrays and RNG state, ``argparse.Namespace``, ``pathlib``
+  paths, DCP metadata records), or a class on no list (``mypkg.Net``: loading imports its package).
 * **dangerous**: a known process, file, network, import or code-evaluation gadget (``os.system``,
-  ``builtins.eval``, ``subprocess.Popen``, ``functools.partial``, ``torch.load`` inside a pickle...). This list
-  only *explains* why a name is bad; it never makes a name safe.
-* **unknown**: anything else (a model class such as ``mypkg.Net``, numpy internals...). Loading the file would
-  import and call it: only do that with ``weights_only=False`` for a source you trust.
+  ``builtins.eval``, ``subprocess.Popen``, ``functools.partial``, ``torch.load`` inside a pickle...), or a
+  function on no list: loading would call it with arguments the file chooses.
 
-A file is *safe* when every global of every pickle in it is allowed, *unsafe* when any is not (even if the pickle
-is damaged after it: ``torch.load`` would already have run it), and an *error* when a pickle could not be read
-to its end (ckptool cannot vouch for what follows).
+A file's ``level`` is the worst level of its globals. Its three-level ``verdict`` is ``dangerous`` when any global
+is (even if the pickle is damaged after it: ``torch.load`` would already have run it), else ``error`` when a pickle
+(or the file) could not be read to its end (ckptool cannot vouch for what follows), else its level. The strict
+verdict (``ckptool scan --strict``) is the single one of earlier versions: ``unsafe`` when any global is outside
+the weights_only allowlist, else ``error``, else ``safe``.
 
 Which pickles are read
 ----------------------
@@ -56,9 +60,24 @@ from ckptool.formats.pickle_check import PickleBuffer, check_pickle
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.unpickler import load_pickle_at, partial_globals
 from ckptool.formats.zipdir import ZipEntry, read_directory, read_member, read_member_head
-from ckptool.model.allowlist import ALLOWED, DANGEROUS, classify_global
+from ckptool.model.allowlist import (
+    ALLOWED,
+    DANGEROUS,
+    LEVELS,
+    NEEDS_TRUST,
+    SAFE,
+    classify_global,
+    level_of,
+    worst_level,
+)
 
-__all__ = ["GlobalFinding", "PickleFinding", "ScanResult", "iter_paths", "scan", "scan_file"]
+__all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult", "exit_status",
+           "iter_paths", "scan", "scan_file"]
+
+#: the ``ckptool scan`` exit status of each verdict (3 is every command's internal-error status)
+EXIT_CODES: dict[str, int] = {SAFE: 0, DANGEROUS: 1, "error": 2, NEEDS_TRUST: 4}
+#: the exit status of each strict verdict (``--strict``: the codes of earlier versions)
+STRICT_EXIT_CODES: dict[str, int] = {"safe": 0, "unsafe": 1, "error": 2}
 
 # ------------------------------------------------------------------------------------------------ results
 @dataclass
@@ -76,13 +95,23 @@ class PickleFinding:
 
 @dataclass
 class GlobalFinding:
-    """A global named anywhere in the file, its classification (``allowed`` / ``dangerous`` / ``unknown``,
-    :func:`ckptool.model.allowlist.classify_global`), why, and the pickles (``where``) that name it."""
+    """A global named anywhere in the file, its status (``allowed`` / ``needs-trust`` / ``unknown`` /
+    ``dangerous``, :func:`ckptool.model.allowlist.classify_global`), why, and the pickles (``where``) that name it."""
 
     name: str
     status: str
     reason: str
     where: list[str] = field(default_factory=list)
+
+    @property
+    def level(self) -> str:
+        """``safe``, ``needs-trust`` or ``dangerous`` (:func:`ckptool.model.allowlist.level_of`)."""
+        return level_of(self.status)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``name``, ``status``, ``level``, ``reason``, ``where``: one entry of ``ckptool scan --json``."""
+        return {"name": self.name, "status": self.status, "level": self.level, "reason": self.reason,
+                "where": list(self.where)}
 
 
 @dataclass
@@ -103,34 +132,66 @@ class ScanResult:
     error: str | None = None
 
     @property
+    def readable(self) -> bool:
+        """False when the file, or one of its pickles, could not be read to its end."""
+        return not (self.error or any(p.error for p in self.pickles))
+
+    @property
+    def level(self) -> str:
+        """The worst level of the globals found (``safe`` when none): ``safe``, ``needs-trust`` or ``dangerous``."""
+        return worst_level(g.status for g in self.globals)
+
+    @property
     def verdict(self) -> str:
-        """``unsafe`` if any global is not allowed; else ``error`` if a pickle (or the file) could not be read to
-        its end; else ``safe``."""
+        """``dangerous`` if any global is; else ``error`` if a pickle (or the file) could not be read to its end;
+        else ``needs-trust`` or ``safe`` (:attr:`level`)."""
+        level = self.level
+        if level == DANGEROUS or self.readable:
+            return level
+        return "error"
+
+    @property
+    def strict_verdict(self) -> str:
+        """The single verdict of ``--strict``: ``unsafe`` if any global is not allowed; else ``error`` if a pickle
+        (or the file) could not be read to its end; else ``safe``."""
         if any(g.status != ALLOWED for g in self.globals):
             return "unsafe"
-        if self.error or any(p.error for p in self.pickles):
-            return "error"
-        return "safe"
+        return "safe" if self.readable else "error"
 
     @property
     def exit_code(self) -> int:
-        """0 safe, 1 unsafe, 2 unreadable (the ``ckptool scan`` exit status for this file alone)."""
-        return {"safe": 0, "unsafe": 1, "error": 2}[self.verdict]
+        """The ``ckptool scan`` exit status for this file alone: 0 safe, 1 dangerous, 2 unreadable, 4 needs trust
+        (:data:`EXIT_CODES`)."""
+        return EXIT_CODES[self.verdict]
+
+    @property
+    def strict_exit_code(self) -> int:
+        """The ``ckptool scan --strict`` exit status for this file alone: 0 safe, 1 unsafe, 2 unreadable."""
+        return STRICT_EXIT_CODES[self.strict_verdict]
 
     @property
     def unsafe(self) -> list[GlobalFinding]:
-        """The globals that are not allowed (dangerous first)."""
+        """The globals that are not allowed, worst level first (dangerous, then needs-trust; stable otherwise)."""
         bad = [g for g in self.globals if g.status != ALLOWED]
-        return sorted(bad, key=lambda g: g.status != DANGEROUS)
+        return sorted(bad, key=lambda g: -LEVELS.index(g.level))
 
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (what ``ckptool scan --json`` prints for each file)."""
+    def to_dict(self, *, strict: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict (what ``ckptool scan --json`` prints for each file): ``verdict`` (the strict one when
+        ``strict``), ``level``, and each global with its ``status`` and ``level``."""
         return {
-            "path": self.path, "verdict": self.verdict, "format": self.format, "error": self.error,
-            "globals": [vars(g).copy() for g in self.globals],
+            "path": self.path, "verdict": self.strict_verdict if strict else self.verdict, "level": self.level,
+            "format": self.format, "error": self.error,
+            "globals": [g.to_dict() for g in self.globals],
             "pickles": [vars(p).copy() for p in self.pickles],
             "notes": list(self.notes),
         }
+
+
+def exit_status(results: Iterable[ScanResult], *, strict: bool = False) -> int:
+    """The ``ckptool scan`` exit status of several files: the worst file decides, in the order dangerous (1),
+    unreadable (2), needs trust (4), safe (0); with ``strict``: unsafe (1), unreadable (2), safe (0)."""
+    codes = {r.strict_exit_code if strict else r.exit_code for r in results}
+    return next((c for c in (1, 2, 4) if c in codes), 0)
 
 
 # ------------------------------------------------------------------------------------------------ scanning
@@ -442,10 +503,11 @@ def scan_file(path: str | os.PathLike[str]) -> ScanResult:
 
     Reads the file without importing or running anything from it, in time and memory bounded by its size. Problems
     with the file's content never raise: they make the result's ``verdict`` ``error`` (with ``error`` or a
-    pickle's ``error`` saying what happened), or ``unsafe`` when globals outside the allowlist were found first.
+    pickle's ``error`` saying what happened), or ``dangerous`` when a dangerous global was found first.
 
     Returns:
-        A :class:`ScanResult`; its ``exit_code`` is 0 (safe), 1 (unsafe) or 2 (unreadable).
+        A :class:`ScanResult`; its ``exit_code`` is 0 (safe), 1 (dangerous), 2 (unreadable) or 4 (needs trust),
+        its ``strict_exit_code`` 0 (safe), 1 (unsafe) or 2 (unreadable).
     """
     path = os.fspath(path)
     res = ScanResult(path)

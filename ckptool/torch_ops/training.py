@@ -1,5 +1,5 @@
-"""Resume a training checkpoint: the model, the optimizer (its state placed where torch would have created it)
-and the LR scheduler, on any device.
+"""Resume a training checkpoint: the model, the optimizer (its state placed where torch would have created it),
+the LR scheduler and the mixed-precision GradScaler, on any device.
 
 Importing this module does not import torch; each function imports it when called.
 """
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.model.graph import is_optimizer_state
-from ckptool.model.keys import OPTIMIZER_NAMES, SCHEDULER_NAMES
+from ckptool.model.keys import OPTIMIZER_NAMES, SCALER_NAMES, SCHEDULER_NAMES
 from ckptool.model.paths import get_path
 from ckptool.torch_ops.load import first_line, load_for_model, load_selected
 from ckptool.torch_ops.reports import TrainingState
@@ -24,7 +24,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ckptool.torch_ops.devices import DeviceLike
 
-__all__ = ["SchedulerLike", "load_training_state", "place_optimizer_state"]
+__all__ = ["ScalerLike", "SchedulerLike", "load_training_state", "place_optimizer_state"]
+
 
 
 class SchedulerLike(Protocol):
@@ -32,6 +33,19 @@ class SchedulerLike(Protocol):
     ``ReduceLROnPlateau``, timm's schedulers...)."""
 
     def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
+class ScalerLike(Protocol):
+    """What :func:`load_training_state` needs of a gradient scaler: ``load_state_dict`` (``torch.amp.GradScaler``,
+    ``torch.cuda.amp.GradScaler``, ``torch.amp.GradScaler("cpu")``)."""
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
+def _is_scaler_state(obj: object) -> bool:
+    """A loaded ``GradScaler.state_dict()``: a mapping with ``scale`` and ``_growth_tracker`` (an enabled
+    scaler's; a disabled one saves ``{}``, accepted too so that loading it says why it cannot be used)."""
+    return isinstance(obj, Mapping) and (not obj or {"scale", "_growth_tracker"} <= set(obj))
 
 
 def _is_optimizer_state(obj: object) -> bool:
@@ -66,7 +80,8 @@ def _find_entry(ck: Mapping[str, Any], key: str | None, names: Sequence[str], wh
 def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike[str], *,
                         device: DeviceLike | None = None, scheduler: SchedulerLike | None = None,
                         model_key: str | None = None, optimizer_key: str | None = None,
-                        scheduler_key: str | None = None, strict: bool = True, trust: bool = False) -> TrainingState:
+                        scheduler_key: str | None = None, scaler: ScalerLike | None = None,
+                        scaler_key: str | None = None, strict: bool = True, trust: bool = False) -> TrainingState:
     """Resume a training checkpoint (model, optimizer, optional LR scheduler) on ``device``, whatever device it
     was saved on.
 
@@ -78,16 +93,19 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     ``optimizer_states`` list gives its first element), which casts every state tensor to its parameter's device
     and floating dtype, ``step`` excepted (``Optimizer._process_value_according_to_param_policy``). Every state
     entry (custom ones and nested containers included) is then placed by torch's own rule
-    (:func:`place_optimizer_state`). Finally ``scheduler.load_state_dict`` (``scheduler_key`` or
-    :data:`ckptool.model.keys.SCHEDULER_NAMES`).
+    (:func:`place_optimizer_state`). Then ``scheduler.load_state_dict`` (``scheduler_key`` or
+    :data:`ckptool.model.keys.SCHEDULER_NAMES`), and ``scaler.load_state_dict`` for a ``torch.amp.GradScaler``
+    (``scaler_key`` or the first of :data:`SCALER_NAMES` holding a GradScaler state: ``scale``,
+    ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker``).
 
     Returns a :class:`~ckptool.torch_ops.reports.TrainingState` (the model's ``LoadReport``, ``epoch``,
     ``global_step``, the keys used and every other top-level entry in ``extra``).
 
     Raises:
         StateDictMismatchError: ``strict`` and the model's state_dict does not fit.
-        UsageError: bad device; no optimizer (or scheduler) state found, or it does not match the optimizer
-            (different number of parameter groups or parameters).
+        UsageError: bad device; no optimizer (or scheduler, or scaler) state found, or it does not match the
+            optimizer (different number of parameter groups or parameters); the scaler state is empty (saved from
+            a disabled GradScaler) or does not fit ``scaler``.
         UnsupportedError: the file is not a dict (not a training checkpoint: use ``load_into``), or it holds
             no state_dict.
         UnsafeCheckpointError / NotACheckpointError / CorruptCheckpointError: as ``load_checkpoint``.
@@ -129,10 +147,37 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         scheduler.load_state_dict(sched_sd)
         used.add(sched_key.split(".")[0])
 
+    if scaler is not None:
+        used.add(_load_scaler(scaler, ck, scaler_key, p))
+
     extra = {k: v for k, v in ck.items() if k not in used}
     epoch = _as_int(ck.get("epoch"))
     step = next((_as_int(ck.get(n)) for n in ("global_step", "step", "iteration", "iter") if n in ck), None)
     return TrainingState(done.report, epoch, step, opt_key, sched_key, extra)
+
+
+def _load_scaler(scaler: ScalerLike, ck: Mapping[str, Any], key: str | None, path: str) -> str:
+    """Load the GradScaler state of ``ck`` (entry ``key``, else the first of :data:`SCALER_NAMES`) into
+    ``scaler``; return the top-level key it came from.
+
+    Raises:
+        UsageError: no scaler state, an empty one (saved from a disabled scaler), or one ``scaler`` refuses.
+    """
+    found, state = _find_entry(ck, key, SCALER_NAMES, "GradScaler state", path, _is_scaler_state)
+    if found is None or not _is_scaler_state(state):
+        raise UsageError(f"{path}: no GradScaler state_dict (a dict with 'scale' and '_growth_tracker') found"
+                         + (f" at {key!r}" if key else f" (looked for {', '.join(SCALER_NAMES)})")
+                         + f"; top-level keys: {', '.join(map(str, list(ck)[:20]))}; pass scaler_key=, or leave "
+                         "scaler= out to start from a fresh scale")
+    if not state:
+        raise UsageError(f"{path}: the GradScaler state at {found!r} is empty: it was saved from a disabled "
+                         "GradScaler (enabled=False); leave scaler= out to start from a fresh scale")
+    try:
+        scaler.load_state_dict(dict(state))
+    except (RuntimeError, KeyError, TypeError, ValueError) as e:
+        raise UsageError(f"{path}: the GradScaler state at {found!r} does not fit this scaler: "
+                         f"{first_line(e)}") from e
+    return found.split(".")[0]
 
 
 def _as_int(v: object) -> int | None:

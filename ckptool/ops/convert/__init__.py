@@ -66,7 +66,6 @@ from ckptool.torch_ops.load import load_checkpoint
 __all__ = ["SHARED_KEY", "ConvertResult", "VerificationError", "convert", "parse_size"]
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl")
-_PROGRESS_MIN = 256 << 20  # the CLI shows a progress bar from this many bytes (when stderr is a terminal)
 
 
 def convert(

@@ -14,7 +14,7 @@ from ckptool.formats.dtypes import DTYPE_SIZES
 from ckptool.formats.sharded import SetLayout, encode_index, output_layout
 from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, union_elements, units
 from ckptool.ops.convert.source import ConvertResult, Source, out_dtype
-from ckptool.ops.convert.verify import torch_verifier, verify_safetensors
+from ckptool.ops.convert.verify import torch_verifier, verification_check, verify_safetensors
 from ckptool.ops.convert.write import Files, archive_name, emit, write_safetensors, write_torch
 
 
@@ -117,6 +117,7 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
             res.cast[k] = res.cast.get(k, 0) + 1
     if verify:
         res.verified = True
+        res.checked = verification_check(fmt_out, {out_dtype(t.dtype, cast) for t in src.tensors})
 
 
 def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str, str, list[Unit]], None],

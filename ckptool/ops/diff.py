@@ -1,0 +1,517 @@
+"""``ckptool.diff``: what changed between two checkpoints, of any formats ckptool reads, streamed tensor by tensor.
+
+Each side is read by the readers the other operations use, without torch: a torch zip or legacy file through
+:func:`ckptool.formats.torchfile.read_checkpoint` and :func:`ckptool.ops.inspect.describe` (every tensor, with its
+storage, layout and saved location tag) plus its plain values (:func:`ckptool.model.values.iter_values`); a
+safetensors file or a sharded set through ``convert``'s readers (byte ranges from the headers, tied names and the
+sharing ckptool records restored); a DCP folder from its ``.metadata`` (names, dtypes and shapes; its tensor data
+is not read, so its values are not compared).
+
+Keys are matched after wrapper-prefix reconciliation (:func:`ckptool.model.keys.reconcile`, tried in both
+directions). Values are compared tensor by tensor from the files' bytes, one chunk of each at a time
+(:data:`CHUNK_BYTES`; a strided view reads its storage's span once), so memory stays bounded by the largest tensor
+and neither file is ever loaded whole: bit-exact by default, or with tolerances in the manner of
+``torch.testing.assert_close`` (:mod:`ckptool.torch_ops.value_stats`, which needs numpy).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ckptool._gc import gc_paused
+from ckptool.errors import CorruptCheckpointError, UsageError
+from ckptool.formats import detect as formats
+from ckptool.formats.dtypes import contiguous_stride, element_size, numel, storage_nbytes
+from ckptool.formats.sharded import is_checkpoint_set, set_kind
+from ckptool.formats.torchfile import read_checkpoint, resolve_zip_offsets
+from ckptool.model.graph import too_deep
+from ckptool.model.keys import reconcile
+from ckptool.model.values import iter_values
+from ckptool.ops.convert.read_safetensors import index_source, restore_library_aliases, safetensors_source
+from ckptool.ops.convert.source import Source, Tensor, is_contiguous, span
+from ckptool.ops.convert.write import Files
+from ckptool.ops.inspect import describe, inspect_set
+from ckptool.torch_ops.value_stats import ValueStats, is_numeric, require_numpy
+
+SCHEMA = "ckptool.diff/1"
+#: bytes of each side read at a time when comparing values (a strided view reads its storage's span instead)
+CHUNK_BYTES = 4 << 20
+#: the most elements compared at a time (bounds numpy's float64 temporaries in tolerance mode)
+CHUNK_ELEMENTS = 128 << 10
+
+#: element size in bytes -> the ``memoryview.cast`` format of an unsigned integer that wide (strided gathers)
+_WORDS: dict[int, Literal["B", "H", "I", "Q"]] = {1: "B", 2: "H", 4: "I", 8: "Q"}
+
+EQUAL, CLOSE, DIFFER, NOT_COMPARED = "equal", "close", "differ", "not compared"
+
+
+@dataclass
+class TensorDiff:
+    """A tensor present in both checkpoints that differs: ``key`` in A (``key_b`` in B), ``changes`` in shape,
+    dtype, saved device or stride (``"dtype float32 -> float16"``), ``values`` one of ``equal`` (bit-exact),
+    ``close`` (within the tolerances), ``differ`` or ``not compared`` (``note`` says why). ``max_abs`` /
+    ``max_rel`` are the greatest absolute / relative differences (``|b - a| / |a|``) and ``mismatched`` the number
+    of elements that differ (bit-exact mode) or are not close (tolerance mode), out of ``numel``; None where they
+    were not measured (without numpy, bit-exact mode only says that the bytes differ)."""
+
+    key: str
+    key_b: str
+    changes: list[str] = field(default_factory=list)
+    values: str = EQUAL
+    max_abs: float | None = None
+    max_rel: float | None = None
+    mismatched: int | None = None
+    numel: int = 0
+    note: str = ""
+
+
+@dataclass
+class ValueDiff:
+    """A plain (non-tensor) value that differs: ``key`` in A (``key_b`` in B), and its value on each side."""
+
+    key: str
+    key_b: str
+    a: object
+    b: object
+
+
+@dataclass
+class DiffResult:
+    """The result of :func:`diff`; :meth:`to_dict` is what ``ckptool diff --json`` prints.
+
+    ``a`` / ``b`` are the paths and ``format_a`` / ``format_b`` their formats. ``prefix`` says how keys were
+    matched when the sides differ by wrapper prefixes (``"B has `module.` on every key"``), else None.
+    ``only_a`` / ``only_b`` list the keys (tensors and plain values) found on one side only. ``tensors`` lists the
+    matched tensors that differ, and in tolerance mode those close but not bit-identical (:class:`TensorDiff`),
+    ``values`` the plain values that differ, ``shared`` the
+    differences in storage sharing (tied weights, views). ``compared`` counts matched tensors, ``values_equal``
+    those whose values are equal or close. ``mode`` is ``exact``, ``tolerance`` or ``keys-only``.
+    """
+
+    a: str
+    b: str
+    format_a: str
+    format_b: str
+    mode: str
+    rtol: float | None = None
+    atol: float | None = None
+    prefix: str | None = None
+    only_a: list[str] = field(default_factory=list)
+    only_b: list[str] = field(default_factory=list)
+    tensors: list[TensorDiff] = field(default_factory=list)
+    values: list[ValueDiff] = field(default_factory=list)
+    shared: list[str] = field(default_factory=list)
+    compared: int = 0
+    values_equal: int = 0
+    plain_values: int = 0
+    not_compared: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        """True when nothing differs: same keys (no prefix difference), layouts, sharing and values (values within
+        the tolerances count as equal; values not compared, counted in ``not_compared``, do not count as a
+        difference)."""
+        return not (self.prefix or self.only_a or self.only_b or self.values or self.shared
+                    or any(t.changes or t.values == DIFFER for t in self.tensors))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict with ``"schema": "ckptool.diff/1"``; non-finite numbers and values that are not
+        JSON types are written as their ``repr``."""
+        def plain(v: object) -> object:
+            if v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and math.isfinite(v)):
+                return v
+            return repr(v)
+
+        return {
+            "schema": SCHEMA, "a": self.a, "b": self.b, "format_a": self.format_a, "format_b": self.format_b,
+            "identical": self.identical, "mode": self.mode, "rtol": self.rtol, "atol": self.atol,
+            "prefix": self.prefix, "only_a": self.only_a, "only_b": self.only_b,
+            "tensors": [{**t.__dict__, "max_abs": plain(t.max_abs), "max_rel": plain(t.max_rel)} for t in self.tensors],
+            "values": [{"key": v.key, "key_b": v.key_b, "a": plain(v.a), "b": plain(v.b)} for v in self.values],
+            "shared": self.shared, "compared": self.compared, "values_equal": self.values_equal,
+            "plain_values": self.plain_values, "not_compared": self.not_compared, "notes": self.notes,
+        }
+
+
+# ------------------------------------------------------------------------------------------------ reading a side
+@dataclass(eq=False)
+class _Tensor:
+    """One tensor of a side. ``dtype``, ``shape``, ``stride`` (None: the format records none), ``device`` (None:
+    none recorded) as the file declares them; ``group`` identifies its storage (tensors sharing one share it). Its
+    elements are read from ``path``: the view ``(offset, shape, read_stride)`` of the storage whose element 0 is at
+    byte ``base``, holding ``limit`` elements; ``path`` None when the data cannot be read (``unread`` says why)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...] | None
+    device: str | None
+    group: object
+    path: str | None = None
+    base: int = 0
+    offset: int = 0
+    read_stride: tuple[int, ...] = ()
+    limit: int = 0
+    unread: str = ""
+
+
+@dataclass
+class _Side:
+    path: str
+    format: str
+    tensors: dict[str, _Tensor]
+    values: dict[str, object]
+    notes: list[str] = field(default_factory=list)
+
+
+def _read_side(path: str) -> _Side:
+    if is_checkpoint_set(path):
+        kind, set_path = set_kind(path)
+        if kind == "file":
+            return _read_side(set_path)
+        if kind == "index":
+            return _source_side(restored(index_source(set_path)))
+        return _dcp_side(set_path)
+    fmt = formats.detect_format(path)
+    if fmt == formats.SAFETENSORS:
+        return _source_side(restored(safetensors_source(path)))
+    try:
+        return _torch_side(path, fmt)
+    except RecursionError as e:
+        raise CorruptCheckpointError(f"{path}: {too_deep(e)}") from None
+
+
+def restored(src: Source) -> Source:
+    """``src`` with the tied names ``safetensors.torch.save_model`` dropped given back."""
+    restore_library_aliases(src)
+    return src
+
+
+def _torch_side(path: str, fmt: str) -> _Side:
+    ck = read_checkpoint(path, fmt)
+    info = describe(ck)
+    records = {r.name: r for r in ck.records}
+    if ck.format != formats.TORCH_LEGACY:
+        with open(path, "rb") as f:
+            resolve_zip_offsets(ck, f)
+    tensors: dict[str, _Tensor] = {}
+    for t in info.tensors:
+        folder = "constants/" if t.key.startswith("constants.") and ck.extra_roots else "data/"
+        ref = ck.storages.get(t.storage_key) if t.storage_key is not None else None
+        entry = _Tensor(t.dtype, tuple(t.shape), tuple(t.stride), t.device, (path, t.storage_key), path,
+                        offset=t.storage_offset, read_stride=tuple(t.stride))
+        rec = records.get(folder + t.storage_key) if t.storage_key is not None else None
+        if ref is None or rec is None:
+            entry.path, entry.unread = None, "no storage"
+        elif rec.zipinfo is not None and rec.zipinfo.method != 0:
+            entry.path, entry.unread = None, f"record {rec.name} is compressed"
+        else:
+            entry.base = rec.offset
+            entry.limit = storage_nbytes(ref) // element_size(t.dtype)
+        tensors[t.key] = entry
+    values = dict(iter_values(ck.root))
+    for name, extra in ck.extra_roots.items():
+        values.update((f"{name}.{k}", v) for k, v in iter_values(extra))
+    return _Side(path, ck.format, tensors, values)
+
+
+def _source_side(src: Source) -> _Side:
+    """A safetensors file or sharded set read by ``convert``'s readers: no strides (stored contiguous, except the
+    views ckptool's sharing record gives back) and no plain values."""
+    tensors: dict[str, _Tensor] = {}
+    for t in src.tensors:
+        tensors[t.name] = _source_tensor(t)
+    side = _Side(src.path, src.format, tensors, {})
+    side.notes += src.notes
+    return side
+
+
+def _source_tensor(t: Tensor) -> _Tensor:
+    st = t.storage
+    es = element_size(t.dtype)
+    out = _Tensor(t.dtype, t.shape, t.stride, st.location, st, st.path, st.offset, t.offset, t.stride,
+                  st.nbytes // es)
+    if st.pieces is None:
+        return out
+    lo, hi = t.span
+    for p in st.pieces:  # a sharing group stored as pieces: read the view from a piece that holds it
+        if (p.offset, p.shape, p.stride) == (t.offset, t.shape, t.stride):
+            out.base, out.offset, out.read_stride, out.limit = p.file_offset, 0, contiguous_stride(t.shape), numel(
+                t.shape)
+            return out
+        if is_contiguous(p.shape, p.stride) and p.offset <= lo and hi <= p.offset + numel(p.shape):
+            out.base, out.limit = p.file_offset - p.offset * es, p.offset + numel(p.shape)
+            return out
+    out.path, out.unread = None, "a view of a shared storage that no stored tensor holds"
+    return out
+
+
+def _dcp_side(folder: str) -> _Side:
+    info = inspect_set(folder)
+    tensors = {t.key: _Tensor(t.dtype, tuple(t.shape), None, None, t.key, unread="DCP tensor data is not read")
+               for t in info.tensors}
+    non_tensor = (info.metadata or {}).get("non_tensor_entries", "")
+    side = _Side(folder, info.format, tensors, {})
+    if non_tensor:
+        side.notes.append(f"{folder}: non-tensor entries of a DCP folder are compared by name only")
+        for k in non_tensor.split(", "):
+            side.values[k] = _UNREAD
+    return side
+
+
+class _Unread:
+    def __repr__(self) -> str:
+        return "<not read>"
+
+
+_UNREAD = _Unread()
+
+
+# ------------------------------------------------------------------------------------------------ streaming values
+def _chunks(t: _Tensor, files: Files, per: int) -> Iterator[bytes | bytearray]:
+    """The elements of ``t`` in row-major order as bytes, ``per`` elements per chunk (the last may be shorter).
+
+    Raises:
+        CorruptCheckpointError: the view runs past its storage, or the file ends first.
+    """
+    assert t.path is not None
+    es = element_size(t.dtype)
+    shape, stride = t.shape, t.read_stride
+    n = numel(shape)
+    if n == 0:
+        return
+    lo, hi = span(t.offset, shape, stride)
+    if len(stride) != len(shape) or min(stride, default=0) < 0 or lo < 0 or hi > t.limit:
+        raise CorruptCheckpointError(f"{t.path}: a tensor view (offset {t.offset}, shape {list(shape)}, stride "
+                                     f"{list(stride)}) runs past its storage of {t.limit} elements; the file is "
+                                     "damaged")
+    if is_contiguous(shape, stride):
+        pos, left = t.base + lo * es, n * es
+        while left:
+            k = min(left, per * es)
+            yield files.read(t.path, pos, k)
+            pos += k
+            left -= k
+        return
+    buf = memoryview(files.read(t.path, t.base + lo * es, (hi - lo) * es))  # the storage span, once
+    fmt = _WORDS.get(es)
+    elems = buf.cast(fmt) if fmt else None
+    out = bytearray()
+    inner, step = shape[-1], stride[-1]
+    for idx in itertools.product(*(range(s) for s in shape[:-1])):
+        start = t.offset - lo + sum(i * s for i, s in zip(idx, stride[:-1]))
+        if elems is not None and step > 0:
+            out += elems[start:start + (inner - 1) * step + 1:step].tobytes()
+        else:
+            for j in range(inner):
+                p = (start + j * step) * es
+                out += buf[p:p + es]
+        while len(out) >= per * es:
+            yield bytes(out[:per * es])
+            del out[:per * es]
+    if out:
+        yield bytes(out)
+
+
+def _compare_values(ta: _Tensor, tb: _Tensor, files: Files, rtol: float | None, atol: float | None,
+                    d: TensorDiff) -> None:
+    """Fill ``d.values`` (and the differences) for two tensors of the same shape."""
+    tolerance = rtol is not None or atol is not None
+    if ta.path is None or tb.path is None:
+        d.values, d.note = NOT_COMPARED, ta.unread or tb.unread
+        return
+    if ta.dtype != tb.dtype and not tolerance:
+        d.values, d.note = NOT_COMPARED, "dtypes differ: pass --rtol/--atol to compare by value"
+        return
+    numeric = is_numeric(ta.dtype) and is_numeric(tb.dtype)
+    if ta.dtype != tb.dtype and not numeric:
+        odd = ta.dtype if not is_numeric(ta.dtype) else tb.dtype
+        d.values, d.note = NOT_COMPARED, f"{odd} cannot be compared by value"
+        return
+    tolerance = tolerance and numeric  # float8, quantized...: bit-exact
+    per = max(1, min(CHUNK_ELEMENTS, CHUNK_BYTES // max(element_size(ta.dtype), element_size(tb.dtype))))
+    stats: ValueStats | None = ValueStats() if numeric else None
+    same_bytes = ta.dtype == tb.dtype
+    for ca, cb in zip(_chunks(ta, files, per), _chunks(tb, files, per)):
+        if ca == cb and same_bytes:
+            continue
+        same_bytes = False
+        if stats is None:
+            break  # bit-exact and not decodable: that the bytes differ is all there is to say
+        try:
+            if tolerance:
+                stats.update(ca, cb, ta.dtype, tb.dtype, rtol=rtol, atol=atol)
+            else:
+                stats.update(ca, cb, ta.dtype, tb.dtype)
+        except ModuleNotFoundError:
+            if tolerance:
+                raise
+            stats = None  # bit-exact mode without numpy: no figures
+            break
+    if same_bytes:
+        d.values = EQUAL
+        d.max_abs, d.max_rel, d.mismatched = 0.0, 0.0, 0
+        return
+    if stats is not None:
+        d.max_abs, d.max_rel, d.mismatched = stats.max_abs, stats.max_rel, stats.mismatched
+    d.values = CLOSE if tolerance and stats is not None and stats.mismatched == 0 else DIFFER
+
+
+# ------------------------------------------------------------------------------------------------ matching keys
+def _match(keys_a: list[str], keys_b: list[str]) -> tuple[dict[str, str], str | None]:
+    """``{key in B: key in A}`` for the keys that match after reconciling wrapper prefixes (renaming B's keys onto
+    A's or A's onto B's, whichever matches more), and the sentence that says which side has which prefix (None when
+    the keys match as they are)."""
+    set_a, set_b = set(keys_a), set(keys_b)
+    same = sum(k in set_a for k in keys_b)
+    b_to_a, a_to_b = reconcile(keys_b, keys_a), reconcile(keys_a, keys_b)
+    if b_to_a.changed and b_to_a.matched > same and b_to_a.matched >= a_to_b.matched:
+        best = b_to_a
+        pairs = {kb: ka for kb, ka in b_to_a.mapping.items() if ka in set_a}
+        a_has, b_has = b_to_a.added, b_to_a.removed
+    elif a_to_b.changed and a_to_b.matched > same:
+        best = a_to_b
+        pairs = {kb: ka for ka, kb in a_to_b.mapping.items() if kb in set_b}
+        a_has, b_has = a_to_b.removed, a_to_b.added
+    else:
+        return {k: k for k in keys_b if k in set_a}, None
+    renamed = sum(old != new for old, new in best.mapping.items())  # keys of the side renamed
+    where = "every key" if renamed == len(best.mapping) else f"{renamed} of {len(best.mapping)} keys"
+    has = [(who, ", ".join(f"`{c}`" for c in comps)) for who, comps in (("A", a_has), ("B", b_has)) if comps]
+    if len(has) == 1:
+        who, comps = has[0]
+        return pairs, f"{who} has {comps} on {where}, {'B' if who == 'A' else 'A'} has none; keys matched without it"
+    return pairs, f"A has {has[0][1]} and B has {has[1][1]} on {where}; keys matched without them"
+
+
+def _layout_changes(ta: _Tensor, tb: _Tensor) -> list[str]:
+    out = []
+    if ta.shape != tb.shape:
+        out.append(f"shape {list(ta.shape)} -> {list(tb.shape)}")
+    if ta.dtype != tb.dtype:
+        out.append(f"dtype {ta.dtype} -> {tb.dtype}")
+    if ta.device is not None and tb.device is not None and ta.device != tb.device:
+        out.append(f"device {ta.device} -> {tb.device}")
+    if (ta.stride is not None and tb.stride is not None and ta.shape == tb.shape and ta.stride != tb.stride
+            and numel(ta.shape) > 1):
+        out.append(f"stride {list(ta.stride)} -> {list(tb.stride)}")
+    return out
+
+
+def _sharing(pairs: dict[str, str], a: _Side, b: _Side) -> list[str]:
+    """The differences in storage sharing among matched tensors (named by their A keys): one line per group of
+    tensors that share a storage on one side and not, or not all, on the other."""
+    members: list[dict[object, list[str]]] = [{}, {}]
+    for kb, ka in pairs.items():
+        members[0].setdefault(a.tensors[ka].group, []).append(ka)
+        members[1].setdefault(b.tensors[kb].group, []).append(ka)
+    group_of = [{k: frozenset(g) for g in m.values() for k in g} for m in members]
+    lines: dict[str, None] = {}
+    for i, (this, other) in enumerate((("A", "B"), ("B", "A"))):
+        for g in members[i].values():
+            if len(g) < 2:
+                continue
+            split = list(dict.fromkeys(group_of[1 - i][k] for k in g))
+            if len(split) == 1:
+                continue
+            names = ", ".join(sorted(g))
+            if all(len(s) == 1 for s in split):
+                lines[f"{names} share a storage in {this} but not in {other}"] = None
+            else:
+                parts = " | ".join(", ".join(sorted(s & frozenset(g))) for s in split)
+                lines[f"{names} share a storage in {this}; in {other}: {parts}"] = None
+    return list(lines)
+
+
+def _same_value(x: object, y: object) -> bool:
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+        return True
+    return bool(x == y)
+
+
+# ------------------------------------------------------------------------------------------------ the operation
+@gc_paused
+def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | None = None,
+         atol: float | None = None, keys_only: bool = False) -> DiffResult:
+    """Compare checkpoints ``a`` and ``b`` (any formats ckptool reads: torch zip, legacy, safetensors, sharded sets
+    given by their ``*.index.json`` or folder, DCP folders) without torch and without loading either whole.
+
+    Keys are matched after wrapper-prefix reconciliation (``module.``, ``_orig_mod.``..., reported once in
+    ``prefix``); keys on one side only, and shape, dtype, saved device (location tag) and stride changes of the
+    matched tensors are reported, as are differences in which tensors share a storage (tied weights, views) and
+    in plain values (epoch, hyper-parameters; torch files only). Values are compared tensor by tensor, streamed
+    in chunks of :data:`CHUNK_BYTES`: bit-exact by default (with numpy installed, a tensor that differs also gets
+    its greatest absolute and relative differences and the count of differing elements); with ``rtol`` / ``atol``
+    (either one; the other is then 0) an element of B is close when ``|b - a| <= atol + rtol * |a|``, as
+    ``torch.testing.assert_close(actual=b, expected=a)`` decides, and tensors of different dtypes are compared by
+    value. ``keys_only`` skips values. Sources: ``torch.testing.assert_close`` for the tolerances, GNU ``diff`` for
+    the equal / different outcome.
+
+    Returns a :class:`DiffResult` (``identical`` is True when nothing differs).
+
+    Raises:
+        UsageError: a negative tolerance, tolerances with ``keys_only``, or a path that is missing or not a
+            checkpoint set (see :func:`ckptool.ops.inspect.inspect`).
+        NotACheckpointError / CorruptCheckpointError / UnsupportedError: a side cannot be read (see
+            :func:`ckptool.ops.inspect.inspect` and ``convert``'s readers).
+        ModuleNotFoundError: tolerances given and numpy is not installed.
+    """
+    for name, tol in (("rtol", rtol), ("atol", atol)):
+        if tol is not None and not (tol >= 0 and math.isfinite(tol)):
+            raise UsageError(f"--{name} must be a finite number >= 0, not {tol}")
+    if keys_only and (rtol is not None or atol is not None):
+        raise UsageError("--keys-only skips values: it cannot be combined with --rtol / --atol")
+    tolerance = rtol is not None or atol is not None
+    if tolerance:
+        require_numpy()  # fail before reading anything
+
+    side_a, side_b = _read_side(os.fspath(a)), _read_side(os.fspath(b))
+    mode = "keys-only" if keys_only else "tolerance" if tolerance else "exact"
+    res = DiffResult(side_a.path, side_b.path, side_a.format, side_b.format, mode,
+                     rtol=(rtol or 0.0) if tolerance else None, atol=(atol or 0.0) if tolerance else None)
+    res.notes += side_a.notes + side_b.notes
+    pairs, res.prefix = _match(list(side_a.tensors), list(side_b.tensors))
+    matched_a = set(pairs.values())
+    value_pairs = {k: k for k in side_b.values if k in side_a.values}
+    res.only_a = [k for k in side_a.tensors if k not in matched_a] + [k for k in side_a.values if k not in value_pairs]
+    res.only_b = [k for k in side_b.tensors if k not in pairs] + [k for k in side_b.values if k not in value_pairs]
+    res.plain_values = len(value_pairs)
+    for kb, ka in value_pairs.items():
+        va, vb = side_a.values[ka], side_b.values[kb]
+        if va is not _UNREAD and vb is not _UNREAD and not _same_value(va, vb):
+            res.values.append(ValueDiff(ka, kb, va, vb))
+    files = Files()
+    try:
+        position = {k: i for i, k in enumerate(side_a.tensors)}
+        for kb, ka in sorted(pairs.items(), key=lambda p: position[p[1]]):
+            ta, tb = side_a.tensors[ka], side_b.tensors[kb]
+            d = TensorDiff(ka, kb, _layout_changes(ta, tb), numel=numel(ta.shape))
+            res.compared += 1
+            if keys_only:
+                d.values = NOT_COMPARED
+                d.note = "--keys-only"
+            elif ta.shape != tb.shape:
+                d.values, d.note = NOT_COMPARED, "shapes differ"
+            else:
+                _compare_values(ta, tb, files, rtol, atol, d)
+            if d.values in (EQUAL, CLOSE):
+                res.values_equal += 1
+            if d.changes or d.values in (DIFFER, CLOSE):
+                res.tensors.append(d)
+    finally:
+        files.close()
+    res.shared = _sharing(pairs, side_a, side_b)
+    unread = sum(1 for kb, ka in pairs.items() if side_a.tensors[ka].path is None or side_b.tensors[kb].path is None)
+    res.not_compared = res.compared - res.values_equal - sum(t.values == DIFFER for t in res.tensors)
+    if unread and not keys_only:
+        res.notes.append(f"values of {unread} tensor(s) were not compared: "
+                         + next(side_a.tensors[ka].unread or side_b.tensors[kb].unread for kb, ka in pairs.items()
+                                if side_a.tensors[ka].path is None or side_b.tensors[kb].path is None))
+    return res

@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Refresh the ``--help`` blocks of the command reference in ``docs/commands/``.
+
+Each page holds, for every command it documents, a block::
+
+    <!-- help: remap -->
+    ```
+    ...the output of `ckptool remap --help`...
+    ```
+    <!-- /help -->
+
+``python docs/generate.py`` rewrites every such block from the installed CLI; ``python docs/generate.py --check``
+exits 1 when a block differs (``tests/test_docs.py`` runs the same check, so the pages never drift from ``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from ckptool.cli import COMMANDS, cli
+
+DOCS = Path(__file__).resolve().parent / "commands"
+BLOCK = re.compile(r"(<!-- help: ([\w-]+) -->\n)```\n.*?\n```\n(<!-- /help -->)", re.S)
+
+
+def help_text(command: str) -> str:
+    """``ckptool COMMAND --help`` as printed at 100 columns (the CLI's ``max_content_width``)."""
+    args = [command, "--help"] if command != "ckptool" else ["--help"]
+    res = CliRunner().invoke(cli, args, prog_name="ckptool", terminal_width=100)
+    if res.exit_code != 0:
+        raise SystemExit(f"ckptool {command} --help failed: {res.output}")
+    return res.output.rstrip("\n")
+
+
+def render(text: str) -> str:
+    """``text`` with every help block refreshed."""
+    return BLOCK.sub(lambda m: f"{m.group(1)}```\n{help_text(m.group(2))}\n```\n{m.group(3)}", text)
+
+
+def documented() -> set[str]:
+    """The commands that have a help block somewhere under ``docs/commands``."""
+    return {m.group(2) for page in DOCS.glob("*.md") for m in BLOCK.finditer(page.read_text(encoding="utf-8"))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 if a page differs from --help (write nothing)")
+    args = ap.parse_args()
+    stale = []
+    for page in sorted(DOCS.glob("*.md")):
+        old = page.read_text(encoding="utf-8")
+        new = render(old)
+        if new != old:
+            stale.append(page.name)
+            if not args.check:
+                page.write_text(new, encoding="utf-8")
+    missing = sorted(set(COMMANDS) - documented())
+    if missing:
+        print(f"commands without a help block in docs/commands: {', '.join(missing)}", file=sys.stderr)
+    if args.check and stale:
+        print(f"out of date (run python docs/generate.py): {', '.join(stale)}", file=sys.stderr)
+    return 1 if (args.check and stale) or missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
