@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from ckptool.cli import COMMANDS, cli
 
 DOCS = Path(__file__).resolve().parent / "commands"
-BLOCK = re.compile(r"(<!-- help: ([\w-]+) -->\n)```\n.*?\n```\n(<!-- /help -->)", re.S)
+BLOCK = re.compile(r"(<!-- help: ([\w-]+) -->\n)```\n(?:(?:(?!<!-- /help -->).)*?\n)?```\n(<!-- /help -->)", re.S)
 
 
 def help_text(command: str) -> str:
