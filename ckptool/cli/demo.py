@@ -5,13 +5,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ckptool.cli._common import emit_json, is_quiet, json_option, muted_stdout, progress_wanted
-from ckptool.demo import run_demo
-from ckptool.demo.run import SUMMARY_HEADERS, DemoResult
+
+if TYPE_CHECKING:
+    from ckptool.demo.run import DemoResult
 
 
 @click.command("demo")
@@ -37,6 +38,9 @@ def demo_cmd(out: str | None, device: str, epochs: int, seed: int, as_json: bool
       ckptool demo
       ckptool demo --out demo-files --device cpu --epochs 10
     """
+    # deferred: ckptool.demo imports torch, and `ckptool demo --help` works without it (torch-free install)
+    from ckptool.demo import run_demo  # noqa: PLC0415
+
     quiet = is_quiet() or as_json
     if as_json:
         with muted_stdout():
@@ -51,6 +55,8 @@ def _payload(res: DemoResult) -> dict[str, Any]:
     written by kind (``saved``, ``received``, ``remapped``, ``portable``: ``{kind: path}``), ``gpu_tag``,
     ``plain_load_error``, ``n_test``, ``matches``, ``verified``, ``resumed``, ``summary`` (one object per row of
     the summary table) and ``seconds``."""
+    from ckptool.demo.run import SUMMARY_HEADERS  # noqa: PLC0415 - deferred with run_demo (torch)
+
     files = {name: {k: str(p) for k, p in getattr(res, name).items()}
              for name in ("saved", "received", "remapped", "portable")}
     return {"out": str(res.out), "device": res.device, "accuracy": res.accuracy, "losses": res.losses, **files,

@@ -47,6 +47,13 @@ ST_CODES: dict[str, str] = {
     "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0", "complex64": "C64",
 }
 
+#: dtype name -> ``struct`` format character of one element (read little-endian, ``"<" + fmt``), for the dtypes
+#: whose values Python's ``struct`` module decodes (numpy scalars and small arrays shown by inspect and diff)
+STRUCT_FORMATS: dict[str, str] = {
+    "float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h", "int8": "b",
+    "uint64": "Q", "uint32": "I", "uint16": "H", "uint8": "B", "bool": "?",
+}
+
 #: safetensors codes ckptool can describe but not convert: the format defines them, the safetensors Python loader
 #: of this era does not map them to torch (``F4`` is two float4 values packed in one byte)
 ST_READ_ONLY: dict[str, str] = {"F4": "float4_e2m1fn_x2"}

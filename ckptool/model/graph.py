@@ -258,11 +258,11 @@ def iter_tensors(root: object, prefix: str = "") -> Iterator[tuple[str, TensorNo
     Raises:
         CorruptCheckpointError: containers nested deeper than :data:`MAX_DEPTH`.
     """
-    for path, (t, rg) in depth_first(root, prefix, _node_children, _node_tensor):
+    for path, (t, rg) in depth_first(root, prefix, node_children, _node_tensor):
         yield path, t, rg
 
 
-def _node_children(path: str, obj: object) -> list[tuple[str, Any]]:
+def node_children(path: str, obj: object) -> list[tuple[str, Any]]:
     """The named children of one container or node, for :func:`iter_tensors`."""
     inner = compiled_inner(obj)
     if inner is not None:

@@ -14,13 +14,12 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
+from ckptool.formats.dtypes import STRUCT_FORMATS
 from ckptool.formats.nodes import GlobalMeta, ParameterNode, PickledObject, TensorNode
-from ckptool.model.graph import ATOMS, _node_children, depth_first
+from ckptool.model.graph import ATOMS, depth_first, node_children
 from ckptool.model.numpy_nodes import numpy_kind, read_array
 
 #: torch dtype name -> ``struct`` format, to show a numpy scalar's value (the dtypes numpy pickles)
-_SCALAR_FORMATS = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h",
-                   "int8": "b", "uint64": "Q", "uint32": "I", "uint16": "H", "uint8": "B", "bool": "?"}
 
 _TENSOR = object()  # leaf marker: a tensor, left out
 _METADATA_TRAIL = "._state._metadata"  # where a state_dict's _metadata sits in the walk's paths
@@ -29,7 +28,7 @@ _METADATA_TRAIL = "._state._metadata"  # where a state_dict's _metadata sits in 
 def _numpy_value(obj: PickledObject) -> object:
     """A numpy scalar as a Python value (``0.5``); other numpy arrays as ``numpy float32 [2, 3] <hex digest>``."""
     arr = read_array(obj)
-    fmt = _SCALAR_FORMATS.get(arr.dtype)
+    fmt = STRUCT_FORMATS.get(arr.dtype)
     if not arr.shape and fmt is not None:
         value: object = struct.unpack("<" + fmt, arr.data)[0]
         return value
@@ -59,7 +58,7 @@ def iter_values(root: Any) -> Iterator[tuple[str, object]]:
     Raises:
         CorruptCheckpointError: containers nested deeper than :data:`ckptool.model.graph.MAX_DEPTH`.
     """
-    for path, (value,) in depth_first(root, "", _node_children, _leaf):
+    for path, (value,) in depth_first(root, "", node_children, _leaf):
         if value is _TENSOR or _METADATA_TRAIL in f".{path}":
             continue
         yield path, value

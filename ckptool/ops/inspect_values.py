@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from ckptool.errors import CkptError
-from ckptool.formats.dtypes import numel, tensor_dtype
+from ckptool.formats.dtypes import STRUCT_FORMATS, numel, tensor_dtype
 from ckptool.formats.nodes import (
     GlobalMeta,
     ObjectNode,
@@ -45,8 +45,6 @@ _PLAIN = frozenset({*_ATOMS, GlobalMeta})
 _TENSOR_NODES = frozenset({TensorNode, ParameterNode})  # exact types of the values a container may hold to be one entry
 _RNG_KEY = re.compile(r"rng", re.IGNORECASE)
 #: torch dtype name -> ``struct`` format, for numpy scalars and small arrays
-_CAST = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h", "int8": "b",
-         "uint64": "Q", "uint32": "I", "uint16": "H", "uint8": "B", "bool": "?"}
 _BIG_INT_BITS = 256  # larger ints are shown by their size (str() of a huge int is slow, or refused)
 _PREVIEW_DEPTH = 3  # nesting shown inside a one-line preview
 _MORE_ROOM = 24  # characters a preview keeps for its "… N more" ending
@@ -276,7 +274,7 @@ def _rng_tuple(obj: object) -> str | None:
 # ------------------------------------------------------------------------------------------------ values
 def _numpy_values(arr: NumpyArray, limit: int) -> list[bool | int | float] | None:
     """The first ``limit`` elements of a numpy array read from the graph (None for complex dtypes)."""
-    fmt = _CAST.get(arr.dtype)
+    fmt = STRUCT_FORMATS.get(arr.dtype)
     if fmt is None:
         return None
     size = struct.calcsize(fmt)
