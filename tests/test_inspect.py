@@ -523,3 +523,14 @@ def test_values_import_nothing_and_read_no_tensor_bytes(generated: dict[str, Pat
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code, *map(str, files)], check=True)
+
+
+def test_inspect_security_level_agrees_with_scan(generated: dict[str, Path], real_dir: Path) -> None:
+    """inspect's JSON carries the same three-level answer as `ckptool scan` (issue 13's levels, one classification)."""
+    from ckptool.ops.scan import scan_file
+
+    for path in (generated["model_full_cuda0.pt"], generated["sd_cpu.pt"], real_dir / "lpips-v0.1-alex.pth"):
+        sec = ckptool.inspect(path).to_dict()["security"]
+        assert sec["level"] == scan_file(path).level, path
+    full = ckptool.inspect(generated["model_full_cuda0.pt"]).to_dict()["security"]
+    assert full["level"] == "needs-trust" and full["needs_trust"]

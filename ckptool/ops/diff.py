@@ -16,18 +16,18 @@ and neither file is ever loaded whole: bit-exact by default, or with tolerances 
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from ckptool._gc import gc_paused
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import contiguous_stride, element_size, numel, storage_nbytes
 from ckptool.formats.sharded import is_checkpoint_set, set_kind
+from ckptool.formats.strided import gather
 from ckptool.formats.torchfile import read_checkpoint, resolve_zip_offsets
 from ckptool.model.graph import too_deep
 from ckptool.model.keys import reconcile
@@ -43,9 +43,6 @@ SCHEMA = "ckptool.diff/1"
 CHUNK_BYTES = 4 << 20
 #: the most elements compared at a time (bounds numpy's float64 temporaries in tolerance mode)
 CHUNK_ELEMENTS = 128 << 10
-
-#: element size in bytes -> the ``memoryview.cast`` format of an unsigned integer that wide (strided gathers)
-_WORDS: dict[int, Literal["B", "H", "I", "Q"]] = {1: "B", 2: "H", 4: "I", 8: "Q"}
 
 EQUAL, CLOSE, DIFFER, NOT_COMPARED = "equal", "close", "differ", "not compared"
 
@@ -298,24 +295,8 @@ def _chunks(t: _Tensor, files: Files, per: int) -> Iterator[bytes | bytearray]:
             pos += k
             left -= k
         return
-    buf = memoryview(files.read(t.path, t.base + lo * es, (hi - lo) * es))  # the storage span, once
-    fmt = _WORDS.get(es)
-    elems = buf.cast(fmt) if fmt else None
-    out = bytearray()
-    inner, step = shape[-1], stride[-1]
-    for idx in itertools.product(*(range(s) for s in shape[:-1])):
-        start = t.offset - lo + sum(i * s for i, s in zip(idx, stride[:-1]))
-        if elems is not None and step > 0:
-            out += elems[start:start + (inner - 1) * step + 1:step].tobytes()
-        else:
-            for j in range(inner):
-                p = (start + j * step) * es
-                out += buf[p:p + es]
-        while len(out) >= per * es:
-            yield bytes(out[:per * es])
-            del out[:per * es]
-    if out:
-        yield bytes(out)
+    span_bytes = files.read(t.path, t.base + lo * es, (hi - lo) * es)  # the storage span, once
+    yield from gather(span_bytes, es, t.offset - lo, shape, stride, chunk=per * es)
 
 
 def _compare_values(ta: _Tensor, tb: _Tensor, files: Files, rtol: float | None, atol: float | None,

@@ -36,7 +36,16 @@ from ckptool.formats.nodes import StorageRef, TensorNode, qualified_name
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import is_checkpoint_set, read_index, set_kind
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
-from ckptool.model.allowlist import ALLOWED, DANGEROUS, UNKNOWN, classify_global, is_allowed
+from ckptool.model.allowlist import (
+    ALLOWED,
+    DANGEROUS,
+    NEEDS_TRUST,
+    UNKNOWN,
+    classify_global,
+    is_allowed,
+    level_of,
+    worst_level,
+)
 from ckptool.model.graph import (
     StateDictRef,
     find_state_dicts,
@@ -157,6 +166,9 @@ class CheckpointInfo:
             "verdict": self.verdict,
             "dangerous": [{"name": g.name, "reason": g.reason} for g in self.globals if g.status == DANGEROUS],
             "unknown": [g.name for g in self.globals if g.status == UNKNOWN],
+            # the three levels of `ckptool scan` (safe, needs-trust, dangerous), from the same classification
+            "level": worst_level(g.status for g in self.globals),
+            "needs_trust": [g.name for g in self.globals if level_of(g.status) == NEEDS_TRUST],
         }
         return d
 

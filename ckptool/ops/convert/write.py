@@ -22,6 +22,7 @@ from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
 from ckptool.formats.nodes import StorageRef
 from ckptool.formats.pickler import dumps
 from ckptool.formats.safetensors import SHARED_KEY, encode_header
+from ckptool.formats.strided import gather
 from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.model.graph import mapping_items, ordered_dict_node
 from ckptool.model.keys import rename_metadata_items
@@ -32,6 +33,9 @@ from ckptool.torch_ops.cast import StorageCache, tensor_buffer
 
 #: dtype name -> legacy storage class ``torch.save`` names with ``_rebuild_tensor_v2`` (torch/storage.py); other
 #: dtypes are written as ``_rebuild_tensor_v3`` over an ``UntypedStorage``, as torch does for uint16, float8...
+
+#: bytes written at a time when a strided view is gathered into contiguous order
+_GATHER_CHUNK = 8 << 20
 
 W = TypeVar("W")
 
@@ -134,6 +138,14 @@ def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str]
                 crc = st.crc if whole else None
             else:
                 crc = copy_range_crc(files.get(st.path), out, st.offset + t.offset * esize, t.numel * esize)
+        elif u.dtype == t.dtype and st.pieces is None:  # a strided view, no cast: gather its bytes (no torch)
+            lo, hi = t.span
+            crc = 0
+            for piece in gather(files.read(st.path, st.offset + lo * esize, (hi - lo) * esize), esize,
+                                t.offset - lo, t.shape, t.stride, chunk=_GATHER_CHUNK):
+                out.write(piece)
+                crc = zlib.crc32(piece, crc)
+            res.made_contiguous.append(t.name)
         else:
             buf = tensor_buffer(cache.view(t))
             out.write(buf)
