@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -41,12 +42,17 @@ class SafetensorsHeader:
     data_size: int
 
     def aliases(self) -> dict[str, str]:
-        """``alias -> kept name`` recorded the way ``safetensors.torch.save_model`` records a dropped duplicate:
-        every ``__metadata__`` item whose key names no stored tensor and whose value names a stored one (a tensor
-        identical to the kept one, same shape and dtype)."""
-        meta = self.metadata or {}
-        return {k: v for k, v in meta.items()
-                if k != SHARED_KEY and k not in self.entries and isinstance(v, str) and v in self.entries}
+        """``alias -> kept name`` recorded the way ``safetensors.torch.save_model`` records a dropped duplicate
+        (:func:`library_aliases` of this header's metadata and tensor names)."""
+        return library_aliases(self.metadata, self.entries)
+
+
+def library_aliases(metadata: Mapping[str, object] | None, stored: Container[str]) -> dict[str, str]:
+    """``alias -> kept name`` as ``safetensors.torch.save_model`` records a dropped duplicate: every ``__metadata__``
+    item whose key names no ``stored`` tensor and whose value names a stored one (a tensor identical to the kept
+    one, same shape and dtype)."""
+    return {k: v for k, v in (metadata or {}).items()
+            if k != SHARED_KEY and k not in stored and isinstance(v, str) and v in stored}
 
 
 def read_header(path: str, *, strict_metadata: bool = False) -> SafetensorsHeader:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import ST_NAMES, ST_READ_ONLY, contiguous_stride, element_size, numel
-from ckptool.formats.safetensors import SHARED_KEY, SharedGroup, decode_shared, read_header
+from ckptool.formats.safetensors import SHARED_KEY, SharedGroup, decode_shared, library_aliases, read_header
 from ckptool.formats.sharded import read_index
 from ckptool.ops.convert.read_torch import torch_source
 from ckptool.ops.convert.source import Piece, Source, Storage, Tensor, is_contiguous
@@ -129,19 +129,15 @@ def restore_library_aliases(src: Source) -> list[str]:
     the stored tensors, and its record leaves ``src.metadata``. For torch output, where storages can be shared, so
     that ``model.load_state_dict`` finds both tied names. Returns the names restored.
     """
-    meta = src.metadata or {}
     by_name = {t.name: t for t in src.tensors}
     restored = []
-    for alias, kept in meta.items():
-        t = by_name.get(kept) if isinstance(kept, str) else None
-        if t is None or alias in by_name or alias == SHARED_KEY:
-            continue
-        twin = Tensor(alias, alias, t.dtype, t.shape, t.stride, t.offset, t.storage, t.requires_grad, len(src.tensors))
-        src.tensors.append(twin)
-        by_name[alias] = twin
+    for alias, kept in library_aliases(src.metadata, by_name).items():
+        t = by_name[kept]
+        src.tensors.append(Tensor(alias, alias, t.dtype, t.shape, t.stride, t.offset, t.storage, t.requires_grad,
+                                  len(src.tensors)))
         restored.append(alias)
     if restored:
-        src.metadata = {k: v for k, v in meta.items() if k not in restored}
+        src.metadata = {k: v for k, v in (src.metadata or {}).items() if k not in restored}
         src.notes.append(f"restored {len(restored)} tied name(s) recorded by safetensors.torch.save_model "
                          f"({', '.join(restored[:5])}) as views of the tensor they share")
     return restored
