@@ -168,9 +168,14 @@ class OneLineUsageError(click.UsageError):
 
 
 def _one_line(e: click.UsageError) -> OneLineUsageError:
-    out = OneLineUsageError(e.format_message(), e.ctx)
-    out.exit_code = e.exit_code
-    return out
+    """``e`` as a :class:`OneLineUsageError` (every Click usage error exits with 2, ``UsageError.exit_code``)."""
+    return OneLineUsageError(e.format_message(), e.ctx)
+
+
+@functools.cache
+def _error_class(code: int) -> type[click.ClickException]:
+    """A ``click.ClickException`` subclass that exits with ``code`` (Click declares ``exit_code`` a class variable)."""
+    return type(f"ExitCode{code}Error", (click.ClickException,), {"exit_code": code})
 
 
 def _interrupted(ctx: click.Context, e: KeyboardInterrupt) -> click.exceptions.Exit:
@@ -258,9 +263,7 @@ class CkptGroup(click.Group):
             if is_debug(ctx):
                 raise
             message, code = describe_error(e)
-            err = click.ClickException(message)
-            err.exit_code = code
-            raise err from e
+            raise _error_class(code)(message) from e
 
 
 @click.group(cls=CkptGroup, context_settings=CONTEXT_SETTINGS, epilog=EPILOG)
