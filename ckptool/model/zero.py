@@ -72,7 +72,7 @@ class ZeroCheckpoint:
     ``buffers`` ``[(name, FlatBytes)]`` from rank 0's module; ``frozen`` ``{name: shape}``; ``frozen_fragments`` per
     model-state file ``{name: FlatBytes}``; ``shared`` ``{name: kept name}``; ``groups`` per rank the flat fp32
     tensors; ``alignment_paddings`` per group (ZeRO-1/2, when recorded); ``optimizer_state`` the per-parameter
-    optimizer state keys (``exp_avg``...); ``files`` model- then optimizer-state files.
+    optimizer state keys (``exp_avg``...); ``globals`` every ``(module, name)`` the pickles read name.
     """
 
     ds: DeepSpeedFolder
@@ -90,6 +90,7 @@ class ZeroCheckpoint:
     alignment_paddings: list[list[int]] | None = None
     optimizer_state: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    globals: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _items(obj: object, where: str, what: str) -> list[tuple[Any, Any]]:
@@ -225,7 +226,8 @@ def read_zero(path: str, tag: str | None = None) -> ZeroCheckpoint:
     return ZeroCheckpoint(ds, stage, world, str(version) if version is not None else None, weights,
                           groups[0][0].dtype if groups[0] else "float32", param_shapes, buffers, frozen, fragments,
                           shared, groups, paddings, state_keys,
-                          extra={k: m0.get(k) for k in ("global_steps", "global_samples", "dp_world_size")})
+                          extra={k: m0.get(k) for k in ("global_steps", "global_samples", "dp_world_size")},
+                          globals=list(dict.fromkeys(g for ck in [*models, *optim] for g in ck.globals)))
 
 
 def tensor_bytes_dtype(ck: Checkpoint, node: object) -> str | None:
