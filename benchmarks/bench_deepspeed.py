@@ -1,18 +1,19 @@
 """Consolidating a DeepSpeed ZeRO-3 checkpoint from 2 ranks: ``ckptool convert`` against DeepSpeed's
 ``zero_to_fp32``, wall time and peak RSS side by side.
 
-    python benchmarks/bench_deepspeed.py                 # hidden size 4,000,000: ~140 MiB of fp32 master weights
-    python benchmarks/bench_deepspeed.py --hidden 30000000   # ~1 GiB (needs ~12 GiB of RAM to train and save)
-    python benchmarks/bench_deepspeed.py --smoke         # a tiny checkpoint, for CI (skips where deepspeed is missing)
+    python benchmarks/bench_deepspeed.py                        # hidden 4,000,000: ~150 MiB of fp32 weights
+    python benchmarks/bench_deepspeed.py --hidden 27000000      # ~1 GiB (about 8 GiB of RAM to train and save)
+    python benchmarks/bench_deepspeed.py --smoke                # tiny, for CI (skips where deepspeed is missing)
 
 The checkpoint is written by real DeepSpeed on the CPU (``fixtures/make_deepspeed.py``, 2 ranks under
-``torch.distributed.run``). Each tool runs in its own process; its peak RSS is the child's own ``VmHWM`` (not
-``ru_maxrss``, which keeps the parent's peak across fork and exec). The bound checked for ckptool is the largest
-tensor + 64 MiB over the same command's peak on a 1 KiB checkpoint (Python, click, and torch, which the
-verification of a torch output imports). ckptool runs where ``import deepspeed`` fails (a blocking package on ``PYTHONPATH``), writing one
-torch file; the reference is ``python -m deepspeed.utils.zero_to_fp32 DIR OUT`` (DeepSpeed's own script, torch
-output, default 5GB shards; its ``--safe_serialization`` fails on tied weights, which the model has). Both outputs
-are compared tensor by tensor. Results go to ``benchmarks/out/deepspeed.json``.
+``torch.distributed.run``; ``--keep DIR`` keeps it and reuses it next time). Each tool runs in its own process;
+its peak RSS is the child's own ``VmHWM`` (not ``ru_maxrss``, which keeps the parent's peak across fork and exec).
+ckptool runs where ``import deepspeed`` fails (a blocking package on ``PYTHONPATH``) and writes one torch file,
+with and without its verification (which imports torch and re-reads the output); the reference is
+``python -m deepspeed.utils.zero_to_fp32 DIR OUT`` (DeepSpeed's own script, torch output, default 5GB shards; its
+``--safe_serialization`` fails on tied weights, which the model has). The bound checked for ckptool is the largest
+tensor + 64 MiB over the same command's peak on a 1 KiB checkpoint (Python, click, and torch for the
+verification). Both outputs are compared tensor by tensor. Results go to ``benchmarks/out/deepspeed.json``.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=4_000_000, help="hidden size of the model (about 9 x hidden "
                     "fp32 parameters)")
     ap.add_argument("--smoke", action="store_true", help="tiny checkpoint, for CI")
-    ap.add_argument("--keep", help="folder to keep the checkpoint in (default: a temporary folder)")
+    ap.add_argument("--keep", help="folder to keep the checkpoint in (default: a temporary folder); a checkpoint "
+                    "already there is reused")
     a = ap.parse_args(argv)
     try:
         import deepspeed  # noqa: F401
@@ -76,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.perf_counter()
-        folder = make_deepspeed.make_case(work, "zero3-2ranks", hidden=hidden, oracle=False)
+        folder = work / "zero3-2ranks"
+        if not (a.keep and (folder / "latest").is_file()):
+            folder = make_deepspeed.make_case(work, "zero3-2ranks", hidden=hidden, oracle=False)
         made = time.perf_counter() - t0
         files = sorted((folder / make_deepspeed.TAG).iterdir())
         ckpt_bytes = sum(f.stat().st_size for f in files)
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         ref_out = work / "zero_to_fp32"
         rss = work / "rss"
         ours = run("ckptool", ["convert", str(folder), "-o", str(ours_out), "--force", "-q"], ours_env, rss)
+        unverified = run("ckptool", ["convert", str(folder), "-o", str(work / "nv.pt"), "--force", "-q", "--no-verify"],
+                         ours_env, rss)
         tiny = REPO / "fixtures" / "deepspeed" / "zero3-2ranks"  # the same command on a tiny checkpoint: imports
         baseline = run("ckptool", ["convert", str(tiny), "-o", str(work / "tiny.pt"), "--force", "-q"], ours_env, rss)
         ref = run("deepspeed.utils.zero_to_fp32", [str(folder), str(ref_out)], base, rss)
@@ -102,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         res = {
             "hidden": hidden, "checkpoint_bytes": ckpt_bytes, "model_bytes": model_bytes, "largest_tensor": largest,
             "make_seconds": round(made, 1), "ckptool_seconds": round(ours[0], 2), "ckptool_peak_rss": ours[1],
+            "ckptool_no_verify_seconds": round(unverified[0], 2), "ckptool_no_verify_peak_rss": unverified[1],
             "python_baseline_rss": baseline[1], "zero_to_fp32_seconds": round(ref[0], 2),
             "zero_to_fp32_peak_rss": ref[1], "outputs_equal": same,
             "ckptool_within_bound": ours[1] <= largest + baseline[1] + (64 << 20),
@@ -111,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
               f" checkpoint {ckpt_bytes / mib:.0f} MiB")
         print(f"{'tool':<28}{'seconds':>10}{'peak RSS MiB':>15}")
         print(f"{'ckptool convert':<28}{ours[0]:>10.2f}{ours[1] / mib:>15.0f}")
+        print(f"{'ckptool convert --no-verify':<28}{unverified[0]:>10.2f}{unverified[1] / mib:>15.0f}")
         print(f"{'deepspeed zero_to_fp32':<28}{ref[0]:>10.2f}{ref[1] / mib:>15.0f}")
         print(f"{'(ckptool on a 1 KiB ckpt)':<28}{baseline[0]:>10.2f}{baseline[1] / mib:>15.0f}")
         print(f"outputs equal: {same}; ckptool peak <= largest tensor + tiny-checkpoint peak + 64 MiB: "

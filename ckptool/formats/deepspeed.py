@@ -118,8 +118,9 @@ def find_deepspeed(path: str | os.PathLike[str], tag: str | None = None) -> Deep
             latest = os.path.join(p, LATEST)
             if not os.path.isfile(latest):
                 listed = ", ".join(tags) or "none found"
-                raise UsageError(f"{path} has no 'latest' file naming the checkpoint to read; pass --tag (tags: "
-                                 f"{listed})")
+                raise UsageError(f"{path} has no 'latest' file naming the checkpoint to read; pass the tag folder "
+                                 f"itself ({os.path.join(path, tags[0]) if tags else 'DIR/global_stepN'}) or --tag "
+                                 f"(tags: {listed})")
             with open(latest, encoding="utf-8", errors="replace") as f:
                 tag = f.read().strip()
         if not tag or os.path.basename(tag) != tag or tag in (".", ".."):
