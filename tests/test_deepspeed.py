@@ -28,7 +28,7 @@ from ckptool.model.zero import plan, read_zero
 
 REPO = Path(__file__).resolve().parents[1]
 DS = REPO / "fixtures" / "deepspeed"
-CASES = ["zero2-1rank", "zero2-2ranks", "zero3-1rank", "zero3-2ranks"]
+CASES = ["zero1-2ranks", "zero2-1rank", "zero2-2ranks", "zero3-1rank", "zero3-2ranks"]
 ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I64": "int64"}
 
 
@@ -128,7 +128,7 @@ def test_tags_and_errors(tmp_path: Path, run_cli: Any) -> None:
     with pytest.raises(UsageError, match="no tag folder 'global_step9'"):
         read_zero(str(top), "global_step9")
     (top / "latest").unlink()
-    with pytest.raises(UsageError, match="pass --tag"):
+    with pytest.raises(UsageError, match="pass the tag folder itself .* or --tag"):
         read_zero(str(top))
     r = run_cli("convert", top, "-o", tmp_path / "m.safetensors", "--tag", "global_step2")
     assert r.exit_code == 0, r.output
@@ -304,3 +304,13 @@ def test_load_into_and_verify_take_the_folder() -> None:
     assert model.head.weight is model.embed.weight
     rep = ckptool.verify(DS / "zero3-2ranks", lambda: make_deepspeed._model(5))
     assert rep.ok, rep
+
+
+@pytest.mark.torchfree
+def test_zero1_frozen_parameters_are_named(run_cli: Any) -> None:
+    """ZeRO-1 saves no frozen_param_shapes: zero_to_fp32 (and so ckptool) leaves frozen parameters out; ckptool
+    says so."""
+    z = read_zero(str(DS / "zero1-2ranks"))
+    assert z.stage == 1 and z.uncovered == ["frozen.weight", "frozen.bias"]
+    r = run_cli("inspect", DS / "zero1-2ranks", "--json")
+    assert "frozen.weight, frozen.bias" in json.loads(r.output)["metadata"]["not_consolidated"]

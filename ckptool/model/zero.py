@@ -91,6 +91,9 @@ class ZeroCheckpoint:
     optimizer_state: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     globals: list[tuple[str, str]] = field(default_factory=list)
+    #: module entries that the consolidation does not cover (ZeRO-1 saves no frozen_param_shapes, so its frozen
+    #: parameters exist only as the module's saved weights; zero_to_fp32 leaves them out too)
+    uncovered: list[str] = field(default_factory=list)
 
 
 def _items(obj: object, where: str, what: str) -> list[tuple[Any, Any]]:
@@ -222,12 +225,15 @@ def read_zero(path: str, tag: str | None = None) -> ZeroCheckpoint:
         if k == "state":
             for _pid, per in mapping_items(v) or []:
                 state_keys += [str(x) for x, _ in mapping_items(per) or [] if str(x) not in state_keys]
+    covered = bnames | set(frozen) | set(shared) | {k for g in param_shapes for k in g}
+    uncovered = [str(k) for k, _ in module if k not in covered]
     version = m0.get("ds_version")
     return ZeroCheckpoint(ds, stage, world, str(version) if version is not None else None, weights,
                           groups[0][0].dtype if groups[0] else "float32", param_shapes, buffers, frozen, fragments,
                           shared, groups, paddings, state_keys,
                           extra={k: m0.get(k) for k in ("global_steps", "global_samples", "dp_world_size")},
-                          globals=list(dict.fromkeys(g for ck in [*models, *optim] for g in ck.globals)))
+                          globals=list(dict.fromkeys(g for ck in [*models, *optim] for g in ck.globals)),
+                          uncovered=uncovered)
 
 
 def tensor_bytes_dtype(ck: Checkpoint, node: object) -> str | None:

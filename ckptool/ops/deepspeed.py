@@ -79,6 +79,9 @@ def describe_deepspeed(path: str | os.PathLike[str], tag: str | None = None) -> 
         "files": f"{len(z.ds.model_files)} model-state, {len(z.ds.optim_files)} optimizer-state",
         "consolidate": consolidate_command(p, tag),
     }
+    if z.uncovered:
+        meta["not_consolidated"] = (f"{_names(z.uncovered)}: saved only as module weights, not in the fp32 state "
+                                    "(zero_to_fp32 leaves them out too)")
     if z.ds.top is not None and len(z.ds.tags) > 1:
         meta["tags"] = _names(z.ds.tags)
     size = sum(os.path.getsize(f) for f in z.ds.files)

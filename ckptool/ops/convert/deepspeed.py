@@ -42,6 +42,10 @@ def deepspeed_source(z: ZeroCheckpoint, exclude_frozen: bool = False) -> Source:
     if z.optimizer_state:
         src.left_out.append(f"optimizer state: {', '.join(z.optimizer_state)}, partitioned over {z.world_size} "
                             "rank(s)")
+    if z.uncovered:
+        src.notes.append(f"{len(z.uncovered)} module entr{'y' if len(z.uncovered) == 1 else 'ies'} saved only as "
+                         f"module weights, not in the fp32 state, left out as zero_to_fp32 does: "
+                         f"{', '.join(z.uncovered[:8])}{' ...' if len(z.uncovered) > 8 else ''}")
     if exclude_frozen and z.frozen:
         src.notes.append(f"frozen parameters left out (--exclude-frozen): {len(z.frozen)}")
     return src
