@@ -128,7 +128,7 @@ def test_tags_and_errors(tmp_path: Path, run_cli: Any) -> None:
     with pytest.raises(UsageError, match="no tag folder 'global_step9'"):
         read_zero(str(top), "global_step9")
     (top / "latest").unlink()
-    with pytest.raises(UsageError, match="pass the tag folder itself .* or --tag"):
+    with pytest.raises(UsageError, match=r"pass the tag folder itself .* or --tag"):
         read_zero(str(top))
     r = run_cli("convert", top, "-o", tmp_path / "m.safetensors", "--tag", "global_step2")
     assert r.exit_code == 0, r.output
