@@ -314,3 +314,17 @@ def test_zero1_frozen_parameters_are_named(run_cli: Any) -> None:
     assert z.stage == 1 and z.uncovered == ["frozen.weight", "frozen.bias"]
     r = run_cli("inspect", DS / "zero1-2ranks", "--json")
     assert "frozen.weight, frozen.bias" in json.loads(r.output)["metadata"]["not_consolidated"]
+
+
+def test_no_verify_copies_a_view_from_its_offset(tmp_path: Path, run_cli: Any) -> None:
+    """Regression (found while adding segmented storages to convert's writer): with --no-verify, a contiguous view
+    that starts inside its storage was copied from the storage's start."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    base = torch.arange(10.0)
+    torch.save({"a": base[:4], "b": base[6:]}, tmp_path / "views.pt")
+    out = tmp_path / "views.safetensors"
+    assert run_cli("convert", tmp_path / "views.pt", "-o", out, "--no-verify").exit_code == 0
+    got = load_file(out)
+    assert torch.equal(got["b"], base[6:]) and torch.equal(got["a"], base[:4])
