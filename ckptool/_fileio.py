@@ -329,6 +329,9 @@ def copy_range(src: BinaryIO, dst: BinaryIO, offset: int, size: int, *,
     Raises:
         CorruptCheckpointError: ``src`` ended early.
     """
+    if not hasattr(src, "fileno"):  # bytes gathered from several files (formats.segments): no kernel copy
+        copy_range_crc(src, dst, offset, size, progress=progress, behind=behind)
+        return
     dst.flush()
     pos = dst.tell()
     sfd, dfd = src.fileno(), dst.fileno()

@@ -67,14 +67,17 @@ def report_convert(res: ConvertResult) -> None:
         what = f"state_dict {res.key!r}"
     elif res.key == "":
         what = "the top-level state_dict"
+    elif res.format_in == "deepspeed":
+        what = "the consolidated ZeRO state_dict (fp32 master weights, buffers)"
     elif res.format_in == "safetensors" or res.format_in.startswith("sharded"):
         what = "the tensors"
     else:
         what = "the whole checkpoint"
     echo(f"Converted {what} of {res.src} ({res.format_in}) to {res.format_out}.")
     if res.left_out:
-        echo(f"Not carried: {len(res.left_out)} other entr{'y' if len(res.left_out) == 1 else 'ies'} of the file "
-             "(pass --key PATH to convert another state_dict):")
+        how = "" if res.format_in == "deepspeed" else " (pass --key PATH to convert another state_dict)"
+        echo(f"Not carried: {len(res.left_out)} other entr{'y' if len(res.left_out) == 1 else 'ies'} of the file"
+             f"{how}:")
         for line in res.left_out[:20]:
             echo(f"  {line}")
         if len(res.left_out) > 20:
@@ -126,6 +129,9 @@ def report_convert(res: ConvertResult) -> None:
                    "(see -o); one shard that fits everything is written as the single file DST, without index.")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "float64"]),
               help="Cast floating tensors (integer, bool, complex and float8 tensors are untouched).")
+@click.option("--tag", metavar="TAG",
+              help="DeepSpeed folder: the tag folder to consolidate (global_step1000; default: named by 'latest').")
+@click.option("--exclude-frozen", is_flag=True, help="DeepSpeed folder: leave out frozen parameters.")
 @allow_missing_option
 @click.option("--no-verify", is_flag=True, help="Skip re-opening the output to compare it with the source.")
 @click.option("--trust", is_flag=True,
@@ -135,11 +141,15 @@ def report_convert(res: ConvertResult) -> None:
 @json_option("convert")
 def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | None, maps: tuple[str, ...],
                 unwrap_keys: bool, strip_prefixes: tuple[str, ...], max_shard_size: str | None, dtype: str | None,
-                allow_missing: bool, no_verify: bool, trust: bool, force: bool, as_json: bool) -> None:
+                tag: str | None, exclude_frozen: bool, allow_missing: bool, no_verify: bool, trust: bool, force: bool,
+                as_json: bool) -> None:
     """Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint.
 
-    SRC is a torch.save file, a safetensors file, a sharded set (*.index.json, or the folder holding it) or a
-    DCP folder. From a torch file the state_dict is converted (found automatically, or --key); what else the file
+    SRC is a torch.save file, a safetensors file, a sharded set (*.index.json, or the folder holding it), a
+    DCP folder, or a DeepSpeed ZeRO 1/2/3 checkpoint folder (consolidated to the fp32 master weights and buffers
+    exactly as DeepSpeed's zero_to_fp32 does, without deepspeed and one tensor at a time).
+
+    From a torch file the state_dict is converted (found automatically, or --key); what else the file
     held (optimizer state, epoch...) is listed as not carried. Tied weights and views are stored once in
     safetensors, the others recorded as aliases in __metadata__, and restored as shared storage when ckptool
     converts the file back. Memory stays bounded by the largest tensor (DCP conversions excepted: torch's own
@@ -156,13 +166,15 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
       ckptool convert model.pth -o out/ --max-shard-size 2GB --dtype bfloat16
       ckptool convert checkpoints/step_1000/ -o model.pt           # a DCP folder
       ckptool convert model.pt -o dcp_ckpt/ --format dcp
+      ckptool convert ds_checkpoints/ -o model.safetensors         # DeepSpeed ZeRO, tag from 'latest'
     """
     refuse_stdout(dst, f"{ZIP_NEEDS_SEEK}, and every output is re-opened to verify it before it is kept")
     _claim_convert_output(dst, fmt, max_shard_size, force)
     with Progress("convert") as bar:
         res = convert(src, dst, format=fmt, key=key, to=to, mapping=mapping_of(maps), allow_missing=allow_missing,
                       unwrap=unwrap_keys, strip_prefixes=strip_prefixes, max_shard_size=max_shard_size, dtype=dtype,
-                      verify=not no_verify, trust=trust, progress=bar.update_to)
+                      verify=not no_verify, trust=trust, progress=bar.update_to, tag=tag,
+                      exclude_frozen=exclude_frozen)
     written = res.files[-1] if res.shards > 1 and res.files else res.dst  # a sharded set: its index
     if as_json:
         emit_json("convert", {**dataclasses.asdict(res), **hint_payload(hint_for(written, to=to, maps=maps))})

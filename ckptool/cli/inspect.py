@@ -55,7 +55,11 @@ def _print_info(info: CheckpointInfo, limit: int | None) -> None:
     echo(f"Tensors:  {len(info.tensors)} tensors, {info.storages} storages, {human_bytes(info.total_bytes)} in "
          "storages (shared storages counted once)"
          + (f"; {shared} tensors share storages (tied weights, views)" if shared else ""))
-    if info.metadata:
+    if info.format == "deepspeed" and info.metadata:  # ZeRO facts, one per line (ckptool.ops.deepspeed)
+        for k, v in info.metadata.items():
+            if k != "consolidate":
+                echo(f"  {k.replace('_', ' ')}: {_one_line(v)}")
+    elif info.metadata:
         echo(f"Metadata: {json.dumps(info.metadata)[:200]}")
     if info.tensors:
         rows = [(_short_path(t.key), "x".join(map(str, t.shape)) or "scalar", t.dtype, t.device, human_bytes(t.nbytes))
@@ -114,12 +118,18 @@ def _advice(info: CheckpointInfo) -> list[str]:
     gpu = sorted(d for d in info.devices if d not in ("cpu", "meta"))
     if info.format == "torchscript":
         out.append("TorchScript archive: load it with torch.jit.load(path, map_location='cpu').")
+    elif info.format == "deepspeed" and info.metadata:
+        out.append(f"DeepSpeed ZeRO checkpoint: the tensors above are its consolidated state_dict. Consolidate it "
+                   f"(no deepspeed needed) with: {info.metadata['consolidate']}")
     elif gpu:
         alt = f" (or --map {gpu[-1]}=cuda:0 for one GPU)" if gpu[-1] not in ("cuda:0", "cuda") else ""
         out.append(f"Saved on {', '.join(gpu)}: a plain torch.load needs that device. "
                    f"Run `ckptool remap {info.path} --to cpu`{alt} to load it anywhere.")
     unsafe = info.unsafe_globals
-    if unsafe and info.format != "torchscript":
+    if unsafe and info.format == "deepspeed":
+        out.append(f"{len(unsafe)} global(s) name deepspeed classes: torch.load(weights_only=True) refuses these "
+                   "files; ckptool reads them without importing anything.")
+    elif unsafe and info.format != "torchscript":
         out.append(f"{len(unsafe)} global(s) are outside the weights_only allowlist: torch.load(weights_only=True) "
                    "refuses this file; load with weights_only=False only if you trust its source.")
     return out

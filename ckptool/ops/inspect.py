@@ -23,6 +23,7 @@ from ckptool._gc import gc_paused
 from ckptool.errors import CkptError, CorruptCheckpointError
 from ckptool.formats import detect as formats
 from ckptool.formats.dcp import read_dcp_metadata
+from ckptool.formats.deepspeed import is_deepspeed_folder
 from ckptool.formats.dtypes import (
     DTYPE_SIZES,
     contiguous_stride,
@@ -57,6 +58,7 @@ from ckptool.model.graph import (
 )
 from ckptool.model.keys import is_flat_param_key, shared_prefixes, suggest_command
 from ckptool.ops.dcp_safety import is_dcp_allowed
+from ckptool.ops.deepspeed import describe_deepspeed
 from ckptool.ops.inspect_values import PreviewLimits, ValueInfo, value_infos
 
 #: the ``"schema"`` of :meth:`CheckpointInfo.to_dict` (``ckptool inspect --json``)
@@ -289,7 +291,8 @@ def inspect(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -
 
     Returns a :class:`CheckpointInfo`: format (``torch-zip``, ``torch-legacy``, ``torchscript``, ``safetensors``,
     ``pickle``; for an ``*.index.json`` or a folder ``sharded-safetensors``, ``sharded-torch`` or ``dcp``, see
-    :func:`inspect_set`), kind (``state_dict``, ``training_checkpoint``, ``full_model``,
+    :func:`inspect_set`; ``deepspeed`` for a DeepSpeed ZeRO folder,
+    :func:`ckptool.ops.deepspeed.describe_deepspeed`), kind (``state_dict``, ``training_checkpoint``, ``full_model``,
     ``torchscript``, ``tensors``), every tensor (shared storages included), tensor counts per location tag, storage
     bytes per location tag and dtype (each storage once), the state_dicts found with their wrapper prefixes, the
     globals the pickle names with their ``weights_only=True`` status, and the non-tensor entries, as many as
@@ -303,6 +306,8 @@ def inspect(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -
         UnsupportedError: tuple nesting too deep to read safely.
     """
     path = os.fspath(path)
+    if is_deepspeed_folder(path):
+        return _inspect_deepspeed(path)
     if is_checkpoint_set(path):  # sharded sets and DCP folders
         return inspect_set(path, limits)
     fmt = formats.detect_format(path)
@@ -313,6 +318,21 @@ def inspect(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -
         return describe(ck, limits)
     except RecursionError as e:
         raise CorruptCheckpointError(f"{path}: {too_deep(e)}") from None
+
+
+def _inspect_deepspeed(path: str) -> CheckpointInfo:
+    """A DeepSpeed ZeRO folder (:func:`ckptool.ops.deepspeed.describe_deepspeed`): the tensors of its consolidated
+    state_dict (tied names share a storage key), the ZeRO facts in ``metadata``."""
+    d = describe_deepspeed(path)
+    tensors = [TensorInfo(t.name, list(t.shape), t.dtype, "cpu", t.nbytes, list(contiguous_stride(t.shape)), 0,
+                          t.tied_to or t.name) for t in d.tensors]
+    totals = _one_storage_each([t for t in tensors if t.storage_key == t.key])
+    for row in totals:
+        row.tensors = sum(1 for t in tensors if (t.device, t.dtype) == (row.device, row.dtype))
+    return CheckpointInfo(path, "deepspeed", "training_checkpoint", d.size, tensors, {"cpu": len(tensors)},
+                          _device_bytes(totals), [_state_dict_info("", [t.key for t in tensors])],
+                          [GlobalInfo(n, is_allowed(n)) for n in d.globals], storages=sum(r.storages for r in totals),
+                          metadata=d.metadata, totals=totals)
 
 
 def _storage_row(ref: StorageRef) -> tuple[str, str, int]:

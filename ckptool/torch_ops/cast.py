@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from ckptool.errors import UnsupportedError
+from ckptool.formats.segments import Segment, read_segments
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +35,8 @@ class PieceSpec(Protocol):
 
 
 class StorageSpec(Protocol):
-    """A storage's bytes: ``nbytes`` at ``offset`` of file ``path``, or assembled from ``pieces``."""
+    """A storage's bytes: ``nbytes`` at ``offset`` of file ``path``, or assembled from ``pieces``, or gathered from
+    ``segments`` of several files."""
 
     @property
     def path(self) -> str: ...
@@ -48,6 +50,8 @@ class StorageSpec(Protocol):
     def numel(self) -> int: ...
     @property
     def pieces(self) -> Sequence[PieceSpec] | None: ...
+    @property
+    def segments(self) -> Sequence[Segment] | None: ...
 
 
 class TensorSpec(Protocol):
@@ -114,7 +118,9 @@ class StorageCache:
         self._flat = None  # release the previous storage before reading the next
         import torch
 
-        if st.pieces is None:
+        if st.segments is not None:  # gathered from several files (a DeepSpeed ZeRO parameter)
+            flat = from_bytes(read_segments(st.segments, self.read), st.dtype)
+        elif st.pieces is None:
             flat = from_bytes(self.read(st.path, st.offset, st.nbytes), st.dtype)
         else:
             flat = torch.empty(st.numel, dtype=torch_dtype(st.dtype))

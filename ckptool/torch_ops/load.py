@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ckptool._gc import gc_paused
 from ckptool.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
+from ckptool.formats.deepspeed import is_deepspeed_folder
 from ckptool.formats.nodes import qualified_name
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import is_checkpoint_set, read_index, set_kind
@@ -54,6 +55,7 @@ from ckptool.model.paths import get_path
 from ckptool.torch_ops.devices import TensorMemo, is_tensor, map_tensors, model_device, move_tensor, resolve_device
 from ckptool.torch_ops.reports import DtypeCast, LoadReport, ShapeMismatch, dtype_name, load_suggestions
 from ckptool.torch_ops.tied import restore_shared, tied_entries
+from ckptool.torch_ops.zero import load_zero_state_dict
 
 if TYPE_CHECKING:  # pragma: no cover
     from typing import TypeAlias
@@ -145,7 +147,8 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
     ``safetensors.torch.load_file(path, device=...)``, then the tied weights and views recorded in the header's
     ``__metadata__`` (by ``ckptool convert`` or ``safetensors.torch.save_model``) are given back their names as
     views of one storage (:func:`ckptool.torch_ops.tied.restore_shared`). A sharded set (``*.index.json`` or its
-    folder) or a model folder: every shard loaded so, merged into one ``OrderedDict``. TorchScript archives (only
+    folder) or a model folder: every shard loaded so, merged into one ``OrderedDict``. A DeepSpeed ZeRO folder: its
+    consolidated fp32 state_dict (:func:`ckptool.torch_ops.zero.load_zero_state_dict`). TorchScript archives (only
     with ``trust``):
     ``torch.jit.load(path, map_location=device).state_dict()``. Plain pickles (only with ``trust``):
     ``pickle.load``, then tensors moved to ``device`` (:func:`~ckptool.torch_ops.devices.map_tensors`: an object
@@ -167,6 +170,8 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
 
     path = os.fspath(path)
     dev = resolve_device(device)
+    if is_deepspeed_folder(path):  # consolidated as zero_to_fp32 does, without deepspeed (torch_ops.zero)
+        return load_zero_state_dict(path, dev), {}
     if is_checkpoint_set(path):
         return _load_set(path, dev, trust)
     fmt = formats.detect_format(path)

@@ -49,11 +49,13 @@ from ckptool._fileio import same_file
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dcp import read_dcp_metadata
+from ckptool.formats.deepspeed import is_deepspeed_folder
 from ckptool.formats.sharded import is_checkpoint_set, set_kind
 from ckptool.model.devices import location_function
 from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_torch, write_dcp
+from ckptool.ops.convert.deepspeed import open_deepspeed
 from ckptool.ops.convert.outputs import scratch_file, write_outputs
 from ckptool.ops.convert.read_safetensors import index_source, restore_library_aliases, safetensors_source
 from ckptool.ops.convert.read_torch import torch_source
@@ -84,11 +86,16 @@ def convert(
     verify: bool = True,
     trust: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    tag: str | None = None,
+    exclude_frozen: bool = False,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
     ``src`` is a torch.save file (zip or legacy), a safetensors file, a sharded set (its ``*.index.json``, or the
-    folder holding it) or a DCP folder. ``format`` is ``"torch"``, ``"safetensors"`` or ``"dcp"``; by default it
+    folder holding it), a DCP folder, or a DeepSpeed ZeRO checkpoint folder (consolidated to its fp32 state_dict as
+    ``zero_to_fp32`` does, without deepspeed: :mod:`ckptool.ops.convert.deepspeed`; ``tag`` picks the tag folder,
+    default from ``latest``; ``exclude_frozen`` leaves out frozen parameters).
+    ``format`` is ``"torch"``, ``"safetensors"`` or ``"dcp"``; by default it
     follows ``dst``'s suffix (``.safetensors``; ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt``), and is safetensors
     for a folder of shards.
 
@@ -138,7 +145,12 @@ def convert(
     if same_file(src_p, dst_p):
         raise UsageError(f"output {dst_p} is the input; choose another -o path")
     renames: dict[str, Any] = {"unwrap": unwrap, "strip_prefixes": list(strip_prefixes)}
-    if is_checkpoint_set(src_p):
+    deepspeed = is_deepspeed_folder(src_p)
+    if (tag is not None or exclude_frozen) and not deepspeed:
+        raise UsageError(f"--tag and --exclude-frozen apply to DeepSpeed checkpoint folders; {src_p} is not one")
+    if deepspeed:
+        source = open_deepspeed(src_p, fmt_out=fmt_out, key=key, tag=tag, exclude_frozen=exclude_frozen)
+    elif is_checkpoint_set(src_p):
         kind, set_path = set_kind(src_p)
         if kind == "file":
             return convert(set_path, dst_p, format=format, key=key, to=to, mapping=mapping,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ckptool.errors import UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES, numel
 from ckptool.formats.safetensors import SHARED_KEY as SHARED_KEY  # re-exported: ckptool.ops.convert.SHARED_KEY
+from ckptool.formats.segments import Segment
 
 #: dtypes ``dtype=`` casts (floating point; float8 formats carry scales elsewhere and are left alone)
 CAST_FROM = ("float16", "bfloat16", "float32", "float64")
@@ -69,7 +70,9 @@ class Piece:
 class Storage:
     """The bytes of one source storage: ``nbytes`` at ``offset`` of file ``path`` (or, for a safetensors sharing
     group, assembled from ``pieces``), elements of ``dtype``, saved with location tag ``location``; ``crc`` is the
-    CRC-32 of the bytes when the source records it (zip members)."""
+    CRC-32 of the bytes when the source records it (zip members). ``segments``, when set, gathers the bytes from
+    ranges of several files instead (a DeepSpeed ZeRO parameter, :mod:`ckptool.formats.segments`; ``path`` and
+    ``offset`` then name the first range)."""
 
     path: str
     offset: int
@@ -78,6 +81,7 @@ class Storage:
     location: str = "cpu"
     crc: int | None = None
     pieces: list[Piece] | None = None
+    segments: list[Segment] | None = None
 
     @property
     def numel(self) -> int:

@@ -22,6 +22,7 @@ from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
 from ckptool.formats.nodes import StorageRef
 from ckptool.formats.pickler import dumps
 from ckptool.formats.safetensors import SHARED_KEY, encode_header
+from ckptool.formats.segments import SegmentReader
 from ckptool.formats.strided import gather
 from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.model.graph import mapping_items, ordered_dict_node
@@ -66,6 +67,13 @@ class Files:
             raise CorruptCheckpointError(f"{path} is truncated: {n} bytes expected at offset {offset}, {got} found; "
                                          "re-download it")
         return buf
+
+    def storage(self, st: Storage) -> tuple[BinaryIO, int]:
+        """The file to read ``st``'s bytes from and their offset in it (a :class:`SegmentReader` over
+        ``st.segments``, offset 0, for a storage gathered from several files)."""
+        if st.segments is None:
+            return self.get(st.path), st.offset
+        return SegmentReader(st.segments, self.read), 0  # type: ignore[return-value]  # seek/read/readinto suffice
 
     def close(self) -> None:
         for f in self._open.values():
@@ -133,11 +141,12 @@ def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str]
         crc: int | None
         if u.dtype == t.dtype and st.pieces is None and is_contiguous(t.shape, t.stride):
             whole = t.offset == 0 and t.numel * esize == st.nbytes
+            src, base = files.storage(st)
             if (whole and st.crc is not None) or not need_crc:  # the checksum is known, or not needed
-                copy_range(files.get(st.path), out, st.offset, t.numel * esize)
+                copy_range(src, out, base + t.offset * esize, t.numel * esize)
                 crc = st.crc if whole else None
             else:
-                crc = copy_range_crc(files.get(st.path), out, st.offset + t.offset * esize, t.numel * esize)
+                crc = copy_range_crc(src, out, base + t.offset * esize, t.numel * esize)
         elif u.dtype == t.dtype and st.pieces is None:  # a strided view, no cast: gather its bytes (no torch)
             lo, hi = t.span
             crc = 0
@@ -218,7 +227,7 @@ def write_torch(out: BinaryIO, tensors: list[Tensor], files: Files, cast: str | 
     for st in storages:
         name = f"data/{keys[id(st)]}"
         if st.pieces is None and out_dtype(st.dtype, cast) == st.dtype:
-            w.copy_record(name, files.get(st.path), st.offset, st.nbytes, st.crc)
+            w.copy_record(name, *files.storage(st), st.nbytes, st.crc)
         else:
             buf = tensor_buffer(cache.flat(st))
             w.write_bytes(name, buf)  # type: ignore[arg-type]  # any buffer works: len() is its byte count

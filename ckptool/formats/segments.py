@@ -1,0 +1,119 @@
+"""Bytes gathered from byte ranges of several files, read as one file: a tensor whose data is split across files.
+
+A DeepSpeed ZeRO parameter lives in pieces of the ranks' flat fp32 partitions (one file per rank); its consolidated
+bytes are those pieces in order (:mod:`ckptool.model.zero`). A :class:`Segment` names one piece: ``nbytes`` at
+``offset`` of file ``path``. A segment may also *widen* 16-bit floats to float32 as it is read (``widen`` is the
+dtype in the file, ``"float16"`` or ``"bfloat16"``; ``nbytes`` is then the size once widened, twice the bytes
+read), which is exact for both (every float16 and bfloat16 value is a float32 value): DeepSpeed's
+``zero_to_fp32`` returns floating buffers as float32 (``v.float()``).
+
+:class:`SegmentReader` reads the concatenation through ``seek`` / ``read`` / ``readinto``, a piece at a time, so
+copying it needs no more memory than the copy's buffer. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from ckptool.errors import CorruptCheckpointError
+
+__all__ = ["Segment", "SegmentReader", "read_segments", "widen_to_float32"]
+
+#: ``read(path, offset, nbytes)``: the bytes of a file range (raises when the file ends first)
+ReadRange = Callable[[str, int, int], bytes | bytearray]
+
+
+class Segment(NamedTuple):
+    """``nbytes`` of the concatenation, read from ``offset`` of ``path`` (widened from ``widen`` when set)."""
+
+    path: str
+    offset: int
+    nbytes: int
+    widen: str | None = None
+
+
+def widen_to_float32(data: bytes | bytearray | memoryview, dtype: str) -> bytes:
+    """Little-endian ``float16`` / ``bfloat16`` elements as little-endian float32 (exact: torch's ``.float()``).
+
+    Raises:
+        ValueError: another dtype.
+    """
+    n = len(data) // 2
+    if dtype == "bfloat16":  # bfloat16 is the high half of a float32
+        out = bytearray(4 * n)
+        mv = memoryview(data)
+        for i in range(2):  # bytes 2 and 3 of each float32; bytes 0 and 1 stay zero
+            out[2 + i::4] = mv[i::2]
+        return bytes(out)
+    if dtype == "float16":
+        return struct.pack(f"<{n}f", *struct.unpack(f"<{n}e", data))
+    raise ValueError(f"cannot widen {dtype} to float32")
+
+
+def _read(read: ReadRange, seg: Segment, lo: int, hi: int) -> bytes | bytearray:
+    """Bytes ``[lo, hi)`` of segment ``seg`` (offsets within the segment, after widening)."""
+    if seg.widen is None:
+        return read(seg.path, seg.offset + lo, hi - lo)
+    first, last = lo // 4, -(-hi // 4)  # the float32 elements that hold the range
+    wide = widen_to_float32(read(seg.path, seg.offset + 2 * first, 2 * (last - first)), seg.widen)
+    return wide[lo - 4 * first:hi - 4 * first]
+
+
+class SegmentReader:
+    """A read-only, seekable binary file over the concatenation of ``segments`` (no ``fileno``: copy it through a
+    buffer). ``read(path, offset, nbytes)`` reads a file range, e.g. ``ckptool.ops.convert.write.Files.read``."""
+
+    def __init__(self, segments: Sequence[Segment], read: ReadRange, name: str = "the gathered tensor") -> None:
+        self.segments = list(segments)
+        self._read = read
+        self.name = name
+        self._starts: list[int] = []
+        pos = 0
+        for s in self.segments:
+            self._starts.append(pos)
+            pos += s.nbytes
+        self.size = pos
+        self._pos = 0
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self.size}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = self.size if n is None or n < 0 else min(self.size, self._pos + n)
+        out = bytearray()
+        for seg, start in zip(self.segments, self._starts):
+            lo, hi = max(self._pos, start), min(end, start + seg.nbytes)
+            if lo < hi:
+                out += _read(self._read, seg, lo - start, hi - start)
+        self._pos = max(self._pos, end)
+        return bytes(out)
+
+    def readinto(self, buf: bytearray | memoryview) -> int:
+        data = self.read(len(buf))
+        memoryview(buf)[:len(data)] = data
+        return len(data)
+
+
+def read_segments(segments: Sequence[Segment], read: ReadRange) -> bytearray:
+    """The whole concatenation of ``segments`` in one buffer.
+
+    Raises:
+        CorruptCheckpointError: a file ends before its segment (from ``read``).
+    """
+    total = sum(s.nbytes for s in segments)
+    out = bytearray(total)
+    pos = 0
+    for s in segments:
+        data = _read(read, s, 0, s.nbytes)
+        if len(data) != s.nbytes:
+            raise CorruptCheckpointError(f"{s.path} is truncated: {s.nbytes} bytes expected at offset {s.offset}")
+        out[pos:pos + s.nbytes] = data
+        pos += s.nbytes
+    return out

@@ -1,0 +1,414 @@
+"""DeepSpeed ZeRO checkpoints as data: what the model- and optimizer-state pickles say, and the consolidation plan.
+
+The plan follows ``deepspeed/utils/zero_to_fp32.py`` (DeepSpeed 0.19) step by step, without torch and without
+reading a rank's partition as a whole: every output tensor is a list of byte ranges (:class:`~ckptool.formats.
+segments.Segment`) of the ranks' flat fp32 partitions, so a writer streams each tensor from the files once.
+
+* **Order and content** (``_get_fp32_state_dict_from_zero{2,3}_checkpoint``): the buffers of rank 0's ``module``
+  whose names are in ``buffer_names`` (in ``module`` order; floating ones as float32, ``v.float()``), then the
+  frozen parameters (unless excluded), then the trainable parameters of ``param_shapes`` (groups in order), then
+  each ``shared_params`` entry ``name -> kept name`` as the same tensor as the kept one.
+* **ZeRO-1/2** (``_zero2_merge_trainable_params``): per parameter group, the ranks' tensors of
+  ``single_partition_of_fp32_groups`` concatenated in rank order form one vector; its parameters follow one another
+  from offset 0, each followed by its ``param_alignment_paddings`` entry when the file records them. A parameter
+  may straddle two ranks. The consumed length, rounded up to a multiple of ``2 * world_size``, must equal the
+  vector's length so rounded. Frozen parameters are rank 0's ``frozen_param_fragments``, whole.
+* **ZeRO-3** (``_zero3_merge_trainable_params``, ``GatheredTensor``): each rank's ``fp32_flat_groups`` tensors are
+  one flat space (groups concatenated); a parameter of ``n`` elements takes ``ceil(n / world_size)`` elements at
+  the same offset of every rank's space, the ranks' slices are concatenated and cut to ``n``. The offsets, times
+  the world size, must add up to the whole space. Frozen parameters: each rank's fragment concatenated, cut to
+  ``n``.
+
+Output dtypes are those ``zero_to_fp32`` returns: the fp32 master weights, frozen parameters in their saved dtype,
+buffers widened to float32 when floating.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptool.errors import CorruptCheckpointError, UnsupportedError
+from ckptool.formats.deepspeed import DeepSpeedFolder, FlatBytes, find_deepspeed, read_files, tensor_bytes
+from ckptool.formats.dtypes import DTYPE_SIZES, numel
+from ckptool.formats.nodes import GlobalMeta, ReduceNode
+from ckptool.formats.segments import Segment, read_segments
+from ckptool.formats.torchfile import Checkpoint
+from ckptool.model.graph import mapping_items, unwrap_tensor
+
+__all__ = ["ZeroCheckpoint", "ZeroTensor", "consolidated_arrays", "plan", "read_zero"]
+
+_FLOAT = ("float16", "bfloat16", "float32", "float64")
+_WIDEN = ("float16", "bfloat16")
+
+
+@dataclass
+class ZeroTensor:
+    """One tensor of the consolidated state_dict: ``name``, ``shape``, output ``dtype``, ``kind`` (``buffer``,
+    ``frozen``, ``param``, ``tied``), its bytes as ``segments`` in order, and for ``tied`` the name it shares its
+    data with (``tied_to``: same segments)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+    segments: list[Segment]
+    tied_to: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * DTYPE_SIZES[self.dtype]
+
+
+@dataclass
+class ZeroCheckpoint:
+    """What a ZeRO tag folder holds, read from its pickles (:func:`read_zero`).
+
+    ``stage`` (1, 2, 3), ``world_size`` (data-parallel ranks = optimizer-state files), ``ds_version``;
+    ``weights_dtype``: the dtype of the module's parameters as saved (bf16/fp16 training keeps them 16-bit);
+    ``master_dtype``: the dtype of the flat partitions (float32); ``param_shapes`` one ``{name: shape}`` per group;
+    ``buffers`` ``[(name, FlatBytes)]`` from rank 0's module; ``frozen`` ``{name: shape}``; ``frozen_fragments`` per
+    model-state file ``{name: FlatBytes}``; ``shared`` ``{name: kept name}``; ``groups`` per rank the flat fp32
+    tensors; ``alignment_paddings`` per group (ZeRO-1/2, when recorded); ``optimizer_state`` the per-parameter
+    optimizer state keys (``exp_avg``...); ``globals`` every ``(module, name)`` the pickles read name.
+    """
+
+    ds: DeepSpeedFolder
+    stage: int
+    world_size: int
+    ds_version: str | None
+    weights_dtype: str | None
+    master_dtype: str
+    param_shapes: list[dict[str, tuple[int, ...]]]
+    buffers: list[tuple[str, FlatBytes]]
+    frozen: dict[str, tuple[int, ...]]
+    frozen_fragments: list[dict[str, FlatBytes]]
+    shared: dict[str, str]
+    groups: list[list[FlatBytes]]
+    alignment_paddings: list[list[int]] | None = None
+    optimizer_state: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    globals: list[tuple[str, str]] = field(default_factory=list)
+    #: module entries that the consolidation does not cover (ZeRO-1 saves no frozen_param_shapes, so its frozen
+    #: parameters exist only as the module's saved weights; zero_to_fp32 leaves them out too)
+    uncovered: list[str] = field(default_factory=list)
+
+
+def _items(obj: object, where: str, what: str) -> list[tuple[Any, Any]]:
+    items = mapping_items(obj)
+    if items is None:
+        raise CorruptCheckpointError(f"{where}: {what} is not a mapping; not a DeepSpeed checkpoint ckptool can read")
+    return items
+
+
+def _shape(obj: object, where: str, name: str) -> tuple[int, ...]:
+    """A ``torch.Size((...))`` node (or a tuple / list of ints) as a tuple."""
+    if isinstance(obj, ReduceNode) and obj.global_name == "torch.Size" and obj.args:
+        obj = obj.args[0]
+    if isinstance(obj, (tuple, list)) and all(type(d) is int and d >= 0 for d in obj):
+        return tuple(obj)
+    raise CorruptCheckpointError(f"{where}: the shape of {name!r} is not a torch.Size; the file is damaged")
+
+
+def _enum_int(obj: object) -> int | None:
+    """``ZeroStageEnum(2)`` (an enum pickled as ``cls(value)``) or a plain int, as an int."""
+    if type(obj) is int:
+        return obj
+    if isinstance(obj, ReduceNode) and isinstance(obj.func, GlobalMeta) and len(obj.args) == 1 \
+            and type(obj.args[0]) is int:
+        return int(obj.args[0])
+    return None
+
+
+def _root(ck: Checkpoint) -> dict[Any, Any]:
+    items = mapping_items(ck.root)
+    if items is None:
+        raise CorruptCheckpointError(f"{ck.path} does not hold a dict; not a DeepSpeed checkpoint file")
+    return dict(items)
+
+
+def _flat(ck: Checkpoint, node: object, what: str) -> FlatBytes:
+    t = unwrap_tensor(node)
+    return tensor_bytes(ck, t if t is not None else node, what)
+
+
+def read_zero(path: str, tag: str | None = None) -> ZeroCheckpoint:
+    """Read the DeepSpeed ZeRO checkpoint at ``path`` (top folder or tag folder; ``tag`` as
+    :func:`~ckptool.formats.deepspeed.find_deepspeed`): the pickles of every model- and optimizer-state file, with
+    the restricted unpickler (deepspeed is not imported, nothing runs; tensor data is not read).
+
+    Raises:
+        UsageError / CorruptCheckpointError / UnsupportedError: see ``find_deepspeed``; a file that is not what
+            ``zero_to_fp32`` expects (no ``buffer_names``, no ``zero_stage``, a rank file missing) is corrupt; ZeRO
+            stage 0 and checkpoints saved without ZeRO optimizer state are unsupported.
+    """
+    ds = find_deepspeed(path, tag)
+    optim = read_files(ds.optim_files)
+    osd = []
+    for ck in optim:
+        root = _root(ck)
+        o = root.get("optimizer_state_dict")
+        items = mapping_items(o)
+        if items is None:
+            raise CorruptCheckpointError(f"{ck.path} holds no optimizer_state_dict; not a ZeRO optimizer-state file")
+        osd.append(dict(items))
+    first = osd[0]
+    stage = _enum_int(first.get("zero_stage"))
+    if stage is None:
+        raise CorruptCheckpointError(f"{optim[0].path} records no zero_stage: it is not a ZeRO checkpoint "
+                                     "(zero_to_fp32 refuses it too)")
+    if stage not in (1, 2, 3):
+        raise UnsupportedError(f"{ds.folder}: ZeRO stage {stage}: only stages 1, 2 and 3 keep flat fp32 partitions "
+                               "to consolidate")
+    pc = first.get("partition_count")
+    world = max(pc) if isinstance(pc, list) and pc and all(type(x) is int for x in pc) else pc
+    if type(world) is not int or world < 1:
+        raise CorruptCheckpointError(f"{optim[0].path}: partition_count {pc!r} is not a rank count")
+    if world != len(optim):
+        raise CorruptCheckpointError(
+            f"{ds.folder}: the checkpoint was saved by {world} ranks but holds {len(optim)} *_optim_states.pt files; "
+            "a rank's file is missing or left over from another save: copy the whole folder again")
+    key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+    groups: list[list[FlatBytes]] = []
+    for r, (ck, d) in enumerate(zip(optim, osd)):
+        gs = d.get(key)
+        if not isinstance(gs, list):
+            raise CorruptCheckpointError(f"{ck.path} holds no {key}; not a ZeRO stage {stage} optimizer-state file")
+        groups.append([_flat(ck, g, f"{key}[{i}] of rank {r}") for i, g in enumerate(gs)])
+        if len(groups[-1]) != len(groups[0]):
+            raise CorruptCheckpointError(f"{ck.path}: {len(groups[-1])} fp32 groups, rank 0 has {len(groups[0])}")
+    pads = first.get("param_alignment_paddings")
+    paddings = pads if isinstance(pads, list) and all(
+        isinstance(g, list) and all(type(x) is int for x in g) for g in pads) else None
+
+    model_paths = ds.model_files if stage == 3 else ds.model_files[:1]
+    if stage <= 2:
+        rank0 = [p for p in ds.model_files if p.endswith("mp_rank_00_model_states.pt")
+                 and "zero_pp_rank" not in p.rsplit("/", 1)[-1]]
+        model_paths = rank0[:1] or model_paths
+    models = read_files(model_paths)
+    if stage == 3 and len(models) != world:
+        raise CorruptCheckpointError(f"{ds.folder}: ZeRO-3 saved by {world} ranks but holds {len(models)} "
+                                     "*_model_states.pt files; copy the whole folder again")
+    m0 = _root(models[0])
+    where = models[0].path
+    if "buffer_names" not in m0:
+        raise CorruptCheckpointError(f"{where} records no buffer_names: not a DeepSpeed model-state file")
+    if m0.get("param_shapes") is None:
+        raise UnsupportedError(f"{where} records no param_shapes: the checkpoint was saved without ZeRO optimizer "
+                               "state; its module entry is already a full state_dict (convert that file instead)")
+    bnames = set(m0.get("buffer_names") or [])
+    module = _items(m0.get("module"), where, "module")
+    buffers = [(k, _flat(models[0], v, f"buffer {k!r}")) for k, v in module if k in bnames]
+    shapes_list = m0["param_shapes"]
+    if not isinstance(shapes_list, list):
+        raise CorruptCheckpointError(f"{where}: param_shapes is not a list of groups; the file is damaged")
+    param_shapes = [{str(k): _shape(v, where, str(k)) for k, v in _items(g, where, "param_shapes")}
+                    for g in shapes_list]
+    frozen_node = m0.get("frozen_param_shapes")
+    frozen = {str(k): _shape(v, where, str(k)) for k, v in _items(frozen_node, where, "frozen_param_shapes")} \
+        if frozen_node is not None else {}
+    fragments: list[dict[str, FlatBytes]] = []
+    for ck in models:
+        node = _root(ck).get("frozen_param_fragments")
+        fragments.append({str(k): _flat(ck, v, f"frozen fragment {k!r}")
+                          for k, v in _items(node, ck.path, "frozen_param_fragments")} if node is not None else {})
+    shared_node = m0.get("shared_params")
+    shared = {str(k): str(v) for k, v in _items(shared_node, where, "shared_params")} \
+        if shared_node is not None else {}
+    weights = next((tensor_bytes_dtype(models[0], v) for k, v in module if k not in bnames), None)
+    inner = mapping_items(first.get("base_optimizer_state") or first.get("optimizer_state_dict"))
+    state_keys: list[str] = []
+    for k, v in inner or []:
+        if k == "state":
+            for _pid, per in mapping_items(v) or []:
+                state_keys += [str(x) for x, _ in mapping_items(per) or [] if str(x) not in state_keys]
+    covered = bnames | set(frozen) | set(shared) | {k for g in param_shapes for k in g}
+    uncovered = [str(k) for k, _ in module if k not in covered]
+    version = m0.get("ds_version")
+    return ZeroCheckpoint(ds, stage, world, str(version) if version is not None else None, weights,
+                          groups[0][0].dtype if groups[0] else "float32", param_shapes, buffers, frozen, fragments,
+                          shared, groups, paddings, state_keys,
+                          extra={k: m0.get(k) for k in ("global_steps", "global_samples", "dp_world_size")},
+                          globals=list(dict.fromkeys(g for ck in [*models, *optim] for g in ck.globals)),
+                          uncovered=uncovered)
+
+
+def tensor_bytes_dtype(ck: Checkpoint, node: object) -> str | None:
+    """The dtype of a module entry (a placeholder tensor under ZeRO-3), or None."""
+    t = unwrap_tensor(node)
+    if t is None:
+        return None
+    try:
+        return tensor_bytes(ck, t, "a module entry").dtype
+    except CorruptCheckpointError:
+        return None
+
+
+def _segments(parts: list[FlatBytes], start: int, count: int) -> list[Segment]:
+    """Elements ``[start, start + count)`` of the concatenation of ``parts`` as byte segments."""
+    out: list[Segment] = []
+    pos = 0
+    for p in parts:
+        lo, hi = max(start, pos), min(start + count, pos + p.numel)
+        if lo < hi:
+            es = DTYPE_SIZES[p.dtype]
+            out.append(Segment(p.path, p.offset + (lo - pos) * es, (hi - lo) * es))
+        pos += p.numel
+    got = sum(s.nbytes for s in out)
+    if parts and got != count * DTYPE_SIZES[parts[0].dtype]:
+        raise CorruptCheckpointError(f"{parts[0].path}: the flat partitions hold fewer elements than the parameters "
+                                     "need; the checkpoint is damaged or incomplete")
+    return out
+
+
+def _buffer(name: str, fb: FlatBytes) -> ZeroTensor:
+    if fb.dtype in _WIDEN:  # zero_to_fp32: v.float() if v.is_floating_point()
+        return ZeroTensor(name, fb.shape, "float32", "buffer", [Segment(fb.path, fb.offset, 2 * fb.nbytes, fb.dtype)])
+    if (fb.dtype in _FLOAT and fb.dtype != "float32") or fb.dtype.startswith("float8"):
+        raise UnsupportedError(f"{fb.path}: buffer {name!r} is {fb.dtype}; zero_to_fp32 narrows it to float32, which "
+                               "ckptool does not do without torch")
+    return ZeroTensor(name, fb.shape, fb.dtype, "buffer", [Segment(fb.path, fb.offset, fb.nbytes)])
+
+
+def plan(z: ZeroCheckpoint, exclude_frozen: bool = False) -> list[ZeroTensor]:
+    """The consolidated state_dict of ``z``, in ``zero_to_fp32``'s order, as byte segments (see the module
+    docstring for the rules).
+
+    Raises:
+        CorruptCheckpointError: the partitions do not hold what ``param_shapes`` describes (DeepSpeed's own sanity
+            checks), or a frozen fragment is missing.
+        UnsupportedError: a float64 or float8 buffer (zero_to_fp32 narrows it with torch).
+    """
+    out = [_buffer(name, fb) for name, fb in z.buffers]
+    if not exclude_frozen:
+        out += _frozen(z)
+    out += _trainable2(z) if z.stage <= 2 else _trainable3(z)
+    by_name = {t.name: t for t in out}
+    for name, kept in z.shared.items():
+        k = by_name.get(kept)
+        if k is not None:
+            by_name[name] = t = ZeroTensor(name, k.shape, k.dtype, "tied", k.segments, kept)
+            out.append(t)
+    return out
+
+
+def _frozen(z: ZeroCheckpoint) -> list[ZeroTensor]:
+    out = []
+    for name, shape in z.frozen.items():
+        frags = [f.get(name) for f in z.frozen_fragments]
+        if any(f is None for f in frags) or not frags:
+            raise CorruptCheckpointError(f"{z.ds.folder}: frozen parameter {name!r} has no fragment; the checkpoint "
+                                         "is damaged")
+        parts = [f for f in frags if f is not None]
+        n = numel(shape)
+        if z.stage <= 2:  # the whole parameter, as saved (rank 0)
+            parts = parts[:1]
+            if parts[0].numel != n:
+                raise CorruptCheckpointError(f"{parts[0].path}: frozen parameter {name!r} holds {parts[0].numel} "
+                                             f"elements, its shape {shape} needs {n}")
+        out.append(ZeroTensor(name, shape, parts[0].dtype, "frozen", _segments(parts, 0, n)))
+    return out
+
+
+def _trainable2(z: ZeroCheckpoint) -> list[ZeroTensor]:
+    out = []
+    align = 2 * z.world_size
+    for g, shapes in enumerate(z.param_shapes):
+        if g >= len(z.groups[0]):
+            raise CorruptCheckpointError(f"{z.ds.folder}: param_shapes lists {len(z.param_shapes)} groups, the "
+                                         f"partitions hold {len(z.groups[0])}")
+        parts = [rank[g] for rank in z.groups]
+        avail = sum(p.numel for p in parts)
+        pads = z.alignment_paddings[g] if z.alignment_paddings is not None else None
+        if pads is not None and len(pads) != len(shapes):
+            raise CorruptCheckpointError(f"{z.ds.folder}: group {g} records {len(pads)} alignment paddings for "
+                                         f"{len(shapes)} parameters")
+        offset = 0
+        for i, (name, shape) in enumerate(shapes.items()):
+            n = numel(shape)
+            if offset + n > avail:
+                raise CorruptCheckpointError(f"{z.ds.folder}: parameter {name!r} ends at element {offset + n} of group "
+                                             f"{g}, which holds {avail}; the checkpoint is damaged")
+            out.append(ZeroTensor(name, shape, parts[0].dtype, "param", _segments(parts, offset, n)))
+            offset += n + (pads[i] if pads is not None else 0)
+        if align * math.ceil(offset / align) != align * math.ceil(avail / align):
+            raise CorruptCheckpointError(f"{z.ds.folder}: group {g}: consumed {offset} elements out of {avail} - the "
+                                         "partitions do not match param_shapes (zero_to_fp32's sanity check)")
+    return out
+
+
+def _trainable3(z: ZeroCheckpoint) -> list[ZeroTensor]:
+    out = []
+    w = z.world_size
+    avail = sum(p.numel for p in z.groups[0]) * w
+    offset = 0
+    for shapes in z.param_shapes:
+        for name, shape in shapes.items():
+            n = numel(shape)
+            part = math.ceil(n / w)
+            segs: list[Segment] = []
+            for rank in z.groups:
+                segs += _segments(rank, offset, part)
+            out.append(ZeroTensor(name, shape, z.groups[0][0].dtype, "param", _cut(segs, n * DTYPE_SIZES[
+                z.groups[0][0].dtype])))
+            offset += part
+    if offset * w != avail:
+        raise CorruptCheckpointError(f"{z.ds.folder}: consumed {offset * w} elements out of {avail} - the partitions "
+                                     "do not match param_shapes (zero_to_fp32's sanity check)")
+    return out
+
+
+def _cut(segs: list[Segment], nbytes: int) -> list[Segment]:
+    """The first ``nbytes`` of the concatenation of ``segs`` (the padding of the last rank dropped)."""
+    out = []
+    left = nbytes
+    for s in segs:
+        if left <= 0:
+            break
+        take = min(left, s.nbytes)
+        out.append(s._replace(nbytes=take))
+        left -= take
+    return out
+
+
+def consolidated_arrays(path: str, tag: str | None = None, exclude_frozen: bool = False,
+                        read: Callable[[str, int, int], bytes | bytearray] | None = None,
+                        ) -> Iterator[tuple[str, str, tuple[int, ...], bytearray, str | None]]:
+    """The consolidated state_dict of the DeepSpeed checkpoint at ``path`` one tensor at a time, as
+    ``(name, dtype, shape, bytes, tied_to)``; a tied entry repeats its kept tensor's bytes reference (``tied_to``
+    names it) so a caller can share one tensor. Memory: one tensor at a time (plus whatever the caller keeps).
+
+    Raises:
+        see :func:`read_zero` and :func:`plan`; CorruptCheckpointError for a file that ends early.
+    """
+    z = read_zero(path, tag)
+    files: dict[str, Any] = {}
+
+    def read_range(p: str, offset: int, n: int) -> bytes:
+        f = files.get(p)
+        if f is None:
+            f = files[p] = open(p, "rb")  # noqa: SIM115 - closed below
+        f.seek(offset)
+        data: bytes = f.read(n)
+        if len(data) != n:
+            raise CorruptCheckpointError(f"{p} is truncated: {n} bytes expected at offset {offset}")
+        return data
+
+    kept = set(z.shared.values())
+    try:
+        done: dict[str, bytearray] = {}
+        for t in plan(z, exclude_frozen):
+            if t.tied_to is not None and t.tied_to in done:
+                yield t.name, t.dtype, t.shape, done[t.tied_to], t.tied_to
+                continue
+            buf = read_segments(t.segments, read or read_range)
+            if t.name in kept:
+                done[t.name] = buf
+            yield t.name, t.dtype, t.shape, buf, None
+    finally:
+        for f in files.values():
+            f.close()
+

@@ -1,0 +1,67 @@
+"""``convert`` from a DeepSpeed ZeRO checkpoint folder: the consolidated state_dict as a convert :class:`Source`.
+
+The folder is read without deepspeed (:func:`ckptool.model.zero.read_zero`) and consolidated as
+``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` does (:func:`ckptool.model.zero.plan`). Each output
+tensor's :class:`~ckptool.ops.convert.source.Storage` gathers its bytes from the ranks' partitions
+(``segments``), so the writers stream it from the rank files, one tensor at a time: memory stays bounded by one
+copy buffer (by the largest tensor for a ``--dtype`` cast), never the model. Tied parameters (``shared_params``)
+share one storage, so safetensors stores them once and torch output keeps them tied.
+"""
+
+from __future__ import annotations
+
+from ckptool.errors import UsageError
+from ckptool.formats.dtypes import contiguous_stride
+from ckptool.model.zero import ZeroCheckpoint, plan, read_zero
+from ckptool.ops.convert.source import Source, Storage, Tensor
+
+__all__ = ["FORMAT", "deepspeed_source", "open_deepspeed"]
+
+FORMAT = "deepspeed"
+
+
+def deepspeed_source(z: ZeroCheckpoint, exclude_frozen: bool = False) -> Source:
+    """The consolidated state_dict of ``z`` as a :class:`Source` (format ``"deepspeed"``), tensors in
+    ``zero_to_fp32``'s order; ``left_out`` names the optimizer state that is not carried.
+
+    Raises:
+        CorruptCheckpointError / UnsupportedError: see :func:`ckptool.model.zero.plan`.
+    """
+    tensors: list[Tensor] = []
+    storages: dict[str, Storage] = {}
+    for i, t in enumerate(plan(z, exclude_frozen)):
+        st = storages.get(t.tied_to) if t.tied_to is not None else None
+        if st is None:
+            first = t.segments[0] if t.segments else None
+            st = Storage(first.path if first else z.ds.folder, first.offset if first else 0, t.nbytes, t.dtype,
+                         segments=list(t.segments))
+            storages[t.name] = st
+        tensors.append(Tensor(t.name, t.name, t.dtype, t.shape, contiguous_stride(t.shape), 0, st,
+                              requires_grad=False, index=i))
+    src = Source(z.ds.folder, FORMAT, tensors)
+    if z.optimizer_state:
+        src.left_out.append(f"optimizer state: {', '.join(z.optimizer_state)}, partitioned over {z.world_size} "
+                            "rank(s)")
+    if z.uncovered:
+        src.notes.append(f"{len(z.uncovered)} module entr{'y' if len(z.uncovered) == 1 else 'ies'} saved only as "
+                         f"module weights, not in the fp32 state, left out as zero_to_fp32 does: "
+                         f"{', '.join(z.uncovered[:8])}{' ...' if len(z.uncovered) > 8 else ''}")
+    if exclude_frozen and z.frozen:
+        src.notes.append(f"frozen parameters left out (--exclude-frozen): {len(z.frozen)}")
+    return src
+
+
+def open_deepspeed(src: str, *, fmt_out: str, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
+    """:func:`deepspeed_source` of the DeepSpeed folder ``src`` (``tag`` as
+    :func:`ckptool.formats.deepspeed.find_deepspeed`), for ``fmt_out`` output.
+
+    Raises:
+        UsageError: ``--key`` (a ZeRO checkpoint has one model) or DCP output.
+        CorruptCheckpointError / UnsupportedError: see :func:`ckptool.model.zero.read_zero`.
+    """
+    if key is not None:
+        raise UsageError(f"{src} is a DeepSpeed checkpoint: it holds one model, so --key does not apply")
+    if fmt_out == "dcp":
+        raise UsageError(f"{src} is a DeepSpeed checkpoint: convert it to safetensors or torch (DCP output is for "
+                         "torch files)")
+    return deepspeed_source(read_zero(src, tag), exclude_frozen)
