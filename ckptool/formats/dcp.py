@@ -28,7 +28,9 @@ DCP_GLOBALS = frozenset({
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
         "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
     "torch.distributed.checkpoint.filesystem._StorageInfo",
-    "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath", "pathlib.PureWindowsPath",
+    # StorageMeta.checkpoint_id: the folder as a path object (Python 3.13 pickles name pathlib._local)
+    *(f"pathlib.{sub}{n}" for sub in ("", "_local.") for n in (
+        "Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
 })
 
 
@@ -51,6 +53,21 @@ class ByteRecord:
     offset: int
     length: int
     transformed: bool
+
+
+class DcpItem(NamedTuple):
+    """One record of ``.metadata``'s ``storage_data`` (a ``_StorageInfo``): the entry's ``fqn``; ``is_bytes`` for
+    a non-tensor entry (``BYTE_IO``: ``torch.save`` bytes that the default load planner reads with
+    ``torch.load(weights_only=False)``), else a tensor chunk (``torch.save`` of the tensor, read with
+    ``weights_only=True``, or raw bytes in a safetensors-serialized folder); ``length`` bytes at ``offset`` of
+    ``relative_path`` (None when the record is malformed); ``transforms`` its ``transform_descriptors``."""
+
+    fqn: str
+    is_bytes: bool
+    relative_path: str | None
+    offset: int
+    length: int
+    transforms: tuple[str, ...]
 
 
 @dataclass
@@ -85,6 +102,26 @@ class DcpMetadata:
                                     or not os.path.isfile(os.path.join(self.folder, rel))):
                 raise CorruptCheckpointError(f"{self.folder}: entry {fqn!r} points at a missing file {rel!r}")
             out.append(ByteRecord(fqn, rel, int(sst.get("offset", 0)), int(sst.get("length", 0)), transformed))
+        return out
+
+    def items(self) -> list[DcpItem]:
+        """Every storage record of ``storage_data`` (tensor chunks and non-tensor entries), in pickle order, as
+        recorded: nothing is checked here (a hostile ``.metadata`` may point anywhere; see
+        :func:`ckptool.ops.scan_dcp.scan_dcp_folder`). Records whose fields are not of the recorded types are
+        returned with ``relative_path`` None."""
+        byte_fqns = {e.fqn for e in self.entries if e.dtype is None}
+        out = []
+        for idx, info in (_state(self.root).get("storage_data") or {}).items():
+            ist, sst = _state(idx), _state(info)
+            ist = ist if type(ist) is dict else {}
+            sst = sst if type(sst) is dict else {}
+            fqn = ist.get("fqn")
+            rel, off, n = sst.get("relative_path"), sst.get("offset"), sst.get("length")
+            transforms = tuple(map(str, sst.get("transform_descriptors") or ()))
+            if type(rel) is str and type(off) is int and type(n) is int:
+                out.append(DcpItem(str(fqn), fqn in byte_fqns, rel, off, n, transforms))
+            else:
+                out.append(DcpItem(str(fqn), fqn in byte_fqns, None, 0, 0, transforms))
         return out
 
     def record_globals(self, record: ByteRecord) -> list[str]:
