@@ -253,7 +253,7 @@ def test_inspect_shows_the_same_classification(generated: dict[str, Path], corpu
     r = run_cli("inspect", path)
     assert r.exit_code == 0 and "DANGEROUS: runs processes" in r.output and "ckptool scan" in r.output
     assert inspect(path).to_dict()["security"]["dangerous"] == [
-        {"name": "os.system", "reason": "runs processes and changes files"}]
+        {"name": "os.system", "reason": "runs processes and changes files", "where": ["archive/data.pkl"]}]
 
 
 # ------------------------------------------------------------------------------------------------ the command

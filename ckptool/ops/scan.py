@@ -54,6 +54,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from ckptool.errors import CkptError, UsageError
@@ -74,8 +75,8 @@ from ckptool.ops.scan_pickles import (
     exit_status,
 )
 
-__all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult", "exit_status",
-           "iter_paths", "scan", "scan_file"]
+__all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult", "combine_results",
+           "exit_status", "iter_paths", "scan", "scan_file"]
 
 
 def scan_file(path: str | os.PathLike[str], *,
@@ -120,6 +121,27 @@ def scan_file(path: str | os.PathLike[str], *,
         res.notes.append("the zip holds no pickle")
     if type(sc.root) is dict:
         res.recognised = recognise_file(sc.root, [g.name for g in res.globals])
+    return res
+
+
+def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]) -> ScanResult:
+    """One result for a set of files (the shards of a sharded checkpoint): every part's pickles, globals, notes and
+    errors, each ``where`` prefixed by the part's name (``shard.bin!archive/data.pkl``)."""
+    res = ScanResult(path, fmt)
+    found: dict[tuple[str, str], GlobalFinding] = {}
+    errors = []
+    for name, part in parts:
+        res.pickles += [replace(p, where=f"{name}!{p.where}", globals=list(p.globals)) for p in part.pickles]
+        for g in part.globals:
+            acc = found.get((g.name, g.status))
+            if acc is None:
+                acc = found[g.name, g.status] = GlobalFinding(g.name, g.status, g.reason)
+                res.globals.append(acc)
+            acc.where += [f"{name}!{w}" for w in g.where]
+        res.notes += [f"{name}: {n}" for n in part.notes]
+        if part.error:
+            errors.append(f"{name}: {part.error}")
+    res.error = "; ".join(errors) or None
     return res
 
 

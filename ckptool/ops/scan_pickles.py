@@ -99,6 +99,10 @@ class ScanResult:
     error: str | None = None
     recognised: tuple[str, str] | None = None
 
+    def pickle_level(self, pickle: PickleFinding) -> str:
+        """The worst level of the globals ``pickle`` names, as this scan rated them."""
+        return worst_level(g.status for g in self.globals if pickle.where in g.where)
+
     @property
     def hidden(self) -> list[PickleFinding]:
         """The pickles ``torch.load`` does not read today (see :attr:`PickleFinding.hidden`)."""
@@ -247,13 +251,18 @@ class _Scanner:
             if finding.where not in g.where:
                 g.where.append(finding.where)
 
-    def take_preparsed(self, where: str) -> bool:
-        """Record the pickle ``where`` from :attr:`preparsed` if the caller read it already; True if so."""
+    def take_preparsed(self, buf: PickleBuffer, where: str) -> int | None:
+        """Record the pickle at the start of ``buf`` from :attr:`preparsed` if the caller read it already, and
+        return where it ends (its opcodes walked again, not unpickled); None if not."""
         got = self.preparsed.pop(where, None)
         if got is None:
-            return False
+            return None
+        try:
+            end = check_pickle(buf, 0, what=where, exact=False)
+        except CkptError:
+            return None  # read it the ordinary way
         self.record(PickleFinding(where, 0, list(got[0])), got[1])
-        return True
+        return end
 
     def _unreadable_member(self, label: str, is_pickle: bool, err: Exception) -> None:
         """A zip member that could not be read: a finding for a pickle member, a note for anything else."""
@@ -269,6 +278,10 @@ class _Scanner:
     def parse(self, buf: PickleBuffer, pos: int, where: str, *, required: bool = True) -> int | None:
         """Read the pickle at ``buf[pos]``; record it; return the offset after its STOP, or None if it failed.
         A failed optional pickle (data after the last pickle) is recorded only when it named a global."""
+        if pos == 0 and where in self.preparsed and where in self.loaded:
+            end = self.take_preparsed(buf, where)
+            if end is not None:
+                return end
         try:
             root, up, end = load_pickle_at(buf, pos, where)
         except CkptError as e:
@@ -334,8 +347,6 @@ class _Scanner:
         label = where or "pickle at byte 0"
         if loaded:
             self.loaded.add(label)
-        if self.take_preparsed(label):
-            return
         end = self.parse(buf, 0, label)
         if end is not None and end < len(buf):
             self.trailing(buf, end, where, depth)
@@ -380,6 +391,8 @@ class _Scanner:
         if loaded and kind != "zip":
             self.loaded.update(_join(where, top + n) for n in (
                 ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",)))
+            if kind == "torchscript":  # torch.jit.load also unpickles the source ranges of code/
+                self.loaded.update(_join(where, n) for n in names if n.endswith(".debug_pkl"))
         seen: set[str] = set()
         for e in entries:
             if e.name in seen:
@@ -406,8 +419,6 @@ class _Scanner:
         is_pickle = name.endswith(_PICKLE_SUFFIXES)
         if storage and not is_pickle:
             return  # tensor bytes and TorchScript source: no loader unpickles them
-        if label in self.loaded and self.take_preparsed(label):
-            return
         try:
             head = read_member_head(f, e, label)
         except CkptError as err:
