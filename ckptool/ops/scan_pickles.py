@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, TypeAlias, cast
 from ckptool.errors import CkptError, CorruptCheckpointError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import STORAGE_TYPES
-from ckptool.formats.nodes import StorageRef, qualified_name
+from ckptool.formats.nodes import GlobalMeta, ObjectNode, ReduceNode, StorageRef, qualified_name
 from ckptool.formats.pickle_check import PickleBuffer, check_pickle
 from ckptool.formats.unpickler import load_pickle_at, partial_globals
 from ckptool.formats.zipdir import ZipEntry, read_directory, read_member, read_member_head
@@ -32,6 +32,7 @@ from ckptool.model.allowlist import (
     level_of,
     worst_level,
 )
+from ckptool.model.graph import depth_first, node_children
 
 __all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult", "Window",
            "exit_status"]
@@ -57,6 +58,9 @@ class PickleFinding:
     #: pickle today (another zip member, a nested zip, data after the end, a second pickle in a row): another
     #: loader, an extraction tool or a later torch may
     hidden: bool = False
+    #: for each global outside the weights_only allowlist, the dotted key paths in the pickle's object where it
+    #: is used (``model.evil``, ``(top level)``; at most :data:`MAX_KEY_PATHS`; empty when it could not be located)
+    key_paths: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -242,8 +246,11 @@ class _Scanner:
         if not finding.hidden and self.root is None and root is not None:
             self.root = root
         self.res.pickles.append(finding)
-        for name in finding.globals:
-            status, reason = classify_global(name, torchscript=self.torchscript, dcp_metadata=self.dcp_metadata)
+        rated = [(name, *classify_global(name, torchscript=self.torchscript, dcp_metadata=self.dcp_metadata))
+                 for name in finding.globals]
+        if root is not None and any(status != ALLOWED for _n, status, _r in rated):
+            finding.key_paths = key_paths(root, {n for n, status, _r in rated if status != ALLOWED})
+        for name, status, reason in rated:
             g = self._globals.get((name, status))
             if g is None:
                 g = self._globals[name, status] = GlobalFinding(name, status, reason)
@@ -523,6 +530,35 @@ class _Scanner:
 
 class _NotAPickle(Exception):
     pass
+
+
+#: the most key paths reported per global and pickle
+MAX_KEY_PATHS = 5
+
+
+def key_paths(root: Any, names: set[str]) -> dict[str, list[str]]:
+    """Where in the object ``root`` (a restricted unpickler's graph) each global of ``names`` is used: dotted key
+    paths (:func:`ckptool.model.graph.node_children`'s, ``(top level)`` for the root itself), at most
+    :data:`MAX_KEY_PATHS` each. A global used only inside another call's callable is not located. Never raises."""
+    out: dict[str, list[str]] = {}
+
+    def leaf(obj: Any) -> str | None:
+        if isinstance(obj, GlobalMeta):
+            name: str | None = obj.qualified_name
+        elif isinstance(obj, (ReduceNode, ObjectNode)):
+            name = obj.global_name
+        else:
+            return None
+        return name if name in names else None
+
+    try:
+        for path, name in depth_first(root, "", node_children, leaf):
+            found = out.setdefault(name, [])
+            if len(found) < MAX_KEY_PATHS and (path or "(top level)") not in found:
+                found.append(path or "(top level)")
+    except (CkptError, RecursionError):
+        pass
+    return out
 
 
 def _in(where: str) -> str:
