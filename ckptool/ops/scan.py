@@ -63,15 +63,13 @@ from ckptool.formats.dcp import is_dcp_folder
 from ckptool.formats.safetensors import read_header
 from ckptool.model.allowlist import recognise_file
 from ckptool.ops.scan_dcp import dcp_part, scan_dcp_folder
-from ckptool.ops.scan_pickles import (
-    _ZIP_LOCAL,
+from ckptool.ops.scan_pickles import _ZIP_LOCAL, _NotAPickle, _Scanner
+from ckptool.ops.scan_results import (
     EXIT_CODES,
     STRICT_EXIT_CODES,
     GlobalFinding,
     PickleFinding,
     ScanResult,
-    _NotAPickle,
-    _Scanner,
     exit_status,
 )
 

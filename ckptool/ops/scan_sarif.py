@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST
-from ckptool.ops.scan_pickles import ScanResult
+from ckptool.ops.scan_results import ScanResult
 
 __all__ = ["RULES", "SARIF_SCHEMA", "SARIF_VERSION", "to_sarif"]
 
