@@ -185,3 +185,41 @@ def test_sharded_bin_set(tmp_path: Path, run_cli) -> None:
     assert sec["scan_verdict"] == DANGEROUS
     assert sec["dangerous"][0]["where"] == ["pytorch_model-00002-of-00002.bin!pytorch_model-00002-of-00002/data.pkl"]
     assert run_cli("scan", folder).exit_code == 1
+
+
+def test_a_record_pointing_outside_the_folder_is_unreadable(dcp_folder: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "escape"
+    folder.mkdir()
+    for f in dcp_folder.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    for info in meta.storage_data.values():
+        info.relative_path = "../outside.distcp"
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    res = scan_file(folder)
+    assert res.verdict == "error" and "points outside the folder" in (res.error or "")
+
+
+def test_damaged_dcp_folders_never_raise(dcp_folder: Path, tmp_path: Path) -> None:
+    """Bytes flipped or cut anywhere in .metadata or the .distcp file: scan answers (unreadable, or a verdict),
+    never an exception."""
+    import random
+
+    rng = random.Random(1234)
+    originals = {f.name: f.read_bytes() for f in dcp_folder.iterdir()}
+    for i in range(60):
+        folder = tmp_path / f"m{i}"
+        folder.mkdir()
+        target = rng.choice(sorted(originals))
+        for name, data in originals.items():
+            if name == target:
+                b = bytearray(data)
+                if rng.random() < 0.3:
+                    b = b[:rng.randrange(len(b))]
+                else:
+                    for _ in range(rng.randint(1, 8)):
+                        b[rng.randrange(len(b))] = rng.randrange(256)
+                data = bytes(b)
+            (folder / name).write_bytes(data)
+        res = scan_file(folder)
+        assert res.verdict in (SAFE, NEEDS_TRUST, DANGEROUS, "error")

@@ -61,6 +61,7 @@ def scan_dcp_folder(folder: str | os.PathLike[str], part: str | None = None) -> 
         _scan_metadata_pickle(sc, os.path.join(folder, METADATA_FILE), problems)
     try:
         meta = read_dcp_metadata(folder)
+        items = meta.items()
     except CkptError as e:
         problems.append(str(e))
         res.error = "; ".join(problems)
@@ -69,7 +70,7 @@ def scan_dcp_folder(folder: str | os.PathLike[str], part: str | None = None) -> 
         res.error = "; ".join(problems) or None
         return res
     by_file: dict[str, list[DcpItem]] = {}
-    for it in meta.items():
+    for it in items:
         rel = it.relative_path
         if rel is None:
             problems.append(f".metadata: the storage record of {it.fqn!r} is malformed; the folder is damaged")
