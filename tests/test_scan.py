@@ -176,20 +176,6 @@ def test_generated_fixtures(generated: dict[str, Path], manifest) -> None:
             assert res.verdict == "error", name
 
 
-def test_dcp_metadata_written_by_torch_needs_trust_not_more(tmp_path: Path) -> None:
-    """torch.distributed.checkpoint's .metadata names its metadata classes and pathlib.PosixPath: data records that
-    need trust (torch unpickles .metadata without restriction), never dangerous."""
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # no process group: DCP warns and saves as a single rank
-        dcp.save({"w": torch.ones(3), "step": 3}, checkpoint_id=tmp_path / "dcp")
-    res = scan_file(tmp_path / "dcp" / ".metadata")
-    assert res.verdict == NEEDS_TRUST, res.unsafe
-    names = {g.name for g in res.unsafe}
-    assert "torch.distributed.checkpoint.metadata.Metadata" in names and "pathlib.PosixPath" in names
-
-
 # ------------------------------------------------------------------------------------------------ hostile files
 def test_every_hostile_file_is_flagged(corpus) -> None:
     """Each gadget, in each protocol and behind each container trick, is reported (the file is dangerous, and
@@ -267,7 +253,7 @@ def test_inspect_shows_the_same_classification(generated: dict[str, Path], corpu
     r = run_cli("inspect", path)
     assert r.exit_code == 0 and "DANGEROUS: runs processes" in r.output and "ckptool scan" in r.output
     assert inspect(path).to_dict()["security"]["dangerous"] == [
-        {"name": "os.system", "reason": "runs processes and changes files"}]
+        {"name": "os.system", "reason": "runs processes and changes files", "where": ["archive/data.pkl"]}]
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -334,7 +320,8 @@ def test_cli_json(run_cli, generated: dict[str, Path], real_dir: Path, corpus) -
     assert out[2]["globals"][0] == {"name": "os.system", "status": DANGEROUS, "level": DANGEROUS,
                                     "reason": "runs processes and changes files", "where": ["pickle at byte 0"]}
     assert out[0]["pickles"][0]["where"].endswith("data.pkl")
-    assert set(out[1]) == {"path", "verdict", "level", "format", "error", "globals", "pickles", "notes"}
+    assert set(out[1]) == {"path", "verdict", "level", "format", "error", "globals", "pickles", "notes", "recognised"}
+    assert out[0]["pickles"][0]["hidden"] is False
 
 
 def test_cli_all_lists_allowed_globals(run_cli, real_dir: Path) -> None:

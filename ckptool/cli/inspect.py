@@ -8,8 +8,10 @@ from collections import Counter
 import click
 
 from ckptool.cli._common import human_bytes
+from ckptool.model.allowlist import DANGEROUS
 from ckptool.ops.inspect import SCHEMA, CheckpointInfo, inspect
 from ckptool.ops.inspect_values import ALL_VALUES, ValueInfo
+from ckptool.ops.scan import PickleFinding, ScanResult
 
 _PATH_PART = 48  # characters of one dotted key component shown in the tables (the JSON keeps them whole)
 
@@ -93,9 +95,47 @@ def _print_info(info: CheckpointInfo, limit: int | None) -> None:
         echo(tabulate([(g.name, "allowed" if g.allowed else "NOT allowed",
                         g.status if g.status != "dangerous" else f"DANGEROUS: {g.reason}") for g in info.globals],
                       headers=["global", "torch.load(weights_only=True)", "ckptool scan"]))
+    sc = info.scan
+    if sc is not None and sc.hidden:
+        echo("")
+        echo("Pickles torch.load does not read today (other loaders, extraction tools or a later torch may):")
+        echo(tabulate([(_one_line(p.where), _one_line(", ".join(p.globals)) or "-", _hidden_level(sc, p))
+                       for p in sc.hidden], headers=["where", "globals", "ckptool scan"]))
     echo("")
-    for line in _advice(info):
+    for line in _security(info) + _advice(info):
         echo(line)
+
+
+def _hidden_level(sc: ScanResult, p: PickleFinding) -> str:
+    level = sc.pickle_level(p)
+    shown = level.upper() if level == DANGEROUS else level
+    return shown if not p.error or level == DANGEROUS else f"{shown}; unreadable: {_one_line(p.error[:80])}"
+
+
+def _security(info: CheckpointInfo) -> list[str]:
+    """One line with the verdict of ``ckptool scan`` (the same analysis) when it is not plain safe."""
+    sc = info.scan
+    if sc is None or sc.verdict == "safe":
+        return []
+    if sc.verdict == DANGEROUS:
+        bad = [g for g in sc.globals if g.status == DANGEROUS]
+        where = sorted({w for g in bad for w in g.where})
+        names = ", ".join(g.name for g in bad[:3])
+        if all(p.hidden for p in sc.pickles if any(g.name in p.globals for g in bad)):
+            return [(f"DANGEROUS: {', '.join(where[:3])}, a pickle torch.load does not read today, names {names}: "
+                    "another loader, an unpacking tool or a later torch would run it. Do not use this file; see "
+                    f"`ckptool scan {info.path}`.")]
+        return [(f"DANGEROUS: loading this file can run {names}, named in {', '.join(where[:3])}. Do not load it; "
+                f"see `ckptool scan {info.path}`.")]
+    if sc.verdict == "error":
+        return [(f"Part of this file could not be read to its end, so ckptool cannot vouch for it; see "
+                f"`ckptool scan {info.path}`.")]
+    if sc.recognised is not None:
+        return [f"Needs trust: {sc.recognised[1]}."]
+    if not info.unsafe_globals:  # needs trust only because of a hidden pickle
+        return [(f"Needs trust: a pickle torch.load does not read today names globals outside the weights_only "
+                f"allowlist; see `ckptool scan {info.path}`.")]
+    return []
 
 
 def _one_line(text: str) -> str:

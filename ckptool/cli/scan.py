@@ -3,10 +3,15 @@ command over :func:`ckptool.ops.scan.scan`; nothing is imported or run from the 
 
 from __future__ import annotations
 
+import json
+from importlib.metadata import PackageNotFoundError, version
+
 import click
 
 from ckptool.cli._common import emit_json, is_quiet, json_option
+from ckptool.errors import UsageError
 from ckptool.ops.scan import ScanResult, exit_status, scan
+from ckptool.ops.scan_sarif import to_sarif
 
 #: how each verdict is written on the first line of a file's report
 _SHOWN = {"safe": "safe", "needs-trust": "NEEDS TRUST", "dangerous": "DANGEROUS", "unsafe": "UNSAFE",
@@ -27,6 +32,8 @@ def _print_result(res: ScanResult, show_all: bool, strict: bool) -> None:
             for g in (res.globals if show_all else bad)]
     if rows:
         click.echo(tabulate(rows, headers=["level", "global", "why", "in"]))
+    if res.recognised is not None:
+        click.echo(f"  recognised: {res.recognised[1]}")
     if res.error:
         click.echo(f"  error: {res.error}")
     for p in res.pickles:
@@ -34,6 +41,21 @@ def _print_result(res: ScanResult, show_all: bool, strict: bool) -> None:
             click.echo(f"  error in {p.where}: {p.error}")
     for note in res.notes:
         click.echo(f"  note: {note}")
+
+
+def _table(results: list[ScanResult], strict: bool) -> str:
+    """One row per file: verdict, format, pickles (hidden ones counted apart), globals not allowed, the worst."""
+    from tabulate import tabulate
+
+    rows = []
+    for r in results:
+        bad = r.unsafe
+        worst = f"{bad[0].name} ({bad[0].level})" if bad else ("-" if not r.error else "unreadable")
+        hidden = len(r.hidden)
+        rows.append((r.path, _SHOWN[r.strict_verdict if strict else r.verdict], r.format,
+                     f"{len(r.pickles)}" + (f" ({hidden} hidden)" if hidden else ""), len(bad), worst))
+    return tabulate(rows, headers=["file", "verdict", "format", "pickles", "not allowed", "worst global"],
+                    disable_numparse=True)
 
 
 def _summary(results: list[ScanResult], strict: bool) -> str:
@@ -49,12 +71,17 @@ def _summary(results: list[ScanResult], strict: bool) -> str:
 @click.command("scan")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(dir_okay=True))
 @json_option("scan")
+@click.option("--format", "out_format", type=click.Choice(["text", "json", "sarif"]), default=None,
+              help="Output format: text (the default report), json (as --json) or sarif (a SARIF 2.1.0 log for "
+                   "code-scanning dashboards: one result per dangerous or needs-trust global and pickle, with the "
+                   "file, the pickle and the key path).")
 @click.option("--all", "show_all", is_flag=True, help="List allowed globals too, not only the ones that are not.")
 @click.option("--strict", is_flag=True,
               help="One verdict: unsafe unless every global is in torch's weights_only allowlist (exit 0 safe, "
                    "1 unsafe, 2 unreadable).")
 @click.pass_context
-def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, show_all: bool, strict: bool) -> None:
+def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_format: str | None, show_all: bool,
+             strict: bool) -> None:
     """Say whether loading each checkpoint in PATHS could run code, without running or importing anything.
 
     Every pickle in each file is read (zip members such as data.pkl and other .pkl files, nested zips, the five
@@ -73,7 +100,11 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, show_all
                    loading would call it with arguments the file chooses
 
     A file is as bad as its worst global; a file that could not be read to its end is unreadable (unless a
-    dangerous global came first). Directories are walked for checkpoint files.
+    dangerous global came first). A pickle torch.load does not read today (another zip member, data after the end)
+    counts the same: other loaders and tools may read it. Directories are walked recursively for checkpoint files
+    (a torch.distributed.checkpoint folder is read as one, .metadata then each record's byte range of the .distcp
+    files) and end with a table of every file's verdict and the counts. Known library files are recognised by
+    their content (accelerate's random_states_N.pkl: needs trust).
 
     \b
     Exit status (the worst file decides):
@@ -84,18 +115,26 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, show_all
 
     With --strict: 0 safe, 1 a file names a global outside the allowlist (unsafe), 2 unreadable.
     --quiet prints nothing (the exit status answers); --json gives "strict", "exit_code" and "files" (per file:
-    "verdict", "level", and each global's "status" and "level").
+    "verdict", "level", each global's "status" and "level", each pickle's "hidden" and "key_paths");
+    --format sarif prints a SARIF 2.1.0 log (rules CKPT001 dangerous, CKPT002 needs trust, CKPT003 unreadable),
+    with the same exit status.
 
     \b
     Examples:
       ckptool scan model.pth
       ckptool scan ~/Downloads/*.bin --json
       ckptool scan checkpoints/ --strict
+      ckptool scan models/ --format sarif > ckptool.sarif
     """
+    if as_json and out_format not in (None, "json"):
+        raise UsageError(f"--json and --format {out_format} ask for two outputs; give one")
+    fmt = "json" if as_json else out_format or "text"
     results = scan(paths)
     code = exit_status(results, strict=strict)
-    if as_json:
+    if fmt == "json":
         emit_json("scan", {"strict": strict, "exit_code": code, "files": [r.to_dict(strict=strict) for r in results]})
+    elif fmt == "sarif":
+        click.echo(json.dumps(to_sarif(results, version=_version(), strict=strict), indent=2))
     elif not is_quiet():
         for i, r in enumerate(results):
             if i:
@@ -103,7 +142,16 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, show_all
             _print_result(r, show_all, strict)
         if len(results) > 1:
             click.echo("")
+            click.echo(_table(results, strict))
+            click.echo("")
             click.echo(_summary(results, strict))
         elif not results:
             click.echo("no checkpoint files found")
     ctx.exit(code)
+
+
+def _version() -> str:
+    try:
+        return version("ckptool")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "0+unknown"

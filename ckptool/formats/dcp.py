@@ -28,7 +28,9 @@ DCP_GLOBALS = frozenset({
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
         "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
     "torch.distributed.checkpoint.filesystem._StorageInfo",
-    "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath", "pathlib.PureWindowsPath",
+    # StorageMeta.checkpoint_id: the folder as a path object (Python 3.13 pickles name pathlib._local)
+    *(f"pathlib.{sub}{n}" for sub in ("", "_local.") for n in (
+        "Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
 })
 
 
@@ -51,6 +53,21 @@ class ByteRecord:
     offset: int
     length: int
     transformed: bool
+
+
+class DcpItem(NamedTuple):
+    """One record of ``.metadata``'s ``storage_data`` (a ``_StorageInfo``): the entry's ``fqn``; ``is_bytes`` for
+    a non-tensor entry (``BYTE_IO``: ``torch.save`` bytes that the default load planner reads with
+    ``torch.load(weights_only=False)``), else a tensor chunk (``torch.save`` of the tensor, read with
+    ``weights_only=True``, or raw bytes in a safetensors-serialized folder); ``length`` bytes at ``offset`` of
+    ``relative_path`` (None when the record is malformed); ``transforms`` its ``transform_descriptors``."""
+
+    fqn: str
+    is_bytes: bool
+    relative_path: str | None
+    offset: int
+    length: int
+    transforms: tuple[str, ...]
 
 
 @dataclass
@@ -87,6 +104,36 @@ class DcpMetadata:
             out.append(ByteRecord(fqn, rel, int(sst.get("offset", 0)), int(sst.get("length", 0)), transformed))
         return out
 
+    def items(self) -> list[DcpItem]:
+        """Every storage record of ``storage_data`` (tensor chunks and non-tensor entries), in pickle order, as
+        recorded: nothing is checked here (a hostile ``.metadata`` may point anywhere; see
+        :func:`ckptool.ops.scan_dcp.scan_dcp_folder`). Records whose fields are not of the recorded types are
+        returned with ``relative_path`` None.
+
+        Raises:
+            CorruptCheckpointError: ``storage_data`` is not a dict.
+        """
+        byte_fqns = {e.fqn for e in self.entries if e.dtype is None}
+        storage_data = _state(self.root).get("storage_data")
+        if type(storage_data) is not dict:
+            raise CorruptCheckpointError(f"{self.folder}: .metadata has no storage_data dict; the folder is damaged")
+        out = []
+        for idx, info in storage_data.items():
+            ist, sst = _state(idx), _state(info)
+            ist = ist if type(ist) is dict else {}
+            sst = sst if type(sst) is dict else {}
+            fqn = ist.get("fqn")
+            fqn = fqn if type(fqn) is str else repr(fqn)
+            rel, off, n = sst.get("relative_path"), sst.get("offset"), sst.get("length")
+            desc = sst.get("transform_descriptors")
+            transforms = tuple(map(str, desc)) if isinstance(desc, (list, tuple)) else () if desc is None else (
+                repr(desc),)
+            if type(rel) is str and type(off) is int and type(n) is int:
+                out.append(DcpItem(fqn, fqn in byte_fqns, rel, off, n, transforms))
+            else:
+                out.append(DcpItem(fqn, fqn in byte_fqns, None, 0, 0, transforms))
+        return out
+
     def record_globals(self, record: ByteRecord) -> list[str]:
         """The globals the ``torch.save`` record of a non-tensor entry names, read with the restricted unpickler.
 
@@ -121,7 +168,7 @@ def read_dcp_metadata(folder: str | os.PathLike[str]) -> DcpMetadata:
 
     Raises:
         UsageError: no ``.metadata`` in ``folder``.
-        CorruptCheckpointError: the pickle is damaged, or is not a DCP ``Metadata``.
+        CorruptCheckpointError: the pickle is damaged, or is not a DCP ``Metadata`` (malformed entries included).
     """
     folder = os.fspath(folder)
     p = os.path.join(folder, METADATA_FILE)
@@ -137,7 +184,12 @@ def read_dcp_metadata(folder: str | os.PathLike[str]) -> DcpMetadata:
                                      "damaged or not a DCP checkpoint")
     planner = st.get("planner_data")
     version = st.get("version")
-    return DcpMetadata(folder, root, [qualified_name(m, n) for m, n in up.globals_seen], _entries(st),
+    try:
+        entries = _entries(st)
+    except (TypeError, ValueError, AttributeError) as e:  # a size or dtype of the wrong type: not DCP's own writing
+        raise CorruptCheckpointError(f"{p}: a state_dict_metadata entry is malformed ({e}); the folder is damaged "
+                                     "or not written by torch.distributed.checkpoint") from e
+    return DcpMetadata(folder, root, [qualified_name(m, n) for m, n in up.globals_seen], entries,
                        planner if isinstance(planner, dict) else None, version if isinstance(version, str) else None)
 
 

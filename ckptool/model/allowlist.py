@@ -15,7 +15,9 @@ torch's restricted unpickler handles itself) loads with ``weights_only=True``; a
 The three levels, and the rule that puts each global in one (first match wins):
 
 1. ``safe`` (status ``allowed``): in :data:`WEIGHTS_ONLY_ALLOWED`; in a TorchScript archive also the names its C++
-   unpickler resolves itself (``__torch__.*``, :data:`TORCHSCRIPT_NAMES`).
+   unpickler resolves itself (``__torch__.*``, :data:`TORCHSCRIPT_NAMES`); in a torch.distributed.checkpoint
+   ``.metadata`` pickle also DCP's own record classes and ``pathlib`` paths (:data:`DCP_GLOBALS`): DCP's reader
+   rebuilds them as data, and these names can call nothing else. Anywhere else they need trust (rule 2).
 2. ``needs-trust`` (status ``needs-trust``): a name on :data:`NEEDS_TRUST_NAMES` (exact), such as
    ``argparse.Namespace``, ``pathlib.PosixPath``, numpy's array/dtype/RNG-state rebuilders, ``torch._C.Generator``
    or the DCP metadata classes (:data:`ckptool.formats.dcp.DCP_GLOBALS`). This list is checked before rule 3, so
@@ -33,8 +35,10 @@ The three levels, and the rule that puts each global in one (first match wins):
    ``mypkg.utils.run``, ``pathlib.Path.write_text``): loading would call it with arguments the file chooses, and
    no list shows it harmless.
 
-Names are rated by what they are, never by the file name or by how often they appear; the lists only add
-``needs-trust`` names and reasons: the default for a name on no list is at least ``needs-trust``.
+Whole files are recognised by their content (:func:`recognise_file`: accelerate's RNG state), never by their name,
+to say what a needs-trust file is. Names are rated by what they are, never by the file name or by how often they
+appear; the lists only add ``needs-trust`` names and reasons: the default for a name on no list is at least
+``needs-trust``.
 """
 
 from __future__ import annotations
@@ -345,6 +349,40 @@ NEEDS_TRUST_MODULES: dict[str, str] = {
     "enum": "an enum class",
 }
 
+_DCP_DATA = ("torch.distributed.checkpoint's own metadata record in .metadata (FileSystemReader rebuilds it as "
+             "data; a pathlib path is plain data here, no method of it is called)")
+
+#: the globals accelerate adds to torch's safe globals when it reads its own files
+#: (``accelerate.utils.other.TORCH_SAFE_GLOBALS``: numpy arrays and dtypes, for the RNG state)
+ACCELERATE_SAFE_GLOBALS = frozenset({
+    "numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
+    "numpy.dtypes.UInt32DType", "_codecs.encode"})
+#: the keys of accelerate's ``save_state`` RNG file (``random_states_<process>.pkl``, accelerate/checkpointing.py)
+ACCELERATE_RNG_KEYS = frozenset({"random_state", "numpy_random_seed", "torch_manual_seed"})
+ACCELERATE_RNG = "accelerate-rng-state"
+
+
+def recognise_file(root_keys: Iterable[object], names: Iterable[str]) -> tuple[str, str] | None:
+    """``(kind, description)`` when a pickle is a known library file, from its content (never its file name):
+    ``root_keys`` are the keys of its top-level dict, ``names`` every global it names. Known today:
+
+    * accelerate's ``save_state`` RNG state (``random_states_<process>.pkl``): keys ``random_state`` (Python's
+      ``random.getstate()``), ``numpy_random_seed`` (``numpy.random.get_state()``: a numpy array) and
+      ``torch_manual_seed``, and no global outside ``torch.load(weights_only=True)``'s allowlist and
+      :data:`ACCELERATE_SAFE_GLOBALS`. It needs trust, not more: ``accelerate.load_state`` reads it with
+      ``weights_only=True`` after ``torch.serialization.add_safe_globals`` of those numpy names.
+
+    None for anything else (a file that matches the keys but names other globals is rated by its globals alone).
+    """
+    keys = {k for k in root_keys if type(k) is str}
+    if keys >= ACCELERATE_RNG_KEYS and all(is_allowed(n) or n in ACCELERATE_SAFE_GLOBALS for n in names):
+        return ACCELERATE_RNG, ("accelerate's save_state RNG state (Python, numpy and torch random states): "
+                                "accelerate.load_state reads it with torch.load(weights_only=True) plus numpy "
+                                "arrays and dtypes as safe globals; it needs trust in numpy, runs no code of the "
+                                "file's choosing")
+    return None
+
+
 #: names TorchScript's C++ unpickler resolves itself (torch/csrc/jit/serialization/unpickler.cpp), never importing
 TORCHSCRIPT_NAMES = frozenset({
     "torch.jit._pickle.build_intlist", "torch.jit._pickle.build_tensorlist", "torch.jit._pickle.build_doublelist",
@@ -377,9 +415,10 @@ def _module_of_class(name: str) -> str | None:
     return module
 
 
-def classify_global(name: str, *, torchscript: bool = False) -> tuple[str, str]:
+def classify_global(name: str, *, torchscript: bool = False, dcp_metadata: bool = False) -> tuple[str, str]:
     """``(status, reason)`` of the global ``module.qualname`` (Python 3 module names), by the rules of this
-    module's docstring (first match wins).
+    module's docstring (first match wins). ``dcp_metadata``: the name is in a torch.distributed.checkpoint
+    ``.metadata`` pickle, where DCP's own record classes and ``pathlib`` paths (:data:`DCP_GLOBALS`) are allowed.
 
     ``status`` is :data:`ALLOWED` (in the ``torch.load(weights_only=True)`` allowlist, or resolved by TorchScript's
     own unpickler when ``torchscript`` is true), :data:`NEEDS_TRUST` (a known library class or rebuilder that runs
@@ -389,6 +428,8 @@ def classify_global(name: str, *, torchscript: bool = False) -> tuple[str, str]:
     """
     if is_allowed(name):
         return ALLOWED, "accepted by torch.load(weights_only=True)"
+    if dcp_metadata and name in DCP_GLOBALS:
+        return ALLOWED, _DCP_DATA
     if torchscript and (name.startswith("__torch__.") or name in TORCHSCRIPT_NAMES):
         return ALLOWED, "resolved by torch.jit.load's own unpickler, not imported"
     if name in TORCHSCRIPT_NAMES:

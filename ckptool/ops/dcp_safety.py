@@ -3,19 +3,21 @@
 torch's ``FileSystemReader`` unpickles ``.metadata`` with ``pickle.load`` and ``DefaultLoadPlanner`` loads
 non-tensor entries with ``torch.load(weights_only=False)``: either can run code. ckptool reads both with its
 restricted unpickler first and accepts only the globals DCP itself writes (:data:`ckptool.formats.dcp.DCP_GLOBALS`)
-or that ``torch.load(weights_only=True)`` allows.
+or that ``torch.load(weights_only=True)`` allows: the rules of ``ckptool scan``
+(:func:`ckptool.model.allowlist.classify_global`).
 """
 
 from __future__ import annotations
 
 from ckptool.errors import UnsafeCheckpointError
-from ckptool.formats.dcp import DCP_GLOBALS, DcpMetadata
-from ckptool.model.allowlist import is_allowed
+from ckptool.formats.dcp import DcpMetadata
+from ckptool.model.allowlist import ALLOWED, classify_global, is_allowed
 
 
 def is_dcp_allowed(name: str) -> bool:
-    """True for a global (``module.qualname``) a DCP folder may name without ``trust``."""
-    return name in DCP_GLOBALS or is_allowed(name)
+    """True for a global (``module.qualname``) a DCP ``.metadata`` may name without ``trust``: the one scan policy,
+    :func:`ckptool.model.allowlist.classify_global` with ``dcp_metadata=True``."""
+    return classify_global(name, dcp_metadata=True)[0] == ALLOWED
 
 
 def check_dcp_safe(meta: DcpMetadata, trust: bool) -> None:

@@ -60,6 +60,7 @@ from ckptool.model.keys import is_flat_param_key, shared_prefixes, suggest_comma
 from ckptool.ops.dcp_safety import is_dcp_allowed
 from ckptool.ops.deepspeed import describe_deepspeed
 from ckptool.ops.inspect_values import PreviewLimits, ValueInfo, value_infos
+from ckptool.ops.scan import ScanResult, combine_results, scan_file
 
 #: the ``"schema"`` of :meth:`CheckpointInfo.to_dict` (``ckptool inspect --json``)
 SCHEMA = "ckptool.inspect/2"
@@ -152,27 +153,53 @@ class CheckpointInfo:
     totals: list[ByteTotal] = field(default_factory=list)
     values: list[ValueInfo] = field(default_factory=list)
     values_complete: bool = True
+    #: the safety analysis, the one ``ckptool scan`` makes (every pickle in the file, hidden ones included)
+    scan: ScanResult | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (``dataclasses.asdict`` without its deep copies: fast for 50,000 tensors), with
         ``"schema": "ckptool.inspect/2"``, ``total_bytes`` (storage bytes, each storage once), ``totals`` and
         ``values`` (``{"path", "type", "value"}`` or ``{"path", "type", "preview"}``)."""
-        d = {"schema": SCHEMA, **{f.name: getattr(self, f.name) for f in fields(self)}}
+        d = {"schema": SCHEMA, **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "scan"}}
         d["tensors"] = [t.__dict__.copy() for t in self.tensors]
         d["total_bytes"] = self.total_bytes
         d["totals"] = [r.__dict__.copy() for r in self.totals]
         d["values"] = [v.to_dict() for v in self.values]
         d["state_dicts"] = [sd.__dict__.copy() for sd in self.state_dicts]
         d["globals"] = [{"name": g.name, "allowed": g.allowed} for g in self.globals]
-        d["security"] = {
-            "verdict": self.verdict,
-            "dangerous": [{"name": g.name, "reason": g.reason} for g in self.globals if g.status == DANGEROUS],
-            "unknown": [g.name for g in self.globals if g.status == UNKNOWN],
-            # the three levels of `ckptool scan` (safe, needs-trust, dangerous), from the same classification
-            "level": worst_level(g.status for g in self.globals),
-            "needs_trust": [g.name for g in self.globals if level_of(g.status) == NEEDS_TRUST],
-        }
+        d["security"] = self.security()
         return d
+
+    def security(self) -> dict[str, Any]:
+        """The ``security`` object of ``inspect --json``: the verdict of ``ckptool scan`` on the same file, from
+        the same analysis (:attr:`scan`: every pickle in the file, not only the ones ``torch.load`` reads).
+
+        ``verdict`` ``safe`` / ``unsafe`` (scan ``--strict``), ``level`` (safe, needs-trust, dangerous),
+        ``scan_verdict`` (that, or ``error`` for a file scan could not read to its end) and its ``exit_code``,
+        ``dangerous`` (name, reason, ``where``), ``unknown`` and ``needs_trust`` names, ``hidden_pickles`` (the
+        pickles ``torch.load`` does not read today: ``where``, ``globals``, ``level``, ``error``), ``notes`` and
+        ``recognised`` (a known library file type)."""
+        sc = self.scan
+        if sc is None:  # built by hand: the globals listed are all there is
+            globs: list[tuple[str, str, str, list[str]]] = [(g.name, g.status, g.reason, []) for g in self.globals]
+            return {"verdict": self.verdict, "level": worst_level(g[1] for g in globs), "scan_verdict": None,
+                    "exit_code": None,
+                    "dangerous": [{"name": n, "reason": r, "where": w} for n, st, r, w in globs if st == DANGEROUS],
+                    "unknown": [n for n, st, _r, _w in globs if st == UNKNOWN],
+                    "needs_trust": [n for n, st, _r, _w in globs if level_of(st) == NEEDS_TRUST],
+                    "hidden_pickles": [], "notes": [], "recognised": None}
+        return {
+            "verdict": self.verdict, "level": sc.level, "scan_verdict": sc.verdict, "exit_code": sc.exit_code,
+            "dangerous": [{"name": g.name, "reason": g.reason, "where": list(g.where)} for g in sc.globals
+                          if g.status == DANGEROUS],
+            "unknown": list(dict.fromkeys(g.name for g in sc.globals if g.status == UNKNOWN)),
+            "needs_trust": list(dict.fromkeys(g.name for g in sc.globals if g.level == NEEDS_TRUST)),
+            "hidden_pickles": [{"where": p.where, "globals": list(p.globals), "error": p.error,
+                                "level": sc.pickle_level(p)} for p in sc.hidden],
+            "notes": list(sc.notes),
+            "recognised": None if sc.recognised is None else {"kind": sc.recognised[0],
+                                                              "description": sc.recognised[1]},
+        }
 
     @property
     def unsafe_globals(self) -> list[str]:
@@ -180,7 +207,10 @@ class CheckpointInfo:
 
     @property
     def verdict(self) -> str:
-        """``safe`` when every global is allowed (as ``ckptool scan`` classifies them), else ``unsafe``."""
+        """``safe`` when every global of every pickle in the file is allowed (``ckptool scan --strict``'s verdict
+        from :attr:`scan`, ``error`` when a hidden part could not be read), else ``unsafe``."""
+        if self.scan is not None:
+            return self.scan.strict_verdict
         return "unsafe" if any(g.status != ALLOWED for g in self.globals) else "safe"
 
     @property
@@ -312,12 +342,28 @@ def inspect(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -
         return inspect_set(path, limits)
     fmt = formats.detect_format(path)
     if fmt == formats.SAFETENSORS:
-        return _inspect_safetensors(path)
+        info = _inspect_safetensors(path)
+        info.scan = scan_file(path)
+        return info
     try:
         ck = read_pickle_file(path) if fmt == formats.PICKLE else read_checkpoint(path, fmt)
-        return describe(ck, limits)
+        info = describe(ck, limits)
     except RecursionError as e:
         raise CorruptCheckpointError(f"{path}: {too_deep(e)}") from None
+    info.scan = scan_file(path, preparsed=_already_read(ck))
+    return info
+
+
+def _already_read(ck: Checkpoint) -> dict[str, tuple[list[str], Any]]:
+    """The pickle :func:`inspect` read whole (the ``data.pkl`` of a torch zip, a plain pickle), by its ``where`` in
+    :func:`ckptool.ops.scan.scan_file`, so that the scan does not read it a second time."""
+    names = [qualified_name(m, n) for m, n in ck.globals]
+    if ck.format == formats.PICKLE:
+        return {"pickle at byte 0": (names, ck.root)}
+    rec = ck.record("data.pkl")
+    if ck.format == formats.TORCH_ZIP and rec is not None and rec.zipinfo is not None:
+        return {rec.zipinfo.name: (names, ck.root)}
+    return {}
 
 
 def _inspect_deepspeed(path: str) -> CheckpointInfo:
@@ -427,8 +473,11 @@ def _inspect_index(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
     size = os.path.getsize(path)
     storages = 0
     fmts = set()
+    scans: list[tuple[str, ScanResult]] = []
     for shard in index.shards:
         info = inspect(index.shard_path(shard), limits)
+        if info.scan is not None:
+            scans.append((shard, info.scan))
         fmts.add("safetensors" if info.format == formats.SAFETENSORS else "torch")
         size += info.size
         storages += info.storages
@@ -448,7 +497,8 @@ def _inspect_index(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
     merged = _merge_totals(totals)
     return CheckpointInfo(path, fmt, "state_dict", size, tensors, devices, _device_bytes(merged),
                           [_state_dict_info("", [t.key for t in tensors])], list(globs.values()), storages=storages,
-                          metadata=meta, totals=merged, values=values, values_complete=complete)
+                          metadata=meta, totals=merged, values=values, values_complete=complete,
+                          scan=combine_results(path, fmt, [(shard, r) for shard, r in scans]))
 
 
 _OPTIMIZER_STATE_RE = re.compile(r"(^|\.)state\.\d+$")  # an optimizer's per-parameter state: no state_dict
@@ -484,4 +534,4 @@ def _inspect_dcp(folder: str) -> CheckpointInfo:
                           {"cpu": nbytes} if tensors else {}, [_state_dict_info(g, keys) for g, keys in groups.items()],
                           [GlobalInfo(n, is_dcp_allowed(n)) for n in dict.fromkeys(meta.globals)],
                           storages=len(tensors), metadata=extra or None, totals=_one_storage_each(tensors),
-                          values=values)
+                          values=values, scan=scan_file(folder))

@@ -1,0 +1,461 @@
+"""The engine of ``ckptool scan``: every pickle in a byte container (zip members, nested zips, legacy streams and
+tars, plain pickles, data appended after any of them) read with the restricted unpickler, each global classified
+by :func:`ckptool.model.allowlist.classify_global` into a :class:`~ckptool.ops.scan_results.ScanResult`. The
+policy, and which pickles are read, are described in :mod:`ckptool.ops.scan`; DCP folders are walked by
+:mod:`ckptool.ops.scan_dcp`. Nothing is imported or called from the file.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import tarfile
+import zlib
+from collections.abc import Mapping
+from typing import Any, BinaryIO, TypeAlias, cast
+
+from ckptool.errors import CkptError, CorruptCheckpointError
+from ckptool.formats import detect as formats
+from ckptool.formats.dtypes import STORAGE_TYPES
+from ckptool.formats.nodes import GlobalMeta, ObjectNode, ReduceNode, StorageRef, qualified_name
+from ckptool.formats.pickle_check import PickleBuffer, check_pickle
+from ckptool.formats.unpickler import load_pickle_at, partial_globals
+from ckptool.formats.zipdir import ZipEntry, read_directory, read_member, read_member_head
+from ckptool.model.allowlist import ALLOWED, classify_global
+from ckptool.model.graph import depth_first, node_children
+from ckptool.ops.scan_results import GlobalFinding, PickleFinding, ScanResult
+
+__all__ = ["MAX_KEY_PATHS", "Window", "key_paths"]
+
+# ------------------------------------------------------------------------------------------------ scanning
+_PICKLE_SUFFIXES = (".pkl", ".debug_pkl", ".pickle")
+_ZIP_LOCAL = b"PK\x03\x04"
+_ZIP_EOCD = b"PK\x05\x06"
+_LEGACY_MAGIC = formats.LEGACY_MAGIC_PREFIX
+MAX_ZIP_DEPTH = 3
+MAX_TAR_MEMBERS = 10_000
+MAX_PICKLES_IN_A_ROW = 10_000
+#: a file's first byte starts a pickle only if it is an opcode a pickle can begin with
+_PICKLE_FIRST = frozenset(b"\x80(.012NQR}abdel]ostu)\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94"
+                          b"KhqJjMGUCXBT\x8a\x8b\x8c\x8d\x8e\x96ILFSVPgpci")
+
+
+class Window:
+    """``length`` bytes at ``start`` of a mapped file, seen as a file (``seek``/``read``/``tell``) and as a byte
+    sequence (``len``, an index gives an int, a slice gives bytes): one item of a DCP ``.distcp`` file, read by
+    the zip directory reader without copying the rest."""
+
+    def __init__(self, mm: PickleBuffer, start: int, length: int) -> None:
+        self.mm, self.start, self.length, self.pos = mm, start, length, 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, k: int | slice) -> Any:
+        if isinstance(k, slice):
+            a, b, _ = k.indices(self.length)
+            return bytes(self.mm[self.start + a:self.start + max(a, b)])
+        if not -self.length <= k < self.length:
+            raise IndexError(k)
+        return self.mm[self.start + (k % self.length)]
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        end = self.length if n is None or n < 0 else min(self.length, self.pos + n)
+        out = self[self.pos:end] if end > self.pos else b""
+        self.pos = max(self.pos, end)
+        return out
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+
+#: what the container readers walk: the bytes of a file or member, a mapped file, or a window of one
+Container: TypeAlias = "PickleBuffer | Window"
+
+
+class _Scanner:
+    def __init__(self, res: ScanResult, preparsed: Mapping[str, tuple[list[str], Any]] | None = None) -> None:
+        self.res = res
+        self.torchscript = False
+        #: classify the globals of DCP ``.metadata`` (its own record classes and pathlib paths are data there)
+        self.dcp_metadata = False
+        #: the pickles torch's loader reads (every other one is hidden)
+        self.loaded: set[str] = set()
+        #: ``where`` -> (globals, root) of pickles the caller already read whole (``inspect``), not read again
+        self.preparsed = dict(preparsed or {})
+        self._globals: dict[tuple[str, str], GlobalFinding] = {}
+        self.root: Any = None  # the root of the first pickle torch's loader reads
+
+    # -- recording -------------------------------------------------------------------------------------------
+    def record(self, finding: PickleFinding, root: Any = None) -> None:
+        finding.hidden = finding.where not in self.loaded
+        if not finding.hidden and self.root is None and root is not None:
+            self.root = root
+        self.res.pickles.append(finding)
+        rated = [(name, *classify_global(name, torchscript=self.torchscript, dcp_metadata=self.dcp_metadata))
+                 for name in finding.globals]
+        if root is not None and any(status != ALLOWED for _n, status, _r in rated):
+            finding.key_paths = key_paths(root, {n for n, status, _r in rated if status != ALLOWED})
+        for name, status, reason in rated:
+            g = self._globals.get((name, status))
+            if g is None:
+                g = self._globals[name, status] = GlobalFinding(name, status, reason)
+                self.res.globals.append(g)
+            if finding.where not in g.where:
+                g.where.append(finding.where)
+
+    def take_preparsed(self, buf: PickleBuffer, where: str) -> int | None:
+        """Record the pickle at the start of ``buf`` from :attr:`preparsed` if the caller read it already, and
+        return where it ends (its opcodes walked again, not unpickled); None if not."""
+        got = self.preparsed.pop(where, None)
+        if got is None:
+            return None
+        try:
+            end = check_pickle(buf, 0, what=where, exact=False)
+        except CkptError:
+            return None  # read it the ordinary way
+        self.record(PickleFinding(where, 0, list(got[0])), got[1])
+        return end
+
+    def _unreadable_member(self, label: str, is_pickle: bool, err: Exception) -> None:
+        """A zip member that could not be read: a finding for a pickle member, a note for anything else."""
+        if is_pickle:
+            self.record(PickleFinding(label, 0, [], str(err)))
+        else:
+            self.note(f"member {label} could not be read ({err})")
+
+    def note(self, text: str) -> None:
+        self.res.notes.append(text)
+
+    # -- one pickle ------------------------------------------------------------------------------------------
+    def parse(self, buf: PickleBuffer, pos: int, where: str, *, required: bool = True) -> int | None:
+        """Read the pickle at ``buf[pos]``; record it; return the offset after its STOP, or None if it failed.
+        A failed optional pickle (data after the last pickle) is recorded only when it named a global."""
+        if pos == 0 and where in self.preparsed and where in self.loaded:
+            end = self.take_preparsed(buf, where)
+            if end is not None:
+                return end
+        try:
+            root, up, end = load_pickle_at(buf, pos, where)
+        except CkptError as e:
+            names = self._globals_before_failure(buf, pos, where, e)
+            if required or names:
+                self.record(PickleFinding(where, pos, names, str(e)))
+            return None
+        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root)
+        return end
+
+    def _globals_before_failure(self, buf: PickleBuffer, pos: int, what: str, e: CkptError) -> list[str]:
+        up = getattr(e, "unpickler", None)
+        if up is not None:  # unpickling itself failed: what it named so far
+            return [qualified_name(m, n) for m, n in up.globals_seen]
+        stop = getattr(e, "offset", None)
+        if stop is None:
+            return []
+        try:  # refused by the checks: read the flat stream (frames ignored) as far as it is sound
+            end = check_pickle(buf, pos, what=what, exact=False, strict_frames=False)
+            seen = partial_globals(buf, pos, end)
+        except CkptError as e2:
+            seen = partial_globals(buf, pos, getattr(e2, "offset", stop))
+        return [qualified_name(m, n) for m, n in seen]
+
+    def pickles_in_a_row(self, buf: PickleBuffer, pos: int, where: str, *, first_required: bool = True) -> int | None:
+        """Read pickles one after another from ``pos`` while the data looks like one; return the offset where
+        reading stopped (``len(buf)`` when everything was read), or None when the first, required, pickle failed."""
+        n = 0
+        size = len(buf)
+        while pos < size and n < MAX_PICKLES_IN_A_ROW:
+            if n and (buf[pos] not in _PICKLE_FIRST or buf[pos:pos + 4] == _ZIP_LOCAL):
+                return pos
+            label = where if n == 0 else f"{where} (pickle {n + 1} in a row, byte {pos})"
+            end = self.parse(buf, pos, label, required=n == 0 and first_required)
+            if end is None:
+                return None if n == 0 and first_required else pos
+            pos = end
+            n += 1
+        return pos
+
+    # -- containers ------------------------------------------------------------------------------------------
+    def any(self, buf: PickleBuffer, where: str, depth: int, f: BinaryIO | None = None) -> str:
+        """Scan ``buf`` (bytes or mmap, optionally its open file ``f``) as whatever its bytes say it is: the file
+        ``torch.load`` would read (its own pickles are not hidden)."""
+        head = bytes(buf[:512])
+        if head.startswith((_ZIP_LOCAL, _ZIP_EOCD)):
+            return self.zip(buf, where, depth, f, loaded=True)
+        if head.startswith(_LEGACY_MAGIC):
+            self.legacy(buf, where, depth)
+            return formats.TORCH_LEGACY
+        if len(head) >= 262 and head[257:262] == b"ustar":
+            self.tar(buf, where, depth)
+            return "legacy-tar"
+        if len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] + 8 <= len(buf):
+            return formats.SAFETENSORS
+        if not head or head[0] not in _PICKLE_FIRST:
+            raise _NotAPickle()
+        self.pickle_file(buf, where, depth)
+        return formats.PICKLE
+
+    def pickle_file(self, buf: PickleBuffer, where: str, depth: int, *, loaded: bool = True) -> None:
+        """A plain pickle (``pickle.load`` and ``torch.load`` read its first pickle), then any data after it."""
+        label = where or "pickle at byte 0"
+        if loaded:
+            self.loaded.add(label)
+        end = self.parse(buf, 0, label)
+        if end is not None and end < len(buf):
+            self.trailing(buf, end, where, depth)
+
+    def trailing(self, buf: PickleBuffer, pos: int, where: str, depth: int) -> None:
+        """Data after the structures a loader reads: further pickles in a row, then possibly an appended zip."""
+        rest = pos
+        if buf[pos] in _PICKLE_FIRST and buf[pos:pos + 4] != _ZIP_LOCAL:
+            rest = self.pickles_in_a_row(buf, pos, _join(where, f"data after the last pickle, byte {pos}"),
+                                         first_required=False) or pos
+        start = _zip_start(buf, rest)
+        if start is not None:
+            if start > rest:
+                self.note(f"{start - rest} bytes at byte {rest}{_in(where)} are not a pickle")
+            self.note(f"a zip archive is appended at byte {start}{_in(where)} (zipfile-based tools read it instead)")
+            try:
+                self.zip(bytes(buf[start:]), _join(where, f"appended zip at byte {start}"), depth + 1)
+            except CkptError as err:
+                self.note(f"the zip appended at byte {start}{_in(where)} could not be read ({err})")
+        elif rest < len(buf):
+            self.note(f"{len(buf) - rest} bytes at byte {rest}{_in(where)} are not a pickle (no loader reads them)")
+
+    def zip(self, buf: Container, where: str, depth: int, f: BinaryIO | None = None, *, loaded: bool = False) -> str:
+        """Every pickle-bearing member of the zip in ``buf`` (``f``: the same bytes as a file), then data after
+        its end. ``loaded``: torch's loader reads this zip (the file itself, a DCP item), so the members it
+        unpickles (``data.pkl``; ``constants.pkl`` of a TorchScript archive) are not hidden."""
+        if depth > MAX_ZIP_DEPTH:
+            raise CorruptCheckpointError(f"zips nested more than {MAX_ZIP_DEPTH} deep{_in(where)}")
+        if f is None:
+            f = cast(BinaryIO, buf) if isinstance(buf, Window) else io.BytesIO(
+                buf if isinstance(buf, bytes) else bytes(buf))
+        size = len(buf)
+        entries = read_directory(f, size, where or self.res.path)
+        if not entries:
+            raise CorruptCheckpointError(f"empty zip archive{_in(where)}")
+        first = entries[0].name
+        top = first.split("/", 1)[0] + "/" if "/" in first else ""
+        names = [e.name for e in entries]
+        self.torchscript = self.torchscript or (depth == 0 and top + "constants.pkl" in names)
+        kind = "torchscript" if top + "constants.pkl" in names else (
+            formats.TORCH_ZIP if top + "data.pkl" in names else "zip")
+        if loaded and kind != "zip":
+            self.loaded.update(_join(where, top + n) for n in (
+                ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",)))
+            if kind == "torchscript":  # torch.jit.load also unpickles the source ranges of code/
+                self.loaded.update(_join(where, n) for n in names if n.endswith(".debug_pkl"))
+        seen: set[str] = set()
+        for e in entries:
+            if e.name in seen:
+                self.note(f"the zip{_in(where)} holds two members named {e.name!r}: loaders may read either; both "
+                          "were scanned")
+            seen.add(e.name)
+        for e in entries:
+            self.zip_member(f, e, top, kind, where, depth)
+        end = _zip_end(buf)
+        if end is not None and end < size:
+            if isinstance(buf, Window):  # the bytes after the zip, by themselves (hostile or odd: rarely big)
+                self.trailing(buf[end:], 0, _join(where, f"data after the zip's end at byte {end}"), depth)
+            else:
+                self.trailing(buf, end, where, depth)
+        return kind
+
+    def zip_member(self, f: BinaryIO, e: ZipEntry, top: str, kind: str, where: str, depth: int) -> None:
+        name = e.name
+        rel = name[len(top):] if name.startswith(top) else name
+        label = _join(where, name)
+        if name.endswith("/"):
+            return
+        storage = kind != "zip" and rel.startswith(("data/", "constants/", ".data/", "code/"))
+        is_pickle = name.endswith(_PICKLE_SUFFIXES)
+        if storage and not is_pickle:
+            return  # tensor bytes and TorchScript source: no loader unpickles them
+        try:
+            head = read_member_head(f, e, label)
+        except CkptError as err:
+            self._unreadable_member(label, is_pickle, err)
+            return
+        nested = head.startswith(_ZIP_LOCAL)
+        looks_pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+        if not (is_pickle or nested or looks_pickled):
+            return
+        try:
+            data = read_member(f, e, label, check_crc=False)
+        except CkptError as err:
+            self._unreadable_member(label, is_pickle, err)
+            return
+        if (e.crc & 0xFFFFFFFF) != zlib.crc32(data):
+            self.note(f"member {label} fails its CRC-32 check (torch does not check it); scanned anyway")
+        if nested:
+            self.note(f"member {label} is a zip archive; scanned it too")
+            try:
+                self.zip(data, label, depth + 1)
+            except CkptError as err:
+                self.note(f"the zip in member {label} could not be read ({err})")
+            return
+        rest = self.pickles_in_a_row(data, 0, label, first_required=is_pickle)
+        if rest is not None and rest < len(data):
+            self.trailing(data, rest, label, depth)
+
+    def legacy(self, buf: PickleBuffer, where: str, depth: int) -> None:
+        """The five pickles of a torch legacy stream (torch/serialization.py ``_legacy_load``), then its storage
+        blocks, to find data after them."""
+        pos = 0
+        main_storages: dict[str, StorageRef] = {}
+        keys: object = None
+        for i, part in enumerate(("magic number", "protocol version", "sys_info", "main pickle", "storage keys")):
+            label = _join(where, f"legacy {part}")
+            if not where:
+                self.loaded.add(label)
+            try:
+                root, up, end = load_pickle_at(buf, pos, label, storages=main_storages if i == 3 else None)
+            except CkptError as e:
+                self.record(PickleFinding(label, pos, self._globals_before_failure(buf, pos, label, e), str(e)))
+                return
+            self.record(PickleFinding(label, pos, [qualified_name(m, n) for m, n in up.globals_seen]),
+                        root if i == 3 else None)
+            if i == 4:
+                keys = root
+            pos = end
+        # the storage blocks: 8-byte element count + numel * element size bytes each, in key order
+        if not isinstance(keys, list):
+            self.note("the legacy storage key list is not a list; data after it was not checked")
+            return
+        for key in keys:
+            ref = main_storages.get(str(key)) if isinstance(key, (str, int)) else None
+            head = bytes(buf[pos:pos + 8])
+            if ref is None or len(head) != 8:
+                self.note("the legacy storage blocks do not match the storage keys; data after them was not checked")
+                return
+            numel = struct.unpack("<q", head)[0]
+            elsize = STORAGE_TYPES.get(ref.storage_type_name, ("", 1))[1]
+            if numel < 0 or pos + 8 + numel * elsize > len(buf):
+                self.note("a legacy storage block runs past the end of the file; data after it was not checked")
+                return
+            pos += 8 + numel * elsize
+        if pos < len(buf):
+            self.trailing(buf, pos, where, depth)
+
+    def tar(self, buf: PickleBuffer, where: str, depth: int) -> None:
+        """A torch legacy tar (torch < 0.4): ``torch.load`` unpickles its ``sys_info``, ``pickle``, ``storages``
+        and ``tensors`` members; every member is read as pickles in a row."""
+        try:
+            with tarfile.open(fileobj=io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf)), mode="r:") as tf:
+                self._tar_members(tf, where, depth)
+        except tarfile.TarError as e:
+            raise CorruptCheckpointError(f"damaged tar archive{_in(where)} ({e})") from e
+
+    def _tar_members(self, tf: tarfile.TarFile, where: str, depth: int) -> None:
+        try:
+            self._read_tar_members(tf, where, depth)
+        except tarfile.TarError as e:
+            self.note(f"the tar archive{_in(where)} is damaged after its readable members ({e})")
+
+    def _read_tar_members(self, tf: tarfile.TarFile, where: str, depth: int) -> None:
+        for i, member in enumerate(tf):
+            if i >= MAX_TAR_MEMBERS:
+                self.note(f"more than {MAX_TAR_MEMBERS} tar members; the rest were not scanned")
+                break
+            if not member.isfile():
+                continue
+            fobj = tf.extractfile(member)
+            data = fobj.read() if fobj is not None else b""
+            label = _join(where, f"tar member {member.name}")
+            known = member.name in ("sys_info", "pickle", "storages", "tensors")
+            if known and not where:
+                self.loaded.add(label)
+            if data[:1] and data[0] in _PICKLE_FIRST:
+                rest = self.pickles_in_a_row(data, 0, label, first_required=known)
+                if rest is not None and rest < len(data) and member.name not in ("storages", "tensors"):
+                    self.trailing(data, rest, label, depth)
+            elif known:
+                self.record(PickleFinding(label, 0, [], "not a pickle"))
+
+
+class _NotAPickle(Exception):
+    pass
+
+
+#: the most key paths reported per global and pickle
+MAX_KEY_PATHS = 5
+
+
+def key_paths(root: Any, names: set[str]) -> dict[str, list[str]]:
+    """Where in the object ``root`` (a restricted unpickler's graph) each global of ``names`` is used: dotted key
+    paths (:func:`ckptool.model.graph.node_children`'s, ``(top level)`` for the root itself), at most
+    :data:`MAX_KEY_PATHS` each. A global used only inside another call's callable is not located. Never raises."""
+    out: dict[str, list[str]] = {}
+
+    def leaf(obj: Any) -> str | None:
+        if isinstance(obj, GlobalMeta):
+            name: str | None = obj.qualified_name
+        elif isinstance(obj, (ReduceNode, ObjectNode)):
+            name = obj.global_name
+        else:
+            return None
+        return name if name in names else None
+
+    try:
+        for path, name in depth_first(root, "", node_children, leaf):
+            found = out.setdefault(name, [])
+            if len(found) < MAX_KEY_PATHS and (path or "(top level)") not in found:
+                found.append(path or "(top level)")
+    except (CkptError, RecursionError):
+        pass
+    return out
+
+
+def _in(where: str) -> str:
+    return f" in {where}" if where else ""
+
+
+def _join(where: str, name: str) -> str:
+    return f"{where}!{name}" if where else name
+
+
+def _eocd(buf: Container) -> tuple[int, int, int, int] | None:
+    """``(eocd offset, central directory size, central directory offset, comment length)`` of the last end of
+    central directory record in the last 64 KiB of ``buf``, or None."""
+    size = len(buf)
+    lo = max(0, size - (65535 + 22))
+    tail = bytes(buf[lo:size])
+    at = tail.rfind(_ZIP_EOCD)
+    if at < 0 or at + 22 > len(tail):
+        return None
+    _sig, _d, _dcd, _n, _count, cd_size, cd_offset, clen = struct.unpack_from("<IHHHHIIH", tail, at)
+    return lo + at, cd_size, cd_offset, clen
+
+
+def _zip_start(buf: PickleBuffer, pos: int) -> int | None:
+    """Where a zip appended after ``pos`` starts (what ``zipfile`` computes: end record - directory size -
+    directory offset), or None."""
+    found = _eocd(buf)
+    if found is None:
+        return None
+    eocd_at, cd_size, cd_offset, _clen = found
+    start = eocd_at - cd_size - cd_offset
+    if start < pos or bytes(buf[start:start + 4]) != _ZIP_LOCAL:
+        return None
+    return start
+
+
+def _zip_end(buf: Container) -> int | None:
+    found = _eocd(buf)
+    return None if found is None else found[0] + 22 + found[3]
