@@ -55,6 +55,7 @@ from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_torch, write_dcp
 from ckptool.ops.convert.outputs import scratch_file, write_outputs
+from ckptool.ops.convert.read_pt2 import pt2_source
 from ckptool.ops.convert.read_safetensors import index_source, restore_library_aliases, safetensors_source
 from ckptool.ops.convert.read_torch import torch_source
 from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, ConvertResult, Source, parse_size
@@ -87,10 +88,11 @@ def convert(
 ) -> ConvertResult:
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
-    ``src`` is a torch.save file (zip or legacy), a safetensors file, a sharded set (its ``*.index.json``, or the
-    folder holding it) or a DCP folder. ``format`` is ``"torch"``, ``"safetensors"`` or ``"dcp"``; by default it
-    follows ``dst``'s suffix (``.safetensors``; ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt``), and is safetensors
-    for a folder of shards.
+    ``src`` is a torch.save file (zip or legacy), a ``torch.export`` archive (``.pt2``: its state_dict, or with
+    ``key="constants"`` its constants; :mod:`ckptool.ops.convert.read_pt2`), a safetensors file, a sharded set
+    (its ``*.index.json``, or the folder holding it) or a DCP folder. ``format`` is ``"torch"``,
+    ``"safetensors"`` or ``"dcp"``; by default it follows ``dst``'s suffix (``.safetensors``; ``.pt`` / ``.pth`` /
+    ``.bin`` / ``.ckpt``), and is safetensors for a folder of shards.
 
     * ``key`` selects the state_dict (dotted path such as ``"model_state_dict"``); by default it is found, and the
       other entries of the file are reported in ``left_out``, not carried.
@@ -173,6 +175,8 @@ def convert(
             source = safetensors_source(src_p)
             if fmt_out == "torch":
                 restore_library_aliases(source)
+        elif fmt_in == formats.PT2:
+            source = pt2_source(src_p, key)
         else:
             source = torch_source(src_p, fmt_in, key)
     _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
