@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from typing import Any
 
 import click
 
@@ -77,6 +78,8 @@ def _print_info(info: CheckpointInfo, limit: int | None) -> None:
                 fix = "FSDP flat parameters: consolidate first (torch.distributed.checkpoint / Lightning)"
             sd_rows.append((sd.path or "(top level)", sd.tensors, " ".join(sd.prefixes) or "-", fix or "-"))
         echo(tabulate(sd_rows, headers=["path", "tensors", "wrapper prefix", "remove with"]))
+    for prog in info.programs:
+        _print_program(prog)
     if info.values:
         echo("")
         echo("Other entries (not tensors):")
@@ -92,6 +95,27 @@ def _print_info(info: CheckpointInfo, limit: int | None) -> None:
     echo("")
     for line in _advice(info):
         echo(line)
+
+
+def _print_program(prog: dict[str, Any]) -> None:
+    """The signature of one exported program (``CheckpointInfo.programs``, a ``torch.export`` archive)."""
+    def arg(e: dict[str, Any]) -> str:
+        shape = ("x".join(map(str, e["shape"])) or "scalar") if "shape" in e else ""
+        return _one_line(" ".join(x for x in (e["name"], e.get("dtype", ""), shape) if x))
+
+    echo = click.echo
+    echo("")
+    echo(f"Exported program {prog['name']!r} (schema {prog['schema_version']}, written by torch "
+         f"{prog.get('torch_version') or '?'}): state_dict of {prog['parameters']} parameters and {prog['buffers']} "
+         f"persistent buffers; {prog['constants']} constants (tensor constants, non-persistent buffers)")
+    user = [arg(e) for e in prog["inputs"] if e["kind"] == "user_input"]
+    lifted = [e for e in prog["inputs"] if e["kind"] != "user_input"]
+    echo(f"  inputs:  {', '.join(user) or 'none'}")
+    kinds = Counter(e["kind"] for e in lifted)
+    if kinds:
+        echo("  lifted:  " + ", ".join(f"{n} {k}" for k, n in kinds.items()) + " (the tensors above)")
+    outs = [arg(e) if e["kind"] == "user_output" else f"{arg(e)} ({e['kind']})" for e in prog["outputs"]]
+    echo(f"  outputs: {', '.join(outs) or 'none'}")
 
 
 def _one_line(text: str) -> str:
@@ -114,12 +138,18 @@ def _advice(info: CheckpointInfo) -> list[str]:
     gpu = sorted(d for d in info.devices if d not in ("cpu", "meta"))
     if info.format == "torchscript":
         out.append("TorchScript archive: load it with torch.jit.load(path, map_location='cpu').")
+    elif info.format == "torch-export":
+        out.append(f"torch.export archive: `ckptool convert {info.path} -o weights.pth` (or .safetensors) writes its "
+                   "state_dict (--key constants: its constants); torch.export.load(path) loads the program.")
     elif gpu:
         alt = f" (or --map {gpu[-1]}=cuda:0 for one GPU)" if gpu[-1] not in ("cuda:0", "cuda") else ""
         out.append(f"Saved on {', '.join(gpu)}: a plain torch.load needs that device. "
                    f"Run `ckptool remap {info.path} --to cpu`{alt} to load it anywhere.")
     unsafe = info.unsafe_globals
-    if unsafe and info.format != "torchscript":
+    if unsafe and info.format == "torch-export":
+        out.append(f"{len(unsafe)} global(s) are outside the weights_only allowlist: torch.export.load unpickles "
+                   "these members without that allowlist; run `ckptool scan` and load it only if you trust its source.")
+    elif unsafe and info.format != "torchscript":
         out.append(f"{len(unsafe)} global(s) are outside the weights_only allowlist: torch.load(weights_only=True) "
                    "refuses this file; load with weights_only=False only if you trust its source.")
     return out

@@ -58,6 +58,7 @@ from ckptool.model.graph import (
 from ckptool.model.keys import is_flat_param_key, shared_prefixes, suggest_command
 from ckptool.ops.dcp_safety import is_dcp_allowed
 from ckptool.ops.inspect_values import PreviewLimits, ValueInfo, value_infos
+from ckptool.ops.pt2 import describe_pt2
 
 #: the ``"schema"`` of :meth:`CheckpointInfo.to_dict` (``ckptool inspect --json``)
 SCHEMA = "ckptool.inspect/2"
@@ -133,7 +134,9 @@ class CheckpointInfo:
     location tag -> bytes of distinct storages there (each storage once); ``totals`` the same per location tag and
     dtype (:class:`ByteTotal`); ``storages`` counts distinct storages; ``metadata`` holds safetensors
     ``__metadata__``; ``values`` the non-tensor entries (:class:`~ckptool.ops.inspect_values.ValueInfo`), all of
-    them unless ``values_complete`` is False (cut by :class:`~ckptool.ops.inspect_values.PreviewLimits`).
+    them unless ``values_complete`` is False (cut by :class:`~ckptool.ops.inspect_values.PreviewLimits`);
+    ``programs`` the signature of each exported program of a ``torch.export`` archive
+    (:meth:`ckptool.formats.pt2.Program.signature`).
     """
 
     path: str
@@ -150,6 +153,7 @@ class CheckpointInfo:
     totals: list[ByteTotal] = field(default_factory=list)
     values: list[ValueInfo] = field(default_factory=list)
     values_complete: bool = True
+    programs: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (``dataclasses.asdict`` without its deep copies: fast for 50,000 tensors), with
@@ -288,7 +292,8 @@ def inspect(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -
     """Describe the checkpoint at ``path`` without importing torch or reading tensor data.
 
     Returns a :class:`CheckpointInfo`: format (``torch-zip``, ``torch-legacy``, ``torchscript``, ``safetensors``,
-    ``pickle``; for an ``*.index.json`` or a folder ``sharded-safetensors``, ``sharded-torch`` or ``dcp``, see
+    ``pickle``, ``torch-export`` (a ``.pt2``, kind ``exported_program``, see :func:`ckptool.ops.pt2.describe_pt2`);
+    for an ``*.index.json`` or a folder ``sharded-safetensors``, ``sharded-torch`` or ``dcp``, see
     :func:`inspect_set`), kind (``state_dict``, ``training_checkpoint``, ``full_model``,
     ``torchscript``, ``tensors``), every tensor (shared storages included), tensor counts per location tag, storage
     bytes per location tag and dtype (each storage once), the state_dicts found with their wrapper prefixes, the
@@ -308,6 +313,8 @@ def inspect(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -
     fmt = formats.detect_format(path)
     if fmt == formats.SAFETENSORS:
         return _inspect_safetensors(path)
+    if fmt == formats.PT2:
+        return _inspect_pt2(path)
     try:
         ck = read_pickle_file(path) if fmt == formats.PICKLE else read_checkpoint(path, fmt)
         return describe(ck, limits)
@@ -367,6 +374,24 @@ def _inspect_safetensors(path: str) -> CheckpointInfo:
         {"cpu": len(tensors)} if tensors else {}, {"cpu": sum(t.nbytes for t in tensors)}, sds, [],
         storages=len(tensors), metadata=meta if isinstance(meta, dict) else None, totals=totals,
     )
+
+
+def _inspect_pt2(path: str) -> CheckpointInfo:
+    """A ``torch.export`` archive (:func:`ckptool.ops.pt2.describe_pt2`): its weights and constants, the
+    program's signature in ``programs``, its versions in ``metadata``."""
+    d = describe_pt2(path)
+    tensors = [TensorInfo(t.key, list(t.payload.shape), t.payload.dtype or "unknown", t.payload.device,
+                          t.payload.nbytes, list(t.payload.stride), t.payload.storage_offset,
+                          None if t.payload.pickled else t.payload.member, t.payload.requires_grad) for t in d.tensors]
+    devices: dict[str, int] = {}
+    for t in tensors:
+        devices[t.device] = devices.get(t.device, 0) + 1
+    totals = byte_totals(tensors, d.storages)
+    return CheckpointInfo(path, formats.PT2, "exported_program", d.archive.size, tensors, devices,
+                          _device_bytes(totals), [_state_dict_info(p, keys) for p, keys in d.state_dicts.items()],
+                          [GlobalInfo(g.name, is_allowed(g.name), g.status, g.reason) for g in d.globals],
+                          storages=len(d.storages), metadata=d.metadata, totals=totals, values=d.values,
+                          programs=d.programs)
 
 
 @gc_paused
