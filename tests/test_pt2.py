@@ -9,11 +9,11 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import make_pt2
 import pytest
 import torch
 from helpers import storage_groups
 
-import make_pt2
 from ckptool import errors
 from ckptool.formats import detect
 from ckptool.formats.pt2 import read_pt2
@@ -192,7 +192,7 @@ def test_newer_schema_and_damaged_config(pt2: dict[str, Path], tmp_path: Path) -
     with pytest.raises(errors.UnsupportedError, match="schema version 99"):
         inspect(rewrite("schema.pt2", schema))
     short = rewrite("short.pt2", lambda n, d: d[:8] if n.endswith("data/weights/weight_3") else d)
-    with pytest.raises(errors.CorruptCheckpointError, match="emb.weight"):
+    with pytest.raises(errors.CorruptCheckpointError, match=r"emb\.weight"):
         inspect(short)
 
 
