@@ -48,7 +48,10 @@ def too_deep(e: RecursionError | None = None) -> CorruptCheckpointError:
 
 _DICT_CLASSES = {("collections", "OrderedDict"), ("builtins", "dict"), ("__builtin__", "dict")}
 _SET_FUNCS = {("builtins", "set"), ("__builtin__", "set")}
-STATE_DICT_SKIP_SUFFIX = "_extra_state"
+#: endings of the non-tensor entries ``nn.Module.state_dict()`` writes: ``get_extra_state()`` values, and the packed
+#: parameters of a dynamically quantized layer (``LinearPackedParams._save_to_state_dict``: a dtype and a
+#: ``(quantized weight, bias)`` tuple)
+STATE_DICT_SKIP_SUFFIX = ("_extra_state", "_packed_params.dtype", "_packed_params._packed_params")
 
 
 def join(prefix: str, name: object) -> str:  # ``prefix.name``, or ``name`` alone at the top level

@@ -57,7 +57,7 @@ from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_t
 from ckptool.ops.convert.outputs import scratch_file, write_outputs
 from ckptool.ops.convert.read_pt2 import pt2_source
 from ckptool.ops.convert.read_safetensors import index_source, restore_library_aliases, safetensors_source
-from ckptool.ops.convert.read_torch import torch_source
+from ckptool.ops.convert.read_torch import refuse_non_strided_for_dcp, torch_source
 from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, ConvertResult, Source, parse_size
 from ckptool.ops.convert.verify import VerificationError
 from ckptool.ops.dcp_safety import check_dcp_safe
@@ -292,11 +292,12 @@ def _to_dcp(src: str, dst: str, *, key: str | None, trust: bool, verify: bool, r
 
     Raises:
         UsageError: ``dst`` is not a new or empty folder.
-        UnsupportedError: the input holds no dict.
+        UnsupportedError: the input holds no dict; sparse, nested or storage-less tensors (DCP writes storages).
     """
     check_dcp_target(dst)
     res = ConvertResult(src, dst, fmt_in, "dcp")
     if fmt_in in (formats.TORCH_ZIP, formats.TORCH_LEGACY) and key is None and not renames and cast is None:
+        refuse_non_strided_for_dcp(src, fmt_in)
         res.notes.append(WHOLE_NOTE)
         obj, _saved = load_checkpoint(src, "cpu", trust=trust)
     else:
