@@ -395,9 +395,28 @@ def looks_like_state_dict(items: Iterable[tuple[Any, Any]] | None, tensor_test: 
     return n > 0
 
 
+#: torch's rebuild functions of tensors that are not one strided storage view (sparse, nested, subclasses...):
+#: state_dict values all the same (:mod:`ckptool.model.nonstrided` tells them apart, and names them in refusals)
+_NON_STRIDED_REBUILDERS = frozenset({
+    ("torch._utils", "_rebuild_sparse_tensor"), ("torch._utils", "_rebuild_nested_tensor"),
+    ("torch._utils", "_rebuild_wrapper_subclass"), ("torch._utils", "_rebuild_meta_tensor_no_storage"),
+    ("torch._utils", "_rebuild_device_tensor_from_numpy"), ("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+})
+
+
+def is_state_dict_value(v: object) -> bool:
+    """A value a state_dict holds as a tensor: a tensor node (:func:`is_tensor`), or a tensor torch rebuilds with
+    another function (sparse, nested, wrapper subclasses; :data:`_NON_STRIDED_REBUILDERS`)."""
+    if type(v) is TensorNode or is_tensor(v):
+        return True
+    return isinstance(v, ReduceNode) and isinstance(v.func, GlobalMeta) and (
+        v.func.module, v.func.name) in _NON_STRIDED_REBUILDERS
+
+
 def is_state_dict(obj: object) -> bool:
-    """A mapping node that :func:`looks_like_state_dict` (its tensors tested with :func:`is_tensor`)."""
-    return looks_like_state_dict(mapping_items(obj), is_tensor)
+    """A mapping node that :func:`looks_like_state_dict` (its tensors tested with :func:`is_state_dict_value`)."""
+    return looks_like_state_dict(mapping_items(obj), is_state_dict_value)
 
 
 def is_optimizer_state(items: Iterable[tuple[Any, Any]]) -> bool:
@@ -484,4 +503,5 @@ def find_state_dicts(root: object) -> list[StateDictRef]:
     (``state_dict``, ``model_state_dict``, ``ema``, ...) and pickled modules (full models, compiled ones included).
     Does not look inside a found one, nor inside an optimizer's state_dict; enters mappings (by string and int
     keys), lists and tuples. Time is linear in the number of nodes."""
-    return breadth_first(root, items=mapping_items, tensor_test=is_tensor, is_module=is_module, max_depth=None)
+    return breadth_first(root, items=mapping_items, tensor_test=is_state_dict_value, is_module=is_module,
+                         max_depth=None)
