@@ -48,7 +48,8 @@ from ckptool.model.module_state import detached, module_state_dict, state_dict_n
 from ckptool.model.paths import get_path
 from ckptool.model.rename_memory import rename_state_dict
 from ckptool.model.rename_plan import build_plan
-from ckptool.ops.pt2 import extract_pt2
+from ckptool.ops.convert import convert
+from ckptool.ops.convert.read_pt2 import pt2_source
 from ckptool.ops.rewrite import ProgressFn, retag_function, rewrite_file
 from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted
 
@@ -208,13 +209,29 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
 
 def _extract_pt2(src: str, dst: str, key: str | None, unwrap: bool, to: str | None,
                  mapping: Mapping[str, str] | None, allow_missing: bool, progress: ProgressFn | None) -> ExtractResult:
-    """A ``torch.export`` archive: its program's state_dict (``key="constants"``: its constants) through
-    :func:`ckptool.ops.pt2.extract_pt2`; nothing in the archive needs running, so ``trust`` changes nothing."""
-    ex = extract_pt2(src, dst, key=key, unwrap=unwrap, to=to, mapping=mapping, allow_missing=allow_missing,
-                     progress=progress)
-    res = ex.result
-    return ExtractResult(src, dst, formats.SAFETENSORS if res.format_out == "safetensors" else formats.TORCH_ZIP,
-                         ex.keys, "torch.export program", res.key or "", ex.storages, res.bytes_written, ex.removed)
+    """A ``torch.export`` archive: its program's state_dict (``key="constants"``: its constants;
+    :func:`ckptool.ops.convert.read_pt2.pt2_source`), written and verified by :func:`ckptool.ops.convert.convert`
+    (tensor bytes copied, never decoded). Nothing in the archive needs running, so ``trust`` changes nothing."""
+    source = pt2_source(src, key)
+    keys = [t.name for t in source.tensors]
+    removed: dict[str, int] = {}
+    if unwrap:
+        renamed, removed = unwrap_keys(keys)
+        keys = [renamed[k] for k in keys]
+    done = 0
+
+    def tick(now: int, _total: int) -> None:  # convert reports bytes done so far; extract's progress, bytes since
+        nonlocal done
+        if progress is not None and now > done:
+            progress(now - done)
+        done = max(done, now)
+
+    fmt = "safetensors" if dst.endswith(".safetensors") else "torch"
+    res = convert(src, dst, format=fmt, key=key, to=to, mapping=mapping, allow_missing=allow_missing, unwrap=unwrap,
+                  progress=tick)
+    return ExtractResult(src, dst, formats.SAFETENSORS if fmt == "safetensors" else formats.TORCH_ZIP, keys,
+                         "torch.export program", res.key or "", len({id(t.storage) for t in source.tensors}),
+                         res.bytes_written, removed)
 
 
 def _extract_trusted(src: str, dst: str, key: str | None, unwrap: bool, to: str | None,

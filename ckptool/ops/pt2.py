@@ -5,9 +5,10 @@ running anything (the archive layout is described in :mod:`ckptool.formats.pt2`)
   bytes, stride, storage offset, the member holding its storage) from the payload configs, the program's
   signature from its serialized JSON, the archive's versions, and the globals of the members a loader unpickles
   (read by :func:`ckptool.ops.scan.scan_file`: nothing imported or run).
-* :func:`extract_pt2` is ``extract-state-dict`` of a ``.pt2``: the program's state_dict (parameters and persistent
-  buffers, as ``torch.export.load(path).state_dict``), or with ``key="constants"`` its constants, written by
-  ``convert``'s writers (:func:`ckptool.ops.convert.convert`): tensor bytes copied from the archive, never decoded.
+* ``extract-state-dict`` and ``convert`` of a ``.pt2`` (:func:`ckptool.ops.extract.extract_state_dict`,
+  :mod:`ckptool.ops.convert.read_pt2`) write the program's state_dict (parameters and persistent buffers, as
+  ``torch.export.load(path).state_dict``), or with ``key="constants"`` its constants: tensor bytes copied from the
+  archive, never decoded.
 
 Tensor keys: the FQN for the weights, ``constants.<FQN>`` for constants (tensor constants and non-persistent
 buffers); an archive of several programs prefixes both with ``<program name>.``.
@@ -16,18 +17,15 @@ buffers); an archive of several programs prefixes both with ``<program name>.``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool.formats.pt2 import Payload, Pt2Archive
-from ckptool.model.keys import unwrap_keys
-from ckptool.ops.convert import ConvertResult, convert
-from ckptool.ops.convert.read_pt2 import pt2_source, read_archive
+from ckptool.formats import detect as formats
+from ckptool.formats.pt2 import Payload, Pt2Archive, read_pt2
 from ckptool.ops.inspect_values import ValueInfo
 from ckptool.ops.scan import GlobalFinding, scan_file
 
-__all__ = ["Pt2Description", "Pt2Extract", "Pt2Tensor", "describe_pt2", "extract_pt2", "tensor_key"]
+__all__ = ["Pt2Description", "Pt2Tensor", "describe_pt2", "read_archive", "tensor_key"]
 
 
 @dataclass
@@ -59,15 +57,12 @@ class Pt2Description:
     values: list[ValueInfo] = field(default_factory=list)
 
 
-@dataclass
-class Pt2Extract:
-    """What :func:`extract_pt2` wrote: the ``convert`` ``result``, the ``keys`` in order, the wrapper components
-    ``removed`` by ``unwrap`` (``{component: key count}``) and the number of source ``storages`` (payload members)."""
+def read_archive(path: str) -> Pt2Archive:
+    """:func:`ckptool.formats.pt2.read_pt2` of ``path`` (its zip directory read once, shared with detection).
 
-    result: ConvertResult
-    keys: list[str]
-    removed: dict[str, int]
-    storages: int
+    Raises: what :func:`ckptool.formats.pt2.read_pt2` raises.
+    """
+    return read_pt2(path, formats.zip_entries(path))
 
 
 def tensor_key(arch: Pt2Archive, program: str, fqn: str, weight: bool) -> str:
@@ -111,35 +106,3 @@ def describe_pt2(path: str | os.PathLike[str]) -> Pt2Description:
         d.metadata["aotinductor_members"] = str(len(arch.aoti))
     d.globals = scan_file(path).globals
     return d
-
-
-def extract_pt2(src: str, dst: str, *, key: str | None, unwrap: bool, to: str | None,
-                mapping: Mapping[str, str] | None, allow_missing: bool,
-                progress: Callable[[int], None] | None) -> Pt2Extract:
-    """Write the state_dict of the program in the ``.pt2`` ``src`` (or its constants, ``key="constants"``) to
-    ``dst``: ``*.safetensors`` for safetensors, anything else torch's zip format, through
-    :func:`ckptool.ops.convert.convert` (verified; ``unwrap``, ``to``, ``mapping``, ``allow_missing`` as there).
-    ``progress(nbytes)`` is called with the bytes written since the last call.
-
-    Returns a :class:`Pt2Extract`.
-
-    Raises: what :func:`ckptool.ops.convert.convert` raises for a ``.pt2`` source.
-    """
-    source = pt2_source(src, key)
-    names = [t.name for t in source.tensors]
-    removed: dict[str, int] = {}
-    if unwrap:
-        renamed, removed = unwrap_keys(names)
-        names = [renamed[n] for n in names]
-    done = 0
-
-    def tick(now: int, _total: int) -> None:
-        nonlocal done
-        if progress is not None and now > done:
-            progress(now - done)
-        done = max(done, now)
-
-    fmt = "safetensors" if dst.endswith(".safetensors") else "torch"
-    res = convert(src, dst, format=fmt, key=key, to=to, mapping=mapping, allow_missing=allow_missing, unwrap=unwrap,
-                  progress=tick)
-    return Pt2Extract(res, names, removed, len({id(t.storage) for t in source.tensors}))

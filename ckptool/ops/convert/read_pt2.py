@@ -11,20 +11,13 @@ from __future__ import annotations
 
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.pt2 import Payload, Program, Pt2Archive, read_pt2
+from ckptool.formats.pt2 import Payload, Program, Pt2Archive
 from ckptool.formats.zipdir import data_offset
 from ckptool.ops.convert.source import Source, Storage, Tensor
+from ckptool.ops.pt2 import read_archive
 
 #: the two mappings of a program that ``key`` selects (``state_dict`` by default)
 SELECTIONS = ("state_dict", "constants")
-
-
-def read_archive(path: str) -> Pt2Archive:
-    """:func:`ckptool.formats.pt2.read_pt2` of ``path`` (its zip directory read once, shared with detection).
-
-    Raises: what :func:`ckptool.formats.pt2.read_pt2` raises.
-    """
-    return read_pt2(path, formats.zip_entries(path))
 
 
 def selections(arch: Pt2Archive) -> dict[str, tuple[Program, str]]:
