@@ -199,3 +199,32 @@ def test_newer_schema_and_damaged_config(pt2: dict[str, Path], tmp_path: Path) -
 def test_other_commands_name_the_format(pt2: dict[str, Path], tmp_path: Path, run_cli: Any) -> None:
     r = run_cli("remap", pt2["model.pt2"], "--to", "cpu", "-o", tmp_path / "r.pth")
     assert r.exit_code == 1 and "is a torch.export archive (.pt2)" in r.output and "ckptool convert" in r.output
+
+
+def test_verify_and_load_into_without_running_the_archive(pt2: dict[str, Path], loaded: Any) -> None:
+    from ckptool import load_into, verify
+    from ckptool.torch_ops.load import load_checkpoint
+
+    sd, saved = load_checkpoint(pt2["model.pt2"], "cpu")
+    assert list(sd) == list(loaded.state_dict) and saved == {"cpu": len(sd)}
+    for k, v in loaded.state_dict.items():
+        _same(sd[k], v, k)
+    assert sd["emb.weight"].data_ptr() == sd["head.weight"].data_ptr()
+    report = verify(pt2["model.pt2"], make_pt2.ExportNet, device="cpu")
+    assert report.ok, report
+    model = make_pt2.ExportNet()
+    load_into(model, pt2["model.pt2"])
+    for k, v in loaded.state_dict.items():
+        _same(model.state_dict()[k], v, k, layout=False)
+
+
+def test_diff_against_the_converted_file(pt2: dict[str, Path], tmp_path: Path, run_cli: Any) -> None:
+    out = tmp_path / "w.pth"
+    assert run_cli("convert", pt2["model.pt2"], "-o", out).exit_code == 0
+    r = run_cli("diff", pt2["model.pt2"], out)
+    assert r.exit_code == 0, r.output
+    st = tmp_path / "w.safetensors"
+    assert run_cli("convert", pt2["model.pt2"], "-o", st).exit_code == 0
+    r = run_cli("diff", pt2["model.pt2"], st)  # safetensors stores the strided view contiguous: only that differs
+    assert r.exit_code == 1 and "window    stride [3] -> [1]  equal" in r.output
+    assert "8 of 8 matched tensors equal (bit-exact)" in r.output

@@ -52,6 +52,7 @@ from ckptool.model.keys import (
 from ckptool.model.objects import find_object_state_dicts, is_object_state_dict
 from ckptool.model.paths import get_path
 from ckptool.torch_ops.devices import TensorMemo, is_tensor, map_tensors, model_device, move_tensor, resolve_device
+from ckptool.torch_ops.pt2 import load_pt2_state_dict
 from ckptool.torch_ops.reports import DtypeCast, LoadReport, ShapeMismatch, dtype_name, load_suggestions
 from ckptool.torch_ops.tied import restore_shared, tied_entries
 
@@ -181,6 +182,8 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
         except Exception as e:  # safetensors raises its own SafetensorError for damaged files
             raise CorruptCheckpointError(f"{path}: safetensors could not read it ({e}); re-download it") from e
         return restore_shared(tensors, header, path), {}
+    if fmt == formats.PT2:
+        return load_pt2_state_dict(path, dev)
     if fmt == formats.TORCHSCRIPT:
         if not trust:
             raise UnsafeCheckpointError(
