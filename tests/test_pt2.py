@@ -195,6 +195,25 @@ def test_newer_schema_and_damaged_config(pt2: dict[str, Path], tmp_path: Path) -
     with pytest.raises(errors.CorruptCheckpointError, match=r"emb\.weight"):
         inspect(short)
 
+    def config(change: Any) -> Any:
+        def rewrite_config(name: str, data: bytes) -> bytes:
+            if name.endswith("data/weights/model_weights_config.json"):
+                cfg = json.loads(data)
+                change(cfg["config"]["lin.weight"])
+                return json.dumps(cfg).encode()
+            return data
+        return rewrite_config
+
+    missing = rewrite("missing.pt2", config(lambda m: m.update(path_name="weight_99")))
+    with pytest.raises(errors.CorruptCheckpointError, match="weight_99"):
+        inspect(missing)
+    negative = rewrite("negative.pt2", config(lambda m: m["tensor_meta"]["strides"][0].update(as_int=-4)))
+    with pytest.raises(errors.CorruptCheckpointError, match="invalid layout"):
+        inspect(negative)
+    escape = rewrite("escape.pt2", config(lambda m: m.update(path_name="../models/model.json")))
+    with pytest.raises(errors.CorruptCheckpointError, match="does not hold"):
+        inspect(escape)
+
 
 def test_other_commands_name_the_format(pt2: dict[str, Path], tmp_path: Path, run_cli: Any) -> None:
     r = run_cli("remap", pt2["model.pt2"], "--to", "cpu", "-o", tmp_path / "r.pth")
@@ -228,3 +247,31 @@ def test_diff_against_the_converted_file(pt2: dict[str, Path], tmp_path: Path, r
     r = run_cli("diff", pt2["model.pt2"], st)  # safetensors stores the strided view contiguous: only that differs
     assert r.exit_code == 1 and "window    stride [3] -> [1]  equal" in r.output
     assert "8 of 8 matched tensors equal (bit-exact)" in r.output
+
+
+@pytest.mark.filterwarnings("ignore:No complete tensor found")
+def test_archive_of_several_programs(loaded: Any, tmp_path: Path, run_cli: Any) -> None:
+    from torch.export.pt2_archive._package import package_pt2
+
+    path = tmp_path / "two.pt2"
+    package_pt2(str(path), exported_programs={"enc": make_pt2.export_model(), "dec": make_pt2.export_model()})
+    info = inspect(path)
+    keys = {t.key for t in info.tensors}
+    assert {"enc.lin.weight", "dec.constants.const"} <= keys and len(info.programs) == 2
+    r = run_cli("convert", path, "-o", tmp_path / "x.pth")
+    assert r.exit_code == 2 and "enc.state_dict" in r.output and "dec.constants" in r.output
+    r = run_cli("convert", path, "--key", "dec.constants", "-o", tmp_path / "c.pth")
+    assert r.exit_code == 0, r.output
+    c = torch.load(tmp_path / "c.pth", weights_only=True)
+    for k, v in loaded.constants.items():
+        _same(c[k], v, k)
+
+
+def test_inspect_imports_no_torch(pt2: dict[str, Path]) -> None:
+    import subprocess
+    import sys
+
+    code = (f"import sys, ckptool\ninfo = ckptool.inspect({str(pt2['model.pt2'])!r})\n"
+            "assert info.format == 'torch-export' and info.programs\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -379,7 +379,8 @@ def _payloads(f: Any, path: str, members: dict[str, ZipEntry], config: str, fold
         p.shape = _ints(tm.get("sizes"), "sizes", where)
         p.stride = _ints(tm.get("strides"), "strides", where)
         off = _sym(tm.get("storage_offset"))
-        if not isinstance(off, int) or off < 0 or len(p.stride) != len(p.shape) or any(s < 0 for s in p.shape):
+        if not isinstance(off, int) or off < 0 or len(p.stride) != len(p.shape) or any(
+                s < 0 for s in (*p.shape, *p.stride)):
             raise CorruptCheckpointError(f"{where} has an invalid layout (sizes {p.shape}, strides {p.stride}, "
                                          f"offset {off}); the archive is damaged")
         p.storage_offset = off
