@@ -230,7 +230,7 @@ def _extract_pt2(src: str, dst: str, key: str | None, unwrap: bool, to: str | No
     res = convert(src, dst, format=fmt, key=key, to=to, mapping=mapping, allow_missing=allow_missing, unwrap=unwrap,
                   progress=tick)
     return ExtractResult(src, dst, formats.SAFETENSORS if fmt == "safetensors" else formats.TORCH_ZIP, keys,
-                         "torch.export program", res.key or "", len({id(t.storage) for t in source.tensors}),
+                         f"the torch.export program's {source.key}", "", len({id(t.storage) for t in source.tensors}),
                          res.bytes_written, removed)
 
 
