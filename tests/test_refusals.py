@@ -134,3 +134,16 @@ def test_extract_names_the_buffer(files: dict[str, Path], tmp_path: Path, run_cl
     assert r.exit_code == 1
     assert "buffer adj of make_nonstrided.SparseNet is a sparse COO tensor (layout torch.sparse_coo)" in r.output
     assert "t.to_dense()" in r.output and "--trust" in r.output
+
+
+def test_strip_dataparallel_renames_the_sparse_buffer_too(files: dict[str, Path], tmp_path: Path,
+                                                          run_cli: Any) -> None:
+    sd = _load(files["sparse_sd.pt"])
+    ddp = tmp_path / "ddp.pt"
+    torch.save({f"module.{k}": v for k, v in sd.items()}, ddp)
+    out = tmp_path / "bare.pt"
+    r = run_cli("strip-dataparallel", ddp, "-o", out)
+    assert r.exit_code == 0, r.output
+    _assert_same(sd, _load(out))
+    report = verify(out, make_nonstrided.sparse_net, device="cpu")
+    assert report.ok, report

@@ -452,10 +452,11 @@ class StateDictRef:
     trail: tuple[Link, ...] = field(default=(), repr=False)
 
     def keys(self) -> list[str]:
-        """The state_dict keys (node graph): module keys in ``state_dict()`` order, or the mapping's tensor keys."""
+        """The state_dict keys (node graph): module keys in ``state_dict()`` order, or the mapping's tensor keys
+        (sparse, quantized and nested tensors included: :func:`is_state_dict_value`)."""
         if self.is_module:
             return [k for k, _t, _p in iter_state_dict_of_module(self.obj)]
-        return [str(k) for k, v in mapping_items(self.obj) or [] if is_tensor(v)]
+        return [str(k) for k, v in mapping_items(self.obj) or [] if is_state_dict_value(v)]
 
 
 def breadth_first(root: object, *, items: Callable[[Any], list[tuple[Any, Any]] | None],
