@@ -146,11 +146,13 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
     """Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint.
 
     SRC is a torch.save file, a safetensors file, a sharded set (*.index.json, or the folder holding it), a
-    DCP folder, or a DeepSpeed ZeRO 1/2/3 checkpoint folder (consolidated to the fp32 master weights and buffers
-    exactly as DeepSpeed's zero_to_fp32 does, without deepspeed and one tensor at a time).
+    DCP folder, a torch.export archive (.pt2: its state_dict, or --key constants), or a DeepSpeed ZeRO 1/2/3
+    checkpoint folder (consolidated to the fp32 master weights and buffers exactly as DeepSpeed's zero_to_fp32
+    does, without deepspeed and one tensor at a time).
 
     From a torch file the state_dict is converted (found automatically, or --key); what else the file
-    held (optimizer state, epoch...) is listed as not carried. Tied weights and views are stored once in
+    held (optimizer state, epoch...) is listed as not carried. Sparse, quantized and nested tensors are refused
+    by name, with the way to convert them. Tied weights and views are stored once in
     safetensors, the others recorded as aliases in __metadata__, and restored as shared storage when ckptool
     converts the file back. Memory stays bounded by the largest tensor (DCP conversions excepted: torch's own
     functions hold the state). After writing, the output is re-opened
@@ -167,6 +169,7 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
       ckptool convert checkpoints/step_1000/ -o model.pt           # a DCP folder
       ckptool convert model.pt -o dcp_ckpt/ --format dcp
       ckptool convert ds_checkpoints/ -o model.safetensors         # DeepSpeed ZeRO, tag from 'latest'
+      ckptool convert exported.pt2 -o model.safetensors            # torch.export.save archive
     """
     refuse_stdout(dst, f"{ZIP_NEEDS_SEEK}, and every output is re-opened to verify it before it is kept")
     _claim_convert_output(dst, fmt, max_shard_size, force)

@@ -52,7 +52,8 @@ def extract_cmd(src: str, dst: str | None, key: str | None, unwrap_keys: bool, t
     nothing from the file runs. Tensor bytes are copied, not decoded (.pth), or read with torch (.safetensors);
     --to / --map re-tag the storages of a .pth output in the same pass.
     Modules whose state_dict needs their own code (quantized or lazy modules, state_dict hooks) are refused:
-    --trust loads the file with torch.load(weights_only=False) instead, which runs its code.
+    --trust loads the file with torch.load(weights_only=False) instead, which runs its code. A torch.export
+    archive (.pt2) gives its program's state_dict (--key constants: its constants), read without running it.
 
     \b
     Examples:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from typing import Any
 
 import click
 
@@ -29,12 +30,14 @@ _PATH_PART = 48  # characters of one dotted key component shown in the tables (t
 def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int) -> None:
     """Show what checkpoint PATH holds, without running its code or reading tensor data.
 
-    Prints the format (torch-zip, torch-legacy, torchscript, safetensors, pickle), the kind (state_dict,
-    training_checkpoint, full_model, torchscript, tensors), a table of tensors (key, shape, dtype, saved device,
-    size), storage bytes per device and dtype (a storage shared by several tensors, such as tied weights, counted
-    once), the state_dicts found with their wrapper prefixes and the command that removes them, the non-tensor
-    entries (epoch, steps, learning rates, hyper-parameters, scaler state; RNG states as "RNG state (N bytes)"),
-    and the globals the pickle would import, marked by whether torch.load(weights_only=True) allows them. Torch is
+    Prints the format (torch-zip, torch-legacy, torchscript, torch-export, safetensors, pickle), the kind
+    (state_dict, training_checkpoint, full_model, torchscript, exported_program, tensors), a table of tensors
+    (key, shape, dtype, saved device, size), storage bytes per device and dtype (a storage shared by several
+    tensors, such as tied weights, counted once), the state_dicts found with their wrapper prefixes and the
+    command that removes them, the non-tensor entries (epoch, steps, learning rates, hyper-parameters, scaler
+    state; RNG states as "RNG state (N bytes)"), and the globals the pickle would import, marked by whether
+    torch.load(weights_only=True) allows them. For a torch.export archive (.pt2): its weights and constants, the
+    program's signature (inputs, outputs, lifted parameters and buffers) and the archive's versions. Torch is
     not imported and nothing from the file is run.
     """
     info = inspect(path, ALL_VALUES) if show_all else inspect(path)
@@ -83,6 +86,8 @@ def _print_info(info: CheckpointInfo, limit: int | None) -> None:
                 fix = "FSDP flat parameters: consolidate first (torch.distributed.checkpoint / Lightning)"
             sd_rows.append((sd.path or "(top level)", sd.tensors, " ".join(sd.prefixes) or "-", fix or "-"))
         echo(tabulate(sd_rows, headers=["path", "tensors", "wrapper prefix", "remove with"]))
+    for prog in info.programs:
+        _print_program(prog)
     if info.values:
         echo("")
         echo("Other entries (not tensors):")
@@ -138,6 +143,27 @@ def _security(info: CheckpointInfo) -> list[str]:
     return []
 
 
+def _print_program(prog: dict[str, Any]) -> None:
+    """The signature of one exported program (``CheckpointInfo.programs``, a ``torch.export`` archive)."""
+    def arg(e: dict[str, Any]) -> str:
+        shape = ("x".join(map(str, e["shape"])) or "scalar") if "shape" in e else ""
+        return _one_line(" ".join(x for x in (e["name"], e.get("dtype", ""), shape) if x))
+
+    echo = click.echo
+    echo("")
+    echo(f"Exported program {prog['name']!r} (schema {prog['schema_version']}, written by torch "
+         f"{prog.get('torch_version') or '?'}): state_dict of {prog['parameters']} parameters and {prog['buffers']} "
+         f"persistent buffers; {prog['constants']} constants (tensor constants, non-persistent buffers)")
+    user = [arg(e) for e in prog["inputs"] if e["kind"] == "user_input"]
+    lifted = [e for e in prog["inputs"] if e["kind"] != "user_input"]
+    echo(f"  inputs:  {', '.join(user) or 'none'}")
+    kinds = Counter(e["kind"] for e in lifted)
+    if kinds:
+        echo("  lifted:  " + ", ".join(f"{n} {k}" for k, n in kinds.items()) + " (the tensors above)")
+    outs = [arg(e) if e["kind"] == "user_output" else f"{arg(e)} ({e['kind']})" for e in prog["outputs"]]
+    echo(f"  outputs: {', '.join(outs) or 'none'}")
+
+
 def _one_line(text: str) -> str:
     """``text`` with control characters escaped, so that a hostile key cannot break the table."""
     return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
@@ -161,6 +187,9 @@ def _advice(info: CheckpointInfo) -> list[str]:
     elif info.format == "deepspeed" and info.metadata:
         out.append(f"DeepSpeed ZeRO checkpoint: the tensors above are its consolidated state_dict. Consolidate it "
                    f"(no deepspeed needed) with: {info.metadata['consolidate']}")
+    elif info.format == "torch-export":
+        out.append(f"torch.export archive: `ckptool convert {info.path} -o weights.pth` (or .safetensors) writes its "
+                   "state_dict (--key constants: its constants); torch.export.load(path) loads the program.")
     elif gpu:
         alt = f" (or --map {gpu[-1]}=cuda:0 for one GPU)" if gpu[-1] not in ("cuda:0", "cuda") else ""
         out.append(f"Saved on {', '.join(gpu)}: a plain torch.load needs that device. "
@@ -169,6 +198,9 @@ def _advice(info: CheckpointInfo) -> list[str]:
     if unsafe and info.format == "deepspeed":
         out.append(f"{len(unsafe)} global(s) name deepspeed classes: torch.load(weights_only=True) refuses these "
                    "files; ckptool reads them without importing anything.")
+    elif unsafe and info.format == "torch-export":
+        out.append(f"{len(unsafe)} global(s) are outside the weights_only allowlist: torch.export.load unpickles "
+                   "these members without that allowlist; run `ckptool scan` and load it only if you trust its source.")
     elif unsafe and info.format != "torchscript":
         out.append(f"{len(unsafe)} global(s) are outside the weights_only allowlist: torch.load(weights_only=True) "
                    "refuses this file; load with weights_only=False only if you trust its source.")

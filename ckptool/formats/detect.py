@@ -4,7 +4,8 @@ The signatures are those listed in ``shared/FORMATS.md`` and torch/serialization
 magic ``PK\\x03\\x04``; the legacy stream's first pickle, the magic number ``0x1950a86a20f9469cfc6c`` as a
 protocol-2 LONG1 (``80 02 8a 0a 6c fc 9c 46 f9 20 6a a8 50 19``); the legacy tar (``ustar`` at offset 257);
 safetensors' 8-byte little-endian header length followed by ``{``. A zip is a TorchScript archive when it holds
-``constants.pkl`` or ``code/`` under its top folder, a torch checkpoint when it holds ``data.pkl``.
+``constants.pkl`` or ``code/`` under its top folder, a torch checkpoint when it holds ``data.pkl``, a
+``torch.export`` archive (``.pt2``, :mod:`ckptool.formats.pt2`) when it holds ``archive_format``.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import re
 import struct
 
 from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UsageError
+from ckptool.formats.pt2 import is_pt2_names
 from ckptool.formats.zipdir import ZipEntry, read_directory
 
 TORCH_ZIP = "torch-zip"
 TORCH_LEGACY = "torch-legacy"
 TORCHSCRIPT = "torchscript"
+PT2 = "torch-export"
 SAFETENSORS = "safetensors"
 PICKLE = "pickle"
 
@@ -65,7 +68,7 @@ def check_readable(path: str) -> int:
 
 
 def detect_format(path: str) -> str:
-    """Return one of ``torch-zip``, ``torchscript``, ``torch-legacy``, ``safetensors``, ``pickle``.
+    """Return one of ``torch-zip``, ``torchscript``, ``torch-export``, ``torch-legacy``, ``safetensors``, ``pickle``.
 
     Reads at most the first 512 bytes, plus the zip central directory for zip files.
 
@@ -143,6 +146,8 @@ def _zip_kind(path: str) -> str:
         data = "data.pkl" in leaf
     if script:
         return TORCHSCRIPT
+    if not data and is_pt2_names(names):
+        return PT2
     if data:
         return TORCH_ZIP
     raise NotACheckpointError(

@@ -78,7 +78,8 @@ def read_checkpoint(path: str, fmt: str | None = None) -> Checkpoint:
         UsageError / NotACheckpointError: see :func:`ckptool.formats.detect.detect_format`.
         CorruptCheckpointError: truncated, damaged or hostile file (memo bombs, lengths past the end, zip bombs,
             storages larger than their records, duplicate members...).
-        UnsupportedError: safetensors or plain pickles (no torch storages to read), big-endian legacy files, tuple
+        UnsupportedError: safetensors, torch.export archives or plain pickles (no pickled torch storages to read),
+            big-endian legacy files, tuple
             nesting too deep to read safely.
     """
     fmt = fmt or formats.detect_format(path)
@@ -86,6 +87,11 @@ def read_checkpoint(path: str, fmt: str | None = None) -> Checkpoint:
         return _read_zip(path, fmt)
     if fmt == formats.TORCH_LEGACY:
         return _read_legacy(path)
+    if fmt == formats.PT2:
+        raise UnsupportedError(
+            f"{path} is a torch.export archive (.pt2), not a torch.save checkpoint: this command does not apply to "
+            f"it. `ckptool inspect {path}` lists its weights; `ckptool convert {path} -o weights.pth` (or "
+            ".safetensors) writes its state_dict as a file that torch.load reads")
     raise UnsupportedError(f"{path} is {fmt}, not a torch.save checkpoint")
 
 

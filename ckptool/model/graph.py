@@ -48,7 +48,10 @@ def too_deep(e: RecursionError | None = None) -> CorruptCheckpointError:
 
 _DICT_CLASSES = {("collections", "OrderedDict"), ("builtins", "dict"), ("__builtin__", "dict")}
 _SET_FUNCS = {("builtins", "set"), ("__builtin__", "set")}
-STATE_DICT_SKIP_SUFFIX = "_extra_state"
+#: endings of the non-tensor entries ``nn.Module.state_dict()`` writes: ``get_extra_state()`` values, and the packed
+#: parameters of a dynamically quantized layer (``LinearPackedParams._save_to_state_dict``: a dtype and a
+#: ``(quantized weight, bias)`` tuple)
+STATE_DICT_SKIP_SUFFIX = ("_extra_state", "_packed_params.dtype", "_packed_params._packed_params")
 
 
 def join(prefix: str, name: object) -> str:  # ``prefix.name``, or ``name`` alone at the top level
@@ -392,9 +395,28 @@ def looks_like_state_dict(items: Iterable[tuple[Any, Any]] | None, tensor_test: 
     return n > 0
 
 
+#: torch's rebuild functions of tensors that are not one strided storage view (sparse, nested, subclasses...):
+#: state_dict values all the same (:mod:`ckptool.model.nonstrided` tells them apart, and names them in refusals)
+_NON_STRIDED_REBUILDERS = frozenset({
+    ("torch._utils", "_rebuild_sparse_tensor"), ("torch._utils", "_rebuild_nested_tensor"),
+    ("torch._utils", "_rebuild_wrapper_subclass"), ("torch._utils", "_rebuild_meta_tensor_no_storage"),
+    ("torch._utils", "_rebuild_device_tensor_from_numpy"), ("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+})
+
+
+def is_state_dict_value(v: object) -> bool:
+    """A value a state_dict holds as a tensor: a tensor node (:func:`is_tensor`), or a tensor torch rebuilds with
+    another function (sparse, nested, wrapper subclasses; :data:`_NON_STRIDED_REBUILDERS`)."""
+    if type(v) is TensorNode or is_tensor(v):
+        return True
+    return isinstance(v, ReduceNode) and isinstance(v.func, GlobalMeta) and (
+        v.func.module, v.func.name) in _NON_STRIDED_REBUILDERS
+
+
 def is_state_dict(obj: object) -> bool:
-    """A mapping node that :func:`looks_like_state_dict` (its tensors tested with :func:`is_tensor`)."""
-    return looks_like_state_dict(mapping_items(obj), is_tensor)
+    """A mapping node that :func:`looks_like_state_dict` (its tensors tested with :func:`is_state_dict_value`)."""
+    return looks_like_state_dict(mapping_items(obj), is_state_dict_value)
 
 
 def is_optimizer_state(items: Iterable[tuple[Any, Any]]) -> bool:
@@ -430,10 +452,11 @@ class StateDictRef:
     trail: tuple[Link, ...] = field(default=(), repr=False)
 
     def keys(self) -> list[str]:
-        """The state_dict keys (node graph): module keys in ``state_dict()`` order, or the mapping's tensor keys."""
+        """The state_dict keys (node graph): module keys in ``state_dict()`` order, or the mapping's tensor keys
+        (sparse, quantized and nested tensors included: :func:`is_state_dict_value`)."""
         if self.is_module:
             return [k for k, _t, _p in iter_state_dict_of_module(self.obj)]
-        return [str(k) for k, v in mapping_items(self.obj) or [] if is_tensor(v)]
+        return [str(k) for k, v in mapping_items(self.obj) or [] if is_state_dict_value(v)]
 
 
 def breadth_first(root: object, *, items: Callable[[Any], list[tuple[Any, Any]] | None],
@@ -481,4 +504,5 @@ def find_state_dicts(root: object) -> list[StateDictRef]:
     (``state_dict``, ``model_state_dict``, ``ema``, ...) and pickled modules (full models, compiled ones included).
     Does not look inside a found one, nor inside an optimizer's state_dict; enters mappings (by string and int
     keys), lists and tuples. Time is linear in the number of nodes."""
-    return breadth_first(root, items=mapping_items, tensor_test=is_tensor, is_module=is_module, max_depth=None)
+    return breadth_first(root, items=mapping_items, tensor_test=is_state_dict_value, is_module=is_module,
+                         max_depth=None)

@@ -22,6 +22,7 @@ from ckptool.model.graph import (
     unwrap_tensor,
     walk_module,
 )
+from ckptool.model.nonstrided import non_strided
 
 __all__ = ["detached", "module_state_dict", "module_versions", "state_dict_node"]
 
@@ -64,8 +65,12 @@ def module_state_dict(module: Any) -> tuple[list[tuple[str, TensorNode]], dict[s
             t = unwrap_tensor(value)
             if t is None or t.storage is None:
                 owner = classes[key.rpartition(".")[0]]
+                found = non_strided(value, key)
+                what = found.what if found else f"not a storage-backed tensor ({value!r})"
+                fix = f" ({found.fix.replace('save ', 'store ', 1)} in the model and save it again)" if found else ""
                 raise UnsupportedError(
-                    f"{kind} {key} of {owner} is not a storage-backed tensor ({value!r}); extract with --trust")
+                    f"{kind} {key} of {owner} is {what}: extract-state-dict rebuilds storage-backed strided tensors "
+                    f"only{fix}; or extract with --trust, which runs the file's code")
             entries.append((key, t))
             continue
         where = key or "(top level)"

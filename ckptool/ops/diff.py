@@ -32,6 +32,7 @@ from ckptool.formats.torchfile import read_checkpoint, resolve_zip_offsets
 from ckptool.model.graph import too_deep
 from ckptool.model.keys import reconcile
 from ckptool.model.values import iter_values
+from ckptool.ops.convert.read_pt2 import pt2_source
 from ckptool.ops.convert.read_safetensors import index_source, restore_library_aliases, safetensors_source
 from ckptool.ops.convert.source import Source, Tensor, is_contiguous, span
 from ckptool.ops.convert.write import Files
@@ -177,6 +178,8 @@ def _read_side(path: str) -> _Side:
     fmt = formats.detect_format(path)
     if fmt == formats.SAFETENSORS:
         return _source_side(restored(safetensors_source(path)))
+    if fmt == formats.PT2:  # a torch.export archive: its state_dict (ckptool.ops.convert.read_pt2)
+        return _source_side(pt2_source(path, None))
     try:
         return _torch_side(path, fmt)
     except RecursionError as e:

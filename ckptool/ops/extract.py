@@ -48,6 +48,8 @@ from ckptool.model.module_state import detached, module_state_dict, state_dict_n
 from ckptool.model.paths import get_path
 from ckptool.model.rename_memory import rename_state_dict
 from ckptool.model.rename_plan import build_plan
+from ckptool.ops.convert import convert
+from ckptool.ops.convert.read_pt2 import pt2_source
 from ckptool.ops.rewrite import ProgressFn, retag_function, rewrite_file
 from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted
 
@@ -130,7 +132,8 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
     dtypes, shapes, strides, storage sharing, ``_metadata``) for modules that use ``nn.Module``'s own state_dict.
 
     Args:
-        src: a torch zip or legacy file holding a pickled module (or a dict holding one: pick it with ``key``).
+        src: a torch zip or legacy file holding a pickled module (or a dict holding one: pick it with ``key``), or
+            a ``torch.export`` archive (``.pt2``: its program's state_dict; ``key="constants"``: its constants).
         dst: ``*.safetensors`` for safetensors, anything else for torch's zip format. Default:
             ``<stem>.state_dict.pth`` beside ``src``.
         key: dotted path of the module inside the file (``"model"``) when it is not the top-level object.
@@ -179,6 +182,8 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
             f"{src} is a TorchScript archive: its state_dict is torch.jit.load(path, map_location='cpu').state_dict()")
     if fmt == formats.PICKLE:
         raise UnsupportedError(f"{src} is a plain pickle without torch storages; there is no state_dict to extract")
+    if fmt == formats.PT2:
+        return _extract_pt2(src, dst, key, unwrap, to, mapping, allow_missing, progress)
     if trust:
         return _extract_trusted(src, dst, key, unwrap, to, safetensors_out)
     ck = read_checkpoint(src, fmt)
@@ -200,6 +205,33 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
     used = {t.storage.key for _k, t in items if t.storage is not None}
     res.storages, res.bytes_written = _write_zip(ck, dst, state_dict_node(items, meta), used, location_fn, progress)
     return res
+
+
+def _extract_pt2(src: str, dst: str, key: str | None, unwrap: bool, to: str | None,
+                 mapping: Mapping[str, str] | None, allow_missing: bool, progress: ProgressFn | None) -> ExtractResult:
+    """A ``torch.export`` archive: its program's state_dict (``key="constants"``: its constants;
+    :func:`ckptool.ops.convert.read_pt2.pt2_source`), written and verified by :func:`ckptool.ops.convert.convert`
+    (tensor bytes copied, never decoded). Nothing in the archive needs running, so ``trust`` changes nothing."""
+    source = pt2_source(src, key)
+    keys = [t.name for t in source.tensors]
+    removed: dict[str, int] = {}
+    if unwrap:
+        renamed, removed = unwrap_keys(keys)
+        keys = [renamed[k] for k in keys]
+    done = 0
+
+    def tick(now: int, _total: int) -> None:  # convert reports bytes done so far; extract's progress, bytes since
+        nonlocal done
+        if progress is not None and now > done:
+            progress(now - done)
+        done = max(done, now)
+
+    fmt = "safetensors" if dst.endswith(".safetensors") else "torch"
+    res = convert(src, dst, format=fmt, key=key, to=to, mapping=mapping, allow_missing=allow_missing, unwrap=unwrap,
+                  progress=tick)
+    return ExtractResult(src, dst, formats.SAFETENSORS if fmt == "safetensors" else formats.TORCH_ZIP, keys,
+                         f"the torch.export program's {source.key}", "", len({id(t.storage) for t in source.tensors}),
+                         res.bytes_written, removed)
 
 
 def _extract_trusted(src: str, dst: str, key: str | None, unwrap: bool, to: str | None,

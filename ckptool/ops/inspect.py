@@ -60,6 +60,7 @@ from ckptool.model.keys import is_flat_param_key, shared_prefixes, suggest_comma
 from ckptool.ops.dcp_safety import is_dcp_allowed
 from ckptool.ops.deepspeed import describe_deepspeed
 from ckptool.ops.inspect_values import PreviewLimits, ValueInfo, value_infos
+from ckptool.ops.pt2 import describe_pt2
 from ckptool.ops.scan import ScanResult, combine_results, scan_file
 
 #: the ``"schema"`` of :meth:`CheckpointInfo.to_dict` (``ckptool inspect --json``)
@@ -136,7 +137,9 @@ class CheckpointInfo:
     location tag -> bytes of distinct storages there (each storage once); ``totals`` the same per location tag and
     dtype (:class:`ByteTotal`); ``storages`` counts distinct storages; ``metadata`` holds safetensors
     ``__metadata__``; ``values`` the non-tensor entries (:class:`~ckptool.ops.inspect_values.ValueInfo`), all of
-    them unless ``values_complete`` is False (cut by :class:`~ckptool.ops.inspect_values.PreviewLimits`).
+    them unless ``values_complete`` is False (cut by :class:`~ckptool.ops.inspect_values.PreviewLimits`);
+    ``programs`` the signature of each exported program of a ``torch.export`` archive
+    (:meth:`ckptool.formats.pt2.Program.signature`).
     """
 
     path: str
@@ -155,6 +158,8 @@ class CheckpointInfo:
     values_complete: bool = True
     #: the safety analysis, the one ``ckptool scan`` makes (every pickle in the file, hidden ones included)
     scan: ScanResult | None = field(default=None, repr=False)
+    #: the signature of each exported program of a ``torch.export`` archive (``.pt2``), else empty
+    programs: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (``dataclasses.asdict`` without its deep copies: fast for 50,000 tensors), with
@@ -320,7 +325,8 @@ def inspect(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -
     """Describe the checkpoint at ``path`` without importing torch or reading tensor data.
 
     Returns a :class:`CheckpointInfo`: format (``torch-zip``, ``torch-legacy``, ``torchscript``, ``safetensors``,
-    ``pickle``; for an ``*.index.json`` or a folder ``sharded-safetensors``, ``sharded-torch`` or ``dcp``, see
+    ``pickle``, ``torch-export`` (a ``.pt2``, kind ``exported_program``, see :func:`ckptool.ops.pt2.describe_pt2`);
+    for an ``*.index.json`` or a folder ``sharded-safetensors``, ``sharded-torch`` or ``dcp``, see
     :func:`inspect_set`; ``deepspeed`` for a DeepSpeed ZeRO folder,
     :func:`ckptool.ops.deepspeed.describe_deepspeed`), kind (``state_dict``, ``training_checkpoint``, ``full_model``,
     ``torchscript``, ``tensors``), every tensor (shared storages included), tensor counts per location tag, storage
@@ -343,6 +349,10 @@ def inspect(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -
     fmt = formats.detect_format(path)
     if fmt == formats.SAFETENSORS:
         info = _inspect_safetensors(path)
+        info.scan = scan_file(path)
+        return info
+    if fmt == formats.PT2:
+        info = _inspect_pt2(path)
         info.scan = scan_file(path)
         return info
     try:
@@ -433,6 +443,24 @@ def _inspect_safetensors(path: str) -> CheckpointInfo:
         {"cpu": len(tensors)} if tensors else {}, {"cpu": sum(t.nbytes for t in tensors)}, sds, [],
         storages=len(tensors), metadata=meta if isinstance(meta, dict) else None, totals=totals,
     )
+
+
+def _inspect_pt2(path: str) -> CheckpointInfo:
+    """A ``torch.export`` archive (:func:`ckptool.ops.pt2.describe_pt2`): its weights and constants, the
+    program's signature in ``programs``, its versions in ``metadata``."""
+    d = describe_pt2(path)
+    tensors = [TensorInfo(t.key, list(t.payload.shape), t.payload.dtype or "unknown", t.payload.device,
+                          t.payload.nbytes, list(t.payload.stride), t.payload.storage_offset,
+                          None if t.payload.pickled else t.payload.member, t.payload.requires_grad) for t in d.tensors]
+    devices: dict[str, int] = {}
+    for t in tensors:
+        devices[t.device] = devices.get(t.device, 0) + 1
+    totals = byte_totals(tensors, d.storages)
+    return CheckpointInfo(path, formats.PT2, "exported_program", d.archive.size, tensors, devices,
+                          _device_bytes(totals), [_state_dict_info(p, keys) for p, keys in d.state_dicts.items()],
+                          [GlobalInfo(g.name, is_allowed(g.name), g.status, g.reason) for g in d.globals],
+                          storages=len(d.storages), metadata=d.metadata, totals=totals, values=d.values,
+                          programs=d.programs)
 
 
 @gc_paused

@@ -19,6 +19,7 @@ from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import STORAGE_TYPES
 from ckptool.formats.nodes import GlobalMeta, ObjectNode, ReduceNode, StorageRef, qualified_name
 from ckptool.formats.pickle_check import PickleBuffer, check_pickle
+from ckptool.formats.pt2 import is_pt2_names, member_roles
 from ckptool.formats.unpickler import load_pickle_at, partial_globals
 from ckptool.formats.zipdir import ZipEntry, read_directory, read_member, read_member_head
 from ckptool.model.allowlist import ALLOWED, classify_global
@@ -100,6 +101,8 @@ class _Scanner:
         self.preparsed = dict(preparsed or {})
         self._globals: dict[tuple[str, str], GlobalFinding] = {}
         self.root: Any = None  # the root of the first pickle torch's loader reads
+        #: per torch.export zip (by ``where``): the members its loader unpickles, and its raw tensor members
+        self.pt2_roles: dict[str, tuple[set[str], set[str]]] = {}
 
     # -- recording -------------------------------------------------------------------------------------------
     def record(self, finding: PickleFinding, root: Any = None) -> None:
@@ -256,7 +259,16 @@ class _Scanner:
         self.torchscript = self.torchscript or (depth == 0 and top + "constants.pkl" in names)
         kind = "torchscript" if top + "constants.pkl" in names else (
             formats.TORCH_ZIP if top + "data.pkl" in names else "zip")
-        if loaded and kind != "zip":
+        if kind == "zip" and is_pt2_names(names):
+            kind = formats.PT2
+            try:
+                self.pt2_roles[where] = member_roles(f, size, entries, where or self.res.path)
+            except CkptError as err:
+                self.note(f"the torch.export configs{_in(where)} could not be read ({err}); members were scanned by "
+                          "their first bytes")
+        if loaded and kind == formats.PT2:  # torch.export.load unpickles these members
+            self.loaded.update(_join(where, n) for n in self.pt2_roles.get(where, (set(), set()))[0])
+        elif loaded and kind != "zip":
             self.loaded.update(_join(where, top + n) for n in (
                 ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",)))
             if kind == "torchscript":  # torch.jit.load also unpickles the source ranges of code/
@@ -283,8 +295,10 @@ class _Scanner:
         label = _join(where, name)
         if name.endswith("/"):
             return
-        storage = kind != "zip" and rel.startswith(("data/", "constants/", ".data/", "code/"))
-        is_pickle = name.endswith(_PICKLE_SUFFIXES)
+        pickled, raw = self.pt2_roles.get(where, (set(), set()))
+        storage = kind not in ("zip", formats.PT2) and rel.startswith(("data/", "constants/", ".data/", "code/"))
+        storage = storage or name in raw
+        is_pickle = name.endswith(_PICKLE_SUFFIXES) or name in pickled
         if storage and not is_pickle:
             return  # tensor bytes and TorchScript source: no loader unpickles them
         try:

@@ -20,6 +20,7 @@ from ckptool.formats.dtypes import DTYPE_SIZES, storage_element, tensor_dtype
 from ckptool.formats.nodes import REBUILD_QTENSOR, StorageRef, TensorNode
 from ckptool.formats.torchfile import Checkpoint, resolve_zip_offsets
 from ckptool.formats.zipdir import read_member
+from ckptool.model.nonstrided import non_strided, refusal
 from ckptool.model.paths import get_path
 from ckptool.torch_ops.cast import torch_dtype
 
@@ -48,7 +49,11 @@ def materialize(ck: Checkpoint, entries: Sequence[tuple[str, TensorNode]]) -> di
             resolve_zip_offsets(ck, f)
         for key, t in entries:
             if t.rebuild_name == REBUILD_QTENSOR:
-                raise UnsupportedError(f"{key} is a quantized tensor: safetensors cannot hold it; write a .pth file")
+                found = non_strided(t)
+                assert found is not None  # a quantized tensor node is non-strided
+                raise UnsupportedError(refusal(
+                    ck.path, key, found, "safetensors holds plain strided tensors only",
+                    "or write a .pth output (-o NAME.pth), which keeps it as it is"))
             ref: StorageRef | None = t.storage
             if ref is None:
                 raise UnsupportedError(f"{key} is not a storage-backed tensor; write a .pth file")

@@ -53,6 +53,7 @@ from ckptool.model.keys import (
 from ckptool.model.objects import find_object_state_dicts, is_object_state_dict
 from ckptool.model.paths import get_path
 from ckptool.torch_ops.devices import TensorMemo, is_tensor, map_tensors, model_device, move_tensor, resolve_device
+from ckptool.torch_ops.pt2 import load_pt2_state_dict
 from ckptool.torch_ops.reports import DtypeCast, LoadReport, ShapeMismatch, dtype_name, load_suggestions
 from ckptool.torch_ops.tied import restore_shared, tied_entries
 from ckptool.torch_ops.zero import load_zero_state_dict
@@ -186,6 +187,8 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
         except Exception as e:  # safetensors raises its own SafetensorError for damaged files
             raise CorruptCheckpointError(f"{path}: safetensors could not read it ({e}); re-download it") from e
         return restore_shared(tensors, header, path), {}
+    if fmt == formats.PT2:
+        return load_pt2_state_dict(path, dev)
     if fmt == formats.TORCHSCRIPT:
         if not trust:
             raise UnsafeCheckpointError(
@@ -380,6 +383,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         b = b.to(a.device)
     import torch
 
+    if a.layout != torch.strided or b.layout != torch.strided or a.is_nested or b.is_nested or a.is_quantized \
+            or b.is_quantized:
+        return _same_parts(a, b)
     ra, rb = a.detach().reshape(-1), b.detach().reshape(-1)
     if ra.numel() == 0:
         return True
@@ -387,6 +393,34 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return bool(torch.equal(ra.contiguous().view(torch.uint8), rb.contiguous().view(torch.uint8)))
     except RuntimeError:  # layouts that cannot be viewed as bytes (quantized, sparse): compare values
         return bool(torch.equal(ra, rb))
+
+
+def _same_parts(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """:func:`same_bits` for tensors that are not one strided view (:mod:`ckptool.model.nonstrided`): same layout,
+    and the same bits in each part: the indices and values of a sparse tensor, the integers and quantization
+    parameters of a quantized one, the components of a nested one."""
+    import torch
+
+    if a.layout != b.layout or a.is_nested != b.is_nested or a.is_quantized != b.is_quantized:
+        return False
+    if a.is_nested:
+        pa, pb = a.unbind(), b.unbind()
+        return len(pa) == len(pb) and all(same_bits(x, y) for x, y in zip(pa, pb))
+    if a.is_quantized:
+        if a.qscheme() != b.qscheme() or not same_bits(a.int_repr(), b.int_repr()):
+            return False
+        if a.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            return a.q_scale() == b.q_scale() and a.q_zero_point() == b.q_zero_point()
+        return (a.q_per_channel_axis() == b.q_per_channel_axis()
+                and same_bits(a.q_per_channel_scales(), b.q_per_channel_scales())
+                and same_bits(a.q_per_channel_zero_points(), b.q_per_channel_zero_points()))
+    if a.layout == torch.sparse_coo:
+        return same_bits(a._indices(), b._indices()) and same_bits(a._values(), b._values())
+    if a.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (torch.Tensor.crow_indices, torch.Tensor.col_indices, torch.Tensor.values)
+    else:  # sparse_csc, sparse_bsc
+        parts = (torch.Tensor.ccol_indices, torch.Tensor.row_indices, torch.Tensor.values)
+    return all(same_bits(p(a), p(b)) for p in parts)
 
 
 def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key: str, found: list[str],

@@ -57,8 +57,9 @@ from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_torch, write_dcp
 from ckptool.ops.convert.deepspeed import open_deepspeed
 from ckptool.ops.convert.outputs import scratch_file, write_outputs
+from ckptool.ops.convert.read_pt2 import pt2_source
 from ckptool.ops.convert.read_safetensors import index_source, restore_library_aliases, safetensors_source
-from ckptool.ops.convert.read_torch import torch_source
+from ckptool.ops.convert.read_torch import refuse_non_strided_for_dcp, torch_source
 from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, ConvertResult, Source, parse_size
 from ckptool.ops.convert.verify import VerificationError
 from ckptool.ops.dcp_safety import check_dcp_safe
@@ -91,13 +92,14 @@ def convert(
 ) -> ConvertResult:
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
-    ``src`` is a torch.save file (zip or legacy), a safetensors file, a sharded set (its ``*.index.json``, or the
-    folder holding it), a DCP folder, or a DeepSpeed ZeRO checkpoint folder (consolidated to its fp32 state_dict as
-    ``zero_to_fp32`` does, without deepspeed: :mod:`ckptool.ops.convert.deepspeed`; ``tag`` picks the tag folder,
-    default from ``latest``; ``exclude_frozen`` leaves out frozen parameters).
-    ``format`` is ``"torch"``, ``"safetensors"`` or ``"dcp"``; by default it
-    follows ``dst``'s suffix (``.safetensors``; ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt``), and is safetensors
-    for a folder of shards.
+    ``src`` is a torch.save file (zip or legacy), a ``torch.export`` archive (``.pt2``: its state_dict, or with
+    ``key="constants"`` its constants; :mod:`ckptool.ops.convert.read_pt2`), a safetensors file, a sharded set
+    (its ``*.index.json``, or the folder holding it), a DCP folder, or a DeepSpeed ZeRO checkpoint folder
+    (consolidated to its fp32 state_dict as ``zero_to_fp32`` does, without deepspeed:
+    :mod:`ckptool.ops.convert.deepspeed`; ``tag`` picks the tag folder, default from ``latest``;
+    ``exclude_frozen`` leaves out frozen parameters). ``format`` is ``"torch"``, ``"safetensors"`` or ``"dcp"``;
+    by default it follows ``dst``'s suffix (``.safetensors``; ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt``), and is
+    safetensors for a folder of shards.
 
     * ``key`` selects the state_dict (dotted path such as ``"model_state_dict"``); by default it is found, and the
       other entries of the file are reported in ``left_out``, not carried.
@@ -185,6 +187,8 @@ def convert(
             source = safetensors_source(src_p)
             if fmt_out == "torch":
                 restore_library_aliases(source)
+        elif fmt_in == formats.PT2:
+            source = pt2_source(src_p, key)
         else:
             source = torch_source(src_p, fmt_in, key)
     _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
@@ -300,11 +304,12 @@ def _to_dcp(src: str, dst: str, *, key: str | None, trust: bool, verify: bool, r
 
     Raises:
         UsageError: ``dst`` is not a new or empty folder.
-        UnsupportedError: the input holds no dict.
+        UnsupportedError: the input holds no dict; sparse, nested or storage-less tensors (DCP writes storages).
     """
     check_dcp_target(dst)
     res = ConvertResult(src, dst, fmt_in, "dcp")
     if fmt_in in (formats.TORCH_ZIP, formats.TORCH_LEGACY) and key is None and not renames and cast is None:
+        refuse_non_strided_for_dcp(src, fmt_in)
         res.notes.append(WHOLE_NOTE)
         obj, _saved = load_checkpoint(src, "cpu", trust=trust)
     else:

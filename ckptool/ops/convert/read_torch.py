@@ -40,12 +40,16 @@ from ckptool.model.graph import (
     unwrap_tensor,
 )
 from ckptool.model.keys import STATE_DICT_NAMES
+from ckptool.model.nonstrided import NonStrided, find_non_strided, non_strided, refusal
 from ckptool.model.paths import resolve_path
 from ckptool.ops.convert.source import Source, Storage, Tensor
 
 
 def describe(v: Any) -> str:
     """A short description of a graph value for the ``left_out`` report (``"optimizer state (4 tensors)"``)."""
+    special = non_strided(v)
+    if special is not None:
+        return special.what
     t = unwrap_tensor(v)
     if t is not None:
         return f"tensor {'x'.join(map(str, t.shape)) or 'scalar'} {tensor_dtype(t)}"
@@ -103,7 +107,8 @@ def select_state_dict(root: Any, key: str | None, where: str) -> StateDictRef:
 
     Raises:
         UsageError: ``key`` names no entry or not a mapping / module; several equally likely state_dicts.
-        UnsupportedError: no state_dict at all.
+        UnsupportedError: no state_dict at all; a mapping that would be one but holds sparse, quantized, packed or
+            nested tensors (named, with the fix: :func:`raise_non_strided`).
     """
     found = find_state_dicts(root)
     listing = ", ".join(f"{sd.path or '(top level)'} ({len(sd.keys())} tensors)" for sd in found) or "none"
@@ -118,6 +123,9 @@ def select_state_dict(root: Any, key: str | None, where: str) -> StateDictRef:
                              f"state_dicts found: {listing}")
         return StateDictRef(key, obj, is_module(obj), tuple(trail))
     if not found:
+        special = find_non_strided(root)
+        if special:
+            raise_non_strided(where, *special[0], more=len(special) - 1)
         raise UnsupportedError(
             f"{where}: no state_dict found (a mapping of parameter names to tensors, or a pickled nn.Module); "
             "pass --key PATH (key=...) to select the mapping to convert")
@@ -135,11 +143,33 @@ def select_state_dict(root: Any, key: str | None, where: str) -> StateDictRef:
     return ranked[0]
 
 
+def raise_non_strided(where: str, key: str, found: NonStrided, more: int = 0) -> None:
+    """Raise the :class:`UnsupportedError` of ``convert`` for the non-strided tensor ``key``
+    (:func:`ckptool.model.nonstrided.refusal`): what it is, how to make it plain, and the commands that keep it as
+    it is."""
+    others = f" ({more} more such tensor{'s' if more > 1 else ''} in the file)" if more else ""
+    raise UnsupportedError(refusal(
+        where, key, found, "ckptool convert writes plain strided tensors only (safetensors and torch outputs)",
+        f"to keep it as it is, stay in torch format: `ckptool remap {where} --to DEVICE`, `strip-prefix`, "
+        f"`unwrap` and `verify` handle it bit for bit{others}"))
+
+
+def refuse_non_strided_for_dcp(path: str, fmt: str) -> None:
+    """Raise :class:`UnsupportedError` naming the first sparse, nested or storage-less tensor of the torch file
+    ``path`` (``torch.distributed.checkpoint.save`` reads each tensor's storage, which those have not); quantized
+    tensors are left to DCP."""
+    for key, found in find_non_strided(read_checkpoint(path, fmt).root):
+        if found.kind in ("sparse", "nested", "no_storage"):
+            raise UnsupportedError(refusal(
+                path, key, found, "torch.distributed.checkpoint writes each tensor's storage, and this one has none",
+                "to keep it as it is, stay in torch format (`ckptool remap`, `strip-prefix`, `unwrap`, `verify`)"))
+
+
 def _check_tensor_node(t: TensorNode, name: str, where: str) -> StorageRef:
     if t.rebuild_name == REBUILD_QTENSOR:
-        raise UnsupportedError(
-            f"{where}: {name!r} is a quantized tensor (torch._utils._rebuild_qtensor): its scales and zero points "
-            "do not fit safetensors or a plain state_dict; dequantize it (tensor.dequantize()) and save again")
+        found = non_strided(t)
+        assert found is not None  # a quantized tensor node is non-strided
+        raise_non_strided(where, name, found)
     if t.storage is None:
         raise UnsupportedError(f"{where}: {name!r} is a tensor without a storage; it cannot be converted")
     return t.storage
@@ -154,6 +184,9 @@ def _entries(src: Source, obj: Any, is_mod: bool) -> list[tuple[str, TensorNode,
     entries = []
     for k, v in mapping_items(obj) or []:
         t = unwrap_tensor(v)
+        special = non_strided(v, k) if t is None and isinstance(k, str) else None
+        if special is not None:
+            raise_non_strided(src.path, k, special)
         if t is None or not isinstance(k, str):
             src.skipped.append(f"{k}: {describe(v)}" if isinstance(k, str) else f"{k!r} (not a string key)")
             continue
@@ -168,8 +201,9 @@ def torch_source(path: str, fmt: str, key: str | None) -> Source:
     """Read a torch zip or legacy file's selected state_dict as a :class:`Source` (no tensor bytes read).
 
     Raises:
-        UsageError / UnsupportedError: see :func:`select_state_dict`; quantized tensors, compressed records,
-            tensors of different dtypes on one storage, TorchScript archives.
+        UsageError / UnsupportedError: see :func:`select_state_dict`; sparse, quantized, packed, nested and other
+            non-strided tensors (:mod:`ckptool.model.nonstrided`: the message names the key and the fix),
+            compressed records, tensors of different dtypes on one storage, TorchScript archives.
         CorruptCheckpointError: a storage record is missing, too short, or a view runs past its storage.
     """
     if fmt == formats.TORCHSCRIPT:
