@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import pickletools
+import re
 import struct
 import subprocess
 import sys
@@ -706,3 +707,153 @@ def test_valid_deflated_pickle_reads_in_one_buffer(tmp_path: Path, monkeypatch: 
     assert type(buf) is bytearray and buf == body and root is None
     assert inflate_peak < len(body) * 1.15 + 2 * zipdir.INFLATE_CHUNK, inflate_peak
     assert load_peak < len(body) // 4, load_peak  # no copy of the 8 MB
+
+
+# ------------------------------------------------------------------------------------------------ tensor layouts
+#: (storage numel, sizes, strides, storage offset) of float32 tensors, and whether torch.load accepts them
+LAYOUTS = {
+    "fits": (4, (2, 2), (2, 1), 0, True),
+    "one past the end": (4, (5,), (1,), 0, False),
+    "offset past the end": (4, (2,), (1,), 3, False),
+    "empty, offset at the end": (4, (0,), (1,), 4, True),
+    "empty, offset beyond the end": (4, (0,), (1,), 100, True),
+    "empty with a huge size": (4, (0, 1 << 62), (1, 1), 0, True),
+    "expanded (zero stride)": (4, (1000, 4), (0, 1), 0, True),
+    "all zero strides": (1, (1 << 20, 1 << 20), (0, 0), 0, True),
+    "negative stride": (4, (2,), (-1,), 1, False),
+    "negative stride on a size-1 dim": (4, (1,), (-1,), 0, True),
+    "negative size": (4, (-1,), (1,), 0, False),
+    "negative offset": (4, (1,), (1,), -1, False),
+    "numel overflow": (4, (1 << 40, 1 << 40), (1, 1), 0, False),
+    "numel overflow before a zero size": (4, (1 << 40, 1 << 40, 0), (1, 1, 1), 0, False),
+    "zero size before an overflow": (4, (0, 1 << 40, 1 << 40), (1, 1, 1), 0, True),
+    "scalar at the last element": (4, (), (), 3, True),
+    "scalar past the end": (4, (), (), 4, False),
+    "fewer strides than sizes": (4, (2, 2), (1,), 0, False),
+    "huge stride on a size-1 dim": (4, (1, 4), (1 << 62, 1), 0, True),
+    "scalar over an empty storage": (0, (), (), 0, False),
+    "byte count overflow": (4, (1 << 61,), (1,), 0, False),
+    "issue 16: 2^40 x 2^40 over 4 elements": (4, (1 << 40, 1 << 40), (1, 1), 0, False),
+}
+
+
+def _layout_file(tmp_path: Path, name: str) -> Path:
+    n, shape, stride, off, _ok = LAYOUTS[name]
+    data = make_hostile.torch_zip(make_hostile.stored("data.pkl", make_hostile.tensor_pickle(n, shape, stride, off)),
+                                  [make_hostile.stored("data/0", bytes(4 * n))])
+    return _write(tmp_path, "layout.pt", data)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_tensor_layouts_are_judged_as_torch_load_judges_them(tmp_path: Path, name: str) -> None:
+    """Every reader refuses exactly the tensor layouts torch.load refuses (the same file through both)."""
+    import torch
+
+    p = _layout_file(tmp_path, name)
+    try:
+        torch.load(p, weights_only=True)
+        torch_ok = True
+    except RuntimeError:
+        torch_ok = False
+    assert torch_ok == LAYOUTS[name][4]
+    try:
+        read_checkpoint(str(p))
+        ours = True
+    except CorruptCheckpointError as e:
+        ours = False
+        assert "tensor 'w' does not fit in its storage" in str(e) and "torch.load refuses it too" in str(e)
+    assert ours == torch_ok
+
+
+@pytest.mark.parametrize("command", [
+    ["inspect"], ["remap", "--to", "cpu", "-o", "{out}.pt"], ["add-prefix", "model.", "-o", "{out}.pt"],
+    ["strip-prefix", "module.", "-o", "{out}.pt"], ["convert", "-o", "{out}.safetensors"],
+    ["extract-state-dict", "-o", "{out}.pt"], ["diff", "{src}"], ["sanitize", "-o", "{out}.pt"], ["scan"],
+])
+@pytest.mark.torchfree
+def test_impossible_tensor_is_refused_by_every_command(tmp_path: Path, run_cli, command: list[str]) -> None:
+    """Issue 16's file (shape 2^40 x 2^40, stride (1, 1), 4-element storage): one Error line naming the key and
+    exit 1 from every command that reads tensors, nothing written; scan (which reads no tensor) still answers."""
+    p = _layout_file(tmp_path, "issue 16: 2^40 x 2^40 over 4 elements")
+    args = [a.format(out=tmp_path / "out", src=p) for a in command]
+    r = run_cli(args[0], p, *args[1:])
+    if command == ["scan"]:
+        assert r.exit_code == 0, r.output
+        return
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 1 and len(lines) == 1, r.output
+    assert lines[0].startswith("Error: ") and "tensor 'w' does not fit in its storage" in lines[0]
+    assert "element count overflows 64 bits" in lines[0]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["layout.pt"]
+
+
+def test_impossible_tensor_error_names_its_key(tmp_path: Path) -> None:
+    """The error names the tensor by its key in the checkpoint: nested dicts and a pickled module alike."""
+    import torch
+
+    from ckptool.ops.rewrite import rewrite_file
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    for obj, key in (({"model": {"fc.weight": torch.zeros(4)}, "epoch": 3}, "model.fc.weight"),
+                     ({"net": net}, "net.0.bias")):
+        src = tmp_path / "src.pt"
+        torch.save(obj, src)
+        ck = read_checkpoint(str(src))
+        node = next(t for path, t, _rg in graph.iter_tensors(ck.root) if path == key)
+        node.args = (node.args[0], node.args[1], (3,), (2,), *node.args[4:])  # reaches element 5 of 2 or 4
+        bad = tmp_path / "bad.pt"
+        rewrite_file(ck, str(bad), ck.root)
+        want = rf"tensor '{re.escape(key)}' does not fit in its storage: sizes \(3,\), strides \(2,\) and storage"
+        with pytest.raises(CorruptCheckpointError, match=want):
+            read_checkpoint(str(bad))
+        with pytest.raises(RuntimeError):
+            torch.load(bad, weights_only=False)
+
+
+@pytest.mark.parametrize("shape, offsets, why", [
+    ([1 << 40, 1 << 40], [0, 16], "element count overflows 64 bits"),
+    ([5], [0, 16], r"shape \[5\] of F32 is 20 bytes but data_offsets hold 16"),
+    ([2, -2], [0, 16], "malformed"),
+])
+def test_safetensors_entry_must_match_its_data(tmp_path: Path, run_cli, shape: list[int], offsets: list[int],
+                                               why: str) -> None:
+    """A safetensors header entry whose shape does not match its byte range: refused by every reader (inspect,
+    convert, diff) with one line, as safetensors itself refuses it."""
+    from safetensors import SafetensorError, safe_open
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": offsets}}).encode()
+    header += b" " * (-len(header) % 8)
+    p = _write(tmp_path, "bad.safetensors", struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(SafetensorError):
+        with safe_open(str(p), "pt") as f:
+            f.get_tensor("w")
+    for args in (["inspect", p], ["convert", p, "-o", tmp_path / "o.pt"], ["diff", p, p]):
+        r = run_cli(*args)
+        assert r.exit_code == 1 and re.search(why, r.output), r.output
+        assert len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_dcp_entry_with_an_impossible_shape_is_refused(tmp_path: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from ckptool.formats.dcp import METADATA_FILE, read_dcp_metadata
+    from ckptool.formats.nodes import ReduceNode
+    from ckptool.formats.pickler import dumps
+
+    folder = tmp_path / "dcp"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(folder))
+    finally:
+        dist.destroy_process_group()
+    meta = folder / METADATA_FILE
+    root, _ = load_structure(meta.read_bytes())
+    size = root.state["state_dict_metadata"]["w"].state["size"]
+    assert isinstance(size, ReduceNode)
+    size.args = ([1 << 40, 1 << 40],)
+    meta.write_bytes(dumps(root))
+    with pytest.raises(CorruptCheckpointError, match=r"DCP entry 'w' declares an impossible tensor: its element"):
+        read_dcp_metadata(folder)

@@ -20,6 +20,7 @@ from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import STORAGE_TYPES, storage_element
 from ckptool.formats.nodes import GlobalMeta, StorageRef
 from ckptool.formats.pickle_check import walk_prefix
+from ckptool.formats.strided import check_tensor_views
 from ckptool.formats.unpickler import load_pickle_at, load_structure
 from ckptool.formats.zipdir import ZipEntry, data_offset, member_buffer
 
@@ -73,12 +74,13 @@ def read_checkpoint(path: str, fmt: str | None = None) -> Checkpoint:
     Hostile input is refused in bounded time and memory (see :mod:`ckptool.formats.unpickler` and
     :mod:`ckptool.formats.zipdir`): besides the pickle checks, every storage must have its record (``data/<key>``,
     ``constants/<key>`` for TorchScript constants, or the legacy data block) holding at least ``numel * element
-    size`` bytes, and member names must be unique.
+    size`` bytes, every tensor must fit in its storage as ``torch.load`` requires
+    (:func:`ckptool.formats.strided.check_tensor_views`), and member names must be unique.
 
     Raises:
         UsageError / NotACheckpointError: see :func:`ckptool.formats.detect.detect_format`.
         CorruptCheckpointError: truncated, damaged or hostile file (memo bombs, lengths past the end, zip bombs,
-            storages larger than their records, duplicate members...).
+            storages larger than their records, tensors larger than their storages, duplicate members...).
         UnsupportedError: safetensors or plain pickles (no torch storages to read), big-endian legacy files, tuple
             nesting too deep to read safely.
     """
@@ -140,6 +142,7 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
         ck.root, up = load_structure(data, f"data.pkl in {path}", storages=ck.storages, global_cache=cache)
         seen.update(up.globals_seen)
         check_storage_records(path, ck.storages, by_name, "data/")
+        check_tensor_views(ck.root, path)
         if fmt == formats.TORCHSCRIPT and "constants.pkl" in by_name:
             const_storages: dict[str, StorageRef] = {}
             consts, up2 = load_structure(read_pickle_member(f, by_name["constants.pkl"], path),
@@ -148,6 +151,7 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
             ck.extra_roots["constants"] = consts
             seen.update(up2.globals_seen)
             check_storage_records(path, const_storages, by_name, "constants/")
+            check_tensor_views(consts, f"{path} (constants.pkl)")
     ck.globals = list(seen)
     return ck
 
@@ -296,3 +300,4 @@ def _legacy_structure(path: str, ck: Checkpoint, buf: Any, size: int) -> None:
     missing = [k for k in ck.storages if k not in have]
     if missing:
         raise CorruptCheckpointError(f"{path}: no data for storages {missing[:5]}; the file is damaged")
+    check_tensor_views(ck.root, path)
