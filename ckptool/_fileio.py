@@ -24,7 +24,8 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from typing import BinaryIO, cast
+from types import FrameType
+from typing import Any, BinaryIO, cast
 
 from ckptool.errors import CorruptCheckpointError, OutputError, UsageError, os_error_advice
 
@@ -89,18 +90,35 @@ _CLEANUP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def hold_signals() -> Callable[[], None]:
-    """Hold SIGINT and SIGTERM (``pthread_sigmask``) until the returned function is called (once): between
-    creating a temporary file and arming its clean-up, an interrupt would leave it behind. A signal that arrives
-    meanwhile is delivered when released. A no-op off the main thread and where ``pthread_sigmask`` is missing."""
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+    """Hold SIGINT and SIGTERM until the returned function is called (once): between creating a temporary file and
+    arming its clean-up, an interrupt would leave it behind. Their Python handlers are swapped for ones that only
+    note the signal; releasing puts them back and runs the handler of the first signal noted (``Ctrl-C``'s
+    KeyboardInterrupt, the CLI's Terminated; the default action for a default handler). A no-op off the main
+    thread, where Python handlers cannot be set."""
+    if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _CLEANUP_SIGNALS)
+    pending: list[tuple[int, FrameType | None]] = []
+    old: dict[int, Any] = {}
+    for sig in _CLEANUP_SIGNALS:
+        try:
+            old[sig] = signal.signal(sig, lambda signum, frame: pending.append((signum, frame)))
+        except (ValueError, OSError):  # not settable here
+            continue
     done: list[bool] = []
 
     def release() -> None:
-        if not done:
-            done.append(True)
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if done:
+            return
+        done.append(True)
+        for sig, handler in old.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if pending:
+            signum, frame = pending[0]
+            handler = old.get(signum)
+            if callable(handler):
+                handler(signum, frame)
+            elif handler in (None, signal.SIG_DFL):
+                signal.raise_signal(signum)
 
     return release
 

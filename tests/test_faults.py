@@ -474,3 +474,32 @@ def test_output_equal_to_input_is_refused(src: Path, tmp_path: Path, args: list[
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("Error: ") and "input" in r.stderr.splitlines()[0], r.stderr
     assert _digest(src) == before and sorted(p.name for p in tmp_path.iterdir()) == names
+
+
+@pytest.mark.torchfree
+def test_interrupt_while_the_temporary_file_is_made_leaves_nothing(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGINT landing right after the temporary file exists but before its clean-up is armed (the window between
+    ``mkstemp`` returning and the ``try``): held until the clean-up is armed, then raised; nothing is left."""
+    real = writer.tempfile.mkstemp
+
+    def mkstemp_then_interrupt(*a: object, **k: object) -> tuple[int, str]:
+        r = real(*a, **k)  # type: ignore[call-overload]
+        os.kill(os.getpid(), signal.SIGINT)  # delivered at once unless held
+        time.sleep(0.01)
+        return r
+
+    monkeypatch.setattr(writer.tempfile, "mkstemp", mkstemp_then_interrupt)
+    for make in (lambda: writer.atomic_output(str(tmp_path / "out.pt")), lambda: writer.temp_path(str(tmp_path / "x"))):
+        with pytest.raises(KeyboardInterrupt), make() as f:
+            pytest.fail(f"the interrupt was not raised before the block ({f!r})")
+        assert list(tmp_path.iterdir()) == []
+    old = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        release = writer.hold_signals()
+        os.kill(os.getpid(), signal.SIGTERM)  # held: the handler does not run yet
+        time.sleep(0.01)
+        with pytest.raises(KeyboardInterrupt):
+            release()
+    finally:
+        signal.signal(signal.SIGTERM, old)
