@@ -104,6 +104,7 @@ class _FlatReader:
     ``memoryview`` slices (the C unpickler takes any buffer)."""
 
     def __init__(self, data: bytes | bytearray) -> None:
+        self._data = data
         self._view = memoryview(data)
         self._pos = 0
 
@@ -121,12 +122,9 @@ class _FlatReader:
         return len(chunk)
 
     def readline(self, size: int = -1) -> bytes:
-        rest = self._view[self._pos:]
-        nl = bytes(rest[:size] if size is not None and size >= 0 else rest).find(b"\n")
-        n = len(rest) if nl < 0 else nl + 1
-        if size is not None and 0 <= size < n:
-            n = size
-        return bytes(self.read(n))
+        end = len(self._data) if size is None or size < 0 else min(len(self._data), self._pos + size)
+        nl = self._data.find(b"\n", self._pos, end)
+        return bytes(self.read((end if nl < 0 else nl + 1) - self._pos))
 
     def tell(self) -> int:
         return self._pos
