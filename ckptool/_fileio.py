@@ -15,13 +15,17 @@ import ctypes
 import errno
 import io
 import os
+import shutil
+import signal
 import stat
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from typing import BinaryIO, cast
+from types import FrameType
+from typing import Any, BinaryIO, cast
 
 from ckptool.errors import CorruptCheckpointError, OutputError, UsageError, os_error_advice
 
@@ -46,20 +50,23 @@ def temp_prefix(dst: str) -> str:
 
 
 def remove_stale_temps(dst: str) -> list[str]:
-    """Delete temporary files that an earlier write of ``dst`` left behind when its process was killed (SIGKILL,
-    power loss: nothing could clean up). A temporary file is stale when it was made on this host by a process
-    that no longer runs, or, from another host (a shared filesystem), when it has not changed for a day.
-    Returns the paths removed; errors are ignored (the file may belong to someone else).
+    """Delete the temporary files and folders that an earlier write of ``dst`` left behind when its process was
+    killed (SIGKILL, power loss: nothing could clean up): :func:`atomic_output`'s temporary files, convert's shard
+    scratch files and DCP staging folders, all named ``.<name>.ckptool-<host>-<pid>-<random>.ckptool-tmp``
+    (:func:`temp_prefix`). One is stale when it was made on this host by a process that no longer runs, or, from
+    another host (a shared filesystem), when it has not changed for a day. Returns the paths removed; errors are
+    ignored (the file may belong to someone else).
     """
     folder, base = os.path.split(os.path.abspath(dst))
     lead = f".{base[:120]}.ckptool-"
     removed: list[str] = []
     try:
-        names = [n for n in os.listdir(folder) if n.startswith(lead) and n.endswith(TMP_SUFFIX)]
+        # ".<lead>...": the temporary file of an atomic write whose destination was itself a scratch file
+        names = [n for n in os.listdir(folder) if n.startswith((lead, "." + lead)) and n.endswith(TMP_SUFFIX)]
     except OSError:
         return removed
     for name in names:
-        host, _, rest = name[len(lead):].partition("-")
+        host, _, rest = name[name.index(lead) + len(lead):].partition("-")
         pid_text, _, _ = rest.partition("-")
         path = os.path.join(folder, name)
         try:
@@ -68,11 +75,90 @@ def remove_stale_temps(dst: str) -> list[str]:
             else:
                 stale = time.time() - os.stat(path).st_mtime > 24 * 3600
             if stale:
-                os.unlink(path)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
                 removed.append(path)
         except OSError:
             continue
     return removed
+
+
+#: the signals that end a command with clean-up (SIGINT: KeyboardInterrupt; SIGTERM: the CLI raises Terminated)
+_CLEANUP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def hold_signals() -> Callable[[], None]:
+    """Hold SIGINT and SIGTERM until the returned function is called (once): between creating a temporary file and
+    arming its clean-up, an interrupt would leave it behind. Their Python handlers are swapped for ones that only
+    note the signal; releasing puts them back and runs the handler of the first signal noted (``Ctrl-C``'s
+    KeyboardInterrupt, the CLI's Terminated; the default action for a default handler). A no-op off the main
+    thread, where Python handlers cannot be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    pending: list[tuple[int, FrameType | None]] = []
+    old: dict[int, Any] = {}
+    for sig in _CLEANUP_SIGNALS:
+        try:
+            old[sig] = signal.signal(sig, lambda signum, frame: pending.append((signum, frame)))
+        except (ValueError, OSError):  # not settable here
+            continue
+    done: list[bool] = []
+
+    def release() -> None:
+        if done:
+            return
+        done.append(True)
+        for sig, handler in old.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if pending:
+            signum, frame = pending[0]
+            handler = old.get(signum)
+            if callable(handler):
+                handler(signum, frame)
+            elif handler in (None, signal.SIG_DFL):
+                signal.raise_signal(signum)
+
+    return release
+
+
+@contextlib.contextmanager
+def temp_path(near: str, *, folder: bool = False) -> Iterator[str]:
+    """A temporary file (or, with ``folder``, an empty folder) beside ``near``, on its filesystem, named as
+    :func:`atomic_output` names its temporary files; removed when the block ends, however it ends, unless the block
+    renamed it away. A run killed outright (SIGKILL) leaves it behind for the next write of ``near`` to remove
+    (:func:`remove_stale_temps`). Convert's shard scratch files and DCP staging folders are made here.
+
+    Raises:
+        UsageError: the folder of ``near`` does not exist.
+        OutputError: the file or folder cannot be made there.
+    """
+    near = os.path.abspath(near)
+    parent = os.path.dirname(near)
+    if not os.path.isdir(parent):
+        raise UsageError(f"output folder {parent} does not exist; create it first or choose another -o path")
+    remove_stale_temps(near)
+    release = hold_signals()
+    try:
+        if folder:
+            path = tempfile.mkdtemp(prefix=temp_prefix(near), suffix=TMP_SUFFIX, dir=parent)
+        else:
+            fd, path = tempfile.mkstemp(prefix=temp_prefix(near), suffix=TMP_SUFFIX, dir=parent)
+            os.close(fd)
+    except OSError as e:
+        release()
+        advice = os_error_advice(e.errno) or "choose another output folder"
+        raise OutputError(f"cannot write in {parent}: {e.strerror or e}; {advice}", parent, e.errno) from e
+    try:
+        release()
+        yield path
+    finally:
+        if folder:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -171,13 +257,16 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
     if os.path.isdir(dst):
         raise UsageError(f"output path {dst} is a directory; give a file name")
     remove_stale_temps(dst)
+    release = hold_signals()
     try:
         fd, tmp = tempfile.mkstemp(prefix=temp_prefix(dst), suffix=TMP_SUFFIX, dir=folder)
     except OSError as e:
+        release()
         advice = os_error_advice(e.errno) or "choose another output folder"
         raise OutputError(f"cannot write in {folder}: {e.strerror or e}; {advice}", folder, e.errno) from e
     f = _OutputFile(fd, dst)
     try:
+        release()  # an interrupt that came while the file was being made is raised here, where it is cleaned up
         try:
             yield f
         except OSError as e:

@@ -94,10 +94,15 @@ def load_seeds(include_generated: bool = True, max_size: int = 4 << 20) -> list[
 
 
 def readers() -> list[tuple[str, Callable[[str], object]]]:
-    """``(name, function(path))`` for every reader under test."""
+    """``(name, function(path))`` for every reader of a single file under test: the format readers, inspect and
+    scan, and the commands that read then rewrite (remap, convert to safetensors, diff, extract-state-dict)."""
+    from ckptool.formats.safetensors import read_header
     from ckptool.formats.torchfile import read_checkpoint, read_pickle_file
     from ckptool.formats.unpickler import load_structure
+    from ckptool.ops.convert import convert
+    from ckptool.ops.diff import diff
     from ckptool.ops.inspect import inspect
+    from ckptool.ops.remap import remap
     from ckptool.ops.scan import scan_file
 
     def structure(path: str) -> object:
@@ -106,12 +111,16 @@ def readers() -> list[tuple[str, Callable[[str], object]]]:
 
     out: list[tuple[str, Callable[[str], object]]] = [
         ("inspect", inspect), ("read_checkpoint", read_checkpoint), ("read_pickle_file", read_pickle_file),
-        ("scan_file", scan_file), ("load_structure", structure)]
+        ("scan_file", scan_file), ("load_structure", structure), ("safetensors_header", read_header),
+        ("remap", lambda path: remap(path, path + OUT_SUFFIXES[0], to="cpu")),
+        ("convert", lambda path: convert(path, path + OUT_SUFFIXES[1], verify=False)),
+        ("diff", lambda path: diff(path, path)),
+    ]
     try:
         from ckptool.ops.extract import extract_state_dict
 
         def extract(path: str) -> object:
-            return extract_state_dict(path, path + ".sd.pth", quiet=True)
+            return extract_state_dict(path, path + OUT_SUFFIXES[2], quiet=True)
 
         out.append(("extract_state_dict", extract))
     except ImportError:
@@ -119,19 +128,37 @@ def readers() -> list[tuple[str, Callable[[str], object]]]:
     return out
 
 
+#: what the rewriting readers write beside the fuzzed file (removed after each)
+OUT_SUFFIXES = (".remap.pt", ".out.safetensors", ".sd.pth")
+
+
+def set_readers() -> list[tuple[str, Callable[[str], object]]]:
+    """``(name, function(path))`` for the readers of a sharded set's ``*.index.json`` or a DCP folder."""
+    from ckptool.formats.dcp import read_dcp_metadata
+    from ckptool.formats.sharded import read_index
+    from ckptool.ops.diff import diff
+    from ckptool.ops.inspect import inspect
+
+    def index(path: str) -> object:
+        return read_index(path) if path.endswith(".json") else read_dcp_metadata(path)
+
+    return [("inspect", inspect), ("index", index), ("diff", lambda path: diff(path, path))]
+
+
 class ReaderBug(AssertionError):
     """A reader raised something other than a CkptError, or took too long."""
 
 
-def check_file(path: str, timeout: float = 10.0) -> None:
-    """Run every reader on ``path``.
+def check_file(path: str, timeout: float = 10.0, which: list[tuple[str, Callable[[str], object]]] | None = None
+               ) -> None:
+    """Run every reader (``which``, default :func:`readers`) on ``path``.
 
     Raises:
         ReaderBug: a reader raised an exception that is not a CkptError, or ran longer than ``timeout`` seconds.
     """
     from ckptool.errors import CkptError
 
-    for name, fn in readers():
+    for name, fn in which if which is not None else readers():
         t = time.perf_counter()
         try:
             fn(path)
@@ -140,9 +167,9 @@ def check_file(path: str, timeout: float = 10.0) -> None:
         except Exception as e:  # the point: nothing else may escape
             raise ReaderBug(f"{name}: {type(e).__name__}: {e}\n{traceback.format_exc()}") from e
         finally:
-            out = path + ".sd.pth"
-            if os.path.exists(out):
-                os.unlink(out)
+            for suffix in OUT_SUFFIXES:
+                if os.path.exists(path + suffix):
+                    os.unlink(path + suffix)
         took = time.perf_counter() - t
         if took > timeout:
             raise ReaderBug(f"{name} took {took:.1f} s (a hang?)")
@@ -189,4 +216,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["ReaderBug", "check_file", "load_seeds", "main", "mutate", "readers"]
+__all__ = ["OUT_SUFFIXES", "ReaderBug", "check_file", "load_seeds", "main", "mutate", "readers", "set_readers"]

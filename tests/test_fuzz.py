@@ -1,10 +1,15 @@
-"""Fuzz the readers (bounded, for CI): mutants of the real, generated and hostile files make ``inspect``,
-``read_checkpoint``, ``read_pickle_file``, ``scan_file``, ``load_structure`` and ``extract_state_dict`` raise
-only :class:`ckptool.errors.CkptError`, never another exception, and never hang.
+"""Fuzz the readers (bounded, for CI): mutants of the real, generated and hostile files, and structure-aware
+variants of safetensors headers, sharded-set indexes, DCP ``.metadata`` pickles, deflated zip members and pickle
+streams, make every reader (``inspect``, ``read_checkpoint``, ``read_pickle_file``, ``scan_file``,
+``load_structure``, the safetensors header, ``read_index``, ``read_dcp_metadata``, ``remap``, ``convert``, ``diff``,
+``extract_state_dict``, the zip member inflater and the pickle opcode walkers) raise only
+:class:`ckptool.errors.CkptError`, never another exception, and never hang.
 
-Hypothesis picks the seed file and the mutations, so a failure shrinks to a small reproducer. The number of
-cases is ``CKPTOOL_FUZZ_EXAMPLES`` per test (default 1500: about 3,000 cases, well under a minute on 2 cores);
-runs are derandomized (the same cases every time) unless ``CKPTOOL_FUZZ_RANDOM=1``. The long run::
+Hypothesis picks the seed file and the mutations, so a failure shrinks to a small reproducer; each failure found
+becomes a case of ``fuzz/regressions.py`` (run by ``test_fuzz_regressions``). The number of cases is
+``CKPTOOL_FUZZ_EXAMPLES`` for the file fuzzer (default 1500) and a fifth of it, at least 100, for the others (about
+4,500 cases in all, about a minute on 2 cores); runs are derandomized (the same cases every time) unless
+``CKPTOOL_FUZZ_RANDOM=1``. The long run::
 
     CKPTOOL_FUZZ_EXAMPLES=100000 CKPTOOL_FUZZ_RANDOM=1 python -m pytest tests/test_fuzz.py
     python fuzz/fuzz_readers.py --seconds 3600          # plain random mutation, no hypothesis
@@ -14,30 +19,53 @@ runs are derandomized (the same cases every time) unless ``CKPTOOL_FUZZ_RANDOM=1
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import os
 import pickle
 import random
+import struct
 import sys
+import zlib
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptool.errors import CkptError
+from ckptool.errors import CkptError, CorruptCheckpointError
+from ckptool.formats import zipdir
+from ckptool.formats.pickle_check import check_pickle, walk_prefix
 from ckptool.formats.unpickler import load_structure
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))
 import fuzz_readers
+import regressions
 
 pytestmark = pytest.mark.torchfree  # needs no torch: .ci/run also runs it where torch is not installed
 
 EXAMPLES = int(os.environ.get("CKPTOOL_FUZZ_EXAMPLES", "1500"))
-FUZZ_SETTINGS = settings(
-    max_examples=EXAMPLES, deadline=None, database=None, derandomize=not os.environ.get("CKPTOOL_FUZZ_RANDOM"),
-    suppress_health_check=list(HealthCheck),
-)
+SMALL = max(100, EXAMPLES // 5)
+_COMMON = {"deadline": None, "database": None, "derandomize": not os.environ.get("CKPTOOL_FUZZ_RANDOM"),
+           "suppress_health_check": list(HealthCheck)}
+FUZZ_SETTINGS = settings(max_examples=EXAMPLES, **_COMMON)
+SMALL_SETTINGS = settings(max_examples=SMALL, **_COMMON)
+#: cases run per test (printed at the end with ``-s``; the report quotes them)
+CASES: Counter[str] = Counter()
+
+
+_DIRS: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fuzz_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A folder for the module-level hypothesis tests; at the end, the number of cases run (seen with ``-s``)."""
+    _DIRS["root"] = tmp_path_factory.mktemp("fuzz-structured")
+    yield
+    sys.stderr.write(f"\nfuzz cases: {dict(CASES)} = {sum(CASES.values())}\n")
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +82,19 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_fuzz_readers_on_mutated_files(seeds: list[bytes], workdir: Path) -> None:
     path = str(workdir / "mutant.pt")
+    which = fuzz_readers.readers()
 
     @FUZZ_SETTINGS
-    @given(which=st.integers(0, len(seeds) - 1), rng_seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 8))
-    def run(which: int, rng_seed: int, rounds: int) -> None:
-        data = fuzz_readers.mutate(seeds[which], random.Random(rng_seed), seeds, rounds)
+    @given(which_seed=st.integers(0, len(seeds) - 1), rng_seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 8))
+    def run(which_seed: int, rng_seed: int, rounds: int) -> None:
+        CASES["files"] += 1
+        data = fuzz_readers.mutate(seeds[which_seed], random.Random(rng_seed), seeds, rounds)
         with open(path, "wb") as f:
             f.write(data)
-        fuzz_readers.check_file(path, timeout=10)
+        fuzz_readers.check_file(path, timeout=10, which=which)
 
     run()
+    assert CASES["files"] >= min(EXAMPLES, 100)
 
 
 _values = st.recursive(
@@ -75,14 +106,173 @@ _values = st.recursive(
 
 
 @FUZZ_SETTINGS
-@given(obj=_values, protocol=st.integers(0, 5), rng_seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 6))
-def test_fuzz_unpickler_on_mutated_pickles(obj: object, protocol: int, rng_seed: int, rounds: int) -> None:
-    """Mutated pickles of random values, all protocols: the restricted unpickler raises only CkptError."""
+@given(obj=_values, protocol=st.integers(0, 5), rng_seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 6),
+       cut=st.integers(1, 64))
+def test_fuzz_unpickler_on_mutated_pickles(obj: object, protocol: int, rng_seed: int, rounds: int, cut: int) -> None:
+    """Mutated pickles of random values, all protocols: the restricted unpickler raises only CkptError, and the
+    streaming opcode walk (as a deflated data.pkl arrives, ``cut`` bytes at a time) finds the STOP opcode the
+    whole-buffer check finds, or refuses what it refuses."""
+    CASES["pickles"] += 1
     data = fuzz_readers.mutate(pickle.dumps(obj, protocol=protocol), random.Random(rng_seed), rounds=rounds)
     with contextlib.suppress(CkptError):
         load_structure(data)
+    try:
+        whole: int | None = check_pickle(data, exact=False, strict_frames=False)
+    except CorruptCheckpointError:
+        whole = None
+    buf = bytearray()
+    pos, end = 0, None
+    try:
+        for i in range(0, len(data), cut):
+            buf += data[i:i + cut]
+            r = walk_prefix(buf, 0, pos)
+            if r >= 0:
+                end = r
+                break
+            pos = ~r
+    except CorruptCheckpointError:
+        assert whole is None  # refused as it arrived: the whole-buffer check refuses it too
+        return
+    assert end == whole
+
+
+# ------------------------------------------------------------------------------------------------ safetensors headers
+_json = st.recursive(st.none() | st.booleans() | st.integers(-3, 1 << 66) | st.floats(allow_nan=False)
+                     | st.text(max_size=8), lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+_entry = st.fixed_dictionaries({
+    "dtype": st.sampled_from(["F32", "F16", "BF16", "I64", "BOOL", "F8_E4M3", "F4", "C64", "Q9", ""]) | _json,
+    "shape": st.lists(st.integers(-2, 1 << 64), max_size=4) | _json,
+    "data_offsets": st.lists(st.integers(-2, 80), min_size=2, max_size=2) | _json,
+})
+
+
+@SMALL_SETTINGS
+@given(entries=st.dictionaries(st.text(max_size=6), _entry | _json, max_size=4), meta=_json, pad=st.binary(max_size=80))
+def test_fuzz_safetensors_headers(entries: dict[str, Any], meta: Any, pad: bytes) -> None:
+    """Structure-aware safetensors headers (right keys, wild values): every reader raises only CkptError."""
+    CASES["safetensors headers"] += 1
+    doc = dict(entries)
+    if meta is not None:
+        doc["__metadata__"] = meta
+    raw = json.dumps(doc).encode()
+    path = _DIRS["root"] / "h.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + pad)
+    fuzz_readers.check_file(str(path), timeout=10, which=_ST_READERS)
+
+
+# ------------------------------------------------------------------------------------------------ sharded indexes
+def _safetensors(tensors: dict[str, int]) -> bytes:
+    """A safetensors file of float32 vectors ``name -> length``."""
+    header: dict[str, Any] = {}
+    pos = 0
+    for name, n in tensors.items():
+        header[name] = {"dtype": "F32", "shape": [n], "data_offsets": [pos, pos + 4 * n]}
+        pos += 4 * n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + bytes(pos)
+
+
+_SHARDS = {"model-00001-of-00002.safetensors": {"a": 2, "b": 3}, "model-00002-of-00002.safetensors": {"c": 1}}
+_shard_name = st.sampled_from([*_SHARDS, "", ".", "..", "../x", "/etc/passwd", "nope.safetensors", "a\x00b"])
+
+
+@SMALL_SETTINGS
+@given(weight_map=st.dictionaries(st.sampled_from(["a", "b", "c", "d", ""]) | st.text(max_size=4),
+                                  _shard_name | _json, max_size=5),
+       meta=_json, rng_seed=st.integers(0, 2**32 - 1), rounds=st.integers(0, 3))
+def test_fuzz_sharded_index(weight_map: dict[str, Any], meta: Any, rng_seed: int, rounds: int) -> None:
+    """Sharded-set indexes naming real, missing, escaping or odd shard files, with wild metadata, some
+    byte-mutated: inspect, read_index and diff raise only CkptError."""
+    CASES["sharded indexes"] += 1
+    folder = _DIRS["root"] / "set"
+    if not folder.exists():
+        folder.mkdir()
+        for name, tensors in _SHARDS.items():
+            (folder / name).write_bytes(_safetensors(tensors))
+    raw = json.dumps({"metadata": meta, "weight_map": weight_map}).encode()
+    if rounds:
+        raw = fuzz_readers.mutate(raw, random.Random(rng_seed), rounds=rounds)
+    index = folder / "model.safetensors.index.json"
+    index.write_bytes(raw)
+    fuzz_readers.check_file(str(index), timeout=10, which=_SET_READERS)
+
+
+# ------------------------------------------------------------------------------------------------ DCP metadata
+@pytest.fixture(scope="module")
+def dcp_metadata(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """The ``.metadata`` pickle of a real ``dcp.save`` (a state_dict, an optimizer state and a plain value)."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    tmp = tmp_path_factory.mktemp("dcp")
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+    try:
+        dcp.save({"model": {"w": torch.ones(2, 3), "b": torch.zeros(3)}, "step": 7, "name": "run"},
+                 checkpoint_id=str(tmp / "ckpt"))
+    finally:
+        dist.destroy_process_group()
+    return (tmp / "ckpt" / ".metadata").read_bytes()
+
+
+def test_fuzz_dcp_metadata(dcp_metadata: bytes) -> None:
+    """Mutants of a real DCP ``.metadata`` pickle in a DCP folder: inspect, read_dcp_metadata and diff raise only
+    CkptError."""
+    folder = _DIRS["root"] / "dcp"
+    folder.mkdir(exist_ok=True)
+    (folder / "__0_0.distcp").write_bytes(bytes(64))
+
+    @SMALL_SETTINGS
+    @given(rng_seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 6))
+    def run(rng_seed: int, rounds: int) -> None:
+        CASES["dcp metadata"] += 1
+        (folder / ".metadata").write_bytes(fuzz_readers.mutate(dcp_metadata, random.Random(rng_seed), rounds=rounds))
+        fuzz_readers.check_file(str(folder), timeout=10, which=_SET_READERS)
+
+    run()
+
+
+# ------------------------------------------------------------------------------------------------ zip members
+@SMALL_SETTINGS
+@given(content=st.binary(max_size=3000) | st.builds(lambda b, n: b * n, st.binary(min_size=1, max_size=4),
+                                                   st.integers(1, 200_000)),
+       declared_delta=st.integers(-5, 5) | st.sampled_from([1 << 31, -(1 << 20)]), crc_ok=st.booleans(),
+       cut=st.integers(0, 8), method=st.sampled_from([8, 8, 8, 0, 12]), level=st.integers(0, 9))
+def test_fuzz_member_buffer(content: bytes, declared_delta: int, crc_ok: bool, cut: int, method: int,
+                            level: int) -> None:
+    """Deflated (or stored) members with lying sizes, bad CRCs and cut streams: ``member_buffer`` returns exactly
+    the declared content or raises CorruptCheckpointError, inflating no more than the declared size."""
+    CASES["zip members"] += 1
+    co = zlib.compressobj(level, zlib.DEFLATED, -15)
+    body = co.compress(content) + co.flush() if method == 8 else content
+    body = body[:len(body) - cut] if cut else body
+    declared = max(0, len(content) + declared_delta)
+    crc = zlib.crc32(content) if crc_ok else zlib.crc32(content) ^ 1
+    data = b"PK\x03\x04" + bytes(26) + body
+    entry = zipdir.ZipEntry("x", 0, len(body), declared, crc, method, 0)
+    f = io.BytesIO(data)
+    try:
+        out = zipdir.member_buffer(f, entry, "fuzz", watch=lambda b: None)
+    except CorruptCheckpointError:
+        return
+    assert bytes(out) == content and len(content) == declared and crc_ok and cut == 0
+
+
+# ------------------------------------------------------------------------------------------------ regressions
+@pytest.mark.parametrize("case", regressions.CASES, ids=[c.name for c in regressions.CASES])
+def test_fuzz_regressions(case: regressions.Case, workdir: Path) -> None:
+    """Every crash the fuzzers found, as a fixture: now a CkptError (or a clean read)."""
+    case.check(workdir, fuzz_readers)
 
 
 def test_mutate_is_deterministic() -> None:
     a = fuzz_readers.mutate(b"\x80\x02}q\x00.", random.Random(5), rounds=5)
     assert a == fuzz_readers.mutate(b"\x80\x02}q\x00.", random.Random(5), rounds=5)
+
+
+# state the module-level hypothesis tests share (hypothesis does not mix with function-scoped fixtures)
+_ST_READERS = [r for r in fuzz_readers.readers() if r[0] in ("inspect", "safetensors_header", "convert", "diff",
+                                                               "scan_file")]
+_SET_READERS = fuzz_readers.set_readers()

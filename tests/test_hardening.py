@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import pickletools
+import re
 import struct
 import subprocess
 import sys
@@ -550,195 +552,307 @@ def test_reading_hostile_files_runs_nothing(corpus, tmp_path: Path) -> None:
     assert report["torch"] is False  # reading never needed torch
 
 
-# ------------------------------------------------------------------------------------------------ write faults
-import errno
-import hashlib
-import os
-import shutil
-import signal
+# ------------------------------------------------------------------------------------------------ bounded inflation
+sys.path.insert(0, str(REPO / "fixtures"))
+import make_hostile
 
-from ckptool import _fileio as writer
-from ckptool.formats.torchzip import TorchZipWriter
-
-
-def _digest(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
-def _one_error(result) -> str:
-    lines = [ln for ln in result.output.splitlines() if ln.strip()]
-    assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error: "), result.output
-    return lines[0]
-
-
-@pytest.fixture
-def src(generated: dict[str, Path], tmp_path: Path) -> Path:
-    p = tmp_path / "model.pt"
-    shutil.copy(generated["sd_cuda0.pt"], p)
-    return p
-
-
-@pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.torchfree
-def test_disk_full_leaves_input_and_folder_as_they_were(src: Path, run_cli, monkeypatch, in_place: bool) -> None:
-    """ENOSPC while the records are copied (simulated): one clear error, the input intact, nothing left behind."""
-    before = _digest(src)
-    real = TorchZipWriter.copy_record
-    calls = []
-
-    def full(self, *a, **kw):
-        calls.append(1)
-        if len(calls) == 3:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(self, *a, **kw)
-
-    monkeypatch.setattr(TorchZipWriter, "copy_record", full)
-    args = ["--in-place"] if in_place else ["-o", src.parent / "out.pt"]
-    line = _one_error(run_cli("remap", src, "--to", "cpu", *args))
-    assert "No space left on device" in line and "nothing was written" in line and "free some space" in line
-    assert _digest(src) == before
-    assert sorted(p.name for p in src.parent.iterdir()) == ["model.pt"]
-
-
-@pytest.mark.torchfree
-def test_disk_full_at_fsync(src: Path, run_cli, monkeypatch) -> None:
-    def full(fd: int) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(writer.os, "fsync", full)
-    _one_error(run_cli("remap", src, "--to", "cpu", "-o", src.parent / "out.pt"))
-    assert sorted(p.name for p in src.parent.iterdir()) == ["model.pt"]
-
-
-@pytest.mark.torchfree
-def test_real_write_failure_file_size_limit(src: Path) -> None:
-    """A real failing write (RLIMIT_FSIZE: the kernel refuses to grow a file past it, EFBIG; Python ignores
-    SIGXFSZ): the child exits 1 with one error line and leaves no file."""
-    import resource
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
-
-    out = src.parent / "out.pt"
-    r = subprocess.run([sys.executable, "-m", "ckptool", "remap", str(src), "--to", "cpu", "-o", str(out)],
-                       capture_output=True, text=True, preexec_fn=limit, timeout=120, check=False)
-    assert r.returncode == 1, r.stderr
-    assert r.stderr.startswith("Error: writing") and "File too large" in r.stderr and "nothing was written" in r.stderr
-    assert sorted(p.name for p in src.parent.iterdir()) == ["model.pt"]
-
-
-@pytest.mark.torchfree
-def test_read_only_destination_folder(src: Path, run_cli, monkeypatch, tmp_path: Path) -> None:
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    if os.geteuid() != 0:  # root writes anywhere: there the refusal is simulated below
-        ro.chmod(0o555)
-        try:
-            line = _one_error(run_cli("remap", src, "--to", "cpu", "-o", ro / "out.pt"))
-            assert "cannot write in" in line and "Permission denied" in line
-        finally:
-            ro.chmod(0o755)
-
-    def refuse(*a, **kw):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-
-    monkeypatch.setattr(writer.tempfile, "mkstemp", refuse)
-    line = _one_error(run_cli("remap", src, "--to", "cpu", "-o", ro / "out.pt"))
-    assert f"cannot write in {ro}: Permission denied; choose a folder you can write to" in line
-    assert list(ro.iterdir()) == []
-
-
-def test_symlinked_destination_is_written_through(src: Path, run_cli, tmp_path: Path) -> None:
-    """The link stays a link; the file it points to gets the new content (as torch.save and cp behave)."""
-    import torch
-
-    target = tmp_path / "runs" / "model.cpu.pt"
-    target.parent.mkdir()
-    target.write_bytes(b"old")
-    link = tmp_path / "latest.pt"
-    link.symlink_to(target)
-    r = run_cli("remap", src, "--to", "cpu", "-o", link, "--force")
-    assert r.exit_code == 0, r.output
-    assert link.is_symlink() and link.resolve() == target.resolve()
-    sd = torch.load(link, weights_only=True)
-    assert all(t.device.type == "cpu" for t in sd.values())
-    assert sorted(p.name for p in target.parent.iterdir()) == ["model.cpu.pt"]
-    # a dangling link: the file is created where it points
-    dangling = tmp_path / "next.pt"
-    dangling.symlink_to(tmp_path / "runs" / "new.pt")
-    assert run_cli("remap", src, "--to", "cpu", "-o", dangling).exit_code == 0
-    assert dangling.is_symlink() and (tmp_path / "runs" / "new.pt").is_file()
-
-
-@pytest.mark.torchfree
-def test_symlink_to_the_input(src: Path, run_cli, tmp_path: Path) -> None:
-    link = tmp_path / "link.pt"
-    link.symlink_to(src)
-    r = run_cli("remap", src, "--to", "cpu", "-o", link)
-    assert r.exit_code == 2 and "is the input file" in r.output
-    before = _digest(src)
-    r = run_cli("remap", link, "--to", "cpu", "--in-place")
-    assert r.exit_code == 0, r.output
-    assert link.is_symlink() and _digest(src) != before
-    assert inspect(src).devices == {"cpu": len(inspect(src).tensors)}
-
-
-KILL_SCRIPT = textwrap.dedent("""
-    import os, sys, time
-    import ckptool._fileio as w
-    from ckptool.ops.remap import remap
-
-    def hang(fd):
-        print("writing", flush=True)
-        time.sleep(600)
-
-    w.os.fsync = hang        # the data is written; stop before the rename
-    remap(sys.argv[1], sys.argv[2], to="cpu")
+#: runs one command in-process in a child and prints how long it took (the child's peak RSS is read by the parent)
+_TIMED = textwrap.dedent("""
+    import sys, time
+    import ckptool.cli
+    sys.argv = ["ckptool", *sys.argv[1:]]
+    t = time.perf_counter()
+    try:
+        ckptool.cli.main()
+    finally:
+        sys.stderr.write("\\nELAPSED %f\\n" % (time.perf_counter() - t))
+""")
+#: a grandchild's exit status, time and peak RSS (resource.getrusage(RUSAGE_CHILDREN) of this child: only the
+#: grandchild, whatever the test process itself ran before)
+_MEASURE = textwrap.dedent("""
+    import json, resource, subprocess, sys
+    r = subprocess.run([sys.executable, "-c", sys.argv[1], *sys.argv[2:]], capture_output=True, text=True,
+                       timeout=120)
+    err, _, elapsed = r.stderr.rpartition("ELAPSED ")
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    print(json.dumps({"rc": r.returncode, "stderr": err.strip(), "stdout": r.stdout, "elapsed": float(elapsed),
+                      "rss_kib": rss}))
 """)
 
 
+def _measure(*args: object) -> dict[str, object]:
+    env = {**os.environ, "CKPTOOL_NO_PROGRESS": "1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-c", _MEASURE, _TIMED, *map(str, args)], capture_output=True, text=True,
+                       timeout=300, env=env, check=True)
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def bombs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """make_hostile's files: about 1 MB each on disk, 1023 MiB once inflated."""
+    return make_hostile.write(tmp_path_factory.mktemp("bombs"))
+
+
+@pytest.mark.parametrize("name", ["pickle-bomb-zeros.pt", "pickle-bomb-trailer.pt", "pickle-bomb-opcodes.pt"])
+@pytest.mark.parametrize("command", ["inspect", "remap", "convert"])
 @pytest.mark.torchfree
-def test_killed_mid_write_leaves_input_and_destination_intact(src: Path, tmp_path: Path) -> None:
-    """SIGKILL during a write: the input is intact, the destination untouched; the temporary file a killed
-    process cannot remove (``.<name>.ckptool-<host>-<pid>-*.ckptool-tmp``) is cleaned by the next write."""
+def test_zip_bomb_is_refused_in_bounded_time_and_memory(bombs: dict[str, Path], tmp_path: Path, name: str,
+                                                        command: str) -> None:
+    """A 1 MB file whose data.pkl inflates to 1 GiB: one Error line, exit 1, under a second and 64 MiB (the whole
+    child process: interpreter, ckptool and the refusal), nothing written."""
+    path = bombs[name]
+    assert path.stat().st_size < 1100_000
+    args = {"inspect": [], "remap": ["--to", "cpu", "-o", tmp_path / "out.pt"],
+            "convert": ["-o", tmp_path / "out.safetensors"]}[command]
+    res = _measure(command, path, *args)
+    assert res["rc"] == 1, res
+    lines = str(res["stderr"]).splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "zip bomb" in lines[0], res
+    assert float(res["elapsed"]) < 1.0, res  # type: ignore[arg-type]
+    assert int(res["rss_kib"]) < 64 << 10, res  # type: ignore[call-overload]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.torchfree
+def test_storage_bomb_is_copied_compressed(bombs: dict[str, Path], tmp_path: Path) -> None:
+    """remap and the prefix commands copy a deflated 1 GiB storage record (1 MB on disk) as its compressed bytes:
+    no inflation, so under a second and 64 MiB; the record keeps its method, sizes and CRC-32."""
+    src = bombs["storage-bomb.pt"]
     out = tmp_path / "out.pt"
-    out.write_bytes(b"previous version")
-    before = _digest(src)
-    child = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(src), str(out)], stdout=subprocess.PIPE,
-                             text=True)
-    try:
-        assert child.stdout.readline().strip() == "writing"
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.wait(timeout=60)
-    assert child.returncode == -signal.SIGKILL
-    assert _digest(src) == before and out.read_bytes() == b"previous version"
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".ckptool-tmp")]
-    assert len(leftovers) == 1 and leftovers[0].startswith(".out.pt.ckptool-") and f"-{child.pid}-" in leftovers[0]
+    for args in (["remap", src, "--to", "cuda:0", "-o", out], ["add-prefix", src, "model.", "-o", out, "--force"]):
+        res = _measure(*args)
+        assert res["rc"] == 0, res
+        assert float(res["elapsed"]) < 1.0 and int(res["rss_kib"]) < 64 << 10, res  # type: ignore[arg-type]
+        with zipfile.ZipFile(src) as a, zipfile.ZipFile(out) as b:
+            ia = next(i for i in a.infolist() if i.filename.endswith("/data/0"))
+            ib = next(i for i in b.infolist() if i.filename.endswith("/data/0"))
+            assert (ib.compress_type, ib.CRC, ib.file_size, ib.compress_size) == (
+                zipfile.ZIP_DEFLATED, ia.CRC, ia.file_size, ia.compress_size)
+        assert out.stat().st_size < 1100_000
+    info = inspect(out)
+    assert [(t.key, t.shape) for t in info.tensors] == [("model.w", [make_hostile.GIB * 1023 // 1024 // 4])]
+
+
+def test_compressed_storage_rewrite_loads_with_torch(tmp_path: Path) -> None:
+    """A small deflated-storage file (2 MiB of zeros, ~2 KiB on disk) and a deflated real checkpoint: the remapped
+    output keeps the records deflated and torch.load reads the same values as from the source."""
+    import torch
+
     from ckptool.ops.remap import remap
 
-    remap(str(src), str(out), to="cpu")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "out.pt"]
-    assert inspect(out).devices == {"cpu": len(inspect(out).tensors)}
+    src = tmp_path / "small.pt"
+    src.write_bytes(make_hostile.build(2)["storage-bomb.pt"])
+    remap(str(src), str(tmp_path / "a.pt"), to="cuda:1")
+    with zipfile.ZipFile(tmp_path / "a.pt") as z:
+        assert [i.compress_type for i in z.infolist() if i.filename.endswith("data/0")] == [zipfile.ZIP_DEFLATED]
+    got = torch.load(tmp_path / "a.pt", map_location="cpu", weights_only=True)
+    assert got["w"].shape == (1 << 19,) and not got["w"].any()
+    sd = {"w": torch.randn(300, 7), "b": torch.arange(10)}
+    sd["v"] = sd["w"][1:5]
+    p = _write(tmp_path, "deflated.pt", _rezip(_torch_zip_bytes(sd), {}, compress={"data/0", "data/1", "data.pkl"}))
+    remap(str(p), str(tmp_path / "b.pt"), to="cpu")
+    back = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    assert back["v"].untyped_storage().data_ptr() == back["w"].untyped_storage().data_ptr()
 
 
 @pytest.mark.torchfree
-def test_remove_stale_temps_keeps_live_and_recent_ones(tmp_path: Path) -> None:
-    dst = tmp_path / "m.pt"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
-    dead_pid = int(dead.stdout)
-    host = writer._HOST
-    names = {
-        "dead": f".m.pt.ckptool-{host}-{dead_pid}-abc.ckptool-tmp",
-        "live": f".m.pt.ckptool-{host}-{os.getpid()}-abc.ckptool-tmp",
-        "other-new": ".m.pt.ckptool-otherhost-1-abc.ckptool-tmp",
-        "other-old": ".m.pt.ckptool-otherhost-2-abc.ckptool-tmp",
-        "other-file": ".n.pt.ckptool-otherhost-2-abc.ckptool-tmp",
-    }
-    for n in names.values():
-        (tmp_path / n).write_bytes(b"x")
-    old = time.time() - 2 * 24 * 3600
-    os.utime(tmp_path / names["other-old"], (old, old))
-    removed = {Path(p).name for p in writer.remove_stale_temps(str(dst))}
-    assert removed == {names["dead"], names["other-old"]}
+def test_deflated_pickle_is_checked_as_it_inflates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within the ratio limit (raised here to let 32 MiB of zeros through), the opcodes are checked as each chunk
+    arrives: garbage is refused at the first chunk, a trailer past 1 MiB as soon as it is seen, never the whole
+    member in memory."""
+    import tracemalloc
+
+    monkeypatch.setattr(zipdir, "FREE_INFLATE", 64 << 20)
+    small = make_hostile.build(32)
+    for name, match in (("pickle-bomb-zeros.pt", r"invalid opcode b'\\x00' at byte 0"),
+                        ("pickle-bomb-trailer.pt", "goes on for more than 1048576 bytes after its pickle ends")):
+        p = _write(tmp_path, name, small[name])
+        tracemalloc.start()
+        try:
+            with pytest.raises(CorruptCheckpointError, match=match):
+                read_checkpoint(str(p))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 6 << 20, (name, peak)
+
+
+@pytest.mark.torchfree
+def test_valid_deflated_pickle_reads_in_one_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A valid deflated data.pkl is inflated once, into one buffer (not a list of chunks joined, not a bytes copy),
+    and the unpickler reads that buffer without a copy. The pickle (8 MB of NONE, POP) builds nothing, so the
+    peaks are the buffers alone."""
+    import tracemalloc
+
+    from ckptool.formats.torchfile import read_pickle_member
+    from ckptool.formats.zipdir import read_directory
+
+    monkeypatch.setattr(zipdir, "FREE_INFLATE", 64 << 20)
+    body = b"\x80\x02" + b"N0" * (4 << 20) + b"N."
+    comp, crc, size = make_hostile.deflated(body, 0)
+    p = _write(tmp_path, "n.pt", make_hostile.torch_zip(("data.pkl", comp, 8, crc, size), []))
+    with open(p, "rb") as f:
+        entry = next(e for e in read_directory(f, p.stat().st_size, str(p)) if e.name.endswith("data.pkl"))
+        tracemalloc.start()
+        try:
+            buf = read_pickle_member(f, entry, str(p))
+            inflate_peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
+            root, _ = load_structure(buf)
+            load_peak = tracemalloc.get_traced_memory()[1] - before
+        finally:
+            tracemalloc.stop()
+    assert type(buf) is bytearray and buf == body and root is None
+    assert inflate_peak < len(body) * 1.15 + 2 * zipdir.INFLATE_CHUNK, inflate_peak
+    assert load_peak < len(body) // 4, load_peak  # no copy of the 8 MB
+
+
+# ------------------------------------------------------------------------------------------------ tensor layouts
+#: (storage numel, sizes, strides, storage offset) of float32 tensors, and whether torch.load accepts them
+LAYOUTS = {
+    "fits": (4, (2, 2), (2, 1), 0, True),
+    "one past the end": (4, (5,), (1,), 0, False),
+    "offset past the end": (4, (2,), (1,), 3, False),
+    "empty, offset at the end": (4, (0,), (1,), 4, True),
+    "empty, offset beyond the end": (4, (0,), (1,), 100, True),
+    "empty with a huge size": (4, (0, 1 << 62), (1, 1), 0, True),
+    "expanded (zero stride)": (4, (1000, 4), (0, 1), 0, True),
+    "all zero strides": (1, (1 << 20, 1 << 20), (0, 0), 0, True),
+    "negative stride": (4, (2,), (-1,), 1, False),
+    "negative stride on a size-1 dim": (4, (1,), (-1,), 0, True),
+    "negative size": (4, (-1,), (1,), 0, False),
+    "negative offset": (4, (1,), (1,), -1, False),
+    "numel overflow": (4, (1 << 40, 1 << 40), (1, 1), 0, False),
+    "numel overflow before a zero size": (4, (1 << 40, 1 << 40, 0), (1, 1, 1), 0, False),
+    "zero size before an overflow": (4, (0, 1 << 40, 1 << 40), (1, 1, 1), 0, True),
+    "scalar at the last element": (4, (), (), 3, True),
+    "scalar past the end": (4, (), (), 4, False),
+    "fewer strides than sizes": (4, (2, 2), (1,), 0, False),
+    "huge stride on a size-1 dim": (4, (1, 4), (1 << 62, 1), 0, True),
+    "scalar over an empty storage": (0, (), (), 0, False),
+    "byte count overflow": (4, (1 << 61,), (1,), 0, False),
+    "issue 16: 2^40 x 2^40 over 4 elements": (4, (1 << 40, 1 << 40), (1, 1), 0, False),
+}
+
+
+def _layout_file(tmp_path: Path, name: str) -> Path:
+    n, shape, stride, off, _ok = LAYOUTS[name]
+    data = make_hostile.torch_zip(make_hostile.stored("data.pkl", make_hostile.tensor_pickle(n, shape, stride, off)),
+                                  [make_hostile.stored("data/0", bytes(4 * n))])
+    return _write(tmp_path, "layout.pt", data)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_tensor_layouts_are_judged_as_torch_load_judges_them(tmp_path: Path, name: str) -> None:
+    """Every reader refuses exactly the tensor layouts torch.load refuses (the same file through both)."""
+    import torch
+
+    p = _layout_file(tmp_path, name)
+    try:
+        torch.load(p, weights_only=True)
+        torch_ok = True
+    except RuntimeError:
+        torch_ok = False
+    assert torch_ok == LAYOUTS[name][4]
+    try:
+        read_checkpoint(str(p))
+        ours = True
+    except CorruptCheckpointError as e:
+        ours = False
+        assert "tensor 'w' does not fit in its storage" in str(e) and "torch.load refuses it too" in str(e)
+    assert ours == torch_ok
+
+
+@pytest.mark.parametrize("command", [
+    ["inspect"], ["remap", "--to", "cpu", "-o", "{out}.pt"], ["add-prefix", "model.", "-o", "{out}.pt"],
+    ["strip-prefix", "module.", "-o", "{out}.pt"], ["convert", "-o", "{out}.safetensors"],
+    ["extract-state-dict", "-o", "{out}.pt"], ["diff", "{src}"], ["sanitize", "-o", "{out}.pt"], ["scan"],
+])
+@pytest.mark.torchfree
+def test_impossible_tensor_is_refused_by_every_command(tmp_path: Path, run_cli, command: list[str]) -> None:
+    """Issue 16's file (shape 2^40 x 2^40, stride (1, 1), 4-element storage): one Error line naming the key and
+    exit 1 from every command that reads tensors, nothing written; scan (which reads no tensor) still answers."""
+    p = _layout_file(tmp_path, "issue 16: 2^40 x 2^40 over 4 elements")
+    args = [a.format(out=tmp_path / "out", src=p) for a in command]
+    r = run_cli(args[0], p, *args[1:])
+    if command == ["scan"]:
+        assert r.exit_code == 0, r.output
+        return
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 1 and len(lines) == 1, r.output
+    assert lines[0].startswith("Error: ") and "tensor 'w' does not fit in its storage" in lines[0]
+    assert "element count overflows 64 bits" in lines[0]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["layout.pt"]
+
+
+def test_impossible_tensor_error_names_its_key(tmp_path: Path) -> None:
+    """The error names the tensor by its key in the checkpoint: nested dicts and a pickled module alike."""
+    import torch
+
+    from ckptool.ops.rewrite import rewrite_file
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    for obj, key in (({"model": {"fc.weight": torch.zeros(4)}, "epoch": 3}, "model.fc.weight"),
+                     ({"net": net}, "net.0.bias")):
+        src = tmp_path / "src.pt"
+        torch.save(obj, src)
+        ck = read_checkpoint(str(src))
+        node = next(t for path, t, _rg in graph.iter_tensors(ck.root) if path == key)
+        node.args = (node.args[0], node.args[1], (3,), (2,), *node.args[4:])  # reaches element 5 of 2 or 4
+        bad = tmp_path / "bad.pt"
+        rewrite_file(ck, str(bad), ck.root)
+        want = rf"tensor '{re.escape(key)}' does not fit in its storage: sizes \(3,\), strides \(2,\) and storage"
+        with pytest.raises(CorruptCheckpointError, match=want):
+            read_checkpoint(str(bad))
+        with pytest.raises(RuntimeError):
+            torch.load(bad, weights_only=False)
+
+
+@pytest.mark.parametrize("shape, offsets, why", [
+    ([1 << 40, 1 << 40], [0, 16], "element count overflows 64 bits"),
+    ([5], [0, 16], r"shape \[5\] of F32 is 20 bytes but data_offsets hold 16"),
+    ([2, -2], [0, 16], "malformed"),
+])
+def test_safetensors_entry_must_match_its_data(tmp_path: Path, run_cli, shape: list[int], offsets: list[int],
+                                               why: str) -> None:
+    """A safetensors header entry whose shape does not match its byte range: refused by every reader (inspect,
+    convert, diff) with one line, as safetensors itself refuses it."""
+    from safetensors import SafetensorError, safe_open
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": offsets}}).encode()
+    header += b" " * (-len(header) % 8)
+    p = _write(tmp_path, "bad.safetensors", struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(SafetensorError), safe_open(str(p), "pt") as f:
+        f.get_tensor("w")
+    for args in (["inspect", p], ["convert", p, "-o", tmp_path / "o.pt"], ["diff", p, p]):
+        r = run_cli(*args)
+        assert r.exit_code == 1 and re.search(why, r.output), r.output
+        assert len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_dcp_entry_with_an_impossible_shape_is_refused(tmp_path: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from ckptool.formats.dcp import METADATA_FILE, read_dcp_metadata
+    from ckptool.formats.nodes import ReduceNode
+    from ckptool.formats.pickler import dumps
+
+    folder = tmp_path / "dcp"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(folder))
+    finally:
+        dist.destroy_process_group()
+    meta = folder / METADATA_FILE
+    root, _ = load_structure(meta.read_bytes())
+    size = root.state["state_dict_metadata"]["w"].state["size"]
+    assert isinstance(size, ReduceNode)
+    size.args = ([1 << 40, 1 << 40],)
+    meta.write_bytes(dumps(root))
+    with pytest.raises(CorruptCheckpointError, match=r"DCP entry 'w' declares an impossible tensor: its element"):
+        read_dcp_metadata(folder)

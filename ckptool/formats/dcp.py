@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.nodes import GlobalMeta, ObjectNode, PickledObject, ReduceNode, qualified_name
+from ckptool.formats.strided import shape_problem
 from ckptool.formats.unpickler import load_structure
 
 METADATA_FILE = ".metadata"
@@ -204,7 +205,12 @@ def _entries(state: dict[str, Any]) -> list[DcpEntry]:
             else:
                 dt = props.get("dtype") if type(props) is dict else None
             size = st["size"]
-            shape = tuple(size.args[0]) if isinstance(size, ReduceNode) and size.args else tuple(size or ())
+            shape = size.args[0] if isinstance(size, ReduceNode) and size.args else size or ()
+            problem = shape_problem(shape)
+            if problem is not None:
+                raise CorruptCheckpointError(f"DCP entry {str(fqn)!r} declares an impossible tensor: {problem}; the "
+                                             ".metadata is damaged or was crafted")
+            shape = tuple(shape)
             out.append(DcpEntry(str(fqn), dt.name if isinstance(dt, GlobalMeta) else "unknown", shape))
         else:
             out.append(DcpEntry(str(fqn), None, None))

@@ -72,7 +72,7 @@ _stack_lock = threading.Lock()
 _T = TypeVar("_T")
 
 #: what the checks and the unpickler read: the bytes of a pickle, or a mapped file holding one
-PickleBuffer: TypeAlias = "bytes | mmap.mmap"
+PickleBuffer: TypeAlias = "bytes | bytearray | mmap.mmap"
 
 
 def _cls(ops: bytes) -> bytes:
@@ -100,7 +100,7 @@ def _run_pattern(k: int) -> re.Pattern[bytes]:
         alts = [
             put,  # memo puts first: the commonest opcode of a torch pickle
             _cls(_ARG1) + b"[\\s\\S]",
-            _cls(_NOARG),
+            _cls(_NOARG) + b"++",  # a run of argument-less opcodes in one step
             _cls(_LEN4_UNSIGNED + _LEN4_SIGNED) + _counted(b"\x00\x00\x00"),
             _cls(b"M\x83") + b"[\\s\\S]{2}",
             _cls(b"Jj\x84") + b"[\\s\\S]{4}",
@@ -198,6 +198,40 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
         pos = nxt
 
 
+def walk_prefix(buf: PickleBuffer, start: int, pos: int, what: str = "pickle") -> int:
+    """Walk the complete opcodes of the pickle that starts at ``buf[start]``, from opcode boundary ``pos`` to the
+    end of what has arrived so far (a pickle being inflated); frames are read as one flat stream.
+
+    Returns the offset just after the STOP opcode when it has arrived, else ``~p`` (negative) where ``p`` is the
+    offset of the first opcode not complete yet: call again from ``p`` when more data is there. The same opcodes
+    :func:`check_pickle` refuses are refused here, as soon as they arrive.
+
+    Raises:
+        CorruptCheckpointError: an unknown opcode, a negative length, or a memo index no pickler could have written.
+    """
+    end = len(buf)
+    match = _run_pattern(22).match if end - pos >= _PY_PREFIX else None
+    while True:
+        if match is not None:
+            m = match(buf, pos, end)
+            assert m is not None
+            pos = m.end()
+        if pos >= end:
+            return ~pos
+        op = buf[pos]
+        if op == _STOP:
+            return pos + 1
+        if op == _FRAME:
+            if pos + 9 > end:
+                return ~pos
+            pos += 9
+            continue
+        nxt = _check_one(buf, op, pos, start, end, what)
+        if nxt < 0:
+            return ~pos
+        pos = nxt
+
+
 def _bad_frame(what: str, at: int, detail: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"{what} is malformed or hostile: {detail} (byte {at}); loaders would disagree on what the pickle holds")
@@ -243,7 +277,7 @@ def _check_one(buf: PickleBuffer, op: int, pos: int, start: int, end: int, what:
     raise _corrupt(what, f"invalid opcode {bytes([op])!r} at byte {pos - start}")
 
 
-def tuple_levels(data: bytes) -> int:
+def tuple_levels(data: bytes | bytearray) -> int:
     """An upper bound on how deeply tuples can nest in pickle ``data``: its number of tuple-building opcode bytes."""
     return sum(data.count(op) for op in _TUPLE_OPS)
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
-from ckptool.formats.dtypes import ST_NAMES, element_size, numel
+from ckptool.formats.dtypes import ST_CODES, ST_NAMES, element_size, numel
+from ckptool.formats.strided import shape_problem, view_problem
 
 #: the safetensors library's own limit on the header size (bytes)
 MAX_HEADER = 100 << 20
@@ -90,6 +91,11 @@ def read_header(path: str, *, strict_metadata: bool = False) -> SafetensorsHeade
     for name, entry in header.items():
         if not _entry_ok(entry, data_size):
             raise CorruptCheckpointError(f"{path}: safetensors entry {name!r} is malformed or points past the data")
+        problem = _size_problem(entry)
+        if problem is not None:
+            raise CorruptCheckpointError(f"{path}: safetensors entry {name!r} does not fit its data: {problem}; "
+                                         "safetensors refuses it too. The file is damaged or was crafted: "
+                                         "re-download it")
     return SafetensorsHeader(header, meta, 8 + n, data_size)
 
 
@@ -114,6 +120,28 @@ def _entry_ok(entry: Any, data_size: int) -> bool:
         return False
     begin, end = entry["data_offsets"]
     return bool(begin <= end <= data_size)
+
+
+#: the safetensors codes whose element size is whole bytes (those ckptool converts)
+ST_CODES_TO_NAMES = {v: k for k, v in ST_CODES.items()}
+
+
+def _size_problem(entry: dict[str, Any]) -> str | None:
+    """Why a well-formed entry's shape does not match its data (the check safetensors' ``Metadata::validate`` does:
+    the element count, without overflow, times the element size equals ``end - begin``), or None. Codes ckptool
+    only describes (:data:`ST_READ_ONLY`, sub-byte elements) and unknown codes are left to the readers that need
+    them."""
+    problem = shape_problem(entry["shape"])
+    if problem is not None:
+        return problem
+    dtype = ST_CODES_TO_NAMES.get(entry["dtype"])
+    if dtype is None:
+        return None
+    begin, end = entry["data_offsets"]
+    need = numel(entry["shape"]) * element_size(dtype)
+    if need != end - begin:
+        return f"shape {entry['shape']} of {entry['dtype']} is {need} bytes but data_offsets hold {end - begin}"
+    return None
 
 
 def encode_header(entries: dict[str, dict[str, Any]], metadata: dict[str, str] | None = None) -> bytes:
@@ -196,9 +224,11 @@ def decode_shared(raw: str, path: str, entries: dict[str, dict[str, Any]]) -> li
         raise bad(f"{type(e).__name__}: {e}") from None
     for grp in groups:
         for name, v in grp.tensors.items():
+            size = element_size(grp.dtype)
+            problem = view_problem(v.shape, v.stride, v.offset, size, grp.numel * size)
             lo, hi = v.span
-            if lo < 0 or hi > grp.numel or len(v.shape) != len(v.stride) or min(v.stride, default=0) < 0:
-                raise bad(f"{name!r} runs past its storage")
+            if problem is not None or min(v.stride, default=0) < 0 or lo < 0 or hi > grp.numel:
+                raise bad(f"{name!r} runs past its storage ({problem or 'a negative stride'})")
             entry = entries.get(name)
             if entry is not None and (tuple(entry["shape"]) != v.shape or ST_NAMES.get(entry["dtype"]) != grp.dtype):
                 raise bad(f"{name!r} is stored as {ST_NAMES.get(entry['dtype'], entry['dtype'])} {entry['shape']}")

@@ -60,8 +60,9 @@ def read_index(path: str) -> ShardIndex:
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{path} is not valid JSON ({e}); re-download it") from e
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError, a number over 4300 digits
+        raise CorruptCheckpointError(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); "
+                                     "re-download it") from e
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise CorruptCheckpointError(f"{path} has no weight_map (tensor name -> shard file); it is not a "

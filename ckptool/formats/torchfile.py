@@ -19,8 +19,10 @@ from ckptool.errors import CorruptCheckpointError, NotACheckpointError, Unsuppor
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import STORAGE_TYPES, storage_element
 from ckptool.formats.nodes import GlobalMeta, StorageRef
+from ckptool.formats.pickle_check import walk_prefix
+from ckptool.formats.strided import check_tensor_views
 from ckptool.formats.unpickler import load_pickle_at, load_structure
-from ckptool.formats.zipdir import ZipEntry, data_offset, read_member
+from ckptool.formats.zipdir import ZipEntry, data_offset, member_buffer
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
@@ -72,12 +74,13 @@ def read_checkpoint(path: str, fmt: str | None = None) -> Checkpoint:
     Hostile input is refused in bounded time and memory (see :mod:`ckptool.formats.unpickler` and
     :mod:`ckptool.formats.zipdir`): besides the pickle checks, every storage must have its record (``data/<key>``,
     ``constants/<key>`` for TorchScript constants, or the legacy data block) holding at least ``numel * element
-    size`` bytes, and member names must be unique.
+    size`` bytes, every tensor must fit in its storage as ``torch.load`` requires
+    (:func:`ckptool.formats.strided.check_tensor_views`), and member names must be unique.
 
     Raises:
         UsageError / NotACheckpointError: see :func:`ckptool.formats.detect.detect_format`.
         CorruptCheckpointError: truncated, damaged or hostile file (memo bombs, lengths past the end, zip bombs,
-            storages larger than their records, duplicate members...).
+            storages larger than their records, tensors larger than their storages, duplicate members...).
         UnsupportedError: safetensors, torch.export archives or plain pickles (no pickled torch storages to read),
             big-endian legacy files, tuple
             nesting too deep to read safely.
@@ -139,21 +142,59 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
     cache: dict[tuple[str, str], GlobalMeta] = {}
     seen: dict[tuple[str, str], None] = {}
     with open(path, "rb") as f:
-        data = read_member(f, by_name["data.pkl"], path)
+        data = read_pickle_member(f, by_name["data.pkl"], path)
         ck.pickle_size = len(data)
         ck.protocol = data[1] if len(data) > 1 and data[0] == 0x80 else 2
         ck.root, up = load_structure(data, f"data.pkl in {path}", storages=ck.storages, global_cache=cache)
         seen.update(up.globals_seen)
         check_storage_records(path, ck.storages, by_name, "data/")
+        check_tensor_views(ck.root, path)
         if fmt == formats.TORCHSCRIPT and "constants.pkl" in by_name:
             const_storages: dict[str, StorageRef] = {}
-            consts, up2 = load_structure(read_member(f, by_name["constants.pkl"], path), f"constants.pkl in {path}",
+            consts, up2 = load_structure(read_pickle_member(f, by_name["constants.pkl"], path),
+                                         f"constants.pkl in {path}",
                                          storages=const_storages, global_cache=cache)
             ck.extra_roots["constants"] = consts
             seen.update(up2.globals_seen)
             check_storage_records(path, const_storages, by_name, "constants/")
+            check_tensor_views(consts, f"{path} (constants.pkl)")
     ck.globals = list(seen)
     return ck
+
+
+#: bytes a deflated pickle member may hold after its STOP opcode (torch.save writes none) before it is refused
+MAX_PICKLE_TRAILER = 1 << 20
+
+
+def read_pickle_member(f: Any, entry: ZipEntry, path: str) -> bytes | bytearray:
+    """The content of pickle member ``entry`` (``data.pkl``, ``constants.pkl``) of the open zip ``f``, in one buffer.
+
+    A deflated member (torch never writes one; a re-packed archive may) is inflated as a stream
+    (:func:`ckptool.formats.zipdir.member_buffer`) whose opcodes are checked as they arrive
+    (:func:`ckptool.formats.pickle_check.walk_prefix`): inflated garbage, or more than :data:`MAX_PICKLE_TRAILER`
+    bytes after the STOP opcode, is refused after one chunk, so a zip bomb costs a few MiB and milliseconds
+    however far it would inflate; a valid pickle costs its own size.
+
+    Raises:
+        CorruptCheckpointError: see :func:`~ckptool.formats.zipdir.member_buffer`; an invalid opcode; a pickle
+            followed by more than :data:`MAX_PICKLE_TRAILER` bytes.
+    """
+    what = f"{entry.name.rsplit('/', 1)[-1]} in {path}"
+    state = [0, -1]  # next opcode to check, end of the pickle (after STOP) once seen
+
+    def watch(buf: bytearray) -> None:
+        if state[1] < 0:
+            r = walk_prefix(buf, 0, state[0], what)
+            if r < 0:
+                state[0] = ~r
+                return
+            state[1] = r
+        if len(buf) - state[1] > MAX_PICKLE_TRAILER:
+            raise CorruptCheckpointError(
+                f"{what} goes on for more than {MAX_PICKLE_TRAILER} bytes after its pickle ends (byte {state[1]}): a "
+                "zip bomb or a hidden payload; torch.save writes nothing there. Run `ckptool scan` on the file")
+
+    return member_buffer(f, entry, path, watch=watch if entry.method != 0 else None)
 
 
 def check_storage_records(path: str, storages: dict[str, StorageRef], by_name: dict[str, ZipEntry],
@@ -265,3 +306,4 @@ def _legacy_structure(path: str, ck: Checkpoint, buf: Any, size: int) -> None:
     missing = [k for k in ck.storages if k not in have]
     if missing:
         raise CorruptCheckpointError(f"{path}: no data for storages {missing[:5]}; the file is damaged")
+    check_tensor_views(ck.root, path)

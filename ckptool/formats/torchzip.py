@@ -41,29 +41,33 @@ class TorchZipWriter:
     def __init__(self, f: BinaryIO, archive_name: str, *, progress: Callable[[int], None] | None = None) -> None:
         self.f = f
         self.prefix = archive_name.strip("/") + "/"
-        self.entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, local header offset
+        #: name, crc, size, local header offset, compression method (0 stored, 8 deflated), compressed size
+        self.entries: list[tuple[bytes, int, int, int, int, int]] = []
         self.pos = f.tell()
         self.progress = progress
         self._behind = write_behind_for(f)  # None for a file object without a descriptor (io.BytesIO)
 
     # -- local header --------------------------------------------------------------------------------------
-    def _header(self, name: bytes, size: int, crc: int) -> tuple[bytes, int]:
-        zip64 = size >= _U32
-        extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
+    def _header(self, name: bytes, size: int, crc: int, csize: int | None = None,
+                method: int = 0) -> tuple[bytes, int]:
+        csize = size if csize is None else csize
+        zip64 = size >= _U32 or csize >= _U32
+        extra = struct.pack("<HHQQ", 0x0001, 16, size, csize) if zip64 else b""
         base = 30 + len(name) + len(extra)
         pad = (-(self.pos + base + 4)) % ALIGNMENT
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" padding field, as PyTorchStreamWriter
-        s32 = _U32 if zip64 else size
+        s32, c32 = (_U32, _U32) if zip64 else (size, csize)
         hdr = struct.pack(
-            "<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, _DOS_DATE[0], _DOS_DATE[1], crc, s32, s32,
+            "<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, method, _DOS_DATE[0], _DOS_DATE[1], crc, c32, s32,
             len(name), len(extra),
         ) + name + extra
         return hdr, 14  # offset of the CRC field inside the header
 
-    def _begin(self, record: str, size: int, crc: int) -> tuple[bytes, int]:
+    def _begin(self, record: str, size: int, crc: int, csize: int | None = None,
+               method: int = 0) -> tuple[bytes, int]:
         name = (self.prefix + record).encode("utf-8")
         offset = self.pos
-        hdr, _ = self._header(name, size, crc)
+        hdr, _ = self._header(name, size, crc, csize, method)
         self.f.write(hdr)
         self.pos += len(hdr)
         return name, offset
@@ -74,7 +78,7 @@ class TorchZipWriter:
         name, offset = self._begin(record, len(data), crc)
         self.f.write(data)
         self.pos += len(data)
-        self.entries.append((name, crc, len(data), offset))
+        self.entries.append((name, crc, len(data), offset, 0, len(data)))
 
     def copy_record(self, record: str, src: BinaryIO, offset: int, size: int, crc: int | None = None) -> None:
         """Copy ``size`` bytes at ``offset`` of ``src`` as the record ``<archive>/<record>``.
@@ -95,7 +99,7 @@ class TorchZipWriter:
             name, hoff = self._begin(record, size, crc)
             self.f.write(data)
             self.pos += size
-            self.entries.append((name, crc, size, hoff))
+            self.entries.append((name, crc, size, hoff, 0, size))
             if self._behind is not None:
                 self._behind.written(self.pos)  # bytes still in the file object's buffer are left to the fsync
             if self.progress is not None:
@@ -110,7 +114,24 @@ class TorchZipWriter:
             self.f.seek(self.pos)
             copy_range(src, self.f, offset, size, progress=self.progress, behind=self._behind)
         self.pos += size
-        self.entries.append((name, crc, size, hoff))
+        self.entries.append((name, crc, size, hoff, 0, size))
+
+    def copy_compressed(self, record: str, src: BinaryIO, offset: int, csize: int, size: int, crc: int,
+                        method: int = 8) -> None:
+        """Copy a compressed record as it is: ``csize`` bytes at ``offset`` of ``src``, which inflate (``method``,
+        8 = deflate) to ``size`` bytes of CRC-32 ``crc``, become the record ``<archive>/<record>`` with the same
+        method, sizes and CRC. Nothing is inflated, so a rewrite costs the compressed size whatever the record
+        inflates to (``torch.load`` reads deflated records; ``mmap=True`` cannot map them, as for the source).
+
+        Raises:
+            CkptError: the source ended before ``csize`` bytes were copied.
+        """
+        name, hoff = self._begin(record, size, crc, csize, method)
+        self.f.flush()
+        self.f.seek(self.pos)
+        copy_range(src, self.f, offset, csize, progress=self.progress, behind=self._behind)
+        self.pos += csize
+        self.entries.append((name, crc, size, hoff, method, csize))
 
     def _patch_crc(self, header_offset: int, crc: int) -> None:
         here = self.f.tell()
@@ -142,21 +163,21 @@ class TorchZipWriter:
         f = self.f
         cd_start = self.pos
         out = bytearray()
-        for name, crc, size, off in self.entries:
+        for name, crc, size, off, method, csize in self.entries:
             zip64_fields = []
-            s32 = size
+            s32, c32 = size, csize
             o32 = off
-            if size >= _U32:
-                zip64_fields += [size, size]
-                s32 = _U32
+            if size >= _U32 or csize >= _U32:
+                zip64_fields += [size, csize]
+                s32 = c32 = _U32
             if off >= _U32:
                 zip64_fields.append(off)
                 o32 = _U32
             extra = struct.pack("<HH", 0x0001, 8 * len(zip64_fields)) + struct.pack(
                 f"<{len(zip64_fields)}Q", *zip64_fields) if zip64_fields else b""
             out += struct.pack(
-                "<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if zip64_fields else 20, 45 if zip64_fields else 20, 0, 0,
-                _DOS_DATE[0], _DOS_DATE[1], crc, s32, s32, len(name), len(extra), 0, 0, 0, 0, o32,
+                "<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if zip64_fields else 20, 45 if zip64_fields else 20, 0, method,
+                _DOS_DATE[0], _DOS_DATE[1], crc, c32, s32, len(name), len(extra), 0, 0, 0, 0, o32,
             ) + name + extra
         f.write(out)
         cd_size = len(out)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import io
 import mmap
 import pickle
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
 from ckptool.formats.nodes import GlobalMeta, PersistentRef, StorageRef, new_global
@@ -97,17 +97,41 @@ PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexEr
                  OverflowError, UnicodeDecodeError, RecursionError)
 
 
-class _FlatReader(io.BytesIO):
-    """A BytesIO whose ``peek`` returns everything left: CPython's C unpickler then keeps the whole pickle in its
-    input buffer and reads it as one flat stream (no per-opcode ``read`` calls, which is also faster), the view that
-    :func:`check_pickle` checked."""
+class _FlatReader:
+    """A read-only file over one buffer whose ``peek`` returns everything left: CPython's C unpickler then keeps the
+    whole pickle in its input buffer and reads it as one flat stream (no per-opcode ``read`` calls, which is also
+    faster), the view that :func:`check_pickle` checked. Nothing is copied: ``read`` and ``peek`` return
+    ``memoryview`` slices (the C unpickler takes any buffer)."""
 
-    def __init__(self, data: bytes) -> None:
-        super().__init__(data)
+    def __init__(self, data: bytes | bytearray) -> None:
         self._data = data
+        self._view = memoryview(data)
+        self._pos = 0
 
     def peek(self, size: int = 0) -> memoryview:  # pickle asks for a prefetch size; we give all
-        return memoryview(self._data)[self.tell():]  # no copy
+        return self._view[self._pos:]
+
+    def read(self, size: int = -1) -> memoryview:
+        start = self._pos
+        self._pos = len(self._view) if size is None or size < 0 else min(len(self._view), start + size)
+        return self._view[start:self._pos]
+
+    def readinto(self, b: bytearray | memoryview) -> int:
+        chunk = self.read(len(b))
+        b[:len(chunk)] = chunk
+        return len(chunk)
+
+    def readline(self, size: int = -1) -> bytes:
+        end = len(self._data) if size is None or size < 0 else min(len(self._data), self._pos + size)
+        nl = self._data.find(b"\n", self._pos, end)
+        return bytes(self.read((end if nl < 0 else nl + 1) - self._pos))
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def _flat_reader(data: bytes | bytearray) -> BinaryIO:
+    return cast(BinaryIO, _FlatReader(data))  # the C unpickler needs only read, readinto, readline and peek
 
 
 def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exact: bool = False,
@@ -127,8 +151,9 @@ def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exa
         UnsupportedError: tuple nesting too deep to read safely (see :func:`call_with_stack`).
     """
     end = check_pickle(buf, pos, what=what, exact=exact, strict_frames=strict_frames)
-    chunk = buf if (pos == 0 and end == len(buf) and type(buf) is bytes) else bytes(buf[pos:end])
-    up = RestrictedUnpickler(_FlatReader(chunk), storages=storages, global_cache=global_cache)
+    chunk = buf if (pos == 0 and end == len(buf) and type(buf) in (bytes, bytearray)) else bytes(buf[pos:end])
+    assert not isinstance(chunk, mmap.mmap)
+    up = RestrictedUnpickler(_flat_reader(chunk), storages=storages, global_cache=global_cache)
     try:
         root = call_with_stack(up.load, tuple_levels(chunk), what)
     except MemoryError as e:  # not the file's fault as such: say which file needed it (the CLI reports it)
@@ -150,7 +175,7 @@ def partial_globals(buf: PickleBuffer, start: int, stop: int) -> dict[tuple[str,
     a loader would have imported before failing. Never raises for bad data.
     """
     chunk = bytes(buf[start:stop])
-    up = RestrictedUnpickler(_FlatReader(chunk))
+    up = RestrictedUnpickler(_flat_reader(chunk))
     try:
         call_with_stack(up.load, tuple_levels(chunk))
     except (*PICKLE_ERRORS, CorruptCheckpointError, UnsupportedError):
@@ -181,7 +206,7 @@ def load_structure(data: bytes | bytearray | memoryview | BinaryIO, what: str = 
         UnsupportedError: tuple nesting too deep to read safely.
     """
     if isinstance(data, (bytes, bytearray, memoryview)):
-        buf = data if type(data) is bytes else bytes(data)
+        buf = bytes(data) if isinstance(data, memoryview) else data
         root, up, _end = load_pickle_at(buf, 0, what, exact=True, storages=storages, global_cache=global_cache)
         return root, up
     f = data

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 from typing import BinaryIO, NamedTuple
 
 from ckptool.errors import CorruptCheckpointError
@@ -23,9 +24,19 @@ _U32 = 0xFFFFFFFF
 #: the most bytes a compressed (deflated) record may inflate to: torch stores every record uncompressed, so only
 #: re-packed archives compress, and a small record inflating to gigabytes is a zip bomb
 MAX_INFLATE = 1 << 30
+#: inflation produces at most this many bytes per step (the unit of memory a zip bomb can cost before a check)
+INFLATE_CHUNK = 1 << 20
+#: compressed bytes are read this many at a time
+READ_CHUNK = 1 << 20
+#: a deflated member may declare this many inflated bytes, or :data:`MAX_RATIO` times its compressed size:
+#: torch's pickles deflate about 5 times (a 50,000-tensor data.pkl: 5.0 at level 9), tensors less; 1 MiB of
+#: deflated zeros inflates to 1 GiB
+FREE_INFLATE = 4 << 20
+MAX_RATIO = 16
 #: the largest central directory read (about 12 million records)
 MAX_DIRECTORY = 1 << 30
-_ENCRYPTED = 0x1 | 0x40  # general purpose flag bits 0 (encrypted) and 6 (strong encryption)
+#: general purpose flag bits 0 (encrypted) and 6 (strong encryption)
+ENCRYPTED = 0x1 | 0x40
 
 
 class ZipEntry(NamedTuple):
@@ -132,20 +143,37 @@ def data_offset(f: BinaryIO, entry: ZipEntry, path: str) -> int:
     return entry.header_offset + 30 + n + m
 
 
-def read_member(f: BinaryIO, entry: ZipEntry, path: str, *, limit: int | None = None,
-                check_crc: bool = True) -> bytes:
-    """The (inflated) bytes of ``entry``, checked against its CRC-32 unless ``check_crc=False``.
+def read_member(f: BinaryIO, entry: ZipEntry, path: str, *, limit: int | None = None, check_crc: bool = True,
+                watch: Callable[[bytearray], None] | None = None) -> bytes:
+    """The (inflated) bytes of ``entry``, checked against its CRC-32 unless ``check_crc=False``: :func:`member_buffer`
+    as ``bytes``.
 
-    A deflated member must inflate to exactly its declared size (as miniz, torch's zip reader, requires), and
-    that size may not exceed ``limit`` bytes (default :data:`MAX_INFLATE`): a zip bomb is refused in bounded time
-    and memory.
+    Raises:
+        CorruptCheckpointError: see :func:`member_buffer`.
+    """
+    data = member_buffer(f, entry, path, limit=limit, check_crc=check_crc, watch=watch)
+    return data if type(data) is bytes else bytes(data)
+
+
+def member_buffer(f: BinaryIO, entry: ZipEntry, path: str, *, limit: int | None = None, check_crc: bool = True,
+                  watch: Callable[[bytearray], None] | None = None) -> bytes | bytearray:
+    """The content of ``entry`` in one buffer: ``bytes`` for a stored member, a ``bytearray`` for a deflated one.
+
+    A deflated member is inflated as a stream (APPNOTE.TXT 4.4.5 method 8, ``zlib.decompressobj``): the compressed
+    bytes are read :data:`READ_CHUNK` at a time, the output grows :data:`INFLATE_CHUNK` at a time in one buffer, and
+    its CRC-32 is computed as it grows. Inflation stops, and the member is refused, as soon as the output passes the
+    declared size (as miniz, torch's zip reader, requires); before anything is inflated, a member that declares more
+    than ``limit`` bytes (default :data:`MAX_INFLATE`), or, past :data:`FREE_INFLATE` bytes, more than
+    :data:`MAX_RATIO` times its compressed size, is refused. A zip bomb costs at most a few chunks of memory and
+    time. ``watch(buffer)``, if given, is called after each chunk and may raise to refuse the
+    member early (the pickle reader checks the opcodes that have arrived).
 
     Raises:
         CorruptCheckpointError: truncated data, a bad CRC, an encrypted member, a member that inflates past (or
-            short of) its declared size or past ``limit``, or an unsupported compression method.
+            short of) its declared size, past ``limit`` or past the ratio, or an unsupported compression method.
     """
     limit = MAX_INFLATE if limit is None else limit
-    if entry.flags & _ENCRYPTED:
+    if entry.flags & ENCRYPTED:
         raise CorruptCheckpointError(f"{path}: {entry.name!r} is encrypted; torch cannot read it either")
     if entry.method == 0 and entry.compress_size != entry.file_size:
         raise CorruptCheckpointError(
@@ -155,32 +183,70 @@ def read_member(f: BinaryIO, entry: ZipEntry, path: str, *, limit: int | None = 
         raise CorruptCheckpointError(
             f"{path}: {entry.name!r} declares {entry.file_size} bytes once inflated, over ckptool's limit of {limit} "
             "bytes for compressed records (a zip bomb?); torch never compresses records: re-save the checkpoint")
-    start = data_offset(f, entry, path)
-    f.seek(start)
-    data = f.read(entry.compress_size)
-    if len(data) != entry.compress_size:
-        raise CorruptCheckpointError(f"{path}: {entry.name!r} is truncated; re-download the file")
-    if entry.method == 8:
-        d = zlib.decompressobj(-15)
+    if entry.method not in (0, 8):
+        raise CorruptCheckpointError(f"{path}: {entry.name!r} uses unsupported compression method {entry.method}")
+    if entry.method == 8 and entry.file_size > max(FREE_INFLATE, MAX_RATIO * entry.compress_size):
+        raise CorruptCheckpointError(
+            f"{path}: {entry.name!r} declares {entry.file_size} bytes once inflated from {entry.compress_size}, more "
+            f"than {MAX_RATIO} times its compressed size past {FREE_INFLATE >> 20} MiB (a zip bomb?); torch never "
+            "compresses records: if you trust the file, re-save it with torch.save")
+    f.seek(data_offset(f, entry, path))
+    if entry.method == 0:
+        data = f.read(entry.compress_size)
+        if len(data) != entry.compress_size:
+            raise CorruptCheckpointError(f"{path}: {entry.name!r} is truncated; re-download the file")
+        if check_crc and zlib.crc32(data) != entry.crc:
+            raise _bad_crc(path, entry)
+        return data
+    out, crc = _inflate(f, entry, path, watch)
+    if check_crc and crc != entry.crc:
+        raise _bad_crc(path, entry)
+    return out
+
+
+def _bad_crc(path: str, entry: ZipEntry) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: {entry.name!r} fails its CRC-32 check; the file is damaged, re-download it")
+
+
+def _inflate(f: BinaryIO, entry: ZipEntry, path: str,
+             watch: Callable[[bytearray], None] | None) -> tuple[bytearray, int]:
+    """Inflate ``entry`` (``f`` positioned at its data) into one bytearray; returns it and its CRC-32."""
+    declared = entry.file_size
+    d = zlib.decompressobj(-15)
+    out = bytearray()
+    crc = 0
+    left = entry.compress_size
+    pending = b""
+    while not d.eof:
+        if not pending:
+            if left <= 0:
+                raise CorruptCheckpointError(
+                    f"{path}: {entry.name!r} inflates to {len(out)} bytes before its data ends, not its declared "
+                    f"{declared}; the file is damaged")
+            pending = f.read(min(READ_CHUNK, left))
+            if not pending:
+                raise CorruptCheckpointError(f"{path}: {entry.name!r} is truncated; re-download the file")
+            left -= len(pending)
         try:
-            out = d.decompress(data, entry.file_size + 1)
+            piece = d.decompress(pending, INFLATE_CHUNK)
         except zlib.error as e:
             raise CorruptCheckpointError(f"{path}: {entry.name!r} does not inflate ({e}); the file is damaged") from e
-        if len(out) > entry.file_size or (d.unconsumed_tail and not d.eof):
+        pending = d.unconsumed_tail
+        if not piece:
+            continue
+        n = len(out) + len(piece)
+        if n > declared:
             raise CorruptCheckpointError(
-                f"{path}: {entry.name!r} inflates past its declared size of {entry.file_size} bytes (a zip bomb or "
+                f"{path}: {entry.name!r} inflates past its declared size of {declared} bytes (a zip bomb or "
                 "a damaged file); refusing to read it")
-        if not d.eof or len(out) != entry.file_size:
-            raise CorruptCheckpointError(
-                f"{path}: {entry.name!r} inflates to {len(out)} bytes{'' if d.eof else ' before its data ends'}, not "
-                f"its declared {entry.file_size}; the file is damaged")
-        data = out
-    elif entry.method != 0:
-        raise CorruptCheckpointError(f"{path}: {entry.name!r} uses unsupported compression method {entry.method}")
-    if check_crc and zlib.crc32(data) != entry.crc:
+        out += piece
+        crc = zlib.crc32(piece, crc)
+        if watch is not None:
+            watch(out)
+    if len(out) != declared:
         raise CorruptCheckpointError(
-            f"{path}: {entry.name!r} fails its CRC-32 check; the file is damaged, re-download it")
-    return data
+            f"{path}: {entry.name!r} inflates to {len(out)} bytes, not its declared {declared}; the file is damaged")
+    return out, crc
 
 
 def read_member_head(f: BinaryIO, entry: ZipEntry, path: str, n: int = 8) -> bytes:
@@ -191,7 +257,7 @@ def read_member_head(f: BinaryIO, entry: ZipEntry, path: str, n: int = 8) -> byt
         CorruptCheckpointError: an encrypted member, a local header that is missing, data that does not inflate, or
             an unsupported compression method.
     """
-    if entry.flags & _ENCRYPTED:
+    if entry.flags & ENCRYPTED:
         raise CorruptCheckpointError(f"{path}: {entry.name!r} is encrypted; torch cannot read it either")
     f.seek(data_offset(f, entry, path))
     if entry.method == 0:

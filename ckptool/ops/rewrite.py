@@ -24,7 +24,7 @@ from ckptool.formats.nodes import StorageRef
 from ckptool.formats.pickler import PicklerError, dumps
 from ckptool.formats.torchfile import Checkpoint, resolve_zip_offsets
 from ckptool.formats.torchzip import TorchZipWriter
-from ckptool.formats.zipdir import read_member
+from ckptool.formats.zipdir import ENCRYPTED
 from ckptool.model.devices import LocationFn, location_function
 
 
@@ -142,10 +142,15 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
                 if rec.name == "data.pkl":
                     w.write_bytes("data.pkl", data_pkl)
                 elif rec.zipinfo is not None and rec.zipinfo.method != 0:
-                    # torch never compresses records; a re-packed file might: store the inflated bytes
-                    w.write_bytes(rec.name, read_member(src, rec.zipinfo, ck.path))
-                    if progress is not None:
-                        progress(rec.size)
+                    # torch never compresses records; a re-packed file might: copy the compressed bytes as they are
+                    # (never inflated: a small record may inflate to gigabytes)
+                    zi = rec.zipinfo
+                    if zi.method != 8 or zi.flags & ENCRYPTED:
+                        raise CorruptCheckpointError(f"{ck.path}: record {rec.name!r} uses compression method "
+                                                     f"{zi.method} (or is encrypted); torch cannot read it")
+                    if rec.offset + zi.compress_size > ck.size:
+                        raise CorruptCheckpointError(f"{ck.path}: record {rec.name!r} is truncated; re-download it")
+                    w.copy_compressed(rec.name, src, rec.offset, zi.compress_size, zi.file_size, zi.crc)
                 else:
                     if rec.offset + rec.size > ck.size:
                         raise CorruptCheckpointError(f"{ck.path}: record {rec.name!r} is truncated; re-download it")

@@ -8,11 +8,9 @@ renamed into place only once written (and verified); on any failure the staging 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from typing import Any, BinaryIO
 
-from ckptool._fileio import TMP_SUFFIX, temp_prefix
+from ckptool._fileio import temp_path
 from ckptool.errors import UsageError
 from ckptool.formats.dcp import DcpMetadata
 from ckptool.ops.convert.outputs import scratch_file
@@ -76,9 +74,7 @@ def write_dcp(state: dict[str, Any], dst: str, verify: bool, res: ConvertResult)
         VerificationError: a tensor reads back differently (nothing is kept).
     """
     check_dcp_target(dst)
-    parent = os.path.dirname(os.path.abspath(dst))
-    stage = tempfile.mkdtemp(prefix=temp_prefix(dst), suffix=TMP_SUFFIX, dir=parent)
-    try:
+    with temp_path(dst, folder=True) as stage:  # removed on any failure; a killed run's is removed next time
         res.tensors = res.stored = save_dcp(state, stage)
         if verify:
             with scratch_file(dst) as back:
@@ -89,8 +85,5 @@ def write_dcp(state: dict[str, Any], dst: str, verify: bool, res: ConvertResult)
         if os.path.isdir(dst):
             os.rmdir(dst)
         os.replace(stage, dst)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
     res.files = sorted(os.path.join(dst, n) for n in os.listdir(dst))
     res.bytes_written = sum(os.path.getsize(p) for p in res.files)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 
-from ckptool._fileio import TMP_SUFFIX, atomic_output, remove_stale_temps, same_file, temp_prefix
+from ckptool._fileio import atomic_output, same_file, temp_path
 from ckptool.errors import OutputError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES
 from ckptool.formats.sharded import SetLayout, encode_index, output_layout
@@ -20,24 +19,16 @@ from ckptool.ops.convert.write import Files, archive_name, emit, write_safetenso
 
 @contextlib.contextmanager
 def scratch_file(near: str) -> Iterator[str]:
-    """A temporary file path beside ``near`` (same filesystem), removed afterwards. It is named as
-    :func:`ckptool._fileio.atomic_output` names its temporary files, so a run killed outright leaves nothing that
-    the next write of ``near`` does not remove (:func:`ckptool._fileio.remove_stale_temps`).
+    """A temporary file path beside ``near`` (same filesystem), removed afterwards
+    (:func:`ckptool._fileio.temp_path`: named as :func:`ckptool._fileio.atomic_output` names its temporary files,
+    so a run killed outright leaves nothing that the next write of ``near`` does not remove).
 
     Raises:
         UsageError: the folder of ``near`` does not exist.
+        OutputError: the file cannot be made there.
     """
-    folder = os.path.dirname(os.path.abspath(near))
-    if not os.path.isdir(folder):
-        raise UsageError(f"output folder {folder} does not exist; create it first or choose another -o path")
-    remove_stale_temps(near)
-    fd, p = tempfile.mkstemp(prefix=temp_prefix(near), suffix=TMP_SUFFIX, dir=folder)
-    os.close(fd)
-    try:
+    with temp_path(near) as p:
         yield p
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(p)
 
 
 def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, cast: str | None,

@@ -232,8 +232,9 @@ def torch_source(path: str, fmt: str, key: str | None) -> Source:
                 raise CorruptCheckpointError(f"{path}: storage {ref.key!r} of {name!r} has no data record; "
                                              "the file is damaged, re-download or re-save it")
             if rec.zipinfo is not None and rec.zipinfo.method != 0:
-                raise UnsupportedError(f"{path}: record data/{ref.key} is compressed; torch never writes that. "
-                                       f"Re-save the file with torch.save (or `ckptool remap {path} --to cpu`) first")
+                raise UnsupportedError(f"{path}: record data/{ref.key} is compressed; torch never writes that and "
+                                       "ckptool does not inflate records. Load the file with torch.load and re-save "
+                                       "it with torch.save first")
             nbytes = storage_nbytes(ref)
             if rec.size != nbytes:
                 raise CorruptCheckpointError(
