@@ -50,6 +50,8 @@ def _print_info(info: CheckpointInfo, limit: int | None) -> None:
     uses = Counter(t.storage_key for t in info.tensors if t.storage_key is not None)
     shared = sum(n for n in uses.values() if n > 1)
     echo(f"File:     {info.path} ({human_bytes(info.size)})")
+    if info.bytes_read is not None:
+        echo(f"Read:     {human_bytes(info.bytes_read)} over the network (range requests; tensor data not read)")
     echo(f"Format:   {info.format}")
     echo(f"Kind:     {info.kind}")
     echo(f"Tensors:  {len(info.tensors)} tensors, {info.storages} storages, {human_bytes(info.total_bytes)} in "

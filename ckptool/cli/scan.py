@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from ckptool.cli._common import emit_json, is_quiet, json_option
+from ckptool.cli._common import emit_json, human_bytes, is_quiet, json_option
 from ckptool.ops.scan import ScanResult, exit_status, scan
 
 #: how each verdict is written on the first line of a file's report
@@ -29,6 +29,8 @@ def _print_result(res: ScanResult, show_all: bool, strict: bool) -> None:
         click.echo(tabulate(rows, headers=["level", "global", "why", "in"]))
     if res.error:
         click.echo(f"  error: {res.error}")
+    if res.bytes_read is not None:
+        click.echo(f"  read {human_bytes(res.bytes_read)} over the network")
     for p in res.pickles:
         if p.error:
             click.echo(f"  error in {p.where}: {p.error}")

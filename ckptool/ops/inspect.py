@@ -19,6 +19,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from ckptool import _source as source
 from ckptool._gc import gc_paused
 from ckptool.errors import CkptError, CorruptCheckpointError
 from ckptool.formats import detect as formats
@@ -133,7 +134,9 @@ class CheckpointInfo:
     location tag -> bytes of distinct storages there (each storage once); ``totals`` the same per location tag and
     dtype (:class:`ByteTotal`); ``storages`` counts distinct storages; ``metadata`` holds safetensors
     ``__metadata__``; ``values`` the non-tensor entries (:class:`~ckptool.ops.inspect_values.ValueInfo`), all of
-    them unless ``values_complete`` is False (cut by :class:`~ckptool.ops.inspect_values.PreviewLimits`).
+    them unless ``values_complete`` is False (cut by :class:`~ckptool.ops.inspect_values.PreviewLimits`);
+    ``bytes_read`` the bytes transferred to read a URL (range requests: the zip directory, the pickle, headers),
+    None for a local path.
     """
 
     path: str
@@ -150,6 +153,7 @@ class CheckpointInfo:
     totals: list[ByteTotal] = field(default_factory=list)
     values: list[ValueInfo] = field(default_factory=list)
     values_complete: bool = True
+    bytes_read: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (``dataclasses.asdict`` without its deep copies: fast for 50,000 tensors), with
@@ -303,6 +307,15 @@ def inspect(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -
         UnsupportedError: tuple nesting too deep to read safely.
     """
     path = os.fspath(path)
+    if not source.is_url(path):
+        return _inspect(path, limits)
+    start = source.bytes_transferred()
+    info = _inspect(path, limits)
+    info.bytes_read = source.bytes_transferred() - start
+    return info
+
+
+def _inspect(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
     if is_checkpoint_set(path):  # sharded sets and DCP folders
         return inspect_set(path, limits)
     fmt = formats.detect_format(path)
@@ -363,7 +376,7 @@ def _inspect_safetensors(path: str) -> CheckpointInfo:
     sds = [_state_dict_info("", [t.key for t in tensors])]
     totals = _one_storage_each(tensors)
     return CheckpointInfo(
-        path, formats.SAFETENSORS, "tensors", os.path.getsize(path), tensors,
+        path, formats.SAFETENSORS, "tensors", source.file_size(path), tensors,
         {"cpu": len(tensors)} if tensors else {}, {"cpu": sum(t.nbytes for t in tensors)}, sds, [],
         storages=len(tensors), metadata=meta if isinstance(meta, dict) else None, totals=totals,
     )
@@ -404,7 +417,7 @@ def _inspect_index(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
     totals: list[list[ByteTotal]] = []
     values: list[ValueInfo] = []
     complete = True
-    size = os.path.getsize(path)
+    size = source.file_size(path)
     storages = 0
     fmts = set()
     for shard in index.shards:

@@ -43,7 +43,6 @@ Nothing is imported or called while scanning: the pickles are read by :mod:`ckpt
 from __future__ import annotations
 
 import io
-import mmap
 import os
 import struct
 import tarfile
@@ -52,6 +51,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from ckptool import _source as source
 from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import STORAGE_TYPES
@@ -121,7 +121,8 @@ class ScanResult:
     ``format`` is the container recognised from the bytes (``torch-zip``, ``torchscript``, ``zip``,
     ``torch-legacy``, ``legacy-tar``, ``pickle``, ``safetensors``, or ``unknown``); ``notes`` list container
     oddities (data after the last pickle, bad CRC-32, duplicate member names, unreadable extra members...);
-    ``error`` says why the file could not be read at all.
+    ``error`` says why the file could not be read at all; ``bytes_read`` the bytes transferred to scan a URL
+    (range requests for zip and safetensors files), None for a local path.
     """
 
     path: str
@@ -130,6 +131,7 @@ class ScanResult:
     globals: list[GlobalFinding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     error: str | None = None
+    bytes_read: int | None = None
 
     @property
     def readable(self) -> bool:
@@ -183,7 +185,7 @@ class ScanResult:
             "format": self.format, "error": self.error,
             "globals": [g.to_dict() for g in self.globals],
             "pickles": [vars(p).copy() for p in self.pickles],
-            "notes": list(self.notes),
+            "notes": list(self.notes), "bytes_read": self.bytes_read,
         }
 
 
@@ -512,16 +514,14 @@ def scan_file(path: str | os.PathLike[str]) -> ScanResult:
     path = os.fspath(path)
     res = ScanResult(path)
     sc = _Scanner(res)
+    start = source.bytes_transferred()
     try:
         formats.check_readable(path)
-        with open(path, "rb") as f:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            try:
-                res.format = sc.any(buf, "", 0, f)
-                if res.format == formats.SAFETENSORS:
-                    read_header(path)
-            finally:
-                buf.close()
+        # a URL: the zip / safetensors paths read by range (its directory, pickles and headers); others are copied
+        with source.open_binary(path) as f, source.whole_view(f, lazy=_indexed) as buf:
+            res.format = sc.any(buf, "", 0, f)
+            if res.format == formats.SAFETENSORS:
+                read_header(path)
     except _NotAPickle:
         res.error = _not_a_pickle(path)
     except CkptError as e:
@@ -532,7 +532,15 @@ def scan_file(path: str | os.PathLike[str]) -> ScanResult:
         res.error = _not_a_pickle(path)  # a PNG starts with a byte that is also an opcode: say what it is
     if res.format in ("zip", formats.TORCH_ZIP) and not res.pickles and not res.error:
         res.notes.append("the zip holds no pickle")
+    if source.is_url(path):
+        res.bytes_read = source.bytes_transferred() - start
     return res
+
+
+def _indexed(head: bytes) -> bool:
+    """True for the layouts scanned through their index (zip directory, safetensors header), which a remote file
+    can give by range requests."""
+    return head.startswith((_ZIP_LOCAL, _ZIP_EOCD)) or head[8:9] == b"{"
 
 
 def _not_a_pickle(path: str) -> str:
@@ -557,6 +565,11 @@ def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
     """
     for given in paths:
         p = os.fspath(given)
+        if source.is_url(p):  # one remote file (folders are walked only on disk)
+            if source.kind(p) != "file":
+                raise UsageError(f"{p}: no such file; check the URL (give a file, not a folder)")
+            yield p
+            continue
         if not os.path.exists(p):
             raise UsageError(f"{p}: no such file or directory; check the path")
         if not os.path.isdir(p):
