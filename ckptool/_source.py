@@ -305,6 +305,26 @@ def whole_view(f: BinaryIO, *, lazy: Callable[[bytes], bool] | None = None) -> I
             whole.close()
 
 
+@contextlib.contextmanager
+def local_copy(url: str) -> Iterator[str]:
+    """A local copy of the file at ``url``, for readers that need a path (``torch.load``, ``safetensors``'
+    ``load_file``, ``torch.jit.load``): downloaded in :data:`CHUNK`-byte pieces (memory bounded by one piece) to a
+    fresh folder in the system temporary folder under the URL's file name, and removed on exit.
+
+    Raises:
+        UsageError: nothing at ``url``.
+        RemoteError: the download failed (nothing is left behind).
+    """
+    folder = tempfile.mkdtemp(prefix="ckptool-")
+    try:
+        local = os.path.join(folder, url.rstrip("/").rsplit("/", 1)[-1] or "checkpoint")
+        with open_binary(url) as f, open(local, "wb") as out:
+            shutil.copyfileobj(f, out, CHUNK)
+        yield local
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def upload(local: str, url: str) -> None:
     """Copy the local file ``local`` to ``url`` (``fs.open(url, "wb")``, :data:`CHUNK` bytes at a time); the object
     exists only once the copy is complete (the close commits it: S3 completes its multipart upload). On any failure
