@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -30,9 +30,9 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 pytest.importorskip("aiohttp")
 
-import fsspec  # noqa: E402
+import fsspec
 
-import ckptool  # noqa: E402
+import ckptool
 
 REAL = Path(__file__).resolve().parent.parent / "fixtures" / "real" / "lpips-v0.1-alex.pth"
 MB = 1 << 20
@@ -282,6 +282,21 @@ def test_legacy_file_over_http(http: _Files, run_cli: Any) -> None:
     assert ckptool.scan_file(_url(http, "legacy.pth")).verdict == "safe"
 
 
+def test_sharded_index_over_http(http: _Files, run_cli: Any) -> None:
+    from safetensors.torch import save_file
+
+    parts = [{"a.weight": torch.randn(4, 4)}, {"b.weight": torch.randn(3)}]
+    wm = {}
+    for i, part in enumerate(parts):
+        name = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file(part, str(http.root / name))
+        wm.update(dict.fromkeys(part, name))
+    (http.root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    info = ckptool.inspect(_url(http, "model.safetensors.index.json"))
+    assert info.format == "sharded-safetensors" and {t.key for t in info.tensors} == {"a.weight", "b.weight"}
+    assert info.bytes_read
+
+
 def test_load_into_from_url(s3: Any, http: _Files) -> None:
     model = torch.nn.Linear(8, 4)
     want = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
@@ -329,8 +344,8 @@ def test_failed_upload_is_discarded(tmp_path: Path) -> None:
 
     class FlakyFS(MemoryFileSystem):
         protocol = "flakymem"
-        store: dict[str, Any] = {}
-        pseudo_dirs = [""]
+        store: ClassVar[dict[str, Any]] = {}
+        pseudo_dirs: ClassVar[list[str]] = [""]
 
         def _open(self, path: str, mode: str = "rb", **kw: Any) -> Any:
             if mode == "wb":

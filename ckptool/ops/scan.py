@@ -179,14 +179,17 @@ class ScanResult:
 
     def to_dict(self, *, strict: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (what ``ckptool scan --json`` prints for each file): ``verdict`` (the strict one when
-        ``strict``), ``level``, and each global with its ``status`` and ``level``."""
-        return {
+        ``strict``), ``level``, each global with its ``status`` and ``level``, and for a URL ``bytes_read``."""
+        d = {
             "path": self.path, "verdict": self.strict_verdict if strict else self.verdict, "level": self.level,
             "format": self.format, "error": self.error,
             "globals": [g.to_dict() for g in self.globals],
             "pickles": [vars(p).copy() for p in self.pickles],
-            "notes": list(self.notes), "bytes_read": self.bytes_read,
+            "notes": list(self.notes),
         }
+        if self.bytes_read is not None:  # a URL: the bytes transferred
+            d["bytes_read"] = self.bytes_read
+        return d
 
 
 def exit_status(results: Iterable[ScanResult], *, strict: bool = False) -> int:
