@@ -242,8 +242,10 @@ def _remote_output(dst: str) -> Iterator[BinaryIO]:
             os.unlink(tmp)
 
 
-def file_mode(path: str) -> int:
-    """Permission bits of ``path`` (to keep them on an in-place rewrite)."""
+def file_mode(path: str) -> int | None:
+    """Permission bits of ``path`` (to keep them on an in-place rewrite); None for a URL (no such bits)."""
+    if source.is_url(path):
+        return None
     return stat.S_IMODE(os.stat(path).st_mode)
 
 

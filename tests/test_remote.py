@@ -367,3 +367,26 @@ def test_local_paths_do_not_import_fsspec(tmp_path: Path) -> None:
     code = (f"import sys, ckptool; ckptool.inspect({str(p)!r}); ckptool.scan_file({str(p)!r}); "
             "assert 'fsspec' not in sys.modules, 'fsspec imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
+
+
+def test_in_place_rewrite_of_a_url_and_folder_outputs_refused(run_cli: Any) -> None:
+    fs = fsspec.filesystem("memory")
+    buf = io.BytesIO()
+    torch.save({"module.w": torch.randn(4)}, buf)
+    fs.pipe("/ip/m.pth", buf.getvalue())
+    r = run_cli("strip-dataparallel", "memory://ip/m.pth", "--in-place")
+    assert r.exit_code == 0, r.output
+    assert list(_load_url("memory://ip/m.pth")) == ["w"]
+    r = run_cli("convert", "memory://ip/m.pth", "--max-shard-size", "1KB", "-o", "memory://ip/shards")
+    assert r.exit_code == 2 and "an output URL takes one file" in r.output
+    assert not fs.exists("/ip/shards")
+
+
+def test_missing_fsspec_names_the_extra(tmp_path: Path) -> None:
+    code = ("import sys; sys.modules['fsspec'] = None; sys.modules['fsspec.core'] = None; "
+            "sys.argv = ['ckptool', 'inspect', 's3://bucket/model.pth']; from ckptool.cli import main; main()")
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: reading s3://bucket/model.pth needs fsspec"), r.stderr
+    assert "pip install 'ckptool[remote]'" in lines[0]

@@ -180,7 +180,7 @@ class ScanResult:
     def to_dict(self, *, strict: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (what ``ckptool scan --json`` prints for each file): ``verdict`` (the strict one when
         ``strict``), ``level``, each global with its ``status`` and ``level``, and for a URL ``bytes_read``."""
-        d = {
+        d: dict[str, Any] = {
             "path": self.path, "verdict": self.strict_verdict if strict else self.verdict, "level": self.level,
             "format": self.format, "error": self.error,
             "globals": [g.to_dict() for g in self.globals],
