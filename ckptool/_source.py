@@ -334,9 +334,12 @@ def upload(local: str, url: str) -> None:
         RemoteError: the destination could not be written.
     """
     fs, p = _filesystem(url)
+    # parts of CHUNK bytes (S3 takes parts of 5 MiB and more, 10,000 at most): fsspec's default of 50 MiB made
+    # the upload hold several copies of a part
+    block = max(CHUNK, -(-os.path.getsize(local) // 9000))
     out: Any = None
     try:
-        out = fs.open(p, "wb")
+        out = fs.open(p, "wb", block_size=block)
         with open(local, "rb") as src:
             while True:
                 piece = src.read(CHUNK)
