@@ -65,9 +65,10 @@ def _filesystem(url: str) -> tuple[Any, str]:
 
         fs, fspath = fsspec.core.url_to_fs(url)
         return fs, str(fspath)
-    except ImportError as e:
-        raise RemoteError(f"reading {url} needs {getattr(e, 'name', None) or 'fsspec'} ({_short(e)}); "
-                          f"install it with: {REMOTE_EXTRA}", url) from e
+    except ImportError as e:  # fsspec itself, or the package of the scheme (s3fs, gcsfs, huggingface_hub...)
+        what = e.name or "the package fsspec uses for this scheme"
+        raise RemoteError(f"{url} needs {what}, which is not installed ({_short(e)}); install it: "
+                          f"{REMOTE_EXTRA} adds fsspec and s3fs (s3://, http(s)://)", url) from e
     except ValueError as e:
         raise RemoteError(f"{url}: {_short(e)}; check the URL's scheme", url) from e
 

@@ -388,5 +388,5 @@ def test_missing_fsspec_names_the_extra(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: reading s3://bucket/model.pth needs fsspec"), r.stderr
+    assert len(lines) == 1 and lines[0].startswith("Error: s3://bucket/model.pth needs fsspec, which is not installed"), r.stderr
     assert "pip install 'ckptool[remote]'" in lines[0]

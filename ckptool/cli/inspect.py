@@ -34,6 +34,9 @@ def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int) -> None:
     entries (epoch, steps, learning rates, hyper-parameters, scaler state; RNG states as "RNG state (N bytes)"),
     and the globals the pickle would import, marked by whether torch.load(weights_only=True) allows them. Torch is
     not imported and nothing from the file is run.
+
+    PATH may be a URL fsspec reads (s3://, gs://, http(s)://, hf://; pip install 'ckptool[remote]'): only the
+    zip directory, the pickle and the headers are fetched, by range requests, and the bytes read are shown.
     """
     info = inspect(path, ALL_VALUES) if show_all else inspect(path)
     if as_json:
