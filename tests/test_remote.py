@@ -282,7 +282,7 @@ def test_legacy_file_over_http(http: _Files, run_cli: Any) -> None:
     assert ckptool.scan_file(_url(http, "legacy.pth")).verdict == "safe"
 
 
-def test_sharded_index_over_http(http: _Files, run_cli: Any) -> None:
+def test_sharded_index_over_http(http: _Files, tmp_path: Path, run_cli: Any) -> None:
     from safetensors.torch import save_file
 
     parts = [{"a.weight": torch.randn(4, 4)}, {"b.weight": torch.randn(3)}]
@@ -292,9 +292,15 @@ def test_sharded_index_over_http(http: _Files, run_cli: Any) -> None:
         save_file(part, str(http.root / name))
         wm.update(dict.fromkeys(part, name))
     (http.root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
-    info = ckptool.inspect(_url(http, "model.safetensors.index.json"))
+    index = _url(http, "model.safetensors.index.json")
+    info = ckptool.inspect(index)
     assert info.format == "sharded-safetensors" and {t.key for t in info.tensors} == {"a.weight", "b.weight"}
     assert info.bytes_read
+    out = tmp_path / "merged.pth"
+    r = run_cli("convert", index, "-o", out)
+    assert r.exit_code == 0, r.output
+    assert _sd_bytes(torch.load(out, weights_only=True)) == _sd_bytes({**parts[0], **parts[1]})
+    assert ckptool.diff(index, str(out)).identical
 
 
 def test_load_into_from_url(s3: Any, http: _Files) -> None:
