@@ -394,5 +394,6 @@ def test_missing_fsspec_names_the_extra(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: s3://bucket/model.pth needs fsspec, which is not installed"), r.stderr
+    want = "Error: s3://bucket/model.pth needs fsspec, which is not installed"
+    assert len(lines) == 1 and lines[0].startswith(want), r.stderr
     assert "pip install 'ckptool[remote]'" in lines[0]
