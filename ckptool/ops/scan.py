@@ -49,9 +49,10 @@ import tarfile
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ckptool import _source as source
+from ckptool._source import RangeView
 from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import STORAGE_TYPES
@@ -540,10 +541,15 @@ def scan_file(path: str | os.PathLike[str]) -> ScanResult:
     return res
 
 
-def _indexed(head: bytes) -> bool:
-    """True for the layouts scanned through their index (zip directory, safetensors header), which a remote file
-    can give by range requests."""
-    return head.startswith((_ZIP_LOCAL, _ZIP_EOCD)) or head[8:9] == b"{"
+def _indexed(view: RangeView) -> bool:
+    """True for the layouts scanned through their index, which a remote file gives by range requests: safetensors
+    (its header) and a zip with nothing after its end record (its directory and members). Anything else is walked
+    from the start (pickles in a row, data appended after a zip) and read whole."""
+    head = view[:512]
+    if head[8:9] == b"{":
+        return True
+    # _zip_end only takes len() and slices, which a RangeView gives by range requests
+    return head.startswith((_ZIP_LOCAL, _ZIP_EOCD)) and _zip_end(cast("PickleBuffer", view)) == len(view)
 
 
 def _not_a_pickle(path: str) -> str:
