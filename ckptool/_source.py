@@ -33,7 +33,7 @@ from ckptool.errors import RemoteError, UsageError
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
 #: the read buffer of a remote reader: the smallest range request (small reads of a zip's local headers and the
-#: first bytes share one), and what a seek within it costs nothing
+#: first bytes share one); a seek within it costs no request
 BLOCK = 32 << 10
 #: the size of the pieces in which :func:`upload` and :func:`spool` move bytes (memory bounded by one piece)
 CHUNK = 8 << 20

@@ -60,7 +60,8 @@ def check_readable(path: str) -> int:
         if found is None:
             raise UsageError(f"{path}: no such file; check the URL")
         if found == "directory":
-            raise UsageError(f"{path} is a directory; give a checkpoint file")
+            raise UsageError(f"{path} is a folder; over a URL give a checkpoint file or a sharded set's *.index.json "
+                             "(torch.distributed.checkpoint folders are read on disk only)")
         size = source.file_size(path)
         if size == 0:
             raise NotACheckpointError(f"{path} is empty (0 bytes); re-upload or re-save the checkpoint")
