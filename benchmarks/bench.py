@@ -9,6 +9,9 @@ Usage::
     # quick smoke run (CI): --size-gib 0.05 --many 500 --repeat 1, exit 1 if a ckptool command fails
     python benchmarks/bench.py --smoke
 
+    # ckptool diff of two files against torch.load + loop (benchmarks/bench_diff.py; its smoke run is in --smoke)
+    python benchmarks/bench.py diff [--size-gib 2.0] [--repeat 3] [--json]
+
 What it does
 ------------
 1. Builds two checkpoints in the work dir, every storage tagged ``cuda:1`` (written on a CPU-only
@@ -94,6 +97,8 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+
+import bench_diff  # benchmarks/ is on sys.path when this file runs as a script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, "fixtures")
@@ -596,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
             failed += [f"remap ({case}): {c['message']}" for case, c in checks.items() if not c["ok"]]
             for line in failed:
                 log(f"smoke run FAILED: {line}")
-            if failed:
+            if failed or bench_diff.main(["--smoke"]):  # ckptool diff against torch.load + loop (bench_diff.py)
                 return 1
     finally:
         for out in outs:
@@ -618,5 +623,7 @@ if __name__ == "__main__":
         _child_build(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     elif len(sys.argv) > 1 and sys.argv[1] == "_check":  # internal: run in a child by check_remap_output
         _child_check(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    elif len(sys.argv) > 1 and sys.argv[1] == "diff":  # `bench.py diff [options]`: benchmarks/bench_diff.py
+        sys.exit(bench_diff.main(sys.argv[2:]))
     else:
         sys.exit(main())

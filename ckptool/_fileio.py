@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, BinaryIO, cast
 
+from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, OutputError, UsageError, os_error_advice
 
 CHUNK = 8 << 20
@@ -243,11 +244,20 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
 
     ``mode`` sets the permission bits of the result (default: ``0o666`` less the umask, as for a new file).
 
+    A URL ``dst`` (``s3://...``, see :mod:`ckptool._source`): the temporary file is made in the system temporary
+    folder (``TMPDIR``) and uploaded to ``dst`` only once the block has finished (:func:`ckptool._source.upload`,
+    which discards a failed upload, so no partial object is left); it is removed in every case.
+
     Raises:
         UsageError: the destination folder does not exist or ``dst`` is a directory.
         OutputError: the temporary file could not be made (its ``path`` is the folder) or writing, fsyncing or
             renaming it failed (its ``path`` is ``dst``); nothing was left behind.
+        RemoteError: the upload to a URL ``dst`` failed; nothing was left there.
     """
+    if source.is_url(dst):
+        with _remote_output(dst) as f:
+            yield f
+        return
     dst = os.path.abspath(dst)
     if os.path.islink(dst):
         dst = os.path.realpath(dst)  # write through the link: its target is replaced, the link stays
@@ -294,8 +304,37 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
             os.close(dfd)
 
 
-def file_mode(path: str) -> int:
-    """Permission bits of ``path`` (to keep them on an in-place rewrite)."""
+@contextlib.contextmanager
+def _remote_output(dst: str) -> Iterator[BinaryIO]:
+    """:func:`atomic_output` for a URL: a local temporary file, uploaded when the block finishes."""
+    folder = tempfile.gettempdir()
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(dst), suffix=TMP_SUFFIX, dir=folder)
+    except OSError as e:
+        advice = os_error_advice(e.errno) or "set TMPDIR to a folder with room for the output"
+        raise OutputError(f"cannot write in {folder}: {e.strerror or e}; {advice}", folder, e.errno) from e
+    f = _OutputFile(fd, dst)
+    try:
+        try:
+            yield f
+        except OSError as e:
+            if e.filename is None and e.errno in _WRITE_ERRNOS:
+                raise _write_error(dst, e) from e
+            raise
+        f.close()
+        source.upload(tmp, dst)
+    except BaseException:
+        f.discard()
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def file_mode(path: str) -> int | None:
+    """Permission bits of ``path`` (to keep them on an in-place rewrite); None for a URL (no such bits)."""
+    if source.is_url(path):
+        return None
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
@@ -423,7 +462,12 @@ def copy_range(src: BinaryIO, dst: BinaryIO, offset: int, size: int, *,
         return
     dst.flush()
     pos = dst.tell()
-    sfd, dfd = src.fileno(), dst.fileno()
+    try:
+        sfd = src.fileno()
+    except (OSError, AttributeError, ValueError):  # not a file on disk (a URL's reader): copy through user space
+        copy_range_crc(src, dst, offset, size, progress=progress, behind=behind)
+        return
+    dfd = dst.fileno()
     wb = behind if behind is not None else WriteBehind(dfd, pos)
     kernel = getattr(os, "copy_file_range", None) is not None  # None: switched off (tests)
     done = 0

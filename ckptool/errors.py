@@ -63,6 +63,15 @@ class OutputError(CkptError):
         self.errno = errno
 
 
+class RemoteError(CkptError):
+    """Reading or writing a URL (``s3://``, ``http(s)://``, ``memory://``... through fsspec) failed: the network
+    dropped, the server refused, a package for the scheme is missing. Nothing was written. ``url`` is the URL."""
+
+    def __init__(self, message: str, url: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
 class KeyCollisionError(CkptError):
     """A key rename would turn two distinct keys into one. ``collisions`` maps each new key to the old keys."""
 

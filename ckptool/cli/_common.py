@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any, Never, TypeVar
 import click
 from tqdm import tqdm
 
+from ckptool import _source as source
 from ckptool.cli._flags import is_quiet as is_quiet  # re-exported: command modules import only from here
 from ckptool.cli._flags import muted_stdout as muted_stdout
 from ckptool.cli._flags import progress_wanted as progress_wanted
 from ckptool.cli._flags import set_output as set_output
-from ckptool.errors import UsageError
+from ckptool.errors import CkptError, UsageError
 from ckptool.model.devices import DEVICE_HELP, chosen_tags, parse_mapping
 from ckptool.ops.hints import LoadHint, load_hint
 from ckptool.ops.rename import RenameResult
@@ -225,7 +226,8 @@ def claim_output(path: str, *, force: bool, in_place: bool = False) -> str:
     Raises:
         UsageError: ``path`` exists and neither ``force`` nor ``in_place`` was given.
     """
-    if not (force or in_place) and os.path.isfile(path):
+    exists = source.kind(path) == "file" if source.is_url(path) else os.path.isfile(path)
+    if not (force or in_place) and exists:
         raise UsageError(f"output {path} exists; pass --force to replace it, or choose another -o path")
     set_output(path)
     return path
@@ -289,7 +291,9 @@ def source_size(path: str) -> int | None:
     """The size in bytes of file ``path`` (the total of a rewrite's progress bar), None for a folder or a file
     that cannot be read (the command reports that itself)."""
     try:
+        if source.is_url(path):
+            return source.file_size(path) if source.kind(path) == "file" else None
         return os.path.getsize(path) if os.path.isfile(path) else None
-    except OSError:
+    except (OSError, CkptError):
         return None
 

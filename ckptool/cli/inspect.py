@@ -39,6 +39,9 @@ def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int) -> None:
     torch.load(weights_only=True) allows them. For a torch.export archive (.pt2): its weights and constants, the
     program's signature (inputs, outputs, lifted parameters and buffers) and the archive's versions. Torch is
     not imported and nothing from the file is run.
+
+    PATH may be a URL fsspec reads (s3://, gs://, http(s)://, hf://; pip install 'ckptool[remote]'): only the
+    zip directory, the pickle and the headers are fetched, by range requests, and the bytes read are shown.
     """
     info = inspect(path, ALL_VALUES) if show_all else inspect(path)
     if as_json:
@@ -55,6 +58,8 @@ def _print_info(info: CheckpointInfo, limit: int | None) -> None:
     uses = Counter(t.storage_key for t in info.tensors if t.storage_key is not None)
     shared = sum(n for n in uses.values() if n > 1)
     echo(f"File:     {info.path} ({human_bytes(info.size)})")
+    if info.bytes_read is not None:
+        echo(f"Read:     {human_bytes(info.bytes_read)} over the network (range requests; tensor data not read)")
     echo(f"Format:   {info.format}")
     echo(f"Kind:     {info.kind}")
     echo(f"Tensors:  {len(info.tensors)} tensors, {info.storages} storages, {human_bytes(info.total_bytes)} in "

@@ -8,7 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import click
 
-from ckptool.cli._common import emit_json, is_quiet, json_option
+from ckptool.cli._common import emit_json, human_bytes, is_quiet, json_option
 from ckptool.errors import UsageError
 from ckptool.ops.scan import ScanResult, exit_status, scan
 from ckptool.ops.scan_sarif import to_sarif
@@ -36,6 +36,8 @@ def _print_result(res: ScanResult, show_all: bool, strict: bool) -> None:
         click.echo(f"  recognised: {res.recognised[1]}")
     if res.error:
         click.echo(f"  error: {res.error}")
+    if res.bytes_read is not None:
+        click.echo(f"  read {human_bytes(res.bytes_read)} over the network")
     for p in res.pickles:
         if p.error:
             click.echo(f"  error in {p.where}: {p.error}")

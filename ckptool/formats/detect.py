@@ -14,6 +14,7 @@ import os
 import re
 import struct
 
+from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UsageError
 from ckptool.formats.pt2 import is_pt2_names
 from ckptool.formats.zipdir import ZipEntry, read_directory
@@ -50,10 +51,24 @@ _KNOWN_MAGIC = [
 def check_readable(path: str) -> int:
     """Return the size of ``path`` in bytes.
 
+    ``path`` may be a URL (:mod:`ckptool._source`).
+
     Raises:
         UsageError: the path does not exist or is a directory.
         NotACheckpointError: the file is empty.
+        RemoteError: a URL could not be queried.
     """
+    if source.is_url(path):
+        found = source.kind(path)
+        if found is None:
+            raise UsageError(f"{path}: no such file; check the URL")
+        if found == "directory":
+            raise UsageError(f"{path} is a folder; over a URL give a checkpoint file or a sharded set's *.index.json "
+                             "(torch.distributed.checkpoint folders are read on disk only)")
+        size = source.file_size(path)
+        if size == 0:
+            raise NotACheckpointError(f"{path} is empty (0 bytes); re-upload or re-save the checkpoint")
+        return size
     if not os.path.exists(path):
         raise UsageError(f"{path}: no such file; check the path")
     if os.path.isdir(path):
@@ -78,7 +93,7 @@ def detect_format(path: str) -> str:
         CorruptCheckpointError: a zip whose central directory cannot be read (truncated download).
     """
     size = check_readable(path)
-    with open(path, "rb") as f:
+    with source.open_binary(path) as f:
         head = f.read(512)
     if head.startswith((ZIP_MAGIC, ZIP_EMPTY)):
         return _zip_kind(path)
@@ -108,7 +123,7 @@ def detect_format(path: str) -> str:
     )
 
 
-_zip_cache: dict[tuple[str, int, int, int], list[ZipEntry]] = {}
+_zip_cache: dict[tuple[object, ...], list[ZipEntry]] = {}
 
 
 def zip_entries(path: str) -> list[ZipEntry]:
@@ -118,12 +133,11 @@ def zip_entries(path: str) -> list[ZipEntry]:
     Raises:
         CorruptCheckpointError: the central directory cannot be read.
     """
-    st = os.stat(path)
-    key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    key = source.version_key(path)
     entries = _zip_cache.get(key)
     if entries is None:
-        with open(path, "rb") as f:
-            entries = read_directory(f, st.st_size, path)
+        with source.open_binary(path) as f:
+            entries = read_directory(f, f.seek(0, os.SEEK_END), path)
         _zip_cache.clear()
         _zip_cache[key] = entries
     return entries

@@ -14,12 +14,12 @@ convention of ``safetensors.torch.save_model``), and the full layout of every sh
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
 from ckptool.formats.dtypes import ST_CODES, ST_NAMES, element_size, numel
 from ckptool.formats.strided import shape_problem, view_problem
@@ -69,8 +69,8 @@ def read_header(path: str, *, strict_metadata: bool = False) -> SafetensorsHeade
             ``__metadata__`` is not a mapping of strings.
         OSError: the file cannot be read.
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    size = source.file_size(path)
+    with source.open_binary(path) as f:  # a URL: two range reads, the length and the header
         n = _read_length(f, path, size)
         raw = f.read(n)
     try:

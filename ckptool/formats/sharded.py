@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.dcp import is_dcp_folder
 
@@ -38,6 +39,9 @@ class ShardIndex:
 
     @property
     def folder(self) -> str:
+        """The folder of the index (for a URL, the URL up to its last ``/``)."""
+        if source.is_url(self.path):
+            return self.path.rsplit("/", 1)[0]
         return os.path.dirname(os.path.abspath(self.path))
 
     @property
@@ -46,6 +50,8 @@ class ShardIndex:
         return list(dict.fromkeys(self.weight_map.values()))
 
     def shard_path(self, shard: str) -> str:
+        if source.is_url(self.path):
+            return f"{self.folder}/{shard}"
         return os.path.join(self.folder, shard)
 
 
@@ -58,8 +64,8 @@ def read_index(path: str) -> ShardIndex:
         UsageError: a shard file is missing (the set was not downloaded completely).
     """
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+        with source.open_binary(path) as f:  # a local path or a URL
+            doc = json.loads(f.read().decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError, a number over 4300 digits
         raise CorruptCheckpointError(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); "
                                      "re-download it") from e
@@ -73,7 +79,7 @@ def read_index(path: str) -> ShardIndex:
         if os.path.isabs(shard) or os.path.normpath(shard).startswith(".."):
             raise CorruptCheckpointError(f"{path}: shard path {shard!r} points outside the index's folder")
         p = index.shard_path(shard)
-        if not os.path.isfile(p):
+        if source.kind(p) != "file":
             raise UsageError(f"{path} lists shard {shard} but {p} does not exist; download every shard")
     return index
 
@@ -158,7 +164,7 @@ def set_kind(path: str) -> tuple[str, str]:
         UsageError: a missing index file; a folder that is none of these, or holds several indexes.
     """
     if path.endswith(INDEX_SUFFIX):
-        if not os.path.isfile(path):
+        if source.kind(path) != "file":
             raise UsageError(f"{path}: no such file; check the path")
         return "index", path
     if is_dcp_folder(path):

@@ -9,12 +9,12 @@ same way as torch zip files (their ``data.pkl`` and ``constants.pkl``).
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import STORAGE_TYPES, storage_element
@@ -107,7 +107,7 @@ def read_pickle_file(path: str) -> Checkpoint:
         UnsupportedError: tuple nesting too deep to read safely.
     """
     size = formats.check_readable(path)
-    with open(path, "rb") as f:
+    with source.open_binary(path) as f:
         data = f.read()
     root, up = load_structure(data, f"pickle in {path}")
     return Checkpoint(path, formats.PICKLE, size, root=root, protocol=data[1], globals=list(up.globals_seen),
@@ -115,7 +115,7 @@ def read_pickle_file(path: str) -> Checkpoint:
 
 
 def _read_zip(path: str, fmt: str) -> Checkpoint:
-    size = os.path.getsize(path)
+    size = source.file_size(path)
     entries = formats.zip_entries(path)
     if not entries:
         raise NotACheckpointError(f"{path} is an empty zip archive, not a torch checkpoint")
@@ -141,7 +141,7 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
         raise NotACheckpointError(f"{path} is a zip archive without data.pkl, not a torch checkpoint")
     cache: dict[tuple[str, str], GlobalMeta] = {}
     seen: dict[tuple[str, str], None] = {}
-    with open(path, "rb") as f:
+    with source.open_binary(path) as f:
         data = read_pickle_member(f, by_name["data.pkl"], path)
         ck.pickle_size = len(data)
         ck.protocol = data[1] if len(data) > 1 and data[0] == 0x80 else 2
@@ -235,18 +235,11 @@ def resolve_zip_offsets(ck: Checkpoint, f: Any) -> None:
 
 
 def _read_legacy(path: str) -> Checkpoint:
-    size = os.path.getsize(path)
+    size = source.file_size(path)
     ck = Checkpoint(path, formats.TORCH_LEGACY, size, archive_name=os.path.splitext(os.path.basename(path))[0])
-    with open(path, "rb") as f:
-        try:
-            buf: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError):  # not mappable (a pipe, an odd filesystem): read it
-            buf = f.read()
-        try:
-            _legacy_structure(path, ck, buf, size)
-        finally:
-            if isinstance(buf, mmap.mmap):
-                buf.close()
+    # mapped (a remote legacy stream has no index: it is copied to a local temporary file first)
+    with source.open_binary(path) as f, source.whole_view(f) as buf:
+        _legacy_structure(path, ck, buf, size)
     return ck
 
 

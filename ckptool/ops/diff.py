@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptool import _source as source
 from ckptool._gc import gc_paused
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats import detect as formats
@@ -197,7 +198,7 @@ def _torch_side(path: str, fmt: str) -> _Side:
     info = describe(ck)
     records = {r.name: r for r in ck.records}
     if ck.format != formats.TORCH_LEGACY:
-        with open(path, "rb") as f:
+        with source.open_binary(path) as f:
             resolve_zip_offsets(ck, f)
     tensors: dict[str, _Tensor] = {}
     for t in info.tensors:

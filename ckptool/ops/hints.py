@@ -25,6 +25,7 @@ import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ckptool import _source as source
 from ckptool.formats import detect as formats
 from ckptool.formats.sharded import read_index
 from ckptool.model.devices import map_location_for
@@ -126,14 +127,17 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
     tags = set(info.storage_bytes)
     if unsafe:
         notes.append(_unsafe_note(path, unsafe))
+    # a URL: torch and safetensors open files, not URLs; fsspec (imported as fsspec) gives the file
+    opened = f"fsspec.open({path!r}, 'rb').open()" if source.is_url(path) else repr(path)
     if info.format == formats.SAFETENSORS:
-        code = f"safetensors.torch.load_file({path!r})"
+        code = (f"safetensors.torch.load({opened}.read())" if source.is_url(path)
+                else f"safetensors.torch.load_file({path!r})")
     elif info.format.startswith("sharded-"):
         notes += _device_notes(path, tags, frozenset(chosen))
         code = _sharded(path, info)
     else:
         notes += _device_notes(path, tags, frozenset(chosen))
-        code = _torch_load(repr(path), tags, bool(unsafe)) + _index(state_dict or "")
+        code = _torch_load(opened, tags, bool(unsafe)) + _index(state_dict or "")
     if state_dict is not None:
         code = f"model.load_state_dict({code})"
     return LoadHint(code, notes)

@@ -19,6 +19,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from ckptool import _source as source
 from ckptool._gc import gc_paused
 from ckptool.errors import CkptError, CorruptCheckpointError
 from ckptool.formats import detect as formats
@@ -139,7 +140,9 @@ class CheckpointInfo:
     ``__metadata__``; ``values`` the non-tensor entries (:class:`~ckptool.ops.inspect_values.ValueInfo`), all of
     them unless ``values_complete`` is False (cut by :class:`~ckptool.ops.inspect_values.PreviewLimits`);
     ``programs`` the signature of each exported program of a ``torch.export`` archive
-    (:meth:`ckptool.formats.pt2.Program.signature`).
+    (:meth:`ckptool.formats.pt2.Program.signature`);
+    ``bytes_read`` the bytes transferred to read a URL (range requests: the zip directory, the pickle, headers),
+    None for a local path.
     """
 
     path: str
@@ -160,6 +163,7 @@ class CheckpointInfo:
     scan: ScanResult | None = field(default=None, repr=False)
     #: the signature of each exported program of a ``torch.export`` archive (``.pt2``), else empty
     programs: list[dict[str, Any]] = field(default_factory=list)
+    bytes_read: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (``dataclasses.asdict`` without its deep copies: fast for 50,000 tensors), with
@@ -342,6 +346,15 @@ def inspect(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -
         UnsupportedError: tuple nesting too deep to read safely.
     """
     path = os.fspath(path)
+    if not source.is_url(path):
+        return _inspect(path, limits)
+    start = source.bytes_transferred()
+    info = _inspect(path, limits)
+    info.bytes_read = source.bytes_transferred() - start
+    return info
+
+
+def _inspect(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
     if is_deepspeed_folder(path):
         return _inspect_deepspeed(path)
     if is_checkpoint_set(path):  # sharded sets and DCP folders
@@ -439,7 +452,7 @@ def _inspect_safetensors(path: str) -> CheckpointInfo:
     sds = [_state_dict_info("", [t.key for t in tensors])]
     totals = _one_storage_each(tensors)
     return CheckpointInfo(
-        path, formats.SAFETENSORS, "tensors", os.path.getsize(path), tensors,
+        path, formats.SAFETENSORS, "tensors", source.file_size(path), tensors,
         {"cpu": len(tensors)} if tensors else {}, {"cpu": sum(t.nbytes for t in tensors)}, sds, [],
         storages=len(tensors), metadata=meta if isinstance(meta, dict) else None, totals=totals,
     )
@@ -498,7 +511,7 @@ def _inspect_index(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
     totals: list[list[ByteTotal]] = []
     values: list[ValueInfo] = []
     complete = True
-    size = os.path.getsize(path)
+    size = source.file_size(path)
     storages = 0
     fmts = set()
     scans: list[tuple[str, ScanResult]] = []

@@ -31,6 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ckptool import _source as source
 from ckptool._fileio import atomic_output, copy_range, file_mode, same_file
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
@@ -313,7 +314,7 @@ def _rewrite_safetensors(src: str, out: str, plan: RenamePlan, *, key: str | Non
     keys = list(header.entries)
     mappings, summary = plan_keys([("", keys, False)], plan, allow_missing=allow_missing, where=src)
     raw = encode_header({mappings[0][k]: header.entries[k] for k in keys}, header.metadata)
-    with open(src, "rb") as f:
+    with source.open_binary(src) as f:
         mode = file_mode(src) if same_file(out, src) else None
         with atomic_output(out, mode=mode) as o:
             o.write(raw)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptool import _source as source
 from ckptool._fileio import atomic_output, file_mode, same_file
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
@@ -126,7 +127,7 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
     res.retagged = _count_storages(ck, location_fn)
 
     w = TorchZipWriter(out, ck.archive_name, progress=progress)
-    with open(ck.path, "rb") as src:
+    with source.open_binary(ck.path) as src:
         if legacy:
             w.begin_torch_save(data_pkl)
             for rec in ck.records:

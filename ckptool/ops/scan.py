@@ -54,19 +54,21 @@ Nothing is imported or called while scanning: the pickles are read by :mod:`ckpt
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
+from ckptool import _source as source
+from ckptool._source import RangeView
 from ckptool.errors import CkptError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dcp import is_dcp_folder
+from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.formats.safetensors import read_header
 from ckptool.model.allowlist import recognise_file
 from ckptool.ops.scan_dcp import dcp_part, scan_dcp_folder
-from ckptool.ops.scan_pickles import _ZIP_LOCAL, _NotAPickle, _Scanner
+from ckptool.ops.scan_pickles import _ZIP_EOCD, _ZIP_LOCAL, _NotAPickle, _Scanner, _zip_end
 from ckptool.ops.scan_results import (
     EXIT_CODES,
     STRICT_EXIT_CODES,
@@ -100,16 +102,14 @@ def scan_file(path: str | os.PathLike[str], *,
         return scan_dcp_folder(*dcp)
     res = ScanResult(path)
     sc = _Scanner(res, preparsed)
+    start = source.bytes_transferred()
     try:
         formats.check_readable(path)
-        with open(path, "rb") as f:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            try:
-                res.format = sc.any(buf, "", 0, f)
-                if res.format == formats.SAFETENSORS:
-                    read_header(path)
-            finally:
-                buf.close()
+        # a URL: the zip / safetensors paths read by range (its directory, pickles and headers); others are copied
+        with source.open_binary(path) as f, source.whole_view(f, lazy=_indexed) as buf:
+            res.format = sc.any(buf, "", 0, f)
+            if res.format == formats.SAFETENSORS:
+                read_header(path)
     except _NotAPickle:
         res.error = _not_a_pickle(path)
     except CkptError as e:
@@ -122,7 +122,20 @@ def scan_file(path: str | os.PathLike[str], *,
         res.notes.append("the zip holds no pickle")
     if type(sc.root) is dict:
         res.recognised = recognise_file(sc.root, [g.name for g in res.globals])
+    if source.is_url(path):
+        res.bytes_read = source.bytes_transferred() - start
     return res
+
+
+def _indexed(view: RangeView) -> bool:
+    """True for the layouts scanned through their index, which a remote file gives by range requests: safetensors
+    (its header) and a zip with nothing after its end record (its directory and members). Anything else is walked
+    from the start (pickles in a row, data appended after a zip) and read whole."""
+    head = view[:512]
+    if head[8:9] == b"{":
+        return True
+    # _zip_end only takes len() and slices, which a RangeView gives by range requests
+    return head.startswith((_ZIP_LOCAL, _ZIP_EOCD)) and _zip_end(cast("PickleBuffer", view)) == len(view)
 
 
 def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]) -> ScanResult:
@@ -170,6 +183,11 @@ def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
     """
     for given in paths:
         p = os.fspath(given)
+        if source.is_url(p):  # one remote file (folders are walked only on disk)
+            if source.kind(p) != "file":
+                raise UsageError(f"{p}: no such file; check the URL (give a file, not a folder)")
+            yield p
+            continue
         if not os.path.exists(p):
             raise UsageError(f"{p}: no such file or directory; check the path")
         if not os.path.isdir(p):

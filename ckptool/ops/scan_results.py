@@ -75,7 +75,9 @@ class ScanResult:
     ``torch-legacy``, ``legacy-tar``, ``pickle``, ``safetensors``, or ``unknown``); ``notes`` list container
     oddities (data after the last pickle, bad CRC-32, duplicate member names, unreadable extra members...);
     ``error`` says why the file could not be read at all; ``recognised`` names a known library file type
-    (:func:`ckptool.model.allowlist.recognise_file`: ``(kind, description)``) when the content matches one.
+    (:func:`ckptool.model.allowlist.recognise_file`: ``(kind, description)``) when the content matches one;
+    ``bytes_read`` the bytes transferred to scan a URL (range requests for zip and safetensors files), None for a
+    local path.
     """
 
     path: str
@@ -85,6 +87,7 @@ class ScanResult:
     notes: list[str] = field(default_factory=list)
     error: str | None = None
     recognised: tuple[str, str] | None = None
+    bytes_read: int | None = None
 
     def pickle_level(self, pickle: PickleFinding) -> str:
         """The worst level of the globals ``pickle`` names, as this scan rated them."""
@@ -141,8 +144,8 @@ class ScanResult:
 
     def to_dict(self, *, strict: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (what ``ckptool scan --json`` prints for each file): ``verdict`` (the strict one when
-        ``strict``), ``level``, and each global with its ``status`` and ``level``."""
-        return {
+        ``strict``), ``level``, each global with its ``status`` and ``level``, and for a URL ``bytes_read``."""
+        d: dict[str, Any] = {
             "path": self.path, "verdict": self.strict_verdict if strict else self.verdict, "level": self.level,
             "format": self.format, "error": self.error,
             "globals": [g.to_dict() for g in self.globals],
@@ -151,6 +154,9 @@ class ScanResult:
             "recognised": None if self.recognised is None else {"kind": self.recognised[0],
                                                                 "description": self.recognised[1]},
         }
+        if self.bytes_read is not None:  # a URL: the bytes transferred
+            d["bytes_read"] = self.bytes_read
+        return d
 
 
 def exit_status(results: Iterable[ScanResult], *, strict: bool = False) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ckptool import _source as source
 from ckptool._fileio import atomic_output
 from ckptool.errors import CkptError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
@@ -44,7 +45,7 @@ def materialize(ck: Checkpoint, entries: Sequence[tuple[str, TensorNode]]) -> di
 
     out: dict[str, torch.Tensor] = {}
     flat: dict[str, torch.Tensor] = {}
-    with open(ck.path, "rb") as f:
+    with source.open_binary(ck.path) as f:
         if ck.format != formats.TORCH_LEGACY:
             resolve_zip_offsets(ck, f)
         for key, t in entries:

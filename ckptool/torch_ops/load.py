@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from ckptool import _source as source
 from ckptool._gc import gc_paused
 from ckptool.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
@@ -175,6 +176,9 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
         return load_zero_state_dict(path, dev), {}
     if is_checkpoint_set(path):
         return _load_set(path, dev, trust)
+    if source.is_url(path):  # torch.load / load_file / jit.load read a local file: a temporary copy
+        with source.local_copy(path) as local:
+            return load_checkpoint(local, dev, trust=trust)
     fmt = formats.detect_format(path)
     if fmt == formats.SAFETENSORS:
         from safetensors.torch import load_file

@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckptool._fileio import same_file
+from ckptool._source import is_url
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dcp import read_dcp_metadata
@@ -144,6 +145,9 @@ def convert(
                          "it with the device you want instead)")
     if shard_bytes is not None and fmt_out == "dcp":
         raise UsageError("--max-shard-size does not apply to DCP output (DCP writes one file per rank)")
+    if is_url(dst_p) and (shard_bytes is not None or fmt_out == "dcp"):
+        raise UsageError(f"{dst_p}: a sharded set and a DCP checkpoint are several files, written to a local folder "
+                         "only; write it there and upload the folder (an output URL takes one file)")
     if same_file(src_p, dst_p):
         raise UsageError(f"output {dst_p} is the input; choose another -o path")
     renames: dict[str, Any] = {"unwrap": unwrap, "strip_prefixes": list(strip_prefixes)}

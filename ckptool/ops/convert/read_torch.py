@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import element_size, storage_nbytes, tensor_dtype
@@ -216,7 +217,7 @@ def torch_source(path: str, fmt: str, key: str | None) -> Source:
     entries = _entries(src, sd.obj, sd.is_module)
     records = {r.name: r for r in ck.records}
     if ck.format != formats.TORCH_LEGACY:
-        with open(path, "rb") as f:
+        with source.open_binary(path) as f:
             resolve_zip_offsets(ck, f)
     storages: dict[str, Storage] = {}
     subclass = 0

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TypeVar
 
+from ckptool import _source as source
 from ckptool._fileio import atomic_output, copy_range, copy_range_crc
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
@@ -50,7 +51,7 @@ class Files:
     def get(self, path: str) -> BinaryIO:
         f = self._open.get(path)
         if f is None:
-            f = self._open[path] = open(path, "rb")  # noqa: SIM115 - closed in close()
+            f = self._open[path] = source.open_binary(path)  # closed in close()
         return f
 
     def read(self, path: str, offset: int, n: int) -> bytearray:
