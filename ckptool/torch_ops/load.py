@@ -53,6 +53,7 @@ from ckptool.model.objects import find_object_state_dicts, is_object_state_dict
 from ckptool.model.paths import get_path
 from ckptool.torch_ops.devices import TensorMemo, is_tensor, map_tensors, model_device, move_tensor, resolve_device
 from ckptool.torch_ops.reports import DtypeCast, LoadReport, ShapeMismatch, dtype_name, load_suggestions
+from ckptool.torch_ops.stream import FileSpans
 from ckptool.torch_ops.tied import restore_shared, tied_entries
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -135,8 +136,8 @@ def _saved_devices_and_unsafe_globals(path: str, fmt: str) -> tuple[dict[str, in
     return saved, [n for n in names if not is_allowed(n)]
 
 
-def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *, trust: bool = False
-                    ) -> tuple[Any, dict[str, int]]:
+def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *, trust: bool = False,
+                    spans: FileSpans | None = None) -> tuple[Any, dict[str, int]]:
     """Load the object saved in ``path`` with every tensor on ``device``; safe unless ``trust``.
 
     torch zip / legacy files: ``torch.load(path, map_location=device, weights_only=not trust)``; the pickle is
@@ -151,6 +152,13 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
     ``pickle.load``, then tensors moved to ``device`` (:func:`~ckptool.torch_ops.devices.map_tensors`: an object
     reached twice, such as tied weights, stays one object, and tensors sharing a storage still share one on
     ``device``).
+
+    With ``spans`` (a :class:`~ckptool.torch_ops.stream.FileSpans` that :meth:`~FileSpans.available` allows),
+    torch zip and safetensors files (shards too) are memory-mapped instead: every tensor is on the CPU, backed by
+    the file and not read yet (``torch.load(mmap=True, map_location="cpu")``; safetensors views of an
+    ``mmap``), and ``spans`` records where each byte lives so that the caller can stream it into its own
+    tensors (:func:`load_into`). Legacy files, TorchScript archives and plain pickles cannot be mapped and are
+    loaded as without ``spans``.
 
     Returns ``(obj, saved_devices)``: the loaded object and location tag -> tensor count as saved in the file
     (empty when unknown).
@@ -167,16 +175,18 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
 
     path = os.fspath(path)
     dev = resolve_device(device)
+    if spans is not None and not spans.available():
+        spans = None
     if is_checkpoint_set(path):
-        return _load_set(path, dev, trust)
+        return _load_set(path, dev, trust, spans)
     fmt = formats.detect_format(path)
     if fmt == formats.SAFETENSORS:
         from safetensors.torch import load_file
 
         header = read_header(path)
         try:
-            tensors = load_file(path, device=str(dev))
-        except (MemoryError, ImportError):  # the system's errors, not the file's: the CLI names them
+            tensors = load_file(path, device=str(dev)) if spans is None else spans.safetensors_load(path, header)
+        except (MemoryError, ImportError, CkptError):  # the system's errors, not the file's: the CLI names them
             raise
         except Exception as e:  # safetensors raises its own SafetensorError for damaged files
             raise CorruptCheckpointError(f"{path}: safetensors could not read it ({e}); re-download it") from e
@@ -214,7 +224,10 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
         if unsafe:
             raise _unsafe_error(path, unsafe)
     try:
-        obj = torch.load(path, map_location=dev, weights_only=not trust)
+        if spans is not None and fmt == formats.TORCH_ZIP:
+            obj = spans.torch_load(path, trust=trust)
+        else:
+            obj = torch.load(path, map_location=dev, weights_only=not trust)
     except pickle.UnpicklingError as e:
         if trust:
             raise CorruptCheckpointError(f"{path}: unpickling failed: {first_line(e)}") from e
@@ -231,7 +244,7 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
     return obj, saved
 
 
-def _load_set(path: str, dev: torch.device, trust: bool) -> tuple[Any, dict[str, int]]:
+def _load_set(path: str, dev: torch.device, trust: bool, spans: FileSpans | None) -> tuple[Any, dict[str, int]]:
     """:func:`load_checkpoint` for a sharded set (``*.index.json`` or its folder) or a model folder: every shard
     loaded onto ``dev`` and merged into one ``OrderedDict`` state_dict in ``weight_map`` shard order (each
     safetensors shard with its recorded sharing restored); saved location tags summed over the shards.
@@ -243,7 +256,7 @@ def _load_set(path: str, dev: torch.device, trust: bool) -> tuple[Any, dict[str,
     """
     kind, where = set_kind(path)
     if kind == "file":
-        return load_checkpoint(where, dev, trust=trust)
+        return load_checkpoint(where, dev, trust=trust, spans=spans)
     if kind == "dcp":
         raise UsageError(f"{path} is a torch.distributed.checkpoint folder: convert it to one file first "
                          f"(ckptool convert {path} -o model.pt)")
@@ -251,7 +264,7 @@ def _load_set(path: str, dev: torch.device, trust: bool) -> tuple[Any, dict[str,
     out: OrderedDict[str, Any] = OrderedDict()
     saved: dict[str, int] = {}
     for shard in index.shards:
-        obj, tags = load_checkpoint(index.shard_path(shard), dev, trust=trust)
+        obj, tags = load_checkpoint(index.shard_path(shard), dev, trust=trust, spans=spans)
         sd = _as_state_dict(obj)
         if sd is None:
             raise UnsupportedError(f"{where}: shard {shard} holds a {type(obj).__name__}, not a state_dict")
@@ -358,10 +371,14 @@ def _reconciliation(ckeys: list[str], model_keys: list[str], prefixes: PrefixSpe
 # ------------------------------------------------------------------------------------------------ core load
 @dataclass
 class Loaded:
-    """The result of :func:`load_selected`: the report, and model key -> the checkpoint tensor copied into it."""
+    """The result of :func:`load_selected`: the report, model key -> the checkpoint tensor copied into it, the
+    state_dict that was loaded and the :class:`~ckptool.torch_ops.stream.FileSpans` its tensors were streamed
+    through (None when they were not)."""
 
     report: LoadReport
     loaded: dict[str, Any]
+    source: Mapping[str, Any] | None = None
+    spans: FileSpans | None = None
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -384,8 +401,27 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return bool(torch.equal(ra, rb))
 
 
+def _streamed(to_load: OrderedDict[str, Any], model_sd: Mapping[str, Any], spans: FileSpans | None
+              ) -> OrderedDict[str, Any]:
+    """What to hand to ``load_state_dict``: ``to_load`` with every entry whose bytes ``spans`` could stream into
+    the model's own tensor (same dtype and shape, :meth:`FileSpans.read_into`) replaced by that tensor, so that
+    torch's ``param.copy_(value)`` copies nothing (a tensor copied onto itself) while every module hook, check and
+    report still runs; ``_metadata`` kept."""
+    if spans is None:
+        return to_load
+    fed: OrderedDict[str, Any] = OrderedDict()
+    for mk, v in to_load.items():
+        target = model_sd.get(mk)
+        fed[mk] = target if is_tensor(v) and is_tensor(target) and spans.read_into(target, v) else v
+    meta = getattr(to_load, "_metadata", None)
+    if meta is not None:
+        fed._metadata = meta  # type: ignore[attr-defined]
+    return fed
+
+
 def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key: str, found: list[str],
-                     device: torch.device, strict: bool, prefixes: PrefixSpec, saved: dict[str, int]) -> Loaded:
+                     device: torch.device, strict: bool, prefixes: PrefixSpec, saved: dict[str, int],
+                     spans: FileSpans | None = None) -> Loaded:
     import torch
     from torch.nn.parameter import is_lazy
 
@@ -415,7 +451,7 @@ def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key:
         to_load._metadata = meta  # type: ignore[attr-defined]
 
     try:
-        result = model.load_state_dict(to_load, strict=False)
+        result = model.load_state_dict(_streamed(to_load, model_sd, spans), strict=False)
     except RuntimeError as e:  # a module's own _load_from_state_dict refused a value
         raise CkptError(f"{type(model).__name__}.load_state_dict refused {path}: {first_line(e)}") from e
     skipped = {m.key for m in mismatched}
@@ -439,13 +475,15 @@ def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key:
         casts=casts, saved_devices=dict(saved),
     )
     report.suggestions = load_suggestions(report, ckeys, model_keys)
-    return Loaded(report, loaded)
+    return Loaded(report, loaded, sd, spans)
 
 
 def load_selected(model: nn.Module, obj: Any, *, path: str, key: str | None, device: torch.device, strict: bool,
-                  prefixes: PrefixSpec, saved: dict[str, int]) -> Loaded:
+                  prefixes: PrefixSpec, saved: dict[str, int], spans: FileSpans | None = None) -> Loaded:
     """Choose the state_dict in the loaded ``obj`` (:func:`select_state_dict`) and load it into ``model`` as
-    :func:`load_into` does (never raising for a mismatch: the report says it).
+    :func:`load_into` does (never raising for a mismatch: the report says it). With ``spans`` (``obj`` was
+    memory-mapped by :func:`load_checkpoint`) each tensor's bytes are read from the file straight into the
+    model's tensor where :meth:`~ckptool.torch_ops.stream.FileSpans.read_into` can.
 
     Raises:
         UsageError / UnsupportedError / KeyCollisionError: as :func:`select_state_dict` and ``prefixes``.
@@ -454,7 +492,7 @@ def load_selected(model: nn.Module, obj: Any, *, path: str, key: str | None, dev
     model_keys = list(model.state_dict())
     where, sd, found = select_state_dict(obj, key, model_keys, prefixes=prefixes, path=path)
     return _load_state_dict(model, sd, path=path, key=where, found=found, device=device, strict=strict,
-                            prefixes=prefixes, saved=saved)
+                            prefixes=prefixes, saved=saved, spans=spans)
 
 
 # ------------------------------------------------------------------------------------------------ public API
@@ -466,11 +504,11 @@ def check_model(model: object) -> None:
         raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
-def load_for_model(model: nn.Module, path: str | os.PathLike[str], device: DeviceLike | None, *, trust: bool
-                   ) -> tuple[str, torch.device, Any, dict[str, int]]:
+def load_for_model(model: nn.Module, path: str | os.PathLike[str], device: DeviceLike | None, *, trust: bool,
+                   spans: FileSpans | None = None) -> tuple[str, torch.device, Any, dict[str, int]]:
     """Steps 1 and 2 of :func:`load_into`: ``model.to(device)`` when ``device`` is given (else the model's own
-    device is used), then :func:`load_checkpoint` onto that device. Returns ``(path as str, device, loaded object,
-    saved location tags)``.
+    device is used), then :func:`load_checkpoint` onto that device (memory-mapped on the CPU instead, with
+    ``spans``). Returns ``(path as str, device, loaded object, saved location tags)``.
 
     Raises:
         UsageError: ``model`` not an ``nn.Module``, bad device.
@@ -482,7 +520,7 @@ def load_for_model(model: nn.Module, path: str | os.PathLike[str], device: Devic
     if device is not None:
         model.to(dev)
     p = os.fspath(path)
-    obj, saved = load_checkpoint(p, dev, trust=trust)
+    obj, saved = load_checkpoint(p, dev, trust=trust, spans=spans)
     return p, dev, obj, saved
 
 
@@ -492,8 +530,13 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceL
     """Load the checkpoint at ``path`` into ``model`` on ``device``, fixing what usually needs boilerplate.
 
     1. ``model.to(device)`` when ``device`` is given (else the model stays where it is, and its device is used).
-    2. The file is loaded straight onto that device: ``torch.load(map_location=device, weights_only=True)``
-       (see :func:`load_checkpoint`; safetensors and, with ``trust``, full-model pickles and TorchScript too).
+    2. The file is opened without a second copy of the model: a torch zip or safetensors file (or a sharded set
+       of them) is memory-mapped (``torch.load(mmap=True, map_location="cpu", weights_only=True)``; see
+       :func:`load_checkpoint` and :mod:`ckptool.torch_ops.stream`), and in step 5 each tensor's bytes are read
+       from the file straight into the model's parameter or buffer (through a bounded pinned buffer for a CUDA
+       device); peak memory is the model plus a few MiB. Legacy (``_use_new_zipfile_serialization=False``)
+       files cannot be mapped and, like full-model pickles and TorchScript (with ``trust``), are loaded whole
+       onto the device first (``torch.load(map_location=device)``), then copied: twice the model at the peak.
     3. The state_dict is chosen: ``key`` (dotted path, e.g. ``"state_dict"``, ``"ema"``) or automatically
        (:func:`select_state_dict`).
     4. Keys are reconciled with the model's (``prefixes="auto"``: :func:`ckptool.model.keys.reconcile`, e.g.
@@ -521,8 +564,12 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceL
         KeyCollisionError: stripping ``prefixes`` would merge two keys.
         CkptError: the model's own ``load_state_dict`` refused a value (its RuntimeError is chained).
     """
-    p, dev, obj, saved = load_for_model(model, path, device, trust=trust)
-    done = load_selected(model, obj, path=p, key=key, device=dev, strict=strict, prefixes=prefixes, saved=saved)
+    with FileSpans() as spans:
+        p, dev, obj, saved = load_for_model(model, path, device, trust=trust, spans=spans)
+        done = load_selected(model, obj, path=p, key=key, device=dev, strict=strict, prefixes=prefixes, saved=saved,
+                             spans=spans)
+    del obj
+    done.loaded.clear()
     if strict:
         done.report.raise_for_errors()
     return done.report
