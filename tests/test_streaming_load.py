@@ -303,3 +303,22 @@ def test_streams_into_cuda_through_pinned_staging(tmp_path: Path, monkeypatch: p
     assert torch.cuda.max_memory_allocated() <= model_bytes + (1 << 20)  # allocator rounding
     assert all(bits_equal(model.state_dict()[k].cpu(), v) for k, v in sd.items())
     assert ckptool.verify(tmp_path / "big.pt", lambda: Holder(sd), device="cuda:0").ok
+
+
+def test_mmap_option_assigns_the_mapped_tensors(tmp_path: Path, streamed: list[str]) -> None:
+    sd = {"weight": torch.randn(4, 4, dtype=torch.float64), "bias": torch.randn(4, dtype=torch.float64)}
+    torch.save(sd, tmp_path / "f64.pt")
+    model = nn.Linear(4, 4)
+    rep = ckptool.load_into(model, tmp_path / "f64.pt", mmap=True)
+    assert rep.ok and streamed == []
+    assert model.weight.dtype == torch.float64 and isinstance(model.weight, nn.Parameter)  # the checkpoint's tensors
+    assert bits_equal(model.weight.detach(), sd["weight"]) and model.weight.requires_grad
+    fd = os.open(tmp_path / "f64.pt", os.O_RDONLY)
+    try:
+        spans = FileSpans()
+        spans._add_proc_maps(fd)
+        assert spans.locate(model.weight.detach()) is not None  # backed by the file, not copied
+    finally:
+        os.close(fd)
+    with pytest.raises(ckptool.errors.UsageError, match="device='cpu'"):
+        ckptool.load_into(nn.Linear(4, 4), tmp_path / "f64.pt", mmap=True, device="meta")

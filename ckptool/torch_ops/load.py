@@ -26,9 +26,9 @@ import os
 import pickle
 import re
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from ckptool._gc import gc_paused
 from ckptool.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError, UsageError
@@ -39,38 +39,22 @@ from ckptool.formats.sharded import is_checkpoint_set, read_index, set_kind
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model import graph
 from ckptool.model.allowlist import is_allowed, refusal_remedy
-from ckptool.model.keys import (
-    STATE_DICT_NAMES,
-    Reconciliation,
-    mapping_key_function,
-    normalize_prefix,
-    raise_on_collisions,
-    reconcile,
-    rename_metadata_items,
-    strip_prefix_key,
-)
-from ckptool.model.objects import find_object_state_dicts, is_object_state_dict
-from ckptool.model.paths import get_path
+from ckptool.model.keys import mapping_key_function, rename_metadata_items
 from ckptool.torch_ops.devices import TensorMemo, is_tensor, map_tensors, model_device, move_tensor, resolve_device
 from ckptool.torch_ops.reports import DtypeCast, LoadReport, ShapeMismatch, dtype_name, load_suggestions
+from ckptool.torch_ops.select import as_state_dict, find_state_dicts, reconciliation, select_state_dict
 from ckptool.torch_ops.stream import FileSpans
 from ckptool.torch_ops.tied import restore_shared, tied_entries
 
 if TYPE_CHECKING:  # pragma: no cover
-    from typing import TypeAlias
-
     import torch
     from torch import nn
 
     from ckptool.torch_ops.devices import DeviceLike
-
-    #: how keys are matched to the model's: ``"auto"`` (reconcile wrapper prefixes), None / False / ``"none"``
-    #: (keys as saved), or the prefix (or prefixes, in order) to strip
-    PrefixSpec: TypeAlias = str | Sequence[str] | Literal[False] | None
+    from ckptool.torch_ops.select import PrefixSpec
 
 __all__ = ["find_state_dicts", "load_checkpoint", "load_into", "select_state_dict"]
 
-_MAX_WALK_DEPTH = 6
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
@@ -265,7 +249,7 @@ def _load_set(path: str, dev: torch.device, trust: bool, spans: FileSpans | None
     saved: dict[str, int] = {}
     for shard in index.shards:
         obj, tags = load_checkpoint(index.shard_path(shard), dev, trust=trust, spans=spans)
-        sd = _as_state_dict(obj)
+        sd = as_state_dict(obj)
         if sd is None:
             raise UnsupportedError(f"{where}: shard {shard} holds a {type(obj).__name__}, not a state_dict")
         for k, v in sd.items():
@@ -275,97 +259,6 @@ def _load_set(path: str, dev: torch.device, trust: bool, spans: FileSpans | None
         for tag, n in tags.items():
             saved[tag] = saved.get(tag, 0) + n
     return out, saved
-
-
-# ------------------------------------------------------------------------------------------------ state_dicts
-def find_state_dicts(obj: object) -> list[tuple[str, Mapping[str, Any]]]:
-    """Every state_dict in a loaded checkpoint, outermost first: ``[(dotted_path, state_dict)]``.
-
-    A state_dict is a mapping with string keys and tensor values (``*_extra_state`` entries allowed); an
-    ``nn.Module`` (a full-model pickle) counts as its ``state_dict()``. Optimizer state_dicts (``state`` +
-    ``param_groups``) are skipped. The walk (:func:`ckptool.model.objects.find_object_state_dicts`: breadth
-    first, linear) does not enter a state_dict it found, and stops at depth 6.
-    """
-    from torch import nn
-
-    refs = find_object_state_dicts(obj, is_tensor, is_module=lambda o: isinstance(o, nn.Module),
-                                   max_depth=_MAX_WALK_DEPTH)
-    return [(r.path, r.obj.state_dict() if r.is_module else r.obj) for r in refs]
-
-
-def _as_state_dict(obj: object) -> Mapping[str, Any] | None:
-    from torch import nn
-
-    if isinstance(obj, nn.Module):
-        return obj.state_dict()
-    return obj if isinstance(obj, Mapping) and is_object_state_dict(obj, is_tensor) else None
-
-
-def select_state_dict(obj: Any, key: str | None, model_keys: list[str] | None = None, *,
-                      prefixes: PrefixSpec = "auto", path: str = "checkpoint"
-                      ) -> tuple[str, Mapping[str, Any], list[str]]:
-    """Choose the state_dict to load from a loaded checkpoint.
-
-    With ``key`` (a dotted path such as ``"state_dict"``, ``"model"``, ``"ema"``; see
-    :func:`ckptool.model.paths.get_path`: a key holding dots is matched whole, longest dotted run first) that entry
-    is used. Without it, a top-level state_dict (or ``nn.Module``) wins; otherwise the nested candidates
-    (:func:`find_state_dicts`) are ranked by how many of their keys match ``model_keys`` (after prefix
-    reconciliation when ``prefixes == "auto"``), then by name (:data:`ckptool.model.keys.STATE_DICT_NAMES` order:
-    ``state_dict``, ``model_state_dict``, ``model``, ... EMA copies last), then by depth. Returns
-    ``(dotted_path, state_dict, every_candidate_path)``.
-
-    Raises:
-        UsageError: ``key`` names nothing, or something that is not a state_dict.
-        UnsupportedError: the checkpoint holds no state_dict at all.
-    """
-    found = find_state_dicts(obj)
-    paths = [p for p, _ in found]
-    listing = ", ".join(p or "(top level)" for p in paths) or "none"
-    if key is not None:
-        try:
-            sub = get_path(obj, key)
-        except KeyError:
-            raise UsageError(f"{path} has no entry {key!r}; state_dicts found: {listing}") from None
-        sd = _as_state_dict(sub)
-        if sd is None:
-            raise UsageError(f"{path}: {key!r} is a {type(sub).__name__}, not a state_dict (a mapping of names to "
-                             f"tensors); state_dicts found: {listing}")
-        return key, sd, paths
-    if not found:
-        top = ", ".join(map(str, list(obj)[:10])) if isinstance(obj, Mapping) else type(obj).__name__
-        raise UnsupportedError(f"{path} holds no state_dict (a mapping of names to tensors); found: {top}")
-    if found[0][0] == "":
-        return "", found[0][1], paths
-
-    def rank(item: tuple[int, tuple[str, Mapping[str, Any]]]) -> tuple[int, int, int, int]:
-        i, (p, sd) = item
-        last = p.rsplit(".", 1)[-1]
-        name_rank = STATE_DICT_NAMES.index(last) if last in STATE_DICT_NAMES else len(STATE_DICT_NAMES)
-        matched = 0
-        if model_keys is not None:
-            keys = list(sd)
-            matched = reconcile(keys, model_keys).matched if prefixes == "auto" else len(set(keys) & set(model_keys))
-        return (-matched, name_rank, p.count("."), i)
-
-    _, (best_path, best) = min(enumerate(found), key=rank)
-    return best_path, best, paths
-
-
-# ------------------------------------------------------------------------------------------------ key renaming
-def _reconciliation(ckeys: list[str], model_keys: list[str], prefixes: PrefixSpec) -> Reconciliation:
-    if prefixes == "auto":
-        return reconcile(ckeys, model_keys)
-    if prefixes is None or prefixes is False or prefixes == "none":
-        return Reconciliation({k: k for k in ckeys}, matched=sum(k in set(model_keys) for k in ckeys))
-    plist = [prefixes] if isinstance(prefixes, str) else list(prefixes)
-    try:
-        plist = [normalize_prefix(p) for p in plist]
-    except UsageError as e:
-        raise UsageError(f"prefixes must be 'auto', None or the prefixes to strip: {e}") from None
-    mapping = {k: strip_prefix_key(k, plist) for k in ckeys}
-    raise_on_collisions(mapping)
-    used = [p for p in plist if any(k.startswith(p) for k in ckeys)]
-    return Reconciliation(mapping, removed=used, matched=sum(v in set(model_keys) for v in mapping.values()))
 
 
 # ------------------------------------------------------------------------------------------------ core load
@@ -421,14 +314,14 @@ def _streamed(to_load: OrderedDict[str, Any], model_sd: Mapping[str, Any], spans
 
 def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key: str, found: list[str],
                      device: torch.device, strict: bool, prefixes: PrefixSpec, saved: dict[str, int],
-                     spans: FileSpans | None = None) -> Loaded:
+                     spans: FileSpans | None = None, assign: bool = False) -> Loaded:
     import torch
     from torch.nn.parameter import is_lazy
 
     model_sd = model.state_dict()
     model_keys = list(model_sd)
     ckeys = list(sd)
-    rec = _reconciliation(ckeys, model_keys, prefixes)
+    rec = reconciliation(ckeys, model_keys, prefixes)
     inverse = {v: k for k, v in rec.mapping.items()}
 
     to_load: OrderedDict[str, Any] = OrderedDict()
@@ -451,7 +344,8 @@ def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key:
         to_load._metadata = meta  # type: ignore[attr-defined]
 
     try:
-        result = model.load_state_dict(_streamed(to_load, model_sd, spans), strict=False)
+        result = model.load_state_dict(to_load if assign else _streamed(to_load, model_sd, spans), strict=False,
+                                       assign=assign)
     except RuntimeError as e:  # a module's own _load_from_state_dict refused a value
         raise CkptError(f"{type(model).__name__}.load_state_dict refused {path}: {first_line(e)}") from e
     skipped = {m.key for m in mismatched}
@@ -479,11 +373,13 @@ def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key:
 
 
 def load_selected(model: nn.Module, obj: Any, *, path: str, key: str | None, device: torch.device, strict: bool,
-                  prefixes: PrefixSpec, saved: dict[str, int], spans: FileSpans | None = None) -> Loaded:
+                  prefixes: PrefixSpec, saved: dict[str, int], spans: FileSpans | None = None,
+                  assign: bool = False) -> Loaded:
     """Choose the state_dict in the loaded ``obj`` (:func:`select_state_dict`) and load it into ``model`` as
     :func:`load_into` does (never raising for a mismatch: the report says it). With ``spans`` (``obj`` was
     memory-mapped by :func:`load_checkpoint`) each tensor's bytes are read from the file straight into the
-    model's tensor where :meth:`~ckptool.torch_ops.stream.FileSpans.read_into` can.
+    model's tensor where :meth:`~ckptool.torch_ops.stream.FileSpans.read_into` can; with ``assign`` the
+    checkpoint's tensors themselves become the model's (``load_state_dict(assign=True)``).
 
     Raises:
         UsageError / UnsupportedError / KeyCollisionError: as :func:`select_state_dict` and ``prefixes``.
@@ -492,7 +388,7 @@ def load_selected(model: nn.Module, obj: Any, *, path: str, key: str | None, dev
     model_keys = list(model.state_dict())
     where, sd, found = select_state_dict(obj, key, model_keys, prefixes=prefixes, path=path)
     return _load_state_dict(model, sd, path=path, key=where, found=found, device=device, strict=strict,
-                            prefixes=prefixes, saved=saved, spans=spans)
+                            prefixes=prefixes, saved=saved, spans=spans, assign=assign)
 
 
 # ------------------------------------------------------------------------------------------------ public API
@@ -525,8 +421,8 @@ def load_for_model(model: nn.Module, path: str | os.PathLike[str], device: Devic
 
 
 def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceLike | None = None,
-              key: str | None = None, strict: bool = True, prefixes: PrefixSpec = "auto", trust: bool = False
-              ) -> LoadReport:
+              key: str | None = None, strict: bool = True, prefixes: PrefixSpec = "auto", trust: bool = False,
+              mmap: bool = False) -> LoadReport:
     """Load the checkpoint at ``path`` into ``model`` on ``device``, fixing what usually needs boilerplate.
 
     1. ``model.to(device)`` when ``device`` is given (else the model stays where it is, and its device is used).
@@ -550,6 +446,11 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceL
        (``lm_head.weight`` is ``embed.weight``; :func:`ckptool.torch_ops.tied.tied_entries`) got its values from
        that entry and is reported in ``LoadReport.tied``, not as missing.
 
+    With ``mmap=True`` (CPU only) nothing is copied at all: the memory-mapped tensors themselves become the
+    model's parameters and buffers (``load_state_dict(assign=True)``: they take the checkpoint's dtypes too, and
+    their pages are read from the file when first used). The file must then not be overwritten while the model
+    lives (``torch.load(mmap=True)``'s own caveat); legacy files have no mapping and give plain tensors.
+
     With ``strict=True`` any missing (tied entries are not missing), unexpected or shape-mismatched entry raises
     after the load, like torch's
     ``load_state_dict(strict=True)`` (the matching entries have been copied by then); with ``strict=False`` they
@@ -558,16 +459,21 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceL
     Raises:
         StateDictMismatchError: ``strict`` and the state_dict does not fit (message: the report's tables).
         UnsafeCheckpointError: the file needs globals outside the weights-only allowlist and ``trust`` is False.
-        UsageError: bad device, ``model`` not an ``nn.Module``, ``key`` names no state_dict, bad ``prefixes``.
+        UsageError: bad device, ``model`` not an ``nn.Module``, ``key`` names no state_dict, bad ``prefixes``,
+            ``mmap`` with a device other than the CPU.
         NotACheckpointError / CorruptCheckpointError: unreadable file.
         UnsupportedError: the file holds no state_dict.
         KeyCollisionError: stripping ``prefixes`` would merge two keys.
         CkptError: the model's own ``load_state_dict`` refused a value (its RuntimeError is chained).
     """
+    check_model(model)
+    if mmap and (resolve_device(device) if device is not None else model_device(model)).type != "cpu":
+        raise UsageError("load_into(mmap=True) maps the file into host memory: use device='cpu' (or mmap=False to "
+                         "stream the tensors onto the device)")
     with FileSpans() as spans:
         p, dev, obj, saved = load_for_model(model, path, device, trust=trust, spans=spans)
         done = load_selected(model, obj, path=p, key=key, device=dev, strict=strict, prefixes=prefixes, saved=saved,
-                             spans=spans)
+                             spans=spans, assign=mmap)
     del obj
     done.loaded.clear()
     if strict:
