@@ -322,3 +322,51 @@ def test_mmap_option_assigns_the_mapped_tensors(tmp_path: Path, streamed: list[s
         os.close(fd)
     with pytest.raises(ckptool.errors.UsageError, match="device='cpu'"):
         ckptool.load_into(nn.Linear(4, 4), tmp_path / "f64.pt", mmap=True, device="meta")
+
+
+# ------------------------------------------------------------------------------------------------ DCP consolidation
+def _dcp_save(state: dict[str, Any], folder: Path) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=folder, no_dist=True)
+
+
+def test_dcp_streams_into_one_file_as_dcp_to_torch_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.checkpoint import format_utils
+
+    from ckptool.torch_ops.dcp import stream_dcp_to_torch_file
+
+    sd = big_state()
+    state = {"model": {k: v for k, v in sd.items() if v.numel()}, "ema": {"decay": 0.999}, "step": 7, "tag": "x"}
+    _dcp_save(state, tmp_path / "dcp")
+    format_utils.dcp_to_torch_save(tmp_path / "dcp", tmp_path / "torch.pt")
+    with open(tmp_path / "ours.pt", "wb") as f:
+        assert stream_dcp_to_torch_file(str(tmp_path / "dcp"), f, batch_bytes=1000)  # one tensor per batch
+    want = torch.load(tmp_path / "torch.pt", weights_only=True)
+    got = torch.load(tmp_path / "ours.pt", weights_only=True)
+    assert list(got) == list(want) and got["step"] == 7 and got["tag"] == "x" and got["ema"] == {"decay": 0.999}
+    assert list(got["model"]) == list(want["model"])
+    assert all(bits_equal(got["model"][k], v) for k, v in want["model"].items())
+
+    def whole(*a: Any) -> None:
+        raise AssertionError("the whole-folder path ran")
+
+    monkeypatch.setattr(format_utils, "dcp_to_torch_save", whole)
+    res = ckptool.convert(tmp_path / "dcp", tmp_path / "cli.pt")  # ckptool convert streams it
+    assert res.verified and res.tensors == 5
+
+
+def test_dcp_with_lists_goes_whole(tmp_path: Path) -> None:
+    from ckptool.torch_ops.dcp import stream_dcp_to_torch_file
+
+    _dcp_save({"groups": [{"lr": 0.1}], "w": torch.ones(3)}, tmp_path / "dcp")
+    with open(tmp_path / "ours.pt", "wb") as f:
+        assert not stream_dcp_to_torch_file(str(tmp_path / "dcp"), f)
+        assert f.tell() == 0
+    res = ckptool.convert(tmp_path / "dcp", tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert res.verified and got["groups"] == [{"lr": 0.1}] and bits_equal(got["w"], torch.ones(3))
