@@ -370,3 +370,24 @@ def test_dcp_with_lists_goes_whole(tmp_path: Path) -> None:
     res = ckptool.convert(tmp_path / "dcp", tmp_path / "out.pt")
     got = torch.load(tmp_path / "out.pt", weights_only=True)
     assert res.verified and got["groups"] == [{"lr": 0.1}] and bits_equal(got["w"], torch.ones(3))
+
+
+def test_big_endian_file_is_not_streamed(tmp_path: Path, streamed: list[str]) -> None:
+    """torch byte-swaps the storages of a file saved on a big-endian machine: their bytes are not the file's."""
+    import zipfile
+
+    sd = {"w": torch.arange(6, dtype=torch.int32).reshape(2, 3)}
+    torch.save(sd, tmp_path / "le.pt")
+    with zipfile.ZipFile(tmp_path / "le.pt") as zin, zipfile.ZipFile(tmp_path / "be.pt", "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("/byteorder"):
+                data = b"big"
+            elif "/data/" in info.filename and not info.filename.endswith("serialization_id"):
+                data = bytes(b for i in range(0, len(data), 4) for b in data[i:i + 4][::-1])  # int32 swapped
+            zout.writestr(info, data)
+    ref = torch.load(tmp_path / "be.pt", weights_only=True)
+    assert torch.equal(ref["w"], sd["w"])
+    model = Holder(sd)
+    assert ckptool.load_into(model, tmp_path / "be.pt", prefixes=None).ok
+    assert torch.equal(model.state_dict()["w"], sd["w"]) and streamed == []

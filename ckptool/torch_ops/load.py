@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from ckptool.formats.nodes import qualified_name
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import is_checkpoint_set, read_index, set_kind
 from ckptool.formats.torchfile import read_checkpoint
+from ckptool.formats.zipdir import read_member
 from ckptool.model import graph
 from ckptool.model.allowlist import is_allowed, refusal_remedy
 from ckptool.model.keys import mapping_key_function, rename_metadata_items
@@ -91,9 +93,12 @@ def registered_safe_globals() -> set[str]:
 
 
 @gc_paused
-def _saved_devices_and_unsafe_globals(path: str, fmt: str) -> tuple[dict[str, int], list[str]]:
+def _saved_devices_and_unsafe_globals(path: str, fmt: str, facts: dict[str, object] | None = None
+                                      ) -> tuple[dict[str, int], list[str]]:
     """Read a torch zip / legacy file's structure without torch (:func:`ckptool.formats.torchfile.read_checkpoint`)
-    and return ``(location tag -> tensor count, globals outside torch's weights-only allowlist)``.
+    and return ``(location tag -> tensor count, globals outside torch's weights-only allowlist)``. ``facts``, when
+    given, gets ``"foreign_byteorder"``: True when the zip's ``byteorder`` record names another byte order than
+    this machine's (torch then byte-swaps the storages it loads, so their bytes are not the file's).
 
     The same checks as :func:`ckptool.inspect` run first: a hostile or damaged file stops here, before torch.
 
@@ -114,6 +119,12 @@ def _saved_devices_and_unsafe_globals(path: str, fmt: str) -> tuple[dict[str, in
             if ref.is_module:
                 for _entry in graph.iter_state_dict_of_module(ref.obj):
                     pass
+        if facts is not None:
+            rec = ck.record("byteorder")
+            if rec is not None and rec.zipinfo is not None:
+                with open(path, "rb") as f:
+                    order = read_member(f, rec.zipinfo, path, limit=16).decode("ascii", "replace").strip()
+                facts["foreign_byteorder"] = order != sys.byteorder
     except RecursionError as e:
         raise CorruptCheckpointError(f"{path}: {graph.too_deep(e)}") from None
     names = dict.fromkeys(qualified_name(m, n) for m, n in ck.globals)
@@ -201,14 +212,15 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
         memo = TensorMemo()
         return map_tensors(obj, lambda t: move_tensor(t, dev, memo), memo), {}
 
-    saved, unsafe = _saved_devices_and_unsafe_globals(path, fmt)
+    facts: dict[str, object] = {}
+    saved, unsafe = _saved_devices_and_unsafe_globals(path, fmt, facts)
     if not trust:
         registered = registered_safe_globals()
         unsafe = [g for g in unsafe if g not in registered]
         if unsafe:
             raise _unsafe_error(path, unsafe)
     try:
-        if spans is not None and fmt == formats.TORCH_ZIP:
+        if spans is not None and fmt == formats.TORCH_ZIP and not facts.get("foreign_byteorder"):
             obj = spans.torch_load(path, trust=trust)
         else:
             obj = torch.load(path, map_location=dev, weights_only=not trust)
