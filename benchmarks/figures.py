@@ -201,7 +201,7 @@ def scale_figures(ctx: Ctx, reuse: dict[float, str]) -> tuple[list[Row], list[di
     for unit, pts in per.items():
         if len(pts) >= 2:
             (u0, t0), (u1, t1) = pts[0], pts[-1]
-            tgt.append(_target(f"scale: remap time growth / {unit} growth ({u0:g} -> {u1:g} {unit})",
+            tgt.append(_target(f"scale: remap time growth / {unit} growth ({u0:.3g} -> {u1:.3g} {unit})",
                                (t1 / t0) / (u1 / u0), "x", None))
     return rows, tgt
 
