@@ -142,8 +142,9 @@ def verify_cmd(ctx: click.Context, ckpt: str, model_spec: str, model_kwargs: str
 
     Builds the model and moves it to DEVICE, opens CKPT memory-mapped (weights_only unless --trust; tensors are
     read from the file straight into the model, no second copy), picks the state_dict and reconciles wrapper
-    prefixes (module., _orig_mod., Lightning's model.) in either direction, loads it, then checks that every parameter and buffer is on DEVICE, that every loaded value is
-    bit-identical to the checkpoint's tensor, and reports dtype casts. Exit status 0 only when everything holds.
+    prefixes (module., _orig_mod., Lightning's model.) in either direction, loads it, then checks that every
+    parameter and buffer is on DEVICE, that every loaded value is bit-identical to the checkpoint's tensor, and
+    reports dtype casts. Exit status 0 only when everything holds.
 
     \b
     Examples:
