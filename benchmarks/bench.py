@@ -576,7 +576,7 @@ def extra_figures(args: argparse.Namespace, workdir: str, files: dict[str, dict[
     """The load / scale / dcp sections (:mod:`figures`) and the ``--extras`` modules; their targets are appended to
     ``tgt``."""
     ctx = figures.Ctx(workdir, args.repeat, args.smoke, run_measured, _child_env, log,
-                      lambda kind, amount, _rows: build_one(workdir, kind, amount, args.keep))
+                      lambda kind, amount, _rows: build_one(workdir, kind, amount, args.keep), warm_cache)
     big = files["1"]
     sections: list[dict[str, Any]] = []
     if args.only in (None, "load"):

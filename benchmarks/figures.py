@@ -101,9 +101,10 @@ class Ctx:
     """What the figures need from bench.py: its runner, child environment, logger and work folder."""
 
     def __init__(self, workdir: str, repeat: int, smoke: bool, run_measured: Callable[..., Any],
-                 env: Callable[[], dict[str, str]], log: Callable[[str], None], build: Callable[..., str]) -> None:
+                 env: Callable[[], dict[str, str]], log: Callable[[str], None], build: Callable[..., str],
+                 warm: Callable[[str], None]) -> None:
         self.workdir, self.repeat, self.smoke = workdir, repeat, smoke
-        self.run_measured, self.env, self.log, self.build = run_measured, env, log, build
+        self.run_measured, self.env, self.log, self.build, self.warm = run_measured, env, log, build, warm
 
     def child(self, args: list[str]) -> tuple[int, str, str]:
         p = subprocess.run(args, capture_output=True, text=True, env=self.env(), cwd=self.workdir, check=False)
@@ -120,6 +121,7 @@ def load_figures(ctx: Ctx, path: str, n: int, rows: int, cols: int) -> tuple[lis
         for m in modes:
             if m in errors:
                 continue
+            ctx.warm(path)  # every loader starts from a warm page cache, as the other figures do
             rc, out, err = ctx.child([sys.executable, "-c", LOAD_CHILD, m, path, str(n), str(rows), str(cols)])
             if rc != 0:
                 errors[m] = (err.strip().splitlines() or [f"exit {rc}"])[-1]
