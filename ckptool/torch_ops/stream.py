@@ -224,6 +224,12 @@ class FileSpans:
         (a buffer is refilled only once its previous copy has finished)."""
         import torch
 
+        with torch.cuda.device(dst.device):  # the events are recorded on the stream that runs the copies
+            self._staged_copies(fd, offset, n, dst)
+
+    def _staged_copies(self, fd: int, offset: int, n: int, dst: torch.Tensor) -> None:
+        import torch
+
         flat = dst.detach().reshape(-1).view(torch.uint8)
         bufs = self._staging_buffers(n)
         size = bufs[0].numel()
