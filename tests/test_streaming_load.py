@@ -356,8 +356,13 @@ def test_dcp_streams_into_one_file_as_dcp_to_torch_save(tmp_path: Path, monkeypa
         raise AssertionError("the whole-folder path ran")
 
     monkeypatch.setattr(format_utils, "dcp_to_torch_save", whole)
-    res = ckptool.convert(tmp_path / "dcp", tmp_path / "cli.pt")  # ckptool convert streams it
+    monkeypatch.setattr("ckptool.torch_ops.dcp.stream_dcp_to_torch_file", whole)
+    res = ckptool.convert(tmp_path / "dcp", tmp_path / "cli.pt")  # copied by range, without torch
     assert res.verified and res.tensors == 5
+    cli = torch.load(tmp_path / "cli.pt", weights_only=True)
+    assert list(cli) == list(want) and cli["step"] == 7 and cli["tag"] == "x" and cli["ema"] == {"decay": 0.999}
+    assert list(cli["model"]) == list(want["model"])
+    assert all(bits_equal(cli["model"][k], v) for k, v in want["model"].items())
 
 
 def test_dcp_with_lists_goes_whole(tmp_path: Path) -> None:
