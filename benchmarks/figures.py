@@ -16,9 +16,8 @@ this process never imports torch; every measured thing runs in a child process.
   other figures).
 * **dcp** (``--only dcp``): a ``torch.distributed.checkpoint`` folder (64 float32 tensors, 4 GiB in all) converted
   to one torch file by ``ckptool convert DIR -o OUT`` and by torch's ``format_utils.dcp_to_torch_save``. Target:
-  ckptool's peak RSS <= 256 MiB. ckptool streams it in 64 MiB batches through torch's DCP reader, so its peak is
-  the import floor of ``torch.distributed.checkpoint`` (about 266 MiB on the development machine, above the
-  target by itself) plus one batch, whatever the folder's size.
+  ckptool's peak RSS <= 256 MiB. ckptool copies such a folder (every tensor stored whole) by range without torch;
+  its peak is the ``import torch`` of the closing check, whatever the folder's size.
 
 ``--smoke`` uses small sizes (2 tensor counts, 2 file sizes, a 0.05 GiB DCP folder) and skips the slowest torch
 baselines, so that every code path still runs in CI.

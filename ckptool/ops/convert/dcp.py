@@ -37,8 +37,9 @@ WHOLE_NOTE = "the whole checkpoint was converted (pass --key to convert one stat
 
 
 def whole_dcp_to_torch(meta: DcpMetadata, dst: str, verify: bool) -> ConvertResult:
-    """Write the DCP folder of ``meta`` as one torch file at ``dst`` (``format_utils.dcp_to_torch_save``, written
-    atomically), checking before it is kept that it opens with ``torch.load(weights_only=True)`` and, with
+    """Write the DCP folder of ``meta`` as one torch file at ``dst`` as ``format_utils.dcp_to_torch_save`` would
+    (:func:`copy_dcp_to_torch` without torch where it can, else :func:`~ckptool.torch_ops.dcp.dcp_to_torch_file`;
+    written atomically), checking before it is kept that it opens with ``torch.load(weights_only=True)`` and, with
     ``verify``, holds every tensor ``.metadata`` lists with its dtype and shape.
 
     Raises:
