@@ -3,8 +3,9 @@
 
 Usage::
 
-    python benchmarks/bench.py [--workdir DIR] [--size-gib 2.0] [--many 50000]
-                               [--only inspect|remap|strip] [--repeat 3] [--keep] [--json]
+    python benchmarks/bench.py [--workdir DIR] [--size-gib 2.0] [--many 50000] [--dcp-gib 4.0]
+                               [--only inspect|remap|strip|scan|load|scale|dcp] [--repeat 3] [--keep] [--json]
+                               [--extras]
 
     # quick smoke run (CI): --size-gib 0.05 --many 500 --repeat 1, exit 1 if a ckptool command fails
     python benchmarks/bench.py --smoke
@@ -65,13 +66,25 @@ What it does
 
    * inspect (1) / torch meta load (1) wall time          <= 0.15
    * inspect (1) peak RSS                                 <= 64 MiB
-   * inspect (2) / torch meta load (2) wall time          <= 0.2
+   * inspect (2) / torch meta load (2) wall time          <= 0.12
+   * scan (1) / inspect (1) wall time                     <= 1.25  (scan reads no tensor bytes either)
+   * scan (1) / picklescan (1) wall time                  (informational; ``picklescan -p FILE``)
    * remap (1) / cp + fsync (1) wall time                 <= 1.1   (a rewrite's floor is a durable copy)
    * remap (1) peak RSS                                   <= 64 MiB
    * remap (1) / cp (1) wall time                         (informational)
    * remap (2) / torch mmap load+save (2) wall time       <= 0.3
    * strip (1) / cp + fsync (1) wall time                 <= 1.1
    * strip (1) peak RSS                                   <= 64 MiB
+
+4. Then the figures of ``benchmarks/figures.py`` (see its docstring), each with its own table: ``load``
+   (``load_into`` vs ``torch.load(mmap=True)`` + ``load_state_dict`` and plain ``torch.load`` + ``load_state_dict``
+   on checkpoint (1): time <= 1.0x the mmap load, peak RSS <= import baseline + model + 64 MiB), ``scale`` (inspect
+   and remap of 10k / 100k / 1M tensors and 100 MB / 2 GB / 8 GB files, one run each) and ``dcp`` (DCP folder of
+   ``--dcp-gib`` GiB -> one torch file: peak RSS <= 256 MiB).
+
+5. ``--extras`` then runs every ``benchmarks/bench_*.py`` (other figures kept in their own modules, such as
+   ``bench_walk.py``) as a child process, with ``--smoke`` under ``--smoke``, and prints its output; a failing
+   one is reported (and fails a smoke run).
 
 Note on peak RSS: on Linux a child's ``ru_maxrss`` is never below the peak RSS its parent had when it
 forked/exec'd it (``exec`` keeps the high-water mark of the address space it replaces).  This script
@@ -97,8 +110,10 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import bench_diff  # benchmarks/ is on sys.path when this file runs as a script
+import figures
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, "fixtures")
@@ -114,7 +129,9 @@ CASE_NAMES = {"1": "big", "2": "many"}
 
 # label -> which --only groups include it
 COMMAND_GROUPS = {
-    "ckptool inspect": {"inspect"},
+    "ckptool inspect": {"inspect", "scan"},
+    "ckptool scan": {"scan"},
+    "picklescan": {"scan"},
     "ckptool remap": {"remap"},
     "ckptool strip": {"strip"},
     "torch meta load": {"inspect"},
@@ -146,6 +163,9 @@ def _child_build(kind: str, path: str, count: int, rows: int) -> None:
     if kind == "big":
         for i in range(count):
             sd[f"layers.{i}.weight"] = torch.empty(rows, BIG_COLS, dtype=torch.float32).fill_(float(i))
+    elif kind == "sparse":  # never-written memory reads as zeros: the file is zeros, made sparse afterwards
+        for i in range(count):
+            sd[f"layers.{i}.weight"] = torch.empty(rows, BIG_COLS, dtype=torch.float32)
     elif kind == "many":
         for i in range(count):
             sd[f"blocks.{i}.w"] = torch.full((MANY_NUMEL,), float(i), dtype=torch.float32)
@@ -395,6 +415,8 @@ def commands_for(label: str, src: str, out: str) -> list[str]:
         "ckptool inspect": [py, "-m", "ckptool", "inspect", "--json", src],
         "ckptool remap": [py, "-m", "ckptool", "remap", src, "--to", "cpu", "-o", out],
         "ckptool strip": [py, "-m", "ckptool", "strip-dataparallel", src, "-o", out, "--allow-missing"],
+        "ckptool scan": [py, "-m", "ckptool", "scan", src],
+        "picklescan": [shutil.which("picklescan") or "picklescan", "-p", src],
         "torch meta load": [py, "-c", _TORCH_META_LOAD, src],
         "torch mmap load+save": [py, "-c", _TORCH_MMAP_LOAD_SAVE, src, out],
         "cp": ["cp", src, out],
@@ -461,7 +483,10 @@ def targets(ms: dict[tuple[str, str], Measurement]) -> list[dict[str, object]]:
 
     add("inspect (1) / torch meta load (1)", ratio(g(ins1), g(meta1)), "x", 0.15, [ins1, meta1])
     add("inspect (1) peak RSS", g(ins1).peak_mib if ins1 in ms else None, "MiB", 64, [ins1])
-    add("inspect (2) / torch meta load (2)", ratio(g(ins2), g(meta2)), "x", 0.2, [ins2, meta2])
+    add("inspect (2) / torch meta load (2)", ratio(g(ins2), g(meta2)), "x", 0.12, [ins2, meta2])
+    scan1, pscan1 = ("1", "ckptool scan"), ("1", "picklescan")
+    add("scan (1) / inspect (1)", ratio(g(scan1), g(ins1)), "x", 1.25, [scan1, ins1])
+    add("scan (1) / picklescan (1)", ratio(g(scan1), g(pscan1)), "x", None, [scan1, pscan1])
     add("remap (1) / cp + fsync (1)", ratio(g(rem1), g(cpf1)), "x", 1.1, [rem1, cpf1])
     add("remap (1) peak RSS", g(rem1).peak_mib if rem1 in ms else None, "MiB", 64, [rem1])
     add("remap (1) / cp (1)", ratio(g(rem1), g(cp1)), "x", None, [rem1, cp1])
@@ -485,7 +510,8 @@ def _table(rows: list[list[object]], headers: list[str], colalign: tuple[str, ..
 
 
 def report_text(info: dict[str, object], files: dict[str, dict[str, object]], ms: dict[tuple[str, str], Measurement],
-                checks: dict[str, dict[str, object]], tgt: list[dict[str, object]], repeat: int) -> str:
+                checks: dict[str, dict[str, object]], tgt: list[dict[str, object]], repeat: int,
+                sections: list[dict[str, Any]]) -> str:
     out = []
     out.append("machine")
     keys = ("nproc", "cpu", "mem_gib", "kernel", "python", "torch", "ckptool", "workdir", "filesystem", "rss_floor_mib")
@@ -506,6 +532,10 @@ def report_text(info: dict[str, object], files: dict[str, dict[str, object]], ms
     out.append(_table(rows, ["case", "command", "median wall s", "spread s", "peak RSS MiB"],
                       ("left", "left", "right", "right", "right")))
     out.append("")
+    for sec in sections:
+        out.append(sec["title"])
+        out.append(_table(sec["rows"], sec["headers"]) if sec["rows"] else "  (nothing)")
+        out.append("")
     for case, c in checks.items():
         out.append(f"({case}) {c['message']}")
     if checks:
@@ -521,6 +551,67 @@ def report_text(info: dict[str, object], files: dict[str, dict[str, object]], ms
     return "\n".join(out)
 
 
+def build_one(workdir: str, kind: str, amount: float, keep: bool) -> str:
+    """Path of a checkpoint for the scale table, built in a child when missing: ``many`` (``amount`` tensors of
+    float32[16]), ``big`` / ``sparse`` (``amount`` GiB in 192 tensors; ``sparse``: zeros)."""
+    if kind == "many":
+        count, rows, name = int(amount), 0, f"many-{int(amount)}x{MANY_NUMEL}.pt"
+    else:
+        rows = max(1, round(amount * 2**30 / 4 / N_BIG_TENSORS / BIG_COLS))
+        count, name = N_BIG_TENSORS, f"{kind}-{amount:g}gib-{N_BIG_TENSORS}x{rows}x{BIG_COLS}.pt".replace("0.", "0p")
+    path = os.path.join(workdir, name)
+    if not os.path.exists(path):
+        log(f"building {path} ...")
+        rc, _, err = run_plain([sys.executable, os.path.abspath(__file__), "_build", kind, path, str(count),
+                                str(rows)], workdir)
+        if rc != 0:
+            remove(path + ".partial")
+            raise SystemExit(f"building {path} failed:\n{err}")
+    if not keep:
+        _BUILT.append(path)
+    return path
+
+
+_BUILT: list[str] = []
+
+
+def extra_figures(args: argparse.Namespace, workdir: str, files: dict[str, dict[str, object]],
+                  tgt: list[dict[str, object]]) -> list[dict[str, Any]]:
+    """The load / scale / dcp sections (:mod:`figures`) and the ``--extras`` modules; their targets are appended to
+    ``tgt``."""
+    ctx = figures.Ctx(workdir, args.repeat, args.smoke, run_measured, _child_env, log,
+                      lambda kind, amount, _rows: build_one(workdir, kind, amount, args.keep), warm_cache)
+    big = files["1"]
+    sections: list[dict[str, Any]] = []
+    if args.only in (None, "load"):
+        rows, t = figures.load_figures(ctx, str(big["path"]), N_BIG_TENSORS, int(str(big["rows"])), BIG_COLS)
+        sections.append({"title": f"load (1) into a model of its layout (median of {args.repeat})",
+                         "headers": ["loader", "median load s", "spread s", "peak RSS MiB",
+                                     "peak - (import + model) MiB"], "rows": rows})
+        tgt.extend(t)
+    if args.only in (None, "scale"):
+        rows, t = figures.scale_figures(ctx, {args.size_gib: str(big["path"])})
+        sections.append({"title": "scale (one run each)", "headers": [
+            "checkpoint", "inspect s", "inspect MiB", "remap s", "remap MiB", "remap per unit"], "rows": rows})
+        tgt.extend(t)
+    if args.only in (None, "dcp"):
+        rows, t = figures.dcp_figures(ctx, args.dcp_gib)
+        sections.append({"title": f"DCP folder -> one torch file (median of {args.repeat})",
+                         "headers": ["command", "median wall s", "spread s", "peak RSS MiB"], "rows": rows})
+        tgt.extend(t)
+    if args.extras:
+        here = os.path.dirname(os.path.abspath(__file__))
+        rows = []
+        for name in sorted(n for n in os.listdir(here) if n.startswith("bench_") and n.endswith(".py")):
+            rc, out, err = run_plain([sys.executable, os.path.join(here, name), *(["--smoke"] if args.smoke else [])],
+                                     workdir)
+            log(out.rstrip())
+            rows.append([name, "ok" if rc == 0 else f"n/a (failed: {_failure_summary(err, rc)})"])
+        sections.append({"title": "extras (benchmarks/bench_*.py; their output is on stderr)",
+                         "headers": ["module", "result"], "rows": rows})
+    return sections
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="See the module docstring for what each figure means.")
@@ -528,8 +619,10 @@ def main(argv: list[str] | None = None) -> int:
                     "benchmarks/out/, or benchmarks/out/keep with --keep)")
     ap.add_argument("--size-gib", type=float, default=2.0, help="size of checkpoint (1) in GiB (default 2.0)")
     ap.add_argument("--many", type=int, default=50000, help="number of small tensors in checkpoint (2) (default 50000)")
-    ap.add_argument("--only", choices=("inspect", "remap", "strip"),
-                    help="run only this ckptool command and its baselines")
+    ap.add_argument("--only", choices=("inspect", "remap", "strip", "scan", "load", "scale", "dcp"),
+                    help="run only this figure (a ckptool command and its baselines)")
+    ap.add_argument("--dcp-gib", type=float, default=4.0, help="size of the DCP checkpoint (default 4.0)")
+    ap.add_argument("--extras", action="store_true", help="also run every benchmarks/bench_*.py module")
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement; median time, max RSS (default 3)")
     ap.add_argument("--keep", action="store_true", help="reuse existing input files and leave them behind")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
@@ -538,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
                          "command fails or a remap output is wrong (timing targets are not enforced)")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.size_gib, args.many, args.repeat = 0.05, 500, 1
+        args.size_gib, args.many, args.repeat, args.dcp_gib = 0.05, 500, 1, 0.05
     if args.size_gib <= 0 or args.many < 1 or args.repeat < 1:
         ap.error("--size-gib, --many and --repeat must be positive")
 
@@ -562,9 +655,11 @@ def main(argv: list[str] | None = None) -> int:
         info = machine_info(workdir)
         files = build_files(workdir, args.size_gib, args.many, args.keep)
         labels = [lb for lb, groups in COMMAND_GROUPS.items() if args.only is None or args.only in groups]
+        if shutil.which("picklescan") is None:
+            labels = [lb for lb in labels if lb != "picklescan"]
         ms: dict[tuple[str, str], Measurement] = {}
         checks: dict[str, dict[str, object]] = {}
-        for case in CASES:
+        for case in CASES if labels else ():
             f = files[case]
             src = str(f["path"])
             out = os.path.join(workdir, f"out-{CASE_NAMES[case]}.pt")
@@ -579,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
                         log(f"  ({case}) {checks[case]['message']}")
                     remove(out)
         tgt = targets(ms)
+        sections = extra_figures(args, workdir, files, tgt)
         if args.json:
             doc = {
                 "machine": info,
@@ -590,14 +686,17 @@ def main(argv: list[str] | None = None) -> int:
                     for m in ms.values()
                 ],
                 "remap_checks": checks,
+                "sections": sections,
                 "targets": tgt,
             }
             print(json.dumps(doc, indent=2))
         else:
-            print(report_text(info, files, ms, checks, tgt, args.repeat))
+            print(report_text(info, files, ms, checks, tgt, args.repeat, sections))
         if args.smoke:
             failed = [f"{m.label} ({m.case}): {m.error}" for m in ms.values()
                       if m.label.startswith("ckptool") and not m.ok]
+            failed += [f"{sec['title']}: {row[0]}: {row[1]}" for sec in sections for row in sec["rows"]
+                       if str(row[1]).startswith("n/a")]
             failed += [f"remap ({case}): {c['message']}" for case, c in checks.items() if not c["ok"]]
             for line in failed:
                 log(f"smoke run FAILED: {line}")
@@ -611,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
                 remove(str(f["path"]))
         for f in files.values():
             remove(str(f["path"]) + ".partial")
+        for path in _BUILT:
+            remove(path)
         if created_dir:
             shutil.rmtree(created_dir, ignore_errors=True)
             with contextlib.suppress(OSError):

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from ckptool._gc import gc_paused
 from ckptool.cli._common import human_bytes
 from ckptool.model.allowlist import DANGEROUS
 from ckptool.ops.inspect import SCHEMA, CheckpointInfo, inspect
@@ -18,6 +19,7 @@ _PATH_PART = 48  # characters of one dotted key component shown in the tables (t
 
 
 @click.command("inspect")
+@gc_paused  # 50,000 TensorInfo rows and their JSON: the cycle collector would walk them again and again
 @click.argument("path", type=click.Path(dir_okay=True))
 @click.option("--json", "as_json", is_flag=True,
               help=f"Print one JSON object instead of tables: \"schema\": \"{SCHEMA}\", every tensor, \"totals\" "

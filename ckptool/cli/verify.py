@@ -140,10 +140,11 @@ def verify_cmd(ctx: click.Context, ckpt: str, model_spec: str, model_kwargs: str
                key: str | None, strict: bool, input_shape: str | None, trust: bool, as_json: bool) -> None:
     """Check that checkpoint CKPT loads intact into the model --model builds, on DEVICE.
 
-    Builds the model and moves it to DEVICE, loads CKPT onto DEVICE (map_location; weights_only unless --trust),
-    picks the state_dict and reconciles wrapper prefixes (module., _orig_mod., Lightning's model.) in either
-    direction, loads it, then checks that every parameter and buffer is on DEVICE, that every loaded value is
-    bit-identical to the checkpoint's tensor, and reports dtype casts. Exit status 0 only when everything holds.
+    Builds the model and moves it to DEVICE, opens CKPT memory-mapped (weights_only unless --trust; tensors are
+    read from the file straight into the model, no second copy), picks the state_dict and reconciles wrapper
+    prefixes (module., _orig_mod., Lightning's model.) in either direction, loads it, then checks that every
+    parameter and buffer is on DEVICE, that every loaded value is bit-identical to the checkpoint's tensor, and
+    reports dtype casts. Exit status 0 only when everything holds.
 
     \b
     Examples:

@@ -31,7 +31,6 @@ from ckptool.formats.dtypes import (
     numel,
     safetensors_dtype,
     storage_element,
-    storage_nbytes,
     tensor_dtype,
 )
 from ckptool.formats.nodes import StorageRef, TensorNode, qualified_name
@@ -407,7 +406,8 @@ def _inspect_deepspeed(path: str) -> CheckpointInfo:
 def _storage_row(ref: StorageRef) -> tuple[str, str, int]:
     """``(location tag, dtype, bytes)`` of a storage (an unknown storage class: its numel, as bytes)."""
     try:
-        return ref.location, storage_element(ref)[0], storage_nbytes(ref)
+        dtype, size = storage_element(ref)  # once: this runs for every storage (50,000 in a big state_dict)
+        return ref.location, dtype, ref.numel * size
     except CkptError:
         return ref.location, "unknown", ref.numel
 

@@ -25,10 +25,11 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import sys
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from ckptool import _source as source
 from ckptool._gc import gc_paused
@@ -39,41 +40,27 @@ from ckptool.formats.nodes import qualified_name
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import is_checkpoint_set, read_index, set_kind
 from ckptool.formats.torchfile import read_checkpoint
+from ckptool.formats.zipdir import read_member
 from ckptool.model import graph
 from ckptool.model.allowlist import is_allowed, refusal_remedy
-from ckptool.model.keys import (
-    STATE_DICT_NAMES,
-    Reconciliation,
-    mapping_key_function,
-    normalize_prefix,
-    raise_on_collisions,
-    reconcile,
-    rename_metadata_items,
-    strip_prefix_key,
-)
-from ckptool.model.objects import find_object_state_dicts, is_object_state_dict
-from ckptool.model.paths import get_path
+from ckptool.model.keys import mapping_key_function, rename_metadata_items
 from ckptool.torch_ops.devices import TensorMemo, is_tensor, map_tensors, model_device, move_tensor, resolve_device
 from ckptool.torch_ops.pt2 import load_pt2_state_dict
 from ckptool.torch_ops.reports import DtypeCast, LoadReport, ShapeMismatch, dtype_name, load_suggestions
+from ckptool.torch_ops.select import as_state_dict, find_state_dicts, reconciliation, select_state_dict
+from ckptool.torch_ops.stream import FileSpans
 from ckptool.torch_ops.tied import restore_shared, tied_entries
 from ckptool.torch_ops.zero import load_zero_state_dict
 
 if TYPE_CHECKING:  # pragma: no cover
-    from typing import TypeAlias
-
     import torch
     from torch import nn
 
     from ckptool.torch_ops.devices import DeviceLike
-
-    #: how keys are matched to the model's: ``"auto"`` (reconcile wrapper prefixes), None / False / ``"none"``
-    #: (keys as saved), or the prefix (or prefixes, in order) to strip
-    PrefixSpec: TypeAlias = str | Sequence[str] | Literal[False] | None
+    from ckptool.torch_ops.select import PrefixSpec
 
 __all__ = ["find_state_dicts", "load_checkpoint", "load_into", "select_state_dict"]
 
-_MAX_WALK_DEPTH = 6
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
@@ -110,9 +97,12 @@ def registered_safe_globals() -> set[str]:
 
 
 @gc_paused
-def _saved_devices_and_unsafe_globals(path: str, fmt: str) -> tuple[dict[str, int], list[str]]:
+def _saved_devices_and_unsafe_globals(path: str, fmt: str, facts: dict[str, object] | None = None
+                                      ) -> tuple[dict[str, int], list[str]]:
     """Read a torch zip / legacy file's structure without torch (:func:`ckptool.formats.torchfile.read_checkpoint`)
-    and return ``(location tag -> tensor count, globals outside torch's weights-only allowlist)``.
+    and return ``(location tag -> tensor count, globals outside torch's weights-only allowlist)``. ``facts``, when
+    given, gets ``"foreign_byteorder"``: True when the zip's ``byteorder`` record names another byte order than
+    this machine's (torch then byte-swaps the storages it loads, so their bytes are not the file's).
 
     The same checks as :func:`ckptool.inspect` run first: a hostile or damaged file stops here, before torch.
 
@@ -133,14 +123,20 @@ def _saved_devices_and_unsafe_globals(path: str, fmt: str) -> tuple[dict[str, in
             if ref.is_module:
                 for _entry in graph.iter_state_dict_of_module(ref.obj):
                     pass
+        if facts is not None:
+            rec = ck.record("byteorder")
+            if rec is not None and rec.zipinfo is not None:
+                with open(path, "rb") as f:
+                    order = read_member(f, rec.zipinfo, path, limit=16).decode("ascii", "replace").strip()
+                facts["foreign_byteorder"] = order != sys.byteorder
     except RecursionError as e:
         raise CorruptCheckpointError(f"{path}: {graph.too_deep(e)}") from None
     names = dict.fromkeys(qualified_name(m, n) for m, n in ck.globals)
     return saved, [n for n in names if not is_allowed(n)]
 
 
-def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *, trust: bool = False
-                    ) -> tuple[Any, dict[str, int]]:
+def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *, trust: bool = False,
+                    spans: FileSpans | None = None) -> tuple[Any, dict[str, int]]:
     """Load the object saved in ``path`` with every tensor on ``device``; safe unless ``trust``.
 
     torch zip / legacy files: ``torch.load(path, map_location=device, weights_only=not trust)``; the pickle is
@@ -157,6 +153,13 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
     reached twice, such as tied weights, stays one object, and tensors sharing a storage still share one on
     ``device``).
 
+    With ``spans`` (a :class:`~ckptool.torch_ops.stream.FileSpans` that :meth:`~FileSpans.available` allows),
+    torch zip and safetensors files (shards too) are memory-mapped instead: every tensor is on the CPU, backed by
+    the file and not read yet (``torch.load(mmap=True, map_location="cpu")``; safetensors views of an
+    ``mmap``), and ``spans`` records where each byte lives so that the caller can stream it into its own
+    tensors (:func:`load_into`). Legacy files, TorchScript archives and plain pickles cannot be mapped and are
+    loaded as without ``spans``.
+
     Returns ``(obj, saved_devices)``: the loaded object and location tag -> tensor count as saved in the file
     (empty when unknown).
 
@@ -172,10 +175,12 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
 
     path = os.fspath(path)
     dev = resolve_device(device)
+    if spans is not None and not spans.available():
+        spans = None
     if is_deepspeed_folder(path):  # consolidated as zero_to_fp32 does, without deepspeed (torch_ops.zero)
         return load_zero_state_dict(path, dev), {}
     if is_checkpoint_set(path):
-        return _load_set(path, dev, trust)
+        return _load_set(path, dev, trust, spans)
     if source.is_url(path):  # torch.load / load_file / jit.load read a local file: a temporary copy
         with source.local_copy(path) as local:
             return load_checkpoint(local, dev, trust=trust)
@@ -185,8 +190,8 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
 
         header = read_header(path)
         try:
-            tensors = load_file(path, device=str(dev))
-        except (MemoryError, ImportError):  # the system's errors, not the file's: the CLI names them
+            tensors = load_file(path, device=str(dev)) if spans is None else spans.safetensors_load(path, header)
+        except (MemoryError, ImportError, CkptError):  # the system's errors, not the file's: the CLI names them
             raise
         except Exception as e:  # safetensors raises its own SafetensorError for damaged files
             raise CorruptCheckpointError(f"{path}: safetensors could not read it ({e}); re-download it") from e
@@ -219,14 +224,18 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
         memo = TensorMemo()
         return map_tensors(obj, lambda t: move_tensor(t, dev, memo), memo), {}
 
-    saved, unsafe = _saved_devices_and_unsafe_globals(path, fmt)
+    facts: dict[str, object] = {}
+    saved, unsafe = _saved_devices_and_unsafe_globals(path, fmt, facts)
     if not trust:
         registered = registered_safe_globals()
         unsafe = [g for g in unsafe if g not in registered]
         if unsafe:
             raise _unsafe_error(path, unsafe)
     try:
-        obj = torch.load(path, map_location=dev, weights_only=not trust)
+        if spans is not None and fmt == formats.TORCH_ZIP and not facts.get("foreign_byteorder"):
+            obj = spans.torch_load(path, trust=trust)
+        else:
+            obj = torch.load(path, map_location=dev, weights_only=not trust)
     except pickle.UnpicklingError as e:
         if trust:
             raise CorruptCheckpointError(f"{path}: unpickling failed: {first_line(e)}") from e
@@ -243,7 +252,7 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
     return obj, saved
 
 
-def _load_set(path: str, dev: torch.device, trust: bool) -> tuple[Any, dict[str, int]]:
+def _load_set(path: str, dev: torch.device, trust: bool, spans: FileSpans | None) -> tuple[Any, dict[str, int]]:
     """:func:`load_checkpoint` for a sharded set (``*.index.json`` or its folder) or a model folder: every shard
     loaded onto ``dev`` and merged into one ``OrderedDict`` state_dict in ``weight_map`` shard order (each
     safetensors shard with its recorded sharing restored); saved location tags summed over the shards.
@@ -255,7 +264,7 @@ def _load_set(path: str, dev: torch.device, trust: bool) -> tuple[Any, dict[str,
     """
     kind, where = set_kind(path)
     if kind == "file":
-        return load_checkpoint(where, dev, trust=trust)
+        return load_checkpoint(where, dev, trust=trust, spans=spans)
     if kind == "dcp":
         raise UsageError(f"{path} is a torch.distributed.checkpoint folder: convert it to one file first "
                          f"(ckptool convert {path} -o model.pt)")
@@ -263,8 +272,8 @@ def _load_set(path: str, dev: torch.device, trust: bool) -> tuple[Any, dict[str,
     out: OrderedDict[str, Any] = OrderedDict()
     saved: dict[str, int] = {}
     for shard in index.shards:
-        obj, tags = load_checkpoint(index.shard_path(shard), dev, trust=trust)
-        sd = _as_state_dict(obj)
+        obj, tags = load_checkpoint(index.shard_path(shard), dev, trust=trust, spans=spans)
+        sd = as_state_dict(obj)
         if sd is None:
             raise UnsupportedError(f"{where}: shard {shard} holds a {type(obj).__name__}, not a state_dict")
         for k, v in sd.items():
@@ -276,104 +285,17 @@ def _load_set(path: str, dev: torch.device, trust: bool) -> tuple[Any, dict[str,
     return out, saved
 
 
-# ------------------------------------------------------------------------------------------------ state_dicts
-def find_state_dicts(obj: object) -> list[tuple[str, Mapping[str, Any]]]:
-    """Every state_dict in a loaded checkpoint, outermost first: ``[(dotted_path, state_dict)]``.
-
-    A state_dict is a mapping with string keys and tensor values (``*_extra_state`` entries allowed); an
-    ``nn.Module`` (a full-model pickle) counts as its ``state_dict()``. Optimizer state_dicts (``state`` +
-    ``param_groups``) are skipped. The walk (:func:`ckptool.model.objects.find_object_state_dicts`: breadth
-    first, linear) does not enter a state_dict it found, and stops at depth 6.
-    """
-    from torch import nn
-
-    refs = find_object_state_dicts(obj, is_tensor, is_module=lambda o: isinstance(o, nn.Module),
-                                   max_depth=_MAX_WALK_DEPTH)
-    return [(r.path, r.obj.state_dict() if r.is_module else r.obj) for r in refs]
-
-
-def _as_state_dict(obj: object) -> Mapping[str, Any] | None:
-    from torch import nn
-
-    if isinstance(obj, nn.Module):
-        return obj.state_dict()
-    return obj if isinstance(obj, Mapping) and is_object_state_dict(obj, is_tensor) else None
-
-
-def select_state_dict(obj: Any, key: str | None, model_keys: list[str] | None = None, *,
-                      prefixes: PrefixSpec = "auto", path: str = "checkpoint"
-                      ) -> tuple[str, Mapping[str, Any], list[str]]:
-    """Choose the state_dict to load from a loaded checkpoint.
-
-    With ``key`` (a dotted path such as ``"state_dict"``, ``"model"``, ``"ema"``; see
-    :func:`ckptool.model.paths.get_path`: a key holding dots is matched whole, longest dotted run first) that entry
-    is used. Without it, a top-level state_dict (or ``nn.Module``) wins; otherwise the nested candidates
-    (:func:`find_state_dicts`) are ranked by how many of their keys match ``model_keys`` (after prefix
-    reconciliation when ``prefixes == "auto"``), then by name (:data:`ckptool.model.keys.STATE_DICT_NAMES` order:
-    ``state_dict``, ``model_state_dict``, ``model``, ... EMA copies last), then by depth. Returns
-    ``(dotted_path, state_dict, every_candidate_path)``.
-
-    Raises:
-        UsageError: ``key`` names nothing, or something that is not a state_dict.
-        UnsupportedError: the checkpoint holds no state_dict at all.
-    """
-    found = find_state_dicts(obj)
-    paths = [p for p, _ in found]
-    listing = ", ".join(p or "(top level)" for p in paths) or "none"
-    if key is not None:
-        try:
-            sub = get_path(obj, key)
-        except KeyError:
-            raise UsageError(f"{path} has no entry {key!r}; state_dicts found: {listing}") from None
-        sd = _as_state_dict(sub)
-        if sd is None:
-            raise UsageError(f"{path}: {key!r} is a {type(sub).__name__}, not a state_dict (a mapping of names to "
-                             f"tensors); state_dicts found: {listing}")
-        return key, sd, paths
-    if not found:
-        top = ", ".join(map(str, list(obj)[:10])) if isinstance(obj, Mapping) else type(obj).__name__
-        raise UnsupportedError(f"{path} holds no state_dict (a mapping of names to tensors); found: {top}")
-    if found[0][0] == "":
-        return "", found[0][1], paths
-
-    def rank(item: tuple[int, tuple[str, Mapping[str, Any]]]) -> tuple[int, int, int, int]:
-        i, (p, sd) = item
-        last = p.rsplit(".", 1)[-1]
-        name_rank = STATE_DICT_NAMES.index(last) if last in STATE_DICT_NAMES else len(STATE_DICT_NAMES)
-        matched = 0
-        if model_keys is not None:
-            keys = list(sd)
-            matched = reconcile(keys, model_keys).matched if prefixes == "auto" else len(set(keys) & set(model_keys))
-        return (-matched, name_rank, p.count("."), i)
-
-    _, (best_path, best) = min(enumerate(found), key=rank)
-    return best_path, best, paths
-
-
-# ------------------------------------------------------------------------------------------------ key renaming
-def _reconciliation(ckeys: list[str], model_keys: list[str], prefixes: PrefixSpec) -> Reconciliation:
-    if prefixes == "auto":
-        return reconcile(ckeys, model_keys)
-    if prefixes is None or prefixes is False or prefixes == "none":
-        return Reconciliation({k: k for k in ckeys}, matched=sum(k in set(model_keys) for k in ckeys))
-    plist = [prefixes] if isinstance(prefixes, str) else list(prefixes)
-    try:
-        plist = [normalize_prefix(p) for p in plist]
-    except UsageError as e:
-        raise UsageError(f"prefixes must be 'auto', None or the prefixes to strip: {e}") from None
-    mapping = {k: strip_prefix_key(k, plist) for k in ckeys}
-    raise_on_collisions(mapping)
-    used = [p for p in plist if any(k.startswith(p) for k in ckeys)]
-    return Reconciliation(mapping, removed=used, matched=sum(v in set(model_keys) for v in mapping.values()))
-
-
 # ------------------------------------------------------------------------------------------------ core load
 @dataclass
 class Loaded:
-    """The result of :func:`load_selected`: the report, and model key -> the checkpoint tensor copied into it."""
+    """The result of :func:`load_selected`: the report, model key -> the checkpoint tensor copied into it, the
+    state_dict that was loaded and the :class:`~ckptool.torch_ops.stream.FileSpans` its tensors were streamed
+    through (None when they were not)."""
 
     report: LoadReport
     loaded: dict[str, Any]
+    source: Mapping[str, Any] | None = None
+    spans: FileSpans | None = None
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -427,15 +349,34 @@ def _same_parts(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(same_bits(p(a), p(b)) for p in parts)
 
 
+def _streamed(to_load: OrderedDict[str, Any], model_sd: Mapping[str, Any], spans: FileSpans | None
+              ) -> OrderedDict[str, Any]:
+    """What to hand to ``load_state_dict``: ``to_load`` with every entry whose bytes ``spans`` could stream into
+    the model's own tensor (same dtype and shape, :meth:`FileSpans.read_into`) replaced by that tensor, so that
+    torch's ``param.copy_(value)`` copies nothing (a tensor copied onto itself) while every module hook, check and
+    report still runs; ``_metadata`` kept."""
+    if spans is None:
+        return to_load
+    fed: OrderedDict[str, Any] = OrderedDict()
+    for mk, v in to_load.items():
+        target = model_sd.get(mk)
+        fed[mk] = target if is_tensor(v) and is_tensor(target) and spans.read_into(target, v) else v
+    meta = getattr(to_load, "_metadata", None)
+    if meta is not None:
+        fed._metadata = meta  # type: ignore[attr-defined]
+    return fed
+
+
 def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key: str, found: list[str],
-                     device: torch.device, strict: bool, prefixes: PrefixSpec, saved: dict[str, int]) -> Loaded:
+                     device: torch.device, strict: bool, prefixes: PrefixSpec, saved: dict[str, int],
+                     spans: FileSpans | None = None, assign: bool = False) -> Loaded:
     import torch
     from torch.nn.parameter import is_lazy
 
     model_sd = model.state_dict()
     model_keys = list(model_sd)
     ckeys = list(sd)
-    rec = _reconciliation(ckeys, model_keys, prefixes)
+    rec = reconciliation(ckeys, model_keys, prefixes)
     inverse = {v: k for k, v in rec.mapping.items()}
 
     to_load: OrderedDict[str, Any] = OrderedDict()
@@ -458,7 +399,8 @@ def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key:
         to_load._metadata = meta  # type: ignore[attr-defined]
 
     try:
-        result = model.load_state_dict(to_load, strict=False)
+        result = model.load_state_dict(to_load if assign else _streamed(to_load, model_sd, spans), strict=False,
+                                       assign=assign)
     except RuntimeError as e:  # a module's own _load_from_state_dict refused a value
         raise CkptError(f"{type(model).__name__}.load_state_dict refused {path}: {first_line(e)}") from e
     skipped = {m.key for m in mismatched}
@@ -482,13 +424,17 @@ def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key:
         casts=casts, saved_devices=dict(saved),
     )
     report.suggestions = load_suggestions(report, ckeys, model_keys)
-    return Loaded(report, loaded)
+    return Loaded(report, loaded, sd, spans)
 
 
 def load_selected(model: nn.Module, obj: Any, *, path: str, key: str | None, device: torch.device, strict: bool,
-                  prefixes: PrefixSpec, saved: dict[str, int]) -> Loaded:
+                  prefixes: PrefixSpec, saved: dict[str, int], spans: FileSpans | None = None,
+                  assign: bool = False) -> Loaded:
     """Choose the state_dict in the loaded ``obj`` (:func:`select_state_dict`) and load it into ``model`` as
-    :func:`load_into` does (never raising for a mismatch: the report says it).
+    :func:`load_into` does (never raising for a mismatch: the report says it). With ``spans`` (``obj`` was
+    memory-mapped by :func:`load_checkpoint`) each tensor's bytes are read from the file straight into the
+    model's tensor where :meth:`~ckptool.torch_ops.stream.FileSpans.read_into` can; with ``assign`` the
+    checkpoint's tensors themselves become the model's (``load_state_dict(assign=True)``).
 
     Raises:
         UsageError / UnsupportedError / KeyCollisionError: as :func:`select_state_dict` and ``prefixes``.
@@ -497,7 +443,7 @@ def load_selected(model: nn.Module, obj: Any, *, path: str, key: str | None, dev
     model_keys = list(model.state_dict())
     where, sd, found = select_state_dict(obj, key, model_keys, prefixes=prefixes, path=path)
     return _load_state_dict(model, sd, path=path, key=where, found=found, device=device, strict=strict,
-                            prefixes=prefixes, saved=saved)
+                            prefixes=prefixes, saved=saved, spans=spans, assign=assign)
 
 
 # ------------------------------------------------------------------------------------------------ public API
@@ -509,11 +455,11 @@ def check_model(model: object) -> None:
         raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
-def load_for_model(model: nn.Module, path: str | os.PathLike[str], device: DeviceLike | None, *, trust: bool
-                   ) -> tuple[str, torch.device, Any, dict[str, int]]:
+def load_for_model(model: nn.Module, path: str | os.PathLike[str], device: DeviceLike | None, *, trust: bool,
+                   spans: FileSpans | None = None) -> tuple[str, torch.device, Any, dict[str, int]]:
     """Steps 1 and 2 of :func:`load_into`: ``model.to(device)`` when ``device`` is given (else the model's own
-    device is used), then :func:`load_checkpoint` onto that device. Returns ``(path as str, device, loaded object,
-    saved location tags)``.
+    device is used), then :func:`load_checkpoint` onto that device (memory-mapped on the CPU instead, with
+    ``spans``). Returns ``(path as str, device, loaded object, saved location tags)``.
 
     Raises:
         UsageError: ``model`` not an ``nn.Module``, bad device.
@@ -525,18 +471,23 @@ def load_for_model(model: nn.Module, path: str | os.PathLike[str], device: Devic
     if device is not None:
         model.to(dev)
     p = os.fspath(path)
-    obj, saved = load_checkpoint(p, dev, trust=trust)
+    obj, saved = load_checkpoint(p, dev, trust=trust, spans=spans)
     return p, dev, obj, saved
 
 
 def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceLike | None = None,
-              key: str | None = None, strict: bool = True, prefixes: PrefixSpec = "auto", trust: bool = False
-              ) -> LoadReport:
+              key: str | None = None, strict: bool = True, prefixes: PrefixSpec = "auto", trust: bool = False,
+              mmap: bool = False) -> LoadReport:
     """Load the checkpoint at ``path`` into ``model`` on ``device``, fixing what usually needs boilerplate.
 
     1. ``model.to(device)`` when ``device`` is given (else the model stays where it is, and its device is used).
-    2. The file is loaded straight onto that device: ``torch.load(map_location=device, weights_only=True)``
-       (see :func:`load_checkpoint`; safetensors and, with ``trust``, full-model pickles and TorchScript too).
+    2. The file is opened without a second copy of the model: a torch zip or safetensors file (or a sharded set
+       of them) is memory-mapped (``torch.load(mmap=True, map_location="cpu", weights_only=True)``; see
+       :func:`load_checkpoint` and :mod:`ckptool.torch_ops.stream`), and in step 5 each tensor's bytes are read
+       from the file straight into the model's parameter or buffer (through a bounded pinned buffer for a CUDA
+       device); peak memory is the model plus a few MiB. Legacy (``_use_new_zipfile_serialization=False``)
+       files cannot be mapped and, like full-model pickles and TorchScript (with ``trust``), are loaded whole
+       onto the device first (``torch.load(map_location=device)``), then copied: twice the model at the peak.
     3. The state_dict is chosen: ``key`` (dotted path, e.g. ``"state_dict"``, ``"ema"``) or automatically
        (:func:`select_state_dict`).
     4. Keys are reconciled with the model's (``prefixes="auto"``: :func:`ckptool.model.keys.reconcile`, e.g.
@@ -550,6 +501,11 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceL
        (``lm_head.weight`` is ``embed.weight``; :func:`ckptool.torch_ops.tied.tied_entries`) got its values from
        that entry and is reported in ``LoadReport.tied``, not as missing.
 
+    With ``mmap=True`` (CPU only) nothing is copied at all: the memory-mapped tensors themselves become the
+    model's parameters and buffers (``load_state_dict(assign=True)``: they take the checkpoint's dtypes too, and
+    their pages are read from the file when first used). The file must then not be overwritten while the model
+    lives (``torch.load(mmap=True)``'s own caveat); legacy files have no mapping and give plain tensors.
+
     With ``strict=True`` any missing (tied entries are not missing), unexpected or shape-mismatched entry raises
     after the load, like torch's
     ``load_state_dict(strict=True)`` (the matching entries have been copied by then); with ``strict=False`` they
@@ -558,14 +514,23 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceL
     Raises:
         StateDictMismatchError: ``strict`` and the state_dict does not fit (message: the report's tables).
         UnsafeCheckpointError: the file needs globals outside the weights-only allowlist and ``trust`` is False.
-        UsageError: bad device, ``model`` not an ``nn.Module``, ``key`` names no state_dict, bad ``prefixes``.
+        UsageError: bad device, ``model`` not an ``nn.Module``, ``key`` names no state_dict, bad ``prefixes``,
+            ``mmap`` with a device other than the CPU.
         NotACheckpointError / CorruptCheckpointError: unreadable file.
         UnsupportedError: the file holds no state_dict.
         KeyCollisionError: stripping ``prefixes`` would merge two keys.
         CkptError: the model's own ``load_state_dict`` refused a value (its RuntimeError is chained).
     """
-    p, dev, obj, saved = load_for_model(model, path, device, trust=trust)
-    done = load_selected(model, obj, path=p, key=key, device=dev, strict=strict, prefixes=prefixes, saved=saved)
+    check_model(model)
+    if mmap and (resolve_device(device) if device is not None else model_device(model)).type != "cpu":
+        raise UsageError("load_into(mmap=True) maps the file into host memory: use device='cpu' (or mmap=False to "
+                         "stream the tensors onto the device)")
+    with FileSpans() as spans:
+        p, dev, obj, saved = load_for_model(model, path, device, trust=trust, spans=spans)
+        done = load_selected(model, obj, path=p, key=key, device=dev, strict=strict, prefixes=prefixes, saved=saved,
+                             spans=spans, assign=mmap)
+    del obj
+    done.loaded.clear()
     if strict:
         done.report.raise_for_errors()
     return done.report

@@ -17,6 +17,7 @@ from ckptool.model.keys import OPTIMIZER_NAMES, SCALER_NAMES, SCHEDULER_NAMES
 from ckptool.model.paths import get_path
 from ckptool.torch_ops.load import first_line, load_for_model, load_selected
 from ckptool.torch_ops.reports import TrainingState
+from ckptool.torch_ops.stream import FileSpans
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -86,9 +87,12 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     was saved on.
 
     The model is moved to ``device`` *before* the optimizer state is loaded (moving it afterwards is what leaves
-    optimizer state behind and gives "Expected all tensors to be on the same device"). The file is loaded once
-    onto ``device`` (:func:`~ckptool.torch_ops.load.load_checkpoint`), the model's state_dict is loaded as in
-    :func:`~ckptool.torch_ops.load.load_into` (``model_key`` or automatic), then ``optimizer.load_state_dict``
+    optimizer state behind and gives "Expected all tensors to be on the same device"). The file is opened once
+    (:func:`~ckptool.torch_ops.load.load_checkpoint`; a torch zip file memory-mapped) and the model's state_dict
+    is streamed into the model as in :func:`~ckptool.torch_ops.load.load_into` (``model_key`` or automatic: no
+    second copy of the model); every other tensor (optimizer state, extras) is then read from the file into its
+    own memory on ``device`` (:meth:`~ckptool.torch_ops.stream.FileSpans.materialize`, storage sharing kept),
+    so nothing returned depends on the file afterwards; then ``optimizer.load_state_dict``
     (entry ``optimizer_key`` or the first of :data:`ckptool.model.keys.OPTIMIZER_NAMES`; Lightning's
     ``optimizer_states`` list gives its first element), which casts every state tensor to its parameter's device
     and floating dtype, ``step`` excepted (``Optimizer._process_value_according_to_param_policy``). Every state
@@ -111,11 +115,14 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         UnsafeCheckpointError / NotACheckpointError / CorruptCheckpointError: as ``load_checkpoint``.
         CkptError: the model's own ``load_state_dict`` refused a value.
     """
-    p, dev, ck, saved = load_for_model(model, path, device, trust=trust)
-    if not isinstance(ck, Mapping):
-        raise UnsupportedError(f"{p} holds a {type(ck).__name__}, not a training checkpoint dict; load it with "
-                               "ckptool.load_into(model, path)")
-    done = load_selected(model, ck, path=p, key=model_key, device=dev, strict=strict, prefixes="auto", saved=saved)
+    with FileSpans() as spans:
+        p, dev, ck, saved = load_for_model(model, path, device, trust=trust, spans=spans)
+        if not isinstance(ck, Mapping):
+            raise UnsupportedError(f"{p} holds a {type(ck).__name__}, not a training checkpoint dict; load it "
+                                   "with ckptool.load_into(model, path)")
+        done = load_selected(model, ck, path=p, key=model_key, device=dev, strict=strict, prefixes="auto",
+                             saved=saved, spans=spans)
+        ck = spans.materialize(ck, dev, skip=done.source)
     if strict:
         done.report.raise_for_errors()
     used = {done.report.key.split(".")[0]} if done.report.key else set()

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 from ckptool.errors import CkptError, UsageError
 from ckptool.torch_ops.devices import default_device, same_device
-from ckptool.torch_ops.load import check_model, first_line, load_for_model, load_selected, same_bits
+from ckptool.torch_ops.load import Loaded, check_model, first_line, load_for_model, load_selected, same_bits
 from ckptool.torch_ops.reports import ForwardCheck, VerifyReport, dtype_name
+from ckptool.torch_ops.stream import FileSpans
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -158,9 +159,22 @@ def verify(path: str | os.PathLike[str], model: nn.Module | Callable[[], nn.Modu
         shape = [int(s) for s in input_shape]
         if not shape or any(s <= 0 for s in shape):
             raise UsageError(f"input shape {input_shape!r}: give positive sizes such as 1,784")
-    p, dev, obj, saved = load_for_model(model, path, default_device() if device is None else device, trust=trust)
-    done = load_selected(model, obj, path=p, key=key, device=dev, strict=strict, prefixes="auto", saved=saved)
-    del obj
+    with FileSpans() as spans:
+        p, dev, obj, saved = load_for_model(model, path, default_device() if device is None else device,
+                                            trust=trust, spans=spans)
+        done = load_selected(model, obj, path=p, key=key, device=dev, strict=strict, prefixes="auto", saved=saved,
+                             spans=spans)
+        del obj
+        rep = _check(model, done, dev)
+    if input_shape is not None:
+        rep.forward = _forward_check(model, shape, dev)
+    return _problems(rep)
+
+
+def _check(model: nn.Module, done: Loaded, dev: torch.device) -> VerifyReport:
+    """The device and value checks of :func:`verify`: every parameter and buffer on ``dev``, every loaded value
+    bit-identical to the checkpoint's (read back from the file :data:`~ckptool.torch_ops.stream.CHUNK` at a time
+    when it was streamed, so the check needs no second copy of the model either)."""
     rep = VerifyReport(done.report, str(dev))
     ld = done.report
 
@@ -181,14 +195,19 @@ def verify(path: str | os.PathLike[str], model: nn.Module | Callable[[], nn.Modu
         if not isinstance(v, torch.Tensor) or not isinstance(t, torch.Tensor):
             continue
         rep.checked += 1
-        expect = v.to(t.dtype) if v.dtype != t.dtype else v
-        if not same_bits(t, expect):
+        same = done.spans.same_bits(t, v) if done.spans is not None else None
+        if same is None:
+            same = same_bits(t, v.to(t.dtype) if v.dtype != t.dtype else v)
+        if not same:
             rep.value_mismatches.append(mk)
     done.loaded.clear()
+    return rep
 
-    if input_shape is not None:
-        rep.forward = _forward_check(model, shape, dev)
 
+def _problems(rep: VerifyReport) -> VerifyReport:
+    """``rep`` with its ``problems`` listed (what makes it not ``ok``)."""
+    ld = rep.load
+    dev = rep.device
     probs = rep.problems
     if ld.strict:
         if ld.missing:

@@ -1,6 +1,11 @@
 """``convert``'s DCP steps: a whole DCP folder to one torch file, and a loaded state to a new DCP folder.
 
-Both go through torch's own machinery (:mod:`ckptool.torch_ops.dcp`). A DCP folder is written into a staging
+A folder whose tensors are each stored whole (one chunk: what a single process, or ranks holding full replicas,
+save) and whose ``planner_data`` nests dicts only is converted without torch (:func:`copy_dcp_to_torch`): the
+output pickle is built from ``.metadata`` and the non-tensor entries' pickles (read with the restricted
+unpickler), and each tensor's bytes are copied by range from the ``torch.save`` record DCP wrote for it, so
+memory stays a few MiB whatever the size. Anything else goes through torch's own machinery
+(:mod:`ckptool.torch_ops.dcp`). A DCP folder is written into a staging
 folder beside the destination, named as :func:`ckptool._fileio.atomic_output` names its temporary files, and
 renamed into place only once written (and verified); on any failure the staging folder is removed.
 """
@@ -11,8 +16,15 @@ import os
 from typing import Any, BinaryIO
 
 from ckptool._fileio import temp_path
-from ckptool.errors import UsageError
+from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
 from ckptool.formats.dcp import DcpMetadata
+from ckptool.formats.dtypes import contiguous_stride, element_size, tensor_dtype
+from ckptool.formats.nodes import PickledObject, ReduceNode, TensorNode
+from ckptool.formats.pickler import PicklerError, dumps
+from ckptool.formats.torchzip import TorchZipWriter
+from ckptool.formats.unpickler import load_structure
+from ckptool.formats.zipdir import data_offset, read_directory, read_member
+from ckptool.model.tensor_nodes import tensor_node
 from ckptool.ops.convert.outputs import scratch_file
 from ckptool.ops.convert.source import ConvertResult
 from ckptool.ops.convert.verify import verify_fail
@@ -23,8 +35,9 @@ WHOLE_NOTE = "the whole checkpoint was converted (pass --key to convert one stat
 
 
 def whole_dcp_to_torch(meta: DcpMetadata, dst: str, verify: bool) -> ConvertResult:
-    """Write the DCP folder of ``meta`` as one torch file at ``dst`` (``format_utils.dcp_to_torch_save``, written
-    atomically), checking before it is kept that it opens with ``torch.load(weights_only=True)`` and, with
+    """Write the DCP folder of ``meta`` as one torch file at ``dst`` as ``format_utils.dcp_to_torch_save`` would
+    (:func:`copy_dcp_to_torch` without torch where it can, else :func:`~ckptool.torch_ops.dcp.dcp_to_torch_file`;
+    written atomically), checking before it is kept that it opens with ``torch.load(weights_only=True)`` and, with
     ``verify``, holds every tensor ``.metadata`` lists with its dtype and shape.
 
     Raises:
@@ -34,7 +47,11 @@ def whole_dcp_to_torch(meta: DcpMetadata, dst: str, verify: bool) -> ConvertResu
     res = ConvertResult(meta.folder, dst, "dcp", "torch", notes=[WHOLE_NOTE])
 
     def write(out: BinaryIO) -> None:
-        dcp_to_torch_file(meta.folder, out)
+        start = out.tell()
+        if not copy_dcp_to_torch(meta, out):
+            out.seek(start)
+            out.truncate()
+            dcp_to_torch_file(meta.folder, out)
 
     def check(_w: None, path: str) -> None:
         res.tensors, diff = metadata_difference(path, meta.entries, verify)
@@ -87,3 +104,157 @@ def write_dcp(state: dict[str, Any], dst: str, verify: bool, res: ConvertResult)
         os.replace(stage, dst)
     res.files = sorted(os.path.join(dst, n) for n in os.listdir(dst))
     res.bytes_written = sum(os.path.getsize(p) for p in res.files)
+
+
+# ------------------------------------------------------------------------------------------------ without torch
+class _Slice:
+    """``length`` bytes at ``offset`` of the open file ``f``, as a seekable file of their own (a DCP record)."""
+
+    def __init__(self, f: BinaryIO, offset: int, length: int) -> None:
+        self.f, self.start, self.size, self.pos = f, offset, length, 0
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, min(self.size, pos if whence == 0 else self.pos + pos if whence == 1 else self.size + pos))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size - self.pos if n < 0 else min(n, self.size - self.pos)
+        self.f.seek(self.start + self.pos)
+        data = self.f.read(n)
+        self.pos += len(data)
+        return data
+
+
+def _state(node: Any) -> Any:
+    return node.state if isinstance(node, PickledObject) else None
+
+
+def _ints(node: Any) -> tuple[int, ...] | None:
+    """A ``torch.Size`` node (``torch.Size((3, 4))``) or a plain tuple as ints."""
+    v = node.args[0] if isinstance(node, ReduceNode) and node.args else node
+    return tuple(v) if isinstance(v, (tuple, list)) and all(type(x) is int for x in v) else None
+
+
+def _record(files: dict[str, BinaryIO], folder: str, info: Any) -> tuple[BinaryIO, _Slice] | None:
+    """The open ``.distcp`` file and the slice of one storage record (None: transformed, or outside the folder)."""
+    sst = _state(info)
+    if type(sst) is not dict or sst.get("transform_descriptors"):
+        return None
+    rel, off, length = sst.get("relative_path"), sst.get("offset"), sst.get("length")
+    if not isinstance(rel, str) or type(off) is not int or type(length) is not int or os.path.isabs(rel) \
+            or os.path.normpath(rel).startswith(".."):
+        return None
+    if rel not in files:
+        files[rel] = open(os.path.join(folder, rel), "rb")  # noqa: SIM115 - closed by the caller
+    f = files[rel]
+    return f, _Slice(f, off, length)
+
+
+def _torch_save_record(blob: _Slice, what: str) -> tuple[Any, dict[str, Any], list[Any]]:
+    """``(root node, storages, directory)`` of the ``torch.save`` zip in ``blob``."""
+    entries = read_directory(blob, blob.size, what)  # type: ignore[arg-type]
+    pkl = next((e for e in entries if e.name.endswith("/data.pkl") or e.name == "data.pkl"), None)
+    if pkl is None:
+        raise CorruptCheckpointError(f"{what} is not a torch.save record")
+    storages: dict[str, Any] = {}
+    root, _up = load_structure(read_member(blob, pkl, what), what, storages=storages)  # type: ignore[arg-type]
+    return root, storages, entries
+
+
+def copy_dcp_to_torch(meta: DcpMetadata, out: BinaryIO) -> bool:
+    """Write the DCP folder of ``meta`` to ``out`` as one torch file without torch (see the module docstring),
+    laid out as ``dcp_to_torch_save`` lays it out (the ``planner_data`` nesting, every tensor contiguous, tagged
+    ``cpu``). Returns False, having written nothing, when the folder does not qualify: a tensor in several chunks,
+    a transformed record, lists in ``planner_data``, a non-tensor entry holding tensors, a record that does not
+    match ``.metadata``.
+
+    Raises:
+        CorruptCheckpointError: a record is not a ``torch.save`` zip, or is damaged.
+    """
+    st = _state(meta.root)
+    sdm = st.get("state_dict_metadata") if type(st) is dict else None
+    data = st.get("storage_data") if type(st) is dict else None
+    planner = meta.planner_data or {}
+    if not isinstance(sdm, dict) or not isinstance(data, dict):
+        return False
+    records: dict[str, list[Any]] = {}
+    for idx, info in data.items():
+        ist = _state(idx)
+        if type(ist) is not dict or not isinstance(ist.get("fqn"), str):
+            return False
+        records.setdefault(ist["fqn"], []).append(info)
+    files: dict[str, BinaryIO] = {}
+    try:
+        root: dict[str, Any] = {}
+        copies: list[tuple[str, BinaryIO, int, int, int]] = []  # (record, file, offset, size, crc)
+        for entry in meta.entries:
+            path = planner.get(entry.fqn, (entry.fqn,))
+            if not isinstance(path, (tuple, list)) or not path or not all(isinstance(p, str) for p in path):
+                return False
+            infos = records.get(entry.fqn, [])
+            found = _record(files, meta.folder, infos[0]) if len(infos) == 1 else None
+            if found is None:
+                return False
+            f, blob = found
+            what = f"{meta.folder}: the record of {entry.fqn!r}"
+            node, storages, entries = _torch_save_record(blob, what)
+            if entry.dtype is None:  # a non-tensor entry: its pickle, if it holds no tensor
+                if storages:
+                    return False
+                value = node
+            else:
+                chunks = _state(sdm.get(entry.fqn)) or {}
+                chunk_list = chunks.get("chunks") if type(chunks) is dict else None
+                if not isinstance(chunk_list, list) or len(chunk_list) != 1:
+                    return False
+                cst = _state(chunk_list[0])
+                shape = entry.shape or ()
+                if type(cst) is not dict or _ints(cst.get("sizes")) != shape or any(_ints(cst.get("offsets")) or ()):
+                    return False
+                if not isinstance(node, TensorNode) or len(storages) != 1 or node.storage is None:
+                    return False
+                nbytes = element_size(entry.dtype) * _numel(shape)
+                key = node.storage.key
+                rec = next((e for e in entries if e.name.endswith(f"/data/{key}")), None)
+                if (tensor_dtype(node) != entry.dtype or node.shape != shape or node.storage_offset != 0
+                        or (nbytes and node.stride != contiguous_stride(shape)) or rec is None or rec.method != 0
+                        or rec.file_size < nbytes):
+                    return False
+                skey = str(len(copies))
+                copies.append((f"data/{skey}", f, blob.start + data_offset(blob, rec, what), nbytes,  # type: ignore[arg-type]
+                               rec.crc if rec.file_size == nbytes else -1))
+                value = tensor_node(skey, entry.dtype, shape, contiguous_stride(shape))
+            where = root
+            for p in path[:-1]:
+                nxt = where.setdefault(p, {})
+                if not isinstance(nxt, dict):
+                    return False
+                where = nxt
+            where[path[-1]] = value
+        try:
+            data_pkl = dumps(root, protocol=2)
+        except PicklerError:
+            return False
+        w = TorchZipWriter(out, "archive")
+        w.begin_torch_save(data_pkl)
+        for name, f, off, size, crc in copies:
+            w.copy_record(name, f, off, size, None if crc < 0 else crc)
+        w.end_torch_save()
+        return True
+    except (CkptError, OSError):
+        if out.tell() != 0:
+            raise
+        return False
+    finally:
+        for fh in files.values():
+            fh.close()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s_ in shape:
+        n *= s_
+    return n
