@@ -121,9 +121,9 @@ class _RangeHandler(BaseHTTPRequestHandler):
         if self.path.startswith("/drop/") and n > MB:  # the connection drops mid-body
             data = data[:4096]
             self.close_connection = True
-        self.wfile.write(data)
-        with self.server.lock:
+        with self.server.lock:  # counted before the write: the client may finish reading before this thread runs on
             self.server.sent += len(data)
+        self.wfile.write(data)
 
 
 @pytest.fixture(scope="session")
