@@ -184,7 +184,7 @@ def test_scan_accelerate_rng_state_does_not_crash(corpus: dict[str, Path], run_c
     assert r.exit_code in (0, 1, 4), r.output
 
 
-@pytest.mark.xfail(reason="the verdict for accelerate's numpy RNG state (a known library type: needs-trust, not "
-                          "dangerous) is the scan-rules work of issue 17's DCP/accelerate part", strict=False)
 def test_scan_accelerate_rng_state_needs_trust(corpus: dict[str, Path]) -> None:
-    assert scan_file(corpus["accelerate"] / "random_states_0.pkl").verdict == "needs-trust"
+    """accelerate's numpy RNG state is a known library type: needs trust, not dangerous (model/allowlist)."""
+    res = scan_file(corpus["accelerate"] / "random_states_0.pkl")
+    assert res.verdict == "needs-trust" and res.recognised is not None
