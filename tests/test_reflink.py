@@ -16,6 +16,7 @@ import subprocess
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,7 +63,7 @@ def reflink_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             img.unlink()
 
 
-def _save(path: Path) -> dict[str, object]:
+def _save(path: Path) -> dict[str, Any]:
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -90,7 +91,7 @@ def _used(folder: Path) -> int:
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
-def _check_loads(out: Path, sd: dict[str, object], strip: str = "") -> None:
+def _check_loads(out: Path, sd: dict[str, Any], strip: str = "") -> None:
     """``out`` loads with plain torch, with and without mmap, to ``sd`` (keys less ``strip``), views kept."""
     import torch
 
@@ -98,8 +99,9 @@ def _check_loads(out: Path, sd: dict[str, object], strip: str = "") -> None:
     for mmap in (False, True):
         got = torch.load(out, weights_only=True, mmap=mmap, map_location="cpu")
         assert set(got) == set(want)
-        assert all(torch.equal(got[k], v) for k, v in want.items())  # type: ignore[arg-type]
-        tied, base = got[strip and "tied" or "module.tied"], got[strip and "layer0.weight" or "module.layer0.weight"]
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+        lead = "" if strip else "module."
+        tied, base = got[lead + "tied"], got[lead + "layer0.weight"]
         assert tied.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
 
@@ -127,7 +129,7 @@ def test_remap_clones_records(reflink_dir: Path) -> None:
     import torch
 
     assert all(torch.equal(torch.load(out, weights_only=True, map_location="cpu")[k], v)
-               for k, v in sd.items())  # type: ignore[arg-type]
+               for k, v in sd.items())
 
 
 def test_prefix_and_convert_clone(reflink_dir: Path) -> None:
@@ -192,7 +194,7 @@ def test_clone_range_unsupported_returns_false(tmp_path: Path) -> None:
     data = os.urandom(3 * 65536 + 5)
     a.write_bytes(data)
     with open(a, "rb") as fa, open(b, "w+b") as fb:
-        block = clone_block(fa, fb)  # type: ignore[arg-type]
+        block = clone_block(fa, fb)
         if block:
             pytest.skip(f"{tmp_path} supports reflinks (block {block}): nothing to fall back from")
         assert not clone_range(fa.fileno(), fb.fileno(), 0, 0, 65536)
@@ -209,9 +211,9 @@ def test_copy_range_clones_whole_blocks(reflink_dir: Path) -> None:
     data = os.urandom(40 * 4096 + 123)
     a.write_bytes(data)
     with open(a, "rb") as fa, open(b, "w+b") as fb:
-        block = clone_block(fa, fb)  # type: ignore[arg-type]
+        block = clone_block(fa, fb)
         assert block and os.fstat(fb.fileno()).st_size == 0  # the probe left nothing behind
         fb.write(b"h" * (block + 100))
-        copy_range(fa, fb, 100, len(data) - 100, block=block)  # type: ignore[arg-type]
+        copy_range(fa, fb, 100, len(data) - 100, block=block)
         assert fb.tell() == block + len(data)
     assert b.read_bytes() == b"h" * (block + 100) + data[100:]
