@@ -86,6 +86,7 @@ def run(folder: Path, size_gib: float, repeat: int) -> dict[str, object]:
                                                      f"--to cuda:0 -o '{dst}'",
         "ckptool remap, cloning switched off (copies)": f"{sys.executable} -c \"{_NO_CLONE}\" remap "
                                                         f"'{src}' --to cuda:0 -o '{dst}'",
+        "ckptool inspect (reads the pickle only)": f"{sys.executable} -m ckptool inspect '{src}'",
         "python -m ckptool --version (start-up alone)": f"{sys.executable} -m ckptool --version",
         "cp --reflink=never && sync": f"cp --reflink=never {q} && sync '{dst}'",
         "cp --reflink=always": f"cp --reflink=always {q}",
