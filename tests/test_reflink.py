@@ -217,3 +217,22 @@ def test_copy_range_clones_whole_blocks(reflink_dir: Path) -> None:
         copy_range(fa, fb, 100, len(data) - 100, block=block)
         assert fb.tell() == block + len(data)
     assert b.read_bytes() == b"h" * (block + 100) + data[100:]
+
+
+def test_safetensors_prefix_clones(reflink_dir: Path) -> None:
+    """strip-prefix of a safetensors file: the header is padded so that the data block is cloned."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = reflink_dir / "s.safetensors", reflink_dir / "t.safetensors"
+    sd = {f"module.w{i}": torch.randn(512, 1024) for i in range(4)}
+    save_file(sd, str(src))
+    before = _used(reflink_dir)
+    ckptool.strip_prefix(src, "module.", out)
+    assert _used(reflink_dir) - before < 256 << 10
+    got = load_file(str(out))
+    assert set(got) == {k.removeprefix("module.") for k in sd}
+    assert all(torch.equal(got[k.removeprefix("module.")], v) for k, v in sd.items())
+    with open(src, "rb") as a, open(out, "rb") as b:
+        na, nb = (struct.unpack("<Q", x.read(8))[0] for x in (a, b))
+    assert (nb - na) % os.statvfs(reflink_dir).f_bsize == 0 and nb % 8 == 0
