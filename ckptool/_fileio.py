@@ -458,19 +458,15 @@ FICLONERANGE = 0x4020940D
 #: errno values that mean "this filesystem (or this pair of files) cannot share extents": copy instead
 _NO_CLONE = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EINVAL, errno.ENOTTY, errno.ENOSYS,
                        errno.EBADF, errno.EPERM})
-#: the largest block size records are laid out for (a zip extra field holds the padding: at most 65535 bytes)
-MAX_CLONE_BLOCK = 32 << 10
-#: bytes cloned by one ``FICLONERANGE`` call (progress is reported after each)
-CLONE_PIECE = 256 << 20
+MAX_CLONE_BLOCK = 32 << 10  # the largest block size laid out for (zip padding goes in a <= 65535-byte field)
+CLONE_PIECE = 256 << 20  # bytes cloned by one FICLONERANGE call (progress is reported after each)
 
 
 def clone_range(sfd: int, dfd: int, offset: int, pos: int, size: int) -> bool:
-    """Make the ``size`` bytes at ``pos`` of file descriptor ``dfd`` share the extents of the ``size`` bytes at
-    ``offset`` of ``sfd`` (``ioctl(FICLONERANGE)``, linux/fs.h ``struct file_clone_range {s64 src_fd;
-    u64 src_offset; u64 src_length; u64 dest_offset}``): no data is read or written, the blocks are copied
-    only when one side is later modified. ``offset``, ``pos`` and ``size`` must be multiples of the filesystem
-    block size (``size`` may end at the end of ``sfd``). Returns False, having changed nothing, where the
-    filesystem or the pair of files cannot (``EOPNOTSUPP``, ``EXDEV``, ``EINVAL``...; not Linux).
+    """Make ``size`` bytes at ``pos`` of descriptor ``dfd`` share the extents of those at ``offset`` of ``sfd``
+    (``ioctl(FICLONERANGE)``, linux/fs.h ``struct file_clone_range``): no data is read or written. ``offset``,
+    ``pos`` and ``size`` must be multiples of the filesystem block size. Returns False, having changed nothing,
+    where the filesystem or the pair of files cannot (``EOPNOTSUPP``, ``EXDEV``, ``EINVAL``...; not Linux).
 
     Raises:
         OSError: the clone failed for another reason (``ENOSPC``, ``EIO``...).
