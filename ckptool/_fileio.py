@@ -5,7 +5,10 @@ and fsyncs the folder; on any failure (or KeyboardInterrupt) the temporary file 
 left as it was. :func:`copy_range` copies a byte range between files with ``os.copy_file_range`` where the kernel
 offers it (no user-space copy), else in 8 MiB chunks, so memory stays bounded whatever the size; as it goes,
 :class:`WriteBehind` starts the write-back of what was copied (``sync_file_range``), so that the final fsync has
-little left to do.
+little left to do. On a filesystem with reflinks (XFS ``reflink=1``, btrfs), :func:`copy_range` clones the
+block-aligned part of a range (:func:`clone_range`, ``FICLONERANGE``) when source and destination offsets are
+congruent modulo the block size (:func:`clone_block` says whether cloning works and at which block size), so
+the data is shared, not copied.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import shutil
 import signal
 import stat
+import struct
 import sys
 import tempfile
 import threading
@@ -26,6 +30,11 @@ import zlib
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, BinaryIO, cast
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no ioctl, so no clones
+    fcntl = None  # type: ignore[assignment]
 
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, OutputError, UsageError, os_error_advice
@@ -444,11 +453,94 @@ def _kernel_copy(sfd: int, dfd: int, offset: int, pos: int, size: int) -> int:
     return done
 
 
+#: ``FICLONERANGE`` from linux/fs.h: ``_IOW(0x94, 13, struct file_clone_range)``
+FICLONERANGE = 0x4020940D
+#: errno values that mean "this filesystem (or this pair of files) cannot share extents": copy instead
+_NO_CLONE = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EINVAL, errno.ENOTTY, errno.ENOSYS,
+                       errno.EBADF, errno.EPERM})
+MAX_CLONE_BLOCK = 32 << 10  # the largest block size laid out for (zip padding goes in a <= 65535-byte field)
+CLONE_PIECE = 256 << 20  # bytes cloned by one FICLONERANGE call (progress is reported after each)
+
+
+def clone_range(sfd: int, dfd: int, offset: int, pos: int, size: int) -> bool:
+    """Make ``size`` bytes at ``pos`` of descriptor ``dfd`` share the extents of those at ``offset`` of ``sfd``
+    (``ioctl(FICLONERANGE)``, linux/fs.h ``struct file_clone_range``): no data is read or written. ``offset``,
+    ``pos`` and ``size`` must be multiples of the filesystem block size. Returns False, having changed nothing,
+    where the filesystem or the pair of files cannot (``EOPNOTSUPP``, ``EXDEV``, ``EINVAL``...; not Linux).
+
+    Raises:
+        OSError: the clone failed for another reason (``ENOSPC``, ``EIO``...).
+    """
+    if fcntl is None or not sys.platform.startswith("linux") or size <= 0:
+        return False
+    try:
+        fcntl.ioctl(dfd, FICLONERANGE, struct.pack("=qQQQ", sfd, offset, size, pos))
+    except OSError as e:
+        if e.errno in _NO_CLONE:
+            return False
+        raise
+    return True
+
+
+def clone_block(src: BinaryIO, dst: BinaryIO) -> int:
+    """The block size at which byte ranges of ``src`` can be cloned into ``dst`` (:func:`clone_range`), or 0
+    where they cannot: not files on disk, not on one filesystem, a filesystem without reflinks, a block size over
+    :data:`MAX_CLONE_BLOCK`, or ``src`` smaller than one block.
+
+    Found by trying: the first block of ``src`` is cloned just past the end of ``dst`` (flushed first), then
+    ``dst`` is cut back to its length, so ``dst`` is left as it was. The block size is the filesystem's
+    (``fstatvfs`` ``f_bsize``).
+    """
+    try:
+        sfd, dfd = src.fileno(), dst.fileno()
+        ss, ds = os.fstat(sfd), os.fstat(dfd)
+        block = os.fstatvfs(dfd).f_bsize
+    except (OSError, AttributeError, ValueError):  # a URL's reader, io.BytesIO, no statvfs
+        return 0
+    if (ss.st_dev != ds.st_dev or not stat.S_ISREG(ss.st_mode) or not stat.S_ISREG(ds.st_mode)
+            or not 0 < block <= MAX_CLONE_BLOCK or block & (block - 1) or ss.st_size < block):
+        return 0
+    dst.flush()
+    end = os.fstat(dfd).st_size
+    try:
+        ok = clone_range(sfd, dfd, 0, -end % block + end, block)
+    except OSError:
+        ok = False
+    if ok:
+        os.ftruncate(dfd, end)
+    return block if ok else 0
+
+
+def _copy_pieces(src: BinaryIO, dst: BinaryIO, sfd: int, dfd: int, offset: int, pos: int, size: int,
+                 wb: WriteBehind, progress: Callable[[int], None] | None) -> None:
+    """Copy ``size`` bytes from ``offset`` of ``src`` to ``pos`` of ``dst`` in :data:`WRITEBACK_WINDOW` pieces,
+    by ``os.copy_file_range`` while the kernel copies, else through user space."""
+    kernel = getattr(os, "copy_file_range", None) is not None  # None: switched off (tests)
+    done = 0
+    while done < size:
+        n = min(size - done, WRITEBACK_WINDOW)
+        got = _kernel_copy(sfd, dfd, offset + done, pos + done, n) if kernel else 0
+        if got < n:  # no kernel copy (from here on), or the end of src: copy by hand (which reports truncation)
+            kernel = False
+            dst.seek(pos + done + got)
+            copy_range_crc(src, dst, offset + done + got, n - got, behind=wb)
+            dst.flush()
+        done += n
+        wb.written(pos + done)
+        if progress is not None:
+            progress(n)
+
+
 def copy_range(src: BinaryIO, dst: BinaryIO, offset: int, size: int, *,
-               progress: Callable[[int], None] | None = None, behind: WriteBehind | None = None) -> None:
+               progress: Callable[[int], None] | None = None, behind: WriteBehind | None = None,
+               block: int = 0) -> None:
     """Copy ``size`` bytes at ``offset`` of ``src`` to the current position of ``dst`` with
     ``os.copy_file_range`` (no copy through user space) where the kernel offers it, else with
     :func:`copy_range_crc`. ``dst`` ends positioned after the copied bytes.
+
+    With ``block`` (from :func:`clone_block`) and the destination position congruent with ``offset`` modulo
+    ``block``, the whole blocks of the range are cloned instead (:func:`clone_range`: shared extents, nothing
+    copied); the partial blocks at either end are copied. Where the clone fails, everything is copied.
 
     The copy goes in :data:`WRITEBACK_WINDOW` pieces, starting the write-back of each piece as soon as it is
     copied (through ``behind``, the caller's :class:`WriteBehind` for ``dst``, else one of its own);
@@ -469,20 +561,21 @@ def copy_range(src: BinaryIO, dst: BinaryIO, offset: int, size: int, *,
         return
     dfd = dst.fileno()
     wb = behind if behind is not None else WriteBehind(dfd, pos)
-    kernel = getattr(os, "copy_file_range", None) is not None  # None: switched off (tests)
-    done = 0
-    while done < size:
-        n = min(size - done, WRITEBACK_WINDOW)
-        got = _kernel_copy(sfd, dfd, offset + done, pos + done, n) if kernel else 0
-        if got < n:  # no kernel copy (from here on), or the end of src: copy by hand (which reports truncation)
-            kernel = False
-            dst.seek(pos + done + got)
-            copy_range_crc(src, dst, offset + done + got, n - got, behind=wb)
-            dst.flush()
-        done += n
-        wb.written(pos + done)
-        if progress is not None:
-            progress(n)
+    head = -pos % block if block else 0
+    whole = (size - head) // block * block if block and (offset - pos) % block == 0 and size > head else 0
+    if whole:
+        _copy_pieces(src, dst, sfd, dfd, offset, pos, head, wb, progress)
+        done = head
+        while done < head + whole and clone_range(sfd, dfd, offset + done, pos + done,
+                                                  min(CLONE_PIECE, head + whole - done)):
+            n = min(CLONE_PIECE, head + whole - done)
+            done += n
+            wb.start = max(wb.start, pos + done)  # shared extents: nothing to write back
+            if progress is not None:
+                progress(n)
+        _copy_pieces(src, dst, sfd, dfd, offset + done, pos + done, size - done, wb, progress)
+    else:
+        _copy_pieces(src, dst, sfd, dfd, offset, pos, size, wb, progress)
     dst.seek(pos + size)
 
 

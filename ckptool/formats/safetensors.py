@@ -144,13 +144,20 @@ def _size_problem(entry: dict[str, Any]) -> str | None:
     return None
 
 
-def encode_header(entries: dict[str, dict[str, Any]], metadata: dict[str, str] | None = None) -> bytes:
+def encode_header(entries: dict[str, dict[str, Any]], metadata: dict[str, str] | None = None, *,
+                  data_start: tuple[int, int] = (0, 8)) -> bytes:
     """The bytes that start a safetensors file: the 8-byte length then the compact JSON header (``__metadata__``
-    first when given), padded with spaces to a multiple of 8 as the safetensors writer does."""
+    first when given), padded with spaces to a multiple of 8 as the safetensors writer does.
+
+    ``data_start`` ``(target, modulus)`` pads further (spaces, which JSON ignores) so that the data starts at an
+    offset congruent with ``target`` modulo ``modulus`` (a multiple of 8, ``target`` too): a rewrite on a
+    filesystem with reflinks puts it at the input's data offset modulo the block size, so that the data can be
+    cloned (:func:`ckptool._fileio.copy_range`)."""
     header: dict[str, Any] = {METADATA_KEY: metadata} if metadata is not None else {}
     header.update(entries)
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
+    target, modulus = data_start
+    raw += b" " * ((target - 8 - len(raw)) % modulus)
     return struct.pack("<Q", len(raw)) + raw
 
 

@@ -7,6 +7,13 @@ when sizes, offsets or the entry count need them. Record bytes are copied from t
 :func:`ckptool._fileio.copy_range` (``os.copy_file_range`` where the kernel offers it), so memory stays bounded
 whatever the record size, and the write-back of the output starts as it is written
 (:class:`ckptool._fileio.WriteBehind`), so that the final fsync of :func:`ckptool._fileio.atomic_output` is short.
+
+Copy-free on a filesystem with reflinks (XFS ``reflink=1``, btrfs): when the source and the output can share
+extents (:func:`ckptool._fileio.clone_block`, tried once per source file), a large record's data is laid out at an
+offset congruent with its source offset modulo the block size (the local header's ``FB`` padding grows to at most
+one block less 1 byte; the 64-byte alignment holds, as the source offset is 64-aligned), so
+:func:`~ckptool._fileio.copy_range` clones its whole blocks (``FICLONERANGE``) instead of copying them. Elsewhere
+the layout is the one above, byte for byte.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import zlib
 from collections.abc import Callable
 from typing import BinaryIO
 
-from ckptool._fileio import copy_range, copy_range_crc, write_behind_for
+from ckptool._fileio import clone_block, copy_range, copy_range_crc, write_behind_for
 from ckptool.errors import CkptError
 
 ALIGNMENT = 64
@@ -46,15 +53,27 @@ class TorchZipWriter:
         self.pos = f.tell()
         self.progress = progress
         self._behind = write_behind_for(f)  # None for a file object without a descriptor (io.BytesIO)
+        #: id(source file) -> (the file, kept so that its id is not reused; its clone block size, 0: copy)
+        self._blocks: dict[int, tuple[BinaryIO, int]] = {}
 
     # -- local header --------------------------------------------------------------------------------------
+    def _clone_block(self, src: BinaryIO, offset: int) -> int:
+        """The block size at which the record at ``offset`` of ``src`` can be cloned into the output, else 0."""
+        if offset % ALIGNMENT:  # aligning to it would break the 64-byte alignment mmap needs
+            return 0
+        got = self._blocks.get(id(src))
+        if got is None:
+            got = self._blocks[id(src)] = (src, clone_block(src, self.f))
+        return got[1]
+
     def _header(self, name: bytes, size: int, crc: int, csize: int | None = None,
-                method: int = 0) -> tuple[bytes, int]:
+                method: int = 0, congruent: tuple[int, int] = (0, ALIGNMENT)) -> tuple[bytes, int]:
         csize = size if csize is None else csize
         zip64 = size >= _U32 or csize >= _U32
         extra = struct.pack("<HHQQ", 0x0001, 16, size, csize) if zip64 else b""
         base = 30 + len(name) + len(extra)
-        pad = (-(self.pos + base + 4)) % ALIGNMENT
+        target, modulus = congruent  # the data starts at an offset congruent with target modulo modulus
+        pad = (target - (self.pos + base + 4)) % modulus
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" padding field, as PyTorchStreamWriter
         s32, c32 = (_U32, _U32) if zip64 else (size, csize)
         hdr = struct.pack(
@@ -64,10 +83,10 @@ class TorchZipWriter:
         return hdr, 14  # offset of the CRC field inside the header
 
     def _begin(self, record: str, size: int, crc: int, csize: int | None = None,
-               method: int = 0) -> tuple[bytes, int]:
+               method: int = 0, congruent: tuple[int, int] = (0, ALIGNMENT)) -> tuple[bytes, int]:
         name = (self.prefix + record).encode("utf-8")
         offset = self.pos
-        hdr, _ = self._header(name, size, crc, csize, method)
+        hdr, _ = self._header(name, size, crc, csize, method, congruent)
         self.f.write(hdr)
         self.pos += len(hdr)
         return name, offset
@@ -105,14 +124,15 @@ class TorchZipWriter:
             if self.progress is not None:
                 self.progress(size)
             return
-        name, hoff = self._begin(record, size, crc or 0)
+        block = self._clone_block(src, offset) if crc is not None else 0
+        name, hoff = self._begin(record, size, crc or 0, congruent=(offset, block) if block else (0, ALIGNMENT))
         self.f.flush()
         if crc is None:
             crc = copy_range_crc(src, self.f, offset, size, progress=self.progress, behind=self._behind)
             self._patch_crc(hoff, crc)
         else:
             self.f.seek(self.pos)
-            copy_range(src, self.f, offset, size, progress=self.progress, behind=self._behind)
+            copy_range(src, self.f, offset, size, progress=self.progress, behind=self._behind, block=block)
         self.pos += size
         self.entries.append((name, crc, size, hoff, 0, size))
 
@@ -126,10 +146,11 @@ class TorchZipWriter:
         Raises:
             CkptError: the source ended before ``csize`` bytes were copied.
         """
-        name, hoff = self._begin(record, size, crc, csize, method)
+        block = self._clone_block(src, offset) if csize > SMALL_RECORD else 0
+        name, hoff = self._begin(record, size, crc, csize, method, (offset, block) if block else (0, ALIGNMENT))
         self.f.flush()
         self.f.seek(self.pos)
-        copy_range(src, self.f, offset, csize, progress=self.progress, behind=self._behind)
+        copy_range(src, self.f, offset, csize, progress=self.progress, behind=self._behind, block=block)
         self.pos += csize
         self.entries.append((name, crc, size, hoff, method, csize))
 

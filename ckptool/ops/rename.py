@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptool import _source as source
-from ckptool._fileio import atomic_output, copy_range, file_mode, same_file
+from ckptool._fileio import atomic_output, clone_block, copy_range, file_mode, same_file
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.nodes import PickledObject
@@ -313,12 +313,14 @@ def _rewrite_safetensors(src: str, out: str, plan: RenamePlan, *, key: str | Non
     header = read_header(src)
     keys = list(header.entries)
     mappings, summary = plan_keys([("", keys, False)], plan, allow_missing=allow_missing, where=src)
-    raw = encode_header({mappings[0][k]: header.entries[k] for k in keys}, header.metadata)
+    entries = {mappings[0][k]: header.entries[k] for k in keys}
     with source.open_binary(src) as f:
         mode = file_mode(src) if same_file(out, src) else None
         with atomic_output(out, mode=mode) as o:
-            o.write(raw)
-            copy_range(f, o, header.data_start, header.data_size)
+            # on a filesystem with reflinks, start the data where the input's does modulo the block: it is cloned
+            block = clone_block(f, o) if header.data_start % 8 == 0 and header.data_size > (1 << 20) else 0
+            o.write(encode_header(entries, header.metadata, data_start=(header.data_start, block) if block else (0, 8)))
+            copy_range(f, o, header.data_start, header.data_size, block=block)
             if progress is not None:
                 progress(header.data_size)
             written = o.tell()
