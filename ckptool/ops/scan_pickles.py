@@ -8,12 +8,14 @@ policy, and which pickles are read, are described in :mod:`ckptool.ops.scan`; DC
 from __future__ import annotations
 
 import io
+import os
 import struct
 import tarfile
 import zlib
 from collections.abc import Mapping
 from typing import Any, BinaryIO, TypeAlias, cast
 
+from ckptool import _source as source
 from ckptool.errors import CkptError, CorruptCheckpointError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import STORAGE_TYPES
@@ -30,6 +32,8 @@ __all__ = ["MAX_KEY_PATHS", "Window", "key_paths"]
 
 # ------------------------------------------------------------------------------------------------ scanning
 _PICKLE_SUFFIXES = (".pkl", ".debug_pkl", ".pickle")
+#: folders of a torch zip / TorchScript archive holding tensor bytes and TorchScript source, which no loader unpickles
+_STORAGE_DIRS = ("data/", "constants/", ".data/", "code/")
 _ZIP_LOCAL = b"PK\x03\x04"
 _ZIP_EOCD = b"PK\x05\x06"
 _LEGACY_MAGIC = formats.LEGACY_MAGIC_PREFIX
@@ -250,7 +254,11 @@ class _Scanner:
             f = cast(BinaryIO, buf) if isinstance(buf, Window) else io.BytesIO(
                 buf if isinstance(buf, bytes) else bytes(buf))
         size = len(buf)
-        entries = read_directory(f, size, where or self.res.path)
+        if depth == 0 and not where and not source.is_url(self.res.path) and size == os.path.getsize(self.res.path):
+            # the file itself: its directory as format detection and the readers parsed it (cached per version)
+            entries = formats.zip_entries(self.res.path)
+        else:
+            entries = read_directory(f, size, where or self.res.path)
         if not entries:
             raise CorruptCheckpointError(f"empty zip archive{_in(where)}")
         first = entries[0].name
@@ -279,7 +287,14 @@ class _Scanner:
                 self.note(f"the zip{_in(where)} holds two members named {e.name!r}: loaders may read either; both "
                           "were scanned")
             seen.add(e.name)
+        storage_kind = kind not in ("zip", formats.PT2)
+        n_top = len(top)
         for e in entries:
+            name = e.name
+            # tensor records (50,000 in a big state_dict) skipped here, as zip_member would, without a call each
+            if storage_kind and not name.endswith(_PICKLE_SUFFIXES) and (
+                    name[n_top:] if name.startswith(top) else name).startswith(_STORAGE_DIRS):
+                continue
             self.zip_member(f, e, top, kind, where, depth)
         end = _zip_end(buf)
         if end is not None and end < size:
@@ -296,7 +311,7 @@ class _Scanner:
         if name.endswith("/"):
             return
         pickled, raw = self.pt2_roles.get(where, (set(), set()))
-        storage = kind not in ("zip", formats.PT2) and rel.startswith(("data/", "constants/", ".data/", "code/"))
+        storage = kind not in ("zip", formats.PT2) and rel.startswith(_STORAGE_DIRS)
         storage = storage or name in raw
         is_pickle = name.endswith(_PICKLE_SUFFIXES) or name in pickled
         if storage and not is_pickle:
