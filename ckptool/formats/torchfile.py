@@ -57,6 +57,8 @@ class Checkpoint:
     records: list[Record] = field(default_factory=list)
     globals: list[tuple[str, str]] = field(default_factory=list)
     archive_name: str = "archive"
+    #: bytes of the main pickle up to and including its STOP opcode (a torch zip's data.pkl; a plain pickle file: the
+    #: file's size)
     pickle_size: int = 0
     extra_roots: dict[str, Any] = field(default_factory=dict)
 
@@ -143,9 +145,10 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
     seen: dict[tuple[str, str], None] = {}
     with source.open_binary(path) as f:
         data = read_pickle_member(f, by_name["data.pkl"], path)
-        ck.pickle_size = len(data)
         ck.protocol = data[1] if len(data) > 1 and data[0] == 0x80 else 2
-        ck.root, up = load_structure(data, f"data.pkl in {path}", storages=ck.storages, global_cache=cache)
+        # load_structure's reading of bytes, keeping where the pickle ends (the member may go on after STOP)
+        ck.root, up, ck.pickle_size = load_pickle_at(data, 0, f"data.pkl in {path}", exact=True,
+                                                     storages=ck.storages, global_cache=cache)
         seen.update(up.globals_seen)
         check_storage_records(path, ck.storages, by_name, "data/")
         check_tensor_views(ck.root, path)

@@ -376,15 +376,16 @@ def _inspect(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
     return info
 
 
-def _already_read(ck: Checkpoint) -> dict[str, tuple[list[str], Any]]:
+def _already_read(ck: Checkpoint) -> dict[str, tuple[list[str], Any, int | None]]:
     """The pickle :func:`inspect` read whole (the ``data.pkl`` of a torch zip, a plain pickle), by its ``where`` in
-    :func:`ckptool.ops.scan.scan_file`, so that the scan does not read it a second time."""
+    :func:`ckptool.ops.scan.scan_file`, so that the scan does not read it a second time (for ``data.pkl``, not
+    even its opcodes: where it ends is known)."""
     names = [qualified_name(m, n) for m, n in ck.globals]
     if ck.format == formats.PICKLE:
-        return {"pickle at byte 0": (names, ck.root)}
+        return {"pickle at byte 0": (names, ck.root, None)}
     rec = ck.record("data.pkl")
     if ck.format == formats.TORCH_ZIP and rec is not None and rec.zipinfo is not None:
-        return {rec.zipinfo.name: (names, ck.root)}
+        return {rec.zipinfo.name: (names, ck.root, ck.pickle_size or None)}
     return {}
 
 

@@ -31,6 +31,9 @@ from ckptool.ops.scan_results import GlobalFinding, PickleFinding, ScanResult
 __all__ = ["MAX_KEY_PATHS", "Window", "key_paths"]
 
 # ------------------------------------------------------------------------------------------------ scanning
+#: what a caller (``inspect``) already read of a pickle: its globals, its root node, the offset after its STOP opcode
+#: (None: unknown)
+Preparsed: TypeAlias = tuple[list[str], Any, int | None]
 _PICKLE_SUFFIXES = (".pkl", ".debug_pkl", ".pickle")
 #: folders of a torch zip / TorchScript archive holding tensor bytes and TorchScript source, which no loader unpickles
 _STORAGE_DIRS = ("data/", "constants/", ".data/", "code/")
@@ -94,15 +97,18 @@ Container: TypeAlias = "PickleBuffer | Window"
 
 
 class _Scanner:
-    def __init__(self, res: ScanResult, preparsed: Mapping[str, tuple[list[str], Any]] | None = None) -> None:
+    def __init__(self, res: ScanResult, preparsed: Mapping[str, Preparsed] | None = None) -> None:
         self.res = res
         self.torchscript = False
         #: classify the globals of DCP ``.metadata`` (its own record classes and pathlib paths are data there)
         self.dcp_metadata = False
         #: the pickles torch's loader reads (every other one is hidden)
         self.loaded: set[str] = set()
-        #: ``where`` -> (globals, root) of pickles the caller already read whole (``inspect``), not read again
+        #: ``where`` -> (globals, root, end) of pickles the caller already read whole (``inspect``), not read again;
+        #: ``end``: the offset after its STOP opcode, or None (unknown: the opcodes are walked to find it)
         self.preparsed = dict(preparsed or {})
+        #: the zip member being scanned when its bytes match its CRC-32
+        self._crc_checked: str | None = None
         self._globals: dict[tuple[str, str], GlobalFinding] = {}
         self.root: Any = None  # the root of the first pickle torch's loader reads
         #: per torch.export zip (by ``where``): the members its loader unpickles, and its raw tensor members
@@ -128,15 +134,21 @@ class _Scanner:
 
     def take_preparsed(self, buf: PickleBuffer, where: str) -> int | None:
         """Record the pickle at the start of ``buf`` from :attr:`preparsed` if the caller read it already, and
-        return where it ends (its opcodes walked again, not unpickled); None if not."""
+        return where it ends (its opcodes walked again, not unpickled, unless the caller gave its end and ``buf`` is
+        a zip member whose CRC-32 matched: the bytes the caller's reader checked against the same CRC); None if
+        not."""
         got = self.preparsed.pop(where, None)
         if got is None:
             return None
-        try:
-            end = check_pickle(buf, 0, what=where, exact=False)
-        except CkptError:
-            return None  # read it the ordinary way
-        self.record(PickleFinding(where, 0, list(got[0])), got[1])
+        names, root, known_end = got
+        if known_end is not None and where == self._crc_checked and 0 < known_end <= len(buf):
+            end = known_end
+        else:
+            try:
+                end = check_pickle(buf, 0, what=where, exact=False)
+            except CkptError:
+                return None  # read it the ordinary way
+        self.record(PickleFinding(where, 0, list(names)), root)
         return end
 
     def _unreadable_member(self, label: str, is_pickle: bool, err: Exception) -> None:
@@ -330,8 +342,10 @@ class _Scanner:
         except CkptError as err:
             self._unreadable_member(label, is_pickle, err)
             return
-        if (e.crc & 0xFFFFFFFF) != zlib.crc32(data):
+        crc_ok = (e.crc & 0xFFFFFFFF) == zlib.crc32(data)
+        if not crc_ok:
             self.note(f"member {label} fails its CRC-32 check (torch does not check it); scanned anyway")
+        self._crc_checked = label if crc_ok else None
         if nested:
             self.note(f"member {label} is a zip archive; scanned it too")
             try:
