@@ -27,7 +27,7 @@ from ckptool.formats.zipdir import ZipEntry, data_offset, member_buffer
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
 
-@dataclass
+@dataclass(slots=True)  # no __dict__: one Record per storage (a million in a big state_dict)
 class Record:
     """One record of the output or input archive: ``name`` relative to the archive folder (``data/0``,
     ``version``), its data's offset and size in bytes in the source file, and its CRC-32 when known."""
