@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Never, TypeVar
 
 import click
-from tqdm import tqdm
 
 from ckptool import _source as source
 from ckptool.cli._flags import is_quiet as is_quiet  # re-exported: command modules import only from here
@@ -30,6 +29,8 @@ from ckptool.ops.hints import LoadHint, load_hint
 from ckptool.ops.rename import RenameResult
 
 if TYPE_CHECKING:
+    from tqdm import tqdm
+
     from ckptool.ops.rewrite import WriteResult
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -257,6 +258,8 @@ class Progress:
         if not self.enabled or self.total is None or self.total <= PROGRESS_MIN:
             self.enabled = False
             return False
+        from tqdm import tqdm  # here: most runs show no bar, and importing tqdm costs a few hundredths of a second
+
         self.bar = tqdm(total=self.total, desc=self.label, unit="B", unit_scale=True, unit_divisor=1024,
                         file=sys.stderr, dynamic_ncols=True, mininterval=0.2, leave=True)
         return True

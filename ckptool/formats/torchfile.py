@@ -27,7 +27,7 @@ from ckptool.formats.zipdir import ZipEntry, data_offset, member_buffer
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
 
-@dataclass
+@dataclass(slots=True)  # no __dict__: one Record per storage (a million in a big state_dict)
 class Record:
     """One record of the output or input archive: ``name`` relative to the archive folder (``data/0``,
     ``version``), its data's offset and size in bytes in the source file, and its CRC-32 when known."""
@@ -57,6 +57,8 @@ class Checkpoint:
     records: list[Record] = field(default_factory=list)
     globals: list[tuple[str, str]] = field(default_factory=list)
     archive_name: str = "archive"
+    #: bytes of the main pickle up to and including its STOP opcode (a torch zip's data.pkl; a plain pickle file: the
+    #: file's size)
     pickle_size: int = 0
     extra_roots: dict[str, Any] = field(default_factory=dict)
 
@@ -143,9 +145,10 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
     seen: dict[tuple[str, str], None] = {}
     with source.open_binary(path) as f:
         data = read_pickle_member(f, by_name["data.pkl"], path)
-        ck.pickle_size = len(data)
         ck.protocol = data[1] if len(data) > 1 and data[0] == 0x80 else 2
-        ck.root, up = load_structure(data, f"data.pkl in {path}", storages=ck.storages, global_cache=cache)
+        # load_structure's reading of bytes, keeping where the pickle ends (the member may go on after STOP)
+        ck.root, up, ck.pickle_size = load_pickle_at(data, 0, f"data.pkl in {path}", exact=True,
+                                                     storages=ck.storages, global_cache=cache)
         seen.update(up.globals_seen)
         check_storage_records(path, ck.storages, by_name, "data/")
         check_tensor_views(ck.root, path)

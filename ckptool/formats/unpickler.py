@@ -57,6 +57,8 @@ class RestrictedUnpickler(pickle.Unpickler):
         self._globals: dict[tuple[str, str], GlobalMeta] = global_cache if global_cache is not None else {}
         self.globals_seen: dict[tuple[str, str], None] = {}
         self.storages: dict[str, StorageRef] = storages if storages is not None else {}
+        #: one string per distinct location tag: torch pickles a new ``"cuda:0"`` for every storage
+        self._locations: dict[str, str] = {}
 
     def find_class(self, module: str, name: str) -> GlobalMeta:
         """The placeholder for global ``module.name`` (one per name and ``global_cache``); imports nothing."""
@@ -79,6 +81,7 @@ class RestrictedUnpickler(pickle.Unpickler):
             if ref is None:
                 if not isinstance(location, str) or not isinstance(numel, int) or numel < 0:
                     raise pickle.UnpicklingError(f"malformed storage persistent id for key {key!r}")
+                location = self._locations.setdefault(location, location)
                 ref = StorageRef(typename, storage_type, key, location, numel, tuple(extra))
                 self.storages[key] = ref
             elif ref.location != location or ref.numel != numel:

@@ -17,6 +17,7 @@ import json
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields
+from operator import attrgetter
 from typing import Any
 
 from ckptool import _source as source
@@ -67,7 +68,7 @@ from ckptool.ops.scan import ScanResult, combine_results, scan_file
 SCHEMA = "ckptool.inspect/2"
 
 
-@dataclass
+@dataclass(slots=True)  # no __dict__: one per tensor (a million in a big state_dict)
 class TensorInfo:
     """One tensor: dotted ``key``; ``shape`` / ``stride`` in elements; ``dtype`` torch name (``float32``);
     ``device`` the saved location tag; ``nbytes`` = numel * element size; ``storage_key`` the record it lives in
@@ -82,6 +83,10 @@ class TensorInfo:
     storage_offset: int = 0
     storage_key: str | None = None
     requires_grad: bool = False
+
+
+#: the fields of :class:`TensorInfo`, in order (the keys of each tensor in ``inspect --json``)
+_TENSOR_FIELDS = tuple(f.name for f in fields(TensorInfo))
 
 
 @dataclass
@@ -169,7 +174,9 @@ class CheckpointInfo:
         ``"schema": "ckptool.inspect/2"``, ``total_bytes`` (storage bytes, each storage once), ``totals`` and
         ``values`` (``{"path", "type", "value"}`` or ``{"path", "type", "preview"}``)."""
         d = {"schema": SCHEMA, **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "scan"}}
-        d["tensors"] = [t.__dict__.copy() for t in self.tensors]
+        names = _TENSOR_FIELDS
+        row = attrgetter(*names)
+        d["tensors"] = [dict(zip(names, row(t), strict=True)) for t in self.tensors]
         d["total_bytes"] = self.total_bytes
         d["totals"] = [r.__dict__.copy() for r in self.totals]
         d["values"] = [v.to_dict() for v in self.values]
@@ -376,15 +383,16 @@ def _inspect(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
     return info
 
 
-def _already_read(ck: Checkpoint) -> dict[str, tuple[list[str], Any]]:
+def _already_read(ck: Checkpoint) -> dict[str, tuple[list[str], Any, int | None]]:
     """The pickle :func:`inspect` read whole (the ``data.pkl`` of a torch zip, a plain pickle), by its ``where`` in
-    :func:`ckptool.ops.scan.scan_file`, so that the scan does not read it a second time."""
+    :func:`ckptool.ops.scan.scan_file`, so that the scan does not read it a second time (for ``data.pkl``, not
+    even its opcodes: where it ends is known)."""
     names = [qualified_name(m, n) for m, n in ck.globals]
     if ck.format == formats.PICKLE:
-        return {"pickle at byte 0": (names, ck.root)}
+        return {"pickle at byte 0": (names, ck.root, None)}
     rec = ck.record("data.pkl")
     if ck.format == formats.TORCH_ZIP and rec is not None and rec.zipinfo is not None:
-        return {rec.zipinfo.name: (names, ck.root)}
+        return {rec.zipinfo.name: (names, ck.root, ck.pickle_size or None)}
     return {}
 
 

@@ -57,7 +57,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
-from typing import Any, cast
+from typing import cast
 
 from ckptool import _source as source
 from ckptool._source import RangeView
@@ -68,7 +68,7 @@ from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.formats.safetensors import read_header
 from ckptool.model.allowlist import recognise_file
 from ckptool.ops.scan_dcp import dcp_part, scan_dcp_folder
-from ckptool.ops.scan_pickles import _ZIP_EOCD, _ZIP_LOCAL, _NotAPickle, _Scanner, _zip_end
+from ckptool.ops.scan_pickles import _ZIP_EOCD, _ZIP_LOCAL, Preparsed, _NotAPickle, _Scanner, _zip_end
 from ckptool.ops.scan_results import (
     EXIT_CODES,
     STRICT_EXIT_CODES,
@@ -83,14 +83,15 @@ __all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", 
 
 
 def scan_file(path: str | os.PathLike[str], *,
-              preparsed: Mapping[str, tuple[list[str], Any]] | None = None) -> ScanResult:
+              preparsed: Mapping[str, Preparsed] | None = None) -> ScanResult:
     """Scan one file, or one DCP folder: every pickle in it (see the module docstring), each global classified.
 
     Reads the file without importing or running anything from it, in time and memory bounded by its size (tensor
     bytes are never read). Problems with the file's content never raise: they make the result's ``verdict``
     ``error`` (with ``error`` or a pickle's ``error`` saying what happened), or ``dangerous`` when a dangerous
     global was found first. ``preparsed`` maps the ``where`` of a pickle the caller already read whole with the
-    restricted unpickler (``inspect``: ``archive/data.pkl``) to its globals and root, which are then not read again.
+    restricted unpickler (``inspect``: ``archive/data.pkl``) to its globals, root and end offset (or None), which
+    are then not read again.
 
     Returns:
         A :class:`ScanResult`; its ``exit_code`` is 0 (safe), 1 (dangerous), 2 (unreadable) or 4 (needs trust),

@@ -8,12 +8,14 @@ policy, and which pickles are read, are described in :mod:`ckptool.ops.scan`; DC
 from __future__ import annotations
 
 import io
+import os
 import struct
 import tarfile
 import zlib
 from collections.abc import Mapping
 from typing import Any, BinaryIO, TypeAlias, cast
 
+from ckptool import _source as source
 from ckptool.errors import CkptError, CorruptCheckpointError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import STORAGE_TYPES
@@ -29,7 +31,12 @@ from ckptool.ops.scan_results import GlobalFinding, PickleFinding, ScanResult
 __all__ = ["MAX_KEY_PATHS", "Window", "key_paths"]
 
 # ------------------------------------------------------------------------------------------------ scanning
+#: what a caller (``inspect``) already read of a pickle: its globals, its root node, the offset after its STOP opcode
+#: (None: unknown)
+Preparsed: TypeAlias = tuple[list[str], Any, int | None]
 _PICKLE_SUFFIXES = (".pkl", ".debug_pkl", ".pickle")
+#: folders of a torch zip / TorchScript archive holding tensor bytes and TorchScript source, which no loader unpickles
+_STORAGE_DIRS = ("data/", "constants/", ".data/", "code/")
 _ZIP_LOCAL = b"PK\x03\x04"
 _ZIP_EOCD = b"PK\x05\x06"
 _LEGACY_MAGIC = formats.LEGACY_MAGIC_PREFIX
@@ -90,15 +97,18 @@ Container: TypeAlias = "PickleBuffer | Window"
 
 
 class _Scanner:
-    def __init__(self, res: ScanResult, preparsed: Mapping[str, tuple[list[str], Any]] | None = None) -> None:
+    def __init__(self, res: ScanResult, preparsed: Mapping[str, Preparsed] | None = None) -> None:
         self.res = res
         self.torchscript = False
         #: classify the globals of DCP ``.metadata`` (its own record classes and pathlib paths are data there)
         self.dcp_metadata = False
         #: the pickles torch's loader reads (every other one is hidden)
         self.loaded: set[str] = set()
-        #: ``where`` -> (globals, root) of pickles the caller already read whole (``inspect``), not read again
+        #: ``where`` -> (globals, root, end) of pickles the caller already read whole (``inspect``), not read again;
+        #: ``end``: the offset after its STOP opcode, or None (unknown: the opcodes are walked to find it)
         self.preparsed = dict(preparsed or {})
+        #: the zip member being scanned when its bytes match its CRC-32
+        self._crc_checked: str | None = None
         self._globals: dict[tuple[str, str], GlobalFinding] = {}
         self.root: Any = None  # the root of the first pickle torch's loader reads
         #: per torch.export zip (by ``where``): the members its loader unpickles, and its raw tensor members
@@ -124,15 +134,21 @@ class _Scanner:
 
     def take_preparsed(self, buf: PickleBuffer, where: str) -> int | None:
         """Record the pickle at the start of ``buf`` from :attr:`preparsed` if the caller read it already, and
-        return where it ends (its opcodes walked again, not unpickled); None if not."""
+        return where it ends (its opcodes walked again, not unpickled, unless the caller gave its end and ``buf`` is
+        a zip member whose CRC-32 matched: the bytes the caller's reader checked against the same CRC); None if
+        not."""
         got = self.preparsed.pop(where, None)
         if got is None:
             return None
-        try:
-            end = check_pickle(buf, 0, what=where, exact=False)
-        except CkptError:
-            return None  # read it the ordinary way
-        self.record(PickleFinding(where, 0, list(got[0])), got[1])
+        names, root, known_end = got
+        if known_end is not None and where == self._crc_checked and 0 < known_end <= len(buf):
+            end = known_end
+        else:
+            try:
+                end = check_pickle(buf, 0, what=where, exact=False)
+            except CkptError:
+                return None  # read it the ordinary way
+        self.record(PickleFinding(where, 0, list(names)), root)
         return end
 
     def _unreadable_member(self, label: str, is_pickle: bool, err: Exception) -> None:
@@ -250,7 +266,11 @@ class _Scanner:
             f = cast(BinaryIO, buf) if isinstance(buf, Window) else io.BytesIO(
                 buf if isinstance(buf, bytes) else bytes(buf))
         size = len(buf)
-        entries = read_directory(f, size, where or self.res.path)
+        if depth == 0 and not where and not source.is_url(self.res.path) and size == os.path.getsize(self.res.path):
+            # the file itself: its directory as format detection and the readers parsed it (cached per version)
+            entries = formats.zip_entries(self.res.path)
+        else:
+            entries = read_directory(f, size, where or self.res.path)
         if not entries:
             raise CorruptCheckpointError(f"empty zip archive{_in(where)}")
         first = entries[0].name
@@ -279,7 +299,14 @@ class _Scanner:
                 self.note(f"the zip{_in(where)} holds two members named {e.name!r}: loaders may read either; both "
                           "were scanned")
             seen.add(e.name)
+        storage_kind = kind not in ("zip", formats.PT2)
+        n_top = len(top)
         for e in entries:
+            name = e.name
+            # tensor records (50,000 in a big state_dict) skipped here, as zip_member would, without a call each
+            if storage_kind and not name.endswith(_PICKLE_SUFFIXES) and (
+                    name[n_top:] if name.startswith(top) else name).startswith(_STORAGE_DIRS):
+                continue
             self.zip_member(f, e, top, kind, where, depth)
         end = _zip_end(buf)
         if end is not None and end < size:
@@ -296,7 +323,7 @@ class _Scanner:
         if name.endswith("/"):
             return
         pickled, raw = self.pt2_roles.get(where, (set(), set()))
-        storage = kind not in ("zip", formats.PT2) and rel.startswith(("data/", "constants/", ".data/", "code/"))
+        storage = kind not in ("zip", formats.PT2) and rel.startswith(_STORAGE_DIRS)
         storage = storage or name in raw
         is_pickle = name.endswith(_PICKLE_SUFFIXES) or name in pickled
         if storage and not is_pickle:
@@ -315,8 +342,10 @@ class _Scanner:
         except CkptError as err:
             self._unreadable_member(label, is_pickle, err)
             return
-        if (e.crc & 0xFFFFFFFF) != zlib.crc32(data):
+        crc_ok = (e.crc & 0xFFFFFFFF) == zlib.crc32(data)
+        if not crc_ok:
             self.note(f"member {label} fails its CRC-32 check (torch does not check it); scanned anyway")
+        self._crc_checked = label if crc_ok else None
         if nested:
             self.note(f"member {label} is a zip archive; scanned it too")
             try:
