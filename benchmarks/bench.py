@@ -114,6 +114,7 @@ from typing import Any
 
 import bench_diff  # benchmarks/ is on sys.path when this file runs as a script
 import figures
+from children import child_env, run_child, warm_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, "fixtures")
@@ -248,13 +249,6 @@ class Measurement:
         return max(self.maxrss_kib) / 1024 if self.ok else None
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
-    return env
-
-
 def _failure_summary(stderr: str, rc: int) -> str:
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     if not lines:
@@ -267,48 +261,17 @@ def _failure_summary(stderr: str, rc: int) -> str:
     return lines[0]
 
 
-def run_measured(cmd: list[str], workdir: str, stdout_devnull: bool = True) -> RunResult:
-    """Run ``cmd`` as a child; wall clock around Popen..wait4, peak RSS from wait4's rusage."""
-    with tempfile.TemporaryFile(mode="w+", dir=workdir) as errf:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL if stdout_devnull else None,
-            stderr=errf,
-            env=_child_env(),
-            cwd=workdir,
-        )
-        try:
-            _, status, ru = os.wait4(proc.pid, 0)
-        except BaseException:
-            proc.kill()  # our own child, by pid
-            proc.wait()
-            raise
-        wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)  # already reaped: keep Popen consistent
-        rc = proc.returncode
-        if rc != 0:
-            errf.seek(0)
-            return RunResult(False, wall, ru.ru_maxrss, _failure_summary(errf.read(), rc))
-        return RunResult(True, wall, ru.ru_maxrss)
+def run_measured(cmd: list[str], workdir: str) -> RunResult:
+    """Run ``cmd`` as a child (:func:`children.run_child`): wall clock and peak RSS, or why it failed."""
+    rc, wall, kib, _out, err = run_child(cmd, workdir)
+    if rc != 0:
+        return RunResult(False, wall, kib, _failure_summary(err, rc))
+    return RunResult(True, wall, kib)
 
 
 def run_plain(cmd: list[str], workdir: str) -> tuple[int, str, str]:
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=_child_env(), cwd=workdir)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=child_env(), cwd=workdir)
     return proc.returncode, proc.stdout, proc.stderr
-
-
-def warm_cache(path: str) -> None:
-    """Read the whole file once through a small buffer (keeps this process's RSS flat)."""
-    buf = bytearray(1 << 20)
-    view = memoryview(buf)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while os.readv(fd, [view]) > 0:
-            pass
-    finally:
-        os.close(fd)
 
 
 def remove(path: str) -> None:
@@ -579,7 +542,7 @@ def extra_figures(args: argparse.Namespace, workdir: str, files: dict[str, dict[
                   tgt: list[dict[str, object]]) -> list[dict[str, Any]]:
     """The load / scale / dcp sections (:mod:`figures`) and the ``--extras`` modules; their targets are appended to
     ``tgt``."""
-    ctx = figures.Ctx(workdir, args.repeat, args.smoke, run_measured, _child_env, log,
+    ctx = figures.Ctx(workdir, args.repeat, args.smoke, run_measured, child_env, log,
                       lambda kind, amount, _rows: build_one(workdir, kind, amount, args.keep), warm_cache)
     big = files["1"]
     sections: list[dict[str, Any]] = []

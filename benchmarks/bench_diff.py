@@ -37,7 +37,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+from children import child_env, run_child, warm_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT_ROOT = os.path.join(REPO, "benchmarks", "out")
@@ -62,40 +63,6 @@ b = torch.load(sys.argv[2], map_location="cpu", weights_only=True, mmap=mmap)
 b = {k.removeprefix("module."): v for k, v in b.items()}
 print(",".join(k for k in a if k not in b or not torch.equal(a[k], b[k])))
 """
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
-def _warm(path: str) -> None:
-    buf = memoryview(bytearray(1 << 20))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while os.readv(fd, [buf]) > 0:
-            pass
-    finally:
-        os.close(fd)
-
-
-def _run(cmd: list[str], workdir: str) -> tuple[int, float, int, str, str]:
-    """``(exit status, wall seconds, peak RSS KiB, stdout, stderr)`` of ``cmd`` run as a child."""
-    with tempfile.TemporaryFile("w+", dir=workdir) as out, tempfile.TemporaryFile("w+", dir=workdir) as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=_env(), cwd=workdir)
-        try:
-            _, status, ru = os.wait4(proc.pid, 0)
-        except BaseException:
-            proc.kill()  # our own child, by pid
-            proc.wait()
-            raise
-        wall = time.perf_counter() - t0
-        proc.returncode = rc = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return rc, wall, ru.ru_maxrss, out.read(), err.read()
 
 
 def _changed(label: str, rc: int, stdout: str) -> list[str] | None:
@@ -138,15 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     results: dict[str, dict[str, object]] = {}
     try:
-        subprocess.run([sys.executable, "-c", _BUILD, a, b, str(rows)], check=True, env=_env())
+        subprocess.run([sys.executable, "-c", _BUILD, a, b, str(rows)], check=True, env=child_env())
         cmds = commands(a, b)
         walls: dict[str, list[float]] = {k: [] for k in cmds}
         rss: dict[str, list[int]] = {k: [] for k in cmds}
         for _ in range(args.repeat):
             for label, cmd in cmds.items():
-                _warm(a)
-                _warm(b)
-                rc, wall, kib, out, err = _run(cmd, workdir)
+                warm_cache(a)
+                warm_cache(b)
+                rc, wall, kib, out, err = run_child(cmd, workdir, stdout=True)
                 found = _changed(label, rc, out)
                 if found != [CHANGED]:
                     last = (err.strip().splitlines() or [f"exit status {rc}"])[-1]

@@ -278,20 +278,15 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
     remove_stale_temps(dst)
     release = hold_signals()
     try:
-        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(dst), suffix=TMP_SUFFIX, dir=folder)
-    except OSError as e:
+        fd, tmp = _make_temp(dst, folder, "choose another output folder")
+    except OutputError:
         release()
-        advice = os_error_advice(e.errno) or "choose another output folder"
-        raise OutputError(f"cannot write in {folder}: {e.strerror or e}; {advice}", folder, e.errno) from e
+        raise
     f = _OutputFile(fd, dst)
     try:
         release()  # an interrupt that came while the file was being made is raised here, where it is cleaned up
-        try:
+        with _blaming_writes(dst):
             yield f
-        except OSError as e:
-            if e.filename is None and e.errno in _WRITE_ERRNOS:
-                raise _write_error(dst, e) from e
-            raise
         f.flush()
         try:
             os.fsync(f.fileno())
@@ -313,23 +308,36 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
             os.close(dfd)
 
 
+def _make_temp(dst: str, folder: str, advice: str) -> tuple[int, str]:
+    """``tempfile.mkstemp`` of a temporary file for ``dst`` in ``folder`` (:func:`temp_prefix`, :data:`TMP_SUFFIX`);
+    :class:`OutputError` naming ``folder`` (with ``advice`` where the errno has none) when it cannot be made."""
+    try:
+        return tempfile.mkstemp(prefix=temp_prefix(dst), suffix=TMP_SUFFIX, dir=folder)
+    except OSError as e:
+        hint = os_error_advice(e.errno) or advice
+        raise OutputError(f"cannot write in {folder}: {e.strerror or e}; {hint}", folder, e.errno) from e
+
+
+@contextlib.contextmanager
+def _blaming_writes(dst: str) -> Iterator[None]:
+    """An ``OSError`` without a file name whose errno only a write raises (code that wrote to the output's file
+    descriptor directly) becomes :class:`OutputError` naming ``dst``; any other exception passes unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno in _WRITE_ERRNOS:
+            raise _write_error(dst, e) from e
+        raise
+
+
 @contextlib.contextmanager
 def _remote_output(dst: str) -> Iterator[BinaryIO]:
     """:func:`atomic_output` for a URL: a local temporary file, uploaded when the block finishes."""
-    folder = tempfile.gettempdir()
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(dst), suffix=TMP_SUFFIX, dir=folder)
-    except OSError as e:
-        advice = os_error_advice(e.errno) or "set TMPDIR to a folder with room for the output"
-        raise OutputError(f"cannot write in {folder}: {e.strerror or e}; {advice}", folder, e.errno) from e
+    fd, tmp = _make_temp(dst, tempfile.gettempdir(), "set TMPDIR to a folder with room for the output")
     f = _OutputFile(fd, dst)
     try:
-        try:
+        with _blaming_writes(dst):
             yield f
-        except OSError as e:
-            if e.filename is None and e.errno in _WRITE_ERRNOS:
-                raise _write_error(dst, e) from e
-            raise
         f.close()
         source.upload(tmp, dst)
     except BaseException:
