@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 
-from children import child_env, run_child, warm_cache
+from children import child_env, compile_checkout, run_child, warm_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT_ROOT = os.path.join(REPO, "benchmarks", "out")
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     results: dict[str, dict[str, object]] = {}
     try:
+        compile_checkout()
         subprocess.run([sys.executable, "-c", _BUILD, a, b, str(rows)], check=True, env=child_env())
         cmds = commands(a, b)
         walls: dict[str, list[float]] = {k: [] for k in cmds}

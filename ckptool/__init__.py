@@ -1,10 +1,10 @@
 """ckptool: make PyTorch checkpoints portable between machines, devices and model wrappers.
 
-The public API is :data:`__all__`. Importing ckptool does not import torch: ``inspect``, ``remap`` and the result
-types are imported with the package; the other functions are loaded from their module on first use (PEP 562
-``__getattr__``), and only those that materialise tensors (loading into a model, ``verify``, ``save_portable``,
-trusted paths) import torch, when called. Type checkers see every name with its real type through the
-``TYPE_CHECKING`` block below, which names the same modules as :data:`_LAZY`.
+The public API is :data:`__all__`. Importing ckptool imports only its errors, never torch: every function and
+result type is loaded from its module on first use (PEP 562 ``__getattr__``), so that a command pays at
+start-up only for the modules it runs, and only those that materialise tensors (loading into a model,
+``verify``, ``save_portable``, trusted paths) import torch, when called. Type checkers see every name with its
+real type through the ``TYPE_CHECKING`` block below, which names the same modules as :data:`_LAZY`.
 
 No submodule of ``ckptool`` shares a name with a public function: the operations live in ``ckptool.ops`` and
 ``ckptool.torch_ops``, so ``import ckptool.ops.convert`` never replaces ``ckptool.convert``.
@@ -29,16 +29,16 @@ from ckptool.errors import (
     UnsupportedError,
     UsageError,
 )
-from ckptool.ops.inspect import CheckpointInfo, StateDictInfo, TensorInfo, inspect
-from ckptool.ops.remap import remap
-from ckptool.ops.rewrite import WriteResult
 
 if TYPE_CHECKING:
     from ckptool.model.rename_memory import rename_state_dict
     from ckptool.ops.convert import ConvertResult, VerificationError, convert
     from ckptool.ops.diff import DiffResult, diff
     from ckptool.ops.extract import ExtractResult, extract_state_dict
+    from ckptool.ops.inspect import CheckpointInfo, StateDictInfo, TensorInfo, inspect
+    from ckptool.ops.remap import remap
     from ckptool.ops.rename import RenameResult, add_prefix, strip_dataparallel, strip_prefix, unwrap
+    from ckptool.ops.rewrite import WriteResult
     from ckptool.ops.sanitize import SanitizeResult, sanitize
     from ckptool.ops.scan import ScanResult, scan, scan_file
     from ckptool.torch_ops.load import load_into
@@ -51,6 +51,12 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it, for the names loaded on first use
 _LAZY: dict[str, str] = {
+    "inspect": "ckptool.ops.inspect",
+    "CheckpointInfo": "ckptool.ops.inspect",
+    "StateDictInfo": "ckptool.ops.inspect",
+    "TensorInfo": "ckptool.ops.inspect",
+    "remap": "ckptool.ops.remap",
+    "WriteResult": "ckptool.ops.rewrite",
     "strip_prefix": "ckptool.ops.rename",
     "add_prefix": "ckptool.ops.rename",
     "strip_dataparallel": "ckptool.ops.rename",
