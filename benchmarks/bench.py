@@ -28,8 +28,9 @@ What it does
 
 2. Runs each command below as a separate process, ``--repeat`` times per file, interleaved (round ``i``
    runs every command once, so a change in the machine's load hits a command and its baselines alike).
-   Before every run the previous output is deleted, ``os.sync()`` flushes pending writeback, and the
-   input file is read once (warm page cache), so every run starts from the same cache state.  A run is timed with
+   Before every run the previous output is deleted, ``os.sync()`` flushes pending writeback (and, after a
+   big output was deleted, the run waits until 4 s have passed: ``SETTLE_S``), and the input file is read
+   once (warm page cache), so every run starts from the same cache state.  A run is timed with
    ``time.perf_counter`` around ``Popen`` .. ``os.wait4``, and its peak RSS is ``ru_maxrss`` from the
    ``os.wait4`` rusage (KiB on Linux; it includes any children the command waited for).  The checkout's
    ``ckptool`` package is compiled to bytecode first (``children.compile_checkout``), as ``pip install`` does
@@ -276,9 +277,31 @@ def run_plain(cmd: list[str], workdir: str) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout, proc.stderr
 
 
+#: seconds a run waits after a big output (>= :data:`SETTLE_BYTES`) was deleted. The development machine's ext4 is
+#: mounted with ``discard``: deleting the 2 GiB output of the previous run sends discards to its virtual disk, and
+#: writes in the next seconds went at a third of the speed. Without the pause ``cp && sync`` of 2 GiB took 1.09-4.64 s
+#: (6 runs: three near 1.1 s, three near 4.2 s) and the same copy by ckptool's method 0.69-3.76 s; with a 4 s pause
+#: (after ``os.sync``) 1.68-2.33 s and 1.38-1.98 s after the first run (``benchmarks/out`` on the same disk).
+SETTLE_S = 4.0
+SETTLE_BYTES = 64 << 20
+_last_big_delete = [0.0]
+
+
 def remove(path: str) -> None:
+    """Delete ``path`` if it exists, noting when a big file went (see :data:`SETTLE_S`)."""
     with contextlib.suppress(FileNotFoundError):
+        size = os.path.getsize(path)
         os.unlink(path)
+        if size >= SETTLE_BYTES:
+            _last_big_delete[0] = time.monotonic()
+
+
+def settle() -> None:
+    """Flush pending write-back (``os.sync``) and wait until :data:`SETTLE_S` have passed since a big delete."""
+    os.sync()
+    left = _last_big_delete[0] + SETTLE_S - time.monotonic()
+    if left > 0:
+        time.sleep(left)
 
 
 def log(msg: str) -> None:
@@ -395,7 +418,7 @@ def measure_once(m: Measurement, src: str, out: str, workdir: str, i: int) -> bo
     if m.error:
         return False
     remove(out)
-    os.sync()
+    settle()
     warm_cache(src)
     r = run_measured(m.command, workdir)
     if not r.ok:
