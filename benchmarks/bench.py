@@ -4,7 +4,7 @@
 Usage::
 
     python benchmarks/bench.py [--workdir DIR] [--size-gib 2.0] [--many 50000] [--dcp-gib 4.0]
-                               [--only inspect|remap|strip|scan|load|scale|dcp] [--repeat 3] [--keep] [--json]
+                               [--only inspect|remap|strip|convert|scan|load|scale|dcp] [--repeat 3] [--keep] [--json]
                                [--extras]
 
     # quick smoke run (CI): --size-gib 0.05 --many 500 --repeat 1, exit 1 if a ckptool command fails
@@ -42,18 +42,23 @@ What it does
    ckptool inspect        ``python -m ckptool inspect --json FILE``   (stdout to /dev/null)
    ckptool remap          ``python -m ckptool remap FILE --to cpu -o OUT``
    ckptool strip          ``python -m ckptool strip-dataparallel FILE -o OUT --allow-missing``
+   ckptool convert        ``python -m ckptool convert FILE -o OUT --format safetensors --no-verify``
+                          (checkpoint (1) only; ``ckptool convert+verify``: the same with the default
+                          verification, which re-reads the output and compares CRC-32 checksums)
    torch meta load        ``python -c "import torch; torch.load(FILE, map_location='meta')"``
                           (weights_only default): what reading the structure costs with torch
    torch mmap load+save   ``python -c "...; sd = torch.load(FILE, mmap=True, map_location='cpu');
                           torch.save(sd, OUT)"``: the usual torch way to re-tag a checkpoint
+   torch mmap load+       ``safetensors.torch.save_file(torch.load(FILE, mmap=True, map_location='cpu'),
+   save_file              OUT)``: the usual way to convert to safetensors (checkpoint (1) only)
    cp                     ``cp FILE OUT``: the I/O floor for rewriting the file (no fsync)
    cp + fsync             ``sh -c 'cp FILE OUT && sync OUT'`` (GNU ``sync FILE`` fsyncs that file): the
                           floor for a durable rewrite (ckptool fsyncs its outputs)
    =====================  ==============================================================================
 
    ``--only inspect`` runs inspect + torch meta load; ``--only remap`` runs remap + torch mmap
-   load+save + cp + cp+fsync; ``--only strip`` runs strip + cp + cp+fsync (the baselines each figure
-   needs).
+   load+save + cp + cp+fsync; ``--only strip`` runs strip + cp + cp+fsync; ``--only convert`` runs
+   convert, convert+verify, torch mmap load+save_file, cp and cp+fsync (the baselines each figure needs).
 
    The ckptool commands run from this checkout (the repo root is put first on ``PYTHONPATH``).  A
    command that fails (e.g. not written yet) is shown as ``n/a (failed: <message>)``; the message is
@@ -78,6 +83,10 @@ What it does
    * remap (2) / torch mmap load+save (2) wall time       <= 0.3
    * strip (1) / cp + fsync (1) wall time                 <= 1.1
    * strip (1) peak RSS                                   <= 64 MiB
+   * convert (1) -> safetensors / cp + fsync (1)          <= 1.1
+   * convert (1) peak RSS                                 <= 64 MiB
+   * convert+verify (1) / cp + fsync (1)                  (informational)
+   * convert (1) / torch mmap load+save_file (1)          (informational)
 
 4. Then the figures of ``benchmarks/figures.py`` (see its docstring), each with its own table: ``load``
    (``load_into`` vs ``torch.load(mmap=True)`` + ``load_state_dict`` and plain ``torch.load`` + ``load_state_dict``
@@ -140,9 +149,14 @@ COMMAND_GROUPS = {
     "ckptool strip": {"strip"},
     "torch meta load": {"inspect"},
     "torch mmap load+save": {"remap"},
-    "cp": {"remap", "strip"},
-    "cp + fsync": {"remap", "strip"},
+    "ckptool convert": {"convert"},
+    "ckptool convert+verify": {"convert"},
+    "torch mmap load+save_file": {"convert"},
+    "cp": {"remap", "strip", "convert"},
+    "cp + fsync": {"remap", "strip", "convert"},
 }
+#: commands run on checkpoint (1) only (a torch -> safetensors rewrite of 50,000 tiny tensors says nothing more)
+CASE_ONLY = {"ckptool convert": "1", "ckptool convert+verify": "1", "torch mmap load+save_file": "1"}
 
 # ----------------------------------------------------------------------------------------------------
 # Child-process helpers (these are the only places torch is imported)
@@ -151,6 +165,10 @@ COMMAND_GROUPS = {
 _TORCH_META_LOAD = "import sys, torch; torch.load(sys.argv[1], map_location='meta')"
 _TORCH_MMAP_LOAD_SAVE = (
     "import sys, torch; sd = torch.load(sys.argv[1], mmap=True, map_location='cpu'); torch.save(sd, sys.argv[2])"
+)
+_TORCH_MMAP_SAVE_FILE = (
+    "import sys, torch; from safetensors.torch import save_file; "
+    "save_file(torch.load(sys.argv[1], mmap=True, map_location='cpu'), sys.argv[2])"
 )
 _CP_SYNC = 'cp "$1" "$2" && sync "$2"'  # run as: sh -c _CP_SYNC sh SRC DST
 
@@ -404,6 +422,9 @@ def commands_for(label: str, src: str, out: str) -> list[str]:
         "ckptool remap": [py, "-m", "ckptool", "remap", src, "--to", "cpu", "-o", out],
         "ckptool strip": [py, "-m", "ckptool", "strip-dataparallel", src, "-o", out, "--allow-missing"],
         "ckptool scan": [py, "-m", "ckptool", "scan", src],
+        "ckptool convert": [py, "-m", "ckptool", "convert", src, "-o", out, "--format", "safetensors", "--no-verify"],
+        "ckptool convert+verify": [py, "-m", "ckptool", "convert", src, "-o", out, "--format", "safetensors"],
+        "torch mmap load+save_file": [py, "-c", _TORCH_MMAP_SAVE_FILE, src, out],
         "picklescan": [shutil.which("picklescan") or "picklescan", "-p", src],
         "torch meta load": [py, "-c", _TORCH_META_LOAD, src],
         "torch mmap load+save": [py, "-c", _TORCH_MMAP_LOAD_SAVE, src, out],
@@ -468,6 +489,7 @@ def targets(ms: dict[tuple[str, str], Measurement]) -> list[dict[str, object]]:
     rem1, cp1, cpf1 = ("1", "ckptool remap"), ("1", "cp"), ("1", "cp + fsync")
     rem2, tsave2 = ("2", "ckptool remap"), ("2", "torch mmap load+save")
     str1 = ("1", "ckptool strip")
+    conv1, convv1, tsf1 = ("1", "ckptool convert"), ("1", "ckptool convert+verify"), ("1", "torch mmap load+save_file")
 
     add("inspect (1) / torch meta load (1)", ratio(g(ins1), g(meta1)), "x", 0.15, [ins1, meta1])
     add("inspect (1) peak RSS", g(ins1).peak_mib if ins1 in ms else None, "MiB", 64, [ins1])
@@ -481,6 +503,10 @@ def targets(ms: dict[tuple[str, str], Measurement]) -> list[dict[str, object]]:
     add("remap (2) / torch mmap load+save (2)", ratio(g(rem2), g(tsave2)), "x", 0.3, [rem2, tsave2])
     add("strip (1) / cp + fsync (1)", ratio(g(str1), g(cpf1)), "x", 1.1, [str1, cpf1])
     add("strip (1) peak RSS", g(str1).peak_mib if str1 in ms else None, "MiB", 64, [str1])
+    add("convert (1) -> safetensors / cp + fsync (1)", ratio(g(conv1), g(cpf1)), "x", 1.1, [conv1, cpf1])
+    add("convert (1) peak RSS", g(conv1).peak_mib if conv1 in ms else None, "MiB", 64, [conv1])
+    add("convert+verify (1) / cp + fsync (1)", ratio(g(convv1), g(cpf1)), "x", None, [convv1, cpf1])
+    add("convert (1) / torch mmap load+save_file (1)", ratio(g(conv1), g(tsf1)), "x", None, [conv1, tsf1])
     return rows
 
 
@@ -607,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
                     "benchmarks/out/, or benchmarks/out/keep with --keep)")
     ap.add_argument("--size-gib", type=float, default=2.0, help="size of checkpoint (1) in GiB (default 2.0)")
     ap.add_argument("--many", type=int, default=50000, help="number of small tensors in checkpoint (2) (default 50000)")
-    ap.add_argument("--only", choices=("inspect", "remap", "strip", "scan", "load", "scale", "dcp"),
+    ap.add_argument("--only", choices=("inspect", "remap", "strip", "convert", "scan", "load", "scale", "dcp"),
                     help="run only this figure (a ckptool command and its baselines)")
     ap.add_argument("--dcp-gib", type=float, default=4.0, help="size of the DCP checkpoint (default 4.0)")
     ap.add_argument("--extras", action="store_true", help="also run every benchmarks/bench_*.py module")
@@ -653,10 +679,11 @@ def main(argv: list[str] | None = None) -> int:
             src = str(f["path"])
             out = os.path.join(workdir, f"out-{CASE_NAMES[case]}.pt")
             outs.append(out)
-            for label in labels:
+            case_labels = [lb for lb in labels if CASE_ONLY.get(lb, case) == case]
+            for label in case_labels:
                 ms[(case, label)] = Measurement(case=case, label=label, command=commands_for(label, src, out))
             for i in range(args.repeat):
-                for label in labels:
+                for label in case_labels:
                     ok = measure_once(ms[(case, label)], src, out, workdir, i)
                     if label == "ckptool remap" and ok and case not in checks:
                         checks[case] = check_remap_output(out, f, workdir)

@@ -410,13 +410,13 @@ def test_verification_catches_a_bad_write_and_keeps_nothing(tmp_path: Path, monk
                _use_new_zipfile_serialization=not legacy)
     real_crc, real_kernel = cv_write.copy_range_crc, cv_write.copy_range
 
-    def corrupting_crc(fsrc: Any, fdst: Any, offset: int, size: int, crc: int = 0) -> int:
-        good = real_crc(fsrc, fdst, offset, size, crc)
+    def corrupting_crc(fsrc: Any, fdst: Any, offset: int, size: int, crc: int = 0, **kw: Any) -> int:
+        good = real_crc(fsrc, fdst, offset, size, crc, **kw)
         _flip_last_byte(fdst)
         return good
 
-    def corrupting_kernel(fsrc: Any, fdst: Any, offset: int, size: int) -> None:
-        real_kernel(fsrc, fdst, offset, size)
+    def corrupting_kernel(fsrc: Any, fdst: Any, offset: int, size: int, **kw: Any) -> None:
+        real_kernel(fsrc, fdst, offset, size, **kw)
         _flip_last_byte(fdst)
 
     monkeypatch.setattr(cv_write, "copy_range_crc", corrupting_crc)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TypeVar
 
 from ckptool import _source as source
-from ckptool._fileio import atomic_output, copy_range, copy_range_crc
+from ckptool._fileio import atomic_output, copy_range, copy_range_crc, write_behind_for
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
 from ckptool.formats.nodes import StorageRef
@@ -134,6 +134,8 @@ def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str]
                for u, t in sorted(stored, key=lambda ut: ut[1].index)}
     head = encode_header(entries, meta or None)
     out.write(head)
+    out.flush()
+    behind = write_behind_for(out)  # one for the whole data block: tensors smaller than its window add up
     cache = files.cache(cast)
     crcs: dict[int, int | None] = {}
     for u, t in layout:
@@ -144,10 +146,10 @@ def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str]
             whole = t.offset == 0 and t.numel * esize == st.nbytes
             src, base = files.storage(st)
             if (whole and st.crc is not None) or not need_crc:  # the checksum is known, or not needed
-                copy_range(src, out, base + t.offset * esize, t.numel * esize)
+                copy_range(src, out, base + t.offset * esize, t.numel * esize, behind=behind)
                 crc = st.crc if whole else None
             else:
-                crc = copy_range_crc(src, out, base + t.offset * esize, t.numel * esize)
+                crc = copy_range_crc(src, out, base + t.offset * esize, t.numel * esize, behind=behind)
         elif u.dtype == t.dtype and st.pieces is None:  # a strided view, no cast: gather its bytes (no torch)
             lo, hi = t.span
             crc = 0
@@ -163,6 +165,9 @@ def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str]
             if not is_contiguous(t.shape, t.stride):
                 res.made_contiguous.append(t.name)
         crcs[id(t)] = crc
+        if behind is not None:  # bytes written through Python (gathered, cast): their write-back starts too
+            out.flush()
+            behind.written(out.tell())
         if progress:
             progress(t.numel * esize)
     w = Written([], meta or None, members, plan, nbytes=len(head) + pos)
