@@ -74,6 +74,16 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> StorageRef | GlobalMeta | PersistentRef:
         """A record for persistent id ``pid``; reads no data (see the security policy above)."""
+        # the common case first (one call per storage: 50,000 in a big state_dict): a 5-tuple of exact types that
+        # names a new storage; everything else, repeats included, takes the general path below
+        if type(pid) is tuple and len(pid) == 5 and pid[0] == "storage":
+            key, location, numel = pid[2], pid[3], pid[4]
+            if (type(key) is str and type(location) is str and type(numel) is int and numel >= 0
+                    and key not in self.storages):
+                locations = self._locations
+                ref = StorageRef(pid[0], pid[1], key, locations.setdefault(location, location), numel, ())
+                self.storages[key] = ref
+                return ref
         if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
             typename, storage_type, key, location, numel, *extra = pid
             key = str(key)
