@@ -80,10 +80,9 @@ class RestrictedUnpickler(pickle.Unpickler):
             key, location, numel = pid[2], pid[3], pid[4]
             if (type(key) is str and type(location) is str and type(numel) is int and numel >= 0
                     and key not in self.storages):
-                locations = self._locations
-                ref = StorageRef(pid[0], pid[1], key, locations.setdefault(location, location), numel, ())
-                self.storages[key] = ref
-                return ref
+                new = StorageRef(pid[0], pid[1], key, self._locations.setdefault(location, location), numel, ())
+                self.storages[key] = new
+                return new
         if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
             typename, storage_type, key, location, numel, *extra = pid
             key = str(key)
