@@ -370,3 +370,57 @@ def test_duplicate_and_truncated_members_are_still_refused(tmp_path: Path) -> No
     cut.write_bytes(bytes(b))
     with pytest.raises(CorruptCheckpointError, match="record 'arch/data/0' runs past the end of the file"):
         read_checkpoint(str(cut))
+
+
+# ------------------------------------------------------------------------------------------------ opcode walk
+def _outcome(data: bytes) -> tuple[str, object]:
+    from ckptool.formats.pickle_check import check_pickle
+
+    try:
+        return "end", check_pickle(data)
+    except CorruptCheckpointError as e:
+        return str(e), getattr(e, "offset", None)
+
+
+def _newline_pickle() -> bytes:
+    """A pickle past the length walked in Python whose arguments are full of newline bytes (BINPUT 10, BININT,
+    BINFLOAT and string bytes 0x0a)."""
+    rows = [("\n" * (i % 140), 0x0A0A0A0A + i, struct.unpack("<d", b"\n" * 8)[0], b"\n" * (i % 9), i)
+            for i in range(3000)]
+    return pickle.dumps(rows, protocol=2)
+
+
+def test_opcode_walk_expression_equals_the_walk_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptool.formats import pickle_check
+
+    good = _newline_pickle()
+    assert len(good) > 4 * pickle_check._PY_PREFIX and good.count(b"\n") > 10_000
+    bomb_at = good.rfind(b"r", len(good) // 2)
+    cases = [good, good[:-1], good[:len(good) // 2], good[:bomb_at] + b"r\n\n\n\n" + good[bomb_at + 5:],
+             good[:bomb_at] + b"p99999999\n" + good[bomb_at:], good[:bomb_at] + b"X\n\n\n\n" + good[bomb_at:],
+             good[:bomb_at] + b"\xff" + good[bomb_at:]]
+    fast = [_outcome(c) for c in cases]
+    monkeypatch.setattr(pickle_check, "_PY_PREFIX", 1 << 62)  # every opcode walked in Python
+    slow = [_outcome(c) for c in cases]
+    assert fast == slow
+    assert fast[0] == ("end", len(good))
+    assert "memo index" in str(fast[3][0])
+    assert all(o[0] != "end" for o in fast[1:])
+
+
+# ------------------------------------------------------------------------------------------------ format detection
+@pytest.mark.parametrize(("names", "kind"), [
+    (["a/data.pkl", "a/data/0", "a/version"], "torch-zip"),
+    (["a/data.pkl", "a/constants.pkl", "a/version"], "torchscript"),
+    (["a/data.pkl", "a/code/__torch__/m.py"], "torchscript"),
+    (["data.pkl", "code/m.py"], "torchscript"),
+    (["a/data.pkl", "a/b/constants.pkl", "a/b/code/x"], "torch-zip"),  # only one folder deep counts
+    (["a/data.pkl", "a/xconstants.pkl", "a/mycode/x", "a/constants.pkl.bak"], "torch-zip"),
+    (["a/data.pkl", "a/constants.pkl\nb/x"], "torch-zip"),  # a name holding a newline: read name by name
+])
+def test_torchscript_detection(tmp_path: Path, names: list[str], kind: str) -> None:
+    from ckptool.formats.detect import detect_format
+
+    p = tmp_path / "z.pt"
+    p.write_bytes(_zip([(n, b"x") for n in names]))
+    assert detect_format(str(p)) == kind
