@@ -400,6 +400,9 @@ def test_opcode_walk_expression_equals_the_walk_in_python(monkeypatch: pytest.Mo
              good[:bomb_at] + b"p99999999\n" + good[bomb_at:], good[:bomb_at] + b"X\n\n\n\n" + good[bomb_at:],
              good[:bomb_at] + b"\xff" + good[bomb_at:]]
     fast = [_outcome(c) for c in cases]
+    monkeypatch.setattr(pickle_check, "_FAST_FROM_START", 0)  # the expression from the first opcode
+    assert [_outcome(c) for c in cases] == fast
+    monkeypatch.setattr(pickle_check, "_FAST_FROM_START", 1 << 62)
     monkeypatch.setattr(pickle_check, "_PY_PREFIX", 1 << 62)  # every opcode walked in Python
     slow = [_outcome(c) for c in cases]
     assert fast == slow

@@ -152,14 +152,16 @@ def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, w
 
 
 #: opcodes in the first bytes of a pickle are checked one by one in Python: compiling the fast expression costs
-#: a few milliseconds, more than walking a small pickle (the legacy stream's headers, small checkpoints)
+#: a few milliseconds, more than walking a small pickle (the legacy stream's headers, small checkpoints); an exact
+#: pickle of :data:`_FAST_FROM_START` bytes or more is walked with the expression from its first opcode
 _PY_PREFIX = 24 << 10
+_FAST_FROM_START = 1 << 20
 
 
 def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, strict_frames: bool, at: list[int]) -> int:
     size = end - start
     k = max(16, min(32, size.bit_length() - 1)) if exact else max(16, min(22, size.bit_length() - 1))
-    fast_from = start + _PY_PREFIX
+    fast_from = start if exact and size >= _FAST_FROM_START else start + _PY_PREFIX
     match = None
     pos = start
     limit = end  # the end of the current frame, or ``end``
