@@ -152,7 +152,8 @@ def _zip_kind(path: str) -> str:
     # one search over all the names (50,000 records in a large state_dict) instead of a Python loop
     text = "\n" + "\n".join(names) + "\n"
     if text.count("\n") == len(names) + 1:
-        script = _TORCHSCRIPT_MEMBER.search(text) is not None
+        # (the expression scans every name; the literal searches rule most archives out far faster)
+        script = ("constants.pkl\n" in text or "code/" in text) and _TORCHSCRIPT_MEMBER.search(text) is not None
         data = _DATA_PKL_MEMBER.search(text) is not None
     else:  # a member name holds a newline: look at each name
         leaf = {n.split("/", 1)[1] if "/" in n else n for n in names}

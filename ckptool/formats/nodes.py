@@ -36,6 +36,9 @@ def qualified_name(module: str, name: str) -> str:
     return f"{_PY2_MODULES.get(module, module)}.{name}"
 
 
+_new_object = object.__new__
+
+
 class GlobalMeta(type):
     """Metaclass of global placeholders. ``G.module`` / ``G.name`` are the names as written in the pickle.
 
@@ -54,7 +57,11 @@ class GlobalMeta(type):
             inner = args[0] if args else None
             tensor = isinstance(inner, GlobalMeta) and (inner.module, inner.name) in STORAGE_TENSOR_REBUILDERS
             node = TensorNode if tensor else ReduceNode
-        return node(cls, args)
+        # ReduceNode.__init__ without its Python frame (two REDUCEs per tensor: the rebuild call, its hooks dict)
+        obj = _new_object(node)
+        obj.func = cls
+        obj.args = args
+        return obj
 
     @property
     def qualified_name(cls) -> str:
@@ -91,11 +98,14 @@ class PickledObject:
         self._note("build")
         self.state = state
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        if self.dictitems is None:
-            self.dictitems = []
-        self._note("setitems")
-        self.dictitems.append((key, value))
+    def __setitem__(self, key: Any, value: Any) -> None:  # once per state_dict entry: _note inlined
+        items = self.dictitems
+        if items is None:
+            items = self.dictitems = []
+        order = self.order
+        if "setitems" not in order:
+            self.order = [*order, "setitems"]
+        items.append((key, value))
 
     def append(self, value: Any) -> None:
         if self.listitems is None:
@@ -122,7 +132,7 @@ class ReduceNode(PickledObject):
 
     __slots__ = ("args", "func")
 
-    def __init__(self, func: Any, args: tuple[Any, ...]) -> None:
+    def __init__(self, func: Any, args: tuple[Any, ...]) -> None:  # GlobalMeta.__call__ inlines it
         self.func = func
         self.args = args
 

@@ -83,7 +83,7 @@ def _counted(lengths: bytes) -> bytes:
     """Alternatives ``<length prefix><that many bytes>`` for lengths 0..127 (prefix = byte + ``lengths`` zeros);
     longer values are rare in checkpoints (keys, location tags) and are checked in Python."""
     return b"(?:" + b"|".join(
-        b"\\x%02x" % n + b"\\x00" * len(lengths) + (b"[\\s\\S]{%d}" % n if n else b"") for n in range(128)) + b")"
+        b"\\x%02x" % n + b"\\x00" * len(lengths) + (b".{%d}" % n if n else b"") for n in range(128)) + b")"
 
 
 _patterns: dict[int, re.Pattern[bytes]] = {}
@@ -94,23 +94,24 @@ def _run_pattern(k: int) -> re.Pattern[bytes]:
     pat = _patterns.get(k)
     if pat is None:
         nb, rem = divmod(k, 8)
-        put = b"r" + b"[\\s\\S]" * nb
+        put = b"r" + b"." * nb
         if nb < 4:
             put += b"[\\x00-\\x%02x]" % ((1 << rem) - 1) + b"\\x00" * (3 - nb)
         alts = [
             put,  # memo puts first: the commonest opcode of a torch pickle
-            _cls(_ARG1) + b"[\\s\\S]",
+            _cls(_ARG1) + b".",
             _cls(_NOARG) + b"++",  # a run of argument-less opcodes in one step
             _cls(_LEN4_UNSIGNED + _LEN4_SIGNED) + _counted(b"\x00\x00\x00"),
-            _cls(b"M\x83") + b"[\\s\\S]{2}",
-            _cls(b"Jj\x84") + b"[\\s\\S]{4}",
-            b"G[\\s\\S]{8}",
+            _cls(b"M\x83") + b".{2}",
+            _cls(b"Jj\x84") + b".{4}",
+            b"G.{8}",
             _cls(_LEN1) + _counted(b""),
             _cls(b"ILFSVPg") + b"[^\\n]*\\n",
             _cls(_LINE2) + b"[^\\n]*\\n[^\\n]*\\n",
             b"p[0-9]{1,4}\\n",  # text PUT with a small index
         ]
-        pat = _patterns[k] = re.compile(b"(?:" + b"|".join(alts) + b")*+")
+        # DOTALL: ``.`` is any byte, newline included (faster to parse and to match than ``[\s\S]``)
+        pat = _patterns[k] = re.compile(b"(?:" + b"|".join(alts) + b")*+", re.DOTALL)
     return pat
 
 
@@ -151,14 +152,16 @@ def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, w
 
 
 #: opcodes in the first bytes of a pickle are checked one by one in Python: compiling the fast expression costs
-#: a few milliseconds, more than walking a small pickle (the legacy stream's headers, small checkpoints)
+#: a few milliseconds, more than walking a small pickle (the legacy stream's headers, small checkpoints); an exact
+#: pickle of :data:`_FAST_FROM_START` bytes or more is walked with the expression from its first opcode
 _PY_PREFIX = 24 << 10
+_FAST_FROM_START = 1 << 20
 
 
 def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, strict_frames: bool, at: list[int]) -> int:
     size = end - start
     k = max(16, min(32, size.bit_length() - 1)) if exact else max(16, min(22, size.bit_length() - 1))
-    fast_from = start + _PY_PREFIX
+    fast_from = start if exact and size >= _FAST_FROM_START else start + _PY_PREFIX
     match = None
     pos = start
     limit = end  # the end of the current frame, or ``end``

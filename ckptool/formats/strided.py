@@ -200,27 +200,53 @@ def _fits(t: TensorNode) -> bool:
     return off < ref.numel and n <= _I64
 
 
-def _walk(root: object, want: Callable[[TensorNode], bool], named: bool) -> tuple[str, TensorNode] | None:
-    """The first tensor node reachable from ``root`` (depth-first, each container once) for which ``want`` is
-    true, with its dotted path when ``named``."""
+def _first_misfit(tensors: list[TensorNode]) -> TensorNode | None:
+    """The first of ``tensors`` that does not fit its storage (:func:`tensor_view_problem`), or None.
+
+    :func:`_fits` inlined for the commonest tensor, a one-dimensional ``_rebuild_tensor_v2`` view (the same
+    verdict in a few operations, without a call): the rest go through :func:`_fits`, then
+    :func:`tensor_view_problem`."""
+    rebuild_v2 = None  # the placeholder seen last whose name is _rebuild_tensor_v2 (one per file)
+    for t in tensors:
+        a = t.args
+        func = t.func
+        if len(a) >= 4 and (func is rebuild_v2 or func.name == "_rebuild_tensor_v2"):
+            rebuild_v2 = func
+            ref, off, shape, stride = a[0], a[1], a[2], a[3]
+            if (type(shape) is tuple and len(shape) == 1 and type(stride) is tuple and len(stride) == 1
+                    and type(ref) is StorageRef and type(off) is int and off >= 0
+                    and not (ref.extra and ref.extra[0] is not None)):
+                size, st = shape[0], stride[0]
+                if (type(size) is int and type(st) is int and size > 0 and st >= 0 and size <= _I64
+                        and off + (size - 1) * st < ref.numel):
+                    continue
+        if not _fits(t) and tensor_view_problem(t) is not None:
+            return t
+    return None
+
+
+def _walk(root: object, pick: Callable[[list[TensorNode]], TensorNode | None],
+          named: bool) -> tuple[str, TensorNode] | None:
+    """The first tensor node reachable from ``root`` (depth-first, each container once) that ``pick`` chooses
+    (``pick(tensors)`` returns the first of ``tensors`` it wants, or None), with its dotted path when ``named``."""
     stack: list[tuple[str, object]] = [("", root)]
     seen: set[int] = set()
     while stack:
         path, obj = stack.pop()
         if type(obj) is TensorNode:
-            if want(obj):
+            if pick([obj]) is not None:
                 return path, obj
             continue
         if isinstance(obj, _ATOMS) or id(obj) in seen:
             continue
         seen.add(id(obj))
         if not named and isinstance(obj, PickledObject) and obj.dictitems and not obj.listitems and obj.state is None:
-            for _k, v in obj.dictitems:  # a state_dict (OrderedDict): its tensors are checked here, without a stack
-                if type(v) is TensorNode:
-                    if want(v):
-                        return "", v
-                else:
-                    stack.append(("", v))
+            # a state_dict (OrderedDict): its tensors are checked here in one batch, in order, without a stack
+            values = [v for _k, v in obj.dictitems]
+            found = pick([v for v in values if type(v) is TensorNode])
+            if found is not None:
+                return "", found
+            stack += [("", v) for v in values if type(v) is not TensorNode]
             if isinstance(obj, ReduceNode):
                 stack += [("", v) for v in obj.args]
             continue
@@ -241,10 +267,11 @@ def check_tensor_views(root: object, where: str) -> None:
     Raises:
         CorruptCheckpointError: a tensor with an impossible layout (``where`` names the file).
     """
-    found = _walk(root, lambda t: not _fits(t) and tensor_view_problem(t) is not None, named=False)
+    found = _walk(root, _first_misfit, named=False)
     if found is None:
         return
-    named = _walk(root, lambda t: t is found[1], named=True)
+    bad = found[1]
+    named = _walk(root, lambda ts: bad if bad in ts else None, named=True)
     key = named[0] if named is not None and named[0] else "(a tensor)"
     raise CorruptCheckpointError(
         f"{where}: tensor {key!r} does not fit in its storage: {tensor_view_problem(found[1])}; torch.load refuses "

@@ -33,6 +33,7 @@ from __future__ import annotations
 import io
 import mmap
 import pickle
+from collections.abc import Callable
 from typing import Any, BinaryIO, cast
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
@@ -53,12 +54,15 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def __init__(self, file: BinaryIO, *, storages: dict[str, StorageRef] | None = None,
                  global_cache: dict[tuple[str, str], GlobalMeta] | None = None) -> None:
-        super().__init__(file, encoding="latin1")
         self._globals: dict[tuple[str, str], GlobalMeta] = global_cache if global_cache is not None else {}
         self.globals_seen: dict[tuple[str, str], None] = {}
         self.storages: dict[str, StorageRef] = storages if storages is not None else {}
         #: one string per distinct location tag: torch pickles a new ``"cuda:0"`` for every storage
         self._locations: dict[str, str] = {}
+        # pickle.Unpickler.__init__ looks the callback up: set first, a closure over the two tables (no attribute
+        # lookups in the 50,000 calls of a big state_dict; no reference to self, so no cycle) replaces the method
+        self.persistent_load = _storage_loader(self.storages, self._locations)  # type: ignore[method-assign,assignment]
+        super().__init__(file, encoding="latin1")
 
     def find_class(self, module: str, name: str) -> GlobalMeta:
         """The placeholder for global ``module.name`` (one per name and ``global_cache``); imports nothing."""
@@ -73,26 +77,57 @@ class RestrictedUnpickler(pickle.Unpickler):
         return g
 
     def persistent_load(self, pid: Any) -> StorageRef | GlobalMeta | PersistentRef:
-        """A record for persistent id ``pid``; reads no data (see the security policy above)."""
-        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
-            typename, storage_type, key, location, numel, *extra = pid
-            key = str(key)
-            ref = self.storages.get(key)
-            if ref is None:
-                if not isinstance(location, str) or not isinstance(numel, int) or numel < 0:
-                    raise pickle.UnpicklingError(f"malformed storage persistent id for key {key!r}")
-                location = self._locations.setdefault(location, location)
-                ref = StorageRef(typename, storage_type, key, location, numel, tuple(extra))
-                self.storages[key] = ref
-            elif ref.location != location or ref.numel != numel:
-                raise pickle.UnpicklingError(f"storage {key!r} is declared twice with different location or size")
-            return ref
-        if isinstance(pid, tuple) and len(pid) == 4 and pid[0] == "module" and isinstance(pid[1], GlobalMeta):
-            # legacy full-model files store each nn.Module class as ('module', cls, source_file, source); torch's
-            # legacy loader returns cls (the source only feeds a "source code changed" warning). The zip format
-            # names the class directly, so returning the placeholder makes a rewrite emit a plain GLOBAL.
-            return pid[1]
-        return PersistentRef(pid)
+        """A record for persistent id ``pid``; reads no data (see the security policy above). Each instance
+        answers with :func:`_storage_loader`'s closure, which gives the same records."""
+        return _persistent_record(self.storages, self._locations, pid)
+
+
+def _storage_loader(storages: dict[str, StorageRef], locations: dict[str, str]
+                    ) -> Callable[[Any], StorageRef | GlobalMeta | PersistentRef]:
+    """:meth:`RestrictedUnpickler.persistent_load` over ``storages`` and ``locations``, with the common case first
+    (one call per storage): a 5-tuple of exact types that names a new storage. Everything else, a storage named
+    again included, goes to :func:`_persistent_record`."""
+
+    def persistent_load(pid: Any) -> StorageRef | GlobalMeta | PersistentRef:
+        if type(pid) is tuple and len(pid) == 5 and pid[0] == "storage":
+            key, location, numel = pid[2], pid[3], pid[4]
+            if (type(key) is str and type(location) is str and type(numel) is int and numel >= 0
+                    and key not in storages):
+                ref = storages[key] = StorageRef(pid[0], pid[1], key, locations.setdefault(location, location),
+                                                 numel, ())
+                return ref
+        return _persistent_record(storages, locations, pid)
+
+    return persistent_load
+
+
+def _persistent_record(storages: dict[str, StorageRef], locations: dict[str, str],
+                       pid: Any) -> StorageRef | GlobalMeta | PersistentRef:
+    """The record for persistent id ``pid`` (see the security policy above); a new storage goes into ``storages``,
+    its location tag into ``locations``.
+
+    Raises:
+        pickle.UnpicklingError: a malformed storage id, or a storage declared twice with another location or size.
+    """
+    if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
+        typename, storage_type, key, location, numel, *extra = pid
+        key = str(key)
+        ref = storages.get(key)
+        if ref is None:
+            if not isinstance(location, str) or not isinstance(numel, int) or numel < 0:
+                raise pickle.UnpicklingError(f"malformed storage persistent id for key {key!r}")
+            location = locations.setdefault(location, location)
+            ref = StorageRef(typename, storage_type, key, location, numel, tuple(extra))
+            storages[key] = ref
+        elif ref.location != location or ref.numel != numel:
+            raise pickle.UnpicklingError(f"storage {key!r} is declared twice with different location or size")
+        return ref
+    if isinstance(pid, tuple) and len(pid) == 4 and pid[0] == "module" and isinstance(pid[1], GlobalMeta):
+        # legacy full-model files store each nn.Module class as ('module', cls, source_file, source); torch's
+        # legacy loader returns cls (the source only feeds a "source code changed" warning). The zip format
+        # names the class directly, so returning the placeholder makes a rewrite emit a plain GLOBAL.
+        return pid[1]
+    return PersistentRef(pid)
 
 
 #: exceptions that a damaged or hostile pickle can raise inside the C unpickler

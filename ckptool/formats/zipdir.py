@@ -17,7 +17,9 @@ from ckptool.errors import CorruptCheckpointError
 
 _EOCD = b"PK\x05\x06"
 _EOCD64_LOCATOR = b"PK\x06\x07"
-_CDH = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+#: a 46-byte central directory header, the fields read: signature, flags, method, CRC-32, compressed and
+#: uncompressed sizes, name / extra / comment lengths, local header offset
+_CDH_FIELDS = struct.Struct("<I4xHH4xIIIHHH8xI")
 _U32 = 0xFFFFFFFF
 
 
@@ -87,20 +89,24 @@ def read_directory(f: BinaryIO, size: int, path: str) -> list[ZipEntry]:
     if len(buf) != cd_size:
         raise CorruptCheckpointError(f"{path} is truncated (central directory incomplete); re-download it")
     out: list[ZipEntry] = []
+    append = out.append
     p = 0
-    unpack = _CDH.unpack_from
+    unpack = _CDH_FIELDS.unpack_from
     new = tuple.__new__  # ZipEntry(...) without the NamedTuple's Python-level __new__: 50,000 records add up
+    # every name sliced from one Latin-1 decoding of the directory: an ASCII name (all of torch's) reads the same in
+    # UTF-8 and cp437; any other name is decoded from its bytes
+    text = buf.decode("latin-1")
     try:
         for _ in range(count):
-            (sig, _vm, _vn, flags, method, _t, _d2, crc, csize, usize, n, m, k, _disk, _ia, _ea,
-             off) = unpack(buf, p)
+            sig, flags, method, crc, csize, usize, n, m, k, off = unpack(buf, p)
             if sig != 0x02014B50:
                 raise CorruptCheckpointError(f"{path} is a damaged zip (bad central directory entry); re-download it")
-            raw = buf[p + 46:p + 46 + n]
-            name = raw.decode("utf-8" if flags & 0x800 else "cp437")
+            name = text[p + 46:p + 46 + n]
+            if not name.isascii():
+                name = buf[p + 46:p + 46 + n].decode("utf-8" if flags & 0x800 else "cp437")
             if usize == _U32 or csize == _U32 or off == _U32:
                 usize, csize, off = _zip64_extra(buf[p + 46 + n:p + 46 + n + m], usize, csize, off, path)
-            out.append(new(ZipEntry, (name, off, csize, usize, crc, method, flags)))
+            append(new(ZipEntry, (name, off, csize, usize, crc, method, flags)))
             p += 46 + n + m + k
     except (struct.error, IndexError) as e:
         raise CorruptCheckpointError(f"{path} is a damaged zip (central directory cut short); re-download it") from e
