@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.nodes import (
@@ -237,16 +237,14 @@ def depth_first(root: object, prefix: str, children: Callable[[str, Any], Iterab
             stack.pop()
 
 
-def _node_tensor(obj: object) -> tuple[TensorNode, bool] | None:
+def tensor_leaf(obj: object) -> TensorNode | ParameterNode | None:
+    """``obj`` itself when it is a tensor node or a Parameter node holding one (exact types: the tensors
+    :func:`iter_tensors` reports), else None. A leaf test for :func:`depth_first`."""
     t = type(obj)
     if t is TensorNode:  # the common case first, tested by exact type
-        assert isinstance(obj, TensorNode)
-        return obj, obj.requires_grad
-    if t is ParameterNode:
-        assert isinstance(obj, ParameterNode)
-        inner = obj.tensor
-        if type(inner) is TensorNode:
-            return inner, parameter_requires_grad(obj)
+        return obj  # type: ignore[return-value]  # obj is a TensorNode
+    if t is ParameterNode and type(obj.tensor) is TensorNode:  # type: ignore[attr-defined]  # a ParameterNode
+        return obj  # type: ignore[return-value]
     return None
 
 
@@ -261,8 +259,12 @@ def iter_tensors(root: object, prefix: str = "") -> Iterator[tuple[str, TensorNo
     Raises:
         CorruptCheckpointError: containers nested deeper than :data:`MAX_DEPTH`.
     """
-    for path, (t, rg) in depth_first(root, prefix, node_children, _node_tensor):
-        yield path, t, rg
+    for path, x in depth_first(root, prefix, node_children, tensor_leaf):
+        if type(x) is TensorNode:
+            yield path, x, x.requires_grad
+        else:
+            p = cast(ParameterNode, x)
+            yield path, p.tensor, parameter_requires_grad(p)
 
 
 def node_children(path: str, obj: object) -> list[tuple[str, Any]]:
