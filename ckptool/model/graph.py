@@ -458,7 +458,8 @@ class StateDictRef:
         (sparse, quantized and nested tensors included: :func:`is_state_dict_value`)."""
         if self.is_module:
             return [k for k, _t, _p in iter_state_dict_of_module(self.obj)]
-        return [str(k) for k, v in mapping_items(self.obj) or [] if is_state_dict_value(v)]
+        return [k if type(k) is str else str(k) for k, v in mapping_items(self.obj) or []
+                if type(v) is TensorNode or is_state_dict_value(v)]  # the common case without a call
 
 
 def breadth_first(root: object, *, items: Callable[[Any], list[tuple[Any, Any]] | None],

@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from itertools import chain, islice, repeat
 from json.encoder import encode_basestring_ascii
-from operator import attrgetter
+from operator import attrgetter, itemgetter, mul
 from typing import Any, cast
 
 from ckptool import _source as source
@@ -37,7 +38,7 @@ from ckptool.formats.dtypes import (
     storage_element,
     tensor_dtype,
 )
-from ckptool.formats.nodes import ParameterNode, StorageRef, TensorNode, qualified_name
+from ckptool.formats.nodes import GlobalMeta, ParameterNode, StorageRef, TensorNode, qualified_name
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import is_checkpoint_set, read_index, set_kind
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
@@ -63,7 +64,7 @@ from ckptool.model.graph import (
     tensor_leaf,
     too_deep,
 )
-from ckptool.model.keys import is_flat_param_key, shared_prefixes, suggest_command
+from ckptool.model.keys import has_flat_param_key, shared_prefixes, suggest_command
 from ckptool.ops.dcp_safety import is_dcp_allowed
 from ckptool.ops.deepspeed import describe_deepspeed
 from ckptool.ops.inspect_values import PreviewLimits, ValueInfo, value_infos
@@ -344,28 +345,32 @@ def tensor_infos(root: Any, storages: dict[str, StorageRef] | None = None) -> li
         CorruptCheckpointError: containers nested deeper than :data:`ckptool.model.graph.MAX_DEPTH`."""
     out: list[TensorInfo] = []
     append = out.append
-    elements: dict[int, tuple[str, int]] = {}  # id(storage class) -> (dtype, element size), for the common case
+    v2: Any = None  # the placeholder of torch._utils._rebuild_tensor_v2, once a tensor names it
+    last_class: Any = None  # the storage class of the last tensor of the common case, and its (dtype, element size)
+    element = ("", 1)
     ref: StorageRef | None
     for key, x in depth_first(root, "", node_children, tensor_leaf):
         if type(x) is TensorNode:
             t = x
+            f = t.func
+            if f is not v2 and f.node_type is TensorNode and f.name == "_rebuild_tensor_v2":
+                v2 = f
             a = t.args
-            if t.func.node_type is TensorNode and t.func.name == "_rebuild_tensor_v2" and len(a) >= 4 and type(
-                    a[2]) is tuple and type(a[3]) is tuple and type(a[0]) is StorageRef:  # the common case, fast
-                ref = a[0]
-                el = elements.get(id(ref.storage_type))
-                if el is None:
-                    dtype = tensor_dtype(t)
-                    el = elements[id(ref.storage_type)] = (dtype, DTYPE_SIZES.get(dtype, 1))
-                shape = list(a[2])
-                n = 1
-                for d in shape:  # numel(shape), inline: this runs for every tensor
-                    n *= int(d)
-                if storages is not None:
-                    storages.setdefault(ref.key, ref)
-                rg = a[4] if len(a) > 4 and type(a[4]) is bool else t.requires_grad
-                append(TensorInfo(key, shape, el[0], ref.location, n * el[1], list(a[3]), a[1], ref.key, rg))
-                continue
+            if f is v2 and len(a) >= 4:  # the common case, fast: a plain strided tensor of a storage
+                ref, size, stride = a[0], a[2], a[3]
+                if type(ref) is StorageRef and type(size) is tuple and type(stride) is tuple:
+                    if ref.storage_type is not last_class:
+                        dtype = tensor_dtype(t)
+                        element, last_class = (dtype, DTYPE_SIZES.get(dtype, 1)), ref.storage_type
+                    nbytes = element[1]
+                    for d in size:  # numel(shape) * element size, inline: this runs for every tensor
+                        nbytes *= int(d)
+                    if storages is not None:
+                        storages.setdefault(ref.key, ref)
+                    rg = a[4] if len(a) > 4 and type(a[4]) is bool else t.requires_grad
+                    append(TensorInfo(key, list(size), element[0], ref.location, nbytes, list(stride), a[1], ref.key,
+                                      rg))
+                    continue
             rg = t.requires_grad
         else:  # a Parameter node holding a tensor node (tensor_leaf)
             p = cast(ParameterNode, x)
@@ -387,7 +392,7 @@ def _general_info(key: str, t: TensorNode, rg: bool, storages: dict[str, Storage
 
 def _state_dict_info(path: str, keys: list[str]) -> StateDictInfo:
     prefixes = shared_prefixes(keys)
-    return StateDictInfo(path, len(keys), prefixes, suggest_command(prefixes), any(is_flat_param_key(k) for k in keys))
+    return StateDictInfo(path, len(keys), prefixes, suggest_command(prefixes), has_flat_param_key(keys))
 
 
 def _kind(root: Any, sds: list[StateDictRef]) -> str:
@@ -406,28 +411,35 @@ def byte_totals(tensors: list[TensorInfo], storages: dict[str, tuple[str, str, i
     """One :class:`ByteTotal` per (location tag, dtype), sorted, from ``tensors`` and ``storages`` (storage key ->
     ``(location tag, dtype, bytes)`` of every storage in the file): each storage's bytes are counted once, under the
     first tensor that uses it; storages no tensor uses under their own tag and dtype."""
-    rows: dict[tuple[str, str], ByteTotal] = {}
-    counted: set[str] = set()
-
-    def row(device: str, dtype: str) -> ByteTotal:
-        r = rows.get((device, dtype))
-        if r is None:
-            r = rows[device, dtype] = ByteTotal(device, dtype)
-        return r
-
-    for t in tensors:
-        r = row(t.device, t.dtype)
-        r.tensors += 1
-        key = t.storage_key
-        if key is not None and key not in counted and key in storages:
-            counted.add(key)
+    devices, dtypes = [t.device for t in tensors], [t.dtype for t in tensors]
+    keys = [t.storage_key for t in tensors]
+    # the storages tensors use, in order of first use (a tensor without storage, key None, uses none)
+    used = cast(list[str], list(filter(storages.__contains__, dict.fromkeys(keys))))
+    if None in storages:
+        used = [key for key in used if key is not None]
+    rows: dict[tuple[str, str], ByteTotal]
+    if tensors and devices.count(devices[0]) == len(devices) and dtypes.count(dtypes[0]) == len(dtypes):
+        # one location tag and dtype (the common case; == groups as the dict below does): no lookup per storage
+        r = ByteTotal(devices[0], dtypes[0], len(tensors), len(used),
+                      sum(map(itemgetter(2), map(storages.__getitem__, used))))
+        rows = {(r.device, r.dtype): r}
+    else:
+        groups = list(zip(devices, dtypes))
+        rows = {g: ByteTotal(g[0], g[1], n) for g, n in Counter(groups).items()}
+        first = dict(zip(reversed(keys), reversed(groups)))  # storage key -> (location tag, dtype) of its first user
+        for key in used:
+            r = rows[first[key]]
             r.storages += 1
             r.bytes += storages[key][2]
-    for key, (device, dtype, nbytes) in storages.items():
-        if key not in counted:
-            r = row(device, dtype)
-            r.storages += 1
-            r.bytes += nbytes
+    if len(used) < len(storages):  # storages no tensor uses
+        counted = set(used)
+        for key, (device, dtype, nbytes) in storages.items():
+            if key not in counted:
+                r = rows.get((device, dtype))  # type: ignore[assignment]
+                if r is None:
+                    r = rows[device, dtype] = ByteTotal(device, dtype)
+                r.storages += 1
+                r.bytes += nbytes
     return [rows[k] for k in sorted(rows)]
 
 
@@ -546,23 +558,37 @@ def _storage_row(ref: StorageRef) -> tuple[str, str, int]:
         return ref.location, "unknown", ref.numel
 
 
+def _storage_rows(refs: dict[str, StorageRef]) -> dict[str, tuple[str, str, int]]:
+    """:func:`_storage_row` of each storage, by key: the element of each storage class looked up once."""
+    types = [ref.storage_type for ref in refs.values()]
+    # one storage class placeholder for all (== of a class is identity)? else one storage at a time
+    if not types or not isinstance(types[0], GlobalMeta) or types.count(types[0]) < len(types):
+        return {key: _storage_row(ref) for key, ref in refs.items()}
+    first = next(iter(refs.values()))
+    locations = [ref.location for ref in refs.values()]
+    numels = [ref.numel for ref in refs.values()]
+    try:
+        dtype, size = storage_element(first)
+    except CkptError:
+        return dict(zip(refs, zip(locations, repeat("unknown"), numels)))
+    return dict(zip(refs, zip(locations, repeat(dtype), map(mul, numels, repeat(size)))))
+
+
 def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointInfo:
     """Build the :class:`CheckpointInfo` of an already-read :class:`~ckptool.formats.torchfile.Checkpoint`
     (``limits``: as :func:`inspect`). Tensors of extra roots (a TorchScript archive's ``constants.pkl``) are keyed
     ``<root>.<key>``, their storages ``<root>/<key>``."""
     tensors = tensor_infos(ck.root)
-    storages = {key: _storage_row(ref) for key, ref in ck.storages.items()}
+    storages = _storage_rows(ck.storages)
     for name, extra in ck.extra_roots.items():
         refs: dict[str, StorageRef] = {}
         for t in tensor_infos(extra, refs):
             key = t.storage_key and f"{name}/{t.storage_key}"
             tensors.append(TensorInfo(**{**asdict(t), "key": f"{name}.{t.key}", "storage_key": key}))
-        storages.update({f"{name}/{key}": _storage_row(ref) for key, ref in refs.items()})
+        storages.update({f"{name}/{key}": row for key, row in _storage_rows(refs).items()})
     sds = find_state_dicts(ck.root)
     sd_infos = [_state_dict_info(sd.path, sd.keys()) for sd in sds]
-    devices: dict[str, int] = {}
-    for t in tensors:
-        devices[t.device] = devices.get(t.device, 0) + 1
+    devices = dict(Counter([t.device for t in tensors]))  # tensors per location tag, in order of first use
     totals = byte_totals(tensors, storages)
     kind = "torchscript" if ck.format == formats.TORCHSCRIPT else _kind(ck.root, sds)
     names = [qualified_name(m, n) for m, n in ck.globals]
