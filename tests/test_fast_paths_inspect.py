@@ -380,3 +380,36 @@ def test_tensor_infos_uncommon_tensor_nodes(tmp_path: Path) -> None:
     assert tensor_infos(ck.root) == plain_tensor_infos(ck.root)
     assert re.fullmatch(r"[ -~]*", ins.CheckpointInfo("p", "f", "k", 0, tensor_infos(ck.root), {}, {}, [],
                                                         []).to_json())
+
+
+# ------------------------------------------------------------------------------------------------ scan
+
+
+def test_scan_skips_only_what_zip_member_skips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The zip members the scan leaves out without a call each are ones :meth:`_Scanner.zip_member` skips too:
+    pickles in the storage folders, members outside the top folder and duplicates are still read."""
+    import pickle
+    import zipfile
+
+    from ckptool.ops import scan_pickles
+    from ckptool.ops.scan import scan_file
+
+    path = tmp_path / "extra.pt"
+    torch.save({"a": torch.ones(2), "b": torch.ones(3)}, path)
+    evil = b"\x80\x02cos\nsystem\nq\x00X\x02\x00\x00\x00idq\x01\x85q\x02Rq\x03."
+    with zipfile.ZipFile(path, "a") as z:
+        top = z.namelist()[0].split("/", 1)[0]
+        z.writestr(f"{top}/data/evil.pkl", evil)
+        z.writestr(f"{top}/data/hidden", evil)
+        z.writestr(f"{top}/code/x.pickle", pickle.dumps({"x": 1}))
+        z.writestr("data/outside.pkl", evil)
+        z.writestr("data/7", b"\x00" * 8)
+        z.writestr("other/constants/y", evil)
+        with pytest.warns(UserWarning):
+            z.writestr(f"{top}/data/0", b"\x00" * 8)  # a second member of that name
+    fast = scan_file(str(path)).to_dict()
+    monkeypatch.setattr(scan_pickles, "compress", lambda data, _selectors: data)  # every member to zip_member
+    assert scan_file(str(path)).to_dict() == fast
+    assert any("evil.pkl" in str(p) for p in fast["pickles"])
+    assert any("outside.pkl" in str(p) for p in fast["pickles"])
+    assert any("two members" in n for n in fast["notes"])
