@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 from typing import Any, NamedTuple, TypeVar, cast
 
 from ckptool.errors import CorruptCheckpointError
@@ -267,8 +269,9 @@ def iter_tensors(root: object, prefix: str = "") -> Iterator[tuple[str, TensorNo
             yield path, p.tensor, parameter_requires_grad(p)
 
 
-def node_children(path: str, obj: object) -> list[tuple[str, Any]]:
-    """The named children of one container or node, for :func:`iter_tensors`."""
+def node_children(path: str, obj: object) -> Iterable[tuple[str, Any]]:
+    """The named children of one container or node, for :func:`iter_tensors` (their names made here, the pairs
+    when iterated)."""
     inner = compiled_inner(obj)
     if inner is not None:
         return [(join(path, "_orig_mod"), inner)]
@@ -287,10 +290,11 @@ def node_children(path: str, obj: object) -> list[tuple[str, Any]]:
         return children
     items = mapping_items(obj)
     if items is not None:
-        children = [(f"{path}.{k}" if path else str(k), v) for k, v in items]
+        names = [f"{path}.{k}" for k, _v in items] if path else [k if type(k) is str else str(k) for k, _v in items]
+        pairs = zip(names, map(itemgetter(1), items))  # a state_dict: 50,000 pairs not made into a list
         if isinstance(obj, PickledObject) and obj.state is not None:
-            children.append((join(path, "_state"), obj.state))
-        return children
+            return chain(pairs, ((join(path, "_state"), obj.state),))
+        return pairs
     if isinstance(obj, (list, tuple, set, frozenset)):
         return [(join(path, i), v) for i, v in enumerate(obj)]
     children = []
