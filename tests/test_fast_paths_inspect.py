@@ -413,3 +413,21 @@ def test_scan_skips_only_what_zip_member_skips(tmp_path: Path, monkeypatch: pyte
     assert any("evil.pkl" in str(p) for p in fast["pickles"])
     assert any("outside.pkl" in str(p) for p in fast["pickles"])
     assert any("two members" in n for n in fast["notes"])
+
+
+def test_storage_totals(tmp_path: Path) -> None:
+    """The totals of describe without a row per storage are :func:`byte_totals` of the rows."""
+    path = tmp_path / "s.pt"
+    base = torch.ones(6)
+    torch.save({"a": base[:2], "b": torch.ones(3), "c": base, "d": torch.ones(4)}, path)
+    ck = read_any(path)
+    refs = ck.storages
+    tensors = tensor_infos(ck.root)
+    other_device = [TensorInfo(**{**asdict(t), "device": "cuda:3"}) if i == 1 else t for i, t in enumerate(tensors)]
+    other_dtype = [TensorInfo(**{**asdict(t), "dtype": "int8"}) if i == 2 else t for i, t in enumerate(tensors)]
+    no_storage = [*tensors, TensorInfo("m", [1], "float32", "cpu", 4, [1], 0, None)]
+    for variant in (tensors, tensors[:2], tensors[1:], other_device, other_dtype, no_storage, [], tensors[::-1]):
+        assert ins._storage_totals(variant, refs) == byte_totals(variant, ins._storage_rows(refs))
+    for ref in refs.values():
+        ref.storage_type.name = "NoSuchStorage"
+    assert ins._storage_totals(tensors, refs) == byte_totals(tensors, ins._storage_rows(refs))

@@ -558,13 +558,20 @@ def _storage_row(ref: StorageRef) -> tuple[str, str, int]:
         return ref.location, "unknown", ref.numel
 
 
-def _storage_rows(refs: dict[str, StorageRef]) -> dict[str, tuple[str, str, int]]:
-    """:func:`_storage_row` of each storage, by key: the element of each storage class looked up once."""
+def _one_storage_class(refs: dict[str, StorageRef]) -> StorageRef | None:
+    """The first of ``refs`` when they all name one storage class placeholder (the common case), else None."""
     types = [ref.storage_type for ref in refs.values()]
-    # one storage class placeholder for all (== of a class is identity)? else one storage at a time
-    if not types or not isinstance(types[0], GlobalMeta) or types.count(types[0]) < len(types):
+    # == of a placeholder (a class) is identity
+    if types and isinstance(types[0], GlobalMeta) and types.count(types[0]) == len(types):
+        return next(iter(refs.values()))
+    return None
+
+
+def _storage_rows(refs: dict[str, StorageRef]) -> dict[str, tuple[str, str, int]]:
+    """:func:`_storage_row` of each storage, by key: the element of a storage class looked up once."""
+    first = _one_storage_class(refs)
+    if first is None:  # several storage classes: one storage at a time
         return {key: _storage_row(ref) for key, ref in refs.items()}
-    first = next(iter(refs.values()))
     locations = [ref.location for ref in refs.values()]
     numels = [ref.numel for ref in refs.values()]
     try:
@@ -574,11 +581,27 @@ def _storage_rows(refs: dict[str, StorageRef]) -> dict[str, tuple[str, str, int]
     return dict(zip(refs, zip(locations, repeat(dtype), map(mul, numels, repeat(size)))))
 
 
-def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointInfo:
-    """Build the :class:`CheckpointInfo` of an already-read :class:`~ckptool.formats.torchfile.Checkpoint`
-    (``limits``: as :func:`inspect`). Tensors of extra roots (a TorchScript archive's ``constants.pkl``) are keyed
-    ``<root>.<key>``, their storages ``<root>/<key>``."""
-    tensors = tensor_infos(ck.root)
+def _storage_totals(tensors: list[TensorInfo], refs: dict[str, StorageRef]) -> list[ByteTotal]:
+    """:func:`byte_totals` of ``tensors`` and the storages ``refs`` (:func:`_storage_rows`), without a row per
+    storage in the common case: one storage class, every storage used, one location tag and dtype for all tensors
+    (the bytes are then the storages' elements times the element size)."""
+    first = _one_storage_class(refs)
+    if first is not None and tensors:
+        devices, dtypes = [t.device for t in tensors], [t.dtype for t in tensors]
+        if devices.count(devices[0]) == len(devices) and dtypes.count(dtypes[0]) == len(dtypes) and len(
+                refs.keys() & [t.storage_key for t in tensors]) == len(refs):
+            try:
+                size = storage_element(first)[1]
+            except CkptError:
+                size = 1  # an unknown storage class: its numel, as bytes (_storage_row)
+            return [ByteTotal(devices[0], dtypes[0], len(tensors), len(refs),
+                              sum([ref.numel for ref in refs.values()]) * size)]
+    return byte_totals(tensors, _storage_rows(refs))
+
+
+def _extra_roots(ck: Checkpoint, tensors: list[TensorInfo]) -> tuple[int, list[ByteTotal]]:
+    """Add the tensors of the extra roots of ``ck`` (a TorchScript archive's ``constants.pkl``) to ``tensors``,
+    keyed ``<root>.<key>``, their storages ``<root>/<key>``; return the number of storages and the byte totals."""
     storages = _storage_rows(ck.storages)
     for name, extra in ck.extra_roots.items():
         refs: dict[str, StorageRef] = {}
@@ -586,10 +609,21 @@ def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointI
             key = t.storage_key and f"{name}/{t.storage_key}"
             tensors.append(TensorInfo(**{**asdict(t), "key": f"{name}.{t.key}", "storage_key": key}))
         storages.update({f"{name}/{key}": row for key, row in _storage_rows(refs).items()})
+    return len(storages), byte_totals(tensors, storages)
+
+
+def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointInfo:
+    """Build the :class:`CheckpointInfo` of an already-read :class:`~ckptool.formats.torchfile.Checkpoint`
+    (``limits``: as :func:`inspect`). Tensors of extra roots (a TorchScript archive's ``constants.pkl``) are keyed
+    ``<root>.<key>``, their storages ``<root>/<key>``."""
+    tensors = tensor_infos(ck.root)
+    if not ck.extra_roots:  # the common case: no row per storage
+        n_storages, totals = len(ck.storages), _storage_totals(tensors, ck.storages)
+    else:
+        n_storages, totals = _extra_roots(ck, tensors)
     sds = find_state_dicts(ck.root)
     sd_infos = [_state_dict_info(sd.path, sd.keys()) for sd in sds]
     devices = dict(Counter([t.device for t in tensors]))  # tensors per location tag, in order of first use
-    totals = byte_totals(tensors, storages)
     kind = "torchscript" if ck.format == formats.TORCHSCRIPT else _kind(ck.root, sds)
     names = [qualified_name(m, n) for m, n in ck.globals]
     torchscript = ck.format == formats.TORCHSCRIPT and ck.record("constants.pkl") is not None
@@ -597,7 +631,7 @@ def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointI
     values, complete = ([], True) if kind == "torchscript" else value_infos(
         ck.root, [sd.obj for sd in sds], limits or PreviewLimits())
     return CheckpointInfo(ck.path, ck.format, kind, ck.size, tensors, devices, _device_bytes(totals), sd_infos, globs,
-                          storages=len(storages), totals=totals, values=values, values_complete=complete)
+                          storages=n_storages, totals=totals, values=values, values_complete=complete)
 
 
 def _inspect_safetensors(path: str) -> CheckpointInfo:
