@@ -267,7 +267,12 @@ def test_cli_json_is_json_dumps(tmp_path: Path, run_cli: Any) -> None:
 
 # ------------------------------------------------------------------------------------------------ the pieces
 
+class _Str(str):
+    """A str subclass (json.dumps writes its text as a string)."""
+
+
 _ODD_VALUES: list[list[Any]] = [
+    ["a", 1], ["a", "a", None], [_Str("a"), "a"], ["a", _Str("a")], ["a", _Str("b")], ["x", 1.5, "x"], ["", ""],
     [1, True, 2], [True, 1], [1, 1.0], [1.0, 1], [0, False], [True, True], [False], [None, None], [None, "a"],
     ["a", None], ["a", "a"], ["a", "b"], [[1], [True]], [[True], [1]], [[1], [1.0]], [[1, [2]], [1, [2]]],
     [[1, 2], (1, 2)], [(1, 2), (1, 2)], [[], []], [[], [0]], [2**70, 2**70], [-5, 3], [float("nan"), 1.5],

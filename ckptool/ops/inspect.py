@@ -103,15 +103,21 @@ def _json_column(values: list[Any]) -> str | list[str]:
     """``json.dumps(v)`` of each of ``values`` (not empty), in order, or that text once when it is the same for
     all: a value at a time only for a column that is not all strings, ints, bools, lists of ints, or strings and
     None (what the fields of :class:`TensorInfo` hold)."""
-    types = set(map(type, values))
+    first = values[0]
+    if type(first) is str:  # only a str equals a str, and encode_basestring_ascii takes nothing else
+        if values.count(first) == len(values):
+            return json.dumps(first)
+        try:
+            return list(map(encode_basestring_ascii, values))  # what json.dumps writes for a str (ensure_ascii)
+        except TypeError:  # not only strings
+            pass
+    types = set(map(type, values))  # strings are done: one type here is int, bool, list or another
     if len(types) == 1:
         kind = types.pop()
         if kind is list and not set(map(type, chain.from_iterable(values))) <= {int}:
             kind = object  # not only ints (True, 1.0, "a", None, nodes...)
-        if kind in (str, int, bool, list) and values.count(values[0]) == len(values):  # == is exact here
-            return json.dumps(values[0])
-        if kind is str:
-            return list(map(encode_basestring_ascii, values))  # what json.dumps writes for a str (ensure_ascii)
+        if kind in (int, bool, list) and values.count(first) == len(values):  # one type: == is exact here
+            return json.dumps(first)
         if kind is int:
             return list(map(int.__repr__, values))  # json.dumps's own rule for ints
         if kind is bool:
