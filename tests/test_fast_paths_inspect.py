@@ -97,6 +97,7 @@ def plain_json(info: CheckpointInfo, indent: int | None) -> str:
     """What ``inspect --json`` printed before the fast writer: ``json.dumps`` of a dict per tensor."""
     d = info.to_dict()
     assert d["tensors"] == [asdict(t) for t in info.tensors]
+    assert all(list(row) == list(ins._TENSOR_FIELDS) for row in d["tensors"])  # the fields, in order
     return json.dumps(d, indent=indent)
 
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from itertools import chain, islice, repeat
 from json.encoder import encode_basestring_ascii
-from operator import attrgetter, itemgetter, mul
+from operator import itemgetter, mul
 from typing import Any, cast
 
 from ckptool import _source as source
@@ -251,9 +251,10 @@ class CheckpointInfo:
         ``"schema": "ckptool.inspect/2"``, ``total_bytes`` (storage bytes, each storage once), ``totals`` and
         ``values`` (``{"path", "type", "value"}`` or ``{"path", "type", "preview"}``)."""
         d = self._dict_without_tensors()
-        names = _TENSOR_FIELDS
-        row = attrgetter(*names)
-        d["tensors"] = [dict(zip(names, row(t), strict=True)) for t in self.tensors]
+        d["tensors"] = [{  # the fields of TensorInfo (_TENSOR_FIELDS), in order: a dict display, built fastest
+            "key": t.key, "shape": t.shape, "dtype": t.dtype, "device": t.device, "nbytes": t.nbytes,
+            "stride": t.stride, "storage_offset": t.storage_offset, "storage_key": t.storage_key,
+            "requires_grad": t.requires_grad} for t in self.tensors]
         return d
 
     def to_json(self, indent: int | None = None) -> str:
