@@ -208,9 +208,10 @@ def module_entries(state: Mapping[str, Any]) -> Iterator[tuple[str, Any, str]]:
 
 # ------------------------------------------------------------------------------------------------ depth-first
 def depth_first(root: object, prefix: str, children: Callable[[str, Any], Iterable[tuple[str, Any]]],
-                 leaf: Callable[[Any], _T | None]) -> Iterator[tuple[str, _T]]:
+                 leaf: Callable[[Any], _T | None], same: type | None = None) -> Iterator[tuple[str, _T]]:
     """``(path, leaf(obj))`` for every node reachable from ``root`` for which ``leaf`` gives a value, depth-first
-    in ``children`` order. Leaves are reported each time they are reached, containers entered once.
+    in ``children`` order. Leaves are reported each time they are reached, containers entered once. Objects of
+    exactly the type ``same`` (for which ``leaf`` gives the object itself) are reported without a call to ``leaf``.
 
     Raises:
         CorruptCheckpointError: containers nested deeper than :data:`MAX_DEPTH`."""
@@ -224,6 +225,9 @@ def depth_first(root: object, prefix: str, children: Callable[[str, Any], Iterab
     stack = [iter(children(prefix, root))]
     while stack:
         for path, obj in stack[-1]:
+            if type(obj) is same:  # the common leaf (a tensor), without a call
+                yield path, obj  # type: ignore[misc]  # leaf(obj) is obj for these
+                continue
             found = leaf(obj)
             if found is not None:
                 yield path, found
@@ -261,7 +265,7 @@ def iter_tensors(root: object, prefix: str = "") -> Iterator[tuple[str, TensorNo
     Raises:
         CorruptCheckpointError: containers nested deeper than :data:`MAX_DEPTH`.
     """
-    for path, x in depth_first(root, prefix, node_children, tensor_leaf):
+    for path, x in depth_first(root, prefix, node_children, tensor_leaf, TensorNode):
         if type(x) is TensorNode:
             yield path, x, x.requires_grad
         else:

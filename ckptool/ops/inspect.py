@@ -356,7 +356,7 @@ def tensor_infos(root: Any, storages: dict[str, StorageRef] | None = None) -> li
     last_class: Any = None  # the storage class of the last tensor of the common case, and its (dtype, element size)
     element = ("", 1)
     ref: StorageRef | None
-    for key, x in depth_first(root, "", node_children, tensor_leaf):
+    for key, x in depth_first(root, "", node_children, tensor_leaf, TensorNode):
         if type(x) is TensorNode:
             t = x
             f = t.func
