@@ -437,3 +437,21 @@ def test_storage_totals(tmp_path: Path) -> None:
     for ref in refs.values():
         ref.storage_type.name = "NoSuchStorage"
     assert ins._storage_totals(tensors, refs) == byte_totals(tensors, ins._storage_rows(refs))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_json_of_sharded_sets_and_safetensors(tmp_path: Path, fmt: str) -> None:
+    """The other describers (sharded sets, safetensors) print through the same JSON writer."""
+    import ckptool
+
+    sd = {f"layers.{i}.w\u00e9ight": torch.ones(i % 7 + 1, 3)[:, :2].contiguous() for i in range(260)}
+    torch.save(sd, tmp_path / "full.pt")
+    out = tmp_path / f"out-{fmt}"
+    ckptool.convert(tmp_path / "full.pt", out, format=fmt, max_shard_size="2KB")
+    info = inspect(out)
+    assert info.format.startswith("sharded-"), info.format
+    assert len(info.tensors) == 260
+    check_json(info)
+    single = tmp_path / "one.safetensors"
+    ckptool.convert(tmp_path / "full.pt", single)
+    check_json(inspect(single))
