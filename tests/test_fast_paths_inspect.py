@@ -3,7 +3,8 @@
 Each fast path (the common ``_rebuild_tensor_v2`` tensor in :func:`ckptool.ops.inspect.tensor_infos`, byte totals
 and storage rows counted column by column, :func:`ckptool.model.keys.shared_prefixes` from the keys' common text,
 :func:`ckptool.model.keys.has_flat_param_key`, the JSON tensor rows written column by column and in pieces) is
-compared here with a plain implementation of the same rule (the code these fast paths replaced), on every generated
+compared here with a plain implementation of the same rule (the code these fast paths replaced), the scan's
+skipping of tensor records with :meth:`_Scanner.zip_member` deciding every member, on every generated
 fixture, the real ones, and hand-made odd cases: views, shared storages, nested containers, Parameters with and
 without ``requires_grad``, TorchScript constants, keys that need JSON escaping or are not ASCII, values of odd types.
 """
@@ -41,7 +42,8 @@ from ckptool.ops.inspect import ByteTotal, CheckpointInfo, TensorInfo, byte_tota
 
 
 def plain_tensor_infos(root: Any) -> list[TensorInfo]:
-    """Every tensor by the properties of :class:`TensorNode`, one at a time (no fast path)."""
+    """Every tensor by the properties of :class:`TensorNode`, one at a time (no fast path); the walk itself,
+    :func:`iter_tensors`, is checked against an independent one in test_graph.py."""
     out = []
     for key, t, rg in iter_tensors(root):
         ref = t.storage
