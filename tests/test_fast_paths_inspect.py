@@ -457,3 +457,17 @@ def test_json_of_sharded_sets_and_safetensors(tmp_path: Path, fmt: str) -> None:
     single = tmp_path / "one.safetensors"
     ckptool.convert(tmp_path / "full.pt", single)
     check_json(inspect(single))
+
+
+def test_storages_without_tensors(tmp_path: Path) -> None:
+    """A pickled storage, no tensor: its bytes counted under its own tag and dtype, no device listed."""
+    path = tmp_path / "storage.pt"
+    torch.save({"s": torch.ones(3).untyped_storage(), "t": torch.ones(2, dtype=torch.int8)}, path)
+    check_checkpoint(path)
+    check_json(inspect(path))
+    path = tmp_path / "only.pt"
+    torch.save(torch.ones(3).untyped_storage(), path)
+    check_checkpoint(path)
+    info = inspect(path)
+    assert info.devices == {} and info.storages == 1 and info.totals[0].tensors == 0
+    check_json(info)

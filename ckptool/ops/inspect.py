@@ -630,7 +630,10 @@ def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointI
         n_storages, totals = _extra_roots(ck, tensors)
     sds = find_state_dicts(ck.root)
     sd_infos = [_state_dict_info(sd.path, sd.keys()) for sd in sds]
-    devices = dict(Counter([t.device for t in tensors]))  # tensors per location tag, in order of first use
+    if tensors and len(totals) == 1 and totals[0].tensors == len(tensors):  # one location tag and dtype for all
+        devices = {tensors[0].device: len(tensors)}
+    else:  # tensors per location tag, in order of first use
+        devices = dict(Counter([t.device for t in tensors]))
     kind = "torchscript" if ck.format == formats.TORCHSCRIPT else _kind(ck.root, sds)
     names = [qualified_name(m, n) for m, n in ck.globals]
     torchscript = ck.format == formats.TORCHSCRIPT and ck.record("constants.pkl") is not None
