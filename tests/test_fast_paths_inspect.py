@@ -471,3 +471,12 @@ def test_storages_without_tensors(tmp_path: Path) -> None:
     info = inspect(path)
     assert info.devices == {} and info.storages == 1 and info.totals[0].tensors == 0
     check_json(info)
+
+
+def test_byte_totals_storage_keyed_none() -> None:
+    """A storage row under the key None (built by hand) is never used by a tensor without storage."""
+    storages: dict[Any, tuple[str, str, int]] = {None: ("cpu", "float32", 4), "0": ("cpu", "float32", 8)}
+    tensors = [TensorInfo("a", [1], "float32", "cpu", 4, [1], 0, None), TensorInfo("b", [2], "float32", "cpu", 8,
+                                                                                   [1], 0, "0")]
+    assert byte_totals(tensors, storages) == plain_byte_totals(tensors, storages)
+    assert byte_totals(tensors[:1], storages) == plain_byte_totals(tensors[:1], storages)
