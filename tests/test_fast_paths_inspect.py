@@ -480,3 +480,45 @@ def test_byte_totals_storage_keyed_none() -> None:
                                                                                    [1], 0, "0")]
     assert byte_totals(tensors, storages) == plain_byte_totals(tensors, storages)
     assert byte_totals(tensors[:1], storages) == plain_byte_totals(tensors[:1], storages)
+
+
+def _plain_mapping_children(path: str, obj: Any) -> list[tuple[str, Any]] | None:
+    """The children of a mapping as node_children listed them before it made them lazily."""
+    from ckptool.formats.nodes import PickledObject
+    from ckptool.model.graph import compiled_inner, join, module_state
+
+    items = mapping_items(obj)
+    if items is None or compiled_inner(obj) is not None or module_state(obj) is not None:
+        return None
+    children = [(f"{path}.{k}" if path else str(k), v) for k, v in items]
+    if isinstance(obj, PickledObject) and obj.state is not None:
+        children.append((join(path, "_state"), obj.state))
+    return children
+
+
+def test_node_children_of_mappings(generated: dict[str, Path]) -> None:
+    """The lazy children of every mapping in every fixture (state_dicts with ``_metadata`` state included) are the
+    pairs the list gave, under a top-level and a nested path."""
+    from ckptool.model.graph import depth_first, node_children
+
+    seen = 0
+    for path in _readable(generated):
+        ck = read_any(path)
+        mappings: list[Any] = []
+
+        def leaf(obj: Any, mappings: list[Any] = mappings) -> Any:
+            if mapping_items(obj) is not None:
+                mappings.append(obj)
+            return None
+
+        for _ in depth_first(ck.root, "", node_children, leaf):
+            pass
+        for m in mappings:
+            for prefix in ("", "a.b"):
+                want = _plain_mapping_children(prefix, m)
+                if want is not None:
+                    got = list(node_children(prefix, m))
+                    assert [p for p, _v in got] == [p for p, _v in want]
+                    assert all(a is b for (_p, a), (_q, b) in zip(got, want, strict=True))
+                    seen += 1
+    assert seen > 50
