@@ -47,10 +47,20 @@ def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int) -> None:
     """
     info = inspect(path, ALL_VALUES) if show_all else inspect(path)
     if as_json:
-        d = info.to_dict()
-        click.echo(json.dumps(d, indent=None if len(info.tensors) > 200 else 2))
+        _echo_json(info)
         return
     _print_info(info, limit=None if show_all else limit)
+
+
+def _echo_json(info: CheckpointInfo) -> None:
+    """``info`` as one JSON object and a newline (indented for up to 200 tensors), written piece by piece: the
+    text of ``json.dumps(info.to_dict())``, without building it whole (9 MB for 50,000 tensors). Unindented JSON
+    (ASCII, no line breaks) goes out as bytes: click then neither looks for ANSI colour codes in it (JSON escapes
+    control characters) nor translates line ends."""
+    indent = None if len(info.tensors) > 200 else 2
+    for piece in info.json_pieces(indent=indent):
+        click.echo(piece.encode("ascii") if indent is None else piece, nl=False)
+    click.echo("")
 
 
 def _print_info(info: CheckpointInfo, limit: int | None) -> None:

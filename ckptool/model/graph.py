@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from itertools import chain
+from operator import itemgetter
+from typing import Any, NamedTuple, TypeVar, cast
 
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.nodes import (
@@ -206,9 +208,10 @@ def module_entries(state: Mapping[str, Any]) -> Iterator[tuple[str, Any, str]]:
 
 # ------------------------------------------------------------------------------------------------ depth-first
 def depth_first(root: object, prefix: str, children: Callable[[str, Any], Iterable[tuple[str, Any]]],
-                 leaf: Callable[[Any], _T | None]) -> Iterator[tuple[str, _T]]:
+                 leaf: Callable[[Any], _T | None], same: type | None = None) -> Iterator[tuple[str, _T]]:
     """``(path, leaf(obj))`` for every node reachable from ``root`` for which ``leaf`` gives a value, depth-first
-    in ``children`` order. Leaves are reported each time they are reached, containers entered once.
+    in ``children`` order. Leaves are reported each time they are reached, containers entered once. Objects of
+    exactly the type ``same`` (for which ``leaf`` gives the object itself) are reported without a call to ``leaf``.
 
     Raises:
         CorruptCheckpointError: containers nested deeper than :data:`MAX_DEPTH`."""
@@ -222,6 +225,9 @@ def depth_first(root: object, prefix: str, children: Callable[[str, Any], Iterab
     stack = [iter(children(prefix, root))]
     while stack:
         for path, obj in stack[-1]:
+            if type(obj) is same:  # the common leaf (a tensor), without a call
+                yield path, obj  # type: ignore[misc]  # leaf(obj) is obj for these
+                continue
             found = leaf(obj)
             if found is not None:
                 yield path, found
@@ -237,16 +243,14 @@ def depth_first(root: object, prefix: str, children: Callable[[str, Any], Iterab
             stack.pop()
 
 
-def _node_tensor(obj: object) -> tuple[TensorNode, bool] | None:
+def tensor_leaf(obj: object) -> TensorNode | ParameterNode | None:
+    """``obj`` itself when it is a tensor node or a Parameter node holding one (exact types: the tensors
+    :func:`iter_tensors` reports), else None. A leaf test for :func:`depth_first`."""
     t = type(obj)
     if t is TensorNode:  # the common case first, tested by exact type
-        assert isinstance(obj, TensorNode)
-        return obj, obj.requires_grad
-    if t is ParameterNode:
-        assert isinstance(obj, ParameterNode)
-        inner = obj.tensor
-        if type(inner) is TensorNode:
-            return inner, parameter_requires_grad(obj)
+        return obj  # type: ignore[return-value]  # obj is a TensorNode
+    if t is ParameterNode and type(obj.tensor) is TensorNode:  # type: ignore[attr-defined]  # a ParameterNode
+        return obj  # type: ignore[return-value]
     return None
 
 
@@ -261,12 +265,17 @@ def iter_tensors(root: object, prefix: str = "") -> Iterator[tuple[str, TensorNo
     Raises:
         CorruptCheckpointError: containers nested deeper than :data:`MAX_DEPTH`.
     """
-    for path, (t, rg) in depth_first(root, prefix, node_children, _node_tensor):
-        yield path, t, rg
+    for path, x in depth_first(root, prefix, node_children, tensor_leaf, TensorNode):
+        if type(x) is TensorNode:
+            yield path, x, x.requires_grad
+        else:
+            p = cast(ParameterNode, x)
+            yield path, p.tensor, parameter_requires_grad(p)
 
 
-def node_children(path: str, obj: object) -> list[tuple[str, Any]]:
-    """The named children of one container or node, for :func:`iter_tensors`."""
+def node_children(path: str, obj: object) -> Iterable[tuple[str, Any]]:
+    """The named children of one container or node, for :func:`iter_tensors` (their names made here, the pairs
+    when iterated)."""
     inner = compiled_inner(obj)
     if inner is not None:
         return [(join(path, "_orig_mod"), inner)]
@@ -285,10 +294,11 @@ def node_children(path: str, obj: object) -> list[tuple[str, Any]]:
         return children
     items = mapping_items(obj)
     if items is not None:
-        children = [(f"{path}.{k}" if path else str(k), v) for k, v in items]
+        names = [f"{path}.{k}" for k, _v in items] if path else [k if type(k) is str else str(k) for k, _v in items]
+        pairs = zip(names, map(itemgetter(1), items))  # a state_dict: 50,000 pairs not made into a list
         if isinstance(obj, PickledObject) and obj.state is not None:
-            children.append((join(path, "_state"), obj.state))
-        return children
+            return chain(pairs, ((join(path, "_state"), obj.state),))
+        return pairs
     if isinstance(obj, (list, tuple, set, frozenset)):
         return [(join(path, i), v) for i, v in enumerate(obj)]
     children = []
@@ -456,7 +466,8 @@ class StateDictRef:
         (sparse, quantized and nested tensors included: :func:`is_state_dict_value`)."""
         if self.is_module:
             return [k for k, _t, _p in iter_state_dict_of_module(self.obj)]
-        return [str(k) for k, v in mapping_items(self.obj) or [] if is_state_dict_value(v)]
+        return [k if type(k) is str else str(k) for k, v in mapping_items(self.obj) or []
+                if type(v) is TensorNode or is_state_dict_value(v)]  # the common case without a call
 
 
 def breadth_first(root: object, *, items: Callable[[Any], list[tuple[Any, Any]] | None],

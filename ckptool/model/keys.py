@@ -77,6 +77,13 @@ def is_flat_param_key(key: str) -> bool:
     return bool(_FLAT_PARAM_RE.search(key))
 
 
+def has_flat_param_key(keys: Iterable[str]) -> bool:
+    """True when any of ``keys`` :func:`is_flat_param_key` (one substring search over all of them first: most
+    state_dicts hold none)."""
+    keys = keys if isinstance(keys, list) else list(keys)
+    return "flat_param" in "\n".join(keys) and any(map(is_flat_param_key, keys))
+
+
 def strip_prefix_keys(keys: Iterable[str], prefixes: Iterable[str]) -> dict[str, str]:
     """Map each key to its name with ``prefixes`` removed from the front.
 
@@ -196,22 +203,28 @@ def shared_prefixes(keys: Iterable[str]) -> list[str]:
     (:data:`WRAPPER_COMPONENTS`), then takes one more shared component if it is a common attribute name
     (:data:`ATTRIBUTE_PREFIXES`, e.g. Lightning's ``model.``). A component is only a prefix while every key keeps
     at least one component after it. ``["module.", "_orig_mod."]`` for a DDP-of-compiled state_dict, ``[]``
-    for a bare one.
+    for a bare one. Time: one pass over the keys (their common leading text is that of the first and last in
+    sorted order).
     """
-    split = [k.split(".") for k in keys]
-    if not split:
+    keys = keys if isinstance(keys, list) else list(keys)
+    if not keys:
         return []
+    lo, hi = min(keys), max(keys)  # the text every key starts with is theirs
+    n = 0
+    while n < len(lo) and n < len(hi) and lo[n] == hi[n]:
+        n += 1
+    common = lo[:n]
     out: list[str] = []
-    depth = 0
+    start = 0
     while True:
-        if any(len(p) <= depth + 1 for p in split):
+        # a component followed by "." in the common text: every key has it, and another component after it
+        dot = common.find(".", start)
+        if dot < 0:
             break
-        comp = split[0][depth]
-        if any(p[depth] != comp for p in split):
-            break
+        comp = common[start:dot]
         if comp in WRAPPER_COMPONENTS:
             out.append(comp + ".")
-            depth += 1
+            start = dot + 1
             continue
         if comp in ATTRIBUTE_PREFIXES:
             out.append(comp + ".")

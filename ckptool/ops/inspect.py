@@ -16,9 +16,13 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
-from operator import attrgetter
-from typing import Any
+from itertools import chain, islice, repeat
+from json.encoder import encode_basestring_ascii
+from operator import itemgetter, mul
+from typing import Any, cast
 
 from ckptool import _source as source
 from ckptool._gc import gc_paused
@@ -34,7 +38,7 @@ from ckptool.formats.dtypes import (
     storage_element,
     tensor_dtype,
 )
-from ckptool.formats.nodes import StorageRef, TensorNode, qualified_name
+from ckptool.formats.nodes import GlobalMeta, ParameterNode, StorageRef, TensorNode, qualified_name
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import is_checkpoint_set, read_index, set_kind
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
@@ -50,14 +54,17 @@ from ckptool.model.allowlist import (
 )
 from ckptool.model.graph import (
     StateDictRef,
+    depth_first,
     find_state_dicts,
     is_module,
     is_state_dict,
-    iter_tensors,
     mapping_items,
+    node_children,
+    parameter_requires_grad,
+    tensor_leaf,
     too_deep,
 )
-from ckptool.model.keys import is_flat_param_key, shared_prefixes, suggest_command
+from ckptool.model.keys import has_flat_param_key, shared_prefixes, suggest_command
 from ckptool.ops.dcp_safety import is_dcp_allowed
 from ckptool.ops.deepspeed import describe_deepspeed
 from ckptool.ops.inspect_values import PreviewLimits, ValueInfo, value_infos
@@ -87,6 +94,76 @@ class TensorInfo:
 
 #: the fields of :class:`TensorInfo`, in order (the keys of each tensor in ``inspect --json``)
 _TENSOR_FIELDS = tuple(f.name for f in fields(TensorInfo))
+
+
+_BOOL_JSON = {True: "true", False: "false"}
+
+
+def _json_column(values: list[Any]) -> str | list[str]:
+    """``json.dumps(v)`` of each of ``values`` (not empty), in order, or that text once when it is the same for
+    all: a value at a time only for a column that is not all strings, ints, bools, lists of ints, or strings and
+    None (what the fields of :class:`TensorInfo` hold)."""
+    first = values[0]
+    if type(first) is str:  # only a str equals a str, and encode_basestring_ascii takes nothing else
+        if values.count(first) == len(values):
+            return json.dumps(first)
+        try:
+            return list(map(encode_basestring_ascii, values))  # what json.dumps writes for a str (ensure_ascii)
+        except TypeError:  # not only strings
+            pass
+    types = set(map(type, values))  # strings are done: one type here is int, bool, list or another
+    if len(types) == 1:
+        kind = types.pop()
+        if kind is list and not set(map(type, chain.from_iterable(values))) <= {int}:
+            kind = object  # not only ints (True, 1.0, "a", None, nodes...)
+        if kind in (int, bool, list) and values.count(first) == len(values):  # one type: == is exact here
+            return json.dumps(first)
+        if kind is int:
+            return list(map(int.__repr__, values))  # json.dumps's own rule for ints
+        if kind is bool:
+            return list(map(_BOOL_JSON.__getitem__, values))
+        if kind is list:
+            return list(map(list.__repr__, values))  # "[1, 2]": ints joined by ", ", as json.dumps writes them
+    if types == {str, type(None)}:
+        return [encode_basestring_ascii(v) if v is not None else "null" for v in values]
+    return list(map(json.dumps, values))
+
+
+#: rows of ``"tensors"`` per piece of :meth:`CheckpointInfo.json_pieces`
+_JSON_ROWS_PER_PIECE = 2000
+
+
+def _tensor_rows_json(tensors: list[TensorInfo]) -> Iterator[str]:
+    """The inside of ``"tensors": [...]`` in :meth:`CheckpointInfo.to_dict`'s JSON (``", ".join(json.dumps(row)
+    for row in rows)``), in pieces of :data:`_JSON_ROWS_PER_PIECE` rows, built column by column: each field's
+    values are encoded in one pass (:func:`_json_column`), a field with one value for every tensor is written once
+    into the row template, and the rows of a piece are joined in one call. Every value is encoded before this
+    returns (an error is raised here, not while the pieces are read). ``tensors`` must not be empty."""
+    n = len(tensors)
+    columns: tuple[list[Any], ...] = (  # the fields of TensorInfo (_TENSOR_FIELDS), in order
+        [t.key for t in tensors], [t.shape for t in tensors], [t.dtype for t in tensors],
+        [t.device for t in tensors], [t.nbytes for t in tensors], [t.stride for t in tensors],
+        [t.storage_offset for t in tensors], [t.storage_key for t in tensors], [t.requires_grad for t in tensors])
+    pieces: list[Iterable[str]] = []  # a row, in order: constant text, then the texts of a varying field, ...
+    text = "{"
+    for i, (name, values) in enumerate(zip(_TENSOR_FIELDS, columns, strict=True)):
+        col = _json_column(values)
+        text += f'{", " if i else ""}"{name}": '
+        if type(col) is str:  # one value in every row: part of the template
+            text += col
+            continue
+        # the first constant text of a row starts it: ", " before it in every row but the first
+        pieces += (repeat(text) if pieces else chain((text,), repeat(", " + text)), col)
+        text = ""
+    text += "}"
+    if not pieces:  # every field the same in every row (one tensor, or copies of one)
+        return (", ".join(repeat(text, min(_JSON_ROWS_PER_PIECE, n - i))) if i == 0 else
+                ", " + ", ".join(repeat(text, min(_JSON_ROWS_PER_PIECE, n - i)))
+                for i in range(0, n, _JSON_ROWS_PER_PIECE))
+    pieces.append(repeat(text))
+    texts = chain.from_iterable(zip(*pieces))
+    size = _JSON_ROWS_PER_PIECE * len(pieces)
+    return ("".join(islice(texts, size)) for _ in range(0, n, _JSON_ROWS_PER_PIECE))
 
 
 @dataclass
@@ -173,10 +250,42 @@ class CheckpointInfo:
         """Plain JSON-ready dict (``dataclasses.asdict`` without its deep copies: fast for 50,000 tensors), with
         ``"schema": "ckptool.inspect/2"``, ``total_bytes`` (storage bytes, each storage once), ``totals`` and
         ``values`` (``{"path", "type", "value"}`` or ``{"path", "type", "preview"}``)."""
+        d = self._dict_without_tensors()
+        d["tensors"] = [{  # the fields of TensorInfo (_TENSOR_FIELDS), in order: a dict display, built fastest
+            "key": t.key, "shape": t.shape, "dtype": t.dtype, "device": t.device, "nbytes": t.nbytes,
+            "stride": t.stride, "storage_offset": t.storage_offset, "storage_key": t.storage_key,
+            "requires_grad": t.requires_grad} for t in self.tensors]
+        return d
+
+    def to_json(self, indent: int | None = None) -> str:
+        """``json.dumps(self.to_dict(), indent=indent)``: the same text (what ``ckptool inspect --json`` prints),
+        made faster (:meth:`json_pieces`).
+
+        Raises:
+            ValueError / TypeError: as ``json.dumps`` (a value JSON cannot hold)."""
+        return "".join(self.json_pieces(indent))
+
+    def json_pieces(self, indent: int | None = None) -> Iterator[str]:
+        """The text of :meth:`to_json` in pieces (a few thousand tensor rows each), to write one after another:
+        without a dict per tensor when ``indent`` is None (the tensor rows column by column). Everything is
+        encoded before this returns: an error is raised here, not while the pieces are read.
+
+        Raises:
+            ValueError / TypeError: as ``json.dumps`` (a value JSON cannot hold)."""
+        if indent is not None or not self.tensors:
+            return iter((json.dumps(self.to_dict(), indent=indent),))
+        d = self._dict_without_tensors()
+        items = list(d.items())
+        at = list(d).index("tensors")
+        head = json.dumps(dict(items[:at]))[:-1]  # "{...": the entries before "tensors"
+        tail = json.dumps(dict(items[at + 1:]))[1:]  # "...}": the entries after it
+        rows = _tensor_rows_json(self.tensors)
+        return chain((f'{head}{", " if at else ""}"tensors": [',), rows,
+                     (f']{", " if tail != "}" else ""}{tail}',))
+
+    def _dict_without_tensors(self) -> dict[str, Any]:
+        """:meth:`to_dict` with ``"tensors"`` left as the list of :class:`TensorInfo` (in its place)."""
         d = {"schema": SCHEMA, **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "scan"}}
-        names = _TENSOR_FIELDS
-        row = attrgetter(*names)
-        d["tensors"] = [dict(zip(names, row(t), strict=True)) for t in self.tensors]
         d["total_bytes"] = self.total_bytes
         d["totals"] = [r.__dict__.copy() for r in self.totals]
         d["values"] = [v.to_dict() for v in self.values]
@@ -236,32 +345,61 @@ class CheckpointInfo:
 
 def tensor_infos(root: Any, storages: dict[str, StorageRef] | None = None) -> list[TensorInfo]:
     """A :class:`TensorInfo` for every tensor reachable from ``root`` (see :func:`ckptool.model.graph.iter_tensors`);
-    when ``storages`` is given, the storage of each is added to it by key."""
-    out = []
-    dtype_cache: dict[int, str] = {}
+    when ``storages`` is given, the storage of each is added to it by key.
+
+    Raises:
+        UnsupportedError: a tensor's storage class is unknown.
+        CorruptCheckpointError: containers nested deeper than :data:`ckptool.model.graph.MAX_DEPTH`."""
+    out: list[TensorInfo] = []
+    append = out.append
+    v2: Any = None  # the placeholder of torch._utils._rebuild_tensor_v2, once a tensor names it
+    last_class: Any = None  # the storage class of the last tensor of the common case, and its (dtype, element size)
+    element = ("", 1)
     ref: StorageRef | None
-    for key, t, rg in iter_tensors(root):
-        a = t.args
-        if t.func.node_type is TensorNode and t.func.name == "_rebuild_tensor_v2" and len(a) >= 4 and type(
-                a[2]) is tuple and type(a[3]) is tuple and type(a[0]) is StorageRef:  # the common case, fast
-            ref, offset, shape, stride = a[0], a[1], list(a[2]), list(a[3])
-            dtype = dtype_cache.get(id(ref.storage_type))
-            if dtype is None:
-                dtype = dtype_cache[id(ref.storage_type)] = tensor_dtype(t)
-        else:
-            ref, offset, shape, stride = t.storage, t.storage_offset, list(t.shape), list(t.stride)
-            dtype = tensor_dtype(t)
-        nbytes = numel(shape) * DTYPE_SIZES.get(dtype, 1)
-        if storages is not None and ref is not None:
-            storages.setdefault(ref.key, ref)
-        out.append(TensorInfo(key, shape, dtype, ref.location if ref else "meta", nbytes, stride, offset,
-                              ref.key if ref else None, rg))
+    for key, x in depth_first(root, "", node_children, tensor_leaf, TensorNode):
+        if type(x) is TensorNode:
+            t = x
+            f = t.func
+            if f is not v2 and f.node_type is TensorNode and f.name == "_rebuild_tensor_v2":
+                v2 = f
+            a = t.args
+            if f is v2 and len(a) >= 4:  # the common case, fast: a plain strided tensor of a storage
+                ref, size, stride = a[0], a[2], a[3]
+                if type(ref) is StorageRef and type(size) is tuple and type(stride) is tuple:
+                    if ref.storage_type is not last_class:
+                        dtype = tensor_dtype(t)
+                        element, last_class = (dtype, DTYPE_SIZES.get(dtype, 1)), ref.storage_type
+                    nbytes = element[1]
+                    for d in size:  # numel(shape) * element size, inline: this runs for every tensor
+                        nbytes *= int(d)
+                    if storages is not None:
+                        storages.setdefault(ref.key, ref)
+                    rg = a[4] if len(a) > 4 and type(a[4]) is bool else t.requires_grad
+                    append(TensorInfo(key, list(size), element[0], ref.location, nbytes, list(stride), a[1], ref.key,
+                                      rg))
+                    continue
+            rg = t.requires_grad
+        else:  # a Parameter node holding a tensor node (tensor_leaf)
+            p = cast(ParameterNode, x)
+            t, rg = p.tensor, parameter_requires_grad(p)
+        out.append(_general_info(key, t, rg, storages))
     return out
+
+
+def _general_info(key: str, t: TensorNode, rg: bool, storages: dict[str, StorageRef] | None) -> TensorInfo:
+    """The :class:`TensorInfo` of any tensor node (the properties of :class:`TensorNode`)."""
+    ref, shape = t.storage, list(t.shape)
+    dtype = tensor_dtype(t)
+    nbytes = numel(shape) * DTYPE_SIZES.get(dtype, 1)
+    if storages is not None and ref is not None:
+        storages.setdefault(ref.key, ref)
+    return TensorInfo(key, shape, dtype, ref.location if ref else "meta", nbytes, list(t.stride), t.storage_offset,
+                      ref.key if ref else None, rg)
 
 
 def _state_dict_info(path: str, keys: list[str]) -> StateDictInfo:
     prefixes = shared_prefixes(keys)
-    return StateDictInfo(path, len(keys), prefixes, suggest_command(prefixes), any(is_flat_param_key(k) for k in keys))
+    return StateDictInfo(path, len(keys), prefixes, suggest_command(prefixes), has_flat_param_key(keys))
 
 
 def _kind(root: Any, sds: list[StateDictRef]) -> str:
@@ -280,28 +418,35 @@ def byte_totals(tensors: list[TensorInfo], storages: dict[str, tuple[str, str, i
     """One :class:`ByteTotal` per (location tag, dtype), sorted, from ``tensors`` and ``storages`` (storage key ->
     ``(location tag, dtype, bytes)`` of every storage in the file): each storage's bytes are counted once, under the
     first tensor that uses it; storages no tensor uses under their own tag and dtype."""
-    rows: dict[tuple[str, str], ByteTotal] = {}
-    counted: set[str] = set()
-
-    def row(device: str, dtype: str) -> ByteTotal:
-        r = rows.get((device, dtype))
-        if r is None:
-            r = rows[device, dtype] = ByteTotal(device, dtype)
-        return r
-
-    for t in tensors:
-        r = row(t.device, t.dtype)
-        r.tensors += 1
-        key = t.storage_key
-        if key is not None and key not in counted and key in storages:
-            counted.add(key)
+    devices, dtypes = [t.device for t in tensors], [t.dtype for t in tensors]
+    keys = [t.storage_key for t in tensors]
+    # the storages tensors use, in order of first use (a tensor without storage, key None, uses none)
+    used = cast(list[str], list(filter(storages.__contains__, dict.fromkeys(keys))))
+    if None in storages:
+        used = [key for key in used if key is not None]
+    rows: dict[tuple[str, str], ByteTotal]
+    if tensors and devices.count(devices[0]) == len(devices) and dtypes.count(dtypes[0]) == len(dtypes):
+        # one location tag and dtype (the common case; == groups as the dict below does): no lookup per storage
+        r = ByteTotal(devices[0], dtypes[0], len(tensors), len(used),
+                      sum(map(itemgetter(2), map(storages.__getitem__, used))))
+        rows = {(r.device, r.dtype): r}
+    else:
+        groups = list(zip(devices, dtypes))
+        rows = {g: ByteTotal(g[0], g[1], n) for g, n in Counter(groups).items()}
+        first = dict(zip(reversed(keys), reversed(groups)))  # storage key -> (location tag, dtype) of its first user
+        for key in used:
+            r = rows[first[key]]
             r.storages += 1
             r.bytes += storages[key][2]
-    for key, (device, dtype, nbytes) in storages.items():
-        if key not in counted:
-            r = row(device, dtype)
-            r.storages += 1
-            r.bytes += nbytes
+    if len(used) < len(storages):  # storages no tensor uses
+        counted = set(used)
+        for key, (device, dtype, nbytes) in storages.items():
+            if key not in counted:
+                r = rows.get((device, dtype))  # type: ignore[assignment]
+                if r is None:
+                    r = rows[device, dtype] = ByteTotal(device, dtype)
+                r.storages += 1
+                r.bytes += nbytes
     return [rows[k] for k in sorted(rows)]
 
 
@@ -420,24 +565,75 @@ def _storage_row(ref: StorageRef) -> tuple[str, str, int]:
         return ref.location, "unknown", ref.numel
 
 
-def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointInfo:
-    """Build the :class:`CheckpointInfo` of an already-read :class:`~ckptool.formats.torchfile.Checkpoint`
-    (``limits``: as :func:`inspect`). Tensors of extra roots (a TorchScript archive's ``constants.pkl``) are keyed
-    ``<root>.<key>``, their storages ``<root>/<key>``."""
-    tensors = tensor_infos(ck.root)
-    storages = {key: _storage_row(ref) for key, ref in ck.storages.items()}
+def _one_storage_class(refs: dict[str, StorageRef]) -> StorageRef | None:
+    """The first of ``refs`` when they all name one storage class placeholder (the common case), else None."""
+    types = [ref.storage_type for ref in refs.values()]
+    # == of a placeholder (a class) is identity
+    if types and isinstance(types[0], GlobalMeta) and types.count(types[0]) == len(types):
+        return next(iter(refs.values()))
+    return None
+
+
+def _storage_rows(refs: dict[str, StorageRef]) -> dict[str, tuple[str, str, int]]:
+    """:func:`_storage_row` of each storage, by key: the element of a storage class looked up once."""
+    first = _one_storage_class(refs)
+    if first is None:  # several storage classes: one storage at a time
+        return {key: _storage_row(ref) for key, ref in refs.items()}
+    locations = [ref.location for ref in refs.values()]
+    numels = [ref.numel for ref in refs.values()]
+    try:
+        dtype, size = storage_element(first)
+    except CkptError:
+        return dict(zip(refs, zip(locations, repeat("unknown"), numels)))
+    return dict(zip(refs, zip(locations, repeat(dtype), map(mul, numels, repeat(size)))))
+
+
+def _storage_totals(tensors: list[TensorInfo], refs: dict[str, StorageRef]) -> list[ByteTotal]:
+    """:func:`byte_totals` of ``tensors`` and the storages ``refs`` (:func:`_storage_rows`), without a row per
+    storage in the common case: one storage class, every storage used, one location tag and dtype for all tensors
+    (the bytes are then the storages' elements times the element size)."""
+    first = _one_storage_class(refs)
+    if first is not None and tensors:
+        devices, dtypes = [t.device for t in tensors], [t.dtype for t in tensors]
+        if devices.count(devices[0]) == len(devices) and dtypes.count(dtypes[0]) == len(dtypes) and len(
+                refs.keys() & [t.storage_key for t in tensors]) == len(refs):
+            try:
+                size = storage_element(first)[1]
+            except CkptError:
+                size = 1  # an unknown storage class: its numel, as bytes (_storage_row)
+            return [ByteTotal(devices[0], dtypes[0], len(tensors), len(refs),
+                              sum([ref.numel for ref in refs.values()]) * size)]
+    return byte_totals(tensors, _storage_rows(refs))
+
+
+def _extra_roots(ck: Checkpoint, tensors: list[TensorInfo]) -> tuple[int, list[ByteTotal]]:
+    """Add the tensors of the extra roots of ``ck`` (a TorchScript archive's ``constants.pkl``) to ``tensors``,
+    keyed ``<root>.<key>``, their storages ``<root>/<key>``; return the number of storages and the byte totals."""
+    storages = _storage_rows(ck.storages)
     for name, extra in ck.extra_roots.items():
         refs: dict[str, StorageRef] = {}
         for t in tensor_infos(extra, refs):
             key = t.storage_key and f"{name}/{t.storage_key}"
             tensors.append(TensorInfo(**{**asdict(t), "key": f"{name}.{t.key}", "storage_key": key}))
-        storages.update({f"{name}/{key}": _storage_row(ref) for key, ref in refs.items()})
+        storages.update({f"{name}/{key}": row for key, row in _storage_rows(refs).items()})
+    return len(storages), byte_totals(tensors, storages)
+
+
+def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointInfo:
+    """Build the :class:`CheckpointInfo` of an already-read :class:`~ckptool.formats.torchfile.Checkpoint`
+    (``limits``: as :func:`inspect`). Tensors of extra roots (a TorchScript archive's ``constants.pkl``) are keyed
+    ``<root>.<key>``, their storages ``<root>/<key>``."""
+    tensors = tensor_infos(ck.root)
+    if not ck.extra_roots:  # the common case: no row per storage
+        n_storages, totals = len(ck.storages), _storage_totals(tensors, ck.storages)
+    else:
+        n_storages, totals = _extra_roots(ck, tensors)
     sds = find_state_dicts(ck.root)
     sd_infos = [_state_dict_info(sd.path, sd.keys()) for sd in sds]
-    devices: dict[str, int] = {}
-    for t in tensors:
-        devices[t.device] = devices.get(t.device, 0) + 1
-    totals = byte_totals(tensors, storages)
+    if tensors and len(totals) == 1 and totals[0].tensors == len(tensors):  # one location tag and dtype for all
+        devices = {tensors[0].device: len(tensors)}
+    else:  # tensors per location tag, in order of first use
+        devices = dict(Counter([t.device for t in tensors]))
     kind = "torchscript" if ck.format == formats.TORCHSCRIPT else _kind(ck.root, sds)
     names = [qualified_name(m, n) for m, n in ck.globals]
     torchscript = ck.format == formats.TORCHSCRIPT and ck.record("constants.pkl") is not None
@@ -445,7 +641,7 @@ def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointI
     values, complete = ([], True) if kind == "torchscript" else value_infos(
         ck.root, [sd.obj for sd in sds], limits or PreviewLimits())
     return CheckpointInfo(ck.path, ck.format, kind, ck.size, tensors, devices, _device_bytes(totals), sd_infos, globs,
-                          storages=len(storages), totals=totals, values=values, values_complete=complete)
+                          storages=n_storages, totals=totals, values=values, values_complete=complete)
 
 
 def _inspect_safetensors(path: str) -> CheckpointInfo:

@@ -12,7 +12,9 @@ import os
 import struct
 import tarfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from itertools import compress, repeat
+from operator import not_, or_
 from typing import Any, BinaryIO, TypeAlias, cast
 
 from ckptool import _source as source
@@ -276,9 +278,10 @@ class _Scanner:
         first = entries[0].name
         top = first.split("/", 1)[0] + "/" if "/" in first else ""
         names = [e.name for e in entries]
-        self.torchscript = self.torchscript or (depth == 0 and top + "constants.pkl" in names)
-        kind = "torchscript" if top + "constants.pkl" in names else (
-            formats.TORCH_ZIP if top + "data.pkl" in names else "zip")
+        name_set = set(names)
+        self.torchscript = self.torchscript or (depth == 0 and top + "constants.pkl" in name_set)
+        kind = "torchscript" if top + "constants.pkl" in name_set else (
+            formats.TORCH_ZIP if top + "data.pkl" in name_set else "zip")
         if kind == "zip" and is_pt2_names(names):
             kind = formats.PT2
             try:
@@ -293,20 +296,21 @@ class _Scanner:
                 ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",)))
             if kind == "torchscript":  # torch.jit.load also unpickles the source ranges of code/
                 self.loaded.update(_join(where, n) for n in names if n.endswith(".debug_pkl"))
-        seen: set[str] = set()
-        for e in entries:
-            if e.name in seen:
-                self.note(f"the zip{_in(where)} holds two members named {e.name!r}: loaders may read either; both "
-                          "were scanned")
-            seen.add(e.name)
-        storage_kind = kind not in ("zip", formats.PT2)
-        n_top = len(top)
-        for e in entries:
-            name = e.name
-            # tensor records (50,000 in a big state_dict) skipped here, as zip_member would, without a call each
-            if storage_kind and not name.endswith(_PICKLE_SUFFIXES) and (
-                    name[n_top:] if name.startswith(top) else name).startswith(_STORAGE_DIRS):
-                continue
+        if len(name_set) < len(names):
+            seen: set[str] = set()
+            for e in entries:
+                if e.name in seen:
+                    self.note(f"the zip{_in(where)} holds two members named {e.name!r}: loaders may read either; "
+                              "both were scanned")
+                seen.add(e.name)
+        todo: Iterable[ZipEntry] = entries
+        if kind not in ("zip", formats.PT2):
+            # tensor records (50,000 in a big state_dict) left out here, as zip_member would skip them, without a
+            # call each: the members under the top folder's storage folders whose names do not end as a pickle's
+            in_storage = map(str.startswith, names, repeat(tuple(top + d for d in _STORAGE_DIRS)))
+            pickled = map(str.endswith, names, repeat(_PICKLE_SUFFIXES))
+            todo = compress(entries, map(or_, map(not_, in_storage), pickled))
+        for e in todo:
             self.zip_member(f, e, top, kind, where, depth)
         end = _zip_end(buf)
         if end is not None and end < size:
