@@ -125,6 +125,24 @@ def test_running_a_command_imports_only_its_own_module(real_dir: Path) -> None:
 
 
 @pytest.mark.torchfree
+def test_a_read_only_command_loads_no_writer(real_dir: Path) -> None:
+    """Start-up pays for what the command runs: inspect and scan load neither the renaming and rewriting code nor
+    the output machinery (ckptool.cli._common needs the rename result type for annotations only)."""
+    code = (
+        "import sys, ckptool.cli\n"
+        "from click.testing import CliRunner\n"
+        "for cmd in (['inspect', '--json', sys.argv[1]], ['scan', sys.argv[1]]):\n"
+        "    r = CliRunner().invoke(ckptool.cli.cli, cmd)\n"
+        "    assert r.exit_code == 0, r.output\n"
+        "loaded = [m for m in ('ckptool.ops.rename', 'ckptool.ops.rewrite', 'ckptool.ops.remap', 'ckptool._fileio',\n"
+        "                      'ckptool.formats.torchzip', 'ckptool.formats.pickler') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    r = _run(code, str(real_dir / "lpips-v0.1-alex.pth"))
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.torchfree
 def test_no_command_module_imports_another_or_the_package() -> None:
     """Command modules share code only through ckptool/cli/_common.py (which re-exports the flags of
     ckptool/cli/_flags.py, imported by the entry point too); only the entry point imports ckptool.cli."""

@@ -26,11 +26,11 @@ from ckptool.cli._flags import set_output as set_output
 from ckptool.errors import CkptError, UsageError
 from ckptool.model.devices import DEVICE_HELP, chosen_tags, parse_mapping
 from ckptool.ops.hints import LoadHint, load_hint
-from ckptool.ops.rename import RenameResult
 
 if TYPE_CHECKING:
     from tqdm import tqdm
 
+    from ckptool.ops.rename import RenameResult  # annotations only: the renaming code loads with its commands
     from ckptool.ops.rewrite import WriteResult
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -181,19 +181,19 @@ def hint_payload(hint: LoadHint) -> dict[str, Any]:
     return {"load_hint": {"code": hint.code, "notes": list(hint.notes)}}
 
 
-def write_payload(res: WriteResult) -> dict[str, Any]:
+def write_payload(res: WriteResult, rename: RenameResult | None = None) -> dict[str, Any]:
     """The JSON fields of a rewrite (``remap``, the prefix commands): ``src``, ``dst``, ``format_in``, ``storages``,
-    ``bytes_written`` (bytes), ``retagged`` (:func:`retagged_list`) and, for a renaming
-    (:class:`~ckptool.ops.rename.RenameResult`), ``renamed`` (keys), ``removed`` / ``added`` ``{prefix: keys}`` and
-    ``changes`` (one object per state_dict: ``path``, ``keys``, ``renamed``, ``removed``, ``added``, ``is_module``,
-    ``wrappers_removed``)."""
+    ``bytes_written`` (bytes), ``retagged`` (:func:`retagged_list`) and, for a renaming (``rename``: ``res``
+    itself when it is a :class:`~ckptool.ops.rename.RenameResult`, which the caller knows), ``renamed`` (keys),
+    ``removed`` / ``added`` ``{prefix: keys}`` and ``changes`` (one object per state_dict: ``path``, ``keys``,
+    ``renamed``, ``removed``, ``added``, ``is_module``, ``wrappers_removed``)."""
     out: dict[str, Any] = {"src": res.src, "dst": res.dst, "format_in": res.format_in, "storages": res.storages,
                            "bytes_written": res.bytes_written, "retagged": retagged_list(res.retagged)}
-    if isinstance(res, RenameResult):
-        out.update(renamed=res.renamed, removed=res.removed, added=res.added,
+    if rename is not None:
+        out.update(renamed=rename.renamed, removed=rename.removed, added=rename.added,
                    changes=[{"path": c.path, "keys": c.keys, "renamed": c.renamed, "removed": c.removed,
                              "added": c.added, "is_module": c.is_module, "wrappers_removed": c.wrappers_removed}
-                            for c in res.changes])
+                            for c in rename.changes])
     return out
 
 

@@ -51,7 +51,7 @@ def _run(operation: str, src: str, dst: str | None, in_place: bool, force: bool,
         res = write(out, bar)
     if as_json:
         hint = hint_for(res.dst, state_dict=renamed_state_dict(res), to=to, maps=maps)
-        emit_json(operation, {"operation": res.operation, **write_payload(res), **hint_payload(hint)})
+        emit_json(operation, {"operation": res.operation, **write_payload(res, res), **hint_payload(hint)})
         return
     report_rename(res)
     unit = "tensors" if res.format_in == "safetensors" else "storages"

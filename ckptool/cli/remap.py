@@ -69,13 +69,14 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
         res = remap(src, out, to=to, mapping=mapping_of(maps), in_place=in_place, unwrap=unwrap_keys,
                     strip_dataparallel=strip_dataparallel, strip_prefixes=strip_prefixes, add_prefix=add_prefix,
                     key=key, allow_missing=allow_missing, allow_nested=allow_nested, progress=bar)
-    state_dict = renamed_state_dict(res) if isinstance(res, RenameResult) else None
+    rename = res if isinstance(res, RenameResult) else None
+    state_dict = renamed_state_dict(rename) if rename is not None else None
     if as_json:
-        emit_json("remap", {**write_payload(res), **hint_payload(hint_for(res.dst, state_dict=state_dict, to=to,
-                                                                          maps=maps))})
+        emit_json("remap", {**write_payload(res, rename), **hint_payload(hint_for(res.dst, state_dict=state_dict,
+                                                                                  to=to, maps=maps))})
         return
-    if isinstance(res, RenameResult):
-        report_rename(res)
+    if rename is not None:
+        report_rename(rename)
     changes = (", ".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
                or "none (tags already match)")
     report_write(res.dst, res.bytes_written, f"{res.storages} storages; re-tagged: {changes}")
