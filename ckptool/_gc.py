@@ -30,3 +30,13 @@ def gc_paused(fn: F) -> F:
                 gc.enable()
 
     return wrapper  # type: ignore[return-value]
+
+
+def skip_final_collection() -> None:
+    """Move every object still alive to the collector's permanent generation (``gc.freeze``), for a process that
+    is about to exit: the interpreter's shutdown otherwise runs full collections that walk them all (the zip
+    directory of a 50,000-member checkpoint, kept for reuse, and the modules), to free nothing that outlives the
+    process. Measured on ``ckptool inspect --json`` of a 50,000-tensor file, 25 interleaved runs: median 0.641 s
+    -> 0.573 s (mean -39 ms). ``atexit`` handlers and context managers still run; only cyclic garbage made before
+    the call is left to the operating system."""
+    gc.freeze()

@@ -29,6 +29,7 @@ from typing import IO, Any, NamedTuple
 
 import click
 
+from ckptool._gc import skip_final_collection
 from ckptool.cli._errors import describe_error
 from ckptool.cli._flags import common_options, is_quiet, muted_stdout, output_of
 from ckptool.errors import EXIT_BUG, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE
@@ -292,3 +293,5 @@ def main() -> None:
     except Exception as e:
         traceback.print_exc()
         sys.exit(describe_error(e)[1])
+    finally:  # the command has finished (click exits through SystemExit): leave what is alive to the exit
+        skip_final_collection()
