@@ -427,3 +427,44 @@ def test_torchscript_detection(tmp_path: Path, names: list[str], kind: str) -> N
     p = tmp_path / "z.pt"
     p.write_bytes(_zip([(n, b"x") for n in names]))
     assert detect_format(str(p)) == kind
+
+
+# ------------------------------------------------------------------------------------------- records made lazily
+def test_zip_records_are_made_on_first_use_and_match_the_directory(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch zip's Records are made from its directory on first use of Checkpoint.records (inspect needs none:
+    25 ms for 50,000 members); record(name) before that gives an equal Record without making them; the list
+    made is kept (rewriters fill in offsets), and replace(ck, _records=...) gives a copy with other records."""
+    import dataclasses
+
+    import torch
+
+    from ckptool.ops.inspect import inspect
+
+    torch.save({f"w{i}": torch.full((3,), float(i)) for i in range(5)}, tmp_path / "m.pt")
+    ck = read_checkpoint(str(tmp_path / "m.pt"))
+    assert ck._records is None
+    early = {n: ck.record(n) for n in ("data.pkl", "data/3", "version", "nope")}
+    assert ck._records is None and early["nope"] is None
+    with zipfile.ZipFile(tmp_path / "m.pt") as z:
+        infos = z.infolist()
+    recs = ck.records
+    assert ck.records is recs and ck._members is None
+    assert [(r.name, r.size, r.crc) for r in recs] == [(i.filename.split("/", 1)[1], i.file_size, i.CRC)
+                                                        for i in infos]
+    assert all(early[n] == ck.record(n) for n in early if early[n] is not None)
+    with open(tmp_path / "m.pt", "rb") as f:
+        torchfile.resolve_zip_offsets(ck, f)
+    assert all(r.offset > 0 for r in ck.records)
+    copy = dataclasses.replace(ck, _records=recs[:2])
+    assert [r.name for r in copy.records] == [r.name for r in recs[:2]] and len(ck.records) == len(recs)
+    made: list[str] = []
+    real = torchfile.Record
+
+    def counting(name: str, *args: Any) -> torchfile.Record:
+        made.append(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(torchfile, "Record", counting)
+    info = inspect(tmp_path / "m.pt")
+    assert len(info.tensors) == 5 and made == ["data.pkl"]  # the one record inspect looks at

@@ -108,7 +108,7 @@ def _write_zip(ck: Checkpoint, dst: str, sd: Any, used: set[str], location_fn: L
     keep = {"data/" + k for k in used}
     records = [r for r in ck.records if not r.name.startswith("data/") or r.name in keep]
     storages = {k: v for k, v in ck.storages.items() if k in used}
-    res = rewrite_file(replace(ck, records=records, storages=storages), dst, sd, location_fn, progress=progress)
+    res = rewrite_file(replace(ck, _records=records, storages=storages), dst, sd, location_fn, progress=progress)
     return res.storages, res.bytes_written
 
 

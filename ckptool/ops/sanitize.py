@@ -375,7 +375,7 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
     if s.left and (not drop_unknown or root is _DROP):
         raise _refusal(src, s.left)
     keep = {"data/" + k for k in s.used}
-    kept = replace(ck, protocol=2, records=[r for r in ck.records if not r.name.startswith("data/") or r.name in keep],
+    kept = replace(ck, protocol=2, _records=[r for r in ck.records if not r.name.startswith("data/") or r.name in keep],
                    storages={k: v for k, v in ck.storages.items() if k in s.used})
     written = rewrite_file(kept, out, root, location_fn, s.new_records, progress)
     res = SanitizeResult(src, out, fmt, s.converted, s.left, storages=len(kept.storages) + len(s.new_records),
