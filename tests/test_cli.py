@@ -126,8 +126,9 @@ def test_running_a_command_imports_only_its_own_module(real_dir: Path) -> None:
 
 @pytest.mark.torchfree
 def test_a_read_only_command_loads_no_writer(real_dir: Path) -> None:
-    """Start-up pays for what the command runs: inspect and scan load neither the renaming and rewriting code nor
-    the output machinery (ckptool.cli._common needs the rename result type for annotations only)."""
+    """Start-up pays for what the command runs: inspect --json and scan of a safe file load neither the renaming
+    and rewriting code nor the output machinery (ckptool.cli._common needs the rename result type for annotations
+    only), nor tabulate (no table to print) nor importlib.metadata (SARIF names ckptool.__version__)."""
     code = (
         "import sys, ckptool.cli\n"
         "from click.testing import CliRunner\n"
@@ -135,7 +136,8 @@ def test_a_read_only_command_loads_no_writer(real_dir: Path) -> None:
         "    r = CliRunner().invoke(ckptool.cli.cli, cmd)\n"
         "    assert r.exit_code == 0, r.output\n"
         "loaded = [m for m in ('ckptool.ops.rename', 'ckptool.ops.rewrite', 'ckptool.ops.remap', 'ckptool._fileio',\n"
-        "                      'ckptool.formats.torchzip', 'ckptool.formats.pickler') if m in sys.modules]\n"
+        "                      'ckptool.formats.torchzip', 'ckptool.formats.pickler', 'tabulate',\n"
+        "                      'importlib.metadata') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
     r = _run(code, str(real_dir / "lpips-v0.1-alex.pth"))
@@ -325,3 +327,12 @@ def test_the_entry_point_leaves_the_heap_to_the_exit(real_dir: Path) -> None:
     r = _run(code, str(real_dir / "lpips-v0.1-alex.pth"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip().endswith("frozen True"), r.stdout[-200:]
+
+
+def test_the_package_version_is_the_distribution_version() -> None:
+    """``ckptool.__version__`` (what ``scan --format sarif`` reports) is the installed distribution's version."""
+    import importlib.metadata
+
+    import ckptool
+
+    assert ckptool.__version__ == importlib.metadata.version("ckptool")
