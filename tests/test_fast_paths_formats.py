@@ -4,6 +4,7 @@ the storage-record check; and hostile or odd inputs still take the general path 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import pickle
@@ -32,6 +33,7 @@ from ckptool.formats.strided import _first_misfit, _fits, check_tensor_views, te
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.formats.unpickler import RestrictedUnpickler, load_structure
 from ckptool.formats.zipdir import read_directory
+from ckptool.ops.inspect import inspect
 
 pytestmark = pytest.mark.torchfree  # needs no torch
 
@@ -435,25 +437,19 @@ def test_zip_records_are_made_on_first_use_and_match_the_directory(tmp_path: Pat
     """A torch zip's Records are made from its directory on first use of Checkpoint.records (inspect needs none:
     25 ms for 50,000 members); record(name) before that gives an equal Record without making them; the list
     made is kept (rewriters fill in offsets), and replace(ck, _records=...) gives a copy with other records."""
-    import dataclasses
-
-    import torch
-
-    from ckptool.ops.inspect import inspect
-
-    torch.save({f"w{i}": torch.full((3,), float(i)) for i in range(5)}, tmp_path / "m.pt")
-    ck = read_checkpoint(str(tmp_path / "m.pt"))
+    path = _storage_zip(tmp_path, [str(i) for i in range(5)])
+    ck = read_checkpoint(str(path))
     assert ck._records is None
     early = {n: ck.record(n) for n in ("data.pkl", "data/3", "version", "nope")}
     assert ck._records is None and early["nope"] is None
-    with zipfile.ZipFile(tmp_path / "m.pt") as z:
+    with zipfile.ZipFile(path) as z:
         infos = z.infolist()
     recs = ck.records
     assert ck.records is recs and ck._members is None
     assert [(r.name, r.size, r.crc) for r in recs] == [(i.filename.split("/", 1)[1], i.file_size, i.CRC)
                                                         for i in infos]
     assert all(early[n] == ck.record(n) for n in early if early[n] is not None)
-    with open(tmp_path / "m.pt", "rb") as f:
+    with open(path, "rb") as f:
         torchfile.resolve_zip_offsets(ck, f)
     assert all(r.offset > 0 for r in ck.records)
     copy = dataclasses.replace(ck, _records=recs[:2])
@@ -466,5 +462,5 @@ def test_zip_records_are_made_on_first_use_and_match_the_directory(tmp_path: Pat
         return real(name, *args)
 
     monkeypatch.setattr(torchfile, "Record", counting)
-    info = inspect(tmp_path / "m.pt")
+    info = inspect(path)
     assert len(info.tensors) == 5 and made == ["data.pkl"]  # the one record inspect looks at
