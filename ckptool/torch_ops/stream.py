@@ -200,19 +200,24 @@ class FileSpans:
             self._events = [None, None]
         return self._staging
 
+    def _file_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int] | None:
+        """``(fd, file offset, bytes)`` of ``src`` when ``dst`` can take them as they are (same dtype and shape,
+        a plain tensor on the CPU or a CUDA device) and :meth:`locate` finds them, else None."""
+        if dst.dtype != src.dtype or tuple(dst.shape) != tuple(src.shape) or not _plain(dst):
+            return None
+        if dst.device.type not in ("cpu", "cuda"):
+            return None
+        where = self.locate(src)
+        return None if where is None else (*where, src.numel() * src.element_size())
+
     def read_into(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Copy ``src``'s bytes from the file into ``dst`` (same dtype and shape, contiguous, on the CPU or a
         CUDA device) without touching ``src``'s mapped pages. Returns False, copying nothing, when that cannot be
         done (then ``dst.copy_(src)`` is the way)."""
-        if dst.dtype != src.dtype or tuple(dst.shape) != tuple(src.shape) or not _plain(dst):
+        span = self._file_bytes(dst, src) if dst.is_contiguous() else None
+        if span is None:
             return False
-        if not dst.is_contiguous() or dst.device.type not in ("cpu", "cuda"):
-            return False
-        where = self.locate(src)
-        if where is None:
-            return False
-        fd, offset = where
-        n = dst.numel() * dst.element_size()
+        fd, offset, n = span
         if dst.device.type == "cpu":
             _pread_into(fd, dst.data_ptr(), n, offset)
             return True
@@ -252,15 +257,10 @@ class FileSpans:
         :data:`CHUNK` at a time; None when ``src``'s bytes cannot be located (compare the tensors instead)."""
         import torch
 
-        if dst.dtype != src.dtype or tuple(dst.shape) != tuple(src.shape) or not _plain(dst):
+        span = self._file_bytes(dst, src)
+        if span is None:
             return None
-        if dst.device.type not in ("cpu", "cuda"):
-            return None
-        where = self.locate(src)
-        if where is None:
-            return None
-        fd, offset = where
-        n = src.numel() * src.element_size()
+        fd, offset, n = span
         flat = dst.detach().contiguous().reshape(-1).view(torch.uint8)
         buf = torch.empty(min(CHUNK, n), dtype=torch.uint8)
         for pos in range(0, n, buf.numel()):
