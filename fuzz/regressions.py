@@ -16,7 +16,8 @@ from pathlib import Path
 from types import ModuleType
 
 
-def _safetensors(tensors: dict[str, int]) -> bytes:
+def safetensors_bytes(tensors: dict[str, int]) -> bytes:
+    """A safetensors file of zero float32 vectors ``name -> length`` (also the fuzzers' sharded-set shards)."""
     header = {}
     pos = 0
     for name, n in tensors.items():
@@ -46,7 +47,7 @@ class Case:
             fuzz_readers.check_file(str(path))
             return
         if self.kind == "index":
-            (folder / "model-00001-of-00001.safetensors").write_bytes(_safetensors({"a": 2}))
+            (folder / "model-00001-of-00001.safetensors").write_bytes(safetensors_bytes({"a": 2}))
             path = folder / "model.safetensors.index.json"
             path.write_bytes(self.data)
         else:

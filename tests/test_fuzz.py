@@ -162,18 +162,6 @@ def test_fuzz_safetensors_headers(entries: dict[str, Any], meta: Any, pad: bytes
 
 
 # ------------------------------------------------------------------------------------------------ sharded indexes
-def _safetensors(tensors: dict[str, int]) -> bytes:
-    """A safetensors file of float32 vectors ``name -> length``."""
-    header: dict[str, Any] = {}
-    pos = 0
-    for name, n in tensors.items():
-        header[name] = {"dtype": "F32", "shape": [n], "data_offsets": [pos, pos + 4 * n]}
-        pos += 4 * n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw + bytes(pos)
-
-
 _SHARDS = {"model-00001-of-00002.safetensors": {"a": 2, "b": 3}, "model-00002-of-00002.safetensors": {"c": 1}}
 _shard_name = st.sampled_from([*_SHARDS, "", ".", "..", "../x", "/etc/passwd", "nope.safetensors", "a\x00b"])
 
@@ -190,7 +178,7 @@ def test_fuzz_sharded_index(weight_map: dict[str, Any], meta: Any, rng_seed: int
     if not folder.exists():
         folder.mkdir()
         for name, tensors in _SHARDS.items():
-            (folder / name).write_bytes(_safetensors(tensors))
+            (folder / name).write_bytes(regressions.safetensors_bytes(tensors))
     raw = json.dumps({"metadata": meta, "weight_map": weight_map}).encode()
     if rounds:
         raw = fuzz_readers.mutate(raw, random.Random(rng_seed), rounds=rounds)
