@@ -214,8 +214,8 @@ class FileSpans:
         """Copy ``src``'s bytes from the file into ``dst`` (same dtype and shape, contiguous, on the CPU or a
         CUDA device) without touching ``src``'s mapped pages. Returns False, copying nothing, when that cannot be
         done (then ``dst.copy_(src)`` is the way)."""
-        span = self._file_bytes(dst, src) if dst.is_contiguous() else None
-        if span is None:
+        span = self._file_bytes(dst, src)  # checks dst is plain first (a sparse tensor has no is_contiguous)
+        if span is None or not dst.is_contiguous():
             return False
         fd, offset, n = span
         if dst.device.type == "cpu":
