@@ -156,6 +156,10 @@ class Sources:
         base = torch.randn(20)
         self.views = {"a": base, "b": base[2:5], "c": base.view(4, 5)}
         torch.save(self.views, folder / "views.pt")
+        import ckptool
+
+        for name in ("tied", "views"):  # safetensors inputs of the prefix commands: ties recorded in __metadata__
+            ckptool.convert(folder / f"{name}.pt", folder / f"{name}.safetensors")
         self._n = 0
 
     def __getitem__(self, name: str) -> str:
@@ -215,6 +219,13 @@ def _cases(src: Sources, out: Path) -> list[tuple[list[str], dict[str, torch.Ten
         (["add-prefix", src["plain.pt"], "net.", "-o", f"{out}/p4.pt"], _renamed(plain, lambda k: f"net.{k}"), {}),
         (["add-prefix", src["train.pt"], "net.", "--key", "model_state_dict", "-o", f"{out}/p5.pt"],
          _renamed(tied, lambda k: f"net.{k}"), {}),
+        # safetensors outputs of the prefix commands: the tied names recorded in __metadata__ are renamed too
+        (["add-prefix", src["tied.safetensors"], "net.", "-o", f"{out}/p6.safetensors"],
+         _renamed(tied, lambda k: f"net.{k}"), {}),
+        (["strip-prefix", src["tied.safetensors"], "0.", "-o", f"{out}/p7.safetensors"],
+         _renamed(tied, lambda k: k.removeprefix("0.")), {}),
+        (["add-prefix", src["views.safetensors"], "m.", "-o", f"{out}/p8.safetensors"],
+         _renamed(src.views, lambda k: f"m.{k}"), {}),
         # a DCP folder: loads in place into the state_dict it is given
         (["convert", src["plain.pt"], "-o", f"{out}/dcp/", "--format", "dcp"], plain, {}),
         # outputs written to a URL: the line opens them through fsspec
