@@ -26,6 +26,8 @@ import pytest
 import torch
 from torch import nn
 
+from ckptool.ops.hints import load_hint
+
 REPO = Path(__file__).resolve().parent.parent
 
 #: ``build(ref)``: an ``nn.Module`` whose state_dict has the keys, shapes and dtypes of the state_dict ``ref``, tied
@@ -266,12 +268,16 @@ def test_hint_shapes(src: Sources, run_cli: Any, tmp_path: Path) -> None:
     """The line names the file written and the call that keeps tied weights (what issue 27 reported)."""
     r = run_cli("convert", src["plain.pt"], "-o", f"{tmp_path}/one/", "--max-shard-size", "2GB")
     assert hint_line(r.output) == f"safetensors.torch.load_file('{tmp_path}/one/model.safetensors')"
+    hint = load_hint(f"{tmp_path}/one/")  # the library call on the folder names the file too
+    assert hint.code == f"safetensors.torch.load_file('{tmp_path}/one/model.safetensors')"
+    assert hint.imports == ["import safetensors.torch"]
     r = run_cli("convert", src["tied.pt"], "-o", tmp_path / "t.safetensors")
     assert hint_line(r.output) == f"safetensors.torch.load_model(model, '{tmp_path / 't.safetensors'}')"
     assert "tied weights are stored once (2.weight is 0.weight)" in r.output
     r = run_cli("convert", src["views.pt"], "-o", tmp_path / "v.safetensors")
     assert hint_line(r.output).startswith("ckptool.load_into(model, ")
     assert "2 tensor(s) are views of another tensor that safetensors cannot hold (b, c)" in r.output
+    assert load_hint(tmp_path / "v.safetensors").imports == ["import ckptool"]
 
 
 def test_the_runner_catches_lines_that_do_not_load(src: Sources, run_cli: Any, tmp_path: Path) -> None:
