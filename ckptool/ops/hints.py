@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from ckptool import _source as source
 from ckptool.formats import detect as formats
-from ckptool.formats.safetensors import SHARED_KEY, decode_shared, read_header
+from ckptool.formats.safetensors import read_header, recorded_names
 from ckptool.formats.sharded import read_index, set_kind
 from ckptool.model.devices import map_location_for
 from ckptool.ops.inspect import CheckpointInfo, inspect
@@ -130,9 +130,7 @@ def _dropped(files: list[str]) -> tuple[dict[str, str], list[str]]:
         header = read_header(f)
         aliases = header.aliases()
         exact.update(aliases)
-        raw = (header.metadata or {}).get(SHARED_KEY)
-        for g in decode_shared(raw, f, header.entries) if raw is not None else []:
-            views += [n for n in g.tensors if n not in header.entries and n not in aliases]
+        views += [n for n in recorded_names(header, f) if n not in aliases]
     return exact, views
 
 
