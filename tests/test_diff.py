@@ -249,3 +249,95 @@ def test_diff_does_not_import_torch(files: dict[str, Path], tmp_path: Path) -> N
     r = subprocess.run([sys.executable, "-c", code, str(files["a"]), str(st), str(files["ft"])],
                        capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------------------------------------ not stored (issue 27)
+def _gpu_file(tmp_path: Path, tag: str = "cuda:0") -> Path:
+    """A state_dict saved as on a GPU (every storage tagged ``tag``) with one transposed (non-contiguous) tensor."""
+    sd = {**_model_sd(), "t": torch.arange(24, dtype=torch.float32).reshape(4, 6).t()}
+    cpu, gpu = tmp_path / "cpu.pth", tmp_path / f"{tag.replace(':', '')}.pth"
+    torch.save(sd, cpu)
+    ckptool.remap(cpu, gpu, to=tag)
+    return gpu
+
+
+def test_conversion_to_safetensors_is_identical_what_it_cannot_store_is_listed(tmp_path: Path, run_cli: Any) -> None:
+    gpu = _gpu_file(tmp_path)
+    st = tmp_path / "m.safetensors"
+    ckptool.convert(gpu, st)
+    res = diff(gpu, st)
+    assert res.identical and res.values_equal == 5
+    assert {t.key: t.not_stored for t in res.tensors} == {
+        **{k: ["device cuda:0 not stored in B"] for k in _model_sd()},
+        "t": ["device cuda:0 not stored in B", "stride [1, 6] not stored in B"]}
+    assert all(not t.changes for t in res.tensors)
+    strict = diff(gpu, st, strict=True)
+    assert not strict.identical
+    assert [t.not_stored for t in diff(st, gpu).tensors][-1] == ["device cuda:0 not stored in A",
+                                                                  "stride [1, 6] not stored in A"]
+    r = run_cli("diff", gpu, st)
+    assert r.exit_code == 0, r.output
+    assert "5 tensors: device cuda:0 in A, not stored in B (safetensors): not counted as a difference" in r.output
+    assert "1 tensor: non-contiguous stride [1, 6] in A, not stored in B (safetensors)" in r.output
+    assert "tensor " not in r.output  # no per-tensor rows: everything was folded
+    r = run_cli("diff", gpu, st, "--strict")
+    assert r.exit_code == 1 and "counted (--strict)" in r.output
+    doc = json.loads(run_cli("diff", gpu, st, "--json").output)
+    assert doc["identical"] and not doc["strict"]
+    assert doc["tensors"][0]["not_stored"] == ["device cuda:0 not stored in B"]
+
+
+def test_cpu_and_contiguous_are_what_a_format_without_them_implies(files: dict[str, Path], tmp_path: Path) -> None:
+    st = tmp_path / "a.safetensors"
+    ckptool.convert(files["a"], st)
+    res = diff(files["a"], st, strict=True)
+    assert res.identical and not res.tensors
+
+
+def test_device_change_between_torch_files_still_differs_and_is_folded(tmp_path: Path, run_cli: Any) -> None:
+    gpu = _gpu_file(tmp_path, "cuda:1")
+    cpu = tmp_path / "cpu.pth"
+    res = diff(gpu, cpu)
+    assert not res.identical and all(t.changes[0] == "device cuda:1 -> cpu" and not t.not_stored
+                                     for t in res.tensors)
+    r = run_cli("diff", gpu, cpu)
+    assert r.exit_code == 1
+    assert r.output.count("device cuda:1 -> cpu") == 1 and "5 tensors: device cuda:1 -> cpu" in r.output
+    assert "tensor " not in r.output
+    r = run_cli("diff", gpu, cpu, "--verbose")
+    assert r.exit_code == 1 and r.output.count("device cuda:1 -> cpu") == 5 and "0.weight" in r.output
+
+
+def test_folded_rows_keep_the_tensors_whose_values_differ(tmp_path: Path, run_cli: Any) -> None:
+    sd = _model_sd()
+    a, b, b_gpu = tmp_path / "a.pth", tmp_path / "b.pth", tmp_path / "b_gpu.pth"
+    torch.save(sd, a)
+    torch.save({**sd, "2.bias": sd["2.bias"] + 1}, b)
+    ckptool.remap(b, b_gpu, to="cuda:0")
+    r = run_cli("diff", a, b_gpu)
+    assert r.exit_code == 1 and "4 tensors: device cpu -> cuda:0" in r.output
+    row = next(ln for ln in r.output.splitlines() if ln.startswith("2.bias"))
+    assert "differ" in row and "device" not in row
+
+
+def test_a_view_stride_safetensors_records_is_compared(tmp_path: Path) -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    a, st, c = tmp_path / "a.pth", tmp_path / "a.safetensors", tmp_path / "c.pth"
+    torch.save({"w": base, "t": base.t()}, a)
+    ckptool.convert(a, st)  # t is stored as a view of w: its stride is recorded
+    assert diff(a, st, strict=True).identical
+    torch.save({"w": base, "t": base.t().contiguous()}, c)
+    res = diff(st, c)
+    assert [(t.key, t.changes) for t in res.tensors] == [("t", ["stride [1, 6] -> [4, 1]"])]
+    assert not res.identical
+
+
+def test_dcp_folder_does_not_store_devices(tmp_path: Path) -> None:
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    gpu = _gpu_file(tmp_path)
+    folder = tmp_path / "dcp"
+    with pytest.warns(UserWarning):
+        dcp.save(_model_sd(), checkpoint_id=str(folder))
+    res = diff(gpu, folder)
+    assert res.only_a == ["t"] and all(t.not_stored == ["device cuda:0 not stored in B"] for t in res.tensors)
+    assert not diff(gpu, folder, strict=True).identical

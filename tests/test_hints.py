@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_load_hints import MATCHING_MODEL
 
 from ckptool.ops.hints import load_hint
 
@@ -27,10 +28,11 @@ REPO = Path(__file__).resolve().parent.parent
 #: ``model`` whose load_state_dict keeps its argument), and every tensor compared with ``ref`` (a Python expression
 #: over ``src``, the source loaded with map_location='cpu', weights_only=False; default: ``src`` indexed as the hint
 #: indexes the output). Prints the list of failures as JSON.
-_RUNNER = r'''
+_RUNNER = MATCHING_MODEL + r'''
 import json, re, sys
 import torch, safetensors.torch
 import safetensors
+import ckptool
 sys.path.insert(0, sys.argv[1])
 
 def flat(o):
@@ -59,12 +61,14 @@ class Model:
 failures = []
 for c in json.load(sys.stdin):
     try:
-        model = Model()
-        got = eval(c["code"], {"torch": torch, "safetensors": safetensors, "model": model})
-        wrapped = c["code"].startswith("model.load_state_dict(")
-        if wrapped:
-            got = model.sd
         src = torch.load(c["src"], map_location="cpu", weights_only=False)
+        # tied weights and views in safetensors load into a real module (test_load_hints.MATCHING_MODEL's build)
+        real = re.match(r"(ckptool\.load_into|safetensors\.torch\.load_model)\(model, ", c["code"])
+        model = build(eval(c.get("ref") or "src", {"src": src})) if real else Model()
+        got = eval(c["code"], {"torch": torch, "safetensors": safetensors, "model": model, "ckptool": ckptool})
+        wrapped = c["code"].startswith("model.load_state_dict(")
+        if wrapped or real:
+            got = model.state_dict() if real else model.sd
         ref_expr = c.get("ref")
         if ref_expr is None:
             m = re.search(r"\)((?:\[[^\]]+\])*)\)$", c["code"]) if wrapped else None
@@ -88,7 +92,8 @@ print(json.dumps(failures))
 
 def run_loads(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Evaluate every case's ``code`` in ONE subprocess without a visible GPU; returns the failures."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", _RUNNER, str(REPO / "fixtures")], input=json.dumps(cases),
                           capture_output=True, text=True, env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr

@@ -177,8 +177,9 @@ def retagged_list(retagged: dict[tuple[str, str], int]) -> list[dict[str, Any]]:
 
 
 def hint_payload(hint: LoadHint) -> dict[str, Any]:
-    """A load hint as the JSON field ``{"load_hint": {"code": "torch.load(...)", "notes": [...]}}``."""
-    return {"load_hint": {"code": hint.code, "notes": list(hint.notes)}}
+    """A load hint as the JSON field ``{"load_hint": {"code": "torch.load(...)", "notes": [...], "imports":
+    ["import torch"]}}`` (``imports``: the statements to run before ``code``)."""
+    return {"load_hint": {"code": hint.code, "notes": list(hint.notes), "imports": list(hint.imports)}}
 
 
 def write_payload(res: WriteResult, rename: RenameResult | None = None) -> dict[str, Any]:

@@ -178,7 +178,7 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
                       unwrap=unwrap_keys, strip_prefixes=strip_prefixes, max_shard_size=max_shard_size, dtype=dtype,
                       verify=not no_verify, trust=trust, progress=bar.update_to, tag=tag,
                       exclude_frozen=exclude_frozen)
-    written = res.files[-1] if res.shards > 1 and res.files else res.dst  # a sharded set: its index
+    written = res.load_path  # a sharded set: its index; one shard in a folder: that file
     if as_json:
         emit_json("convert", {**dataclasses.asdict(res), **hint_payload(hint_for(written, to=to, maps=maps))})
         return

@@ -242,3 +242,43 @@ def decode_shared(raw: str, path: str, entries: dict[str, dict[str, Any]]) -> li
         if not any(name in entries for name in grp.tensors):
             raise bad("a group without a stored tensor")
     return groups
+
+
+def recorded_names(header: SafetensorsHeader, path: str) -> list[str]:
+    """The tensor names the header of the file at ``path`` records without storing them: the aliases of
+    :meth:`SafetensorsHeader.aliases` and the other members of its :data:`SHARED_KEY` groups, in record order.
+
+    Raises:
+        CorruptCheckpointError: an inconsistent :data:`SHARED_KEY` record (:func:`decode_shared`).
+    """
+    names = dict.fromkeys(header.aliases())
+    raw = (header.metadata or {}).get(SHARED_KEY)
+    for g in decode_shared(raw, path, header.entries) if raw is not None else []:
+        names.update((n, None) for n in g.tensors if n not in header.entries)
+    return list(names)
+
+
+def rename_metadata(header: SafetensorsHeader, path: str, mapping: Mapping[str, str]) -> dict[str, Any] | None:
+    """``header``'s ``__metadata__`` with every tensor name it records renamed by ``mapping`` (old -> new; names
+    it lacks are kept): the aliases ``{alias: kept name}`` and the members of the :data:`SHARED_KEY` groups. Other
+    items are kept as they are. None when the header has no metadata.
+
+    Raises:
+        CorruptCheckpointError: an inconsistent :data:`SHARED_KEY` record (:func:`decode_shared`).
+    """
+    if header.metadata is None:
+        return None
+    aliases = header.aliases()
+    out: dict[str, Any] = {}
+    for k, v in header.metadata.items():
+        if k == SHARED_KEY:
+            groups = decode_shared(v, path, header.entries)
+            for g in groups:
+                g.tensors = {mapping.get(n, n): view for n, view in g.tensors.items()}
+            out[k] = encode_shared(groups)
+        elif k in aliases:
+            out[mapping.get(k, k)] = mapping.get(v, v)
+        else:
+            out[k] = v
+    return out
+

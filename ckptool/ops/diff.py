@@ -52,7 +52,10 @@ EQUAL, CLOSE, DIFFER, NOT_COMPARED = "equal", "close", "differ", "not compared"
 @dataclass
 class TensorDiff:
     """A tensor present in both checkpoints that differs: ``key`` in A (``key_b`` in B), ``changes`` in shape,
-    dtype, saved device or stride (``"dtype float32 -> float16"``), ``values`` one of ``equal`` (bit-exact),
+    dtype, saved device or stride (``"dtype float32 -> float16"``), ``not_stored`` the properties one side holds
+    that the other side's format cannot store (``"device cuda:0 not stored in B"`` for a safetensors B,
+    ``"stride [1, 6] not stored in B"``: safetensors stores every tensor contiguous; counted as differences only
+    with ``strict``), ``values`` one of ``equal`` (bit-exact),
     ``close`` (within the tolerances), ``differ`` or ``not compared`` (``note`` says why). ``max_abs`` /
     ``max_rel`` are the greatest absolute / relative differences (``|b - a| / |a|``) and ``mismatched`` the number
     of elements that differ (bit-exact mode) or are not close (tolerance mode), out of ``numel``; None where they
@@ -67,6 +70,7 @@ class TensorDiff:
     mismatched: int | None = None
     numel: int = 0
     note: str = ""
+    not_stored: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -89,7 +93,8 @@ class DiffResult:
     matched tensors that differ, and in tolerance mode those close but not bit-identical (:class:`TensorDiff`),
     ``values`` the plain values that differ, ``shared`` the
     differences in storage sharing (tied weights, views). ``compared`` counts matched tensors, ``values_equal``
-    those whose values are equal or close. ``mode`` is ``exact``, ``tolerance`` or ``keys-only``.
+    those whose values are equal or close. ``mode`` is ``exact``, ``tolerance`` or ``keys-only``. ``strict``:
+    the properties a side's format cannot store (:attr:`TensorDiff.not_stored`) count as differences.
     """
 
     a: str
@@ -110,14 +115,15 @@ class DiffResult:
     plain_values: int = 0
     not_compared: int = 0
     notes: list[str] = field(default_factory=list)
+    strict: bool = False
 
     @property
     def identical(self) -> bool:
         """True when nothing differs: same keys (no prefix difference), layouts, sharing and values (values within
         the tolerances count as equal; values not compared, counted in ``not_compared``, do not count as a
-        difference)."""
+        difference; nor do properties a format cannot store, :attr:`TensorDiff.not_stored`, unless ``strict``)."""
         return not (self.prefix or self.only_a or self.only_b or self.values or self.shared
-                    or any(t.changes or t.values == DIFFER for t in self.tensors))
+                    or any(t.changes or t.values == DIFFER or (self.strict and t.not_stored) for t in self.tensors))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict with ``"schema": "ckptool.diff/1"``; non-finite numbers and values that are not
@@ -129,7 +135,8 @@ class DiffResult:
 
         return {
             "schema": SCHEMA, "a": self.a, "b": self.b, "format_a": self.format_a, "format_b": self.format_b,
-            "identical": self.identical, "mode": self.mode, "rtol": self.rtol, "atol": self.atol,
+            "identical": self.identical, "mode": self.mode, "strict": self.strict, "rtol": self.rtol,
+            "atol": self.atol,
             "prefix": self.prefix, "only_a": self.only_a, "only_b": self.only_b,
             "tensors": [{**t.__dict__, "max_abs": plain(t.max_abs), "max_rel": plain(t.max_rel)} for t in self.tensors],
             "values": [{"key": v.key, "key_b": v.key_b, "a": plain(v.a), "b": plain(v.b)} for v in self.values],
@@ -141,8 +148,9 @@ class DiffResult:
 # ------------------------------------------------------------------------------------------------ reading a side
 @dataclass(eq=False)
 class _Tensor:
-    """One tensor of a side. ``dtype``, ``shape``, ``stride`` (None: the format records none), ``device`` (None:
-    none recorded) as the file declares them; ``group`` identifies its storage (tensors sharing one share it). Its
+    """One tensor of a side. ``dtype``, ``shape``, ``stride`` (None: the format records none, so the tensor is
+    contiguous), ``device`` (None: the format records none, so the tensor opens on the CPU) as the file declares
+    them; ``group`` identifies its storage (tensors sharing one share it). Its
     elements are read from ``path``: the view ``(offset, shape, read_stride)`` of the storage whose element 0 is at
     byte ``base``, holding ``limit`` elements; ``path`` None when the data cannot be read (``unread`` says why)."""
 
@@ -222,21 +230,37 @@ def _torch_side(path: str, fmt: str) -> _Side:
 
 
 def _source_side(src: Source) -> _Side:
-    """A safetensors file or sharded set read by ``convert``'s readers: no strides (stored contiguous, except the
-    views ckptool's sharing record gives back) and no plain values."""
+    """A safetensors file, a ``.pt2`` archive or a sharded set read by ``convert``'s readers, without plain
+    values. What each tensor's file can store (:func:`_stores`) decides which of its properties are recorded: a
+    torch shard has location tags and strides; safetensors has neither (every tensor is stored contiguous, except
+    the views ckptool's sharing record gives back), a ``.pt2`` archive strides only."""
     tensors: dict[str, _Tensor] = {}
+    kinds: dict[str, str] = {}
     for t in src.tensors:
-        tensors[t.name] = _source_tensor(t)
+        path = t.storage.path
+        if path not in kinds:
+            kinds[path] = formats.detect_format(path)
+        tensors[t.name] = _source_tensor(t, kinds[path])
     side = _Side(src.path, src.format, tensors, {})
     side.notes += src.notes
     return side
 
 
-def _source_tensor(t: Tensor) -> _Tensor:
+def _stores(fmt: str) -> tuple[bool, bool]:
+    """``(location tags, strides)``: which of the two the files of format ``fmt`` record (torch.save files both,
+    ``.pt2`` archives strides, safetensors neither)."""
+    torch_file = fmt in (formats.TORCH_ZIP, formats.TORCH_LEGACY)
+    return torch_file, torch_file or fmt == formats.PT2
+
+
+def _source_tensor(t: Tensor, fmt: str) -> _Tensor:
     st = t.storage
     es = element_size(t.dtype)
-    out = _Tensor(t.dtype, t.shape, t.stride, st.location, st, st.path, st.offset, t.offset, t.stride,
-                  st.nbytes // es)
+    has_location, has_stride = _stores(fmt)
+    # safetensors: a contiguous layout is the format's own; only the views of a sharing record carry a stride
+    stride = t.stride if has_stride or t.stride != contiguous_stride(t.shape) else None
+    out = _Tensor(t.dtype, t.shape, stride, st.location if has_location else None, st, st.path, st.offset, t.offset,
+                  t.stride, st.nbytes // es)
     if st.pieces is None:
         return out
     lo, hi = t.span
@@ -374,18 +398,31 @@ def _match(keys_a: list[str], keys_b: list[str]) -> tuple[dict[str, str], str | 
     return pairs, f"A has {has[0][1]} and B has {has[1][1]} on {where}; keys matched without them"
 
 
-def _layout_changes(ta: _Tensor, tb: _Tensor) -> list[str]:
-    out = []
+def _layout_changes(ta: _Tensor, tb: _Tensor) -> tuple[list[str], list[str]]:
+    """``(changes, not_stored)`` between two matched tensors (see :class:`TensorDiff`). A property that one side's
+    format does not record (None) takes that format's implied value, the CPU and a contiguous layout: a side
+    that records the same is no difference, one that records another is ``not stored`` in the first side."""
+    out: list[str] = []
+    lost: list[str] = []
     if ta.shape != tb.shape:
         out.append(f"shape {list(ta.shape)} -> {list(tb.shape)}")
     if ta.dtype != tb.dtype:
         out.append(f"dtype {ta.dtype} -> {tb.dtype}")
-    if ta.device is not None and tb.device is not None and ta.device != tb.device:
-        out.append(f"device {ta.device} -> {tb.device}")
-    if (ta.stride is not None and tb.stride is not None and ta.shape == tb.shape and ta.stride != tb.stride
-            and numel(ta.shape) > 1):
-        out.append(f"stride {list(ta.stride)} -> {list(tb.stride)}")
-    return out
+    if ta.device is not None and tb.device is not None:
+        if ta.device != tb.device:
+            out.append(f"device {ta.device} -> {tb.device}")
+    elif ta.device not in (None, "cpu") or tb.device not in (None, "cpu"):
+        lost.append(f"device {ta.device or tb.device} not stored in {'B' if tb.device is None else 'A'}")
+    if ta.shape != tb.shape or numel(ta.shape) <= 1:
+        return out, lost
+    if ta.stride is not None and tb.stride is not None:
+        if ta.stride != tb.stride:
+            out.append(f"stride {list(ta.stride)} -> {list(tb.stride)}")
+    else:
+        kept = ta.stride if ta.stride is not None else tb.stride
+        if kept is not None and kept != contiguous_stride(ta.shape):
+            lost.append(f"stride {list(kept)} not stored in {'B' if tb.stride is None else 'A'}")
+    return out, lost
 
 
 def _sharing(pairs: dict[str, str], a: _Side, b: _Side) -> list[str]:
@@ -424,13 +461,16 @@ def _same_value(x: object, y: object) -> bool:
 # ------------------------------------------------------------------------------------------------ the operation
 @gc_paused
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | None = None,
-         atol: float | None = None, keys_only: bool = False) -> DiffResult:
+         atol: float | None = None, keys_only: bool = False, strict: bool = False) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` (any formats ckptool reads: torch zip, legacy, safetensors, sharded sets
     given by their ``*.index.json`` or folder, DCP folders) without torch and without loading either whole.
 
     Keys are matched after wrapper-prefix reconciliation (``module.``, ``_orig_mod.``..., reported once in
     ``prefix``); keys on one side only, and shape, dtype, saved device (location tag) and stride changes of the
-    matched tensors are reported, as are differences in which tensors share a storage (tied weights, views) and
+    matched tensors are reported. A property that one side's format cannot store (safetensors records no device
+    and no stride, a DCP folder neither) is no change: it is listed in :attr:`TensorDiff.not_stored` when the
+    other side's value is not the one that format implies (the CPU, contiguous), and counts as a difference only
+    with ``strict``. Also reported are differences in which tensors share a storage (tied weights, views) and
     in plain values (epoch, hyper-parameters; torch files only). Values are compared tensor by tensor, streamed
     in chunks of :data:`CHUNK_BYTES`: bit-exact by default (with numpy installed, a tensor that differs also gets
     its greatest absolute and relative differences and the count of differing elements); with ``rtol`` / ``atol``
@@ -460,7 +500,8 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | 
     side_a, side_b = _read_side(os.fspath(a)), _read_side(os.fspath(b))
     mode = "keys-only" if keys_only else "tolerance" if tolerance else "exact"
     res = DiffResult(side_a.path, side_b.path, side_a.format, side_b.format, mode,
-                     rtol=(rtol or 0.0) if tolerance else None, atol=(atol or 0.0) if tolerance else None)
+                     rtol=(rtol or 0.0) if tolerance else None, atol=(atol or 0.0) if tolerance else None,
+                     strict=strict)
     res.notes += side_a.notes + side_b.notes
     pairs, res.prefix = _match(list(side_a.tensors), list(side_b.tensors))
     matched_a = set(pairs.values())
@@ -477,7 +518,8 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | 
         position = {k: i for i, k in enumerate(side_a.tensors)}
         for kb, ka in sorted(pairs.items(), key=lambda p: position[p[1]]):
             ta, tb = side_a.tensors[ka], side_b.tensors[kb]
-            d = TensorDiff(ka, kb, _layout_changes(ta, tb), numel=numel(ta.shape))
+            changes, lost = _layout_changes(ta, tb)
+            d = TensorDiff(ka, kb, changes, numel=numel(ta.shape), not_stored=lost)
             res.compared += 1
             if keys_only:
                 d.values = NOT_COMPARED
@@ -488,7 +530,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | 
                 _compare_values(ta, tb, files, rtol, atol, d)
             if d.values in (EQUAL, CLOSE):
                 res.values_equal += 1
-            if d.changes or d.values in (DIFFER, CLOSE):
+            if d.changes or d.not_stored or d.values in (DIFFER, CLOSE):
                 res.tensors.append(d)
     finally:
         files.close()

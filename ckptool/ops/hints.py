@@ -6,7 +6,11 @@ through :func:`ckptool.ops.inspect.inspect`; tensor bytes are never read, nothin
 the one Python expression that opens it with plain torch on a machine without a GPU:
 
 * format: a torch zip file -> ``torch.load``; safetensors -> ``safetensors.torch.load_file``; a sharded set -> the
-  shards listed in its index, merged into one dict.
+  shards listed in its index, merged into one dict; a folder of shards -> its index, or its single file when
+  everything fitted one shard (never the folder: ``load_file('out/')`` fails); a URL -> the file ``fsspec`` opens.
+* tied weights in safetensors (stored once, the alias recorded in ``__metadata__``) -> the model is needed:
+  ``safetensors.torch.load_model(model, path)``, or for shards the merged dict with each alias given its kept
+  tensor; other views recorded by ckptool (``ckptool.shared``) -> ``ckptool.load_into(model, path)``.
 * location tags: every storage ``cpu`` -> no ``map_location``; any other tag -> ``map_location='cpu'``
   (:func:`ckptool.model.devices.map_location_for`), and a note when those tags were not chosen with ``--to`` /
   ``--map`` (with the exact mapping that puts them on one GPU).
@@ -27,7 +31,8 @@ from dataclasses import dataclass, field
 
 from ckptool import _source as source
 from ckptool.formats import detect as formats
-from ckptool.formats.sharded import read_index
+from ckptool.formats.safetensors import read_header, recorded_names
+from ckptool.formats.sharded import read_index, set_kind
 from ckptool.model.devices import map_location_for
 from ckptool.ops.inspect import CheckpointInfo, inspect
 
@@ -39,13 +44,16 @@ _NO_DEVICE_TAGS = frozenset({"cpu", "meta"})  # tags that open on any machine wi
 
 @dataclass
 class LoadHint:
-    """How to open a written file: ``code`` is one Python expression (``torch`` and ``safetensors.torch``
-    imported; ``model`` the user's ``nn.Module`` when it starts with ``model.load_state_dict``) that loads it with
-    plain torch on a machine without a GPU; ``notes`` are the lines to print before it (devices kept, globals
-    that ``weights_only=True`` refuses)."""
+    """How to open a written file: ``code`` is one Python expression that loads it with plain torch on a machine
+    without a GPU, once the statements ``imports`` have run (``import torch``, ``import safetensors.torch``,
+    ``import fsspec`` for a URL, ``import ckptool`` where only ckptool rebuilds views) and, where the code names
+    them, ``model`` is the user's ``nn.Module`` (``state_dict`` for a DCP folder: its state_dict to fill);
+    ``notes`` are the lines to print before it (devices kept, globals that ``weights_only=True`` refuses, tied
+    weights)."""
 
     code: str
     notes: list[str] = field(default_factory=list)
+    imports: list[str] = field(default_factory=lambda: ["import torch"])
 
 
 def _index(path: str) -> str:
@@ -92,14 +100,90 @@ def _unsafe_note(path: str, unsafe: list[str]) -> str:
             "it with weights_only=False (below) only if you trust its source, since that runs the file's code")
 
 
-def _sharded(path: str, info: CheckpointInfo) -> str:
+def _resolve(path: str) -> str:
+    """The file that opens the output at ``path``: a local folder that is not a DCP checkpoint is the set it holds
+    (its ``*.index.json``, or the single ``model.safetensors`` / ``pytorch_model.bin`` of a one-shard set,
+    :func:`ckptool.formats.sharded.set_kind`); anything else is itself."""
+    if source.is_url(path) or not os.path.isdir(path):
+        return path
+    kind, found = set_kind(path)
+    return path if kind == "dcp" else found
+
+
+def _shard_files(path: str) -> list[str]:
+    """The shard files the index at ``path`` lists, in name order, spelled from ``path`` as given (a relative index
+    path gives relative shard paths)."""
     index = read_index(path)
-    files = [index.shard_path(s) for s in index.shards]
-    if info.format == "sharded-safetensors":
-        one = "safetensors.torch.load_file(f)"
-    else:
-        one = _torch_load("f", set(info.storage_bytes), bool(info.unsafe_globals))
-    return f"{{k: v for f in {files!r} for k, v in {one}.items()}}"
+    if source.is_url(path):
+        return [index.shard_path(s) for s in sorted(index.shards)]
+    return [os.path.join(os.path.dirname(path), s) for s in sorted(index.shards)]
+
+
+def _dropped(files: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The tensors the safetensors ``files`` hold only as records in ``__metadata__`` (:mod:`ckptool.formats.
+    safetensors`): ``(exact, views)``, ``exact`` alias -> kept name for a tensor that *is* a stored one (a tied
+    weight: ``safetensors.torch.save_model``'s convention), ``views`` the names of the other members of a
+    :data:`~ckptool.formats.safetensors.SHARED_KEY` group (a slice, a transpose), which only ckptool rebuilds."""
+    exact: dict[str, str] = {}
+    views: list[str] = []
+    for f in files:
+        header = read_header(f)
+        aliases = header.aliases()
+        exact.update(aliases)
+        views += [n for n in recorded_names(header, f) if n not in aliases]
+    return exact, views
+
+
+def _names(names: list[str]) -> str:
+    more = f" and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
+    return ", ".join(names[:_LISTED]) + more
+
+
+def _safetensors(path: str, sharded: bool, state_dict: str | None) -> tuple[str, list[str], list[str]]:
+    """``(code, imports, notes)`` for the safetensors file or sharded safetensors index at ``path``.
+
+    * views only ckptool rebuilds (:func:`_dropped`) -> ``ckptool.load_into(model, path)``, which restores them;
+    * tied weights, one local file -> ``safetensors.torch.load_model(model, path)`` (it ties them from the model
+      side; ``load_file`` leaves the alias out, and a strict ``load_state_dict`` then misses it);
+    * tied weights in shards or at a URL -> the merged dict with every alias given its kept tensor, into
+      ``model.load_state_dict``;
+    * else ``safetensors.torch.load_file`` (a URL: ``safetensors.torch.load`` of the bytes that ``fsspec`` reads;
+      shards: one dict merged from the index's files), into ``model.load_state_dict`` when ``state_dict`` is
+      not None.
+    """
+    url = source.is_url(path)
+    files = _shard_files(path) if sharded else [path]
+    exact, views = _dropped(files)
+    if views:
+        note = (f"{len(views)} tensor(s) are views of another tensor that safetensors cannot hold ({_names(views)}): "
+                "ckptool recorded their layout in __metadata__ and ckptool.load_into rebuilds them; "
+                "safetensors.torch.load_file returns the stored tensors only")
+        return f"ckptool.load_into(model, {path!r})", ["import ckptool"], [note]
+    imports = ["import fsspec", "import safetensors.torch"] if url else ["import safetensors.torch"]
+
+    def one(f: str) -> str:
+        return f"safetensors.torch.load(fsspec.open({f}, 'rb').open().read())" if url else \
+            f"safetensors.torch.load_file({f})"
+
+    loaded = f"{{k: v for f in {files!r} for k, v in {one('f')}.items()}}" if sharded else one(repr(path))
+    notes = []
+    if exact:
+        pairs = [f"{a} is {k}" for a, k in exact.items()]
+        if not sharded and not url:
+            notes.append(f"tied weights are stored once ({_names(pairs)}): safetensors.torch.load_model ties them "
+                         "from the model's side; safetensors.torch.load_file leaves them out")
+            return f"safetensors.torch.load_model(model, {path!r})", imports, notes
+        notes.append(f"tied weights are stored once ({_names(pairs)}): the line below gives each its kept tensor")
+        items = ", ".join(f"{a!r}: sd[{k!r}]" for a, k in exact.items())
+        return f"model.load_state_dict({{**(sd := {loaded}), {items}}})", imports, notes
+    code = loaded if state_dict is None else f"model.load_state_dict({loaded})"
+    return code, imports, notes
+
+
+def _sharded_torch(path: str, info: CheckpointInfo) -> str:
+    """One dict merged from the torch shards the index at ``path`` lists."""
+    one = _torch_load("f", set(info.storage_bytes), bool(info.unsafe_globals))
+    return f"{{k: v for f in {_shard_files(path)!r} for k, v in {one}.items()}}"
 
 
 def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
@@ -107,37 +191,44 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
     """The :class:`LoadHint` of the file (or sharded set, or DCP folder) at ``path``, read from the file itself.
 
     Args:
-        path: the output just written: a torch zip file, a safetensors file, an ``*.index.json`` or a DCP folder.
+        path: the output just written: a torch zip file, a safetensors file, an ``*.index.json``, a folder of
+            shards (its index, or its single file) or a DCP folder; a URL for a file uploaded there.
         state_dict: dotted path of the state_dict to load into a model (``""`` the top level,
             ``"state_dict"`` inside a Lightning checkpoint); the code is then
             ``model.load_state_dict(<load>[...])``. None: the code returns the loaded object (a pickled module
-            loads as itself).
+            loads as itself). Tied weights and views in safetensors need the model whatever ``state_dict`` is.
         chosen: the location tags the user asked for (:func:`ckptool.model.devices.chosen_tags`); other non-cpu
             tags in the file get a note saying they were kept.
 
-    Raises what :func:`ckptool.ops.inspect.inspect` raises for an unreadable file.
+    Raises what :func:`ckptool.ops.inspect.inspect` raises for an unreadable file, and UsageError for a folder
+    that holds no checkpoint set.
     """
-    path = os.fspath(path)
+    path = _resolve(os.fspath(path))
     info = inspect(path)
     notes: list[str] = []
     if info.format == "dcp":
-        return LoadHint(f"torch.distributed.checkpoint.load(state_dict, checkpoint_id={path!r})",
-                        ["fill state_dict (a dict of tensors of the right shapes) first; DCP loads in place"])
+        note = ("fill state_dict (a dict of tensors of the right shapes, such as model.state_dict()) first; DCP "
+                "loads in place")
+        return LoadHint(f"torch.distributed.checkpoint.load(state_dict, checkpoint_id={path!r})", [note],
+                        ["import torch.distributed.checkpoint"])
+    if info.format in (formats.SAFETENSORS, "sharded-safetensors"):
+        code, imports, notes = _safetensors(path, info.format != formats.SAFETENSORS, state_dict)
+        return LoadHint(code, notes, imports)
     unsafe = info.unsafe_globals
     tags = set(info.storage_bytes)
     if unsafe:
         notes.append(_unsafe_note(path, unsafe))
-    # a URL: torch and safetensors open files, not URLs; fsspec (imported as fsspec) gives the file
-    opened = f"fsspec.open({path!r}, 'rb').open()" if source.is_url(path) else repr(path)
-    if info.format == formats.SAFETENSORS:
-        code = (f"safetensors.torch.load({opened}.read())" if source.is_url(path)
-                else f"safetensors.torch.load_file({path!r})")
-    elif info.format.startswith("sharded-"):
-        notes += _device_notes(path, tags, frozenset(chosen))
-        code = _sharded(path, info)
+    notes += _device_notes(path, tags, frozenset(chosen))
+    imports = ["import torch"]
+    if info.format.startswith("sharded-"):
+        code = _sharded_torch(path, info)
     else:
-        notes += _device_notes(path, tags, frozenset(chosen))
+        # a URL: torch opens files, not URLs; fsspec gives the file
+        opened = repr(path)
+        if source.is_url(path):
+            opened = f"fsspec.open({path!r}, 'rb').open()"
+            imports.insert(0, "import fsspec")
         code = _torch_load(opened, tags, bool(unsafe)) + _index(state_dict or "")
     if state_dict is not None:
         code = f"model.load_state_dict({code})"
-    return LoadHint(code, notes)
+    return LoadHint(code, notes, imports)

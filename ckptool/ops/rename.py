@@ -36,7 +36,7 @@ from ckptool._fileio import atomic_output, clone_block, copy_range, file_mode, s
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.nodes import PickledObject
-from ckptool.formats.safetensors import encode_header, read_header
+from ckptool.formats.safetensors import encode_header, read_header, recorded_names, rename_metadata
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model.graph import (
     StateDictRef,
@@ -311,20 +311,21 @@ def _rewrite_safetensors(src: str, out: str, plan: RenamePlan, *, key: str | Non
     if key:
         raise UsageError(f"{src} is safetensors: it holds one flat mapping of tensors, so --key does not apply")
     header = read_header(src)
-    keys = list(header.entries)
+    keys = list(header.entries) + recorded_names(header, src)  # tied names stored once are keys too
     mappings, summary = plan_keys([("", keys, False)], plan, allow_missing=allow_missing, where=src)
-    entries = {mappings[0][k]: header.entries[k] for k in keys}
+    entries = {mappings[0][k]: e for k, e in header.entries.items()}
+    metadata = rename_metadata(header, src, mappings[0])
     with source.open_binary(src) as f:
         mode = file_mode(src) if same_file(out, src) else None
         with atomic_output(out, mode=mode) as o:
             # on a filesystem with reflinks, start the data where the input's does modulo the block: it is cloned
             block = clone_block(f, o) if header.data_start % 8 == 0 and header.data_size > (1 << 20) else 0
-            o.write(encode_header(entries, header.metadata, data_start=(header.data_start, block) if block else (0, 8)))
+            o.write(encode_header(entries, metadata, data_start=(header.data_start, block) if block else (0, 8)))
             copy_range(f, o, header.data_start, header.data_size, block=block)
             if progress is not None:
                 progress(header.data_size)
             written = o.tell()
-    res = WriteResult(src, out, formats.SAFETENSORS, storages=len(keys), bytes_written=written)
+    res = WriteResult(src, out, formats.SAFETENSORS, storages=len(entries), bytes_written=written)
     return RenameResult.combine(res, summary, operation)
 
 

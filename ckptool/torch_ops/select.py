@@ -97,6 +97,7 @@ def select_state_dict(obj: Any, key: str | None, model_keys: list[str] | None = 
         raise UnsupportedError(f"{path} holds no state_dict (a mapping of names to tensors); found: {top}")
     if found[0][0] == "":
         return "", found[0][1], paths
+    wanted = set(model_keys or ())  # once, not once per candidate
 
     def rank(item: tuple[int, tuple[str, Mapping[str, Any]]]) -> tuple[int, int, int, int]:
         i, (p, sd) = item
@@ -105,7 +106,7 @@ def select_state_dict(obj: Any, key: str | None, model_keys: list[str] | None = 
         matched = 0
         if model_keys is not None:
             keys = list(sd)
-            matched = reconcile(keys, model_keys).matched if prefixes == "auto" else len(set(keys) & set(model_keys))
+            matched = reconcile(keys, model_keys).matched if prefixes == "auto" else len(wanted.intersection(keys))
         return (-matched, name_rank, p.count("."), i)
 
     _, (best_path, best) = min(enumerate(found), key=rank)
@@ -123,8 +124,9 @@ def reconciliation(ckeys: list[str], model_keys: list[str], prefixes: PrefixSpec
     """
     if prefixes == "auto":
         return reconcile(ckeys, model_keys)
+    wanted = set(model_keys)  # built once: a set per key made this quadratic (20,000 keys: 30 s)
     if prefixes is None or prefixes is False or prefixes == "none":
-        return Reconciliation({k: k for k in ckeys}, matched=sum(k in set(model_keys) for k in ckeys))
+        return Reconciliation({k: k for k in ckeys}, matched=sum(k in wanted for k in ckeys))
     plist = [prefixes] if isinstance(prefixes, str) else list(prefixes)
     try:
         plist = [normalize_prefix(p) for p in plist]
@@ -133,4 +135,4 @@ def reconciliation(ckeys: list[str], model_keys: list[str], prefixes: PrefixSpec
     mapping = {k: strip_prefix_key(k, plist) for k in ckeys}
     raise_on_collisions(mapping)
     used = [p for p in plist if any(k.startswith(p) for k in ckeys)]
-    return Reconciliation(mapping, removed=used, matched=sum(v in set(model_keys) for v in mapping.values()))
+    return Reconciliation(mapping, removed=used, matched=sum(v in wanted for v in mapping.values()))

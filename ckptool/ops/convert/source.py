@@ -53,6 +53,14 @@ class ConvertResult:
     verified: bool | None = None
     checked: str = "names, shapes, dtypes and checksums"
 
+    @property
+    def load_path(self) -> str:
+        """The one path that opens the output: the DCP folder, the index of several shards, else the file written
+        (the single file of a shard folder whose tensors fit one shard, not the folder ``dst``)."""
+        if self.format_out == "dcp" or not self.files:
+            return self.dst
+        return self.files[-1]
+
 
 @dataclass(eq=False)
 class Piece:
