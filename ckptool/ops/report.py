@@ -145,23 +145,25 @@ def _diff_rows(res: DiffResult) -> tuple[dict[str, int], list[tuple[str, str, st
     return counts, rows
 
 
-def _module_changes(info: CheckpointInfo, res: DiffResult) -> list[dict[str, Any]]:
-    """Per module of A (two levels deep, blocks not folded): ``||B - A|| / ||A||`` over its tensors."""
-    tree = info.tree(fold=False)
+def _module_changes(info: CheckpointInfo, res: DiffResult, depth: int = 3) -> list[dict[str, Any]]:
+    """Per module of A, ``depth`` levels deep, blocks not folded, in key order: ``||B - A|| / ||A||`` over the
+    tensors below it that were measured (linear in the number of keys)."""
+    sums: dict[str, list[float]] = {}
+    for key, (na, nd) in res.norms.items():
+        parts = key.split(".")[:-1]
+        for i in range(1, min(len(parts), depth) + 1):
+            total = sums.setdefault(".".join(parts[:i]), [0.0, 0.0, 0.0])
+            total[0] += na
+            total[1] += nd
+            total[2] += 1
     out = []
-    for d, node in tree.walk():
-        if node is tree or node.tensor is not None or d > 2:
+    for d, node in info.tree(fold=False).walk():
+        acc = sums.get(node.path) if node.tensor is None and d else None
+        if acc is None:
             continue
-        prefix = node.path + "."
-        sq_a = sq_d = 0.0
-        measured = 0
-        for key, (na, nd) in res.norms.items():
-            if key.startswith(prefix):
-                sq_a, sq_d, measured = sq_a + na, sq_d + nd, measured + 1
-        if not measured:
-            continue
+        sq_a, sq_d, measured = acc
         rel = math.sqrt(sq_d) / math.sqrt(sq_a) if sq_a > 0 else (0.0 if sq_d == 0 else math.inf)
-        out.append({"path": node.path, "depth": d, "rel": rel, "tensors": measured})
+        out.append({"path": node.path, "depth": d, "rel": rel, "tensors": int(measured)})
     return out
 
 
