@@ -164,8 +164,8 @@ def test_report_page_is_self_contained(blocks: Path, tmp_path: Path) -> None:
     cells = [a.get("data-path") for t, a in page.tags if t == "g"]
     assert "layers" in cells and "embed" in cells
     data = json.loads(re.search(r'<script type="application/json" id="data">(.*?)</script>', html, re.S).group(1))
-    layers = next(n for n in data["tree"][6] if n[0] == "layers")
-    assert layers[6][0][0] == f"0-{LAYERS - 1} x{LAYERS}"
+    layers = next(n for n in data["tree"][5] if n[0] == "layers")
+    assert layers[5][0][0] == f"0-{LAYERS - 1} x{LAYERS}" and layers[5][0][6] == "0"
 
 
 def test_existing_output_is_refused(blocks: Path, tmp_path: Path) -> None:

@@ -66,9 +66,16 @@ class ReportResult:
 # ------------------------------------------------------------------------------------------------ the tree
 # ------------------------------------------------------------------------------------------------ page data
 def _compact(node: TreeNode) -> list[Any]:
-    """A node as ``[label, path, params, bytes, dtypes, devices, children | shape]``: short JSON for big trees."""
-    tail: Any = shape_text(node.tensor.shape) if node.tensor is not None else [_compact(c) for c in node.children]
-    return [node.label, node.path, node.params, node.nbytes, node.dtypes, node.devices, tail]
+    """A node as ``[label, params, bytes, dtypes, devices, children | shape]`` plus, for a folded block, the name
+    its path continues with (its first block's): short JSON for big trees. The page rebuilds each FQN from the
+    parents' names; a tensor gives its dtype and device as strings instead of dicts."""
+    if node.tensor is not None:
+        return [node.label, node.params, node.nbytes, node.tensor.dtype, node.tensor.device,
+                shape_text(node.tensor.shape)]
+    out = [node.label, node.params, node.nbytes, node.dtypes, node.devices, [_compact(c) for c in node.children]]
+    if node.repeat > 1:
+        out.append(node.path.rsplit(".", 1)[-1])
+    return out
 
 
 def _main_dtype(node: TreeNode) -> str:
