@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ckptool.ops.inspect import CheckpointInfo, StateDictInfo, TensorInfo, inspect
     from ckptool.ops.remap import remap
     from ckptool.ops.rename import RenameResult, add_prefix, strip_dataparallel, strip_prefix, unwrap
+    from ckptool.ops.report import ReportResult, report
     from ckptool.ops.rewrite import WriteResult
     from ckptool.ops.sanitize import SanitizeResult, sanitize
     from ckptool.ops.scan import ScanResult, scan, scan_file
@@ -83,6 +84,8 @@ _LAZY: dict[str, str] = {
     "ExtractResult": "ckptool.ops.extract",
     "sanitize": "ckptool.ops.sanitize",
     "SanitizeResult": "ckptool.ops.sanitize",
+    "report": "ckptool.ops.report",
+    "ReportResult": "ckptool.ops.report",
 }
 
 
@@ -116,6 +119,7 @@ __all__ = [
     "PrefixNotFoundError",
     "RemoteError",
     "RenameResult",
+    "ReportResult",
     "SanitizeResult",
     "ScanResult",
     "StateDictInfo",
@@ -137,6 +141,7 @@ __all__ = [
     "load_training_state",
     "remap",
     "rename_state_dict",
+    "report",
     "sanitize",
     "save_portable",
     "scan",

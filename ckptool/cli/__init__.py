@@ -46,6 +46,9 @@ class CommandInfo(NamedTuple):
 
 #: every command of ``ckptool``: name -> where it is defined and its summary
 COMMANDS: dict[str, CommandInfo] = {
+    "report": CommandInfo(
+        "ckptool.cli.report", "report_cmd",
+        "Write one self-contained HTML page about checkpoint A, or comparing A with B."),
     "inspect": CommandInfo(
         "ckptool.cli.inspect", "inspect_cmd",
         "Show what checkpoint PATH holds, without running its code or reading tensor data."),

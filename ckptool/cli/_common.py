@@ -25,6 +25,7 @@ from ckptool.cli._flags import progress_wanted as progress_wanted
 from ckptool.cli._flags import set_output as set_output
 from ckptool.errors import CkptError, UsageError
 from ckptool.model.devices import DEVICE_HELP, chosen_tags, parse_mapping
+from ckptool.model.units import human_bytes as human_bytes
 from ckptool.ops.hints import LoadHint, load_hint
 
 if TYPE_CHECKING:
@@ -109,16 +110,6 @@ def report_hint(path: str, *, state_dict: str | None = None, to: str | None = No
     for note in hint.notes:
         click.echo(f"Note: {note}")
     click.echo(f"Load it with: {hint.code}")
-
-
-def human_bytes(n: int) -> str:
-    """A size in bytes in binary units: ``1536`` -> ``1.5 KiB``, ``100`` -> ``100 B``."""
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if x < 1024 or unit == "TiB":
-            return f"{int(x)} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{n} B"
 
 
 def report_write(dst: str, bytes_written: int, detail: str) -> None:

@@ -11,10 +11,14 @@ import click
 from ckptool._gc import gc_paused
 from ckptool.cli._common import human_bytes
 from ckptool.model.allowlist import DANGEROUS
+from ckptool.model.tree import tree_lines
+from ckptool.model.units import human_count
 from ckptool.ops.inspect import SCHEMA, CheckpointInfo, inspect
 from ckptool.ops.inspect_values import ALL_VALUES, ValueInfo
 from ckptool.ops.scan import PickleFinding, ScanResult
 
+#: the schema of ``inspect --tree --json``
+TREE_SCHEMA = "ckptool.inspect-tree/1"
 _PATH_PART = 48  # characters of one dotted key component shown in the tables (the JSON keeps them whole)
 
 
@@ -29,7 +33,13 @@ _PATH_PART = 48  # characters of one dotted key component shown in the tables (t
                    "summarised).")
 @click.option("--limit", default=30, show_default=True, type=click.IntRange(min=1),
               help="Tensor rows to show before summarising.")
-def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int) -> None:
+@click.option("--tree", "as_tree", is_flag=True,
+              help="Print the module tree instead of tables: a line per module (repeated blocks folded, "
+                   "layers.0-31 x32) with parameters, bytes, dtypes and devices; with --json, the tree as data "
+                   f"(\"schema\": \"{TREE_SCHEMA}\").")
+@click.option("--depth", type=click.IntRange(min=1), metavar="N",
+              help="With --tree: show N levels (1 = the top-level modules).")
+def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int, as_tree: bool, depth: int | None) -> None:
     """Show what checkpoint PATH holds, without running its code or reading tensor data.
 
     Prints the format (torch-zip, torch-legacy, torchscript, torch-export, safetensors, pickle), the kind
@@ -45,11 +55,28 @@ def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int) -> None:
     PATH may be a URL fsspec reads (s3://, gs://, http(s)://, hf://; pip install 'ckptool[remote]'): only the
     zip directory, the pickle and the headers are fetched, by range requests, and the bytes read are shown.
     """
+    if depth is not None and not as_tree:
+        raise click.UsageError("--depth applies to --tree")
     info = inspect(path, ALL_VALUES) if show_all else inspect(path)
+    if as_tree:
+        _print_tree(info, depth, as_json)
+        return
     if as_json:
         _echo_json(info)
         return
     _print_info(info, limit=None if show_all else limit)
+
+
+def _print_tree(info: CheckpointInfo, depth: int | None, as_json: bool) -> None:
+    tree = info.tree()
+    if as_json:
+        click.echo(json.dumps({"schema": TREE_SCHEMA, "path": info.path, "format": info.format,
+                               "tree": tree.to_dict(max_depth=depth)}))
+        return
+    click.echo(f"{info.path}: {info.format}, {len(info.tensors)} tensors, {human_count(tree.params)} params, "
+               f"{human_bytes(tree.nbytes)}")
+    for line in tree_lines(tree, depth):
+        click.echo(line)
 
 
 def _echo_json(info: CheckpointInfo) -> None:

@@ -32,13 +32,14 @@ from ckptool.formats.strided import gather
 from ckptool.formats.torchfile import read_checkpoint, resolve_zip_offsets
 from ckptool.model.graph import too_deep
 from ckptool.model.keys import reconcile
+from ckptool.model.notebook import facts_table
 from ckptool.model.values import iter_values
 from ckptool.ops.convert.read_pt2 import pt2_source
 from ckptool.ops.convert.read_safetensors import index_source, restore_library_aliases, safetensors_source
 from ckptool.ops.convert.source import Source, Tensor, is_contiguous, span
 from ckptool.ops.convert.write import Files
 from ckptool.ops.inspect import describe, inspect_set
-from ckptool.torch_ops.value_stats import ValueStats, is_numeric, require_numpy
+from ckptool.torch_ops.value_stats import ValueStats, is_numeric, require_numpy, squared_norms
 
 SCHEMA = "ckptool.diff/1"
 #: bytes of each side read at a time when comparing values (a strided view reads its storage's span instead)
@@ -116,6 +117,19 @@ class DiffResult:
     not_compared: int = 0
     notes: list[str] = field(default_factory=list)
     strict: bool = False
+    #: with ``diff(..., norms=True)``: key in A -> (``||A||**2``, ``||B - A||**2``) of each matched numeric tensor
+    #: pair of equal shapes (``ckptool report``'s relative changes per module)
+    norms: dict[str, tuple[float, float]] = field(default_factory=dict, repr=False)
+
+    def _repr_html_(self) -> str:
+        """The outcome in counts, for Jupyter (``ckptool.diff(a, b)`` as a cell's last line)."""
+        changed = sum(1 for t in self.tensors if t.values == DIFFER)
+        facts = [("identical", self.identical), ("mode", self.mode), ("matched tensors", self.compared),
+                 ("values equal", self.values_equal), ("values differ", changed),
+                 ("layout changes", sum(1 for t in self.tensors if t.changes)),
+                 ("only in A", len(self.only_a)), ("only in B", len(self.only_b)),
+                 ("plain values that differ", len(self.values)), ("wrapper prefix", self.prefix or "-")]
+        return facts_table(f"{self.a} vs {self.b}", facts)
 
     @property
     def identical(self) -> bool:
@@ -328,8 +342,9 @@ def _chunks(t: _Tensor, files: Files, per: int) -> Iterator[bytes | bytearray]:
 
 
 def _compare_values(ta: _Tensor, tb: _Tensor, files: Files, rtol: float | None, atol: float | None,
-                    d: TensorDiff) -> None:
-    """Fill ``d.values`` (and the differences) for two tensors of the same shape."""
+                    d: TensorDiff, norms: dict[str, tuple[float, float]] | None = None) -> None:
+    """Fill ``d.values`` (and the differences) for two tensors of the same shape; with ``norms``, also record
+    ``(||A||**2, ||B - A||**2)`` under ``d.key`` (every chunk is then decoded, equal or not)."""
     tolerance = rtol is not None or atol is not None
     if ta.path is None or tb.path is None:
         d.values, d.note = NOT_COMPARED, ta.unread or tb.unread
@@ -346,7 +361,12 @@ def _compare_values(ta: _Tensor, tb: _Tensor, files: Files, rtol: float | None, 
     per = max(1, min(CHUNK_ELEMENTS, CHUNK_BYTES // max(element_size(ta.dtype), element_size(tb.dtype))))
     stats: ValueStats | None = ValueStats() if numeric else None
     same_bytes = ta.dtype == tb.dtype
+    measure = norms is not None and numeric
+    sq_a = sq_d = 0.0
     for ca, cb in zip(_chunks(ta, files, per), _chunks(tb, files, per)):
+        if measure:
+            na, nd = squared_norms(ca, cb, ta.dtype, tb.dtype)
+            sq_a, sq_d = sq_a + na, sq_d + nd
         if ca == cb and same_bytes:
             continue
         same_bytes = False
@@ -362,6 +382,8 @@ def _compare_values(ta: _Tensor, tb: _Tensor, files: Files, rtol: float | None, 
                 raise
             stats = None  # bit-exact mode without numpy: no figures
             break
+    if measure and norms is not None:
+        norms[d.key] = (sq_a, sq_d)
     if same_bytes:
         d.values = EQUAL
         d.max_abs, d.max_rel, d.mismatched = 0.0, 0.0, 0
@@ -461,7 +483,8 @@ def _same_value(x: object, y: object) -> bool:
 # ------------------------------------------------------------------------------------------------ the operation
 @gc_paused
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | None = None,
-         atol: float | None = None, keys_only: bool = False, strict: bool = False) -> DiffResult:
+         atol: float | None = None, keys_only: bool = False, strict: bool = False,
+         norms: bool = False) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` (any formats ckptool reads: torch zip, legacy, safetensors, sharded sets
     given by their ``*.index.json`` or folder, DCP folders) without torch and without loading either whole.
 
@@ -477,7 +500,8 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | 
     (either one; the other is then 0) an element of B is close when ``|b - a| <= atol + rtol * |a|``, as
     ``torch.testing.assert_close(actual=b, expected=a)`` decides, and tensors of different dtypes are compared by
     value. ``keys_only`` skips values. Sources: ``torch.testing.assert_close`` for the tolerances, GNU ``diff`` for
-    the equal / different outcome.
+    the equal / different outcome. ``norms`` (needs numpy) also records, per matched numeric tensor pair of equal
+    shapes, ``||A||**2`` and ``||B - A||**2`` in :attr:`DiffResult.norms` (every element of both is then decoded).
 
     Returns a :class:`DiffResult` (``identical`` is True when nothing differs).
 
@@ -494,7 +518,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | 
     if keys_only and (rtol is not None or atol is not None):
         raise UsageError("--keys-only skips values: it cannot be combined with --rtol / --atol")
     tolerance = rtol is not None or atol is not None
-    if tolerance:
+    if tolerance or norms:
         require_numpy()  # fail before reading anything
 
     side_a, side_b = _read_side(os.fspath(a)), _read_side(os.fspath(b))
@@ -527,7 +551,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | 
             elif ta.shape != tb.shape:
                 d.values, d.note = NOT_COMPARED, "shapes differ"
             else:
-                _compare_values(ta, tb, files, rtol, atol, d)
+                _compare_values(ta, tb, files, rtol, atol, d, res.norms if norms else None)
             if d.values in (EQUAL, CLOSE):
                 res.values_equal += 1
             if d.changes or d.not_stored or d.values in (DIFFER, CLOSE):

@@ -65,6 +65,9 @@ from ckptool.model.graph import (
     too_deep,
 )
 from ckptool.model.keys import has_flat_param_key, shared_prefixes, suggest_command
+from ckptool.model.notebook import facts_table, tree_html
+from ckptool.model.tree import TensorRow, TreeNode, build_tree
+from ckptool.model.units import human_bytes
 from ckptool.ops.dcp_safety import is_dcp_allowed
 from ckptool.ops.deepspeed import describe_deepspeed
 from ckptool.ops.inspect_values import PreviewLimits, ValueInfo, value_infos
@@ -341,6 +344,22 @@ class CheckpointInfo:
     def total_bytes(self) -> int:
         """Bytes of all storages, each counted once (tied weights and views share theirs)."""
         return sum(self.storage_bytes.values())
+
+    def tree(self, *, fold: bool = True) -> TreeNode:
+        """The module tree of :attr:`tensors` by dotted key (:func:`ckptool.model.tree.build_tree`; repeated
+        numbered blocks folded into one node unless ``fold`` is False)."""
+        return build_tree((TensorRow(t.key, tuple(t.shape), t.dtype, t.device, t.nbytes) for t in self.tensors),
+                          fold=fold)
+
+    def _repr_html_(self) -> str:
+        """The summary and the module tree, for Jupyter (``ckptool.inspect(path)`` as a cell's last line)."""
+        facts = [("format", self.format), ("kind", self.kind), ("size", human_bytes(self.size)),
+                 ("tensors", f"{len(self.tensors)} in {self.storages} storages, {human_bytes(self.total_bytes)}"),
+                 ("devices", ", ".join(f"{d} ({n})" for d, n in self.devices.items()) or "-"),
+                 ("wrapper prefixes", "; ".join(f"{sd.path or '(top level)'}: {' '.join(sd.prefixes)}"
+                                                for sd in self.state_dicts if sd.prefixes) or "-"),
+                 ("safety", self.security().get("level") or self.verdict)]
+        return facts_table(self.path, facts) + tree_html(self.tree())
 
 
 def tensor_infos(root: Any, storages: dict[str, StorageRef] | None = None) -> list[TensorInfo]:

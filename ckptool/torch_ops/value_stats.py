@@ -104,3 +104,22 @@ class ValueStats:
                 self.max_rel = math.inf
         self.mismatched += int(bad.sum())
         self.elements += int(va.size)
+
+
+def squared_norms(a: bytes | bytearray, b: bytes | bytearray, dtype_a: str, dtype_b: str) -> tuple[float, float]:
+    """``(sum a**2, sum (b - a)**2)`` over one chunk of elements (in float64; complex: squared magnitudes), for the
+    relative change ``||B - A|| / ||A||`` of ``ckptool report``. Elements that are not finite are left out.
+
+    Raises:
+        UnsupportedError: a dtype that cannot be decoded (float8, quantized...).
+        ModuleNotFoundError: numpy is not installed.
+    """
+    import numpy as np
+
+    va, vb = _decode(a, dtype_a), _decode(b, dtype_b)
+    kind = np.complex128 if np.iscomplexobj(va) or np.iscomplexobj(vb) else np.float64
+    fa, fb = va.astype(kind), vb.astype(kind)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = fb - fa
+        ok = np.isfinite(fa) & np.isfinite(d)
+        return float(np.sum(np.abs(fa[ok]) ** 2)), float(np.sum(np.abs(d[ok]) ** 2))

@@ -1,0 +1,47 @@
+"""``ckptool report``: a checkpoint, or two compared, as one self-contained HTML page (a thin command over
+:func:`ckptool.ops.report.report`)."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from ckptool.cli._common import claim_output, force_option, human_bytes
+from ckptool.ops.report import report
+
+
+def default_output(a: str) -> str:
+    """``model.pth`` -> ``model.report.html`` in the current folder (a URL's or folder's last name is used)."""
+    name = os.path.basename(a.rstrip("/")) or "checkpoint"
+    stem = name.split(".")[0] or name
+    return f"{stem}.report.html"
+
+
+@click.command("report")
+@click.argument("a", type=click.Path(dir_okay=True))
+@click.argument("b", type=click.Path(dir_okay=True), required=False)
+@click.option("-o", "--output", "dst", metavar="OUT", help="The page to write. Default: A's name + .report.html in "
+              "the current folder.")
+@force_option
+def report_cmd(a: str, b: str | None, dst: str | None, force: bool) -> None:
+    """Write one self-contained HTML page about checkpoint A, or comparing A with B.
+
+    The page (CSS and JavaScript inline; it opens from disk in any current browser, with no network) shows the
+    format, kind, size, parameters and bytes by dtype and by saved device, wrapper prefixes with the command that
+    removes them, the safety verdict (the analysis of `ckptool scan`), the non-tensor entries, a collapsible
+    module tree with repeated blocks folded (layers.0-31 x32) and a search box, and a treemap of the bytes by
+    module coloured by dtype. With B: every key as equal, value change, shape or dtype change, or on one side
+    only, and per module the relative change ||B - A|| / ||A|| as bars (every tensor of both is streamed once;
+    needs numpy). Nothing from either file is run, and without B no tensor data is read.
+
+    \b
+    Examples:
+      ckptool report model.pth -o model.html
+      ckptool report base.safetensors finetuned.safetensors -o what-moved.html
+    """
+    out = claim_output(dst or default_output(a), force=force)
+    res = report(a, b, out=out)
+    click.echo(f"Wrote {res.out} ({human_bytes(res.bytes_written)}, {res.tensors} tensors"
+               f"{', compared with ' + b if b else ''}, in {res.seconds:.1f} s)")
+    click.echo(f"Open it in a browser: file://{os.path.abspath(res.out)}")
