@@ -418,10 +418,10 @@ def open_binary(path: str) -> BinaryIO:
         raise RemoteError(f"cannot open {path} ({_short(e)}); check the URL and the network", path) from e
     if getattr(f, "cache", None) is None or not hasattr(f.cache, "fetcher"):  # memory://, file://
         return io.BufferedReader(_Counted(f, path), buffer_size=BLOCK)  # type: ignore[return-value]
-    details = getattr(f, "_details", None)
-    if details and _stamp(details) != stamp:  # the file object asked for the object's info again
+    again = _stamp(getattr(f, "_details", None) or {})
+    if again[1] is not None and again != stamp:  # the file object asked for the object's info once more
         f.close()
-        raise changed_error(path, stamp, _stamp(details))
+        raise changed_error(path, stamp, again)
     f.cache.fetcher = _checked_fetcher(f, fs, p, path, stamp)
     f.name = path
     return f  # type: ignore[no-any-return]

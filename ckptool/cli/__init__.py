@@ -29,8 +29,8 @@ from typing import IO, Any, NamedTuple
 
 import click
 
-from ckptool._source import consistent_reads
 from ckptool._gc import skip_final_collection
+from ckptool._source import consistent_reads
 from ckptool.cli._errors import describe_error
 from ckptool.cli._flags import common_options, is_quiet, muted_stdout, output_of
 from ckptool.errors import EXIT_BUG, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE
