@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import io
 import mmap
 import os
@@ -29,7 +30,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from ckptool.errors import RemoteError, UsageError
 
@@ -42,6 +43,7 @@ CHUNK = 8 << 20
 REMOTE_EXTRA = "pip install 'ckptool[remote]'"
 
 _transferred = [0]
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -196,6 +198,16 @@ def consistent_reads() -> Iterator[None]:
                 with contextlib.suppress(OSError):
                     os.unlink(local)
             _spools.clear()
+
+
+def holding_versions(fn: F) -> F:
+    """``fn`` run inside :func:`consistent_reads` (for library entry points that read URLs more than once)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with consistent_reads():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def recheck(url: str) -> tuple[int | None, str | None]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import re
 import struct
 import zipfile
@@ -24,10 +23,10 @@ import pytest
 fsspec = pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
-from remote_servers import Files, http_server, plain_http_server, s3_server  # noqa: E402, F401  # fixtures
-from remote_servers import url as server_url  # noqa: E402
+from remote_servers import Files, http_server, plain_http_server, s3_server  # noqa: F401  # fixtures
+from remote_servers import url as server_url
 
-from ckptool import _source  # noqa: E402
+from ckptool import _source
 
 pytestmark = pytest.mark.torchfree
 
@@ -103,8 +102,9 @@ def test_server_that_ignores_range_is_read_whole_once(plain_http: Any, served: d
     assert run_cli("convert", src, "-o", ref).exit_code == 0
     assert _records(out.read_bytes()) == _records(ref.read_bytes())
     notes = [line for line in _lines(r.output) if "ignores Range" in line]
-    assert notes == [f"Note: {url}: the server ignores Range requests; downloaded the whole object once "
-                     f"({len(served['w.safetensors'])} bytes) into a temporary file and read it from there"], r.output
+    want = (f"Note: {url}: the server ignores Range requests; downloaded the whole object once "
+            f"({len(served['w.safetensors'])} bytes) into a temporary file and read it from there")
+    assert notes == [want], r.output
     assert re.search(r"^Verified: ", r.output, re.M)
 
 
