@@ -1,7 +1,7 @@
 """Local servers for the remote tests, on 127.0.0.1 only, started and stopped by session fixtures (no torch here).
 
-Import the fixture functions (``s3_server``, ``http_server``, ``plain_http_server``) into a test module to use the
-fixtures ``s3``, ``http`` and ``plain_http``.
+A pytest plugin (``pytest_plugins`` in ``conftest.py``): the fixtures ``s3``, ``http`` and ``plain_http`` exist
+once per session for every test module.
 
 * ``s3``: moto's S3 server (``ThreadedMotoServer``, fake credentials from the environment, s3fs pointed at it
   through ``AWS_ENDPOINT_URL``); yields an s3fs filesystem with the bucket ``ckpt``.

@@ -26,7 +26,7 @@ pytest.importorskip("moto.server")
 pytest.importorskip("aiohttp")
 
 import fsspec
-from remote_servers import MB, Files, http_server, s3_server  # noqa: F401  # fixtures
+from remote_servers import MB, Files
 from remote_servers import url as server_url
 
 import ckptool

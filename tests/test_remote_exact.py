@@ -23,7 +23,7 @@ import pytest
 fsspec = pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
-from remote_servers import Files, http_server, plain_http_server, s3_server  # noqa: F401  # fixtures
+from remote_servers import Files
 from remote_servers import url as server_url
 
 from ckptool import _source
