@@ -146,3 +146,36 @@ def test_without_a_fault_the_same_conversions_verify(tmp_path: Path, run_cli: An
         assert "CRC-32 checksums of the source's zip directory" in evidence
     else:  # safetensors and torch legacy record none: a second read with open()
         assert "a second read of the source file with the operating system's open()" in evidence
+
+
+TORCH_CASES = [  # (what the source holds, output name, extra arguments)
+    ("view", "out.safetensors", []),  # a tensor on part of its storage: its bytes stream, no record CRC-32 to reuse
+    ("view", "out.pt", ["--dtype", "float16"]),  # a cast: the bytes are read into memory and converted
+    ("whole", "out.safetensors", ["--dtype", "bfloat16"]),
+    ("whole", "dcp/", ["--format", "dcp", "--strip-prefix", "m."]),  # through a temporary torch file
+]
+
+
+@pytest.mark.parametrize("mode", ["flip", "shift"])
+@pytest.mark.parametrize(("holds", "out", "extra"), TORCH_CASES, ids=[f"{c[0]}->{c[1]}{c[2][:2]}" for c in TORCH_CASES])
+def test_reader_fault_fails_verification_with_torch(tmp_path: Path, run_cli: Any, monkeypatch: pytest.MonkeyPatch,
+                                                    holds: str, out: str, extra: list[str], mode: str) -> None:
+    torch = pytest.importorskip("torch")
+    base = torch.arange(300_000, dtype=torch.float32)
+    sd = {"m.w": base[1000:200_000] if holds == "view" else base, "m.b": torch.ones(7)}
+    src = tmp_path / "src.pt"
+    torch.save(sd, src)
+    (tmp_path / "o").mkdir()
+    dst = str(tmp_path / "o" / out)
+    r = run_cli("convert", src, "-o", dst, *extra)  # the control, without a fault
+    assert r.exit_code == 0 and "Verified: " in r.output, r.output
+    shutil.rmtree(tmp_path / "o")
+    (tmp_path / "o").mkdir()
+    at = _data_offset(src)
+    at = at if holds == "whole" else at - 400_000  # inside the tensor's part of the storage
+    _inject(monkeypatch, src, at, mode)
+    r = run_cli("convert", src, "-o", dst, *extra)
+    lines = [line for line in r.output.splitlines() if line.startswith(("Error", "Verified"))]
+    assert r.exit_code == 1, r.output
+    assert len(lines) == 1 and lines[0].startswith("Error: verification of "), r.output
+    assert os.listdir(tmp_path / "o") == []
