@@ -429,7 +429,7 @@ def open_binary(path: str) -> BinaryIO:
     except Exception as e:
         raise RemoteError(f"cannot open {path} ({_short(e)}); check the URL and the network", path) from e
     if getattr(f, "cache", None) is None or not hasattr(f.cache, "fetcher"):  # memory://, file://
-        return io.BufferedReader(_Counted(f, path), buffer_size=BLOCK)  # type: ignore[return-value]
+        return io.BufferedReader(_Counted(f, path), buffer_size=BLOCK)
     again = _stamp(getattr(f, "_details", None) or {})
     if again[1] is not None and again != stamp:  # the file object asked for the object's info once more
         f.close()
