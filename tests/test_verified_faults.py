@@ -179,3 +179,33 @@ def test_reader_fault_fails_verification_with_torch(tmp_path: Path, run_cli: Any
     assert r.exit_code == 1, r.output
     assert len(lines) == 1 and lines[0].startswith("Error: verification of "), r.output
     assert os.listdir(tmp_path / "o") == []
+
+
+@pytest.mark.parametrize("mode", ["flip", "shift"])
+def test_reader_fault_in_a_dcp_folder_fails_verification(tmp_path: Path, run_cli: Any,
+                                                         monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """DCP folder -> torch file: ckptool copies each tensor's record bytes out of the ``.distcp`` files with the
+    CRC-32 their embedded zip directories record; ``zipfile`` then checks the output against those."""
+    torch = pytest.importorskip("torch")
+    from ckptool.ops.convert import dcp as dcp_module
+
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.arange(250_000, dtype=torch.float32), "b": torch.ones(3)}, src)
+    assert run_cli("convert", src, "-o", tmp_path / "dcp", "--format", "dcp").exit_code == 0
+    (tmp_path / "o").mkdir()
+    r = run_cli("convert", tmp_path / "dcp", "-o", tmp_path / "o" / "back.pt")  # the control, without a fault
+    assert r.exit_code == 0 and "the CRC-32 the .distcp file's own zip directory records" in r.output, r.output
+    os.unlink(tmp_path / "o" / "back.pt")
+    real_open = open
+
+    def faulty_open(path: Any, mode_: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if str(path).endswith(".distcp") and mode_ == "rb":
+            return io.BufferedReader(Faulty(str(path), os.path.getsize(path) // 2, mode))
+        return real_open(path, mode_, *args, **kwargs)
+
+    monkeypatch.setattr(dcp_module, "open", faulty_open, raising=False)
+    r = run_cli("convert", tmp_path / "dcp", "-o", tmp_path / "o" / "back.pt")
+    lines = [line for line in r.output.splitlines() if line.startswith(("Error", "Verified"))]
+    assert r.exit_code == 1, r.output
+    assert len(lines) == 1 and lines[0].startswith("Error: verification of "), r.output
+    assert os.listdir(tmp_path / "o") == []

@@ -170,13 +170,16 @@ def verify_safetensors(w: Written, path: str) -> None:
             raise verify_fail(path, f"{u.members[0].name!r} and the tensors sharing its storage no longer share one")
 
 
-def records_difference(path: str, records: Mapping[str, int]) -> str | None:
+def records_difference(path: str, records: Mapping[str, int] | None) -> str | None:
     """Read every record of the torch zip file at ``path`` named in ``records`` (``data/0`` -> CRC-32 expected from
-    the source) through ``zipfile``, which checks each record's bytes against its stored CRC-32, and compare that
-    CRC-32 with ``records``. None when all match, else the first difference."""
+    the source; None: every record, each against its own CRC-32) through ``zipfile``, which checks each record's
+    bytes against its stored CRC-32, and compare that CRC-32 with ``records``. None when all match, else the first
+    difference."""
     try:
         with zipfile.ZipFile(path) as z:
             infos = {i.filename.split("/", 1)[-1]: i for i in z.infolist()}
+            if records is None:
+                records = {name: i.CRC for name, i in infos.items()}
             for name, crc in records.items():
                 info = infos.get(name)
                 if info is None or crc != info.CRC:
