@@ -105,7 +105,9 @@ def test_server_that_ignores_range_is_read_whole_once(plain_http: Any, served: d
     want = (f"Note: {url}: the server ignores Range requests; downloaded the whole object once "
             f"({len(served['w.safetensors'])} bytes) into a temporary file and read it from there")
     assert notes == [want], r.output
-    assert re.search(r"^Verified: ", r.output, re.M)
+    verified = re.search(r"^Verified: .*$", r.output, re.M)
+    size = len(served["w.safetensors"])
+    assert verified and f"the object {url} unchanged while it was read (size {size} bytes, ETag" in verified[0]
 
 
 def test_torch_zip_over_a_server_without_range_inspects_and_diffs(plain_http: Any, served: dict[str, bytes],
