@@ -6,11 +6,13 @@ imported only then (``pip install 'ckptool[remote]'`` adds fsspec and s3fs), so 
 ckptool handles no credentials: fsspec's own configuration applies (``AWS_*`` variables and ``~/.aws`` for s3fs,
 ``gcloud`` for gcsfs, ``HF_TOKEN`` for ``hf://``, ``fsspec.config``).
 
-:func:`open_binary` gives a seekable binary reader. Over a URL every read that misses the reader's small buffer
-(:data:`BLOCK`) is one range request (``fs.cat_file(path, start, end)``: an HTTP ``Range`` header, an S3 ranged
-``GET``), so a reader that seeks to the zip end record, the central directory, ``data.pkl`` and the safetensors
-header transfers those bytes and not the tensors; :func:`bytes_transferred` counts what came over the network.
-A network failure while reading is one :class:`~ckptool.errors.RemoteError` naming the URL and the offset.
+:func:`open_binary` gives a seekable binary reader. Over a URL it is fsspec's own file object, whose read-ahead
+cache (:data:`BLOCK`) makes each miss one range request (an HTTP ``Range`` header, an S3 ranged ``GET``), so a
+reader that seeks to the zip end record, the central directory, ``data.pkl`` and the safetensors header transfers
+those bytes and not the tensors; :func:`bytes_transferred` counts what came over the network. Every range read is
+exact or refused, and within :func:`consistent_reads` (each CLI command, ``convert``) every request must find the
+object's first size and ETag / modification time: a network failure, an inexact answer or a changed object is one
+:class:`~ckptool.errors.RemoteError` naming the URL. A server that ignores ``Range`` has the object downloaded once.
 
 Outputs to a URL are written by :func:`ckptool._fileio.atomic_output` into a local temporary file and sent by
 :func:`upload` only once complete; a failed upload is discarded (an S3 multipart upload is aborted), so no partial
@@ -370,8 +372,8 @@ def _checked_fetcher(f: Any, fs: Any, fspath: str, url: str, stamp: tuple[int | 
 
 
 class _Counted(io.RawIOBase):
-    """A raw reader over ``f``, a file of an in-process fsspec filesystem (``memory://``, ``file://``: no range
-    requests, reads are exact), counting what it reads in :func:`bytes_transferred`."""
+    """A raw reader over ``f``, a file of an in-process fsspec filesystem (``memory://``, ``file://``: exact reads,
+    no range requests), counting what it reads in :func:`bytes_transferred`."""
 
     def __init__(self, f: Any, url: str) -> None:
         super().__init__()
