@@ -258,6 +258,11 @@ def _http_file(fs: Any, url: str, info: dict[str, Any]) -> Any:
             r = await self.session.get(self.fs.encode_url(self.url), headers=headers, **kwargs)
             async with r:
                 r.raise_for_status()
+                if r.status == 200 and start == 0 and end == size:  # the whole object asked for, and sent
+                    out_all: bytes = await r.read()
+                    if len(out_all) != size:
+                        raise RangeError(f"the server sent {len(out_all)} bytes for the whole object of {size}")
+                    return out_all
                 if r.status == 200:
                     raise NoRangeSupport(f"the server answered a request for bytes {start}-{end - 1} with the "
                                          "whole object (status 200): it ignores Range")
@@ -265,7 +270,7 @@ def _http_file(fs: Any, url: str, info: dict[str, Any]) -> Any:
                     raise RangeError(f"the server answered a range request with status {r.status}")
                 want = f"bytes {start}-{end - 1}/{size}"
                 got = r.headers.get("Content-Range", "").strip()
-                if got != want:
+                if got not in (want, f"bytes {start}-{end - 1}/*"):
                     raise RangeError(f"the server sent Content-Range {got or 'none'!r} for a request of {want!r}")
                 for k, v in versions.items():
                     if r.headers.get(k, v) != v:
@@ -308,6 +313,9 @@ def _spooled(fs: Any, fspath: str, url: str, stamp: tuple[int | None, str | None
         if stamp[0] is not None and n != stamp[0]:
             raise RemoteError(f"{url}: the server ignores Range requests, and the whole object it sent holds {n} "
                               f"bytes where its size is {stamp[0]}; nothing was written: run it again", url)
+        info = _remote_info(url)  # the object downloaded is the one first seen, still there
+        if info is None or _stamp(info) != stamp:
+            raise changed_error(url, stamp, None if info is None else _stamp(info))
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(local)
