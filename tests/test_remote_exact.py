@@ -204,10 +204,11 @@ def test_every_range_read_is_exact(http: Files, plain_http: Any, served: dict[st
 def test_whole_object_answer_to_a_whole_object_range_needs_no_copy(plain_http: Any, capsys: pytest.CaptureFixture[str]
                                                                   ) -> None:
     """A 200 answer to a range that spans the whole object is that range: a file smaller than one read-ahead block
-    from a server that ignores ``Range`` is read as it is, with no download note."""
+    from a server that ignores ``Range``, read from its start, is read as it is, with no download note."""
     data = _noise(5000, b"small")
     (plain_http.root / "small.bin").write_bytes(data)
     with _source.consistent_reads(), _source.open_binary(server_url(plain_http, "small.bin")) as f:
+        assert f.read(8) == data[:8]  # one request for bytes 0 to the end: the whole object
         f.seek(100)
         assert f.read(50) == data[100:150]
     assert "ignores Range" not in capsys.readouterr().err
