@@ -31,6 +31,9 @@ for _p in (FIXTURES_DIR, TESTS_DIR):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+#: the local servers of the remote tests (fixtures ``s3``, ``http``, ``plain_http``), defined once for the session
+pytest_plugins = ["remote_servers"]
+
 #: a folder for the generated fixtures: a run with torch writes them there, a run without torch reads them from there
 FIXTURES_ENV = "CKPTOOL_FIXTURES_DIR"
 

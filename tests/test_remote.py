@@ -1,7 +1,6 @@
 """Remote checkpoints (issue 15): every path argument may be an fsspec URL.
 
-Two local servers, started and stopped here on 127.0.0.1 only: moto's S3 server (``ThreadedMotoServer``, fake
-credentials from the environment, s3fs pointed at it through ``AWS_ENDPOINT_URL``) and an HTTP server that honours
+Two local servers on 127.0.0.1 only (``remote_servers.py``): moto's S3 server and an HTTP server that honours
 ``Range`` and counts the body bytes it sends (the transfer is measured at the server, not only by ckptool's own
 counter); a path under ``/drop/`` answers large ranges with a few bytes and then closes the connection (a network
 failure mid-stream). ``memory://`` is fsspec's in-process filesystem.
@@ -13,12 +12,8 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,121 +26,20 @@ pytest.importorskip("moto.server")
 pytest.importorskip("aiohttp")
 
 import fsspec
+from remote_servers import MB, Files
+from remote_servers import url as server_url
 
 import ckptool
 
 REAL = Path(__file__).resolve().parent.parent / "fixtures" / "real" / "lpips-v0.1-alex.pth"
-MB = 1 << 20
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# ------------------------------------------------------------------------------------------------ servers
-@pytest.fixture(scope="session")
-def s3() -> Iterator[Any]:
-    """A moto S3 server on a free local port; yields an s3fs filesystem with bucket ``ckpt`` made."""
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        fs.mkdir("ckpt")
-        try:
-            yield fs
-        finally:
-            server.stop()
-            fsspec.filesystem("s3").clear_instance_cache()
-
-
-class _Files(ThreadingHTTPServer):
-    daemon_threads = True
-    root: Path
-    sent: int = 0
-    lock = threading.Lock()
-
-
-class _RangeHandler(BaseHTTPRequestHandler):
-    server: _Files
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def _file(self) -> Path | None:
-        rel = self.path.split("?", 1)[0].lstrip("/")
-        rel = rel.removeprefix("drop/")
-        p = self.server.root / rel
-        return p if p.is_file() else None
-
-    def do_HEAD(self) -> None:
-        p = self._file()
-        if p is None:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Length", str(p.stat().st_size))
-        self.send_header("Accept-Ranges", "bytes")
-        self.end_headers()
-
-    def do_GET(self) -> None:
-        p = self._file()
-        if p is None:
-            self.send_error(404)
-            return
-        size = p.stat().st_size
-        start, end = 0, size - 1
-        m = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-        if m:
-            start = int(m.group(1))
-            end = min(int(m.group(2)) if m.group(2) else size - 1, size - 1)
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
-        else:
-            self.send_response(200)
-        n = end - start + 1
-        self.send_header("Content-Length", str(n))
-        self.send_header("Accept-Ranges", "bytes")
-        self.end_headers()
-        with open(p, "rb") as f:
-            f.seek(start)
-            data = f.read(n)
-        if self.path.startswith("/drop/") and n > MB:  # the connection drops mid-body
-            data = data[:4096]
-            self.close_connection = True
-        with self.server.lock:  # counted before the write: the client may finish reading before this thread runs on
-            self.server.sent += len(data)
-        self.wfile.write(data)
+def _url(server: Files, name: str, drop: bool = False) -> str:
+    return server_url(server, name, "drop" if drop else "")
 
 
 @pytest.fixture(scope="session")
-def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Files]:
-    """An HTTP server honouring ``Range`` that serves the files of its ``root`` folder; ``sent`` counts body bytes."""
-    server = _Files(("127.0.0.1", 0), _RangeHandler)
-    server.root = tmp_path_factory.mktemp("http")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def _url(server: _Files, name: str, drop: bool = False) -> str:
-    return f"http://127.0.0.1:{server.server_address[1]}/{'drop/' if drop else ''}{name}"
-
-
-@pytest.fixture(scope="session")
-def big(http: _Files) -> str:
+def big(http: Files) -> str:
     """A 200 MB torch zip checkpoint (four large tensors and a few small ones) served over HTTP; its file name."""
     sd = {f"layer{i}.weight": torch.zeros(12_500_000) for i in range(4)}
     sd.update({f"layer{i}.bias": torch.arange(10.0) for i in range(4)})
@@ -164,7 +58,7 @@ def _load_url(url: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ inspect / scan
-def test_inspect_200mb_over_http_reads_under_1mb(http: _Files, big: str, run_cli: Any) -> None:
+def test_inspect_200mb_over_http_reads_under_1mb(http: Files, big: str, run_cli: Any) -> None:
     url = _url(http, big)
     before = http.sent
     info = ckptool.inspect(url)
@@ -191,7 +85,7 @@ def test_inspect_s3_reports_bytes_read(s3: Any, run_cli: Any) -> None:
     assert "w" in r.output and "2000000" in r.output
 
 
-def test_scan_url_reads_ranges(http: _Files, big: str, run_cli: Any) -> None:
+def test_scan_url_reads_ranges(http: Files, big: str, run_cli: Any) -> None:
     before = http.sent
     res = ckptool.scan_file(_url(http, big))
     assert res.verdict == "safe" and res.format == "torch-zip"
@@ -274,7 +168,7 @@ def test_memory_urls(run_cli: Any) -> None:
     assert r.exit_code == 0 and "identical" in r.output
 
 
-def test_legacy_file_over_http(http: _Files, run_cli: Any) -> None:
+def test_legacy_file_over_http(http: Files, run_cli: Any) -> None:
     sd = {"w": torch.randn(5, 5)}
     torch.save(sd, http.root / "legacy.pth", _use_new_zipfile_serialization=False)
     info = ckptool.inspect(_url(http, "legacy.pth"))
@@ -282,7 +176,7 @@ def test_legacy_file_over_http(http: _Files, run_cli: Any) -> None:
     assert ckptool.scan_file(_url(http, "legacy.pth")).verdict == "safe"
 
 
-def test_sharded_index_over_http(http: _Files, tmp_path: Path, run_cli: Any) -> None:
+def test_sharded_index_over_http(http: Files, tmp_path: Path, run_cli: Any) -> None:
     from safetensors.torch import save_file
 
     parts = [{"a.weight": torch.randn(4, 4)}, {"b.weight": torch.randn(3)}]
@@ -303,7 +197,7 @@ def test_sharded_index_over_http(http: _Files, tmp_path: Path, run_cli: Any) -> 
     assert ckptool.diff(index, str(out)).identical
 
 
-def test_load_into_from_url(s3: Any, http: _Files) -> None:
+def test_load_into_from_url(s3: Any, http: Files) -> None:
     model = torch.nn.Linear(8, 4)
     want = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
     buf = io.BytesIO()
@@ -320,7 +214,7 @@ def test_load_into_from_url(s3: Any, http: _Files) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ failures
-def test_network_failure_mid_stream_leaves_nothing(s3: Any, http: _Files, big: str, run_cli: Any) -> None:
+def test_network_failure_mid_stream_leaves_nothing(s3: Any, http: Files, big: str, run_cli: Any) -> None:
     url = _url(http, big, drop=True)
     r = run_cli("remap", url, "--to", "cpu", "-o", "s3://ckpt/partial.pth")
     assert r.exit_code == 1

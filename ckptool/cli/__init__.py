@@ -30,6 +30,7 @@ from typing import IO, Any, NamedTuple
 import click
 
 from ckptool._gc import skip_final_collection
+from ckptool._source import consistent_reads
 from ckptool.cli._errors import describe_error
 from ckptool.cli._flags import common_options, is_quiet, muted_stdout, output_of
 from ckptool.errors import EXIT_BUG, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE
@@ -253,7 +254,8 @@ class CkptGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            with consistent_reads():  # one command reads one version of each remote object
+                return super().invoke(ctx)
         except click.UsageError as e:  # the command's own arguments, or an unknown command
             raise _one_line(e) from None
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):

@@ -103,7 +103,7 @@ def report_convert(res: ConvertResult) -> None:
     stored = f"{res.stored} of {res.tensors} tensors stored" if res.stored != res.tensors else f"{res.tensors} tensors"
     report_write(res.dst, res.bytes_written, f"{stored}{shards}")
     if res.verified:
-        echo(f"Verified: the output re-opens with {res.checked} equal to the source")
+        echo(f"Verified: {res.checked}")
     elif res.verified is None:
         echo("Not verified (--no-verify)")
 

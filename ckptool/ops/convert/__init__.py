@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckptool._fileio import same_file
-from ckptool._source import is_url
+from ckptool._source import holding_versions, is_url
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dcp import read_dcp_metadata
@@ -72,6 +72,7 @@ __all__ = ["SHARED_KEY", "ConvertResult", "VerificationError", "convert", "parse
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl")
 
 
+@holding_versions
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -312,17 +313,21 @@ def _to_dcp(src: str, dst: str, *, key: str | None, trust: bool, verify: bool, r
     """
     check_dcp_target(dst)
     res = ConvertResult(src, dst, fmt_in, "dcp")
+    sub: ConvertResult | None = None
     if fmt_in in (formats.TORCH_ZIP, formats.TORCH_LEGACY) and key is None and not renames and cast is None:
         refuse_non_strided_for_dcp(src, fmt_in)
         res.notes.append(WHOLE_NOTE)
         obj, _saved = load_checkpoint(src, "cpu", trust=trust)
     else:
         with scratch_file(dst) as tmp:
-            sub = convert(src, tmp, format="torch", key=key, dtype=cast, verify=False, trust=trust, **renames)
+            sub = convert(src, tmp, format="torch", key=key, dtype=cast, verify=verify, trust=trust, **renames)
             res.key, res.left_out, res.skipped, res.cast, res.renamed = (sub.key, sub.left_out, sub.skipped,
                                                                          sub.cast, sub.renamed)
             obj, _saved = load_checkpoint(tmp, "cpu", trust=trust)
     if not isinstance(obj, dict):
         raise UnsupportedError(f"{src} holds a {type(obj).__name__}, not a dict; DCP saves a state_dict (a dict)")
     write_dcp(obj, dst, verify, res)
+    res.checked = ("the DCP folder, read back with torch's dcp_to_torch_save, holds every tensor, value for value, "
+                   "of what torch.load(weights_only=True) read from "
+                   + ("the source" if sub is None else f"a torch file made from the source, where {sub.checked}"))
     return res

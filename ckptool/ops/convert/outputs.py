@@ -13,7 +13,7 @@ from ckptool.formats.dtypes import DTYPE_SIZES
 from ckptool.formats.sharded import SetLayout, encode_index, output_layout
 from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, union_elements, units
 from ckptool.ops.convert.source import ConvertResult, Source, out_dtype
-from ckptool.ops.convert.verify import torch_verifier, verification_check, verify_safetensors
+from ckptool.ops.convert.verify import torch_verifier, verification_check, verify_safetensors, with_evidence
 from ckptool.ops.convert.write import Files, archive_name, emit, write_safetensors, write_torch
 
 
@@ -67,6 +67,7 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
     state = src.sd_state if len(groups) == 1 else None  # one shard of several carries no _metadata
     weight_map: dict[str, str] = {}
     files = Files()
+    files.evidence.expect_records(t.storage for t in src.tensors)
 
     def write(path: str, final: str, us: list[Unit]) -> None:
         """Write the units ``us`` into ``path``, the bytes of the output file ``final``."""
@@ -75,13 +76,13 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
             meta = dict(src.metadata) if src.metadata else None
             w = emit(path, functools.partial(write_safetensors, plan=us, base_meta=meta, files=files, cast=cast,
                                              progress=tick, res=res, need_crc=verify),
-                     verify_safetensors if verify else None)
+                     with_evidence(files.evidence, verify_safetensors) if verify else None)
             names = [t.name for u in us for t in u.stored]
         else:
             w = emit(path, functools.partial(write_torch, tensors=tensors, files=files, cast=cast,
                                              location=location, archive=archive_name(final), sd_state=state,
                                              rename_key=rename_key, progress=tick),
-                     torch_verifier(cast) if verify else None)
+                     with_evidence(files.evidence, torch_verifier(cast)) if verify else None)
             names = [t.name for t in tensors]
         res.bytes_written += w.nbytes
         weight_map.update((n, os.path.basename(final)) for n in names)
@@ -108,7 +109,8 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
             res.cast[k] = res.cast.get(k, 0) + 1
     if verify:
         res.verified = True
-        res.checked = verification_check(fmt_out, {out_dtype(t.dtype, cast) for t in src.tensors})
+        res.checked = verification_check(fmt_out, {out_dtype(t.dtype, cast) for t in src.tensors},
+                                         files.evidence.summary())
 
 
 def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str, str, list[Unit]], None],

@@ -30,7 +30,8 @@ class ConvertResult:
     that tensor; ``made_contiguous`` lists tensors stored contiguous although their layout was not;
     ``trimmed_bytes`` counts storage bytes that no tensor reached (``torch.save`` of a slice keeps its whole
     storage). ``cast`` counts ``"float32->float16": tensors``. ``renamed`` counts renamed keys. ``verified`` is True
-    after a passing verification (``checked`` says what was compared), None with ``verify=False``. """
+    after a passing verification (``checked``: what was compared with what, the sentence after ``Verified:``),
+    None with ``verify=False``. """
 
     src: str
     dst: str
@@ -51,7 +52,7 @@ class ConvertResult:
     renamed: int = 0
     notes: list[str] = field(default_factory=list)
     verified: bool | None = None
-    checked: str = "names, shapes, dtypes and checksums"
+    checked: str = "the output re-opens with the names, shapes, dtypes and values of the source"
 
     @property
     def load_path(self) -> str:

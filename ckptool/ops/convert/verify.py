@@ -18,12 +18,14 @@ from __future__ import annotations
 import os
 import zipfile
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TypeVar
 
 from ckptool._fileio import copy_range_crc
 from ckptool.errors import CkptError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import ST_NAMES, contiguous_stride, element_size, numel
 from ckptool.formats.safetensors import read_header
+from ckptool.ops.convert.evidence import SourceEvidence
 from ckptool.ops.convert.read_safetensors import safetensors_source
 from ckptool.ops.convert.read_torch import torch_source
 from ckptool.ops.convert.source import Tensor, out_dtype
@@ -37,6 +39,7 @@ from ckptool.torch_ops.convert_verify import (
 )
 
 _CHUNK = 8 << 20
+W = TypeVar("W")
 
 class VerificationError(CkptError):
     """The written output does not read back as the source: a name, shape, dtype, sharing or checksum differs.
@@ -49,20 +52,42 @@ def verify_fail(path: str, what: str) -> VerificationError:
                              "retry; if it fails again, report it with the source file's `ckptool inspect --json`")
 
 
-def verification_check(fmt_out: str, dtypes: Collection[str]) -> str:
+def verification_check(fmt_out: str, dtypes: Collection[str], evidence: str = "") -> str:
     """What :func:`verify_safetensors` (``fmt_out="safetensors"``) or :func:`torch_verifier` (``"torch"``) compare
-    for an output of ``dtypes`` on this installation, and with which reader: the text for
-    ``ConvertResult.checked`` ("the output re-opens with ... equal to the source")."""
+    for an output of ``dtypes`` on this installation, with which reader, and against what evidence about the source
+    (``evidence``: :meth:`ckptool.ops.convert.evidence.SourceEvidence.summary`): the text of
+    ``ConvertResult.checked``, which the CLI prints after ``Verified:``."""
     if fmt_out == "safetensors":
         framework = safetensors_framework(dtypes)
         if framework is None:
-            how = "ckptool's own safetensors reader: torch and NumPy are not installed"
+            how = ("ckptool's own safetensors reader and a CRC-32 of each tensor's bytes (torch and NumPy are not "
+                   "installed)")
         else:
             how = f"safetensors.safe_open with {'NumPy' if framework == 'numpy' else 'torch'}"
-        return f"names, shapes, dtypes and CRC-32 checksums ({how}; then read back by ckptool)"
-    how = ("torch.load(weights_only=True)" if is_installed("torch")
-           else "ckptool's own reader: torch is not installed")
-    return f"names, shapes, dtypes, strides, storage sharing and record CRC-32 checksums ({how}; zipfile)"
+        what = f"the output, re-opened with {how}, holds the names, shapes, dtypes and CRC-32 checksums written"
+    else:
+        how = ("torch.load(weights_only=True)" if is_installed("torch")
+               else "ckptool's own reader (torch is not installed)")
+        what = (f"the output, re-opened with {how} and zipfile, holds the names, shapes, dtypes, strides, storage "
+                "sharing and record CRC-32 checksums written")
+    if evidence:
+        what += f"; the source bytes written match {evidence}"
+    return what
+
+
+def with_evidence(evidence: SourceEvidence, verifier: Callable[[W, str], None]) -> Callable[[W, str], None]:
+    """``verifier`` (a check for :func:`ckptool.ops.convert.write.emit`), followed by :meth:`SourceEvidence.check`
+    of the source ranges the output was made from: the output must read back as written, and what was written must
+    match evidence about the source that did not pass through ckptool's reader.
+
+    The check raises :class:`VerificationError` on any difference."""
+    def check(w: W, path: str) -> None:
+        verifier(w, path)
+        diff = evidence.check()
+        if diff is not None:
+            raise verify_fail(path, diff)
+
+    return check
 
 
 def header_difference(path: str, expect: Sequence[tuple[str, str, tuple[int, ...], int | None]],
@@ -145,13 +170,16 @@ def verify_safetensors(w: Written, path: str) -> None:
             raise verify_fail(path, f"{u.members[0].name!r} and the tensors sharing its storage no longer share one")
 
 
-def records_difference(path: str, records: Mapping[str, int]) -> str | None:
+def records_difference(path: str, records: Mapping[str, int] | None) -> str | None:
     """Read every record of the torch zip file at ``path`` named in ``records`` (``data/0`` -> CRC-32 expected from
-    the source) through ``zipfile``, which checks each record's bytes against its stored CRC-32, and compare that
-    CRC-32 with ``records``. None when all match, else the first difference."""
+    the source; None: every record, each against its own CRC-32) through ``zipfile``, which checks each record's
+    bytes against its stored CRC-32, and compare that CRC-32 with ``records``. None when all match, else the first
+    difference."""
     try:
         with zipfile.ZipFile(path) as z:
             infos = {i.filename.split("/", 1)[-1]: i for i in z.infolist()}
+            if records is None:
+                records = {name: i.CRC for name, i in infos.items()}
             for name, crc in records.items():
                 info = infos.get(name)
                 if info is None or crc != info.CRC:

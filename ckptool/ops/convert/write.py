@@ -29,6 +29,7 @@ from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.model.graph import mapping_items, ordered_dict_node
 from ckptool.model.keys import rename_metadata_items
 from ckptool.model.tensor_nodes import storage_ref, view_node
+from ckptool.ops.convert.evidence import SourceEvidence
 from ckptool.ops.convert.plan import Unit, shared_metadata
 from ckptool.ops.convert.source import ConvertResult, Storage, Tensor, is_contiguous, out_dtype
 from ckptool.torch_ops.cast import StorageCache, tensor_buffer
@@ -47,6 +48,8 @@ class Files:
 
     def __init__(self) -> None:
         self._open: dict[str, BinaryIO] = {}
+        #: every source range read into an output, for verification against independent evidence
+        self.evidence = SourceEvidence()
 
     def get(self, path: str) -> BinaryIO:
         f = self._open.get(path)
@@ -67,6 +70,7 @@ class Files:
         if got != n:
             raise CorruptCheckpointError(f"{path} is truncated: {n} bytes expected at offset {offset}, {got} found; "
                                          "re-download it")
+        self.evidence.saw(path, offset, n, zlib.crc32(buf))
         return buf
 
     def storage(self, st: Storage) -> tuple[BinaryIO, int]:
@@ -148,8 +152,12 @@ def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str]
             if (whole and st.crc is not None) or not need_crc:  # the checksum is known, or not needed
                 copy_range(src, out, base + t.offset * esize, t.numel * esize, behind=behind)
                 crc = st.crc if whole else None
+                if crc is not None:
+                    files.evidence.vouched(st.path)
             else:
                 crc = copy_range_crc(src, out, base + t.offset * esize, t.numel * esize, behind=behind)
+                if st.segments is None:  # (segments are recorded as Files.read reads them)
+                    files.evidence.saw(st.path, base + t.offset * esize, t.numel * esize, crc)
         elif u.dtype == t.dtype and st.pieces is None:  # a strided view, no cast: gather its bytes (no torch)
             lo, hi = t.span
             crc = 0
@@ -234,6 +242,10 @@ def write_torch(out: BinaryIO, tensors: list[Tensor], files: Files, cast: str | 
         name = f"data/{keys[id(st)]}"
         if st.pieces is None and out_dtype(st.dtype, cast) == st.dtype:
             w.copy_record(name, *files.storage(st), st.nbytes, st.crc)
+            if st.crc is not None:  # the record carries the source's CRC-32, which zipfile checks on the output
+                files.evidence.vouched(st.path)
+            elif st.segments is None:
+                files.evidence.saw(st.path, st.offset, st.nbytes, w.entries[-1][1])
         else:
             buf = tensor_buffer(cache.flat(st))
             w.write_bytes(name, buf)  # type: ignore[arg-type]  # any buffer works: len() is its byte count
