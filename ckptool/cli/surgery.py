@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
@@ -13,16 +14,19 @@ from ckptool.cli._common import (
     ZIP_NEEDS_SEEK,
     Progress,
     claim_output,
+    device_options,
     emit_json,
     hint_for,
     hint_payload,
     json_option,
     key_option,
+    mapping_of,
     output_options,
     refuse_stdout,
     renamed_state_dict,
     report_hint,
     report_write,
+    retagged_list,
     source_size,
     write_payload,
 )
@@ -30,6 +34,8 @@ from ckptool.errors import UsageError
 from ckptool.ops.average import AverageResult, average
 from ckptool.ops.rewrite import output_path
 from ckptool.ops.surgery import FilterResult, RuleResult, filter_keys, load_rules, rename
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 _EPILOG = ("Tensor records are copied, not decoded (torch is not imported). The output is written to a temporary "
            "file, fsynced and renamed into place; SRC is left untouched unless --in-place is given, and nothing is "
@@ -39,13 +45,13 @@ _KEY_HELP = ("Dotted path of the state_dict to change (state_dict, model_state_d
              "state_dict found (optimizer state never).")
 
 
-def _allow_unused(what: str) -> Any:
-    return click.option("--allow-unused", is_flag=True,
-                        help=f"Write the output even when a {what} matches no key (default: exit with an error, "
-                             "write nothing).")
+def _allow_unused(what: str) -> Callable[[F], F]:
+    return click.option("--allow-unused", "--allow-missing", "allow_unused", is_flag=True,
+                        help=f"Write the output even when a {what} matches no key, or a --map source no storage "
+                             "(default: exit with an error, write nothing).")
 
 
-def _dry_run(what: str) -> Any:
+def _dry_run(what: str) -> Callable[[F], F]:
     return click.option("--dry-run", is_flag=True, help=f"Print what would be {what}; write nothing.")
 
 
@@ -57,8 +63,10 @@ def _target(src: str, dst: str | None, in_place: bool, force: bool, dry_run: boo
     return claim_output(output_path(src, dst, in_place, tag), force=force, in_place=in_place)
 
 
-def _stored(n: int, format_in: str) -> str:
-    return f"{n} {'tensors' if format_in == 'safetensors' else 'storages'}"
+def _stored(n: int, format_in: str, retagged: dict[tuple[str, str], int]) -> str:
+    """``N storages`` (``N tensors`` for safetensors) and the re-tagging, for the ``Wrote ...`` line."""
+    tags = "".join(f"; re-tagged {a} -> {b} ({k})" for (a, b), k in sorted(retagged.items()))
+    return f"{n} {'tensors' if format_in == 'safetensors' else 'storages'}{tags}"
 
 
 # ------------------------------------------------------------------------------------------------ rename
@@ -83,12 +91,14 @@ def _report_rename(res: RuleResult) -> None:
               help="A JSON, YAML or TOML file holding a list of [REGEX, REPLACEMENT] pairs (TOML: rules = [...]); "
                    "applied before the --rule ones.")
 @key_option(_KEY_HELP)
+@device_options
 @_allow_unused("rule")
 @_dry_run("renamed (old -> new)")
 @output_options
 @json_option("rename")
-def rename_cmd(src: str, rules: tuple[str, ...], rules_file: str | None, key: str | None, allow_unused: bool,
-               dry_run: bool, dst: str | None, in_place: bool, force: bool, as_json: bool) -> None:
+def rename_cmd(src: str, rules: tuple[str, ...], rules_file: str | None, key: str | None, to: str | None,
+               maps: tuple[str, ...], allow_unused: bool, dry_run: bool, dst: str | None, in_place: bool, force: bool,
+               as_json: bool) -> None:
     """Rename state_dict keys by regex rules (REGEX=REPLACEMENT on the whole key, in order).
 
     The general form of the prefix commands: --rule '^module\\.=' is strip-dataparallel, --rule
@@ -109,21 +119,21 @@ def rename_cmd(src: str, rules: tuple[str, ...], rules_file: str | None, key: st
     out = _target(src, dst, in_place, force, dry_run, "renamed")
     with Progress("rename", source_size(src)) as bar:
         res = rename(src, out, rules=all_rules, key=key, in_place=in_place, allow_unused=allow_unused,
-                     dry_run=dry_run, progress=bar)
+                     dry_run=dry_run, to=to, mapping=mapping_of(maps), progress=bar)
     sd = renamed_state_dict(res)
     if as_json:
         payload = {**write_payload(res, res), "rules": [vars(u) for u in res.rules], "dry_run": res.dry_run,
                    "renames": [{"path": p, "old": o, "new": n} for p, o, n in res.renames]}
         if not dry_run:
-            payload.update(hint_payload(hint_for(res.dst, state_dict=sd)))
+            payload.update(hint_payload(hint_for(res.dst, state_dict=sd, to=to, maps=maps)))
         emit_json("rename", payload)
         return
     _report_rename(res)
     if dry_run:
         click.echo("Dry run: nothing was written")
         return
-    report_write(res.dst, res.bytes_written, _stored(res.storages, res.format_in))
-    report_hint(res.dst, state_dict=sd)
+    report_write(res.dst, res.bytes_written, _stored(res.storages, res.format_in, res.retagged))
+    report_hint(res.dst, state_dict=sd, to=to, maps=maps)
 
 
 # ------------------------------------------------------------------------------------------------ filter
@@ -154,12 +164,14 @@ def _report_filter(res: FilterResult) -> None:
               help="Drop keys matching GLOB (repeatable), also among those --keep keeps.")
 @key_option("Dotted path of one state_dict (state_dict, state_dict_ema): the output is that state_dict alone. "
             "Default: every state_dict found is filtered and the rest of the checkpoint kept.")
+@device_options
 @_allow_unused("glob")
 @_dry_run("dropped")
 @output_options
 @json_option("filter")
-def filter_cmd(src: str, keep: tuple[str, ...], drop: tuple[str, ...], key: str | None, allow_unused: bool,
-               dry_run: bool, dst: str | None, in_place: bool, force: bool, as_json: bool) -> None:
+def filter_cmd(src: str, keep: tuple[str, ...], drop: tuple[str, ...], key: str | None, to: str | None,
+               maps: tuple[str, ...], allow_unused: bool, dry_run: bool, dst: str | None, in_place: bool, force: bool,
+               as_json: bool) -> None:
     """Keep or drop state_dict keys by glob, and list what was dropped.
 
     A key stays when it matches a --keep glob (or none is given) and no --drop glob. The dropped
@@ -176,24 +188,25 @@ def filter_cmd(src: str, keep: tuple[str, ...], drop: tuple[str, ...], key: str 
     out = _target(src, dst, in_place, force, dry_run, "filtered")
     with Progress("filter", source_size(src)) as bar:
         res = filter_keys(src, out, keep=list(keep), drop=list(drop), key=key, in_place=in_place,
-                          allow_unused=allow_unused, dry_run=dry_run, progress=bar)
+                          allow_unused=allow_unused, dry_run=dry_run, to=to, mapping=mapping_of(maps), progress=bar)
     sd = _filter_state_dict(res)
     if as_json:
         payload: dict[str, Any] = {
             "src": res.src, "dst": res.dst, "format_in": res.format_in, "storages": res.storages,
-            "bytes_written": res.bytes_written, "key": res.key, "extracted": res.extracted, "dry_run": res.dry_run,
+            "bytes_written": res.bytes_written, "retagged": retagged_list(res.retagged), "key": res.key,
+            "extracted": res.extracted, "dry_run": res.dry_run,
             "changes": [{"path": c.path, "keys": c.keys, "kept": c.kept, "dropped": c.dropped} for c in res.changes],
             "globs": [{"kind": k, "glob": g, "matched": n} for k, g, n in res.globs]}
         if not dry_run:
-            payload.update(hint_payload(hint_for(res.dst, state_dict=sd)))
+            payload.update(hint_payload(hint_for(res.dst, state_dict=sd, to=to, maps=maps)))
         emit_json("filter", payload)
         return
     _report_filter(res)
     if dry_run:
         click.echo("Dry run: nothing was written")
         return
-    report_write(res.dst, res.bytes_written, _stored(res.storages, res.format_in))
-    report_hint(res.dst, state_dict=sd)
+    report_write(res.dst, res.bytes_written, _stored(res.storages, res.format_in, res.retagged))
+    report_hint(res.dst, state_dict=sd, to=to, maps=maps)
 
 
 # ------------------------------------------------------------------------------------------------ average

@@ -176,7 +176,7 @@ class _Elements:
         raise UnsupportedError(f"{st.path}: {t.name!r} is a view across stored tensors of a shared storage; convert "
                                "the file to torch format first (`ckptool convert`)")
 
-    def read(self, t: Tensor, a: int, b: int) -> bytes | bytearray | memoryview:
+    def read(self, t: Tensor, a: int, b: int) -> bytes | bytearray:
         """The bytes of elements ``[a, b)`` of ``t`` in row-major order."""
         esize = element_size(t.dtype)
         path, base = self._base(t)
@@ -187,7 +187,7 @@ class _Elements:
             lo, hi = t.span
             span = self.files.read(path, base + lo * esize, (hi - lo) * esize)
             whole = self._whole[id(t)] = b"".join(gather(span, esize, t.offset - lo, t.shape, t.stride))
-        return memoryview(whole)[a * esize:b * esize]
+        return whole[a * esize:b * esize]
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -214,7 +214,7 @@ def _spool(sources: list[Source], weights: list[float], ties: dict[str, str], sc
                         acc = Accumulator(t.dtype, b - a)
                         for src_map, w in zip(by_name, weights):
                             acc.add(elements.read(src_map[t.name], a, b), w)
-                        data: bytes | bytearray | memoryview = acc.result(total)
+                        data: bytes | bytearray = acc.result(total)
                         del acc
                     else:
                         data = elements.read(t, a, b)

@@ -30,12 +30,13 @@ Pickled ``nn.Module`` objects (``torch.save(model)``) are refused: run ``ckptool
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import json
 import os
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
@@ -53,9 +54,8 @@ from ckptool.ops.convert import ConvertResult
 from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.read_safetensors import restore_library_aliases, safetensors_source
 from ckptool.ops.convert.read_torch import select_state_dict
-from ckptool.ops.extract import _write_zip
 from ckptool.ops.rename import RenameResult, _rewrite_safetensors, rename_graph
-from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, rewrite_file
+from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, retag_function, rewrite_file
 
 __all__ = ["FilterResult", "RuleResult", "RuleStep", "filter_keys", "load_rules", "parse_rule", "rename",
            "rules_plan"]
@@ -106,18 +106,11 @@ def _read_rules_document(path: str) -> Any:
         data = f.read()
     if ext == ".json":
         return json.loads(data)
-    if ext in (".yaml", ".yml"):
-        import yaml  # noqa: PLC0415 - optional: only a YAML rules file needs PyYAML
-
-        return yaml.safe_load(data)
-    if ext == ".toml":
-        if sys.version_info >= (3, 11):
-            import tomllib  # noqa: PLC0415 - standard library from 3.11
-
-            return tomllib.loads(data.decode("utf-8"))
-        import tomli  # noqa: PLC0415 - optional: TOML on Python 3.10 needs tomli
-
-        return tomli.loads(data.decode("utf-8"))
+    if ext in (".yaml", ".yml"):  # optional: only a YAML rules file needs PyYAML
+        return importlib.import_module("yaml").safe_load(data)
+    if ext == ".toml":  # the standard library's from Python 3.11; tomli (its origin) before
+        toml = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")
+        return toml.loads(data.decode("utf-8"))
     raise UsageError(f"rules file {path}: name it .json, .yaml / .yml or .toml")
 
 
@@ -311,6 +304,7 @@ def _renames(targets: list[tuple[str, list[str]]], mappings: list[dict[str, str]
 
 def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterable[RuleLike],
            key: str | None = None, in_place: bool = False, allow_unused: bool = False, dry_run: bool = False,
+           to: str | None = None, mapping: Mapping[str, str] | None = None,
            progress: ProgressFn | None = None) -> Any:
     """Rename the keys of the state_dict(s) of ``src`` by regex ``rules`` (see the module docstring).
 
@@ -319,21 +313,24 @@ def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterab
     in-memory mapping. For a path the output goes to ``dst`` (default ``<stem>.renamed<ext>`` beside ``src``;
     ``in_place`` replaces ``src`` atomically), a torch zip file (safetensors for a safetensors input) that loads with
     ``torch.load(dst, weights_only=True)`` when the input did; returns a :class:`RuleResult` (``dry_run``: nothing
-    written, the result says what would be renamed). For a mapping, returns a new mapping of the same type (values
+    written, the result says what would be renamed). ``to`` / ``mapping`` re-tag the storages of a torch output in
+    the same pass, as :func:`ckptool.ops.remap.remap` does (``allow_unused`` also lets a ``mapping`` source that
+    matches no storage pass). For a mapping, returns a new mapping of the same type (values
     are the same objects, ``_metadata`` renamed); nothing is mutated.
 
     Raises:
         UsageError: bad rule, ``key`` naming no mapping, ``dst`` equal to ``src`` without ``in_place``, ``dst`` /
-            ``in_place`` with a mapping, ``key`` with a safetensors file.
+            ``in_place`` / ``to`` / ``mapping`` with a mapping, ``key`` / ``to`` / ``mapping`` with a safetensors
+            file, a bad device string.
         PrefixNotFoundError: a rule matches no key (unless ``allow_unused``); nothing written.
+        DeviceNotFoundError: a ``mapping`` source matches no storage (unless ``allow_unused``).
         KeyCollisionError: two keys would get one name (listed); nothing written.
         UnsupportedError: no state_dict, a pickled ``nn.Module``, FSDP flat parameters, TorchScript / plain pickle.
         NotACheckpointError / CorruptCheckpointError: unreadable input.
     """
     plan = rules_plan(rules)
     if isinstance(src, Mapping):
-        if dst is not None or in_place:
-            raise UsageError("dst and in_place apply to files; for an in-memory state_dict the new mapping is returned")
+        _refuse_file_options(dst, in_place, to, mapping)
         found = _memory_targets(src, key)
         _plan_rules([(p, [k for k in sd if isinstance(k, str)]) for _t, sd, p in found], plan, allow_unused,
                     "state_dict")
@@ -342,8 +339,7 @@ def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterab
     fmt = _rewritable_format(path, "renamed")
     out = "" if dry_run else output_path(path, _opt(dst), in_place, "renamed")
     if fmt == formats.SAFETENSORS:
-        if key is not None:
-            raise UsageError(f"{path} is safetensors: it holds one flat mapping of tensors, so --key does not apply")
+        _refuse_safetensors_options(path, key, to, mapping)
         targets = [("", list(read_header(path).entries))]
         mappings, summary, uses = _plan_rules(targets, plan, allow_unused, path)
         if dry_run:
@@ -353,17 +349,33 @@ def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterab
                                          progress=progress)
     else:
         ck = read_checkpoint(path, fmt)
-        found = _graph_targets(ck.root, key, path, "rename")
-        targets = [(t.path, _str_keys(t.obj)) for t in found]
+        location_fn = retag_function(ck, to, mapping, allow_missing=allow_unused)
+        refs = _graph_targets(ck.root, key, path, "rename")
+        targets = [(t.path, _str_keys(t.obj)) for t in refs]
         mappings, summary, uses = _plan_rules(targets, plan, allow_unused, path)
         if dry_run:
             write = WriteResult(path, "", ck.format, storages=len(ck.storages))
         else:
             root, _summary = rename_graph(ck.root, plan, key=key, allow_missing=True, where=path)
-            write = rewrite_file(ck, out, root, progress=progress)
+            write = rewrite_file(ck, out, root, location_fn, progress=progress)
     fields = {k: v for k, v in vars(write).items() if k in WriteResult.__dataclass_fields__}
     return RuleResult(**fields, **vars(summary), operation="rename", rules=uses,
                       renames=_renames(targets, mappings), dry_run=dry_run)
+
+
+def _refuse_file_options(dst: object, in_place: bool, to: str | None, mapping: Mapping[str, str] | None) -> None:
+    if dst is not None or in_place or to is not None or mapping:
+        raise UsageError("dst, in_place, to and mapping apply to files; for an in-memory state_dict the new mapping is "
+                         "returned (move its tensors with .to())")
+
+
+def _refuse_safetensors_options(path: str, key: str | None, to: str | None,
+                                mapping: Mapping[str, str] | None) -> None:
+    if key is not None:
+        raise UsageError(f"{path} is safetensors: it holds one flat mapping of tensors, so --key does not apply")
+    if to is not None or mapping:
+        raise UsageError(f"{path} is safetensors: it carries no location tags, so --to / --map do not apply (load it "
+                         "on any device with safetensors.torch.load_file(path, device=...))")
 
 
 def _opt(p: str | os.PathLike[str] | None) -> str | None:
@@ -467,7 +479,8 @@ def _used_storages(root: Any, protocol: int) -> set[str]:
 
 
 def _filter_torch(ck: Checkpoint, out: str, globs: _Globs, key: str | None, allow_unused: bool, dry_run: bool,
-                  progress: ProgressFn | None) -> FilterResult:
+                  retag: tuple[str | None, Mapping[str, str] | None], progress: ProgressFn | None) -> FilterResult:
+    location_fn = retag_function(ck, *retag, allow_missing=allow_unused)
     found = _graph_targets(ck.root, key, ck.path, "filter")
     targets = [(t.path, _str_keys(t.obj)) for t in found]
     changes = _plan_filter(targets, globs, allow_unused, ck.path)
@@ -481,12 +494,12 @@ def _filter_torch(ck: Checkpoint, out: str, globs: _Globs, key: str | None, allo
             set_mapping_items(t.obj, [(k, v) for k, v in mapping_items(t.obj) or [] if k not in gone])
     root = found[0].obj if key is not None else ck.root
     used = _used_storages(root, ck.protocol)
-    if len(used) == len(ck.storages):
-        w = rewrite_file(ck, out, root, progress=progress)
-        res.storages, res.bytes_written = w.storages, w.bytes_written
-    else:
-        res.storages, res.bytes_written = _write_zip(ck, out, root, used, None, progress)
-    res.dst = out
+    if len(used) < len(ck.storages):  # the records of storages nothing refers to any more are not written
+        keep = {"data/" + k for k in used}
+        ck = replace(ck, _records=[r for r in ck.records if not r.name.startswith("data/") or r.name in keep],
+                     storages={k: v for k, v in ck.storages.items() if k in used})
+    w = rewrite_file(ck, out, root, location_fn, progress=progress)
+    res.dst, res.storages, res.bytes_written, res.retagged = out, w.storages, w.bytes_written, w.retagged
     return res
 
 
@@ -521,10 +534,13 @@ def _filter_safetensors(path: str, out: str, globs: _Globs, allow_unused: bool, 
     return res
 
 
-def _filter_memory(obj: Mapping[Any, Any], globs: _Globs, key: str | None, allow_unused: bool) -> Any:
+def _filter_memory(obj: Mapping[Any, Any], globs: _Globs, key: str | None, allow_unused: bool,
+                   dry_run: bool) -> Any:
     found = _memory_targets(obj, key)
     targets = [(p, [k for k in sd if isinstance(k, str)]) for _t, sd, p in found]
     changes = _plan_filter(targets, globs, allow_unused, "state_dict")
+    if dry_run:
+        return obj
     result: Any = obj
     for (trail, sd, _p), ch in zip(found, changes):
         gone = set(ch.dropped)
@@ -537,7 +553,8 @@ def _filter_memory(obj: Mapping[Any, Any], globs: _Globs, key: str | None, allow
 
 def filter_keys(src: Any, dst: str | os.PathLike[str] | None = None, *, keep: str | Sequence[str] = (),
                 drop: str | Sequence[str] = (), key: str | None = None, in_place: bool = False,
-                allow_unused: bool = False, dry_run: bool = False, progress: ProgressFn | None = None) -> Any:
+                allow_unused: bool = False, dry_run: bool = False, to: str | None = None,
+                mapping: Mapping[str, str] | None = None, progress: ProgressFn | None = None) -> Any:
     """Keep the keys of the state_dict(s) of ``src`` that match a ``keep`` glob (all, when none is given) and no
     ``drop`` glob (:func:`fnmatch.fnmatchcase` on the whole key; see the module docstring).
 
@@ -545,28 +562,26 @@ def filter_keys(src: Any, dst: str | os.PathLike[str] | None = None, *, keep: st
     checkpoint); without it every state_dict found is filtered and the rest of the checkpoint kept. For a path the
     output goes to ``dst`` (default ``<stem>.filtered<ext>``; ``in_place`` replaces ``src``), without the bytes of
     the dropped tensors; returns a :class:`FilterResult` listing what was dropped (``dry_run``: nothing written).
+    ``to`` / ``mapping`` re-tag the storages of a torch output as in :func:`rename`.
     For a mapping, returns a new mapping of the same type (``_metadata`` kept); nothing is mutated.
 
     Raises:
         UsageError: no glob, ``key`` naming no mapping, a state_dict that would lose every key, ``dst`` equal to
-            ``src`` without ``in_place``, ``key`` with a safetensors file.
+            ``src`` without ``in_place``, ``key`` / ``to`` / ``mapping`` with a safetensors file, file options with
+            a mapping.
         PrefixNotFoundError: a glob matches no key (unless ``allow_unused``); nothing written.
+        DeviceNotFoundError: a ``mapping`` source matches no storage (unless ``allow_unused``).
         UnsupportedError: no state_dict, a pickled ``nn.Module``, TorchScript / plain pickle / ``.pt2``.
         NotACheckpointError / CorruptCheckpointError: unreadable input.
     """
     globs = _Globs([keep] if isinstance(keep, str) else list(keep), [drop] if isinstance(drop, str) else list(drop))
     if isinstance(src, Mapping):
-        if dst is not None or in_place:
-            raise UsageError("dst and in_place apply to files; for an in-memory state_dict the new mapping is returned")
-        if dry_run:
-            _memory_targets(src, key)
-            return src
-        return _filter_memory(src, globs, key, allow_unused)
+        _refuse_file_options(dst, in_place, to, mapping)
+        return _filter_memory(src, globs, key, allow_unused, dry_run)
     path = _file_path(src, "filter_keys")
     fmt = _rewritable_format(path, "filtered")
     out = "" if dry_run else output_path(path, _opt(dst), in_place, "filtered")
     if fmt == formats.SAFETENSORS:
-        if key is not None:
-            raise UsageError(f"{path} is safetensors: it holds one flat mapping of tensors, so --key does not apply")
+        _refuse_safetensors_options(path, key, to, mapping)
         return _filter_safetensors(path, out, globs, allow_unused, dry_run, progress)
-    return _filter_torch(read_checkpoint(path, fmt), out, globs, key, allow_unused, dry_run, progress)
+    return _filter_torch(read_checkpoint(path, fmt), out, globs, key, allow_unused, dry_run, (to, mapping), progress)

@@ -41,7 +41,7 @@ class Accumulator:
         self.acc = np.zeros(n, dtype="<c16" if dtype.startswith("complex") else "<f8")
         self._tmp = np.empty_like(self.acc)
 
-    def add(self, data: bytes | bytearray | memoryview, weight: float) -> None:
+    def add(self, data: bytes | bytearray, weight: float) -> None:
         """Add ``weight`` times the elements encoded in ``data`` (exactly ``n`` of them)."""
         import numpy as np
 
@@ -71,7 +71,7 @@ def _bfloat16(f32: np.ndarray) -> np.ndarray:
     import numpy as np
 
     u = f32.view("<u4")
-    bits = ((u + (((u >> 16) & 1) + np.uint32(0x7FFF))) >> 16).astype("<u2")
+    bits: np.ndarray = ((u + (((u >> 16) & 1) + np.uint32(0x7FFF))) >> 16).astype("<u2")
     bits[np.isnan(f32)] = 0x7FC0
     return bits
 
