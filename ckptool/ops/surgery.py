@@ -43,7 +43,7 @@ from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.nodes import StorageRef
 from ckptool.formats.pickler import PicklerError, dumps
-from ckptool.formats.safetensors import read_header
+from ckptool.formats.safetensors import SHARED_KEY, read_header
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint
 from ckptool.model.graph import StateDictRef, find_state_dicts, mapping_items, set_mapping_items
 from ckptool.model.objects import find_object_state_dicts
@@ -54,6 +54,7 @@ from ckptool.ops.convert import ConvertResult
 from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.read_safetensors import restore_library_aliases, safetensors_source
 from ckptool.ops.convert.read_torch import select_state_dict
+from ckptool.ops.convert.source import Source
 from ckptool.ops.rename import RenameResult, _rewrite_safetensors, rename_graph
 from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, retag_function, rewrite_file
 
@@ -340,11 +341,22 @@ def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterab
     out = "" if dry_run else output_path(path, _opt(dst), in_place, "renamed")
     if fmt == formats.SAFETENSORS:
         _refuse_safetensors_options(path, key, to, mapping)
-        targets = [("", list(read_header(path).entries))]
+        header = read_header(path)
+        source = None
+        if header.metadata and (SHARED_KEY in header.metadata or header.aliases()):
+            source = safetensors_source(path)  # tied names: their records are written anew for the new names
+            restore_library_aliases(source)
+            targets = [("", [t.name for t in source.tensors])]
+        else:
+            targets = [("", list(header.entries))]
         mappings, summary, uses = _plan_rules(targets, plan, allow_unused, path)
         if dry_run:
             write = WriteResult(path, "", fmt, storages=len(targets[0][1]))
-        else:
+        elif source is not None:
+            for t in source.tensors:
+                t.name = mappings[0][t.name]
+            write = _write_safetensors_source(source, out, progress)
+        else:  # a new header, the data block copied as it is
             write = _rewrite_safetensors(path, out, plan, key=None, allow_missing=True, operation="rename",
                                          progress=progress)
     else:
@@ -520,18 +532,26 @@ def _filter_safetensors(path: str, out: str, globs: _Globs, allow_unused: bool, 
         t.index = i
     if source.metadata:  # records of dropped names (save_model's alias -> kept) go with them
         source.metadata = {k: v for k, v in source.metadata.items() if k not in gone and v not in gone}
+    w = _write_safetensors_source(source, out, progress)
+    res.dst, res.storages, res.bytes_written = out, w.storages, w.bytes_written
+    return res
+
+
+def _write_safetensors_source(source: Source, out: str, progress: ProgressFn | None) -> WriteResult:
+    """Write ``source`` (a safetensors file read by ``convert``'s reader, changed) to ``out`` with ``convert``'s
+    writer: storage sharing recorded anew for the names written, read back and checked before it is renamed into
+    place (:func:`ckptool.ops.convert.outputs.write_outputs`)."""
     done = 0
 
-    def tick(now: int, _total: int) -> None:
+    def tick(now: int, _total: int) -> None:  # convert reports bytes so far; ours, bytes since the last call
         nonlocal done
         if progress is not None and now > done:
             progress(now - done)
         done = max(done, now)
 
-    cres = ConvertResult(path, out, formats.SAFETENSORS, "safetensors")
+    cres = ConvertResult(source.path, out, formats.SAFETENSORS, "safetensors")
     write_outputs(source, out, "safetensors", None, None, lambda s: s, None, True, tick, cres)
-    res.dst, res.storages, res.bytes_written = out, cres.stored, cres.bytes_written
-    return res
+    return WriteResult(source.path, out, formats.SAFETENSORS, storages=cres.stored, bytes_written=cres.bytes_written)
 
 
 def _filter_memory(obj: Mapping[Any, Any], globs: _Globs, key: str | None, allow_unused: bool,
