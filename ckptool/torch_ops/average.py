@@ -49,7 +49,7 @@ class Accumulator:
         if weight == 1.0:
             np.add(self.acc, x, out=self.acc)
         else:
-            np.multiply(x, weight, out=self._tmp)
+            np.multiply(x, weight, out=self._tmp, dtype=self.acc.dtype)  # in float64, not in x's dtype
             np.add(self.acc, self._tmp, out=self.acc)
 
     def result(self, total_weight: float) -> bytes:
@@ -145,7 +145,7 @@ def average_state_dicts(state_dicts: list[Mapping[Any, Any]], weights: list[floa
         with torch.no_grad():
             acc = torch.zeros(v0.shape, dtype=wide)
             for sd, w in zip(sds, weights):
-                acc.add_(sd[k].detach().to("cpu", wide), alpha=w)
+                acc += sd[k].detach().to("cpu", wide) * w  # two roundings, no fused multiply-add
             out[k] = made[views] = acc.div_(total).to(v0.dtype).to(v0.device)
     meta = getattr(sds[0], "_metadata", None)
     if meta is not None:
