@@ -72,7 +72,7 @@ COMMANDS: dict[str, CommandInfo] = {
         "Keep or drop state_dict keys by glob, and list what was dropped."),
     "average": CommandInfo(
         "ckptool.cli.surgery", "average_cmd",
-        "Average the state_dicts of checkpoints A B [C ...] (any mix of torch and safetensors files)."),
+        "Average the state_dicts of two or more checkpoints (any mix of torch and safetensors files)."),
     "convert": CommandInfo(
         "ckptool.cli.convert", "convert_cmd",
         "Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint."),

@@ -247,7 +247,7 @@ def _report_average(res: AverageResult) -> None:
 @json_option("average")
 def average_cmd(inputs: tuple[str, ...], dst: str, weights: str | None, key: str | None, force: bool,
                 as_json: bool) -> None:
-    """Average the state_dicts of checkpoints A B [C ...] (any mix of torch and safetensors files).
+    """Average the state_dicts of two or more checkpoints (any mix of torch and safetensors files).
 
     Floating tensors are averaged in float64 and cast back to their dtypes; integer and bool
     tensors (num_batches_tracked) are taken from the first input and listed. Every input must have
