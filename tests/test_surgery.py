@@ -126,7 +126,7 @@ def test_rules_with_groups_rename_metadata_and_load_strict(net_file: Path, tmp_p
     r = run_cli("rename", net_file, "--rule", r"^features\.(\d+)\.=backbone.layer\1.", "-o", out)
     assert r.exit_code == 0, r.output
     assert "renamed 7 of 9 keys" in r.output
-    assert r"rule 1 ^features\.(\d+)\.=backbone.layer\1.: matched 7 keys" in r.output
+    assert r"Rule 1 ^features\.(\d+)\.=backbone.layer\1.: matched 7 keys" in r.output
     model = Renamed()
     _exec_hint(r.output, model)  # model.load_state_dict(torch.load(...)), strict
     sd = torch.load(out, weights_only=True)
@@ -175,7 +175,7 @@ def test_unused_rule_is_refused_unless_allowed(net_file: Path, tmp_path: Path, r
     assert not out.exists()
     r = run_cli("rename", net_file, "--rule", r"^features\.=f.", "--rule", r"^classifier\.=head.", "-o", out,
                 "--allow-unused")
-    assert r.exit_code == 0 and "rule 2 ^classifier\\.=head.: matched 0 keys" in r.output
+    assert r.exit_code == 0 and "Rule 2 ^classifier\\.=head.: matched 0 keys" in r.output
     assert next(iter(torch.load(out, weights_only=True))) == "f.0.weight"
 
 
@@ -189,8 +189,8 @@ def test_bad_rules_are_usage_errors(net_file: Path, run_cli) -> None:
 def test_dry_run_prints_old_new_and_writes_nothing(net_file: Path, tmp_path: Path, run_cli) -> None:
     r = run_cli("rename", net_file, "--rule", r"^head\.=classifier.", "--dry-run")
     assert r.exit_code == 0
-    assert "  head.weight -> classifier.weight\n  head.bias -> classifier.bias\n" in r.output
-    assert "would rename 2 of 9 keys" in r.output and "Dry run: nothing was written" in r.output
+    assert "would rename 2 of 9 keys:\n  head.weight -> classifier.weight\n  head.bias -> classifier.bias\n" in r.output
+    assert "Dry run: nothing was written" in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["net.pth"]
 
 

@@ -71,15 +71,16 @@ def _stored(n: int, format_in: str, retagged: dict[tuple[str, str], int]) -> str
 
 # ------------------------------------------------------------------------------------------------ rename
 def _report_rename(res: RuleResult) -> None:
+    """One line per state_dict (with ``--dry-run``, then its ``old -> new`` keys), then one line per rule."""
     for ch in res.changes:
+        what = "would rename" if res.dry_run else "renamed"
+        click.echo(f"state_dict {ch.label}: {what} {ch.renamed} of {ch.keys} keys" + (":" if res.dry_run else ""))
         if res.dry_run:
             for path, old, new in res.renames:
                 if path == ch.path:
                     click.echo(f"  {old} -> {new}")
-        what = "would rename" if res.dry_run else "renamed"
-        click.echo(f"state_dict {ch.label}: {what} {ch.renamed} of {ch.keys} keys")
     for i, use in enumerate(res.rules, 1):
-        click.echo(f"  rule {i} {use.rule}: matched {use.matched} key{'s' if use.matched != 1 else ''}")
+        click.echo(f"Rule {i} {use.rule}: matched {use.matched} key{'s' if use.matched != 1 else ''}")
 
 
 @click.command("rename", epilog=_EPILOG)
@@ -138,8 +139,9 @@ def rename_cmd(src: str, rules: tuple[str, ...], rules_file: str | None, key: st
 
 # ------------------------------------------------------------------------------------------------ filter
 def _filter_state_dict(res: FilterResult) -> str | None:
+    """The dotted path of the state_dict to load into a model for the load hint (``""``: the file itself)."""
     if res.extracted:
-        return None
+        return ""
     changed = [c.path for c in res.changes if c.dropped]
     return changed[0] if len(changed) == 1 else None
 
@@ -153,7 +155,7 @@ def _report_filter(res: FilterResult) -> None:
         for k in ch.dropped:
             click.echo(f"  {k}")
     for kind, glob, n in res.globs:
-        click.echo(f"  --{kind} {glob}: matched {n} key{'s' if n != 1 else ''}")
+        click.echo(f"--{kind} {glob}: matched {n} key{'s' if n != 1 else ''}")
 
 
 @click.command("filter", epilog=_EPILOG)
@@ -266,8 +268,8 @@ def average_cmd(inputs: tuple[str, ...], dst: str, weights: str | None, key: str
     with Progress("average", source_size(inputs[0])) as bar:
         res = average(list(inputs), out, weights=_parse_weights(weights), key=key, progress=bar)
     if as_json:
-        emit_json("average", {**vars(res), **hint_payload(hint_for(res.dst))})
+        emit_json("average", {**vars(res), **hint_payload(hint_for(res.dst, state_dict=""))})
         return
     _report_average(res)
     report_write(res.dst, res.bytes_written, f"{res.tensors} tensors")
-    report_hint(res.dst)
+    report_hint(res.dst, state_dict="")  # the output is a plain state_dict
