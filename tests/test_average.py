@@ -7,6 +7,7 @@ chunk at a time. Every output is opened by executing the "Load it with:" line th
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -247,3 +248,11 @@ def test_same_as_timms_avg_checkpoints(tmp_path: Path) -> None:
     ckptool.average(sorted(folder.iterdir()), out)
     timm_sd, ours = torch.load(ref, weights_only=True), torch.load(out, weights_only=True)
     assert all(torch.equal(timm_sd[k], ours[k]) for k in timm_sd)
+
+
+def test_json_report(inputs: list[Path], tmp_path: Path, run_cli) -> None:
+    r = run_cli("average", *inputs, "-o", tmp_path / "o.pth", "--json")
+    doc = json.loads(r.output)
+    assert doc["schema"] == "ckptool.average/1" and doc["from_first"] == ["bn.num_batches_tracked", "mask"]
+    assert doc["tied"] == {"lm_head.weight": "emb.weight"} and doc["averaged"] == 7 and doc["tensors"] == 10
+    assert doc["formats_in"] == ["torch-zip", "torch-legacy", "safetensors"]

@@ -22,6 +22,7 @@ from torch import nn
 
 import ckptool
 from ckptool.errors import KeyCollisionError, PrefixNotFoundError, UnsupportedError, UsageError
+from ckptool.ops.surgery import load_rules
 from tests.helpers import storage_groups
 
 
@@ -205,7 +206,7 @@ def test_rules_file(net_file: Path, tmp_path: Path, run_cli, ext: str) -> None:
             "toml": "rules = [['^features\\.(\\d+)\\.', 'backbone.layer\\1.']]\n"}[ext]
     f = tmp_path / f"rules.{ext}"
     f.write_text(text)
-    assert ckptool.ops.surgery.load_rules(f) == [tuple(r) for r in rules]
+    assert load_rules(f) == [tuple(r) for r in rules]
     out = tmp_path / "r.pth"
     r = run_cli("rename", net_file, "--rules", f, "-o", out)
     assert r.exit_code == 0, r.output
@@ -216,7 +217,7 @@ def test_rules_file_of_the_wrong_shape(tmp_path: Path) -> None:
     f = tmp_path / "r.json"
     f.write_text('{"^a": "b"}')
     with pytest.raises(UsageError, match="list of"):
-        ckptool.ops.surgery.load_rules(f)
+        load_rules(f)
 
 
 def test_in_memory_rename_renames_metadata_and_keeps_values(dp_file: Path) -> None:
@@ -364,3 +365,16 @@ def test_doc_examples_print_what_the_page_shows(real_dir: Path, tmp_path: Path,
     assert len(examples) >= 8
     for line, shown in examples:
         assert run_doc_example(line) == shown, line
+
+
+def test_json_reports(net_file: Path, tmp_path: Path, run_cli) -> None:
+    r = run_cli("rename", net_file, "--rule", r"^head\.=classifier.", "-o", tmp_path / "r.pth", "--json")
+    doc = json.loads(r.output)
+    assert doc["schema"] == "ckptool.rename/1" and doc["rules"] == [{"rule": r"^head\.=classifier.", "matched": 2}]
+    assert doc["renames"][0] == {"path": "", "old": "head.weight", "new": "classifier.weight"}
+    assert doc["renamed"] == 2 and doc["load_hint"]["code"].startswith("model.load_state_dict(")
+    r = run_cli("filter", net_file, "--drop", "head.*", "-o", tmp_path / "f.pth", "--json")
+    doc = json.loads(r.output)
+    assert doc["schema"] == "ckptool.filter/1" and doc["changes"] == [
+        {"path": "", "keys": 9, "kept": 7, "dropped": ["head.weight", "head.bias"]}]
+    assert doc["globs"] == [{"kind": "drop", "glob": "head.*", "matched": 2}] and doc["storages"] == 7
