@@ -22,6 +22,7 @@ import ckptool
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.ops import average as average_mod
 from tests.helpers import storage_groups
+from tests.models import Crepe
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -220,6 +221,7 @@ def test_real_checkpoint_with_its_safetensors_copy(real_dir: Path, tmp_path: Pat
     assert r.exit_code == 0, r.output
     got, ref = _exec_hint(r.output), torch.load(src, weights_only=True)
     assert list(got) == list(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    eval(_hint(r.output), {"torch": torch, "model": Crepe("tiny")})  # strict, into torchcrepe's model
 
 
 def test_averaging_imports_no_torch(inputs: list[Path], tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ import ckptool
 from ckptool.errors import KeyCollisionError, PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.ops.surgery import load_rules
 from tests.helpers import storage_groups
+from tests.models import LpipsLinearLayers
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -324,10 +325,13 @@ def test_real_checkpoint_rename_and_filter(real_dir: Path, tmp_path: Path, run_c
     r = run_cli("rename", src, "--rule", r"^lin(\d)\.model\.1\.=lin\1.", "--to", "cpu", "-o", out)
     assert r.exit_code == 0, r.output
     model = nn.Module()
-    for i, c in enumerate([64, 192, 384, 256, 256]):
-        setattr(model, f"lin{i}", nn.Conv2d(c, 1, 1, bias=False))
+    for i, c in enumerate(LpipsLinearLayers.CHANNELS):
+        setattr(model, f"lin{i}", nn.Conv2d(c, 1, 1, bias=False))  # lpips' NetLinLayer without its Sequential
     _exec_hint(r.output, model)  # strict, on a machine without a GPU: the tags are cpu now
     assert list(torch.load(out, weights_only=True)) == [f"lin{i}.weight" for i in range(5)]
+    back = tmp_path / "back.pth"
+    ckptool.rename(out, back, rules=[r"^lin(\d)\.=lin\1.model.1."])
+    LpipsLinearLayers().load_state_dict(torch.load(back, weights_only=True))  # torch's lpips layout again
 
 
 # ------------------------------------------------------------------------------------------------ the docs page
