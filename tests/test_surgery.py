@@ -382,3 +382,16 @@ def test_json_reports(net_file: Path, tmp_path: Path, run_cli) -> None:
     assert doc["schema"] == "ckptool.filter/1" and doc["changes"] == [
         {"path": "", "keys": 9, "kept": 7, "dropped": ["head.weight", "head.bias"]}]
     assert doc["globs"] == [{"kind": "drop", "glob": "head.*", "matched": 2}] and doc["storages"] == 7
+
+
+def test_a_pickled_module_beside_the_state_dict_is_left_alone(tmp_path: Path) -> None:
+    """Only a module whose keys would change is refused: one the rules do not touch stays in the file as it was."""
+    p = tmp_path / "both.pt"
+    torch.save({"model": nn.Linear(2, 2), "state_dict": _net().state_dict()}, p)
+    out = tmp_path / "o.pt"
+    res = ckptool.rename(p, out, rules=[r"^features\.=backbone."])
+    assert res.renamed == 7
+    loaded = torch.load(out, weights_only=False)
+    assert isinstance(loaded["model"], nn.Linear) and next(iter(loaded["state_dict"])) == "backbone.0.weight"
+    with pytest.raises(UnsupportedError, match="'model' is a pickled nn.Module"):
+        ckptool.rename(p, out, rules=[r"weight$=w"], allow_unused=True)

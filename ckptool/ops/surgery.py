@@ -30,10 +30,8 @@ Pickled ``nn.Module`` objects (``torch.save(model)``) are refused: run ``ckptool
 from __future__ import annotations
 
 import fnmatch
-import importlib
-import json
+import itertools
 import os
-import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -49,7 +47,7 @@ from ckptool.model.graph import StateDictRef, find_state_dicts, mapping_items, s
 from ckptool.model.objects import find_object_state_dicts
 from ckptool.model.paths import resolve_path
 from ckptool.model.rename_memory import _copy_meta, _new_like, _replace_at, rename_mapping
-from ckptool.model.rename_plan import RenamePlan, RenameSummary, Step, label, plan_keys
+from ckptool.model.rename_plan import RenamePlan, RenameSummary, label, plan_keys
 from ckptool.ops.convert import ConvertResult
 from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.read_safetensors import restore_library_aliases, safetensors_source
@@ -57,111 +55,10 @@ from ckptool.ops.convert.read_torch import select_state_dict
 from ckptool.ops.convert.source import Source
 from ckptool.ops.rename import RenameResult, _rewrite_safetensors, rename_graph
 from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, retag_function, rewrite_file
+from ckptool.ops.rules import RuleLike, RuleStep, load_rules, rules_plan
 
-__all__ = ["FilterResult", "RuleResult", "RuleStep", "filter_keys", "load_rules", "parse_rule", "rename",
+__all__ = ["FilterResult", "RuleResult", "RuleStep", "filter_keys", "load_rules", "rename",
            "rules_plan"]
-
-#: a rule as given: ``"REGEX=REPLACEMENT"`` or a pair ``(REGEX, REPLACEMENT)``
-RuleLike = str | Sequence[str]
-
-
-# ------------------------------------------------------------------------------------------------ rules
-@dataclass(frozen=True)
-class RuleStep(Step):
-    """One rule as a :class:`~ckptool.model.rename_plan.Step` (``kind="rule"``): ``pattern.sub(replacement, key)``.
-
-    ``prefixes`` holds the rule's label (``"rule 1"``); :meth:`apply` reports it as removed when the pattern
-    matched, which is how :func:`ckptool.model.rename_plan.plan_keys` counts the keys each rule matched."""
-
-    pattern: re.Pattern[str] | None = None
-    replacement: str = ""
-
-    def apply(self, key: str) -> tuple[str, list[str], list[str]]:
-        assert self.pattern is not None
-        new, n = self.pattern.subn(self.replacement, key)
-        return new, ([self.prefixes[0]] if n else []), []
-
-    @property
-    def text(self) -> str:
-        """The rule as ``REGEX=REPLACEMENT``."""
-        assert self.pattern is not None
-        return f"{self.pattern.pattern}={self.replacement}"
-
-
-def parse_rule(text: str) -> tuple[str, str]:
-    """``"REGEX=REPLACEMENT"`` as a pair, split at the last ``=`` (a regex may hold ``=`` in ``(?=...)``; a
-    replacement holding ``=`` goes in a rules file instead).
-
-    Raises:
-        UsageError: no ``=``.
-    """
-    regex, sep, repl = text.rpartition("=")
-    if not sep:
-        raise UsageError(f"rule {text!r}: give REGEX=REPLACEMENT, e.g. '^module\\.=' or '^backbone\\.=encoder.'")
-    return regex, repl
-
-
-def _read_rules_document(path: str) -> Any:
-    ext = os.path.splitext(path)[1].lower()
-    with open(path, "rb") as f:
-        data = f.read()
-    if ext == ".json":
-        return json.loads(data)
-    if ext in (".yaml", ".yml"):  # optional: only a YAML rules file needs PyYAML
-        return importlib.import_module("yaml").safe_load(data)
-    if ext == ".toml":  # the standard library's from Python 3.11; tomli (its origin) before
-        toml = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")
-        return toml.loads(data.decode("utf-8"))
-    raise UsageError(f"rules file {path}: name it .json, .yaml / .yml or .toml")
-
-
-def load_rules(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
-    """The rules of a JSON, YAML or TOML file: a list of ``[REGEX, REPLACEMENT]`` pairs, or a table whose ``rules``
-    entry is one (TOML has no top-level list: ``rules = [['^module\\.', ''], ...]``).
-
-    Raises:
-        UsageError: the file is missing, does not parse, or holds something else than such pairs.
-    """
-    p = os.fspath(path)
-    try:
-        doc = _read_rules_document(p)
-    except OSError as e:
-        raise UsageError(f"rules file {p}: {e.strerror or e}") from None
-    except ValueError as e:  # json, tomllib and tomli errors are ValueErrors
-        raise UsageError(f"rules file {p} does not parse: {e}") from None
-    except Exception as e:  # yaml.YAMLError
-        if type(e).__module__.startswith("yaml"):
-            raise UsageError(f"rules file {p} does not parse: {e}") from None
-        raise
-    if isinstance(doc, dict) and set(doc) == {"rules"}:
-        doc = doc["rules"]
-    ok = isinstance(doc, list) and all(isinstance(r, list) and len(r) == 2 and all(isinstance(s, str) for s in r)
-                                       for r in doc)
-    if not ok:
-        raise UsageError(f"rules file {p}: expected a list of [REGEX, REPLACEMENT] pairs of strings (or, in TOML, "
-                         "rules = [[REGEX, REPLACEMENT], ...])")
-    return [(r[0], r[1]) for r in doc]
-
-
-def rules_plan(rules: Iterable[RuleLike]) -> RenamePlan:
-    """A :class:`~ckptool.model.rename_plan.RenamePlan` of one :class:`RuleStep` per rule, in order.
-
-    Raises:
-        UsageError: no rule, a regex that does not compile, a replacement naming a group the regex lacks.
-    """
-    steps: list[Step] = []
-    for i, rule in enumerate(rules, 1):
-        regex, repl = parse_rule(rule) if isinstance(rule, str) else tuple(rule)
-        try:
-            pattern = re.compile(regex)
-            pattern.sub(repl, "")  # parses the replacement: a bad group reference fails here
-        except re.error as e:
-            raise UsageError(f"rule {i} ({regex}={repl}): {e}") from None
-        steps.append(RuleStep("rule", (f"rule {i}",), pattern, repl))
-    if not steps:
-        raise UsageError("no rule given: pass --rule REGEX=REPLACEMENT or --rules FILE (rules=[...])")
-    return RenamePlan(tuple(steps))
-
 
 # ------------------------------------------------------------------------------------------------ results
 @dataclass
@@ -219,11 +116,11 @@ class FilterResult(WriteResult):
 # ------------------------------------------------------------------------------------------------ selection
 def _graph_targets(root: Any, key: str | None, where: str, action: str) -> list[StateDictRef]:
     """The state_dict at ``key`` (:func:`ckptool.ops.convert.read_torch.select_state_dict`), or every state_dict
-    found; pickled modules refused.
+    found (pickled modules included: :func:`_refuse_module` once it is known that one would change).
 
     Raises:
         UsageError: ``key`` names nothing or no mapping.
-        UnsupportedError: no state_dict; a selected pickled ``nn.Module``.
+        UnsupportedError: no state_dict.
     """
     if key is not None:
         targets = [select_state_dict(root, key, where)]
@@ -233,17 +130,20 @@ def _graph_targets(root: Any, key: str | None, where: str, action: str) -> list[
             raise UnsupportedError(
                 f"{where}: no state_dict found (a mapping of parameter names to tensors); pass --key PATH (key=...) "
                 f"to select the mapping to {action}")
-    for t in targets:
-        if t.is_module:
-            raise UnsupportedError(
-                f"{where}: {label(t.path)} is a pickled nn.Module (torch.save(model)), not a state_dict: its keys "
-                f"come from its module tree, which {action} does not rebuild. Run `ckptool extract-state-dict "
-                f"{where}` first and {action} that file")
     return targets
 
 
-def _str_keys(obj: Any) -> list[str]:
-    return [k for k, _v in mapping_items(obj) or [] if isinstance(k, str)]
+def _refuse_module(where: str, t: StateDictRef, action: str) -> None:
+    """Raise the :class:`UnsupportedError` for a pickled ``nn.Module`` whose keys ``action`` would change."""
+    raise UnsupportedError(
+        f"{where}: {label(t.path)} is a pickled nn.Module (torch.save(model)), not a state_dict: its keys come from "
+        f"its module tree, which {action} does not rebuild. Run `ckptool extract-state-dict {where}` first and "
+        f"{action} that file")
+
+
+def _ref_keys(t: StateDictRef) -> list[str]:
+    """The keys of a state_dict found in the graph: a module's ``state_dict()`` keys, a mapping's string keys."""
+    return t.keys() if t.is_module else [k for k, _v in mapping_items(t.obj) or [] if isinstance(k, str)]
 
 
 def _is_tensor_value(v: object) -> bool:
@@ -292,11 +192,16 @@ def _plan_rules(targets: list[tuple[str, list[str]]], plan: RenamePlan, allow_un
     unused = [(i, u) for i, u in enumerate(uses, 1) if not u.matched]
     if unused and not allow_unused:
         i, u = unused[0]
-        sample = ", ".join(repr(k) for _p, keys in targets for k in keys[:3][:3]) or "no keys"
+        sample = _sample(targets)
         raise PrefixNotFoundError(
             f"{where}: rule {i} ({u.rule}) matches no key (keys look like {sample}); nothing was written. Check it "
             "with --dry-run and `ckptool inspect`, or pass --allow-unused (allow_unused=True) to accept it")
     return mappings, summary, uses
+
+
+def _sample(targets: list[tuple[str, list[str]]]) -> str:
+    """The first three keys, for messages."""
+    return ", ".join(repr(k) for k in itertools.islice((k for _p, keys in targets for k in keys), 3)) or "no keys"
 
 
 def _renames(targets: list[tuple[str, list[str]]], mappings: list[dict[str, str]]) -> list[tuple[str, str, str]]:
@@ -341,38 +246,63 @@ def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterab
     out = "" if dry_run else output_path(path, _opt(dst), in_place, "renamed")
     if fmt == formats.SAFETENSORS:
         _refuse_safetensors_options(path, key, to, mapping)
-        header = read_header(path)
-        source = None
-        if header.metadata and (SHARED_KEY in header.metadata or header.aliases()):
-            source = safetensors_source(path)  # tied names: their records are written anew for the new names
-            restore_library_aliases(source)
-            targets = [("", [t.name for t in source.tensors])]
-        else:
-            targets = [("", list(header.entries))]
-        mappings, summary, uses = _plan_rules(targets, plan, allow_unused, path)
-        if dry_run:
-            write = WriteResult(path, "", fmt, storages=len(targets[0][1]))
-        elif source is not None:
-            for t in source.tensors:
-                t.name = mappings[0][t.name]
-            write = _write_safetensors_source(source, out, progress)
-        else:  # a new header, the data block copied as it is
-            write = _rewrite_safetensors(path, out, plan, key=None, allow_missing=True, operation="rename",
-                                         progress=progress)
+        planned, write = _rename_safetensors(path, out, plan, allow_unused, dry_run, progress)
     else:
-        ck = read_checkpoint(path, fmt)
-        location_fn = retag_function(ck, to, mapping, allow_missing=allow_unused)
-        refs = _graph_targets(ck.root, key, path, "rename")
-        targets = [(t.path, _str_keys(t.obj)) for t in refs]
-        mappings, summary, uses = _plan_rules(targets, plan, allow_unused, path)
-        if dry_run:
-            write = WriteResult(path, "", ck.format, storages=len(ck.storages))
-        else:
-            root, _summary = rename_graph(ck.root, plan, key=key, allow_missing=True, where=path)
-            write = rewrite_file(ck, out, root, location_fn, progress=progress)
+        planned, write = _rename_torch(read_checkpoint(path, fmt), out, plan, key, allow_unused, dry_run,
+                                       (to, mapping), progress)
+    targets, mappings, summary, uses = planned
     fields = {k: v for k, v in vars(write).items() if k in WriteResult.__dataclass_fields__}
     return RuleResult(**fields, **vars(summary), operation="rename", rules=uses,
                       renames=_renames(targets, mappings), dry_run=dry_run)
+
+
+#: what :func:`_plan_rules` planned: the ``(path, keys)`` targets, their ``{old: new}`` mappings, the summary, the
+#: rules' uses
+_Planned = tuple[list[tuple[str, list[str]]], list[dict[str, str]], RenameSummary, list[RuleUse]]
+
+
+def _rename_safetensors(path: str, out: str, plan: RenamePlan, allow_unused: bool, dry_run: bool,
+                        progress: ProgressFn | None) -> tuple[_Planned, WriteResult]:
+    """A safetensors file: a new header over the data block copied as it is (:mod:`ckptool.ops.rename`'s), or,
+    when it records tied names, through ``convert``'s reader and writer so that the records name the new keys."""
+    header = read_header(path)
+    source = None
+    if header.metadata and (SHARED_KEY in header.metadata or header.aliases()):
+        source = safetensors_source(path)
+        restore_library_aliases(source)
+        targets = [("", [t.name for t in source.tensors])]
+    else:
+        targets = [("", list(header.entries))]
+    mappings, summary, uses = _plan_rules(targets, plan, allow_unused, path)
+    if dry_run:
+        write = WriteResult(path, "", formats.SAFETENSORS, storages=len(targets[0][1]))
+    elif source is not None:
+        for t in source.tensors:
+            t.name = mappings[0][t.name]
+        write = _write_safetensors_source(source, out, progress)
+    else:
+        write = _rewrite_safetensors(path, out, plan, key=None, allow_missing=True, operation="rename",
+                                     progress=progress)
+    return (targets, mappings, summary, uses), write
+
+
+def _rename_torch(ck: Checkpoint, out: str, plan: RenamePlan, key: str | None, allow_unused: bool, dry_run: bool,
+                  retag: tuple[str | None, Mapping[str, str] | None],
+                  progress: ProgressFn | None) -> tuple[_Planned, WriteResult]:
+    """A torch zip or legacy file: the graph renamed by :func:`ckptool.ops.rename.rename_graph`, streamed anew."""
+    location_fn = retag_function(ck, *retag, allow_missing=allow_unused)
+    refs = _graph_targets(ck.root, key, ck.path, "rename")
+    targets = [(t.path, _ref_keys(t)) for t in refs]
+    mappings, summary, uses = _plan_rules(targets, plan, allow_unused, ck.path)
+    for ref, m in zip(refs, mappings):
+        if ref.is_module and any(old != new for old, new in m.items()):
+            _refuse_module(ck.path, ref, "rename")
+    if dry_run:
+        write = WriteResult(ck.path, "", ck.format, storages=len(ck.storages))
+    else:
+        root, _summary = rename_graph(ck.root, plan, key=key, allow_missing=True, where=ck.path)
+        write = rewrite_file(ck, out, root, location_fn, progress=progress)
+    return (targets, mappings, summary, uses), write
 
 
 def _refuse_file_options(dst: object, in_place: bool, to: str | None, mapping: Mapping[str, str] | None) -> None:
@@ -462,7 +392,7 @@ def _plan_filter(targets: list[tuple[str, list[str]]], globs: _Globs, allow_unus
         changes.append(ch)
     unused = [(kind, g) for kind, g, n in globs.uses() if not n]
     if unused and not allow_unused:
-        sample = ", ".join(repr(k) for _p, keys in targets for k in keys[:3][:3]) or "no keys"
+        sample = _sample(targets)
         kind, g = unused[0]
         raise PrefixNotFoundError(
             f"{where}: --{kind} {g!r} matches no key (keys look like {sample}; a glob matches the whole key, e.g. "
@@ -494,8 +424,11 @@ def _filter_torch(ck: Checkpoint, out: str, globs: _Globs, key: str | None, allo
                   retag: tuple[str | None, Mapping[str, str] | None], progress: ProgressFn | None) -> FilterResult:
     location_fn = retag_function(ck, *retag, allow_missing=allow_unused)
     found = _graph_targets(ck.root, key, ck.path, "filter")
-    targets = [(t.path, _str_keys(t.obj)) for t in found]
+    targets = [(t.path, _ref_keys(t)) for t in found]
     changes = _plan_filter(targets, globs, allow_unused, ck.path)
+    for t, ch in zip(found, changes):
+        if t.is_module and (ch.dropped or key is not None):  # --key would write the module object: not a state_dict
+            _refuse_module(ck.path, t, "filter")
     res = FilterResult(ck.path, "", ck.format, key=key, changes=changes, globs=globs.uses(),
                        extracted=key is not None, dry_run=dry_run)
     if dry_run:
