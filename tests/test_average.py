@@ -279,3 +279,14 @@ def test_json_report(inputs: list[Path], tmp_path: Path, run_cli) -> None:
     assert doc["schema"] == "ckptool.average/1" and doc["from_first"] == ["bn.num_batches_tracked", "mask"]
     assert doc["tied"] == {"lm_head.weight": "emb.weight"} and doc["averaged"] == 7 and doc["tensors"] == 10
     assert doc["formats_in"] == ["torch-zip", "torch-legacy", "safetensors"]
+
+
+def test_non_tensor_entries_are_reported_as_left_out(tmp_path: Path, run_cli) -> None:
+    sds = [_state_dict(i) for i in range(2)]
+    for sd in sds:
+        sd["head._extra_state"] = {"vocab": 3}
+    ps = [_save(tmp_path, f"x{i}.pth", sd) for i, sd in enumerate(sds)]
+    r = run_cli("average", *ps, "-o", tmp_path / "o.pth")
+    assert r.exit_code == 0, r.output
+    assert "Left out of the state_dict (not a tensor): head._extra_state: mapping of 1 entries" in r.output
+    assert "head._extra_state" not in torch.load(tmp_path / "o.pth", weights_only=True)

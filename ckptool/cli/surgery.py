@@ -235,6 +235,8 @@ def _report_average(res: AverageResult) -> None:
         click.echo(f"Note: {note}")
     for entry in res.left_out:
         click.echo(f"Left out (not averaged): {entry}")
+    for entry in res.skipped:
+        click.echo(f"Left out of the state_dict (not a tensor): {entry}")
 
 
 @click.command("average")

@@ -55,7 +55,8 @@ class AverageResult:
     their ``formats_in``, the ``weights`` as given (normalised by their sum), ``key`` (the state_dict chosen in the
     first torch input, ``""`` = top level; None for safetensors), ``tensors`` in the output, ``averaged`` (their
     names count), ``from_first`` (integer / bool tensors copied from the first input), ``tied`` (``alias -> tensor``
-    sharing its storage), ``left_out`` (entries of the first input not carried), ``bytes_written``, ``notes``."""
+    sharing its storage), ``left_out`` (entries of the first input beside its state_dict, not carried), ``skipped``
+    (non-tensor entries of the first input's state_dict, not carried), ``bytes_written``, ``notes``."""
 
     dst: str
     format_out: str
@@ -68,6 +69,7 @@ class AverageResult:
     from_first: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)
     left_out: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
     bytes_written: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -297,7 +299,8 @@ def average(inputs: Sequence[Any], dst: str | os.PathLike[str] | None = None, *,
     if fmt_out == "safetensors":
         check_safetensors_dtypes(sources[0].tensors, None, out)
     res = AverageResult(out, formats.SAFETENSORS if fmt_out == "safetensors" else formats.TORCH_ZIP, paths,
-                        [s.format for s in sources], ws, key=sources[0].key, left_out=list(sources[0].left_out))
+                        [s.format for s in sources], ws, key=sources[0].key, left_out=list(sources[0].left_out),
+                        skipped=list(sources[0].skipped))
     res.notes += [n for s in sources for n in s.notes]
     ties = _ties(sources)
     state = next((s.sd_state for s in sources if s.sd_state is not None), None)
