@@ -404,3 +404,18 @@ def test_a_pickled_module_beside_the_state_dict_is_left_alone(tmp_path: Path) ->
     assert isinstance(loaded["model"], nn.Linear) and next(iter(loaded["state_dict"])) == "backbone.0.weight"
     with pytest.raises(UnsupportedError, match=r"'model' is a pickled nn\.Module"):
         ckptool.rename(p, out, rules=[r"weight$=w"], allow_unused=True)
+
+
+def test_rename_and_filter_import_no_torch(net_file: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, ckptool; from ckptool.cli import main\n"
+            "ckptool.rename(sys.argv[1], sys.argv[2], rules=[r'^head\\.=classifier.'])\n"
+            "ckptool.filter_keys(sys.argv[2], sys.argv[3], drop='classifier.*')\n"
+            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'imported'")
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PATH": "/usr/bin:/bin"}
+    res = subprocess.run([sys.executable, "-c", code, str(net_file), str(tmp_path / "r.pth"), str(tmp_path / "f.pth")],
+                         capture_output=True, text=True, env=env, check=False)
+    assert res.returncode == 0, res.stderr
+    assert list(torch.load(tmp_path / "f.pth", weights_only=True))[-1] == "features.1.num_batches_tracked"
