@@ -32,6 +32,7 @@ from ckptool.errors import (
 
 if TYPE_CHECKING:
     from ckptool.model.rename_memory import rename_state_dict
+    from ckptool.ops.average import AverageResult, average
     from ckptool.ops.convert import ConvertResult, VerificationError, convert
     from ckptool.ops.diff import DiffResult, diff
     from ckptool.ops.extract import ExtractResult, extract_state_dict
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from ckptool.ops.rewrite import WriteResult
     from ckptool.ops.sanitize import SanitizeResult, sanitize
     from ckptool.ops.scan import ScanResult, scan, scan_file
+    from ckptool.ops.surgery import FilterResult, RuleResult, filter_keys, rename
     from ckptool.torch_ops.load import load_into
     from ckptool.torch_ops.portable import save_portable
     from ckptool.torch_ops.reports import LoadReport, StateDictMismatchError, TrainingState, VerifyReport
@@ -86,6 +88,12 @@ _LAZY: dict[str, str] = {
     "SanitizeResult": "ckptool.ops.sanitize",
     "report": "ckptool.ops.report",
     "ReportResult": "ckptool.ops.report",
+    "rename": "ckptool.ops.surgery",
+    "filter_keys": "ckptool.ops.surgery",
+    "RuleResult": "ckptool.ops.surgery",
+    "FilterResult": "ckptool.ops.surgery",
+    "average": "ckptool.ops.average",
+    "AverageResult": "ckptool.ops.average",
 }
 
 
@@ -104,6 +112,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AverageResult",
     "CheckpointInfo",
     "CkptError",
     "ConvertResult",
@@ -111,6 +120,7 @@ __all__ = [
     "DeviceNotFoundError",
     "DiffResult",
     "ExtractResult",
+    "FilterResult",
     "KeyCollisionError",
     "LoadReport",
     "NestedPrefixError",
@@ -120,6 +130,7 @@ __all__ = [
     "RemoteError",
     "RenameResult",
     "ReportResult",
+    "RuleResult",
     "SanitizeResult",
     "ScanResult",
     "StateDictInfo",
@@ -133,13 +144,16 @@ __all__ = [
     "VerifyReport",
     "WriteResult",
     "add_prefix",
+    "average",
     "convert",
     "diff",
     "extract_state_dict",
+    "filter_keys",
     "inspect",
     "load_into",
     "load_training_state",
     "remap",
+    "rename",
     "rename_state_dict",
     "report",
     "sanitize",

@@ -48,6 +48,12 @@ COMMANDS: dict[str, list[str]] = {
     "sanitize": ["sanitize", "PATH", "-o", "OUT/san.pth"],
     "extract-state-dict": ["extract-state-dict", "PATH", "-o", "OUT/sd.pth"],
     "verify": ["verify", "PATH", "--model", "MODELS:build", "--device", "cpu", "--no-strict"],
+    "rename": ["rename", "PATH", "--rule", "^=x.", "--allow-unused", "-o", "OUT/rename.pth"],
+    "filter": ["filter", "PATH", "--drop", "zzz*", "--allow-unused", "-o", "OUT/filter.pth"],
+    "average": ["average", "PATH", "PATH", "-o", "OUT/average.pth"],
+    "report": ["report", "PATH", "-o", "OUT/report.html"],
+    "report-compare": ["report", "PATH", "PATH", "-o", "OUT/compare.html"],
+    "inspect-tree": ["inspect", "PATH", "--tree"],
 }
 
 

@@ -68,6 +68,15 @@ COMMANDS: dict[str, CommandInfo] = {
     "unwrap": CommandInfo(
         "ckptool.cli.prefixes", "unwrap_cmd",
         "Remove every wrapper prefix that `ckptool inspect` reports from state_dict keys, and say what was removed."),
+    "rename": CommandInfo(
+        "ckptool.cli.surgery", "rename_cmd",
+        "Rename state_dict keys by regex rules (REGEX=REPLACEMENT on the whole key, in order)."),
+    "filter": CommandInfo(
+        "ckptool.cli.surgery", "filter_cmd",
+        "Keep or drop state_dict keys by glob, and list what was dropped."),
+    "average": CommandInfo(
+        "ckptool.cli.surgery", "average_cmd",
+        "Average the state_dicts of two or more checkpoints (any mix of torch and safetensors files)."),
     "convert": CommandInfo(
         "ckptool.cli.convert", "convert_cmd",
         "Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint."),

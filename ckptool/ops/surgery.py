@@ -1,0 +1,540 @@
+"""``ckptool.rename`` (keys renamed by regex rules) and ``ckptool.filter_keys`` (keys kept or dropped by globs).
+
+Both work on the state_dict(s) of a checkpoint, in a file or in memory, with the machinery of the prefix commands
+(:mod:`ckptool.ops.rename`): a file is read as a node graph (:func:`ckptool.formats.torchfile.read_checkpoint`,
+nothing imported or run), the selected state_dicts are changed in the graph and the file is streamed anew
+(:func:`ckptool.ops.rewrite.rewrite_file`: tensor records copied byte for byte, torch never imported); a
+safetensors file gets a new header. Outputs are atomic; nothing is written when an error is raised.
+
+Selection, as for the prefix commands: ``key`` (a dotted path) selects one state_dict; without it every state_dict
+:func:`ckptool.model.graph.find_state_dicts` finds is changed (never optimizer state).
+
+**Rules.** A rule ``(REGEX, REPLACEMENT)`` is ``re.sub(REGEX, REPLACEMENT, key)`` on the whole fully qualified name
+(Python ``re`` syntax, ``\\1`` / ``\\g<name>`` groups), the rules applied in order, each to what the previous one
+made: mmengine's ``load_checkpoint(revise_keys=[(r'^module\\.', '')])``. The prefix commands are special cases:
+``^module\\.`` -> ``""`` is ``strip-dataparallel``, ``^`` -> ``module.`` is ``add-prefix module.``. A rule is a
+step of a :class:`~ckptool.model.rename_plan.RenamePlan` (:class:`RuleStep`), so the plan's checks apply: two keys
+that would get one name are refused (:class:`~ckptool.errors.KeyCollisionError`), FSDP flat parameters are refused,
+and ``_metadata`` follows the keys (:func:`ckptool.model.keys.rename_metadata_items`). A rule that matches no key
+of any selected state_dict is refused unless ``allow_unused``.
+
+**Globs.** ``keep`` / ``drop`` are :func:`fnmatch.fnmatchcase` patterns on the whole key (``*`` also matches dots):
+a key stays when it matches a ``keep`` glob (or none is given) and no ``drop`` glob. ``_metadata`` is kept as it
+is (its entries name modules, which may hold no tensor). The storages no kept tensor uses are not written, so the
+dropped tensors' bytes leave the file. With ``key``, the output is that state_dict alone (extracted from a training
+checkpoint); without it, the rest of the checkpoint stays.
+
+Pickled ``nn.Module`` objects (``torch.save(model)``) are refused: run ``ckptool extract-state-dict`` first.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import os
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
+from ckptool.formats import detect as formats
+from ckptool.formats.nodes import StorageRef
+from ckptool.formats.pickler import PicklerError, dumps
+from ckptool.formats.safetensors import SHARED_KEY, read_header
+from ckptool.formats.torchfile import Checkpoint, read_checkpoint
+from ckptool.model.graph import StateDictRef, find_state_dicts, mapping_items, set_mapping_items
+from ckptool.model.objects import find_object_state_dicts
+from ckptool.model.paths import resolve_path
+from ckptool.model.rename_memory import _copy_meta, _new_like, _replace_at, rename_mapping
+from ckptool.model.rename_plan import RenamePlan, RenameSummary, label, plan_keys
+from ckptool.ops.convert import ConvertResult
+from ckptool.ops.convert.outputs import write_outputs
+from ckptool.ops.convert.read_safetensors import restore_library_aliases, safetensors_source
+from ckptool.ops.convert.read_torch import select_state_dict
+from ckptool.ops.convert.source import Source
+from ckptool.ops.rename import RenameResult, _rewrite_safetensors, rename_graph
+from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, retag_function, rewrite_file
+from ckptool.ops.rules import RuleLike, RuleStep, load_rules, rules_plan
+
+__all__ = ["FilterResult", "RuleResult", "RuleStep", "filter_keys", "load_rules", "rename",
+           "rules_plan"]
+
+# ------------------------------------------------------------------------------------------------ results
+@dataclass
+class RuleUse:
+    """One rule (``REGEX=REPLACEMENT``) and the number of keys it ``matched``, over every selected state_dict."""
+
+    rule: str
+    matched: int
+
+
+@dataclass(kw_only=True)
+class RuleResult(RenameResult):
+    """What :func:`rename` did to a file: the :class:`~ckptool.ops.rename.RenameResult` fields (``dst`` is ``""``
+    after a dry run; ``removed`` / ``added`` stay empty: rules are reported in ``rules``), ``rules``
+    (:class:`RuleUse`, in order), ``renames`` (``(state_dict path, old key, new key)`` of every renamed key) and
+    ``dry_run``."""
+
+    rules: list[RuleUse] = field(default_factory=list)
+    renames: list[tuple[str, str, str]] = field(default_factory=list)
+    dry_run: bool = False
+
+
+@dataclass
+class FilterChange:
+    """One filtered state_dict: its dotted ``path``, its number of ``keys``, the keys ``kept`` and ``dropped``."""
+
+    path: str
+    keys: int
+    kept: int
+    dropped: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return label(self.path)
+
+
+@dataclass(kw_only=True)
+class FilterResult(WriteResult):
+    """What :func:`filter_keys` did to a file: the :class:`~ckptool.ops.rewrite.WriteResult` fields (``dst`` is
+    ``""`` after a dry run), ``changes`` (:class:`FilterChange` per state_dict), ``globs`` (``(kind, glob,
+    keys matched)`` with kind ``keep`` / ``drop``), ``extracted`` (the output is the state_dict at ``key`` alone)
+    and ``dry_run``."""
+
+    key: str | None = None
+    changes: list[FilterChange] = field(default_factory=list)
+    globs: list[tuple[str, str, int]] = field(default_factory=list)
+    extracted: bool = False
+    dry_run: bool = False
+
+    @property
+    def dropped(self) -> int:
+        return sum(len(c.dropped) for c in self.changes)
+
+
+# ------------------------------------------------------------------------------------------------ selection
+def _graph_targets(root: Any, key: str | None, where: str, action: str) -> list[StateDictRef]:
+    """The state_dict at ``key`` (:func:`ckptool.ops.convert.read_torch.select_state_dict`), or every state_dict
+    found (pickled modules included: :func:`_refuse_module` once it is known that one would change).
+
+    Raises:
+        UsageError: ``key`` names nothing or no mapping.
+        UnsupportedError: no state_dict.
+    """
+    if key is not None:
+        targets = [select_state_dict(root, key, where)]
+    else:
+        targets = find_state_dicts(root)
+        if not targets:
+            raise UnsupportedError(
+                f"{where}: no state_dict found (a mapping of parameter names to tensors); pass --key PATH (key=...) "
+                f"to select the mapping to {action}")
+    return targets
+
+
+def _refuse_module(where: str, t: StateDictRef, action: str) -> None:
+    """Raise the :class:`UnsupportedError` for a pickled ``nn.Module`` whose keys ``action`` would change."""
+    raise UnsupportedError(
+        f"{where}: {label(t.path)} is a pickled nn.Module (torch.save(model)), not a state_dict: its keys come from "
+        f"its module tree, which {action} does not rebuild. Run `ckptool extract-state-dict {where}` first and "
+        f"{action} that file")
+
+
+def _ref_keys(t: StateDictRef) -> list[str]:
+    """The keys of a state_dict found in the graph: a module's ``state_dict()`` keys, a mapping's string keys."""
+    return t.keys() if t.is_module else [k for k, _v in mapping_items(t.obj) or [] if isinstance(k, str)]
+
+
+def _is_tensor_value(v: object) -> bool:
+    torch = sys.modules.get("torch")  # a mapping can hold torch tensors only once its caller imported torch
+    return torch is not None and isinstance(v, torch.Tensor)
+
+
+def _memory_targets(obj: Mapping[Any, Any], key: str | None) -> list[tuple[list[Any], Mapping[Any, Any], str]]:
+    """``(keys from obj, state_dict, dotted path)`` of the selected state_dicts of a loaded mapping.
+
+    Raises:
+        UsageError: ``key`` names nothing, or no mapping.
+        UnsupportedError: no state_dict found.
+    """
+    if key is not None:
+        try:
+            trail = resolve_path(obj, key)
+        except KeyError:
+            raise UsageError(f"no entry {key!r} (key=) in the given mapping") from None
+        sd = trail[-1].child if trail else obj
+        if not isinstance(sd, Mapping) or any(not isinstance(link.parent, (Mapping, list, tuple)) for link in trail):
+            raise UsageError(f"key={key!r} selects a {type(sd).__name__}, not a state_dict mapping")
+        return [([link.key for link in trail], sd, key)]
+    found = find_object_state_dicts(obj, _is_tensor_value)
+    if not found:
+        raise UnsupportedError("no state_dict found in the given mapping (string keys mapped to tensors); pass "
+                               "key=... to select one")
+    return [([link.key for link in ref.trail], ref.obj, ref.path) for ref in found]
+
+
+# ------------------------------------------------------------------------------------------------ rename
+def _plan_rules(targets: list[tuple[str, list[str]]], plan: RenamePlan, allow_unused: bool,
+                where: str) -> tuple[list[dict[str, str]], RenameSummary, list[RuleUse]]:
+    """Check ``plan`` on ``(path, keys)`` targets (:func:`ckptool.model.rename_plan.plan_keys`: collisions, FSDP
+    flat parameters) and count the keys each rule matched.
+
+    Raises:
+        PrefixNotFoundError: a rule matches no key, unless ``allow_unused``.
+        KeyCollisionError / UnsupportedError: from :func:`~ckptool.model.rename_plan.plan_keys`.
+    """
+    mappings, summary = plan_keys([(p, k, False) for p, k in targets], plan, allow_missing=True, where=where)
+    uses = [RuleUse(s.text, summary.removed.get(s.prefixes[0], 0)) for s in plan.steps if isinstance(s, RuleStep)]
+    summary.removed = {}
+    for ch in summary.changes:
+        ch.removed = {}
+    unused = [(i, u) for i, u in enumerate(uses, 1) if not u.matched]
+    if unused and not allow_unused:
+        i, u = unused[0]
+        sample = _sample(targets)
+        raise PrefixNotFoundError(
+            f"{where}: rule {i} ({u.rule}) matches no key (keys look like {sample}); nothing was written. Check it "
+            "with --dry-run and `ckptool inspect`, or pass --allow-unused (allow_unused=True) to accept it")
+    return mappings, summary, uses
+
+
+def _sample(targets: list[tuple[str, list[str]]]) -> str:
+    """The first three keys, for messages."""
+    return ", ".join(repr(k) for k in itertools.islice((k for _p, keys in targets for k in keys), 3)) or "no keys"
+
+
+def _renames(targets: list[tuple[str, list[str]]], mappings: list[dict[str, str]]) -> list[tuple[str, str, str]]:
+    return [(p, old, new) for (p, _k), m in zip(targets, mappings) for old, new in m.items() if old != new]
+
+
+def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterable[RuleLike],
+           key: str | None = None, in_place: bool = False, allow_unused: bool = False, dry_run: bool = False,
+           to: str | None = None, mapping: Mapping[str, str] | None = None,
+           progress: ProgressFn | None = None) -> Any:
+    """Rename the keys of the state_dict(s) of ``src`` by regex ``rules`` (see the module docstring).
+
+    ``rules`` are ``"REGEX=REPLACEMENT"`` strings (split at the last ``=``) or ``(REGEX, REPLACEMENT)`` pairs
+    (:func:`load_rules` reads them from a file). ``src`` is a checkpoint path (torch zip, legacy or safetensors) or an
+    in-memory mapping. For a path the output goes to ``dst`` (default ``<stem>.renamed<ext>`` beside ``src``;
+    ``in_place`` replaces ``src`` atomically), a torch zip file (safetensors for a safetensors input) that loads with
+    ``torch.load(dst, weights_only=True)`` when the input did; returns a :class:`RuleResult` (``dry_run``: nothing
+    written, the result says what would be renamed). ``to`` / ``mapping`` re-tag the storages of a torch output in
+    the same pass, as :func:`ckptool.ops.remap.remap` does (``allow_unused`` also lets a ``mapping`` source that
+    matches no storage pass). For a mapping, returns a new mapping of the same type (values
+    are the same objects, ``_metadata`` renamed); nothing is mutated.
+
+    Raises:
+        UsageError: bad rule, ``key`` naming no mapping, ``dst`` equal to ``src`` without ``in_place``, ``dst`` /
+            ``in_place`` / ``to`` / ``mapping`` with a mapping, ``key`` / ``to`` / ``mapping`` with a safetensors
+            file, a bad device string.
+        PrefixNotFoundError: a rule matches no key (unless ``allow_unused``); nothing written.
+        DeviceNotFoundError: a ``mapping`` source matches no storage (unless ``allow_unused``).
+        KeyCollisionError: two keys would get one name (listed); nothing written.
+        UnsupportedError: no state_dict, a pickled ``nn.Module``, FSDP flat parameters, TorchScript / plain pickle.
+        NotACheckpointError / CorruptCheckpointError: unreadable input.
+    """
+    plan = rules_plan(rules)
+    if isinstance(src, Mapping):
+        _refuse_file_options(dst, in_place, to, mapping)
+        found = _memory_targets(src, key)
+        _plan_rules([(p, [k for k in sd if isinstance(k, str)]) for _t, sd, p in found], plan, allow_unused,
+                    "state_dict")
+        return src if dry_run else rename_mapping(src, plan, key=key, allow_missing=True)
+    path = _file_path(src, "rename")
+    fmt = _rewritable_format(path, "renamed")
+    out = "" if dry_run else output_path(path, _opt(dst), in_place, "renamed")
+    if fmt == formats.SAFETENSORS:
+        _refuse_safetensors_options(path, key, to, mapping)
+        planned, write = _rename_safetensors(path, out, plan, allow_unused, dry_run, progress)
+    else:
+        planned, write = _rename_torch(read_checkpoint(path, fmt), out, plan, key, allow_unused, dry_run,
+                                       (to, mapping), progress)
+    targets, mappings, summary, uses = planned
+    fields = {k: v for k, v in vars(write).items() if k in WriteResult.__dataclass_fields__}
+    return RuleResult(**fields, **vars(summary), operation="rename", rules=uses,
+                      renames=_renames(targets, mappings), dry_run=dry_run)
+
+
+#: what :func:`_plan_rules` planned: the ``(path, keys)`` targets, their ``{old: new}`` mappings, the summary, the
+#: rules' uses
+_Planned = tuple[list[tuple[str, list[str]]], list[dict[str, str]], RenameSummary, list[RuleUse]]
+
+
+def _rename_safetensors(path: str, out: str, plan: RenamePlan, allow_unused: bool, dry_run: bool,
+                        progress: ProgressFn | None) -> tuple[_Planned, WriteResult]:
+    """A safetensors file: a new header over the data block copied as it is (:mod:`ckptool.ops.rename`'s), or,
+    when it records tied names, through ``convert``'s reader and writer so that the records name the new keys."""
+    header = read_header(path)
+    source = None
+    if header.metadata and (SHARED_KEY in header.metadata or header.aliases()):
+        source = safetensors_source(path)
+        restore_library_aliases(source)
+        targets = [("", [t.name for t in source.tensors])]
+    else:
+        targets = [("", list(header.entries))]
+    mappings, summary, uses = _plan_rules(targets, plan, allow_unused, path)
+    if dry_run:
+        write = WriteResult(path, "", formats.SAFETENSORS, storages=len(targets[0][1]))
+    elif source is not None:
+        for t in source.tensors:
+            t.name = mappings[0][t.name]
+        write = _write_safetensors_source(source, out, progress)
+    else:
+        write = _rewrite_safetensors(path, out, plan, key=None, allow_missing=True, operation="rename",
+                                     progress=progress)
+    return (targets, mappings, summary, uses), write
+
+
+def _rename_torch(ck: Checkpoint, out: str, plan: RenamePlan, key: str | None, allow_unused: bool, dry_run: bool,
+                  retag: tuple[str | None, Mapping[str, str] | None],
+                  progress: ProgressFn | None) -> tuple[_Planned, WriteResult]:
+    """A torch zip or legacy file: the graph renamed by :func:`ckptool.ops.rename.rename_graph`, streamed anew."""
+    location_fn = retag_function(ck, *retag, allow_missing=allow_unused)
+    refs = _graph_targets(ck.root, key, ck.path, "rename")
+    targets = [(t.path, _ref_keys(t)) for t in refs]
+    mappings, summary, uses = _plan_rules(targets, plan, allow_unused, ck.path)
+    for ref, m in zip(refs, mappings):
+        if ref.is_module and any(old != new for old, new in m.items()):
+            _refuse_module(ck.path, ref, "rename")
+    if dry_run:
+        write = WriteResult(ck.path, "", ck.format, storages=len(ck.storages))
+    else:
+        root, _summary = rename_graph(ck.root, plan, key=key, allow_missing=True, where=ck.path)
+        write = rewrite_file(ck, out, root, location_fn, progress=progress)
+    return (targets, mappings, summary, uses), write
+
+
+def _refuse_file_options(dst: object, in_place: bool, to: str | None, mapping: Mapping[str, str] | None) -> None:
+    if dst is not None or in_place or to is not None or mapping:
+        raise UsageError("dst, in_place, to and mapping apply to files; for an in-memory state_dict the new mapping is "
+                         "returned (move its tensors with .to())")
+
+
+def _refuse_safetensors_options(path: str, key: str | None, to: str | None,
+                                mapping: Mapping[str, str] | None) -> None:
+    if key is not None:
+        raise UsageError(f"{path} is safetensors: it holds one flat mapping of tensors, so --key does not apply")
+    if to is not None or mapping:
+        raise UsageError(f"{path} is safetensors: it carries no location tags, so --to / --map do not apply (load it "
+                         "on any device with safetensors.torch.load_file(path, device=...))")
+
+
+def _opt(p: str | os.PathLike[str] | None) -> str | None:
+    return os.fspath(p) if p is not None else None
+
+
+def _file_path(src: Any, fn: str) -> str:
+    if not isinstance(src, (str, os.PathLike)):
+        hint = " (pass model.state_dict(), or the path of a saved file)" if hasattr(src, "state_dict") else ""
+        raise UsageError(f"{fn}: expected a checkpoint path or a state_dict mapping, got {type(src).__name__}{hint}")
+    return os.fspath(src)
+
+
+def _rewritable_format(path: str, done: str) -> str:
+    """The format of ``path`` when its keys can be ``done`` (renamed / filtered) here.
+
+    Raises:
+        UnsupportedError: TorchScript, plain pickle, ``.pt2``.
+    """
+    fmt = formats.detect_format(path)
+    if fmt == formats.TORCHSCRIPT:
+        raise UnsupportedError(f"{path} is a TorchScript archive: its parameter names are fixed by its compiled code "
+                               f"and cannot be {done}. Load it with torch.jit.load(path, map_location='cpu') and save "
+                               "model.state_dict() with torch.save first")
+    if fmt == formats.PICKLE:
+        raise UnsupportedError(f"{path} is a plain pickle without torch storages, not a torch.save checkpoint")
+    if fmt == formats.PT2:
+        raise UnsupportedError(f"{path} is a torch.export archive; write its state_dict with `ckptool "
+                               f"extract-state-dict {path}` first")
+    return fmt
+
+
+# ------------------------------------------------------------------------------------------------ filter
+class _Globs:
+    """``keep`` / ``drop`` globs and how many keys each matched."""
+
+    def __init__(self, keep: Sequence[str], drop: Sequence[str]) -> None:
+        if not keep and not drop:
+            raise UsageError("nothing to filter: give --keep GLOB and/or --drop GLOB (keep=[...], drop=[...])")
+        self.keep, self.drop = list(keep), list(drop)
+        self.hits = {("keep", g): 0 for g in self.keep} | {("drop", g): 0 for g in self.drop}
+
+    def kept(self, k: str) -> bool:
+        hit_keep = [g for g in self.keep if fnmatch.fnmatchcase(k, g)]
+        hit_drop = [g for g in self.drop if fnmatch.fnmatchcase(k, g)]
+        for g in hit_keep:
+            self.hits[("keep", g)] += 1
+        for g in hit_drop:
+            self.hits[("drop", g)] += 1
+        return (not self.keep or bool(hit_keep)) and not hit_drop
+
+    def uses(self) -> list[tuple[str, str, int]]:
+        return [(kind, g, n) for (kind, g), n in self.hits.items()]
+
+
+def _plan_filter(targets: list[tuple[str, list[str]]], globs: _Globs, allow_unused: bool,
+                 where: str) -> list[FilterChange]:
+    """The :class:`FilterChange` of every ``(path, keys)`` target.
+
+    Raises:
+        PrefixNotFoundError: a glob matches no key (unless ``allow_unused``).
+        UsageError: a state_dict would lose every key.
+    """
+    changes = []
+    for path, keys in targets:
+        ch = FilterChange(path, len(keys), 0)
+        for k in keys:
+            if globs.kept(k):
+                ch.kept += 1
+            else:
+                ch.dropped.append(k)
+        changes.append(ch)
+    unused = [(kind, g) for kind, g, n in globs.uses() if not n]
+    if unused and not allow_unused:
+        sample = _sample(targets)
+        kind, g = unused[0]
+        raise PrefixNotFoundError(
+            f"{where}: --{kind} {g!r} matches no key (keys look like {sample}; a glob matches the whole key, e.g. "
+            "'head.*'); nothing was written. Check it with --dry-run and `ckptool inspect`, or pass --allow-unused "
+            "(allow_unused=True) to accept it")
+    for ch in changes:
+        if ch.keys and not ch.kept:
+            raise UsageError(f"{where}: the globs drop every key of state_dict {ch.label} ({ch.keys} keys); nothing "
+                             "was written. Keep at least one key")
+    return changes
+
+
+def _used_storages(root: Any, protocol: int) -> set[str]:
+    """The keys of the storages the pickle of ``root`` refers to: found by pickling it (the writer's own walk)."""
+    used: set[str] = set()
+
+    def hook(ref: StorageRef) -> tuple[Any, ...]:
+        used.add(ref.key)
+        return (ref.typename, ref.storage_type, ref.key, ref.location, ref.numel, *ref.extra)
+
+    try:
+        dumps(root, protocol=protocol, storage_hook=hook)
+    except PicklerError as e:
+        raise UnsupportedError(f"cannot write the pickle back ({e})") from e
+    return used
+
+
+def _filter_torch(ck: Checkpoint, out: str, globs: _Globs, key: str | None, allow_unused: bool, dry_run: bool,
+                  retag: tuple[str | None, Mapping[str, str] | None], progress: ProgressFn | None) -> FilterResult:
+    location_fn = retag_function(ck, *retag, allow_missing=allow_unused)
+    found = _graph_targets(ck.root, key, ck.path, "filter")
+    targets = [(t.path, _ref_keys(t)) for t in found]
+    changes = _plan_filter(targets, globs, allow_unused, ck.path)
+    for t, ch in zip(found, changes):
+        if t.is_module and (ch.dropped or key is not None):  # --key would write the module object: not a state_dict
+            _refuse_module(ck.path, t, "filter")
+    res = FilterResult(ck.path, "", ck.format, key=key, changes=changes, globs=globs.uses(),
+                       extracted=key is not None, dry_run=dry_run)
+    if dry_run:
+        return res
+    for t, ch in zip(found, changes):
+        if ch.dropped:
+            gone = set(ch.dropped)
+            set_mapping_items(t.obj, [(k, v) for k, v in mapping_items(t.obj) or [] if k not in gone])
+    root = found[0].obj if key is not None else ck.root
+    used = _used_storages(root, ck.protocol)
+    if len(used) < len(ck.storages):  # the records of storages nothing refers to any more are not written
+        keep = {"data/" + k for k in used}
+        ck = replace(ck, _records=[r for r in ck.records if not r.name.startswith("data/") or r.name in keep],
+                     storages={k: v for k, v in ck.storages.items() if k in used})
+    w = rewrite_file(ck, out, root, location_fn, progress=progress)
+    res.dst, res.storages, res.bytes_written, res.retagged = out, w.storages, w.bytes_written, w.retagged
+    return res
+
+
+def _filter_safetensors(path: str, out: str, globs: _Globs, allow_unused: bool, dry_run: bool,
+                        progress: ProgressFn | None) -> FilterResult:
+    """A safetensors file through ``convert``'s reader and writer: the kept tensors (tied names restored, the sharing
+    records rewritten for what is kept), read back and checked before it is renamed into place."""
+    source = safetensors_source(path)
+    restore_library_aliases(source)
+    targets = [("", [t.name for t in source.tensors])]
+    changes = _plan_filter(targets, globs, allow_unused, path)
+    res = FilterResult(path, "", formats.SAFETENSORS, changes=changes, globs=globs.uses(), dry_run=dry_run)
+    if dry_run:
+        return res
+    gone = set(changes[0].dropped)
+    source.tensors = [t for t in source.tensors if t.name not in gone]
+    for i, t in enumerate(source.tensors):
+        t.index = i
+    if source.metadata:  # records of dropped names (save_model's alias -> kept) go with them
+        source.metadata = {k: v for k, v in source.metadata.items() if k not in gone and v not in gone}
+    w = _write_safetensors_source(source, out, progress)
+    res.dst, res.storages, res.bytes_written = out, w.storages, w.bytes_written
+    return res
+
+
+def _write_safetensors_source(source: Source, out: str, progress: ProgressFn | None) -> WriteResult:
+    """Write ``source`` (a safetensors file read by ``convert``'s reader, changed) to ``out`` with ``convert``'s
+    writer: storage sharing recorded anew for the names written, read back and checked before it is renamed into
+    place (:func:`ckptool.ops.convert.outputs.write_outputs`)."""
+    done = 0
+
+    def tick(now: int, _total: int) -> None:  # convert reports bytes so far; ours, bytes since the last call
+        nonlocal done
+        if progress is not None and now > done:
+            progress(now - done)
+        done = max(done, now)
+
+    cres = ConvertResult(source.path, out, formats.SAFETENSORS, "safetensors")
+    write_outputs(source, out, "safetensors", None, None, lambda s: s, None, True, tick, cres)
+    return WriteResult(source.path, out, formats.SAFETENSORS, storages=cres.stored, bytes_written=cres.bytes_written)
+
+
+def _filter_memory(obj: Mapping[Any, Any], globs: _Globs, key: str | None, allow_unused: bool,
+                   dry_run: bool) -> Any:
+    found = _memory_targets(obj, key)
+    targets = [(p, [k for k in sd if isinstance(k, str)]) for _t, sd, p in found]
+    changes = _plan_filter(targets, globs, allow_unused, "state_dict")
+    if dry_run:
+        return obj
+    result: Any = obj
+    for (trail, sd, _p), ch in zip(found, changes):
+        gone = set(ch.dropped)
+        new = _copy_meta(sd, _new_like(sd, [(k, v) for k, v in sd.items() if k not in gone]))
+        if key is not None:
+            return new
+        result = _replace_at(result, trail, new)
+    return result if result is not obj else _copy_meta(obj, _new_like(obj, obj.items()))
+
+
+def filter_keys(src: Any, dst: str | os.PathLike[str] | None = None, *, keep: str | Sequence[str] = (),
+                drop: str | Sequence[str] = (), key: str | None = None, in_place: bool = False,
+                allow_unused: bool = False, dry_run: bool = False, to: str | None = None,
+                mapping: Mapping[str, str] | None = None, progress: ProgressFn | None = None) -> Any:
+    """Keep the keys of the state_dict(s) of ``src`` that match a ``keep`` glob (all, when none is given) and no
+    ``drop`` glob (:func:`fnmatch.fnmatchcase` on the whole key; see the module docstring).
+
+    With ``key`` the result is that state_dict alone (extracted, e.g. ``key="state_dict_ema"`` from a timm training
+    checkpoint); without it every state_dict found is filtered and the rest of the checkpoint kept. For a path the
+    output goes to ``dst`` (default ``<stem>.filtered<ext>``; ``in_place`` replaces ``src``), without the bytes of
+    the dropped tensors; returns a :class:`FilterResult` listing what was dropped (``dry_run``: nothing written).
+    ``to`` / ``mapping`` re-tag the storages of a torch output as in :func:`rename`.
+    For a mapping, returns a new mapping of the same type (``_metadata`` kept); nothing is mutated.
+
+    Raises:
+        UsageError: no glob, ``key`` naming no mapping, a state_dict that would lose every key, ``dst`` equal to
+            ``src`` without ``in_place``, ``key`` / ``to`` / ``mapping`` with a safetensors file, file options with
+            a mapping.
+        PrefixNotFoundError: a glob matches no key (unless ``allow_unused``); nothing written.
+        DeviceNotFoundError: a ``mapping`` source matches no storage (unless ``allow_unused``).
+        UnsupportedError: no state_dict, a pickled ``nn.Module``, TorchScript / plain pickle / ``.pt2``.
+        NotACheckpointError / CorruptCheckpointError: unreadable input.
+    """
+    globs = _Globs([keep] if isinstance(keep, str) else list(keep), [drop] if isinstance(drop, str) else list(drop))
+    if isinstance(src, Mapping):
+        _refuse_file_options(dst, in_place, to, mapping)
+        return _filter_memory(src, globs, key, allow_unused, dry_run)
+    path = _file_path(src, "filter_keys")
+    fmt = _rewritable_format(path, "filtered")
+    out = "" if dry_run else output_path(path, _opt(dst), in_place, "filtered")
+    if fmt == formats.SAFETENSORS:
+        _refuse_safetensors_options(path, key, to, mapping)
+        return _filter_safetensors(path, out, globs, allow_unused, dry_run, progress)
+    return _filter_torch(read_checkpoint(path, fmt), out, globs, key, allow_unused, dry_run, (to, mapping), progress)
