@@ -83,7 +83,7 @@ def _rewrite_metadata(folder: Path, meta: object, pickler: type[pickle.Pickler] 
 
 def _load_meta(folder: Path) -> object:
     with open(folder / ".metadata", "rb") as f:
-        return pickle.load(f)  # noqa: S301 - the folder torch just wrote
+        return pickle.load(f)  # the folder torch just wrote
 
 
 def make_dcp_bytes_with_size(folder: Path) -> Path:
