@@ -19,7 +19,7 @@ from ckptool.ops.convert import convert
 from ckptool.ops.diff import diff
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fuzz"))
-from adversarial_dcp import big_endian_torch_file  # noqa: E402
+from adversarial_dcp import big_endian_torch_file
 
 
 def _tensors() -> dict[str, torch.Tensor]:
