@@ -122,3 +122,45 @@ def test_an_unknown_byteorder_is_refused_as_torch_refuses_it(tmp_path: Path) -> 
         torch.load(tmp_path / "b.pt", weights_only=True)
     with pytest.raises(CorruptCheckpointError, match="byteorder"):
         read_checkpoint(str(tmp_path / "b.pt"))
+
+
+def test_a_big_endian_dcp_tensor_record_converts_to_torchs_values(tmp_path: Path) -> None:
+    """A DCP folder whose tensor record is a big-endian ``torch.save``: the torch-free copy must not copy its
+    bytes as they are; the output equals what torch's own ``dcp_to_torch_save`` writes."""
+    import io
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = tmp_path / "dcp"
+    w = torch.linspace(-1, 2, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": w, "step": 1}, checkpoint_id=str(folder), no_dist=True)
+    big = big_endian_torch_file(tmp_path / "rec.pt", {"w": w})  # a dict record: rewrite it as the bare tensor
+    buf = io.BytesIO()
+    torch.save(w, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zin, zipfile.ZipFile(big) as zbig:
+        swapped = next(zbig.read(n) for n in zbig.namelist() if n.endswith("/data/0"))
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as zout:
+            for n in zin.namelist():
+                zout.writestr(n, b"big" if n.endswith("/byteorder") else swapped if n.endswith("/data/0")
+                              else zin.read(n))
+    meta_path = folder / ".metadata"
+    with open(meta_path, "rb") as f:
+        meta = pickle.load(f)
+    info = next(v for k, v in meta.storage_data.items() if k.fqn == "w")
+    with open(folder / info.relative_path, "ab") as f:
+        info.offset = f.seek(0, 2)
+        f.write(out.getvalue())
+    info.length = len(out.getvalue())
+    meta_path.write_bytes(pickle.dumps(meta))
+    dcp_to_torch_save(str(folder), str(tmp_path / "torch.pt"))
+    want = torch.load(tmp_path / "torch.pt", weights_only=True)
+    assert torch.equal(want["w"], w)  # torch swaps the record back
+    convert(folder, tmp_path / "ours.pt")
+    got = torch.load(tmp_path / "ours.pt", weights_only=True)
+    assert torch.equal(got["w"], want["w"]) and got["step"] == 1
