@@ -247,6 +247,31 @@ def big_endian_torch_file(path: Path, tensors: dict[str, object]) -> Path:
     return path
 
 
+def to_big_endian(src: Path, dst: Path) -> Path:
+    """The little-endian torch zip ``src`` (any object, a pickled module too) as a big-endian machine would have
+    written it, into ``dst``: ``byteorder`` = ``big`` and each storage's elements byte-swapped by its storage
+    class's element size (complex: each half; ``UntypedStorage`` not at all), the rule ``torch.load`` undoes."""
+    from ckptool.formats.dtypes import storage_element
+    from ckptool.formats.torchfile import read_checkpoint
+
+    ck = read_checkpoint(str(src))
+    sizes = {}
+    for key, ref in ck.storages.items():
+        dtype, es = storage_element(ref)
+        sizes[key] = es // 2 if dtype.startswith("complex") else es
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for n in zin.namelist():
+            data = zin.read(n)
+            rel = n.split("/", 1)[1] if "/" in n else n
+            if rel == "byteorder":
+                data = b"big"
+            elif rel.startswith("data/") and sizes.get(rel[5:], 1) > 1:
+                es = sizes[rel[5:]]
+                data = b"".join(data[i:i + es][::-1] for i in range(0, len(data), es))
+            zout.writestr(n, data)
+    return dst
+
+
 def make_big_endian(folder: Path) -> Path:
     """A torch zip with ``byteorder`` = ``big`` holding float32, float16, int64 and complex64 tensors."""
     import torch

@@ -19,7 +19,7 @@ from ckptool.ops.convert import convert
 from ckptool.ops.diff import diff
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fuzz"))
-from adversarial_dcp import big_endian_torch_file
+from adversarial_dcp import big_endian_torch_file, to_big_endian
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -164,3 +164,23 @@ def test_a_big_endian_dcp_tensor_record_converts_to_torchs_values(tmp_path: Path
     convert(folder, tmp_path / "ours.pt")
     got = torch.load(tmp_path / "ours.pt", weights_only=True)
     assert torch.equal(got["w"], want["w"]) and got["step"] == 1
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_extract_state_dict_of_a_big_endian_module_file(tmp_path: Path, suffix: str) -> None:
+    """A pickled nn.Module saved big-endian: the extracted state_dict equals torch.load(...).state_dict()."""
+    from models import NetLinLayer
+
+    from ckptool.ops.extract import extract_state_dict
+
+    torch.manual_seed(0)
+    model = NetLinLayer(3, 2, use_dropout=False)
+    model.register_buffer("h", torch.tensor([0.5, -2.0], dtype=torch.float16))
+    torch.save(model, tmp_path / "m.pt")
+    big = to_big_endian(tmp_path / "m.pt", tmp_path / "big.pt")
+    want = torch.load(big, weights_only=False).state_dict()  # our own file, its class is importable here
+    assert all(torch.equal(want[k], v) for k, v in model.state_dict().items())
+    extract_state_dict(big, tmp_path / f"sd{suffix}")
+    got = load_file(tmp_path / f"sd{suffix}") if suffix == ".safetensors" else torch.load(
+        tmp_path / f"sd{suffix}", weights_only=True)
+    _assert_same(dict(got), dict(want))
