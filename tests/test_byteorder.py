@@ -184,3 +184,19 @@ def test_extract_state_dict_of_a_big_endian_module_file(tmp_path: Path, suffix: 
     got = load_file(tmp_path / f"sd{suffix}") if suffix == ".safetensors" else torch.load(
         tmp_path / f"sd{suffix}", weights_only=True)
     _assert_same(dict(got), dict(want))
+
+
+def test_a_big_endian_deepspeed_folder_is_refused_clearly(tmp_path: Path) -> None:
+    """ZeRO partitions are gathered by byte range: a big-endian rank file is refused, not read as little-endian."""
+    import shutil
+
+    from ckptool.errors import UnsupportedError
+
+    src = Path(__file__).resolve().parent.parent / "fixtures" / "deepspeed" / "zero2-1rank"
+    folder = tmp_path / "ds"
+    shutil.copytree(src, folder)
+    optim = next(folder.rglob("*optim_states.pt"))
+    to_big_endian(optim, tmp_path / "big.pt").replace(optim)
+    with pytest.raises(UnsupportedError, match="big-endian"):
+        convert(folder, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
