@@ -220,7 +220,7 @@ def copy_dcp_to_torch(meta: DcpMetadata, out: BinaryIO) -> bool:
                 nbytes = element_size(entry.dtype) * _numel(shape)
                 key = node.storage.key
                 order = next((e for e in entries if e.name.endswith("/byteorder")), None)
-                if order is not None and read_byteorder(blob, order, what) != "little":  # type: ignore[arg-type]
+                if order is not None and read_byteorder(blob, order, what) != "little":
                     return False  # saved big-endian: torch.load swaps it, a byte copy would not
                 rec = next((e for e in entries if e.name.endswith(f"/data/{key}")), None)
                 if (tensor_dtype(node) != entry.dtype or node.shape != shape or node.storage_offset != 0
