@@ -152,6 +152,27 @@ def test_entry_class_in_every_protocol(proto: int) -> None:
             entry_kind("x", n)
 
 
+def test_odd_entry_shapes_are_refused() -> None:
+    """A tensor entry without its size, one with no state, a plain value: refused (scan treats their records as a
+    non-tensor entry's); a bytes entry carrying a tensor's attributes is still a bytes entry."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorProperties
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata as TSM
+
+    from ckptool.formats.dcp import entry_kind
+    from ckptool.formats.unpickler import load_structure
+
+    no_size = TSM(TensorProperties(dtype=torch.float32), torch.Size([2]), [])
+    del no_size.size
+    bare = TSM.__new__(TSM)
+    both = BytesStorageMetadata()
+    both.size, both.properties, both.chunks = torch.Size([2]), TensorProperties(), []
+    nodes, _ = load_structure(pickle.dumps([no_size, bare, {"size": [2]}, both], protocol=2))
+    for n in nodes[:3]:
+        with pytest.raises(CorruptCheckpointError):
+            entry_kind("x", n)
+    assert entry_kind("x", nodes[3]) == "bytes"
+
+
 # ------------------------------------------------------------------------------------------------ .pt2
 def test_the_opaque_obj_payload_runs_in_torch_export_load(tmp_path: Path, marker: Path) -> None:
     path = _make("pt2-opaque-obj-constant", tmp_path)
