@@ -165,7 +165,9 @@ def _scan_item(sc: _Scanner, w: Window, it: DcpItem, label: str) -> None:
         sc.loaded.add(label)
         sc.record(PickleFinding(label, it.offset, [], str(e)))
         return
-    if head[:1] and head[0] in _PICKLE_FIRST:  # torch.load of bytes that are not a zip unpickles them (any protocol)
+    # torch.load of bytes that are not a zip unpickles them from byte 0 (any protocol); DCP hands it a BytesIO, for
+    # which _legacy_load never tries the legacy tar layout (that needs a real file)
+    if head[:1] and head[0] in _PICKLE_FIRST:
         sc.pickle_file(w[:], label, 1)
     elif it.is_bytes:
         sc.loaded.add(label)
