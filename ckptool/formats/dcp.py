@@ -10,8 +10,9 @@ restricted unpickler; torch's own reader (``FileSystemReader``) unpickles them w
 An entry is a tensor or a non-tensor entry by its class, as DCP decides (``isinstance(md, BytesStorageMetadata)``
 in planner_helpers ``_create_read_items``, ``isinstance(v, TensorStorageMetadata)`` in default_planner), never by
 its attributes: :func:`entry_kind`. The class is only what the pickle's last BUILD shows; a pickle can BUILD an
-object twice, so callers that guard a loader (:mod:`ckptool.ops.dcp_safety`, :mod:`ckptool.ops.scan_dcp`) check
-every record with the rules of a non-tensor entry whatever its class.
+object twice (the first BUILD's slot state setting ``__class__``), so callers that guard a loader
+(:mod:`ckptool.ops.dcp_safety`, :mod:`ckptool.ops.scan_dcp`) check every record with the same rules whatever its
+entry's class.
 """
 
 from __future__ import annotations
