@@ -501,9 +501,12 @@ def member_roles(f: BinaryIO, size: int, entries: list[ZipEntry], path: str) -> 
         weights = low.startswith(WEIGHTS_DIR) and low.endswith("_weights_config.json")
         if not (weights or (low.startswith(CONSTANTS_DIR) and low.endswith("_constants_config.json"))):
             continue
+        if e.file_size > MAX_JSON:
+            raise UnsupportedError(f"{path}: {e.name!r} holds {e.file_size} bytes of JSON, over ckptool's limit")
+        data = read_member(f, e, path, limit=MAX_JSON, check_crc=False)  # a bad CRC-32 does not stop torch
         try:
-            doc = _json(f, e, path)
-        except CorruptCheckpointError:  # not JSON: torch.export.load fails on it too
+            doc = json.loads(data)
+        except (ValueError, RecursionError):  # not JSON: torch.export.load fails on it too
             continue
         items = doc.get("config") if isinstance(doc, dict) else None
         for meta in (items or {}).values() if isinstance(items, dict) else ():
