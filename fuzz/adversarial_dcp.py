@@ -212,6 +212,29 @@ def make_pt2_opaque_obj(folder: Path) -> Path:
     return out
 
 
+def make_pt2_pickled_constant_bad_crc(folder: Path) -> Path:
+    """The constant of :func:`make_pt2_opaque_obj` renamed ``tensor_9`` with ``use_pickle`` true (so
+    ``torch.load(weights_only=False)`` reads it) and its config's CRC-32 broken (torch's reader ignores it)."""
+    import json
+
+    import hostile_corpus as hc
+
+    src = make_pt2_opaque_obj(folder)
+    tmp = folder / "tmp.pt2"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(tmp, "w") as zout:
+        for n in zin.namelist():
+            data = zin.read(n)
+            if n.endswith("model_constants_config.json"):
+                cfg = json.loads(data)
+                meta = next(m for m in cfg["config"].values() if m["path_name"] == "opaque_obj_0")
+                meta["path_name"], meta["use_pickle"] = "tensor_9", True
+                data = json.dumps(cfg).encode()
+            zout.writestr(n.replace("opaque_obj_0", "tensor_9"), data)
+    src.write_bytes(hc._patch_zip(tmp.read_bytes(), b"model_constants_config.json", crc=0))
+    tmp.unlink()
+    return src
+
+
 # ------------------------------------------------------------------------------------------------ byte order
 def big_endian_torch_file(path: Path, tensors: dict[str, object]) -> Path:
     """``torch.save`` of ``tensors`` rewritten as a big-endian machine writes it: the ``byteorder`` record says
@@ -294,6 +317,8 @@ CASES: list[Case] = [
          "dangerous", loader=DCP_LOADER),
     Case("dcp-unknown-entry-class", "dcp entry of another class", make_dcp_unknown_entry_class, "dangerous"),
     Case("pt2-opaque-obj-constant", "pt2 opaque_obj member", make_pt2_opaque_obj, "dangerous", loader=PT2_LOADER),
+    Case("pt2-pickled-constant-config-bad-crc", "pt2 config with a bad CRC-32", make_pt2_pickled_constant_bad_crc,
+         "dangerous", loader=PT2_LOADER),
     Case("byteorder-big", "byteorder big", make_big_endian, "safe",
          reason="no payload: values must equal torch.load's (the storages are big-endian)"),
 ]
