@@ -45,7 +45,8 @@ class Case:
 
     ``make(folder)`` writes the input under ``folder`` and returns its path (a file or a folder).
     ``klass``: the class of trick, as named in the issue (e.g. ``"dcp bytes entry with a size"``).
-    ``verdict``: what ``ckptool scan`` must say: ``"dangerous"`` (exit 1), ``"needs-trust"`` (exit 4, only where no
+    ``verdict``: what ``ckptool scan`` must say: ``"safe"`` (exit 0: a case about values, not code, such as a
+    big-endian file), ``"dangerous"`` (exit 1), ``"needs-trust"`` (exit 4, only where no
     code can run; ``reason`` says why), or ``"refused"`` (an ``Error:`` line, exit 2 or more).
     ``loader``: optional, a snippet of Python run in a subprocess with ``PATH`` bound to the input's path, that loads
     it the way its normal loader does (``torch.load(PATH, weights_only=False)``...), to show the payload is live;

@@ -30,7 +30,7 @@ from ckptool.cli import cli
 CASES = adversarial.cases()
 
 #: scan's exit status for each verdict (docs/commands/scan.md)
-SCAN_STATUS = {"dangerous": 1, "refused": 2, "needs-trust": 4}
+SCAN_STATUS = {"safe": 0, "dangerous": 1, "refused": 2, "needs-trust": 4}
 
 MODELS_PY = "import torch\n\ndef build():\n    return torch.nn.Linear(2, 2)\n"
 
@@ -85,7 +85,7 @@ def test_no_command_runs_the_payload(case: adversarial.Case, command: str, corpu
         pytest.skip(f"{case.name} is not a {command} case")
     out = tmp_path / "out"
     out.mkdir()
-    models = tmp_path / "models.py"
+    models = tmp_path / "adversarial_model.py"
     models.write_text(MODELS_PY, encoding="utf-8")
     marker = tmp_path / "marker"
     args = [a.replace("PATH", str(corpus[case.name])).replace("OUT", str(out)).replace("MODELS", str(models))

@@ -6,14 +6,19 @@ entry; ``storage_data`` maps each entry's ``MetadataIndex`` to a ``_StorageInfo`
 file, offset and length of its bytes) plus the ``.distcp`` data files (torch/distributed/checkpoint/metadata.py,
 filesystem.py). Non-tensor entries are stored as ``torch.save`` records. Everything here is read with ckptool's
 restricted unpickler; torch's own reader (``FileSystemReader``) unpickles them without restriction.
+
+An entry is a tensor or a non-tensor entry by its class, as DCP decides (``isinstance(md, BytesStorageMetadata)``
+in planner_helpers ``_create_read_items``, ``isinstance(v, TensorStorageMetadata)`` in default_planner), never by
+its attributes: :func:`entry_kind`. The class is only what the pickle's last BUILD shows; a pickle can BUILD an
+object twice (the first BUILD's slot state setting ``__class__``), so callers that guard a loader
+(:mod:`ckptool.ops.dcp_safety`, :mod:`ckptool.ops.scan_dcp`) check every record with the same rules whatever its
+entry's class.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ckptool.errors import CorruptCheckpointError, UsageError
@@ -22,6 +27,11 @@ from ckptool.formats.strided import shape_problem
 from ckptool.formats.unpickler import load_structure
 
 METADATA_FILE = ".metadata"
+_MD = "torch.distributed.checkpoint.metadata."
+#: the class of a tensor entry of ``state_dict_metadata``
+TENSOR_METADATA = _MD + "TensorStorageMetadata"
+#: the class of a non-tensor entry (``BYTE_IO``: read with ``torch.load(weights_only=False)``)
+BYTES_METADATA = _MD + "BytesStorageMetadata"
 
 #: globals a DCP ``.metadata`` pickle names (torch/distributed/checkpoint/metadata.py, filesystem.py)
 DCP_GLOBALS = frozenset({
@@ -44,24 +54,13 @@ class DcpEntry(NamedTuple):
     shape: tuple[int, ...] | None
 
 
-@dataclass
-class ByteRecord:
-    """Where a non-tensor entry's ``torch.save`` bytes lie: ``length`` bytes at ``offset`` of ``relative_path`` in
-    the folder; ``transformed`` when DCP applied a transform (compression...) that ckptool cannot undo."""
-
-    fqn: str
-    relative_path: str
-    offset: int
-    length: int
-    transformed: bool
-
-
 class DcpItem(NamedTuple):
     """One record of ``.metadata``'s ``storage_data`` (a ``_StorageInfo``): the entry's ``fqn``; ``is_bytes`` for
     a non-tensor entry (``BYTE_IO``: ``torch.save`` bytes that the default load planner reads with
     ``torch.load(weights_only=False)``), else a tensor chunk (``torch.save`` of the tensor, read with
     ``weights_only=True``, or raw bytes in a safetensors-serialized folder); ``length`` bytes at ``offset`` of
-    ``relative_path`` (None when the record is malformed); ``transforms`` its ``transform_descriptors``."""
+    ``relative_path`` (None when the record is malformed); ``transforms`` its ``transform_descriptors``. An entry
+    whose class is neither (:attr:`DcpMetadata.problems`) counts as a non-tensor entry."""
 
     fqn: str
     is_bytes: bool
@@ -74,8 +73,9 @@ class DcpItem(NamedTuple):
 @dataclass
 class DcpMetadata:
     """A parsed ``.metadata``: the ``root`` node, the qualified names of the ``globals`` it names (pickle order,
-    repeats kept), its ``entries``, ``planner_data`` (FQN -> path components, when the planner recorded them) and the
-    DCP ``version`` string."""
+    repeats kept), its ``entries``, ``planner_data`` (FQN -> path components, when the planner recorded them), the
+    DCP ``version`` string and ``problems``: the entries :func:`entry_kind` refused (only when read with
+    ``strict=False``; such an entry is left out of ``entries``)."""
 
     folder: str
     root: ObjectNode
@@ -83,27 +83,9 @@ class DcpMetadata:
     entries: list[DcpEntry]
     planner_data: dict[Any, Any] | None
     version: str | None
-
-    def byte_records(self) -> list[ByteRecord]:
-        """The storage records of the non-tensor entries.
-
-        Raises:
-            CorruptCheckpointError: a record points outside the folder or at a missing file.
-        """
-        byte_fqns = {e.fqn for e in self.entries if e.dtype is None}
-        out = []
-        for idx, info in (_state(self.root).get("storage_data") or {}).items():
-            ist, sst = _state(idx), _state(info)
-            if type(ist) is not dict or ist.get("fqn") not in byte_fqns or type(sst) is not dict:
-                continue
-            fqn = str(ist["fqn"])
-            rel = str(sst.get("relative_path", ""))
-            transformed = bool(sst.get("transform_descriptors"))
-            if not transformed and (os.path.isabs(rel) or os.path.normpath(rel).startswith("..")
-                                    or not os.path.isfile(os.path.join(self.folder, rel))):
-                raise CorruptCheckpointError(f"{self.folder}: entry {fqn!r} points at a missing file {rel!r}")
-            out.append(ByteRecord(fqn, rel, int(sst.get("offset", 0)), int(sst.get("length", 0)), transformed))
-        return out
+    problems: list[str] = field(default_factory=list)
+    #: the FQNs of the entries left out of ``entries`` (``problems``)
+    unclassified: set[str] = field(default_factory=set)
 
     def items(self) -> list[DcpItem]:
         """Every storage record of ``storage_data`` (tensor chunks and non-tensor entries), in pickle order, as
@@ -114,7 +96,7 @@ class DcpMetadata:
         Raises:
             CorruptCheckpointError: ``storage_data`` is not a dict.
         """
-        byte_fqns = {e.fqn for e in self.entries if e.dtype is None}
+        byte_fqns = {e.fqn for e in self.entries if e.dtype is None} | self.unclassified
         storage_data = _state(self.root).get("storage_data")
         if type(storage_data) is not dict:
             raise CorruptCheckpointError(f"{self.folder}: .metadata has no storage_data dict; the folder is damaged")
@@ -135,25 +117,6 @@ class DcpMetadata:
                 out.append(DcpItem(fqn, fqn in byte_fqns, None, 0, 0, transforms))
         return out
 
-    def record_globals(self, record: ByteRecord) -> list[str]:
-        """The globals the ``torch.save`` record of a non-tensor entry names, read with the restricted unpickler.
-
-        Raises:
-            CorruptCheckpointError: the bytes are not a ``torch.save`` zip record, or its pickle is damaged.
-        """
-        with open(os.path.join(self.folder, record.relative_path), "rb") as f:
-            f.seek(record.offset)
-            blob = f.read(record.length)
-        what = f"entry {record.fqn!r} of {self.folder}"
-        try:
-            with zipfile.ZipFile(io.BytesIO(blob)) as z:
-                pkl = next(n for n in z.namelist() if n.endswith("data.pkl"))
-                _obj, up = load_structure(z.read(pkl), what)
-        except (zipfile.BadZipFile, StopIteration) as e:
-            raise CorruptCheckpointError(f"{self.folder}: entry {record.fqn!r} is not a torch.save record; the "
-                                         "folder is damaged") from e
-        return [qualified_name(m, n) for m, n in up.globals_seen]
-
 
 def _state(node: Any) -> Any:
     return node.state if isinstance(node, PickledObject) else None
@@ -164,12 +127,16 @@ def is_dcp_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, METADATA_FILE))
 
 
-def read_dcp_metadata(folder: str | os.PathLike[str]) -> DcpMetadata:
+def read_dcp_metadata(folder: str | os.PathLike[str], *, strict: bool = True) -> DcpMetadata:
     """Read the ``.metadata`` pickle of a DCP folder with ckptool's restricted unpickler (nothing imported or run).
+
+    With ``strict=False`` (``scan``) an entry :func:`entry_kind` refuses is listed in ``problems`` instead of
+    raising, and its records are treated as a non-tensor entry's.
 
     Raises:
         UsageError: no ``.metadata`` in ``folder``.
-        CorruptCheckpointError: the pickle is damaged, or is not a DCP ``Metadata`` (malformed entries included).
+        CorruptCheckpointError: the pickle is damaged, or is not a DCP ``Metadata`` (with ``strict``: an entry of
+            another class or a malformed entry).
     """
     folder = os.fspath(folder)
     p = os.path.join(folder, METADATA_FILE)
@@ -185,33 +152,89 @@ def read_dcp_metadata(folder: str | os.PathLike[str]) -> DcpMetadata:
                                      "damaged or not a DCP checkpoint")
     planner = st.get("planner_data")
     version = st.get("version")
-    try:
-        entries = _entries(st)
-    except (TypeError, ValueError, AttributeError) as e:  # a size or dtype of the wrong type: not DCP's own writing
-        raise CorruptCheckpointError(f"{p}: a state_dict_metadata entry is malformed ({e}); the folder is damaged "
-                                     "or not written by torch.distributed.checkpoint") from e
-    return DcpMetadata(folder, root, [qualified_name(m, n) for m, n in up.globals_seen], entries,
+    meta = DcpMetadata(folder, root, [qualified_name(m, n) for m, n in up.globals_seen], [],
                        planner if isinstance(planner, dict) else None, version if isinstance(version, str) else None)
+    for fqn, md in st["state_dict_metadata"].items():
+        try:
+            try:
+                meta.entries.append(_entry(str(fqn), md))
+            except (TypeError, ValueError, AttributeError) as e:  # a size or dtype of the wrong type
+                raise CorruptCheckpointError(f"entry {str(fqn)!r} is malformed ({e}); the folder is damaged or "
+                                             "not written by torch.distributed.checkpoint") from None
+        except CorruptCheckpointError as e:
+            if strict:
+                raise CorruptCheckpointError(f"{p}: {e}") from None
+            meta.problems.append(f".metadata: {e}")
+            meta.unclassified.add(str(fqn))
+    return meta
 
 
-def _entries(state: dict[str, Any]) -> list[DcpEntry]:
-    out = []
-    for fqn, md in state["state_dict_metadata"].items():
-        st = _state(md)
-        if type(st) is dict and "size" in st:
-            props = _state(st.get("properties"))
-            if isinstance(props, tuple) and props:
-                dt = props[0]
-            else:
-                dt = props.get("dtype") if type(props) is dict else None
-            size = st["size"]
-            shape = size.args[0] if isinstance(size, ReduceNode) and size.args else size or ()
-            problem = shape_problem(shape)
-            if problem is not None:
-                raise CorruptCheckpointError(f"DCP entry {str(fqn)!r} declares an impossible tensor: {problem}; the "
-                                             ".metadata is damaged or was crafted")
-            shape = tuple(shape)
-            out.append(DcpEntry(str(fqn), dt.name if isinstance(dt, GlobalMeta) else "unknown", shape))
+def entry_class(md: Any) -> str | None:
+    """The qualified name of the class an unpickled ``state_dict_metadata`` entry ``md`` has, as far as the pickle
+    shows it: ``cls.__new__(cls)`` (NEWOBJ, what DCP's protocol-2 pickle writes) or
+    ``copyreg._reconstructor(cls, object, None)`` (protocols 0 and 1); None for anything else (a call of another
+    function, a plain value)."""
+    if isinstance(md, ObjectNode):
+        return md.global_name
+    if isinstance(md, ReduceNode) and md.global_name == "copyreg._reconstructor" and len(md.args) == 3:
+        cls, base, state = md.args
+        if isinstance(cls, GlobalMeta) and isinstance(base, GlobalMeta) and base.qualified_name in (
+                "builtins.object", "__builtin__.object") and state is None:
+            return cls.qualified_name
+    return None
+
+
+def entry_kind(fqn: str, md: Any) -> str:
+    """``"tensor"`` or ``"bytes"``: how DCP's load planner reads the ``state_dict_metadata`` entry ``md`` of
+    ``fqn``, by its class (:data:`TENSOR_METADATA`, :data:`BYTES_METADATA`) as DCP decides, whatever attributes it
+    carries (a ``BytesStorageMetadata`` with a ``size`` is a non-tensor entry).
+
+    Raises:
+        CorruptCheckpointError: another class (torch's planner refuses it, or ckptool cannot tell how it is read);
+            operations DCP never pickles on it (state that is not a plain attribute dict, which may set
+            ``__class__`` through BUILD's slot state; items set on it); a tensor entry without ``size`` or
+            ``properties``.
+    """
+    cls = entry_class(md)
+    if cls not in (TENSOR_METADATA, BYTES_METADATA):
+        if cls:
+            what = f"an object of class {cls}"
+        elif isinstance(md, ReduceNode):
+            what = f"a call of {md.global_name or 'an object'}"
         else:
-            out.append(DcpEntry(str(fqn), None, None))
-    return out
+            what = f"a {type(md).__name__}"
+        raise CorruptCheckpointError(f"entry {fqn!r} is {what}, neither TensorStorageMetadata nor "
+                                     "BytesStorageMetadata; the .metadata is damaged or was crafted")
+    st = md.state
+    extra = [op for op in md.order if op != "build"]
+    if extra or not (st is None or type(st) is dict) or (type(st) is dict and "__class__" in st):
+        raise CorruptCheckpointError(
+            f"entry {fqn!r} ({cls.rsplit('.', 1)[1]}) is built in a way DCP never pickles "
+            f"({', '.join(extra) or 'state ' + type(st).__name__}): it may change its own class; the .metadata "
+            "is damaged or was crafted")
+    if cls == TENSOR_METADATA and (st is None or "size" not in st or "properties" not in st):
+        raise CorruptCheckpointError(f"tensor entry {fqn!r} has no size or properties; the .metadata is damaged")
+    return "tensor" if cls == TENSOR_METADATA else "bytes"
+
+
+def _entry(fqn: str, md: Any) -> DcpEntry:
+    if entry_kind(fqn, md) == "bytes":
+        return DcpEntry(fqn, None, None)
+    st = md.state
+    props = _state(st.get("properties"))
+    if isinstance(props, tuple) and props:
+        dt = props[0]
+    else:
+        dt = props.get("dtype") if type(props) is dict else None
+    size = st["size"]
+    shape = size.args[0] if isinstance(size, ReduceNode) and size.args else size or ()
+    problem = shape_problem(shape)
+    if problem is not None:
+        raise CorruptCheckpointError(f"DCP entry {fqn!r} declares an impossible tensor: {problem}; the "
+                                     ".metadata is damaged or was crafted")
+    try:
+        shape = tuple(shape)
+    except TypeError as e:
+        raise CorruptCheckpointError(f"DCP entry {fqn!r} has a malformed size ({e}); the .metadata is damaged "
+                                     "or was not written by torch.distributed.checkpoint") from None
+    return DcpEntry(fqn, dt.name if isinstance(dt, GlobalMeta) else "unknown", shape)

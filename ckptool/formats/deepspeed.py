@@ -149,11 +149,16 @@ def read_files(paths: list[str]) -> list[Checkpoint]:
     nothing imported) with the data offset of every record filled in.
 
     Raises:
-        NotACheckpointError / CorruptCheckpointError / UnsupportedError: as ``read_checkpoint``.
+        NotACheckpointError / CorruptCheckpointError / UnsupportedError: as ``read_checkpoint``; a big-endian
+            file (UnsupportedError).
     """
     out = []
     for p in paths:
         ck = read_checkpoint(p)
+        if ck.byteorder != "little":  # ZeRO partitions are gathered by byte range, never swapped
+            raise UnsupportedError(f"{p} was saved on a big-endian machine (its byteorder record says "
+                                   f"{ck.byteorder!r}); ckptool gathers DeepSpeed partitions by byte range and does "
+                                   "not swap them: consolidate it with DeepSpeed's zero_to_fp32 instead")
         with open(p, "rb") as f:
             resolve_zip_offsets(ck, f)
         out.append(ck)

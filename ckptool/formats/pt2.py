@@ -27,7 +27,11 @@ stem at save time, like ``torch.save``):
   (TorchScript objects, ``torch._C._pickle_save``), ``data/constants/opaque_obj_<i>`` (``pickle.dumps``),
   ``data/sample_inputs/<name>.pt`` (``torch.save`` of the example inputs) and the legacy
   ``data/weights/<name>.pt`` / ``data/constants/<name>.pt`` of older torch versions. ckptool reads none of them
-  here: :func:`pickle_members` names them for ``ckptool scan``.
+  here: :func:`pickle_members` names them for ``ckptool scan``. A constant's role comes from its ``path_name``
+  prefix, not from its config (``_load_constants``): ``tensor_`` is raw bytes or, with ``use_pickle``, a
+  ``torch.load``; ``custom_obj_`` goes to ``torch._C._pickle_load_obj`` and ``opaque_obj_`` to ``pickle.loads``
+  whatever ``use_pickle`` and ``tensor_meta`` say; any other prefix is refused by torch
+  (:func:`constant_role`). A weight's role comes from ``use_pickle`` alone (``_load_state_dict``).
 * ``data/aotinductor/...``: AOTInductor packages (compiled shared libraries): listed, never loaded.
 
 Read: ``archive_format`` ``pt2``, ``archive_version`` 0 (or absent), serialized-program schema major version 8
@@ -69,6 +73,12 @@ WEIGHTS_DIR = "data/weights/"
 CONSTANTS_DIR = "data/constants/"
 MODELS_DIR = "models/"
 SAMPLE_INPUTS_DIR = "data/sample_inputs/"
+#: the ``path_name`` prefixes of constants (torch/csrc/export/pt2_archive_constants.h)
+TENSOR_CONSTANT_PREFIX = "tensor_"
+CUSTOM_OBJ_PREFIX = "custom_obj_"
+OPAQUE_OBJ_PREFIX = "opaque_obj_"
+#: the members ``torch.export.load`` unpickles by name alone (``custom_obj_*``, ``opaque_obj_*`` constants)
+OBJECT_MEMBER_PREFIXES = (CONSTANTS_DIR + CUSTOM_OBJ_PREFIX, CONSTANTS_DIR + OPAQUE_OBJ_PREFIX)
 AOTINDUCTOR_DIR = "data/aotinductor/"
 
 
@@ -279,7 +289,7 @@ def _program(f: Any, path: str, name: str, members: dict[str, ZipEntry]) -> Prog
     prog.weights = _payloads(f, path, members, f"{WEIGHTS_DIR}{name}_weights_config.json", WEIGHTS_DIR,
                              lambda fqn, is_param: "parameter" if is_param else "buffer")
     prog.constants = _payloads(f, path, members, f"{CONSTANTS_DIR}{name}_constants_config.json", CONSTANTS_DIR,
-                               lambda fqn, is_param: "buffer" if fqn in buffers else "constant")
+                               lambda fqn, is_param: "buffer" if fqn in buffers else "constant", by_name=True)
     return prog
 
 
@@ -343,8 +353,22 @@ def _ints(v: Any, what: str, where: str) -> tuple[int, ...]:
     return tuple(int(x) for x in vals)
 
 
+def constant_role(path_name: str, use_pickle: bool) -> str | None:
+    """How ``torch.export.load`` reads the constant whose config names member ``path_name`` (torch/export/
+    pt2_archive/_package.py ``_load_constants``, which decides by the name's prefix): ``"raw"`` (a ``tensor_``
+    member without ``use_pickle``: raw storage bytes), ``"pickled"`` (a ``tensor_`` member with ``use_pickle``:
+    ``torch.load(weights_only=False)``), ``"object"`` (``custom_obj_``: ``torch._C._pickle_load_obj``;
+    ``opaque_obj_``: ``pickle.loads``, whatever ``use_pickle`` and ``tensor_meta`` say), None for any other name
+    (torch raises "Unsupported constant type")."""
+    if path_name.startswith(TENSOR_CONSTANT_PREFIX):
+        return "pickled" if use_pickle else "raw"
+    if path_name.startswith((CUSTOM_OBJ_PREFIX, OPAQUE_OBJ_PREFIX)):
+        return "object"
+    return None
+
+
 def _payloads(f: Any, path: str, members: dict[str, ZipEntry], config: str, folder: str,
-              kind_of: Any) -> list[Payload]:
+              kind_of: Any, by_name: bool = False) -> list[Payload]:
     if config not in members:
         raise CorruptCheckpointError(f"{path}: {config} is missing; the archive is damaged or incomplete")
     doc = _json(f, members[config], path)
@@ -364,7 +388,12 @@ def _payloads(f: Any, path: str, members: dict[str, ZipEntry], config: str, fold
         p = Payload(str(fqn), kind_of(fqn, meta.get("is_param") is True), member,
                     pickled=meta.get("use_pickle") is True, record_size=e.file_size)
         tm = meta.get("tensor_meta")
-        if tm is None:
+        role = constant_role(meta["path_name"], p.pickled) if by_name else None
+        if by_name and role is None:
+            raise CorruptCheckpointError(f"{where} names member {meta['path_name']!r}, whose name is none of the "
+                                         "constant kinds torch.export.load reads (tensor_, custom_obj_, "
+                                         "opaque_obj_); the archive is damaged or was crafted")
+        if tm is None or role == "object":
             p.kind = "object"
             p.pickled = True
             p.layout = "object"
@@ -416,14 +445,23 @@ def _check_raw(p: Payload, e: ZipEntry, where: str) -> None:
             + (" (a fake tensor without data?)" if e.file_size == 0 else "") + "; the archive is damaged")
 
 
+def _named_pickle(rel: str) -> bool:
+    """Whether ``torch.export.load`` unpickles the member ``rel`` (relative name) whatever the configs say: sample
+    inputs, script and opaque objects, legacy ``<name>.pt`` payloads. Case-insensitive, as torch's zip reader
+    looks names up."""
+    low = rel.lower()
+    return low.startswith((SAMPLE_INPUTS_DIR, *OBJECT_MEMBER_PREFIXES)) or (
+        low.startswith((WEIGHTS_DIR, CONSTANTS_DIR)) and low.endswith(".pt"))
+
+
 def pickle_members(arch: Pt2Archive) -> list[str]:
-    """The members (relative names) ``torch.export.load`` unpickles: pickled payloads, script and opaque objects,
-    sample inputs and legacy ``<name>.pt`` records. Every other member is JSON, text or raw tensor bytes."""
+    """The members (relative names) ``torch.export.load`` unpickles: pickled payloads, script and opaque objects
+    (every ``data/constants/custom_obj_*`` / ``opaque_obj_*`` member, named by a config or not), sample inputs and
+    legacy ``<name>.pt`` records. Every other member is JSON, text or raw tensor bytes."""
     out: list[str] = []
     for prog in arch.programs:
         out += [p.member for p in (*prog.weights, *prog.constants) if p.pickled]
-    out += [n for n in arch.members if n.startswith(SAMPLE_INPUTS_DIR) or (
-        n.startswith((WEIGHTS_DIR, CONSTANTS_DIR)) and n.endswith(".pt"))]
+    out += [n for n in arch.members if _named_pickle(n)]
     return list(dict.fromkeys(out))
 
 
@@ -435,11 +473,50 @@ def raw_members(arch: Pt2Archive) -> set[str]:
 
 def member_roles(f: BinaryIO, size: int, entries: list[ZipEntry], path: str) -> tuple[set[str], set[str]]:
     """For ``ckptool scan``: ``(pickled, raw)``, the full names of the members of a ``torch.export`` archive that
-    ``torch.export.load`` unpickles (:func:`pickle_members`, whatever their first bytes: ``torch.load`` and
-    ``pickle.loads`` read protocols 0 and 1 too) and of those it reads as raw tensor bytes (:func:`raw_members`).
+    ``torch.export.load`` unpickles (whatever their first bytes: ``torch.load`` and ``pickle.loads`` read protocols
+    0 and 1 too) and of those it reads only as raw tensor bytes.
 
-    Raises: what :func:`read_pt2_file` raises.
+    Read leniently, as the loader reads: by name (:func:`_named_pickle`), then every payload config in the archive
+    (``data/weights/*_weights_config.json``, ``data/constants/*_constants_config.json``, whatever programs
+    ``models/`` names; a config that is not JSON is skipped, as torch cannot load it): weights by ``use_pickle``,
+    constants by :func:`constant_role`. Names are compared case-insensitively (torch's zip reader does), so a
+    member is pickled when any spelling of its name is; nothing of the archive is refused here.
+
+    Raises:
+        CorruptCheckpointError / UnsupportedError: a config cannot be read (past the end of the file, over
+            :data:`MAX_JSON`).
     """
-    arch = read_pt2_file(f, size, entries, path)
-    top = arch.archive_name + "/" if entries and "/" in entries[0].name else ""
-    return {top + n for n in pickle_members(arch)}, {top + n for n in raw_members(arch)}
+    first = entries[0].name if entries else ""
+    top = first.split("/", 1)[0] + "/" if "/" in first else ""
+    by_low: dict[str, list[str]] = {}
+    rels: list[tuple[str, ZipEntry]] = []
+    for e in entries:
+        rel = e.name[len(top):] if top and e.name.startswith(top) else e.name
+        rels.append((rel, e))
+        by_low.setdefault(rel.lower(), []).append(e.name)
+    pickled = {e.name for rel, e in rels if _named_pickle(rel)}
+    raw: set[str] = set()
+    for rel, e in rels:
+        low = rel.lower()
+        weights = low.startswith(WEIGHTS_DIR) and low.endswith("_weights_config.json")
+        if not (weights or (low.startswith(CONSTANTS_DIR) and low.endswith("_constants_config.json"))):
+            continue
+        if e.file_size > MAX_JSON:
+            raise UnsupportedError(f"{path}: {e.name!r} holds {e.file_size} bytes of JSON, over ckptool's limit")
+        data = read_member(f, e, path, limit=MAX_JSON, check_crc=False)  # a bad CRC-32 does not stop torch
+        try:
+            doc = json.loads(data)
+        except (ValueError, RecursionError):  # not JSON: torch.export.load fails on it too
+            continue
+        items = doc.get("config") if isinstance(doc, dict) else None
+        for meta in (items or {}).values() if isinstance(items, dict) else ():
+            name = meta.get("path_name") if isinstance(meta, dict) else None
+            if not isinstance(name, str):
+                continue
+            use_pickle = meta.get("use_pickle") is True
+            role = ("pickled" if use_pickle else "raw") if weights else constant_role(name, use_pickle)
+            if role is None:
+                continue
+            full = by_low.get(((WEIGHTS_DIR if weights else CONSTANTS_DIR) + name).lower(), [])
+            (raw if role == "raw" else pickled).update(full)
+    return pickled, raw - pickled

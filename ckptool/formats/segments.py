@@ -5,7 +5,9 @@ bytes are those pieces in order (:mod:`ckptool.model.zero`). A :class:`Segment` 
 ``offset`` of file ``path``. A segment may also *widen* 16-bit floats to float32 as it is read (``widen`` is the
 dtype in the file, ``"float16"`` or ``"bfloat16"``; ``nbytes`` is then the size once widened, twice the bytes
 read), which is exact for both (every float16 and bfloat16 value is a float32 value): DeepSpeed's
-``zero_to_fp32`` returns floating buffers as float32 (``v.float()``).
+``zero_to_fp32`` returns floating buffers as float32 (``v.float()``). A segment may instead *swap* the bytes of
+each ``swap``-byte element as it is read (:func:`byteswap`): the storage of a torch file saved on a big-endian
+machine (its ``byteorder`` record says ``big``), read as the little-endian values ckptool writes and compares.
 
 :class:`SegmentReader` reads the concatenation through ``seek`` / ``read`` / ``readinto``, a piece at a time, so
 copying it needs no more memory than the copy's buffer. Nothing here imports torch.
@@ -13,25 +15,49 @@ copying it needs no more memory than the copy's buffer. Nothing here imports tor
 
 from __future__ import annotations
 
+import array
 import struct
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from ckptool.errors import CorruptCheckpointError
 
-__all__ = ["Segment", "SegmentReader", "read_segments", "widen_to_float32"]
+__all__ = ["Segment", "SegmentReader", "byteswap", "read_segments", "widen_to_float32"]
 
 #: ``read(path, offset, nbytes)``: the bytes of a file range (raises when the file ends first)
 ReadRange = Callable[[str, int, int], bytes | bytearray]
 
 
 class Segment(NamedTuple):
-    """``nbytes`` of the concatenation, read from ``offset`` of ``path`` (widened from ``widen`` when set)."""
+    """``nbytes`` of the concatenation, read from ``offset`` of ``path`` (widened from ``widen`` when set; each
+    ``swap``-byte element byte-swapped when ``swap`` > 1, counted from ``offset``)."""
 
     path: str
     offset: int
     nbytes: int
     widen: str | None = None
+    swap: int = 0
+
+
+_SWAP_CODES = {n: c for c in "HILQ" if (n := array.array(c).itemsize) in (2, 4, 8)}
+
+
+def byteswap(data: bytes | bytearray | memoryview, size: int) -> bytes:
+    """``data`` with the bytes of each ``size``-byte element reversed (``size`` 2, 4 or 8; 0 or 1: unchanged), as
+    torch's ``UntypedStorage._byteswap`` does; ``len(data)`` must be a multiple of ``size``.
+
+    Raises:
+        ValueError: another size, or a length that is not a multiple of it.
+    """
+    if size <= 1:
+        return bytes(data)
+    code = _SWAP_CODES.get(size)
+    if code is None or len(data) % size:
+        raise ValueError(f"cannot byte-swap {len(data)} bytes in elements of {size} bytes")
+    a = array.array(code)
+    a.frombytes(data)
+    a.byteswap()
+    return a.tobytes()
 
 
 def widen_to_float32(data: bytes | bytearray | memoryview, dtype: str) -> bytes:
@@ -53,7 +79,11 @@ def widen_to_float32(data: bytes | bytearray | memoryview, dtype: str) -> bytes:
 
 
 def _read(read: ReadRange, seg: Segment, lo: int, hi: int) -> bytes | bytearray:
-    """Bytes ``[lo, hi)`` of segment ``seg`` (offsets within the segment, after widening)."""
+    """Bytes ``[lo, hi)`` of segment ``seg`` (offsets within the segment, after widening or swapping)."""
+    if seg.swap > 1:
+        w = seg.swap
+        first, last = lo // w * w, -(-hi // w) * w  # the whole elements that hold the range
+        return byteswap(read(seg.path, seg.offset + first, last - first), w)[lo - first:hi - first]
     if seg.widen is None:
         return read(seg.path, seg.offset + lo, hi - lo)
     first, last = lo // 4, -(-hi // 4)  # the float32 elements that hold the range

@@ -22,7 +22,7 @@ from ckptool.formats.nodes import GlobalMeta, StorageRef
 from ckptool.formats.pickle_check import walk_prefix
 from ckptool.formats.strided import check_tensor_views
 from ckptool.formats.unpickler import load_pickle_at, load_structure
-from ckptool.formats.zipdir import ZipEntry, data_offset, member_buffer
+from ckptool.formats.zipdir import ZipEntry, data_offset, member_buffer, read_member
 
 _UNSET = object()
 
@@ -66,6 +66,25 @@ class Checkpoint:
     extra_roots: dict[str, Any] = field(default_factory=dict)
     #: a zip's members (names without the archive folder, their directory entries) not yet made into records
     _members: tuple[list[str], list[ZipEntry]] | None = field(default=None, repr=False, compare=False)
+    #: the byte order of the storages: a torch zip's ``byteorder`` record (``"little"`` when it has none, as
+    #: torch 2.13 reads it), ``"little"`` for other formats (a big-endian legacy file is refused)
+    byteorder: str = "little"
+
+    def byteswap_size(self, ref: StorageRef) -> int:
+        """The element size whose bytes must be reversed to read storage ``ref`` as the little-endian values
+        ckptool writes and compares (0: none), as ``torch.load`` swaps a storage whose ``byteorder`` is not the
+        machine's (``storage.byteswap(dtype)``, dtype from the storage class: ``UntypedStorage`` is bytes and is
+        never swapped; complex elements swap each half).
+
+        Raises:
+            UnsupportedError: an unknown storage class in a big-endian file.
+        """
+        if self.byteorder == "little":
+            return 0
+        dtype, size = storage_element(ref)
+        if dtype.startswith("complex"):
+            size //= 2
+        return size if size > 1 else 0
 
     @property
     def records(self) -> list[Record]:
@@ -170,6 +189,8 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
         ck.root, up, ck.pickle_size = load_pickle_at(data, 0, f"data.pkl in {path}", exact=True,
                                                      storages=ck.storages, global_cache=cache)
         seen.update(up.globals_seen)
+        if "byteorder" in by_name:
+            ck.byteorder = read_byteorder(f, by_name["byteorder"], path)
         check_storage_records(path, ck.storages, by_name, "data/")
         check_tensor_views(ck.root, path)
         if fmt == formats.TORCHSCRIPT and "constants.pkl" in by_name:
@@ -240,6 +261,20 @@ def read_pickle_member(f: Any, entry: ZipEntry, path: str) -> bytes | bytearray:
                 "zip bomb or a hidden payload; torch.save writes nothing there. Run `ckptool scan` on the file")
 
     return member_buffer(f, entry, path, watch=watch if entry.method != 0 else None)
+
+
+def read_byteorder(f: Any, entry: ZipEntry, path: str) -> str:
+    """The content of a torch zip's ``byteorder`` record ``entry``: ``"little"`` or ``"big"``, exactly as
+    ``torch.load`` accepts it (serialization.py ``_load``: anything else is "Unknown endianness type").
+
+    Raises:
+        CorruptCheckpointError: another value (torch.load refuses the file too).
+    """
+    data = bytes(read_member(f, entry, path, limit=16)) if entry.file_size <= 16 else b""
+    if data not in (b"little", b"big"):
+        raise CorruptCheckpointError(f"{path}: the byteorder record holds {data[:16]!r} (size {entry.file_size}), "
+                                     "neither 'little' nor 'big'; torch.load refuses it: the file is damaged")
+    return data.decode()
 
 
 def check_storage_records(path: str, storages: dict[str, StorageRef], by_name: dict[str, ZipEntry],

@@ -1,17 +1,19 @@
 """Which globals of a ``torch.distributed.checkpoint`` folder ckptool accepts before torch reads it.
 
 torch's ``FileSystemReader`` unpickles ``.metadata`` with ``pickle.load`` and ``DefaultLoadPlanner`` loads
-non-tensor entries with ``torch.load(weights_only=False)``: either can run code. ckptool reads both with its
-restricted unpickler first and accepts only the globals DCP itself writes (:data:`ckptool.formats.dcp.DCP_GLOBALS`)
-or that ``torch.load(weights_only=True)`` allows: the rules of ``ckptool scan``
-(:func:`ckptool.model.allowlist.classify_global`).
+non-tensor entries with ``torch.load(weights_only=False)``: either can run code. Before any torch function reads a
+folder, :func:`check_dcp_safe` scans it exactly as ``ckptool scan`` does (:func:`ckptool.ops.scan_dcp.
+scan_dcp_folder`: ``.metadata`` under DCP's own record classes, then every record of ``storage_data`` with the
+weights-only rules, tensor chunk or not, since a pickle can change an entry's class on the way) and accepts only a
+folder that scan calls safe.
 """
 
 from __future__ import annotations
 
-from ckptool.errors import UnsafeCheckpointError
+from ckptool.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptool.formats.dcp import DcpMetadata
-from ckptool.model.allowlist import ALLOWED, classify_global, is_allowed
+from ckptool.model.allowlist import ALLOWED, classify_global
+from ckptool.ops.scan_dcp import scan_dcp_folder
 
 
 def is_dcp_allowed(name: str) -> bool:
@@ -21,25 +23,27 @@ def is_dcp_allowed(name: str) -> bool:
 
 
 def check_dcp_safe(meta: DcpMetadata, trust: bool) -> None:
-    """Refuse (unless ``trust``) a DCP folder whose ``.metadata`` or non-tensor entries name globals outside
-    :func:`is_dcp_allowed` (non-tensor entries are held to the weights-only allowlist alone).
+    """Refuse (unless ``trust``) a DCP folder that ``ckptool scan`` does not call safe: a global outside
+    :func:`is_dcp_allowed` in ``.metadata`` or outside the weights-only allowlist in any record, a record that
+    could not be read to check it (transformed by DCP, not a pickle, damaged), an entry whose class is neither
+    tensor nor non-tensor metadata.
 
     Raises:
-        UnsafeCheckpointError: such globals, or a transformed non-tensor entry that cannot be read to check it.
-        CorruptCheckpointError: a non-tensor entry is missing or damaged.
+        UnsafeCheckpointError: such globals, or records torch would unpickle that cannot be checked.
+        CorruptCheckpointError: the folder is damaged (missing files, records outside the folder or past a file's
+            end, entries of another class) and names no global outside the allowlists.
     """
     if trust:
         return
-    unsafe = [n for n in dict.fromkeys(meta.globals) if not is_dcp_allowed(n)]
-    for record in meta.byte_records():
-        if record.transformed:
-            unsafe.append(f"(transformed entry {record.fqn!r}, cannot be checked)")
-            continue
-        unsafe += [n for n in meta.record_globals(record) if not is_allowed(n)]
-    if unsafe:
-        unsafe = list(dict.fromkeys(unsafe))
+    res = scan_dcp_folder(meta.folder)
+    unsafe = [g.name for g in res.globals if g.status != ALLOWED]
+    unchecked = [f"({p.where}: {p.error})" for p in res.pickles if p.error and not p.hidden]
+    if unsafe or unchecked:
+        names = list(dict.fromkeys(unsafe + unchecked))
         raise UnsafeCheckpointError(
-            f"{meta.folder}: loading this DCP checkpoint would import {', '.join(unsafe[:5])}"
-            f"{' and more' if len(unsafe) > 5 else ''}, outside torch's weights_only allowlist (torch.distributed."
-            "checkpoint unpickles .metadata and non-tensor entries without restriction). Pass --trust (trust=True) "
-            "only if you trust where the folder came from", unsafe)
+            f"{meta.folder}: loading this DCP checkpoint would import {', '.join(names[:5])}"
+            f"{' and more' if len(names) > 5 else ''}, outside torch's weights_only allowlist or unchecked "
+            "(torch.distributed.checkpoint unpickles .metadata and non-tensor entries without restriction). "
+            "Pass --trust (trust=True) only if you trust where the folder came from", names)
+    if res.error:
+        raise CorruptCheckpointError(f"{meta.folder}: {res.error}; `ckptool scan {meta.folder}` says more")

@@ -27,6 +27,7 @@ from ckptool._gc import gc_paused
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import contiguous_stride, element_size, numel, storage_nbytes
+from ckptool.formats.segments import byteswap
 from ckptool.formats.sharded import is_checkpoint_set, set_kind
 from ckptool.formats.strided import gather
 from ckptool.formats.torchfile import read_checkpoint, resolve_zip_offsets
@@ -179,6 +180,8 @@ class _Tensor:
     read_stride: tuple[int, ...] = ()
     limit: int = 0
     unread: str = ""
+    #: the element size whose bytes are reversed as they are read (a big-endian file), 0 for none
+    swap: int = 0
 
 
 @dataclass
@@ -236,6 +239,7 @@ def _torch_side(path: str, fmt: str) -> _Side:
         else:
             entry.base = rec.offset
             entry.limit = storage_nbytes(ref) // element_size(t.dtype)
+            entry.swap = ck.byteswap_size(ref)
         tensors[t.key] = entry
     values = dict(iter_values(ck.root))
     for name, extra in ck.extra_roots.items():
@@ -275,6 +279,13 @@ def _source_tensor(t: Tensor, fmt: str) -> _Tensor:
     stride = t.stride if has_stride or t.stride != contiguous_stride(t.shape) else None
     out = _Tensor(t.dtype, t.shape, stride, st.location if has_location else None, st, st.path, st.offset, t.offset,
                   t.stride, st.nbytes // es)
+    if st.segments is not None:  # one byte-swapped range (a big-endian torch shard) is read here; others are not
+        seg = st.segments[0]
+        if len(st.segments) == 1 and seg.widen is None and seg.nbytes == st.nbytes:
+            out.path, out.base, out.swap = seg.path, seg.offset, seg.swap
+        else:
+            out.path, out.unread = None, "a storage gathered from several files"
+        return out
     if st.pieces is None:
         return out
     lo, hi = t.span
@@ -333,11 +344,14 @@ def _chunks(t: _Tensor, files: Files, per: int) -> Iterator[bytes | bytearray]:
         pos, left = t.base + lo * es, n * es
         while left:
             k = min(left, per * es)
-            yield files.read(t.path, pos, k)
+            data = files.read(t.path, pos, k)
+            yield byteswap(data, t.swap) if t.swap else data
             pos += k
             left -= k
         return
     span_bytes = files.read(t.path, t.base + lo * es, (hi - lo) * es)  # the storage span, once
+    if t.swap:
+        span_bytes = bytearray(byteswap(span_bytes, t.swap))
     yield from gather(span_bytes, es, t.offset - lo, shape, stride, chunk=per * es)
 
 

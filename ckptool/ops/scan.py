@@ -30,9 +30,10 @@ Scanning looks at the bytes, never at the file name, and reads every place a loa
 * a zip (torch >= 1.6 or TorchScript): every member named ``*.pkl`` / ``*.debug_pkl`` / ``*.pickle`` in any
   folder, duplicates included, with a bad CRC-32 noted but still read (torch does not check it); members that are
   themselves zips are scanned recursively; other members that start like a pickle are read too;
-* a ``torch.export`` archive (``.pt2``): the members its loader unpickles, named by its configs (sample inputs,
-  pickled payloads, script and opaque objects: :func:`ckptool.formats.pt2.member_roles`), whatever their first
-  bytes; its raw tensor members are not read as pickles;
+* a ``torch.export`` archive (``.pt2``): the members its loader unpickles, whatever their first bytes: by name
+  (sample inputs, every ``data/constants/opaque_obj_*`` / ``custom_obj_*`` member, which ``torch.export.load``
+  unpickles whatever the configs say) and by every payload config (pickled payloads:
+  :func:`ckptool.formats.pt2.member_roles`); its raw tensor members are not read as pickles;
 * a legacy stream: its five pickles (magic number, protocol, ``sys_info``, main object, storage keys);
 * a legacy tar (torch < 0.4): its ``sys_info``, ``pickle``, ``storages`` and ``tensors`` members;
 * a plain pickle (whatever its name: ``.pt``, ``.bin``...);

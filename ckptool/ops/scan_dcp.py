@@ -11,10 +11,14 @@ So scanning a folder reads, with the restricted unpickler and nothing else:
 * ``.metadata``, where DCP's record classes and ``pathlib`` paths are allowed as data
   (:func:`ckptool.model.allowlist.classify_global` with ``dcp_metadata=True``) and every other global is rated as
   anywhere else; pickles after it are hidden pickles;
-* every record's byte range, as the ``torch.save`` zip it is (its ``data.pkl``, never its tensor bytes), with the
-  ordinary rules; a range past the end of its file, outside the folder, or not a ``torch.save`` record for a
-  non-tensor entry makes the folder unreadable; a record DCP transformed (``transform_descriptors``) cannot be
-  checked;
+* every record's byte range, tensor chunk or non-tensor entry alike and with the same (ordinary) rules: as the
+  ``torch.save`` zip it is (its ``data.pkl``, never its tensor bytes), or, when it is not a zip and starts like a
+  pickle, as the pickle ``torch.load`` would unpickle from its first byte (any protocol). Which records are
+  non-tensor entries is decided by the entry's class (:func:`ckptool.formats.dcp.entry_kind`), but a pickle can
+  BUILD an entry twice and change its class on the way, so no record is skipped for being a tensor's; an entry of
+  another class makes the folder unreadable (its records are still scanned); a range past the end of its file,
+  outside the folder, or not a ``torch.save`` record for a non-tensor entry makes the folder unreadable; a record
+  DCP transformed (``transform_descriptors``) cannot be checked;
 * the bytes of a ``.distcp`` file that no record names (DCP never reads them) are noted, and scanned as hidden
   pickles when they look like a pickle or a zip; a ``.distcp`` file no record names is noted.
 """
@@ -60,8 +64,9 @@ def scan_dcp_folder(folder: str | os.PathLike[str], part: str | None = None) -> 
     if part in (None, METADATA_FILE):
         _scan_metadata_pickle(sc, os.path.join(folder, METADATA_FILE), problems)
     try:
-        meta = read_dcp_metadata(folder)
+        meta = read_dcp_metadata(folder, strict=False)
         items = meta.items()
+        problems += meta.problems
     except CkptError as e:
         problems.append(str(e))
         res.error = "; ".join(problems)
@@ -160,13 +165,16 @@ def _scan_item(sc: _Scanner, w: Window, it: DcpItem, label: str) -> None:
         sc.loaded.add(label)
         sc.record(PickleFinding(label, it.offset, [], str(e)))
         return
-    if head.startswith(_PICKLE_HEADS):  # torch.load of bytes that are not a zip: an unpickler reads them
+    # torch.load of bytes that are not a zip unpickles them from byte 0 (any protocol); DCP hands it a BytesIO, for
+    # which _legacy_load never tries the legacy tar layout (that needs a real file)
+    if head[:1] and head[0] in _PICKLE_FIRST:
         sc.pickle_file(w[:], label, 1)
     elif it.is_bytes:
         sc.loaded.add(label)
         sc.record(PickleFinding(label, it.offset, [], "not a torch.save record (neither a zip nor a pickle); the "
                                                       "folder is damaged"))
-    # else: a tensor chunk of raw bytes (safetensors serialization): nothing is unpickled
+    # else: a tensor chunk of raw bytes (safetensors serialization) whose first byte is no pickle opcode: an
+    # unpickler given it stops at once, running nothing
 
 
 def _gaps(sc: _Scanner, mm: mmap.mmap, rel: str, size: int, covered: list[tuple[int, int]]) -> None:

@@ -19,6 +19,7 @@ from ckptool.errors import CkptError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import DTYPE_SIZES, storage_element, tensor_dtype
 from ckptool.formats.nodes import REBUILD_QTENSOR, StorageRef, TensorNode
+from ckptool.formats.segments import byteswap
 from ckptool.formats.torchfile import Checkpoint, resolve_zip_offsets
 from ckptool.formats.zipdir import read_member
 from ckptool.model.nonstrided import non_strided, refusal
@@ -34,7 +35,9 @@ __all__ = ["load_trusted_module", "materialize", "save_safetensors", "save_trust
 
 def materialize(ck: Checkpoint, entries: Sequence[tuple[str, TensorNode]]) -> dict[str, torch.Tensor]:
     """Each ``(key, tensor node)`` of ``ck`` as a contiguous CPU tensor of its dtype and shape, read from its
-    storage record (one read per storage; tensors sharing a storage share that read).
+    storage record (one read per storage; tensors sharing a storage share that read), byte-swapped as
+    ``torch.load`` swaps it when the file is big-endian (:meth:`~ckptool.formats.torchfile.Checkpoint.
+    byteswap_size`).
 
     Raises:
         UnsupportedError: a quantized tensor (safetensors cannot hold it), a storage without a complete record, a
@@ -72,6 +75,9 @@ def materialize(ck: Checkpoint, entries: Sequence[tuple[str, TensorNode]]) -> di
                     raw = bytearray(f.read(nbytes))
                 if len(raw) != nbytes:
                     raise CkptError(f"{ck.path}: storage {ref.key!r} is truncated; re-download the file")
+                swap = ck.byteswap_size(ref)
+                if swap:  # saved big-endian: torch.load swaps each element, so do we
+                    raw = bytearray(byteswap(raw, swap))
                 base = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
                 flat[ref.key] = base
             el = DTYPE_SIZES.get(dtype_name, 1)

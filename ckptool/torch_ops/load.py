@@ -40,7 +40,6 @@ from ckptool.formats.nodes import qualified_name
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import is_checkpoint_set, read_index, set_kind
 from ckptool.formats.torchfile import read_checkpoint
-from ckptool.formats.zipdir import read_member
 from ckptool.model import graph
 from ckptool.model.allowlist import is_allowed, refusal_remedy
 from ckptool.model.keys import mapping_key_function, rename_metadata_items
@@ -124,11 +123,7 @@ def _saved_devices_and_unsafe_globals(path: str, fmt: str, facts: dict[str, obje
                 for _entry in graph.iter_state_dict_of_module(ref.obj):
                     pass
         if facts is not None:
-            rec = ck.record("byteorder")
-            if rec is not None and rec.zipinfo is not None:
-                with open(path, "rb") as f:
-                    order = read_member(f, rec.zipinfo, path, limit=16).decode("ascii", "replace").strip()
-                facts["foreign_byteorder"] = order != sys.byteorder
+            facts["foreign_byteorder"] = ck.byteorder != sys.byteorder
     except RecursionError as e:
         raise CorruptCheckpointError(f"{path}: {graph.too_deep(e)}") from None
     names = dict.fromkeys(qualified_name(m, n) for m, n in ck.globals)

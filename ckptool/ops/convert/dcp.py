@@ -21,6 +21,7 @@ from ckptool.formats.dcp import DcpMetadata
 from ckptool.formats.dtypes import contiguous_stride, element_size, tensor_dtype
 from ckptool.formats.nodes import PickledObject, ReduceNode, TensorNode
 from ckptool.formats.pickler import PicklerError, dumps
+from ckptool.formats.torchfile import read_byteorder
 from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.formats.unpickler import load_structure
 from ckptool.formats.zipdir import data_offset, read_directory, read_member
@@ -177,7 +178,7 @@ def copy_dcp_to_torch(meta: DcpMetadata, out: BinaryIO) -> bool:
     laid out as ``dcp_to_torch_save`` lays it out (the ``planner_data`` nesting, every tensor contiguous, tagged
     ``cpu``). Returns False, having written nothing, when the folder does not qualify: a tensor in several chunks,
     a transformed record, lists in ``planner_data``, a non-tensor entry holding tensors, a record that does not
-    match ``.metadata``.
+    match ``.metadata``, a tensor record whose ``byteorder`` is not ``little`` (torch.load swaps it on reading).
 
     Raises:
         CorruptCheckpointError: a record is not a ``torch.save`` zip, or is damaged.
@@ -226,6 +227,9 @@ def copy_dcp_to_torch(meta: DcpMetadata, out: BinaryIO) -> bool:
                     return False
                 nbytes = element_size(entry.dtype) * _numel(shape)
                 key = node.storage.key
+                order = next((e for e in entries if e.name.endswith("/byteorder")), None)
+                if order is not None and read_byteorder(blob, order, what) != "little":
+                    return False  # saved big-endian: torch.load swaps it, a byte copy would not
                 rec = next((e for e in entries if e.name.endswith(f"/data/{key}")), None)
                 if (tensor_dtype(node) != entry.dtype or node.shape != shape or node.storage_offset != 0
                         or (nbytes and node.stride != contiguous_stride(shape)) or rec is None or rec.method != 0

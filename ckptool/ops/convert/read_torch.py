@@ -2,7 +2,9 @@
 
 The pickle is read as a node graph (:func:`ckptool.formats.torchfile.read_checkpoint`, nothing imported or run);
 each tensor becomes a :class:`~ckptool.ops.convert.source.Tensor` pointing at the byte range of its storage record
-(zip member or legacy data block).
+(zip member or legacy data block). In a file whose ``byteorder`` record says ``big`` each storage is read through
+a byte-swapping :class:`~ckptool.formats.segments.Segment` (:meth:`ckptool.formats.torchfile.Checkpoint.
+byteswap_size`), so every output holds the values ``torch.load`` gives.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ckptool.formats.nodes import (
     StorageRef,
     TensorNode,
 )
+from ckptool.formats.segments import Segment
 from ckptool.formats.torchfile import read_checkpoint, resolve_zip_offsets
 from ckptool.model.graph import (
     Link,
@@ -241,7 +244,12 @@ def torch_source(path: str, fmt: str, key: str | None) -> Source:
                 raise CorruptCheckpointError(
                     f"{path}: storage {ref.key!r} declares {nbytes} bytes but its record holds {rec.size}; the file "
                     "is damaged, re-download or re-save it")
-            st = storages[ref.key] = Storage(path, rec.offset, nbytes, dtype, ref.location, rec.crc)
+            swap = ck.byteswap_size(ref)
+            if swap:  # a big-endian file: each element's bytes are reversed as they are read, as torch.load does
+                st = storages[ref.key] = Storage(path, rec.offset, nbytes, dtype, ref.location, None,
+                                                 segments=[Segment(path, rec.offset, nbytes, swap=swap)])
+            else:
+                st = storages[ref.key] = Storage(path, rec.offset, nbytes, dtype, ref.location, rec.crc)
             if nbytes % element_size(dtype):
                 raise CorruptCheckpointError(f"{path}: storage {ref.key!r} ({nbytes} bytes) is not a whole number "
                                              f"of {dtype} elements; the file is damaged")

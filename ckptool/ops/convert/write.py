@@ -80,6 +80,23 @@ class Files:
             return self.get(st.path), st.offset
         return SegmentReader(st.segments, self.read), 0  # type: ignore[return-value]  # seek/read/readinto suffice
 
+    def storage_bytes(self, st: Storage, offset: int, n: int) -> bytes | bytearray:
+        """``n`` bytes at byte ``offset`` of storage ``st`` (through its segments when it has them: gathered from
+        several files, or byte-swapped).
+
+        Raises:
+            CorruptCheckpointError: the file ends first.
+        """
+        if st.segments is None:
+            return self.read(st.path, st.offset + offset, n)
+        r = SegmentReader(st.segments, self.read)
+        r.seek(offset)
+        data = r.read(n)
+        if len(data) != n:
+            raise CorruptCheckpointError(f"{st.path} is truncated: {n} bytes expected at offset {offset} of a "
+                                         "gathered storage; re-download it")
+        return data
+
     def close(self) -> None:
         for f in self._open.values():
             f.close()
@@ -161,7 +178,7 @@ def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str]
         elif u.dtype == t.dtype and st.pieces is None:  # a strided view, no cast: gather its bytes (no torch)
             lo, hi = t.span
             crc = 0
-            for piece in gather(files.read(st.path, st.offset + lo * esize, (hi - lo) * esize), esize,
+            for piece in gather(files.storage_bytes(st, lo * esize, (hi - lo) * esize), esize,
                                 t.offset - lo, t.shape, t.stride, chunk=_GATHER_CHUNK):
                 out.write(piece)
                 crc = zlib.crc32(piece, crc)
