@@ -13,6 +13,7 @@ these records, which only remember what the pickle asked for and never run it:
 
 from __future__ import annotations
 
+import _compat_pickle
 import functools
 from typing import Any, cast
 
@@ -27,13 +28,26 @@ REBUILD_FROM_TYPE_V2 = ("torch._tensor", "_rebuild_from_type_v2")
 #: the rebuild functions whose first argument is a storage (``_rebuild_from_type_v2`` wraps one of them)
 STORAGE_TENSOR_REBUILDERS = frozenset({REBUILD_TENSOR_V2, REBUILD_TENSOR_V3, REBUILD_TENSOR, REBUILD_QTENSOR})
 
-# protocol-2 pickles name builtins the Python 2 way; torch's allowlist is written with the Python 3 names
-_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+def py3_global(module: str, name: str) -> tuple[str, str]:
+    """``(module, name)`` of a global as Python 3's ``pickle`` resolves a Python 2 name: through the standard
+    library's own tables (``_compat_pickle.NAME_MAPPING`` for a whole name, such as ``__builtin__.long`` ->
+    ``builtins.int`` or ``__builtin__.unicode`` -> ``builtins.str``, else ``IMPORT_MAPPING`` for the module, such as
+    ``__builtin__`` -> ``builtins`` or ``copy_reg`` -> ``copyreg``), as ``pickle.Unpickler.find_class`` does with
+    ``fix_imports`` (the default) and ``torch.load``'s restricted unpickler does for protocol 2, the protocol
+    ``torch.save`` writes. A Python 3 name comes back unchanged (a few names of both, such as ``dbm.open``, map to
+    another module of the same package; the tests check that no mapping makes a name look safer)."""
+    mapped = _compat_pickle.NAME_MAPPING.get((module, name))
+    if mapped is not None:
+        return mapped
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
 def qualified_name(module: str, name: str) -> str:
-    """``module.name`` with Python 2 module names mapped to Python 3 (``__builtin__`` -> ``builtins``)."""
-    return f"{_PY2_MODULES.get(module, module)}.{name}"
+    """``module.name`` with Python 2 names mapped to Python 3 (:func:`py3_global`: ``__builtin__.long`` ->
+    ``builtins.int``): the one place every command (scan, inspect, sanitize, load) names a global before rating it."""
+    if module in _compat_pickle.IMPORT_MAPPING or (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = py3_global(module, name)
+    return f"{module}.{name}"
 
 
 _new_object = object.__new__
@@ -65,7 +79,7 @@ class GlobalMeta(type):
 
     @property
     def qualified_name(cls) -> str:
-        """``module.name`` with Python 2 module names mapped to Python 3 (``__builtin__`` -> ``builtins``)."""
+        """``module.name`` with Python 2 names mapped to Python 3 (:func:`qualified_name`)."""
         return qualified_name(cls.module, cls.name)
 
     def __repr__(cls) -> str:
