@@ -37,7 +37,8 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, cast
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
-from ckptool.formats.nodes import GlobalMeta, PersistentRef, StorageRef, new_global
+from ckptool.formats.dtypes import STORAGE_TYPES
+from ckptool.formats.nodes import ALLOC, CLASS_BUILD, GlobalMeta, PersistentRef, StorageRef, new_global, use_key
 from ckptool.formats.pickle_check import PickleBuffer, call_with_stack, check_pickle, tuple_levels
 
 __all__ = ["PICKLE_ERRORS", "RestrictedUnpickler", "load_pickle_at", "load_structure", "partial_globals"]
@@ -63,6 +64,27 @@ class RestrictedUnpickler(pickle.Unpickler):
         # lookups in the 50,000 calls of a big state_dict; no reference to self, so no cycle) replaces the method
         self.persistent_load = _storage_loader(self.storages, self._locations)  # type: ignore[method-assign,assignment]
         super().__init__(file, encoding="latin1")
+
+    def load(self) -> Any:
+        """Unpickle (as ``pickle.Unpickler.load``), then add to ``globals_seen`` a use key
+        (:func:`~ckptool.formats.nodes.use_key`) for each global the pickle BUILDs on as a class (class mutation)
+        and each call that asks to allocate more than :data:`MAX_REQUEST_BYTES` (``bytearray(1500000000)``); also
+        when unpickling fails, for what was read before the failure."""
+        try:
+            return super().load()
+        finally:
+            self._note_uses()
+
+    def _note_uses(self) -> None:
+        for key in list(self.globals_seen):
+            g = self._globals.get(key)
+            if g is None:
+                continue
+            if g.class_builds:
+                self.globals_seen[use_key(*key, CLASS_BUILD)] = None
+            nbytes = g.requested * _element_size(g.name)
+            if nbytes > MAX_REQUEST_BYTES:
+                self.globals_seen[use_key(*key, f"{ALLOC}{nbytes}")] = None
 
     def find_class(self, module: str, name: str) -> GlobalMeta:
         """The placeholder for global ``module.name`` (one per name and ``global_cache``); imports nothing."""
@@ -128,6 +150,19 @@ def _persistent_record(storages: dict[str, StorageRef], locations: dict[str, str
         # names the class directly, so returning the placeholder makes a rewrite emit a plain GLOBAL.
         return pid[1]
     return PersistentRef(pid)
+
+
+#: the most bytes one call in a pickle may ask to allocate (``bytearray(n)``, ``torch.FloatStorage(n)``...) before
+#: the call is reported as an unsafe use: ``torch.save`` never writes such calls (storages come from persistent ids,
+#: bytes as data), and ``bytearray(1500000000)`` fills 1.5 GB when loaded
+MAX_REQUEST_BYTES = 1 << 28
+
+
+def _element_size(name: str) -> int:
+    """Bytes per element of what a sized call of global ``name`` allocates (a torch storage or tensor type: its
+    element type's; ``bytearray``/``bytes``: 1; an unknown one: 1, the least)."""
+    storage = name[:-len("Tensor")] + "Storage" if name.endswith("Tensor") else name
+    return STORAGE_TYPES.get(storage, ("", 4 if name in ("Tensor", "TypedStorage") else 1))[1]
 
 
 #: exceptions that a damaged or hostile pickle can raise inside the C unpickler

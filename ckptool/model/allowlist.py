@@ -58,6 +58,8 @@ import sys
 from collections.abc import Iterable
 
 from ckptool.formats.dcp import DCP_GLOBALS
+from ckptool.formats.nodes import ALLOC, CLASS_BUILD, split_use
+from ckptool.formats.unpickler import MAX_REQUEST_BYTES
 
 WEIGHTS_ONLY_ALLOWED: frozenset[str] = frozenset(
     [
@@ -524,6 +526,19 @@ def _path_rating(name: str) -> tuple[str, str]:
     return UNKNOWN, "a class on no list: loading imports its package and builds it from the file's data"
 
 
+def _use_reason(name: str, use: str) -> str:
+    """Why the use ``use`` of global ``name`` (recorded by :func:`ckptool.formats.nodes.use_key`) is dangerous."""
+    if use == CLASS_BUILD:
+        return (f"the pickle BUILDs on the class {name} itself (class mutation: pickle sets attributes the file "
+                "chose on the class, and every later use of it in the process runs with them; "
+                "torch.load(weights_only=True) refuses it)")
+    if use.startswith(ALLOC):
+        size = use[len(ALLOC):]
+        return (f"a call of {name} asks to allocate {size} bytes when loaded (a memory bomb: over ckptool's limit of "
+                f"{MAX_REQUEST_BYTES} bytes per call; torch.save never writes such a call)")
+    return f"an unsafe use of {name} ({use})"
+
+
 @functools.lru_cache(maxsize=1)
 def _known_modules() -> frozenset[str]:
     """Modules (and their parent packages) that the lists show are real modules: those of
@@ -559,6 +574,9 @@ def classify_global(name: str, *, torchscript: bool = False, dcp_metadata: bool 
     numpy class on no list; ``reason`` says what it can do) or :data:`UNKNOWN` (a class of another package on no
     list: loading would import and build it). :func:`level_of` turns it into a scan level.
     """
+    base, use = split_use(name)
+    if use is not None:
+        return DANGEROUS, _use_reason(base, use)
     exact = _exact_rating(name, torchscript, dcp_metadata)
     if exact is not None:
         return exact
