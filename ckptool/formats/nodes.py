@@ -115,7 +115,7 @@ class GlobalMeta(type):
     # global and BUILDs on it: ``setattr`` on the class, as ``pickle`` does with a (None, slotstate) state) this
     # data descriptor of the metaclass answers before the instance method of PickledObject, and counts it
     @property
-    def __setstate__(cls) -> Callable[[Any], None]:
+    def __setstate__(cls) -> Callable[[Any], None]:  # noqa: PLE0302  # a property: BUILD calls what it returns
         return cls._build_on_class
 
     def _build_on_class(cls, state: Any) -> None:
@@ -410,18 +410,24 @@ def _product(values: Any) -> int:
     return n
 
 
-def _note_request(g: GlobalMeta, args: tuple[Any, ...]) -> None:
-    """Remember on placeholder ``g`` the most elements a call of it with ``args`` asks to allocate beyond the data
-    the file holds for it (a quantized tensor backed by a storage of at least that many elements asks nothing)."""
+def requested_elements(g: GlobalMeta, args: tuple[Any, ...]) -> int:
+    """How many elements a call of placeholder ``g`` with ``args`` asks to allocate beyond the data the file holds
+    for it (0 for a global whose call allocates nothing sized by its arguments; a quantized tensor backed by a
+    storage of at least that many elements asks nothing)."""
     if g.sizing == _FIRST_ARG:
-        n = _product(args[:1]) if args else 0
-    elif g.sizing == _INT_ARGS:
-        n = _product(args) if args and all(type(a) is int for a in args) else 0
-    else:
+        return _product(args[:1]) if args else 0
+    if g.sizing == _INT_ARGS:
+        return _product(args) if args and all(type(a) is int for a in args) else 0
+    if g.sizing == _THIRD_ARG_SHAPE:
         shape = args[2] if len(args) > 2 else None
         n = _product(shape) if isinstance(shape, tuple) else 0
-        if args and isinstance(args[0], StorageRef) and args[0].numel >= n:
-            n = 0
+        return 0 if args and isinstance(args[0], StorageRef) and args[0].numel >= n else n
+    return 0
+
+
+def _note_request(g: GlobalMeta, args: tuple[Any, ...]) -> None:
+    """Remember on placeholder ``g`` the most elements a call of it asks to allocate (:func:`requested_elements`)."""
+    n = requested_elements(g, args)
     if n > g.requested:
         g.requested = n
 

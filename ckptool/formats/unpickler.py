@@ -38,10 +38,20 @@ from typing import Any, BinaryIO, cast
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
 from ckptool.formats.dtypes import STORAGE_TYPES
-from ckptool.formats.nodes import ALLOC, CLASS_BUILD, GlobalMeta, PersistentRef, StorageRef, new_global, use_key
+from ckptool.formats.nodes import (
+    ALLOC,
+    CLASS_BUILD,
+    GlobalMeta,
+    PersistentRef,
+    StorageRef,
+    new_global,
+    requested_elements,
+    use_key,
+)
 from ckptool.formats.pickle_check import PickleBuffer, call_with_stack, check_pickle, tuple_levels
 
-__all__ = ["PICKLE_ERRORS", "RestrictedUnpickler", "load_pickle_at", "load_structure", "partial_globals"]
+__all__ = ["MAX_REQUEST_BYTES", "PICKLE_ERRORS", "RestrictedUnpickler", "element_size", "load_pickle_at",
+           "load_structure", "partial_globals", "request_bytes"]
 
 
 
@@ -82,7 +92,7 @@ class RestrictedUnpickler(pickle.Unpickler):
                 continue
             if g.class_builds:
                 self.globals_seen[use_key(*key, CLASS_BUILD)] = None
-            nbytes = g.requested * _element_size(g.name)
+            nbytes = g.requested * element_size(g.name)
             if nbytes > MAX_REQUEST_BYTES:
                 self.globals_seen[use_key(*key, f"{ALLOC}{nbytes}")] = None
 
@@ -158,11 +168,18 @@ def _persistent_record(storages: dict[str, StorageRef], locations: dict[str, str
 MAX_REQUEST_BYTES = 1 << 28
 
 
-def _element_size(name: str) -> int:
-    """Bytes per element of what a sized call of global ``name`` allocates (a torch storage or tensor type: its
-    element type's; ``bytearray``/``bytes``: 1; an unknown one: 1, the least)."""
+def element_size(name: str) -> int:
+    """Bytes per element of what a sized call of the global named ``name`` (its last part) allocates: a torch
+    storage or tensor type's element type's (``torch.Tensor``, ``TypedStorage``: float32's); ``bytearray`` and
+    ``bytes``: 1; an unknown one: 1, the least."""
     storage = name[:-len("Tensor")] + "Storage" if name.endswith("Tensor") else name
     return STORAGE_TYPES.get(storage, ("", 4 if name in ("Tensor", "TypedStorage") else 1))[1]
+
+
+def request_bytes(g: GlobalMeta, args: tuple[Any, ...]) -> int:
+    """The bytes a call of placeholder ``g`` with ``args`` asks to allocate beyond the file's data
+    (:func:`~ckptool.formats.nodes.requested_elements` times :func:`element_size`)."""
+    return requested_elements(g, args) * element_size(g.name)
 
 
 #: exceptions that a damaged or hostile pickle can raise inside the C unpickler
