@@ -9,7 +9,9 @@ Security policy
 * Nothing from the file is called. Calling a placeholder (REDUCE) or instantiating it (NEWOBJ / NEWOBJ_EX / OBJ /
   INST) creates a record node (:class:`~ckptool.formats.nodes.ReduceNode`, ``TensorNode``, ``ParameterNode``,
   ``ObjectNode``) holding the callable and its arguments; BUILD, SETITEMS, APPENDS and ADDITEMS on a node are
-  recorded on it (:class:`~ckptool.formats.nodes.PickledObject`).
+  recorded on it (:class:`~ckptool.formats.nodes.PickledObject`). A BUILD on a placeholder class itself (class
+  mutation, which ``pickle`` runs as ``setattr`` on the class) is counted, not refused, and reported as a use of
+  that global (:func:`~ckptool.formats.nodes.use_key`: ``collections.Counter !class-build``) in ``globals_seen``.
 * :meth:`RestrictedUnpickler.persistent_load` reads no data: torch's storage persistent ids
   (``('storage', StorageType, key, location, numel)``) become :class:`~ckptool.formats.nodes.StorageRef` records
   (one per key, so storage sharing stays visible and survives a rewrite), legacy ``('module', cls, ...)`` ids
@@ -18,7 +20,10 @@ Security policy
 * Resource limits: before the C unpickler runs, :func:`~ckptool.formats.pickle_check.check_pickle` walks the
   opcodes and refuses memo bombs, lengths past the end of the data and FRAMEs that cut an opcode; tuple nesting deep
   enough to overflow the C stack when hashed is unpickled in a thread with a stack sized for it
-  (:func:`~ckptool.formats.pickle_check.call_with_stack`).
+  (:func:`~ckptool.formats.pickle_check.call_with_stack`). A call that would allocate memory sized by its
+  arguments (``bytearray(n)``, a storage or legacy tensor type, a quantized tensor larger than its storage) over
+  :data:`MAX_REQUEST_BYTES` is reported as a use of its global (``builtins.bytearray !alloc=1500000000``); nothing
+  is allocated here.
 * Every failure of a damaged or hostile pickle becomes one
   :class:`~ckptool.errors.CorruptCheckpointError` (the exceptions in :data:`PICKLE_ERRORS`, ``raise ... from``).
 
