@@ -11,6 +11,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -338,3 +339,25 @@ def test_the_cases_without_a_marker_are_live_under_pickle_load(tmp_path: Path) -
     assert (tmp_path / "allow-pyio-fileio" / "fileio-created").exists()
     assert (tmp_path / "allow-sqlite3-connection" / "created.db").exists()
     assert not (tmp_path / "allow-numpy-datasource" / "victim").exists()
+
+
+def test_rewriting_commands_refuse_a_class_build_instead_of_dropping_it(tmp_path: Path) -> None:
+    """The node graph does not hold a BUILD on a class, so writing the pickle back would silently change the file:
+    remap refuses and writes nothing; sanitize --drop-unknown lists it as dropped and writes the rest."""
+    from ckptool.errors import UnsupportedError
+    from ckptool.ops.remap import remap
+    from ckptool.ops.sanitize import sanitize
+
+    src = tmp_path / "c.pt"
+    # {'a': Counter} after a BUILD on Counter whose result is popped
+    body = (b"\x80\x02ccollections\nCounter\nq\x00N}X\x0e\x00\x00\x00ckptool_markerK\x01s\x86b0"
+            b"}X\x01\x00\x00\x00ah\x00s.")
+    src.write_bytes(hc.torch_zip(body))
+    with pytest.raises(UnsupportedError, match="class mutation"):
+        remap(src, tmp_path / "r.pt", to="cpu")
+    assert not (tmp_path / "r.pt").exists()
+    res = sanitize(src, tmp_path / "s.pt", drop_unknown=True)
+    assert [c.source for c in res.dropped] == ["collections.Counter !class-build"]
+    z = zipfile.ZipFile(tmp_path / "s.pt")
+    out = load_structure(z.read(next(n for n in z.namelist() if n.endswith("/data.pkl"))))[1]
+    assert not any("!" in n for _m, n in out.globals_seen)

@@ -290,7 +290,7 @@ def recognise_file(root_keys: Iterable[object], names: Iterable[str]) -> tuple[s
     None for anything else (a file that matches the keys but names other globals is rated by its globals alone).
     """
     keys = {k for k in root_keys if type(k) is str}
-    if keys >= ACCELERATE_RNG_KEYS and all(is_allowed(n) or n in ACCELERATE_SAFE_GLOBALS for n in names):
+    if keys >= ACCELERATE_RNG_KEYS and all(n in WEIGHTS_ONLY_ALLOWED or n in ACCELERATE_SAFE_GLOBALS for n in names):
         return ACCELERATE_RNG, ("accelerate's save_state RNG state (Python, numpy and torch random states): "
                                 "accelerate.load_state reads it with torch.load(weights_only=True) plus numpy "
                                 "arrays and dtypes as safe globals; it needs trust in numpy, runs no code of the "

@@ -387,7 +387,8 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
         raise _refusal(src, s.left)
     keep = {"data/" + k for k in s.used}
     kept = replace(ck, protocol=2, _records=[r for r in ck.records if not r.name.startswith("data/") or r.name in keep],
-                   storages={k: v for k, v in ck.storages.items() if k in s.used})
+                   storages={k: v for k, v in ck.storages.items() if k in s.used},
+                   globals=[g for g in ck.globals if split_use(g[1])[1] != CLASS_BUILD])  # dropped: listed in left
     written = rewrite_file(kept, out, root, location_fn, s.new_records, progress)
     res = SanitizeResult(src, out, fmt, s.converted, s.left, storages=len(kept.storages) + len(s.new_records),
                          new_storages=len(s.new_records), bytes_written=written.bytes_written,
