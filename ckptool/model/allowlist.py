@@ -466,7 +466,9 @@ def refusal_remedy(path: str, names: Iterable[str]) -> str:
     One or two sentences, starting with a capital."""
     dangerous = [n for n in names if classify_global(n)[0] == DANGEROUS]
     if dangerous:
-        return (f"It names {', '.join(dangerous[:3])}, which can run code on your machine: do not load it with "
+        bombs = all((split_use(n)[1] or "").startswith(ALLOC) for n in dangerous)
+        harm = "exhaust your machine's memory" if bombs else "run code on your machine"
+        return (f"It names {', '.join(dangerous[:3])}, which can {harm}: do not load it with "
                 f"trust; see `ckptool scan {path}`")
     return (f"Convert it without running it: `ckptool sanitize {path} -o OUT.pth` (numpy arrays become tensors, "
             "argparse.Namespace records dicts, a pickled model its state_dict); or pass trust=True (--trust) only "
