@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import _compat_pickle
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -34,9 +35,9 @@ def py3_global(module: str, name: str) -> tuple[str, str]:
     library's own tables (``_compat_pickle.NAME_MAPPING`` for a whole name, such as ``__builtin__.long`` ->
     ``builtins.int`` or ``__builtin__.unicode`` -> ``builtins.str``, else ``IMPORT_MAPPING`` for the module, such as
     ``__builtin__`` -> ``builtins`` or ``copy_reg`` -> ``copyreg``), as ``pickle.Unpickler.find_class`` does with
-    ``fix_imports`` (the default) and ``torch.load``'s restricted unpickler does for protocol 2, the protocol
-    ``torch.save`` writes. A Python 3 name comes back unchanged (a few names of both, such as ``dbm.open``, map to
-    another module of the same package; the tests check that no mapping makes a name look safer)."""
+    ``fix_imports`` (the default) for protocols 0-2 (``torch.save`` writes 2) and ``torch.load``'s restricted
+    unpickler does for every protocol. A few table keys are Python 3 names too (``dbm.open`` -> ``dbm.ndbm.open``);
+    :func:`qualified_name` leaves those as written."""
     mapped = _compat_pickle.NAME_MAPPING.get((module, name))
     if mapped is not None:
         return mapped
@@ -62,10 +63,17 @@ def split_use(qualified: str) -> tuple[str, str | None]:
     return (base, use) if mark else (qualified, None)
 
 
+#: the top-level modules of Python 3's standard library: a name in one of them is left as written
+_PY3_STDLIB = frozenset(sys.stdlib_module_names)
+
+
 def qualified_name(module: str, name: str) -> str:
     """``module.name`` with Python 2 names mapped to Python 3 (:func:`py3_global`: ``__builtin__.long`` ->
-    ``builtins.int``): the one place every command (scan, inspect, sanitize, load) names a global before rating it."""
-    if module in _compat_pickle.IMPORT_MAPPING or (module, name) in _compat_pickle.NAME_MAPPING:
+    ``builtins.int``): the one place every command (scan, inspect, sanitize, load) names a global before rating it.
+    A name whose module also exists in Python 3 (``dbm.open``, ``itertools.izip``) is left as written: a pickle of
+    protocol 3 or more imports it so, and the tests check that it is rated no safer than its mapped form."""
+    if (module in _compat_pickle.IMPORT_MAPPING or (module, name) in _compat_pickle.NAME_MAPPING) and (
+            module.split(".", 1)[0] not in _PY3_STDLIB):
         module, name = py3_global(module, name)
     return f"{module}.{name}"
 
