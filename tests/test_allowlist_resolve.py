@@ -368,3 +368,8 @@ def test_rewriting_commands_refuse_a_class_build_instead_of_dropping_it(tmp_path
     z = zipfile.ZipFile(tmp_path / "s.pt")
     out = load_structure(z.read(next(n for n in z.namelist() if n.endswith("/data.pkl"))))[1]
     assert not any("!" in n for _m, n in out.globals_seen)
+
+
+def test_a_use_of_a_python2_name_is_named_as_python3_names_it() -> None:
+    _root, up = load_structure(b"\x80\x02c__builtin__\nlong\nN}X\x01\x00\x00\x00aK\x01s\x86b.")
+    assert [qualified_name(m, n) for m, n in up.globals_seen] == ["builtins.int", "builtins.int !class-build"]

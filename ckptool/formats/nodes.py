@@ -54,6 +54,7 @@ def use_key(module: str, name: str, use: str) -> tuple[str, str]:
     """The ``(module, name)`` entry a reader adds to the globals it saw for an unsafe use of global
     ``module.name`` (``collections.Counter !class-build``, ``builtins.bytearray !alloc=1500000000``): every command
     that lists and rates a pickle's globals then rates the use too (:func:`split_use`)."""
+    module, name = _py2_mapped(module, name)  # __builtin__.long !class-build is builtins.int's
     return module, f"{name}{USE_MARK}{use}"
 
 
@@ -72,10 +73,17 @@ def qualified_name(module: str, name: str) -> str:
     ``builtins.int``): the one place every command (scan, inspect, sanitize, load) names a global before rating it.
     A name whose module also exists in Python 3 (``dbm.open``, ``itertools.izip``) is left as written: a pickle of
     protocol 3 or more imports it so, and the tests check that it is rated no safer than its mapped form."""
+    module, name = _py2_mapped(module, name)
+    return f"{module}.{name}"
+
+
+def _py2_mapped(module: str, name: str) -> tuple[str, str]:
+    """``(module, name)`` as :func:`qualified_name` names it: mapped by :func:`py3_global` unless the module also
+    exists in Python 3."""
     if (module in _compat_pickle.IMPORT_MAPPING or (module, name) in _compat_pickle.NAME_MAPPING) and (
             module.split(".", 1)[0] not in _PY3_STDLIB):
-        module, name = py3_global(module, name)
-    return f"{module}.{name}"
+        return py3_global(module, name)
+    return module, name
 
 
 _new_object = object.__new__
