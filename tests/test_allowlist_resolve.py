@@ -75,6 +75,8 @@ def test_a_name_is_rated_as_the_object_it_reaches(name: str) -> None:
     ("numpy.random._pickle.__randomstate_ctor", NEEDS_TRUST),  # "_pickle" too: an exactly listed name
     ("numpy.random._generator.Generator", NEEDS_TRUST),
     ("torch.distributed.checkpoint.metadata.Metadata", NEEDS_TRUST),
+    ("torch.distributed.tensor.DTensor", NEEDS_TRUST),  # torch registers it as a safe global
+    ("torch.distributed.tensor.placement_types.Shard", NEEDS_TRUST),
     ("collections.OrderedDict", ALLOWED),
     ("pathlib._local.PosixPath", NEEDS_TRUST),
     ("builtins.ValueError", NEEDS_TRUST),
@@ -373,3 +375,24 @@ def test_rewriting_commands_refuse_a_class_build_instead_of_dropping_it(tmp_path
 def test_a_use_of_a_python2_name_is_named_as_python3_names_it() -> None:
     _root, up = load_structure(b"\x80\x02c__builtin__\nlong\nN}X\x01\x00\x00\x00aK\x01s\x86b.")
     assert [qualified_name(m, n) for m, n in up.globals_seen] == ["builtins.int", "builtins.int !class-build"]
+
+
+def test_a_torch_save_of_a_dtensor_needs_trust_not_more(tmp_path: Path) -> None:
+    """What torch.save writes for a DTensor (one CPU process, a file store: no network): every global needs trust
+    at most (torch registers them as safe globals), although the rest of torch.distributed is dangerous."""
+    pytest.importorskip("torch")
+    script = textwrap.dedent(f"""
+        import torch, torch.distributed as dist
+        dist.init_process_group('gloo', rank=0, world_size=1, init_method='file://{tmp_path}/store')
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import distribute_tensor, Shard
+        t = distribute_tensor(torch.randn(4, 4), init_device_mesh('cpu', (1,)), [Shard(0)])
+        torch.save({{'w': t}}, '{tmp_path}/d.pt')
+        dist.destroy_process_group()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    if out.returncode != 0:
+        pytest.skip(f"no DTensor here: {out.stderr.strip().splitlines()[-1:]}")
+    res = scan_file(tmp_path / "d.pt")
+    assert res.verdict == NEEDS_TRUST, [(g.name, g.status) for g in res.unsafe]
+    assert any(g.name == "torch.distributed.tensor.DTensor" for g in res.unsafe)

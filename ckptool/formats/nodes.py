@@ -101,7 +101,8 @@ class GlobalMeta(type):
     #: the node REDUCE records (:func:`node_type_for`); None for ``_rebuild_from_type_v2``, decided per call
     node_type: type[ReduceNode] | None
 
-    #: how a call sizes the memory it allocates (:func:`_sizing_for`): 0 (it does not), else a :data:`_SIZINGS` key
+    #: how a call sizes the memory it allocates (:func:`_sizing_for`): 0 (it does not), ``_FIRST_ARG``, ``_INT_ARGS``
+    #: or ``_THIRD_ARG_SHAPE``
     sizing: int
     #: the most elements a call of this global asked to allocate (a class attribute, set only when one did)
     requested: int = 0

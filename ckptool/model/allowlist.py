@@ -222,6 +222,16 @@ NEEDS_TRUST_NAMES: dict[str, str] = {
        for n in ("datetime", "date", "time", "timedelta", "timezone")},
     "torch._C.Generator": "a torch random generator: restores its saved RNG state",
     "random.Random": "Python's random generator: restores its saved state, runs nothing",
+    # torch.distributed.tensor and device_mesh register these with add_safe_globals when imported (what a torch.save
+    # of a DTensor names): the rest of torch.distributed stays dangerous
+    **dict.fromkeys((
+        "torch.distributed.device_mesh.DeviceMesh", "torch.distributed._mesh_layout._MeshLayout",
+        "torch.distributed._mesh_layout._FlatLayout", "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+        "torch.distributed.tensor._dtensor_spec.TensorMeta", "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
+        "torch.distributed.tensor.DTensor", "torch.distributed.tensor.placement_types.Partial",
+        "torch.distributed.tensor.placement_types.Replicate", "torch.distributed.tensor.placement_types.Shard",
+        "torch.distributed.tensor.placement_types._StridedShard"),
+        "a DTensor record: torch.load(weights_only=True) accepts it once torch.distributed.tensor is imported"),
     **dict.fromkeys(("decimal.Decimal", "fractions.Fraction", "uuid.UUID", "ipaddress.IPv4Address",
                      "ipaddress.IPv6Address", "ipaddress.IPv4Network", "ipaddress.IPv6Network"),
                     "a standard-library value (a number, an identifier or an address): builds it, runs nothing"),
