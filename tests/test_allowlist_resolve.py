@@ -84,6 +84,8 @@ def test_a_name_is_rated_as_the_object_it_reaches(name: str) -> None:
     ("mypkg.models.Net", UNKNOWN),
     ("__main__.Net", UNKNOWN),
     ("torch.optim.lr_scheduler.types.SimpleNamespace", UNKNOWN),  # types.SimpleNamespace is data
+    ("mypkg.token.Tokenizer", UNKNOWN),  # token.Tokenizer is on no list: a package's own token submodule
+    ("mypkg.random.Layer", UNKNOWN),
 ])
 def test_library_names_keep_their_rating(name: str, status: str) -> None:
     assert classify_global(name)[0] == status, classify_global(name)

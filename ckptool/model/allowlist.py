@@ -40,8 +40,10 @@ The three levels, and the rule that puts each global in one (first match wins):
 
 A dotted name is the object it reaches, not the module it starts in (:func:`classify_global`): a name rules 3 and
 6 would rate is also rated as each shorter name that starts at a part naming a top-level module
-(:data:`REEXPORTABLE`), past the modules the lists show are real; ``torch.utils.cpp_extension.subprocess.Popen``
-is ``subprocess.Popen`` and ``torch.optim.lr_scheduler.types.CodeType`` is ``types.CodeType``, both dangerous.
+(:data:`REEXPORTABLE`), past the modules the lists show are real, and is dangerous when a list makes that shorter
+name dangerous: ``torch.utils.cpp_extension.subprocess.Popen`` is ``subprocess.Popen`` and
+``torch.optim.lr_scheduler.types.CodeType`` is ``types.CodeType``, both dangerous (``mypkg.token.Tokenizer`` stays
+an unknown class: ``token.Tokenizer`` is on no list).
 Python 2 names (``__builtin__.long``) are rated as the Python 3 names ``pickle`` maps them to
 (:func:`ckptool.formats.nodes.qualified_name`, through the standard library's ``_compat_pickle`` tables).
 
@@ -418,9 +420,14 @@ def _known_modules() -> frozenset[str]:
     return frozenset(".".join(m.split(".")[:i]) for m in modules for i in range(1, m.count(".") + 2))
 
 
-def _rating(name: str, torchscript: bool, dcp_metadata: bool) -> tuple[str, str]:
+def _listed_danger(name: str, torchscript: bool, dcp_metadata: bool) -> str | None:
+    """What ``name`` can do when a list makes it dangerous (an exact entry, a :data:`DANGEROUS_MODULES` module),
+    else None: a name on no list (``token.Tokenizer``) is not made dangerous by the general rules here, because a
+    package's own submodule often shares a standard module's name (``mypkg.token``)."""
     exact = _exact_rating(name, torchscript, dcp_metadata)
-    return exact if exact is not None else _path_rating(name)
+    if exact is not None:
+        return exact[1] if exact[0] == DANGEROUS else None
+    return _dangerous_reason(name)
 
 
 def classify_global(name: str, *, torchscript: bool = False, dcp_metadata: bool = False) -> tuple[str, str]:
@@ -431,11 +438,11 @@ def classify_global(name: str, *, torchscript: bool = False, dcp_metadata: bool 
 
     A dotted name is the object it reaches, not the module it starts in: ``pickle`` walks ``qualname`` attribute by
     attribute (``STACK_GLOBAL`` of ``torch.utils.cpp_extension`` + ``subprocess.Popen``), and a module attribute
-    can be another module (``import subprocess`` there). So a name no list names exactly is also rated as every
-    shorter name that starts at one of its parts naming a top-level module (:data:`REEXPORTABLE`:
-    ``subprocess.Popen``, ``types.CodeType``), and the worst rating wins. Nothing is imported: which attributes
-    really are modules is not looked up, so a package's own submodule that shares a standard-library module's name
-    (``mypkg.io.Reader``) is rated as that module too.
+    can be another module (``import subprocess`` there). So a name no list names exactly is dangerous when a
+    shorter name that starts at one of its parts naming a top-level module (:data:`REEXPORTABLE`), past the modules
+    the lists show are real, is dangerous by a list (``subprocess.Popen``, ``types.CodeType``). Nothing is
+    imported: which attributes really are modules is not looked up, so a package's own submodule that shares a
+    dangerous standard module's name (``mypkg.io.Reader``) is rated as that module too.
 
     ``status`` is :data:`ALLOWED` (in the ``torch.load(weights_only=True)`` allowlist, or resolved by TorchScript's
     own unpickler when ``torchscript`` is true), :data:`NEEDS_TRUST` (a known library class or rebuilder that runs
@@ -460,8 +467,8 @@ def classify_global(name: str, *, torchscript: bool = False, dcp_metadata: bool 
         if parts[i] not in REEXPORTABLE:
             continue
         reached = ".".join(parts[i:])
-        status, why = _rating(reached, torchscript, dcp_metadata)
-        if status == DANGEROUS:
+        why = _listed_danger(reached, torchscript, dcp_metadata)
+        if why is not None:
             via = ".".join(parts[:i + 1])
             return DANGEROUS, (f"{via} can be the module {parts[i]} imported there (a module attribute), which "
                                f"makes this {reached}: {why}")
