@@ -22,7 +22,7 @@ from ckptool.formats.nodes import GlobalMeta, StorageRef
 from ckptool.formats.pickle_check import walk_prefix
 from ckptool.formats.strided import check_tensor_views
 from ckptool.formats.unpickler import load_pickle_at, load_structure
-from ckptool.formats.zipdir import ZipEntry, data_offset, member_buffer
+from ckptool.formats.zipdir import TorchRecords, ZipEntry, data_offset, member_buffer
 
 _UNSET = object()
 
@@ -155,16 +155,19 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
     # member by member (_zip_records) to refuse it with the same error
     names = [e.name[n_lead:] if e.name.startswith(lead) else e.name for e in entries]
     by_name = dict(zip(names, entries))
+    data_pkl = _torch_data_pkl(path, entries, names, by_name)
     if len(by_name) == len(entries) and max([e.header_offset + e.compress_size for e in entries]) <= size:
         ck._members = (names, entries)  # records made on first use (Checkpoint.records)
     else:
-        by_name = _zip_records(path, entries, lead, size, ck.records)
-    if "data.pkl" not in by_name:
-        raise NotACheckpointError(f"{path} is a zip archive without data.pkl, not a torch checkpoint")
+        by_name = _zip_records(path, entries, names, size, ck.records)
+    joined = "\n".join(names)
+    if joined != joined.lower():  # torch finds records ignoring case (the names are unique so, checked above)
+        for n, e in list(by_name.items()):
+            by_name.setdefault(n.lower(), e)
     cache: dict[tuple[str, str], GlobalMeta] = {}
     seen: dict[tuple[str, str], None] = {}
     with source.open_binary(path) as f:
-        data = read_pickle_member(f, by_name["data.pkl"], path)
+        data = read_pickle_member(f, data_pkl, path)
         ck.protocol = data[1] if len(data) > 1 and data[0] == 0x80 else 2
         # load_structure's reading of bytes, keeping where the pickle ends (the member may go on after STOP)
         ck.root, up, ck.pickle_size = load_pickle_at(data, 0, f"data.pkl in {path}", exact=True,
@@ -185,16 +188,47 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
     return ck
 
 
-def _zip_records(path: str, entries: list[ZipEntry], lead: str, size: int,
+def _torch_data_pkl(path: str, entries: list[ZipEntry], names: list[str], by_name: dict[str, ZipEntry]) -> ZipEntry:
+    """The ``data.pkl`` member torch reads (:class:`~ckptool.formats.zipdir.TorchRecords`: names matched ignoring
+    ASCII case); ``names`` (the members' names without the archive folder, which ``by_name`` maps) then calls it
+    ``data.pkl``, the name rewriters give the new pickle.
+
+    Raises:
+        NotACheckpointError: torch finds no ``data.pkl``.
+        CorruptCheckpointError: two member names differ only in case (torch reads one, ``zipfile`` another).
+    """
+    if len(by_name) == len(names) and len({n.lower() for n in by_name}) != len(names):
+        lowered: dict[str, str] = {}
+        for e in entries:
+            other = lowered.setdefault(e.name.lower(), e.name)
+            if other != e.name:
+                raise CorruptCheckpointError(
+                    f"{path}: the zip holds members {other!r} and {e.name!r}, whose names differ only in case: "
+                    "torch's reader matches names ignoring case and reads one, zipfile-based tools the other, so "
+                    "ckptool refuses the file (run `ckptool scan` on it)")
+    exact = by_name.get("data.pkl")
+    if exact is not None:
+        return exact
+    found = TorchRecords(entries).find("data.pkl")
+    if found is None:
+        raise NotACheckpointError(f"{path} is a zip archive without data.pkl, not a torch checkpoint")
+    i = entries.index(found)
+    del by_name[names[i]]
+    names[i] = "data.pkl"
+    by_name["data.pkl"] = found
+    return found
+
+
+def _zip_records(path: str, entries: list[ZipEntry], names: list[str], size: int,
                  records: list[Record]) -> dict[str, ZipEntry]:
-    """Append a :class:`Record` per zip member to ``records``; return the members by name (``lead`` removed).
+    """Append a :class:`Record` per zip member to ``records``; return the members by name (``names``: theirs
+    without the archive folder).
 
     Raises:
         CorruptCheckpointError: a member runs past ``size`` bytes, or two members have the same name.
     """
     by_name: dict[str, ZipEntry] = {}
-    for e in entries:
-        name = e.name[len(lead):] if e.name.startswith(lead) else e.name
+    for name, e in zip(names, entries, strict=True):
         if e.header_offset + e.compress_size > size:
             raise CorruptCheckpointError(
                 f"{path}: record {e.name!r} runs past the end of the file: truncated; re-download it")

@@ -25,7 +25,16 @@ from ckptool.formats.nodes import GlobalMeta, ObjectNode, ReduceNode, StorageRef
 from ckptool.formats.pickle_check import PickleBuffer, check_pickle
 from ckptool.formats.pt2 import is_pt2_names, member_roles
 from ckptool.formats.unpickler import load_pickle_at, partial_globals
-from ckptool.formats.zipdir import ZipEntry, read_directory, read_member, read_member_head
+from ckptool.formats.zipdir import (
+    MAX_RATIO,
+    Directory,
+    TorchRecords,
+    ZipEntry,
+    read_directory,
+    read_member,
+    read_member_head,
+    zipfile_directory,
+)
 from ckptool.model.allowlist import ALLOWED, classify_global
 from ckptool.model.graph import depth_first, node_children
 from ckptool.ops.scan_results import GlobalFinding, PickleFinding, ScanResult
@@ -42,7 +51,12 @@ _STORAGE_DIRS = ("data/", "constants/", ".data/", "code/")
 _ZIP_LOCAL = b"PK\x03\x04"
 _ZIP_EOCD = b"PK\x05\x06"
 _LEGACY_MAGIC = formats.LEGACY_MAGIC_PREFIX
-MAX_ZIP_DEPTH = 3
+#: zips inside zips are scanned this deep; a zip deeper still is an unreadable finding (the verdict is then no
+#: better than ``error``)
+MAX_ZIP_DEPTH = 16
+#: the bytes a scan inflates (or copies, for nested zips) from zip members: this plus :data:`MAX_RATIO` times the
+#: file's size; members past it are unreadable findings. Members sharing one local header are read once.
+INFLATE_BUDGET = 64 << 20
 MAX_TAR_MEMBERS = 10_000
 MAX_PICKLES_IN_A_ROW = 10_000
 #: a file's first byte starts a pickle only if it is an opcode a pickle can begin with
@@ -115,6 +129,8 @@ class _Scanner:
         self.root: Any = None  # the root of the first pickle torch's loader reads
         #: per torch.export zip (by ``where``): the members its loader unpickles, and its raw tensor members
         self.pt2_roles: dict[str, tuple[set[str], set[str]]] = {}
+        #: bytes left to inflate from zip members (:data:`INFLATE_BUDGET`), set from the file's size
+        self.inflate_left: int | None = None
 
     # -- recording -------------------------------------------------------------------------------------------
     def record(self, finding: PickleFinding, root: Any = None) -> None:
@@ -214,17 +230,30 @@ class _Scanner:
     # -- containers ------------------------------------------------------------------------------------------
     def any(self, buf: PickleBuffer, where: str, depth: int, f: BinaryIO | None = None) -> str:
         """Scan ``buf`` (bytes or mmap, optionally its open file ``f``) as whatever its bytes say it is: the file
-        ``torch.load`` would read (its own pickles are not hidden)."""
+        ``torch.load`` would read (its own pickles are not hidden), in torch.load's order: a zip (``PK\\x03\\x04``),
+        else a tar if ``tarfile`` accepts its first header (``_legacy_load`` tries it first), else a legacy stream or
+        a pickle; safetensors by its header."""
+        if self.inflate_left is None:
+            self.inflate_left = INFLATE_BUDGET + MAX_RATIO * len(buf)
         head = bytes(buf[:512])
         if head.startswith((_ZIP_LOCAL, _ZIP_EOCD)):
             return self.zip(buf, where, depth, f, loaded=True)
+        if formats.is_tar(head):
+            try:
+                self.tar(buf, where, depth)
+            except CorruptCheckpointError as err:
+                self.note(f"the tar header at byte 0{_in(where)} is valid but the archive could not be read ({err})")
+            else:
+                if head[0] in _PICKLE_FIRST:  # pickle.load (and tools that use it) read the file's first bytes
+                    self.parse(buf, 0, _join(where, "pickle at byte 0 (read by pickle.load, not torch.load)"),
+                               required=False)
+                self.appended_zip(buf, 512, where, depth)
+                return "legacy-tar"
         if head.startswith(_LEGACY_MAGIC):
             self.legacy(buf, where, depth)
             return formats.TORCH_LEGACY
-        if len(head) >= 262 and head[257:262] == b"ustar":
-            self.tar(buf, where, depth)
-            return "legacy-tar"
         if len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] + 8 <= len(buf):
+            self.appended_zip(buf, struct.unpack("<Q", head[:8])[0] + 8, where, depth)
             return formats.SAFETENSORS
         if not head or head[0] not in _PICKLE_FIRST:
             raise _NotAPickle()
@@ -246,42 +275,59 @@ class _Scanner:
         if buf[pos] in _PICKLE_FIRST and buf[pos:pos + 4] != _ZIP_LOCAL:
             rest = self.pickles_in_a_row(buf, pos, _join(where, f"data after the last pickle, byte {pos}"),
                                          first_required=False) or pos
-        start = _zip_start(buf, rest)
-        if start is not None:
-            if start > rest:
-                self.note(f"{start - rest} bytes at byte {rest}{_in(where)} are not a pickle")
-            self.note(f"a zip archive is appended at byte {start}{_in(where)} (zipfile-based tools read it instead)")
-            try:
-                self.zip(bytes(buf[start:]), _join(where, f"appended zip at byte {start}"), depth + 1)
-            except CkptError as err:
-                self.note(f"the zip appended at byte {start}{_in(where)} could not be read ({err})")
-        elif rest < len(buf):
+        if not self.appended_zip(buf, rest, where, depth) and rest < len(buf):
             self.note(f"{len(buf) - rest} bytes at byte {rest}{_in(where)} are not a pickle (no loader reads them)")
+
+    def appended_zip(self, buf: PickleBuffer, pos: int, where: str, depth: int) -> bool:
+        """Scan the zip whose end record lies after byte ``pos`` of ``buf`` (after a pickle, a safetensors header,
+        a legacy stream or a tar), as torch's zip reader (offsets from the file's start) and ``zipfile`` (offsets
+        from the zip's start) read it: both views, whichever holds. Returns False when there is no such record."""
+        found = _eocd(buf)
+        if found is None or found[0] < pos:
+            return False
+        start = _zip_start(buf, pos)
+        if start is not None and start > pos:
+            self.note(f"{start - pos} bytes at byte {pos}{_in(where)} are not a pickle")
+        at = start if start is not None else found[0]
+        what = "appended" if start is not None else "whose directory ends"
+        self.note(f"a zip archive is {what} at byte {at}{_in(where)} (zipfile-based tools and torch's zip reader "
+                  "read it instead)")
+        window = buf if isinstance(buf, Window) else Window(buf, 0, len(buf))
+        try:
+            self.zip(window, _join(where, f"appended zip at byte {at}"), depth + 1)
+        except CkptError as err:
+            self.note(f"the zip at byte {at}{_in(where)} could not be read ({err})")
+        return True
 
     def zip(self, buf: Container, where: str, depth: int, f: BinaryIO | None = None, *, loaded: bool = False) -> str:
         """Every pickle-bearing member of the zip in ``buf`` (``f``: the same bytes as a file), then data after
-        its end. ``loaded``: torch's loader reads this zip (the file itself, a DCP item), so the members it
-        unpickles (``data.pkl``; ``constants.pkl`` of a TorchScript archive) are not hidden."""
+        its end. The members are those of torch's central directory and of ``zipfile``'s, both
+        (:func:`_directories`). ``loaded``: torch's loader reads this zip (the file itself, a DCP item), so the
+        members it unpickles (``data.pkl`` as torch finds it, ignoring case; ``constants.pkl`` of a TorchScript
+        archive) are not hidden."""
         if depth > MAX_ZIP_DEPTH:
-            raise CorruptCheckpointError(f"zips nested more than {MAX_ZIP_DEPTH} deep{_in(where)}")
+            self.record(PickleFinding(where, 0, [], f"zips nested more than {MAX_ZIP_DEPTH} deep: not scanned"))
+            return "zip"
         if f is None:
             f = cast(BinaryIO, buf) if isinstance(buf, Window) else io.BytesIO(
                 buf if isinstance(buf, bytes) else bytes(buf))
         size = len(buf)
-        if depth == 0 and not where and not source.is_url(self.res.path) and size == os.path.getsize(self.res.path):
-            # the file itself: its directory as format detection and the readers parsed it (cached per version)
-            entries = formats.zip_entries(self.res.path)
-        else:
-            entries = read_directory(f, size, where or self.res.path)
+        if self.inflate_left is None:
+            self.inflate_left = INFLATE_BUDGET + MAX_RATIO * size
+        top_file = depth == 0 and not where and not source.is_url(self.res.path) and \
+            size == os.path.getsize(self.res.path)
+        torch_view, entries = self._directories(f, size, where, top_file)
         if not entries:
             raise CorruptCheckpointError(f"empty zip archive{_in(where)}")
-        first = entries[0].name
-        top = first.split("/", 1)[0] + "/" if "/" in first else ""
+        base = torch_view if torch_view else entries
+        recs = TorchRecords(base)
+        top = recs.prefix or ""
         names = [e.name for e in entries]
         name_set = set(names)
+        data_pkl = recs.find("data.pkl")
         self.torchscript = self.torchscript or (depth == 0 and top + "constants.pkl" in name_set)
         kind = "torchscript" if top + "constants.pkl" in name_set else (
-            formats.TORCH_ZIP if top + "data.pkl" in name_set else "zip")
+            formats.TORCH_ZIP if data_pkl is not None else "zip")
         if kind == "zip" and is_pt2_names(names):
             kind = formats.PT2
             try:
@@ -289,13 +335,9 @@ class _Scanner:
             except CkptError as err:
                 self.note(f"the torch.export configs{_in(where)} could not be read ({err}); members were scanned by "
                           "their first bytes")
-        if loaded and kind == formats.PT2:  # torch.export.load unpickles these members
-            self.loaded.update(_join(where, n) for n in self.pt2_roles.get(where, (set(), set()))[0])
-        elif loaded and kind != "zip":
-            self.loaded.update(_join(where, top + n) for n in (
-                ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",)))
-            if kind == "torchscript":  # torch.jit.load also unpickles the source ranges of code/
-                self.loaded.update(_join(where, n) for n in names if n.endswith(".debug_pkl"))
+        if loaded and torch_view is not None:
+            self._mark_loaded(where, kind, recs, names)
+        self._case_notes(where, recs, ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",))
         if len(name_set) < len(names):
             seen: set[str] = set()
             for e in entries:
@@ -307,11 +349,13 @@ class _Scanner:
         if kind not in ("zip", formats.PT2):
             # tensor records (50,000 in a big state_dict) left out here, as zip_member would skip them, without a
             # call each: the members under the top folder's storage folders whose names do not end as a pickle's
+            # (in any case)
             in_storage = map(str.startswith, names, repeat(tuple(top + d for d in _STORAGE_DIRS)))
-            pickled = map(str.endswith, names, repeat(_PICKLE_SUFFIXES))
+            pickled = map(str.endswith, map(str.lower, names), repeat(_PICKLE_SUFFIXES))
             todo = compress(entries, map(or_, map(not_, in_storage), pickled))
+        shared: dict[tuple[int, int, int, int], str] = {}
         for e in todo:
-            self.zip_member(f, e, top, kind, where, depth)
+            self.zip_member(f, e, top, kind, where, depth, shared)
         end = _zip_end(buf)
         if end is not None and end < size:
             if isinstance(buf, Window):  # the bytes after the zip, by themselves (hostile or odd: rarely big)
@@ -320,7 +364,78 @@ class _Scanner:
                 self.trailing(buf, end, where, depth)
         return kind
 
-    def zip_member(self, f: BinaryIO, e: ZipEntry, top: str, kind: str, where: str, depth: int) -> None:
+    def _directories(self, f: BinaryIO, size: int, where: str, top_file: bool) -> tuple[list[ZipEntry] | None,
+                                                                                        list[ZipEntry]]:
+        """torch's central directory of the zip in ``f`` (None when torch's reader refuses it) and the union of
+        it with ``zipfile``'s (:func:`ckptool.formats.zipdir.zipfile_directory`), torch's entries first; a note
+        says where the two readers disagree.
+
+        Raises:
+            CorruptCheckpointError: neither reader can read the directory.
+        """
+        label = where or self.res.path
+        torch_view: Directory | None = None
+        torch_err: CkptError | None = None
+        try:
+            # the file itself: its directory as format detection and the readers parsed it (cached per version)
+            got = formats.zip_entries(self.res.path) if top_file else read_directory(f, size, label)
+            torch_view = got if isinstance(got, Directory) else read_directory(f, size, label)
+        except CkptError as err:
+            torch_err = err
+        try:
+            zf_view: list[ZipEntry] | None = zipfile_directory(f, size, label, torch_view)
+        except CkptError as err:
+            if torch_err is not None:
+                raise torch_err from None
+            assert torch_view is not None
+            self.note(f"Python's zipfile cannot read the zip{_in(where)} ({err}); torch's reader can: its members "
+                      "were scanned")
+            return torch_view, list(torch_view)
+        assert zf_view is not None
+        if torch_view is None:
+            self.note(f"torch's zip reader refuses the zip{_in(where)} ({torch_err}); Python's zipfile reads it: "
+                      "its members were scanned")
+            return None, zf_view
+        if zf_view is torch_view:
+            return torch_view, list(torch_view)
+        have = {(e.name, e.header_offset) for e in torch_view}
+        extra = [e for e in zf_view if (e.name, e.header_offset) not in have]
+        if extra or len(zf_view) != len(torch_view):
+            t, z = torch_view.end, cast(Directory, zf_view).end
+            self.note(f"torch's zip reader and Python's zipfile read different central directories{_in(where)} "
+                      f"(torch: {len(torch_view)} entries at byte {t.offset}; zipfile: {len(zf_view)} entries at "
+                      f"byte {z.offset}{', ZIP64' if z.zip64 != t.zip64 else ''}): the members of both were scanned")
+        return torch_view, list(torch_view) + extra
+
+    def _mark_loaded(self, where: str, kind: str, recs: TorchRecords, names: list[str]) -> None:
+        """Mark the members torch's loader unpickles in a zip it reads (as it finds them: ignoring case)."""
+        if kind == formats.PT2:  # torch.export.load unpickles these members
+            self.loaded.update(_join(where, n) for n in self.pt2_roles.get(where, (set(), set()))[0])
+        elif kind != "zip":
+            for rec in ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",):
+                e = recs.find(rec)
+                if e is not None:
+                    self.loaded.add(_join(where, e.name))
+            if kind == "torchscript":  # torch.jit.load also unpickles the source ranges of code/
+                self.loaded.update(_join(where, n) for n in names if n.endswith(".debug_pkl"))
+
+    def _case_notes(self, where: str, recs: TorchRecords, records: Iterable[str]) -> None:
+        """A note for each pickle record whose name several members match but for case, or only in another case:
+        torch's reader ignores case, ``zipfile`` does not."""
+        for rec in records:
+            found = recs.variants(rec)
+            exact = (recs.prefix or "") + rec
+            if len(found) > 1 or (found and found[0].name != exact):
+                chosen = recs.find(rec)
+                self.note(f"the zip{_in(where)} holds {', '.join(repr(e.name) for e in found)} for {rec}: torch's "
+                          f"reader ignores case and reads {chosen.name if chosen else None!r}, zipfile-based tools "
+                          f"read {exact!r}{'' if exact in {e.name for e in found} else ' (absent)'}; all were scanned")
+
+    def zip_member(self, f: BinaryIO, e: ZipEntry, top: str, kind: str, where: str, depth: int,
+                   shared: dict[tuple[int, int, int, int], str] | None = None) -> None:
+        """One member: read if its name or first bytes say pickle or zip; a member whose data another member
+        already had (the same local header, sizes and method) is not inflated again; the bytes inflated for the
+        whole file are capped (:data:`INFLATE_BUDGET`)."""
         name = e.name
         rel = name[len(top):] if name.startswith(top) else name
         label = _join(where, name)
@@ -329,9 +444,15 @@ class _Scanner:
         pickled, raw = self.pt2_roles.get(where, (set(), set()))
         storage = kind not in ("zip", formats.PT2) and rel.startswith(_STORAGE_DIRS)
         storage = storage or name in raw
-        is_pickle = name.endswith(_PICKLE_SUFFIXES) or name in pickled
+        is_pickle = name.lower().endswith(_PICKLE_SUFFIXES) or name in pickled
         if storage and not is_pickle:
             return  # tensor bytes and TorchScript source: no loader unpickles them
+        key = (e.header_offset, e.compress_size, e.method, e.file_size)
+        if shared is not None:
+            first = shared.setdefault(key, label)
+            if first != label:
+                self.note(f"member {label} has the same data as {first} (one local header): scanned once")
+                return
         try:
             head = read_member_head(f, e, label)
         except CkptError as err:
@@ -341,6 +462,14 @@ class _Scanner:
         looks_pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
         if not (is_pickle or nested or looks_pickled):
             return
+        cost = e.file_size if e.method != 0 else e.compress_size
+        if self.inflate_left is not None:
+            if cost > self.inflate_left:
+                self.record(PickleFinding(label, 0, [], (
+                    f"not read: the file's members come to more than {INFLATE_BUDGET >> 20} MiB + {MAX_RATIO} times "
+                    "the file's size once inflated (members sharing or overlapping their data: a zip bomb?)")))
+                return
+            self.inflate_left -= cost
         try:
             data = read_member(f, e, label, check_crc=False)
         except CkptError as err:
