@@ -159,7 +159,7 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
     if len(by_name) == len(entries) and max([e.header_offset + e.compress_size for e in entries]) <= size:
         ck._members = (names, entries)  # records made on first use (Checkpoint.records)
     else:
-        by_name = _zip_records(path, entries, names, size, ck.records)
+        by_name = _zip_records(path, entries, lead, size, ck.records, names)
     joined = "\n".join(names)
     if joined != joined.lower():  # torch finds records ignoring case (the names are unique so, checked above)
         for n, e in list(by_name.items()):
@@ -219,15 +219,17 @@ def _torch_data_pkl(path: str, entries: list[ZipEntry], names: list[str], by_nam
     return found
 
 
-def _zip_records(path: str, entries: list[ZipEntry], names: list[str], size: int,
-                 records: list[Record]) -> dict[str, ZipEntry]:
-    """Append a :class:`Record` per zip member to ``records``; return the members by name (``names``: theirs
-    without the archive folder).
+def _zip_records(path: str, entries: list[ZipEntry], lead: str, size: int, records: list[Record],
+                 names: list[str] | None = None) -> dict[str, ZipEntry]:
+    """Append a :class:`Record` per zip member to ``records``; return the members by name (``names``, default:
+    theirs with ``lead`` removed).
 
     Raises:
         CorruptCheckpointError: a member runs past ``size`` bytes, or two members have the same name.
     """
     by_name: dict[str, ZipEntry] = {}
+    if names is None:
+        names = [e.name[len(lead):] if e.name.startswith(lead) else e.name for e in entries]
     for name, e in zip(names, entries, strict=True):
         if e.header_offset + e.compress_size > size:
             raise CorruptCheckpointError(

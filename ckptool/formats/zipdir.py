@@ -372,6 +372,8 @@ def data_offset(f: BinaryIO, entry: ZipEntry, path: str) -> int:
     Raises:
         CorruptCheckpointError: the local header is missing.
     """
+    if entry.header_offset < 0:  # zipfile's view of a zip whose directory points before the file's start
+        raise CorruptCheckpointError(f"{path}: {entry.name!r} starts before the file does; the zip is damaged")
     f.seek(entry.header_offset)
     hdr = f.read(30)
     if len(hdr) != 30 or hdr[:4] != b"PK\x03\x04":
