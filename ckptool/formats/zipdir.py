@@ -91,11 +91,12 @@ def _no_end(path: str) -> CorruptCheckpointError:
         f"{path} is a damaged zip (no end of central directory: the file is truncated); re-download or re-save it")
 
 
-def torch_end_record(f: BinaryIO, size: int, path: str) -> EndRecord:
+def torch_end_record(f: BinaryIO, size: int, path: str, *, zip64: bool = True) -> EndRecord:
     """The end of the zip in open file ``f`` (``size`` bytes) as torch's reader finds it (miniz 3.0.2,
     ``mz_zip_reader_read_central_dir``): the last end record signature with 22 bytes after it in the last
     :data:`_MINIZ_TAIL` bytes; the ZIP64 end record whenever a ZIP64 locator precedes it and points at a ZIP64
-    record (whatever the 32-bit record holds); offsets absolute.
+    record (whatever the 32-bit record holds); offsets absolute. ``zip64=False``: the 32-bit record alone (what a
+    reader takes that uses the ZIP64 record only when the 32-bit one holds its 0xFFFF markers).
 
     Raises:
         CorruptCheckpointError: no end record, a ZIP64 locator pointing past the end, a directory out of bounds,
@@ -109,8 +110,8 @@ def torch_end_record(f: BinaryIO, size: int, path: str) -> EndRecord:
         raise _no_end(path)
     eocd_at = lo + pos
     _s, this_disk, cd_disk, on_disk, count, cd_size, cd_offset, _c = _EOCD_FIELDS.unpack_from(tail, pos)
-    zip64 = False
-    if eocd_at >= 20 + 56:
+    found64 = False
+    if zip64 and eocd_at >= 20 + 56:
         f.seek(eocd_at - 20)
         loc = f.read(20)
         if loc[:4] == _EOCD64_LOCATOR:
@@ -120,11 +121,11 @@ def torch_end_record(f: BinaryIO, size: int, path: str) -> EndRecord:
             f.seek(z64_at)
             z = f.read(56)
             if z[:4] == _EOCD64:
-                zip64 = True
+                found64 = True
                 _s, rec_size, this_disk, cd_disk, on_disk, count, cd_size, cd_offset = _EOCD64_FIELDS.unpack(z)
                 if rec_size < 44 or disks != 1 or count > _U32 or on_disk > _U32 or cd_size > _U32:
                     raise CorruptCheckpointError(f"{path} is a damaged zip (bad ZIP64 end record); re-download it")
-    if not zip64 and (count == 0xFFFF or cd_size == _U32 or cd_offset == _U32):
+    if not found64 and (count == 0xFFFF or cd_size == _U32 or cd_offset == _U32):
         raise CorruptCheckpointError(f"{path} is a damaged zip (bad ZIP64 end record); re-download it")
     if count != on_disk or ((this_disk | cd_disk) and (this_disk, cd_disk) != (1, 1)):
         raise CorruptCheckpointError(
@@ -132,7 +133,7 @@ def torch_end_record(f: BinaryIO, size: int, path: str) -> EndRecord:
             f"{on_disk} on this disk); torch refuses it too")
     if cd_offset + cd_size > size or cd_size < 46 * count:
         raise CorruptCheckpointError(f"{path} is a damaged zip (central directory out of bounds); re-download it")
-    return EndRecord(count, cd_size, cd_offset, eocd_at, zip64)
+    return EndRecord(count, cd_size, cd_offset, eocd_at, found64)
 
 
 def zipfile_end_record(f: BinaryIO, size: int, path: str) -> EndRecord:
@@ -189,6 +190,16 @@ def read_directory(f: BinaryIO, size: int, path: str) -> Directory:
         CorruptCheckpointError: no end-of-central-directory record (truncated download) or a damaged directory.
     """
     return _read_entries(f, torch_end_record(f, size, path), path, counted=True)
+
+
+def plain_directory(f: BinaryIO, size: int, path: str) -> Directory:
+    """The central directory the 32-bit end record points to, ignoring a ZIP64 locator (what readers take that use
+    the ZIP64 record only when the 32-bit one is saturated; ckptool before 0.x).
+
+    Raises:
+        CorruptCheckpointError: as :func:`read_directory`.
+    """
+    return _read_entries(f, torch_end_record(f, size, path, zip64=False), path, counted=True)
 
 
 def zipfile_directory(f: BinaryIO, size: int, path: str, torch_view: Directory | None = None) -> Directory:

@@ -30,6 +30,7 @@ from ckptool.formats.zipdir import (
     Directory,
     TorchRecords,
     ZipEntry,
+    plain_directory,
     read_directory,
     read_member,
     read_member_head,
@@ -289,9 +290,9 @@ class _Scanner:
         if start is not None and start > pos:
             self.note(f"{start - pos} bytes at byte {pos}{_in(where)} are not a pickle")
         at = start if start is not None else found[0]
-        what = "appended" if start is not None else "whose directory ends"
-        self.note(f"a zip archive is {what} at byte {at}{_in(where)} (zipfile-based tools and torch's zip reader "
-                  "read it instead)")
+        what = "appended at byte" if start is not None else "appended (offsets from the file's start), its end at byte"
+        self.note(f"a zip archive is {what} {at}{_in(where)} (zipfile-based tools and torch's zip reader read it "
+                  "instead)")
         window = buf if isinstance(buf, Window) else Window(buf, 0, len(buf))
         try:
             self.zip(window, _join(where, f"appended zip at byte {at}"), depth + 1)
@@ -353,9 +354,14 @@ class _Scanner:
             in_storage = map(str.startswith, names, repeat(tuple(top + d for d in _STORAGE_DIRS)))
             pickled = map(str.endswith, map(str.lower, names), repeat(_PICKLE_SUFFIXES))
             todo = compress(entries, map(or_, map(not_, in_storage), pickled))
-        shared: dict[tuple[int, int, int, int], str] = {}
+        shared: dict[tuple[int, int, int, int], list[str]] = {}
         for e in todo:
             self.zip_member(f, e, top, kind, where, depth, shared)
+        for labels in shared.values():
+            if len(labels) > 1:
+                more = f" and {len(labels) - 4} more" if len(labels) > 4 else ""
+                self.note(f"members {', '.join(labels[1:4])}{more} have the data of {labels[0]} (one local header): "
+                          "scanned once")
         end = _zip_end(buf)
         if end is not None and end < size:
             if isinstance(buf, Window):  # the bytes after the zip, by themselves (hostile or odd: rarely big)
@@ -396,15 +402,26 @@ class _Scanner:
             self.note(f"torch's zip reader refuses the zip{_in(where)} ({torch_err}); Python's zipfile reads it: "
                       "its members were scanned")
             return None, zf_view
-        if zf_view is torch_view:
-            return torch_view, list(torch_view)
         have = {(e.name, e.header_offset) for e in torch_view}
-        extra = [e for e in zf_view if (e.name, e.header_offset) not in have]
-        if extra or len(zf_view) != len(torch_view):
-            t, z = torch_view.end, cast(Directory, zf_view).end
-            self.note(f"torch's zip reader and Python's zipfile read different central directories{_in(where)} "
-                      f"(torch: {len(torch_view)} entries at byte {t.offset}; zipfile: {len(zf_view)} entries at "
-                      f"byte {z.offset}{', ZIP64' if z.zip64 != t.zip64 else ''}): the members of both were scanned")
+        extra: list[ZipEntry] = []
+        if zf_view is not torch_view:
+            extra = [e for e in zf_view if (e.name, e.header_offset) not in have]
+            if extra or len(zf_view) != len(torch_view):
+                z = cast(Directory, zf_view).end
+                self.note(f"torch's zip reader and Python's zipfile read different central directories{_in(where)} "
+                          f"(torch: {len(torch_view)} entries at byte {torch_view.end.offset}; zipfile: "
+                          f"{len(zf_view)} entries at byte {z.offset}): the members of both were scanned")
+        if torch_view.end.zip64:  # readers that take the ZIP64 record only when the 32-bit one is saturated
+            try:
+                plain = plain_directory(f, size, label)
+            except CkptError:
+                plain = Directory()
+            more = [e for e in plain if (e.name, e.header_offset) not in have]
+            if more:
+                self.note(f"the zip's 32-bit end record{_in(where)} points to another central directory than its "
+                          f"ZIP64 end record (which torch and zipfile read): its {len(plain)} entries were scanned too")
+                have.update((e.name, e.header_offset) for e in extra)
+                extra += [e for e in more if (e.name, e.header_offset) not in have]
         return torch_view, list(torch_view) + extra
 
     def _mark_loaded(self, where: str, kind: str, recs: TorchRecords, names: list[str]) -> None:
@@ -432,7 +449,7 @@ class _Scanner:
                           f"read {exact!r}{'' if exact in {e.name for e in found} else ' (absent)'}; all were scanned")
 
     def zip_member(self, f: BinaryIO, e: ZipEntry, top: str, kind: str, where: str, depth: int,
-                   shared: dict[tuple[int, int, int, int], str] | None = None) -> None:
+                   shared: dict[tuple[int, int, int, int], list[str]] | None = None) -> None:
         """One member: read if its name or first bytes say pickle or zip; a member whose data another member
         already had (the same local header, sizes and method) is not inflated again; the bytes inflated for the
         whole file are capped (:data:`INFLATE_BUDGET`)."""
@@ -449,9 +466,9 @@ class _Scanner:
             return  # tensor bytes and TorchScript source: no loader unpickles them
         key = (e.header_offset, e.compress_size, e.method, e.file_size)
         if shared is not None:
-            first = shared.setdefault(key, label)
-            if first != label:
-                self.note(f"member {label} has the same data as {first} (one local header): scanned once")
+            group = shared.setdefault(key, [])
+            group.append(label)
+            if len(group) > 1:
                 return
         try:
             head = read_member_head(f, e, label)
