@@ -156,15 +156,15 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
     names = [e.name[n_lead:] if e.name.startswith(lead) else e.name for e in entries]
     by_name = dict(zip(names, entries))
     data_pkl = _torch_data_pkl(path, entries, names, by_name)
+    if len(by_name) == len(entries) and max([e.header_offset + e.compress_size for e in entries]) <= size:
+        ck._members = (names, entries)  # records made on first use (Checkpoint.records)
+    else:
+        by_name = _zip_records(path, entries, lead, size, ck.records, names)
     if sum([e.compress_size for e in entries]) > size:
         raise CorruptCheckpointError(
             f"{path}: the zip's members hold more bytes than the file ({size} bytes): several members share or "
             "overlap their data (a zip bomb or a hand-made archive; torch.save never writes one), so ckptool "
             "refuses it (run `ckptool scan` on it)")
-    if len(by_name) == len(entries) and max([e.header_offset + e.compress_size for e in entries]) <= size:
-        ck._members = (names, entries)  # records made on first use (Checkpoint.records)
-    else:
-        by_name = _zip_records(path, entries, lead, size, ck.records, names)
     joined = "\n".join(names)
     if joined != joined.lower():  # torch finds records ignoring case (the names are unique so, checked above)
         for n, e in list(by_name.items()):
