@@ -17,9 +17,8 @@ import struct
 import zlib
 from pathlib import Path
 
-from adversarial import Case, marker_pickle
-
 import hostile_corpus as hc
+from adversarial import Case, marker_pickle
 
 BENIGN = pickle.dumps({"a": 1}, protocol=2)
 TORCH_LOAD = "import torch; torch.load(PATH, weights_only=False)"
@@ -103,7 +102,7 @@ def case_two(folder: Path) -> Path:
     """``archive/DATA.PKL`` (payload) before ``archive/data.pkl`` (benign): torch reads the first, zipfile the
     second."""
     p = folder / "two-cases.pt"
-    members = [("archive/DATA.PKL", marker_pickle(0))] + _torch_members(BENIGN)
+    members = [("archive/DATA.PKL", marker_pickle(0)), *_torch_members(BENIGN)]
     p.write_bytes(plain_zip(members))
     return p
 
@@ -199,7 +198,7 @@ def safetensors_then_zip(folder: Path) -> Path:
 def entry_beyond_count(folder: Path) -> Path:
     """The end record counts 3 entries; the directory holds a 4th, a second ``archive/data.pkl`` (payload) that
     zipfile reads (it reads every entry in the directory's bytes; the last of a name wins) and torch never sees."""
-    members = _torch_members(BENIGN) + [("archive/data.pkl", marker_pickle(2))]
+    members = [*_torch_members(BENIGN), ("archive/data.pkl", marker_pickle(2))]
     body, central = zip_layout(members)
     cd = b"".join(central)
     p = folder / "beyond-count.pt"

@@ -2,7 +2,8 @@
 
 The signatures are those listed in ``shared/FORMATS.md`` and torch/serialization.py: the zip local-file
 magic ``PK\\x03\\x04``; the legacy stream's first pickle, the magic number ``0x1950a86a20f9469cfc6c`` as a
-protocol-2 LONG1 (``80 02 8a 0a 6c fc 9c 46 f9 20 6a a8 50 19``); the legacy tar (``ustar`` at offset 257);
+protocol-2 LONG1 (``80 02 8a 0a 6c fc 9c 46 f9 20 6a a8 50 19``); the legacy tar (a first block ``tarfile`` accepts
+as a header, with or without ``ustar``: :func:`is_tar`; torch.load tries it before anything but a zip);
 safetensors' 8-byte little-endian header length followed by ``{``. A zip is a TorchScript archive when it holds
 ``constants.pkl`` or ``code/`` under its top folder, a torch checkpoint when it holds ``data.pkl``, a
 ``torch.export`` archive (``.pt2``, :mod:`ckptool.formats.pt2`) when it holds ``archive_format``.
@@ -127,14 +128,15 @@ def detect_format(path: str) -> str:
 
 def is_tar(head: bytes) -> bool:
     """True when ``head`` (a file's first 512 bytes or more) starts with a tar header that Python's ``tarfile``
-    accepts (``tarfile.TarInfo.frombuf``: its checksum matches, its number fields parse), with or without the POSIX
+    accepts (``tarfile.TarInfo.frombuf``: its checksum matches, its number fields parse; or a block of zeros, an
+    empty archive), with or without the POSIX
     ``ustar`` magic (old V7 tars have none): ``torch.load`` opens any file that is not a zip with
     ``tarfile.open(mode="r:")`` first and, when that works, loads it as a legacy tar checkpoint
     (torch/serialization.py ``_legacy_load``), even when its first bytes also parse as a pickle."""
     try:
         tarfile.TarInfo.frombuf(bytes(head[:512]), "utf-8", "surrogateescape")
-    except tarfile.HeaderError:
-        return False
+    except tarfile.HeaderError as e:  # a block of zeros: tarfile opens an empty archive (torch.load then fails)
+        return type(e).__name__ == "EOFHeaderError"
     return True
 
 

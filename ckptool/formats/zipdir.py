@@ -64,12 +64,12 @@ class ZipEntry(NamedTuple):
 
 
 class EndRecord(NamedTuple):
-    """Where a zip reader finds the central directory: ``count`` entries, ``size`` bytes at file offset ``offset``
+    """Where a zip reader finds the central directory: ``entries`` entries, ``size`` bytes at file offset ``offset``
     (the record's offset plus ``shift``), found from the end record at ``eocd_at``; ``zip64``: the ZIP64 end record
     gave them; ``shift``: added to every offset the directory holds (``zipfile`` reading a zip appended to other
     data; 0 for torch's reader, which takes offsets as absolute)."""
 
-    count: int
+    entries: int
     size: int
     offset: int
     eocd_at: int
@@ -223,7 +223,7 @@ def zipfile_directory(f: BinaryIO, size: int, path: str, torch_view: Directory |
 
 
 def _read_entries(f: BinaryIO, end: EndRecord, path: str, *, counted: bool) -> Directory:
-    """The entries of the directory ``end`` locates: ``end.count`` of them (``counted``, as miniz) or as many as its
+    """The entries of the directory ``end`` locates: ``end.entries`` of them (``counted``, as miniz) or as many as its
     bytes hold (as ``zipfile``), each offset plus ``end.shift``."""
     cd_size = end.size
     if cd_size > MAX_DIRECTORY:
@@ -244,7 +244,9 @@ def _read_entries(f: BinaryIO, end: EndRecord, path: str, *, counted: bool) -> D
     # UTF-8 and cp437; any other name is decoded from its bytes
     text = buf.decode("latin-1")
     try:
-        for _ in range(end.count) if counted else iter(lambda: p < cd_size, False):
+        left = end.entries if counted else -1
+        while (left > 0) if counted else (p < cd_size):
+            left -= 1
             sig, flags, method, crc, csize, usize, n, m, k, off = unpack(buf, p)
             if sig != 0x02014B50:
                 raise CorruptCheckpointError(f"{path} is a damaged zip (bad central directory entry); re-download it")

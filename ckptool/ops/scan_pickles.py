@@ -12,6 +12,7 @@ import os
 import struct
 import tarfile
 import zlib
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from itertools import compress, repeat
 from operator import not_, or_
@@ -132,6 +133,8 @@ class _Scanner:
         self.pt2_roles: dict[str, tuple[set[str], set[str]]] = {}
         #: bytes left to inflate from zip members (:data:`INFLATE_BUDGET`), set from the file's size
         self.inflate_left: int | None = None
+        #: labels of the members of the zip being walked whose name another member has too (by ``id`` of the entry)
+        self._labels: dict[int, str] = {}
 
     # -- recording -------------------------------------------------------------------------------------------
     def record(self, finding: PickleFinding, root: Any = None) -> None:
@@ -336,6 +339,9 @@ class _Scanner:
             except CkptError as err:
                 self.note(f"the torch.export configs{_in(where)} could not be read ({err}); members were scanned by "
                           "their first bytes")
+        dups = {n for n, c in Counter(names).items() if c > 1} if len(name_set) < len(names) else set()
+        labels = self._labels = {id(e): _join(where, f"{e.name} (local header at byte {e.header_offset})")
+                                 for e in entries if e.name in dups}
         if loaded and torch_view is not None:
             self._mark_loaded(where, kind, recs, names)
         self._case_notes(where, recs, ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",))
@@ -356,11 +362,12 @@ class _Scanner:
             todo = compress(entries, map(or_, map(not_, in_storage), pickled))
         shared: dict[tuple[int, int, int, int], list[str]] = {}
         for e in todo:
+            self._labels = labels  # (a nested zip has its own)
             self.zip_member(f, e, top, kind, where, depth, shared)
-        for labels in shared.values():
-            if len(labels) > 1:
-                more = f" and {len(labels) - 4} more" if len(labels) > 4 else ""
-                self.note(f"members {', '.join(labels[1:4])}{more} have the data of {labels[0]} (one local header): "
+        for group in shared.values():
+            if len(group) > 1:
+                more = f" and {len(group) - 4} more" if len(group) > 4 else ""
+                self.note(f"members {', '.join(group[1:4])}{more} have the data of {group[0]} (one local header): "
                           "scanned once")
         end = _zip_end(buf)
         if end is not None and end < size:
@@ -432,7 +439,7 @@ class _Scanner:
             for rec in ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",):
                 e = recs.find(rec)
                 if e is not None:
-                    self.loaded.add(_join(where, e.name))
+                    self.loaded.add(self._labels.get(id(e)) or _join(where, e.name))
             if kind == "torchscript":  # torch.jit.load also unpickles the source ranges of code/
                 self.loaded.update(_join(where, n) for n in names if n.endswith(".debug_pkl"))
 
@@ -455,7 +462,7 @@ class _Scanner:
         whole file are capped (:data:`INFLATE_BUDGET`)."""
         name = e.name
         rel = name[len(top):] if name.startswith(top) else name
-        label = _join(where, name)
+        label = self._labels.get(id(e)) or _join(where, name)
         if name.endswith("/"):
             return
         pickled, raw = self.pt2_roles.get(where, (set(), set()))
