@@ -412,3 +412,29 @@ def test_zips_nested_past_the_limit_are_an_unreadable_finding(tmp_path: Path) ->
 @pytest.mark.torchfree
 def test_adversarial_cases_are_collected() -> None:
     assert {c.name for c in adversarial.cases()} >= set(CASES)
+
+
+# ------------------------------------------------------------------------------------------------ weights_only
+@pytest.mark.parametrize("proto", [2, 3, 4, 5])
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize("obj", ["state_dict", "bytes"])
+def test_weights_only_prediction_follows_torch(tmp_path: Path, proto: int, legacy: bool, obj: str) -> None:
+    """``inspect`` predicts ``torch.load(weights_only=True)`` with torch's own rules: the globals, and the opcodes
+    its unpickler reads (a ``pickle_protocol=4`` save uses FRAME, which torch 2.13 refuses)."""
+    torch = pytest.importorskip("torch")
+    from ckptool.ops.hints import load_hint
+    from ckptool.ops.inspect import inspect
+
+    value: Any = {"w": torch.ones(2)} if obj == "state_dict" else {"w": torch.ones(2), "b": b"raw", "s": "x" * 300}
+    p = tmp_path / "f.pt"
+    torch.save(value, p, pickle_protocol=proto, _use_new_zipfile_serialization=not legacy)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.load(p, weights_only=True)
+        loads = True
+    except Exception:  # torch raises UnpicklingError or RuntimeError
+        loads = False
+    info = inspect(p)
+    assert info.weights_only_loads is loads, info.weights_only_refusal
+    assert ("weights_only=True" in load_hint(p).code) is loads

@@ -17,8 +17,9 @@ import struct
 import tarfile
 
 from ckptool import _source as source
-from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UsageError
+from ckptool.errors import CkptError, CorruptCheckpointError, NotACheckpointError, UsageError
 from ckptool.formats.pt2 import is_pt2_names
+from ckptool.formats.unpickler import load_pickle_at
 from ckptool.formats.zipdir import TorchRecords, ZipEntry, read_directory
 
 TORCH_ZIP = "torch-zip"
@@ -105,7 +106,7 @@ def detect_format(path: str) -> str:
             "load it with an old torch and re-save it with torch.save (and run `ckptool scan` on it first: "
             "torch.load unpickles its members)"
         )
-    if head.startswith(LEGACY_MAGIC_PREFIX):
+    if is_legacy_stream(head):
         return TORCH_LEGACY
     if len(head) >= 9 and head[8:9] == b"{":
         n = struct.unpack("<Q", head[:8])[0]
@@ -124,6 +125,25 @@ def detect_format(path: str) -> str:
         f"{path} is not a PyTorch checkpoint (first bytes {head[:8].hex(' ')}): expected a torch zip or legacy "
         "file, a TorchScript archive or safetensors"
     )
+
+
+#: the magic number a torch legacy stream starts with, as its first pickle (any protocol)
+LEGACY_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+
+
+def is_legacy_stream(head: bytes) -> bool:
+    """True when ``head`` (a file's first bytes) starts with a pickle of torch's legacy magic number, in any pickle
+    protocol (``torch.save(..., _use_new_zipfile_serialization=False, pickle_protocol=4)`` writes it with FRAME),
+    as ``torch.load``'s ``_legacy_load`` reads it."""
+    if head.startswith(LEGACY_MAGIC_PREFIX):
+        return True
+    if head[:1] != b"\x80" or head[1:2] not in (b"\x03", b"\x04", b"\x05"):
+        return False
+    try:
+        value, _up, _end = load_pickle_at(bytes(head[:64]), 0, "magic number")
+    except CkptError:
+        return False
+    return type(value) is int and value == LEGACY_MAGIC_NUMBER
 
 
 def is_tar(head: bytes) -> bool:

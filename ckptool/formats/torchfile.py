@@ -19,14 +19,14 @@ from ckptool.errors import CorruptCheckpointError, NotACheckpointError, Unsuppor
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import STORAGE_TYPES, storage_element
 from ckptool.formats.nodes import GlobalMeta, StorageRef
-from ckptool.formats.pickle_check import walk_prefix
+from ckptool.formats.pickle_check import walk_prefix, weights_only_refusal
 from ckptool.formats.strided import check_tensor_views
 from ckptool.formats.unpickler import load_pickle_at, load_structure
 from ckptool.formats.zipdir import TorchRecords, ZipEntry, data_offset, member_buffer
 
 _UNSET = object()
 
-LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+LEGACY_MAGIC = formats.LEGACY_MAGIC_NUMBER
 LEGACY_PROTOCOL = 1001
 
 @dataclass(slots=True)  # no __dict__: one Record per storage (a million in a big state_dict)
@@ -64,6 +64,10 @@ class Checkpoint:
     #: file's size)
     pickle_size: int = 0
     extra_roots: dict[str, Any] = field(default_factory=dict)
+    #: why torch 2.13's ``weights_only`` unpickler refuses the pickles ``torch.load`` reads for an opcode it does not
+    #: read (``"opcode FRAME (0x95) at byte 2"``: a ``pickle_protocol=4`` save), whatever the globals; None: it reads
+    #: every opcode (:func:`ckptool.formats.pickle_check.weights_only_refusal`)
+    weights_only_refusal: str | None = None
     #: a zip's members (names without the archive folder, their directory entries) not yet made into records
     _members: tuple[list[str], list[ZipEntry]] | None = field(default=None, repr=False, compare=False)
 
@@ -177,6 +181,7 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
         # load_structure's reading of bytes, keeping where the pickle ends (the member may go on after STOP)
         ck.root, up, ck.pickle_size = load_pickle_at(data, 0, f"data.pkl in {path}", exact=True,
                                                      storages=ck.storages, global_cache=cache)
+        ck.weights_only_refusal = weights_only_refusal(data, 0, ck.pickle_size)
         seen.update(up.globals_seen)
         check_storage_records(path, ck.storages, by_name, "data/")
         check_tensor_views(ck.root, path)
@@ -343,6 +348,9 @@ def _legacy_structure(path: str, ck: Checkpoint, buf: Any, size: int) -> None:
     def load(pos: int, what: str, **kw: Any) -> tuple[Any, int]:
         root, up, end = load_pickle_at(buf, pos, f"{what} of {path}", **kw)
         seen.update(up.globals_seen)
+        if ck.weights_only_refusal is None:  # torch.load(weights_only=True) reads all five with its unpickler
+            refused = weights_only_refusal(buf, pos, end)
+            ck.weights_only_refusal = refused and f"{refused} of the {what}"
         return root, end
 
     magic, pos = load(0, "magic number")

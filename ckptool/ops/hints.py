@@ -127,6 +127,10 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
     tags = set(info.storage_bytes)
     if unsafe:
         notes.append(_unsafe_note(path, unsafe))
+    elif info.weights_only_refusal is not None:
+        notes.append(f"torch.load(weights_only=True) refuses this file: its pickle uses {info.weights_only_refusal}, "
+                     "which torch's weights_only unpickler does not read (a pickle_protocol above 3?); load it with "
+                     "weights_only=False (below) only if you trust its source")
     # a URL: torch and safetensors open files, not URLs; fsspec (imported as fsspec) gives the file
     opened = f"fsspec.open({path!r}, 'rb').open()" if source.is_url(path) else repr(path)
     if info.format == formats.SAFETENSORS:
@@ -137,7 +141,7 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
         code = _sharded(path, info)
     else:
         notes += _device_notes(path, tags, frozenset(chosen))
-        code = _torch_load(opened, tags, bool(unsafe)) + _index(state_dict or "")
+        code = _torch_load(opened, tags, not info.weights_only_loads) + _index(state_dict or "")
     if state_dict is not None:
         code = f"model.load_state_dict({code})"
     return LoadHint(code, notes)

@@ -52,7 +52,6 @@ _PICKLE_SUFFIXES = (".pkl", ".debug_pkl", ".pickle")
 _STORAGE_DIRS = ("data/", "constants/", ".data/", "code/")
 _ZIP_LOCAL = b"PK\x03\x04"
 _ZIP_EOCD = b"PK\x05\x06"
-_LEGACY_MAGIC = formats.LEGACY_MAGIC_PREFIX
 #: zips inside zips are scanned this deep; a zip deeper still is an unreadable finding (the verdict is then no
 #: better than ``error``)
 MAX_ZIP_DEPTH = 16
@@ -253,7 +252,7 @@ class _Scanner:
                                required=False)
                 self.appended_zip(buf, 512, where, depth)
                 return "legacy-tar"
-        if head.startswith(_LEGACY_MAGIC):
+        if formats.is_legacy_stream(head):
             self.legacy(buf, where, depth)
             return formats.TORCH_LEGACY
         if len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] + 8 <= len(buf):
