@@ -14,6 +14,7 @@ import io
 import json
 import pickle
 import random
+import struct
 import subprocess
 import sys
 import tarfile
@@ -438,3 +439,19 @@ def test_weights_only_prediction_follows_torch(tmp_path: Path, proto: int, legac
     info = inspect(p)
     assert info.weights_only_loads is loads, info.weights_only_refusal
     assert ("weights_only=True" in load_hint(p).code) is loads
+
+
+@pytest.mark.torchfree
+def test_tar_storages_pickles_between_raw_blocks_are_read(tmp_path: Path) -> None:
+    """torch's legacy_load reads ``storages`` as count, then (args pickle, raw elements) per storage, then the
+    views: a payload in the second args pickle, after raw bytes, is found (reading pickles in a row stops at the
+    first raw block)."""
+    float_storage = b"\x80\x02ctorch\nFloatStorage\nq\x00."
+    args1 = b"\x80\x02(X\x01\x00\x00\x000X\x03\x00\x00\x00cpu" + float_storage[2:-1] + b"t."
+    raw = struct.pack("<q", 2) + struct.pack("<2f", 1.0, 2.0)
+    storages = pickle.dumps(2, 2) + args1 + raw + adversarial.marker_pickle(2) + pickle.dumps([], 2)
+    p = tmp_path / "legacy.tar"
+    p.write_bytes(hc.legacy_tar({"storages": storages, "tensors": pickle.dumps(0, 2), "pickle": az.BENIGN}))
+    res = scan_file(p)
+    assert res.verdict == "dangerous", [(x.where, x.globals, x.error) for x in res.pickles]
+    assert any("item 2" in x.where and "os.system" in x.globals for x in res.pickles)

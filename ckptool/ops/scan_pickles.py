@@ -214,6 +214,55 @@ class _Scanner:
             seen = partial_globals(buf, pos, getattr(e2, "offset", stop))
         return [qualified_name(m, n) for m, n in seen]
 
+    def parse_root(self, buf: PickleBuffer, pos: int, where: str) -> tuple[Any, int] | None:
+        """:meth:`parse` that also returns the pickle's root: ``(root, end)``, or None when it failed (recorded)."""
+        try:
+            root, up, end = load_pickle_at(buf, pos, where)
+        except CkptError as e:
+            self.record(PickleFinding(where, pos, self._globals_before_failure(buf, pos, where, e), str(e)))
+            return None
+        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root)
+        return root, end
+
+    def tar_records(self, data: bytes, label: str, member: str) -> int | None:
+        """The ``storages`` or ``tensors`` member of a legacy tar as torch's ``legacy_load`` reads it: a pickle of
+        the count, then per item a pickle and raw bytes (a storage: 8-byte element count and the elements; a
+        tensor: ndim, sizes, strides, offset), then (storages) a pickle of the views. Returns where reading
+        stopped, or None when a pickle failed; a layout that does not add up ends the walk with a note."""
+        got = self.parse_root(data, 0, label)
+        if got is None:
+            return None
+        count, pos = got
+        if type(count) is not int or not 0 <= count <= MAX_PICKLES_IN_A_ROW:
+            self.note(f"{label}: the item count is not a small integer; the rest was read as pickles in a row")
+            return pos
+        for i in range(count):
+            got = self.parse_root(data, pos, f"{label} (item {i + 1}, byte {pos})")
+            if got is None:
+                return None
+            args, pos = got
+            if member == "storages":
+                st = args[2] if isinstance(args, tuple) and len(args) == 3 else None
+                elsize = STORAGE_TYPES.get(st.name if isinstance(st, GlobalMeta) else "", ("", 0))[1]
+                numel = int.from_bytes(data[pos:pos + 8], "little", signed=True)
+                step, bad = 8 + numel * elsize, elsize == 0 or numel < 0
+            else:
+                ndim = int.from_bytes(data[pos:pos + 4], "little", signed=True)
+                step, bad = 8 + 16 * ndim + 8, ndim < 0
+            if bad:
+                self.note(f"{label}: item {i + 1} does not add up; the rest was read as pickles in a row")
+                return pos
+            if pos + step > len(data) or step < 8:
+                self.note(f"{label}: item {i + 1} runs past the member's end")
+                return len(data)
+            pos += step
+        if member == "storages":
+            got = self.parse_root(data, pos, f"{label} (storage views, byte {pos})")
+            if got is None:
+                return None
+            pos = got[1]
+        return pos
+
     def pickles_in_a_row(self, buf: PickleBuffer, pos: int, where: str, *, first_required: bool = True) -> int | None:
         """Read pickles one after another from ``pos`` while the data looks like one; return the offset where
         reading stopped (``len(buf)`` when everything was read), or None when the first, required, pickle failed."""
@@ -581,8 +630,13 @@ class _Scanner:
             if known and not where:
                 self.loaded.add(label)
             if data[:1] and data[0] in _PICKLE_FIRST:
-                rest = self.pickles_in_a_row(data, 0, label, first_required=known)
-                if rest is not None and rest < len(data) and member.name not in ("storages", "tensors"):
+                if member.name in ("storages", "tensors"):  # pickles between raw blocks (torch's legacy_load)
+                    rest = self.tar_records(data, label, member.name)
+                    if rest is not None and rest < len(data):
+                        rest = self.pickles_in_a_row(data, rest, f"{label} (byte {rest})", first_required=False)
+                else:
+                    rest = self.pickles_in_a_row(data, 0, label, first_required=known)
+                if rest is not None and rest < len(data):
                     self.trailing(data, rest, label, depth)
             elif known:
                 self.record(PickleFinding(label, 0, [], "not a pickle"))
