@@ -67,8 +67,9 @@ from ckptool.formats.dcp import is_dcp_folder
 from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.formats.safetensors import read_header
 from ckptool.model.allowlist import recognise_file
+from ckptool.ops.scan_bytes import _ZIP_EOCD, _ZIP_LOCAL, _zip_end
 from ckptool.ops.scan_dcp import dcp_part, scan_dcp_folder
-from ckptool.ops.scan_pickles import _ZIP_EOCD, _ZIP_LOCAL, Preparsed, _NotAPickle, _Scanner, _zip_end
+from ckptool.ops.scan_pickles import Preparsed, _NotAPickle, _Scanner
 from ckptool.ops.scan_results import (
     EXIT_CODES,
     STRICT_EXIT_CODES,

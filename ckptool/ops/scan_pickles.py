@@ -39,9 +39,10 @@ from ckptool.formats.zipdir import (
 )
 from ckptool.model.allowlist import ALLOWED, classify_global
 from ckptool.model.graph import depth_first, node_children
+from ckptool.ops.scan_bytes import _ZIP_EOCD, _ZIP_LOCAL, Container, Window, _eocd, _zip_end, _zip_start
 from ckptool.ops.scan_results import GlobalFinding, PickleFinding, ScanResult
 
-__all__ = ["MAX_KEY_PATHS", "Window", "key_paths"]
+__all__ = ["MAX_KEY_PATHS", "Container", "Window", "key_paths"]
 
 # ------------------------------------------------------------------------------------------------ scanning
 #: what a caller (``inspect``) already read of a pickle: its globals, its root node, the offset after its STOP opcode
@@ -50,8 +51,6 @@ Preparsed: TypeAlias = tuple[list[str], Any, int | None]
 _PICKLE_SUFFIXES = (".pkl", ".debug_pkl", ".pickle")
 #: folders of a torch zip / TorchScript archive holding tensor bytes and TorchScript source, which no loader unpickles
 _STORAGE_DIRS = ("data/", "constants/", ".data/", "code/")
-_ZIP_LOCAL = b"PK\x03\x04"
-_ZIP_EOCD = b"PK\x05\x06"
 #: zips inside zips are scanned this deep; a zip deeper still is an unreadable finding (the verdict is then no
 #: better than ``error``)
 MAX_ZIP_DEPTH = 16
@@ -63,54 +62,6 @@ MAX_PICKLES_IN_A_ROW = 10_000
 #: a file's first byte starts a pickle only if it is an opcode a pickle can begin with
 _PICKLE_FIRST = frozenset(b"\x80(.012NQR}abdel]ostu)\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94"
                           b"KhqJjMGUCXBT\x8a\x8b\x8c\x8d\x8e\x96ILFSVPgpci")
-
-
-class Window:
-    """``length`` bytes at ``start`` of a mapped file, seen as a file (``seek``/``read``/``tell``) and as a byte
-    sequence (``len``, an index gives an int, a slice gives bytes): one item of a DCP ``.distcp`` file, read by
-    the zip directory reader without copying the rest."""
-
-    def __init__(self, mm: PickleBuffer, start: int, length: int) -> None:
-        self.mm, self.start, self.length, self.pos = mm, start, length, 0
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, k: int | slice) -> Any:
-        if isinstance(k, slice):
-            a, b, _ = k.indices(self.length)
-            return bytes(self.mm[self.start + a:self.start + max(a, b)])
-        if not -self.length <= k < self.length:
-            raise IndexError(k)
-        return self.mm[self.start + (k % self.length)]
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = max(0, pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def read(self, n: int | None = -1) -> bytes:
-        end = self.length if n is None or n < 0 else min(self.length, self.pos + n)
-        out = self[self.pos:end] if end > self.pos else b""
-        self.pos = max(self.pos, end)
-        return out
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[:len(data)] = data
-        return len(data)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-
-#: what the container readers walk: the bytes of a file or member, a mapped file, or a window of one
-Container: TypeAlias = "PickleBuffer | Window"
 
 
 class _Scanner:
@@ -681,34 +632,3 @@ def _in(where: str) -> str:
 
 def _join(where: str, name: str) -> str:
     return f"{where}!{name}" if where else name
-
-
-def _eocd(buf: Container) -> tuple[int, int, int, int] | None:
-    """``(eocd offset, central directory size, central directory offset, comment length)`` of the last end of
-    central directory record in the last 64 KiB of ``buf``, or None."""
-    size = len(buf)
-    lo = max(0, size - (65535 + 22))
-    tail = bytes(buf[lo:size])
-    at = tail.rfind(_ZIP_EOCD)
-    if at < 0 or at + 22 > len(tail):
-        return None
-    _sig, _d, _dcd, _n, _count, cd_size, cd_offset, clen = struct.unpack_from("<IHHHHIIH", tail, at)
-    return lo + at, cd_size, cd_offset, clen
-
-
-def _zip_start(buf: PickleBuffer, pos: int) -> int | None:
-    """Where a zip appended after ``pos`` starts (what ``zipfile`` computes: end record - directory size -
-    directory offset), or None."""
-    found = _eocd(buf)
-    if found is None:
-        return None
-    eocd_at, cd_size, cd_offset, _clen = found
-    start = eocd_at - cd_size - cd_offset
-    if start < pos or bytes(buf[start:start + 4]) != _ZIP_LOCAL:
-        return None
-    return start
-
-
-def _zip_end(buf: Container) -> int | None:
-    found = _eocd(buf)
-    return None if found is None else found[0] + 22 + found[3]
