@@ -21,6 +21,7 @@ import tarfile
 import time
 import warnings
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -455,3 +456,24 @@ def test_tar_storages_pickles_between_raw_blocks_are_read(tmp_path: Path) -> Non
     res = scan_file(p)
     assert res.verdict == "dangerous", [(x.where, x.globals, x.error) for x in res.pickles]
     assert any("item 2" in x.where and "os.system" in x.globals for x in res.pickles)
+
+
+def test_record_lookup_under_a_cp437_folder(tmp_path: Path) -> None:
+    """A folder name that is not ASCII and not flagged UTF-8 (cp437 bytes): torch matches the raw bytes."""
+    p = tmp_path / "cp437.pt"
+    p.write_bytes(_cp437_zip())
+    assert _ckptool_torch_reader(p) == _torch_reader(p)
+
+
+def _cp437_zip() -> bytes:
+    members = [(b"\xe9rch/data.pkl", az.BENIGN), (b"\xe9rch/version", b"3\n")]
+    out = bytearray()
+    central = b""
+    for name, data in members:
+        offset = len(out)
+        crc = zlib.crc32(data)
+        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0x21, crc, len(data), len(data), len(name), 0)
+        out += name + data
+        central += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0x21, crc, len(data), len(data),
+                               len(name), 0, 0, 0, 0, 0, offset) + name
+    return bytes(out) + central + az.end_record(len(members), len(central), len(out))

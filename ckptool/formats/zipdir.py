@@ -314,6 +314,8 @@ class TorchRecords:
         self.entries = entries
         first = entries[0].name if entries else ""
         self.prefix: str | None = first.split("/", 1)[0] + "/" if "/" in first else None
+        #: the prefix's bytes as the directory holds them (the folder of a cp437 name is not its UTF-8 encoding)
+        self._prefix_raw = raw_name(entries[0]).split(b"/", 1)[0] + b"/" if self.prefix is not None else b""
         self._exact: dict[str, int] | None = None
         self._lower: dict[bytes, list[int]] | None = None
         self._order: list[int] | None = None
@@ -332,7 +334,7 @@ class TorchRecords:
         """The entry torch reads for record ``name`` (``data.pkl``, ``data/0``), or None where torch finds none."""
         if self.prefix is None:
             return None
-        target = (self.prefix + name).encode("utf-8", "surrogateescape").lower()
+        target = (self._prefix_raw + name.encode("utf-8")).lower()
         hits = self._index().get(target)
         if not hits:
             return None
@@ -358,7 +360,7 @@ class TorchRecords:
         case-sensitive reader such as ``zipfile`` may pick instead)."""
         if self.prefix is None:
             return []
-        target = (self.prefix + name).encode("utf-8", "surrogateescape").lower()
+        target = (self._prefix_raw + name.encode("utf-8")).lower()
         return [self.entries[i] for i in self._index().get(target, [])]
 
 
