@@ -75,6 +75,8 @@ class EndRecord(NamedTuple):
     eocd_at: int
     zip64: bool
     shift: int = 0
+    #: with ``zip64``: the 32-bit record's (entries, size, offset), which readers without ZIP64 take
+    plain: tuple[int, int, int] | None = None
 
 
 class Directory(list[ZipEntry]):
@@ -102,18 +104,25 @@ def torch_end_record(f: BinaryIO, size: int, path: str, *, zip64: bool = True) -
         CorruptCheckpointError: no end record, a ZIP64 locator pointing past the end, a directory out of bounds,
             smaller than its entries, on another disk, or over :data:`MAX_DIRECTORY`.
     """
-    lo = max(0, size - _MINIZ_TAIL)
-    f.seek(lo)
-    tail = f.read(size - lo)
-    pos = tail.rfind(_EOCD, 0, max(0, len(tail) - 18))
+    for window in (65535 + 22 + 20, _MINIZ_TAIL):  # the last 64 KiB first: where a valid end record lies
+        lo = max(0, size - window)
+        f.seek(lo)
+        tail = f.read(size - lo)
+        pos = tail.rfind(_EOCD, 0, max(0, len(tail) - 18))
+        if pos >= 0 or lo == 0:
+            break
     if pos < 0:
         raise _no_end(path)
     eocd_at = lo + pos
     _s, this_disk, cd_disk, on_disk, count, cd_size, cd_offset, _c = _EOCD_FIELDS.unpack_from(tail, pos)
     found64 = False
+    plain = (count, cd_size, cd_offset)
     if zip64 and eocd_at >= 20 + 56:
-        f.seek(eocd_at - 20)
-        loc = f.read(20)
+        if pos >= 20:
+            loc = tail[pos - 20:pos]
+        else:
+            f.seek(eocd_at - 20)
+            loc = f.read(20)
         if loc[:4] == _EOCD64_LOCATOR:
             z64_at, disks = struct.unpack_from("<QI", loc, 8)
             if z64_at > size - 56:
@@ -133,7 +142,7 @@ def torch_end_record(f: BinaryIO, size: int, path: str, *, zip64: bool = True) -
             f"{on_disk} on this disk); torch refuses it too")
     if cd_offset + cd_size > size or cd_size < 46 * count:
         raise CorruptCheckpointError(f"{path} is a damaged zip (central directory out of bounds); re-download it")
-    return EndRecord(count, cd_size, cd_offset, eocd_at, found64)
+    return EndRecord(count, cd_size, cd_offset, eocd_at, found64, 0, plain if found64 else None)
 
 
 def zipfile_end_record(f: BinaryIO, size: int, path: str) -> EndRecord:

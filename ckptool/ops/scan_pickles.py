@@ -417,7 +417,9 @@ class _Scanner:
                 self.note(f"torch's zip reader and Python's zipfile read different central directories{_in(where)} "
                           f"(torch: {len(torch_view)} entries at byte {torch_view.end.offset}; zipfile: "
                           f"{len(zf_view)} entries at byte {z.offset}): the members of both were scanned")
-        if torch_view.end.zip64:  # readers that take the ZIP64 record only when the 32-bit one is saturated
+        t = torch_view.end
+        if t.plain is not None and t.plain != (t.entries, t.size, t.offset) and 0xFFFF not in t.plain[:1] and \
+                0xFFFFFFFF not in t.plain[1:]:  # readers that take the ZIP64 record only when the 32-bit one is full
             try:
                 plain = plain_directory(f, size, label)
             except CkptError:
