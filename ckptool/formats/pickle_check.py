@@ -10,6 +10,7 @@ stack is large enough for the tuple nesting :func:`tuple_levels` bounds. Every r
 from __future__ import annotations
 
 import mmap
+import pickle
 import re
 import threading
 from collections.abc import Callable
@@ -332,6 +333,9 @@ def call_with_stack(fn: Callable[[], _T], levels: int, what: str = "pickle") -> 
 WEIGHTS_ONLY_OPCODES = frozenset(b"c\x81Rbaesu(t\x85\x86\x87N\x89\x88)]}\x8fJKMGXUQhjqr\x8a\x80.")
 _WO_NOARG = b"\x81Rbaesu(t\x85\x86\x87N\x89\x88)]}\x8fQ"
 _wo_patterns: list[re.Pattern[bytes]] = []  # compiled on first use
+#: opcode byte -> its name in the ``pickle`` module (``FRAME``, ``SHORT_BINUNICODE``...)
+_OPCODE_NAMES = {v[0]: k for k, v in vars(pickle).items()
+                 if k.isupper() and isinstance(v, bytes) and len(v) == 1 and not k.startswith(("HIGHEST", "DEFAULT"))}
 
 
 def weights_only_refusal(buf: PickleBuffer, start: int = 0, end: int | None = None) -> str | None:
@@ -363,7 +367,6 @@ def weights_only_refusal(buf: PickleBuffer, start: int = 0, end: int | None = No
         elif op in (0x55, 0x8A) and pos + 2 <= end:  # SHORT_BINSTRING / LONG1 of 128 bytes or more
             pos += 2 + buf[pos + 1]
         else:
-            import pickletools  # noqa: PLC0415 (only to name a refused opcode)
-            name = next((o.name for o in pickletools.opcodes if ord(o.code) == op), "unknown")
+            name = _OPCODE_NAMES.get(op, "unknown")
             return f"opcode {name} (0x{op:02x}) at byte {pos - start}"
     return None
