@@ -27,14 +27,18 @@ Which pickles are read
 ----------------------
 Scanning looks at the bytes, never at the file name, and reads every place a loader might find a pickle:
 
-* a zip (torch >= 1.6 or TorchScript): every member named ``*.pkl`` / ``*.debug_pkl`` / ``*.pickle`` in any
-  folder, duplicates included, with a bad CRC-32 noted but still read (torch does not check it); members that are
+* a zip (torch >= 1.6 or TorchScript): the members of the central directory torch's reader reads and of the one
+  ``zipfile`` reads (they differ for hand-made zips: ZIP64 records, entries past the count, data before the zip;
+  :mod:`ckptool.formats.zipdir`), ``data.pkl`` as torch finds it (ignoring case); every member named ``*.pkl`` /
+  ``*.debug_pkl`` / ``*.pickle`` (in any case) in any folder, duplicates included, with a bad CRC-32 noted but still read (torch does not check it); members that are
   themselves zips are scanned recursively; other members that start like a pickle are read too;
 * a ``torch.export`` archive (``.pt2``): the members its loader unpickles, named by its configs (sample inputs,
   pickled payloads, script and opaque objects: :func:`ckptool.formats.pt2.member_roles`), whatever their first
   bytes; its raw tensor members are not read as pickles;
 * a legacy stream: its five pickles (magic number, protocol, ``sys_info``, main object, storage keys);
-* a legacy tar (torch < 0.4): its ``sys_info``, ``pickle``, ``storages`` and ``tensors`` members;
+* a legacy tar (torch < 0.4; any file whose first block ``tarfile`` accepts, V7 tars without ``ustar`` too, as
+  ``torch.load`` tries tar first): its ``sys_info``, ``pickle``, ``storages`` and ``tensors`` members (the last two
+  as pickles between raw blocks, as ``legacy_load`` reads them);
 * a plain pickle (whatever its name: ``.pt``, ``.bin``...);
 * in every case, data after the last pickle: further pickles in a row are read, and a zip appended to the file
   (which ``zipfile`` and some scanners see instead of the leading pickle) is scanned as well;
