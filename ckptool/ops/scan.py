@@ -30,8 +30,9 @@ Scanning looks at the bytes, never at the file name, and reads every place a loa
 * a zip (torch >= 1.6 or TorchScript): the members of the central directory torch's reader reads and of the one
   ``zipfile`` reads (they differ for hand-made zips: ZIP64 records, entries past the count, data before the zip;
   :mod:`ckptool.formats.zipdir`), ``data.pkl`` as torch finds it (ignoring case); every member named ``*.pkl`` /
-  ``*.debug_pkl`` / ``*.pickle`` (in any case) in any folder, duplicates included, with a bad CRC-32 noted but still read (torch does not check it); members that are
-  themselves zips are scanned recursively; other members that start like a pickle are read too;
+  ``*.debug_pkl`` / ``*.pickle`` (in any case) in any folder, duplicates included, with a bad CRC-32 noted but
+  still read (torch does not check it); members that are themselves zips are scanned recursively; other members
+  that start like a pickle are read too;
 * a ``torch.export`` archive (``.pt2``): the members its loader unpickles, named by its configs (sample inputs,
   pickled payloads, script and opaque objects: :func:`ckptool.formats.pt2.member_roles`), whatever their first
   bytes; its raw tensor members are not read as pickles;
