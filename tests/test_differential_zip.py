@@ -103,6 +103,8 @@ def _normal_zips() -> dict[str, bytes]:
         "comment": with_comment.getvalue(),
         "appended-relative": az.BENIGN + hc.torch_zip(az.BENIGN),
         "forced-zip64": _forced_zip64(),
+        "nul-in-name": az.plain_zip([("archive/data.pkl\0.bin", az.BENIGN), ("archive/version", b"3\n")]),
+        "absolute-after-data": az.BENIGN + az.plain_zip(az._torch_members(az.BENIGN), len(az.BENIGN)),
     }
 
 
