@@ -479,3 +479,15 @@ def _cp437_zip() -> bytes:
         central += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0x21, crc, len(data), len(data),
                                len(name), 0, 0, 0, 0, 0, offset) + name
     return bytes(out) + central + az.end_record(len(members), len(central), len(out))
+
+
+def test_storage_records_in_another_case_are_found_as_torch_finds_them(tmp_path: Path) -> None:
+    """``archive/DATA/0``: torch.load finds the storage record ignoring case; so does read_checkpoint."""
+    torch = pytest.importorskip("torch")
+    p = tmp_path / "m.pt"
+    torch.save({"w": torch.arange(4.0)}, p)
+    data = p.read_bytes().replace(b"m/data/0", b"m/DATA/0").replace(b"m/version", b"m/VERSION")
+    p.write_bytes(data)
+    assert torch.load(p, weights_only=True)["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    ck = read_checkpoint(str(p))
+    assert set(ck.storages) == {"0"}
