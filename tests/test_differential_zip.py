@@ -86,9 +86,11 @@ def test_zipfile_directory_is_what_zipfile_reads(files: dict[str, Path], name: s
     want = _zipfile_view(data)
     got = _ckptool_zipfile_view(data)
     if isinstance(want, str):
-        assert isinstance(got, str) or not got, (want, got)
-    else:
-        assert got == want
+        # zipfile reads nothing: nothing is hidden from zipfile-based tools (Python releases with the fix for
+        # CVE-2025-8291 refuse a ZIP64 record away from its locator, which 3.11.7's zipfile skips; ckptool models
+        # the latter, a superset)
+        return
+    assert got == want
 
 
 def _normal_zips() -> dict[str, bytes]:
