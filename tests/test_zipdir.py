@@ -221,8 +221,10 @@ def test_directory_cut_short_or_garbled() -> None:
     data = _python_zip(MEMBERS)
     eocd = _eocd(data)
     count, _cd_size, cd_offset = struct.unpack_from("<HII", data, eocd + 10)
-    with pytest.raises(CorruptCheckpointError, match="cut short"):
-        _directory(_patch(data, eocd + 10, "<H", count + 5))  # more entries than the directory holds
+    with pytest.raises(CorruptCheckpointError, match="entry counts or disk numbers disagree"):
+        _directory(_patch(data, eocd + 10, "<H", count + 5))  # the two counts of the end record disagree
+    with pytest.raises(CorruptCheckpointError, match=r"cut short|out of bounds"):  # more entries than it holds
+        _directory(_patch(_patch(data, eocd + 10, "<H", count + 1), eocd + 8, "<H", count + 1))
     with pytest.raises(CorruptCheckpointError, match="bad central directory entry"):
         _directory(_patch(data, cd_offset, "<I", 0x12345678))
     second = data.index(b"PK\x01\x02", cd_offset + 4)

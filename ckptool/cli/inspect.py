@@ -248,4 +248,8 @@ def _advice(info: CheckpointInfo) -> list[str]:
     elif unsafe and info.format != "torchscript":
         out.append(f"{len(unsafe)} global(s) are outside the weights_only allowlist: torch.load(weights_only=True) "
                    "refuses this file; load with weights_only=False only if you trust its source.")
+    elif info.weights_only_refusal is not None and info.format != "torchscript":
+        out.append(f"torch.load(weights_only=True) refuses this file: its pickle uses {info.weights_only_refusal}, "
+                   "which torch's weights_only unpickler does not read; load with weights_only=False only if you "
+                   "trust its source.")
     return out

@@ -2,7 +2,8 @@
 
 The signatures are those listed in ``shared/FORMATS.md`` and torch/serialization.py: the zip local-file
 magic ``PK\\x03\\x04``; the legacy stream's first pickle, the magic number ``0x1950a86a20f9469cfc6c`` as a
-protocol-2 LONG1 (``80 02 8a 0a 6c fc 9c 46 f9 20 6a a8 50 19``); the legacy tar (``ustar`` at offset 257);
+protocol-2 LONG1 (``80 02 8a 0a 6c fc 9c 46 f9 20 6a a8 50 19``); the legacy tar (a first block ``tarfile`` accepts
+as a header, with or without ``ustar``: :func:`is_tar`; torch.load tries it before anything but a zip);
 safetensors' 8-byte little-endian header length followed by ``{``. A zip is a TorchScript archive when it holds
 ``constants.pkl`` or ``code/`` under its top folder, a torch checkpoint when it holds ``data.pkl``, a
 ``torch.export`` archive (``.pt2``, :mod:`ckptool.formats.pt2`) when it holds ``archive_format``.
@@ -13,11 +14,13 @@ from __future__ import annotations
 import os
 import re
 import struct
+import tarfile
 
 from ckptool import _source as source
-from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UsageError
+from ckptool.errors import CkptError, CorruptCheckpointError, NotACheckpointError, UsageError
 from ckptool.formats.pt2 import is_pt2_names
-from ckptool.formats.zipdir import ZipEntry, read_directory
+from ckptool.formats.unpickler import load_pickle_at
+from ckptool.formats.zipdir import TorchRecords, ZipEntry, read_directory
 
 TORCH_ZIP = "torch-zip"
 TORCH_LEGACY = "torch-legacy"
@@ -97,13 +100,14 @@ def detect_format(path: str) -> str:
         head = f.read(512)
     if head.startswith((ZIP_MAGIC, ZIP_EMPTY)):
         return _zip_kind(path)
-    if head.startswith(LEGACY_MAGIC_PREFIX):
-        return TORCH_LEGACY
-    if len(head) >= 262 and head[257:262] == b"ustar":
+    if is_tar(head):  # torch.load tries tarfile before the legacy stream (serialization.py _legacy_load)
         raise NotACheckpointError(
             f"{path} is a tar archive: the torch legacy tar format (torch < 0.4) is not supported; "
-            "load it with an old torch and re-save it with torch.save"
+            "load it with an old torch and re-save it with torch.save (and run `ckptool scan` on it first: "
+            "torch.load unpickles its members)"
         )
+    if is_legacy_stream(head):
+        return TORCH_LEGACY
     if len(head) >= 9 and head[8:9] == b"{":
         n = struct.unpack("<Q", head[:8])[0]
         if n + 8 > size:
@@ -121,6 +125,39 @@ def detect_format(path: str) -> str:
         f"{path} is not a PyTorch checkpoint (first bytes {head[:8].hex(' ')}): expected a torch zip or legacy "
         "file, a TorchScript archive or safetensors"
     )
+
+
+#: the magic number a torch legacy stream starts with, as its first pickle (any protocol)
+LEGACY_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+
+
+def is_legacy_stream(head: bytes) -> bool:
+    """True when ``head`` (a file's first bytes) starts with a pickle of torch's legacy magic number, in any pickle
+    protocol (``torch.save(..., _use_new_zipfile_serialization=False, pickle_protocol=4)`` writes it with FRAME),
+    as ``torch.load``'s ``_legacy_load`` reads it."""
+    if head.startswith(LEGACY_MAGIC_PREFIX):
+        return True
+    if head[:1] != b"\x80" or head[1:2] not in (b"\x03", b"\x04", b"\x05"):
+        return False
+    try:
+        value, _up, _end = load_pickle_at(bytes(head[:64]), 0, "magic number")
+    except CkptError:
+        return False
+    return type(value) is int and value == LEGACY_MAGIC_NUMBER
+
+
+def is_tar(head: bytes) -> bool:
+    """True when ``head`` (a file's first 512 bytes or more) starts with a tar header that Python's ``tarfile``
+    accepts (``tarfile.TarInfo.frombuf``: its checksum matches, its number fields parse; or a block of zeros, an
+    empty archive), with or without the POSIX
+    ``ustar`` magic (old V7 tars have none): ``torch.load`` opens any file that is not a zip with
+    ``tarfile.open(mode="r:")`` first and, when that works, loads it as a legacy tar checkpoint
+    (torch/serialization.py ``_legacy_load``), even when its first bytes also parse as a pickle."""
+    try:
+        tarfile.TarInfo.frombuf(bytes(head[:512]), "utf-8", "surrogateescape")
+    except tarfile.HeaderError as e:  # a block of zeros: tarfile opens an empty archive (torch.load then fails)
+        return type(e).__name__ == "EOFHeaderError"
+    return True
 
 
 _zip_cache: dict[tuple[object, ...], list[ZipEntry]] = {}
@@ -148,7 +185,8 @@ _DATA_PKL_MEMBER = re.compile(r"\n(?:[^/\n]*/)?data\.pkl\n")
 
 
 def _zip_kind(path: str) -> str:
-    names = [e.name for e in zip_entries(path)]
+    entries = zip_entries(path)
+    names = [e.name for e in entries]
     # one search over all the names (50,000 records in a large state_dict) instead of a Python loop
     text = "\n" + "\n".join(names) + "\n"
     if text.count("\n") == len(names) + 1:
@@ -159,6 +197,8 @@ def _zip_kind(path: str) -> str:
         leaf = {n.split("/", 1)[1] if "/" in n else n for n in names}
         script = "constants.pkl" in leaf or any(n.startswith("code/") for n in leaf)
         data = "data.pkl" in leaf
+    if not data:  # torch finds data.pkl ignoring case (archive/DATA.PKL)
+        data = TorchRecords(entries).find("data.pkl") is not None
     if script:
         return TORCHSCRIPT
     if not data and is_pt2_names(names):

@@ -10,6 +10,7 @@ stack is large enough for the tuple nesting :func:`tuple_levels` bounds. Every r
 from __future__ import annotations
 
 import mmap
+import pickle
 import re
 import threading
 from collections.abc import Callable
@@ -323,3 +324,49 @@ def call_with_stack(fn: Callable[[], _T], levels: int, what: str = "pickle") -> 
     if error:
         raise error[0]
     return result[0]
+
+
+# ------------------------------------------------------------------------------------------------ weights_only
+#: the opcodes torch 2.13's weights_only unpickler reads (torch/_weights_only_unpickler.py ``Unpickler.load``): any
+#: other opcode (FRAME and MEMOIZE of protocol 4+, SHORT_BINUNICODE, BINBYTES, STACK_GLOBAL, the text opcodes of
+#: protocols 0-1...) makes it raise "Unsupported operand", whatever the globals
+WEIGHTS_ONLY_OPCODES = frozenset(b"c\x81Rbaesu(t\x85\x86\x87N\x89\x88)]}\x8fJKMGXUQhjqr\x8a\x80.")
+_WO_NOARG = b"\x81Rbaesu(t\x85\x86\x87N\x89\x88)]}\x8fQ"
+_wo_patterns: list[re.Pattern[bytes]] = []  # compiled on first use
+#: opcode byte -> its name in the ``pickle`` module (``FRAME``, ``SHORT_BINUNICODE``...)
+_OPCODE_NAMES = {v[0]: k for k, v in vars(pickle).items()
+                 if k.isupper() and isinstance(v, bytes) and len(v) == 1 and not k.startswith(("HIGHEST", "DEFAULT"))}
+
+
+def weights_only_refusal(buf: PickleBuffer, start: int = 0, end: int | None = None) -> str | None:
+    """Why torch 2.13's ``weights_only`` unpickler refuses the pickle at ``buf[start:]`` because of an opcode it
+    does not read (:data:`WEIGHTS_ONLY_OPCODES`): ``"opcode FRAME (0x95) at byte 2"``; None when it reads every
+    opcode up to STOP. Globals are judged elsewhere (:mod:`ckptool.model.allowlist`). The pickle must have passed
+    :func:`check_pickle` (its lengths are trusted). Runs in C over runs of supported opcodes; long strings are
+    stepped over in Python."""
+    end = len(buf) if end is None else end
+    if not _wo_patterns:
+        # the commonest opcodes of a torch pickle first (memo puts and gets, then argument-less runs)
+        alts = [_cls(b"qhK\x80") + b".", _cls(b"rjJ") + b".{4}", _cls(_WO_NOARG) + b"++",
+                b"X" + _counted(b"\x00\x00\x00"), b"M.{2}", b"G.{8}", _cls(b"U\x8a") + _counted(b""),
+                b"c[^\\n]*\\n[^\\n]*\\n"]
+        _wo_patterns.append(re.compile(b"(?:" + b"|".join(alts) + b")*+", re.DOTALL))
+    match = _wo_patterns[0].match
+    pos = start
+    while pos < end:
+        m = match(buf, pos, end)
+        assert m is not None
+        pos = m.end()
+        if pos >= end:
+            break
+        op = buf[pos]
+        if op == _STOP:
+            return None
+        if op == 0x58 and pos + 5 <= end:  # BINUNICODE of 128 bytes or more
+            pos += 5 + int.from_bytes(buf[pos + 1:pos + 5], "little")
+        elif op in (0x55, 0x8A) and pos + 2 <= end:  # SHORT_BINSTRING / LONG1 of 128 bytes or more
+            pos += 2 + buf[pos + 1]
+        else:
+            name = _OPCODE_NAMES.get(op, "unknown")
+            return f"opcode {name} (0x{op:02x}) at byte {pos - start}"
+    return None

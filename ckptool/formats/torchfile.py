@@ -19,14 +19,14 @@ from ckptool.errors import CorruptCheckpointError, NotACheckpointError, Unsuppor
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import STORAGE_TYPES, storage_element
 from ckptool.formats.nodes import GlobalMeta, StorageRef
-from ckptool.formats.pickle_check import walk_prefix
+from ckptool.formats.pickle_check import walk_prefix, weights_only_refusal
 from ckptool.formats.strided import check_tensor_views
 from ckptool.formats.unpickler import load_pickle_at, load_structure
-from ckptool.formats.zipdir import ZipEntry, data_offset, member_buffer, read_member
+from ckptool.formats.zipdir import TorchRecords, ZipEntry, data_offset, member_buffer, read_member
 
 _UNSET = object()
 
-LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+LEGACY_MAGIC = formats.LEGACY_MAGIC_NUMBER
 LEGACY_PROTOCOL = 1001
 
 @dataclass(slots=True)  # no __dict__: one Record per storage (a million in a big state_dict)
@@ -64,6 +64,10 @@ class Checkpoint:
     #: file's size)
     pickle_size: int = 0
     extra_roots: dict[str, Any] = field(default_factory=dict)
+    #: why torch 2.13's ``weights_only`` unpickler refuses the pickles ``torch.load`` reads for an opcode it does not
+    #: read (``"opcode FRAME (0x95) at byte 2"``: a ``pickle_protocol=4`` save), whatever the globals; None: it reads
+    #: every opcode (:func:`ckptool.formats.pickle_check.weights_only_refusal`)
+    weights_only_refusal: str | None = None
     #: a zip's members (names without the archive folder, their directory entries) not yet made into records
     _members: tuple[list[str], list[ZipEntry]] | None = field(default=None, repr=False, compare=False)
     #: the byte order of the storages: a torch zip's ``byteorder`` record (``"little"`` when it has none, as
@@ -174,20 +178,29 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
     # member by member (_zip_records) to refuse it with the same error
     names = [e.name[n_lead:] if e.name.startswith(lead) else e.name for e in entries]
     by_name = dict(zip(names, entries))
+    data_pkl = _torch_data_pkl(path, entries, names, by_name)
     if len(by_name) == len(entries) and max([e.header_offset + e.compress_size for e in entries]) <= size:
         ck._members = (names, entries)  # records made on first use (Checkpoint.records)
     else:
-        by_name = _zip_records(path, entries, lead, size, ck.records)
-    if "data.pkl" not in by_name:
-        raise NotACheckpointError(f"{path} is a zip archive without data.pkl, not a torch checkpoint")
+        by_name = _zip_records(path, entries, lead, size, ck.records, names)
+    if sum([e.compress_size for e in entries]) > size:
+        raise CorruptCheckpointError(
+            f"{path}: the zip's members hold more bytes than the file ({size} bytes): several members share or "
+            "overlap their data (a zip bomb or a hand-made archive; torch.save never writes one), so ckptool "
+            "refuses it (run `ckptool scan` on it)")
+    joined = "\n".join(names)
+    if joined != joined.lower():  # torch finds records ignoring case (the names are unique so, checked above)
+        for n, e in list(by_name.items()):
+            by_name.setdefault(n.lower(), e)
     cache: dict[tuple[str, str], GlobalMeta] = {}
     seen: dict[tuple[str, str], None] = {}
     with source.open_binary(path) as f:
-        data = read_pickle_member(f, by_name["data.pkl"], path)
+        data = read_pickle_member(f, data_pkl, path)
         ck.protocol = data[1] if len(data) > 1 and data[0] == 0x80 else 2
         # load_structure's reading of bytes, keeping where the pickle ends (the member may go on after STOP)
         ck.root, up, ck.pickle_size = load_pickle_at(data, 0, f"data.pkl in {path}", exact=True,
                                                      storages=ck.storages, global_cache=cache)
+        ck.weights_only_refusal = weights_only_refusal(data, 0, ck.pickle_size)
         seen.update(up.globals_seen)
         if "byteorder" in by_name:
             ck.byteorder = read_byteorder(f, by_name["byteorder"], path)
@@ -206,16 +219,49 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
     return ck
 
 
-def _zip_records(path: str, entries: list[ZipEntry], lead: str, size: int,
-                 records: list[Record]) -> dict[str, ZipEntry]:
-    """Append a :class:`Record` per zip member to ``records``; return the members by name (``lead`` removed).
+def _torch_data_pkl(path: str, entries: list[ZipEntry], names: list[str], by_name: dict[str, ZipEntry]) -> ZipEntry:
+    """The ``data.pkl`` member torch reads (:class:`~ckptool.formats.zipdir.TorchRecords`: names matched ignoring
+    ASCII case); ``names`` (the members' names without the archive folder, which ``by_name`` maps) then calls it
+    ``data.pkl``, the name rewriters give the new pickle.
+
+    Raises:
+        NotACheckpointError: torch finds no ``data.pkl``.
+        CorruptCheckpointError: two member names differ only in case (torch reads one, ``zipfile`` another).
+    """
+    if len(by_name) == len(names) and len({n.lower() for n in by_name}) != len(names):
+        lowered: dict[str, str] = {}
+        for e in entries:
+            other = lowered.setdefault(e.name.lower(), e.name)
+            if other != e.name:
+                raise CorruptCheckpointError(
+                    f"{path}: the zip holds members {other!r} and {e.name!r}, whose names differ only in case: "
+                    "torch's reader matches names ignoring case and reads one, zipfile-based tools the other, so "
+                    "ckptool refuses the file (run `ckptool scan` on it)")
+    exact = by_name.get("data.pkl")
+    if exact is not None:
+        return exact
+    found = TorchRecords(entries).find("data.pkl")
+    if found is None:
+        raise NotACheckpointError(f"{path} is a zip archive without data.pkl, not a torch checkpoint")
+    i = entries.index(found)
+    del by_name[names[i]]
+    names[i] = "data.pkl"
+    by_name["data.pkl"] = found
+    return found
+
+
+def _zip_records(path: str, entries: list[ZipEntry], lead: str, size: int, records: list[Record],
+                 names: list[str] | None = None) -> dict[str, ZipEntry]:
+    """Append a :class:`Record` per zip member to ``records``; return the members by name (``names``, default:
+    theirs with ``lead`` removed).
 
     Raises:
         CorruptCheckpointError: a member runs past ``size`` bytes, or two members have the same name.
     """
     by_name: dict[str, ZipEntry] = {}
-    for e in entries:
-        name = e.name[len(lead):] if e.name.startswith(lead) else e.name
+    if names is None:
+        names = [e.name[len(lead):] if e.name.startswith(lead) else e.name for e in entries]
+    for name, e in zip(names, entries, strict=True):
         if e.header_offset + e.compress_size > size:
             raise CorruptCheckpointError(
                 f"{path}: record {e.name!r} runs past the end of the file: truncated; re-download it")
@@ -337,6 +383,9 @@ def _legacy_structure(path: str, ck: Checkpoint, buf: Any, size: int) -> None:
     def load(pos: int, what: str, **kw: Any) -> tuple[Any, int]:
         root, up, end = load_pickle_at(buf, pos, f"{what} of {path}", **kw)
         seen.update(up.globals_seen)
+        if ck.weights_only_refusal is None:  # torch.load(weights_only=True) reads all five with its unpickler
+            refused = weights_only_refusal(buf, pos, end)
+            ck.weights_only_refusal = refused and f"{refused} of the {what}"
         return root, end
 
     magic, pos = load(0, "magic number")

@@ -17,10 +17,18 @@ from ckptool.errors import CorruptCheckpointError
 
 _EOCD = b"PK\x05\x06"
 _EOCD64_LOCATOR = b"PK\x06\x07"
+_EOCD64 = b"PK\x06\x06"
 #: a 46-byte central directory header, the fields read: signature, flags, method, CRC-32, compressed and
 #: uncompressed sizes, name / extra / comment lengths, local header offset
 _CDH_FIELDS = struct.Struct("<I4xHH4xIIIHHH8xI")
+_EOCD_FIELDS = struct.Struct("<IHHHHIIH")
+#: the ZIP64 end record (APPNOTE.TXT 4.3.14): signature, record size, this disk, the directory's disk, entries on
+#: this disk, entries, directory size, directory offset
+_EOCD64_FIELDS = struct.Struct("<IQ4xIIQQQQ")
 _U32 = 0xFFFFFFFF
+#: how far back from the end miniz looks for the end record: 4 KiB blocks, stepping back 4093 bytes, until
+#: 65535 + 22 bytes are covered (``mz_zip_reader_locate_header_sig``)
+_MINIZ_TAIL = 4096 + 16 * 4093
 
 
 #: the most bytes a compressed (deflated) record may inflate to: torch stores every record uncompressed, so only
@@ -55,49 +63,199 @@ class ZipEntry(NamedTuple):
     flags: int = 0
 
 
-def read_directory(f: BinaryIO, size: int, path: str) -> list[ZipEntry]:
-    """The central directory of the zip in open file ``f`` (``size`` bytes), in directory order.
+class EndRecord(NamedTuple):
+    """Where a zip reader finds the central directory: ``entries`` entries, ``size`` bytes at file offset ``offset``
+    (the record's offset plus ``shift``), found from the end record at ``eocd_at``; ``zip64``: the ZIP64 end record
+    gave them; ``shift``: added to every offset the directory holds (``zipfile`` reading a zip appended to other
+    data; 0 for torch's reader, which takes offsets as absolute)."""
+
+    entries: int
+    size: int
+    offset: int
+    eocd_at: int
+    zip64: bool
+    shift: int = 0
+    #: with ``zip64``: the 32-bit record's (entries, size, offset), which readers without ZIP64 take
+    plain: tuple[int, int, int] | None = None
+
+
+class Directory(list[ZipEntry]):
+    """A central directory as one reader reads it: its entries in directory order (a list), the :class:`EndRecord`
+    that located it, and ``used``: the directory bytes its entries take (less than ``end.size`` when the directory
+    holds more than the declared count)."""
+
+    end: EndRecord
+    used: int = 0
+
+
+def _no_end(path: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path} is a damaged zip (no end of central directory: the file is truncated); re-download or re-save it")
+
+
+def torch_end_record(f: BinaryIO, size: int, path: str, *, zip64: bool = True) -> EndRecord:
+    """The end of the zip in open file ``f`` (``size`` bytes) as torch's reader finds it (miniz 3.0.2,
+    ``mz_zip_reader_read_central_dir``): the last end record signature with 22 bytes after it in the last
+    :data:`_MINIZ_TAIL` bytes; the ZIP64 end record whenever a ZIP64 locator precedes it and points at a ZIP64
+    record (whatever the 32-bit record holds); offsets absolute. ``zip64=False``: the 32-bit record alone (what a
+    reader takes that uses the ZIP64 record only when the 32-bit one holds its 0xFFFF markers).
+
+    Raises:
+        CorruptCheckpointError: no end record, a ZIP64 locator pointing past the end, a directory out of bounds,
+            smaller than its entries, on another disk, or over :data:`MAX_DIRECTORY`.
+    """
+    for window in (65535 + 22 + 20, _MINIZ_TAIL):  # the last 64 KiB first: where a valid end record lies
+        lo = max(0, size - window)
+        f.seek(lo)
+        tail = f.read(size - lo)
+        pos = tail.rfind(_EOCD, 0, max(0, len(tail) - 18))
+        if pos >= 0 or lo == 0:
+            break
+    if pos < 0:
+        raise _no_end(path)
+    eocd_at = lo + pos
+    _s, this_disk, cd_disk, on_disk, count, cd_size, cd_offset, _c = _EOCD_FIELDS.unpack_from(tail, pos)
+    found64 = False
+    plain = (count, cd_size, cd_offset)
+    if zip64 and eocd_at >= 20 + 56:
+        if pos >= 20:
+            loc = tail[pos - 20:pos]
+        else:
+            f.seek(eocd_at - 20)
+            loc = f.read(20)
+        if loc[:4] == _EOCD64_LOCATOR:
+            z64_at, disks = struct.unpack_from("<QI", loc, 8)
+            if z64_at > size - 56:
+                raise CorruptCheckpointError(f"{path} is a damaged zip (bad ZIP64 end record); re-download it")
+            f.seek(z64_at)
+            z = f.read(56)
+            if z[:4] == _EOCD64:
+                found64 = True
+                _s, rec_size, this_disk, cd_disk, on_disk, count, cd_size, cd_offset = _EOCD64_FIELDS.unpack(z)
+                if rec_size < 44 or disks != 1 or count > _U32 or on_disk > _U32 or cd_size > _U32:
+                    raise CorruptCheckpointError(f"{path} is a damaged zip (bad ZIP64 end record); re-download it")
+    if not found64 and (count == 0xFFFF or cd_size == _U32 or cd_offset == _U32):
+        raise CorruptCheckpointError(f"{path} is a damaged zip (bad ZIP64 end record); re-download it")
+    if count != on_disk or ((this_disk | cd_disk) and (this_disk, cd_disk) != (1, 1)):
+        raise CorruptCheckpointError(
+            f"{path} is a damaged zip (the end record's entry counts or disk numbers disagree: {count} entries, "
+            f"{on_disk} on this disk); torch refuses it too")
+    if cd_offset + cd_size > size or cd_size < 46 * count:
+        raise CorruptCheckpointError(f"{path} is a damaged zip (central directory out of bounds); re-download it")
+    return EndRecord(count, cd_size, cd_offset, eocd_at, found64, 0, plain if found64 else None)
+
+
+def zipfile_end_record(f: BinaryIO, size: int, path: str) -> EndRecord:
+    """The end of the zip in open file ``f`` as Python's ``zipfile`` finds it (3.11, ``_EndRecData``,
+    ``_EndRecData64``, ``ZipFile._RealGetContents``): the record in the last 22 bytes if it has no comment, else the
+    last signature in the last 64 KiB + 22 bytes; the ZIP64 end record that sits just before the ZIP64 locator
+    (the locator's offset is not used); ``shift`` = the bytes between the directory's recorded end and the record
+    (data before the zip), added to every offset; every entry up to the directory's size is read, whatever the
+    count.
+
+    Raises:
+        CorruptCheckpointError: where ``zipfile`` raises ``BadZipFile``.
+    """
+    if size < 22:
+        raise _no_end(path)
+    f.seek(size - 22)
+    last = f.read(22)
+    if last[:4] == _EOCD and last[-2:] == b"\0\0":
+        eocd_at, rec = size - 22, last
+    else:
+        lo = max(size - (1 << 16) - 22, 0)
+        f.seek(lo)
+        data = f.read(size - lo)
+        at = data.rfind(_EOCD)
+        if at < 0 or at + 22 > len(data):
+            raise _no_end(path)
+        eocd_at, rec = lo + at, data[at:at + 22]
+    _s, _d, _dcd, _n, count, cd_size, cd_offset, _c = _EOCD_FIELDS.unpack(rec)
+    zip64 = False
+    if eocd_at >= 20:
+        f.seek(eocd_at - 20)
+        loc = f.read(20)
+        if loc[:4] == _EOCD64_LOCATOR:
+            diskno, _rel, disks = struct.unpack_from("<IQI", loc, 4)
+            if diskno != 0 or disks > 1:
+                raise CorruptCheckpointError(f"{path}: zipfile refuses a zip spanning several disks")
+            if eocd_at >= 76:
+                f.seek(eocd_at - 76)
+                z = f.read(56)
+                if z[:4] == _EOCD64:
+                    zip64 = True
+                    _s, _rs, _td, _cd, _od, count, cd_size, cd_offset = _EOCD64_FIELDS.unpack(z)
+    shift = eocd_at - cd_size - cd_offset - (76 if zip64 else 0)
+    if cd_offset + shift < 0:
+        raise CorruptCheckpointError(f"{path} is a damaged zip (bad offset for central directory)")
+    return EndRecord(count, cd_size, cd_offset + shift, eocd_at, zip64, shift)
+
+
+def read_directory(f: BinaryIO, size: int, path: str) -> Directory:
+    """The central directory of the zip in open file ``f`` (``size`` bytes) as torch reads it
+    (:func:`torch_end_record`: ``count`` entries from the directory's start), in directory order.
 
     Raises:
         CorruptCheckpointError: no end-of-central-directory record (truncated download) or a damaged directory.
     """
-    tail_len = min(size, 65535 + 22 + 20)
-    f.seek(size - tail_len)
-    tail = f.read(tail_len)
-    pos = tail.rfind(_EOCD)
-    if pos < 0 or pos + 22 > len(tail):
-        raise CorruptCheckpointError(
-            f"{path} is a damaged zip (no end of central directory: the file is truncated); re-download or re-save it")
-    _sig, _d, _dcd, _n_here, count, cd_size, cd_offset, _clen = struct.unpack_from("<IHHHHIIH", tail, pos)
-    eocd_at = size - tail_len + pos
-    zip64 = count == 0xFFFF or cd_size == _U32 or cd_offset == _U32
-    if zip64 and pos >= 20 and tail[pos - 20:pos - 16] == _EOCD64_LOCATOR:
-        (z64_at,) = struct.unpack_from("<Q", tail, pos - 20 + 8)
-        f.seek(z64_at)
-        z = f.read(56)
-        if len(z) < 56 or z[:4] != b"PK\x06\x06":
-            raise CorruptCheckpointError(f"{path} is a damaged zip (bad ZIP64 end record); re-download it")
-        count, _c2, cd_size, cd_offset = struct.unpack_from("<QQQQ", z, 24)
-        eocd_at = z64_at
-    if cd_offset + cd_size > eocd_at:
-        raise CorruptCheckpointError(f"{path} is a damaged zip (central directory out of bounds); re-download it")
+    return _read_entries(f, torch_end_record(f, size, path), path, counted=True)
+
+
+def plain_directory(f: BinaryIO, size: int, path: str) -> Directory:
+    """The central directory the 32-bit end record points to, ignoring a ZIP64 locator (what readers take that use
+    the ZIP64 record only when the 32-bit one is saturated; ckptool before 0.x).
+
+    Raises:
+        CorruptCheckpointError: as :func:`read_directory`.
+    """
+    return _read_entries(f, torch_end_record(f, size, path, zip64=False), path, counted=True)
+
+
+def zipfile_directory(f: BinaryIO, size: int, path: str, torch_view: Directory | None = None) -> Directory:
+    """The central directory of the zip in open file ``f`` as Python's ``zipfile`` reads it
+    (:func:`zipfile_end_record`: every entry in the directory's bytes, offsets shifted, names cut at a NUL as
+    ``ZipInfo`` does). ``torch_view``: torch's directory of the same file, returned as is when ``zipfile`` finds
+    the same one (same place, no shift, no bytes after the counted entries).
+
+    Raises:
+        CorruptCheckpointError: where ``zipfile.ZipFile`` raises ``BadZipFile``.
+    """
+    end = zipfile_end_record(f, size, path)
+    if torch_view is not None:
+        t = torch_view.end
+        if (end.offset, end.size, end.shift) == (t.offset, t.size, 0) and torch_view.used == t.size:
+            return torch_view
+    out = _read_entries(f, end, path, counted=False)
+    if any("\0" in e.name for e in out):
+        out[:] = [e._replace(name=e.name.split("\0", 1)[0]) if "\0" in e.name else e for e in out]
+    return out
+
+
+def _read_entries(f: BinaryIO, end: EndRecord, path: str, *, counted: bool) -> Directory:
+    """The entries of the directory ``end`` locates: ``end.entries`` of them (``counted``, as miniz) or as many as its
+    bytes hold (as ``zipfile``), each offset plus ``end.shift``."""
+    cd_size = end.size
     if cd_size > MAX_DIRECTORY:
         raise CorruptCheckpointError(
             f"{path}: the zip central directory declares {cd_size} bytes, over ckptool's limit of {MAX_DIRECTORY}")
-    f.seek(cd_offset)
+    f.seek(end.offset)
     buf = f.read(cd_size)
     if len(buf) != cd_size:
         raise CorruptCheckpointError(f"{path} is truncated (central directory incomplete); re-download it")
-    out: list[ZipEntry] = []
+    out = Directory()
+    out.end = end
     append = out.append
     p = 0
     unpack = _CDH_FIELDS.unpack_from
     new = tuple.__new__  # ZipEntry(...) without the NamedTuple's Python-level __new__: 50,000 records add up
+    shift = end.shift
     # every name sliced from one Latin-1 decoding of the directory: an ASCII name (all of torch's) reads the same in
     # UTF-8 and cp437; any other name is decoded from its bytes
     text = buf.decode("latin-1")
     try:
-        for _ in range(count):
+        left = end.entries if counted else -1
+        while (left > 0) if counted else (p < cd_size):
+            left -= 1
             sig, flags, method, crc, csize, usize, n, m, k, off = unpack(buf, p)
             if sig != 0x02014B50:
                 raise CorruptCheckpointError(f"{path} is a damaged zip (bad central directory entry); re-download it")
@@ -106,14 +264,113 @@ def read_directory(f: BinaryIO, size: int, path: str) -> list[ZipEntry]:
                 name = buf[p + 46:p + 46 + n].decode("utf-8" if flags & 0x800 else "cp437")
             if usize == _U32 or csize == _U32 or off == _U32:
                 usize, csize, off = _zip64_extra(buf[p + 46 + n:p + 46 + n + m], usize, csize, off, path)
-            append(new(ZipEntry, (name, off, csize, usize, crc, method, flags)))
+            append(new(ZipEntry, (name, off + shift, csize, usize, crc, method, flags)))
             p += 46 + n + m + k
     except (struct.error, IndexError) as e:
         raise CorruptCheckpointError(f"{path} is a damaged zip (central directory cut short); re-download it") from e
     except UnicodeDecodeError as e:
         raise CorruptCheckpointError(
             f"{path} is a damaged zip (a member name is not valid UTF-8); re-download it") from e
+    if p > cd_size:
+        raise CorruptCheckpointError(f"{path} is a damaged zip (central directory cut short); re-download it")
+    out.used = p
     return out
+
+
+def raw_name(e: ZipEntry) -> bytes:
+    """The bytes of ``e``'s name as the directory holds them (UTF-8 when its flag bit 11 says so, else cp437)."""
+    return e.name.encode("utf-8" if e.flags & 0x800 else "cp437")
+
+
+def _miniz_sorted(keys: list[bytes]) -> list[int]:
+    """The entry indices in the order miniz's heap sort leaves them (``mz_zip_reader_sort_central_dir_offsets_by_
+    filename``, comparing lower-cased names): among names equal but for case, this order decides which one a lookup
+    finds."""
+    size = len(keys)
+    idx = list(range(size))
+    if size <= 1:
+        return idx
+
+    def sift(root: int, end: int) -> None:
+        while True:
+            child = 2 * root + 1
+            if child >= end:
+                return
+            if child + 1 < end and keys[idx[child]] < keys[idx[child + 1]]:
+                child += 1
+            if not keys[idx[root]] < keys[idx[child]]:
+                return
+            idx[root], idx[child] = idx[child], idx[root]
+            root = child
+
+    for start in range((size - 2) >> 1, -1, -1):
+        sift(start, size)
+    for end in range(size - 1, 0, -1):
+        idx[end], idx[0] = idx[0], idx[end]
+        sift(0, end)
+    return idx
+
+
+class TorchRecords:
+    """The records of a zip as torch's ``PyTorchStreamReader`` (torch 2.13, miniz 3.0.2) finds them by name: under
+    the folder of the directory's first member (``archive/``), looked up as ``mz_zip_reader_locate_file`` does:
+    ignoring ASCII case (``archive/DATA.PKL`` is found for ``data.pkl``), and among several names that differ only in
+    case (or not at all), the one its binary search over the heap-sorted directory hits.
+
+    ``prefix`` is None when the first member is in no folder (torch refuses the file)."""
+
+    def __init__(self, entries: list[ZipEntry]) -> None:
+        self.entries = entries
+        first = entries[0].name if entries else ""
+        self.prefix: str | None = first.split("/", 1)[0] + "/" if "/" in first else None
+        #: the prefix's bytes as the directory holds them (the folder of a cp437 name is not its UTF-8 encoding)
+        self._prefix_raw = raw_name(entries[0]).split(b"/", 1)[0] + b"/" if self.prefix is not None else b""
+        self._exact: dict[str, int] | None = None
+        self._lower: dict[bytes, list[int]] | None = None
+        self._order: list[int] | None = None
+        self._keys: list[bytes] = []
+
+    def _index(self) -> dict[bytes, list[int]]:
+        if self._lower is None:
+            self._keys = [raw_name(e).lower() for e in self.entries]
+            lower: dict[bytes, list[int]] = {}
+            for i, k in enumerate(self._keys):
+                lower.setdefault(k, []).append(i)
+            self._lower = lower
+        return self._lower
+
+    def find(self, name: str) -> ZipEntry | None:
+        """The entry torch reads for record ``name`` (``data.pkl``, ``data/0``), or None where torch finds none."""
+        if self.prefix is None:
+            return None
+        target = (self._prefix_raw + name.encode("utf-8")).lower()
+        hits = self._index().get(target)
+        if not hits:
+            return None
+        if len(hits) == 1:
+            return self.entries[hits[0]]
+        if self._order is None:
+            self._order = _miniz_sorted(self._keys)
+        keys, order = self._keys, self._order
+        lo, hi = 0, len(order) - 1
+        while lo <= hi:
+            mid = lo + ((hi - lo) >> 1)
+            k = keys[order[mid]]
+            if k == target:
+                return self.entries[order[mid]]
+            if k < target:
+                lo = mid + 1
+            else:
+                hi = mid - 1
+        return None  # not reached: a sorted order holds the target
+
+    def variants(self, name: str) -> list[ZipEntry]:
+        """Every entry whose name equals record ``name`` under the prefix but for ASCII case (the candidates a
+        case-sensitive reader such as ``zipfile`` may pick instead)."""
+        if self.prefix is None:
+            return []
+        target = (self._prefix_raw + name.encode("utf-8")).lower()
+        return [self.entries[i] for i in self._index().get(target, [])]
 
 
 def _zip64_extra(extra: bytes, usize: int, csize: int, off: int, path: str) -> tuple[int, int, int]:
@@ -139,6 +396,8 @@ def data_offset(f: BinaryIO, entry: ZipEntry, path: str) -> int:
     Raises:
         CorruptCheckpointError: the local header is missing.
     """
+    if entry.header_offset < 0:  # zipfile's view of a zip whose directory points before the file's start
+        raise CorruptCheckpointError(f"{path}: {entry.name!r} starts before the file does; the zip is damaged")
     f.seek(entry.header_offset)
     hdr = f.read(30)
     if len(hdr) != 30 or hdr[:4] != b"PK\x03\x04":

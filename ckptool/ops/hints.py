@@ -182,7 +182,7 @@ def _safetensors(path: str, sharded: bool, state_dict: str | None) -> tuple[str,
 
 def _sharded_torch(path: str, info: CheckpointInfo) -> str:
     """One dict merged from the torch shards the index at ``path`` lists."""
-    one = _torch_load("f", set(info.storage_bytes), bool(info.unsafe_globals))
+    one = _torch_load("f", set(info.storage_bytes), not info.weights_only_loads)
     return f"{{k: v for f in {_shard_files(path)!r} for k, v in {one}.items()}}"
 
 
@@ -218,6 +218,10 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
     tags = set(info.storage_bytes)
     if unsafe:
         notes.append(_unsafe_note(path, unsafe))
+    elif info.weights_only_refusal is not None:
+        notes.append(f"torch.load(weights_only=True) refuses this file: its pickle uses {info.weights_only_refusal}, "
+                     "which torch's weights_only unpickler does not read (a pickle_protocol above 3?); load it with "
+                     "weights_only=False (below) only if you trust its source")
     notes += _device_notes(path, tags, frozenset(chosen))
     imports = ["import torch"]
     if info.format.startswith("sharded-"):
@@ -228,7 +232,7 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
         if source.is_url(path):
             opened = f"fsspec.open({path!r}, 'rb').open()"
             imports.insert(0, "import fsspec")
-        code = _torch_load(opened, tags, bool(unsafe)) + _index(state_dict or "")
+        code = _torch_load(opened, tags, not info.weights_only_loads) + _index(state_dict or "")
     if state_dict is not None:
         code = f"model.load_state_dict({code})"
     return LoadHint(code, notes, imports)

@@ -248,6 +248,10 @@ class CheckpointInfo:
     #: the signature of each exported program of a ``torch.export`` archive (``.pt2``), else empty
     programs: list[dict[str, Any]] = field(default_factory=list)
     bytes_read: int | None = None
+    #: why torch 2.13's ``torch.load(weights_only=True)`` refuses the file whatever its globals (an opcode its
+    #: unpickler does not read: ``pickle_protocol=4`` saves), None when only the globals decide
+    #: (:attr:`ckptool.formats.torchfile.Checkpoint.weights_only_refusal`)
+    weights_only_refusal: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (``dataclasses.asdict`` without its deep copies: fast for 50,000 tensors), with
@@ -331,6 +335,12 @@ class CheckpointInfo:
     @property
     def unsafe_globals(self) -> list[str]:
         return [g.name for g in self.globals if not g.allowed]
+
+    @property
+    def weights_only_loads(self) -> bool:
+        """True when ``torch.load(weights_only=True)`` (torch 2.13's rules) reads the file: every global on its
+        allowlist and every opcode one its unpickler reads."""
+        return not self.unsafe_globals and self.weights_only_refusal is None
 
     @property
     def verdict(self) -> str:
@@ -660,7 +670,8 @@ def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointI
     values, complete = ([], True) if kind == "torchscript" else value_infos(
         ck.root, [sd.obj for sd in sds], limits or PreviewLimits())
     return CheckpointInfo(ck.path, ck.format, kind, ck.size, tensors, devices, _device_bytes(totals), sd_infos, globs,
-                          storages=n_storages, totals=totals, values=values, values_complete=complete)
+                          storages=n_storages, totals=totals, values=values, values_complete=complete,
+                          weights_only_refusal=ck.weights_only_refusal)
 
 
 def _inspect_safetensors(path: str) -> CheckpointInfo:

@@ -27,15 +27,20 @@ Which pickles are read
 ----------------------
 Scanning looks at the bytes, never at the file name, and reads every place a loader might find a pickle:
 
-* a zip (torch >= 1.6 or TorchScript): every member named ``*.pkl`` / ``*.debug_pkl`` / ``*.pickle`` in any
-  folder, duplicates included, with a bad CRC-32 noted but still read (torch does not check it); members that are
-  themselves zips are scanned recursively; other members that start like a pickle are read too;
+* a zip (torch >= 1.6 or TorchScript): the members of the central directory torch's reader reads and of the one
+  ``zipfile`` reads (they differ for hand-made zips: ZIP64 records, entries past the count, data before the zip;
+  :mod:`ckptool.formats.zipdir`), ``data.pkl`` as torch finds it (ignoring case); every member named ``*.pkl`` /
+  ``*.debug_pkl`` / ``*.pickle`` (in any case) in any folder, duplicates included, with a bad CRC-32 noted but
+  still read (torch does not check it); members that are themselves zips are scanned recursively; other members
+  that start like a pickle are read too;
 * a ``torch.export`` archive (``.pt2``): the members its loader unpickles, whatever their first bytes: by name
   (sample inputs, every ``data/constants/opaque_obj_*`` / ``custom_obj_*`` member, which ``torch.export.load``
   unpickles whatever the configs say) and by every payload config (pickled payloads:
   :func:`ckptool.formats.pt2.member_roles`); its raw tensor members are not read as pickles;
 * a legacy stream: its five pickles (magic number, protocol, ``sys_info``, main object, storage keys);
-* a legacy tar (torch < 0.4): its ``sys_info``, ``pickle``, ``storages`` and ``tensors`` members;
+* a legacy tar (torch < 0.4; any file whose first block ``tarfile`` accepts, V7 tars without ``ustar`` too, as
+  ``torch.load`` tries tar first): its ``sys_info``, ``pickle``, ``storages`` and ``tensors`` members (the last two
+  as pickles between raw blocks, as ``legacy_load`` reads them);
 * a plain pickle (whatever its name: ``.pt``, ``.bin``...);
 * in every case, data after the last pickle: further pickles in a row are read, and a zip appended to the file
   (which ``zipfile`` and some scanners see instead of the leading pickle) is scanned as well;
@@ -68,8 +73,9 @@ from ckptool.formats.dcp import is_dcp_folder
 from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.formats.safetensors import read_header
 from ckptool.model.allowlist import recognise_file
+from ckptool.ops.scan_bytes import _ZIP_EOCD, _ZIP_LOCAL, _zip_end
 from ckptool.ops.scan_dcp import dcp_part, scan_dcp_folder
-from ckptool.ops.scan_pickles import _ZIP_EOCD, _ZIP_LOCAL, Preparsed, _NotAPickle, _Scanner, _zip_end
+from ckptool.ops.scan_pickles import Preparsed, _NotAPickle, _Scanner
 from ckptool.ops.scan_results import (
     EXIT_CODES,
     STRICT_EXIT_CODES,

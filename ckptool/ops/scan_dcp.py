@@ -30,7 +30,8 @@ import os
 
 from ckptool.errors import CkptError
 from ckptool.formats.dcp import METADATA_FILE, DcpItem, is_dcp_folder, read_dcp_metadata
-from ckptool.ops.scan_pickles import _PICKLE_FIRST, _ZIP_LOCAL, Window, _Scanner
+from ckptool.ops.scan_bytes import _ZIP_LOCAL, Window
+from ckptool.ops.scan_pickles import _PICKLE_FIRST, _Scanner
 from ckptool.ops.scan_results import PickleFinding, ScanResult
 
 __all__ = ["DCP_FORMAT", "dcp_part", "scan_dcp_folder"]

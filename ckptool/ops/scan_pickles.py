@@ -12,6 +12,7 @@ import os
 import struct
 import tarfile
 import zlib
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from itertools import compress, repeat
 from operator import not_, or_
@@ -25,12 +26,23 @@ from ckptool.formats.nodes import GlobalMeta, ObjectNode, ReduceNode, StorageRef
 from ckptool.formats.pickle_check import PickleBuffer, check_pickle
 from ckptool.formats.pt2 import is_pt2_names, member_roles
 from ckptool.formats.unpickler import load_pickle_at, partial_globals
-from ckptool.formats.zipdir import ZipEntry, read_directory, read_member, read_member_head
+from ckptool.formats.zipdir import (
+    MAX_RATIO,
+    Directory,
+    TorchRecords,
+    ZipEntry,
+    plain_directory,
+    read_directory,
+    read_member,
+    read_member_head,
+    zipfile_directory,
+)
 from ckptool.model.allowlist import ALLOWED, classify_global
 from ckptool.model.graph import depth_first, node_children
+from ckptool.ops.scan_bytes import _ZIP_EOCD, _ZIP_LOCAL, Container, Window, _eocd, _zip_end, _zip_start
 from ckptool.ops.scan_results import GlobalFinding, PickleFinding, ScanResult
 
-__all__ = ["MAX_KEY_PATHS", "Window", "key_paths"]
+__all__ = ["MAX_KEY_PATHS", "Container", "Window", "key_paths"]
 
 # ------------------------------------------------------------------------------------------------ scanning
 #: what a caller (``inspect``) already read of a pickle: its globals, its root node, the offset after its STOP opcode
@@ -39,63 +51,17 @@ Preparsed: TypeAlias = tuple[list[str], Any, int | None]
 _PICKLE_SUFFIXES = (".pkl", ".debug_pkl", ".pickle")
 #: folders of a torch zip / TorchScript archive holding tensor bytes and TorchScript source, which no loader unpickles
 _STORAGE_DIRS = ("data/", "constants/", ".data/", "code/")
-_ZIP_LOCAL = b"PK\x03\x04"
-_ZIP_EOCD = b"PK\x05\x06"
-_LEGACY_MAGIC = formats.LEGACY_MAGIC_PREFIX
-MAX_ZIP_DEPTH = 3
+#: zips inside zips are scanned this deep; a zip deeper still is an unreadable finding (the verdict is then no
+#: better than ``error``)
+MAX_ZIP_DEPTH = 16
+#: the bytes a scan inflates (or copies, for nested zips) from zip members: this plus :data:`MAX_RATIO` times the
+#: file's size; members past it are unreadable findings. Members sharing one local header are read once.
+INFLATE_BUDGET = 64 << 20
 MAX_TAR_MEMBERS = 10_000
 MAX_PICKLES_IN_A_ROW = 10_000
 #: a file's first byte starts a pickle only if it is an opcode a pickle can begin with
 _PICKLE_FIRST = frozenset(b"\x80(.012NQR}abdel]ostu)\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94"
                           b"KhqJjMGUCXBT\x8a\x8b\x8c\x8d\x8e\x96ILFSVPgpci")
-
-
-class Window:
-    """``length`` bytes at ``start`` of a mapped file, seen as a file (``seek``/``read``/``tell``) and as a byte
-    sequence (``len``, an index gives an int, a slice gives bytes): one item of a DCP ``.distcp`` file, read by
-    the zip directory reader without copying the rest."""
-
-    def __init__(self, mm: PickleBuffer, start: int, length: int) -> None:
-        self.mm, self.start, self.length, self.pos = mm, start, length, 0
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, k: int | slice) -> Any:
-        if isinstance(k, slice):
-            a, b, _ = k.indices(self.length)
-            return bytes(self.mm[self.start + a:self.start + max(a, b)])
-        if not -self.length <= k < self.length:
-            raise IndexError(k)
-        return self.mm[self.start + (k % self.length)]
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = max(0, pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def read(self, n: int | None = -1) -> bytes:
-        end = self.length if n is None or n < 0 else min(self.length, self.pos + n)
-        out = self[self.pos:end] if end > self.pos else b""
-        self.pos = max(self.pos, end)
-        return out
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[:len(data)] = data
-        return len(data)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-
-#: what the container readers walk: the bytes of a file or member, a mapped file, or a window of one
-Container: TypeAlias = "PickleBuffer | Window"
 
 
 class _Scanner:
@@ -115,6 +81,10 @@ class _Scanner:
         self.root: Any = None  # the root of the first pickle torch's loader reads
         #: per torch.export zip (by ``where``): the members its loader unpickles, and its raw tensor members
         self.pt2_roles: dict[str, tuple[set[str], set[str]]] = {}
+        #: bytes left to inflate from zip members (:data:`INFLATE_BUDGET`), set from the file's size
+        self.inflate_left: int | None = None
+        #: labels of the members of the zip being walked whose name another member has too (by ``id`` of the entry)
+        self._labels: dict[int, str] = {}
 
     # -- recording -------------------------------------------------------------------------------------------
     def record(self, finding: PickleFinding, root: Any = None) -> None:
@@ -195,6 +165,55 @@ class _Scanner:
             seen = partial_globals(buf, pos, getattr(e2, "offset", stop))
         return [qualified_name(m, n) for m, n in seen]
 
+    def parse_root(self, buf: PickleBuffer, pos: int, where: str) -> tuple[Any, int] | None:
+        """:meth:`parse` that also returns the pickle's root: ``(root, end)``, or None when it failed (recorded)."""
+        try:
+            root, up, end = load_pickle_at(buf, pos, where)
+        except CkptError as e:
+            self.record(PickleFinding(where, pos, self._globals_before_failure(buf, pos, where, e), str(e)))
+            return None
+        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root)
+        return root, end
+
+    def tar_records(self, data: bytes, label: str, member: str) -> int | None:
+        """The ``storages`` or ``tensors`` member of a legacy tar as torch's ``legacy_load`` reads it: a pickle of
+        the count, then per item a pickle and raw bytes (a storage: 8-byte element count and the elements; a
+        tensor: ndim, sizes, strides, offset), then (storages) a pickle of the views. Returns where reading
+        stopped, or None when a pickle failed; a layout that does not add up ends the walk with a note."""
+        got = self.parse_root(data, 0, label)
+        if got is None:
+            return None
+        count, pos = got
+        if type(count) is not int or not 0 <= count <= MAX_PICKLES_IN_A_ROW:
+            self.note(f"{label}: the item count is not a small integer; the rest was read as pickles in a row")
+            return pos
+        for i in range(count):
+            got = self.parse_root(data, pos, f"{label} (item {i + 1}, byte {pos})")
+            if got is None:
+                return None
+            args, pos = got
+            if member == "storages":
+                st = args[2] if isinstance(args, tuple) and len(args) == 3 else None
+                elsize = STORAGE_TYPES.get(st.name if isinstance(st, GlobalMeta) else "", ("", 0))[1]
+                numel = int.from_bytes(data[pos:pos + 8], "little", signed=True)
+                step, bad = 8 + numel * elsize, elsize == 0 or numel < 0
+            else:
+                ndim = int.from_bytes(data[pos:pos + 4], "little", signed=True)
+                step, bad = 8 + 16 * ndim + 8, ndim < 0
+            if bad:
+                self.note(f"{label}: item {i + 1} does not add up; the rest was read as pickles in a row")
+                return pos
+            if pos + step > len(data) or step < 8:
+                self.note(f"{label}: item {i + 1} runs past the member's end")
+                return len(data)
+            pos += step
+        if member == "storages":
+            got = self.parse_root(data, pos, f"{label} (storage views, byte {pos})")
+            if got is None:
+                return None
+            pos = got[1]
+        return pos
+
     def pickles_in_a_row(self, buf: PickleBuffer, pos: int, where: str, *, first_required: bool = True) -> int | None:
         """Read pickles one after another from ``pos`` while the data looks like one; return the offset where
         reading stopped (``len(buf)`` when everything was read), or None when the first, required, pickle failed."""
@@ -214,17 +233,30 @@ class _Scanner:
     # -- containers ------------------------------------------------------------------------------------------
     def any(self, buf: PickleBuffer, where: str, depth: int, f: BinaryIO | None = None) -> str:
         """Scan ``buf`` (bytes or mmap, optionally its open file ``f``) as whatever its bytes say it is: the file
-        ``torch.load`` would read (its own pickles are not hidden)."""
+        ``torch.load`` would read (its own pickles are not hidden), in torch.load's order: a zip (``PK\\x03\\x04``),
+        else a tar if ``tarfile`` accepts its first header (``_legacy_load`` tries it first), else a legacy stream or
+        a pickle; safetensors by its header."""
+        if self.inflate_left is None:
+            self.inflate_left = INFLATE_BUDGET + MAX_RATIO * len(buf)
         head = bytes(buf[:512])
         if head.startswith((_ZIP_LOCAL, _ZIP_EOCD)):
             return self.zip(buf, where, depth, f, loaded=True)
-        if head.startswith(_LEGACY_MAGIC):
+        if formats.is_tar(head):
+            try:
+                self.tar(buf, where, depth)
+            except CorruptCheckpointError as err:
+                self.note(f"the tar header at byte 0{_in(where)} is valid but the archive could not be read ({err})")
+            else:
+                if head[0] in _PICKLE_FIRST:  # pickle.load (and tools that use it) read the file's first bytes
+                    self.parse(buf, 0, _join(where, "pickle at byte 0 (read by pickle.load, not torch.load)"),
+                               required=False)
+                self.appended_zip(buf, 512, where, depth)
+                return "legacy-tar"
+        if formats.is_legacy_stream(head):
             self.legacy(buf, where, depth)
             return formats.TORCH_LEGACY
-        if len(head) >= 262 and head[257:262] == b"ustar":
-            self.tar(buf, where, depth)
-            return "legacy-tar"
         if len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] + 8 <= len(buf):
+            self.appended_zip(buf, struct.unpack("<Q", head[:8])[0] + 8, where, depth)
             return formats.SAFETENSORS
         if not head or head[0] not in _PICKLE_FIRST:
             raise _NotAPickle()
@@ -246,42 +278,59 @@ class _Scanner:
         if buf[pos] in _PICKLE_FIRST and buf[pos:pos + 4] != _ZIP_LOCAL:
             rest = self.pickles_in_a_row(buf, pos, _join(where, f"data after the last pickle, byte {pos}"),
                                          first_required=False) or pos
-        start = _zip_start(buf, rest)
-        if start is not None:
-            if start > rest:
-                self.note(f"{start - rest} bytes at byte {rest}{_in(where)} are not a pickle")
-            self.note(f"a zip archive is appended at byte {start}{_in(where)} (zipfile-based tools read it instead)")
-            try:
-                self.zip(bytes(buf[start:]), _join(where, f"appended zip at byte {start}"), depth + 1)
-            except CkptError as err:
-                self.note(f"the zip appended at byte {start}{_in(where)} could not be read ({err})")
-        elif rest < len(buf):
+        if not self.appended_zip(buf, rest, where, depth) and rest < len(buf):
             self.note(f"{len(buf) - rest} bytes at byte {rest}{_in(where)} are not a pickle (no loader reads them)")
+
+    def appended_zip(self, buf: PickleBuffer, pos: int, where: str, depth: int) -> bool:
+        """Scan the zip whose end record lies after byte ``pos`` of ``buf`` (after a pickle, a safetensors header,
+        a legacy stream or a tar), as torch's zip reader (offsets from the file's start) and ``zipfile`` (offsets
+        from the zip's start) read it: both views, whichever holds. Returns False when there is no such record."""
+        found = _eocd(buf)
+        if found is None or found[0] < pos:
+            return False
+        start = _zip_start(buf, pos)
+        if start is not None and start > pos:
+            self.note(f"{start - pos} bytes at byte {pos}{_in(where)} are not a pickle")
+        at = start if start is not None else found[0]
+        what = "appended at byte" if start is not None else "appended (offsets from the file's start), its end at byte"
+        self.note(f"a zip archive is {what} {at}{_in(where)} (zipfile-based tools and torch's zip reader read it "
+                  "instead)")
+        window = buf if isinstance(buf, Window) else Window(buf, 0, len(buf))
+        try:
+            self.zip(window, _join(where, f"appended zip at byte {at}"), depth + 1)
+        except CkptError as err:
+            self.note(f"the zip at byte {at}{_in(where)} could not be read ({err})")
+        return True
 
     def zip(self, buf: Container, where: str, depth: int, f: BinaryIO | None = None, *, loaded: bool = False) -> str:
         """Every pickle-bearing member of the zip in ``buf`` (``f``: the same bytes as a file), then data after
-        its end. ``loaded``: torch's loader reads this zip (the file itself, a DCP item), so the members it
-        unpickles (``data.pkl``; ``constants.pkl`` of a TorchScript archive) are not hidden."""
+        its end. The members are those of torch's central directory and of ``zipfile``'s, both
+        (:func:`_directories`). ``loaded``: torch's loader reads this zip (the file itself, a DCP item), so the
+        members it unpickles (``data.pkl`` as torch finds it, ignoring case; ``constants.pkl`` of a TorchScript
+        archive) are not hidden."""
         if depth > MAX_ZIP_DEPTH:
-            raise CorruptCheckpointError(f"zips nested more than {MAX_ZIP_DEPTH} deep{_in(where)}")
+            self.record(PickleFinding(where, 0, [], f"zips nested more than {MAX_ZIP_DEPTH} deep: not scanned"))
+            return "zip"
         if f is None:
             f = cast(BinaryIO, buf) if isinstance(buf, Window) else io.BytesIO(
                 buf if isinstance(buf, bytes) else bytes(buf))
         size = len(buf)
-        if depth == 0 and not where and not source.is_url(self.res.path) and size == os.path.getsize(self.res.path):
-            # the file itself: its directory as format detection and the readers parsed it (cached per version)
-            entries = formats.zip_entries(self.res.path)
-        else:
-            entries = read_directory(f, size, where or self.res.path)
+        if self.inflate_left is None:
+            self.inflate_left = INFLATE_BUDGET + MAX_RATIO * size
+        top_file = depth == 0 and not where and not source.is_url(self.res.path) and \
+            size == os.path.getsize(self.res.path)
+        torch_view, entries = self._directories(f, size, where, top_file)
         if not entries:
             raise CorruptCheckpointError(f"empty zip archive{_in(where)}")
-        first = entries[0].name
-        top = first.split("/", 1)[0] + "/" if "/" in first else ""
+        base = torch_view if torch_view else entries
+        recs = TorchRecords(base)
+        top = recs.prefix or ""
         names = [e.name for e in entries]
         name_set = set(names)
+        data_pkl = recs.find("data.pkl")
         self.torchscript = self.torchscript or (depth == 0 and top + "constants.pkl" in name_set)
         kind = "torchscript" if top + "constants.pkl" in name_set else (
-            formats.TORCH_ZIP if top + "data.pkl" in name_set else "zip")
+            formats.TORCH_ZIP if data_pkl is not None else "zip")
         if kind == "zip" and is_pt2_names(names):
             kind = formats.PT2
             try:
@@ -289,13 +338,12 @@ class _Scanner:
             except CkptError as err:
                 self.note(f"the torch.export configs{_in(where)} could not be read ({err}); members were scanned by "
                           "their first bytes")
-        if loaded and kind == formats.PT2:  # torch.export.load unpickles these members
-            self.loaded.update(_join(where, n) for n in self.pt2_roles.get(where, (set(), set()))[0])
-        elif loaded and kind != "zip":
-            self.loaded.update(_join(where, top + n) for n in (
-                ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",)))
-            if kind == "torchscript":  # torch.jit.load also unpickles the source ranges of code/
-                self.loaded.update(_join(where, n) for n in names if n.endswith(".debug_pkl"))
+        dups = {n for n, c in Counter(names).items() if c > 1} if len(name_set) < len(names) else set()
+        labels = self._labels = {id(e): _join(where, f"{e.name} (local header at byte {e.header_offset})")
+                                 for e in entries if e.name in dups}
+        if loaded and torch_view is not None:
+            self._mark_loaded(where, kind, recs, names)
+        self._case_notes(where, recs, ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",))
         if len(name_set) < len(names):
             seen: set[str] = set()
             for e in entries:
@@ -307,11 +355,19 @@ class _Scanner:
         if kind not in ("zip", formats.PT2):
             # tensor records (50,000 in a big state_dict) left out here, as zip_member would skip them, without a
             # call each: the members under the top folder's storage folders whose names do not end as a pickle's
+            # (in any case)
             in_storage = map(str.startswith, names, repeat(tuple(top + d for d in _STORAGE_DIRS)))
-            pickled = map(str.endswith, names, repeat(_PICKLE_SUFFIXES))
+            pickled = map(str.endswith, map(str.lower, names), repeat(_PICKLE_SUFFIXES))
             todo = compress(entries, map(or_, map(not_, in_storage), pickled))
+        shared: dict[tuple[int, int, int, int], list[str]] = {}
         for e in todo:
-            self.zip_member(f, e, top, kind, where, depth)
+            self._labels = labels  # (a nested zip has its own)
+            self.zip_member(f, e, top, kind, where, depth, shared)
+        for group in shared.values():
+            if len(group) > 1:
+                more = f" and {len(group) - 4} more" if len(group) > 4 else ""
+                self.note(f"members {', '.join(group[1:4])}{more} have the data of {group[0]} (one local header): "
+                          "scanned once")
         end = _zip_end(buf)
         if end is not None and end < size:
             if isinstance(buf, Window):  # the bytes after the zip, by themselves (hostile or odd: rarely big)
@@ -320,18 +376,108 @@ class _Scanner:
                 self.trailing(buf, end, where, depth)
         return kind
 
-    def zip_member(self, f: BinaryIO, e: ZipEntry, top: str, kind: str, where: str, depth: int) -> None:
+    def _directories(self, f: BinaryIO, size: int, where: str, top_file: bool) -> tuple[list[ZipEntry] | None,
+                                                                                        list[ZipEntry]]:
+        """torch's central directory of the zip in ``f`` (None when torch's reader refuses it) and the union of
+        it with ``zipfile``'s (:func:`ckptool.formats.zipdir.zipfile_directory`), torch's entries first; a note
+        says where the two readers disagree.
+
+        Raises:
+            CorruptCheckpointError: neither reader can read the directory.
+        """
+        label = where or self.res.path
+        torch_view: Directory | None = None
+        torch_err: CkptError | None = None
+        try:
+            # the file itself: its directory as format detection and the readers parsed it (cached per version)
+            got = formats.zip_entries(self.res.path) if top_file else read_directory(f, size, label)
+            torch_view = got if isinstance(got, Directory) else read_directory(f, size, label)
+        except CkptError as err:
+            torch_err = err
+        try:
+            zf_view: list[ZipEntry] | None = zipfile_directory(f, size, label, torch_view)
+        except CkptError as err:
+            if torch_err is not None:
+                raise torch_err from None
+            assert torch_view is not None
+            self.note(f"Python's zipfile cannot read the zip{_in(where)} ({err}); torch's reader can: its members "
+                      "were scanned")
+            return torch_view, list(torch_view)
+        assert zf_view is not None
+        if torch_view is None:
+            self.note(f"torch's zip reader refuses the zip{_in(where)} ({torch_err}); Python's zipfile reads it: "
+                      "its members were scanned")
+            return None, zf_view
+        have = {(e.name, e.header_offset) for e in torch_view}
+        extra: list[ZipEntry] = []
+        if zf_view is not torch_view:
+            extra = [e for e in zf_view if (e.name, e.header_offset) not in have]
+            if extra or len(zf_view) != len(torch_view):
+                z = cast(Directory, zf_view).end
+                self.note(f"torch's zip reader and Python's zipfile read different central directories{_in(where)} "
+                          f"(torch: {len(torch_view)} entries at byte {torch_view.end.offset}; zipfile: "
+                          f"{len(zf_view)} entries at byte {z.offset}): the members of both were scanned")
+        t = torch_view.end
+        if t.plain is not None and t.plain != (t.entries, t.size, t.offset) and 0xFFFF not in t.plain[:1] and \
+                0xFFFFFFFF not in t.plain[1:]:  # readers that take the ZIP64 record only when the 32-bit one is full
+            try:
+                plain = plain_directory(f, size, label)
+            except CkptError:
+                plain = Directory()
+            more = [e for e in plain if (e.name, e.header_offset) not in have]
+            if more:
+                self.note(f"the zip's 32-bit end record{_in(where)} points to another central directory than its "
+                          f"ZIP64 end record (which torch and zipfile read): its {len(plain)} entries were scanned too")
+                have.update((e.name, e.header_offset) for e in extra)
+                extra += [e for e in more if (e.name, e.header_offset) not in have]
+        return torch_view, list(torch_view) + extra
+
+    def _mark_loaded(self, where: str, kind: str, recs: TorchRecords, names: list[str]) -> None:
+        """Mark the members torch's loader unpickles in a zip it reads (as it finds them: ignoring case)."""
+        if kind == formats.PT2:  # torch.export.load unpickles these members
+            self.loaded.update(_join(where, n) for n in self.pt2_roles.get(where, (set(), set()))[0])
+        elif kind != "zip":
+            for rec in ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",):
+                e = recs.find(rec)
+                if e is not None:
+                    self.loaded.add(self._labels.get(id(e)) or _join(where, e.name))
+            if kind == "torchscript":  # torch.jit.load also unpickles the source ranges of code/
+                self.loaded.update(_join(where, n) for n in names if n.endswith(".debug_pkl"))
+
+    def _case_notes(self, where: str, recs: TorchRecords, records: Iterable[str]) -> None:
+        """A note for each pickle record whose name several members match but for case, or only in another case:
+        torch's reader ignores case, ``zipfile`` does not."""
+        for rec in records:
+            found = recs.variants(rec)
+            exact = (recs.prefix or "") + rec
+            if len(found) > 1 or (found and found[0].name != exact):
+                chosen = recs.find(rec)
+                self.note(f"the zip{_in(where)} holds {', '.join(repr(e.name) for e in found)} for {rec}: torch's "
+                          f"reader ignores case and reads {chosen.name if chosen else None!r}, zipfile-based tools "
+                          f"read {exact!r}{'' if exact in {e.name for e in found} else ' (absent)'}; all were scanned")
+
+    def zip_member(self, f: BinaryIO, e: ZipEntry, top: str, kind: str, where: str, depth: int,
+                   shared: dict[tuple[int, int, int, int], list[str]] | None = None) -> None:
+        """One member: read if its name or first bytes say pickle or zip; a member whose data another member
+        already had (the same local header, sizes and method) is not inflated again; the bytes inflated for the
+        whole file are capped (:data:`INFLATE_BUDGET`)."""
         name = e.name
         rel = name[len(top):] if name.startswith(top) else name
-        label = _join(where, name)
+        label = self._labels.get(id(e)) or _join(where, name)
         if name.endswith("/"):
             return
         pickled, raw = self.pt2_roles.get(where, (set(), set()))
         storage = kind not in ("zip", formats.PT2) and rel.startswith(_STORAGE_DIRS)
         storage = storage or name in raw
-        is_pickle = name.endswith(_PICKLE_SUFFIXES) or name in pickled
+        is_pickle = name.lower().endswith(_PICKLE_SUFFIXES) or name in pickled
         if storage and not is_pickle:
             return  # tensor bytes and TorchScript source: no loader unpickles them
+        key = (e.header_offset, e.compress_size, e.method, e.file_size)
+        if shared is not None:
+            group = shared.setdefault(key, [])
+            group.append(label)
+            if len(group) > 1:
+                return
         try:
             head = read_member_head(f, e, label)
         except CkptError as err:
@@ -341,6 +487,14 @@ class _Scanner:
         looks_pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
         if not (is_pickle or nested or looks_pickled):
             return
+        cost = e.file_size if e.method != 0 else e.compress_size
+        if self.inflate_left is not None:
+            if cost > self.inflate_left:
+                self.record(PickleFinding(label, 0, [], (
+                    f"not read: the file's members come to more than {INFLATE_BUDGET >> 20} MiB + {MAX_RATIO} times "
+                    "the file's size once inflated (members sharing or overlapping their data: a zip bomb?)")))
+                return
+            self.inflate_left -= cost
         try:
             data = read_member(f, e, label, check_crc=False)
         except CkptError as err:
@@ -429,8 +583,13 @@ class _Scanner:
             if known and not where:
                 self.loaded.add(label)
             if data[:1] and data[0] in _PICKLE_FIRST:
-                rest = self.pickles_in_a_row(data, 0, label, first_required=known)
-                if rest is not None and rest < len(data) and member.name not in ("storages", "tensors"):
+                if member.name in ("storages", "tensors"):  # pickles between raw blocks (torch's legacy_load)
+                    rest = self.tar_records(data, label, member.name)
+                    if rest is not None and rest < len(data):
+                        rest = self.pickles_in_a_row(data, rest, f"{label} (byte {rest})", first_required=False)
+                else:
+                    rest = self.pickles_in_a_row(data, 0, label, first_required=known)
+                if rest is not None and rest < len(data):
                     self.trailing(data, rest, label, depth)
             elif known:
                 self.record(PickleFinding(label, 0, [], "not a pickle"))
@@ -475,34 +634,3 @@ def _in(where: str) -> str:
 
 def _join(where: str, name: str) -> str:
     return f"{where}!{name}" if where else name
-
-
-def _eocd(buf: Container) -> tuple[int, int, int, int] | None:
-    """``(eocd offset, central directory size, central directory offset, comment length)`` of the last end of
-    central directory record in the last 64 KiB of ``buf``, or None."""
-    size = len(buf)
-    lo = max(0, size - (65535 + 22))
-    tail = bytes(buf[lo:size])
-    at = tail.rfind(_ZIP_EOCD)
-    if at < 0 or at + 22 > len(tail):
-        return None
-    _sig, _d, _dcd, _n, _count, cd_size, cd_offset, clen = struct.unpack_from("<IHHHHIIH", tail, at)
-    return lo + at, cd_size, cd_offset, clen
-
-
-def _zip_start(buf: PickleBuffer, pos: int) -> int | None:
-    """Where a zip appended after ``pos`` starts (what ``zipfile`` computes: end record - directory size -
-    directory offset), or None."""
-    found = _eocd(buf)
-    if found is None:
-        return None
-    eocd_at, cd_size, cd_offset, _clen = found
-    start = eocd_at - cd_size - cd_offset
-    if start < pos or bytes(buf[start:start + 4]) != _ZIP_LOCAL:
-        return None
-    return start
-
-
-def _zip_end(buf: Container) -> int | None:
-    found = _eocd(buf)
-    return None if found is None else found[0] + 22 + found[3]
