@@ -32,6 +32,9 @@ def _print_result(res: ScanResult, show_all: bool, strict: bool) -> None:
         from tabulate import tabulate
 
         click.echo(tabulate(rows, headers=["level", "global", "why", "in"]))
+    for c in res.code:  # code that ships in the file (ops/scan_code.py)
+        click.echo(f"  code ({c.level.upper() if c.level == 'dangerous' else c.level}, {c.kind}): {c.member}: "
+                   f"{c.reason}")
     if res.recognised is not None:
         click.echo(f"  recognised: {res.recognised[1]}")
     if res.error:
@@ -53,6 +56,9 @@ def _table(results: list[ScanResult], strict: bool) -> str:
     for r in results:
         bad = r.unsafe
         worst = f"{bad[0].name} ({bad[0].level})" if bad else ("-" if not r.error else "unreadable")
+        code = sorted(r.code, key=lambda c: (c.level != "dangerous", c.kind != "native-library"))
+        if code and (not bad or bad[0].level != "dangerous"):
+            worst = f"{code[0].kind} {code[0].member} ({code[0].level})"
         hidden = len(r.hidden)
         rows.append((r.path, _SHOWN[r.strict_verdict if strict else r.verdict], r.format,
                      f"{len(r.pickles)}" + (f" ({hidden} hidden)" if hidden else ""), len(bad), worst))

@@ -10,7 +10,10 @@ Every zip the scan walks (the file itself, nested zips, a zip appended after the
   in a checkpoint has no other purpose. The tensor records the loader reads as storage bytes (``data/`` and
   ``constants/`` of a torch zip or TorchScript archive, ``.data/`` of a torch.package, the raw weight members a
   ``.pt2``'s configs name) are not read, as ``inspect`` never reads tensor data; ``data/aotinductor/`` and members
-  named like a library (``.so``, ``.dylib``, ``.dll``, ``.pyd``) always are.
+  named like a library (``.so``, ``.dylib``, ``.dll``, ``.pyd``) always are. The C++ source of an AOTInductor
+  package (``data/aotinductor/**.cpp``, kind :data:`NATIVE_SOURCE`) is **dangerous** too: without a packaged
+  library, ``aoti_load_package`` compiles it with the flags the archive gives and loads the result (torch 2.13
+  asks for ``*_compile_flags.json`` when the ``.so`` is missing).
 * **torch.package modules** (:data:`PYTHON`): in a zip holding ``.data/extern_modules`` (the layout of
   ``torch.package.PackageExporter``: ``.data/`` records, ``*.pkl`` resources, ``*.py`` modules), each ``.py`` module
   outside ``.data/``. ``PackageImporter.load_pickle`` imports, from the archive, the module of every global its
@@ -47,10 +50,10 @@ from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST
 from ckptool.ops.scan_pickles import Container, Window, _Scanner
 from ckptool.ops.scan_results import CodeFinding, ScanResult
 
-__all__ = ["BUILTIN_NAMESPACES", "FILE_OPS", "NATIVE", "PYTHON", "TORCHSCRIPT", "CodeScanner", "package_modules",
-           "torchscript_ops"]
+__all__ = ["BUILTIN_NAMESPACES", "FILE_OPS", "NATIVE", "NATIVE_SOURCE", "PYTHON", "TORCHSCRIPT", "CodeScanner",
+           "package_modules", "torchscript_ops", "zip_code"]
 
-NATIVE, PYTHON, TORCHSCRIPT = "native-library", "python-module", "torchscript"
+NATIVE, NATIVE_SOURCE, PYTHON, TORCHSCRIPT = "native-library", "native-source", "python-module", "torchscript"
 
 #: operator namespaces libtorch itself registers (torch 2.13, ``torch._C._jit_get_all_schemas()`` after
 #: ``import torch``) whose ops compute on tensors in the process: ATen, the TorchScript primitives, the
@@ -64,6 +67,9 @@ BUILTIN_NAMESPACES = frozenset({"aten", "prim", "prims", "quantized", "_quantize
 #: ATen ops that read or write a file the code names (``torch.save(obj, path)``; ``torch.from_file(path,
 #: shared=True)`` maps it writable)
 FILE_OPS = frozenset({"aten::save", "aten::from_file"})
+_AOTI_SOURCE = ("AOTInductor C++ source: when the package holds no compiled library for it, "
+                "torch._inductor.aoti_load_package builds one with the compiler flags the archive gives "
+                "(*_compile_flags.json) and loads it")
 _LIBRARY_SUFFIXES = (".so", ".dylib", ".dll", ".pyd")
 _MANGLE = re.compile(r"^<torch_package_\d+>\.?")
 _OPS_REGEX = re.compile(r"\bops\s*\.\s*([A-Za-z_]\w*)\s*\.\s*([A-Za-z_]\w*)")
@@ -116,10 +122,12 @@ def zip_code(res: ScanResult, f: BinaryIO, size: int, where: str, depth: int, ki
             continue
         label = f"{where}!{name}" if where else name
         rel = name[len(top):] if name.startswith(top) else name
-        if name.endswith(".py") and (kind == formats.TORCHSCRIPT and rel.startswith("code/")
-                                     or package and rel.startswith(".data/ts_code/")):
+        if name.endswith(".py") and ((kind == formats.TORCHSCRIPT and rel.startswith("code/"))
+                                     or (package and rel.startswith(".data/ts_code/"))):
             script.append((label, _text(f, e, label)))
             continue
+        if "/aotinductor/" in name and name.endswith(".cpp"):
+            out.append(CodeFinding(label, NATIVE_SOURCE, DANGEROUS, _AOTI_SOURCE, "C++ source"))
         if package and name.endswith(".py") and not rel.startswith(".data/"):
             modules[_module_name(rel)] = label
         skip = (name.startswith(storage) or name in raw) and not (

@@ -169,7 +169,8 @@ class ScanResult:
 
     def to_dict(self, *, strict: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (what ``ckptool scan --json`` prints for each file): ``verdict`` (the strict one when
-        ``strict``), ``level``, each global with its ``status`` and ``level``, the ``code`` found, and for a URL ``bytes_read``."""
+        ``strict``), ``level``, each global with its ``status`` and ``level``, the ``code`` found, and for a URL
+        ``bytes_read``."""
         d: dict[str, Any] = {
             "path": self.path, "verdict": self.strict_verdict if strict else self.verdict, "level": self.level,
             "format": self.format, "error": self.error,
