@@ -237,8 +237,10 @@ def test_code_folder_without_constants_is_not_torchscript(tmp_path: Path) -> Non
     (tmp_path / "ts.pt").write_bytes(hc.torch_zip(pkl, extra={"constants.pkl": hc.benign_pickle(),
                                                                "code/__torch__/m.py": b""}))
     (tmp_path / "fake.pt").write_bytes(hc.torch_zip(pkl, extra={"code/__torch__/m.py": b""}))
-    assert scan_file(tmp_path / "ts.pt").verdict == "safe"
+    ts = scan_file(tmp_path / "ts.pt")  # its globals are safe; its code/ needs trust (tests/test_scan_code.py)
+    assert not ts.unsafe and [c.kind for c in ts.code] == ["torchscript"] and ts.verdict == NEEDS_TRUST
     res = scan_file(tmp_path / "fake.pt")
+    assert not res.code
     assert res.strict_verdict == "unsafe" and res.unsafe[0].name == "__torch__.m.Net"
     assert res.unsafe[0].status == UNKNOWN and res.verdict == NEEDS_TRUST
 
