@@ -186,6 +186,22 @@ def test_other_ops_are_dangerous_naming_op_and_file(tmp_path: Path, code: str, o
     assert op in bad[0].reason and res.verdict == DANGEROUS
 
 
+def test_foreign_torchbind_classes_are_dangerous(tmp_path: Path) -> None:
+    """A TorchBind class outside torch's own namespaces, named in code/ or held by a pickle of the archive."""
+    code = ("def forward(self, x: __torch__.torch.classes.quantized.LinearPackedParamsBase,\n"
+            "    t: __torch__.torch.classes.my_lib.Tokenizer) -> Tensor:\n  return torch.relu(x)\n")
+    res = scan_file(_torchscript(tmp_path, code))
+    assert [(c.member, c.detail) for c in res.code if c.level == DANGEROUS] == [
+        ("archive/code/__torch__/m.py", "my_lib.Tokenizer")]
+    path = tmp_path / "obj.pt"
+    path.write_bytes(hc.torch_zip(hc.gadget_pickle("__torch__.torch.classes.my_lib", "Tokenizer", "x", 2),
+                                  extra={"constants.pkl": hc.benign_pickle(), "code/__torch__/m.py": b""}))
+    res = scan_file(path)
+    assert [(c.member, c.detail) for c in res.code if c.level == DANGEROUS] == [("archive/data.pkl",
+                                                                                 "my_lib.Tokenizer")]
+    assert res.verdict == DANGEROUS
+
+
 def test_code_folder_is_read_only_in_torchscript_archives(tmp_path: Path) -> None:
     """torch.load hands a zip to torch.jit.load only with constants.pkl; otherwise code/ is never compiled."""
     path = tmp_path / "fake.pt"

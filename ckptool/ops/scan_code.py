@@ -25,8 +25,9 @@ Every zip the scan walks (the file itself, nested zips, a zip appended after the
   run no Python, but can call any operator registered in the process (:func:`torchscript_ops`). The archive is
   **needs-trust** when the code calls only the operators of torch's own namespaces (:data:`BUILTIN_NAMESPACES`);
   a call into any other namespace (a custom op: whatever library registered it runs, with the file's arguments),
-  a use of ``ops`` whose namespace cannot be read, or an ``aten`` op that touches files (:data:`FILE_OPS`) is
-  **dangerous**, naming the op and the file.
+  a use of ``ops`` whose namespace cannot be read, an ``aten`` op that touches files (:data:`FILE_OPS`), or a
+  TorchBind class (``__torch__.torch.classes.NS.Cls``, in the source or in the archive's pickles) outside
+  :data:`BUILTIN_CLASS_NAMESPACES` is **dangerous**, naming the op or class and the file.
 
 Nothing is imported, compiled or run: members are read as bytes, TorchScript source is split into tokens by
 :mod:`tokenize`.
@@ -50,8 +51,8 @@ from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST
 from ckptool.ops.scan_pickles import Container, Window, _Scanner
 from ckptool.ops.scan_results import CodeFinding, ScanResult
 
-__all__ = ["BUILTIN_NAMESPACES", "FILE_OPS", "NATIVE", "NATIVE_SOURCE", "PYTHON", "TORCHSCRIPT", "CodeScanner",
-           "package_modules", "torchscript_ops", "zip_code"]
+__all__ = ["BUILTIN_CLASS_NAMESPACES", "BUILTIN_NAMESPACES", "FILE_OPS", "NATIVE", "NATIVE_SOURCE", "PYTHON",
+           "TORCHSCRIPT", "CodeScanner", "package_modules", "torchscript_ops", "zip_code"]
 
 NATIVE, NATIVE_SOURCE, PYTHON, TORCHSCRIPT = "native-library", "native-source", "python-module", "torchscript"
 
@@ -64,6 +65,12 @@ NATIVE, NATIVE_SOURCE, PYTHON, TORCHSCRIPT = "native-library", "native-source", 
 #: no longer has (``_caffe2``).
 BUILTIN_NAMESPACES = frozenset({"aten", "prim", "prims", "quantized", "_quantized", "quantization", "sparse", "mkldnn",
                                 "mkldnn_prepacked", "onednn", "mkl", "profiler", "rngprims"})
+#: TorchBind class namespaces torch itself registers (torch 2.13: the classes its op schemas name, and XNNPACK's
+#: op contexts in builds with XNNPACK); ``c10d`` and ``dist_rpc`` (process groups, RPC) are left out. A TorchBind
+#: class is C++ code a library registered: its methods, and its ``__setstate__`` when ``torch.jit.load`` unpickles
+#: an instance, run that code.
+BUILTIN_CLASS_NAMESPACES = frozenset({"quantized", "sparse", "mkldnn", "profiler", "rnn", "xnnpack"})
+_CLASS_REGEX = re.compile(r"__torch__\s*\.\s*torch\s*\.\s*classes\s*\.\s*([A-Za-z_]\w*)\s*\.\s*([A-Za-z_]\w*)")
 #: ATen ops that read or write a file the code names (``torch.save(obj, path)``; ``torch.from_file(path,
 #: shared=True)`` maps it writable)
 FILE_OPS = frozenset({"aten::save", "aten::from_file"})
@@ -140,6 +147,8 @@ def zip_code(res: ScanResult, f: BinaryIO, size: int, where: str, depth: int, ki
         out += _package_findings(res, where, names, modules)
     if script:
         out += _torchscript_findings(script, f"{where}!{top}code/" if where else f"{top}code/")
+    if kind == formats.TORCHSCRIPT or script:
+        out += _torchbind_in_pickles(res, where, names)
     return out
 
 
@@ -187,13 +196,18 @@ def package_modules(globals_: list[str]) -> set[str]:
     return out
 
 
-def _package_findings(res: ScanResult, where: str, names: set[str], modules: dict[str, str]) -> list[CodeFinding]:
+def _archive_globals(res: ScanResult, where: str, names: set[str]) -> Iterator[tuple[str, str]]:
+    """(pickle ``where``, global) for the pickles of the zip at ``where`` whose member is one of ``names`` (pickles
+    in a row and data after them included; not those of nested zips)."""
     prefix = f"{where}!" if where else ""
-    named: set[str] = set()
-    for p in res.pickles:  # the pickles of this archive's own members (pickles in a row and data after included)
+    for p in res.pickles:
         rest = p.where[len(prefix):] if p.where.startswith(prefix) else None
         if rest is not None and re.split(r"!| \(pickle ", rest, maxsplit=1)[0] in names:
-            named |= package_modules(p.globals)
+            yield from ((p.where, g) for g in p.globals)
+
+
+def _package_findings(res: ScanResult, where: str, names: set[str], modules: dict[str, str]) -> list[CodeFinding]:
+    named = package_modules([g for _w, g in _archive_globals(res, where, names)])
     out = []
     for module, label in modules.items():
         if module in named:
@@ -244,11 +258,34 @@ def torchscript_ops(text: str) -> Iterator[tuple[str, str]]:
         yield ns, op
 
 
+def _torchbind(qual: str) -> str:
+    return (f"TorchScript uses the TorchBind class {qual}, outside torch's own: C++ code a library registered, "
+            "run by its methods and by its __setstate__ when torch.jit.load unpickles an instance")
+
+
+def _torchbind_in_pickles(res: ScanResult, where: str, names: set[str]) -> list[CodeFinding]:
+    """TorchBind objects the archive's pickles hold (``__torch__.torch.classes.NS.Cls``, resolved by TorchScript's
+    unpickler, which calls their C++ ``__setstate__``) whose namespace is not torch's own."""
+    out, seen = [], set()
+    for label, g in _archive_globals(res, where, names):
+        m = _CLASS_REGEX.match(g)
+        if m and m.group(1) not in BUILTIN_CLASS_NAMESPACES and (label, g) not in seen:
+            seen.add((label, g))
+            qual = f"{m.group(1)}.{m.group(2)}"
+            out.append(CodeFinding(label, TORCHSCRIPT, DANGEROUS, _torchbind(qual), qual))
+    return out
+
+
 def _torchscript_findings(script: list[tuple[str, str]], folder: str) -> list[CodeFinding]:
     out: list[CodeFinding] = []
     namespaces: set[str] = set()
     for label, text in script:
         seen: set[str] = set()
+        for m in _CLASS_REGEX.finditer(text):
+            qual = f"{m.group(1)}.{m.group(2)}"
+            if m.group(1) not in BUILTIN_CLASS_NAMESPACES and qual not in seen:
+                seen.add(qual)
+                out.append(CodeFinding(label, TORCHSCRIPT, DANGEROUS, _torchbind(qual), qual))
         for ns, op in torchscript_ops(text):
             qual = f"{ns}::{op}"
             if ns in BUILTIN_NAMESPACES and qual not in FILE_OPS:
