@@ -39,7 +39,9 @@ import io
 import os
 import re
 import tokenize
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from itertools import compress, repeat
+from operator import attrgetter, not_, or_
 from typing import BinaryIO, cast
 
 from ckptool import _source as source
@@ -78,6 +80,9 @@ _AOTI_SOURCE = ("AOTInductor C++ source: when the package holds no compiled libr
                 "torch._inductor.aoti_load_package builds one with the compiler flags the archive gives "
                 "(*_compile_flags.json) and loads it")
 _LIBRARY_SUFFIXES = (".so", ".dylib", ".dll", ".pyd")
+#: storage members read all the same (one search over the joined names)
+_SPECIAL = re.compile(r"/aotinductor/|/ts_code/|\.(?:so|dylib|dll|pyd)$", re.I)
+_SPECIAL_HINTS = ("/aotinductor/", "/ts_code/", ".so", ".dylib", ".dll", ".pyd")
 _MANGLE = re.compile(r"^<torch_package_\d+>\.?")
 _OPS_REGEX = re.compile(r"\bops\s*\.\s*([A-Za-z_]\w*)\s*\.\s*([A-Za-z_]\w*)")
 
@@ -113,8 +118,8 @@ def zip_code(res: ScanResult, f: BinaryIO, size: int, where: str, depth: int, ki
         entries = read_directory(f, size, where or res.path)
     first = entries[0].name if entries else ""
     top = first.split("/", 1)[0] + "/" if "/" in first else ""
-    names = {e.name for e in entries}
-    package = top + ".data/extern_modules" in names
+    listed = list(map(attrgetter("name"), entries))
+    package = top + ".data/extern_modules" in listed
     storage: tuple[str, ...] = ()
     if kind in (formats.TORCH_ZIP, formats.TORCHSCRIPT):
         storage = (top + "data/", top + "constants/", top + ".data/")
@@ -123,7 +128,7 @@ def zip_code(res: ScanResult, f: BinaryIO, size: int, where: str, depth: int, ki
     out: list[CodeFinding] = []
     script: list[tuple[str, str]] = []  # (label, source) of TorchScript members
     modules: dict[str, str] = {}  # module name -> label
-    for e in entries:
+    for e in _outside_storage(entries, listed, storage):
         name = e.name
         if name.endswith("/"):
             continue
@@ -143,6 +148,7 @@ def zip_code(res: ScanResult, f: BinaryIO, size: int, where: str, depth: int, ki
             found = _native(f, e, label)
             if found is not None:
                 out.append(found)
+    names = set(listed) if modules or script or kind == formats.TORCHSCRIPT else set()
     if modules:
         out += _package_findings(res, where, names, modules)
     if script:
@@ -150,6 +156,22 @@ def zip_code(res: ScanResult, f: BinaryIO, size: int, where: str, depth: int, ki
     if kind == formats.TORCHSCRIPT or script:
         out += _torchbind_in_pickles(res, where, names)
     return out
+
+
+def _outside_storage(entries: list[ZipEntry], names: list[str], storage: tuple[str, ...]) -> Iterable[ZipEntry]:
+    """``entries`` (named ``names``) less the tensor records under the ``storage`` folders, without a Python call
+    per record (a big state_dict has 50,000), except those under ``aotinductor/`` or ``ts_code/`` or named like a
+    library."""
+    if not storage:
+        return entries
+    text = "\n".join(names).lower()
+    if text.count("\n") != len(names) - 1:  # a name holds a newline: look at each one
+        return entries
+    special: set[str] = set()
+    if any(s in text for s in _SPECIAL_HINTS):  # the expression scans every name; the literals rule most out
+        special = {n for n in names if _SPECIAL.search(n)}
+    keep = map(or_, map(not_, map(str.startswith, names, repeat(storage))), map(special.__contains__, names))
+    return compress(entries, keep)
 
 
 def _native(f: BinaryIO, e: ZipEntry, label: str) -> CodeFinding | None:
