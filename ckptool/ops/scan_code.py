@@ -36,7 +36,6 @@ Nothing is imported, compiled or run: members are read as bytes, TorchScript sou
 from __future__ import annotations
 
 import io
-import os
 import re
 import tokenize
 from collections.abc import Iterable, Iterator
@@ -112,8 +111,8 @@ def zip_code(res: ScanResult, f: BinaryIO, size: int, where: str, depth: int, ki
     Raises:
         CkptError: the zip's directory cannot be read.
     """
-    if depth == 0 and not where and not source.is_url(res.path) and size == os.path.getsize(res.path):
-        entries = formats.zip_entries(res.path)
+    if depth == 0 and not where and size == source.file_size(res.path):
+        entries = formats.zip_entries(res.path)  # the file itself: parsed once per version (inspect did already)
     else:
         entries = read_directory(f, size, where or res.path)
     first = entries[0].name if entries else ""
