@@ -260,3 +260,23 @@ def test_torch_made_fixtures(tmp_path: Path) -> None:
             assert bad == [("python-module", "mymod")]
         else:
             assert bad == [("torchscript", ac.CUSTOM_OP)]
+
+
+@needs_torch
+def test_a_library_in_a_zip_inside_a_dcp_file(tmp_path: Path) -> None:
+    """DCP folders are walked by their byte ranges (ops/scan_dcp.py); the zips found there are checked too."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=folder)
+    with open(folder / "__0_0.distcp", "ab") as f:
+        f.write(_zip({"lib/x.so": ac.minimal_elf()}))
+    res = scan_file(folder)
+    (hit,) = res.code
+    assert hit.kind == "native-library" and hit.member.endswith("(named by no record)!lib/x.so"), hit
+    assert res.verdict == DANGEROUS
