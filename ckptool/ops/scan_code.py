@@ -1,7 +1,8 @@
 """Code that ships inside a checkpoint, outside any pickle, and that the file's normal loader runs: the findings
 ``ckptool scan`` (and ``inspect``'s security verdict) add to those of the pickles.
 
-Every zip the scan walks (the file itself, nested zips, a zip appended after the data) is looked at once more for:
+Every zip the scan walks (the file itself, nested zips, a zip appended after the data, the zips in a DCP folder's
+files) is looked at once more for:
 
 * **native libraries** (:data:`NATIVE`): any member whose first bytes are an ELF, Mach-O or PE header
   (:func:`ckptool.formats.native.describe_native`), whatever its name: **dangerous**, with its architecture.
