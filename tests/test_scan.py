@@ -146,6 +146,9 @@ def test_pickles_written_by_the_libraries_need_trust(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", REAL)
 def test_real_fixtures_are_safe(real_dir: Path, name: str) -> None:
     res = scan_file(real_dir / name)
+    if name.endswith(".jit"):  # its pickles are safe; its TorchScript code/ needs trust (tests/test_scan_code.py)
+        assert [(c.kind, c.level) for c in res.code] == [("torchscript", NEEDS_TRUST)], res.code
+        res.code.clear()
     assert res.verdict == "safe", (res.globals, res.error, res.pickles, res.notes)
     assert res.exit_code == 0
     if not name.endswith(".safetensors"):
@@ -234,8 +237,10 @@ def test_code_folder_without_constants_is_not_torchscript(tmp_path: Path) -> Non
     (tmp_path / "ts.pt").write_bytes(hc.torch_zip(pkl, extra={"constants.pkl": hc.benign_pickle(),
                                                                "code/__torch__/m.py": b""}))
     (tmp_path / "fake.pt").write_bytes(hc.torch_zip(pkl, extra={"code/__torch__/m.py": b""}))
-    assert scan_file(tmp_path / "ts.pt").verdict == "safe"
+    ts = scan_file(tmp_path / "ts.pt")  # its globals are safe; its code/ needs trust (tests/test_scan_code.py)
+    assert not ts.unsafe and [c.kind for c in ts.code] == ["torchscript"] and ts.verdict == NEEDS_TRUST
     res = scan_file(tmp_path / "fake.pt")
+    assert not res.code
     assert res.strict_verdict == "unsafe" and res.unsafe[0].name == "__torch__.m.Net"
     assert res.unsafe[0].status == UNKNOWN and res.verdict == NEEDS_TRUST
 
@@ -260,8 +265,8 @@ def test_inspect_shows_the_same_classification(generated: dict[str, Path], corpu
 def test_cli_exit_codes(run_cli, real_dir: Path, generated: dict[str, Path], corpus) -> None:
     gadget = {e.name: p for e, p in corpus}["gadget-os.system-p2.pt"]
     r = run_cli("scan", real_dir / "lpips-v0.1-alex.pth", real_dir / "silero-vad.jit")
-    assert r.exit_code == 0, r.output
-    assert "safe (torch-legacy" in r.output and "2 files: 2 safe" in r.output
+    assert r.exit_code == 4, r.output  # silero's TorchScript code needs trust
+    assert "safe (torch-legacy" in r.output and "2 files: 1 safe, 1 need trust" in r.output
     full = generated["model_full_cuda0.pt"]
     r = run_cli("scan", real_dir / "lpips-v0.1-alex.pth", gadget, generated["empty.pt"], full)
     assert r.exit_code == 1
@@ -320,7 +325,8 @@ def test_cli_json(run_cli, generated: dict[str, Path], real_dir: Path, corpus) -
     assert out[2]["globals"][0] == {"name": "os.system", "status": DANGEROUS, "level": DANGEROUS,
                                     "reason": "runs processes and changes files", "where": ["pickle at byte 0"]}
     assert out[0]["pickles"][0]["where"].endswith("data.pkl")
-    assert set(out[1]) == {"path", "verdict", "level", "format", "error", "globals", "pickles", "notes", "recognised"}
+    assert set(out[1]) == {"path", "verdict", "level", "format", "error", "globals", "pickles", "notes", "code",
+                           "recognised"}
     assert out[0]["pickles"][0]["hidden"] is False
 
 

@@ -32,6 +32,9 @@ def _print_result(res: ScanResult, show_all: bool, strict: bool) -> None:
         from tabulate import tabulate
 
         click.echo(tabulate(rows, headers=["level", "global", "why", "in"]))
+    for c in res.code:  # code that ships in the file (ops/scan_code.py)
+        click.echo(f"  code ({c.level.upper() if c.level == 'dangerous' else c.level}, {c.kind}): {c.member}: "
+                   f"{c.reason}")
     if res.recognised is not None:
         click.echo(f"  recognised: {res.recognised[1]}")
     if res.error:
@@ -53,6 +56,9 @@ def _table(results: list[ScanResult], strict: bool) -> str:
     for r in results:
         bad = r.unsafe
         worst = f"{bad[0].name} ({bad[0].level})" if bad else ("-" if not r.error else "unreadable")
+        code = sorted(r.code, key=lambda c: (c.level != "dangerous", c.kind != "native-library"))
+        if code and (not bad or bad[0].level != "dangerous"):
+            worst = f"{code[0].kind} {code[0].member} ({code[0].level})"
         hidden = len(r.hidden)
         rows.append((r.path, _SHOWN[r.strict_verdict if strict else r.verdict], r.format,
                      f"{len(r.pickles)}" + (f" ({hidden} hidden)" if hidden else ""), len(bad), worst))
@@ -108,6 +114,11 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
     files) and end with a table of every file's verdict and the counts. Known library files are recognised by
     their content (accelerate's random_states_N.pkl: needs trust).
 
+    Code that ships in a file outside its pickles is listed under "code" and counts in the verdict: a native
+    library in any zip member (an AOTInductor .so: dangerous), a torch.package module (dangerous when a pickle
+    of the package names it), TorchScript code/ (needs trust when it calls only torch's built-in ops, dangerous
+    when it calls a custom op).
+
     \b
     Exit status (the worst file decides):
       0  every file is safe
@@ -118,8 +129,8 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
     With --strict: 0 safe, 1 a file names a global outside the allowlist (unsafe), 2 unreadable.
     --quiet prints nothing (the exit status answers); --json gives "strict", "exit_code" and "files" (per file:
     "verdict", "level", each global's "status" and "level", each pickle's "hidden" and "key_paths");
-    --format sarif prints a SARIF 2.1.0 log (rules CKPT001 dangerous, CKPT002 needs trust, CKPT003 unreadable),
-    with the same exit status.
+    --format sarif prints a SARIF 2.1.0 log (rules CKPT001 dangerous, CKPT002 needs trust, CKPT003 unreadable,
+    CKPT004 code in the file), with the same exit status.
 
     \b
     Examples:

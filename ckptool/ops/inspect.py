@@ -308,7 +308,8 @@ class CheckpointInfo:
         ``verdict`` ``safe`` / ``unsafe`` (scan ``--strict``), ``level`` (safe, needs-trust, dangerous),
         ``scan_verdict`` (that, or ``error`` for a file scan could not read to its end) and its ``exit_code``,
         ``dangerous`` (name, reason, ``where``), ``unknown`` and ``needs_trust`` names, ``hidden_pickles`` (the
-        pickles ``torch.load`` does not read today: ``where``, ``globals``, ``level``, ``error``), ``notes`` and
+        pickles ``torch.load`` does not read today: ``where``, ``globals``, ``level``, ``error``), ``notes``, ``code``
+        (code that ships in the file: ``member``, ``kind``, ``level``, ``reason``, ``detail``) and
         ``recognised`` (a known library file type)."""
         sc = self.scan
         if sc is None:  # built by hand: the globals listed are all there is
@@ -318,7 +319,7 @@ class CheckpointInfo:
                     "dangerous": [{"name": n, "reason": r, "where": w} for n, st, r, w in globs if st == DANGEROUS],
                     "unknown": [n for n, st, _r, _w in globs if st == UNKNOWN],
                     "needs_trust": [n for n, st, _r, _w in globs if level_of(st) == NEEDS_TRUST],
-                    "hidden_pickles": [], "notes": [], "recognised": None}
+                    "hidden_pickles": [], "notes": [], "code": [], "recognised": None}
         return {
             "verdict": self.verdict, "level": sc.level, "scan_verdict": sc.verdict, "exit_code": sc.exit_code,
             "dangerous": [{"name": g.name, "reason": g.reason, "where": list(g.where)} for g in sc.globals
@@ -328,6 +329,7 @@ class CheckpointInfo:
             "hidden_pickles": [{"where": p.where, "globals": list(p.globals), "error": p.error,
                                 "level": sc.pickle_level(p)} for p in sc.hidden],
             "notes": list(sc.notes),
+            "code": [c.to_dict() for c in sc.code],
             "recognised": None if sc.recognised is None else {"kind": sc.recognised[0],
                                                               "description": sc.recognised[1]},
         }

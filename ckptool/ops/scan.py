@@ -54,6 +54,9 @@ hidden pickle sits. The tensor bytes (``data/<key>`` records, DCP tensor data, l
 scanning costs what ``inspect`` costs. A file whose content is a known library file type is recognised
 (:func:`ckptool.model.allowlist.recognise_file`: accelerate's RNG state), to say what a needs-trust file is.
 
+Code that ships in a zip outside any pickle (native libraries, torch.package modules, TorchScript source) is
+reported too, and counts in the verdict (:mod:`ckptool.ops.scan_code`).
+
 Nothing is imported or called while scanning: the pickles are read by :mod:`ckptool.formats.unpickler`.
 """
 
@@ -74,8 +77,9 @@ from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.formats.safetensors import read_header
 from ckptool.model.allowlist import recognise_file
 from ckptool.ops.scan_bytes import _ZIP_EOCD, _ZIP_LOCAL, _zip_end
+from ckptool.ops.scan_code import CodeScanner
 from ckptool.ops.scan_dcp import dcp_part, scan_dcp_folder
-from ckptool.ops.scan_pickles import Preparsed, _NotAPickle, _Scanner
+from ckptool.ops.scan_pickles import Preparsed, _NotAPickle
 from ckptool.ops.scan_results import (
     EXIT_CODES,
     STRICT_EXIT_CODES,
@@ -109,7 +113,7 @@ def scan_file(path: str | os.PathLike[str], *,
     if dcp is not None:
         return scan_dcp_folder(*dcp)
     res = ScanResult(path)
-    sc = _Scanner(res, preparsed)
+    sc = CodeScanner(res, preparsed)  # the pickles, and the code that ships in each zip (ops/scan_code.py)
     start = source.bytes_transferred()
     try:
         formats.check_readable(path)
@@ -161,6 +165,7 @@ def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]
                 res.globals.append(acc)
             acc.where += [f"{name}!{w}" for w in g.where]
         res.notes += [f"{name}: {n}" for n in part.notes]
+        res.code += [replace(c, member=f"{name}!{c.member}") for c in part.code]
         if part.error:
             errors.append(f"{name}: {part.error}")
     res.error = "; ".join(errors) or None

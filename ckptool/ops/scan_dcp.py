@@ -31,6 +31,7 @@ import os
 from ckptool.errors import CkptError
 from ckptool.formats.dcp import METADATA_FILE, DcpItem, is_dcp_folder, read_dcp_metadata
 from ckptool.ops.scan_bytes import _ZIP_LOCAL, Window
+from ckptool.ops.scan_code import CodeScanner
 from ckptool.ops.scan_pickles import _PICKLE_FIRST, _Scanner
 from ckptool.ops.scan_results import PickleFinding, ScanResult
 
@@ -60,7 +61,7 @@ def scan_dcp_folder(folder: str | os.PathLike[str], part: str | None = None) -> 
     """
     folder = os.fspath(folder)
     res = ScanResult(folder if part is None else os.path.join(folder, part), DCP_FORMAT)
-    sc = _Scanner(res)
+    sc = CodeScanner(res)  # also the code in each zip it reads (ops/scan_code.py)
     problems: list[str] = []
     if part in (None, METADATA_FILE):
         _scan_metadata_pickle(sc, os.path.join(folder, METADATA_FILE), problems)

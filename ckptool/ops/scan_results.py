@@ -18,7 +18,8 @@ from ckptool.model.allowlist import (
     worst_level,
 )
 
-__all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult", "exit_status"]
+__all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "CodeFinding", "GlobalFinding", "PickleFinding", "ScanResult",
+           "exit_status"]
 
 #: the ``ckptool scan`` exit status of each verdict (3 is every command's internal-error status)
 EXIT_CODES: dict[str, int] = {SAFE: 0, DANGEROUS: 1, "error": 2, NEEDS_TRUST: 4}
@@ -68,6 +69,27 @@ class GlobalFinding:
 
 
 @dataclass
+class CodeFinding:
+    """Code that ships inside the file and that its normal loader runs or may run, outside any pickle
+    (:mod:`ckptool.ops.scan_code`): ``member`` (``where`` of the zip member, ``archive/code/`` for a TorchScript
+    archive's source as a whole), ``kind`` (``native-library``, ``python-module``, ``torchscript``), ``level``
+    (``needs-trust`` or ``dangerous``), ``reason`` (what runs it, and when) and ``detail`` (the architecture, the
+    module name, the op)."""
+
+    member: str
+    kind: str
+    level: str
+    reason: str
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """``member``, ``kind``, ``level``, ``reason``, ``detail``: one entry of ``ckptool scan --json``'s
+        ``code``."""
+        return {"member": self.member, "kind": self.kind, "level": self.level, "reason": self.reason,
+                "detail": self.detail}
+
+
+@dataclass
 class ScanResult:
     """What :func:`scan_file` found in one file.
 
@@ -88,6 +110,8 @@ class ScanResult:
     error: str | None = None
     recognised: tuple[str, str] | None = None
     bytes_read: int | None = None
+    #: code that ships inside the file (native libraries, torch.package modules, TorchScript source)
+    code: list[CodeFinding] = field(default_factory=list)
 
     def pickle_level(self, pickle: PickleFinding) -> str:
         """The worst level of the globals ``pickle`` names, as this scan rated them."""
@@ -105,8 +129,9 @@ class ScanResult:
 
     @property
     def level(self) -> str:
-        """The worst level of the globals found (``safe`` when none): ``safe``, ``needs-trust`` or ``dangerous``."""
-        return worst_level(g.status for g in self.globals)
+        """The worst level of the globals and of the :attr:`code` found (``safe`` when none): ``safe``,
+        ``needs-trust`` or ``dangerous``."""
+        return max((worst_level(g.status for g in self.globals), *(c.level for c in self.code)), key=LEVELS.index)
 
     @property
     def verdict(self) -> str:
@@ -119,9 +144,9 @@ class ScanResult:
 
     @property
     def strict_verdict(self) -> str:
-        """The single verdict of ``--strict``: ``unsafe`` if any global is not allowed; else ``error`` if a pickle
-        (or the file) could not be read to its end; else ``safe``."""
-        if any(g.status != ALLOWED for g in self.globals):
+        """The single verdict of ``--strict``: ``unsafe`` if any global is not allowed or the file carries code;
+        else ``error`` if a pickle (or the file) could not be read to its end; else ``safe``."""
+        if self.code or any(g.status != ALLOWED for g in self.globals):
             return "unsafe"
         return "safe" if self.readable else "error"
 
@@ -144,13 +169,15 @@ class ScanResult:
 
     def to_dict(self, *, strict: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (what ``ckptool scan --json`` prints for each file): ``verdict`` (the strict one when
-        ``strict``), ``level``, each global with its ``status`` and ``level``, and for a URL ``bytes_read``."""
+        ``strict``), ``level``, each global with its ``status`` and ``level``, the ``code`` found, and for a URL
+        ``bytes_read``."""
         d: dict[str, Any] = {
             "path": self.path, "verdict": self.strict_verdict if strict else self.verdict, "level": self.level,
             "format": self.format, "error": self.error,
             "globals": [g.to_dict() for g in self.globals],
             "pickles": [vars(p).copy() for p in self.pickles],
             "notes": list(self.notes),
+            "code": [c.to_dict() for c in self.code],
             "recognised": None if self.recognised is None else {"kind": self.recognised[0],
                                                                 "description": self.recognised[1]},
         }

@@ -2,9 +2,11 @@
 Format, https://docs.oasis-open.org/sarif/sarif/v2.1.0/sarif-v2.1.0.html), the format code-scanning dashboards
 (GitHub code scanning, GitLab, DefectDojo...) import.
 
-One run, tool ``ckptool`` with three rules (:data:`RULES`): one result per dangerous global and pickle that names
+One run, tool ``ckptool`` with four rules (:data:`RULES`): one result per dangerous global and pickle that names
 it (level ``error``), one per needs-trust global and pickle (``warning`` with ``--strict``, else ``note``), one
-per file or pickle that could not be read to its end (``warning``). Each result's location is the file
+per file or pickle that could not be read to its end (``warning``), one per piece of code that ships in the file
+(``CKPT004``: ``error`` when dangerous, else as needs-trust globals; its member, and ``code_kind`` and ``detail``
+in the properties). Each result's location is the file
 (``artifactLocation.uri``, relative to the working directory when the path given was) and logical locations
 naming the pickle (``member``: ``archive/data.pkl``, ``.metadata``, ``__0_0.distcp bytes 0-1261 (entry 'x')!...``)
 and the dotted key path where the global is used (``object``: ``archive/data.pkl::model.evil``).
@@ -50,6 +52,16 @@ RULES: list[dict[str, Any]] = [
                                  "or truncated file, or one built to confuse readers)."},
      "help": {"text": "Re-download or re-save the checkpoint; do not load it until `ckptool scan` reads it."},
      "defaultConfiguration": {"level": "warning"}},
+    {"id": "CKPT004", "name": "CodeInCheckpoint",
+     "shortDescription": {"text": "The checkpoint carries code that its loader runs, outside any pickle"},
+     "fullDescription": {"text": "A native library (an AOTInductor .so: aoti_load_package loads it), a torch.package "
+                                 "Python module (PackageImporter imports the modules its pickles name) or TorchScript "
+                                 "source (torch.jit.load compiles it; it can call any registered op). Dangerous when "
+                                 "native code or Python runs on load or a TorchScript call leaves torch's built-in "
+                                 "ops; needs trust otherwise."},
+     "help": {"text": "`ckptool scan --json FILE` lists each member under \"code\" with its kind and reason. Load "
+                      "such a file only if you trust its author."},
+     "defaultConfiguration": {"level": "error"}},
 ]
 _RULE_INDEX = {r["id"]: i for i, r in enumerate(RULES)}
 
@@ -94,6 +106,10 @@ def _file_results(res: ScanResult, strict: bool) -> list[dict[str, Any]]:
                     {"hidden": p.hidden}) for p in res.pickles if p.error]
     if res.error:
         out.append(_result("CKPT003", "warning", res.error, res, None, [], {}))
+    for c in res.code:  # code that ships in the file (ops/scan_code.py)
+        level = "error" if c.level == DANGEROUS else "warning" if strict else "note"
+        out.append(_result("CKPT004", level, f"{c.kind} in {c.member}: {c.reason}", res, c.member, [],
+                           {"code_kind": c.kind, "level": c.level, "detail": c.detail}))
     return out
 
 
