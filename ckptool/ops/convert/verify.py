@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from ckptool._fileio import copy_range_crc
 from ckptool.errors import CkptError
+from ckptool.errors import VerificationError as VerificationError  # re-export: its home is ckptool.errors
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import ST_NAMES, contiguous_stride, element_size, numel
 from ckptool.formats.safetensors import read_header
@@ -37,11 +38,6 @@ from ckptool.torch_ops.convert_verify import (
 )
 
 _CHUNK = 8 << 20
-
-class VerificationError(CkptError):
-    """The written output does not read back as the source: a name, shape, dtype, sharing or checksum differs.
-    Nothing is left at the destination (or the output written there is removed)."""
-
 
 def verify_fail(path: str, what: str) -> VerificationError:
     """The :class:`VerificationError` for output ``path`` differing in ``what``."""
