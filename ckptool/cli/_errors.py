@@ -22,7 +22,7 @@ _PIP_NAMES = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
 
 #: modules ``pip install ckptool`` leaves out and its ``torch`` extra adds (pyproject.toml): the commands that
 #: materialise tensors (verify, demo, DCP conversion, casts, trusted loads) import them when they run
-_TORCH_EXTRA = frozenset({"torch", "numpy"})
+_TORCH_EXTRA = frozenset({"torch", "numpy", "safetensors"})
 TORCH_EXTRA_HINT = "pip install 'ckptool[torch]'"
 
 DEBUG_HINT = "run again with --debug (or CKPTOOL_DEBUG=1) for the traceback"

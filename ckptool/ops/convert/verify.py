@@ -52,7 +52,7 @@ def verification_check(fmt_out: str, dtypes: Collection[str]) -> str:
     if fmt_out == "safetensors":
         framework = safetensors_framework(dtypes)
         if framework is None:
-            how = "ckptool's own safetensors reader: torch and NumPy are not installed"
+            how = "ckptool's own safetensors reader: the safetensors library with torch or NumPy is not installed"
         else:
             how = f"safetensors.safe_open with {'NumPy' if framework == 'numpy' else 'torch'}"
         return f"names, shapes, dtypes and CRC-32 checksums ({how}; then read back by ckptool)"
