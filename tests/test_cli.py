@@ -243,8 +243,11 @@ def test_internal_error_exits_3_with_one_line_naming_debug(run_cli, monkeypatch:
      "Error: Disk quota exceeded; free some space or write elsewhere with -o"),
     (OSError(errno.EIO, "Input/output error", "/data/model.pt"), EXIT_FAILURE,
      "Error: /data/model.pt: Input/output error"),
+    (ModuleNotFoundError("No module named 'yaml'", name="yaml"), EXIT_FAILURE,
+     "Error: this needs the pyyaml package, which is not installed; install it with: pip install pyyaml"),
     (ModuleNotFoundError("No module named 'safetensors'", name="safetensors"), EXIT_FAILURE,
-     "Error: this needs the safetensors package, which is not installed; install it with: pip install safetensors"),
+     ("Error: this needs the safetensors package, which is not installed (`pip install ckptool` leaves it out); "
+      "install it with: pip install 'ckptool[torch]'")),
     (ImportError("cannot import name 'x' from 'safetensors.torch'", name="safetensors.torch"), EXIT_FAILURE,
      ("Error: importing safetensors.torch failed (cannot import name 'x' from 'safetensors.torch'); the installed "
       "safetensors may be too old or broken: pip install --upgrade safetensors")),
