@@ -42,6 +42,9 @@ def _squash(text: str) -> str:
 def _one_error_line(result: click.testing.Result, code: int) -> str:
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert result.exit_code == code, result.output
+    if code == EXIT_USAGE:  # a usage error: the line, then where to read the usage
+        assert len(lines) == 2 and re.fullmatch(r"Try '\S+ [\w-]+ --help' for help\.", lines[1]), result.output
+        lines = lines[:1]
     assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
     assert "Traceback" not in result.output
     return lines[0]
