@@ -25,6 +25,10 @@ _PIP_NAMES = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
 _TORCH_EXTRA = frozenset({"torch", "numpy", "safetensors"})
 TORCH_EXTRA_HINT = "pip install 'ckptool[torch]'"
 
+#: the standard library as this Python names it, plus the modules later Pythons added (tomllib: 3.11), which a
+#: ckptool bug could import on an older one: pip cannot install any of them
+_STDLIB = frozenset(sys.stdlib_module_names) | {"tomllib"}
+
 DEBUG_HINT = "run again with --debug (or CKPTOOL_DEBUG=1) for the traceback"
 
 
@@ -53,7 +57,7 @@ def _import(e: ImportError) -> tuple[str, int] | None:
     top = (e.name or "").split(".")[0]
     if top == "ckptool":
         return None  # ckptool failed to import its own module: a bug
-    if top in sys.stdlib_module_names:
+    if top in _STDLIB:
         # the standard library cannot be upgraded with pip: ckptool used something this Python lacks (typing.Never
         # on 3.10, say) or a module this build left out; either way a bug or a packaging gap to report
         detail = _first_line(e)
