@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = run("ckptool", ["convert", str(folder), "-o", str(ours_out), "--force", "-q"], ours_env, rss)
         unverified = run("ckptool", ["convert", str(folder), "-o", str(work / "nv.pt"), "--force", "-q", "--no-verify"],
                          ours_env, rss)
-        tiny = REPO / "fixtures" / "deepspeed" / "zero3-2ranks"  # the same command on a tiny checkpoint: imports
+        tiny = REPO / "fixtures" / "deepspeed-zero" / "zero3-2ranks"  # the same command on a tiny checkpoint: imports
         baseline = run("ckptool", ["convert", str(tiny), "-o", str(work / "tiny.pt"), "--force", "-q"], ours_env, rss)
         ref = run("deepspeed.utils.zero_to_fp32", [str(folder), str(ref_out)], base, rss)
         got = torch.load(ours_out, weights_only=True, mmap=True)

@@ -25,15 +25,17 @@ from ckptool.errors import (
     OutputError,
     PrefixNotFoundError,
     RemoteError,
+    StateDictMismatchError,
     UnsafeCheckpointError,
     UnsupportedError,
     UsageError,
+    VerificationError,
 )
 
 if TYPE_CHECKING:
     from ckptool.model.rename_memory import rename_state_dict
     from ckptool.ops.average import AverageResult, average
-    from ckptool.ops.convert import ConvertResult, VerificationError, convert
+    from ckptool.ops.convert import ConvertResult, convert
     from ckptool.ops.diff import DiffResult, diff
     from ckptool.ops.extract import ExtractResult, extract_state_dict
     from ckptool.ops.inspect import CheckpointInfo, StateDictInfo, TensorInfo, inspect
@@ -46,7 +48,7 @@ if TYPE_CHECKING:
     from ckptool.ops.surgery import FilterResult, RuleResult, filter_keys, rename
     from ckptool.torch_ops.load import load_into
     from ckptool.torch_ops.portable import save_portable
-    from ckptool.torch_ops.reports import LoadReport, StateDictMismatchError, TrainingState, VerifyReport
+    from ckptool.torch_ops.reports import LoadReport, TrainingState, VerifyReport
     from ckptool.torch_ops.training import load_training_state
     from ckptool.torch_ops.verify import verify
 
@@ -70,13 +72,11 @@ _LAZY: dict[str, str] = {
     "load_training_state": "ckptool.torch_ops.training",
     "save_portable": "ckptool.torch_ops.portable",
     "LoadReport": "ckptool.torch_ops.reports",
-    "StateDictMismatchError": "ckptool.torch_ops.reports",
     "TrainingState": "ckptool.torch_ops.reports",
     "VerifyReport": "ckptool.torch_ops.reports",
     "verify": "ckptool.torch_ops.verify",
     "convert": "ckptool.ops.convert",
     "ConvertResult": "ckptool.ops.convert",
-    "VerificationError": "ckptool.ops.convert",
     "diff": "ckptool.ops.diff",
     "DiffResult": "ckptool.ops.diff",
     "scan": "ckptool.ops.scan",

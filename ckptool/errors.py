@@ -11,6 +11,7 @@ The message of each error says what was found and what to do next, in the manner
 from __future__ import annotations
 
 import errno as _errno
+from typing import Any
 
 # ------------------------------------------------------------------------------------------------ exit status
 # What the ``ckptool`` command's exit status means (``ckptool scan`` has its own verdict codes: 0 every file is
@@ -119,6 +120,24 @@ class DeviceNotFoundError(CkptError):
 
 class NestedPrefixError(CkptError):
     """A prefix to add is already carried by the keys (the result would be ``module.module.``); nothing written."""
+
+
+class VerificationError(CkptError):
+    """The written output does not read back as the source: a name, shape, dtype, sharing or checksum differs.
+    Nothing is left at the destination (or the output written there is removed). Raised by ``convert``'s check
+    (:mod:`ckptool.ops.convert.verify`)."""
+
+
+class StateDictMismatchError(CkptError):
+    """The checkpoint's state_dict does not fit the model: missing or unexpected keys, or shape mismatches.
+
+    ``str(err)`` is the one-line summary followed by the report's tables; ``report`` is the
+    :class:`ckptool.LoadReport` (typed ``Any`` here: this module sits below the torch layer that defines it).
+    """
+
+    def __init__(self, message: str, report: Any) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 # ------------------------------------------------------------------------------------------------ interruption

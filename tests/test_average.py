@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import storage_groups
+from models import Crepe
 
 import ckptool
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.ops import average as average_mod
-from tests.helpers import storage_groups
-from tests.models import Crepe
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 

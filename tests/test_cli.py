@@ -42,6 +42,9 @@ def _squash(text: str) -> str:
 def _one_error_line(result: click.testing.Result, code: int) -> str:
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert result.exit_code == code, result.output
+    if code == EXIT_USAGE:  # a usage error: the line, then where to read the usage
+        assert len(lines) == 2 and re.fullmatch(r"Try '\S+ [\w-]+ --help' for help\.", lines[1]), result.output
+        lines = lines[:1]
     assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
     assert "Traceback" not in result.output
     return lines[0]
@@ -243,8 +246,11 @@ def test_internal_error_exits_3_with_one_line_naming_debug(run_cli, monkeypatch:
      "Error: Disk quota exceeded; free some space or write elsewhere with -o"),
     (OSError(errno.EIO, "Input/output error", "/data/model.pt"), EXIT_FAILURE,
      "Error: /data/model.pt: Input/output error"),
+    (ModuleNotFoundError("No module named 'yaml'", name="yaml"), EXIT_FAILURE,
+     "Error: this needs the pyyaml package, which is not installed; install it with: pip install pyyaml"),
     (ModuleNotFoundError("No module named 'safetensors'", name="safetensors"), EXIT_FAILURE,
-     "Error: this needs the safetensors package, which is not installed; install it with: pip install safetensors"),
+     ("Error: this needs the safetensors package, which is not installed (`pip install ckptool` leaves it out); "
+      "install it with: pip install 'ckptool[torch]'")),
     (ImportError("cannot import name 'x' from 'safetensors.torch'", name="safetensors.torch"), EXIT_FAILURE,
      ("Error: importing safetensors.torch failed (cannot import name 'x' from 'safetensors.torch'); the installed "
       "safetensors may be too old or broken: pip install --upgrade safetensors")),

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO folders: inspect and convert without deepspeed, equal to DeepSpeed's own zero_to_fp32.
 
-The inputs are real checkpoints written by DeepSpeed on the CPU (``fixtures/deepspeed/``, made by
+The inputs are real checkpoints written by DeepSpeed on the CPU (``fixtures/deepspeed-zero/``, made by
 ``fixtures/make_deepspeed.py``), each with ``<case>.oracle.pt``: ``get_fp32_state_dict_from_zero_checkpoint`` of
 it. Where deepspeed imports, ``test_live_*`` also regenerate a checkpoint and compare with deepspeed live.
 """
@@ -27,7 +27,7 @@ from ckptool.model.graph import iter_tensors
 from ckptool.model.zero import plan, read_zero
 
 REPO = Path(__file__).resolve().parents[1]
-DS = REPO / "fixtures" / "deepspeed"
+DS = REPO / "fixtures" / "deepspeed-zero"  # a hyphen: never importable, so it cannot pose as deepspeed
 CASES = ["zero1-2ranks", "zero2-1rank", "zero2-2ranks", "zero3-1rank", "zero3-2ranks"]
 ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I64": "int64"}
 
@@ -250,6 +250,7 @@ def _deepspeed() -> Any:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         import deepspeed
+        import deepspeed.utils  # a real installation (a stray namespace folder named deepspeed has no submodules)
     except Exception as e:  # not installed, or its ops cannot be built here
         pytest.skip(f"deepspeed is not importable here ({type(e).__name__}); the committed fixtures are used")
     return deepspeed

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +42,151 @@ def test_readme_is_short_and_its_links_resolve() -> None:
     for page in (ROOT / "docs").rglob("*.md"):
         for target in re.findall(r"\]\((\.\.?/[^)#]+)\)", page.read_text(encoding="utf-8")):
             assert (page.parent / target).resolve().exists(), (page, target)
+
+
+# ------------------------------------------------------------------------------------------------ console examples
+# A fenced block holding `$ ckptool ...` lines followed by output is a console example. The HTML comment right
+# before it says how it runs: `<!-- console: FILE, FILE as NAME, generated:NAME as NAME -->` copies those files into
+# an empty folder (a repository path keeps its relative path unless `as` renames it; `generated:` names a generated
+# fixture, make_fixtures.MANIFEST; `needs torch` skips it where torch is missing) and runs every command there, in
+# order; `<!-- console: not run: WHY -->` excuses it. In the expected output a line `...` stands for any number of
+# lines and `...` inside a line for any text; `# comment` after a command is not part of it; `$ echo $?` prints the
+# previous command's exit status (any other command must exit 0).
+
+_BLOCK = re.compile(r"(?:<!--\s*console:(?P<spec>[^\n]*?)-->\s*\n)?```[^\n]*\n(?P<body>.*?)\n```", re.S)
+
+
+@dataclasses.dataclass
+class ConsoleExample:
+    page: str
+    line: int
+    spec: str | None  # the marker's text; None: no marker
+    steps: list[tuple[str, list[str]]]  # (command line, expected output lines)
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def _doc_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def console_examples(pages: list[Path] | None = None) -> list[ConsoleExample]:
+    """Every fenced block of ``pages`` (README.md and docs/**/*.md) with a ``$ ckptool`` line followed by output."""
+    found = []
+    for page in pages or _doc_pages():
+        text = page.read_text(encoding="utf-8")
+        for m in _BLOCK.finditer(text):
+            steps: list[tuple[str, list[str]]] = []
+            for raw in m.group("body").splitlines():
+                if raw.startswith("$ "):
+                    steps.append((raw[2:], []))
+                elif steps:
+                    steps[-1][1].append(raw.rstrip())
+            if not any(cmd.startswith("ckptool ") for cmd, _ in steps):
+                continue
+            for _, out in steps:
+                while out and not out[-1]:
+                    out.pop()
+            if not any(out for _, out in steps):
+                continue  # commands only, no output to compare
+            spec = m.group("spec").strip() if m.group("spec") is not None else None
+            found.append(ConsoleExample(str(page.relative_to(ROOT)), text[:m.start("body")].count("\n"), spec,
+                                        steps))
+    return found
+
+
+def output_matches(expected: list[str], actual: str) -> bool:
+    """True when ``actual`` (a command's stdout and stderr) is ``expected``, a line ``...`` matching any number of
+    lines and ``...`` inside a line any text; trailing spaces are ignored."""
+    pattern = ""
+    for line in expected:
+        if line.strip() == "...":
+            pattern += r"(?:[^\n]*\n)*?"
+        else:
+            pattern += ".*?".join(re.escape(part) for part in line.split("...")) + r"\n"
+    text = "".join(line.rstrip() + "\n" for line in actual.splitlines())
+    return re.fullmatch(pattern, text) is not None
+
+
+def _setup(example: ConsoleExample, cwd: Path, request: pytest.FixtureRequest) -> None:
+    assert example.spec is not None
+    for item in filter(None, (s.strip() for s in example.spec.split(","))):
+        if item == "needs torch":
+            pytest.importorskip("torch")
+            continue
+        source, _, name = (part.strip() for part in item.partition(" as "))
+        if source.startswith("generated:"):
+            path = request.getfixturevalue("generated")[source.removeprefix("generated:")]
+        else:
+            path = ROOT / source
+        dest = cwd / (name or source)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if path.is_dir() else shutil.copy)(path, dest)
+
+
+def _runnable() -> list[ConsoleExample]:
+    return [e for e in console_examples() if e.spec is not None and not e.spec.startswith("not run")]
+
+
+def test_every_console_example_is_run_or_excused() -> None:
+    """A new example with output must say how it runs (or why it cannot), so it cannot drift unnoticed."""
+    unmarked = [e.id for e in console_examples() if e.spec is None]
+    assert not unmarked, f"console examples without a <!-- console: ... --> marker: {unmarked}"
+    assert len(_runnable()) >= 5
+
+
+@pytest.mark.parametrize("example", _runnable(), ids=lambda e: e.id)
+def test_console_example_output_is_what_the_command_prints(example: ConsoleExample, tmp_path: Path,
+                                                           request: pytest.FixtureRequest) -> None:
+    _setup(example, tmp_path, request)
+    env = {**os.environ, "CKPTOOL_NO_PROGRESS": "1", "COLUMNS": "200"}
+    last = 0
+    for command, expected in example.steps:
+        argv = shlex.split(command, comments=True)
+        if argv == ["echo", "$?"]:
+            actual = f"{last}\n"
+        else:
+            assert argv[0] == "ckptool", f"{example.id}: only ckptool commands run: {command}"
+            res = subprocess.run([sys.executable, "-m", "ckptool", *argv[1:]], cwd=tmp_path, env=env,
+                                 capture_output=True, text=True, check=False, timeout=300)
+            actual, last = res.stdout + res.stderr, res.returncode
+        assert output_matches(expected, actual), (
+            f"{example.id}: `{command}` printed:\n{actual}\nthe page shows:\n" + "\n".join(expected))
+        nxt = example.steps[example.steps.index((command, expected)) + 1:][:1]
+        if argv != ["echo", "$?"] and not (nxt and nxt[0][0].strip() == "echo $?"):
+            assert last == 0, f"{example.id}: `{command}` exited {last}"
+
+
+def test_output_matching_wildcards() -> None:
+    assert output_matches(["a", "...", "d"], "a\nb\nc\nd\n")
+    assert output_matches(["a", "...", "d"], "a\nd")
+    assert output_matches(["Wrote x (... KiB)"], "Wrote x (7.2 KiB)  \n")
+    assert not output_matches(["a", "d"], "a\nb\nd\n")
+    assert not output_matches(["Wrote x (7.8 KiB)"], "Wrote x (7.2 KiB)")
+    assert not output_matches(["a"], "a\nextra\n")
+
+
+def test_json_schema_versions_in_the_docs_are_the_commands() -> None:
+    """Every ``ckptool.<command>/<N>`` the README and docs name is the schema that command's ``--json`` prints."""
+    from ckptool.cli._common import SCHEMA_VERSION
+    from ckptool.ops.inspect import SCHEMA as INSPECT_SCHEMA
+
+    actual = {name: f"ckptool.{name}/{SCHEMA_VERSION}" for name in COMMANDS} | {"inspect": INSPECT_SCHEMA}
+    named = [(page.name, m.group(0), m.group(1)) for page in _doc_pages()
+             for m in re.finditer(r"ckptool\.([a-z-]+)/(\d+)", page.read_text(encoding="utf-8"))]
+    assert any(name == "inspect" for _, _, name in named)
+    wrong = [(page, schema) for page, schema, name in named if name in actual and actual[name] != schema]
+    assert not wrong, f"schemas the commands do not print: {wrong}"
+    # the versions differ between commands, so a sentence about all of them cannot name one
+    generic = [page.name for page in _doc_pages() if re.search(r"ckptool\.<command>/\d", page.read_text("utf-8"))]
+    assert not generic, f"one schema version named for every command: {generic}"
+
+
+def test_the_architecture_table_has_one_home() -> None:
+    """The layer table lives in docs/architecture.md; the README links it instead of keeping a copy that drifts."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    arch = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert "| `ckptool/cli/` |" not in readme and "(docs/architecture.md)" in readme
+    assert arch.count("| `ckptool/cli/` |") == 1

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 from pathlib import Path
 
@@ -33,6 +34,9 @@ def _one_error_line(result, *, code: int | None = None) -> str:
     if code is not None:
         assert result.exit_code == code
     lines = [line for line in result.output.splitlines() if line.strip()]
+    if result.exit_code == EXIT_USAGE:  # a usage error: the line, then where to read the usage
+        assert len(lines) == 2 and re.fullmatch(r"Try '\S+ [\w-]+ --help' for help\.", lines[1]), result.output
+        lines = lines[:1]
     assert len(lines) == 1, result.output
     assert lines[0].startswith("Error: "), result.output
     assert "Traceback" not in result.output

@@ -107,7 +107,8 @@ def test_existing_default_output_needs_force(run_cli, ckpts: dict[str, Path], tm
     out = tmp_path / default
     out.write_bytes(b"keep me")
     r = run_cli(*args)
-    expected = f"Error: output {out} exists; pass --force to replace it, or choose another -o path\n"
+    expected = (f"Error: output {out} exists; pass --force to replace it, or choose another -o path\n"
+                f"Try 'cli {args[0]} --help' for help.\n")
     assert r.exit_code == 2 and r.output == expected
     assert out.read_bytes() == b"keep me"
     assert run_cli(*args, "--force").exit_code == 0 and out.read_bytes() != b"keep me"

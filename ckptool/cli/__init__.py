@@ -173,11 +173,16 @@ def _terminate(signum: int, _frame: FrameType | None) -> None:
 
 class OneLineUsageError(click.UsageError):
     """A Click usage error shown as ``Error: MESSAGE`` plus one ``Try 'ckptool CMD --help' for help.`` line,
-    without Click's usage line and blank line."""
+    without Click's usage line and blank line. ``command_path`` (``"ckptool remap"``) names the command when
+    ``ctx`` is not its own context (a :class:`ckptool.errors.UsageError` raised while the command ran)."""
+
+    def __init__(self, message: str, ctx: click.Context | None = None, command_path: str | None = None) -> None:
+        super().__init__(message, ctx)
+        self.command_path = command_path or (ctx.command_path if ctx is not None else None)
 
     def show(self, file: IO[Any] | None = None) -> None:
         message = " ".join(self.format_message().split())
-        hint = f"\nTry '{self.ctx.command_path} --help' for help." if self.ctx is not None else ""
+        hint = f"\nTry '{self.command_path} --help' for help." if self.command_path else ""
         click.echo(f"Error: {message}{hint}", file=file, err=file is None)
 
 
@@ -278,6 +283,9 @@ class CkptGroup(click.Group):
             if is_debug(ctx):
                 raise
             message, code = describe_error(e)
+            if code == EXIT_USAGE:  # ckptool's own UsageError: the same two lines as Click's usage errors
+                sub = f" {ctx.invoked_subcommand}" if ctx.invoked_subcommand else ""
+                raise OneLineUsageError(message, ctx, command_path=f"{ctx.command_path}{sub}") from e
             raise _error_class(code)(message) from e
 
 

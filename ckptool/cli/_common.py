@@ -14,7 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Never, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
@@ -243,7 +243,7 @@ class Progress:
         self.label = label
         self.total = total
         self.enabled = progress_wanted()
-        self.bar: tqdm[Never] | None = None
+        self.bar: tqdm[NoReturn] | None = None  # NoReturn: typing.Never is 3.11+
         self.done = 0
 
     def _start(self) -> bool:

@@ -10,6 +10,8 @@ its line says so and how to get the traceback.
 from __future__ import annotations
 
 import errno
+import platform
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -20,8 +22,12 @@ _PIP_NAMES = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
 
 #: modules ``pip install ckptool`` leaves out and its ``torch`` extra adds (pyproject.toml): the commands that
 #: materialise tensors (verify, demo, DCP conversion, casts, trusted loads) import them when they run
-_TORCH_EXTRA = frozenset({"torch", "numpy"})
+_TORCH_EXTRA = frozenset({"torch", "numpy", "safetensors"})
 TORCH_EXTRA_HINT = "pip install 'ckptool[torch]'"
+
+#: the standard library as this Python names it, plus the modules later Pythons added (tomllib: 3.11), which a
+#: ckptool bug could import on an older one: pip cannot install any of them
+_STDLIB = frozenset(sys.stdlib_module_names) | {"tomllib"}
 
 DEBUG_HINT = "run again with --debug (or CKPTOOL_DEBUG=1) for the traceback"
 
@@ -51,6 +57,13 @@ def _import(e: ImportError) -> tuple[str, int] | None:
     top = (e.name or "").split(".")[0]
     if top == "ckptool":
         return None  # ckptool failed to import its own module: a bug
+    if top in _STDLIB:
+        # the standard library cannot be upgraded with pip: ckptool used something this Python lacks (typing.Never
+        # on 3.10, say) or a module this build left out; either way a bug or a packaging gap to report
+        detail = _first_line(e)
+        msg = (f"internal error (a bug in ckptool): {type(e).__name__}{f': {detail}' if detail else ''} "
+               f"(standard library of Python {platform.python_version()}); {DEBUG_HINT}, and report it")
+        return msg, EXIT_BUG
     pip = _PIP_NAMES.get(top, top)
     if not top:
         msg = (f"an import failed ({_first_line(e)}); reinstall ckptool's dependencies: "

@@ -207,7 +207,7 @@ class DemoRun:
                   "torch.load:")
         rec = self.res.received = make_received_copies(saved, tag)
         p.commands(f"ckptool remap {saved['state_dict'].name} --to {tag} -o {rec['state_dict'].name}",
-                   [f"ckptool.ops.remap({saved['state_dict'].name!r}, {rec['state_dict'].name!r}, to={tag!r})",
+                   [f"ckptool.remap({saved['state_dict'].name!r}, {rec['state_dict'].name!r}, to={tag!r})",
                     f"torch.load({rec['state_dict'].name!r})"])
         err = self.res.plain_load_error = plain_load_error(rec["state_dict"])
         p.result(err or "(it loaded: this machine has that GPU)", fg="red" if err else None)
@@ -229,7 +229,7 @@ class DemoRun:
                     f"ckptool strip-dataparallel {sd_cpu.name} -o {sd.name}",
                     f"ckptool verify {sd.name} --model ckptool.demo:DigitsMLP --device {dev}"
                     + (" --input-shape " + ",".join(map(str, shape)) if shape else "")],
-                   [f"ckptool.ops.remap({rec['state_dict'].name!r}, {sd_cpu.name!r}, to='cpu')",
+                   [f"ckptool.remap({rec['state_dict'].name!r}, {sd_cpu.name!r}, to='cpu')",
                     f"ckptool.strip_dataparallel({sd_cpu.name!r}, {sd.name!r})",
                     f"ckptool.verify({sd.name!r}, DigitsMLP().to({str(dev)!r}), device={str(dev)!r}"
                     + (f", input_shape={shape})" if shape else ")")])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import pickle
 import re
+import sys
 import threading
 from collections.abc import Callable
 from typing import TypeAlias, TypeVar
@@ -89,6 +90,10 @@ def _counted(lengths: bytes) -> bytes:
 
 _patterns: dict[int, re.Pattern[bytes]] = {}
 
+#: possessive repetition (Python 3.11+): no backtracking points kept. Python 3.10's ``re`` has none; there the plain
+#: greedy loop ends at the same offset (nothing follows it that could make it give back), keeping its points
+_POSSESSIVE = b"+" if sys.version_info >= (3, 11) else b""
+
 
 def _run_pattern(k: int) -> re.Pattern[bytes]:
     """The opcode-run expression that accepts LONG_BINPUT indices below ``2**k`` (16 <= k <= 32)."""
@@ -101,7 +106,7 @@ def _run_pattern(k: int) -> re.Pattern[bytes]:
         alts = [
             put,  # memo puts first: the commonest opcode of a torch pickle
             _cls(_ARG1) + b".",
-            _cls(_NOARG) + b"++",  # a run of argument-less opcodes in one step
+            _cls(_NOARG) + b"+" + _POSSESSIVE,  # a run of argument-less opcodes in one step
             _cls(_LEN4_UNSIGNED + _LEN4_SIGNED) + _counted(b"\x00\x00\x00"),
             _cls(b"M\x83") + b".{2}",
             _cls(b"Jj\x84") + b".{4}",
@@ -112,7 +117,7 @@ def _run_pattern(k: int) -> re.Pattern[bytes]:
             b"p[0-9]{1,4}\\n",  # text PUT with a small index
         ]
         # DOTALL: ``.`` is any byte, newline included (faster to parse and to match than ``[\s\S]``)
-        pat = _patterns[k] = re.compile(b"(?:" + b"|".join(alts) + b")*+", re.DOTALL)
+        pat = _patterns[k] = re.compile(b"(?:" + b"|".join(alts) + b")*" + _POSSESSIVE, re.DOTALL)
     return pat
 
 
@@ -171,7 +176,7 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
             if match is None:
                 match = _run_pattern(k).match
             m = match(buf, pos, limit)
-            assert m is not None  # the expression ends in ``*+``: it always matches, if only the empty string
+            assert m is not None  # the expression ends in a loop (``*``): it always matches, if only the empty string
             pos = m.end()
         at[0] = pos
         if pos == limit and limit != end:  # the frame is used up exactly

@@ -14,7 +14,7 @@ import contextlib
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.model.keys import raise_on_collisions, rename_metadata_items
@@ -130,7 +130,11 @@ def rename_mapping(obj: Mapping[Any, Any], plan: RenamePlan, *, key: str | None 
     return result
 
 
-def rename_state_dict(state_dict: Mapping[str, Any], key_fn: Callable[[str], str]) -> Any:
+#: the state_dict given to :func:`rename_state_dict`: the result has its type
+StateDictT = TypeVar("StateDictT", bound=Mapping[Any, Any])
+
+
+def rename_state_dict(state_dict: StateDictT, key_fn: Callable[[str], str]) -> StateDictT:
     """Return a new state_dict whose keys are ``key_fn(key)``; ``state_dict`` is not mutated.
 
     ``state_dict`` is any mapping (usually the ``OrderedDict`` from ``model.state_dict()``); the result has the
@@ -144,4 +148,4 @@ def rename_state_dict(state_dict: Mapping[str, Any], key_fn: Callable[[str], str
     """
     mapping = {k: key_fn(k) for k in state_dict if isinstance(k, str)}
     raise_on_collisions(mapping)
-    return _renamed(state_dict, mapping, key_fn)
+    return cast("StateDictT", _renamed(state_dict, mapping, key_fn))

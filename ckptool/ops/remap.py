@@ -57,7 +57,7 @@ def remap(
     ``allow_nested`` as in :func:`ckptool.ops.rename.add_prefix`. ``progress(nbytes)`` is called as the input's
     records are copied (bytes since the last call).
 
-    Returns a :class:`~ckptool.rewrite.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``), a
+    Returns a :class:`~ckptool.ops.rewrite.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``), a
     :class:`~ckptool.ops.rename.RenameResult` (a WriteResult with the renaming added) when keys were renamed.
 
     Raises:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar, overload
 
 from ckptool import _source as source
 from ckptool._fileio import atomic_output, clone_block, copy_range, file_mode, same_file
@@ -78,6 +78,12 @@ __all__ = [
     "strip_prefix",
     "unwrap",
 ]
+
+
+#: an in-memory state_dict (or checkpoint mapping) given to a renaming function: the result has its type
+MappingT = TypeVar("MappingT", bound=Mapping[Any, Any])
+#: a checkpoint file given to a renaming function: the result is a :class:`RenameResult`
+PathArg = str | os.PathLike[str]
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -389,6 +395,15 @@ def apply_plan(
     res = rewrite_file(ck, out, root, location_fn, progress=progress)
     return RenameResult.combine(res, summary, operation)
 
+@overload
+def strip_prefix(src: MappingT, prefixes: str | Sequence[str], dst: None = None, *, key: str | None = None,
+                 in_place: Literal[False] = False, allow_missing: bool = False) -> MappingT: ...
+@overload
+def strip_prefix(
+    src: PathArg, prefixes: str | Sequence[str], dst: PathArg | None = None, *, key: str | None = None,
+    in_place: bool = False, allow_missing: bool = False, to: str | None = None,
+    mapping: Mapping[str, str] | None = None, progress: ProgressFn | None = None,
+) -> RenameResult: ...
 def strip_prefix(
     src: Any, prefixes: str | Sequence[str], dst: str | os.PathLike[str] | None = None, *,
     key: str | None = None, in_place: bool = False, allow_missing: bool = False, to: str | None = None,
@@ -434,6 +449,15 @@ def strip_prefix(
                       allow_missing=allow_missing, to=to, mapping=mapping, progress=progress)
 
 
+@overload
+def strip_dataparallel(src: MappingT, dst: None = None, *, key: str | None = None, in_place: Literal[False] = False,
+                       allow_missing: bool = False) -> MappingT: ...
+@overload
+def strip_dataparallel(
+    src: PathArg, dst: PathArg | None = None, *, key: str | None = None, in_place: bool = False,
+    allow_missing: bool = False, to: str | None = None, mapping: Mapping[str, str] | None = None,
+    progress: ProgressFn | None = None,
+) -> RenameResult: ...
 def strip_dataparallel(
     src: Any, dst: str | os.PathLike[str] | None = None, *, key: str | None = None, in_place: bool = False,
     allow_missing: bool = False, to: str | None = None, mapping: Mapping[str, str] | None = None,
@@ -461,6 +485,16 @@ def strip_dataparallel(
                       allow_missing=allow_missing, to=to, mapping=mapping, progress=progress)
 
 
+@overload
+def add_prefix(src: MappingT, prefix: str, dst: None = None, *, key: str | None = None,
+               in_place: Literal[False] = False, allow_nested: bool = False, allow_missing: bool = False) -> MappingT:
+    ...
+@overload
+def add_prefix(
+    src: PathArg, prefix: str, dst: PathArg | None = None, *, key: str | None = None,
+    in_place: bool = False, allow_nested: bool = False, to: str | None = None,
+    mapping: Mapping[str, str] | None = None, allow_missing: bool = False, progress: ProgressFn | None = None,
+) -> RenameResult: ...
 def add_prefix(
     src: Any, prefix: str, dst: str | os.PathLike[str] | None = None, *, key: str | None = None,
     in_place: bool = False, allow_nested: bool = False, to: str | None = None,
@@ -492,6 +526,15 @@ def add_prefix(
                       allow_missing=allow_missing, to=to, mapping=mapping, progress=progress)
 
 
+@overload
+def unwrap(src: MappingT, dst: None = None, *, key: str | None = None, in_place: Literal[False] = False,
+           allow_missing: bool = False) -> MappingT: ...
+@overload
+def unwrap(
+    src: PathArg, dst: PathArg | None = None, *, key: str | None = None, in_place: bool = False,
+    allow_missing: bool = False, to: str | None = None, mapping: Mapping[str, str] | None = None,
+    progress: ProgressFn | None = None,
+) -> RenameResult: ...
 def unwrap(
     src: Any, dst: str | os.PathLike[str] | None = None, *, key: str | None = None, in_place: bool = False,
     allow_missing: bool = False, to: str | None = None, mapping: Mapping[str, str] | None = None,

@@ -37,7 +37,10 @@ def is_installed(module: str) -> bool:
 def safetensors_framework(dtypes: Collection[str]) -> str | None:
     """The ``safetensors.safe_open`` framework that can read tensors of ``dtypes`` here: ``"numpy"`` when NumPy is
     installed and holds every one (torch is not imported), else ``"pt"`` when torch is installed, else None
-    (neither: the file is checked with ckptool's own reader)."""
+    (neither, or no safetensors library: it comes with the ``torch`` extra; the file is then checked with
+    ckptool's own reader)."""
+    if not is_installed("safetensors"):
+        return None
     if all(d in NUMPY_DTYPES for d in dtypes) and is_installed("numpy"):
         return "numpy"
     return "pt" if is_installed("torch") else None

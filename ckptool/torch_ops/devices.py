@@ -14,13 +14,10 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 from ckptool.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from typing import TypeAlias
-
     import torch
     from torch import nn
 
-    #: what the loading functions accept as a device: ``"cpu"``, ``"cuda:1"``, a CUDA index, a ``torch.device``
-    DeviceLike: TypeAlias = str | int | torch.device
+    from ckptool.torch_ops.annotations import DeviceLike as DeviceLike  # re-export (its home)
 
 __all__ = [
     "TensorMemo", "default_device", "is_tensor", "map_tensors", "model_device", "move_tensor", "resolve_device",

@@ -29,7 +29,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptool import _source as source
 from ckptool._gc import gc_paused
@@ -43,6 +43,7 @@ from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model import graph
 from ckptool.model.allowlist import ALLOWED, classify_global, refusal_remedy
 from ckptool.model.keys import mapping_key_function, rename_metadata_items
+from ckptool.torch_ops.annotations import DeviceLike, PrefixSpec, nn, torch  # values at run time too (get_type_hints)
 from ckptool.torch_ops.devices import TensorMemo, is_tensor, map_tensors, model_device, move_tensor, resolve_device
 from ckptool.torch_ops.pt2 import load_pt2_state_dict
 from ckptool.torch_ops.reports import DtypeCast, LoadReport, ShapeMismatch, dtype_name, load_suggestions
@@ -50,13 +51,6 @@ from ckptool.torch_ops.select import as_state_dict, find_state_dicts, reconcilia
 from ckptool.torch_ops.stream import FileSpans
 from ckptool.torch_ops.tied import restore_shared, tied_entries
 from ckptool.torch_ops.zero import load_zero_state_dict
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
-    from torch import nn
-
-    from ckptool.torch_ops.devices import DeviceLike
-    from ckptool.torch_ops.select import PrefixSpec
 
 __all__ = ["find_state_dicts", "load_checkpoint", "load_into", "select_state_dict"]
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptool.errors import CkptError
+from ckptool.errors import StateDictMismatchError as StateDictMismatchError  # re-export: its home is ckptool.errors
 from ckptool.model.keys import shared_prefixes, suggest_command
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -24,17 +24,6 @@ __all__ = [
 _HEAD_NAMES = {"fc", "head", "heads", "classifier", "cls", "logits", "out", "output", "lm_head", "fc_out", "final",
                "last_linear", "pred", "predictor", "decoder_head"}
 _TABLE_ROWS = 20
-
-
-class StateDictMismatchError(CkptError):
-    """The checkpoint's state_dict does not fit the model: missing or unexpected keys, or shape mismatches.
-
-    ``str(err)`` is the one-line summary followed by the report's tables; ``report`` is the :class:`LoadReport`.
-    """
-
-    def __init__(self, message: str, report: LoadReport) -> None:
-        super().__init__(message)
-        self.report = report
 
 
 # ------------------------------------------------------------------------------------------------ report types

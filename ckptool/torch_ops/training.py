@@ -9,21 +9,16 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.model.graph import is_optimizer_state
 from ckptool.model.keys import OPTIMIZER_NAMES, SCALER_NAMES, SCHEDULER_NAMES
 from ckptool.model.paths import get_path
+from ckptool.torch_ops.annotations import DeviceLike, nn, torch  # values at run time too (get_type_hints)
 from ckptool.torch_ops.load import first_line, load_for_model, load_selected
 from ckptool.torch_ops.reports import TrainingState
 from ckptool.torch_ops.stream import FileSpans
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
-    from torch import nn
-
-    from ckptool.torch_ops.devices import DeviceLike
 
 __all__ = ["ScalerLike", "SchedulerLike", "load_training_state", "place_optimizer_state"]
 

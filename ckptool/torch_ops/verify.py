@@ -11,19 +11,13 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from ckptool.errors import CkptError, UsageError
+from ckptool.torch_ops.annotations import DeviceLike, nn, torch  # values at run time too (get_type_hints)
 from ckptool.torch_ops.devices import default_device, same_device
 from ckptool.torch_ops.load import Loaded, check_model, first_line, load_for_model, load_selected, same_bits
 from ckptool.torch_ops.reports import ForwardCheck, VerifyReport, dtype_name
 from ckptool.torch_ops.stream import FileSpans
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
-    from torch import nn
-
-    from ckptool.torch_ops.devices import DeviceLike
 
 __all__ = ["verify"]
 

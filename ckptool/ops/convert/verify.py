@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from ckptool._fileio import copy_range_crc
 from ckptool.errors import CkptError
+from ckptool.errors import VerificationError as VerificationError  # re-export: its home is ckptool.errors
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import ST_NAMES, contiguous_stride, element_size, numel
 from ckptool.formats.safetensors import read_header
@@ -41,11 +42,6 @@ from ckptool.torch_ops.convert_verify import (
 _CHUNK = 8 << 20
 W = TypeVar("W")
 
-class VerificationError(CkptError):
-    """The written output does not read back as the source: a name, shape, dtype, sharing or checksum differs.
-    Nothing is left at the destination (or the output written there is removed)."""
-
-
 def verify_fail(path: str, what: str) -> VerificationError:
     """The :class:`VerificationError` for output ``path`` differing in ``what``."""
     return VerificationError(f"verification of {path} failed: {what}; the output was not kept. Check the disk and "
@@ -60,8 +56,8 @@ def verification_check(fmt_out: str, dtypes: Collection[str], evidence: str = ""
     if fmt_out == "safetensors":
         framework = safetensors_framework(dtypes)
         if framework is None:
-            how = ("ckptool's own safetensors reader and a CRC-32 of each tensor's bytes (torch and NumPy are not "
-                   "installed)")
+            how = ("ckptool's own safetensors reader and a CRC-32 of each tensor's bytes (the safetensors library "
+                   "with torch or NumPy is not installed)")
         else:
             how = f"safetensors.safe_open with {'NumPy' if framework == 'numpy' else 'torch'}"
         what = f"the output, re-opened with {how}, holds the names, shapes, dtypes and CRC-32 checksums written"
