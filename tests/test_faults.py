@@ -195,26 +195,27 @@ def test_remove_stale_temps_keeps_live_and_recent_ones(tmp_path: Path) -> None:
     dead_pid = int(dead.stdout)
     host = writer._HOST
     names = {
-        "dead": f".m.pt.ckptool-{host}-{dead_pid}-abc.ckptool-tmp",
-        "live": f".m.pt.ckptool-{host}-{os.getpid()}-abc.ckptool-tmp",
-        "other-new": ".m.pt.ckptool-otherhost-1-abc.ckptool-tmp",
-        "other-old": ".m.pt.ckptool-otherhost-2-abc.ckptool-tmp",
-        "other-file": ".n.pt.ckptool-otherhost-2-abc.ckptool-tmp",
+        "dead": f".m.pt.ckptool-{host}-{dead_pid}-abc12345.ckptool-tmp",
+        "live": f".m.pt.ckptool-{host}-{os.getpid()}-abc12345.ckptool-tmp",
+        "other-new": ".m.pt.ckptool-otherhost-1-abc12345.ckptool-tmp",
+        "other-old": ".m.pt.ckptool-otherhost-2-abc12345.ckptool-tmp",
+        "other-file": ".n.pt.ckptool-otherhost-2-abc12345.ckptool-tmp",
     }
     for n in names.values():
         (tmp_path / n).write_bytes(b"x")
     old = time.time() - 2 * 24 * 3600
     os.utime(tmp_path / names["other-old"], (old, old))
     # a DCP staging folder and the temporary file of an atomic write into a scratch file, both of the dead process
-    names["dead-folder"] = f".m.pt.ckptool-{host}-{dead_pid}-def.ckptool-tmp"
+    names["dead-folder"] = f".m.pt.ckptool-{host}-{dead_pid}-def12345.ckptool-tmp"
     (tmp_path / names["dead-folder"]).mkdir()
     (tmp_path / names["dead-folder"] / "__0_0.distcp").write_bytes(b"x")
-    names["dead-nested"] = f"{names['dead']}.ckptool-{host}-{dead_pid}-ghi.ckptool-tmp".replace(".m.pt", "..m.pt", 1)
+    names["dead-nested"] = f"{names['dead']}.ckptool-{host}-{dead_pid}-ghi12345.ckptool-tmp".replace(".m.pt", "..m.pt", 1)
     (tmp_path / names["dead-nested"]).write_bytes(b"x")
     removed = {Path(p).name for p in writer.remove_stale_temps(str(dst))}
-    assert removed == {names["dead"], names["other-old"], names["dead-folder"], names["dead-nested"]}
+    assert removed == {names["dead"], names["other-old"], names["dead-nested"]}
+    # a folder is never deleted (what a planted folder holds is not ours to remove), a DCP staging folder included
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        names[k] for k in ("live", "other-new", "other-file"))
+        names[k] for k in ("live", "other-new", "other-file", "dead-folder"))
 
 
 # ------------------------------------------------------------------------------------------------ the signal matrix

@@ -8,9 +8,9 @@ import os
 from collections.abc import Callable, Iterator
 
 from ckptool._fileio import atomic_output, same_file, temp_path
-from ckptool.errors import OutputError, UsageError
+from ckptool.errors import CkptError, OutputError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES
-from ckptool.formats.sharded import SetLayout, encode_index, output_layout
+from ckptool.formats.sharded import INDEX_SUFFIX, SetLayout, encode_index, output_layout, parse_index
 from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, union_elements, units
 from ckptool.ops.convert.source import ConvertResult, Source, out_dtype
 from ckptool.ops.convert.verify import torch_verifier, verification_check, verify_safetensors
@@ -123,8 +123,9 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
     beside its final name (:func:`scratch_file`; each written atomically by
     :func:`ckptool.ops.convert.write.emit`), so an earlier set stays whole until the new one is complete;
     (3) rename the shards into place, then write the index atomically; (4) remove the earlier set's files the new
-    one does not use. A failure in (2) or (3) removes every file of this run (and the folder when this run made
-    it) and raises.
+    one does not use: those its index named, its index and its single file, never a file another index of the
+    folder names (:func:`_earlier_set`). A failure in (2) or (3) removes every file of this run (and the folder when
+    this run made it) and raises.
 
     Raises:
         UsageError: step (1) refused, or the output folder is missing (file sets).
@@ -135,6 +136,7 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
     paths = [os.path.join(layout.folder, name) for name in layout.shard_names(n)]
     index = os.path.join(layout.folder, layout.index_name) if n > 1 else None
     _refuse_set_target(layout, [*paths, *([index] if index else [])], inputs)
+    earlier = _earlier_set(layout)  # read before the new index replaces the old one
     made = layout.is_output_folder and not os.path.isdir(layout.folder)
     if made:
         os.makedirs(layout.folder)
@@ -170,15 +172,52 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
     if n == 1:
         res.notes.append(f"everything fits one shard: wrote the single file {os.path.basename(paths[0])} and no "
                          "index, as transformers' save_pretrained does")
-    keep = {os.path.basename(p) for p in res.files}
-    stale = sorted(name for name in os.listdir(layout.folder) if layout.is_member(name) and name not in keep
-                   and os.path.isfile(os.path.join(layout.folder, name)))
+    _remove_earlier(layout, earlier, {os.path.basename(p) for p in res.files}, res)
+
+
+def _named_by(index_path: str) -> set[str]:
+    """The shard names an index names that are files of its own folder (plain names); none when it does not
+    parse."""
+    try:
+        index = parse_index(index_path)
+    except CkptError:
+        return set()
+    return {s for s in index.shards if os.path.basename(s) == s}
+
+
+def _earlier_set(layout: SetLayout) -> set[str]:
+    """The files of the set an earlier run wrote for ``layout``, which this run replaces: its index
+    (``layout.index_name``), the shards that index names, and the single file ``<stem><ext>`` (a set of one), each
+    only when it is a file of the layout's names; less any file another ``*.index.json`` of the folder names
+    (another set's file is never ours to remove)."""
+    folder = layout.folder
+    if not os.path.isdir(folder):
+        return set()
+    names = set(os.listdir(folder))
+    ours = {layout.index_name, layout.stem + layout.ext} & names
+    if layout.index_name in names:
+        ours |= _named_by(os.path.join(folder, layout.index_name)) & names
+    others = set().union(*(_named_by(os.path.join(folder, n)) for n in names
+                           if n.endswith(INDEX_SUFFIX) and n != layout.index_name))
+    return {n for n in ours - others if layout.is_member(n)}
+
+
+def _remove_earlier(layout: SetLayout, earlier: set[str], keep: set[str], res: ConvertResult) -> None:
+    """Remove the files of the earlier set (:func:`_earlier_set`) this run did not write, and note them; note, not
+    remove, the other files named like the layout's members that no index of this set named."""
+    folder = layout.folder
+    stale = sorted(n for n in earlier - keep if os.path.isfile(os.path.join(folder, n)))
     for name in stale:
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(layout.folder, name))
+            os.unlink(os.path.join(folder, name))
     if stale:
-        res.notes.append(f"removed {len(stale)} file(s) of an earlier shard set in {layout.folder}: "
+        res.notes.append(f"removed {len(stale)} file(s) of an earlier shard set in {folder}: "
                          f"{', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''}")
+    left = sorted(n for n in os.listdir(folder) if layout.is_member(n) and n not in keep and n not in earlier)
+    if left:
+        res.notes.append(f"left {len(left)} file(s) named like this set's in {folder} that no index of this set "
+                         f"names (another set's, or not ckptool's): {', '.join(left[:3])}"
+                         f"{' ...' if len(left) > 3 else ''}")
 
 
 def _refuse_set_target(layout: SetLayout, targets: list[str], inputs: list[str]) -> None:
