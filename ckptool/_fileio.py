@@ -152,6 +152,53 @@ def hold_signals() -> Callable[[], None]:
     return release
 
 
+#: the outputs this process has put in place (:func:`mark_committed`), for the CLI's ``Interrupted ...`` line
+_COMMITTED: set[str] = set()
+
+
+def _output_key(path: str) -> str:
+    return path if source.is_url(path) else os.path.abspath(path)
+
+
+def mark_committed(path: str) -> None:
+    """Record that the output ``path`` (as the command names it) is complete and in place. Call it inside
+    :func:`signals_blocked`, together with the rename that commits it, so that an interrupt comes before both or
+    after both."""
+    _COMMITTED.add(_output_key(path))
+
+
+def unmark_committed(path: str) -> None:
+    """Forget :func:`mark_committed` of ``path`` (it was removed again)."""
+    _COMMITTED.discard(_output_key(path))
+
+
+def was_committed(path: str) -> bool:
+    """Whether the output ``path`` was put in place by this process since :func:`forget_commits`: an interrupt
+    after that point leaves it complete (the CLI then says so)."""
+    return _output_key(path) in _COMMITTED
+
+
+def forget_commits() -> None:
+    """Start a new command: no output of it is in place yet."""
+    _COMMITTED.clear()
+
+
+@contextlib.contextmanager
+def signals_blocked() -> Iterator[None]:
+    """Block SIGINT and SIGTERM for the calling thread (``signal.pthread_sigmask``) in the block: one that arrives
+    meanwhile is delivered when it ends, so the block (a rename and :func:`mark_committed`) is done whole or, when
+    the signal came before it, not at all. Nests (each end restores the mask it found); a no-op where
+    ``pthread_sigmask`` does not exist."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _CLEANUP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 @contextlib.contextmanager
 def temp_path(near: str, *, folder: bool = False) -> Iterator[str]:
     """A temporary file (or, with ``folder``, an empty folder) beside ``near``, on its filesystem, named as
@@ -287,7 +334,7 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
         with _remote_output(dst) as f:
             yield f
         return
-    dst = os.path.abspath(dst)
+    named = dst = os.path.abspath(dst)
     if os.path.islink(dst):
         if not os.path.exists(dst):  # a dangling link: following it would create a file wherever it points
             raise UsageError(f"output {dst} is a symbolic link to {os.readlink(dst)}, which does not exist; ckptool "
@@ -316,7 +363,10 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
             os.fsync(f.fileno())
             f.close()
             os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
-            os.replace(tmp, dst)
+            with signals_blocked():  # renamed and recorded, or neither: the Interrupted line then tells the truth
+                os.replace(tmp, dst)
+                mark_committed(named)
+                _fsync_folder(folder)
         except OSError as e:
             raise _write_error(dst, e) from e
     except BaseException:
@@ -324,7 +374,11 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    with contextlib.suppress(OSError):  # make the rename durable; not possible on every filesystem
+
+
+def _fsync_folder(folder: str) -> None:
+    """Make a rename in ``folder`` durable (fsync of the folder); not possible on every filesystem: ignored then."""
+    with contextlib.suppress(OSError):
         dfd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -364,6 +418,7 @@ def _remote_output(dst: str) -> Iterator[BinaryIO]:
             yield f
         f.close()
         source.upload(tmp, dst)
+        mark_committed(dst)
     except BaseException:
         f.discard()
         raise

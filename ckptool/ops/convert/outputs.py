@@ -7,7 +7,7 @@ import functools
 import os
 from collections.abc import Callable, Iterator
 
-from ckptool._fileio import atomic_output, same_file, temp_path
+from ckptool._fileio import atomic_output, mark_committed, same_file, signals_blocked, temp_path
 from ckptool.errors import CkptError, OutputError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES
 from ckptool.formats.sharded import INDEX_SUFFIX, SetLayout, encode_index, output_layout, parse_index
@@ -92,7 +92,7 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
             res.files.append(dst)
         else:
             inputs = list(dict.fromkeys([src.path, *(t.storage.path for t in src.tensors)]))
-            _write_set(output_layout(dst, fmt_out), groups, write, inputs, weight_map, total, res)
+            _write_set(output_layout(dst, fmt_out), groups, write, inputs, weight_map, total, res, dst)
     finally:
         files.close()
     res.shards = len(groups)
@@ -112,7 +112,7 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
 
 
 def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str, str, list[Unit]], None],
-               inputs: list[str], weight_map: dict[str, str], total: int, res: ConvertResult) -> None:
+               inputs: list[str], weight_map: dict[str, str], total: int, res: ConvertResult, out: str) -> None:
     """Write the shards ``groups`` with ``write(path, final path, units)`` as the set ``layout`` (several: shards
     plus the index of ``weight_map``, which ``write`` fills, and ``total`` bytes; one: the single file, no index, as
     ``transformers`` ``save_pretrained`` does), adding the files to ``res``.
@@ -124,8 +124,9 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
     :func:`ckptool.ops.convert.write.emit`), so an earlier set stays whole until the new one is complete;
     (3) rename the shards into place, then write the index atomically; (4) remove the earlier set's files the new
     one does not use: those its index named, its index and its single file, never a file another index of the
-    folder names (:func:`_earlier_set`). A failure in (2) or (3) removes every file of this run (and the folder when
-    this run made it) and raises.
+    folder names (:func:`_earlier_set`); and record ``out`` (the output as the command names it) as complete.
+    Steps (3) and (4) run with SIGINT and SIGTERM held (:func:`ckptool._fileio.signals_blocked`). A failure in (2)
+    or (3) removes every file of this run (and the folder when this run made it) and raises.
 
     Raises:
         UsageError: step (1) refused, or the output folder is missing (file sets).
@@ -141,6 +142,8 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
     if made:
         os.makedirs(layout.folder)
     committed: list[str] = []
+    keep = {os.path.basename(p) for p in [*paths, *([index] if index else [])]}
+    done = False
     try:
         with contextlib.ExitStack() as stack:  # the scratch files go when it closes, whatever happened
             staged: list[tuple[str, str]] = []
@@ -148,23 +151,31 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
                 tmp = stack.enter_context(scratch_file(final))
                 write(tmp, final, us)
                 staged.append((tmp, final))
-            for tmp, final in staged:  # every shard is written and verified: put them in place
-                try:
-                    os.replace(tmp, final)
-                except OSError as e:
-                    raise OutputError(f"moving {final} into place failed: {e.strerror or e}; nothing was kept",
-                                      final, e.errno) from e
-                committed.append(final)
-        if index is not None:
-            with atomic_output(index) as f:
-                f.write(encode_index(weight_map, total))
+            # every shard is written and verified: put them in place, write the index, remove the earlier set's
+            # files and record the output as complete with SIGINT / SIGTERM held, so that an interrupt comes before
+            # the set changes (nothing kept) or after it is whole (the CLI says so)
+            with signals_blocked():
+                for tmp, final in staged:
+                    try:
+                        os.replace(tmp, final)
+                    except OSError as e:
+                        raise OutputError(f"moving {final} into place failed: {e.strerror or e}; nothing was "
+                                          "kept", final, e.errno) from e
+                    committed.append(final)
+                if index is not None:
+                    with atomic_output(index) as f:
+                        f.write(encode_index(weight_map, total))
+                _remove_earlier(layout, earlier, keep, res)
+                mark_committed(out)
+                done = True
     except BaseException:
-        for p in committed:
-            with contextlib.suppress(OSError):
-                os.unlink(p)
-        if made:
-            with contextlib.suppress(OSError):
-                os.rmdir(layout.folder)
+        if not done:
+            for p in committed:
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
+            if made:
+                with contextlib.suppress(OSError):
+                    os.rmdir(layout.folder)
         raise
     res.files += paths + ([index] if index else [])
     if index is not None and not layout.is_output_folder:
@@ -172,7 +183,6 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
     if n == 1:
         res.notes.append(f"everything fits one shard: wrote the single file {os.path.basename(paths[0])} and no "
                          "index, as transformers' save_pretrained does")
-    _remove_earlier(layout, earlier, {os.path.basename(p) for p in res.files}, res)
 
 
 def _named_by(index_path: str) -> set[str]:
