@@ -40,7 +40,8 @@ DEEPSPEED_LOADER = (
     "import glob, os, torch\n"
     "tag = open(os.path.join(PATH, 'latest')).read().strip()\n"
     "d = os.path.join(PATH, tag)\n"
-    "for f in sorted(glob.glob(os.path.join(d, '*_model_states.pt')) + glob.glob(os.path.join(d, '*_optim_states.pt'))):\n"
+    "files = glob.glob(os.path.join(d, '*_model_states.pt')) + glob.glob(os.path.join(d, '*_optim_states.pt'))\n"
+    "for f in sorted(files):\n"
     "    torch.load(f, weights_only=False)\n"
 )
 #: transformers' sharded loading: every shard of the index, joined to the folder

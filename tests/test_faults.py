@@ -209,7 +209,8 @@ def test_remove_stale_temps_keeps_live_and_recent_ones(tmp_path: Path) -> None:
     names["dead-folder"] = f".m.pt.ckptool-{host}-{dead_pid}-def12345.ckptool-tmp"
     (tmp_path / names["dead-folder"]).mkdir()
     (tmp_path / names["dead-folder"] / "__0_0.distcp").write_bytes(b"x")
-    names["dead-nested"] = f"{names['dead']}.ckptool-{host}-{dead_pid}-ghi12345.ckptool-tmp".replace(".m.pt", "..m.pt", 1)
+    nested = f"{names['dead']}.ckptool-{host}-{dead_pid}-ghi12345.ckptool-tmp"
+    names["dead-nested"] = nested.replace(".m.pt", "..m.pt", 1)
     (tmp_path / names["dead-nested"]).write_bytes(b"x")
     removed = {Path(p).name for p in writer.remove_stale_temps(str(dst))}
     assert removed == {names["dead"], names["other-old"], names["dead-nested"]}

@@ -18,7 +18,7 @@ from ckptool.ops.convert import convert
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))
-from regressions import safetensors_bytes  # noqa: E402
+from regressions import safetensors_bytes
 
 pytestmark = [pytest.mark.torchfree, pytest.mark.skipif(sys.platform == "win32", reason="symbolic links")]
 
@@ -39,7 +39,7 @@ def test_dangling_output_link_is_refused(tmp_path: Path) -> None:
     out.mkdir()
     away.mkdir()
     os.symlink(away / "planted.pt", out / "x.pt")
-    with pytest.raises(UsageError, match="symbolic link .* does not exist"), atomic_output(str(out / "x.pt")) as f:
+    with pytest.raises(UsageError, match=r"symbolic link .* does not exist"), atomic_output(str(out / "x.pt")) as f:
         f.write(b"data")
     assert os.listdir(away) == [] and os.listdir(out) == ["x.pt"]
     # a link to an existing file is written through, as before
