@@ -128,11 +128,12 @@ def test_symlinked_destination_is_written_through(src: Path, run_cli, tmp_path: 
     sd = torch.load(link, weights_only=True)
     assert all(t.device.type == "cpu" for t in sd.values())
     assert sorted(p.name for p in target.parent.iterdir()) == ["model.cpu.pt"]
-    # a dangling link: the file is created where it points
+    # a dangling link is refused: following it would create a file wherever it points
     dangling = tmp_path / "next.pt"
     dangling.symlink_to(tmp_path / "runs" / "new.pt")
-    assert run_cli("remap", src, "--to", "cpu", "-o", dangling).exit_code == 0
-    assert dangling.is_symlink() and (tmp_path / "runs" / "new.pt").is_file()
+    r = run_cli("remap", src, "--to", "cpu", "-o", dangling)
+    assert r.exit_code == 2 and "does not exist" in r.output, r.output
+    assert dangling.is_symlink() and not (tmp_path / "runs" / "new.pt").exists()
 
 
 @pytest.mark.torchfree
@@ -270,13 +271,16 @@ PAUSE_SCRIPT = textwrap.dedent("""
             pause()
             return real_save(state, folder)
         cv_dcp.save_dcp = save
-    if point == "before-rename":
-        real_replace = os.replace
+    if point == "before-rename":  # before the commit, whose rename and record are made with the signals held
+        import contextlib
+        real_blocked = fio.signals_blocked
 
-        def replace(a, b, **k):
+        @contextlib.contextmanager
+        def blocked():
             pause()
-            return real_replace(a, b, **k)
-        os.replace = replace
+            with real_blocked():
+                yield
+        fio.signals_blocked = blocked
     sys.argv = ["ckptool", *args]
     import ckptool.cli
     ckptool.cli.main()
@@ -390,7 +394,10 @@ def test_signal_matrix(multi: Path, tmp_path: Path, command: str, point: str, si
     again = subprocess.run([sys.executable, "-m", "ckptool", *args], capture_output=True, text=True, env=env,
                            timeout=300, check=False)
     assert again.returncode == 0, again.stderr
-    assert _tmp_names(tmp_path) == []
+    left = _tmp_names(tmp_path)
+    # only a killed DCP run's staging folder stays: a folder under a temporary name is never deleted (what it holds
+    # cannot be proven ours); it can be removed by hand
+    assert left == [] or (command == "dcp" and all((out / n).is_dir() for n in left)), left
     _valid(command, src if command == "in-place" else out / "out.pt" if command == "remap"
            else out / "out.safetensors" if command == "safetensors" else out if command == "shards" else out / "dcp")
     if command != "in-place":
