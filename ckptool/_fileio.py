@@ -20,24 +20,23 @@ import io
 import os
 import re
 import shutil
-import signal
 import stat
 import struct
 import sys
 import tempfile
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from types import FrameType
-from typing import Any, BinaryIO, cast
+from typing import BinaryIO, cast
 
 try:
     import fcntl
 except ImportError:  # not POSIX: no ioctl, so no clones
     fcntl = None  # type: ignore[assignment]
 
+from ckptool import _commit
 from ckptool import _source as source
+from ckptool._commit import hold_signals
 from ckptool.errors import CorruptCheckpointError, OutputError, UsageError, os_error_advice
 
 CHUNK = 8 << 20
@@ -112,91 +111,6 @@ def remove_stale_temps(dst: str) -> list[str]:
         except OSError:
             continue
     return removed
-
-
-#: the signals that end a command with clean-up (SIGINT: KeyboardInterrupt; SIGTERM: the CLI raises Terminated)
-_CLEANUP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-
-
-def hold_signals() -> Callable[[], None]:
-    """Hold SIGINT and SIGTERM until the returned function is called (once): between creating a temporary file and
-    arming its clean-up, an interrupt would leave it behind. Their Python handlers are swapped for ones that only
-    note the signal; releasing puts them back and runs the handler of the first signal noted (``Ctrl-C``'s
-    KeyboardInterrupt, the CLI's Terminated; the default action for a default handler). A no-op off the main
-    thread, where Python handlers cannot be set."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    pending: list[tuple[int, FrameType | None]] = []
-    old: dict[int, Any] = {}
-    for sig in _CLEANUP_SIGNALS:
-        try:
-            old[sig] = signal.signal(sig, lambda signum, frame: pending.append((signum, frame)))
-        except (ValueError, OSError):  # not settable here
-            continue
-    done: list[bool] = []
-
-    def release() -> None:
-        if done:
-            return
-        done.append(True)
-        for sig, handler in old.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        if pending:
-            signum, frame = pending[0]
-            handler = old.get(signum)
-            if callable(handler):
-                handler(signum, frame)
-            elif handler in (None, signal.SIG_DFL):
-                signal.raise_signal(signum)
-
-    return release
-
-
-#: the outputs this process has put in place (:func:`mark_committed`), for the CLI's ``Interrupted ...`` line
-_COMMITTED: set[str] = set()
-
-
-def _output_key(path: str) -> str:
-    return path if source.is_url(path) else os.path.abspath(path)
-
-
-def mark_committed(path: str) -> None:
-    """Record that the output ``path`` (as the command names it) is complete and in place. Call it inside
-    :func:`signals_blocked`, together with the rename that commits it, so that an interrupt comes before both or
-    after both."""
-    _COMMITTED.add(_output_key(path))
-
-
-def unmark_committed(path: str) -> None:
-    """Forget :func:`mark_committed` of ``path`` (it was removed again)."""
-    _COMMITTED.discard(_output_key(path))
-
-
-def was_committed(path: str) -> bool:
-    """Whether the output ``path`` was put in place by this process since :func:`forget_commits`: an interrupt
-    after that point leaves it complete (the CLI then says so)."""
-    return _output_key(path) in _COMMITTED
-
-
-def forget_commits() -> None:
-    """Start a new command: no output of it is in place yet."""
-    _COMMITTED.clear()
-
-
-@contextlib.contextmanager
-def signals_blocked() -> Iterator[None]:
-    """Block SIGINT and SIGTERM for the calling thread (``signal.pthread_sigmask``) in the block: one that arrives
-    meanwhile is delivered when it ends, so the block (a rename and :func:`mark_committed`) is done whole or, when
-    the signal came before it, not at all. Nests (each end restores the mask it found); a no-op where
-    ``pthread_sigmask`` does not exist."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _CLEANUP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @contextlib.contextmanager
@@ -363,9 +277,9 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
             os.fsync(f.fileno())
             f.close()
             os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
-            with signals_blocked():  # renamed and recorded, or neither: the Interrupted line then tells the truth
+            with _commit.signals_blocked():  # renamed and recorded, or neither: the Interrupted line tells the truth
                 os.replace(tmp, dst)
-                mark_committed(named)
+                _commit.mark_committed(named)
                 _fsync_folder(folder)
         except OSError as e:
             raise _write_error(dst, e) from e
@@ -418,7 +332,7 @@ def _remote_output(dst: str) -> Iterator[BinaryIO]:
             yield f
         f.close()
         source.upload(tmp, dst)
-        mark_committed(dst)
+        _commit.mark_committed(dst)
     except BaseException:
         f.discard()
         raise

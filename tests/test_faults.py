@@ -273,14 +273,15 @@ PAUSE_SCRIPT = textwrap.dedent("""
         cv_dcp.save_dcp = save
     if point == "before-rename":  # before the commit, whose rename and record are made with the signals held
         import contextlib
-        real_blocked = fio.signals_blocked
+        import ckptool._commit as commit
+        real_blocked = commit.signals_blocked
 
         @contextlib.contextmanager
         def blocked():
             pause()
             with real_blocked():
                 yield
-        fio.signals_blocked = blocked
+        commit.signals_blocked = blocked
     sys.argv = ["ckptool", *args]
     import ckptool.cli
     ckptool.cli.main()

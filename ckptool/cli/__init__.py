@@ -181,16 +181,16 @@ def _error_class(code: int) -> type[click.ClickException]:
 
 
 def _committed(out: str) -> bool:
-    """Whether the running command put ``out`` in place (:func:`ckptool._fileio.was_committed`). A command that never
-    imported ``ckptool._fileio`` wrote nothing, so the module is looked up, not imported."""
-    fio = sys.modules.get("ckptool._fileio")
+    """Whether the running command put ``out`` in place (:func:`ckptool._commit.was_committed`). A command that never
+    imported ``ckptool._commit`` wrote nothing, so the module is looked up, not imported."""
+    fio = sys.modules.get("ckptool._commit")
     return fio is not None and bool(fio.was_committed(out))
 
 
 def _interrupted(ctx: click.Context, e: KeyboardInterrupt) -> click.exceptions.Exit:
     """Print the one ``Interrupted: ...`` line and give the exit that ends the command: 130 / 143 when nothing was
     written; when the signal came after the output was put in place (its commit is atomic with respect to SIGINT
-    and SIGTERM: :func:`ckptool._fileio.signals_blocked`), ``Interrupted after OUT was written: it is complete``
+    and SIGTERM: :func:`ckptool._commit.signals_blocked`), ``Interrupted after OUT was written: it is complete``
     and the command's own status, 0 (what was left was its report)."""
     out = output_of(ctx)
     what = "Terminated" if isinstance(e, Terminated) else "Interrupted"
@@ -263,7 +263,7 @@ class CkptGroup(click.Group):
             raise _one_line(e) from None
 
     def invoke(self, ctx: click.Context) -> Any:
-        fio = sys.modules.get("ckptool._fileio")  # a command run before in this process (tests): not this one's
+        fio = sys.modules.get("ckptool._commit")  # a command run before in this process (tests): not this one's
         if fio is not None:
             fio.forget_commits()
         try:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any, BinaryIO
 
-from ckptool._fileio import mark_committed, signals_blocked, temp_path
+from ckptool._commit import mark_committed, signals_blocked
+from ckptool._fileio import temp_path
 from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
 from ckptool.formats.dcp import DcpMetadata
 from ckptool.formats.dtypes import contiguous_stride, element_size, tensor_dtype

@@ -7,7 +7,8 @@ import functools
 import os
 from collections.abc import Callable, Iterator
 
-from ckptool._fileio import atomic_output, mark_committed, same_file, signals_blocked, temp_path
+from ckptool._commit import mark_committed, signals_blocked
+from ckptool._fileio import atomic_output, same_file, temp_path
 from ckptool.errors import CkptError, OutputError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES
 from ckptool.formats.sharded import INDEX_SUFFIX, SetLayout, encode_index, output_layout, parse_index
@@ -125,7 +126,7 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
     (3) rename the shards into place, then write the index atomically; (4) remove the earlier set's files the new
     one does not use: those its index named, its index and its single file, never a file another index of the
     folder names (:func:`_earlier_set`); and record ``out`` (the output as the command names it) as complete.
-    Steps (3) and (4) run with SIGINT and SIGTERM held (:func:`ckptool._fileio.signals_blocked`). A failure in (2)
+    Steps (3) and (4) run with SIGINT and SIGTERM held (:func:`ckptool._commit.signals_blocked`). A failure in (2)
     or (3) removes every file of this run (and the folder when this run made it) and raises.
 
     Raises:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TypeVar
 
 from ckptool import _source as source
-from ckptool._fileio import atomic_output, copy_range, copy_range_crc, unmark_committed, write_behind_for
+from ckptool._commit import unmark_committed
+from ckptool._fileio import atomic_output, copy_range, copy_range_crc, write_behind_for
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
 from ckptool.formats.nodes import StorageRef
