@@ -155,17 +155,25 @@ def find_deepspeed(path: str | os.PathLike[str], tag: str | None = None) -> Deep
     return ds
 
 
-def loaded_tag_folders(top: str) -> list[tuple[str, str]]:
+def loaded_tag_folders(top: str, listing: tuple[list[str], list[str]] | None = None) -> list[tuple[str, str]]:
     """The tag folders a DeepSpeed loader may read from the folder ``top`` that are not inside it, each with why:
     the tag named by ``latest`` / ``latest_universal`` joined as ``engine.load_checkpoint`` and ``zero_to_fp32``
     join it (``os.path.join(top, tag)``: an absolute tag or ``..`` leaves ``top``), and every subfolder that is a
     symbolic link to a tag folder elsewhere (``--tag`` / ``tag=`` reads any of them). Tags inside ``top`` are left
-    out (a walk of ``top`` sees them); so are tags that name no folder (the loader fails). Reads ``latest`` and
+    out (a walk of ``top`` sees them); so are tags that name no folder (the loader fails). ``listing``: ``(folders,
+    files)`` of ``top`` when the caller has listed it (``os.walk``), else it is listed here. Reads ``latest`` and
     directory listings only; never raises."""
     found: dict[str, str] = {}
+    if listing is None:
+        try:
+            names = os.listdir(top)
+        except OSError:
+            names = []
+        listing = (names, names)
+    subdirs, files = listing
     for name in LATEST_FILES:
         latest = os.path.join(top, name)
-        if not os.path.isfile(latest):
+        if name not in files or not os.path.isfile(latest):
             continue
         try:
             with open(latest, encoding="utf-8", errors="replace") as f:
@@ -176,11 +184,7 @@ def loaded_tag_folders(top: str) -> list[tuple[str, str]]:
         why = leaves_folder(top, tag) if tag else None
         if why is not None and os.path.isdir(folder):
             found.setdefault(folder, f"{latest} names the tag {tag!r}: {why}")
-    try:
-        names = sorted(os.listdir(top), key=natural_key)
-    except OSError:
-        names = []
-    for n in names:
+    for n in sorted(subdirs, key=natural_key):
         folder = os.path.join(top, n)
         if os.path.islink(folder) and _is_tag_folder(folder):
             why = leaves_folder(top, n)

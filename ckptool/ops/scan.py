@@ -244,7 +244,7 @@ def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
             if _is_candidate(full):
                 seen.add(os.path.realpath(full))
                 yield full, []
-        for folder, why in loaded_tag_folders(root):
+        for folder, why in loaded_tag_folders(root, (dirs, files)):
             away += [(f, f"{why}; DeepSpeed reads it from there") for f in _folder_files(folder)]
     yield from _followed(away, seen)
 
