@@ -144,6 +144,9 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
         os.makedirs(layout.folder)
     committed: list[str] = []
     keep = {os.path.basename(p) for p in [*paths, *([index] if index else [])]}
+    if n == 1:  # before the notes of the commit (what it removed), which follow from it
+        res.notes.append(f"everything fits one shard: wrote the single file {os.path.basename(paths[0])} and no "
+                         "index, as transformers' save_pretrained does")
     done = False
     try:
         with contextlib.ExitStack() as stack:  # the scratch files go when it closes, whatever happened
@@ -181,9 +184,6 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
     res.files += paths + ([index] if index else [])
     if index is not None and not layout.is_output_folder:
         res.dst = index  # NAME.safetensors itself is not written: the index names the set
-    if n == 1:
-        res.notes.append(f"everything fits one shard: wrote the single file {os.path.basename(paths[0])} and no "
-                         "index, as transformers' save_pretrained does")
 
 
 def _named_by(index_path: str) -> set[str]:
