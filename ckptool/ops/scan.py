@@ -40,7 +40,11 @@ Scanning looks at the bytes, never at the file name, and reads every place a loa
   (which ``zipfile`` and some scanners see instead of the leading pickle) is scanned as well;
 * safetensors files hold no pickle: their header is checked and they are safe;
 * a torch.distributed.checkpoint folder (or its ``.metadata`` / ``.distcp`` files) is read the way DCP reads it:
-  ``.metadata``, then each record's byte range of the ``.distcp`` files (:mod:`ckptool.ops.scan_dcp`).
+  ``.metadata``, then each record's byte range of the ``.distcp`` files (:mod:`ckptool.ops.scan_dcp`);
+* in a folder, also what its loaders read outside it: the tag folder DeepSpeed's ``latest`` names and symlinked tag
+  folders, the shards an ``*.index.json`` names (``../x``, absolute, through a symlinked subfolder), each scanned
+  with a note saying which name leads there (:func:`_walk`); a folder (or index) in which nothing is found is a
+  :class:`~ckptool.errors.UsageError`, not an empty pass.
 
 Each pickle found says whether ``torch.load`` reads it today (``hidden`` when not: another zip member, a nested
 zip, data after the end): ``ckptool inspect`` reports the same analysis, so both give one verdict and say where a
