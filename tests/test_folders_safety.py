@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptool._fileio import leaves_folder
+from ckptool._source import leaves_folder
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats.deepspeed import find_deepspeed
 from ckptool.formats.sharded import read_index

@@ -23,7 +23,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ckptool._fileio import leaves_folder
+from ckptool._source import leaves_folder
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES, numel, tensor_dtype
 from ckptool.formats.nodes import TensorNode

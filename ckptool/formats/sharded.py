@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptool import _source as source
-from ckptool._fileio import leaves_folder
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.dcp import is_dcp_folder
 
@@ -79,14 +78,14 @@ def parse_index(path: str) -> ShardIndex:
 def shard_outside(index: ShardIndex, shard: str) -> str | None:
     """Why the shard file ``shard`` of ``index`` is not inside the index's folder, or None. ``transformers``
     opens ``os.path.join(folder, shard)``, so an absolute name or ``..`` leaves the folder, and so does a name
-    through a symlinked subfolder (:func:`ckptool._fileio.leaves_folder`); a symlink to a file (the Hugging Face
+    through a symlinked subfolder (:func:`ckptool._source.leaves_folder`); a symlink to a file (the Hugging Face
     cache) is inside."""
     if source.is_url(index.path):
         norm = shard.replace("\\", "/")
         if norm.startswith("/") or ".." in norm.split("/"):
             return f"{shard} is outside {index.folder}"
         return None
-    return leaves_folder(index.folder, shard)
+    return source.leaves_folder(index.folder, shard)
 
 
 def read_index(path: str) -> ShardIndex:

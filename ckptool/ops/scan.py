@@ -64,8 +64,7 @@ from dataclasses import replace
 from typing import cast
 
 from ckptool import _source as source
-from ckptool._fileio import leaves_folder
-from ckptool._source import RangeView
+from ckptool._source import RangeView, leaves_folder
 from ckptool.errors import CkptError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dcp import is_dcp_folder
