@@ -18,25 +18,25 @@ import ctypes
 import errno
 import io
 import os
+import re
 import shutil
-import signal
 import stat
 import struct
 import sys
 import tempfile
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from types import FrameType
-from typing import Any, BinaryIO, cast
+from typing import BinaryIO, cast
 
 try:
     import fcntl
 except ImportError:  # not POSIX: no ioctl, so no clones
     fcntl = None  # type: ignore[assignment]
 
+from ckptool import _commit
 from ckptool import _source as source
+from ckptool._commit import hold_signals
 from ckptool.errors import CorruptCheckpointError, OutputError, UsageError, os_error_advice
 
 CHUNK = 8 << 20
@@ -59,78 +59,58 @@ def temp_prefix(dst: str) -> str:
     return f".{os.path.basename(dst)[:120]}.ckptool-{_HOST}-{os.getpid()}-"
 
 
+#: the random part ``tempfile.mkstemp`` / ``mkdtemp`` put in a name (``tempfile._RandomNameSequence``: 8 characters)
+_RANDOM = "[a-z0-9_]{8}"
+
+
+def _stale_name(base: str) -> re.Pattern[str]:
+    """The names :func:`temp_prefix` + ``mkstemp`` give the temporary files of a destination named ``base``: host,
+    pid, random part; (a leading ``..`` and a second such part: the temporary file of an atomic write whose
+    destination was itself a scratch file)."""
+    one = rf"\.ckptool-(?P<host>.+?)-(?P<pid>\d+)-{_RANDOM}{re.escape(TMP_SUFFIX)}"
+    nested = rf"\.ckptool-.+?-\d+-{_RANDOM}{re.escape(TMP_SUFFIX)}"
+    return re.compile(rf"\.\.?{re.escape(base[:120])}{one}(?:{nested})?")
+
+
 def remove_stale_temps(dst: str) -> list[str]:
-    """Delete the temporary files and folders that an earlier write of ``dst`` left behind when its process was
-    killed (SIGKILL, power loss: nothing could clean up): :func:`atomic_output`'s temporary files, convert's shard
-    scratch files and DCP staging folders, all named ``.<name>.ckptool-<host>-<pid>-<random>.ckptool-tmp``
-    (:func:`temp_prefix`). One is stale when it was made on this host by a process that no longer runs, or, from
-    another host (a shared filesystem), when it has not changed for a day. Returns the paths removed; errors are
-    ignored (the file may belong to someone else).
+    """Delete the temporary files that an earlier write of ``dst`` left behind when its process was killed
+    (SIGKILL, power loss: nothing could clean up): :func:`atomic_output`'s temporary files and convert's shard
+    scratch files, named ``.<name>.ckptool-<host>-<pid>-<random>.ckptool-tmp`` (:func:`temp_prefix`, the 8
+    characters of ``tempfile``'s random part). One is stale when it was made on this host by a process that no
+    longer runs, or, from another host (a shared filesystem), when it has not changed for a day.
+
+    Only what can be ours is deleted: a regular file (not a symbolic link, not a folder: a folder planted under such
+    a name is never deleted with its content, and neither is a DCP staging folder a killed run left, which is
+    safe to delete by hand), owned by this user, with no other hard link, whose whole name has that form. Returns
+    the paths removed; errors are ignored (the file may belong to someone else).
     """
     folder, base = os.path.split(os.path.abspath(dst))
-    lead = f".{base[:120]}.ckptool-"
+    pattern = _stale_name(base)
     removed: list[str] = []
     try:
-        # ".<lead>...": the temporary file of an atomic write whose destination was itself a scratch file
-        names = [n for n in os.listdir(folder) if n.startswith((lead, "." + lead)) and n.endswith(TMP_SUFFIX)]
+        names = [n for n in os.listdir(folder) if n.endswith(TMP_SUFFIX)]
     except OSError:
         return removed
     for name in names:
-        host, _, rest = name[name.index(lead) + len(lead):].partition("-")
-        pid_text, _, _ = rest.partition("-")
+        m = pattern.fullmatch(name)
+        if m is None:
+            continue
         path = os.path.join(folder, name)
         try:
-            if host == _HOST and pid_text.isdigit():
-                stale = not _pid_alive(int(pid_text))
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or (
+                    hasattr(os, "geteuid") and st.st_uid != os.geteuid()):
+                continue
+            if m["host"] == _HOST:
+                stale = not _pid_alive(int(m["pid"]))
             else:
-                stale = time.time() - os.stat(path).st_mtime > 24 * 3600
+                stale = time.time() - st.st_mtime > 24 * 3600
             if stale:
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path)
-                else:
-                    os.unlink(path)
+                os.unlink(path)
                 removed.append(path)
         except OSError:
             continue
     return removed
-
-
-#: the signals that end a command with clean-up (SIGINT: KeyboardInterrupt; SIGTERM: the CLI raises Terminated)
-_CLEANUP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-
-
-def hold_signals() -> Callable[[], None]:
-    """Hold SIGINT and SIGTERM until the returned function is called (once): between creating a temporary file and
-    arming its clean-up, an interrupt would leave it behind. Their Python handlers are swapped for ones that only
-    note the signal; releasing puts them back and runs the handler of the first signal noted (``Ctrl-C``'s
-    KeyboardInterrupt, the CLI's Terminated; the default action for a default handler). A no-op off the main
-    thread, where Python handlers cannot be set."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    pending: list[tuple[int, FrameType | None]] = []
-    old: dict[int, Any] = {}
-    for sig in _CLEANUP_SIGNALS:
-        try:
-            old[sig] = signal.signal(sig, lambda signum, frame: pending.append((signum, frame)))
-        except (ValueError, OSError):  # not settable here
-            continue
-    done: list[bool] = []
-
-    def release() -> None:
-        if done:
-            return
-        done.append(True)
-        for sig, handler in old.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        if pending:
-            signum, frame = pending[0]
-            handler = old.get(signum)
-            if callable(handler):
-                handler(signum, frame)
-            elif handler in (None, signal.SIG_DFL):
-                signal.raise_signal(signum)
-
-    return release
 
 
 @contextlib.contextmanager
@@ -248,8 +228,9 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
     code that wrote to the file descriptor directly). Any other exception raised in the block (reading the input
     failed, a corrupt input, KeyboardInterrupt) propagates unchanged, after the clean-up.
 
-    If ``dst`` is a symbolic link, the file it points to is replaced and the link is kept (what ``torch.save``
-    and ``cp`` do when they open the link for writing); the temporary file is made beside that file.
+    If ``dst`` is a symbolic link to an existing file, that file is replaced and the link is kept (what
+    ``torch.save`` and ``cp`` do when they open the link for writing); the temporary file is made beside that file.
+    A dangling link is refused: following it would create a file wherever it points (outside the output folder).
 
     ``mode`` sets the permission bits of the result (default: ``0o666`` less the umask, as for a new file).
 
@@ -258,7 +239,7 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
     which discards a failed upload, so no partial object is left); it is removed in every case.
 
     Raises:
-        UsageError: the destination folder does not exist or ``dst`` is a directory.
+        UsageError: the destination folder does not exist, ``dst`` is a directory or a dangling symbolic link.
         OutputError: the temporary file could not be made (its ``path`` is the folder) or writing, fsyncing or
             renaming it failed (its ``path`` is ``dst``); nothing was left behind.
         RemoteError: the upload to a URL ``dst`` failed; nothing was left there.
@@ -267,8 +248,12 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
         with _remote_output(dst) as f:
             yield f
         return
-    dst = os.path.abspath(dst)
+    named = dst = os.path.abspath(dst)
     if os.path.islink(dst):
+        if not os.path.exists(dst):  # a dangling link: following it would create a file wherever it points
+            raise UsageError(f"output {dst} is a symbolic link to {os.readlink(dst)}, which does not exist; ckptool "
+                             "writes through a link only to an existing file: remove the link or choose another "
+                             "-o path")
         dst = os.path.realpath(dst)  # write through the link: its target is replaced, the link stays
     folder = os.path.dirname(dst)
     if not os.path.isdir(folder):
@@ -292,7 +277,10 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
             os.fsync(f.fileno())
             f.close()
             os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
-            os.replace(tmp, dst)
+            with _commit.signals_blocked():  # renamed and recorded, or neither: the Interrupted line tells the truth
+                os.replace(tmp, dst)
+                _commit.mark_committed(named)
+                _fsync_folder(folder)
         except OSError as e:
             raise _write_error(dst, e) from e
     except BaseException:
@@ -300,7 +288,11 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    with contextlib.suppress(OSError):  # make the rename durable; not possible on every filesystem
+
+
+def _fsync_folder(folder: str) -> None:
+    """Make a rename in ``folder`` durable (fsync of the folder); not possible on every filesystem: ignored then."""
+    with contextlib.suppress(OSError):
         dfd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -340,6 +332,7 @@ def _remote_output(dst: str) -> Iterator[BinaryIO]:
             yield f
         f.close()
         source.upload(tmp, dst)
+        _commit.mark_committed(dst)
     except BaseException:
         f.discard()
         raise

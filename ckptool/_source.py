@@ -613,3 +613,28 @@ def remote_exists(url: str) -> bool:
         RemoteError: the URL could not be queried.
     """
     return _remote_info(url) is not None
+
+
+def leaves_folder(folder: str, path: str) -> str | None:
+    """Why ``path``, opened as a loader opens a name it joined to ``folder`` (``os.path.join``: an absolute name
+    replaces the folder, ``..`` climbs out of it), is not inside ``folder``; None when it is.
+
+    It is outside when its normalised path is not below ``folder``, or when a folder on the way from ``folder`` to
+    it (``path`` itself included, when it is a folder) is a symbolic link to a place outside ``folder``'s real
+    path: what the link reaches is not the folder's content. A symbolic link as the last part, to a file, is
+    accepted (a Hugging Face cache snapshot links every file to its blob). Reads only the links on the way.
+    """
+    base = os.path.abspath(folder)
+    target = os.path.normpath(os.path.join(base, path))
+    rel = os.path.relpath(target, base)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+        return f"{path} is outside {folder}"
+    parts = [] if rel == os.curdir else rel.split(os.sep)
+    cur = base
+    for i, part in enumerate(parts):
+        cur = os.path.join(cur, part)
+        if os.path.islink(cur) and (i < len(parts) - 1 or os.path.isdir(cur)):
+            real = os.path.realpath(cur)
+            if os.path.commonpath([real, os.path.realpath(base)]) != os.path.realpath(base):
+                return f"{cur} is a symbolic link to {real}, outside {folder}"
+    return None

@@ -734,7 +734,7 @@ def test_scratch_file_of_a_killed_run_is_removed_by_the_next(tmp_path: Path) -> 
     dst = tmp_path / "dcp"
     # what a run killed by SIGKILL leaves: a scratch file of a process that no longer runs
     dead = subprocess_pid_that_exited()
-    stale = tmp_path / (temp_prefix(str(dst)).replace(f"-{os.getpid()}-", f"-{dead}-") + "x" + TMP_SUFFIX)
+    stale = tmp_path / (temp_prefix(str(dst)).replace(f"-{os.getpid()}-", f"-{dead}-") + "x1234567" + TMP_SUFFIX)
     stale.write_bytes(b"left over")
     res = convert(tmp_path / "m.pt", dst, format="dcp", key="model")
     assert res.verified and not stale.exists()

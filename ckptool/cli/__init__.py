@@ -12,7 +12,8 @@ full traceback instead. Usage errors are the ``Error: ...`` line and a ``Try '..
 
 Every command also takes ``-q/--quiet`` and ``--progress`` (:mod:`ckptool.cli._flags`). SIGINT and SIGTERM stop a
 command cleanly: the temporary output is removed (:func:`ckptool._fileio.atomic_output`), one
-``Interrupted: nothing was written to OUT`` line is printed and the exit status is 130 / 143.
+``Interrupted: nothing was written to OUT`` line is printed and the exit status is 130 / 143; a signal that comes
+after the output was put in place prints ``Interrupted after OUT was written: it is complete`` and exits 0.
 """
 
 from __future__ import annotations
@@ -197,10 +198,23 @@ def _error_class(code: int) -> type[click.ClickException]:
     return type(f"ExitCode{code}Error", (click.ClickException,), {"exit_code": code})
 
 
+def _committed(out: str) -> bool:
+    """Whether the running command put ``out`` in place (:func:`ckptool._commit.was_committed`). A command that never
+    imported ``ckptool._commit`` wrote nothing, so the module is looked up, not imported."""
+    fio = sys.modules.get("ckptool._commit")
+    return fio is not None and bool(fio.was_committed(out))
+
+
 def _interrupted(ctx: click.Context, e: KeyboardInterrupt) -> click.exceptions.Exit:
-    """Print the one ``Interrupted: ...`` line and give the exit that ends the command."""
+    """Print the one ``Interrupted: ...`` line and give the exit that ends the command: 130 / 143 when nothing was
+    written; when the signal came after the output was put in place (its commit is atomic with respect to SIGINT
+    and SIGTERM: :func:`ckptool._commit.signals_blocked`), ``Interrupted after OUT was written: it is complete``
+    and the command's own status, 0 (what was left was its report)."""
     out = output_of(ctx)
     what = "Terminated" if isinstance(e, Terminated) else "Interrupted"
+    if out and _committed(out):
+        click.echo(f"{what} after {out} was written: it is complete", err=True)
+        return click.exceptions.Exit(EXIT_OK)
     click.echo(f"{what}: nothing was written to {out}" if out else what, err=True)
     return click.exceptions.Exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED)
 
@@ -267,6 +281,9 @@ class CkptGroup(click.Group):
             raise _one_line(e) from None
 
     def invoke(self, ctx: click.Context) -> Any:
+        fio = sys.modules.get("ckptool._commit")  # a command run before in this process (tests): not this one's
+        if fio is not None:
+            fio.forget_commits()
         try:
             with consistent_reads():  # one command reads one version of each remote object
                 return super().invoke(ctx)

@@ -125,6 +125,7 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
       1  a file is dangerous
       2  a file could not be read (and none is dangerous)
       4  a file needs trust (and none is dangerous or unreadable)
+      2  also: a path does not exist, or a folder holds no checkpoint file (Error: line)
 
     With --strict: 0 safe, 1 a file names a global outside the allowlist (unsafe), 2 unreadable.
     --quiet prints nothing (the exit status answers); --json gives "strict", "exit_code" and "files" (per file:
@@ -158,7 +159,5 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
             click.echo(_table(results, strict))
             click.echo("")
             click.echo(_summary(results, strict))
-        elif not results:
-            click.echo("no checkpoint files found")
     ctx.exit(code)
 

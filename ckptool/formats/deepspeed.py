@@ -23,15 +23,19 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from ckptool._source import leaves_folder
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES, numel, tensor_dtype
 from ckptool.formats.nodes import TensorNode
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, resolve_zip_offsets
 
-__all__ = ["DeepSpeedFolder", "FlatBytes", "find_deepspeed", "is_deepspeed_folder", "natural_key", "read_files",
-           "tensor_bytes"]
+__all__ = ["DeepSpeedFolder", "FlatBytes", "find_deepspeed", "is_deepspeed_folder", "loaded_tag_folders",
+           "natural_key", "read_files", "tensor_bytes"]
 
 LATEST = "latest"
+#: the files naming the tag to load: ``latest``, and ``latest_universal`` for a universal checkpoint
+#: (``engine.load_checkpoint`` reads the one its config asks for)
+LATEST_FILES = (LATEST, "latest_universal")
 MODEL_SUFFIX = "_model_states.pt"
 OPTIM_SUFFIX = "_optim_states.pt"
 _MP_RANK = re.compile(r"mp_rank_(\d+)")
@@ -124,10 +128,17 @@ def find_deepspeed(path: str | os.PathLike[str], tag: str | None = None) -> Deep
             with open(latest, encoding="utf-8", errors="replace") as f:
                 tag = f.read().strip()
         if not tag or os.path.basename(tag) != tag or tag in (".", ".."):
-            raise CorruptCheckpointError(f"{path}: 'latest' names {tag!r}, not a tag folder; pass --tag")
+            raise CorruptCheckpointError(f"{path}: 'latest' names {tag!r}, not a tag folder inside the checkpoint "
+                                         f"folder (DeepSpeed would read {os.path.join(p, tag)}, outside it); pass "
+                                         "--tag, and run ckptool scan on the folder to see what it names")
         folder = os.path.join(p, tag)
         if not os.path.isdir(folder):
             raise UsageError(f"{path}: no tag folder {tag!r} (tags: {', '.join(tags) or 'none found'})")
+        why = leaves_folder(p, tag)
+        if why is not None:
+            raise UnsupportedError(f"{path}: the tag folder {tag!r} is not inside the checkpoint folder ({why}); "
+                                   "ckptool reads only tags inside it: pass the tag folder itself if you trust "
+                                   "it, and run ckptool scan on the folder to see what it holds")
         ds = DeepSpeedFolder(folder, p, tag, tags=tags)
     names = sorted(os.listdir(ds.folder), key=natural_key)
     ds.model_files = [os.path.join(ds.folder, n) for n in names if n.endswith(MODEL_SUFFIX)]
@@ -142,6 +153,44 @@ def find_deepspeed(path: str | os.PathLike[str], tag: str | None = None) -> Deep
                                "tensor/pipeline-parallel checkpoints needs the model's own merge rules (DeepSpeed's "
                                "ds_to_universal); ckptool consolidates data-parallel ZeRO checkpoints")
     return ds
+
+
+def loaded_tag_folders(top: str, listing: tuple[list[str], list[str]] | None = None) -> list[tuple[str, str]]:
+    """The tag folders a DeepSpeed loader may read from the folder ``top`` that are not inside it, each with why:
+    the tag named by ``latest`` / ``latest_universal`` joined as ``engine.load_checkpoint`` and ``zero_to_fp32``
+    join it (``os.path.join(top, tag)``: an absolute tag or ``..`` leaves ``top``), and every subfolder that is a
+    symbolic link to a tag folder elsewhere (``--tag`` / ``tag=`` reads any of them). Tags inside ``top`` are left
+    out (a walk of ``top`` sees them); so are tags that name no folder (the loader fails). ``listing``: ``(folders,
+    files)`` of ``top`` when the caller has listed it (``os.walk``), else it is listed here. Reads ``latest`` and
+    directory listings only; never raises."""
+    found: dict[str, str] = {}
+    if listing is None:
+        try:
+            names = os.listdir(top)
+        except OSError:
+            names = []
+        listing = (names, names)
+    subdirs, files = listing
+    for name in LATEST_FILES:
+        latest = os.path.join(top, name)
+        if name not in files or not os.path.isfile(latest):
+            continue
+        try:
+            with open(latest, encoding="utf-8", errors="replace") as f:
+                tag = f.read(4096).strip()
+        except OSError:
+            continue
+        folder = os.path.join(top, tag)
+        why = leaves_folder(top, tag) if tag else None
+        if why is not None and os.path.isdir(folder):
+            found.setdefault(folder, f"{latest} names the tag {tag!r}: {why}")
+    for n in sorted(subdirs, key=natural_key):
+        folder = os.path.join(top, n)
+        if os.path.islink(folder) and _is_tag_folder(folder):
+            why = leaves_folder(top, n)
+            if why is not None:
+                found.setdefault(folder, f"the tag folder {n}: {why}")
+    return list(found.items())
 
 
 def read_files(paths: list[str]) -> list[Checkpoint]:

@@ -55,13 +55,11 @@ class ShardIndex:
         return os.path.join(self.folder, shard)
 
 
-def read_index(path: str) -> ShardIndex:
-    """Read the sharded-set index at ``path`` and check that every shard it names exists beside it.
+def parse_index(path: str) -> ShardIndex:
+    """Parse the sharded-set index at ``path`` (a local path or a URL) without looking at the shards it names.
 
     Raises:
-        CorruptCheckpointError: not JSON, no ``weight_map`` of strings to strings, or a shard path that points
-            outside the index's folder.
-        UsageError: a shard file is missing (the set was not downloaded completely).
+        CorruptCheckpointError: not JSON, or no ``weight_map`` of strings to strings.
     """
     try:
         with source.open_binary(path) as f:  # a local path or a URL
@@ -74,10 +72,38 @@ def read_index(path: str) -> ShardIndex:
         raise CorruptCheckpointError(f"{path} has no weight_map (tensor name -> shard file); it is not a "
                                      "sharded checkpoint index")
     meta = doc.get("metadata")
-    index = ShardIndex(path, wm, meta if isinstance(meta, dict) else None)
+    return ShardIndex(path, wm, meta if isinstance(meta, dict) else None)
+
+
+def shard_outside(index: ShardIndex, shard: str) -> str | None:
+    """Why the shard file ``shard`` of ``index`` is not inside the index's folder, or None. ``transformers``
+    opens ``os.path.join(folder, shard)``, so an absolute name or ``..`` leaves the folder, and so does a name
+    through a symlinked subfolder (:func:`ckptool._source.leaves_folder`); a symlink to a file (the Hugging Face
+    cache) is inside."""
+    if source.is_url(index.path):
+        norm = shard.replace("\\", "/")
+        if norm.startswith("/") or ".." in norm.split("/"):
+            return f"{shard} is outside {index.folder}"
+        return None
+    return source.leaves_folder(index.folder, shard)
+
+
+def read_index(path: str) -> ShardIndex:
+    """Read the sharded-set index at ``path`` and check that every shard it names exists beside it.
+
+    Raises:
+        CorruptCheckpointError: not JSON, no ``weight_map`` of strings to strings, or a shard path that points
+            outside the index's folder (absolute, ``..``, or through a symlinked subfolder: :func:`shard_outside`;
+            ``ckptool scan`` of the folder follows and reports such shards).
+        UsageError: a shard file is missing (the set was not downloaded completely).
+    """
+    index = parse_index(path)
     for shard in index.shards:
-        if os.path.isabs(shard) or os.path.normpath(shard).startswith(".."):
-            raise CorruptCheckpointError(f"{path}: shard path {shard!r} points outside the index's folder")
+        why = shard_outside(index, shard)
+        if why is not None:
+            raise CorruptCheckpointError(f"{path}: shard path {shard!r} points outside the index's folder ({why}); "
+                                         "ckptool reads only shards inside it: move the shards beside the index, "
+                                         "and run ckptool scan on the folder to see what they hold")
         p = index.shard_path(shard)
         if source.kind(p) != "file":
             raise UsageError(f"{path} lists shard {shard} but {p} does not exist; download every shard")

@@ -46,7 +46,11 @@ Scanning looks at the bytes, never at the file name, and reads every place a loa
   (which ``zipfile`` and some scanners see instead of the leading pickle) is scanned as well;
 * safetensors files hold no pickle: their header is checked and they are safe;
 * a torch.distributed.checkpoint folder (or its ``.metadata`` / ``.distcp`` files) is read the way DCP reads it:
-  ``.metadata``, then each record's byte range of the ``.distcp`` files (:mod:`ckptool.ops.scan_dcp`).
+  ``.metadata``, then each record's byte range of the ``.distcp`` files (:mod:`ckptool.ops.scan_dcp`);
+* in a folder, also what its loaders read outside it: the tag folder DeepSpeed's ``latest`` names and symlinked tag
+  folders, the shards an ``*.index.json`` names (``../x``, absolute, through a symlinked subfolder), each scanned
+  with a note saying which name leads there (:func:`_walk`); a folder (or index) in which nothing is found is a
+  :class:`~ckptool.errors.UsageError`, not an empty pass.
 
 Each pickle found says whether ``torch.load`` reads it today (``hidden`` when not: another zip member, a nested
 zip, data after the end): ``ckptool inspect`` reports the same analysis, so both give one verdict and say where a
@@ -69,12 +73,14 @@ from dataclasses import replace
 from typing import cast
 
 from ckptool import _source as source
-from ckptool._source import RangeView
+from ckptool._source import RangeView, leaves_folder
 from ckptool.errors import CkptError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dcp import is_dcp_folder
+from ckptool.formats.deepspeed import loaded_tag_folders
 from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.formats.safetensors import read_header
+from ckptool.formats.sharded import INDEX_SUFFIX, parse_index, shard_outside
 from ckptool.model.allowlist import recognise_file
 from ckptool.ops.scan_bytes import _ZIP_EOCD, _ZIP_LOCAL, _zip_end
 from ckptool.ops.scan_code import CodeScanner
@@ -189,36 +195,115 @@ CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".jit"
 def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
     """What to scan: each file as given, and in each directory (recursively, sorted) each torch.distributed.checkpoint
     folder as one (its ``.metadata`` and ``.distcp`` files are read through it) and the other files whose name ends
-    like a checkpoint or whose first bytes are a zip, a pickle protocol 2-5 header or a legacy torch stream.
+    like a checkpoint or whose first bytes are a zip, a pickle protocol 2-5 header or a legacy torch stream; then
+    what a loader of the directory reads outside it (:func:`_targets`). A sharded index given as a file
+    (``*.index.json``) stands for the shards it names.
 
     Raises:
-        UsageError: a path does not exist.
+        UsageError: a path does not exist; a directory or index holds no checkpoint file.
     """
+    for path, _notes in _targets(paths):
+        yield path
+
+
+def _targets(paths: Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, list[str]]]:
+    """:func:`iter_paths`, each path with the notes to add to its result (why a file outside a scanned folder is
+    scanned)."""
     for given in paths:
         p = os.fspath(given)
         if source.is_url(p):  # one remote file (folders are walked only on disk)
             if source.kind(p) != "file":
                 raise UsageError(f"{p}: no such file; check the URL (give a file, not a folder)")
-            yield p
+            yield p, []
             continue
         if not os.path.exists(p):
             raise UsageError(f"{p}: no such file or directory; check the path")
-        if not os.path.isdir(p):
-            yield p
+        if os.path.isdir(p) or p.endswith(INDEX_SUFFIX):
+            found = 0
+            items = _walk(p) if os.path.isdir(p) else _followed(_index_shards(p, os.path.dirname(p) or "."), set())
+            for item in items:
+                found += 1
+                yield item
+            if not found:
+                raise UsageError(_nothing_found(p))
             continue
-        for root, dirs, files in os.walk(p):
-            dirs.sort()
-            dcp = is_dcp_folder(root)
-            if dcp:
-                yield root
-            for name in sorted(files):
-                full = os.path.join(root, name)
-                if dcp and (name == ".metadata" or name.endswith(".distcp")):
-                    continue
-                if os.path.islink(full) and not os.path.isfile(full):
-                    continue
-                if name.lower().endswith(CHECKPOINT_SUFFIXES) or _looks_like_checkpoint(full):
-                    yield full
+        yield p, []
+
+
+def _nothing_found(p: str) -> str:
+    if os.path.isdir(p):
+        return (f"{p} holds no checkpoint file (none named *.pt, *.bin, *.safetensors, ... or starting like a zip "
+                "or a pickle, no torch.distributed.checkpoint folder, in any subfolder); nothing was scanned: check "
+                "the path, or pass the checkpoint files themselves")
+    return f"{p} names no shard file that exists; nothing was scanned: download the shards, or scan them directly"
+
+
+def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
+    """The checkpoint files under the folder ``top`` (recursively, sorted, symlinked subfolders not entered), then
+    the files a loader of ``top`` reads from outside it: the shards a ``*.index.json`` names and the files of the
+    DeepSpeed tag folders ``latest`` or a symlinked tag folder lead to (:func:`_followed`)."""
+    seen: set[str] = set()
+    away: list[tuple[str, str]] = []
+    for root, dirs, files in os.walk(top):
+        dirs.sort()
+        dcp = is_dcp_folder(root)
+        if dcp:
+            seen.add(os.path.realpath(root))
+            yield root, []
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            if name.endswith(INDEX_SUFFIX):
+                away += _index_shards(full, top)
+            if dcp and (name == ".metadata" or name.endswith(".distcp")):
+                continue
+            if _is_candidate(full):
+                seen.add(os.path.realpath(full))
+                yield full, []
+        for folder, why in loaded_tag_folders(root, (dirs, files)):
+            away += [(f, f"{why}; DeepSpeed reads it from there") for f in _folder_files(folder)]
+    yield from _followed(away, seen)
+
+
+def _is_candidate(full: str) -> bool:
+    if os.path.islink(full) and not os.path.isfile(full):
+        return False
+    return os.path.basename(full).lower().endswith(CHECKPOINT_SUFFIXES) or _looks_like_checkpoint(full)
+
+
+def _folder_files(folder: str) -> list[str]:
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [os.path.join(folder, n) for n in names if os.path.isfile(os.path.join(folder, n))
+            and _is_candidate(os.path.join(folder, n))]
+
+
+def _index_shards(index_path: str, top: str) -> list[tuple[str, str]]:
+    """The shards the index at ``index_path`` names, each with why it is outside ``top`` ("" when it is not): the
+    paths ``transformers`` opens (``os.path.join(index folder, shard)``). An index that does not parse gives none
+    (its loader fails too)."""
+    try:
+        index = parse_index(index_path)
+    except CkptError:
+        return []
+    out = []
+    for shard in index.shards:
+        path = index.shard_path(shard)
+        why = shard_outside(index, shard) or leaves_folder(top, path)
+        out.append((path, f"{index_path} names the shard {shard!r}: {why}; transformers reads it from there"
+                    if why else ""))
+    return out
+
+
+def _followed(away: list[tuple[str, str]], seen: set[str]) -> Iterator[tuple[str, list[str]]]:
+    """Each existing file of ``away`` (path, why) whose real path was not scanned yet (``seen``), with its note."""
+    for path, why in away:
+        real = os.path.realpath(path)
+        if real in seen or not os.path.isfile(path):
+            continue
+        seen.add(real)
+        yield path, [f"outside the scanned folder: {why}"] if why else []
 
 
 def _looks_like_checkpoint(path: str) -> bool:
@@ -235,6 +320,11 @@ def scan(paths: Iterable[str | os.PathLike[str]]) -> list[ScanResult]:
     as one each).
 
     Raises:
-        UsageError: a path does not exist.
+        UsageError: a path does not exist; a directory (or a sharded index) holds no checkpoint file.
     """
-    return [scan_file(p) for p in iter_paths(paths)]
+    results = []
+    for p, notes in _targets(paths):
+        res = scan_file(p)
+        res.notes += notes
+        results.append(res)
+    return results

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any, BinaryIO
 
+from ckptool._commit import mark_committed, signals_blocked
 from ckptool._fileio import temp_path
 from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
 from ckptool.formats.dcp import DcpMetadata
@@ -108,9 +109,11 @@ def write_dcp(state: dict[str, Any], dst: str, verify: bool, res: ConvertResult)
             if diff:
                 raise verify_fail(dst, diff)
             res.verified = True
-        if os.path.isdir(dst):
-            os.rmdir(dst)
-        os.replace(stage, dst)
+        with signals_blocked():  # moved and recorded, or neither (the CLI's Interrupted line says which)
+            if os.path.isdir(dst):
+                os.rmdir(dst)
+            os.replace(stage, dst)
+            mark_committed(dst)
     res.files = sorted(os.path.join(dst, n) for n in os.listdir(dst))
     res.bytes_written = sum(os.path.getsize(p) for p in res.files)
 

@@ -7,10 +7,11 @@ import functools
 import os
 from collections.abc import Callable, Iterator
 
+from ckptool._commit import mark_committed, signals_blocked
 from ckptool._fileio import atomic_output, same_file, temp_path
-from ckptool.errors import OutputError, UsageError
+from ckptool.errors import CkptError, OutputError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES
-from ckptool.formats.sharded import SetLayout, encode_index, output_layout
+from ckptool.formats.sharded import INDEX_SUFFIX, SetLayout, encode_index, output_layout, parse_index
 from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, union_elements, units
 from ckptool.ops.convert.source import ConvertResult, Source, out_dtype
 from ckptool.ops.convert.verify import torch_verifier, verification_check, verify_safetensors, with_evidence
@@ -93,7 +94,7 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
             res.files.append(dst)
         else:
             inputs = list(dict.fromkeys([src.path, *(t.storage.path for t in src.tensors)]))
-            _write_set(output_layout(dst, fmt_out), groups, write, inputs, weight_map, total, res)
+            _write_set(output_layout(dst, fmt_out), groups, write, inputs, weight_map, total, res, dst)
     finally:
         files.close()
     res.shards = len(groups)
@@ -114,7 +115,7 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
 
 
 def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str, str, list[Unit]], None],
-               inputs: list[str], weight_map: dict[str, str], total: int, res: ConvertResult) -> None:
+               inputs: list[str], weight_map: dict[str, str], total: int, res: ConvertResult, out: str) -> None:
     """Write the shards ``groups`` with ``write(path, final path, units)`` as the set ``layout`` (several: shards
     plus the index of ``weight_map``, which ``write`` fills, and ``total`` bytes; one: the single file, no index, as
     ``transformers`` ``save_pretrained`` does), adding the files to ``res``.
@@ -125,8 +126,10 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
     beside its final name (:func:`scratch_file`; each written atomically by
     :func:`ckptool.ops.convert.write.emit`), so an earlier set stays whole until the new one is complete;
     (3) rename the shards into place, then write the index atomically; (4) remove the earlier set's files the new
-    one does not use. A failure in (2) or (3) removes every file of this run (and the folder when this run made
-    it) and raises.
+    one does not use: those its index named, its index and its single file, never a file another index of the
+    folder names (:func:`_earlier_set`); and record ``out`` (the output as the command names it) as complete.
+    Steps (3) and (4) run with SIGINT and SIGTERM held (:func:`ckptool._commit.signals_blocked`). A failure in (2)
+    or (3) removes every file of this run (and the folder when this run made it) and raises.
 
     Raises:
         UsageError: step (1) refused, or the output folder is missing (file sets).
@@ -137,10 +140,16 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
     paths = [os.path.join(layout.folder, name) for name in layout.shard_names(n)]
     index = os.path.join(layout.folder, layout.index_name) if n > 1 else None
     _refuse_set_target(layout, [*paths, *([index] if index else [])], inputs)
+    earlier = _earlier_set(layout)  # read before the new index replaces the old one
     made = layout.is_output_folder and not os.path.isdir(layout.folder)
     if made:
         os.makedirs(layout.folder)
     committed: list[str] = []
+    keep = {os.path.basename(p) for p in [*paths, *([index] if index else [])]}
+    if n == 1:  # before the notes of the commit (what it removed), which follow from it
+        res.notes.append(f"everything fits one shard: wrote the single file {os.path.basename(paths[0])} and no "
+                         "index, as transformers' save_pretrained does")
+    done = False
     try:
         with contextlib.ExitStack() as stack:  # the scratch files go when it closes, whatever happened
             staged: list[tuple[str, str]] = []
@@ -148,39 +157,80 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
                 tmp = stack.enter_context(scratch_file(final))
                 write(tmp, final, us)
                 staged.append((tmp, final))
-            for tmp, final in staged:  # every shard is written and verified: put them in place
-                try:
-                    os.replace(tmp, final)
-                except OSError as e:
-                    raise OutputError(f"moving {final} into place failed: {e.strerror or e}; nothing was kept",
-                                      final, e.errno) from e
-                committed.append(final)
-        if index is not None:
-            with atomic_output(index) as f:
-                f.write(encode_index(weight_map, total))
+            # every shard is written and verified: put them in place, write the index, remove the earlier set's
+            # files and record the output as complete with SIGINT / SIGTERM held, so that an interrupt comes before
+            # the set changes (nothing kept) or after it is whole (the CLI says so)
+            with signals_blocked():
+                for tmp, final in staged:
+                    try:
+                        os.replace(tmp, final)
+                    except OSError as e:
+                        raise OutputError(f"moving {final} into place failed: {e.strerror or e}; nothing was "
+                                          "kept", final, e.errno) from e
+                    committed.append(final)
+                if index is not None:
+                    with atomic_output(index) as f:
+                        f.write(encode_index(weight_map, total))
+                _remove_earlier(layout, earlier, keep, res)
+                mark_committed(out)
+                done = True
     except BaseException:
-        for p in committed:
-            with contextlib.suppress(OSError):
-                os.unlink(p)
-        if made:
-            with contextlib.suppress(OSError):
-                os.rmdir(layout.folder)
+        if not done:
+            for p in committed:
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
+            if made:
+                with contextlib.suppress(OSError):
+                    os.rmdir(layout.folder)
         raise
     res.files += paths + ([index] if index else [])
     if index is not None and not layout.is_output_folder:
         res.dst = index  # NAME.safetensors itself is not written: the index names the set
-    if n == 1:
-        res.notes.append(f"everything fits one shard: wrote the single file {os.path.basename(paths[0])} and no "
-                         "index, as transformers' save_pretrained does")
-    keep = {os.path.basename(p) for p in res.files}
-    stale = sorted(name for name in os.listdir(layout.folder) if layout.is_member(name) and name not in keep
-                   and os.path.isfile(os.path.join(layout.folder, name)))
+
+
+def _named_by(index_path: str) -> set[str]:
+    """The shard names an index names that are files of its own folder (plain names); none when it does not
+    parse."""
+    try:
+        index = parse_index(index_path)
+    except CkptError:
+        return set()
+    return {s for s in index.shards if os.path.basename(s) == s}
+
+
+def _earlier_set(layout: SetLayout) -> set[str]:
+    """The files of the set an earlier run wrote for ``layout``, which this run replaces: its index
+    (``layout.index_name``), the shards that index names, and the single file ``<stem><ext>`` (a set of one), each
+    only when it is a file of the layout's names; less any file another ``*.index.json`` of the folder names
+    (another set's file is never ours to remove)."""
+    folder = layout.folder
+    if not os.path.isdir(folder):
+        return set()
+    names = set(os.listdir(folder))
+    ours = {layout.index_name, layout.stem + layout.ext} & names
+    if layout.index_name in names:
+        ours |= _named_by(os.path.join(folder, layout.index_name)) & names
+    others = set().union(*(_named_by(os.path.join(folder, n)) for n in names
+                           if n.endswith(INDEX_SUFFIX) and n != layout.index_name))
+    return {n for n in ours - others if layout.is_member(n)}
+
+
+def _remove_earlier(layout: SetLayout, earlier: set[str], keep: set[str], res: ConvertResult) -> None:
+    """Remove the files of the earlier set (:func:`_earlier_set`) this run did not write, and note them; note, not
+    remove, the other files named like the layout's members that no index of this set named."""
+    folder = layout.folder
+    stale = sorted(n for n in earlier - keep if os.path.isfile(os.path.join(folder, n)))
     for name in stale:
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(layout.folder, name))
+            os.unlink(os.path.join(folder, name))
     if stale:
-        res.notes.append(f"removed {len(stale)} file(s) of an earlier shard set in {layout.folder}: "
+        res.notes.append(f"removed {len(stale)} file(s) of an earlier shard set in {folder}: "
                          f"{', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''}")
+    left = sorted(n for n in os.listdir(folder) if layout.is_member(n) and n not in keep and n not in earlier)
+    if left:
+        res.notes.append(f"left {len(left)} file(s) named like this set's in {folder} that no index of this set "
+                         f"names (another set's, or not ckptool's): {', '.join(left[:3])}"
+                         f"{' ...' if len(left) > 3 else ''}")
 
 
 def _refuse_set_target(layout: SetLayout, targets: list[str], inputs: list[str]) -> None:

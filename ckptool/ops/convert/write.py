@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TypeVar
 
 from ckptool import _source as source
+from ckptool._commit import unmark_committed
 from ckptool._fileio import atomic_output, copy_range, copy_range_crc, write_behind_for
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
@@ -307,5 +308,6 @@ def emit(path: str, write: Callable[[BinaryIO], W], check: Callable[[W, str], No
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+            unmark_committed(path)
             raise
     return w
