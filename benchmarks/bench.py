@@ -92,6 +92,8 @@ What it does
    * convert (1) peak RSS                                 <= 64 MiB
    * convert+verify (1) / cp + fsync (1)                  (informational)
    * convert (1) / torch mmap load+save_file (1)          (informational)
+   * ``--only pairs`` (:mod:`pairs`): scan (1) / picklescan (1) <= 1.0 and inspect (2) / torch meta load (2)
+     <= 0.12 as medians of alternating pairs, each tool in its own clean virtual environment
 
 4. Then the figures of ``benchmarks/figures.py`` (see its docstring), each with its own table: ``load``
    (``load_into`` vs ``torch.load(mmap=True)`` + ``load_state_dict`` and plain ``torch.load`` + ``load_state_dict``
