@@ -40,7 +40,7 @@ SCAN_ZIP_MODULES = {
     "ckptool.formats.nodes", "ckptool.formats.pickle_check", "ckptool.formats.pt2", "ckptool.formats.safetensors",
     "ckptool.formats.strided", "ckptool.formats.unpickler", "ckptool.formats.zipdir",
     "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices", "ckptool.model.graph",
-    "ckptool.model.units",
+    "ckptool.model.units", "ckptool.model.weights_only",
     "ckptool.ops", "ckptool.ops.scan", "ckptool.ops.scan_dcp", "ckptool.ops.scan_pickles",
     "ckptool.ops.scan_results", "ckptool.ops.scan_sarif",
 }

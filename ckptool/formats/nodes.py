@@ -13,7 +13,10 @@ these records, which only remember what the pickle asked for and never run it:
 
 from __future__ import annotations
 
+import _compat_pickle
 import functools
+import sys
+from collections.abc import Callable
 from typing import Any, cast
 
 # Names of the tensor rebuild functions torch writes (torch/_utils.py, torch/_tensor.py).
@@ -27,13 +30,60 @@ REBUILD_FROM_TYPE_V2 = ("torch._tensor", "_rebuild_from_type_v2")
 #: the rebuild functions whose first argument is a storage (``_rebuild_from_type_v2`` wraps one of them)
 STORAGE_TENSOR_REBUILDERS = frozenset({REBUILD_TENSOR_V2, REBUILD_TENSOR_V3, REBUILD_TENSOR, REBUILD_QTENSOR})
 
-# protocol-2 pickles name builtins the Python 2 way; torch's allowlist is written with the Python 3 names
-_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+def py3_global(module: str, name: str) -> tuple[str, str]:
+    """``(module, name)`` of a global as Python 3's ``pickle`` resolves a Python 2 name: through the standard
+    library's own tables (``_compat_pickle.NAME_MAPPING`` for a whole name, such as ``__builtin__.long`` ->
+    ``builtins.int`` or ``__builtin__.unicode`` -> ``builtins.str``, else ``IMPORT_MAPPING`` for the module, such as
+    ``__builtin__`` -> ``builtins`` or ``copy_reg`` -> ``copyreg``), as ``pickle.Unpickler.find_class`` does with
+    ``fix_imports`` (the default) for protocols 0-2 (``torch.save`` writes 2) and ``torch.load``'s restricted
+    unpickler does for every protocol. A few table keys are Python 3 names too (``dbm.open`` -> ``dbm.ndbm.open``);
+    :func:`qualified_name` leaves those as written."""
+    mapped = _compat_pickle.NAME_MAPPING.get((module, name))
+    if mapped is not None:
+        return mapped
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
+#: separates a global's name from an unsafe use of it in a use key (:func:`use_key`)
+USE_MARK = " !"
+#: the uses :func:`use_key` records: BUILD on the class itself; an allocation over the reader's limit (``alloc=N``)
+CLASS_BUILD, ALLOC = "class-build", "alloc="
+
+
+def use_key(module: str, name: str, use: str) -> tuple[str, str]:
+    """The ``(module, name)`` entry a reader adds to the globals it saw for an unsafe use of global
+    ``module.name`` (``collections.Counter !class-build``, ``builtins.bytearray !alloc=1500000000``): every command
+    that lists and rates a pickle's globals then rates the use too (:func:`split_use`)."""
+    module, name = _py2_mapped(module, name)  # __builtin__.long !class-build is builtins.int's
+    return module, f"{name}{USE_MARK}{use}"
+
+
+def split_use(qualified: str) -> tuple[str, str | None]:
+    """``(global, use)`` of a name from :func:`qualified_name`: the use recorded by :func:`use_key`, or None."""
+    base, mark, use = qualified.partition(USE_MARK)
+    return (base, use) if mark else (qualified, None)
+
+
+#: the top-level modules of Python 3's standard library: a name in one of them is left as written
+_PY3_STDLIB = frozenset(sys.stdlib_module_names)
 
 
 def qualified_name(module: str, name: str) -> str:
-    """``module.name`` with Python 2 module names mapped to Python 3 (``__builtin__`` -> ``builtins``)."""
-    return f"{_PY2_MODULES.get(module, module)}.{name}"
+    """``module.name`` with Python 2 names mapped to Python 3 (:func:`py3_global`: ``__builtin__.long`` ->
+    ``builtins.int``): the one place every command (scan, inspect, sanitize, load) names a global before rating it.
+    A name whose module also exists in Python 3 (``dbm.open``, ``itertools.izip``) is left as written: a pickle of
+    protocol 3 or more imports it so, and the tests check that it is rated no safer than its mapped form."""
+    module, name = _py2_mapped(module, name)
+    return f"{module}.{name}"
+
+
+def _py2_mapped(module: str, name: str) -> tuple[str, str]:
+    """``(module, name)`` as :func:`qualified_name` names it: mapped by :func:`py3_global` unless the module also
+    exists in Python 3."""
+    if (module in _compat_pickle.IMPORT_MAPPING or (module, name) in _compat_pickle.NAME_MAPPING) and (
+            module.split(".", 1)[0] not in _PY3_STDLIB):
+        return py3_global(module, name)
+    return module, name
 
 
 _new_object = object.__new__
@@ -51,7 +101,17 @@ class GlobalMeta(type):
     #: the node REDUCE records (:func:`node_type_for`); None for ``_rebuild_from_type_v2``, decided per call
     node_type: type[ReduceNode] | None
 
+    #: how a call sizes the memory it allocates (:func:`_sizing_for`): 0 (it does not), ``_FIRST_ARG``, ``_INT_ARGS``
+    #: or ``_THIRD_ARG_SHAPE``
+    sizing: int
+    #: the most elements a call of this global asked to allocate (a class attribute, set only when one did)
+    requested: int = 0
+    #: how many BUILDs set attributes on the class itself (class mutation; set only when one did)
+    class_builds: int = 0
+
     def __call__(cls, *args: Any) -> ReduceNode:
+        if cls.sizing:
+            _note_request(cls, args)
         node = cls.node_type  # chosen once per global in find_class
         if node is None:  # _rebuild_from_type_v2: a tensor when its rebuild function is a tensor rebuilder
             inner = args[0] if args else None
@@ -65,8 +125,18 @@ class GlobalMeta(type):
 
     @property
     def qualified_name(cls) -> str:
-        """``module.name`` with Python 2 module names mapped to Python 3 (``__builtin__`` -> ``builtins``)."""
+        """``module.name`` with Python 2 names mapped to Python 3 (:func:`qualified_name`)."""
         return qualified_name(cls.module, cls.name)
+
+    # BUILD looks ``__setstate__`` up on the object it builds; on a placeholder class itself (the pickle pushed a
+    # global and BUILDs on it: ``setattr`` on the class, as ``pickle`` does with a (None, slotstate) state) this
+    # data descriptor of the metaclass answers before the instance method of PickledObject, and counts it
+    @property
+    def __setstate__(cls) -> Callable[[Any], None]:  # noqa: PLE0302  # a property: BUILD calls what it returns
+        return cls._build_on_class
+
+    def _build_on_class(cls, state: Any) -> None:
+        cls.class_builds = cls.class_builds + 1
 
     def __repr__(cls) -> str:
         return f"<global {cls.module}.{cls.name}>"
@@ -234,6 +304,8 @@ class ObjectNode(PickledObject):
     kwargs: dict[str, Any]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ObjectNode:
+        if cls.sizing:  # type: ignore[attr-defined]  # cls is a placeholder (GlobalMeta)
+            _note_request(cast(GlobalMeta, cls), args)
         self = object.__new__(cls)
         self.args = args
         self.kwargs = kwargs
@@ -322,11 +394,67 @@ def node_type_for(module: str, name: str) -> type[ReduceNode] | None:
     return ReduceNode
 
 
+#: how a global's call sizes what it allocates: 1 its first argument (``bytearray(n)``, ``bytes(n)``, a storage class
+#: ``torch.FloatStorage(n)``), 2 the product of its int arguments (a legacy tensor type ``torch.FloatTensor(a, b)``),
+#: 3 the product of its third argument (``torch._utils._rebuild_qtensor(storage, offset, size, ...)`` allocates a
+#: quantized tensor of ``size`` before it sets its storage)
+_FIRST_ARG, _INT_ARGS, _THIRD_ARG_SHAPE = 1, 2, 3
+_BYTES_TYPES = frozenset({("builtins", "bytearray"), ("builtins", "bytes")})
+_TORCH_TYPE_MODULES = frozenset({"torch", "torch.cuda", "torch.storage"})
+
+
+def _sizing_for(module: str, name: str) -> int:
+    """How a call of global ``module.name`` sizes the memory it allocates (a ``_FIRST_ARG``-style constant), 0 for
+    a global whose call allocates nothing sized by its arguments."""
+    module, name = py3_global(module, name)
+    if (module, name) in _BYTES_TYPES or (module in _TORCH_TYPE_MODULES and name.endswith("Storage")):
+        return _FIRST_ARG
+    if module in ("torch", "torch.cuda") and name.endswith("Tensor"):
+        return _INT_ARGS
+    if (module, name) == REBUILD_QTENSOR:
+        return _THIRD_ARG_SHAPE
+    return 0
+
+
+def _product(values: Any) -> int:
+    """The product of ``values`` when all are non-negative ints (bools excluded), else 0 (nothing is allocated
+    from them, or the call fails)."""
+    n = 1
+    for v in values:
+        if type(v) is not int or v < 0:
+            return 0
+        n *= v
+    return n
+
+
+def requested_elements(g: GlobalMeta, args: tuple[Any, ...]) -> int:
+    """How many elements a call of placeholder ``g`` with ``args`` asks to allocate beyond the data the file holds
+    for it (0 for a global whose call allocates nothing sized by its arguments; a quantized tensor backed by a
+    storage of at least that many elements asks nothing)."""
+    if g.sizing == _FIRST_ARG:
+        return _product(args[:1]) if args else 0
+    if g.sizing == _INT_ARGS:
+        return _product(args) if args and all(type(a) is int for a in args) else 0
+    if g.sizing == _THIRD_ARG_SHAPE:
+        shape = args[2] if len(args) > 2 else None
+        n = _product(shape) if isinstance(shape, tuple) else 0
+        return 0 if args and isinstance(args[0], StorageRef) and args[0].numel >= n else n
+    return 0
+
+
+def _note_request(g: GlobalMeta, args: tuple[Any, ...]) -> None:
+    """Remember on placeholder ``g`` the most elements a call of it asks to allocate (:func:`requested_elements`)."""
+    n = requested_elements(g, args)
+    if n > g.requested:
+        g.requested = n
+
+
 def new_global(module: str, name: str) -> GlobalMeta:
     """A new placeholder for global ``module.name``: a class whose call records a node (:func:`node_type_for`)
     instead of calling anything. The restricted unpickler makes one per name it reads (cached per file)."""
     return GlobalMeta("Global", (ObjectNode,),
-                      {"__slots__": (), "module": module, "name": name, "node_type": node_type_for(module, name)})
+                      {"__slots__": (), "module": module, "name": name, "node_type": node_type_for(module, name),
+                       "sizing": _sizing_for(module, name)})
 
 
 @functools.lru_cache(maxsize=1024)

@@ -9,7 +9,9 @@ Security policy
 * Nothing from the file is called. Calling a placeholder (REDUCE) or instantiating it (NEWOBJ / NEWOBJ_EX / OBJ /
   INST) creates a record node (:class:`~ckptool.formats.nodes.ReduceNode`, ``TensorNode``, ``ParameterNode``,
   ``ObjectNode``) holding the callable and its arguments; BUILD, SETITEMS, APPENDS and ADDITEMS on a node are
-  recorded on it (:class:`~ckptool.formats.nodes.PickledObject`).
+  recorded on it (:class:`~ckptool.formats.nodes.PickledObject`). A BUILD on a placeholder class itself (class
+  mutation, which ``pickle`` runs as ``setattr`` on the class) is counted, not refused, and reported as a use of
+  that global (:func:`~ckptool.formats.nodes.use_key`: ``collections.Counter !class-build``) in ``globals_seen``.
 * :meth:`RestrictedUnpickler.persistent_load` reads no data: torch's storage persistent ids
   (``('storage', StorageType, key, location, numel)``) become :class:`~ckptool.formats.nodes.StorageRef` records
   (one per key, so storage sharing stays visible and survives a rewrite), legacy ``('module', cls, ...)`` ids
@@ -18,7 +20,10 @@ Security policy
 * Resource limits: before the C unpickler runs, :func:`~ckptool.formats.pickle_check.check_pickle` walks the
   opcodes and refuses memo bombs, lengths past the end of the data and FRAMEs that cut an opcode; tuple nesting deep
   enough to overflow the C stack when hashed is unpickled in a thread with a stack sized for it
-  (:func:`~ckptool.formats.pickle_check.call_with_stack`).
+  (:func:`~ckptool.formats.pickle_check.call_with_stack`). A call that would allocate memory sized by its
+  arguments (``bytearray(n)``, a storage or legacy tensor type, a quantized tensor larger than its storage) over
+  :data:`MAX_REQUEST_BYTES` is reported as a use of its global (``builtins.bytearray !alloc=1500000000``); nothing
+  is allocated here.
 * Every failure of a damaged or hostile pickle becomes one
   :class:`~ckptool.errors.CorruptCheckpointError` (the exceptions in :data:`PICKLE_ERRORS`, ``raise ... from``).
 
@@ -37,10 +42,21 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, cast
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
-from ckptool.formats.nodes import GlobalMeta, PersistentRef, StorageRef, new_global
+from ckptool.formats.dtypes import STORAGE_TYPES
+from ckptool.formats.nodes import (
+    ALLOC,
+    CLASS_BUILD,
+    GlobalMeta,
+    PersistentRef,
+    StorageRef,
+    new_global,
+    requested_elements,
+    use_key,
+)
 from ckptool.formats.pickle_check import PickleBuffer, call_with_stack, check_pickle, tuple_levels
 
-__all__ = ["PICKLE_ERRORS", "RestrictedUnpickler", "load_pickle_at", "load_structure", "partial_globals"]
+__all__ = ["MAX_REQUEST_BYTES", "PICKLE_ERRORS", "RestrictedUnpickler", "element_size", "load_pickle_at",
+           "load_structure", "partial_globals", "request_bytes"]
 
 
 
@@ -63,6 +79,27 @@ class RestrictedUnpickler(pickle.Unpickler):
         # lookups in the 50,000 calls of a big state_dict; no reference to self, so no cycle) replaces the method
         self.persistent_load = _storage_loader(self.storages, self._locations)  # type: ignore[method-assign,assignment]
         super().__init__(file, encoding="latin1")
+
+    def load(self) -> Any:
+        """Unpickle (as ``pickle.Unpickler.load``), then add to ``globals_seen`` a use key
+        (:func:`~ckptool.formats.nodes.use_key`) for each global the pickle BUILDs on as a class (class mutation)
+        and each call that asks to allocate more than :data:`MAX_REQUEST_BYTES` (``bytearray(1500000000)``); also
+        when unpickling fails, for what was read before the failure."""
+        try:
+            return super().load()
+        finally:
+            self._note_uses()
+
+    def _note_uses(self) -> None:
+        for key in list(self.globals_seen):
+            g = self._globals.get(key)
+            if g is None:
+                continue
+            if g.class_builds:
+                self.globals_seen[use_key(*key, CLASS_BUILD)] = None
+            nbytes = g.requested * element_size(g.name)
+            if nbytes > MAX_REQUEST_BYTES:
+                self.globals_seen[use_key(*key, f"{ALLOC}{nbytes}")] = None
 
     def find_class(self, module: str, name: str) -> GlobalMeta:
         """The placeholder for global ``module.name`` (one per name and ``global_cache``); imports nothing."""
@@ -128,6 +165,26 @@ def _persistent_record(storages: dict[str, StorageRef], locations: dict[str, str
         # names the class directly, so returning the placeholder makes a rewrite emit a plain GLOBAL.
         return pid[1]
     return PersistentRef(pid)
+
+
+#: the most bytes one call in a pickle may ask to allocate (``bytearray(n)``, ``torch.FloatStorage(n)``...) before
+#: the call is reported as an unsafe use: ``torch.save`` never writes such calls (storages come from persistent ids,
+#: bytes as data), and ``bytearray(1500000000)`` fills 1.5 GB when loaded
+MAX_REQUEST_BYTES = 1 << 28
+
+
+def element_size(name: str) -> int:
+    """Bytes per element of what a sized call of the global named ``name`` (its last part) allocates: a torch
+    storage or tensor type's element type's (``torch.Tensor``, ``TypedStorage``: float32's); ``bytearray`` and
+    ``bytes``: 1; an unknown one: 1, the least."""
+    storage = name[:-len("Tensor")] + "Storage" if name.endswith("Tensor") else name
+    return STORAGE_TYPES.get(storage, ("", 4 if name in ("Tensor", "TypedStorage") else 1))[1]
+
+
+def request_bytes(g: GlobalMeta, args: tuple[Any, ...]) -> int:
+    """The bytes a call of placeholder ``g`` with ``args`` asks to allocate beyond the file's data
+    (:func:`~ckptool.formats.nodes.requested_elements` times :func:`element_size`)."""
+    return requested_elements(g, args) * element_size(g.name)
 
 
 #: exceptions that a damaged or hostile pickle can raise inside the C unpickler

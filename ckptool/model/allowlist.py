@@ -6,11 +6,11 @@
 the three levels of ``ckptool scan`` (:data:`SAFE`, :data:`NEEDS_TRUST`, :data:`DANGEROUS`), used by ``ckptool scan``
 and ``ckptool inspect``; :func:`refusal_remedy` says what to do about a file ``torch.load(weights_only=True)`` refuses.
 
-:data:`WEIGHTS_ONLY_ALLOWED` is generated from ``torch._weights_only_unpickler._get_allowed_globals()`` of torch
-2.13.0 (the keys of that dict, ``module.qualname``). A checkpoint whose pickle names only these (plus the opcodes
-torch's restricted unpickler handles itself) loads with ``weights_only=True``; anything else needs the user's trust
-(``weights_only=False``) or ``torch.serialization.add_safe_globals``. Regenerate with
-``python -c "from torch import _weights_only_unpickler as w; print(sorted(w._get_allowed_globals()))"``.
+:data:`WEIGHTS_ONLY_ALLOWED` (kept, with how to regenerate it, in :mod:`ckptool.model.weights_only`) holds the
+keys of ``torch._weights_only_unpickler._get_allowed_globals()`` of torch 2.13.0 (``module.qualname``). A checkpoint
+whose pickle names only these (plus the opcodes torch's restricted unpickler handles itself) loads with
+``weights_only=True``; anything else needs the user's trust (``weights_only=False``) or
+``torch.serialization.add_safe_globals``.
 
 The three levels, and the rule that puts each global in one (first match wins):
 
@@ -20,20 +20,32 @@ The three levels, and the rule that puts each global in one (first match wins):
    rebuilds them as data, and these names can call nothing else. Anywhere else they need trust (rule 2).
 2. ``needs-trust`` (status ``needs-trust``): a name on :data:`NEEDS_TRUST_NAMES` (exact), such as
    ``argparse.Namespace``, ``pathlib.PosixPath``, numpy's array/dtype/RNG-state rebuilders, ``torch._C.Generator``
-   or the DCP metadata classes (:data:`ckptool.formats.dcp.DCP_GLOBALS`). This list is checked before rule 3, so
-   that ``pathlib.PosixPath`` is data while every other ``pathlib`` name stays dangerous.
-3. ``dangerous`` (status ``dangerous``): a known gadget, :data:`DANGEROUS_NAMES` or anything in a module of
-   :data:`DANGEROUS_MODULES` (process, file, network, import, eval...).
-4. ``needs-trust``: a class (last part CapWords, every part before it a lowercase module name) in a module of
-   :data:`NEEDS_TRUST_MODULES` (``torch.nn.modules``, ``torch.optim``, ``numpy.random``...): library classes that
-   carry state and run no code of the file's choosing when rebuilt.
-5. ``needs-trust`` (status ``unknown``): any other class of that shape (``mypkg.models.Net``). Nothing shows it
+   or the DCP metadata classes (:data:`ckptool.formats.dcp.DCP_GLOBALS`). This list is checked before rule 4, so
+   that ``pathlib.PosixPath`` is data while every other ``pathlib`` name stays dangerous. A name on
+   :data:`DANGEROUS_NAMES` (exact) is dangerous. The rules below apply to every other name.
+3. ``needs-trust``: a class (last part CapWords, every part before it a lowercase module name) of a module of
+   :data:`NEEDS_TRUST_MODULES` (exactly that module: ``torch.nn.modules.linear``, ``torch.optim.adam``,
+   ``numpy.random.mtrand``...): library classes that carry state and run no code of the file's choosing when
+   rebuilt.
+4. ``dangerous``: anything in a module of :data:`DANGEROUS_MODULES` (process, file, network, import, eval...).
+5. ``dangerous``: any other function or attribute (``operator.add``, ``mypkg.utils.run``,
+   ``pathlib.Path.write_text``): loading would call it with arguments the file chooses, and no list shows it
+   harmless; and any other class of the standard library or numpy (:data:`KNOWN_PACKAGES`: ``_pyio.FileIO``,
+   ``_multiprocessing.SemLock``, ``sqlite3.Connection``): they are installed wherever the file is loaded, so
+   trusting "the package" decides nothing, and their constructors open files, sockets, processes and databases.
+6. ``needs-trust`` (status ``unknown``): any other class (``mypkg.models.Net``). Nothing shows it
    harmless: loading imports its module (running that module's top-level code) and calls the class or its
    ``__setstate__`` with data from the file; a class-shaped name can even be an alias of a function. Load it only
    if you trust both the file and the package.
-6. ``dangerous``: anything else, that is any function or attribute outside the lists (``operator.add``,
-   ``mypkg.utils.run``, ``pathlib.Path.write_text``): loading would call it with arguments the file chooses, and
-   no list shows it harmless.
+
+A dotted name is the object it reaches, not the module it starts in (:func:`classify_global`): a name rules 3 and
+6 would rate is also rated as each shorter name that starts at a part naming a top-level module
+(:data:`REEXPORTABLE`), past the modules the lists show are real, and is dangerous when a list makes that shorter
+name dangerous: ``torch.utils.cpp_extension.subprocess.Popen`` is ``subprocess.Popen`` and
+``torch.optim.lr_scheduler.types.CodeType`` is ``types.CodeType``, both dangerous (``mypkg.token.Tokenizer`` stays
+an unknown class: ``token.Tokenizer`` is on no list).
+Python 2 names (``__builtin__.long``) are rated as the Python 3 names ``pickle`` maps them to
+(:func:`ckptool.formats.nodes.qualified_name`, through the standard library's ``_compat_pickle`` tables).
 
 Whole files are recognised by their content (:func:`recognise_file`: accelerate's RNG state), never by their name,
 to say what a needs-trust file is. Names are rated by what they are, never by the file name or by how often they
@@ -43,162 +55,24 @@ appear; the lists only add ``needs-trust`` names and reasons: the default for a 
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Iterable
 
 from ckptool.formats.dcp import DCP_GLOBALS
-
-WEIGHTS_ONLY_ALLOWED: frozenset[str] = frozenset(
-    [
-        '_codecs.encode',
-        'builtins.bytearray',
-        'builtins.complex',
-        'builtins.set',
-        'collections.Counter',
-        'collections.OrderedDict',
-        'torch.BFloat16Storage',
-        'torch.BFloat16Tensor',
-        'torch.BoolStorage',
-        'torch.BoolTensor',
-        'torch.ByteStorage',
-        'torch.ByteTensor',
-        'torch.CharStorage',
-        'torch.CharTensor',
-        'torch.ComplexDoubleStorage',
-        'torch.ComplexFloatStorage',
-        'torch.DoubleStorage',
-        'torch.DoubleTensor',
-        'torch.FloatStorage',
-        'torch.FloatTensor',
-        'torch.HalfStorage',
-        'torch.HalfTensor',
-        'torch.IntStorage',
-        'torch.IntTensor',
-        'torch.LongStorage',
-        'torch.LongTensor',
-        'torch.QInt32Storage',
-        'torch.QInt8Storage',
-        'torch.QUInt2x4Storage',
-        'torch.QUInt4x2Storage',
-        'torch.QUInt8Storage',
-        'torch.ShortStorage',
-        'torch.ShortTensor',
-        'torch.Size',
-        'torch.Tensor',
-        'torch._tensor._rebuild_from_type_v2',
-        'torch._utils._rebuild_device_tensor_from_cpu_tensor',
-        'torch._utils._rebuild_device_tensor_from_numpy',
-        'torch._utils._rebuild_meta_tensor_no_storage',
-        'torch._utils._rebuild_nested_tensor',
-        'torch._utils._rebuild_parameter',
-        'torch._utils._rebuild_parameter_with_state',
-        'torch._utils._rebuild_qtensor',
-        'torch._utils._rebuild_sparse_tensor',
-        'torch._utils._rebuild_tensor',
-        'torch._utils._rebuild_tensor_v2',
-        'torch._utils._rebuild_tensor_v3',
-        'torch._utils._rebuild_wrapper_subclass',
-        'torch.bfloat16',
-        'torch.bits16',
-        'torch.bits1x8',
-        'torch.bits2x4',
-        'torch.bits4x2',
-        'torch.bits8',
-        'torch.bool',
-        'torch.complex128',
-        'torch.complex32',
-        'torch.complex64',
-        'torch.cuda.BFloat16Storage',
-        'torch.cuda.BFloat16Tensor',
-        'torch.cuda.BoolStorage',
-        'torch.cuda.BoolTensor',
-        'torch.cuda.ByteStorage',
-        'torch.cuda.ByteTensor',
-        'torch.cuda.CharStorage',
-        'torch.cuda.CharTensor',
-        'torch.cuda.ComplexDoubleStorage',
-        'torch.cuda.ComplexFloatStorage',
-        'torch.cuda.DoubleStorage',
-        'torch.cuda.DoubleTensor',
-        'torch.cuda.FloatStorage',
-        'torch.cuda.FloatTensor',
-        'torch.cuda.HalfStorage',
-        'torch.cuda.HalfTensor',
-        'torch.cuda.IntStorage',
-        'torch.cuda.IntTensor',
-        'torch.cuda.LongStorage',
-        'torch.cuda.LongTensor',
-        'torch.cuda.ShortStorage',
-        'torch.cuda.ShortTensor',
-        'torch.cuda.sparse.BFloat16Tensor',
-        'torch.cuda.sparse.ByteTensor',
-        'torch.cuda.sparse.CharTensor',
-        'torch.cuda.sparse.DoubleTensor',
-        'torch.cuda.sparse.FloatTensor',
-        'torch.cuda.sparse.HalfTensor',
-        'torch.cuda.sparse.IntTensor',
-        'torch.cuda.sparse.LongTensor',
-        'torch.cuda.sparse.ShortTensor',
-        'torch.device',
-        'torch.float16',
-        'torch.float32',
-        'torch.float4_e2m1fn_x2',
-        'torch.float64',
-        'torch.float8_e4m3fn',
-        'torch.float8_e4m3fnuz',
-        'torch.float8_e5m2',
-        'torch.float8_e5m2fnuz',
-        'torch.float8_e8m0fnu',
-        'torch.int1',
-        'torch.int16',
-        'torch.int2',
-        'torch.int3',
-        'torch.int32',
-        'torch.int4',
-        'torch.int5',
-        'torch.int6',
-        'torch.int64',
-        'torch.int7',
-        'torch.int8',
-        'torch.nn.parameter.Parameter',
-        'torch.per_channel_affine',
-        'torch.per_channel_affine_float_qparams',
-        'torch.per_channel_symmetric',
-        'torch.per_tensor_affine',
-        'torch.per_tensor_symmetric',
-        'torch.qint32',
-        'torch.qint8',
-        'torch.quint2x4',
-        'torch.quint4x2',
-        'torch.quint8',
-        'torch.serialization._get_layout',
-        'torch.sparse.BFloat16Tensor',
-        'torch.sparse.ByteTensor',
-        'torch.sparse.CharTensor',
-        'torch.sparse.DoubleTensor',
-        'torch.sparse.FloatTensor',
-        'torch.sparse.HalfTensor',
-        'torch.sparse.IntTensor',
-        'torch.sparse.LongTensor',
-        'torch.sparse.ShortTensor',
-        'torch.storage.TypedStorage',
-        'torch.storage.UntypedStorage',
-        'torch.uint1',
-        'torch.uint16',
-        'torch.uint2',
-        'torch.uint3',
-        'torch.uint32',
-        'torch.uint4',
-        'torch.uint5',
-        'torch.uint6',
-        'torch.uint64',
-        'torch.uint7',
-        'torch.uint8',
-    ]
-)
+from ckptool.formats.nodes import ALLOC, CLASS_BUILD, split_use
+from ckptool.formats.unpickler import MAX_REQUEST_BYTES
+from ckptool.model.weights_only import WEIGHTS_ONLY_ALLOWED
 
 
 def is_allowed(qualified_name: str) -> bool:
-    """True when ``torch.load(weights_only=True)`` accepts the global ``module.qualname`` (Python 3 names)."""
+    """True when ``torch.load(weights_only=True)`` accepts the global ``module.qualname`` (Python 3 names). For a
+    use of a global (:func:`ckptool.formats.nodes.use_key`): a call over the allocation limit is accepted when its
+    global is (torch checks no size), a BUILD on a class never is (torch builds only instances of allowed types).
+    A gate before ``torch.load`` asks :func:`classify_global` for :data:`ALLOWED` instead, which refuses both."""
+    base, use = split_use(qualified_name)
+    if use is not None:
+        return use.startswith(ALLOC) and base in WEIGHTS_ONLY_ALLOWED
     return qualified_name in WEIGHTS_ONLY_ALLOWED
 
 
@@ -266,6 +140,27 @@ DANGEROUS_MODULES: dict[str, str] = {
     "atexit": "registers callables to run at exit", "weakref": "registers callables (weakref.finalize)",
     "torch.utils.tensorboard": "creates log files", "tensorboardX": "creates log files",
     "torch.multiprocessing": "runs processes", "torch.distributed.run": "runs processes",
+    "_pyio": "opens files (_pyio.FileIO)", "_multiprocessing": "creates semaphores and processes (SemLock)",
+    "_posixsubprocess": "runs processes", "_posixshmem": "creates shared memory", "_sqlite3": "opens database files",
+    "_winapi": "runs processes and opens files", "msvcrt": "changes files and the console",
+    "winreg": "changes the Windows registry", "_winreg": "changes the Windows registry", "fcntl": "changes files",
+    "termios": "changes the terminal", "resource": "changes process limits", "select": "waits on files and sockets",
+    "selectors": "waits on files and sockets", "faulthandler": "writes to files", "platform": "runs processes",
+    "tkinter": "opens windows", "_tkinter": "opens windows", "turtle": "opens windows",
+    "curses": "changes the terminal",
+    "mailcap": "runs commands", "xml": "parses files and fetches external entities",
+    "torch.utils.cpp_extension": "compiles and runs C++ code and processes (it imports subprocess)",
+    "torch.package": "imports code from package archives", "torch.fx": "generates and runs Python code",
+    "torch.jit": "loads and compiles TorchScript code", "torch.hub": "downloads and runs code",
+    "torch._inductor": "compiles and runs code", "torch._dynamo": "compiles and runs code",
+    "torch.utils.benchmark": "runs code and processes",
+    "torch.distributed": "opens network stores and process groups (TCPStore, FileStore, RPC)",
+    "torch._C._distributed_c10d": "opens network stores and process groups (TCPStore, FileStore)",
+    "torch._C._distributed_rpc": "opens network connections",
+    "numpy.lib._datasource": "creates and deletes folders (DataSource's destructor runs shutil.rmtree)",
+    "numpy.lib.npyio": "reads and writes files (and its DataSource deletes folders)",
+    "numpy.f2py": "compiles and runs code", "numpy.distutils": "runs build code", "numpy.testing": "runs Python code",
+    "numpy.ctypeslib": "loads C libraries",
 }
 
 #: single names that are gadgets
@@ -293,6 +188,8 @@ DANGEROUS_NAMES: dict[str, str] = {
     "torch.storage._load_from_bytes": "unpickles more data (running it)",
     "numpy.load": "unpickles .npy data with allow_pickle", "numpy.testing._private.utils.runstring": "runs Python code",
     "numpy.lib.npyio.load": "unpickles .npy data with allow_pickle",
+    **{f"numpy.{m}DataSource": "creates and deletes folders (its destructor runs shutil.rmtree on a path the file "
+                              "can set)" for m in ("", "lib.")},
 }
 
 _NUMPY_ARRAY = "rebuilds a numpy array, scalar or dtype from its bytes"
@@ -326,6 +223,20 @@ NEEDS_TRUST_NAMES: dict[str, str] = {
     **{f"datetime.{n}": "a date or time value: builds it, runs nothing"
        for n in ("datetime", "date", "time", "timedelta", "timezone")},
     "torch._C.Generator": "a torch random generator: restores its saved RNG state",
+    "random.Random": "Python's random generator: restores its saved state, runs nothing",
+    # torch.distributed.tensor and device_mesh register these with add_safe_globals when imported (what a torch.save
+    # of a DTensor names): the rest of torch.distributed stays dangerous
+    **dict.fromkeys((
+        "torch.distributed.device_mesh.DeviceMesh", "torch.distributed._mesh_layout._MeshLayout",
+        "torch.distributed._mesh_layout._FlatLayout", "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+        "torch.distributed.tensor._dtensor_spec.TensorMeta", "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
+        "torch.distributed.tensor.DTensor", "torch.distributed.tensor.placement_types.Partial",
+        "torch.distributed.tensor.placement_types.Replicate", "torch.distributed.tensor.placement_types.Shard",
+        "torch.distributed.tensor.placement_types._StridedShard"),
+        "a DTensor record: torch.load(weights_only=True) accepts it once torch.distributed.tensor is imported"),
+    **dict.fromkeys(("decimal.Decimal", "fractions.Fraction", "uuid.UUID", "ipaddress.IPv4Address",
+                     "ipaddress.IPv6Address", "ipaddress.IPv4Network", "ipaddress.IPv6Network"),
+                    "a standard-library value (a number, an identifier or an address): builds it, runs nothing"),
     "torch._utils._rebuild_xla_tensor": "rebuilds an XLA tensor from its saved values (torch.save writes it)",
     "torch.amp.grad_scaler._refresh_per_optimizer_state": "GradScaler's default factory (returns a fresh dict)",
     "torch.cuda.amp.grad_scaler._refresh_per_optimizer_state": "GradScaler's default factory (returns a fresh dict)",
@@ -333,20 +244,36 @@ NEEDS_TRUST_NAMES: dict[str, str] = {
        for n in DCP_GLOBALS if not n.startswith("pathlib.")},
 }
 
-#: modules whose classes (``module.CapWordsName``, in the module or a submodule) need trust but carry state only
+_NN = "a torch.nn module: rebuilt from its saved attributes"
+_OPTIM = ("a torch optimizer or LR scheduler: rebuilt from its saved attributes (functions it holds are rated on "
+          "their own)")
+_SCALER = "torch.amp's GradScaler: rebuilt from its saved scale and counters"
+_NP_RANDOM = "a numpy bit generator or RandomState: rebuilt from its saved state"
+
+#: modules whose classes (``module.CapWordsName``, defined in exactly that module: a class reached through a module
+#: attribute of it, such as ``torch.optim.lr_scheduler.types.CodeType``, is not one) need trust but carry state only.
+#: The torch.nn and torch.optim submodules are those of torch 2.13 (``ls torch/nn/modules torch/optim``)
 NEEDS_TRUST_MODULES: dict[str, str] = {
-    "torch.nn.modules": "a torch.nn module: rebuilt from its saved attributes",
+    **{f"torch.nn.modules.{m}": _NN for m in (
+        "activation", "adaptive", "batchnorm", "channelshuffle", "container", "conv", "distance", "dropout",
+        "flatten", "fold", "instancenorm", "lazy", "linear", "linear_cross_entropy", "linear_cross_entropy_options",
+        "loss", "module", "normalization", "padding", "pixelshuffle", "pooling", "rnn", "sparse", "transformer",
+        "upsampling")},
     "torch.nn.parameter": "a torch parameter or buffer class: rebuilt from its saved tensor",
-    "torch.optim": "a torch optimizer or LR scheduler: rebuilt from its saved attributes (functions it holds are "
-                   "rated on their own)",
-    "torch.amp": "torch.amp's GradScaler: rebuilt from its saved scale and counters",
-    "torch.cuda.amp": "torch.amp's GradScaler: rebuilt from its saved scale and counters",
-    "torch.distributed.checkpoint": "a torch.distributed.checkpoint metadata record",
+    **{f"torch.optim.{m}": _OPTIM for m in (
+        "_adafactor", "_muon", "adadelta", "adagrad", "adam", "adamax", "adamw", "asgd", "lbfgs", "lr_scheduler",
+        "nadam", "optimizer", "radam", "rmsprop", "rprop", "sgd", "sparse_adam", "swa_utils")},
+    "torch.amp.grad_scaler": _SCALER, "torch.cuda.amp.grad_scaler": _SCALER,
+    **{f"torch.distributed.checkpoint.{m}": "a torch.distributed.checkpoint metadata record"
+       for m in ("metadata", "planner")},
     "torch.torch_version": "torch's version string class",
-    "numpy.random": "a numpy bit generator or RandomState: rebuilt from its saved state",
+    "numpy.random": _NP_RANDOM,
+    **{f"numpy.random.{m}": _NP_RANDOM for m in (
+        "mtrand", "_generator", "bit_generator", "_mt19937", "_pcg64", "_philox", "_sfc64")},
     "numpy.dtypes": "a numpy dtype class",
-    "collections": "a standard container class",
+    "collections": "a standard container class", "collections.abc": "an abstract container class",
     "enum": "an enum class",
+    "builtins": "a built-in exception or warning class: builds it from the file's data, runs nothing",
 }
 
 _DCP_DATA = ("torch.distributed.checkpoint's own metadata record in .metadata (FileSystemReader rebuilds it as "
@@ -375,7 +302,7 @@ def recognise_file(root_keys: Iterable[object], names: Iterable[str]) -> tuple[s
     None for anything else (a file that matches the keys but names other globals is rated by its globals alone).
     """
     keys = {k for k in root_keys if type(k) is str}
-    if keys >= ACCELERATE_RNG_KEYS and all(is_allowed(n) or n in ACCELERATE_SAFE_GLOBALS for n in names):
+    if keys >= ACCELERATE_RNG_KEYS and all(n in WEIGHTS_ONLY_ALLOWED or n in ACCELERATE_SAFE_GLOBALS for n in names):
         return ACCELERATE_RNG, ("accelerate's save_state RNG state (Python, numpy and torch random states): "
                                 "accelerate.load_state reads it with torch.load(weights_only=True) plus numpy "
                                 "arrays and dtypes as safe globals; it needs trust in numpy, runs no code of the "
@@ -388,6 +315,20 @@ TORCHSCRIPT_NAMES = frozenset({
     "torch.jit._pickle.build_intlist", "torch.jit._pickle.build_tensorlist", "torch.jit._pickle.build_doublelist",
     "torch.jit._pickle.build_boollist", "torch.jit._pickle.build_tensor_from_id", "torch.jit._pickle.restore_type_tag",
 })
+
+
+#: the top-level modules of the standard library (``sys.stdlib_module_names``; ``__main__`` is the user's script)
+STDLIB_MODULES: frozenset[str] = frozenset(sys.stdlib_module_names) - {"__main__"}
+#: packages whose classes ckptool knows: a class of theirs on no list is dangerous, not an unknown class (they are
+#: installed wherever the file is loaded, so "trust the package" decides nothing, and their constructors open
+#: files, sockets, processes and databases: ``_pyio.FileIO``, ``sqlite3.Connection``, numpy's ``DataSource``)
+KNOWN_PACKAGES: frozenset[str] = STDLIB_MODULES | {"numpy"}
+#: top-level modules that a dotted path may reach as a module attribute of another module (``subprocess`` in
+#: ``torch.utils.cpp_extension.subprocess.Popen``: ``import subprocess`` in that module makes it an attribute)
+REEXPORTABLE: frozenset[str] = KNOWN_PACKAGES | {"torch", "dill", "cloudpickle", "joblib", "requests", "cffi",
+                                                 "setuptools", "pip", "tensorboardX"}
+#: names with more dotted parts than this are rated dangerous without reading them further (real ones have < 10)
+MAX_NAME_PARTS = 32
 
 
 def _dangerous_reason(name: str) -> str | None:
@@ -415,17 +356,9 @@ def _module_of_class(name: str) -> str | None:
     return module
 
 
-def classify_global(name: str, *, torchscript: bool = False, dcp_metadata: bool = False) -> tuple[str, str]:
-    """``(status, reason)`` of the global ``module.qualname`` (Python 3 module names), by the rules of this
-    module's docstring (first match wins). ``dcp_metadata``: the name is in a torch.distributed.checkpoint
-    ``.metadata`` pickle, where DCP's own record classes and ``pathlib`` paths (:data:`DCP_GLOBALS`) are allowed.
-
-    ``status`` is :data:`ALLOWED` (in the ``torch.load(weights_only=True)`` allowlist, or resolved by TorchScript's
-    own unpickler when ``torchscript`` is true), :data:`NEEDS_TRUST` (a known library class or rebuilder that runs
-    no code of the file's choosing), :data:`DANGEROUS` (a known gadget, or a function on no list; ``reason`` says
-    what it can do) or :data:`UNKNOWN` (a class on no list: loading would import and build it). :func:`level_of`
-    turns it into a scan level.
-    """
+def _exact_rating(name: str, torchscript: bool, dcp_metadata: bool) -> tuple[str, str] | None:
+    """The rating of ``name`` when a list names it exactly (each entry is a real object of a real module, so the
+    rating holds whatever path the name takes), else None."""
     if is_allowed(name):
         return ALLOWED, "accepted by torch.load(weights_only=True)"
     if dcp_metadata and name in DCP_GLOBALS:
@@ -437,18 +370,109 @@ def classify_global(name: str, *, torchscript: bool = False, dcp_metadata: bool 
     why = NEEDS_TRUST_NAMES.get(name)
     if why is not None:
         return NEEDS_TRUST, why
+    why = DANGEROUS_NAMES.get(name)
+    if why is not None:
+        return DANGEROUS, why
+    return None
+
+
+_NO_LIST_FUNCTION = "a function on no list: loading would call it with arguments the file chooses"
+
+
+def _path_rating(name: str) -> tuple[str, str]:
+    """The rating of ``name`` read as a path of modules ending in the object (rules 2-6 of the module docstring)."""
+    module = _module_of_class(name)
+    if module is not None and module in NEEDS_TRUST_MODULES:
+        return NEEDS_TRUST, NEEDS_TRUST_MODULES[module]
     why = _dangerous_reason(name)
     if why is not None:
         return DANGEROUS, why
-    module = _module_of_class(name)
     if module is None:
-        return DANGEROUS, "a function on no list: loading would call it with arguments the file chooses"
-    parts = module.split(".")
-    for i in range(len(parts), 0, -1):
-        why = NEEDS_TRUST_MODULES.get(".".join(parts[:i]))
-        if why is not None:
-            return NEEDS_TRUST, why
+        return DANGEROUS, _NO_LIST_FUNCTION
+    top = module.split(".", 1)[0]
+    if top in KNOWN_PACKAGES:
+        what = "numpy" if top == "numpy" else "the standard library"
+        return DANGEROUS, (f"a class of {what} on no list: its constructor, called with the file's arguments, may "
+                           "open files, sockets, processes or databases (no list shows it harmless)")
     return UNKNOWN, "a class on no list: loading imports its package and builds it from the file's data"
+
+
+def _use_reason(name: str, use: str) -> str:
+    """Why the use ``use`` of global ``name`` (recorded by :func:`ckptool.formats.nodes.use_key`) is dangerous."""
+    if use == CLASS_BUILD:
+        return (f"the pickle BUILDs on the class {name} itself (class mutation: pickle sets attributes the file "
+                "chose on the class, and every later use of it in the process runs with them; "
+                "torch.load(weights_only=True) refuses it)")
+    if use.startswith(ALLOC):
+        size = use[len(ALLOC):]
+        return (f"a call of {name} asks to allocate {size} bytes when loaded (a memory bomb: over ckptool's limit of "
+                f"{MAX_REQUEST_BYTES} bytes per call; torch.save never writes such a call)")
+    return f"an unsafe use of {name} ({use})"
+
+
+@functools.lru_cache(maxsize=1)
+def _known_modules() -> frozenset[str]:
+    """Modules (and their parent packages) that the lists show are real modules: those of
+    :data:`NEEDS_TRUST_MODULES` and of every exactly listed name. A part of a dotted name inside one of them is that
+    module's submodule, not another module imported there."""
+    names = [*WEIGHTS_ONLY_ALLOWED, *NEEDS_TRUST_NAMES, *DANGEROUS_NAMES, *TORCHSCRIPT_NAMES, *DCP_GLOBALS]
+    modules = {n.rpartition(".")[0] for n in names} | set(NEEDS_TRUST_MODULES)
+    return frozenset(".".join(m.split(".")[:i]) for m in modules for i in range(1, m.count(".") + 2))
+
+
+def _listed_danger(name: str, torchscript: bool, dcp_metadata: bool) -> str | None:
+    """What ``name`` can do when a list makes it dangerous (an exact entry, a :data:`DANGEROUS_MODULES` module),
+    else None: a name on no list (``token.Tokenizer``) is not made dangerous by the general rules here, because a
+    package's own submodule often shares a standard module's name (``mypkg.token``)."""
+    exact = _exact_rating(name, torchscript, dcp_metadata)
+    if exact is not None:
+        return exact[1] if exact[0] == DANGEROUS else None
+    return _dangerous_reason(name)
+
+
+def classify_global(name: str, *, torchscript: bool = False, dcp_metadata: bool = False) -> tuple[str, str]:
+    """``(status, reason)`` of the global ``module.qualname`` (Python 3 names: :func:`ckptool.formats.nodes.
+    qualified_name` maps Python 2 ones first), by the rules of this module's docstring. ``dcp_metadata``: the name is
+    in a torch.distributed.checkpoint ``.metadata`` pickle, where DCP's own record classes and ``pathlib`` paths
+    (:data:`DCP_GLOBALS`) are allowed.
+
+    A dotted name is the object it reaches, not the module it starts in: ``pickle`` walks ``qualname`` attribute by
+    attribute (``STACK_GLOBAL`` of ``torch.utils.cpp_extension`` + ``subprocess.Popen``), and a module attribute
+    can be another module (``import subprocess`` there). So a name no list names exactly is dangerous when a
+    shorter name that starts at one of its parts naming a top-level module (:data:`REEXPORTABLE`), past the modules
+    the lists show are real, is dangerous by a list (``subprocess.Popen``, ``types.CodeType``). Nothing is
+    imported: which attributes really are modules is not looked up, so a package's own submodule that shares a
+    dangerous standard module's name (``mypkg.io.Reader``) is rated as that module too.
+
+    ``status`` is :data:`ALLOWED` (in the ``torch.load(weights_only=True)`` allowlist, or resolved by TorchScript's
+    own unpickler when ``torchscript`` is true), :data:`NEEDS_TRUST` (a known library class or rebuilder that runs
+    no code of the file's choosing), :data:`DANGEROUS` (a known gadget, a function on no list, a standard-library or
+    numpy class on no list; ``reason`` says what it can do) or :data:`UNKNOWN` (a class of another package on no
+    list: loading would import and build it). :func:`level_of` turns it into a scan level.
+    """
+    base, use = split_use(name)
+    if use is not None:
+        return DANGEROUS, _use_reason(base, use)
+    exact = _exact_rating(name, torchscript, dcp_metadata)
+    if exact is not None:
+        return exact
+    parts = name.split(".")
+    if len(parts) > MAX_NAME_PARTS:
+        return DANGEROUS, f"a name of {len(parts)} dotted parts: no real module path is that deep"
+    rating = _path_rating(name)
+    if rating[0] == DANGEROUS and rating[1] != _NO_LIST_FUNCTION:
+        return rating
+    known = next((i for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in _known_modules()), 1)
+    for i in range(known, len(parts) - 1):
+        if parts[i] not in REEXPORTABLE:
+            continue
+        reached = ".".join(parts[i:])
+        why = _listed_danger(reached, torchscript, dcp_metadata)
+        if why is not None:
+            via = ".".join(parts[:i + 1])
+            return DANGEROUS, (f"{via} can be the module {parts[i]} imported there (a module attribute), which "
+                               f"makes this {reached}: {why}")
+    return rating
 
 
 def refusal_remedy(path: str, names: Iterable[str]) -> str:
@@ -459,7 +483,9 @@ def refusal_remedy(path: str, names: Iterable[str]) -> str:
     One or two sentences, starting with a capital."""
     dangerous = [n for n in names if classify_global(n)[0] == DANGEROUS]
     if dangerous:
-        return (f"It names {', '.join(dangerous[:3])}, which can run code on your machine: do not load it with "
+        bombs = all((split_use(n)[1] or "").startswith(ALLOC) for n in dangerous)
+        harm = "exhaust your machine's memory" if bombs else "run code on your machine"
+        return (f"It names {', '.join(dangerous[:3])}, which can {harm}: do not load it with "
                 f"trust; see `ckptool scan {path}`")
     return (f"Convert it without running it: `ckptool sanitize {path} -o OUT.pth` (numpy arrays become tensors, "
             "argparse.Namespace records dicts, a pickled model its state_dict); or pass trust=True (--trust) only "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ckptool.errors import UnsafeCheckpointError
 from ckptool.formats.dcp import DcpMetadata
-from ckptool.model.allowlist import ALLOWED, classify_global, is_allowed
+from ckptool.model.allowlist import ALLOWED, classify_global
 
 
 def is_dcp_allowed(name: str) -> bool:
@@ -35,7 +35,7 @@ def check_dcp_safe(meta: DcpMetadata, trust: bool) -> None:
         if record.transformed:
             unsafe.append(f"(transformed entry {record.fqn!r}, cannot be checked)")
             continue
-        unsafe += [n for n in meta.record_globals(record) if not is_allowed(n)]
+        unsafe += [n for n in meta.record_globals(record) if classify_global(n)[0] != ALLOWED]  # not a bomb either
     if unsafe:
         unsafe = list(dict.fromkeys(unsafe))
         raise UnsafeCheckpointError(

@@ -21,7 +21,7 @@ from ckptool import _source as source
 from ckptool._fileio import atomic_output, file_mode, same_file
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.nodes import StorageRef
+from ckptool.formats.nodes import CLASS_BUILD, StorageRef, split_use
 from ckptool.formats.pickler import PicklerError, dumps
 from ckptool.formats.torchfile import Checkpoint, resolve_zip_offsets
 from ckptool.formats.torchzip import TorchZipWriter
@@ -102,9 +102,16 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
     the copied records. ``progress(nbytes)`` is called as record bytes are copied (by the writer, per chunk).
 
     Raises:
-        UnsupportedError: legacy storage views (``view_metadata``), values the pickle writer cannot express.
+        UnsupportedError: legacy storage views (``view_metadata``), values the pickle writer cannot express, a BUILD
+            on a class (class mutation: the node graph does not hold it, so writing would silently drop it).
         CorruptCheckpointError: a record is shorter than declared.
     """
+    mutated = [f"{m}.{split_use(n)[0]}" for m, n in ck.globals if split_use(n)[1] == CLASS_BUILD]
+    if mutated:
+        raise UnsupportedError(
+            f"{ck.path}: the pickle sets attributes on the class {mutated[0]} itself (a BUILD on the class: class "
+            f"mutation, dangerous; see `ckptool scan {ck.path}`); ckptool cannot write it back, and leaving it out "
+            "would change the file")
     res = WriteResult(ck.path, "", ck.format, storages=len(ck.storages))
     legacy = ck.format == formats.TORCH_LEGACY
 

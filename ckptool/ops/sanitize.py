@@ -38,6 +38,8 @@ from ckptool._gc import gc_paused
 from ckptool.errors import UnsafeCheckpointError, UnsupportedError
 from ckptool.formats import detect as formats
 from ckptool.formats.nodes import (
+    ALLOC,
+    CLASS_BUILD,
     GlobalMeta,
     ObjectNode,
     ParameterNode,
@@ -47,8 +49,12 @@ from ckptool.formats.nodes import (
     StorageRef,
     TensorNode,
     global_placeholder,
+    qualified_name,
+    split_use,
+    use_key,
 )
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint
+from ckptool.formats.unpickler import MAX_REQUEST_BYTES, request_bytes
 from ckptool.model.allowlist import DANGEROUS, classify_global, is_allowed
 from ckptool.model.graph import ATOMS, is_module, join, mapping_items, set_mapping_items, too_deep
 from ckptool.model.module_state import detached, module_state_dict, state_dict_node
@@ -173,6 +179,8 @@ class _Sanitizer:
 
     def _unknown(self, obj: object, path: str) -> Any:
         name = _global_of(obj)
+        if isinstance(obj, ReduceNode) and _oversized(obj):  # bytearray(1500000000): rated as the use it is
+            name = qualified_name(*use_key(obj.func.module, obj.func.name, f"{ALLOC}{_request(obj)}"))
         reason = "a persistent id torch.load cannot resolve" if isinstance(obj, PersistentRef) else (
             classify_global(name)[1] if "." in name else "no rule converts it")
         self.left.append(Conversion(path, "unknown", name, reason))
@@ -257,7 +265,7 @@ class _Sanitizer:
         if kind is not None:
             return self._numpy(obj, kind, path)
         name = _global_of(obj)
-        if is_allowed(name):
+        if is_allowed(name) and not _oversized(obj):
             return self._allowed(obj, path)
         if name in _PATHS and isinstance(obj, ReduceNode) and all(isinstance(a, str) for a in obj.args):
             text = _PATHS[name].join(*obj.args) if obj.args else "."
@@ -372,11 +380,15 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
         root = s.value(ck.root, "")
     except RecursionError as e:
         raise too_deep(e) from None
+    for name in dict.fromkeys(qualified_name(m, n) for m, n in ck.globals):  # BUILD on a class: never written
+        if split_use(name)[1] == CLASS_BUILD:
+            s.left.append(Conversion("", "unknown", name, classify_global(name)[1]))
     if s.left and (not drop_unknown or root is _DROP):
         raise _refusal(src, s.left)
     keep = {"data/" + k for k in s.used}
     kept = replace(ck, protocol=2, _records=[r for r in ck.records if not r.name.startswith("data/") or r.name in keep],
-                   storages={k: v for k, v in ck.storages.items() if k in s.used})
+                   storages={k: v for k, v in ck.storages.items() if k in s.used},
+                   globals=[g for g in ck.globals if split_use(g[1])[1] != CLASS_BUILD])  # dropped: listed in left
     written = rewrite_file(kept, out, root, location_fn, s.new_records, progress)
     res = SanitizeResult(src, out, fmt, s.converted, s.left, storages=len(kept.storages) + len(s.new_records),
                          new_storages=len(s.new_records), bytes_written=written.bytes_written,
@@ -388,6 +400,16 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
         tag = location_fn("cpu") if location_fn else "cpu"
         res.devices[tag] = res.devices.get(tag, 0) + len(s.new_records)
     return res
+
+
+def _request(obj: ReduceNode) -> int:
+    """The bytes the call ``obj`` asks to allocate when loaded (0: none sized by its arguments)."""
+    return request_bytes(obj.func, obj.args) if isinstance(obj.func, GlobalMeta) and obj.func.sizing else 0
+
+
+def _oversized(obj: PickledObject) -> bool:
+    """True for a call that asks to allocate more than the reader's limit (``bytearray(1500000000)``)."""
+    return isinstance(obj, ReduceNode) and _request(obj) > MAX_REQUEST_BYTES
 
 
 def sanitize_output(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None, in_place: bool = False) -> str:
