@@ -46,9 +46,11 @@ class Env:
 
 
 def _pip(venv: str, *args: str) -> tuple[int, str]:
-    proc = subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pip", "install", "-q",
-                           "--disable-pip-version-check", *args], check=False, capture_output=True, text=True,
-                          env=clean_env())
+    """``pip install -q ARGS`` in ``venv`` (one retry, 20 s network timeout: without PyPI it fails soon):
+    ``(exit status, last line of stderr)``."""
+    cmd = [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+           "--retries", "1", "--timeout", "20", *args]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=clean_env())
     return proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1]
 
 
