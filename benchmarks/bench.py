@@ -4,8 +4,13 @@
 Usage::
 
     python benchmarks/bench.py [--workdir DIR] [--size-gib 2.0] [--many 50000] [--dcp-gib 4.0]
-                               [--only inspect|remap|strip|convert|scan|load|scale|dcp] [--repeat 3] [--keep] [--json]
-                               [--extras]
+                               [--only inspect|remap|strip|convert|scan|load|scale|dcp|pairs] [--repeat 3] [--keep]
+                               [--json] [--extras] [--pairs 15] [--startup-rounds 7]
+
+    # the reproducible comparisons (benchmarks/pairs.py): scan vs picklescan and inspect (2) vs torch's meta load,
+    # each tool in its own clean virtual environment under benchmarks/out/, 1 warm-up then alternating A B pairs;
+    # and start-up per command beside `python -c pass`
+    python benchmarks/bench.py --only pairs --keep --pairs 15
 
     # quick smoke run (CI): --size-gib 0.05 --many 500 --repeat 1, exit 1 if a ckptool command fails
     python benchmarks/bench.py --smoke
@@ -87,6 +92,8 @@ What it does
    * convert (1) peak RSS                                 <= 64 MiB
    * convert+verify (1) / cp + fsync (1)                  (informational)
    * convert (1) / torch mmap load+save_file (1)          (informational)
+   * ``--only pairs`` (:mod:`pairs`): scan (1) / picklescan (1) <= 1.0 and inspect (2) / torch meta load (2)
+     <= 0.12 as medians of alternating pairs, each tool in its own clean virtual environment
 
 4. Then the figures of ``benchmarks/figures.py`` (see its docstring), each with its own table: ``load``
    (``load_into`` vs ``torch.load(mmap=True)`` + ``load_state_dict`` and plain ``torch.load`` + ``load_state_dict``
@@ -126,6 +133,7 @@ from typing import Any
 
 import bench_diff  # benchmarks/ is on sys.path when this file runs as a script
 import figures
+import pairs
 from children import child_env, compile_checkout, run_child, warm_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -536,16 +544,17 @@ def report_text(info: dict[str, object], files: dict[str, dict[str, object]], ms
         out.append(f"  ({case}) {CASE_NAMES[case]:<5} {f['bytes'] / 2**20:10.1f} MiB  {f['desc']}  {f['path']}")
     out.append("")
     rows = []
-    for (case, label), m in ms.items():
+    for (case, label), m in ms.items():  # (none under --only pairs: that group has tables of its own)
         if m.ok:
             spread = f"{min(m.wall_s):.3f}-{max(m.wall_s):.3f}"
             rows.append([f"({case}) {CASE_NAMES[case]}", label, f"{m.median_s:.3f}", spread, f"{m.peak_mib:.1f}"])
         else:
             rows.append([f"({case}) {CASE_NAMES[case]}", label, f"n/a (failed: {m.error})", "n/a", "n/a"])
-    out.append(f"runs (median of {repeat} wall seconds [min-max], max peak RSS)")
-    out.append(_table(rows, ["case", "command", "median wall s", "spread s", "peak RSS MiB"],
-                      ("left", "left", "right", "right", "right")))
-    out.append("")
+    if rows:
+        out.append(f"runs (median of {repeat} wall seconds [min-max], max peak RSS)")
+        out.append(_table(rows, ["case", "command", "median wall s", "spread s", "peak RSS MiB"],
+                          ("left", "left", "right", "right", "right")))
+        out.append("")
     for sec in sections:
         out.append(sec["title"])
         out.append(_table(sec["rows"], sec["headers"]) if sec["rows"] else "  (nothing)")
@@ -613,6 +622,8 @@ def extra_figures(args: argparse.Namespace, workdir: str, files: dict[str, dict[
         sections.append({"title": f"DCP folder -> one torch file (median of {args.repeat})",
                          "headers": ["command", "median wall s", "spread s", "peak RSS MiB"], "rows": rows})
         tgt.extend(t)
+    if args.only == "pairs" or (args.only is None and not args.smoke):  # makes venvs with pip: not in CI's smoke run
+        sections.extend(pair_sections(args, files, tgt))
     if args.extras:
         here = os.path.dirname(os.path.abspath(__file__))
         rows = []
@@ -626,6 +637,31 @@ def extra_figures(args: argparse.Namespace, workdir: str, files: dict[str, dict[
     return sections
 
 
+def pair_sections(args: argparse.Namespace, files: dict[str, dict[str, object]],
+                  tgt: list[dict[str, object]]) -> list[dict[str, Any]]:
+    """The ``pairs`` group (:mod:`pairs`): scan vs picklescan, inspect (2) vs torch's meta load, each tool in its
+    own clean virtual environment, as alternating pairs; then start-up per command beside ``python -c pass``. The
+    targets (scan (1) <= 1.0x picklescan, inspect (2) <= 0.12x torch's meta load) are appended to ``tgt``."""
+    n = 1 if args.smoke else args.pairs
+    comparisons, notes = pairs.pair_figures({c: str(f["path"]) for c, f in files.items()}, n, log)
+    for p, limit in zip(comparisons, (1.0, None, 0.12)):
+        value = p.ratio()
+        status = "n/a" if value is None else "info" if limit is None else "PASS" if value <= limit else "FAIL"
+        tgt.append({"figure": f"pairs: {p.name} (median A / median B)", "value": value, "unit": "x",
+                    "target": limit, "status": status})
+    rows = [p.row() for p in comparisons]
+    rc, out, _ = run_plain([sys.executable, "-c", "from ckptool.cli import COMMANDS; print(*COMMANDS)"], REPO)
+    commands = [c for c in out.split() if c != "demo"] if rc == 0 else []
+    srows, snote = pairs.startup_figures(commands, 1 if args.smoke else args.startup_rounds, log)
+    return [
+        {"title": f"alternating pairs A B (1 warm-up, then {n} pairs; wall s, median (min-max))\n  "
+                  + "\n  ".join(notes),
+         "headers": ["A / B", "A", "B", "median A / median B", "per-pair A/B"], "rows": rows},
+        {"title": f"start-up (median of {1 if args.smoke else args.startup_rounds} rounds after a warm-up; {snote})",
+         "headers": ["command", "median s", "spread s", "over python -c pass"], "rows": srows},
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="See the module docstring for what each figure means.")
@@ -633,11 +669,13 @@ def main(argv: list[str] | None = None) -> int:
                     "benchmarks/out/, or benchmarks/out/keep with --keep)")
     ap.add_argument("--size-gib", type=float, default=2.0, help="size of checkpoint (1) in GiB (default 2.0)")
     ap.add_argument("--many", type=int, default=50000, help="number of small tensors in checkpoint (2) (default 50000)")
-    ap.add_argument("--only", choices=("inspect", "remap", "strip", "convert", "scan", "load", "scale", "dcp"),
+    ap.add_argument("--only", choices=("inspect", "remap", "strip", "convert", "scan", "load", "scale", "dcp", "pairs"),
                     help="run only this figure (a ckptool command and its baselines)")
     ap.add_argument("--dcp-gib", type=float, default=4.0, help="size of the DCP checkpoint (default 4.0)")
     ap.add_argument("--extras", action="store_true", help="also run every benchmarks/bench_*.py module")
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement; median time, max RSS (default 3)")
+    ap.add_argument("--pairs", type=int, default=15, help="counted A B pairs of the pairs group (default 15)")
+    ap.add_argument("--startup-rounds", type=int, default=7, help="rounds of the start-up table (default 7)")
     ap.add_argument("--keep", action="store_true", help="reuse existing input files and leave them behind")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
     ap.add_argument("--smoke", action="store_true",

@@ -150,7 +150,8 @@ def test_a_read_only_command_loads_no_writer(real_dir: Path) -> None:
 @pytest.mark.torchfree
 def test_no_command_module_imports_another_or_the_package() -> None:
     """Command modules share code only through ckptool/cli/_common.py (which re-exports the flags of
-    ckptool/cli/_flags.py, imported by the entry point too); only the entry point imports ckptool.cli."""
+    ckptool/cli/_flags.py, imported by the entry point too) and ckptool/cli/_hints.py (the load hint of the writing
+    commands, which imports _common, never the other way); only the entry point imports ckptool.cli."""
     for path in CLI_DIR.glob("*.py"):
         if path.name in ("__init__.py", "_flags.py"):
             continue
@@ -165,8 +166,9 @@ def test_no_command_module_imports_another_or_the_package() -> None:
                 if path.name == "_common.py" and name.startswith("ckptool.cli._flags"):
                     continue
                 if name == "ckptool.cli" or name.startswith("ckptool.cli."):
-                    assert name.startswith("ckptool.cli._common"), f"{path.name} imports {name}"
+                    assert name.startswith(("ckptool.cli._common", "ckptool.cli._hints")), f"{path.name} imports {name}"
                     assert path.name != "_common.py", f"_common.py imports {name}"
+                    assert not (path.name == "_hints.py" and name.startswith("ckptool.cli._hints")), name
 
 
 # ------------------------------------------------------------------------------------------------ --debug

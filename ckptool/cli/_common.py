@@ -24,9 +24,8 @@ from ckptool.cli._flags import muted_stdout as muted_stdout
 from ckptool.cli._flags import progress_wanted as progress_wanted
 from ckptool.cli._flags import set_output as set_output
 from ckptool.errors import CkptError, UsageError
-from ckptool.model.devices import DEVICE_HELP, chosen_tags, parse_mapping
+from ckptool.model.devices import DEVICE_HELP, parse_mapping
 from ckptool.model.units import human_bytes as human_bytes
-from ckptool.ops.hints import LoadHint, load_hint
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -96,22 +95,6 @@ def allow_nested_option(f: F) -> F:
     )(f)
 
 
-def hint_for(path: str, *, state_dict: str | None = None, to: str | None = None,
-             maps: tuple[str, ...] = ()) -> LoadHint:
-    """The :func:`ckptool.ops.hints.load_hint` of the file written at ``path`` (``state_dict``: dotted path to load
-    into a model; ``to`` / ``maps``: the tags the user chose)."""
-    return load_hint(path, state_dict=state_dict, chosen=chosen_tags(to, mapping_of(maps)))
-
-
-def report_hint(path: str, *, state_dict: str | None = None, to: str | None = None,
-                maps: tuple[str, ...] = ()) -> None:
-    """Print the notes and the ``Load it with: ...`` line of :func:`hint_for` (same arguments)."""
-    hint = hint_for(path, state_dict=state_dict, to=to, maps=maps)
-    for note in hint.notes:
-        click.echo(f"Note: {note}")
-    click.echo(f"Load it with: {hint.code}")
-
-
 def report_write(dst: str, bytes_written: int, detail: str) -> None:
     """Print ``Wrote DST (SIZE, DETAIL)``: the line every rewriting command ends its report with."""
     click.echo(f"Wrote {dst} ({human_bytes(bytes_written)}, {detail})")
@@ -165,12 +148,6 @@ def emit_json(command: str, payload: dict[str, Any]) -> None:
 def retagged_list(retagged: dict[tuple[str, str], int]) -> list[dict[str, Any]]:
     """``{(old, new): n}`` as ``[{"from": old, "to": new, "storages": n}, ...]`` (sorted) for JSON."""
     return [{"from": a, "to": b, "storages": n} for (a, b), n in sorted(retagged.items())]
-
-
-def hint_payload(hint: LoadHint) -> dict[str, Any]:
-    """A load hint as the JSON field ``{"load_hint": {"code": "torch.load(...)", "notes": [...], "imports":
-    ["import torch"]}}`` (``imports``: the statements to run before ``code``)."""
-    return {"load_hint": {"code": hint.code, "notes": list(hint.notes), "imports": list(hint.imports)}}
 
 
 def write_payload(res: WriteResult, rename: RenameResult | None = None) -> dict[str, Any]:

@@ -19,17 +19,15 @@ from ckptool.cli._common import (
     device_options,
     emit_json,
     force_option,
-    hint_for,
-    hint_payload,
     human_bytes,
     json_option,
     key_option,
     mapping_of,
     refuse_stdout,
-    report_hint,
     report_write,
     set_output,
 )
+from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.errors import UsageError
 from ckptool.formats.sharded import output_layout
 from ckptool.ops.convert import ConvertResult, convert

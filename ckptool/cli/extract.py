@@ -14,16 +14,14 @@ from ckptool.cli._common import (
     device_options,
     emit_json,
     force_option,
-    hint_for,
-    hint_payload,
     human_bytes,
     json_option,
     key_option,
     mapping_of,
     refuse_stdout,
-    report_hint,
     source_size,
 )
+from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.ops.extract import default_output, extract_state_dict
 
 

@@ -12,17 +12,15 @@ from ckptool.cli._common import (
     claim_output,
     device_options,
     emit_json,
-    hint_for,
-    hint_payload,
     json_option,
     mapping_of,
     output_options,
     refuse_stdout,
-    report_hint,
     report_write,
     retagged_list,
     source_size,
 )
+from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.ops.sanitize import Conversion, sanitize, sanitize_output
 
 

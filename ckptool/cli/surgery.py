@@ -16,20 +16,18 @@ from ckptool.cli._common import (
     claim_output,
     device_options,
     emit_json,
-    hint_for,
-    hint_payload,
     json_option,
     key_option,
     mapping_of,
     output_options,
     refuse_stdout,
     renamed_state_dict,
-    report_hint,
     report_write,
     retagged_list,
     source_size,
     write_payload,
 )
+from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.errors import UsageError
 from ckptool.ops.average import AverageResult, average
 from ckptool.ops.rewrite import output_path

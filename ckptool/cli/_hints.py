@@ -1,0 +1,39 @@
+"""The load hint that every command writing a checkpoint prints last (``Load it with: ...``) and puts in its
+``--json`` output: :func:`hint_for`, :func:`report_hint`, :func:`hint_payload`.
+
+Apart from :mod:`ckptool.cli._common` because the hint reads the written file back
+(:func:`ckptool.ops.hints.load_hint` inspects it), which loads the inspect code: the read-only commands (``scan``,
+``inspect``) import :mod:`~ckptool.cli._common` only, and start without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ckptool.cli._common import mapping_of
+from ckptool.model.devices import chosen_tags
+from ckptool.ops.hints import LoadHint, load_hint
+
+
+def hint_for(path: str, *, state_dict: str | None = None, to: str | None = None,
+             maps: tuple[str, ...] = ()) -> LoadHint:
+    """The :func:`ckptool.ops.hints.load_hint` of the file written at ``path`` (``state_dict``: dotted path to load
+    into a model; ``to`` / ``maps``: the tags the user chose)."""
+    return load_hint(path, state_dict=state_dict, chosen=chosen_tags(to, mapping_of(maps)))
+
+
+def report_hint(path: str, *, state_dict: str | None = None, to: str | None = None,
+                maps: tuple[str, ...] = ()) -> None:
+    """Print the notes and the ``Load it with: ...`` line of :func:`hint_for` (same arguments)."""
+    hint = hint_for(path, state_dict=state_dict, to=to, maps=maps)
+    for note in hint.notes:
+        click.echo(f"Note: {note}")
+    click.echo(f"Load it with: {hint.code}")
+
+
+def hint_payload(hint: LoadHint) -> dict[str, Any]:
+    """A load hint as the JSON field ``{"load_hint": {"code": "torch.load(...)", "notes": [...], "imports":
+    ["import torch"]}}`` (``imports``: the statements to run before ``code``)."""
+    return {"load_hint": {"code": hint.code, "notes": list(hint.notes), "imports": list(hint.imports)}}
