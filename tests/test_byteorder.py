@@ -192,7 +192,7 @@ def test_a_big_endian_deepspeed_folder_is_refused_clearly(tmp_path: Path) -> Non
 
     from ckptool.errors import UnsupportedError
 
-    src = Path(__file__).resolve().parent.parent / "fixtures" / "deepspeed" / "zero2-1rank"
+    src = Path(__file__).resolve().parent.parent / "fixtures" / "deepspeed-zero" / "zero2-1rank"
     folder = tmp_path / "ds"
     shutil.copytree(src, folder)
     optim = next(folder.rglob("*optim_states.pt"))

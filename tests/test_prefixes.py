@@ -142,8 +142,12 @@ def _bare_metadata() -> Any:
 
 
 def _one_error_line(result: Any) -> str:
+    """The one ``Error:`` line of a failed run (a usage error, exit 2, adds the ``Try '... --help'`` pointer)."""
     assert result.exit_code != 0, result.output
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    if result.exit_code == 2 and len(lines) == 2:
+        assert lines[1].startswith("Try '") and lines[1].endswith("--help' for help."), result.output
+        lines = lines[:1]
     assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
     return lines[0]
 
