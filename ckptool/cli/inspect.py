@@ -225,7 +225,8 @@ def _print_package(pkg: dict[str, Any]) -> None:
         echo(f"  pickle {_one_line(r['member'])}: {r['kind']}, {r['tensors']} tensors "
              f"(load_pickle({_one_line(r['package'])!r}, {_one_line(r['resource'])!r}))")
     echo(f"  modules it ships (run when loaded): {_one_line(', '.join(pkg['modules'])) or 'none'}")
-    echo(f"  extern modules (taken from the loading environment): {_one_line(', '.join(pkg['extern_modules'])) or 'none'}")
+    extern = _one_line(", ".join(pkg["extern_modules"])) or "none"
+    echo(f"  extern modules (taken from the loading environment): {extern}")
 
 
 def _one_line(text: str) -> str:

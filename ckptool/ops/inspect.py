@@ -747,7 +747,8 @@ def _inspect_package(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
     except RecursionError as e:
         raise CorruptCheckpointError(f"{path}: {too_deep(e)}") from None
     totals = _storage_totals(tensors, pkg.storages)
-    return CheckpointInfo(path, formats.TORCH_PACKAGE, "package", pkg.size, tensors, dict(Counter(t.device for t in tensors)),
+    devices = dict(Counter(t.device for t in tensors))
+    return CheckpointInfo(path, formats.TORCH_PACKAGE, "package", pkg.size, tensors, devices,
                           _device_bytes(totals), sd_infos, [GlobalInfo(n, is_allowed(n)) for n in names],
                           storages=len(pkg.storages), totals=totals, values=values, values_complete=complete,
                           metadata={"python_version": pkg.python_version, "version": pkg.version},
