@@ -42,9 +42,9 @@ _PATH_PART = 48  # characters of one dotted key component shown in the tables (t
 def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int, as_tree: bool, depth: int | None) -> None:
     """Show what checkpoint PATH holds, without running its code or reading tensor data.
 
-    Prints the format (torch-zip, torch-legacy, torchscript, torch-export, safetensors, pickle), the kind
-    (state_dict, training_checkpoint, full_model, torchscript, exported_program, tensors), a table of tensors
-    (key, shape, dtype, saved device, size), storage bytes per device and dtype (a storage shared by several
+    Prints the format (torch-zip, torch-legacy, torchscript, torch-export, torch-package, safetensors, pickle), the
+    kind (state_dict, training_checkpoint, full_model, torchscript, exported_program, package, tensors), a table of
+    tensors (key, shape, dtype, saved device, size), storage bytes per device and dtype (a storage shared by several
     tensors, such as tied weights, counted once), the state_dicts found with their wrapper prefixes and the
     command that removes them, the non-tensor entries (epoch, steps, learning rates, hyper-parameters, scaler
     state; RNG states as "RNG state (N bytes)"), and the globals the pickle would import, marked by whether

@@ -516,7 +516,9 @@ def inspect(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -
     """Describe the checkpoint at ``path`` without importing torch or reading tensor data.
 
     Returns a :class:`CheckpointInfo`: format (``torch-zip``, ``torch-legacy``, ``torchscript``, ``safetensors``,
-    ``pickle``, ``torch-export`` (a ``.pt2``, kind ``exported_program``, see :func:`ckptool.ops.pt2.describe_pt2`);
+    ``pickle``, ``torch-export`` (a ``.pt2``, kind ``exported_program``, see :func:`ckptool.ops.pt2.describe_pt2`),
+    ``torch-package`` (kind ``package``: a ``torch.package`` archive, its pickles and modules in
+    :attr:`CheckpointInfo.package`);
     for an ``*.index.json`` or a folder ``sharded-safetensors``, ``sharded-torch`` or ``dcp``, see
     :func:`inspect_set`; ``deepspeed`` for a DeepSpeed ZeRO folder,
     :func:`ckptool.ops.deepspeed.describe_deepspeed`), kind (``state_dict``, ``training_checkpoint``, ``full_model``,
