@@ -42,9 +42,9 @@ _PATH_PART = 48  # characters of one dotted key component shown in the tables (t
 def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int, as_tree: bool, depth: int | None) -> None:
     """Show what checkpoint PATH holds, without running its code or reading tensor data.
 
-    Prints the format (torch-zip, torch-legacy, torchscript, torch-export, safetensors, pickle), the kind
-    (state_dict, training_checkpoint, full_model, torchscript, exported_program, tensors), a table of tensors
-    (key, shape, dtype, saved device, size), storage bytes per device and dtype (a storage shared by several
+    Prints the format (torch-zip, torch-legacy, torchscript, torch-export, torch-package, safetensors, pickle), the
+    kind (state_dict, training_checkpoint, full_model, torchscript, exported_program, package, tensors), a table of
+    tensors (key, shape, dtype, saved device, size), storage bytes per device and dtype (a storage shared by several
     tensors, such as tied weights, counted once), the state_dicts found with their wrapper prefixes and the
     command that removes them, the non-tensor entries (epoch, steps, learning rates, hyper-parameters, scaler
     state; RNG states as "RNG state (N bytes)"), and the globals the pickle would import, marked by whether
@@ -132,6 +132,8 @@ def _print_info(info: CheckpointInfo, limit: int | None) -> None:
         echo(tabulate(sd_rows, headers=["path", "tensors", "wrapper prefix", "remove with"]))
     for prog in info.programs:
         _print_program(prog)
+    if info.package is not None:
+        _print_package(info.package)
     if info.values:
         echo("")
         echo("Other entries (not tensors):")
@@ -168,6 +170,11 @@ def _security(info: CheckpointInfo) -> list[str]:
         return []
     if sc.verdict == DANGEROUS:
         bad = [g for g in sc.globals if g.status == DANGEROUS]
+        code = [c for c in sc.code if c.level == DANGEROUS]
+        if not bad and code:  # code that ships in the file (scan_code), not a global
+            return [(f"DANGEROUS: {_one_line(code[0].member)}: {code[0].reason}"
+                     + (f" (and {len(code) - 1} more)" if len(code) > 1 else "")
+                     + f". Do not load it; see `ckptool scan {info.path}`.")]
         where = sorted({w for g in bad for w in g.where})
         names = ", ".join(g.name for g in bad[:3])
         if all(p.hidden for p in sc.pickles if any(g.name in p.globals for g in bad)):
@@ -208,6 +215,20 @@ def _print_program(prog: dict[str, Any]) -> None:
     echo(f"  outputs: {', '.join(outs) or 'none'}")
 
 
+def _print_package(pkg: dict[str, Any]) -> None:
+    """The pickles, shipped modules and extern modules of a ``torch.package`` archive (``CheckpointInfo.package``)."""
+    echo = click.echo
+    echo("")
+    echo(f"torch.package archive (format version {pkg['version'] or '?'}, written by Python "
+         f"{pkg['python_version'] or '?'}):")
+    for r in pkg["resources"]:
+        echo(f"  pickle {_one_line(r['member'])}: {r['kind']}, {r['tensors']} tensors "
+             f"(load_pickle({_one_line(r['package'])!r}, {_one_line(r['resource'])!r}))")
+    echo(f"  modules it ships (run when loaded): {_one_line(', '.join(pkg['modules'])) or 'none'}")
+    extern = _one_line(", ".join(pkg["extern_modules"])) or "none"
+    echo(f"  extern modules (taken from the loading environment): {extern}")
+
+
 def _one_line(text: str) -> str:
     """``text`` with control characters escaped, so that a hostile key cannot break the table."""
     return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
@@ -231,6 +252,9 @@ def _advice(info: CheckpointInfo) -> list[str]:
     elif info.format == "deepspeed" and info.metadata:
         out.append(f"DeepSpeed ZeRO checkpoint: the tensors above are its consolidated state_dict. Consolidate it "
                    f"(no deepspeed needed) with: {info.metadata['consolidate']}")
+    elif info.format == "torch-package":
+        out.append("torch.package archive: torch.load does not read it; torch.package.PackageImporter(path)"
+                   ".load_pickle(package, resource) loads a pickle and runs the modules it ships (listed above).")
     elif info.format == "torch-export":
         out.append(f"torch.export archive: `ckptool convert {info.path} -o weights.pth` (or .safetensors) writes its "
                    "state_dict (--key constants: its constants); torch.export.load(path) loads the program.")
@@ -245,7 +269,7 @@ def _advice(info: CheckpointInfo) -> list[str]:
     elif unsafe and info.format == "torch-export":
         out.append(f"{len(unsafe)} global(s) are outside the weights_only allowlist: torch.export.load unpickles "
                    "these members without that allowlist; run `ckptool scan` and load it only if you trust its source.")
-    elif unsafe and info.format != "torchscript":
+    elif unsafe and info.format not in ("torchscript", "torch-package"):
         out.append(f"{len(unsafe)} global(s) are outside the weights_only allowlist: torch.load(weights_only=True) "
                    "refuses this file; load with weights_only=False only if you trust its source.")
     elif info.weights_only_refusal is not None and info.format != "torchscript":

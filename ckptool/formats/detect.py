@@ -6,7 +6,9 @@ protocol-2 LONG1 (``80 02 8a 0a 6c fc 9c 46 f9 20 6a a8 50 19``); the legacy tar
 as a header, with or without ``ustar``: :func:`is_tar`; torch.load tries it before anything but a zip);
 safetensors' 8-byte little-endian header length followed by ``{``. A zip is a TorchScript archive when it holds
 ``constants.pkl`` or ``code/`` under its top folder, a torch checkpoint when it holds ``data.pkl``, a
-``torch.export`` archive (``.pt2``, :mod:`ckptool.formats.pt2`) when it holds ``archive_format``.
+``torch.export`` archive (``.pt2``, :mod:`ckptool.formats.pt2`) when it holds ``archive_format``, a
+``torch.package`` archive (:mod:`ckptool.formats.torch_package`) when it holds ``.data/extern_modules`` (checked
+first: a package may ship a module named ``code`` or a resource named ``data.pkl``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ TORCH_ZIP = "torch-zip"
 TORCH_LEGACY = "torch-legacy"
 TORCHSCRIPT = "torchscript"
 PT2 = "torch-export"
+TORCH_PACKAGE = "torch-package"
 SAFETENSORS = "safetensors"
 PICKLE = "pickle"
 
@@ -86,7 +89,8 @@ def check_readable(path: str) -> int:
 
 
 def detect_format(path: str) -> str:
-    """Return one of ``torch-zip``, ``torchscript``, ``torch-export``, ``torch-legacy``, ``safetensors``, ``pickle``.
+    """Return one of ``torch-zip``, ``torchscript``, ``torch-export``, ``torch-package``, ``torch-legacy``,
+    ``safetensors``, ``pickle``.
 
     Reads at most the first 512 bytes, plus the zip central directory for zip files.
 
@@ -182,6 +186,8 @@ def zip_entries(path: str) -> list[ZipEntry]:
 
 _TORCHSCRIPT_MEMBER = re.compile(r"\n(?:[^/\n]*/)?(?:constants\.pkl\n|code/)")
 _DATA_PKL_MEMBER = re.compile(r"\n(?:[^/\n]*/)?data\.pkl\n")
+#: the member every torch.package archive holds (torch/package/package_exporter.py ``_write_mock_and_extern``)
+_PACKAGE_MEMBER = re.compile(r"\n(?:[^/\n]*/)?\.data/extern_modules\n")
 
 
 def _zip_kind(path: str) -> str:
@@ -193,12 +199,16 @@ def _zip_kind(path: str) -> str:
         # (the expression scans every name; the literal searches rule most archives out far faster)
         script = ("constants.pkl\n" in text or "code/" in text) and _TORCHSCRIPT_MEMBER.search(text) is not None
         data = _DATA_PKL_MEMBER.search(text) is not None
+        package = "extern_modules\n" in text and _PACKAGE_MEMBER.search(text) is not None
     else:  # a member name holds a newline: look at each name
         leaf = {n.split("/", 1)[1] if "/" in n else n for n in names}
         script = "constants.pkl" in leaf or any(n.startswith("code/") for n in leaf)
         data = "data.pkl" in leaf
+        package = ".data/extern_modules" in leaf
     if not data:  # torch finds data.pkl ignoring case (archive/DATA.PKL)
         data = TorchRecords(entries).find("data.pkl") is not None
+    if package:
+        return TORCH_PACKAGE
     if script:
         return TORCHSCRIPT
     if not data and is_pt2_names(names):

@@ -145,6 +145,11 @@ def read_checkpoint(path: str, fmt: str | None = None) -> Checkpoint:
             f"{path} is a torch.export archive (.pt2), not a torch.save checkpoint: this command does not apply to "
             f"it. `ckptool inspect {path}` lists its weights; `ckptool convert {path} -o weights.pth` (or "
             ".safetensors) writes its state_dict as a file that torch.load reads")
+    if fmt == formats.TORCH_PACKAGE:
+        raise UnsupportedError(
+            f"{path} is a torch.package archive (torch.package.PackageExporter), not a torch.save checkpoint: this "
+            f"command does not apply to it. `ckptool inspect {path}` lists its pickles, tensors and modules, "
+            f"`ckptool scan {path}` says what loading it runs")
     raise UnsupportedError(f"{path} is {fmt}, not a torch.save checkpoint")
 
 

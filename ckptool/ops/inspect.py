@@ -41,6 +41,7 @@ from ckptool.formats.dtypes import (
 from ckptool.formats.nodes import GlobalMeta, ParameterNode, StorageRef, TensorNode, qualified_name
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import is_checkpoint_set, read_index, set_kind
+from ckptool.formats.torch_package import read_package
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
 from ckptool.model.allowlist import (
     ALLOWED,
@@ -252,6 +253,10 @@ class CheckpointInfo:
     #: unpickler does not read: ``pickle_protocol=4`` saves), None when only the globals decide
     #: (:attr:`ckptool.formats.torchfile.Checkpoint.weights_only_refusal`)
     weights_only_refusal: str | None = None
+    #: a ``torch.package`` archive (:func:`_inspect_package`): ``resources`` (each pickle: ``member``, ``package``,
+    #: ``resource``, ``kind``, ``tensors``, ``globals``), ``modules`` (the Python modules it ships, which
+    #: ``PackageImporter`` runs), ``extern_modules``, ``python_version``, ``version``; else None
+    package: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (``dataclasses.asdict`` without its deep copies: fast for 50,000 tensors), with
@@ -511,7 +516,9 @@ def inspect(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -
     """Describe the checkpoint at ``path`` without importing torch or reading tensor data.
 
     Returns a :class:`CheckpointInfo`: format (``torch-zip``, ``torch-legacy``, ``torchscript``, ``safetensors``,
-    ``pickle``, ``torch-export`` (a ``.pt2``, kind ``exported_program``, see :func:`ckptool.ops.pt2.describe_pt2`);
+    ``pickle``, ``torch-export`` (a ``.pt2``, kind ``exported_program``, see :func:`ckptool.ops.pt2.describe_pt2`),
+    ``torch-package`` (kind ``package``: a ``torch.package`` archive, its pickles and modules in
+    :attr:`CheckpointInfo.package`);
     for an ``*.index.json`` or a folder ``sharded-safetensors``, ``sharded-torch`` or ``dcp``, see
     :func:`inspect_set`; ``deepspeed`` for a DeepSpeed ZeRO folder,
     :func:`ckptool.ops.deepspeed.describe_deepspeed`), kind (``state_dict``, ``training_checkpoint``, ``full_model``,
@@ -548,6 +555,10 @@ def _inspect(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
         return info
     if fmt == formats.PT2:
         info = _inspect_pt2(path)
+        info.scan = scan_file(path)
+        return info
+    if fmt == formats.TORCH_PACKAGE:
+        info = _inspect_package(path, limits)
         info.scan = scan_file(path)
         return info
     try:
@@ -710,6 +721,42 @@ def _inspect_pt2(path: str) -> CheckpointInfo:
                           [GlobalInfo(g.name, is_allowed(g.name), g.status, g.reason) for g in d.globals],
                           storages=len(d.storages), metadata=d.metadata, totals=totals, values=d.values,
                           programs=d.programs)
+
+
+def _inspect_package(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
+    """A ``torch.package`` archive (:func:`ckptool.formats.torch_package.read_package`): the tensors of every
+    pickle, keyed ``<member>:<key>`` (``weights/sd.pkl:fc.weight``), their storages shared across pickles as the
+    archive shares them; the pickles, modules and extern modules in ``package``, its versions in ``metadata``."""
+    try:
+        pkg = read_package(path)
+        tensors: list[TensorInfo] = []
+        sd_infos: list[StateDictInfo] = []
+        values: list[ValueInfo] = []
+        complete, resources, names = True, [], {}
+        for r in pkg.resources:
+            mine = tensor_infos(r.root)
+            for t in mine:
+                t.key = f"{r.member}:{t.key}"
+            sds = find_state_dicts(r.root)
+            sd_infos += [_state_dict_info(f"{r.member}:{sd.path}", sd.keys()) for sd in sds]
+            vals, done = value_infos(r.root, [sd.obj for sd in sds], limits or PreviewLimits())
+            values += [ValueInfo(f"{r.member}:{v.path}", v.type, v.shown, v.value, v.exact) for v in vals]
+            complete = complete and done
+            resources.append({"member": r.member, "package": r.package, "resource": r.resource,
+                              "kind": _kind(r.root, sds), "tensors": len(mine), "globals": r.globals})
+            tensors += mine
+            names.update(dict.fromkeys(r.globals))
+    except RecursionError as e:
+        raise CorruptCheckpointError(f"{path}: {too_deep(e)}") from None
+    totals = _storage_totals(tensors, pkg.storages)
+    devices = dict(Counter(t.device for t in tensors))
+    return CheckpointInfo(path, formats.TORCH_PACKAGE, "package", pkg.size, tensors, devices,
+                          _device_bytes(totals), sd_infos, [GlobalInfo(n, is_allowed(n)) for n in names],
+                          storages=len(pkg.storages), totals=totals, values=values, values_complete=complete,
+                          metadata={"python_version": pkg.python_version, "version": pkg.version},
+                          package={"resources": resources, "modules": pkg.modules,
+                                   "extern_modules": pkg.extern_modules, "python_version": pkg.python_version,
+                                   "version": pkg.version})
 
 
 @gc_paused

@@ -48,6 +48,7 @@ from ckptool import _source as source
 from ckptool.errors import CkptError
 from ckptool.formats import detect as formats
 from ckptool.formats.native import HEAD_BYTES, describe_native, may_be_native
+from ckptool.formats.torch_package import module_name
 from ckptool.formats.zipdir import ZipEntry, read_directory, read_member, read_member_head
 from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST
 from ckptool.ops.scan_pickles import Container, Window, _Scanner
@@ -141,7 +142,7 @@ def zip_code(res: ScanResult, f: BinaryIO, size: int, where: str, depth: int, ki
         if "/aotinductor/" in name and name.endswith(".cpp"):
             out.append(CodeFinding(label, NATIVE_SOURCE, DANGEROUS, _AOTI_SOURCE, "C++ source"))
         if package and name.endswith(".py") and not rel.startswith(".data/"):
-            modules[_module_name(rel)] = label
+            modules[module_name(rel)] = label
         skip = (name.startswith(storage) or name in raw) and not (
             "/aotinductor/" in name or name.lower().endswith(_LIBRARY_SUFFIXES))
         if not skip:
@@ -198,13 +199,6 @@ def _text(f: BinaryIO, e: ZipEntry, label: str) -> str:
         return read_member(f, e, label, check_crc=False).decode("utf-8", "replace")
     except CkptError:
         return ""
-
-
-def _module_name(rel: str) -> str:
-    parts = rel[:-3].split("/")
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
 
 
 def package_modules(globals_: list[str]) -> set[str]:
