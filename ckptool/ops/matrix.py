@@ -35,6 +35,20 @@ FORMATS: tuple[str, ...] = (
     "sharded-bin", "dcp", "pt2", "deepspeed",
 )
 
+#: what each format is, for the generated table of ``docs/formats.md``
+FORMAT_LABELS: dict[str, str] = {
+    "torch-zip": "`torch.save` zip (`pytorch_model.bin`, accelerate's `optimizer.bin`)",
+    "torch-legacy": "`torch.save(..., _use_new_zipfile_serialization=False)`",
+    "torchscript": "TorchScript (`torch.jit.save`)",
+    "torch-package": "torch.package (`PackageExporter`)",
+    "safetensors": "safetensors file",
+    "sharded-safetensors": "sharded safetensors set (`*.safetensors.index.json`)",
+    "sharded-bin": "sharded torch set (`*.bin.index.json`)",
+    "dcp": "`torch.distributed.checkpoint` folder",
+    "pt2": "torch.export archive (`.pt2`)",
+    "deepspeed": "DeepSpeed ZeRO folder (`latest`, `global_step*/`)",
+}
+
 #: the operations: CLI commands, ``prefix`` for strip-dataparallel / strip-prefix / add-prefix / unwrap (and the
 #: same flags of remap), ``load_into`` for :func:`ckptool.load_into`
 OPERATIONS: tuple[str, ...] = (
@@ -103,7 +117,7 @@ MATRIX: dict[tuple[str, str], Cell] = {
         "dcp",
         scan=Cell("works", "safe"),
         diff=Cell("bug", "0 of 2 matched tensors equal",
-                  "says `identical` with no tensor value compared; convert both to safetensors, then diff"),
+                  "convert both to safetensors, then diff (today it says `identical` without comparing a value)"),
         remap=_DIR_FOLDERS, prefix=_DIR_FOLDERS,
         extract_state_dict=_DIR, sanitize=_DIR, rename=_DIR, filter=_DIR,
         verify=Cell("refused", "convert it to one file first", "`ckptool convert SRC -o model.pt`, then verify it"),
