@@ -122,6 +122,25 @@ def _load_into(cell: Cell, fmt: str, src: Path, ref: dict[str, torch.Tensor]) ->
     assert cell.reason in str(exc.value)
 
 
+_STRIP = (["strip-dataparallel"], ["strip-prefix", "module."], ["unwrap"])
+
+
+def _prefix_row(cell: Cell, fmt: str, src: Path, out: Path, ref: dict[str, torch.Tensor]) -> None:
+    """The ``prefix`` row is four commands: add-prefix (checked by :func:`test_cell`), then strip-dataparallel,
+    strip-prefix and unwrap, each on add-prefix's output (giving back the fixture) or, for a refused format, on the
+    fixture itself (refusing the same way)."""
+    added = next(out.iterdir()) if cell.status == "works" else src
+    for i, (cmd, *rest) in enumerate(_STRIP):
+        dst = out / f"strip{i}" / added.name if cell.status == "works" else out / f"strip{i}-{added.name}"
+        dst.parent.mkdir(exist_ok=True)
+        res = _invoke(cmd, added, *rest, "-o", dst)
+        if cell.status == "works":
+            assert res.exit_code == 0, res.output
+            _same(_open(dst.parent), ref)
+        else:
+            assert res.exit_code not in (0, 3) and cell.reason in res.output, (cmd, res.output)
+
+
 @pytest.mark.parametrize(("fmt", "op"), [(f, o) for f in FORMATS for o in OPERATIONS])
 def test_cell(fmt: str, op: str, fixtures: dict[str, Path], references: dict[str, dict[str, torch.Tensor]],
               tmp_path: Path) -> None:
@@ -132,6 +151,9 @@ def test_cell(fmt: str, op: str, fixtures: dict[str, Path], references: dict[str
     res = _invoke(*_command(fmt, op, fixtures[fmt], tmp_path))
     if cell.status == "works":
         _check_works(cell, fmt, op, res, tmp_path, references[fmt])
+    if op == "prefix":
+        _prefix_row(cell, fmt, fixtures[fmt], tmp_path, references[fmt])
+    if cell.status == "works":
         return
     assert res.exit_code != 3, res.output
     if cell.status == "bug" and res.exit_code == 0:  # a wrong success (e.g. says more than it checked)
