@@ -11,6 +11,9 @@ Each page holds, for every command it documents, a block::
 
 ``python docs/generate.py`` rewrites every such block from the installed CLI; ``python docs/generate.py --check``
 exits 1 when a block differs (``tests/test_docs.py`` runs the same check, so the pages never drift from ``--help``).
+
+It also rewrites the ``<!-- matrix -->`` ... ``<!-- /matrix -->`` block of ``docs/formats.md`` from the support
+table in ``ckptool/ops/matrix.py`` (format x operation: works, refused with its reason and route, or a known bug).
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from ckptool.cli import COMMANDS, cli
+from ckptool.ops.matrix import FORMAT_LABELS, FORMATS, MATRIX, OPERATIONS
 
 DOCS = Path(__file__).resolve().parent / "commands"
+FORMATS_PAGE = DOCS.parent / "formats.md"
+MATRIX_BLOCK = re.compile(r"(<!-- matrix -->\n).*?(<!-- /matrix -->)", re.S)
+_SYMBOL = {"works": "✓", "refused": "✗", "bug": "⚠"}
 BLOCK = re.compile(r"(<!-- help: ([\w-]+) -->\n)```\n(?:(?:(?!<!-- /help -->).)*?\n)?```\n(<!-- /help -->)", re.S)
 
 
@@ -40,6 +47,36 @@ def help_text(command: str) -> str:
 def render(text: str) -> str:
     """``text`` with every help block refreshed."""
     return BLOCK.sub(lambda m: f"{m.group(1)}```\n{help_text(m.group(2))}\n```\n{m.group(3)}", text)
+
+
+def matrix_markdown() -> str:
+    """The support table of :mod:`ckptool.ops.matrix` as Markdown: one row per format, one column per operation,
+    then every refusal (✗) and known bug (⚠) with the phrase it prints and the nearest route that works."""
+    head = "| format | " + " | ".join(f"`{op}`" for op in OPERATIONS) + " |"
+    lines = [head, "|---" * (len(OPERATIONS) + 1) + "|"]
+    for fmt in FORMATS:
+        cells = " | ".join(_SYMBOL[MATRIX[fmt, op].status] + (f" {MATRIX[fmt, op].reason}" if op == "scan" else "")
+                           for op in OPERATIONS)
+        lines.append(f"| `{fmt}`: {FORMAT_LABELS[fmt]} | {cells} |")
+    legend = ("✓ works, ✗ refused with one `Error:` line (exit 1 or 2), ⚠ a known bug (what it prints today). "
+              "`prefix` stands for strip-dataparallel, strip-prefix, add-prefix and unwrap; `load_into` is "
+              "`ckptool.load_into`; `scan` shows the verdict on the fixture (DeepSpeed's optimizer files call "
+              "`fragment_address`, a function torch would run).")
+    lines += ["", legend, ""]
+    for fmt in FORMATS:
+        groups: dict[tuple[str, str, str], list[str]] = {}
+        for op in OPERATIONS:
+            cell = MATRIX[fmt, op]
+            if cell.status != "works":
+                groups.setdefault((cell.status, cell.reason, cell.route), []).append(f"`{op}`")
+        for (status, reason, route), ops in groups.items():
+            lines.append(f"- `{fmt}` {', '.join(ops)}: {_SYMBOL[status]} \"{reason}\"; instead: {route}")
+    return "\n".join(lines) + "\n"
+
+
+def render_matrix(text: str) -> str:
+    """``text`` (``docs/formats.md``) with its matrix block rewritten from :func:`matrix_markdown`."""
+    return MATRIX_BLOCK.sub(lambda m: f"{m.group(1)}{matrix_markdown()}{m.group(2)}", text)
 
 
 def documented() -> set[str]:
@@ -59,6 +96,15 @@ def main() -> int:
             stale.append(page.name)
             if not args.check:
                 page.write_text(new, encoding="utf-8")
+    old = FORMATS_PAGE.read_text(encoding="utf-8")
+    new = render_matrix(old)
+    if not MATRIX_BLOCK.search(old):
+        print(f"{FORMATS_PAGE.name} has no <!-- matrix --> block", file=sys.stderr)
+        return 1
+    elif new != old:
+        stale.append(FORMATS_PAGE.name)
+        if not args.check:
+            FORMATS_PAGE.write_text(new, encoding="utf-8")
     missing = sorted(set(COMMANDS) - documented())
     if missing:
         print(f"commands without a help block in docs/commands: {', '.join(missing)}", file=sys.stderr)

@@ -1,0 +1,148 @@
+"""The support matrix: for every checkpoint format and every ckptool operation, what happens today.
+
+Data only. ``MATRIX[(format, operation)]`` is a :class:`Cell`:
+
+- ``works``: the operation succeeds on that format; ``reason`` is a phrase its output contains (scan: the verdict
+  of the fixture, e.g. DeepSpeed's optimizer files are ``DANGEROUS`` because of ``fragment_address``);
+- ``refused``: it stops with one ``Error:`` line containing ``reason`` (exit 1 or 2, never 3); ``route`` is the
+  nearest route that works;
+- ``bug``: what it does today is wrong (a refusal whose message misleads or gives no route, or an output that
+  claims more than was checked); ``reason`` is the phrase it prints today, ``route`` the way around it.
+
+``docs/formats.md`` holds a table generated from this one (``python docs/generate.py``), and
+``tests/test_matrix.py`` runs every cell through the CLI (``load_into`` through the Python API) on a fixture of
+that format and checks it behaves as written here. Change a cell together with the behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+Status = Literal["works", "refused", "bug"]
+
+
+class Cell(NamedTuple):
+    """One (format, operation) pair: ``status``, the ``reason`` phrase printed, the ``route`` that works."""
+
+    status: Status
+    reason: str = ""
+    route: str = ""
+
+
+#: the formats, in table order (names as ``docs/formats.md`` uses them)
+FORMATS: tuple[str, ...] = (
+    "torch-zip", "torch-legacy", "torchscript", "torch-package", "safetensors", "sharded-safetensors",
+    "sharded-bin", "dcp", "pt2", "deepspeed",
+)
+
+#: what each format is, for the generated table of ``docs/formats.md``
+FORMAT_LABELS: dict[str, str] = {
+    "torch-zip": "`torch.save` zip (`pytorch_model.bin`, accelerate's `optimizer.bin`)",
+    "torch-legacy": "`torch.save(..., _use_new_zipfile_serialization=False)`",
+    "torchscript": "TorchScript (`torch.jit.save`)",
+    "torch-package": "torch.package (`PackageExporter`)",
+    "safetensors": "safetensors file",
+    "sharded-safetensors": "sharded safetensors set (`*.safetensors.index.json`)",
+    "sharded-bin": "sharded torch set (`*.bin.index.json`)",
+    "dcp": "`torch.distributed.checkpoint` folder",
+    "pt2": "torch.export archive (`.pt2`)",
+    "deepspeed": "DeepSpeed ZeRO folder (`latest`, `global_step*/`)",
+}
+
+#: the operations: CLI commands, ``prefix`` for strip-dataparallel / strip-prefix / add-prefix / unwrap (and the
+#: same flags of remap), ``load_into`` for :func:`ckptool.load_into`
+OPERATIONS: tuple[str, ...] = (
+    "inspect", "scan", "diff", "convert", "remap", "prefix", "extract-state-dict", "sanitize", "verify",
+    "load_into", "rename", "filter", "average", "report",
+)
+
+_W = Cell("works")
+_CONVERT = "`ckptool convert SRC -o model.safetensors`, then run the command on that file"
+_JIT = "torch.jit.load(path, map_location='cpu'), torch.save(model.state_dict()), then the command on that file"
+_PT2_SD = "`ckptool extract-state-dict SRC -o weights.pt` (or convert), then the command on that file"
+_NO_MODULE = Cell("refused", "holds no pickled nn.Module", "the file already is a state_dict: use it as it is")
+_PKG = Cell("refused", "is a torch.package archive",
+            "`ckptool inspect` lists its tensors; torch.package.PackageImporter(path).load_pickle(...) (runs the "
+            "package's code: trusted files only)")
+_DIR = Cell("bug", "is a directory", _CONVERT)
+_DIR_FOLDERS = Cell("refused", "folders are not supported by this command", _CONVERT)
+_SHARD_NOT_CKPT = Cell("bug", "is not a PyTorch checkpoint", _CONVERT)
+
+
+def _row(fmt: str, **cells: Cell) -> dict[tuple[str, str], Cell]:
+    """``fmt``'s cells: ``works`` unless named in ``cells`` (operation names with ``_`` for ``-``)."""
+    return {(fmt, op): cells.get(op.replace("-", "_"), _W) for op in OPERATIONS}
+
+
+_TORCH = {"scan": Cell("works", "safe"), "diff": Cell("works", "identical"), "extract_state_dict": _NO_MODULE}
+
+MATRIX: dict[tuple[str, str], Cell] = {
+    **_row("torch-zip", **_TORCH),
+    **_row("torch-legacy", **_TORCH),
+    **_row(
+        "torchscript",
+        scan=Cell("works", "needs-trust"),
+        diff=Cell("works", "identical"),
+        convert=Cell("refused", "is a TorchScript archive", _JIT),
+        remap=Cell("refused", "is a TorchScript archive", "torch.jit.load(path, map_location='cpu')"),
+        prefix=Cell("refused", "cannot be renamed", _JIT),
+        extract_state_dict=Cell("refused", "is a TorchScript archive", "torch.jit.load(path).state_dict()"),
+        sanitize=Cell("refused", "is a TorchScript archive", "torch.jit.load(path, map_location='cpu')"),
+        verify=Cell("refused", "--trust", "`ckptool verify --trust` (compiles the archive's code)"),
+        load_into=Cell("refused", "trust=True", "ckptool.load_into(model, path, trust=True)"),
+        rename=Cell("refused", "cannot be renamed", _JIT),
+        filter=Cell("refused", "cannot be filtered", _JIT),
+        average=Cell("refused", "average reads torch.save files", _JIT),
+    ),
+    **_row(
+        "torch-package",
+        **{op.replace("-", "_"): _PKG for op in OPERATIONS if op not in ("scan", "inspect", "report", "average")},
+        average=Cell("refused", "is a torch-package file", _PKG.route),
+        scan=Cell("works", "safe"),
+    ),
+    **_row(
+        "safetensors",
+        scan=Cell("works", "safe"),
+        diff=Cell("works", "identical"),
+        remap=Cell("refused", "nothing to remap", "safetensors.torch.load_file(path, device=...)"),
+        extract_state_dict=Cell("refused", "already is a state_dict", "use the file as it is"),
+        sanitize=Cell("refused", "nothing to sanitize", "safetensors.torch.load_file(path, device=...)"),
+    ),
+    **{key: cell for fmt in ("sharded-safetensors", "sharded-bin") for key, cell in _row(
+        fmt,
+        scan=Cell("works", "safe"),
+        diff=Cell("works", "identical"),
+        remap=_SHARD_NOT_CKPT, prefix=_SHARD_NOT_CKPT, extract_state_dict=_SHARD_NOT_CKPT,
+        sanitize=_SHARD_NOT_CKPT, rename=_SHARD_NOT_CKPT, filter=_SHARD_NOT_CKPT,
+    ).items()},
+    **_row(
+        "dcp",
+        scan=Cell("works", "safe"),
+        diff=Cell("bug", "0 of 2 matched tensors equal",
+                  "convert both to safetensors, then diff (today it says `identical` without comparing a value)"),
+        remap=_DIR_FOLDERS, prefix=_DIR_FOLDERS,
+        extract_state_dict=_DIR, sanitize=_DIR, rename=_DIR, filter=_DIR,
+        verify=Cell("refused", "convert it to one file first", "`ckptool convert SRC -o model.pt`, then verify it"),
+        load_into=Cell("refused", "convert it to one file first", "`ckptool convert SRC -o model.pt`, then load it"),
+        average=Cell("refused", "convert it first", _CONVERT),
+    ),
+    **_row(
+        "pt2",
+        scan=Cell("works", "safe"),
+        diff=Cell("works", "identical"),
+        remap=Cell("refused", "this command does not apply", _PT2_SD),
+        prefix=Cell("refused", "this command does not apply", _PT2_SD),
+        sanitize=Cell("refused", "this command does not apply", _PT2_SD),
+        rename=Cell("refused", "write its state_dict", _PT2_SD),
+        filter=Cell("refused", "write its state_dict", _PT2_SD),
+        average=Cell("refused", "average reads torch.save files", _PT2_SD),
+    ),
+    **_row(
+        "deepspeed",
+        scan=Cell("works", "DANGEROUS"),
+        diff=Cell("bug", "neither a torch.distributed.checkpoint folder", _CONVERT),
+        remap=_DIR_FOLDERS, prefix=_DIR_FOLDERS,
+        extract_state_dict=_DIR, sanitize=_DIR, rename=_DIR, filter=_DIR,
+        average=Cell("bug", "neither a torch.distributed.checkpoint folder", _CONVERT),
+    ),
+}
