@@ -28,17 +28,20 @@ from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import contiguous_stride, element_size, numel, storage_nbytes
 from ckptool.formats.segments import byteswap
-from ckptool.formats.sharded import is_checkpoint_set, set_kind
 from ckptool.formats.strided import gather
-from ckptool.formats.torchfile import read_checkpoint, resolve_zip_offsets
+from ckptool.formats.torchfile import Checkpoint, resolve_zip_offsets
 from ckptool.model.graph import too_deep
 from ckptool.model.keys import reconcile
 from ckptool.model.notebook import facts_table
 from ckptool.model.values import iter_values
+from ckptool.model.zero import read_zero
+from ckptool.ops.convert.deepspeed import deepspeed_source
 from ckptool.ops.convert.read_pt2 import pt2_source
 from ckptool.ops.convert.read_safetensors import index_source, restore_library_aliases, safetensors_source
-from ckptool.ops.convert.source import Source, Tensor, is_contiguous, span
+from ckptool.ops.convert.read_torch import torch_source
+from ckptool.ops.convert.source import Source, Storage, Tensor, is_contiguous, span
 from ckptool.ops.convert.write import Files
+from ckptool.ops.diff_sides import DCP, DEEPSPEED, INDEX, PT2, SAFETENSORS, Probe, choose_keys, probe
 from ckptool.ops.inspect import describe, inspect_set
 from ckptool.torch_ops.value_stats import ValueStats, is_numeric, require_numpy, squared_norms
 
@@ -118,6 +121,10 @@ class DiffResult:
     not_compared: int = 0
     notes: list[str] = field(default_factory=list)
     strict: bool = False
+    #: the dotted path of the state_dict compared in A / B (``--key``, or chosen as ``convert`` chooses it); None
+    #: where the side is compared whole
+    key_a: str | None = None
+    key_b: str | None = None
     #: with ``diff(..., norms=True)``: key in A -> (``||A||**2``, ``||B - A||**2``) of each matched numeric tensor
     #: pair of equal shapes (``ckptool report``'s relative changes per module)
     norms: dict[str, tuple[float, float]] = field(default_factory=dict, repr=False)
@@ -150,6 +157,7 @@ class DiffResult:
 
         return {
             "schema": SCHEMA, "a": self.a, "b": self.b, "format_a": self.format_a, "format_b": self.format_b,
+            "key_a": self.key_a, "key_b": self.key_b,
             "identical": self.identical, "mode": self.mode, "strict": self.strict, "rtol": self.rtol,
             "atol": self.atol,
             "prefix": self.prefix, "only_a": self.only_a, "only_b": self.only_b,
@@ -182,6 +190,9 @@ class _Tensor:
     unread: str = ""
     #: the element size whose bytes are reversed as they are read (a big-endian file), 0 for none
     swap: int = 0
+    #: a storage gathered from byte ranges of several files (a DeepSpeed ZeRO parameter, widened 16-bit floats):
+    #: its bytes are read through it (``base`` 0) instead of from ``path``
+    gathered: Storage | None = None
 
 
 @dataclass
@@ -193,23 +204,28 @@ class _Side:
     notes: list[str] = field(default_factory=list)
 
 
-def _read_side(path: str) -> _Side:
-    if is_checkpoint_set(path):
-        kind, set_path = set_kind(path)
-        if kind == "file":
-            return _read_side(set_path)
-        if kind == "index":
-            return _source_side(restored(index_source(set_path)))
-        return _dcp_side(set_path)
-    fmt = formats.detect_format(path)
-    if fmt == formats.SAFETENSORS:
-        return _source_side(restored(safetensors_source(path)))
-    if fmt == formats.PT2:  # a torch.export archive: its state_dict (ckptool.ops.convert.read_pt2)
-        return _source_side(pt2_source(path, None))
+def _read_side(p: Probe, key: str | None) -> _Side:
+    """The tensors (and a torch file's plain values) of side ``p``: with ``key``, the state_dict at that path of a
+    torch file as ``convert`` reads it (:func:`ckptool.ops.convert.read_torch.torch_source`)."""
+    if p.kind == DEEPSPEED:  # the consolidated fp32 state_dict, as convert reads it (zero_to_fp32's)
+        return _source_side(deepspeed_source(read_zero(p.path, None)))
+    if p.kind == INDEX:
+        return _source_side(restored(index_source(p.path)))
+    if p.kind == DCP:
+        return _dcp_side(p.path)
+    if p.kind == SAFETENSORS:
+        return _source_side(restored(safetensors_source(p.path)))
+    if p.kind == PT2:  # a torch.export archive: its state_dict (ckptool.ops.convert.read_pt2)
+        return _source_side(pt2_source(p.path, None))
+    assert p.ck is not None
     try:
-        return _torch_side(path, fmt)
+        if key is not None:
+            side = _source_side(torch_source(p.path, p.fmt, key))
+            side.notes.insert(0, f"{p.path}: its state_dict {key!r} compared (as convert selects it)")
+            return side
+        return _torch_side(p.path, p.ck)
     except RecursionError as e:
-        raise CorruptCheckpointError(f"{path}: {too_deep(e)}") from None
+        raise CorruptCheckpointError(f"{p.path}: {too_deep(e)}") from None
 
 
 def restored(src: Source) -> Source:
@@ -218,8 +234,7 @@ def restored(src: Source) -> Source:
     return src
 
 
-def _torch_side(path: str, fmt: str) -> _Side:
-    ck = read_checkpoint(path, fmt)
+def _torch_side(path: str, ck: Checkpoint) -> _Side:
     info = describe(ck)
     records = {r.name: r for r in ck.records}
     if ck.format != formats.TORCH_LEGACY:
@@ -261,6 +276,9 @@ def _source_side(src: Source) -> _Side:
         tensors[t.name] = _source_tensor(t, kinds[path])
     side = _Side(src.path, src.format, tensors, {})
     side.notes += src.notes
+    if src.left_out or src.skipped:
+        left = src.left_out + src.skipped
+        side.notes.append(f"{src.path}: not compared: {'; '.join(left[:8])}{' ...' if len(left) > 8 else ''}")
     return side
 
 
@@ -283,8 +301,8 @@ def _source_tensor(t: Tensor, fmt: str) -> _Tensor:
         seg = st.segments[0]
         if len(st.segments) == 1 and seg.widen is None and seg.nbytes == st.nbytes:
             out.path, out.base, out.swap = seg.path, seg.offset, seg.swap
-        else:
-            out.path, out.unread = None, "a storage gathered from several files"
+        else:  # gathered from several files (DeepSpeed ZeRO partitions), or widened: read through its segments
+            out.gathered, out.base = st, 0
         return out
     if st.pieces is None:
         return out
@@ -323,6 +341,20 @@ _UNREAD = _Unread()
 
 
 # ------------------------------------------------------------------------------------------------ streaming values
+def _read(t: _Tensor, files: Files, pos: int, n: int) -> bytes | bytearray:
+    """``n`` bytes of ``t``'s storage from byte ``pos`` of its file (of its gathered storage, through its segments,
+    :meth:`Files.storage_bytes`), byte-swapped when the file is big-endian.
+
+    Raises:
+        CorruptCheckpointError: a file ends first.
+    """
+    if t.gathered is not None:
+        return files.storage_bytes(t.gathered, pos, n)
+    assert t.path is not None
+    data = files.read(t.path, pos, n)
+    return byteswap(data, t.swap) if t.swap else data
+
+
 def _chunks(t: _Tensor, files: Files, per: int) -> Iterator[bytes | bytearray]:
     """The elements of ``t`` in row-major order as bytes, ``per`` elements per chunk (the last may be shorter).
 
@@ -344,14 +376,13 @@ def _chunks(t: _Tensor, files: Files, per: int) -> Iterator[bytes | bytearray]:
         pos, left = t.base + lo * es, n * es
         while left:
             k = min(left, per * es)
-            data = files.read(t.path, pos, k)
-            yield byteswap(data, t.swap) if t.swap else data
+            yield _read(t, files, pos, k)
             pos += k
             left -= k
         return
-    span_bytes = files.read(t.path, t.base + lo * es, (hi - lo) * es)  # the storage span, once
-    if t.swap:
-        span_bytes = bytearray(byteswap(span_bytes, t.swap))
+    span_bytes = _read(t, files, t.base + lo * es, (hi - lo) * es)  # the storage span, once
+    if not isinstance(span_bytes, bytearray):
+        span_bytes = bytearray(span_bytes)
     yield from gather(span_bytes, es, t.offset - lo, shape, stride, chunk=per * es)
 
 
@@ -498,9 +529,16 @@ def _same_value(x: object, y: object) -> bool:
 @gc_paused
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | None = None,
          atol: float | None = None, keys_only: bool = False, strict: bool = False,
-         norms: bool = False) -> DiffResult:
+         norms: bool = False, key: str | None = None) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` (any formats ckptool reads: torch zip, legacy, safetensors, sharded sets
-    given by their ``*.index.json`` or folder, DCP folders) without torch and without loading either whole.
+    given by their ``*.index.json`` or folder, DCP folders, ``.pt2`` archives, DeepSpeed ZeRO folders: their
+    consolidated fp32 state_dict as ``convert`` reads it) without torch and without loading either whole.
+
+    Which part of a torch file is compared (:func:`ckptool.ops.diff_sides.choose_keys`): a training checkpoint
+    against a bare state_dict (safetensors, sharded, DCP, DeepSpeed, a torch file holding only a state_dict) is
+    compared through the state_dict ``convert`` selects in it (``key_a`` / ``key_b`` of the result; what else it
+    holds is named in ``notes``); two torch files whose state_dicts sit at the same path are compared whole.
+    ``key`` (a dotted path, ``--key``) selects the state_dict on each torch side where it resolves.
 
     Keys are matched after wrapper-prefix reconciliation (``module.``, ``_orig_mod.``..., reported once in
     ``prefix``); keys on one side only, and shape, dtype, saved device (location tag) and stride changes of the
@@ -520,8 +558,8 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | 
     Returns a :class:`DiffResult` (``identical`` is True when nothing differs).
 
     Raises:
-        UsageError: a negative tolerance, tolerances with ``keys_only``, or a path that is missing or not a
-            checkpoint set (see :func:`ckptool.ops.inspect.inspect`).
+        UsageError: a negative tolerance, tolerances with ``keys_only``, a path that is missing or not a
+            checkpoint set (see :func:`ckptool.ops.inspect.inspect`), a ``key`` that resolves on neither side.
         NotACheckpointError / CorruptCheckpointError / UnsupportedError: a side cannot be read (see
             :func:`ckptool.ops.inspect.inspect` and ``convert``'s readers).
         ModuleNotFoundError: tolerances given and numpy is not installed.
@@ -535,11 +573,18 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | 
     if tolerance or norms:
         require_numpy()  # fail before reading anything
 
-    side_a, side_b = _read_side(os.fspath(a)), _read_side(os.fspath(b))
+    probes = []
+    for path in (os.fspath(a), os.fspath(b)):
+        try:
+            probes.append(probe(path))
+        except RecursionError as e:
+            raise CorruptCheckpointError(f"{path}: {too_deep(e)}") from None
+    key_a, key_b = choose_keys(probes[0], probes[1], key)
+    side_a, side_b = _read_side(probes[0], key_a), _read_side(probes[1], key_b)
     mode = "keys-only" if keys_only else "tolerance" if tolerance else "exact"
     res = DiffResult(side_a.path, side_b.path, side_a.format, side_b.format, mode,
                      rtol=(rtol or 0.0) if tolerance else None, atol=(atol or 0.0) if tolerance else None,
-                     strict=strict)
+                     strict=strict, key_a=key_a, key_b=key_b)
     res.notes += side_a.notes + side_b.notes
     pairs, res.prefix = _match(list(side_a.tensors), list(side_b.tensors))
     matched_a = set(pairs.values())
