@@ -220,9 +220,7 @@ def _read_side(p: Probe, key: str | None) -> _Side:
     assert p.ck is not None
     try:
         if key is not None:
-            side = _source_side(torch_source(p.path, p.fmt, key))
-            side.notes.insert(0, f"{p.path}: its state_dict {key!r} compared (as convert selects it)")
-            return side
+            return _source_side(torch_source(p.path, p.fmt, key))
         return _torch_side(p.path, p.ck)
     except RecursionError as e:
         raise CorruptCheckpointError(f"{p.path}: {too_deep(e)}") from None
