@@ -326,11 +326,13 @@ def read_pair(a: str, b: str, key: str | None) -> tuple[Side, Side, str | None, 
         UsageError: see :func:`choose_keys`; CorruptCheckpointError: a pickle nested too deep; and what the
             readers raise (:func:`probe`, ``convert``'s readers).
     """
-    probes = []
-    for path in (a, b):
-        try:
-            probes.append(probe(path))
-        except RecursionError as e:
-            raise CorruptCheckpointError(f"{path}: {too_deep(e)}") from None
-    key_a, key_b = choose_keys(probes[0], probes[1], key)
-    return _read_side(probes[0], key_a), _read_side(probes[1], key_b), key_a, key_b
+    where = a
+    try:
+        pa = probe(a)
+        where = b
+        pb = probe(b)
+        where = f"{a} or {b}"
+        key_a, key_b = choose_keys(pa, pb, key)
+    except RecursionError as e:
+        raise CorruptCheckpointError(f"{where}: {too_deep(e)}") from None
+    return _read_side(pa, key_a), _read_side(pb, key_b), key_a, key_b
