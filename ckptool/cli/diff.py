@@ -74,8 +74,8 @@ def _print_tensors(res: DiffResult, verbose: bool) -> None:
 def _print_result(res: DiffResult, verbose: bool = False) -> None:
     from tabulate import tabulate
 
-    click.echo(f"A: {res.a} ({res.format_a})")
-    click.echo(f"B: {res.b} ({res.format_b})")
+    for who, path, fmt, key in (("A", res.a, res.format_a, res.key_a), ("B", res.b, res.format_b, res.key_b)):
+        click.echo(f"{who}: {path} ({fmt})" + ("" if key is None else f", state_dict {key!r}"))
     if res.prefix:
         click.echo(f"keys: {res.prefix}")
     for who, keys in (("A", res.only_a), ("B", res.only_b)):
@@ -115,14 +115,21 @@ def _print_result(res: DiffResult, verbose: bool = False) -> None:
 @click.option("-v", "--verbose", is_flag=True,
               help="One row per tensor; default: a change repeated over several tensors is one summary line "
                    "('72 tensors: device cuda:1 -> cpu').")
+@click.option("--key", default=None, metavar="PATH",
+              help="Compare the state_dict at this dotted path (e.g. model_state_dict) of each torch file where it "
+                   "resolves; default: a training checkpoint against a bare state_dict is compared through the "
+                   "state_dict convert would pick.")
 @click.option("--json", "as_json", is_flag=True, help='Print the result as JSON ("schema": "ckptool.diff/1").')
 @click.pass_context
 def diff_cmd(ctx: click.Context, a: str, b: str, rtol: float | None, atol: float | None, keys_only: bool,
-             strict: bool, verbose: bool, as_json: bool) -> None:
+             strict: bool, key: str | None, verbose: bool, as_json: bool) -> None:
     """Show what changed between checkpoints A and B, of any formats ckptool reads.
 
-    Works across torch.save files (zip and legacy), safetensors, sharded sets (an *.index.json or its folder)
-    and torch.distributed.checkpoint folders (names, dtypes and shapes), and between them. Keys are matched after
+    Works across torch.save files (zip and legacy), safetensors, sharded sets (an *.index.json or its folder),
+    torch.distributed.checkpoint folders (names, dtypes and shapes), .pt2 archives and DeepSpeed ZeRO folders
+    (their consolidated fp32 state_dict, as convert reads it), and between them. A training checkpoint against
+    a bare state_dict (safetensors, sharded...) is compared through the state_dict convert picks in it (--key
+    PATH chooses it; the report names it). Keys are matched after
     removing wrapper prefixes such as DataParallel's `module.` (reported once); keys on one side only, shape,
     dtype, saved-device and stride changes, tied / shared storage differences and plain values (epoch,
     hyper-parameters) are reported. A property one format cannot store (safetensors keeps no device and stores
@@ -140,9 +147,11 @@ def diff_cmd(ctx: click.Context, a: str, b: str, rtol: float | None, atol: float
       ckptool diff model.pth model.safetensors
       ckptool diff base.pth finetuned.pth --atol 1e-6 --rtol 1e-5
       ckptool diff a.pth b.pth --keys-only --json
+      ckptool diff train.ckpt model.safetensors --key model_state_dict
+      ckptool diff ds_checkpoint/ model.safetensors    # a DeepSpeed ZeRO folder
       ckptool diff gpu_model.pth model.safetensors --strict   # a device the file cannot keep counts too
     """
-    res = diff(a, b, rtol=rtol, atol=atol, keys_only=keys_only, strict=strict)
+    res = diff(a, b, rtol=rtol, atol=atol, keys_only=keys_only, strict=strict, key=key)
     if as_json:
         click.echo(json.dumps(res.to_dict(), indent=2))
     else:

@@ -1,11 +1,9 @@
 """``ckptool.diff``: what changed between two checkpoints, of any formats ckptool reads, streamed tensor by tensor.
 
-Each side is read by the readers the other operations use, without torch: a torch zip or legacy file through
-:func:`ckptool.formats.torchfile.read_checkpoint` and :func:`ckptool.ops.inspect.describe` (every tensor, with its
-storage, layout and saved location tag) plus its plain values (:func:`ckptool.model.values.iter_values`); a
-safetensors file or a sharded set through ``convert``'s readers (byte ranges from the headers, tied names and the
-sharing ckptool records restored); a DCP folder from its ``.metadata`` (names, dtypes and shapes; its tensor data
-is not read, so its values are not compared).
+Each side is read by the readers the other operations use, without torch (:mod:`ckptool.ops.diff_sides`: torch
+files through their node graph, safetensors, sharded sets, ``.pt2`` archives and DeepSpeed ZeRO folders through
+``convert``'s readers, DCP folders by their ``.metadata``); a training checkpoint against a bare state_dict is
+compared through the state_dict ``convert`` picks in it.
 
 Keys are matched after wrapper-prefix reconciliation (:func:`ckptool.model.keys.reconcile`, tried in both
 directions). Values are compared tensor by tensor from the files' bytes, one chunk of each at a time
@@ -22,24 +20,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool import _source as source
 from ckptool._gc import gc_paused
 from ckptool.errors import CorruptCheckpointError, UsageError
-from ckptool.formats import detect as formats
-from ckptool.formats.dtypes import contiguous_stride, element_size, numel, storage_nbytes
+from ckptool.formats.dtypes import contiguous_stride, element_size, numel
 from ckptool.formats.segments import byteswap
-from ckptool.formats.sharded import is_checkpoint_set, set_kind
 from ckptool.formats.strided import gather
-from ckptool.formats.torchfile import read_checkpoint, resolve_zip_offsets
-from ckptool.model.graph import too_deep
 from ckptool.model.keys import reconcile
 from ckptool.model.notebook import facts_table
-from ckptool.model.values import iter_values
-from ckptool.ops.convert.read_pt2 import pt2_source
-from ckptool.ops.convert.read_safetensors import index_source, restore_library_aliases, safetensors_source
-from ckptool.ops.convert.source import Source, Tensor, is_contiguous, span
+from ckptool.ops.convert.source import is_contiguous, span
 from ckptool.ops.convert.write import Files
-from ckptool.ops.inspect import describe, inspect_set
+from ckptool.ops.diff_sides import UNREAD, Side, SideTensor, read_pair
 from ckptool.torch_ops.value_stats import ValueStats, is_numeric, require_numpy, squared_norms
 
 SCHEMA = "ckptool.diff/1"
@@ -118,6 +108,10 @@ class DiffResult:
     not_compared: int = 0
     notes: list[str] = field(default_factory=list)
     strict: bool = False
+    #: the dotted path of the state_dict compared in A / B (``--key``, or chosen as ``convert`` chooses it); None
+    #: where the side is compared whole
+    key_a: str | None = None
+    key_b: str | None = None
     #: with ``diff(..., norms=True)``: key in A -> (``||A||**2``, ``||B - A||**2``) of each matched numeric tensor
     #: pair of equal shapes (``ckptool report``'s relative changes per module)
     norms: dict[str, tuple[float, float]] = field(default_factory=dict, repr=False)
@@ -150,6 +144,7 @@ class DiffResult:
 
         return {
             "schema": SCHEMA, "a": self.a, "b": self.b, "format_a": self.format_a, "format_b": self.format_b,
+            "key_a": self.key_a, "key_b": self.key_b,
             "identical": self.identical, "mode": self.mode, "strict": self.strict, "rtol": self.rtol,
             "atol": self.atol,
             "prefix": self.prefix, "only_a": self.only_a, "only_b": self.only_b,
@@ -160,170 +155,22 @@ class DiffResult:
         }
 
 
-# ------------------------------------------------------------------------------------------------ reading a side
-@dataclass(eq=False)
-class _Tensor:
-    """One tensor of a side. ``dtype``, ``shape``, ``stride`` (None: the format records none, so the tensor is
-    contiguous), ``device`` (None: the format records none, so the tensor opens on the CPU) as the file declares
-    them; ``group`` identifies its storage (tensors sharing one share it). Its
-    elements are read from ``path``: the view ``(offset, shape, read_stride)`` of the storage whose element 0 is at
-    byte ``base``, holding ``limit`` elements; ``path`` None when the data cannot be read (``unread`` says why)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...] | None
-    device: str | None
-    group: object
-    path: str | None = None
-    base: int = 0
-    offset: int = 0
-    read_stride: tuple[int, ...] = ()
-    limit: int = 0
-    unread: str = ""
-    #: the element size whose bytes are reversed as they are read (a big-endian file), 0 for none
-    swap: int = 0
-
-
-@dataclass
-class _Side:
-    path: str
-    format: str
-    tensors: dict[str, _Tensor]
-    values: dict[str, object]
-    notes: list[str] = field(default_factory=list)
-
-
-def _read_side(path: str) -> _Side:
-    if is_checkpoint_set(path):
-        kind, set_path = set_kind(path)
-        if kind == "file":
-            return _read_side(set_path)
-        if kind == "index":
-            return _source_side(restored(index_source(set_path)))
-        return _dcp_side(set_path)
-    fmt = formats.detect_format(path)
-    if fmt == formats.SAFETENSORS:
-        return _source_side(restored(safetensors_source(path)))
-    if fmt == formats.PT2:  # a torch.export archive: its state_dict (ckptool.ops.convert.read_pt2)
-        return _source_side(pt2_source(path, None))
-    try:
-        return _torch_side(path, fmt)
-    except RecursionError as e:
-        raise CorruptCheckpointError(f"{path}: {too_deep(e)}") from None
-
-
-def restored(src: Source) -> Source:
-    """``src`` with the tied names ``safetensors.torch.save_model`` dropped given back."""
-    restore_library_aliases(src)
-    return src
-
-
-def _torch_side(path: str, fmt: str) -> _Side:
-    ck = read_checkpoint(path, fmt)
-    info = describe(ck)
-    records = {r.name: r for r in ck.records}
-    if ck.format != formats.TORCH_LEGACY:
-        with source.open_binary(path) as f:
-            resolve_zip_offsets(ck, f)
-    tensors: dict[str, _Tensor] = {}
-    for t in info.tensors:
-        folder = "constants/" if t.key.startswith("constants.") and ck.extra_roots else "data/"
-        ref = ck.storages.get(t.storage_key) if t.storage_key is not None else None
-        entry = _Tensor(t.dtype, tuple(t.shape), tuple(t.stride), t.device, (path, t.storage_key), path,
-                        offset=t.storage_offset, read_stride=tuple(t.stride))
-        rec = records.get(folder + t.storage_key) if t.storage_key is not None else None
-        if ref is None or rec is None:
-            entry.path, entry.unread = None, "no storage"
-        elif rec.zipinfo is not None and rec.zipinfo.method != 0:
-            entry.path, entry.unread = None, f"record {rec.name} is compressed"
-        else:
-            entry.base = rec.offset
-            entry.limit = storage_nbytes(ref) // element_size(t.dtype)
-            entry.swap = ck.byteswap_size(ref)
-        tensors[t.key] = entry
-    values = dict(iter_values(ck.root))
-    for name, extra in ck.extra_roots.items():
-        values.update((f"{name}.{k}", v) for k, v in iter_values(extra))
-    return _Side(path, ck.format, tensors, values)
-
-
-def _source_side(src: Source) -> _Side:
-    """A safetensors file, a ``.pt2`` archive or a sharded set read by ``convert``'s readers, without plain
-    values. What each tensor's file can store (:func:`_stores`) decides which of its properties are recorded: a
-    torch shard has location tags and strides; safetensors has neither (every tensor is stored contiguous, except
-    the views ckptool's sharing record gives back), a ``.pt2`` archive strides only."""
-    tensors: dict[str, _Tensor] = {}
-    kinds: dict[str, str] = {}
-    for t in src.tensors:
-        path = t.storage.path
-        if path not in kinds:
-            kinds[path] = formats.detect_format(path)
-        tensors[t.name] = _source_tensor(t, kinds[path])
-    side = _Side(src.path, src.format, tensors, {})
-    side.notes += src.notes
-    return side
-
-
-def _stores(fmt: str) -> tuple[bool, bool]:
-    """``(location tags, strides)``: which of the two the files of format ``fmt`` record (torch.save files both,
-    ``.pt2`` archives strides, safetensors neither)."""
-    torch_file = fmt in (formats.TORCH_ZIP, formats.TORCH_LEGACY)
-    return torch_file, torch_file or fmt == formats.PT2
-
-
-def _source_tensor(t: Tensor, fmt: str) -> _Tensor:
-    st = t.storage
-    es = element_size(t.dtype)
-    has_location, has_stride = _stores(fmt)
-    # safetensors: a contiguous layout is the format's own; only the views of a sharing record carry a stride
-    stride = t.stride if has_stride or t.stride != contiguous_stride(t.shape) else None
-    out = _Tensor(t.dtype, t.shape, stride, st.location if has_location else None, st, st.path, st.offset, t.offset,
-                  t.stride, st.nbytes // es)
-    if st.segments is not None:  # one byte-swapped range (a big-endian torch shard) is read here; others are not
-        seg = st.segments[0]
-        if len(st.segments) == 1 and seg.widen is None and seg.nbytes == st.nbytes:
-            out.path, out.base, out.swap = seg.path, seg.offset, seg.swap
-        else:
-            out.path, out.unread = None, "a storage gathered from several files"
-        return out
-    if st.pieces is None:
-        return out
-    lo, hi = t.span
-    for p in st.pieces:  # a sharing group stored as pieces: read the view from a piece that holds it
-        if (p.offset, p.shape, p.stride) == (t.offset, t.shape, t.stride):
-            out.base, out.offset, out.read_stride, out.limit = p.file_offset, 0, contiguous_stride(t.shape), numel(
-                t.shape)
-            return out
-        if is_contiguous(p.shape, p.stride) and p.offset <= lo and hi <= p.offset + numel(p.shape):
-            out.base, out.limit = p.file_offset - p.offset * es, p.offset + numel(p.shape)
-            return out
-    out.path, out.unread = None, "a view of a shared storage that no stored tensor holds"
-    return out
-
-
-def _dcp_side(folder: str) -> _Side:
-    info = inspect_set(folder)
-    tensors = {t.key: _Tensor(t.dtype, tuple(t.shape), None, None, t.key, unread="DCP tensor data is not read")
-               for t in info.tensors}
-    non_tensor = (info.metadata or {}).get("non_tensor_entries", "")
-    side = _Side(folder, info.format, tensors, {})
-    if non_tensor:
-        side.notes.append(f"{folder}: non-tensor entries of a DCP folder are compared by name only")
-        for k in non_tensor.split(", "):
-            side.values[k] = _UNREAD
-    return side
-
-
-class _Unread:
-    def __repr__(self) -> str:
-        return "<not read>"
-
-
-_UNREAD = _Unread()
-
-
 # ------------------------------------------------------------------------------------------------ streaming values
-def _chunks(t: _Tensor, files: Files, per: int) -> Iterator[bytes | bytearray]:
+def _read(t: SideTensor, files: Files, pos: int, n: int) -> bytes | bytearray:
+    """``n`` bytes of ``t``'s storage from byte ``pos`` of its file (of its gathered storage, through its segments,
+    :meth:`Files.storage_bytes`), byte-swapped when the file is big-endian.
+
+    Raises:
+        CorruptCheckpointError: a file ends first.
+    """
+    if t.gathered is not None:
+        return files.storage_bytes(t.gathered, pos, n)
+    assert t.path is not None
+    data = files.read(t.path, pos, n)
+    return byteswap(data, t.swap) if t.swap else data
+
+
+def _chunks(t: SideTensor, files: Files, per: int) -> Iterator[bytes | bytearray]:
     """The elements of ``t`` in row-major order as bytes, ``per`` elements per chunk (the last may be shorter).
 
     Raises:
@@ -344,18 +191,17 @@ def _chunks(t: _Tensor, files: Files, per: int) -> Iterator[bytes | bytearray]:
         pos, left = t.base + lo * es, n * es
         while left:
             k = min(left, per * es)
-            data = files.read(t.path, pos, k)
-            yield byteswap(data, t.swap) if t.swap else data
+            yield _read(t, files, pos, k)
             pos += k
             left -= k
         return
-    span_bytes = files.read(t.path, t.base + lo * es, (hi - lo) * es)  # the storage span, once
-    if t.swap:
-        span_bytes = bytearray(byteswap(span_bytes, t.swap))
+    span_bytes = _read(t, files, t.base + lo * es, (hi - lo) * es)  # the storage span, once
+    if not isinstance(span_bytes, bytearray):
+        span_bytes = bytearray(span_bytes)
     yield from gather(span_bytes, es, t.offset - lo, shape, stride, chunk=per * es)
 
 
-def _compare_values(ta: _Tensor, tb: _Tensor, files: Files, rtol: float | None, atol: float | None,
+def _compare_values(ta: SideTensor, tb: SideTensor, files: Files, rtol: float | None, atol: float | None,
                     d: TensorDiff, norms: dict[str, tuple[float, float]] | None = None) -> None:
     """Fill ``d.values`` (and the differences) for two tensors of the same shape; with ``norms``, also record
     ``(||A||**2, ||B - A||**2)`` under ``d.key`` (every chunk is then decoded, equal or not)."""
@@ -434,7 +280,7 @@ def _match(keys_a: list[str], keys_b: list[str]) -> tuple[dict[str, str], str | 
     return pairs, f"A has {has[0][1]} and B has {has[1][1]} on {where}; keys matched without them"
 
 
-def _layout_changes(ta: _Tensor, tb: _Tensor) -> tuple[list[str], list[str]]:
+def _layout_changes(ta: SideTensor, tb: SideTensor) -> tuple[list[str], list[str]]:
     """``(changes, not_stored)`` between two matched tensors (see :class:`TensorDiff`). A property that one side's
     format does not record (None) takes that format's implied value, the CPU and a contiguous layout: a side
     that records the same is no difference, one that records another is ``not stored`` in the first side."""
@@ -461,7 +307,7 @@ def _layout_changes(ta: _Tensor, tb: _Tensor) -> tuple[list[str], list[str]]:
     return out, lost
 
 
-def _sharing(pairs: dict[str, str], a: _Side, b: _Side) -> list[str]:
+def _sharing(pairs: dict[str, str], a: Side, b: Side) -> list[str]:
     """The differences in storage sharing among matched tensors (named by their A keys): one line per group of
     tensors that share a storage on one side and not, or not all, on the other."""
     members: list[dict[object, list[str]]] = [{}, {}]
@@ -498,9 +344,16 @@ def _same_value(x: object, y: object) -> bool:
 @gc_paused
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | None = None,
          atol: float | None = None, keys_only: bool = False, strict: bool = False,
-         norms: bool = False) -> DiffResult:
+         norms: bool = False, key: str | None = None) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` (any formats ckptool reads: torch zip, legacy, safetensors, sharded sets
-    given by their ``*.index.json`` or folder, DCP folders) without torch and without loading either whole.
+    given by their ``*.index.json`` or folder, DCP folders, ``.pt2`` archives, DeepSpeed ZeRO folders: their
+    consolidated fp32 state_dict as ``convert`` reads it) without torch and without loading either whole.
+
+    Which part of a torch file is compared (:func:`ckptool.ops.diff_sides.choose_keys`): a training checkpoint
+    against a bare state_dict (safetensors, sharded, DCP, DeepSpeed, a torch file holding only a state_dict) is
+    compared through the state_dict ``convert`` selects in it (``key_a`` / ``key_b`` of the result; what else it
+    holds is named in ``notes``); two torch files whose state_dicts sit at the same path are compared whole.
+    ``key`` (a dotted path, ``--key``) selects the state_dict on each torch side where it resolves.
 
     Keys are matched after wrapper-prefix reconciliation (``module.``, ``_orig_mod.``..., reported once in
     ``prefix``); keys on one side only, and shape, dtype, saved device (location tag) and stride changes of the
@@ -520,8 +373,8 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | 
     Returns a :class:`DiffResult` (``identical`` is True when nothing differs).
 
     Raises:
-        UsageError: a negative tolerance, tolerances with ``keys_only``, or a path that is missing or not a
-            checkpoint set (see :func:`ckptool.ops.inspect.inspect`).
+        UsageError: a negative tolerance, tolerances with ``keys_only``, a path that is missing or not a
+            checkpoint set (see :func:`ckptool.ops.inspect.inspect`), a ``key`` that resolves on neither side.
         NotACheckpointError / CorruptCheckpointError / UnsupportedError: a side cannot be read (see
             :func:`ckptool.ops.inspect.inspect` and ``convert``'s readers).
         ModuleNotFoundError: tolerances given and numpy is not installed.
@@ -535,11 +388,11 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | 
     if tolerance or norms:
         require_numpy()  # fail before reading anything
 
-    side_a, side_b = _read_side(os.fspath(a)), _read_side(os.fspath(b))
+    side_a, side_b, key_a, key_b = read_pair(os.fspath(a), os.fspath(b), key)
     mode = "keys-only" if keys_only else "tolerance" if tolerance else "exact"
     res = DiffResult(side_a.path, side_b.path, side_a.format, side_b.format, mode,
                      rtol=(rtol or 0.0) if tolerance else None, atol=(atol or 0.0) if tolerance else None,
-                     strict=strict)
+                     strict=strict, key_a=key_a, key_b=key_b)
     res.notes += side_a.notes + side_b.notes
     pairs, res.prefix = _match(list(side_a.tensors), list(side_b.tensors))
     matched_a = set(pairs.values())
@@ -549,7 +402,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | 
     res.plain_values = len(value_pairs)
     for kb, ka in value_pairs.items():
         va, vb = side_a.values[ka], side_b.values[kb]
-        if va is not _UNREAD and vb is not _UNREAD and not _same_value(va, vb):
+        if va is not UNREAD and vb is not UNREAD and not _same_value(va, vb):
             res.values.append(ValueDiff(ka, kb, va, vb))
     files = Files()
     try:
