@@ -140,7 +140,7 @@ MATRIX: dict[tuple[str, str], Cell] = {
     **_row(
         "deepspeed",
         scan=Cell("works", "DANGEROUS"),
-        diff=Cell("bug", "neither a torch.distributed.checkpoint folder", _CONVERT),
+        diff=Cell("works", "identical"),
         remap=_DIR_FOLDERS, prefix=_DIR_FOLDERS,
         extract_state_dict=_DIR, sanitize=_DIR, rename=_DIR, filter=_DIR,
         average=Cell("bug", "neither a torch.distributed.checkpoint folder", _CONVERT),
