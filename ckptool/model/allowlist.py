@@ -238,6 +238,10 @@ NEEDS_TRUST_NAMES: dict[str, str] = {
                      "ipaddress.IPv6Address", "ipaddress.IPv4Network", "ipaddress.IPv6Network"),
                     "a standard-library value (a number, an identifier or an address): builds it, runs nothing"),
     "torch._utils._rebuild_xla_tensor": "rebuilds an XLA tensor from its saved values (torch.save writes it)",
+    # DeepSpeed's ZeRO optimizer states (zero_pp_rank_*_optim_states.pt): a dataclass of offsets, written by every
+    # ZeRO 1/2 save; DeepSpeed itself loads these files with weights_only=False
+    "deepspeed.utils.tensor_fragment.fragment_address": "DeepSpeed's record of a parameter's place in the flat "
+                                                        "buffer (a dataclass of two numbers): builds it, runs nothing",
     "torch.amp.grad_scaler._refresh_per_optimizer_state": "GradScaler's default factory (returns a fresh dict)",
     "torch.cuda.amp.grad_scaler._refresh_per_optimizer_state": "GradScaler's default factory (returns a fresh dict)",
     **{n: "torch.distributed.checkpoint writes it in .metadata: a record of where tensors lie"

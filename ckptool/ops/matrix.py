@@ -139,7 +139,7 @@ MATRIX: dict[tuple[str, str], Cell] = {
     ),
     **_row(
         "deepspeed",
-        scan=Cell("works", "DANGEROUS"),
+        scan=Cell("works", "needs-trust"),
         diff=Cell("works", "identical"),
         remap=_DIR_FOLDERS, prefix=_DIR_FOLDERS,
         extract_state_dict=_DIR, sanitize=_DIR, rename=_DIR, filter=_DIR,
