@@ -36,7 +36,13 @@ from ckptool._fileio import atomic_output, clone_block, copy_range, file_mode, s
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.nodes import PickledObject
-from ckptool.formats.safetensors import encode_header, read_header, recorded_names, rename_metadata
+from ckptool.formats.safetensors import (
+    SafetensorsHeader,
+    encode_header,
+    read_header,
+    recorded_names,
+    rename_metadata,
+)
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model.graph import (
     StateDictRef,
@@ -312,15 +318,29 @@ def rename_graph(
 
 
 # ------------------------------------------------------------------------------------------------ safetensors
-def _rewrite_safetensors(src: str, out: str, plan: RenamePlan, *, key: str | None, allow_missing: bool,
-                         operation: str, progress: ProgressFn | None) -> RenameResult:
-    if key:
-        raise UsageError(f"{src} is safetensors: it holds one flat mapping of tensors, so --key does not apply")
-    header = read_header(src)
-    keys = list(header.entries) + recorded_names(header, src)  # tied names stored once are keys too
-    mappings, summary = plan_keys([("", keys, False)], plan, allow_missing=allow_missing, where=src)
-    entries = {mappings[0][k]: e for k, e in header.entries.items()}
-    metadata = rename_metadata(header, src, mappings[0])
+def safetensors_keys(src: str, header: SafetensorsHeader) -> list[str]:
+    """The tensor names of the safetensors file ``src`` with ``header`` that a renaming renames: the stored entries
+    and the names its ``__metadata__`` records without storing them (tied names stored once are keys too).
+
+    Raises:
+        CorruptCheckpointError: an inconsistent shared-tensor record.
+    """
+    return list(header.entries) + recorded_names(header, src)
+
+
+def write_renamed_safetensors(src: str, out: str, header: SafetensorsHeader, mapping: Mapping[str, str],
+                              progress: ProgressFn | None) -> WriteResult:
+    """Write ``src`` (a safetensors file whose parsed ``header`` is given) to ``out`` atomically with every tensor
+    name renamed by ``mapping`` (old -> new; names it lacks are kept), in the header and in the names its
+    ``__metadata__`` records; the data block is copied byte for byte (cloned where the filesystem can).
+    ``progress(nbytes)`` gets the data bytes copied.
+
+    Raises:
+        OutputError / UsageError: as :func:`ckptool._fileio.atomic_output`.
+        CorruptCheckpointError: an inconsistent shared-tensor record.
+    """
+    entries = {mapping.get(k, k): e for k, e in header.entries.items()}
+    metadata = rename_metadata(header, src, mapping)
     with source.open_binary(src) as f:
         mode = file_mode(src) if same_file(out, src) else None
         with atomic_output(out, mode=mode) as o:
@@ -331,7 +351,17 @@ def _rewrite_safetensors(src: str, out: str, plan: RenamePlan, *, key: str | Non
             if progress is not None:
                 progress(header.data_size)
             written = o.tell()
-    res = WriteResult(src, out, formats.SAFETENSORS, storages=len(entries), bytes_written=written)
+    return WriteResult(src, out, formats.SAFETENSORS, storages=len(entries), bytes_written=written)
+
+
+def _rewrite_safetensors(src: str, out: str, plan: RenamePlan, *, key: str | None, allow_missing: bool,
+                         operation: str, progress: ProgressFn | None) -> RenameResult:
+    if key:
+        raise UsageError(f"{src} is safetensors: it holds one flat mapping of tensors, so --key does not apply")
+    header = read_header(src)
+    mappings, summary = plan_keys([("", safetensors_keys(src, header), False)], plan, allow_missing=allow_missing,
+                                  where=src)
+    res = write_renamed_safetensors(src, out, header, mappings[0], progress)
     return RenameResult.combine(res, summary, operation)
 
 
