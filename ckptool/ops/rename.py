@@ -255,8 +255,9 @@ def _enter_prefix(node: Any, p: str, wrappers: list[str], where: str, where_sd: 
     return node
 
 
-def _rename_mapping_node(obj: Any, mapping: dict[str, str], plan: RenamePlan) -> None:
-    """Rename the keys of a dict / OrderedDict node in place, and the module paths of its ``_metadata``."""
+def rename_mapping_node(obj: Any, mapping: dict[str, str], plan: RenamePlan) -> None:
+    """Rename the keys of a dict / OrderedDict node in place by ``mapping`` (old -> new; others kept), and the
+    module paths of its ``_metadata`` by ``plan`` (bound to the keys, :meth:`RenamePlan.bind`)."""
     items = mapping_items(obj) or []
     set_mapping_items(obj, [(mapping.get(k, k) if isinstance(k, str) else k, v) for k, v in items])
     state = obj.state if isinstance(obj, PickledObject) else None
@@ -303,7 +304,7 @@ def rename_graph(
             continue
         bound = plan.bind(mapping)
         if not t.is_module:
-            _rename_mapping_node(t.obj, mapping, bound)
+            rename_mapping_node(t.obj, mapping, bound)
             continue
         new, wrappers = _rename_module(t, bound, mapping, where)
         change.wrappers_removed = wrappers
@@ -374,11 +375,18 @@ OUTPUT_TAGS = {"strip-prefix": "stripped", "strip-dataparallel": "stripped", "ad
 def rename_output(operation: str, src: str | os.PathLike[str], dst: str | os.PathLike[str] | None,
                   in_place: bool = False) -> str:
     """The file the renaming ``operation`` (a key of :data:`OUTPUT_TAGS`) writes for ``src``: ``dst``, ``src`` with
-    ``in_place``, or ``<stem>.<tag><ext>`` beside ``src``.
+    ``in_place``, or ``<stem>.<tag><ext>`` beside ``src``; for a sharded set, the folder ``<folder>.<tag>`` beside
+    the set's (:func:`ckptool.ops.shard_rewrite.set_output`).
 
     Raises:
-        UsageError: as :func:`ckptool.ops.rewrite.output_path`.
+        UsageError: as :func:`ckptool.ops.rewrite.output_path`; ``in_place`` for a sharded set.
     """
+    from ckptool.ops.shard_rewrite import set_index, set_output, single_file  # noqa: PLC0415 - it imports this module
+
+    index = set_index(src)
+    if index is not None:
+        return set_output(index, dst, OUTPUT_TAGS[operation], in_place)
+    src = single_file(src)
     return output_path(os.fspath(src), os.fspath(dst) if dst is not None else None, in_place, OUTPUT_TAGS[operation])
 
 
@@ -401,7 +409,14 @@ def apply_plan(
     if not isinstance(src, (str, os.PathLike)):
         hint = " (pass model.state_dict(), or the path of a saved file)" if hasattr(src, "state_dict") else ""
         raise UsageError(f"expected a checkpoint path or a state_dict mapping, got {type(src).__name__}{hint}")
-    src = os.fspath(src)
+    from ckptool.ops.shard_rewrite import rewrite_set, set_index, set_output, single_file  # noqa: PLC0415 - it imports this module
+
+    index = set_index(src)
+    if index is not None:
+        out = set_output(index, dst, OUTPUT_TAGS[operation], in_place)
+        return rewrite_set(index, out, operation=operation, plan=plan, to=to, mapping=mapping, key=key,
+                           allow_missing=allow_missing, progress=progress)
+    src = single_file(src)
     fmt = formats.detect_format(src)
     if fmt == formats.TORCHSCRIPT:
         raise UnsupportedError(
