@@ -16,17 +16,18 @@ from ckptool.cli._common import (
     json_option,
     key_option,
     mapping_of,
-    output_options,
     refuse_stdout,
     renamed_state_dict,
     report_rename,
     report_write,
+    set_output_options,
     source_size,
     write_payload,
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.ops.remap import remap, remap_output
 from ckptool.ops.rename import RenameResult
+from ckptool.ops.shard_rewrite import set_detail, set_payload
 
 
 @click.command("remap")
@@ -42,7 +43,7 @@ from ckptool.ops.rename import RenameResult
 @key_option("Dotted path of the state_dict to rename (default: every one found).")
 @allow_missing_option
 @allow_nested_option
-@output_options
+@set_output_options
 @json_option("remap")
 def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool, strip_dataparallel: bool,
               strip_prefixes: tuple[str, ...], add_prefix: str | None, key: str | None, allow_missing: bool,
@@ -70,12 +71,12 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
     rename = res if isinstance(res, RenameResult) else None
     state_dict = renamed_state_dict(rename) if rename is not None else None
     if as_json:
-        emit_json("remap", {**write_payload(res, rename), **hint_payload(hint_for(res.dst, state_dict=state_dict,
-                                                                                  to=to, maps=maps))})
+        hint = hint_payload(hint_for(res.dst, state_dict=state_dict, to=to, maps=maps))
+        emit_json("remap", {**write_payload(res, rename), **set_payload(res), **hint})
         return
     if rename is not None:
         report_rename(rename)
     changes = (", ".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
                or "none (tags already match)")
-    report_write(res.dst, res.bytes_written, f"{res.storages} storages; re-tagged: {changes}")
+    report_write(res.dst, res.bytes_written, f"{res.storages} storages{set_detail(res)}; re-tagged: {changes}")
     report_hint(res.dst, state_dict=state_dict, to=to, maps=maps)

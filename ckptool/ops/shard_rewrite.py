@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
@@ -62,6 +63,22 @@ class SetWriteResult(WriteResult, SetFilesResult):
 class SetRenameResult(RenameResult, SetFilesResult):
     """What a renaming of a set wrote: the :class:`~ckptool.ops.rename.RenameResult` fields (the renaming planned
     over the whole set) plus :class:`SetFilesResult`."""
+
+
+def set_payload(res: object) -> dict[str, Any]:
+    """The JSON fields a command adds for a rewritten set: ``shards`` (count), ``files`` (shards, then the index),
+    ``notes``; none for a single file."""
+    if not isinstance(res, SetFilesResult):
+        return {}
+    return {"shards": res.shards, "files": list(res.files), "notes": list(res.notes)}
+
+
+def set_detail(res: object) -> str:
+    """The words a command's ``Wrote ...`` line adds for a rewritten set (``" in 4 shards"``, and its notes); empty
+    for a single file."""
+    if not isinstance(res, SetFilesResult):
+        return ""
+    return f" in {res.shards} shard(s)" + "".join(f"; {n}" for n in res.notes)
 
 
 @dataclass
