@@ -28,20 +28,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, overload
 
-from ckptool import _source as source
-from ckptool._fileio import atomic_output, clone_block, copy_range, file_mode, same_file
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.nodes import PickledObject
 from ckptool.formats.safetensors import (
-    SafetensorsHeader,
-    encode_header,
     read_header,
-    recorded_names,
-    rename_metadata,
 )
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model.graph import (
@@ -68,7 +60,17 @@ from ckptool.model.rename_plan import (
     label,
     plan_keys,
 )
-from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, retag_function, rewrite_file
+from ckptool.ops.rewrite import (
+    ProgressFn,
+    RenameResult,
+    output_path,
+    rename_mapping_node,
+    retag_function,
+    rewrite_file,
+    safetensors_keys,
+    write_renamed_safetensors,
+)
+from ckptool.ops.shard_rewrite import rewrite_set, set_index, set_output, single_file
 
 __all__ = [
     "RenamePlan",
@@ -90,21 +92,6 @@ __all__ = [
 MappingT = TypeVar("MappingT", bound=Mapping[Any, Any])
 #: a checkpoint file given to a renaming function: the result is a :class:`RenameResult`
 PathArg = str | os.PathLike[str]
-
-
-# ------------------------------------------------------------------------------------------------ results
-@dataclass(kw_only=True)
-class RenameResult(WriteResult, RenameSummary):
-    """What a prefix command wrote: the :class:`~ckptool.ops.rewrite.WriteResult` fields (``src``, ``dst``,
-    ``format_in``, ``storages``, ``bytes_written`` in bytes, ``retagged``) plus ``operation`` and the
-    :class:`~ckptool.model.rename_plan.RenameSummary` fields (``state_dicts`` changed, ``unchanged``, ``renamed``
-    key count, ``removed`` / ``added`` ``{prefix: keys}``, ``wrappers_removed``, per-state_dict ``changes``)."""
-
-    operation: str = ""
-
-    @classmethod
-    def combine(cls, write: WriteResult, summary: RenameSummary, operation: str) -> RenameResult:
-        return cls(**vars(write), operation=operation, **vars(summary))
 
 
 # ------------------------------------------------------------------------------------------------ node graph
@@ -255,19 +242,6 @@ def _enter_prefix(node: Any, p: str, wrappers: list[str], where: str, where_sd: 
     return node
 
 
-def rename_mapping_node(obj: Any, mapping: dict[str, str], plan: RenamePlan) -> None:
-    """Rename the keys of a dict / OrderedDict node in place by ``mapping`` (old -> new; others kept), and the
-    module paths of its ``_metadata`` by ``plan`` (bound to the keys, :meth:`RenamePlan.bind`)."""
-    items = mapping_items(obj) or []
-    set_mapping_items(obj, [(mapping.get(k, k) if isinstance(k, str) else k, v) for k, v in items])
-    state = obj.state if isinstance(obj, PickledObject) else None
-    if type(state) is dict and "_metadata" in state:
-        meta = state["_metadata"]
-        meta_items = mapping_items(meta)
-        if meta_items:
-            set_mapping_items(meta, plan.rename_metadata(meta_items))
-
-
 def rename_graph(
     root: Any, plan: RenamePlan, *, key: str | None = None, allow_missing: bool = False, where: str = "checkpoint",
 ) -> tuple[Any, RenameSummary]:
@@ -319,42 +293,6 @@ def rename_graph(
 
 
 # ------------------------------------------------------------------------------------------------ safetensors
-def safetensors_keys(src: str, header: SafetensorsHeader) -> list[str]:
-    """The tensor names of the safetensors file ``src`` with ``header`` that a renaming renames: the stored entries
-    and the names its ``__metadata__`` records without storing them (tied names stored once are keys too).
-
-    Raises:
-        CorruptCheckpointError: an inconsistent shared-tensor record.
-    """
-    return list(header.entries) + recorded_names(header, src)
-
-
-def write_renamed_safetensors(src: str, out: str, header: SafetensorsHeader, mapping: Mapping[str, str],
-                              progress: ProgressFn | None) -> WriteResult:
-    """Write ``src`` (a safetensors file whose parsed ``header`` is given) to ``out`` atomically with every tensor
-    name renamed by ``mapping`` (old -> new; names it lacks are kept), in the header and in the names its
-    ``__metadata__`` records; the data block is copied byte for byte (cloned where the filesystem can).
-    ``progress(nbytes)`` gets the data bytes copied.
-
-    Raises:
-        OutputError / UsageError: as :func:`ckptool._fileio.atomic_output`.
-        CorruptCheckpointError: an inconsistent shared-tensor record.
-    """
-    entries = {mapping.get(k, k): e for k, e in header.entries.items()}
-    metadata = rename_metadata(header, src, mapping)
-    with source.open_binary(src) as f:
-        mode = file_mode(src) if same_file(out, src) else None
-        with atomic_output(out, mode=mode) as o:
-            # on a filesystem with reflinks, start the data where the input's does modulo the block: it is cloned
-            block = clone_block(f, o) if header.data_start % 8 == 0 and header.data_size > (1 << 20) else 0
-            o.write(encode_header(entries, metadata, data_start=(header.data_start, block) if block else (0, 8)))
-            copy_range(f, o, header.data_start, header.data_size, block=block)
-            if progress is not None:
-                progress(header.data_size)
-            written = o.tell()
-    return WriteResult(src, out, formats.SAFETENSORS, storages=len(entries), bytes_written=written)
-
-
 def _rewrite_safetensors(src: str, out: str, plan: RenamePlan, *, key: str | None, allow_missing: bool,
                          operation: str, progress: ProgressFn | None) -> RenameResult:
     if key:
@@ -381,8 +319,6 @@ def rename_output(operation: str, src: str | os.PathLike[str], dst: str | os.Pat
     Raises:
         UsageError: as :func:`ckptool.ops.rewrite.output_path`; ``in_place`` for a sharded set.
     """
-    from ckptool.ops.shard_rewrite import set_index, set_output, single_file  # noqa: PLC0415 - it imports this module
-
     index = set_index(src)
     if index is not None:
         return set_output(index, dst, OUTPUT_TAGS[operation], in_place)
@@ -409,8 +345,6 @@ def apply_plan(
     if not isinstance(src, (str, os.PathLike)):
         hint = " (pass model.state_dict(), or the path of a saved file)" if hasattr(src, "state_dict") else ""
         raise UsageError(f"expected a checkpoint path or a state_dict mapping, got {type(src).__name__}{hint}")
-    from ckptool.ops.shard_rewrite import rewrite_set, set_index, set_output, single_file  # noqa: PLC0415 - it imports this module
-
     index = set_index(src)
     if index is not None:
         out = set_output(index, dst, OUTPUT_TAGS[operation], in_place)

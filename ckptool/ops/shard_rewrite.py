@@ -39,8 +39,16 @@ from ckptool.model.devices import location_function
 from ckptool.model.graph import mapping_items
 from ckptool.model.rename_plan import RenamePlan, plan_keys
 from ckptool.ops.convert.outputs import write_set
-from ckptool.ops.rename import RenameResult, rename_mapping_node, safetensors_keys, write_renamed_safetensors
-from ckptool.ops.rewrite import ProgressFn, WriteResult, refuse_unwritable, rewrite_file
+from ckptool.ops.rewrite import (
+    ProgressFn,
+    RenameResult,
+    WriteResult,
+    refuse_unwritable,
+    rename_mapping_node,
+    rewrite_file,
+    safetensors_keys,
+    write_renamed_safetensors,
+)
 
 
 @dataclass(kw_only=True)
