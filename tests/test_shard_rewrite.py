@@ -58,7 +58,7 @@ def test_remap_torch_set_cuda_to_cpu(run_cli: Callable[..., Any], tmp_path: Path
     assert _index(out / index.name) == _index(index)  # weight_map and metadata unchanged
     assert {t for s in shards for t in location_tags(out / s)} == {"cpu"}
     hint = next(line for line in r.output.splitlines() if line.startswith("Load it with: "))
-    got = eval(hint.removeprefix("Load it with: "), {"torch": torch})  # noqa: S307 - our own printed hint
+    got = eval(hint.removeprefix("Load it with: "), {"torch": torch})
     assert sorted(got) == sorted(sd)
     for k, v in sd.items():
         assert got[k].device.type == "cpu" and got[k].dtype == v.dtype and torch.equal(got[k], v), k
@@ -81,8 +81,9 @@ def test_strip_dataparallel_safetensors_set(run_cli: Callable[..., Any], tmp_pat
     got: dict[str, torch.Tensor] = {}
     for shard in sorted(set(new["weight_map"].values())):
         with safe_open(str(tmp_path / "bare" / shard), "pt") as f:
-            assert all(not k.startswith("module.") for k in f.keys())
-            assert {k for k, v in new["weight_map"].items() if v == shard} == set(f.keys())
+            names = set(f.keys())
+        assert all(not k.startswith("module.") for k in names)
+        assert {k for k, v in new["weight_map"].items() if v == shard} == names
         got.update(load_file(tmp_path / "bare" / shard))
     assert sorted(got) == sorted(k.removeprefix("module.") for k in sd)
     for k, v in sd.items():
@@ -131,3 +132,17 @@ def test_remap_safetensors_set_refused_as_a_file_is(run_cli: Callable[..., Any],
     r = run_cli("strip-dataparallel", index, "--to", "cpu", "-o", tmp_path / "out")
     assert r.exit_code == 2 and "no location tags" in r.output, r.output
     assert not (tmp_path / "out").exists()
+
+
+def test_existing_set_needs_force(run_cli: Callable[..., Any], tmp_path: Path) -> None:
+    """A second run onto a folder that holds the first run's set is refused without --force (as convert refuses),
+    and with --force replaces it whole."""
+    index = _make_set(run_cli, tmp_path, _state_dict(["module.a", "module.b"]), "safetensors")
+    assert run_cli("strip-dataparallel", index, "-o", tmp_path / "out").exit_code == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    r = run_cli("strip-dataparallel", index, "-o", tmp_path / "out")
+    assert r.exit_code == 2 and "--force" in r.output, r.output
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    r = run_cli("strip-dataparallel", index, "-o", tmp_path / "out", "--force")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(before)

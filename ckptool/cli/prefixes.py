@@ -31,7 +31,7 @@ from ckptool.cli._common import (
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.ops.rename import RenameResult, add_prefix, rename_output, strip_dataparallel, strip_prefix, unwrap
 from ckptool.ops.rewrite import ProgressFn
-from ckptool.ops.shard_rewrite import set_detail, set_payload
+from ckptool.ops.shard_rewrite import refuse_existing_set, set_detail, set_payload
 
 _EPILOG_SAFETY = (
     "Tensor records are copied, not decoded (torch is not imported): the cost is the cost of copying the file. "
@@ -45,7 +45,9 @@ def _run(operation: str, src: str, dst: str | None, in_place: bool, force: bool,
          maps: tuple[str, ...], write: Callable[[str, ProgressFn], RenameResult]) -> None:
     """Check the output, run ``write(output path, progress callback)`` under the progress bar, and report."""
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
-    out = claim_output(rename_output(operation, src, dst, in_place), force=force, in_place=in_place)
+    out = rename_output(operation, src, dst, in_place)
+    refuse_existing_set(src, out, force=force)
+    out = claim_output(out, force=force, in_place=in_place)
     with Progress(operation, source_size(src)) as bar:
         res = write(out, bar)
     if as_json:

@@ -27,7 +27,7 @@ from ckptool.cli._common import (
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.ops.remap import remap, remap_output
 from ckptool.ops.rename import RenameResult
-from ckptool.ops.shard_rewrite import set_detail, set_payload
+from ckptool.ops.shard_rewrite import refuse_existing_set, set_detail, set_payload
 
 
 @click.command("remap")
@@ -63,7 +63,9 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
       ckptool remap ddp_compiled.pth --to cpu --unwrap
     """
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
-    out = claim_output(remap_output(src, dst, to=to, in_place=in_place), force=force, in_place=in_place)
+    out = remap_output(src, dst, to=to, in_place=in_place)
+    refuse_existing_set(src, out, force=force)
+    out = claim_output(out, force=force, in_place=in_place)
     with Progress("remap", source_size(src)) as bar:
         res = remap(src, out, to=to, mapping=mapping_of(maps), in_place=in_place, unwrap=unwrap_keys,
                     strip_dataparallel=strip_dataparallel, strip_prefixes=strip_prefixes, add_prefix=add_prefix,

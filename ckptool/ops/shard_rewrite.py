@@ -31,6 +31,7 @@ from ckptool.formats.sharded import (
     SetLayout,
     ShardIndex,
     is_checkpoint_set,
+    parse_index,
     read_index,
     set_kind,
 )
@@ -151,18 +152,17 @@ def _split_name(name: str) -> tuple[str, str] | None:
     return (name[: -len(ext)], name[-len(ext):]) if ext else None
 
 
-def _layout(index: ShardIndex, shards: list[_Shard], dst: str) -> SetLayout:
+def _layout(index: ShardIndex, first: str, safetensors: bool, dst: str) -> SetLayout:
     """Where the rewritten set goes: ``dst`` names an index (``x.safetensors.index.json``) or a set file name
     (``x.safetensors``: the set beside it, as ``convert`` names sets), else a folder holding the set under the
-    input's names.
+    input's names. ``first`` is the name of the input's first shard, ``safetensors`` whether the shards are.
 
     Raises:
         UsageError: an index name without the shard suffix, a suffix the shards' format does not use, a folder
             output that is a file.
     """
-    safetensors = shards[0].fmt == formats.SAFETENSORS
     in_base = os.path.basename(index.path)[: -len(INDEX_SUFFIX)]
-    stem, ext = _split_name(in_base) or (in_base, os.path.splitext(shards[0].name)[1] or ".bin")
+    stem, ext = _split_name(in_base) or (in_base, os.path.splitext(first)[1] or ".bin")
     name = os.path.basename(dst)
     base = name[: -len(INDEX_SUFFIX)] if name.endswith(INDEX_SUFFIX) else name
     split = _split_name(base) if not os.path.isdir(dst) else None
@@ -177,6 +177,28 @@ def _layout(index: ShardIndex, shards: list[_Shard], dst: str) -> SetLayout:
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise UsageError(f"{dst} is a file; for a sharded set -o names a folder (created) or NAME{ext}{INDEX_SUFFIX}")
     return SetLayout(os.path.abspath(dst), stem, ext, is_output_folder=True)
+
+
+def refuse_existing_set(src: str | os.PathLike[str], out: str, *, force: bool) -> None:
+    """Refuse, unless ``force``, to write the rewrite of the set ``src`` to ``out`` where a shard set of the same
+    names already is (as ``convert`` refuses an existing set; with ``force`` the earlier set is replaced whole). A
+    no-op when ``src`` is not a sharded set.
+
+    Raises:
+        UsageError: files of a set are in the way, or ``out`` is not a usable output name.
+    """
+    index_path = set_index(src)
+    if index_path is None or force:
+        return
+    index = parse_index(index_path)
+    first = next(iter(index.shards), "")
+    layout = _layout(index, first, formats.detect_format(index.shard_path(first)) == formats.SAFETENSORS, out)
+    names = sorted(os.listdir(layout.folder)) if os.path.isdir(layout.folder) else []
+    existing = [n for n in names if layout.is_member(n)]
+    if existing:
+        raise UsageError(f"{layout.folder} already holds a shard set ({', '.join(existing[:3])}"
+                         f"{' ...' if len(existing) > 3 else ''}); pass --force to replace it, or choose another "
+                         "-o path")
 
 
 def _open_shard(index: ShardIndex, name: str) -> _Shard:
@@ -254,7 +276,7 @@ def rewrite_set(
     if plan is not None:
         mappings, summary = plan_keys([("", names, False)], plan, allow_missing=allow_missing, where=index_path)
         key_map, bound = mappings[0], plan.bind(names)
-    layout = _layout(index, shards, dst)
+    layout = _layout(index, shards[0].name, safetensors, dst)
     out_names = layout.shard_names(len(shards)) if len(shards) > 1 else [layout.stem + layout.ext]
     position = {s.name: i for i, s in enumerate(shards)}
     weight_map = {key_map.get(k, k): out_names[position[v]] for k, v in index.weight_map.items()}
