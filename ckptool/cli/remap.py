@@ -51,7 +51,9 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
     """Re-tag the storages of checkpoint SRC so that a plain torch.load opens it on another device.
 
     Tensor bytes are copied, not decoded: no GPU is needed for any source or target tag, and memory stays
-    bounded however large the file. Zip and legacy inputs; the output is torch's zip format. Without -o the
+    bounded however large the file. Zip and legacy inputs, and sharded sets of torch shards
+    (*.index.json or its folder: written as a set of the same layout with its index, -o a folder); the output
+    is torch's zip format. Without -o the
     result is written next to SRC with the target in the name (model.cpu.pth). A --map FROM that matches no
     storage is an error (the tags found are listed) unless --allow-missing. --unwrap, --strip-dataparallel,
     --strip-prefix and --add-prefix rename the state_dict keys in the same pass (one write).
@@ -61,6 +63,7 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
       ckptool remap model.pth --to cpu
       ckptool remap model.pth --map cuda:1=cuda:0 -o model.gpu0.pth
       ckptool remap ddp_compiled.pth --to cpu --unwrap
+      ckptool remap llama_bin/ --to cpu -o llama_cpu/    # a sharded set (pytorch_model.bin.index.json)
     """
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
     out = remap_output(src, dst, to=to, in_place=in_place)

@@ -51,6 +51,12 @@ def remap(
     ``dst`` defaults to ``<stem>.<target><ext>`` beside ``src`` (``model.cpu.pth``); ``in_place=True`` replaces
     ``src``. Writing is atomic: a temporary file in the destination folder, fsynced, then renamed.
 
+    A sharded set (``*.index.json``, or the folder holding it) is rewritten shard by shard into a set of the same
+    layout with its index (:func:`ckptool.ops.shard_rewrite.rewrite_set`): ``dst`` a folder (created) or
+    ``NAME.bin.index.json``, by default the folder ``<folder>.<target>`` beside the set's; no ``in_place``. The
+    result is then a :class:`~ckptool.ops.shard_rewrite.SetWriteResult` (``SetRenameResult`` with a renaming) whose
+    ``dst`` is the output index. A set of safetensors shards is refused as one safetensors file is.
+
     The key renamings of :mod:`ckptool.ops.rename` can be done in the same pass (one read, one write):
     ``strip_prefixes``, ``strip_dataparallel``, ``unwrap`` and ``add_prefix``, applied in that order to the
     state_dict(s) found, or to the one at dotted path ``key``; ``allow_missing`` as in

@@ -395,7 +395,9 @@ def strip_prefix(
     carry a prefix are kept, and ``mlp_module.fc.weight`` never matches ``module.``. A key is never reduced to
     nothing.
 
-    ``src`` is a checkpoint path (torch zip, legacy or safetensors) or an in-memory mapping. For a path, the
+    ``src`` is a checkpoint path (torch zip, legacy, safetensors, or a sharded set: ``*.index.json`` or its folder,
+    rewritten as :func:`ckptool.ops.shard_rewrite.rewrite_set` describes, keys checked over the whole set) or an
+    in-memory mapping. For a path, the
     output goes to ``dst``, by default ``<stem>.stripped<ext>`` beside ``src`` (``in_place=True`` replaces
     ``src``, atomically); it is torch's zip format (or safetensors for a safetensors input) and loads with
     ``torch.load(dst, weights_only=True)``. Returns a :class:`RenameResult` for a path, a new mapping of the same
