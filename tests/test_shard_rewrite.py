@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import ckptool
-from ckptool.errors import KeyCollisionError, PrefixNotFoundError, UnsupportedError
+from ckptool.errors import CorruptCheckpointError, KeyCollisionError, PrefixNotFoundError, UnsupportedError
 
 
 def _state_dict(keys: list[str]) -> dict[str, torch.Tensor]:
@@ -146,3 +146,16 @@ def test_existing_set_needs_force(run_cli: Callable[..., Any], tmp_path: Path) -
     r = run_cli("strip-dataparallel", index, "-o", tmp_path / "out", "--force")
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(before)
+
+
+def test_key_in_two_shards_refused(run_cli: Callable[..., Any], tmp_path: Path) -> None:
+    """Two shards holding a tensor of one name (an inconsistent set): refused by name, nothing written."""
+    index = _make_set(run_cli, tmp_path, _state_dict(["module.a", "module.b"]), "torch")
+    shards = sorted(index.parent.glob("*.bin"))
+    torch.save({"module.a": torch.zeros(2)}, shards[1])  # the second shard now holds module.a too
+    doc = _index(index)
+    doc["weight_map"] = {"module.a": shards[0].name, "module.b": shards[1].name}
+    index.write_text(json.dumps(doc))
+    with pytest.raises(CorruptCheckpointError, match=r"both hold 'module\.a'"):
+        ckptool.remap(index, tmp_path / "out", to="cpu")
+    assert not (tmp_path / "out").exists()

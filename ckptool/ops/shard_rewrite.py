@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool.errors import UnsupportedError, UsageError
+from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.safetensors import SafetensorsHeader, read_header
 from ckptool.formats.sharded import (
@@ -221,6 +221,18 @@ def _open_shard(index: ShardIndex, name: str) -> _Shard:
     return _Shard(name, path, fmt, [k for k, _v in items if isinstance(k, str)], ck=ck)
 
 
+def _refuse_duplicates(index_path: str, shards: list[_Shard]) -> None:
+    """Raise CorruptCheckpointError when two shards hold a tensor of one name (which one a loader keeps depends on
+    its order; a rewrite would keep both)."""
+    seen: dict[str, str] = {}
+    for s in shards:
+        for k in s.keys:
+            other = seen.setdefault(k, s.name)
+            if other != s.name:
+                raise CorruptCheckpointError(f"{index_path}: the shards {other} and {s.name} both hold {k!r}; a "
+                                             "loader keeps one of them by its order. Remove one and fix the index")
+
+
 def _data_bytes(shards: list[_Shard]) -> int:
     """Bytes of tensor data of the set (the index's ``total_size`` when the input index records none)."""
     return sum(s.header.data_size if s.header is not None else
@@ -269,6 +281,7 @@ def rewrite_set(
     tags = [r.location for s in shards if s.ck is not None for r in s.ck.storages.values()]
     location_fn = None if safetensors else location_function(to, mapping, tags=tags, allow_missing=allow_missing,
                                                               where=index_path)
+    _refuse_duplicates(index_path, shards)
     names = list(dict.fromkeys([k for s in shards for k in s.keys] + list(index.weight_map)))
     key_map: dict[str, str] = {}
     summary = None
