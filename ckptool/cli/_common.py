@@ -50,6 +50,18 @@ def output_options(f: F) -> F:
                         help="Output file. Default: next to SRC with the operation in the name.")(f)
 
 
+def set_output_options(f: F) -> F:
+    """:func:`output_options` for the commands that also rewrite sharded sets (``remap``, the prefix commands):
+    ``-o`` may name a folder, which holds the rewritten set."""
+    f = force_option(f)
+    f = click.option("--in-place", is_flag=True,
+                     help="Replace SRC itself (atomically) instead of writing a new file (not for sharded sets).")(f)
+    return click.option("-o", "--output", "dst", type=click.Path(),
+                        help="Output file. Default: next to SRC with the operation in the name. For a sharded set "
+                             "(*.index.json or its folder): a folder (created), or NAME.safetensors.index.json / "
+                             "NAME.bin.index.json; default: the folder <folder>.<operation> beside it.")(f)
+
+
 def key_option(help_text: str = RENAME_KEY_HELP) -> Callable[[F], F]:
     """``--key PATH`` (parameter ``key``, default ``None``): the dotted path of a state_dict or module in the
     file; ``help_text`` says which, for this command."""

@@ -20,17 +20,18 @@ from ckptool.cli._common import (
     json_option,
     key_option,
     mapping_of,
-    output_options,
     refuse_stdout,
     renamed_state_dict,
     report_rename,
     report_write,
+    set_output_options,
     source_size,
     write_payload,
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.ops.rename import RenameResult, add_prefix, rename_output, strip_dataparallel, strip_prefix, unwrap
 from ckptool.ops.rewrite import ProgressFn
+from ckptool.ops.shard_rewrite import refuse_existing_set, set_detail, set_payload
 
 _EPILOG_SAFETY = (
     "Tensor records are copied, not decoded (torch is not imported): the cost is the cost of copying the file. "
@@ -44,17 +45,20 @@ def _run(operation: str, src: str, dst: str | None, in_place: bool, force: bool,
          maps: tuple[str, ...], write: Callable[[str, ProgressFn], RenameResult]) -> None:
     """Check the output, run ``write(output path, progress callback)`` under the progress bar, and report."""
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
-    out = claim_output(rename_output(operation, src, dst, in_place), force=force, in_place=in_place)
+    out = rename_output(operation, src, dst, in_place)
+    refuse_existing_set(src, out, force=force)
+    out = claim_output(out, force=force, in_place=in_place)
     with Progress(operation, source_size(src)) as bar:
         res = write(out, bar)
     if as_json:
         hint = hint_for(res.dst, state_dict=renamed_state_dict(res), to=to, maps=maps)
-        emit_json(operation, {"operation": res.operation, **write_payload(res, res), **hint_payload(hint)})
+        emit_json(operation, {"operation": res.operation, **write_payload(res, res), **set_payload(res),
+                              **hint_payload(hint)})
         return
     report_rename(res)
     unit = "tensors" if res.format_in == "safetensors" else "storages"
     retagged = "".join(f"; re-tagged {a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
-    report_write(res.dst, res.bytes_written, f"{res.storages} {unit}{retagged}")
+    report_write(res.dst, res.bytes_written, f"{res.storages} {unit}{set_detail(res)}{retagged}")
     report_hint(res.dst, state_dict=renamed_state_dict(res), to=to, maps=maps)
 
 
@@ -63,7 +67,7 @@ def _run(operation: str, src: str, dst: str | None, in_place: bool, force: bool,
 @key_option()
 @device_options
 @allow_missing_option
-@output_options
+@set_output_options
 @json_option("strip-dataparallel")
 def strip_dataparallel_cmd(src: str, key: str | None, to: str | None, maps: tuple[str, ...], allow_missing: bool,
                            dst: str | None, in_place: bool, force: bool, as_json: bool) -> None:
@@ -91,7 +95,7 @@ def strip_dataparallel_cmd(src: str, key: str | None, to: str | None, maps: tupl
 @key_option()
 @device_options
 @allow_missing_option
-@output_options
+@set_output_options
 @json_option("strip-prefix")
 def strip_prefix_cmd(src: str, prefixes: tuple[str, ...], key: str | None, to: str | None, maps: tuple[str, ...],
                      allow_missing: bool, dst: str | None, in_place: bool, force: bool, as_json: bool) -> None:
@@ -120,7 +124,7 @@ def strip_prefix_cmd(src: str, prefixes: tuple[str, ...], key: str | None, to: s
 @device_options
 @allow_nested_option
 @allow_missing_option
-@output_options
+@set_output_options
 @json_option("add-prefix")
 def add_prefix_cmd(src: str, prefix: str, key: str | None, to: str | None, maps: tuple[str, ...],
                    allow_nested: bool, allow_missing: bool, dst: str | None, in_place: bool, force: bool,
@@ -148,7 +152,7 @@ def add_prefix_cmd(src: str, prefix: str, key: str | None, to: str | None, maps:
 @key_option()
 @device_options
 @allow_missing_option
-@output_options
+@set_output_options
 @json_option("unwrap")
 def unwrap_cmd(src: str, key: str | None, to: str | None, maps: tuple[str, ...], allow_missing: bool,
                dst: str | None, in_place: bool, force: bool, as_json: bool) -> None:

@@ -16,17 +16,18 @@ from ckptool.cli._common import (
     json_option,
     key_option,
     mapping_of,
-    output_options,
     refuse_stdout,
     renamed_state_dict,
     report_rename,
     report_write,
+    set_output_options,
     source_size,
     write_payload,
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.ops.remap import remap, remap_output
 from ckptool.ops.rename import RenameResult
+from ckptool.ops.shard_rewrite import refuse_existing_set, set_detail, set_payload
 
 
 @click.command("remap")
@@ -42,7 +43,7 @@ from ckptool.ops.rename import RenameResult
 @key_option("Dotted path of the state_dict to rename (default: every one found).")
 @allow_missing_option
 @allow_nested_option
-@output_options
+@set_output_options
 @json_option("remap")
 def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool, strip_dataparallel: bool,
               strip_prefixes: tuple[str, ...], add_prefix: str | None, key: str | None, allow_missing: bool,
@@ -50,7 +51,9 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
     """Re-tag the storages of checkpoint SRC so that a plain torch.load opens it on another device.
 
     Tensor bytes are copied, not decoded: no GPU is needed for any source or target tag, and memory stays
-    bounded however large the file. Zip and legacy inputs; the output is torch's zip format. Without -o the
+    bounded however large the file. Zip and legacy inputs, and sharded sets of torch shards
+    (*.index.json or its folder: written as a set of the same layout with its index, -o a folder); the output
+    is torch's zip format. Without -o the
     result is written next to SRC with the target in the name (model.cpu.pth). A --map FROM that matches no
     storage is an error (the tags found are listed) unless --allow-missing. --unwrap, --strip-dataparallel,
     --strip-prefix and --add-prefix rename the state_dict keys in the same pass (one write).
@@ -60,9 +63,12 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
       ckptool remap model.pth --to cpu
       ckptool remap model.pth --map cuda:1=cuda:0 -o model.gpu0.pth
       ckptool remap ddp_compiled.pth --to cpu --unwrap
+      ckptool remap llama_bin/ --to cpu -o llama_cpu/    # a sharded set (pytorch_model.bin.index.json)
     """
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
-    out = claim_output(remap_output(src, dst, to=to, in_place=in_place), force=force, in_place=in_place)
+    out = remap_output(src, dst, to=to, in_place=in_place)
+    refuse_existing_set(src, out, force=force)
+    out = claim_output(out, force=force, in_place=in_place)
     with Progress("remap", source_size(src)) as bar:
         res = remap(src, out, to=to, mapping=mapping_of(maps), in_place=in_place, unwrap=unwrap_keys,
                     strip_dataparallel=strip_dataparallel, strip_prefixes=strip_prefixes, add_prefix=add_prefix,
@@ -70,12 +76,12 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
     rename = res if isinstance(res, RenameResult) else None
     state_dict = renamed_state_dict(rename) if rename is not None else None
     if as_json:
-        emit_json("remap", {**write_payload(res, rename), **hint_payload(hint_for(res.dst, state_dict=state_dict,
-                                                                                  to=to, maps=maps))})
+        hint = hint_payload(hint_for(res.dst, state_dict=state_dict, to=to, maps=maps))
+        emit_json("remap", {**write_payload(res, rename), **set_payload(res), **hint})
         return
     if rename is not None:
         report_rename(rename)
     changes = (", ".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
                or "none (tags already match)")
-    report_write(res.dst, res.bytes_written, f"{res.storages} storages; re-tagged: {changes}")
+    report_write(res.dst, res.bytes_written, f"{res.storages} storages{set_detail(res)}; re-tagged: {changes}")
     report_hint(res.dst, state_dict=state_dict, to=to, maps=maps)

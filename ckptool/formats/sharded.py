@@ -110,10 +110,12 @@ def read_index(path: str) -> ShardIndex:
     return index
 
 
-def encode_index(weight_map: dict[str, str], total_size: int) -> bytes:
+def encode_index(weight_map: dict[str, str], total_size: int, metadata: dict[str, Any] | None = None) -> bytes:
     """The bytes of an index file: ``total_size`` (bytes of tensor data) and ``weight_map`` sorted by name, indented
-    as ``transformers`` writes it."""
-    doc = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    as ``transformers`` writes it; ``metadata``, when given, is the index's ``metadata`` object as it is (a rewrite
+    keeps its input's)."""
+    meta = dict(metadata) if metadata is not None else {"total_size": total_size}
+    doc = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
     return (json.dumps(doc, indent=2) + "\n").encode("utf-8")
 
 

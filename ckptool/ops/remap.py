@@ -19,6 +19,7 @@ from ckptool.model.devices import parse_device
 from ckptool.model.rename_plan import build_plan
 from ckptool.ops.rename import RenameResult, rename_graph
 from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, refuse_unwritable, retag_function, rewrite_file
+from ckptool.ops.shard_rewrite import rewrite_set, set_index, set_output, single_file
 
 
 @gc_paused
@@ -50,6 +51,12 @@ def remap(
     ``dst`` defaults to ``<stem>.<target><ext>`` beside ``src`` (``model.cpu.pth``); ``in_place=True`` replaces
     ``src``. Writing is atomic: a temporary file in the destination folder, fsynced, then renamed.
 
+    A sharded set (``*.index.json``, or the folder holding it) is rewritten shard by shard into a set of the same
+    layout with its index (:func:`ckptool.ops.shard_rewrite.rewrite_set`): ``dst`` a folder (created) or
+    ``NAME.bin.index.json``, by default the folder ``<folder>.<target>`` beside the set's; no ``in_place``. The
+    result is then a :class:`~ckptool.ops.shard_rewrite.SetWriteResult` (``SetRenameResult`` with a renaming) whose
+    ``dst`` is the output index. A set of safetensors shards is refused as one safetensors file is.
+
     The key renamings of :mod:`ckptool.ops.rename` can be done in the same pass (one read, one write):
     ``strip_prefixes``, ``strip_dataparallel``, ``unwrap`` and ``add_prefix``, applied in that order to the
     state_dict(s) found, or to the one at dotted path ``key``; ``allow_missing`` as in
@@ -80,6 +87,12 @@ def remap(
     elif key is not None:
         raise UsageError("--key selects the state_dict to rename: add --unwrap, --strip-dataparallel, "
                          "--strip-prefix or --add-prefix")
+    index = set_index(src)
+    if index is not None:
+        out = remap_output(index, dst, to=to, in_place=in_place)
+        return rewrite_set(index, out, operation="remap", plan=plan, to=to, mapping=mapping, key=key,
+                           allow_missing=allow_missing, progress=progress)
+    src = single_file(src)
     fmt = formats.detect_format(src)
     refuse_unwritable(fmt, src, "remap")
     out = remap_output(src, dst, to=to, in_place=in_place)
@@ -94,10 +107,15 @@ def remap(
 def remap_output(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None, *, to: str | None,
                  in_place: bool = False) -> str:
     """The file :func:`remap` writes: ``dst``, ``src`` itself with ``in_place``, or ``<stem>.<target><ext>`` beside
-    ``src`` (``model.cpu.pth``, ``model.cuda0.pth``; ``model.remapped.pth`` for a ``mapping``).
+    ``src`` (``model.cpu.pth``, ``model.cuda0.pth``; ``model.remapped.pth`` for a ``mapping``); for a sharded set
+    the folder ``<folder>.<target>`` beside the set's (:func:`ckptool.ops.shard_rewrite.set_output`).
 
     Raises:
         UsageError: as :func:`ckptool.ops.rewrite.output_path`; a bad ``to`` device.
     """
     tag = parse_device(to).replace(":", "") if to is not None else "remapped"
+    index = set_index(src)
+    if index is not None:
+        return set_output(index, dst, tag, in_place)
+    src = single_file(src)
     return output_path(os.fspath(src), os.fspath(dst) if dst is not None else None, in_place, tag)

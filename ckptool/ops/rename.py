@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, overload
 
-from ckptool import _source as source
-from ckptool._fileio import atomic_output, clone_block, copy_range, file_mode, same_file
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.nodes import PickledObject
-from ckptool.formats.safetensors import encode_header, read_header, recorded_names, rename_metadata
+from ckptool.formats.safetensors import (
+    read_header,
+)
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model.graph import (
     StateDictRef,
@@ -62,7 +60,17 @@ from ckptool.model.rename_plan import (
     label,
     plan_keys,
 )
-from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, retag_function, rewrite_file
+from ckptool.ops.rewrite import (
+    ProgressFn,
+    RenameResult,
+    output_path,
+    rename_mapping_node,
+    retag_function,
+    rewrite_file,
+    safetensors_keys,
+    write_renamed_safetensors,
+)
+from ckptool.ops.shard_rewrite import rewrite_set, set_index, set_output, single_file
 
 __all__ = [
     "RenamePlan",
@@ -84,21 +92,6 @@ __all__ = [
 MappingT = TypeVar("MappingT", bound=Mapping[Any, Any])
 #: a checkpoint file given to a renaming function: the result is a :class:`RenameResult`
 PathArg = str | os.PathLike[str]
-
-
-# ------------------------------------------------------------------------------------------------ results
-@dataclass(kw_only=True)
-class RenameResult(WriteResult, RenameSummary):
-    """What a prefix command wrote: the :class:`~ckptool.ops.rewrite.WriteResult` fields (``src``, ``dst``,
-    ``format_in``, ``storages``, ``bytes_written`` in bytes, ``retagged``) plus ``operation`` and the
-    :class:`~ckptool.model.rename_plan.RenameSummary` fields (``state_dicts`` changed, ``unchanged``, ``renamed``
-    key count, ``removed`` / ``added`` ``{prefix: keys}``, ``wrappers_removed``, per-state_dict ``changes``)."""
-
-    operation: str = ""
-
-    @classmethod
-    def combine(cls, write: WriteResult, summary: RenameSummary, operation: str) -> RenameResult:
-        return cls(**vars(write), operation=operation, **vars(summary))
 
 
 # ------------------------------------------------------------------------------------------------ node graph
@@ -249,18 +242,6 @@ def _enter_prefix(node: Any, p: str, wrappers: list[str], where: str, where_sd: 
     return node
 
 
-def _rename_mapping_node(obj: Any, mapping: dict[str, str], plan: RenamePlan) -> None:
-    """Rename the keys of a dict / OrderedDict node in place, and the module paths of its ``_metadata``."""
-    items = mapping_items(obj) or []
-    set_mapping_items(obj, [(mapping.get(k, k) if isinstance(k, str) else k, v) for k, v in items])
-    state = obj.state if isinstance(obj, PickledObject) else None
-    if type(state) is dict and "_metadata" in state:
-        meta = state["_metadata"]
-        meta_items = mapping_items(meta)
-        if meta_items:
-            set_mapping_items(meta, plan.rename_metadata(meta_items))
-
-
 def rename_graph(
     root: Any, plan: RenamePlan, *, key: str | None = None, allow_missing: bool = False, where: str = "checkpoint",
 ) -> tuple[Any, RenameSummary]:
@@ -297,7 +278,7 @@ def rename_graph(
             continue
         bound = plan.bind(mapping)
         if not t.is_module:
-            _rename_mapping_node(t.obj, mapping, bound)
+            rename_mapping_node(t.obj, mapping, bound)
             continue
         new, wrappers = _rename_module(t, bound, mapping, where)
         change.wrappers_removed = wrappers
@@ -317,21 +298,9 @@ def _rewrite_safetensors(src: str, out: str, plan: RenamePlan, *, key: str | Non
     if key:
         raise UsageError(f"{src} is safetensors: it holds one flat mapping of tensors, so --key does not apply")
     header = read_header(src)
-    keys = list(header.entries) + recorded_names(header, src)  # tied names stored once are keys too
-    mappings, summary = plan_keys([("", keys, False)], plan, allow_missing=allow_missing, where=src)
-    entries = {mappings[0][k]: e for k, e in header.entries.items()}
-    metadata = rename_metadata(header, src, mappings[0])
-    with source.open_binary(src) as f:
-        mode = file_mode(src) if same_file(out, src) else None
-        with atomic_output(out, mode=mode) as o:
-            # on a filesystem with reflinks, start the data where the input's does modulo the block: it is cloned
-            block = clone_block(f, o) if header.data_start % 8 == 0 and header.data_size > (1 << 20) else 0
-            o.write(encode_header(entries, metadata, data_start=(header.data_start, block) if block else (0, 8)))
-            copy_range(f, o, header.data_start, header.data_size, block=block)
-            if progress is not None:
-                progress(header.data_size)
-            written = o.tell()
-    res = WriteResult(src, out, formats.SAFETENSORS, storages=len(entries), bytes_written=written)
+    mappings, summary = plan_keys([("", safetensors_keys(src, header), False)], plan, allow_missing=allow_missing,
+                                  where=src)
+    res = write_renamed_safetensors(src, out, header, mappings[0], progress)
     return RenameResult.combine(res, summary, operation)
 
 
@@ -344,11 +313,16 @@ OUTPUT_TAGS = {"strip-prefix": "stripped", "strip-dataparallel": "stripped", "ad
 def rename_output(operation: str, src: str | os.PathLike[str], dst: str | os.PathLike[str] | None,
                   in_place: bool = False) -> str:
     """The file the renaming ``operation`` (a key of :data:`OUTPUT_TAGS`) writes for ``src``: ``dst``, ``src`` with
-    ``in_place``, or ``<stem>.<tag><ext>`` beside ``src``.
+    ``in_place``, or ``<stem>.<tag><ext>`` beside ``src``; for a sharded set, the folder ``<folder>.<tag>`` beside
+    the set's (:func:`ckptool.ops.shard_rewrite.set_output`).
 
     Raises:
-        UsageError: as :func:`ckptool.ops.rewrite.output_path`.
+        UsageError: as :func:`ckptool.ops.rewrite.output_path`; ``in_place`` for a sharded set.
     """
+    index = set_index(src)
+    if index is not None:
+        return set_output(index, dst, OUTPUT_TAGS[operation], in_place)
+    src = single_file(src)
     return output_path(os.fspath(src), os.fspath(dst) if dst is not None else None, in_place, OUTPUT_TAGS[operation])
 
 
@@ -371,7 +345,12 @@ def apply_plan(
     if not isinstance(src, (str, os.PathLike)):
         hint = " (pass model.state_dict(), or the path of a saved file)" if hasattr(src, "state_dict") else ""
         raise UsageError(f"expected a checkpoint path or a state_dict mapping, got {type(src).__name__}{hint}")
-    src = os.fspath(src)
+    index = set_index(src)
+    if index is not None:
+        out = set_output(index, dst, OUTPUT_TAGS[operation], in_place)
+        return rewrite_set(index, out, operation=operation, plan=plan, to=to, mapping=mapping, key=key,
+                           allow_missing=allow_missing, progress=progress)
+    src = single_file(src)
     fmt = formats.detect_format(src)
     if fmt == formats.TORCHSCRIPT:
         raise UnsupportedError(
@@ -416,7 +395,9 @@ def strip_prefix(
     carry a prefix are kept, and ``mlp_module.fc.weight`` never matches ``module.``. A key is never reduced to
     nothing.
 
-    ``src`` is a checkpoint path (torch zip, legacy or safetensors) or an in-memory mapping. For a path, the
+    ``src`` is a checkpoint path (torch zip, legacy, safetensors, or a sharded set: ``*.index.json`` or its folder,
+    rewritten as :func:`ckptool.ops.shard_rewrite.rewrite_set` describes, keys checked over the whole set) or an
+    in-memory mapping. For a path, the
     output goes to ``dst``, by default ``<stem>.stripped<ext>`` beside ``src`` (``in_place=True`` replaces
     ``src``, atomically); it is torch's zip format (or safetensors for a safetensors input) and loads with
     ``torch.load(dst, weights_only=True)``. Returns a :class:`RenameResult` for a path, a new mapping of the same

@@ -18,15 +18,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool import _source as source
-from ckptool._fileio import atomic_output, file_mode, same_file
+from ckptool._fileio import atomic_output, clone_block, copy_range, file_mode, same_file
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.nodes import CLASS_BUILD, StorageRef, split_use
+from ckptool.formats.nodes import CLASS_BUILD, PickledObject, StorageRef, split_use
 from ckptool.formats.pickler import PicklerError, dumps
+from ckptool.formats.safetensors import SafetensorsHeader, encode_header, recorded_names, rename_metadata
 from ckptool.formats.torchfile import Checkpoint, resolve_zip_offsets
 from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.formats.zipdir import ENCRYPTED
 from ckptool.model.devices import LocationFn, location_function
+from ckptool.model.graph import mapping_items, set_mapping_items
+from ckptool.model.rename_plan import RenamePlan, RenameSummary
 
 
 @dataclass
@@ -194,3 +197,67 @@ def rewrite_file(ck: Checkpoint, dst: str, root: Any, location_fn: LocationFn | 
         res = write_zip(ck, out, root, location_fn, new_records, progress)
     res.dst = dst
     return res
+
+
+# ------------------------------------------------------------------------------------------------ renaming
+@dataclass(kw_only=True)
+class RenameResult(WriteResult, RenameSummary):
+    """What a prefix command wrote: the :class:`~ckptool.ops.rewrite.WriteResult` fields (``src``, ``dst``,
+    ``format_in``, ``storages``, ``bytes_written`` in bytes, ``retagged``) plus ``operation`` and the
+    :class:`~ckptool.model.rename_plan.RenameSummary` fields (``state_dicts`` changed, ``unchanged``, ``renamed``
+    key count, ``removed`` / ``added`` ``{prefix: keys}``, ``wrappers_removed``, per-state_dict ``changes``)."""
+
+    operation: str = ""
+
+    @classmethod
+    def combine(cls, write: WriteResult, summary: RenameSummary, operation: str) -> RenameResult:
+        return cls(**vars(write), operation=operation, **vars(summary))
+
+
+def rename_mapping_node(obj: Any, mapping: dict[str, str], plan: RenamePlan) -> None:
+    """Rename the keys of a dict / OrderedDict node in place by ``mapping`` (old -> new; others kept), and the
+    module paths of its ``_metadata`` by ``plan`` (bound to the keys, :meth:`RenamePlan.bind`)."""
+    items = mapping_items(obj) or []
+    set_mapping_items(obj, [(mapping.get(k, k) if isinstance(k, str) else k, v) for k, v in items])
+    state = obj.state if isinstance(obj, PickledObject) else None
+    if type(state) is dict and "_metadata" in state:
+        meta = state["_metadata"]
+        meta_items = mapping_items(meta)
+        if meta_items:
+            set_mapping_items(meta, plan.rename_metadata(meta_items))
+
+
+def safetensors_keys(src: str, header: SafetensorsHeader) -> list[str]:
+    """The tensor names of the safetensors file ``src`` with ``header`` that a renaming renames: the stored entries
+    and the names its ``__metadata__`` records without storing them (tied names stored once are keys too).
+
+    Raises:
+        CorruptCheckpointError: an inconsistent shared-tensor record.
+    """
+    return list(header.entries) + recorded_names(header, src)
+
+
+def write_renamed_safetensors(src: str, out: str, header: SafetensorsHeader, mapping: Mapping[str, str],
+                              progress: ProgressFn | None) -> WriteResult:
+    """Write ``src`` (a safetensors file whose parsed ``header`` is given) to ``out`` atomically with every tensor
+    name renamed by ``mapping`` (old -> new; names it lacks are kept), in the header and in the names its
+    ``__metadata__`` records; the data block is copied byte for byte (cloned where the filesystem can).
+    ``progress(nbytes)`` gets the data bytes copied.
+
+    Raises:
+        OutputError / UsageError: as :func:`ckptool._fileio.atomic_output`.
+        CorruptCheckpointError: an inconsistent shared-tensor record.
+    """
+    entries = {mapping.get(k, k): e for k, e in header.entries.items()}
+    metadata = rename_metadata(header, src, mapping)
+    with source.open_binary(src) as f:
+        mode = file_mode(src) if same_file(out, src) else None
+        with atomic_output(out, mode=mode) as o:
+            # on a filesystem with reflinks, start the data where the input's does modulo the block: it is cloned
+            block = clone_block(f, o) if header.data_start % 8 == 0 and header.data_size > (1 << 20) else 0
+            o.write(encode_header(entries, metadata, data_start=(header.data_start, block) if block else (0, 8)))
+            copy_range(f, o, header.data_start, header.data_size, block=block)
+            if progress is not None:
+                progress(header.data_size)
+            written = o.tell()
+    return WriteResult(src, out, formats.SAFETENSORS, storages=len(entries), bytes_written=written)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
 
 from ckptool._commit import mark_committed, signals_blocked
 from ckptool._fileio import atomic_output, same_file, temp_path
@@ -16,6 +17,9 @@ from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, unio
 from ckptool.ops.convert.source import ConvertResult, Source, out_dtype
 from ckptool.ops.convert.verify import torch_verifier, verification_check, verify_safetensors, with_evidence
 from ckptool.ops.convert.write import Files, archive_name, emit, write_safetensors, write_torch
+
+#: one shard's worth of what :func:`write_set` writes (convert: a list of units; a rewrite: an input shard)
+G = TypeVar("G")
 
 
 @contextlib.contextmanager
@@ -38,7 +42,7 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
     """Write ``src`` to ``dst`` as ``fmt_out`` (``"safetensors"`` / ``"torch"``), filling ``res``: one file, or with
     ``shard_bytes`` a set of shards of at most that many bytes each (:func:`ckptool.formats.sharded.output_layout`:
     beside ``dst`` when it is named ``NAME.safetensors`` / ``.bin`` / ``.pt`` / ``.pth``, else in the folder
-    ``dst``), written as :func:`_write_set` describes.
+    ``dst``), written as :func:`write_set` describes.
 
     Raises:
         UnsupportedError: a dtype safetensors cannot hold.
@@ -94,7 +98,7 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
             res.files.append(dst)
         else:
             inputs = list(dict.fromkeys([src.path, *(t.storage.path for t in src.tensors)]))
-            _write_set(output_layout(dst, fmt_out), groups, write, inputs, weight_map, total, res, dst)
+            write_set(output_layout(dst, fmt_out), groups, write, inputs, weight_map, total, res, dst)
     finally:
         files.close()
     res.shards = len(groups)
@@ -114,11 +118,22 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
                                          files.evidence.summary())
 
 
-def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str, str, list[Unit]], None],
-               inputs: list[str], weight_map: dict[str, str], total: int, res: ConvertResult, out: str) -> None:
-    """Write the shards ``groups`` with ``write(path, final path, units)`` as the set ``layout`` (several: shards
-    plus the index of ``weight_map``, which ``write`` fills, and ``total`` bytes; one: the single file, no index, as
-    ``transformers`` ``save_pretrained`` does), adding the files to ``res``.
+class SetFiles(Protocol):
+    """What :func:`write_set` fills: ``files`` written, ``notes`` for the user, ``dst`` (the index of a named set)."""
+
+    files: list[str]
+    notes: list[str]
+    dst: str
+
+
+def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str, G], None],
+              inputs: list[str], weight_map: dict[str, str], total: int, res: SetFiles, out: str, *,
+              metadata: dict[str, Any] | None = None, always_index: bool = False) -> None:
+    """Write the shards ``groups`` with ``write(path, final path, group)`` as the set ``layout`` (several: shards
+    plus the index of ``weight_map``, which ``write`` fills, and ``total`` bytes, or the index ``metadata`` given,
+    kept as it is; one: the single file, no index, as ``transformers`` ``save_pretrained`` does, unless
+    ``always_index``), adding the files to ``res``. Used by ``convert`` and by the shard-set rewrites of
+    :mod:`ckptool.ops.shard_rewrite` (a group there is one input shard).
 
     The files an earlier run wrote for the same layout are this run's to replace (as ``convert`` replaces an
     existing output file); nothing else is touched. Steps: (1) refuse before writing when a file of the set is an
@@ -138,7 +153,7 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
     """
     n = len(groups)
     paths = [os.path.join(layout.folder, name) for name in layout.shard_names(n)]
-    index = os.path.join(layout.folder, layout.index_name) if n > 1 else None
+    index = os.path.join(layout.folder, layout.index_name) if n > 1 or always_index else None
     _refuse_set_target(layout, [*paths, *([index] if index else [])], inputs)
     earlier = _earlier_set(layout)  # read before the new index replaces the old one
     made = layout.is_output_folder and not os.path.isdir(layout.folder)
@@ -146,7 +161,7 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
         os.makedirs(layout.folder)
     committed: list[str] = []
     keep = {os.path.basename(p) for p in [*paths, *([index] if index else [])]}
-    if n == 1:  # before the notes of the commit (what it removed), which follow from it
+    if index is None:  # before the notes of the commit (what it removed), which follow from it
         res.notes.append(f"everything fits one shard: wrote the single file {os.path.basename(paths[0])} and no "
                          "index, as transformers' save_pretrained does")
     done = False
@@ -170,7 +185,7 @@ def _write_set(layout: SetLayout, groups: list[list[Unit]], write: Callable[[str
                     committed.append(final)
                 if index is not None:
                     with atomic_output(index) as f:
-                        f.write(encode_index(weight_map, total))
+                        f.write(encode_index(weight_map, total, metadata))
                 _remove_earlier(layout, earlier, keep, res)
                 mark_committed(out)
                 done = True
@@ -215,7 +230,7 @@ def _earlier_set(layout: SetLayout) -> set[str]:
     return {n for n in ours - others if layout.is_member(n)}
 
 
-def _remove_earlier(layout: SetLayout, earlier: set[str], keep: set[str], res: ConvertResult) -> None:
+def _remove_earlier(layout: SetLayout, earlier: set[str], keep: set[str], res: SetFiles) -> None:
     """Remove the files of the earlier set (:func:`_earlier_set`) this run did not write, and note them; note, not
     remove, the other files named like the layout's members that no index of this set named."""
     folder = layout.folder

@@ -1,0 +1,317 @@
+"""``ckptool.ops.shard_rewrite``: ``remap`` and the key-renaming commands on a sharded set (``*.index.json``).
+
+A set (``transformers`` ``save_pretrained``: shards ``model-00001-of-00003.safetensors`` / ``pytorch_model-...bin``
+plus the index that maps each tensor name to its shard) is rewritten shard by shard with the single-file code:
+:func:`ckptool.ops.rewrite.rewrite_file` for torch shards (tensor records copied byte for byte, location tags and
+the pickle's keys rewritten), :func:`ckptool.ops.rename.write_renamed_safetensors` for safetensors shards (a new
+JSON header, the data block copied). The output is a set of the same layout (one output shard per input shard, in
+index order) with its index: ``weight_map`` keys renamed as the shards' keys are, ``metadata`` kept as it was.
+
+Everything is checked on the whole set before a byte is written: the renaming is planned over the keys of every
+shard at once (:func:`ckptool.model.rename_plan.plan_keys`), so a key renamed in one shard that collides with a key
+of another is refused, and a prefix that matches nothing in the whole set is an error; a ``--map`` source must
+match a storage of some shard. The set is written as ``convert`` writes its shard sets
+(:func:`ckptool.ops.convert.outputs.write_set`: every shard into a scratch file, then all renamed into place and
+the index written, with SIGINT / SIGTERM held); a failed run leaves nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
+from ckptool.formats import detect as formats
+from ckptool.formats.safetensors import SafetensorsHeader, read_header
+from ckptool.formats.sharded import (
+    INDEX_SUFFIX,
+    SET_FILE_SUFFIXES,
+    SetLayout,
+    ShardIndex,
+    is_checkpoint_set,
+    parse_index,
+    read_index,
+    set_kind,
+)
+from ckptool.formats.torchfile import Checkpoint, read_checkpoint
+from ckptool.model.devices import location_function
+from ckptool.model.graph import mapping_items
+from ckptool.model.rename_plan import RenamePlan, plan_keys
+from ckptool.ops.convert.outputs import write_set
+from ckptool.ops.rewrite import (
+    ProgressFn,
+    RenameResult,
+    WriteResult,
+    refuse_unwritable,
+    rename_mapping_node,
+    rewrite_file,
+    safetensors_keys,
+    write_renamed_safetensors,
+)
+
+
+@dataclass(kw_only=True)
+class SetFilesResult:
+    """The files of a rewritten set: ``files`` (shards, then the index), ``notes`` (earlier set's files removed,
+    ...), ``shards`` (count)."""
+
+    files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    shards: int = 0
+
+
+@dataclass(kw_only=True)
+class SetWriteResult(WriteResult, SetFilesResult):
+    """What ``remap`` of a set wrote: the :class:`~ckptool.ops.rewrite.WriteResult` fields summed over the shards
+    (``dst`` is the output index) plus :class:`SetFilesResult`."""
+
+
+@dataclass(kw_only=True)
+class SetRenameResult(RenameResult, SetFilesResult):
+    """What a renaming of a set wrote: the :class:`~ckptool.ops.rename.RenameResult` fields (the renaming planned
+    over the whole set) plus :class:`SetFilesResult`."""
+
+
+def set_payload(res: object) -> dict[str, Any]:
+    """The JSON fields a command adds for a rewritten set: ``shards`` (count), ``files`` (shards, then the index),
+    ``notes``; none for a single file."""
+    if not isinstance(res, SetFilesResult):
+        return {}
+    return {"shards": res.shards, "files": list(res.files), "notes": list(res.notes)}
+
+
+def set_detail(res: object) -> str:
+    """The words a command's ``Wrote ...`` line adds for a rewritten set (``" in 4 shards"``, and its notes); empty
+    for a single file."""
+    if not isinstance(res, SetFilesResult):
+        return ""
+    return f" in {res.shards} shard(s)" + "".join(f"; {n}" for n in res.notes)
+
+
+@dataclass
+class _Shard:
+    name: str  # as the index names it
+    path: str
+    fmt: str
+    keys: list[str]
+    ck: Checkpoint | None = None  # torch shards
+    header: SafetensorsHeader | None = None  # safetensors shards
+
+
+def set_index(src: str | os.PathLike[str]) -> str | None:
+    """The index of the sharded set ``src`` names (an ``*.index.json``, or a folder holding exactly one); None when
+    ``src`` is a file. A model folder holding only ``model.safetensors`` / ``pytorch_model.bin`` is not a set: the
+    caller gets None and should use :func:`single_file`.
+
+    Raises:
+        UnsupportedError: a ``torch.distributed.checkpoint`` folder (convert it first; the route is named).
+        UsageError: a folder that is no checkpoint set, a missing index.
+    """
+    p = os.fspath(src)
+    if not is_checkpoint_set(p):
+        return None
+    kind, path = set_kind(p)
+    if kind == "dcp":
+        raise UnsupportedError(
+            f"{p} is a torch.distributed.checkpoint folder: remap and the prefix commands rewrite torch files and "
+            "sharded sets, not DCP folders. Convert it with the same options in one pass: "
+            f"ckptool convert {p} -o model.pt --to cpu (or --strip-prefix / --unwrap)")
+    return path if kind == "index" else None
+
+
+def single_file(src: str | os.PathLike[str]) -> str:
+    """``src`` itself, or for a model folder holding one weights file (``model.safetensors``), that file."""
+    p = os.fspath(src)
+    if os.path.isdir(p):
+        kind, path = set_kind(p)
+        if kind == "file":
+            return path
+    return p
+
+
+def set_output(index: str, dst: str | os.PathLike[str] | None, tag: str, in_place: bool) -> str:
+    """The ``-o`` a rewrite of the set of ``index`` writes: ``dst``, or by default the folder ``<folder>.<tag>``
+    beside the set's folder (``ckpt/`` -> ``ckpt.cpu/``, as single files get ``model.cpu.pth``).
+
+    Raises:
+        UsageError: ``in_place`` (a set is not rewritten in place: write it elsewhere, then replace the folder).
+    """
+    if in_place:
+        raise UsageError(f"{index}: --in-place does not apply to a sharded set; write it with -o DIR and replace "
+                         "the old folder when you have checked the new one")
+    if dst is not None:
+        return os.fspath(dst)
+    return f"{os.path.dirname(os.path.abspath(index))}.{tag}"
+
+
+def _split_name(name: str) -> tuple[str, str] | None:
+    """``("model", ".safetensors")`` for ``model.safetensors``; None without a shard suffix."""
+    ext = next((s for s in SET_FILE_SUFFIXES if name.lower().endswith(s) and len(name) > len(s)), None)
+    return (name[: -len(ext)], name[-len(ext):]) if ext else None
+
+
+def _layout(index: ShardIndex, first: str, safetensors: bool, dst: str) -> SetLayout:
+    """Where the rewritten set goes: ``dst`` names an index (``x.safetensors.index.json``) or a set file name
+    (``x.safetensors``: the set beside it, as ``convert`` names sets), else a folder holding the set under the
+    input's names. ``first`` is the name of the input's first shard, ``safetensors`` whether the shards are.
+
+    Raises:
+        UsageError: an index name without the shard suffix, a suffix the shards' format does not use, a folder
+            output that is a file.
+    """
+    in_base = os.path.basename(index.path)[: -len(INDEX_SUFFIX)]
+    stem, ext = _split_name(in_base) or (in_base, os.path.splitext(first)[1] or ".bin")
+    name = os.path.basename(dst)
+    base = name[: -len(INDEX_SUFFIX)] if name.endswith(INDEX_SUFFIX) else name
+    split = _split_name(base) if not os.path.isdir(dst) else None
+    if name.endswith(INDEX_SUFFIX) and split is None:
+        raise UsageError(f"output {dst!r}: name the index after its shards, such as {base or 'model'}{ext}"
+                         f"{INDEX_SUFFIX} (the shards are then {base or 'model'}-00001-of-0000N{ext})")
+    if split is not None:
+        if (split[1] == ".safetensors") != safetensors:
+            raise UsageError(f"output {dst!r}: the shards of {index.path} are "
+                             f"{'safetensors' if safetensors else 'torch files'}; name the output with {ext}")
+        return SetLayout(os.path.dirname(os.path.abspath(dst)), *split)
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise UsageError(f"{dst} is a file; for a sharded set -o names a folder (created) or NAME{ext}{INDEX_SUFFIX}")
+    return SetLayout(os.path.abspath(dst), stem, ext, is_output_folder=True)
+
+
+def refuse_existing_set(src: str | os.PathLike[str], out: str, *, force: bool) -> None:
+    """Refuse, unless ``force``, to write the rewrite of the set ``src`` to ``out`` where a shard set of the same
+    names already is (as ``convert`` refuses an existing set; with ``force`` the earlier set is replaced whole). A
+    no-op when ``src`` is not a sharded set.
+
+    Raises:
+        UsageError: files of a set are in the way, or ``out`` is not a usable output name.
+    """
+    index_path = set_index(src)
+    if index_path is None or force:
+        return
+    index = parse_index(index_path)
+    first = next(iter(index.shards), "")
+    layout = _layout(index, first, formats.detect_format(index.shard_path(first)) == formats.SAFETENSORS, out)
+    names = sorted(os.listdir(layout.folder)) if os.path.isdir(layout.folder) else []
+    existing = [n for n in names if layout.is_member(n)]
+    if existing:
+        raise UsageError(f"{layout.folder} already holds a shard set ({', '.join(existing[:3])}"
+                         f"{' ...' if len(existing) > 3 else ''}); pass --force to replace it, or choose another "
+                         "-o path")
+
+
+def _open_shard(index: ShardIndex, name: str) -> _Shard:
+    """Read one shard's structure (torch: the pickle; safetensors: the header), never its tensor data.
+
+    Raises:
+        UnsupportedError: a shard that is not a torch.save file of one flat mapping, nor safetensors.
+    """
+    path = index.shard_path(name)
+    fmt = formats.detect_format(path)
+    if fmt == formats.SAFETENSORS:
+        header = read_header(path)
+        return _Shard(name, path, fmt, safetensors_keys(path, header), header=header)
+    refuse_unwritable(fmt, path, "rewrite")
+    ck = read_checkpoint(path, fmt)
+    items = mapping_items(ck.root)
+    if items is None:
+        raise UnsupportedError(f"{path}: a shard of {index.path} that is not a mapping of tensor names "
+                               "(a state_dict shard); ckptool rewrites shards as transformers saves them")
+    return _Shard(name, path, fmt, [k for k, _v in items if isinstance(k, str)], ck=ck)
+
+
+def _refuse_duplicates(index_path: str, shards: list[_Shard]) -> None:
+    """Raise CorruptCheckpointError when two shards hold a tensor of one name (which one a loader keeps depends on
+    its order; a rewrite would keep both)."""
+    seen: dict[str, str] = {}
+    for s in shards:
+        for k in s.keys:
+            other = seen.setdefault(k, s.name)
+            if other != s.name:
+                raise CorruptCheckpointError(f"{index_path}: the shards {other} and {s.name} both hold {k!r}; a "
+                                             "loader keeps one of them by its order. Remove one and fix the index")
+
+
+def _data_bytes(shards: list[_Shard]) -> int:
+    """Bytes of tensor data of the set (the index's ``total_size`` when the input index records none)."""
+    return sum(s.header.data_size if s.header is not None else
+               sum(r.size for r in s.ck.records if r.name.startswith("data/")) if s.ck is not None else 0
+               for s in shards)
+
+
+def rewrite_set(
+    index_path: str, dst: str, *, operation: str, plan: RenamePlan | None = None, to: str | None = None,
+    mapping: Mapping[str, str] | None = None, key: str | None = None, allow_missing: bool = False,
+    progress: ProgressFn | None = None,
+) -> SetWriteResult | SetRenameResult:
+    """Rewrite the sharded set of ``index_path`` into ``dst`` (see :func:`_layout`): storages re-tagged by ``to``
+    / ``mapping`` (torch shards), keys renamed by ``plan``; one output shard per input shard, index
+    ``weight_map`` renamed the same way and its ``metadata`` kept. ``operation`` names the command in the result
+    and in messages; ``progress(nbytes)`` as the shards' bytes are copied.
+
+    Returns a :class:`SetRenameResult` when ``plan`` is given, else a :class:`SetWriteResult`; ``dst`` of either is
+    the output index.
+
+    Raises:
+        UsageError: ``key`` (a set's shards hold the flat state_dict itself), ``to`` / ``mapping`` with a
+            renaming of safetensors shards, a bad output name, an output file that is an input.
+        UnsupportedError: ``remap`` of safetensors shards (no device tags), shards of mixed or unwritable formats.
+        PrefixNotFoundError / KeyCollisionError / NestedPrefixError / DeviceNotFoundError: checked over the whole
+            set, as the single-file commands check one file; nothing written.
+        CorruptCheckpointError / NotACheckpointError: an unreadable index or shard.
+    """
+    if key is not None:
+        raise UsageError(f"{index_path} is a sharded set: its shards hold one flat state_dict, so --key does not "
+                         "apply")
+    index = read_index(index_path)
+    shards = [_open_shard(index, name) for name in index.shards]
+    if not shards:
+        raise UnsupportedError(f"{index_path} names no shard (an empty weight_map); there is nothing to rewrite")
+    kinds = {s.fmt == formats.SAFETENSORS for s in shards}
+    if len(kinds) > 1:
+        raise UnsupportedError(f"{index_path} mixes safetensors and torch shards; rewrite each shard by itself")
+    safetensors = kinds == {True}
+    if safetensors and (to is not None or mapping):
+        if plan is None:
+            refuse_unwritable(formats.SAFETENSORS, index_path, "remap")
+        raise UsageError(f"{index_path} is a set of safetensors shards: they carry no location tags, so --to / "
+                         "--map do not apply (load them on any device with safetensors.torch.load_file(path, "
+                         "device=...))")
+    tags = [r.location for s in shards if s.ck is not None for r in s.ck.storages.values()]
+    location_fn = None if safetensors else location_function(to, mapping, tags=tags, allow_missing=allow_missing,
+                                                              where=index_path)
+    _refuse_duplicates(index_path, shards)
+    names = list(dict.fromkeys([k for s in shards for k in s.keys] + list(index.weight_map)))
+    key_map: dict[str, str] = {}
+    summary = None
+    bound = plan
+    if plan is not None:
+        mappings, summary = plan_keys([("", names, False)], plan, allow_missing=allow_missing, where=index_path)
+        key_map, bound = mappings[0], plan.bind(names)
+    layout = _layout(index, shards[0].name, safetensors, dst)
+    out_names = layout.shard_names(len(shards)) if len(shards) > 1 else [layout.stem + layout.ext]
+    position = {s.name: i for i, s in enumerate(shards)}
+    weight_map = {key_map.get(k, k): out_names[position[v]] for k, v in index.weight_map.items()}
+    res = SetWriteResult(index_path, "", shards[0].fmt, shards=len(shards))
+
+    def write(path: str, _final: str, shard: _Shard) -> None:
+        if shard.header is not None:
+            w = write_renamed_safetensors(shard.path, path, shard.header, key_map, progress)
+        else:
+            assert shard.ck is not None
+            if key_map and bound is not None:
+                rename_mapping_node(shard.ck.root, key_map, bound)
+            w = rewrite_file(shard.ck, path, shard.ck.root, location_fn, progress=progress)
+        res.storages += w.storages
+        res.bytes_written += w.bytes_written
+        for pair, n in w.retagged.items():
+            res.retagged[pair] = res.retagged.get(pair, 0) + n
+
+    inputs = [os.path.abspath(index_path), *(s.path for s in shards)]
+    write_set(layout, shards, write, inputs, weight_map, _data_bytes(shards), res, dst,
+              metadata=index.metadata, always_index=True)
+    res.dst = os.path.join(layout.folder, layout.index_name)
+    if summary is None:
+        return res
+    return SetRenameResult(**vars(res), operation=operation, **vars(summary))
