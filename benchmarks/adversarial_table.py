@@ -47,15 +47,23 @@ def outcome(command: str, code: int) -> str:
     return "refused"
 
 
+#: measures one child from a small interpreter: a child forked from this process (torch loaded) would count this
+#: process's pages in its ru_maxrss
+_TRAMPOLINE = """
+import os, subprocess, sys, time
+t = time.perf_counter()
+p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+_, _, u = os.wait4(p.pid, 0)
+print(time.perf_counter() - t, u.ru_maxrss / 1024)
+"""
+
+
 def peak_rss(args: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of one ``python -m ckptool ARGS`` process (``os.wait4``: this child's own
-    rusage)."""
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "ckptool", *args], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    _, _, usage = os.wait4(proc.pid, 0)
-    proc.returncode = 0  # reaped above
-    return time.perf_counter() - start, usage.ru_maxrss / 1024
+    """Wall seconds and peak RSS (MiB) of one ``python -m ckptool ARGS`` process (``os.wait4`` in a small parent:
+    the child's own rusage)."""
+    out = subprocess.run([sys.executable, "-c", _TRAMPOLINE, sys.executable, "-m", "ckptool", *args], env=env,
+                         capture_output=True, text=True, timeout=600, check=True).stdout.split()
+    return float(out[0]), float(out[1])
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ cell that exits 0 prints the table's reason."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ from click.testing import CliRunner
 from ckptool.cli import cli
 from ckptool.ops.matrix import FORMATS, MATRIX, OPERATIONS, Cell
 
-_SUFFIX = {"safetensors": ".safetensors", "sharded-safetensors": ".safetensors", "sharded-bin": ".bin",
+_SUFFIX = {"safetensors": ".safetensors", "sharded-safetensors": ".safetensors.index.json",
+           "sharded-bin": ".bin.index.json",
            "pt2": ".pt2"}
 
 
@@ -76,9 +78,19 @@ def _expected(op: str, ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _open(out: Path) -> dict[str, torch.Tensor]:
-    """The one output file under ``out``, opened by torch's or safetensors' own loader."""
+    """The one output file under ``out`` (or the set its ``*.index.json`` names, shard by shard), opened by torch's
+    or safetensors' own loader."""
     from safetensors.torch import load_file
 
+    index = [p for p in out.iterdir() if p.name.endswith(".index.json")]
+    if index:
+        shards = sorted(set(json.loads(index[0].read_text(encoding="utf-8"))["weight_map"].values()))
+        merged: dict[str, torch.Tensor] = {}
+        for name in shards:
+            shard = out / name
+            merged.update(load_file(str(shard)) if shard.suffix == ".safetensors"
+                          else torch.load(shard, weights_only=True))
+        return merged
     (path,) = [p for p in out.iterdir() if not p.name.startswith(".")]
     if path.suffix == ".safetensors":
         return load_file(str(path))
@@ -129,7 +141,8 @@ def _prefix_row(cell: Cell, fmt: str, src: Path, out: Path, ref: dict[str, torch
     """The ``prefix`` row is four commands: add-prefix (checked by :func:`test_cell`), then strip-dataparallel,
     strip-prefix and unwrap, each on add-prefix's output (giving back the fixture) or, for a refused format, on the
     fixture itself (refusing the same way)."""
-    added = next(out.iterdir()) if cell.status == "works" else src
+    made = sorted(out.iterdir(), key=lambda p: not p.name.endswith(".index.json"))  # a set: its index
+    added = made[0] if cell.status == "works" else src
     for i, (cmd, *rest) in enumerate(_STRIP):
         dst = out / f"strip{i}" / added.name if cell.status == "works" else out / f"strip{i}-{added.name}"
         dst.parent.mkdir(exist_ok=True)

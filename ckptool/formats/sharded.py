@@ -18,6 +18,7 @@ from typing import Any
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.dcp import is_dcp_folder
+from ckptool.formats.deepspeed import is_deepspeed_folder
 
 INDEX_SUFFIX = ".index.json"
 #: output format -> (file stem, suffix) of its shards, as ``transformers`` names them
@@ -206,6 +207,10 @@ def set_kind(path: str) -> tuple[str, str]:
     singles = sorted(n for n in names if n in SINGLE_FILES)
     if len(singles) == 1:  # a model folder whose weights fit one file (save_pretrained writes no index then)
         return "file", os.path.join(path, singles[0])
+    if is_deepspeed_folder(path):
+        raise UsageError(f"{path} is a DeepSpeed ZeRO checkpoint folder, which this command does not rewrite: "
+                         f"consolidate it first with `ckptool convert {path} -o model.pt` (exactly as DeepSpeed's "
+                         "zero_to_fp32 does), then run the command on that file")
     raise UsageError(
         f"{path} is a folder but neither a torch.distributed.checkpoint folder (no .metadata) nor a sharded "
         "checkpoint (no *.index.json, model.safetensors or pytorch_model.bin); pass the checkpoint file")

@@ -66,6 +66,9 @@ _PKG = Cell("refused", "is a torch.package archive",
             "package's code: trusted files only)")
 _DIR = Cell("bug", "is a directory", _CONVERT)
 _DIR_FOLDERS = Cell("refused", "folders are not supported by this command", _CONVERT)
+_DCP_REWRITE = Cell("refused", "is a torch.distributed.checkpoint folder",
+                    "`ckptool convert SRC -o model.pt --to cpu` (or --strip-prefix / --unwrap) in one pass")
+_ZERO = Cell("refused", "is a DeepSpeed ZeRO checkpoint folder", "`ckptool convert SRC -o model.pt`, then the command")
 _SHARD_NOT_CKPT = Cell("bug", "is not a PyTorch checkpoint", _CONVERT)
 
 
@@ -112,15 +115,17 @@ MATRIX: dict[tuple[str, str], Cell] = {
         fmt,
         scan=Cell("works", "safe"),
         diff=Cell("works", "identical"),
-        remap=_SHARD_NOT_CKPT, prefix=_SHARD_NOT_CKPT, extract_state_dict=_SHARD_NOT_CKPT,
-        sanitize=_SHARD_NOT_CKPT, rename=_SHARD_NOT_CKPT, filter=_SHARD_NOT_CKPT,
+        remap=(Cell("refused", "carries no device tags", "safetensors.torch.load_file(shard, device=...)")
+               if fmt == "sharded-safetensors" else _W),
+        extract_state_dict=_SHARD_NOT_CKPT, sanitize=_SHARD_NOT_CKPT, rename=_SHARD_NOT_CKPT,
+        filter=_SHARD_NOT_CKPT,
     ).items()},
     **_row(
         "dcp",
         scan=Cell("works", "safe"),
         diff=Cell("bug", "0 of 2 matched tensors equal",
                   "convert both to safetensors, then diff (today it says `identical` without comparing a value)"),
-        remap=_DIR_FOLDERS, prefix=_DIR_FOLDERS,
+        remap=_DCP_REWRITE, prefix=_DCP_REWRITE,
         extract_state_dict=_DIR, sanitize=_DIR, rename=_DIR, filter=_DIR,
         verify=Cell("refused", "convert it to one file first", "`ckptool convert SRC -o model.pt`, then verify it"),
         load_into=Cell("refused", "convert it to one file first", "`ckptool convert SRC -o model.pt`, then load it"),
@@ -141,8 +146,8 @@ MATRIX: dict[tuple[str, str], Cell] = {
         "deepspeed",
         scan=Cell("works", "needs-trust"),
         diff=Cell("works", "identical"),
-        remap=_DIR_FOLDERS, prefix=_DIR_FOLDERS,
+        remap=_ZERO, prefix=_ZERO,
         extract_state_dict=_DIR, sanitize=_DIR, rename=_DIR, filter=_DIR,
-        average=Cell("bug", "neither a torch.distributed.checkpoint folder", _CONVERT),
+        average=_ZERO,
     ),
 }
