@@ -33,13 +33,15 @@ main()
 #: every ckptool module a safe ``scan`` of one torch zip file loads: the CLI frame, the scan operation with its
 #: pickle, zip and safetensors readers, the allowlist and the graph walk, the DCP dispatch (scan_file takes a
 #: DCP folder too, and ``ops.scan`` imports its folder scanner), the code finder (native headers: every zip is
-#: looked at for libraries) and the folder walk's readers of DeepSpeed ``latest`` files and sharded indexes (about
-#: 3 ms together: ``formats.deepspeed`` reads rank files through ``formats.torchfile``)
+#: looked at for libraries; torch.package module names) and the folder walk's readers of DeepSpeed ``latest``
+#: files and sharded indexes (about 3 ms together: ``formats.deepspeed`` reads rank files through
+#: ``formats.torchfile``)
 SCAN_ZIP_MODULES = {
     "ckptool", "ckptool._gc", "ckptool._source", "ckptool.errors",
     "ckptool.cli", "ckptool.cli._common", "ckptool.cli._errors", "ckptool.cli._flags", "ckptool.cli.scan",
     "ckptool.formats", "ckptool.formats.dcp", "ckptool.formats.detect", "ckptool.formats.dtypes",
     "ckptool.formats.deepspeed", "ckptool.formats.native", "ckptool.formats.sharded", "ckptool.formats.torchfile",
+    "ckptool.formats.torch_package",
     "ckptool.formats.nodes", "ckptool.formats.pickle_check", "ckptool.formats.pt2", "ckptool.formats.safetensors",
     "ckptool.formats.strided", "ckptool.formats.unpickler", "ckptool.formats.zipdir",
     "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices", "ckptool.model.graph",
