@@ -352,10 +352,10 @@ def weights_only_refusal(buf: PickleBuffer, start: int = 0, end: int | None = No
     end = len(buf) if end is None else end
     if not _wo_patterns:
         # the commonest opcodes of a torch pickle first (memo puts and gets, then argument-less runs)
-        alts = [_cls(b"qhK\x80") + b".", _cls(b"rjJ") + b".{4}", _cls(_WO_NOARG) + b"++",
+        alts = [_cls(b"qhK\x80") + b".", _cls(b"rjJ") + b".{4}", _cls(_WO_NOARG) + b"+" + _POSSESSIVE,
                 b"X" + _counted(b"\x00\x00\x00"), b"M.{2}", b"G.{8}", _cls(b"U\x8a") + _counted(b""),
                 b"c[^\\n]*\\n[^\\n]*\\n"]
-        _wo_patterns.append(re.compile(b"(?:" + b"|".join(alts) + b")*+", re.DOTALL))
+        _wo_patterns.append(re.compile(b"(?:" + b"|".join(alts) + b")*" + _POSSESSIVE, re.DOTALL))
     match = _wo_patterns[0].match
     pos = start
     while pos < end:
