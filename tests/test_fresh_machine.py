@@ -222,8 +222,8 @@ def test_rename_functions_are_overloaded_for_paths_and_mappings(tmp_path: Path) 
                           "--no-error-summary", str(snippet)], cwd=PACKAGE.parent, capture_output=True, text=True,
                          check=False, timeout=600)
     revealed = [t.replace("builtins.", "") for t in re.findall(r'Revealed type is "([^"]+)"', res.stdout)]
-    assert revealed == ["collections.OrderedDict[str, int]", "ckptool.ops.rename.RenameResult", "dict[str, int]",
-                        "ckptool.ops.rename.RenameResult", "dict[str, int]"], res.stdout
+    assert revealed == ["collections.OrderedDict[str, int]", "ckptool.ops.rewrite.RenameResult", "dict[str, int]",
+                        "ckptool.ops.rewrite.RenameResult", "dict[str, int]"], res.stdout
     assert re.search(r"use\.py:8: error: No overload variant of \"unwrap\"", res.stdout), res.stdout
 
 
