@@ -26,7 +26,7 @@ from ckptool.ops.extract import default_output, extract_state_dict
 
 
 @click.command("extract-state-dict")
-@click.argument("src", type=click.Path(dir_okay=False))
+@click.argument("src", type=click.Path(dir_okay=True))  # a folder gets the reader's advice
 @click.option("-o", "--output", "dst", type=click.Path(dir_okay=False),
               help="Output file: *.safetensors for safetensors, anything else for torch's format. "
                    "Default: SRC's stem + .state_dict.pth.")

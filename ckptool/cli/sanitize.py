@@ -25,7 +25,7 @@ from ckptool.ops.sanitize import Conversion, sanitize, sanitize_output
 
 
 @click.command("sanitize")
-@click.argument("src", type=click.Path(dir_okay=False))
+@click.argument("src", type=click.Path(dir_okay=True))  # a folder gets the reader's advice
 @output_options
 @device_options
 @allow_missing_option

@@ -82,7 +82,7 @@ def _report_rename(res: RuleResult) -> None:
 
 
 @click.command("rename", epilog=_EPILOG)
-@click.argument("src", type=click.Path(dir_okay=False))
+@click.argument("src", type=click.Path(dir_okay=True))  # a folder gets the reader's advice
 @click.option("--rule", "rules", metavar="REGEX=REPLACEMENT", multiple=True,
               help="re.sub(REGEX, REPLACEMENT, key) on every key (repeatable, applied in order; split at the last "
                    "`=`; \\1 and \\g<name> name groups).")
@@ -157,7 +157,7 @@ def _report_filter(res: FilterResult) -> None:
 
 
 @click.command("filter", epilog=_EPILOG)
-@click.argument("src", type=click.Path(dir_okay=False))
+@click.argument("src", type=click.Path(dir_okay=True))  # a folder gets the reader's advice
 @click.option("--keep", "keep", metavar="GLOB", multiple=True,
               help="Keep only keys matching GLOB (repeatable; fnmatch on the whole key, * also matches dots).")
 @click.option("--drop", "drop", metavar="GLOB", multiple=True,

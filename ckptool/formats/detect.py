@@ -79,8 +79,9 @@ def check_readable(path: str) -> int:
         raise UsageError(f"{path}: no such file; check the path")
     if os.path.isdir(path):
         raise UsageError(
-            f"{path} is a directory; give a checkpoint file (sharded and torch.distributed.checkpoint folders "
-            "are not supported by this command)"
+            f"{path} is a folder, and this command reads one checkpoint file: `ckptool convert {path} -o "
+            "model.safetensors` (or -o model.pt) makes one from a sharded set, a torch.distributed.checkpoint or a "
+            "DeepSpeed folder; then run the command on that file"
         )
     size = os.path.getsize(path)
     if size == 0:
@@ -125,6 +126,11 @@ def detect_format(path: str) -> str:
     for magic, what in _KNOWN_MAGIC:
         if head.startswith(magic):
             raise NotACheckpointError(f"{path} is {what}, not a PyTorch checkpoint")
+    if path.endswith(".index.json"):
+        raise NotACheckpointError(
+            f"{path} is the index of a sharded set, and this command reads one checkpoint file: `ckptool convert "
+            f"{path} -o model.safetensors` (or -o model.pt) merges the set into one; then run the command on it"
+        )
     raise NotACheckpointError(
         f"{path} is not a PyTorch checkpoint (first bytes {head[:8].hex(' ')}): expected a torch zip or legacy "
         "file, a TorchScript archive or safetensors"

@@ -64,12 +64,12 @@ _NO_MODULE = Cell("refused", "holds no pickled nn.Module", "the file already is 
 _PKG = Cell("refused", "is a torch.package archive",
             "`ckptool inspect` lists its tensors; torch.package.PackageImporter(path).load_pickle(...) (runs the "
             "package's code: trusted files only)")
-_DIR = Cell("bug", "is a directory", _CONVERT)
+_DIR = Cell("refused", "is a folder, and this command reads one checkpoint file", _CONVERT)
 _DIR_FOLDERS = Cell("refused", "folders are not supported by this command", _CONVERT)
 _DCP_REWRITE = Cell("refused", "is a torch.distributed.checkpoint folder",
                     "`ckptool convert SRC -o model.pt --to cpu` (or --strip-prefix / --unwrap) in one pass")
 _ZERO = Cell("refused", "is a DeepSpeed ZeRO checkpoint folder", "`ckptool convert SRC -o model.pt`, then the command")
-_SHARD_NOT_CKPT = Cell("bug", "is not a PyTorch checkpoint", _CONVERT)
+_SHARD_NOT_CKPT = Cell("refused", "is the index of a sharded set", _CONVERT)
 
 
 def _row(fmt: str, **cells: Cell) -> dict[tuple[str, str], Cell]:
