@@ -123,12 +123,23 @@ def rename_cmd(src: str, rules: tuple[str, ...], rules_file: str | None, key: st
     if as_json:
         payload = {**write_payload(res, res), "rules": [vars(u) for u in res.rules], "dry_run": res.dry_run,
                    "renames": [{"path": p, "old": o, "new": n} for p, o, n in res.renames]}
-        if not dry_run:
-            payload.update(hint_payload(hint_for(res.dst, state_dict=sd, to=to, maps=maps)))
-        emit_json("rename", payload)
+        _emit(res, "rename", payload, sd, to, maps)
         return
     _report_rename(res)
-    if dry_run:
+    _report_output(res, sd, to, maps)
+
+
+def _emit(res: RuleResult | FilterResult, command: str, payload: dict[str, Any], sd: str | None, to: str | None,
+          maps: tuple[str, ...]) -> None:
+    """Print ``payload`` as the command's JSON, with the load hint of what was written (none after a dry run)."""
+    if not res.dry_run:
+        payload.update(hint_payload(hint_for(res.dst, state_dict=sd, to=to, maps=maps)))
+    emit_json(command, payload)
+
+
+def _report_output(res: RuleResult | FilterResult, sd: str | None, to: str | None, maps: tuple[str, ...]) -> None:
+    """The closing lines of rename and filter: the dry-run line, or ``Wrote ...`` and the load hint."""
+    if res.dry_run:
         click.echo("Dry run: nothing was written")
         return
     report_write(res.dst, res.bytes_written, _stored(res.storages, res.format_in, res.retagged))
@@ -197,16 +208,10 @@ def filter_cmd(src: str, keep: tuple[str, ...], drop: tuple[str, ...], key: str 
             "extracted": res.extracted, "dry_run": res.dry_run,
             "changes": [{"path": c.path, "keys": c.keys, "kept": c.kept, "dropped": c.dropped} for c in res.changes],
             "globs": [{"kind": k, "glob": g, "matched": n} for k, g, n in res.globs]}
-        if not dry_run:
-            payload.update(hint_payload(hint_for(res.dst, state_dict=sd, to=to, maps=maps)))
-        emit_json("filter", payload)
+        _emit(res, "filter", payload, sd, to, maps)
         return
     _report_filter(res)
-    if dry_run:
-        click.echo("Dry run: nothing was written")
-        return
-    report_write(res.dst, res.bytes_written, _stored(res.storages, res.format_in, res.retagged))
-    report_hint(res.dst, state_dict=sd, to=to, maps=maps)
+    _report_output(res, sd, to, maps)
 
 
 # ------------------------------------------------------------------------------------------------ average

@@ -65,7 +65,6 @@ _PKG = Cell("refused", "is a torch.package archive",
             "`ckptool inspect` lists its tensors; torch.package.PackageImporter(path).load_pickle(...) (runs the "
             "package's code: trusted files only)")
 _DIR = Cell("refused", "is a folder, and this command reads one checkpoint file", _CONVERT)
-_DIR_FOLDERS = Cell("refused", "folders are not supported by this command", _CONVERT)
 _DCP_REWRITE = Cell("refused", "is a torch.distributed.checkpoint folder",
                     "`ckptool convert SRC -o model.pt --to cpu` (or --strip-prefix / --unwrap) in one pass")
 _ZERO = Cell("refused", "is a DeepSpeed ZeRO checkpoint folder", "`ckptool convert SRC -o model.pt`, then the command")
