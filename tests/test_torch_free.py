@@ -158,8 +158,8 @@ def test_help_lists_the_commands_that_need_torch(block: Path, tmp_path: Path) ->
 def test_own_readers_catch_what_safe_open_and_torch_load_would(runs: tuple[Path, dict], tmp_path: Path) -> None:
     """The checks that run without torch and NumPy find a changed byte, dtype, key or record."""
     from ckptool.formats.safetensors import read_header
-    from ckptool.ops.convert.read_torch import torch_source
     from ckptool.ops.convert.verify import header_difference, reader_difference, records_difference
+    from ckptool.readers.read_torch import torch_source
     from ckptool.torch_ops.convert_verify import ExpectedTensor
 
     out, _done = runs

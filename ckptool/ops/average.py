@@ -36,11 +36,11 @@ from ckptool.formats.strided import gather
 from ckptool.ops.convert import ConvertResult
 from ckptool.ops.convert.outputs import scratch_file, write_outputs
 from ckptool.ops.convert.plan import check_safetensors_dtypes
-from ckptool.ops.convert.read_safetensors import index_source, restore_library_aliases, safetensors_source
-from ckptool.ops.convert.read_torch import torch_source
-from ckptool.ops.convert.source import Source, Storage, Tensor, is_contiguous
 from ckptool.ops.convert.write import Files
 from ckptool.ops.rewrite import ProgressFn
+from ckptool.readers.read_safetensors import index_source, restore_library_aliases, safetensors_source
+from ckptool.readers.read_torch import torch_source
+from ckptool.readers.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.torch_ops.average import AVERAGED, TAKEN_FROM_FIRST, Accumulator, average_state_dicts
 
 __all__ = ["AverageResult", "average"]
@@ -76,7 +76,7 @@ class AverageResult:
 
 # ------------------------------------------------------------------------------------------------ reading
 def _read(path: str, key: str | None) -> Source:
-    """One input as a :class:`~ckptool.ops.convert.source.Source` (no tensor bytes read); ``key`` applies to torch
+    """One input as a :class:`~ckptool.readers.tensors.Source` (no tensor bytes read); ``key`` applies to torch
     files only.
 
     Raises:

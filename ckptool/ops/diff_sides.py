@@ -5,13 +5,13 @@ Each side's format is detected once (:func:`probe`): a torch zip or legacy file 
 :func:`ckptool.formats.torchfile.read_checkpoint` and :func:`ckptool.ops.inspect.describe` (every tensor, with its
 storage, layout and saved location tag) plus its plain values; a safetensors file, a sharded set, a ``.pt2``
 archive, a DeepSpeed ZeRO folder (its consolidated fp32 state_dict) and a selected state_dict of a torch file
-through ``convert``'s readers (its :class:`~ckptool.ops.convert.source.Source`); a DCP folder from its
+through ``convert``'s readers (its :class:`~ckptool.readers.tensors.Source`); a DCP folder from its
 ``.metadata`` (names, dtypes and shapes only).
 
 A training checkpoint (``{"epoch": 1, "model_state_dict": ..., "optimizer_state_dict": ...}``) compared with a bare
 state_dict (safetensors, a sharded set, a DCP folder, a ``.pt2`` archive, a DeepSpeed folder, a torch file whose
 state_dict is the top level) is compared through the state_dict that ``convert`` would convert from it
-(:func:`ckptool.ops.convert.read_torch.select_state_dict`, the same choice); two torch files whose state_dicts sit
+(:func:`ckptool.readers.read_torch.select_state_dict`, the same choice); two torch files whose state_dicts sit
 at the same place are compared whole, as they are. ``key`` (``--key``) selects that state_dict on every torch side
 where it resolves (:func:`ckptool.model.paths.resolve_path`).
 """
@@ -31,12 +31,12 @@ from ckptool.model.graph import find_state_dicts, is_module, mapping_items, too_
 from ckptool.model.paths import resolve_path
 from ckptool.model.values import iter_values
 from ckptool.model.zero import read_zero
-from ckptool.ops.convert.deepspeed import deepspeed_source
-from ckptool.ops.convert.read_pt2 import pt2_source
-from ckptool.ops.convert.read_safetensors import index_source, restore_library_aliases, safetensors_source
-from ckptool.ops.convert.read_torch import select_state_dict, torch_source
-from ckptool.ops.convert.source import Source, Storage, Tensor, is_contiguous
 from ckptool.ops.inspect import describe, inspect_set
+from ckptool.readers.read_deepspeed import deepspeed_source
+from ckptool.readers.read_pt2 import pt2_source
+from ckptool.readers.read_safetensors import index_source, restore_library_aliases, safetensors_source
+from ckptool.readers.read_torch import select_state_dict, torch_source
+from ckptool.readers.tensors import Source, Storage, Tensor, is_contiguous
 
 __all__ = ["UNREAD", "Probe", "Side", "SideTensor", "choose_keys", "probe", "read_pair", "restored"]
 
@@ -184,7 +184,7 @@ class Side:
 
 def _read_side(p: Probe, key: str | None) -> Side:
     """The tensors (and a torch file's plain values) of side ``p``: with ``key``, the state_dict at that path of a
-    torch file as ``convert`` reads it (:func:`ckptool.ops.convert.read_torch.torch_source`)."""
+    torch file as ``convert`` reads it (:func:`ckptool.readers.read_torch.torch_source`)."""
     if p.kind == DEEPSPEED:  # the consolidated fp32 state_dict, as convert reads it (zero_to_fp32's)
         return _source_side(deepspeed_source(read_zero(p.path, None)))
     if p.kind == INDEX:
@@ -193,7 +193,7 @@ def _read_side(p: Probe, key: str | None) -> Side:
         return _dcp_side(p.path)
     if p.kind == SAFETENSORS:
         return _source_side(restored(safetensors_source(p.path)))
-    if p.kind == PT2:  # a torch.export archive: its state_dict (ckptool.ops.convert.read_pt2)
+    if p.kind == PT2:  # a torch.export archive: its state_dict (ckptool.readers.read_pt2)
         return _source_side(pt2_source(p.path, None))
     assert p.ck is not None
     try:

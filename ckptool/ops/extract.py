@@ -49,8 +49,8 @@ from ckptool.model.paths import get_path
 from ckptool.model.rename_memory import rename_state_dict
 from ckptool.model.rename_plan import build_plan
 from ckptool.ops.convert import convert
-from ckptool.ops.convert.read_pt2 import pt2_source
 from ckptool.ops.rewrite import ProgressFn, retag_function, rewrite_file
+from ckptool.readers.read_pt2 import pt2_source
 from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted
 
 __all__ = ["ExtractResult", "extract_state_dict"]
@@ -210,7 +210,7 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
 def _extract_pt2(src: str, dst: str, key: str | None, unwrap: bool, to: str | None,
                  mapping: Mapping[str, str] | None, allow_missing: bool, progress: ProgressFn | None) -> ExtractResult:
     """A ``torch.export`` archive: its program's state_dict (``key="constants"``: its constants;
-    :func:`ckptool.ops.convert.read_pt2.pt2_source`), written and verified by :func:`ckptool.ops.convert.convert`
+    :func:`ckptool.readers.read_pt2.pt2_source`), written and verified by :func:`ckptool.ops.convert.convert`
     (tensor bytes copied, never decoded). Nothing in the archive needs running, so ``trust`` changes nothing."""
     source = pt2_source(src, key)
     keys = [t.name for t in source.tensors]

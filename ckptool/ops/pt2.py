@@ -6,7 +6,7 @@ running anything (the archive layout is described in :mod:`ckptool.formats.pt2`)
   signature from its serialized JSON, the archive's versions, and the globals of the members a loader unpickles
   (read by :func:`ckptool.ops.scan.scan_file`: nothing imported or run).
 * ``extract-state-dict`` and ``convert`` of a ``.pt2`` (:func:`ckptool.ops.extract.extract_state_dict`,
-  :mod:`ckptool.ops.convert.read_pt2`) write the program's state_dict (parameters and persistent buffers, as
+  :mod:`ckptool.readers.read_pt2`) write the program's state_dict (parameters and persistent buffers, as
   ``torch.export.load(path).state_dict``), or with ``key="constants"`` its constants: tensor bytes copied from the
   archive, never decoded.
 
@@ -20,12 +20,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool.formats import detect as formats
-from ckptool.formats.pt2 import Payload, Pt2Archive, read_pt2
+from ckptool.formats.pt2 import Payload, Pt2Archive
 from ckptool.ops.inspect_values import ValueInfo
 from ckptool.ops.scan import GlobalFinding, scan_file
+from ckptool.readers.read_pt2 import read_archive
 
-__all__ = ["Pt2Description", "Pt2Tensor", "describe_pt2", "read_archive", "tensor_key"]
+__all__ = ["Pt2Description", "Pt2Tensor", "describe_pt2", "tensor_key"]
 
 
 @dataclass
@@ -55,14 +55,6 @@ class Pt2Description:
     metadata: dict[str, str] = field(default_factory=dict)
     globals: list[GlobalFinding] = field(default_factory=list)
     values: list[ValueInfo] = field(default_factory=list)
-
-
-def read_archive(path: str) -> Pt2Archive:
-    """:func:`ckptool.formats.pt2.read_pt2` of ``path`` (its zip directory read once, shared with detection).
-
-    Raises: what :func:`ckptool.formats.pt2.read_pt2` raises.
-    """
-    return read_pt2(path, formats.zip_entries(path))
 
 
 def tensor_key(arch: Pt2Archive, program: str, fqn: str, weight: bool) -> str:

@@ -50,12 +50,12 @@ from ckptool.model.rename_memory import _copy_meta, _new_like, _replace_at, rena
 from ckptool.model.rename_plan import RenamePlan, RenameSummary, label, plan_keys
 from ckptool.ops.convert import ConvertResult
 from ckptool.ops.convert.outputs import write_outputs
-from ckptool.ops.convert.read_safetensors import restore_library_aliases, safetensors_source
-from ckptool.ops.convert.read_torch import select_state_dict
-from ckptool.ops.convert.source import Source
 from ckptool.ops.rename import RenameResult, _rewrite_safetensors, rename_graph
 from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, retag_function, rewrite_file
 from ckptool.ops.rules import RuleLike, RuleStep, load_rules, rules_plan
+from ckptool.readers.read_safetensors import restore_library_aliases, safetensors_source
+from ckptool.readers.read_torch import select_state_dict
+from ckptool.readers.tensors import Source
 
 __all__ = ["FilterResult", "RuleResult", "RuleStep", "filter_keys", "load_rules", "rename",
            "rules_plan"]
@@ -115,7 +115,7 @@ class FilterResult(WriteResult):
 
 # ------------------------------------------------------------------------------------------------ selection
 def _graph_targets(root: Any, key: str | None, where: str, action: str) -> list[StateDictRef]:
-    """The state_dict at ``key`` (:func:`ckptool.ops.convert.read_torch.select_state_dict`), or every state_dict
+    """The state_dict at ``key`` (:func:`ckptool.readers.read_torch.select_state_dict`), or every state_dict
     found (pickled modules included: :func:`_refuse_module` once it is known that one would change).
 
     Raises:

@@ -50,20 +50,18 @@ from ckptool._source import holding_versions, is_url
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dcp import read_dcp_metadata
-from ckptool.formats.deepspeed import is_deepspeed_folder
-from ckptool.formats.sharded import is_checkpoint_set, set_kind
 from ckptool.model.devices import location_function
 from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_torch, write_dcp
-from ckptool.ops.convert.deepspeed import open_deepspeed
 from ckptool.ops.convert.outputs import scratch_file, write_outputs
-from ckptool.ops.convert.read_pt2 import pt2_source
-from ckptool.ops.convert.read_safetensors import index_source, restore_library_aliases, safetensors_source
-from ckptool.ops.convert.read_torch import refuse_non_strided_for_dcp, torch_source
-from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, ConvertResult, Source, parse_size
+from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, ConvertResult, parse_size
 from ckptool.ops.convert.verify import VerificationError
 from ckptool.ops.dcp_safety import check_dcp_safe
+from ckptool.readers import open_checkpoint
+from ckptool.readers.read_safetensors import restore_library_aliases
+from ckptool.readers.read_torch import refuse_non_strided_for_dcp
+from ckptool.readers.tensors import Source
 from ckptool.torch_ops.dcp import dcp_to_torch_file
 from ckptool.torch_ops.load import load_checkpoint
 
@@ -95,10 +93,10 @@ def convert(
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
     ``src`` is a torch.save file (zip or legacy), a ``torch.export`` archive (``.pt2``: its state_dict, or with
-    ``key="constants"`` its constants; :mod:`ckptool.ops.convert.read_pt2`), a safetensors file, a sharded set
+    ``key="constants"`` its constants; :mod:`ckptool.readers.read_pt2`), a safetensors file, a sharded set
     (its ``*.index.json``, or the folder holding it), a DCP folder, or a DeepSpeed ZeRO checkpoint folder
     (consolidated to its fp32 state_dict as ``zero_to_fp32`` does, without deepspeed:
-    :mod:`ckptool.ops.convert.deepspeed`; ``tag`` picks the tag folder, default from ``latest``;
+    :mod:`ckptool.readers.read_deepspeed`; ``tag`` picks the tag folder, default from ``latest``;
     ``exclude_frozen`` leaves out frozen parameters). ``format`` is ``"torch"``, ``"safetensors"`` or ``"dcp"``;
     by default it follows ``dst``'s suffix (``.safetensors``; ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt``), and is
     safetensors for a folder of shards.
@@ -152,50 +150,29 @@ def convert(
     if same_file(src_p, dst_p):
         raise UsageError(f"output {dst_p} is the input; choose another -o path")
     renames: dict[str, Any] = {"unwrap": unwrap, "strip_prefixes": list(strip_prefixes)}
-    deepspeed = is_deepspeed_folder(src_p)
-    if (tag is not None or exclude_frozen) and not deepspeed:
+    opened = open_checkpoint(src_p)
+    fmt_in = opened.format
+    if (tag is not None or exclude_frozen) and fmt_in != "deepspeed":
         raise UsageError(f"--tag and --exclude-frozen apply to DeepSpeed checkpoint folders; {src_p} is not one")
-    if deepspeed:
-        source = open_deepspeed(src_p, fmt_out=fmt_out, key=key, tag=tag, exclude_frozen=exclude_frozen)
-    elif is_checkpoint_set(src_p):
-        kind, set_path = set_kind(src_p)
-        if kind == "file":
-            return convert(set_path, dst_p, format=format, key=key, to=to, mapping=mapping,
-                           allow_missing=allow_missing, unwrap=unwrap,
-                           strip_prefixes=strip_prefixes, max_shard_size=shard_bytes, dtype=dtype, verify=verify,
-                           trust=trust, progress=progress)
-        if kind == "dcp":
-            if fmt_out == "dcp":
-                raise UsageError(f"{src_p} is already a DCP checkpoint; convert it to torch or safetensors")
-            return _from_dcp(src_p, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
-                key=key, to=to, mapping=mapping, allow_missing=allow_missing, max_shard_size=shard_bytes, dtype=dtype,
-                verify=verify, progress=progress, **renames))
-        if key is not None:
-            raise UsageError(f"{src_p} is a sharded set: it holds one flat mapping of tensors, so --key does not apply")
+    if fmt_in == "dcp":
         if fmt_out == "dcp":
-            return _to_dcp(set_path, dst_p, key=None, trust=trust, verify=verify, renames=renames, cast=dtype,
+            raise UsageError(f"{src_p} is already a DCP checkpoint; convert it to torch or safetensors")
+        return _from_dcp(src_p, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
+            key=key, to=to, mapping=mapping, allow_missing=allow_missing, max_shard_size=shard_bytes, dtype=dtype,
+            verify=verify, progress=progress, **renames))
+    if fmt_out == "dcp" and fmt_in not in ("deepspeed", formats.PICKLE, formats.TORCH_PACKAGE):
+        if fmt_in == formats.TORCHSCRIPT:
+            opened.state_dict(key)  # raises the TorchScript message
+        if opened.spec.kind == "set":
+            return _to_dcp(opened.target, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype,
                            fmt_in="sharded")
-        source = index_source(set_path)
-    else:
-        fmt_in = formats.detect_format(src_p)
-        if fmt_in == formats.PICKLE:
-            raise UnsupportedError(f"{src_p} is a plain pickle without torch storages, not a torch.save checkpoint")
-        if fmt_out == "dcp":
-            if fmt_in == formats.TORCHSCRIPT:
-                torch_source(src_p, fmt_in, key)  # raises the TorchScript message
-            return _to_dcp(src_p, dst_p, key=key, trust=trust, verify=verify,
-                           renames=renames if unwrap or strip_prefixes else {}, cast=dtype, fmt_in=fmt_in)
-        if fmt_in == formats.SAFETENSORS:
-            if key is not None:
-                raise UsageError(f"{src_p} is safetensors: it holds one flat mapping of tensors, so --key does not "
-                                 "apply")
-            source = safetensors_source(src_p)
-            if fmt_out == "torch":
-                restore_library_aliases(source)
-        elif fmt_in == formats.PT2:
-            source = pt2_source(src_p, key)
-        else:
-            source = torch_source(src_p, fmt_in, key)
+        return _to_dcp(opened.target, dst_p, key=key, trust=trust, verify=verify,
+                       renames=renames if unwrap or strip_prefixes else {}, cast=dtype, fmt_in=fmt_in)
+    if fmt_in == "deepspeed":
+        _refuse_deepspeed_options(src_p, fmt_out, key)
+    source = opened.state_dict(key, tag=tag, exclude_frozen=exclude_frozen)
+    if fmt_in == formats.SAFETENSORS and fmt_out == "torch":
+        restore_library_aliases(source)
     _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
     res = ConvertResult(src_p, dst_p, source.format, fmt_out, key=source.key, left_out=list(source.left_out),
                         skipped=list(source.skipped), notes=list(source.notes))
@@ -331,3 +308,12 @@ def _to_dcp(src: str, dst: str, *, key: str | None, trust: bool, verify: bool, r
                    "of what torch.load(weights_only=True) read from "
                    + ("the source" if sub is None else f"a torch file made from the source, where {sub.checked}"))
     return res
+
+
+def _refuse_deepspeed_options(src: str, fmt_out: str, key: str | None) -> None:
+    """Raise UsageError for ``--key`` (a ZeRO checkpoint holds one model) or DCP output from a DeepSpeed folder."""
+    if key is not None:
+        raise UsageError(f"{src} is a DeepSpeed checkpoint: it holds one model, so --key does not apply")
+    if fmt_out == "dcp":
+        raise UsageError(f"{src} is a DeepSpeed checkpoint: convert it to safetensors or torch (DCP output is for "
+                         "torch files)")

@@ -14,9 +14,10 @@ from ckptool.errors import CkptError, OutputError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES
 from ckptool.formats.sharded import INDEX_SUFFIX, SetLayout, encode_index, output_layout, parse_index
 from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, union_elements, units
-from ckptool.ops.convert.source import ConvertResult, Source, out_dtype
+from ckptool.ops.convert.source import ConvertResult, out_dtype
 from ckptool.ops.convert.verify import torch_verifier, verification_check, verify_safetensors, with_evidence
 from ckptool.ops.convert.write import Files, archive_name, emit, write_safetensors, write_torch
+from ckptool.readers.tensors import Source
 
 #: one shard's worth of what :func:`write_set` writes (convert: a list of units; a rewrite: an input shard)
 G = TypeVar("G")

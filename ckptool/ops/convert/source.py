@@ -1,15 +1,13 @@
-"""What ``convert`` reads and reports: the source model (storages, tensors, their layouts), options, the result."""
+"""What ``convert`` reports and its options: the result, output dtypes, sizes. The source model (storages, tensors,
+their layouts) is the readers layer's: :mod:`ckptool.readers.tensors`."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ckptool.errors import UsageError
-from ckptool.formats.dtypes import DTYPE_SIZES, numel
 from ckptool.formats.safetensors import SHARED_KEY as SHARED_KEY  # re-exported: ckptool.ops.convert.SHARED_KEY
-from ckptool.formats.segments import Segment
 
 #: dtypes ``dtype=`` casts (floating point; float8 formats carry scales elsewhere and are left alone)
 CAST_FROM = ("float16", "bfloat16", "float32", "float64")
@@ -61,102 +59,6 @@ class ConvertResult:
         if self.format_out == "dcp" or not self.files:
             return self.dst
         return self.files[-1]
-
-
-@dataclass(eq=False)
-class Piece:
-    """A stored tensor of a safetensors sharing group: its data at ``file_offset`` (``nbytes``) is the contiguous
-    copy of the view ``(offset, shape, stride)`` (elements) of the group's storage."""
-
-    file_offset: int
-    nbytes: int
-    offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-@dataclass(eq=False)
-class Storage:
-    """The bytes of one source storage: ``nbytes`` at ``offset`` of file ``path`` (or, for a safetensors sharing
-    group, assembled from ``pieces``), elements of ``dtype``, saved with location tag ``location``; ``crc`` is the
-    CRC-32 of the bytes when the source records it (zip members). ``segments``, when set, gathers the bytes from
-    ranges of several files instead (a DeepSpeed ZeRO parameter, :mod:`ckptool.formats.segments`; ``path`` and
-    ``offset`` then name the first range)."""
-
-    path: str
-    offset: int
-    nbytes: int
-    dtype: str
-    location: str = "cpu"
-    crc: int | None = None
-    pieces: list[Piece] | None = None
-    segments: list[Segment] | None = None
-
-    @property
-    def numel(self) -> int:
-        return self.nbytes // DTYPE_SIZES[self.dtype]
-
-
-@dataclass(eq=False)
-class Tensor:
-    """One tensor of the source: output key ``name`` (``src_name`` in the source), ``dtype``, ``shape``, ``stride``
-    and storage ``offset`` in elements, its :class:`Storage`, and ``index`` (position in the state_dict)."""
-
-    name: str
-    src_name: str
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    storage: Storage
-    requires_grad: bool = False
-    index: int = 0
-
-    @property
-    def numel(self) -> int:
-        return numel(self.shape)
-
-    @property
-    def span(self) -> tuple[int, int]:
-        """``[lo, hi)``: the elements of the storage this tensor reaches (``lo == hi`` when empty)."""
-        return span(self.offset, self.shape, self.stride)
-
-
-@dataclass
-class Source:
-    """A source checkpoint read for conversion: its tensors in state_dict order plus what was not carried.
-
-    ``sd_state`` is the selected OrderedDict node's BUILD state (``{"_metadata": ...}``), carried to torch output.
-    """
-
-    path: str
-    format: str
-    tensors: list[Tensor]
-    key: str | None = None
-    left_out: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    metadata: dict[str, str] | None = None
-    sd_state: dict[str, object] | None = None
-    notes: list[str] = field(default_factory=list)
-
-
-def span(offset: int, shape: Sequence[int], stride: Sequence[int]) -> tuple[int, int]:
-    """``[lo, hi)`` in elements of the storage a view ``(offset, shape, stride)`` reaches."""
-    if numel(shape) == 0:
-        return offset, offset
-    return offset, offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1
-
-
-def is_contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    """torch's ``is_contiguous()`` for a strided layout: row-major strides, dimensions of size 1 ignored."""
-    if numel(shape) == 0:
-        return True
-    expected = 1
-    for s, st in zip(reversed(shape), reversed(stride)):
-        if s != 1 and st != expected:
-            return False
-        expected *= s
-    return True
 
 
 def out_dtype(dtype: str, cast: str | None) -> str:

@@ -10,7 +10,7 @@ Which reader depends on what is installed (:func:`verification_check` says which
   storage sharing.
 * torch: ``torch.load(mmap=True, weights_only=True)``
   (:func:`ckptool.torch_ops.convert_verify.torch_load_difference`), or without torch ckptool's restricted reader
-  (:func:`ckptool.ops.convert.read_torch.torch_source`); then every storage record's CRC-32 through ``zipfile``.
+  (:func:`ckptool.readers.read_torch.torch_source`); then every storage record's CRC-32 through ``zipfile``.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import ST_NAMES, contiguous_stride, element_size, numel
 from ckptool.formats.safetensors import read_header
 from ckptool.ops.convert.evidence import SourceEvidence
-from ckptool.ops.convert.read_safetensors import safetensors_source
-from ckptool.ops.convert.read_torch import torch_source
-from ckptool.ops.convert.source import Tensor, out_dtype
+from ckptool.ops.convert.source import out_dtype
 from ckptool.ops.convert.write import Written
+from ckptool.readers.read_safetensors import safetensors_source
+from ckptool.readers.read_torch import torch_source
+from ckptool.readers.tensors import Tensor
 from ckptool.torch_ops.convert_verify import (
     ExpectedTensor,
     is_installed,
@@ -190,7 +191,7 @@ def records_difference(path: str, records: Mapping[str, int] | None) -> str | No
 
 def reader_difference(path: str, expected: Sequence[ExpectedTensor]) -> str | None:
     """The check of :func:`ckptool.torch_ops.convert_verify.torch_load_difference` without torch: the torch zip
-    file at ``path`` is read back with ckptool's restricted reader (:func:`ckptool.ops.convert.read_torch.
+    file at ``path`` is read back with ckptool's restricted reader (:func:`ckptool.readers.read_torch.
     torch_source`) and every tensor's key (in order), dtype, shape, stride, storage offset, ``requires_grad`` and
     storage sharing compared with ``expected``."""
     try:

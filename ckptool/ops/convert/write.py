@@ -32,7 +32,8 @@ from ckptool.model.keys import rename_metadata_items
 from ckptool.model.tensor_nodes import storage_ref, view_node
 from ckptool.ops.convert.evidence import SourceEvidence
 from ckptool.ops.convert.plan import Unit, shared_metadata
-from ckptool.ops.convert.source import ConvertResult, Storage, Tensor, is_contiguous, out_dtype
+from ckptool.ops.convert.source import ConvertResult, out_dtype
+from ckptool.readers.tensors import Storage, Tensor, is_contiguous
 from ckptool.torch_ops.cast import StorageCache, tensor_buffer
 
 #: dtype name -> legacy storage class ``torch.save`` names with ``_rebuild_tensor_v2`` (torch/storage.py); other

@@ -1,8 +1,8 @@
 """Reading a ``torch.export`` archive (``.pt2``) for ``convert`` and ``extract-state-dict``: the weights (or the
-constants) of its program as a :class:`~ckptool.ops.convert.source.Source`, no tensor bytes read.
+constants) of its program as a :class:`~ckptool.readers.tensors.Source`, no tensor bytes read.
 
 Each raw payload member of the archive is the whole untyped storage of one or more tensors
-(:mod:`ckptool.formats.pt2`), so it becomes one :class:`~ckptool.ops.convert.source.Storage` at the member's data
+(:mod:`ckptool.formats.pt2`), so it becomes one :class:`~ckptool.readers.tensors.Storage` at the member's data
 offset, and each tensor a view of it with the offset, shape and strides of its ``tensor_meta``: the output equals
 what ``torch.export.load(path).state_dict`` (or ``.constants``) holds, storage sharing included.
 """
@@ -11,10 +11,18 @@ from __future__ import annotations
 
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.pt2 import Payload, Program, Pt2Archive
+from ckptool.formats.pt2 import Payload, Program, Pt2Archive, read_pt2
 from ckptool.formats.zipdir import data_offset
-from ckptool.ops.convert.source import Source, Storage, Tensor
-from ckptool.ops.pt2 import read_archive
+from ckptool.readers.tensors import Source, Storage, Tensor
+
+
+def read_archive(path: str) -> Pt2Archive:
+    """:func:`ckptool.formats.pt2.read_pt2` of ``path`` (its zip directory read once, shared with detection).
+
+    Raises: what :func:`ckptool.formats.pt2.read_pt2` raises.
+    """
+    return read_pt2(path, formats.zip_entries(path))
+
 
 #: the two mappings of a program that ``key`` selects (``state_dict`` by default)
 SELECTIONS = ("state_dict", "constants")

@@ -2,7 +2,7 @@
 
 The folder is read without deepspeed (:func:`ckptool.model.zero.read_zero`) and consolidated as
 ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` does (:func:`ckptool.model.zero.plan`). Each output
-tensor's :class:`~ckptool.ops.convert.source.Storage` gathers its bytes from the ranks' partitions
+tensor's :class:`~ckptool.readers.tensors.Storage` gathers its bytes from the ranks' partitions
 (``segments``), so the writers stream it from the rank files, one tensor at a time: memory stays bounded by one
 copy buffer (by the largest tensor for a ``--dtype`` cast), never the model. Tied parameters (``shared_params``)
 share one storage, so safetensors stores them once and torch output keeps them tied.
@@ -10,12 +10,11 @@ share one storage, so safetensors stores them once and torch output keeps them t
 
 from __future__ import annotations
 
-from ckptool.errors import UsageError
 from ckptool.formats.dtypes import contiguous_stride
-from ckptool.model.zero import ZeroCheckpoint, plan, read_zero
-from ckptool.ops.convert.source import Source, Storage, Tensor
+from ckptool.model.zero import ZeroCheckpoint, plan
+from ckptool.readers.tensors import Source, Storage, Tensor
 
-__all__ = ["FORMAT", "deepspeed_source", "open_deepspeed"]
+__all__ = ["FORMAT", "deepspeed_source"]
 
 FORMAT = "deepspeed"
 
@@ -49,19 +48,3 @@ def deepspeed_source(z: ZeroCheckpoint, exclude_frozen: bool = False) -> Source:
     if exclude_frozen and z.frozen:
         src.notes.append(f"frozen parameters left out (--exclude-frozen): {len(z.frozen)}")
     return src
-
-
-def open_deepspeed(src: str, *, fmt_out: str, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
-    """:func:`deepspeed_source` of the DeepSpeed folder ``src`` (``tag`` as
-    :func:`ckptool.formats.deepspeed.find_deepspeed`), for ``fmt_out`` output.
-
-    Raises:
-        UsageError: ``--key`` (a ZeRO checkpoint has one model) or DCP output.
-        CorruptCheckpointError / UnsupportedError: see :func:`ckptool.model.zero.read_zero`.
-    """
-    if key is not None:
-        raise UsageError(f"{src} is a DeepSpeed checkpoint: it holds one model, so --key does not apply")
-    if fmt_out == "dcp":
-        raise UsageError(f"{src} is a DeepSpeed checkpoint: convert it to safetensors or torch (DCP output is for "
-                         "torch files)")
-    return deepspeed_source(read_zero(src, tag), exclude_frozen)

@@ -1,0 +1,225 @@
+"""The readers layer: one entry point for every checkpoint format, and the registry of formats.
+
+:func:`open_checkpoint` (a local path or a URL) recognises the format once, from the bytes and the folder layout
+(never from a file name alone), and returns an :class:`Opened`: the format's registry entry, the path to read, and
+the readers of what it holds, each read at most once:
+
+* :meth:`Opened.graph`: the pickle as a node graph (:func:`ckptool.formats.torchfile.read_checkpoint`, nothing
+  imported or run), for the formats that are pickles;
+* :meth:`Opened.state_dict`: the selected state_dict's tensors as one :class:`~ckptool.readers.tensors.Source`
+  (FQN, dtype, shape, strides, storage offset, storage identity, location tag, and the byte ranges that hold the
+  data in which file), the same for every format, so that an operation never reads a format through another
+  operation's code.
+
+The registry (:data:`FORMATS`) lists every format ckptool reads, in the order ``docs/formats.md`` shows them; the
+support matrix (:mod:`ckptool.ops.matrix`) has one row per entry, and a test holds the two to the same names.
+
+=====================  ===============================================================================
+format                 recognised by (:mod:`ckptool.formats.detect`, :mod:`ckptool.formats.sharded`, ...)
+=====================  ===============================================================================
+``torch-zip``          a zip holding ``data.pkl`` (``torch.save``)
+``torch-legacy``       the legacy magic number as the first pickle (``_use_new_zipfile_serialization=False``)
+``torchscript``        a zip holding ``constants.pkl`` or ``code/`` (``torch.jit.save``)
+``torch-package``      a zip holding ``.data/extern_modules`` (``torch.package.PackageExporter``)
+``safetensors``        an 8-byte header length, then ``{``
+``sharded-safetensors`` an ``*.index.json`` (or a folder holding one) whose shards are safetensors
+``sharded-bin``        an ``*.index.json`` whose shards are torch files (or a mix)
+``dcp``                a folder holding ``.metadata`` (``torch.distributed.checkpoint``)
+``torch-export``       a zip holding ``archive_format`` (``torch.export.save``, ``.pt2``)
+``deepspeed``          a folder holding ``latest`` or ``global_step*/`` ZeRO files
+``pickle``             a plain pickle (protocol 2-5) without torch's layout
+=====================  ===============================================================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ckptool import _source as source
+from ckptool.errors import UnsupportedError, UsageError
+from ckptool.formats import detect
+from ckptool.formats.deepspeed import is_deepspeed_folder
+from ckptool.formats.sharded import INDEX_SUFFIX, is_checkpoint_set, parse_index, set_kind
+from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
+from ckptool.model.zero import read_zero
+from ckptool.readers.read_deepspeed import deepspeed_source
+from ckptool.readers.read_pt2 import pt2_source
+from ckptool.readers.read_safetensors import index_source, safetensors_source
+from ckptool.readers.read_torch import torch_source
+from ckptool.readers.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
+
+__all__ = ["FORMATS", "Format", "Opened", "Piece", "Source", "Storage", "Tensor", "format_of", "is_contiguous",
+           "open_checkpoint", "span"]
+
+Kind = Literal["file", "set", "folder"]
+
+
+@dataclass(frozen=True)
+class Format:
+    """One registry entry: ``name`` (as ``inspect --json``, ``convert``'s result and ``docs/formats.md`` name it),
+    ``label`` (what it is, for people), ``kind`` (one ``file``, a ``set`` of files named by an index, or a
+    ``folder``), ``pickled`` (its structure is a pickle read as a node graph: :meth:`Opened.graph`), and
+    ``tensors``: whether ckptool reads its tensors without running code (:meth:`Opened.state_dict`), else
+    ``refusal``, the sentence that says why not and what to do instead."""
+
+    name: str
+    label: str
+    kind: Kind
+    pickled: bool = False
+    tensors: bool = True
+    refusal: str = ""
+
+
+#: every format ckptool reads, in the order of ``docs/formats.md``
+FORMATS: dict[str, Format] = {f.name: f for f in (
+    Format(detect.TORCH_ZIP, "`torch.save` zip (`pytorch_model.bin`, accelerate's `optimizer.bin`)", "file",
+           pickled=True),
+    Format(detect.TORCH_LEGACY, "`torch.save(..., _use_new_zipfile_serialization=False)`", "file", pickled=True),
+    Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False,
+           refusal="is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
+                   "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file"),
+    Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", tensors=False,
+           refusal="is a torch.package archive: its objects are rebuilt by the package's own code; `ckptool "
+                   "inspect` lists its tensors, torch.package.PackageImporter(path).load_pickle(...) loads them "
+                   "(runs the package's code: trusted files only)"),
+    Format(detect.SAFETENSORS, "safetensors file", "file"),
+    Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set"),
+    Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set"),
+    Format("dcp", "`torch.distributed.checkpoint` folder", "folder", tensors=False,
+           refusal="is a torch.distributed.checkpoint folder; `ckptool convert SRC -o model.pt` makes one torch "
+                   "file of it"),
+    Format(detect.PT2, "torch.export archive (`.pt2`)", "file"),
+    Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder"),
+    Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
+           refusal="is a plain pickle without torch storages, not a torch.save checkpoint"),
+)}
+
+
+@dataclass
+class Opened:
+    """A checkpoint whose format is known: ``path`` as given, ``target`` the path read (the ``*.index.json`` of a
+    sharded set, the single weights file of a model folder, else ``path``), ``format`` its :data:`FORMATS` name.
+
+    Its readers cache what they read, so one command reads each pickle and header once.
+    """
+
+    path: str
+    format: str
+    target: str
+    _graph: Checkpoint | None = field(default=None, repr=False)
+
+    @property
+    def spec(self) -> Format:
+        """The registry entry of :attr:`format`."""
+        return FORMATS[self.format]
+
+    def graph(self) -> Checkpoint:
+        """The pickle as a node graph (nothing imported or run), read once.
+
+        Raises:
+            UnsupportedError: a format that is not a pickle (safetensors, sets, folders, torch.export archives).
+            NotACheckpointError / CorruptCheckpointError: see :func:`ckptool.formats.torchfile.read_checkpoint`.
+        """
+        if self._graph is None:
+            if not self.spec.pickled:
+                raise UnsupportedError(f"{self.path} is a {self.spec.label}, not a pickle")
+            self._graph = (read_pickle_file(self.target) if self.format == detect.PICKLE
+                           else read_checkpoint(self.target, self.format))
+        return self._graph
+
+    def state_dict(self, key: str | None = None, *, tag: str | None = None, exclude_frozen: bool = False) -> Source:
+        """The selected state_dict's tensors as a :class:`Source` (no tensor bytes read), chosen as ``convert``
+        chooses it: ``key`` (a dotted path), else the one state_dict of a training checkpoint
+        (:func:`ckptool.readers.read_torch.select_state_dict`). ``tag`` / ``exclude_frozen``: a DeepSpeed folder's
+        tag folder and frozen parameters.
+
+        Raises:
+            UsageError: ``key`` for a format holding one flat mapping (safetensors, sharded sets, DeepSpeed) or
+                naming nothing; ``tag`` / ``exclude_frozen`` for a format that is not DeepSpeed.
+            UnsupportedError: a format whose tensors ckptool does not read without running code
+                (:attr:`Format.refusal`); see also the format's reader.
+        """
+        spec = self.spec
+        if (tag is not None or exclude_frozen) and self.format != "deepspeed":
+            raise UsageError(f"--tag and --exclude-frozen apply to DeepSpeed checkpoint folders; {self.path} is not "
+                             "one")
+        if not spec.tensors:
+            raise UnsupportedError(f"{self.path} {spec.refusal}")
+        if key is not None and spec.name in ("safetensors", "sharded-safetensors", "sharded-bin", "deepspeed"):
+            what = {"safetensors": "is safetensors", "deepspeed": "is a DeepSpeed checkpoint"}.get(
+                spec.name, "is a sharded set")
+            raise UsageError(f"{self.path} {what}: it holds one flat mapping of tensors, so --key does not apply")
+        reader = _TENSOR_READERS[spec.name]
+        return reader(self, key, tag, exclude_frozen)
+
+
+def _torch(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
+    return torch_source(o.target, o.format, key)
+
+
+def _safetensors(o: Opened, _key: str | None, _tag: str | None, _frozen: bool) -> Source:
+    return safetensors_source(o.target)
+
+
+def _sharded(o: Opened, _key: str | None, _tag: str | None, _frozen: bool) -> Source:
+    return index_source(o.target)
+
+
+def _pt2(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
+    return pt2_source(o.target, key)
+
+
+def _deepspeed(o: Opened, _key: str | None, tag: str | None, frozen: bool) -> Source:
+    return deepspeed_source(read_zero(o.target, tag), frozen)
+
+
+_TENSOR_READERS: dict[str, Callable[[Opened, str | None, str | None, bool], Source]] = {
+    detect.TORCH_ZIP: _torch, detect.TORCH_LEGACY: _torch, detect.SAFETENSORS: _safetensors,
+    "sharded-safetensors": _sharded, "sharded-bin": _sharded, detect.PT2: _pt2, "deepspeed": _deepspeed,
+}
+
+
+def _set_format(index_path: str) -> str:
+    """``sharded-safetensors`` when every shard the index names is a ``.safetensors`` file, else ``sharded-bin``
+    (the shards' own bytes are checked when they are read)."""
+    shards = parse_index(index_path).shards
+    return "sharded-safetensors" if shards and all(s.endswith(".safetensors") for s in shards) else "sharded-bin"
+
+
+def format_of(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(format name, path to read)`` of the checkpoint at ``path``: the one place ckptool tells formats apart.
+
+    A folder is a DeepSpeed checkpoint (:func:`ckptool.formats.deepspeed.is_deepspeed_folder`), a DCP checkpoint
+    (``.metadata``), a model folder holding one ``*.index.json`` (read as that set) or one weights file
+    (``model.safetensors`` / ``pytorch_model.bin``: read as that file); an ``*.index.json`` is a sharded set;
+    anything else is a file recognised from its first bytes (:func:`ckptool.formats.detect.detect_format`).
+
+    Raises:
+        UsageError: a missing path; a folder that is none of those.
+        NotACheckpointError / CorruptCheckpointError: see :func:`ckptool.formats.detect.detect_format`.
+    """
+    p = os.fspath(path)
+    if not source.is_url(p) and os.path.isdir(p) and is_deepspeed_folder(p):
+        return "deepspeed", p
+    if not source.is_url(p) and is_checkpoint_set(p) or p.endswith(INDEX_SUFFIX):
+        kind, target = set_kind(p)
+        if kind == "dcp":
+            return "dcp", target
+        if kind == "index":
+            return _set_format(target), target
+        p = target  # a model folder holding one weights file
+    return detect.detect_format(p), p
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Opened:
+    """Open the checkpoint at ``path`` (a file, a sharded set's ``*.index.json``, a folder, or a URL of a file or
+    index): its format recognised once (:func:`format_of`), nothing else read yet.
+
+    Raises: what :func:`format_of` raises.
+    """
+    p = os.fspath(path)
+    fmt, target = format_of(p)
+    return Opened(p, fmt, target)
