@@ -13,13 +13,12 @@ from collections.abc import Mapping, Sequence
 
 from ckptool._gc import gc_paused
 from ckptool.errors import UsageError
-from ckptool.formats import detect as formats
-from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model.devices import parse_device
 from ckptool.model.rename_plan import build_plan
 from ckptool.ops.rename import RenameResult, rename_graph
 from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, refuse_unwritable, retag_function, rewrite_file
-from ckptool.ops.shard_rewrite import rewrite_set, set_index, set_output, single_file
+from ckptool.ops.shard_rewrite import opened_input, rewrite_set, set_index, set_output
+from ckptool.readers import Opened, open_checkpoint
 
 
 @gc_paused
@@ -87,16 +86,16 @@ def remap(
     elif key is not None:
         raise UsageError("--key selects the state_dict to rename: add --unwrap, --strip-dataparallel, "
                          "--strip-prefix or --add-prefix")
-    index = set_index(src)
+    opened = open_checkpoint(src)
+    index = set_index(opened)
     if index is not None:
-        out = remap_output(index, dst, to=to, in_place=in_place)
+        out = remap_output(opened, dst, to=to, in_place=in_place)
         return rewrite_set(index, out, operation="remap", plan=plan, to=to, mapping=mapping, key=key,
                            allow_missing=allow_missing, progress=progress)
-    src = single_file(src)
-    fmt = formats.detect_format(src)
-    refuse_unwritable(fmt, src, "remap")
-    out = remap_output(src, dst, to=to, in_place=in_place)
-    ck = read_checkpoint(src, fmt)
+    src = opened.target
+    refuse_unwritable(opened.format, src, "remap")
+    out = remap_output(opened, dst, to=to, in_place=in_place)
+    ck = opened.graph()
     fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     if plan is None:
         return rewrite_file(ck, out, ck.root, fn, progress=progress)
@@ -104,7 +103,7 @@ def remap(
     return RenameResult.combine(rewrite_file(ck, out, root, fn, progress=progress), summary, "remap")
 
 
-def remap_output(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None, *, to: str | None,
+def remap_output(src: str | os.PathLike[str] | Opened, dst: str | os.PathLike[str] | None, *, to: str | None,
                  in_place: bool = False) -> str:
     """The file :func:`remap` writes: ``dst``, ``src`` itself with ``in_place``, or ``<stem>.<target><ext>`` beside
     ``src`` (``model.cpu.pth``, ``model.cuda0.pth``; ``model.remapped.pth`` for a ``mapping``); for a sharded set
@@ -114,8 +113,8 @@ def remap_output(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None
         UsageError: as :func:`ckptool.ops.rewrite.output_path`; a bad ``to`` device.
     """
     tag = parse_device(to).replace(":", "") if to is not None else "remapped"
-    index = set_index(src)
+    opened = opened_input(src)
+    index = set_index(opened)
     if index is not None:
         return set_output(index, dst, tag, in_place)
-    src = single_file(src)
-    return output_path(os.fspath(src), os.fspath(dst) if dst is not None else None, in_place, tag)
+    return output_path(opened.target, os.fspath(dst) if dst is not None else None, in_place, tag)

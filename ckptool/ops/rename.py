@@ -35,7 +35,6 @@ from ckptool.formats import detect as formats
 from ckptool.formats.safetensors import (
     read_header,
 )
-from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model.graph import (
     StateDictRef,
     class_name,
@@ -70,7 +69,8 @@ from ckptool.ops.rewrite import (
     safetensors_keys,
     write_renamed_safetensors,
 )
-from ckptool.ops.shard_rewrite import rewrite_set, set_index, set_output, single_file
+from ckptool.ops.shard_rewrite import opened_input, rewrite_set, set_index, set_output
+from ckptool.readers import Opened, open_checkpoint
 
 __all__ = [
     "RenamePlan",
@@ -310,7 +310,7 @@ OUTPUT_TAGS = {"strip-prefix": "stripped", "strip-dataparallel": "stripped", "ad
                "unwrap": "unwrapped"}
 
 
-def rename_output(operation: str, src: str | os.PathLike[str], dst: str | os.PathLike[str] | None,
+def rename_output(operation: str, src: str | os.PathLike[str] | Opened, dst: str | os.PathLike[str] | None,
                   in_place: bool = False) -> str:
     """The file the renaming ``operation`` (a key of :data:`OUTPUT_TAGS`) writes for ``src``: ``dst``, ``src`` with
     ``in_place``, or ``<stem>.<tag><ext>`` beside ``src``; for a sharded set, the folder ``<folder>.<tag>`` beside
@@ -319,11 +319,11 @@ def rename_output(operation: str, src: str | os.PathLike[str], dst: str | os.Pat
     Raises:
         UsageError: as :func:`ckptool.ops.rewrite.output_path`; ``in_place`` for a sharded set.
     """
-    index = set_index(src)
+    opened = opened_input(src)
+    index = set_index(opened)
     if index is not None:
         return set_output(index, dst, OUTPUT_TAGS[operation], in_place)
-    src = single_file(src)
-    return output_path(os.fspath(src), os.fspath(dst) if dst is not None else None, in_place, OUTPUT_TAGS[operation])
+    return output_path(opened.target, os.fspath(dst) if dst is not None else None, in_place, OUTPUT_TAGS[operation])
 
 
 def apply_plan(
@@ -345,13 +345,13 @@ def apply_plan(
     if not isinstance(src, (str, os.PathLike)):
         hint = " (pass model.state_dict(), or the path of a saved file)" if hasattr(src, "state_dict") else ""
         raise UsageError(f"expected a checkpoint path or a state_dict mapping, got {type(src).__name__}{hint}")
-    index = set_index(src)
+    opened = open_checkpoint(src)
+    index = set_index(opened)
     if index is not None:
         out = set_output(index, dst, OUTPUT_TAGS[operation], in_place)
         return rewrite_set(index, out, operation=operation, plan=plan, to=to, mapping=mapping, key=key,
                            allow_missing=allow_missing, progress=progress)
-    src = single_file(src)
-    fmt = formats.detect_format(src)
+    src, fmt = opened.target, opened.format
     if fmt == formats.TORCHSCRIPT:
         raise UnsupportedError(
             f"{src} is a TorchScript archive: its parameter names are fixed by its compiled code and cannot be "
@@ -361,14 +361,14 @@ def apply_plan(
     if fmt == formats.PICKLE:
         raise UnsupportedError(f"{src} is a plain pickle without torch storages, not a torch.save checkpoint; "
                                "load it and rename the state_dict in memory")
-    out = rename_output(operation, src, dst, in_place)
+    out = rename_output(operation, opened, dst, in_place)
     if fmt == formats.SAFETENSORS:
         if to is not None or mapping:
             raise UsageError(f"{src} is safetensors: it carries no location tags, so --to / --map do not apply "
                              "(load it on any device with safetensors.torch.load_file(path, device=...))")
         return _rewrite_safetensors(src, out, plan, key=key, allow_missing=allow_missing, operation=operation,
                                     progress=progress)
-    ck = read_checkpoint(src, fmt)
+    ck = opened.graph()
     location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     root, summary = rename_graph(ck.root, plan, key=key, allow_missing=allow_missing, where=src)
     res = rewrite_file(ck, out, root, location_fn, progress=progress)

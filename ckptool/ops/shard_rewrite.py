@@ -30,12 +30,10 @@ from ckptool.formats.sharded import (
     SET_FILE_SUFFIXES,
     SetLayout,
     ShardIndex,
-    is_checkpoint_set,
     parse_index,
     read_index,
-    set_kind,
 )
-from ckptool.formats.torchfile import Checkpoint, read_checkpoint
+from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.devices import location_function
 from ckptool.model.graph import mapping_items
 from ckptool.model.rename_plan import RenamePlan, plan_keys
@@ -50,6 +48,7 @@ from ckptool.ops.rewrite import (
     safetensors_keys,
     write_renamed_safetensors,
 )
+from ckptool.readers import Opened, open_checkpoint
 
 
 @dataclass(kw_only=True)
@@ -100,35 +99,37 @@ class _Shard:
     header: SafetensorsHeader | None = None  # safetensors shards
 
 
-def set_index(src: str | os.PathLike[str]) -> str | None:
+def opened_input(src: str | os.PathLike[str] | Opened) -> Opened:
+    """``src`` opened once (:func:`ckptool.readers.open_checkpoint`), or ``src`` itself when it already is."""
+    return src if isinstance(src, Opened) else open_checkpoint(src)
+
+
+def set_index(src: str | os.PathLike[str] | Opened) -> str | None:
     """The index of the sharded set ``src`` names (an ``*.index.json``, or a folder holding exactly one); None when
     ``src`` is a file. A model folder holding only ``model.safetensors`` / ``pytorch_model.bin`` is not a set: the
     caller gets None and should use :func:`single_file`.
 
     Raises:
         UnsupportedError: a ``torch.distributed.checkpoint`` folder (convert it first; the route is named).
-        UsageError: a folder that is no checkpoint set, a missing index.
+        UsageError: a DeepSpeed folder (consolidate it first), a folder that is no checkpoint set, a missing index.
     """
-    p = os.fspath(src)
-    if not is_checkpoint_set(p):
-        return None
-    kind, path = set_kind(p)
-    if kind == "dcp":
+    o = opened_input(src)
+    if o.format == "dcp":
         raise UnsupportedError(
-            f"{p} is a torch.distributed.checkpoint folder: remap and the prefix commands rewrite torch files and "
-            "sharded sets, not DCP folders. Convert it with the same options in one pass: "
-            f"ckptool convert {p} -o model.pt --to cpu (or --strip-prefix / --unwrap)")
-    return path if kind == "index" else None
+            f"{o.path} is a torch.distributed.checkpoint folder: remap and the prefix commands rewrite torch files "
+            "and sharded sets, not DCP folders. Convert it with the same options in one pass: "
+            f"ckptool convert {o.path} -o model.pt --to cpu (or --strip-prefix / --unwrap)")
+    if o.format == "deepspeed":
+        raise UsageError(f"{o.path} is a DeepSpeed ZeRO checkpoint folder, which this command does not rewrite: "
+                         f"consolidate it first with `ckptool convert {o.path} -o model.pt` (exactly as DeepSpeed's "
+                         "zero_to_fp32 does), then run the command on that file")
+    return o.target if o.spec.kind == "set" else None
 
 
-def single_file(src: str | os.PathLike[str]) -> str:
-    """``src`` itself, or for a model folder holding one weights file (``model.safetensors``), that file."""
-    p = os.fspath(src)
-    if os.path.isdir(p):
-        kind, path = set_kind(p)
-        if kind == "file":
-            return path
-    return p
+def single_file(src: str | os.PathLike[str] | Opened) -> str:
+    """The file to read for ``src``: itself, or for a model folder holding one weights file (``model.safetensors``),
+    that file."""
+    return opened_input(src).target
 
 
 def set_output(index: str, dst: str | os.PathLike[str] | None, tag: str, in_place: bool) -> str:
@@ -208,12 +209,13 @@ def _open_shard(index: ShardIndex, name: str) -> _Shard:
         UnsupportedError: a shard that is not a torch.save file of one flat mapping, nor safetensors.
     """
     path = index.shard_path(name)
-    fmt = formats.detect_format(path)
+    shard = open_checkpoint(path)
+    fmt = shard.format
     if fmt == formats.SAFETENSORS:
         header = read_header(path)
         return _Shard(name, path, fmt, safetensors_keys(path, header), header=header)
     refuse_unwritable(fmt, path, "rewrite")
-    ck = read_checkpoint(path, fmt)
+    ck = shard.graph()
     items = mapping_items(ck.root)
     if items is None:
         raise UnsupportedError(f"{path}: a shard of {index.path} that is not a mapping of tensor names "

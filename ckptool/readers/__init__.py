@@ -120,12 +120,13 @@ class Opened:
         """The pickle as a node graph (nothing imported or run), read once.
 
         Raises:
-            UnsupportedError: a format that is not a pickle (safetensors, sets, folders, torch.export archives).
+            UnsupportedError: a format that is not a torch pickle (safetensors, torch.export and torch.package
+                archives: :func:`ckptool.formats.torchfile.read_checkpoint`'s message; sets and folders).
             NotACheckpointError / CorruptCheckpointError: see :func:`ckptool.formats.torchfile.read_checkpoint`.
         """
         if self._graph is None:
-            if not self.spec.pickled:
-                raise UnsupportedError(f"{self.path} is a {self.spec.label}, not a pickle")
+            if self.spec.kind != "file":
+                raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}: several files, not one pickle")
             self._graph = (read_pickle_file(self.target) if self.format == detect.PICKLE
                            else read_checkpoint(self.target, self.format))
         return self._graph
