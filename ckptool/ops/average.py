@@ -31,15 +31,14 @@ from ckptool._fileio import same_file
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import contiguous_stride, element_size
-from ckptool.formats.sharded import is_checkpoint_set, set_kind
 from ckptool.formats.strided import gather
 from ckptool.ops.convert import ConvertResult
 from ckptool.ops.convert.outputs import scratch_file, write_outputs
 from ckptool.ops.convert.plan import check_safetensors_dtypes
 from ckptool.ops.convert.write import Files
 from ckptool.ops.rewrite import ProgressFn
-from ckptool.readers.read_safetensors import index_source, restore_library_aliases, safetensors_source
-from ckptool.readers.read_torch import torch_source
+from ckptool.readers import open_checkpoint
+from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.readers.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.torch_ops.average import AVERAGED, TAKEN_FROM_FIRST, Accumulator, average_state_dicts
 
@@ -76,29 +75,20 @@ class AverageResult:
 
 # ------------------------------------------------------------------------------------------------ reading
 def _read(path: str, key: str | None) -> Source:
-    """One input as a :class:`~ckptool.readers.tensors.Source` (no tensor bytes read); ``key`` applies to torch
-    files only.
+    """One input as a :class:`~ckptool.readers.tensors.Source` (no tensor bytes read), through the readers layer
+    (:func:`ckptool.readers.open_checkpoint`): any format whose tensors ckptool reads; ``key`` applies to the
+    formats that hold several mappings (torch files, ``.pt2``).
 
     Raises:
-        UnsupportedError: a format average does not read (DCP, TorchScript, pickle, ``.pt2``).
+        UnsupportedError: a format whose tensors ckptool does not read without running code (TorchScript,
+            torch.package, plain pickles), with the reason and the route.
     """
-    if is_checkpoint_set(path):
-        kind, set_path = set_kind(path)
-        if kind == "dcp":
-            raise UnsupportedError(f"{path} is a torch.distributed.checkpoint folder; convert it first (`ckptool "
-                                   f"convert {path} -o model.safetensors`), then average that file")
-        if kind == "index":
-            return index_source(set_path)
-        path = set_path
-    fmt = formats.detect_format(path)
-    if fmt == formats.SAFETENSORS:
-        src = safetensors_source(path)
+    opened = open_checkpoint(path)
+    several = opened.format in (formats.TORCH_ZIP, formats.TORCH_LEGACY, formats.PT2)
+    src = opened.state_dict(key if several else None)
+    if opened.format == formats.SAFETENSORS:
         restore_library_aliases(src)
-        return src
-    if fmt in (formats.TORCH_ZIP, formats.TORCH_LEGACY):
-        return torch_source(path, fmt, key)
-    raise UnsupportedError(f"{path} is a {fmt} file; average reads torch.save files (zip or legacy), safetensors "
-                           "files and sharded sets")
+    return src
 
 
 def _check_match(sources: list[Source]) -> None:
@@ -160,14 +150,11 @@ class _Elements:
     def reset(self) -> None:
         self._whole.clear()
 
-    def _base(self, t: Tensor) -> tuple[str, int]:
-        """``(file, offset)`` such that element ``e`` of ``t``'s storage is at ``offset + e * esize`` of the file."""
+    def _piece_base(self, t: Tensor) -> tuple[str, int]:
+        """``(file, offset)`` such that element ``e`` of ``t``'s storage is at ``offset + e * esize`` of the file,
+        for a storage of a safetensors sharing group (``pieces``): the stored piece that holds ``t``."""
         st, esize = t.storage, element_size(t.dtype)
-        if st.segments is not None:
-            raise UnsupportedError(f"{st.path}: {t.name!r} is gathered from several files; convert the checkpoint to "
-                                   "one file first")
-        if st.pieces is None:
-            return st.path, st.offset
+        assert st.pieces is not None
         lo, hi = t.span
         for p in st.pieces:
             n = 1
@@ -178,16 +165,24 @@ class _Elements:
         raise UnsupportedError(f"{st.path}: {t.name!r} is a view across stored tensors of a shared storage; convert "
                                "the file to torch format first (`ckptool convert`)")
 
+    def _storage(self, t: Tensor, first: int, count: int) -> bytes | bytearray:
+        """``count`` elements of ``t``'s storage from element ``first``: a byte range of one file, of a stored piece,
+        or gathered from several files / byte-swapped (``segments``: :meth:`Files.storage_bytes`)."""
+        esize = element_size(t.dtype)
+        if t.storage.pieces is None:
+            return self.files.storage_bytes(t.storage, first * esize, count * esize)
+        path, base = self._piece_base(t)
+        return self.files.read(path, base + first * esize, count * esize)
+
     def read(self, t: Tensor, a: int, b: int) -> bytes | bytearray:
         """The bytes of elements ``[a, b)`` of ``t`` in row-major order."""
         esize = element_size(t.dtype)
-        path, base = self._base(t)
         if is_contiguous(t.shape, t.stride):
-            return self.files.read(path, base + (t.offset + a) * esize, (b - a) * esize)
+            return self._storage(t, t.offset + a, b - a)
         whole = self._whole.get(id(t))
         if whole is None:  # a strided view: its storage span read once, gathered in order (kept for its chunks)
             lo, hi = t.span
-            span = self.files.read(path, base + lo * esize, (hi - lo) * esize)
+            span = self._storage(t, lo, hi - lo)
             whole = self._whole[id(t)] = b"".join(gather(span, esize, t.offset - lo, t.shape, t.stride))
         return whole[a * esize:b * esize]
 

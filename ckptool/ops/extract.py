@@ -35,7 +35,7 @@ from ckptool._gc import gc_paused
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.nodes import TensorNode
-from ckptool.formats.torchfile import Checkpoint, read_checkpoint
+from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.devices import LocationFn
 from ckptool.model.graph import (
     class_name,
@@ -50,6 +50,7 @@ from ckptool.model.rename_memory import rename_state_dict
 from ckptool.model.rename_plan import build_plan
 from ckptool.ops.convert import convert
 from ckptool.ops.rewrite import ProgressFn, retag_function, rewrite_file
+from ckptool.readers import open_checkpoint
 from ckptool.readers.read_pt2 import pt2_source
 from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted
 
@@ -174,7 +175,8 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
                          "safetensors.torch.load_file(path, device=...))")
     if trust and mapping:
         raise UsageError("--trust loads the module onto one device: give --to DEVICE instead of --map")
-    fmt = formats.detect_format(src)
+    opened = open_checkpoint(src).require_file()
+    fmt = opened.format
     if fmt == formats.SAFETENSORS:
         raise UnsupportedError(f"{src} is safetensors: it already is a state_dict")
     if fmt == formats.TORCHSCRIPT:
@@ -186,7 +188,7 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
         return _extract_pt2(src, dst, key, unwrap, to, mapping, allow_missing, progress)
     if trust:
         return _extract_trusted(src, dst, key, unwrap, to, safetensors_out)
-    ck = read_checkpoint(src, fmt)
+    ck = opened.graph()
     location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     path, cls, entries, meta = _collect(ck, key)
     items = [(k, detached(t)) for k, t in entries]

@@ -94,12 +94,11 @@ MATRIX: dict[tuple[str, str], Cell] = {
         load_into=Cell("refused", "trust=True", "ckptool.load_into(model, path, trust=True)"),
         rename=Cell("refused", "cannot be renamed", _JIT),
         filter=Cell("refused", "cannot be filtered", _JIT),
-        average=Cell("refused", "average reads torch.save files", _JIT),
+        average=Cell("refused", "is a TorchScript archive", _JIT),
     ),
     **_row(
         "torch-package",
-        **{op.replace("-", "_"): _PKG for op in OPERATIONS if op not in ("scan", "inspect", "report", "average")},
-        average=Cell("refused", "is a torch-package file", _PKG.route),
+        **{op.replace("-", "_"): _PKG for op in OPERATIONS if op not in ("scan", "inspect", "report")},
         scan=Cell("works", "safe"),
     ),
     **_row(
@@ -128,7 +127,7 @@ MATRIX: dict[tuple[str, str], Cell] = {
         extract_state_dict=_DIR, sanitize=_DIR, rename=_DIR, filter=_DIR,
         verify=Cell("refused", "convert it to one file first", "`ckptool convert SRC -o model.pt`, then verify it"),
         load_into=Cell("refused", "convert it to one file first", "`ckptool convert SRC -o model.pt`, then load it"),
-        average=Cell("refused", "convert it first", _CONVERT),
+        average=Cell("refused", "is a torch.distributed.checkpoint folder", _CONVERT),
     ),
     **_row(
         "pt2",
@@ -139,7 +138,6 @@ MATRIX: dict[tuple[str, str], Cell] = {
         sanitize=Cell("refused", "this command does not apply", _PT2_SD),
         rename=Cell("refused", "write its state_dict", _PT2_SD),
         filter=Cell("refused", "write its state_dict", _PT2_SD),
-        average=Cell("refused", "average reads torch.save files", _PT2_SD),
     ),
     **_row(
         "deepspeed",
@@ -147,6 +145,5 @@ MATRIX: dict[tuple[str, str], Cell] = {
         diff=Cell("works", "identical"),
         remap=_ZERO, prefix=_ZERO,
         extract_state_dict=_DIR, sanitize=_DIR, rename=_DIR, filter=_DIR,
-        average=_ZERO,
     ),
 }

@@ -36,7 +36,6 @@ from typing import Any
 
 from ckptool._gc import gc_paused
 from ckptool.errors import UnsafeCheckpointError, UnsupportedError
-from ckptool.formats import detect as formats
 from ckptool.formats.nodes import (
     ALLOC,
     CLASS_BUILD,
@@ -53,7 +52,7 @@ from ckptool.formats.nodes import (
     split_use,
     use_key,
 )
-from ckptool.formats.torchfile import Checkpoint, read_checkpoint
+from ckptool.formats.torchfile import Checkpoint
 from ckptool.formats.unpickler import MAX_REQUEST_BYTES, request_bytes
 from ckptool.model.allowlist import DANGEROUS, classify_global, is_allowed
 from ckptool.model.graph import ATOMS, is_module, join, mapping_items, set_mapping_items, too_deep
@@ -61,6 +60,7 @@ from ckptool.model.module_state import detached, module_state_dict, state_dict_n
 from ckptool.model.numpy_nodes import numpy_kind, numpy_type_dtype, read_array, read_dtype
 from ckptool.model.tensor_nodes import tensor_node
 from ckptool.ops.rewrite import ProgressFn, output_path, refuse_unwritable, retag_function, rewrite_file
+from ckptool.readers import open_checkpoint
 
 __all__ = ["Conversion", "SanitizeResult", "sanitize"]
 
@@ -371,9 +371,9 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
     """
     src = os.fspath(src)
     out = sanitize_output(src, dst, in_place)
-    fmt = formats.detect_format(src)
-    refuse_unwritable(fmt, src, "sanitize")
-    ck = read_checkpoint(src, fmt)
+    opened = open_checkpoint(src).require_file()
+    refuse_unwritable(opened.format, src, "sanitize")
+    ck = opened.graph()
     location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     s = _Sanitizer(ck, drop_unknown)
     try:
@@ -390,7 +390,7 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
                    storages={k: v for k, v in ck.storages.items() if k in s.used},
                    globals=[g for g in ck.globals if split_use(g[1])[1] != CLASS_BUILD])  # dropped: listed in left
     written = rewrite_file(kept, out, root, location_fn, s.new_records, progress)
-    res = SanitizeResult(src, out, fmt, s.converted, s.left, storages=len(kept.storages) + len(s.new_records),
+    res = SanitizeResult(src, out, opened.format, s.converted, s.left, storages=len(kept.storages) + len(s.new_records),
                          new_storages=len(s.new_records), bytes_written=written.bytes_written,
                          retagged=written.retagged)
     for ref in kept.storages.values():

@@ -42,7 +42,7 @@ from ckptool.formats import detect as formats
 from ckptool.formats.nodes import StorageRef
 from ckptool.formats.pickler import PicklerError, dumps
 from ckptool.formats.safetensors import SHARED_KEY, read_header
-from ckptool.formats.torchfile import Checkpoint, read_checkpoint
+from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.graph import StateDictRef, find_state_dicts, mapping_items, set_mapping_items
 from ckptool.model.objects import find_object_state_dicts
 from ckptool.model.paths import resolve_path
@@ -53,6 +53,7 @@ from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.rename import RenameResult, _rewrite_safetensors, rename_graph
 from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, retag_function, rewrite_file
 from ckptool.ops.rules import RuleLike, RuleStep, load_rules, rules_plan
+from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.read_safetensors import restore_library_aliases, safetensors_source
 from ckptool.readers.read_torch import select_state_dict
 from ckptool.readers.tensors import Source
@@ -242,13 +243,13 @@ def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterab
                     "state_dict")
         return src if dry_run else rename_mapping(src, plan, key=key, allow_missing=True)
     path = _file_path(src, "rename")
-    fmt = _rewritable_format(path, "renamed")
+    opened = _rewritable(path, "renamed")
     out = "" if dry_run else output_path(path, _opt(dst), in_place, "renamed")
-    if fmt == formats.SAFETENSORS:
+    if opened.format == formats.SAFETENSORS:
         _refuse_safetensors_options(path, key, to, mapping)
         planned, write = _rename_safetensors(path, out, plan, allow_unused, dry_run, progress)
     else:
-        planned, write = _rename_torch(read_checkpoint(path, fmt), out, plan, key, allow_unused, dry_run,
+        planned, write = _rename_torch(opened.graph(), out, plan, key, allow_unused, dry_run,
                                        (to, mapping), progress)
     targets, mappings, summary, uses = planned
     fields = {k: v for k, v in vars(write).items() if k in WriteResult.__dataclass_fields__}
@@ -331,13 +332,16 @@ def _file_path(src: Any, fn: str) -> str:
     return os.fspath(src)
 
 
-def _rewritable_format(path: str, done: str) -> str:
-    """The format of ``path`` when its keys can be ``done`` (renamed / filtered) here.
+def _rewritable(path: str, done: str) -> Opened:
+    """``path`` opened (:func:`ckptool.readers.open_checkpoint`) when its keys can be ``done`` (renamed / filtered)
+    here: one torch.save or safetensors file.
 
     Raises:
-        UnsupportedError: TorchScript, plain pickle, ``.pt2``.
+        UsageError / NotACheckpointError: a folder or a sharded set (:meth:`ckptool.readers.Opened.require_file`).
+        UnsupportedError: TorchScript, plain pickle, ``.pt2``, torch.package.
     """
-    fmt = formats.detect_format(path)
+    opened = open_checkpoint(path).require_file()
+    fmt = opened.format
     if fmt == formats.TORCHSCRIPT:
         raise UnsupportedError(f"{path} is a TorchScript archive: its parameter names are fixed by its compiled code "
                                f"and cannot be {done}. Load it with torch.jit.load(path, map_location='cpu') and save "
@@ -347,7 +351,7 @@ def _rewritable_format(path: str, done: str) -> str:
     if fmt == formats.PT2:
         raise UnsupportedError(f"{path} is a torch.export archive; write its state_dict with `ckptool "
                                f"extract-state-dict {path}` first")
-    return fmt
+    return opened
 
 
 # ------------------------------------------------------------------------------------------------ filter
@@ -532,9 +536,9 @@ def filter_keys(src: Any, dst: str | os.PathLike[str] | None = None, *, keep: st
         _refuse_file_options(dst, in_place, to, mapping)
         return _filter_memory(src, globs, key, allow_unused, dry_run)
     path = _file_path(src, "filter_keys")
-    fmt = _rewritable_format(path, "filtered")
+    opened = _rewritable(path, "filtered")
     out = "" if dry_run else output_path(path, _opt(dst), in_place, "filtered")
-    if fmt == formats.SAFETENSORS:
+    if opened.format == formats.SAFETENSORS:
         _refuse_safetensors_options(path, key, to, mapping)
         return _filter_safetensors(path, out, globs, allow_unused, dry_run, progress)
-    return _filter_torch(read_checkpoint(path, fmt), out, globs, key, allow_unused, dry_run, (to, mapping), progress)
+    return _filter_torch(opened.graph(), out, globs, key, allow_unused, dry_run, (to, mapping), progress)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ckptool import _source as source
-from ckptool.errors import UnsupportedError, UsageError
+from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect
 from ckptool.formats.deepspeed import is_deepspeed_folder
 from ckptool.formats.sharded import INDEX_SUFFIX, is_checkpoint_set, parse_index, set_kind
@@ -115,6 +115,26 @@ class Opened:
     def spec(self) -> Format:
         """The registry entry of :attr:`format`."""
         return FORMATS[self.format]
+
+    def require_file(self) -> Opened:
+        """``self`` when it is one file; for a command that reads one checkpoint file.
+
+        Raises:
+            UsageError: a folder (DCP, DeepSpeed, or a model folder holding a sharded set).
+            NotACheckpointError: a sharded set's ``*.index.json``.
+            (each naming ``ckptool convert``, which makes one file of it)
+        """
+        if self.spec.kind == "file":
+            return self
+        if os.path.isdir(self.path):
+            raise UsageError(
+                f"{self.path} is a folder, and this command reads one checkpoint file: `ckptool convert {self.path} "
+                "-o model.safetensors` (or -o model.pt) makes one from a sharded set, a torch.distributed.checkpoint "
+                "or a DeepSpeed folder; then run the command on that file")
+        raise NotACheckpointError(
+            f"{self.path} is the index of a sharded set, and this command reads one checkpoint file: `ckptool "
+            f"convert {self.path} -o model.safetensors` (or -o model.pt) merges the set into one; then run the "
+            "command on it")
 
     def graph(self) -> Checkpoint:
         """The pickle as a node graph (nothing imported or run), read once.
@@ -205,7 +225,7 @@ def format_of(path: str | os.PathLike[str]) -> tuple[str, str]:
     p = os.fspath(path)
     if not source.is_url(p) and os.path.isdir(p) and is_deepspeed_folder(p):
         return "deepspeed", p
-    if not source.is_url(p) and is_checkpoint_set(p) or p.endswith(INDEX_SUFFIX):
+    if (not source.is_url(p) and is_checkpoint_set(p)) or p.endswith(INDEX_SUFFIX):
         kind, target = set_kind(p)
         if kind == "dcp":
             return "dcp", target
