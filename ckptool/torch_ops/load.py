@@ -27,7 +27,7 @@ import pickle
 import re
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +35,14 @@ from ckptool import _source as source
 from ckptool._gc import gc_paused
 from ckptool.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.deepspeed import is_deepspeed_folder
 from ckptool.formats.nodes import qualified_name
 from ckptool.formats.safetensors import read_header
-from ckptool.formats.sharded import is_checkpoint_set, read_index, set_kind
+from ckptool.formats.sharded import read_index, set_kind
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model import graph
 from ckptool.model.allowlist import ALLOWED, classify_global, refusal_remedy
 from ckptool.model.keys import mapping_key_function, rename_metadata_items
+from ckptool.readers import FORMATS, open_checkpoint
 from ckptool.torch_ops.annotations import DeviceLike, PrefixSpec, nn, torch  # values at run time too (get_type_hints)
 from ckptool.torch_ops.devices import TensorMemo, is_tensor, map_tensors, model_device, move_tensor, resolve_device
 from ckptool.torch_ops.pt2 import load_pt2_state_dict
@@ -160,58 +160,89 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
             plain pickle) and ``trust`` is False.
         CkptError: a trusted pickle names code that is not importable here.
     """
-    import torch
-
     path = os.fspath(path)
     dev = resolve_device(device)
     if spans is not None and not spans.available():
         spans = None
-    if is_deepspeed_folder(path):  # consolidated as zero_to_fp32 does, without deepspeed (torch_ops.zero)
+    opened = open_checkpoint(path)
+    if opened.format == "deepspeed":  # consolidated as zero_to_fp32 does, without deepspeed (torch_ops.zero)
         return load_zero_state_dict(path, dev), {}
-    if is_checkpoint_set(path):
-        return _load_set(path, dev, trust, spans)
-    if source.is_url(path):  # torch.load / load_file / jit.load read a local file: a temporary copy
-        with source.local_copy(path) as local:
+    if opened.format == "dcp":
+        raise UsageError(f"{path} is a torch.distributed.checkpoint folder: convert it to one file first "
+                         f"(ckptool convert {path} -o model.pt)")
+    if opened.spec.kind == "set":
+        return _load_set(opened.target, dev, trust, spans)
+    if source.is_url(opened.target):  # torch.load / load_file / jit.load read a local file: a temporary copy
+        with source.local_copy(opened.target) as local:
             return load_checkpoint(local, dev, trust=trust)
-    fmt = formats.detect_format(path)
-    if fmt == formats.SAFETENSORS:
-        from safetensors.torch import load_file
+    return _LOADERS[opened.format](opened.target, opened.format, dev, trust, spans)
 
-        header = read_header(path)
+
+def _load_safetensors(path: str, fmt: str, dev: torch.device, _trust: bool, spans: FileSpans | None
+                      ) -> tuple[Any, dict[str, int]]:
+    """``safetensors.torch.load_file`` (or a memory map through ``spans``), tied names restored."""
+    from safetensors.torch import load_file
+
+    header = read_header(path)
+    try:
+        tensors = load_file(path, device=str(dev)) if spans is None else spans.safetensors_load(path, header)
+    except (MemoryError, ImportError, CkptError):  # the system's errors, not the file's: the CLI names them
+        raise
+    except Exception as e:  # safetensors raises its own SafetensorError for damaged files
+        raise CorruptCheckpointError(f"{path}: safetensors could not read it ({e}); re-download it") from e
+    return restore_shared(tensors, header, path), {}
+
+
+def _load_pt2(path: str, fmt: str, dev: torch.device, _trust: bool, _spans: FileSpans | None
+              ) -> tuple[Any, dict[str, int]]:
+    return load_pt2_state_dict(path, dev)
+
+
+def _load_torchscript(path: str, fmt: str, dev: torch.device, trust: bool, _spans: FileSpans | None
+                      ) -> tuple[Any, dict[str, int]]:
+    """``torch.jit.load(path).state_dict()``, only with ``trust`` (it compiles the archive's code)."""
+    import torch
+
+    if not trust:
+        raise UnsafeCheckpointError(
+            f"{path} is a TorchScript archive: loading it compiles the code stored in it. Pass trust=True "
+            "(--trust) only if you trust its source; its state_dict is then taken from torch.jit.load")
+    try:
+        return dict(torch.jit.load(path, map_location=dev).state_dict()), {}  # type: ignore[no-untyped-call]
+    except (MemoryError, ImportError):
+        raise
+    except Exception as e:
+        raise CorruptCheckpointError(f"{path}: torch.jit.load failed: {first_line(e)}") from e
+
+
+def _load_pickle(path: str, fmt: str, dev: torch.device, trust: bool, _spans: FileSpans | None
+                 ) -> tuple[Any, dict[str, int]]:
+    """``pickle.load``, only with ``trust``; tensors moved to ``dev`` (:func:`map_tensors` keeps sharing)."""
+    if not trust:
+        raise UnsafeCheckpointError(
+            f"{path} is a plain pickle, not a torch.save file: only an unrestricted unpickler reads it. Pass "
+            "trust=True (--trust) only if you trust its source")
+    with open(path, "rb") as f:
         try:
-            tensors = load_file(path, device=str(dev)) if spans is None else spans.safetensors_load(path, header)
-        except (MemoryError, ImportError, CkptError):  # the system's errors, not the file's: the CLI names them
+            obj = pickle.load(f)  # trusted by the caller
+        except MemoryError:
             raise
-        except Exception as e:  # safetensors raises its own SafetensorError for damaged files
-            raise CorruptCheckpointError(f"{path}: safetensors could not read it ({e}); re-download it") from e
-        return restore_shared(tensors, header, path), {}
-    if fmt == formats.PT2:
-        return load_pt2_state_dict(path, dev)
-    if fmt == formats.TORCHSCRIPT:
-        if not trust:
-            raise UnsafeCheckpointError(
-                f"{path} is a TorchScript archive: loading it compiles the code stored in it. Pass trust=True "
-                "(--trust) only if you trust its source; its state_dict is then taken from torch.jit.load")
-        try:
-            return dict(torch.jit.load(path, map_location=dev).state_dict()), {}  # type: ignore[no-untyped-call]
-        except (MemoryError, ImportError):
-            raise
-        except Exception as e:
-            raise CorruptCheckpointError(f"{path}: torch.jit.load failed: {first_line(e)}") from e
-    if fmt == formats.PICKLE:
-        if not trust:
-            raise UnsafeCheckpointError(
-                f"{path} is a plain pickle, not a torch.save file: only an unrestricted unpickler reads it. Pass "
-                "trust=True (--trust) only if you trust its source")
-        with open(path, "rb") as f:
-            try:
-                obj = pickle.load(f)  # trusted by the caller
-            except MemoryError:
-                raise
-            except Exception as e:  # an ImportError here is the file's: a class that no longer exists
-                raise CorruptCheckpointError(f"{path}: unpickling failed: {first_line(e)}") from e
-        memo = TensorMemo()
-        return map_tensors(obj, lambda t: move_tensor(t, dev, memo), memo), {}
+        except Exception as e:  # an ImportError here is the file's: a class that no longer exists
+            raise CorruptCheckpointError(f"{path}: unpickling failed: {first_line(e)}") from e
+    memo = TensorMemo()
+    return map_tensors(obj, lambda t: move_tensor(t, dev, memo), memo), {}
+
+
+def _load_package(path: str, fmt: str, _dev: torch.device, _trust: bool, _spans: FileSpans | None
+                  ) -> tuple[Any, dict[str, int]]:
+    raise UnsupportedError(f"{path} {FORMATS[formats.TORCH_PACKAGE].refusal}")
+
+
+def _load_torch(path: str, fmt: str, dev: torch.device, trust: bool, spans: FileSpans | None
+                ) -> tuple[Any, dict[str, int]]:
+    """``torch.load(weights_only=not trust)`` of a torch zip or legacy file, after ckptool's restricted reader
+    named every global outside the allowlist (a refusal before torch runs anything)."""
+    import torch
 
     facts: dict[str, object] = {}
     saved, unsafe = _saved_devices_and_unsafe_globals(path, fmt, facts)
@@ -239,6 +270,14 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
         raise CkptError(f"{path}: the pickle names code that is not importable here ({first_line(e)}); make the "
                         "model's module importable (PYTHONPATH) or load a state_dict instead") from e
     return obj, saved
+
+
+#: how :func:`load_checkpoint` loads one file of each format (the readers layer's names)
+_LOADERS: dict[str, Callable[[str, str, torch.device, bool, FileSpans | None], tuple[Any, dict[str, int]]]] = {
+    formats.TORCH_ZIP: _load_torch, formats.TORCH_LEGACY: _load_torch, formats.SAFETENSORS: _load_safetensors,
+    formats.PT2: _load_pt2, formats.TORCHSCRIPT: _load_torchscript, formats.PICKLE: _load_pickle,
+    formats.TORCH_PACKAGE: _load_package,
+}
 
 
 def _load_set(path: str, dev: torch.device, trust: bool, spans: FileSpans | None) -> tuple[Any, dict[str, int]]:
