@@ -85,8 +85,8 @@ def build(out: Path, convert: Any) -> dict[str, Path]:
         p[name] = next(folder.glob("*.index.json"))
     p["dcp"] = out / "dcp"
     _dcp_save({"model": {k: v.clone() for k, v in sd.items()}}, p["dcp"], out)
-    p["pt2"] = out / "model.pt2"
-    torch.export.save(torch.export.export(net, (torch.randn(2, 4),)), str(p["pt2"]))
+    p["torch-export"] = out / "model.pt2"
+    torch.export.save(torch.export.export(net, (torch.randn(2, 4),)), str(p["torch-export"]))
     p["deepspeed"] = out / "deepspeed"
     shutil.copytree(DEEPSPEED, p["deepspeed"])
     return p

@@ -20,7 +20,7 @@ from ckptool.ops.matrix import FORMATS, MATRIX, OPERATIONS, Cell
 
 _SUFFIX = {"safetensors": ".safetensors", "sharded-safetensors": ".safetensors.index.json",
            "sharded-bin": ".bin.index.json",
-           "pt2": ".pt2"}
+           "torch-export": ".pt2"}
 
 
 def _invoke(*args: Any) -> Any:

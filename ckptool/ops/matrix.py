@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
+from ckptool.readers import FORMATS as READERS
+
 Status = Literal["works", "refused", "bug"]
 
 
@@ -29,25 +31,15 @@ class Cell(NamedTuple):
     route: str = ""
 
 
-#: the formats, in table order (names as ``docs/formats.md`` uses them)
+#: the formats, in table order: every format of the readers layer's registry (:data:`ckptool.readers.FORMATS`) but
+#: plain pickles, which only ``inspect`` and ``scan`` read
 FORMATS: tuple[str, ...] = (
     "torch-zip", "torch-legacy", "torchscript", "torch-package", "safetensors", "sharded-safetensors",
-    "sharded-bin", "dcp", "pt2", "deepspeed",
+    "sharded-bin", "dcp", "torch-export", "deepspeed",
 )
 
-#: what each format is, for the generated table of ``docs/formats.md``
-FORMAT_LABELS: dict[str, str] = {
-    "torch-zip": "`torch.save` zip (`pytorch_model.bin`, accelerate's `optimizer.bin`)",
-    "torch-legacy": "`torch.save(..., _use_new_zipfile_serialization=False)`",
-    "torchscript": "TorchScript (`torch.jit.save`)",
-    "torch-package": "torch.package (`PackageExporter`)",
-    "safetensors": "safetensors file",
-    "sharded-safetensors": "sharded safetensors set (`*.safetensors.index.json`)",
-    "sharded-bin": "sharded torch set (`*.bin.index.json`)",
-    "dcp": "`torch.distributed.checkpoint` folder",
-    "pt2": "torch.export archive (`.pt2`)",
-    "deepspeed": "DeepSpeed ZeRO folder (`latest`, `global_step*/`)",
-}
+#: what each format is, for the generated table of ``docs/formats.md``: the registry's labels
+FORMAT_LABELS: dict[str, str] = {name: READERS[name].label for name in FORMATS}
 
 #: the operations: CLI commands, ``prefix`` for strip-dataparallel / strip-prefix / add-prefix / unwrap (and the
 #: same flags of remap), ``load_into`` for :func:`ckptool.load_into`
@@ -130,7 +122,7 @@ MATRIX: dict[tuple[str, str], Cell] = {
         average=Cell("refused", "is a torch.distributed.checkpoint folder", _CONVERT),
     ),
     **_row(
-        "pt2",
+        "torch-export",
         scan=Cell("works", "safe"),
         diff=Cell("works", "identical"),
         remap=Cell("refused", "this command does not apply", _PT2_SD),

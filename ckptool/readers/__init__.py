@@ -232,7 +232,26 @@ def format_of(path: str | os.PathLike[str]) -> tuple[str, str]:
         if kind == "index":
             return _set_format(target), target
         p = target  # a model folder holding one weights file
-    return detect.detect_format(p), p
+    return _file_format(p), p
+
+
+#: a local file's version (:func:`ckptool._source.version_key`) -> its format, so that the steps of one command
+#: (its output name, the operation, the hint it prints) recognise a file once
+_detected: dict[tuple[object, ...], str] = {}
+
+
+def _file_format(path: str) -> str:
+    """:func:`ckptool.formats.detect.detect_format` of ``path``, remembered per version of a local file."""
+    if source.is_url(path) or not os.path.isfile(path):
+        return detect.detect_format(path)  # (its errors for a missing path; a URL's version costs a request)
+    key = source.version_key(path)
+    fmt = _detected.get(key)
+    if fmt is None:
+        fmt = detect.detect_format(path)
+        if len(_detected) >= 64:
+            _detected.clear()
+        _detected[key] = fmt
+    return fmt
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Opened:

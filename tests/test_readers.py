@@ -1,0 +1,136 @@
+"""The readers layer (:mod:`ckptool.readers`): one entry point recognises every format once, and one tensor model
+(:class:`ckptool.readers.tensors.Tensor` over a :class:`~ckptool.readers.tensors.Storage`) describes the tensors of
+every format whose tensors ckptool reads, byte ranges that hold exactly what torch's own loaders give."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matrix_fixtures
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptool import errors, readers
+from ckptool.cli import cli
+from ckptool.formats import detect
+from ckptool.ops.convert.write import Files
+from ckptool.ops.matrix import FORMATS as MATRIX_FORMATS
+from ckptool.readers import FORMATS, open_checkpoint
+from ckptool.readers.tensors import Source, Tensor
+
+_TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+                 "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    def convert(*args: Any) -> None:
+        res = CliRunner().invoke(cli, [str(a) for a in args])
+        assert res.exit_code == 0, res.output
+
+    return matrix_fixtures.build(tmp_path_factory.mktemp("readers"), convert)
+
+
+def test_the_matrix_has_a_row_for_every_registered_format() -> None:
+    """The support matrix and the registry name the same formats (plain pickles: inspect and scan only)."""
+    assert set(MATRIX_FORMATS) == set(FORMATS) - {detect.PICKLE}
+    assert list(MATRIX_FORMATS) == [f for f in FORMATS if f != detect.PICKLE]  # and in the same order
+
+
+def test_open_checkpoint_names_every_format(fixtures: dict[str, Path]) -> None:
+    for fmt, path in fixtures.items():
+        assert open_checkpoint(path).format == fmt, path
+    # a folder is read as what it holds: the sharded set's index, or the one weights file of a model folder
+    folder = fixtures["sharded-bin"].parent
+    opened = open_checkpoint(folder)
+    assert (opened.format, opened.target) == ("sharded-bin", str(fixtures["sharded-bin"]))
+
+
+def test_a_model_folder_with_one_file_reads_that_file(tmp_path: Path, fixtures: dict[str, Path]) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(fixtures["safetensors"].read_bytes())
+    opened = open_checkpoint(folder)
+    assert (opened.format, opened.target) == ("safetensors", str(folder / "model.safetensors"))
+
+
+def _values(src: Source, files: Files) -> dict[str, torch.Tensor]:
+    """Each tensor of ``src`` rebuilt from the bytes its Storage names (no reader of the format involved)."""
+    out: dict[str, torch.Tensor] = {}
+    for t in src.tensors:
+        assert isinstance(t, Tensor)
+        raw = bytearray(files.storage_bytes(t.storage, 0, t.storage.nbytes))
+        flat = torch.frombuffer(raw, dtype=_TORCH_DTYPES[t.dtype]) if raw else torch.empty(0)
+        out[t.name] = flat.as_strided(t.shape, t.stride, t.offset).clone()
+    return out
+
+
+@pytest.mark.parametrize("fmt", [f for f in MATRIX_FORMATS if FORMATS[f].tensors])
+def test_state_dict_byte_ranges_hold_what_torch_loads(fmt: str, fixtures: dict[str, Path]) -> None:
+    """Every reader's tensors, rebuilt from their byte ranges alone, equal torch's own load bit for bit."""
+    if fmt == "deepspeed":
+        want = torch.load(matrix_fixtures.DEEPSPEED.parent / "zero2-1rank.oracle.pt", weights_only=True)
+    else:
+        want = torch.load(fixtures["torch-zip"], weights_only=True)
+    src = open_checkpoint(fixtures[fmt]).state_dict()
+    files = Files()
+    try:
+        got = _values(src, files)
+    finally:
+        files.close()
+    assert got, fmt
+    assert set(got) <= set(want), sorted(set(got) - set(want))
+    for key, t in got.items():
+        assert t.dtype == want[key].dtype and torch.equal(t, want[key]), (fmt, key)
+
+
+@pytest.mark.parametrize("fmt", [f for f in MATRIX_FORMATS if not FORMATS[f].tensors])
+def test_formats_without_a_tensor_reader_refuse_with_the_registry_reason(fmt: str, fixtures: dict[str, Path]) -> None:
+    with pytest.raises(errors.UnsupportedError) as exc:
+        open_checkpoint(fixtures[fmt]).state_dict()
+    assert FORMATS[fmt].refusal in str(exc.value)
+
+
+def test_key_does_not_apply_to_a_flat_mapping(fixtures: dict[str, Path]) -> None:
+    with pytest.raises(errors.UsageError, match="--key does not apply"):
+        open_checkpoint(fixtures["safetensors"]).state_dict("model")
+
+
+def test_the_pickle_is_read_once(fixtures: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real = readers.read_checkpoint
+
+    def counting(path: str, fmt: str | None = None) -> Any:
+        calls.append(path)
+        return real(path, fmt)
+
+    monkeypatch.setattr(readers, "read_checkpoint", counting)
+    opened = open_checkpoint(fixtures["torch-zip"])
+    assert opened.graph() is opened.graph()
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("command", [["convert", "{src}", "-o", "{out}.safetensors"],
+                                     ["remap", "{src}", "--to", "cpu", "-o", "{out}.pt"],
+                                     ["strip-prefix", "{src}", "fc", "--allow-missing", "-o", "{out}.pt"],
+                                     ["average", "{src}", "{src}", "-o", "{out}.safetensors"]])
+def test_each_command_recognises_its_input_once(command: list[str], fixtures: dict[str, Path], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The format of the input is detected once, whatever steps the command takes (its output name, the operation,
+    the hint it prints; average's two inputs are one file); convert's verification reads its output, another file."""
+    src = str(fixtures["torch-zip"])
+    seen: list[str] = []
+    real = detect.detect_format
+
+    def counting(path: str) -> str:
+        seen.append(path)
+        return real(path)
+
+    monkeypatch.setattr(detect, "detect_format", counting)
+    monkeypatch.setattr(readers, "_detected", {})
+    args = [a.format(src=src, out=tmp_path / "out") for a in command]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    assert seen.count(src) == 1, seen
