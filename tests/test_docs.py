@@ -190,3 +190,20 @@ def test_the_architecture_table_has_one_home() -> None:
     arch = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     assert "| `ckptool/cli/` |" not in readme and "(docs/architecture.md)" in readme
     assert arch.count("| `ckptool/cli/` |") == 1
+
+
+def test_the_readers_layer_is_drawn_and_summarised() -> None:
+    """docs/architecture.md draws the readers layer and names every registered format and reader module; the README
+    keeps a summary that links it and the format matrix, never a copy of the matrix."""
+    from ckptool.readers import FORMATS
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    arch = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    drawing = arch[arch.index("```text"):arch.index("```", arch.index("```text") + 7)]
+    assert "ckptool/readers/" in drawing and "open_checkpoint" in drawing
+    for name in FORMATS:
+        assert name in drawing, name
+    for module in sorted((ROOT / "ckptool" / "readers").glob("read_*.py")):
+        assert module.stem in arch, module.stem
+    assert "open_checkpoint" in readme and "(docs/formats.md)" in readme
+    assert "| format | `inspect`" not in readme
