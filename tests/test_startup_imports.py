@@ -48,7 +48,7 @@ SCAN_ZIP_MODULES = {
     "ckptool.model.units", "ckptool.model.weights_only",
     "ckptool.ops", "ckptool.ops.scan", "ckptool.ops.scan_bytes", "ckptool.ops.scan_code", "ckptool.ops.scan_dcp",
     "ckptool.ops.scan_pickles",
-    "ckptool.ops.scan_results", "ckptool.ops.scan_sarif",
+    "ckptool.ops.scan_results", "ckptool.ops.scan_sarif", "ckptool.ops.scan_tar",
 }
 
 
