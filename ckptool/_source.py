@@ -14,6 +14,9 @@ exact or refused, and within :func:`consistent_reads` (each CLI command, ``conve
 object's first size and ETag / modification time: a network failure, an inexact answer or a changed object is one
 :class:`~ckptool.errors.RemoteError` naming the URL. A server that ignores ``Range`` has the object downloaded once.
 
+The remote machinery (fsspec, version pins, exact range fetches, the local copy for a server that ignores ``Range``)
+lives in :mod:`ckptool._remote`; its public names are re-exported here.
+
 Outputs to a URL are written by :func:`ckptool._fileio.atomic_output` into a local temporary file and sent by
 :func:`upload` only once complete; a failed upload is discarded (an S3 multipart upload is aborted), so no partial
 destination object is left.
@@ -21,7 +24,6 @@ destination object is left.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import io
@@ -29,22 +31,37 @@ import mmap
 import os
 import re
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, TypeVar
 
+from ckptool._remote import (
+    BLOCK,
+    CHUNK,
+    REMOTE_EXTRA,
+    NoRangeSupport,
+    RangeError,
+    _checked_fetcher,
+    _Counted,
+    _filesystem,
+    _http_file,
+    _pins,
+    _remote_info,
+    _short,
+    _stamp,
+    _transferred,
+    changed_error,
+    consistent_reads,
+)
 from ckptool.errors import RemoteError, UsageError
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
-#: the read buffer of a remote reader: the smallest range request (small reads of a zip's local headers and the
-#: first bytes share one); a seek within it costs no request
-BLOCK = 32 << 10
-#: the size of the pieces in which :func:`upload` and :func:`spool` move bytes (memory bounded by one piece)
-CHUNK = 8 << 20
-REMOTE_EXTRA = "pip install 'ckptool[remote]'"
+__all__ = [
+    "BLOCK", "CHUNK", "REMOTE_EXTRA", "NoRangeSupport", "RangeError", "RangeView", "bytes_transferred", "changed_error",
+    "consistent_reads", "file_size", "holding_versions", "is_remote_file", "is_url", "kind", "leaves_folder",
+    "local_copy", "open_binary", "recheck", "remote_exists", "spool", "upload", "version_key", "whole_view",
+]
 
-_transferred = [0]
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -57,51 +74,6 @@ def bytes_transferred() -> int:
     """Bytes read from remote sources (URLs) by this process so far; the difference of two calls is what an
     operation transferred (range requests included, whole reads included)."""
     return _transferred[0]
-
-
-def _filesystem(url: str) -> tuple[Any, str]:
-    """``(fsspec filesystem, path in it)`` for ``url``.
-
-    Raises:
-        RemoteError: fsspec (or the package the scheme needs, e.g. s3fs) is not installed, or the scheme is unknown.
-    """
-    try:
-        import fsspec
-        import fsspec.core
-
-        fs, fspath = fsspec.core.url_to_fs(url)
-        return fs, str(fspath)
-    except ImportError as e:  # fsspec itself, or the package of the scheme (s3fs, gcsfs, huggingface_hub...)
-        what = e.name or "the package fsspec uses for this scheme"
-        raise RemoteError(f"{url} needs {what}, which is not installed ({_short(e)}); install it: "
-                          f"{REMOTE_EXTRA} adds fsspec and s3fs (s3://, http(s)://)", url) from e
-    except ValueError as e:
-        raise RemoteError(f"{url}: {_short(e)}; check the URL's scheme", url) from e
-
-
-def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
-
-
-def _remote_info(url: str) -> dict[str, Any] | None:
-    """fsspec's ``info`` for ``url``, or None when nothing is there. Inside :func:`consistent_reads` the object's
-    size and version tag are held to those it had at first (:func:`_check_pin`).
-
-    Raises:
-        RemoteError: the request failed (network, permission, a bad bucket name...); the object changed.
-    """
-    fs, p = _filesystem(url)
-    try:
-        info: dict[str, Any] = fs.info(p)
-    except FileNotFoundError:
-        return None
-    except Exception as e:  # the filesystem's own errors (botocore, aiohttp...): one clear line
-        raise RemoteError(f"cannot read {url} ({_short(e)}); check the URL, the network and fsspec's credentials "
-                          "for it", url) from e
-    if info.get("type") != "directory":
-        _check_pin(url, _stamp(info))
-    return info
 
 
 def kind(path: str) -> str | None:
@@ -144,64 +116,6 @@ def version_key(path: str) -> tuple[object, ...]:
     return (path, *_stamp(_remote_info(path) or {}))
 
 
-# ------------------------------------------------------------------------------------------------ one object
-#: the info keys that name an object's version, first found wins: an ETag (HTTP, S3, GCS), else its modification
-#: time (HTTP ``Last-Modified``, S3 ``LastModified``, ``mtime``, ``created`` of fsspec's memory filesystem)
-_TAGS = ("ETag", "etag", "Last-Modified", "LastModified", "mtime", "last_modified", "created")
-#: URL -> the stamp (size, version tag) it had when first seen inside :func:`consistent_reads`
-_pins: dict[str, tuple[int | None, str | None]] = {}
-_scopes = [0]
-#: (URL, stamp) -> local copy of an object whose server ignores ``Range`` (see :func:`_spooled`)
-_spools: dict[tuple[str, tuple[int | None, str | None]], str] = {}
-
-
-def _stamp(info: dict[str, Any]) -> tuple[int | None, str | None]:
-    """``(size, version tag)`` of fsspec's ``info`` of an object: what must stay equal while it is read."""
-    tag = next((str(info[k]) for k in _TAGS if info.get(k) is not None), None)
-    size = info.get("size")
-    return (None if size is None else int(size), tag)
-
-
-def _check_pin(url: str, stamp: tuple[int | None, str | None]) -> None:
-    """Compare ``stamp`` with the one ``url`` had when first seen inside :func:`consistent_reads` (and pin it).
-
-    Raises:
-        RemoteError: the object changed: another size or version tag than before.
-    """
-    if not _scopes[0]:
-        return
-    first = _pins.setdefault(url, stamp)
-    if first != stamp:
-        raise changed_error(url, first, stamp)
-
-
-def changed_error(url: str, before: object, after: object) -> RemoteError:
-    """The :class:`RemoteError` for ``url`` whose (size, ETag / modification time) went from ``before`` to
-    ``after`` between two requests."""
-    return RemoteError(f"{url} changed while it was read (size and ETag / Last-Modified were {before}, now "
-                       f"{after}); nothing was written: run it again once the object is no longer being replaced",
-                       url)
-
-
-@contextlib.contextmanager
-def consistent_reads() -> Iterator[None]:
-    """Within this block every URL is held to the size and ETag (or modification time) it had when first seen:
-    a later request that finds another is refused (:class:`~ckptool.errors.RemoteError`), so one command never
-    mixes bytes of two versions of an object. A server that ignores ``Range`` has its object downloaded once per
-    block (:func:`_spooled`). Blocks nest; the pins and local copies are dropped when the outermost one ends."""
-    _scopes[0] += 1
-    try:
-        yield
-    finally:
-        _scopes[0] -= 1
-        if not _scopes[0]:
-            _pins.clear()
-            for local in _spools.values():
-                with contextlib.suppress(OSError):
-                    os.unlink(local)
-            _spools.clear()
-
-
 def holding_versions(fn: F) -> F:
     """``fn`` run inside :func:`consistent_reads` (for library entry points that read URLs more than once)."""
     @functools.wraps(fn)
@@ -223,192 +137,6 @@ def recheck(url: str) -> tuple[int | None, str | None]:
     if info is None:
         raise RemoteError(f"{url} disappeared while it was read; nothing was written", url)
     return _stamp(info)
-
-
-class RangeError(Exception):
-    """A range request did not answer with exactly the bytes asked for (a wrong status, ``Content-Range`` or
-    length); the message says what came instead."""
-
-
-class NoRangeSupport(RangeError):
-    """The server answered a range request with the whole object (status 200): it ignores ``Range``."""
-
-
-def _http_file(fs: Any, url: str, info: dict[str, Any]) -> Any:
-    """fsspec's :class:`~fsspec.implementations.http.HTTPFile` for ``url`` (its block cache, :data:`BLOCK`), whose
-    range fetch accepts only an exact answer: status 206, ``Content-Range: bytes START-END/SIZE`` naming the
-    range asked for and the object's size (``info["size"]``), a body of exactly that length, and the ETag and
-    ``Last-Modified`` of ``info`` where the answer carries them. fsspec's own fetch also takes a 206 whose
-    ``Content-Range`` names other bytes, and 200 answers at offset 0.
-
-    Its fetch raises :class:`NoRangeSupport` for a 200 answer, :class:`RangeError` for another inexact one and
-    :class:`~ckptool.errors.RemoteError` when the ETag or ``Last-Modified`` changed.
-    """
-    from fsspec.asyn import sync, sync_wrapper
-    from fsspec.implementations.http import HTTPFile
-
-    size = int(info["size"])
-    versions = {k: info[k] for k in ("ETag", "Last-Modified") if info.get(k)}
-
-    class ExactHTTPFile(HTTPFile):  # type: ignore[misc]  # fsspec is untyped
-        async def async_fetch_range(self, start: int, end: int) -> bytes:
-            kwargs = self.kwargs.copy()
-            headers = {**kwargs.pop("headers", {}), "Range": f"bytes={start}-{end - 1}",
-                       "Accept-Encoding": "identity"}
-            r = await self.session.get(self.fs.encode_url(self.url), headers=headers, **kwargs)
-            async with r:
-                r.raise_for_status()
-                if r.status == 200 and start == 0 and end == size:  # the whole object asked for, and sent
-                    out_all: bytes = await r.read()
-                    if len(out_all) != size:
-                        raise RangeError(f"the server sent {len(out_all)} bytes for the whole object of {size}")
-                    return out_all
-                if r.status == 200:
-                    raise NoRangeSupport(f"the server answered a request for bytes {start}-{end - 1} with the "
-                                         "whole object (status 200): it ignores Range")
-                if r.status != 206:
-                    raise RangeError(f"the server answered a range request with status {r.status}")
-                want = f"bytes {start}-{end - 1}/{size}"
-                got = r.headers.get("Content-Range", "").strip()
-                if got not in (want, f"bytes {start}-{end - 1}/*"):
-                    raise RangeError(f"the server sent Content-Range {got or 'none'!r} for a request of {want!r}")
-                for k, v in versions.items():
-                    if r.headers.get(k, v) != v:
-                        raise changed_error(url, f"{k} {v}", f"{k} {r.headers[k]}")
-                out: bytes = await r.read()
-            if len(out) != end - start:
-                raise RangeError(f"the server sent {len(out)} bytes for a range of {end - start}")
-            return out
-
-        _fetch_range = sync_wrapper(async_fetch_range)
-
-    session = sync(fs.loop, fs.set_session)
-    kw = {k: v for k, v in fs.kwargs.items() if k != "asynchronous"}
-    return ExactHTTPFile(fs, url, session=session, block_size=BLOCK, size=size, cache_type="readahead",
-                         loop=fs.loop, **kw)
-
-
-def _spooled(fs: Any, fspath: str, url: str, stamp: tuple[int | None, str | None]) -> str:
-    """The path of a local copy of the object at ``url`` (``stamp``: its size and version tag), for a server that
-    ignores ``Range``: the whole object is streamed once (``fs.open(block_size=0)``, fsspec's streaming reader) into
-    a temporary file in the system temporary folder, checked to hold ``stamp``'s size, and announced on stderr with
-    its byte count. Inside :func:`consistent_reads` one copy serves every reader of the same version; the copies
-    are removed when the block ends (else when the process exits).
-
-    Raises:
-        RemoteError: the download failed or did not bring the object's size.
-    """
-    key = (url, stamp)
-    local = _spools.get(key)
-    if local is not None:
-        return local
-    fd, local = tempfile.mkstemp(prefix="ckptool-", suffix=".ckptool-tmp")
-    try:
-        with os.fdopen(fd, "wb") as out, fs.open(fspath, "rb", block_size=0) as src:
-            n = 0
-            while piece := src.read(CHUNK):
-                out.write(piece)
-                n += len(piece)
-        _transferred[0] += n
-        if stamp[0] is not None and n != stamp[0]:
-            raise RemoteError(f"{url}: the server ignores Range requests, and the whole object it sent holds {n} "
-                              f"bytes where its size is {stamp[0]}; nothing was written: run it again", url)
-        info = _remote_info(url)  # the object downloaded is the one first seen, still there
-        if info is None or _stamp(info) != stamp:
-            raise changed_error(url, stamp, None if info is None else _stamp(info))
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(local)
-        if isinstance(e, Exception) and not isinstance(e, RemoteError):
-            raise RemoteError(f"reading {url} failed ({_short(e)}); the server ignores Range requests, so the "
-                              "whole object was being downloaded: check the network and run it again", url) from e
-        raise
-    sys.stderr.write(f"Note: {url}: the server ignores Range requests; downloaded the whole object once ({n} "
-                     "bytes) into a temporary file and read it from there\n")
-    sys.stderr.flush()
-    _spools[key] = local
-    if not _scopes[0]:
-        atexit.register(_drop_spool, key)
-    return local
-
-
-def _drop_spool(key: tuple[str, tuple[int | None, str | None]]) -> None:
-    local = _spools.pop(key, None)
-    if local is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(local)
-
-
-def _checked_fetcher(f: Any, fs: Any, fspath: str, url: str, stamp: tuple[int | None, str | None]
-                     ) -> Callable[[int, int], bytes]:
-    """The fetcher for ``f.cache`` (fsspec's block cache of ``f``): ``f``'s own range fetch, held to returning
-    exactly ``min(end, size) - start`` bytes, counted in :func:`bytes_transferred`; its failures become one
-    :class:`~ckptool.errors.RemoteError` naming the URL and the offset. Once the server is seen to ignore
-    ``Range`` (:class:`NoRangeSupport`), every read of this object comes from :func:`_spooled`'s local copy."""
-    fetch = f.cache.fetcher
-    size = f.size
-
-    def fetcher(start: int, end: int) -> bytes:
-        end = min(end, size)
-        if start >= end:
-            return b""
-        local = _spools.get((url, stamp))
-        if local is None:
-            try:
-                data = fetch(start, end)
-            except NoRangeSupport:
-                local = _spooled(fs, fspath, url, stamp)
-            except RemoteError:
-                raise
-            except Exception as e:  # fsspec's, aiohttp's, botocore's errors, RangeError: one clear line
-                expired = type(e).__name__ == "FileExpired"  # s3fs: the ETag changed (If-Match failed)
-                if expired:
-                    raise changed_error(url, stamp, "another ETag") from e
-                raise RemoteError(f"reading {url} failed at byte {start} ({_short(e)}); check the network and the "
-                                  "server, and run it again (nothing was written)", url) from e
-            else:
-                if len(data) != end - start:
-                    raise RemoteError(f"reading {url} failed at byte {start}: {len(data)} bytes came for a range of "
-                                      f"{end - start}; nothing was written: run it again", url)
-                _transferred[0] += len(data)
-                return bytes(data)
-        with open(local, "rb") as g:
-            g.seek(start)
-            return g.read(end - start)
-
-    return fetcher
-
-
-class _Counted(io.RawIOBase):
-    """A raw reader over ``f``, a file of an in-process fsspec filesystem (``memory://``, ``file://``: exact reads,
-    no range requests), counting what it reads in :func:`bytes_transferred`."""
-
-    def __init__(self, f: Any, url: str) -> None:
-        super().__init__()
-        self._f = f
-        self.name = url
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return int(self._f.tell())
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        return int(self._f.seek(offset, whence))
-
-    def readinto(self, b: Any) -> int:
-        data = self._f.read(len(b))
-        b[: len(data)] = data
-        _transferred[0] += len(data)
-        return len(data)
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
 
 
 def open_binary(path: str) -> BinaryIO:

@@ -37,7 +37,7 @@ main()
 #: files and sharded indexes (about 3 ms together: ``formats.deepspeed`` reads rank files through
 #: ``formats.torchfile``)
 SCAN_ZIP_MODULES = {
-    "ckptool", "ckptool._gc", "ckptool._source", "ckptool.errors",
+    "ckptool", "ckptool._gc", "ckptool._remote", "ckptool._source", "ckptool.errors",
     "ckptool.cli", "ckptool.cli._common", "ckptool.cli._errors", "ckptool.cli._flags", "ckptool.cli.scan",
     "ckptool.formats", "ckptool.formats.dcp", "ckptool.formats.detect", "ckptool.formats.dtypes",
     "ckptool.formats.deepspeed", "ckptool.formats.native", "ckptool.formats.sharded", "ckptool.formats.torchfile",
@@ -48,7 +48,7 @@ SCAN_ZIP_MODULES = {
     "ckptool.model.units", "ckptool.model.weights_only",
     "ckptool.ops", "ckptool.ops.scan", "ckptool.ops.scan_bytes", "ckptool.ops.scan_code", "ckptool.ops.scan_dcp",
     "ckptool.ops.scan_pickles",
-    "ckptool.ops.scan_results", "ckptool.ops.scan_sarif",
+    "ckptool.ops.scan_results", "ckptool.ops.scan_sarif", "ckptool.ops.scan_tar",
 }
 
 

@@ -15,6 +15,7 @@ built:
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from ckptool.formats.nodes import GlobalMeta, ObjectNode, PersistentRef, ReduceNode, StorageRef
@@ -68,6 +69,8 @@ class GraphPickler:
         self.str_memo: dict[str, int] = {}
         self.next_memo = 0
         self.keep: list[Any] = []  # objects memoized by id stay alive until the end
+        # the writer of each type met so far: the exact types of _WRITERS, then node classes as they come
+        self.writers: dict[type, _Writer] = dict(_WRITERS)
 
     # ------------------------------------------------------------------ helpers
     def _put(self) -> int:
@@ -90,116 +93,137 @@ class GraphPickler:
         return bytes(self.out)
 
     # ------------------------------------------------------------------ dispatch
-    def save(self, obj: Any) -> None:  # one dispatch table, kept flat for speed
-        t = type(obj)
-        w = self.out.extend
-        if t is str:
-            idx = self.str_memo.get(obj)
-            if idx is not None:
-                self._get(idx)
-                return
-            b = obj.encode("utf-8", "surrogatepass")
-            n = len(b)
-            w((BINUNICODE + _pack_u32(n) if n < 0xFFFFFFFF else BINUNICODE8 + _pack_u64(n)) + b)
-            self.str_memo[obj] = self._put()
-            return
-        if t is int:
-            if 0 <= obj < 256:
-                w(BININT1 + bytes((obj,)))
-            elif 0 <= obj < 65536:
-                w(BININT2 + obj.to_bytes(2, "little"))
-            elif -0x80000000 <= obj <= 0x7FFFFFFF:
-                w(BININT + _pack_i(obj))
-            else:
-                n = (obj.bit_length() >> 3) + 1
-                enc = obj.to_bytes(n, "little", signed=True)
-                if obj < 0 and n > 1 and enc[-1] == 0xFF and (enc[-2] & 0x80):
-                    enc = enc[:-1]
-                w((LONG1 + bytes((len(enc),)) if len(enc) < 256 else LONG4 + _pack_i(len(enc))) + enc)
-            return
-        if obj is None:
-            w(NONE)
-            return
-        if t is bool:
-            w(NEWTRUE if obj else NEWFALSE)
-            return
-        if t is float:
-            w(BINFLOAT + _pack_d(obj))
-            return
+    def save(self, obj: Any) -> None:
+        """Write ``obj``: an atom (int, str, float, bool, None) by value, an object seen before by its memo entry,
+        any other by the writer of its type (:data:`_WRITERS`; node types resolved once per class).
 
+        Raises:
+            PicklerError: a value of a type this writer cannot express.
+        """
+        t = type(obj)
+        atom = _ATOM_WRITERS.get(t)
+        if atom is not None:
+            atom(self, obj)
+            return
         idx = self.memo.get(id(obj))
         if idx is not None:
             self._get(idx)
             return
+        writer = self.writers.get(t)
+        if writer is None:
+            writer = self.writers[t] = _writer_for(t)
+        writer(self, obj)
 
-        if t is tuple:
-            self._save_tuple(obj, memoize=not _atoms_only(obj))
-        elif t is StorageRef:
-            pid = self.storage_hook(obj) if self.storage_hook else obj.pid()
-            self._save_tuple(pid, memoize=False)
-            w(BINPERSID)
-        elif isinstance(obj, GlobalMeta):
-            mod, name = obj.module, obj.name
-            if "\n" in mod or "\n" in name:
-                raise PicklerError(f"global name {mod!r}.{name!r} holds a newline")
-            w(GLOBAL + mod.encode("utf-8") + b"\n" + name.encode("utf-8") + b"\n")
-            self._memoize(obj)
-        elif isinstance(obj, ObjectNode):
-            self.save(type(obj))
-            self._save_tuple(obj.args)
-            if obj.kwargs:
-                self.save(obj.kwargs)
-                w(NEWOBJ_EX)
-            else:
-                w(NEWOBJ)
-            self._memoize(obj)
-            self._save_ops(obj)
-        elif isinstance(obj, ReduceNode):
-            self.save(obj.func)
-            self._save_tuple(obj.args)
-            w(REDUCE)
-            self._memoize(obj)
-            self._save_ops(obj)
-        elif t is dict:
-            w(EMPTY_DICT)
-            self._memoize(obj)
-            self._save_setitems(list(obj.items()))
-        elif t is list:
-            w(EMPTY_LIST)
-            self._memoize(obj)
-            self._save_appends(obj)
-        elif t is PersistentRef:
-            self.save(obj.pid)
-            w(BINPERSID)
-        elif t is bytes:
-            n = len(obj)
-            if n < 256:
-                w(SHORT_BINBYTES + bytes((n,)) + obj)
-            elif n <= 0xFFFFFFFF:
-                w(BINBYTES + _pack_u32(n) + obj)
-            else:
-                w(BINBYTES8 + _pack_u64(n) + obj)
-            self._memoize(obj)
-        elif t is bytearray:
-            w(BYTEARRAY8 + _pack_u64(len(obj)) + bytes(obj))
-            self._memoize(obj)
-        elif t is set:
-            w(EMPTY_SET)
-            self._memoize(obj)
-            items = list(obj)
-            for i in range(0, len(items), _BATCH):
-                w(MARK)
-                for x in items[i:i + _BATCH]:
-                    self.save(x)
-                w(ADDITEMS)
-        elif t is frozenset:
-            w(MARK)
-            for x in obj:
-                self.save(x)
-            w(FROZENSET)
-            self._memoize(obj)
+    # ------------------------------------------------------------------ atoms (never memoized by identity)
+    def _save_str(self, obj: str) -> None:
+        idx = self.str_memo.get(obj)
+        if idx is not None:
+            self._get(idx)
+            return
+        b = obj.encode("utf-8", "surrogatepass")
+        n = len(b)
+        self.out.extend((BINUNICODE + _pack_u32(n) if n < 0xFFFFFFFF else BINUNICODE8 + _pack_u64(n)) + b)
+        self.str_memo[obj] = self._put()
+
+    def _save_int(self, obj: int) -> None:
+        w = self.out.extend
+        if 0 <= obj < 256:
+            w(BININT1 + bytes((obj,)))
+        elif 0 <= obj < 65536:
+            w(BININT2 + obj.to_bytes(2, "little"))
+        elif -0x80000000 <= obj <= 0x7FFFFFFF:
+            w(BININT + _pack_i(obj))
         else:
-            raise PicklerError(f"cannot write a value of type {t.__name__}")
+            n = (obj.bit_length() >> 3) + 1
+            enc = obj.to_bytes(n, "little", signed=True)
+            if obj < 0 and n > 1 and enc[-1] == 0xFF and (enc[-2] & 0x80):
+                enc = enc[:-1]
+            w((LONG1 + bytes((len(enc),)) if len(enc) < 256 else LONG4 + _pack_i(len(enc))) + enc)
+
+    def _save_none(self, obj: None) -> None:
+        self.out.extend(NONE)
+
+    def _save_bool(self, obj: bool) -> None:
+        self.out.extend(NEWTRUE if obj else NEWFALSE)
+
+    def _save_float(self, obj: float) -> None:
+        self.out.extend(BINFLOAT + _pack_d(obj))
+
+    # ------------------------------------------------------------------ objects (memoized by identity)
+    def _save_tuple_value(self, obj: tuple[Any, ...]) -> None:
+        self._save_tuple(obj, memoize=not _atoms_only(obj))
+
+    def _save_storage(self, obj: StorageRef) -> None:
+        pid = self.storage_hook(obj) if self.storage_hook else obj.pid()
+        self._save_tuple(pid, memoize=False)
+        self.out.extend(BINPERSID)
+
+    def _save_global(self, obj: GlobalMeta) -> None:
+        mod, name = obj.module, obj.name
+        if "\n" in mod or "\n" in name:
+            raise PicklerError(f"global name {mod!r}.{name!r} holds a newline")
+        self.out.extend(GLOBAL + mod.encode("utf-8") + b"\n" + name.encode("utf-8") + b"\n")
+        self._memoize(obj)
+
+    def _save_object(self, obj: ObjectNode) -> None:
+        self.save(type(obj))
+        self._save_tuple(obj.args)
+        if obj.kwargs:
+            self.save(obj.kwargs)
+            self.out.extend(NEWOBJ_EX)
+        else:
+            self.out.extend(NEWOBJ)
+        self._memoize(obj)
+        self._save_ops(obj)
+
+    def _save_reduce(self, obj: ReduceNode) -> None:
+        self.save(obj.func)
+        self._save_tuple(obj.args)
+        self.out.extend(REDUCE)
+        self._memoize(obj)
+        self._save_ops(obj)
+
+    def _save_dict(self, obj: dict[Any, Any]) -> None:
+        self.out.extend(EMPTY_DICT)
+        self._memoize(obj)
+        self._save_setitems(list(obj.items()))
+
+    def _save_list(self, obj: list[Any]) -> None:
+        self.out.extend(EMPTY_LIST)
+        self._memoize(obj)
+        self._save_appends(obj)
+
+    def _save_persistent(self, obj: PersistentRef) -> None:
+        self.save(obj.pid)
+        self.out.extend(BINPERSID)
+
+    def _save_bytes(self, obj: bytes) -> None:
+        w = self.out.extend
+        n = len(obj)
+        if n < 256:
+            w(SHORT_BINBYTES + bytes((n,)) + obj)
+        elif n <= 0xFFFFFFFF:
+            w(BINBYTES + _pack_u32(n) + obj)
+        else:
+            w(BINBYTES8 + _pack_u64(n) + obj)
+        self._memoize(obj)
+
+    def _save_bytearray(self, obj: bytearray) -> None:
+        self.out.extend(BYTEARRAY8 + _pack_u64(len(obj)) + bytes(obj))
+        self._memoize(obj)
+
+    def _save_set(self, obj: set[Any]) -> None:
+        self.out.extend(EMPTY_SET)
+        self._memoize(obj)
+        self._save_additems(list(obj))
+
+    def _save_frozenset(self, obj: frozenset[Any]) -> None:
+        w = self.out.extend
+        w(MARK)
+        for x in obj:
+            self.save(x)
+        w(FROZENSET)
+        self._memoize(obj)
 
     def _save_tuple(self, obj: tuple[Any, ...], memoize: bool = True) -> None:
         w = self.out.extend
@@ -238,6 +262,14 @@ class GraphPickler:
                 save(v)
             w(SETITEMS)
 
+    def _save_additems(self, items: list[Any]) -> None:
+        w = self.out.extend
+        for i in range(0, len(items), _BATCH):
+            w(MARK)
+            for x in items[i:i + _BATCH]:
+                self.save(x)
+            w(ADDITEMS)
+
     def _save_ops(self, node: Any) -> None:
         for op in node.order:
             if op == "setitems":
@@ -245,14 +277,42 @@ class GraphPickler:
             elif op == "appends":
                 self._save_appends(node.listitems)
             elif op == "additems":
-                for i in range(0, len(node.setitems), _BATCH):
-                    self.out.extend(MARK)
-                    for x in node.setitems[i:i + _BATCH]:
-                        self.save(x)
-                    self.out.extend(ADDITEMS)
+                self._save_additems(node.setitems)
             elif op == "build":
                 self.save(node.state)
                 self.out.extend(BUILD)
+
+
+_Writer = Callable[[GraphPickler, Any], None]
+
+#: writers of the values that are written by value, never memoized by identity (strings by value)
+_ATOM_WRITERS: dict[type, _Writer] = {
+    str: GraphPickler._save_str, int: GraphPickler._save_int, type(None): GraphPickler._save_none,
+    bool: GraphPickler._save_bool, float: GraphPickler._save_float,
+}
+
+#: writers of the exact types the graph holds besides atoms and node classes (see :func:`_writer_for`)
+_WRITERS: dict[type, _Writer] = {
+    tuple: GraphPickler._save_tuple_value, StorageRef: GraphPickler._save_storage, dict: GraphPickler._save_dict,
+    list: GraphPickler._save_list, PersistentRef: GraphPickler._save_persistent, bytes: GraphPickler._save_bytes,
+    bytearray: GraphPickler._save_bytearray, set: GraphPickler._save_set, frozenset: GraphPickler._save_frozenset,
+}
+
+
+def _writer_for(t: type) -> _Writer:
+    """The writer of a type outside :data:`_WRITERS`: a global placeholder (an instance of :class:`GlobalMeta`),
+    an object node (an instance of a placeholder class) or a reduce node.
+
+    Raises:
+        PicklerError: any other type.
+    """
+    if issubclass(t, GlobalMeta):
+        return GraphPickler._save_global
+    if issubclass(t, ObjectNode):
+        return GraphPickler._save_object
+    if issubclass(t, ReduceNode):
+        return GraphPickler._save_reduce
+    raise PicklerError(f"cannot write a value of type {t.__name__}")
 
 
 def dumps(root: Any, *, protocol: int = 2, storage_hook: Any = None) -> bytes:

@@ -146,30 +146,52 @@ def read_zero(path: str, tag: str | None = None) -> ZeroCheckpoint:
     """
     ds = find_deepspeed(path, tag)
     optim = read_files(ds.optim_files)
-    osd = []
-    for ck in optim:
-        root = _root(ck)
-        o = root.get("optimizer_state_dict")
-        items = mapping_items(o)
-        if items is None:
-            raise CorruptCheckpointError(f"{ck.path} holds no optimizer_state_dict; not a ZeRO optimizer-state file")
-        osd.append(dict(items))
-    first = osd[0]
+    osd = [_optimizer_state_dict(ck) for ck in optim]
+    stage = _validate_stage(osd[0], optim[0].path, ds.folder)
+    world = _validate_world_size(osd[0], optim, ds.folder)
+    groups = _flat_groups(optim, osd, stage)
+    models = _model_states(ds, stage, world)
+    m0 = _root(models[0])
+    _validate_model_state(m0, models[0].path)
+    return _zero_checkpoint(ds, stage, world, osd[0], groups, [*models, *optim], models, m0)
+
+
+def _optimizer_state_dict(ck: Checkpoint) -> dict[Any, Any]:
+    """The ``optimizer_state_dict`` of one ``*_optim_states.pt`` file."""
+    items = mapping_items(_root(ck).get("optimizer_state_dict"))
+    if items is None:
+        raise CorruptCheckpointError(f"{ck.path} holds no optimizer_state_dict; not a ZeRO optimizer-state file")
+    return dict(items)
+
+
+def _validate_stage(first: dict[Any, Any], where: str, folder: str) -> int:
+    """The ZeRO stage rank 0's optimizer state records (1, 2 or 3)."""
     stage = _enum_int(first.get("zero_stage"))
     if stage is None:
-        raise CorruptCheckpointError(f"{optim[0].path} records no zero_stage: it is not a ZeRO checkpoint "
+        raise CorruptCheckpointError(f"{where} records no zero_stage: it is not a ZeRO checkpoint "
                                      "(zero_to_fp32 refuses it too)")
     if stage not in (1, 2, 3):
-        raise UnsupportedError(f"{ds.folder}: ZeRO stage {stage}: only stages 1, 2 and 3 keep flat fp32 partitions "
+        raise UnsupportedError(f"{folder}: ZeRO stage {stage}: only stages 1, 2 and 3 keep flat fp32 partitions "
                                "to consolidate")
+    return stage
+
+
+def _validate_world_size(first: dict[Any, Any], optim: list[Checkpoint], folder: str) -> int:
+    """The data-parallel rank count (``partition_count``), which must equal the number of optimizer-state files."""
     pc = first.get("partition_count")
     world = max(pc) if isinstance(pc, list) and pc and all(type(x) is int for x in pc) else pc
     if type(world) is not int or world < 1:
         raise CorruptCheckpointError(f"{optim[0].path}: partition_count {pc!r} is not a rank count")
     if world != len(optim):
         raise CorruptCheckpointError(
-            f"{ds.folder}: the checkpoint was saved by {world} ranks but holds {len(optim)} *_optim_states.pt files; "
+            f"{folder}: the checkpoint was saved by {world} ranks but holds {len(optim)} *_optim_states.pt files; "
             "a rank's file is missing or left over from another save: copy the whole folder again")
+    return world
+
+
+def _flat_groups(optim: list[Checkpoint], osd: list[dict[Any, Any]], stage: int) -> list[list[FlatBytes]]:
+    """Per rank, its flat fp32 partitions (``fp32_flat_groups`` under ZeRO-3, else
+    ``single_partition_of_fp32_groups``); every rank holds as many as rank 0."""
     key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
     groups: list[list[FlatBytes]] = []
     for r, (ck, d) in enumerate(zip(optim, osd)):
@@ -179,10 +201,11 @@ def read_zero(path: str, tag: str | None = None) -> ZeroCheckpoint:
         groups.append([_flat(ck, g, f"{key}[{i}] of rank {r}") for i, g in enumerate(gs)])
         if len(groups[-1]) != len(groups[0]):
             raise CorruptCheckpointError(f"{ck.path}: {len(groups[-1])} fp32 groups, rank 0 has {len(groups[0])}")
-    pads = first.get("param_alignment_paddings")
-    paddings = pads if isinstance(pads, list) and all(
-        isinstance(g, list) and all(type(x) is int for x in g) for g in pads) else None
+    return groups
 
+
+def _model_states(ds: DeepSpeedFolder, stage: int, world: int) -> list[Checkpoint]:
+    """The model-state files the consolidation reads: every rank's under ZeRO-3, else rank 0's."""
     model_paths = ds.model_files if stage == 3 else ds.model_files[:1]
     if stage <= 2:
         rank0 = [p for p in ds.model_files if p.endswith("mp_rank_00_model_states.pt")
@@ -192,48 +215,84 @@ def read_zero(path: str, tag: str | None = None) -> ZeroCheckpoint:
     if stage == 3 and len(models) != world:
         raise CorruptCheckpointError(f"{ds.folder}: ZeRO-3 saved by {world} ranks but holds {len(models)} "
                                      "*_model_states.pt files; copy the whole folder again")
-    m0 = _root(models[0])
-    where = models[0].path
+    return models
+
+
+def _validate_model_state(m0: dict[Any, Any], where: str) -> None:
+    """Rank 0's model state records ``buffer_names`` and ``param_shapes`` (saved with ZeRO optimizer state)."""
     if "buffer_names" not in m0:
         raise CorruptCheckpointError(f"{where} records no buffer_names: not a DeepSpeed model-state file")
     if m0.get("param_shapes") is None:
         raise UnsupportedError(f"{where} records no param_shapes: the checkpoint was saved without ZeRO optimizer "
                                "state; its module entry is already a full state_dict (convert that file instead)")
+
+
+def _zero_checkpoint(ds: DeepSpeedFolder, stage: int, world: int, first: dict[Any, Any],
+                     groups: list[list[FlatBytes]], files: list[Checkpoint], models: list[Checkpoint],
+                     m0: dict[Any, Any]) -> ZeroCheckpoint:
+    """Fill a :class:`ZeroCheckpoint` from the validated optimizer state (rank 0's ``first``, ``groups``) and
+    model states (``models``, rank 0's root ``m0``); ``files`` are all the files read (for ``globals``)."""
+    where = models[0].path
     bnames = set(m0.get("buffer_names") or [])
     module = _items(m0.get("module"), where, "module")
     buffers = [(k, _flat(models[0], v, f"buffer {k!r}")) for k, v in module if k in bnames]
-    shapes_list = m0["param_shapes"]
-    if not isinstance(shapes_list, list):
-        raise CorruptCheckpointError(f"{where}: param_shapes is not a list of groups; the file is damaged")
-    param_shapes = [{str(k): _shape(v, where, str(k)) for k, v in _items(g, where, "param_shapes")}
-                    for g in shapes_list]
-    frozen_node = m0.get("frozen_param_shapes")
-    frozen = {str(k): _shape(v, where, str(k)) for k, v in _items(frozen_node, where, "frozen_param_shapes")} \
-        if frozen_node is not None else {}
-    fragments: list[dict[str, FlatBytes]] = []
-    for ck in models:
-        node = _root(ck).get("frozen_param_fragments")
-        fragments.append({str(k): _flat(ck, v, f"frozen fragment {k!r}")
-                          for k, v in _items(node, ck.path, "frozen_param_fragments")} if node is not None else {})
+    param_shapes = _param_shapes(m0["param_shapes"], where)
+    frozen = _named_shapes(m0.get("frozen_param_shapes"), where, "frozen_param_shapes")
+    fragments = [_frozen_fragments(ck) for ck in models]
     shared_node = m0.get("shared_params")
     shared = {str(k): str(v) for k, v in _items(shared_node, where, "shared_params")} \
         if shared_node is not None else {}
-    weights = next((tensor_bytes_dtype(models[0], v) for k, v in module if k not in bnames), None)
+    covered = bnames | set(frozen) | set(shared) | {k for g in param_shapes for k in g}
+    version = m0.get("ds_version")
+    return ZeroCheckpoint(
+        ds=ds, stage=stage, world_size=world, ds_version=str(version) if version is not None else None,
+        weights_dtype=next((tensor_bytes_dtype(models[0], v) for k, v in module if k not in bnames), None),
+        master_dtype=groups[0][0].dtype if groups[0] else "float32", param_shapes=param_shapes, buffers=buffers,
+        frozen=frozen, frozen_fragments=fragments, shared=shared, groups=groups,
+        alignment_paddings=_alignment_paddings(first), optimizer_state=_optimizer_state_keys(first),
+        extra={k: m0.get(k) for k in ("global_steps", "global_samples", "dp_world_size")},
+        globals=list(dict.fromkeys(g for ck in files for g in ck.globals)),
+        uncovered=[str(k) for k, _ in module if k not in covered])
+
+
+def _param_shapes(shapes_list: object, where: str) -> list[dict[str, tuple[int, ...]]]:
+    """``param_shapes``: one ``{name: shape}`` per parameter group."""
+    if not isinstance(shapes_list, list):
+        raise CorruptCheckpointError(f"{where}: param_shapes is not a list of groups; the file is damaged")
+    return [{str(k): _shape(v, where, str(k)) for k, v in _items(g, where, "param_shapes")} for g in shapes_list]
+
+
+def _named_shapes(node: object, where: str, what: str) -> dict[str, tuple[int, ...]]:
+    """A ``{name: torch.Size}`` entry (``frozen_param_shapes``) as ``{name: shape}``; {} when absent."""
+    if node is None:
+        return {}
+    return {str(k): _shape(v, where, str(k)) for k, v in _items(node, where, what)}
+
+
+def _frozen_fragments(ck: Checkpoint) -> dict[str, FlatBytes]:
+    """The ``frozen_param_fragments`` of one model-state file; {} when absent."""
+    node = _root(ck).get("frozen_param_fragments")
+    if node is None:
+        return {}
+    return {str(k): _flat(ck, v, f"frozen fragment {k!r}") for k, v in _items(node, ck.path, "frozen_param_fragments")}
+
+
+def _alignment_paddings(first: dict[Any, Any]) -> list[list[int]] | None:
+    """``param_alignment_paddings`` (ZeRO-1/2, one list of ints per group) when recorded and well formed."""
+    pads = first.get("param_alignment_paddings")
+    ok = isinstance(pads, list) and all(isinstance(g, list) and all(type(x) is int for x in g) for g in pads)
+    return pads if ok else None
+
+
+def _optimizer_state_keys(first: dict[Any, Any]) -> list[str]:
+    """The per-parameter optimizer state keys (``exp_avg``, ``exp_avg_sq``...) in first-seen order."""
     inner = mapping_items(first.get("base_optimizer_state") or first.get("optimizer_state_dict"))
     state_keys: list[str] = []
     for k, v in inner or []:
         if k == "state":
             for _pid, per in mapping_items(v) or []:
                 state_keys += [str(x) for x, _ in mapping_items(per) or [] if str(x) not in state_keys]
-    covered = bnames | set(frozen) | set(shared) | {k for g in param_shapes for k in g}
-    uncovered = [str(k) for k, _ in module if k not in covered]
-    version = m0.get("ds_version")
-    return ZeroCheckpoint(ds, stage, world, str(version) if version is not None else None, weights,
-                          groups[0][0].dtype if groups[0] else "float32", param_shapes, buffers, frozen, fragments,
-                          shared, groups, paddings, state_keys,
-                          extra={k: m0.get(k) for k in ("global_steps", "global_samples", "dp_world_size")},
-                          globals=list(dict.fromkeys(g for ck in [*models, *optim] for g in ck.globals)),
-                          uncovered=uncovered)
+    return state_keys
 
 
 def tensor_bytes_dtype(ck: Checkpoint, node: object) -> str | None:

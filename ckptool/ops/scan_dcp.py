@@ -32,8 +32,9 @@ from ckptool.errors import CkptError
 from ckptool.formats.dcp import METADATA_FILE, DcpItem, is_dcp_folder, read_dcp_metadata
 from ckptool.ops.scan_bytes import _ZIP_LOCAL, Window
 from ckptool.ops.scan_code import CodeScanner
-from ckptool.ops.scan_pickles import _PICKLE_FIRST, _Scanner
+from ckptool.ops.scan_pickles import _Scanner
 from ckptool.ops.scan_results import PickleFinding, ScanResult
+from ckptool.ops.scan_tar import _PICKLE_FIRST
 
 __all__ = ["DCP_FORMAT", "dcp_part", "scan_dcp_folder"]
 

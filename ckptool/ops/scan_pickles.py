@@ -2,7 +2,8 @@
 tars, plain pickles, data appended after any of them) read with the restricted unpickler, each global classified
 by :func:`ckptool.model.allowlist.classify_global` into a :class:`~ckptool.ops.scan_results.ScanResult`. The
 policy, and which pickles are read, are described in :mod:`ckptool.ops.scan`; DCP folders are walked by
-:mod:`ckptool.ops.scan_dcp`. Nothing is imported or called from the file.
+:mod:`ckptool.ops.scan_dcp`, legacy tar archives by :mod:`ckptool.ops.scan_tar`. Nothing is imported or called
+from the file.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import io
 import os
 import struct
-import tarfile
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -41,6 +41,7 @@ from ckptool.model.allowlist import ALLOWED, classify_global
 from ckptool.model.graph import depth_first, node_children
 from ckptool.ops.scan_bytes import _ZIP_EOCD, _ZIP_LOCAL, Container, Window, _eocd, _zip_end, _zip_start
 from ckptool.ops.scan_results import GlobalFinding, PickleFinding, ScanResult
+from ckptool.ops.scan_tar import _PICKLE_FIRST, MAX_PICKLES_IN_A_ROW, _in, _join, scan_tar
 
 __all__ = ["MAX_KEY_PATHS", "Container", "Window", "key_paths"]
 
@@ -57,11 +58,6 @@ MAX_ZIP_DEPTH = 16
 #: the bytes a scan inflates (or copies, for nested zips) from zip members: this plus :data:`MAX_RATIO` times the
 #: file's size; members past it are unreadable findings. Members sharing one local header are read once.
 INFLATE_BUDGET = 64 << 20
-MAX_TAR_MEMBERS = 10_000
-MAX_PICKLES_IN_A_ROW = 10_000
-#: a file's first byte starts a pickle only if it is an opcode a pickle can begin with
-_PICKLE_FIRST = frozenset(b"\x80(.012NQR}abdel]ostu)\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94"
-                          b"KhqJjMGUCXBT\x8a\x8b\x8c\x8d\x8e\x96ILFSVPgpci")
 
 
 class _Scanner:
@@ -175,45 +171,6 @@ class _Scanner:
         self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root)
         return root, end
 
-    def tar_records(self, data: bytes, label: str, member: str) -> int | None:
-        """The ``storages`` or ``tensors`` member of a legacy tar as torch's ``legacy_load`` reads it: a pickle of
-        the count, then per item a pickle and raw bytes (a storage: 8-byte element count and the elements; a
-        tensor: ndim, sizes, strides, offset), then (storages) a pickle of the views. Returns where reading
-        stopped, or None when a pickle failed; a layout that does not add up ends the walk with a note."""
-        got = self.parse_root(data, 0, label)
-        if got is None:
-            return None
-        count, pos = got
-        if type(count) is not int or not 0 <= count <= MAX_PICKLES_IN_A_ROW:
-            self.note(f"{label}: the item count is not a small integer; the rest was read as pickles in a row")
-            return pos
-        for i in range(count):
-            got = self.parse_root(data, pos, f"{label} (item {i + 1}, byte {pos})")
-            if got is None:
-                return None
-            args, pos = got
-            if member == "storages":
-                st = args[2] if isinstance(args, tuple) and len(args) == 3 else None
-                elsize = STORAGE_TYPES.get(st.name if isinstance(st, GlobalMeta) else "", ("", 0))[1]
-                numel = int.from_bytes(data[pos:pos + 8], "little", signed=True)
-                step, bad = 8 + numel * elsize, elsize == 0 or numel < 0
-            else:
-                ndim = int.from_bytes(data[pos:pos + 4], "little", signed=True)
-                step, bad = 8 + 16 * ndim + 8, ndim < 0
-            if bad:
-                self.note(f"{label}: item {i + 1} does not add up; the rest was read as pickles in a row")
-                return pos
-            if pos + step > len(data) or step < 8:
-                self.note(f"{label}: item {i + 1} runs past the member's end")
-                return len(data)
-            pos += step
-        if member == "storages":
-            got = self.parse_root(data, pos, f"{label} (storage views, byte {pos})")
-            if got is None:
-                return None
-            pos = got[1]
-        return pos
-
     def pickles_in_a_row(self, buf: PickleBuffer, pos: int, where: str, *, first_required: bool = True) -> int | None:
         """Read pickles one after another from ``pos`` while the data looks like one; return the offset where
         reading stopped (``len(buf)`` when everything was read), or None when the first, required, pickle failed."""
@@ -243,7 +200,7 @@ class _Scanner:
             return self.zip(buf, where, depth, f, loaded=True)
         if formats.is_tar(head):
             try:
-                self.tar(buf, where, depth)
+                scan_tar(self, buf, where, depth)
             except CorruptCheckpointError as err:
                 self.note(f"the tar header at byte 0{_in(where)} is valid but the archive could not be read ({err})")
             else:
@@ -554,47 +511,6 @@ class _Scanner:
         if pos < len(buf):
             self.trailing(buf, pos, where, depth)
 
-    def tar(self, buf: PickleBuffer, where: str, depth: int) -> None:
-        """A torch legacy tar (torch < 0.4): ``torch.load`` unpickles its ``sys_info``, ``pickle``, ``storages``
-        and ``tensors`` members; every member is read as pickles in a row."""
-        try:
-            with tarfile.open(fileobj=io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf)), mode="r:") as tf:
-                self._tar_members(tf, where, depth)
-        except tarfile.TarError as e:
-            raise CorruptCheckpointError(f"damaged tar archive{_in(where)} ({e})") from e
-
-    def _tar_members(self, tf: tarfile.TarFile, where: str, depth: int) -> None:
-        try:
-            self._read_tar_members(tf, where, depth)
-        except tarfile.TarError as e:
-            self.note(f"the tar archive{_in(where)} is damaged after its readable members ({e})")
-
-    def _read_tar_members(self, tf: tarfile.TarFile, where: str, depth: int) -> None:
-        for i, member in enumerate(tf):
-            if i >= MAX_TAR_MEMBERS:
-                self.note(f"more than {MAX_TAR_MEMBERS} tar members; the rest were not scanned")
-                break
-            if not member.isfile():
-                continue
-            fobj = tf.extractfile(member)
-            data = fobj.read() if fobj is not None else b""
-            label = _join(where, f"tar member {member.name}")
-            known = member.name in ("sys_info", "pickle", "storages", "tensors")
-            if known and not where:
-                self.loaded.add(label)
-            if data[:1] and data[0] in _PICKLE_FIRST:
-                if member.name in ("storages", "tensors"):  # pickles between raw blocks (torch's legacy_load)
-                    rest = self.tar_records(data, label, member.name)
-                    if rest is not None and rest < len(data):
-                        rest = self.pickles_in_a_row(data, rest, f"{label} (byte {rest})", first_required=False)
-                else:
-                    rest = self.pickles_in_a_row(data, 0, label, first_required=known)
-                if rest is not None and rest < len(data):
-                    self.trailing(data, rest, label, depth)
-            elif known:
-                self.record(PickleFinding(label, 0, [], "not a pickle"))
-
-
 class _NotAPickle(Exception):
     pass
 
@@ -626,11 +542,3 @@ def key_paths(root: Any, names: set[str]) -> dict[str, list[str]]:
     except (CkptError, RecursionError):
         pass
     return out
-
-
-def _in(where: str) -> str:
-    return f" in {where}" if where else ""
-
-
-def _join(where: str, name: str) -> str:
-    return f"{where}!{name}" if where else name

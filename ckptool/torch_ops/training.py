@@ -122,33 +122,13 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         done.report.raise_for_errors()
     used = {done.report.key.split(".")[0]} if done.report.key else set()
 
-    opt_key = None
+    opt_key = sched_key = None
     if optimizer is not None:
-        opt_key, opt_sd = _find_entry(ck, optimizer_key, OPTIMIZER_NAMES, "optimizer state", p,
-                                      _is_optimizer_state)
-        if opt_key is None or not _is_optimizer_state(opt_sd):
-            raise UsageError(f"{p}: no optimizer state_dict (a dict with 'state' and 'param_groups') found"
-                             + (f" at {optimizer_key!r}" if optimizer_key else "")
-                             + f"; top-level keys: {', '.join(map(str, list(ck)[:20]))}; pass optimizer_key=")
-        try:
-            optimizer.load_state_dict(opt_sd)
-        except (ValueError, KeyError) as e:
-            raise UsageError(f"{p}: the optimizer state at {opt_key!r} does not fit this optimizer: {first_line(e)}; "
-                             "build the optimizer over the same parameters, in the same groups, as when it was "
-                             "saved") from e
-        place_optimizer_state(optimizer)
+        opt_key = _load_optimizer(optimizer, ck, optimizer_key, p)
         used.add(opt_key.split(".")[0])
-
-    sched_key = None
     if scheduler is not None:
-        sched_key, sched_sd = _find_entry(ck, scheduler_key, SCHEDULER_NAMES, "scheduler state", p,
-                                          lambda v: isinstance(v, Mapping))
-        if sched_key is None or sched_sd is None:
-            raise UsageError(f"{p}: no scheduler state found (looked for {', '.join(SCHEDULER_NAMES)}); "
-                             "pass scheduler_key=")
-        scheduler.load_state_dict(sched_sd)
+        sched_key = _load_scheduler(scheduler, ck, scheduler_key, p)
         used.add(sched_key.split(".")[0])
-
     if scaler is not None:
         used.add(_load_scaler(scaler, ck, scaler_key, p))
 
@@ -156,6 +136,43 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     epoch = _as_int(ck.get("epoch"))
     step = next((_as_int(ck.get(n)) for n in ("global_step", "step", "iteration", "iter") if n in ck), None)
     return TrainingState(done.report, epoch, step, opt_key, sched_key, extra)
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, ck: Mapping[str, Any], key: str | None, path: str) -> str:
+    """Load the optimizer state of ``ck`` (entry ``key``, else the first of :data:`OPTIMIZER_NAMES`) into
+    ``optimizer`` and place its tensors (:func:`place_optimizer_state`); return the dotted key it came from.
+
+    Raises:
+        UsageError: no optimizer state, or one ``optimizer`` refuses (other groups or parameters).
+    """
+    found, state = _find_entry(ck, key, OPTIMIZER_NAMES, "optimizer state", path, _is_optimizer_state)
+    if found is None or not _is_optimizer_state(state):
+        raise UsageError(f"{path}: no optimizer state_dict (a dict with 'state' and 'param_groups') found"
+                         + (f" at {key!r}" if key else "")
+                         + f"; top-level keys: {', '.join(map(str, list(ck)[:20]))}; pass optimizer_key=")
+    try:
+        optimizer.load_state_dict(state)
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"{path}: the optimizer state at {found!r} does not fit this optimizer: {first_line(e)}; "
+                         "build the optimizer over the same parameters, in the same groups, as when it was "
+                         "saved") from e
+    place_optimizer_state(optimizer)
+    return found
+
+
+def _load_scheduler(scheduler: SchedulerLike, ck: Mapping[str, Any], key: str | None, path: str) -> str:
+    """Load the LR scheduler state of ``ck`` (entry ``key``, else the first of :data:`SCHEDULER_NAMES`) into
+    ``scheduler``; return the dotted key it came from.
+
+    Raises:
+        UsageError: no scheduler state.
+    """
+    found, state = _find_entry(ck, key, SCHEDULER_NAMES, "scheduler state", path, lambda v: isinstance(v, Mapping))
+    if found is None or state is None:
+        raise UsageError(f"{path}: no scheduler state found (looked for {', '.join(SCHEDULER_NAMES)}); "
+                         "pass scheduler_key=")
+    scheduler.load_state_dict(state)
+    return found
 
 
 def _load_scaler(scaler: ScalerLike, ck: Mapping[str, Any], key: str | None, path: str) -> str:

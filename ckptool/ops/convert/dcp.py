@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 from ckptool._commit import mark_committed, signals_blocked
 from ckptool._fileio import temp_path
 from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
-from ckptool.formats.dcp import DcpMetadata
+from ckptool.formats.dcp import DcpEntry, DcpMetadata
 from ckptool.formats.dtypes import contiguous_stride, element_size, tensor_dtype
 from ckptool.formats.nodes import PickledObject, ReduceNode, TensorNode
 from ckptool.formats.pickler import PicklerError, dumps
@@ -176,6 +176,10 @@ def _torch_save_record(blob: _Slice, what: str) -> tuple[Any, dict[str, Any], li
     return root, storages, entries
 
 
+class _Unqualified(Exception):
+    """The folder cannot be copied without torch (:func:`copy_dcp_to_torch` returns False, having written nothing)."""
+
+
 def copy_dcp_to_torch(meta: DcpMetadata, out: BinaryIO) -> bool:
     """Write the DCP folder of ``meta`` to ``out`` as one torch file without torch (see the module docstring),
     laid out as ``dcp_to_torch_save`` lays it out (the ``planner_data`` nesting, every tensor contiguous, tagged
@@ -189,7 +193,6 @@ def copy_dcp_to_torch(meta: DcpMetadata, out: BinaryIO) -> bool:
     st = _state(meta.root)
     sdm = st.get("state_dict_metadata") if type(st) is dict else None
     data = st.get("storage_data") if type(st) is dict else None
-    planner = meta.planner_data or {}
     if not isinstance(sdm, dict) or not isinstance(data, dict):
         return False
     records: dict[str, list[Any]] = {}
@@ -200,65 +203,16 @@ def copy_dcp_to_torch(meta: DcpMetadata, out: BinaryIO) -> bool:
         records.setdefault(ist["fqn"], []).append(info)
     files: dict[str, BinaryIO] = {}
     try:
-        root: dict[str, Any] = {}
-        copies: list[tuple[str, BinaryIO, int, int, int]] = []  # (record, file, offset, size, crc)
-        for entry in meta.entries:
-            path = planner.get(entry.fqn, (entry.fqn,))
-            if not isinstance(path, (tuple, list)) or not path or not all(isinstance(p, str) for p in path):
-                return False
-            infos = records.get(entry.fqn, [])
-            found = _record(files, meta.folder, infos[0]) if len(infos) == 1 else None
-            if found is None:
-                return False
-            f, blob = found
-            what = f"{meta.folder}: the record of {entry.fqn!r}"
-            node, storages, entries = _torch_save_record(blob, what)
-            if entry.dtype is None:  # a non-tensor entry: its pickle, if it holds no tensor
-                if storages:
-                    return False
-                value = node
-            else:
-                chunks = _state(sdm.get(entry.fqn)) or {}
-                chunk_list = chunks.get("chunks") if type(chunks) is dict else None
-                if not isinstance(chunk_list, list) or len(chunk_list) != 1:
-                    return False
-                cst = _state(chunk_list[0])
-                shape = entry.shape or ()
-                if type(cst) is not dict or _ints(cst.get("sizes")) != shape or any(_ints(cst.get("offsets")) or ()):
-                    return False
-                if not isinstance(node, TensorNode) or len(storages) != 1 or node.storage is None:
-                    return False
-                nbytes = element_size(entry.dtype) * _numel(shape)
-                key = node.storage.key
-                order = next((e for e in entries if e.name.endswith("/byteorder")), None)
-                if order is not None and read_byteorder(blob, order, what) != "little":
-                    return False  # saved big-endian: torch.load swaps it, a byte copy would not
-                rec = next((e for e in entries if e.name.endswith(f"/data/{key}")), None)
-                if (tensor_dtype(node) != entry.dtype or node.shape != shape or node.storage_offset != 0
-                        or (nbytes and node.stride != contiguous_stride(shape)) or rec is None or rec.method != 0
-                        or rec.file_size < nbytes):
-                    return False
-                skey = str(len(copies))
-                copies.append((f"data/{skey}", f, blob.start + data_offset(blob, rec, what), nbytes,  # type: ignore[arg-type]
-                               rec.crc if rec.file_size == nbytes else -1))
-                value = tensor_node(skey, entry.dtype, shape, contiguous_stride(shape))
-            where = root
-            for p in path[:-1]:
-                nxt = where.setdefault(p, {})
-                if not isinstance(nxt, dict):
-                    return False
-                where = nxt
-            where[path[-1]] = value
-        try:
-            data_pkl = dumps(root, protocol=2)
-        except PicklerError:
-            return False
+        root, copies = _copy_plan(meta, sdm, records, files)
+        data_pkl = dumps(root, protocol=2)
         w = TorchZipWriter(out, "archive")
         w.begin_torch_save(data_pkl)
         for name, f, off, size, crc in copies:
             w.copy_record(name, f, off, size, None if crc < 0 else crc)
         w.end_torch_save()
         return True
+    except (_Unqualified, PicklerError):
+        return False
     except (CkptError, OSError):
         if out.tell() != 0:
             raise
@@ -266,6 +220,82 @@ def copy_dcp_to_torch(meta: DcpMetadata, out: BinaryIO) -> bool:
     finally:
         for fh in files.values():
             fh.close()
+
+
+_Copy = tuple[str, BinaryIO, int, int, int]  # (output record, source file, offset, size, CRC-32 or -1)
+
+
+def _copy_plan(meta: DcpMetadata, sdm: dict[Any, Any], records: dict[str, list[Any]],
+               files: dict[str, BinaryIO]) -> tuple[dict[str, Any], list[_Copy]]:
+    """The output's root dict (``planner_data`` nesting) and the record copies that fill its storages, from the
+    ``state_dict_metadata`` ``sdm`` and the storage records by FQN; opened files are left in ``files``.
+
+    Raises:
+        _Unqualified: an entry cannot be copied without torch.
+        CorruptCheckpointError: a record is not a ``torch.save`` zip, or is damaged.
+    """
+    planner = meta.planner_data or {}
+    root: dict[str, Any] = {}
+    copies: list[_Copy] = []
+    for entry in meta.entries:
+        path = planner.get(entry.fqn, (entry.fqn,))
+        if not isinstance(path, (tuple, list)) or not path or not all(isinstance(p, str) for p in path):
+            raise _Unqualified
+        infos = records.get(entry.fqn, [])
+        found = _record(files, meta.folder, infos[0]) if len(infos) == 1 else None
+        if found is None:
+            raise _Unqualified
+        f, blob = found
+        what = f"{meta.folder}: the record of {entry.fqn!r}"
+        node, storages, entries = _torch_save_record(blob, what)
+        if entry.dtype is None:  # a non-tensor entry: its pickle, if it holds no tensor
+            if storages:
+                raise _Unqualified
+            value = node
+        else:
+            value = _tensor_copy(entry, entry.dtype, sdm, node, storages, entries, f, blob, what, copies)
+        where = root
+        for p in path[:-1]:
+            nxt = where.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise _Unqualified
+            where = nxt
+        where[path[-1]] = value
+    return root, copies
+
+
+def _tensor_copy(entry: DcpEntry, dtype: str, sdm: dict[Any, Any], node: Any, storages: dict[str, Any],
+                 entries: list[Any], f: BinaryIO, blob: _Slice, what: str, copies: list[_Copy]) -> TensorNode:
+    """The output tensor node of tensor ``entry`` (of ``dtype``) stored whole in one contiguous little-endian
+    record, its copy appended to ``copies``.
+
+    Raises:
+        _Unqualified: several chunks, a record that does not match ``.metadata``, a big-endian record.
+    """
+    chunks = _state(sdm.get(entry.fqn)) or {}
+    chunk_list = chunks.get("chunks") if type(chunks) is dict else None
+    if not isinstance(chunk_list, list) or len(chunk_list) != 1:
+        raise _Unqualified
+    cst = _state(chunk_list[0])
+    shape = entry.shape or ()
+    if type(cst) is not dict or _ints(cst.get("sizes")) != shape or any(_ints(cst.get("offsets")) or ()):
+        raise _Unqualified
+    if not isinstance(node, TensorNode) or len(storages) != 1 or node.storage is None:
+        raise _Unqualified
+    nbytes = element_size(dtype) * _numel(shape)
+    key = node.storage.key
+    order = next((e for e in entries if e.name.endswith("/byteorder")), None)
+    if order is not None and read_byteorder(blob, order, what) != "little":
+        raise _Unqualified  # saved big-endian: torch.load swaps it, a byte copy would not
+    rec = next((e for e in entries if e.name.endswith(f"/data/{key}")), None)
+    if (tensor_dtype(node) != dtype or node.shape != shape or node.storage_offset != 0
+            or (nbytes and node.stride != contiguous_stride(shape)) or rec is None or rec.method != 0
+            or rec.file_size < nbytes):
+        raise _Unqualified
+    skey = str(len(copies))
+    copies.append((f"data/{skey}", f, blob.start + data_offset(blob, rec, what), nbytes,  # type: ignore[arg-type]
+                   rec.crc if rec.file_size == nbytes else -1))
+    return tensor_node(skey, dtype, shape, contiguous_stride(shape))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from ckptool import _source as source
 from ckptool._commit import unmark_committed
-from ckptool._fileio import atomic_output, copy_range, copy_range_crc, write_behind_for
+from ckptool._fileio import WriteBehind, atomic_output, copy_range, copy_range_crc, write_behind_for
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
 from ckptool.formats.nodes import StorageRef
@@ -133,18 +133,7 @@ def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str]
     ``need_crc`` is False; otherwise they pass through an 8 MiB buffer that computes it.
     """
     members = sorted((t for u in plan for t in u.members), key=lambda t: t.index)
-    positions = {id(t): i for i, t in enumerate(members)}
-    meta: dict[str, str] = dict(base_meta or {})
-    shared = shared_metadata(plan, positions)
-    if shared is not None:
-        meta[SHARED_KEY] = shared
-    for u in plan:
-        for t in u.members:
-            k = u.aliases.get(id(t))
-            if k is not None and (k.offset, k.shape, k.stride) == (t.offset, t.shape, t.stride):
-                meta.setdefault(t.name, k.name)  # safetensors.torch.save_model's record of a dropped name
-    if meta:
-        meta.setdefault("format", "pt")  # transformers requires it whenever metadata is present
+    meta = _safetensors_metadata(plan, {id(t): i for i, t in enumerate(members)}, base_meta)
     stored = [(u, t) for u in plan for t in u.stored]
     layout = sorted(stored, key=lambda ut: (-DTYPE_SIZES[ut[0].dtype], ut[0].first, ut[1].index))
     offsets: dict[int, tuple[int, int]] = {}
@@ -162,41 +151,12 @@ def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str]
     cache = files.cache(cast)
     crcs: dict[int, int | None] = {}
     for u, t in layout:
-        esize = DTYPE_SIZES[u.dtype]
-        st = t.storage
-        crc: int | None
-        if u.dtype == t.dtype and st.pieces is None and is_contiguous(t.shape, t.stride):
-            whole = t.offset == 0 and t.numel * esize == st.nbytes
-            src, base = files.storage(st)
-            if (whole and st.crc is not None) or not need_crc:  # the checksum is known, or not needed
-                copy_range(src, out, base + t.offset * esize, t.numel * esize, behind=behind)
-                crc = st.crc if whole else None
-                if crc is not None:
-                    files.evidence.vouched(st.path)
-            else:
-                crc = copy_range_crc(src, out, base + t.offset * esize, t.numel * esize, behind=behind)
-                if st.segments is None:  # (segments are recorded as Files.read reads them)
-                    files.evidence.saw(st.path, base + t.offset * esize, t.numel * esize, crc)
-        elif u.dtype == t.dtype and st.pieces is None:  # a strided view, no cast: gather its bytes (no torch)
-            lo, hi = t.span
-            crc = 0
-            for piece in gather(files.storage_bytes(st, lo * esize, (hi - lo) * esize), esize,
-                                t.offset - lo, t.shape, t.stride, chunk=_GATHER_CHUNK):
-                out.write(piece)
-                crc = zlib.crc32(piece, crc)
-            res.made_contiguous.append(t.name)
-        else:
-            buf = tensor_buffer(cache.view(t))
-            out.write(buf)
-            crc = zlib.crc32(buf)
-            if not is_contiguous(t.shape, t.stride):
-                res.made_contiguous.append(t.name)
-        crcs[id(t)] = crc
+        crcs[id(t)] = _write_safetensors_data(out, u, t, files, cache, need_crc, behind, res)
         if behind is not None:  # bytes written through Python (gathered, cast): their write-back starts too
             out.flush()
             behind.written(out.tell())
         if progress:
-            progress(t.numel * esize)
+            progress(t.numel * DTYPE_SIZES[u.dtype])
     w = Written([], meta or None, members, plan, nbytes=len(head) + pos)
     for u, t in stored:
         w.expect.append((t.name, u.dtype, t.shape, crcs[id(t)]))
@@ -206,6 +166,62 @@ def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str]
             if k is not None:
                 res.aliases[t.name] = k.name
     return w
+
+
+def _safetensors_metadata(plan: list[Unit], positions: dict[int, int],
+                          base_meta: dict[str, str] | None) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors output: ``base_meta``, the shared-tensor record
+    (:func:`~ckptool.ops.convert.plan.shared_metadata`; ``positions`` = output index by ``id(tensor)``), each
+    dropped alias name -> kept name, and ``format: pt`` whenever anything else is there; {} for none."""
+    meta: dict[str, str] = dict(base_meta or {})
+    shared = shared_metadata(plan, positions)
+    if shared is not None:
+        meta[SHARED_KEY] = shared
+    for u in plan:
+        for t in u.members:
+            k = u.aliases.get(id(t))
+            if k is not None and (k.offset, k.shape, k.stride) == (t.offset, t.shape, t.stride):
+                meta.setdefault(t.name, k.name)  # safetensors.torch.save_model's record of a dropped name
+    if meta:
+        meta.setdefault("format", "pt")  # transformers requires it whenever metadata is present
+    return meta
+
+
+def _write_safetensors_data(out: BinaryIO, u: Unit, t: Tensor, files: Files, cache: StorageCache, need_crc: bool,
+                            behind: WriteBehind | None, res: ConvertResult) -> int | None:
+    """Write the data of tensor ``t`` (of unit ``u``) at the position of ``out``: copied by range when it needs no
+    change, gathered from a strided view without torch, else cast / assembled with torch (``cache``). Returns its
+    CRC-32, or None where it was copied without one (``need_crc`` False and none known from the source)."""
+    esize = DTYPE_SIZES[u.dtype]
+    st = t.storage
+    crc: int | None
+    if u.dtype == t.dtype and st.pieces is None and is_contiguous(t.shape, t.stride):
+        whole = t.offset == 0 and t.numel * esize == st.nbytes
+        src, base = files.storage(st)
+        if (whole and st.crc is not None) or not need_crc:  # the checksum is known, or not needed
+            copy_range(src, out, base + t.offset * esize, t.numel * esize, behind=behind)
+            crc = st.crc if whole else None
+            if crc is not None:
+                files.evidence.vouched(st.path)
+        else:
+            crc = copy_range_crc(src, out, base + t.offset * esize, t.numel * esize, behind=behind)
+            if st.segments is None:  # (segments are recorded as Files.read reads them)
+                files.evidence.saw(st.path, base + t.offset * esize, t.numel * esize, crc)
+    elif u.dtype == t.dtype and st.pieces is None:  # a strided view, no cast: gather its bytes (no torch)
+        lo, hi = t.span
+        crc = 0
+        for piece in gather(files.storage_bytes(st, lo * esize, (hi - lo) * esize), esize,
+                            t.offset - lo, t.shape, t.stride, chunk=_GATHER_CHUNK):
+            out.write(piece)
+            crc = zlib.crc32(piece, crc)
+        res.made_contiguous.append(t.name)
+    else:
+        buf = tensor_buffer(cache.view(t))
+        out.write(buf)
+        crc = zlib.crc32(buf)
+        if not is_contiguous(t.shape, t.stride):
+            res.made_contiguous.append(t.name)
+    return crc
 
 
 def _renamed_meta_state(state: dict[str, Any], rename_key: Callable[[str], str] | None) -> dict[str, Any]:
