@@ -58,7 +58,7 @@ from ckptool.ops.convert.outputs import scratch_file, write_outputs
 from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, ConvertResult, parse_size
 from ckptool.ops.convert.verify import VerificationError
 from ckptool.ops.dcp_safety import check_dcp_safe
-from ckptool.readers import open_checkpoint
+from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.readers.read_torch import refuse_non_strided_for_dcp
 from ckptool.readers.tensors import Source
@@ -72,23 +72,11 @@ _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl")
 
 @holding_versions
 def convert(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    *,
-    format: str | None = None,
-    key: str | None = None,
-    to: str | None = None,
-    mapping: Mapping[str, str] | None = None,
-    allow_missing: bool = False,
-    unwrap: bool = False,
-    strip_prefixes: str | Sequence[str] = (),
-    max_shard_size: int | str | None = None,
-    dtype: str | None = None,
-    verify: bool = True,
-    trust: bool = False,
-    progress: Callable[[int, int], None] | None = None,
-    tag: str | None = None,
-    exclude_frozen: bool = False,
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, format: str | None = None, key: str | None = None,
+    to: str | None = None, mapping: Mapping[str, str] | None = None, allow_missing: bool = False,
+    unwrap: bool = False, strip_prefixes: str | Sequence[str] = (), max_shard_size: int | str | None = None,
+    dtype: str | None = None, verify: bool = True, trust: bool = False,
+    progress: Callable[[int, int], None] | None = None, tag: str | None = None, exclude_frozen: bool = False,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
@@ -133,61 +121,91 @@ def convert(
         VerificationError: the output does not read back as the source (it is not kept).
     """
     src_p, dst_p = os.fspath(src), os.fspath(dst)
-    if isinstance(strip_prefixes, str):
-        strip_prefixes = [strip_prefixes]
+    strip = [strip_prefixes] if isinstance(strip_prefixes, str) else list(strip_prefixes)
     shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
     fmt_out = _output_format(dst_p, format, shard_bytes is not None)
-    if dtype is not None and dtype not in CAST_TO:
-        raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(CAST_TO)}")
-    if (to is not None or mapping) and fmt_out != "torch":
-        raise UsageError(f"--to sets torch location tags, and so does --map; {fmt_out} output carries none (load "
-                         "it with the device you want instead)")
-    if shard_bytes is not None and fmt_out == "dcp":
-        raise UsageError("--max-shard-size does not apply to DCP output (DCP writes one file per rank)")
-    if is_url(dst_p) and (shard_bytes is not None or fmt_out == "dcp"):
-        raise UsageError(f"{dst_p}: a sharded set and a DCP checkpoint are several files, written to a local folder "
-                         "only; write it there and upload the folder (an output URL takes one file)")
-    if same_file(src_p, dst_p):
-        raise UsageError(f"output {dst_p} is the input; choose another -o path")
-    renames: dict[str, Any] = {"unwrap": unwrap, "strip_prefixes": list(strip_prefixes)}
+    _check_options(src_p, dst_p, fmt_out, shard_bytes, dtype, to is not None or bool(mapping))
+    renames: dict[str, Any] = {"unwrap": unwrap, "strip_prefixes": strip}
     opened = open_checkpoint(src_p)
-    fmt_in = opened.format
-    if (tag is not None or exclude_frozen) and fmt_in != "deepspeed":
+    if (tag is not None or exclude_frozen) and opened.format != "deepspeed":
         raise UsageError(f"--tag and --exclude-frozen apply to DeepSpeed checkpoint folders; {src_p} is not one")
-    if fmt_in == "dcp":
+    if opened.format == "dcp":
         if fmt_out == "dcp":
             raise UsageError(f"{src_p} is already a DCP checkpoint; convert it to torch or safetensors")
         return _from_dcp(src_p, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
             key=key, to=to, mapping=mapping, allow_missing=allow_missing, max_shard_size=shard_bytes, dtype=dtype,
             verify=verify, progress=progress, **renames))
-    if fmt_out == "dcp" and fmt_in not in ("deepspeed", formats.PICKLE, formats.TORCH_PACKAGE):
-        if fmt_in == formats.TORCHSCRIPT:
-            opened.state_dict(key)  # raises the TorchScript message
-        if opened.spec.kind == "set":
-            return _to_dcp(opened.target, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype,
-                           fmt_in="sharded")
-        return _to_dcp(opened.target, dst_p, key=key, trust=trust, verify=verify,
-                       renames=renames if unwrap or strip_prefixes else {}, cast=dtype, fmt_in=fmt_in)
-    if fmt_in == "deepspeed":
-        _refuse_deepspeed_options(src_p, fmt_out, key)
-    source = opened.state_dict(key, tag=tag, exclude_frozen=exclude_frozen)
-    if fmt_in == formats.SAFETENSORS and fmt_out == "torch":
-        restore_library_aliases(source)
+    if fmt_out == "dcp" and opened.format not in ("deepspeed", formats.PICKLE, formats.TORCH_PACKAGE):
+        return _opened_to_dcp(opened, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype)
+    source = _read_source(opened, fmt_out, key, tag, exclude_frozen)
     _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
     res = ConvertResult(src_p, dst_p, source.format, fmt_out, key=source.key, left_out=list(source.left_out),
                         skipped=list(source.skipped), notes=list(source.notes))
-    if not source.tensors:
-        raise UnsupportedError(f"{src_p}: the selected state_dict holds no tensors; nothing to convert")
     location = location_function(to, mapping, tags=[t.storage.location for t in source.tensors],
                                  allow_missing=allow_missing, where=src_p) or _keep_location
-    res.renamed, plan = _apply_renames(source, unwrap, strip_prefixes, allow_missing)
+    res.renamed, plan = _apply_renames(source, unwrap, strip, allow_missing)
+    _write(source, res, shard_bytes, dtype, location, plan, verify, progress)
+    return res
+
+
+def _write(source: Source, res: ConvertResult, shard_bytes: int | None, dtype: str | None,
+           location: Callable[[str], str], plan: RenamePlan | None, verify: bool,
+           progress: Callable[[int, int], None] | None) -> None:
+    """Write ``source`` to ``res.dst`` in ``res.format_out`` (:func:`ckptool.ops.convert.outputs.write_outputs`),
+    with the notes of what the output format does not carry."""
     res.notes += source.notes[len(res.notes):]
-    if fmt_out == "safetensors" and source.sd_state is not None:
+    if res.format_out == "safetensors" and source.sd_state is not None:
         res.notes.append("the state_dict's _metadata (module versions for load_state_dict) was not carried: "
                          "safetensors holds tensors only")
-    write_outputs(source, dst_p, fmt_out, shard_bytes, dtype, location, plan.rename if plan else None, verify,
-                  progress, res)
-    return res
+    write_outputs(source, res.dst, res.format_out, shard_bytes, dtype, location, plan.rename if plan else None,
+                  verify, progress, res)
+
+
+def _check_options(src: str, dst: str, fmt_out: str, shard_bytes: int | None, dtype: str | None,
+                   retag: bool) -> None:
+    """Raise UsageError for option values and combinations :func:`convert` refuses before reading anything."""
+    if dtype is not None and dtype not in CAST_TO:
+        raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(CAST_TO)}")
+    if retag and fmt_out != "torch":
+        raise UsageError(f"--to sets torch location tags, and so does --map; {fmt_out} output carries none (load "
+                         "it with the device you want instead)")
+    if shard_bytes is not None and fmt_out == "dcp":
+        raise UsageError("--max-shard-size does not apply to DCP output (DCP writes one file per rank)")
+    if is_url(dst) and (shard_bytes is not None or fmt_out == "dcp"):
+        raise UsageError(f"{dst}: a sharded set and a DCP checkpoint are several files, written to a local folder "
+                         "only; write it there and upload the folder (an output URL takes one file)")
+    if same_file(src, dst):
+        raise UsageError(f"output {dst} is the input; choose another -o path")
+
+
+def _read_source(opened: Opened, fmt_out: str, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
+    """The tensors to convert (:meth:`ckptool.readers.Opened.state_dict`); for torch output from safetensors, the
+    tied names ``safetensors.torch.save_model`` dropped given back.
+
+    Raises:
+        UnsupportedError: the selected state_dict holds no tensors (and what the reader raises).
+    """
+    if opened.format == "deepspeed":
+        _refuse_deepspeed_options(opened.path, fmt_out, key)
+    source = opened.state_dict(key, tag=tag, exclude_frozen=exclude_frozen)
+    if opened.format == formats.SAFETENSORS and fmt_out == "torch":
+        restore_library_aliases(source)
+    if not source.tensors:
+        raise UnsupportedError(f"{opened.path}: the selected state_dict holds no tensors; nothing to convert")
+    return source
+
+
+def _opened_to_dcp(opened: Opened, dst: str, *, key: str | None, trust: bool, verify: bool,
+                   renames: dict[str, Any], cast: str | None) -> ConvertResult:
+    """:func:`_to_dcp` of a torch file or a sharded set (a TorchScript archive is refused by its reader)."""
+    if opened.format == formats.TORCHSCRIPT:
+        opened.state_dict(key)  # raises the TorchScript message
+    if opened.spec.kind == "set":
+        return _to_dcp(opened.target, dst, key=key, trust=trust, verify=verify, renames=renames, cast=cast,
+                       fmt_in="sharded")
+    renaming = renames["unwrap"] or renames["strip_prefixes"]
+    return _to_dcp(opened.target, dst, key=key, trust=trust, verify=verify, renames=renames if renaming else {},
+                   cast=cast, fmt_in=opened.format)
 
 
 def _keep_location(saved: str) -> str:
