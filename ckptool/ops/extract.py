@@ -50,7 +50,7 @@ from ckptool.model.rename_memory import rename_state_dict
 from ckptool.model.rename_plan import build_plan
 from ckptool.ops.convert import convert
 from ckptool.ops.rewrite import ProgressFn, retag_function, rewrite_file
-from ckptool.readers import open_checkpoint
+from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.read_pt2 import pt2_source
 from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted
 
@@ -175,15 +175,8 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
                          "safetensors.torch.load_file(path, device=...))")
     if trust and mapping:
         raise UsageError("--trust loads the module onto one device: give --to DEVICE instead of --map")
-    opened = open_checkpoint(src).require_file()
+    opened = _extractable(src)
     fmt = opened.format
-    if fmt == formats.SAFETENSORS:
-        raise UnsupportedError(f"{src} is safetensors: it already is a state_dict")
-    if fmt == formats.TORCHSCRIPT:
-        raise UnsupportedError(
-            f"{src} is a TorchScript archive: its state_dict is torch.jit.load(path, map_location='cpu').state_dict()")
-    if fmt == formats.PICKLE:
-        raise UnsupportedError(f"{src} is a plain pickle without torch storages; there is no state_dict to extract")
     if fmt == formats.PT2:
         return _extract_pt2(src, dst, key, unwrap, to, mapping, allow_missing, progress)
     if trust:
@@ -207,6 +200,25 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
     used = {t.storage.key for _k, t in items if t.storage is not None}
     res.storages, res.bytes_written = _write_zip(ck, dst, state_dict_node(items, meta), used, location_fn, progress)
     return res
+
+
+def _extractable(src: str) -> Opened:
+    """``src`` opened (:func:`ckptool.readers.open_checkpoint`) when a state_dict can be extracted from it: one torch
+    zip or legacy file, or a ``.pt2`` archive.
+
+    Raises:
+        UnsupportedError: safetensors (already a state_dict), TorchScript, a plain pickle; a folder or a set
+            (:meth:`ckptool.readers.Opened.require_file`).
+    """
+    opened = open_checkpoint(src).require_file()
+    if opened.format == formats.SAFETENSORS:
+        raise UnsupportedError(f"{src} is safetensors: it already is a state_dict")
+    if opened.format == formats.TORCHSCRIPT:
+        raise UnsupportedError(
+            f"{src} is a TorchScript archive: its state_dict is torch.jit.load(path, map_location='cpu').state_dict()")
+    if opened.format == formats.PICKLE:
+        raise UnsupportedError(f"{src} is a plain pickle without torch storages; there is no state_dict to extract")
+    return opened
 
 
 def _extract_pt2(src: str, dst: str, key: str | None, unwrap: bool, to: str | None,
