@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,9 @@ from ckptool.formats.segments import read_segments
 from ckptool.readers import open_checkpoint
 from ckptool.readers.read_dcp import NON_TENSOR, dcp_source
 from ckptool.readers.tensors import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fuzz"))
+import adversarial_dcpread
 
 
 def _save(state: dict[str, Any], folder: Path) -> Path:
@@ -171,6 +175,38 @@ def test_column_chunks_are_refused_with_the_convert_route(tmp_path: Path) -> Non
         dcp_source(folder)
 
 
+def _big_endian(record: bytes) -> bytes:
+    """The ``torch.save`` zip ``record`` of float32 tensors as a big-endian machine writes it: ``byteorder`` says
+    ``big`` and each element of each storage has its bytes reversed (stored members, as torch writes them)."""
+    import zipfile
+
+    src = zipfile.ZipFile(io.BytesIO(record))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/byteorder"):
+                data = b"big"
+            elif "/data/" in info.filename:
+                data = bytes(b for i in range(0, len(data), 4) for b in reversed(data[i:i + 4]))  # float32
+            z.writestr(info.filename, data)
+    return out.getvalue()
+
+
+def test_a_big_endian_record_reads_as_torch_loads_it(tmp_path: Path) -> None:
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7
+    buf = io.BytesIO()
+    torch.save(w.clone(), buf)
+    folder = _craft(tmp_path / "big", {"w": (w, [((0, 0), (3, 4), 0)])},
+                    records={("w", (0, 0)): _big_endian(buf.getvalue())})
+    assert torch.equal(_load(folder, {"w": w})["w"], w)  # torch swaps the bytes back
+    (t,) = dcp_source(folder).tensors
+    assert t.storage.segments is not None and t.storage.segments[0].swap == 4
+    assert torch.equal(_read(t), w)
+    torch.save({"w": w}, tmp_path / "w.pt")
+    assert ckptool.diff(folder, tmp_path / "w.pt").values_equal == 1
+
+
 def test_chunks_with_a_gap_are_refused(tmp_path: Path) -> None:
     w = torch.randn(4, 3)
     folder = _craft(tmp_path / "gap", {"w": (w, [((0, 0), (1, 3), 0), ((2, 0), (2, 3), 1)])})
@@ -219,6 +255,17 @@ def test_non_tensor_entries_are_never_unpickled(tmp_path: Path) -> None:
     assert not marker.exists()
     pickle.loads(bytes(data[info.offset:info.offset + len(payload)]))
     assert marker.exists()
+
+
+@pytest.mark.parametrize("make", ["make_tensor_record_zip_gadget", "make_tensor_record_bare_gadget"])
+def test_diff_refuses_a_tensor_record_holding_a_payload(tmp_path: Path, run_cli: Any, make: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = getattr(adversarial_dcpread, make)(tmp_path)
+    marker = tmp_path / "marker"
+    monkeypatch.setenv("CKPTOOL_MARKER", str(marker))
+    r = run_cli("diff", folder, folder)
+    assert r.exit_code in (1, 2) and r.output.startswith("Error: ") and r.output.count("\n") == 1, r.output
+    assert "the record of 'w'" in r.output and not marker.exists()
 
 
 def test_metadata_naming_another_global_is_refused(tmp_path: Path) -> None:

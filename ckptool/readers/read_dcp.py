@@ -60,7 +60,8 @@ __all__ = ["FORMAT", "NON_TENSOR", "NonTensorEntry", "RecordSlice", "dcp_source"
 FORMAT = "dcp"
 #: what ``skipped`` says of a non-tensor entry (``"<name>: " + NON_TENSOR``)
 NON_TENSOR = "non-tensor entry of the DCP folder (a pickle, not read)"
-_CONVERT = "`ckptool convert {folder} -o model.pt` gathers it with torch (its safety check runs first)"
+_CONVERT = ("`ckptool convert {folder} -o model.pt` reads it with torch's own DCP reader (once ckptool's safety check "
+            "passes), then run the command on that file")
 _ZIP_HEAD = b"PK\x03\x04"
 
 
