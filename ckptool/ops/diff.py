@@ -1,9 +1,9 @@
 """``ckptool.diff``: what changed between two checkpoints, of any formats ckptool reads, streamed tensor by tensor.
 
-Each side is read by the readers the other operations use, without torch (:mod:`ckptool.ops.diff_sides`: torch
-files through their node graph, safetensors, sharded sets, ``.pt2`` archives and DeepSpeed ZeRO folders through
-``convert``'s readers, DCP folders by their ``.metadata``); a training checkpoint against a bare state_dict is
-compared through the state_dict ``convert`` picks in it.
+Each side is opened once through the readers layer and read by the readers the other operations use, without torch
+(:mod:`ckptool.ops.diff_sides`: torch files through their node graph, safetensors, sharded sets, ``.pt2``
+archives, DeepSpeed ZeRO folders and DCP folders through :meth:`ckptool.readers.Opened.state_dict`); a training
+checkpoint against a bare state_dict is compared through the state_dict ``convert`` picks in it.
 
 Keys are matched after wrapper-prefix reconciliation (:func:`ckptool.model.keys.reconcile`, tried in both
 directions). Values are compared tensor by tensor from the files' bytes, one chunk of each at a time

@@ -1,128 +1,136 @@
 """Reading each side of ``ckptool diff``, and which part of it is compared: the whole file, or the state_dict
 ``convert`` picks.
 
-Each side's format is detected once (:func:`probe`): a torch zip or legacy file is read through
-:func:`ckptool.formats.torchfile.read_checkpoint` and :func:`ckptool.ops.inspect.describe` (every tensor, with its
-storage, layout and saved location tag) plus its plain values; a safetensors file, a sharded set, a ``.pt2``
-archive, a DeepSpeed ZeRO folder (its consolidated fp32 state_dict) and a selected state_dict of a torch file
-through ``convert``'s readers (its :class:`~ckptool.readers.tensors.Source`); a DCP folder from its
-``.metadata`` (names, dtypes and shapes only).
+Each side is opened once through the readers layer (:func:`ckptool.readers.open_checkpoint`: the format detected
+once). A torch zip or legacy file compared whole is read through its node graph
+(:meth:`~ckptool.readers.Opened.graph`) and :func:`ckptool.ops.inspect.describe` (every tensor, with its storage,
+layout and saved location tag) plus its plain values; every other side through
+:meth:`~ckptool.readers.Opened.state_dict`, the same :class:`~ckptool.readers.tensors.Source` ``convert`` reads: a
+safetensors file or a sharded set (the tied names ``safetensors.torch.save_model`` dropped given back), a ``.pt2``
+archive, a DeepSpeed ZeRO folder (its consolidated fp32 state_dict), a DCP folder (every tensor's bytes in its
+``.distcp`` records, :mod:`ckptool.readers.read_dcp`; its non-tensor entries, never read, are compared by name),
+and a selected state_dict of a torch file.
 
-A training checkpoint (``{"epoch": 1, "model_state_dict": ..., "optimizer_state_dict": ...}``) compared with a bare
-state_dict (safetensors, a sharded set, a DCP folder, a ``.pt2`` archive, a DeepSpeed folder, a torch file whose
-state_dict is the top level) is compared through the state_dict that ``convert`` would convert from it
-(:func:`ckptool.readers.read_torch.select_state_dict`, the same choice); two torch files whose state_dicts sit
-at the same place are compared whole, as they are. ``key`` (``--key``) selects that state_dict on every torch side
+A training checkpoint (``{"epoch": 1, "model_state_dict": ..., "optimizer_state_dict": ...}``, or a DCP folder
+saved from ``{"model": ..., "optim": ...}``) compared with a bare state_dict (safetensors, a sharded set, a ``.pt2``
+archive, a DeepSpeed folder, a torch file or DCP folder whose state_dict is the top level) is compared through the
+state_dict that ``convert`` would convert from it (:func:`ckptool.readers.read_torch.select_state_dict`, the same
+choice; in a DCP folder, in the nesting its ``planner_data`` records); two checkpoints whose state_dicts sit at the
+same place are compared whole, as they are. ``key`` (``--key``) selects that state_dict on every torch or DCP side
 where it resolves (:func:`ckptool.model.paths.resolve_path`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.deepspeed import is_deepspeed_folder
+from ckptool.formats.dcp import read_dcp_metadata
 from ckptool.formats.dtypes import contiguous_stride, element_size, numel, storage_nbytes
-from ckptool.formats.sharded import is_checkpoint_set, set_kind
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, resolve_zip_offsets
 from ckptool.model.graph import find_state_dicts, is_module, mapping_items, too_deep
 from ckptool.model.paths import resolve_path
 from ckptool.model.values import iter_values
-from ckptool.model.zero import read_zero
-from ckptool.ops.inspect import describe, inspect_set
-from ckptool.readers.read_deepspeed import deepspeed_source
-from ckptool.readers.read_pt2 import pt2_source
-from ckptool.readers.read_safetensors import index_source, restore_library_aliases, safetensors_source
-from ckptool.readers.read_torch import select_state_dict, torch_source
+from ckptool.ops.inspect import describe
+from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers.read_dcp import NON_TENSOR, dcp_tree
+from ckptool.readers.read_safetensors import restore_library_aliases
+from ckptool.readers.read_torch import select_state_dict
 from ckptool.readers.tensors import Source, Storage, Tensor, is_contiguous
 
 __all__ = ["UNREAD", "Probe", "Side", "SideTensor", "choose_keys", "probe", "read_pair", "restored"]
 
-#: the kinds of side :func:`probe` tells apart (``torch``: a torch zip, legacy or TorchScript file)
-DEEPSPEED, INDEX, DCP, SAFETENSORS, PT2, TORCH = "deepspeed", "index", "dcp", "safetensors", "pt2", "torch"
+DCP = "dcp"
+#: the formats in which a state_dict is chosen as ``convert`` chooses it
+_SELECTABLE = (formats.TORCH_ZIP, formats.TORCH_LEGACY, DCP)
+#: the formats read whole through their node graph when no state_dict is chosen
+_GRAPHS = (formats.TORCH_ZIP, formats.TORCH_LEGACY, formats.TORCHSCRIPT)
 
 
 @dataclass
 class Probe:
-    """One side of a diff, its format detected once: ``path`` (a set's file or index once resolved), ``kind`` (one
-    of the constants above), ``fmt`` (:mod:`ckptool.formats.detect`'s name for a torch file) and, for a torch file,
-    its parsed pickle ``ck`` (nothing imported or run)."""
+    """One side of a diff: the checkpoint as opened (:class:`~ckptool.readers.Opened`, its format detected once),
+    the ``root`` in which a state_dict is chosen (a torch file's pickle as a node graph, a DCP folder's
+    ``planner_data`` nesting: :func:`~ckptool.readers.read_dcp.dcp_tree`), and a torch file's parsed pickle ``ck``
+    (nothing imported or run); both None for the other formats."""
 
-    path: str
-    kind: str
-    fmt: str = ""
+    opened: Opened
+    root: Any = None
     ck: Checkpoint | None = None
 
     @property
+    def path(self) -> str:
+        """The path read: a set's ``*.index.json``, a model folder's single weights file, else the path given."""
+        return self.opened.target
+
+    @property
     def selectable(self) -> bool:
-        """A torch.save file (zip or legacy): a state_dict can be chosen in it, as ``convert`` does."""
-        return self.ck is not None and self.fmt in (formats.TORCH_ZIP, formats.TORCH_LEGACY)
+        """A torch.save file (zip or legacy) or a DCP folder: a state_dict can be chosen in it, as ``convert``
+        does."""
+        return self.root is not None and self.opened.format in _SELECTABLE
 
 
 def probe(path: str) -> Probe:
-    """What ``path`` is, detected once, in the order ``convert`` tries them (a DeepSpeed folder first, then a
-    checkpoint set, then the file's format); a torch file's pickle is read (:func:`read_checkpoint`).
+    """``path`` opened (:func:`ckptool.readers.open_checkpoint`) and, for a torch file, its pickle read as a node
+    graph; for a DCP folder its ``.metadata``'s nesting.
 
     Raises:
-        UsageError / NotACheckpointError / CorruptCheckpointError: as :func:`ckptool.formats.sharded.set_kind`,
-            :func:`ckptool.formats.detect.detect_format` and :func:`read_checkpoint` raise.
+        UsageError / NotACheckpointError / CorruptCheckpointError: as :func:`ckptool.readers.open_checkpoint` and
+            :func:`ckptool.formats.torchfile.read_checkpoint` raise (a plain pickle, a torch.package archive: not
+            a torch.save checkpoint).
     """
-    if is_deepspeed_folder(path):
-        return Probe(path, DEEPSPEED)
-    if is_checkpoint_set(path):
-        kind, set_path = set_kind(path)
-        if kind == "file":
-            return probe(set_path)
-        return Probe(set_path, INDEX if kind == "index" else DCP)
-    fmt = formats.detect_format(path)
-    if fmt == formats.SAFETENSORS:
-        return Probe(path, SAFETENSORS, fmt)
-    if fmt == formats.PT2:
-        return Probe(path, PT2, fmt)
-    return Probe(path, TORCH, fmt, read_checkpoint(path, fmt))
+    o = open_checkpoint(path)
+    if o.format == DCP:
+        return Probe(o, dcp_tree(read_dcp_metadata(o.target)))
+    if o.format in _GRAPHS:
+        ck = o.graph()
+    elif o.spec.tensors:
+        return Probe(o)
+    else:  # a plain pickle, a torch.package archive: refused as today, with the torch.save reader's message
+        ck = read_checkpoint(o.target, o.format)
+    return Probe(o, ck.root, ck)
 
 
 def _auto(p: Probe) -> str | None:
     """The dotted path of the state_dict ``convert`` picks in ``p`` (``""``: the top level), None when ``p`` is no
-    torch.save file or holds no single likely state_dict."""
+    torch.save file or DCP folder, or holds no single likely state_dict."""
     if not p.selectable:
         return None
-    assert p.ck is not None
     try:
-        return select_state_dict(p.ck.root, None, p.path).path
+        return select_state_dict(p.root, None, p.path).path
     except (UsageError, UnsupportedError):
         return None
 
 
 def _resolves(p: Probe, key: str) -> bool:
-    """True when ``key`` names a mapping or a pickled module in the torch file ``p``."""
+    """True when ``key`` names a mapping or a pickled module in the torch file or DCP folder ``p``."""
     if not p.selectable:
         return False
-    assert p.ck is not None
     try:
-        trail = resolve_path(p.ck.root, key)
+        trail = resolve_path(p.root, key)
     except KeyError:
         return False
-    obj = trail[-1].child if trail else p.ck.root
+    obj = trail[-1].child if trail else p.root
     return is_module(obj) or mapping_items(obj) is not None
 
 
 def _listing(p: Probe) -> str:
     if not p.selectable:
-        return f"{p.path} is {p.kind}: --key does not apply to it"
-    assert p.ck is not None
-    found = ", ".join(sd.path or "(top level)" for sd in find_state_dicts(p.ck.root)) or "none"
+        return f"{p.path} is {p.opened.format}: --key does not apply to it"
+    found = ", ".join(sd.path or "(top level)" for sd in find_state_dicts(p.root)) or "none"
     return f"state_dicts in {p.path}: {found}"
 
 
 def choose_keys(a: Probe, b: Probe, key: str | None) -> tuple[str | None, str | None]:
     """``(key in A, key in B)``: the dotted path of the state_dict to compare on each side, None to compare the
-    side whole (any side that is not a torch.save file, and a torch file whose state_dict is the top level).
+    side whole (any side that is not a torch.save file or a DCP folder, and one whose state_dict is the top
+    level).
 
-    With ``key``: that path on each torch side where it resolves; a torch side where it does not is then
-    compared through its automatically chosen state_dict. Without: a torch side's automatically chosen state_dict
+    With ``key``: that path on each torch or DCP side where it resolves; a side where it does not is then
+    compared through its automatically chosen state_dict. Without: a side's automatically chosen state_dict
     (``convert``'s choice) when the other side is a bare state_dict, or when both sides are training checkpoints
     whose state_dicts sit at different paths; otherwise both sides whole.
 
@@ -137,8 +145,8 @@ def choose_keys(a: Probe, b: Probe, key: str | None) -> tuple[str | None, str | 
             raise UsageError(f"--key {key!r} names no state_dict in A nor in B ({_listing(a)}; {_listing(b)}); "
                              "pass a dotted path that one of them holds")
         return ka if ka is not None else (auto_a or None), kb if kb is not None else (auto_b or None)
-    bare_a = a.ck is None or auto_a == ""
-    bare_b = b.ck is None or auto_b == ""
+    bare_a = a.root is None or auto_a == ""
+    bare_b = b.root is None or auto_b == ""
     ka = auto_a if auto_a and (bare_b or (auto_b and auto_b != auto_a)) else None
     kb = auto_b if auto_b and (bare_a or (auto_a and auto_a != auto_b)) else None
     return ka, kb
@@ -183,25 +191,24 @@ class Side:
 
 
 def _read_side(p: Probe, key: str | None) -> Side:
-    """The tensors (and a torch file's plain values) of side ``p``: with ``key``, the state_dict at that path of a
-    torch file as ``convert`` reads it (:func:`ckptool.readers.read_torch.torch_source`)."""
-    if p.kind == DEEPSPEED:  # the consolidated fp32 state_dict, as convert reads it (zero_to_fp32's)
-        return _source_side(deepspeed_source(read_zero(p.path, None)))
-    if p.kind == INDEX:
-        return _source_side(restored(index_source(p.path)))
-    if p.kind == DCP:
-        return _dcp_side(p.path)
-    if p.kind == SAFETENSORS:
-        return _source_side(restored(safetensors_source(p.path)))
-    if p.kind == PT2:  # a torch.export archive: its state_dict (ckptool.readers.read_pt2)
-        return _source_side(pt2_source(p.path, None))
-    assert p.ck is not None
+    """The tensors (and a torch file's plain values) of side ``p``: with ``key``, the state_dict at that path as
+    ``convert`` reads it (:meth:`~ckptool.readers.Opened.state_dict`); without, the side whole."""
+    o = p.opened
+    if o.format == DCP:  # every tensor by its fully qualified name, or the state_dict at key
+        return _source_side(o.state_dict("" if key is None else key))
+    if p.ck is None:  # safetensors, sharded sets, .pt2 archives, DeepSpeed folders: one mapping of tensors
+        src = o.state_dict()
+        return _source_side(restored(src) if o.format in _ALIASED else src)
     try:
         if key is not None:
-            return _source_side(torch_source(p.path, p.fmt, key))
+            return _source_side(o.state_dict(key))
         return _torch_side(p.path, p.ck)
     except RecursionError as e:
         raise CorruptCheckpointError(f"{p.path}: {too_deep(e)}") from None
+
+
+#: the formats whose files may carry the tied names ``safetensors.torch.save_model`` dropped
+_ALIASED = (formats.SAFETENSORS, "sharded-safetensors", "sharded-bin")
 
 
 def restored(src: Source) -> Source:
@@ -239,21 +246,30 @@ def _torch_side(path: str, ck: Checkpoint) -> Side:
 
 
 def _source_side(src: Source) -> Side:
-    """A safetensors file, a ``.pt2`` archive or a sharded set read by ``convert``'s readers, without plain
-    values. What each tensor's file can store (:func:`_stores`) decides which of its properties are recorded: a
-    torch shard has location tags and strides; safetensors has neither (every tensor is stored contiguous, except
-    the views ckptool's sharing record gives back), a ``.pt2`` archive strides only."""
+    """A side read as a :class:`Source` (:meth:`~ckptool.readers.Opened.state_dict`), without plain values but a
+    DCP folder's non-tensor entries, compared by name (:data:`UNREAD`). What each tensor's file can store
+    (:func:`_stores`) decides which of its properties are recorded: a torch shard has location tags and strides;
+    safetensors has neither (every tensor is stored contiguous, except the views ckptool's sharing record gives
+    back), a ``.pt2`` archive strides only, a DCP folder neither (it loads into the caller's tensors)."""
     tensors: dict[str, SideTensor] = {}
     kinds: dict[str, str] = {}
     for t in src.tensors:
         path = t.storage.path
         if path not in kinds:
-            kinds[path] = formats.detect_format(path)
+            kinds[path] = DCP if src.format == DCP else formats.detect_format(path)
         tensors[t.name] = _source_tensor(t, kinds[path])
     side = Side(src.path, src.format, tensors, {})
     side.notes += src.notes
-    if src.left_out or src.skipped:
-        left = src.left_out + src.skipped
+    skipped = src.skipped
+    if src.format == DCP:
+        suffix = ": " + NON_TENSOR
+        names = [s[:-len(suffix)] for s in skipped if s.endswith(suffix)]
+        if names:
+            side.notes.append(f"{src.path}: non-tensor entries of a DCP folder are compared by name only")
+            side.values.update((k, UNREAD) for k in names)
+        skipped = [s for s in skipped if not s.endswith(suffix)]
+    if src.left_out or skipped:
+        left = src.left_out + skipped
         side.notes.append(f"{src.path}: not compared: {'; '.join(left[:8])}{' ...' if len(left) > 8 else ''}")
     return side
 
@@ -269,8 +285,9 @@ def _source_tensor(t: Tensor, fmt: str) -> SideTensor:
     st = t.storage
     es = element_size(t.dtype)
     has_location, has_stride = _stores(fmt)
-    # safetensors: a contiguous layout is the format's own; only the views of a sharing record carry a stride
-    stride = t.stride if has_stride or t.stride != contiguous_stride(t.shape) else None
+    # safetensors: a contiguous layout is the format's own; only the views of a sharing record carry a stride. DCP
+    # loads into the caller's tensors (dcp_to_torch_save: contiguous ones), whatever view a record holds
+    stride = t.stride if has_stride or (fmt != DCP and t.stride != contiguous_stride(t.shape)) else None
     out = SideTensor(t.dtype, t.shape, stride, st.location if has_location else None, st, st.path, st.offset, t.offset,
                   t.stride, st.nbytes // es)
     if st.segments is not None:  # one byte-swapped range (a big-endian torch shard) is read here; others are not
@@ -293,19 +310,6 @@ def _source_tensor(t: Tensor, fmt: str) -> SideTensor:
             return out
     out.path, out.unread = None, "a view of a shared storage that no stored tensor holds"
     return out
-
-
-def _dcp_side(folder: str) -> Side:
-    info = inspect_set(folder)
-    tensors = {t.key: SideTensor(t.dtype, tuple(t.shape), None, None, t.key, unread="DCP tensor data is not read")
-               for t in info.tensors}
-    non_tensor = (info.metadata or {}).get("non_tensor_entries", "")
-    side = Side(folder, info.format, tensors, {})
-    if non_tensor:
-        side.notes.append(f"{folder}: non-tensor entries of a DCP folder are compared by name only")
-        for k in non_tensor.split(", "):
-            side.values[k] = UNREAD
-    return side
 
 
 class _Unread:

@@ -45,6 +45,7 @@ from ckptool.formats.deepspeed import is_deepspeed_folder
 from ckptool.formats.sharded import INDEX_SUFFIX, is_checkpoint_set, parse_index, set_kind
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
 from ckptool.model.zero import read_zero
+from ckptool.readers.read_dcp import dcp_source
 from ckptool.readers.read_deepspeed import deepspeed_source
 from ckptool.readers.read_pt2 import pt2_source
 from ckptool.readers.read_safetensors import index_source, safetensors_source
@@ -88,9 +89,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(detect.SAFETENSORS, "safetensors file", "file"),
     Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set"),
     Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set"),
-    Format("dcp", "`torch.distributed.checkpoint` folder", "folder", tensors=False,
-           refusal="is a torch.distributed.checkpoint folder; `ckptool convert SRC -o model.pt` makes one torch "
-                   "file of it"),
+    Format("dcp", "`torch.distributed.checkpoint` folder", "folder"),
     Format(detect.PT2, "torch.export archive (`.pt2`)", "file"),
     Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder"),
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
@@ -154,7 +153,9 @@ class Opened:
     def state_dict(self, key: str | None = None, *, tag: str | None = None, exclude_frozen: bool = False) -> Source:
         """The selected state_dict's tensors as a :class:`Source` (no tensor bytes read), chosen as ``convert``
         chooses it: ``key`` (a dotted path), else the one state_dict of a training checkpoint
-        (:func:`ckptool.readers.read_torch.select_state_dict`). ``tag`` / ``exclude_frozen``: a DeepSpeed folder's
+        (:func:`ckptool.readers.read_torch.select_state_dict`); in a DCP folder, in the nesting its
+        ``planner_data`` records, ``""`` selecting every tensor by its fully qualified name
+        (:func:`ckptool.readers.read_dcp.dcp_source`). ``tag`` / ``exclude_frozen``: a DeepSpeed folder's
         tag folder and frozen parameters.
 
         Raises:
@@ -193,6 +194,10 @@ def _pt2(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
     return pt2_source(o.target, key)
 
 
+def _dcp(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
+    return dcp_source(o.target, key)
+
+
 def _deepspeed(o: Opened, _key: str | None, tag: str | None, frozen: bool) -> Source:
     return deepspeed_source(read_zero(o.target, tag), frozen)
 
@@ -200,6 +205,7 @@ def _deepspeed(o: Opened, _key: str | None, tag: str | None, frozen: bool) -> So
 _TENSOR_READERS: dict[str, Callable[[Opened, str | None, str | None, bool], Source]] = {
     detect.TORCH_ZIP: _torch, detect.TORCH_LEGACY: _torch, detect.SAFETENSORS: _safetensors,
     "sharded-safetensors": _sharded, "sharded-bin": _sharded, detect.PT2: _pt2, "deepspeed": _deepspeed,
+    "dcp": _dcp,
 }
 
 

@@ -17,20 +17,24 @@ from typing import Any, BinaryIO
 
 from ckptool._commit import mark_committed, signals_blocked
 from ckptool._fileio import temp_path
-from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
+from ckptool.errors import CkptError, UsageError
 from ckptool.formats.dcp import DcpEntry, DcpMetadata
 from ckptool.formats.dtypes import contiguous_stride, element_size, tensor_dtype
-from ckptool.formats.nodes import PickledObject, ReduceNode, TensorNode
+from ckptool.formats.nodes import TensorNode
 from ckptool.formats.pickler import PicklerError, dumps
 from ckptool.formats.torchfile import read_byteorder
 from ckptool.formats.torchzip import TorchZipWriter
-from ckptool.formats.unpickler import load_structure
-from ckptool.formats.zipdir import data_offset, read_directory, read_member
+from ckptool.formats.zipdir import data_offset
 from ckptool.model.tensor_nodes import tensor_node
 from ckptool.ops.convert.outputs import scratch_file
 from ckptool.ops.convert.source import ConvertResult
 from ckptool.ops.convert.verify import records_difference, verify_fail
 from ckptool.ops.convert.write import emit
+from ckptool.readers.read_dcp import RecordSlice
+from ckptool.readers.read_dcp import node_state as _state
+from ckptool.readers.read_dcp import open_record as _record
+from ckptool.readers.read_dcp import size_ints as _ints
+from ckptool.readers.read_dcp import torch_save_record as _torch_save_record
 from ckptool.torch_ops.dcp import dcp_round_trip_difference, dcp_to_torch_file, metadata_difference, save_dcp
 
 WHOLE_NOTE = "the whole checkpoint was converted (pass --key to convert one state_dict)"
@@ -119,63 +123,6 @@ def write_dcp(state: dict[str, Any], dst: str, verify: bool, res: ConvertResult)
 
 
 # ------------------------------------------------------------------------------------------------ without torch
-class _Slice:
-    """``length`` bytes at ``offset`` of the open file ``f``, as a seekable file of their own (a DCP record)."""
-
-    def __init__(self, f: BinaryIO, offset: int, length: int) -> None:
-        self.f, self.start, self.size, self.pos = f, offset, length, 0
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = max(0, min(self.size, pos if whence == 0 else self.pos + pos if whence == 1 else self.size + pos))
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.size - self.pos if n < 0 else min(n, self.size - self.pos)
-        self.f.seek(self.start + self.pos)
-        data = self.f.read(n)
-        self.pos += len(data)
-        return data
-
-
-def _state(node: Any) -> Any:
-    return node.state if isinstance(node, PickledObject) else None
-
-
-def _ints(node: Any) -> tuple[int, ...] | None:
-    """A ``torch.Size`` node (``torch.Size((3, 4))``) or a plain tuple as ints."""
-    v = node.args[0] if isinstance(node, ReduceNode) and node.args else node
-    return tuple(v) if isinstance(v, (tuple, list)) and all(type(x) is int for x in v) else None
-
-
-def _record(files: dict[str, BinaryIO], folder: str, info: Any) -> tuple[BinaryIO, _Slice] | None:
-    """The open ``.distcp`` file and the slice of one storage record (None: transformed, or outside the folder)."""
-    sst = _state(info)
-    if type(sst) is not dict or sst.get("transform_descriptors"):
-        return None
-    rel, off, length = sst.get("relative_path"), sst.get("offset"), sst.get("length")
-    if not isinstance(rel, str) or type(off) is not int or type(length) is not int or os.path.isabs(rel) \
-            or os.path.normpath(rel).startswith(".."):
-        return None
-    if rel not in files:
-        files[rel] = open(os.path.join(folder, rel), "rb")  # noqa: SIM115 - closed by the caller
-    f = files[rel]
-    return f, _Slice(f, off, length)
-
-
-def _torch_save_record(blob: _Slice, what: str) -> tuple[Any, dict[str, Any], list[Any]]:
-    """``(root node, storages, directory)`` of the ``torch.save`` zip in ``blob``."""
-    entries = read_directory(blob, blob.size, what)  # type: ignore[arg-type]
-    pkl = next((e for e in entries if e.name.endswith("/data.pkl") or e.name == "data.pkl"), None)
-    if pkl is None:
-        raise CorruptCheckpointError(f"{what} is not a torch.save record")
-    storages: dict[str, Any] = {}
-    root, _up = load_structure(read_member(blob, pkl, what), what, storages=storages)  # type: ignore[arg-type]
-    return root, storages, entries
-
-
 class _Unqualified(Exception):
     """The folder cannot be copied without torch (:func:`copy_dcp_to_torch` returns False, having written nothing)."""
 
@@ -265,7 +212,7 @@ def _copy_plan(meta: DcpMetadata, sdm: dict[Any, Any], records: dict[str, list[A
 
 
 def _tensor_copy(entry: DcpEntry, dtype: str, sdm: dict[Any, Any], node: Any, storages: dict[str, Any],
-                 entries: list[Any], f: BinaryIO, blob: _Slice, what: str, copies: list[_Copy]) -> TensorNode:
+                 entries: list[Any], f: BinaryIO, blob: RecordSlice, what: str, copies: list[_Copy]) -> TensorNode:
     """The output tensor node of tensor ``entry`` (of ``dtype``) stored whole in one contiguous little-endian
     record, its copy appended to ``copies``.
 
