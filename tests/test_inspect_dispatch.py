@@ -1,6 +1,6 @@
 """``inspect`` recognises the format once (:func:`ckptool.readers.open_checkpoint`) and dispatches on it
 (:data:`ckptool.ops.inspect.DESCRIBERS`): one describer per registry format, a pickle read once through
-:meth:`ckptool.readers.Opened.graph`."""
+:meth:`ckptool.readers.Opened.graph`, a ``.pt2`` archive scanned once."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_pt2_torchfree import make_pt2
 
 from ckptool import readers
 from ckptool.formats import torchfile
 from ckptool.ops.inspect import DESCRIBERS, inspect
+from ckptool.ops.scan_code import CodeScanner
 from ckptool.readers import open_checkpoint
 
 pytestmark = pytest.mark.torchfree
@@ -52,3 +54,19 @@ def test_an_opened_torch_file_is_not_read_again(tmp_path: Path, monkeypatch: pyt
     path = tmp_path / "sd.pt"
     torch.save({"model": {"w": torch.ones(2, 3), "b": torch.zeros(3)}, "epoch": 4}, path)
     _same_as_by_path(path, monkeypatch)
+
+
+def test_pt2_archive_is_scanned_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = make_pt2(tmp_path / "m.pt2")
+    scans: list[str] = []
+    real = CodeScanner.any
+
+    def counting(self: Any, buf: Any, where: str, *args: Any, **kwargs: Any) -> Any:
+        if not where:  # the file itself, not a member inside it
+            scans.append(self.res.path)
+        return real(self, buf, where, *args, **kwargs)
+
+    monkeypatch.setattr(CodeScanner, "any", counting)
+    info = inspect(path)
+    assert scans == [str(path)]
+    assert info.scan is not None and [g.name for g in info.globals] == [g.name for g in info.scan.globals]

@@ -120,8 +120,9 @@ def _safetensors(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
 
 
 def _pt2(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
-    info = pt2_info(o.target)
-    info.scan = scan_file(o.target)
+    scan = scan_file(o.target)  # once: its globals are the archive's globals (describe_pt2)
+    info = pt2_info(o.target, scan)
+    info.scan = scan
     return info
 
 

@@ -22,6 +22,7 @@ from ckptool.ops.inspect_info import CheckpointInfo, GlobalInfo, TensorInfo, sta
 from ckptool.ops.inspect_totals import byte_totals, device_bytes, one_storage_each
 from ckptool.ops.inspect_values import ValueInfo
 from ckptool.ops.pt2 import describe_pt2
+from ckptool.ops.scan import ScanResult
 
 __all__ = ["dcp_info", "deepspeed_info", "pt2_info", "safetensors_info"]
 
@@ -61,10 +62,11 @@ def safetensors_info(path: str) -> CheckpointInfo:
     )
 
 
-def pt2_info(path: str) -> CheckpointInfo:
+def pt2_info(path: str, scan: ScanResult) -> CheckpointInfo:
     """A ``torch.export`` archive (:func:`ckptool.ops.pt2.describe_pt2`): its weights and constants, the
-    program's signature in ``programs``, its versions in ``metadata``."""
-    d = describe_pt2(path)
+    program's signature in ``programs``, its versions in ``metadata``; the globals of its pickled members from
+    ``scan``, the :func:`ckptool.ops.scan.scan_file` of the same archive (read once)."""
+    d = describe_pt2(path, scan)
     tensors = [TensorInfo(t.key, list(t.payload.shape), t.payload.dtype or "unknown", t.payload.device,
                           t.payload.nbytes, list(t.payload.stride), t.payload.storage_offset,
                           None if t.payload.pickled else t.payload.member, t.payload.requires_grad) for t in d.tensors]
