@@ -36,7 +36,10 @@ from ckptool.model.keys import (
     shared_prefixes,
 )
 from ckptool.ops import inspect as ins
+from ckptool.ops import inspect_json
 from ckptool.ops.inspect import ByteTotal, CheckpointInfo, TensorInfo, byte_totals, describe, inspect, tensor_infos
+from ckptool.ops.inspect_info import TENSOR_FIELDS
+from ckptool.ops.inspect_totals import storage_row, storage_rows, storage_totals
 
 # ------------------------------------------------------------------------------------------------ the plain rules
 
@@ -99,7 +102,7 @@ def plain_json(info: CheckpointInfo, indent: int | None) -> str:
     """What ``inspect --json`` printed before the fast writer: ``json.dumps`` of a dict per tensor."""
     d = info.to_dict()
     assert d["tensors"] == [asdict(t) for t in info.tensors]
-    assert all(list(row) == list(ins._TENSOR_FIELDS) for row in d["tensors"])  # the fields, in order
+    assert all(list(row) == list(TENSOR_FIELDS) for row in d["tensors"])  # the fields, in order
     return json.dumps(d, indent=indent)
 
 
@@ -113,8 +116,8 @@ def check_checkpoint(path: Path) -> None:
     ck = read_any(path)
     for root in (ck.root, *ck.extra_roots.values()):
         assert tensor_infos(root) == plain_tensor_infos(root)
-    rows = ins._storage_rows(ck.storages)
-    assert rows == {key: ins._storage_row(ref) for key, ref in ck.storages.items()}
+    rows = storage_rows(ck.storages)
+    assert rows == {key: storage_row(ref) for key, ref in ck.storages.items()}
     assert list(rows) == list(ck.storages)
     info = describe(ck)
     tensors = info.tensors
@@ -122,7 +125,7 @@ def check_checkpoint(path: Path) -> None:
     for name, extra in ck.extra_roots.items():
         refs: dict[str, StorageRef] = {}
         tensor_infos(extra, refs)
-        all_rows.update({f"{name}/{k}": ins._storage_row(r) for k, r in refs.items()})
+        all_rows.update({f"{name}/{k}": storage_row(r) for k, r in refs.items()})
     assert info.totals == plain_byte_totals(tensors, all_rows)
     devices: dict[str, int] = {}
     for t in tensors:
@@ -165,7 +168,7 @@ def test_every_generated_fixture(generated: dict[str, Path]) -> None:
 
 
 def test_json_of_every_generated_fixture(generated: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ins, "_JSON_ROWS_PER_PIECE", 3)  # pieces end in the middle of every file's rows
+    monkeypatch.setattr(inspect_json, "ROWS_PER_PIECE", 3)  # pieces end in the middle of every file's rows
     for path in _readable(generated):
         try:
             info = inspect(path)
@@ -233,9 +236,9 @@ def test_odd_checkpoint(tmp_path: Path, legacy: bool, monkeypatch: pytest.Monkey
     info = inspect(path)
     assert len(info.tensors) > 200
     check_json(info)
-    monkeypatch.setattr(ins, "_JSON_ROWS_PER_PIECE", 7)
+    monkeypatch.setattr(inspect_json, "ROWS_PER_PIECE", 7)
     check_json(info)
-    monkeypatch.setattr(ins, "_JSON_ROWS_PER_PIECE", 1)
+    monkeypatch.setattr(inspect_json, "ROWS_PER_PIECE", 1)
     check_json(info)
 
 
@@ -285,7 +288,7 @@ _ODD_VALUES: list[list[Any]] = [
 
 @pytest.mark.parametrize("values", _ODD_VALUES)
 def test_json_column(values: list[Any]) -> None:
-    got = ins._json_column(values)
+    got = inspect_json.json_column(values)
     texts = [got] * len(values) if isinstance(got, str) else got
     assert texts == [json.dumps(v) for v in values]
 
@@ -294,7 +297,7 @@ def test_json_rows_of_odd_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows whose fields hold what a hand-built or hostile TensorInfo may: every column type above."""
     rng = random.Random(5)
     for rows_per_piece in (1, 2, 1000):
-        monkeypatch.setattr(ins, "_JSON_ROWS_PER_PIECE", rows_per_piece)
+        monkeypatch.setattr(inspect_json, "ROWS_PER_PIECE", rows_per_piece)
         for values in _ODD_VALUES:
             n = len(values)
             for field in ("key", "shape", "dtype", "device", "nbytes", "stride", "storage_offset", "storage_key",
@@ -361,16 +364,16 @@ def test_has_flat_param_key(keys: list[str]) -> None:
 
 
 def test_storage_rows_unknown_and_mixed_classes(tmp_path: Path) -> None:
-    """Storages of several classes, and a class ckptool does not know, row by row as :func:`_storage_row`."""
+    """Storages of several classes, and a class ckptool does not know, row by row as :func:`storage_row`."""
     path = tmp_path / "mixed.pt"
     torch.save({"a": torch.ones(2), "b": torch.ones(2, dtype=torch.int8), "c": torch.ones(3)}, path)
     ck = read_any(path)
-    assert ins._storage_rows(ck.storages) == {k: ins._storage_row(r) for k, r in ck.storages.items()}
+    assert storage_rows(ck.storages) == {k: storage_row(r) for k, r in ck.storages.items()}
     one = {k: r for k, r in ck.storages.items() if r.storage_type_name == "FloatStorage"}
     for ref in one.values():
         ref.storage_type.name = "NoSuchStorage"  # the placeholder is this file's own
-    assert ins._storage_rows(one) == {k: ins._storage_row(r) for k, r in one.items()}
-    assert {row[1] for row in ins._storage_rows(one).values()} == {"unknown"}
+    assert storage_rows(one) == {k: storage_row(r) for k, r in one.items()}
+    assert {row[1] for row in storage_rows(one).values()} == {"unknown"}
 
 
 def test_tensor_infos_uncommon_tensor_nodes(tmp_path: Path) -> None:
@@ -435,10 +438,10 @@ def test_storage_totals(tmp_path: Path) -> None:
     other_dtype = [TensorInfo(**{**asdict(t), "dtype": "int8"}) if i == 2 else t for i, t in enumerate(tensors)]
     no_storage = [*tensors, TensorInfo("m", [1], "float32", "cpu", 4, [1], 0, None)]
     for variant in (tensors, tensors[:2], tensors[1:], other_device, other_dtype, no_storage, [], tensors[::-1]):
-        assert ins._storage_totals(variant, refs) == byte_totals(variant, ins._storage_rows(refs))
+        assert storage_totals(variant, refs) == byte_totals(variant, storage_rows(refs))
     for ref in refs.values():
         ref.storage_type.name = "NoSuchStorage"
-    assert ins._storage_totals(tensors, refs) == byte_totals(tensors, ins._storage_rows(refs))
+    assert storage_totals(tensors, refs) == byte_totals(tensors, storage_rows(refs))
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])

@@ -22,7 +22,7 @@ from typing import Any
 
 from ckptool.formats.pt2 import Payload, Pt2Archive
 from ckptool.ops.inspect_values import ValueInfo
-from ckptool.ops.scan import GlobalFinding, scan_file
+from ckptool.ops.scan import GlobalFinding, ScanResult, scan_file
 from ckptool.readers.read_pt2 import read_archive
 
 __all__ = ["Pt2Description", "Pt2Tensor", "describe_pt2", "tensor_key"]
@@ -64,9 +64,10 @@ def tensor_key(arch: Pt2Archive, program: str, fqn: str, weight: bool) -> str:
     return key if len(arch.programs) == 1 else f"{program}.{key}"
 
 
-def describe_pt2(path: str | os.PathLike[str]) -> Pt2Description:
+def describe_pt2(path: str | os.PathLike[str], scan: ScanResult | None = None) -> Pt2Description:
     """Read the ``torch.export`` archive at ``path`` for ``inspect``: no tensor bytes, nothing unpickled (pickled
-    members are only scanned).
+    members are only scanned). ``scan``: the :func:`ckptool.ops.scan.scan_file` of the same archive when the caller
+    has it (``inspect`` shows it too), so that the archive is scanned once; else it is scanned here.
 
     Raises:
         NotACheckpointError / UnsupportedError / CorruptCheckpointError: see
@@ -96,5 +97,5 @@ def describe_pt2(path: str | os.PathLike[str]) -> Pt2Description:
             tensor_key(arch, prog.name, p.fqn, True) for p in prog.weights]
     if arch.aoti:
         d.metadata["aotinductor_members"] = str(len(arch.aoti))
-    d.globals = scan_file(path).globals
+    d.globals = (scan if scan is not None else scan_file(path)).globals
     return d
