@@ -538,9 +538,9 @@ def test_sharded_torch_bin_output_and_input(tmp_path: Path, run_cli) -> None:
     _assert_equal_values(sd, merged)
     st = tmp_path / "one.safetensors"
     r = convert(out / "pytorch_model.bin.index.json", st)
-    assert r.format_in == "sharded-torch" and r.aliases == {"lm_head.weight": "embed.weight"}
+    assert r.format_in == "sharded-bin" and r.aliases == {"lm_head.weight": "embed.weight"}
     r = run_cli("inspect", out / "pytorch_model.bin.index.json")
-    assert r.exit_code == 0 and "Format:   sharded-torch" in r.output and "lm_head.weight" in r.output
+    assert r.exit_code == 0 and "Format:   sharded-bin" in r.output and "lm_head.weight" in r.output
 
 
 def test_output_never_replaces_an_input_shard(tmp_path: Path) -> None:

@@ -230,7 +230,7 @@ def _sharded_folder(tmp_path: Path, fmt: str) -> Path:
 
 @pytest.mark.parametrize(("fmt", "index", "expected"), [
     ("safetensors", "model.safetensors.index.json", "sharded-safetensors"),
-    ("torch", "pytorch_model.bin.index.json", "sharded-torch"),
+    ("torch", "pytorch_model.bin.index.json", "sharded-bin"),
 ])
 def test_sharded_folder_is_inspected_as_its_index(tmp_path: Path, run_cli, fmt: str, index: str,
                                                   expected: str) -> None:

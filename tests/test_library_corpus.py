@@ -47,7 +47,7 @@ FILES = {"safetensors": "gpt2/model.safetensors", "torch-bin": "gpt2-bin/pytorch
          "accelerate-model": "accelerate/model.safetensors", "accelerate-optimizer": "accelerate/optimizer.bin",
          "accelerate-scheduler": "accelerate/scheduler.bin"}
 #: the sets: name -> folder
-SETS = {"sharded-safetensors": "gpt2-sharded", "sharded-torch": "gpt2-bin-sharded"}
+SETS = {"sharded-safetensors": "gpt2-sharded", "sharded-bin": "gpt2-bin-sharded"}
 
 
 def _path(corpus: dict[str, Path], rel: str) -> Path:

@@ -46,6 +46,7 @@ from ckptool.ops.inspect_totals import byte_totals, device_bytes, merge_totals
 from ckptool.ops.inspect_values import PreviewLimits, ValueInfo
 from ckptool.ops.scan import ScanResult, combine_results, scan_file
 from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers.read_safetensors import set_format_name
 
 __all__ = ["DESCRIBERS", "SCHEMA", "ByteTotal", "CheckpointInfo", "GlobalInfo", "StateDictInfo", "TensorInfo",
            "byte_totals", "describe", "inspect", "inspect_set", "tensor_infos"]
@@ -65,7 +66,7 @@ def inspect(path: str | os.PathLike[str] | Opened, limits: PreviewLimits | None 
     ``pickle``, ``torch-export`` (a ``.pt2``, kind ``exported_program``, see :func:`ckptool.ops.pt2.describe_pt2`),
     ``torch-package`` (kind ``package``: a ``torch.package`` archive, its pickles and modules in
     :attr:`CheckpointInfo.package`);
-    for an ``*.index.json`` or a folder ``sharded-safetensors``, ``sharded-torch`` or ``dcp``, see
+    for an ``*.index.json`` or a folder ``sharded-safetensors``, ``sharded-bin`` or ``dcp``, see
     :func:`inspect_set`; ``deepspeed`` for a DeepSpeed ZeRO folder,
     :func:`ckptool.ops.deepspeed.describe_deepspeed`), kind (``state_dict``, ``training_checkpoint``, ``full_model``,
     ``torchscript``, ``tensors``), every tensor (shared storages included), tensor counts per location tag, storage
@@ -152,7 +153,7 @@ DESCRIBERS: dict[str, Describer] = {
 def inspect_set(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -> CheckpointInfo:
     """Describe a sharded set (``*.index.json`` or the folder holding one) or a DCP folder as one checkpoint,
     without torch and without reading tensor data. Returns a :class:`CheckpointInfo` with format
-    ``sharded-safetensors`` / ``sharded-torch`` (``sharded-mixed``) / ``dcp``; a model folder holding only
+    ``sharded-safetensors`` / ``sharded-bin`` (torch shards, or a mix) / ``dcp``; a model folder holding only
     ``model.safetensors`` or ``pytorch_model.bin`` is that file's :func:`inspect`.
 
     For a sharded set every shard is inspected and its tensors listed (storage keys prefixed by the shard file);
@@ -209,7 +210,7 @@ def _index_info(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
             globs.setdefault(g.name, g)
     meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (index.metadata or {}).items()}
     meta["shards"] = str(len(index.shards))
-    fmt = "sharded-" + (fmts.pop() if len(fmts) == 1 else "mixed")
+    fmt = set_format_name(fmts)
     merged = merge_totals(totals)
     return CheckpointInfo(path, fmt, "state_dict", size, tensors, devices, device_bytes(merged),
                           [state_dict_info("", [t.key for t in tensors])], list(globs.values()), storages=storages,

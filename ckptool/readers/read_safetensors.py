@@ -118,8 +118,15 @@ def index_source(index_path: str) -> Source:
             src.metadata = sub.metadata
     for i, t in enumerate(src.tensors):
         t.index = i
-    src.format = "sharded-" + (kinds.pop() if len(kinds) == 1 else "mixed")
+    src.format = set_format_name(kinds)
     return src
+
+
+def set_format_name(kinds: set[str]) -> str:
+    """The registry name (:data:`ckptool.readers.FORMATS`) of a sharded set whose shards are of ``kinds``
+    (``"safetensors"`` / ``"torch"``): ``sharded-safetensors`` when every shard is safetensors, else ``sharded-bin``
+    (torch shards, or a mix)."""
+    return "sharded-safetensors" if kinds == {"safetensors"} else "sharded-bin"
 
 
 def restore_library_aliases(src: Source) -> list[str]:
