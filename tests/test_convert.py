@@ -558,12 +558,31 @@ def test_progress_reports_every_byte(tmp_path: Path) -> None:
     sd = {f"w{i}": torch.randn(100 * (i + 1)) for i in range(5)}
     torch.save(sd, tmp_path / "m.pt")
     for out, cast, size in (("m.safetensors", None, 4), ("half.pt", "float16", 2)):
-        calls: list[tuple[int, int]] = []
-        convert(tmp_path / "m.pt", tmp_path / out, dtype=cast,
-                progress=lambda done, total, calls=calls: calls.append((done, total)))
+        calls: list[int] = []
+        convert(tmp_path / "m.pt", tmp_path / out, dtype=cast, progress=calls.append)
         total = sum(v.numel() * size for v in sd.values())
-        assert len(calls) == 5 and calls[-1] == (total, total)
-        assert [d for d, _t in calls] == sorted(d for d, _t in calls)
+        assert len(calls) == 5 and sum(calls) == total and all(n > 0 for n in calls)  # bytes since the last call
+
+
+def test_progress_with_a_total_attribute_gets_the_total_first(tmp_path: Path) -> None:
+    """One convention for every operation: progress(nbytes since the last call); a callable with ``total = None``
+    (the CLI's bar) is told the bytes convert will write before its first call."""
+
+    class Bar:
+        total: int | None = None
+
+        def __init__(self) -> None:
+            self.seen: list[tuple[int | None, int]] = []
+
+        def __call__(self, n: int) -> None:
+            self.seen.append((self.total, n))
+
+    sd = {f"w{i}": torch.randn(100 * (i + 1)) for i in range(3)}
+    torch.save(sd, tmp_path / "m.pt")
+    bar = Bar()
+    convert(tmp_path / "m.pt", tmp_path / "m.safetensors", progress=bar)
+    total = sum(v.numel() * 4 for v in sd.values())
+    assert bar.seen and all(t == total for t, _n in bar.seen) and sum(n for _t, n in bar.seen) == total
 
 
 def test_resharding_removes_the_old_set(tmp_path: Path) -> None:

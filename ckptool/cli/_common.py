@@ -223,8 +223,9 @@ PROGRESS_MIN = 64 << 20
 class Progress:
     """The progress bar of every command: bytes done of ``total``, throughput and ETA (tqdm, on stderr).
 
-    Call it with the bytes done since the last call (the library's ``progress(nbytes)`` callback), or use
-    :meth:`update_to` with absolute numbers. Nothing is shown unless :func:`progress_wanted` and the total is more
+    Call it with the bytes done since the last call (the library's one ``progress(nbytes)`` convention); an
+    operation whose total is not the input's size sets :attr:`total` before its first call
+    (:func:`ckptool.ops.rewrite.announce_total`). Nothing is shown unless :func:`progress_wanted` and the total is more
     than :data:`PROGRESS_MIN`. Use it as a context manager (the bar is closed on exit, also on an error).
     """
 
@@ -251,12 +252,6 @@ class Progress:
             return
         assert self.bar is not None
         self.bar.update(nbytes)
-
-    def update_to(self, done: int, total: int) -> None:
-        """Set the bytes done to ``done`` of ``total`` (the total is taken from the first call)."""
-        if self.total is None:
-            self.total = total
-        self(done - self.done)
 
     def close(self) -> None:
         """Close the bar (it stays on the screen, its line ended)."""

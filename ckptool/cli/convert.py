@@ -174,7 +174,7 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
     with Progress("convert") as bar:
         res = convert(src, dst, format=fmt, key=key, to=to, mapping=mapping_of(maps), allow_missing=allow_missing,
                       unwrap=unwrap_keys, strip_prefixes=strip_prefixes, max_shard_size=max_shard_size, dtype=dtype,
-                      verify=not no_verify, trust=trust, progress=bar.update_to, tag=tag,
+                      verify=not no_verify, trust=trust, progress=bar, tag=tag,
                       exclude_frozen=exclude_frozen)
     written = res.load_path  # a sharded set: its index; one shard in a folder: that file
     if as_json:

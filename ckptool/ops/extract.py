@@ -232,17 +232,9 @@ def _extract_pt2(src: str, dst: str, key: str | None, unwrap: bool, to: str | No
     if unwrap:
         renamed, removed = unwrap_keys(keys)
         keys = [renamed[k] for k in keys]
-    done = 0
-
-    def tick(now: int, _total: int) -> None:  # convert reports bytes done so far; extract's progress, bytes since
-        nonlocal done
-        if progress is not None and now > done:
-            progress(now - done)
-        done = max(done, now)
-
     fmt = "safetensors" if dst.endswith(".safetensors") else "torch"
     res = convert(src, dst, format=fmt, key=key, to=to, mapping=mapping, allow_missing=allow_missing, unwrap=unwrap,
-                  progress=tick)
+                  progress=progress)
     return ExtractResult(src, dst, formats.SAFETENSORS if fmt == "safetensors" else formats.TORCH_ZIP, keys,
                          f"the torch.export program's {source.key}", "", len({id(t.storage) for t in source.tensors}),
                          res.bytes_written, removed)

@@ -92,8 +92,18 @@ def output_path(src: str, dst: str | None, in_place: bool, tag: str) -> str:
     return dst
 
 
-#: ``progress(nbytes)``: called with the bytes of the input read (and copied) since the last call
+#: ``progress(nbytes)``: the one progress convention of every operation (remap, the prefix commands, convert,
+#: extract-state-dict, sanitize, rename, filter, average): called with the bytes done since the last call
 ProgressFn = Callable[[int], None]
+
+
+def announce_total(progress: ProgressFn | None, total: int) -> None:
+    """Tell ``progress`` how many bytes an operation will report, before its first call, when it has a ``total``
+    attribute that is still None (``ckptool.cli._common.Progress``; a ``tqdm`` bar's ``update`` has none: give it
+    ``total=`` yourself). For operations whose total is not the input's size (``convert`` writes the selected
+    state_dict, cast or not)."""
+    if progress is not None and getattr(progress, "total", 0) is None:
+        progress.total = total  # type: ignore[attr-defined]  # checked just above
 
 
 def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | None = None,

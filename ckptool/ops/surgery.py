@@ -478,16 +478,8 @@ def _write_safetensors_source(source: Source, out: str, progress: ProgressFn | N
     """Write ``source`` (a safetensors file read by ``convert``'s reader, changed) to ``out`` with ``convert``'s
     writer: storage sharing recorded anew for the names written, read back and checked before it is renamed into
     place (:func:`ckptool.ops.convert.outputs.write_outputs`)."""
-    done = 0
-
-    def tick(now: int, _total: int) -> None:  # convert reports bytes so far; ours, bytes since the last call
-        nonlocal done
-        if progress is not None and now > done:
-            progress(now - done)
-        done = max(done, now)
-
     cres = ConvertResult(source.path, out, formats.SAFETENSORS, "safetensors")
-    write_outputs(source, out, "safetensors", None, None, lambda s: s, None, True, tick, cres)
+    write_outputs(source, out, "safetensors", None, None, lambda s: s, None, True, progress, cres)
     return WriteResult(source.path, out, formats.SAFETENSORS, storages=cres.stored, bytes_written=cres.bytes_written)
 
 

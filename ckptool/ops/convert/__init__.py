@@ -58,6 +58,7 @@ from ckptool.ops.convert.outputs import scratch_file, write_outputs
 from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, ConvertResult, parse_size
 from ckptool.ops.convert.verify import VerificationError
 from ckptool.ops.dcp_safety import check_dcp_safe
+from ckptool.ops.rewrite import ProgressFn
 from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.readers.read_torch import refuse_non_strided_for_dcp
@@ -76,7 +77,7 @@ def convert(
     to: str | None = None, mapping: Mapping[str, str] | None = None, allow_missing: bool = False,
     unwrap: bool = False, strip_prefixes: str | Sequence[str] = (), max_shard_size: int | str | None = None,
     dtype: str | None = None, verify: bool = True, trust: bool = False,
-    progress: Callable[[int, int], None] | None = None, tag: str | None = None, exclude_frozen: bool = False,
+    progress: ProgressFn | None = None, tag: str | None = None, exclude_frozen: bool = False,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
@@ -103,7 +104,9 @@ def convert(
     * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors.
     * ``verify`` re-opens the output and compares every tensor with the source (see the module docstring).
     * ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
-    * ``progress(done_bytes, total_bytes)`` is called as tensor data is written.
+    * ``progress(nbytes)`` is called with the bytes of tensor data written since the last call, as every operation
+      reports progress; when it has a ``total`` attribute that is None (ckptool's progress bar), that is set to the
+      bytes to be written first (:func:`ckptool.ops.rewrite.announce_total`).
 
     Returns a :class:`ConvertResult`. The output is written atomically; ``src`` is never modified.
 
@@ -150,7 +153,7 @@ def convert(
 
 def _write(source: Source, res: ConvertResult, shard_bytes: int | None, dtype: str | None,
            location: Callable[[str], str], plan: RenamePlan | None, verify: bool,
-           progress: Callable[[int, int], None] | None) -> None:
+           progress: ProgressFn | None) -> None:
     """Write ``source`` to ``res.dst`` in ``res.format_out`` (:func:`ckptool.ops.convert.outputs.write_outputs`),
     with the notes of what the output format does not carry."""
     res.notes += source.notes[len(res.notes):]

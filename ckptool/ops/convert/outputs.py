@@ -17,6 +17,7 @@ from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, unio
 from ckptool.ops.convert.source import ConvertResult, out_dtype
 from ckptool.ops.convert.verify import torch_verifier, verification_check, verify_safetensors, with_evidence
 from ckptool.ops.convert.write import Files, archive_name, emit, write_safetensors, write_torch
+from ckptool.ops.rewrite import ProgressFn, announce_total
 from ckptool.readers.tensors import Source
 
 #: one shard's worth of what :func:`write_set` writes (convert: a list of units; a rewrite: an input shard)
@@ -39,7 +40,7 @@ def scratch_file(near: str) -> Iterator[str]:
 
 def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, cast: str | None,
                   location: Callable[[str], str], rename_key: Callable[[str], str] | None, verify: bool,
-                  progress: Callable[[int, int], None] | None, res: ConvertResult) -> None:
+                  progress: ProgressFn | None, res: ConvertResult) -> None:
     """Write ``src`` to ``dst`` as ``fmt_out`` (``"safetensors"`` / ``"torch"``), filling ``res``: one file, or with
     ``shard_bytes`` a set of shards of at most that many bytes each (:func:`ckptool.formats.sharded.output_layout`:
     beside ``dst`` when it is named ``NAME.safetensors`` / ``.bin`` / ``.pt`` / ``.pth``, else in the folder
@@ -62,12 +63,11 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
         return u.storage.numel * DTYPE_SIZES[u.dtype]
 
     total = sum(unit_size(u) for u in plan)
-    done = [0]
+    announce_total(progress, total)
 
     def tick(n: int) -> None:
-        done[0] += n
         if progress is not None:
-            progress(done[0], total)
+            progress(n)
 
     groups = [plan] if shard_bytes is None else split(plan, shard_bytes, unit_size)
     state = src.sd_state if len(groups) == 1 else None  # one shard of several carries no _metadata
