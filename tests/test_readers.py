@@ -134,3 +134,24 @@ def test_each_command_recognises_its_input_once(command: list[str], fixtures: di
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
     assert seen.count(src) == 1, seen
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["convert", "-o", "{out}.safetensors"], ["diff", "{src}"]])
+def test_a_sharded_index_is_parsed_once(command: list[str], fixtures: dict[str, Path], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recognising a set (sharded-safetensors or sharded-bin) and reading it share one parse of its JSON."""
+    from ckptool.formats import sharded
+
+    src = str(fixtures["sharded-bin"])
+    parsed: list[str] = []
+    real = sharded._parse_index
+
+    def counting(path: str) -> Any:
+        parsed.append(path)
+        return real(path)
+
+    monkeypatch.setattr(sharded, "_parse_index", counting)
+    monkeypatch.setattr(sharded, "_parsed", {})
+    res = CliRunner().invoke(cli, [command[0], src, *(a.format(src=src, out=tmp_path / "o") for a in command[1:])])
+    assert res.exit_code == 0, res.output
+    assert parsed == [src]

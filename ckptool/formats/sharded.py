@@ -56,12 +56,30 @@ class ShardIndex:
         return os.path.join(self.folder, shard)
 
 
+#: a local index file's version (:func:`ckptool._source.version_key`) -> its parsed index: recognising a set's
+#: format and reading it parse the JSON once
+_parsed: dict[tuple[object, ...], ShardIndex] = {}
+
+
 def parse_index(path: str) -> ShardIndex:
-    """Parse the sharded-set index at ``path`` (a local path or a URL) without looking at the shards it names.
+    """Parse the sharded-set index at ``path`` (a local path or a URL) without looking at the shards it names; a
+    local file is parsed once per version.
 
     Raises:
         CorruptCheckpointError: not JSON, or no ``weight_map`` of strings to strings.
     """
+    key = source.version_key(path) if not source.is_url(path) and os.path.isfile(path) else None
+    index = _parsed.get(key) if key is not None else None
+    if index is None:
+        index = _parse_index(path)
+        if key is not None:
+            if len(_parsed) >= 16:
+                _parsed.clear()
+            _parsed[key] = index
+    return index
+
+
+def _parse_index(path: str) -> ShardIndex:
     try:
         with source.open_binary(path) as f:  # a local path or a URL
             doc = json.loads(f.read().decode("utf-8"))
