@@ -155,3 +155,24 @@ def test_a_sharded_index_is_parsed_once(command: list[str], fixtures: dict[str, 
     res = CliRunner().invoke(cli, [command[0], src, *(a.format(src=src, out=tmp_path / "o") for a in command[1:])])
     assert res.exit_code == 0, res.output
     assert parsed == [src]
+
+
+def test_report_reads_each_pickle_once(fixtures: dict[str, Path], tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``report A B`` inspects both sides and diffs them: each side's pickle is read once, shared through its
+    :class:`~ckptool.readers.Opened`."""
+    import shutil
+
+    b = tmp_path / "b.pt"
+    shutil.copy(fixtures["torch-zip"], b)
+    calls: list[str] = []
+    real = readers.read_checkpoint
+
+    def counting(path: str, fmt: str | None = None) -> Any:
+        calls.append(path)
+        return real(path, fmt)
+
+    monkeypatch.setattr(readers, "read_checkpoint", counting)
+    res = CliRunner().invoke(cli, ["report", str(fixtures["torch-zip"]), str(b), "-o", str(tmp_path / "r.html")])
+    assert res.exit_code == 0, res.output
+    assert sorted(calls) == sorted([str(fixtures["torch-zip"]), str(b)])

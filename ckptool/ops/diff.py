@@ -29,6 +29,7 @@ from ckptool.model.keys import reconcile
 from ckptool.model.notebook import facts_table
 from ckptool.ops.convert.write import Files
 from ckptool.ops.diff_sides import UNREAD, Side, SideTensor, read_pair
+from ckptool.readers import Opened
 from ckptool.readers.tensors import is_contiguous, span
 from ckptool.torch_ops.value_stats import ValueStats, is_numeric, require_numpy, squared_norms
 
@@ -342,7 +343,7 @@ def _same_value(x: object, y: object) -> bool:
 
 # ------------------------------------------------------------------------------------------------ the operation
 @gc_paused
-def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | None = None,
+def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened, *, rtol: float | None = None,
          atol: float | None = None, keys_only: bool = False, strict: bool = False,
          norms: bool = False, key: str | None = None) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` (any formats ckptool reads: torch zip, legacy, safetensors, sharded sets
@@ -388,7 +389,8 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float | 
     if tolerance or norms:
         require_numpy()  # fail before reading anything
 
-    side_a, side_b, key_a, key_b = read_pair(os.fspath(a), os.fspath(b), key)
+    side_a, side_b, key_a, key_b = read_pair(a if isinstance(a, Opened) else os.fspath(a),
+                                             b if isinstance(b, Opened) else os.fspath(b), key)
     mode = "keys-only" if keys_only else "tolerance" if tolerance else "exact"
     res = DiffResult(side_a.path, side_b.path, side_a.format, side_b.format, mode,
                      rtol=(rtol or 0.0) if tolerance else None, atol=(atol or 0.0) if tolerance else None,

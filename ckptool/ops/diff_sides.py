@@ -73,7 +73,7 @@ class Probe:
         return self.root is not None and self.opened.format in _SELECTABLE
 
 
-def probe(path: str) -> Probe:
+def probe(path: str | Opened) -> Probe:
     """``path`` opened (:func:`ckptool.readers.open_checkpoint`) and, for a torch file, its pickle read as a node
     graph; for a DCP folder its ``.metadata``'s nesting.
 
@@ -82,7 +82,7 @@ def probe(path: str) -> Probe:
             :func:`ckptool.formats.torchfile.read_checkpoint` raise (a plain pickle, a torch.package archive: not
             a torch.save checkpoint).
     """
-    o = open_checkpoint(path)
+    o = path if isinstance(path, Opened) else open_checkpoint(path)
     if o.format == DCP:
         return Probe(o, dcp_tree(read_dcp_metadata(o.target)))
     if o.format in _GRAPHS:
@@ -322,7 +322,7 @@ class _Unread:
 UNREAD = _Unread()
 
 
-def read_pair(a: str, b: str, key: str | None) -> tuple[Side, Side, str | None, str | None]:
+def read_pair(a: str | Opened, b: str | Opened, key: str | None) -> tuple[Side, Side, str | None, str | None]:
     """Both sides of a diff, each read once its format is detected (:func:`probe`) and the part to compare chosen
     (:func:`choose_keys`): ``(side A, side B, key in A, key in B)``.
 
@@ -330,12 +330,13 @@ def read_pair(a: str, b: str, key: str | None) -> tuple[Side, Side, str | None, 
         UsageError: see :func:`choose_keys`; CorruptCheckpointError: a pickle nested too deep; and what the
             readers raise (:func:`probe`, ``convert``'s readers).
     """
-    where = a
+    name_a, name_b = (x.path if isinstance(x, Opened) else x for x in (a, b))
+    where = name_a
     try:
         pa = probe(a)
-        where = b
+        where = name_b
         pb = probe(b)
-        where = f"{a} or {b}"
+        where = f"{name_a} or {name_b}"
         key_a, key_b = choose_keys(pa, pb, key)
     except RecursionError as e:
         raise CorruptCheckpointError(f"{where}: {too_deep(e)}") from None

@@ -35,6 +35,7 @@ from ckptool.model.tree import TreeNode, shape_text
 from ckptool.model.units import human_bytes, human_count
 from ckptool.ops.diff import CLOSE, DIFFER, DiffResult, diff
 from ckptool.ops.inspect import CheckpointInfo, inspect
+from ckptool.readers import open_checkpoint
 
 #: the treemap's size in CSS pixels
 TREEMAP_W, TREEMAP_H = 960, 420
@@ -220,11 +221,13 @@ def report(a: str | os.PathLike[str], b: str | os.PathLike[str] | None = None, *
         OutputError / UsageError: ``out`` cannot be written (see :func:`ckptool._fileio.atomic_output`).
     """
     start = time.perf_counter()
-    info = inspect(a)
+    side_a = open_checkpoint(a)  # each side opened once: inspect and diff share its format and its pickle
+    info = inspect(side_a)
     other = res = None
     if b is not None:
-        other = inspect(b)
-        res = diff(a, b, norms=True)
+        side_b = open_checkpoint(b)
+        other = inspect(side_b)
+        res = diff(side_a, side_b, norms=True)
     page = render_html(info, other, res).encode("utf-8")
     dst = os.fspath(out)
     with atomic_output(dst) as f:

@@ -179,7 +179,7 @@ class Opened:
 
 
 def _torch(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    return torch_source(o.target, o.format, key)
+    return torch_source(o.target, o.format, key, o.graph())
 
 
 def _safetensors(o: Opened, _key: str | None, _tag: str | None, _frozen: bool) -> Source:

@@ -27,7 +27,7 @@ from ckptool.formats.nodes import (
     TensorNode,
 )
 from ckptool.formats.segments import Segment
-from ckptool.formats.torchfile import read_checkpoint, resolve_zip_offsets
+from ckptool.formats.torchfile import Checkpoint, read_checkpoint, resolve_zip_offsets
 from ckptool.model.graph import (
     Link,
     StateDictRef,
@@ -201,8 +201,9 @@ def _entries(src: Source, obj: Any, is_mod: bool) -> list[tuple[str, TensorNode,
     return entries
 
 
-def torch_source(path: str, fmt: str, key: str | None) -> Source:
-    """Read a torch zip or legacy file's selected state_dict as a :class:`Source` (no tensor bytes read).
+def torch_source(path: str, fmt: str, key: str | None, ck: Checkpoint | None = None) -> Source:
+    """Read a torch zip or legacy file's selected state_dict as a :class:`Source` (no tensor bytes read); ``ck``:
+    its pickle already read (:meth:`ckptool.readers.Opened.graph`), else it is read here.
 
     Raises:
         UsageError / UnsupportedError: see :func:`select_state_dict`; sparse, quantized, packed, nested and other
@@ -214,7 +215,7 @@ def torch_source(path: str, fmt: str, key: str | None) -> Source:
         raise UnsupportedError(
             f"{path} is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
             "map_location='cpu'), save model.state_dict() with torch.save, then convert that file")
-    ck = read_checkpoint(path, fmt)
+    ck = ck if ck is not None else read_checkpoint(path, fmt)
     sd = select_state_dict(ck.root, key, path)
     src = Source(path, ck.format, [], key=sd.path, left_out=left_out(ck.root, sd.trail))
     entries = _entries(src, sd.obj, sd.is_module)
