@@ -342,6 +342,34 @@ def _same_value(x: object, y: object) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ the operation
+def _compare_pairs(side_a: Side, side_b: Side, pairs: dict[str, str], res: DiffResult,
+                   tolerances: tuple[float | None, float | None], keys_only: bool, norms: bool) -> None:
+    """Compare every matched tensor pair (``pairs``: key in B -> key in A), in A's order: layout, then values
+    streamed from both files (unless ``keys_only`` or the shapes differ); fills ``res``."""
+    rtol, atol = tolerances
+    files = Files()
+    try:
+        position = {k: i for i, k in enumerate(side_a.tensors)}
+        for kb, ka in sorted(pairs.items(), key=lambda p: position[p[1]]):
+            ta, tb = side_a.tensors[ka], side_b.tensors[kb]
+            changes, lost = _layout_changes(ta, tb)
+            d = TensorDiff(ka, kb, changes, numel=numel(ta.shape), not_stored=lost)
+            res.compared += 1
+            if keys_only:
+                d.values = NOT_COMPARED
+                d.note = "--keys-only"
+            elif ta.shape != tb.shape:
+                d.values, d.note = NOT_COMPARED, "shapes differ"
+            else:
+                _compare_values(ta, tb, files, rtol, atol, d, res.norms if norms else None)
+            if d.values in (EQUAL, CLOSE):
+                res.values_equal += 1
+            if d.changes or d.not_stored or d.values in (DIFFER, CLOSE):
+                res.tensors.append(d)
+    finally:
+        files.close()
+
+
 @gc_paused
 def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened, *, rtol: float | None = None,
          atol: float | None = None, keys_only: bool = False, strict: bool = False,
@@ -406,27 +434,7 @@ def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened,
         va, vb = side_a.values[ka], side_b.values[kb]
         if va is not UNREAD and vb is not UNREAD and not _same_value(va, vb):
             res.values.append(ValueDiff(ka, kb, va, vb))
-    files = Files()
-    try:
-        position = {k: i for i, k in enumerate(side_a.tensors)}
-        for kb, ka in sorted(pairs.items(), key=lambda p: position[p[1]]):
-            ta, tb = side_a.tensors[ka], side_b.tensors[kb]
-            changes, lost = _layout_changes(ta, tb)
-            d = TensorDiff(ka, kb, changes, numel=numel(ta.shape), not_stored=lost)
-            res.compared += 1
-            if keys_only:
-                d.values = NOT_COMPARED
-                d.note = "--keys-only"
-            elif ta.shape != tb.shape:
-                d.values, d.note = NOT_COMPARED, "shapes differ"
-            else:
-                _compare_values(ta, tb, files, rtol, atol, d, res.norms if norms else None)
-            if d.values in (EQUAL, CLOSE):
-                res.values_equal += 1
-            if d.changes or d.not_stored or d.values in (DIFFER, CLOSE):
-                res.tensors.append(d)
-    finally:
-        files.close()
+    _compare_pairs(side_a, side_b, pairs, res, (rtol, atol), keys_only, norms)
     res.shared = _sharing(pairs, side_a, side_b)
     unread = sum(1 for kb, ka in pairs.items() if side_a.tensors[ka].path is None or side_b.tensors[kb].path is None)
     res.not_compared = res.compared - res.values_equal - sum(t.values == DIFFER for t in res.tensors)
