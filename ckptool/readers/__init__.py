@@ -41,19 +41,36 @@ from typing import Literal
 from ckptool import _source as source
 from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect
+from ckptool.formats.dcp import read_dcp_metadata
 from ckptool.formats.deepspeed import is_deepspeed_folder
+from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import INDEX_SUFFIX, is_checkpoint_set, parse_index, set_kind
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
+from ckptool.model.graph import find_state_dicts
+from ckptool.model.keys import shared_prefixes
+from ckptool.model.values import iter_values
 from ckptool.model.zero import read_zero
-from ckptool.readers.read_dcp import dcp_source
+from ckptool.readers.read_dcp import dcp_source, dcp_tree
 from ckptool.readers.read_deepspeed import deepspeed_source
 from ckptool.readers.read_pt2 import pt2_source
 from ckptool.readers.read_safetensors import index_source, safetensors_source
 from ckptool.readers.read_torch import torch_source
 from ckptool.readers.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
 
-__all__ = ["FORMATS", "Format", "Opened", "Piece", "Source", "Storage", "Tensor", "format_of", "is_contiguous",
-           "open_checkpoint", "span"]
+__all__ = [
+    "FORMATS",
+    "Format",
+    "Opened",
+    "Piece",
+    "Source",
+    "StateDictEntry",
+    "Storage",
+    "Tensor",
+    "format_of",
+    "is_contiguous",
+    "open_checkpoint",
+    "span",
+]
 
 Kind = Literal["file", "set", "folder"]
 
@@ -95,6 +112,19 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
            refusal="is a plain pickle without torch storages, not a torch.save checkpoint"),
 )}
+
+
+@dataclass(frozen=True)
+class StateDictEntry:
+    """A state_dict a checkpoint holds: its dotted ``path`` (``""``: the top level, or the one flat mapping of
+    safetensors, sharded sets and DeepSpeed folders), its ``keys``, the wrapper ``prefixes`` every key shares
+    (``module.`` of DataParallel / DDP, ``_orig_mod.`` of ``torch.compile``, Lightning's ``model.``:
+    :func:`ckptool.model.keys.shared_prefixes`), and whether it is a pickled ``nn.Module``'s (``module``)."""
+
+    path: str
+    keys: tuple[str, ...]
+    prefixes: tuple[str, ...]
+    module: bool = False
 
 
 @dataclass
@@ -149,6 +179,33 @@ class Opened:
             self._graph = (read_pickle_file(self.target) if self.format == detect.PICKLE
                            else read_checkpoint(self.target, self.format))
         return self._graph
+
+    def state_dicts(self) -> list[StateDictEntry]:
+        """Every state_dict the checkpoint holds, outermost first (:func:`ckptool.model.graph.find_state_dicts`
+        for a pickle or a DCP folder's nesting; the one flat mapping of the other formats), with its keys and wrapper
+        prefixes. Reads pickles and headers only.
+
+        Raises:
+            UnsupportedError: a format whose tensors are not read without running code (TorchScript reads as a
+                pickle), see :meth:`state_dict`.
+        """
+        if self.spec.pickled or self.format == "dcp":
+            root = self.graph().root if self.spec.pickled else dcp_tree(read_dcp_metadata(self.target))
+            refs = find_state_dicts(root)
+            return [StateDictEntry(r.path, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
+                    for r in refs for keys in [r.keys()]]
+        names = tuple(t.name for t in self.state_dict().tensors)
+        return [StateDictEntry("", names, tuple(shared_prefixes(names)))]
+
+    def values(self) -> dict[str, object]:
+        """The plain non-tensor values by dotted path (epoch, step, hyper-parameters: :func:`ckptool.model.values.
+        iter_values`) of a pickle; a safetensors file's ``__metadata__`` strings; nothing for the other formats
+        (their non-tensor entries are pickles ckptool does not run, or absent). Tensor data is never read."""
+        if self.spec.pickled:
+            return dict(iter_values(self.graph().root))
+        if self.format == detect.SAFETENSORS:
+            return dict(read_header(self.target).metadata or {})
+        return {}
 
     def state_dict(self, key: str | None = None, *, tag: str | None = None, exclude_frozen: bool = False) -> Source:
         """The selected state_dict's tensors as a :class:`Source` (no tensor bytes read), chosen as ``convert``
