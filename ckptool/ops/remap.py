@@ -17,6 +17,7 @@ from ckptool.formats import detect as formats
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model.devices import parse_device
 from ckptool.model.rename_plan import build_plan
+from ckptool.ops.dcp_rewrite import dcp_folder, dcp_output, rewrite_dcp
 from ckptool.ops.rename import RenameResult, rename_graph
 from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, refuse_unwritable, retag_function, rewrite_file
 from ckptool.ops.shard_rewrite import rewrite_set, set_index, set_output, single_file
@@ -87,6 +88,13 @@ def remap(
     elif key is not None:
         raise UsageError("--key selects the state_dict to rename: add --unwrap, --strip-dataparallel, "
                          "--strip-prefix or --add-prefix")
+    folder = dcp_folder(src)
+    if folder is not None:
+        out = remap_output(folder, dst, to=to, in_place=in_place)
+        renamer = None if plan is None else (
+            lambda root: rename_graph(root, plan, key=key, allow_missing=allow_missing, where=folder))
+        return rewrite_dcp(folder, out, operation="remap", rename=renamer, to=to, mapping=mapping,
+                           allow_missing=allow_missing, progress=progress)
     index = set_index(src)
     if index is not None:
         out = remap_output(index, dst, to=to, in_place=in_place)
@@ -114,6 +122,9 @@ def remap_output(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None
         UsageError: as :func:`ckptool.ops.rewrite.output_path`; a bad ``to`` device.
     """
     tag = parse_device(to).replace(":", "") if to is not None else "remapped"
+    folder = dcp_folder(src)
+    if folder is not None:
+        return dcp_output(folder, dst, tag, in_place)
     index = set_index(src)
     if index is not None:
         return set_output(index, dst, tag, in_place)

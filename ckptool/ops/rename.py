@@ -60,6 +60,7 @@ from ckptool.model.rename_plan import (
     label,
     plan_keys,
 )
+from ckptool.ops.dcp_rewrite import dcp_folder, dcp_output, rewrite_dcp
 from ckptool.ops.rewrite import (
     ProgressFn,
     RenameResult,
@@ -319,6 +320,9 @@ def rename_output(operation: str, src: str | os.PathLike[str], dst: str | os.Pat
     Raises:
         UsageError: as :func:`ckptool.ops.rewrite.output_path`; ``in_place`` for a sharded set.
     """
+    folder = dcp_folder(src)
+    if folder is not None:
+        return dcp_output(folder, dst, OUTPUT_TAGS[operation], in_place)
     index = set_index(src)
     if index is not None:
         return set_output(index, dst, OUTPUT_TAGS[operation], in_place)
@@ -345,6 +349,12 @@ def apply_plan(
     if not isinstance(src, (str, os.PathLike)):
         hint = " (pass model.state_dict(), or the path of a saved file)" if hasattr(src, "state_dict") else ""
         raise UsageError(f"expected a checkpoint path or a state_dict mapping, got {type(src).__name__}{hint}")
+    folder = dcp_folder(src)
+    if folder is not None:
+        return rewrite_dcp(folder, rename_output(operation, folder, dst, in_place), operation=operation,
+                           rename=lambda root: rename_graph(root, plan, key=key, allow_missing=allow_missing,
+                                                            where=folder),
+                           to=to, mapping=mapping, allow_missing=allow_missing, progress=progress)
     index = set_index(src)
     if index is not None:
         out = set_output(index, dst, OUTPUT_TAGS[operation], in_place)

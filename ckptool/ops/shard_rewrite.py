@@ -105,19 +105,15 @@ def set_index(src: str | os.PathLike[str]) -> str | None:
     ``src`` is a file. A model folder holding only ``model.safetensors`` / ``pytorch_model.bin`` is not a set: the
     caller gets None and should use :func:`single_file`.
 
+    A ``torch.distributed.checkpoint`` folder is no set either (None): :mod:`ckptool.ops.dcp_rewrite` rewrites it.
+
     Raises:
-        UnsupportedError: a ``torch.distributed.checkpoint`` folder (convert it first; the route is named).
         UsageError: a folder that is no checkpoint set, a missing index.
     """
     p = os.fspath(src)
     if not is_checkpoint_set(p):
         return None
     kind, path = set_kind(p)
-    if kind == "dcp":
-        raise UnsupportedError(
-            f"{p} is a torch.distributed.checkpoint folder: remap and the prefix commands rewrite torch files and "
-            "sharded sets, not DCP folders. Convert it with the same options in one pass: "
-            f"ckptool convert {p} -o model.pt --to cpu (or --strip-prefix / --unwrap)")
     return path if kind == "index" else None
 
 
