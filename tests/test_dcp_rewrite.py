@@ -265,3 +265,49 @@ def test_remap_nothing_to_remap_is_refused(run_cli: Callable[..., Any], tmp_path
     with pytest.raises(UnsupportedError, match="tagged cuda:0 already"):
         ckptool.remap(gpu, tmp_path / "out", mapping={"cuda:0": "cuda:0"})
     _no_leftovers(tmp_path, "ckpt", "g")
+
+
+def _save_with(state: dict[str, Any], folder: Path, cuda: tuple[torch.Tensor, ...] = (), **writer: Any) -> Path:
+    """``dcp.save`` through a ``FileSystemWriter(folder, **writer)`` (several data files, another serialization)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    ptrs = {t.untyped_storage().data_ptr() for t in cuda}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tagged(lambda storage, real: "cuda:0" if storage.data_ptr() in ptrs else real):
+            dcp.save(state, storage_writer=FileSystemWriter(str(folder), **writer), no_dist=True)
+    return folder
+
+
+def test_several_data_files(tmp_path: Path) -> None:
+    """A folder written by two IO threads has two .distcp files: remap re-lays out only the one holding the
+    re-tagged entry, the other is copied byte for byte; renaming copies both."""
+    extra = (torch.arange(3.0),)
+    state = {"model": _model_sd("module."), "extra": extra}
+    src = _save_with(state, tmp_path / "ckpt", cuda=extra, thread_count=2)
+    files = _distcp_bytes(src)
+    assert len(files) == 2
+    ckptool.remap(src, tmp_path / "cpu", to="cpu")
+    got = _distcp_bytes(tmp_path / "cpu")
+    assert sorted(got) == sorted(files) and sum(got[n] == files[n] for n in files) == 1
+    _same(_back(tmp_path / "cpu"), state)
+    ckptool.strip_dataparallel(tmp_path / "cpu", tmp_path / "bare")
+    assert _distcp_bytes(tmp_path / "bare") == got
+    _same(_back(tmp_path / "bare"), {"model": _model_sd(), "extra": extra})
+
+
+def test_safetensors_serialized_folder_is_refused(tmp_path: Path) -> None:
+    """DCP's safetensors serialization writes each .distcp file as a safetensors file whose own header names the
+    tensors by FQN (checked here with safetensors itself): renaming .metadata alone would leave those names behind,
+    so it is refused with the route, nothing written."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    src = _save_with({"model": _model_sd("module.")}, tmp_path / "ckpt",
+                     serialization_format=SerializationFormat.SAFETENSORS)
+    (data,) = src.glob("*.distcp")
+    with safe_open(str(data), "pt") as f:
+        assert set(f.keys()) == {f"model.{k}" for k in _model_sd("module.")}
+    with pytest.raises(UnsupportedError, match="safetensors serialization"):
+        ckptool.unwrap(src, tmp_path / "bare")
+    _no_leftovers(tmp_path, "ckpt")

@@ -174,6 +174,29 @@ def _records(meta: DcpMetadata) -> tuple[list[_Record], dict[str, int]]:
     return out, sizes
 
 
+def _refuse_safetensors_files(folder: str, sizes: dict[str, int]) -> None:
+    """Refuse a folder saved with DCP's safetensors serialization (``FileSystemWriter(serialization_format=
+    SerializationFormat.SAFETENSORS)``): each ``.distcp`` file is then a safetensors file whose own header and
+    ``DCP_SHARDING_INFO`` name every tensor by its FQN (torch/distributed/checkpoint/filesystem.py
+    ``_write_files_from_queue``), which copying the files byte for byte would leave behind.
+
+    Raises:
+        UnsupportedError: such a data file.
+    """
+    for rel in sizes:
+        try:
+            fmt = detect.detect_format(os.path.join(folder, rel))
+        except CkptError:
+            continue
+        if fmt == detect.SAFETENSORS:
+            raise UnsupportedError(
+                f"{folder}: its data file {rel} is a safetensors file (DCP's safetensors serialization) whose own "
+                "header names every tensor by its FQN; ckptool rewrites .metadata and copies the data files, which "
+                "would leave those names behind. Consolidate it with torch.distributed.checkpoint."
+                "_consolidate_hf_safetensors.consolidate_safetensors_files(SRC, OUT) and run the command on the "
+                "safetensors files it writes")
+
+
 # ------------------------------------------------------------------------------------------------ renaming
 class _Entry:
     """A non-tensor entry's place in the renaming graph (never a state_dict value; a ``*_extra_state`` key may
@@ -446,7 +469,8 @@ def rewrite_dcp(
 
     Raises:
         UsageError: ``dst`` exists and is not an empty folder, is inside ``folder``, or its parent is missing.
-        UnsupportedError: nothing to remap (see :func:`_retag`), a transformed record to remap.
+        UnsupportedError: nothing to remap (see :func:`_retag`), a transformed record to remap, data files in
+            DCP's safetensors serialization.
         PrefixNotFoundError / KeyCollisionError / NestedPrefixError: from ``rename``, or two entries renamed to
             one FQN; nothing written.
         DeviceNotFoundError: a ``mapping`` source matches no tag, unless ``allow_missing``.
@@ -456,6 +480,7 @@ def rewrite_dcp(
     _check_target(folder, dst)
     meta = read_dcp_metadata(folder)
     records, sizes = _records(meta)
+    _refuse_safetensors_files(folder, sizes)
     fqns: dict[str, str] = {}
     summary = None
     if rename is not None:
