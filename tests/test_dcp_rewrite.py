@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptool
 from ckptool.errors import (
+    CorruptCheckpointError,
     DeviceNotFoundError,
     KeyCollisionError,
     PrefixNotFoundError,
@@ -310,4 +311,36 @@ def test_safetensors_serialized_folder_is_refused(tmp_path: Path) -> None:
         assert set(f.keys()) == {f"model.{k}" for k in _model_sd("module.")}
     with pytest.raises(UnsupportedError, match="safetensors serialization"):
         ckptool.unwrap(src, tmp_path / "bare")
+    _no_leftovers(tmp_path, "ckpt")
+
+
+def test_metadata_naming_other_globals_is_not_written_back(tmp_path: Path) -> None:
+    """The .metadata is re-pickled: one that names a global DCP never writes there (here ``os.getcwd``, stored, not
+    called) is refused rather than written into a fresh-looking folder; nothing is written."""
+    import pickle
+
+    from ckptool.errors import UnsafeCheckpointError
+
+    src = _save(_model_sd("module."), tmp_path / "ckpt")
+    md = FileSystemReader(str(src)).read_metadata()
+    md.storage_meta.modules = [os.getcwd]  # type: ignore[union-attr, list-item]
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(UnsafeCheckpointError, match=r"(posix|nt)\.getcwd"):
+        ckptool.strip_dataparallel(src, tmp_path / "out")
+    _no_leftovers(tmp_path, "ckpt")
+
+
+def test_non_tensor_record_that_is_no_torch_save_zip(tmp_path: Path) -> None:
+    """A non-tensor entry whose record is not a torch.save zip is refused by remap, naming the record (not a
+    scratch copy), nothing written."""
+    extra = (torch.ones(2),)
+    src = _save({"model": _model_sd(), "extra": extra}, tmp_path / "ckpt", cuda=extra)
+    md = FileSystemReader(str(src)).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "extra")
+    path = src / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset:info.offset + 4] = b"\x80\x02cx"
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=r"'extra' \(\d+ bytes at byte \d+ of __0_0.distcp\) is not a "):
+        ckptool.remap(src, tmp_path / "out", to="cpu")
     _no_leftovers(tmp_path, "ckpt")

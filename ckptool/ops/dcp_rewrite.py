@@ -44,7 +44,14 @@ from typing import Any
 from ckptool import _source as source
 from ckptool._commit import mark_committed, signals_blocked
 from ckptool._fileio import _umask, clone_block, copy_range, temp_path
-from ckptool.errors import CkptError, CorruptCheckpointError, UnsupportedError, UsageError, VerificationError
+from ckptool.errors import (
+    CkptError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    UnsupportedError,
+    UsageError,
+    VerificationError,
+)
 from ckptool.formats import detect
 from ckptool.formats.dcp import METADATA_FILE, DcpMetadata, read_dcp_metadata
 from ckptool.formats.nodes import PickledObject, TensorNode
@@ -55,6 +62,7 @@ from ckptool.model.graph import mapping_items
 from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenameSummary
 from ckptool.model.tensor_nodes import tensor_node
+from ckptool.ops.dcp_safety import is_dcp_allowed
 from ckptool.ops.rewrite import ProgressFn, write_zip
 from ckptool.ops.shard_rewrite import SetRenameResult, SetWriteResult
 from ckptool.readers import open_checkpoint
@@ -293,14 +301,17 @@ def _read_record(folder: str, r: _Record, scratch: str) -> Checkpoint:
     """
     with open(os.path.join(folder, r.rel), "rb") as f, open(scratch, "wb") as o:
         copy_range(f, o, r.offset, r.length)
-    what = f"{folder}: the non-tensor entry {r.fqn!r}"
+        f.seek(r.offset)
+        head = f.read(4)
+    what = f"{folder}: the non-tensor entry {r.fqn!r} ({r.length} bytes at byte {r.offset} of {r.rel})"
+    if head != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"{what} is not a torch.save record (it starts {head.hex(' ') or 'empty'}, "
+                                     "not as a zip); the folder is damaged or was not written by "
+                                     "torch.distributed.checkpoint")
     try:
-        fmt = detect.detect_format(scratch)
-    except CkptError as e:
-        raise CorruptCheckpointError(f"{what} is not a torch.save record ({e})") from None
-    if fmt != detect.TORCH_ZIP:
-        raise CorruptCheckpointError(f"{what} is not a torch.save zip record ({fmt}); the folder is damaged")
-    return read_checkpoint(scratch, fmt)
+        return read_checkpoint(scratch, detect.TORCH_ZIP)
+    except CkptError as e:  # name the record, not the scratch copy
+        raise type(e)(str(e).replace(scratch, what)) from None
 
 
 def _retag(folder: str, records: list[_Record], scratch: str, to: str | None, mapping: Mapping[str, str] | None,
@@ -471,6 +482,7 @@ def rewrite_dcp(
         UsageError: ``dst`` exists and is not an empty folder, is inside ``folder``, or its parent is missing.
         UnsupportedError: nothing to remap (see :func:`_retag`), a transformed record to remap, data files in
             DCP's safetensors serialization.
+        UnsafeCheckpointError: ``.metadata`` names a global DCP never writes there (it is not written back).
         PrefixNotFoundError / KeyCollisionError / NestedPrefixError: from ``rename``, or two entries renamed to
             one FQN; nothing written.
         DeviceNotFoundError: a ``mapping`` source matches no tag, unless ``allow_missing``.
@@ -479,6 +491,12 @@ def rewrite_dcp(
     """
     _check_target(folder, dst)
     meta = read_dcp_metadata(folder)
+    bad = [g for g in dict.fromkeys(meta.globals) if not is_dcp_allowed(g)]
+    if bad:
+        raise UnsafeCheckpointError(
+            f"{folder}: its .metadata names {', '.join(bad[:5])}, which torch.distributed.checkpoint never writes "
+            "there (torch unpickles .metadata without restriction); ckptool does not write such a pickle back. "
+            f"`ckptool scan {folder}` says more", bad)
     records, sizes = _records(meta)
     _refuse_safetensors_files(folder, sizes)
     fqns: dict[str, str] = {}
