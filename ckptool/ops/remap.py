@@ -58,6 +58,11 @@ def remap(
     result is then a :class:`~ckptool.ops.shard_rewrite.SetWriteResult` (``SetRenameResult`` with a renaming) whose
     ``dst`` is the output index. A set of safetensors shards is refused as one safetensors file is.
 
+    A ``torch.distributed.checkpoint`` folder is written as a new DCP folder (``dst`` new or empty, by default
+    ``<folder>.<target>``; :func:`ckptool.ops.dcp_rewrite.rewrite_dcp`): DCP stores every tensor chunk from CPU, so
+    only the tensors its non-tensor entries hold are re-tagged, and a folder with no tag to change raises
+    UnsupportedError ("nothing to remap") unless keys are renamed in the same pass.
+
     The key renamings of :mod:`ckptool.ops.rename` can be done in the same pass (one read, one write):
     ``strip_prefixes``, ``strip_dataparallel``, ``unwrap`` and ``add_prefix``, applied in that order to the
     state_dict(s) found, or to the one at dotted path ``key``; ``allow_missing`` as in

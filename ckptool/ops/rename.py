@@ -406,8 +406,9 @@ def strip_prefix(
     nothing.
 
     ``src`` is a checkpoint path (torch zip, legacy, safetensors, or a sharded set: ``*.index.json`` or its folder,
-    rewritten as :func:`ckptool.ops.shard_rewrite.rewrite_set` describes, keys checked over the whole set) or an
-    in-memory mapping. For a path, the
+    rewritten as :func:`ckptool.ops.shard_rewrite.rewrite_set` describes, keys checked over the whole set; or a
+    ``torch.distributed.checkpoint`` folder, written as a new DCP folder by
+    :func:`ckptool.ops.dcp_rewrite.rewrite_dcp`, ``dst`` a new or empty folder) or an in-memory mapping. For a path, the
     output goes to ``dst``, by default ``<stem>.stripped<ext>`` beside ``src`` (``in_place=True`` replaces
     ``src``, atomically); it is torch's zip format (or safetensors for a safetensors input) and loads with
     ``torch.load(dst, weights_only=True)``. Returns a :class:`RenameResult` for a path, a new mapping of the same
