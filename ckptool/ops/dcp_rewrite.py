@@ -6,7 +6,8 @@ DCP folder: ``.metadata`` rewritten from its node graph (:mod:`ckptool.formats.p
 ``.distcp`` files copied byte for byte (``copy_file_range``, or cloned where the filesystem shares extents; never
 hard-linked: the output does not alias the input). Everything is checked before a byte is written; the folder is
 written into a staging folder beside the destination and renamed into place once complete and read back
-(:func:`rewrite_dcp`); a failed run leaves nothing.
+(:func:`rewrite_dcp`); a failed run leaves nothing. ``storage_meta`` (the folder the checkpoint was saved to, its
+save id) is kept as written; files of the folder that no record names are not copied (the result notes them).
 
 **Renaming.** DCP saves a nested state (``dcp.save({"model": model.state_dict(), "optim": ...})``) flattened: each
 leaf's fully qualified name (FQN) is its path joined with dots (``model.fc.weight``) and ``planner_data`` records
