@@ -77,9 +77,22 @@ def _expected(op: str, ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return ref
 
 
+def _open_dcp(folder: Path) -> dict[str, torch.Tensor]:
+    """A DCP output folder read by torch's own ``dcp_to_torch_save``; the matrix fixture's one nested state_dict
+    (``{"model": state_dict}``) is returned itself."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder, folder.parent / "back.pt")
+    loaded: Any = torch.load(folder.parent / "back.pt", weights_only=True)
+    (folder.parent / "back.pt").unlink()
+    while isinstance(loaded, dict) and len(loaded) == 1 and isinstance(next(iter(loaded.values())), dict):
+        loaded = next(iter(loaded.values()))
+    return dict(loaded)
+
+
 def _open(out: Path) -> dict[str, torch.Tensor]:
-    """The one output file under ``out`` (or the set its ``*.index.json`` names, shard by shard), opened by torch's
-    or safetensors' own loader."""
+    """The one output file under ``out`` (or the set its ``*.index.json`` names, shard by shard; or the DCP folder),
+    opened by torch's or safetensors' own loader."""
     from safetensors.torch import load_file
 
     index = [p for p in out.iterdir() if p.name.endswith(".index.json")]
@@ -92,6 +105,8 @@ def _open(out: Path) -> dict[str, torch.Tensor]:
                           else torch.load(shard, weights_only=True))
         return merged
     (path,) = [p for p in out.iterdir() if not p.name.startswith(".")]
+    if (path / ".metadata").is_file():
+        return _open_dcp(path)
     if path.suffix == ".safetensors":
         return load_file(str(path))
     loaded: dict[str, torch.Tensor] = torch.load(path, weights_only=True)

@@ -37,7 +37,9 @@ _EPILOG_SAFETY = (
     "Tensor records are copied, not decoded (torch is not imported): the cost is the cost of copying the file. "
     "The output is written to a temporary file, fsynced and renamed into place; SRC is left untouched unless "
     "--in-place is given, and nothing is written when the command fails. --to / --map re-tag the storages in the "
-    "same pass, as `ckptool remap` does (--to cpu: a plain torch.load opens the output without a GPU)."
+    "same pass, as `ckptool remap` does (--to cpu: a plain torch.load opens the output without a GPU). A "
+    "torch.distributed.checkpoint folder is written as a new DCP folder (-o a new or empty folder): the FQNs are "
+    "renamed in its .metadata as the state_dicts of its nesting, its .distcp files copied byte for byte."
 )
 
 

@@ -53,7 +53,9 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
     Tensor bytes are copied, not decoded: no GPU is needed for any source or target tag, and memory stays
     bounded however large the file. Zip and legacy inputs, and sharded sets of torch shards
     (*.index.json or its folder: written as a set of the same layout with its index, -o a folder); the output
-    is torch's zip format. Without -o the
+    is torch's zip format. A torch.distributed.checkpoint folder is written as a new DCP folder (-o a new or
+    empty folder): its tensor chunks are always stored from CPU, so only the tensors its non-tensor entries hold
+    are re-tagged, and a folder with none to change is refused. Without -o the
     result is written next to SRC with the target in the name (model.cpu.pth). A --map FROM that matches no
     storage is an error (the tags found are listed) unless --allow-missing. --unwrap, --strip-dataparallel,
     --strip-prefix and --add-prefix rename the state_dict keys in the same pass (one write).

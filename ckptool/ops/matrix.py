@@ -57,8 +57,10 @@ _PKG = Cell("refused", "is a torch.package archive",
             "`ckptool inspect` lists its tensors; torch.package.PackageImporter(path).load_pickle(...) (runs the "
             "package's code: trusted files only)")
 _DIR = Cell("refused", "is a folder, and this command reads one checkpoint file", _CONVERT)
-_DCP_REWRITE = Cell("refused", "is a torch.distributed.checkpoint folder",
-                    "`ckptool convert SRC -o model.pt --to cpu` (or --strip-prefix / --unwrap) in one pass")
+#: DCP stores every tensor chunk from CPU; only a non-tensor entry's torch.save record can carry a GPU tag
+_DCP_REMAP = Cell("refused", "nothing to remap",
+                  "none needed: `dcp.load` places tensors where the state_dict you pass lives; a folder whose "
+                  "non-tensor entries hold GPU-tagged tensors is remapped (`ckptool remap SRC --to cpu -o OUT/`)")
 _ZERO = Cell("refused", "is a DeepSpeed ZeRO checkpoint folder", "`ckptool convert SRC -o model.pt`, then the command")
 _SHARD_NOT_CKPT = Cell("refused", "is the index of a sharded set", _CONVERT)
 
@@ -114,7 +116,7 @@ MATRIX: dict[tuple[str, str], Cell] = {
         "dcp",
         scan=Cell("works", "safe"),
         diff=Cell("works", "2 of 2 matched tensors equal"),
-        remap=_DCP_REWRITE, prefix=_DCP_REWRITE,
+        remap=_DCP_REMAP,
         extract_state_dict=_DIR, sanitize=_DIR, rename=_DIR, filter=_DIR,
         verify=Cell("refused", "convert it to one file first", "`ckptool convert SRC -o model.pt`, then verify it"),
         load_into=Cell("refused", "convert it to one file first", "`ckptool convert SRC -o model.pt`, then load it"),

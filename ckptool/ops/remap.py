@@ -15,6 +15,7 @@ from ckptool._gc import gc_paused
 from ckptool.errors import UsageError
 from ckptool.model.devices import parse_device
 from ckptool.model.rename_plan import build_plan
+from ckptool.ops.dcp_rewrite import dcp_folder, dcp_output, rewrite_dcp
 from ckptool.ops.rename import RenameResult, rename_graph
 from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, refuse_unwritable, retag_function, rewrite_file
 from ckptool.ops.shard_rewrite import opened_input, rewrite_set, set_index, set_output
@@ -56,6 +57,11 @@ def remap(
     result is then a :class:`~ckptool.ops.shard_rewrite.SetWriteResult` (``SetRenameResult`` with a renaming) whose
     ``dst`` is the output index. A set of safetensors shards is refused as one safetensors file is.
 
+    A ``torch.distributed.checkpoint`` folder is written as a new DCP folder (``dst`` new or empty, by default
+    ``<folder>.<target>``; :func:`ckptool.ops.dcp_rewrite.rewrite_dcp`): DCP stores every tensor chunk from CPU, so
+    only the tensors its non-tensor entries hold are re-tagged, and a folder with no tag to change raises
+    UnsupportedError ("nothing to remap") unless keys are renamed in the same pass.
+
     The key renamings of :mod:`ckptool.ops.rename` can be done in the same pass (one read, one write):
     ``strip_prefixes``, ``strip_dataparallel``, ``unwrap`` and ``add_prefix``, applied in that order to the
     state_dict(s) found, or to the one at dotted path ``key``; ``allow_missing`` as in
@@ -87,6 +93,13 @@ def remap(
         raise UsageError("--key selects the state_dict to rename: add --unwrap, --strip-dataparallel, "
                          "--strip-prefix or --add-prefix")
     opened = open_checkpoint(src)
+    folder = dcp_folder(opened)
+    if folder is not None:
+        out = remap_output(opened, dst, to=to, in_place=in_place)
+        renamer = None if plan is None else (
+            lambda root: rename_graph(root, plan, key=key, allow_missing=allow_missing, where=folder))
+        return rewrite_dcp(folder, out, operation="remap", rename=renamer, to=to, mapping=mapping,
+                           allow_missing=allow_missing, progress=progress)
     index = set_index(opened)
     if index is not None:
         out = remap_output(opened, dst, to=to, in_place=in_place)
@@ -114,6 +127,9 @@ def remap_output(src: str | os.PathLike[str] | Opened, dst: str | os.PathLike[st
     """
     tag = parse_device(to).replace(":", "") if to is not None else "remapped"
     opened = opened_input(src)
+    folder = dcp_folder(opened)
+    if folder is not None:
+        return dcp_output(folder, dst, tag, in_place)
     index = set_index(opened)
     if index is not None:
         return set_output(index, dst, tag, in_place)

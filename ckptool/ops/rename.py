@@ -59,6 +59,7 @@ from ckptool.model.rename_plan import (
     label,
     plan_keys,
 )
+from ckptool.ops.dcp_rewrite import dcp_folder, dcp_output, rewrite_dcp
 from ckptool.ops.rewrite import (
     ProgressFn,
     RenameResult,
@@ -320,6 +321,9 @@ def rename_output(operation: str, src: str | os.PathLike[str] | Opened, dst: str
         UsageError: as :func:`ckptool.ops.rewrite.output_path`; ``in_place`` for a sharded set.
     """
     opened = opened_input(src)
+    folder = dcp_folder(opened)
+    if folder is not None:
+        return dcp_output(folder, dst, OUTPUT_TAGS[operation], in_place)
     index = set_index(opened)
     if index is not None:
         return set_output(index, dst, OUTPUT_TAGS[operation], in_place)
@@ -346,6 +350,12 @@ def apply_plan(
         hint = " (pass model.state_dict(), or the path of a saved file)" if hasattr(src, "state_dict") else ""
         raise UsageError(f"expected a checkpoint path or a state_dict mapping, got {type(src).__name__}{hint}")
     opened = open_checkpoint(src)
+    folder = dcp_folder(opened)
+    if folder is not None:
+        return rewrite_dcp(folder, rename_output(operation, opened, dst, in_place), operation=operation,
+                           rename=lambda root: rename_graph(root, plan, key=key, allow_missing=allow_missing,
+                                                            where=folder),
+                           to=to, mapping=mapping, allow_missing=allow_missing, progress=progress)
     index = set_index(opened)
     if index is not None:
         out = set_output(index, dst, OUTPUT_TAGS[operation], in_place)
@@ -396,8 +406,9 @@ def strip_prefix(
     nothing.
 
     ``src`` is a checkpoint path (torch zip, legacy, safetensors, or a sharded set: ``*.index.json`` or its folder,
-    rewritten as :func:`ckptool.ops.shard_rewrite.rewrite_set` describes, keys checked over the whole set) or an
-    in-memory mapping. For a path, the
+    rewritten as :func:`ckptool.ops.shard_rewrite.rewrite_set` describes, keys checked over the whole set; or a
+    ``torch.distributed.checkpoint`` folder, written as a new DCP folder by
+    :func:`ckptool.ops.dcp_rewrite.rewrite_dcp`, ``dst`` a new or empty folder) or an in-memory mapping. For a path, the
     output goes to ``dst``, by default ``<stem>.stripped<ext>`` beside ``src`` (``in_place=True`` replaces
     ``src``, atomically); it is torch's zip format (or safetensors for a safetensors input) and loads with
     ``torch.load(dst, weights_only=True)``. Returns a :class:`RenameResult` for a path, a new mapping of the same

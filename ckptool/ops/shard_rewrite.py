@@ -109,16 +109,12 @@ def set_index(src: str | os.PathLike[str] | Opened) -> str | None:
     ``src`` is a file. A model folder holding only ``model.safetensors`` / ``pytorch_model.bin`` is not a set: the
     caller gets None and should use :func:`single_file`.
 
+    A ``torch.distributed.checkpoint`` folder is no set either (None): :mod:`ckptool.ops.dcp_rewrite` rewrites it.
+
     Raises:
-        UnsupportedError: a ``torch.distributed.checkpoint`` folder (convert it first; the route is named).
         UsageError: a DeepSpeed folder (consolidate it first), a folder that is no checkpoint set, a missing index.
     """
     o = opened_input(src)
-    if o.format == "dcp":
-        raise UnsupportedError(
-            f"{o.path} is a torch.distributed.checkpoint folder: remap and the prefix commands rewrite torch files "
-            "and sharded sets, not DCP folders. Convert it with the same options in one pass: "
-            f"ckptool convert {o.path} -o model.pt --to cpu (or --strip-prefix / --unwrap)")
     if o.format == "deepspeed":
         raise UsageError(f"{o.path} is a DeepSpeed ZeRO checkpoint folder, which this command does not rewrite: "
                          f"consolidate it first with `ckptool convert {o.path} -o model.pt` (exactly as DeepSpeed's "
