@@ -12,7 +12,8 @@ Usage::
     # and start-up per command beside `python -c pass`
     python benchmarks/bench.py --only pairs --keep --pairs 15
 
-    # quick smoke run (CI): --size-gib 0.05 --many 500 --repeat 1, exit 1 if a ckptool command fails
+    # quick smoke run (CI): --size-gib 0.05 --many 500 --repeat 1, exit 1 if a ckptool command fails; ends with the
+    # --against HEAD~1 check on those files (skipped, with the reason, where HEAD~1 does not resolve)
     python benchmarks/bench.py --smoke
 
     # no regression against another commit (benchmarks/regression.py): inspect --json of checkpoint (2), remap of
@@ -644,6 +645,46 @@ def pair_sections(args: argparse.Namespace, files: dict[str, dict[str, object]],
     ]
 
 
+def measure_commands(args: argparse.Namespace, files: dict[str, dict[str, object]], workdir: str,
+                     outs: list[str]) -> tuple[dict[tuple[str, str], Measurement], dict[str, dict[str, object]]]:
+    """Run the commands of ``--only``'s group (all by default) ``--repeat`` times per case, interleaved; returns the
+    measurements by ``(case, label)`` and the remap output checks by case. Output paths are appended to ``outs``."""
+    labels = [lb for lb, groups in COMMAND_GROUPS.items() if args.only is None or args.only in groups]
+    if shutil.which("picklescan") is None:
+        labels = [lb for lb in labels if lb != "picklescan"]
+    ms: dict[tuple[str, str], Measurement] = {}
+    checks: dict[str, dict[str, object]] = {}
+    for case in CASES if labels else ():
+        f = files[case]
+        src = str(f["path"])
+        out = os.path.join(workdir, f"out-{CASE_NAMES[case]}.pt")
+        outs.append(out)
+        case_labels = [lb for lb in labels if CASE_ONLY.get(lb, case) == case]
+        for label in case_labels:
+            ms[(case, label)] = Measurement(case=case, label=label, command=commands_for(label, src, out))
+        for i in range(args.repeat):
+            for label in case_labels:
+                ok = measure_once(ms[(case, label)], src, out, workdir, i)
+                if label == "ckptool remap" and ok and case not in checks:
+                    checks[case] = check_remap_output(out, f, workdir)
+                    log(f"  ({case}) {checks[case]['message']}")
+                remove(out)
+    return ms, checks
+
+
+def smoke_failures(ms: dict[tuple[str, str], Measurement], sections: list[dict[str, Any]],
+                   checks: dict[str, dict[str, object]], vs_ref: dict[str, Any] | None) -> list[str]:
+    """What fails a ``--smoke`` run: a ckptool command that failed, an ``n/a`` row of a section, a bad remap output,
+    a current-side figure of the regression check that failed (never a ratio: those are noise at smoke sizes)."""
+    failed = [f"{m.label} ({m.case}): {m.error}" for m in ms.values() if m.label.startswith("ckptool") and not m.ok]
+    failed += [f"{sec['title']}: {row[0]}: {row[1]}" for sec in sections for row in sec["rows"]
+               if str(row[1]).startswith("n/a")]
+    failed += [f"remap ({case}): {c['message']}" for case, c in checks.items() if not c["ok"]]
+    failed += [f"against {vs_ref['ref']}: {r['figure']}: {r['verdict']}" for r in (vs_ref or {}).get("rows", [])
+               if r["current_failed"]]
+    return failed
+
+
 def against(args: argparse.Namespace, ref: str, files: dict[str, dict[str, object]], workdir: str) -> dict[str, Any]:
     """The regression check against ``ref`` (:func:`regression.run`) with this run's sizes and tolerances."""
     return regression.run(ref, files, workdir, args.repeat, args.time_tolerance, args.rss_tolerance, log)
@@ -662,7 +703,8 @@ def against_mode(args: argparse.Namespace, info: dict[str, object], files: dict[
     return regression.exit_status(doc, args.fail_on_regression)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``), ``--smoke``'s sizes applied."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="See the module docstring for what each figure means.")
     ap.add_argument("--workdir", help="where to build the checkpoints and outputs (default: a fresh dir under "
@@ -695,7 +737,13 @@ def main(argv: list[str] | None = None) -> int:
         args.size_gib, args.many, args.repeat, args.dcp_gib = 0.05, 500, 1, 0.05
     if args.size_gib <= 0 or args.many < 1 or args.repeat < 1:
         ap.error("--size-gib, --many and --repeat must be positive")
+    if args.time_tolerance <= 0 or args.rss_tolerance <= 0:
+        ap.error("--time-tolerance and --rss-tolerance must be positive")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     created_dir = None
     if args.workdir:
         workdir = os.path.abspath(args.workdir)
@@ -718,26 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         files = build_files(workdir, args.size_gib, args.many, args.keep)
         if args.against is not None:
             return against_mode(args, info, files, workdir)
-        labels = [lb for lb, groups in COMMAND_GROUPS.items() if args.only is None or args.only in groups]
-        if shutil.which("picklescan") is None:
-            labels = [lb for lb in labels if lb != "picklescan"]
-        ms: dict[tuple[str, str], Measurement] = {}
-        checks: dict[str, dict[str, object]] = {}
-        for case in CASES if labels else ():
-            f = files[case]
-            src = str(f["path"])
-            out = os.path.join(workdir, f"out-{CASE_NAMES[case]}.pt")
-            outs.append(out)
-            case_labels = [lb for lb in labels if CASE_ONLY.get(lb, case) == case]
-            for label in case_labels:
-                ms[(case, label)] = Measurement(case=case, label=label, command=commands_for(label, src, out))
-            for i in range(args.repeat):
-                for label in case_labels:
-                    ok = measure_once(ms[(case, label)], src, out, workdir, i)
-                    if label == "ckptool remap" and ok and case not in checks:
-                        checks[case] = check_remap_output(out, f, workdir)
-                        log(f"  ({case}) {checks[case]['message']}")
-                    remove(out)
+        ms, checks = measure_commands(args, files, workdir, outs)
         tgt = targets(ms)
         sections = extra_figures(args, workdir, files, tgt)
         vs_ref = against(args, regression.DEFAULT_REF, files, workdir) if args.smoke else None
@@ -763,13 +792,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("\n(smoke: tiny files, one round: the verdicts below are noise)\n"
                       + regression.report_text(vs_ref, _table))
         if args.smoke:
-            failed = [f"{m.label} ({m.case}): {m.error}" for m in ms.values()
-                      if m.label.startswith("ckptool") and not m.ok]
-            failed += [f"{sec['title']}: {row[0]}: {row[1]}" for sec in sections for row in sec["rows"]
-                       if str(row[1]).startswith("n/a")]
-            failed += [f"remap ({case}): {c['message']}" for case, c in checks.items() if not c["ok"]]
-            failed += [f"against {vs_ref['ref']}: {r['figure']}: {r['verdict']}" for r in (vs_ref or {}).get("rows", [])
-                       if r["current_failed"]]
+            failed = smoke_failures(ms, sections, checks, vs_ref)
             for line in failed:
                 log(f"smoke run FAILED: {line}")
             if failed or bench_diff.main(["--smoke"]):  # ckptool diff against torch.load + loop (bench_diff.py)

@@ -97,10 +97,14 @@ def _git(repo: str, *args: str) -> subprocess.CompletedProcess[str]:
 def resolve_ref(ref: str, repo: str = REPO) -> str:
     """The full commit id ``ref`` names in the git repository ``repo`` (``git rev-parse --verify REF^{commit}``).
 
-    Raises :class:`Skipped` with the reason: ``repo`` is no git checkout (e.g. ``.ci/run``'s copy), the ref does not
+    Raises :class:`Skipped` with the reason: ``repo`` is not the top of a git checkout (e.g. ``.ci/run``'s copy, even
+    inside another repository), the ref does not
     resolve (saying so when the clone is shallow, where ``HEAD~1`` is often missing), or git is not installed."""
-    if _git(repo, "rev-parse", "--git-dir").returncode != 0:
+    top = _git(repo, "rev-parse", "--show-toplevel")
+    if top.returncode != 0:
         raise Skipped(f"{repo} is not a git checkout (no .git)")
+    if os.path.realpath(top.stdout.strip()) != os.path.realpath(repo):  # e.g. a copy inside another repository
+        raise Skipped(f"{repo} is not a git checkout (no .git; the enclosing one is {top.stdout.strip()})")
     p = _git(repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
     if p.returncode == 0:
         return p.stdout.strip()

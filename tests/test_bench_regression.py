@@ -147,3 +147,11 @@ def test_no_git_checkout_is_skipped(tmp_path: Path) -> None:
     (plain / "ckptool").mkdir(parents=True)  # like .ci/run's copy: the files, no .git
     with pytest.raises(regression.Skipped, match="is not a git checkout"):
         regression.resolve_ref("HEAD~1", str(plain))
+
+
+def test_a_copy_inside_another_repository_is_no_checkout(tmp_path: Path) -> None:
+    repo = _repo(tmp_path, FAST, SLOW + WRITE)
+    copy = repo / "copy"  # a copy of the files inside another checkout: that one's history is not this copy's
+    (copy / "ckptool").mkdir(parents=True)
+    with pytest.raises(regression.Skipped, match=r"is not a git checkout .*the enclosing one is"):
+        regression.resolve_ref("HEAD~1", str(copy))
