@@ -12,8 +12,14 @@ Usage::
     # and start-up per command beside `python -c pass`
     python benchmarks/bench.py --only pairs --keep --pairs 15
 
-    # quick smoke run (CI): --size-gib 0.05 --many 500 --repeat 1, exit 1 if a ckptool command fails
+    # quick smoke run (CI): --size-gib 0.05 --many 500 --repeat 1, exit 1 if a ckptool command fails; ends with the
+    # --against HEAD~1 check on those files (skipped, with the reason, where HEAD~1 does not resolve)
     python benchmarks/bench.py --smoke
+
+    # no regression against another commit (benchmarks/regression.py): inspect --json of checkpoint (2), remap of
+    # checkpoint (1) and load_into of (1), for this checkout and REF's ckptool/ (git archive), same run, interleaved;
+    # a table of both sides, ratio current/REF and a verdict per row (exit 1 only with --fail-on-regression)
+    python benchmarks/bench.py --against [REF] [--time-tolerance 1.10] [--rss-tolerance 1.05] [--fail-on-regression]
 
     # ckptool diff of two files against torch.load + loop (benchmarks/bench_diff.py; its smoke run is in --smoke)
     python benchmarks/bench.py diff [--size-gib 2.0] [--repeat 3] [--json]
@@ -34,7 +40,7 @@ What it does
 2. Runs each command below as a separate process, ``--repeat`` times per file, interleaved (round ``i``
    runs every command once, so a change in the machine's load hits a command and its baselines alike).
    Before every run the previous output is deleted, ``os.sync()`` flushes pending writeback (and, after a
-   big output was deleted, the run waits until 4 s have passed: ``SETTLE_S``), and the input file is read
+   big output was deleted, the run waits until 4 s have passed: ``children.SETTLE_S``), and the input file is read
    once (warm page cache), so every run starts from the same cache state.  A run is timed with
    ``time.perf_counter`` around ``Popen`` .. ``os.wait4``, and its peak RSS is ``ru_maxrss`` from the
    ``os.wait4`` rusage (KiB on Linux; it includes any children the command waited for).  The checkout's
@@ -101,7 +107,15 @@ What it does
    and remap of 10k / 100k / 1M tensors and 100 MB / 2 GB / 8 GB files, one run each) and ``dcp`` (DCP folder of
    ``--dcp-gib`` GiB -> one torch file: peak RSS <= 256 MiB).
 
-5. ``--extras`` then runs every ``benchmarks/bench_*.py`` (other figures kept in their own modules, such as
+5. ``--against [REF]`` (default ``HEAD~1``) runs, instead of all of the above, the regression check of
+   ``benchmarks/regression.py`` (see its docstring): ``inspect --json`` of checkpoint (2), ``remap --to cpu`` of (1)
+   and ``ckptool.load_into`` of (1), each for this checkout and for REF's ``ckptool/`` (exported with ``git archive``
+   to a temporary folder), same run, interleaved; it prints both sides' median time and peak RSS, the ratio
+   current / REF and ``no regression`` or ``REGRESSION`` per row (tolerances ``--time-tolerance`` 1.10 and
+   ``--rss-tolerance`` 1.05). ``--smoke`` runs the same check against ``HEAD~1`` on its small files; where the ref
+   does not resolve (a shallow clone, a copy without ``.git``) one line says it was skipped and why.
+
+6. ``--extras`` then runs every ``benchmarks/bench_*.py`` (other figures kept in their own modules, such as
    ``bench_walk.py``) as a child process, with ``--smoke`` under ``--smoke``, and prints its output; a failing
    one is reported (and fails a smoke run).
 
@@ -134,7 +148,9 @@ from typing import Any
 import bench_diff  # benchmarks/ is on sys.path when this file runs as a script
 import figures
 import pairs
-from children import child_env, compile_checkout, run_child, warm_cache
+import regression
+from children import child_env, compile_checkout, remove, run_child, settle, warm_cache
+from children import failure_summary as _failure_summary
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, "fixtures")
@@ -278,18 +294,6 @@ class Measurement:
         return max(self.maxrss_kib) / 1024 if self.ok else None
 
 
-def _failure_summary(stderr: str, rc: int) -> str:
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    if not lines:
-        return f"exit status {rc}"
-    for ln in reversed(lines):
-        if ln.startswith("Error:"):
-            return ln
-    if lines[0].startswith("Traceback"):
-        return lines[-1]
-    return lines[0]
-
-
 def run_measured(cmd: list[str], workdir: str) -> RunResult:
     """Run ``cmd`` as a child (:func:`children.run_child`): wall clock and peak RSS, or why it failed."""
     rc, wall, kib, _out, err = run_child(cmd, workdir)
@@ -301,33 +305,6 @@ def run_measured(cmd: list[str], workdir: str) -> RunResult:
 def run_plain(cmd: list[str], workdir: str) -> tuple[int, str, str]:
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=child_env(), cwd=workdir)
     return proc.returncode, proc.stdout, proc.stderr
-
-
-#: seconds a run waits after a big output (>= :data:`SETTLE_BYTES`) was deleted. The development machine's ext4 is
-#: mounted with ``discard``: deleting the 2 GiB output of the previous run sends discards to its virtual disk, and
-#: writes in the next seconds went at a third of the speed. Without the pause ``cp && sync`` of 2 GiB took 1.09-4.64 s
-#: (6 runs: three near 1.1 s, three near 4.2 s) and the same copy by ckptool's method 0.69-3.76 s; with a 4 s pause
-#: (after ``os.sync``) 1.68-2.33 s and 1.38-1.98 s after the first run (``benchmarks/out`` on the same disk).
-SETTLE_S = 4.0
-SETTLE_BYTES = 64 << 20
-_last_big_delete = [0.0]
-
-
-def remove(path: str) -> None:
-    """Delete ``path`` if it exists, noting when a big file went (see :data:`SETTLE_S`)."""
-    with contextlib.suppress(FileNotFoundError):
-        size = os.path.getsize(path)
-        os.unlink(path)
-        if size >= SETTLE_BYTES:
-            _last_big_delete[0] = time.monotonic()
-
-
-def settle() -> None:
-    """Flush pending write-back (``os.sync``) and wait until :data:`SETTLE_S` have passed since a big delete."""
-    os.sync()
-    left = _last_big_delete[0] + SETTLE_S - time.monotonic()
-    if left > 0:
-        time.sleep(left)
 
 
 def log(msg: str) -> None:
@@ -394,6 +371,7 @@ def build_files(workdir: str, size_gib: float, many: int, keep: bool) -> dict[st
             "path": os.path.join(workdir, f"big-{size_tag}gib-{N_BIG_TENSORS}x{rows}x{BIG_COLS}.pt"),
             "tensors": N_BIG_TENSORS,
             "rows": rows,
+            "cols": BIG_COLS,
             "desc": f"{N_BIG_TENSORS} x float32[{rows},{BIG_COLS}], tagged {TAG}",
         },
         "2": {
@@ -531,11 +509,9 @@ def _table(rows: list[list[object]], headers: list[str], colalign: tuple[str, ..
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
-def report_text(info: dict[str, object], files: dict[str, dict[str, object]], ms: dict[tuple[str, str], Measurement],
-                checks: dict[str, dict[str, object]], tgt: list[dict[str, object]], repeat: int,
-                sections: list[dict[str, Any]]) -> str:
-    out = []
-    out.append("machine")
+def header_lines(info: dict[str, object], files: dict[str, dict[str, object]]) -> list[str]:
+    """The machine and files part of the printed report, each followed by an empty line."""
+    out = ["machine"]
     keys = ("nproc", "cpu", "mem_gib", "kernel", "python", "torch", "ckptool", "workdir", "filesystem", "rss_floor_mib")
     out.extend(f"  {k:<14} {info[k]}" for k in keys if k in info)
     out.append("")
@@ -543,6 +519,13 @@ def report_text(info: dict[str, object], files: dict[str, dict[str, object]], ms
     for case, f in files.items():
         out.append(f"  ({case}) {CASE_NAMES[case]:<5} {f['bytes'] / 2**20:10.1f} MiB  {f['desc']}  {f['path']}")
     out.append("")
+    return out
+
+
+def report_text(info: dict[str, object], files: dict[str, dict[str, object]], ms: dict[tuple[str, str], Measurement],
+                checks: dict[str, dict[str, object]], tgt: list[dict[str, object]], repeat: int,
+                sections: list[dict[str, Any]]) -> str:
+    out = header_lines(info, files)
     rows = []
     for (case, label), m in ms.items():  # (none under --only pairs: that group has tables of its own)
         if m.ok:
@@ -662,7 +645,66 @@ def pair_sections(args: argparse.Namespace, files: dict[str, dict[str, object]],
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def measure_commands(args: argparse.Namespace, files: dict[str, dict[str, object]], workdir: str,
+                     outs: list[str]) -> tuple[dict[tuple[str, str], Measurement], dict[str, dict[str, object]]]:
+    """Run the commands of ``--only``'s group (all by default) ``--repeat`` times per case, interleaved; returns the
+    measurements by ``(case, label)`` and the remap output checks by case. Output paths are appended to ``outs``."""
+    labels = [lb for lb, groups in COMMAND_GROUPS.items() if args.only is None or args.only in groups]
+    if shutil.which("picklescan") is None:
+        labels = [lb for lb in labels if lb != "picklescan"]
+    ms: dict[tuple[str, str], Measurement] = {}
+    checks: dict[str, dict[str, object]] = {}
+    for case in CASES if labels else ():
+        f = files[case]
+        src = str(f["path"])
+        out = os.path.join(workdir, f"out-{CASE_NAMES[case]}.pt")
+        outs.append(out)
+        case_labels = [lb for lb in labels if CASE_ONLY.get(lb, case) == case]
+        for label in case_labels:
+            ms[(case, label)] = Measurement(case=case, label=label, command=commands_for(label, src, out))
+        for i in range(args.repeat):
+            for label in case_labels:
+                ok = measure_once(ms[(case, label)], src, out, workdir, i)
+                if label == "ckptool remap" and ok and case not in checks:
+                    checks[case] = check_remap_output(out, f, workdir)
+                    log(f"  ({case}) {checks[case]['message']}")
+                remove(out)
+    return ms, checks
+
+
+def smoke_failures(ms: dict[tuple[str, str], Measurement], sections: list[dict[str, Any]],
+                   checks: dict[str, dict[str, object]], vs_ref: dict[str, Any] | None) -> list[str]:
+    """What fails a ``--smoke`` run: a ckptool command that failed, an ``n/a`` row of a section, a bad remap output,
+    a current-side figure of the regression check that failed (never a ratio: those are noise at smoke sizes)."""
+    failed = [f"{m.label} ({m.case}): {m.error}" for m in ms.values() if m.label.startswith("ckptool") and not m.ok]
+    failed += [f"{sec['title']}: {row[0]}: {row[1]}" for sec in sections for row in sec["rows"]
+               if str(row[1]).startswith("n/a")]
+    failed += [f"remap ({case}): {c['message']}" for case, c in checks.items() if not c["ok"]]
+    failed += [f"against {vs_ref['ref']}: {r['figure']}: {r['verdict']}" for r in (vs_ref or {}).get("rows", [])
+               if r["current_failed"]]
+    return failed
+
+
+def against(args: argparse.Namespace, ref: str, files: dict[str, dict[str, object]], workdir: str) -> dict[str, Any]:
+    """The regression check against ``ref`` (:func:`regression.run`) with this run's sizes and tolerances."""
+    return regression.run(ref, files, workdir, args.repeat, args.time_tolerance, args.rss_tolerance, log)
+
+
+def against_mode(args: argparse.Namespace, info: dict[str, object], files: dict[str, dict[str, object]],
+                 workdir: str) -> int:
+    """``--against REF``: only the regression check; prints it (text or ``--json``), returns the exit status
+    (:func:`regression.exit_status`)."""
+    doc = against(args, args.against, files, workdir)
+    if args.json:
+        print(json.dumps({"machine": info, "files": {c: {"name": CASE_NAMES[c], **f} for c, f in files.items()},
+                          "against": doc}, indent=2))
+    else:
+        print("\n".join([*header_lines(info, files), regression.report_text(doc, _table)]))
+    return regression.exit_status(doc, args.fail_on_regression)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``), ``--smoke``'s sizes applied."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="See the module docstring for what each figure means.")
     ap.add_argument("--workdir", help="where to build the checkpoints and outputs (default: a fresh dir under "
@@ -678,6 +720,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup-rounds", type=int, default=7, help="rounds of the start-up table (default 7)")
     ap.add_argument("--keep", action="store_true", help="reuse existing input files and leave them behind")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
+    ap.add_argument("--against", nargs="?", const=regression.DEFAULT_REF, metavar="REF",
+                    help="run only the regression check against git ref REF's ckptool (default HEAD~1; "
+                         "benchmarks/regression.py)")
+    ap.add_argument("--time-tolerance", type=float, default=regression.TIME_TOLERANCE,
+                    help="--against: largest time ratio current/REF that is no regression (default 1.10)")
+    ap.add_argument("--rss-tolerance", type=float, default=regression.RSS_TOLERANCE,
+                    help="--against: largest peak RSS ratio current/REF that is no regression (default 1.05)")
+    ap.add_argument("--fail-on-regression", action="store_true",
+                    help="--against: exit 1 when a row says REGRESSION or the current side fails (default: report)")
     ap.add_argument("--smoke", action="store_true",
                     help="quick check for CI: --size-gib 0.05 --many 500 --repeat 1, and exit 1 when a ckptool "
                          "command fails or a remap output is wrong (timing targets are not enforced)")
@@ -686,7 +737,13 @@ def main(argv: list[str] | None = None) -> int:
         args.size_gib, args.many, args.repeat, args.dcp_gib = 0.05, 500, 1, 0.05
     if args.size_gib <= 0 or args.many < 1 or args.repeat < 1:
         ap.error("--size-gib, --many and --repeat must be positive")
+    if args.time_tolerance <= 0 or args.rss_tolerance <= 0:
+        ap.error("--time-tolerance and --rss-tolerance must be positive")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     created_dir = None
     if args.workdir:
         workdir = os.path.abspath(args.workdir)
@@ -707,28 +764,12 @@ def main(argv: list[str] | None = None) -> int:
         info = machine_info(workdir)
         compile_checkout()
         files = build_files(workdir, args.size_gib, args.many, args.keep)
-        labels = [lb for lb, groups in COMMAND_GROUPS.items() if args.only is None or args.only in groups]
-        if shutil.which("picklescan") is None:
-            labels = [lb for lb in labels if lb != "picklescan"]
-        ms: dict[tuple[str, str], Measurement] = {}
-        checks: dict[str, dict[str, object]] = {}
-        for case in CASES if labels else ():
-            f = files[case]
-            src = str(f["path"])
-            out = os.path.join(workdir, f"out-{CASE_NAMES[case]}.pt")
-            outs.append(out)
-            case_labels = [lb for lb in labels if CASE_ONLY.get(lb, case) == case]
-            for label in case_labels:
-                ms[(case, label)] = Measurement(case=case, label=label, command=commands_for(label, src, out))
-            for i in range(args.repeat):
-                for label in case_labels:
-                    ok = measure_once(ms[(case, label)], src, out, workdir, i)
-                    if label == "ckptool remap" and ok and case not in checks:
-                        checks[case] = check_remap_output(out, f, workdir)
-                        log(f"  ({case}) {checks[case]['message']}")
-                    remove(out)
+        if args.against is not None:
+            return against_mode(args, info, files, workdir)
+        ms, checks = measure_commands(args, files, workdir, outs)
         tgt = targets(ms)
         sections = extra_figures(args, workdir, files, tgt)
+        vs_ref = against(args, regression.DEFAULT_REF, files, workdir) if args.smoke else None
         if args.json:
             doc = {
                 "machine": info,
@@ -742,16 +783,16 @@ def main(argv: list[str] | None = None) -> int:
                 "remap_checks": checks,
                 "sections": sections,
                 "targets": tgt,
+                "against": vs_ref,
             }
             print(json.dumps(doc, indent=2))
         else:
             print(report_text(info, files, ms, checks, tgt, args.repeat, sections))
+            if vs_ref is not None:
+                print("\n(smoke: tiny files, one round: the verdicts below are noise)\n"
+                      + regression.report_text(vs_ref, _table))
         if args.smoke:
-            failed = [f"{m.label} ({m.case}): {m.error}" for m in ms.values()
-                      if m.label.startswith("ckptool") and not m.ok]
-            failed += [f"{sec['title']}: {row[0]}: {row[1]}" for sec in sections for row in sec["rows"]
-                       if str(row[1]).startswith("n/a")]
-            failed += [f"remap ({case}): {c['message']}" for case, c in checks.items() if not c["ok"]]
+            failed = smoke_failures(ms, sections, checks, vs_ref)
             for line in failed:
                 log(f"smoke run FAILED: {line}")
             if failed or bench_diff.main(["--smoke"]):  # ckptool diff against torch.load + loop (bench_diff.py)
