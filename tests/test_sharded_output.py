@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 import ckptool
 from ckptool.errors import OutputError, UsageError
 from ckptool.formats.sharded import SetLayout, output_layout
+from ckptool.ops import set_writer as set_writer_mod
 from ckptool.ops.convert import convert
 from ckptool.ops.convert import outputs as outputs_mod
 
@@ -131,10 +132,11 @@ def test_several_shards_are_named_as_transformers_names_them(tmp_path: Path, nam
     _assert_equal(stored, _load_via_index(index_path, fmt))
 
     back = convert(index_path, tmp_path / "back.pt")  # ckptool reads the set through its index; ties come back
-    assert back.format_in == f"sharded-{fmt}"
+    set_name = "sharded-safetensors" if fmt == "safetensors" else "sharded-bin"  # the registry's names
+    assert back.format_in == set_name
     _assert_equal(sd, dict(torch.load(tmp_path / "back.pt", weights_only=True)))
     info = ckptool.inspect(index_path)
-    assert info.format == f"sharded-{fmt}" and info.metadata is not None and info.metadata["shards"] == str(n)
+    assert info.format == set_name and info.metadata is not None and info.metadata["shards"] == str(n)
 
 
 def test_cli_writes_the_set_beside_the_name_and_inspect_reads_it(tmp_path: Path, run_cli: Any) -> None:
@@ -230,8 +232,10 @@ def test_missing_output_folder_is_refused(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ failures
 def _fail_on_call(monkeypatch: pytest.MonkeyPatch, target: str, n: int) -> None:
-    """Make ``outputs.<target>`` raise OutputError on its ``n``-th call."""
-    real = getattr(outputs_mod, target)
+    """Make ``<target>`` (of the convert writer, or of the set writer: ``encode_index``) raise OutputError on its
+    ``n``-th call."""
+    module = set_writer_mod if target == "encode_index" else outputs_mod
+    real = getattr(module, target)
     calls = [0]
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -240,7 +244,7 @@ def _fail_on_call(monkeypatch: pytest.MonkeyPatch, target: str, n: int) -> None:
             raise OutputError("injected failure", "somewhere")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(outputs_mod, target, wrapper)
+    monkeypatch.setattr(module, target, wrapper)
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])

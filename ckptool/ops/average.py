@@ -33,10 +33,11 @@ from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import contiguous_stride, element_size
 from ckptool.formats.strided import gather
 from ckptool.ops.convert import ConvertResult
-from ckptool.ops.convert.outputs import scratch_file, write_outputs
+from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.plan import check_safetensors_dtypes
 from ckptool.ops.convert.write import Files
 from ckptool.ops.rewrite import ProgressFn
+from ckptool.ops.set_writer import scratch_file
 from ckptool.readers import open_checkpoint
 from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.readers.tensors import Source, Storage, Tensor, is_contiguous

@@ -11,7 +11,7 @@ Everything is checked on the whole set before a byte is written: the renaming is
 shard at once (:func:`ckptool.model.rename_plan.plan_keys`), so a key renamed in one shard that collides with a key
 of another is refused, and a prefix that matches nothing in the whole set is an error; a ``--map`` source must
 match a storage of some shard. The set is written as ``convert`` writes its shard sets
-(:func:`ckptool.ops.convert.outputs.write_set`: every shard into a scratch file, then all renamed into place and
+(:func:`ckptool.ops.set_writer.write_set`: every shard into a scratch file, then all renamed into place and
 the index written, with SIGINT / SIGTERM held); a failed run leaves nothing.
 """
 
@@ -37,7 +37,6 @@ from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.devices import location_function
 from ckptool.model.graph import mapping_items
 from ckptool.model.rename_plan import RenamePlan, plan_keys
-from ckptool.ops.convert.outputs import write_set
 from ckptool.ops.rewrite import (
     ProgressFn,
     RenameResult,
@@ -48,6 +47,7 @@ from ckptool.ops.rewrite import (
     safetensors_keys,
     write_renamed_safetensors,
 )
+from ckptool.ops.set_writer import write_set
 from ckptool.readers import Opened, open_checkpoint
 
 

@@ -54,11 +54,12 @@ from ckptool.model.devices import location_function
 from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_torch, write_dcp
-from ckptool.ops.convert.outputs import scratch_file, write_outputs
+from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, ConvertResult, parse_size
 from ckptool.ops.convert.verify import VerificationError
 from ckptool.ops.dcp_safety import check_dcp_safe
 from ckptool.ops.rewrite import ProgressFn
+from ckptool.ops.set_writer import scratch_file
 from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.readers.read_torch import refuse_non_strided_for_dcp

@@ -26,10 +26,10 @@ from ckptool.formats.torchfile import read_byteorder
 from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.formats.zipdir import data_offset
 from ckptool.model.tensor_nodes import tensor_node
-from ckptool.ops.convert.outputs import scratch_file
 from ckptool.ops.convert.source import ConvertResult
 from ckptool.ops.convert.verify import records_difference, verify_fail
 from ckptool.ops.convert.write import emit
+from ckptool.ops.set_writer import scratch_file
 from ckptool.readers.read_dcp import RecordSlice
 from ckptool.readers.read_dcp import node_state as _state
 from ckptool.readers.read_dcp import open_record as _record
