@@ -187,7 +187,7 @@ def test_reader_fault_in_a_dcp_folder_fails_verification(tmp_path: Path, run_cli
     """DCP folder -> torch file: ckptool copies each tensor's record bytes out of the ``.distcp`` files with the
     CRC-32 their embedded zip directories record; ``zipfile`` then checks the output against those."""
     torch = pytest.importorskip("torch")
-    from ckptool.ops.convert import dcp as dcp_module
+    from ckptool.readers import read_dcp as dcp_module  # where the .distcp files are opened (open_record)
 
     src = tmp_path / "src.pt"
     torch.save({"w": torch.arange(250_000, dtype=torch.float32), "b": torch.ones(3)}, src)
