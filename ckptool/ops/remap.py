@@ -12,9 +12,11 @@ import os
 from collections.abc import Mapping, Sequence
 
 from ckptool._gc import gc_paused
-from ckptool.errors import UsageError
+from ckptool.errors import UnsupportedError, UsageError
+from ckptool.formats import detect as formats
 from ckptool.model.devices import parse_device
 from ckptool.model.rename_plan import build_plan
+from ckptool.ops.package_rewrite import remap_package
 from ckptool.ops.rename import RenameResult, rename_graph
 from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, refuse_unwritable, retag_function, rewrite_file
 from ckptool.ops.shard_rewrite import opened_input, rewrite_set, set_index, set_output
@@ -56,6 +58,9 @@ def remap(
     result is then a :class:`~ckptool.ops.shard_rewrite.SetWriteResult` (``SetRenameResult`` with a renaming) whose
     ``dst`` is the output index. A set of safetensors shards is refused as one safetensors file is.
 
+    A ``torch.package`` archive is rewritten by :func:`ckptool.ops.package_rewrite.remap_package` (the tags in its
+    pickles' storage ids; every other member copied byte for byte; nothing of the package run), without renamings.
+
     The key renamings of :mod:`ckptool.ops.rename` can be done in the same pass (one read, one write):
     ``strip_prefixes``, ``strip_dataparallel``, ``unwrap`` and ``add_prefix``, applied in that order to the
     state_dict(s) found, or to the one at dotted path ``key``; ``allow_missing`` as in
@@ -95,6 +100,11 @@ def remap(
     src = opened.target
     refuse_unwritable(opened.format, src, "remap")
     out = remap_output(opened, dst, to=to, in_place=in_place)
+    if opened.format == formats.TORCH_PACKAGE:
+        if plan is not None:
+            raise UnsupportedError(f"{src} is a torch.package archive: its pickles hold objects, not state_dict "
+                                   "keys to rename; remap re-tags it without --unwrap / --strip-* / --add-prefix")
+        return remap_package(src, out, to=to, mapping=mapping, allow_missing=allow_missing, progress=progress)
     ck = opened.graph()
     fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     if plan is None:
