@@ -293,3 +293,79 @@ def test_in_place_keeps_the_mode(package: Path, tmp_path: Path, run_cli: Any) ->
     assert res.exit_code == 0, res.output
     assert src.stat().st_mode & 0o777 == 0o640
     assert PackageImporter(str(src)).load_pickle("weights", "raw").device.type == "cpu"
+
+
+def _pickle(*ops: bytes) -> bytes:
+    """A protocol 3 pickle of ``ops`` (raw opcodes) followed by STOP."""
+    return b"\x80\x03" + b"".join(ops) + b"."
+
+
+def _s(text: str) -> bytes:
+    return b"X" + len(text).to_bytes(4, "little") + text.encode()
+
+
+def _storage_pid(key: bytes) -> bytes:
+    """``('storage', torch.FloatStorage, <key>, 'cuda:1', 2)`` then BINPERSID (``key``: the opcode of the key)."""
+    return b"(" + _s("storage") + b"ctorch\nFloatStorage\n" + key + _s("cuda:1") + b"K\x02tQ"
+
+
+#: pickles remap must refuse to rewrite, and the phrase its error names
+_UNFAITHFUL = {
+    # one storage named by an int key and by a str key: PackageImporter would load it twice, unshared
+    "two-ids": (_pickle(b"(", _storage_pid(b"K\x00"), _storage_pid(_s("0")), b"t"), "two different persistent ids"),
+    # a persistent id that is not a storage's
+    "module-id": (_pickle(b"(", _s("module"), b"ctorch\nFloatStorage\n", _s("a"), _s("b"), b"tQ"), "('module', ...)"),
+    # a BUILD on the class itself (class mutation), next to a storage
+    "class-build": (_pickle(b"(ccollections\nOrderedDict\n}b", _storage_pid(b"K\x00"), b"t"), "class mutation"),
+    # a storage id of 6 fields
+    "six-fields": (_pickle(b"(", _s("storage"), b"ctorch\nFloatStorage\nK\x00", _s("cuda:1"), b"K\x02NtQ"),
+                   "with 6 fields"),
+}
+
+
+def _replaced(src: Path, dst: Path, member: str, data: bytes, extra: tuple[str, bytes] | None = None) -> None:
+    """Copy the archive ``src`` to ``dst`` with ``member``'s bytes replaced by ``data`` (and ``extra`` added)."""
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(dst, "w") as out:
+        for info in z.infolist():
+            out.writestr(info.filename, data if info.filename == member else z.read(info))
+        if extra is not None:
+            out.writestr(*extra)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``p.pt``: one state_dict pickle ``p/a/sd.pkl`` naming one 2-element float32 storage, tagged ``cuda:1``."""
+    path = tmp_path_factory.mktemp("tpkg_small") / "p.pt"
+    with package_tags("cuda:1"), PackageExporter(str(path)) as e:
+        e.save_pickle("a", "sd.pkl", {"x": torch.ones(2)})
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(_UNFAITHFUL))
+def test_unfaithful_pickles_are_refused(small: Path, tmp_path: Path, run_cli: Any, case: str) -> None:
+    data, phrase = _UNFAITHFUL[case]
+    src = tmp_path / "p.pt"
+    _replaced(small, src, "p/a/sd.pkl", data)
+    res = run_cli("remap", src, "--to", "cpu", "-o", tmp_path / "out.pt")
+    errors = [line for line in res.output.splitlines() if line.startswith("Error:")]
+    assert res.exit_code == 1 and len(errors) == 1, res.output
+    assert phrase in errors[0] and "'p/a/sd.pkl'" in errors[0] and "PackageImporter(path).load_pickle(" in errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.pt"]
+
+
+def test_member_outside_the_top_folder_is_refused(small: Path, tmp_path: Path, run_cli: Any) -> None:
+    src = tmp_path / "p.pt"
+    _replaced(small, src, "", b"", extra=("elsewhere/x.txt", b"x"))
+    res = run_cli("remap", src, "--to", "cpu", "-o", tmp_path / "out.pt")
+    assert res.exit_code == 1 and "'elsewhere/x.txt' is outside the archive's folder 'p/'" in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.pt"]
+
+
+def test_a_rewritable_crafted_pickle_loads(small: Path, tmp_path: Path, run_cli: Any) -> None:
+    """The control of the refusals above: the same writer and a faithful pickle give a loadable output."""
+    src = tmp_path / "p.pt"
+    with zipfile.ZipFile(small) as z:
+        _replaced(small, src, "p/a/sd.pkl", z.read("p/a/sd.pkl"))
+    res = run_cli("remap", src, "--to", "cpu", "-o", tmp_path / "out.pt")
+    assert res.exit_code == 0, res.output
+    assert torch.equal(PackageImporter(str(tmp_path / "out.pt")).load_pickle("a", "sd.pkl")["x"], torch.ones(2))

@@ -189,8 +189,8 @@ def _package(path: str, info: CheckpointInfo) -> LoadHint:
     resources = (info.package or {}).get("resources", [])
     ml = map_location_for(set(info.storage_bytes))
     where = f", map_location={ml}" if ml is not None else ""
-    notes = ["PackageImporter runs the package's own code (its modules and pickled objects): load it only if you "
-             "trust its source"]
+    notes = [("PackageImporter runs the package's own code (its modules and pickled objects): load it only if you "
+              "trust its source")]
     if not resources:
         return LoadHint(f"torch.package.PackageImporter({path!r})", notes, ["import torch.package"])
     first = resources[0]

@@ -255,9 +255,9 @@ def _rewritten(p: _Pickle, src: str, fn: LocationFn | None) -> bytes:
         UnsupportedError: a BUILD on a class (class mutation, which the node graph does not hold) or a value the
             pickle writer cannot express, naming the member.
     """
-    mutated = [n for n in p.globals if split_use(n)[1] == CLASS_BUILD]
+    mutated = [split_use(n)[0] for n in p.globals if split_use(n)[1] == CLASS_BUILD]
     if mutated:
-        raise UnsupportedError(f"{src}: member {p.entry.name!r} sets attributes on the class {split_use(mutated[0])[0]} "
+        raise UnsupportedError(f"{src}: member {p.entry.name!r} sets attributes on the class {mutated[0]} "
                                f"itself (class mutation; see `ckptool scan`); ckptool cannot write it back; nothing "
                                f"written. {_ROUTE}")
     written = {id(rec): pid for pid, rec in p.pids}
