@@ -369,3 +369,16 @@ def test_a_rewritable_crafted_pickle_loads(small: Path, tmp_path: Path, run_cli:
     res = run_cli("remap", src, "--to", "cpu", "-o", tmp_path / "out.pt")
     assert res.exit_code == 0, res.output
     assert torch.equal(PackageImporter(str(tmp_path / "out.pt")).load_pickle("a", "sd.pkl")["x"], torch.ones(2))
+
+
+def test_a_resource_that_begins_like_a_pickle_but_is_none_is_refused(small: Path, tmp_path: Path,
+                                                                     run_cli: Any) -> None:
+    """A binary resource whose first bytes are ``PROTO 3`` but which does not read as a pickle: remap cannot tell
+    whether it names storages, so it says so rather than copy it unexamined."""
+    src = tmp_path / "p.pt"
+    _replaced(small, src, "", b"", extra=("p/a/blob", b"\x80\x03 not a pickle"))
+    res = run_cli("remap", src, "--to", "cpu", "-o", tmp_path / "out.pt")
+    errors = [line for line in res.output.splitlines() if line.startswith("Error:")]
+    assert res.exit_code == 1 and len(errors) == 1, res.output
+    assert "'p/a/blob' begins like a pickle but ckptool cannot read it" in errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.pt"]

@@ -186,10 +186,17 @@ def _read_pickles(f: BinaryIO, src: str, entries: list[ZipEntry], top: str,
         rel = e.name[len(top):]
         if rel.startswith(".data/") or rel.endswith(("/", ".py")):
             continue
-        if not rel.endswith(".pkl") and read_member_head(f, e, src, 2) not in _PROTO_HEADS:
+        named = rel.endswith(".pkl")
+        if not named and read_member_head(f, e, src, 2) not in _PROTO_HEADS:
             continue
-        data = read_pickle_member(f, e, src)
-        p = _load(bytes(data), e, rel, f"{e.name} in {src}", storages, cache)
+        try:
+            p = _load(bytes(read_pickle_member(f, e, src)), e, rel, f"{e.name} in {src}", storages, cache)
+        except CorruptCheckpointError as err:
+            if named:
+                raise
+            raise UnsupportedError(f"{src}: member {e.name!r} begins like a pickle but ckptool cannot read it as one "
+                                   f"({err}); remap cannot tell whether it names storages; nothing written. "
+                                   f"{_ROUTE}") from err
         _check_pids(p, src)
         out.append(p)
     return out
