@@ -90,12 +90,14 @@ class _Pickle:
     globals: list[str]
 
 
-def remap_package(src: str, dst: str, *, to: str | None = None, mapping: Mapping[str, str] | None = None,
-                  allow_missing: bool = False, progress: ProgressFn | None = None) -> WriteResult:
+def remap_package(src: str, dst: str, to: str | None = None, mapping: Mapping[str, str] | None = None,
+                  allow_missing: bool = False, progress: ProgressFn | None = None, *, renaming: bool = False
+                  ) -> WriteResult:
     """Write a copy of the ``torch.package`` archive ``src`` to ``dst`` with its storages re-tagged: ``to`` every
     storage, ``mapping`` only the matching tags (:func:`ckptool.model.devices.location_function`); see the module
     docstring for what is rewritten and what is copied. ``dst`` may be ``src`` (in place: the permission bits are
-    kept). ``progress(nbytes)`` is called as members are copied (bytes since the last call).
+    kept). ``progress(nbytes)`` is called as members are copied (bytes since the last call). ``renaming``: the
+    caller also asked for key renamings (``--unwrap``, ``--strip-*``, ``--add-prefix``), which are refused.
 
     Returns a :class:`~ckptool.ops.rewrite.WriteResult` (``format_in`` ``torch-package``, ``storages`` named by the
     pickles, ``retagged`` ``{(old, new): storage count}``, ``bytes_written``).
@@ -103,11 +105,15 @@ def remap_package(src: str, dst: str, *, to: str | None = None, mapping: Mapping
     Raises:
         UsageError: bad device strings, or both ``to`` and ``mapping``.
         DeviceNotFoundError: a ``mapping`` source matches no storage of the archive, unless ``allow_missing``.
-        UnsupportedError: a member ckptool cannot rewrite faithfully (``reduce_package`` ids, TorchScript code, a BUILD
-            on a class, ...); nothing written.
-        CorruptCheckpointError / NotACheckpointError: a damaged archive, pickle or storage record.
+        UnsupportedError: ``renaming`` (a package's pickles hold objects, not state_dict keys to rename); not a
+            package with one top folder; a member ckptool cannot rewrite faithfully (``reduce_package`` ids,
+            TorchScript code, a BUILD on a class, ...); nothing written.
+        CorruptCheckpointError: a damaged archive, pickle or storage record.
         OutputError: writing ``dst`` failed (nothing left behind).
     """
+    if renaming:
+        raise UnsupportedError(f"{src} is a torch.package archive: its pickles hold objects, not state_dict keys to "
+                               "rename; remap re-tags it without --unwrap / --strip-* / --add-prefix")
     entries, top = _members(src)
     storages: dict[str, StorageRef] = {}
     with source.open_binary(src) as f:
@@ -138,8 +144,8 @@ def _members(src: str) -> tuple[list[ZipEntry], str]:
     """The archive's members in directory order and its top folder (with ``/``).
 
     Raises:
-        NotACheckpointError: not a ``torch.package`` archive.
-        UnsupportedError: a member outside the top folder, a name used twice, a TorchScript part.
+        UnsupportedError: not a ``torch.package`` archive with one top folder; a member outside that folder, a name
+            used twice, a TorchScript part.
     """
     entries = list(formats.zip_entries(src))
     first = entries[0].name if entries else ""

@@ -12,10 +12,10 @@ import os
 from collections.abc import Mapping, Sequence
 
 from ckptool._gc import gc_paused
-from ckptool.errors import UnsupportedError, UsageError
+from ckptool.errors import UsageError
 from ckptool.formats import detect as formats
 from ckptool.model.devices import parse_device
-from ckptool.model.rename_plan import build_plan
+from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.package_rewrite import remap_package
 from ckptool.ops.rename import RenameResult, rename_graph
 from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, refuse_unwritable, retag_function, rewrite_file
@@ -58,7 +58,7 @@ def remap(
     result is then a :class:`~ckptool.ops.shard_rewrite.SetWriteResult` (``SetRenameResult`` with a renaming) whose
     ``dst`` is the output index. A set of safetensors shards is refused as one safetensors file is.
 
-    A ``torch.package`` archive is rewritten by :func:`ckptool.ops.package_rewrite.remap_package` (the tags in its
+    A ``torch.package`` archive is re-tagged by :func:`ckptool.ops.package_rewrite.remap_package` (the tags in its
     pickles' storage ids; every other member copied byte for byte; nothing of the package run), without renamings.
 
     The key renamings of :mod:`ckptool.ops.rename` can be done in the same pass (one read, one write):
@@ -97,14 +97,20 @@ def remap(
         out = remap_output(opened, dst, to=to, in_place=in_place)
         return rewrite_set(index, out, operation="remap", plan=plan, to=to, mapping=mapping, key=key,
                            allow_missing=allow_missing, progress=progress)
+    return _remap_file(opened, dst, plan, to=to, mapping=mapping, in_place=in_place, key=key,
+                       allow_missing=allow_missing, progress=progress)
+
+
+def _remap_file(opened: Opened, dst: str | os.PathLike[str] | None, plan: RenamePlan | None, *, to: str | None,
+                mapping: Mapping[str, str] | None, in_place: bool, key: str | None, allow_missing: bool,
+                progress: ProgressFn | None) -> WriteResult:
+    """:func:`remap` of one file ``opened`` (arguments as there), with the renaming ``plan`` (None: none); a
+    ``torch.package`` archive through :func:`ckptool.ops.package_rewrite.remap_package` (no renaming)."""
     src = opened.target
     refuse_unwritable(opened.format, src, "remap")
     out = remap_output(opened, dst, to=to, in_place=in_place)
     if opened.format == formats.TORCH_PACKAGE:
-        if plan is not None:
-            raise UnsupportedError(f"{src} is a torch.package archive: its pickles hold objects, not state_dict "
-                                   "keys to rename; remap re-tags it without --unwrap / --strip-* / --add-prefix")
-        return remap_package(src, out, to=to, mapping=mapping, allow_missing=allow_missing, progress=progress)
+        return remap_package(src, out, to, mapping, allow_missing, progress, renaming=plan is not None)
     ck = opened.graph()
     fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     if plan is None:
