@@ -7,6 +7,7 @@ cell that exits 0 prints the table's reason."""
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,8 @@ def _open_dcp(folder: Path) -> dict[str, torch.Tensor]:
 
 def _open(out: Path) -> dict[str, torch.Tensor]:
     """The one output file under ``out`` (or the set its ``*.index.json`` names, shard by shard; or the DCP folder),
-    opened by torch's or safetensors' own loader."""
+    opened by torch's or safetensors' own loader (a torch.package archive: ``PackageImporter.load_pickle`` of the
+    fixture's pickle)."""
     from safetensors.torch import load_file
 
     index = [p for p in out.iterdir() if p.name.endswith(".index.json")]
@@ -109,8 +111,21 @@ def _open(out: Path) -> dict[str, torch.Tensor]:
         return _open_dcp(path)
     if path.suffix == ".safetensors":
         return load_file(str(path))
+    if _is_package(path):
+        from torch.package import PackageImporter  # a torch.package archive (the fixture's pickle: our own package)
+
+        package: dict[str, torch.Tensor] = PackageImporter(str(path)).load_pickle("model", "state_dict.pkl")
+        return package
     loaded: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
     return loaded
+
+
+def _is_package(path: Path) -> bool:
+    """True for a torch.package archive (a zip holding ``<top>/.data/extern_modules``)."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any(n.endswith("/.data/extern_modules") for n in z.namelist())
 
 
 def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

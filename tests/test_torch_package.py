@@ -147,6 +147,8 @@ def test_missing_storage_record_is_corrupt(packages: dict[str, Path], tmp_path: 
 
 
 def test_other_commands_refuse_naming_the_format(packages: dict[str, Path], run_cli, tmp_path: Path) -> None:
-    res = run_cli("remap", packages["sd"], "--to", "cpu", "-o", tmp_path / "out.pt")
-    assert res.exit_code != 0 and "torch.package archive" in res.output
-    assert not (tmp_path / "out.pt").exists()
+    # (remap re-tags a package: tests/test_package_remap.py)
+    for args in (["sanitize"], ["add-prefix", "net."], ["remap", "--to", "cpu", "--unwrap"]):
+        res = run_cli(args[0], packages["sd"], *args[1:], "-o", tmp_path / "out.pt")
+        assert res.exit_code != 0 and "torch.package archive" in res.output, args
+        assert not (tmp_path / "out.pt").exists()

@@ -18,6 +18,8 @@ the one Python expression that opens it with plain torch on a machine without a 
   pickle, numpy arrays, an ``argparse.Namespace``) -> a note naming ``ckptool sanitize`` first, and
   ``weights_only=False`` in the expression, for a source the user trusts.
 * a state_dict inside a bigger dict -> the indexing (``['state_dict']``) inside ``model.load_state_dict(...)``.
+* a ``torch.package`` archive (remap's output) -> ``torch.package.PackageImporter(path).load_pickle(...)`` of its
+  first pickle, with a note that it runs the package's code.
 
 Importing this module does not import torch.
 """
@@ -180,6 +182,27 @@ def _safetensors(path: str, sharded: bool, state_dict: str | None) -> tuple[str,
     return code, imports, notes
 
 
+def _package(path: str, info: CheckpointInfo) -> LoadHint:
+    """A ``torch.package`` archive: ``PackageImporter(path).load_pickle(package, resource)`` of its first pickle
+    (``map_location`` as for ``torch.load``), with a note that it runs the package's code and, for several
+    pickles, names the others."""
+    resources = (info.package or {}).get("resources", [])
+    ml = map_location_for(set(info.storage_bytes))
+    where = f", map_location={ml}" if ml is not None else ""
+    notes = [("PackageImporter runs the package's own code (its modules and pickled objects): load it only if you "
+              "trust its source")]
+    if not resources:
+        return LoadHint(f"torch.package.PackageImporter({path!r})", notes, ["import torch.package"])
+    first = resources[0]
+    if len(resources) > 1:
+        others = ", ".join(f"({r['package']!r}, {r['resource']!r})" for r in resources[1:_LISTED + 1])
+        notes.append(f"the archive holds {len(resources)} pickles; load the others with load_pickle(package, "
+                     f"resource{where}) too: {others}{' and more' if len(resources) > _LISTED + 1 else ''}")
+    code = (f"torch.package.PackageImporter({path!r}).load_pickle({first['package']!r}, {first['resource']!r}"
+            f"{where})")
+    return LoadHint(code, notes, ["import torch.package"])
+
+
 def _sharded_torch(path: str, info: CheckpointInfo) -> str:
     """One dict merged from the torch shards the index at ``path`` lists."""
     one = _torch_load("f", set(info.storage_bytes), not info.weights_only_loads)
@@ -214,6 +237,8 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
     if info.format in (formats.SAFETENSORS, "sharded-safetensors"):
         code, imports, notes = _safetensors(path, info.format != formats.SAFETENSORS, state_dict)
         return LoadHint(code, notes, imports)
+    if info.format == formats.TORCH_PACKAGE:
+        return _package(path, info)
     unsafe = info.unsafe_globals
     tags = set(info.storage_bytes)
     if unsafe:

@@ -92,8 +92,9 @@ MATRIX: dict[tuple[str, str], Cell] = {
     ),
     **_row(
         "torch-package",
-        **{op.replace("-", "_"): _PKG for op in OPERATIONS if op not in ("scan", "inspect", "report")},
+        **{op.replace("-", "_"): _PKG for op in OPERATIONS if op not in ("scan", "inspect", "report", "remap")},
         scan=Cell("works", "safe"),
+        remap=Cell("works", "re-tagged"),
     ),
     **_row(
         "safetensors",

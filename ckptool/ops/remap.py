@@ -13,9 +13,11 @@ from collections.abc import Mapping, Sequence
 
 from ckptool._gc import gc_paused
 from ckptool.errors import UsageError
+from ckptool.formats import detect as formats
 from ckptool.model.devices import parse_device
-from ckptool.model.rename_plan import build_plan
+from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.dcp_rewrite import dcp_folder, dcp_output, rewrite_dcp
+from ckptool.ops.package_rewrite import remap_package
 from ckptool.ops.rename import RenameResult, rename_graph
 from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, refuse_unwritable, retag_function, rewrite_file
 from ckptool.ops.shard_rewrite import opened_input, rewrite_set, set_index, set_output
@@ -62,6 +64,9 @@ def remap(
     only the tensors its non-tensor entries hold are re-tagged, and a folder with no tag to change raises
     UnsupportedError ("nothing to remap") unless keys are renamed in the same pass.
 
+    A ``torch.package`` archive is re-tagged by :func:`ckptool.ops.package_rewrite.remap_package` (the tags in its
+    pickles' storage ids; every other member copied byte for byte; nothing of the package run), without renamings.
+
     The key renamings of :mod:`ckptool.ops.rename` can be done in the same pass (one read, one write):
     ``strip_prefixes``, ``strip_dataparallel``, ``unwrap`` and ``add_prefix``, applied in that order to the
     state_dict(s) found, or to the one at dotted path ``key``; ``allow_missing`` as in
@@ -105,9 +110,20 @@ def remap(
         out = remap_output(opened, dst, to=to, in_place=in_place)
         return rewrite_set(index, out, operation="remap", plan=plan, to=to, mapping=mapping, key=key,
                            allow_missing=allow_missing, progress=progress)
+    return _remap_file(opened, dst, plan, to=to, mapping=mapping, in_place=in_place, key=key,
+                       allow_missing=allow_missing, progress=progress)
+
+
+def _remap_file(opened: Opened, dst: str | os.PathLike[str] | None, plan: RenamePlan | None, *, to: str | None,
+                mapping: Mapping[str, str] | None, in_place: bool, key: str | None, allow_missing: bool,
+                progress: ProgressFn | None) -> WriteResult:
+    """:func:`remap` of one file ``opened`` (arguments as there), with the renaming ``plan`` (None: none); a
+    ``torch.package`` archive through :func:`ckptool.ops.package_rewrite.remap_package` (no renaming)."""
     src = opened.target
     refuse_unwritable(opened.format, src, "remap")
     out = remap_output(opened, dst, to=to, in_place=in_place)
+    if opened.format == formats.TORCH_PACKAGE:
+        return remap_package(src, out, to, mapping, allow_missing, progress, renaming=plan is not None)
     ck = opened.graph()
     fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     if plan is None:
