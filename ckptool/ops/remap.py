@@ -26,19 +26,10 @@ from ckptool.readers import Opened, open_checkpoint
 
 @gc_paused
 def remap(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str] | None = None,
-    *,
-    to: str | None = None,
-    mapping: Mapping[str, str] | None = None,
-    in_place: bool = False,
-    unwrap: bool = False,
-    strip_dataparallel: bool = False,
-    strip_prefixes: str | Sequence[str] = (),
-    add_prefix: str | None = None,
-    key: str | None = None,
-    allow_missing: bool = False,
-    allow_nested: bool = False,
+    src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = None, *, to: str | None = None,
+    mapping: Mapping[str, str] | None = None, in_place: bool = False, unwrap: bool = False,
+    strip_dataparallel: bool = False, strip_prefixes: str | Sequence[str] = (), add_prefix: str | None = None,
+    key: str | None = None, allow_missing: bool = False, allow_nested: bool = False,
     progress: ProgressFn | None = None,
 ) -> WriteResult:
     """Write a copy of checkpoint ``src`` whose storages are tagged for another device.
