@@ -19,25 +19,27 @@ from ckptool.cli._common import (
     json_option,
     key_option,
     mapping_of,
-    output_options,
     refuse_stdout,
     renamed_state_dict,
     report_write,
     retagged_list,
+    set_output_options,
     source_size,
     write_payload,
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.errors import UsageError
 from ckptool.ops.average import AverageResult, average
-from ckptool.ops.rewrite import output_path
-from ckptool.ops.surgery import FilterResult, RuleResult, filter_keys, load_rules, rename
+from ckptool.ops.shard_rewrite import set_detail, set_payload
+from ckptool.ops.surgery import FilterResult, RuleResult, filter_keys, load_rules, rename, surgery_output
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _EPILOG = ("Tensor records are copied, not decoded (torch is not imported). The output is written to a temporary "
            "file, fsynced and renamed into place; SRC is left untouched unless --in-place is given, and nothing is "
-           "written when the command fails.")
+           "written when the command fails. A sharded set (*.index.json or its folder) is written as a set with its "
+           "index (-o a folder); a torch.distributed.checkpoint folder as a new DCP folder (-o a new or empty "
+           "folder). See docs/commands/surgery.md.")
 
 _KEY_HELP = ("Dotted path of the state_dict to change (state_dict, model_state_dict, ema). Default: every "
              "state_dict found (optimizer state never).")
@@ -56,15 +58,18 @@ def _dry_run(what: str) -> Callable[[F], F]:
 def _target(src: str, dst: str | None, in_place: bool, force: bool, dry_run: bool, tag: str) -> str | None:
     """The output path (claimed), or None for a dry run."""
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
+    out = surgery_output(src, dst, in_place, tag, force=force)  # checked for a dry run too (--in-place on a set)
     if dry_run:
         return None
-    return claim_output(output_path(src, dst, in_place, tag), force=force, in_place=in_place)
+    return claim_output(out, force=force, in_place=in_place)
 
 
-def _stored(n: int, format_in: str, retagged: dict[tuple[str, str], int]) -> str:
-    """``N storages`` (``N tensors`` for safetensors) and the re-tagging, for the ``Wrote ...`` line."""
-    tags = "".join(f"; re-tagged {a} -> {b} ({k})" for (a, b), k in sorted(retagged.items()))
-    return f"{n} {'tensors' if format_in == 'safetensors' else 'storages'}{tags}"
+def _stored(res: RuleResult | FilterResult) -> str:
+    """``N storages`` (``N tensors`` for safetensors, ``N records`` for a DCP folder), the shards of a set and the
+    re-tagging, for the ``Wrote ...`` line."""
+    tags = "".join(f"; re-tagged {a} -> {b} ({k})" for (a, b), k in sorted(res.retagged.items()))
+    unit = {"safetensors": "tensors", "dcp": "records"}.get(res.format_in, "storages")
+    return f"{res.storages} {unit}{set_detail(res)}{tags}"
 
 
 # ------------------------------------------------------------------------------------------------ rename
@@ -93,7 +98,7 @@ def _report_rename(res: RuleResult) -> None:
 @device_options
 @_allow_unused("rule")
 @_dry_run("renamed (old -> new)")
-@output_options
+@set_output_options
 @json_option("rename")
 def rename_cmd(src: str, rules: tuple[str, ...], rules_file: str | None, key: str | None, to: str | None,
                maps: tuple[str, ...], allow_unused: bool, dry_run: bool, dst: str | None, in_place: bool, force: bool,
@@ -122,7 +127,7 @@ def rename_cmd(src: str, rules: tuple[str, ...], rules_file: str | None, key: st
     sd = renamed_state_dict(res)
     if as_json:
         payload = {**write_payload(res, res), "rules": [vars(u) for u in res.rules], "dry_run": res.dry_run,
-                   "renames": [{"path": p, "old": o, "new": n} for p, o, n in res.renames]}
+                   "renames": [{"path": p, "old": o, "new": n} for p, o, n in res.renames], **set_payload(res)}
         _emit(res, "rename", payload, sd, to, maps)
         return
     _report_rename(res)
@@ -142,7 +147,7 @@ def _report_output(res: RuleResult | FilterResult, sd: str | None, to: str | Non
     if res.dry_run:
         click.echo("Dry run: nothing was written")
         return
-    report_write(res.dst, res.bytes_written, _stored(res.storages, res.format_in, res.retagged))
+    report_write(res.dst, res.bytes_written, _stored(res))
     report_hint(res.dst, state_dict=sd, to=to, maps=maps)
 
 
@@ -178,7 +183,7 @@ def _report_filter(res: FilterResult) -> None:
 @device_options
 @_allow_unused("glob")
 @_dry_run("dropped")
-@output_options
+@set_output_options
 @json_option("filter")
 def filter_cmd(src: str, keep: tuple[str, ...], drop: tuple[str, ...], key: str | None, to: str | None,
                maps: tuple[str, ...], allow_unused: bool, dry_run: bool, dst: str | None, in_place: bool, force: bool,
@@ -207,7 +212,7 @@ def filter_cmd(src: str, keep: tuple[str, ...], drop: tuple[str, ...], key: str 
             "bytes_written": res.bytes_written, "retagged": retagged_list(res.retagged), "key": res.key,
             "extracted": res.extracted, "dry_run": res.dry_run,
             "changes": [{"path": c.path, "keys": c.keys, "kept": c.kept, "dropped": c.dropped} for c in res.changes],
-            "globs": [{"kind": k, "glob": g, "matched": n} for k, g, n in res.globs]}
+            "globs": [{"kind": k, "glob": g, "matched": n} for k, g, n in res.globs], **set_payload(res)}
         _emit(res, "filter", payload, sd, to, maps)
         return
     _report_filter(res)
