@@ -58,7 +58,7 @@ def _dry_run(what: str) -> Callable[[F], F]:
 def _target(src: str, dst: str | None, in_place: bool, force: bool, dry_run: bool, tag: str) -> str | None:
     """The output path (claimed), or None for a dry run."""
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
-    out = surgery_output(src, dst, in_place, tag, force=force)  # checked for a dry run too (--in-place on a set)
+    out = surgery_output(src, dst, in_place, tag, force=force or dry_run)  # a dry run checks --in-place too
     if dry_run:
         return None
     return claim_output(out, force=force, in_place=in_place)

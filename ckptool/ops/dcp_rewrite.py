@@ -323,15 +323,12 @@ def _drop(meta: DcpMetadata, records: list[_Record],
     fqns = {old: ".".join(map(str, p)) for old, p in paths.items()}
     raise_on_collisions(fqns, where=meta.folder)
     st = meta.root.state
-    for k in gone:
-        st["state_dict_metadata"].pop(k, None)
-        if isinstance(st.get("planner_data"), dict):
-            st["planner_data"].pop(k, None)
+    for table in (st["state_dict_metadata"], st.get("planner_data"), st["storage_data"]):  # the last by its fqn
+        if isinstance(table, dict):
+            for k in [k for k in table if (k.state["fqn"] if isinstance(k, PickledObject) else k) in gone]:
+                del table[k]
     for r in records:
         r.dropped = r.fqn in gone
-    storage_data = st["storage_data"]
-    for idx in [i for i in storage_data if isinstance(i, PickledObject) and i.state.get("fqn") in gone]:
-        del storage_data[idx]
     meta.entries = [e for e in meta.entries if e.fqn not in gone]
     return fqns, paths
 
@@ -573,9 +570,7 @@ def rewrite_dcp(
 def _write(folder: str, dst: str, meta: DcpMetadata, records: list[_Record], sizes: dict[str, int],
            fqns: dict[str, str], res: SetWriteResult, retag: tuple[str | None, Mapping[str, str] | None, bool, bool],
            progress: ProgressFn | None) -> None:
-    """The writing of :func:`rewrite_dcp`: non-tensor records re-tagged (``retag``: ``to``, ``mapping``,
-    ``allow_missing``, renaming), data files and ``.metadata`` staged, read back and moved into place; ``res``
-    filled."""
+    """:func:`rewrite_dcp`'s writing (``retag``: ``to``, ``mapping``, ``allow_missing``, renaming); fills ``res``."""
     to, mapping, allow_missing, renaming = retag
     with temp_path(dst, folder=True) as scratch:
         if to is not None or mapping:
@@ -593,10 +588,11 @@ def _write(folder: str, dst: str, meta: DcpMetadata, records: list[_Record], siz
     res.files = [os.path.join(dst, n) for n in names]
     left = sorted(n for n in os.listdir(folder) if n != METADATA_FILE and n not in sizes)
     dropped = sum(r.dropped for r in records)
-    res.notes.append(f"{res.storages} records (tensor chunks and non-tensor entries); the .distcp data files "
-                     "were copied byte for byte" + (
-        "; those holding a re-tagged non-tensor entry were laid out anew around it" if res.retagged else "") + (
-        f"; {dropped} record(s) of dropped entries were left out (their files laid out anew)" if dropped else ""))
+    how = (f"the records of the dropped entries ({dropped}) were left out, the files holding one laid out anew"
+           if dropped else "those holding a re-tagged non-tensor entry were laid out anew around it" if res.retagged
+           else "")
+    res.notes.append(f"{res.storages} records (tensor chunks and non-tensor entries); the .distcp data files were "
+                     f"copied byte for byte{'; ' + how if how else ''}")
     if left:
         res.notes.append(f"not copied (no record of .metadata names them): {', '.join(left[:5])}"
                          f"{' ...' if len(left) > 5 else ''}")
