@@ -5,7 +5,7 @@ plus the index that maps each tensor name to its shard) is rewritten shard by sh
 :func:`ckptool.ops.rewrite.rewrite_file` for torch shards (tensor records copied byte for byte, location tags and
 the pickle's keys rewritten), :func:`ckptool.ops.rename.write_renamed_safetensors` for safetensors shards (a new
 JSON header, the data block copied). The output is a set of the same layout (one output shard per input shard, in
-index order) with its index: ``weight_map`` keys renamed as the shards' keys are, ``metadata`` kept as it was.
+the order of their file names: ``-00002-of-00004`` stays the second) with its index: ``weight_map`` keys renamed as the shards' keys are, ``metadata`` kept as it was.
 
 Everything is checked on the whole set before a byte is written: the renaming is planned over the keys of every
 shard at once (:func:`ckptool.model.rename_plan.plan_keys`), so a key renamed in one shard that collides with a key
@@ -242,7 +242,7 @@ def _data_bytes(shards: list[_Shard]) -> int:
 
 @dataclass
 class OpenSet:
-    """A sharded set read for a rewrite (structure only, no tensor data): its ``index``, ``shards`` (index order),
+    """A sharded set read for a rewrite (structure only, no tensor data): its ``index``, ``shards`` (by file name),
     whether they are ``safetensors`` shards, and ``names``: every key of the set (the shards' keys, then names only
     the index lists)."""
 
@@ -268,7 +268,9 @@ def open_set(index_path: str, *, key: str | None = None) -> OpenSet:
         raise UsageError(f"{index_path} is a sharded set: its shards hold one flat state_dict, so --key does not "
                          "apply")
     index = read_index(index_path)
-    shards = [_open_shard(index, name) for name in index.shards]
+    # in file-name order (model-00001-of-00004... first), not the index's order of first appearance: transformers
+    # writes the weight_map sorted by tensor name, so that order would give shard 2 the name of shard 1
+    shards = [_open_shard(index, name) for name in sorted(index.shards)]
     if not shards:
         raise UnsupportedError(f"{index_path} names no shard (an empty weight_map); there is nothing to rewrite")
     kinds = {s.fmt == formats.SAFETENSORS for s in shards}
@@ -341,6 +343,17 @@ def _drop_from_shard(shard: _Shard, gone: set[str]) -> None:
     shard.ck = prune_storages(shard.ck, shard.ck.root)
 
 
+def _output_layout(s: OpenSet, shards: list[_Shard], dst: str, key_map: dict[str, str],
+                   gone: set[str]) -> tuple[SetLayout, dict[str, str]]:
+    """The layout of the output set of ``shards`` (those of ``s`` written) at ``dst``, and its ``weight_map``:
+    names renamed by ``key_map``, the names ``gone`` left out, shards numbered in order."""
+    layout = _layout(s.index, s.shards[0].name, s.safetensors, dst)
+    out_names = layout.shard_names(len(shards)) if len(shards) > 1 else [layout.stem + layout.ext]
+    position = {sh.name: i for i, sh in enumerate(shards)}
+    return layout, {key_map.get(k, k): out_names[position[v]] for k, v in s.index.weight_map.items()
+                    if k not in gone and v in position}
+
+
 def rewrite_set(
     src: str | OpenSet, dst: str, *, operation: str, plan: RenamePlan | None = None, to: str | None = None,
     mapping: Mapping[str, str] | None = None, key: str | None = None, allow_missing: bool = False,
@@ -379,11 +392,7 @@ def rewrite_set(
     shards = [sh for sh in s.shards if not gone or any(k not in gone for k in sh.keys)]
     if not shards:
         raise UsageError(f"{index_path}: the filter matched every key of the set; nothing was written")
-    layout = _layout(index, s.shards[0].name, s.safetensors, dst)
-    out_names = layout.shard_names(len(shards)) if len(shards) > 1 else [layout.stem + layout.ext]
-    position = {sh.name: i for i, sh in enumerate(shards)}
-    weight_map = {key_map.get(k, k): out_names[position[v]] for k, v in index.weight_map.items()
-                  if k not in gone and v in position}
+    layout, weight_map = _output_layout(s, shards, dst, key_map, gone)
     metadata = index.metadata
     if gone:  # total_size counted anew as the shards are written (the index is written after them)
         metadata = {**(index.metadata or {}), "total_size": 0}
