@@ -141,7 +141,7 @@ def test_set_refusals_write_nothing(run_cli: Callable[..., Any], tmp_path: Path)
     index = _make_set(run_cli, tmp_path, "safetensors")
     with pytest.raises(PrefixNotFoundError, match="matches no key"):
         ckptool.rename(index, tmp_path / "out", rules=[r"^nothing\.="])
-    with pytest.raises(KeyCollisionError, match="'head.bias' <- "):
+    with pytest.raises(KeyCollisionError, match=r"'head\.bias' <- "):
         ckptool.rename(index, tmp_path / "out", rules=[r"^enc\.=head."])
     with pytest.raises(PrefixNotFoundError, match="matches no key"):
         ckptool.filter_keys(index, tmp_path / "out", keep="decoder.*")

@@ -5,7 +5,8 @@ plus the index that maps each tensor name to its shard) is rewritten shard by sh
 :func:`ckptool.ops.rewrite.rewrite_file` for torch shards (tensor records copied byte for byte, location tags and
 the pickle's keys rewritten), :func:`ckptool.ops.rename.write_renamed_safetensors` for safetensors shards (a new
 JSON header, the data block copied). The output is a set of the same layout (one output shard per input shard, in
-the order of their file names: ``-00002-of-00004`` stays the second) with its index: ``weight_map`` keys renamed as the shards' keys are, ``metadata`` kept as it was.
+the order of their file names: ``-00002-of-00004`` stays the second) with its index: ``weight_map`` keys renamed
+as the shards' keys are, ``metadata`` kept as it was.
 
 Everything is checked on the whole set before a byte is written: the renaming is planned over the keys of every
 shard at once (:func:`ckptool.model.rename_plan.plan_keys`), so a key renamed in one shard that collides with a key
