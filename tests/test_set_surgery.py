@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
+from tagging import location_tags as tagged
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -163,10 +164,13 @@ def test_filter_set_allow_unused(tmp_path: Path, run_cli: Callable[..., Any]) ->
 
 
 # ------------------------------------------------------------------------------------------------ DCP
-def _save(state: dict[str, Any], folder: Path, **writer: Any) -> Path:
+def _save(state: dict[str, Any], folder: Path, cuda: tuple[torch.Tensor, ...] = (), **writer: Any) -> Path:
+    """``dcp.save(state)`` into ``folder`` (one process); the storages of ``cuda`` are tagged ``cuda:0``."""
+    ptrs = {t.untyped_storage().data_ptr() for t in cuda}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=FileSystemWriter(str(folder), **writer), no_dist=True)
+        with tagged(lambda storage, real: "cuda:0" if storage.data_ptr() in ptrs else real):
+            dcp.save(state, storage_writer=FileSystemWriter(str(folder), **writer), no_dist=True)
     return folder
 
 
@@ -239,6 +243,20 @@ def test_filter_dcp_key_extracts_and_leaves_emptied_files(tmp_path: Path) -> Non
     assert sorted(md.state_dict_metadata) == ["enc.bias", "enc.weight"]
     files = {i.relative_path for i in md.storage_data.values()}
     assert sorted(p.name for p in (tmp_path / "out").glob("*.distcp")) == sorted(files)
+
+
+def test_filter_dcp_and_remap_in_one_pass(tmp_path: Path) -> None:
+    """--to cpu with filter, as with rename: a non-tensor entry tagged cuda:0 is re-tagged while the biases are
+    dropped (torch reads the output without a GPU); a folder with nothing to re-tag is filtered all the same."""
+    extra = (torch.arange(3.0),)
+    src = _save({"model": _sd(), "extra": extra}, tmp_path / "ckpt", cuda=extra)
+    res = ckptool.filter_keys(src, tmp_path / "out", drop="*.bias", to="cpu")
+    assert res.retagged == {("cuda:0", "cpu"): 1}
+    back = _back(tmp_path / "out")
+    _same(back["model"], {k: v for k, v in _sd().items() if k.endswith("weight")})
+    assert torch.equal(back["extra"][0], extra[0])
+    ckptool.filter_keys(tmp_path / "out", tmp_path / "again", drop="enc.*", to="cpu")
+    _same(_back(tmp_path / "again")["model"], {"head.weight": _sd()["head.weight"]})
 
 
 def test_dcp_refusals_write_nothing(run_cli: Callable[..., Any], tmp_path: Path) -> None:

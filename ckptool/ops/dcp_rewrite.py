@@ -560,8 +560,8 @@ def rewrite_dcp(
     res = SetWriteResult(folder, "" if dry_run else dst, "dcp", storages=sum(not r.dropped for r in records),
                          shards=len(sizes))
     if not dry_run:
-        _write(folder, dst, meta, records, sizes, fqns, res, (to, mapping, allow_missing, rename is not None),
-               progress)
+        changing = rename is not None or drop is not None
+        _write(folder, dst, meta, records, sizes, fqns, res, (to, mapping, allow_missing, changing), progress)
     if summary is None:
         return res
     return SetRenameResult(**vars(res), operation=operation, **vars(summary))
@@ -570,7 +570,8 @@ def rewrite_dcp(
 def _write(folder: str, dst: str, meta: DcpMetadata, records: list[_Record], sizes: dict[str, int],
            fqns: dict[str, str], res: SetWriteResult, retag: tuple[str | None, Mapping[str, str] | None, bool, bool],
            progress: ProgressFn | None) -> None:
-    """:func:`rewrite_dcp`'s writing (``retag``: ``to``, ``mapping``, ``allow_missing``, renaming); fills ``res``."""
+    """:func:`rewrite_dcp`'s writing (``retag``: ``to``, ``mapping``, ``allow_missing``, whether the entries change
+    too); fills ``res``."""
     to, mapping, allow_missing, renaming = retag
     with temp_path(dst, folder=True) as scratch:
         if to is not None or mapping:
