@@ -163,6 +163,15 @@ def test_filter_set_allow_unused(tmp_path: Path, run_cli: Callable[..., Any]) ->
     _same(_load_set(tmp_path / "out" / index.name), {k: v for k, v in _sd().items() if k.startswith("enc.")})
 
 
+def test_filter_set_to_one_shard(run_cli: Callable[..., Any], tmp_path: Path) -> None:
+    """A filter that leaves one shard writes it under the single-file name (model.safetensors), with the index
+    still beside it (the output of a set is a set: the same command loads it)."""
+    index = _make_set(run_cli, tmp_path, "safetensors")
+    ckptool.filter_keys(index, tmp_path / "out", keep="enc.weight")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors", index.name]
+    _same(_load_set(tmp_path / "out" / index.name), {"enc.weight": _sd()["enc.weight"]})
+
+
 # ------------------------------------------------------------------------------------------------ DCP
 def _save(state: dict[str, Any], folder: Path, cuda: tuple[torch.Tensor, ...] = (), **writer: Any) -> Path:
     """``dcp.save(state)`` into ``folder`` (one process); the storages of ``cuda`` are tagged ``cuda:0``."""

@@ -109,13 +109,15 @@ def rename_cmd(src: str, rules: tuple[str, ...], rules_file: str | None, key: st
     '^=module.' is add-prefix module. The state_dict's _metadata is renamed with the keys and tied
     tensors stay tied; optimizer state and other entries stay as they are. Exits with an error when two
     keys would become one (listed) or a rule matches no key (see --allow-unused). Without -o the result
-    is written next to SRC as <stem>.renamed<ext>.
+    is written next to SRC as <stem>.renamed<ext> (a sharded set or DCP folder: the folder
+    <folder>.renamed).
 
     \b
     Examples:
       ckptool rename model.pth --rule '^features\\.=backbone.' --dry-run
       ckptool rename last.ckpt --key state_dict --rule '^model\\.=' -o bare.ckpt
       ckptool rename vit.safetensors --rules rules.yaml -o renamed.safetensors
+      ckptool rename llama/ --rule '^model\\.=' -o llama_bare/     # a sharded set
     """
     all_rules: list[Any] = [*(load_rules(rules_file) if rules_file else []), *rules]
     if not all_rules:
@@ -194,12 +196,14 @@ def filter_cmd(src: str, keep: tuple[str, ...], drop: tuple[str, ...], key: str 
     tensors' bytes leave the file; _metadata is kept. With --key the output is that state_dict alone
     (extracted from a training checkpoint). Exits with an error when a glob matches no key (see
     --allow-unused) or every key would go. Without -o the result is written next to SRC as
-    <stem>.filtered<ext>.
+    <stem>.filtered<ext> (a sharded set or DCP folder: the folder <folder>.filtered; a shard left
+    empty is not written).
 
     \b
     Examples:
       ckptool filter model.pth --drop 'classifier.*' -o backbone.pth
       ckptool filter train.pth --key state_dict_ema --keep 'encoder.*' -o encoder_ema.pth
+      ckptool filter dcp_ckpt/ --key model --drop 'head.*' -o backbone_dcp/   # a DCP folder
     """
     out = _target(src, dst, in_place, force, dry_run, "filtered")
     with Progress("filter", source_size(src)) as bar:
