@@ -19,25 +19,27 @@ from ckptool.cli._common import (
     json_option,
     key_option,
     mapping_of,
-    output_options,
     refuse_stdout,
     renamed_state_dict,
     report_write,
     retagged_list,
+    set_output_options,
     source_size,
     write_payload,
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.errors import UsageError
 from ckptool.ops.average import AverageResult, average
-from ckptool.ops.rewrite import output_path
-from ckptool.ops.surgery import FilterResult, RuleResult, filter_keys, load_rules, rename
+from ckptool.ops.shard_rewrite import set_detail, set_payload
+from ckptool.ops.surgery import FilterResult, RuleResult, filter_keys, load_rules, rename, surgery_output
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _EPILOG = ("Tensor records are copied, not decoded (torch is not imported). The output is written to a temporary "
            "file, fsynced and renamed into place; SRC is left untouched unless --in-place is given, and nothing is "
-           "written when the command fails.")
+           "written when the command fails. A sharded set (*.index.json or its folder) is written as a set with its "
+           "index (-o a folder); a torch.distributed.checkpoint folder as a new DCP folder (-o a new or empty "
+           "folder). See docs/commands/surgery.md.")
 
 _KEY_HELP = ("Dotted path of the state_dict to change (state_dict, model_state_dict, ema). Default: every "
              "state_dict found (optimizer state never).")
@@ -56,15 +58,18 @@ def _dry_run(what: str) -> Callable[[F], F]:
 def _target(src: str, dst: str | None, in_place: bool, force: bool, dry_run: bool, tag: str) -> str | None:
     """The output path (claimed), or None for a dry run."""
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
+    out = surgery_output(src, dst, in_place, tag, force=force or dry_run)  # a dry run checks --in-place too
     if dry_run:
         return None
-    return claim_output(output_path(src, dst, in_place, tag), force=force, in_place=in_place)
+    return claim_output(out, force=force, in_place=in_place)
 
 
-def _stored(n: int, format_in: str, retagged: dict[tuple[str, str], int]) -> str:
-    """``N storages`` (``N tensors`` for safetensors) and the re-tagging, for the ``Wrote ...`` line."""
-    tags = "".join(f"; re-tagged {a} -> {b} ({k})" for (a, b), k in sorted(retagged.items()))
-    return f"{n} {'tensors' if format_in == 'safetensors' else 'storages'}{tags}"
+def _stored(res: RuleResult | FilterResult) -> str:
+    """``N storages`` (``N tensors`` for safetensors, ``N records`` for a DCP folder), the shards of a set and the
+    re-tagging, for the ``Wrote ...`` line."""
+    tags = "".join(f"; re-tagged {a} -> {b} ({k})" for (a, b), k in sorted(res.retagged.items()))
+    unit = {"safetensors": "tensors", "dcp": "records"}.get(res.format_in, "storages")
+    return f"{res.storages} {unit}{set_detail(res)}{tags}"
 
 
 # ------------------------------------------------------------------------------------------------ rename
@@ -93,7 +98,7 @@ def _report_rename(res: RuleResult) -> None:
 @device_options
 @_allow_unused("rule")
 @_dry_run("renamed (old -> new)")
-@output_options
+@set_output_options
 @json_option("rename")
 def rename_cmd(src: str, rules: tuple[str, ...], rules_file: str | None, key: str | None, to: str | None,
                maps: tuple[str, ...], allow_unused: bool, dry_run: bool, dst: str | None, in_place: bool, force: bool,
@@ -104,13 +109,15 @@ def rename_cmd(src: str, rules: tuple[str, ...], rules_file: str | None, key: st
     '^=module.' is add-prefix module. The state_dict's _metadata is renamed with the keys and tied
     tensors stay tied; optimizer state and other entries stay as they are. Exits with an error when two
     keys would become one (listed) or a rule matches no key (see --allow-unused). Without -o the result
-    is written next to SRC as <stem>.renamed<ext>.
+    is written next to SRC as <stem>.renamed<ext> (a sharded set or DCP folder: the folder
+    <folder>.renamed).
 
     \b
     Examples:
       ckptool rename model.pth --rule '^features\\.=backbone.' --dry-run
       ckptool rename last.ckpt --key state_dict --rule '^model\\.=' -o bare.ckpt
       ckptool rename vit.safetensors --rules rules.yaml -o renamed.safetensors
+      ckptool rename llama/ --rule '^model\\.=' -o llama_bare/     # a sharded set
     """
     all_rules: list[Any] = [*(load_rules(rules_file) if rules_file else []), *rules]
     if not all_rules:
@@ -122,7 +129,7 @@ def rename_cmd(src: str, rules: tuple[str, ...], rules_file: str | None, key: st
     sd = renamed_state_dict(res)
     if as_json:
         payload = {**write_payload(res, res), "rules": [vars(u) for u in res.rules], "dry_run": res.dry_run,
-                   "renames": [{"path": p, "old": o, "new": n} for p, o, n in res.renames]}
+                   "renames": [{"path": p, "old": o, "new": n} for p, o, n in res.renames], **set_payload(res)}
         _emit(res, "rename", payload, sd, to, maps)
         return
     _report_rename(res)
@@ -142,7 +149,7 @@ def _report_output(res: RuleResult | FilterResult, sd: str | None, to: str | Non
     if res.dry_run:
         click.echo("Dry run: nothing was written")
         return
-    report_write(res.dst, res.bytes_written, _stored(res.storages, res.format_in, res.retagged))
+    report_write(res.dst, res.bytes_written, _stored(res))
     report_hint(res.dst, state_dict=sd, to=to, maps=maps)
 
 
@@ -178,7 +185,7 @@ def _report_filter(res: FilterResult) -> None:
 @device_options
 @_allow_unused("glob")
 @_dry_run("dropped")
-@output_options
+@set_output_options
 @json_option("filter")
 def filter_cmd(src: str, keep: tuple[str, ...], drop: tuple[str, ...], key: str | None, to: str | None,
                maps: tuple[str, ...], allow_unused: bool, dry_run: bool, dst: str | None, in_place: bool, force: bool,
@@ -189,12 +196,14 @@ def filter_cmd(src: str, keep: tuple[str, ...], drop: tuple[str, ...], key: str 
     tensors' bytes leave the file; _metadata is kept. With --key the output is that state_dict alone
     (extracted from a training checkpoint). Exits with an error when a glob matches no key (see
     --allow-unused) or every key would go. Without -o the result is written next to SRC as
-    <stem>.filtered<ext>.
+    <stem>.filtered<ext> (a sharded set or DCP folder: the folder <folder>.filtered; a shard left
+    empty is not written).
 
     \b
     Examples:
       ckptool filter model.pth --drop 'classifier.*' -o backbone.pth
       ckptool filter train.pth --key state_dict_ema --keep 'encoder.*' -o encoder_ema.pth
+      ckptool filter dcp_ckpt/ --key model --drop 'head.*' -o backbone_dcp/   # a DCP folder
     """
     out = _target(src, dst, in_place, force, dry_run, "filtered")
     with Progress("filter", source_size(src)) as bar:
@@ -207,7 +216,7 @@ def filter_cmd(src: str, keep: tuple[str, ...], drop: tuple[str, ...], key: str 
             "bytes_written": res.bytes_written, "retagged": retagged_list(res.retagged), "key": res.key,
             "extracted": res.extracted, "dry_run": res.dry_run,
             "changes": [{"path": c.path, "keys": c.keys, "kept": c.kept, "dropped": c.dropped} for c in res.changes],
-            "globs": [{"kind": k, "glob": g, "matched": n} for k, g, n in res.globs]}
+            "globs": [{"kind": k, "glob": g, "matched": n} for k, g, n in res.globs], **set_payload(res)}
         _emit(res, "filter", payload, sd, to, maps)
         return
     _report_filter(res)

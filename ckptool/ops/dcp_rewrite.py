@@ -22,6 +22,12 @@ ddp.state_dict()}``) into ``model.fc.weight``, and a folder saved from a bare st
 (``dcp.save(ddp.state_dict())``, FQNs ``module.fc.weight``) is one flat state_dict. The FQN is renamed in the keys of
 ``state_dict_metadata``, in the ``fqn`` of every ``MetadataIndex`` of ``storage_data`` and in ``planner_data``.
 
+**Dropping entries** (``ckptool filter``): the caller's ``drop`` returns the nesting without the entries to drop
+(or, for ``--key``, the state_dict it selects: the entries outside it go and the rest are named from it, as the
+file command writes that state_dict alone). The dropped entries leave ``state_dict_metadata``, ``storage_data``
+and ``planner_data``; their records' bytes leave the data files (a file holding one is laid out anew around the
+records kept, their offsets updated; a file left with no record is not written).
+
 **Remap.** DCP moves every tensor chunk to CPU before ``torch.save`` writes it (``_SerialCpuLoader`` /
 ``_OverlappingCpuLoader``: ``tensor.cpu()``; ``_write_item`` asserts "Tensor must be on CPU device") and reads it
 back with ``torch.load(map_location="cpu", weights_only=True)`` (``FileSystemReader.read_data``): its tag never
@@ -68,11 +74,14 @@ from ckptool.ops.rewrite import ProgressFn, write_zip
 from ckptool.ops.shard_rewrite import SetRenameResult, SetWriteResult
 from ckptool.readers import Opened, open_checkpoint
 
-__all__ = ["Renamer", "dcp_folder", "dcp_output", "rewrite_dcp"]
+__all__ = ["Dropper", "Renamer", "dcp_folder", "dcp_output", "rewrite_dcp"]
 
 #: ``rename(root) -> (new root, summary)``: the renaming of a node graph (:func:`ckptool.ops.rename.rename_graph`
 #: with the plan, ``--key`` and ``--allow-missing`` bound), applied to the nesting of a DCP folder's entries
 Renamer = Callable[[Any], tuple[Any, RenameSummary]]
+#: ``drop(root) -> new root``: the nesting of a DCP folder's entries without the entries to drop (changed in place,
+#: or a part of it: see the module docstring)
+Dropper = Callable[[Any], Any]
 
 _NOTHING = ("{src} is a torch.distributed.checkpoint folder. DCP folders store every tensor chunk from CPU (and "
             "torch reads them back with map_location='cpu'), "
@@ -142,6 +151,7 @@ class _Record:
     transformed: bool
     new_path: str | None = None
     new_length: int = 0
+    dropped: bool = False
 
 
 def _records(meta: DcpMetadata) -> tuple[list[_Record], dict[str, int]]:
@@ -295,6 +305,34 @@ def _apply_names(meta: DcpMetadata, records: list[_Record], fqns: dict[str, str]
         planner.update(new)
 
 
+def _drop(meta: DcpMetadata, records: list[_Record],
+          drop: Dropper) -> tuple[dict[str, str], dict[str, tuple[Any, ...]]]:
+    """Apply ``drop`` to the nesting of the folder's entries: the entries it no longer reaches leave ``meta``'s
+    graph (``state_dict_metadata``, ``storage_data``, ``planner_data``) and their ``records`` are marked dropped.
+    Returns ``({old FQN: new FQN}, {old FQN: new path})`` of the entries kept, for :func:`_apply_names`.
+
+    Raises:
+        UsageError: every entry would go.
+        KeyCollisionError: two kept entries would get one FQN.
+    """
+    root, leaves = _nesting(meta)
+    paths = _paths(drop(root), leaves)
+    if not paths:
+        raise UsageError(f"{meta.folder}: the filter matched every entry of the folder; nothing was written")
+    gone = set(leaves.values()) - set(paths)
+    fqns = {old: ".".join(map(str, p)) for old, p in paths.items()}
+    raise_on_collisions(fqns, where=meta.folder)
+    st = meta.root.state
+    for table in (st["state_dict_metadata"], st.get("planner_data"), st["storage_data"]):  # the last by its fqn
+        if isinstance(table, dict):
+            for k in [k for k in table if (k.state["fqn"] if isinstance(k, PickledObject) else k) in gone]:
+                del table[k]
+    for r in records:
+        r.dropped = r.fqn in gone
+    meta.entries = [e for e in meta.entries if e.fqn not in gone]
+    return fqns, paths
+
+
 # ------------------------------------------------------------------------------------------------ remap
 def _read_record(folder: str, r: _Record, scratch: str) -> Checkpoint:
     """The ``torch.save`` record ``r`` copied to the file ``scratch`` and read as a checkpoint (nothing run).
@@ -329,7 +367,7 @@ def _retag(folder: str, records: list[_Record], scratch: str, to: str | None, ma
         DeviceNotFoundError: a ``mapping`` source matches no tag the non-tensor entries carry.
     """
     read: list[tuple[_Record, Checkpoint]] = []
-    for i, r in enumerate(x for x in records if x.is_bytes):
+    for i, r in enumerate(x for x in records if x.is_bytes and not x.dropped):
         if r.transformed:
             raise UnsupportedError(f"{folder}: the non-tensor entry {r.fqn!r} is stored transformed (a DCP "
                                    "storage extension such as compression); ckptool cannot rewrite its tags. Load "
@@ -368,8 +406,8 @@ def _retag(folder: str, records: list[_Record], scratch: str, to: str | None, ma
 def _copy_file(folder: str, stage: str, rel: str, size: int, recs: list[_Record],
                progress: ProgressFn | None) -> None:
     """Write the data file ``rel`` into ``stage``: byte for byte, or, when a record of ``recs`` (the file's
-    records) was rewritten, its bytes around the records kept and the new records in their place (the records'
-    ``info`` offsets and lengths updated).
+    records) was rewritten or dropped, its bytes around the records, the records kept, the new records in their
+    place and no dropped record (the kept records' ``info`` offsets and lengths updated).
 
     Raises:
         CorruptCheckpointError: records of a file with a rewritten record overlap.
@@ -377,7 +415,7 @@ def _copy_file(folder: str, stage: str, rel: str, size: int, recs: list[_Record]
     dst = os.path.join(stage, rel)
     os.makedirs(os.path.dirname(dst), exist_ok=True)
     with open(os.path.join(folder, rel), "rb") as f, open(dst, "wb") as o:
-        if not any(r.new_path for r in recs):
+        if not any(r.new_path or r.dropped for r in recs):
             copy_range(f, o, 0, size, progress=progress, block=clone_block(f, o))
         else:
             pos = 0
@@ -387,6 +425,9 @@ def _copy_file(folder: str, stage: str, rel: str, size: int, recs: list[_Record]
                                                  "torch.distributed.checkpoint never writes that")
                 copy_range(f, o, pos, r.offset - pos, progress=progress)
                 start = o.tell()
+                if r.dropped:
+                    pos = r.offset + r.length
+                    continue
                 if r.new_path:
                     with open(r.new_path, "rb") as n:
                         copy_range(n, o, 0, r.new_length)
@@ -405,7 +446,8 @@ def _expected(meta: DcpMetadata, records: list[_Record], fqns: dict[str, str]) -
     """What the written ``.metadata`` must hold, from the input's parse and the plan: its entries (FQN, dtype,
     shape) and its records (FQN, non-tensor, file, offset, length), in order."""
     entries = [(fqns.get(e.fqn, e.fqn), e.dtype, e.shape) for e in meta.entries]
-    items = [(fqns.get(r.fqn, r.fqn), r.is_bytes, r.rel, r.info["offset"], r.info["length"]) for r in records]
+    items = [(fqns.get(r.fqn, r.fqn), r.is_bytes, r.rel, r.info["offset"], r.info["length"]) for r in records
+             if not r.dropped]
     return entries, items
 
 
@@ -469,30 +511,34 @@ def _commit(stage: str, dst: str) -> None:
 
 
 def rewrite_dcp(
-    folder: str, dst: str, *, operation: str, rename: Renamer | None = None, to: str | None = None,
-    mapping: Mapping[str, str] | None = None, allow_missing: bool = False, progress: ProgressFn | None = None,
+    folder: str, dst: str, *, operation: str, rename: Renamer | None = None, drop: Dropper | None = None,
+    to: str | None = None, mapping: Mapping[str, str] | None = None, allow_missing: bool = False,
+    dry_run: bool = False, progress: ProgressFn | None = None,
 ) -> SetWriteResult | SetRenameResult:
-    """Write the DCP ``folder`` as a new DCP folder ``dst`` (new or empty), its entries renamed by ``rename`` and /
-    or the tags of its non-tensor entries re-tagged by ``to`` / ``mapping`` (see the module docstring).
-    ``operation`` names the command in the result; ``progress(nbytes)`` as the data files are copied.
+    """Write the DCP ``folder`` as a new DCP folder ``dst`` (new or empty), its entries renamed by ``rename`` or
+    dropped by ``drop``, and / or the tags of its non-tensor entries re-tagged by ``to`` / ``mapping`` (see the
+    module docstring). ``operation`` names the command in the result; ``progress(nbytes)`` as the data files are
+    copied. ``dry_run``: everything is read and checked, nothing written (``dst`` of the result is ``""``).
 
     Returns a :class:`~ckptool.ops.shard_rewrite.SetRenameResult` when ``rename`` is given, else a
     :class:`~ckptool.ops.shard_rewrite.SetWriteResult` (``dst`` the folder, ``files`` what it holds, ``shards`` the
-    data files, ``storages`` the records of ``storage_data``, ``retagged`` the storages of non-tensor entries
-    re-tagged).
+    data files, ``storages`` the records of ``storage_data`` written, ``retagged`` the storages of non-tensor
+    entries re-tagged).
 
     Raises:
-        UsageError: ``dst`` exists and is not an empty folder, is inside ``folder``, or its parent is missing.
+        UsageError: ``dst`` exists and is not an empty folder, is inside ``folder``, or its parent is missing;
+            ``drop`` leaves no entry.
         UnsupportedError: nothing to remap (see :func:`_retag`), a transformed record to remap, data files in
             DCP's safetensors serialization.
         UnsafeCheckpointError: ``.metadata`` names a global DCP never writes there (it is not written back).
-        PrefixNotFoundError / KeyCollisionError / NestedPrefixError: from ``rename``, or two entries renamed to
-            one FQN; nothing written.
+        PrefixNotFoundError / KeyCollisionError / NestedPrefixError: from ``rename`` / ``drop``, or two entries
+            renamed to one FQN; nothing written.
         DeviceNotFoundError: a ``mapping`` source matches no tag, unless ``allow_missing``.
         CorruptCheckpointError: a damaged folder.
         VerificationError: the written ``.metadata`` does not read back as planned (nothing kept).
     """
-    _check_target(folder, dst)
+    if not dry_run:
+        _check_target(folder, dst)
     meta = read_dcp_metadata(folder)
     bad = [g for g in dict.fromkeys(meta.globals) if not is_dcp_allowed(g)]
     if bad:
@@ -507,11 +553,30 @@ def rewrite_dcp(
     if rename is not None:
         fqns, paths, summary = _rename(meta, rename)
         _apply_names(meta, records, fqns, paths)
-    res = SetWriteResult(folder, dst, "dcp", storages=len(records), shards=len(sizes))
+    elif drop is not None:
+        fqns, paths = _drop(meta, records, drop)
+        _apply_names(meta, records, fqns, paths)
+        sizes = {rel: n for rel, n in sizes.items() if any(r.rel == rel and not r.dropped for r in records)}
+    res = SetWriteResult(folder, "" if dry_run else dst, "dcp", storages=sum(not r.dropped for r in records),
+                         shards=len(sizes))
+    if not dry_run:
+        changing = rename is not None or drop is not None
+        _write(folder, dst, meta, records, sizes, fqns, res, (to, mapping, allow_missing, changing), progress)
+    if summary is None:
+        return res
+    return SetRenameResult(**vars(res), operation=operation, **vars(summary))
+
+
+def _write(folder: str, dst: str, meta: DcpMetadata, records: list[_Record], sizes: dict[str, int],
+           fqns: dict[str, str], res: SetWriteResult, retag: tuple[str | None, Mapping[str, str] | None, bool, bool],
+           progress: ProgressFn | None) -> None:
+    """:func:`rewrite_dcp`'s writing (``retag``: ``to``, ``mapping``, ``allow_missing``, whether the entries change
+    too); fills ``res``."""
+    to, mapping, allow_missing, renaming = retag
     with temp_path(dst, folder=True) as scratch:
         if to is not None or mapping:
             res.retagged, _tags = _retag(folder, records, scratch, to, mapping, allow_missing=allow_missing,
-                                                renaming=rename is not None)
+                                         renaming=renaming)
         with temp_path(dst, folder=True) as stage:  # removed on any failure
             for rel, size in sizes.items():
                 _copy_file(folder, stage, rel, size, [r for r in records if r.rel == rel], progress)
@@ -523,12 +588,12 @@ def rewrite_dcp(
             _commit(stage, dst)
     res.files = [os.path.join(dst, n) for n in names]
     left = sorted(n for n in os.listdir(folder) if n != METADATA_FILE and n not in sizes)
-    res.notes.append(f"{len(records)} records (tensor chunks and non-tensor entries); the .distcp data files "
-                     "were copied byte for byte" + (
-        "; those holding a re-tagged non-tensor entry were laid out anew around it" if res.retagged else ""))
+    dropped = sum(r.dropped for r in records)
+    how = (f"the records of the dropped entries ({dropped}) were left out, the files holding one laid out anew"
+           if dropped else "those holding a re-tagged non-tensor entry were laid out anew around it" if res.retagged
+           else "")
+    res.notes.append(f"{res.storages} records (tensor chunks and non-tensor entries); the .distcp data files were "
+                     f"copied byte for byte{'; ' + how if how else ''}")
     if left:
         res.notes.append(f"not copied (no record of .metadata names them): {', '.join(left[:5])}"
                          f"{' ...' if len(left) > 5 else ''}")
-    if summary is None:
-        return res
-    return SetRenameResult(**vars(res), operation=operation, **vars(summary))

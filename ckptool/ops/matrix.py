@@ -110,15 +110,14 @@ MATRIX: dict[tuple[str, str], Cell] = {
         diff=Cell("works", "identical"),
         remap=(Cell("refused", "carries no device tags", "safetensors.torch.load_file(shard, device=...)")
                if fmt == "sharded-safetensors" else _W),
-        extract_state_dict=_SHARD_NOT_CKPT, sanitize=_SHARD_NOT_CKPT, rename=_SHARD_NOT_CKPT,
-        filter=_SHARD_NOT_CKPT,
+        extract_state_dict=_SHARD_NOT_CKPT, sanitize=_SHARD_NOT_CKPT,
     ).items()},
     **_row(
         "dcp",
         scan=Cell("works", "safe"),
         diff=Cell("works", "2 of 2 matched tensors equal"),
         remap=_DCP_REMAP,
-        extract_state_dict=_DIR, sanitize=_DIR, rename=_DIR, filter=_DIR,
+        extract_state_dict=_DIR, sanitize=_DIR,
         verify=Cell("refused", "convert it to one file first", "`ckptool convert SRC -o model.pt`, then verify it"),
         load_into=Cell("refused", "convert it to one file first", "`ckptool convert SRC -o model.pt`, then load it"),
     ),

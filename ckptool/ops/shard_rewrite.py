@@ -5,7 +5,8 @@ plus the index that maps each tensor name to its shard) is rewritten shard by sh
 :func:`ckptool.ops.rewrite.rewrite_file` for torch shards (tensor records copied byte for byte, location tags and
 the pickle's keys rewritten), :func:`ckptool.ops.rename.write_renamed_safetensors` for safetensors shards (a new
 JSON header, the data block copied). The output is a set of the same layout (one output shard per input shard, in
-index order) with its index: ``weight_map`` keys renamed as the shards' keys are, ``metadata`` kept as it was.
+the order of their file names: ``-00002-of-00004`` stays the second) with its index: ``weight_map`` keys renamed
+as the shards' keys are, ``metadata`` kept as it was.
 
 Everything is checked on the whole set before a byte is written: the renaming is planned over the keys of every
 shard at once (:func:`ckptool.model.rename_plan.plan_keys`), so a key renamed in one shard that collides with a key
@@ -18,12 +19,14 @@ the index written, with SIGINT / SIGTERM held); a failed run leaves nothing.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
+from ckptool.formats.nodes import StorageRef
+from ckptool.formats.pickler import PicklerError, dumps
 from ckptool.formats.safetensors import SafetensorsHeader, read_header
 from ckptool.formats.sharded import (
     INDEX_SUFFIX,
@@ -34,8 +37,8 @@ from ckptool.formats.sharded import (
     read_index,
 )
 from ckptool.formats.torchfile import Checkpoint
-from ckptool.model.devices import location_function
-from ckptool.model.graph import mapping_items
+from ckptool.model.devices import LocationFn, location_function
+from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.rename_plan import RenamePlan, plan_keys
 from ckptool.ops.rewrite import (
     ProgressFn,
@@ -176,7 +179,7 @@ def _layout(index: ShardIndex, first: str, safetensors: bool, dst: str) -> SetLa
     return SetLayout(os.path.abspath(dst), stem, ext, is_output_folder=True)
 
 
-def refuse_existing_set(src: str | os.PathLike[str], out: str, *, force: bool) -> None:
+def refuse_existing_set(src: str | os.PathLike[str] | Opened, out: str, *, force: bool) -> None:
     """Refuse, unless ``force``, to write the rewrite of the set ``src`` to ``out`` where a shard set of the same
     names already is (as ``convert`` refuses an existing set; with ``force`` the earlier set is replaced whole). A
     no-op when ``src`` is not a sharded set.
@@ -238,78 +241,193 @@ def _data_bytes(shards: list[_Shard]) -> int:
                for s in shards)
 
 
+@dataclass
+class OpenSet:
+    """A sharded set read for a rewrite (structure only, no tensor data): its ``index``, ``shards`` (by file name),
+    whether they are ``safetensors`` shards, and ``names``: every key of the set (the shards' keys, then names only
+    the index lists)."""
+
+    index: ShardIndex
+    shards: list[_Shard]
+    safetensors: bool
+    names: list[str]
+
+    @property
+    def path(self) -> str:
+        return self.index.path
+
+
+def open_set(index_path: str, *, key: str | None = None) -> OpenSet:
+    """Read the set of ``index_path``: the index, then each shard's structure (:func:`_open_shard`).
+
+    Raises:
+        UsageError: ``key`` (a set's shards hold the flat state_dict itself).
+        UnsupportedError: no shard, shards of mixed or unwritable formats.
+        CorruptCheckpointError: two shards holding one name; an unreadable index or shard.
+    """
+    if key is not None:
+        raise UsageError(f"{index_path} is a sharded set: its shards hold one flat state_dict, so --key does not "
+                         "apply")
+    index = read_index(index_path)
+    # in file-name order (model-00001-of-00004... first), not the index's order of first appearance: transformers
+    # writes the weight_map sorted by tensor name, so that order would give shard 2 the name of shard 1
+    shards = [_open_shard(index, name) for name in sorted(index.shards)]
+    if not shards:
+        raise UnsupportedError(f"{index_path} names no shard (an empty weight_map); there is nothing to rewrite")
+    kinds = {s.fmt == formats.SAFETENSORS for s in shards}
+    if len(kinds) > 1:
+        raise UnsupportedError(f"{index_path} mixes safetensors and torch shards; rewrite each shard by itself")
+    _refuse_duplicates(index_path, shards)
+    names = list(dict.fromkeys([k for s in shards for k in s.keys] + list(index.weight_map)))
+    return OpenSet(index, shards, kinds == {True}, names)
+
+
+def set_location_function(s: OpenSet, to: str | None, mapping: Mapping[str, str] | None, *, renaming: bool,
+                          allow_missing: bool) -> LocationFn | None:
+    """The re-tagging of the torch shards of ``s`` by ``to`` / ``mapping`` (None for safetensors shards).
+
+    Raises:
+        UnsupportedError: a ``remap`` (not ``renaming``) of safetensors shards (no device tags).
+        UsageError: ``to`` / ``mapping`` with a renaming or filtering of safetensors shards.
+        DeviceNotFoundError: a ``mapping`` source matches no storage of any shard, unless ``allow_missing``.
+    """
+    if s.safetensors and (to is not None or mapping):
+        if not renaming:
+            refuse_unwritable(formats.SAFETENSORS, s.path, "remap")
+        raise UsageError(f"{s.path} is a set of safetensors shards: they carry no location tags, so --to / "
+                         "--map do not apply (load them on any device with safetensors.torch.load_file(path, "
+                         "device=...))")
+    tags = [r.location for sh in s.shards if sh.ck is not None for r in sh.ck.storages.values()]
+    return None if s.safetensors else location_function(to, mapping, tags=tags, allow_missing=allow_missing,
+                                                          where=s.path)
+
+
+def used_storages(root: Any, protocol: int) -> set[str]:
+    """The keys of the storages the pickle of ``root`` refers to: found by pickling it (the writer's own walk).
+
+    Raises:
+        UnsupportedError: a graph the pickler cannot write back.
+    """
+    used: set[str] = set()
+
+    def hook(ref: StorageRef) -> tuple[Any, ...]:
+        used.add(ref.key)
+        return (ref.typename, ref.storage_type, ref.key, ref.location, ref.numel, *ref.extra)
+
+    try:
+        dumps(root, protocol=protocol, storage_hook=hook)
+    except PicklerError as e:
+        raise UnsupportedError(f"cannot write the pickle back ({e})") from e
+    return used
+
+
+def prune_storages(ck: Checkpoint, root: Any) -> Checkpoint:
+    """``ck`` without the storages (and their ``data/`` records) that the pickle of ``root`` no longer refers to,
+    so that a rewrite leaves the bytes of dropped tensors out; ``ck`` itself when every storage is still used."""
+    used = used_storages(root, ck.protocol)
+    if len(used) >= len(ck.storages):
+        return ck
+    keep = {"data/" + k for k in used}
+    return replace(ck, _records=[r for r in ck.records if not r.name.startswith("data/") or r.name in keep],
+                   storages={k: v for k, v in ck.storages.items() if k in used})
+
+
+#: ``write_subset(shard path, output path, dropped names, progress) -> WriteResult``: a safetensors shard written
+#: without the ``dropped`` tensors (:func:`rewrite_set`'s ``drop``)
+SubsetWriter = Callable[[str, str, set[str], ProgressFn | None], WriteResult]
+
+
+def _drop_from_shard(shard: _Shard, gone: set[str]) -> None:
+    """Remove the names ``gone`` from a torch shard's mapping and its storages no kept tensor uses."""
+    assert shard.ck is not None
+    set_mapping_items(shard.ck.root, [(k, v) for k, v in mapping_items(shard.ck.root) or [] if k not in gone])
+    shard.ck = prune_storages(shard.ck, shard.ck.root)
+
+
+def _output_layout(s: OpenSet, shards: list[_Shard], dst: str, key_map: dict[str, str],
+                   gone: set[str]) -> tuple[SetLayout, dict[str, str]]:
+    """The layout of the output set of ``shards`` (those of ``s`` written) at ``dst``, and its ``weight_map``:
+    names renamed by ``key_map``, the names ``gone`` left out, shards numbered in order."""
+    layout = _layout(s.index, s.shards[0].name, s.safetensors, dst)
+    out_names = layout.shard_names(len(shards)) if len(shards) > 1 else [layout.stem + layout.ext]
+    position = {sh.name: i for i, sh in enumerate(shards)}
+    return layout, {key_map.get(k, k): out_names[position[v]] for k, v in s.index.weight_map.items()
+                    if k not in gone and v in position}
+
+
 def rewrite_set(
-    index_path: str, dst: str, *, operation: str, plan: RenamePlan | None = None, to: str | None = None,
+    src: str | OpenSet, dst: str, *, operation: str, plan: RenamePlan | None = None, to: str | None = None,
     mapping: Mapping[str, str] | None = None, key: str | None = None, allow_missing: bool = False,
-    progress: ProgressFn | None = None,
+    drop: Collection[str] = (), write_subset: SubsetWriter | None = None, progress: ProgressFn | None = None,
 ) -> SetWriteResult | SetRenameResult:
-    """Rewrite the sharded set of ``index_path`` into ``dst`` (see :func:`_layout`): storages re-tagged by ``to``
-    / ``mapping`` (torch shards), keys renamed by ``plan``; one output shard per input shard, index
-    ``weight_map`` renamed the same way and its ``metadata`` kept. ``operation`` names the command in the result
-    and in messages; ``progress(nbytes)`` as the shards' bytes are copied.
+    """Rewrite the sharded set of the index ``src`` (or the set :func:`open_set` read) into ``dst`` (see
+    :func:`_layout`): storages re-tagged by ``to`` / ``mapping`` (torch shards), keys renamed by ``plan``, the names
+    ``drop`` left out (safetensors shards through ``write_subset``; see the module docstring); one output shard per
+    input shard (that keeps a tensor), index ``weight_map`` renamed the same way and its ``metadata`` kept.
+    ``operation`` names the command in the result and in messages; ``progress(nbytes)`` as the shards' bytes are
+    copied.
 
     Returns a :class:`SetRenameResult` when ``plan`` is given, else a :class:`SetWriteResult`; ``dst`` of either is
     the output index.
 
     Raises:
         UsageError: ``key`` (a set's shards hold the flat state_dict itself), ``to`` / ``mapping`` with a
-            renaming of safetensors shards, a bad output name, an output file that is an input.
+            renaming of safetensors shards, a bad output name, an output file that is an input, ``drop`` naming
+            every key.
         UnsupportedError: ``remap`` of safetensors shards (no device tags), shards of mixed or unwritable formats.
         PrefixNotFoundError / KeyCollisionError / NestedPrefixError / DeviceNotFoundError: checked over the whole
             set, as the single-file commands check one file; nothing written.
         CorruptCheckpointError / NotACheckpointError: an unreadable index or shard.
     """
-    if key is not None:
-        raise UsageError(f"{index_path} is a sharded set: its shards hold one flat state_dict, so --key does not "
-                         "apply")
-    index = read_index(index_path)
-    shards = [_open_shard(index, name) for name in index.shards]
-    if not shards:
-        raise UnsupportedError(f"{index_path} names no shard (an empty weight_map); there is nothing to rewrite")
-    kinds = {s.fmt == formats.SAFETENSORS for s in shards}
-    if len(kinds) > 1:
-        raise UnsupportedError(f"{index_path} mixes safetensors and torch shards; rewrite each shard by itself")
-    safetensors = kinds == {True}
-    if safetensors and (to is not None or mapping):
-        if plan is None:
-            refuse_unwritable(formats.SAFETENSORS, index_path, "remap")
-        raise UsageError(f"{index_path} is a set of safetensors shards: they carry no location tags, so --to / "
-                         "--map do not apply (load them on any device with safetensors.torch.load_file(path, "
-                         "device=...))")
-    tags = [r.location for s in shards if s.ck is not None for r in s.ck.storages.values()]
-    location_fn = None if safetensors else location_function(to, mapping, tags=tags, allow_missing=allow_missing,
-                                                              where=index_path)
-    _refuse_duplicates(index_path, shards)
-    names = list(dict.fromkeys([k for s in shards for k in s.keys] + list(index.weight_map)))
+    s = src if isinstance(src, OpenSet) else open_set(src, key=key)
+    index, index_path = s.index, s.path
+    location_fn = set_location_function(s, to, mapping, renaming=plan is not None or bool(drop),
+                                        allow_missing=allow_missing)
     key_map: dict[str, str] = {}
     summary = None
     bound = plan
     if plan is not None:
-        mappings, summary = plan_keys([("", names, False)], plan, allow_missing=allow_missing, where=index_path)
-        key_map, bound = mappings[0], plan.bind(names)
-    layout = _layout(index, shards[0].name, safetensors, dst)
-    out_names = layout.shard_names(len(shards)) if len(shards) > 1 else [layout.stem + layout.ext]
-    position = {s.name: i for i, s in enumerate(shards)}
-    weight_map = {key_map.get(k, k): out_names[position[v]] for k, v in index.weight_map.items()}
+        mappings, summary = plan_keys([("", s.names, False)], plan, allow_missing=allow_missing, where=index_path)
+        key_map, bound = mappings[0], plan.bind(s.names)
+    gone = set(drop)
+    shards = [sh for sh in s.shards if not gone or any(k not in gone for k in sh.keys)]
+    if not shards:
+        raise UsageError(f"{index_path}: the filter matched every key of the set; nothing was written")
+    layout, weight_map = _output_layout(s, shards, dst, key_map, gone)
+    metadata = index.metadata
+    if gone:  # total_size counted anew as the shards are written (the index is written after them)
+        metadata = {**(index.metadata or {}), "total_size": 0}
     res = SetWriteResult(index_path, "", shards[0].fmt, shards=len(shards))
 
     def write(path: str, _final: str, shard: _Shard) -> None:
-        if shard.header is not None:
+        dropped = gone.intersection(shard.keys)
+        if shard.header is not None and dropped:
+            assert write_subset is not None, "a safetensors shard to filter needs write_subset"
+            w = write_subset(shard.path, path, dropped, progress)
+        elif shard.header is not None:
             w = write_renamed_safetensors(shard.path, path, shard.header, key_map, progress)
         else:
             assert shard.ck is not None
+            if dropped:
+                _drop_from_shard(shard, dropped)
             if key_map and bound is not None:
                 rename_mapping_node(shard.ck.root, key_map, bound)
             w = rewrite_file(shard.ck, path, shard.ck.root, location_fn, progress=progress)
+        if metadata is not None and gone:
+            metadata["total_size"] += (read_header(path).data_size if shard.header is not None
+                                       else _data_bytes([shard]))
         res.storages += w.storages
         res.bytes_written += w.bytes_written
         for pair, n in w.retagged.items():
             res.retagged[pair] = res.retagged.get(pair, 0) + n
 
-    inputs = [os.path.abspath(index_path), *(s.path for s in shards)]
+    inputs = [os.path.abspath(index_path), *(sh.path for sh in s.shards)]
     write_set(layout, shards, write, inputs, weight_map, _data_bytes(shards), res, dst,
-              metadata=index.metadata, always_index=True)
+              metadata=metadata, always_index=True)
     res.dst = os.path.join(layout.folder, layout.index_name)
+    if len(shards) < len(s.shards):
+        res.notes.append(f"{len(s.shards) - len(shards)} shard(s) held only dropped tensors and were not written; "
+                         "the shards kept are numbered anew")
     if summary is None:
         return res
     return SetRenameResult(**vars(res), operation=operation, **vars(summary))

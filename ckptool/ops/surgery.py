@@ -29,122 +29,48 @@ Pickled ``nn.Module`` objects (``torch.save(model)``) are refused: run ``ckptool
 
 from __future__ import annotations
 
-import fnmatch
-import itertools
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
+from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.nodes import StorageRef
-from ckptool.formats.pickler import PicklerError, dumps
 from ckptool.formats.safetensors import SHARED_KEY, read_header
 from ckptool.formats.torchfile import Checkpoint
-from ckptool.model.graph import StateDictRef, find_state_dicts, mapping_items, set_mapping_items
+from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.objects import find_object_state_dicts
 from ckptool.model.paths import resolve_path
 from ckptool.model.rename_memory import _copy_meta, _new_like, _replace_at, rename_mapping
-from ckptool.model.rename_plan import RenamePlan, RenameSummary, label, plan_keys
-from ckptool.ops.convert import ConvertResult
-from ckptool.ops.convert.outputs import write_outputs
-from ckptool.ops.rename import RenameResult, _rewrite_safetensors, rename_graph
+from ckptool.model.rename_plan import RenamePlan, RenameSummary
+from ckptool.ops.dcp_rewrite import dcp_folder, dcp_output
+from ckptool.ops.rename import _rewrite_safetensors, rename_graph
 from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, retag_function, rewrite_file
 from ckptool.ops.rules import RuleLike, RuleStep, load_rules, rules_plan
+from ckptool.ops.shard_rewrite import prune_storages, refuse_existing_set, set_output
+from ckptool.ops.surgery_plan import (
+    FilterChange,
+    FilterResult,
+    Globs,
+    RuleResult,
+    RuleUse,
+    SetFilterResult,
+    SetRuleResult,
+    graph_targets,
+    plan_filter,
+    plan_rules,
+    ref_keys,
+    refuse_module,
+    renames_of,
+    safetensors_without,
+    write_safetensors_source,
+)
+from ckptool.ops.surgery_sets import filter_dcp, filter_set, rename_dcp, rename_set
 from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.read_safetensors import restore_library_aliases, safetensors_source
-from ckptool.readers.read_torch import select_state_dict
-from ckptool.readers.tensors import Source
 
-__all__ = ["FilterResult", "RuleResult", "RuleStep", "filter_keys", "load_rules", "rename",
-           "rules_plan"]
-
-# ------------------------------------------------------------------------------------------------ results
-@dataclass
-class RuleUse:
-    """One rule (``REGEX=REPLACEMENT``) and the number of keys it ``matched``, over every selected state_dict."""
-
-    rule: str
-    matched: int
-
-
-@dataclass(kw_only=True)
-class RuleResult(RenameResult):
-    """What :func:`rename` did to a file: the :class:`~ckptool.ops.rename.RenameResult` fields (``dst`` is ``""``
-    after a dry run; ``removed`` / ``added`` stay empty: rules are reported in ``rules``), ``rules``
-    (:class:`RuleUse`, in order), ``renames`` (``(state_dict path, old key, new key)`` of every renamed key) and
-    ``dry_run``."""
-
-    rules: list[RuleUse] = field(default_factory=list)
-    renames: list[tuple[str, str, str]] = field(default_factory=list)
-    dry_run: bool = False
-
-
-@dataclass
-class FilterChange:
-    """One filtered state_dict: its dotted ``path``, its number of ``keys``, the keys ``kept`` and ``dropped``."""
-
-    path: str
-    keys: int
-    kept: int
-    dropped: list[str] = field(default_factory=list)
-
-    @property
-    def label(self) -> str:
-        return label(self.path)
-
-
-@dataclass(kw_only=True)
-class FilterResult(WriteResult):
-    """What :func:`filter_keys` did to a file: the :class:`~ckptool.ops.rewrite.WriteResult` fields (``dst`` is
-    ``""`` after a dry run), ``changes`` (:class:`FilterChange` per state_dict), ``globs`` (``(kind, glob,
-    keys matched)`` with kind ``keep`` / ``drop``), ``extracted`` (the output is the state_dict at ``key`` alone)
-    and ``dry_run``."""
-
-    key: str | None = None
-    changes: list[FilterChange] = field(default_factory=list)
-    globs: list[tuple[str, str, int]] = field(default_factory=list)
-    extracted: bool = False
-    dry_run: bool = False
-
-    @property
-    def dropped(self) -> int:
-        return sum(len(c.dropped) for c in self.changes)
-
-
-# ------------------------------------------------------------------------------------------------ selection
-def _graph_targets(root: Any, key: str | None, where: str, action: str) -> list[StateDictRef]:
-    """The state_dict at ``key`` (:func:`ckptool.readers.read_torch.select_state_dict`), or every state_dict
-    found (pickled modules included: :func:`_refuse_module` once it is known that one would change).
-
-    Raises:
-        UsageError: ``key`` names nothing or no mapping.
-        UnsupportedError: no state_dict.
-    """
-    if key is not None:
-        targets = [select_state_dict(root, key, where)]
-    else:
-        targets = find_state_dicts(root)
-        if not targets:
-            raise UnsupportedError(
-                f"{where}: no state_dict found (a mapping of parameter names to tensors); pass --key PATH (key=...) "
-                f"to select the mapping to {action}")
-    return targets
-
-
-def _refuse_module(where: str, t: StateDictRef, action: str) -> None:
-    """Raise the :class:`UnsupportedError` for a pickled ``nn.Module`` whose keys ``action`` would change."""
-    raise UnsupportedError(
-        f"{where}: {label(t.path)} is a pickled nn.Module (torch.save(model)), not a state_dict: its keys come from "
-        f"its module tree, which {action} does not rebuild. Run `ckptool extract-state-dict {where}` first and "
-        f"{action} that file")
-
-
-def _ref_keys(t: StateDictRef) -> list[str]:
-    """The keys of a state_dict found in the graph: a module's ``state_dict()`` keys, a mapping's string keys."""
-    return t.keys() if t.is_module else [k for k, _v in mapping_items(t.obj) or [] if isinstance(k, str)]
+__all__ = ["FilterChange", "FilterResult", "RuleResult", "RuleStep", "RuleUse", "SetFilterResult", "SetRuleResult",
+           "filter_keys", "load_rules", "rename", "rules_plan", "surgery_output"]
 
 
 def _is_tensor_value(v: object) -> bool:
@@ -176,39 +102,6 @@ def _memory_targets(obj: Mapping[Any, Any], key: str | None) -> list[tuple[list[
 
 
 # ------------------------------------------------------------------------------------------------ rename
-def _plan_rules(targets: list[tuple[str, list[str]]], plan: RenamePlan, allow_unused: bool,
-                where: str) -> tuple[list[dict[str, str]], RenameSummary, list[RuleUse]]:
-    """Check ``plan`` on ``(path, keys)`` targets (:func:`ckptool.model.rename_plan.plan_keys`: collisions, FSDP
-    flat parameters) and count the keys each rule matched.
-
-    Raises:
-        PrefixNotFoundError: a rule matches no key, unless ``allow_unused``.
-        KeyCollisionError / UnsupportedError: from :func:`~ckptool.model.rename_plan.plan_keys`.
-    """
-    mappings, summary = plan_keys([(p, k, False) for p, k in targets], plan, allow_missing=True, where=where)
-    uses = [RuleUse(s.text, summary.removed.get(s.prefixes[0], 0)) for s in plan.steps if isinstance(s, RuleStep)]
-    summary.removed = {}
-    for ch in summary.changes:
-        ch.removed = {}
-    unused = [(i, u) for i, u in enumerate(uses, 1) if not u.matched]
-    if unused and not allow_unused:
-        i, u = unused[0]
-        sample = _sample(targets)
-        raise PrefixNotFoundError(
-            f"{where}: rule {i} ({u.rule}) matches no key (keys look like {sample}); nothing was written. Check it "
-            "with --dry-run and `ckptool inspect`, or pass --allow-unused (allow_unused=True) to accept it")
-    return mappings, summary, uses
-
-
-def _sample(targets: list[tuple[str, list[str]]]) -> str:
-    """The first three keys, for messages."""
-    return ", ".join(repr(k) for k in itertools.islice((k for _p, keys in targets for k in keys), 3)) or "no keys"
-
-
-def _renames(targets: list[tuple[str, list[str]]], mappings: list[dict[str, str]]) -> list[tuple[str, str, str]]:
-    return [(p, old, new) for (p, _k), m in zip(targets, mappings) for old, new in m.items() if old != new]
-
-
 def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterable[RuleLike],
            key: str | None = None, in_place: bool = False, allow_unused: bool = False, dry_run: bool = False,
            to: str | None = None, mapping: Mapping[str, str] | None = None,
@@ -239,11 +132,16 @@ def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterab
     if isinstance(src, Mapping):
         _refuse_file_options(dst, in_place, to, mapping)
         found = _memory_targets(src, key)
-        _plan_rules([(p, [k for k in sd if isinstance(k, str)]) for _t, sd, p in found], plan, allow_unused,
+        plan_rules([(p, [k for k in sd if isinstance(k, str)]) for _t, sd, p in found], plan, allow_unused,
                     "state_dict")
         return src if dry_run else rename_mapping(src, plan, key=key, allow_missing=True)
     path = _file_path(src, "rename")
-    opened = _rewritable(path, "renamed")
+    opened = open_checkpoint(path)
+    many = _many(opened, dst, in_place, dry_run, "renamed", (rename_dcp, rename_set))
+    if many is not None:
+        return many(plan, key=key, allow_unused=allow_unused, dry_run=dry_run, to=to, mapping=mapping,
+                    progress=progress)
+    opened = _rewritable(opened, "renamed")
     out = "" if dry_run else output_path(path, _opt(dst), in_place, "renamed")
     if opened.format == formats.SAFETENSORS:
         _refuse_safetensors_options(path, key, to, mapping)
@@ -254,10 +152,10 @@ def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterab
     targets, mappings, summary, uses = planned
     fields = {k: v for k, v in vars(write).items() if k in WriteResult.__dataclass_fields__}
     return RuleResult(**fields, **vars(summary), operation="rename", rules=uses,
-                      renames=_renames(targets, mappings), dry_run=dry_run)
+                      renames=renames_of(targets, mappings), dry_run=dry_run)
 
 
-#: what :func:`_plan_rules` planned: the ``(path, keys)`` targets, their ``{old: new}`` mappings, the summary, the
+#: what :func:`plan_rules` planned: the ``(path, keys)`` targets, their ``{old: new}`` mappings, the summary, the
 #: rules' uses
 _Planned = tuple[list[tuple[str, list[str]]], list[dict[str, str]], RenameSummary, list[RuleUse]]
 
@@ -274,13 +172,13 @@ def _rename_safetensors(path: str, out: str, plan: RenamePlan, allow_unused: boo
         targets = [("", [t.name for t in source.tensors])]
     else:
         targets = [("", list(header.entries))]
-    mappings, summary, uses = _plan_rules(targets, plan, allow_unused, path)
+    mappings, summary, uses = plan_rules(targets, plan, allow_unused, path)
     if dry_run:
         write = WriteResult(path, "", formats.SAFETENSORS, storages=len(targets[0][1]))
     elif source is not None:
         for t in source.tensors:
             t.name = mappings[0][t.name]
-        write = _write_safetensors_source(source, out, progress)
+        write = write_safetensors_source(source, out, progress)
     else:
         write = _rewrite_safetensors(path, out, plan, key=None, allow_missing=True, operation="rename",
                                      progress=progress)
@@ -292,12 +190,12 @@ def _rename_torch(ck: Checkpoint, out: str, plan: RenamePlan, key: str | None, a
                   progress: ProgressFn | None) -> tuple[_Planned, WriteResult]:
     """A torch zip or legacy file: the graph renamed by :func:`ckptool.ops.rename.rename_graph`, streamed anew."""
     location_fn = retag_function(ck, *retag, allow_missing=allow_unused)
-    refs = _graph_targets(ck.root, key, ck.path, "rename")
-    targets = [(t.path, _ref_keys(t)) for t in refs]
-    mappings, summary, uses = _plan_rules(targets, plan, allow_unused, ck.path)
+    refs = graph_targets(ck.root, key, ck.path, "rename")
+    targets = [(t.path, ref_keys(t)) for t in refs]
+    mappings, summary, uses = plan_rules(targets, plan, allow_unused, ck.path)
     for ref, m in zip(refs, mappings):
         if ref.is_module and any(old != new for old, new in m.items()):
-            _refuse_module(ck.path, ref, "rename")
+            refuse_module(ck.path, ref, "rename")
     if dry_run:
         write = WriteResult(ck.path, "", ck.format, storages=len(ck.storages))
     else:
@@ -332,15 +230,56 @@ def _file_path(src: Any, fn: str) -> str:
     return os.fspath(src)
 
 
-def _rewritable(path: str, done: str) -> Opened:
-    """``path`` opened (:func:`ckptool.readers.open_checkpoint`) when its keys can be ``done`` (renamed / filtered)
-    here: one torch.save or safetensors file.
+def _many(opened: Opened, dst: str | os.PathLike[str] | None, in_place: bool, dry_run: bool, tag: str,
+          ops: tuple[Callable[..., Any], Callable[..., Any]]) -> Callable[..., Any] | None:
+    """For a DCP folder or a sharded set, ``ops`` (its DCP, its set function of :mod:`ckptool.ops.surgery_sets`)
+    bound to the input and the output folder (``dst``, or ``<folder>.<tag>`` beside it; ``""`` for a dry run);
+    None for one file.
 
     Raises:
-        UsageError / NotACheckpointError: a folder or a sharded set (:meth:`ckptool.readers.Opened.require_file`).
+        UsageError: ``in_place`` (a set or folder is written anew elsewhere).
+    """
+    folder = dcp_folder(opened)
+    if folder is not None:
+        out = dcp_output(folder, dst, tag, in_place)
+        return lambda *a, **k: ops[0](folder, "" if dry_run else out, *a, **k)
+    if opened.spec.kind == "set":
+        out = set_output(opened.target, dst, tag, in_place)
+        return lambda *a, **k: ops[1](opened.target, "" if dry_run else out, *a, **k)
+    return None
+
+
+def surgery_output(src: str, dst: str | None, in_place: bool, tag: str, *, force: bool) -> str:
+    """The output :func:`rename` (``tag="renamed"``) or :func:`filter_keys` (``"filtered"``) writes for ``src``:
+    ``dst``, ``src`` with ``in_place``, ``<stem>.<tag><ext>`` beside a file, the folder ``<folder>.<tag>`` beside a
+    sharded set's folder or a DCP folder.
+
+    Raises:
+        UsageError: ``in_place`` for a set or folder; ``dst`` equal to ``src`` without ``in_place``; files of a
+            set at the output, unless ``force`` (:func:`ckptool.ops.shard_rewrite.refuse_existing_set`).
+    """
+    opened = open_checkpoint(src)
+    folder = dcp_folder(opened)
+    if folder is not None:
+        return dcp_output(folder, dst, tag, in_place)
+    if opened.spec.kind == "set":
+        out = set_output(opened.target, dst, tag, in_place)
+        refuse_existing_set(opened, out, force=force)
+        return out
+    return output_path(src, dst, in_place, tag)
+
+
+def _rewritable(opened: Opened, done: str) -> Opened:
+    """``opened`` (:func:`ckptool.readers.open_checkpoint`) when its keys can be ``done`` (renamed / filtered) here:
+    one torch.save or safetensors file.
+
+    Raises:
+        UsageError / NotACheckpointError: a folder that is not a DCP checkpoint (a DeepSpeed folder)
+            (:meth:`ckptool.readers.Opened.require_file`).
         UnsupportedError: TorchScript, plain pickle, ``.pt2``, torch.package.
     """
-    opened = open_checkpoint(path).require_file()
+    path = opened.path
+    opened = opened.require_file()
     fmt = opened.format
     if fmt == formats.TORCHSCRIPT:
         raise UnsupportedError(f"{path} is a TorchScript archive: its parameter names are fixed by its compiled code "
@@ -354,85 +293,15 @@ def _rewritable(path: str, done: str) -> Opened:
     return opened
 
 
-# ------------------------------------------------------------------------------------------------ filter
-class _Globs:
-    """``keep`` / ``drop`` globs and how many keys each matched."""
-
-    def __init__(self, keep: Sequence[str], drop: Sequence[str]) -> None:
-        if not keep and not drop:
-            raise UsageError("nothing to filter: give --keep GLOB and/or --drop GLOB (keep=[...], drop=[...])")
-        self.keep, self.drop = list(keep), list(drop)
-        self.hits = {("keep", g): 0 for g in self.keep} | {("drop", g): 0 for g in self.drop}
-
-    def kept(self, k: str) -> bool:
-        hit_keep = [g for g in self.keep if fnmatch.fnmatchcase(k, g)]
-        hit_drop = [g for g in self.drop if fnmatch.fnmatchcase(k, g)]
-        for g in hit_keep:
-            self.hits[("keep", g)] += 1
-        for g in hit_drop:
-            self.hits[("drop", g)] += 1
-        return (not self.keep or bool(hit_keep)) and not hit_drop
-
-    def uses(self) -> list[tuple[str, str, int]]:
-        return [(kind, g, n) for (kind, g), n in self.hits.items()]
-
-
-def _plan_filter(targets: list[tuple[str, list[str]]], globs: _Globs, allow_unused: bool,
-                 where: str) -> list[FilterChange]:
-    """The :class:`FilterChange` of every ``(path, keys)`` target.
-
-    Raises:
-        PrefixNotFoundError: a glob matches no key (unless ``allow_unused``).
-        UsageError: a state_dict would lose every key.
-    """
-    changes = []
-    for path, keys in targets:
-        ch = FilterChange(path, len(keys), 0)
-        for k in keys:
-            if globs.kept(k):
-                ch.kept += 1
-            else:
-                ch.dropped.append(k)
-        changes.append(ch)
-    unused = [(kind, g) for kind, g, n in globs.uses() if not n]
-    if unused and not allow_unused:
-        sample = _sample(targets)
-        kind, g = unused[0]
-        raise PrefixNotFoundError(
-            f"{where}: --{kind} {g!r} matches no key (keys look like {sample}; a glob matches the whole key, e.g. "
-            "'head.*'); nothing was written. Check it with --dry-run and `ckptool inspect`, or pass --allow-unused "
-            "(allow_unused=True) to accept it")
-    for ch in changes:
-        if ch.keys and not ch.kept:
-            raise UsageError(f"{where}: the globs drop every key of state_dict {ch.label} ({ch.keys} keys); nothing "
-                             "was written. Keep at least one key")
-    return changes
-
-
-def _used_storages(root: Any, protocol: int) -> set[str]:
-    """The keys of the storages the pickle of ``root`` refers to: found by pickling it (the writer's own walk)."""
-    used: set[str] = set()
-
-    def hook(ref: StorageRef) -> tuple[Any, ...]:
-        used.add(ref.key)
-        return (ref.typename, ref.storage_type, ref.key, ref.location, ref.numel, *ref.extra)
-
-    try:
-        dumps(root, protocol=protocol, storage_hook=hook)
-    except PicklerError as e:
-        raise UnsupportedError(f"cannot write the pickle back ({e})") from e
-    return used
-
-
-def _filter_torch(ck: Checkpoint, out: str, globs: _Globs, key: str | None, allow_unused: bool, dry_run: bool,
+def _filter_torch(ck: Checkpoint, out: str, globs: Globs, key: str | None, allow_unused: bool, dry_run: bool,
                   retag: tuple[str | None, Mapping[str, str] | None], progress: ProgressFn | None) -> FilterResult:
     location_fn = retag_function(ck, *retag, allow_missing=allow_unused)
-    found = _graph_targets(ck.root, key, ck.path, "filter")
-    targets = [(t.path, _ref_keys(t)) for t in found]
-    changes = _plan_filter(targets, globs, allow_unused, ck.path)
+    found = graph_targets(ck.root, key, ck.path, "filter")
+    targets = [(t.path, ref_keys(t)) for t in found]
+    changes = plan_filter(targets, globs, allow_unused, ck.path)
     for t, ch in zip(found, changes):
         if t.is_module and (ch.dropped or key is not None):  # --key would write the module object: not a state_dict
-            _refuse_module(ck.path, t, "filter")
+            refuse_module(ck.path, t, "filter")
     res = FilterResult(ck.path, "", ck.format, key=key, changes=changes, globs=globs.uses(),
                        extracted=key is not None, dry_run=dry_run)
     if dry_run:
@@ -442,52 +311,33 @@ def _filter_torch(ck: Checkpoint, out: str, globs: _Globs, key: str | None, allo
             gone = set(ch.dropped)
             set_mapping_items(t.obj, [(k, v) for k, v in mapping_items(t.obj) or [] if k not in gone])
     root = found[0].obj if key is not None else ck.root
-    used = _used_storages(root, ck.protocol)
-    if len(used) < len(ck.storages):  # the records of storages nothing refers to any more are not written
-        keep = {"data/" + k for k in used}
-        ck = replace(ck, _records=[r for r in ck.records if not r.name.startswith("data/") or r.name in keep],
-                     storages={k: v for k, v in ck.storages.items() if k in used})
+    ck = prune_storages(ck, root)  # the records of storages nothing refers to any more are not written
     w = rewrite_file(ck, out, root, location_fn, progress=progress)
     res.dst, res.storages, res.bytes_written, res.retagged = out, w.storages, w.bytes_written, w.retagged
     return res
 
 
-def _filter_safetensors(path: str, out: str, globs: _Globs, allow_unused: bool, dry_run: bool,
+def _filter_safetensors(path: str, out: str, globs: Globs, allow_unused: bool, dry_run: bool,
                         progress: ProgressFn | None) -> FilterResult:
     """A safetensors file through ``convert``'s reader and writer: the kept tensors (tied names restored, the sharing
     records rewritten for what is kept), read back and checked before it is renamed into place."""
     source = safetensors_source(path)
     restore_library_aliases(source)
     targets = [("", [t.name for t in source.tensors])]
-    changes = _plan_filter(targets, globs, allow_unused, path)
+    changes = plan_filter(targets, globs, allow_unused, path)
     res = FilterResult(path, "", formats.SAFETENSORS, changes=changes, globs=globs.uses(), dry_run=dry_run)
     if dry_run:
         return res
-    gone = set(changes[0].dropped)
-    source.tensors = [t for t in source.tensors if t.name not in gone]
-    for i, t in enumerate(source.tensors):
-        t.index = i
-    if source.metadata:  # records of dropped names (save_model's alias -> kept) go with them
-        source.metadata = {k: v for k, v in source.metadata.items() if k not in gone and v not in gone}
-    w = _write_safetensors_source(source, out, progress)
+    w = write_safetensors_source(safetensors_without(path, set(changes[0].dropped)), out, progress)
     res.dst, res.storages, res.bytes_written = out, w.storages, w.bytes_written
     return res
 
 
-def _write_safetensors_source(source: Source, out: str, progress: ProgressFn | None) -> WriteResult:
-    """Write ``source`` (a safetensors file read by ``convert``'s reader, changed) to ``out`` with ``convert``'s
-    writer: storage sharing recorded anew for the names written, read back and checked before it is renamed into
-    place (:func:`ckptool.ops.convert.outputs.write_outputs`)."""
-    cres = ConvertResult(source.path, out, formats.SAFETENSORS, "safetensors")
-    write_outputs(source, out, "safetensors", None, None, lambda s: s, None, True, progress, cres)
-    return WriteResult(source.path, out, formats.SAFETENSORS, storages=cres.stored, bytes_written=cres.bytes_written)
-
-
-def _filter_memory(obj: Mapping[Any, Any], globs: _Globs, key: str | None, allow_unused: bool,
+def _filter_memory(obj: Mapping[Any, Any], globs: Globs, key: str | None, allow_unused: bool,
                    dry_run: bool) -> Any:
     found = _memory_targets(obj, key)
     targets = [(p, [k for k in sd if isinstance(k, str)]) for _t, sd, p in found]
-    changes = _plan_filter(targets, globs, allow_unused, "state_dict")
+    changes = plan_filter(targets, globs, allow_unused, "state_dict")
     if dry_run:
         return obj
     result: Any = obj
@@ -523,12 +373,17 @@ def filter_keys(src: Any, dst: str | os.PathLike[str] | None = None, *, keep: st
         UnsupportedError: no state_dict, a pickled ``nn.Module``, TorchScript / plain pickle / ``.pt2``.
         NotACheckpointError / CorruptCheckpointError: unreadable input.
     """
-    globs = _Globs([keep] if isinstance(keep, str) else list(keep), [drop] if isinstance(drop, str) else list(drop))
+    globs = Globs([keep] if isinstance(keep, str) else list(keep), [drop] if isinstance(drop, str) else list(drop))
     if isinstance(src, Mapping):
         _refuse_file_options(dst, in_place, to, mapping)
         return _filter_memory(src, globs, key, allow_unused, dry_run)
     path = _file_path(src, "filter_keys")
-    opened = _rewritable(path, "filtered")
+    opened = open_checkpoint(path)
+    many = _many(opened, dst, in_place, dry_run, "filtered", (filter_dcp, filter_set))
+    if many is not None:
+        return many(globs, key=key, allow_unused=allow_unused, dry_run=dry_run, to=to, mapping=mapping,
+                    progress=progress)
+    opened = _rewritable(opened, "filtered")
     out = "" if dry_run else output_path(path, _opt(dst), in_place, "filtered")
     if opened.format == formats.SAFETENSORS:
         _refuse_safetensors_options(path, key, to, mapping)
