@@ -32,6 +32,7 @@ Importing this module does not import torch; the function imports it when called
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from collections.abc import Collection
@@ -191,8 +192,8 @@ def _non_tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, 
             tag = t.storage.location if t.storage is not None else "meta"
             saved[tag] = saved.get(tag, 0) + 1
     blob.seek(0)
-    try:
-        return _torch_load(blob, what, device, weights_only=not trust)
+    try:  # in memory, as DCP's read_data hands a BYTE_IO record to load_bytes (a legacy pickle needs readline)
+        return _torch_load(io.BytesIO(blob.read()), what, device, weights_only=not trust)
     except _WeightsOnlyRefused as ex:
         raise UnsafeCheckpointError(f"{what}: torch.load(weights_only=True) refuses it ({ex}); {remedy}",
                                     [e.fqn]) from None
@@ -226,8 +227,9 @@ class _WeightsOnlyRefused(Exception):
     """torch.load(weights_only=True) refused a record (its first line)."""
 
 
-def _torch_load(blob: RecordSlice, what: str, device: torch.device | str, *, weights_only: bool) -> Any:
-    """``torch.load`` of one record (the slice of the ``.distcp`` file, no copy of its bytes first).
+def _torch_load(blob: RecordSlice | io.BytesIO, what: str, device: torch.device | str, *, weights_only: bool
+                ) -> Any:
+    """``torch.load`` of one record (a tensor's: the slice of the ``.distcp`` file, its bytes not copied first).
 
     Raises:
         _WeightsOnlyRefused: torch's weights-only unpickler refused it.
