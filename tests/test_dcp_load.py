@@ -136,7 +136,7 @@ def _training_state() -> tuple[Any, Any, dict[str, Any]]:
     opt.step()
     state = {"model": net.state_dict(), "optim": opt.state_dict(), "step": 5,
              "extra": [torch.arange(3, dtype=torch.int64), {"lr": 0.5, "name": "run"}],
-             "half": torch.randn(2, 3).to(torch.bfloat16), "view": torch.randn(3, 6).t()}
+             "half": torch.randn(2, 3).to(torch.bfloat16), "view": torch.randn(3, 6).t(), "empty": torch.zeros(0, 3)}
     return net, opt, state
 
 
@@ -147,7 +147,7 @@ def test_load_into_gives_what_dcp_to_torch_save_gives(tmp_path: Path) -> None:
     ref = _torch_reference(folder)
     got, saved = load_dcp_state_dict(folder)
     _same(got, ref)  # the whole nesting: model, optimizer state and param_groups, step, a list, a transposed view
-    assert saved == {"cpu": 11}  # 2 model, 6 optimizer (exp_avg, exp_avg_sq, step per parameter), 3 others
+    assert saved == {"cpu": 12}  # 2 model, 6 optimizer (exp_avg, exp_avg_sq, step per parameter), 4 others
     model = matrix_fixtures.build_model()
     report = ckptool.load_into(model, folder)
     assert report.key == "model" and report.loaded == 2
@@ -161,7 +161,7 @@ def test_load_training_state_from_a_dcp_folder(tmp_path: Path) -> None:
     model = matrix_fixtures.build_model()
     st = ckptool.load_training_state(model, None, folder)
     assert st.report.key == "model" and st.global_step == 5
-    assert set(st.extra) == {"optim", "step", "extra", "half", "view"}
+    assert set(st.extra) == {"optim", "step", "extra", "half", "view", "empty"}
     _same(dict(model.state_dict()), dict(net.state_dict()))
 
 
@@ -276,6 +276,23 @@ def test_a_tensor_record_holding_a_payload_is_refused_even_with_trust(tmp_path: 
         with pytest.raises(UnsafeCheckpointError, match="system"):
             load_dcp_state_dict(folder, trust=trust)
     assert not marker.exists()
+
+
+class Config:
+    """A value torch.load(weights_only=True) refuses unless registered with add_safe_globals."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+
+
+def test_registered_safe_globals_are_accepted_in_non_tensor_entries(tmp_path: Path) -> None:
+    folder = _save({"model": {"weight": torch.ones(3, 4), "bias": torch.zeros(3)}, "cfg": Config(4)},
+                   tmp_path / "ck")
+    with pytest.raises(UnsafeCheckpointError, match=r"'cfg' names test_dcp_load\.Config"):
+        ckptool.load_into(torch.nn.Linear(4, 3), folder)
+    with torch.serialization.safe_globals([Config]):
+        obj, _ = ckptool.torch_ops.load.load_checkpoint(folder)
+    assert isinstance(obj["cfg"], Config) and obj["cfg"].depth == 4
 
 
 # ------------------------------------------------------------------------------------------------ verify
