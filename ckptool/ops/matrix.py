@@ -118,8 +118,6 @@ MATRIX: dict[tuple[str, str], Cell] = {
         diff=Cell("works", "2 of 2 matched tensors equal"),
         remap=_DCP_REMAP,
         extract_state_dict=_DIR, sanitize=_DIR,
-        verify=Cell("refused", "convert it to one file first", "`ckptool convert SRC -o model.pt`, then verify it"),
-        load_into=Cell("refused", "convert it to one file first", "`ckptool convert SRC -o model.pt`, then load it"),
     ),
     **_row(
         "torch-export",

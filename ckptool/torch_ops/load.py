@@ -44,6 +44,7 @@ from ckptool.model.allowlist import ALLOWED, classify_global, refusal_remedy
 from ckptool.model.keys import mapping_key_function, rename_metadata_items
 from ckptool.readers import FORMATS, open_checkpoint
 from ckptool.torch_ops.annotations import DeviceLike, PrefixSpec, nn, torch  # values at run time too (get_type_hints)
+from ckptool.torch_ops.dcp_load import load_dcp_state_dict
 from ckptool.torch_ops.devices import TensorMemo, is_tensor, map_tensors, model_device, move_tensor, resolve_device
 from ckptool.torch_ops.pt2 import load_pt2_state_dict
 from ckptool.torch_ops.reports import DtypeCast, LoadReport, ShapeMismatch, dtype_name, load_suggestions
@@ -135,8 +136,10 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
     ``__metadata__`` (by ``ckptool convert`` or ``safetensors.torch.save_model``) are given back their names as
     views of one storage (:func:`ckptool.torch_ops.tied.restore_shared`). A sharded set (``*.index.json`` or its
     folder) or a model folder: every shard loaded so, merged into one ``OrderedDict``. A DeepSpeed ZeRO folder: its
-    consolidated fp32 state_dict (:func:`ckptool.torch_ops.zero.load_zero_state_dict`). TorchScript archives (only
-    with ``trust``):
+    consolidated fp32 state_dict (:func:`ckptool.torch_ops.zero.load_zero_state_dict`). A DCP folder: the nested
+    state ``dcp_to_torch_save`` would rebuild, each record loaded by ``torch.load(weights_only=True)``, non-tensor
+    entries unpickled unrestricted only with ``trust`` (:func:`ckptool.torch_ops.dcp_load.load_dcp_state_dict`).
+    TorchScript archives (only with ``trust``):
     ``torch.jit.load(path, map_location=device).state_dict()``. Plain pickles (only with ``trust``):
     ``pickle.load``, then tensors moved to ``device`` (:func:`~ckptool.torch_ops.devices.map_tensors`: an object
     reached twice, such as tied weights, stays one object, and tensors sharing a storage still share one on
@@ -153,9 +156,10 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
     (empty when unknown).
 
     Raises:
-        UsageError: bad device, missing path, a folder that holds no checkpoint set, a DCP folder.
+        UsageError: bad device, missing path, a folder that holds no checkpoint set.
         NotACheckpointError / CorruptCheckpointError: unreadable input, torch failed to read it, an inconsistent
-            sharing record in a safetensors header, a tensor in two shards.
+            sharing record in a safetensors header, a tensor in two shards, a DCP record that does not match
+            its ``.metadata``.
         UnsafeCheckpointError: the file needs globals outside the weights-only allowlist (or is TorchScript / a
             plain pickle) and ``trust`` is False.
         CkptError: a trusted pickle names code that is not importable here.
@@ -167,9 +171,9 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
     opened = open_checkpoint(path)
     if opened.format == "deepspeed":  # consolidated as zero_to_fp32 does, without deepspeed (torch_ops.zero)
         return load_zero_state_dict(path, dev), {}
-    if opened.format == "dcp":
-        raise UsageError(f"{path} is a torch.distributed.checkpoint folder: convert it to one file first "
-                         f"(ckptool convert {path} -o model.pt)")
+    if opened.format == "dcp":  # torch.load of each record, never DCP's reader (torch_ops.dcp_load)
+        return load_dcp_state_dict(opened.target, dev, trust=trust, safe_globals=() if trust else
+                                   registered_safe_globals())
     if opened.spec.kind == "set":
         return _load_set(opened.target, dev, trust, spans)
     if source.is_url(opened.target):  # torch.load / load_file / jit.load read a local file: a temporary copy

@@ -150,6 +150,12 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, ck: Mapping[str, Any], key
         raise UsageError(f"{path}: no optimizer state_dict (a dict with 'state' and 'param_groups') found"
                          + (f" at {key!r}" if key else "")
                          + f"; top-level keys: {', '.join(map(str, list(ck)[:20]))}; pass optimizer_key=")
+    stray = _stray_state_keys(state)
+    if stray:  # torch would keep them under those keys, for no parameter: the state silently lost
+        raise UsageError(f"{path}: the optimizer state at {found!r} holds state under {repr(stray[:5])[:200]}, "
+                         "no parameter index of its param_groups: torch would attach it to no parameter (a DCP "
+                         "folder, for one, stores optimizer.state_dict()'s keys as strings); save the optimizer with "
+                         "torch.distributed.checkpoint.state_dict.get_state_dict and load it with set_state_dict")
     try:
         optimizer.load_state_dict(state)
     except (ValueError, KeyError) as e:
@@ -158,6 +164,16 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, ck: Mapping[str, Any], key
                          "saved") from e
     place_optimizer_state(optimizer)
     return found
+
+
+def _stray_state_keys(state: Mapping[str, Any]) -> list[Any]:
+    """The keys of an optimizer state_dict's ``state`` that are no parameter index of its ``param_groups``:
+    ``Optimizer.load_state_dict`` keeps their state under those keys, attached to no parameter."""
+    groups, st = state.get("param_groups"), state.get("state")
+    if not isinstance(groups, (list, tuple)) or not isinstance(st, Mapping):
+        return []  # load_state_dict itself names what is wrong
+    ids = {i for g in groups if isinstance(g, Mapping) for i in (g.get("params") or ()) if type(i) is int}
+    return [k for k in st if not (type(k) is int and k in ids)]
 
 
 def _load_scheduler(scheduler: SchedulerLike, ck: Mapping[str, Any], key: str | None, path: str) -> str:
