@@ -428,19 +428,17 @@ def test_registered_safe_globals_are_honoured(tmp_path: Path) -> None:
 
 def test_torch_refusal_becomes_unsafe_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """When the pre-check misses a global, torch's weights-only UnpicklingError still becomes the same error."""
-    import sys
+    from ckptool.torch_ops import load as load_mod
 
     path = tmp_path / "args.pt"
     torch.save({"args": argparse.Namespace(lr=0.1), "state_dict": trained().state_dict()}, path)
-    mod = sys.modules["ckptool.ops.inspect"]
-    real = mod.inspect
+    real = load_mod._saved_devices_and_unsafe_globals
 
-    def no_globals(p: Any) -> Any:
-        info = real(p)
-        info.globals = []
-        return info
+    def no_globals(*args: Any, **kwargs: Any) -> Any:  # the pre-check (ckptool's reader) misses every global
+        saved, _unsafe = real(*args, **kwargs)
+        return saved, []
 
-    monkeypatch.setattr(mod, "inspect", no_globals)
+    monkeypatch.setattr(load_mod, "_saved_devices_and_unsafe_globals", no_globals)
     with pytest.raises(UnsafeCheckpointError) as ei:
         ckptool.load_into(build_classifier(), path)
     assert ei.value.globals == ["argparse.Namespace"] and "trust=True" in str(ei.value)
