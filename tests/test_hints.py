@@ -252,3 +252,16 @@ def test_load_hint_of_each_format(generated, tmp_path: Path) -> None:
     assert "weights_only=False" in hint.code and any("ckptool sanitize" in n for n in hint.notes)
     assert load_hint(generated["sd_cuda1.pt"], state_dict="", chosen={"cuda:1"}).notes[0].startswith(
         "Storages are tagged cuda:1 as asked")
+
+
+def test_a_set_tagged_as_asked_names_the_shards_not_the_index(generated, tmp_path: Path, run_cli) -> None:
+    """The note for storages tagged as asked must not tell torch.load to open the set's JSON index."""
+    (tmp_path / "set").mkdir()
+    assert run_cli("convert", generated["sd_cpu.pt"], "-o", tmp_path / "set" / "pytorch_model.bin",
+                   "--max-shard-size", "256").exit_code == 0
+    res = run_cli("remap", tmp_path / "set", "--to", "cuda:0", "-o", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    index = str(next((tmp_path / "out").glob("*.index.json")))
+    hint = load_hint(index, chosen={"cuda:0"})
+    assert hint.notes and hint.notes[-1].startswith("Storages are tagged cuda:0 as asked")
+    assert "index.json" not in hint.notes[-1] and "each shard" in hint.notes[-1]

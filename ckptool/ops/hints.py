@@ -73,7 +73,7 @@ def _torch_load(file_expr: str, tags: Iterable[str], trusted: bool) -> str:
     return f"torch.load({', '.join(args)})"
 
 
-def _device_notes(path: str, tags: set[str], chosen: frozenset[str]) -> list[str]:
+def _device_notes(path: str, tags: set[str], chosen: frozenset[str], sharded: bool = False) -> list[str]:
     gpu = sorted(tags - _NO_DEVICE_TAGS)
     if not gpu:
         return []
@@ -88,8 +88,10 @@ def _device_notes(path: str, tags: set[str], chosen: frozenset[str]) -> list[str
             f"torch.load without map_location needs that device. Load it with map_location='cpu' on any machine"
             f"{gpu_hint}, or rewrite it with --to cpu")
     if asked:
-        notes.append(f"Storages are tagged {', '.join(asked)} as asked: on a machine with that device "
-                     f"torch.load({path!r}, weights_only=True) puts them there; the line below opens it anywhere")
+        load = ("torch.load of each shard (weights_only=True)" if sharded
+                else f"torch.load({path!r}, weights_only=True)")  # an index is JSON: torch.load reads the shards
+        notes.append(f"Storages are tagged {', '.join(asked)} as asked: on a machine with that device {load} puts "
+                     "them there; the line below opens it anywhere")
     return notes
 
 
@@ -247,7 +249,7 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
         notes.append(f"torch.load(weights_only=True) refuses this file: its pickle uses {info.weights_only_refusal}, "
                      "which torch's weights_only unpickler does not read (a pickle_protocol above 3?); load it with "
                      "weights_only=False (below) only if you trust its source")
-    notes += _device_notes(path, tags, frozenset(chosen))
+    notes += _device_notes(path, tags, frozenset(chosen), sharded=info.format.startswith("sharded-"))
     imports = ["import torch"]
     if info.format.startswith("sharded-"):
         code = _sharded_torch(path, info)
