@@ -9,7 +9,8 @@ layout and saved location tag) plus its plain values; every other side through
 safetensors file or a sharded set (the tied names ``safetensors.torch.save_model`` dropped given back), a ``.pt2``
 archive, a DeepSpeed ZeRO folder (its consolidated fp32 state_dict), a DCP folder (every tensor's bytes in its
 ``.distcp`` records, :mod:`ckptool.readers.read_dcp`; its non-tensor entries, never read, are compared by name),
-and a selected state_dict of a torch file.
+a torch.package archive (its state_dict chosen as ``convert`` chooses it, nothing of the package run:
+:mod:`ckptool.readers.read_package`), and a selected state_dict of a torch file.
 
 A training checkpoint (``{"epoch": 1, "model_state_dict": ..., "optimizer_state_dict": ...}``, or a DCP folder
 saved from ``{"model": ..., "optim": ...}``) compared with a bare state_dict (safetensors, a sharded set, a ``.pt2``
@@ -79,8 +80,7 @@ def probe(path: str | Opened) -> Probe:
 
     Raises:
         UsageError / NotACheckpointError / CorruptCheckpointError: as :func:`ckptool.readers.open_checkpoint` and
-            :func:`ckptool.formats.torchfile.read_checkpoint` raise (a plain pickle, a torch.package archive: not
-            a torch.save checkpoint).
+            :func:`ckptool.formats.torchfile.read_checkpoint` raise (a plain pickle: not a torch.save checkpoint).
     """
     o = path if isinstance(path, Opened) else open_checkpoint(path)
     if o.format == DCP:
@@ -89,7 +89,7 @@ def probe(path: str | Opened) -> Probe:
         ck = o.graph()
     elif o.spec.tensors:
         return Probe(o)
-    else:  # a plain pickle, a torch.package archive: refused as today, with the torch.save reader's message
+    else:  # a plain pickle: refused as today, with the torch.save reader's message
         ck = read_checkpoint(o.target, o.format)
     return Probe(o, ck.root, ck)
 
@@ -275,9 +275,9 @@ def _source_side(src: Source) -> Side:
 
 
 def _stores(fmt: str) -> tuple[bool, bool]:
-    """``(location tags, strides)``: which of the two the files of format ``fmt`` record (torch.save files both,
-    ``.pt2`` archives strides, safetensors neither)."""
-    torch_file = fmt in (formats.TORCH_ZIP, formats.TORCH_LEGACY)
+    """``(location tags, strides)``: which of the two the files of format ``fmt`` record (torch.save files and
+    torch.package archives both, ``.pt2`` archives strides, safetensors neither)."""
+    torch_file = fmt in (formats.TORCH_ZIP, formats.TORCH_LEGACY, formats.TORCH_PACKAGE)
     return torch_file, torch_file or fmt == formats.PT2
 
 

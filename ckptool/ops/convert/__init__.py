@@ -139,7 +139,7 @@ def convert(
         return _from_dcp(src_p, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
             key=key, to=to, mapping=mapping, allow_missing=allow_missing, max_shard_size=shard_bytes, dtype=dtype,
             verify=verify, progress=progress, **renames))
-    if fmt_out == "dcp" and opened.format not in ("deepspeed", formats.PICKLE, formats.TORCH_PACKAGE):
+    if fmt_out == "dcp" and opened.format not in ("deepspeed", formats.PICKLE):
         return _opened_to_dcp(opened, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype)
     source = _read_source(opened, fmt_out, key, tag, exclude_frozen)
     _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
