@@ -40,12 +40,11 @@ from typing import Literal
 
 from ckptool import _source as source
 from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
-from ckptool.formats import detect
+from ckptool.formats import detect, torch_package
 from ckptool.formats.dcp import read_dcp_metadata
 from ckptool.formats.deepspeed import is_deepspeed_folder
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import INDEX_SUFFIX, is_checkpoint_set, parse_index, set_kind
-from ckptool.formats.torch_package import read_package
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
 from ckptool.model.graph import find_state_dicts
 from ckptool.model.keys import shared_prefixes
@@ -201,7 +200,7 @@ class Opened:
                     for r in refs for keys in [r.keys()]]
         if self.format == detect.TORCH_PACKAGE:  # keyed <member>:<path>, as inspect prints them
             return [StateDictEntry(k, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
-                    for k, r in package_state_dicts(read_package(self.target)) for keys in [r.keys()]]
+                    for k, r in package_state_dicts(torch_package.read_package(self.target)) for keys in [r.keys()]]
         names = tuple(t.name for t in self.state_dict().tensors)
         return [StateDictEntry("", names, tuple(shared_prefixes(names)))]
 

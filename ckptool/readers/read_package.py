@@ -28,11 +28,12 @@ from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import storage_nbytes
-from ckptool.formats.nodes import PersistentRef, StorageRef
+from ckptool.formats.nodes import GlobalMeta, PersistentRef, StorageRef
 from ckptool.formats.torch_package import Package, Resource, read_package
 from ckptool.formats.zipdir import data_offset
 from ckptool.model.graph import StateDictRef, depth_first, find_state_dicts, node_children
 from ckptool.model.nonstrided import find_non_strided
+from ckptool.model.paths import resolve_path
 from ckptool.readers.read_torch import (
     add_tensors,
     describe,
@@ -65,10 +66,15 @@ def split_key(pkg: Package, key: str) -> tuple[Resource, str | None]:
                      f"keys `ckptool inspect` prints), with MEMBER one of: {members}")
 
 
+def _found(pkg: Package) -> list[tuple[Resource, StateDictRef]]:
+    """Every state_dict of the archive's pickles with its pickle, outermost first within each, in archive order."""
+    return [(r, sd) for r in pkg.resources for sd in find_state_dicts(r.root)]
+
+
 def package_state_dicts(pkg: Package) -> list[tuple[str, StateDictRef]]:
     """Every state_dict of the archive's pickles, outermost first within each pickle, in archive order, as
     ``(key, ref)`` with ``key`` in the ``<member>:<path>`` syntax and ``ref`` found in the pickle's own graph."""
-    return [(f"{r.member}:{sd.path}", sd) for r in pkg.resources for sd in find_state_dicts(r.root)]
+    return [(f"{r.member}:{sd.path}", sd) for r, sd in _found(pkg)]
 
 
 def _reduce_package(obj: object) -> PersistentRef | None:
@@ -81,52 +87,72 @@ def _reduce_package(obj: object) -> PersistentRef | None:
 
 def _refuse_code(pkg: Package, r: Resource, obj: object, inner: str) -> None:
     """Raise :class:`UnsupportedError` when ``obj`` (at dotted ``inner`` in pickle ``r``) reaches a
-    ``('reduce_package', ...)`` persistent id: rebuilding it runs the package's code."""
+    ``('reduce_package', ...)`` persistent id (``PackageExporter`` writes ``('reduce_package', id, function,
+    args)``; older archives ``('reduce_package', function, args)``): rebuilding it runs the package's code."""
     for where, ref in depth_first(obj, inner, node_children, _reduce_package):
-        func = ref.pid[2] if len(ref.pid) == 4 else ref.pid[1] if len(ref.pid) == 3 else None
-        made_by = f" (made by {getattr(func, 'global_name', None) or func!r})" if func is not None else ""
+        func = ref.pid[-2] if len(ref.pid) in (3, 4) else None
+        name = func.qualified_name if isinstance(func, GlobalMeta) else None
         raise UnsupportedError(
             f"{pkg.path}: {r.member}:{where} is an object the package's own code rebuilds, a ('reduce_package', ...) "
-            f"persistent id{made_by}; ckptool does not run it, so its tensors cannot be read. In a trusted "
-            f"environment, torch.package.PackageImporter({pkg.path!r}).load_pickle({r.package!r}, {r.resource!r}) "
-            "loads it (runs the package's code); save its state_dict() with torch.save, then run the command on "
-            "that file")
+            f"persistent id{f' (made by {name})' if name else ''}; ckptool does not run it, so what it holds "
+            f"cannot be read. In a trusted environment, torch.package.PackageImporter({pkg.path!r}).load_pickle("
+            f"{r.package!r}, {r.resource!r}) loads it (runs the package's code); save its state_dict() with "
+            "torch.save, then run the command on that file")
+
+
+def _refuse_keyed_code(pkg: Package, r: Resource, inner: str | None) -> None:
+    """:func:`_refuse_code` for what ``--key`` names: the object at ``inner``, or, for a pickle named alone that
+    holds no state_dict, the whole pickle."""
+    if inner is None:
+        if not find_state_dicts(r.root):
+            _refuse_code(pkg, r, r.root, "")
+        return
+    try:
+        trail = resolve_path(r.root, inner)
+    except KeyError:
+        return  # select_state_dict says what is there
+    _refuse_code(pkg, r, trail[-1].child if trail else r.root, inner)
+
+
+def _refuse_empty(pkg: Package) -> None:
+    """Raise :class:`UnsupportedError` for a package whose pickles hold no state_dict: naming a ``reduce_package``
+    object or a non-strided tensor when there is one."""
+    for r in pkg.resources:
+        _refuse_code(pkg, r, r.root, "")
+        special = find_non_strided(r.root)
+        if special:
+            raise_non_strided(pkg.path, f"{r.member}:{special[0][0]}", special[0][1], len(special) - 1)
+    members = ", ".join(r.member for r in pkg.resources) or "none"
+    raise UnsupportedError(
+        f"{pkg.path}: no state_dict found in the package's pickles ({members}: a mapping of parameter names to "
+        "tensors, or a pickled nn.Module); `ckptool inspect` lists what they hold, --key MEMBER:PATH selects a "
+        "mapping")
 
 
 def _select(pkg: Package, key: str | None) -> tuple[Resource, StateDictRef]:
-    """The pickle and the state_dict in it to read: ``key`` (see :func:`split_key`), else the one ``convert``
-    would choose among all pickles (:func:`ckptool.readers.read_torch.select_state_dict` over a list of the
-    pickles' roots, so each found path starts with the pickle's index).
+    """The pickle and the state_dict in it to read: ``key`` (see :func:`split_key`), else, when one pickle holds
+    state_dicts, the one ``convert`` would choose in it (:func:`ckptool.readers.read_torch.select_state_dict`).
 
     Raises:
-        UsageError: see :func:`split_key` and :func:`select_state_dict`; several equally likely state_dicts.
-        UnsupportedError: no state_dict (a ``reduce_package`` object, a non-strided tensor: named).
+        UsageError: see :func:`split_key` and :func:`select_state_dict`; several equally likely state_dicts, or
+            state_dicts in several pickles (listed as ``<member>:<path>``).
+        UnsupportedError: a ``reduce_package`` object where ``key`` points; no state_dict (:func:`_refuse_empty`).
     """
     if key is not None:
         r, inner = split_key(pkg, key)
+        _refuse_keyed_code(pkg, r, inner)
         return r, select_state_dict(r.root, inner, f"{pkg.path}:{r.member}")
-    roots = [r.root for r in pkg.resources]
-    found = find_state_dicts(roots)
+    found = _found(pkg)
     if not found:
-        for r in pkg.resources:
-            _refuse_code(pkg, r, r.root, "")
-            special = find_non_strided(r.root)
-            if special:
-                raise_non_strided(pkg.path, f"{r.member}:{special[0][0]}", special[0][1], len(special) - 1)
-        members = ", ".join(r.member for r in pkg.resources) or "none"
-        raise UnsupportedError(
-            f"{pkg.path}: no state_dict found in the package's pickles ({members}: a mapping of parameter names to "
-            "tensors, or a pickled nn.Module); `ckptool inspect` lists what they hold, --key MEMBER:PATH selects a "
-            "mapping")
-    try:
-        sd = select_state_dict(roots, None, pkg.path)
-    except UsageError:
-        listing = ", ".join(f"{k} ({len(sd.keys())} tensors)" for k, sd in package_state_dicts(pkg))
-        raise UsageError(f"{pkg.path} holds several state_dicts: {listing}; choose one with --key MEMBER:PATH "
-                         "(key=...)") from None
-    r = pkg.resources[int(sd.trail[0].key)]
-    inner = sd.path.partition(".")[2]
-    return r, StateDictRef(inner, sd.obj, sd.is_module, sd.trail[1:])
+        _refuse_empty(pkg)
+    r = found[0][0]
+    if all(o is r for o, _sd in found):
+        try:
+            return r, select_state_dict(r.root, None, f"{pkg.path}:{r.member}")
+        except UsageError:
+            pass  # refused below, listing the choices in the syntax --key takes
+    listing = ", ".join(f"{o.member}:{sd.path} ({len(sd.keys())} tensors)" for o, sd in found)
+    raise UsageError(f"{pkg.path} holds several state_dicts: {listing}; choose one with --key MEMBER:PATH (key=...)")
 
 
 def package_source(path: str, key: str | None = None, pkg: Package | None = None) -> Source:

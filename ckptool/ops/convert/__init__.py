@@ -83,7 +83,9 @@ def convert(
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
     ``src`` is a torch.save file (zip or legacy), a ``torch.export`` archive (``.pt2``: its state_dict, or with
-    ``key="constants"`` its constants; :mod:`ckptool.readers.read_pt2`), a safetensors file, a sharded set
+    ``key="constants"`` its constants; :mod:`ckptool.readers.read_pt2`), a ``torch.package`` archive (its state_dict
+    read without running the package's code, ``key`` as ``<member>`` or ``<member>:<path>``:
+    :mod:`ckptool.readers.read_package`), a safetensors file, a sharded set
     (its ``*.index.json``, or the folder holding it), a DCP folder, or a DeepSpeed ZeRO checkpoint folder
     (consolidated to its fp32 state_dict as ``zero_to_fp32`` does, without deepspeed:
     :mod:`ckptool.readers.read_deepspeed`; ``tag`` picks the tag folder, default from ``latest``;
