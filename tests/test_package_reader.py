@@ -247,6 +247,19 @@ def test_average_of_packages(tmp_path: Path, run_cli: Any) -> None:
     assert torch.equal(got["w"], torch.full((3,), 2.0)) and torch.equal(got["n"], a["n"])
 
 
+def test_average_takes_a_package_key(tmp_path: Path, run_cli: Any) -> None:
+    from safetensors.torch import load_file
+
+    paths = []
+    for i in (1.0, 3.0):
+        paths.append(tmp_path / f"p{i}.pt")
+        with PackageExporter(str(paths[-1])) as exp:
+            exp.save_pickle("m", "ckpt.pkl", {"state_dict": {"w": torch.zeros(2)}, "ema": {"w": torch.full((2,), i)}})
+    res = run_cli("average", *paths, "--key", "m/ckpt.pkl:ema", "-o", tmp_path / "ema.safetensors")
+    assert res.exit_code == 0, res.output
+    assert torch.equal(load_file(str(tmp_path / "ema.safetensors"))["w"], torch.full((2,), 2.0))
+
+
 def test_a_damaged_storage_record_fails_convert_verification(tmp_path: Path, run_cli: Any) -> None:
     """convert holds the bytes it copies to the record's zip CRC-32: a flipped byte in the record is caught."""
     pkg = _sd_package(tmp_path / "pkg.pt", {"w": torch.zeros(64)})
