@@ -218,6 +218,18 @@ def test_diff_package_against_its_torch_save_is_identical(tmp_path: Path, run_cl
     assert res.exit_code != 0 and "half" in res.output, res.output
 
 
+def test_diff_key_selects_a_package_state_dict(tmp_path: Path, run_cli: Any) -> None:
+    ema = {"w": torch.full((2,), 7.0)}
+    pkg = tmp_path / "train.pt"
+    with PackageExporter(str(pkg)) as exp:
+        exp.save_pickle("m", "ckpt.pkl", {"state_dict": {"w": torch.zeros(2)}, "ema": ema})
+    torch.save(ema, tmp_path / "ema.pt")
+    res = run_cli("diff", pkg, tmp_path / "ema.pt", "--key", "m/ckpt.pkl:ema")
+    assert res.exit_code == 0 and "identical" in res.output, res.output
+    res = run_cli("diff", pkg, tmp_path / "ema.pt", "--key", "m/ckpt.pkl:nope", catch_exceptions=True)
+    assert res.exit_code == 2 and "m/ckpt.pkl:state_dict, m/ckpt.pkl:ema" in res.output, res.output
+
+
 def test_diff_compares_the_package_location_tags(tmp_path: Path, run_cli: Any) -> None:
     """A package records each storage's location tag, as torch.save does: a retagged one is a difference."""
     sd = {"w": torch.zeros(3)}
