@@ -73,7 +73,8 @@ def report_convert(res: ConvertResult) -> None:
         what = "the whole checkpoint"
     echo(f"Converted {what} of {res.src} ({res.format_in}) to {res.format_out}.")
     if res.left_out:
-        how = "" if res.format_in == "deepspeed" else " (pass --key PATH to convert another state_dict)"
+        path = "MEMBER:PATH" if res.format_in == "torch-package" else "PATH"
+        how = "" if res.format_in == "deepspeed" else f" (pass --key {path} to convert another state_dict)"
         echo(f"Not carried: {len(res.left_out)} other entr{'y' if len(res.left_out) == 1 else 'ies'} of the file"
              f"{how}:")
         for line in res.left_out[:20]:
@@ -144,9 +145,10 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
     """Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint.
 
     SRC is a torch.save file, a safetensors file, a sharded set (*.index.json, or the folder holding it), a
-    DCP folder, a torch.export archive (.pt2: its state_dict, or --key constants), or a DeepSpeed ZeRO 1/2/3
-    checkpoint folder (consolidated to the fp32 master weights and buffers exactly as DeepSpeed's zero_to_fp32
-    does, without deepspeed and one tensor at a time).
+    DCP folder, a torch.export archive (.pt2: its state_dict, or --key constants), a torch.package archive
+    (PackageExporter: its state_dict read without running the package's code; --key MEMBER or MEMBER:PATH, the
+    keys inspect prints), or a DeepSpeed ZeRO 1/2/3 checkpoint folder (consolidated to the fp32 master weights
+    and buffers exactly as DeepSpeed's zero_to_fp32 does, without deepspeed and one tensor at a time).
 
     From a torch file the state_dict is converted (found automatically, or --key); what else the file
     held (optimizer state, epoch...) is listed as not carried. Sparse, quantized and nested tensors are refused
@@ -168,6 +170,7 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
       ckptool convert model.pt -o dcp_ckpt/ --format dcp
       ckptool convert ds_checkpoints/ -o model.safetensors         # DeepSpeed ZeRO, tag from 'latest'
       ckptool convert exported.pt2 -o model.safetensors            # torch.export.save archive
+      ckptool convert packaged.pt -o model.safetensors             # torch.package archive
     """
     refuse_stdout(dst, f"{ZIP_NEEDS_SEEK}, and every output is re-opened to verify it before it is kept")
     _claim_convert_output(dst, fmt, max_shard_size, force)

@@ -148,8 +148,9 @@ def read_checkpoint(path: str, fmt: str | None = None) -> Checkpoint:
     if fmt == formats.TORCH_PACKAGE:
         raise UnsupportedError(
             f"{path} is a torch.package archive (torch.package.PackageExporter), not a torch.save checkpoint: this "
-            f"command does not apply to it. `ckptool inspect {path}` lists its pickles, tensors and modules, "
-            f"`ckptool scan {path}` says what loading it runs")
+            f"command does not apply to it. `ckptool convert {path} -o model.safetensors` (or -o model.pt) writes its "
+            "state_dict without running the package's code, then run the command on that file; `ckptool inspect "
+            f"{path}` lists its pickles, tensors and modules, `ckptool scan {path}` says what loading it runs")
     raise UnsupportedError(f"{path} is {fmt}, not a torch.save checkpoint")
 
 

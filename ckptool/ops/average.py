@@ -2,8 +2,9 @@
 
 What timm's ``avg_checkpoints.py`` and model soups do, without loading any checkpoint whole: each input is read by
 ``convert``'s readers (a torch zip or legacy file: its state_dict chosen as ``convert`` chooses it, or the one at
-``key``, e.g. an EMA copy; a safetensors file, its tied names restored; a sharded set through its index), in any
-mix. Every input must hold the same keys with the same shapes and dtypes (refused otherwise, naming the key).
+``key``, e.g. an EMA copy; a safetensors file, its tied names restored; a sharded set through its index; a
+torch.package archive's state_dict, read without running its code), in any mix. Every input must hold the same
+keys with the same shapes and dtypes (refused otherwise, naming the key).
 
 Floating tensors (float16, bfloat16, float32, float64, complex) are averaged in float64 (complex128) and cast back
 to their dtype (:mod:`ckptool.torch_ops.average`); integer and bool tensors (``num_batches_tracked``, masks) are
@@ -78,14 +79,14 @@ class AverageResult:
 def _read(path: str, key: str | None) -> Source:
     """One input as a :class:`~ckptool.readers.tensors.Source` (no tensor bytes read), through the readers layer
     (:func:`ckptool.readers.open_checkpoint`): any format whose tensors ckptool reads; ``key`` applies to the
-    formats that hold several mappings (torch files, ``.pt2``).
+    formats that hold several mappings (torch files, ``.pt2``, torch.package archives: ``<member>:<path>``).
 
     Raises:
-        UnsupportedError: a format whose tensors ckptool does not read without running code (TorchScript,
-            torch.package, plain pickles), with the reason and the route.
+        UnsupportedError: a format whose tensors ckptool does not read without running code (TorchScript, plain
+            pickles), with the reason and the route.
     """
     opened = open_checkpoint(path)
-    several = opened.format in (formats.TORCH_ZIP, formats.TORCH_LEGACY, formats.PT2)
+    several = opened.format in (formats.TORCH_ZIP, formats.TORCH_LEGACY, formats.PT2, formats.TORCH_PACKAGE)
     src = opened.state_dict(key if several else None)
     if opened.format == formats.SAFETENSORS:
         restore_library_aliases(src)

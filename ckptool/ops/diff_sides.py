@@ -9,7 +9,8 @@ layout and saved location tag) plus its plain values; every other side through
 safetensors file or a sharded set (the tied names ``safetensors.torch.save_model`` dropped given back), a ``.pt2``
 archive, a DeepSpeed ZeRO folder (its consolidated fp32 state_dict), a DCP folder (every tensor's bytes in its
 ``.distcp`` records, :mod:`ckptool.readers.read_dcp`; its non-tensor entries, never read, are compared by name),
-and a selected state_dict of a torch file.
+a torch.package archive (its state_dict chosen as ``convert`` chooses it, nothing of the package run:
+:mod:`ckptool.readers.read_package`), and a selected state_dict of a torch file.
 
 A training checkpoint (``{"epoch": 1, "model_state_dict": ..., "optimizer_state_dict": ...}``, or a DCP folder
 saved from ``{"model": ..., "optim": ...}``) compared with a bare state_dict (safetensors, a sharded set, a ``.pt2``
@@ -17,7 +18,8 @@ archive, a DeepSpeed folder, a torch file or DCP folder whose state_dict is the 
 state_dict that ``convert`` would convert from it (:func:`ckptool.readers.read_torch.select_state_dict`, the same
 choice; in a DCP folder, in the nesting its ``planner_data`` records); two checkpoints whose state_dicts sit at the
 same place are compared whole, as they are. ``key`` (``--key``) selects that state_dict on every torch or DCP side
-where it resolves (:func:`ckptool.model.paths.resolve_path`).
+where it resolves (:func:`ckptool.model.paths.resolve_path`), and on a torch.package side that holds it
+(``<member>:<path>``).
 """
 
 from __future__ import annotations
@@ -79,8 +81,7 @@ def probe(path: str | Opened) -> Probe:
 
     Raises:
         UsageError / NotACheckpointError / CorruptCheckpointError: as :func:`ckptool.readers.open_checkpoint` and
-            :func:`ckptool.formats.torchfile.read_checkpoint` raise (a plain pickle, a torch.package archive: not
-            a torch.save checkpoint).
+            :func:`ckptool.formats.torchfile.read_checkpoint` raise (a plain pickle: not a torch.save checkpoint).
     """
     o = path if isinstance(path, Opened) else open_checkpoint(path)
     if o.format == DCP:
@@ -89,7 +90,7 @@ def probe(path: str | Opened) -> Probe:
         ck = o.graph()
     elif o.spec.tensors:
         return Probe(o)
-    else:  # a plain pickle, a torch.package archive: refused as today, with the torch.save reader's message
+    else:  # a plain pickle: refused as today, with the torch.save reader's message
         ck = read_checkpoint(o.target, o.format)
     return Probe(o, ck.root, ck)
 
@@ -106,7 +107,14 @@ def _auto(p: Probe) -> str | None:
 
 
 def _resolves(p: Probe, key: str) -> bool:
-    """True when ``key`` names a mapping or a pickled module in the torch file or DCP folder ``p``."""
+    """True when ``key`` names a mapping or a pickled module in the torch file or DCP folder ``p``, or a
+    state_dict of the torch.package archive ``p`` (``<member>:<path>``: :mod:`ckptool.readers.read_package`)."""
+    if p.opened.format == formats.TORCH_PACKAGE:
+        try:
+            p.opened.state_dict(key)
+        except UsageError:
+            return False
+        return True
     if not p.selectable:
         return False
     try:
@@ -118,6 +126,8 @@ def _resolves(p: Probe, key: str) -> bool:
 
 
 def _listing(p: Probe) -> str:
+    if p.opened.format == formats.TORCH_PACKAGE:
+        return f"state_dicts in {p.path}: {', '.join(e.path for e in p.opened.state_dicts()) or 'none'}"
     if not p.selectable:
         return f"{p.path} is {p.opened.format}: --key does not apply to it"
     found = ", ".join(sd.path or "(top level)" for sd in find_state_dicts(p.root)) or "none"
@@ -196,8 +206,8 @@ def _read_side(p: Probe, key: str | None) -> Side:
     o = p.opened
     if o.format == DCP:  # every tensor by its fully qualified name, or the state_dict at key
         return _source_side(o.state_dict("" if key is None else key))
-    if p.ck is None:  # safetensors, sharded sets, .pt2 archives, DeepSpeed folders: one mapping of tensors
-        src = o.state_dict()
+    if p.ck is None:  # safetensors, sharded sets, .pt2, DeepSpeed: one mapping of tensors; a package's state_dict
+        src = o.state_dict(key if o.format == formats.TORCH_PACKAGE else None)  # a package: its <member>:<path>
         return _source_side(restored(src) if o.format in _ALIASED else src)
     try:
         if key is not None:
@@ -275,9 +285,9 @@ def _source_side(src: Source) -> Side:
 
 
 def _stores(fmt: str) -> tuple[bool, bool]:
-    """``(location tags, strides)``: which of the two the files of format ``fmt`` record (torch.save files both,
-    ``.pt2`` archives strides, safetensors neither)."""
-    torch_file = fmt in (formats.TORCH_ZIP, formats.TORCH_LEGACY)
+    """``(location tags, strides)``: which of the two the files of format ``fmt`` record (torch.save files and
+    torch.package archives both, ``.pt2`` archives strides, safetensors neither)."""
+    torch_file = fmt in (formats.TORCH_ZIP, formats.TORCH_LEGACY, formats.TORCH_PACKAGE)
     return torch_file, torch_file or fmt == formats.PT2
 
 

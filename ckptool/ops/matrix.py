@@ -54,8 +54,9 @@ _JIT = "torch.jit.load(path, map_location='cpu'), torch.save(model.state_dict())
 _PT2_SD = "`ckptool extract-state-dict SRC -o weights.pt` (or convert), then the command on that file"
 _NO_MODULE = Cell("refused", "holds no pickled nn.Module", "the file already is a state_dict: use it as it is")
 _PKG = Cell("refused", "is a torch.package archive",
-            "`ckptool inspect` lists its tensors; torch.package.PackageImporter(path).load_pickle(...) (runs the "
-            "package's code: trusted files only)")
+            "`ckptool convert SRC -o model.safetensors` (or -o model.pt) writes its state_dict without running the "
+            "package's code, then the command on that file; torch.package.PackageImporter(path).load_pickle(...) "
+            "runs the package's code (trusted files only)")
 _DIR = Cell("refused", "is a folder, and this command reads one checkpoint file", _CONVERT)
 #: DCP stores every tensor chunk from CPU; only a non-tensor entry's torch.save record can carry a GPU tag
 _DCP_REMAP = Cell("refused", "nothing to remap",
@@ -92,8 +93,10 @@ MATRIX: dict[tuple[str, str], Cell] = {
     ),
     **_row(
         "torch-package",
-        **{op.replace("-", "_"): _PKG for op in OPERATIONS if op not in ("scan", "inspect", "report", "remap")},
+        **{op.replace("-", "_"): _PKG for op in OPERATIONS
+           if op not in ("scan", "inspect", "report", "diff", "convert", "average", "remap")},
         scan=Cell("works", "safe"),
+        diff=Cell("works", "identical"),
         remap=Cell("works", "re-tagged"),
     ),
     **_row(

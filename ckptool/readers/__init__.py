@@ -40,7 +40,7 @@ from typing import Literal
 
 from ckptool import _source as source
 from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
-from ckptool.formats import detect
+from ckptool.formats import detect, torch_package
 from ckptool.formats.dcp import read_dcp_metadata
 from ckptool.formats.deepspeed import is_deepspeed_folder
 from ckptool.formats.safetensors import read_header
@@ -52,6 +52,7 @@ from ckptool.model.values import iter_values
 from ckptool.model.zero import read_zero
 from ckptool.readers.read_dcp import dcp_source, dcp_tree
 from ckptool.readers.read_deepspeed import deepspeed_source
+from ckptool.readers.read_package import package_source, package_state_dicts
 from ckptool.readers.read_pt2 import pt2_source
 from ckptool.readers.read_safetensors import index_source, safetensors_source
 from ckptool.readers.read_torch import torch_source
@@ -81,7 +82,8 @@ class Format:
     ``label`` (what it is, for people), ``kind`` (one ``file``, a ``set`` of files named by an index, or a
     ``folder``), ``pickled`` (its structure is a pickle read as a node graph: :meth:`Opened.graph`), and
     ``tensors``: whether ckptool reads its tensors without running code (:meth:`Opened.state_dict`), else
-    ``refusal``, the sentence that says why not and what to do instead."""
+    ``refusal``, the sentence that says why not and what to do instead (a torch.package archive, whose tensors
+    are read, keeps one for the commands that would load it with torch: ``load_into``, ``verify``)."""
 
     name: str
     label: str
@@ -99,10 +101,11 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False,
            refusal="is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
                    "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file"),
-    Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", tensors=False,
-           refusal="is a torch.package archive: its objects are rebuilt by the package's own code; `ckptool "
-                   "inspect` lists its tensors, torch.package.PackageImporter(path).load_pickle(...) loads them "
-                   "(runs the package's code: trusted files only)"),
+    Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file",
+           refusal="is a torch.package archive: its objects are rebuilt by the package's own code, which this "
+                   "command would run; `ckptool convert PATH -o model.safetensors` writes its tensors without "
+                   "running it (then run the command on that file), torch.package.PackageImporter(path)."
+                   "load_pickle(...) loads them (runs the package's code: trusted files only)"),
     Format(detect.SAFETENSORS, "safetensors file", "file"),
     Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set"),
     Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set"),
@@ -182,8 +185,9 @@ class Opened:
 
     def state_dicts(self) -> list[StateDictEntry]:
         """Every state_dict the checkpoint holds, outermost first (:func:`ckptool.model.graph.find_state_dicts`
-        for a pickle or a DCP folder's nesting; the one flat mapping of the other formats), with its keys and wrapper
-        prefixes. Reads pickles and headers only.
+        for a pickle or a DCP folder's nesting; every pickle of a torch.package archive, keyed ``<member>:<path>``;
+        the one flat mapping of the other formats), with its keys and wrapper prefixes. Reads pickles and headers
+        only.
 
         Raises:
             UnsupportedError: a format whose tensors are not read without running code (TorchScript reads as a
@@ -194,6 +198,9 @@ class Opened:
             refs = find_state_dicts(root)
             return [StateDictEntry(r.path, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
                     for r in refs for keys in [r.keys()]]
+        if self.format == detect.TORCH_PACKAGE:  # keyed <member>:<path>, as inspect prints them
+            return [StateDictEntry(k, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
+                    for k, r in package_state_dicts(torch_package.read_package(self.target)) for keys in [r.keys()]]
         names = tuple(t.name for t in self.state_dict().tensors)
         return [StateDictEntry("", names, tuple(shared_prefixes(names)))]
 
@@ -209,7 +216,8 @@ class Opened:
 
     def state_dict(self, key: str | None = None, *, tag: str | None = None, exclude_frozen: bool = False) -> Source:
         """The selected state_dict's tensors as a :class:`Source` (no tensor bytes read), chosen as ``convert``
-        chooses it: ``key`` (a dotted path), else the one state_dict of a training checkpoint
+        chooses it: ``key`` (a dotted path; in a torch.package archive ``<member>`` or ``<member>:<path>``,
+        :func:`ckptool.readers.read_package.package_source`), else the one state_dict of a training checkpoint
         (:func:`ckptool.readers.read_torch.select_state_dict`); in a DCP folder, in the nesting its
         ``planner_data`` records, ``""`` selecting every tensor by its fully qualified name
         (:func:`ckptool.readers.read_dcp.dcp_source`). ``tag`` / ``exclude_frozen``: a DeepSpeed folder's
@@ -239,6 +247,10 @@ def _torch(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Sourc
     return torch_source(o.target, o.format, key, o.graph())
 
 
+def _package(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
+    return package_source(o.target, key)
+
+
 def _safetensors(o: Opened, _key: str | None, _tag: str | None, _frozen: bool) -> Source:
     return safetensors_source(o.target)
 
@@ -262,7 +274,7 @@ def _deepspeed(o: Opened, _key: str | None, tag: str | None, frozen: bool) -> So
 _TENSOR_READERS: dict[str, Callable[[Opened, str | None, str | None, bool], Source]] = {
     detect.TORCH_ZIP: _torch, detect.TORCH_LEGACY: _torch, detect.SAFETENSORS: _safetensors,
     "sharded-safetensors": _sharded, "sharded-bin": _sharded, detect.PT2: _pt2, "deepspeed": _deepspeed,
-    "dcp": _dcp,
+    "dcp": _dcp, detect.TORCH_PACKAGE: _package,
 }
 
 

@@ -9,7 +9,7 @@ byteswap_size`), so every output holds the values ``torch.load`` gives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckptool import _source as source
@@ -179,8 +179,14 @@ def _check_tensor_node(t: TensorNode, name: str, where: str) -> StorageRef:
     return t.storage
 
 
-def _entries(src: Source, obj: Any, is_mod: bool) -> list[tuple[str, TensorNode, bool]]:
-    """``(key, tensor node, requires_grad)`` of the selected state_dict; non-tensor entries go to ``skipped``."""
+def state_dict_entries(src: Source, obj: Any, is_mod: bool) -> list[tuple[str, TensorNode, bool]]:
+    """``(key, tensor node, requires_grad)`` of the selected state_dict ``obj`` (a mapping, or a pickled module
+    when ``is_mod``: its ``state_dict()`` entries, with a note in ``src.notes``); non-tensor entries go to
+    ``src.skipped``, an ``OrderedDict``'s BUILD state to ``src.sd_state``.
+
+    Raises:
+        UnsupportedError: a sparse, quantized, packed or nested tensor (:func:`raise_non_strided`).
+    """
     if is_mod:
         src.notes.append("the source is a pickled nn.Module: its state_dict (parameters and persistent buffers) "
                          "was converted; the module's class and code are not part of the output")
@@ -218,11 +224,49 @@ def torch_source(path: str, fmt: str, key: str | None, ck: Checkpoint | None = N
     ck = ck if ck is not None else read_checkpoint(path, fmt)
     sd = select_state_dict(ck.root, key, path)
     src = Source(path, ck.format, [], key=sd.path, left_out=left_out(ck.root, sd.trail))
-    entries = _entries(src, sd.obj, sd.is_module)
+    entries = state_dict_entries(src, sd.obj, sd.is_module)
     records = {r.name: r for r in ck.records}
     if ck.format != formats.TORCH_LEGACY:
         with source.open_binary(path) as f:
             resolve_zip_offsets(ck, f)
+
+    def storage_of(ref: StorageRef, name: str, dtype: str) -> Storage:
+        rec = records.get("data/" + ref.key)
+        if rec is None:
+            raise CorruptCheckpointError(f"{path}: storage {ref.key!r} of {name!r} has no data record; "
+                                         "the file is damaged, re-download or re-save it")
+        if rec.zipinfo is not None and rec.zipinfo.method != 0:
+            raise UnsupportedError(f"{path}: record data/{ref.key} is compressed; torch never writes that and "
+                                   "ckptool does not inflate records. Load the file with torch.load and re-save "
+                                   "it with torch.save first")
+        nbytes = storage_nbytes(ref)
+        if rec.size != nbytes:
+            raise CorruptCheckpointError(
+                f"{path}: storage {ref.key!r} declares {nbytes} bytes but its record holds {rec.size}; the file "
+                "is damaged, re-download or re-save it")
+        swap = ck.byteswap_size(ref)
+        if swap:  # a big-endian file: each element's bytes are reversed as they are read, as torch.load does
+            return Storage(path, rec.offset, nbytes, dtype, ref.location, None,
+                           segments=[Segment(path, rec.offset, nbytes, swap=swap)])
+        return Storage(path, rec.offset, nbytes, dtype, ref.location, rec.crc)
+
+    add_tensors(src, entries, storage_of)
+    return src
+
+
+def add_tensors(src: Source, entries: Sequence[tuple[str, TensorNode, bool]],
+                storage_of: Callable[[StorageRef, str, str], Storage]) -> None:
+    """Append a :class:`Tensor` to ``src.tensors`` for each ``(key, tensor node, requires_grad)`` of ``entries``
+    (:func:`state_dict_entries`), in order: its layout from the node, its :class:`Storage` from
+    ``storage_of(storage ref, key, dtype)``, called once per storage key, so that tensors sharing a storage share
+    one :class:`Storage` object.
+
+    Raises:
+        UnsupportedError: a quantized or storage-less tensor, tensors of different dtypes on one storage, negative
+            strides; and what ``storage_of`` raises.
+        CorruptCheckpointError: a storage that is not a whole number of elements, a view past its storage.
+    """
+    path = src.path
     storages: dict[str, Storage] = {}
     subclass = 0
     for i, (name, t, rg) in enumerate(entries):
@@ -232,28 +276,10 @@ def torch_source(path: str, fmt: str, key: str | None, ck: Checkpoint | None = N
         dtype = tensor_dtype(t)
         st = storages.get(ref.key)
         if st is None:
-            rec = records.get("data/" + ref.key)
-            if rec is None:
-                raise CorruptCheckpointError(f"{path}: storage {ref.key!r} of {name!r} has no data record; "
-                                             "the file is damaged, re-download or re-save it")
-            if rec.zipinfo is not None and rec.zipinfo.method != 0:
-                raise UnsupportedError(f"{path}: record data/{ref.key} is compressed; torch never writes that and "
-                                       "ckptool does not inflate records. Load the file with torch.load and re-save "
-                                       "it with torch.save first")
-            nbytes = storage_nbytes(ref)
-            if rec.size != nbytes:
-                raise CorruptCheckpointError(
-                    f"{path}: storage {ref.key!r} declares {nbytes} bytes but its record holds {rec.size}; the file "
-                    "is damaged, re-download or re-save it")
-            swap = ck.byteswap_size(ref)
-            if swap:  # a big-endian file: each element's bytes are reversed as they are read, as torch.load does
-                st = storages[ref.key] = Storage(path, rec.offset, nbytes, dtype, ref.location, None,
-                                                 segments=[Segment(path, rec.offset, nbytes, swap=swap)])
-            else:
-                st = storages[ref.key] = Storage(path, rec.offset, nbytes, dtype, ref.location, rec.crc)
-            if nbytes % element_size(dtype):
-                raise CorruptCheckpointError(f"{path}: storage {ref.key!r} ({nbytes} bytes) is not a whole number "
-                                             f"of {dtype} elements; the file is damaged")
+            st = storages[ref.key] = storage_of(ref, name, dtype)
+            if st.nbytes % element_size(dtype):
+                raise CorruptCheckpointError(f"{path}: storage {ref.key!r} ({st.nbytes} bytes) is not a whole "
+                                             f"number of {dtype} elements; the file is damaged")
         elif st.dtype != dtype:
             raise UnsupportedError(f"{path}: {name!r} views storage {ref.key!r} as {dtype} while another tensor views "
                                    f"it as {st.dtype}; such a checkpoint cannot be converted")
@@ -269,4 +295,3 @@ def torch_source(path: str, fmt: str, key: str | None, ck: Checkpoint | None = N
     if subclass:
         src.notes.append(f"{subclass} tensor subclass instance(s) (torch._tensor._rebuild_from_type_v2) were "
                          "converted as plain tensors")
-    return src

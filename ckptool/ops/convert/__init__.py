@@ -83,7 +83,9 @@ def convert(
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
     ``src`` is a torch.save file (zip or legacy), a ``torch.export`` archive (``.pt2``: its state_dict, or with
-    ``key="constants"`` its constants; :mod:`ckptool.readers.read_pt2`), a safetensors file, a sharded set
+    ``key="constants"`` its constants; :mod:`ckptool.readers.read_pt2`), a ``torch.package`` archive (its state_dict
+    read without running the package's code, ``key`` as ``<member>`` or ``<member>:<path>``:
+    :mod:`ckptool.readers.read_package`), a safetensors file, a sharded set
     (its ``*.index.json``, or the folder holding it), a DCP folder, or a DeepSpeed ZeRO checkpoint folder
     (consolidated to its fp32 state_dict as ``zero_to_fp32`` does, without deepspeed:
     :mod:`ckptool.readers.read_deepspeed`; ``tag`` picks the tag folder, default from ``latest``;
@@ -139,7 +141,7 @@ def convert(
         return _from_dcp(src_p, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
             key=key, to=to, mapping=mapping, allow_missing=allow_missing, max_shard_size=shard_bytes, dtype=dtype,
             verify=verify, progress=progress, **renames))
-    if fmt_out == "dcp" and opened.format not in ("deepspeed", formats.PICKLE, formats.TORCH_PACKAGE):
+    if fmt_out == "dcp" and opened.format not in ("deepspeed", formats.PICKLE):
         return _opened_to_dcp(opened, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype)
     source = _read_source(opened, fmt_out, key, tag, exclude_frozen)
     _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
