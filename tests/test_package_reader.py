@@ -331,10 +331,3 @@ def test_a_reduce_package_object_is_refused(tmp_path: Path, shipped: Any, run_cl
     assert res.exit_code not in (0, 3) and "reduce_package" in res.output and "trusted" in res.output, res.output
     assert not (tmp_path / "x.safetensors").exists()
 
-
-def test_load_into_stays_refused_with_the_convert_route(tmp_path: Path) -> None:
-    from ckptool.torch_ops.load import load_into
-
-    pkg = _sd_package(tmp_path / "pkg.pt", {"weight": torch.zeros(2, 2), "bias": torch.zeros(2)})
-    with pytest.raises(errors.UnsupportedError, match=r"is a torch\.package archive.*ckptool convert"):
-        load_into(torch.nn.Linear(2, 2), pkg)

@@ -94,10 +94,11 @@ MATRIX: dict[tuple[str, str], Cell] = {
     **_row(
         "torch-package",
         **{op.replace("-", "_"): _PKG for op in OPERATIONS
-           if op not in ("scan", "inspect", "report", "diff", "convert", "average", "remap")},
+           if op not in ("scan", "inspect", "report", "diff", "convert", "average", "remap", "verify", "load_into")},
         scan=Cell("works", "safe"),
         diff=Cell("works", "identical"),
         remap=Cell("works", "re-tagged"),
+        verify=Cell("works", "bit-identical"),
     ),
     **_row(
         "safetensors",

@@ -83,7 +83,7 @@ class Format:
     ``folder``), ``pickled`` (its structure is a pickle read as a node graph: :meth:`Opened.graph`), and
     ``tensors``: whether ckptool reads its tensors without running code (:meth:`Opened.state_dict`), else
     ``refusal``, the sentence that says why not and what to do instead (a torch.package archive, whose tensors
-    are read, keeps one for the commands that would load it with torch: ``load_into``, ``verify``)."""
+    are read, keeps one for the commands that do not take it yet: ``ckptool.ops.matrix``)."""
 
     name: str
     label: str

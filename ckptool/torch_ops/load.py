@@ -42,13 +42,14 @@ from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model import graph
 from ckptool.model.allowlist import ALLOWED, classify_global, refusal_remedy
 from ckptool.model.keys import mapping_key_function, rename_metadata_items
-from ckptool.readers import FORMATS, open_checkpoint
+from ckptool.readers import Opened, open_checkpoint
 from ckptool.torch_ops.annotations import DeviceLike, PrefixSpec, nn, torch  # values at run time too (get_type_hints)
 from ckptool.torch_ops.dcp_load import load_dcp_state_dict
 from ckptool.torch_ops.devices import TensorMemo, is_tensor, map_tensors, model_device, move_tensor, resolve_device
 from ckptool.torch_ops.pt2 import load_pt2_state_dict
 from ckptool.torch_ops.reports import DtypeCast, LoadReport, ShapeMismatch, dtype_name, load_suggestions
 from ckptool.torch_ops.select import as_state_dict, find_state_dicts, reconciliation, select_state_dict
+from ckptool.torch_ops.source_load import load_source
 from ckptool.torch_ops.stream import FileSpans
 from ckptool.torch_ops.tied import restore_shared, tied_entries
 from ckptool.torch_ops.zero import load_zero_state_dict
@@ -126,7 +127,7 @@ def _saved_devices_and_unsafe_globals(path: str, fmt: str, facts: dict[str, obje
 
 
 def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *, trust: bool = False,
-                    spans: FileSpans | None = None) -> tuple[Any, dict[str, int]]:
+                    spans: FileSpans | None = None, key: str | None = None) -> tuple[Any, dict[str, int]]:
     """Load the object saved in ``path`` with every tensor on ``device``; safe unless ``trust``.
 
     torch zip / legacy files: ``torch.load(path, map_location=device, weights_only=not trust)``; the pickle is
@@ -143,7 +144,9 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
     ``torch.jit.load(path, map_location=device).state_dict()``. Plain pickles (only with ``trust``):
     ``pickle.load``, then tensors moved to ``device`` (:func:`~ckptool.torch_ops.devices.map_tensors`: an object
     reached twice, such as tied weights, stays one object, and tensors sharing a storage still share one on
-    ``device``).
+    ``device``). torch.package archives (no ``trust`` needed, none used): the state_dict ``key`` selects
+    (``<member>`` or ``<member>:<path>``; else the one ``convert`` would choose) read by ckptool's reader without
+    running the package's code, as ``{key: state_dict}`` (:func:`_load_package`); ``key`` applies to packages only.
 
     With ``spans`` (a :class:`~ckptool.torch_ops.stream.FileSpans` that :meth:`~FileSpans.available` allows),
     torch zip and safetensors files (shards too) are memory-mapped instead: every tensor is on the CPU, backed by
@@ -169,6 +172,8 @@ def load_checkpoint(path: str | os.PathLike[str], device: DeviceLike = "cpu", *,
     if spans is not None and not spans.available():
         spans = None
     opened = open_checkpoint(path)
+    if opened.format == formats.TORCH_PACKAGE:  # read without running its code (torch_ops.source_load)
+        return _load_package(opened, dev, key)
     if opened.format == "deepspeed":  # consolidated as zero_to_fp32 does, without deepspeed (torch_ops.zero)
         return load_zero_state_dict(path, dev), {}
     if opened.format == "dcp":  # torch.load of each record, never DCP's reader (torch_ops.dcp_load)
@@ -237,9 +242,18 @@ def _load_pickle(path: str, fmt: str, dev: torch.device, trust: bool, _spans: Fi
     return map_tensors(obj, lambda t: move_tensor(t, dev, memo), memo), {}
 
 
-def _load_package(path: str, fmt: str, _dev: torch.device, _trust: bool, _spans: FileSpans | None
-                  ) -> tuple[Any, dict[str, int]]:
-    raise UnsupportedError(f"{path} {FORMATS[formats.TORCH_PACKAGE].refusal}")
+def _load_package(opened: Opened, dev: torch.device, key: str | None) -> tuple[Any, dict[str, int]]:
+    """A torch.package archive's state_dict, read without running the package's code, ``trust`` or not: the one
+    ``opened.state_dict(key)`` selects (``key``: ``<member>`` or ``<member>:<path>``, see
+    :mod:`ckptool.readers.read_package`, which refuses ``reduce_package`` objects) loaded by
+    :func:`~ckptool.torch_ops.source_load.load_source`, returned as ``{key: state_dict}`` (``key`` as given, else
+    the selected ``<member>:<path>``) for :func:`select_state_dict` to find it by that name. ``PackageImporter``
+    gives the same tensors but runs the package's code; it is never called here."""
+    src = opened.state_dict(key)
+    saved: dict[str, int] = {}
+    for t in src.tensors:
+        saved[t.storage.location] = saved.get(t.storage.location, 0) + 1
+    return {src.key if key is None else key: load_source(src, dev)}, saved
 
 
 def _load_torch(path: str, fmt: str, dev: torch.device, trust: bool, spans: FileSpans | None
@@ -280,7 +294,6 @@ def _load_torch(path: str, fmt: str, dev: torch.device, trust: bool, spans: File
 _LOADERS: dict[str, Callable[[str, str, torch.device, bool, FileSpans | None], tuple[Any, dict[str, int]]]] = {
     formats.TORCH_ZIP: _load_torch, formats.TORCH_LEGACY: _load_torch, formats.SAFETENSORS: _load_safetensors,
     formats.PT2: _load_pt2, formats.TORCHSCRIPT: _load_torchscript, formats.PICKLE: _load_pickle,
-    formats.TORCH_PACKAGE: _load_package,
 }
 
 
@@ -488,10 +501,12 @@ def check_model(model: object) -> None:
 
 
 def load_for_model(model: nn.Module, path: str | os.PathLike[str], device: DeviceLike | None, *, trust: bool,
-                   spans: FileSpans | None = None) -> tuple[str, torch.device, Any, dict[str, int]]:
+                   spans: FileSpans | None = None, key: str | None = None
+                   ) -> tuple[str, torch.device, Any, dict[str, int]]:
     """Steps 1 and 2 of :func:`load_into`: ``model.to(device)`` when ``device`` is given (else the model's own
     device is used), then :func:`load_checkpoint` onto that device (memory-mapped on the CPU instead, with
-    ``spans``). Returns ``(path as str, device, loaded object, saved location tags)``.
+    ``spans``; ``key``: the state_dict of a torch.package archive). Returns ``(path as str, device, loaded
+    object, saved location tags)``.
 
     Raises:
         UsageError: ``model`` not an ``nn.Module``, bad device.
@@ -503,7 +518,7 @@ def load_for_model(model: nn.Module, path: str | os.PathLike[str], device: Devic
     if device is not None:
         model.to(dev)
     p = os.fspath(path)
-    obj, saved = load_checkpoint(p, dev, trust=trust, spans=spans)
+    obj, saved = load_checkpoint(p, dev, trust=trust, spans=spans, key=key)
     return p, dev, obj, saved
 
 
@@ -558,7 +573,7 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceL
         raise UsageError("load_into(mmap=True) maps the file into host memory: use device='cpu' (or mmap=False to "
                          "stream the tensors onto the device)")
     with FileSpans() as spans:
-        p, dev, obj, saved = load_for_model(model, path, device, trust=trust, spans=spans)
+        p, dev, obj, saved = load_for_model(model, path, device, trust=trust, spans=spans, key=key)
         done = load_selected(model, obj, path=p, key=key, device=dev, strict=strict, prefixes=prefixes, saved=saved,
                              spans=spans, assign=mmap)
     del obj

@@ -155,7 +155,7 @@ def verify(path: str | os.PathLike[str], model: nn.Module | Callable[[], nn.Modu
             raise UsageError(f"input shape {input_shape!r}: give positive sizes such as 1,784")
     with FileSpans() as spans:
         p, dev, obj, saved = load_for_model(model, path, default_device() if device is None else device,
-                                            trust=trust, spans=spans)
+                                            trust=trust, spans=spans, key=key)
         done = load_selected(model, obj, path=p, key=key, device=dev, strict=strict, prefixes="auto", saved=saved,
                              spans=spans)
         del obj

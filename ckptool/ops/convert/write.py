@@ -33,6 +33,7 @@ from ckptool.model.tensor_nodes import storage_ref, view_node
 from ckptool.ops.convert.evidence import SourceEvidence
 from ckptool.ops.convert.plan import Unit, shared_metadata
 from ckptool.ops.convert.source import ConvertResult, out_dtype
+from ckptool.readers.data import read_range
 from ckptool.readers.tensors import Storage, Tensor, is_contiguous
 from ckptool.torch_ops.cast import StorageCache, tensor_buffer
 
@@ -84,20 +85,12 @@ class Files:
 
     def storage_bytes(self, st: Storage, offset: int, n: int) -> bytes | bytearray:
         """``n`` bytes at byte ``offset`` of storage ``st`` (through its segments when it has them: gathered from
-        several files, or byte-swapped).
+        several files, or byte-swapped): :func:`ckptool.readers.data.read_range` over :meth:`read`.
 
         Raises:
             CorruptCheckpointError: the file ends first.
         """
-        if st.segments is None:
-            return self.read(st.path, st.offset + offset, n)
-        r = SegmentReader(st.segments, self.read)
-        r.seek(offset)
-        data = r.read(n)
-        if len(data) != n:
-            raise CorruptCheckpointError(f"{st.path} is truncated: {n} bytes expected at offset {offset} of a "
-                                         "gathered storage; re-download it")
-        return data
+        return read_range(st, offset, n, self.read)  # every range through self.read: recorded as evidence
 
     def close(self) -> None:
         for f in self._open.values():
