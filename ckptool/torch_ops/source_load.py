@@ -37,8 +37,8 @@ def _load_storage(st: Storage, files: FileRanges, device: torch.device) -> torch
 
     buf = torch.empty(st.nbytes, dtype=torch.uint8)
     if st.nbytes:
-        mv = memoryview(buf.numpy())
-        read_storage(st, mv, files)  # readinto the tensor's own memory
+        mv = buf.numpy().data  # the tensor's own memory
+        read_storage(st, mv, files)  # readinto, no intermediate copy
         if st.crc is not None and st.pieces is None and st.segments is None:
             found = zlib.crc32(mv)  # the writer's record of the bytes: evidence independent of this reader
             if found != st.crc:
