@@ -310,3 +310,17 @@ def test_a_package_storage_record_that_ends_early_is_corrupt(tmp_path: Path) -> 
     src.tensors[0].storage.offset = pkg.stat().st_size - 8  # 16 bytes asked, 8 there
     with pytest.raises(errors.CorruptCheckpointError, match="truncated"):
         load_source(src)
+
+
+def test_load_into_a_package_at_a_url(http: Any) -> None:
+    """A package on an HTTP server is read by range (no local copy, nothing run), as a local one."""
+    from remote_servers import url
+
+    torch.manual_seed(5)
+    lin = nn.Linear(3, 2)
+    with PackageExporter(str(http.root / "remote_pkg.pt")) as exp:
+        exp.save_pickle("model", "state_dict.pkl", lin.state_dict())
+    model = nn.Linear(3, 2)
+    rep = load_into(model, url(http, "remote_pkg.pt"))
+    _model_holds(model, lin.state_dict())
+    assert rep.key == "model/state_dict.pkl:"

@@ -535,6 +535,8 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceL
        device); peak memory is the model plus a few MiB. Legacy (``_use_new_zipfile_serialization=False``)
        files cannot be mapped and, like full-model pickles and TorchScript (with ``trust``), are loaded whole
        onto the device first (``torch.load(map_location=device)``), then copied: twice the model at the peak.
+       So are torch.package archives, read by ckptool's reader without running the package's code (``trust``
+       or not: :func:`_load_package`; ``key`` in the ``<member>:<path>`` syntax ``ckptool inspect`` prints).
     3. The state_dict is chosen: ``key`` (dotted path, e.g. ``"state_dict"``, ``"ema"``) or automatically
        (:func:`select_state_dict`).
     4. Keys are reconciled with the model's (``prefixes="auto"``: :func:`ckptool.model.keys.reconcile`, e.g.
