@@ -26,7 +26,6 @@ buffers widened to float32 when floating.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +33,11 @@ from ckptool.errors import CorruptCheckpointError, UnsupportedError
 from ckptool.formats.deepspeed import DeepSpeedFolder, FlatBytes, find_deepspeed, read_files, tensor_bytes
 from ckptool.formats.dtypes import DTYPE_SIZES, numel
 from ckptool.formats.nodes import GlobalMeta, ReduceNode
-from ckptool.formats.segments import Segment, read_segments
+from ckptool.formats.segments import Segment
 from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.graph import mapping_items, unwrap_tensor
 
-__all__ = ["ZeroCheckpoint", "ZeroTensor", "consolidated_arrays", "plan", "read_zero"]
+__all__ = ["ZeroCheckpoint", "ZeroTensor", "plan", "read_zero"]
 
 _FLOAT = ("float16", "bfloat16", "float32", "float64")
 _WIDEN = ("float16", "bfloat16")
@@ -431,43 +430,3 @@ def _cut(segs: list[Segment], nbytes: int) -> list[Segment]:
         out.append(s._replace(nbytes=take))
         left -= take
     return out
-
-
-def consolidated_arrays(path: str, tag: str | None = None, exclude_frozen: bool = False,
-                        read: Callable[[str, int, int], bytes | bytearray] | None = None,
-                        ) -> Iterator[tuple[str, str, tuple[int, ...], bytearray, str | None]]:
-    """The consolidated state_dict of the DeepSpeed checkpoint at ``path`` one tensor at a time, as
-    ``(name, dtype, shape, bytes, tied_to)``; a tied entry repeats its kept tensor's bytes reference (``tied_to``
-    names it) so a caller can share one tensor. Memory: one tensor at a time (plus whatever the caller keeps).
-
-    Raises:
-        see :func:`read_zero` and :func:`plan`; CorruptCheckpointError for a file that ends early.
-    """
-    z = read_zero(path, tag)
-    files: dict[str, Any] = {}
-
-    def read_range(p: str, offset: int, n: int) -> bytes:
-        f = files.get(p)
-        if f is None:
-            f = files[p] = open(p, "rb")  # noqa: SIM115 - closed below
-        f.seek(offset)
-        data: bytes = f.read(n)
-        if len(data) != n:
-            raise CorruptCheckpointError(f"{p} is truncated: {n} bytes expected at offset {offset}")
-        return data
-
-    kept = set(z.shared.values())
-    try:
-        done: dict[str, bytearray] = {}
-        for t in plan(z, exclude_frozen):
-            if t.tied_to is not None and t.tied_to in done:
-                yield t.name, t.dtype, t.shape, done[t.tied_to], t.tied_to
-                continue
-            buf = read_segments(t.segments, read or read_range)
-            if t.name in kept:
-                done[t.name] = buf
-            yield t.name, t.dtype, t.shape, buf, None
-    finally:
-        for f in files.values():
-            f.close()
-
