@@ -58,7 +58,10 @@ def matrix_markdown() -> str:
         cells = " | ".join(_SYMBOL[MATRIX[fmt, op].status] + (f" {MATRIX[fmt, op].reason}" if op == "scan" else "")
                            for op in OPERATIONS)
         lines.append(f"| `{fmt}`: {FORMAT_LABELS[fmt]} | {cells} |")
-    legend = ("✓ works, ✗ refused with one `Error:` line (exit 1 or 2), ⚠ a known bug (what it prints today). "
+    bugs = any(cell.status == "bug" for cell in MATRIX.values())
+    legend = ("✓ works, ✗ refused with one `Error:` line (exit 1 or 2)"
+              + (", ⚠ a known bug (what it prints today). " if bugs else ". ")
+              + f"{sum(c.status == 'works' for c in MATRIX.values())} of {len(MATRIX)} cells work. "
               "`prefix` stands for strip-dataparallel, strip-prefix, add-prefix and unwrap; `load_into` is "
               "`ckptool.load_into`; `scan` shows the verdict on the fixture (DeepSpeed's optimizer files call "
               "`fragment_address`, a function torch would run).")
