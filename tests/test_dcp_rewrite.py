@@ -344,3 +344,18 @@ def test_non_tensor_record_that_is_no_torch_save_zip(tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpointError, match=r"'extra' \(\d+ bytes at byte \d+ of __0_0.distcp\) is not a "):
         ckptool.remap(src, tmp_path / "out", to="cpu")
     _no_leftovers(tmp_path, "ckpt")
+
+
+def test_convert_of_gpu_tagged_non_tensor_entries_names_remap(run_cli: Callable[..., Any], tmp_path: Path) -> None:
+    """torch's CheckpointException (a BaseException) on a machine without CUDA becomes one Error line with the route
+    (remap the folder to cpu first), not a traceback; after that remap, convert works."""
+    if torch.cuda.is_available():
+        pytest.skip("the folder loads where CUDA exists")
+    src, state = _gpu_folder(tmp_path)
+    r = run_cli("convert", src, "-o", tmp_path / "out.pt")
+    errors = [line for line in r.output.splitlines() if line.startswith("Error:")]
+    assert r.exit_code == 1 and len(errors) == 1 and "ckptool remap" in errors[0], r.output
+    assert "Traceback" not in r.output and not (tmp_path / "out.pt").exists()
+    assert run_cli("remap", src, "--to", "cpu", "-o", tmp_path / "cpu").exit_code == 0
+    r = run_cli("convert", tmp_path / "cpu", "-o", tmp_path / "out.pt")
+    assert r.exit_code == 0, r.output

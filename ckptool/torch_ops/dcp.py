@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Sequence
 from typing import IO, Any, BinaryIO, cast
 
-from ckptool.errors import CkptError, CorruptCheckpointError
+from ckptool.errors import CkptError, CorruptCheckpointError, UnsupportedError
 from ckptool.formats.dcp import DcpEntry
 from ckptool.formats.dtypes import contiguous_stride
 from ckptool.formats.pickler import PicklerError, dumps
@@ -126,7 +126,10 @@ def dcp_to_torch_file(folder: str, out: str | IO[bytes]) -> None:
 
     Raises:
         CorruptCheckpointError: torch could not read the folder (incomplete or damaged).
+        UnsupportedError: a non-tensor entry holds tensors tagged for a device this machine lacks (torch's
+            ``CheckpointException``, a ``BaseException``, names "on a CUDA device"): the route is ``ckptool remap``.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     try:
@@ -138,7 +141,12 @@ def dcp_to_torch_file(folder: str, out: str | IO[bytes]) -> None:
         dcp_to_torch_save(folder, out)  # type: ignore[arg-type]  # torch.save inside takes a file object too
     except (CkptError, MemoryError, ImportError):
         raise
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
+        if "on a CUDA device" in str(e) or "on a CUDA device" in repr(getattr(e, "failures", "")):
+            raise UnsupportedError(
+                f"{folder}: a non-tensor entry holds tensors tagged for a CUDA device, which this machine lacks "
+                "(DCP loads such entries without map_location); re-tag them first: `ckptool remap "
+                f"{folder} --to cpu -o {folder.rstrip('/')}.cpu/`, then convert that folder") from e
         raise CorruptCheckpointError(f"{folder}: torch.distributed.checkpoint could not read it "
                                      f"({type(e).__name__}: {e}); the folder is incomplete or damaged") from e
 
