@@ -351,7 +351,7 @@ def test_convert_of_gpu_tagged_non_tensor_entries_names_remap(run_cli: Callable[
     (remap the folder to cpu first), not a traceback; after that remap, convert works."""
     if torch.cuda.is_available():
         pytest.skip("the folder loads where CUDA exists")
-    src, state = _gpu_folder(tmp_path)
+    src, _state = _gpu_folder(tmp_path)
     r = run_cli("convert", src, "-o", tmp_path / "out.pt")
     errors = [line for line in r.output.splitlines() if line.startswith("Error:")]
     assert r.exit_code == 1 and len(errors) == 1 and "ckptool remap" in errors[0], r.output
