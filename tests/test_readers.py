@@ -176,3 +176,44 @@ def test_report_reads_each_pickle_once(fixtures: dict[str, Path], tmp_path: Path
     res = CliRunner().invoke(cli, ["report", str(fixtures["torch-zip"]), str(b), "-o", str(tmp_path / "r.html")])
     assert res.exit_code == 0, res.output
     assert sorted(calls) == sorted([str(fixtures["torch-zip"]), str(b)])
+
+
+def test_a_dcp_metadata_and_a_package_are_read_once_per_side(fixtures: dict[str, Path], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """diff reads each side's DCP ``.metadata`` (and each torch.package archive's pickles) once: choosing the
+    state_dict and reading its tensors share what :class:`~ckptool.readers.Opened` read."""
+    import shutil
+
+    from ckptool.formats import dcp as dcp_format
+    from ckptool.formats import torch_package
+    from ckptool.ops import diff_sides, inspect_formats
+    from ckptool.readers import read_dcp
+
+    reads: list[str] = []
+    real_meta, real_pkg = dcp_format.read_dcp_metadata, torch_package.read_package
+
+    def meta(folder: Any, **kw: Any) -> Any:
+        reads.append(str(folder))
+        return real_meta(folder, **kw)
+
+    def pkg(path: str) -> Any:
+        reads.append(str(path))
+        return real_pkg(path)
+
+    for module in (readers, read_dcp, diff_sides, inspect_formats):
+        if hasattr(module, "read_dcp_metadata"):
+            monkeypatch.setattr(module, "read_dcp_metadata", meta)
+    from ckptool.readers import read_package as package_reader
+
+    monkeypatch.setattr(torch_package, "read_package", pkg)
+    monkeypatch.setattr(package_reader, "read_package", pkg)  # (imported there by name)
+    for fmt in ("dcp", "torch-package"):
+        reads.clear()
+        other = tmp_path / f"copy-{fmt}"
+        if fixtures[fmt].is_dir():
+            shutil.copytree(fixtures[fmt], other)
+        else:
+            shutil.copy(fixtures[fmt], other)
+        res = CliRunner().invoke(cli, ["diff", str(fixtures[fmt]), str(other)])
+        assert res.exit_code == 0, res.output
+        assert sorted(reads) == sorted([str(fixtures[fmt]), str(other)]), (fmt, reads)

@@ -30,7 +30,6 @@ from typing import Any
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.dcp import read_dcp_metadata
 from ckptool.formats.dtypes import contiguous_stride, element_size, numel, storage_nbytes
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, resolve_zip_offsets
 from ckptool.model.graph import find_state_dicts, is_module, mapping_items, too_deep
@@ -85,7 +84,7 @@ def probe(path: str | Opened) -> Probe:
     """
     o = path if isinstance(path, Opened) else open_checkpoint(path)
     if o.format == DCP:
-        return Probe(o, dcp_tree(read_dcp_metadata(o.target)))
+        return Probe(o, dcp_tree(o.dcp_metadata()))
     if o.format in _GRAPHS:
         ck = o.graph()
     elif o.spec.tensors:

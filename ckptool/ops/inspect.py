@@ -109,7 +109,7 @@ def _pickled(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
 
 
 def _package(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
-    info = package_info(o.target, limits)
+    info = package_info(o.target, limits, o.package())
     info.scan = scan_file(o.target)
     return info
 
@@ -132,7 +132,7 @@ def _sharded(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
 
 
 def _dcp(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
-    info = dcp_info(o.target)
+    info = dcp_info(o.target, o.dcp_metadata())
     info.scan = scan_file(o.target)
     return info
 

@@ -12,7 +12,7 @@ import re
 
 from ckptool import _source as source
 from ckptool.formats import detect
-from ckptool.formats.dcp import read_dcp_metadata
+from ckptool.formats.dcp import DcpMetadata, read_dcp_metadata
 from ckptool.formats.dtypes import DTYPE_SIZES, contiguous_stride, numel, safetensors_dtype
 from ckptool.formats.safetensors import read_header
 from ckptool.model.allowlist import is_allowed
@@ -84,11 +84,11 @@ def pt2_info(path: str, scan: ScanResult) -> CheckpointInfo:
 _OPTIMIZER_STATE_RE = re.compile(r"(^|\.)state\.\d+$")  # an optimizer's per-parameter state: no state_dict
 
 
-def dcp_info(folder: str) -> CheckpointInfo:
+def dcp_info(folder: str, meta: DcpMetadata | None = None) -> CheckpointInfo:
     """A ``torch.distributed.checkpoint`` folder, from its ``.metadata``
     (:func:`ckptool.formats.dcp.read_dcp_metadata`): see :func:`ckptool.ops.inspect.inspect_set`. The optimizer's
-    per-parameter state (``state.<n>``) is not a state_dict."""
-    meta = read_dcp_metadata(folder)
+    per-parameter state (``state.<n>``) is not a state_dict. ``meta``: the ``.metadata`` already read."""
+    meta = meta if meta is not None else read_dcp_metadata(folder)
     tensors = []
     groups: dict[str, list[str]] = {}
     for fqn, dt, shape in meta.entries:

@@ -17,7 +17,7 @@ from ckptool.errors import CorruptCheckpointError
 from ckptool.formats import detect
 from ckptool.formats.dtypes import DTYPE_SIZES, numel, tensor_dtype
 from ckptool.formats.nodes import ParameterNode, StorageRef, TensorNode, qualified_name
-from ckptool.formats.torch_package import read_package
+from ckptool.formats.torch_package import Package, read_package
 from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.allowlist import classify_global, is_allowed
 from ckptool.model.graph import (
@@ -166,7 +166,7 @@ def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointI
                           weights_only_refusal=ck.weights_only_refusal)
 
 
-def package_info(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
+def package_info(path: str, limits: PreviewLimits | None, pkg: Package | None = None) -> CheckpointInfo:
     """The :class:`CheckpointInfo` (without ``scan``) of the ``torch.package`` archive at ``path``
     (:func:`ckptool.formats.torch_package.read_package`): the tensors of every pickle, keyed ``<member>:<key>``
     (``weights/sd.pkl:fc.weight``), their storages shared across pickles as the archive shares them; the pickles,
@@ -178,7 +178,7 @@ def package_info(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
             pickle nested deeper than ckptool can walk.
     """
     try:
-        pkg = read_package(path)
+        pkg = pkg if pkg is not None else read_package(path)  # (read already by Opened.package())
         tensors: list[TensorInfo] = []
         sd_infos: list[StateDictInfo] = []
         values: list[ValueInfo] = []

@@ -41,7 +41,7 @@ from typing import Literal
 from ckptool import _source as source
 from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect, torch_package
-from ckptool.formats.dcp import read_dcp_metadata
+from ckptool.formats.dcp import DcpMetadata, read_dcp_metadata
 from ckptool.formats.deepspeed import is_deepspeed_folder
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import INDEX_SUFFIX, is_checkpoint_set, parse_index, set_kind
@@ -142,6 +142,8 @@ class Opened:
     format: str
     target: str
     _graph: Checkpoint | None = field(default=None, repr=False)
+    _dcp: DcpMetadata | None = field(default=None, repr=False)
+    _package: torch_package.Package | None = field(default=None, repr=False)
 
     @property
     def spec(self) -> Format:
@@ -167,6 +169,33 @@ class Opened:
             f"{self.path} is the index of a sharded set, and this command reads one checkpoint file: `ckptool "
             f"convert {self.path} -o model.safetensors` (or -o model.pt) merges the set into one; then run the "
             "command on it")
+
+    def dcp_metadata(self) -> DcpMetadata:
+        """A DCP folder's ``.metadata`` (:func:`ckptool.formats.dcp.read_dcp_metadata`, restricted unpickler), read
+        once.
+
+        Raises:
+            UnsupportedError: not a DCP folder; see also :func:`~ckptool.formats.dcp.read_dcp_metadata`.
+        """
+        if self.format != "dcp":
+            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a DCP folder")
+        if self._dcp is None:
+            self._dcp = read_dcp_metadata(self.target)
+        return self._dcp
+
+    def package(self) -> torch_package.Package:
+        """A torch.package archive's pickles as node graphs (:func:`ckptool.formats.torch_package.read_package`,
+        nothing imported or run), read once.
+
+        Raises:
+            UnsupportedError: not a torch.package archive; see also
+                :func:`~ckptool.formats.torch_package.read_package`.
+        """
+        if self.format != detect.TORCH_PACKAGE:
+            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a torch.package archive")
+        if self._package is None:
+            self._package = torch_package.read_package(self.target)
+        return self._package
 
     def graph(self) -> Checkpoint:
         """The pickle as a node graph (nothing imported or run), read once.
@@ -194,13 +223,13 @@ class Opened:
                 pickle), see :meth:`state_dict`.
         """
         if self.spec.pickled or self.format == "dcp":
-            root = self.graph().root if self.spec.pickled else dcp_tree(read_dcp_metadata(self.target))
+            root = self.graph().root if self.spec.pickled else dcp_tree(self.dcp_metadata())
             refs = find_state_dicts(root)
             return [StateDictEntry(r.path, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
                     for r in refs for keys in [r.keys()]]
         if self.format == detect.TORCH_PACKAGE:  # keyed <member>:<path>, as inspect prints them
             return [StateDictEntry(k, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
-                    for k, r in package_state_dicts(torch_package.read_package(self.target)) for keys in [r.keys()]]
+                    for k, r in package_state_dicts(self.package()) for keys in [r.keys()]]
         names = tuple(t.name for t in self.state_dict().tensors)
         return [StateDictEntry("", names, tuple(shared_prefixes(names)))]
 
@@ -248,7 +277,7 @@ def _torch(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Sourc
 
 
 def _package(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    return package_source(o.target, key)
+    return package_source(o.target, key, o.package())
 
 
 def _safetensors(o: Opened, _key: str | None, _tag: str | None, _frozen: bool) -> Source:
@@ -264,7 +293,7 @@ def _pt2(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
 
 
 def _dcp(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    return dcp_source(o.target, key)
+    return dcp_source(o.target, key, o.dcp_metadata())
 
 
 def _deepspeed(o: Opened, _key: str | None, tag: str | None, frozen: bool) -> Source:

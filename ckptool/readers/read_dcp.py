@@ -406,14 +406,14 @@ def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any]
     return Tensor(name, e.fqn, dtype, shape, contiguous_stride(shape), 0, st, False, index)
 
 
-def dcp_source(folder: str | os.PathLike[str], key: str | None = None) -> Source:
+def dcp_source(folder: str | os.PathLike[str], key: str | None = None, meta: DcpMetadata | None = None) -> Source:
     """The tensors of the DCP folder ``folder`` as a :class:`Source` (format ``"dcp"``): the state_dict
     ``convert`` converts from it (found in the ``planner_data`` nesting by
     :func:`~ckptool.readers.read_torch.select_state_dict`, named relative to it), or with ``key`` the mapping at
     that dotted path, ``""`` every tensor of the folder by its fully qualified name. Each storage is the byte range
     of the tensor's data in a ``.distcp`` file (or ``segments`` of several, for a tensor saved in row chunks); no
     tensor bytes are read. Non-tensor entries of the selection go to ``skipped``, the other entries to
-    ``left_out``.
+    ``left_out``. ``meta``: the folder's ``.metadata`` already read (:meth:`ckptool.readers.Opened.dcp_metadata`).
 
     Raises:
         UsageError / UnsupportedError: see :func:`~ckptool.readers.read_torch.select_state_dict`; chunks that are
@@ -422,7 +422,7 @@ def dcp_source(folder: str | os.PathLike[str], key: str | None = None) -> Source
             allows there (nothing is run either way).
         CorruptCheckpointError: a damaged ``.metadata``, a record that does not match it or lies outside its file.
     """
-    meta = read_dcp_metadata(folder)
+    meta = meta if meta is not None else read_dcp_metadata(folder)
     _check_metadata_globals(meta)
     tree = dcp_tree(meta)
     sd = select_state_dict(tree, key, meta.folder)
