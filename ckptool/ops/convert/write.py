@@ -16,10 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TypeVar
 
-from ckptool import _source as source
 from ckptool._commit import unmark_committed
 from ckptool._fileio import WriteBehind, atomic_output, copy_range, copy_range_crc, write_behind_for
-from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
 from ckptool.formats.nodes import StorageRef
 from ckptool.formats.pickler import dumps
@@ -33,7 +31,7 @@ from ckptool.model.tensor_nodes import storage_ref, view_node
 from ckptool.ops.convert.evidence import SourceEvidence
 from ckptool.ops.convert.plan import Unit, shared_metadata
 from ckptool.ops.convert.source import ConvertResult, out_dtype
-from ckptool.readers.data import read_range
+from ckptool.readers.data import FileRanges, read_range
 from ckptool.readers.tensors import Storage, Tensor, is_contiguous
 from ckptool.torch_ops.cast import StorageCache, tensor_buffer
 
@@ -46,33 +44,22 @@ _GATHER_CHUNK = 8 << 20
 W = TypeVar("W")
 
 
-class Files:
-    """Source files opened by path, read by range (closed by :meth:`close`)."""
+class Files(FileRanges):
+    """Source files opened by path, read by range (closed by :meth:`close`), every range read recorded in
+    :attr:`evidence` (:class:`~ckptool.readers.data.FileRanges` plus the record)."""
 
     def __init__(self) -> None:
-        self._open: dict[str, BinaryIO] = {}
+        super().__init__()
         #: every source range read into an output, for verification against independent evidence
         self.evidence = SourceEvidence()
 
-    def get(self, path: str) -> BinaryIO:
-        f = self._open.get(path)
-        if f is None:
-            f = self._open[path] = source.open_binary(path)  # closed in close()
-        return f
-
     def read(self, path: str, offset: int, n: int) -> bytearray:
-        """``n`` bytes at ``offset`` of ``path``.
+        """``n`` bytes at ``offset`` of ``path``, recorded as evidence.
 
         Raises:
             CorruptCheckpointError: the file ends first.
         """
-        f = self.get(path)
-        f.seek(offset)
-        buf = bytearray(n)
-        got = f.readinto(buf) if n else 0  # type: ignore[attr-defined]  # BinaryIO omits readinto
-        if got != n:
-            raise CorruptCheckpointError(f"{path} is truncated: {n} bytes expected at offset {offset}, {got} found; "
-                                         "re-download it")
+        buf = super().read(path, offset, n)
         self.evidence.saw(path, offset, n, zlib.crc32(buf))
         return buf
 
@@ -91,11 +78,6 @@ class Files:
             CorruptCheckpointError: the file ends first.
         """
         return read_range(st, offset, n, self.read)  # every range through self.read: recorded as evidence
-
-    def close(self) -> None:
-        for f in self._open.values():
-            f.close()
-        self._open.clear()
 
     def cache(self, cast: str | None) -> StorageCache:
         """A :class:`StorageCache` reading from these files, casting floating storages to ``cast``."""
