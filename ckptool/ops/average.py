@@ -79,15 +79,15 @@ class AverageResult:
 def _read(path: str, key: str | None) -> Source:
     """One input as a :class:`~ckptool.readers.tensors.Source` (no tensor bytes read), through the readers layer
     (:func:`ckptool.readers.open_checkpoint`): any format whose tensors ckptool reads; ``key`` applies to the
-    formats that hold several mappings (torch files, ``.pt2``, torch.package archives: ``<member>:<path>``).
+    formats that hold several mappings (:attr:`ckptool.readers.Format.keyed`: torch files, DCP folders, ``.pt2``,
+    torch.package archives: ``<member>:<path>``).
 
     Raises:
         UnsupportedError: a format whose tensors ckptool does not read without running code (TorchScript, plain
             pickles), with the reason and the route.
     """
     opened = open_checkpoint(path)
-    several = opened.format in (formats.TORCH_ZIP, formats.TORCH_LEGACY, formats.PT2, formats.TORCH_PACKAGE)
-    src = opened.state_dict(key if several else None)
+    src = opened.state_dict(key if opened.spec.keyed else None)
     if opened.format == formats.SAFETENSORS:
         restore_library_aliases(src)
     return src

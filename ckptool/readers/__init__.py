@@ -83,7 +83,8 @@ class Format:
     ``folder``), ``pickled`` (its structure is a pickle read as a node graph: :meth:`Opened.graph`), and
     ``tensors``: whether ckptool reads its tensors without running code (:meth:`Opened.state_dict`), else
     ``refusal``, the sentence that says why not and what to do instead (a torch.package archive, whose tensors
-    are read, keeps one for the commands that do not take it yet: ``ckptool.ops.matrix``)."""
+    are read, keeps one for the commands that do not take it yet: ``ckptool.ops.matrix``); ``keyed``: it holds
+    several mappings, of which a dotted ``key`` selects one (the others hold one flat mapping of tensors)."""
 
     name: str
     label: str
@@ -91,17 +92,19 @@ class Format:
     pickled: bool = False
     tensors: bool = True
     refusal: str = ""
+    keyed: bool = False
 
 
 #: every format ckptool reads, in the order of ``docs/formats.md``
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(detect.TORCH_ZIP, "`torch.save` zip (`pytorch_model.bin`, accelerate's `optimizer.bin`)", "file",
-           pickled=True),
-    Format(detect.TORCH_LEGACY, "`torch.save(..., _use_new_zipfile_serialization=False)`", "file", pickled=True),
+           pickled=True, keyed=True),
+    Format(detect.TORCH_LEGACY, "`torch.save(..., _use_new_zipfile_serialization=False)`", "file", pickled=True,
+           keyed=True),
     Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False,
            refusal="is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
                    "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file"),
-    Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file",
+    Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", keyed=True,
            refusal="is a torch.package archive: its objects are rebuilt by the package's own code, which this "
                    "command would run; `ckptool convert PATH -o model.safetensors` writes its tensors without "
                    "running it (then run the command on that file), torch.package.PackageImporter(path)."
@@ -109,8 +112,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(detect.SAFETENSORS, "safetensors file", "file"),
     Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set"),
     Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set"),
-    Format("dcp", "`torch.distributed.checkpoint` folder", "folder"),
-    Format(detect.PT2, "torch.export archive (`.pt2`)", "file"),
+    Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True),
+    Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True),
     Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder"),
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
            refusal="is a plain pickle without torch storages, not a torch.save checkpoint"),
@@ -264,7 +267,7 @@ class Opened:
                              "one")
         if not spec.tensors:
             raise UnsupportedError(f"{self.path} {spec.refusal}")
-        if key is not None and spec.name in ("safetensors", "sharded-safetensors", "sharded-bin", "deepspeed"):
+        if key is not None and not spec.keyed:
             what = {"safetensors": "is safetensors", "deepspeed": "is a DeepSpeed checkpoint"}.get(
                 spec.name, "is a sharded set")
             raise UsageError(f"{self.path} {what}: it holds one flat mapping of tensors, so --key does not apply")
