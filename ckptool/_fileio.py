@@ -42,7 +42,9 @@ from ckptool.errors import CorruptCheckpointError, OutputError, UsageError, os_e
 CHUNK = 8 << 20
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's file mode creation mask (``os.umask`` read without changing it), for the mode a new file or
+    folder would get."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -276,7 +278,7 @@ def atomic_output(dst: str, *, mode: int | None = None) -> Iterator[BinaryIO]:
         try:
             os.fsync(f.fileno())
             f.close()
-            os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
+            os.chmod(tmp, mode if mode is not None else 0o666 & ~current_umask())
             with _commit.signals_blocked():  # renamed and recorded, or neither: the Interrupted line tells the truth
                 os.replace(tmp, dst)
                 _commit.mark_committed(named)

@@ -50,7 +50,7 @@ from typing import Any
 
 from ckptool import _source as source
 from ckptool._commit import mark_committed, signals_blocked
-from ckptool._fileio import _umask, clone_block, copy_range, temp_path
+from ckptool._fileio import clone_block, copy_range, current_umask, temp_path
 from ckptool.errors import (
     CkptError,
     CorruptCheckpointError,
@@ -497,7 +497,7 @@ def _write_metadata(meta: DcpMetadata, stage: str) -> int:
 def _commit(stage: str, dst: str) -> None:
     """Move the complete ``stage`` folder to ``dst`` (an empty folder there is replaced) with SIGINT / SIGTERM
     held, and record ``dst`` as complete."""
-    os.chmod(stage, 0o777 & ~_umask())  # made 0700 by mkdtemp: give it the mode a new folder gets
+    os.chmod(stage, 0o777 & ~current_umask())  # made 0700 by mkdtemp: give it the mode a new folder gets
     fd = os.open(stage, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -54,8 +54,24 @@ from ckptool.model.tensor_nodes import tensor_node
 from ckptool.readers.read_torch import describe, select_state_dict
 from ckptool.readers.tensors import Source, Storage, Tensor, is_contiguous, span
 
-__all__ = ["FORMAT", "NON_TENSOR", "NonTensorEntry", "RecordSlice", "dcp_source", "dcp_tree", "node_state",
-           "open_record", "size_ints", "torch_save_record"]
+__all__ = [
+    "FORMAT",
+    "NON_TENSOR",
+    "Chunk",
+    "NonTensorEntry",
+    "RecordSlice",
+    "check_metadata_globals",
+    "chunk_infos",
+    "dcp_source",
+    "dcp_tree",
+    "entry_chunks",
+    "entry_dtype",
+    "node_state",
+    "open_record",
+    "read_chunk",
+    "size_ints",
+    "torch_save_record",
+]
 
 FORMAT = "dcp"
 #: what ``skipped`` says of a non-tensor entry (``"<name>: " + NON_TENSOR``)
@@ -181,11 +197,16 @@ def dcp_tree(meta: DcpMetadata) -> dict[str, Any]:
             where[path[-1]] = NonTensorEntry(e.fqn)
         else:
             shape = e.shape or ()
-            where[path[-1]] = tensor_node(str(i), _dtype(meta, e), shape, contiguous_stride(shape))
+            where[path[-1]] = tensor_node(str(i), entry_dtype(meta, e), shape, contiguous_stride(shape))
     return root
 
 
-def _dtype(meta: DcpMetadata, e: DcpEntry) -> str:
+def entry_dtype(meta: DcpMetadata, e: DcpEntry) -> str:
+    """The dtype name of tensor entry ``e`` as ``.metadata`` gives it.
+
+    Raises:
+        UnsupportedError: a dtype ckptool cannot read (with the convert route).
+    """
     if e.dtype not in DTYPE_SIZES:
         raise UnsupportedError(f"{meta.folder}: tensor {e.fqn!r} has dtype {e.dtype}, which ckptool cannot read; "
                                + _CONVERT.format(folder=meta.folder))
@@ -205,7 +226,7 @@ def _left_out(tree: dict[str, Any], keys: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ the source
-def _check_metadata_globals(meta: DcpMetadata) -> None:
+def check_metadata_globals(meta: DcpMetadata) -> None:
     """Refuse a ``.metadata`` naming a global that ``ckptool scan`` does not allow there (DCP's own record classes
     and paths: :func:`ckptool.model.allowlist.classify_global` with ``dcp_metadata=True``), as ``convert`` does
     before torch reads the folder; nothing of it is run here either way."""
@@ -217,7 +238,7 @@ def _check_metadata_globals(meta: DcpMetadata) -> None:
             f"{meta.folder}` says more", bad)
 
 
-def _chunk_infos(meta: DcpMetadata) -> dict[tuple[str, tuple[int, ...] | None], Any]:
+def chunk_infos(meta: DcpMetadata) -> dict[tuple[str, tuple[int, ...] | None], Any]:
     """``(fqn, chunk offsets) -> _StorageInfo node`` from ``storage_data`` (as DCP looks records up: by
     ``MetadataIndex`` equality, which ignores its ``index``)."""
     st = node_state(meta.root)
@@ -232,7 +253,7 @@ def _chunk_infos(meta: DcpMetadata) -> dict[tuple[str, tuple[int, ...] | None], 
     return out
 
 
-def _chunks(meta: DcpMetadata, e: DcpEntry) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def entry_chunks(meta: DcpMetadata, e: DcpEntry) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """``(offsets, sizes)`` of each chunk of tensor entry ``e``, checked to lie inside the tensor.
 
     Raises:
@@ -255,7 +276,7 @@ def _chunks(meta: DcpMetadata, e: DcpEntry) -> list[tuple[tuple[int, ...], tuple
     return out
 
 
-class _Chunk(NamedTuple):
+class Chunk(NamedTuple):
     """One tensor record read: its data bytes (``nbytes`` at ``offset`` of ``path``, the record's CRC-32 when it
     holds exactly those), the view saved (``storage_offset``, ``stride``), ``swap`` (element size when the record
     is big-endian, else 0)."""
@@ -269,8 +290,8 @@ class _Chunk(NamedTuple):
     swap: int
 
 
-def _read_chunk(files: dict[str, BinaryIO], meta: DcpMetadata, e: DcpEntry, dtype: str, sizes: tuple[int, ...],
-                info: Any) -> _Chunk:
+def read_chunk(files: dict[str, BinaryIO], meta: DcpMetadata, e: DcpEntry, dtype: str, sizes: tuple[int, ...],
+                info: Any) -> Chunk:
     """Read the ``torch.save`` record ``info`` of one chunk (``sizes``) of tensor ``e`` as a node graph and check
     it holds one plain tensor of ``dtype`` and that shape, naming only allowlisted globals.
 
@@ -324,7 +345,7 @@ def _read_chunk(files: dict[str, BinaryIO], meta: DcpMetadata, e: DcpEntry, dtyp
 
 
 def _chunk_bytes(blob: RecordSlice, entries: list[ZipEntry], rec: ZipEntry, node: TensorNode, nbytes: int,
-                 dtype: str, what: str) -> _Chunk:
+                 dtype: str, what: str) -> Chunk:
     """Where the data of the record ``rec`` lies in the ``.distcp`` file, checked to hold the view ``node``."""
     if rec.method != 0:
         raise UnsupportedError(f"{what}: member {rec.name} is compressed, which torch.save never writes; ckptool "
@@ -340,7 +361,7 @@ def _chunk_bytes(blob: RecordSlice, entries: list[ZipEntry], rec: ZipEntry, node
                                      "past its storage; the folder is damaged")
     order = next((x for x in entries if x.name.endswith("/byteorder")), None)
     swap = element_size(dtype) if order is not None and read_byteorder(blob, order, what) == "big" else 0
-    return _Chunk(str(blob.f.name), blob.start + start, nbytes, rec.crc if rec.file_size == nbytes else None,
+    return Chunk(str(blob.f.name), blob.start + start, nbytes, rec.crc if rec.file_size == nbytes else None,
                   node.storage_offset, stride, swap)
 
 
@@ -358,16 +379,16 @@ def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any]
             index: int) -> Tensor:
     """Tensor entry ``e`` as a :class:`Tensor` named ``name``: the record's view when it is stored whole, else its
     chunks gathered in row-major order (see the module docstring)."""
-    dtype, shape = _dtype(meta, e), e.shape or ()
+    dtype, shape = entry_dtype(meta, e), e.shape or ()
     es = element_size(dtype)
-    chunks = _chunks(meta, e)
+    chunks = entry_chunks(meta, e)
 
-    def record(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> _Chunk:
+    def record(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Chunk:
         info = infos.get((e.fqn, offsets))
         if info is None:
             raise CorruptCheckpointError(f"{meta.folder}: the chunk of {e.fqn!r} at offsets {list(offsets)} has no "
                                          "record in .metadata's storage_data; the folder is damaged")
-        return _read_chunk(files, meta, e, dtype, sizes, info)
+        return read_chunk(files, meta, e, dtype, sizes, info)
 
     if len(chunks) == 1 and chunks[0] == ((0,) * len(shape), shape):
         c = record(*chunks[0])
@@ -423,12 +444,12 @@ def dcp_source(folder: str | os.PathLike[str], key: str | None = None, meta: Dcp
         CorruptCheckpointError: a damaged ``.metadata``, a record that does not match it or lies outside its file.
     """
     meta = meta if meta is not None else read_dcp_metadata(folder)
-    _check_metadata_globals(meta)
+    check_metadata_globals(meta)
     tree = dcp_tree(meta)
     sd = select_state_dict(tree, key, meta.folder)
     keys = [str(link.key) for link in sd.trail]
     src = Source(meta.folder, FORMAT, [], key=sd.path, left_out=_left_out(tree, keys))
-    infos = _chunk_infos(meta)
+    infos = chunk_infos(meta)
     files: dict[str, BinaryIO] = {}
     try:
         for e in meta.entries:

@@ -45,12 +45,12 @@ from ckptool.model import graph
 from ckptool.model.allowlist import ALLOWED, classify_global
 from ckptool.readers.read_dcp import (
     RecordSlice,
-    _check_metadata_globals,
-    _chunk_infos,
-    _chunks,
-    _dtype,
-    _read_chunk,
+    check_metadata_globals,
+    chunk_infos,
+    entry_chunks,
+    entry_dtype,
     open_record,
+    read_chunk,
     torch_save_record,
 )
 from ckptool.torch_ops.annotations import torch
@@ -85,8 +85,8 @@ def load_dcp_state_dict(folder: str | os.PathLike[str], device: torch.device | s
     """
     meta = read_dcp_metadata(folder)
     if not trust:
-        _check_metadata_globals(meta)
-    infos = _chunk_infos(meta)
+        check_metadata_globals(meta)
+    infos = chunk_infos(meta)
     root: dict[Any, Any] = {}
     saved: dict[str, int] = {}
     files: dict[str, BinaryIO] = {}
@@ -107,13 +107,13 @@ def load_dcp_state_dict(folder: str | os.PathLike[str], device: torch.device | s
 # ------------------------------------------------------------------------------------------------ tensors
 def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any], e: DcpEntry,
             device: torch.device | str) -> torch.Tensor:
-    """Tensor entry ``e``: every chunk's record checked (:func:`~ckptool.readers.read_dcp._read_chunk`), loaded
+    """Tensor entry ``e``: every chunk's record checked (:func:`~ckptool.readers.read_dcp.read_chunk`), loaded
     by ``torch.load(weights_only=True)`` and copied into place."""
     import torch
 
-    dtype = _dtype(meta, e)
+    dtype = entry_dtype(meta, e)
     shape = e.shape or ()
-    chunks = _chunks(meta, e)
+    chunks = entry_chunks(meta, e)
     _check_cover(meta, e, chunks)
     whole: torch.Tensor | None = None
     for offsets, sizes in chunks:
@@ -121,9 +121,9 @@ def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any]
         if info is None:
             raise CorruptCheckpointError(f"{meta.folder}: the chunk of {e.fqn!r} at offsets {list(offsets)} has no "
                                          "record in .metadata's storage_data; the folder is damaged")
-        _read_chunk(files, meta, e, dtype, sizes, info)  # the record's structure, before torch reads it
+        read_chunk(files, meta, e, dtype, sizes, info)  # the record's structure, before torch reads it
         found = open_record(files, meta.folder, info)
-        assert found is not None  # _read_chunk refused every record open_record cannot give
+        assert found is not None  # read_chunk refused every record open_record cannot give
         part = _torch_load(found[1], f"{meta.folder}: the record of {e.fqn!r} at offsets {list(offsets)}", device,
                            weights_only=True)
         if not isinstance(part, torch.Tensor) or tuple(part.shape) != sizes or str(part.dtype) != f"torch.{dtype}":
@@ -149,7 +149,7 @@ def _compact(t: torch.Tensor) -> bool:
 
 
 def _check_cover(meta: DcpMetadata, e: DcpEntry, chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
-    """Refuse chunks of ``e`` that leave a gap or overlap (each lies inside the tensor already: ``_chunks``):
+    """Refuse chunks of ``e`` that leave a gap or overlap (each lies inside the tensor already: ``entry_chunks``):
     torch's reader would leave ``torch.empty``'s garbage in a gap without a word.
 
     Raises:

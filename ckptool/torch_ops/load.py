@@ -37,7 +37,7 @@ from ckptool.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointEr
 from ckptool.formats import detect as formats
 from ckptool.formats.nodes import qualified_name
 from ckptool.formats.safetensors import read_header
-from ckptool.formats.sharded import read_index, set_kind
+from ckptool.formats.sharded import read_index
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.model import graph
 from ckptool.model.allowlist import ALLOWED, classify_global, refusal_remedy
@@ -297,22 +297,17 @@ _LOADERS: dict[str, Callable[[str, str, torch.device, bool, FileSpans | None], t
 }
 
 
-def _load_set(path: str, dev: torch.device, trust: bool, spans: FileSpans | None) -> tuple[Any, dict[str, int]]:
-    """:func:`load_checkpoint` for a sharded set (``*.index.json`` or its folder) or a model folder: every shard
-    loaded onto ``dev`` and merged into one ``OrderedDict`` state_dict in ``weight_map`` shard order (each
-    safetensors shard with its recorded sharing restored); saved location tags summed over the shards.
+def _load_set(where: str, dev: torch.device, trust: bool, spans: FileSpans | None) -> tuple[Any, dict[str, int]]:
+    """:func:`load_checkpoint` for the sharded set of the index ``where`` (as :func:`ckptool.readers.open_checkpoint`
+    resolved it): every shard loaded onto ``dev`` and merged into one ``OrderedDict`` state_dict in ``weight_map``
+    shard order (each safetensors shard with its recorded sharing restored); saved location tags summed over the
+    shards.
 
     Raises:
-        UsageError: a missing index or shard, a folder that holds no set, a torch.distributed.checkpoint folder.
+        UsageError: a missing shard.
         UnsupportedError: a shard that holds no state_dict.
         CorruptCheckpointError: a tensor in two shards (and what loading each shard raises).
     """
-    kind, where = set_kind(path)
-    if kind == "file":
-        return load_checkpoint(where, dev, trust=trust, spans=spans)
-    if kind == "dcp":
-        raise UsageError(f"{path} is a torch.distributed.checkpoint folder: convert it to one file first "
-                         f"(ckptool convert {path} -o model.pt)")
     index = read_index(where)
     out: OrderedDict[str, Any] = OrderedDict()
     saved: dict[str, int] = {}
