@@ -116,6 +116,27 @@ def version_key(path: str) -> tuple[object, ...]:
     return (path, *_stamp(_remote_info(path) or {}))
 
 
+T = TypeVar("T")
+
+
+def per_version(cache: dict[tuple[object, ...], T], path: str, make: Callable[[], T], *, keep: int = 16,
+                remote: bool = False) -> T:
+    """``make()``, the structure parsed from the file at ``path``, computed once per version of it
+    (:func:`version_key`) and kept in ``cache`` (at most ``keep`` versions; the cache is emptied when full). A URL
+    is cached only with ``remote`` (its version costs a request); a path that is no regular file is not cached
+    (``make`` raises its own error for it)."""
+    if (is_url(path) and not remote) or (not is_url(path) and not os.path.isfile(path)):
+        return make()
+    key = version_key(path)
+    value = cache.get(key)
+    if value is None:
+        value = make()
+        if len(cache) >= keep:
+            cache.clear()
+        cache[key] = value
+    return value
+
+
 def holding_versions(fn: F) -> F:
     """``fn`` run inside :func:`consistent_reads` (for library entry points that read URLs more than once)."""
     @functools.wraps(fn)

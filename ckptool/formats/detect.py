@@ -180,14 +180,11 @@ def zip_entries(path: str) -> list[ZipEntry]:
     Raises:
         CorruptCheckpointError: the central directory cannot be read.
     """
-    key = source.version_key(path)
-    entries = _zip_cache.get(key)
-    if entries is None:
+    def read() -> list[ZipEntry]:
         with source.open_binary(path) as f:
-            entries = read_directory(f, f.seek(0, os.SEEK_END), path)
-        _zip_cache.clear()
-        _zip_cache[key] = entries
-    return entries
+            return read_directory(f, f.seek(0, os.SEEK_END), path)
+
+    return source.per_version(_zip_cache, path, read, keep=1, remote=True)
 
 
 _TORCHSCRIPT_MEMBER = re.compile(r"\n(?:[^/\n]*/)?(?:constants\.pkl\n|code/)")

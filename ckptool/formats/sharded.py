@@ -68,15 +68,7 @@ def parse_index(path: str) -> ShardIndex:
     Raises:
         CorruptCheckpointError: not JSON, or no ``weight_map`` of strings to strings.
     """
-    key = source.version_key(path) if not source.is_url(path) and os.path.isfile(path) else None
-    index = _parsed.get(key) if key is not None else None
-    if index is None:
-        index = _parse_index(path)
-        if key is not None:
-            if len(_parsed) >= 16:
-                _parsed.clear()
-            _parsed[key] = index
-    return index
+    return source.per_version(_parsed, path, lambda: _parse_index(path))
 
 
 def _parse_index(path: str) -> ShardIndex:

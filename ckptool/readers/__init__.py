@@ -349,16 +349,7 @@ _detected: dict[tuple[object, ...], str] = {}
 
 def _file_format(path: str) -> str:
     """:func:`ckptool.formats.detect.detect_format` of ``path``, remembered per version of a local file."""
-    if source.is_url(path) or not os.path.isfile(path):
-        return detect.detect_format(path)  # (its errors for a missing path; a URL's version costs a request)
-    key = source.version_key(path)
-    fmt = _detected.get(key)
-    if fmt is None:
-        fmt = detect.detect_format(path)
-        if len(_detected) >= 64:
-            _detected.clear()
-        _detected[key] = fmt
-    return fmt
+    return source.per_version(_detected, path, lambda: detect.detect_format(path), keep=64)
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Opened:
