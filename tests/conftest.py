@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +119,23 @@ def run_cli() -> Callable[..., Any]:
         return CliRunner().invoke(cli, [str(a) for a in args], **kwargs)
 
     return invoke
+
+
+@pytest.fixture
+def shipped(tmp_path: Path) -> Iterator[Any]:
+    """Import modules from source written under ``tmp_path`` (``shipped(name, source)``), removed afterwards (the
+    model code a torch.package archive interns, in the package tests)."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    sys.path.insert(0, str(folder))
+    names: list[str] = []
+
+    def load(name: str, source: str) -> Any:
+        (folder / f"{name}.py").write_text(source, encoding="utf-8")
+        names.append(name)
+        return importlib.import_module(name)
+
+    yield load
+    sys.path.remove(str(folder))
+    for name in names:
+        sys.modules.pop(name, None)

@@ -7,10 +7,8 @@ package's code: these packages are our own), bit for bit, with the same storage 
 
 from __future__ import annotations
 
-import importlib
 import struct
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,25 +60,6 @@ class Holder:
     def __reduce_package__(self, exporter):
         return (rebuild, (self.data,))
 """
-
-
-@pytest.fixture
-def shipped(tmp_path: Path) -> Iterator[Any]:
-    """Import modules from source written under ``tmp_path`` (``shipped(name, source)``), removed afterwards."""
-    folder = tmp_path / "src"
-    folder.mkdir()
-    sys.path.insert(0, str(folder))
-    names: list[str] = []
-
-    def load(name: str, source: str) -> Any:
-        (folder / f"{name}.py").write_text(source, encoding="utf-8")
-        names.append(name)
-        return importlib.import_module(name)
-
-    yield load
-    sys.path.remove(str(folder))
-    for name in names:
-        sys.modules.pop(name, None)
 
 
 def _trained(mod: Any, seed: int) -> nn.Module:

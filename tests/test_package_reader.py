@@ -5,10 +5,8 @@ package would run (``reduce_package`` ids, a payload pickle) refused, never run.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,25 +62,6 @@ def _state_dict() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     w = torch.randn(4, 6)
     return {"w": w, "tied": w, "view": w[1:, ::2], "half": torch.randn(3).half(), "n": torch.arange(7)}
-
-
-@pytest.fixture
-def shipped(tmp_path: Path) -> Iterator[Any]:
-    """Import modules from source written under ``tmp_path`` (``shipped(name, source)``), removed afterwards."""
-    folder = tmp_path / "src"
-    folder.mkdir()
-    sys.path.insert(0, str(folder))
-    names: list[str] = []
-
-    def load(name: str, source: str) -> Any:
-        (folder / f"{name}.py").write_text(source, encoding="utf-8")
-        names.append(name)
-        return importlib.import_module(name)
-
-    yield load
-    sys.path.remove(str(folder))
-    for name in names:
-        sys.modules.pop(name, None)
 
 
 def _sd_package(path: Path, sd: dict[str, Any]) -> Path:
