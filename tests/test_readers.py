@@ -33,6 +33,22 @@ def fixtures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return matrix_fixtures.build(tmp_path_factory.mktemp("readers"), convert)
 
 
+def _record_calls(monkeypatch: pytest.MonkeyPatch, modules: list[Any], name: str, real: Any = None,
+                  into: list[str] | None = None) -> list[str]:
+    """Patch ``name`` in each of ``modules`` with a wrapper of ``real`` (default: the first module's) that records
+    the first argument of every call, as text; returns the record (``into``, when given)."""
+    seen: list[str] = [] if into is None else into
+    real = getattr(modules[0], name) if real is None else real
+
+    def wrapper(first: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(str(first))
+        return real(first, *args, **kwargs)
+
+    for module in modules:
+        monkeypatch.setattr(module, name, wrapper)
+    return seen
+
+
 def test_the_matrix_has_a_row_for_every_registered_format() -> None:
     """The support matrix and the registry name the same formats (plain pickles: inspect and scan only)."""
     assert set(MATRIX_FORMATS) == set(FORMATS) - {detect.PICKLE}
@@ -99,14 +115,7 @@ def test_key_does_not_apply_to_a_flat_mapping(fixtures: dict[str, Path]) -> None
 
 
 def test_the_pickle_is_read_once(fixtures: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[str] = []
-    real = readers.read_checkpoint
-
-    def counting(path: str, fmt: str | None = None) -> Any:
-        calls.append(path)
-        return real(path, fmt)
-
-    monkeypatch.setattr(readers, "read_checkpoint", counting)
+    calls = _record_calls(monkeypatch, [readers], "read_checkpoint")
     opened = open_checkpoint(fixtures["torch-zip"])
     assert opened.graph() is opened.graph()
     assert len(calls) == 1
@@ -121,14 +130,7 @@ def test_each_command_recognises_its_input_once(command: list[str], fixtures: di
     """The format of the input is detected once, whatever steps the command takes (its output name, the operation,
     the hint it prints; average's two inputs are one file); convert's verification reads its output, another file."""
     src = str(fixtures["torch-zip"])
-    seen: list[str] = []
-    real = detect.detect_format
-
-    def counting(path: str) -> str:
-        seen.append(path)
-        return real(path)
-
-    monkeypatch.setattr(detect, "detect_format", counting)
+    seen = _record_calls(monkeypatch, [detect], "detect_format")
     monkeypatch.setattr(readers, "_detected", {})
     args = [a.format(src=src, out=tmp_path / "out") for a in command]
     res = CliRunner().invoke(cli, args)
@@ -143,14 +145,7 @@ def test_a_sharded_index_is_parsed_once(command: list[str], fixtures: dict[str, 
     from ckptool.formats import sharded
 
     src = str(fixtures["sharded-bin"])
-    parsed: list[str] = []
-    real = sharded._parse_index
-
-    def counting(path: str) -> Any:
-        parsed.append(path)
-        return real(path)
-
-    monkeypatch.setattr(sharded, "_parse_index", counting)
+    parsed = _record_calls(monkeypatch, [sharded], "_parse_index")
     monkeypatch.setattr(sharded, "_parsed", {})
     res = CliRunner().invoke(cli, [command[0], src, *(a.format(src=src, out=tmp_path / "o") for a in command[1:])])
     assert res.exit_code == 0, res.output
@@ -165,14 +160,7 @@ def test_report_reads_each_pickle_once(fixtures: dict[str, Path], tmp_path: Path
 
     b = tmp_path / "b.pt"
     shutil.copy(fixtures["torch-zip"], b)
-    calls: list[str] = []
-    real = readers.read_checkpoint
-
-    def counting(path: str, fmt: str | None = None) -> Any:
-        calls.append(path)
-        return real(path, fmt)
-
-    monkeypatch.setattr(readers, "read_checkpoint", counting)
+    calls = _record_calls(monkeypatch, [readers], "read_checkpoint")
     res = CliRunner().invoke(cli, ["report", str(fixtures["torch-zip"]), str(b), "-o", str(tmp_path / "r.html")])
     assert res.exit_code == 0, res.output
     assert sorted(calls) == sorted([str(fixtures["torch-zip"]), str(b)])
@@ -188,25 +176,13 @@ def test_a_dcp_metadata_and_a_package_are_read_once_per_side(fixtures: dict[str,
     from ckptool.formats import torch_package
     from ckptool.ops import diff_sides, inspect_formats
     from ckptool.readers import read_dcp
-
-    reads: list[str] = []
-    real_meta, real_pkg = dcp_format.read_dcp_metadata, torch_package.read_package
-
-    def meta(folder: Any, **kw: Any) -> Any:
-        reads.append(str(folder))
-        return real_meta(folder, **kw)
-
-    def pkg(path: str) -> Any:
-        reads.append(str(path))
-        return real_pkg(path)
-
-    for module in (readers, read_dcp, diff_sides, inspect_formats):
-        if hasattr(module, "read_dcp_metadata"):
-            monkeypatch.setattr(module, "read_dcp_metadata", meta)
     from ckptool.readers import read_package as package_reader
 
-    monkeypatch.setattr(torch_package, "read_package", pkg)
-    monkeypatch.setattr(package_reader, "read_package", pkg)  # (imported there by name)
+    reads: list[str] = []
+    holders = [m for m in (readers, read_dcp, diff_sides, inspect_formats) if hasattr(m, "read_dcp_metadata")]
+    _record_calls(monkeypatch, holders, "read_dcp_metadata", dcp_format.read_dcp_metadata, into=reads)
+    # (read_package is imported by name into the package reader)
+    _record_calls(monkeypatch, [torch_package, package_reader], "read_package", into=reads)
     for fmt in ("dcp", "torch-package"):
         reads.clear()
         other = tmp_path / f"copy-{fmt}"
