@@ -35,8 +35,7 @@ from ckptool.torch_ops.dcp_load import load_dcp_state_dict
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fuzz"))
 import adversarial
 import matrix_fixtures
-
-Chunks = list[tuple[tuple[int, ...], tuple[int, ...], int]]
+from dcp_craft import Chunks, craft
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -74,52 +73,6 @@ def _same(a: Any, b: Any, where: str = "") -> None:
             where
     else:
         assert a == b, where
-
-
-def _craft(folder: Path, tensors: dict[str, tuple[Any, Chunks]], values: dict[str, bytes] | None = None,
-           planner: dict[str, tuple[Any, ...]] | None = None) -> Path:
-    """A DCP folder as ``FileSystemWriter`` lays it out: each tensor ``fqn -> (whole tensor, [(offsets, sizes,
-    rank)])`` saved as one ``torch.save`` record per chunk in ``__<rank>_0.distcp``, each non-tensor entry
-    ``fqn -> record bytes`` in ``__0_0.distcp``; ``planner`` is ``planner_data``."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    folder.mkdir()
-    files: dict[str, bytearray] = {}
-    sdm: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
-
-    def put(rank: int, data: bytes) -> tuple[str, int]:
-        name = f"__{rank}_0.distcp"
-        f = files.setdefault(name, bytearray())
-        f += data
-        return name, len(f) - len(data)
-
-    for fqn, (whole, chunks) in tensors.items():
-        listed = []
-        for offsets, sizes, rank in chunks:
-            buf = io.BytesIO()
-            torch.save(whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone(), buf)
-            name, at = put(rank, buf.getvalue())
-            storage[MetadataIndex(fqn, torch.Size(offsets))] = _StorageInfo(name, at, len(buf.getvalue()))
-            listed.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=whole.dtype), whole.size(), listed)
-    for fqn, data in (values or {}).items():
-        name, at = put(0, data)
-        storage[MetadataIndex(fqn)] = _StorageInfo(name, at, len(data))
-        sdm[fqn] = BytesStorageMetadata()
-    for name, data in files.items():
-        (folder / name).write_bytes(bytes(data))
-    with open(folder / ".metadata", "wb") as fh:
-        pickle.dump(Metadata(sdm, planner_data=planner, storage_data=storage), fh)
-    return folder
 
 
 def _record(value: Any) -> bytes:
@@ -184,7 +137,7 @@ def _sharded(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     torch.manual_seed(2)
     whole = {"weight": torch.randn(4, 6), "bias": torch.randn(4), "blocks": torch.arange(16.).reshape(4, 4),
              "scalar": torch.tensor(3, dtype=torch.int32)}
-    folder = _craft(tmp_path / "sharded", {
+    folder = craft(tmp_path / "sharded", {
         "weight": (whole["weight"], [((0, 3), (4, 3), 1), ((0, 0), (4, 3), 0)]),
         "bias": (whole["bias"], [((0,), (2,), 0), ((2,), (2,), 1)]),
         "blocks": (whole["blocks"], [((2, 2), (2, 2), 1), ((0, 0), (2, 2), 0), ((0, 2), (2, 2), 1),
@@ -207,7 +160,7 @@ def test_chunks_by_rows_columns_and_blocks_are_put_back_whole(tmp_path: Path) ->
 
 def test_planner_data_nests_dicts_and_lists_as_torch_does(tmp_path: Path) -> None:
     a, b = torch.randn(2), torch.randn(3)
-    folder = _craft(tmp_path / "nested", {"m.w": (a, [((0,), (2,), 0)]), "l.1": (b, [((0,), (3,), 0)])},
+    folder = craft(tmp_path / "nested", {"m.w": (a, [((0,), (2,), 0)]), "l.1": (b, [((0,), (3,), 0)])},
                     values={"l.0": _record({"k": 1})},
                     planner={"m.w": ("m", "w"), "l.1": ("l", 1), "l.0": ("l", 0)})
     ref = _torch_reference(folder)
@@ -222,7 +175,7 @@ def test_planner_data_nests_dicts_and_lists_as_torch_does(tmp_path: Path) -> Non
 ])
 def test_chunks_that_leave_a_gap_or_overlap_are_refused(tmp_path: Path, chunks: Chunks, why: str) -> None:
     w = torch.randn(4, 3)
-    folder = _craft(tmp_path / "bad", {"w": (w, chunks)})
+    folder = craft(tmp_path / "bad", {"w": (w, chunks)})
     with pytest.raises(CorruptCheckpointError, match=f"do not cover it once .*{why}"):
         load_dcp_state_dict(folder)
 
@@ -245,7 +198,7 @@ def test_a_payload_in_a_non_tensor_entry_is_refused_unrun(tmp_path: Path, monkey
                                                           kind: str) -> None:
     marker = tmp_path / "marker"
     monkeypatch.setenv(adversarial.MARKER_ENV, str(marker))
-    folder = _craft(tmp_path / "evil", {"fc.weight": (torch.ones(3, 4), [((0, 0), (3, 4), 0)])},
+    folder = craft(tmp_path / "evil", {"fc.weight": (torch.ones(3, 4), [((0, 0), (3, 4), 0)])},
                     values={"step": _payload(kind)})
     with pytest.raises(UnsafeCheckpointError, match=r"non-tensor entry 'step'.*--trust") as exc:
         ckptool.load_into(matrix_fixtures.build_model(), folder, strict=False)
@@ -264,7 +217,7 @@ def test_a_tensor_record_holding_a_payload_is_refused_even_with_trust(tmp_path: 
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     marker = tmp_path / "marker"
     monkeypatch.setenv(adversarial.MARKER_ENV, str(marker))
-    folder = _craft(tmp_path / "evil", {"w": (torch.ones(2), [((0,), (2,), 0)])})
+    folder = craft(tmp_path / "evil", {"w": (torch.ones(2), [((0,), (2,), 0)])})
     data = bytearray((folder / "__0_0.distcp").read_bytes())
     payload = _payload("zip")
     meta = pickle.loads((folder / ".metadata").read_bytes())

@@ -31,6 +31,7 @@ from ckptool.readers.tensors import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fuzz"))
 import adversarial_dcpread
+from dcp_craft import craft
 
 
 def _save(state: dict[str, Any], folder: Path) -> Path:
@@ -106,47 +107,10 @@ def test_state_dict_chosen_as_convert_chooses_it(tmp_path: Path) -> None:
         opened.state_dict("nothing")
 
 
-def _craft(folder: Path, tensors: dict[str, tuple[Any, list[tuple[tuple[int, ...], tuple[int, ...], int]]]],
-           records: dict[tuple[str, tuple[int, ...]], bytes] | None = None) -> Path:
-    """A DCP folder as ``FileSystemWriter`` lays it out, each tensor ``fqn -> (whole tensor, [(offsets, sizes,
-    rank)])`` saved as one ``torch.save`` record per chunk in ``__<rank>_0.distcp``; ``records`` replaces the bytes
-    of a chunk's record."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    folder.mkdir()
-    files: dict[str, bytearray] = {}
-    sdm: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
-    for fqn, (whole, chunks) in tensors.items():
-        listed = []
-        for offsets, sizes, rank in chunks:
-            buf = io.BytesIO()
-            torch.save(whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone(), buf)
-            data = (records or {}).get((fqn, offsets), buf.getvalue())
-            name = f"__{rank}_0.distcp"
-            f = files.setdefault(name, bytearray())
-            storage[MetadataIndex(fqn, torch.Size(offsets))] = _StorageInfo(name, len(f), len(data))
-            f += data
-            listed.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=whole.dtype), whole.size(), listed)
-    for name, data in files.items():
-        (folder / name).write_bytes(bytes(data))
-    with open(folder / ".metadata", "wb") as fh:
-        pickle.dump(Metadata(sdm, storage_data=storage), fh)
-    return folder
-
-
 def _row_sharded(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     torch.manual_seed(1)
     whole = {"w": torch.randn(5, 3), "b": torch.arange(7, dtype=torch.int32), "x": torch.randn(2, 3, 4)}
-    folder = _craft(tmp_path / "rows", {
+    folder = craft(tmp_path / "rows", {
         "w": (whole["w"], [((2, 0), (3, 3), 1), ((0, 0), (2, 3), 0)]),  # listed out of order, in two files
         "b": (whole["b"], [((0,), (4,), 0), ((4,), (3,), 1)]),
         "x": (whole["x"], [((0, 0, 0), (1, 3, 4), 0), ((1, 0, 0), (1, 1, 4), 1), ((1, 1, 0), (1, 2, 4), 1)]),
@@ -169,7 +133,7 @@ def test_row_chunks_are_gathered(tmp_path: Path) -> None:
 
 def test_column_chunks_are_refused_with_the_convert_route(tmp_path: Path) -> None:
     w = torch.randn(4, 6)
-    folder = _craft(tmp_path / "cols", {"w": (w, [((0, 0), (4, 3), 0), ((0, 3), (4, 3), 1)])})
+    folder = craft(tmp_path / "cols", {"w": (w, [((0, 0), (4, 3), 0), ((0, 3), (4, 3), 1)])})
     assert torch.equal(_load(folder, {"w": w})["w"], w)
     with pytest.raises(UnsupportedError, match=r"'w' \[4, 6\] is stored in 2 chunks .*ckptool convert .* -o model.pt"):
         dcp_source(folder)
@@ -197,7 +161,7 @@ def test_a_big_endian_record_reads_as_torch_loads_it(tmp_path: Path) -> None:
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7
     buf = io.BytesIO()
     torch.save(w.clone(), buf)
-    folder = _craft(tmp_path / "big", {"w": (w, [((0, 0), (3, 4), 0)])},
+    folder = craft(tmp_path / "big", {"w": (w, [((0, 0), (3, 4), 0)])},
                     records={("w", (0, 0)): _big_endian(buf.getvalue())})
     assert torch.equal(_load(folder, {"w": w})["w"], w)  # torch swaps the bytes back
     (t,) = dcp_source(folder).tensors
@@ -209,7 +173,7 @@ def test_a_big_endian_record_reads_as_torch_loads_it(tmp_path: Path) -> None:
 
 def test_chunks_with_a_gap_are_refused(tmp_path: Path) -> None:
     w = torch.randn(4, 3)
-    folder = _craft(tmp_path / "gap", {"w": (w, [((0, 0), (1, 3), 0), ((2, 0), (2, 3), 1)])})
+    folder = craft(tmp_path / "gap", {"w": (w, [((0, 0), (1, 3), 0), ((2, 0), (2, 3), 1)])})
     with pytest.raises(CorruptCheckpointError, match="do not cover it once"):
         dcp_source(folder)
 
@@ -229,7 +193,7 @@ def test_a_tensor_record_naming_other_globals_is_refused_unrun(tmp_path: Path) -
     with zipfile.ZipFile(buf, "w") as z:
         z.writestr("archive/data.pkl", _gadget(marker))
         z.writestr("archive/byteorder", "little")
-    folder = _craft(tmp_path / "evil", {"w": (torch.ones(2), [((0,), (2,), 0)])},
+    folder = craft(tmp_path / "evil", {"w": (torch.ones(2), [((0,), (2,), 0)])},
                     records={("w", (0,)): buf.getvalue()})
     with pytest.raises(UnsafeCheckpointError, match=r"posix\.system"):
         dcp_source(folder)
