@@ -1,15 +1,20 @@
-"""DCP folders laid out by hand, as ``torch.distributed.checkpoint``'s ``FileSystemWriter`` lays them out, for the
-tests that need chunkings, records or entries torch's own writer does not make in one process
-(``tests/test_dcp_reader.py``, ``tests/test_dcp_load.py``)."""
+"""DCP folders for the tests: written by torch's own ``dcp.save`` (:func:`save_dcp`, storages optionally tagged for
+a GPU), read back by torch's ``dcp_to_torch_save`` (:func:`dcp_back`), or laid out by hand as ``FileSystemWriter``
+lays them out (:func:`craft`) for the chunkings, records or entries torch's writer does not make in one process."""
 
 from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from tagging import location_tags
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 #: the chunks of one tensor entry: ``[(offsets, sizes, rank)]``
 Chunks = list[tuple[tuple[int, ...], tuple[int, ...], int]]
@@ -62,3 +67,25 @@ def craft(folder: Path, tensors: dict[str, tuple[Any, Chunks]], *,
     with open(folder / ".metadata", "wb") as fh:
         pickle.dump(Metadata(sdm, planner_data=planner, storage_data=storage), fh)
     return folder
+
+
+def save_dcp(state: dict[str, Any], folder: Path, cuda: tuple[torch.Tensor, ...] = (), **writer: Any) -> Path:
+    """``dcp.save(state)`` into ``folder`` in this process through a ``FileSystemWriter(folder, **writer)`` (several
+    data files, another serialization); the storages of ``cuda`` are tagged ``cuda:0``, as a GPU machine writes
+    them. Returns ``folder``."""
+    ptrs = {t.untyped_storage().data_ptr() for t in cuda}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with location_tags(lambda storage, real: "cuda:0" if storage.data_ptr() in ptrs else real):
+            dcp.save(state, storage_writer=FileSystemWriter(str(folder), **writer), no_dist=True)
+    return folder
+
+
+def dcp_back(folder: Path) -> Any:
+    """The folder as torch's ``dcp_to_torch_save`` writes it, loaded (``weights_only=False``: our own test data)."""
+    out = folder.parent / f"{folder.name}.back.pt"
+    dcp_to_torch_save(folder, out)
+    try:
+        return torch.load(out, weights_only=False)
+    finally:
+        out.unlink()

@@ -20,10 +20,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from tagging import location_tags as tagged
+from dcp_craft import dcp_back, save_dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptool
 from ckptool.errors import (
@@ -36,26 +35,6 @@ from ckptool.errors import (
     VerificationError,
 )
 from ckptool.ops import dcp_rewrite
-
-
-def _save(state: dict[str, Any], folder: Path, cuda: tuple[torch.Tensor, ...] = ()) -> Path:
-    """``dcp.save(state)`` into ``folder`` (one process); the storages of ``cuda`` are tagged ``cuda:0``."""
-    ptrs = {t.untyped_storage().data_ptr() for t in cuda}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with tagged(lambda storage, real: "cuda:0" if storage.data_ptr() in ptrs else real):
-            dcp.save(state, checkpoint_id=str(folder), no_dist=True)
-    return folder
-
-
-def _back(folder: Path) -> Any:
-    """The folder as torch's ``dcp_to_torch_save`` writes it, loaded."""
-    out = folder.parent / f"{folder.name}.back.pt"
-    dcp_to_torch_save(folder, out)
-    try:
-        return torch.load(out, weights_only=False)
-    finally:
-        out.unlink()
 
 
 def _same(a: Any, b: Any, path: str = "") -> None:
@@ -97,7 +76,7 @@ def test_strip_dataparallel_nested_model(run_cli: Callable[..., Any], tmp_path: 
     optimizer state alone, copies every .distcp file byte for byte (a copy, not a link), and dcp.load fills a bare
     model's state_dict from it."""
     optim = {"state": {"0": {"exp_avg": torch.ones(4, 3)}}, "param_groups": [{"lr": 0.1, "params": ["0"]}]}
-    src = _save({"model": _model_sd("module."), "optim": optim, "step": 7}, tmp_path / "ckpt")
+    src = save_dcp({"model": _model_sd("module."), "optim": optim, "step": 7}, tmp_path / "ckpt")
     r = run_cli("strip-dataparallel", src, "-o", tmp_path / "bare")
     assert r.exit_code == 0, r.output
     out = tmp_path / "bare"
@@ -108,9 +87,9 @@ def test_strip_dataparallel_nested_model(run_cli: Callable[..., Any], tmp_path: 
     assert {i.fqn for i in md.storage_data} == set(md.state_dict_metadata)
     assert md.planner_data["model.enc.weight"] == ("model", "enc.weight")
     assert "optim.state.0.exp_avg" in md.state_dict_metadata
-    expected = _back(src)
+    expected = dcp_back(src)
     expected["model"] = {k.removeprefix("module."): v for k, v in expected["model"].items()}
-    _same(_back(out), expected)
+    _same(dcp_back(out), expected)
     assert _distcp_bytes(out) == _distcp_bytes(src)
     for p in out.glob("*.distcp"):
         assert os.stat(p).st_nlink == 1 and not os.path.samefile(p, src / p.name)
@@ -126,28 +105,28 @@ def test_unwrap_flat_folder_and_add_prefix_back(tmp_path: Path) -> None:
     """A folder saved from a DDP-of-compiled state_dict itself (FQNs module._orig_mod.enc.weight, one-element
     planner paths) is one flat state_dict: unwrap gives enc.weight; add-prefix module. puts it back, and the round
     trip holds the input's tensors under the input's names."""
-    src = _save(_model_sd("module._orig_mod."), tmp_path / "ckpt")
+    src = save_dcp(_model_sd("module._orig_mod."), tmp_path / "ckpt")
     res = ckptool.unwrap(src, tmp_path / "bare")
     assert res.removed == {"module.": 3, "_orig_mod.": 3}
     md = FileSystemReader(str(tmp_path / "bare")).read_metadata()
     assert list(md.state_dict_metadata) == list(_model_sd())
     assert md.planner_data == {k: (k,) for k in _model_sd()}
-    _same(_back(tmp_path / "bare"), _model_sd())
+    _same(dcp_back(tmp_path / "bare"), _model_sd())
     ckptool.add_prefix(tmp_path / "bare", "module._orig_mod.", tmp_path / "again")
-    _same(_back(tmp_path / "again"), _back(src))
+    _same(dcp_back(tmp_path / "again"), dcp_back(src))
 
 
 def test_key_selects_one_state_dict(tmp_path: Path) -> None:
     """--key ema renames only the EMA copy, as on a training checkpoint file."""
-    src = _save({"model": _model_sd("module."), "ema": _model_sd("module.")}, tmp_path / "ckpt")
+    src = save_dcp({"model": _model_sd("module."), "ema": _model_sd("module.")}, tmp_path / "ckpt")
     ckptool.strip_dataparallel(src, tmp_path / "out", key="ema")
-    back = _back(tmp_path / "out")
+    back = dcp_back(tmp_path / "out")
     assert list(back["model"]) == list(_model_sd("module.")) and list(back["ema"]) == list(_model_sd())
 
 
 def test_refusals_write_nothing(run_cli: Callable[..., Any], tmp_path: Path) -> None:
     """The planner's errors on a DCP folder are the file commands' own; nothing is written, no staging left."""
-    src = _save({"model": {**_model_sd("module."), "enc.weight": torch.ones(1)}}, tmp_path / "ckpt")
+    src = save_dcp({"model": {**_model_sd("module."), "enc.weight": torch.ones(1)}}, tmp_path / "ckpt")
     with pytest.raises(PrefixNotFoundError, match=r"'foo\.'"):
         ckptool.strip_prefix(src, "foo.", tmp_path / "out")
     with pytest.raises(KeyCollisionError, match=r"'enc\.weight' <- "):
@@ -161,14 +140,14 @@ def test_refusals_write_nothing(run_cli: Callable[..., Any], tmp_path: Path) -> 
 def test_collision_across_state_dicts(tmp_path: Path) -> None:
     """Two entries of different containers renamed to one FQN (model.module.x -> model.x beside a top-level
     "model.x") are refused: DCP would hold one FQN twice."""
-    src = _save({"model": {"module.x": torch.ones(2)}, "model.x": torch.zeros(2)}, tmp_path / "ckpt")
+    src = save_dcp({"model": {"module.x": torch.ones(2)}, "model.x": torch.zeros(2)}, tmp_path / "ckpt")
     with pytest.raises(KeyCollisionError, match=r"'model\.x' <- "):
         ckptool.strip_dataparallel(src, tmp_path / "out")
     _no_leftovers(tmp_path, "ckpt")
 
 
 def test_output_must_be_new_or_empty(tmp_path: Path) -> None:
-    src = _save(_model_sd("module."), tmp_path / "ckpt")
+    src = save_dcp(_model_sd("module."), tmp_path / "ckpt")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(UsageError, match="not an empty folder"):
@@ -177,15 +156,15 @@ def test_output_must_be_new_or_empty(tmp_path: Path) -> None:
         ckptool.strip_dataparallel(src, in_place=True)
     (tmp_path / "empty").mkdir()
     ckptool.strip_dataparallel(src, tmp_path / "empty")
-    _same(_back(tmp_path / "empty"), _model_sd())
+    _same(dcp_back(tmp_path / "empty"), _model_sd())
     ckptool.strip_dataparallel(src)  # the default output: the folder beside, named after the operation
-    _same(_back(tmp_path / "ckpt.stripped"), _model_sd())
+    _same(dcp_back(tmp_path / "ckpt.stripped"), _model_sd())
 
 
 def test_injected_fault_in_written_metadata_is_caught(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The read-back check compares the written .metadata (read by the restricted unpickler) with the plan: a
     pickler that wrote an FQN wrong makes it fail, and nothing is kept."""
-    src = _save(_model_sd("module."), tmp_path / "ckpt")
+    src = save_dcp(_model_sd("module."), tmp_path / "ckpt")
     real = dcp_rewrite.dumps
 
     def wrong(root: Any, **kw: Any) -> bytes:
@@ -198,7 +177,7 @@ def test_injected_fault_in_written_metadata_is_caught(monkeypatch: pytest.Monkey
 
 
 def test_failure_while_copying_leaves_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    src = _save(_model_sd("module."), tmp_path / "ckpt")
+    src = save_dcp(_model_sd("module."), tmp_path / "ckpt")
 
     def boom(*_a: Any, **_k: Any) -> None:
         raise OSError(28, "No space left on device")
@@ -214,7 +193,7 @@ def _gpu_folder(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     """A folder whose non-tensor entry "extra" (a tuple of tensors) is tagged cuda:0, as a GPU machine writes it."""
     extra = (torch.arange(4.0), torch.ones(2, dtype=torch.float16))
     state = {"model": _model_sd(), "extra": extra, "step": 3}
-    return _save(state, tmp_path / "ckpt", cuda=extra), state
+    return save_dcp(state, tmp_path / "ckpt", cuda=extra), state
 
 
 def test_remap_non_tensor_entry_to_cpu(run_cli: Callable[..., Any], tmp_path: Path) -> None:
@@ -222,13 +201,13 @@ def test_remap_non_tensor_entry_to_cpu(run_cli: Callable[..., Any], tmp_path: Pa
     --to cpu, dcp_to_torch_save gives every value bit for bit, and the tensor records' bytes are the input's."""
     src, state = _gpu_folder(tmp_path)
     with pytest.raises(CheckpointException) as exc:
-        _back(src)
+        dcp_back(src)
     assert any("on a CUDA device" in str(getattr(f, "exception", f)) for f in exc.value.failures.values())
     r = run_cli("remap", src, "--to", "cpu", "-o", tmp_path / "cpu")
     assert r.exit_code == 0, r.output
     assert "re-tagged: cuda:0 -> cpu (2)" in r.output
     out = tmp_path / "cpu"
-    _same(_back(out), state)
+    _same(dcp_back(out), state)
     a, b = FileSystemReader(str(src)).read_metadata(), FileSystemReader(str(out)).read_metadata()
     assert list(a.state_dict_metadata) == list(b.state_dict_metadata)
     data_a, data_b = _distcp_bytes(src), _distcp_bytes(out)
@@ -241,16 +220,16 @@ def test_remap_non_tensor_entry_to_cpu(run_cli: Callable[..., Any], tmp_path: Pa
 
 def test_remap_with_renaming_in_one_pass(tmp_path: Path) -> None:
     extra = (torch.ones(3),)
-    src = _save({"model": _model_sd("module."), "extra": extra}, tmp_path / "ckpt", cuda=extra)
+    src = save_dcp({"model": _model_sd("module."), "extra": extra}, tmp_path / "ckpt", cuda=extra)
     res = ckptool.remap(src, tmp_path / "out", to="cpu", strip_dataparallel=True)
     assert res.retagged == {("cuda:0", "cpu"): 1}
-    _same(_back(tmp_path / "out"), {"model": _model_sd(), "extra": extra})
+    _same(dcp_back(tmp_path / "out"), {"model": _model_sd(), "extra": extra})
 
 
 def test_remap_nothing_to_remap_is_refused(run_cli: Callable[..., Any], tmp_path: Path) -> None:
     """An ordinary DCP folder (every record cpu) has nothing to remap: one Error line that says why and what to do;
     a --map source no tag matches is DeviceNotFoundError, as for files; nothing is written."""
-    src = _save({"model": _model_sd(), "step": 1}, tmp_path / "ckpt")
+    src = save_dcp({"model": _model_sd(), "step": 1}, tmp_path / "ckpt")
     r = run_cli("remap", src, "--to", "cpu", "-o", tmp_path / "out")
     errors = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
     assert r.exit_code == 1 and len(errors) == 1, r.output
@@ -268,33 +247,21 @@ def test_remap_nothing_to_remap_is_refused(run_cli: Callable[..., Any], tmp_path
     _no_leftovers(tmp_path, "ckpt", "g")
 
 
-def _save_with(state: dict[str, Any], folder: Path, cuda: tuple[torch.Tensor, ...] = (), **writer: Any) -> Path:
-    """``dcp.save`` through a ``FileSystemWriter(folder, **writer)`` (several data files, another serialization)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
-    ptrs = {t.untyped_storage().data_ptr() for t in cuda}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with tagged(lambda storage, real: "cuda:0" if storage.data_ptr() in ptrs else real):
-            dcp.save(state, storage_writer=FileSystemWriter(str(folder), **writer), no_dist=True)
-    return folder
-
-
 def test_several_data_files(tmp_path: Path) -> None:
     """A folder written by two IO threads has two .distcp files: remap re-lays out only the one holding the
     re-tagged entry, the other is copied byte for byte; renaming copies both."""
     extra = (torch.arange(3.0),)
     state = {"model": _model_sd("module."), "extra": extra}
-    src = _save_with(state, tmp_path / "ckpt", cuda=extra, thread_count=2)
+    src = save_dcp(state, tmp_path / "ckpt", cuda=extra, thread_count=2)
     files = _distcp_bytes(src)
     assert len(files) == 2
     ckptool.remap(src, tmp_path / "cpu", to="cpu")
     got = _distcp_bytes(tmp_path / "cpu")
     assert sorted(got) == sorted(files) and sum(got[n] == files[n] for n in files) == 1
-    _same(_back(tmp_path / "cpu"), state)
+    _same(dcp_back(tmp_path / "cpu"), state)
     ckptool.strip_dataparallel(tmp_path / "cpu", tmp_path / "bare")
     assert _distcp_bytes(tmp_path / "bare") == got
-    _same(_back(tmp_path / "bare"), {"model": _model_sd(), "extra": extra})
+    _same(dcp_back(tmp_path / "bare"), {"model": _model_sd(), "extra": extra})
 
 
 def test_safetensors_serialized_folder_is_refused(tmp_path: Path) -> None:
@@ -304,7 +271,7 @@ def test_safetensors_serialized_folder_is_refused(tmp_path: Path) -> None:
     from safetensors import safe_open
     from torch.distributed.checkpoint.filesystem import SerializationFormat
 
-    src = _save_with({"model": _model_sd("module.")}, tmp_path / "ckpt",
+    src = save_dcp({"model": _model_sd("module.")}, tmp_path / "ckpt",
                      serialization_format=SerializationFormat.SAFETENSORS)
     (data,) = src.glob("*.distcp")
     with safe_open(str(data), "pt") as f:
@@ -321,7 +288,7 @@ def test_metadata_naming_other_globals_is_not_written_back(tmp_path: Path) -> No
 
     from ckptool.errors import UnsafeCheckpointError
 
-    src = _save(_model_sd("module."), tmp_path / "ckpt")
+    src = save_dcp(_model_sd("module."), tmp_path / "ckpt")
     md = FileSystemReader(str(src)).read_metadata()
     md.storage_meta.modules = [os.getcwd]  # type: ignore[union-attr, list-item]
     (src / ".metadata").write_bytes(pickle.dumps(md))
@@ -334,7 +301,7 @@ def test_non_tensor_record_that_is_no_torch_save_zip(tmp_path: Path) -> None:
     """A non-tensor entry whose record is not a torch.save zip is refused by remap, naming the record (not a
     scratch copy), nothing written."""
     extra = (torch.ones(2),)
-    src = _save({"model": _model_sd(), "extra": extra}, tmp_path / "ckpt", cuda=extra)
+    src = save_dcp({"model": _model_sd(), "extra": extra}, tmp_path / "ckpt", cuda=extra)
     md = FileSystemReader(str(src)).read_metadata()
     info = next(v for k, v in md.storage_data.items() if k.fqn == "extra")
     path = src / info.relative_path

@@ -18,10 +18,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dcp_craft import dcp_back, save_dcp
 from safetensors.torch import load_file
-from tagging import location_tags as tagged
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import ckptool
 from ckptool.errors import KeyCollisionError, PrefixNotFoundError, UsageError
@@ -173,25 +172,6 @@ def test_filter_set_to_one_shard(run_cli: Callable[..., Any], tmp_path: Path) ->
 
 
 # ------------------------------------------------------------------------------------------------ DCP
-def _save(state: dict[str, Any], folder: Path, cuda: tuple[torch.Tensor, ...] = (), **writer: Any) -> Path:
-    """``dcp.save(state)`` into ``folder`` (one process); the storages of ``cuda`` are tagged ``cuda:0``."""
-    ptrs = {t.untyped_storage().data_ptr() for t in cuda}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with tagged(lambda storage, real: "cuda:0" if storage.data_ptr() in ptrs else real):
-            dcp.save(state, storage_writer=FileSystemWriter(str(folder), **writer), no_dist=True)
-    return folder
-
-
-def _back(folder: Path) -> Any:
-    out = folder.parent / f"{folder.name}.back.pt"
-    dcp_to_torch_save(folder, out)
-    try:
-        return torch.load(out, weights_only=False)
-    finally:
-        out.unlink()
-
-
 def _state() -> dict[str, Any]:
     optim = {"state": {"0": {"exp_avg": torch.ones(4)}}, "param_groups": [{"lr": 0.1, "params": ["0"]}]}
     return {"model": _sd(), "ema": {k: v * 2 for k, v in _sd().items()}, "optim": optim, "step": 7}
@@ -201,11 +181,11 @@ def test_rename_dcp(run_cli: Callable[..., Any], tmp_path: Path) -> None:
     """rename on a DCP folder renames the keys of its state_dicts (never optimizer state; --key one of them) as on
     the file dcp_to_torch_save writes of it; the .distcp files are copied byte for byte, dcp.load fills a model
     with the new names."""
-    src = _save(_state(), tmp_path / "ckpt")
+    src = save_dcp(_state(), tmp_path / "ckpt")
     r = run_cli("rename", src, "--key", "model", "--rule", r"^enc\.=encoder.")
     assert r.exit_code == 0, r.output
     out = tmp_path / "ckpt.renamed"  # the default: a folder beside the input
-    back = _back(out)
+    back = dcp_back(out)
     want = {k.replace("enc.", "encoder."): v for k, v in _sd().items()}
     _same(back["model"], want)
     _same(back["ema"], {k: v * 2 for k, v in _sd().items()})
@@ -223,11 +203,11 @@ def test_filter_dcp_drops_entries_and_their_bytes(run_cli: Callable[..., Any], t
     """filter --drop '*.bias' on a DCP folder: both state_dicts lose their biases (optimizer state and step stay),
     the entries leave .metadata (state_dict_metadata, storage_data, planner_data) and the biases' bytes leave the
     .distcp file; dcp_to_torch_save gives back the rest bit for bit."""
-    src = _save(_state(), tmp_path / "ckpt")
+    src = save_dcp(_state(), tmp_path / "ckpt")
     r = run_cli("filter", src, "--drop", "*.bias", "-o", tmp_path / "out")
     assert r.exit_code == 0, r.output
     out = tmp_path / "out"
-    back = _back(out)
+    back = dcp_back(out)
     _same(back["model"], {k: v for k, v in _sd().items() if k.endswith("weight")})
     _same(back["ema"], {k: v * 2 for k, v in _sd().items() if k.endswith("weight")})
     assert back["step"] == 7 and "optim" in back
@@ -243,11 +223,11 @@ def test_filter_dcp_drops_entries_and_their_bytes(run_cli: Callable[..., Any], t
 def test_filter_dcp_key_extracts_and_leaves_emptied_files(tmp_path: Path) -> None:
     """--key ema --keep 'enc.*' writes that state_dict alone (FQNs enc.weight, as the file command writes the
     state_dict itself); a .distcp file holding none of the kept records is not written."""
-    src = _save(_state(), tmp_path / "ckpt", thread_count=2)
+    src = save_dcp(_state(), tmp_path / "ckpt", thread_count=2)
     assert len(list(src.glob("*.distcp"))) == 2
     res = ckptool.filter_keys(src, tmp_path / "out", key="ema", keep="enc.*")
     assert res.extracted and res.changes[0].dropped == ["head.weight", "head.bias"]
-    _same(_back(tmp_path / "out"), {k: v * 2 for k, v in _sd().items() if k.startswith("enc.")})
+    _same(dcp_back(tmp_path / "out"), {k: v * 2 for k, v in _sd().items() if k.startswith("enc.")})
     md = FileSystemReader(str(tmp_path / "out")).read_metadata()
     assert sorted(md.state_dict_metadata) == ["enc.bias", "enc.weight"]
     files = {i.relative_path for i in md.storage_data.values()}
@@ -258,20 +238,20 @@ def test_filter_dcp_and_remap_in_one_pass(tmp_path: Path) -> None:
     """--to cpu with filter, as with rename: a non-tensor entry tagged cuda:0 is re-tagged while the biases are
     dropped (torch reads the output without a GPU); a folder with nothing to re-tag is filtered all the same."""
     extra = (torch.arange(3.0),)
-    src = _save({"model": _sd(), "extra": extra}, tmp_path / "ckpt", cuda=extra)
+    src = save_dcp({"model": _sd(), "extra": extra}, tmp_path / "ckpt", cuda=extra)
     res = ckptool.filter_keys(src, tmp_path / "out", drop="*.bias", to="cpu")
     assert res.retagged == {("cuda:0", "cpu"): 1}
-    back = _back(tmp_path / "out")
+    back = dcp_back(tmp_path / "out")
     _same(back["model"], {k: v for k, v in _sd().items() if k.endswith("weight")})
     assert torch.equal(back["extra"][0], extra[0])
     ckptool.filter_keys(tmp_path / "out", tmp_path / "again", drop="enc.*", to="cpu")
-    _same(_back(tmp_path / "again")["model"], {"head.weight": _sd()["head.weight"]})
+    _same(dcp_back(tmp_path / "again")["model"], {"head.weight": _sd()["head.weight"]})
 
 
 def test_dcp_refusals_write_nothing(run_cli: Callable[..., Any], tmp_path: Path) -> None:
     """On a DCP folder, as on a file: unused rule or glob, collision, every key dropped, a dry run: nothing
     written (no staging folder left)."""
-    src = _save(_state(), tmp_path / "ckpt")
+    src = save_dcp(_state(), tmp_path / "ckpt")
     with pytest.raises(PrefixNotFoundError, match="matches no key"):
         ckptool.rename(src, tmp_path / "out", rules=[r"^nothing\.="])
     with pytest.raises(KeyCollisionError):
