@@ -71,8 +71,8 @@ from ckptool.model.rename_plan import RenameSummary
 from ckptool.model.tensor_nodes import tensor_node
 from ckptool.ops.dcp_safety import is_dcp_allowed
 from ckptool.ops.rewrite import ProgressFn, write_zip
-from ckptool.ops.shard_rewrite import SetRenameResult, SetWriteResult
-from ckptool.readers import Opened, open_checkpoint
+from ckptool.ops.shard_rewrite import SetRenameResult, SetWriteResult, folder_output
+from ckptool.readers import Opened
 
 __all__ = ["Dropper", "Renamer", "dcp_folder", "dcp_output", "rewrite_dcp"]
 
@@ -90,18 +90,10 @@ _NOTHING = ("{src} is a torch.distributed.checkpoint folder. DCP folders store e
             "checkpoint_id=...)); for one torch file: ckptool convert {src} -o model.pt")
 
 
-def dcp_folder(src: str | os.PathLike[str] | Opened) -> str | None:
-    """``src`` when it is a local ``torch.distributed.checkpoint`` folder (as :func:`ckptool.readers.open_checkpoint`
-    recognises formats), else None; never raises (a path it cannot tell is left to the caller's own reading)."""
-    if isinstance(src, Opened):
-        return src.target if src.format == "dcp" and not source.is_url(src.target) else None
-    p = os.fspath(src)
-    if source.is_url(p) or not os.path.isdir(p):
-        return None
-    try:
-        return p if open_checkpoint(p).format == "dcp" else None
-    except CkptError:
-        return None
+def dcp_folder(opened: Opened) -> str | None:
+    """The folder ``opened`` names when it is a local ``torch.distributed.checkpoint`` folder (as
+    :func:`ckptool.readers.open_checkpoint` recognised it), else None."""
+    return opened.target if opened.format == "dcp" and not source.is_url(opened.target) else None
 
 
 def dcp_output(folder: str, dst: str | os.PathLike[str] | None, tag: str, in_place: bool) -> str:
@@ -111,12 +103,9 @@ def dcp_output(folder: str, dst: str | os.PathLike[str] | None, tag: str, in_pla
     Raises:
         UsageError: ``in_place`` (a DCP folder is written anew: write it elsewhere, then replace the folder).
     """
-    if in_place:
-        raise UsageError(f"{folder}: --in-place does not apply to a torch.distributed.checkpoint folder; write it "
+    return folder_output(folder, dst, tag, in_place,
+                         f"{folder}: --in-place does not apply to a torch.distributed.checkpoint folder; write it "
                          "with -o DIR (a new or empty folder) and replace the old folder when you have checked it")
-    if dst is not None:
-        return os.fspath(dst)
-    return f"{os.path.abspath(folder).rstrip(os.sep)}.{tag}"
 
 
 def _check_target(folder: str, dst: str) -> None:

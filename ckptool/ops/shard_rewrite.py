@@ -110,7 +110,7 @@ def opened_input(src: str | os.PathLike[str] | Opened) -> Opened:
 def set_index(src: str | os.PathLike[str] | Opened) -> str | None:
     """The index of the sharded set ``src`` names (an ``*.index.json``, or a folder holding exactly one); None when
     ``src`` is a file. A model folder holding only ``model.safetensors`` / ``pytorch_model.bin`` is not a set: the
-    caller gets None and should use :func:`single_file`.
+    caller gets None and reads ``Opened.target``, that file.
 
     A ``torch.distributed.checkpoint`` folder is no set either (None): :mod:`ckptool.ops.dcp_rewrite` rewrites it.
 
@@ -125,12 +125,6 @@ def set_index(src: str | os.PathLike[str] | Opened) -> str | None:
     return o.target if o.spec.kind == "set" else None
 
 
-def single_file(src: str | os.PathLike[str] | Opened) -> str:
-    """The file to read for ``src``: itself, or for a model folder holding one weights file (``model.safetensors``),
-    that file."""
-    return opened_input(src).target
-
-
 def set_output(index: str, dst: str | os.PathLike[str] | None, tag: str, in_place: bool) -> str:
     """The ``-o`` a rewrite of the set of ``index`` writes: ``dst``, or by default the folder ``<folder>.<tag>``
     beside the set's folder (``ckpt/`` -> ``ckpt.cpu/``, as single files get ``model.cpu.pth``).
@@ -138,12 +132,24 @@ def set_output(index: str, dst: str | os.PathLike[str] | None, tag: str, in_plac
     Raises:
         UsageError: ``in_place`` (a set is not rewritten in place: write it elsewhere, then replace the folder).
     """
+    return folder_output(os.path.dirname(os.path.abspath(index)), dst, tag, in_place,
+                         f"{index}: --in-place does not apply to a sharded set; write it with -o DIR and replace the "
+                         "old folder when you have checked the new one")
+
+
+def folder_output(folder: str, dst: str | os.PathLike[str] | None, tag: str, in_place: bool, refusal: str) -> str:
+    """The output folder of a rewrite of a set or folder of files: ``dst``, or by default ``<folder>.<tag>`` beside
+    ``folder``.
+
+    Raises:
+        UsageError: ``in_place``, with the message ``refusal`` (such inputs are written anew elsewhere).
+    """
     if in_place:
-        raise UsageError(f"{index}: --in-place does not apply to a sharded set; write it with -o DIR and replace "
-                         "the old folder when you have checked the new one")
+        raise UsageError(refusal)
     if dst is not None:
         return os.fspath(dst)
-    return f"{os.path.dirname(os.path.abspath(index))}.{tag}"
+    where = os.path.abspath(folder)
+    return f"{where.rstrip(os.sep) or where}.{tag}"
 
 
 def _split_name(name: str) -> tuple[str, str] | None:
