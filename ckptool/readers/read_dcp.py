@@ -290,19 +290,16 @@ class Chunk(NamedTuple):
     swap: int
 
 
-def read_chunk(files: dict[str, BinaryIO], meta: DcpMetadata, e: DcpEntry, dtype: str, sizes: tuple[int, ...],
-                info: Any) -> Chunk:
-    """Read the ``torch.save`` record ``info`` of one chunk (``sizes``) of tensor ``e`` as a node graph and check
-    it holds one plain tensor of ``dtype`` and that shape, naming only allowlisted globals.
+def record_in_file(files: dict[str, BinaryIO], meta: DcpMetadata, info: Any, what: str) -> RecordSlice:
+    """The record the ``_StorageInfo`` node ``info`` names (:func:`open_record`), checked to lie inside its
+    ``.distcp`` file; ``what`` names it in the errors.
 
     Raises:
-        UnsupportedError: a record DCP transformed, or that is no torch zip (a folder saved in safetensors
-            serialization), or a compressed one.
-        UnsafeCheckpointError: the record names a global outside torch's weights_only allowlist.
-        CorruptCheckpointError: anything else that does not match ``.metadata``.
+        UnsupportedError: a record DCP transformed (with the convert route).
+        CorruptCheckpointError: a file that cannot be read, a malformed record or one naming a file outside the
+            folder, one past the end of its file.
     """
     folder = meta.folder
-    what = f"{folder}: the record of {e.fqn!r}"
     try:
         found = open_record(files, folder, info)
     except OSError as ex:
@@ -320,6 +317,23 @@ def read_chunk(files: dict[str, BinaryIO], meta: DcpMetadata, e: DcpEntry, dtype
     if blob.start < 0 or blob.size < 0 or blob.start + blob.size > size:
         raise CorruptCheckpointError(f"{what} runs past the end of its file ({blob.start} + {blob.size} > {size} "
                                      "bytes); the folder is truncated or damaged")
+    return blob
+
+
+def read_chunk(files: dict[str, BinaryIO], meta: DcpMetadata, e: DcpEntry, dtype: str, sizes: tuple[int, ...],
+                info: Any) -> Chunk:
+    """Read the ``torch.save`` record ``info`` of one chunk (``sizes``) of tensor ``e`` as a node graph and check
+    it holds one plain tensor of ``dtype`` and that shape, naming only allowlisted globals.
+
+    Raises:
+        UnsupportedError: a record DCP transformed, or that is no torch zip (a folder saved in safetensors
+            serialization), or a compressed one.
+        UnsafeCheckpointError: the record names a global outside torch's weights_only allowlist.
+        CorruptCheckpointError: anything else that does not match ``.metadata``.
+    """
+    folder = meta.folder
+    what = f"{folder}: the record of {e.fqn!r}"
+    blob = record_in_file(files, meta, info, what)
     if blob.read(4) != _ZIP_HEAD:
         raise UnsupportedError(f"{what} is not a torch.save record (a folder saved in DCP's safetensors "
                                "serialization?); ckptool reads torch.save records only: "

@@ -49,8 +49,8 @@ from ckptool.readers.read_dcp import (
     chunk_infos,
     entry_chunks,
     entry_dtype,
-    open_record,
     read_chunk,
+    record_in_file,
     torch_save_record,
 )
 from ckptool.torch_ops.annotations import torch
@@ -122,10 +122,8 @@ def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any]
             raise CorruptCheckpointError(f"{meta.folder}: the chunk of {e.fqn!r} at offsets {list(offsets)} has no "
                                          "record in .metadata's storage_data; the folder is damaged")
         read_chunk(files, meta, e, dtype, sizes, info)  # the record's structure, before torch reads it
-        found = open_record(files, meta.folder, info)
-        assert found is not None  # read_chunk refused every record open_record cannot give
-        part = _torch_load(found[1], f"{meta.folder}: the record of {e.fqn!r} at offsets {list(offsets)}", device,
-                           weights_only=True)
+        what = f"{meta.folder}: the record of {e.fqn!r} at offsets {list(offsets)}"
+        part = _torch_load(record_in_file(files, meta, info, what), what, device, weights_only=True)
         if not isinstance(part, torch.Tensor) or tuple(part.shape) != sizes or str(part.dtype) != f"torch.{dtype}":
             raise CorruptCheckpointError(f"{meta.folder}: torch reads the record of {e.fqn!r} at offsets "
                                          f"{list(offsets)} as {_describe(part)}, where .metadata says {dtype} "
@@ -200,27 +198,16 @@ def _non_tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, 
 
 
 def _record(files: dict[str, BinaryIO], meta: DcpMetadata, info: Any, what: str) -> RecordSlice:
-    """The record ``info`` names, checked to lie inside its ``.distcp`` file.
+    """The record ``info`` names, checked to lie inside its ``.distcp`` file
+    (:func:`ckptool.readers.read_dcp.record_in_file`).
 
     Raises:
-        CorruptCheckpointError: no record, a malformed or transformed one, a missing file, one past its end.
+        CorruptCheckpointError: no record, a malformed one, a missing file, one past its end.
+        UnsupportedError: a record DCP transformed.
     """
     if info is None:
         raise CorruptCheckpointError(f"{what} has no record in .metadata's storage_data; the folder is damaged")
-    try:
-        found = open_record(files, meta.folder, info)
-    except OSError as ex:
-        raise CorruptCheckpointError(f"{what} is in {os.path.basename(str(ex.filename))}, which cannot be read "
-                                     f"({ex.strerror}); the folder is incomplete") from None
-    if found is None:
-        raise CorruptCheckpointError(f"{what}: its record is transformed, malformed or names a file outside the "
-                                     "folder; ckptool does not read it")
-    f, blob = found
-    size = os.fstat(f.fileno()).st_size
-    if blob.start < 0 or blob.size < 0 or blob.start + blob.size > size:
-        raise CorruptCheckpointError(f"{what}: its record runs past the end of its file ({blob.start} + "
-                                     f"{blob.size} > {size} bytes); the folder is truncated or damaged")
-    return blob
+    return record_in_file(files, meta, info, what)
 
 
 class _WeightsOnlyRefused(Exception):
