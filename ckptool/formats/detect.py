@@ -54,6 +54,19 @@ _KNOWN_MAGIC = [
 ]
 
 
+def folder_refusal(path: str) -> str:
+    """The message of a command that reads one checkpoint file, given the folder ``path``, with the route."""
+    return (f"{path} is a folder, and this command reads one checkpoint file: `ckptool convert {path} -o "
+            "model.safetensors` (or -o model.pt) makes one from a sharded set, a torch.distributed.checkpoint or a "
+            "DeepSpeed folder; then run the command on that file")
+
+
+def index_refusal(path: str) -> str:
+    """The message of a command that reads one checkpoint file, given a sharded set's index ``path``."""
+    return (f"{path} is the index of a sharded set, and this command reads one checkpoint file: `ckptool convert "
+            f"{path} -o model.safetensors` (or -o model.pt) merges the set into one; then run the command on it")
+
+
 def check_readable(path: str) -> int:
     """Return the size of ``path`` in bytes.
 
@@ -78,11 +91,7 @@ def check_readable(path: str) -> int:
     if not os.path.exists(path):
         raise UsageError(f"{path}: no such file; check the path")
     if os.path.isdir(path):
-        raise UsageError(
-            f"{path} is a folder, and this command reads one checkpoint file: `ckptool convert {path} -o "
-            "model.safetensors` (or -o model.pt) makes one from a sharded set, a torch.distributed.checkpoint or a "
-            "DeepSpeed folder; then run the command on that file"
-        )
+        raise UsageError(folder_refusal(path))
     size = os.path.getsize(path)
     if size == 0:
         raise NotACheckpointError(f"{path} is empty (0 bytes); re-download or re-save the checkpoint")
@@ -127,10 +136,7 @@ def detect_format(path: str) -> str:
         if head.startswith(magic):
             raise NotACheckpointError(f"{path} is {what}, not a PyTorch checkpoint")
     if path.endswith(".index.json"):
-        raise NotACheckpointError(
-            f"{path} is the index of a sharded set, and this command reads one checkpoint file: `ckptool convert "
-            f"{path} -o model.safetensors` (or -o model.pt) merges the set into one; then run the command on it"
-        )
+        raise NotACheckpointError(index_refusal(path))
     raise NotACheckpointError(
         f"{path} is not a PyTorch checkpoint (first bytes {head[:8].hex(' ')}): expected a torch zip or legacy "
         "file, a TorchScript archive or safetensors"

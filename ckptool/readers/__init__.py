@@ -164,14 +164,8 @@ class Opened:
         if self.spec.kind == "file":
             return self
         if os.path.isdir(self.path):
-            raise UsageError(
-                f"{self.path} is a folder, and this command reads one checkpoint file: `ckptool convert {self.path} "
-                "-o model.safetensors` (or -o model.pt) makes one from a sharded set, a torch.distributed.checkpoint "
-                "or a DeepSpeed folder; then run the command on that file")
-        raise NotACheckpointError(
-            f"{self.path} is the index of a sharded set, and this command reads one checkpoint file: `ckptool "
-            f"convert {self.path} -o model.safetensors` (or -o model.pt) merges the set into one; then run the "
-            "command on it")
+            raise UsageError(detect.folder_refusal(self.path))
+        raise NotACheckpointError(detect.index_refusal(self.path))
 
     def dcp_metadata(self) -> DcpMetadata:
         """A DCP folder's ``.metadata`` (:func:`ckptool.formats.dcp.read_dcp_metadata`, restricted unpickler), read
