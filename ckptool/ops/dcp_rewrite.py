@@ -70,8 +70,8 @@ from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenameSummary
 from ckptool.model.tensor_nodes import tensor_node
 from ckptool.ops.dcp_safety import is_dcp_allowed
-from ckptool.ops.rewrite import ProgressFn, write_zip
-from ckptool.ops.shard_rewrite import SetRenameResult, SetWriteResult, folder_output
+from ckptool.ops.rewrite import ProgressFn, output_path, write_zip
+from ckptool.ops.shard_rewrite import SetRenameResult, SetWriteResult, folder_output, set_index, set_output
 from ckptool.readers import Opened
 
 __all__ = ["Dropper", "Renamer", "dcp_folder", "dcp_output", "rewrite_dcp"]
@@ -106,6 +106,24 @@ def dcp_output(folder: str, dst: str | os.PathLike[str] | None, tag: str, in_pla
     return folder_output(folder, dst, tag, in_place,
                          f"{folder}: --in-place does not apply to a torch.distributed.checkpoint folder; write it "
                          "with -o DIR (a new or empty folder) and replace the old folder when you have checked it")
+
+
+def rewrite_output(opened: Opened, dst: str | os.PathLike[str] | None, tag: str, in_place: bool) -> str:
+    """Where a rewrite of ``opened`` (remap, the prefix commands) writes: ``dst``; else for a DCP folder or a
+    sharded set the folder ``<folder>.<tag>`` beside it (:func:`dcp_output`,
+    :func:`ckptool.ops.shard_rewrite.set_output`), for a file ``<stem>.<tag><ext>`` beside it or, with
+    ``in_place``, the file itself (:func:`ckptool.ops.rewrite.output_path`).
+
+    Raises:
+        UsageError: ``in_place`` for a folder or set; a DeepSpeed folder; see :func:`ckptool.ops.rewrite.output_path`.
+    """
+    folder = dcp_folder(opened)
+    if folder is not None:
+        return dcp_output(folder, dst, tag, in_place)
+    index = set_index(opened)
+    if index is not None:
+        return set_output(index, dst, tag, in_place)
+    return output_path(opened.target, os.fspath(dst) if dst is not None else None, in_place, tag)
 
 
 def _check_target(folder: str, dst: str) -> None:

@@ -16,11 +16,11 @@ from ckptool.errors import UsageError
 from ckptool.formats import detect as formats
 from ckptool.model.devices import parse_device
 from ckptool.model.rename_plan import RenamePlan, build_plan
-from ckptool.ops.dcp_rewrite import dcp_folder, dcp_output, rewrite_dcp
+from ckptool.ops.dcp_rewrite import dcp_folder, rewrite_dcp, rewrite_output
 from ckptool.ops.package_rewrite import remap_package
 from ckptool.ops.rename import RenameResult, rename_graph
-from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, refuse_unwritable, retag_function, rewrite_file
-from ckptool.ops.shard_rewrite import opened_input, rewrite_set, set_index, set_output
+from ckptool.ops.rewrite import ProgressFn, WriteResult, refuse_unwritable, retag_function, rewrite_file
+from ckptool.ops.shard_rewrite import opened_input, rewrite_set, set_index
 from ckptool.readers import Opened, open_checkpoint
 
 
@@ -133,11 +133,4 @@ def remap_output(src: str | os.PathLike[str] | Opened, dst: str | os.PathLike[st
         UsageError: as :func:`ckptool.ops.rewrite.output_path`; a bad ``to`` device.
     """
     tag = parse_device(to).replace(":", "") if to is not None else "remapped"
-    opened = opened_input(src)
-    folder = dcp_folder(opened)
-    if folder is not None:
-        return dcp_output(folder, dst, tag, in_place)
-    index = set_index(opened)
-    if index is not None:
-        return set_output(index, dst, tag, in_place)
-    return output_path(opened.target, os.fspath(dst) if dst is not None else None, in_place, tag)
+    return rewrite_output(opened_input(src), dst, tag, in_place)

@@ -59,11 +59,10 @@ from ckptool.model.rename_plan import (
     label,
     plan_keys,
 )
-from ckptool.ops.dcp_rewrite import dcp_folder, dcp_output, rewrite_dcp
+from ckptool.ops.dcp_rewrite import dcp_folder, rewrite_dcp, rewrite_output
 from ckptool.ops.rewrite import (
     ProgressFn,
     RenameResult,
-    output_path,
     rename_mapping_node,
     retag_function,
     rewrite_file,
@@ -320,14 +319,7 @@ def rename_output(operation: str, src: str | os.PathLike[str] | Opened, dst: str
     Raises:
         UsageError: as :func:`ckptool.ops.rewrite.output_path`; ``in_place`` for a sharded set.
     """
-    opened = opened_input(src)
-    folder = dcp_folder(opened)
-    if folder is not None:
-        return dcp_output(folder, dst, OUTPUT_TAGS[operation], in_place)
-    index = set_index(opened)
-    if index is not None:
-        return set_output(index, dst, OUTPUT_TAGS[operation], in_place)
-    return output_path(opened.target, os.fspath(dst) if dst is not None else None, in_place, OUTPUT_TAGS[operation])
+    return rewrite_output(opened_input(src), dst, OUTPUT_TAGS[operation], in_place)
 
 
 def apply_plan(
