@@ -2,69 +2,21 @@
 
 Only a storage that needs torch (a ``--dtype`` cast, a non-contiguous view stored contiguous, a safetensors
 sharing group assembled from its pieces) is materialised, one storage at a time; everything else is copied as bytes
-without torch. The storages and tensors are described structurally (:class:`StorageSpec`, :class:`TensorSpec`), so
-this module needs nothing from the layers above it.
+without torch. Storages and tensors are the readers layer's (:class:`~ckptool.readers.tensors.Storage`,
+:class:`~ckptool.readers.tensors.Tensor`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ckptool.errors import UnsupportedError
-from ckptool.formats.segments import Segment, read_segments
+from ckptool.formats.segments import read_segments
+from ckptool.readers.tensors import Storage, Tensor
 
 if TYPE_CHECKING:
     import torch
-
-
-class PieceSpec(Protocol):
-    """A stored contiguous copy (``nbytes`` at ``file_offset``) of the view ``(offset, shape, stride)`` (elements)
-    of a storage."""
-
-    @property
-    def file_offset(self) -> int: ...
-    @property
-    def nbytes(self) -> int: ...
-    @property
-    def offset(self) -> int: ...
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def stride(self) -> tuple[int, ...]: ...
-
-
-class StorageSpec(Protocol):
-    """A storage's bytes: ``nbytes`` at ``offset`` of file ``path``, or assembled from ``pieces``, or gathered from
-    ``segments`` of several files."""
-
-    @property
-    def path(self) -> str: ...
-    @property
-    def offset(self) -> int: ...
-    @property
-    def nbytes(self) -> int: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def numel(self) -> int: ...
-    @property
-    def pieces(self) -> Sequence[PieceSpec] | None: ...
-    @property
-    def segments(self) -> Sequence[Segment] | None: ...
-
-
-class TensorSpec(Protocol):
-    """A tensor: its view ``(shape, stride, offset)`` in elements of ``storage``."""
-
-    @property
-    def storage(self) -> StorageSpec: ...
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def stride(self) -> tuple[int, ...]: ...
-    @property
-    def offset(self) -> int: ...
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -111,7 +63,7 @@ class StorageCache:
         self._key: int | None = None
         self._flat: torch.Tensor | None = None
 
-    def flat(self, st: StorageSpec) -> torch.Tensor:
+    def flat(self, st: Storage) -> torch.Tensor:
         """The storage ``st`` as a 1-D tensor of its output dtype."""
         if self._key == id(st) and self._flat is not None:
             return self._flat
@@ -133,6 +85,6 @@ class StorageCache:
         self._key, self._flat = id(st), flat
         return flat
 
-    def view(self, t: TensorSpec) -> torch.Tensor:
+    def view(self, t: Tensor) -> torch.Tensor:
         """The tensor ``t`` (its view of the materialised storage, output dtype)."""
         return self.flat(t.storage).as_strided(t.shape, t.stride, t.offset)
