@@ -48,7 +48,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptool import _source as source
 from ckptool._commit import mark_committed, signals_blocked
 from ckptool._fileio import clone_block, copy_range, current_umask, temp_path
 from ckptool.errors import (
@@ -70,11 +69,10 @@ from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenameSummary
 from ckptool.model.tensor_nodes import tensor_node
 from ckptool.ops.dcp_safety import is_dcp_allowed
-from ckptool.ops.rewrite import ProgressFn, output_path, write_zip
-from ckptool.ops.shard_rewrite import SetRenameResult, SetWriteResult, folder_output, set_index, set_output
-from ckptool.readers import Opened
+from ckptool.ops.rewrite import ProgressFn, write_zip
+from ckptool.ops.shard_rewrite import SetRenameResult, SetWriteResult
 
-__all__ = ["Dropper", "Renamer", "dcp_folder", "dcp_output", "rewrite_dcp"]
+__all__ = ["Dropper", "Renamer", "rewrite_dcp"]
 
 #: ``rename(root) -> (new root, summary)``: the renaming of a node graph (:func:`ckptool.ops.rename.rename_graph`
 #: with the plan, ``--key`` and ``--allow-missing`` bound), applied to the nesting of a DCP folder's entries
@@ -88,42 +86,6 @@ _NOTHING = ("{src} is a torch.distributed.checkpoint folder. DCP folders store e
             "and {what}: nothing to remap. dcp.load places tensors where the state_dict you pass lives (move the "
             "model first: model.to(device), then torch.distributed.checkpoint.load(model.state_dict(), "
             "checkpoint_id=...)); for one torch file: ckptool convert {src} -o model.pt")
-
-
-def dcp_folder(opened: Opened) -> str | None:
-    """The folder ``opened`` names when it is a local ``torch.distributed.checkpoint`` folder (as
-    :func:`ckptool.readers.open_checkpoint` recognised it), else None."""
-    return opened.target if opened.format == "dcp" and not source.is_url(opened.target) else None
-
-
-def dcp_output(folder: str, dst: str | os.PathLike[str] | None, tag: str, in_place: bool) -> str:
-    """The folder a rewrite of the DCP ``folder`` writes: ``dst``, or by default ``<folder>.<tag>`` beside it
-    (``ckpt/`` -> ``ckpt.cpu/``, as sharded sets get theirs).
-
-    Raises:
-        UsageError: ``in_place`` (a DCP folder is written anew: write it elsewhere, then replace the folder).
-    """
-    return folder_output(folder, dst, tag, in_place,
-                         f"{folder}: --in-place does not apply to a torch.distributed.checkpoint folder; write it "
-                         "with -o DIR (a new or empty folder) and replace the old folder when you have checked it")
-
-
-def rewrite_output(opened: Opened, dst: str | os.PathLike[str] | None, tag: str, in_place: bool) -> str:
-    """Where a rewrite of ``opened`` (remap, the prefix commands) writes: ``dst``; else for a DCP folder or a
-    sharded set the folder ``<folder>.<tag>`` beside it (:func:`dcp_output`,
-    :func:`ckptool.ops.shard_rewrite.set_output`), for a file ``<stem>.<tag><ext>`` beside it or, with
-    ``in_place``, the file itself (:func:`ckptool.ops.rewrite.output_path`).
-
-    Raises:
-        UsageError: ``in_place`` for a folder or set; a DeepSpeed folder; see :func:`ckptool.ops.rewrite.output_path`.
-    """
-    folder = dcp_folder(opened)
-    if folder is not None:
-        return dcp_output(folder, dst, tag, in_place)
-    index = set_index(opened)
-    if index is not None:
-        return set_output(index, dst, tag, in_place)
-    return output_path(opened.target, os.fspath(dst) if dst is not None else None, in_place, tag)
 
 
 def _check_target(folder: str, dst: str) -> None:

@@ -16,11 +16,11 @@ from ckptool.errors import UsageError
 from ckptool.formats import detect as formats
 from ckptool.model.devices import parse_device
 from ckptool.model.rename_plan import RenamePlan, build_plan
-from ckptool.ops.dcp_rewrite import dcp_folder, rewrite_dcp, rewrite_output
+from ckptool.ops.dcp_rewrite import rewrite_dcp
 from ckptool.ops.package_rewrite import remap_package
 from ckptool.ops.rename import RenameResult, rename_graph
 from ckptool.ops.rewrite import ProgressFn, WriteResult, refuse_unwritable, retag_function, rewrite_file
-from ckptool.ops.shard_rewrite import opened_input, rewrite_set, set_index
+from ckptool.ops.shard_rewrite import dcp_folder, opened_input, rewrite_output, rewrite_set, set_index
 from ckptool.readers import Opened, open_checkpoint
 
 

@@ -59,7 +59,7 @@ from ckptool.model.rename_plan import (
     label,
     plan_keys,
 )
-from ckptool.ops.dcp_rewrite import dcp_folder, rewrite_dcp, rewrite_output
+from ckptool.ops.dcp_rewrite import rewrite_dcp
 from ckptool.ops.rewrite import (
     ProgressFn,
     RenameResult,
@@ -69,7 +69,7 @@ from ckptool.ops.rewrite import (
     safetensors_keys,
     write_renamed_safetensors,
 )
-from ckptool.ops.shard_rewrite import opened_input, rewrite_set, set_index, set_output
+from ckptool.ops.shard_rewrite import dcp_folder, opened_input, rewrite_output, rewrite_set, set_index, set_output
 from ckptool.readers import Opened, open_checkpoint
 
 __all__ = [

@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.nodes import StorageRef
@@ -44,6 +45,7 @@ from ckptool.ops.rewrite import (
     ProgressFn,
     RenameResult,
     WriteResult,
+    output_path,
     refuse_unwritable,
     rename_mapping_node,
     rewrite_file,
@@ -150,6 +152,42 @@ def folder_output(folder: str, dst: str | os.PathLike[str] | None, tag: str, in_
         return os.fspath(dst)
     where = os.path.abspath(folder)
     return f"{where.rstrip(os.sep) or where}.{tag}"
+
+
+def dcp_folder(opened: Opened) -> str | None:
+    """The folder ``opened`` names when it is a local ``torch.distributed.checkpoint`` folder (as
+    :func:`ckptool.readers.open_checkpoint` recognised it), else None."""
+    return opened.target if opened.format == "dcp" and not source.is_url(opened.target) else None
+
+
+def dcp_output(folder: str, dst: str | os.PathLike[str] | None, tag: str, in_place: bool) -> str:
+    """The folder a rewrite of the DCP ``folder`` writes: ``dst``, or by default ``<folder>.<tag>`` beside it
+    (``ckpt/`` -> ``ckpt.cpu/``, as sharded sets get theirs).
+
+    Raises:
+        UsageError: ``in_place`` (a DCP folder is written anew: write it elsewhere, then replace the folder).
+    """
+    return folder_output(folder, dst, tag, in_place,
+                         f"{folder}: --in-place does not apply to a torch.distributed.checkpoint folder; write it "
+                         "with -o DIR (a new or empty folder) and replace the old folder when you have checked it")
+
+
+def rewrite_output(opened: Opened, dst: str | os.PathLike[str] | None, tag: str, in_place: bool) -> str:
+    """Where a rewrite of ``opened`` (remap, the prefix commands) writes: ``dst``; else for a DCP folder or a
+    sharded set the folder ``<folder>.<tag>`` beside it (:func:`dcp_output`,
+    :func:`ckptool.ops.shard_rewrite.set_output`), for a file ``<stem>.<tag><ext>`` beside it or, with
+    ``in_place``, the file itself (:func:`ckptool.ops.rewrite.output_path`).
+
+    Raises:
+        UsageError: ``in_place`` for a folder or set; a DeepSpeed folder; see :func:`ckptool.ops.rewrite.output_path`.
+    """
+    folder = dcp_folder(opened)
+    if folder is not None:
+        return dcp_output(folder, dst, tag, in_place)
+    index = set_index(opened)
+    if index is not None:
+        return set_output(index, dst, tag, in_place)
+    return output_path(opened.target, os.fspath(dst) if dst is not None else None, in_place, tag)
 
 
 def _split_name(name: str) -> tuple[str, str] | None:

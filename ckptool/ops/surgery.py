@@ -43,11 +43,10 @@ from ckptool.model.objects import find_object_state_dicts
 from ckptool.model.paths import resolve_path
 from ckptool.model.rename_memory import _copy_meta, _new_like, _replace_at, rename_mapping
 from ckptool.model.rename_plan import RenamePlan, RenameSummary
-from ckptool.ops.dcp_rewrite import dcp_folder, dcp_output
 from ckptool.ops.rename import _rewrite_safetensors, rename_graph
 from ckptool.ops.rewrite import ProgressFn, WriteResult, output_path, retag_function, rewrite_file
 from ckptool.ops.rules import RuleLike, RuleStep, load_rules, rules_plan
-from ckptool.ops.shard_rewrite import prune_storages, refuse_existing_set, set_output
+from ckptool.ops.shard_rewrite import dcp_folder, dcp_output, prune_storages, refuse_existing_set, set_output
 from ckptool.ops.surgery_plan import (
     FilterChange,
     FilterResult,
