@@ -34,18 +34,18 @@ from ckptool.errors import (
 
 if TYPE_CHECKING:
     from ckptool.model.rename_memory import rename_state_dict
-    from ckptool.ops.average import AverageResult, average
     from ckptool.ops.convert import ConvertResult, convert
-    from ckptool.ops.diff import DiffResult, diff
+    from ckptool.ops.diff.compare import DiffResult, diff
+    from ckptool.ops.diff.report import ReportResult, report
     from ckptool.ops.extract import ExtractResult, extract_state_dict
-    from ckptool.ops.inspect import CheckpointInfo, StateDictInfo, TensorInfo, inspect
-    from ckptool.ops.remap import remap
-    from ckptool.ops.rename import RenameResult, add_prefix, strip_dataparallel, strip_prefix, unwrap
-    from ckptool.ops.report import ReportResult, report
-    from ckptool.ops.rewrite import WriteResult
+    from ckptool.ops.inspect.entry import CheckpointInfo, StateDictInfo, TensorInfo, inspect
+    from ckptool.ops.rewrite.prefixes import RenameResult, add_prefix, strip_dataparallel, strip_prefix, unwrap
+    from ckptool.ops.rewrite.remap import remap
+    from ckptool.ops.rewrite.stream import WriteResult
     from ckptool.ops.sanitize import SanitizeResult, sanitize
-    from ckptool.ops.scan import ScanResult, scan, scan_file
-    from ckptool.ops.surgery import FilterResult, RuleResult, filter_keys, rename
+    from ckptool.ops.scan.entry import ScanResult, scan, scan_file
+    from ckptool.ops.surgery.average import AverageResult, average
+    from ckptool.ops.surgery.edit import FilterResult, RuleResult, filter_keys, rename
     from ckptool.torch_ops.load import load_into
     from ckptool.torch_ops.portable import save_portable
     from ckptool.torch_ops.reports import LoadReport, TrainingState, VerifyReport
@@ -56,17 +56,17 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it, for the names loaded on first use
 _LAZY: dict[str, str] = {
-    "inspect": "ckptool.ops.inspect",
-    "CheckpointInfo": "ckptool.ops.inspect",
-    "StateDictInfo": "ckptool.ops.inspect",
-    "TensorInfo": "ckptool.ops.inspect",
-    "remap": "ckptool.ops.remap",
-    "WriteResult": "ckptool.ops.rewrite",
-    "strip_prefix": "ckptool.ops.rename",
-    "add_prefix": "ckptool.ops.rename",
-    "strip_dataparallel": "ckptool.ops.rename",
-    "unwrap": "ckptool.ops.rename",
-    "RenameResult": "ckptool.ops.rename",
+    "inspect": "ckptool.ops.inspect.entry",
+    "CheckpointInfo": "ckptool.ops.inspect.entry",
+    "StateDictInfo": "ckptool.ops.inspect.entry",
+    "TensorInfo": "ckptool.ops.inspect.entry",
+    "remap": "ckptool.ops.rewrite.remap",
+    "WriteResult": "ckptool.ops.rewrite.stream",
+    "strip_prefix": "ckptool.ops.rewrite.prefixes",
+    "add_prefix": "ckptool.ops.rewrite.prefixes",
+    "strip_dataparallel": "ckptool.ops.rewrite.prefixes",
+    "unwrap": "ckptool.ops.rewrite.prefixes",
+    "RenameResult": "ckptool.ops.rewrite.prefixes",
     "rename_state_dict": "ckptool.model.rename_memory",
     "load_into": "ckptool.torch_ops.load",
     "load_training_state": "ckptool.torch_ops.training",
@@ -77,23 +77,23 @@ _LAZY: dict[str, str] = {
     "verify": "ckptool.torch_ops.verify",
     "convert": "ckptool.ops.convert",
     "ConvertResult": "ckptool.ops.convert",
-    "diff": "ckptool.ops.diff",
-    "DiffResult": "ckptool.ops.diff",
-    "scan": "ckptool.ops.scan",
-    "scan_file": "ckptool.ops.scan",
-    "ScanResult": "ckptool.ops.scan",
+    "diff": "ckptool.ops.diff.compare",
+    "DiffResult": "ckptool.ops.diff.compare",
+    "scan": "ckptool.ops.scan.entry",
+    "scan_file": "ckptool.ops.scan.entry",
+    "ScanResult": "ckptool.ops.scan.entry",
     "extract_state_dict": "ckptool.ops.extract",
     "ExtractResult": "ckptool.ops.extract",
     "sanitize": "ckptool.ops.sanitize",
     "SanitizeResult": "ckptool.ops.sanitize",
-    "report": "ckptool.ops.report",
-    "ReportResult": "ckptool.ops.report",
-    "rename": "ckptool.ops.surgery",
-    "filter_keys": "ckptool.ops.surgery",
-    "RuleResult": "ckptool.ops.surgery",
-    "FilterResult": "ckptool.ops.surgery",
-    "average": "ckptool.ops.average",
-    "AverageResult": "ckptool.ops.average",
+    "report": "ckptool.ops.diff.report",
+    "ReportResult": "ckptool.ops.diff.report",
+    "rename": "ckptool.ops.surgery.edit",
+    "filter_keys": "ckptool.ops.surgery.edit",
+    "RuleResult": "ckptool.ops.surgery.edit",
+    "FilterResult": "ckptool.ops.surgery.edit",
+    "average": "ckptool.ops.surgery.average",
+    "AverageResult": "ckptool.ops.surgery.average",
 }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 # ------------------------------------------------------------------------------------------------ exit status
 # What the ``ckptool`` command's exit status means (``ckptool scan`` has its own verdict codes: 0 every file is
-# safe, 1 a file is dangerous, 2 a file could not be read, 4 a file needs trust; see ckptool.ops.scan.EXIT_CODES).
+# safe, 1 a file is dangerous, 2 a file could not be read, 4 a file needs trust; see ckptool.ops.scan.entry.EXIT_CODES).
 
 #: the command did what it was asked
 EXIT_OK = 0

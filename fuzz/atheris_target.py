@@ -52,8 +52,8 @@ def main() -> None:
         import ckptool.formats.torchfile
         import ckptool.formats.unpickler
         import ckptool.formats.zipdir
-        import ckptool.ops.inspect
-        import ckptool.ops.scan  # noqa: F401
+        import ckptool.ops.inspect.entry
+        import ckptool.ops.scan.entry  # noqa: F401
     atheris.Setup(sys.argv, test_one_input)
     atheris.Fuzz()
 

@@ -100,10 +100,10 @@ def readers() -> list[tuple[str, Callable[[str], object]]]:
     from ckptool.formats.torchfile import read_checkpoint, read_pickle_file
     from ckptool.formats.unpickler import load_structure
     from ckptool.ops.convert import convert
-    from ckptool.ops.diff import diff
-    from ckptool.ops.inspect import inspect
-    from ckptool.ops.remap import remap
-    from ckptool.ops.scan import scan_file
+    from ckptool.ops.diff.compare import diff
+    from ckptool.ops.inspect.entry import inspect
+    from ckptool.ops.rewrite.remap import remap
+    from ckptool.ops.scan.entry import scan_file
 
     def structure(path: str) -> object:
         with open(path, "rb") as f:
@@ -136,8 +136,8 @@ def set_readers() -> list[tuple[str, Callable[[str], object]]]:
     """``(name, function(path))`` for the readers of a sharded set's ``*.index.json`` or a DCP folder."""
     from ckptool.formats.dcp import read_dcp_metadata
     from ckptool.formats.sharded import read_index
-    from ckptool.ops.diff import diff
-    from ckptool.ops.inspect import inspect
+    from ckptool.ops.diff.compare import diff
+    from ckptool.ops.inspect.entry import inspect
 
     def index(path: str) -> object:
         return read_index(path) if path.endswith(".json") else read_dcp_metadata(path)

@@ -31,7 +31,7 @@ from ckptool.model.allowlist import (
     is_allowed,
     level_of,
 )
-from ckptool.ops.scan import scan_file
+from ckptool.ops.scan.entry import scan_file
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))
@@ -216,7 +216,7 @@ def test_a_protocol2_file_holding_int_and_str_is_not_dangerous(tmp_path: Path) -
     res = scan_file(_p2_types_file(tmp_path))
     assert {(g.name, g.status) for g in res.globals} == {("builtins.int", NEEDS_TRUST), ("builtins.str", NEEDS_TRUST)}
     assert res.verdict == NEEDS_TRUST and res.exit_code == 4
-    from ckptool.ops.inspect import inspect as inspect_file
+    from ckptool.ops.inspect.entry import inspect as inspect_file
 
     sec = inspect_file(_p2_types_file(tmp_path)).to_dict()["security"]
     assert sec["level"] == NEEDS_TRUST and not sec["dangerous"]
@@ -356,7 +356,7 @@ def test_rewriting_commands_refuse_a_class_build_instead_of_dropping_it(tmp_path
     """The node graph does not hold a BUILD on a class, so writing the pickle back would silently change the file:
     remap refuses and writes nothing; sanitize --drop-unknown lists it as dropped and writes the rest."""
     from ckptool.errors import UnsupportedError
-    from ckptool.ops.remap import remap
+    from ckptool.ops.rewrite.remap import remap
     from ckptool.ops.sanitize import sanitize
 
     src = tmp_path / "c.pt"

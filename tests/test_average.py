@@ -22,7 +22,7 @@ from models import Crepe
 
 import ckptool
 from ckptool.errors import UnsupportedError, UsageError
-from ckptool.ops import average as average_mod
+from ckptool.ops.surgery import average as average_mod
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.ops.convert import convert
-from ckptool.ops.diff import diff
+from ckptool.ops.diff.compare import diff
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fuzz"))
 from adversarial_dcp import big_endian_torch_file, to_big_endian

@@ -33,7 +33,7 @@ from ckptool.errors import (
 )
 from ckptool.formats.dtypes import ST_CODES
 from ckptool.ops.convert import SHARED_KEY, VerificationError, convert, parse_size
-from ckptool.ops.inspect import inspect_set
+from ckptool.ops.inspect.entry import inspect_set
 from ckptool.torch_ops.cast import StorageCache
 from ckptool.torch_ops.convert_verify import flat_tensors, same_tensors
 
@@ -807,7 +807,8 @@ def test_importing_the_modules_keeps_the_public_functions(tmp_path: Path) -> Non
     code = (
         "import ckptool\n"
         "convert, inspect = ckptool.convert, ckptool.inspect\n"
-        "import ckptool.ops.convert, ckptool.ops.inspect, ckptool.ops.convert.write, ckptool.ops.inspect as m\n"
+        "import ckptool.ops.convert, ckptool.ops.inspect.entry, ckptool.ops.convert.write\n"
+        "import ckptool.ops.inspect.entry as m\n"
         "from ckptool.ops.convert import convert as c2\n"
         "assert ckptool.convert is convert is c2 and ckptool.inspect is inspect, (ckptool.convert, ckptool.inspect)\n"
         "assert callable(ckptool.convert) and callable(ckptool.inspect)\n"
@@ -815,7 +816,8 @@ def test_importing_the_modules_keeps_the_public_functions(tmp_path: Path) -> Non
     subprocess.run([sys.executable, "-c", code], check=True)
     # and the other way round: the modules first, then the public names
     code = (
-        "import ckptool.ops.convert, ckptool.ops.inspect, ckptool\n"
-        "assert ckptool.convert is ckptool.ops.convert.convert and ckptool.inspect is ckptool.ops.inspect.inspect\n"
+        "import ckptool.ops.convert, ckptool.ops.inspect.entry, ckptool\n"
+        "assert ckptool.convert is ckptool.ops.convert.convert\n"
+        "assert ckptool.inspect is ckptool.ops.inspect.entry.inspect\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -34,7 +34,7 @@ from ckptool.errors import (
     UsageError,
     VerificationError,
 )
-from ckptool.ops import dcp_rewrite
+from ckptool.ops.rewrite import dcp as dcp_rewrite
 
 
 def _same(a: Any, b: Any, path: str = "") -> None:

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import ckptool
-from ckptool.ops import diff as diff_mod
-from ckptool.ops.diff import DIFFER, diff
+from ckptool.ops.diff import compare as diff_mod
+from ckptool.ops.diff.compare import DIFFER, diff
 
 
 def _model_sd() -> dict[str, torch.Tensor]:

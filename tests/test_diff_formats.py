@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ckptool.ops.diff import DIFFER, diff
+from ckptool.ops.diff.compare import DIFFER, diff
 
 REPO = Path(__file__).resolve().parents[1]
 DS = REPO / "fixtures" / "deepspeed-zero"  # the folders tests/test_deepspeed.py reads (fixtures/make_deepspeed.py)

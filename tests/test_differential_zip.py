@@ -31,8 +31,8 @@ from ckptool.errors import CorruptCheckpointError, NotACheckpointError
 from ckptool.formats import detect
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.formats.zipdir import TorchRecords, read_directory, read_member, zipfile_directory
-from ckptool.ops import scan_pickles
-from ckptool.ops.scan import scan_file
+from ckptool.ops.scan import pickles as scan_pickles
+from ckptool.ops.scan.entry import scan_file
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))
@@ -429,7 +429,7 @@ def test_weights_only_prediction_follows_torch(tmp_path: Path, proto: int, legac
     its unpickler reads (a ``pickle_protocol=4`` save uses FRAME, which torch 2.13 refuses)."""
     torch = pytest.importorskip("torch")
     from ckptool.ops.hints import load_hint
-    from ckptool.ops.inspect import inspect
+    from ckptool.ops.inspect.entry import inspect
 
     value: Any = {"w": torch.ones(2)} if obj == "state_dict" else {"w": torch.ones(2), "b": b"raw", "s": "x" * 300}
     p = tmp_path / "f.pt"

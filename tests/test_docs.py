@@ -171,7 +171,7 @@ def test_output_matching_wildcards() -> None:
 def test_json_schema_versions_in_the_docs_are_the_commands() -> None:
     """Every ``ckptool.<command>/<N>`` the README and docs name is the schema that command's ``--json`` prints."""
     from ckptool.cli._common import SCHEMA_VERSION
-    from ckptool.ops.inspect import SCHEMA as INSPECT_SCHEMA
+    from ckptool.ops.inspect.entry import SCHEMA as INSPECT_SCHEMA
 
     actual = {name: f"ckptool.{name}/{SCHEMA_VERSION}" for name in COMMANDS} | {"inspect": INSPECT_SCHEMA}
     named = [(page.name, m.group(0), m.group(1)) for page in _doc_pages()

@@ -33,7 +33,7 @@ from ckptool.formats.strided import _first_misfit, _fits, check_tensor_views, te
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.formats.unpickler import RestrictedUnpickler, load_structure
 from ckptool.formats.zipdir import read_directory
-from ckptool.ops.inspect import inspect
+from ckptool.ops.inspect.entry import inspect
 
 pytestmark = pytest.mark.torchfree  # needs no torch
 

@@ -1,6 +1,6 @@
 """The fast paths of ``inspect`` and ``inspect --json`` give what the general code gives.
 
-Each fast path (the common ``_rebuild_tensor_v2`` tensor in :func:`ckptool.ops.inspect.tensor_infos`, byte totals
+Each fast path (the common ``_rebuild_tensor_v2`` tensor in :func:`ckptool.ops.inspect.entry.tensor_infos`, byte totals
 and storage rows counted column by column, :func:`ckptool.model.keys.shared_prefixes` from the keys' common text,
 :func:`ckptool.model.keys.has_flat_param_key`, the JSON tensor rows written column by column and in pieces) is
 compared here with a plain implementation of the same rule (the code these fast paths replaced), the scan's
@@ -35,11 +35,19 @@ from ckptool.model.keys import (
     is_flat_param_key,
     shared_prefixes,
 )
-from ckptool.ops import inspect as ins
-from ckptool.ops import inspect_json
-from ckptool.ops.inspect import ByteTotal, CheckpointInfo, TensorInfo, byte_totals, describe, inspect, tensor_infos
-from ckptool.ops.inspect_info import TENSOR_FIELDS
-from ckptool.ops.inspect_totals import storage_row, storage_rows, storage_totals
+from ckptool.ops.inspect import entry as ins
+from ckptool.ops.inspect import json_rows as inspect_json
+from ckptool.ops.inspect.entry import (
+    ByteTotal,
+    CheckpointInfo,
+    TensorInfo,
+    byte_totals,
+    describe,
+    inspect,
+    tensor_infos,
+)
+from ckptool.ops.inspect.info import TENSOR_FIELDS
+from ckptool.ops.inspect.totals import storage_row, storage_rows, storage_totals
 
 # ------------------------------------------------------------------------------------------------ the plain rules
 
@@ -402,8 +410,8 @@ def test_scan_skips_only_what_zip_member_skips(tmp_path: Path, monkeypatch: pyte
     import pickle
     import zipfile
 
-    from ckptool.ops import scan_pickles
-    from ckptool.ops.scan import scan_file
+    from ckptool.ops.scan import pickles as scan_pickles
+    from ckptool.ops.scan.entry import scan_file
 
     path = tmp_path / "extra.pt"
     torch.save({"a": torch.ones(2), "b": torch.ones(3)}, path)

@@ -21,7 +21,7 @@ from ckptool._fileio import WriteBehind, atomic_output, copy_range, copy_range_c
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats import torchzip
 from ckptool.formats.torchzip import ALIGNMENT, TorchZipWriter
-from ckptool.ops.remap import remap
+from ckptool.ops.rewrite.remap import remap
 
 WINDOW = 4096
 SIZES = [0, 1, WINDOW - 1, WINDOW, WINDOW + 1, 3 * WINDOW + 17]

@@ -23,7 +23,7 @@ import pytest
 
 from ckptool import _fileio as writer
 from ckptool.formats.torchzip import TorchZipWriter
-from ckptool.ops.inspect import inspect
+from ckptool.ops.inspect.entry import inspect
 
 
 def _digest(p: Path) -> str:
@@ -152,7 +152,7 @@ def test_symlink_to_the_input(src: Path, run_cli, tmp_path: Path) -> None:
 KILL_SCRIPT = textwrap.dedent("""
     import os, sys, time
     import ckptool._fileio as w
-    from ckptool.ops.remap import remap
+    from ckptool.ops.rewrite.remap import remap
 
     def hang(fd):
         print("writing", flush=True)
@@ -181,7 +181,7 @@ def test_killed_mid_write_leaves_input_and_destination_intact(src: Path, tmp_pat
     assert _digest(src) == before and out.read_bytes() == b"previous version"
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".ckptool-tmp")]
     assert len(leftovers) == 1 and leftovers[0].startswith(".out.pt.ckptool-") and f"-{child.pid}-" in leftovers[0]
-    from ckptool.ops.remap import remap
+    from ckptool.ops.rewrite.remap import remap
 
     remap(str(src), str(out), to="cpu")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "out.pt"]
@@ -340,7 +340,7 @@ def _valid(kind: str, out: Path) -> None:
         got = {k: v for shard in set(index["weight_map"].values()) for k, v in load_file(out / shard).items()}
         assert sorted(got) == [f"w{i}" for i in range(8)]
     else:
-        from ckptool.ops.inspect import inspect_set
+        from ckptool.ops.inspect.entry import inspect_set
 
         assert len(inspect_set(out).tensors) == 8
 

@@ -222,8 +222,9 @@ def test_rename_functions_are_overloaded_for_paths_and_mappings(tmp_path: Path) 
                           "--no-error-summary", str(snippet)], cwd=PACKAGE.parent, capture_output=True, text=True,
                          check=False, timeout=600)
     revealed = [t.replace("builtins.", "") for t in re.findall(r'Revealed type is "([^"]+)"', res.stdout)]
-    assert revealed == ["collections.OrderedDict[str, int]", "ckptool.ops.rewrite.RenameResult", "dict[str, int]",
-                        "ckptool.ops.rewrite.RenameResult", "dict[str, int]"], res.stdout
+    assert revealed == ["collections.OrderedDict[str, int]", "ckptool.ops.rewrite.stream.RenameResult",
+                        "dict[str, int]",
+                        "ckptool.ops.rewrite.stream.RenameResult", "dict[str, int]"], res.stdout
     assert re.search(r"use\.py:8: error: No overload variant of \"unwrap\"", res.stdout), res.stdout
 
 
@@ -284,8 +285,8 @@ def test_readme_names_the_lines_the_signals_print() -> None:
 
 
 def test_the_demo_prints_calls_of_public_functions() -> None:
-    """The Python lines the demo prints (``ckptool.remap(...)``) call names of ``ckptool``; ``ckptool.ops.remap`` is
-    a module."""
+    """The Python lines the demo prints (``ckptool.remap(...)``) call names of ``ckptool``;
+    ``ckptool.ops.rewrite.remap`` is a module."""
     source = (PACKAGE / "demo" / "run.py").read_text(encoding="utf-8")
     called = set(re.findall(r"\bckptool\.([\w.]+)\(", source))
     assert called

@@ -31,7 +31,7 @@ from ckptool.formats.pickler import PicklerError, dumps
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.formats.unpickler import load_structure
 from ckptool.model import graph
-from ckptool.ops.inspect import inspect
+from ckptool.ops.inspect.entry import inspect
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))
@@ -194,7 +194,7 @@ def test_real_protocol_5_frames_pass() -> None:
 DEEP_TUPLE_SCRIPT = textwrap.dedent("""
     import sys
     from ckptool.errors import CkptError
-    from ckptool.ops.inspect import inspect
+    from ckptool.ops.inspect.entry import inspect
     from ckptool.formats.unpickler import load_structure
     data = open(sys.argv[1], "rb").read()
     root, _ = load_structure(data)          # the dict is built: its key was hashed in a big-stack thread
@@ -447,10 +447,10 @@ AUDIT_SCRIPT = textwrap.dedent("""
     import json, os, sys
     from ckptool.errors import CkptError
     from ckptool.formats.torchfile import read_checkpoint, read_pickle_file
-    from ckptool.ops.inspect import inspect
+    from ckptool.ops.inspect.entry import inspect
     from ckptool.formats import detect as formats
     try:
-        from ckptool.ops.scan import scan_file
+        from ckptool.ops.scan.entry import scan_file
     except ImportError:
         scan_file = None
     try:
@@ -638,7 +638,7 @@ def test_compressed_storage_rewrite_loads_with_torch(tmp_path: Path) -> None:
     output keeps the records deflated and torch.load reads the same values as from the source."""
     import torch
 
-    from ckptool.ops.remap import remap
+    from ckptool.ops.rewrite.remap import remap
 
     src = tmp_path / "small.pt"
     src.write_bytes(make_hostile.build(2)["storage-bomb.pt"])
@@ -791,7 +791,7 @@ def test_impossible_tensor_error_names_its_key(tmp_path: Path) -> None:
     """The error names the tensor by its key in the checkpoint: nested dicts and a pickled module alike."""
     import torch
 
-    from ckptool.ops.rewrite import rewrite_file
+    from ckptool.ops.rewrite.stream import rewrite_file
 
     net = torch.nn.Sequential(torch.nn.Linear(2, 2))
     for obj, key in (({"model": {"fc.weight": torch.zeros(4)}, "epoch": 3}, "model.fc.weight"),

@@ -1,4 +1,4 @@
-"""ckptool.ops.inspect and `ckptool inspect`: structure read without torch and without tensor bytes."""
+"""ckptool.ops.inspect.entry and `ckptool inspect`: structure read without torch and without tensor bytes."""
 
 from __future__ import annotations
 
@@ -437,7 +437,7 @@ def test_storage_bytes_agree_with_torch(generated: dict[str, Path], name: str) -
 
 def test_sharded_totals_add_up(tmp_path: Path) -> None:
     info = ckptool.inspect(_sharded_folder(tmp_path, "torch"))
-    assert info.totals == [ckptool.ops.inspect.ByteTotal("cpu", "float32", 4, 4, 4 * 32 * 32 * 4)]
+    assert info.totals == [ckptool.ops.inspect.entry.ByteTotal("cpu", "float32", 4, 4, 4 * 32 * 32 * 4)]
     assert info.total_bytes == 4 * 32 * 32 * 4 and info.values == []
 
 
@@ -489,7 +489,7 @@ def test_hostile_values_preview_without_blowing_up(tmp_path: Path, run_cli) -> N
     d = json.loads(json.dumps(info.to_dict(), allow_nan=False))
     assert len(d["values"]) == len(info.values)
 
-    from ckptool.ops.inspect_values import ALL_VALUES
+    from ckptool.ops.inspect.values import ALL_VALUES
 
     full = ckptool.inspect(path, ALL_VALUES)
     assert len(full.values) <= ALL_VALUES.entries and len(full.values) > len(info.values)
@@ -527,7 +527,7 @@ def test_values_import_nothing_and_read_no_tensor_bytes(generated: dict[str, Pat
 
 def test_inspect_security_level_agrees_with_scan(generated: dict[str, Path], real_dir: Path) -> None:
     """inspect's JSON carries the same three-level answer as `ckptool scan` (issue 13's levels, one classification)."""
-    from ckptool.ops.scan import scan_file
+    from ckptool.ops.scan.entry import scan_file
 
     for path in (generated["model_full_cuda0.pt"], generated["sd_cpu.pt"], real_dir / "lpips-v0.1-alex.pth"):
         sec = ckptool.inspect(path).to_dict()["security"]

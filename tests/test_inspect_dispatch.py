@@ -1,5 +1,5 @@
 """``inspect`` recognises the format once (:func:`ckptool.readers.open_checkpoint`) and dispatches on it
-(:data:`ckptool.ops.inspect.DESCRIBERS`): one describer per registry format, a pickle read once through
+(:data:`ckptool.ops.inspect.entry.DESCRIBERS`): one describer per registry format, a pickle read once through
 :meth:`ckptool.readers.Opened.graph`, a ``.pt2`` archive scanned once."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from test_pt2_torchfree import make_pt2
 
 from ckptool import readers
 from ckptool.formats import torchfile
-from ckptool.ops.inspect import DESCRIBERS, inspect
-from ckptool.ops.scan_code import CodeScanner
+from ckptool.ops.inspect.entry import DESCRIBERS, inspect
+from ckptool.ops.scan.shipped_code import CodeScanner
 from ckptool.readers import open_checkpoint
 
 pytestmark = pytest.mark.torchfree

@@ -631,7 +631,7 @@ def test_in_place_and_safe_writes(run_cli, tmp_path: Path, monkeypatch) -> None:
     line = _one_error_line(run_cli("strip-dataparallel", src, "-o", src))
     assert "--in-place" in line
     # a failure while writing leaves neither a partial output nor a temporary file
-    import ckptool.ops.rewrite as rewrite_mod
+    import ckptool.ops.rewrite.stream as rewrite_mod
 
     def boom(*a: Any, **k: Any) -> Any:
         raise OSError(28, "No space left on device")
@@ -680,6 +680,6 @@ def test_help_and_lazy_torch(run_cli) -> None:
     r = run_cli("remap", "--help")
     for opt in ("--unwrap", "--strip-dataparallel", "--strip-prefix", "--add-prefix", "--key"):
         assert opt in r.output
-    code = ("import sys, ckptool, ckptool.cli, ckptool.ops.rename, ckptool.cli.prefixes; "
+    code = ("import sys, ckptool, ckptool.cli, ckptool.ops.rewrite.prefixes, ckptool.cli.prefixes; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -17,7 +17,7 @@ from helpers import storage_groups
 from ckptool import errors
 from ckptool.formats import detect
 from ckptool.formats.pt2 import read_pt2
-from ckptool.ops.inspect import inspect
+from ckptool.ops.inspect.entry import inspect
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_safetensors_output_equals_torch_export_load(pt2: dict[str, Path], loade
 
 
 def test_scan_safe_and_payloads(pt2: dict[str, Path], run_cli: Any) -> None:
-    from ckptool.ops.scan import scan_file
+    from ckptool.ops.scan.entry import scan_file
 
     res = scan_file(pt2["model.pt2"])
     assert (res.format, res.verdict) == ("torch-export", "safe")

@@ -174,7 +174,8 @@ def test_a_dcp_metadata_and_a_package_are_read_once_per_side(fixtures: dict[str,
 
     from ckptool.formats import dcp as dcp_format
     from ckptool.formats import torch_package
-    from ckptool.ops import diff_sides, inspect_formats
+    from ckptool.ops.diff import sides as diff_sides
+    from ckptool.ops.inspect import formats as inspect_formats
     from ckptool.readers import read_dcp
     from ckptool.readers import read_package as package_reader
 

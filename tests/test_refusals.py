@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckptool import verify
-from ckptool.ops.inspect import inspect
+from ckptool.ops.inspect.entry import inspect
 
 FIXES = {"coo": "t.to_dense()", "csr": "t.to_dense()", "csc": "t.to_dense()", "bsr": "t.to_dense()",
          "qtensor": "t.dequantize()", "qchannel": "t.dequantize()", "nested": "t.unbind()",

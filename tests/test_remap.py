@@ -1,4 +1,4 @@
-"""ckptool.ops.remap and `ckptool remap`: storages re-tagged, everything else byte-for-byte the same."""
+"""ckptool.ops.rewrite.remap and `ckptool remap`: storages re-tagged, everything else byte-for-byte the same."""
 
 from __future__ import annotations
 

@@ -8,10 +8,10 @@ import pickle
 import pytest
 
 import ckptool.formats.detect as detect_mod
-import ckptool.ops.scan_pickles as scan_pickles_mod
+import ckptool.ops.scan.pickles as scan_pickles_mod
 from ckptool.formats.pickler import GraphPickler
 from ckptool.formats.torchfile import Record, read_checkpoint
-from ckptool.ops.inspect import TensorInfo, inspect
+from ckptool.ops.inspect.entry import TensorInfo, inspect
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from ckptool.model.allowlist import (
     level_of,
     worst_level,
 )
-from ckptool.ops.inspect import inspect
-from ckptool.ops.scan import iter_paths, scan, scan_file
+from ckptool.ops.inspect.entry import inspect
+from ckptool.ops.scan.entry import iter_paths, scan, scan_file
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))

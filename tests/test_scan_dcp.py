@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ckptool.model.allowlist import ACCELERATE_RNG, ALLOWED, DANGEROUS, NEEDS_TRUST, SAFE
-from ckptool.ops.inspect import inspect
-from ckptool.ops.scan import scan, scan_file
+from ckptool.ops.inspect.entry import inspect
+from ckptool.ops.scan.entry import scan, scan_file
 
 MARKER = "/tmp/ckptool-scan-dcp-pwned"
 

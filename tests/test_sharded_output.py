@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 import ckptool
 from ckptool.errors import OutputError, UsageError
 from ckptool.formats.sharded import SetLayout, output_layout
-from ckptool.ops import set_writer as set_writer_mod
 from ckptool.ops.convert import convert
 from ckptool.ops.convert import outputs as outputs_mod
+from ckptool.ops.rewrite import set_writer as set_writer_mod
 
 
 def _source(tmp_path: Path, tied: bool = True) -> tuple[Path, dict[str, torch.Tensor]]:

@@ -46,9 +46,10 @@ SCAN_ZIP_MODULES = {
     "ckptool.formats.strided", "ckptool.formats.unpickler", "ckptool.formats.zipdir",
     "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices", "ckptool.model.graph",
     "ckptool.model.units", "ckptool.model.weights_only",
-    "ckptool.ops", "ckptool.ops.scan", "ckptool.ops.scan_bytes", "ckptool.ops.scan_code", "ckptool.ops.scan_dcp",
-    "ckptool.ops.scan_pickles",
-    "ckptool.ops.scan_results", "ckptool.ops.scan_sarif", "ckptool.ops.scan_tar",
+    "ckptool.ops", "ckptool.ops.scan", "ckptool.ops.scan.entry", "ckptool.ops.scan.byte_windows",
+    "ckptool.ops.scan.shipped_code", "ckptool.ops.scan.dcp",
+    "ckptool.ops.scan.pickles",
+    "ckptool.ops.scan.results", "ckptool.ops.scan.sarif", "ckptool.ops.scan.tar",
 }
 
 

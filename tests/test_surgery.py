@@ -21,7 +21,7 @@ from torch import nn
 
 import ckptool
 from ckptool.errors import KeyCollisionError, PrefixNotFoundError, UnsupportedError, UsageError
-from ckptool.ops.surgery import load_rules
+from ckptool.ops.surgery.edit import load_rules
 
 
 # ------------------------------------------------------------------------------------------------ fixtures

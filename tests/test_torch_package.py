@@ -15,7 +15,7 @@ from torch.package import PackageExporter, PackageImporter
 from ckptool import errors
 from ckptool.formats import detect
 from ckptool.formats.torch_package import read_package
-from ckptool.ops.inspect import inspect
+from ckptool.ops.inspect.entry import inspect
 
 #: the module the model package ships; its top-level code touches $TPKG_MARKER when that is set
 MODULE = "tpkg_shipped_net"

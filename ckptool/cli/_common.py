@@ -30,8 +30,8 @@ from ckptool.model.units import human_bytes as human_bytes
 if TYPE_CHECKING:
     from tqdm import tqdm
 
-    from ckptool.ops.rename import RenameResult  # annotations only: the renaming code loads with its commands
-    from ckptool.ops.rewrite import WriteResult
+    from ckptool.ops.rewrite.prefixes import RenameResult  # annotations only: the renaming code loads with its commands
+    from ckptool.ops.rewrite.stream import WriteResult
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -165,7 +165,8 @@ def retagged_list(retagged: dict[tuple[str, str], int]) -> list[dict[str, Any]]:
 def write_payload(res: WriteResult, rename: RenameResult | None = None) -> dict[str, Any]:
     """The JSON fields of a rewrite (``remap``, the prefix commands): ``src``, ``dst``, ``format_in``, ``storages``,
     ``bytes_written`` (bytes), ``retagged`` (:func:`retagged_list`) and, for a renaming (``rename``: ``res``
-    itself when it is a :class:`~ckptool.ops.rename.RenameResult`, which the caller knows), ``renamed`` (keys),
+    itself when it is a :class:`~ckptool.ops.rewrite.prefixes.RenameResult`, which the caller knows), ``renamed``
+    (keys),
     ``removed`` / ``added`` ``{prefix: keys}`` and ``changes`` (one object per state_dict: ``path``, ``keys``,
     ``renamed``, ``removed``, ``added``, ``is_module``, ``wrappers_removed``)."""
     out: dict[str, Any] = {"src": res.src, "dst": res.dst, "format_in": res.format_in, "storages": res.storages,
@@ -225,7 +226,8 @@ class Progress:
 
     Call it with the bytes done since the last call (the library's one ``progress(nbytes)`` convention); an
     operation whose total is not the input's size sets :attr:`total` before its first call
-    (:func:`ckptool.ops.rewrite.announce_total`). Nothing is shown unless :func:`progress_wanted` and the total is more
+    (:func:`ckptool.ops.rewrite.stream.announce_total`). Nothing is shown unless :func:`progress_wanted` and the total
+    is more
     than :data:`PROGRESS_MIN`. Use it as a context manager (the bar is closed on exit, also on an error).
     """
 

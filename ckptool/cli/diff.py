@@ -1,4 +1,4 @@
-"""``ckptool diff``: what changed between two checkpoints (a thin command over :func:`ckptool.ops.diff.diff`;
+"""``ckptool diff``: what changed between two checkpoints (a thin command over :func:`ckptool.ops.diff.compare.diff`;
 nothing is run from the files, torch is not imported). Exit status as GNU ``diff``: 0 identical, 1 different,
 2 usage errors; a file that cannot be read exits with its error's status."""
 
@@ -10,7 +10,7 @@ from collections import Counter
 
 import click
 
-from ckptool.ops.diff import EQUAL, DiffResult, diff
+from ckptool.ops.diff.compare import EQUAL, DiffResult, diff
 
 
 def _number(x: float | None) -> str:
@@ -22,7 +22,7 @@ def _number(x: float | None) -> str:
 
 
 def _not_stored_lines(res: DiffResult) -> list[str]:
-    """One line per property and side for :attr:`~ckptool.ops.diff.TensorDiff.not_stored` (``"72 tensors: device
+    """One line per property and side for :attr:`~ckptool.ops.diff.compare.TensorDiff.not_stored` (``"72 tensors: device
     cuda:0 in A, not stored in B (safetensors)"``), saying whether it counts (``--strict``)."""
     lost: dict[tuple[str, str], Counter[str]] = {}
     for t in res.tensors:

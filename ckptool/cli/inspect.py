@@ -13,9 +13,9 @@ from ckptool.cli._common import human_bytes
 from ckptool.model.allowlist import DANGEROUS
 from ckptool.model.tree import tree_lines
 from ckptool.model.units import human_count
-from ckptool.ops.inspect import SCHEMA, CheckpointInfo, inspect
-from ckptool.ops.inspect_values import ALL_VALUES, ValueInfo
-from ckptool.ops.scan import PickleFinding, ScanResult
+from ckptool.ops.inspect.entry import SCHEMA, CheckpointInfo, inspect
+from ckptool.ops.inspect.values import ALL_VALUES, ValueInfo
+from ckptool.ops.scan.entry import PickleFinding, ScanResult
 
 #: the schema of ``inspect --tree --json``
 TREE_SCHEMA = "ckptool.inspect-tree/1"
@@ -104,7 +104,7 @@ def _print_info(info: CheckpointInfo, limit: int | None) -> None:
     echo(f"Tensors:  {len(info.tensors)} tensors, {info.storages} storages, {human_bytes(info.total_bytes)} in "
          "storages (shared storages counted once)"
          + (f"; {shared} tensors share storages (tied weights, views)" if shared else ""))
-    if info.format == "deepspeed" and info.metadata:  # ZeRO facts, one per line (ckptool.ops.deepspeed)
+    if info.format == "deepspeed" and info.metadata:  # ZeRO facts, one per line (ckptool.ops.inspect.deepspeed)
         for k, v in info.metadata.items():
             if k != "consolidate":
                 echo(f"  {k.replace('_', ' ')}: {_one_line(v)}")

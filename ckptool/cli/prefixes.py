@@ -1,6 +1,6 @@
 """The wrapper-prefix commands: ``strip-dataparallel``, ``strip-prefix``, ``add-prefix`` and ``unwrap``.
 
-Each is a thin Click command over :mod:`ckptool.ops.rename`; none imports torch.
+Each is a thin Click command over :mod:`ckptool.ops.rewrite.prefixes`; none imports torch.
 """
 
 from __future__ import annotations
@@ -29,9 +29,16 @@ from ckptool.cli._common import (
     write_payload,
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
-from ckptool.ops.rename import RenameResult, add_prefix, rename_output, strip_dataparallel, strip_prefix, unwrap
-from ckptool.ops.rewrite import ProgressFn
-from ckptool.ops.shard_rewrite import refuse_existing_set, set_detail, set_payload
+from ckptool.ops.rewrite.prefixes import (
+    RenameResult,
+    add_prefix,
+    rename_output,
+    strip_dataparallel,
+    strip_prefix,
+    unwrap,
+)
+from ckptool.ops.rewrite.sets import refuse_existing_set, set_detail, set_payload
+from ckptool.ops.rewrite.stream import ProgressFn
 
 _EPILOG_SAFETY = (
     "Tensor records are copied, not decoded (torch is not imported): the cost is the cost of copying the file. "

@@ -1,5 +1,5 @@
 """``ckptool remap``: re-tag the storages of a checkpoint for another device, optionally renaming keys in the same
-pass (a thin command over :func:`ckptool.ops.remap.remap`)."""
+pass (a thin command over :func:`ckptool.ops.rewrite.remap.remap`)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from ckptool.cli._common import (
     write_payload,
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
-from ckptool.ops.remap import remap, remap_output
-from ckptool.ops.rename import RenameResult
-from ckptool.ops.shard_rewrite import refuse_existing_set, set_detail, set_payload
+from ckptool.ops.rewrite.prefixes import RenameResult
+from ckptool.ops.rewrite.remap import remap, remap_output
+from ckptool.ops.rewrite.sets import refuse_existing_set, set_detail, set_payload
 
 
 @click.command("remap")

@@ -1,5 +1,5 @@
 """``ckptool report``: a checkpoint, or two compared, as one self-contained HTML page (a thin command over
-:func:`ckptool.ops.report.report`)."""
+:func:`ckptool.ops.diff.report.report`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import click
 
 from ckptool.cli._common import claim_output, force_option, human_bytes
-from ckptool.ops.report import report
+from ckptool.ops.diff.report import report
 
 
 def default_output(a: str) -> str:

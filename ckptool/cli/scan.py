@@ -1,5 +1,5 @@
 """``ckptool scan``: whether loading a checkpoint could run code, from the globals its pickles name (a thin
-command over :func:`ckptool.ops.scan.scan`; nothing is imported or run from the files, torch is not imported)."""
+command over :func:`ckptool.ops.scan.entry.scan`; nothing is imported or run from the files, torch is not imported)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import click
 from ckptool import __version__
 from ckptool.cli._common import emit_json, human_bytes, is_quiet, json_option
 from ckptool.errors import UsageError
-from ckptool.ops.scan import ScanResult, exit_status, scan
-from ckptool.ops.scan_sarif import to_sarif
+from ckptool.ops.scan.entry import ScanResult, exit_status, scan
+from ckptool.ops.scan.sarif import to_sarif
 
 #: how each verdict is written on the first line of a file's report
 _SHOWN = {"safe": "safe", "needs-trust": "NEEDS TRUST", "dangerous": "DANGEROUS", "unsafe": "UNSAFE",
@@ -32,7 +32,7 @@ def _print_result(res: ScanResult, show_all: bool, strict: bool) -> None:
         from tabulate import tabulate
 
         click.echo(tabulate(rows, headers=["level", "global", "why", "in"]))
-    for c in res.code:  # code that ships in the file (ops/scan_code.py)
+    for c in res.code:  # code that ships in the file (ops/scan/shipped_code.py)
         click.echo(f"  code ({c.level.upper() if c.level == 'dangerous' else c.level}, {c.kind}): {c.member}: "
                    f"{c.reason}")
     if res.recognised is not None:

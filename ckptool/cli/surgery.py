@@ -1,6 +1,6 @@
 """Key surgery and averaging: ``rename`` (keys by regex rules), ``filter`` (keys kept / dropped by globs) and
-``average`` (the weighted mean of checkpoints). Thin Click commands over :mod:`ckptool.ops.surgery` and
-:mod:`ckptool.ops.average`; none imports torch.
+``average`` (the weighted mean of checkpoints). Thin Click commands over :mod:`ckptool.ops.surgery.edit` and
+:mod:`ckptool.ops.surgery.average`; none imports torch.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from ckptool.cli._common import (
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.errors import UsageError
-from ckptool.ops.average import AverageResult, average
-from ckptool.ops.shard_rewrite import set_detail, set_payload
-from ckptool.ops.surgery import FilterResult, RuleResult, filter_keys, load_rules, rename, surgery_output
+from ckptool.ops.rewrite.sets import set_detail, set_payload
+from ckptool.ops.surgery.average import AverageResult, average
+from ckptool.ops.surgery.edit import FilterResult, RuleResult, filter_keys, load_rules, rename, surgery_output
 
 F = TypeVar("F", bound=Callable[..., Any])
 

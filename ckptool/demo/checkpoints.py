@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ckptool.demo.training import Split, Trained, accuracy, bare_model, make_optimizer, predict, train_one_epoch
-from ckptool.ops.remap import remap
-from ckptool.ops.rename import strip_dataparallel
+from ckptool.ops.rewrite.prefixes import strip_dataparallel
+from ckptool.ops.rewrite.remap import remap
 from ckptool.torch_ops.reports import TrainingState
 from ckptool.torch_ops.training import load_training_state
 

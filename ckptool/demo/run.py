@@ -36,7 +36,7 @@ from ckptool.demo.training import (
     train,
 )
 from ckptool.errors import UnsafeCheckpointError, UsageError
-from ckptool.ops.inspect import CheckpointInfo, inspect
+from ckptool.ops.inspect.entry import CheckpointInfo, inspect
 from ckptool.torch_ops.verify import verify
 
 

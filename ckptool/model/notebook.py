@@ -1,8 +1,8 @@
 """HTML for notebooks (Jupyter's ``_repr_html_``): a table of facts and a module tree as nested ``<details>``.
 
 Plain HTML with no script, so that it renders in any notebook front end, also one that strips JavaScript (the
-page of ``ckptool report`` is the interactive view). Used by :class:`ckptool.ops.inspect.CheckpointInfo` and
-:class:`ckptool.ops.diff.DiffResult`.
+page of ``ckptool report`` is the interactive view). Used by :class:`ckptool.ops.inspect.entry.CheckpointInfo` and
+:class:`ckptool.ops.diff.compare.DiffResult`.
 """
 
 from __future__ import annotations

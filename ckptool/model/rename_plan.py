@@ -3,7 +3,8 @@
 A :class:`RenamePlan` is a sequence of :class:`Step` applied to every key of a selected state_dict (whole dotted
 components only, :mod:`ckptool.model.keys`); :func:`plan_keys` checks a plan against the keys of every selected
 state_dict (FSDP flat parameters, collisions, prefixes that no key carries) and returns the mappings and a
-:class:`RenameSummary`. Nothing here reads or writes a file or imports torch: :mod:`ckptool.ops.rename` applies the
+:class:`RenameSummary`. Nothing here reads or writes a file or imports torch: :mod:`ckptool.ops.rewrite.prefixes`
+applies the
 plans to files and node graphs, :mod:`ckptool.model.rename_memory` to loaded mappings.
 """
 

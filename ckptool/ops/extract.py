@@ -49,7 +49,7 @@ from ckptool.model.paths import get_path
 from ckptool.model.rename_memory import rename_state_dict
 from ckptool.model.rename_plan import build_plan
 from ckptool.ops.convert import convert
-from ckptool.ops.rewrite import ProgressFn, retag_function, rewrite_file
+from ckptool.ops.rewrite.stream import ProgressFn, retag_function, rewrite_file
 from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.read_pt2 import pt2_source
 from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted

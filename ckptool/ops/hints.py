@@ -2,7 +2,7 @@
 what the written file holds, never a fixed string.
 
 :func:`load_hint` reads the output back (the pickle as a node graph, or the safetensors header / shard index,
-through :func:`ckptool.ops.inspect.inspect`; tensor bytes are never read, nothing is imported or run) and builds
+through :func:`ckptool.ops.inspect.entry.inspect`; tensor bytes are never read, nothing is imported or run) and builds
 the one Python expression that opens it with plain torch on a machine without a GPU:
 
 * format: a torch zip file -> ``torch.load``; safetensors -> ``safetensors.torch.load_file``; a sharded set -> the
@@ -36,7 +36,7 @@ from ckptool.formats import detect as formats
 from ckptool.formats.safetensors import read_header, recorded_names
 from ckptool.formats.sharded import read_index, set_kind
 from ckptool.model.devices import map_location_for
-from ckptool.ops.inspect import CheckpointInfo, inspect
+from ckptool.ops.inspect.entry import CheckpointInfo, inspect
 
 __all__ = ["LoadHint", "load_hint"]
 
@@ -225,7 +225,7 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
         chosen: the location tags the user asked for (:func:`ckptool.model.devices.chosen_tags`); other non-cpu
             tags in the file get a note saying they were kept.
 
-    Raises what :func:`ckptool.ops.inspect.inspect` raises for an unreadable file, and UsageError for a folder
+    Raises what :func:`ckptool.ops.inspect.entry.inspect` raises for an unreadable file, and UsageError for a folder
     that holds no checkpoint set.
     """
     path = _resolve(os.fspath(path))

@@ -3,7 +3,7 @@ without running the file.
 
 The file is read with the restricted unpickler (:func:`ckptool.formats.torchfile.read_checkpoint`: a node graph,
 nothing imported or called), every object outside torch's weights_only allowlist is replaced by a rule below, and
-the graph is written as a torch zip file (:func:`ckptool.ops.rewrite.rewrite_file`: the existing storages copied
+the graph is written as a torch zip file (:func:`ckptool.ops.rewrite.stream.rewrite_file`: the existing storages copied
 byte for byte, the new ones added as records). The rules, in the order they are tried:
 
 1. ``nn.Module`` objects (a ``torch.save(model)`` pickle, or a module inside a dict) become their state_dict, as
@@ -59,7 +59,7 @@ from ckptool.model.graph import ATOMS, is_module, join, mapping_items, set_mappi
 from ckptool.model.module_state import detached, module_state_dict, state_dict_node
 from ckptool.model.numpy_nodes import numpy_kind, numpy_type_dtype, read_array, read_dtype
 from ckptool.model.tensor_nodes import tensor_node
-from ckptool.ops.rewrite import ProgressFn, output_path, refuse_unwritable, retag_function, rewrite_file
+from ckptool.ops.rewrite.stream import ProgressFn, output_path, refuse_unwritable, retag_function, rewrite_file
 from ckptool.readers import open_checkpoint
 
 __all__ = ["Conversion", "SanitizeResult", "sanitize"]
@@ -416,6 +416,6 @@ def sanitize_output(src: str | os.PathLike[str], dst: str | os.PathLike[str] | N
     """The file :func:`sanitize` writes: ``dst``, ``src`` with ``in_place``, or ``<stem>.sanitized<ext>`` beside it.
 
     Raises:
-        UsageError: as :func:`ckptool.ops.rewrite.output_path`.
+        UsageError: as :func:`ckptool.ops.rewrite.stream.output_path`.
     """
     return output_path(os.fspath(src), os.fspath(dst) if dst is not None else None, in_place, "sanitized")

@@ -9,7 +9,7 @@ chosen as ``convert`` chooses it (:func:`ckptool.readers.read_torch.select_state
 :class:`~ckptool.readers.tensors.Tensor` over the byte range of its storage record.
 
 **Keys.** A state_dict is named ``<member>:<path>``, the syntax ``ckptool inspect`` prints for a package's tensors
-and state_dicts (:func:`ckptool.ops.inspect_torch.package_info`): ``<member>`` the pickle's path in the archive
+and state_dicts (:func:`ckptool.ops.inspect.pickles.package_info`): ``<member>`` the pickle's path in the archive
 below its top folder (``model/state_dict.pkl``, which may hold dots and slashes but ends in ``.pkl``), ``<path>``
 a dotted path inside that pickle (``""``: its top level). ``<member>`` alone selects the state_dict ``convert``
 would choose in that pickle. A member name holding ``:`` that makes a key match two members is refused.

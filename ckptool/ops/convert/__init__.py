@@ -31,7 +31,7 @@ One pass from SRC to DST, memory bounded by the largest storage, not by the file
   torch's own machinery (:mod:`ckptool.torch_ops.dcp`). DCP's ``FileSystemReader`` unpickles ``.metadata`` and
   non-tensor entries without restriction, so both are first read with ckptool's restricted unpickler and refused
   unless every global they name is one DCP itself writes (or the weights-only allowlist accepts), or ``trust=True``
-  (:mod:`ckptool.ops.dcp_safety`).
+  (:mod:`ckptool.ops.scan.dcp_safety`).
 * **Verification** (on by default): the output is re-opened lazily by the format's own reader and every tensor's
   name, shape and dtype, and a CRC-32 of its bytes, is compared with what was read from the source
   (:mod:`ckptool.ops.convert.verify`).
@@ -57,9 +57,9 @@ from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_t
 from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, ConvertResult, parse_size
 from ckptool.ops.convert.verify import VerificationError
-from ckptool.ops.dcp_safety import check_dcp_safe
-from ckptool.ops.rewrite import ProgressFn
-from ckptool.ops.set_writer import scratch_file
+from ckptool.ops.rewrite.set_writer import scratch_file
+from ckptool.ops.rewrite.stream import ProgressFn
+from ckptool.ops.scan.dcp_safety import check_dcp_safe
 from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.readers.read_torch import refuse_non_strided_for_dcp
@@ -109,7 +109,7 @@ def convert(
     * ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
     * ``progress(nbytes)`` is called with the bytes of tensor data written since the last call, as every operation
       reports progress; when it has a ``total`` attribute that is None (ckptool's progress bar), that is set to the
-      bytes to be written first (:func:`ckptool.ops.rewrite.announce_total`).
+      bytes to be written first (:func:`ckptool.ops.rewrite.stream.announce_total`).
 
     Returns a :class:`ConvertResult`. The output is written atomically; ``src`` is never modified.
 
@@ -122,7 +122,7 @@ def convert(
         NotACheckpointError / CorruptCheckpointError: unreadable or damaged input.
         UnsafeCheckpointError: a DCP folder (or a torch file converted to DCP) needs globals outside the allowlist
             and ``trust`` is False.
-        PrefixNotFoundError / KeyCollisionError: as :func:`ckptool.ops.rename.strip_prefix`.
+        PrefixNotFoundError / KeyCollisionError: as :func:`ckptool.ops.rewrite.prefixes.strip_prefix`.
         DeviceNotFoundError: a ``mapping`` source matches no storage of the source (unless ``allow_missing``).
         VerificationError: the output does not read back as the source (it is not kept).
     """

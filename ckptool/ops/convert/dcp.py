@@ -29,7 +29,7 @@ from ckptool.model.tensor_nodes import tensor_node
 from ckptool.ops.convert.source import ConvertResult
 from ckptool.ops.convert.verify import records_difference, verify_fail
 from ckptool.ops.convert.write import emit
-from ckptool.ops.set_writer import scratch_file
+from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.readers.read_dcp import RecordSlice
 from ckptool.readers.read_dcp import node_state as _state
 from ckptool.readers.read_dcp import open_record as _record

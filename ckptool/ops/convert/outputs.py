@@ -12,8 +12,8 @@ from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, unio
 from ckptool.ops.convert.source import ConvertResult, out_dtype
 from ckptool.ops.convert.verify import torch_verifier, verification_check, verify_safetensors, with_evidence
 from ckptool.ops.convert.write import Files, archive_name, emit, write_safetensors, write_torch
-from ckptool.ops.rewrite import ProgressFn, announce_total
-from ckptool.ops.set_writer import write_set
+from ckptool.ops.rewrite.set_writer import write_set
+from ckptool.ops.rewrite.stream import ProgressFn, announce_total
 from ckptool.readers.tensors import Source
 
 

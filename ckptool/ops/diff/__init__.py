@@ -1,0 +1,1 @@
+"""diff and report: two checkpoints compared, and the self-contained HTML page."""

@@ -1,0 +1,238 @@
+"""``ckptool.ops.diff.report``: a checkpoint (or two) as one self-contained HTML page, and its module tree as text.
+
+The page (:func:`report`) holds, with its CSS and JavaScript inline and nothing fetched from a network:
+
+* a summary: format, kind, size, parameters and bytes by dtype and by saved device (location tag), wrapper
+  prefixes with the command that removes them, the safety verdict (``ckptool scan``'s analysis, from
+  :func:`ckptool.ops.inspect.entry.inspect`), and the non-tensor entries;
+* the module tree (:mod:`ckptool.model.tree`: repeated blocks folded, ``layers.0-31 x32``), drawn lazily: a node's
+  children enter the page only when it is expanded, so 50,000 tensors stay responsive; a search box lists the
+  tensors and modules whose FQN holds the text;
+* a treemap of where the bytes are, two module levels deep, sized by bytes and coloured by dtype (the squarified
+  layout of Bruls, Huizing and van Wijk, from the ``squarify`` package);
+* with a second checkpoint B: every key as equal / value change / shape or dtype change / only in A / only in B
+  (:func:`ckptool.ops.diff.compare.diff`), and per module the relative change ``||B - A|| / ||A||`` as bars, computed by
+  streaming both files tensor by tensor (numpy decodes the chunks; nothing is loaded whole, torch is not needed).
+
+Inspecting reads only pickles and headers; the comparison reads every tensor of both files once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import jinja2
+import squarify
+
+from ckptool._fileio import atomic_output
+from ckptool.model.tree import TreeNode, shape_text
+from ckptool.model.units import human_bytes, human_count
+from ckptool.ops.diff.compare import CLOSE, DIFFER, DiffResult, diff
+from ckptool.ops.inspect.entry import CheckpointInfo, inspect
+from ckptool.readers import open_checkpoint
+
+#: the treemap's size in CSS pixels
+TREEMAP_W, TREEMAP_H = 960, 420
+#: dtype -> fill colour of the treemap and the legend (others get a grey)
+DTYPE_COLOURS = {
+    "float32": "#4e79a7", "float16": "#f28e2b", "bfloat16": "#e15759", "float64": "#76b7b2", "int64": "#59a14f",
+    "int32": "#edc948", "int8": "#b07aa1", "uint8": "#ff9da7", "bool": "#9c755f", "float8_e4m3fn": "#d37295",
+    "float8_e5m2": "#a0cbe8", "complex64": "#8cd17d",
+}
+OTHER_COLOUR = "#bab0ac"
+#: rows of the comparison table written into the page (the counts cover every key)
+MAX_DIFF_ROWS = 5000
+#: search results listed at once
+MAX_MATCHES = 500
+
+
+@dataclass
+class ReportResult:
+    """What :func:`report` wrote: ``out`` the page's path, ``bytes_written`` its size in bytes, ``tensors`` the
+    tensors of A, ``seconds`` the wall time taken, ``compared`` whether a second checkpoint was compared."""
+
+    out: str
+    bytes_written: int
+    tensors: int
+    seconds: float
+    compared: bool
+
+
+# ------------------------------------------------------------------------------------------------ the tree
+# ------------------------------------------------------------------------------------------------ page data
+def _compact(node: TreeNode) -> list[Any]:
+    """A node as ``[label, params, bytes, dtypes, devices, children | shape]`` plus, for a folded block, the name
+    its path continues with (its first block's): short JSON for big trees. The page rebuilds each FQN from the
+    parents' names; a tensor gives its dtype and device as strings instead of dicts."""
+    if node.tensor is not None:
+        return [node.label, node.params, node.nbytes, node.tensor.dtype, node.tensor.device,
+                shape_text(node.tensor.shape)]
+    out = [node.label, node.params, node.nbytes, node.dtypes, node.devices, [_compact(c) for c in node.children]]
+    if node.repeat > 1:
+        out.append(node.path.rsplit(".", 1)[-1])
+    return out
+
+
+def _main_dtype(node: TreeNode) -> str:
+    return max(node.dtypes.items(), key=lambda kv: kv[1])[0] if node.dtypes else ""
+
+
+def _treemap(tree: TreeNode) -> list[dict[str, Any]]:
+    """Rectangles ``{x, y, w, h, label, path, bytes, dtype, colour, depth}`` of the top-level modules and, inside
+    each, its children, areas proportional to bytes."""
+    rects: list[dict[str, Any]] = []
+
+    def lay(nodes: list[TreeNode], x: float, y: float, w: float, h: float, depth: int) -> None:
+        nodes = sorted((n for n in nodes if n.nbytes > 0), key=lambda n: -n.nbytes)
+        if not nodes or w < 2 or h < 2:
+            return
+        sizes = squarify.normalize_sizes([n.nbytes for n in nodes], w, h)
+        for n, r in zip(nodes, squarify.squarify(sizes, x, y, w, h)):
+            dtype = _main_dtype(n)
+            rects.append({"x": round(r["x"], 1), "y": round(r["y"], 1), "w": round(r["dx"], 1),
+                          "h": round(r["dy"], 1), "label": n.label, "path": n.path or n.label,
+                          "bytes": human_bytes(n.nbytes), "dtype": dtype, "depth": depth,
+                          "colour": DTYPE_COLOURS.get(dtype, OTHER_COLOUR)})
+            if depth == 0 and n.children and n.tensor is None:
+                pad = 3 if r["dx"] > 24 and r["dy"] > 24 else 0
+                lay(n.children, r["x"] + pad, r["y"] + pad + (12 if r["dy"] > 40 else 0),
+                    r["dx"] - 2 * pad, r["dy"] - 2 * pad - (12 if r["dy"] > 40 else 0), 1)
+
+    lay(tree.children, 0, 0, TREEMAP_W, TREEMAP_H, 0)
+    return rects
+
+
+def _summary(info: CheckpointInfo) -> dict[str, Any]:
+    params_by: dict[str, dict[str, int]] = {"dtype": {}, "device": {}}
+    for t in info.tensors:
+        n = math.prod(t.shape)
+        params_by["dtype"][t.dtype] = params_by["dtype"].get(t.dtype, 0) + n
+        params_by["device"][t.device] = params_by["device"].get(t.device, 0) + n
+    bytes_by: dict[str, dict[str, int]] = {"dtype": {}, "device": {}}
+    for row in info.totals:
+        bytes_by["dtype"][row.dtype] = bytes_by["dtype"].get(row.dtype, 0) + row.bytes
+        bytes_by["device"][row.device] = bytes_by["device"].get(row.device, 0) + row.bytes
+    security = info.security()
+    return {
+        "path": info.path, "format": info.format, "kind": info.kind, "size": human_bytes(info.size),
+        "tensors": len(info.tensors), "storages": info.storages, "bytes": human_bytes(info.total_bytes),
+        "params": sum(params_by["dtype"].values()),
+        "by": [(what, key, human_count(params_by[what].get(key, 0)), human_bytes(bytes_by[what].get(key, 0)))
+               for what in ("dtype", "device") for key in sorted(set(params_by[what]) | set(bytes_by[what]))],
+        "state_dicts": [(sd.path or "(top level)", sd.tensors, " ".join(sd.prefixes) or "-", sd.fix or "-")
+                        for sd in info.state_dicts],
+        "verdict": security.get("level") or info.verdict,
+        "dangerous": [d["name"] for d in security.get("dangerous", [])],
+        "needs_trust": security.get("needs_trust", []),
+        "values": [(v.path, v.type, v.shown) for v in info.values],
+    }
+
+
+def _diff_rows(res: DiffResult) -> tuple[dict[str, int], list[tuple[str, str, str]]]:
+    """Counts per status and rows ``(key, status, detail)`` of every key that is not equal."""
+    rows: list[tuple[str, str, str]] = []
+    layout = {t.key for t in res.tensors if any(c.startswith(("shape", "dtype")) for c in t.changes)}
+    for t in res.tensors:
+        if t.key in layout:
+            rows.append((t.key, "shape or dtype change", "; ".join(t.changes)))
+        elif t.values in (DIFFER, CLOSE):
+            detail = "" if t.max_abs is None else f"max |B - A| {t.max_abs:.3g}"
+            rows.append((t.key, "value change", detail))
+    rows += [(k, "only in A", "") for k in res.only_a]
+    rows += [(k, "only in B", "") for k in res.only_b]
+    rows += [(v.key, "value change", f"{v.a!r} -> {v.b!r}"[:200]) for v in res.values]
+    counts = {"equal": res.values_equal if res.mode != "keys-only" else 0,
+              "value change": sum(1 for r in rows if r[1] == "value change"),
+              "shape or dtype change": len(layout), "only in A": len(res.only_a), "only in B": len(res.only_b)}
+    return counts, rows
+
+
+def _module_changes(info: CheckpointInfo, res: DiffResult, depth: int = 3) -> list[dict[str, Any]]:
+    """Per module of A, ``depth`` levels deep, blocks not folded, in key order: ``||B - A|| / ||A||`` over the
+    tensors below it that were measured (linear in the number of keys)."""
+    sums: dict[str, list[float]] = {}
+    for key, (na, nd) in res.norms.items():
+        parts = key.split(".")[:-1]
+        for i in range(1, min(len(parts), depth) + 1):
+            total = sums.setdefault(".".join(parts[:i]), [0.0, 0.0, 0.0])
+            total[0] += na
+            total[1] += nd
+            total[2] += 1
+    out = []
+    for d, node in info.tree(fold=False).walk():
+        acc = sums.get(node.path) if node.tensor is None and d else None
+        if acc is None:
+            continue
+        sq_a, sq_d, measured = acc
+        rel = math.sqrt(sq_d) / math.sqrt(sq_a) if sq_a > 0 else (0.0 if sq_d == 0 else math.inf)
+        out.append({"path": node.path, "depth": d, "rel": rel, "tensors": int(measured)})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the page
+def render_html(info: CheckpointInfo, other: CheckpointInfo | None = None, res: DiffResult | None = None) -> str:
+    """The page for ``info`` (and the comparison with ``other`` when ``res`` is given) as one HTML string."""
+    tree = info.tree()
+    template = resources.files("ckptool.ops.diff").joinpath("report.html.j2").read_text(encoding="utf-8")
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
+                             lstrip_blocks=True)
+    data = {"tree": _compact(tree), "maxMatches": MAX_MATCHES}
+    counts: dict[str, int] = {}
+    rows: list[tuple[str, str, str]] = []
+    changes: list[dict[str, Any]] = []
+    if res is not None:
+        counts, rows = _diff_rows(res)
+        changes = _module_changes(info, res)
+        top = max((c["rel"] for c in changes if math.isfinite(c["rel"])), default=0.0)
+        for c in changes:
+            c["width"] = 100.0 if not math.isfinite(c["rel"]) or top == 0 else 100.0 * c["rel"] / top
+            c["shown"] = "inf" if not math.isfinite(c["rel"]) else f"{c['rel']:.3g}"
+    rects = _treemap(tree)
+    return env.from_string(template).render(
+        a=_summary(info), b=_summary(other) if other is not None else None, res=res,
+        treemap=rects, treemap_w=TREEMAP_W, treemap_h=TREEMAP_H,
+        legend=sorted({(r["dtype"], r["colour"]) for r in rects if r["depth"] == 0}),
+        counts=counts, rows=rows[:MAX_DIFF_ROWS], rows_left=max(0, len(rows) - MAX_DIFF_ROWS),
+        changes=changes, norms_missing=res is not None and not res.norms and res.compared > 0,
+        data_json=json.dumps(data, separators=(",", ":")).replace("</", "<\\/"),
+    )
+
+
+def report(a: str | os.PathLike[str], b: str | os.PathLike[str] | None = None, *,
+           out: str | os.PathLike[str]) -> ReportResult:
+    """Write the HTML page about checkpoint ``a`` (compared with ``b`` when given) to ``out``, atomically.
+
+    ``a`` and ``b`` are anything :func:`ckptool.ops.inspect.entry.inspect` reads (torch zip and legacy files,
+    TorchScript, safetensors, sharded sets, DCP and DeepSpeed folders, ``.pt2``; local paths or URLs). Without
+    ``b`` only pickles and headers are read; with ``b`` every tensor of both is streamed once
+    (:func:`ckptool.ops.diff.compare.diff` with ``norms=True``, which needs numpy).
+
+    Returns a :class:`ReportResult`.
+
+    Raises:
+        NotACheckpointError / CorruptCheckpointError / UnsupportedError: a side cannot be read.
+        ModuleNotFoundError: ``b`` given and numpy is not installed (``pip install numpy``).
+        OutputError / UsageError: ``out`` cannot be written (see :func:`ckptool._fileio.atomic_output`).
+    """
+    start = time.perf_counter()
+    side_a = open_checkpoint(a)  # each side opened once: inspect and diff share its format and its pickle
+    info = inspect(side_a)
+    other = res = None
+    if b is not None:
+        side_b = open_checkpoint(b)
+        other = inspect(side_b)
+        res = diff(side_a, side_b, norms=True)
+    page = render_html(info, other, res).encode("utf-8")
+    dst = os.fspath(out)
+    with atomic_output(dst) as f:
+        f.write(page)
+    return ReportResult(dst, len(page), len(info.tensors), time.perf_counter() - start, b is not None)
+
+
+__all__ = ["ReportResult", "render_html", "report"]

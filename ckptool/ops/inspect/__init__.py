@@ -1,0 +1,1 @@
+"""inspect: what a checkpoint holds, without reading tensor data."""

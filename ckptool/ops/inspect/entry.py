@@ -1,0 +1,220 @@
+"""``ckptool.inspect``: what a checkpoint holds, read without torch and without reading tensor bytes.
+
+The format is recognised once, by :func:`ckptool.readers.open_checkpoint`, and :data:`DESCRIBERS` (format name ->
+function) says who describes it:
+
+* torch zip / legacy / TorchScript files and plain pickles: the pickle as the node graph the readers layer read
+  (:meth:`ckptool.readers.Opened.graph`, with :mod:`ckptool.formats.unpickler`: nothing imported or run), described
+  by :func:`ckptool.ops.inspect.pickles.describe`; ``torch.package`` archives by
+  :func:`ckptool.ops.inspect.pickles.package_info`;
+* safetensors files from their JSON header, ``.pt2`` archives from their configs, DeepSpeed and DCP folders from
+  their pickles and ``.metadata`` (:mod:`ckptool.ops.inspect.formats`);
+* a sharded set (an ``*.index.json`` or the folder holding one) as one checkpoint from its shards
+  (:func:`inspect_set`).
+
+Every file's safety analysis is the one ``ckptool scan`` makes (:func:`ckptool.ops.scan.entry.scan_file`), reading
+again only what the describer did not read. The result is a :class:`CheckpointInfo`
+(:mod:`ckptool.ops.inspect.info`); bytes are counted one way everywhere, each storage once
+(:mod:`ckptool.ops.inspect.totals`); the non-tensor entries (epoch, steps, learning rates, hyper-parameters, RNG
+states) are described by :mod:`ckptool.ops.inspect.values`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+from ckptool import _source as source
+from ckptool._gc import gc_paused
+from ckptool.errors import CorruptCheckpointError
+from ckptool.formats import detect
+from ckptool.formats.sharded import read_index, set_kind
+from ckptool.model.graph import too_deep
+from ckptool.ops.inspect.formats import dcp_info, deepspeed_info, pt2_info, safetensors_info
+from ckptool.ops.inspect.info import (
+    SCHEMA,
+    ByteTotal,
+    CheckpointInfo,
+    GlobalInfo,
+    StateDictInfo,
+    TensorInfo,
+    state_dict_info,
+)
+from ckptool.ops.inspect.pickles import already_read, describe, package_info, tensor_infos
+from ckptool.ops.inspect.totals import byte_totals, device_bytes, merge_totals
+from ckptool.ops.inspect.values import PreviewLimits, ValueInfo
+from ckptool.ops.scan.entry import ScanResult, combine_results, scan_file
+from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers.read_safetensors import set_format_name
+
+__all__ = ["DESCRIBERS", "SCHEMA", "ByteTotal", "CheckpointInfo", "GlobalInfo", "StateDictInfo", "TensorInfo",
+           "byte_totals", "describe", "inspect", "inspect_set", "tensor_infos"]
+
+Describer = Callable[[Opened, PreviewLimits | None], CheckpointInfo]
+
+
+@gc_paused
+def inspect(path: str | os.PathLike[str] | Opened, limits: PreviewLimits | None = None) -> CheckpointInfo:
+    """Describe the checkpoint at ``path`` without importing torch or reading tensor data.
+
+    ``path``: a local path or URL, or a checkpoint already opened with :func:`ckptool.readers.open_checkpoint`
+    (its pickle, if :meth:`~ckptool.readers.Opened.graph` read it already, is not read again; a later step of the
+    same command can read it from there too).
+
+    Returns a :class:`CheckpointInfo`: format (``torch-zip``, ``torch-legacy``, ``torchscript``, ``safetensors``,
+    ``pickle``, ``torch-export`` (a ``.pt2``, kind ``exported_program``, see
+    :func:`ckptool.ops.inspect.pt2.describe_pt2`),
+    ``torch-package`` (kind ``package``: a ``torch.package`` archive, its pickles and modules in
+    :attr:`CheckpointInfo.package`);
+    for an ``*.index.json`` or a folder ``sharded-safetensors``, ``sharded-bin`` or ``dcp``, see
+    :func:`inspect_set`; ``deepspeed`` for a DeepSpeed ZeRO folder,
+    :func:`ckptool.ops.inspect.deepspeed.describe_deepspeed`), kind (``state_dict``, ``training_checkpoint``,
+    ``full_model``,
+    ``torchscript``, ``tensors``), every tensor (shared storages included), tensor counts per location tag, storage
+    bytes per location tag and dtype (each storage once), the state_dicts found with their wrapper prefixes, the
+    globals the pickle names with their ``weights_only=True`` status, and the non-tensor entries, as many as
+    ``limits`` allow (default :class:`~ckptool.ops.inspect.values.PreviewLimits`; ``ALL_VALUES`` for more).
+
+    Raises:
+        UsageError: missing path, or a folder that is neither a DCP checkpoint nor holds one ``*.index.json``.
+        NotACheckpointError: empty file, unknown bytes or another file type.
+        CorruptCheckpointError: truncated, damaged or hostile file (see
+            :func:`ckptool.formats.torchfile.read_checkpoint`), or a pickle nested deeper than ckptool can walk.
+        UnsupportedError: tuple nesting too deep to read safely.
+    """
+    given = path.path if isinstance(path, Opened) else os.fspath(path)
+    if not source.is_url(given):
+        return _describe(path, limits)
+    start = source.bytes_transferred()
+    info = _describe(path, limits)
+    info.bytes_read = source.bytes_transferred() - start
+    return info
+
+
+def _describe(path: str | os.PathLike[str] | Opened, limits: PreviewLimits | None) -> CheckpointInfo:
+    """:func:`inspect` without the count of bytes read: the format recognised once, its describer run."""
+    opened = path if isinstance(path, Opened) else open_checkpoint(path)
+    return DESCRIBERS[opened.format](opened, limits)
+
+
+def _pickled(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
+    """A torch zip, legacy or TorchScript file or a plain pickle: its node graph, read once (the scan takes the
+    ``data.pkl`` / plain pickle from it, :func:`ckptool.ops.inspect.pickles.already_read`)."""
+    try:
+        ck = o.graph()
+        info = describe(ck, limits)
+    except RecursionError as e:
+        raise CorruptCheckpointError(f"{o.target}: {too_deep(e)}") from None
+    info.scan = scan_file(o.target, preparsed=already_read(ck))
+    return info
+
+
+def _package(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
+    info = package_info(o.target, limits, o.package())
+    info.scan = scan_file(o.target)
+    return info
+
+
+def _safetensors(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
+    info = safetensors_info(o.target)
+    info.scan = scan_file(o.target)
+    return info
+
+
+def _pt2(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
+    scan = scan_file(o.target)  # once: its globals are the archive's globals (describe_pt2)
+    info = pt2_info(o.target, scan)
+    info.scan = scan
+    return info
+
+
+def _sharded(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
+    return _index_info(o.target, limits)
+
+
+def _dcp(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
+    info = dcp_info(o.target, o.dcp_metadata())
+    info.scan = scan_file(o.target)
+    return info
+
+
+def _deepspeed(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
+    return deepspeed_info(o.target)
+
+
+#: format name (:data:`ckptool.readers.FORMATS`) -> the function that describes a checkpoint of that format
+DESCRIBERS: dict[str, Describer] = {
+    detect.TORCH_ZIP: _pickled, detect.TORCH_LEGACY: _pickled, detect.TORCHSCRIPT: _pickled, detect.PICKLE: _pickled,
+    detect.TORCH_PACKAGE: _package, detect.SAFETENSORS: _safetensors, detect.PT2: _pt2,
+    "sharded-safetensors": _sharded, "sharded-bin": _sharded, "dcp": _dcp, "deepspeed": _deepspeed,
+}
+
+
+@gc_paused
+def inspect_set(path: str | os.PathLike[str], limits: PreviewLimits | None = None) -> CheckpointInfo:
+    """Describe a sharded set (``*.index.json`` or the folder holding one) or a DCP folder as one checkpoint,
+    without torch and without reading tensor data. Returns a :class:`CheckpointInfo` with format
+    ``sharded-safetensors`` / ``sharded-bin`` (torch shards, or a mix) / ``dcp``; a model folder holding only
+    ``model.safetensors`` or ``pytorch_model.bin`` is that file's :func:`inspect`.
+
+    For a sharded set every shard is inspected and its tensors listed (storage keys prefixed by the shard file);
+    ``metadata`` holds the index's ``metadata`` (values that are not strings as JSON) and the shard count. For DCP
+    the tensors come from ``.metadata`` (names, dtypes, shapes; sizes = elements * element size; DCP records no
+    device, so ``cpu`` is shown, where ``dcp_to_torch_save`` puts them); non-tensor entries are listed under
+    ``metadata["non_tensor_entries"]``, and ``globals`` says which globals of ``.metadata`` ckptool accepts without
+    ``--trust`` (:func:`ckptool.ops.scan.dcp_safety.is_dcp_allowed`) and ``values`` names them (their bytes are not
+    read). ``limits``: as :func:`inspect`.
+
+    Raises:
+        UsageError: a folder that is none of these; a missing shard.
+        CorruptCheckpointError / NotACheckpointError: a damaged index, shard or ``.metadata``.
+    """
+    kind, set_path = set_kind(os.fspath(path))
+    if kind == "file":
+        return inspect(set_path, limits)
+    if kind == "index":
+        return _index_info(set_path, limits)
+    info = dcp_info(set_path)
+    info.scan = scan_file(set_path)
+    return info
+
+
+def _index_info(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
+    """The sharded set of the ``*.index.json`` at ``path``: every shard's :func:`inspect`, added up."""
+    index = read_index(path)
+    tensors: list[TensorInfo] = []
+    devices: dict[str, int] = {}
+    globs: dict[str, GlobalInfo] = {}
+    totals: list[list[ByteTotal]] = []
+    values: list[ValueInfo] = []
+    complete = True
+    size = source.file_size(path)
+    storages = 0
+    fmts = set()
+    scans: list[tuple[str, ScanResult]] = []
+    for shard in index.shards:
+        info = inspect(index.shard_path(shard), limits)
+        if info.scan is not None:
+            scans.append((shard, info.scan))
+        fmts.add("safetensors" if info.format == detect.SAFETENSORS else "torch")
+        size += info.size
+        storages += info.storages
+        for t in info.tensors:
+            t.storage_key = f"{shard}:{t.storage_key}"
+            tensors.append(t)
+        for d, n in info.devices.items():
+            devices[d] = devices.get(d, 0) + n
+        totals.append(info.totals)
+        values += info.values
+        complete = complete and info.values_complete
+        for g in info.globals:
+            globs.setdefault(g.name, g)
+    meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (index.metadata or {}).items()}
+    meta["shards"] = str(len(index.shards))
+    fmt = set_format_name(fmts)
+    merged = merge_totals(totals)
+    return CheckpointInfo(path, fmt, "state_dict", size, tensors, devices, device_bytes(merged),
+                          [state_dict_info("", [t.key for t in tensors])], list(globs.values()), storages=storages,
+                          metadata=meta, totals=merged, values=values, values_complete=complete,
+                          scan=combine_results(path, fmt, scans))

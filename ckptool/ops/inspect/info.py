@@ -1,0 +1,273 @@
+"""The result of ``ckptool inspect`` (:func:`ckptool.ops.inspect.entry.inspect`): :class:`CheckpointInfo` and its parts,
+and their JSON (``inspect --json``, schema :data:`SCHEMA`).
+
+Bytes are counted one way everywhere (the totals, the per-device / dtype table, ``--json``): the bytes of each
+storage, once, however many tensors (tied weights, views) use it (:mod:`ckptool.ops.inspect.totals`); a tensor's
+own ``nbytes`` is its numel * element size.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from itertools import chain
+from typing import Any
+
+from ckptool.model.allowlist import ALLOWED, DANGEROUS, NEEDS_TRUST, UNKNOWN, classify_global, level_of, worst_level
+from ckptool.model.keys import has_flat_param_key, shared_prefixes, suggest_command
+from ckptool.model.notebook import facts_table, tree_html
+from ckptool.model.tree import TensorRow, TreeNode, build_tree
+from ckptool.model.units import human_bytes
+from ckptool.ops.inspect.json_rows import rows_json
+from ckptool.ops.inspect.values import ValueInfo
+from ckptool.ops.scan.entry import ScanResult
+
+__all__ = ["SCHEMA", "TENSOR_FIELDS", "ByteTotal", "CheckpointInfo", "GlobalInfo", "StateDictInfo", "TensorInfo",
+           "state_dict_info"]
+
+#: the ``"schema"`` of :meth:`CheckpointInfo.to_dict` (``ckptool inspect --json``)
+SCHEMA = "ckptool.inspect/2"
+
+
+@dataclass(slots=True)  # no __dict__: one per tensor (a million in a big state_dict)
+class TensorInfo:
+    """One tensor: dotted ``key``; ``shape`` / ``stride`` in elements; ``dtype`` torch name (``float32``);
+    ``device`` the saved location tag; ``nbytes`` = numel * element size; ``storage_key`` the record it lives in
+    (tensors that share a storage share the key); ``storage_offset`` in elements."""
+
+    key: str
+    shape: list[int]
+    dtype: str
+    device: str
+    nbytes: int
+    stride: list[int] = field(default_factory=list)
+    storage_offset: int = 0
+    storage_key: str | None = None
+    requires_grad: bool = False
+
+
+#: the fields of :class:`TensorInfo`, in order (the keys of each tensor in ``inspect --json``)
+TENSOR_FIELDS = tuple(f.name for f in fields(TensorInfo))
+
+
+@dataclass
+class StateDictInfo:
+    """A state_dict in the file: dotted ``path`` (``""`` = top level), tensor count, shared wrapper ``prefixes``
+    (``["module."]``), the ckptool command that removes them, and whether it holds FSDP flat parameters."""
+
+    path: str
+    tensors: int
+    prefixes: list[str]
+    fix: str | None = None
+    flat_params: bool = False
+
+
+def state_dict_info(path: str, keys: list[str]) -> StateDictInfo:
+    """The :class:`StateDictInfo` of the state_dict at dotted ``path`` holding ``keys``: its shared wrapper prefixes
+    (:func:`ckptool.model.keys.shared_prefixes`), the command that removes them, whether it holds FSDP flat
+    parameters."""
+    prefixes = shared_prefixes(keys)
+    return StateDictInfo(path, len(keys), prefixes, suggest_command(prefixes), has_flat_param_key(keys))
+
+
+@dataclass
+class GlobalInfo:
+    """A global the pickle would import (``module.qualname``), and whether ``torch.load(weights_only=True)``
+    accepts it (``allowed``). ``status`` is how ``ckptool scan`` classifies it (``allowed``, ``dangerous`` or
+    ``unknown``, see :func:`ckptool.model.allowlist.classify_global`; filled in from ``name`` when not given) and
+    ``reason`` says why."""
+
+    name: str
+    allowed: bool
+    status: str = ""
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.status:
+            self.status, self.reason = classify_global(self.name)
+            if self.allowed and self.status != ALLOWED:  # allowed by a caller's own list (DCP metadata)
+                self.status, self.reason = ALLOWED, "allowed for this format"
+
+
+@dataclass
+class ByteTotal:
+    """The tensors of one location tag and dtype: ``tensors`` counts every tensor (views and tied weights
+    included), ``storages`` the distinct storages they use and ``bytes`` those storages' bytes, each storage once
+    (a storage shared by tensors of several dtypes counts under the first one's). A storage no tensor uses counts
+    under its own storage class's dtype, with ``tensors`` 0."""
+
+    device: str
+    dtype: str
+    tensors: int = 0
+    storages: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class CheckpointInfo:
+    """The result of :func:`inspect`; :meth:`to_dict` is what ``ckptool inspect --json`` prints.
+
+    ``size`` is the file size in bytes; ``devices`` maps location tag -> tensor count; ``storage_bytes`` maps
+    location tag -> bytes of distinct storages there (each storage once); ``totals`` the same per location tag and
+    dtype (:class:`ByteTotal`); ``storages`` counts distinct storages; ``metadata`` holds safetensors
+    ``__metadata__``; ``values`` the non-tensor entries (:class:`~ckptool.ops.inspect.values.ValueInfo`), all of
+    them unless ``values_complete`` is False (cut by :class:`~ckptool.ops.inspect.values.PreviewLimits`);
+    ``programs`` the signature of each exported program of a ``torch.export`` archive
+    (:meth:`ckptool.formats.pt2.Program.signature`);
+    ``bytes_read`` the bytes transferred to read a URL (range requests: the zip directory, the pickle, headers),
+    None for a local path.
+    """
+
+    path: str
+    format: str
+    kind: str
+    size: int
+    tensors: list[TensorInfo]
+    devices: dict[str, int]
+    storage_bytes: dict[str, int]
+    state_dicts: list[StateDictInfo]
+    globals: list[GlobalInfo]
+    storages: int = 0
+    metadata: dict[str, str] | None = None
+    totals: list[ByteTotal] = field(default_factory=list)
+    values: list[ValueInfo] = field(default_factory=list)
+    values_complete: bool = True
+    #: the safety analysis, the one ``ckptool scan`` makes (every pickle in the file, hidden ones included)
+    scan: ScanResult | None = field(default=None, repr=False)
+    #: the signature of each exported program of a ``torch.export`` archive (``.pt2``), else empty
+    programs: list[dict[str, Any]] = field(default_factory=list)
+    bytes_read: int | None = None
+    #: why torch 2.13's ``torch.load(weights_only=True)`` refuses the file whatever its globals (an opcode its
+    #: unpickler does not read: ``pickle_protocol=4`` saves), None when only the globals decide
+    #: (:attr:`ckptool.formats.torchfile.Checkpoint.weights_only_refusal`)
+    weights_only_refusal: str | None = None
+    #: a ``torch.package`` archive (:func:`ckptool.ops.inspect.pickles.package_info`): ``resources`` (each pickle:
+    #: ``member``, ``package``, ``resource``, ``kind``, ``tensors``, ``globals``), ``modules`` (the Python modules
+    #: it ships, which ``PackageImporter`` runs), ``extern_modules``, ``python_version``, ``version``; else None
+    package: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (``dataclasses.asdict`` without its deep copies: fast for 50,000 tensors), with
+        ``"schema": "ckptool.inspect/2"``, ``total_bytes`` (storage bytes, each storage once), ``totals`` and
+        ``values`` (``{"path", "type", "value"}`` or ``{"path", "type", "preview"}``)."""
+        d = self._dict_without_tensors()
+        d["tensors"] = [{  # the fields of TensorInfo (TENSOR_FIELDS), in order: a dict display, built fastest
+            "key": t.key, "shape": t.shape, "dtype": t.dtype, "device": t.device, "nbytes": t.nbytes,
+            "stride": t.stride, "storage_offset": t.storage_offset, "storage_key": t.storage_key,
+            "requires_grad": t.requires_grad} for t in self.tensors]
+        return d
+
+    def to_json(self, indent: int | None = None) -> str:
+        """``json.dumps(self.to_dict(), indent=indent)``: the same text (what ``ckptool inspect --json`` prints),
+        made faster (:meth:`json_pieces`).
+
+        Raises:
+            ValueError / TypeError: as ``json.dumps`` (a value JSON cannot hold)."""
+        return "".join(self.json_pieces(indent))
+
+    def json_pieces(self, indent: int | None = None) -> Iterator[str]:
+        """The text of :meth:`to_json` in pieces (a few thousand tensor rows each), to write one after another:
+        without a dict per tensor when ``indent`` is None (the tensor rows column by column). Everything is
+        encoded before this returns: an error is raised here, not while the pieces are read.
+
+        Raises:
+            ValueError / TypeError: as ``json.dumps`` (a value JSON cannot hold)."""
+        if indent is not None or not self.tensors:
+            return iter((json.dumps(self.to_dict(), indent=indent),))
+        d = self._dict_without_tensors()
+        items = list(d.items())
+        at = list(d).index("tensors")
+        head = json.dumps(dict(items[:at]))[:-1]  # "{...": the entries before "tensors"
+        tail = json.dumps(dict(items[at + 1:]))[1:]  # "...}": the entries after it
+        ts = self.tensors
+        columns = ([t.key for t in ts], [t.shape for t in ts], [t.dtype for t in ts], [t.device for t in ts],
+                   [t.nbytes for t in ts], [t.stride for t in ts], [t.storage_offset for t in ts],
+                   [t.storage_key for t in ts], [t.requires_grad for t in ts])  # TENSOR_FIELDS, in order
+        rows = rows_json(TENSOR_FIELDS, columns, len(ts))
+        return chain((f'{head}{", " if at else ""}"tensors": [',), rows,
+                     (f']{", " if tail != "}" else ""}{tail}',))
+
+    def _dict_without_tensors(self) -> dict[str, Any]:
+        """:meth:`to_dict` with ``"tensors"`` left as the list of :class:`TensorInfo` (in its place)."""
+        d = {"schema": SCHEMA, **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "scan"}}
+        d["total_bytes"] = self.total_bytes
+        d["totals"] = [r.__dict__.copy() for r in self.totals]
+        d["values"] = [v.to_dict() for v in self.values]
+        d["state_dicts"] = [sd.__dict__.copy() for sd in self.state_dicts]
+        d["globals"] = [{"name": g.name, "allowed": g.allowed} for g in self.globals]
+        d["security"] = self.security()
+        return d
+
+    def security(self) -> dict[str, Any]:
+        """The ``security`` object of ``inspect --json``: the verdict of ``ckptool scan`` on the same file, from
+        the same analysis (:attr:`scan`: every pickle in the file, not only the ones ``torch.load`` reads).
+
+        ``verdict`` ``safe`` / ``unsafe`` (scan ``--strict``), ``level`` (safe, needs-trust, dangerous),
+        ``scan_verdict`` (that, or ``error`` for a file scan could not read to its end) and its ``exit_code``,
+        ``dangerous`` (name, reason, ``where``), ``unknown`` and ``needs_trust`` names, ``hidden_pickles`` (the
+        pickles ``torch.load`` does not read today: ``where``, ``globals``, ``level``, ``error``), ``notes``, ``code``
+        (code that ships in the file: ``member``, ``kind``, ``level``, ``reason``, ``detail``) and
+        ``recognised`` (a known library file type)."""
+        sc = self.scan
+        if sc is None:  # built by hand: the globals listed are all there is
+            globs: list[tuple[str, str, str, list[str]]] = [(g.name, g.status, g.reason, []) for g in self.globals]
+            return {"verdict": self.verdict, "level": worst_level(g[1] for g in globs), "scan_verdict": None,
+                    "exit_code": None,
+                    "dangerous": [{"name": n, "reason": r, "where": w} for n, st, r, w in globs if st == DANGEROUS],
+                    "unknown": [n for n, st, _r, _w in globs if st == UNKNOWN],
+                    "needs_trust": [n for n, st, _r, _w in globs if level_of(st) == NEEDS_TRUST],
+                    "hidden_pickles": [], "notes": [], "code": [], "recognised": None}
+        return {
+            "verdict": self.verdict, "level": sc.level, "scan_verdict": sc.verdict, "exit_code": sc.exit_code,
+            "dangerous": [{"name": g.name, "reason": g.reason, "where": list(g.where)} for g in sc.globals
+                          if g.status == DANGEROUS],
+            "unknown": list(dict.fromkeys(g.name for g in sc.globals if g.status == UNKNOWN)),
+            "needs_trust": list(dict.fromkeys(g.name for g in sc.globals if g.level == NEEDS_TRUST)),
+            "hidden_pickles": [{"where": p.where, "globals": list(p.globals), "error": p.error,
+                                "level": sc.pickle_level(p)} for p in sc.hidden],
+            "notes": list(sc.notes),
+            "code": [c.to_dict() for c in sc.code],
+            "recognised": None if sc.recognised is None else {"kind": sc.recognised[0],
+                                                              "description": sc.recognised[1]},
+        }
+
+    @property
+    def unsafe_globals(self) -> list[str]:
+        return [g.name for g in self.globals if not g.allowed]
+
+    @property
+    def weights_only_loads(self) -> bool:
+        """True when ``torch.load(weights_only=True)`` (torch 2.13's rules) reads the file: every global on its
+        allowlist and every opcode one its unpickler reads."""
+        return not self.unsafe_globals and self.weights_only_refusal is None
+
+    @property
+    def verdict(self) -> str:
+        """``safe`` when every global of every pickle in the file is allowed (``ckptool scan --strict``'s verdict
+        from :attr:`scan`, ``error`` when a hidden part could not be read), else ``unsafe``."""
+        if self.scan is not None:
+            return self.scan.strict_verdict
+        return "unsafe" if any(g.status != ALLOWED for g in self.globals) else "safe"
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all storages, each counted once (tied weights and views share theirs)."""
+        return sum(self.storage_bytes.values())
+
+    def tree(self, *, fold: bool = True) -> TreeNode:
+        """The module tree of :attr:`tensors` by dotted key (:func:`ckptool.model.tree.build_tree`; repeated
+        numbered blocks folded into one node unless ``fold`` is False)."""
+        return build_tree((TensorRow(t.key, tuple(t.shape), t.dtype, t.device, t.nbytes) for t in self.tensors),
+                          fold=fold)
+
+    def _repr_html_(self) -> str:
+        """The summary and the module tree, for Jupyter (``ckptool.inspect(path)`` as a cell's last line)."""
+        facts = [("format", self.format), ("kind", self.kind), ("size", human_bytes(self.size)),
+                 ("tensors", f"{len(self.tensors)} in {self.storages} storages, {human_bytes(self.total_bytes)}"),
+                 ("devices", ", ".join(f"{d} ({n})" for d, n in self.devices.items()) or "-"),
+                 ("wrapper prefixes", "; ".join(f"{sd.path or '(top level)'}: {' '.join(sd.prefixes)}"
+                                                for sd in self.state_dicts if sd.prefixes) or "-"),
+                 ("safety", self.security().get("level") or self.verdict)]
+        return facts_table(self.path, facts) + tree_html(self.tree())
+

@@ -1,0 +1,1 @@
+"""scan: a checkpoint's globals, code and byte layout rated safe / needs-trust / dangerous."""

@@ -1,0 +1,330 @@
+"""``ckptool scan``: list every global each pickle in a file would import, and say whether loading it is safe.
+
+How a global is classified
+--------------------------
+Each global gets a status and a level from :func:`ckptool.model.allowlist.classify_global` (the rules, with the
+reason for each list, are in :mod:`ckptool.model.allowlist`):
+
+* **safe** (status ``allowed``): ``torch.load(weights_only=True)`` accepts it
+  (:data:`ckptool.model.allowlist.WEIGHTS_ONLY_ALLOWED`, taken from torch's
+  ``_weights_only_unpickler._get_allowed_globals()``). In a TorchScript archive (a zip holding ``constants.pkl``,
+  the test ``torch.load`` itself uses to hand the file to ``torch.jit.load``) the names that TorchScript's C++
+  unpickler resolves without Python are safe too: ``__torch__.*`` and ``torch.jit._pickle.*``.
+* **needs-trust** (status ``needs-trust`` or ``unknown``): a library class or rebuilder that runs no code of the
+  file's choosing (``torch.nn`` modules, optimizers, numpy arrays and RNG state, ``argparse.Namespace``, ``pathlib``
+  paths, DCP metadata records), or a class on no list (``mypkg.Net``: loading imports its package).
+* **dangerous**: a known process, file, network, import or code-evaluation gadget (``os.system``,
+  ``builtins.eval``, ``subprocess.Popen``, ``functools.partial``, ``torch.load`` inside a pickle...), or a
+  function on no list: loading would call it with arguments the file chooses.
+
+A file's ``level`` is the worst level of its globals. Its three-level ``verdict`` is ``dangerous`` when any global
+is (even if the pickle is damaged after it: ``torch.load`` would already have run it), else ``error`` when a pickle
+(or the file) could not be read to its end (ckptool cannot vouch for what follows), else its level. The strict
+verdict (``ckptool scan --strict``) is the single one of earlier versions: ``unsafe`` when any global is outside
+the weights_only allowlist, else ``error``, else ``safe``.
+
+Which pickles are read
+----------------------
+Scanning looks at the bytes, never at the file name, and reads every place a loader might find a pickle:
+
+* a zip (torch >= 1.6 or TorchScript): the members of the central directory torch's reader reads and of the one
+  ``zipfile`` reads (they differ for hand-made zips: ZIP64 records, entries past the count, data before the zip;
+  :mod:`ckptool.formats.zipdir`), ``data.pkl`` as torch finds it (ignoring case); every member named ``*.pkl`` /
+  ``*.debug_pkl`` / ``*.pickle`` (in any case) in any folder, duplicates included, with a bad CRC-32 noted but
+  still read (torch does not check it); members that are themselves zips are scanned recursively; other members
+  that start like a pickle are read too;
+* a ``torch.export`` archive (``.pt2``): the members its loader unpickles, whatever their first bytes: by name
+  (sample inputs, every ``data/constants/opaque_obj_*`` / ``custom_obj_*`` member, which ``torch.export.load``
+  unpickles whatever the configs say) and by every payload config (pickled payloads:
+  :func:`ckptool.formats.pt2.member_roles`); its raw tensor members are not read as pickles;
+* a legacy stream: its five pickles (magic number, protocol, ``sys_info``, main object, storage keys);
+* a legacy tar (torch < 0.4; any file whose first block ``tarfile`` accepts, V7 tars without ``ustar`` too, as
+  ``torch.load`` tries tar first): its ``sys_info``, ``pickle``, ``storages`` and ``tensors`` members (the last two
+  as pickles between raw blocks, as ``legacy_load`` reads them);
+* a plain pickle (whatever its name: ``.pt``, ``.bin``...);
+* in every case, data after the last pickle: further pickles in a row are read, and a zip appended to the file
+  (which ``zipfile`` and some scanners see instead of the leading pickle) is scanned as well;
+* safetensors files hold no pickle: their header is checked and they are safe;
+* a torch.distributed.checkpoint folder (or its ``.metadata`` / ``.distcp`` files) is read the way DCP reads it:
+  ``.metadata``, then each record's byte range of the ``.distcp`` files (:mod:`ckptool.ops.scan.dcp`);
+* in a folder, also what its loaders read outside it: the tag folder DeepSpeed's ``latest`` names and symlinked tag
+  folders, the shards an ``*.index.json`` names (``../x``, absolute, through a symlinked subfolder), each scanned
+  with a note saying which name leads there (:func:`_walk`); a folder (or index) in which nothing is found is a
+  :class:`~ckptool.errors.UsageError`, not an empty pass.
+
+Each pickle found says whether ``torch.load`` reads it today (``hidden`` when not: another zip member, a nested
+zip, data after the end): ``ckptool inspect`` reports the same analysis, so both give one verdict and say where a
+hidden pickle sits. The tensor bytes (``data/<key>`` records, DCP tensor data, legacy storage blocks) are never read:
+scanning costs what ``inspect`` costs. A file whose content is a known library file type is recognised
+(:func:`ckptool.model.allowlist.recognise_file`: accelerate's RNG state), to say what a needs-trust file is.
+
+Code that ships in a zip outside any pickle (native libraries, torch.package modules, TorchScript source) is
+reported too, and counts in the verdict (:mod:`ckptool.ops.scan.shipped_code`).
+
+Nothing is imported or called while scanning: the pickles are read by :mod:`ckptool.formats.unpickler`.
+"""
+
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
+from typing import cast
+
+from ckptool import _source as source
+from ckptool._source import RangeView, leaves_folder
+from ckptool.errors import CkptError, UsageError
+from ckptool.formats import detect as formats
+from ckptool.formats.dcp import is_dcp_folder
+from ckptool.formats.deepspeed import loaded_tag_folders
+from ckptool.formats.pickle_check import PickleBuffer
+from ckptool.formats.safetensors import read_header
+from ckptool.formats.sharded import INDEX_SUFFIX, parse_index, shard_outside
+from ckptool.model.allowlist import recognise_file
+from ckptool.ops.scan.byte_windows import _ZIP_EOCD, _ZIP_LOCAL, _zip_end
+from ckptool.ops.scan.dcp import dcp_part, scan_dcp_folder
+from ckptool.ops.scan.pickles import Preparsed, _NotAPickle
+from ckptool.ops.scan.results import (
+    EXIT_CODES,
+    STRICT_EXIT_CODES,
+    GlobalFinding,
+    PickleFinding,
+    ScanResult,
+    exit_status,
+)
+from ckptool.ops.scan.shipped_code import CodeScanner
+
+__all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult", "combine_results",
+           "exit_status", "iter_paths", "scan", "scan_file"]
+
+
+def scan_file(path: str | os.PathLike[str], *,
+              preparsed: Mapping[str, Preparsed] | None = None) -> ScanResult:
+    """Scan one file, or one DCP folder: every pickle in it (see the module docstring), each global classified.
+
+    Reads the file without importing or running anything from it, in time and memory bounded by its size (tensor
+    bytes are never read). Problems with the file's content never raise: they make the result's ``verdict``
+    ``error`` (with ``error`` or a pickle's ``error`` saying what happened), or ``dangerous`` when a dangerous
+    global was found first. ``preparsed`` maps the ``where`` of a pickle the caller already read whole with the
+    restricted unpickler (``inspect``: ``archive/data.pkl``) to its globals, root and end offset (or None), which
+    are then not read again.
+
+    Returns:
+        A :class:`ScanResult`; its ``exit_code`` is 0 (safe), 1 (dangerous), 2 (unreadable) or 4 (needs trust),
+        its ``strict_exit_code`` 0 (safe), 1 (unsafe) or 2 (unreadable).
+    """
+    path = os.fspath(path)
+    dcp = dcp_part(path)
+    if dcp is not None:
+        return scan_dcp_folder(*dcp)
+    res = ScanResult(path)
+    sc = CodeScanner(res, preparsed)  # the pickles, and the code that ships in each zip (ops/scan/shipped_code.py)
+    start = source.bytes_transferred()
+    try:
+        formats.check_readable(path)
+        # a URL: the zip / safetensors paths read by range (its directory, pickles and headers); others are copied
+        with source.open_binary(path) as f, source.whole_view(f, lazy=_indexed) as buf:
+            res.format = sc.any(buf, "", 0, f)
+            if res.format == formats.SAFETENSORS:
+                read_header(path)
+    except _NotAPickle:
+        res.error = _not_a_pickle(path)
+    except CkptError as e:
+        res.error = str(e)
+    except RecursionError:
+        res.error = f"{path}: nested too deeply to scan"
+    if res.format == formats.PICKLE and res.pickles and res.pickles[0].error and not res.globals:
+        res.error = _not_a_pickle(path)  # a PNG starts with a byte that is also an opcode: say what it is
+    if res.format in ("zip", formats.TORCH_ZIP) and not res.pickles and not res.error:
+        res.notes.append("the zip holds no pickle")
+    if type(sc.root) is dict:
+        res.recognised = recognise_file(sc.root, [g.name for g in res.globals])
+    if source.is_url(path):
+        res.bytes_read = source.bytes_transferred() - start
+    return res
+
+
+def _indexed(view: RangeView) -> bool:
+    """True for the layouts scanned through their index, which a remote file gives by range requests: safetensors
+    (its header) and a zip with nothing after its end record (its directory and members). Anything else is walked
+    from the start (pickles in a row, data appended after a zip) and read whole."""
+    head = view[:512]
+    if head[8:9] == b"{":
+        return True
+    # _zip_end only takes len() and slices, which a RangeView gives by range requests
+    return head.startswith((_ZIP_LOCAL, _ZIP_EOCD)) and _zip_end(cast("PickleBuffer", view)) == len(view)
+
+
+def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]) -> ScanResult:
+    """One result for a set of files (the shards of a sharded checkpoint): every part's pickles, globals, notes and
+    errors, each ``where`` prefixed by the part's name (``shard.bin!archive/data.pkl``)."""
+    res = ScanResult(path, fmt)
+    found: dict[tuple[str, str], GlobalFinding] = {}
+    errors = []
+    for name, part in parts:
+        res.pickles += [replace(p, where=f"{name}!{p.where}", globals=list(p.globals)) for p in part.pickles]
+        for g in part.globals:
+            acc = found.get((g.name, g.status))
+            if acc is None:
+                acc = found[g.name, g.status] = GlobalFinding(g.name, g.status, g.reason)
+                res.globals.append(acc)
+            acc.where += [f"{name}!{w}" for w in g.where]
+        res.notes += [f"{name}: {n}" for n in part.notes]
+        res.code += [replace(c, member=f"{name}!{c.member}") for c in part.code]
+        if part.error:
+            errors.append(f"{name}: {part.error}")
+    res.error = "; ".join(errors) or None
+    return res
+
+
+def _not_a_pickle(path: str) -> str:
+    try:
+        formats.detect_format(path)
+    except CkptError as e:
+        return str(e)
+    return f"{path} is not a pickle, a torch checkpoint or safetensors; nothing to scan"
+
+
+#: file name endings scanned inside a directory (explicit file arguments are always scanned)
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".jit", ".tar", ".zip", ".safetensors",
+                       ".model", ".pts", ".torchscript", ".mar", ".npy", ".joblib", ".dat", ".data", ".distcp",
+                       ".pt2")
+
+
+def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
+    """What to scan: each file as given, and in each directory (recursively, sorted) each torch.distributed.checkpoint
+    folder as one (its ``.metadata`` and ``.distcp`` files are read through it) and the other files whose name ends
+    like a checkpoint or whose first bytes are a zip, a pickle protocol 2-5 header or a legacy torch stream; then
+    what a loader of the directory reads outside it (:func:`_targets`). A sharded index given as a file
+    (``*.index.json``) stands for the shards it names.
+
+    Raises:
+        UsageError: a path does not exist; a directory or index holds no checkpoint file.
+    """
+    for path, _notes in _targets(paths):
+        yield path
+
+
+def _targets(paths: Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, list[str]]]:
+    """:func:`iter_paths`, each path with the notes to add to its result (why a file outside a scanned folder is
+    scanned)."""
+    for given in paths:
+        p = os.fspath(given)
+        if source.is_url(p):  # one remote file (folders are walked only on disk)
+            if source.kind(p) != "file":
+                raise UsageError(f"{p}: no such file; check the URL (give a file, not a folder)")
+            yield p, []
+            continue
+        if not os.path.exists(p):
+            raise UsageError(f"{p}: no such file or directory; check the path")
+        if os.path.isdir(p) or p.endswith(INDEX_SUFFIX):
+            found = 0
+            items = _walk(p) if os.path.isdir(p) else _followed(_index_shards(p, os.path.dirname(p) or "."), set())
+            for item in items:
+                found += 1
+                yield item
+            if not found:
+                raise UsageError(_nothing_found(p))
+            continue
+        yield p, []
+
+
+def _nothing_found(p: str) -> str:
+    if os.path.isdir(p):
+        return (f"{p} holds no checkpoint file (none named *.pt, *.bin, *.safetensors, ... or starting like a zip "
+                "or a pickle, no torch.distributed.checkpoint folder, in any subfolder); nothing was scanned: check "
+                "the path, or pass the checkpoint files themselves")
+    return f"{p} names no shard file that exists; nothing was scanned: download the shards, or scan them directly"
+
+
+def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
+    """The checkpoint files under the folder ``top`` (recursively, sorted, symlinked subfolders not entered), then
+    the files a loader of ``top`` reads from outside it: the shards a ``*.index.json`` names and the files of the
+    DeepSpeed tag folders ``latest`` or a symlinked tag folder lead to (:func:`_followed`)."""
+    seen: set[str] = set()
+    away: list[tuple[str, str]] = []
+    for root, dirs, files in os.walk(top):
+        dirs.sort()
+        dcp = is_dcp_folder(root)
+        if dcp:
+            seen.add(os.path.realpath(root))
+            yield root, []
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            if name.endswith(INDEX_SUFFIX):
+                away += _index_shards(full, top)
+            if dcp and (name == ".metadata" or name.endswith(".distcp")):
+                continue
+            if _is_candidate(full):
+                seen.add(os.path.realpath(full))
+                yield full, []
+        for folder, why in loaded_tag_folders(root, (dirs, files)):
+            away += [(f, f"{why}; DeepSpeed reads it from there") for f in _folder_files(folder)]
+    yield from _followed(away, seen)
+
+
+def _is_candidate(full: str) -> bool:
+    if os.path.islink(full) and not os.path.isfile(full):
+        return False
+    return os.path.basename(full).lower().endswith(CHECKPOINT_SUFFIXES) or _looks_like_checkpoint(full)
+
+
+def _folder_files(folder: str) -> list[str]:
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [os.path.join(folder, n) for n in names if os.path.isfile(os.path.join(folder, n))
+            and _is_candidate(os.path.join(folder, n))]
+
+
+def _index_shards(index_path: str, top: str) -> list[tuple[str, str]]:
+    """The shards the index at ``index_path`` names, each with why it is outside ``top`` ("" when it is not): the
+    paths ``transformers`` opens (``os.path.join(index folder, shard)``). An index that does not parse gives none
+    (its loader fails too)."""
+    try:
+        index = parse_index(index_path)
+    except CkptError:
+        return []
+    out = []
+    for shard in index.shards:
+        path = index.shard_path(shard)
+        why = shard_outside(index, shard) or leaves_folder(top, path)
+        out.append((path, f"{index_path} names the shard {shard!r}: {why}; transformers reads it from there"
+                    if why else ""))
+    return out
+
+
+def _followed(away: list[tuple[str, str]], seen: set[str]) -> Iterator[tuple[str, list[str]]]:
+    """Each existing file of ``away`` (path, why) whose real path was not scanned yet (``seen``), with its note."""
+    for path, why in away:
+        real = os.path.realpath(path)
+        if real in seen or not os.path.isfile(path):
+            continue
+        seen.add(real)
+        yield path, [f"outside the scanned folder: {why}"] if why else []
+
+
+def _looks_like_checkpoint(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head.startswith(_ZIP_LOCAL) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+
+
+def scan(paths: Iterable[str | os.PathLike[str]]) -> list[ScanResult]:
+    """:func:`scan_file` for everything :func:`iter_paths` yields (files as given, directories walked, DCP folders
+    as one each).
+
+    Raises:
+        UsageError: a path does not exist; a directory (or a sharded index) holds no checkpoint file.
+    """
+    results = []
+    for p, notes in _targets(paths):
+        res = scan_file(p)
+        res.notes += notes
+        results.append(res)
+    return results

@@ -1,0 +1,544 @@
+"""The engine of ``ckptool scan``: every pickle in a byte container (zip members, nested zips, legacy streams and
+tars, plain pickles, data appended after any of them) read with the restricted unpickler, each global classified
+by :func:`ckptool.model.allowlist.classify_global` into a :class:`~ckptool.ops.scan.results.ScanResult`. The
+policy, and which pickles are read, are described in :mod:`ckptool.ops.scan.entry`; DCP folders are walked by
+:mod:`ckptool.ops.scan.dcp`, legacy tar archives by :mod:`ckptool.ops.scan.tar`. Nothing is imported or called
+from the file.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import zlib
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from itertools import compress, repeat
+from operator import not_, or_
+from typing import Any, BinaryIO, TypeAlias, cast
+
+from ckptool import _source as source
+from ckptool.errors import CkptError, CorruptCheckpointError
+from ckptool.formats import detect as formats
+from ckptool.formats.dtypes import STORAGE_TYPES
+from ckptool.formats.nodes import GlobalMeta, ObjectNode, ReduceNode, StorageRef, qualified_name
+from ckptool.formats.pickle_check import PickleBuffer, check_pickle
+from ckptool.formats.pt2 import is_pt2_names, member_roles
+from ckptool.formats.unpickler import load_pickle_at, partial_globals
+from ckptool.formats.zipdir import (
+    MAX_RATIO,
+    Directory,
+    TorchRecords,
+    ZipEntry,
+    plain_directory,
+    read_directory,
+    read_member,
+    read_member_head,
+    zipfile_directory,
+)
+from ckptool.model.allowlist import ALLOWED, classify_global
+from ckptool.model.graph import depth_first, node_children
+from ckptool.ops.scan.byte_windows import _ZIP_EOCD, _ZIP_LOCAL, Container, Window, _eocd, _zip_end, _zip_start
+from ckptool.ops.scan.results import GlobalFinding, PickleFinding, ScanResult
+from ckptool.ops.scan.tar import _PICKLE_FIRST, MAX_PICKLES_IN_A_ROW, _in, _join, scan_tar
+
+__all__ = ["MAX_KEY_PATHS", "Container", "Window", "key_paths"]
+
+# ------------------------------------------------------------------------------------------------ scanning
+#: what a caller (``inspect``) already read of a pickle: its globals, its root node, the offset after its STOP opcode
+#: (None: unknown)
+Preparsed: TypeAlias = tuple[list[str], Any, int | None]
+_PICKLE_SUFFIXES = (".pkl", ".debug_pkl", ".pickle")
+#: folders of a torch zip / TorchScript archive holding tensor bytes and TorchScript source, which no loader unpickles
+_STORAGE_DIRS = ("data/", "constants/", ".data/", "code/")
+#: zips inside zips are scanned this deep; a zip deeper still is an unreadable finding (the verdict is then no
+#: better than ``error``)
+MAX_ZIP_DEPTH = 16
+#: the bytes a scan inflates (or copies, for nested zips) from zip members: this plus :data:`MAX_RATIO` times the
+#: file's size; members past it are unreadable findings. Members sharing one local header are read once.
+INFLATE_BUDGET = 64 << 20
+
+
+class _Scanner:
+    def __init__(self, res: ScanResult, preparsed: Mapping[str, Preparsed] | None = None) -> None:
+        self.res = res
+        self.torchscript = False
+        #: classify the globals of DCP ``.metadata`` (its own record classes and pathlib paths are data there)
+        self.dcp_metadata = False
+        #: the pickles torch's loader reads (every other one is hidden)
+        self.loaded: set[str] = set()
+        #: ``where`` -> (globals, root, end) of pickles the caller already read whole (``inspect``), not read again;
+        #: ``end``: the offset after its STOP opcode, or None (unknown: the opcodes are walked to find it)
+        self.preparsed = dict(preparsed or {})
+        #: the zip member being scanned when its bytes match its CRC-32
+        self._crc_checked: str | None = None
+        self._globals: dict[tuple[str, str], GlobalFinding] = {}
+        self.root: Any = None  # the root of the first pickle torch's loader reads
+        #: per torch.export zip (by ``where``): the members its loader unpickles, and its raw tensor members
+        self.pt2_roles: dict[str, tuple[set[str], set[str]]] = {}
+        #: bytes left to inflate from zip members (:data:`INFLATE_BUDGET`), set from the file's size
+        self.inflate_left: int | None = None
+        #: labels of the members of the zip being walked whose name another member has too (by ``id`` of the entry)
+        self._labels: dict[int, str] = {}
+
+    # -- recording -------------------------------------------------------------------------------------------
+    def record(self, finding: PickleFinding, root: Any = None) -> None:
+        finding.hidden = finding.where not in self.loaded
+        if not finding.hidden and self.root is None and root is not None:
+            self.root = root
+        self.res.pickles.append(finding)
+        rated = [(name, *classify_global(name, torchscript=self.torchscript, dcp_metadata=self.dcp_metadata))
+                 for name in finding.globals]
+        if root is not None and any(status != ALLOWED for _n, status, _r in rated):
+            finding.key_paths = key_paths(root, {n for n, status, _r in rated if status != ALLOWED})
+        for name, status, reason in rated:
+            g = self._globals.get((name, status))
+            if g is None:
+                g = self._globals[name, status] = GlobalFinding(name, status, reason)
+                self.res.globals.append(g)
+            if finding.where not in g.where:
+                g.where.append(finding.where)
+
+    def take_preparsed(self, buf: PickleBuffer, where: str) -> int | None:
+        """Record the pickle at the start of ``buf`` from :attr:`preparsed` if the caller read it already, and
+        return where it ends (its opcodes walked again, not unpickled, unless the caller gave its end and ``buf`` is
+        a zip member whose CRC-32 matched: the bytes the caller's reader checked against the same CRC); None if
+        not."""
+        got = self.preparsed.pop(where, None)
+        if got is None:
+            return None
+        names, root, known_end = got
+        if known_end is not None and where == self._crc_checked and 0 < known_end <= len(buf):
+            end = known_end
+        else:
+            try:
+                end = check_pickle(buf, 0, what=where, exact=False)
+            except CkptError:
+                return None  # read it the ordinary way
+        self.record(PickleFinding(where, 0, list(names)), root)
+        return end
+
+    def _unreadable_member(self, label: str, is_pickle: bool, err: Exception) -> None:
+        """A zip member that could not be read: a finding for a pickle member, a note for anything else."""
+        if is_pickle:
+            self.record(PickleFinding(label, 0, [], str(err)))
+        else:
+            self.note(f"member {label} could not be read ({err})")
+
+    def note(self, text: str) -> None:
+        self.res.notes.append(text)
+
+    # -- one pickle ------------------------------------------------------------------------------------------
+    def parse(self, buf: PickleBuffer, pos: int, where: str, *, required: bool = True) -> int | None:
+        """Read the pickle at ``buf[pos]``; record it; return the offset after its STOP, or None if it failed.
+        A failed optional pickle (data after the last pickle) is recorded only when it named a global."""
+        if pos == 0 and where in self.preparsed and where in self.loaded:
+            end = self.take_preparsed(buf, where)
+            if end is not None:
+                return end
+        try:
+            root, up, end = load_pickle_at(buf, pos, where)
+        except CkptError as e:
+            names = self._globals_before_failure(buf, pos, where, e)
+            if required or names:
+                self.record(PickleFinding(where, pos, names, str(e)))
+            return None
+        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root)
+        return end
+
+    def _globals_before_failure(self, buf: PickleBuffer, pos: int, what: str, e: CkptError) -> list[str]:
+        up = getattr(e, "unpickler", None)
+        if up is not None:  # unpickling itself failed: what it named so far
+            return [qualified_name(m, n) for m, n in up.globals_seen]
+        stop = getattr(e, "offset", None)
+        if stop is None:
+            return []
+        try:  # refused by the checks: read the flat stream (frames ignored) as far as it is sound
+            end = check_pickle(buf, pos, what=what, exact=False, strict_frames=False)
+            seen = partial_globals(buf, pos, end)
+        except CkptError as e2:
+            seen = partial_globals(buf, pos, getattr(e2, "offset", stop))
+        return [qualified_name(m, n) for m, n in seen]
+
+    def parse_root(self, buf: PickleBuffer, pos: int, where: str) -> tuple[Any, int] | None:
+        """:meth:`parse` that also returns the pickle's root: ``(root, end)``, or None when it failed (recorded)."""
+        try:
+            root, up, end = load_pickle_at(buf, pos, where)
+        except CkptError as e:
+            self.record(PickleFinding(where, pos, self._globals_before_failure(buf, pos, where, e), str(e)))
+            return None
+        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root)
+        return root, end
+
+    def pickles_in_a_row(self, buf: PickleBuffer, pos: int, where: str, *, first_required: bool = True) -> int | None:
+        """Read pickles one after another from ``pos`` while the data looks like one; return the offset where
+        reading stopped (``len(buf)`` when everything was read), or None when the first, required, pickle failed."""
+        n = 0
+        size = len(buf)
+        while pos < size and n < MAX_PICKLES_IN_A_ROW:
+            if n and (buf[pos] not in _PICKLE_FIRST or buf[pos:pos + 4] == _ZIP_LOCAL):
+                return pos
+            label = where if n == 0 else f"{where} (pickle {n + 1} in a row, byte {pos})"
+            end = self.parse(buf, pos, label, required=n == 0 and first_required)
+            if end is None:
+                return None if n == 0 and first_required else pos
+            pos = end
+            n += 1
+        return pos
+
+    # -- containers ------------------------------------------------------------------------------------------
+    def any(self, buf: PickleBuffer, where: str, depth: int, f: BinaryIO | None = None) -> str:
+        """Scan ``buf`` (bytes or mmap, optionally its open file ``f``) as whatever its bytes say it is: the file
+        ``torch.load`` would read (its own pickles are not hidden), in torch.load's order: a zip (``PK\\x03\\x04``),
+        else a tar if ``tarfile`` accepts its first header (``_legacy_load`` tries it first), else a legacy stream or
+        a pickle; safetensors by its header."""
+        if self.inflate_left is None:
+            self.inflate_left = INFLATE_BUDGET + MAX_RATIO * len(buf)
+        head = bytes(buf[:512])
+        if head.startswith((_ZIP_LOCAL, _ZIP_EOCD)):
+            return self.zip(buf, where, depth, f, loaded=True)
+        if formats.is_tar(head):
+            try:
+                scan_tar(self, buf, where, depth)
+            except CorruptCheckpointError as err:
+                self.note(f"the tar header at byte 0{_in(where)} is valid but the archive could not be read ({err})")
+            else:
+                if head[0] in _PICKLE_FIRST:  # pickle.load (and tools that use it) read the file's first bytes
+                    self.parse(buf, 0, _join(where, "pickle at byte 0 (read by pickle.load, not torch.load)"),
+                               required=False)
+                self.appended_zip(buf, 512, where, depth)
+                return "legacy-tar"
+        if formats.is_legacy_stream(head):
+            self.legacy(buf, where, depth)
+            return formats.TORCH_LEGACY
+        if len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] + 8 <= len(buf):
+            self.appended_zip(buf, struct.unpack("<Q", head[:8])[0] + 8, where, depth)
+            return formats.SAFETENSORS
+        if not head or head[0] not in _PICKLE_FIRST:
+            raise _NotAPickle()
+        self.pickle_file(buf, where, depth)
+        return formats.PICKLE
+
+    def pickle_file(self, buf: PickleBuffer, where: str, depth: int, *, loaded: bool = True) -> None:
+        """A plain pickle (``pickle.load`` and ``torch.load`` read its first pickle), then any data after it."""
+        label = where or "pickle at byte 0"
+        if loaded:
+            self.loaded.add(label)
+        end = self.parse(buf, 0, label)
+        if end is not None and end < len(buf):
+            self.trailing(buf, end, where, depth)
+
+    def trailing(self, buf: PickleBuffer, pos: int, where: str, depth: int) -> None:
+        """Data after the structures a loader reads: further pickles in a row, then possibly an appended zip."""
+        rest = pos
+        if buf[pos] in _PICKLE_FIRST and buf[pos:pos + 4] != _ZIP_LOCAL:
+            rest = self.pickles_in_a_row(buf, pos, _join(where, f"data after the last pickle, byte {pos}"),
+                                         first_required=False) or pos
+        if not self.appended_zip(buf, rest, where, depth) and rest < len(buf):
+            self.note(f"{len(buf) - rest} bytes at byte {rest}{_in(where)} are not a pickle (no loader reads them)")
+
+    def appended_zip(self, buf: PickleBuffer, pos: int, where: str, depth: int) -> bool:
+        """Scan the zip whose end record lies after byte ``pos`` of ``buf`` (after a pickle, a safetensors header,
+        a legacy stream or a tar), as torch's zip reader (offsets from the file's start) and ``zipfile`` (offsets
+        from the zip's start) read it: both views, whichever holds. Returns False when there is no such record."""
+        found = _eocd(buf)
+        if found is None or found[0] < pos:
+            return False
+        start = _zip_start(buf, pos)
+        if start is not None and start > pos:
+            self.note(f"{start - pos} bytes at byte {pos}{_in(where)} are not a pickle")
+        at = start if start is not None else found[0]
+        what = "appended at byte" if start is not None else "appended (offsets from the file's start), its end at byte"
+        self.note(f"a zip archive is {what} {at}{_in(where)} (zipfile-based tools and torch's zip reader read it "
+                  "instead)")
+        window = buf if isinstance(buf, Window) else Window(buf, 0, len(buf))
+        try:
+            self.zip(window, _join(where, f"appended zip at byte {at}"), depth + 1)
+        except CkptError as err:
+            self.note(f"the zip at byte {at}{_in(where)} could not be read ({err})")
+        return True
+
+    def zip(self, buf: Container, where: str, depth: int, f: BinaryIO | None = None, *, loaded: bool = False) -> str:
+        """Every pickle-bearing member of the zip in ``buf`` (``f``: the same bytes as a file), then data after
+        its end. The members are those of torch's central directory and of ``zipfile``'s, both
+        (:func:`_directories`). ``loaded``: torch's loader reads this zip (the file itself, a DCP item), so the
+        members it unpickles (``data.pkl`` as torch finds it, ignoring case; ``constants.pkl`` of a TorchScript
+        archive) are not hidden."""
+        if depth > MAX_ZIP_DEPTH:
+            self.record(PickleFinding(where, 0, [], f"zips nested more than {MAX_ZIP_DEPTH} deep: not scanned"))
+            return "zip"
+        if f is None:
+            f = cast(BinaryIO, buf) if isinstance(buf, Window) else io.BytesIO(
+                buf if isinstance(buf, bytes) else bytes(buf))
+        size = len(buf)
+        if self.inflate_left is None:
+            self.inflate_left = INFLATE_BUDGET + MAX_RATIO * size
+        top_file = depth == 0 and not where and not source.is_url(self.res.path) and \
+            size == os.path.getsize(self.res.path)
+        torch_view, entries = self._directories(f, size, where, top_file)
+        if not entries:
+            raise CorruptCheckpointError(f"empty zip archive{_in(where)}")
+        base = torch_view if torch_view else entries
+        recs = TorchRecords(base)
+        top = recs.prefix or ""
+        names = [e.name for e in entries]
+        name_set = set(names)
+        data_pkl = recs.find("data.pkl")
+        self.torchscript = self.torchscript or (depth == 0 and top + "constants.pkl" in name_set)
+        kind = "torchscript" if top + "constants.pkl" in name_set else (
+            formats.TORCH_ZIP if data_pkl is not None else "zip")
+        if kind == "zip" and is_pt2_names(names):
+            kind = formats.PT2
+            try:
+                self.pt2_roles[where] = member_roles(f, size, entries, where or self.res.path)
+            except CkptError as err:
+                self.note(f"the torch.export configs{_in(where)} could not be read ({err}); members were scanned by "
+                          "their first bytes")
+        dups = {n for n, c in Counter(names).items() if c > 1} if len(name_set) < len(names) else set()
+        labels = self._labels = {id(e): _join(where, f"{e.name} (local header at byte {e.header_offset})")
+                                 for e in entries if e.name in dups}
+        if loaded and torch_view is not None:
+            self._mark_loaded(where, kind, recs, names)
+        self._case_notes(where, recs, ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",))
+        if len(name_set) < len(names):
+            seen: set[str] = set()
+            for e in entries:
+                if e.name in seen:
+                    self.note(f"the zip{_in(where)} holds two members named {e.name!r}: loaders may read either; "
+                              "both were scanned")
+                seen.add(e.name)
+        todo: Iterable[ZipEntry] = entries
+        if kind not in ("zip", formats.PT2):
+            # tensor records (50,000 in a big state_dict) left out here, as zip_member would skip them, without a
+            # call each: the members under the top folder's storage folders whose names do not end as a pickle's
+            # (in any case)
+            in_storage = map(str.startswith, names, repeat(tuple(top + d for d in _STORAGE_DIRS)))
+            pickled = map(str.endswith, map(str.lower, names), repeat(_PICKLE_SUFFIXES))
+            todo = compress(entries, map(or_, map(not_, in_storage), pickled))
+        shared: dict[tuple[int, int, int, int], list[str]] = {}
+        for e in todo:
+            self._labels = labels  # (a nested zip has its own)
+            self.zip_member(f, e, top, kind, where, depth, shared)
+        for group in shared.values():
+            if len(group) > 1:
+                more = f" and {len(group) - 4} more" if len(group) > 4 else ""
+                self.note(f"members {', '.join(group[1:4])}{more} have the data of {group[0]} (one local header): "
+                          "scanned once")
+        end = _zip_end(buf)
+        if end is not None and end < size:
+            if isinstance(buf, Window):  # the bytes after the zip, by themselves (hostile or odd: rarely big)
+                self.trailing(buf[end:], 0, _join(where, f"data after the zip's end at byte {end}"), depth)
+            else:
+                self.trailing(buf, end, where, depth)
+        return kind
+
+    def _directories(self, f: BinaryIO, size: int, where: str, top_file: bool) -> tuple[list[ZipEntry] | None,
+                                                                                        list[ZipEntry]]:
+        """torch's central directory of the zip in ``f`` (None when torch's reader refuses it) and the union of
+        it with ``zipfile``'s (:func:`ckptool.formats.zipdir.zipfile_directory`), torch's entries first; a note
+        says where the two readers disagree.
+
+        Raises:
+            CorruptCheckpointError: neither reader can read the directory.
+        """
+        label = where or self.res.path
+        torch_view: Directory | None = None
+        torch_err: CkptError | None = None
+        try:
+            # the file itself: its directory as format detection and the readers parsed it (cached per version)
+            got = formats.zip_entries(self.res.path) if top_file else read_directory(f, size, label)
+            torch_view = got if isinstance(got, Directory) else read_directory(f, size, label)
+        except CkptError as err:
+            torch_err = err
+        try:
+            zf_view: list[ZipEntry] | None = zipfile_directory(f, size, label, torch_view)
+        except CkptError as err:
+            if torch_err is not None:
+                raise torch_err from None
+            assert torch_view is not None
+            self.note(f"Python's zipfile cannot read the zip{_in(where)} ({err}); torch's reader can: its members "
+                      "were scanned")
+            return torch_view, list(torch_view)
+        assert zf_view is not None
+        if torch_view is None:
+            self.note(f"torch's zip reader refuses the zip{_in(where)} ({torch_err}); Python's zipfile reads it: "
+                      "its members were scanned")
+            return None, zf_view
+        have = {(e.name, e.header_offset) for e in torch_view}
+        extra: list[ZipEntry] = []
+        if zf_view is not torch_view:
+            extra = [e for e in zf_view if (e.name, e.header_offset) not in have]
+            if extra or len(zf_view) != len(torch_view):
+                z = cast(Directory, zf_view).end
+                self.note(f"torch's zip reader and Python's zipfile read different central directories{_in(where)} "
+                          f"(torch: {len(torch_view)} entries at byte {torch_view.end.offset}; zipfile: "
+                          f"{len(zf_view)} entries at byte {z.offset}): the members of both were scanned")
+        t = torch_view.end
+        if t.plain is not None and t.plain != (t.entries, t.size, t.offset) and 0xFFFF not in t.plain[:1] and \
+                0xFFFFFFFF not in t.plain[1:]:  # readers that take the ZIP64 record only when the 32-bit one is full
+            try:
+                plain = plain_directory(f, size, label)
+            except CkptError:
+                plain = Directory()
+            more = [e for e in plain if (e.name, e.header_offset) not in have]
+            if more:
+                self.note(f"the zip's 32-bit end record{_in(where)} points to another central directory than its "
+                          f"ZIP64 end record (which torch and zipfile read): its {len(plain)} entries were scanned too")
+                have.update((e.name, e.header_offset) for e in extra)
+                extra += [e for e in more if (e.name, e.header_offset) not in have]
+        return torch_view, list(torch_view) + extra
+
+    def _mark_loaded(self, where: str, kind: str, recs: TorchRecords, names: list[str]) -> None:
+        """Mark the members torch's loader unpickles in a zip it reads (as it finds them: ignoring case)."""
+        if kind == formats.PT2:  # torch.export.load unpickles these members
+            self.loaded.update(_join(where, n) for n in self.pt2_roles.get(where, (set(), set()))[0])
+        elif kind != "zip":
+            for rec in ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",):
+                e = recs.find(rec)
+                if e is not None:
+                    self.loaded.add(self._labels.get(id(e)) or _join(where, e.name))
+            if kind == "torchscript":  # torch.jit.load also unpickles the source ranges of code/
+                self.loaded.update(_join(where, n) for n in names if n.endswith(".debug_pkl"))
+
+    def _case_notes(self, where: str, recs: TorchRecords, records: Iterable[str]) -> None:
+        """A note for each pickle record whose name several members match but for case, or only in another case:
+        torch's reader ignores case, ``zipfile`` does not."""
+        for rec in records:
+            found = recs.variants(rec)
+            exact = (recs.prefix or "") + rec
+            if len(found) > 1 or (found and found[0].name != exact):
+                chosen = recs.find(rec)
+                self.note(f"the zip{_in(where)} holds {', '.join(repr(e.name) for e in found)} for {rec}: torch's "
+                          f"reader ignores case and reads {chosen.name if chosen else None!r}, zipfile-based tools "
+                          f"read {exact!r}{'' if exact in {e.name for e in found} else ' (absent)'}; all were scanned")
+
+    def zip_member(self, f: BinaryIO, e: ZipEntry, top: str, kind: str, where: str, depth: int,
+                   shared: dict[tuple[int, int, int, int], list[str]] | None = None) -> None:
+        """One member: read if its name or first bytes say pickle or zip; a member whose data another member
+        already had (the same local header, sizes and method) is not inflated again; the bytes inflated for the
+        whole file are capped (:data:`INFLATE_BUDGET`)."""
+        name = e.name
+        rel = name[len(top):] if name.startswith(top) else name
+        label = self._labels.get(id(e)) or _join(where, name)
+        if name.endswith("/"):
+            return
+        pickled, raw = self.pt2_roles.get(where, (set(), set()))
+        storage = kind not in ("zip", formats.PT2) and rel.startswith(_STORAGE_DIRS)
+        storage = storage or name in raw
+        is_pickle = name.lower().endswith(_PICKLE_SUFFIXES) or name in pickled
+        if storage and not is_pickle:
+            return  # tensor bytes and TorchScript source: no loader unpickles them
+        key = (e.header_offset, e.compress_size, e.method, e.file_size)
+        if shared is not None:
+            group = shared.setdefault(key, [])
+            group.append(label)
+            if len(group) > 1:
+                return
+        try:
+            head = read_member_head(f, e, label)
+        except CkptError as err:
+            self._unreadable_member(label, is_pickle, err)
+            return
+        nested = head.startswith(_ZIP_LOCAL)
+        looks_pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+        if not (is_pickle or nested or looks_pickled):
+            return
+        cost = e.file_size if e.method != 0 else e.compress_size
+        if self.inflate_left is not None:
+            if cost > self.inflate_left:
+                self.record(PickleFinding(label, 0, [], (
+                    f"not read: the file's members come to more than {INFLATE_BUDGET >> 20} MiB + {MAX_RATIO} times "
+                    "the file's size once inflated (members sharing or overlapping their data: a zip bomb?)")))
+                return
+            self.inflate_left -= cost
+        try:
+            data = read_member(f, e, label, check_crc=False)
+        except CkptError as err:
+            self._unreadable_member(label, is_pickle, err)
+            return
+        crc_ok = (e.crc & 0xFFFFFFFF) == zlib.crc32(data)
+        if not crc_ok:
+            self.note(f"member {label} fails its CRC-32 check (torch does not check it); scanned anyway")
+        self._crc_checked = label if crc_ok else None
+        if nested:
+            self.note(f"member {label} is a zip archive; scanned it too")
+            try:
+                self.zip(data, label, depth + 1)
+            except CkptError as err:
+                self.note(f"the zip in member {label} could not be read ({err})")
+            return
+        rest = self.pickles_in_a_row(data, 0, label, first_required=is_pickle)
+        if rest is not None and rest < len(data):
+            self.trailing(data, rest, label, depth)
+
+    def legacy(self, buf: PickleBuffer, where: str, depth: int) -> None:
+        """The five pickles of a torch legacy stream (torch/serialization.py ``_legacy_load``), then its storage
+        blocks, to find data after them."""
+        pos = 0
+        main_storages: dict[str, StorageRef] = {}
+        keys: object = None
+        for i, part in enumerate(("magic number", "protocol version", "sys_info", "main pickle", "storage keys")):
+            label = _join(where, f"legacy {part}")
+            if not where:
+                self.loaded.add(label)
+            try:
+                root, up, end = load_pickle_at(buf, pos, label, storages=main_storages if i == 3 else None)
+            except CkptError as e:
+                self.record(PickleFinding(label, pos, self._globals_before_failure(buf, pos, label, e), str(e)))
+                return
+            self.record(PickleFinding(label, pos, [qualified_name(m, n) for m, n in up.globals_seen]),
+                        root if i == 3 else None)
+            if i == 4:
+                keys = root
+            pos = end
+        # the storage blocks: 8-byte element count + numel * element size bytes each, in key order
+        if not isinstance(keys, list):
+            self.note("the legacy storage key list is not a list; data after it was not checked")
+            return
+        for key in keys:
+            ref = main_storages.get(str(key)) if isinstance(key, (str, int)) else None
+            head = bytes(buf[pos:pos + 8])
+            if ref is None or len(head) != 8:
+                self.note("the legacy storage blocks do not match the storage keys; data after them was not checked")
+                return
+            numel = struct.unpack("<q", head)[0]
+            elsize = STORAGE_TYPES.get(ref.storage_type_name, ("", 1))[1]
+            if numel < 0 or pos + 8 + numel * elsize > len(buf):
+                self.note("a legacy storage block runs past the end of the file; data after it was not checked")
+                return
+            pos += 8 + numel * elsize
+        if pos < len(buf):
+            self.trailing(buf, pos, where, depth)
+
+class _NotAPickle(Exception):
+    pass
+
+
+#: the most key paths reported per global and pickle
+MAX_KEY_PATHS = 5
+
+
+def key_paths(root: Any, names: set[str]) -> dict[str, list[str]]:
+    """Where in the object ``root`` (a restricted unpickler's graph) each global of ``names`` is used: dotted key
+    paths (:func:`ckptool.model.graph.node_children`'s, ``(top level)`` for the root itself), at most
+    :data:`MAX_KEY_PATHS` each. A global used only inside another call's callable is not located. Never raises."""
+    out: dict[str, list[str]] = {}
+
+    def leaf(obj: Any) -> str | None:
+        if isinstance(obj, GlobalMeta):
+            name: str | None = obj.qualified_name
+        elif isinstance(obj, (ReduceNode, ObjectNode)):
+            name = obj.global_name
+        else:
+            return None
+        return name if name in names else None
+
+    try:
+        for path, name in depth_first(root, "", node_children, leaf):
+            found = out.setdefault(name, [])
+            if len(found) < MAX_KEY_PATHS and (path or "(top level)") not in found:
+                found.append(path or "(top level)")
+    except (CkptError, RecursionError):
+        pass
+    return out

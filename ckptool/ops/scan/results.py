@@ -1,0 +1,193 @@
+"""The results of ``ckptool scan`` (:class:`ScanResult`: the pickles found, each global with its status and level,
+the verdicts and exit statuses), shared by the container walk (:mod:`ckptool.ops.scan.pickles`), DCP folders
+(:mod:`ckptool.ops.scan.dcp`), the SARIF log (:mod:`ckptool.ops.scan.sarif`) and ``inspect``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptool.model.allowlist import (
+    ALLOWED,
+    DANGEROUS,
+    LEVELS,
+    NEEDS_TRUST,
+    SAFE,
+    level_of,
+    worst_level,
+)
+
+__all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "CodeFinding", "GlobalFinding", "PickleFinding", "ScanResult",
+           "exit_status"]
+
+#: the ``ckptool scan`` exit status of each verdict (3 is every command's internal-error status)
+EXIT_CODES: dict[str, int] = {SAFE: 0, DANGEROUS: 1, "error": 2, NEEDS_TRUST: 4}
+#: the exit status of each strict verdict (``--strict``: the codes of earlier versions)
+STRICT_EXIT_CODES: dict[str, int] = {"safe": 0, "unsafe": 1, "error": 2}
+
+# ------------------------------------------------------------------------------------------------ results
+@dataclass
+class PickleFinding:
+    """One pickle found in a file: ``where`` (``archive/data.pkl``, ``pickle at byte 0``, ``legacy sys_info``,
+    ``inner.zip!archive/data.pkl``...), its byte ``offset`` in that container, the ``globals`` it names
+    (``module.qualname``, first use first) and ``error`` when it could not be read to its STOP opcode (the globals
+    are then those named before the failure)."""
+
+    where: str
+    offset: int
+    globals: list[str] = field(default_factory=list)
+    error: str | None = None
+    #: True when ``torch.load`` (or ``torch.jit.load``, torch.distributed.checkpoint's reader) does not read this
+    #: pickle today (another zip member, a nested zip, data after the end, a second pickle in a row): another
+    #: loader, an extraction tool or a later torch may
+    hidden: bool = False
+    #: for each global outside the weights_only allowlist, the dotted key paths in the pickle's object where it
+    #: is used (``model.evil``, ``(top level)``; at most :data:`MAX_KEY_PATHS`; empty when it could not be located)
+    key_paths: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class GlobalFinding:
+    """A global named anywhere in the file, its status (``allowed`` / ``needs-trust`` / ``unknown`` /
+    ``dangerous``, :func:`ckptool.model.allowlist.classify_global`), why, and the pickles (``where``) that name it."""
+
+    name: str
+    status: str
+    reason: str
+    where: list[str] = field(default_factory=list)
+
+    @property
+    def level(self) -> str:
+        """``safe``, ``needs-trust`` or ``dangerous`` (:func:`ckptool.model.allowlist.level_of`)."""
+        return level_of(self.status)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``name``, ``status``, ``level``, ``reason``, ``where``: one entry of ``ckptool scan --json``."""
+        return {"name": self.name, "status": self.status, "level": self.level, "reason": self.reason,
+                "where": list(self.where)}
+
+
+@dataclass
+class CodeFinding:
+    """Code that ships inside the file and that its normal loader runs or may run, outside any pickle
+    (:mod:`ckptool.ops.scan.shipped_code`): ``member`` (``where`` of the zip member, ``archive/code/`` for a TorchScript
+    archive's source as a whole), ``kind`` (``native-library``, ``python-module``, ``torchscript``), ``level``
+    (``needs-trust`` or ``dangerous``), ``reason`` (what runs it, and when) and ``detail`` (the architecture, the
+    module name, the op)."""
+
+    member: str
+    kind: str
+    level: str
+    reason: str
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """``member``, ``kind``, ``level``, ``reason``, ``detail``: one entry of ``ckptool scan --json``'s
+        ``code``."""
+        return {"member": self.member, "kind": self.kind, "level": self.level, "reason": self.reason,
+                "detail": self.detail}
+
+
+@dataclass
+class ScanResult:
+    """What :func:`scan_file` found in one file.
+
+    ``format`` is the container recognised from the bytes (``torch-zip``, ``torchscript``, ``torch-export``, ``zip``,
+    ``torch-legacy``, ``legacy-tar``, ``pickle``, ``safetensors``, or ``unknown``); ``notes`` list container
+    oddities (data after the last pickle, bad CRC-32, duplicate member names, unreadable extra members...);
+    ``error`` says why the file could not be read at all; ``recognised`` names a known library file type
+    (:func:`ckptool.model.allowlist.recognise_file`: ``(kind, description)``) when the content matches one;
+    ``bytes_read`` the bytes transferred to scan a URL (range requests for zip and safetensors files), None for a
+    local path.
+    """
+
+    path: str
+    format: str = "unknown"
+    pickles: list[PickleFinding] = field(default_factory=list)
+    globals: list[GlobalFinding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+    recognised: tuple[str, str] | None = None
+    bytes_read: int | None = None
+    #: code that ships inside the file (native libraries, torch.package modules, TorchScript source)
+    code: list[CodeFinding] = field(default_factory=list)
+
+    def pickle_level(self, pickle: PickleFinding) -> str:
+        """The worst level of the globals ``pickle`` names, as this scan rated them."""
+        return worst_level(g.status for g in self.globals if pickle.where in g.where)
+
+    @property
+    def hidden(self) -> list[PickleFinding]:
+        """The pickles ``torch.load`` does not read today (see :attr:`PickleFinding.hidden`)."""
+        return [p for p in self.pickles if p.hidden]
+
+    @property
+    def readable(self) -> bool:
+        """False when the file, or one of its pickles, could not be read to its end."""
+        return not (self.error or any(p.error for p in self.pickles))
+
+    @property
+    def level(self) -> str:
+        """The worst level of the globals and of the :attr:`code` found (``safe`` when none): ``safe``,
+        ``needs-trust`` or ``dangerous``."""
+        return max((worst_level(g.status for g in self.globals), *(c.level for c in self.code)), key=LEVELS.index)
+
+    @property
+    def verdict(self) -> str:
+        """``dangerous`` if any global is; else ``error`` if a pickle (or the file) could not be read to its end;
+        else ``needs-trust`` or ``safe`` (:attr:`level`)."""
+        level = self.level
+        if level == DANGEROUS or self.readable:
+            return level
+        return "error"
+
+    @property
+    def strict_verdict(self) -> str:
+        """The single verdict of ``--strict``: ``unsafe`` if any global is not allowed or the file carries code;
+        else ``error`` if a pickle (or the file) could not be read to its end; else ``safe``."""
+        if self.code or any(g.status != ALLOWED for g in self.globals):
+            return "unsafe"
+        return "safe" if self.readable else "error"
+
+    @property
+    def exit_code(self) -> int:
+        """The ``ckptool scan`` exit status for this file alone: 0 safe, 1 dangerous, 2 unreadable, 4 needs trust
+        (:data:`EXIT_CODES`)."""
+        return EXIT_CODES[self.verdict]
+
+    @property
+    def strict_exit_code(self) -> int:
+        """The ``ckptool scan --strict`` exit status for this file alone: 0 safe, 1 unsafe, 2 unreadable."""
+        return STRICT_EXIT_CODES[self.strict_verdict]
+
+    @property
+    def unsafe(self) -> list[GlobalFinding]:
+        """The globals that are not allowed, worst level first (dangerous, then needs-trust; stable otherwise)."""
+        bad = [g for g in self.globals if g.status != ALLOWED]
+        return sorted(bad, key=lambda g: -LEVELS.index(g.level))
+
+    def to_dict(self, *, strict: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict (what ``ckptool scan --json`` prints for each file): ``verdict`` (the strict one when
+        ``strict``), ``level``, each global with its ``status`` and ``level``, the ``code`` found, and for a URL
+        ``bytes_read``."""
+        d: dict[str, Any] = {
+            "path": self.path, "verdict": self.strict_verdict if strict else self.verdict, "level": self.level,
+            "format": self.format, "error": self.error,
+            "globals": [g.to_dict() for g in self.globals],
+            "pickles": [vars(p).copy() for p in self.pickles],
+            "notes": list(self.notes),
+            "code": [c.to_dict() for c in self.code],
+            "recognised": None if self.recognised is None else {"kind": self.recognised[0],
+                                                                "description": self.recognised[1]},
+        }
+        if self.bytes_read is not None:  # a URL: the bytes transferred
+            d["bytes_read"] = self.bytes_read
+        return d
+
+
+def exit_status(results: Iterable[ScanResult], *, strict: bool = False) -> int:
+    """The ``ckptool scan`` exit status of several files: the worst file decides, in the order dangerous (1),
+    unreadable (2), needs trust (4), safe (0); with ``strict``: unsafe (1), unreadable (2), safe (0)."""
+    codes = {r.strict_exit_code if strict else r.exit_code for r in results}
+    return next((c for c in (1, 2, 4) if c in codes), 0)

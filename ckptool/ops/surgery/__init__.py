@@ -1,0 +1,1 @@
+"""key surgery: rename, filter, average, and the rules they read."""

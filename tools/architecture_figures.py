@@ -1,0 +1,195 @@
+"""Print the architecture figures of issue 35 for ``ckptool/`` (and fail with ``--check`` past their limits).
+
+Each figure is computed from the source tree alone (``ast`` and radon), so it cannot drift from the code:
+
+- ``format-name comparisons``: ``==`` / ``!=`` / ``in`` / ``not in`` against a string that is a registry format name
+  (``ckptool.readers.FORMAT_NAMES``), and dict literals keyed by two or more format names (per-format tables),
+  outside ``ckptool/readers`` and ``ckptool/formats``;
+- ``parser calls``: calls of a format parser (``PARSERS`` below: detection, headers, zip directories, indexes, DCP
+  metadata, pickles) outside ``ckptool/readers``, ``ckptool/formats`` and scan's byte-level walk (``ckptool/ops/scan``);
+- ``private imports``: ``from X import _name`` inside ``ckptool`` where ``_name`` is not a module;
+- ``complex functions``: functions and methods of cyclomatic complexity above 20 as radon counts it (grade D or worse);
+- ``modules in ops/``: the ``.py`` files directly in ``ckptool/ops`` (``__init__.py`` aside);
+- ``tensor classes``: classes whose name holds Tensor, Storage, Piece, Segment or Chunk.
+
+Usage: ``python tools/architecture_figures.py [--check] [--list]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import sys
+from pathlib import Path
+
+from radon.complexity import cc_visit  # the test extra's radon: McCabe, boolean operators counted
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "ckptool"
+
+FORMAT_NAMES = {
+    "torch-zip", "torch-legacy", "torchscript", "torch-package", "safetensors", "sharded-safetensors",
+    "sharded-bin", "dcp", "torch-export", "deepspeed", "pickle",
+    # the names the formats had before the registry (detect_format's and inspect's spellings)
+    "zip", "legacy", "pt2", "package", "sharded-torch", "sharded-mixed", "sharded",
+}
+PARSERS = {
+    "detect_format", "format_of", "read_header", "read_directory", "plain_directory", "zipfile_directory",
+    "read_index", "parse_index", "read_dcp_metadata", "read_checkpoint", "read_pickle_file", "read_pickle_member",
+    "read_pt2", "read_pt2_file", "read_package", "find_deepspeed", "is_dcp_folder", "is_deepspeed_folder",
+    "is_checkpoint_set", "set_kind", "load_structure", "load_pickle_at", "zip_entries", "resolve_zip_offsets",
+    "read_zero", "torch_end_record", "zipfile_end_record", "read_member", "member_buffer", "read_byteorder",
+}
+LIMITS = {
+    "format-name comparisons": 0,
+    "parser calls": 0,
+    "private imports": 0,
+    "complex functions": 0,
+    "modules in ops/": 12,
+    "tensor classes": 8,
+}
+MAX_COMPLEXITY = 20
+TENSOR_CLASS = re.compile(r"Tensor|Storage|Piece|Segment|Chunk")
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _rel(p: Path) -> str:
+    return p.relative_to(ROOT).as_posix()
+
+
+def _outside(p: Path, *dirs: str) -> bool:
+    rel = p.relative_to(PKG).as_posix()
+    return not any(rel == d or rel.startswith((d + "/", d + "_")) for d in dirs)
+
+
+def _is_format_name(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in FORMAT_NAMES
+
+
+def _names_format(node: ast.AST) -> bool:
+    if _is_format_name(node):
+        return True
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_is_format_name(e) for e in node.elts)
+    return False
+
+
+def format_comparisons() -> list[str]:
+    found = []
+    for p in _modules():
+        if not _outside(p, "readers", "formats"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                if any(_names_format(c) for c in [node.left, *node.comparators]):
+                    found.append(f"{_rel(p)}:{node.lineno}")
+            elif isinstance(node, ast.Dict):
+                if sum(1 for k in node.keys if k is not None and _is_format_name(k)) >= 2:
+                    found.append(f"{_rel(p)}:{node.lineno} (table)")
+            elif isinstance(node, ast.match_case) and _names_format(getattr(node.pattern, "value", ast.Pass())):
+                found.append(f"{_rel(p)}:{node.pattern.lineno}")
+    return found
+
+
+def parser_calls() -> list[str]:
+    found = []
+    for p in _modules():
+        if not _outside(p, "readers", "formats", "ops/scan"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                if name in PARSERS:
+                    found.append(f"{_rel(p)}:{node.lineno} {name}")
+    return found
+
+
+def _is_module(base: Path, name: str) -> bool:
+    return (base / f"{name}.py").exists() or (base / name / "__init__.py").exists()
+
+
+def private_imports() -> list[str]:
+    found = []
+    for p in _modules():
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = p.parent
+                for _ in range(node.level - 1):
+                    base = base.parent
+                if node.module:
+                    base = base.joinpath(*node.module.split("."))
+            elif node.module and node.module.split(".")[0] == "ckptool":
+                base = ROOT.joinpath(*node.module.split("."))
+            else:
+                continue
+            for alias in node.names:
+                n = alias.name
+                if n.startswith("_") and not n.startswith("__") and not _is_module(base, n):
+                    found.append(f"{_rel(p)}:{node.lineno} {n}")
+    return found
+
+
+def complex_functions() -> list[str]:
+    found = {
+        f"{_rel(p)}:{b.lineno} {b.fullname} {b.complexity}"
+        for p in _modules()
+        for block in cc_visit(p.read_text(encoding="utf-8"))
+        for b in [block, *getattr(block, "methods", [])]
+        if b.complexity > MAX_COMPLEXITY and not hasattr(b, "methods")
+    }
+    return sorted(found)
+
+
+def ops_modules() -> list[str]:
+    return sorted(_rel(p) for p in (PKG / "ops").glob("*.py") if p.name != "__init__.py")
+
+
+def tensor_classes() -> list[str]:
+    return [
+        f"{_rel(p)}:{node.lineno} {node.name}"
+        for p in _modules()
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ClassDef) and TENSOR_CLASS.search(node.name)
+    ]
+
+
+FIGURES = {
+    "format-name comparisons": format_comparisons,
+    "parser calls": parser_calls,
+    "private imports": private_imports,
+    "complex functions": complex_functions,
+    "modules in ops/": ops_modules,
+    "tensor classes": tensor_classes,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when a figure is past its limit")
+    ap.add_argument("--list", action="store_true", help="list every place counted")
+    ap.add_argument("--json", action="store_true", help="the figures as one JSON object")
+    args = ap.parse_args(argv)
+    results = {name: fn() for name, fn in FIGURES.items()}
+    over = [name for name, found in results.items() if len(found) > LIMITS[name]]
+    if args.json:
+        print(json.dumps({name: len(found) for name, found in results.items()}))
+    else:
+        for name, found in results.items():
+            mark = "  OVER" if name in over else ""
+            print(f"{name:<26}{len(found):>5}   (limit {LIMITS[name]}){mark}")
+            if args.list:
+                for place in found:
+                    print(f"    {place}")
+    return 1 if args.check and over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
