@@ -25,9 +25,9 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 import ckptool
 from ckptool.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError
 from ckptool.formats.segments import read_segments
+from ckptool.formats.tensors import Tensor
 from ckptool.readers import open_checkpoint
 from ckptool.readers.read_dcp import NON_TENSOR, dcp_source
-from ckptool.readers.tensors import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fuzz"))
 import adversarial_dcpread

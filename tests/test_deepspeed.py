@@ -21,7 +21,8 @@ import pytest
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES, numel, tensor_dtype
 from ckptool.formats.safetensors import read_header
-from ckptool.formats.segments import Segment, SegmentReader, widen_to_float32
+from ckptool.formats.segments import SegmentReader, widen_to_float32
+from ckptool.formats.tensors import Segment
 from ckptool.formats.torchfile import read_checkpoint, resolve_zip_offsets
 from ckptool.model.graph import iter_tensors
 from ckptool.model.zero import plan, read_zero

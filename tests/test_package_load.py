@@ -18,10 +18,9 @@ from torch import nn
 from torch.package import PackageExporter, PackageImporter
 
 from ckptool import errors
-from ckptool.formats.segments import Segment
+from ckptool.formats.tensors import Piece, Segment, Storage
 from ckptool.readers import open_checkpoint
 from ckptool.readers.data import FileRanges, read_range, read_storage
-from ckptool.readers.tensors import Piece, Storage
 from ckptool.torch_ops.load import load_checkpoint, load_into
 from ckptool.torch_ops.source_load import load_source
 

@@ -15,9 +15,9 @@ import torch
 from torch.package import PackageExporter, PackageImporter
 
 from ckptool import errors
+from ckptool.formats.tensors import Source
 from ckptool.readers import open_checkpoint
 from ckptool.readers.read_package import package_source
-from ckptool.readers.tensors import Source
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "fuzz"))

@@ -1,5 +1,5 @@
 """The readers layer (:mod:`ckptool.readers`): one entry point recognises every format once, and one tensor model
-(:class:`ckptool.readers.tensors.Tensor` over a :class:`~ckptool.readers.tensors.Storage`) describes the tensors of
+(:class:`ckptool.formats.tensors.Tensor` over a :class:`~ckptool.formats.tensors.Storage`) describes the tensors of
 every format whose tensors ckptool reads, byte ranges that hold exactly what torch's own loaders give."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from click.testing import CliRunner
 from ckptool import errors, readers
 from ckptool.cli import cli
 from ckptool.formats import detect
+from ckptool.formats.tensors import Source, Tensor
 from ckptool.ops.convert.write import Files
 from ckptool.ops.matrix import FORMATS as MATRIX_FORMATS
 from ckptool.readers import FORMATS, open_checkpoint
-from ckptool.readers.tensors import Source, Tensor
 
 _TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
                  "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}

@@ -23,6 +23,7 @@ from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
 from ckptool.formats.dtypes import ST_CODES, ST_NAMES, element_size, numel
 from ckptool.formats.strided import shape_problem, view_problem
+from ckptool.formats.tensors import span
 
 #: the safetensors library's own limit on the header size (bytes)
 MAX_HEADER = 100 << 20
@@ -175,9 +176,7 @@ class SharedView:
     @property
     def span(self) -> tuple[int, int]:
         """``[lo, hi)``: the storage elements the view reaches (``lo == hi`` when it is empty)."""
-        if numel(self.shape) == 0:
-            return self.offset, self.offset
-        return self.offset, self.offset + sum((s - 1) * st for s, st in zip(self.shape, self.stride)) + 1
+        return span(self.offset, self.shape, self.stride)
 
 
 @dataclass

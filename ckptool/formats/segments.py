@@ -18,25 +18,14 @@ from __future__ import annotations
 import array
 import struct
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 from ckptool.errors import CorruptCheckpointError
+from ckptool.formats.tensors import Segment
 
-__all__ = ["Segment", "SegmentReader", "byteswap", "read_segments", "widen_to_float32"]
+__all__ = ["SegmentReader", "byteswap", "read_segments", "widen_to_float32"]
 
 #: ``read(path, offset, nbytes)``: the bytes of a file range (raises when the file ends first)
 ReadRange = Callable[[str, int, int], bytes | bytearray]
-
-
-class Segment(NamedTuple):
-    """``nbytes`` of the concatenation, read from ``offset`` of ``path`` (widened from ``widen`` when set; each
-    ``swap``-byte element byte-swapped when ``swap`` > 1, counted from ``offset``)."""
-
-    path: str
-    offset: int
-    nbytes: int
-    widen: str | None = None
-    swap: int = 0
 
 
 _SWAP_CODES = {n: c for c in "HILQ" if (n := array.array(c).itemsize) in (2, 4, 8)}

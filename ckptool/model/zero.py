@@ -33,7 +33,7 @@ from ckptool.errors import CorruptCheckpointError, UnsupportedError
 from ckptool.formats.deepspeed import DeepSpeedFolder, FlatBytes, find_deepspeed, read_files, tensor_bytes
 from ckptool.formats.dtypes import DTYPE_SIZES, numel
 from ckptool.formats.nodes import GlobalMeta, ReduceNode
-from ckptool.formats.segments import Segment
+from ckptool.formats.tensors import Segment
 from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.graph import mapping_items, unwrap_tensor
 

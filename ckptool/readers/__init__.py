@@ -6,7 +6,7 @@ the readers of what it holds, each read at most once:
 
 * :meth:`Opened.graph`: the pickle as a node graph (:func:`ckptool.formats.torchfile.read_checkpoint`, nothing
   imported or run), for the formats that are pickles;
-* :meth:`Opened.state_dict`: the selected state_dict's tensors as one :class:`~ckptool.readers.tensors.Source`
+* :meth:`Opened.state_dict`: the selected state_dict's tensors as one :class:`~ckptool.formats.tensors.Source`
   (FQN, dtype, shape, strides, storage offset, storage identity, location tag, and the byte ranges that hold the
   data in which file), the same for every format, so that an operation never reads a format through another
   operation's code.
@@ -45,6 +45,7 @@ from ckptool.formats.dcp import DcpMetadata, read_dcp_metadata
 from ckptool.formats.deepspeed import is_deepspeed_folder
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import INDEX_SUFFIX, is_checkpoint_set, parse_index, set_kind
+from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
 from ckptool.model.graph import find_state_dicts
 from ckptool.model.keys import shared_prefixes
@@ -56,7 +57,6 @@ from ckptool.readers.read_package import package_source, package_state_dicts
 from ckptool.readers.read_pt2 import pt2_source
 from ckptool.readers.read_safetensors import index_source, safetensors_source
 from ckptool.readers.read_torch import torch_source
-from ckptool.readers.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
 
 __all__ = [
     "FORMATS",

@@ -1,7 +1,7 @@
-"""Reading the bytes of a :class:`~ckptool.readers.tensors.Storage`: the one place that turns the readers' byte
+"""Reading the bytes of a :class:`~ckptool.formats.tensors.Storage`: the one place that turns the readers' byte
 ranges into data.
 
-A storage's bytes are, by the form its reader gave it (:mod:`ckptool.readers.tensors`):
+A storage's bytes are, by the form its reader gave it (:mod:`ckptool.formats.tensors`):
 
 * one byte range of one file (``nbytes`` at ``offset`` of ``path``): a zip record, a raw ``.storage`` record of a
   torch.package archive, a range of a safetensors data block;
@@ -29,7 +29,7 @@ from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.dtypes import DTYPE_SIZES, numel
 from ckptool.formats.segments import ReadRange, SegmentReader, read_segments
-from ckptool.readers.tensors import Storage
+from ckptool.formats.tensors import Storage
 
 __all__ = ["FileRanges", "read_range", "read_storage", "scatter"]
 

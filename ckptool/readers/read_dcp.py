@@ -1,5 +1,5 @@
 """Reading a ``torch.distributed.checkpoint`` (DCP) folder's tensors without torch: a
-:class:`~ckptool.readers.tensors.Source` whose storages point at the tensor bytes inside the ``.distcp`` files.
+:class:`~ckptool.formats.tensors.Source` whose storages point at the tensor bytes inside the ``.distcp`` files.
 
 ``.metadata`` (:func:`ckptool.formats.dcp.read_dcp_metadata`, ckptool's restricted unpickler) lists each tensor
 entry with its dtype, size and ``chunks`` (``ChunkStorageMetadata``: offsets and sizes in the whole tensor, one per
@@ -10,7 +10,7 @@ chunk there as a ``torch.save`` record (a small torch zip holding the chunk as o
 (torch/distributed/checkpoint/filesystem.py ``_write_item`` / ``read_data``). Here each record's zip directory and
 ``data.pkl`` are read as a node graph (nothing imported or run; every global it names must be on torch's
 ``weights_only`` allowlist, and the graph must be one plain tensor matching ``.metadata``), and the tensor becomes
-a :class:`~ckptool.readers.tensors.Tensor` over the record's data bytes:
+a :class:`~ckptool.formats.tensors.Tensor` over the record's data bytes:
 
 * a tensor stored whole (one chunk) is the record's own view (strides and storage offset as saved);
 * a tensor in several chunks whose every chunk is a row-major contiguous run of the whole tensor (sharded along
@@ -44,7 +44,7 @@ from ckptool.formats.nodes import (
     TensorNode,
     qualified_name,
 )
-from ckptool.formats.segments import Segment
+from ckptool.formats.tensors import Segment, Source, Storage, Tensor, is_contiguous, span
 from ckptool.formats.torchfile import read_byteorder
 from ckptool.formats.unpickler import load_structure
 from ckptool.formats.zipdir import ZipEntry, data_offset, read_directory, read_member
@@ -52,7 +52,6 @@ from ckptool.model.allowlist import ALLOWED, classify_global
 from ckptool.model.graph import join
 from ckptool.model.tensor_nodes import tensor_node
 from ckptool.readers.read_torch import describe, select_state_dict
-from ckptool.readers.tensors import Source, Storage, Tensor, is_contiguous, span
 
 __all__ = [
     "FORMAT",

@@ -2,7 +2,7 @@
 
 The folder is read without deepspeed (:func:`ckptool.model.zero.read_zero`) and consolidated as
 ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` does (:func:`ckptool.model.zero.plan`). Each output
-tensor's :class:`~ckptool.readers.tensors.Storage` gathers its bytes from the ranks' partitions
+tensor's :class:`~ckptool.formats.tensors.Storage` gathers its bytes from the ranks' partitions
 (``segments``), so the writers stream it from the rank files, one tensor at a time: memory stays bounded by one
 copy buffer (by the largest tensor for a ``--dtype`` cast), never the model. Tied parameters (``shared_params``)
 share one storage, so safetensors stores them once and torch output keeps them tied.
@@ -11,8 +11,8 @@ share one storage, so safetensors stores them once and torch output keeps them t
 from __future__ import annotations
 
 from ckptool.formats.dtypes import contiguous_stride
+from ckptool.formats.tensors import Source, Storage, Tensor
 from ckptool.model.zero import ZeroCheckpoint, plan
-from ckptool.readers.tensors import Source, Storage, Tensor
 
 __all__ = ["FORMAT", "deepspeed_source"]
 

@@ -6,7 +6,7 @@ record. Every pickle is read as a node graph (nothing imported or run), the stat
 (:func:`ckptool.model.graph.find_state_dicts`: a mapping of tensors saved with ``save_pickle``, or a pickled
 ``nn.Module`` whose ``state_dict()`` is walked from its ``_parameters`` / ``_buffers`` / ``_modules``), one is
 chosen as ``convert`` chooses it (:func:`ckptool.readers.read_torch.select_state_dict`), and each tensor becomes a
-:class:`~ckptool.readers.tensors.Tensor` over the byte range of its storage record.
+:class:`~ckptool.formats.tensors.Tensor` over the byte range of its storage record.
 
 **Keys.** A state_dict is named ``<member>:<path>``, the syntax ``ckptool inspect`` prints for a package's tensors
 and state_dicts (:func:`ckptool.ops.inspect.pickles.package_info`): ``<member>`` the pickle's path in the archive
@@ -19,7 +19,7 @@ a function of the package (a ``torch.fx.GraphModule``, a TorchScript module, any
 ``__reduce_package__``); such an object in the selected state_dict, or in a package where no state_dict is found,
 is refused (:class:`~ckptool.errors.UnsupportedError`) with the route through ``PackageImporter`` in a trusted
 environment. Storage sharing follows ``PackageImporter``: two tensors of one pickle on one storage share one
-:class:`~ckptool.readers.tensors.Storage`.
+:class:`~ckptool.formats.tensors.Storage`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import storage_nbytes
 from ckptool.formats.nodes import GlobalMeta, PersistentRef, StorageRef
+from ckptool.formats.tensors import Source, Storage
 from ckptool.formats.torch_package import Package, Resource, read_package
 from ckptool.formats.zipdir import data_offset
 from ckptool.model.graph import StateDictRef, depth_first, find_state_dicts, node_children
@@ -42,7 +43,6 @@ from ckptool.readers.read_torch import (
     select_state_dict,
     state_dict_entries,
 )
-from ckptool.readers.tensors import Source, Storage
 
 __all__ = ["package_source", "package_state_dicts", "split_key"]
 

@@ -1,8 +1,8 @@
 """Reading a ``torch.export`` archive (``.pt2``) for ``convert`` and ``extract-state-dict``: the weights (or the
-constants) of its program as a :class:`~ckptool.readers.tensors.Source`, no tensor bytes read.
+constants) of its program as a :class:`~ckptool.formats.tensors.Source`, no tensor bytes read.
 
 Each raw payload member of the archive is the whole untyped storage of one or more tensors
-(:mod:`ckptool.formats.pt2`), so it becomes one :class:`~ckptool.readers.tensors.Storage` at the member's data
+(:mod:`ckptool.formats.pt2`), so it becomes one :class:`~ckptool.formats.tensors.Storage` at the member's data
 offset, and each tensor a view of it with the offset, shape and strides of its ``tensor_meta``: the output equals
 what ``torch.export.load(path).state_dict`` (or ``.constants``) holds, storage sharing included.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.pt2 import Payload, Program, Pt2Archive, read_pt2
+from ckptool.formats.tensors import Source, Storage, Tensor
 from ckptool.formats.zipdir import data_offset
-from ckptool.readers.tensors import Source, Storage, Tensor
 
 
 def read_archive(path: str) -> Pt2Archive:

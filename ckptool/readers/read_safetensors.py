@@ -14,8 +14,8 @@ from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import ST_NAMES, ST_READ_ONLY, contiguous_stride, element_size, numel
 from ckptool.formats.safetensors import SHARED_KEY, SharedGroup, decode_shared, library_aliases, read_header
 from ckptool.formats.sharded import read_index
+from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous
 from ckptool.readers.read_torch import torch_source
-from ckptool.readers.tensors import Piece, Source, Storage, Tensor, is_contiguous
 
 
 def safetensors_source(path: str) -> Source:

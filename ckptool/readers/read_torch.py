@@ -1,7 +1,7 @@
 """Reading a torch zip or legacy file for ``convert``: the state_dict chosen from the node graph, no tensor bytes.
 
 The pickle is read as a node graph (:func:`ckptool.formats.torchfile.read_checkpoint`, nothing imported or run);
-each tensor becomes a :class:`~ckptool.readers.tensors.Tensor` pointing at the byte range of its storage record
+each tensor becomes a :class:`~ckptool.formats.tensors.Tensor` pointing at the byte range of its storage record
 (zip member or legacy data block). In a file whose ``byteorder`` record says ``big`` each storage is read through
 a byte-swapping :class:`~ckptool.formats.segments.Segment` (:meth:`ckptool.formats.torchfile.Checkpoint.
 byteswap_size`), so every output holds the values ``torch.load`` gives.
@@ -26,7 +26,7 @@ from ckptool.formats.nodes import (
     StorageRef,
     TensorNode,
 )
-from ckptool.formats.segments import Segment
+from ckptool.formats.tensors import Segment, Source, Storage, Tensor
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, resolve_zip_offsets
 from ckptool.model.graph import (
     Link,
@@ -46,7 +46,6 @@ from ckptool.model.graph import (
 from ckptool.model.keys import STATE_DICT_NAMES
 from ckptool.model.nonstrided import NonStrided, find_non_strided, non_strided, refusal
 from ckptool.model.paths import resolve_path
-from ckptool.readers.tensors import Source, Storage, Tensor
 
 
 def describe(v: Any) -> str:

@@ -2,8 +2,8 @@
 
 Only a storage that needs torch (a ``--dtype`` cast, a non-contiguous view stored contiguous, a safetensors
 sharing group assembled from its pieces) is materialised, one storage at a time; everything else is copied as bytes
-without torch. Storages and tensors are the readers layer's (:class:`~ckptool.readers.tensors.Storage`,
-:class:`~ckptool.readers.tensors.Tensor`).
+without torch. Storages and tensors are the readers layer's (:class:`~ckptool.formats.tensors.Storage`,
+:class:`~ckptool.formats.tensors.Tensor`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ckptool.errors import UnsupportedError
 from ckptool.formats.segments import read_segments
-from ckptool.readers.tensors import Storage, Tensor
+from ckptool.formats.tensors import Storage, Tensor
 
 if TYPE_CHECKING:
     import torch

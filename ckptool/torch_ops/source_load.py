@@ -1,8 +1,8 @@
-"""A readers-layer :class:`~ckptool.readers.tensors.Source` as torch tensors: the loader of the formats torch has no
+"""A readers-layer :class:`~ckptool.formats.tensors.Source` as torch tensors: the loader of the formats torch has no
 safe loader for (torch.package archives, read without running their code, :mod:`ckptool.readers.read_package`),
 and of DeepSpeed ZeRO folders (:mod:`ckptool.torch_ops.zero`).
 
-One torch storage per :class:`~ckptool.readers.tensors.Storage`: its bytes are read straight into a
+One torch storage per :class:`~ckptool.formats.tensors.Storage`: its bytes are read straight into a
 ``torch.empty(nbytes, dtype=torch.uint8)`` buffer (:func:`ckptool.readers.data.read_storage`: ``readinto``, one
 copy from file to tensor), viewed as the storage's dtype and moved to the device; every tensor is a view of it
 (``as_strided(shape, stride, storage_offset)``), so tensors that share a storage in the checkpoint share one here,
@@ -20,9 +20,9 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
+from ckptool.formats.tensors import Source, Storage
 from ckptool.model.graph import mapping_items
 from ckptool.readers.data import FileRanges, read_storage
-from ckptool.readers.tensors import Source, Storage
 from ckptool.torch_ops.cast import torch_dtype
 
 if TYPE_CHECKING:

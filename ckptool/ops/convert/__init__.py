@@ -50,6 +50,7 @@ from ckptool._source import holding_versions, is_url
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dcp import read_dcp_metadata
+from ckptool.formats.tensors import Source
 from ckptool.model.devices import location_function
 from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenamePlan, build_plan
@@ -63,7 +64,6 @@ from ckptool.ops.scan.dcp_safety import check_dcp_safe
 from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.readers.read_torch import refuse_non_strided_for_dcp
-from ckptool.readers.tensors import Source
 from ckptool.torch_ops.dcp import dcp_to_torch_file
 from ckptool.torch_ops.load import load_checkpoint
 

@@ -8,13 +8,13 @@ from collections.abc import Callable
 
 from ckptool.formats.dtypes import DTYPE_SIZES
 from ckptool.formats.sharded import output_layout
+from ckptool.formats.tensors import Source
 from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, union_elements, units
 from ckptool.ops.convert.source import ConvertResult, out_dtype
 from ckptool.ops.convert.verify import torch_verifier, verification_check, verify_safetensors, with_evidence
 from ckptool.ops.convert.write import Files, archive_name, emit, write_safetensors, write_torch
 from ckptool.ops.rewrite.set_writer import write_set
 from ckptool.ops.rewrite.stream import ProgressFn, announce_total
-from ckptool.readers.tensors import Source
 
 
 def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, cast: str | None,

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from ckptool.errors import UnsupportedError
 from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
 from ckptool.formats.safetensors import SharedGroup, SharedView, encode_shared
+from ckptool.formats.tensors import Storage, Tensor, is_contiguous
 from ckptool.ops.convert.source import out_dtype
-from ckptool.readers.tensors import Storage, Tensor, is_contiguous
 
 
 @dataclass(eq=False)

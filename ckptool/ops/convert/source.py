@@ -1,5 +1,5 @@
 """What ``convert`` reports and its options: the result, output dtypes, sizes. The source model (storages, tensors,
-their layouts) is the readers layer's: :mod:`ckptool.readers.tensors`."""
+their layouts) is the readers layer's: :mod:`ckptool.formats.tensors`."""
 
 from __future__ import annotations
 

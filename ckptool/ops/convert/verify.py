@@ -26,12 +26,12 @@ from ckptool.errors import VerificationError as VerificationError  # re-export: 
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import ST_NAMES, contiguous_stride, element_size, numel
 from ckptool.formats.safetensors import read_header
+from ckptool.formats.tensors import Tensor
 from ckptool.ops.convert.evidence import SourceEvidence
 from ckptool.ops.convert.source import out_dtype
 from ckptool.ops.convert.write import Written
 from ckptool.readers.read_safetensors import safetensors_source
 from ckptool.readers.read_torch import torch_source
-from ckptool.readers.tensors import Tensor
 from ckptool.torch_ops.convert_verify import (
     ExpectedTensor,
     is_installed,

@@ -24,6 +24,7 @@ from ckptool.formats.pickler import dumps
 from ckptool.formats.safetensors import SHARED_KEY, encode_header
 from ckptool.formats.segments import SegmentReader
 from ckptool.formats.strided import gather
+from ckptool.formats.tensors import Storage, Tensor, is_contiguous
 from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.model.graph import mapping_items, ordered_dict_node
 from ckptool.model.keys import rename_metadata_items
@@ -32,7 +33,6 @@ from ckptool.ops.convert.evidence import SourceEvidence
 from ckptool.ops.convert.plan import Unit, shared_metadata
 from ckptool.ops.convert.source import ConvertResult, out_dtype
 from ckptool.readers.data import FileRanges, read_range
-from ckptool.readers.tensors import Storage, Tensor, is_contiguous
 from ckptool.torch_ops.cast import StorageCache, tensor_buffer
 
 #: dtype name -> legacy storage class ``torch.save`` names with ``_rebuild_tensor_v2`` (torch/storage.py); other

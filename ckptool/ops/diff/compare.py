@@ -25,12 +25,12 @@ from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.dtypes import contiguous_stride, element_size, numel
 from ckptool.formats.segments import byteswap
 from ckptool.formats.strided import gather
+from ckptool.formats.tensors import is_contiguous, span
 from ckptool.model.keys import reconcile
 from ckptool.model.notebook import facts_table
 from ckptool.ops.convert.write import Files
 from ckptool.ops.diff.sides import UNREAD, Side, SideTensor, read_pair
 from ckptool.readers import Opened
-from ckptool.readers.tensors import is_contiguous, span
 from ckptool.torch_ops.value_stats import ValueStats, is_numeric, require_numpy, squared_norms
 
 SCHEMA = "ckptool.diff/1"

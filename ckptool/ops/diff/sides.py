@@ -5,7 +5,7 @@ Each side is opened once through the readers layer (:func:`ckptool.readers.open_
 once). A torch zip or legacy file compared whole is read through its node graph
 (:meth:`~ckptool.readers.Opened.graph`) and :func:`ckptool.ops.inspect.entry.describe` (every tensor, with its storage,
 layout and saved location tag) plus its plain values; every other side through
-:meth:`~ckptool.readers.Opened.state_dict`, the same :class:`~ckptool.readers.tensors.Source` ``convert`` reads: a
+:meth:`~ckptool.readers.Opened.state_dict`, the same :class:`~ckptool.formats.tensors.Source` ``convert`` reads: a
 safetensors file or a sharded set (the tied names ``safetensors.torch.save_model`` dropped given back), a ``.pt2``
 archive, a DeepSpeed ZeRO folder (its consolidated fp32 state_dict), a DCP folder (every tensor's bytes in its
 ``.distcp`` records, :mod:`ckptool.readers.read_dcp`; its non-tensor entries, never read, are compared by name),
@@ -31,6 +31,7 @@ from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import contiguous_stride, element_size, numel, storage_nbytes
+from ckptool.formats.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, resolve_zip_offsets
 from ckptool.model.graph import find_state_dicts, is_module, mapping_items, too_deep
 from ckptool.model.paths import resolve_path
@@ -40,7 +41,6 @@ from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.read_dcp import NON_TENSOR, dcp_tree
 from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.readers.read_torch import select_state_dict
-from ckptool.readers.tensors import Source, Storage, Tensor, is_contiguous
 
 __all__ = ["UNREAD", "Probe", "Side", "SideTensor", "choose_keys", "probe", "read_pair", "restored"]
 

@@ -33,6 +33,7 @@ from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import contiguous_stride, element_size
 from ckptool.formats.strided import gather
+from ckptool.formats.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.ops.convert import ConvertResult
 from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.plan import check_safetensors_dtypes
@@ -41,7 +42,6 @@ from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers import open_checkpoint
 from ckptool.readers.read_safetensors import restore_library_aliases
-from ckptool.readers.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.torch_ops.average import AVERAGED, TAKEN_FROM_FIRST, Accumulator, average_state_dicts
 
 __all__ = ["AverageResult", "average"]
@@ -77,7 +77,7 @@ class AverageResult:
 
 # ------------------------------------------------------------------------------------------------ reading
 def _read(path: str, key: str | None) -> Source:
-    """One input as a :class:`~ckptool.readers.tensors.Source` (no tensor bytes read), through the readers layer
+    """One input as a :class:`~ckptool.formats.tensors.Source` (no tensor bytes read), through the readers layer
     (:func:`ckptool.readers.open_checkpoint`): any format whose tensors ckptool reads; ``key`` applies to the
     formats that hold several mappings (:attr:`ckptool.readers.Format.keyed`: torch files, DCP folders, ``.pt2``,
     torch.package archives: ``<member>:<path>``).

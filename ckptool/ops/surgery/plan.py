@@ -13,6 +13,7 @@ from typing import Any
 
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
+from ckptool.formats.tensors import Source
 from ckptool.model.graph import StateDictRef, find_state_dicts, mapping_items
 from ckptool.model.rename_plan import RenamePlan, RenameSummary, label, plan_keys
 from ckptool.ops.convert import ConvertResult
@@ -23,7 +24,6 @@ from ckptool.ops.rewrite.stream import ProgressFn, WriteResult
 from ckptool.ops.surgery.rules import RuleStep
 from ckptool.readers.read_safetensors import restore_library_aliases, safetensors_source
 from ckptool.readers.read_torch import select_state_dict
-from ckptool.readers.tensors import Source
 
 
 # ------------------------------------------------------------------------------------------------ results

@@ -3,7 +3,9 @@ strides and storage offset in elements, requires_grad, position) over a :class:`
 that hold its data, or the ``segments`` of several files, or a safetensors sharing group's ``pieces``; dtype,
 location tag, the CRC-32 the container records), gathered in a :class:`Source` with what was not carried.
 
-No tensor bytes are read to build one: the readers (:mod:`ckptool.readers`) fill them from pickles and headers.
+It sits at the bottom of the package, beside the parsers (:mod:`ckptool.formats`), so that every layer above
+speaks of tensors in these words and ``span``, ``numel`` and ``is_contiguous`` are defined here alone. No tensor bytes
+are read to build one: the readers (:mod:`ckptool.readers`) fill them from pickles and headers.
 Storage identity is object identity: two tensors share a storage exactly when ``a.storage is b.storage``.
 """
 
@@ -11,11 +13,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ckptool.formats.dtypes import DTYPE_SIZES, numel
-from ckptool.formats.segments import Segment
 
-__all__ = ["Piece", "Source", "Storage", "Tensor", "is_contiguous", "span"]
+__all__ = ["Piece", "Segment", "Source", "Storage", "Tensor", "is_contiguous", "span"]
+
+
+class Segment(NamedTuple):
+    """``nbytes`` of the concatenation, read from ``offset`` of ``path`` (widened from ``widen`` when set; each
+    ``swap``-byte element byte-swapped when ``swap`` > 1, counted from ``offset``)."""
+
+    path: str
+    offset: int
+    nbytes: int
+    widen: str | None = None
+    swap: int = 0
 
 
 @dataclass(eq=False)
@@ -35,7 +48,7 @@ class Storage:
     """The bytes of one source storage: ``nbytes`` at ``offset`` of file ``path`` (or, for a safetensors sharing
     group, assembled from ``pieces``), elements of ``dtype``, saved with location tag ``location``; ``crc`` is the
     CRC-32 of the bytes when the source records it (zip members). ``segments``, when set, gathers the bytes from
-    ranges of several files instead (a DeepSpeed ZeRO parameter, :mod:`ckptool.formats.segments`; ``path`` and
+    ranges of several files instead (a DeepSpeed ZeRO parameter, read by :mod:`ckptool.formats.segments`; ``path`` and
     ``offset`` then name the first range)."""
 
     path: str
