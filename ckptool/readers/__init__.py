@@ -36,21 +36,23 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar, cast
 
 from ckptool import _source as source
 from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect, torch_package
 from ckptool.formats.dcp import DcpMetadata, read_dcp_metadata
 from ckptool.formats.deepspeed import is_deepspeed_folder
-from ckptool.formats.safetensors import read_header
-from ckptool.formats.sharded import INDEX_SUFFIX, is_checkpoint_set, parse_index, set_kind
+from ckptool.formats.pt2 import Pt2Archive, read_pt2
+from ckptool.formats.safetensors import SafetensorsHeader, read_header
+from ckptool.formats.sharded import INDEX_SUFFIX, ShardIndex, is_checkpoint_set, parse_index, read_index, set_kind
 from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
+from ckptool.formats.zipdir import ZipEntry
 from ckptool.model.graph import find_state_dicts
 from ckptool.model.keys import shared_prefixes
 from ckptool.model.values import iter_values
-from ckptool.model.zero import read_zero
+from ckptool.model.zero import ZeroCheckpoint, read_zero
 from ckptool.readers.read_dcp import dcp_source, dcp_tree
 from ckptool.readers.read_deepspeed import deepspeed_source
 from ckptool.readers.read_package import package_source, package_state_dicts
@@ -74,6 +76,7 @@ __all__ = [
 ]
 
 Kind = Literal["file", "set", "folder"]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class Opened:
     _graph: Checkpoint | None = field(default=None, repr=False)
     _dcp: DcpMetadata | None = field(default=None, repr=False)
     _package: torch_package.Package | None = field(default=None, repr=False)
+    _parsed: dict[str, object] = field(default_factory=dict, repr=False)
 
     @property
     def spec(self) -> Format:
@@ -194,6 +198,65 @@ class Opened:
             self._package = torch_package.read_package(self.target)
         return self._package
 
+    def _cached(self, what: str, read: Callable[[], _T]) -> _T:
+        """``read()`` once per :class:`Opened` and ``what`` (the parse of one structure of the checkpoint)."""
+        if what not in self._parsed:
+            self._parsed[what] = read()
+        return cast(_T, self._parsed[what])
+
+    def safetensors_header(self) -> SafetensorsHeader:
+        """A safetensors file's JSON header (:func:`ckptool.formats.safetensors.read_header`), read once.
+
+        Raises:
+            UnsupportedError: not a safetensors file; see also :func:`~ckptool.formats.safetensors.read_header`.
+        """
+        if self.format != detect.SAFETENSORS:
+            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a safetensors file")
+        return self._cached("header", lambda: read_header(self.target))
+
+    def index(self) -> ShardIndex:
+        """A sharded set's index, every shard it names checked to exist (:func:`ckptool.formats.sharded.read_index`),
+        read once.
+
+        Raises:
+            UnsupportedError: not a sharded set; see also :func:`~ckptool.formats.sharded.read_index`.
+        """
+        if self.spec.kind != "set":
+            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a sharded set")
+        return self._cached("index", lambda: read_index(self.target))
+
+    def zip_entries(self) -> list[ZipEntry]:
+        """A zip file's central directory (:func:`ckptool.formats.detect.zip_entries`, cached per file version).
+
+        Raises:
+            UnsupportedError: a set or folder; see also :func:`~ckptool.formats.detect.zip_entries`.
+        """
+        if self.spec.kind != "file":
+            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not one zip file")
+        return self._cached("zip", lambda: detect.zip_entries(self.target))
+
+    def pt2(self) -> Pt2Archive:
+        """A torch.export archive's structure (:func:`ckptool.formats.pt2.read_pt2`: version records, payload
+        configs, signatures; nothing unpickled), read once.
+
+        Raises:
+            UnsupportedError: not a ``.pt2`` archive; see also :func:`~ckptool.formats.pt2.read_pt2`.
+        """
+        if self.format != detect.PT2:
+            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a torch.export archive")
+        return self._cached("pt2", lambda: read_pt2(self.target, self.zip_entries()))
+
+    def zero(self, tag: str | None = None) -> ZeroCheckpoint:
+        """A DeepSpeed ZeRO folder's pickles and consolidation plan (:func:`ckptool.model.zero.read_zero`, ``tag``
+        as there), read once per tag.
+
+        Raises:
+            UnsupportedError: not a DeepSpeed folder; see also :func:`~ckptool.model.zero.read_zero`.
+        """
+        if self.format != "deepspeed":
+            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a DeepSpeed folder")
+        return self._cached(f"zero:{tag}", lambda: read_zero(self.target, tag))
+
     def graph(self) -> Checkpoint:
         """The pickle as a node graph (nothing imported or run), read once.
 
@@ -237,7 +300,7 @@ class Opened:
         if self.spec.pickled:
             return dict(iter_values(self.graph().root))
         if self.format == detect.SAFETENSORS:
-            return dict(read_header(self.target).metadata or {})
+            return dict(self.safetensors_header().metadata or {})
         return {}
 
     def state_dict(self, key: str | None = None, *, tag: str | None = None, exclude_frozen: bool = False) -> Source:
@@ -294,7 +357,7 @@ def _dcp(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
 
 
 def _deepspeed(o: Opened, _key: str | None, tag: str | None, frozen: bool) -> Source:
-    return deepspeed_source(read_zero(o.target, tag), frozen)
+    return deepspeed_source(o.zero(tag), frozen)
 
 
 _TENSOR_READERS: dict[str, Callable[[Opened, str | None, str | None, bool], Source]] = {
