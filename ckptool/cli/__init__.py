@@ -273,6 +273,14 @@ class CkptGroup(click.Group):
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Bare ``ckptool``: the whole help on stdout, exit 0 (as ``git`` does; Click >= 8.2 would print it to
+        stderr as a usage error, which :meth:`make_context` folds into one line)."""
+        if not args and not ctx.resilient_parsing:
+            click.echo(ctx.get_help(), color=ctx.color)
+            ctx.exit(EXIT_OK)
+        return super().parse_args(ctx, args)
+
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
                      **extra: Any) -> click.Context:
         try:
