@@ -40,3 +40,21 @@ def test_readme_command_table_names_every_command() -> None:
     table = {m.group(1) for cell in first_cells for m in re.finditer(r"`(?:ckptool )?([a-z][a-z-]*)", cell)}
     missing = sorted(set(COMMANDS) - table)
     assert not missing, f"README's command table lacks {missing}"
+
+
+def test_convert_doc_states_the_progress_threshold_of_the_code() -> None:
+    """docs/commands/convert.md says when the progress bar starts: the CLI's own threshold (it said 256 MiB)."""
+    from ckptool.cli._common import PROGRESS_MIN
+
+    text = (ROOT / "docs" / "commands" / "convert.md").read_text(encoding="utf-8")
+    pattern = r"progress bar when stderr is a terminal and the data is over (\d+) MiB"
+    stated = {int(n) for n in re.findall(pattern, text)}
+    assert stated == {PROGRESS_MIN >> 20}
+
+
+def test_readme_installs_from_the_repository() -> None:
+    """ckptool is not on a package index: the README's install lines install the checkout, not a name pip would look
+    up on an index."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert not re.search(r"^pip install '?ckptool", text, re.M)
+    assert re.search(r"^pip install \.", text, re.M)
