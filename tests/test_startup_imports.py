@@ -43,7 +43,7 @@ SCAN_ZIP_MODULES = {
     "ckptool.formats.deepspeed", "ckptool.formats.native", "ckptool.formats.sharded", "ckptool.formats.torchfile",
     "ckptool.formats.torch_package",
     "ckptool.formats.nodes", "ckptool.formats.pickle_check", "ckptool.formats.pt2", "ckptool.formats.safetensors",
-    "ckptool.formats.strided", "ckptool.formats.unpickler", "ckptool.formats.zipdir",
+    "ckptool.formats.strided", "ckptool.formats.tensors", "ckptool.formats.unpickler", "ckptool.formats.zipdir",
     "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices", "ckptool.model.graph",
     "ckptool.model.units", "ckptool.model.weights_only",
     "ckptool.ops", "ckptool.ops.scan", "ckptool.ops.scan.entry", "ckptool.ops.scan.byte_windows",

@@ -2,11 +2,12 @@
 
 Each figure is computed from the source tree alone (``ast`` and radon), so it cannot drift from the code:
 
-- ``format-name comparisons``: ``==`` / ``!=`` / ``in`` / ``not in`` against a string that is a registry format name
-  (``ckptool.readers.FORMAT_NAMES``), and dict literals keyed by two or more format names (per-format tables),
-  outside ``ckptool/readers`` and ``ckptool/formats``;
+- ``format-name comparisons``: ``==`` / ``!=`` / ``in`` / ``not in`` against a string that is a format name
+  (``FORMAT_NAMES``) or a constant holding one (``detect.TORCH_ZIP``, ...), and dict literals keyed by two or more
+  of them (per-format tables), outside ``ckptool/readers`` and ``ckptool/formats``;
 - ``parser calls``: calls of a format parser (``PARSERS`` below: detection, headers, zip directories, indexes, DCP
-  metadata, pickles) outside ``ckptool/readers``, ``ckptool/formats`` and scan's byte-level walk (``ckptool/ops/scan``);
+  metadata, pickles), by its name or through its module (not a method of an object, such as ``Opened``'s cached
+  readers), outside ``ckptool/readers``, ``ckptool/formats`` and scan's byte-level walk (``ckptool/ops/scan``);
 - ``private imports``: ``from X import _name`` inside ``ckptool`` where ``_name`` is not a module;
 - ``complex functions``: functions and methods of cyclomatic complexity above 20 as radon counts it (grade D or worse);
 - ``modules in ops/``: the ``.py`` files directly in ``ckptool/ops`` (``__init__.py`` aside);
@@ -67,8 +68,16 @@ def _outside(p: Path, *dirs: str) -> bool:
     return not any(rel == d or rel.startswith((d + "/", d + "_")) for d in dirs)
 
 
+#: the constants that hold format names (``ckptool.formats.detect``): comparing against them is comparing names
+FORMAT_CONSTANTS = {"TORCH_ZIP", "TORCH_LEGACY", "TORCHSCRIPT", "TORCH_PACKAGE", "SAFETENSORS", "PICKLE", "PT2", "DCP",
+                    "DEEPSPEED", "SHARDED_SAFETENSORS", "SHARDED_BIN"}
+
+
 def _is_format_name(node: ast.AST) -> bool:
-    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in FORMAT_NAMES
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value in FORMAT_NAMES
+    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+    return name in FORMAT_CONSTANTS
 
 
 def _names_format(node: ast.AST) -> bool:
@@ -96,15 +105,36 @@ def format_comparisons() -> list[str]:
     return found
 
 
+def _module_names(tree: ast.Module) -> set[str]:
+    """The names a module binds to imported modules (``import a.b as m``, ``from ckptool.formats import detect``):
+    ``m.read_header(...)`` on one of them is a call of the parser, ``opened.zip_entries()`` (a cached reader of
+    :class:`ckptool.readers.Opened`) is not."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.asname or a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = ROOT.joinpath(*node.module.split("."))
+            names.update(a.asname or a.name for a in node.names if _is_module(base, a.name))
+    return names
+
+
 def parser_calls() -> list[str]:
     found = []
     for p in _modules():
         if not _outside(p, "readers", "formats", "ops/scan"):
             continue
-        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        modules = _module_names(tree)
+        for node in ast.walk(tree):
             if isinstance(node, ast.Call):
                 f = node.func
-                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                if isinstance(f, ast.Name):
+                    name = f.id
+                elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in modules:
+                    name = f.attr
+                else:
+                    continue
                 if name in PARSERS:
                     found.append(f"{_rel(p)}:{node.lineno} {name}")
     return found
