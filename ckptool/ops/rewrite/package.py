@@ -38,7 +38,7 @@ from ckptool.formats import detect as formats
 from ckptool.formats.nodes import CLASS_BUILD, GlobalMeta, StorageRef, qualified_name, split_use
 from ckptool.formats.pickle_check import call_with_stack, check_pickle, tuple_levels
 from ckptool.formats.pickler import PicklerError, dumps
-from ckptool.formats.torch_package import MARKER, Package, _check_storages
+from ckptool.formats.torch_package import MARKER, Package, check_storages
 from ckptool.formats.torchfile import read_pickle_member
 from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.formats.unpickler import PICKLE_ERRORS, RestrictedUnpickler
@@ -119,7 +119,7 @@ def remap_package(src: str, dst: str, to: str | None = None, mapping: Mapping[st
     storages: dict[str, StorageRef] = {}
     with source.open_binary(src) as f:
         pickles = _read_pickles(f, src, entries, top, storages)
-    _check_storages(Package(src, source.file_size(src), top, storages=storages),
+    check_storages(Package(src, source.file_size(src), top, storages=storages),
                     {e.name[len(top):]: e for e in entries})
     fn = location_function(to, mapping, tags=[r.location for r in storages.values()], allow_missing=allow_missing,
                            where=src)

@@ -33,9 +33,6 @@ from typing import Any, Literal, TypeVar, overload
 
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.safetensors import (
-    read_header,
-)
 from ckptool.model.graph import (
     StateDictRef,
     class_name,
@@ -83,6 +80,7 @@ __all__ = [
     "build_plan",
     "rename_graph",
     "rename_state_dict",
+    "rewrite_safetensors",
     "strip_dataparallel",
     "strip_prefix",
     "unwrap",
@@ -294,11 +292,21 @@ def rename_graph(
 
 
 # ------------------------------------------------------------------------------------------------ safetensors
-def _rewrite_safetensors(src: str, out: str, plan: RenamePlan, *, key: str | None, allow_missing: bool,
-                         operation: str, progress: ProgressFn | None) -> RenameResult:
+def rewrite_safetensors(opened: Opened, out: str, plan: RenamePlan, *, key: str | None, allow_missing: bool,
+                        operation: str, progress: ProgressFn | None) -> RenameResult:
+    """Write the safetensors file ``opened`` to ``out`` with its tensor names renamed by ``plan`` (a new header, the
+    data block copied: :func:`ckptool.ops.rewrite.stream.write_renamed_safetensors`); ``operation`` names the
+    command in the result, ``progress(nbytes)`` gets the data bytes copied.
+
+    Raises:
+        UsageError: ``key`` (one flat mapping of tensors).
+        PrefixNotFoundError / KeyCollisionError / NestedPrefixError: from the plan; nothing written.
+        CorruptCheckpointError: an unreadable header or shared-tensor record.
+    """
+    src = opened.target
     if key:
         raise UsageError(f"{src} is safetensors: it holds one flat mapping of tensors, so --key does not apply")
-    header = read_header(src)
+    header = opened.safetensors_header()
     mappings, summary = plan_keys([("", safetensors_keys(src, header), False)], plan, allow_missing=allow_missing,
                                   where=src)
     res = write_renamed_safetensors(src, out, header, mappings[0], progress)
@@ -369,7 +377,7 @@ def apply_plan(
         if to is not None or mapping:
             raise UsageError(f"{src} is safetensors: it carries no location tags, so --to / --map do not apply "
                              "(load it on any device with safetensors.torch.load_file(path, device=...))")
-        return _rewrite_safetensors(src, out, plan, key=key, allow_missing=allow_missing, operation=operation,
+        return rewrite_safetensors(opened, out, plan, key=key, allow_missing=allow_missing, operation=operation,
                                     progress=progress)
     ck = opened.graph()
     location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
