@@ -87,7 +87,12 @@ class Format:
     ``tensors``: whether ckptool reads its tensors without running code (:meth:`Opened.state_dict`), else
     ``refusal``, the sentence that says why not and what to do instead (a torch.package archive, whose tensors
     are read, keeps one for the commands that do not take it yet: ``ckptool.ops.matrix``); ``keyed``: it holds
-    several mappings, of which a dotted ``key`` selects one (the others hold one flat mapping of tensors)."""
+    several mappings, of which a dotted ``key`` selects one (the others hold one flat mapping of tensors);
+    ``header``: its tensors are listed by name in a JSON header ahead of one data block
+    (:meth:`Opened.safetensors_header`), so a rewrite renames them there and copies the data block, and the tied
+    names the writing library left out are recorded in its ``__metadata__``; ``consolidate``: its tensors are
+    partitions that only a consolidation joins (``ckptool convert`` writes one file of them), so the commands that
+    rewrite a checkpoint (remap, the prefix commands, rename, filter) take it only once consolidated."""
 
     name: str
     label: str
@@ -96,6 +101,8 @@ class Format:
     tensors: bool = True
     refusal: str = ""
     keyed: bool = False
+    header: bool = False
+    consolidate: bool = False
 
 
 #: every format ckptool reads, in the order of ``docs/formats.md``
@@ -112,12 +119,12 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                    "command would run; `ckptool convert PATH -o model.safetensors` writes its tensors without "
                    "running it (then run the command on that file), torch.package.PackageImporter(path)."
                    "load_pickle(...) loads them (runs the package's code: trusted files only)"),
-    Format(detect.SAFETENSORS, "safetensors file", "file"),
+    Format(detect.SAFETENSORS, "safetensors file", "file", header=True),
     Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set"),
     Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set"),
     Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True),
     Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True),
-    Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder"),
+    Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder", consolidate=True),
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
            refusal="is a plain pickle without torch storages, not a torch.save checkpoint"),
 )}

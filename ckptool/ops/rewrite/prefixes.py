@@ -353,14 +353,14 @@ def apply_plan(
     opened = open_checkpoint(src)
     folder = dcp_folder(opened)
     if folder is not None:
-        return rewrite_dcp(folder, rename_output(operation, opened, dst, in_place), operation=operation,
+        return rewrite_dcp(opened, rename_output(operation, opened, dst, in_place), operation=operation,
                            rename=lambda root: rename_graph(root, plan, key=key, allow_missing=allow_missing,
                                                             where=folder),
                            to=to, mapping=mapping, allow_missing=allow_missing, progress=progress)
     index = set_index(opened)
     if index is not None:
         out = set_output(index, dst, OUTPUT_TAGS[operation], in_place)
-        return rewrite_set(index, out, operation=operation, plan=plan, to=to, mapping=mapping, key=key,
+        return rewrite_set(opened, out, operation=operation, plan=plan, to=to, mapping=mapping, key=key,
                            allow_missing=allow_missing, progress=progress)
     src, fmt = opened.target, opened.format
     if fmt == formats.TORCHSCRIPT:

@@ -91,7 +91,7 @@ def _read(path: str, key: str | None) -> Source:
     """
     opened = open_checkpoint(path)
     src = opened.state_dict(key if opened.spec.keyed else None)
-    if opened.format == formats.SAFETENSORS:
+    if opened.spec.header:  # tied names the safetensors library left out, as its __metadata__ records them
         restore_library_aliases(src)
     return src
 

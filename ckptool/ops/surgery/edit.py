@@ -256,10 +256,10 @@ def _many(opened: Opened, dst: str | os.PathLike[str] | None, in_place: bool, dr
     folder = dcp_folder(opened)
     if folder is not None:
         out = dcp_output(folder, dst, tag, in_place)
-        return lambda *a, **k: ops[0](folder, "" if dry_run else out, *a, **k)
+        return lambda *a, **k: ops[0](opened, "" if dry_run else out, *a, **k)
     if opened.spec.kind == "set":
         out = set_output(opened.target, dst, tag, in_place)
-        return lambda *a, **k: ops[1](opened.target, "" if dry_run else out, *a, **k)
+        return lambda *a, **k: ops[1](opened, "" if dry_run else out, *a, **k)
     return None
 
 
