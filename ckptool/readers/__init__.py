@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar, cast
+from typing import BinaryIO, Literal, TypeVar, cast
 
 from ckptool import _source as source
 from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
@@ -47,7 +47,7 @@ from ckptool.formats.pt2 import Pt2Archive, read_pt2
 from ckptool.formats.safetensors import SafetensorsHeader, read_header
 from ckptool.formats.sharded import INDEX_SUFFIX, ShardIndex, is_checkpoint_set, parse_index, read_index, set_kind
 from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
-from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
+from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file, read_pickle_member
 from ckptool.formats.zipdir import ZipEntry
 from ckptool.model.graph import find_state_dicts
 from ckptool.model.keys import shared_prefixes
@@ -241,6 +241,23 @@ class Opened:
         if self.spec.kind != "file":
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not one zip file")
         return self._cached("zip", lambda: detect.zip_entries(self.target))
+
+    def pickle_member(self, entry: ZipEntry, f: BinaryIO | None = None) -> bytes | bytearray:
+        """The bytes of the pickle member ``entry`` (one of :meth:`zip_entries`) of this zip file
+        (:func:`ckptool.formats.torchfile.read_pickle_member`: a deflated member inflated as a stream, its opcodes
+        checked as they arrive, so that a zip bomb costs a few MiB), read on each call; ``f``: the file already open
+        for binary reading, else it is opened.
+
+        Raises:
+            UnsupportedError: a set or folder.
+            CorruptCheckpointError: see :func:`~ckptool.formats.torchfile.read_pickle_member`.
+        """
+        if self.spec.kind != "file":
+            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not one zip file")
+        if f is not None:
+            return read_pickle_member(f, entry, self.target)
+        with source.open_binary(self.target) as opened:
+            return read_pickle_member(opened, entry, self.target)
 
     def pt2(self) -> Pt2Archive:
         """A torch.export archive's structure (:func:`ckptool.formats.pt2.read_pt2`: version records, payload

@@ -116,7 +116,7 @@ def _remap_file(opened: Opened, dst: str | os.PathLike[str] | None, plan: Rename
     refuse_unwritable(opened.format, src, "remap")
     out = remap_output(opened, dst, to=to, in_place=in_place)
     if opened.format == formats.TORCH_PACKAGE:
-        return remap_package(src, out, to, mapping, allow_missing, progress, renaming=plan is not None)
+        return remap_package(opened, out, to, mapping, allow_missing, progress, renaming=plan is not None)
     ck = opened.graph()
     fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     if plan is None:
