@@ -373,7 +373,7 @@ def apply_plan(
         raise UnsupportedError(f"{src} is a plain pickle without torch storages, not a torch.save checkpoint; "
                                "load it and rename the state_dict in memory")
     out = rename_output(operation, opened, dst, in_place)
-    if fmt == formats.SAFETENSORS:
+    if opened.spec.header:
         if to is not None or mapping:
             raise UsageError(f"{src} is safetensors: it carries no location tags, so --to / --map do not apply "
                              "(load it on any device with safetensors.torch.load_file(path, device=...))")

@@ -155,7 +155,7 @@ def rename(src: MappingT | PathArg, dst: PathArg | None = None, *, rules: Iterab
                     progress=progress)
     opened = _rewritable(opened, "renamed")
     out = "" if dry_run else output_path(path, _opt(dst), in_place, "renamed")
-    if opened.format == formats.SAFETENSORS:
+    if opened.spec.header:
         _refuse_safetensors_options(path, key, to, mapping)
         planned, write = _rename_safetensors(opened, out, plan, allow_unused, dry_run, progress)
     else:
@@ -187,7 +187,7 @@ def _rename_safetensors(opened: Opened, out: str, plan: RenamePlan, allow_unused
         targets = [("", list(header.entries))]
     mappings, summary, uses = plan_rules(targets, plan, allow_unused, path)
     if dry_run:
-        write = WriteResult(path, "", formats.SAFETENSORS, storages=len(targets[0][1]))
+        write = WriteResult(path, "", opened.format, storages=len(targets[0][1]))
     elif source is not None:
         for t in source.tensors:
             t.name = mappings[0][t.name]
@@ -340,7 +340,7 @@ def _filter_safetensors(opened: Opened, out: str, globs: Globs, allow_unused: bo
     restore_library_aliases(source)
     targets = [("", [t.name for t in source.tensors])]
     changes = plan_filter(targets, globs, allow_unused, path)
-    res = FilterResult(path, "", formats.SAFETENSORS, changes=changes, globs=globs.uses(), dry_run=dry_run)
+    res = FilterResult(path, "", opened.format, changes=changes, globs=globs.uses(), dry_run=dry_run)
     if dry_run:
         return res
     w = write_safetensors_source(safetensors_without(path, set(changes[0].dropped)), out, progress)
@@ -413,7 +413,7 @@ def filter_keys(src: Mapping[Any, Any] | PathArg, dst: PathArg | None = None, *,
                     progress=progress)
     opened = _rewritable(opened, "filtered")
     out = "" if dry_run else output_path(path, _opt(dst), in_place, "filtered")
-    if opened.format == formats.SAFETENSORS:
+    if opened.spec.header:
         _refuse_safetensors_options(path, key, to, mapping)
         return _filter_safetensors(opened, out, globs, allow_unused, dry_run, progress)
     return _filter_torch(opened.graph(), out, globs, key, allow_unused, dry_run, (to, mapping), progress)
