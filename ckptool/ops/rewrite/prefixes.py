@@ -8,13 +8,13 @@ fails with "Missing key(s) ... Unexpected key(s): module.conv1.weight". The func
 components only (:mod:`ckptool.model.keys`, the rule of torch's ``consume_prefix_in_state_dict_if_present``), so
 ``mlp_module.fc.weight`` never loses ``module``.
 
-On a file (a ``str`` or ``os.PathLike``) each function reads the pickle as a node graph
-(:func:`ckptool.formats.torchfile.read_checkpoint`, nothing imported or run), renames the keys of the selected
-state_dict(s) in the graph, and streams a new file with :func:`ckptool.ops.rewrite.stream.rewrite_file`: tensor records
-are
-copied byte for byte, never decoded, so the cost is the cost of copying the file and torch is not imported.
-safetensors files get a new JSON header and their data block copied unchanged. The output is written
-atomically (temporary file, fsync, rename); nothing is written when an error is raised.
+On a file (a ``str`` or ``os.PathLike``) each function opens it once (:func:`ckptool.readers.open_checkpoint`),
+takes the pickle as a node graph (:meth:`ckptool.readers.Opened.graph`, nothing imported or run), renames the keys
+of the selected state_dict(s) in the graph, and streams a new file with
+:func:`ckptool.ops.rewrite.stream.rewrite_file`: tensor records are copied byte for byte, never decoded, so the
+cost is the cost of copying the file and torch is not imported. safetensors files get a new JSON header and their
+data block copied unchanged. The output is written atomically (temporary file, fsync, rename); nothing is written
+when an error is raised.
 
 On an in-memory mapping (a state_dict, possibly an ``OrderedDict`` with ``_metadata``, or a training checkpoint
 dict holding one) each function returns a NEW mapping of the same type; the input is not mutated and the values

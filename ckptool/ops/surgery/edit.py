@@ -1,11 +1,11 @@
 """``ckptool.rename`` (keys renamed by regex rules) and ``ckptool.filter_keys`` (keys kept or dropped by globs).
 
 Both work on the state_dict(s) of a checkpoint, in a file or in memory, with the machinery of the prefix commands
-(:mod:`ckptool.ops.rewrite.prefixes`): a file is read as a node graph
-(:func:`ckptool.formats.torchfile.read_checkpoint`,
-nothing imported or run), the selected state_dicts are changed in the graph and the file is streamed anew
-(:func:`ckptool.ops.rewrite.stream.rewrite_file`: tensor records copied byte for byte, torch never imported); a
-safetensors file gets a new header. Outputs are atomic; nothing is written when an error is raised.
+(:mod:`ckptool.ops.rewrite.prefixes`): a file is opened once and read as a node graph
+(:meth:`ckptool.readers.Opened.graph`, nothing imported or run), the selected state_dicts are changed in the graph
+and the file is streamed anew (:func:`ckptool.ops.rewrite.stream.rewrite_file`: tensor records copied byte for
+byte, torch never imported); a safetensors file gets a new header. Outputs are atomic; nothing is written when an
+error is raised.
 
 Selection, as for the prefix commands: ``key`` (a dotted path) selects one state_dict; without it every state_dict
 :func:`ckptool.model.graph.find_state_dicts` finds is changed (never optimizer state).
