@@ -156,7 +156,8 @@ def folder_output(folder: str, dst: str | os.PathLike[str] | None, tag: str, in_
 
 def dcp_folder(opened: Opened) -> str | None:
     """The folder ``opened`` names when it is a local ``torch.distributed.checkpoint`` folder (as
-    :func:`ckptool.readers.open_checkpoint` recognised it), else None."""
+    :func:`ckptool.readers.open_checkpoint` recognised it: the folder format the rewrites take as it is, where a
+    DeepSpeed folder must be consolidated first, :attr:`ckptool.readers.Format.consolidate`), else None."""
     rewritable = opened.spec.kind == "folder" and not opened.spec.consolidate
     return opened.target if rewritable and not source.is_url(opened.target) else None
 
