@@ -39,6 +39,7 @@ from ckptool.ops.rewrite.prefixes import (
 )
 from ckptool.ops.rewrite.sets import refuse_existing_set, set_detail, set_payload
 from ckptool.ops.rewrite.stream import ProgressFn
+from ckptool.readers import FORMATS
 
 _EPILOG_SAFETY = (
     "Tensor records are copied, not decoded (torch is not imported): the cost is the cost of copying the file. "
@@ -65,7 +66,8 @@ def _run(operation: str, src: str, dst: str | None, in_place: bool, force: bool,
                               **hint_payload(hint)})
         return
     report_rename(res)
-    unit = "tensors" if res.format_in == "safetensors" else "storages"
+    spec = FORMATS.get(res.format_in)
+    unit = "tensors" if spec and spec.header else "storages"
     retagged = "".join(f"; re-tagged {a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
     report_write(res.dst, res.bytes_written, f"{res.storages} {unit}{set_detail(res)}{retagged}")
     report_hint(res.dst, state_dict=renamed_state_dict(res), to=to, maps=maps)

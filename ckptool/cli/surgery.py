@@ -32,6 +32,7 @@ from ckptool.errors import UsageError
 from ckptool.ops.rewrite.sets import set_detail, set_payload
 from ckptool.ops.surgery.average import AverageResult, average
 from ckptool.ops.surgery.edit import FilterResult, RuleResult, filter_keys, load_rules, rename, surgery_output
+from ckptool.readers import FORMATS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,7 +69,8 @@ def _stored(res: RuleResult | FilterResult) -> str:
     """``N storages`` (``N tensors`` for safetensors, ``N records`` for a DCP folder), the shards of a set and the
     re-tagging, for the ``Wrote ...`` line."""
     tags = "".join(f"; re-tagged {a} -> {b} ({k})" for (a, b), k in sorted(res.retagged.items()))
-    unit = {"safetensors": "tensors", "dcp": "records"}.get(res.format_in, "storages")
+    spec = FORMATS.get(res.format_in)  # a DCP folder's records, a safetensors file's tensors
+    unit = "tensors" if spec and spec.header else "records" if spec and spec.kind == "folder" else "storages"
     return f"{res.storages} {unit}{set_detail(res)}{tags}"
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptool import _source as source
-from ckptool.errors import CorruptCheckpointError, UsageError
+from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
 from ckptool.formats.dcp import is_dcp_folder
 from ckptool.formats.deepspeed import is_deepspeed_folder
 
@@ -159,6 +159,17 @@ class SetLayout:
         the index."""
         stem, ext = re.escape(self.stem), re.escape(self.ext)
         return re.fullmatch(rf"{stem}(-\d{{5}}-of-\d{{5}})?{ext}(\.index\.json)?", name) is not None
+
+
+def files_named(index_path: str) -> set[str]:
+    """The shard names the index at ``index_path`` names that are files of its own folder (plain names, not paths);
+    none when it does not parse. The set writer's view of an index already in its output folder (an earlier set it
+    replaces, or another set's it must leave alone), never raising."""
+    try:
+        index = parse_index(index_path)
+    except CkptError:
+        return set()
+    return {s for s in index.shards if os.path.basename(s) == s}
 
 
 def output_layout(dst: str, fmt: str) -> SetLayout:

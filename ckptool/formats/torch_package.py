@@ -33,7 +33,7 @@ from ckptool.formats.torchfile import read_pickle_member
 from ckptool.formats.unpickler import load_structure
 from ckptool.formats.zipdir import ZipEntry, read_member
 
-__all__ = ["Package", "Resource", "module_name", "read_package"]
+__all__ = ["Package", "Resource", "check_storages", "module_name", "read_package"]
 
 #: the member every ``PackageExporter`` archive holds (under its top folder), which detection looks for
 MARKER = ".data/extern_modules"
@@ -123,7 +123,7 @@ def read_package(path: str) -> Package:
                 package, _sep, resource = rel.rpartition("/")
                 pkg.resources.append(Resource(rel, package.replace("/", "."), resource, root,
                                               [qualified_name(m, n) for m, n in up.globals_seen]))
-    _check_storages(pkg, by_rel)
+    check_storages(pkg, by_rel)
     return pkg
 
 
@@ -133,9 +133,14 @@ def _text(f: Any, e: ZipEntry | None, path: str) -> str:
     return read_member(f, e, path, limit=_TEXT_LIMIT).decode("utf-8", "replace")
 
 
-def _check_storages(pkg: Package, by_rel: dict[str, ZipEntry]) -> None:
+def check_storages(pkg: Package, by_rel: dict[str, ZipEntry]) -> None:
     """Every storage the pickles name has its ``.data/<key>.storage`` record, holding at least the bytes its
-    persistent id declares (``PackageImporter`` reads ``numel`` elements from it)."""
+    persistent id declares (``PackageImporter`` reads ``numel`` elements from it). ``by_rel``: the archive's
+    members by their name below its top folder.
+
+    Raises:
+        CorruptCheckpointError: a storage without its record, or a record shorter than declared.
+    """
     for key, ref in pkg.storages.items():
         e = by_rel.get(f".data/{key}.storage")
         if e is None:

@@ -22,7 +22,7 @@ from ckptool.model.objects import find_object_state_dicts
 from ckptool.model.paths import resolve_path
 from ckptool.model.rename_plan import RenamePlan, plan_keys
 
-__all__ = ["rename_mapping", "rename_state_dict"]
+__all__ = ["copy_meta", "new_like", "rename_mapping", "rename_state_dict", "replace_at"]
 
 
 def _is_tensor_value(v: object) -> bool:
@@ -30,7 +30,7 @@ def _is_tensor_value(v: object) -> bool:
     return torch is not None and isinstance(v, torch.Tensor)
 
 
-def _new_like(m: Mapping[Any, Any], items: Iterable[tuple[Any, Any]]) -> Any:
+def new_like(m: Mapping[Any, Any], items: Iterable[tuple[Any, Any]]) -> Any:
     """A new mapping of ``type(m)`` holding ``items`` (a plain dict when that type cannot be built empty)."""
     items = list(items)
     out: Any
@@ -46,7 +46,9 @@ def _new_like(m: Mapping[Any, Any], items: Iterable[tuple[Any, Any]]) -> Any:
     return out
 
 
-def _copy_meta(src: object, dst: Any) -> Any:
+def copy_meta(src: object, dst: Any) -> Any:
+    """``dst`` carrying the ``_metadata`` of ``src`` (an ``OrderedDict`` state_dict's per-module versions), when
+    ``src`` has one and ``dst`` can hold it; ``dst`` itself."""
     meta = getattr(src, "_metadata", None)
     if meta is not None:
         with contextlib.suppress(AttributeError):  # a plain dict cannot carry _metadata
@@ -54,22 +56,22 @@ def _copy_meta(src: object, dst: Any) -> Any:
     return dst
 
 
-def _replace_at(obj: Any, keys: list[Any], new: object) -> Any:
+def replace_at(obj: Any, keys: list[Any], new: object) -> Any:
     """``obj`` with the value at ``keys`` (mapping keys, list / tuple indices) replaced by ``new``; the containers
     along the path are shallow copies."""
     if not keys:
         return new
     head, rest = keys[0], keys[1:]
     if isinstance(obj, Mapping):
-        child = _replace_at(obj[head], rest, new)
-        return _copy_meta(obj, _new_like(obj, [(k, child if k == head else v) for k, v in obj.items()]))
+        child = replace_at(obj[head], rest, new)
+        return copy_meta(obj, new_like(obj, [(k, child if k == head else v) for k, v in obj.items()]))
     items = list(obj)
-    items[head] = _replace_at(items[head], rest, new)
+    items[head] = replace_at(items[head], rest, new)
     return items if isinstance(obj, list) else tuple(items)
 
 
 def _renamed(sd: Mapping[Any, Any], mapping: Mapping[str, str], key_fn: Callable[[str], str]) -> Any:
-    out = _new_like(sd, [(mapping.get(k, k) if isinstance(k, str) else k, v) for k, v in sd.items()])
+    out = new_like(sd, [(mapping.get(k, k) if isinstance(k, str) else k, v) for k, v in sd.items()])
     meta = getattr(sd, "_metadata", None)
     if isinstance(meta, Mapping):
         entries = ((m, dict(v) if isinstance(v, dict) else v) for m, v in meta.items())
@@ -124,9 +126,9 @@ def rename_mapping(obj: Mapping[Any, Any], plan: RenamePlan, *, key: str | None 
     mappings, _summary = plan_keys(keyed, plan, allow_missing=allow_missing, where="state_dict")
     result: Any = obj
     for (keys, sd, _path), mapping in zip(targets, mappings):
-        result = _replace_at(result, keys, _renamed(sd, mapping, plan.bind(mapping).rename))
+        result = replace_at(result, keys, _renamed(sd, mapping, plan.bind(mapping).rename))
     if result is obj:  # nothing selected: still return a new mapping, as promised
-        result = _copy_meta(obj, _new_like(obj, obj.items()))
+        result = copy_meta(obj, new_like(obj, obj.items()))
     return result
 
 

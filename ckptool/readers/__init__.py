@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar, cast
+from typing import BinaryIO, Literal, TypeVar, cast
 
 from ckptool import _source as source
 from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
@@ -47,7 +47,7 @@ from ckptool.formats.pt2 import Pt2Archive, read_pt2
 from ckptool.formats.safetensors import SafetensorsHeader, read_header
 from ckptool.formats.sharded import INDEX_SUFFIX, ShardIndex, is_checkpoint_set, parse_index, read_index, set_kind
 from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
-from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
+from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file, read_pickle_member
 from ckptool.formats.zipdir import ZipEntry
 from ckptool.model.graph import find_state_dicts
 from ckptool.model.keys import shared_prefixes
@@ -87,7 +87,12 @@ class Format:
     ``tensors``: whether ckptool reads its tensors without running code (:meth:`Opened.state_dict`), else
     ``refusal``, the sentence that says why not and what to do instead (a torch.package archive, whose tensors
     are read, keeps one for the commands that do not take it yet: ``ckptool.ops.matrix``); ``keyed``: it holds
-    several mappings, of which a dotted ``key`` selects one (the others hold one flat mapping of tensors)."""
+    several mappings, of which a dotted ``key`` selects one (the others hold one flat mapping of tensors);
+    ``header``: its tensors are listed by name in a JSON header ahead of one data block
+    (:meth:`Opened.safetensors_header`), so a rewrite renames them there and copies the data block, and the tied
+    names the writing library left out are recorded in its ``__metadata__``; ``consolidate``: its tensors are
+    partitions that only a consolidation joins (``ckptool convert`` writes one file of them), so the commands that
+    rewrite a checkpoint (remap, the prefix commands, rename, filter) take it only once consolidated."""
 
     name: str
     label: str
@@ -96,6 +101,8 @@ class Format:
     tensors: bool = True
     refusal: str = ""
     keyed: bool = False
+    header: bool = False
+    consolidate: bool = False
 
 
 #: every format ckptool reads, in the order of ``docs/formats.md``
@@ -112,12 +119,12 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                    "command would run; `ckptool convert PATH -o model.safetensors` writes its tensors without "
                    "running it (then run the command on that file), torch.package.PackageImporter(path)."
                    "load_pickle(...) loads them (runs the package's code: trusted files only)"),
-    Format(detect.SAFETENSORS, "safetensors file", "file"),
+    Format(detect.SAFETENSORS, "safetensors file", "file", header=True),
     Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set"),
     Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set"),
     Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True),
     Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True),
-    Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder"),
+    Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder", consolidate=True),
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
            refusal="is a plain pickle without torch storages, not a torch.save checkpoint"),
 )}
@@ -234,6 +241,23 @@ class Opened:
         if self.spec.kind != "file":
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not one zip file")
         return self._cached("zip", lambda: detect.zip_entries(self.target))
+
+    def pickle_member(self, entry: ZipEntry, f: BinaryIO | None = None) -> bytes | bytearray:
+        """The bytes of the pickle member ``entry`` (one of :meth:`zip_entries`) of this zip file
+        (:func:`ckptool.formats.torchfile.read_pickle_member`: a deflated member inflated as a stream, its opcodes
+        checked as they arrive, so that a zip bomb costs a few MiB), read on each call; ``f``: the file already open
+        for binary reading, else it is opened.
+
+        Raises:
+            UnsupportedError: a set or folder.
+            CorruptCheckpointError: see :func:`~ckptool.formats.torchfile.read_pickle_member`.
+        """
+        if self.spec.kind != "file":
+            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not one zip file")
+        if f is not None:
+            return read_pickle_member(f, entry, self.target)
+        with source.open_binary(self.target) as opened:
+            return read_pickle_member(opened, entry, self.target)
 
     def pt2(self) -> Pt2Archive:
         """A torch.export archive's structure (:func:`ckptool.formats.pt2.read_pt2`: version records, payload

@@ -206,6 +206,19 @@ def state_dict_entries(src: Source, obj: Any, is_mod: bool) -> list[tuple[str, T
     return entries
 
 
+def locate_records(ck: Checkpoint, f: Any) -> None:
+    """Fill in the data offset of each record of the zip checkpoint ``ck`` (as :meth:`ckptool.readers.Opened.graph`
+    read it; ``f`` its file, open for binary reading) that is not known yet, from the record's local header
+    (:func:`ckptool.formats.torchfile.resolve_zip_offsets`: 30 bytes plus the name and extra field): the byte ranges
+    its storages are read from and a rewrite copies (:func:`ckptool.ops.rewrite.stream.write_zip`). Each header is
+    read once; a legacy checkpoint's offsets are known from its read.
+
+    Raises:
+        CorruptCheckpointError: a local header is missing.
+    """
+    resolve_zip_offsets(ck, f)
+
+
 def torch_source(path: str, fmt: str, key: str | None, ck: Checkpoint | None = None) -> Source:
     """Read a torch zip or legacy file's selected state_dict as a :class:`Source` (no tensor bytes read); ``ck``:
     its pickle already read (:meth:`ckptool.readers.Opened.graph`), else it is read here.
@@ -227,7 +240,7 @@ def torch_source(path: str, fmt: str, key: str | None, ck: Checkpoint | None = N
     records = {r.name: r for r in ck.records}
     if ck.format != formats.TORCH_LEGACY:
         with source.open_binary(path) as f:
-            resolve_zip_offsets(ck, f)
+            locate_records(ck, f)
 
     def storage_of(ref: StorageRef, name: str, dtype: str) -> Storage:
         rec = records.get("data/" + ref.key)

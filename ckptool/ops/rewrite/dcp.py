@@ -60,10 +60,10 @@ from ckptool.errors import (
     VerificationError,
 )
 from ckptool.formats import detect
-from ckptool.formats.dcp import METADATA_FILE, DcpMetadata, read_dcp_metadata
+from ckptool.formats.dcp import METADATA_FILE, DcpMetadata
 from ckptool.formats.nodes import PickledObject, TensorNode
 from ckptool.formats.pickler import PicklerError, dumps
-from ckptool.formats.torchfile import Checkpoint, read_checkpoint
+from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.model.graph import mapping_items
 from ckptool.model.keys import raise_on_collisions
@@ -72,6 +72,7 @@ from ckptool.model.tensor_nodes import tensor_node
 from ckptool.ops.rewrite.sets import SetRenameResult, SetWriteResult
 from ckptool.ops.rewrite.stream import ProgressFn, write_zip
 from ckptool.ops.scan.dcp_safety import is_dcp_allowed
+from ckptool.readers import Opened, open_checkpoint
 
 __all__ = ["Dropper", "Renamer", "rewrite_dcp"]
 
@@ -177,10 +178,10 @@ def _refuse_safetensors_files(folder: str, sizes: dict[str, int]) -> None:
     """
     for rel in sizes:
         try:
-            fmt = detect.detect_format(os.path.join(folder, rel))
+            header = open_checkpoint(os.path.join(folder, rel)).spec.header
         except CkptError:
             continue
-        if fmt == detect.SAFETENSORS:
+        if header:
             raise UnsupportedError(
                 f"{folder}: its data file {rel} is a safetensors file (DCP's safetensors serialization) whose own "
                 "header names every tensor by its FQN; ckptool rewrites .metadata and copies the data files, which "
@@ -320,22 +321,19 @@ def _read_record(folder: str, r: _Record, scratch: str) -> Checkpoint:
         raise CorruptCheckpointError(f"{what} is not a torch.save record (it starts {head.hex(' ') or 'empty'}, "
                                      "not as a zip); the folder is damaged or was not written by "
                                      "torch.distributed.checkpoint")
-    try:
-        return read_checkpoint(scratch, detect.TORCH_ZIP)
+    try:  # read as torch.save wrote it, whatever else its members could make it look like
+        return Opened(scratch, detect.TORCH_ZIP, scratch).graph()
     except CkptError as e:  # name the record, not the scratch copy
         raise type(e)(str(e).replace(scratch, what)) from None
 
 
-def _retag(folder: str, records: list[_Record], scratch: str, to: str | None, mapping: Mapping[str, str] | None,
-           *, allow_missing: bool, renaming: bool) -> tuple[dict[tuple[str, str], int], int]:
-    """Rewrite, into files of the folder ``scratch``, the non-tensor records whose storages ``to`` / ``mapping``
-    re-tag (each record's ``new_path`` / ``new_length``). Returns ``({(old, new): storages}, storages read)``.
+def _tagged_records(folder: str, records: list[_Record], scratch: str) -> list[tuple[_Record, Checkpoint]]:
+    """The non-tensor records kept (not dropped) that hold storages, each copied into the folder ``scratch`` and read
+    (:func:`_read_record`); the copies of the others are removed.
 
     Raises:
-        UnsupportedError: nothing to remap (no tag would change; with ``renaming``, only when a ``--map`` source
-            cannot match because no entry holds a tensor), unless ``allow_missing``; a transformed record
-            (compressed by a DCP extension) that a remap would have to read.
-        DeviceNotFoundError: a ``mapping`` source matches no tag the non-tensor entries carry.
+        UnsupportedError: a transformed record (compressed by a DCP extension), whose tags ckptool cannot rewrite.
+        CorruptCheckpointError: a record that is not a ``torch.save`` zip.
     """
     read: list[tuple[_Record, Checkpoint]] = []
     for i, r in enumerate(x for x in records if x.is_bytes and not x.dropped):
@@ -349,11 +347,12 @@ def _retag(folder: str, records: list[_Record], scratch: str, to: str | None, ma
             read.append((r, ck))
         else:
             os.unlink(path)
-    tags = [ref.location for _r, ck in read for ref in ck.storages.values()]
-    if not tags and mapping and not allow_missing:
-        raise UnsupportedError(_NOTHING.format(what="none of its non-tensor entries holds a tensor", src=folder))
-    fn: LocationFn | None = location_function(to, mapping, tags=tags, allow_missing=allow_missing, where=folder)
-    assert fn is not None
+    return read
+
+
+def _write_retagged(read: list[tuple[_Record, Checkpoint]], fn: LocationFn) -> dict[tuple[str, str], int]:
+    """Write each record of ``read`` whose storages ``fn`` re-tags anew beside its scratch copy (its ``new_path`` /
+    ``new_length``); ``{(old, new): storages}`` re-tagged."""
     counts: dict[tuple[str, str], int] = {}
     for r, ck in read:
         changes = [(ref.location, fn(ref.location)) for ref in ck.storages.values()]
@@ -366,6 +365,27 @@ def _retag(folder: str, records: list[_Record], scratch: str, to: str | None, ma
         with open(r.new_path, "wb") as o:
             write_zip(ck, o, ck.root, fn)
             r.new_length = o.tell()
+    return counts
+
+
+def _retag(folder: str, records: list[_Record], scratch: str, to: str | None, mapping: Mapping[str, str] | None,
+           *, allow_missing: bool, renaming: bool) -> tuple[dict[tuple[str, str], int], int]:
+    """Rewrite, into files of the folder ``scratch``, the non-tensor records whose storages ``to`` / ``mapping``
+    re-tag (each record's ``new_path`` / ``new_length``). Returns ``({(old, new): storages}, storages read)``.
+
+    Raises:
+        UnsupportedError: nothing to remap (no tag would change; with ``renaming``, only when a ``--map`` source
+            cannot match because no entry holds a tensor), unless ``allow_missing``; a transformed record
+            (compressed by a DCP extension) that a remap would have to read.
+        DeviceNotFoundError: a ``mapping`` source matches no tag the non-tensor entries carry.
+    """
+    read = _tagged_records(folder, records, scratch)
+    tags = [ref.location for _r, ck in read for ref in ck.storages.values()]
+    if not tags and mapping and not allow_missing:
+        raise UnsupportedError(_NOTHING.format(what="none of its non-tensor entries holds a tensor", src=folder))
+    fn: LocationFn | None = location_function(to, mapping, tags=tags, allow_missing=allow_missing, where=folder)
+    assert fn is not None
+    counts = _write_retagged(read, fn)
     if not counts and not renaming and not allow_missing:
         what = (f"the tensors its non-tensor entries hold are tagged {', '.join(sorted(set(tags)))} already" if tags
                 else "none of its non-tensor entries holds a tensor")
@@ -430,7 +450,7 @@ def _read_back(stage: str, dst: str, entries: list[Any], items: list[Any], plann
         VerificationError: a difference (nothing is kept).
     """
     try:
-        back = read_dcp_metadata(stage)
+        back = open_checkpoint(stage).dcp_metadata()
         got_items = [(i.fqn, i.is_bytes, i.relative_path, i.offset, i.length) for i in back.items()]
     except CkptError as e:
         raise VerificationError(f"{dst}: the written .metadata does not read back ({e}); nothing was kept") from e
@@ -482,11 +502,12 @@ def _commit(stage: str, dst: str) -> None:
 
 
 def rewrite_dcp(
-    folder: str, dst: str, *, operation: str, rename: Renamer | None = None, drop: Dropper | None = None,
+    src: Opened, dst: str, *, operation: str, rename: Renamer | None = None, drop: Dropper | None = None,
     to: str | None = None, mapping: Mapping[str, str] | None = None, allow_missing: bool = False,
     dry_run: bool = False, progress: ProgressFn | None = None,
 ) -> SetWriteResult | SetRenameResult:
-    """Write the DCP ``folder`` as a new DCP folder ``dst`` (new or empty), its entries renamed by ``rename`` or
+    """Write the DCP folder ``src`` (opened: :func:`ckptool.readers.open_checkpoint`) as a new DCP folder ``dst``
+    (new or empty), its entries renamed by ``rename`` or
     dropped by ``drop``, and / or the tags of its non-tensor entries re-tagged by ``to`` / ``mapping`` (see the
     module docstring). ``operation`` names the command in the result; ``progress(nbytes)`` as the data files are
     copied. ``dry_run``: everything is read and checked, nothing written (``dst`` of the result is ``""``).
@@ -508,9 +529,10 @@ def rewrite_dcp(
         CorruptCheckpointError: a damaged folder.
         VerificationError: the written ``.metadata`` does not read back as planned (nothing kept).
     """
+    folder = src.target
     if not dry_run:
         _check_target(folder, dst)
-    meta = read_dcp_metadata(folder)
+    meta = src.dcp_metadata()
     bad = [g for g in dict.fromkeys(meta.globals) if not is_dcp_allowed(g)]
     if bad:
         raise UnsafeCheckpointError(
@@ -528,7 +550,7 @@ def rewrite_dcp(
         fqns, paths = _drop(meta, records, drop)
         _apply_names(meta, records, fqns, paths)
         sizes = {rel: n for rel, n in sizes.items() if any(r.rel == rel and not r.dropped for r in records)}
-    res = SetWriteResult(folder, "" if dry_run else dst, "dcp", storages=sum(not r.dropped for r in records),
+    res = SetWriteResult(folder, "" if dry_run else dst, src.format, storages=sum(not r.dropped for r in records),
                          shards=len(sizes))
     if not dry_run:
         changing = rename is not None or drop is not None

@@ -34,17 +34,16 @@ from typing import Any, BinaryIO
 from ckptool import _source as source
 from ckptool._fileio import atomic_output, file_mode, same_file
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
-from ckptool.formats import detect as formats
 from ckptool.formats.nodes import CLASS_BUILD, GlobalMeta, StorageRef, qualified_name, split_use
 from ckptool.formats.pickle_check import call_with_stack, check_pickle, tuple_levels
 from ckptool.formats.pickler import PicklerError, dumps
-from ckptool.formats.torch_package import MARKER, Package, _check_storages
-from ckptool.formats.torchfile import read_pickle_member
+from ckptool.formats.torch_package import MARKER, Package, check_storages
 from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.formats.unpickler import PICKLE_ERRORS, RestrictedUnpickler
 from ckptool.formats.zipdir import ENCRYPTED, ZipEntry, data_offset, read_member_head
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.ops.rewrite.stream import ProgressFn, WriteResult
+from ckptool.readers import Opened
 
 __all__ = ["remap_package"]
 
@@ -90,10 +89,11 @@ class _Pickle:
     globals: list[str]
 
 
-def remap_package(src: str, dst: str, to: str | None = None, mapping: Mapping[str, str] | None = None,
+def remap_package(opened: Opened, dst: str, to: str | None = None, mapping: Mapping[str, str] | None = None,
                   allow_missing: bool = False, progress: ProgressFn | None = None, *, renaming: bool = False
                   ) -> WriteResult:
-    """Write a copy of the ``torch.package`` archive ``src`` to ``dst`` with its storages re-tagged: ``to`` every
+    """Write a copy of the ``torch.package`` archive ``opened`` (:func:`ckptool.readers.open_checkpoint`) to ``dst``
+    with its storages re-tagged: ``to`` every
     storage, ``mapping`` only the matching tags (:func:`ckptool.model.devices.location_function`); see the module
     docstring for what is rewritten and what is copied. ``dst`` may be ``src`` (in place: the permission bits are
     kept). ``progress(nbytes)`` is called as members are copied (bytes since the last call). ``renaming``: the
@@ -112,19 +112,20 @@ def remap_package(src: str, dst: str, to: str | None = None, mapping: Mapping[st
         CorruptCheckpointError: a damaged archive, pickle or storage record.
         OutputError: writing ``dst`` failed (nothing left behind).
     """
+    src = opened.target
     if renaming:
         raise UnsupportedError(f"{src} is a torch.package archive: its pickles hold objects, not state_dict keys to "
                                "rename; remap re-tags it without --unwrap / --strip-* / --add-prefix")
-    entries, top = _members(src)
+    entries, top = _members(src, opened.zip_entries())
     storages: dict[str, StorageRef] = {}
     with source.open_binary(src) as f:
-        pickles = _read_pickles(f, src, entries, top, storages)
-    _check_storages(Package(src, source.file_size(src), top, storages=storages),
+        pickles = _read_pickles(opened, f, entries, top, storages)
+    check_storages(Package(src, source.file_size(src), top, storages=storages),
                     {e.name[len(top):]: e for e in entries})
     fn = location_function(to, mapping, tags=[r.location for r in storages.values()], allow_missing=allow_missing,
                            where=src)
     new = {p.entry.name: _rewritten(p, src, fn) for p in pickles if _retags(p, fn)}
-    res = WriteResult(src, dst, formats.TORCH_PACKAGE, storages=len(storages), retagged=_count(storages, fn))
+    res = WriteResult(src, dst, opened.format, storages=len(storages), retagged=_count(storages, fn))
     mode = file_mode(src) if same_file(src, dst) else None
     with source.open_binary(src) as f, atomic_output(dst, mode=mode) as out:
         w = TorchZipWriter(out, top, progress=progress)
@@ -141,14 +142,15 @@ def remap_package(src: str, dst: str, to: str | None = None, mapping: Mapping[st
     return res
 
 
-def _members(src: str) -> tuple[list[ZipEntry], str]:
-    """The archive's members in directory order and its top folder (with ``/``).
+def _members(src: str, entries: list[ZipEntry]) -> tuple[list[ZipEntry], str]:
+    """The archive's members in directory order (``entries``, its central directory) and its top folder (with
+    ``/``).
 
     Raises:
         UnsupportedError: not a ``torch.package`` archive with one top folder; a member outside that folder, a name
             used twice, a TorchScript part.
     """
-    entries = list(formats.zip_entries(src))
+    entries = list(entries)
     first = entries[0].name if entries else ""
     top = first.split("/", 1)[0] + "/" if "/" in first else ""
     if not top or not any(e.name == top + MARKER for e in entries):
@@ -176,7 +178,7 @@ _ROUTE = ("Load it with torch.package.PackageImporter(path).load_pickle(package,
           "trusted environment (it runs the package's code) and export it again")
 
 
-def _read_pickles(f: BinaryIO, src: str, entries: list[ZipEntry], top: str,
+def _read_pickles(opened: Opened, f: BinaryIO, entries: list[ZipEntry], top: str,
                   storages: dict[str, StorageRef]) -> list[_Pickle]:
     """Every pickle member of the archive, read with the restricted unpickler, sharing ``storages`` (one record per
     storage key, as the exporter shares its storage context): the ``*.pkl`` members outside ``.data/``, and every
@@ -187,6 +189,7 @@ def _read_pickles(f: BinaryIO, src: str, entries: list[ZipEntry], top: str,
             cannot tell whether it names storages), a storage declared twice differently.
         UnsupportedError: a persistent id other than a storage's (``reduce_package``), see :func:`_check_pids`.
     """
+    src = opened.target
     cache: dict[tuple[str, str], GlobalMeta] = {}
     out: list[_Pickle] = []
     for e in entries:
@@ -197,7 +200,7 @@ def _read_pickles(f: BinaryIO, src: str, entries: list[ZipEntry], top: str,
         if not named and read_member_head(f, e, src, 2) not in _PROTO_HEADS:
             continue
         try:
-            p = _load(bytes(read_pickle_member(f, e, src)), e, rel, f"{e.name} in {src}", storages, cache)
+            p = _load(bytes(opened.pickle_member(e, f)), e, rel, f"{e.name} in {src}", storages, cache)
         except CorruptCheckpointError as err:
             if named:
                 raise

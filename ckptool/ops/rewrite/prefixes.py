@@ -8,13 +8,13 @@ fails with "Missing key(s) ... Unexpected key(s): module.conv1.weight". The func
 components only (:mod:`ckptool.model.keys`, the rule of torch's ``consume_prefix_in_state_dict_if_present``), so
 ``mlp_module.fc.weight`` never loses ``module``.
 
-On a file (a ``str`` or ``os.PathLike``) each function reads the pickle as a node graph
-(:func:`ckptool.formats.torchfile.read_checkpoint`, nothing imported or run), renames the keys of the selected
-state_dict(s) in the graph, and streams a new file with :func:`ckptool.ops.rewrite.stream.rewrite_file`: tensor records
-are
-copied byte for byte, never decoded, so the cost is the cost of copying the file and torch is not imported.
-safetensors files get a new JSON header and their data block copied unchanged. The output is written
-atomically (temporary file, fsync, rename); nothing is written when an error is raised.
+On a file (a ``str`` or ``os.PathLike``) each function opens it once (:func:`ckptool.readers.open_checkpoint`),
+takes the pickle as a node graph (:meth:`ckptool.readers.Opened.graph`, nothing imported or run), renames the keys
+of the selected state_dict(s) in the graph, and streams a new file with
+:func:`ckptool.ops.rewrite.stream.rewrite_file`: tensor records are copied byte for byte, never decoded, so the
+cost is the cost of copying the file and torch is not imported. safetensors files get a new JSON header and their
+data block copied unchanged. The output is written atomically (temporary file, fsync, rename); nothing is written
+when an error is raised.
 
 On an in-memory mapping (a state_dict, possibly an ``OrderedDict`` with ``_metadata``, or a training checkpoint
 dict holding one) each function returns a NEW mapping of the same type; the input is not mutated and the values
@@ -33,9 +33,6 @@ from typing import Any, Literal, TypeVar, overload
 
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.safetensors import (
-    read_header,
-)
 from ckptool.model.graph import (
     StateDictRef,
     class_name,
@@ -83,6 +80,7 @@ __all__ = [
     "build_plan",
     "rename_graph",
     "rename_state_dict",
+    "rewrite_safetensors",
     "strip_dataparallel",
     "strip_prefix",
     "unwrap",
@@ -294,11 +292,21 @@ def rename_graph(
 
 
 # ------------------------------------------------------------------------------------------------ safetensors
-def _rewrite_safetensors(src: str, out: str, plan: RenamePlan, *, key: str | None, allow_missing: bool,
-                         operation: str, progress: ProgressFn | None) -> RenameResult:
+def rewrite_safetensors(opened: Opened, out: str, plan: RenamePlan, *, key: str | None, allow_missing: bool,
+                        operation: str, progress: ProgressFn | None) -> RenameResult:
+    """Write the safetensors file ``opened`` to ``out`` with its tensor names renamed by ``plan`` (a new header, the
+    data block copied: :func:`ckptool.ops.rewrite.stream.write_renamed_safetensors`); ``operation`` names the
+    command in the result, ``progress(nbytes)`` gets the data bytes copied.
+
+    Raises:
+        UsageError: ``key`` (one flat mapping of tensors).
+        PrefixNotFoundError / KeyCollisionError / NestedPrefixError: from the plan; nothing written.
+        CorruptCheckpointError: an unreadable header or shared-tensor record.
+    """
+    src = opened.target
     if key:
         raise UsageError(f"{src} is safetensors: it holds one flat mapping of tensors, so --key does not apply")
-    header = read_header(src)
+    header = opened.safetensors_header()
     mappings, summary = plan_keys([("", safetensors_keys(src, header), False)], plan, allow_missing=allow_missing,
                                   where=src)
     res = write_renamed_safetensors(src, out, header, mappings[0], progress)
@@ -345,14 +353,14 @@ def apply_plan(
     opened = open_checkpoint(src)
     folder = dcp_folder(opened)
     if folder is not None:
-        return rewrite_dcp(folder, rename_output(operation, opened, dst, in_place), operation=operation,
+        return rewrite_dcp(opened, rename_output(operation, opened, dst, in_place), operation=operation,
                            rename=lambda root: rename_graph(root, plan, key=key, allow_missing=allow_missing,
                                                             where=folder),
                            to=to, mapping=mapping, allow_missing=allow_missing, progress=progress)
     index = set_index(opened)
     if index is not None:
         out = set_output(index, dst, OUTPUT_TAGS[operation], in_place)
-        return rewrite_set(index, out, operation=operation, plan=plan, to=to, mapping=mapping, key=key,
+        return rewrite_set(opened, out, operation=operation, plan=plan, to=to, mapping=mapping, key=key,
                            allow_missing=allow_missing, progress=progress)
     src, fmt = opened.target, opened.format
     if fmt == formats.TORCHSCRIPT:
@@ -365,11 +373,11 @@ def apply_plan(
         raise UnsupportedError(f"{src} is a plain pickle without torch storages, not a torch.save checkpoint; "
                                "load it and rename the state_dict in memory")
     out = rename_output(operation, opened, dst, in_place)
-    if fmt == formats.SAFETENSORS:
+    if opened.spec.header:
         if to is not None or mapping:
             raise UsageError(f"{src} is safetensors: it carries no location tags, so --to / --map do not apply "
                              "(load it on any device with safetensors.torch.load_file(path, device=...))")
-        return _rewrite_safetensors(src, out, plan, key=key, allow_missing=allow_missing, operation=operation,
+        return rewrite_safetensors(opened, out, plan, key=key, allow_missing=allow_missing, operation=operation,
                                     progress=progress)
     ck = opened.graph()
     location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)

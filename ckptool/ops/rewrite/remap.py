@@ -96,12 +96,12 @@ def remap(
         out = remap_output(opened, dst, to=to, in_place=in_place)
         renamer = None if plan is None else (
             lambda root: rename_graph(root, plan, key=key, allow_missing=allow_missing, where=folder))
-        return rewrite_dcp(folder, out, operation="remap", rename=renamer, to=to, mapping=mapping,
+        return rewrite_dcp(opened, out, operation="remap", rename=renamer, to=to, mapping=mapping,
                            allow_missing=allow_missing, progress=progress)
     index = set_index(opened)
     if index is not None:
         out = remap_output(opened, dst, to=to, in_place=in_place)
-        return rewrite_set(index, out, operation="remap", plan=plan, to=to, mapping=mapping, key=key,
+        return rewrite_set(opened, out, operation="remap", plan=plan, to=to, mapping=mapping, key=key,
                            allow_missing=allow_missing, progress=progress)
     return _remap_file(opened, dst, plan, to=to, mapping=mapping, in_place=in_place, key=key,
                        allow_missing=allow_missing, progress=progress)
@@ -116,7 +116,7 @@ def _remap_file(opened: Opened, dst: str | os.PathLike[str] | None, plan: Rename
     refuse_unwritable(opened.format, src, "remap")
     out = remap_output(opened, dst, to=to, in_place=in_place)
     if opened.format == formats.TORCH_PACKAGE:
-        return remap_package(src, out, to, mapping, allow_missing, progress, renaming=plan is not None)
+        return remap_package(opened, out, to, mapping, allow_missing, progress, renaming=plan is not None)
     ck = opened.graph()
     fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     if plan is None:

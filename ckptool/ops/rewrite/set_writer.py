@@ -14,8 +14,8 @@ from typing import Any, Protocol, TypeVar
 
 from ckptool._commit import mark_committed, signals_blocked
 from ckptool._fileio import atomic_output, same_file, temp_path
-from ckptool.errors import CkptError, OutputError, UsageError
-from ckptool.formats.sharded import INDEX_SUFFIX, SetLayout, encode_index, parse_index
+from ckptool.errors import OutputError, UsageError
+from ckptool.formats.sharded import INDEX_SUFFIX, SetLayout, encode_index, files_named
 
 #: one shard's worth of what :func:`write_set` writes (convert: a list of units; a rewrite: an input shard)
 G = TypeVar("G")
@@ -84,22 +84,12 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
     done = False
     try:
         with contextlib.ExitStack() as stack:  # the scratch files go when it closes, whatever happened
-            staged: list[tuple[str, str]] = []
-            for final, us in zip(paths, groups):
-                tmp = stack.enter_context(scratch_file(final))
-                write(tmp, final, us)
-                staged.append((tmp, final))
+            staged = _stage(stack, paths, groups, write)
             # every shard is written and verified: put them in place, write the index, remove the earlier set's
             # files and record the output as complete with SIGINT / SIGTERM held, so that an interrupt comes before
             # the set changes (nothing kept) or after it is whole (the CLI says so)
             with signals_blocked():
-                for tmp, final in staged:
-                    try:
-                        os.replace(tmp, final)
-                    except OSError as e:
-                        raise OutputError(f"moving {final} into place failed: {e.strerror or e}; nothing was "
-                                          "kept", final, e.errno) from e
-                    committed.append(final)
+                _move_into_place(staged, committed)
                 if index is not None:
                     with atomic_output(index) as f:
                         f.write(encode_index(weight_map, total, metadata))
@@ -108,26 +98,49 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
                 done = True
     except BaseException:
         if not done:
-            for p in committed:
-                with contextlib.suppress(OSError):
-                    os.unlink(p)
-            if made:
-                with contextlib.suppress(OSError):
-                    os.rmdir(layout.folder)
+            _undo(committed, layout.folder if made else None)
         raise
     res.files += paths + ([index] if index else [])
     if index is not None and not layout.is_output_folder:
         res.dst = index  # NAME.safetensors itself is not written: the index names the set
 
 
-def _named_by(index_path: str) -> set[str]:
-    """The shard names an index names that are files of its own folder (plain names); none when it does not
-    parse."""
-    try:
-        index = parse_index(index_path)
-    except CkptError:
-        return set()
-    return {s for s in index.shards if os.path.basename(s) == s}
+def _stage(stack: contextlib.ExitStack, paths: list[str], groups: Sequence[G],
+           write: Callable[[str, str, G], None]) -> list[tuple[str, str]]:
+    """Write each group with ``write`` into a scratch file beside its final path (removed when ``stack`` closes);
+    ``(scratch, final)`` pairs."""
+    staged: list[tuple[str, str]] = []
+    for final, us in zip(paths, groups):
+        tmp = stack.enter_context(scratch_file(final))
+        write(tmp, final, us)
+        staged.append((tmp, final))
+    return staged
+
+
+def _move_into_place(staged: list[tuple[str, str]], committed: list[str]) -> None:
+    """Rename each scratch file to its final path, adding the final paths to ``committed`` as they are done.
+
+    Raises:
+        OutputError: a rename failed (the files moved so far are in ``committed``).
+    """
+    for tmp, final in staged:
+        try:
+            os.replace(tmp, final)
+        except OSError as e:
+            raise OutputError(f"moving {final} into place failed: {e.strerror or e}; nothing was kept", final,
+                              e.errno) from e
+        committed.append(final)
+
+
+def _undo(committed: list[str], made: str | None) -> None:
+    """Remove the files of a failed run moved into place (``committed``), and the folder ``made`` (this run made it)
+    when given."""
+    for p in committed:
+        with contextlib.suppress(OSError):
+            os.unlink(p)
+    if made is not None:
+        with contextlib.suppress(OSError):
+            os.rmdir(made)
 
 
 def _earlier_set(layout: SetLayout) -> set[str]:
@@ -141,8 +154,8 @@ def _earlier_set(layout: SetLayout) -> set[str]:
     names = set(os.listdir(folder))
     ours = {layout.index_name, layout.stem + layout.ext} & names
     if layout.index_name in names:
-        ours |= _named_by(os.path.join(folder, layout.index_name)) & names
-    others = set().union(*(_named_by(os.path.join(folder, n)) for n in names
+        ours |= files_named(os.path.join(folder, layout.index_name)) & names
+    others = set().union(*(files_named(os.path.join(folder, n)) for n in names
                            if n.endswith(INDEX_SUFFIX) and n != layout.index_name))
     return {n for n in ours - others if layout.is_member(n)}
 

@@ -29,14 +29,12 @@ from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.nodes import StorageRef
 from ckptool.formats.pickler import PicklerError, dumps
-from ckptool.formats.safetensors import SafetensorsHeader, read_header
+from ckptool.formats.safetensors import SafetensorsHeader
 from ckptool.formats.sharded import (
     INDEX_SUFFIX,
     SET_FILE_SUFFIXES,
     SetLayout,
     ShardIndex,
-    parse_index,
-    read_index,
 )
 from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.devices import LocationFn, location_function
@@ -122,7 +120,7 @@ def set_index(src: str | os.PathLike[str] | Opened) -> str | None:
         UsageError: a DeepSpeed folder (consolidate it first), a folder that is no checkpoint set, a missing index.
     """
     o = opened_input(src)
-    if o.format == "deepspeed":
+    if o.spec.consolidate:
         raise UsageError(f"{o.path} is a DeepSpeed ZeRO checkpoint folder, which this command does not rewrite: "
                          f"consolidate it first with `ckptool convert {o.path} -o model.pt` (exactly as DeepSpeed's "
                          "zero_to_fp32 does), then run the command on that file")
@@ -158,8 +156,10 @@ def folder_output(folder: str, dst: str | os.PathLike[str] | None, tag: str, in_
 
 def dcp_folder(opened: Opened) -> str | None:
     """The folder ``opened`` names when it is a local ``torch.distributed.checkpoint`` folder (as
-    :func:`ckptool.readers.open_checkpoint` recognised it), else None."""
-    return opened.target if opened.format == "dcp" and not source.is_url(opened.target) else None
+    :func:`ckptool.readers.open_checkpoint` recognised it: the folder format the rewrites take as it is, where a
+    DeepSpeed folder must be consolidated first, :attr:`ckptool.readers.Format.consolidate`), else None."""
+    rewritable = opened.spec.kind == "folder" and not opened.spec.consolidate
+    return opened.target if rewritable and not source.is_url(opened.target) else None
 
 
 def dcp_output(folder: str, dst: str | os.PathLike[str] | None, tag: str, in_place: bool) -> str:
@@ -234,12 +234,12 @@ def refuse_existing_set(src: str | os.PathLike[str] | Opened, out: str, *, force
     Raises:
         UsageError: files of a set are in the way, or ``out`` is not a usable output name.
     """
-    index_path = set_index(src)
-    if index_path is None or force:
+    o = opened_input(src)
+    if set_index(o) is None or force:
         return
-    index = parse_index(index_path)
+    index = o.index()
     first = next(iter(index.shards), "")
-    layout = _layout(index, first, formats.detect_format(index.shard_path(first)) == formats.SAFETENSORS, out)
+    layout = _layout(index, first, bool(first) and open_checkpoint(index.shard_path(first)).spec.header, out)
     names = sorted(os.listdir(layout.folder)) if os.path.isdir(layout.folder) else []
     existing = [n for n in names if layout.is_member(n)]
     if existing:
@@ -257,8 +257,8 @@ def _open_shard(index: ShardIndex, name: str) -> _Shard:
     path = index.shard_path(name)
     shard = open_checkpoint(path)
     fmt = shard.format
-    if fmt == formats.SAFETENSORS:
-        header = read_header(path)
+    if shard.spec.header:
+        header = shard.safetensors_header()
         return _Shard(name, path, fmt, safetensors_keys(path, header), header=header)
     refuse_unwritable(fmt, path, "rewrite")
     ck = shard.graph()
@@ -304,24 +304,27 @@ class OpenSet:
         return self.index.path
 
 
-def open_set(index_path: str, *, key: str | None = None) -> OpenSet:
-    """Read the set of ``index_path``: the index, then each shard's structure (:func:`_open_shard`).
+def open_set(src: str | Opened, *, key: str | None = None) -> OpenSet:
+    """Read the set ``src`` (its ``*.index.json``, or the set opened): the index, then each shard's structure
+    (:func:`_open_shard`).
 
     Raises:
         UsageError: ``key`` (a set's shards hold the flat state_dict itself).
         UnsupportedError: no shard, shards of mixed or unwritable formats.
         CorruptCheckpointError: two shards holding one name; an unreadable index or shard.
     """
+    o = opened_input(src)
+    index_path = o.target
     if key is not None:
         raise UsageError(f"{index_path} is a sharded set: its shards hold one flat state_dict, so --key does not "
                          "apply")
-    index = read_index(index_path)
+    index = o.index()
     # in file-name order (model-00001-of-00004... first), not the index's order of first appearance: transformers
     # writes the weight_map sorted by tensor name, so that order would give shard 2 the name of shard 1
     shards = [_open_shard(index, name) for name in sorted(index.shards)]
     if not shards:
         raise UnsupportedError(f"{index_path} names no shard (an empty weight_map); there is nothing to rewrite")
-    kinds = {s.fmt == formats.SAFETENSORS for s in shards}
+    kinds = {s.header is not None for s in shards}
     if len(kinds) > 1:
         raise UnsupportedError(f"{index_path} mixes safetensors and torch shards; rewrite each shard by itself")
     _refuse_duplicates(index_path, shards)
@@ -403,7 +406,7 @@ def _output_layout(s: OpenSet, shards: list[_Shard], dst: str, key_map: dict[str
 
 
 def rewrite_set(
-    src: str | OpenSet, dst: str, *, operation: str, plan: RenamePlan | None = None, to: str | None = None,
+    src: str | Opened | OpenSet, dst: str, *, operation: str, plan: RenamePlan | None = None, to: str | None = None,
     mapping: Mapping[str, str] | None = None, key: str | None = None, allow_missing: bool = False,
     drop: Collection[str] = (), write_subset: SubsetWriter | None = None, progress: ProgressFn | None = None,
 ) -> SetWriteResult | SetRenameResult:
@@ -461,8 +464,8 @@ def rewrite_set(
                 rename_mapping_node(shard.ck.root, key_map, bound)
             w = rewrite_file(shard.ck, path, shard.ck.root, location_fn, progress=progress)
         if metadata is not None and gone:
-            metadata["total_size"] += (read_header(path).data_size if shard.header is not None
-                                       else _data_bytes([shard]))
+            metadata["total_size"] += (open_checkpoint(path).safetensors_header().data_size
+                                       if shard.header is not None else _data_bytes([shard]))
         res.storages += w.storages
         res.bytes_written += w.bytes_written
         for pair, n in w.retagged.items():

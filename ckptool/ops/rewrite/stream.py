@@ -24,12 +24,13 @@ from ckptool.formats import detect as formats
 from ckptool.formats.nodes import CLASS_BUILD, PickledObject, StorageRef, split_use
 from ckptool.formats.pickler import PicklerError, dumps
 from ckptool.formats.safetensors import SafetensorsHeader, encode_header, recorded_names, rename_metadata
-from ckptool.formats.torchfile import Checkpoint, resolve_zip_offsets
+from ckptool.formats.torchfile import Checkpoint
 from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.formats.zipdir import ENCRYPTED
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.rename_plan import RenamePlan, RenameSummary
+from ckptool.readers.read_torch import locate_records
 
 
 @dataclass
@@ -158,7 +159,7 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
             res.bytes_written = w.pos
             return res
         else:
-            resolve_zip_offsets(ck, src)
+            locate_records(ck, src)
             for rec in ck.records:
                 if rec.name == "data.pkl":
                     w.write_bytes("data.pkl", data_pkl)

@@ -24,9 +24,10 @@ from __future__ import annotations
 import math
 import os
 import zlib
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, overload
 
 from ckptool._fileio import same_file
 from ckptool.errors import UnsupportedError, UsageError
@@ -46,6 +47,8 @@ from ckptool.torch_ops.average import AVERAGED, TAKEN_FROM_FIRST, Accumulator, a
 
 __all__ = ["AverageResult", "average"]
 
+#: a checkpoint path given to :func:`average`
+PathArg = str | os.PathLike[str]
 #: elements averaged at a time (float64 buffers of 8 MiB)
 CHUNK_ELEMENTS = 1 << 20
 
@@ -88,7 +91,7 @@ def _read(path: str, key: str | None) -> Source:
     """
     opened = open_checkpoint(path)
     src = opened.state_dict(key if opened.spec.keyed else None)
-    if opened.format == formats.SAFETENSORS:
+    if opened.spec.header:  # tied names the safetensors library left out, as its __metadata__ records them
         restore_library_aliases(src)
     return src
 
@@ -246,9 +249,15 @@ def _weights(weights: Sequence[float] | None, n: int) -> list[float]:
     return ws
 
 
-def average(inputs: Sequence[Any], dst: str | os.PathLike[str] | None = None, *,
+@overload
+def average(inputs: Sequence[Mapping[Any, Any]], dst: None = None, *, weights: Sequence[float] | None = None,
+            key: str | None = None, progress: ProgressFn | None = None) -> OrderedDict[Any, Any]: ...
+@overload
+def average(inputs: Sequence[PathArg], dst: PathArg | None = None, *, weights: Sequence[float] | None = None,
+            key: str | None = None, progress: ProgressFn | None = None) -> AverageResult: ...
+def average(inputs: Sequence[PathArg] | Sequence[Mapping[Any, Any]], dst: PathArg | None = None, *,
             weights: Sequence[float] | None = None, key: str | None = None,
-            progress: ProgressFn | None = None) -> Any:
+            progress: ProgressFn | None = None) -> AverageResult | OrderedDict[Any, Any]:
     """The weighted mean of the state_dicts of ``inputs`` (two or more), written to ``dst``.
 
     ``inputs`` are checkpoint paths (torch zip, legacy, safetensors, sharded index, in any mix; see the module
@@ -275,16 +284,8 @@ def average(inputs: Sequence[Any], dst: str | os.PathLike[str] | None = None, *,
     if all(isinstance(x, Mapping) for x in inputs):
         if dst is not None:
             raise UsageError("dst applies to checkpoint paths; for in-memory state_dicts the mean is returned")
-        return average_state_dicts(list(inputs), ws, key=key)
-    if not all(isinstance(x, (str, os.PathLike)) for x in inputs):
-        raise UsageError("give checkpoint paths or loaded state_dicts (mappings), not a mix")
-    paths = [os.fspath(x) for x in inputs]
-    if dst is None:
-        raise UsageError("average writes a new file: give dst (-o OUT.safetensors or OUT.pth)")
-    out = os.fspath(dst)
-    for p in paths:
-        if same_file(p, out):
-            raise UsageError(f"output {out} is the input {p}; choose another -o path")
+        return average_state_dicts([x for x in inputs if isinstance(x, Mapping)], ws, key=key)
+    paths, out = _paths(inputs, dst)
     sources = [_read(p, key) for p in paths]
     if key is not None and all(s.key is None for s in sources):
         raise UsageError("--key selects a state_dict inside torch.save files; every input is a flat mapping of "
@@ -292,10 +293,36 @@ def average(inputs: Sequence[Any], dst: str | os.PathLike[str] | None = None, *,
     _check_match(sources)
     if not sources[0].tensors:
         raise UnsupportedError(f"{paths[0]}: the selected state_dict holds no tensors; nothing to average")
-    fmt_out = "safetensors" if out.endswith(".safetensors") else "torch"
-    if fmt_out == "safetensors":
+    return _write(sources, ws, paths, out, progress)
+
+
+def _paths(inputs: Sequence[object], dst: PathArg | None) -> tuple[list[str], str]:
+    """The input paths of :func:`average` and its output ``dst``.
+
+    Raises:
+        UsageError: paths mixed with mappings, no ``dst``, ``dst`` that is an input.
+    """
+    paths = [os.fspath(x) for x in inputs if isinstance(x, (str, os.PathLike))]
+    if len(paths) != len(inputs):
+        raise UsageError("give checkpoint paths or loaded state_dicts (mappings), not a mix")
+    if dst is None:
+        raise UsageError("average writes a new file: give dst (-o OUT.safetensors or OUT.pth)")
+    out = os.fspath(dst)
+    for p in paths:
+        if same_file(p, out):
+            raise UsageError(f"output {out} is the input {p}; choose another -o path")
+    return paths, out
+
+
+def _write(sources: list[Source], ws: list[float], paths: list[str], out: str,
+           progress: ProgressFn | None) -> AverageResult:
+    """The mean of ``sources`` (checked to match) computed into a scratch file beside ``out``, then written as
+    ``out`` by ``convert``'s writer: safetensors for a ``.safetensors`` name, else a torch zip file."""
+    safetensors = out.endswith(".safetensors")
+    fmt_out = "safetensors" if safetensors else "torch"  # write_outputs' output choice
+    if safetensors:
         check_safetensors_dtypes(sources[0].tensors, None, out)
-    res = AverageResult(out, formats.SAFETENSORS if fmt_out == "safetensors" else formats.TORCH_ZIP, paths,
+    res = AverageResult(out, formats.SAFETENSORS if safetensors else formats.TORCH_ZIP, paths,
                         [s.format for s in sources], ws, key=sources[0].key, left_out=list(sources[0].left_out),
                         skipped=list(sources[0].skipped))
     res.notes += [n for s in sources for n in s.notes]

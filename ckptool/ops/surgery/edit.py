@@ -1,11 +1,11 @@
 """``ckptool.rename`` (keys renamed by regex rules) and ``ckptool.filter_keys`` (keys kept or dropped by globs).
 
 Both work on the state_dict(s) of a checkpoint, in a file or in memory, with the machinery of the prefix commands
-(:mod:`ckptool.ops.rewrite.prefixes`): a file is read as a node graph
-(:func:`ckptool.formats.torchfile.read_checkpoint`,
-nothing imported or run), the selected state_dicts are changed in the graph and the file is streamed anew
-(:func:`ckptool.ops.rewrite.stream.rewrite_file`: tensor records copied byte for byte, torch never imported); a
-safetensors file gets a new header. Outputs are atomic; nothing is written when an error is raised.
+(:mod:`ckptool.ops.rewrite.prefixes`): a file is opened once and read as a node graph
+(:meth:`ckptool.readers.Opened.graph`, nothing imported or run), the selected state_dicts are changed in the graph
+and the file is streamed anew (:func:`ckptool.ops.rewrite.stream.rewrite_file`: tensor records copied byte for
+byte, torch never imported); a safetensors file gets a new header. Outputs are atomic; nothing is written when an
+error is raised.
 
 Selection, as for the prefix commands: ``key`` (a dotted path) selects one state_dict; without it every state_dict
 :func:`ckptool.model.graph.find_state_dicts` finds is changed (never optimizer state).
@@ -33,18 +33,18 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, TypeVar, overload
 
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.safetensors import SHARED_KEY, read_header
+from ckptool.formats.safetensors import SHARED_KEY
 from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.objects import find_object_state_dicts
 from ckptool.model.paths import resolve_path
-from ckptool.model.rename_memory import _copy_meta, _new_like, _replace_at, rename_mapping
+from ckptool.model.rename_memory import copy_meta, new_like, rename_mapping, replace_at
 from ckptool.model.rename_plan import RenamePlan, RenameSummary
-from ckptool.ops.rewrite.prefixes import _rewrite_safetensors, rename_graph
+from ckptool.ops.rewrite.prefixes import MappingT, PathArg, rename_graph, rewrite_safetensors
 from ckptool.ops.rewrite.sets import dcp_folder, dcp_output, prune_storages, refuse_existing_set, set_output
 from ckptool.ops.rewrite.stream import ProgressFn, WriteResult, output_path, retag_function, rewrite_file
 from ckptool.ops.surgery.plan import (
@@ -67,10 +67,14 @@ from ckptool.ops.surgery.plan import (
 from ckptool.ops.surgery.rules import RuleLike, RuleStep, load_rules, rules_plan
 from ckptool.ops.surgery.sets import filter_dcp, filter_set, rename_dcp, rename_set
 from ckptool.readers import Opened, open_checkpoint
-from ckptool.readers.read_safetensors import restore_library_aliases, safetensors_source
+from ckptool.readers.read_safetensors import restore_library_aliases
 
 __all__ = ["FilterChange", "FilterResult", "RuleResult", "RuleStep", "RuleUse", "SetFilterResult", "SetRuleResult",
            "filter_keys", "load_rules", "rename", "rules_plan", "surgery_output"]
+
+
+#: what :func:`_many` binds returns (a :class:`SetRuleResult` or a :class:`SetFilterResult`)
+_R = TypeVar("_R")
 
 
 def _is_tensor_value(v: object) -> bool:
@@ -102,10 +106,17 @@ def _memory_targets(obj: Mapping[Any, Any], key: str | None) -> list[tuple[list[
 
 
 # ------------------------------------------------------------------------------------------------ rename
-def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterable[RuleLike],
+@overload
+def rename(src: MappingT, dst: None = None, *, rules: Iterable[RuleLike], key: str | None = None,
+           in_place: Literal[False] = False, allow_unused: bool = False, dry_run: bool = False) -> MappingT: ...
+@overload
+def rename(src: PathArg, dst: PathArg | None = None, *, rules: Iterable[RuleLike], key: str | None = None,
+           in_place: bool = False, allow_unused: bool = False, dry_run: bool = False, to: str | None = None,
+           mapping: Mapping[str, str] | None = None, progress: ProgressFn | None = None) -> RuleResult: ...
+def rename(src: MappingT | PathArg, dst: PathArg | None = None, *, rules: Iterable[RuleLike],
            key: str | None = None, in_place: bool = False, allow_unused: bool = False, dry_run: bool = False,
            to: str | None = None, mapping: Mapping[str, str] | None = None,
-           progress: ProgressFn | None = None) -> Any:
+           progress: ProgressFn | None = None) -> MappingT | RuleResult:
     """Rename the keys of the state_dict(s) of ``src`` by regex ``rules`` (see the module docstring).
 
     ``rules`` are ``"REGEX=REPLACEMENT"`` strings (split at the last ``=``) or ``(REGEX, REPLACEMENT)`` pairs
@@ -134,7 +145,8 @@ def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterab
         found = _memory_targets(src, key)
         plan_rules([(p, [k for k in sd if isinstance(k, str)]) for _t, sd, p in found], plan, allow_unused,
                     "state_dict")
-        return src if dry_run else rename_mapping(src, plan, key=key, allow_missing=True)
+        renamed: MappingT = src if dry_run else rename_mapping(src, plan, key=key, allow_missing=True)
+        return renamed
     path = _file_path(src, "rename")
     opened = open_checkpoint(path)
     many = _many(opened, dst, in_place, dry_run, "renamed", (rename_dcp, rename_set))
@@ -143,9 +155,9 @@ def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterab
                     progress=progress)
     opened = _rewritable(opened, "renamed")
     out = "" if dry_run else output_path(path, _opt(dst), in_place, "renamed")
-    if opened.format == formats.SAFETENSORS:
+    if opened.spec.header:
         _refuse_safetensors_options(path, key, to, mapping)
-        planned, write = _rename_safetensors(path, out, plan, allow_unused, dry_run, progress)
+        planned, write = _rename_safetensors(opened, out, plan, allow_unused, dry_run, progress)
     else:
         planned, write = _rename_torch(opened.graph(), out, plan, key, allow_unused, dry_run,
                                        (to, mapping), progress)
@@ -160,27 +172,28 @@ def rename(src: Any, dst: str | os.PathLike[str] | None = None, *, rules: Iterab
 _Planned = tuple[list[tuple[str, list[str]]], list[dict[str, str]], RenameSummary, list[RuleUse]]
 
 
-def _rename_safetensors(path: str, out: str, plan: RenamePlan, allow_unused: bool, dry_run: bool,
+def _rename_safetensors(opened: Opened, out: str, plan: RenamePlan, allow_unused: bool, dry_run: bool,
                         progress: ProgressFn | None) -> tuple[_Planned, WriteResult]:
     """A safetensors file: a new header over the data block copied as it is (:mod:`ckptool.ops.rewrite.prefixes`'s), or,
     when it records tied names, through ``convert``'s reader and writer so that the records name the new keys."""
-    header = read_header(path)
+    path = opened.target
+    header = opened.safetensors_header()
     source = None
     if header.metadata and (SHARED_KEY in header.metadata or header.aliases()):
-        source = safetensors_source(path)
+        source = opened.state_dict()
         restore_library_aliases(source)
         targets = [("", [t.name for t in source.tensors])]
     else:
         targets = [("", list(header.entries))]
     mappings, summary, uses = plan_rules(targets, plan, allow_unused, path)
     if dry_run:
-        write = WriteResult(path, "", formats.SAFETENSORS, storages=len(targets[0][1]))
+        write = WriteResult(path, "", opened.format, storages=len(targets[0][1]))
     elif source is not None:
         for t in source.tensors:
             t.name = mappings[0][t.name]
         write = write_safetensors_source(source, out, progress)
     else:
-        write = _rewrite_safetensors(path, out, plan, key=None, allow_missing=True, operation="rename",
+        write = rewrite_safetensors(opened, out, plan, key=None, allow_missing=True, operation="rename",
                                      progress=progress)
     return (targets, mappings, summary, uses), write
 
@@ -232,7 +245,7 @@ def _file_path(src: Any, fn: str) -> str:
 
 
 def _many(opened: Opened, dst: str | os.PathLike[str] | None, in_place: bool, dry_run: bool, tag: str,
-          ops: tuple[Callable[..., Any], Callable[..., Any]]) -> Callable[..., Any] | None:
+          ops: tuple[Callable[..., _R], Callable[..., _R]]) -> Callable[..., _R] | None:
     """For a DCP folder or a sharded set, ``ops`` (its DCP, its set function of :mod:`ckptool.ops.surgery.sets`)
     bound to the input and the output folder (``dst``, or ``<folder>.<tag>`` beside it; ``""`` for a dry run);
     None for one file.
@@ -243,10 +256,10 @@ def _many(opened: Opened, dst: str | os.PathLike[str] | None, in_place: bool, dr
     folder = dcp_folder(opened)
     if folder is not None:
         out = dcp_output(folder, dst, tag, in_place)
-        return lambda *a, **k: ops[0](folder, "" if dry_run else out, *a, **k)
+        return lambda *a, **k: ops[0](opened, "" if dry_run else out, *a, **k)
     if opened.spec.kind == "set":
         out = set_output(opened.target, dst, tag, in_place)
-        return lambda *a, **k: ops[1](opened.target, "" if dry_run else out, *a, **k)
+        return lambda *a, **k: ops[1](opened, "" if dry_run else out, *a, **k)
     return None
 
 
@@ -318,15 +331,16 @@ def _filter_torch(ck: Checkpoint, out: str, globs: Globs, key: str | None, allow
     return res
 
 
-def _filter_safetensors(path: str, out: str, globs: Globs, allow_unused: bool, dry_run: bool,
+def _filter_safetensors(opened: Opened, out: str, globs: Globs, allow_unused: bool, dry_run: bool,
                         progress: ProgressFn | None) -> FilterResult:
     """A safetensors file through ``convert``'s reader and writer: the kept tensors (tied names restored, the sharing
     records rewritten for what is kept), read back and checked before it is renamed into place."""
-    source = safetensors_source(path)
+    path = opened.target
+    source = opened.state_dict()
     restore_library_aliases(source)
     targets = [("", [t.name for t in source.tensors])]
     changes = plan_filter(targets, globs, allow_unused, path)
-    res = FilterResult(path, "", formats.SAFETENSORS, changes=changes, globs=globs.uses(), dry_run=dry_run)
+    res = FilterResult(path, "", opened.format, changes=changes, globs=globs.uses(), dry_run=dry_run)
     if dry_run:
         return res
     w = write_safetensors_source(safetensors_without(path, set(changes[0].dropped)), out, progress)
@@ -335,7 +349,9 @@ def _filter_safetensors(path: str, out: str, globs: Globs, allow_unused: bool, d
 
 
 def _filter_memory(obj: Mapping[Any, Any], globs: Globs, key: str | None, allow_unused: bool,
-                   dry_run: bool) -> Any:
+                   dry_run: bool) -> Mapping[Any, Any]:
+    """:func:`filter_keys` of a loaded mapping: a new mapping of its type (the state_dict at ``key`` alone, when
+    given), ``obj`` itself for a dry run."""
     found = _memory_targets(obj, key)
     targets = [(p, [k for k in sd if isinstance(k, str)]) for _t, sd, p in found]
     changes = plan_filter(targets, globs, allow_unused, "state_dict")
@@ -344,17 +360,28 @@ def _filter_memory(obj: Mapping[Any, Any], globs: Globs, key: str | None, allow_
     result: Any = obj
     for (trail, sd, _p), ch in zip(found, changes):
         gone = set(ch.dropped)
-        new = _copy_meta(sd, _new_like(sd, [(k, v) for k, v in sd.items() if k not in gone]))
+        new: Mapping[Any, Any] = copy_meta(sd, new_like(sd, [(k, v) for k, v in sd.items() if k not in gone]))
         if key is not None:
             return new
-        result = _replace_at(result, trail, new)
-    return result if result is not obj else _copy_meta(obj, _new_like(obj, obj.items()))
+        result = replace_at(result, trail, new)
+    out: Mapping[Any, Any] = result if result is not obj else copy_meta(obj, new_like(obj, obj.items()))
+    return out
 
 
-def filter_keys(src: Any, dst: str | os.PathLike[str] | None = None, *, keep: str | Sequence[str] = (),
+@overload
+def filter_keys(src: Mapping[Any, Any], dst: None = None, *, keep: str | Sequence[str] = (),
+                drop: str | Sequence[str] = (), key: str | None = None, in_place: Literal[False] = False,
+                allow_unused: bool = False, dry_run: bool = False) -> Mapping[Any, Any]: ...
+@overload
+def filter_keys(src: PathArg, dst: PathArg | None = None, *, keep: str | Sequence[str] = (),
                 drop: str | Sequence[str] = (), key: str | None = None, in_place: bool = False,
                 allow_unused: bool = False, dry_run: bool = False, to: str | None = None,
-                mapping: Mapping[str, str] | None = None, progress: ProgressFn | None = None) -> Any:
+                mapping: Mapping[str, str] | None = None, progress: ProgressFn | None = None) -> FilterResult: ...
+def filter_keys(src: Mapping[Any, Any] | PathArg, dst: PathArg | None = None, *, keep: str | Sequence[str] = (),
+                drop: str | Sequence[str] = (), key: str | None = None, in_place: bool = False,
+                allow_unused: bool = False, dry_run: bool = False, to: str | None = None,
+                mapping: Mapping[str, str] | None = None,
+                progress: ProgressFn | None = None) -> Mapping[Any, Any] | FilterResult:
     """Keep the keys of the state_dict(s) of ``src`` that match a ``keep`` glob (all, when none is given) and no
     ``drop`` glob (:func:`fnmatch.fnmatchcase` on the whole key; see the module docstring).
 
@@ -386,7 +413,7 @@ def filter_keys(src: Any, dst: str | os.PathLike[str] | None = None, *, keep: st
                     progress=progress)
     opened = _rewritable(opened, "filtered")
     out = "" if dry_run else output_path(path, _opt(dst), in_place, "filtered")
-    if opened.format == formats.SAFETENSORS:
+    if opened.spec.header:
         _refuse_safetensors_options(path, key, to, mapping)
-        return _filter_safetensors(path, out, globs, allow_unused, dry_run, progress)
+        return _filter_safetensors(opened, out, globs, allow_unused, dry_run, progress)
     return _filter_torch(opened.graph(), out, globs, key, allow_unused, dry_run, (to, mapping), progress)

@@ -47,6 +47,7 @@ from ckptool.ops.surgery.plan import (
     safetensors_without,
     write_safetensors_source,
 )
+from ckptool.readers import Opened
 
 __all__ = ["filter_dcp", "filter_set", "rename_dcp", "rename_set"]
 
@@ -58,7 +59,7 @@ def _written(w: object) -> dict[str, Any]:
     return {k: getattr(w, k) for k in _WRITTEN}
 
 
-def rename_set(index: str, dst: str, plan: RenamePlan, *, key: str | None, allow_unused: bool, dry_run: bool,
+def rename_set(index: str | Opened, dst: str, plan: RenamePlan, *, key: str | None, allow_unused: bool, dry_run: bool,
                to: str | None, mapping: Mapping[str, str] | None, progress: ProgressFn | None) -> SetRuleResult:
     """Rename the keys of the sharded set of ``index`` by the rules ``plan`` into ``dst`` (see the module docstring).
 
@@ -80,9 +81,9 @@ def rename_set(index: str, dst: str, plan: RenamePlan, *, key: str | None, allow
                          rules=uses, renames=renames_of(targets, mappings), dry_run=dry_run)
 
 
-def rename_dcp(folder: str, dst: str, plan: RenamePlan, *, key: str | None, allow_unused: bool, dry_run: bool,
+def rename_dcp(src: Opened, dst: str, plan: RenamePlan, *, key: str | None, allow_unused: bool, dry_run: bool,
                to: str | None, mapping: Mapping[str, str] | None, progress: ProgressFn | None) -> SetRuleResult:
-    """Rename the FQNs of the DCP ``folder`` by the rules ``plan`` into the new folder ``dst`` (see the module
+    """Rename the FQNs of the DCP folder ``src`` by the rules ``plan`` into the new folder ``dst`` (see the module
     docstring); ``key`` selects one state_dict of its nesting.
 
     Raises:
@@ -92,6 +93,7 @@ def rename_dcp(folder: str, dst: str, plan: RenamePlan, *, key: str | None, allo
         UnsupportedError / UnsafeCheckpointError / CorruptCheckpointError: as
             :func:`ckptool.ops.rewrite.dcp.rewrite_dcp`.
     """
+    folder = src.target
     planned: dict[str, Any] = {}
 
     def renamer(root: Any) -> Any:
@@ -102,7 +104,7 @@ def rename_dcp(folder: str, dst: str, plan: RenamePlan, *, key: str | None, allo
         root, _summary = rename_graph(root, plan, key=key, allow_missing=True, where=folder)
         return root, summary
 
-    w = rewrite_dcp(folder, dst, operation="rename", rename=renamer, to=to, mapping=mapping,
+    w = rewrite_dcp(src, dst, operation="rename", rename=renamer, to=to, mapping=mapping,
                     allow_missing=allow_unused, dry_run=dry_run, progress=progress)
     return SetRuleResult(**vars(w), **planned, dry_run=dry_run)
 
@@ -113,7 +115,7 @@ def _write_subset(path: str, out: str, gone: set[str], progress: ProgressFn | No
     return write_safetensors_source(safetensors_without(path, gone), out, progress)
 
 
-def filter_set(index: str, dst: str, globs: Globs, *, key: str | None, allow_unused: bool, dry_run: bool,
+def filter_set(index: str | Opened, dst: str, globs: Globs, *, key: str | None, allow_unused: bool, dry_run: bool,
                to: str | None, mapping: Mapping[str, str] | None, progress: ProgressFn | None) -> SetFilterResult:
     """Keep the keys of the sharded set of ``index`` that ``globs`` keep, into ``dst`` (see the module docstring).
 
@@ -136,9 +138,9 @@ def filter_set(index: str, dst: str, globs: Globs, *, key: str | None, allow_unu
     return res
 
 
-def filter_dcp(folder: str, dst: str, globs: Globs, *, key: str | None, allow_unused: bool, dry_run: bool,
+def filter_dcp(src: Opened, dst: str, globs: Globs, *, key: str | None, allow_unused: bool, dry_run: bool,
                to: str | None, mapping: Mapping[str, str] | None, progress: ProgressFn | None) -> SetFilterResult:
-    """Keep the entries of the DCP ``folder`` that ``globs`` keep in the state_dicts of its nesting, into the new
+    """Keep the entries of the DCP folder ``src`` that ``globs`` keep in the state_dicts of its nesting, into the new
     folder ``dst`` (see the module docstring); with ``key``, that state_dict alone.
 
     Raises:
@@ -148,7 +150,8 @@ def filter_dcp(folder: str, dst: str, globs: Globs, *, key: str | None, allow_un
         UnsupportedError / UnsafeCheckpointError / CorruptCheckpointError: as
             :func:`ckptool.ops.rewrite.dcp.rewrite_dcp`.
     """
-    res = SetFilterResult(folder, "", "dcp", key=key, globs=[], extracted=key is not None, dry_run=dry_run)
+    folder = src.target
+    res = SetFilterResult(folder, "", src.format, key=key, globs=[], extracted=key is not None, dry_run=dry_run)
 
     def dropper(root: Any) -> Any:
         found = graph_targets(root, key, folder, "filter")
@@ -159,7 +162,7 @@ def filter_dcp(folder: str, dst: str, globs: Globs, *, key: str | None, allow_un
             set_mapping_items(t.obj, [(k, v) for k, v in mapping_items(t.obj) or [] if k not in gone])
         return found[0].obj if key is not None else root
 
-    w = rewrite_dcp(folder, dst, operation="filter", drop=dropper, to=to, mapping=mapping,
+    w = rewrite_dcp(src, dst, operation="filter", drop=dropper, to=to, mapping=mapping,
                     allow_missing=allow_unused, dry_run=dry_run, progress=progress)
     for k, v in _written(w).items():
         setattr(res, k, v)
