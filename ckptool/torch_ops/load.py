@@ -120,36 +120,64 @@ def _streamed(to_load: OrderedDict[str, Any], model_sd: Mapping[str, Any], spans
     return fed
 
 
-def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key: str, found: list[str],
-                     device: torch.device, strict: bool, prefixes: PrefixSpec, saved: dict[str, int],
-                     spans: FileSpans | None = None, assign: bool = False) -> Loaded:
+@dataclass
+class _Fitted:
+    """The checkpoint's entries sorted against the model's: what to hand to ``load_state_dict`` (model keys,
+    ``_metadata`` renamed alongside), the entries set aside for their shape, and the dtype casts torch will make
+    (grouped by ``(checkpoint dtype, model dtype)``)."""
+
+    to_load: OrderedDict[str, Any]
+    mismatched: list[ShapeMismatch]
+    cast_groups: dict[tuple[str, str], list[tuple[str, torch.Tensor, torch.Tensor]]]
+
+
+def _fit(sd: Mapping[str, Any], mapping: Mapping[str, str], changed: bool, model_sd: Mapping[str, Any]) -> _Fitted:
+    """Each checkpoint entry of ``sd`` under its model key (``mapping``): set aside when its shape differs from the
+    model's tensor (torch would raise even with ``strict=False``), its cast noted when its dtype does; the
+    ``_metadata`` module paths renamed with the keys when ``changed``."""
     import torch
     from torch.nn.parameter import is_lazy
 
+    fitted = _Fitted(OrderedDict(), [], {})
+    for ck in sd:
+        mk = mapping[ck]
+        v, target = sd[ck], model_sd.get(mk)
+        if isinstance(v, torch.Tensor) and isinstance(target, torch.Tensor) and not is_lazy(target):
+            if tuple(v.shape) != tuple(target.shape):
+                fitted.mismatched.append(ShapeMismatch(mk, ck, list(v.shape), list(target.shape)))
+                continue
+            if v.dtype != target.dtype:
+                key = (dtype_name(v.dtype), dtype_name(target.dtype))
+                fitted.cast_groups.setdefault(key, []).append((mk, v, target))
+        fitted.to_load[mk] = v
+    meta = getattr(sd, "_metadata", None)
+    if meta is not None:
+        if changed:  # module paths follow the keys (later entry wins in the first one's place, as torch does)
+            meta = OrderedDict(rename_metadata_items(meta.items(), mapping_key_function(mapping)))
+        fitted.to_load._metadata = meta  # type: ignore[attr-defined]
+    return fitted
+
+
+def _casts(groups: Mapping[tuple[str, str], list[tuple[str, torch.Tensor, torch.Tensor]]]) -> list[DtypeCast]:
+    """One :class:`DtypeCast` per ``(checkpoint dtype, model dtype)``: its count, an example key, and whether the
+    cast loses bits for any of its tensors (cast there and back, compared bit for bit)."""
+    casts = []
+    for (cd, md), items in groups.items():
+        lossy = any(not same_bits(v.to(t.dtype).to(v.dtype), v) for _, v, t in items)
+        casts.append(DtypeCast(cd, md, len(items), items[0][0], lossy))
+    return casts
+
+
+def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key: str, found: list[str],
+                     device: torch.device, strict: bool, prefixes: PrefixSpec, saved: dict[str, int],
+                     spans: FileSpans | None = None, assign: bool = False) -> Loaded:
     model_sd = model.state_dict()
     model_keys = list(model_sd)
     ckeys = list(sd)
     rec = reconciliation(ckeys, model_keys, prefixes)
     inverse = {v: k for k, v in rec.mapping.items()}
-
-    to_load: OrderedDict[str, Any] = OrderedDict()
-    mismatched: list[ShapeMismatch] = []
-    cast_groups: dict[tuple[str, str], list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
-    for ck in ckeys:
-        mk = rec.mapping[ck]
-        v, target = sd[ck], model_sd.get(mk)
-        if isinstance(v, torch.Tensor) and isinstance(target, torch.Tensor) and not is_lazy(target):
-            if tuple(v.shape) != tuple(target.shape):
-                mismatched.append(ShapeMismatch(mk, ck, list(v.shape), list(target.shape)))
-                continue
-            if v.dtype != target.dtype:
-                cast_groups.setdefault((dtype_name(v.dtype), dtype_name(target.dtype)), []).append((mk, v, target))
-        to_load[mk] = v
-    meta = getattr(sd, "_metadata", None)
-    if meta is not None:
-        if rec.changed:  # module paths follow the keys (later entry wins in the first one's place, as torch does)
-            meta = OrderedDict(rename_metadata_items(meta.items(), mapping_key_function(rec.mapping)))
-        to_load._metadata = meta  # type: ignore[attr-defined]
+    fitted = _fit(sd, rec.mapping, rec.changed, model_sd)
+    to_load, mismatched = fitted.to_load, fitted.mismatched
 
     try:
         result = model.load_state_dict(to_load if assign else _streamed(to_load, model_sd, spans), strict=False,
@@ -164,11 +192,7 @@ def _load_state_dict(model: nn.Module, sd: Mapping[str, Any], *, path: str, key:
     tied = tied_entries(model_sd, missing, loaded)  # lm_head.weight absent because it *is* embed.weight
     missing = [k for k in missing if k not in tied]
 
-    casts = []
-    for (cd, md), items in cast_groups.items():
-        lossy = any(not same_bits(v.to(t.dtype).to(v.dtype), v) for _, v, t in items)
-        casts.append(DtypeCast(cd, md, len(items), items[0][0], lossy))
-
+    casts = _casts(fitted.cast_groups)
     report = LoadReport(
         path=path, model=type(model).__name__, device=str(device), key=key, strict=strict, found=found,
         prefixes_removed=list(rec.removed), prefixes_added=list(rec.added),
