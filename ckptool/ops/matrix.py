@@ -19,10 +19,13 @@ behaviour.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ckptool.readers import FORMATS as READERS
+from ckptool.readers import Format
 from ckptool.readers.support import WORKS, Cell, Status
 
-__all__ = ["FORMATS", "FORMAT_LABELS", "MATRIX", "OPERATIONS", "Cell", "Status"]
+__all__ = ["FORMATS", "FORMAT_LABELS", "MATRIX", "OPERATIONS", "Cell", "Status", "matrix_of"]
 
 #: the formats, in table order: every format of the readers layer's registry (:data:`ckptool.readers.FORMATS`)
 #: that has a row (all but plain pickles, which only ``inspect`` and ``scan`` read)
@@ -38,6 +41,24 @@ OPERATIONS: tuple[str, ...] = (
     "load_into", "rename", "filter", "average", "report",
 )
 
-MATRIX: dict[tuple[str, str], Cell] = {
-    (name, op): (READERS[name].support or {}).get(op, WORKS) for name in FORMATS for op in OPERATIONS
-}
+
+
+def matrix_of(registry: Mapping[str, Format]) -> dict[tuple[str, str], Cell]:
+    """The support matrix of ``registry``: ``(format, operation) -> Cell`` for every format that has a row
+    (:attr:`~ckptool.readers.Format.support` not None), in registry order; ``works`` where the row names nothing.
+
+    Raises:
+        ValueError: a row names an operation that is not in :data:`OPERATIONS`.
+    """
+    out: dict[tuple[str, str], Cell] = {}
+    for name, f in registry.items():
+        if f.support is None:
+            continue
+        unknown = set(f.support) - set(OPERATIONS)
+        if unknown:
+            raise ValueError(f"the registry entry {name!r} names operations that do not exist: {sorted(unknown)}")
+        out.update({(name, op): f.support.get(op, WORKS) for op in OPERATIONS})
+    return out
+
+
+MATRIX: dict[tuple[str, str], Cell] = matrix_of(READERS)
