@@ -43,9 +43,10 @@ from typing import Any, Literal, TypeVar, cast
 from ckptool import _source as source
 from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect, torch_package
+from ckptool.formats import pt2 as pt2_format  # not `read_pt2`: the name of this package's module read_pt2
 from ckptool.formats.dcp import DcpMetadata, read_dcp_metadata
 from ckptool.formats.deepspeed import is_deepspeed_folder
-from ckptool.formats.pt2 import Pt2Archive, read_pt2
+from ckptool.formats.pt2 import Pt2Archive
 from ckptool.formats.safetensors import SafetensorsHeader, read_header
 from ckptool.formats.sharded import INDEX_SUFFIX, ShardIndex, is_checkpoint_set, parse_index, read_index, set_kind
 from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
@@ -389,7 +390,7 @@ class Opened:
         """
         if self.format != detect.PT2:
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a torch.export archive")
-        return self._cached("pt2", lambda: read_pt2(self.target, self.zip_entries()))
+        return self._cached("pt2", lambda: pt2_format.read_pt2(self.target, self.zip_entries()))
 
     def zero(self, tag: str | None = None) -> ZeroCheckpoint:
         """A DeepSpeed ZeRO folder's pickles and consolidation plan (:func:`ckptool.readers.read_deepspeed.
