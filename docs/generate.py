@@ -13,7 +13,8 @@ Each page holds, for every command it documents, a block::
 exits 1 when a block differs (``tests/test_docs.py`` runs the same check, so the pages never drift from ``--help``).
 
 It also rewrites the ``<!-- matrix -->`` ... ``<!-- /matrix -->`` block of ``docs/formats.md`` from the support
-table in ``ckptool/ops/matrix.py`` (format x operation: works, refused with its reason and route, or a known bug).
+table of ``ckptool/ops/matrix.py`` (format x operation: works, refused with its reason and route, or a known bug),
+which is generated from the registry of formats (each entry's ``Format.support`` row, ``ckptool/readers``).
 """
 
 from __future__ import annotations

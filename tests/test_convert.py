@@ -34,7 +34,7 @@ from ckptool.errors import (
 from ckptool.formats.dtypes import ST_CODES
 from ckptool.ops.convert import SHARED_KEY, VerificationError, convert, parse_size
 from ckptool.ops.inspect.entry import inspect_set
-from ckptool.torch_ops.cast import StorageCache
+from ckptool.torch_ops.cast import FlatCache
 from ckptool.torch_ops.convert_verify import flat_tensors, same_tensors
 
 SILERO = "silero-vad-16k.safetensors"
@@ -147,7 +147,7 @@ def test_contiguous_tensors_are_copied_without_torch(tmp_path: Path, monkeypatch
     def refuse(*_a: Any) -> None:
         raise AssertionError("a contiguous tensor was materialised")
 
-    monkeypatch.setattr(StorageCache, "flat", refuse)
+    monkeypatch.setattr(FlatCache, "flat", refuse)
     monkeypatch.setattr(ckptool._fileio, "CHUNK", 64)  # many chunks per tensor: memory is bounded by the chunk
     convert(tmp_path / "m.pt", tmp_path / "m.safetensors", verify=False)
     _assert_equal_values(sd, load_file(tmp_path / "m.safetensors"))

@@ -25,7 +25,8 @@ from ckptool.formats.segments import SegmentReader, widen_to_float32
 from ckptool.formats.tensors import Segment
 from ckptool.formats.torchfile import read_checkpoint, resolve_zip_offsets
 from ckptool.model.graph import iter_tensors
-from ckptool.model.zero import plan, read_zero
+from ckptool.model.zero import plan
+from ckptool.readers.read_deepspeed import read_zero
 
 REPO = Path(__file__).resolve().parents[1]
 DS = REPO / "fixtures" / "deepspeed-zero"  # a hyphen: never importable, so it cannot pose as deepspeed

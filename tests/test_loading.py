@@ -428,7 +428,7 @@ def test_registered_safe_globals_are_honoured(tmp_path: Path) -> None:
 
 def test_torch_refusal_becomes_unsafe_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """When the pre-check misses a global, torch's weights-only UnpicklingError still becomes the same error."""
-    from ckptool.torch_ops import load as load_mod
+    from ckptool.torch_ops import loaders as load_mod
 
     path = tmp_path / "args.pt"
     torch.save({"args": argparse.Namespace(lr=0.1), "state_dict": trained().state_dict()}, path)
@@ -657,10 +657,10 @@ def test_portable_key_keeps_attribute_named_module() -> None:
     assert portable_key("blocks.0._checkpoint_wrapped_module.fc.weight", []) == "blocks.0.fc.weight"
     assert portable_key("module.fc.weight", []) == "module.fc.weight"  # not shared by every key: an attribute
     sd = OrderedDict([("module.fc.weight", torch.ones(1)), ("head.weight", torch.ones(1))])
-    from ckptool.torch_ops.devices import TensorMemo
+    from ckptool.torch_ops.devices import MoveMemo
     from ckptool.torch_ops.portable import _portable_state_dict
 
-    assert list(_portable_state_dict(sd, TensorMemo())) == ["module.fc.weight", "head.weight"]
+    assert list(_portable_state_dict(sd, MoveMemo())) == ["module.fc.weight", "head.weight"]
 
 
 def test_importing_loading_does_not_import_torch() -> None:
@@ -702,11 +702,11 @@ def test_load_checkpoint_keeps_ties_when_moving_a_trusted_pickle(tmp_path: Path,
 
 @pytest.mark.parametrize("device", ["meta", pytest.param("cuda:0", marks=requires_cuda)])
 def test_move_tensor_copies_each_storage_once(device: str) -> None:
-    from ckptool.torch_ops.devices import TensorMemo, map_tensors, move_tensor
+    from ckptool.torch_ops.devices import MoveMemo, map_tensors, move_tensor
 
     base = torch.arange(12, dtype=torch.int16)
     obj = {"a": base[:4], "b": base[4:].view(2, 4).t(), "c": (base, [base[2:3]]), "p": nn.Parameter(base[:2] * 1.0)}
-    memo = TensorMemo()
+    memo = MoveMemo()
     dev = torch.device(device)
     out = map_tensors(obj, lambda t: move_tensor(t, dev, memo), memo)
     assert len(memo.storages) == 2  # base's and the Parameter's
@@ -717,13 +717,14 @@ def test_move_tensor_copies_each_storage_once(device: str) -> None:
     assert all(t.device == dev and not t.requires_grad for t in moved)
     if device != "meta":
         assert all(torch.equal(a.cpu(), b) for a, b in zip(moved, [base[:4], obj["b"], base, base[2:3]]))
-    same = map_tensors(obj, lambda t: move_tensor(t, torch.device("cpu"), TensorMemo()), TensorMemo())
+    same = map_tensors(obj, lambda t: move_tensor(t, torch.device("cpu"), MoveMemo()), MoveMemo())
     assert same["a"] is obj["a"] and same is not obj  # already there: the tensor itself, in a rebuilt container
 
 
 def test_pre_read_agrees_with_inspect(real_dir: Path, tmp_path: Path) -> None:
     """load_checkpoint reads globals and location tags without ckptool.ops; it must see what inspect sees."""
-    from ckptool.torch_ops.load import _saved_devices_and_unsafe_globals
+    from ckptool.readers import open_checkpoint
+    from ckptool.torch_ops.loaders import _saved_devices_and_unsafe_globals
 
     path = tmp_path / "ns.pt"
     torch.save({"args": argparse.Namespace(lr=1), "model": trained().state_dict()}, path)
@@ -731,7 +732,7 @@ def test_pre_read_agrees_with_inspect(real_dir: Path, tmp_path: Path) -> None:
         info = ckptool.inspect(p)
         if info.format not in ("torch-zip", "torch-legacy"):
             continue
-        saved, unsafe = _saved_devices_and_unsafe_globals(str(p), info.format)
+        saved, unsafe = _saved_devices_and_unsafe_globals(open_checkpoint(p))
         assert saved == info.devices and unsafe == info.unsafe_globals, p
 
 

@@ -10,6 +10,7 @@ that folder already holds ``results.json``, the outputs made there are the ones 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -158,9 +159,9 @@ def test_help_lists_the_commands_that_need_torch(block: Path, tmp_path: Path) ->
 def test_own_readers_catch_what_safe_open_and_torch_load_would(runs: tuple[Path, dict], tmp_path: Path) -> None:
     """The checks that run without torch and NumPy find a changed byte, dtype, key or record."""
     from ckptool.formats.safetensors import read_header
+    from ckptool.formats.tensors import Storage
     from ckptool.ops.convert.verify import header_difference, reader_difference, records_difference
     from ckptool.readers.read_torch import torch_source
-    from ckptool.torch_ops.convert_verify import ExpectedTensor
 
     out, _done = runs
     st = tmp_path / "sd.safetensors"
@@ -182,13 +183,15 @@ def test_own_readers_catch_what_safe_open_and_torch_load_would(runs: tuple[Path,
 
     pt = str(out / "back.pt")
     back = torch_source(pt, "torch-zip", None)
-    expected = [ExpectedTensor(t.name, t.dtype, t.shape, t.stride, t.offset, t.requires_grad, i)
-                for i, t in enumerate(back.tensors)]
+    expected = back.tensors
     assert reader_difference(pt, expected) is None
     assert reader_difference(pt, expected[::-1]) == "the state_dict keys differ"
-    assert "reads back as" in (reader_difference(pt, [expected[0]._replace(dtype="float64"), *expected[1:]]) or "")
-    assert "shares its storage" in (reader_difference(pt, [expected[0], expected[1]._replace(storage=0),
-                                                           *expected[2:]]) or "")
+    assert "reads back as" in (reader_difference(pt, expected, lambda d: "float64") or "")
+    moved = dataclasses.replace(expected[1], storage=expected[0].storage)  # a storage the file does not share
+    assert "storage" in (reader_difference(pt, [expected[0], moved, *expected[2:]]) or "")
+    alone = dataclasses.replace(expected[0], storage=Storage(**vars(expected[0].storage)))
+    if any(t.storage is expected[0].storage for t in expected[1:]):
+        assert "shares" in (reader_difference(pt, [alone, *expected[1:]]) or "")
     with zipfile.ZipFile(pt) as z:
         records = {i.filename.split("/", 1)[-1]: i.CRC for i in z.infolist() if "/data/" in i.filename}
     assert records and records_difference(pt, records) is None

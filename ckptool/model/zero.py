@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
-from ckptool.formats.deepspeed import DeepSpeedFolder, FlatBytes, find_deepspeed, read_files, tensor_bytes
+from ckptool.formats.deepspeed import DeepSpeedFolder, FlatBytes, read_files, tensor_bytes
 from ckptool.formats.dtypes import DTYPE_SIZES, numel
 from ckptool.formats.nodes import GlobalMeta, ReduceNode
 from ckptool.formats.tensors import Segment
 from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.graph import mapping_items, unwrap_tensor
 
-__all__ = ["ZeroCheckpoint", "ZeroTensor", "plan", "read_zero"]
+__all__ = ["ZeroCheckpoint", "ZeroTensor", "plan", "zero_checkpoint"]
 
 _FLOAT = ("float16", "bfloat16", "float32", "float64")
 _WIDEN = ("float16", "bfloat16")
@@ -63,7 +63,7 @@ class ZeroTensor:
 
 @dataclass
 class ZeroCheckpoint:
-    """What a ZeRO tag folder holds, read from its pickles (:func:`read_zero`).
+    """What a ZeRO tag folder holds, read from its pickles (:func:`zero_checkpoint`).
 
     ``stage`` (1, 2, 3), ``world_size`` (data-parallel ranks = optimizer-state files), ``ds_version``;
     ``weights_dtype``: the dtype of the module's parameters as saved (bf16/fp16 training keeps them 16-bit);
@@ -133,17 +133,17 @@ def _flat(ck: Checkpoint, node: object, what: str) -> FlatBytes:
     return tensor_bytes(ck, t if t is not None else node, what)
 
 
-def read_zero(path: str, tag: str | None = None) -> ZeroCheckpoint:
-    """Read the DeepSpeed ZeRO checkpoint at ``path`` (top folder or tag folder; ``tag`` as
-    :func:`~ckptool.formats.deepspeed.find_deepspeed`): the pickles of every model- and optimizer-state file, with
-    the restricted unpickler (deepspeed is not imported, nothing runs; tensor data is not read).
+def zero_checkpoint(ds: DeepSpeedFolder) -> ZeroCheckpoint:
+    """What the DeepSpeed ZeRO tag folder ``ds`` (found by :func:`~ckptool.formats.deepspeed.find_deepspeed`,
+    through :func:`ckptool.readers.read_deepspeed.read_zero`) holds: the pickles of every model- and
+    optimizer-state file, read with the restricted unpickler (deepspeed is not imported, nothing runs; tensor data
+    is not read), checked as ``zero_to_fp32`` checks them.
 
     Raises:
-        UsageError / CorruptCheckpointError / UnsupportedError: see ``find_deepspeed``; a file that is not what
-            ``zero_to_fp32`` expects (no ``buffer_names``, no ``zero_stage``, a rank file missing) is corrupt; ZeRO
-            stage 0 and checkpoints saved without ZeRO optimizer state are unsupported.
+        CorruptCheckpointError / UnsupportedError: a file that is not what ``zero_to_fp32`` expects (no
+            ``buffer_names``, no ``zero_stage``, a rank file missing) is corrupt; ZeRO stage 0 and checkpoints saved
+            without ZeRO optimizer state are unsupported.
     """
-    ds = find_deepspeed(path, tag)
     optim = read_files(ds.optim_files)
     osd = [_optimizer_state_dict(ck) for ck in optim]
     stage = _validate_stage(osd[0], optim[0].path, ds.folder)

@@ -30,15 +30,15 @@ import os
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 from ckptool import _source as source
-from ckptool.formats import detect as formats
-from ckptool.formats.safetensors import read_header, recorded_names
-from ckptool.formats.sharded import read_index, set_kind
+from ckptool.formats.safetensors import recorded_names
 from ckptool.model.devices import map_location_for
 from ckptool.ops.inspect.entry import CheckpointInfo, inspect
+from ckptool.readers import Opened, open_checkpoint
 
-__all__ = ["LoadHint", "load_hint"]
+__all__ = ["LoadHint", "dcp_hint", "load_hint", "package_hint", "safetensors_hint", "torch_hint"]
 
 _LISTED = 3  # globals named in the note before "and N more"
 _NO_DEVICE_TAGS = frozenset({"cpu", "meta"})  # tags that open on any machine without map_location
@@ -104,20 +104,10 @@ def _unsafe_note(path: str, unsafe: list[str]) -> str:
             "it with weights_only=False (below) only if you trust its source, since that runs the file's code")
 
 
-def _resolve(path: str) -> str:
-    """The file that opens the output at ``path``: a local folder that is not a DCP checkpoint is the set it holds
-    (its ``*.index.json``, or the single ``model.safetensors`` / ``pytorch_model.bin`` of a one-shard set,
-    :func:`ckptool.formats.sharded.set_kind`); anything else is itself."""
-    if source.is_url(path) or not os.path.isdir(path):
-        return path
-    kind, found = set_kind(path)
-    return path if kind == "dcp" else found
-
-
-def _shard_files(path: str) -> list[str]:
-    """The shard files the index at ``path`` lists, in name order, spelled from ``path`` as given (a relative index
-    path gives relative shard paths)."""
-    index = read_index(path)
+def _shard_files(opened: Opened) -> list[str]:
+    """The shard files the set ``opened`` lists in its index, in name order, spelled from its index path as given
+    (a relative index path gives relative shard paths)."""
+    path, index = opened.target, opened.index()
     if source.is_url(path):
         return [index.shard_path(s) for s in sorted(index.shards)]
     return [os.path.join(os.path.dirname(path), s) for s in sorted(index.shards)]
@@ -131,7 +121,7 @@ def _dropped(files: list[str]) -> tuple[dict[str, str], list[str]]:
     exact: dict[str, str] = {}
     views: list[str] = []
     for f in files:
-        header = read_header(f)
+        header = open_checkpoint(f).safetensors_header()
         aliases = header.aliases()
         exact.update(aliases)
         views += [n for n in recorded_names(header, f) if n not in aliases]
@@ -143,8 +133,9 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:_LISTED]) + more
 
 
-def _safetensors(path: str, sharded: bool, state_dict: str | None) -> tuple[str, list[str], list[str]]:
-    """``(code, imports, notes)`` for the safetensors file or sharded safetensors index at ``path``.
+def safetensors_hint(opened: Opened, _info: CheckpointInfo, state_dict: str | None, _chosen: frozenset[str]
+                     ) -> LoadHint:
+    """The hint of a safetensors file or a sharded safetensors set (the registry's ``hint`` for both):
 
     * views only ckptool rebuilds (:func:`_dropped`) -> ``ckptool.load_into(model, path)``, which restores them;
     * tied weights, one local file -> ``safetensors.torch.load_model(model, path)`` (it ties them from the model
@@ -155,14 +146,16 @@ def _safetensors(path: str, sharded: bool, state_dict: str | None) -> tuple[str,
       shards: one dict merged from the index's files), into ``model.load_state_dict`` when ``state_dict`` is
       not None.
     """
+    path = opened.target
+    sharded = opened.spec.kind == "set"
     url = source.is_url(path)
-    files = _shard_files(path) if sharded else [path]
+    files = _shard_files(opened) if sharded else [path]
     exact, views = _dropped(files)
     if views:
         note = (f"{len(views)} tensor(s) are views of another tensor that safetensors cannot hold ({_names(views)}): "
                 "ckptool recorded their layout in __metadata__ and ckptool.load_into rebuilds them; "
                 "safetensors.torch.load_file returns the stored tensors only")
-        return f"ckptool.load_into(model, {path!r})", ["import ckptool"], [note]
+        return LoadHint(f"ckptool.load_into(model, {path!r})", [note], ["import ckptool"])
     imports = ["import fsspec", "import safetensors.torch"] if url else ["import safetensors.torch"]
 
     def one(f: str) -> str:
@@ -176,18 +169,21 @@ def _safetensors(path: str, sharded: bool, state_dict: str | None) -> tuple[str,
         if not sharded and not url:
             notes.append(f"tied weights are stored once ({_names(pairs)}): safetensors.torch.load_model ties them "
                          "from the model's side; safetensors.torch.load_file leaves them out")
-            return f"safetensors.torch.load_model(model, {path!r})", imports, notes
+            return LoadHint(f"safetensors.torch.load_model(model, {path!r})", notes, imports)
         notes.append(f"tied weights are stored once ({_names(pairs)}): the line below gives each its kept tensor")
         items = ", ".join(f"{a!r}: sd[{k!r}]" for a, k in exact.items())
-        return f"model.load_state_dict({{**(sd := {loaded}), {items}}})", imports, notes
+        return LoadHint(f"model.load_state_dict({{**(sd := {loaded}), {items}}})", notes, imports)
     code = loaded if state_dict is None else f"model.load_state_dict({loaded})"
-    return code, imports, notes
+    return LoadHint(code, notes, imports)
 
 
-def _package(path: str, info: CheckpointInfo) -> LoadHint:
-    """A ``torch.package`` archive: ``PackageImporter(path).load_pickle(package, resource)`` of its first pickle
+def package_hint(opened: Opened, info: CheckpointInfo, _state_dict: str | None, _chosen: frozenset[str]
+                 ) -> LoadHint:
+    """A ``torch.package`` archive (the registry's ``hint``): ``PackageImporter(path).load_pickle(package,
+    resource)`` of its first pickle
     (``map_location`` as for ``torch.load``), with a note that it runs the package's code and, for several
     pickles, names the others."""
+    path = opened.target
     resources = (info.package or {}).get("resources", [])
     ml = map_location_for(set(info.storage_bytes))
     where = f", map_location={ml}" if ml is not None else ""
@@ -205,15 +201,55 @@ def _package(path: str, info: CheckpointInfo) -> LoadHint:
     return LoadHint(code, notes, ["import torch.package"])
 
 
-def _sharded_torch(path: str, info: CheckpointInfo) -> str:
-    """One dict merged from the torch shards the index at ``path`` lists."""
-    one = _torch_load("f", set(info.storage_bytes), not info.weights_only_loads)
-    return f"{{k: v for f in {_shard_files(path)!r} for k, v in {one}.items()}}"
+def dcp_hint(opened: Opened, _info: CheckpointInfo, _state_dict: str | None, _chosen: frozenset[str]) -> LoadHint:
+    """A DCP folder (the registry's ``hint``): ``torch.distributed.checkpoint.load`` into a state_dict filled
+    first."""
+    note = ("fill state_dict (a dict of tensors of the right shapes, such as model.state_dict()) first; DCP "
+            "loads in place")
+    return LoadHint(f"torch.distributed.checkpoint.load(state_dict, checkpoint_id={opened.target!r})", [note],
+                    ["import torch.distributed.checkpoint"])
+
+
+def torch_hint(opened: Opened, info: CheckpointInfo, state_dict: str | None, chosen: frozenset[str]) -> LoadHint:
+    """A torch file or a sharded set of torch shards (every format whose registry entry names no ``hint``):
+    ``torch.load`` (each shard, merged), with notes for globals ``weights_only=True`` refuses and for location
+    tags."""
+    path = opened.target
+    sharded = opened.spec.kind == "set"
+    unsafe = info.unsafe_globals
+    tags = set(info.storage_bytes)
+    notes: list[str] = []
+    if unsafe:
+        notes.append(_unsafe_note(path, unsafe))
+    elif info.weights_only_refusal is not None:
+        notes.append(f"torch.load(weights_only=True) refuses this file: its pickle uses {info.weights_only_refusal}, "
+                     "which torch's weights_only unpickler does not read (a pickle_protocol above 3?); load it with "
+                     "weights_only=False (below) only if you trust its source")
+    notes += _device_notes(path, tags, chosen, sharded=sharded)
+    imports = ["import torch"]
+    if sharded:
+        one = _torch_load("f", tags, not info.weights_only_loads)
+        code = f"{{k: v for f in {_shard_files(opened)!r} for k, v in {one}.items()}}"
+    else:
+        # a URL: torch opens files, not URLs; fsspec gives the file
+        expr = repr(path)
+        if source.is_url(path):
+            expr = f"fsspec.open({path!r}, 'rb').open()"
+            imports.insert(0, "import fsspec")
+        code = _torch_load(expr, tags, not info.weights_only_loads) + _index(state_dict or "")
+    if state_dict is not None:
+        code = f"model.load_state_dict({code})"
+    return LoadHint(code, notes, imports)
 
 
 def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
               chosen: Iterable[str] = ()) -> LoadHint:
-    """The :class:`LoadHint` of the file (or sharded set, or DCP folder) at ``path``, read from the file itself.
+    """The :class:`LoadHint` of the file (or sharded set, or DCP folder) at ``path``, read from the file itself:
+    the checkpoint opened once (:func:`ckptool.readers.open_checkpoint`: a local folder that is not a DCP
+    checkpoint is the set it holds, its ``*.index.json`` or the single ``model.safetensors`` /
+    ``pytorch_model.bin`` of a one-shard set), described by :func:`ckptool.ops.inspect.entry.inspect`, and the hint
+    its registry entry names (:attr:`ckptool.readers.Format.hint`: :func:`safetensors_hint`, :func:`dcp_hint`,
+    :func:`package_hint`; else :func:`torch_hint`).
 
     Args:
         path: the output just written: a torch zip file, a safetensors file, an ``*.index.json``, a folder of
@@ -228,38 +264,7 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
     Raises what :func:`ckptool.ops.inspect.entry.inspect` raises for an unreadable file, and UsageError for a folder
     that holds no checkpoint set.
     """
-    path = _resolve(os.fspath(path))
-    info = inspect(path)
-    notes: list[str] = []
-    if info.format == "dcp":
-        note = ("fill state_dict (a dict of tensors of the right shapes, such as model.state_dict()) first; DCP "
-                "loads in place")
-        return LoadHint(f"torch.distributed.checkpoint.load(state_dict, checkpoint_id={path!r})", [note],
-                        ["import torch.distributed.checkpoint"])
-    if info.format in (formats.SAFETENSORS, "sharded-safetensors"):
-        code, imports, notes = _safetensors(path, info.format != formats.SAFETENSORS, state_dict)
-        return LoadHint(code, notes, imports)
-    if info.format == formats.TORCH_PACKAGE:
-        return _package(path, info)
-    unsafe = info.unsafe_globals
-    tags = set(info.storage_bytes)
-    if unsafe:
-        notes.append(_unsafe_note(path, unsafe))
-    elif info.weights_only_refusal is not None:
-        notes.append(f"torch.load(weights_only=True) refuses this file: its pickle uses {info.weights_only_refusal}, "
-                     "which torch's weights_only unpickler does not read (a pickle_protocol above 3?); load it with "
-                     "weights_only=False (below) only if you trust its source")
-    notes += _device_notes(path, tags, frozenset(chosen), sharded=info.format.startswith("sharded-"))
-    imports = ["import torch"]
-    if info.format.startswith("sharded-"):
-        code = _sharded_torch(path, info)
-    else:
-        # a URL: torch opens files, not URLs; fsspec gives the file
-        opened = repr(path)
-        if source.is_url(path):
-            opened = f"fsspec.open({path!r}, 'rb').open()"
-            imports.insert(0, "import fsspec")
-        code = _torch_load(opened, tags, not info.weights_only_loads) + _index(state_dict or "")
-    if state_dict is not None:
-        code = f"model.load_state_dict({code})"
-    return LoadHint(code, notes, imports)
+    opened = open_checkpoint(path)
+    info = inspect(opened)
+    hint = opened.spec.behaviour("hint", torch_hint)
+    return cast(LoadHint, hint(opened, info, state_dict, frozenset(chosen)))

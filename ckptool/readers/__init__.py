@@ -33,17 +33,20 @@ format                 recognised by (:mod:`ckptool.formats.detect`, :mod:`ckpto
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import BinaryIO, Literal, TypeVar, cast
+from typing import Any, BinaryIO, Literal, TypeVar, cast
 
 from ckptool import _source as source
 from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect, torch_package
+from ckptool.formats import pt2 as pt2_format  # not `read_pt2`: the name of this package's module read_pt2
 from ckptool.formats.dcp import DcpMetadata, read_dcp_metadata
 from ckptool.formats.deepspeed import is_deepspeed_folder
-from ckptool.formats.pt2 import Pt2Archive, read_pt2
+from ckptool.formats.pt2 import Pt2Archive
 from ckptool.formats.safetensors import SafetensorsHeader, read_header
 from ckptool.formats.sharded import INDEX_SUFFIX, ShardIndex, is_checkpoint_set, parse_index, read_index, set_kind
 from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
@@ -52,13 +55,21 @@ from ckptool.formats.zipdir import ZipEntry
 from ckptool.model.graph import find_state_dicts
 from ckptool.model.keys import shared_prefixes
 from ckptool.model.values import iter_values
-from ckptool.model.zero import ZeroCheckpoint, read_zero
-from ckptool.readers.read_dcp import dcp_source, dcp_tree
-from ckptool.readers.read_deepspeed import deepspeed_source
-from ckptool.readers.read_package import package_source, package_state_dicts
-from ckptool.readers.read_pt2 import pt2_source
-from ckptool.readers.read_safetensors import index_source, safetensors_source
-from ckptool.readers.read_torch import torch_source
+from ckptool.model.zero import ZeroCheckpoint
+from ckptool.readers.read_dcp import dcp_tree
+from ckptool.readers.read_deepspeed import read_zero
+from ckptool.readers.read_package import package_state_dicts
+from ckptool.readers.support import (
+    DCP_REMAP,
+    FOLDER,
+    JIT,
+    NO_MODULE,
+    PACKAGE,
+    PT2_STATE_DICT,
+    SET_ROW,
+    ZERO,
+    Cell,
+)
 
 __all__ = [
     "FORMATS",
@@ -72,11 +83,15 @@ __all__ = [
     "format_of",
     "is_contiguous",
     "open_checkpoint",
+    "plugin",
     "span",
 ]
 
 Kind = Literal["file", "set", "folder"]
 _T = TypeVar("_T")
+
+
+Role = Literal["read", "describe", "load", "hint"]
 
 
 @dataclass(frozen=True)
@@ -86,13 +101,31 @@ class Format:
     ``folder``), ``pickled`` (its structure is a pickle read as a node graph: :meth:`Opened.graph`), and
     ``tensors``: whether ckptool reads its tensors without running code (:meth:`Opened.state_dict`), else
     ``refusal``, the sentence that says why not and what to do instead (a torch.package archive, whose tensors
-    are read, keeps one for the commands that do not take it yet: ``ckptool.ops.matrix``); ``keyed``: it holds
-    several mappings, of which a dotted ``key`` selects one (the others hold one flat mapping of tensors);
-    ``header``: its tensors are listed by name in a JSON header ahead of one data block
-    (:meth:`Opened.safetensors_header`), so a rewrite renames them there and copies the data block, and the tied
-    names the writing library left out are recorded in its ``__metadata__``; ``consolidate``: its tensors are
-    partitions that only a consolidation joins (``ckptool convert`` writes one file of them), so the commands that
-    rewrite a checkpoint (remap, the prefix commands, rename, filter) take it only once consolidated."""
+    are read, keeps one for the commands that do not take it yet); ``keyed``: it holds several mappings, of which
+    a dotted ``key`` selects one (the others hold one flat mapping of tensors, ``flat``: what the format is, in
+    the sentence that refuses ``--key``); ``header``: its tensors are listed by name in a JSON header ahead of one
+    data block (:meth:`Opened.safetensors_header`), so a rewrite renames them there and copies the data block, and
+    the tied names the writing library left out are recorded in its ``__metadata__``; ``consolidate``: its tensors
+    are partitions that only a consolidation joins (``ckptool convert`` writes one file of them), so the commands
+    that rewrite a checkpoint (remap, the prefix commands, rename, filter) take it only once consolidated.
+
+    What differs per format in the layers above is named here too, as plug-ins: dotted references
+    ``"package.module:function"`` resolved lazily by :meth:`behaviour` (imported the first time a checkpoint of
+    that format is met, as fsspec's ``known_implementations`` and pip's ``commands_dict`` do, so that nothing is
+    imported for formats not met, and the readers layer, below ``ops`` and ``torch_ops``, never imports them):
+
+    * ``reader``: its tensors as a :class:`~ckptool.formats.tensors.Source`, ``(opened, key, tag,
+      exclude_frozen) -> Source`` (:meth:`Opened.state_dict`; in the format's reader module);
+    * ``describer``: ``ckptool inspect``, ``(opened, limits) -> CheckpointInfo`` (:mod:`ckptool.ops.inspect.entry`);
+    * ``loader``: ``load_into`` / ``verify``, ``(opened, request) -> (object, saved location tags)``
+      (:mod:`ckptool.torch_ops.load`);
+    * ``hint``: the "Load it with" line of a written output, ``(opened, info, state_dict, chosen) -> LoadHint``
+      (:mod:`ckptool.ops.hints`; empty: ``torch.load``).
+
+    ``support`` is the format's row of the support matrix (:mod:`ckptool.ops.matrix`, ``docs/formats.md``):
+    operation -> :class:`~ckptool.readers.support.Cell` for every operation that does not plainly work (a refusal
+    with its reason and route, a known bug, or a working cell's phrase); None: not a row (plain pickles, which
+    only ``inspect`` and ``scan`` read)."""
 
     name: str
     label: str
@@ -103,30 +136,142 @@ class Format:
     keyed: bool = False
     header: bool = False
     consolidate: bool = False
+    flat: str = ""
+    reader: str = ""
+    describer: str = ""
+    loader: str = ""
+    hint: str = ""
+    support: Mapping[str, Cell] | None = field(default=None, hash=False)
 
+    def behaviour(self, role: Role, default: Callable[..., Any] | None = None) -> Callable[..., Any]:
+        """The plug-in this format names for ``role`` (``"read"``, ``"describe"``, ``"load"``, ``"hint"``), its
+        module imported on first use (cached); ``default`` when the format names none.
+
+        Raises:
+            UnsupportedError: the format names none and there is no ``default``.
+        """
+        ref = getattr(self, _ROLES[role])
+        if not ref:
+            if default is not None:
+                return default
+            raise UnsupportedError(f"a {self.label.strip('`')} has no {role} behaviour")
+        return plugin(ref)
+
+
+#: :meth:`Format.behaviour`'s roles -> the :class:`Format` field naming the plug-in
+_ROLES: dict[str, str] = {"read": "reader", "describe": "describer", "load": "loader", "hint": "hint"}
+
+
+@functools.cache
+def plugin(ref: str) -> Callable[..., Any]:
+    """The function a dotted reference ``"package.module:function"`` names, its module imported (once).
+
+    Raises:
+        ImportError / AttributeError: no such module or function (a registry entry out of date).
+    """
+    module, _, name = ref.partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    if not callable(fn):
+        raise TypeError(f"{ref} is not callable")
+    return cast(Callable[..., Any], fn)
+
+
+_TORCH_READ = "ckptool.readers.read_torch:read_tensors"
+_PICKLED_INSPECT = "ckptool.ops.inspect.entry:inspect_pickled"
+_SET_INSPECT = "ckptool.ops.inspect.entry:inspect_sharded"
+_TORCH_LOAD = "ckptool.torch_ops.loaders:load_torch_zip"
+_SET_LOAD = "ckptool.torch_ops.loaders:load_set"
+_TORCH_ROW = {"scan": Cell("works", "safe"), "diff": Cell("works", "identical"), "extract-state-dict": NO_MODULE}
 
 #: every format ckptool reads, in the order of ``docs/formats.md``
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(detect.TORCH_ZIP, "`torch.save` zip (`pytorch_model.bin`, accelerate's `optimizer.bin`)", "file",
-           pickled=True, keyed=True),
+           pickled=True, keyed=True, reader=_TORCH_READ, describer=_PICKLED_INSPECT, loader=_TORCH_LOAD,
+           support=_TORCH_ROW),
     Format(detect.TORCH_LEGACY, "`torch.save(..., _use_new_zipfile_serialization=False)`", "file", pickled=True,
-           keyed=True),
+           keyed=True, reader=_TORCH_READ, describer=_PICKLED_INSPECT,
+           loader="ckptool.torch_ops.loaders:load_torch_legacy", support=_TORCH_ROW),
     Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False,
            refusal="is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
-                   "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file"),
+                   "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file",
+           describer=_PICKLED_INSPECT, loader="ckptool.torch_ops.loaders:load_torchscript", support={
+               "scan": Cell("works", "needs-trust"),
+               "diff": Cell("works", "identical"),
+               "convert": Cell("refused", "is a TorchScript archive", JIT),
+               "remap": Cell("refused", "is a TorchScript archive", "torch.jit.load(path, map_location='cpu')"),
+               "prefix": Cell("refused", "cannot be renamed", JIT),
+               "extract-state-dict": Cell("refused", "is a TorchScript archive", "torch.jit.load(path).state_dict()"),
+               "sanitize": Cell("refused", "is a TorchScript archive", "torch.jit.load(path, map_location='cpu')"),
+               "verify": Cell("refused", "--trust", "`ckptool verify --trust` (compiles the archive's code)"),
+               "load_into": Cell("refused", "trust=True", "ckptool.load_into(model, path, trust=True)"),
+               "rename": Cell("refused", "cannot be renamed", JIT),
+               "filter": Cell("refused", "cannot be filtered", JIT),
+               "average": Cell("refused", "is a TorchScript archive", JIT),
+           }),
     Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", keyed=True,
            refusal="is a torch.package archive: its objects are rebuilt by the package's own code, which this "
                    "command would run; `ckptool convert PATH -o model.safetensors` writes its tensors without "
                    "running it (then run the command on that file), torch.package.PackageImporter(path)."
-                   "load_pickle(...) loads them (runs the package's code: trusted files only)"),
-    Format(detect.SAFETENSORS, "safetensors file", "file", header=True),
-    Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set"),
-    Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set"),
-    Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True),
-    Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True),
-    Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder", consolidate=True),
+                   "load_pickle(...) loads them (runs the package's code: trusted files only)",
+           reader="ckptool.readers.read_package:read_tensors",
+           describer="ckptool.ops.inspect.entry:inspect_package", loader="ckptool.torch_ops.loaders:load_package",
+           hint="ckptool.ops.hints:package_hint", support={
+               **dict.fromkeys(("prefix", "extract-state-dict", "sanitize", "rename", "filter"), PACKAGE),
+               "scan": Cell("works", "safe"),
+               "diff": Cell("works", "identical"),
+               "remap": Cell("works", "re-tagged"),
+               "verify": Cell("works", "bit-identical"),
+           }),
+    Format(detect.SAFETENSORS, "safetensors file", "file", flat="safetensors", header=True,
+           reader="ckptool.readers.read_safetensors:read_tensors",
+           describer="ckptool.ops.inspect.entry:inspect_safetensors",
+           loader="ckptool.torch_ops.loaders:load_safetensors", hint="ckptool.ops.hints:safetensors_hint", support={
+               "scan": Cell("works", "safe"),
+               "diff": Cell("works", "identical"),
+               "remap": Cell("refused", "nothing to remap", "safetensors.torch.load_file(path, device=...)"),
+               "extract-state-dict": Cell("refused", "already is a state_dict", "use the file as it is"),
+               "sanitize": Cell("refused", "nothing to sanitize", "safetensors.torch.load_file(path, device=...)"),
+           }),
+    Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set",
+           flat="a sharded set", reader="ckptool.readers.read_safetensors:read_set_tensors", describer=_SET_INSPECT,
+           loader=_SET_LOAD, hint="ckptool.ops.hints:safetensors_hint", support={
+               **SET_ROW,
+               "remap": Cell("refused", "carries no device tags", "safetensors.torch.load_file(shard, device=...)"),
+           }),
+    Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set", flat="a sharded set",
+           reader="ckptool.readers.read_safetensors:read_set_tensors", describer=_SET_INSPECT, loader=_SET_LOAD,
+           support=SET_ROW),
+    Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True,
+           reader="ckptool.readers.read_dcp:read_tensors", describer="ckptool.ops.inspect.entry:inspect_dcp",
+           loader="ckptool.torch_ops.loaders:load_dcp", hint="ckptool.ops.hints:dcp_hint", support={
+               "scan": Cell("works", "safe"),
+               "diff": Cell("works", "2 of 2 matched tensors equal"),
+               "remap": DCP_REMAP,
+               "extract-state-dict": FOLDER, "sanitize": FOLDER,
+           }),
+    Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True,
+           reader="ckptool.readers.read_pt2:read_tensors", describer="ckptool.ops.inspect.entry:inspect_pt2",
+           loader="ckptool.torch_ops.loaders:load_pt2", support={
+               "scan": Cell("works", "safe"),
+               "diff": Cell("works", "identical"),
+               "remap": Cell("refused", "this command does not apply", PT2_STATE_DICT),
+               "prefix": Cell("refused", "this command does not apply", PT2_STATE_DICT),
+               "sanitize": Cell("refused", "this command does not apply", PT2_STATE_DICT),
+               "rename": Cell("refused", "write its state_dict", PT2_STATE_DICT),
+               "filter": Cell("refused", "write its state_dict", PT2_STATE_DICT),
+           }),
+    Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder", flat="a DeepSpeed checkpoint",
+           consolidate=True, reader="ckptool.readers.read_deepspeed:read_tensors",
+           describer="ckptool.ops.inspect.entry:inspect_deepspeed", loader="ckptool.torch_ops.loaders:load_deepspeed",
+           support={
+               "scan": Cell("works", "needs-trust"),
+               "diff": Cell("works", "identical"),
+               "remap": ZERO, "prefix": ZERO,
+               "extract-state-dict": FOLDER, "sanitize": FOLDER, "rename": FOLDER, "filter": FOLDER,
+           }),
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
-           refusal="is a plain pickle without torch storages, not a torch.save checkpoint"),
+           refusal="is a plain pickle without torch storages, not a torch.save checkpoint",
+           describer=_PICKLED_INSPECT, loader="ckptool.torch_ops.loaders:load_pickle"),
 )}
 
 
@@ -268,14 +413,14 @@ class Opened:
         """
         if self.format != detect.PT2:
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a torch.export archive")
-        return self._cached("pt2", lambda: read_pt2(self.target, self.zip_entries()))
+        return self._cached("pt2", lambda: pt2_format.read_pt2(self.target, self.zip_entries()))
 
     def zero(self, tag: str | None = None) -> ZeroCheckpoint:
-        """A DeepSpeed ZeRO folder's pickles and consolidation plan (:func:`ckptool.model.zero.read_zero`, ``tag``
-        as there), read once per tag.
+        """A DeepSpeed ZeRO folder's pickles and consolidation plan (:func:`ckptool.readers.read_deepspeed.
+        read_zero`, ``tag`` as there), read once per tag.
 
         Raises:
-            UnsupportedError: not a DeepSpeed folder; see also :func:`~ckptool.model.zero.read_zero`.
+            UnsupportedError: not a DeepSpeed folder; see also :func:`~ckptool.readers.read_deepspeed.read_zero`.
         """
         if self.format != "deepspeed":
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a DeepSpeed folder")
@@ -349,46 +494,9 @@ class Opened:
         if not spec.tensors:
             raise UnsupportedError(f"{self.path} {spec.refusal}")
         if key is not None and not spec.keyed:
-            what = {"safetensors": "is safetensors", "deepspeed": "is a DeepSpeed checkpoint"}.get(
-                spec.name, "is a sharded set")
-            raise UsageError(f"{self.path} {what}: it holds one flat mapping of tensors, so --key does not apply")
-        reader = _TENSOR_READERS[spec.name]
-        return reader(self, key, tag, exclude_frozen)
-
-
-def _torch(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    return torch_source(o.target, o.format, key, o.graph())
-
-
-def _package(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    return package_source(o.target, key, o.package())
-
-
-def _safetensors(o: Opened, _key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    return safetensors_source(o.target)
-
-
-def _sharded(o: Opened, _key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    return index_source(o.target)
-
-
-def _pt2(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    return pt2_source(o.target, key)
-
-
-def _dcp(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    return dcp_source(o.target, key, o.dcp_metadata())
-
-
-def _deepspeed(o: Opened, _key: str | None, tag: str | None, frozen: bool) -> Source:
-    return deepspeed_source(o.zero(tag), frozen)
-
-
-_TENSOR_READERS: dict[str, Callable[[Opened, str | None, str | None, bool], Source]] = {
-    detect.TORCH_ZIP: _torch, detect.TORCH_LEGACY: _torch, detect.SAFETENSORS: _safetensors,
-    "sharded-safetensors": _sharded, "sharded-bin": _sharded, detect.PT2: _pt2, "deepspeed": _deepspeed,
-    "dcp": _dcp, detect.TORCH_PACKAGE: _package,
-}
+            raise UsageError(f"{self.path} is {spec.flat}: it holds one flat mapping of tensors, so --key does not "
+                             "apply")
+        return cast(Source, spec.behaviour("read")(self, key, tag, exclude_frozen))
 
 
 def _set_format(index_path: str) -> str:

@@ -31,7 +31,7 @@ The record helpers (:class:`RecordSlice`, :func:`open_record`, :func:`torch_save
 from __future__ import annotations
 
 import os
-from typing import Any, BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from ckptool.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError
 from ckptool.formats.dcp import DcpEntry, DcpMetadata, read_dcp_metadata
@@ -52,6 +52,9 @@ from ckptool.model.allowlist import ALLOWED, classify_global
 from ckptool.model.graph import join
 from ckptool.model.tensor_nodes import tensor_node
 from ckptool.readers.read_torch import describe, select_state_dict
+
+if TYPE_CHECKING:
+    from ckptool.readers import Opened
 
 __all__ = [
     "FORMAT",
@@ -478,3 +481,9 @@ def dcp_source(folder: str | os.PathLike[str], key: str | None = None, meta: Dcp
         for fh in files.values():
             fh.close()
     return src
+
+
+def read_tensors(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
+    """:meth:`ckptool.readers.Opened.state_dict` of a DCP folder (the registry's ``reader``): :func:`dcp_source`
+    over its ``.metadata`` read once."""
+    return dcp_source(o.target, key, o.dcp_metadata())

@@ -1,6 +1,7 @@
 """``convert`` from a DeepSpeed ZeRO checkpoint folder: the consolidated state_dict as a convert :class:`Source`.
 
-The folder is read without deepspeed (:func:`ckptool.model.zero.read_zero`) and consolidated as
+The folder is found (:func:`ckptool.formats.deepspeed.find_deepspeed`) and its pickles read without deepspeed
+(:func:`read_zero`, :func:`ckptool.model.zero.zero_checkpoint`), then consolidated as
 ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` does (:func:`ckptool.model.zero.plan`). Each output
 tensor's :class:`~ckptool.formats.tensors.Storage` gathers its bytes from the ranks' partitions
 (``segments``), so the writers stream it from the rank files, one tensor at a time: memory stays bounded by one
@@ -10,13 +11,33 @@ share one storage, so safetensors stores them once and torch output keeps them t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from ckptool.formats.deepspeed import find_deepspeed
 from ckptool.formats.dtypes import contiguous_stride
 from ckptool.formats.tensors import Source, Storage, Tensor
-from ckptool.model.zero import ZeroCheckpoint, plan
+from ckptool.model.zero import ZeroCheckpoint, plan, zero_checkpoint
 
-__all__ = ["FORMAT", "deepspeed_source"]
+if TYPE_CHECKING:
+    from ckptool.readers import Opened
+
+__all__ = ["FORMAT", "deepspeed_source", "read_tensors", "read_zero"]
 
 FORMAT = "deepspeed"
+
+
+def read_zero(path: str, tag: str | None = None) -> ZeroCheckpoint:
+    """Read the DeepSpeed ZeRO checkpoint at ``path`` (top folder or tag folder; ``tag`` as
+    :func:`~ckptool.formats.deepspeed.find_deepspeed`): the pickles of every model- and optimizer-state file, with
+    the restricted unpickler (deepspeed is not imported, nothing runs; tensor data is not read), and what they
+    say (:func:`ckptool.model.zero.zero_checkpoint`).
+
+    Raises:
+        UsageError / CorruptCheckpointError / UnsupportedError: see ``find_deepspeed``; a file that is not what
+            ``zero_to_fp32`` expects (no ``buffer_names``, no ``zero_stage``, a rank file missing) is corrupt; ZeRO
+            stage 0 and checkpoints saved without ZeRO optimizer state are unsupported.
+    """
+    return zero_checkpoint(find_deepspeed(path, tag))
 
 
 def deepspeed_source(z: ZeroCheckpoint, exclude_frozen: bool = False) -> Source:
@@ -48,3 +69,9 @@ def deepspeed_source(z: ZeroCheckpoint, exclude_frozen: bool = False) -> Source:
     if exclude_frozen and z.frozen:
         src.notes.append(f"frozen parameters left out (--exclude-frozen): {len(z.frozen)}")
     return src
+
+
+def read_tensors(o: Opened, _key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
+    """:meth:`ckptool.readers.Opened.state_dict` of a DeepSpeed folder (the registry's ``reader``): the
+    consolidated state_dict of its tag folder ``tag`` (:meth:`~ckptool.readers.Opened.zero`, read once)."""
+    return deepspeed_source(o.zero(tag), exclude_frozen)

@@ -24,6 +24,8 @@ environment. Storage sharing follows ``PackageImporter``: two tensors of one pic
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
@@ -43,6 +45,9 @@ from ckptool.readers.read_torch import (
     select_state_dict,
     state_dict_entries,
 )
+
+if TYPE_CHECKING:
+    from ckptool.readers import Opened
 
 __all__ = ["package_source", "package_state_dicts", "split_key"]
 
@@ -198,3 +203,9 @@ def package_source(path: str, key: str | None = None, pkg: Package | None = None
 
         add_tensors(src, entries, storage_of)
     return src
+
+
+def read_tensors(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
+    """:meth:`ckptool.readers.Opened.state_dict` of a torch.package archive (the registry's ``reader``):
+    :func:`package_source` over its pickles read once."""
+    return package_source(o.target, key, o.package())

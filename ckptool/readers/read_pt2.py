@@ -9,11 +9,16 @@ what ``torch.export.load(path).state_dict`` (or ``.constants``) holds, storage s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.pt2 import Payload, Program, Pt2Archive, read_pt2
 from ckptool.formats.tensors import Source, Storage, Tensor
 from ckptool.formats.zipdir import data_offset
+
+if TYPE_CHECKING:
+    from ckptool.readers import Opened
 
 
 def read_archive(path: str) -> Pt2Archive:
@@ -101,3 +106,8 @@ def pt2_source(path: str, key: str | None) -> Source:
         other = "constants" if sel == "state_dict" else "state_dict"
         raise UnsupportedError(f"{path}: the program's {key} holds no tensors; nothing to convert (see --key {other})")
     return src
+
+
+def read_tensors(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
+    """:meth:`ckptool.readers.Opened.state_dict` of a torch.export archive (the registry's ``reader``)."""
+    return pt2_source(o.target, key)

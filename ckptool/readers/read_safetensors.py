@@ -9,6 +9,8 @@ sharded set is read through its ``*.index.json``, shard by shard.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import ST_NAMES, ST_READ_ONLY, contiguous_stride, element_size, numel
@@ -16,6 +18,9 @@ from ckptool.formats.safetensors import SHARED_KEY, SharedGroup, decode_shared, 
 from ckptool.formats.sharded import read_index
 from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous
 from ckptool.readers.read_torch import torch_source
+
+if TYPE_CHECKING:
+    from ckptool.readers import Opened
 
 
 def safetensors_source(path: str) -> Source:
@@ -148,3 +153,14 @@ def restore_library_aliases(src: Source) -> list[str]:
         src.notes.append(f"restored {len(restored)} tied name(s) recorded by safetensors.torch.save_model "
                          f"({', '.join(restored[:5])}) as views of the tensor they share")
     return restored
+
+
+def read_tensors(o: Opened, _key: str | None, _tag: str | None, _frozen: bool) -> Source:
+    """:meth:`ckptool.readers.Opened.state_dict` of a safetensors file (the registry's ``reader``)."""
+    return safetensors_source(o.target)
+
+
+def read_set_tensors(o: Opened, _key: str | None, _tag: str | None, _frozen: bool) -> Source:
+    """:meth:`ckptool.readers.Opened.state_dict` of a sharded set, safetensors or torch shards (the registry's
+    ``reader``): :func:`index_source` of its index."""
+    return index_source(o.target)

@@ -9,13 +9,14 @@ byteswap_size`), so every output holds the values ``torch.load`` gives.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 from ckptool import _source as source
-from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
+from ckptool.errors import CkptError, CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.dtypes import element_size, storage_nbytes, tensor_dtype
+from ckptool.formats.dtypes import element_size, storage_element, storage_nbytes, tensor_dtype
 from ckptool.formats.nodes import (
     REBUILD_FROM_TYPE_V2,
     REBUILD_QTENSOR,
@@ -26,8 +27,10 @@ from ckptool.formats.nodes import (
     StorageRef,
     TensorNode,
 )
+from ckptool.formats.segments import byteswap
 from ckptool.formats.tensors import Segment, Source, Storage, Tensor
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, resolve_zip_offsets
+from ckptool.formats.zipdir import read_member
 from ckptool.model.graph import (
     Link,
     StateDictRef,
@@ -46,6 +49,9 @@ from ckptool.model.graph import (
 from ckptool.model.keys import STATE_DICT_NAMES
 from ckptool.model.nonstrided import NonStrided, find_non_strided, non_strided, refusal
 from ckptool.model.paths import resolve_path
+
+if TYPE_CHECKING:
+    from ckptool.readers import Opened
 
 
 def describe(v: Any) -> str:
@@ -307,3 +313,42 @@ def add_tensors(src: Source, entries: Sequence[tuple[str, TensorNode, bool]],
     if subclass:
         src.notes.append(f"{subclass} tensor subclass instance(s) (torch._tensor._rebuild_from_type_v2) were "
                          "converted as plain tensors")
+
+
+def read_tensors(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
+    """:meth:`ckptool.readers.Opened.state_dict` of a torch zip or legacy file (the registry's ``reader``):
+    :func:`torch_source` over the node graph ``o`` read once."""
+    return torch_source(o.target, o.format, key, o.graph())
+
+
+@contextmanager
+def record_reader(ck: Checkpoint) -> Iterator[Callable[[StorageRef], bytearray]]:
+    """Read the storage records of the torch zip or legacy file ``ck`` (its node graph): the function given reads
+    storage ``ref``'s ``numel`` elements from its record (inflated when a re-packed archive compressed it),
+    byte-swapped as ``torch.load`` swaps them when the file is big-endian (:meth:`~ckptool.formats.torchfile.
+    Checkpoint.byteswap_size`). The file stays open inside the ``with`` block.
+
+    Raises (from the function):
+        UnsupportedError: a storage without a complete record.
+        CkptError: a truncated storage.
+    """
+    with source.open_binary(ck.path) as f:
+        if ck.format != formats.TORCH_LEGACY:
+            resolve_zip_offsets(ck, f)
+
+        def read(ref: StorageRef) -> bytearray:
+            rec = ck.record("data/" + ref.key)
+            nbytes = ref.numel * storage_element(ref)[1]
+            if rec is None or rec.size < nbytes:
+                raise UnsupportedError(f"{ck.path}: storage {ref.key!r} has no complete record")
+            if rec.zipinfo is not None and rec.zipinfo.method != 0:  # a re-packed, compressed archive
+                raw = bytearray(read_member(f, rec.zipinfo, ck.path)[:nbytes])
+            else:
+                f.seek(rec.offset)
+                raw = bytearray(f.read(nbytes))
+            if len(raw) != nbytes:
+                raise CkptError(f"{ck.path}: storage {ref.key!r} is truncated; re-download the file")
+            swap = ck.byteswap_size(ref)
+            return bytearray(byteswap(raw, swap)) if swap else raw  # saved big-endian: swapped as torch.load does
+
+        yield read

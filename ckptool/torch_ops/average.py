@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.model.paths import get_path
-from ckptool.torch_ops.value_stats import _decode
+from ckptool.torch_ops.value_stats import decode_elements
 
 if TYPE_CHECKING:
     import numpy as np
@@ -46,7 +46,7 @@ class Accumulator:
         """Add ``weight`` times the elements encoded in ``data`` (exactly ``n`` of them)."""
         import numpy as np
 
-        x = _decode(data, self.dtype)
+        x = decode_elements(data, self.dtype)
         if weight == 1.0:
             np.add(self.acc, x, out=self.acc)
         else:

@@ -50,9 +50,10 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
-class StorageCache:
+class FlatCache:
     """Materialises storages as 1-D tensors of their output dtype, keeping only the last one (memory stays bounded
-    by the largest storage).
+    by the largest storage): a cache of torch buffers over :class:`~ckptool.formats.tensors.Storage`, not a
+    model of its own.
 
     ``read(path, offset, nbytes)`` returns the bytes of a file range; ``out_dtype(dtype)`` names the dtype a
     storage of ``dtype`` is written as (a cast, or ``dtype`` itself).

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import importlib
 import zlib
-from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from ckptool.formats.tensors import Tensor
 from ckptool.model.graph import join
 from ckptool.torch_ops.cast import tensor_buffer
 
@@ -81,24 +82,19 @@ def safe_open_difference(path: str, expect: Sequence[tuple[str, str, tuple[int, 
     return None
 
 
-class ExpectedTensor(NamedTuple):
-    """A tensor of a torch output as it must read back: key, dtype name, shape, stride and storage offset (elements),
-    ``requires_grad``, and ``storage``, a number shared by exactly the tensors that share one storage."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    requires_grad: bool
-    storage: int
+def storage_numbers(tensors: Sequence[Tensor]) -> list[int]:
+    """For each of ``tensors``, a number shared by exactly the tensors that share its storage (storage identity,
+    ``a.storage is b.storage``), counted from 0 in order of first use."""
+    ids: dict[int, int] = {}
+    return [ids.setdefault(id(t.storage), len(ids)) for t in tensors]
 
 
-def torch_load_difference(path: str, expected: Sequence[ExpectedTensor]) -> str | None:
+def torch_load_difference(path: str, expected: Sequence[Tensor], dtype_of: Callable[[str], str] = str
+                          ) -> str | None:
     """Open the torch zip file at ``path`` with ``torch.load(mmap=True, weights_only=True)`` and compare every
-    tensor's key (in order), dtype, shape, stride, storage offset, ``requires_grad`` and storage sharing with
-    ``expected``. The storage records' CRC-32 are checked by the caller
-    (:func:`ckptool.ops.convert.verify.records_difference`).
+    tensor's key (in order), dtype (``dtype_of(t.dtype)``: the dtype written, after a cast), shape, stride, storage
+    offset, ``requires_grad`` and storage sharing with the tensors meant to be written (``expected``). The storage
+    records' CRC-32 are checked by the caller (:func:`ckptool.ops.convert.verify.records_difference`).
     """
     import torch
 
@@ -110,20 +106,21 @@ def torch_load_difference(path: str, expected: Sequence[ExpectedTensor]) -> str 
         return f"torch.load(weights_only=True) refused it ({type(e).__name__}: {e})"
     if not isinstance(obj, dict) or list(obj) != [t.name for t in expected]:
         return "the state_dict keys differ"
+    numbers = storage_numbers(expected)
     owner: dict[int, int] = {}
-    for t in expected:
+    for t, n in zip(expected, numbers):
         v = obj[t.name]
-        want = (f"torch.{t.dtype}", t.shape, t.stride, t.offset, t.requires_grad)
+        want = (f"torch.{dtype_of(t.dtype)}", t.shape, t.stride, t.offset, t.requires_grad)
         got = (str(v.dtype), tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.requires_grad)
         if got != want:
             return f"{t.name!r} reads back as {got}, expected {want}"
         st = v.untyped_storage()
-        if st.nbytes() and owner.setdefault(st.data_ptr(), t.storage) != t.storage:
+        if st.nbytes() and owner.setdefault(st.data_ptr(), n) != n:
             return f"{t.name!r} shares a storage it should not"
     by_storage: dict[int, int] = {}
-    for t in expected:
+    for t, n in zip(expected, numbers):
         st = obj[t.name].untyped_storage()
-        if st.nbytes() and by_storage.setdefault(t.storage, st.data_ptr()) != st.data_ptr():
+        if st.nbytes() and by_storage.setdefault(n, st.data_ptr()) != st.data_ptr():
             return f"{t.name!r} no longer shares its storage"
     return None
 

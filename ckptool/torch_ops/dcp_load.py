@@ -6,7 +6,7 @@ unpickles ``.metadata`` with ``pickle.load`` and every non-tensor entry with ``t
 (default_planner ``load_bytes``): either can run code. :func:`load_dcp_state_dict` builds the same nested state
 another way:
 
-* ``.metadata`` is read by ckptool's restricted unpickler (:func:`ckptool.formats.dcp.read_dcp_metadata`: nothing
+* ``.metadata`` is read by ckptool's restricted unpickler (:meth:`ckptool.readers.Opened.dcp_metadata`: nothing
   imported or run), and without ``trust`` a global DCP never writes there is refused, as ``ckptool diff`` refuses
   it (:mod:`ckptool.readers.read_dcp`);
 * each tensor chunk's record (the ``length`` bytes at ``offset`` of a ``.distcp`` file that ``storage_data``
@@ -39,10 +39,11 @@ from collections.abc import Collection
 from typing import Any, BinaryIO
 
 from ckptool.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
-from ckptool.formats.dcp import DcpEntry, DcpMetadata, read_dcp_metadata
+from ckptool.formats.dcp import DcpEntry, DcpMetadata
 from ckptool.formats.dtypes import numel
 from ckptool.model import graph
 from ckptool.model.allowlist import ALLOWED, classify_global
+from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.read_dcp import (
     RecordSlice,
     check_metadata_globals,
@@ -61,9 +62,11 @@ __all__ = ["load_dcp_state_dict"]
 _ZIP_HEAD = b"PK\x03\x04"
 
 
-def load_dcp_state_dict(folder: str | os.PathLike[str], device: torch.device | str = "cpu", *, trust: bool = False,
-                        safe_globals: Collection[str] = ()) -> tuple[dict[Any, Any], dict[str, int]]:
-    """The nested state of the DCP folder ``folder`` as ``dcp_to_torch_save`` rebuilds it, every tensor on
+def load_dcp_state_dict(folder: str | os.PathLike[str] | Opened, device: torch.device | str = "cpu", *,
+                        trust: bool = False, safe_globals: Collection[str] = ()
+                        ) -> tuple[dict[Any, Any], dict[str, int]]:
+    """The nested state of the DCP folder ``folder`` (a path, opened once, or already opened) as
+    ``dcp_to_torch_save`` rebuilds it, every tensor on
     ``device``; safe unless ``trust`` (see the module docstring). ``safe_globals``: ``module.qualname`` of globals
     the caller allows in non-tensor entries beside torch's allowlist (what ``torch.serialization.add_safe_globals``
     registered, which ``torch.load(weights_only=True)`` accepts too).
@@ -83,7 +86,7 @@ def load_dcp_state_dict(folder: str | os.PathLike[str], device: torch.device | s
             what ``.metadata`` says, chunks that do not cover their tensor exactly once, torch failing to read a
             record.
     """
-    meta = read_dcp_metadata(folder)
+    meta = (folder if isinstance(folder, Opened) else open_checkpoint(folder)).dcp_metadata()
     if not trust:
         check_metadata_globals(meta)
     infos = chunk_infos(meta)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ckptool.torch_ops.annotations import DeviceLike as DeviceLike  # re-export (its home)
 
 __all__ = [
-    "TensorMemo", "default_device", "is_tensor", "map_tensors", "model_device", "move_tensor", "resolve_device",
+    "MoveMemo", "default_device", "is_tensor", "map_tensors", "model_device", "move_tensor", "resolve_device",
     "same_device",
 ]
 
@@ -88,7 +88,7 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 
 # ------------------------------------------------------------------------------------------------ moving tensors
 @dataclass
-class TensorMemo:
+class MoveMemo:
     """What one :func:`map_tensors` rebuild has converted so far, so that sharing survives it."""
 
     #: (device, data_ptr, nbytes) of a source storage -> its copy on the target device
@@ -99,7 +99,7 @@ class TensorMemo:
     keep: list[Any] = field(default_factory=list)
 
 
-def move_tensor(t: torch.Tensor, device: torch.device, memo: TensorMemo) -> torch.Tensor:
+def move_tensor(t: torch.Tensor, device: torch.device, memo: MoveMemo) -> torch.Tensor:
     """``t`` on ``device`` (``t`` itself when it is there already), keeping storage sharing: each source storage
     is copied once, and every tensor viewing it becomes a view (same offset, size, stride, dtype) of the one copy.
     A ``Parameter`` stays a ``Parameter`` with its ``requires_grad``; other tensors are detached leaves.
@@ -125,7 +125,7 @@ def move_tensor(t: torch.Tensor, device: torch.device, memo: TensorMemo) -> torc
     return out.requires_grad_(t.requires_grad) if t.is_leaf else out.detach()
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], memo: TensorMemo,
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], memo: MoveMemo,
                 special: Callable[[Any], Any] | None = None) -> Any:
     """``obj`` rebuilt with every tensor ``t`` replaced by ``fn(t)``: dicts (an ``OrderedDict`` stays one, other
     dict subclasses become dicts; ``_metadata`` kept), lists and tuples are rebuilt, anything else is kept as is.

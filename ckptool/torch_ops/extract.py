@@ -13,17 +13,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ckptool import _source as source
 from ckptool._fileio import atomic_output
 from ckptool.errors import CkptError, UnsupportedError, UsageError
-from ckptool.formats import detect as formats
-from ckptool.formats.dtypes import DTYPE_SIZES, storage_element, tensor_dtype
+from ckptool.formats.dtypes import DTYPE_SIZES, tensor_dtype
 from ckptool.formats.nodes import REBUILD_QTENSOR, StorageRef, TensorNode
-from ckptool.formats.segments import byteswap
-from ckptool.formats.torchfile import Checkpoint, resolve_zip_offsets
-from ckptool.formats.zipdir import read_member
+from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.nonstrided import non_strided, refusal
 from ckptool.model.paths import get_path
+from ckptool.readers.read_torch import record_reader
 from ckptool.torch_ops.cast import torch_dtype
 
 if TYPE_CHECKING:
@@ -35,9 +32,8 @@ __all__ = ["load_trusted_module", "materialize", "save_safetensors", "save_trust
 
 def materialize(ck: Checkpoint, entries: Sequence[tuple[str, TensorNode]]) -> dict[str, torch.Tensor]:
     """Each ``(key, tensor node)`` of ``ck`` as a contiguous CPU tensor of its dtype and shape, read from its
-    storage record (one read per storage; tensors sharing a storage share that read), byte-swapped as
-    ``torch.load`` swaps it when the file is big-endian (:meth:`~ckptool.formats.torchfile.Checkpoint.
-    byteswap_size`).
+    storage record (:func:`ckptool.readers.read_torch.record_reader`: one read per storage; tensors sharing a
+    storage share that read), byte-swapped as ``torch.load`` swaps it when the file is big-endian.
 
     Raises:
         UnsupportedError: a quantized tensor (safetensors cannot hold it), a storage without a complete record, a
@@ -48,9 +44,7 @@ def materialize(ck: Checkpoint, entries: Sequence[tuple[str, TensorNode]]) -> di
 
     out: dict[str, torch.Tensor] = {}
     flat: dict[str, torch.Tensor] = {}
-    with source.open_binary(ck.path) as f:
-        if ck.format != formats.TORCH_LEGACY:
-            resolve_zip_offsets(ck, f)
+    with record_reader(ck) as read:
         for key, t in entries:
             if t.rebuild_name == REBUILD_QTENSOR:
                 found = non_strided(t)
@@ -64,20 +58,7 @@ def materialize(ck: Checkpoint, entries: Sequence[tuple[str, TensorNode]]) -> di
             dtype_name = tensor_dtype(t)
             base = flat.get(ref.key)
             if base is None:
-                rec = ck.record("data/" + ref.key)
-                nbytes = ref.numel * storage_element(ref)[1]
-                if rec is None or rec.size < nbytes:
-                    raise UnsupportedError(f"{ck.path}: storage {ref.key!r} has no complete record")
-                if rec.zipinfo is not None and rec.zipinfo.method != 0:  # a re-packed, compressed archive
-                    raw = bytearray(read_member(f, rec.zipinfo, ck.path)[:nbytes])
-                else:
-                    f.seek(rec.offset)
-                    raw = bytearray(f.read(nbytes))
-                if len(raw) != nbytes:
-                    raise CkptError(f"{ck.path}: storage {ref.key!r} is truncated; re-download the file")
-                swap = ck.byteswap_size(ref)
-                if swap:  # saved big-endian: torch.load swaps each element, so do we
-                    raw = bytearray(byteswap(raw, swap))
+                raw = read(ref)
                 base = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
                 flat[ref.key] = base
             el = DTYPE_SIZES.get(dtype_name, 1)

@@ -25,8 +25,8 @@ from ckptool.model.keys import (
     strip_prefix_key,
 )
 from ckptool.model.objects import is_object_state_dict
-from ckptool.torch_ops.devices import TensorMemo, is_tensor, map_tensors, move_tensor
-from ckptool.torch_ops.load import registered_safe_globals
+from ckptool.torch_ops.devices import MoveMemo, is_tensor, map_tensors, move_tensor
+from ckptool.torch_ops.loaders import registered_safe_globals
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
@@ -62,7 +62,7 @@ def portable_key(key: str, lead: Sequence[str]) -> str:
     return ".".join(kept)
 
 
-def _portable_state_dict(sd: Mapping[str, Any], memo: TensorMemo) -> dict[str, Any]:
+def _portable_state_dict(sd: Mapping[str, Any], memo: MoveMemo) -> dict[str, Any]:
     """``sd`` with portable keys (:func:`portable_key` with the wrapper prefixes every key shares), its values
     through :func:`_portable_value` and its ``_metadata`` renamed alongside (a later entry that lands on an
     earlier one's name wins, in the earlier one's position).
@@ -84,7 +84,7 @@ def _portable_state_dict(sd: Mapping[str, Any], memo: TensorMemo) -> dict[str, A
     return out
 
 
-def _portable_value(v: Any, memo: TensorMemo) -> Any:
+def _portable_value(v: Any, memo: MoveMemo) -> Any:
     """``v`` with every tensor on the CPU (storage sharing kept), every ``nn.Module`` replaced by its unwrapped
     module's state_dict and every state_dict made portable (:func:`_portable_state_dict`)."""
     import torch
@@ -163,7 +163,7 @@ def save_portable(obj: object, path: str | os.PathLike[str]) -> str:
     import torch
     from torch import nn
 
-    memo = TensorMemo()
+    memo = MoveMemo()
     if isinstance(obj, nn.Module):
         out = _portable_state_dict(_unwrap_module(obj).state_dict(), memo)
     else:

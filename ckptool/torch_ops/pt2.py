@@ -9,13 +9,13 @@ and views share storage as they did when exported. Importing this module does no
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
-from ckptool.formats import detect as formats
-from ckptool.formats.pt2 import read_pt2
 from ckptool.formats.zipdir import data_offset
+from ckptool.readers import Opened, open_checkpoint
 from ckptool.torch_ops.cast import torch_dtype
 
 if TYPE_CHECKING:
@@ -24,20 +24,24 @@ if TYPE_CHECKING:
 __all__ = ["load_pt2_state_dict"]
 
 
-def load_pt2_state_dict(path: str, device: torch.device) -> tuple[OrderedDict[str, torch.Tensor], dict[str, int]]:
-    """``(state_dict, {saved location tag: tensor count})`` of the one program of the ``.pt2`` at ``path``, its
+def load_pt2_state_dict(path: str | os.PathLike[str] | Opened, device: torch.device
+                        ) -> tuple[OrderedDict[str, torch.Tensor], dict[str, int]]:
+    """``(state_dict, {saved location tag: tensor count})`` of the one program of the ``.pt2`` at ``path`` (a local
+    file, opened once, or already opened: its structure is :meth:`ckptool.readers.Opened.pt2`), its
     tensors on ``device``: the parameters and persistent buffers of ``torch.export.load(path).state_dict`` (plain
     tensors, bit for bit, in config order).
 
     Raises:
         UsageError: an archive of several programs.
         UnsupportedError: a weight pickled in the archive (a tensor subclass), and what
-            :func:`ckptool.formats.pt2.read_pt2` raises.
+            :meth:`ckptool.readers.Opened.pt2` raises.
         CorruptCheckpointError: a member shorter than the file says.
     """
     import torch
 
-    arch = read_pt2(path, formats.zip_entries(path))
+    opened = path if isinstance(path, Opened) else open_checkpoint(path)
+    path = opened.target
+    arch = opened.pt2()
     if len(arch.programs) != 1:
         raise UsageError(f"{path} holds {len(arch.programs)} exported programs; convert one first "
                          f"(`ckptool convert {path} --key NAME.state_dict -o weights.pth`)")

@@ -365,10 +365,9 @@ def _describe_prefixes(removed: list[str], added: list[str], renamed: int) -> st
     return " and ".join(parts) + f" ({renamed} key{'s' if renamed != 1 else ''} renamed)"
 
 
-def load_suggestions(r: LoadReport, ckeys: list[str], model_keys: list[str]) -> list[str]:
-    """One-line fixes for what ``r`` found (``ckeys``: the checkpoint's keys as saved, ``model_keys``: the
-    model's): the ckptool command that removes wrapper prefixes, the inner model to load into, the modules whose
-    shapes do not fit, other state_dicts to pick with ``key=``, and ``ckptool remap`` for GPU location tags."""
+def _prefix_suggestions(r: LoadReport, ckeys: list[str], model_keys: list[str]) -> list[str]:
+    """What :func:`load_suggestions` says of wrapper prefixes: the ckptool command that removes the checkpoint's,
+    or the inner model to load into when the model's keys carry one."""
     out: list[str] = []
     if r.prefixes_removed:
         prefs = shared_prefixes(ckeys)
@@ -385,10 +384,13 @@ def load_suggestions(r: LoadReport, ckeys: list[str], model_keys: list[str]) -> 
         attr = ".".join(p.rstrip(".") for p in mp) or "module"
         out.append(f"the model's keys start with `{inner}` (a wrapper) and the checkpoint's do not: load into the "
                    f"inner model (`model.{attr}`) or keep using ckptool.load_into, which adds the prefix")
-    for g in r.shape_groups:
-        mod = g.module or "(root)"
-        out.append(f"`{mod}` ({', '.join(g.names)}) does not fit: build the model with the checkpoint's sizes, or "
-                   f"load the rest with strict=False (--no-strict) and train `{mod}` anew")
+    return out
+
+
+def _key_suggestions(r: LoadReport) -> list[str]:
+    """What :func:`load_suggestions` says of keys that do not match: another state_dict to pick, new layers to
+    leave out, or a model that is not the checkpoint's architecture."""
+    out: list[str] = []
     others = [p for p in r.found if p != r.key]
     if (r.missing or r.unexpected) and others:
         out.append(f"the checkpoint holds other state_dicts ({', '.join(p or 'top level' for p in others)}): pick one "
@@ -399,6 +401,19 @@ def load_suggestions(r: LoadReport, ckeys: list[str], model_keys: list[str]) -> 
     if r.unexpected and r.loaded == 0:
         out.append("no checkpoint key matches the model: check that --model builds the architecture the "
                    "checkpoint was trained with, or pick another state_dict with --key")
+    return out
+
+
+def load_suggestions(r: LoadReport, ckeys: list[str], model_keys: list[str]) -> list[str]:
+    """One-line fixes for what ``r`` found (``ckeys``: the checkpoint's keys as saved, ``model_keys``: the
+    model's): the ckptool command that removes wrapper prefixes, the inner model to load into, the modules whose
+    shapes do not fit, other state_dicts to pick with ``key=``, and ``ckptool remap`` for GPU location tags."""
+    out = _prefix_suggestions(r, ckeys, model_keys)
+    for g in r.shape_groups:
+        mod = g.module or "(root)"
+        out.append(f"`{mod}` ({', '.join(g.names)}) does not fit: build the model with the checkpoint's sizes, or "
+                   f"load the rest with strict=False (--no-strict) and train `{mod}` anew")
+    out += _key_suggestions(r)
     gpu = sorted(t for t in r.saved_devices if t not in ("cpu", "meta"))
     if gpu:
         out.append(f"storages are tagged {', '.join(gpu)}: a plain torch.load needs that device; run "

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.dtypes import ST_NAMES, contiguous_stride, numel
 from ckptool.torch_ops.cast import torch_dtype
-from ckptool.torch_ops.devices import TensorMemo, map_tensors, move_tensor
+from ckptool.torch_ops.devices import MoveMemo, map_tensors, move_tensor
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -279,7 +279,7 @@ class FileSpans:
         the file (which may then be overwritten)."""
         import torch
 
-        memo = TensorMemo()
+        memo = MoveMemo()
         storages: dict[int, torch.UntypedStorage] = {}
 
         def own(t: torch.Tensor) -> torch.Tensor:

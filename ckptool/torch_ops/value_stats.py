@@ -38,7 +38,13 @@ def require_numpy() -> None:
     import numpy  # noqa: F401
 
 
-def _decode(data: bytes | bytearray, dtype: str) -> np.ndarray:
+def decode_elements(data: bytes | bytearray, dtype: str) -> np.ndarray:
+    """The little-endian elements of ``dtype`` in ``data`` as a 1-D NumPy array (no copy; ``bfloat16`` widened to
+    ``float32``).
+
+    Raises:
+        UnsupportedError: a dtype whose elements NumPy cannot compare by value.
+    """
     import numpy as np
 
     if dtype == "bfloat16":  # the upper half of a float32
@@ -73,7 +79,7 @@ class ValueStats:
         """
         import numpy as np
 
-        va, vb = _decode(a, dtype_a), _decode(b, dtype_b)
+        va, vb = decode_elements(a, dtype_a), decode_elements(b, dtype_b)
         kind = complex if np.iscomplexobj(va) or np.iscomplexobj(vb) else float
         fa = va.astype(np.complex128 if kind is complex else np.float64)
         fb = vb.astype(np.complex128 if kind is complex else np.float64)
@@ -116,7 +122,7 @@ def squared_norms(a: bytes | bytearray, b: bytes | bytearray, dtype_a: str, dtyp
     """
     import numpy as np
 
-    va, vb = _decode(a, dtype_a), _decode(b, dtype_b)
+    va, vb = decode_elements(a, dtype_a), decode_elements(b, dtype_b)
     kind = np.complex128 if np.iscomplexobj(va) or np.iscomplexobj(vb) else np.float64
     fa, fb = va.astype(kind), vb.astype(kind)
     with np.errstate(invalid="ignore", over="ignore"):

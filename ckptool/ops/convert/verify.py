@@ -33,10 +33,10 @@ from ckptool.ops.convert.write import Written
 from ckptool.readers.read_safetensors import safetensors_source
 from ckptool.readers.read_torch import torch_source
 from ckptool.torch_ops.convert_verify import (
-    ExpectedTensor,
     is_installed,
     safe_open_difference,
     safetensors_framework,
+    storage_numbers,
     torch_load_difference,
 )
 
@@ -189,11 +189,12 @@ def records_difference(path: str, records: Mapping[str, int] | None) -> str | No
     return None
 
 
-def reader_difference(path: str, expected: Sequence[ExpectedTensor]) -> str | None:
+def reader_difference(path: str, expected: Sequence[Tensor], dtype_of: Callable[[str], str] = str) -> str | None:
     """The check of :func:`ckptool.torch_ops.convert_verify.torch_load_difference` without torch: the torch zip
     file at ``path`` is read back with ckptool's restricted reader (:func:`ckptool.readers.read_torch.
-    torch_source`) and every tensor's key (in order), dtype, shape, stride, storage offset, ``requires_grad`` and
-    storage sharing compared with ``expected``."""
+    torch_source`) and every tensor's key (in order), dtype (``dtype_of(t.dtype)``: the dtype written), shape,
+    stride, storage offset, ``requires_grad`` and storage sharing compared with the tensors meant to be written
+    (``expected``)."""
     try:
         back = torch_source(path, formats.TORCH_ZIP, None)
     except CkptError as e:
@@ -202,14 +203,14 @@ def reader_difference(path: str, expected: Sequence[ExpectedTensor]) -> str | No
         return "the state_dict keys differ"
     owner: dict[int, int] = {}
     by_storage: dict[int, int] = {}
-    for t, x in zip(back.tensors, expected):
-        want = (x.dtype, x.shape, x.stride, x.offset, x.requires_grad)
+    for t, x, n in zip(back.tensors, expected, storage_numbers(expected)):
+        want = (dtype_of(x.dtype), x.shape, x.stride, x.offset, x.requires_grad)
         got = (t.dtype, t.shape, t.stride, t.offset, t.requires_grad)
         if got != want:
             return f"{t.name!r} reads back as {got}, expected {want}"
-        if owner.setdefault(id(t.storage), x.storage) != x.storage:
+        if owner.setdefault(id(t.storage), n) != n:
             return f"{t.name!r} shares a storage it should not"
-        if by_storage.setdefault(x.storage, id(t.storage)) != id(t.storage):
+        if by_storage.setdefault(n, id(t.storage)) != id(t.storage):
             return f"{t.name!r} no longer shares its storage"
     return None
 
@@ -223,13 +224,13 @@ def torch_verifier(cast: str | None) -> Callable[[Written, str], None]:
     The check raises :class:`VerificationError` on any difference.
     """
     def check(w: Written, path: str) -> None:
-        storage_ids: dict[int, int] = {}
-        expected = [ExpectedTensor(t.name, out_dtype(t.dtype, cast), t.shape, t.stride, t.offset, t.requires_grad,
-                                   storage_ids.setdefault(id(t.storage), len(storage_ids))) for t in w.tensors]
+        def dtype_of(dtype: str) -> str:
+            return out_dtype(dtype, cast)
+
         if is_installed("torch"):
-            diff = torch_load_difference(path, expected)
+            diff = torch_load_difference(path, w.tensors, dtype_of)
         else:
-            diff = reader_difference(path, expected)
+            diff = reader_difference(path, w.tensors, dtype_of)
         diff = diff or records_difference(path, w.records)
         if diff is not None:
             raise verify_fail(path, diff)

@@ -2,7 +2,7 @@
 
 Memory stays bounded by the largest storage: bytes that need no change are copied from the source by range
 (``os.copy_file_range`` where the kernel offers it); only a storage that is cast, assembled from pieces or stored
-contiguous from a strided view is materialised with torch (:class:`ckptool.torch_ops.cast.StorageCache`).
+contiguous from a strided view is materialised with torch (:class:`ckptool.torch_ops.cast.FlatCache`).
 Every file is written atomically (:func:`ckptool._fileio.atomic_output`).
 """
 
@@ -33,7 +33,7 @@ from ckptool.ops.convert.evidence import SourceEvidence
 from ckptool.ops.convert.plan import Unit, shared_metadata
 from ckptool.ops.convert.source import ConvertResult, out_dtype
 from ckptool.readers.data import FileRanges, read_range
-from ckptool.torch_ops.cast import StorageCache, tensor_buffer
+from ckptool.torch_ops.cast import FlatCache, tensor_buffer
 
 #: dtype name -> legacy storage class ``torch.save`` names with ``_rebuild_tensor_v2`` (torch/storage.py); other
 #: dtypes are written as ``_rebuild_tensor_v3`` over an ``UntypedStorage``, as torch does for uint16, float8...
@@ -79,9 +79,9 @@ class Files(FileRanges):
         """
         return read_range(st, offset, n, self.read)  # every range through self.read: recorded as evidence
 
-    def cache(self, cast: str | None) -> StorageCache:
-        """A :class:`StorageCache` reading from these files, casting floating storages to ``cast``."""
-        return StorageCache(self.read, lambda dtype: out_dtype(dtype, cast))
+    def cache(self, cast: str | None) -> FlatCache:
+        """A :class:`FlatCache` reading from these files, casting floating storages to ``cast``."""
+        return FlatCache(self.read, lambda dtype: out_dtype(dtype, cast))
 
 
 @dataclass
@@ -162,7 +162,7 @@ def _safetensors_metadata(plan: list[Unit], positions: dict[int, int],
     return meta
 
 
-def _write_safetensors_data(out: BinaryIO, u: Unit, t: Tensor, files: Files, cache: StorageCache, need_crc: bool,
+def _write_safetensors_data(out: BinaryIO, u: Unit, t: Tensor, files: Files, cache: FlatCache, need_crc: bool,
                             behind: WriteBehind | None, res: ConvertResult) -> int | None:
     """Write the data of tensor ``t`` (of unit ``u``) at the position of ``out``: copied by range when it needs no
     change, gathered from a strided view without torch, else cast / assembled with torch (``cache``). Returns its

@@ -14,7 +14,8 @@ import shlex
 from dataclasses import dataclass, field
 
 from ckptool.formats.nodes import qualified_name
-from ckptool.model.zero import ZeroCheckpoint, ZeroTensor, plan, read_zero
+from ckptool.model.zero import ZeroCheckpoint, ZeroTensor, plan
+from ckptool.readers.read_deepspeed import read_zero
 
 __all__ = ["DeepSpeedSummary", "consolidate_command", "describe_deepspeed"]
 

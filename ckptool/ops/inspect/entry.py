@@ -1,7 +1,7 @@
 """``ckptool.inspect``: what a checkpoint holds, read without torch and without reading tensor bytes.
 
-The format is recognised once, by :func:`ckptool.readers.open_checkpoint`, and :data:`DESCRIBERS` (format name ->
-function) says who describes it:
+The format is recognised once, by :func:`ckptool.readers.open_checkpoint`, and its registry entry names who
+describes it (:attr:`ckptool.readers.Format.describer`, one of the ``inspect_*`` functions here):
 
 * torch zip / legacy / TorchScript files and plain pickles: the pickle as the node graph the readers layer read
   (:meth:`ckptool.readers.Opened.graph`, with :mod:`ckptool.formats.unpickler`: nothing imported or run), described
@@ -48,7 +48,7 @@ from ckptool.ops.scan.entry import ScanResult, combine_results, scan_file
 from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.read_safetensors import set_format_name
 
-__all__ = ["DESCRIBERS", "SCHEMA", "ByteTotal", "CheckpointInfo", "GlobalInfo", "StateDictInfo", "TensorInfo",
+__all__ = ["SCHEMA", "ByteTotal", "CheckpointInfo", "GlobalInfo", "StateDictInfo", "TensorInfo",
            "byte_totals", "describe", "inspect", "inspect_set", "tensor_infos"]
 
 Describer = Callable[[Opened, PreviewLimits | None], CheckpointInfo]
@@ -95,10 +95,11 @@ def inspect(path: str | os.PathLike[str] | Opened, limits: PreviewLimits | None 
 def _describe(path: str | os.PathLike[str] | Opened, limits: PreviewLimits | None) -> CheckpointInfo:
     """:func:`inspect` without the count of bytes read: the format recognised once, its describer run."""
     opened = path if isinstance(path, Opened) else open_checkpoint(path)
-    return DESCRIBERS[opened.format](opened, limits)
+    describer: Describer = opened.spec.behaviour("describe")  # the registry entry names it
+    return describer(opened, limits)
 
 
-def _pickled(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
+def inspect_pickled(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
     """A torch zip, legacy or TorchScript file or a plain pickle: its node graph, read once (the scan takes the
     ``data.pkl`` / plain pickle from it, :func:`ckptool.ops.inspect.pickles.already_read`)."""
     try:
@@ -110,45 +111,37 @@ def _pickled(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
     return info
 
 
-def _package(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
+def inspect_package(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
     info = package_info(o.target, limits, o.package())
     info.scan = scan_file(o.target)
     return info
 
 
-def _safetensors(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
+def inspect_safetensors(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
     info = safetensors_info(o.target)
     info.scan = scan_file(o.target)
     return info
 
 
-def _pt2(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
+def inspect_pt2(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
     scan = scan_file(o.target)  # once: its globals are the archive's globals (describe_pt2)
     info = pt2_info(o.target, scan)
     info.scan = scan
     return info
 
 
-def _sharded(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
+def inspect_sharded(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
     return _index_info(o.target, limits)
 
 
-def _dcp(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
+def inspect_dcp(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
     info = dcp_info(o.target, o.dcp_metadata())
     info.scan = scan_file(o.target)
     return info
 
 
-def _deepspeed(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
+def inspect_deepspeed(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
     return deepspeed_info(o.target)
-
-
-#: format name (:data:`ckptool.readers.FORMATS`) -> the function that describes a checkpoint of that format
-DESCRIBERS: dict[str, Describer] = {
-    detect.TORCH_ZIP: _pickled, detect.TORCH_LEGACY: _pickled, detect.TORCHSCRIPT: _pickled, detect.PICKLE: _pickled,
-    detect.TORCH_PACKAGE: _package, detect.SAFETENSORS: _safetensors, detect.PT2: _pt2,
-    "sharded-safetensors": _sharded, "sharded-bin": _sharded, "dcp": _dcp, "deepspeed": _deepspeed,
-}
 
 
 @gc_paused

@@ -1,0 +1,146 @@
+"""Formats are objects: each registry entry (:data:`ckptool.readers.FORMATS`) names what differs per format (its
+tensor reader, its describer for ``inspect``, its loader for ``load_into``, its load hint, its support-matrix row)
+as plug-ins resolved lazily, so that adding a format is its registry entry and its reader module; ``torch_ops``
+takes an :class:`~ckptool.readers.Opened` and reads through its cached readers."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptool import readers
+from ckptool.errors import UnsupportedError
+from ckptool.ops.inspect.entry import CheckpointInfo, inspect
+from ckptool.ops.matrix import FORMATS as MATRIX_FORMATS
+from ckptool.ops.matrix import MATRIX, OPERATIONS, matrix_of
+from ckptool.readers import FORMATS, Format, Opened, open_checkpoint
+from ckptool.readers.support import WORKS, Cell
+
+ROOT = Path(__file__).resolve().parents[1]
+ROLES = {"read": "reader", "describe": "describer", "load": "loader", "hint": "hint"}
+
+
+@pytest.mark.torchfree
+def test_every_reference_resolves_to_a_callable() -> None:
+    """Each plug-in a registry entry names imports and is callable; every format is described and loaded, and every
+    format whose tensors ckptool reads has a tensor reader."""
+    for f in FORMATS.values():
+        for role, name in ROLES.items():
+            if getattr(f, name):
+                assert callable(f.behaviour(role)), (f.name, role)  # type: ignore[arg-type]
+        assert f.describer and f.loader, f.name
+        assert bool(f.reader) == f.tensors, f.name
+        assert f.keyed or not f.tensors or f.flat, f.name  # a flat mapping says what it is when --key is refused
+
+
+@pytest.mark.torchfree
+def test_a_missing_behaviour_is_refused_or_defaulted() -> None:
+    pickle = FORMATS["pickle"]
+    with pytest.raises(UnsupportedError, match="no read behaviour"):
+        pickle.behaviour("read")
+    assert pickle.behaviour("hint", print) is print
+
+
+@pytest.mark.torchfree
+def test_plugins_are_imported_when_their_format_is_met() -> None:
+    """The readers layer imports no operation: the plug-ins it names are imported when a format is met."""
+    code = ("import sys, ckptool.readers\n"
+            "bad = [m for m in sys.modules if m.startswith(('ckptool.ops', 'ckptool.torch_ops'))]\n"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@pytest.mark.torchfree
+def test_the_matrix_is_the_registry_rows() -> None:
+    """``ops/matrix.py`` keeps no table of its own: each row is the entry's ``support``, ``works`` elsewhere."""
+    assert matrix_of(FORMATS) == MATRIX
+    for fmt in MATRIX_FORMATS:
+        row = FORMATS[fmt].support or {}
+        for op in OPERATIONS:
+            assert MATRIX[fmt, op] == row.get(op, WORKS)
+    with pytest.raises(ValueError, match="operations that do not exist"):
+        matrix_of({"x": Format("x", "x", "file", support={"transmogrify": WORKS})})
+
+
+def _toy_describe(o: Opened, _limits: Any) -> CheckpointInfo:
+    return CheckpointInfo(o.target, o.format, "tensors", 0, [], {}, {}, [], [])
+
+
+def _toy_load(o: Opened, req: Any) -> tuple[Any, dict[str, int]]:
+    return {"loaded": o.target, "device": str(req.device)}, {"cpu": 1}
+
+
+def test_a_new_format_is_its_registry_entry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A format added to the registry alone is described by inspect, loaded by load_checkpoint and has its row in
+    the support matrix: no operation names it."""
+    from ckptool.torch_ops.load import load_checkpoint
+
+    mod = sys.modules[__name__].__name__
+    toy = Format("toy", "a toy format", "file", tensors=False, refusal="is a toy",
+                 describer=f"{mod}:_toy_describe", loader=f"{mod}:_toy_load",
+                 support={"convert": Cell("refused", "is a toy", "play with it")})
+    monkeypatch.setitem(FORMATS, "toy", toy)
+    path = str(tmp_path / "x.toy")
+    opened = Opened(path, "toy", path)
+    assert inspect(opened).format == "toy"
+    assert load_checkpoint(opened) == ({"loaded": path, "device": "cpu"}, {"cpu": 1})
+    rows = matrix_of(FORMATS)
+    assert rows["toy", "convert"].route == "play with it" and rows["toy", "scan"] == WORKS
+    with pytest.raises(UnsupportedError, match="is a toy"):
+        opened.state_dict()
+
+
+def _figures() -> Any:
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import architecture_figures
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return architecture_figures
+
+
+@pytest.mark.torchfree
+def test_no_operation_of_the_registry_slice_names_a_format() -> None:
+    """torch_ops, the load hints, the support matrix, inspect's dispatch and the model layer compare no format name
+    and call no parser: what differs per format is the registry's (``tools/architecture_figures.py``)."""
+    figures = _figures()
+    mine = ("ckptool/torch_ops/", "ckptool/ops/hints.py", "ckptool/ops/matrix.py", "ckptool/model/")
+    assert [p for p in figures.format_comparisons() if p.startswith(mine)] == []
+    assert [p for p in figures.format_comparisons() if p.startswith("ckptool/ops/inspect/entry.py")
+            and "(table)" in p] == []
+    assert [p for p in figures.parser_calls() if p.startswith(mine)] == []
+
+
+def test_load_checkpoint_reads_through_the_opened(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """load_checkpoint of an Opened reads its pickle / header once, through the Opened's cache."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ckptool.torch_ops.load import load_checkpoint
+
+    pt, st = tmp_path / "m.pt", tmp_path / "m.safetensors"
+    torch.save({"w": torch.arange(4.0)}, pt)
+    save_file({"w": torch.arange(4.0)}, str(st))
+    zipped, header = open_checkpoint(pt), open_checkpoint(st)
+    zipped.graph()
+    header.safetensors_header()
+
+    def fail(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError("read a second time")
+
+    monkeypatch.setattr(readers, "read_checkpoint", fail)
+    monkeypatch.setattr(readers, "read_header", fail)
+    assert torch.equal(load_checkpoint(zipped)[0]["w"], torch.arange(4.0))
+    assert torch.equal(load_checkpoint(header)[0]["w"], torch.arange(4.0))
+
+
+@pytest.mark.torchfree
+def test_format_entries_stay_hashable() -> None:
+    """The support row (a dict) is left out of a Format's hash, so entries stay usable as keys."""
+    assert len({f: f.name for f in FORMATS.values()}) == len(FORMATS)
+    assert dataclasses.replace(FORMATS["dcp"]) == FORMATS["dcp"]
