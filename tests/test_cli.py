@@ -316,7 +316,8 @@ def test_readme_documents_the_exit_codes() -> None:
     for code in (EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_BUG):
         assert re.search(rf"^\| {code} \|", section, re.M), code
     assert "--debug" in section and "CKPTOOL_DEBUG=1" in section
-    assert describe_error(ckptool.CkptError("x"))[1] == EXIT_FAILURE and describe_error(UsageError("x"))[1] == EXIT_USAGE
+    assert describe_error(ckptool.CkptError("x"))[1] == EXIT_FAILURE
+    assert describe_error(UsageError("x"))[1] == EXIT_USAGE
 
 
 @pytest.mark.torchfree

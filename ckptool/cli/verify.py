@@ -153,7 +153,7 @@ def verify_cmd(ctx: click.Context, ckpt: str, model_spec: str, model_kwargs: str
     """
     shape = parse_input_shape(input_shape) if input_shape else None
     factory = build_factory(model_spec, model_kwargs)
-    report = verify(ckpt, factory, device=device, key=key, strict=strict, input_shape=shape, trust=trust)
+    report = verify(factory, ckpt, device=device, key=key, strict=strict, input_shape=shape, trust=trust)
     if as_json:
         emit_json("verify", report.to_dict())
     else:
