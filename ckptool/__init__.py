@@ -19,6 +19,7 @@ from ckptool.errors import (
     CkptError,
     CorruptCheckpointError,
     DeviceNotFoundError,
+    InputNotFoundError,
     KeyCollisionError,
     NestedPrefixError,
     NotACheckpointError,
@@ -33,6 +34,7 @@ from ckptool.errors import (
 )
 
 if TYPE_CHECKING:
+    from ckptool.formats.tensors import Storage, Tensor
     from ckptool.model.rename_memory import rename_state_dict
     from ckptool.ops.convert import ConvertResult, convert
     from ckptool.ops.diff.compare import DiffResult, diff
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from ckptool.ops.scan.entry import ScanResult, scan, scan_file
     from ckptool.ops.surgery.average import AverageResult, average
     from ckptool.ops.surgery.edit import FilterResult, RuleResult, filter_keys, rename
+    from ckptool.readers import Opened, open_checkpoint
     from ckptool.torch_ops.load import load_into
     from ckptool.torch_ops.portable import save_portable
     from ckptool.torch_ops.reports import LoadReport, TrainingState, VerifyReport
@@ -56,6 +59,10 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it, for the names loaded on first use
 _LAZY: dict[str, str] = {
+    "open_checkpoint": "ckptool.readers",
+    "Opened": "ckptool.readers",
+    "Tensor": "ckptool.formats.tensors",
+    "Storage": "ckptool.formats.tensors",
     "inspect": "ckptool.ops.inspect.entry",
     "CheckpointInfo": "ckptool.ops.inspect.entry",
     "StateDictInfo": "ckptool.ops.inspect.entry",
@@ -121,10 +128,12 @@ __all__ = [
     "DiffResult",
     "ExtractResult",
     "FilterResult",
+    "InputNotFoundError",
     "KeyCollisionError",
     "LoadReport",
     "NestedPrefixError",
     "NotACheckpointError",
+    "Opened",
     "OutputError",
     "PrefixNotFoundError",
     "RemoteError",
@@ -135,6 +144,8 @@ __all__ = [
     "ScanResult",
     "StateDictInfo",
     "StateDictMismatchError",
+    "Storage",
+    "Tensor",
     "TensorInfo",
     "TrainingState",
     "UnsafeCheckpointError",
@@ -152,6 +163,7 @@ __all__ = [
     "inspect",
     "load_into",
     "load_training_state",
+    "open_checkpoint",
     "remap",
     "rename",
     "rename_state_dict",

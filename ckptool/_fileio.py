@@ -37,7 +37,7 @@ except ImportError:  # not POSIX: no ioctl, so no clones
 from ckptool import _commit
 from ckptool import _source as source
 from ckptool._commit import hold_signals
-from ckptool.errors import CorruptCheckpointError, OutputError, UsageError, os_error_advice
+from ckptool.errors import CkptError, CorruptCheckpointError, OutputError, UsageError, os_error_advice
 
 CHUNK = 8 << 20
 
@@ -318,6 +318,8 @@ def _blaming_writes(dst: str) -> Iterator[None]:
     descriptor directly) becomes :class:`OutputError` naming ``dst``; any other exception passes unchanged."""
     try:
         yield
+    except CkptError:  # an OutputError or RemoteError is an OSError too, and already says what went wrong
+        raise
     except OSError as e:
         if e.filename is None and e.errno in _WRITE_ERRNOS:
             raise _write_error(dst, e) from e

@@ -53,7 +53,7 @@ from ckptool._remote import (
     changed_error,
     consistent_reads,
 )
-from ckptool.errors import RemoteError, UsageError
+from ckptool.errors import InputNotFoundError, RemoteError
 
 __all__ = [
     "BLOCK", "CHUNK", "REMOTE_EXTRA", "NoRangeSupport", "RangeError", "RangeView", "bytes_transferred", "changed_error",
@@ -96,14 +96,14 @@ def file_size(path: str) -> int:
     """Size in bytes of the file at ``path`` (local path or URL).
 
     Raises:
-        UsageError: nothing at ``path``.
+        InputNotFoundError: nothing at ``path``.
         RemoteError: a URL could not be queried.
     """
     if not is_url(path):
         return os.path.getsize(path)
     info = _remote_info(path)
     if info is None:
-        raise UsageError(f"{path}: no such file; check the URL")
+        raise InputNotFoundError(f"{path}: no such file; check the URL")
     return int(info.get("size") or 0)
 
 
@@ -169,7 +169,7 @@ def open_binary(path: str) -> BinaryIO:
     downloaded once (:func:`_spooled`). Use it as a context manager.
 
     Raises:
-        UsageError: nothing at a URL.
+        InputNotFoundError: nothing at a URL.
         RemoteError: a URL could not be reached or changed; later, a read that failed or was not exact.
         OSError: a local file could not be opened.
     """
@@ -177,7 +177,7 @@ def open_binary(path: str) -> BinaryIO:
         return open(path, "rb")
     info = _remote_info(path)
     if info is None:
-        raise UsageError(f"{path}: no such file; check the URL")
+        raise InputNotFoundError(f"{path}: no such file; check the URL")
     stamp = _stamp(info)
     fs, p = _filesystem(path)
     try:
@@ -307,7 +307,7 @@ def local_copy(url: str) -> Iterator[str]:
     fresh folder in the system temporary folder under the URL's file name, and removed on exit.
 
     Raises:
-        UsageError: nothing at ``url``.
+        InputNotFoundError: nothing at ``url``.
         RemoteError: the download failed (nothing is left behind).
     """
     folder = tempfile.mkdtemp(prefix="ckptool-")

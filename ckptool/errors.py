@@ -2,7 +2,16 @@
 
 Every failure that comes from the input (a file that is missing, corrupt, not a checkpoint, or that asks for
 something we refuse to do) is a :class:`CkptError`. The command-line layer turns it into one ``Error: ...`` line
-and a non-zero exit; any other exception is a bug in ckptool and is reported as such.
+and a non-zero exit (the exit status is decided there, in :mod:`ckptool.cli._errors`, not here); any other exception
+is a bug in ckptool and is reported as such.
+
+As huggingface_hub's errors do (``LocalEntryNotFoundError(EntryNotFoundError, FileNotFoundError, ValueError)``),
+each subclass also derives from the built-in exception that means the same thing, so that a caller who does not
+know ckptool catches it too: :class:`InputNotFoundError` is a ``FileNotFoundError``; the errors about the input's
+content or the arguments (:class:`NotACheckpointError`, :class:`CorruptCheckpointError`, :class:`UnsupportedError`,
+:class:`UsageError`...) are ``ValueError``; :class:`OutputError` and :class:`RemoteError` are ``OSError``;
+:class:`UnsafeCheckpointError` is the ``pickle.UnpicklingError`` that ``torch.load(weights_only=True)`` raises;
+:class:`StateDictMismatchError` the ``RuntimeError`` of torch's ``load_state_dict(strict=True)``.
 
 The message of each error says what was found and what to do next, in the manner of torch's
 ``validate_cuda_device`` ("... please use torch.load with map_location=torch.device('cpu')").
@@ -11,49 +20,42 @@ The message of each error says what was found and what to do next, in the manner
 from __future__ import annotations
 
 import errno as _errno
+import pickle
 from typing import Any
-
-# ------------------------------------------------------------------------------------------------ exit status
-# What the ``ckptool`` command's exit status means (``ckptool scan`` has its own verdict codes: 0 every file is
-# safe, 1 a file is dangerous, 2 a file could not be read, 4 a file needs trust; see ckptool.ops.scan.entry.EXIT_CODES).
-
-#: the command did what it was asked
-EXIT_OK = 0
-#: the input was refused or is invalid (a :class:`CkptError`), or the system refused: out of memory, permission
-#: denied, disk full, a package missing
-EXIT_FAILURE = 1
-#: bad arguments: Click's usage errors and :class:`UsageError`
-EXIT_USAGE = 2
-#: an internal error: a bug in ckptool (the message says how to get the traceback)
-EXIT_BUG = 3
 
 
 class CkptError(Exception):
     """Base class of every error ckptool raises on purpose. ``str(err)`` is the one-line message."""
 
-    exit_code = EXIT_FAILURE
 
-
-class NotACheckpointError(CkptError):
+class NotACheckpointError(CkptError, ValueError):
     """The file is readable but is not a checkpoint format ckptool knows (PNG, random bytes, an empty file...)."""
 
 
-class CorruptCheckpointError(CkptError):
+class CorruptCheckpointError(CkptError, ValueError):
     """The file starts like a known format but is truncated or damaged (bad zip directory, broken pickle...)."""
 
 
-class UnsupportedError(CkptError):
+class UnsupportedError(CkptError, ValueError):
     """A valid checkpoint that asks for an operation this format or layout cannot support (e.g. remapping a
     TorchScript archive, renaming FSDP flat parameters)."""
 
 
-class UsageError(CkptError):
+class UsageError(CkptError, ValueError):
     """Bad arguments: an unknown device string, output path equal to the input, a missing output folder..."""
 
-    exit_code = EXIT_USAGE
+
+class InputNotFoundError(UsageError, FileNotFoundError):
+    """An input file, folder, shard or URL does not exist. A :class:`UsageError` (the ``ckptool`` command exits
+    with its usage status) and a ``FileNotFoundError`` whose ``errno`` is ``errno.ENOENT``; ``str(err)`` is the
+    message, which names the path."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = _errno.ENOENT
 
 
-class OutputError(CkptError):
+class OutputError(CkptError, OSError):
     """Writing an output file failed (disk full, quota exceeded, permission denied, read-only filesystem...) and
     nothing was written. ``path`` is the file or folder that could not be written; ``errno`` the OS error number
     (``errno.ENOSPC``...) or ``None``."""
@@ -64,7 +66,7 @@ class OutputError(CkptError):
         self.errno = errno
 
 
-class RemoteError(CkptError):
+class RemoteError(CkptError, OSError):
     """Reading or writing a URL (``s3://``, ``http(s)://``, ``memory://``... through fsspec) failed: the network
     dropped, the server refused, a package for the scheme is missing. Nothing was written. ``url`` is the URL."""
 
@@ -73,7 +75,7 @@ class RemoteError(CkptError):
         self.url = url
 
 
-class KeyCollisionError(CkptError):
+class KeyCollisionError(CkptError, ValueError):
     """A key rename would turn two distinct keys into one. ``collisions`` maps each new key to the old keys."""
 
     def __init__(self, message: str, collisions: dict[str, list[str]] | None = None) -> None:
@@ -81,11 +83,11 @@ class KeyCollisionError(CkptError):
         self.collisions = collisions or {}
 
 
-class PrefixNotFoundError(CkptError):
+class PrefixNotFoundError(CkptError, ValueError):
     """A prefix to strip is carried by no key of the selected state_dict(s)."""
 
 
-class UnsafeCheckpointError(CkptError):
+class UnsafeCheckpointError(CkptError, pickle.UnpicklingError):
     """Loading would need globals outside the ``torch.load(weights_only=True)`` allowlist and no trust flag
     was given. ``globals`` lists them as ``module.qualname`` strings."""
 
@@ -109,7 +111,7 @@ def os_error_advice(errno: int | None) -> str | None:
     return _OS_ADVICE.get(errno) if errno is not None else None
 
 
-class DeviceNotFoundError(CkptError):
+class DeviceNotFoundError(CkptError, ValueError):
     """A ``--map FROM=TO`` source device matches no storage of the checkpoint (nothing was written). ``found`` lists
     the location tags the checkpoint holds."""
 
@@ -118,7 +120,7 @@ class DeviceNotFoundError(CkptError):
         self.found = found or []
 
 
-class NestedPrefixError(CkptError):
+class NestedPrefixError(CkptError, ValueError):
     """A prefix to add is already carried by the keys (the result would be ``module.module.``); nothing written."""
 
 
@@ -128,7 +130,7 @@ class VerificationError(CkptError):
     (:mod:`ckptool.ops.convert.verify`)."""
 
 
-class StateDictMismatchError(CkptError):
+class StateDictMismatchError(CkptError, RuntimeError):
     """The checkpoint's state_dict does not fit the model: missing or unexpected keys, or shape mismatches.
 
     ``str(err)`` is the one-line summary followed by the report's tables; ``report`` is the
@@ -139,12 +141,3 @@ class StateDictMismatchError(CkptError):
         super().__init__(message)
         self.report = report
 
-
-# ------------------------------------------------------------------------------------------------ interruption
-# Exit status of a command stopped by a signal, as a shell reports it (128 + the signal number); the temporary
-# output is removed and the source left untouched.
-
-#: stopped by SIGINT (Ctrl-C)
-EXIT_INTERRUPTED = 130
-#: stopped by SIGTERM (``kill``)
-EXIT_TERMINATED = 143

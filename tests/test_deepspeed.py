@@ -305,7 +305,7 @@ def test_load_into_and_verify_take_the_folder() -> None:
     got = model.state_dict()
     assert all(torch.equal(got[k], want[k].to(got[k].dtype)) for k in want)
     assert model.head.weight is model.embed.weight
-    rep = ckptool.verify(DS / "zero3-2ranks", lambda: make_deepspeed._model(5))
+    rep = ckptool.verify(lambda: make_deepspeed._model(5), DS / "zero3-2ranks")
     assert rep.ok, rep
 
 

@@ -207,3 +207,124 @@ def test_the_readers_layer_is_drawn_and_summarised() -> None:
         assert module.stem in arch, module.stem
     assert "open_checkpoint" in readme and "(docs/formats.md)" in readme
     assert "| format | `inspect`" not in readme
+
+
+
+# ------------------------------------------------------------------------------------------------ docs from the code
+# docs/architecture.md describes the tree and docs/python-api.md the public API; both are held to the code here, so
+# that a module moved or a name exported without its page fails a test instead of leaving the page stale.
+
+_ARCH = ROOT / "docs" / "architecture.md"
+_API = ROOT / "docs" / "python-api.md"
+
+
+def _module_paths(text: str) -> set[str]:
+    """The file and folder paths a page names: backticked tokens with a ``/`` or ending in ``.py`` (``model/graph.py``,
+    ``ckptool/ops/scan/``, ``_fileio.py``), and ``ckptool/...`` paths anywhere (the drawing)."""
+    found = {tok for tok in re.findall(r"`([\w./-]+)`", text) if "/" in tok or tok.endswith(".py")}
+    found |= set(re.findall(r"(?<![\w/])ckptool/[\w/.]*[\w/]", text))
+    return {tok for tok in found if not tok.startswith(("http", "."))}
+
+
+def _exists(token: str) -> bool:
+    """A path resolves from the repository root, from ``ckptool/``, or as the tail of a path inside ``ckptool/``
+    (``_errors.py`` in the row of ``ckptool/cli/``)."""
+    path = token.rstrip("/")
+    if not token.endswith("/") and "." not in Path(path).name and not (ROOT / path).is_dir():
+        path += ".py"  # a module named without its suffix, as in the drawing: ckptool/_fileio
+    if (ROOT / path).exists() or (ROOT / "ckptool" / path).exists():
+        return True
+    return any(p.as_posix().endswith("/" + path) for p in (ROOT / "ckptool").rglob(Path(path).name))
+
+
+#: dotted names that are not Python: the safetensors ``__metadata__`` key that records tied tensors
+_NOT_MODULES = {"ckptool.shared"}
+
+
+def _dotted_names(text: str) -> set[str]:
+    return set(re.findall(r"\bckptool(?:\.[A-Za-z_]\w*)+", text)) - _NOT_MODULES
+
+
+def _resolves(dotted: str) -> bool:
+    """``ckptool.a.b`` is a module (file or package), or a module followed by one name it defines at top level."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:n])
+        source = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        if source.is_file():
+            rest = parts[n:]
+            if not rest:
+                return True
+            defined = rf"^(?:def|class) {rest[0]}\b|^{rest[0]}\s*[:=]"
+            return len(rest) == 1 and re.search(defined, source.read_text(encoding="utf-8"), re.M) is not None
+    return False
+
+
+def test_architecture_names_only_modules_that_exist() -> None:
+    text = _ARCH.read_text(encoding="utf-8")
+    paths = _module_paths(text)
+    assert len(paths) > 20, paths  # the page names modules; the extraction found them
+    missing = sorted(p for p in paths if not _exists(p))
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+    dotted = _dotted_names(text)
+    assert "ckptool.formats.tensors.Tensor" in dotted
+    unresolved = sorted(d for d in dotted if not _resolves(d))
+    assert not unresolved, f"docs/architecture.md names modules or names that do not exist: {unresolved}"
+
+
+def test_architecture_names_every_subpackage() -> None:
+    """Every package directly in ``ckptool/`` and in ``ckptool/ops/`` is named (``ckptool/ops/scan/``)."""
+    text = _ARCH.read_text(encoding="utf-8")
+    packages = [p.parent.relative_to(ROOT).as_posix() for folder in (ROOT / "ckptool", ROOT / "ckptool" / "ops")
+                for p in folder.glob("*/__init__.py")]
+    assert "ckptool/ops/inspect" in packages and "ckptool/readers" in packages
+    unnamed = sorted(p for p in packages if f"{p}/" not in text)
+    assert not unnamed, f"subpackages docs/architecture.md does not describe: {unnamed}"
+
+
+def test_the_architecture_checks_catch_a_stale_page() -> None:
+    assert not _exists("ops/inspect_torch.py") and not _exists("ckptool/ops/nowhere/")
+    assert _exists("model/graph.py") and _exists("_errors.py") and _exists("ckptool/ops/scan/")
+    assert _exists("ckptool/_fileio") and not _exists("ckptool/_nothing")
+    assert _resolves("ckptool.readers") and _resolves("ckptool.formats.tensors.Storage")
+    assert not _resolves("ckptool.readers.tensors") and not _resolves("ckptool.formats.tensors.Nothing")
+
+
+def _api_sections() -> dict[str, str]:
+    """docs/python-api.md's ``###`` sections: heading -> body."""
+    text = _API.read_text(encoding="utf-8")
+    parts = re.split(r"^### (.+)$", text, flags=re.M)
+    return {parts[i].strip(): re.split(r"^##? ", parts[i + 1], flags=re.M)[0] for i in range(1, len(parts), 2)}
+
+
+def test_python_api_has_a_section_and_an_example_for_every_public_name() -> None:
+    import ckptool
+
+    sections = _api_sections()
+    headed = {name for heading in sections for name in re.findall(r"`(\w+)`", heading)}
+    missing = sorted(set(ckptool.__all__) - headed)
+    assert not missing, f"public names without a heading in docs/python-api.md: {missing}"
+    unknown = sorted(headed - set(ckptool.__all__))
+    assert not unknown, f"docs/python-api.md headings name what ckptool does not export: {unknown}"
+    bare = [heading for heading, body in sections.items() if "```python" not in body]
+    assert not bare, f"sections of docs/python-api.md without an example: {bare}"
+
+
+_PY_BLOCK = re.compile(r"(?:<!--\s*python:(?P<spec>[^\n]*?)-->\s*\n)?```python\n(?P<body>.*?)\n```", re.S)
+
+
+def test_python_api_examples_run(tmp_path: Path) -> None:
+    """Every ``python`` block of docs/python-api.md, in order, in one interpreter and one empty folder; a block
+    after ``<!-- python: not run: WHY -->`` is excused."""
+    pytest.importorskip("torch")
+    pytest.importorskip("numpy")
+    pytest.importorskip("jinja2")
+    blocks = [m.group("body") for m in _PY_BLOCK.finditer(_API.read_text(encoding="utf-8"))
+              if not (m.group("spec") or "").strip().startswith("not run")]
+    assert len(blocks) >= 20
+    script = "\n\n".join(blocks)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "PYTHONWARNINGS": "error::DeprecationWarning:__main__"}
+    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=False, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptool.errors import EXIT_FAILURE, EXIT_USAGE
+from ckptool.cli._errors import EXIT_FAILURE, EXIT_USAGE
 
 pytestmark = pytest.mark.torchfree  # needs no torch: .ci/run also runs it where torch is not installed
 
@@ -136,3 +136,87 @@ def test_import_error_while_unpickling_is_not_swallowed(generated, monkeypatch) 
 
     assert MemoryError not in PICKLE_ERRORS
     assert ImportError not in PICKLE_ERRORS
+
+
+# ------------------------------------------------------------------------------------------------ built-in bases
+# As huggingface_hub's errors: a caller who knows ckptool catches CkptError, one who does not catches the built-in.
+
+def test_errors_derive_from_the_matching_built_ins() -> None:
+    import errno
+    import pickle
+
+    from ckptool import errors as E
+
+    assert issubclass(E.InputNotFoundError, FileNotFoundError) and issubclass(E.InputNotFoundError, E.UsageError)
+    for cls in (E.NotACheckpointError, E.CorruptCheckpointError, E.UnsupportedError, E.UsageError,
+                E.KeyCollisionError, E.PrefixNotFoundError, E.NestedPrefixError, E.DeviceNotFoundError,
+                E.InputNotFoundError):
+        assert issubclass(cls, E.CkptError) and issubclass(cls, ValueError), cls
+    assert issubclass(E.OutputError, OSError) and issubclass(E.RemoteError, OSError)
+    assert issubclass(E.UnsafeCheckpointError, pickle.UnpicklingError)  # what torch.load(weights_only=True) raises
+    assert issubclass(E.StateDictMismatchError, RuntimeError)  # what load_state_dict(strict=True) raises
+    # the built-in base changes neither the message nor the attributes
+    missing = E.InputNotFoundError("x.pt: no such file; check the path")
+    assert str(missing) == "x.pt: no such file; check the path" and missing.errno == errno.ENOENT
+    out = E.OutputError("writing /o.pt failed: No space left on device", "/o.pt", errno.ENOSPC)
+    assert str(out) == "writing /o.pt failed: No space left on device" and (out.path, out.errno) == ("/o.pt", 28)
+    assert str(E.RemoteError("s3://b/x: refused", "s3://b/x")) == "s3://b/x: refused"
+
+
+def test_the_exceptions_carry_no_exit_code() -> None:
+    """The exit status is decided where the error is shown (ckptool/cli/_errors.py), not in the exception."""
+    from ckptool import errors as E
+
+    assert not [n for n in dir(E) if n.startswith("EXIT_")]
+    assert not [c for c in vars(E).values() if isinstance(c, type) and hasattr(c, "exit_code")]
+
+
+def test_the_cli_table_gives_each_error_its_exit_status() -> None:
+    from ckptool import errors as E
+    from ckptool.cli._errors import describe_error
+
+    assert describe_error(E.InputNotFoundError("x.pt: no such file"))[1] == EXIT_USAGE
+    assert describe_error(E.UsageError("bad"))[1] == EXIT_USAGE
+    for e in (E.CorruptCheckpointError("x"), E.NotACheckpointError("x"), E.UnsupportedError("x"),
+              E.OutputError("x", "/o"), E.RemoteError("x", "s3://x"), E.UnsafeCheckpointError("x"),
+              E.StateDictMismatchError("x", None), E.VerificationError("x"), E.CkptError("x")):
+        assert describe_error(e) == ("x", EXIT_FAILURE), e
+
+
+def test_a_missing_input_is_a_file_not_found_error(tmp_path: Path) -> None:
+    import ckptool
+
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        ckptool.inspect(tmp_path / "absent.pt")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        ckptool.scan([tmp_path / "absent.pt"])
+
+
+def test_a_corrupt_input_is_a_value_error(generated) -> None:
+    import ckptool
+
+    for name in ("truncated_zip.pt", "random.pt", "bad_json.safetensors"):
+        with pytest.raises(ValueError, match=BAD_FILES[name]):
+            ckptool.inspect(generated[name])
+
+
+def test_wrapped_errors_keep_their_own_message(tmp_path: Path) -> None:
+    """An ``except ValueError`` (or ``OSError``) meant for a parser's own failure must not re-word a ckptool error
+    that is now a ValueError (or OSError) too."""
+    from ckptool.errors import UsageError
+    from ckptool.ops.surgery.rules import load_rules
+
+    rules = tmp_path / "rules.txt"
+    rules.write_text("[]")
+    with pytest.raises(UsageError, match=r"name it \.json, \.yaml / \.yml or \.toml") as info:
+        load_rules(rules)
+    assert "does not parse" not in str(info.value)
+
+
+def test_a_missing_index_url_is_not_called_bad_json() -> None:
+    pytest.importorskip("fsspec")
+    from ckptool.formats.sharded import parse_index
+
+    with pytest.raises(FileNotFoundError, match="no such file") as missing:
+        parse_index("memory://absent/model.safetensors.index.json")  # a URL: ckptool's own not-found error
+    assert "not valid JSON" not in str(missing.value)

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 import ckptool
-from ckptool.cli._errors import describe_error
-from ckptool.errors import EXIT_BUG, EXIT_FAILURE, CkptError
+from ckptool.cli._errors import EXIT_BUG, EXIT_FAILURE, describe_error
+from ckptool.errors import CkptError
 
 pytestmark = pytest.mark.torchfree
 

@@ -153,7 +153,7 @@ def test_safetensors_to_torch(corpus: dict[str, Path], tmp_path: Path, run_cli: 
 
 def test_verify_into_the_transformers_model(corpus: dict[str, Path]) -> None:
     for path in (corpus["gpt2-bin"] / "pytorch_model.bin", corpus["gpt2-sharded"], corpus["gpt2"]):
-        report = verify(path, make_library_corpus.gpt2, device="cpu")
+        report = verify(make_library_corpus.gpt2, path, device="cpu")
         assert report.ok, (path, report)
 
 

@@ -229,7 +229,7 @@ def test_verify_and_load_into_without_running_the_archive(pt2: dict[str, Path], 
     for k, v in loaded.state_dict.items():
         _same(sd[k], v, k)
     assert sd["emb.weight"].data_ptr() == sd["head.weight"].data_ptr()
-    report = verify(pt2["model.pt2"], make_pt2.ExportNet, device="cpu")
+    report = verify(make_pt2.ExportNet, pt2["model.pt2"], device="cpu")
     assert report.ok, report
     model = make_pt2.ExportNet()
     load_into(model, pt2["model.pt2"])

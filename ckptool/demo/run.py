@@ -231,12 +231,12 @@ class DemoRun:
                     + (" --input-shape " + ",".join(map(str, shape)) if shape else "")],
                    [f"ckptool.remap({rec['state_dict'].name!r}, {sd_cpu.name!r}, to='cpu')",
                     f"ckptool.strip_dataparallel({sd_cpu.name!r}, {sd.name!r})",
-                    f"ckptool.verify({sd.name!r}, DigitsMLP().to({str(dev)!r}), device={str(dev)!r}"
+                    f"ckptool.verify(DigitsMLP().to({str(dev)!r}), {sd.name!r}, device={str(dev)!r}"
                     + (f", input_shape={shape})" if shape else ")")])
         for kind, key in (("state_dict", None), ("checkpoint", "model_state_dict"), ("full_model", None)):
             path, model = self.res.portable[kind], bare_model(dev)
             try:
-                report = verify(path, model, device=dev, key=key, input_shape=shape)
+                report = verify(model, path, device=dev, key=key, input_shape=shape)
             except UnsafeCheckpointError as e:
                 # the full model: verify will not unpickle its classes without trust=True (project rule 1)
                 self.res.verified[kind] = "no: needs trust"

@@ -158,6 +158,8 @@ def read_dcp_metadata(folder: str | os.PathLike[str], *, strict: bool = True) ->
         try:
             try:
                 meta.entries.append(_entry(str(fqn), md))
+            except CorruptCheckpointError:  # _entry's own, a ValueError too: already worded
+                raise
             except (TypeError, ValueError, AttributeError) as e:  # a size or dtype of the wrong type
                 raise CorruptCheckpointError(f"entry {str(fqn)!r} is malformed ({e}); the folder is damaged or "
                                              "not written by torch.distributed.checkpoint") from None

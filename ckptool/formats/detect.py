@@ -19,7 +19,7 @@ import struct
 import tarfile
 
 from ckptool import _source as source
-from ckptool.errors import CkptError, CorruptCheckpointError, NotACheckpointError, UsageError
+from ckptool.errors import CkptError, CorruptCheckpointError, InputNotFoundError, NotACheckpointError, UsageError
 from ckptool.formats.pt2 import is_pt2_names
 from ckptool.formats.unpickler import load_pickle_at
 from ckptool.formats.zipdir import TorchRecords, ZipEntry, read_directory
@@ -73,14 +73,15 @@ def check_readable(path: str) -> int:
     ``path`` may be a URL (:mod:`ckptool._source`).
 
     Raises:
-        UsageError: the path does not exist or is a directory.
+        InputNotFoundError: the path does not exist.
+        UsageError: the path is a directory.
         NotACheckpointError: the file is empty.
         RemoteError: a URL could not be queried.
     """
     if source.is_url(path):
         found = source.kind(path)
         if found is None:
-            raise UsageError(f"{path}: no such file; check the URL")
+            raise InputNotFoundError(f"{path}: no such file; check the URL")
         if found == "directory":
             raise UsageError(f"{path} is a folder; over a URL give a checkpoint file or a sharded set's *.index.json "
                              "(torch.distributed.checkpoint folders are read on disk only)")
@@ -89,7 +90,7 @@ def check_readable(path: str) -> int:
             raise NotACheckpointError(f"{path} is empty (0 bytes); re-upload or re-save the checkpoint")
         return size
     if not os.path.exists(path):
-        raise UsageError(f"{path}: no such file; check the path")
+        raise InputNotFoundError(f"{path}: no such file; check the path")
     if os.path.isdir(path):
         raise UsageError(folder_refusal(path))
     size = os.path.getsize(path)

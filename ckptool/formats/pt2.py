@@ -46,7 +46,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from ckptool.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedError
+from ckptool.errors import CkptError, CorruptCheckpointError, NotACheckpointError, UnsupportedError
 from ckptool.formats.dtypes import DTYPE_SIZES, numel
 from ckptool.formats.zipdir import ZipEntry, read_member
 
@@ -198,6 +198,8 @@ def _json(f: Any, e: ZipEntry, path: str) -> Any:
         raise UnsupportedError(f"{path}: {e.name!r} holds {e.file_size} bytes of JSON, over ckptool's limit")
     try:
         return json.loads(read_member(f, e, path, limit=MAX_JSON))
+    except CkptError:  # read_member's CorruptCheckpointError is a ValueError too: it keeps its own message
+        raise
     except (ValueError, RecursionError) as err:
         raise CorruptCheckpointError(f"{path}: {e.name!r} is not valid JSON ({err}); the archive is damaged") from None
 

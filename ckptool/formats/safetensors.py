@@ -226,6 +226,8 @@ def decode_shared(raw: str, path: str, entries: dict[str, dict[str, Any]]) -> li
             views = {str(name): SharedView(int(m[0]), int(m[1]), tuple(int(x) for x in m[2]),
                                            tuple(int(x) for x in m[3])) for name, m in g["tensors"].items()}
             groups.append(SharedGroup(dtype, n, views))
+    except CorruptCheckpointError:  # bad(...) raised above: a ValueError too, already worded
+        raise
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, UnsupportedError) as e:
         raise bad(f"{type(e).__name__}: {e}") from None
     for grp in groups:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptool import _source as source
-from ckptool.errors import CkptError, CorruptCheckpointError, UsageError
+from ckptool.errors import CkptError, CorruptCheckpointError, InputNotFoundError, UsageError
 from ckptool.formats.dcp import is_dcp_folder
 from ckptool.formats.deepspeed import is_deepspeed_folder
 
@@ -75,6 +75,8 @@ def _parse_index(path: str) -> ShardIndex:
     try:
         with source.open_binary(path) as f:  # a local path or a URL
             doc = json.loads(f.read().decode("utf-8"))
+    except CkptError:  # a missing index (InputNotFoundError) or a URL that failed: a ValueError / OSError too
+        raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError, a number over 4300 digits
         raise CorruptCheckpointError(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); "
                                      "re-download it") from e
@@ -106,7 +108,7 @@ def read_index(path: str) -> ShardIndex:
         CorruptCheckpointError: not JSON, no ``weight_map`` of strings to strings, or a shard path that points
             outside the index's folder (absolute, ``..``, or through a symlinked subfolder: :func:`shard_outside`;
             ``ckptool scan`` of the folder follows and reports such shards).
-        UsageError: a shard file is missing (the set was not downloaded completely).
+        InputNotFoundError: a shard file is missing (the set was not downloaded completely).
     """
     index = parse_index(path)
     for shard in index.shards:
@@ -117,7 +119,7 @@ def read_index(path: str) -> ShardIndex:
                                          "and run ckptool scan on the folder to see what they hold")
         p = index.shard_path(shard)
         if source.kind(p) != "file":
-            raise UsageError(f"{path} lists shard {shard} but {p} does not exist; download every shard")
+            raise InputNotFoundError(f"{path} lists shard {shard} but {p} does not exist; download every shard")
     return index
 
 
@@ -211,11 +213,12 @@ def set_kind(path: str) -> tuple[str, str]:
     holding only ``model.safetensors`` or ``pytorch_model.bin``.
 
     Raises:
-        UsageError: a missing index file; a folder that is none of these, or holds several indexes.
+        InputNotFoundError: a missing index file.
+        UsageError: a folder that is none of these, or holds several indexes.
     """
     if path.endswith(INDEX_SUFFIX):
         if source.kind(path) != "file":
-            raise UsageError(f"{path}: no such file; check the path")
+            raise InputNotFoundError(f"{path}: no such file; check the path")
         return "index", path
     if is_dcp_folder(path):
         return "dcp", path

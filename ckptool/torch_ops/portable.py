@@ -13,6 +13,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ckptool._deprecate import renamed_argument
 from ckptool._fileio import atomic_output
 from ckptool.errors import UnsupportedError
 from ckptool.model.graph import join
@@ -141,8 +142,11 @@ def _check_weights_only(obj: object) -> None:
             "anywhere; nothing was written")
 
 
-def save_portable(obj: object, path: str | os.PathLike[str]) -> str:
-    """Save ``obj`` so that a plain ``torch.load(path, weights_only=True)`` opens it on any machine.
+@renamed_argument("path", "dst")
+def save_portable(obj: object, dst: str | os.PathLike[str]) -> str:
+    """Save ``obj`` to ``dst`` so that a plain ``torch.load(dst, weights_only=True)`` opens it on any machine.
+
+    ``dst`` was called ``path`` in ckptool 0.1; ``path=`` still works with a ``DeprecationWarning`` until 0.3.
 
     ``obj`` may be an ``nn.Module`` (its ``state_dict()`` is saved, after peeling ``DataParallel`` /
     ``DistributedDataParallel`` / ``torch.compile`` wrappers off it), a state_dict, or a training-checkpoint dict
@@ -169,8 +173,8 @@ def save_portable(obj: object, path: str | os.PathLike[str]) -> str:
     else:
         out = _portable_value(obj, memo)
     _check_weights_only(out)
-    dst = os.path.abspath(os.fspath(path))
-    with atomic_output(dst) as f:
+    where = os.path.abspath(os.fspath(dst))
+    with atomic_output(where) as f:
         torch.save(out, f)
-    return dst
+    return where
 

@@ -12,6 +12,7 @@ import copy
 import os
 from collections.abc import Callable, Mapping, Sequence
 
+from ckptool._deprecate import model_first
 from ckptool.errors import CkptError, UsageError
 from ckptool.torch_ops.annotations import DeviceLike, nn, torch  # values at run time too (get_type_hints)
 from ckptool.torch_ops.devices import default_device, same_device
@@ -107,11 +108,14 @@ def _forward_check(model: nn.Module, shape: Sequence[int], device: torch.device)
     return fc
 
 
-def verify(path: str | os.PathLike[str], model: nn.Module | Callable[[], nn.Module], *,
+@model_first
+def verify(model: nn.Module | Callable[[], nn.Module], path: str | os.PathLike[str], *,
            device: DeviceLike | None = None, key: str | None = None, strict: bool = True,
            input_shape: Sequence[int] | None = None, trust: bool = False) -> VerifyReport:
     """Prove that checkpoint ``path`` lands intact in ``model`` on ``device``.
 
+    The model comes first, as in :func:`load_into` and torch's ``model.load_state_dict(state_dict)``; the order of
+    ckptool 0.1, ``verify(path, model)``, still works with a ``DeprecationWarning`` until ckptool 0.3.
     ``model`` is an ``nn.Module`` or a zero-argument factory returning one. ``device`` defaults to ``cuda:0``
     when CUDA is available, else ``cpu``. Steps: ``model.to(device)``; load the file onto ``device``
     (``map_location``, ``weights_only=True`` unless ``trust``); choose the state_dict (``key`` or automatic) and

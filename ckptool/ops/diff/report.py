@@ -23,6 +23,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import jinja2
 import squarify
 
+from ckptool._deprecate import renamed_argument
 from ckptool._fileio import atomic_output
 from ckptool.model.tree import TreeNode, shape_text
 from ckptool.model.units import human_bytes, human_count
@@ -54,14 +56,20 @@ MAX_MATCHES = 500
 
 @dataclass
 class ReportResult:
-    """What :func:`report` wrote: ``out`` the page's path, ``bytes_written`` its size in bytes, ``tensors`` the
+    """What :func:`report` wrote: ``dst`` the page's path, ``bytes_written`` its size in bytes, ``tensors`` the
     tensors of A, ``seconds`` the wall time taken, ``compared`` whether a second checkpoint was compared."""
 
-    out: str
+    dst: str
     bytes_written: int
     tensors: int
     seconds: float
     compared: bool
+
+    @property
+    def out(self) -> str:
+        """Deprecated name of :attr:`dst` (ckptool 0.1), removed in ckptool 0.3."""
+        warnings.warn("ReportResult.out is deprecated, use ReportResult.dst", DeprecationWarning, stacklevel=2)
+        return self.dst
 
 
 # ------------------------------------------------------------------------------------------------ the tree
@@ -204,9 +212,12 @@ def render_html(info: CheckpointInfo, other: CheckpointInfo | None = None, res: 
     )
 
 
+@renamed_argument("out", "dst")
 def report(a: str | os.PathLike[str], b: str | os.PathLike[str] | None = None, *,
-           out: str | os.PathLike[str]) -> ReportResult:
-    """Write the HTML page about checkpoint ``a`` (compared with ``b`` when given) to ``out``, atomically.
+           dst: str | os.PathLike[str]) -> ReportResult:
+    """Write the HTML page about checkpoint ``a`` (compared with ``b`` when given) to ``dst``, atomically.
+
+    ``dst`` was called ``out`` in ckptool 0.1; ``out=`` still works with a ``DeprecationWarning`` until 0.3.
 
     ``a`` and ``b`` are anything :func:`ckptool.ops.inspect.entry.inspect` reads (torch zip and legacy files,
     TorchScript, safetensors, sharded sets, DCP and DeepSpeed folders, ``.pt2``; local paths or URLs). Without
@@ -218,7 +229,7 @@ def report(a: str | os.PathLike[str], b: str | os.PathLike[str] | None = None, *
     Raises:
         NotACheckpointError / CorruptCheckpointError / UnsupportedError: a side cannot be read.
         ModuleNotFoundError: ``b`` given and numpy is not installed (``pip install numpy``).
-        OutputError / UsageError: ``out`` cannot be written (see :func:`ckptool._fileio.atomic_output`).
+        OutputError / UsageError: ``dst`` cannot be written (see :func:`ckptool._fileio.atomic_output`).
     """
     start = time.perf_counter()
     side_a = open_checkpoint(a)  # each side opened once: inspect and diff share its format and its pickle
@@ -229,10 +240,10 @@ def report(a: str | os.PathLike[str], b: str | os.PathLike[str] | None = None, *
         other = inspect(side_b)
         res = diff(side_a, side_b, norms=True)
     page = render_html(info, other, res).encode("utf-8")
-    dst = os.fspath(out)
-    with atomic_output(dst) as f:
+    path = os.fspath(dst)
+    with atomic_output(path) as f:
         f.write(page)
-    return ReportResult(dst, len(page), len(info.tensors), time.perf_counter() - start, b is not None)
+    return ReportResult(path, len(page), len(info.tensors), time.perf_counter() - start, b is not None)
 
 
 __all__ = ["ReportResult", "render_html", "report"]

@@ -74,7 +74,7 @@ from typing import cast
 
 from ckptool import _source as source
 from ckptool._source import RangeView, leaves_folder
-from ckptool.errors import CkptError, UsageError
+from ckptool.errors import CkptError, InputNotFoundError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dcp import is_dcp_folder
 from ckptool.formats.deepspeed import loaded_tag_folders
@@ -200,7 +200,8 @@ def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
     (``*.index.json``) stands for the shards it names.
 
     Raises:
-        UsageError: a path does not exist; a directory or index holds no checkpoint file.
+        InputNotFoundError: a path does not exist.
+        UsageError: a directory or index holds no checkpoint file.
     """
     for path, _notes in _targets(paths):
         yield path
@@ -213,11 +214,11 @@ def _targets(paths: Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, lis
         p = os.fspath(given)
         if source.is_url(p):  # one remote file (folders are walked only on disk)
             if source.kind(p) != "file":
-                raise UsageError(f"{p}: no such file; check the URL (give a file, not a folder)")
+                raise InputNotFoundError(f"{p}: no such file; check the URL (give a file, not a folder)")
             yield p, []
             continue
         if not os.path.exists(p):
-            raise UsageError(f"{p}: no such file or directory; check the path")
+            raise InputNotFoundError(f"{p}: no such file or directory; check the path")
         if os.path.isdir(p) or p.endswith(INDEX_SUFFIX):
             found = 0
             items = _walk(p) if os.path.isdir(p) else _followed(_index_shards(p, os.path.dirname(p) or "."), set())
@@ -320,7 +321,8 @@ def scan(paths: Iterable[str | os.PathLike[str]]) -> list[ScanResult]:
     as one each).
 
     Raises:
-        UsageError: a path does not exist; a directory (or a sharded index) holds no checkpoint file.
+        InputNotFoundError: a path does not exist.
+        UsageError: a directory (or a sharded index) holds no checkpoint file.
     """
     results = []
     for p, notes in _targets(paths):

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptool.errors import UsageError
+from ckptool.errors import CkptError, UsageError
 from ckptool.model.rename_plan import RenamePlan, Step
 
 __all__ = ["RuleLike", "RuleStep", "load_rules", "parse_rule", "rules_plan"]
@@ -84,6 +84,8 @@ def load_rules(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
     p = os.fspath(path)
     try:
         doc = _read_rules_document(p)
+    except CkptError:  # the UsageError of an unknown extension is a ValueError too: not a parse failure
+        raise
     except OSError as e:
         raise UsageError(f"rules file {p}: {e.strerror or e}") from None
     except ValueError as e:  # json, tomllib and tomli errors are ValueErrors
