@@ -34,7 +34,7 @@ format                 recognised by (:mod:`ckptool.formats.detect`, :mod:`ckpto
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar, cast
 
@@ -87,7 +87,12 @@ class Format:
     ``tensors``: whether ckptool reads its tensors without running code (:meth:`Opened.state_dict`), else
     ``refusal``, the sentence that says why not and what to do instead (a torch.package archive, whose tensors
     are read, keeps one for the commands that do not take it yet: ``ckptool.ops.matrix``); ``keyed``: it holds
-    several mappings, of which a dotted ``key`` selects one (the others hold one flat mapping of tensors)."""
+    several mappings, of which a dotted ``key`` selects one (the others hold one flat mapping of tensors), named as
+    ``key_form`` says (for people: ``PATH``, a dotted path; ``MEMBER:PATH`` in a torch.package archive);
+    ``tagged``: its checkpoints lie in tag folders (DeepSpeed's ``global_step*``: ``tag`` and ``exclude_frozen``
+    apply); ``torch_distributed``: written by ``torch.distributed.checkpoint``, whose whole state (tensors and
+    other entries) torch's own planner restores; ``refusals``: the sentence an operation (``"extract-state-dict"``)
+    refuses it with, where that operation has its own."""
 
     name: str
     label: str
@@ -96,6 +101,10 @@ class Format:
     tensors: bool = True
     refusal: str = ""
     keyed: bool = False
+    key_form: str = "PATH"
+    tagged: bool = False
+    torch_distributed: bool = False
+    refusals: Mapping[str, str] = field(default_factory=dict, compare=False)
 
 
 #: every format ckptool reads, in the order of ``docs/formats.md``
@@ -106,20 +115,25 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            keyed=True),
     Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False,
            refusal="is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
-                   "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file"),
-    Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", keyed=True,
+                   "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file",
+           refusals={"extract-state-dict": "is a TorchScript archive: its state_dict is torch.jit.load(path, "
+                                           "map_location='cpu').state_dict()"}),
+    Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", keyed=True, key_form="MEMBER:PATH",
            refusal="is a torch.package archive: its objects are rebuilt by the package's own code, which this "
                    "command would run; `ckptool convert PATH -o model.safetensors` writes its tensors without "
                    "running it (then run the command on that file), torch.package.PackageImporter(path)."
                    "load_pickle(...) loads them (runs the package's code: trusted files only)"),
-    Format(detect.SAFETENSORS, "safetensors file", "file"),
+    Format(detect.SAFETENSORS, "safetensors file", "file",
+           refusals={"extract-state-dict": "is safetensors: it already is a state_dict"}),
     Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set"),
     Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set"),
-    Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True),
+    Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True, torch_distributed=True),
     Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True),
-    Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder"),
+    Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder", tagged=True),
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
-           refusal="is a plain pickle without torch storages, not a torch.save checkpoint"),
+           refusal="is a plain pickle without torch storages, not a torch.save checkpoint",
+           refusals={"extract-state-dict": "is a plain pickle without torch storages; there is no state_dict to "
+                                           "extract"}),
 )}
 
 
