@@ -2,8 +2,8 @@
 
 One pass from SRC to DST, memory bounded by the largest storage, not by the file:
 
-* **torch -> safetensors.** The pickle is read as a node graph (:func:`ckptool.formats.torchfile.read_checkpoint`,
-  nothing imported or run) and the state_dict is selected (``key``, or found automatically; what else the file
+* **torch -> safetensors.** The pickle is read as a node graph (:meth:`ckptool.readers.Opened.graph`, nothing
+  imported or run) and the state_dict is selected (``key``, or found automatically; what else the file
   held, such as optimizer state, is reported as not carried). Each tensor's bytes are read from its storage record
   (zip member or legacy data block) and written straight into the safetensors data block; only a tensor that needs a
   new layout (a non-contiguous view) or a ``dtype`` cast is materialised with torch, one storage at a time.
@@ -35,6 +35,10 @@ One pass from SRC to DST, memory bounded by the largest storage, not by the file
 * **Verification** (on by default): the output is re-opened lazily by the format's own reader and every tensor's
   name, shape and dtype, and a CRC-32 of its bytes, is compared with what was read from the source
   (:mod:`ckptool.ops.convert.verify`).
+
+Every decision about the input is a fact of its registry entry (:attr:`ckptool.readers.Opened.spec`: ``tagged``,
+``torch_distributed``, ``pickled``, ``tensors``, ``kind``), every decision about the output one of
+:class:`~ckptool.ops.convert.source.OutputFormat`'s; no format is named in a comparison.
 
 Importing this package does not import torch; the functions import it when they need it.
 """
