@@ -84,6 +84,9 @@ _SUFFIXES = {
 class ConvertResult:
     """What :func:`ckptool.ops.convert.convert` did.
 
+    ``format_in`` is the input's registry name (:data:`ckptool.readers.FORMATS`: ``torch-zip``,
+    ``sharded-safetensors``, ``dcp``...), ``format_out`` an :class:`OutputFormat`'s value (``torch``,
+    ``safetensors``, ``dcp``).
     ``dst`` is the file written (the ``*.index.json`` of a named shard set), or the folder for a shard folder and
     DCP output; ``files`` lists every file written (shards, then the index). ``key`` is the dotted path of the
     state_dict converted (``""``: top level; None for safetensors, sharded and whole-object conversions).
