@@ -821,3 +821,20 @@ def test_importing_the_modules_keeps_the_public_functions(tmp_path: Path) -> Non
         "assert ckptool.inspect is ckptool.ops.inspect.entry.inspect\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sharded_set_to_dcp_names_its_registry_format(tmp_path: Path, run_cli) -> None:
+    """A sharded set converted to DCP reports the registry's name for it, as every other conversion does."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    sd = {"a.weight": torch.randn(64, 64), "b.weight": torch.randn(64, 64)}
+    torch.save(sd, tmp_path / "m.pt")
+    (tmp_path / "set").mkdir()
+    index = convert(tmp_path / "m.pt", tmp_path / "set" / "model.safetensors", max_shard_size=20_000).dst
+    res = convert(index, tmp_path / "dcp", format="dcp")
+    assert res.format_in == "sharded-safetensors" and res.verified
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "back.pt")
+    _assert_equal_values(sd, torch.load(tmp_path / "back.pt", weights_only=True))
+    r = run_cli("convert", index, "-o", tmp_path / "dcp2", "--format", "dcp")
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"Converted the tensors of {index} (sharded-safetensors) to dcp.")

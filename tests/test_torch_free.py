@@ -201,18 +201,18 @@ def test_own_readers_catch_what_safe_open_and_torch_load_would(runs: tuple[Path,
 
 @pytest.mark.torchfree
 def test_verification_says_which_check_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptool.ops.convert import verify
+    from ckptool.ops.convert import OutputFormat, verify
     from ckptool.torch_ops import convert_verify
 
     monkeypatch.setattr(convert_verify, "is_installed", lambda module: False)
     monkeypatch.setattr(verify, "is_installed", lambda module: False)
-    assert "ckptool's own safetensors reader" in verify.verification_check("safetensors", {"float32"})
-    assert "ckptool's own reader" in verify.verification_check("torch", {"float32"})
+    assert "ckptool's own safetensors reader" in verify.verification_check(OutputFormat.SAFETENSORS, {"float32"})
+    assert "ckptool's own reader" in verify.verification_check(OutputFormat.TORCH, {"float32"})
     monkeypatch.setattr(convert_verify, "is_installed", lambda module: True)
     monkeypatch.setattr(verify, "is_installed", lambda module: True)
-    assert "safe_open with NumPy" in verify.verification_check("safetensors", {"float32"})
-    assert "safe_open with torch" in verify.verification_check("safetensors", {"bfloat16"})
-    assert "torch.load(weights_only=True)" in verify.verification_check("torch", {"float32"})
+    assert "safe_open with NumPy" in verify.verification_check(OutputFormat.SAFETENSORS, {"float32"})
+    assert "safe_open with torch" in verify.verification_check(OutputFormat.SAFETENSORS, {"bfloat16"})
+    assert "torch.load(weights_only=True)" in verify.verification_check(OutputFormat.TORCH, {"float32"})
 
 
 # ------------------------------------------------------------------------------------------ in torch

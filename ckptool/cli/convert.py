@@ -19,7 +19,6 @@ from ckptool.cli._common import (
     device_options,
     emit_json,
     force_option,
-    human_bytes,
     json_option,
     key_option,
     mapping_of,
@@ -30,25 +29,21 @@ from ckptool.cli._common import (
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.errors import UsageError
 from ckptool.formats.sharded import output_layout
-from ckptool.ops.convert import ConvertResult, convert
-
-_LIST = 8  # names listed before "and N more"
-
-
-def _names(items: list[str]) -> str:
-    more = f" and {len(items) - _LIST} more" if len(items) > _LIST else ""
-    return ", ".join(items[:_LIST]) + more
+from ckptool.ops.convert import ConvertResult, OutputFormat, convert
+from ckptool.ops.convert.report import convert_lines, verification_line, written_detail
+from ckptool.ops.convert.source import CAST_TO
 
 
 def _claim_convert_output(dst: str, fmt: str | None, max_shard_size: str | None, force: bool) -> None:
     """Refuse an existing output without ``force``: the file ``dst``, or with ``max_shard_size`` any file of a
     shard set already in the place the set goes (a DCP folder must be new or empty: convert checks that)."""
-    if fmt == "dcp":
+    chosen = OutputFormat(fmt) if fmt is not None else None
+    if chosen is not None and chosen.folder:
         set_output(dst)
     elif max_shard_size is None:
         claim_output(dst, force=force)
     else:
-        layout = output_layout(dst, fmt or "safetensors")
+        layout = output_layout(dst, (chosen or OutputFormat.SAFETENSORS).value)
         names = sorted(os.listdir(layout.folder)) if os.path.isdir(layout.folder) else []
         existing = [n for n in names if layout.is_member(n)]
         if existing and not force:
@@ -59,52 +54,14 @@ def _claim_convert_output(dst: str, fmt: str | None, max_shard_size: str | None,
 
 
 def report_convert(res: ConvertResult) -> None:
-    """Print what a conversion did: the selection, what was left out, aliases, layout changes, casts, the files."""
-    echo = click.echo
-    if res.key:
-        what = f"state_dict {res.key!r}"
-    elif res.key == "":
-        what = "the top-level state_dict"
-    elif res.format_in == "deepspeed":
-        what = "the consolidated ZeRO state_dict (fp32 master weights, buffers)"
-    elif res.format_in == "safetensors" or res.format_in.startswith("sharded"):
-        what = "the tensors"
-    else:
-        what = "the whole checkpoint"
-    echo(f"Converted {what} of {res.src} ({res.format_in}) to {res.format_out}.")
-    if res.left_out:
-        path = "MEMBER:PATH" if res.format_in == "torch-package" else "PATH"
-        how = "" if res.format_in == "deepspeed" else f" (pass --key {path} to convert another state_dict)"
-        echo(f"Not carried: {len(res.left_out)} other entr{'y' if len(res.left_out) == 1 else 'ies'} of the file"
-             f"{how}:")
-        for line in res.left_out[:20]:
-            echo(f"  {line}")
-        if len(res.left_out) > 20:
-            echo(f"  ... and {len(res.left_out) - 20} more")
-    if res.skipped:
-        echo(f"Not stored: {len(res.skipped)} non-tensor entr{'y' if len(res.skipped) == 1 else 'ies'} of the "
-             f"state_dict: {_names(res.skipped)}")
-    if res.aliases:
-        pairs = [f"{a} -> {k}" for a, k in res.aliases.items()]
-        echo(f"Shared storage: {len(res.aliases)} tensor(s) stored once, as views of another (recorded in "
-             f"__metadata__; ckptool restores them): {_names(pairs)}")
-    if res.made_contiguous:
-        echo(f"Stored contiguous (their layout was not): {_names(res.made_contiguous)}")
-    if res.trimmed_bytes:
-        echo(f"Storage bytes no tensor reaches were not carried: {human_bytes(res.trimmed_bytes)}")
-    if res.cast:
-        echo("Cast: " + ", ".join(f"{k} ({n})" for k, n in sorted(res.cast.items())))
-    if res.renamed:
-        echo(f"Renamed {res.renamed} key(s)")
-    for note in res.notes:
-        echo(f"Note: {note}")
-    shards = f", {res.shards} shards + index" if res.shards > 1 else ""
-    stored = f"{res.stored} of {res.tensors} tensors stored" if res.stored != res.tensors else f"{res.tensors} tensors"
-    report_write(res.dst, res.bytes_written, f"{stored}{shards}")
-    if res.verified:
-        echo(f"Verified: {res.checked}")
-    elif res.verified is None:
-        echo("Not verified (--no-verify)")
+    """Print what a conversion did (:mod:`ckptool.ops.convert.report`): the selection, what was left out, aliases,
+    layout changes, casts, notes, the files, the verification."""
+    for line in convert_lines(res):
+        click.echo(line)
+    report_write(res.dst, res.bytes_written, written_detail(res))
+    verified = verification_line(res)
+    if verified:
+        click.echo(verified)
 
 
 @click.command("convert")
@@ -113,7 +70,7 @@ def report_convert(res: ConvertResult) -> None:
               help="Output file; with --max-shard-size, NAME.safetensors (or .bin/.pt/.pth) gives "
                    "NAME-00001-of-0000N.* shards plus NAME.*.index.json beside it, a folder (ending in /) the "
                    "default shard names inside it; a folder with --format dcp.")
-@click.option("--format", "fmt", type=click.Choice(["torch", "safetensors", "dcp"]),
+@click.option("--format", "fmt", type=click.Choice([f.value for f in OutputFormat]),
               help="Output format. Default: from DST's suffix (.safetensors; .pt/.pth/.bin/.ckpt), safetensors "
                    "with --max-shard-size.")
 @key_option("Dotted path of the state_dict to convert (default: found automatically).")
@@ -126,7 +83,7 @@ def report_convert(res: ConvertResult) -> None:
 @click.option("--max-shard-size", metavar="SIZE",
               help="Write shards of at most SIZE (5GB, 500MB, 2GiB) plus an index, named as Hugging Face does "
                    "(see -o); one shard that fits everything is written as the single file DST, without index.")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "float64"]),
+@click.option("--dtype", type=click.Choice(list(CAST_TO)),
               help="Cast floating tensors (integer, bool, complex and float8 tensors are untouched).")
 @click.option("--tag", metavar="TAG",
               help="DeepSpeed folder: the tag folder to consolidate (global_step1000; default: named by 'latest').")

@@ -48,10 +48,9 @@ from ckptool.model.module_state import detached, module_state_dict, state_dict_n
 from ckptool.model.paths import get_path
 from ckptool.model.rename_memory import rename_state_dict
 from ckptool.model.rename_plan import build_plan
-from ckptool.ops.convert import convert
+from ckptool.ops.convert import OutputFormat, convert
 from ckptool.ops.rewrite.stream import ProgressFn, retag_function, rewrite_file
 from ckptool.readers import Opened, open_checkpoint
-from ckptool.readers.read_pt2 import pt2_source
 from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted
 
 __all__ = ["ExtractResult", "extract_state_dict"]
@@ -167,22 +166,60 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
     """
     src = os.fspath(src)
     dst = os.fspath(dst) if dst is not None else default_output(src)
+    out = _output_format(src, dst, to, mapping, trust)
+    opened = _extractable(src)
+    if not opened.spec.pickled and not opened.spec.refusal:  # .pt2: its state_dict through the registry's reader
+        return _extract_pt2(opened, dst, out, key, unwrap, to, mapping, allow_missing, progress)
+    if trust:
+        return _extract_trusted(src, dst, key, unwrap, to, out)
+    ck = opened.graph()  # a torch.package archive: the reader's refusal (its objects need the package's code)
+    location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
+    path, cls, items, meta, removed = _walk(ck, key, unwrap)
+    res = ExtractResult(src, dst, _FORMAT_NAMES[out], [k for k, _t in items], cls, path, removed=removed)
+    used = {t.storage.key for _k, t in items if t.storage is not None}
+    if out is OutputFormat.SAFETENSORS:
+        res.bytes_written = save_safetensors(materialize(ck, items), dst)
+        res.storages = len(used)
+        return res
+    res.storages, res.bytes_written = _write_zip(ck, dst, state_dict_node(items, meta), used, location_fn, progress)
+    return res
+
+
+#: this command's name in the registry's per-operation refusals (:attr:`ckptool.readers.Format.refusals`)
+OPERATION = "extract-state-dict"
+
+#: the registry name (:data:`ckptool.readers.FORMATS`) of what each output is, for ``ExtractResult.format``
+_FORMAT_NAMES = {OutputFormat.SAFETENSORS: formats.SAFETENSORS, OutputFormat.TORCH: formats.TORCH_ZIP}
+
+
+def _output_format(src: str, dst: str, to: str | None, mapping: Mapping[str, str] | None,
+                   trust: bool) -> OutputFormat:
+    """The output format ``dst`` names (safetensors for ``*.safetensors``, else torch).
+
+    Raises:
+        UsageError: ``dst`` is ``src``; ``to`` / ``mapping`` for an output without location tags; ``mapping`` with
+            ``trust``.
+    """
     if same_file(src, dst):
         raise UsageError(f"output {dst} is the input file; choose another -o path")
-    safetensors_out = dst.endswith(".safetensors")
-    if safetensors_out and (to is not None or mapping):
+    out = OutputFormat.SAFETENSORS if dst.endswith(OutputFormat.SAFETENSORS.suffixes) else OutputFormat.TORCH
+    if not out.location_tags and (to is not None or mapping):
         raise UsageError("--to / --map set torch location tags; a safetensors output carries none (load it with "
                          "safetensors.torch.load_file(path, device=...))")
     if trust and mapping:
         raise UsageError("--trust loads the module onto one device: give --to DEVICE instead of --map")
-    opened = _extractable(src)
-    fmt = opened.format
-    if fmt == formats.PT2:
-        return _extract_pt2(src, dst, key, unwrap, to, mapping, allow_missing, progress)
-    if trust:
-        return _extract_trusted(src, dst, key, unwrap, to, safetensors_out)
-    ck = opened.graph()
-    location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
+    return out
+
+
+def _walk(ck: Checkpoint, key: str | None, unwrap: bool
+          ) -> tuple[str, str, list[tuple[str, TensorNode]], dict[str, int], dict[str, int]]:
+    """The module's state_dict as ``nn.Module.state_dict()`` gives it, from the node graph: ``(path of the module,
+    its class, [(key, detached tensor node)], _metadata versions, wrapper components removed)``, the keys
+    unwrapped (and ``_metadata`` renamed to match) with ``unwrap``.
+
+    Raises:
+        UsageError / UnsupportedError: as :func:`_find_module`; KeyCollisionError: ``unwrap`` would merge keys.
+    """
     path, cls, entries, meta = _collect(ck, key)
     items = [(k, detached(t)) for k, t in entries]
     removed: dict[str, int] = {}
@@ -191,15 +228,7 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
         raise_on_collisions(keys, "the extracted state_dict")
         items = [(keys[k], t) for k, t in items]
         meta = dict(build_plan(unwrap=True).bind(keys).rename_metadata(meta.items()))
-    res = ExtractResult(src, dst, formats.SAFETENSORS if safetensors_out else formats.TORCH_ZIP,
-                        [k for k, _t in items], cls, path, removed=removed)
-    if safetensors_out:
-        res.bytes_written = save_safetensors(materialize(ck, items), dst)
-        res.storages = len({t.storage.key for _k, t in items if t.storage is not None})
-        return res
-    used = {t.storage.key for _k, t in items if t.storage is not None}
-    res.storages, res.bytes_written = _write_zip(ck, dst, state_dict_node(items, meta), used, location_fn, progress)
-    return res
+    return path, cls, items, meta, removed
 
 
 def _extractable(src: str) -> Opened:
@@ -207,41 +236,37 @@ def _extractable(src: str) -> Opened:
     zip or legacy file, or a ``.pt2`` archive.
 
     Raises:
-        UnsupportedError: safetensors (already a state_dict), TorchScript, a plain pickle; a folder or a set
+        UnsupportedError: a format the registry says this command refuses (safetensors: already a state_dict,
+            TorchScript, a plain pickle: :attr:`ckptool.readers.Format.refusals`); a folder or a set
             (:meth:`ckptool.readers.Opened.require_file`).
     """
     opened = open_checkpoint(src).require_file()
-    if opened.format == formats.SAFETENSORS:
-        raise UnsupportedError(f"{src} is safetensors: it already is a state_dict")
-    if opened.format == formats.TORCHSCRIPT:
-        raise UnsupportedError(
-            f"{src} is a TorchScript archive: its state_dict is torch.jit.load(path, map_location='cpu').state_dict()")
-    if opened.format == formats.PICKLE:
-        raise UnsupportedError(f"{src} is a plain pickle without torch storages; there is no state_dict to extract")
+    refusal = opened.spec.refusals.get(OPERATION)
+    if refusal:
+        raise UnsupportedError(f"{src} {refusal}")
     return opened
 
 
-def _extract_pt2(src: str, dst: str, key: str | None, unwrap: bool, to: str | None,
+def _extract_pt2(opened: Opened, dst: str, out: OutputFormat, key: str | None, unwrap: bool, to: str | None,
                  mapping: Mapping[str, str] | None, allow_missing: bool, progress: ProgressFn | None) -> ExtractResult:
     """A ``torch.export`` archive: its program's state_dict (``key="constants"``: its constants;
-    :func:`ckptool.readers.read_pt2.pt2_source`), written and verified by :func:`ckptool.ops.convert.convert`
+    :meth:`ckptool.readers.Opened.state_dict`), written and verified by :func:`ckptool.ops.convert.convert`
     (tensor bytes copied, never decoded). Nothing in the archive needs running, so ``trust`` changes nothing."""
-    source = pt2_source(src, key)
+    src = opened.path
+    source = opened.state_dict(key)
     keys = [t.name for t in source.tensors]
     removed: dict[str, int] = {}
     if unwrap:
         renamed, removed = unwrap_keys(keys)
         keys = [renamed[k] for k in keys]
-    fmt = "safetensors" if dst.endswith(".safetensors") else "torch"
-    res = convert(src, dst, format=fmt, key=key, to=to, mapping=mapping, allow_missing=allow_missing, unwrap=unwrap,
-                  progress=progress)
-    return ExtractResult(src, dst, formats.SAFETENSORS if fmt == "safetensors" else formats.TORCH_ZIP, keys,
-                         f"the torch.export program's {source.key}", "", len({id(t.storage) for t in source.tensors}),
-                         res.bytes_written, removed)
+    res = convert(src, dst, format=out.value, key=key, to=to, mapping=mapping, allow_missing=allow_missing,
+                  unwrap=unwrap, progress=progress)
+    return ExtractResult(src, dst, _FORMAT_NAMES[out], keys, f"the torch.export program's {source.key}", "",
+                         len({id(t.storage) for t in source.tensors}), res.bytes_written, removed)
 
 
 def _extract_trusted(src: str, dst: str, key: str | None, unwrap: bool, to: str | None,
-                     safetensors_out: bool) -> ExtractResult:
+                     out: OutputFormat) -> ExtractResult:
     module = load_trusted_module(src, key, to or "cpu")
     sd = module.state_dict()
     removed: dict[str, int] = {}
@@ -249,7 +274,6 @@ def _extract_trusted(src: str, dst: str, key: str | None, unwrap: bool, to: str 
         keys, removed = unwrap_keys(sd)
         sd = rename_state_dict(sd, build_plan(unwrap=True).bind(keys).rename)
     cls = f"{type(module).__module__}.{type(module).__qualname__}"
-    res = ExtractResult(src, dst, formats.SAFETENSORS if safetensors_out else formats.TORCH_ZIP, list(sd), cls,
-                        key or "", removed=removed, trusted=True)
-    res.bytes_written, res.storages = save_trusted(sd, dst, safetensors_out)
+    res = ExtractResult(src, dst, _FORMAT_NAMES[out], list(sd), cls, key or "", removed=removed, trusted=True)
+    res.bytes_written, res.storages = save_trusted(sd, dst, out is OutputFormat.SAFETENSORS)
     return res

@@ -107,7 +107,12 @@ class Format:
     data block (:meth:`Opened.safetensors_header`), so a rewrite renames them there and copies the data block, and
     the tied names the writing library left out are recorded in its ``__metadata__``; ``consolidate``: its tensors
     are partitions that only a consolidation joins (``ckptool convert`` writes one file of them), so the commands
-    that rewrite a checkpoint (remap, the prefix commands, rename, filter) take it only once consolidated.
+    that rewrite a checkpoint (remap, the prefix commands, rename, filter) take it only once consolidated;
+    ``key_form``: how a ``key`` is named, for people (``PATH``, a dotted path; ``MEMBER:PATH`` in a torch.package
+    archive); ``tagged``: its checkpoints lie in tag folders (DeepSpeed's ``global_step*``: ``tag`` and
+    ``exclude_frozen`` apply); ``torch_distributed``: written by ``torch.distributed.checkpoint``, whose whole state
+    (tensors and other entries) torch's own planner restores; ``refusals``: the sentence an operation
+    (``"extract-state-dict"``) refuses it with, where that operation has its own.
 
     What differs per format in the layers above is named here too, as plug-ins: dotted references
     ``"package.module:function"`` resolved lazily by :meth:`behaviour` (imported the first time a checkpoint of
@@ -142,6 +147,10 @@ class Format:
     loader: str = ""
     hint: str = ""
     support: Mapping[str, Cell] | None = field(default=None, hash=False)
+    key_form: str = "PATH"
+    tagged: bool = False
+    torch_distributed: bool = False
+    refusals: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def behaviour(self, role: Role, default: Callable[..., Any] | None = None) -> Callable[..., Any]:
         """The plug-in this format names for ``role`` (``"read"``, ``"describe"``, ``"load"``, ``"hint"``), its
@@ -194,6 +203,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False,
            refusal="is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
                    "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file",
+           refusals={"extract-state-dict": "is a TorchScript archive: its state_dict is torch.jit.load(path, "
+                                           "map_location='cpu').state_dict()"},
            describer=_PICKLED_INSPECT, loader="ckptool.torch_ops.loaders:load_torchscript", support={
                "scan": Cell("works", "needs-trust"),
                "diff": Cell("works", "identical"),
@@ -208,7 +219,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "filter": Cell("refused", "cannot be filtered", JIT),
                "average": Cell("refused", "is a TorchScript archive", JIT),
            }),
-    Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", keyed=True,
+    Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", keyed=True, key_form="MEMBER:PATH",
            refusal="is a torch.package archive: its objects are rebuilt by the package's own code, which this "
                    "command would run; `ckptool convert PATH -o model.safetensors` writes its tensors without "
                    "running it (then run the command on that file), torch.package.PackageImporter(path)."
@@ -223,6 +234,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "verify": Cell("works", "bit-identical"),
            }),
     Format(detect.SAFETENSORS, "safetensors file", "file", flat="safetensors", header=True,
+           refusals={"extract-state-dict": "is safetensors: it already is a state_dict"},
            reader="ckptool.readers.read_safetensors:read_tensors",
            describer="ckptool.ops.inspect.entry:inspect_safetensors",
            loader="ckptool.torch_ops.loaders:load_safetensors", hint="ckptool.ops.hints:safetensors_hint", support={
@@ -241,7 +253,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set", flat="a sharded set",
            reader="ckptool.readers.read_safetensors:read_set_tensors", describer=_SET_INSPECT, loader=_SET_LOAD,
            support=SET_ROW),
-    Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True,
+    Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True, torch_distributed=True,
            reader="ckptool.readers.read_dcp:read_tensors", describer="ckptool.ops.inspect.entry:inspect_dcp",
            loader="ckptool.torch_ops.loaders:load_dcp", hint="ckptool.ops.hints:dcp_hint", support={
                "scan": Cell("works", "safe"),
@@ -261,7 +273,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "filter": Cell("refused", "write its state_dict", PT2_STATE_DICT),
            }),
     Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder", flat="a DeepSpeed checkpoint",
-           consolidate=True, reader="ckptool.readers.read_deepspeed:read_tensors",
+           consolidate=True, tagged=True, reader="ckptool.readers.read_deepspeed:read_tensors",
            describer="ckptool.ops.inspect.entry:inspect_deepspeed", loader="ckptool.torch_ops.loaders:load_deepspeed",
            support={
                "scan": Cell("works", "needs-trust"),
@@ -271,6 +283,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            }),
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
            refusal="is a plain pickle without torch storages, not a torch.save checkpoint",
+           refusals={"extract-state-dict": "is a plain pickle without torch storages; there is no state_dict to "
+                                           "extract"},
            describer=_PICKLED_INSPECT, loader="ckptool.torch_ops.loaders:load_pickle"),
 )}
 

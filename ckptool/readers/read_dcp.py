@@ -153,6 +153,17 @@ def torch_save_record(blob: RecordSlice, what: str,
     return root, storages, entries
 
 
+def record_byteorder(blob: RecordSlice, entries: list[ZipEntry], what: str) -> str:
+    """The byte order of the ``torch.save`` record in ``blob`` (its zip directory ``entries``): what its
+    ``byteorder`` record holds (:func:`ckptool.formats.torchfile.read_byteorder`), ``"little"`` without one.
+
+    Raises:
+        CorruptCheckpointError: a ``byteorder`` record holding neither ``little`` nor ``big``.
+    """
+    order = next((x for x in entries if x.name.endswith("/byteorder")), None)
+    return "little" if order is None else read_byteorder(blob, order, what)
+
+
 # ------------------------------------------------------------------------------------------------ the tree
 class NonTensorEntry:
     """A non-tensor entry of a DCP folder in :func:`dcp_tree` (its pickle is not read)."""
@@ -375,8 +386,7 @@ def _chunk_bytes(blob: RecordSlice, entries: list[ZipEntry], rec: ZipEntry, node
     if len(stride) != len(node.shape) or any(s < 0 for s in stride) or lo < 0 or hi > nbytes // element_size(dtype):
         raise CorruptCheckpointError(f"{what}: its view (offset {node.storage_offset}, stride {list(stride)}) runs "
                                      "past its storage; the folder is damaged")
-    order = next((x for x in entries if x.name.endswith("/byteorder")), None)
-    swap = element_size(dtype) if order is not None and read_byteorder(blob, order, what) == "big" else 0
+    swap = element_size(dtype) if record_byteorder(blob, entries, what) == "big" else 0
     return Chunk(str(blob.f.name), blob.start + start, nbytes, rec.crc if rec.file_size == nbytes else None,
                   node.storage_offset, stride, swap)
 

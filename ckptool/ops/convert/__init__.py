@@ -2,8 +2,8 @@
 
 One pass from SRC to DST, memory bounded by the largest storage, not by the file:
 
-* **torch -> safetensors.** The pickle is read as a node graph (:func:`ckptool.formats.torchfile.read_checkpoint`,
-  nothing imported or run) and the state_dict is selected (``key``, or found automatically; what else the file
+* **torch -> safetensors.** The pickle is read as a node graph (:meth:`ckptool.readers.Opened.graph`, nothing
+  imported or run) and the state_dict is selected (``key``, or found automatically; what else the file
   held, such as optimizer state, is reported as not carried). Each tensor's bytes are read from its storage record
   (zip member or legacy data block) and written straight into the safetensors data block; only a tensor that needs a
   new layout (a non-contiguous view) or a ``dtype`` cast is materialised with torch, one storage at a time.
@@ -36,6 +36,10 @@ One pass from SRC to DST, memory bounded by the largest storage, not by the file
   name, shape and dtype, and a CRC-32 of its bytes, is compared with what was read from the source
   (:mod:`ckptool.ops.convert.verify`).
 
+Every decision about the input is a fact of its registry entry (:attr:`ckptool.readers.Opened.spec`: ``tagged``,
+``torch_distributed``, ``pickled``, ``tensors``, ``kind``), every decision about the output one of
+:class:`~ckptool.ops.convert.source.OutputFormat`'s; no format is named in a comparison.
+
 Importing this package does not import torch; the functions import it when they need it.
 """
 
@@ -48,15 +52,13 @@ from typing import Any
 from ckptool._fileio import same_file
 from ckptool._source import holding_versions, is_url
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
-from ckptool.formats import detect as formats
-from ckptool.formats.dcp import read_dcp_metadata
 from ckptool.formats.tensors import Source
 from ckptool.model.devices import location_function
 from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_torch, write_dcp
 from ckptool.ops.convert.outputs import write_outputs
-from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, ConvertResult, parse_size
+from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, ConvertResult, OutputFormat, parse_size
 from ckptool.ops.convert.verify import VerificationError
 from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
@@ -67,9 +69,7 @@ from ckptool.readers.read_torch import refuse_non_strided_for_dcp
 from ckptool.torch_ops.dcp import dcp_to_torch_file
 from ckptool.torch_ops.load import load_checkpoint
 
-__all__ = ["SHARED_KEY", "ConvertResult", "VerificationError", "convert", "parse_size"]
-
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl")
+__all__ = ["SHARED_KEY", "ConvertResult", "OutputFormat", "VerificationError", "convert", "parse_size"]
 
 
 @holding_versions
@@ -129,109 +129,80 @@ def convert(
     src_p, dst_p = os.fspath(src), os.fspath(dst)
     strip = [strip_prefixes] if isinstance(strip_prefixes, str) else list(strip_prefixes)
     shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
-    fmt_out = _output_format(dst_p, format, shard_bytes is not None)
+    fmt_out = OutputFormat.choose(dst_p, format, shard_bytes is not None)
     _check_options(src_p, dst_p, fmt_out, shard_bytes, dtype, to is not None or bool(mapping))
     renames: dict[str, Any] = {"unwrap": unwrap, "strip_prefixes": strip}
     opened = open_checkpoint(src_p)
-    if (tag is not None or exclude_frozen) and opened.format != "deepspeed":
+    if (tag is not None or exclude_frozen) and not opened.spec.tagged:
         raise UsageError(f"--tag and --exclude-frozen apply to DeepSpeed checkpoint folders; {src_p} is not one")
-    if opened.format == "dcp":
-        if fmt_out == "dcp":
-            raise UsageError(f"{src_p} is already a DCP checkpoint; convert it to torch or safetensors")
-        return _from_dcp(src_p, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
+    if opened.spec.torch_distributed:
+        return _from_dcp(opened, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
             key=key, to=to, mapping=mapping, allow_missing=allow_missing, max_shard_size=shard_bytes, dtype=dtype,
             verify=verify, progress=progress, **renames))
-    if fmt_out == "dcp" and opened.format not in ("deepspeed", formats.PICKLE):
-        return _opened_to_dcp(opened, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype)
+    if fmt_out.folder and opened.spec.tensors and not opened.spec.tagged:
+        return _to_dcp(opened, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype)
     source = _read_source(opened, fmt_out, key, tag, exclude_frozen)
     _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
-    res = ConvertResult(src_p, dst_p, source.format, fmt_out, key=source.key, left_out=list(source.left_out),
+    res = ConvertResult(src_p, dst_p, source.format, fmt_out.value, key=source.key, left_out=list(source.left_out),
                         skipped=list(source.skipped), notes=list(source.notes))
     location = location_function(to, mapping, tags=[t.storage.location for t in source.tensors],
                                  allow_missing=allow_missing, where=src_p) or _keep_location
     res.renamed, plan = _apply_renames(source, unwrap, strip, allow_missing)
-    _write(source, res, shard_bytes, dtype, location, plan, verify, progress)
+    _write(source, res, fmt_out, shard_bytes, dtype, location, plan, verify, progress)
     return res
 
 
-def _write(source: Source, res: ConvertResult, shard_bytes: int | None, dtype: str | None,
+def _write(source: Source, res: ConvertResult, fmt_out: OutputFormat, shard_bytes: int | None, dtype: str | None,
            location: Callable[[str], str], plan: RenamePlan | None, verify: bool,
            progress: ProgressFn | None) -> None:
-    """Write ``source`` to ``res.dst`` in ``res.format_out`` (:func:`ckptool.ops.convert.outputs.write_outputs`),
-    with the notes of what the output format does not carry."""
+    """Write ``source`` to ``res.dst`` as ``fmt_out`` (:func:`ckptool.ops.convert.outputs.write_outputs`), with the
+    notes of what the output format does not carry."""
     res.notes += source.notes[len(res.notes):]
-    if res.format_out == "safetensors" and source.sd_state is not None:
-        res.notes.append("the state_dict's _metadata (module versions for load_state_dict) was not carried: "
-                         "safetensors holds tensors only")
-    write_outputs(source, res.dst, res.format_out, shard_bytes, dtype, location, plan.rename if plan else None,
+    if not fmt_out.whole_state and source.sd_state is not None:
+        res.notes.append(f"the state_dict's _metadata (module versions for load_state_dict) was not carried: "
+                         f"{fmt_out.value} holds tensors only")
+    write_outputs(source, res.dst, fmt_out, shard_bytes, dtype, location, plan.rename if plan else None,
                   verify, progress, res)
 
 
-def _check_options(src: str, dst: str, fmt_out: str, shard_bytes: int | None, dtype: str | None,
+def _check_options(src: str, dst: str, fmt_out: OutputFormat, shard_bytes: int | None, dtype: str | None,
                    retag: bool) -> None:
     """Raise UsageError for option values and combinations :func:`convert` refuses before reading anything."""
     if dtype is not None and dtype not in CAST_TO:
         raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(CAST_TO)}")
-    if retag and fmt_out != "torch":
-        raise UsageError(f"--to sets torch location tags, and so does --map; {fmt_out} output carries none (load "
-                         "it with the device you want instead)")
-    if shard_bytes is not None and fmt_out == "dcp":
+    if retag and not fmt_out.location_tags:
+        raise UsageError(f"--to sets torch location tags, and so does --map; {fmt_out.value} output carries none "
+                         "(load it with the device you want instead)")
+    if shard_bytes is not None and fmt_out.folder:
         raise UsageError("--max-shard-size does not apply to DCP output (DCP writes one file per rank)")
-    if is_url(dst) and (shard_bytes is not None or fmt_out == "dcp"):
+    if is_url(dst) and (shard_bytes is not None or fmt_out.folder):
         raise UsageError(f"{dst}: a sharded set and a DCP checkpoint are several files, written to a local folder "
                          "only; write it there and upload the folder (an output URL takes one file)")
     if same_file(src, dst):
         raise UsageError(f"output {dst} is the input; choose another -o path")
 
 
-def _read_source(opened: Opened, fmt_out: str, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
-    """The tensors to convert (:meth:`ckptool.readers.Opened.state_dict`); for torch output from safetensors, the
-    tied names ``safetensors.torch.save_model`` dropped given back.
+def _read_source(opened: Opened, fmt_out: OutputFormat, key: str | None, tag: str | None,
+                 exclude_frozen: bool) -> Source:
+    """The tensors to convert (:meth:`ckptool.readers.Opened.state_dict`); for an output that keeps shared storages
+    (torch) from one file, the tied names ``safetensors.torch.save_model`` dropped given back (only a safetensors
+    source records them; a sharded set's metadata is its first shard's alone).
 
     Raises:
         UnsupportedError: the selected state_dict holds no tensors (and what the reader raises).
     """
-    if opened.format == "deepspeed":
+    if opened.spec.tagged:
         _refuse_deepspeed_options(opened.path, fmt_out, key)
     source = opened.state_dict(key, tag=tag, exclude_frozen=exclude_frozen)
-    if opened.format == formats.SAFETENSORS and fmt_out == "torch":
+    if fmt_out.shared_storages and opened.spec.kind == "file":
         restore_library_aliases(source)
     if not source.tensors:
         raise UnsupportedError(f"{opened.path}: the selected state_dict holds no tensors; nothing to convert")
     return source
 
 
-def _opened_to_dcp(opened: Opened, dst: str, *, key: str | None, trust: bool, verify: bool,
-                   renames: dict[str, Any], cast: str | None) -> ConvertResult:
-    """:func:`_to_dcp` of a torch file or a sharded set (a TorchScript archive is refused by its reader)."""
-    if opened.format == formats.TORCHSCRIPT:
-        opened.state_dict(key)  # raises the TorchScript message
-    if opened.spec.kind == "set":
-        return _to_dcp(opened.target, dst, key=key, trust=trust, verify=verify, renames=renames, cast=cast,
-                       fmt_in="sharded")
-    renaming = renames["unwrap"] or renames["strip_prefixes"]
-    return _to_dcp(opened.target, dst, key=key, trust=trust, verify=verify, renames=renames if renaming else {},
-                   cast=cast, fmt_in=opened.format)
-
-
 def _keep_location(saved: str) -> str:
     return saved
-
-
-def _output_format(dst: str, fmt: str | None, sharded: bool) -> str:
-    if fmt is not None:
-        if fmt not in ("torch", "safetensors", "dcp"):
-            raise UsageError(f"unknown format {fmt!r}: choose torch, safetensors or dcp")
-        return fmt
-    low = dst.lower()
-    if low.endswith(".safetensors"):
-        return "safetensors"
-    if low.endswith(_TORCH_SUFFIXES):
-        return "torch"
-    if sharded:  # a folder of shards
-        return "safetensors"
-    raise UsageError(f"cannot tell the output format from {dst!r}: name it *.safetensors or *.pt / *.pth / *.bin, "
-                     "or pass --format torch|safetensors|dcp")
 
 
 def _apply_renames(src: Source, unwrap: bool, strip_prefixes: Sequence[str],
@@ -284,28 +255,38 @@ def _refuse_overwriting_input(src: Source, dst: str, folder: bool) -> None:
         raise UsageError(f"output {dst} is one of the input files; choose another -o path")
 
 
-def _from_dcp(src: str, dst: str, *, fmt_out: str, trust: bool, options: dict[str, Any]) -> ConvertResult:
+def _from_dcp(opened: Opened, dst: str, *, fmt_out: OutputFormat, trust: bool,
+              options: dict[str, Any]) -> ConvertResult:
     """Convert a DCP folder: whole to a torch file, or through a temporary torch file beside ``dst``
-    (``format_utils.dcp_to_torch_save``) to ``dst`` with the other ``options``."""
-    meta = read_dcp_metadata(src)
+    (``format_utils.dcp_to_torch_save``) to ``dst`` with the other ``options``.
+
+    Raises:
+        UsageError: DCP output (the folder already is one).
+        UnsafeCheckpointError: ``.metadata`` names globals DCP does not write and ``trust`` is False.
+    """
+    src = opened.path
+    if fmt_out.folder:
+        raise UsageError(f"{src} is already a DCP checkpoint; convert it to torch or safetensors")
+    meta = opened.dcp_metadata()
     check_dcp_safe(meta, trust)
-    whole = fmt_out == "torch" and not any(options.get(k) for k in ("key", "to", "mapping", "max_shard_size",
-                                                                     "dtype", "unwrap", "strip_prefixes"))
+    whole = fmt_out.whole_state and not any(options.get(k) for k in ("key", "to", "mapping", "max_shard_size",
+                                                                      "dtype", "unwrap", "strip_prefixes"))
     if whole:
         return whole_dcp_to_torch(meta, dst, options.get("verify", True))
     with scratch_file(dst) as tmp:
         dcp_to_torch_file(src, tmp)
-        res = convert(tmp, dst, format=fmt_out, trust=True, **options)  # the file was written by torch just now
-    res.src, res.format_in = src, "dcp"
+        res = convert(tmp, dst, format=fmt_out.value, trust=True, **options)  # written by torch just now
+    res.src, res.format_in = src, opened.format
     return res
 
 
-def _to_dcp(src: str, dst: str, *, key: str | None, trust: bool, verify: bool, renames: dict[str, Any],
-            cast: str | None, fmt_in: str) -> ConvertResult:
-    """Write a DCP folder at ``dst`` (:func:`ckptool.ops.convert.dcp.write_dcp`).
+def _to_dcp(opened: Opened, dst: str, *, key: str | None, trust: bool, verify: bool, renames: dict[str, Any],
+            cast: str | None) -> ConvertResult:
+    """Write a DCP folder at ``dst`` (:func:`ckptool.ops.convert.dcp.write_dcp`) from a checkpoint whose tensors
+    ckptool reads (a torch file, a sharded set, safetensors, ``.pt2``, torch.package).
 
-    A torch file converts whole (training state included) unless ``key``, renames or ``cast`` ask for one
-    state_dict; other inputs are first converted to a temporary torch file, loaded with
+    A torch file (a pickle) converts whole (training state included) unless ``key``, renames or ``cast`` ask for
+    one state_dict; other inputs are first converted to a temporary torch file, loaded with
     :func:`ckptool.torch_ops.load.load_checkpoint` (safe unless ``trust``).
 
     Raises:
@@ -313,15 +294,19 @@ def _to_dcp(src: str, dst: str, *, key: str | None, trust: bool, verify: bool, r
         UnsupportedError: the input holds no dict; sparse, nested or storage-less tensors (DCP writes storages).
     """
     check_dcp_target(dst)
-    res = ConvertResult(src, dst, fmt_in, "dcp")
+    src = opened.target
+    if not (renames["unwrap"] or renames["strip_prefixes"]):
+        renames = {}
+    res = ConvertResult(src, dst, opened.format, OutputFormat.DCP.value)
     sub: ConvertResult | None = None
-    if fmt_in in (formats.TORCH_ZIP, formats.TORCH_LEGACY) and key is None and not renames and cast is None:
-        refuse_non_strided_for_dcp(src, fmt_in)
+    if opened.spec.pickled and key is None and not renames and cast is None:
+        refuse_non_strided_for_dcp(src, opened.format)
         res.notes.append(WHOLE_NOTE)
         obj, _saved = load_checkpoint(src, "cpu", trust=trust)
     else:
         with scratch_file(dst) as tmp:
-            sub = convert(src, tmp, format="torch", key=key, dtype=cast, verify=verify, trust=trust, **renames)
+            sub = convert(src, tmp, format=OutputFormat.TORCH.value, key=key, dtype=cast, verify=verify, trust=trust,
+                          **renames)
             res.key, res.left_out, res.skipped, res.cast, res.renamed = (sub.key, sub.left_out, sub.skipped,
                                                                          sub.cast, sub.renamed)
             obj, _saved = load_checkpoint(tmp, "cpu", trust=trust)
@@ -334,10 +319,10 @@ def _to_dcp(src: str, dst: str, *, key: str | None, trust: bool, verify: bool, r
     return res
 
 
-def _refuse_deepspeed_options(src: str, fmt_out: str, key: str | None) -> None:
+def _refuse_deepspeed_options(src: str, fmt_out: OutputFormat, key: str | None) -> None:
     """Raise UsageError for ``--key`` (a ZeRO checkpoint holds one model) or DCP output from a DeepSpeed folder."""
     if key is not None:
         raise UsageError(f"{src} is a DeepSpeed checkpoint: it holds one model, so --key does not apply")
-    if fmt_out == "dcp":
+    if fmt_out.folder:
         raise UsageError(f"{src} is a DeepSpeed checkpoint: convert it to safetensors or torch (DCP output is for "
                          "torch files)")

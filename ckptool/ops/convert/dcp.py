@@ -22,7 +22,6 @@ from ckptool.formats.dcp import DcpEntry, DcpMetadata
 from ckptool.formats.dtypes import contiguous_stride, element_size, tensor_dtype
 from ckptool.formats.nodes import TensorNode
 from ckptool.formats.pickler import PicklerError, dumps
-from ckptool.formats.torchfile import read_byteorder
 from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.formats.zipdir import data_offset
 from ckptool.model.tensor_nodes import tensor_node
@@ -30,7 +29,7 @@ from ckptool.ops.convert.source import ConvertResult
 from ckptool.ops.convert.verify import records_difference, verify_fail
 from ckptool.ops.convert.write import emit
 from ckptool.ops.rewrite.set_writer import scratch_file
-from ckptool.readers.read_dcp import RecordSlice
+from ckptool.readers.read_dcp import RecordSlice, record_byteorder
 from ckptool.readers.read_dcp import node_state as _state
 from ckptool.readers.read_dcp import open_record as _record
 from ckptool.readers.read_dcp import size_ints as _ints
@@ -219,30 +218,40 @@ def _tensor_copy(entry: DcpEntry, dtype: str, sdm: dict[Any, Any], node: Any, st
     Raises:
         _Unqualified: several chunks, a record that does not match ``.metadata``, a big-endian record.
     """
-    chunks = _state(sdm.get(entry.fqn)) or {}
-    chunk_list = chunks.get("chunks") if type(chunks) is dict else None
-    if not isinstance(chunk_list, list) or len(chunk_list) != 1:
-        raise _Unqualified
-    cst = _state(chunk_list[0])
     shape = entry.shape or ()
-    if type(cst) is not dict or _ints(cst.get("sizes")) != shape or any(_ints(cst.get("offsets")) or ()):
-        raise _Unqualified
-    if not isinstance(node, TensorNode) or len(storages) != 1 or node.storage is None:
+    if not _one_whole_chunk(sdm.get(entry.fqn), shape) or len(storages) != 1:
         raise _Unqualified
     nbytes = element_size(dtype) * _numel(shape)
-    key = node.storage.key
-    order = next((e for e in entries if e.name.endswith("/byteorder")), None)
-    if order is not None and read_byteorder(blob, order, what) != "little":
+    if not _is_whole_view(node, dtype, shape, nbytes):
+        raise _Unqualified
+    if record_byteorder(blob, entries, what) != "little":
         raise _Unqualified  # saved big-endian: torch.load swaps it, a byte copy would not
-    rec = next((e for e in entries if e.name.endswith(f"/data/{key}")), None)
-    if (tensor_dtype(node) != dtype or node.shape != shape or node.storage_offset != 0
-            or (nbytes and node.stride != contiguous_stride(shape)) or rec is None or rec.method != 0
-            or rec.file_size < nbytes):
+    rec = next((e for e in entries if e.name.endswith(f"/data/{node.storage.key}")), None)
+    if rec is None or rec.method != 0 or rec.file_size < nbytes:
         raise _Unqualified
     skey = str(len(copies))
     copies.append((f"data/{skey}", f, blob.start + data_offset(blob, rec, what), nbytes,  # type: ignore[arg-type]
                    rec.crc if rec.file_size == nbytes else -1))
     return tensor_node(skey, dtype, shape, contiguous_stride(shape))
+
+
+def _one_whole_chunk(tensor_meta: Any, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor's ``state_dict_metadata`` entry ``tensor_meta`` records one chunk holding all of ``shape``
+    (sizes ``shape``, offsets 0)."""
+    chunks = _state(tensor_meta) or {}
+    chunk_list = chunks.get("chunks") if type(chunks) is dict else None
+    if not isinstance(chunk_list, list) or len(chunk_list) != 1:
+        return False
+    cst = _state(chunk_list[0])
+    return type(cst) is dict and _ints(cst.get("sizes")) == shape and not any(_ints(cst.get("offsets")) or ())
+
+
+def _is_whole_view(node: Any, dtype: str, shape: tuple[int, ...], nbytes: int) -> bool:
+    """Whether the record's tensor ``node`` is a contiguous view of ``dtype`` and ``shape`` at offset 0 of a storage
+    (of ``nbytes`` bytes to copy)."""
+    return (isinstance(node, TensorNode) and node.storage is not None and tensor_dtype(node) == dtype
+            and node.shape == shape and node.storage_offset == 0
+            and (not nbytes or node.stride == contiguous_stride(shape)))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

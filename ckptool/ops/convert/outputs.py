@@ -1,29 +1,122 @@
-"""Writing a planned conversion: one file, or a set of shards plus its index; scratch files beside an output."""
+"""Writing a planned conversion: one file, or a set of shards plus its index, in each output format's own way
+(:data:`WRITERS`, keyed by :class:`~ckptool.ops.convert.source.OutputFormat`)."""
 
 from __future__ import annotations
 
 import functools
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ckptool.formats.dtypes import DTYPE_SIZES
 from ckptool.formats.sharded import output_layout
 from ckptool.formats.tensors import Source
 from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, union_elements, units
-from ckptool.ops.convert.source import ConvertResult, out_dtype
+from ckptool.ops.convert.source import ConvertResult, OutputFormat, out_dtype
 from ckptool.ops.convert.verify import torch_verifier, verification_check, verify_safetensors, with_evidence
-from ckptool.ops.convert.write import Files, archive_name, emit, write_safetensors, write_torch
+from ckptool.ops.convert.write import Files, Written, archive_name, emit, write_safetensors, write_torch
 from ckptool.ops.rewrite.set_writer import write_set
 from ckptool.ops.rewrite.stream import ProgressFn, announce_total
 
 
-def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, cast: str | None,
+@dataclass
+class Job:
+    """One conversion being written: the ``src`` tensors, their ``cast``, the torch output's ``location`` and
+    ``rename_key`` (for ``_metadata``), the selected state_dict's BUILD ``state`` (None for several shards: one shard
+    of several carries no ``_metadata``), whether to ``verify``, the ``progress`` callback, the ``files`` read and
+    the ``res`` filled."""
+
+    src: Source
+    cast: str | None
+    location: Callable[[str], str]
+    rename_key: Callable[[str], str] | None
+    verify: bool
+    progress: ProgressFn | None
+    res: ConvertResult
+    files: Files = field(default_factory=Files)
+    state: dict[str, object] | None = None
+
+    def tick(self, n: int) -> None:
+        """Report ``n`` more bytes written."""
+        if self.progress is not None:
+            self.progress(n)
+
+
+def _write_safetensors_file(job: Job, path: str, final: str, us: list[Unit]) -> tuple[Written, list[str]]:
+    """Write the units ``us`` as one safetensors file at ``path``: what was written, and the names stored."""
+    meta = dict(job.src.metadata) if job.src.metadata else None
+    check = with_evidence(job.files.evidence, verify_safetensors) if job.verify else None
+    w = emit(path, functools.partial(write_safetensors, plan=us, base_meta=meta, files=job.files, cast=job.cast,
+                                     progress=job.tick, res=job.res, need_crc=job.verify), check)
+    return w, [t.name for u in us for t in u.stored]
+
+
+def _write_torch_file(job: Job, path: str, final: str, us: list[Unit]) -> tuple[Written, list[str]]:
+    """Write the tensors of ``us`` as one torch zip file at ``path`` (its records named after ``final``): what was
+    written, and the names stored."""
+    tensors = sorted((t for u in us for t in u.members), key=lambda t: t.index)
+    check = with_evidence(job.files.evidence, torch_verifier(job.cast)) if job.verify else None
+    w = emit(path, functools.partial(write_torch, tensors=tensors, files=job.files, cast=job.cast,
+                                     location=job.location, archive=archive_name(final), sd_state=job.state,
+                                     rename_key=job.rename_key, progress=job.tick), check)
+    return w, [t.name for t in tensors]
+
+
+def _safetensors_tally(plan: list[Unit], src: Source) -> tuple[int, int]:
+    """``(tensors stored, storage bytes no tensor reaches)``: safetensors stores each reach of a storage once."""
+    trimmed = sum(u.storage.nbytes - union_elements(u.members) * DTYPE_SIZES[u.storage.dtype] for u in plan)
+    return sum(len(u.stored) for u in plan), trimmed
+
+
+def _torch_tally(plan: list[Unit], src: Source) -> tuple[int, int]:
+    """``(tensors stored, 0)``: torch output stores every tensor over a copy of its whole storage."""
+    return len(src.tensors), 0
+
+
+def _safetensors_size(u: Unit) -> int:
+    return u.stored_bytes()
+
+
+def _torch_size(u: Unit) -> int:
+    return u.storage.numel * DTYPE_SIZES[u.dtype]
+
+
+def _no_refusal(src: Source, cast: str | None) -> None:
+    return None
+
+
+def _safetensors_refusal(src: Source, cast: str | None) -> None:
+    check_safetensors_dtypes(src.tensors, cast, src.path)
+
+
+@dataclass(frozen=True)
+class Writer:
+    """How one output format is written: ``refuse`` (raise before writing what it cannot hold), ``unit_size`` (the
+    output bytes of a storage's unit), ``write_file`` (one file of units, returning what was written and the names
+    it stores), ``tally`` (tensors stored, storage bytes left out)."""
+
+    refuse: Callable[[Source, str | None], None]
+    unit_size: Callable[[Unit], int]
+    write_file: Callable[[Job, str, str, list[Unit]], tuple[Written, list[str]]]
+    tally: Callable[[list[Unit], Source], tuple[int, int]]
+
+
+#: the writer of each output format ckptool writes itself (DCP output is written by torch: ``convert.dcp``)
+WRITERS: dict[OutputFormat, Writer] = {
+    OutputFormat.SAFETENSORS: Writer(_safetensors_refusal, _safetensors_size, _write_safetensors_file,
+                                     _safetensors_tally),
+    OutputFormat.TORCH: Writer(_no_refusal, _torch_size, _write_torch_file, _torch_tally),
+}
+
+
+def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_bytes: int | None, cast: str | None,
                   location: Callable[[str], str], rename_key: Callable[[str], str] | None, verify: bool,
                   progress: ProgressFn | None, res: ConvertResult) -> None:
-    """Write ``src`` to ``dst`` as ``fmt_out`` (``"safetensors"`` / ``"torch"``), filling ``res``: one file, or with
-    ``shard_bytes`` a set of shards of at most that many bytes each (:func:`ckptool.formats.sharded.output_layout`:
-    beside ``dst`` when it is named ``NAME.safetensors`` / ``.bin`` / ``.pt`` / ``.pth``, else in the folder
-    ``dst``), written as :func:`write_set` describes.
+    """Write ``src`` to ``dst`` as ``fmt_out`` (:attr:`OutputFormat.SAFETENSORS` or :attr:`OutputFormat.TORCH`, or
+    its value: :data:`WRITERS`), filling ``res``: one file,
+    or with ``shard_bytes`` a set of shards of at most that many bytes each
+    (:func:`ckptool.formats.sharded.output_layout`: beside ``dst`` when it is named ``NAME.safetensors`` / ``.bin``
+    / ``.pt`` / ``.pth``, else in the folder ``dst``), written as :func:`write_set` describes.
 
     Raises:
         UnsupportedError: a dtype safetensors cannot hold.
@@ -32,43 +125,21 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
         OutputError: writing or renaming an output file failed.
         VerificationError: an output file does not read back as written (nothing of the run is kept).
     """
-    if fmt_out == "safetensors":
-        check_safetensors_dtypes(src.tensors, cast, src.path)
+    fmt_out = OutputFormat(fmt_out)
+    writer = WRITERS[fmt_out]
+    writer.refuse(src, cast)
     plan = units(src.tensors, cast)
-
-    def unit_size(u: Unit) -> int:
-        if fmt_out == "safetensors":
-            return u.stored_bytes()
-        return u.storage.numel * DTYPE_SIZES[u.dtype]
-
-    total = sum(unit_size(u) for u in plan)
+    total = sum(writer.unit_size(u) for u in plan)
     announce_total(progress, total)
-
-    def tick(n: int) -> None:
-        if progress is not None:
-            progress(n)
-
-    groups = [plan] if shard_bytes is None else split(plan, shard_bytes, unit_size)
-    state = src.sd_state if len(groups) == 1 else None  # one shard of several carries no _metadata
+    groups = [plan] if shard_bytes is None else split(plan, shard_bytes, writer.unit_size)
+    job = Job(src, cast, location, rename_key, verify, progress, res,
+              state=src.sd_state if len(groups) == 1 else None)
+    job.files.evidence.expect_records(t.storage for t in src.tensors)
     weight_map: dict[str, str] = {}
-    files = Files()
-    files.evidence.expect_records(t.storage for t in src.tensors)
 
     def write(path: str, final: str, us: list[Unit]) -> None:
         """Write the units ``us`` into ``path``, the bytes of the output file ``final``."""
-        tensors = sorted((t for u in us for t in u.members), key=lambda t: t.index)
-        if fmt_out == "safetensors":
-            meta = dict(src.metadata) if src.metadata else None
-            w = emit(path, functools.partial(write_safetensors, plan=us, base_meta=meta, files=files, cast=cast,
-                                             progress=tick, res=res, need_crc=verify),
-                     with_evidence(files.evidence, verify_safetensors) if verify else None)
-            names = [t.name for u in us for t in u.stored]
-        else:
-            w = emit(path, functools.partial(write_torch, tensors=tensors, files=files, cast=cast,
-                                             location=location, archive=archive_name(final), sd_state=state,
-                                             rename_key=rename_key, progress=tick),
-                     with_evidence(files.evidence, torch_verifier(cast)) if verify else None)
-            names = [t.name for t in tensors]
+        w, names = writer.write_file(job, path, final, us)
         res.bytes_written += w.nbytes
         weight_map.update((n, os.path.basename(final)) for n in names)
 
@@ -78,15 +149,12 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
             res.files.append(dst)
         else:
             inputs = list(dict.fromkeys([src.path, *(t.storage.path for t in src.tensors)]))
-            write_set(output_layout(dst, fmt_out), groups, write, inputs, weight_map, total, res, dst)
+            write_set(output_layout(dst, fmt_out.value), groups, write, inputs, weight_map, total, res, dst)
     finally:
-        files.close()
+        job.files.close()
     res.shards = len(groups)
     res.tensors = len(src.tensors)
-    res.stored = sum(len(u.stored) for u in plan) if fmt_out == "safetensors" else len(src.tensors)
-    if fmt_out == "safetensors":  # torch output copies whole storages
-        res.trimmed_bytes = sum(u.storage.nbytes - union_elements(u.members) * DTYPE_SIZES[u.storage.dtype]
-                                for u in plan)
+    res.stored, res.trimmed_bytes = writer.tally(plan, src)
     for t in src.tensors:
         out = out_dtype(t.dtype, cast)
         if out != t.dtype:
@@ -95,4 +163,4 @@ def write_outputs(src: Source, dst: str, fmt_out: str, shard_bytes: int | None, 
     if verify:
         res.verified = True
         res.checked = verification_check(fmt_out, {out_dtype(t.dtype, cast) for t in src.tensors},
-                                         files.evidence.summary())
+                                         job.files.evidence.summary())

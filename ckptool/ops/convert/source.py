@@ -3,6 +3,7 @@ their layouts) is the readers layer's: :mod:`ckptool.formats.tensors`."""
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass, field
 
@@ -14,10 +15,78 @@ CAST_FROM = ("float16", "bfloat16", "float32", "float64")
 CAST_TO = ("float16", "bfloat16", "float32", "float64")
 
 
+class OutputFormat(enum.Enum):
+    """What ``convert`` writes (``format=`` / ``--format``; ``ConvertResult.format_out`` holds its ``value``), with
+    what each output carries: :attr:`suffixes` (a ``dst`` so named chooses it), :attr:`location_tags` (storages
+    tagged with a device: ``to`` / ``mapping`` apply), :attr:`shared_storages` (views of one storage stay views),
+    :attr:`whole_state` (a whole pickled checkpoint, not tensors only), :attr:`folder` (several files written by torch
+    into a new folder: no shards, no URL output)."""
+
+    TORCH = "torch"
+    SAFETENSORS = "safetensors"
+    DCP = "dcp"
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        """The ``dst`` suffixes that choose this format when ``format`` is not given."""
+        return _SUFFIXES.get(self, ())
+
+    @property
+    def location_tags(self) -> bool:
+        """Its storages carry location tags (``--to`` / ``--map`` apply)."""
+        return self is OutputFormat.TORCH
+
+    @property
+    def shared_storages(self) -> bool:
+        """Tensors sharing a storage stay views of one storage (tied names come back as views)."""
+        return self is OutputFormat.TORCH
+
+    @property
+    def whole_state(self) -> bool:
+        """It holds a whole pickled checkpoint (nested dicts, non-tensor values, a state_dict's ``_metadata``), not
+        tensors only."""
+        return self is OutputFormat.TORCH
+
+    @property
+    def folder(self) -> bool:
+        """Written as a folder of files by torch (``torch.distributed.checkpoint``): not sharded by ckptool."""
+        return self is OutputFormat.DCP
+
+    @classmethod
+    def choose(cls, dst: str, fmt: str | None, sharded: bool) -> OutputFormat:
+        """The format ``fmt`` names, else the one ``dst``'s suffix names, else safetensors for a folder of shards.
+
+        Raises:
+            UsageError: ``fmt`` names no output format; no ``fmt`` and ``dst``'s suffix names none.
+        """
+        if fmt is not None:
+            try:
+                return cls(fmt)
+            except ValueError:
+                raise UsageError(f"unknown format {fmt!r}: choose torch, safetensors or dcp") from None
+        low = dst.lower()
+        found = next((f for f in cls if low.endswith(f.suffixes)), None)
+        if found is not None:
+            return found
+        if sharded:  # a folder of shards
+            return cls.SAFETENSORS
+        raise UsageError(f"cannot tell the output format from {dst!r}: name it *.safetensors or *.pt / *.pth / *.bin, "
+                         "or pass --format torch|safetensors|dcp")
+
+
+_SUFFIXES = {
+    OutputFormat.SAFETENSORS: (".safetensors",),
+    OutputFormat.TORCH: (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"),
+}
+
+
 @dataclass
 class ConvertResult:
     """What :func:`ckptool.ops.convert.convert` did.
 
+    ``format_in`` is the input's registry name (:data:`ckptool.readers.FORMATS`: ``torch-zip``,
+    ``sharded-safetensors``, ``dcp``...), ``format_out`` an :class:`OutputFormat`'s value (``torch``,
+    ``safetensors``, ``dcp``).
     ``dst`` is the file written (the ``*.index.json`` of a named shard set), or the folder for a shard folder and
     DCP output; ``files`` lists every file written (shards, then the index). ``key`` is the dotted path of the
     state_dict converted (``""``: top level; None for safetensors, sharded and whole-object conversions).
@@ -56,7 +125,7 @@ class ConvertResult:
     def load_path(self) -> str:
         """The one path that opens the output: the DCP folder, the index of several shards, else the file written
         (the single file of a shard folder whose tensors fit one shard, not the folder ``dst``)."""
-        if self.format_out == "dcp" or not self.files:
+        if OutputFormat(self.format_out).folder or not self.files:
             return self.dst
         return self.files[-1]
 

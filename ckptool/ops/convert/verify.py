@@ -5,12 +5,16 @@ Which reader depends on what is installed (:func:`verification_check` says which
 
 * safetensors: ``safetensors.safe_open`` (its NumPy framework when NumPy holds every dtype, else torch's) checks
   names, dtypes, shapes, CRC-32 and ``__metadata__``; with neither torch nor NumPy installed, ckptool's own header
-  reader (:func:`ckptool.formats.safetensors.read_header`) with the safetensors library's layout rules and a CRC-32
-  of each tensor's bytes. Then ckptool reads the file back and compares every tensor (aliases included) and the
+  reader (:meth:`ckptool.readers.Opened.safetensors_header`) with the safetensors library's layout rules and a
+  CRC-32 of each tensor's bytes. Then ckptool reads the file back and compares every tensor (aliases included) and the
   storage sharing.
 * torch: ``torch.load(mmap=True, weights_only=True)``
   (:func:`ckptool.torch_ops.convert_verify.torch_load_difference`), or without torch ckptool's restricted reader
-  (:func:`ckptool.readers.read_torch.torch_source`); then every storage record's CRC-32 through ``zipfile``.
+  (:meth:`ckptool.readers.Opened.state_dict`); then every storage record's CRC-32 through ``zipfile``.
+
+The output is opened through :func:`ckptool.readers.open_checkpoint` like any checkpoint; what it is compared with
+never passed through that reader: the tensors the writer meant to write (:class:`~ckptool.ops.convert.write.Written`)
+and the CRC-32 checksums of the bytes as they were written.
 """
 
 from __future__ import annotations
@@ -23,15 +27,12 @@ from typing import TypeVar
 from ckptool._fileio import copy_range_crc
 from ckptool.errors import CkptError
 from ckptool.errors import VerificationError as VerificationError  # re-export: its home is ckptool.errors
-from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import ST_NAMES, contiguous_stride, element_size, numel
-from ckptool.formats.safetensors import read_header
 from ckptool.formats.tensors import Tensor
 from ckptool.ops.convert.evidence import SourceEvidence
-from ckptool.ops.convert.source import out_dtype
+from ckptool.ops.convert.source import OutputFormat, out_dtype
 from ckptool.ops.convert.write import Written
-from ckptool.readers.read_safetensors import safetensors_source
-from ckptool.readers.read_torch import torch_source
+from ckptool.readers import open_checkpoint
 from ckptool.torch_ops.convert_verify import (
     is_installed,
     safe_open_difference,
@@ -43,30 +44,47 @@ from ckptool.torch_ops.convert_verify import (
 _CHUNK = 8 << 20
 W = TypeVar("W")
 
+
 def verify_fail(path: str, what: str) -> VerificationError:
     """The :class:`VerificationError` for output ``path`` differing in ``what``."""
     return VerificationError(f"verification of {path} failed: {what}; the output was not kept. Check the disk and "
                              "retry; if it fails again, report it with the source file's `ckptool inspect --json`")
 
 
-def verification_check(fmt_out: str, dtypes: Collection[str], evidence: str = "") -> str:
-    """What :func:`verify_safetensors` (``fmt_out="safetensors"``) or :func:`torch_verifier` (``"torch"``) compare
-    for an output of ``dtypes`` on this installation, with which reader, and against what evidence about the source
-    (``evidence``: :meth:`ckptool.ops.convert.evidence.SourceEvidence.summary`): the text of
-    ``ConvertResult.checked``, which the CLI prints after ``Verified:``."""
-    if fmt_out == "safetensors":
-        framework = safetensors_framework(dtypes)
-        if framework is None:
-            how = ("ckptool's own safetensors reader and a CRC-32 of each tensor's bytes (the safetensors library "
-                   "with torch or NumPy is not installed)")
-        else:
-            how = f"safetensors.safe_open with {'NumPy' if framework == 'numpy' else 'torch'}"
-        what = f"the output, re-opened with {how}, holds the names, shapes, dtypes and CRC-32 checksums written"
+def _safetensors_check(dtypes: Collection[str]) -> str:
+    """What :func:`verify_safetensors` compares for an output of ``dtypes`` on this installation."""
+    framework = safetensors_framework(dtypes)
+    if framework is None:
+        how = ("ckptool's own safetensors reader and a CRC-32 of each tensor's bytes (the safetensors library "
+               "with torch or NumPy is not installed)")
     else:
-        how = ("torch.load(weights_only=True)" if is_installed("torch")
-               else "ckptool's own reader (torch is not installed)")
-        what = (f"the output, re-opened with {how} and zipfile, holds the names, shapes, dtypes, strides, storage "
-                "sharing and record CRC-32 checksums written")
+        how = f"safetensors.safe_open with {'NumPy' if framework == 'numpy' else 'torch'}"
+    return f"the output, re-opened with {how}, holds the names, shapes, dtypes and CRC-32 checksums written"
+
+
+def _torch_check(dtypes: Collection[str]) -> str:
+    """What :func:`torch_verifier`'s check compares on this installation."""
+    how = "torch.load(weights_only=True)" if is_installed("torch") else "ckptool's own reader (torch is not installed)"
+    return (f"the output, re-opened with {how} and zipfile, holds the names, shapes, dtypes, strides, storage "
+            "sharing and record CRC-32 checksums written")
+
+
+_CHECKS: dict[OutputFormat, Callable[[Collection[str]], str]] = {
+    OutputFormat.SAFETENSORS: _safetensors_check,
+    OutputFormat.TORCH: _torch_check,
+}
+
+
+def verification_check(fmt_out: OutputFormat, dtypes: Collection[str], evidence: str = "") -> str:
+    """What :func:`verify_safetensors` (safetensors output) or :func:`torch_verifier` (torch output) compare for an
+    output of ``dtypes`` on this installation, with which reader, and against what evidence about the source
+    (``evidence``: :meth:`ckptool.ops.convert.evidence.SourceEvidence.summary`): the text of
+    ``ConvertResult.checked``, which the CLI prints after ``Verified:``.
+
+    Raises:
+        KeyError: ``fmt_out`` is an output ckptool does not write itself (DCP).
+    """
+    what = _CHECKS[fmt_out](dtypes)
     if evidence:
         what += f"; the source bytes written match {evidence}"
     return what
@@ -90,16 +108,17 @@ def with_evidence(evidence: SourceEvidence, verifier: Callable[[W, str], None]) 
 def header_difference(path: str, expect: Sequence[tuple[str, str, tuple[int, ...], int | None]],
                       metadata: Mapping[str, str] | None) -> str | None:
     """The check of :func:`ckptool.torch_ops.convert_verify.safe_open_difference` without torch or NumPy: the
-    header is parsed by :func:`ckptool.formats.safetensors.read_header` and held to the rules the safetensors
+    header is read by :meth:`ckptool.readers.Opened.safetensors_header` and held to the rules the safetensors
     library enforces on opening (the tensors' byte ranges follow one another without gap or overlap and fill the
     data block, each as long as its dtype and shape need); then names, dtypes, shapes, ``__metadata__`` and the
     CRC-32 of each tensor's bytes are compared with ``expect`` (``[(name, dtype, shape, crc or None)]``).
 
     Raises:
         CorruptCheckpointError: the header itself is malformed.
+        UnsupportedError / NotACheckpointError: the file is not a safetensors file.
         OSError: the file cannot be read.
     """
-    h = read_header(path, strict_metadata=True)
+    h = open_checkpoint(path).safetensors_header()
     if set(h.entries) != {e[0] for e in expect}:
         return f"tensor names differ ({', '.join(sorted(set(h.entries) ^ {e[0] for e in expect})[:3])})"
     if (h.metadata or None) != (metadata or None):
@@ -147,7 +166,7 @@ def verify_safetensors(w: Written, path: str) -> None:
         raise verify_fail(path, f"safetensors.safe_open refused it ({type(e).__name__}: {e})") from e
     if diff is not None:
         raise verify_fail(path, diff)
-    back = safetensors_source(path)
+    back = open_checkpoint(path).state_dict()
     unit_of = {id(t): u for u in w.units for t in u.members}
 
     def expected(t: Tensor) -> tuple[str, str, tuple[int, ...], tuple[int, ...], int]:
@@ -191,12 +210,12 @@ def records_difference(path: str, records: Mapping[str, int] | None) -> str | No
 
 def reader_difference(path: str, expected: Sequence[Tensor], dtype_of: Callable[[str], str] = str) -> str | None:
     """The check of :func:`ckptool.torch_ops.convert_verify.torch_load_difference` without torch: the torch zip
-    file at ``path`` is read back with ckptool's restricted reader (:func:`ckptool.readers.read_torch.
-    torch_source`) and every tensor's key (in order), dtype (``dtype_of(t.dtype)``: the dtype written), shape,
+    file at ``path`` is read back with ckptool's restricted reader (:meth:`ckptool.readers.Opened.
+    state_dict`) and every tensor's key (in order), dtype (``dtype_of(t.dtype)``: the dtype written), shape,
     stride, storage offset, ``requires_grad`` and storage sharing compared with the tensors meant to be written
     (``expected``)."""
     try:
-        back = torch_source(path, formats.TORCH_ZIP, None)
+        back = open_checkpoint(path).state_dict()
     except CkptError as e:
         return f"ckptool's reader refused it ({e})"
     if [t.name for t in back.tensors] != [t.name for t in expected]:

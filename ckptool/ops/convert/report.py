@@ -1,0 +1,105 @@
+"""What ``convert`` did, in sentences for people: the lines ``ckptool convert`` prints around its ``Wrote`` line.
+
+The input's facts come from the registry (:data:`ckptool.readers.FORMATS`, by ``ConvertResult.format_in``): a
+DeepSpeed folder's consolidated state_dict (``tagged``), the one flat mapping of a safetensors file or a sharded set
+(not ``keyed``), how ``--key`` names another state_dict (``key_form``).
+"""
+
+from __future__ import annotations
+
+from ckptool.model.units import human_bytes
+from ckptool.ops.convert.source import ConvertResult
+from ckptool.readers import FORMATS, Format
+
+_LIST = 8  # names listed before "and N more"
+_LEFT_OUT = 20  # entries not carried listed before "... and N more"
+
+
+def _names(items: list[str]) -> str:
+    more = f" and {len(items) - _LIST} more" if len(items) > _LIST else ""
+    return ", ".join(items[:_LIST]) + more
+
+
+def _entries(n: int) -> str:
+    return f"entr{'y' if n == 1 else 'ies'}"
+
+
+def _input_format(res: ConvertResult) -> Format:
+    """The registry entry of ``res.format_in`` (a plain keyed file for a name the registry does not hold)."""
+    return FORMATS.get(res.format_in) or Format(res.format_in, res.format_in, "file", keyed=True)
+
+
+def selection(res: ConvertResult) -> str:
+    """What was converted: ``state_dict 'model'``, ``the top-level state_dict``, a DeepSpeed folder's consolidated
+    state_dict, ``the tensors`` of a flat mapping, else ``the whole checkpoint``."""
+    spec = _input_format(res)
+    if res.key:
+        return f"state_dict {res.key!r}"
+    if res.key == "":
+        return "the top-level state_dict"
+    if spec.tagged:
+        return "the consolidated ZeRO state_dict (fp32 master weights, buffers)"
+    if not spec.keyed:
+        return "the tensors"
+    return "the whole checkpoint"
+
+
+def _left_out_lines(res: ConvertResult) -> list[str]:
+    """The entries of the input not carried, with the ``--key`` that converts another (where one can)."""
+    spec = _input_format(res)
+    n = len(res.left_out)
+    how = "" if spec.tagged else f" (pass --key {spec.key_form} to convert another state_dict)"
+    lines = [f"Not carried: {n} other {_entries(n)} of the file{how}:"]
+    lines += [f"  {line}" for line in res.left_out[:_LEFT_OUT]]
+    if n > _LEFT_OUT:
+        lines.append(f"  ... and {n - _LEFT_OUT} more")
+    return lines
+
+
+def _layout_lines(res: ConvertResult) -> list[str]:
+    """Aliases, layouts made contiguous, storage bytes left out, casts, renamed keys."""
+    lines = []
+    if res.aliases:
+        pairs = [f"{a} -> {k}" for a, k in res.aliases.items()]
+        lines.append(f"Shared storage: {len(res.aliases)} tensor(s) stored once, as views of another (recorded in "
+                     f"__metadata__; ckptool restores them): {_names(pairs)}")
+    if res.made_contiguous:
+        lines.append(f"Stored contiguous (their layout was not): {_names(res.made_contiguous)}")
+    if res.trimmed_bytes:
+        lines.append(f"Storage bytes no tensor reaches were not carried: {human_bytes(res.trimmed_bytes)}")
+    if res.cast:
+        lines.append("Cast: " + ", ".join(f"{k} ({n})" for k, n in sorted(res.cast.items())))
+    if res.renamed:
+        lines.append(f"Renamed {res.renamed} key(s)")
+    return lines
+
+
+def convert_lines(res: ConvertResult) -> list[str]:
+    """The report of ``res`` before its ``Wrote`` line: what was converted, what was left out or not stored, the
+    layout changes (:func:`_layout_lines`), the notes."""
+    lines = [f"Converted {selection(res)} of {res.src} ({res.format_in}) to {res.format_out}."]
+    if res.left_out:
+        lines += _left_out_lines(res)
+    if res.skipped:
+        lines.append(f"Not stored: {len(res.skipped)} non-tensor {_entries(len(res.skipped))} of the state_dict: "
+                     f"{_names(res.skipped)}")
+    lines += _layout_lines(res)
+    lines += [f"Note: {note}" for note in res.notes]
+    return lines
+
+
+def written_detail(res: ConvertResult) -> str:
+    """What the output holds, for the ``Wrote DST (SIZE, DETAIL)`` line: ``12 tensors`` / ``3 of 4 tensors stored``,
+    and the shard count of a set."""
+    shards = f", {res.shards} shards + index" if res.shards > 1 else ""
+    stored = f"{res.stored} of {res.tensors} tensors stored" if res.stored != res.tensors else f"{res.tensors} tensors"
+    return stored + shards
+
+
+def verification_line(res: ConvertResult) -> str:
+    """``Verified: ...`` (what was compared with what), ``Not verified (--no-verify)``, or ``""`` (neither)."""
+    if res.verified:
+        return f"Verified: {res.checked}"
+    if res.verified is None:
+        return "Not verified (--no-verify)"
+    return ""
