@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 from ckptool import _source as source
 from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
@@ -49,7 +49,7 @@ from ckptool.formats.sharded import INDEX_SUFFIX, ShardIndex, is_checkpoint_set,
 from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file
 from ckptool.formats.zipdir import ZipEntry
-from ckptool.model.graph import find_state_dicts
+from ckptool.model.graph import find_state_dicts, state_children
 from ckptool.model.keys import shared_prefixes
 from ckptool.model.values import iter_values
 from ckptool.model.zero import ZeroCheckpoint, read_zero
@@ -58,7 +58,7 @@ from ckptool.readers.read_deepspeed import deepspeed_source
 from ckptool.readers.read_package import package_source, package_state_dicts
 from ckptool.readers.read_pt2 import pt2_source
 from ckptool.readers.read_safetensors import index_source, safetensors_source
-from ckptool.readers.read_torch import torch_source
+from ckptool.readers.read_torch import graph_source, torch_source
 
 __all__ = [
     "FORMATS",
@@ -87,7 +87,11 @@ class Format:
     ``tensors``: whether ckptool reads its tensors without running code (:meth:`Opened.state_dict`), else
     ``refusal``, the sentence that says why not and what to do instead (a torch.package archive, whose tensors
     are read, keeps one for the commands that do not take it yet: ``ckptool.ops.matrix``); ``keyed``: it holds
-    several mappings, of which a dotted ``key`` selects one (the others hold one flat mapping of tensors)."""
+    several mappings, of which a dotted ``key`` selects one (the others hold one flat mapping of tensors).
+    ``location_tags``: its files record each storage's location tag (torch pickles; the others open on the CPU);
+    ``strides``: which strides its tensors keep, ``"saved"`` (every tensor's, as saved), ``"views"`` (contiguous,
+    but for the views ckptool's sharing record gives back: safetensors) or ``"none"`` (a DCP folder: ``dcp.load``
+    copies each record into the caller's tensors)."""
 
     name: str
     label: str
@@ -96,28 +100,33 @@ class Format:
     tensors: bool = True
     refusal: str = ""
     keyed: bool = False
+    location_tags: bool = False
+    strides: Literal["saved", "views", "none"] = "none"
 
+
+#: what torch.save files record of each tensor: its storage's location tag and its strides
+_TORCH_LAYOUT: dict[str, Any] = {"location_tags": True, "strides": "saved"}
 
 #: every format ckptool reads, in the order of ``docs/formats.md``
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(detect.TORCH_ZIP, "`torch.save` zip (`pytorch_model.bin`, accelerate's `optimizer.bin`)", "file",
-           pickled=True, keyed=True),
+           pickled=True, keyed=True, **_TORCH_LAYOUT),
     Format(detect.TORCH_LEGACY, "`torch.save(..., _use_new_zipfile_serialization=False)`", "file", pickled=True,
-           keyed=True),
-    Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False,
+           keyed=True, **_TORCH_LAYOUT),
+    Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False, **_TORCH_LAYOUT,
            refusal="is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
                    "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file"),
-    Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", keyed=True,
+    Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", keyed=True, **_TORCH_LAYOUT,
            refusal="is a torch.package archive: its objects are rebuilt by the package's own code, which this "
                    "command would run; `ckptool convert PATH -o model.safetensors` writes its tensors without "
                    "running it (then run the command on that file), torch.package.PackageImporter(path)."
                    "load_pickle(...) loads them (runs the package's code: trusted files only)"),
-    Format(detect.SAFETENSORS, "safetensors file", "file"),
-    Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set"),
-    Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set"),
+    Format(detect.SAFETENSORS, "safetensors file", "file", strides="views"),
+    Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set", strides="views"),
+    Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set", **_TORCH_LAYOUT),
     Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True),
-    Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True),
-    Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder"),
+    Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True, strides="saved"),
+    Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder", **_TORCH_LAYOUT),
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
            refusal="is a plain pickle without torch storages, not a torch.save checkpoint"),
 )}
@@ -282,8 +291,8 @@ class Opened:
             UnsupportedError: a format whose tensors are not read without running code (TorchScript reads as a
                 pickle), see :meth:`state_dict`.
         """
-        if self.spec.pickled or self.format == "dcp":
-            root = self.graph().root if self.spec.pickled else dcp_tree(self.dcp_metadata())
+        root = self.tree()
+        if root is not None:
             refs = find_state_dicts(root)
             return [StateDictEntry(r.path, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
                     for r in refs for keys in [r.keys()]]
@@ -293,12 +302,43 @@ class Opened:
         names = tuple(t.name for t in self.state_dict().tensors)
         return [StateDictEntry("", names, tuple(shared_prefixes(names)))]
 
+    def tree(self) -> Any:
+        """The nesting in which a dotted ``key`` names a state_dict: a pickle's root node (:meth:`graph`), a DCP
+        folder's ``planner_data`` nesting (:func:`ckptool.readers.read_dcp.dcp_tree`); None for the other formats
+        (a torch.package archive's state_dicts are ``<member>:<path>``: :meth:`state_dicts`).
+
+        Raises: what :meth:`graph` and :meth:`dcp_metadata` raise.
+        """
+        if self.spec.pickled:
+            return self.graph().root
+        if self.format == "dcp":
+            return self._cached("tree", lambda: dcp_tree(self.dcp_metadata()))
+        return None
+
+    def all_tensors(self) -> tuple[Source, dict[str, str]]:
+        """Every tensor of a torch zip, legacy or TorchScript file read whole, not one selected state_dict
+        (:func:`ckptool.readers.read_torch.graph_source`: a pickled ``nn.Module`` gives its state_dict, a TorchScript
+        archive's constants are keyed ``constants.<key>``), with ``{key: why}`` for the tensors whose bytes are
+        not read (no storage, a compressed record); read once.
+
+        Raises:
+            UnsupportedError: a format that is no torch pickle (a plain pickle, sets, folders, other files).
+            CorruptCheckpointError: see :meth:`graph`.
+        """
+        return self._cached("all_tensors", lambda: graph_source(self.graph()))
+
     def values(self) -> dict[str, object]:
         """The plain non-tensor values by dotted path (epoch, step, hyper-parameters: :func:`ckptool.model.values.
-        iter_values`) of a pickle; a safetensors file's ``__metadata__`` strings; nothing for the other formats
-        (their non-tensor entries are pickles ckptool does not run, or absent). Tensor data is never read."""
+        iter_values`) of a pickle, a pickled ``nn.Module``'s attributes left out (its state_dict is its parameters
+        and buffers: :func:`ckptool.model.graph.state_children`), a TorchScript archive's constants keyed
+        ``constants.<key>``; a safetensors file's ``__metadata__`` strings; nothing for the other formats (their
+        non-tensor entries are pickles ckptool does not run, or absent). Tensor data is never read."""
         if self.spec.pickled:
-            return dict(iter_values(self.graph().root))
+            ck = self.graph()
+            values = dict(iter_values(ck.root, "", state_children))
+            for name, extra in ck.extra_roots.items():
+                values.update(iter_values(extra, name, state_children))
+            return values
         if self.format == detect.SAFETENSORS:
             return dict(self.safetensors_header().metadata or {})
         return {}

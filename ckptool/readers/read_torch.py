@@ -27,7 +27,7 @@ from ckptool.formats.nodes import (
     TensorNode,
 )
 from ckptool.formats.tensors import Segment, Source, Storage, Tensor
-from ckptool.formats.torchfile import Checkpoint, read_checkpoint, resolve_zip_offsets
+from ckptool.formats.torchfile import Checkpoint, Record, read_checkpoint, resolve_zip_offsets
 from ckptool.model.graph import (
     Link,
     StateDictRef,
@@ -41,6 +41,7 @@ from ckptool.model.graph import (
     mapping_items,
     module_state,
     parameter_requires_grad,
+    state_children,
     unwrap_tensor,
 )
 from ckptool.model.keys import STATE_DICT_NAMES
@@ -243,14 +244,65 @@ def torch_source(path: str, fmt: str, key: str | None, ck: Checkpoint | None = N
             raise CorruptCheckpointError(
                 f"{path}: storage {ref.key!r} declares {nbytes} bytes but its record holds {rec.size}; the file "
                 "is damaged, re-download or re-save it")
-        swap = ck.byteswap_size(ref)
-        if swap:  # a big-endian file: each element's bytes are reversed as they are read, as torch.load does
-            return Storage(path, rec.offset, nbytes, dtype, ref.location, None,
-                           segments=[Segment(path, rec.offset, nbytes, swap=swap)])
-        return Storage(path, rec.offset, nbytes, dtype, ref.location, rec.crc)
+        return record_storage(ck, rec, ref, dtype)
 
     add_tensors(src, entries, storage_of)
     return src
+
+
+def record_storage(ck: Checkpoint, rec: Record, ref: StorageRef, dtype: str) -> Storage:
+    """The :class:`Storage` of ``ref`` (its declared bytes, elements of ``dtype``, its location tag) over record
+    ``rec`` of the torch file ``ck`` (its offset resolved: :func:`ckptool.formats.torchfile.resolve_zip_offsets`);
+    in a file whose ``byteorder`` is ``big``, read through a byte-swapping :class:`Segment`, as ``torch.load``
+    reverses each element's bytes (no CRC-32 then: it holds for the stored bytes, not the swapped ones)."""
+    nbytes = storage_nbytes(ref)
+    swap = ck.byteswap_size(ref)
+    if swap:
+        return Storage(ck.path, rec.offset, nbytes, dtype, ref.location, None,
+                       segments=[Segment(ck.path, rec.offset, nbytes, swap=swap)])
+    return Storage(ck.path, rec.offset, nbytes, dtype, ref.location, rec.crc)
+
+
+def graph_source(ck: Checkpoint) -> tuple[Source, dict[str, str]]:
+    """Every tensor of the torch file ``ck`` (a torch zip, legacy or TorchScript file read whole, not one selected
+    state_dict), keyed by dotted path as :func:`ckptool.model.graph.iter_tensors` keys them, except that a pickled
+    ``nn.Module`` gives its state_dict (parameters and persistent buffers: :func:`ckptool.model.graph.
+    state_children`), not its other attributes; a TorchScript archive's constants keyed ``constants.<key>`` over
+    their ``constants/`` records. Tensors sharing a storage share one :class:`Storage`. No tensor bytes are read.
+
+    Returns ``(source, unread)``: ``unread`` maps the key of each tensor whose bytes ckptool does not read to why
+    (a tensor without a storage, kept over an empty one with location ``meta``; a compressed record).
+
+    Raises:
+        UnsupportedError: a plain pickle (no torch storages: :attr:`ckptool.readers.Format.refusal`).
+        CorruptCheckpointError: containers nested deeper than ckptool walks.
+    """
+    if ck.format == formats.PICKLE:
+        raise UnsupportedError(f"{ck.path} is a plain pickle without torch storages, not a torch.save checkpoint")
+    records = {r.name: r for r in ck.records}
+    if ck.format != formats.TORCH_LEGACY:
+        with source.open_binary(ck.path) as f:
+            resolve_zip_offsets(ck, f)
+    src = Source(ck.path, ck.format, [])
+    unread: dict[str, str] = {}
+    storages: dict[str, Storage] = {}
+    roots = [("", "data/", ck.root), *((name, f"{name}/", extra) for name, extra in ck.extra_roots.items())]
+    for prefix, folder, root in roots:
+        for key, t, rg in iter_tensors(root, prefix, state_children):
+            dtype = tensor_dtype(t)
+            ref = t.storage
+            rec = records.get(folder + ref.key) if ref is not None else None
+            if ref is None or rec is None:
+                st = Storage(ck.path, -1, 0, dtype, ref.location if ref is not None else "meta")
+                unread[key] = "no storage"
+            else:
+                st = storages.get(rec.name) or record_storage(ck, rec, ref, dtype)
+                storages[rec.name] = st
+                if rec.zipinfo is not None and rec.zipinfo.method != 0:
+                    unread[key] = f"record {rec.name} is compressed"
+            src.tensors.append(Tensor(key, key, dtype, tuple(t.shape), tuple(t.stride), t.storage_offset, st, rg,
+                                      len(src.tensors)))
+    return src, unread
 
 
 def add_tensors(src: Source, entries: Sequence[tuple[str, TensorNode, bool]],
