@@ -1,9 +1,11 @@
 """``ckptool.diff``: what changed between two checkpoints, of any formats ckptool reads, streamed tensor by tensor.
 
 Each side is opened once through the readers layer and read by the readers the other operations use, without torch
-(:mod:`ckptool.ops.diff.sides`: torch files through their node graph, safetensors, sharded sets, ``.pt2``
-archives, DeepSpeed ZeRO folders and DCP folders through :meth:`ckptool.readers.Opened.state_dict`); a training
-checkpoint against a bare state_dict is compared through the state_dict ``convert`` picks in it.
+(:mod:`ckptool.ops.diff.sides`: a torch file compared whole through :meth:`ckptool.readers.Opened.all_tensors`,
+safetensors, sharded sets, ``.pt2`` archives, DeepSpeed ZeRO folders, DCP folders and a selected state_dict through
+:meth:`ckptool.readers.Opened.state_dict`): every tensor is the readers' :class:`~ckptool.formats.tensors.Tensor`,
+its bytes read where its :class:`~ckptool.formats.tensors.Storage` says (:func:`ckptool.readers.data.read_range`).
+A training checkpoint against a bare state_dict is compared through the state_dict ``convert`` picks in it.
 
 Keys are matched after wrapper-prefix reconciliation (:func:`ckptool.model.keys.reconcile`, tried in both
 directions). Values are compared tensor by tensor from the files' bytes, one chunk of each at a time
@@ -43,15 +45,16 @@ EQUAL, CLOSE, DIFFER, NOT_COMPARED = "equal", "close", "differ", "not compared"
 
 @dataclass
 class KeyDiff:
-    """A tensor present in both checkpoints that differs: ``key`` in A (``key_b`` in B), ``changes`` in shape,
-    dtype, saved device or stride (``"dtype float32 -> float16"``), ``not_stored`` the properties one side holds
-    that the other side's format cannot store (``"device cuda:0 not stored in B"`` for a safetensors B,
-    ``"stride [1, 6] not stored in B"``: safetensors stores every tensor contiguous; counted as differences only
-    with ``strict``), ``values`` one of ``equal`` (bit-exact),
-    ``close`` (within the tolerances), ``differ`` or ``not compared`` (``note`` says why). ``max_abs`` /
-    ``max_rel`` are the greatest absolute / relative differences (``|b - a| / |a|``) and ``mismatched`` the number
-    of elements that differ (bit-exact mode) or are not close (tolerance mode), out of ``numel``; None where they
-    were not measured (without numpy, bit-exact mode only says that the bytes differ)."""
+    """One row of a diff (not a tensor model: the tensors are the readers' :class:`~ckptool.formats.tensors.Tensor`;
+    called ``TensorDiff`` before issue 35): a key whose tensor is present in both checkpoints and differs: ``key``
+    in A (``key_b`` in B), ``changes`` in shape, dtype, saved device or stride (``"dtype float32 -> float16"``),
+    ``not_stored`` the properties one side holds that the other side's format cannot store (``"device cuda:0 not
+    stored in B"`` for a safetensors B, ``"stride [1, 6] not stored in B"``: safetensors stores every tensor
+    contiguous; counted as differences only with ``strict``), ``values`` one of ``equal`` (bit-exact), ``close``
+    (within the tolerances), ``differ`` or ``not compared`` (``note`` says why). ``max_abs`` / ``max_rel`` are the
+    greatest absolute / relative differences (``|b - a| / |a|``) and ``mismatched`` the number of elements that
+    differ (bit-exact mode) or are not close (tolerance mode), out of ``numel``; None where they were not measured
+    (without numpy, bit-exact mode only says that the bytes differ)."""
 
     key: str
     key_b: str
@@ -465,9 +468,9 @@ def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened,
 
     Raises:
         UsageError: a negative tolerance, tolerances with ``keys_only``, a path that is missing or not a
-            checkpoint set (see :func:`ckptool.ops.inspect.entry.inspect`), a ``key`` that resolves on neither side.
+            checkpoint set (see :func:`ckptool.readers.open_checkpoint`), a ``key`` that resolves on neither side.
         NotACheckpointError / CorruptCheckpointError / UnsupportedError: a side cannot be read (see
-            :func:`ckptool.ops.inspect.entry.inspect` and ``convert``'s readers).
+            :func:`ckptool.readers.open_checkpoint` and ``convert``'s readers; a plain pickle).
         ModuleNotFoundError: tolerances given and numpy is not installed.
     """
     _check_options(rtol, atol, keys_only, norms)
