@@ -84,6 +84,27 @@ def test_sides_are_the_readers_tensors(tmp_path: Path) -> None:
     assert diff(a, st, strict=True).identical
 
 
+def test_a_compressed_record_is_matched_and_said_not_compared(tmp_path: Path, run_cli: Any) -> None:
+    """A tensor whose zip record is deflated (torch never writes one) keeps its key and layout in the comparison;
+    its values are not read, and the note says why (:meth:`ckptool.readers.Opened.all_tensors`' ``unread``)."""
+    import zipfile
+
+    plain, packed = tmp_path / "plain.pt", tmp_path / "packed.pt"
+    torch.save({"w": torch.arange(6.0), "b": torch.ones(2)}, plain)
+    with zipfile.ZipFile(plain) as zi, zipfile.ZipFile(packed, "w") as zo:
+        for info in zi.infolist():
+            deflate = info.filename.endswith("data/0")
+            zo.writestr(info.filename, zi.read(info.filename),
+                        compress_type=zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED)
+    _src, unread = open_checkpoint(packed).all_tensors()
+    assert list(unread.values()) == ["record data/0 is compressed"]
+    res = diff(packed, plain)
+    assert (res.identical, res.compared, res.values_equal, res.not_compared) == (True, 2, 1, 1)
+    assert res.notes == ["values of 1 tensor(s) were not compared: record data/0 is compressed"]
+    r = run_cli("diff", packed, plain)
+    assert r.exit_code == 0 and "1 not compared" in r.output
+
+
 def test_what_each_format_records_is_a_registry_fact() -> None:
     """``location_tags`` / ``strides`` (what ``diff`` calls "not stored") come from the registry, not from names
     compared in ``ops/diff``."""
