@@ -10,7 +10,7 @@ from collections import Counter
 
 import click
 
-from ckptool.ops.diff.compare import EQUAL, DiffResult, diff
+from ckptool.ops.diff.compare import EQUAL, DiffResult, KeyDiff, diff
 
 
 def _number(x: float | None) -> str:
@@ -22,7 +22,7 @@ def _number(x: float | None) -> str:
 
 
 def _not_stored_lines(res: DiffResult) -> list[str]:
-    """One line per property and side for :attr:`~ckptool.ops.diff.compare.TensorDiff.not_stored` (``"72 tensors: device
+    """One line per property and side for :attr:`~ckptool.ops.diff.compare.KeyDiff.not_stored` (``"72 tensors: device
     cuda:0 in A, not stored in B (safetensors)"``), saying whether it counts (``--strict``)."""
     lost: dict[tuple[str, str], Counter[str]] = {}
     for t in res.tensors:
@@ -45,28 +45,37 @@ def _tensors(n: int) -> str:
     return f"{n} tensor{'' if n == 1 else 's'}"
 
 
+def _print_folded(res: DiffResult) -> set[str]:
+    """Print every change repeated over several tensors as one summary line (``"72 tensors: device cuda:1 ->
+    cpu"``) and every property a format cannot store (:func:`_not_stored_lines`); return the changes folded."""
+    counts = Counter(c for t in res.tensors for c in t.changes)
+    repeated = {c for c, n in counts.items() if n > 1}
+    for c, n in counts.items():
+        if n > 1:
+            click.echo(f"{_tensors(n)}: {c}")
+    for line in _not_stored_lines(res):
+        click.echo(line)
+    return repeated
+
+
+def _row(t: KeyDiff, changes: list[str]) -> tuple[str, ...]:
+    """One table row: key (``A / B`` when renamed), changes, values verdict, max abs, max rel, mismatched."""
+    return (t.key if t.key == t.key_b else f"{t.key} / {t.key_b}", "; ".join(changes) or "-",
+            t.values + (f" ({t.note})" if t.note else ""), _number(t.max_abs), _number(t.max_rel),
+            "-" if t.mismatched is None else f"{t.mismatched}/{t.numel}")
+
+
 def _print_tensors(res: DiffResult, verbose: bool) -> None:
     """The tensors that differ: one row each with ``verbose``; else every change repeated over several tensors
     (and every property a format cannot store) as one summary line, and rows only for what is left."""
     from tabulate import tabulate
 
-    repeated: set[str] = set()
-    if not verbose:
-        counts = Counter(c for t in res.tensors for c in t.changes)
-        repeated = {c for c, n in counts.items() if n > 1}
-        for c, n in counts.items():
-            if n > 1:
-                click.echo(f"{_tensors(n)}: {c}")
-        for line in _not_stored_lines(res):
-            click.echo(line)
+    repeated = set() if verbose else _print_folded(res)
     rows = []
     for t in res.tensors:
         changes = [c for c in t.changes if c not in repeated] + (t.not_stored if verbose else [])
-        if not verbose and not changes and t.values == EQUAL:
-            continue
-        rows.append((t.key if t.key == t.key_b else f"{t.key} / {t.key_b}", "; ".join(changes) or "-",
-                     t.values + (f" ({t.note})" if t.note else ""), _number(t.max_abs), _number(t.max_rel),
-                     "-" if t.mismatched is None else f"{t.mismatched}/{t.numel}"))
+        if verbose or changes or t.values != EQUAL:
+            rows.append(_row(t, changes))
     if rows:
         click.echo(tabulate(rows, headers=["tensor", "changes", "values", "max abs", "max rel", "mismatched"]))
 

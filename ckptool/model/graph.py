@@ -254,18 +254,21 @@ def tensor_leaf(obj: object) -> TensorNode | ParameterNode | None:
     return None
 
 
-def iter_tensors(root: object, prefix: str = "") -> Iterator[tuple[str, TensorNode, bool]]:
+def iter_tensors(root: object, prefix: str = "",
+                 children: Callable[[str, Any], Iterable[tuple[str, Any]]] | None = None,
+                 ) -> Iterator[tuple[str, TensorNode, bool]]:
     """Yield ``(dotted key, tensor node, requires_grad)`` for every tensor reachable from node graph ``root``, in
     pickle order.
 
     Tensors are listed each time they are reached (tied weights appear under each name), containers once.
-    Non-persistent buffers and other tensors in a module's ``__dict__`` are listed under their attribute path.
+    Non-persistent buffers and other tensors in a module's ``__dict__`` are listed under their attribute path
+    (``children``: :func:`node_children` by default; :func:`state_children` lists a module's state_dict only).
     Time is linear in the number of nodes.
 
     Raises:
         CorruptCheckpointError: containers nested deeper than :data:`MAX_DEPTH`.
     """
-    for path, x in depth_first(root, prefix, node_children, tensor_leaf, TensorNode):
+    for path, x in depth_first(root, prefix, children or node_children, tensor_leaf, TensorNode):
         if type(x) is TensorNode:
             yield path, x, x.requires_grad
         else:
@@ -316,6 +319,16 @@ def node_children(path: str, obj: object) -> Iterable[tuple[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------ module trees
+def state_children(path: str, obj: object) -> Iterable[tuple[str, Any]]:
+    """:func:`node_children`, except that a pickled ``nn.Module`` gives only what ``module.state_dict()`` holds:
+    its parameters, persistent buffers and submodules (:func:`module_entries`), not its other attributes (the
+    configuration its class rebuilds: ``kernel_size``, ``stride``, caches, non-persistent buffers)."""
+    st = module_state(obj)
+    if st is not None:
+        return [(join(path, name), v) for name, v, _kind in module_entries(st)]
+    return node_children(path, obj)
+
+
 class ModuleEntry(NamedTuple):
     """One step of :func:`walk_module`: ``kind`` ``"module"`` (``key``: the module path; ``value``: whatever the
     pickle holds there), or ``"parameter"`` / ``"buffer"`` (``key``: the state_dict key; ``value``: its node)."""

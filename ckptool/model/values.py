@@ -11,7 +11,7 @@ prefixes) is not a value: it is kept out.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ckptool.formats.dtypes import STRUCT_FORMATS
@@ -51,14 +51,18 @@ def _leaf(obj: object) -> tuple[object] | None:
     return None
 
 
-def iter_values(root: Any) -> Iterator[tuple[str, object]]:
+def iter_values(root: Any, prefix: str = "",
+                children: Callable[[str, Any], Iterable[tuple[str, Any]]] = node_children,
+                ) -> Iterator[tuple[str, object]]:
     """Yield ``(dotted key, value)`` for every plain value reachable from node graph ``root``, in pickle order
-    (see the module docstring for what a value is; tensors and a state_dict's ``_metadata`` are left out).
+    (see the module docstring for what a value is; tensors and a state_dict's ``_metadata`` are left out), keys
+    under ``prefix``; ``children``: the walk's (:func:`ckptool.model.graph.state_children` leaves a pickled
+    module's attributes out).
 
     Raises:
         CorruptCheckpointError: containers nested deeper than :data:`ckptool.model.graph.MAX_DEPTH`.
     """
-    for path, (value,) in depth_first(root, "", node_children, _leaf):
+    for path, (value,) in depth_first(root, prefix, children, _leaf):
         if value is _TENSOR or _METADATA_TRAIL in f".{path}":
             continue
         yield path, value

@@ -52,13 +52,14 @@ from ckptool.formats.sharded import INDEX_SUFFIX, ShardIndex, is_checkpoint_set,
 from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file, read_pickle_member
 from ckptool.formats.zipdir import ZipEntry
-from ckptool.model.graph import find_state_dicts
+from ckptool.model.graph import find_state_dicts, state_children
 from ckptool.model.keys import shared_prefixes
 from ckptool.model.values import iter_values
 from ckptool.model.zero import ZeroCheckpoint
 from ckptool.readers.read_dcp import dcp_tree
 from ckptool.readers.read_deepspeed import read_zero
 from ckptool.readers.read_package import package_state_dicts
+from ckptool.readers.read_torch import graph_source
 from ckptool.readers.support import (
     DCP_REMAP,
     FOLDER,
@@ -112,7 +113,11 @@ class Format:
     archive); ``tagged``: its checkpoints lie in tag folders (DeepSpeed's ``global_step*``: ``tag`` and
     ``exclude_frozen`` apply); ``torch_distributed``: written by ``torch.distributed.checkpoint``, whose whole state
     (tensors and other entries) torch's own planner restores; ``refusals``: the sentence an operation
-    (``"extract-state-dict"``) refuses it with, where that operation has its own.
+    (``"extract-state-dict"``) refuses it with, where that operation has its own; ``location_tags``: its files
+    record each storage's location tag (torch pickles; the others open on the CPU); ``strides``: which strides its
+    tensors keep, ``"saved"`` (every tensor's, as saved), ``"views"`` (contiguous, but for the views ckptool's
+    sharing record gives back: safetensors) or ``"none"`` (a DCP folder: ``dcp.load`` copies each record into the
+    caller's tensors).
 
     What differs per format in the layers above is named here too, as plug-ins: dotted references
     ``"package.module:function"`` resolved lazily by :meth:`behaviour` (imported the first time a checkpoint of
@@ -151,6 +156,8 @@ class Format:
     tagged: bool = False
     torch_distributed: bool = False
     refusals: Mapping[str, str] = field(default_factory=dict, compare=False)
+    location_tags: bool = False
+    strides: Literal["saved", "views", "none"] = "none"
 
     def behaviour(self, role: Role, default: Callable[..., Any] | None = None) -> Callable[..., Any]:
         """The plug-in this format names for ``role`` (``"read"``, ``"describe"``, ``"load"``, ``"hint"``), its
@@ -192,15 +199,18 @@ _TORCH_LOAD = "ckptool.torch_ops.loaders:load_torch_zip"
 _SET_LOAD = "ckptool.torch_ops.loaders:load_set"
 _TORCH_ROW = {"scan": Cell("works", "safe"), "diff": Cell("works", "identical"), "extract-state-dict": NO_MODULE}
 
+#: what torch.save files record of each tensor: its storage's location tag and its strides
+_TORCH_LAYOUT: dict[str, Any] = {"location_tags": True, "strides": "saved"}
+
 #: every format ckptool reads, in the order of ``docs/formats.md``
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(detect.TORCH_ZIP, "`torch.save` zip (`pytorch_model.bin`, accelerate's `optimizer.bin`)", "file",
            pickled=True, keyed=True, reader=_TORCH_READ, describer=_PICKLED_INSPECT, loader=_TORCH_LOAD,
-           support=_TORCH_ROW),
+           support=_TORCH_ROW, **_TORCH_LAYOUT),
     Format(detect.TORCH_LEGACY, "`torch.save(..., _use_new_zipfile_serialization=False)`", "file", pickled=True,
            keyed=True, reader=_TORCH_READ, describer=_PICKLED_INSPECT,
-           loader="ckptool.torch_ops.loaders:load_torch_legacy", support=_TORCH_ROW),
-    Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False,
+           loader="ckptool.torch_ops.loaders:load_torch_legacy", support=_TORCH_ROW, **_TORCH_LAYOUT),
+    Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False, **_TORCH_LAYOUT,
            refusal="is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
                    "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file",
            refusals={"extract-state-dict": "is a TorchScript archive: its state_dict is torch.jit.load(path, "
@@ -220,6 +230,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "average": Cell("refused", "is a TorchScript archive", JIT),
            }),
     Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", keyed=True, key_form="MEMBER:PATH",
+           **_TORCH_LAYOUT,
            refusal="is a torch.package archive: its objects are rebuilt by the package's own code, which this "
                    "command would run; `ckptool convert PATH -o model.safetensors` writes its tensors without "
                    "running it (then run the command on that file), torch.package.PackageImporter(path)."
@@ -233,7 +244,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "remap": Cell("works", "re-tagged"),
                "verify": Cell("works", "bit-identical"),
            }),
-    Format(detect.SAFETENSORS, "safetensors file", "file", flat="safetensors", header=True,
+    Format(detect.SAFETENSORS, "safetensors file", "file", flat="safetensors", header=True, strides="views",
            refusals={"extract-state-dict": "is safetensors: it already is a state_dict"},
            reader="ckptool.readers.read_safetensors:read_tensors",
            describer="ckptool.ops.inspect.entry:inspect_safetensors",
@@ -244,13 +255,13 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "extract-state-dict": Cell("refused", "already is a state_dict", "use the file as it is"),
                "sanitize": Cell("refused", "nothing to sanitize", "safetensors.torch.load_file(path, device=...)"),
            }),
-    Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set",
+    Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set", strides="views",
            flat="a sharded set", reader="ckptool.readers.read_safetensors:read_set_tensors", describer=_SET_INSPECT,
            loader=_SET_LOAD, hint="ckptool.ops.hints:safetensors_hint", support={
                **SET_ROW,
                "remap": Cell("refused", "carries no device tags", "safetensors.torch.load_file(shard, device=...)"),
            }),
-    Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set", flat="a sharded set",
+    Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set", flat="a sharded set", **_TORCH_LAYOUT,
            reader="ckptool.readers.read_safetensors:read_set_tensors", describer=_SET_INSPECT, loader=_SET_LOAD,
            support=SET_ROW),
     Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True, torch_distributed=True,
@@ -261,7 +272,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "remap": DCP_REMAP,
                "extract-state-dict": FOLDER, "sanitize": FOLDER,
            }),
-    Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True,
+    Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True, strides="saved",
            reader="ckptool.readers.read_pt2:read_tensors", describer="ckptool.ops.inspect.entry:inspect_pt2",
            loader="ckptool.torch_ops.loaders:load_pt2", support={
                "scan": Cell("works", "safe"),
@@ -273,7 +284,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "filter": Cell("refused", "write its state_dict", PT2_STATE_DICT),
            }),
     Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder", flat="a DeepSpeed checkpoint",
-           consolidate=True, tagged=True, reader="ckptool.readers.read_deepspeed:read_tensors",
+           consolidate=True, tagged=True, **_TORCH_LAYOUT, reader="ckptool.readers.read_deepspeed:read_tensors",
            describer="ckptool.ops.inspect.entry:inspect_deepspeed", loader="ckptool.torch_ops.loaders:load_deepspeed",
            support={
                "scan": Cell("works", "needs-trust"),
@@ -465,8 +476,8 @@ class Opened:
             UnsupportedError: a format whose tensors are not read without running code (TorchScript reads as a
                 pickle), see :meth:`state_dict`.
         """
-        if self.spec.pickled or self.format == "dcp":
-            root = self.graph().root if self.spec.pickled else dcp_tree(self.dcp_metadata())
+        root = self.tree()
+        if root is not None:
             refs = find_state_dicts(root)
             return [StateDictEntry(r.path, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
                     for r in refs for keys in [r.keys()]]
@@ -476,12 +487,43 @@ class Opened:
         names = tuple(t.name for t in self.state_dict().tensors)
         return [StateDictEntry("", names, tuple(shared_prefixes(names)))]
 
+    def tree(self) -> Any:
+        """The nesting in which a dotted ``key`` names a state_dict: a pickle's root node (:meth:`graph`), a DCP
+        folder's ``planner_data`` nesting (:func:`ckptool.readers.read_dcp.dcp_tree`); None for the other formats
+        (a torch.package archive's state_dicts are ``<member>:<path>``: :meth:`state_dicts`).
+
+        Raises: what :meth:`graph` and :meth:`dcp_metadata` raise.
+        """
+        if self.spec.pickled:
+            return self.graph().root
+        if self.format == "dcp":
+            return self._cached("tree", lambda: dcp_tree(self.dcp_metadata()))
+        return None
+
+    def all_tensors(self) -> tuple[Source, dict[str, str]]:
+        """Every tensor of a torch zip, legacy or TorchScript file read whole, not one selected state_dict
+        (:func:`ckptool.readers.read_torch.graph_source`: a pickled ``nn.Module`` gives its state_dict, a TorchScript
+        archive's constants are keyed ``constants.<key>``), with ``{key: why}`` for the tensors whose bytes are
+        not read (no storage, a compressed record); read once.
+
+        Raises:
+            UnsupportedError: a format that is no torch pickle (a plain pickle, sets, folders, other files).
+            CorruptCheckpointError: see :meth:`graph`.
+        """
+        return self._cached("all_tensors", lambda: graph_source(self.graph()))
+
     def values(self) -> dict[str, object]:
         """The plain non-tensor values by dotted path (epoch, step, hyper-parameters: :func:`ckptool.model.values.
-        iter_values`) of a pickle; a safetensors file's ``__metadata__`` strings; nothing for the other formats
-        (their non-tensor entries are pickles ckptool does not run, or absent). Tensor data is never read."""
+        iter_values`) of a pickle, a pickled ``nn.Module``'s attributes left out (its state_dict is its parameters
+        and buffers: :func:`ckptool.model.graph.state_children`), a TorchScript archive's constants keyed
+        ``constants.<key>``; a safetensors file's ``__metadata__`` strings; nothing for the other formats (their
+        non-tensor entries are pickles ckptool does not run, or absent). Tensor data is never read."""
         if self.spec.pickled:
-            return dict(iter_values(self.graph().root))
+            ck = self.graph()
+            values = dict(iter_values(ck.root, "", state_children))
+            for name, extra in ck.extra_roots.items():
+                values.update(iter_values(extra, name, state_children))
+            return values
         if self.format == detect.SAFETENSORS:
             return dict(self.safetensors_header().metadata or {})
         return {}

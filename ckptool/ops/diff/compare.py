@@ -1,9 +1,11 @@
 """``ckptool.diff``: what changed between two checkpoints, of any formats ckptool reads, streamed tensor by tensor.
 
 Each side is opened once through the readers layer and read by the readers the other operations use, without torch
-(:mod:`ckptool.ops.diff.sides`: torch files through their node graph, safetensors, sharded sets, ``.pt2``
-archives, DeepSpeed ZeRO folders and DCP folders through :meth:`ckptool.readers.Opened.state_dict`); a training
-checkpoint against a bare state_dict is compared through the state_dict ``convert`` picks in it.
+(:mod:`ckptool.ops.diff.sides`: a torch file compared whole through :meth:`ckptool.readers.Opened.all_tensors`,
+safetensors, sharded sets, ``.pt2`` archives, DeepSpeed ZeRO folders, DCP folders and a selected state_dict through
+:meth:`ckptool.readers.Opened.state_dict`): every tensor is the readers' :class:`~ckptool.formats.tensors.Tensor`,
+its bytes read where its :class:`~ckptool.formats.tensors.Storage` says (:func:`ckptool.readers.data.read_range`).
+A training checkpoint against a bare state_dict is compared through the state_dict ``convert`` picks in it.
 
 Keys are matched after wrapper-prefix reconciliation (:func:`ckptool.model.keys.reconcile`, tried in both
 directions). Values are compared tensor by tensor from the files' bytes, one chunk of each at a time
@@ -23,14 +25,13 @@ from typing import Any
 from ckptool._gc import gc_paused
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.dtypes import contiguous_stride, element_size, numel
-from ckptool.formats.segments import byteswap
 from ckptool.formats.strided import gather
-from ckptool.formats.tensors import is_contiguous, span
+from ckptool.formats.tensors import Tensor, is_contiguous
 from ckptool.model.keys import reconcile
 from ckptool.model.notebook import facts_table
-from ckptool.ops.convert.write import Files
-from ckptool.ops.diff.sides import UNREAD, Side, SideTensor, read_pair
+from ckptool.ops.diff.sides import UNREAD, Side, read_pair, readable
 from ckptool.readers import Opened
+from ckptool.readers.data import FileRanges, read_range
 from ckptool.torch_ops.value_stats import ValueStats, is_numeric, require_numpy, squared_norms
 
 SCHEMA = "ckptool.diff/1"
@@ -43,16 +44,17 @@ EQUAL, CLOSE, DIFFER, NOT_COMPARED = "equal", "close", "differ", "not compared"
 
 
 @dataclass
-class TensorDiff:
-    """A tensor present in both checkpoints that differs: ``key`` in A (``key_b`` in B), ``changes`` in shape,
-    dtype, saved device or stride (``"dtype float32 -> float16"``), ``not_stored`` the properties one side holds
-    that the other side's format cannot store (``"device cuda:0 not stored in B"`` for a safetensors B,
-    ``"stride [1, 6] not stored in B"``: safetensors stores every tensor contiguous; counted as differences only
-    with ``strict``), ``values`` one of ``equal`` (bit-exact),
-    ``close`` (within the tolerances), ``differ`` or ``not compared`` (``note`` says why). ``max_abs`` /
-    ``max_rel`` are the greatest absolute / relative differences (``|b - a| / |a|``) and ``mismatched`` the number
-    of elements that differ (bit-exact mode) or are not close (tolerance mode), out of ``numel``; None where they
-    were not measured (without numpy, bit-exact mode only says that the bytes differ)."""
+class KeyDiff:
+    """One row of a diff (not a tensor model: the tensors are the readers' :class:`~ckptool.formats.tensors.Tensor`;
+    called ``TensorDiff`` before issue 35): a key whose tensor is present in both checkpoints and differs: ``key``
+    in A (``key_b`` in B), ``changes`` in shape, dtype, saved device or stride (``"dtype float32 -> float16"``),
+    ``not_stored`` the properties one side holds that the other side's format cannot store (``"device cuda:0 not
+    stored in B"`` for a safetensors B, ``"stride [1, 6] not stored in B"``: safetensors stores every tensor
+    contiguous; counted as differences only with ``strict``), ``values`` one of ``equal`` (bit-exact), ``close``
+    (within the tolerances), ``differ`` or ``not compared`` (``note`` says why). ``max_abs`` / ``max_rel`` are the
+    greatest absolute / relative differences (``|b - a| / |a|``) and ``mismatched`` the number of elements that
+    differ (bit-exact mode) or are not close (tolerance mode), out of ``numel``; None where they were not measured
+    (without numpy, bit-exact mode only says that the bytes differ)."""
 
     key: str
     key_b: str
@@ -83,11 +85,11 @@ class DiffResult:
     ``a`` / ``b`` are the paths and ``format_a`` / ``format_b`` their formats. ``prefix`` says how keys were
     matched when the sides differ by wrapper prefixes (``"B has `module.` on every key"``), else None.
     ``only_a`` / ``only_b`` list the keys (tensors and plain values) found on one side only. ``tensors`` lists the
-    matched tensors that differ, and in tolerance mode those close but not bit-identical (:class:`TensorDiff`),
+    matched tensors that differ, and in tolerance mode those close but not bit-identical (:class:`KeyDiff`),
     ``values`` the plain values that differ, ``shared`` the
     differences in storage sharing (tied weights, views). ``compared`` counts matched tensors, ``values_equal``
     those whose values are equal or close. ``mode`` is ``exact``, ``tolerance`` or ``keys-only``. ``strict``:
-    the properties a side's format cannot store (:attr:`TensorDiff.not_stored`) count as differences.
+    the properties a side's format cannot store (:attr:`KeyDiff.not_stored`) count as differences.
     """
 
     a: str
@@ -100,7 +102,7 @@ class DiffResult:
     prefix: str | None = None
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
-    tensors: list[TensorDiff] = field(default_factory=list)
+    tensors: list[KeyDiff] = field(default_factory=list)
     values: list[ValueDiff] = field(default_factory=list)
     shared: list[str] = field(default_factory=list)
     compared: int = 0
@@ -131,7 +133,7 @@ class DiffResult:
     def identical(self) -> bool:
         """True when nothing differs: same keys (no prefix difference), layouts, sharing and values (values within
         the tolerances count as equal; values not compared, counted in ``not_compared``, do not count as a
-        difference; nor do properties a format cannot store, :attr:`TensorDiff.not_stored`, unless ``strict``)."""
+        difference; nor do properties a format cannot store, :attr:`KeyDiff.not_stored`, unless ``strict``)."""
         return not (self.prefix or self.only_a or self.only_b or self.values or self.shared
                     or any(t.changes or t.values == DIFFER or (self.strict and t.not_stored) for t in self.tensors))
 
@@ -157,101 +159,111 @@ class DiffResult:
 
 
 # ------------------------------------------------------------------------------------------------ streaming values
-def _read(t: SideTensor, files: Files, pos: int, n: int) -> bytes | bytearray:
-    """``n`` bytes of ``t``'s storage from byte ``pos`` of its file (of its gathered storage, through its segments,
-    :meth:`Files.storage_bytes`), byte-swapped when the file is big-endian.
-
-    Raises:
-        CorruptCheckpointError: a file ends first.
-    """
-    if t.gathered is not None:
-        return files.storage_bytes(t.gathered, pos, n)
-    assert t.path is not None
-    data = files.read(t.path, pos, n)
-    return byteswap(data, t.swap) if t.swap else data
-
-
-def _chunks(t: SideTensor, files: Files, per: int) -> Iterator[bytes | bytearray]:
-    """The elements of ``t`` in row-major order as bytes, ``per`` elements per chunk (the last may be shorter).
+def _chunks(t: Tensor, files: FileRanges, per: int) -> Iterator[bytes | bytearray]:
+    """The elements of ``t`` (a :func:`~ckptool.ops.diff.sides.readable` tensor: its storage a byte range or
+    ``segments``) in row-major order as bytes, ``per`` elements per chunk (the last may be shorter), read through
+    :func:`ckptool.readers.data.read_range` (byte-swapped or gathered as its storage says).
 
     Raises:
         CorruptCheckpointError: the view runs past its storage, or the file ends first.
     """
-    assert t.path is not None
+    st = t.storage
     es = element_size(t.dtype)
-    shape, stride = t.shape, t.read_stride
+    shape, stride = t.shape, t.stride
     n = numel(shape)
     if n == 0:
         return
-    lo, hi = span(t.offset, shape, stride)
-    if len(stride) != len(shape) or min(stride, default=0) < 0 or lo < 0 or hi > t.limit:
-        raise CorruptCheckpointError(f"{t.path}: a tensor view (offset {t.offset}, shape {list(shape)}, stride "
-                                     f"{list(stride)}) runs past its storage of {t.limit} elements; the file is "
+    lo, hi = t.span
+    limit = st.nbytes // es
+    if len(stride) != len(shape) or min(stride, default=0) < 0 or lo < 0 or hi > limit:
+        raise CorruptCheckpointError(f"{st.path}: a tensor view (offset {t.offset}, shape {list(shape)}, stride "
+                                     f"{list(stride)}) runs past its storage of {limit} elements; the file is "
                                      "damaged")
     if is_contiguous(shape, stride):
-        pos, left = t.base + lo * es, n * es
+        pos, left = lo * es, n * es
         while left:
             k = min(left, per * es)
-            yield _read(t, files, pos, k)
+            yield read_range(st, pos, k, files.read)
             pos += k
             left -= k
         return
-    span_bytes = _read(t, files, t.base + lo * es, (hi - lo) * es)  # the storage span, once
+    span_bytes = read_range(st, lo * es, (hi - lo) * es, files.read)  # the storage span, once
     if not isinstance(span_bytes, bytearray):
         span_bytes = bytearray(span_bytes)
     yield from gather(span_bytes, es, t.offset - lo, shape, stride, chunk=per * es)
 
 
-def _compare_values(ta: SideTensor, tb: SideTensor, files: Files, rtol: float | None, atol: float | None,
-                    d: TensorDiff, norms: dict[str, tuple[float, float]] | None = None) -> None:
-    """Fill ``d.values`` (and the differences) for two tensors of the same shape; with ``norms``, also record
-    ``(||A||**2, ||B - A||**2)`` under ``d.key`` (every chunk is then decoded, equal or not)."""
-    tolerance = rtol is not None or atol is not None
-    if ta.path is None or tb.path is None:
-        d.values, d.note = NOT_COMPARED, ta.unread or tb.unread
-        return
-    if ta.dtype != tb.dtype and not tolerance:
-        d.values, d.note = NOT_COMPARED, "dtypes differ: pass --rtol/--atol to compare by value"
-        return
+def _not_comparable(dtype_a: str, dtype_b: str, tolerance: bool) -> str:
+    """Why two tensors of the same shape cannot be compared by value (``""``: they can)."""
+    if dtype_a == dtype_b:
+        return ""
+    if not tolerance:
+        return "dtypes differ: pass --rtol/--atol to compare by value"
+    if not (is_numeric(dtype_a) and is_numeric(dtype_b)):
+        return f"{dtype_a if not is_numeric(dtype_a) else dtype_b} cannot be compared by value"
+    return ""
+
+
+@dataclass
+class _Streamed:
+    """What streaming two tensors' elements found: whether every byte is equal, the element statistics (None:
+    not decodable, or numpy missing in bit-exact mode) and the squared norms ``||A||**2``, ``||B - A||**2``."""
+
+    same_bytes: bool
+    stats: ValueStats | None
+    sq_a: float = 0.0
+    sq_d: float = 0.0
+
+
+def _stream(ta: Tensor, tb: Tensor, files: FileRanges, tolerances: tuple[float | None, float | None] | None,
+            measure: bool) -> _Streamed:
+    """Compare the elements of ``ta`` and ``tb`` (same shape) chunk by chunk; ``tolerances`` ``(rtol, atol)``, or
+    None for bit-exact; ``measure``: also sum the squared norms (every chunk is then decoded, equal or not)."""
     numeric = is_numeric(ta.dtype) and is_numeric(tb.dtype)
-    if ta.dtype != tb.dtype and not numeric:
-        odd = ta.dtype if not is_numeric(ta.dtype) else tb.dtype
-        d.values, d.note = NOT_COMPARED, f"{odd} cannot be compared by value"
-        return
-    tolerance = tolerance and numeric  # float8, quantized...: bit-exact
+    rtol, atol = tolerances or (None, None)
     per = max(1, min(CHUNK_ELEMENTS, CHUNK_BYTES // max(element_size(ta.dtype), element_size(tb.dtype))))
-    stats: ValueStats | None = ValueStats() if numeric else None
-    same_bytes = ta.dtype == tb.dtype
-    measure = norms is not None and numeric
-    sq_a = sq_d = 0.0
+    out = _Streamed(ta.dtype == tb.dtype, ValueStats() if numeric else None)
     for ca, cb in zip(_chunks(ta, files, per), _chunks(tb, files, per)):
         if measure:
             na, nd = squared_norms(ca, cb, ta.dtype, tb.dtype)
-            sq_a, sq_d = sq_a + na, sq_d + nd
-        if ca == cb and same_bytes:
+            out.sq_a, out.sq_d = out.sq_a + na, out.sq_d + nd
+        if ca == cb and out.same_bytes:
             continue
-        same_bytes = False
-        if stats is None:
+        out.same_bytes = False
+        if out.stats is None:
             break  # bit-exact and not decodable: that the bytes differ is all there is to say
         try:
-            if tolerance:
-                stats.update(ca, cb, ta.dtype, tb.dtype, rtol=rtol, atol=atol)
-            else:
-                stats.update(ca, cb, ta.dtype, tb.dtype)
+            out.stats.update(ca, cb, ta.dtype, tb.dtype, rtol=rtol, atol=atol)
         except ModuleNotFoundError:
-            if tolerance:
+            if tolerances is not None:
                 raise
-            stats = None  # bit-exact mode without numpy: no figures
+            out.stats = None  # bit-exact mode without numpy: no figures
             break
-    if measure and norms is not None:
-        norms[d.key] = (sq_a, sq_d)
-    if same_bytes:
+    return out
+
+
+def _compare_values(ta: Tensor, tb: Tensor, files: FileRanges, rtol: float | None, atol: float | None,
+                    d: KeyDiff, norms: dict[str, tuple[float, float]] | None = None) -> None:
+    """Fill ``d.values`` (and the differences) for two readable tensors of the same shape
+    (:func:`~ckptool.ops.diff.sides.readable`); with ``norms``, also record ``(||A||**2, ||B - A||**2)`` under
+    ``d.key`` (every chunk is then decoded, equal or not)."""
+    tolerance = rtol is not None or atol is not None
+    note = _not_comparable(ta.dtype, tb.dtype, tolerance)
+    if note:
+        d.values, d.note = NOT_COMPARED, note
+        return
+    numeric = is_numeric(ta.dtype) and is_numeric(tb.dtype)
+    tolerance = tolerance and numeric  # float8, quantized...: bit-exact
+    res = _stream(ta, tb, files, (rtol, atol) if tolerance else None, norms is not None and numeric)
+    if norms is not None and numeric:
+        norms[d.key] = (res.sq_a, res.sq_d)
+    if res.same_bytes:
         d.values = EQUAL
         d.max_abs, d.max_rel, d.mismatched = 0.0, 0.0, 0
         return
-    if stats is not None:
-        d.max_abs, d.max_rel, d.mismatched = stats.max_abs, stats.max_rel, stats.mismatched
-    d.values = CLOSE if tolerance and stats is not None and stats.mismatched == 0 else DIFFER
+    if res.stats is not None:
+        d.max_abs, d.max_rel, d.mismatched = res.stats.max_abs, res.stats.max_rel, res.stats.mismatched
+    d.values = CLOSE if tolerance and res.stats is not None and res.stats.mismatched == 0 else DIFFER
 
 
 # ------------------------------------------------------------------------------------------------ matching keys
@@ -281,31 +293,43 @@ def _match(keys_a: list[str], keys_b: list[str]) -> tuple[dict[str, str], str | 
     return pairs, f"A has {has[0][1]} and B has {has[1][1]} on {where}; keys matched without them"
 
 
-def _layout_changes(ta: SideTensor, tb: SideTensor) -> tuple[list[str], list[str]]:
-    """``(changes, not_stored)`` between two matched tensors (see :class:`TensorDiff`). A property that one side's
-    format does not record (None) takes that format's implied value, the CPU and a contiguous layout: a side
-    that records the same is no difference, one that records another is ``not stored`` in the first side."""
+def _device_changes(da: str | None, db: str | None) -> tuple[list[str], list[str]]:
+    """``(changes, not_stored)`` of the saved devices ``da`` / ``db`` (None: the format records none)."""
+    if da is not None and db is not None:
+        return ([f"device {da} -> {db}"] if da != db else []), []
+    if da not in (None, "cpu") or db not in (None, "cpu"):
+        return [], [f"device {da or db} not stored in {'B' if db is None else 'A'}"]
+    return [], []
+
+
+def _stride_changes(shape: tuple[int, ...], sa: tuple[int, ...] | None, sb: tuple[int, ...] | None
+                    ) -> tuple[list[str], list[str]]:
+    """``(changes, not_stored)`` of the recorded strides ``sa`` / ``sb`` of a tensor of ``shape`` on both sides
+    (None: the format records none, the tensor is contiguous)."""
+    if sa is not None and sb is not None:
+        return ([f"stride {list(sa)} -> {list(sb)}"] if sa != sb else []), []
+    kept = sa if sa is not None else sb
+    if kept is not None and kept != contiguous_stride(shape):
+        return [], [f"stride {list(kept)} not stored in {'B' if sb is None else 'A'}"]
+    return [], []
+
+
+def _layout_changes(a: Side, ta: Tensor, b: Side, tb: Tensor) -> tuple[list[str], list[str]]:
+    """``(changes, not_stored)`` between two matched tensors (see :class:`KeyDiff`). A property that one side's
+    format does not record (:meth:`Side.device`, :meth:`Side.stride`: None) takes that format's implied value,
+    the CPU and a contiguous layout: a side that records the same is no difference, one that records another is
+    ``not stored`` in the first side."""
     out: list[str] = []
-    lost: list[str] = []
     if ta.shape != tb.shape:
         out.append(f"shape {list(ta.shape)} -> {list(tb.shape)}")
     if ta.dtype != tb.dtype:
         out.append(f"dtype {ta.dtype} -> {tb.dtype}")
-    if ta.device is not None and tb.device is not None:
-        if ta.device != tb.device:
-            out.append(f"device {ta.device} -> {tb.device}")
-    elif ta.device not in (None, "cpu") or tb.device not in (None, "cpu"):
-        lost.append(f"device {ta.device or tb.device} not stored in {'B' if tb.device is None else 'A'}")
+    changes, lost = _device_changes(a.device(ta), b.device(tb))
+    out += changes
     if ta.shape != tb.shape or numel(ta.shape) <= 1:
         return out, lost
-    if ta.stride is not None and tb.stride is not None:
-        if ta.stride != tb.stride:
-            out.append(f"stride {list(ta.stride)} -> {list(tb.stride)}")
-    else:
-        kept = ta.stride if ta.stride is not None else tb.stride
-        if kept is not None and kept != contiguous_stride(ta.shape):
-            lost.append(f"stride {list(kept)} not stored in {'B' if tb.stride is None else 'A'}")
-    return out, lost
+    changes, lost_stride = _stride_changes(ta.shape, a.stride(ta), b.stride(tb))
+    return out + changes, lost + lost_stride
 
 
 def _sharing(pairs: dict[str, str], a: Side, b: Side) -> list[str]:
@@ -313,8 +337,8 @@ def _sharing(pairs: dict[str, str], a: Side, b: Side) -> list[str]:
     tensors that share a storage on one side and not, or not all, on the other."""
     members: list[dict[object, list[str]]] = [{}, {}]
     for kb, ka in pairs.items():
-        members[0].setdefault(a.tensors[ka].group, []).append(ka)
-        members[1].setdefault(b.tensors[kb].group, []).append(ka)
+        members[0].setdefault(a.tensors[ka].storage, []).append(ka)
+        members[1].setdefault(b.tensors[kb].storage, []).append(ka)
     group_of = [{k: frozenset(g) for g in m.values() for k in g} for m in members]
     lines: dict[str, None] = {}
     for i, (this, other) in enumerate((("A", "B"), ("B", "A"))):
@@ -345,29 +369,70 @@ def _same_value(x: object, y: object) -> bool:
 def _compare_pairs(side_a: Side, side_b: Side, pairs: dict[str, str], res: DiffResult,
                    tolerances: tuple[float | None, float | None], keys_only: bool, norms: bool) -> None:
     """Compare every matched tensor pair (``pairs``: key in B -> key in A), in A's order: layout, then values
-    streamed from both files (unless ``keys_only`` or the shapes differ); fills ``res``."""
+    streamed from both files (unless ``keys_only``, the shapes differ, or a side's values are not read); fills
+    ``res``."""
     rtol, atol = tolerances
-    files = Files()
-    try:
-        position = {k: i for i, k in enumerate(side_a.tensors)}
+    position = {k: i for i, k in enumerate(side_a.tensors)}
+    with FileRanges() as files:
         for kb, ka in sorted(pairs.items(), key=lambda p: position[p[1]]):
             ta, tb = side_a.tensors[ka], side_b.tensors[kb]
-            changes, lost = _layout_changes(ta, tb)
-            d = TensorDiff(ka, kb, changes, numel=numel(ta.shape), not_stored=lost)
+            changes, lost = _layout_changes(side_a, ta, side_b, tb)
+            d = KeyDiff(ka, kb, changes, numel=numel(ta.shape), not_stored=lost)
             res.compared += 1
+            ra, rb = readable(ta), readable(tb)
             if keys_only:
-                d.values = NOT_COMPARED
-                d.note = "--keys-only"
+                d.values, d.note = NOT_COMPARED, "--keys-only"
             elif ta.shape != tb.shape:
                 d.values, d.note = NOT_COMPARED, "shapes differ"
+            elif ka in side_a.unread or kb in side_b.unread or ra is None or rb is None:
+                d.values, d.note = NOT_COMPARED, side_a.unread.get(ka) or side_b.unread.get(kb, "")
             else:
-                _compare_values(ta, tb, files, rtol, atol, d, res.norms if norms else None)
+                _compare_values(ra, rb, files, rtol, atol, d, res.norms if norms else None)
             if d.values in (EQUAL, CLOSE):
                 res.values_equal += 1
             if d.changes or d.not_stored or d.values in (DIFFER, CLOSE):
                 res.tensors.append(d)
-    finally:
-        files.close()
+
+
+def _check_options(rtol: float | None, atol: float | None, keys_only: bool, norms: bool) -> None:
+    """Refuse bad tolerances before anything is read; with tolerances or ``norms``, numpy must be installed.
+
+    Raises:
+        UsageError: a negative or non-finite tolerance, tolerances with ``keys_only``.
+        ModuleNotFoundError: numpy is missing.
+    """
+    for name, tol in (("rtol", rtol), ("atol", atol)):
+        if tol is not None and not (tol >= 0 and math.isfinite(tol)):
+            raise UsageError(f"--{name} must be a finite number >= 0, not {tol}")
+    if keys_only and (rtol is not None or atol is not None):
+        raise UsageError("--keys-only skips values: it cannot be combined with --rtol / --atol")
+    if rtol is not None or atol is not None or norms:
+        require_numpy()  # fail before reading anything
+
+
+def _match_keys(side_a: Side, side_b: Side, res: DiffResult) -> dict[str, str]:
+    """Match the two sides' keys: fills ``res.prefix``, ``only_a`` / ``only_b``, ``plain_values`` and the plain
+    ``values`` that differ; returns the matched tensors (key in B -> key in A)."""
+    pairs, res.prefix = _match(list(side_a.tensors), list(side_b.tensors))
+    matched_a = set(pairs.values())
+    value_pairs = {k: k for k in side_b.values if k in side_a.values}
+    res.only_a = [k for k in side_a.tensors if k not in matched_a] + [k for k in side_a.values if k not in value_pairs]
+    res.only_b = [k for k in side_b.tensors if k not in pairs] + [k for k in side_b.values if k not in value_pairs]
+    res.plain_values = len(value_pairs)
+    for kb, ka in value_pairs.items():
+        va, vb = side_a.values[ka], side_b.values[kb]
+        if va is not UNREAD and vb is not UNREAD and not _same_value(va, vb):
+            res.values.append(ValueDiff(ka, kb, va, vb))
+    return pairs
+
+
+def _unread_note(side_a: Side, side_b: Side, pairs: dict[str, str]) -> str | None:
+    """The note naming how many matched tensors' values were not read and why (the first reason), else None."""
+    why = [side_a.unread.get(ka) or side_b.unread.get(kb) or "a view of a shared storage that no stored tensor holds"
+           for kb, ka in pairs.items()
+           if ka in side_a.unread or kb in side_b.unread
+           or readable(side_a.tensors[ka]) is None or readable(side_b.tensors[kb]) is None]
+    return f"values of {len(why)} tensor(s) were not compared: {why[0]}" if why else None
 
 
 @gc_paused
@@ -387,7 +452,7 @@ def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened,
     Keys are matched after wrapper-prefix reconciliation (``module.``, ``_orig_mod.``..., reported once in
     ``prefix``); keys on one side only, and shape, dtype, saved device (location tag) and stride changes of the
     matched tensors are reported. A property that one side's format cannot store (safetensors records no device
-    and no stride, a DCP folder neither) is no change: it is listed in :attr:`TensorDiff.not_stored` when the
+    and no stride, a DCP folder neither) is no change: it is listed in :attr:`KeyDiff.not_stored` when the
     other side's value is not the one that format implies (the CPU, contiguous), and counts as a difference only
     with ``strict``. Also reported are differences in which tensors share a storage (tied weights, views) and
     in plain values (epoch, hyper-parameters; torch files only). Values are compared tensor by tensor, streamed
@@ -403,20 +468,13 @@ def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened,
 
     Raises:
         UsageError: a negative tolerance, tolerances with ``keys_only``, a path that is missing or not a
-            checkpoint set (see :func:`ckptool.ops.inspect.entry.inspect`), a ``key`` that resolves on neither side.
+            checkpoint set (see :func:`ckptool.readers.open_checkpoint`), a ``key`` that resolves on neither side.
         NotACheckpointError / CorruptCheckpointError / UnsupportedError: a side cannot be read (see
-            :func:`ckptool.ops.inspect.entry.inspect` and ``convert``'s readers).
+            :func:`ckptool.readers.open_checkpoint` and ``convert``'s readers; a plain pickle).
         ModuleNotFoundError: tolerances given and numpy is not installed.
     """
-    for name, tol in (("rtol", rtol), ("atol", atol)):
-        if tol is not None and not (tol >= 0 and math.isfinite(tol)):
-            raise UsageError(f"--{name} must be a finite number >= 0, not {tol}")
-    if keys_only and (rtol is not None or atol is not None):
-        raise UsageError("--keys-only skips values: it cannot be combined with --rtol / --atol")
+    _check_options(rtol, atol, keys_only, norms)
     tolerance = rtol is not None or atol is not None
-    if tolerance or norms:
-        require_numpy()  # fail before reading anything
-
     side_a, side_b, key_a, key_b = read_pair(a if isinstance(a, Opened) else os.fspath(a),
                                              b if isinstance(b, Opened) else os.fspath(b), key)
     mode = "keys-only" if keys_only else "tolerance" if tolerance else "exact"
@@ -424,22 +482,11 @@ def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened,
                      rtol=(rtol or 0.0) if tolerance else None, atol=(atol or 0.0) if tolerance else None,
                      strict=strict, key_a=key_a, key_b=key_b)
     res.notes += side_a.notes + side_b.notes
-    pairs, res.prefix = _match(list(side_a.tensors), list(side_b.tensors))
-    matched_a = set(pairs.values())
-    value_pairs = {k: k for k in side_b.values if k in side_a.values}
-    res.only_a = [k for k in side_a.tensors if k not in matched_a] + [k for k in side_a.values if k not in value_pairs]
-    res.only_b = [k for k in side_b.tensors if k not in pairs] + [k for k in side_b.values if k not in value_pairs]
-    res.plain_values = len(value_pairs)
-    for kb, ka in value_pairs.items():
-        va, vb = side_a.values[ka], side_b.values[kb]
-        if va is not UNREAD and vb is not UNREAD and not _same_value(va, vb):
-            res.values.append(ValueDiff(ka, kb, va, vb))
+    pairs = _match_keys(side_a, side_b, res)
     _compare_pairs(side_a, side_b, pairs, res, (rtol, atol), keys_only, norms)
     res.shared = _sharing(pairs, side_a, side_b)
-    unread = sum(1 for kb, ka in pairs.items() if side_a.tensors[ka].path is None or side_b.tensors[kb].path is None)
     res.not_compared = res.compared - res.values_equal - sum(t.values == DIFFER for t in res.tensors)
-    if unread and not keys_only:
-        res.notes.append(f"values of {unread} tensor(s) were not compared: "
-                         + next(side_a.tensors[ka].unread or side_b.tensors[kb].unread for kb, ka in pairs.items()
-                                if side_a.tensors[ka].path is None or side_b.tensors[kb].path is None))
+    note = None if keys_only else _unread_note(side_a, side_b, pairs)
+    if note:
+        res.notes.append(note)
     return res
