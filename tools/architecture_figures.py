@@ -73,18 +73,21 @@ FORMAT_CONSTANTS = {"TORCH_ZIP", "TORCH_LEGACY", "TORCHSCRIPT", "TORCH_PACKAGE",
                     "DEEPSPEED", "SHARDED_SAFETENSORS", "SHARDED_BIN"}
 
 
-def _is_format_name(node: ast.AST) -> bool:
+def _is_format_name(node: ast.AST, modules: set[str]) -> bool:
+    """A format-name string, or a format-name constant read from a module (``detect.TORCH_ZIP``) or imported by
+    name; not a member of an enum of ckptool's own (``OutputFormat.DCP``: an output choice)."""
     if isinstance(node, ast.Constant):
         return isinstance(node.value, str) and node.value in FORMAT_NAMES
-    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
-    return name in FORMAT_CONSTANTS
+    if isinstance(node, ast.Attribute):
+        return node.attr in FORMAT_CONSTANTS and isinstance(node.value, ast.Name) and node.value.id in modules
+    return isinstance(node, ast.Name) and node.id in FORMAT_CONSTANTS
 
 
-def _names_format(node: ast.AST) -> bool:
-    if _is_format_name(node):
+def _names_format(node: ast.AST, modules: set[str]) -> bool:
+    if _is_format_name(node, modules):
         return True
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return any(_is_format_name(e) for e in node.elts)
+        return any(_is_format_name(e, modules) for e in node.elts)
     return False
 
 
@@ -93,14 +96,17 @@ def format_comparisons() -> list[str]:
     for p in _modules():
         if not _outside(p, "readers", "formats"):
             continue
-        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        modules = _module_names(tree)
+        for node in ast.walk(tree):
             if isinstance(node, ast.Compare):
-                if any(_names_format(c) for c in [node.left, *node.comparators]):
+                if any(_names_format(c, modules) for c in [node.left, *node.comparators]):
                     found.append(f"{_rel(p)}:{node.lineno}")
             elif isinstance(node, ast.Dict):
-                if sum(1 for k in node.keys if k is not None and _is_format_name(k)) >= 2:
+                if sum(1 for k in node.keys if k is not None and _is_format_name(k, modules)) >= 2:
                     found.append(f"{_rel(p)}:{node.lineno} (table)")
-            elif isinstance(node, ast.match_case) and _names_format(getattr(node.pattern, "value", ast.Pass())):
+            elif isinstance(node, ast.match_case) and _names_format(getattr(node.pattern, "value", ast.Pass()),
+                                                                    modules):
                 found.append(f"{_rel(p)}:{node.pattern.lineno}")
     return found
 

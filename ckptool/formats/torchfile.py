@@ -74,6 +74,12 @@ class Checkpoint:
     #: torch 2.13 reads it), ``"little"`` for other formats (a big-endian legacy file is refused)
     byteorder: str = "little"
 
+    @property
+    def is_legacy(self) -> bool:
+        """The legacy stream (``_use_new_zipfile_serialization=False``): storage ids and records laid out as
+        ``torch.save`` wrote them before the zip format."""
+        return self.format == formats.TORCH_LEGACY
+
     def byteswap_size(self, ref: StorageRef) -> int:
         """The element size whose bytes must be reversed to read storage ``ref`` as the little-endian values
         ckptool writes and compares (0: none), as ``torch.load`` swaps a storage whose ``byteorder`` is not the

@@ -372,7 +372,7 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
     src = os.fspath(src)
     out = sanitize_output(src, dst, in_place)
     opened = open_checkpoint(src).require_file()
-    refuse_unwritable(opened.format, src, "sanitize")
+    refuse_unwritable(opened.spec, src, "sanitize")
     ck = opened.graph()
     location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     s = _Sanitizer(ck, drop_unknown)

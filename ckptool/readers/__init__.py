@@ -92,7 +92,7 @@ Kind = Literal["file", "set", "folder"]
 _T = TypeVar("_T")
 
 
-Role = Literal["read", "describe", "load", "hint"]
+Role = Literal["read", "describe", "load", "hint", "rewrite"]
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,9 @@ class Format:
     archive); ``tagged``: its checkpoints lie in tag folders (DeepSpeed's ``global_step*``: ``tag`` and
     ``exclude_frozen`` apply); ``torch_distributed``: written by ``torch.distributed.checkpoint``, whose whole state
     (tensors and other entries) torch's own planner restores; ``refusals``: the sentence an operation
-    (``"extract-state-dict"``) refuses it with, where that operation has its own; ``location_tags``: its files
+    (``"extract-state-dict"``; ``"rewrite"``: remap and sanitize; ``"prefix"``: the prefix commands; ``"edit"``:
+    rename and filter) refuses it with, where that operation has its own (a template: ``{path}``, ``{action}``,
+    ``{api}``, ``{done}`` filled by :meth:`refusal_for`); ``location_tags``: its files
     record each storage's location tag (torch pickles; the others open on the CPU); ``strides``: which strides its
     tensors keep, ``"saved"`` (every tensor's, as saved), ``"views"`` (contiguous, but for the views ckptool's
     sharing record gives back: safetensors) or ``"none"`` (a DCP folder: ``dcp.load`` copies each record into the
@@ -130,7 +132,10 @@ class Format:
     * ``loader``: ``load_into`` / ``verify``, ``(opened, request) -> (object, saved location tags)``
       (:mod:`ckptool.torch_ops.load`);
     * ``hint``: the "Load it with" line of a written output, ``(opened, info, state_dict, chosen) -> LoadHint``
-      (:mod:`ckptool.ops.hints`; empty: ``torch.load``).
+      (:mod:`ckptool.ops.hints`; empty: ``torch.load``);
+    * ``rewriter``: ``remap`` of a file whose storages are not a torch pickle's (a torch.package archive),
+      ``(opened, dst, to, mapping, allow_missing, progress, *, renaming) -> WriteResult``
+      (:mod:`ckptool.ops.rewrite`; empty: the pickle's node graph streamed anew).
 
     ``support`` is the format's row of the support matrix (:mod:`ckptool.ops.matrix`, ``docs/formats.md``):
     operation -> :class:`~ckptool.readers.support.Cell` for every operation that does not plainly work (a refusal
@@ -151,6 +156,7 @@ class Format:
     describer: str = ""
     loader: str = ""
     hint: str = ""
+    rewriter: str = ""
     support: Mapping[str, Cell] | None = field(default=None, hash=False)
     key_form: str = "PATH"
     tagged: bool = False
@@ -158,6 +164,12 @@ class Format:
     refusals: Mapping[str, str] = field(default_factory=dict, compare=False)
     location_tags: bool = False
     strides: Literal["saved", "views", "none"] = "none"
+
+    def refusal_for(self, operation: str, path: str, **words: str) -> str | None:
+        """The sentence ``operation`` refuses a checkpoint of this format with (:attr:`refusals`), ``path`` first
+        and the template's ``{path}`` / ``{...}`` filled from ``words``; None when the operation takes it."""
+        template = self.refusals.get(operation)
+        return None if template is None else f"{path} {template.format(path=path, **words)}"
 
     def behaviour(self, role: Role, default: Callable[..., Any] | None = None) -> Callable[..., Any]:
         """The plug-in this format names for ``role`` (``"read"``, ``"describe"``, ``"load"``, ``"hint"``), its
@@ -175,7 +187,8 @@ class Format:
 
 
 #: :meth:`Format.behaviour`'s roles -> the :class:`Format` field naming the plug-in
-_ROLES: dict[str, str] = {"read": "reader", "describe": "describer", "load": "loader", "hint": "hint"}
+_ROLES: dict[str, str] = {"read": "reader", "describe": "describer", "load": "loader", "hint": "hint",
+                          "rewrite": "rewriter"}
 
 
 @functools.cache
@@ -214,7 +227,15 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            refusal="is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
                    "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file",
            refusals={"extract-state-dict": "is a TorchScript archive: its state_dict is torch.jit.load(path, "
-                                           "map_location='cpu').state_dict()"},
+                                           "map_location='cpu').state_dict()",
+                     "rewrite": "is a TorchScript archive, not a torch.save checkpoint; load it on any device with "
+                                "torch.jit.load(path, map_location='cpu') (or 'cuda:0')",
+                     "prefix": "is a TorchScript archive: its parameter names are fixed by its compiled code and "
+                               "cannot be renamed. Load it with torch.jit.load(path, map_location='cpu') and rename "
+                               "model.state_dict() with ckptool.{api}(state_dict)",
+                     "edit": "is a TorchScript archive: its parameter names are fixed by its compiled code and "
+                             "cannot be {done}. Load it with torch.jit.load(path, map_location='cpu') and save "
+                             "model.state_dict() with torch.save first",},
            describer=_PICKLED_INSPECT, loader="ckptool.torch_ops.loaders:load_torchscript", support={
                "scan": Cell("works", "needs-trust"),
                "diff": Cell("works", "identical"),
@@ -237,7 +258,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                    "load_pickle(...) loads them (runs the package's code: trusted files only)",
            reader="ckptool.readers.read_package:read_tensors",
            describer="ckptool.ops.inspect.entry:inspect_package", loader="ckptool.torch_ops.loaders:load_package",
-           hint="ckptool.ops.hints:package_hint", support={
+           hint="ckptool.ops.hints:package_hint", rewriter="ckptool.ops.rewrite.package:remap_package", support={
                **dict.fromkeys(("prefix", "extract-state-dict", "sanitize", "rename", "filter"), PACKAGE),
                "scan": Cell("works", "safe"),
                "diff": Cell("works", "identical"),
@@ -245,7 +266,9 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "verify": Cell("works", "bit-identical"),
            }),
     Format(detect.SAFETENSORS, "safetensors file", "file", flat="safetensors", header=True, strides="views",
-           refusals={"extract-state-dict": "is safetensors: it already is a state_dict"},
+           refusals={"extract-state-dict": "is safetensors: it already is a state_dict",
+                     "rewrite": "is safetensors: it carries no device tags, so there is nothing to {action}; "
+                                "load it on any device with safetensors.torch.load_file(path, device='cpu')"},
            reader="ckptool.readers.read_safetensors:read_tensors",
            describer="ckptool.ops.inspect.entry:inspect_safetensors",
            loader="ckptool.torch_ops.loaders:load_safetensors", hint="ckptool.ops.hints:safetensors_hint", support={
@@ -256,6 +279,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "sanitize": Cell("refused", "nothing to sanitize", "safetensors.torch.load_file(path, device=...)"),
            }),
     Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set", strides="views",
+           refusals={"rewrite": "is safetensors: it carries no device tags, so there is nothing to "
+                                "{action}; load it on any device with safetensors.torch.load_file(path, device='cpu')"},
            flat="a sharded set", reader="ckptool.readers.read_safetensors:read_set_tensors", describer=_SET_INSPECT,
            loader=_SET_LOAD, hint="ckptool.ops.hints:safetensors_hint", support={
                **SET_ROW,
@@ -273,6 +298,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "extract-state-dict": FOLDER, "sanitize": FOLDER,
            }),
     Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True, strides="saved",
+           refusals={"edit": "is a torch.export archive; write its state_dict with `ckptool extract-state-dict "
+                             "{path}` first"},
            reader="ckptool.readers.read_pt2:read_tensors", describer="ckptool.ops.inspect.entry:inspect_pt2",
            loader="ckptool.torch_ops.loaders:load_pt2", support={
                "scan": Cell("works", "safe"),
@@ -295,7 +322,11 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
            refusal="is a plain pickle without torch storages, not a torch.save checkpoint",
            refusals={"extract-state-dict": "is a plain pickle without torch storages; there is no state_dict to "
-                                           "extract"},
+                                           "extract",
+                     "rewrite": "is a plain pickle without torch storages; there is nothing to {action}",
+                     "prefix": "is a plain pickle without torch storages, not a torch.save checkpoint; load it and "
+                               "rename the state_dict in memory",
+                     "edit": "is a plain pickle without torch storages, not a torch.save checkpoint"},
            describer=_PICKLED_INSPECT, loader="ckptool.torch_ops.loaders:load_pickle"),
 )}
 

@@ -32,7 +32,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar, overload
 
 from ckptool.errors import UnsupportedError, UsageError
-from ckptool.formats import detect as formats
 from ckptool.model.graph import (
     StateDictRef,
     class_name,
@@ -362,16 +361,10 @@ def apply_plan(
         out = set_output(index, dst, OUTPUT_TAGS[operation], in_place)
         return rewrite_set(opened, out, operation=operation, plan=plan, to=to, mapping=mapping, key=key,
                            allow_missing=allow_missing, progress=progress)
-    src, fmt = opened.target, opened.format
-    if fmt == formats.TORCHSCRIPT:
-        raise UnsupportedError(
-            f"{src} is a TorchScript archive: its parameter names are fixed by its compiled code and cannot be "
-            f"renamed. Load it with torch.jit.load(path, map_location='cpu') and rename model.state_dict() "
-            f"with ckptool.{operation.replace('-', '_')}(state_dict)"
-        )
-    if fmt == formats.PICKLE:
-        raise UnsupportedError(f"{src} is a plain pickle without torch storages, not a torch.save checkpoint; "
-                               "load it and rename the state_dict in memory")
+    src = opened.target
+    refusal = opened.spec.refusal_for("prefix", src, api=operation.replace("-", "_"))
+    if refusal is not None:
+        raise UnsupportedError(refusal)
     out = rename_output(operation, opened, dst, in_place)
     if opened.spec.header:
         if to is not None or mapping:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 from ckptool._gc import gc_paused
 from ckptool.errors import UsageError
-from ckptool.formats import detect as formats
 from ckptool.model.devices import parse_device
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.rewrite.dcp import rewrite_dcp
-from ckptool.ops.rewrite.package import remap_package
 from ckptool.ops.rewrite.prefixes import RenameResult, rename_graph
 from ckptool.ops.rewrite.sets import dcp_folder, opened_input, rewrite_output, rewrite_set, set_index
 from ckptool.ops.rewrite.stream import ProgressFn, WriteResult, refuse_unwritable, retag_function, rewrite_file
@@ -113,10 +112,12 @@ def _remap_file(opened: Opened, dst: str | os.PathLike[str] | None, plan: Rename
     """:func:`remap` of one file ``opened`` (arguments as there), with the renaming ``plan`` (None: none); a
     ``torch.package`` archive through :func:`ckptool.ops.rewrite.package.remap_package` (no renaming)."""
     src = opened.target
-    refuse_unwritable(opened.format, src, "remap")
+    refuse_unwritable(opened.spec, src, "remap")
     out = remap_output(opened, dst, to=to, in_place=in_place)
-    if opened.format == formats.TORCH_PACKAGE:
-        return remap_package(opened, out, to, mapping, allow_missing, progress, renaming=plan is not None)
+    if opened.spec.rewriter:  # a file whose storage ids are not one torch pickle's (torch.package)
+        rewrite = opened.spec.behaviour("rewrite")
+        res = rewrite(opened, out, to, mapping, allow_missing, progress, renaming=plan is not None)
+        return cast(WriteResult, res)
     ck = opened.graph()
     fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     if plan is None:

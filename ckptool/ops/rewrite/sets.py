@@ -26,7 +26,6 @@ from typing import Any
 
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
-from ckptool.formats import detect as formats
 from ckptool.formats.nodes import StorageRef
 from ckptool.formats.pickler import PicklerError, dumps
 from ckptool.formats.safetensors import SafetensorsHeader
@@ -52,7 +51,7 @@ from ckptool.ops.rewrite.stream import (
     safetensors_keys,
     write_renamed_safetensors,
 )
-from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers import Format, Opened, open_checkpoint
 
 
 @dataclass(kw_only=True)
@@ -260,7 +259,7 @@ def _open_shard(index: ShardIndex, name: str) -> _Shard:
     if shard.spec.header:
         header = shard.safetensors_header()
         return _Shard(name, path, fmt, safetensors_keys(path, header), header=header)
-    refuse_unwritable(fmt, path, "rewrite")
+    refuse_unwritable(shard.spec, path, "rewrite")
     ck = shard.graph()
     items = mapping_items(ck.root)
     if items is None:
@@ -298,6 +297,7 @@ class OpenSet:
     shards: list[_Shard]
     safetensors: bool
     names: list[str]
+    spec: Format  # the set's registry entry
 
     @property
     def path(self) -> str:
@@ -329,7 +329,7 @@ def open_set(src: str | Opened, *, key: str | None = None) -> OpenSet:
         raise UnsupportedError(f"{index_path} mixes safetensors and torch shards; rewrite each shard by itself")
     _refuse_duplicates(index_path, shards)
     names = list(dict.fromkeys([k for s in shards for k in s.keys] + list(index.weight_map)))
-    return OpenSet(index, shards, kinds == {True}, names)
+    return OpenSet(index, shards, kinds == {True}, names, o.spec)
 
 
 def set_location_function(s: OpenSet, to: str | None, mapping: Mapping[str, str] | None, *, renaming: bool,
@@ -343,7 +343,7 @@ def set_location_function(s: OpenSet, to: str | None, mapping: Mapping[str, str]
     """
     if s.safetensors and (to is not None or mapping):
         if not renaming:
-            refuse_unwritable(formats.SAFETENSORS, s.path, "remap")
+            refuse_unwritable(s.spec, s.path, "remap")
         raise UsageError(f"{s.path} is a set of safetensors shards: they carry no location tags, so --to / "
                          "--map do not apply (load them on any device with safetensors.torch.load_file(path, "
                          "device=...))")

@@ -30,6 +30,7 @@ from ckptool.formats.zipdir import ENCRYPTED
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.rename_plan import RenamePlan, RenameSummary
+from ckptool.readers import Format
 from ckptool.readers.read_torch import locate_records
 
 
@@ -45,20 +46,16 @@ class WriteResult:
     retagged: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
-def refuse_unwritable(ck_format: str, path: str, action: str) -> None:
-    """Raise the clear error for formats that have no storages to rewrite (safetensors, TorchScript, pickle)."""
-    if ck_format == formats.SAFETENSORS:
-        raise UnsupportedError(
-            f"{path} is safetensors: it carries no device tags, so there is nothing to {action}; load it on any "
-            "device with safetensors.torch.load_file(path, device='cpu')"
-        )
-    if ck_format == formats.TORCHSCRIPT:
-        raise UnsupportedError(
-            f"{path} is a TorchScript archive, not a torch.save checkpoint; load it on any device with "
-            "torch.jit.load(path, map_location='cpu') (or 'cuda:0')"
-        )
-    if ck_format == formats.PICKLE:
-        raise UnsupportedError(f"{path} is a plain pickle without torch storages; there is nothing to {action}")
+def refuse_unwritable(spec: Format, path: str, action: str) -> None:
+    """Raise the clear error for formats that have no storages to rewrite (safetensors, TorchScript, pickle): the
+    registry entry's ``"rewrite"`` refusal (:meth:`ckptool.readers.Format.refusal_for`).
+
+    Raises:
+        UnsupportedError: ``spec`` refuses a rewrite, naming ``path`` and ``action``.
+    """
+    refusal = spec.refusal_for("rewrite", path, action=action)
+    if refusal is not None:
+        raise UnsupportedError(refusal)
 
 
 def retag_function(ck: Checkpoint, to: str | None, mapping: Mapping[str, str] | None, *,
@@ -127,7 +124,7 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
             f"mutation, dangerous; see `ckptool scan {ck.path}`); ckptool cannot write it back, and leaving it out "
             "would change the file")
     res = WriteResult(ck.path, "", ck.format, storages=len(ck.storages))
-    legacy = ck.format == formats.TORCH_LEGACY
+    legacy = ck.is_legacy
 
     def hook(ref: StorageRef) -> tuple[Any, ...]:
         new = location_fn(ref.location) if location_fn else ref.location

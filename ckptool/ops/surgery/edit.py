@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, overload
 
 from ckptool.errors import UnsupportedError, UsageError
-from ckptool.formats import detect as formats
 from ckptool.formats.safetensors import SHARED_KEY
 from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.graph import mapping_items, set_mapping_items
@@ -294,16 +293,9 @@ def _rewritable(opened: Opened, done: str) -> Opened:
     """
     path = opened.path
     opened = opened.require_file()
-    fmt = opened.format
-    if fmt == formats.TORCHSCRIPT:
-        raise UnsupportedError(f"{path} is a TorchScript archive: its parameter names are fixed by its compiled code "
-                               f"and cannot be {done}. Load it with torch.jit.load(path, map_location='cpu') and save "
-                               "model.state_dict() with torch.save first")
-    if fmt == formats.PICKLE:
-        raise UnsupportedError(f"{path} is a plain pickle without torch storages, not a torch.save checkpoint")
-    if fmt == formats.PT2:
-        raise UnsupportedError(f"{path} is a torch.export archive; write its state_dict with `ckptool "
-                               f"extract-state-dict {path}` first")
+    refusal = opened.spec.refusal_for("edit", path, done=done)
+    if refusal is not None:
+        raise UnsupportedError(refusal)
     return opened
 
 
