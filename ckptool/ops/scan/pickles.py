@@ -39,11 +39,11 @@ from ckptool.formats.zipdir import (
 )
 from ckptool.model.allowlist import ALLOWED, classify_global
 from ckptool.model.graph import depth_first, node_children
-from ckptool.ops.scan.byte_windows import _ZIP_EOCD, _ZIP_LOCAL, Container, Window, _eocd, _zip_end, _zip_start
+from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
 from ckptool.ops.scan.results import GlobalFinding, PickleFinding, ScanResult
-from ckptool.ops.scan.tar import _PICKLE_FIRST, MAX_PICKLES_IN_A_ROW, _in, _join, scan_tar
+from ckptool.ops.scan.tar import MAX_PICKLES_IN_A_ROW, PICKLE_FIRST, inside, join_where, scan_tar
 
-__all__ = ["MAX_KEY_PATHS", "Container", "Window", "key_paths"]
+__all__ = ["MAX_KEY_PATHS", "Container", "NotAPickle", "Scanner", "Window", "key_paths"]
 
 # ------------------------------------------------------------------------------------------------ scanning
 #: what a caller (``inspect``) already read of a pickle: its globals, its root node, the offset after its STOP opcode
@@ -60,7 +60,10 @@ MAX_ZIP_DEPTH = 16
 INFLATE_BUDGET = 64 << 20
 
 
-class _Scanner:
+class Scanner:
+    """The container walk of one scan: reads every pickle of a file (zip members, nested zips, legacy streams and
+    tars, plain pickles, data appended after them) and records its findings into :attr:`res`."""
+
     def __init__(self, res: ScanResult, preparsed: Mapping[str, Preparsed] | None = None) -> None:
         self.res = res
         self.torchscript = False
@@ -177,7 +180,7 @@ class _Scanner:
         n = 0
         size = len(buf)
         while pos < size and n < MAX_PICKLES_IN_A_ROW:
-            if n and (buf[pos] not in _PICKLE_FIRST or buf[pos:pos + 4] == _ZIP_LOCAL):
+            if n and (buf[pos] not in PICKLE_FIRST or buf[pos:pos + 4] == ZIP_LOCAL):
                 return pos
             label = where if n == 0 else f"{where} (pickle {n + 1} in a row, byte {pos})"
             end = self.parse(buf, pos, label, required=n == 0 and first_required)
@@ -196,16 +199,16 @@ class _Scanner:
         if self.inflate_left is None:
             self.inflate_left = INFLATE_BUDGET + MAX_RATIO * len(buf)
         head = bytes(buf[:512])
-        if head.startswith((_ZIP_LOCAL, _ZIP_EOCD)):
+        if head.startswith((ZIP_LOCAL, ZIP_EOCD)):
             return self.zip(buf, where, depth, f, loaded=True)
         if formats.is_tar(head):
             try:
                 scan_tar(self, buf, where, depth)
             except CorruptCheckpointError as err:
-                self.note(f"the tar header at byte 0{_in(where)} is valid but the archive could not be read ({err})")
+                self.note(f"the tar header at byte 0{inside(where)} is valid but the archive could not be read ({err})")
             else:
-                if head[0] in _PICKLE_FIRST:  # pickle.load (and tools that use it) read the file's first bytes
-                    self.parse(buf, 0, _join(where, "pickle at byte 0 (read by pickle.load, not torch.load)"),
+                if head[0] in PICKLE_FIRST:  # pickle.load (and tools that use it) read the file's first bytes
+                    self.parse(buf, 0, join_where(where, "pickle at byte 0 (read by pickle.load, not torch.load)"),
                                required=False)
                 self.appended_zip(buf, 512, where, depth)
                 return "legacy-tar"
@@ -215,8 +218,8 @@ class _Scanner:
         if len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] + 8 <= len(buf):
             self.appended_zip(buf, struct.unpack("<Q", head[:8])[0] + 8, where, depth)
             return formats.SAFETENSORS
-        if not head or head[0] not in _PICKLE_FIRST:
-            raise _NotAPickle()
+        if not head or head[0] not in PICKLE_FIRST:
+            raise NotAPickle()
         self.pickle_file(buf, where, depth)
         return formats.PICKLE
 
@@ -232,31 +235,31 @@ class _Scanner:
     def trailing(self, buf: PickleBuffer, pos: int, where: str, depth: int) -> None:
         """Data after the structures a loader reads: further pickles in a row, then possibly an appended zip."""
         rest = pos
-        if buf[pos] in _PICKLE_FIRST and buf[pos:pos + 4] != _ZIP_LOCAL:
-            rest = self.pickles_in_a_row(buf, pos, _join(where, f"data after the last pickle, byte {pos}"),
+        if buf[pos] in PICKLE_FIRST and buf[pos:pos + 4] != ZIP_LOCAL:
+            rest = self.pickles_in_a_row(buf, pos, join_where(where, f"data after the last pickle, byte {pos}"),
                                          first_required=False) or pos
         if not self.appended_zip(buf, rest, where, depth) and rest < len(buf):
-            self.note(f"{len(buf) - rest} bytes at byte {rest}{_in(where)} are not a pickle (no loader reads them)")
+            self.note(f"{len(buf) - rest} bytes at byte {rest}{inside(where)} are not a pickle (no loader reads them)")
 
     def appended_zip(self, buf: PickleBuffer, pos: int, where: str, depth: int) -> bool:
         """Scan the zip whose end record lies after byte ``pos`` of ``buf`` (after a pickle, a safetensors header,
         a legacy stream or a tar), as torch's zip reader (offsets from the file's start) and ``zipfile`` (offsets
         from the zip's start) read it: both views, whichever holds. Returns False when there is no such record."""
-        found = _eocd(buf)
+        found = end_record(buf)
         if found is None or found[0] < pos:
             return False
-        start = _zip_start(buf, pos)
+        start = zip_start(buf, pos)
         if start is not None and start > pos:
-            self.note(f"{start - pos} bytes at byte {pos}{_in(where)} are not a pickle")
+            self.note(f"{start - pos} bytes at byte {pos}{inside(where)} are not a pickle")
         at = start if start is not None else found[0]
         what = "appended at byte" if start is not None else "appended (offsets from the file's start), its end at byte"
-        self.note(f"a zip archive is {what} {at}{_in(where)} (zipfile-based tools and torch's zip reader read it "
+        self.note(f"a zip archive is {what} {at}{inside(where)} (zipfile-based tools and torch's zip reader read it "
                   "instead)")
         window = buf if isinstance(buf, Window) else Window(buf, 0, len(buf))
         try:
-            self.zip(window, _join(where, f"appended zip at byte {at}"), depth + 1)
+            self.zip(window, join_where(where, f"appended zip at byte {at}"), depth + 1)
         except CkptError as err:
-            self.note(f"the zip at byte {at}{_in(where)} could not be read ({err})")
+            self.note(f"the zip at byte {at}{inside(where)} could not be read ({err})")
         return True
 
     def zip(self, buf: Container, where: str, depth: int, f: BinaryIO | None = None, *, loaded: bool = False) -> str:
@@ -278,7 +281,7 @@ class _Scanner:
             size == os.path.getsize(self.res.path)
         torch_view, entries = self._directories(f, size, where, top_file)
         if not entries:
-            raise CorruptCheckpointError(f"empty zip archive{_in(where)}")
+            raise CorruptCheckpointError(f"empty zip archive{inside(where)}")
         base = torch_view if torch_view else entries
         recs = TorchRecords(base)
         top = recs.prefix or ""
@@ -293,10 +296,10 @@ class _Scanner:
             try:
                 self.pt2_roles[where] = member_roles(f, size, entries, where or self.res.path)
             except CkptError as err:
-                self.note(f"the torch.export configs{_in(where)} could not be read ({err}); members were scanned by "
+                self.note(f"the torch.export configs{inside(where)} could not be read ({err}); members were scanned by "
                           "their first bytes")
         dups = {n for n, c in Counter(names).items() if c > 1} if len(name_set) < len(names) else set()
-        labels = self._labels = {id(e): _join(where, f"{e.name} (local header at byte {e.header_offset})")
+        labels = self._labels = {id(e): join_where(where, f"{e.name} (local header at byte {e.header_offset})")
                                  for e in entries if e.name in dups}
         if loaded and torch_view is not None:
             self._mark_loaded(where, kind, recs, names)
@@ -305,7 +308,7 @@ class _Scanner:
             seen: set[str] = set()
             for e in entries:
                 if e.name in seen:
-                    self.note(f"the zip{_in(where)} holds two members named {e.name!r}: loaders may read either; "
+                    self.note(f"the zip{inside(where)} holds two members named {e.name!r}: loaders may read either; "
                               "both were scanned")
                 seen.add(e.name)
         todo: Iterable[ZipEntry] = entries
@@ -325,10 +328,10 @@ class _Scanner:
                 more = f" and {len(group) - 4} more" if len(group) > 4 else ""
                 self.note(f"members {', '.join(group[1:4])}{more} have the data of {group[0]} (one local header): "
                           "scanned once")
-        end = _zip_end(buf)
+        end = zip_end(buf)
         if end is not None and end < size:
             if isinstance(buf, Window):  # the bytes after the zip, by themselves (hostile or odd: rarely big)
-                self.trailing(buf[end:], 0, _join(where, f"data after the zip's end at byte {end}"), depth)
+                self.trailing(buf[end:], 0, join_where(where, f"data after the zip's end at byte {end}"), depth)
             else:
                 self.trailing(buf, end, where, depth)
         return kind
@@ -357,12 +360,12 @@ class _Scanner:
             if torch_err is not None:
                 raise torch_err from None
             assert torch_view is not None
-            self.note(f"Python's zipfile cannot read the zip{_in(where)} ({err}); torch's reader can: its members "
+            self.note(f"Python's zipfile cannot read the zip{inside(where)} ({err}); torch's reader can: its members "
                       "were scanned")
             return torch_view, list(torch_view)
         assert zf_view is not None
         if torch_view is None:
-            self.note(f"torch's zip reader refuses the zip{_in(where)} ({torch_err}); Python's zipfile reads it: "
+            self.note(f"torch's zip reader refuses the zip{inside(where)} ({torch_err}); Python's zipfile reads it: "
                       "its members were scanned")
             return None, zf_view
         have = {(e.name, e.header_offset) for e in torch_view}
@@ -371,7 +374,7 @@ class _Scanner:
             extra = [e for e in zf_view if (e.name, e.header_offset) not in have]
             if extra or len(zf_view) != len(torch_view):
                 z = cast(Directory, zf_view).end
-                self.note(f"torch's zip reader and Python's zipfile read different central directories{_in(where)} "
+                self.note(f"torch's zip reader and Python's zipfile read different central directories{inside(where)} "
                           f"(torch: {len(torch_view)} entries at byte {torch_view.end.offset}; zipfile: "
                           f"{len(zf_view)} entries at byte {z.offset}): the members of both were scanned")
         t = torch_view.end
@@ -383,7 +386,7 @@ class _Scanner:
                 plain = Directory()
             more = [e for e in plain if (e.name, e.header_offset) not in have]
             if more:
-                self.note(f"the zip's 32-bit end record{_in(where)} points to another central directory than its "
+                self.note(f"the zip's 32-bit end record{inside(where)} points to another central directory than its "
                           f"ZIP64 end record (which torch and zipfile read): its {len(plain)} entries were scanned too")
                 have.update((e.name, e.header_offset) for e in extra)
                 extra += [e for e in more if (e.name, e.header_offset) not in have]
@@ -392,14 +395,14 @@ class _Scanner:
     def _mark_loaded(self, where: str, kind: str, recs: TorchRecords, names: list[str]) -> None:
         """Mark the members torch's loader unpickles in a zip it reads (as it finds them: ignoring case)."""
         if kind == formats.PT2:  # torch.export.load unpickles these members
-            self.loaded.update(_join(where, n) for n in self.pt2_roles.get(where, (set(), set()))[0])
+            self.loaded.update(join_where(where, n) for n in self.pt2_roles.get(where, (set(), set()))[0])
         elif kind != "zip":
             for rec in ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",):
                 e = recs.find(rec)
                 if e is not None:
-                    self.loaded.add(self._labels.get(id(e)) or _join(where, e.name))
+                    self.loaded.add(self._labels.get(id(e)) or join_where(where, e.name))
             if kind == "torchscript":  # torch.jit.load also unpickles the source ranges of code/
-                self.loaded.update(_join(where, n) for n in names if n.endswith(".debug_pkl"))
+                self.loaded.update(join_where(where, n) for n in names if n.endswith(".debug_pkl"))
 
     def _case_notes(self, where: str, recs: TorchRecords, records: Iterable[str]) -> None:
         """A note for each pickle record whose name several members match but for case, or only in another case:
@@ -409,7 +412,7 @@ class _Scanner:
             exact = (recs.prefix or "") + rec
             if len(found) > 1 or (found and found[0].name != exact):
                 chosen = recs.find(rec)
-                self.note(f"the zip{_in(where)} holds {', '.join(repr(e.name) for e in found)} for {rec}: torch's "
+                self.note(f"the zip{inside(where)} holds {', '.join(repr(e.name) for e in found)} for {rec}: torch's "
                           f"reader ignores case and reads {chosen.name if chosen else None!r}, zipfile-based tools "
                           f"read {exact!r}{'' if exact in {e.name for e in found} else ' (absent)'}; all were scanned")
 
@@ -420,7 +423,7 @@ class _Scanner:
         whole file are capped (:data:`INFLATE_BUDGET`)."""
         name = e.name
         rel = name[len(top):] if name.startswith(top) else name
-        label = self._labels.get(id(e)) or _join(where, name)
+        label = self._labels.get(id(e)) or join_where(where, name)
         if name.endswith("/"):
             return
         pickled, raw = self.pt2_roles.get(where, (set(), set()))
@@ -440,7 +443,7 @@ class _Scanner:
         except CkptError as err:
             self._unreadable_member(label, is_pickle, err)
             return
-        nested = head.startswith(_ZIP_LOCAL)
+        nested = head.startswith(ZIP_LOCAL)
         looks_pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
         if not (is_pickle or nested or looks_pickled):
             return
@@ -479,7 +482,7 @@ class _Scanner:
         main_storages: dict[str, StorageRef] = {}
         keys: object = None
         for i, part in enumerate(("magic number", "protocol version", "sys_info", "main pickle", "storage keys")):
-            label = _join(where, f"legacy {part}")
+            label = join_where(where, f"legacy {part}")
             if not where:
                 self.loaded.add(label)
             try:
@@ -511,8 +514,8 @@ class _Scanner:
         if pos < len(buf):
             self.trailing(buf, pos, where, depth)
 
-class _NotAPickle(Exception):
-    pass
+class NotAPickle(Exception):
+    """:meth:`Scanner.any`: the bytes are no container the scan knows and do not start as a pickle."""
 
 
 #: the most key paths reported per global and pickle

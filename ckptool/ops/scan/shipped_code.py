@@ -51,7 +51,7 @@ from ckptool.formats.native import HEAD_BYTES, describe_native, may_be_native
 from ckptool.formats.torch_package import module_name
 from ckptool.formats.zipdir import ZipEntry, read_directory, read_member, read_member_head
 from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST
-from ckptool.ops.scan.pickles import Container, Window, _Scanner
+from ckptool.ops.scan.pickles import Container, Scanner, Window
 from ckptool.ops.scan.results import CodeFinding, ScanResult
 
 __all__ = ["BUILTIN_CLASS_NAMESPACES", "BUILTIN_NAMESPACES", "FILE_OPS", "NATIVE", "NATIVE_SOURCE", "PYTHON",
@@ -88,8 +88,8 @@ _MANGLE = re.compile(r"^<torch_package_\d+>\.?")
 _OPS_REGEX = re.compile(r"\bops\s*\.\s*([A-Za-z_]\w*)\s*\.\s*([A-Za-z_]\w*)")
 
 
-class CodeScanner(_Scanner):
-    """The scan's container walk (:class:`~ckptool.ops.scan.pickles._Scanner`), which also records the code found
+class CodeScanner(Scanner):
+    """The scan's container walk (:class:`~ckptool.ops.scan.pickles.Scanner`), which also records the code found
     in every zip it walks into :attr:`ScanResult.code` (see the module docstring)."""
 
     def zip(self, buf: Container, where: str, depth: int, f: BinaryIO | None = None, *, loaded: bool = False) -> str:
