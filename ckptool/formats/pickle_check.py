@@ -335,8 +335,20 @@ def call_with_stack(fn: Callable[[], _T], levels: int, what: str = "pickle") -> 
 #: the opcodes torch 2.13's weights_only unpickler reads (torch/_weights_only_unpickler.py ``Unpickler.load``): any
 #: other opcode (FRAME and MEMOIZE of protocol 4+, SHORT_BINUNICODE, BINBYTES, STACK_GLOBAL, the text opcodes of
 #: protocols 0-1...) makes it raise "Unsupported operand", whatever the globals
-WEIGHTS_ONLY_OPCODES = frozenset(b"c\x81Rbaesu(t\x85\x86\x87N\x89\x88)]}\x8fJKMGXUQhjqr\x8a\x80.")
-_WO_NOARG = b"\x81Rbaesu(t\x85\x86\x87N\x89\x88)]}\x8fQ"
+#: the one list, by the regular expression of each group's argument (a memo index, a length-prefixed string, two
+#: text lines...); the commonest opcodes of a torch pickle first (memo puts and gets, then argument-less runs)
+_WEIGHTS_ONLY_BY_ARGUMENT: tuple[tuple[bytes, bytes], ...] = (
+    (b"qhK\x80", b"."),  # BINPUT BINGET BININT1 PROTO: one byte
+    (b"rjJ", b".{4}"),  # LONG_BINPUT LONG_BINGET BININT: four bytes
+    (b"\x81Rbaesu(t\x85\x86\x87N\x89\x88)]}\x8fQ", b"+" + _POSSESSIVE),  # no argument, in runs
+    (b"X", _counted(b"\x00\x00\x00")),  # BINUNICODE: a 4-byte length and that many bytes
+    (b"M", b".{2}"),  # BININT2
+    (b"G", b".{8}"),  # BINFLOAT
+    (b"U\x8a", _counted(b"")),  # SHORT_BINSTRING LONG1: a 1-byte length and that many bytes
+    (b"c", b"[^\\n]*\\n[^\\n]*\\n"),  # GLOBAL: module and name lines
+    (b".", b""),  # STOP (matched by weights_only_refusal itself)
+)
+WEIGHTS_ONLY_OPCODES = frozenset(b"".join(ops for ops, _arg in _WEIGHTS_ONLY_BY_ARGUMENT))
 _wo_patterns: list[re.Pattern[bytes]] = []  # compiled on first use
 #: opcode byte -> its name in the ``pickle`` module (``FRAME``, ``SHORT_BINUNICODE``...)
 _OPCODE_NAMES = {v[0]: k for k, v in vars(pickle).items()
@@ -351,10 +363,7 @@ def weights_only_refusal(buf: PickleBuffer, start: int = 0, end: int | None = No
     stepped over in Python."""
     end = len(buf) if end is None else end
     if not _wo_patterns:
-        # the commonest opcodes of a torch pickle first (memo puts and gets, then argument-less runs)
-        alts = [_cls(b"qhK\x80") + b".", _cls(b"rjJ") + b".{4}", _cls(_WO_NOARG) + b"+" + _POSSESSIVE,
-                b"X" + _counted(b"\x00\x00\x00"), b"M.{2}", b"G.{8}", _cls(b"U\x8a") + _counted(b""),
-                b"c[^\\n]*\\n[^\\n]*\\n"]
+        alts = [_cls(ops) + arg for ops, arg in _WEIGHTS_ONLY_BY_ARGUMENT if ops != b"."]
         _wo_patterns.append(re.compile(b"(?:" + b"|".join(alts) + b")*" + _POSSESSIVE, re.DOTALL))
     match = _wo_patterns[0].match
     pos = start

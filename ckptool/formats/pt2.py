@@ -465,12 +465,6 @@ def pickle_members(arch: Pt2Archive) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def raw_members(arch: Pt2Archive) -> set[str]:
-    """The members (relative names) that hold raw tensor bytes (``use_pickle`` false): no loader unpickles them."""
-    raw = {p.member for prog in arch.programs for p in (*prog.weights, *prog.constants) if not p.pickled}
-    return raw - set(pickle_members(arch))
-
-
 def member_roles(f: BinaryIO, size: int, entries: list[ZipEntry], path: str) -> tuple[set[str], set[str]]:
     """For ``ckptool scan``: ``(pickled, raw)``, the full names of the members of a ``torch.export`` archive that
     ``torch.export.load`` unpickles (whatever their first bytes: ``torch.load`` and ``pickle.loads`` read protocols

@@ -325,7 +325,6 @@ class TorchRecords:
         self.prefix: str | None = first.split("/", 1)[0] + "/" if "/" in first else None
         #: the prefix's bytes as the directory holds them (the folder of a cp437 name is not its UTF-8 encoding)
         self._prefix_raw = raw_name(entries[0]).split(b"/", 1)[0] + b"/" if self.prefix is not None else b""
-        self._exact: dict[str, int] | None = None
         self._lower: dict[bytes, list[int]] | None = None
         self._order: list[int] | None = None
         self._keys: list[bytes] = []

@@ -49,9 +49,6 @@ SCALER_NAMES: tuple[str, ...] = (
 _FLAT_PARAM_RE = re.compile(r"(^|\.)(_flat_param|flat_param_\d+|_fsdp_flat_param)$")
 
 
-
-
-
 def normalize_prefix(prefix: str) -> str:
     """Return ``prefix`` as whole components ending in ``.`` (``"module"`` -> ``"module."``).
 
@@ -66,12 +63,6 @@ def normalize_prefix(prefix: str) -> str:
     return p
 
 
-def has_prefix(key: str, prefix: str) -> bool:
-    """True when ``key`` starts with the whole components of ``prefix`` and keeps at least one after it."""
-    p = normalize_prefix(prefix)
-    return key.startswith(p) and len(key) > len(p)
-
-
 def is_flat_param_key(key: str) -> bool:
     """True for FSDP flat-parameter keys (``_flat_param``, ``flat_param_0``), which cannot be renamed back to FQNs."""
     return bool(_FLAT_PARAM_RE.search(key))
@@ -84,30 +75,12 @@ def has_flat_param_key(keys: Iterable[str]) -> bool:
     return "flat_param" in "\n".join(keys) and any(map(is_flat_param_key, keys))
 
 
-def strip_prefix_keys(keys: Iterable[str], prefixes: Iterable[str]) -> dict[str, str]:
-    """Map each key to its name with ``prefixes`` removed from the front.
-
-    The prefixes are applied in the given order, each at most once (``strip_prefix_keys(k, ["module.",
-    "_orig_mod."])`` turns ``module._orig_mod.fc.w`` into ``fc.w``). Keys that do not carry a prefix map to
-    themselves. Returns ``{old_key: new_key}`` in the input order; collisions are not checked here (see
-    :func:`check_collisions`).
-    """
-    plist = [normalize_prefix(p) for p in prefixes]
-    return {key: strip_prefix_key(key, plist) for key in keys}
-
-
 def strip_prefix_key(key: str, prefixes: Iterable[str]) -> str:
     """One key with each of the (normalised) ``prefixes`` removed from its front, in order, at most once each."""
     for p in prefixes:
         if key.startswith(p) and len(key) > len(p):
             key = key[len(p):]
     return key
-
-
-def add_prefix_keys(keys: Iterable[str], prefix: str) -> dict[str, str]:
-    """Map each key to ``prefix + key`` (``prefix`` normalised to whole components)."""
-    p = normalize_prefix(prefix)
-    return {k: p + k for k in keys}
 
 
 def unwrap_key(key: str, attribute: str | None = None) -> tuple[str, list[str]]:
