@@ -160,8 +160,7 @@ def _scan_item(sc: Scanner, w: Window, it: DcpItem, label: str) -> None:
     head = w[:8]
     try:
         if head.startswith(ZIP_LOCAL):
-            kind = sc.zip(w, label, 1, loaded=True)
-            if kind == "zip" and it.is_bytes:
+            if sc.zip(w, label, 1, loaded=True).bare_zip and it.is_bytes:
                 sc.record(PickleFinding(label, it.offset, [], "a zip without data.pkl, not a torch.save record"))
             return
     except CkptError as e:

@@ -20,6 +20,7 @@ from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.ops.scan.results import PickleFinding
 
 __all__ = [
+    "LOADED_TAR_MEMBERS",
     "MAX_PICKLES_IN_A_ROW",
     "MAX_TAR_MEMBERS",
     "PICKLE_FIRST",
@@ -32,6 +33,8 @@ __all__ = [
 
 MAX_TAR_MEMBERS = 10_000
 MAX_PICKLES_IN_A_ROW = 10_000
+#: the members of a legacy tar that torch's ``_legacy_load`` unpickles (member names, not formats)
+LOADED_TAR_MEMBERS = frozenset({"sys_info", "pickle", "storages", "tensors"})
 #: a file's first byte starts a pickle only if it is an opcode a pickle can begin with
 PICKLE_FIRST = frozenset(b"\x80(.012NQR}abdel]ostu)\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94"
                           b"KhqJjMGUCXBT\x8a\x8b\x8c\x8d\x8e\x96ILFSVPgpci")
@@ -87,7 +90,7 @@ def _read_tar_members(w: PickleWalker, tf: tarfile.TarFile, where: str, depth: i
         fobj = tf.extractfile(member)
         data = fobj.read() if fobj is not None else b""
         label = join_where(where, f"tar member {member.name}")
-        known = member.name in ("sys_info", "pickle", "storages", "tensors")
+        known = member.name in LOADED_TAR_MEMBERS
         if known and not where:
             w.loaded.add(label)
         if data[:1] and data[0] in PICKLE_FIRST:
