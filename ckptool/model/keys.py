@@ -283,38 +283,55 @@ def reconcile(checkpoint_keys: Iterable[str], model_keys: Iterable[str]) -> Reco
 
     # candidate prefixes to drop from the checkpoint before canonicalising: none, then each leading run of shared
     # components (covers `model.` and deeper attribute wrappers)
+    for drop in _leading_prefixes(ckeys):
+        mapping, matched = _matched_to(ckeys, drop, canon_model)
+        if matched > best.matched and not check_collisions(mapping):
+            best = Reconciliation(mapping, matched=matched)
+    if best.changed:
+        best.removed, best.added = _described(best.mapping)
+    return best
+
+
+def _leading_prefixes(keys: list[str]) -> list[str]:
+    """``""``, then each leading run of components every key shares (``model.``, ``model.net.``...), while every
+    key keeps a component after it."""
     candidates: list[str] = [""]
-    split = [k.split(".") for k in ckeys]
+    split = [k.split(".") for k in keys]
     depth = 0
     while split and all(len(p) > depth + 1 for p in split) and all(p[depth] == split[0][depth] for p in split):
         candidates.append(".".join(split[0][: depth + 1]) + ".")
         depth += 1
+    return candidates
 
-    for drop in candidates:
-        mapping: dict[str, str] = {}
-        matched = 0
-        for k in ckeys:
-            base = k[len(drop):] if drop and k.startswith(drop) else k
-            target = canon_model.get(unwrap_key(base)[0])
-            if target is not None:
-                mapping[k] = target
-                matched += 1
-            else:
-                mapping[k] = k
-        if matched > best.matched and not check_collisions(mapping):
-            best = Reconciliation(mapping, matched=matched)
-    if best.changed:
-        removed: dict[str, None] = {}
-        added: dict[str, None] = {}
-        for old, new in best.mapping.items():
-            if old != new:
-                r, a = _describe(old, new)
-                if r:
-                    removed[r] = None
-                if a:
-                    added[a] = None
-        best.removed, best.added = list(removed), list(added)
-    return best
+
+def _matched_to(keys: list[str], drop: str, canon_model: dict[str, str]) -> tuple[dict[str, str], int]:
+    """Each key mapped to the model key of the same canonical name once ``drop`` is removed from its front (or to
+    itself), and how many found one."""
+    mapping: dict[str, str] = {}
+    matched = 0
+    for k in keys:
+        base = k[len(drop):] if drop and k.startswith(drop) else k
+        target = canon_model.get(unwrap_key(base)[0])
+        if target is not None:
+            mapping[k] = target
+            matched += 1
+        else:
+            mapping[k] = k
+    return mapping, matched
+
+
+def _described(mapping: dict[str, str]) -> tuple[list[str], list[str]]:
+    """The prefixes a mapping removes and adds (:func:`_describe`), each once, in order."""
+    removed: dict[str, None] = {}
+    added: dict[str, None] = {}
+    for old, new in mapping.items():
+        if old != new:
+            r, a = _describe(old, new)
+            if r:
+                removed[r] = None
+            if a:
+                added[a] = None
+    return list(removed), list(added)
 
 
 # ------------------------------------------------------------------------------------------------ _metadata
