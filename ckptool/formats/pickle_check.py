@@ -259,31 +259,42 @@ def _check_one(buf: PickleBuffer, op: int, pos: int, start: int, end: int, what:
                 raise _memo_bomb(what, idx, pos, start)
         return pos + 1 + n
     if op in _LEN1 or op in _LEN4_UNSIGNED or op in _LEN4_SIGNED or op in _LEN8:
-        width = 1 if op in _LEN1 else 8 if op in _LEN8 else 4
-        if pos + 1 + width > end:
-            return -1
-        length = int.from_bytes(buf[pos + 1:pos + 1 + width], "little", signed=op in _LEN4_SIGNED)
-        if length < 0:
-            raise _corrupt(what, f"negative length {length} at byte {pos - start}")
-        nxt = pos + 1 + width + length
-        return nxt if nxt <= end else -1
+        return _counted_end(buf, op, pos, start, end, what)
     if op in _LINE1 or op in _LINE2:
-        nl = buf.find(b"\n", pos + 1, end)
+        return _lines_end(buf, op, pos, start, end, what)
+    raise _corrupt(what, f"invalid opcode {bytes([op])!r} at byte {pos - start}")
+
+
+def _counted_end(buf: PickleBuffer, op: int, pos: int, start: int, end: int, what: str) -> int:
+    """The end of an opcode whose argument is a length (1, 4 or 8 bytes) and that many bytes, or -1 past ``end``."""
+    width = 1 if op in _LEN1 else 8 if op in _LEN8 else 4
+    if pos + 1 + width > end:
+        return -1
+    length = int.from_bytes(buf[pos + 1:pos + 1 + width], "little", signed=op in _LEN4_SIGNED)
+    if length < 0:
+        raise _corrupt(what, f"negative length {length} at byte {pos - start}")
+    nxt = pos + 1 + width + length
+    return nxt if nxt <= end else -1
+
+
+def _lines_end(buf: PickleBuffer, op: int, pos: int, start: int, end: int, what: str) -> int:
+    """The end of an opcode whose argument is one or two text lines (a PUT's memo index checked), or -1 past
+    ``end``."""
+    nl = buf.find(b"\n", pos + 1, end)
+    if nl < 0:
+        return -1
+    if op == _PUT:
+        try:
+            idx = int(bytes(buf[pos + 1:nl]))
+        except ValueError:
+            raise _corrupt(what, f"bad PUT argument at byte {pos - start}") from None
+        if idx > pos - start:
+            raise _memo_bomb(what, idx, pos, start)
+    if op in _LINE2:
+        nl = buf.find(b"\n", nl + 1, end)
         if nl < 0:
             return -1
-        if op == _PUT:
-            try:
-                idx = int(bytes(buf[pos + 1:nl]))
-            except ValueError:
-                raise _corrupt(what, f"bad PUT argument at byte {pos - start}") from None
-            if idx > pos - start:
-                raise _memo_bomb(what, idx, pos, start)
-        if op in _LINE2:
-            nl = buf.find(b"\n", nl + 1, end)
-            if nl < 0:
-                return -1
-        return nl + 1
-    raise _corrupt(what, f"invalid opcode {bytes([op])!r} at byte {pos - start}")
+    return nl + 1
 
 
 def tuple_levels(data: bytes | bytearray) -> int:
