@@ -3,9 +3,9 @@ pinned while a command reads it, range reads held to be exact, and a local copy 
 
 * :func:`consistent_reads` pins each URL's size and ETag / modification time at first sight (:func:`_check_pin`);
   a later request that finds another raises :func:`changed_error`'s :class:`~ckptool.errors.RemoteError`.
-* :func:`_http_file` is fsspec's HTTP file with a range fetch that accepts only an exact answer (status 206, a
-  ``Content-Range`` naming the bytes asked for); :func:`_checked_fetcher` holds every other filesystem's fetch to
-  the length asked for, counts the bytes in :data:`_transferred` and turns failures into one ``RemoteError``.
+* :func:`http_file` is fsspec's HTTP file with a range fetch that accepts only an exact answer (status 206, a
+  ``Content-Range`` naming the bytes asked for); :func:`checked_fetcher` holds every other filesystem's fetch to
+  the length asked for, counts the bytes in :data:`transferred_bytes` and turns failures into one ``RemoteError``.
 * :func:`_spooled` downloads the whole object once when the server answers a range request with all of it.
 
 fsspec is imported only when a URL is read. :mod:`ckptool._source` re-exports the public names.
@@ -24,7 +24,11 @@ from typing import Any
 
 from ckptool.errors import RemoteError
 
-__all__ = ["BLOCK", "CHUNK", "REMOTE_EXTRA", "NoRangeSupport", "RangeError", "changed_error", "consistent_reads"]
+__all__ = [
+    "BLOCK", "CHUNK", "REMOTE_EXTRA", "CountedReader", "NoRangeSupport", "RangeError", "changed_error",
+    "checked_fetcher", "consistent_reads", "filesystem", "http_file", "pins", "remote_info", "short_error",
+    "transferred_bytes", "version_stamp",
+]
 
 #: the read buffer of a remote reader: the smallest range request (small reads of a zip's local headers and the
 #: first bytes share one); a seek within it costs no request
@@ -35,10 +39,10 @@ CHUNK = 8 << 20
 REMOTE_EXTRA = "pip install 'ckptool[remote]'"
 
 #: bytes read from remote sources by this process (:func:`ckptool._source.bytes_transferred`)
-_transferred = [0]
+transferred_bytes = [0]
 
 
-def _filesystem(url: str) -> tuple[Any, str]:
+def filesystem(url: str) -> tuple[Any, str]:
     """``(fsspec filesystem, path in it)`` for ``url``.
 
     Raises:
@@ -52,34 +56,35 @@ def _filesystem(url: str) -> tuple[Any, str]:
         return fs, str(fspath)
     except ImportError as e:  # fsspec itself, or the package of the scheme (s3fs, gcsfs, huggingface_hub...)
         what = e.name or "the package fsspec uses for this scheme"
-        raise RemoteError(f"{url} needs {what}, which is not installed ({_short(e)}); install it: "
+        raise RemoteError(f"{url} needs {what}, which is not installed ({short_error(e)}); install it: "
                           f"{REMOTE_EXTRA} adds fsspec and s3fs (s3://, http(s)://)", url) from e
     except ValueError as e:
-        raise RemoteError(f"{url}: {_short(e)}; check the URL's scheme", url) from e
+        raise RemoteError(f"{url}: {short_error(e)}; check the URL's scheme", url) from e
 
 
-def _short(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
+    """``Type: first line of the message`` (at most 200 characters) of ``e``, for one-line errors."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
-def _remote_info(url: str) -> dict[str, Any] | None:
+def remote_info(url: str) -> dict[str, Any] | None:
     """fsspec's ``info`` for ``url``, or None when nothing is there. Inside :func:`consistent_reads` the object's
     size and version tag are held to those it had at first (:func:`_check_pin`).
 
     Raises:
         RemoteError: the request failed (network, permission, a bad bucket name...); the object changed.
     """
-    fs, p = _filesystem(url)
+    fs, p = filesystem(url)
     try:
         info: dict[str, Any] = fs.info(p)
     except FileNotFoundError:
         return None
     except Exception as e:  # the filesystem's own errors (botocore, aiohttp...): one clear line
-        raise RemoteError(f"cannot read {url} ({_short(e)}); check the URL, the network and fsspec's credentials "
+        raise RemoteError(f"cannot read {url} ({short_error(e)}); check the URL, the network and fsspec's credentials "
                           "for it", url) from e
     if info.get("type") != "directory":
-        _check_pin(url, _stamp(info))
+        _check_pin(url, version_stamp(info))
     return info
 
 
@@ -88,13 +93,13 @@ def _remote_info(url: str) -> dict[str, Any] | None:
 #: time (HTTP ``Last-Modified``, S3 ``LastModified``, ``mtime``, ``created`` of fsspec's memory filesystem)
 _TAGS = ("ETag", "etag", "Last-Modified", "LastModified", "mtime", "last_modified", "created")
 #: URL -> the stamp (size, version tag) it had when first seen inside :func:`consistent_reads`
-_pins: dict[str, tuple[int | None, str | None]] = {}
+pins: dict[str, tuple[int | None, str | None]] = {}
 _scopes = [0]
 #: (URL, stamp) -> local copy of an object whose server ignores ``Range`` (see :func:`_spooled`)
 _spools: dict[tuple[str, tuple[int | None, str | None]], str] = {}
 
 
-def _stamp(info: dict[str, Any]) -> tuple[int | None, str | None]:
+def version_stamp(info: dict[str, Any]) -> tuple[int | None, str | None]:
     """``(size, version tag)`` of fsspec's ``info`` of an object: what must stay equal while it is read."""
     tag = next((str(info[k]) for k in _TAGS if info.get(k) is not None), None)
     size = info.get("size")
@@ -109,7 +114,7 @@ def _check_pin(url: str, stamp: tuple[int | None, str | None]) -> None:
     """
     if not _scopes[0]:
         return
-    first = _pins.setdefault(url, stamp)
+    first = pins.setdefault(url, stamp)
     if first != stamp:
         raise changed_error(url, first, stamp)
 
@@ -134,7 +139,7 @@ def consistent_reads() -> Iterator[None]:
     finally:
         _scopes[0] -= 1
         if not _scopes[0]:
-            _pins.clear()
+            pins.clear()
             for local in _spools.values():
                 with contextlib.suppress(OSError):
                     os.unlink(local)
@@ -150,7 +155,7 @@ class NoRangeSupport(RangeError):
     """The server answered a range request with the whole object (status 200): it ignores ``Range``."""
 
 
-def _http_file(fs: Any, url: str, info: dict[str, Any]) -> Any:
+def http_file(fs: Any, url: str, info: dict[str, Any]) -> Any:
     """fsspec's :class:`~fsspec.implementations.http.HTTPFile` for ``url`` (its block cache, :data:`BLOCK`), whose
     range fetch accepts only an exact answer: status 206, ``Content-Range: bytes START-END/SIZE`` naming the
     range asked for and the object's size (``info["size"]``), a body of exactly that length, and the ETag and
@@ -225,18 +230,18 @@ def _spooled(fs: Any, fspath: str, url: str, stamp: tuple[int | None, str | None
             while piece := src.read(CHUNK):
                 out.write(piece)
                 n += len(piece)
-        _transferred[0] += n
+        transferred_bytes[0] += n
         if stamp[0] is not None and n != stamp[0]:
             raise RemoteError(f"{url}: the server ignores Range requests, and the whole object it sent holds {n} "
                               f"bytes where its size is {stamp[0]}; nothing was written: run it again", url)
-        info = _remote_info(url)  # the object downloaded is the one first seen, still there
-        if info is None or _stamp(info) != stamp:
-            raise changed_error(url, stamp, None if info is None else _stamp(info))
+        info = remote_info(url)  # the object downloaded is the one first seen, still there
+        if info is None or version_stamp(info) != stamp:
+            raise changed_error(url, stamp, None if info is None else version_stamp(info))
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(local)
         if isinstance(e, Exception) and not isinstance(e, RemoteError):
-            raise RemoteError(f"reading {url} failed ({_short(e)}); the server ignores Range requests, so the "
+            raise RemoteError(f"reading {url} failed ({short_error(e)}); the server ignores Range requests, so the "
                               "whole object was being downloaded: check the network and run it again", url) from e
         raise
     sys.stderr.write(f"Note: {url}: the server ignores Range requests; downloaded the whole object once ({n} "
@@ -255,7 +260,7 @@ def _drop_spool(key: tuple[str, tuple[int | None, str | None]]) -> None:
             os.unlink(local)
 
 
-def _checked_fetcher(f: Any, fs: Any, fspath: str, url: str, stamp: tuple[int | None, str | None]
+def checked_fetcher(f: Any, fs: Any, fspath: str, url: str, stamp: tuple[int | None, str | None]
                      ) -> Callable[[int, int], bytes]:
     """The fetcher for ``f.cache`` (fsspec's block cache of ``f``): ``f``'s own range fetch, held to returning
     exactly ``min(end, size) - start`` bytes, counted in :func:`~ckptool._source.bytes_transferred`; its failures
@@ -280,13 +285,13 @@ def _checked_fetcher(f: Any, fs: Any, fspath: str, url: str, stamp: tuple[int | 
                 expired = type(e).__name__ == "FileExpired"  # s3fs: the ETag changed (If-Match failed)
                 if expired:
                     raise changed_error(url, stamp, "another ETag") from e
-                raise RemoteError(f"reading {url} failed at byte {start} ({_short(e)}); check the network and the "
+                raise RemoteError(f"reading {url} failed at byte {start} ({short_error(e)}); check the network and the "
                                   "server, and run it again (nothing was written)", url) from e
             else:
                 if len(data) != end - start:
                     raise RemoteError(f"reading {url} failed at byte {start}: {len(data)} bytes came for a range of "
                                       f"{end - start}; nothing was written: run it again", url)
-                _transferred[0] += len(data)
+                transferred_bytes[0] += len(data)
                 return bytes(data)
         with open(local, "rb") as g:
             g.seek(start)
@@ -295,7 +300,7 @@ def _checked_fetcher(f: Any, fs: Any, fspath: str, url: str, stamp: tuple[int | 
     return fetcher
 
 
-class _Counted(io.RawIOBase):
+class CountedReader(io.RawIOBase):
     """A raw reader over ``f``, a file of an in-process fsspec filesystem (``memory://``, ``file://``: exact reads,
     no range requests), counting what it reads in :func:`~ckptool._source.bytes_transferred`."""
 
@@ -319,7 +324,7 @@ class _Counted(io.RawIOBase):
     def readinto(self, b: Any) -> int:
         data = self._f.read(len(b))
         b[: len(data)] = data
-        _transferred[0] += len(data)
+        transferred_bytes[0] += len(data)
         return len(data)
 
     def close(self) -> None:

@@ -39,19 +39,19 @@ from ckptool._remote import (
     BLOCK,
     CHUNK,
     REMOTE_EXTRA,
+    CountedReader,
     NoRangeSupport,
     RangeError,
-    _checked_fetcher,
-    _Counted,
-    _filesystem,
-    _http_file,
-    _pins,
-    _remote_info,
-    _short,
-    _stamp,
-    _transferred,
     changed_error,
+    checked_fetcher,
     consistent_reads,
+    filesystem,
+    http_file,
+    pins,
+    remote_info,
+    short_error,
+    transferred_bytes,
+    version_stamp,
 )
 from ckptool.errors import InputNotFoundError, RemoteError
 
@@ -73,7 +73,7 @@ def is_url(path: str | os.PathLike[str]) -> bool:
 def bytes_transferred() -> int:
     """Bytes read from remote sources (URLs) by this process so far; the difference of two calls is what an
     operation transferred (range requests included, whole reads included)."""
-    return _transferred[0]
+    return transferred_bytes[0]
 
 
 def kind(path: str) -> str | None:
@@ -86,7 +86,7 @@ def kind(path: str) -> str | None:
         if os.path.isdir(path):
             return "directory"
         return "file" if os.path.exists(path) else None
-    info = _remote_info(path)
+    info = remote_info(path)
     if info is None:
         return None
     return "directory" if info.get("type") == "directory" else "file"
@@ -101,7 +101,7 @@ def file_size(path: str) -> int:
     """
     if not is_url(path):
         return os.path.getsize(path)
-    info = _remote_info(path)
+    info = remote_info(path)
     if info is None:
         raise InputNotFoundError(f"{path}: no such file; check the URL")
     return int(info.get("size") or 0)
@@ -113,7 +113,7 @@ def version_key(path: str) -> tuple[object, ...]:
     if not is_url(path):
         st = os.stat(path)
         return (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
-    return (path, *_stamp(_remote_info(path) or {}))
+    return (path, *version_stamp(remote_info(path) or {}))
 
 
 T = TypeVar("T")
@@ -154,17 +154,17 @@ def recheck(url: str) -> tuple[int | None, str | None]:
     Raises:
         RemoteError: it changed since it was first seen inside :func:`consistent_reads`, or it is gone.
     """
-    info = _remote_info(url)
+    info = remote_info(url)
     if info is None:
         raise RemoteError(f"{url} disappeared while it was read; nothing was written", url)
-    return _stamp(info)
+    return version_stamp(info)
 
 
 def open_binary(path: str) -> BinaryIO:
     """A seekable binary reader of ``path``: the local file itself (``open(path, "rb")``), or for a URL fsspec's
     own file object (``fs.open``: its read-ahead cache of :data:`BLOCK` bytes, each miss one range request) with
     every range read checked to bring exactly the bytes asked for (over HTTP: status 206 and a ``Content-Range``
-    naming them, :func:`_http_file`), and the object's size and ETag / modification time held to those of the
+    naming them, :func:`http_file`), and the object's size and ETag / modification time held to those of the
     open (:func:`consistent_reads` holds them across opens). A server that ignores ``Range`` has the object
     downloaded once (:func:`_spooled`). Use it as a context manager.
 
@@ -175,32 +175,32 @@ def open_binary(path: str) -> BinaryIO:
     """
     if not is_url(path):
         return open(path, "rb")
-    info = _remote_info(path)
+    info = remote_info(path)
     if info is None:
         raise InputNotFoundError(f"{path}: no such file; check the URL")
-    stamp = _stamp(info)
-    fs, p = _filesystem(path)
+    stamp = version_stamp(info)
+    fs, p = filesystem(path)
     try:
         if type(fs).__name__ == "HTTPFileSystem" and info.get("size") is not None:
-            f = _http_file(fs, p, info)
+            f = http_file(fs, p, info)
         else:
             f = fs.open(p, "rb", block_size=BLOCK, cache_type="readahead")
     except Exception as e:
-        raise RemoteError(f"cannot open {path} ({_short(e)}); check the URL and the network", path) from e
+        raise RemoteError(f"cannot open {path} ({short_error(e)}); check the URL and the network", path) from e
     if getattr(f, "cache", None) is None or not hasattr(f.cache, "fetcher"):  # memory://, file://
-        return io.BufferedReader(_Counted(f, path), buffer_size=BLOCK)
-    again = _stamp(getattr(f, "_details", None) or {})
+        return io.BufferedReader(CountedReader(f, path), buffer_size=BLOCK)
+    again = version_stamp(getattr(f, "_details", None) or {})
     if again[1] is not None and again != stamp:  # the file object asked for the object's info once more
         f.close()
         raise changed_error(path, stamp, again)
-    f.cache.fetcher = _checked_fetcher(f, fs, p, path, stamp)
+    f.cache.fetcher = checked_fetcher(f, fs, p, path, stamp)
     f.name = path
     return f  # type: ignore[no-any-return]
 
 
 def is_remote_file(f: BinaryIO) -> bool:
     """True when ``f`` came from :func:`open_binary` for a URL."""
-    return isinstance(getattr(f, "raw", None), _Counted) or getattr(f, "cache", None) is not None
+    return isinstance(getattr(f, "raw", None), CountedReader) or getattr(f, "cache", None) is not None
 
 
 class RangeView:
@@ -328,7 +328,7 @@ def upload(local: str, url: str) -> None:
     Raises:
         RemoteError: the destination could not be written.
     """
-    fs, p = _filesystem(url)
+    fs, p = filesystem(url)
     # parts of CHUNK bytes (S3 takes parts of 5 MiB and more, 10,000 at most): fsspec's default of 50 MiB made
     # the upload hold several copies of a part
     block = max(CHUNK, -(-os.path.getsize(local) // 9000))
@@ -342,7 +342,7 @@ def upload(local: str, url: str) -> None:
                     break
                 out.write(piece)
         out.close()
-        _pins.pop(url, None)  # the object there is now the one written: later reads are held to it
+        pins.pop(url, None)  # the object there is now the one written: later reads are held to it
     except BaseException as e:
         if out is not None:
             discard = getattr(out, "discard", None)
@@ -350,7 +350,7 @@ def upload(local: str, url: str) -> None:
                 if discard is not None:
                     discard()
         if isinstance(e, Exception) and not isinstance(e, RemoteError):
-            raise RemoteError(f"writing {url} failed ({_short(e)}); nothing was written there: check the URL, the "
+            raise RemoteError(f"writing {url} failed ({short_error(e)}); nothing was written there: check the URL, the "
                               "network and fsspec's credentials for it, then run it again", url) from e
         raise
 
@@ -361,7 +361,7 @@ def remote_exists(url: str) -> bool:
     Raises:
         RemoteError: the URL could not be queried.
     """
-    return _remote_info(url) is not None
+    return remote_info(url) is not None
 
 
 def leaves_folder(folder: str, path: str) -> str | None:

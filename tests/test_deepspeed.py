@@ -21,7 +21,7 @@ import pytest
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES, numel, tensor_dtype
 from ckptool.formats.safetensors import read_header
-from ckptool.formats.segments import SegmentReader, widen_to_float32
+from ckptool.formats.segments import ConcatenatedFile, widen_to_float32
 from ckptool.formats.tensors import Segment
 from ckptool.formats.torchfile import read_checkpoint, resolve_zip_offsets
 from ckptool.model.graph import iter_tensors
@@ -159,7 +159,7 @@ def test_segments_reader() -> None:
     def read(p: str, off: int, n: int) -> bytes:
         return data[p][off:off + n]
 
-    r = SegmentReader([Segment("a", 2, 3), Segment("b", 1, 4)], read)
+    r = ConcatenatedFile([Segment("a", 2, 3), Segment("b", 1, 4)], read)
     assert r.read() == b"234bcde"
     r.seek(2)
     buf = bytearray(4)
@@ -167,7 +167,7 @@ def test_segments_reader() -> None:
     bf16 = struct.pack("<2H", 0x3F80, 0xC000)  # 1.0, -2.0
     assert struct.unpack("<2f", widen_to_float32(bf16, "bfloat16")) == (1.0, -2.0)
     assert struct.unpack("<2f", widen_to_float32(struct.pack("<2e", 0.5, 3.0), "float16")) == (0.5, 3.0)
-    wide = SegmentReader([Segment("w", 0, 8, "bfloat16")], lambda p, o, n: bf16[o:o + n])
+    wide = ConcatenatedFile([Segment("w", 0, 8, "bfloat16")], lambda p, o, n: bf16[o:o + n])
     wide.seek(3)
     assert wide.read(3) == widen_to_float32(bf16, "bfloat16")[3:6]
 

@@ -4,7 +4,7 @@ Each fast path (the common ``_rebuild_tensor_v2`` tensor in :func:`ckptool.ops.i
 and storage rows counted column by column, :func:`ckptool.model.keys.shared_prefixes` from the keys' common text,
 :func:`ckptool.model.keys.has_flat_param_key`, the JSON tensor rows written column by column and in pieces) is
 compared here with a plain implementation of the same rule (the code these fast paths replaced), the scan's
-skipping of tensor records with :meth:`_Scanner.zip_member` deciding every member, on every generated
+skipping of tensor records with :meth:`Scanner.zip_member` deciding every member, on every generated
 fixture, the real ones, and hand-made odd cases: views, shared storages, nested containers, Parameters with and
 without ``requires_grad``, TorchScript constants, keys that need JSON escaping or are not ASCII, values of odd types.
 """
@@ -405,7 +405,7 @@ def test_tensor_infos_uncommon_tensor_nodes(tmp_path: Path) -> None:
 
 
 def test_scan_skips_only_what_zip_member_skips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The zip members the scan leaves out without a call each are ones :meth:`_Scanner.zip_member` skips too:
+    """The zip members the scan leaves out without a call each are ones :meth:`Scanner.zip_member` skips too:
     pickles in the storage folders, members outside the top folder and duplicates are still read."""
     import pickle
     import zipfile

@@ -170,7 +170,7 @@ def test_object_replaced_mid_read_on_s3_is_refused(s3: Any, served: dict[str, by
     with the ETag of the open, or the next request for the object's info finds another ETag)."""
     pytest.importorskip("s3fs")
     s3.pipe("ckpt/w.safetensors", served["w.safetensors"])
-    real = _source._checked_fetcher
+    real = _source.checked_fetcher
     calls = [0]
 
     def replacing(*args: Any) -> Any:
@@ -183,7 +183,7 @@ def test_object_replaced_mid_read_on_s3_is_refused(s3: Any, served: dict[str, by
             return fetch(start, end)
         return fetcher
 
-    monkeypatch.setattr(_source, "_checked_fetcher", replacing)
+    monkeypatch.setattr(_source, "checked_fetcher", replacing)
     out = tmp_path / "w.pt"
     r = run_cli("convert", "s3://ckpt/w.safetensors", "-o", out)
     _refused(r, out, starts="Error: ", has="changed while it was read")

@@ -117,29 +117,60 @@ def find_deepspeed(path: str | os.PathLike[str], tag: str | None = None) -> Deep
                              "holds the tags with --tag, or drop --tag")
         ds = DeepSpeedFolder(p, None, name)
     else:
-        tags = _tags(p)
-        if tag is None:
-            latest = os.path.join(p, LATEST)
-            if not os.path.isfile(latest):
-                listed = ", ".join(tags) or "none found"
-                raise UsageError(f"{path} has no 'latest' file naming the checkpoint to read; pass the tag folder "
-                                 f"itself ({os.path.join(path, tags[0]) if tags else 'DIR/global_stepN'}) or --tag "
-                                 f"(tags: {listed})")
-            with open(latest, encoding="utf-8", errors="replace") as f:
-                tag = f.read().strip()
-        if not tag or os.path.basename(tag) != tag or tag in (".", ".."):
-            raise CorruptCheckpointError(f"{path}: 'latest' names {tag!r}, not a tag folder inside the checkpoint "
-                                         f"folder (DeepSpeed would read {os.path.join(p, tag)}, outside it); pass "
-                                         "--tag, and run ckptool scan on the folder to see what it names")
-        folder = os.path.join(p, tag)
-        if not os.path.isdir(folder):
-            raise UsageError(f"{path}: no tag folder {tag!r} (tags: {', '.join(tags) or 'none found'})")
-        why = leaves_folder(p, tag)
-        if why is not None:
-            raise UnsupportedError(f"{path}: the tag folder {tag!r} is not inside the checkpoint folder ({why}); "
-                                   "ckptool reads only tags inside it: pass the tag folder itself if you trust "
-                                   "it, and run ckptool scan on the folder to see what it holds")
-        ds = DeepSpeedFolder(folder, p, tag, tags=tags)
+        ds = _tag_of_top(path, p, tag)
+    _list_states(ds)
+    return ds
+
+
+def _tag_of_top(path: str | os.PathLike[str], p: str, tag: str | None) -> DeepSpeedFolder:
+    """The tag folder of the top folder ``p`` (``path`` as given): ``tag``, else the one its ``latest`` names.
+
+    Raises:
+        UsageError: no ``latest`` and no ``tag``; no such tag folder.
+        CorruptCheckpointError: ``latest`` names no folder inside ``p``.
+        UnsupportedError: the tag folder leaves ``p`` (a link elsewhere).
+    """
+    tags = _tags(p)
+    if tag is None:
+        tag = _latest_tag(path, p, tags)
+    if not tag or os.path.basename(tag) != tag or tag in (".", ".."):
+        raise CorruptCheckpointError(f"{path}: 'latest' names {tag!r}, not a tag folder inside the checkpoint "
+                                     f"folder (DeepSpeed would read {os.path.join(p, tag)}, outside it); pass "
+                                     "--tag, and run ckptool scan on the folder to see what it names")
+    folder = os.path.join(p, tag)
+    if not os.path.isdir(folder):
+        raise UsageError(f"{path}: no tag folder {tag!r} (tags: {', '.join(tags) or 'none found'})")
+    why = leaves_folder(p, tag)
+    if why is not None:
+        raise UnsupportedError(f"{path}: the tag folder {tag!r} is not inside the checkpoint folder ({why}); "
+                               "ckptool reads only tags inside it: pass the tag folder itself if you trust "
+                               "it, and run ckptool scan on the folder to see what it holds")
+    return DeepSpeedFolder(folder, p, tag, tags=tags)
+
+
+def _latest_tag(path: str | os.PathLike[str], p: str, tags: list[str]) -> str:
+    """The tag the ``latest`` file of the top folder ``p`` names (stripped).
+
+    Raises:
+        UsageError: there is no ``latest`` file.
+    """
+    latest = os.path.join(p, LATEST)
+    if not os.path.isfile(latest):
+        listed = ", ".join(tags) or "none found"
+        raise UsageError(f"{path} has no 'latest' file naming the checkpoint to read; pass the tag folder "
+                         f"itself ({os.path.join(path, tags[0]) if tags else 'DIR/global_stepN'}) or --tag "
+                         f"(tags: {listed})")
+    with open(latest, encoding="utf-8", errors="replace") as f:
+        return f.read().strip()
+
+
+def _list_states(ds: DeepSpeedFolder) -> None:
+    """Fill ``ds``'s model and optimizer state files (in natural order).
+
+    Raises:
+        CorruptCheckpointError: either kind is missing.
+        UnsupportedError: model-parallel ranks other than ``00``.
+    """
     names = sorted(os.listdir(ds.folder), key=natural_key)
     ds.model_files = [os.path.join(ds.folder, n) for n in names if n.endswith(MODEL_SUFFIX)]
     ds.optim_files = [os.path.join(ds.folder, n) for n in names if n.endswith(OPTIM_SUFFIX)]
@@ -152,7 +183,6 @@ def find_deepspeed(path: str | os.PathLike[str], tag: str | None = None) -> Deep
         raise UnsupportedError(f"{ds.folder} holds model-parallel ranks ({', '.join(sorted(mp))}): consolidating "
                                "tensor/pipeline-parallel checkpoints needs the model's own merge rules (DeepSpeed's "
                                "ds_to_universal); ckptool consolidates data-parallel ZeRO checkpoints")
-    return ds
 
 
 def loaded_tag_folders(top: str, listing: tuple[list[str], list[str]] | None = None) -> list[tuple[str, str]]:

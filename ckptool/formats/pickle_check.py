@@ -259,31 +259,42 @@ def _check_one(buf: PickleBuffer, op: int, pos: int, start: int, end: int, what:
                 raise _memo_bomb(what, idx, pos, start)
         return pos + 1 + n
     if op in _LEN1 or op in _LEN4_UNSIGNED or op in _LEN4_SIGNED or op in _LEN8:
-        width = 1 if op in _LEN1 else 8 if op in _LEN8 else 4
-        if pos + 1 + width > end:
-            return -1
-        length = int.from_bytes(buf[pos + 1:pos + 1 + width], "little", signed=op in _LEN4_SIGNED)
-        if length < 0:
-            raise _corrupt(what, f"negative length {length} at byte {pos - start}")
-        nxt = pos + 1 + width + length
-        return nxt if nxt <= end else -1
+        return _counted_end(buf, op, pos, start, end, what)
     if op in _LINE1 or op in _LINE2:
-        nl = buf.find(b"\n", pos + 1, end)
+        return _lines_end(buf, op, pos, start, end, what)
+    raise _corrupt(what, f"invalid opcode {bytes([op])!r} at byte {pos - start}")
+
+
+def _counted_end(buf: PickleBuffer, op: int, pos: int, start: int, end: int, what: str) -> int:
+    """The end of an opcode whose argument is a length (1, 4 or 8 bytes) and that many bytes, or -1 past ``end``."""
+    width = 1 if op in _LEN1 else 8 if op in _LEN8 else 4
+    if pos + 1 + width > end:
+        return -1
+    length = int.from_bytes(buf[pos + 1:pos + 1 + width], "little", signed=op in _LEN4_SIGNED)
+    if length < 0:
+        raise _corrupt(what, f"negative length {length} at byte {pos - start}")
+    nxt = pos + 1 + width + length
+    return nxt if nxt <= end else -1
+
+
+def _lines_end(buf: PickleBuffer, op: int, pos: int, start: int, end: int, what: str) -> int:
+    """The end of an opcode whose argument is one or two text lines (a PUT's memo index checked), or -1 past
+    ``end``."""
+    nl = buf.find(b"\n", pos + 1, end)
+    if nl < 0:
+        return -1
+    if op == _PUT:
+        try:
+            idx = int(bytes(buf[pos + 1:nl]))
+        except ValueError:
+            raise _corrupt(what, f"bad PUT argument at byte {pos - start}") from None
+        if idx > pos - start:
+            raise _memo_bomb(what, idx, pos, start)
+    if op in _LINE2:
+        nl = buf.find(b"\n", nl + 1, end)
         if nl < 0:
             return -1
-        if op == _PUT:
-            try:
-                idx = int(bytes(buf[pos + 1:nl]))
-            except ValueError:
-                raise _corrupt(what, f"bad PUT argument at byte {pos - start}") from None
-            if idx > pos - start:
-                raise _memo_bomb(what, idx, pos, start)
-        if op in _LINE2:
-            nl = buf.find(b"\n", nl + 1, end)
-            if nl < 0:
-                return -1
-        return nl + 1
-    raise _corrupt(what, f"invalid opcode {bytes([op])!r} at byte {pos - start}")
+    return nl + 1
 
 
 def tuple_levels(data: bytes | bytearray) -> int:
@@ -335,8 +346,20 @@ def call_with_stack(fn: Callable[[], _T], levels: int, what: str = "pickle") -> 
 #: the opcodes torch 2.13's weights_only unpickler reads (torch/_weights_only_unpickler.py ``Unpickler.load``): any
 #: other opcode (FRAME and MEMOIZE of protocol 4+, SHORT_BINUNICODE, BINBYTES, STACK_GLOBAL, the text opcodes of
 #: protocols 0-1...) makes it raise "Unsupported operand", whatever the globals
-WEIGHTS_ONLY_OPCODES = frozenset(b"c\x81Rbaesu(t\x85\x86\x87N\x89\x88)]}\x8fJKMGXUQhjqr\x8a\x80.")
-_WO_NOARG = b"\x81Rbaesu(t\x85\x86\x87N\x89\x88)]}\x8fQ"
+#: the one list, by the regular expression of each group's argument (a memo index, a length-prefixed string, two
+#: text lines...); the commonest opcodes of a torch pickle first (memo puts and gets, then argument-less runs)
+_WEIGHTS_ONLY_BY_ARGUMENT: tuple[tuple[bytes, bytes], ...] = (
+    (b"qhK\x80", b"."),  # BINPUT BINGET BININT1 PROTO: one byte
+    (b"rjJ", b".{4}"),  # LONG_BINPUT LONG_BINGET BININT: four bytes
+    (b"\x81Rbaesu(t\x85\x86\x87N\x89\x88)]}\x8fQ", b"+" + _POSSESSIVE),  # no argument, in runs
+    (b"X", _counted(b"\x00\x00\x00")),  # BINUNICODE: a 4-byte length and that many bytes
+    (b"M", b".{2}"),  # BININT2
+    (b"G", b".{8}"),  # BINFLOAT
+    (b"U\x8a", _counted(b"")),  # SHORT_BINSTRING LONG1: a 1-byte length and that many bytes
+    (b"c", b"[^\\n]*\\n[^\\n]*\\n"),  # GLOBAL: module and name lines
+    (b".", b""),  # STOP (matched by weights_only_refusal itself)
+)
+WEIGHTS_ONLY_OPCODES = frozenset(b"".join(ops for ops, _arg in _WEIGHTS_ONLY_BY_ARGUMENT))
 _wo_patterns: list[re.Pattern[bytes]] = []  # compiled on first use
 #: opcode byte -> its name in the ``pickle`` module (``FRAME``, ``SHORT_BINUNICODE``...)
 _OPCODE_NAMES = {v[0]: k for k, v in vars(pickle).items()
@@ -351,10 +374,7 @@ def weights_only_refusal(buf: PickleBuffer, start: int = 0, end: int | None = No
     stepped over in Python."""
     end = len(buf) if end is None else end
     if not _wo_patterns:
-        # the commonest opcodes of a torch pickle first (memo puts and gets, then argument-less runs)
-        alts = [_cls(b"qhK\x80") + b".", _cls(b"rjJ") + b".{4}", _cls(_WO_NOARG) + b"+" + _POSSESSIVE,
-                b"X" + _counted(b"\x00\x00\x00"), b"M.{2}", b"G.{8}", _cls(b"U\x8a") + _counted(b""),
-                b"c[^\\n]*\\n[^\\n]*\\n"]
+        alts = [_cls(ops) + arg for ops, arg in _WEIGHTS_ONLY_BY_ARGUMENT if ops != b"."]
         _wo_patterns.append(re.compile(b"(?:" + b"|".join(alts) + b")*" + _POSSESSIVE, re.DOTALL))
     match = _wo_patterns[0].match
     pos = start

@@ -234,17 +234,7 @@ def read_pt2_file(f: BinaryIO, size: int, entries: list[ZipEntry], path: str) ->
         if e.header_offset + e.compress_size > size:
             raise CorruptCheckpointError(f"{path}: member {e.name!r} runs past the end of the file: truncated; "
                                          "re-download it")
-    fmt = _text(f, members["archive_format"], path) if "archive_format" in members else ""
-    if fmt != "pt2":
-        raise NotACheckpointError(f"{path}: archive_format is {fmt[:40]!r}, not 'pt2'; not a torch.export archive")
-    version = _text(f, members["archive_version"], path) if "archive_version" in members else "0"
-    if version not in ARCHIVE_VERSIONS:
-        raise UnsupportedError(
-            f"{path} is a torch.export archive of archive_version {version[:20]!r}; ckptool reads version "
-            f"{', '.join(ARCHIVE_VERSIONS)} (torch 2.13). Load it with the torch that wrote it (torch.export.load) "
-            "and save its state_dict with torch.save, or upgrade ckptool")
-    if "byteorder" in members and _text(f, members["byteorder"], path) != "little":
-        raise UnsupportedError(f"{path} was saved on a big-endian machine; load and re-save it there")
+    version = _archive_version(f, members, path)
     arch = Pt2Archive(path, size, top or "archive", version, members=members,
                       aoti=[n for n in members if n.startswith(AOTINDUCTOR_DIR)])
     names = sorted(n[len(MODELS_DIR):-len(".json")] for n in members
@@ -258,27 +248,37 @@ def read_pt2_file(f: BinaryIO, size: int, entries: list[ZipEntry], path: str) ->
     return arch
 
 
+def _archive_version(f: BinaryIO, members: dict[str, ZipEntry], path: str) -> str:
+    """The archive's ``archive_version``, once its ``archive_format`` says ``pt2``, the version is one ckptool
+    reads and its ``byteorder`` (if recorded) is little-endian.
+
+    Raises:
+        NotACheckpointError: another ``archive_format``.
+        UnsupportedError: another version, or big-endian.
+    """
+    fmt = _text(f, members["archive_format"], path) if "archive_format" in members else ""
+    if fmt != "pt2":
+        raise NotACheckpointError(f"{path}: archive_format is {fmt[:40]!r}, not 'pt2'; not a torch.export archive")
+    version = _text(f, members["archive_version"], path) if "archive_version" in members else "0"
+    if version not in ARCHIVE_VERSIONS:
+        raise UnsupportedError(
+            f"{path} is a torch.export archive of archive_version {version[:20]!r}; ckptool reads version "
+            f"{', '.join(ARCHIVE_VERSIONS)} (torch 2.13). Load it with the torch that wrote it (torch.export.load) "
+            "and save its state_dict with torch.save, or upgrade ckptool")
+    if "byteorder" in members and _text(f, members["byteorder"], path) != "little":
+        raise UnsupportedError(f"{path} was saved on a big-endian machine; load and re-save it there")
+    return version
+
+
 def _program(f: Any, path: str, name: str, members: dict[str, ZipEntry]) -> Program:
     doc = _json(f, members[f"{MODELS_DIR}{name}.json"], path)
     prog = Program(name)
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{path}: models/{name}.json is not an object; the archive is damaged")
-    sv = doc.get("schema_version")
-    major = sv.get("major") if isinstance(sv, dict) else None
-    if major != SCHEMA_MAJOR:
-        raise UnsupportedError(
-            f"{path}: program {name!r} uses serialized-program schema version {major!r}; ckptool reads major "
-            f"version {SCHEMA_MAJOR} (torch 2.13). Re-export it with torch 2.13, or load it with the torch that "
-            "wrote it and save its state_dict with torch.save")
-    prog.schema_version = f"{major}.{sv.get('minor')}" if isinstance(sv, dict) else ""
+    prog.schema_version = _schema_version(doc, path, name)
     tv = doc.get("torch_version")
     prog.torch_version = tv if isinstance(tv, str) else None
-    gm = doc.get("graph_module")
-    graph = gm.get("graph") if isinstance(gm, dict) else None
-    sig = gm.get("signature") if isinstance(gm, dict) else None
-    values = graph.get("tensor_values") if isinstance(graph, dict) else None
-    if not isinstance(sig, dict) or not isinstance(values, dict):
-        raise CorruptCheckpointError(f"{path}: models/{name}.json has no graph signature; the archive is damaged")
+    sig, values = _signature(doc, path, name)
     prog.inputs = [_spec(s, values) for s in sig.get("input_specs") or []]
     prog.outputs = [_spec(s, values) for s in sig.get("output_specs") or []]
     for legacy in (f"{WEIGHTS_DIR}{name}.pt", f"{CONSTANTS_DIR}{name}.pt"):
@@ -293,6 +293,37 @@ def _program(f: Any, path: str, name: str, members: dict[str, ZipEntry]) -> Prog
     prog.constants = _payloads(f, path, members, f"{CONSTANTS_DIR}{name}_constants_config.json", CONSTANTS_DIR,
                                lambda fqn, is_param: "buffer" if fqn in buffers else "constant", by_name=True)
     return prog
+
+
+def _schema_version(doc: dict[str, Any], path: str, name: str) -> str:
+    """``major.minor`` of a program's serialized-program schema.
+
+    Raises:
+        UnsupportedError: a major version other than :data:`SCHEMA_MAJOR`.
+    """
+    sv = doc.get("schema_version")
+    major = sv.get("major") if isinstance(sv, dict) else None
+    if major != SCHEMA_MAJOR:
+        raise UnsupportedError(
+            f"{path}: program {name!r} uses serialized-program schema version {major!r}; ckptool reads major "
+            f"version {SCHEMA_MAJOR} (torch 2.13). Re-export it with torch 2.13, or load it with the torch that "
+            "wrote it and save its state_dict with torch.save")
+    return f"{major}.{sv.get('minor')}" if isinstance(sv, dict) else ""
+
+
+def _signature(doc: dict[str, Any], path: str, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(graph signature, tensor values)`` of a program's graph module.
+
+    Raises:
+        CorruptCheckpointError: either is missing or not an object.
+    """
+    gm = doc.get("graph_module")
+    graph = gm.get("graph") if isinstance(gm, dict) else None
+    sig = gm.get("signature") if isinstance(gm, dict) else None
+    values = graph.get("tensor_values") if isinstance(graph, dict) else None
+    if not isinstance(sig, dict) or not isinstance(values, dict):
+        raise CorruptCheckpointError(f"{path}: models/{name}.json has no graph signature; the archive is damaged")
+    return sig, values
 
 
 def _spec(spec: Any, values: dict[str, Any]) -> SignatureEntry:
@@ -371,60 +402,76 @@ def constant_role(path_name: str, use_pickle: bool) -> str | None:
 
 def _payloads(f: Any, path: str, members: dict[str, ZipEntry], config: str, folder: str,
               kind_of: Any, by_name: bool = False) -> list[Payload]:
+    """The payloads a program's weights or constants ``config`` lists, each over its member in ``folder``;
+    ``kind_of(fqn, is_param)`` names its kind; ``by_name``: constants, whose member names say their role
+    (:func:`constant_role`).
+
+    Raises:
+        CorruptCheckpointError: the config is missing or malformed, names a missing member or a bad layout.
+        UnsupportedError: an unknown dtype, a raw tensor that is not strided.
+    """
     if config not in members:
         raise CorruptCheckpointError(f"{path}: {config} is missing; the archive is damaged or incomplete")
     doc = _json(f, members[config], path)
     items = doc.get("config") if isinstance(doc, dict) else None
     if not isinstance(items, dict):
         raise CorruptCheckpointError(f"{path}: {config} holds no \"config\" mapping; the archive is damaged")
-    out = []
-    for fqn, meta in items.items():
-        where = f"{path}: {fqn!r} in {config}"
-        if not isinstance(meta, dict) or not isinstance(meta.get("path_name"), str):
-            raise CorruptCheckpointError(f"{where} has no path_name; the archive is damaged")
-        member = folder + meta["path_name"]
-        e = members.get(member)
-        if e is None or "/" in meta["path_name"]:
-            raise CorruptCheckpointError(f"{where} names member {member!r}, which the archive does not hold; "
-                                         "the archive is damaged or incomplete")
-        p = Payload(str(fqn), kind_of(fqn, meta.get("is_param") is True), member,
-                    pickled=meta.get("use_pickle") is True, record_size=e.file_size)
-        tm = meta.get("tensor_meta")
-        role = constant_role(meta["path_name"], p.pickled) if by_name else None
-        if by_name and role is None:
-            raise CorruptCheckpointError(f"{where} names member {meta['path_name']!r}, whose name is none of the "
-                                         "constant kinds torch.export.load reads (tensor_, custom_obj_, "
-                                         "opaque_obj_); the archive is damaged or was crafted")
-        if tm is None or role == "object":
-            p.kind = "object"
-            p.pickled = True
-            p.layout = "object"
-            out.append(p)
-            continue
-        if not isinstance(tm, dict):
-            raise CorruptCheckpointError(f"{where} has a malformed tensor_meta; the archive is damaged")
-        dt = tm.get("dtype")
-        p.dtype = SCALAR_TYPES.get(dt) if isinstance(dt, int) else None
-        if p.dtype is None:
-            raise UnsupportedError(f"{where}: unknown dtype number {dt!r} (not a torch 2.13 ScalarType)")
-        p.shape = _ints(tm.get("sizes"), "sizes", where)
-        p.stride = _ints(tm.get("strides"), "strides", where)
-        off = _sym(tm.get("storage_offset"))
-        if not isinstance(off, int) or off < 0 or len(p.stride) != len(p.shape) or any(
-                s < 0 for s in (*p.shape, *p.stride)):
-            raise CorruptCheckpointError(f"{where} has an invalid layout (sizes {p.shape}, strides {p.stride}, "
-                                         f"offset {off}); the archive is damaged")
-        p.storage_offset = off
-        dev = tm.get("device")
-        if isinstance(dev, dict) and isinstance(dev.get("type"), str):
-            p.device = dev["type"] + (f":{dev['index']}" if isinstance(dev.get("index"), int) else "")
-        p.requires_grad = tm.get("requires_grad") is True
-        lay = tm.get("layout")
-        p.layout = LAYOUTS.get(lay, f"layout {lay}") if isinstance(lay, int) else "strided"
-        if not p.pickled:
-            _check_raw(p, e, where)
-        out.append(p)
-    return out
+    return [_payload(f"{path}: {fqn!r} in {config}", fqn, meta, members, folder, kind_of, by_name)
+            for fqn, meta in items.items()]
+
+
+def _payload(where: str, fqn: Any, meta: Any, members: dict[str, ZipEntry], folder: str, kind_of: Any,
+             by_name: bool) -> Payload:
+    """One entry of a payload config (:func:`_payloads`); ``where`` names it in errors."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("path_name"), str):
+        raise CorruptCheckpointError(f"{where} has no path_name; the archive is damaged")
+    member = folder + meta["path_name"]
+    e = members.get(member)
+    if e is None or "/" in meta["path_name"]:
+        raise CorruptCheckpointError(f"{where} names member {member!r}, which the archive does not hold; "
+                                     "the archive is damaged or incomplete")
+    p = Payload(str(fqn), kind_of(fqn, meta.get("is_param") is True), member,
+                pickled=meta.get("use_pickle") is True, record_size=e.file_size)
+    tm = meta.get("tensor_meta")
+    role = constant_role(meta["path_name"], p.pickled) if by_name else None
+    if by_name and role is None:
+        raise CorruptCheckpointError(f"{where} names member {meta['path_name']!r}, whose name is none of the "
+                                     "constant kinds torch.export.load reads (tensor_, custom_obj_, "
+                                     "opaque_obj_); the archive is damaged or was crafted")
+    if tm is None or role == "object":
+        p.kind = "object"
+        p.pickled = True
+        p.layout = "object"
+        return p
+    if not isinstance(tm, dict):
+        raise CorruptCheckpointError(f"{where} has a malformed tensor_meta; the archive is damaged")
+    _tensor_meta(p, tm, where)
+    if not p.pickled:
+        _check_raw(p, e, where)
+    return p
+
+
+def _tensor_meta(p: Payload, tm: dict[str, Any], where: str) -> None:
+    """Set ``p``'s dtype, shape, strides, storage offset, device, ``requires_grad`` and layout from its
+    ``tensor_meta``."""
+    dt = tm.get("dtype")
+    p.dtype = SCALAR_TYPES.get(dt) if isinstance(dt, int) else None
+    if p.dtype is None:
+        raise UnsupportedError(f"{where}: unknown dtype number {dt!r} (not a torch 2.13 ScalarType)")
+    p.shape = _ints(tm.get("sizes"), "sizes", where)
+    p.stride = _ints(tm.get("strides"), "strides", where)
+    off = _sym(tm.get("storage_offset"))
+    if not isinstance(off, int) or off < 0 or len(p.stride) != len(p.shape) or any(
+            s < 0 for s in (*p.shape, *p.stride)):
+        raise CorruptCheckpointError(f"{where} has an invalid layout (sizes {p.shape}, strides {p.stride}, "
+                                     f"offset {off}); the archive is damaged")
+    p.storage_offset = off
+    dev = tm.get("device")
+    if isinstance(dev, dict) and isinstance(dev.get("type"), str):
+        p.device = dev["type"] + (f":{dev['index']}" if isinstance(dev.get("index"), int) else "")
+    p.requires_grad = tm.get("requires_grad") is True
+    lay = tm.get("layout")
+    p.layout = LAYOUTS.get(lay, f"layout {lay}") if isinstance(lay, int) else "strided"
 
 
 def _check_raw(p: Payload, e: ZipEntry, where: str) -> None:
@@ -467,10 +514,37 @@ def pickle_members(arch: Pt2Archive) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def raw_members(arch: Pt2Archive) -> set[str]:
-    """The members (relative names) that hold raw tensor bytes (``use_pickle`` false): no loader unpickles them."""
-    raw = {p.member for prog in arch.programs for p in (*prog.weights, *prog.constants) if not p.pickled}
-    return raw - set(pickle_members(arch))
+def _config_roles(f: BinaryIO, e: ZipEntry, rel: str, path: str) -> list[tuple[str, str]]:
+    """``(member, role)`` (relative names; ``"pickled"`` or ``"raw"``) of every payload the member ``e`` (``rel``
+    in the archive) lists when it is a weights or constants config that is JSON, read as the loader reads it;
+    [] for any other member.
+
+    Raises:
+        CorruptCheckpointError / UnsupportedError: the config cannot be read (past the end of the file, over
+            :data:`MAX_JSON`).
+    """
+    low = rel.lower()
+    weights = low.startswith(WEIGHTS_DIR) and low.endswith("_weights_config.json")
+    if not (weights or (low.startswith(CONSTANTS_DIR) and low.endswith("_constants_config.json"))):
+        return []
+    if e.file_size > MAX_JSON:
+        raise UnsupportedError(f"{path}: {e.name!r} holds {e.file_size} bytes of JSON, over ckptool's limit")
+    data = read_member(f, e, path, limit=MAX_JSON, check_crc=False)  # a bad CRC-32 does not stop torch
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):  # not JSON: torch.export.load fails on it too
+        return []
+    items = doc.get("config") if isinstance(doc, dict) else None
+    out: list[tuple[str, str]] = []
+    for meta in (items or {}).values() if isinstance(items, dict) else ():
+        name = meta.get("path_name") if isinstance(meta, dict) else None
+        if not isinstance(name, str):
+            continue
+        use_pickle = meta.get("use_pickle") is True
+        role = ("pickled" if use_pickle else "raw") if weights else constant_role(name, use_pickle)
+        if role is not None:
+            out.append(((WEIGHTS_DIR if weights else CONSTANTS_DIR) + name, role))
+    return out
 
 
 def member_roles(f: BinaryIO, size: int, entries: list[ZipEntry], path: str) -> tuple[set[str], set[str]]:
@@ -499,26 +573,6 @@ def member_roles(f: BinaryIO, size: int, entries: list[ZipEntry], path: str) -> 
     pickled = {e.name for rel, e in rels if _named_pickle(rel)}
     raw: set[str] = set()
     for rel, e in rels:
-        low = rel.lower()
-        weights = low.startswith(WEIGHTS_DIR) and low.endswith("_weights_config.json")
-        if not (weights or (low.startswith(CONSTANTS_DIR) and low.endswith("_constants_config.json"))):
-            continue
-        if e.file_size > MAX_JSON:
-            raise UnsupportedError(f"{path}: {e.name!r} holds {e.file_size} bytes of JSON, over ckptool's limit")
-        data = read_member(f, e, path, limit=MAX_JSON, check_crc=False)  # a bad CRC-32 does not stop torch
-        try:
-            doc = json.loads(data)
-        except (ValueError, RecursionError):  # not JSON: torch.export.load fails on it too
-            continue
-        items = doc.get("config") if isinstance(doc, dict) else None
-        for meta in (items or {}).values() if isinstance(items, dict) else ():
-            name = meta.get("path_name") if isinstance(meta, dict) else None
-            if not isinstance(name, str):
-                continue
-            use_pickle = meta.get("use_pickle") is True
-            role = ("pickled" if use_pickle else "raw") if weights else constant_role(name, use_pickle)
-            if role is None:
-                continue
-            full = by_low.get(((WEIGHTS_DIR if weights else CONSTANTS_DIR) + name).lower(), [])
-            (raw if role == "raw" else pickled).update(full)
+        for member, role in _config_roles(f, e, rel, path):
+            (raw if role == "raw" else pickled).update(by_low.get(member.lower(), []))
     return pickled, raw - pickled

@@ -231,18 +231,27 @@ def decode_shared(raw: str, path: str, entries: dict[str, dict[str, Any]]) -> li
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, UnsupportedError) as e:
         raise bad(f"{type(e).__name__}: {e}") from None
     for grp in groups:
-        for name, v in grp.tensors.items():
-            size = element_size(grp.dtype)
-            problem = view_problem(v.shape, v.stride, v.offset, size, grp.numel * size)
-            lo, hi = v.span
-            if problem is not None or min(v.stride, default=0) < 0 or lo < 0 or hi > grp.numel:
-                raise bad(f"{name!r} runs past its storage ({problem or 'a negative stride'})")
-            entry = entries.get(name)
-            if entry is not None and (tuple(entry["shape"]) != v.shape or ST_NAMES.get(entry["dtype"]) != grp.dtype):
-                raise bad(f"{name!r} is stored as {ST_NAMES.get(entry['dtype'], entry['dtype'])} {entry['shape']}")
-        if not any(name in entries for name in grp.tensors):
-            raise bad("a group without a stored tensor")
+        why = _group_problem(grp, entries)
+        if why is not None:
+            raise bad(why)
     return groups
+
+
+def _group_problem(grp: SharedGroup, entries: dict[str, dict[str, Any]]) -> str | None:
+    """Why a decoded sharing group disagrees with the file's stored tensors ``entries`` (a view past its storage,
+    a stored member of another dtype or shape, no stored member at all), or None."""
+    for name, v in grp.tensors.items():
+        size = element_size(grp.dtype)
+        problem = view_problem(v.shape, v.stride, v.offset, size, grp.numel * size)
+        lo, hi = v.span
+        if problem is not None or min(v.stride, default=0) < 0 or lo < 0 or hi > grp.numel:
+            return f"{name!r} runs past its storage ({problem or 'a negative stride'})"
+        entry = entries.get(name)
+        if entry is not None and (tuple(entry["shape"]) != v.shape or ST_NAMES.get(entry["dtype"]) != grp.dtype):
+            return f"{name!r} is stored as {ST_NAMES.get(entry['dtype'], entry['dtype'])} {entry['shape']}"
+    if not any(name in entries for name in grp.tensors):
+        return "a group without a stored tensor"
+    return None
 
 
 def recorded_names(header: SafetensorsHeader, path: str) -> list[str]:

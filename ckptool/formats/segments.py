@@ -9,7 +9,7 @@ read), which is exact for both (every float16 and bfloat16 value is a float32 va
 each ``swap``-byte element as it is read (:func:`byteswap`): the storage of a torch file saved on a big-endian
 machine (its ``byteorder`` record says ``big``), read as the little-endian values ckptool writes and compares.
 
-:class:`SegmentReader` reads the concatenation through ``seek`` / ``read`` / ``readinto``, a piece at a time, so
+:class:`ConcatenatedFile` reads the concatenation through ``seek`` / ``read`` / ``readinto``, a piece at a time, so
 copying it needs no more memory than the copy's buffer. Nothing here imports torch.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.tensors import Segment
 
-__all__ = ["SegmentReader", "byteswap", "read_segments", "widen_to_float32"]
+__all__ = ["ConcatenatedFile", "byteswap", "read_segments", "widen_to_float32"]
 
 #: ``read(path, offset, nbytes)``: the bytes of a file range (raises when the file ends first)
 ReadRange = Callable[[str, int, int], bytes | bytearray]
@@ -80,7 +80,7 @@ def _read(read: ReadRange, seg: Segment, lo: int, hi: int) -> bytes | bytearray:
     return wide[lo - 4 * first:hi - 4 * first]
 
 
-class SegmentReader:
+class ConcatenatedFile:
     """A read-only, seekable binary file over the concatenation of ``segments`` (no ``fileno``: copy it through a
     buffer). ``read(path, offset, nbytes)`` reads a file range, e.g. ``ckptool.ops.convert.write.Files.read``."""
 

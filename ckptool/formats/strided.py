@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
 from ckptool.formats.dtypes import element_size, storage_nbytes, tensor_dtype
@@ -159,24 +159,29 @@ def _children(obj: object) -> list[tuple[str, Any]]:
         return [(str(k), v) for k, v in obj.items()]
     if isinstance(obj, (list, tuple, set, frozenset)):
         return [(str(i), v) for i, v in enumerate(obj)]
+    return _object_children(obj) if isinstance(obj, PickledObject) else []
+
+
+def _object_children(obj: PickledObject) -> list[tuple[str, Any]]:
+    """:func:`_children` of an object: its dict, list and set items, its state (a module's ``_parameters`` /
+    ``_buffers`` / ``_modules`` adding no name), and a call's arguments (a ``_rebuild_*`` call's adding none)."""
     out: list[tuple[str, Any]] = []
-    if isinstance(obj, PickledObject):
-        if obj.dictitems:
-            out += [(str(k), v) for k, v in obj.dictitems]
-        if obj.listitems:
-            out += [(str(i), v) for i, v in enumerate(obj.listitems)]
-        if obj.setitems:
-            out += [(str(i), v) for i, v in enumerate(obj.setitems)]
-        st = obj.state
-        if isinstance(st, tuple) and len(st) == 2 and isinstance(st[0], dict):  # (dict state, slot state)
-            st = st[0]
-        if isinstance(st, dict):
-            out += [("" if k in ("_parameters", "_buffers", "_modules") else str(k), v) for k, v in st.items()]
-        elif st is not None:
-            out.append(("", st))
-        if isinstance(obj, ReduceNode) and not isinstance(obj, TensorNode):
-            out += [("" if isinstance(obj.func, GlobalMeta) and obj.func.name.startswith("_rebuild") else f"<{i}>", v)
-                    for i, v in enumerate(obj.args)]
+    if obj.dictitems:
+        out += [(str(k), v) for k, v in obj.dictitems]
+    if obj.listitems:
+        out += [(str(i), v) for i, v in enumerate(obj.listitems)]
+    if obj.setitems:
+        out += [(str(i), v) for i, v in enumerate(obj.setitems)]
+    st = obj.state
+    if isinstance(st, tuple) and len(st) == 2 and isinstance(st[0], dict):  # (dict state, slot state)
+        st = st[0]
+    if isinstance(st, dict):
+        out += [("" if k in ("_parameters", "_buffers", "_modules") else str(k), v) for k, v in st.items()]
+    elif st is not None:
+        out.append(("", st))
+    if isinstance(obj, ReduceNode) and not isinstance(obj, TensorNode):
+        out += [("" if isinstance(obj.func, GlobalMeta) and obj.func.name.startswith("_rebuild") else f"<{i}>", v)
+                for i, v in enumerate(obj.args)]
     return out
 
 
@@ -212,17 +217,23 @@ def _first_misfit(tensors: list[TensorNode]) -> TensorNode | None:
         func = t.func
         if len(a) >= 4 and (func is rebuild_v2 or func.name == "_rebuild_tensor_v2"):
             rebuild_v2 = func
-            ref, off, shape, stride = a[0], a[1], a[2], a[3]
-            if (type(shape) is tuple and len(shape) == 1 and type(stride) is tuple and len(stride) == 1
-                    and type(ref) is StorageRef and type(off) is int and off >= 0
-                    and not (ref.extra and ref.extra[0] is not None)):
-                size, st = shape[0], stride[0]
-                if (type(size) is int and type(st) is int and size > 0 and st >= 0 and size <= _I64
-                        and off + (size - 1) * st < ref.numel):
-                    continue
+            if _vector_fits(a[0], a[1], a[2], a[3]):
+                continue
         if not _fits(t) and tensor_view_problem(t) is not None:
             return t
     return None
+
+
+def _vector_fits(ref: object, off: object, shape: object, stride: object) -> bool:
+    """True for a one-dimensional ``_rebuild_tensor_v2`` view (its storage, storage offset, sizes and strides)
+    that surely fits its typed storage: :func:`_fits` for the commonest tensor, in a few operations."""
+    if not (type(shape) is tuple and len(shape) == 1 and type(stride) is tuple and len(stride) == 1
+            and type(ref) is StorageRef and type(off) is int and off >= 0
+            and not (ref.extra and ref.extra[0] is not None)):
+        return False
+    size, st = shape[0], stride[0]
+    return (type(size) is int and type(st) is int and size > 0 and st >= 0 and size <= _I64
+            and off + (size - 1) * st < ref.numel)
 
 
 def _walk(root: object, pick: Callable[[list[TensorNode]], TensorNode | None],
@@ -240,21 +251,35 @@ def _walk(root: object, pick: Callable[[list[TensorNode]], TensorNode | None],
         if isinstance(obj, _ATOMS) or id(obj) in seen:
             continue
         seen.add(id(obj))
-        if not named and isinstance(obj, PickledObject) and obj.dictitems and not obj.listitems and obj.state is None:
-            # a state_dict (OrderedDict): its tensors are checked here in one batch, in order, without a stack
-            values = [v for _k, v in obj.dictitems]
-            found = pick([v for v in values if type(v) is TensorNode])
+        if not named and _is_mapping_only(obj):
+            found = _state_dict_batch(cast(PickledObject, obj), pick, stack)
             if found is not None:
                 return "", found
-            stack += [("", v) for v in values if type(v) is not TensorNode]
-            if isinstance(obj, ReduceNode):
-                stack += [("", v) for v in obj.args]
             continue
         kids = _children(obj)
         if named:
             stack += [(f"{path}.{k}" if path and k else path or k, v) for k, v in reversed(kids)]
         else:
             stack += [("", v) for _, v in reversed(kids)]
+    return None
+
+
+def _is_mapping_only(obj: object) -> bool:
+    """An object holding dict items alone (a state_dict, an ``OrderedDict``)."""
+    return isinstance(obj, PickledObject) and bool(obj.dictitems) and not obj.listitems and obj.state is None
+
+
+def _state_dict_batch(obj: PickledObject, pick: Callable[[list[TensorNode]], TensorNode | None],
+                      stack: list[tuple[str, object]]) -> TensorNode | None:
+    """A state_dict's tensors checked in one batch, in order, without a stack: the one ``pick`` chooses, or None
+    (its other values, and a call's arguments, then pushed on ``stack`` unnamed)."""
+    values = [v for _k, v in obj.dictitems or ()]
+    found = pick([v for v in values if type(v) is TensorNode])
+    if found is not None:
+        return found
+    stack += [("", v) for v in values if type(v) is not TensorNode]
+    if isinstance(obj, ReduceNode):
+        stack += [("", v) for v in obj.args]
     return None
 
 

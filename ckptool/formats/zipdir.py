@@ -104,7 +104,36 @@ def torch_end_record(f: BinaryIO, size: int, path: str, *, zip64: bool = True) -
         CorruptCheckpointError: no end record, a ZIP64 locator pointing past the end, a directory out of bounds,
             smaller than its entries, on another disk, or over :data:`MAX_DIRECTORY`.
     """
-    for window in (65535 + 22 + 20, _MINIZ_TAIL):  # the last 64 KiB first: where a valid end record lies
+    lo, tail, pos = _miniz_end_signature(f, size, path)
+    eocd_at = lo + pos
+    fields = _EOCD_FIELDS.unpack_from(tail, pos)[1:7]
+    _this_disk, _cd_disk, _on_disk, count, cd_size, cd_offset = fields
+    plain = (count, cd_size, cd_offset)
+    z64 = _miniz_zip64(f, size, path, tail, pos, eocd_at) if zip64 and eocd_at >= 20 + 56 else None
+    found64 = z64 is not None
+    if z64 is not None:
+        fields = z64
+    elif count == 0xFFFF or cd_size == _U32 or cd_offset == _U32:
+        raise CorruptCheckpointError(f"{path} is a damaged zip (bad ZIP64 end record); re-download it")
+    this_disk, cd_disk, on_disk, count, cd_size, cd_offset = fields
+    if count != on_disk or ((this_disk | cd_disk) and (this_disk, cd_disk) != (1, 1)):
+        raise CorruptCheckpointError(
+            f"{path} is a damaged zip (the end record's entry counts or disk numbers disagree: {count} entries, "
+            f"{on_disk} on this disk); torch refuses it too")
+    if cd_offset + cd_size > size or cd_size < 46 * count:
+        raise CorruptCheckpointError(f"{path} is a damaged zip (central directory out of bounds); re-download it")
+    return EndRecord(count, cd_size, cd_offset, eocd_at, found64, 0, plain if found64 else None)
+
+
+def _miniz_end_signature(f: BinaryIO, size: int, path: str) -> tuple[int, bytes, int]:
+    """``(lo, tail, pos)``: the file's bytes from ``lo`` to its end, and the last end record signature in them
+    with 22 bytes after it, as miniz looks for it (the last 64 KiB first, where a valid end record lies, then the
+    last :data:`_MINIZ_TAIL` bytes).
+
+    Raises:
+        CorruptCheckpointError: there is none.
+    """
+    for window in (65535 + 22 + 20, _MINIZ_TAIL):
         lo = max(0, size - window)
         f.seek(lo)
         tail = f.read(size - lo)
@@ -113,36 +142,36 @@ def torch_end_record(f: BinaryIO, size: int, path: str, *, zip64: bool = True) -
             break
     if pos < 0:
         raise _no_end(path)
-    eocd_at = lo + pos
-    _s, this_disk, cd_disk, on_disk, count, cd_size, cd_offset, _c = _EOCD_FIELDS.unpack_from(tail, pos)
-    found64 = False
-    plain = (count, cd_size, cd_offset)
-    if zip64 and eocd_at >= 20 + 56:
-        if pos >= 20:
-            loc = tail[pos - 20:pos]
-        else:
-            f.seek(eocd_at - 20)
-            loc = f.read(20)
-        if loc[:4] == _EOCD64_LOCATOR:
-            z64_at, disks = struct.unpack_from("<QI", loc, 8)
-            if z64_at > size - 56:
-                raise CorruptCheckpointError(f"{path} is a damaged zip (bad ZIP64 end record); re-download it")
-            f.seek(z64_at)
-            z = f.read(56)
-            if z[:4] == _EOCD64:
-                found64 = True
-                _s, rec_size, this_disk, cd_disk, on_disk, count, cd_size, cd_offset = _EOCD64_FIELDS.unpack(z)
-                if rec_size < 44 or disks != 1 or count > _U32 or on_disk > _U32 or cd_size > _U32:
-                    raise CorruptCheckpointError(f"{path} is a damaged zip (bad ZIP64 end record); re-download it")
-    if not found64 and (count == 0xFFFF or cd_size == _U32 or cd_offset == _U32):
+    return lo, tail, pos
+
+
+def _miniz_zip64(f: BinaryIO, size: int, path: str, tail: bytes, pos: int, eocd_at: int
+                 ) -> tuple[int, int, int, int, int, int] | None:
+    """``(this disk, directory's disk, entries on this disk, entries, directory size, directory offset)`` of the
+    ZIP64 end record a ZIP64 locator just before the end record (at ``eocd_at``; ``tail[pos]``) points at, or None
+    where there is no locator or no ZIP64 record there.
+
+    Raises:
+        CorruptCheckpointError: the locator points past the end, or the ZIP64 record is damaged.
+    """
+    if pos >= 20:
+        loc = tail[pos - 20:pos]
+    else:
+        f.seek(eocd_at - 20)
+        loc = f.read(20)
+    if loc[:4] != _EOCD64_LOCATOR:
+        return None
+    z64_at, disks = struct.unpack_from("<QI", loc, 8)
+    if z64_at > size - 56:
         raise CorruptCheckpointError(f"{path} is a damaged zip (bad ZIP64 end record); re-download it")
-    if count != on_disk or ((this_disk | cd_disk) and (this_disk, cd_disk) != (1, 1)):
-        raise CorruptCheckpointError(
-            f"{path} is a damaged zip (the end record's entry counts or disk numbers disagree: {count} entries, "
-            f"{on_disk} on this disk); torch refuses it too")
-    if cd_offset + cd_size > size or cd_size < 46 * count:
-        raise CorruptCheckpointError(f"{path} is a damaged zip (central directory out of bounds); re-download it")
-    return EndRecord(count, cd_size, cd_offset, eocd_at, found64, 0, plain if found64 else None)
+    f.seek(z64_at)
+    z = f.read(56)
+    if z[:4] != _EOCD64:
+        return None
+    _s, rec_size, this_disk, cd_disk, on_disk, count, cd_size, cd_offset = _EOCD64_FIELDS.unpack(z)
+    if rec_size < 44 or disks != 1 or count > _U32 or on_disk > _U32 or cd_size > _U32:
+        raise CorruptCheckpointError(f"{path} is a damaged zip (bad ZIP64 end record); re-download it")
+    return this_disk, cd_disk, on_disk, count, cd_size, cd_offset
 
 
 def zipfile_end_record(f: BinaryIO, size: int, path: str) -> EndRecord:
@@ -325,7 +354,6 @@ class TorchRecords:
         self.prefix: str | None = first.split("/", 1)[0] + "/" if "/" in first else None
         #: the prefix's bytes as the directory holds them (the folder of a cp437 name is not its UTF-8 encoding)
         self._prefix_raw = raw_name(entries[0]).split(b"/", 1)[0] + b"/" if self.prefix is not None else b""
-        self._exact: dict[str, int] | None = None
         self._lower: dict[bytes, list[int]] | None = None
         self._order: list[int] | None = None
         self._keys: list[bytes] = []

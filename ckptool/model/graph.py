@@ -284,17 +284,7 @@ def node_children(path: str, obj: object) -> Iterable[tuple[str, Any]]:
         return [(join(path, "_orig_mod"), inner)]
     st = module_state(obj)
     if st is not None:
-        children = []
-        named = set()
-        for name, v, _kind in module_entries(st):
-            children.append((join(path, name), v))
-            named.add(name)
-        for attr, v in st.items():  # other tensors kept as attributes (non-persistent buffers, caches)
-            if attr == "_buffers":
-                children += [(join(path, n), b) for n, b in mapping_items(v) or [] if n not in named and b is not None]
-            elif attr not in ("_parameters", "_modules") and isinstance(v, (dict, list, tuple, PickledObject)):
-                children.append((join(path, attr), v))
-        return children
+        return _module_children(path, st)
     items = mapping_items(obj)
     if items is not None:
         names = [f"{path}.{k}" for k, _v in items] if path else [k if type(k) is str else str(k) for k, _v in items]
@@ -304,17 +294,40 @@ def node_children(path: str, obj: object) -> Iterable[tuple[str, Any]]:
         return pairs
     if isinstance(obj, (list, tuple, set, frozenset)):
         return [(join(path, i), v) for i, v in enumerate(obj)]
-    children = []
     if isinstance(obj, PickledObject):
-        if type(obj.state) is dict:
-            children += [(join(path, k), v) for k, v in obj.state.items()]
-        elif obj.state is not None:
-            children.append((path, obj.state))
-        if obj.listitems:
-            children += [(join(path, i), v) for i, v in enumerate(obj.listitems)]
-        args = getattr(obj, "args", ())
-        if isinstance(args, tuple):
-            children += [(join(path, f"<arg{i}>"), v) for i, v in enumerate(args)]
+        return _object_children(path, obj)
+    return []
+
+
+def _module_children(path: str, st: dict[str, Any]) -> list[tuple[str, Any]]:
+    """A pickled module's children: its state_dict entries, then the other tensors it keeps as attributes
+    (non-persistent buffers, caches)."""
+    children = []
+    named = set()
+    for name, v, _kind in module_entries(st):
+        children.append((join(path, name), v))
+        named.add(name)
+    for attr, v in st.items():
+        if attr == "_buffers":
+            children += [(join(path, n), b) for n, b in mapping_items(v) or [] if n not in named and b is not None]
+        elif attr not in ("_parameters", "_modules") and isinstance(v, (dict, list, tuple, PickledObject)):
+            children.append((join(path, attr), v))
+    return children
+
+
+def _object_children(path: str, obj: PickledObject) -> list[tuple[str, Any]]:
+    """An object's children: its state (by key when a dict, else at its own path), its list items, the arguments
+    of its call."""
+    children: list[tuple[str, Any]] = []
+    if type(obj.state) is dict:
+        children += [(join(path, k), v) for k, v in obj.state.items()]
+    elif obj.state is not None:
+        children.append((path, obj.state))
+    if obj.listitems:
+        children += [(join(path, i), v) for i, v in enumerate(obj.listitems)]
+    args = getattr(obj, "args", ())
+    if isinstance(args, tuple):
+        children += [(join(path, f"<arg{i}>"), v) for i, v in enumerate(args)]
     return children
 
 

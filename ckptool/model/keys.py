@@ -49,9 +49,6 @@ SCALER_NAMES: tuple[str, ...] = (
 _FLAT_PARAM_RE = re.compile(r"(^|\.)(_flat_param|flat_param_\d+|_fsdp_flat_param)$")
 
 
-
-
-
 def normalize_prefix(prefix: str) -> str:
     """Return ``prefix`` as whole components ending in ``.`` (``"module"`` -> ``"module."``).
 
@@ -66,12 +63,6 @@ def normalize_prefix(prefix: str) -> str:
     return p
 
 
-def has_prefix(key: str, prefix: str) -> bool:
-    """True when ``key`` starts with the whole components of ``prefix`` and keeps at least one after it."""
-    p = normalize_prefix(prefix)
-    return key.startswith(p) and len(key) > len(p)
-
-
 def is_flat_param_key(key: str) -> bool:
     """True for FSDP flat-parameter keys (``_flat_param``, ``flat_param_0``), which cannot be renamed back to FQNs."""
     return bool(_FLAT_PARAM_RE.search(key))
@@ -84,30 +75,12 @@ def has_flat_param_key(keys: Iterable[str]) -> bool:
     return "flat_param" in "\n".join(keys) and any(map(is_flat_param_key, keys))
 
 
-def strip_prefix_keys(keys: Iterable[str], prefixes: Iterable[str]) -> dict[str, str]:
-    """Map each key to its name with ``prefixes`` removed from the front.
-
-    The prefixes are applied in the given order, each at most once (``strip_prefix_keys(k, ["module.",
-    "_orig_mod."])`` turns ``module._orig_mod.fc.w`` into ``fc.w``). Keys that do not carry a prefix map to
-    themselves. Returns ``{old_key: new_key}`` in the input order; collisions are not checked here (see
-    :func:`check_collisions`).
-    """
-    plist = [normalize_prefix(p) for p in prefixes]
-    return {key: strip_prefix_key(key, plist) for key in keys}
-
-
 def strip_prefix_key(key: str, prefixes: Iterable[str]) -> str:
     """One key with each of the (normalised) ``prefixes`` removed from its front, in order, at most once each."""
     for p in prefixes:
         if key.startswith(p) and len(key) > len(p):
             key = key[len(p):]
     return key
-
-
-def add_prefix_keys(keys: Iterable[str], prefix: str) -> dict[str, str]:
-    """Map each key to ``prefix + key`` (``prefix`` normalised to whole components)."""
-    p = normalize_prefix(prefix)
-    return {k: p + k for k in keys}
 
 
 def unwrap_key(key: str, attribute: str | None = None) -> tuple[str, list[str]]:
@@ -310,38 +283,55 @@ def reconcile(checkpoint_keys: Iterable[str], model_keys: Iterable[str]) -> Reco
 
     # candidate prefixes to drop from the checkpoint before canonicalising: none, then each leading run of shared
     # components (covers `model.` and deeper attribute wrappers)
+    for drop in _leading_prefixes(ckeys):
+        mapping, matched = _matched_to(ckeys, drop, canon_model)
+        if matched > best.matched and not check_collisions(mapping):
+            best = Reconciliation(mapping, matched=matched)
+    if best.changed:
+        best.removed, best.added = _described(best.mapping)
+    return best
+
+
+def _leading_prefixes(keys: list[str]) -> list[str]:
+    """``""``, then each leading run of components every key shares (``model.``, ``model.net.``...), while every
+    key keeps a component after it."""
     candidates: list[str] = [""]
-    split = [k.split(".") for k in ckeys]
+    split = [k.split(".") for k in keys]
     depth = 0
     while split and all(len(p) > depth + 1 for p in split) and all(p[depth] == split[0][depth] for p in split):
         candidates.append(".".join(split[0][: depth + 1]) + ".")
         depth += 1
+    return candidates
 
-    for drop in candidates:
-        mapping: dict[str, str] = {}
-        matched = 0
-        for k in ckeys:
-            base = k[len(drop):] if drop and k.startswith(drop) else k
-            target = canon_model.get(unwrap_key(base)[0])
-            if target is not None:
-                mapping[k] = target
-                matched += 1
-            else:
-                mapping[k] = k
-        if matched > best.matched and not check_collisions(mapping):
-            best = Reconciliation(mapping, matched=matched)
-    if best.changed:
-        removed: dict[str, None] = {}
-        added: dict[str, None] = {}
-        for old, new in best.mapping.items():
-            if old != new:
-                r, a = _describe(old, new)
-                if r:
-                    removed[r] = None
-                if a:
-                    added[a] = None
-        best.removed, best.added = list(removed), list(added)
-    return best
+
+def _matched_to(keys: list[str], drop: str, canon_model: dict[str, str]) -> tuple[dict[str, str], int]:
+    """Each key mapped to the model key of the same canonical name once ``drop`` is removed from its front (or to
+    itself), and how many found one."""
+    mapping: dict[str, str] = {}
+    matched = 0
+    for k in keys:
+        base = k[len(drop):] if drop and k.startswith(drop) else k
+        target = canon_model.get(unwrap_key(base)[0])
+        if target is not None:
+            mapping[k] = target
+            matched += 1
+        else:
+            mapping[k] = k
+    return mapping, matched
+
+
+def _described(mapping: dict[str, str]) -> tuple[list[str], list[str]]:
+    """The prefixes a mapping removes and adds (:func:`_describe`), each once, in order."""
+    removed: dict[str, None] = {}
+    added: dict[str, None] = {}
+    for old, new in mapping.items():
+        if old != new:
+            r, a = _describe(old, new)
+            if r:
+                removed[r] = None
+            if a:
+                added[a] = None
+    return list(removed), list(added)
 
 
 # ------------------------------------------------------------------------------------------------ _metadata

@@ -28,7 +28,7 @@ from typing import BinaryIO, Literal
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.dtypes import DTYPE_SIZES, numel
-from ckptool.formats.segments import ReadRange, SegmentReader, read_segments
+from ckptool.formats.segments import ConcatenatedFile, ReadRange, read_segments
 from ckptool.formats.tensors import Storage
 
 __all__ = ["FileRanges", "read_range", "read_storage", "scatter"]
@@ -102,7 +102,7 @@ def read_range(st: Storage, offset: int, n: int, read: ReadRange) -> bytes | byt
         raise ValueError("a storage assembled from pieces is read whole (read_storage)")
     if st.segments is None:
         return read(st.path, st.offset + offset, n)
-    r = SegmentReader(st.segments, read)
+    r = ConcatenatedFile(st.segments, read)
     r.seek(offset)
     data = r.read(n)
     if len(data) != n:

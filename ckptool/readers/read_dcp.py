@@ -31,7 +31,7 @@ The record helpers (:class:`RecordSlice`, :func:`open_record`, :func:`torch_save
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptool.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError
 from ckptool.formats.dcp import DcpEntry, DcpMetadata, read_dcp_metadata
@@ -59,8 +59,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT",
     "NON_TENSOR",
-    "Chunk",
-    "NonTensorEntry",
+    "OpaqueEntry",
     "RecordSlice",
     "check_metadata_globals",
     "chunk_infos",
@@ -165,7 +164,7 @@ def record_byteorder(blob: RecordSlice, entries: list[ZipEntry], what: str) -> s
 
 
 # ------------------------------------------------------------------------------------------------ the tree
-class NonTensorEntry:
+class OpaqueEntry:
     """A non-tensor entry of a DCP folder in :func:`dcp_tree` (its pickle is not read)."""
 
     def __init__(self, fqn: str) -> None:
@@ -186,7 +185,7 @@ def _path(meta: DcpMetadata, fqn: str) -> tuple[str, ...]:
 def dcp_tree(meta: DcpMetadata) -> dict[str, Any]:
     """The nested state of a DCP folder as a node graph, as ``dcp_to_torch_save`` rebuilds it from
     ``planner_data``: a dict per level, a contiguous tensor node per tensor entry (no record read), a
-    :class:`NonTensorEntry` per non-tensor entry. What :func:`~ckptool.readers.read_torch.select_state_dict`
+    :class:`OpaqueEntry` per non-tensor entry. What :func:`~ckptool.readers.read_torch.select_state_dict`
     searches, so that a DCP folder's state_dict is chosen as in a torch file.
 
     Raises:
@@ -207,7 +206,7 @@ def dcp_tree(meta: DcpMetadata) -> dict[str, Any]:
             raise CorruptCheckpointError(f"{meta.folder}: .metadata's planner_data puts two entries at "
                                          f"{'.'.join(path)!r}; the folder is damaged")
         if e.dtype is None:
-            where[path[-1]] = NonTensorEntry(e.fqn)
+            where[path[-1]] = OpaqueEntry(e.fqn)
         else:
             shape = e.shape or ()
             where[path[-1]] = tensor_node(str(i), entry_dtype(meta, e), shape, contiguous_stride(shape))
@@ -233,7 +232,7 @@ def _left_out(tree: dict[str, Any], keys: list[str]) -> list[str]:
     for k in keys:
         for name, v in node.items():
             if name != k:
-                out.append(f"{join(prefix, name)}: {NON_TENSOR if isinstance(v, NonTensorEntry) else describe(v)}")
+                out.append(f"{join(prefix, name)}: {NON_TENSOR if isinstance(v, OpaqueEntry) else describe(v)}")
         node, prefix = node[k], join(prefix, k)
     return out
 
@@ -289,20 +288,6 @@ def entry_chunks(meta: DcpMetadata, e: DcpEntry) -> list[tuple[tuple[int, ...], 
     return out
 
 
-class Chunk(NamedTuple):
-    """One tensor record read: its data bytes (``nbytes`` at ``offset`` of ``path``, the record's CRC-32 when it
-    holds exactly those), the view saved (``storage_offset``, ``stride``), ``swap`` (element size when the record
-    is big-endian, else 0)."""
-
-    path: str
-    offset: int
-    nbytes: int
-    crc: int | None
-    storage_offset: int
-    stride: tuple[int, ...]
-    swap: int
-
-
 def record_in_file(files: dict[str, BinaryIO], meta: DcpMetadata, info: Any, what: str) -> RecordSlice:
     """The record the ``_StorageInfo`` node ``info`` names (:func:`open_record`), checked to lie inside its
     ``.distcp`` file; ``what`` names it in the errors.
@@ -334,9 +319,11 @@ def record_in_file(files: dict[str, BinaryIO], meta: DcpMetadata, info: Any, wha
 
 
 def read_chunk(files: dict[str, BinaryIO], meta: DcpMetadata, e: DcpEntry, dtype: str, sizes: tuple[int, ...],
-                info: Any) -> Chunk:
+                info: Any) -> Tensor:
     """Read the ``torch.save`` record ``info`` of one chunk (``sizes``) of tensor ``e`` as a node graph and check
-    it holds one plain tensor of ``dtype`` and that shape, naming only allowlisted globals.
+    it holds one plain tensor of ``dtype`` and that shape, naming only allowlisted globals. Returns the chunk as a
+    :class:`Tensor` (named ``e.fqn``) over its record's data bytes: a :class:`Storage` with the record's CRC-32
+    when it holds exactly those bytes, or, when the record is big-endian, one byte-swapped :class:`Segment`.
 
     Raises:
         UnsupportedError: a record DCP transformed, or that is no torch zip (a folder saved in safetensors
@@ -368,11 +355,11 @@ def read_chunk(files: dict[str, BinaryIO], meta: DcpMetadata, e: DcpEntry, dtype
     rec = next((x for x in entries if x.name.endswith(f"/data/{ref.key}")), None)
     if rec is None:
         raise CorruptCheckpointError(f"{what} has no data/{ref.key} member; the folder is damaged")
-    return _chunk_bytes(blob, entries, rec, node, storage_nbytes(ref), dtype, what)
+    return _chunk_bytes(blob, entries, rec, node, storage_nbytes(ref), dtype, what, e.fqn)
 
 
 def _chunk_bytes(blob: RecordSlice, entries: list[ZipEntry], rec: ZipEntry, node: TensorNode, nbytes: int,
-                 dtype: str, what: str) -> Chunk:
+                 dtype: str, what: str, fqn: str) -> Tensor:
     """Where the data of the record ``rec`` lies in the ``.distcp`` file, checked to hold the view ``node``."""
     if rec.method != 0:
         raise UnsupportedError(f"{what}: member {rec.name} is compressed, which torch.save never writes; ckptool "
@@ -387,8 +374,11 @@ def _chunk_bytes(blob: RecordSlice, entries: list[ZipEntry], rec: ZipEntry, node
         raise CorruptCheckpointError(f"{what}: its view (offset {node.storage_offset}, stride {list(stride)}) runs "
                                      "past its storage; the folder is damaged")
     swap = element_size(dtype) if record_byteorder(blob, entries, what) == "big" else 0
-    return Chunk(str(blob.f.name), blob.start + start, nbytes, rec.crc if rec.file_size == nbytes else None,
-                  node.storage_offset, stride, swap)
+    path, offset = str(blob.f.name), blob.start + start
+    crc = rec.crc if rec.file_size == nbytes and not swap else None
+    st = Storage(path, offset, nbytes, dtype, "cpu", crc, segments=[Segment(path, offset, nbytes, swap=swap)]
+                 if swap else None)
+    return Tensor(fqn, fqn, dtype, tuple(node.shape), stride, node.storage_offset, st)
 
 
 def _run_start(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> int | None:
@@ -409,7 +399,7 @@ def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any]
     es = element_size(dtype)
     chunks = entry_chunks(meta, e)
 
-    def record(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Chunk:
+    def record(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Tensor:
         info = infos.get((e.fqn, offsets))
         if info is None:
             raise CorruptCheckpointError(f"{meta.folder}: the chunk of {e.fqn!r} at offsets {list(offsets)} has no "
@@ -418,9 +408,7 @@ def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any]
 
     if len(chunks) == 1 and chunks[0] == ((0,) * len(shape), shape):
         c = record(*chunks[0])
-        segs = [Segment(c.path, c.offset, c.nbytes, swap=c.swap)] if c.swap else None
-        st = Storage(c.path, c.offset, c.nbytes, dtype, "cpu", None if c.swap else c.crc, segments=segs)
-        return Tensor(name, e.fqn, dtype, shape, c.stride, c.storage_offset, st, False, index)
+        return Tensor(name, e.fqn, dtype, shape, c.stride, c.offset, c.storage, False, index)
     runs: list[tuple[int, int, Segment]] = []
     for offsets, sizes in chunks:
         n = numel(sizes)
@@ -437,7 +425,8 @@ def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any]
             raise UnsupportedError(f"{meta.folder}: the chunk of {e.fqn!r} at offsets {list(offsets)} is saved as a "
                                    "non-contiguous view; ckptool gathers contiguous chunks only: "
                                    + _CONVERT.format(folder=meta.folder))
-        runs.append((start, n, Segment(c.path, c.offset + c.storage_offset * es, n * es, swap=c.swap)))
+        swap = c.storage.segments[0].swap if c.storage.segments else 0
+        runs.append((start, n, Segment(c.storage.path, c.storage.offset + c.offset * es, n * es, swap=swap)))
     runs.sort(key=lambda r: r[0])
     pos = 0
     for start, n, _seg in runs:

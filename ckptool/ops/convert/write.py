@@ -22,7 +22,7 @@ from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
 from ckptool.formats.nodes import StorageRef
 from ckptool.formats.pickler import dumps
 from ckptool.formats.safetensors import SHARED_KEY, encode_header
-from ckptool.formats.segments import SegmentReader
+from ckptool.formats.segments import ConcatenatedFile
 from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Storage, Tensor, is_contiguous
 from ckptool.formats.torchzip import TorchZipWriter
@@ -64,11 +64,11 @@ class Files(FileRanges):
         return buf
 
     def storage(self, st: Storage) -> tuple[BinaryIO, int]:
-        """The file to read ``st``'s bytes from and their offset in it (a :class:`SegmentReader` over
+        """The file to read ``st``'s bytes from and their offset in it (a :class:`ConcatenatedFile` over
         ``st.segments``, offset 0, for a storage gathered from several files)."""
         if st.segments is None:
             return self.get(st.path), st.offset
-        return SegmentReader(st.segments, self.read), 0  # type: ignore[return-value]  # seek/read/readinto suffice
+        return ConcatenatedFile(st.segments, self.read), 0  # type: ignore[return-value]  # seek/read/readinto suffice
 
     def storage_bytes(self, st: Storage, offset: int, n: int) -> bytes | bytearray:
         """``n`` bytes at byte ``offset`` of storage ``st`` (through its segments when it has them: gathered from

@@ -8,8 +8,12 @@ from typing import Any, TypeAlias
 
 from ckptool.formats.pickle_check import PickleBuffer
 
-_ZIP_LOCAL = b"PK\x03\x04"
-_ZIP_EOCD = b"PK\x05\x06"
+__all__ = ["ZIP_EOCD", "ZIP_LOCAL", "Container", "Window", "end_record", "zip_end", "zip_start"]
+
+#: the signature of a zip local file header (the first bytes of a zip)
+ZIP_LOCAL = b"PK\x03\x04"
+#: the signature of a zip end of central directory record
+ZIP_EOCD = b"PK\x05\x06"
 
 
 class Window:
@@ -60,32 +64,33 @@ class Window:
 Container: TypeAlias = "PickleBuffer | Window"
 
 
-def _eocd(buf: Container) -> tuple[int, int, int, int] | None:
+def end_record(buf: Container) -> tuple[int, int, int, int] | None:
     """``(eocd offset, central directory size, central directory offset, comment length)`` of the last end of
     central directory record in the last 64 KiB of ``buf``, or None."""
     size = len(buf)
     lo = max(0, size - (65535 + 22))
     tail = bytes(buf[lo:size])
-    at = tail.rfind(_ZIP_EOCD)
+    at = tail.rfind(ZIP_EOCD)
     if at < 0 or at + 22 > len(tail):
         return None
     _sig, _d, _dcd, _n, _count, cd_size, cd_offset, clen = struct.unpack_from("<IHHHHIIH", tail, at)
     return lo + at, cd_size, cd_offset, clen
 
 
-def _zip_start(buf: PickleBuffer, pos: int) -> int | None:
+def zip_start(buf: PickleBuffer, pos: int) -> int | None:
     """Where a zip appended after ``pos`` starts (what ``zipfile`` computes: end record - directory size -
     directory offset), or None."""
-    found = _eocd(buf)
+    found = end_record(buf)
     if found is None:
         return None
     eocd_at, cd_size, cd_offset, _clen = found
     start = eocd_at - cd_size - cd_offset
-    if start < pos or bytes(buf[start:start + 4]) != _ZIP_LOCAL:
+    if start < pos or bytes(buf[start:start + 4]) != ZIP_LOCAL:
         return None
     return start
 
 
-def _zip_end(buf: Container) -> int | None:
-    found = _eocd(buf)
+def zip_end(buf: Container) -> int | None:
+    """The offset just after the last end of central directory record of ``buf`` (and its comment), or None."""
+    found = end_record(buf)
     return None if found is None else found[0] + 22 + found[3]

@@ -30,11 +30,11 @@ import os
 
 from ckptool.errors import CkptError
 from ckptool.formats.dcp import METADATA_FILE, DcpItem, is_dcp_folder, read_dcp_metadata
-from ckptool.ops.scan.byte_windows import _ZIP_LOCAL, Window
-from ckptool.ops.scan.pickles import _Scanner
+from ckptool.ops.scan.byte_windows import ZIP_LOCAL, Window
+from ckptool.ops.scan.pickles import Scanner
 from ckptool.ops.scan.results import PickleFinding, ScanResult
 from ckptool.ops.scan.shipped_code import CodeScanner
-from ckptool.ops.scan.tar import _PICKLE_FIRST
+from ckptool.ops.scan.tar import PICKLE_FIRST
 
 __all__ = ["DCP_FORMAT", "dcp_part", "scan_dcp_folder"]
 
@@ -97,7 +97,7 @@ def scan_dcp_folder(folder: str | os.PathLike[str], part: str | None = None) -> 
     return res
 
 
-def _scan_metadata_pickle(sc: _Scanner, path: str, problems: list[str]) -> None:
+def _scan_metadata_pickle(sc: Scanner, path: str, problems: list[str]) -> None:
     """``.metadata``: its first pickle under the DCP metadata rules, data after it as hidden pickles."""
     try:
         with open(path, "rb") as f:
@@ -121,7 +121,7 @@ def _scan_metadata_pickle(sc: _Scanner, path: str, problems: list[str]) -> None:
         buf.close()
 
 
-def _scan_data_file(sc: _Scanner, folder: str, rel: str, items: list[DcpItem], problems: list[str]) -> None:
+def _scan_data_file(sc: Scanner, folder: str, rel: str, items: list[DcpItem], problems: list[str]) -> None:
     path = os.path.join(folder, rel)
     if not os.path.isfile(path):
         problems.append(f".metadata names {rel!r}, which is missing: the folder is incomplete")
@@ -156,12 +156,11 @@ def _scan_data_file(sc: _Scanner, folder: str, rel: str, items: list[DcpItem], p
         mm.close()
 
 
-def _scan_item(sc: _Scanner, w: Window, it: DcpItem, label: str) -> None:
+def _scan_item(sc: Scanner, w: Window, it: DcpItem, label: str) -> None:
     head = w[:8]
     try:
-        if head.startswith(_ZIP_LOCAL):
-            kind = sc.zip(w, label, 1, loaded=True)
-            if kind == "zip" and it.is_bytes:
+        if head.startswith(ZIP_LOCAL):
+            if sc.zip(w, label, 1, loaded=True).bare_zip and it.is_bytes:
                 sc.record(PickleFinding(label, it.offset, [], "a zip without data.pkl, not a torch.save record"))
             return
     except CkptError as e:
@@ -170,7 +169,7 @@ def _scan_item(sc: _Scanner, w: Window, it: DcpItem, label: str) -> None:
         return
     # torch.load of bytes that are not a zip unpickles them from byte 0 (any protocol); DCP hands it a BytesIO, for
     # which _legacy_load never tries the legacy tar layout (that needs a real file)
-    if head[:1] and head[0] in _PICKLE_FIRST:
+    if head[:1] and head[0] in PICKLE_FIRST:
         sc.pickle_file(w[:], label, 1)
     elif it.is_bytes:
         sc.loaded.add(label)
@@ -180,7 +179,7 @@ def _scan_item(sc: _Scanner, w: Window, it: DcpItem, label: str) -> None:
     # unpickler given it stops at once, running nothing
 
 
-def _gaps(sc: _Scanner, mm: mmap.mmap, rel: str, size: int, covered: list[tuple[int, int]]) -> None:
+def _gaps(sc: Scanner, mm: mmap.mmap, rel: str, size: int, covered: list[tuple[int, int]]) -> None:
     """Note the bytes of ``rel`` that no record names, and scan them when they look like a pickle or a zip."""
     pos = 0
     gaps = []
@@ -198,9 +197,9 @@ def _gaps(sc: _Scanner, mm: mmap.mmap, rel: str, size: int, covered: list[tuple[
         w = Window(mm, a, b - a)
         head = w[:8]
         try:
-            if head.startswith(_ZIP_LOCAL):
+            if head.startswith(ZIP_LOCAL):
                 sc.zip(w, label, 1)
-            elif head.startswith(_PICKLE_HEADS) or (head[:1] and head[0] in _PICKLE_FIRST and b - a < 1 << 20):
+            elif head.startswith(_PICKLE_HEADS) or (head[:1] and head[0] in PICKLE_FIRST and b - a < 1 << 20):
                 sc.pickles_in_a_row(w[:], 0, label, first_required=False)
         except CkptError as e:
             sc.note(f"{label} could not be read ({e})")

@@ -82,9 +82,10 @@ from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import INDEX_SUFFIX, parse_index, shard_outside
 from ckptool.model.allowlist import recognise_file
-from ckptool.ops.scan.byte_windows import _ZIP_EOCD, _ZIP_LOCAL, _zip_end
+from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, zip_end
 from ckptool.ops.scan.dcp import dcp_part, scan_dcp_folder
-from ckptool.ops.scan.pickles import Preparsed, _NotAPickle
+from ckptool.ops.scan.layouts import Layout
+from ckptool.ops.scan.pickles import NotAPickle, Preparsed
 from ckptool.ops.scan.results import (
     EXIT_CODES,
     STRICT_EXIT_CODES,
@@ -121,22 +122,24 @@ def scan_file(path: str | os.PathLike[str], *,
     res = ScanResult(path)
     sc = CodeScanner(res, preparsed)  # the pickles, and the code that ships in each zip (ops/scan/shipped_code.py)
     start = source.bytes_transferred()
+    layout: Layout | None = None  # what the file was found to be (None: unreadable)
     try:
         formats.check_readable(path)
         # a URL: the zip / safetensors paths read by range (its directory, pickles and headers); others are copied
         with source.open_binary(path) as f, source.whole_view(f, lazy=_indexed) as buf:
-            res.format = sc.any(buf, "", 0, f)
-            if res.format == formats.SAFETENSORS:
+            layout = sc.any(buf, "", 0, f)
+            res.format = layout.format
+            if layout.header:
                 read_header(path)
-    except _NotAPickle:
+    except NotAPickle:
         res.error = _not_a_pickle(path)
     except CkptError as e:
         res.error = str(e)
     except RecursionError:
         res.error = f"{path}: nested too deeply to scan"
-    if res.format == formats.PICKLE and res.pickles and res.pickles[0].error and not res.globals:
+    if layout is not None and layout.plain_pickle and res.pickles and res.pickles[0].error and not res.globals:
         res.error = _not_a_pickle(path)  # a PNG starts with a byte that is also an opcode: say what it is
-    if res.format in ("zip", formats.TORCH_ZIP) and not res.pickles and not res.error:
+    if layout is not None and layout.expects_pickles and not res.pickles and not res.error:
         res.notes.append("the zip holds no pickle")
     if type(sc.root) is dict:
         res.recognised = recognise_file(sc.root, [g.name for g in res.globals])
@@ -152,8 +155,8 @@ def _indexed(view: RangeView) -> bool:
     head = view[:512]
     if head[8:9] == b"{":
         return True
-    # _zip_end only takes len() and slices, which a RangeView gives by range requests
-    return head.startswith((_ZIP_LOCAL, _ZIP_EOCD)) and _zip_end(cast("PickleBuffer", view)) == len(view)
+    # zip_end only takes len() and slices, which a RangeView gives by range requests
+    return head.startswith((ZIP_LOCAL, ZIP_EOCD)) and zip_end(cast("PickleBuffer", view)) == len(view)
 
 
 def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]) -> ScanResult:
@@ -313,7 +316,7 @@ def _looks_like_checkpoint(path: str) -> bool:
             head = f.read(4)
     except OSError:
         return False
-    return head.startswith(_ZIP_LOCAL) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+    return head.startswith(ZIP_LOCAL) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
 
 
 def scan(paths: Iterable[str | os.PathLike[str]]) -> list[ScanResult]:

@@ -28,22 +28,21 @@ from ckptool.formats.pt2 import is_pt2_names, member_roles
 from ckptool.formats.unpickler import load_pickle_at, partial_globals
 from ckptool.formats.zipdir import (
     MAX_RATIO,
-    Directory,
     TorchRecords,
     ZipEntry,
-    plain_directory,
-    read_directory,
     read_member,
     read_member_head,
-    zipfile_directory,
 )
 from ckptool.model.allowlist import ALLOWED, classify_global
 from ckptool.model.graph import depth_first, node_children
-from ckptool.ops.scan.byte_windows import _ZIP_EOCD, _ZIP_LOCAL, Container, Window, _eocd, _zip_end, _zip_start
+from ckptool.ops.scan import layouts
+from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
+from ckptool.ops.scan.directories import zip_directories
+from ckptool.ops.scan.layouts import Layout
 from ckptool.ops.scan.results import GlobalFinding, PickleFinding, ScanResult
-from ckptool.ops.scan.tar import _PICKLE_FIRST, MAX_PICKLES_IN_A_ROW, _in, _join, scan_tar
+from ckptool.ops.scan.tar import MAX_PICKLES_IN_A_ROW, PICKLE_FIRST, inside, join_where, scan_tar
 
-__all__ = ["MAX_KEY_PATHS", "Container", "Window", "key_paths"]
+__all__ = ["MAX_KEY_PATHS", "Container", "NotAPickle", "Scanner", "Window", "as_file", "key_paths"]
 
 # ------------------------------------------------------------------------------------------------ scanning
 #: what a caller (``inspect``) already read of a pickle: its globals, its root node, the offset after its STOP opcode
@@ -60,7 +59,10 @@ MAX_ZIP_DEPTH = 16
 INFLATE_BUDGET = 64 << 20
 
 
-class _Scanner:
+class Scanner:
+    """The container walk of one scan: reads every pickle of a file (zip members, nested zips, legacy streams and
+    tars, plain pickles, data appended after them) and records its findings into :attr:`res`."""
+
     def __init__(self, res: ScanResult, preparsed: Mapping[str, Preparsed] | None = None) -> None:
         self.res = res
         self.torchscript = False
@@ -177,7 +179,7 @@ class _Scanner:
         n = 0
         size = len(buf)
         while pos < size and n < MAX_PICKLES_IN_A_ROW:
-            if n and (buf[pos] not in _PICKLE_FIRST or buf[pos:pos + 4] == _ZIP_LOCAL):
+            if n and (buf[pos] not in PICKLE_FIRST or buf[pos:pos + 4] == ZIP_LOCAL):
                 return pos
             label = where if n == 0 else f"{where} (pickle {n + 1} in a row, byte {pos})"
             end = self.parse(buf, pos, label, required=n == 0 and first_required)
@@ -188,37 +190,46 @@ class _Scanner:
         return pos
 
     # -- containers ------------------------------------------------------------------------------------------
-    def any(self, buf: PickleBuffer, where: str, depth: int, f: BinaryIO | None = None) -> str:
+    def any(self, buf: PickleBuffer, where: str, depth: int, f: BinaryIO | None = None) -> Layout:
         """Scan ``buf`` (bytes or mmap, optionally its open file ``f``) as whatever its bytes say it is: the file
         ``torch.load`` would read (its own pickles are not hidden), in torch.load's order: a zip (``PK\\x03\\x04``),
         else a tar if ``tarfile`` accepts its first header (``_legacy_load`` tries it first), else a legacy stream or
-        a pickle; safetensors by its header."""
+        a pickle; safetensors by its header. Returns what it was.
+
+        Raises:
+            NotAPickle: none of these, and the first byte is no opcode a pickle begins with.
+        """
         if self.inflate_left is None:
             self.inflate_left = INFLATE_BUDGET + MAX_RATIO * len(buf)
         head = bytes(buf[:512])
-        if head.startswith((_ZIP_LOCAL, _ZIP_EOCD)):
+        if head.startswith((ZIP_LOCAL, ZIP_EOCD)):
             return self.zip(buf, where, depth, f, loaded=True)
-        if formats.is_tar(head):
-            try:
-                scan_tar(self, buf, where, depth)
-            except CorruptCheckpointError as err:
-                self.note(f"the tar header at byte 0{_in(where)} is valid but the archive could not be read ({err})")
-            else:
-                if head[0] in _PICKLE_FIRST:  # pickle.load (and tools that use it) read the file's first bytes
-                    self.parse(buf, 0, _join(where, "pickle at byte 0 (read by pickle.load, not torch.load)"),
-                               required=False)
-                self.appended_zip(buf, 512, where, depth)
-                return "legacy-tar"
+        if formats.is_tar(head) and self._tar(buf, head, where, depth):
+            return layouts.LEGACY_TAR
         if formats.is_legacy_stream(head):
             self.legacy(buf, where, depth)
-            return formats.TORCH_LEGACY
+            return layouts.LEGACY
         if len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] + 8 <= len(buf):
             self.appended_zip(buf, struct.unpack("<Q", head[:8])[0] + 8, where, depth)
-            return formats.SAFETENSORS
-        if not head or head[0] not in _PICKLE_FIRST:
-            raise _NotAPickle()
+            return layouts.SAFETENSORS
+        if not head or head[0] not in PICKLE_FIRST:
+            raise NotAPickle()
         self.pickle_file(buf, where, depth)
-        return formats.PICKLE
+        return layouts.PICKLE
+
+    def _tar(self, buf: PickleBuffer, head: bytes, where: str, depth: int) -> bool:
+        """A legacy tar archive (its first header valid): its members, the pickle ``pickle.load`` would read at byte
+        0, a zip appended after it. False (a note) when ``tarfile`` cannot read the archive after all."""
+        try:
+            scan_tar(self, buf, where, depth)
+        except CorruptCheckpointError as err:
+            self.note(f"the tar header at byte 0{inside(where)} is valid but the archive could not be read ({err})")
+            return False
+        if head[0] in PICKLE_FIRST:  # pickle.load (and tools that use it) read the file's first bytes
+            self.parse(buf, 0, join_where(where, "pickle at byte 0 (read by pickle.load, not torch.load)"),
+                       required=False)
+        self.appended_zip(buf, 512, where, depth)
+        return True
 
     def pickle_file(self, buf: PickleBuffer, where: str, depth: int, *, loaded: bool = True) -> None:
         """A plain pickle (``pickle.load`` and ``torch.load`` read its first pickle), then any data after it."""
@@ -232,174 +243,154 @@ class _Scanner:
     def trailing(self, buf: PickleBuffer, pos: int, where: str, depth: int) -> None:
         """Data after the structures a loader reads: further pickles in a row, then possibly an appended zip."""
         rest = pos
-        if buf[pos] in _PICKLE_FIRST and buf[pos:pos + 4] != _ZIP_LOCAL:
-            rest = self.pickles_in_a_row(buf, pos, _join(where, f"data after the last pickle, byte {pos}"),
+        if buf[pos] in PICKLE_FIRST and buf[pos:pos + 4] != ZIP_LOCAL:
+            rest = self.pickles_in_a_row(buf, pos, join_where(where, f"data after the last pickle, byte {pos}"),
                                          first_required=False) or pos
         if not self.appended_zip(buf, rest, where, depth) and rest < len(buf):
-            self.note(f"{len(buf) - rest} bytes at byte {rest}{_in(where)} are not a pickle (no loader reads them)")
+            self.note(f"{len(buf) - rest} bytes at byte {rest}{inside(where)} are not a pickle (no loader reads them)")
 
     def appended_zip(self, buf: PickleBuffer, pos: int, where: str, depth: int) -> bool:
         """Scan the zip whose end record lies after byte ``pos`` of ``buf`` (after a pickle, a safetensors header,
         a legacy stream or a tar), as torch's zip reader (offsets from the file's start) and ``zipfile`` (offsets
         from the zip's start) read it: both views, whichever holds. Returns False when there is no such record."""
-        found = _eocd(buf)
+        found = end_record(buf)
         if found is None or found[0] < pos:
             return False
-        start = _zip_start(buf, pos)
+        start = zip_start(buf, pos)
         if start is not None and start > pos:
-            self.note(f"{start - pos} bytes at byte {pos}{_in(where)} are not a pickle")
+            self.note(f"{start - pos} bytes at byte {pos}{inside(where)} are not a pickle")
         at = start if start is not None else found[0]
         what = "appended at byte" if start is not None else "appended (offsets from the file's start), its end at byte"
-        self.note(f"a zip archive is {what} {at}{_in(where)} (zipfile-based tools and torch's zip reader read it "
+        self.note(f"a zip archive is {what} {at}{inside(where)} (zipfile-based tools and torch's zip reader read it "
                   "instead)")
         window = buf if isinstance(buf, Window) else Window(buf, 0, len(buf))
         try:
-            self.zip(window, _join(where, f"appended zip at byte {at}"), depth + 1)
+            self.zip(window, join_where(where, f"appended zip at byte {at}"), depth + 1)
         except CkptError as err:
-            self.note(f"the zip at byte {at}{_in(where)} could not be read ({err})")
+            self.note(f"the zip at byte {at}{inside(where)} could not be read ({err})")
         return True
 
-    def zip(self, buf: Container, where: str, depth: int, f: BinaryIO | None = None, *, loaded: bool = False) -> str:
+    def zip(self, buf: Container, where: str, depth: int, f: BinaryIO | None = None, *,
+            loaded: bool = False) -> Layout:
         """Every pickle-bearing member of the zip in ``buf`` (``f``: the same bytes as a file), then data after
         its end. The members are those of torch's central directory and of ``zipfile``'s, both
-        (:func:`_directories`). ``loaded``: torch's loader reads this zip (the file itself, a DCP item), so the
-        members it unpickles (``data.pkl`` as torch finds it, ignoring case; ``constants.pkl`` of a TorchScript
-        archive) are not hidden."""
+        (:func:`~ckptool.ops.scan.directories.zip_directories`). ``loaded``: torch's loader reads this zip (the file
+        itself, a DCP item), so the members it unpickles (``data.pkl`` as torch finds it, ignoring case;
+        ``constants.pkl`` of a TorchScript archive) are not hidden. Returns what the zip is.
+
+        Raises:
+            CorruptCheckpointError: neither torch's reader nor ``zipfile`` reads its directory, or it is empty.
+        """
         if depth > MAX_ZIP_DEPTH:
             self.record(PickleFinding(where, 0, [], f"zips nested more than {MAX_ZIP_DEPTH} deep: not scanned"))
-            return "zip"
-        if f is None:
-            f = cast(BinaryIO, buf) if isinstance(buf, Window) else io.BytesIO(
-                buf if isinstance(buf, bytes) else bytes(buf))
+            return layouts.ZIP
+        f = f if f is not None else as_file(buf)
         size = len(buf)
         if self.inflate_left is None:
             self.inflate_left = INFLATE_BUDGET + MAX_RATIO * size
         top_file = depth == 0 and not where and not source.is_url(self.res.path) and \
             size == os.path.getsize(self.res.path)
-        torch_view, entries = self._directories(f, size, where, top_file)
+        torch_view, entries = zip_directories(f, size, where, self.res.path, top_file, self.note)
         if not entries:
-            raise CorruptCheckpointError(f"empty zip archive{_in(where)}")
-        base = torch_view if torch_view else entries
-        recs = TorchRecords(base)
+            raise CorruptCheckpointError(f"empty zip archive{inside(where)}")
+        recs = TorchRecords(torch_view if torch_view else entries)
         top = recs.prefix or ""
         names = [e.name for e in entries]
-        name_set = set(names)
-        data_pkl = recs.find("data.pkl")
-        self.torchscript = self.torchscript or (depth == 0 and top + "constants.pkl" in name_set)
-        kind = "torchscript" if top + "constants.pkl" in name_set else (
-            formats.TORCH_ZIP if data_pkl is not None else "zip")
-        if kind == "zip" and is_pt2_names(names):
-            kind = formats.PT2
-            try:
-                self.pt2_roles[where] = member_roles(f, size, entries, where or self.res.path)
-            except CkptError as err:
-                self.note(f"the torch.export configs{_in(where)} could not be read ({err}); members were scanned by "
-                          "their first bytes")
-        dups = {n for n, c in Counter(names).items() if c > 1} if len(name_set) < len(names) else set()
-        labels = self._labels = {id(e): _join(where, f"{e.name} (local header at byte {e.header_offset})")
-                                 for e in entries if e.name in dups}
+        layout = self._zip_layout(f, size, where, depth, entries, recs)
+        labels = self._labels = self._duplicate_labels(where, entries, names)
         if loaded and torch_view is not None:
-            self._mark_loaded(where, kind, recs, names)
-        self._case_notes(where, recs, ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",))
-        if len(name_set) < len(names):
-            seen: set[str] = set()
-            for e in entries:
-                if e.name in seen:
-                    self.note(f"the zip{_in(where)} holds two members named {e.name!r}: loaders may read either; "
-                              "both were scanned")
-                seen.add(e.name)
-        todo: Iterable[ZipEntry] = entries
-        if kind not in ("zip", formats.PT2):
-            # tensor records (50,000 in a big state_dict) left out here, as zip_member would skip them, without a
-            # call each: the members under the top folder's storage folders whose names do not end as a pickle's
-            # (in any case)
-            in_storage = map(str.startswith, names, repeat(tuple(top + d for d in _STORAGE_DIRS)))
-            pickled = map(str.endswith, map(str.lower, names), repeat(_PICKLE_SUFFIXES))
-            todo = compress(entries, map(or_, map(not_, in_storage), pickled))
+            self._mark_loaded(where, layout, recs, names)
+        self._case_notes(where, recs, layout.loaded_records or ("data.pkl",))
+        if labels:
+            self._duplicate_notes(where, entries)
         shared: dict[tuple[int, int, int, int], list[str]] = {}
-        for e in todo:
+        for e in self._candidates(entries, names, top, layout):
             self._labels = labels  # (a nested zip has its own)
-            self.zip_member(f, e, top, kind, where, depth, shared)
+            self.zip_member(f, e, top, layout, where, depth, shared)
+        self._shared_notes(shared)
+        self._after_zip(buf, size, where, depth)
+        return layout
+
+    def _zip_layout(self, f: BinaryIO, size: int, where: str, depth: int, entries: list[ZipEntry],
+                    recs: TorchRecords) -> Layout:
+        """What the zip is, by its records: TorchScript (``constants.pkl``), a torch zip (``data.pkl``), a
+        torch.export archive (its members' names; the members its loader unpickles then read from its configs into
+        :attr:`pt2_roles`), or a plain zip."""
+        top = recs.prefix or ""
+        names = [e.name for e in entries]
+        script = top + "constants.pkl" in names
+        self.torchscript = self.torchscript or (depth == 0 and script)
+        if script:
+            return layouts.TORCHSCRIPT
+        if recs.find("data.pkl") is not None:
+            return layouts.TORCH_ZIP
+        if not is_pt2_names(names):
+            return layouts.ZIP
+        try:
+            self.pt2_roles[where] = member_roles(f, size, entries, where or self.res.path)
+        except CkptError as err:
+            self.note(f"the torch.export configs{inside(where)} could not be read ({err}); members were scanned by "
+                      "their first bytes")
+        return layouts.EXPORT
+
+    @staticmethod
+    def _duplicate_labels(where: str, entries: list[ZipEntry], names: list[str]) -> dict[int, str]:
+        """The labels of the members whose name another member has too (by ``id`` of the entry: the name and the
+        local header)."""
+        if len(set(names)) == len(names):
+            return {}
+        dups = {n for n, c in Counter(names).items() if c > 1}
+        return {id(e): join_where(where, f"{e.name} (local header at byte {e.header_offset})")
+                for e in entries if e.name in dups}
+
+    def _duplicate_notes(self, where: str, entries: list[ZipEntry]) -> None:
+        """A note for each member whose name an earlier member has."""
+        seen: set[str] = set()
+        for e in entries:
+            if e.name in seen:
+                self.note(f"the zip{inside(where)} holds two members named {e.name!r}: loaders may read either; "
+                          "both were scanned")
+            seen.add(e.name)
+
+    @staticmethod
+    def _candidates(entries: list[ZipEntry], names: list[str], top: str, layout: Layout) -> Iterable[ZipEntry]:
+        """The members worth a :meth:`zip_member` call: in torch's record layout, tensor records (50,000 in a big
+        state_dict) are left out here, as zip_member would skip them, without a call each: the members under the
+        top folder's storage folders whose names do not end as a pickle's (in any case)."""
+        if not layout.torch_records:
+            return entries
+        in_storage = map(str.startswith, names, repeat(tuple(top + d for d in _STORAGE_DIRS)))
+        pickled = map(str.endswith, map(str.lower, names), repeat(_PICKLE_SUFFIXES))
+        return compress(entries, map(or_, map(not_, in_storage), pickled))
+
+    def _shared_notes(self, shared: dict[tuple[int, int, int, int], list[str]]) -> None:
+        """A note for each group of members that share one local header (scanned once)."""
         for group in shared.values():
             if len(group) > 1:
                 more = f" and {len(group) - 4} more" if len(group) > 4 else ""
                 self.note(f"members {', '.join(group[1:4])}{more} have the data of {group[0]} (one local header): "
                           "scanned once")
-        end = _zip_end(buf)
-        if end is not None and end < size:
-            if isinstance(buf, Window):  # the bytes after the zip, by themselves (hostile or odd: rarely big)
-                self.trailing(buf[end:], 0, _join(where, f"data after the zip's end at byte {end}"), depth)
-            else:
-                self.trailing(buf, end, where, depth)
-        return kind
 
-    def _directories(self, f: BinaryIO, size: int, where: str, top_file: bool) -> tuple[list[ZipEntry] | None,
-                                                                                        list[ZipEntry]]:
-        """torch's central directory of the zip in ``f`` (None when torch's reader refuses it) and the union of
-        it with ``zipfile``'s (:func:`ckptool.formats.zipdir.zipfile_directory`), torch's entries first; a note
-        says where the two readers disagree.
+    def _after_zip(self, buf: Container, size: int, where: str, depth: int) -> None:
+        """The data after the zip's end record, if any (:meth:`trailing`)."""
+        end = zip_end(buf)
+        if end is None or end >= size:
+            return
+        if isinstance(buf, Window):  # the bytes after the zip, by themselves (hostile or odd: rarely big)
+            self.trailing(buf[end:], 0, join_where(where, f"data after the zip's end at byte {end}"), depth)
+        else:
+            self.trailing(buf, end, where, depth)
 
-        Raises:
-            CorruptCheckpointError: neither reader can read the directory.
-        """
-        label = where or self.res.path
-        torch_view: Directory | None = None
-        torch_err: CkptError | None = None
-        try:
-            # the file itself: its directory as format detection and the readers parsed it (cached per version)
-            got = formats.zip_entries(self.res.path) if top_file else read_directory(f, size, label)
-            torch_view = got if isinstance(got, Directory) else read_directory(f, size, label)
-        except CkptError as err:
-            torch_err = err
-        try:
-            zf_view: list[ZipEntry] | None = zipfile_directory(f, size, label, torch_view)
-        except CkptError as err:
-            if torch_err is not None:
-                raise torch_err from None
-            assert torch_view is not None
-            self.note(f"Python's zipfile cannot read the zip{_in(where)} ({err}); torch's reader can: its members "
-                      "were scanned")
-            return torch_view, list(torch_view)
-        assert zf_view is not None
-        if torch_view is None:
-            self.note(f"torch's zip reader refuses the zip{_in(where)} ({torch_err}); Python's zipfile reads it: "
-                      "its members were scanned")
-            return None, zf_view
-        have = {(e.name, e.header_offset) for e in torch_view}
-        extra: list[ZipEntry] = []
-        if zf_view is not torch_view:
-            extra = [e for e in zf_view if (e.name, e.header_offset) not in have]
-            if extra or len(zf_view) != len(torch_view):
-                z = cast(Directory, zf_view).end
-                self.note(f"torch's zip reader and Python's zipfile read different central directories{_in(where)} "
-                          f"(torch: {len(torch_view)} entries at byte {torch_view.end.offset}; zipfile: "
-                          f"{len(zf_view)} entries at byte {z.offset}): the members of both were scanned")
-        t = torch_view.end
-        if t.plain is not None and t.plain != (t.entries, t.size, t.offset) and 0xFFFF not in t.plain[:1] and \
-                0xFFFFFFFF not in t.plain[1:]:  # readers that take the ZIP64 record only when the 32-bit one is full
-            try:
-                plain = plain_directory(f, size, label)
-            except CkptError:
-                plain = Directory()
-            more = [e for e in plain if (e.name, e.header_offset) not in have]
-            if more:
-                self.note(f"the zip's 32-bit end record{_in(where)} points to another central directory than its "
-                          f"ZIP64 end record (which torch and zipfile read): its {len(plain)} entries were scanned too")
-                have.update((e.name, e.header_offset) for e in extra)
-                extra += [e for e in more if (e.name, e.header_offset) not in have]
-        return torch_view, list(torch_view) + extra
-
-    def _mark_loaded(self, where: str, kind: str, recs: TorchRecords, names: list[str]) -> None:
+    def _mark_loaded(self, where: str, layout: Layout, recs: TorchRecords, names: list[str]) -> None:
         """Mark the members torch's loader unpickles in a zip it reads (as it finds them: ignoring case)."""
-        if kind == formats.PT2:  # torch.export.load unpickles these members
-            self.loaded.update(_join(where, n) for n in self.pt2_roles.get(where, (set(), set()))[0])
-        elif kind != "zip":
-            for rec in ("data.pkl", "constants.pkl") if kind == "torchscript" else ("data.pkl",):
-                e = recs.find(rec)
-                if e is not None:
-                    self.loaded.add(self._labels.get(id(e)) or _join(where, e.name))
-            if kind == "torchscript":  # torch.jit.load also unpickles the source ranges of code/
-                self.loaded.update(_join(where, n) for n in names if n.endswith(".debug_pkl"))
+        if layout.export:  # torch.export.load unpickles these members
+            self.loaded.update(join_where(where, n) for n in self.pt2_roles.get(where, (set(), set()))[0])
+        for rec in layout.loaded_records:
+            e = recs.find(rec)
+            if e is not None:
+                self.loaded.add(self._labels.get(id(e)) or join_where(where, e.name))
+        if layout.script:  # torch.jit.load also unpickles the source ranges of code/
+            self.loaded.update(join_where(where, n) for n in names if n.endswith(".debug_pkl"))
 
     def _case_notes(self, where: str, recs: TorchRecords, records: Iterable[str]) -> None:
         """A note for each pickle record whose name several members match but for case, or only in another case:
@@ -409,58 +400,38 @@ class _Scanner:
             exact = (recs.prefix or "") + rec
             if len(found) > 1 or (found and found[0].name != exact):
                 chosen = recs.find(rec)
-                self.note(f"the zip{_in(where)} holds {', '.join(repr(e.name) for e in found)} for {rec}: torch's "
-                          f"reader ignores case and reads {chosen.name if chosen else None!r}, zipfile-based tools "
-                          f"read {exact!r}{'' if exact in {e.name for e in found} else ' (absent)'}; all were scanned")
+                self.note(f"the zip{inside(where)} holds {', '.join(repr(e.name) for e in found)} for {rec}: "
+                          f"torch's reader ignores case and reads {chosen.name if chosen else None!r}, zipfile-based "
+                          f"tools read {exact!r}{'' if exact in {e.name for e in found} else ' (absent)'}; all were "
+                          "scanned")
 
-    def zip_member(self, f: BinaryIO, e: ZipEntry, top: str, kind: str, where: str, depth: int,
+    def zip_member(self, f: BinaryIO, e: ZipEntry, top: str, layout: Layout, where: str, depth: int,
                    shared: dict[tuple[int, int, int, int], list[str]] | None = None) -> None:
         """One member: read if its name or first bytes say pickle or zip; a member whose data another member
         already had (the same local header, sizes and method) is not inflated again; the bytes inflated for the
         whole file are capped (:data:`INFLATE_BUDGET`)."""
         name = e.name
-        rel = name[len(top):] if name.startswith(top) else name
-        label = self._labels.get(id(e)) or _join(where, name)
+        label = self._labels.get(id(e)) or join_where(where, name)
         if name.endswith("/"):
             return
-        pickled, raw = self.pt2_roles.get(where, (set(), set()))
-        storage = kind not in ("zip", formats.PT2) and rel.startswith(_STORAGE_DIRS)
-        storage = storage or name in raw
-        is_pickle = name.lower().endswith(_PICKLE_SUFFIXES) or name in pickled
-        if storage and not is_pickle:
-            return  # tensor bytes and TorchScript source: no loader unpickles them
-        key = (e.header_offset, e.compress_size, e.method, e.file_size)
-        if shared is not None:
-            group = shared.setdefault(key, [])
-            group.append(label)
-            if len(group) > 1:
-                return
+        is_pickle = self._member_role(e, top, layout, where)
+        if is_pickle is None or not _first_of_group(shared, e, label):
+            return
         try:
             head = read_member_head(f, e, label)
         except CkptError as err:
             self._unreadable_member(label, is_pickle, err)
             return
-        nested = head.startswith(_ZIP_LOCAL)
+        nested = head.startswith(ZIP_LOCAL)
         looks_pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
-        if not (is_pickle or nested or looks_pickled):
+        if not (is_pickle or nested or looks_pickled) or not self._within_budget(e, label):
             return
-        cost = e.file_size if e.method != 0 else e.compress_size
-        if self.inflate_left is not None:
-            if cost > self.inflate_left:
-                self.record(PickleFinding(label, 0, [], (
-                    f"not read: the file's members come to more than {INFLATE_BUDGET >> 20} MiB + {MAX_RATIO} times "
-                    "the file's size once inflated (members sharing or overlapping their data: a zip bomb?)")))
-                return
-            self.inflate_left -= cost
         try:
             data = read_member(f, e, label, check_crc=False)
         except CkptError as err:
             self._unreadable_member(label, is_pickle, err)
             return
-        crc_ok = (e.crc & 0xFFFFFFFF) == zlib.crc32(data)
-        if not crc_ok:
-            self.note(f"member {label} fails its CRC-32 check (torch does not check it); scanned anyway")
-        self._crc_checked = label if crc_ok else None
+        self._check_crc(e, data, label)
         if nested:
             self.note(f"member {label} is a zip archive; scanned it too")
             try:
@@ -472,6 +443,36 @@ class _Scanner:
         if rest is not None and rest < len(data):
             self.trailing(data, rest, label, depth)
 
+    def _member_role(self, e: ZipEntry, top: str, layout: Layout, where: str) -> bool | None:
+        """Whether the member is a pickle by its name (or a torch.export config's word); None for tensor bytes and
+        TorchScript source, which no loader unpickles (not read)."""
+        name = e.name
+        rel = name[len(top):] if name.startswith(top) else name
+        pickled, raw = self.pt2_roles.get(where, (set(), set()))
+        storage = (layout.torch_records and rel.startswith(_STORAGE_DIRS)) or name in raw
+        is_pickle = name.lower().endswith(_PICKLE_SUFFIXES) or name in pickled
+        return None if storage and not is_pickle else is_pickle
+
+    def _within_budget(self, e: ZipEntry, label: str) -> bool:
+        """Take the member's inflated size from :attr:`inflate_left`; False (an unreadable finding) past it."""
+        cost = e.file_size if e.method != 0 else e.compress_size
+        if self.inflate_left is None:
+            return True
+        if cost > self.inflate_left:
+            self.record(PickleFinding(label, 0, [], (
+                f"not read: the file's members come to more than {INFLATE_BUDGET >> 20} MiB + {MAX_RATIO} times "
+                "the file's size once inflated (members sharing or overlapping their data: a zip bomb?)")))
+            return False
+        self.inflate_left -= cost
+        return True
+
+    def _check_crc(self, e: ZipEntry, data: bytes, label: str) -> None:
+        """Note a member whose bytes fail its CRC-32; remember it (:meth:`take_preparsed`) when they match."""
+        crc_ok = (e.crc & 0xFFFFFFFF) == zlib.crc32(data)
+        if not crc_ok:
+            self.note(f"member {label} fails its CRC-32 check (torch does not check it); scanned anyway")
+        self._crc_checked = label if crc_ok else None
+
     def legacy(self, buf: PickleBuffer, where: str, depth: int) -> None:
         """The five pickles of a torch legacy stream (torch/serialization.py ``_legacy_load``), then its storage
         blocks, to find data after them."""
@@ -479,7 +480,7 @@ class _Scanner:
         main_storages: dict[str, StorageRef] = {}
         keys: object = None
         for i, part in enumerate(("magic number", "protocol version", "sys_info", "main pickle", "storage keys")):
-            label = _join(where, f"legacy {part}")
+            label = join_where(where, f"legacy {part}")
             if not where:
                 self.loaded.add(label)
             try:
@@ -511,8 +512,25 @@ class _Scanner:
         if pos < len(buf):
             self.trailing(buf, pos, where, depth)
 
-class _NotAPickle(Exception):
-    pass
+def as_file(buf: Container) -> BinaryIO:
+    """``buf`` as a file: a :class:`Window` is one already; bytes and mapped files get a ``BytesIO``."""
+    if isinstance(buf, Window):
+        return cast(BinaryIO, buf)
+    return io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf))
+
+
+def _first_of_group(shared: dict[tuple[int, int, int, int], list[str]] | None, e: ZipEntry, label: str) -> bool:
+    """Add ``label`` to the members sharing ``e``'s local header, sizes and method; True for the first of them
+    (the one read)."""
+    if shared is None:
+        return True
+    group = shared.setdefault((e.header_offset, e.compress_size, e.method, e.file_size), [])
+    group.append(label)
+    return len(group) == 1
+
+
+class NotAPickle(Exception):
+    """:meth:`Scanner.any`: the bytes are no container the scan knows and do not start as a pickle."""
 
 
 #: the most key paths reported per global and pickle

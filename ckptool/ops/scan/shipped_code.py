@@ -42,7 +42,7 @@ import tokenize
 from collections.abc import Iterable, Iterator
 from itertools import compress, repeat
 from operator import attrgetter, not_, or_
-from typing import BinaryIO, cast
+from typing import BinaryIO
 
 from ckptool import _source as source
 from ckptool.errors import CkptError
@@ -51,7 +51,8 @@ from ckptool.formats.native import HEAD_BYTES, describe_native, may_be_native
 from ckptool.formats.torch_package import module_name
 from ckptool.formats.zipdir import ZipEntry, read_directory, read_member, read_member_head
 from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST
-from ckptool.ops.scan.pickles import Container, Window, _Scanner
+from ckptool.ops.scan.layouts import Layout
+from ckptool.ops.scan.pickles import Container, Scanner, as_file
 from ckptool.ops.scan.results import CodeFinding, ScanResult
 
 __all__ = ["BUILTIN_CLASS_NAMESPACES", "BUILTIN_NAMESPACES", "FILE_OPS", "NATIVE", "NATIVE_SOURCE", "PYTHON",
@@ -88,27 +89,25 @@ _MANGLE = re.compile(r"^<torch_package_\d+>\.?")
 _OPS_REGEX = re.compile(r"\bops\s*\.\s*([A-Za-z_]\w*)\s*\.\s*([A-Za-z_]\w*)")
 
 
-class CodeScanner(_Scanner):
-    """The scan's container walk (:class:`~ckptool.ops.scan.pickles._Scanner`), which also records the code found
+class CodeScanner(Scanner):
+    """The scan's container walk (:class:`~ckptool.ops.scan.pickles.Scanner`), which also records the code found
     in every zip it walks into :attr:`ScanResult.code` (see the module docstring)."""
 
-    def zip(self, buf: Container, where: str, depth: int, f: BinaryIO | None = None, *, loaded: bool = False) -> str:
-        kind = super().zip(buf, where, depth, f, loaded=loaded)
-        if f is None:
-            f = cast(BinaryIO, buf) if isinstance(buf, Window) else io.BytesIO(
-                buf if isinstance(buf, bytes) else bytes(buf))
+    def zip(self, buf: Container, where: str, depth: int, f: BinaryIO | None = None, *,
+            loaded: bool = False) -> Layout:
+        layout = super().zip(buf, where, depth, f, loaded=loaded)
         try:
-            self.res.code += zip_code(self.res, f, len(buf), where, depth, kind,
+            self.res.code += zip_code(self.res, f if f is not None else as_file(buf), len(buf), where, depth, layout,
                                       self.pt2_roles.get(where, (set(), set()))[1])
         except CkptError as err:
             self.note(f"the code in the zip{' in ' + where if where else ''} could not be checked ({err})")
-        return kind
+        return layout
 
 
-def zip_code(res: ScanResult, f: BinaryIO, size: int, where: str, depth: int, kind: str,
+def zip_code(res: ScanResult, f: BinaryIO, size: int, where: str, depth: int, layout: Layout,
              raw: set[str]) -> list[CodeFinding]:
-    """The code findings of one zip (``f``, ``size`` bytes, its ``where`` in the file; ``kind`` as the scan
-    recognised it; ``raw``: the raw tensor members of a ``.pt2``), given the pickles ``res`` holds already.
+    """The code findings of one zip (``f``, ``size`` bytes, its ``where`` in the file; ``layout``: what the scan
+    recognised it as; ``raw``: the raw tensor members of a ``.pt2``), given the pickles ``res`` holds already.
 
     Raises:
         CkptError: the zip's directory cannot be read.
@@ -122,41 +121,57 @@ def zip_code(res: ScanResult, f: BinaryIO, size: int, where: str, depth: int, ki
     listed = list(map(attrgetter("name"), entries))
     package = top + ".data/extern_modules" in listed
     storage: tuple[str, ...] = ()
-    if kind in (formats.TORCH_ZIP, formats.TORCHSCRIPT):
+    if layout.torch_records:
         storage = (top + "data/", top + "constants/", top + ".data/")
     elif package:
         storage = (top + ".data/",)
-    out: list[CodeFinding] = []
-    script: list[tuple[str, str]] = []  # (label, source) of TorchScript members
-    modules: dict[str, str] = {}  # module name -> label
+    members = _MemberCode(f, where, top, layout.script, package)
     for e in _outside_storage(entries, listed, storage):
-        name = e.name
-        if name.endswith("/"):
-            continue
-        label = f"{where}!{name}" if where else name
-        rel = name[len(top):] if name.startswith(top) else name
-        if name.endswith(".py") and ((kind == formats.TORCHSCRIPT and rel.startswith("code/"))
-                                     or (package and rel.startswith(".data/ts_code/"))):
-            script.append((label, _text(f, e, label)))
-            continue
-        if "/aotinductor/" in name and name.endswith(".cpp"):
-            out.append(CodeFinding(label, NATIVE_SOURCE, DANGEROUS, _AOTI_SOURCE, "C++ source"))
-        if package and name.endswith(".py") and not rel.startswith(".data/"):
-            modules[module_name(rel)] = label
-        skip = (name.startswith(storage) or name in raw) and not (
-            "/aotinductor/" in name or name.lower().endswith(_LIBRARY_SUFFIXES))
-        if not skip:
-            found = _native(f, e, label)
-            if found is not None:
-                out.append(found)
-    names = set(listed) if modules or script or kind == formats.TORCHSCRIPT else set()
+        members.add(e, skip_native=e.name.startswith(storage) or e.name in raw)
+    out, script, modules = members.out, members.script, members.modules
+    names = set(listed) if modules or script or layout.script else set()
     if modules:
         out += _package_findings(res, where, names, modules)
     if script:
         out += _torchscript_findings(script, f"{where}!{top}code/" if where else f"{top}code/")
-    if kind == formats.TORCHSCRIPT or script:
+    if layout.script or script:
         out += _torchbind_in_pickles(res, where, names)
     return out
+
+
+class _MemberCode:
+    """The code of one zip's members, member by member: native libraries and AOTInductor sources (findings), the
+    TorchScript sources to read (:attr:`script`: ``(label, source)``), a torch.package's modules (:attr:`modules`:
+    module name -> label)."""
+
+    def __init__(self, f: BinaryIO, where: str, top: str, is_script: bool, package: bool) -> None:
+        self.f, self.where, self.top, self.is_script, self.package = f, where, top, is_script, package
+        self.out: list[CodeFinding] = []
+        self.script: list[tuple[str, str]] = []
+        self.modules: dict[str, str] = {}
+
+    def add(self, e: ZipEntry, *, skip_native: bool) -> None:
+        """One member; ``skip_native``: a tensor record, whose bytes are not looked at unless it lies under
+        ``aotinductor/`` or is named like a library."""
+        name = e.name
+        if name.endswith("/"):
+            return
+        label = f"{self.where}!{name}" if self.where else name
+        rel = name[len(self.top):] if name.startswith(self.top) else name
+        if name.endswith(".py") and ((self.is_script and rel.startswith("code/"))
+                                     or (self.package and rel.startswith(".data/ts_code/"))):
+            self.script.append((label, _text(self.f, e, label)))
+            return
+        aoti = "/aotinductor/" in name
+        if aoti and name.endswith(".cpp"):
+            self.out.append(CodeFinding(label, NATIVE_SOURCE, DANGEROUS, _AOTI_SOURCE, "C++ source"))
+        if self.package and name.endswith(".py") and not rel.startswith(".data/"):
+            self.modules[module_name(rel)] = label
+        if skip_native and not (aoti or name.lower().endswith(_LIBRARY_SUFFIXES)):
+            return
+        found = _native(self.f, e, label)
+        if found is not None:
+            self.out.append(found)
 
 
 def _outside_storage(entries: list[ZipEntry], names: list[str], storage: tuple[str, ...]) -> Iterable[ZipEntry]:

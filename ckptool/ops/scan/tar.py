@@ -1,7 +1,7 @@
 """The legacy tar archives of ``ckptool scan`` (torch < 0.4, read by torch's ``_legacy_load``): every member is
 read as pickles in a row; ``storages`` and ``tensors`` as torch reads them, pickles between raw blocks.
 
-The container walk (:class:`ckptool.ops.scan.pickles._Scanner`) calls :func:`scan_tar` with itself as the
+The container walk (:class:`ckptool.ops.scan.pickles.Scanner`) calls :func:`scan_tar` with itself as the
 :class:`PickleWalker` that reads and records each pickle. The pieces both use live here, below the walk: the
 opcodes a pickle can begin with, the most pickles read in a row, and the labels of nested places (``a!b``).
 Nothing is imported or called from the file.
@@ -19,12 +19,24 @@ from ckptool.formats.nodes import GlobalMeta
 from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.ops.scan.results import PickleFinding
 
-__all__ = ["MAX_PICKLES_IN_A_ROW", "MAX_TAR_MEMBERS", "PickleWalker", "scan_tar", "tar_records"]
+__all__ = [
+    "LOADED_TAR_MEMBERS",
+    "MAX_PICKLES_IN_A_ROW",
+    "MAX_TAR_MEMBERS",
+    "PICKLE_FIRST",
+    "PickleWalker",
+    "inside",
+    "join_where",
+    "scan_tar",
+    "tar_records",
+]
 
 MAX_TAR_MEMBERS = 10_000
 MAX_PICKLES_IN_A_ROW = 10_000
+#: the members of a legacy tar that torch's ``_legacy_load`` unpickles (member names, not formats)
+LOADED_TAR_MEMBERS = frozenset({"sys_info", "pickle", "storages", "tensors"})
 #: a file's first byte starts a pickle only if it is an opcode a pickle can begin with
-_PICKLE_FIRST = frozenset(b"\x80(.012NQR}abdel]ostu)\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94"
+PICKLE_FIRST = frozenset(b"\x80(.012NQR}abdel]ostu)\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94"
                           b"KhqJjMGUCXBT\x8a\x8b\x8c\x8d\x8e\x96ILFSVPgpci")
 
 
@@ -58,14 +70,14 @@ def scan_tar(w: PickleWalker, buf: PickleBuffer, where: str, depth: int) -> None
         with tarfile.open(fileobj=io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf)), mode="r:") as tf:
             _tar_members(w, tf, where, depth)
     except tarfile.TarError as e:
-        raise CorruptCheckpointError(f"damaged tar archive{_in(where)} ({e})") from e
+        raise CorruptCheckpointError(f"damaged tar archive{inside(where)} ({e})") from e
 
 
 def _tar_members(w: PickleWalker, tf: tarfile.TarFile, where: str, depth: int) -> None:
     try:
         _read_tar_members(w, tf, where, depth)
     except tarfile.TarError as e:
-        w.note(f"the tar archive{_in(where)} is damaged after its readable members ({e})")
+        w.note(f"the tar archive{inside(where)} is damaged after its readable members ({e})")
 
 
 def _read_tar_members(w: PickleWalker, tf: tarfile.TarFile, where: str, depth: int) -> None:
@@ -77,11 +89,11 @@ def _read_tar_members(w: PickleWalker, tf: tarfile.TarFile, where: str, depth: i
             continue
         fobj = tf.extractfile(member)
         data = fobj.read() if fobj is not None else b""
-        label = _join(where, f"tar member {member.name}")
-        known = member.name in ("sys_info", "pickle", "storages", "tensors")
+        label = join_where(where, f"tar member {member.name}")
+        known = member.name in LOADED_TAR_MEMBERS
         if known and not where:
             w.loaded.add(label)
-        if data[:1] and data[0] in _PICKLE_FIRST:
+        if data[:1] and data[0] in PICKLE_FIRST:
             if member.name in ("storages", "tensors"):  # pickles between raw blocks (torch's legacy_load)
                 rest = tar_records(w, data, label, member.name)
                 if rest is not None and rest < len(data):
@@ -134,9 +146,11 @@ def tar_records(w: PickleWalker, data: bytes, label: str, member: str) -> int | 
     return pos
 
 
-def _in(where: str) -> str:
+def inside(where: str) -> str:
+    """`` in <where>`` for a message about a place (a member, an appended zip), or "" for the file itself."""
     return f" in {where}" if where else ""
 
 
-def _join(where: str, name: str) -> str:
+def join_where(where: str, name: str) -> str:
+    """The label of ``name`` inside the place ``where`` (``a!b``), or ``name`` itself at the top."""
     return f"{where}!{name}" if where else name

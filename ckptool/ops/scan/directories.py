@@ -1,0 +1,88 @@
+"""The central directories of a zip that ``ckptool scan`` walks: torch's reader's, Python's ``zipfile``'s, and the
+one a 32-bit end record points to where it differs from the ZIP64 record's. Loaders disagree about hostile zips;
+the scan reads the members of every directory any of them would read, and notes where they differ."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import BinaryIO, cast
+
+from ckptool.errors import CkptError
+from ckptool.formats import detect as formats
+from ckptool.formats.zipdir import Directory, ZipEntry, plain_directory, read_directory, zipfile_directory
+from ckptool.ops.scan.tar import inside
+
+__all__ = ["zip_directories"]
+
+
+def zip_directories(f: BinaryIO, size: int, where: str, path: str, top_file: bool, note: Callable[[str], None]
+                    ) -> tuple[list[ZipEntry] | None, list[ZipEntry]]:
+    """torch's central directory of the zip in ``f`` (``size`` bytes at ``where`` in the file ``path``; None when
+    torch's reader refuses it) and the union of it with ``zipfile``'s
+    (:func:`ckptool.formats.zipdir.zipfile_directory`) and the 32-bit end record's, torch's entries first;
+    ``note`` is told where the readers disagree. ``top_file``: the zip is the file itself, whose directory format
+    detection and the readers parsed already (cached per version).
+
+    Raises:
+        CorruptCheckpointError: neither reader can read the directory.
+    """
+    label = where or path
+    torch_view, torch_err = _torch_directory(f, size, label, path if top_file else None)
+    try:
+        zf_view: list[ZipEntry] | None = zipfile_directory(f, size, label, torch_view)
+    except CkptError as err:
+        if torch_err is not None:
+            raise torch_err from None
+        assert torch_view is not None
+        note(f"Python's zipfile cannot read the zip{inside(where)} ({err}); torch's reader can: its members "
+             "were scanned")
+        return torch_view, list(torch_view)
+    assert zf_view is not None
+    if torch_view is None:
+        note(f"torch's zip reader refuses the zip{inside(where)} ({torch_err}); Python's zipfile reads it: "
+             "its members were scanned")
+        return None, zf_view
+    have = {(e.name, e.header_offset) for e in torch_view}
+    extra: list[ZipEntry] = []
+    if zf_view is not torch_view:
+        extra = [e for e in zf_view if (e.name, e.header_offset) not in have]
+        if extra or len(zf_view) != len(torch_view):
+            z = cast(Directory, zf_view).end
+            note(f"torch's zip reader and Python's zipfile read different central directories{inside(where)} "
+                 f"(torch: {len(torch_view)} entries at byte {torch_view.end.offset}; zipfile: "
+                 f"{len(zf_view)} entries at byte {z.offset}): the members of both were scanned")
+    seen = have | {(e.name, e.header_offset) for e in extra}
+    return torch_view, list(torch_view) + extra + _plain_extra(f, size, where, label, torch_view, seen, note)
+
+
+def _torch_directory(f: BinaryIO, size: int, label: str, top_file: str | None
+                     ) -> tuple[Directory | None, CkptError | None]:
+    """torch's central directory of the zip (``top_file``: the file itself, read through the per-version cache), or
+    the error for which torch's reader refuses it."""
+    try:
+        got = formats.zip_entries(top_file) if top_file is not None else read_directory(f, size, label)
+        return (got if isinstance(got, Directory) else read_directory(f, size, label)), None
+    except CkptError as err:
+        return None, err
+
+
+def _plain_extra(f: BinaryIO, size: int, where: str, label: str, torch_view: Directory, seen: set[tuple[str, int]],
+                 note: Callable[[str], None]) -> list[ZipEntry]:
+    """The entries (not ``seen``) of the central directory the 32-bit end record points to, where it is another
+    than the ZIP64 record's (which torch and zipfile read) and readers that take the ZIP64 record only when the
+    32-bit one is full would read it; a note when it has entries torch's lacks."""
+    t = torch_view.end
+    if t.plain is None or t.plain == (t.entries, t.size, t.offset) or 0xFFFF in t.plain[:1] or \
+            0xFFFFFFFF in t.plain[1:]:
+        return []
+    try:
+        plain = plain_directory(f, size, label)
+    except CkptError:
+        plain = Directory()
+    have = {(e.name, e.header_offset) for e in torch_view}
+    more = [e for e in plain if (e.name, e.header_offset) not in have]
+    if not more:
+        return []
+    note(f"the zip's 32-bit end record{inside(where)} points to another central directory than its "
+         f"ZIP64 end record (which torch and zipfile read): its {len(plain)} entries were scanned too")
+    return [e for e in more if (e.name, e.header_offset) not in seen]

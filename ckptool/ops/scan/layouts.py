@@ -1,0 +1,46 @@
+"""What ``ckptool scan`` found a container to be (:class:`Layout`): the format name it reports, and the facts its
+walk follows from that (which records torch's loader unpickles, which folders hold tensor bytes, whether the
+safetensors header is read). The walk asks these facts; it never compares the names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptool.formats import detect
+
+__all__ = ["EXPORT", "LEGACY", "LEGACY_TAR", "PICKLE", "SAFETENSORS", "TORCHSCRIPT", "TORCH_ZIP", "ZIP", "Layout"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One kind of container the scan walks."""
+
+    #: the name the scan reports (:attr:`ckptool.ops.scan.results.ScanResult.format`)
+    format: str
+    #: the records torch's loader unpickles from a zip it reads (found as torch finds them, ignoring case)
+    loaded_records: tuple[str, ...] = ()
+    #: torch's record layout: members under ``data/``, ``constants/``, ``.data/`` and ``code/`` are tensor bytes
+    #: and TorchScript source, which no loader unpickles
+    torch_records: bool = False
+    #: a TorchScript archive: ``code/`` sources; ``torch.jit.load`` also unpickles code/'s ``.debug_pkl`` members
+    script: bool = False
+    #: a torch.export archive: the members its loader unpickles are named by its configs
+    export: bool = False
+    #: a zip no torch loader recognises (no ``data.pkl``, not torch.export): a DCP item so is no torch.save record
+    bare_zip: bool = False
+    #: "the zip holds no pickle" is worth a note when the walk found none
+    expects_pickles: bool = False
+    #: the safetensors header is read as the readers read it (its errors are the scan's error)
+    header: bool = False
+    #: a plain pickle file (bytes that merely begin like one, a PNG, are "not a pickle")
+    plain_pickle: bool = False
+
+
+ZIP = Layout("zip", bare_zip=True, expects_pickles=True)
+TORCH_ZIP = Layout(detect.TORCH_ZIP, ("data.pkl",), torch_records=True, expects_pickles=True)
+TORCHSCRIPT = Layout(detect.TORCHSCRIPT, ("data.pkl", "constants.pkl"), torch_records=True, script=True)
+EXPORT = Layout(detect.PT2, export=True)
+LEGACY_TAR = Layout("legacy-tar")
+LEGACY = Layout(detect.TORCH_LEGACY)
+SAFETENSORS = Layout(detect.SAFETENSORS, header=True)
+PICKLE = Layout(detect.PICKLE, plain_pickle=True)
