@@ -87,7 +87,9 @@ class Format:
     ``tensors``: whether ckptool reads its tensors without running code (:meth:`Opened.state_dict`), else
     ``refusal``, the sentence that says why not and what to do instead (a torch.package archive, whose tensors
     are read, keeps one for the commands that do not take it yet: ``ckptool.ops.matrix``); ``keyed``: it holds
-    several mappings, of which a dotted ``key`` selects one (the others hold one flat mapping of tensors)."""
+    several mappings, of which a dotted ``key`` selects one (the others hold one flat mapping of tensors);
+    ``loaded_by``: the call its users load it with (``torch.load`` for torch's own files, whose pickles
+    ``torch.load(weights_only=True)``'s allowlist decides), what ``inspect``'s advice names."""
 
     name: str
     label: str
@@ -96,6 +98,7 @@ class Format:
     tensors: bool = True
     refusal: str = ""
     keyed: bool = False
+    loaded_by: str = "torch.load"
 
 
 #: every format ckptool reads, in the order of ``docs/formats.md``
@@ -105,20 +108,26 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(detect.TORCH_LEGACY, "`torch.save(..., _use_new_zipfile_serialization=False)`", "file", pickled=True,
            keyed=True),
     Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False,
+           loaded_by="torch.jit.load",
            refusal="is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
                    "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file"),
     Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", keyed=True,
+           loaded_by="torch.package.PackageImporter",
            refusal="is a torch.package archive: its objects are rebuilt by the package's own code, which this "
                    "command would run; `ckptool convert PATH -o model.safetensors` writes its tensors without "
                    "running it (then run the command on that file), torch.package.PackageImporter(path)."
                    "load_pickle(...) loads them (runs the package's code: trusted files only)"),
-    Format(detect.SAFETENSORS, "safetensors file", "file"),
-    Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set"),
+    Format(detect.SAFETENSORS, "safetensors file", "file", loaded_by="safetensors.torch.load_file"),
+    Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set",
+           loaded_by="safetensors.torch.load_file"),
     Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set"),
-    Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True),
-    Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True),
-    Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder"),
+    Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True,
+           loaded_by="torch.distributed.checkpoint.load"),
+    Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True, loaded_by="torch.export.load"),
+    Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder",
+           loaded_by="DeepSpeedEngine.load_checkpoint"),
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
+           loaded_by="pickle.load",
            refusal="is a plain pickle without torch storages, not a torch.save checkpoint"),
 )}
 

@@ -162,9 +162,10 @@ def inspect_set(path: str | os.PathLike[str], limits: PreviewLimits | None = Non
     ``metadata`` holds the index's ``metadata`` (values that are not strings as JSON) and the shard count. For DCP
     the tensors come from ``.metadata`` (names, dtypes, shapes; sizes = elements * element size; DCP records no
     device, so ``cpu`` is shown, where ``dcp_to_torch_save`` puts them); non-tensor entries are listed under
-    ``metadata["non_tensor_entries"]``, and ``globals`` says which globals of ``.metadata`` ckptool accepts without
-    ``--trust`` (:func:`ckptool.ops.scan.dcp_safety.is_dcp_allowed`) and ``values`` names them (their bytes are not
-    read). ``limits``: as :func:`inspect`.
+    ``metadata["non_tensor_entries"]``, ``globals`` lists the globals of ``.metadata``, each rated as ``ckptool
+    scan`` rates it there (DCP's own record classes and paths are safe in ``.metadata``; ``allowed`` is still
+    ``torch.load(weights_only=True)``'s verdict, which refuses them), and ``values`` names the non-tensor entries
+    (their bytes are not read). ``limits``: as :func:`inspect`.
 
     Raises:
         UsageError: a folder that is none of these; a missing shard.

@@ -17,11 +17,10 @@ from ckptool.formats.dtypes import DTYPE_SIZES, contiguous_stride, numel, safete
 from ckptool.formats.safetensors import read_header
 from ckptool.model.allowlist import is_allowed
 from ckptool.ops.inspect.deepspeed import describe_deepspeed
-from ckptool.ops.inspect.info import CheckpointInfo, GlobalInfo, TensorInfo, state_dict_info
+from ckptool.ops.inspect.info import CheckpointInfo, GlobalInfo, TensorInfo, rate_globals, state_dict_info
 from ckptool.ops.inspect.pt2 import describe_pt2
 from ckptool.ops.inspect.totals import byte_totals, device_bytes, one_storage_each
 from ckptool.ops.inspect.values import ValueInfo
-from ckptool.ops.scan.dcp_safety import is_dcp_allowed
 from ckptool.ops.scan.entry import ScanResult
 
 __all__ = ["dcp_info", "deepspeed_info", "pt2_info", "safetensors_info"]
@@ -39,7 +38,7 @@ def deepspeed_info(path: str) -> CheckpointInfo:
         row.tensors = sum(1 for t in tensors if (t.device, t.dtype) == (row.device, row.dtype))
     return CheckpointInfo(path, "deepspeed", "training_checkpoint", d.size, tensors, {"cpu": len(tensors)},
                           device_bytes(totals), [state_dict_info("", [t.key for t in tensors])],
-                          [GlobalInfo(n, is_allowed(n)) for n in d.globals], storages=sum(r.storages for r in totals),
+                          rate_globals(d.globals), storages=sum(r.storages for r in totals),
                           metadata=d.metadata, totals=totals)
 
 
@@ -116,6 +115,6 @@ def dcp_info(folder: str, meta: DcpMetadata | None = None) -> CheckpointInfo:
     values = [ValueInfo(fqn, "object", "pickled in a .distcp file (not read)") for fqn in non_tensor]
     return CheckpointInfo(folder, "dcp", kind, size, tensors, {"cpu": len(tensors)} if tensors else {},
                           {"cpu": nbytes} if tensors else {}, [state_dict_info(g, keys) for g, keys in groups.items()],
-                          [GlobalInfo(n, is_dcp_allowed(n)) for n in dict.fromkeys(meta.globals)],
+                          rate_globals(meta.globals, dcp_metadata=True),
                           storages=len(tensors), metadata=extra or None, totals=one_storage_each(tensors),
                           values=values)

@@ -19,7 +19,6 @@ from ckptool.formats.dtypes import DTYPE_SIZES, numel, tensor_dtype
 from ckptool.formats.nodes import ParameterNode, StorageRef, TensorNode, qualified_name
 from ckptool.formats.torch_package import Package, read_package
 from ckptool.formats.torchfile import Checkpoint
-from ckptool.model.allowlist import classify_global, is_allowed
 from ckptool.model.graph import (
     StateDictRef,
     depth_first,
@@ -35,9 +34,9 @@ from ckptool.model.graph import (
 from ckptool.ops.inspect.info import (
     ByteTotal,
     CheckpointInfo,
-    GlobalInfo,
     StateDictInfo,
     TensorInfo,
+    rate_globals,
     state_dict_info,
 )
 from ckptool.ops.inspect.totals import byte_totals, device_bytes, storage_rows, storage_totals
@@ -159,8 +158,8 @@ def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointI
         devices = dict(Counter([t.device for t in tensors]))
     kind = "torchscript" if ck.format == detect.TORCHSCRIPT else kind_of(ck.root, sds)
     names = [qualified_name(m, n) for m, n in ck.globals]
-    torchscript = ck.format == detect.TORCHSCRIPT and ck.record("constants.pkl") is not None
-    globs = [GlobalInfo(n, is_allowed(n), *classify_global(n, torchscript=torchscript)) for n in dict.fromkeys(names)]
+    # TorchScript's own unpickler resolves its names where the archive holds constants.pkl (as scan rates them)
+    globs = rate_globals(names, torchscript=ck.record("constants.pkl") is not None)
     values, complete = ([], True) if kind == "torchscript" else value_infos(
         ck.root, [sd.obj for sd in sds], limits or PreviewLimits())
     return CheckpointInfo(ck.path, ck.format, kind, ck.size, tensors, devices, device_bytes(totals), sd_infos, globs,
@@ -203,7 +202,7 @@ def package_info(path: str, limits: PreviewLimits | None, pkg: Package | None = 
     totals = storage_totals(tensors, pkg.storages)
     devices = dict(Counter(t.device for t in tensors))
     return CheckpointInfo(path, detect.TORCH_PACKAGE, "package", pkg.size, tensors, devices,
-                          device_bytes(totals), sd_infos, [GlobalInfo(n, is_allowed(n)) for n in names],
+                          device_bytes(totals), sd_infos, rate_globals(names),
                           storages=len(pkg.storages), totals=totals, values=values, values_complete=complete,
                           metadata={"python_version": pkg.python_version, "version": pkg.version},
                           package={"resources": resources, "modules": pkg.modules,
