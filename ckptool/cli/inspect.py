@@ -10,9 +10,10 @@ import click
 
 from ckptool._gc import gc_paused
 from ckptool.cli._common import human_bytes
+from ckptool.model.allowlist import level_word
 from ckptool.model.tree import tree_lines
 from ckptool.model.units import human_count
-from ckptool.ops.inspect.advice import advice_lines, hidden_level, level_word, metadata_lines, security_lines
+from ckptool.ops.inspect.advice import advice_lines, hidden_level, metadata_lines, security_lines
 from ckptool.ops.inspect.entry import SCHEMA, CheckpointInfo, inspect
 from ckptool.ops.inspect.values import ALL_VALUES, ValueInfo
 

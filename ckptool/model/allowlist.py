@@ -95,6 +95,14 @@ def level_of(status: str) -> str:
     return _LEVEL_OF_STATUS[status]
 
 
+def level_word(level: str, reason: str = "") -> str:
+    """A level as ``ckptool scan`` prints it (``inspect``, ``sanitize`` and the hints print the same words): ``safe``,
+    ``needs-trust``, ``DANGEROUS``; a dangerous level with ``: reason`` when ``reason`` is given."""
+    if level != DANGEROUS:
+        return level
+    return f"DANGEROUS: {reason}" if reason else "DANGEROUS"
+
+
 def worst_level(statuses: Iterable[str]) -> str:
     """The worst level among ``statuses`` (:func:`classify_global` statuses); :data:`SAFE` when there are none."""
     return max((level_of(s) for s in statuses), key=LEVELS.index, default=SAFE)

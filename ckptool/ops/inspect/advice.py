@@ -4,7 +4,7 @@ the knowledge of each format comes from its registry entry (:attr:`ckptool.reade
 its name.
 
 The levels are scan's three (:data:`ckptool.model.allowlist.LEVELS`: ``safe``, ``needs-trust``, ``dangerous``),
-written as scan writes them (:func:`level_word`).
+written as scan writes them (:func:`ckptool.model.allowlist.level_word`).
 """
 
 from __future__ import annotations
@@ -12,22 +12,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from ckptool.model.allowlist import DANGEROUS, SAFE
+from ckptool.model.allowlist import DANGEROUS, SAFE, level_word
 from ckptool.ops.inspect.info import CheckpointInfo
 from ckptool.ops.scan.results import PickleFinding, ScanResult
 from ckptool.readers import FORMATS
 
-__all__ = ["advice_lines", "hidden_level", "level_word", "loaded_by", "metadata_lines", "security_lines"]
+__all__ = ["advice_lines", "hidden_level", "loaded_by", "metadata_lines", "security_lines"]
 
 Lines = Callable[[CheckpointInfo], list[str]]
-
-
-def level_word(level: str, reason: str = "") -> str:
-    """A level as ``ckptool scan`` prints it: ``safe``, ``needs-trust``, ``DANGEROUS`` (with ``: reason`` when
-    given)."""
-    if level != DANGEROUS:
-        return level
-    return f"DANGEROUS: {reason}" if reason else "DANGEROUS"
 
 
 def hidden_level(sc: ScanResult, p: PickleFinding) -> str:
