@@ -28,7 +28,7 @@ from ckptool.readers import FORMATS, open_checkpoint
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))
 
-import adversarial  # noqa: E402
+import adversarial
 
 
 def _scan_levels(res: ScanResult) -> dict[str, set[str]]:
@@ -77,9 +77,8 @@ def _check(path: Path, tmp_path: Path) -> list[str]:
             done = sanitize(path, tmp_path / f"{path.name}.sanitized.pt", drop_unknown=True)
         except CkptError:
             return bad
-        for c in done.dropped:
-            if c.level and c.source in scan and c.level not in scan[c.source]:
-                bad.append(f"sanitize rates {c.source} {c.level}, scan {sorted(scan[c.source])}")
+        bad += [f"sanitize rates {c.source} {c.level}, scan {sorted(scan[c.source])}" for c in done.dropped
+                if c.level and c.source in scan and c.level not in scan[c.source]]
     return bad
 
 

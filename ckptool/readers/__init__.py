@@ -41,9 +41,10 @@ from typing import Literal, TypeVar, cast
 from ckptool import _source as source
 from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect, torch_package
+from ckptool.formats import pt2 as pt2_layout
 from ckptool.formats.dcp import DcpMetadata, read_dcp_metadata
 from ckptool.formats.deepspeed import is_deepspeed_folder
-from ckptool.formats.pt2 import Pt2Archive, read_pt2
+from ckptool.formats.pt2 import Pt2Archive
 from ckptool.formats.safetensors import SafetensorsHeader, read_header
 from ckptool.formats.sharded import INDEX_SUFFIX, ShardIndex, is_checkpoint_set, parse_index, read_index, set_kind
 from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
@@ -253,7 +254,8 @@ class Opened:
         """
         if self.format != detect.PT2:
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a torch.export archive")
-        return self._cached("pt2", lambda: read_pt2(self.target, self.zip_entries()))
+        # the parser by its module: the name read_pt2 in this package is the submodule readers.read_pt2
+        return self._cached("pt2", lambda: pt2_layout.read_pt2(self.target, self.zip_entries()))
 
     def zero(self, tag: str | None = None) -> ZeroCheckpoint:
         """A DeepSpeed ZeRO folder's pickles and consolidation plan (:func:`ckptool.model.zero.read_zero`, ``tag``

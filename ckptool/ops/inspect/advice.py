@@ -17,9 +17,15 @@ from ckptool.ops.inspect.info import CheckpointInfo
 from ckptool.ops.scan.results import PickleFinding, ScanResult
 from ckptool.readers import FORMATS
 
-__all__ = ["advice_lines", "hidden_level", "loaded_by", "metadata_lines", "security_lines"]
+__all__ = ["DCP_LOAD", "DEEPSPEED_LOAD", "EXPORT_LOAD", "PACKAGE_IMPORTER", "PICKLE_LOAD", "TORCH_JIT_LOAD",
+           "TORCH_LOAD", "advice_lines", "hidden_level", "loaded_by", "metadata_lines", "security_lines"]
 
 Lines = Callable[[CheckpointInfo], list[str]]
+
+#: values of :attr:`ckptool.readers.Format.loaded_by` that change what ``inspect`` says
+TORCH_LOAD, TORCH_JIT_LOAD, PICKLE_LOAD = "torch.load", "torch.jit.load", "pickle.load"
+PACKAGE_IMPORTER, EXPORT_LOAD = "torch.package.PackageImporter", "torch.export.load"
+DEEPSPEED_LOAD, DCP_LOAD = "DeepSpeedEngine.load_checkpoint", "torch.distributed.checkpoint.load"
 
 
 def hidden_level(sc: ScanResult, p: PickleFinding) -> str:
@@ -34,7 +40,7 @@ def loaded_by(info: CheckpointInfo) -> str:
     """The call that loads ``info``'s format (:attr:`ckptool.readers.Format.loaded_by`; ``torch.load`` for a
     format the registry does not name)."""
     spec = FORMATS.get(info.format)
-    return spec.loaded_by if spec is not None else "torch.load"
+    return spec.loaded_by if spec is not None else TORCH_LOAD
 
 
 # ------------------------------------------------------------------------------------------------ safety
@@ -102,12 +108,12 @@ def _deepspeed_usage(info: CheckpointInfo) -> list[str]:
 
 #: ``Format.loaded_by`` -> how to load such a checkpoint (the first advice line); others: :func:`_gpu_usage`
 _USAGE: dict[str, Lines] = {
-    "torch.jit.load": lambda _info: ["TorchScript archive: load it with torch.jit.load(path, map_location='cpu')."],
-    "DeepSpeedEngine.load_checkpoint": _deepspeed_usage,
-    "torch.package.PackageImporter": lambda _info: [
+    TORCH_JIT_LOAD: lambda _info: ["TorchScript archive: load it with torch.jit.load(path, map_location='cpu')."],
+    DEEPSPEED_LOAD: _deepspeed_usage,
+    PACKAGE_IMPORTER: lambda _info: [
         ("torch.package archive: torch.load does not read it; torch.package.PackageImporter(path)"
         ".load_pickle(package, resource) loads a pickle and runs the modules it ships (listed above).")],
-    "torch.export.load": lambda info: [
+    EXPORT_LOAD: lambda info: [
         (f"torch.export archive: `ckptool convert {info.path} -o weights.pth` (or .safetensors) writes its "
         "state_dict (--key constants: its constants); torch.export.load(path) loads the program.")],
 }
@@ -149,11 +155,11 @@ def _dcp_globals(info: CheckpointInfo) -> list[str]:
 
 #: ``Format.loaded_by`` -> what the globals mean for that loader; others: :func:`_torch_load_globals`
 _GLOBALS: dict[str, Lines] = {
-    "torch.jit.load": lambda _info: [],
-    "torch.package.PackageImporter": lambda _info: [],
-    "DeepSpeedEngine.load_checkpoint": _deepspeed_globals,
-    "torch.export.load": _export_globals,
-    "torch.distributed.checkpoint.load": _dcp_globals,
+    TORCH_JIT_LOAD: lambda _info: [],
+    PACKAGE_IMPORTER: lambda _info: [],
+    DEEPSPEED_LOAD: _deepspeed_globals,
+    EXPORT_LOAD: _export_globals,
+    DCP_LOAD: _dcp_globals,
 }
 
 
@@ -170,7 +176,7 @@ def _zero_facts(info: CheckpointInfo) -> list[str]:
 
 
 #: ``Format.loaded_by`` -> its metadata lines; others: the metadata as JSON on one line
-_METADATA: dict[str, Lines] = {"DeepSpeedEngine.load_checkpoint": _zero_facts}
+_METADATA: dict[str, Lines] = {DEEPSPEED_LOAD: _zero_facts}
 
 
 def metadata_lines(info: CheckpointInfo) -> list[str]:
