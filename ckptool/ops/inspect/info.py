@@ -26,7 +26,7 @@ from ckptool.model.allowlist import (
 )
 from ckptool.model.keys import has_flat_param_key, shared_prefixes, suggest_command
 from ckptool.model.notebook import facts_table, tree_html
-from ckptool.model.tree import TensorRow, TreeNode, build_tree
+from ckptool.model.tree import TreeNode, build_tree
 from ckptool.model.units import human_bytes
 from ckptool.ops.inspect.json_rows import rows_json
 from ckptool.ops.inspect.values import ValueInfo
@@ -291,8 +291,7 @@ class CheckpointInfo:
     def tree(self, *, fold: bool = True) -> TreeNode:
         """The module tree of :attr:`tensors` by dotted key (:func:`ckptool.model.tree.build_tree`; repeated
         numbered blocks folded into one node unless ``fold`` is False)."""
-        return build_tree((TensorRow(t.key, tuple(t.shape), t.dtype, t.device, t.nbytes) for t in self.tensors),
-                          fold=fold)
+        return build_tree(self.tensors, fold=fold)
 
     def _repr_html_(self) -> str:
         """The summary and the module tree, for Jupyter (``ckptool.inspect(path)`` as a cell's last line)."""
