@@ -360,7 +360,7 @@ def _sharded(o: Opened, _key: str | None, _tag: str | None, _frozen: bool) -> So
 
 
 def _pt2(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    return pt2_source(o.target, key)
+    return pt2_source(o.target, key, o.pt2())
 
 
 def _dcp(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
