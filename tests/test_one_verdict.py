@@ -153,3 +153,23 @@ def test_sanitize_names_the_level(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(1), "cmd": Evil()}, tmp_path / "h.pt")
     with pytest.raises(CkptError, match=r"cmd: (os|posix)\.system \(DANGEROUS: runs processes"):
         sanitize(tmp_path / "h.pt", tmp_path / "o.pt")
+
+
+def test_refusal_note_for_the_hints_names_levels(tmp_path: Path) -> None:
+    """The load hints' note (ops-level :func:`ckptool.ops.inspect.advice.refusal_note`) says each refused global's
+    scan level, and never advises trust for a dangerous one."""
+    import os
+
+    import torch
+
+    from ckptool.ops.inspect.advice import refusal_note
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, ...]:
+            return (os.system, ("echo never",))
+
+    torch.save({"w": torch.ones(1), "cmd": Evil()}, tmp_path / "h.pt")
+    note = refusal_note(ckptool.inspect(tmp_path / "h.pt"))
+    assert note is not None and "system (DANGEROUS)" in note and "do not load it with trust" in note
+    torch.save({"w": torch.ones(1)}, tmp_path / "ok.pt")
+    assert refusal_note(ckptool.inspect(tmp_path / "ok.pt")) is None
