@@ -21,7 +21,8 @@ from click.testing import CliRunner
 
 import ckptool
 from ckptool.cli import cli
-from ckptool.model.tree import TensorRow, build_tree, tree_lines
+from ckptool.model.tree import build_tree, tree_lines
+from ckptool.ops.inspect.info import TensorInfo
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 needs_browser = pytest.mark.skipif(BROWSER is None, reason="no headless chromium installed (apt install chromium)")
@@ -62,7 +63,7 @@ def tuned(tmp_path: Path) -> Path:
 
 # ------------------------------------------------------------------------------------------------ the tree
 def test_identical_numbered_blocks_fold_into_one_node() -> None:
-    tree = build_tree(TensorRow(k, tuple(v.shape), str(v.dtype).removeprefix("torch."), "cpu",
+    tree = build_tree(TensorInfo(k, list(v.shape), str(v.dtype).removeprefix("torch."), "cpu",
                                 v.numel() * v.element_size()) for k, v in _blocks().items())
     layers = next(c for c in tree.children if c.name == "layers")
     assert [c.label for c in layers.children] == [f"0-{LAYERS - 1} x{LAYERS}"]
@@ -75,8 +76,8 @@ def test_identical_numbered_blocks_fold_into_one_node() -> None:
 
 
 def test_blocks_that_differ_are_not_folded() -> None:
-    rows = [TensorRow(f"layers.{i}.w", (4, 4 if i != 2 else 5), "float32", "cpu", 64) for i in range(5)]
-    rows.append(TensorRow("layers.6.w", (4, 4), "float32", "cpu", 64))  # not consecutive
+    rows = [TensorInfo(f"layers.{i}.w", [4, 4 if i != 2 else 5], "float32", "cpu", 64) for i in range(5)]
+    rows.append(TensorInfo("layers.6.w", [4, 4], "float32", "cpu", 64))  # not consecutive
     layers = build_tree(rows).children[0]
     assert [c.label for c in layers.children] == ["0-1 x2", "2", "3-4 x2", "6"]
     assert [c.label for c in build_tree(rows, fold=False).children[0].children] == ["0", "1", "2", "3", "4", "6"]
@@ -111,7 +112,7 @@ def test_depth_without_tree_is_a_usage_error(blocks: Path) -> None:
 
 
 def test_tree_lines_mark_hidden_children() -> None:
-    tree = build_tree([TensorRow("a.b.c", (2,), "float32", "cuda:0", 8)])
+    tree = build_tree([TensorInfo("a.b.c", [2], "float32", "cuda:0", 8)])
     assert tree_lines(tree, 1)[0].split()[0] == "a" and "(+2 below)" in tree_lines(tree, 1)[0]
     assert "[cuda:0]" in tree_lines(tree)[-1]
 

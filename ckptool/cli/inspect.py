@@ -10,12 +10,12 @@ import click
 
 from ckptool._gc import gc_paused
 from ckptool.cli._common import human_bytes
-from ckptool.model.allowlist import DANGEROUS
+from ckptool.model.allowlist import level_word
 from ckptool.model.tree import tree_lines
 from ckptool.model.units import human_count
+from ckptool.ops.inspect.advice import advice_lines, hidden_level, metadata_lines, security_lines
 from ckptool.ops.inspect.entry import SCHEMA, CheckpointInfo, inspect
 from ckptool.ops.inspect.values import ALL_VALUES, ValueInfo
-from ckptool.ops.scan.entry import PickleFinding, ScanResult
 
 #: the schema of ``inspect --tree --json``
 TREE_SCHEMA = "ckptool.inspect-tree/1"
@@ -91,8 +91,22 @@ def _echo_json(info: CheckpointInfo) -> None:
 
 
 def _print_info(info: CheckpointInfo, limit: int | None) -> None:
-    from tabulate import tabulate
+    """The tables of ``ckptool inspect``, then the safety line and the advice (:mod:`ckptool.ops.inspect.advice`)."""
+    _print_summary(info)
+    _print_tensors(info, limit)
+    _print_state_dicts(info)
+    for prog in info.programs:
+        _print_program(prog)
+    if info.package is not None:
+        _print_package(info.package)
+    _print_values(info)
+    _print_globals(info)
+    click.echo("")
+    for line in security_lines(info) + advice_lines(info):
+        click.echo(_one_line(line))
 
+
+def _print_summary(info: CheckpointInfo) -> None:
     echo = click.echo
     uses = Counter(t.storage_key for t in info.tensors if t.storage_key is not None)
     shared = sum(n for n in uses.values() if n > 1)
@@ -104,94 +118,68 @@ def _print_info(info: CheckpointInfo, limit: int | None) -> None:
     echo(f"Tensors:  {len(info.tensors)} tensors, {info.storages} storages, {human_bytes(info.total_bytes)} in "
          "storages (shared storages counted once)"
          + (f"; {shared} tensors share storages (tied weights, views)" if shared else ""))
-    if info.format == "deepspeed" and info.metadata:  # ZeRO facts, one per line (ckptool.ops.inspect.deepspeed)
-        for k, v in info.metadata.items():
-            if k != "consolidate":
-                echo(f"  {k.replace('_', ' ')}: {_one_line(v)}")
-    elif info.metadata:
-        echo(f"Metadata: {json.dumps(info.metadata)[:200]}")
-    if info.tensors:
-        rows = [(_short_path(t.key), "x".join(map(str, t.shape)) or "scalar", t.dtype, t.device, human_bytes(t.nbytes))
-                for t in (info.tensors if limit is None else info.tensors[:limit])]
-        echo("")
-        echo(tabulate(rows, headers=["key", "shape", "dtype", "device", "size"]))
-        if limit is not None and len(info.tensors) > limit:
-            echo(f"... {len(info.tensors) - limit} more tensors (use --all to list every tensor, --json for machines)")
-        echo("")
-        echo(tabulate([(r.device, r.dtype, r.tensors, r.storages, human_bytes(r.bytes)) for r in info.totals],
-                      headers=["device", "dtype", "tensors", "storages", "storage bytes"]))
-    if info.state_dicts:
-        echo("")
-        echo("State dicts:")
-        sd_rows: list[tuple[str, int, str, str]] = []
-        for sd in info.state_dicts:
-            fix = sd.fix or ""
-            if sd.flat_params:
-                fix = "FSDP flat parameters: consolidate first (torch.distributed.checkpoint / Lightning)"
-            sd_rows.append((sd.path or "(top level)", sd.tensors, " ".join(sd.prefixes) or "-", fix or "-"))
-        echo(tabulate(sd_rows, headers=["path", "tensors", "wrapper prefix", "remove with"]))
-    for prog in info.programs:
-        _print_program(prog)
-    if info.package is not None:
-        _print_package(info.package)
-    if info.values:
-        echo("")
-        echo("Other entries (not tensors):")
-        echo(tabulate([_value_row(v) for v in info.values], headers=["key", "type", "value"], disable_numparse=True))
-        if not info.values_complete:
-            echo("... more entries not shown (use --all to see more, --json for machines)")
+    for line in metadata_lines(info):
+        echo(_one_line(line))
+
+
+def _print_tensors(info: CheckpointInfo, limit: int | None) -> None:
+    from tabulate import tabulate
+
+    if not info.tensors:
+        return
+    echo = click.echo
+    rows = [(_short_path(t.key), "x".join(map(str, t.shape)) or "scalar", t.dtype, t.device, human_bytes(t.nbytes))
+            for t in (info.tensors if limit is None else info.tensors[:limit])]
+    echo("")
+    echo(tabulate(rows, headers=["key", "shape", "dtype", "device", "size"]))
+    if limit is not None and len(info.tensors) > limit:
+        echo(f"... {len(info.tensors) - limit} more tensors (use --all to list every tensor, --json for machines)")
+    echo("")
+    echo(tabulate([(r.device, r.dtype, r.tensors, r.storages, human_bytes(r.bytes)) for r in info.totals],
+                  headers=["device", "dtype", "tensors", "storages", "storage bytes"]))
+
+
+def _print_state_dicts(info: CheckpointInfo) -> None:
+    from tabulate import tabulate
+
+    if not info.state_dicts:
+        return
+    click.echo("")
+    click.echo("State dicts:")
+    rows = [(sd.path or "(top level)", sd.tensors, " ".join(sd.prefixes) or "-", sd.remedy or "-")
+            for sd in info.state_dicts]
+    click.echo(tabulate(rows, headers=["path", "tensors", "wrapper prefix", "remove with"]))
+
+
+def _print_values(info: CheckpointInfo) -> None:
+    from tabulate import tabulate
+
+    if not info.values:
+        return
+    click.echo("")
+    click.echo("Other entries (not tensors):")
+    click.echo(tabulate([_value_row(v) for v in info.values], headers=["key", "type", "value"],
+                        disable_numparse=True))
+    if not info.values_complete:
+        click.echo("... more entries not shown (use --all to see more, --json for machines)")
+
+
+def _print_globals(info: CheckpointInfo) -> None:
+    """The globals with torch's weights_only verdict and scan's level, then the pickles torch.load does not read."""
+    from tabulate import tabulate
+
+    echo = click.echo
     if info.globals:
         echo("")
         echo("Globals the pickle would import:")
-        echo(tabulate([(g.name, "allowed" if g.allowed else "NOT allowed",
-                        g.status if g.status != "dangerous" else f"DANGEROUS: {g.reason}") for g in info.globals],
-                      headers=["global", "torch.load(weights_only=True)", "ckptool scan"]))
+        echo(tabulate([(g.name, "allowed" if g.allowed else "NOT allowed", level_word(g.level, g.reason))
+                       for g in info.globals], headers=["global", "torch.load(weights_only=True)", "ckptool scan"]))
     sc = info.scan
     if sc is not None and sc.hidden:
         echo("")
         echo("Pickles torch.load does not read today (other loaders, extraction tools or a later torch may):")
-        echo(tabulate([(_one_line(p.where), _one_line(", ".join(p.globals)) or "-", _hidden_level(sc, p))
+        echo(tabulate([(_one_line(p.where), _one_line(", ".join(p.globals)) or "-", _one_line(hidden_level(sc, p)))
                        for p in sc.hidden], headers=["where", "globals", "ckptool scan"]))
-    echo("")
-    for line in _security(info) + _advice(info):
-        echo(line)
-
-
-def _hidden_level(sc: ScanResult, p: PickleFinding) -> str:
-    level = sc.pickle_level(p)
-    shown = level.upper() if level == DANGEROUS else level
-    return shown if not p.error or level == DANGEROUS else f"{shown}; unreadable: {_one_line(p.error[:80])}"
-
-
-def _security(info: CheckpointInfo) -> list[str]:
-    """One line with the verdict of ``ckptool scan`` (the same analysis) when it is not plain safe."""
-    sc = info.scan
-    if sc is None or sc.verdict == "safe":
-        return []
-    if sc.verdict == DANGEROUS:
-        bad = [g for g in sc.globals if g.status == DANGEROUS]
-        code = [c for c in sc.code if c.level == DANGEROUS]
-        if not bad and code:  # code that ships in the file (scan_code), not a global
-            return [(f"DANGEROUS: {_one_line(code[0].member)}: {code[0].reason}"
-                     + (f" (and {len(code) - 1} more)" if len(code) > 1 else "")
-                     + f". Do not load it; see `ckptool scan {info.path}`.")]
-        where = sorted({w for g in bad for w in g.where})
-        names = ", ".join(g.name for g in bad[:3])
-        if all(p.hidden for p in sc.pickles if any(g.name in p.globals for g in bad)):
-            return [(f"DANGEROUS: {', '.join(where[:3])}, a pickle torch.load does not read today, names {names}: "
-                    "another loader, an unpacking tool or a later torch would run it. Do not use this file; see "
-                    f"`ckptool scan {info.path}`.")]
-        return [(f"DANGEROUS: loading this file can run {names}, named in {', '.join(where[:3])}. Do not load it; "
-                f"see `ckptool scan {info.path}`.")]
-    if sc.verdict == "error":
-        return [(f"Part of this file could not be read to its end, so ckptool cannot vouch for it; see "
-                f"`ckptool scan {info.path}`.")]
-    if sc.recognised is not None:
-        return [f"Needs trust: {sc.recognised[1]}."]
-    if not info.unsafe_globals:  # needs trust only because of a hidden pickle
-        return [(f"Needs trust: a pickle torch.load does not read today names globals outside the weights_only "
-                f"allowlist; see `ckptool scan {info.path}`.")]
-    return []
 
 
 def _print_program(prog: dict[str, Any]) -> None:
@@ -242,38 +230,3 @@ def _short_path(path: str) -> str:
 
 def _value_row(v: ValueInfo) -> tuple[str, str, str]:
     return _short_path(v.path), _one_line(v.type), _one_line(v.shown)
-
-
-def _advice(info: CheckpointInfo) -> list[str]:
-    out = []
-    gpu = sorted(d for d in info.devices if d not in ("cpu", "meta"))
-    if info.format == "torchscript":
-        out.append("TorchScript archive: load it with torch.jit.load(path, map_location='cpu').")
-    elif info.format == "deepspeed" and info.metadata:
-        out.append(f"DeepSpeed ZeRO checkpoint: the tensors above are its consolidated state_dict. Consolidate it "
-                   f"(no deepspeed needed) with: {info.metadata['consolidate']}")
-    elif info.format == "torch-package":
-        out.append("torch.package archive: torch.load does not read it; torch.package.PackageImporter(path)"
-                   ".load_pickle(package, resource) loads a pickle and runs the modules it ships (listed above).")
-    elif info.format == "torch-export":
-        out.append(f"torch.export archive: `ckptool convert {info.path} -o weights.pth` (or .safetensors) writes its "
-                   "state_dict (--key constants: its constants); torch.export.load(path) loads the program.")
-    elif gpu:
-        alt = f" (or --map {gpu[-1]}=cuda:0 for one GPU)" if gpu[-1] not in ("cuda:0", "cuda") else ""
-        out.append(f"Saved on {', '.join(gpu)}: a plain torch.load needs that device. "
-                   f"Run `ckptool remap {info.path} --to cpu`{alt} to load it anywhere.")
-    unsafe = info.unsafe_globals
-    if unsafe and info.format == "deepspeed":
-        out.append(f"{len(unsafe)} global(s) name deepspeed classes: torch.load(weights_only=True) refuses these "
-                   "files; ckptool reads them without importing anything.")
-    elif unsafe and info.format == "torch-export":
-        out.append(f"{len(unsafe)} global(s) are outside the weights_only allowlist: torch.export.load unpickles "
-                   "these members without that allowlist; run `ckptool scan` and load it only if you trust its source.")
-    elif unsafe and info.format not in ("torchscript", "torch-package"):
-        out.append(f"{len(unsafe)} global(s) are outside the weights_only allowlist: torch.load(weights_only=True) "
-                   "refuses this file; load with weights_only=False only if you trust its source.")
-    elif info.weights_only_refusal is not None and info.format != "torchscript":
-        out.append(f"torch.load(weights_only=True) refuses this file: its pickle uses {info.weights_only_refusal}, "
-                   "which torch's weights_only unpickler does not read; load with weights_only=False only if you "
-                   "trust its source.")
-    return out

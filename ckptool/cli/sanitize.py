@@ -68,7 +68,7 @@ def sanitize_cmd(src: str, dst: str | None, in_place: bool, force: bool, to: str
     if res.dropped:
         click.echo(f"Dropped {len(res.dropped)} object(s) no rule converts (--drop-unknown):")
         for c in res.dropped:
-            click.echo(f"  {c.label}: {c.source} ({c.detail})")
+            click.echo(f"  {c.label}: {c.source} ({c.why})")
     retagged = ", ".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
     report_write(res.dst, res.bytes_written, f"{res.storages} storages, {res.new_storages} new"
                  + (f"; re-tagged: {retagged}" if retagged else ""))

@@ -95,6 +95,14 @@ def level_of(status: str) -> str:
     return _LEVEL_OF_STATUS[status]
 
 
+def level_word(level: str, reason: str = "") -> str:
+    """A level as ``ckptool scan`` prints it (``inspect``, ``sanitize`` and the hints print the same words): ``safe``,
+    ``needs-trust``, ``DANGEROUS``; a dangerous level with ``: reason`` when ``reason`` is given."""
+    if level != DANGEROUS:
+        return level
+    return f"DANGEROUS: {reason}" if reason else "DANGEROUS"
+
+
 def worst_level(statuses: Iterable[str]) -> str:
     """The worst level among ``statuses`` (:func:`classify_global` statuses); :data:`SAFE` when there are none."""
     return max((level_of(s) for s in statuses), key=LEVELS.index, default=SAFE)
@@ -225,10 +233,10 @@ NEEDS_TRUST_NAMES: dict[str, str] = {
     "torch._C.Generator": "a torch random generator: restores its saved RNG state",
     "random.Random": "Python's random generator: restores its saved state, runs nothing",
     # torch.distributed.tensor and device_mesh register these with add_safe_globals when imported (what a torch.save
-    # of a DTensor names): the rest of torch.distributed stays dangerous
+    # of a DTensor names; DeviceMesh's layouts, registered by `import torch` itself, are in WEIGHTS_ONLY_ALLOWED):
+    # the rest of torch.distributed stays dangerous
     **dict.fromkeys((
-        "torch.distributed.device_mesh.DeviceMesh", "torch.distributed._mesh_layout._MeshLayout",
-        "torch.distributed._mesh_layout._FlatLayout", "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+        "torch.distributed.device_mesh.DeviceMesh", "torch.distributed.tensor._dtensor_spec.DTensorSpec",
         "torch.distributed.tensor._dtensor_spec.TensorMeta", "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
         "torch.distributed.tensor.DTensor", "torch.distributed.tensor.placement_types.Partial",
         "torch.distributed.tensor.placement_types.Replicate", "torch.distributed.tensor.placement_types.Shard",

@@ -11,30 +11,29 @@ and the notebook views; nothing here reads a file.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ckptool.model.units import human_bytes, human_count
 
 
-@dataclass(frozen=True, slots=True)
-class TensorRow:
-    """One tensor of a state_dict: ``key`` its FQN, ``shape`` in elements, ``dtype`` a torch dtype name,
-    ``device`` the saved location tag, ``nbytes`` = numel * element size."""
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-    nbytes: int
+class Leaf(Protocol):
+    """What the tree needs of a tensor (``inspect``'s row, :class:`ckptool.ops.inspect.info.TensorInfo`, is one):
+    ``key`` its FQN, ``shape`` in elements, ``dtype`` a torch dtype name, ``device`` the saved location tag,
+    ``nbytes`` = numel * element size."""
 
     @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+    def key(self) -> str: ...
+    @property
+    def shape(self) -> Sequence[int]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -54,7 +53,7 @@ class TreeNode:
     dtypes: dict[str, int] = field(default_factory=dict)
     devices: dict[str, int] = field(default_factory=dict)
     children: list[TreeNode] = field(default_factory=list)
-    tensor: TensorRow | None = None
+    tensor: Leaf | None = None
     repeat: int = 1
 
     @property
@@ -88,14 +87,14 @@ class TreeNode:
         return out
 
 
-def _add(node: TreeNode, row: TensorRow) -> None:
-    node.params += row.numel
+def _add(node: TreeNode, row: Leaf) -> None:
+    node.params += math.prod(row.shape)
     node.nbytes += row.nbytes
     node.dtypes[row.dtype] = node.dtypes.get(row.dtype, 0) + row.nbytes
     node.devices[row.device] = node.devices.get(row.device, 0) + row.nbytes
 
 
-def build_tree(rows: Iterable[TensorRow], *, fold: bool = True) -> TreeNode:
+def build_tree(rows: Iterable[Leaf], *, fold: bool = True) -> TreeNode:
     """The module tree of ``rows`` (one per tensor, FQNs split on ``.``), children in first-seen key order; with
     ``fold`` (the default) runs of identical numbered blocks are folded (see the module docstring).
 
@@ -126,7 +125,7 @@ def build_tree(rows: Iterable[TensorRow], *, fold: bool = True) -> TreeNode:
 def _signature(node: TreeNode) -> tuple[Any, ...]:
     """What must be equal for two blocks to fold: names, shapes and dtypes of the subtree, not the values."""
     if node.tensor is not None:
-        return (node.tensor.shape, node.tensor.dtype, node.tensor.device)
+        return (tuple(node.tensor.shape), node.tensor.dtype, node.tensor.device)
     return tuple((c.name, c.repeat, _signature(c)) for c in node.children)
 
 

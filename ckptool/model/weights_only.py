@@ -1,9 +1,13 @@
 """The globals ``torch.load(weights_only=True)`` accepts by default: :data:`WEIGHTS_ONLY_ALLOWED`, the data of the
 globals policy (:mod:`ckptool.model.allowlist`). No torch import.
 
-Generated from ``torch._weights_only_unpickler._get_allowed_globals()`` of torch 2.13.0 (the keys of that dict,
-``module.qualname``). Regenerate with
-``python -c "from torch import _weights_only_unpickler as w; print(sorted(w._get_allowed_globals()))"``.
+Generated from torch 2.13.0: the keys of ``torch._weights_only_unpickler._get_allowed_globals()``
+(``module.qualname``), and the safe globals a plain ``import torch`` registers with
+``torch.serialization.add_safe_globals`` (``torch.serialization.get_safe_globals()`` in a fresh interpreter: the
+nested-tensor rebuilders and DeviceMesh's layouts), which ``torch.load(weights_only=True)`` accepts as well.
+Regenerate with ``python -c "import torch; from torch import _weights_only_unpickler as w; print(sorted({*w.
+_get_allowed_globals(), *(f'{o.__module__}.{o.__qualname__}' for o in torch.serialization.get_safe_globals())}))"``
+(``tests/test_weights_only_prediction.py`` holds the list to torch's own verdict, name by name).
 """
 
 from __future__ import annotations
@@ -102,6 +106,8 @@ WEIGHTS_ONLY_ALLOWED: frozenset[str] = frozenset(
         'torch.cuda.sparse.LongTensor',
         'torch.cuda.sparse.ShortTensor',
         'torch.device',
+        'torch.distributed._mesh_layout._FlatLayout',
+        'torch.distributed._mesh_layout._MeshLayout',
         'torch.float16',
         'torch.float32',
         'torch.float4_e2m1fn_x2',
@@ -122,6 +128,8 @@ WEIGHTS_ONLY_ALLOWED: frozenset[str] = frozenset(
         'torch.int64',
         'torch.int7',
         'torch.int8',
+        'torch.nested._internal.nested_tensor.NestedTensor',
+        'torch.nested._internal.nested_tensor._rebuild_njt',
         'torch.nn.parameter.Parameter',
         'torch.per_channel_affine',
         'torch.per_channel_affine_float_qparams',

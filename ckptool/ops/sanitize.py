@@ -54,7 +54,7 @@ from ckptool.formats.nodes import (
 )
 from ckptool.formats.torchfile import Checkpoint
 from ckptool.formats.unpickler import MAX_REQUEST_BYTES, request_bytes
-from ckptool.model.allowlist import DANGEROUS, classify_global, is_allowed
+from ckptool.model.allowlist import DANGEROUS, classify_global, is_allowed, level_of, level_word
 from ckptool.model.graph import ATOMS, is_module, join, mapping_items, set_mapping_items, too_deep
 from ckptool.model.module_state import detached, module_state_dict, state_dict_node
 from ckptool.model.numpy_nodes import numpy_kind, numpy_type_dtype, read_array, read_dtype
@@ -90,11 +90,20 @@ class Conversion:
     kind: str
     source: str
     detail: str
+    #: for a global no rule converts, the level ``ckptool scan`` gives it (``needs-trust`` or ``dangerous``:
+    #: :func:`ckptool.model.allowlist.level_of`), else ``""``
+    level: str = ""
 
     @property
     def label(self) -> str:
         """The key path as shown to the user (``(top level)`` for the root)."""
         return self.path or "(top level)"
+
+    @property
+    def why(self) -> str:
+        """:attr:`detail`, led by the scan level in scan's words when there is one (``DANGEROUS: runs processes and
+        changes files``, ``needs-trust: a class on no list...``)."""
+        return f"{level_word(self.level)}: {self.detail}" if self.level else self.detail
 
 
 @dataclass
@@ -181,9 +190,9 @@ class _Sanitizer:
         name = _global_of(obj)
         if isinstance(obj, ReduceNode) and _oversized(obj):  # bytearray(1500000000): rated as the use it is
             name = qualified_name(*use_key(obj.func.module, obj.func.name, f"{ALLOC}{_request(obj)}"))
-        reason = "a persistent id torch.load cannot resolve" if isinstance(obj, PersistentRef) else (
-            classify_global(name)[1] if "." in name else "no rule converts it")
-        self.left.append(Conversion(path, "unknown", name, reason))
+        self.left.append(_left_over(path, name) if "." in name and not isinstance(obj, PersistentRef) else Conversion(
+            path, "unknown", name, "a persistent id torch.load cannot resolve" if isinstance(obj, PersistentRef)
+            else "no rule converts it"))
         return _DROP if self.drop_unknown else obj
 
     def value(self, obj: Any, path: str) -> Any:
@@ -326,8 +335,15 @@ class _Sanitizer:
         return state_dict_node(items, meta)
 
 
+def _left_over(path: str, name: str) -> Conversion:
+    """The :class:`Conversion` of global ``name`` at ``path`` that no rule converts: rated as ``ckptool scan`` rates
+    it (:func:`ckptool.model.allowlist.classify_global`), its level and reason."""
+    status, reason = classify_global(name)
+    return Conversion(path, "unknown", name, reason, level_of(status))
+
+
 def _refusal(src: str, left: list[Conversion]) -> UnsafeCheckpointError:
-    shown = "; ".join(f"{c.label}: {c.source} ({c.detail})" for c in left[:8])
+    shown = "; ".join(f"{c.label}: {c.source} ({c.why})" for c in left[:8])
     more = f" and {len(left) - 8} more" if len(left) > 8 else ""
     return UnsafeCheckpointError(
         f"{src}: {len(left)} object(s) have no weights_only equivalent: {shown}{more}; nothing was written. "
@@ -382,7 +398,7 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
         raise too_deep(e) from None
     for name in dict.fromkeys(qualified_name(m, n) for m, n in ck.globals):  # BUILD on a class: never written
         if split_use(name)[1] == CLASS_BUILD:
-            s.left.append(Conversion("", "unknown", name, classify_global(name)[1]))
+            s.left.append(_left_over("", name))
     if s.left and (not drop_unknown or root is _DROP):
         raise _refusal(src, s.left)
     keep = {"data/" + k for k in s.used}

@@ -119,7 +119,8 @@ class Format:
     record each storage's location tag (torch pickles; the others open on the CPU); ``strides``: which strides its
     tensors keep, ``"saved"`` (every tensor's, as saved), ``"views"`` (contiguous, but for the views ckptool's
     sharing record gives back: safetensors) or ``"none"`` (a DCP folder: ``dcp.load`` copies each record into the
-    caller's tensors).
+    caller's tensors); ``loaded_by``: the call its users load it with (``torch.load`` for torch's own files, whose
+    pickles ``torch.load(weights_only=True)``'s allowlist decides), what ``inspect``'s advice names.
 
     What differs per format in the layers above is named here too, as plug-ins: dotted references
     ``"package.module:function"`` resolved lazily by :meth:`behaviour` (imported the first time a checkpoint of
@@ -164,6 +165,7 @@ class Format:
     refusals: Mapping[str, str] = field(default_factory=dict, compare=False)
     location_tags: bool = False
     strides: Literal["saved", "views", "none"] = "none"
+    loaded_by: str = "torch.load"
 
     def refusal_for(self, operation: str, path: str, **words: str) -> str | None:
         """The sentence ``operation`` refuses a checkpoint of this format with (:attr:`refusals`), ``path`` first
@@ -224,6 +226,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            keyed=True, reader=_TORCH_READ, describer=_PICKLED_INSPECT,
            loader="ckptool.torch_ops.loaders:load_torch_legacy", support=_TORCH_ROW, **_TORCH_LAYOUT),
     Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False, **_TORCH_LAYOUT,
+           loaded_by="torch.jit.load",
            refusal="is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
                    "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file",
            refusals={"extract-state-dict": "is a TorchScript archive: its state_dict is torch.jit.load(path, "
@@ -251,7 +254,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "average": Cell("refused", "is a TorchScript archive", JIT),
            }),
     Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", keyed=True, key_form="MEMBER:PATH",
-           **_TORCH_LAYOUT,
+           **_TORCH_LAYOUT, loaded_by="torch.package.PackageImporter",
            refusal="is a torch.package archive: its objects are rebuilt by the package's own code, which this "
                    "command would run; `ckptool convert PATH -o model.safetensors` writes its tensors without "
                    "running it (then run the command on that file), torch.package.PackageImporter(path)."
@@ -266,6 +269,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "verify": Cell("works", "bit-identical"),
            }),
     Format(detect.SAFETENSORS, "safetensors file", "file", flat="safetensors", header=True, strides="views",
+           loaded_by="safetensors.torch.load_file",
            refusals={"extract-state-dict": "is safetensors: it already is a state_dict",
                      "rewrite": "is safetensors: it carries no device tags, so there is nothing to {action}; "
                                 "load it on any device with safetensors.torch.load_file(path, device='cpu')"},
@@ -279,6 +283,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "sanitize": Cell("refused", "nothing to sanitize", "safetensors.torch.load_file(path, device=...)"),
            }),
     Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set", strides="views",
+           loaded_by="safetensors.torch.load_file",
            refusals={"rewrite": "is safetensors: it carries no device tags, so there is nothing to "
                                 "{action}; load it on any device with safetensors.torch.load_file(path, device='cpu')"},
            flat="a sharded set", reader="ckptool.readers.read_safetensors:read_set_tensors", describer=_SET_INSPECT,
@@ -290,6 +295,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            reader="ckptool.readers.read_safetensors:read_set_tensors", describer=_SET_INSPECT, loader=_SET_LOAD,
            support=SET_ROW),
     Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True, torch_distributed=True,
+           loaded_by="torch.distributed.checkpoint.load",
            reader="ckptool.readers.read_dcp:read_tensors", describer="ckptool.ops.inspect.entry:inspect_dcp",
            loader="ckptool.torch_ops.loaders:load_dcp", hint="ckptool.ops.hints:dcp_hint", support={
                "scan": Cell("works", "safe"),
@@ -298,6 +304,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "extract-state-dict": FOLDER, "sanitize": FOLDER,
            }),
     Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True, strides="saved",
+           loaded_by="torch.export.load",
            refusals={"edit": "is a torch.export archive; write its state_dict with `ckptool extract-state-dict "
                              "{path}` first"},
            reader="ckptool.readers.read_pt2:read_tensors", describer="ckptool.ops.inspect.entry:inspect_pt2",
@@ -311,7 +318,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "filter": Cell("refused", "write its state_dict", PT2_STATE_DICT),
            }),
     Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder", flat="a DeepSpeed checkpoint",
-           consolidate=True, tagged=True, **_TORCH_LAYOUT, reader="ckptool.readers.read_deepspeed:read_tensors",
+           consolidate=True, tagged=True, **_TORCH_LAYOUT, loaded_by="DeepSpeedEngine.load_checkpoint",
+           reader="ckptool.readers.read_deepspeed:read_tensors",
            describer="ckptool.ops.inspect.entry:inspect_deepspeed", loader="ckptool.torch_ops.loaders:load_deepspeed",
            support={
                "scan": Cell("works", "needs-trust"),
@@ -320,6 +328,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "extract-state-dict": FOLDER, "sanitize": FOLDER, "rename": FOLDER, "filter": FOLDER,
            }),
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
+           loaded_by="pickle.load",
            refusal="is a plain pickle without torch storages, not a torch.save checkpoint",
            refusals={"extract-state-dict": "is a plain pickle without torch storages; there is no state_dict to "
                                            "extract",

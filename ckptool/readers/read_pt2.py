@@ -49,11 +49,12 @@ def _describe(payloads: list[Payload], what: str) -> str:
     return f"{what} ({len(payloads) - objs} tensors" + (f", {objs} objects)" if objs else ")")
 
 
-def pt2_source(path: str, key: str | None) -> Source:
+def pt2_source(path: str, key: str | None, arch: Pt2Archive | None = None) -> Source:
     """The program's ``state_dict`` (parameters and persistent buffers, as ``torch.export.load(path).state_dict``),
     or with ``key="constants"`` its lifted tensor constants and non-persistent buffers (``.constants``), as a
     :class:`Source` whose storages are the archive's raw payload members. Script and opaque objects among the
-    constants are skipped (reported in ``skipped``).
+    constants are skipped (reported in ``skipped``). ``arch``: the archive's structure when read already
+    (:meth:`ckptool.readers.Opened.pt2`), else read here (:func:`read_archive`).
 
     Raises:
         UsageError: ``key`` names no mapping (the error lists them); several programs and no ``key``.
@@ -61,7 +62,7 @@ def pt2_source(path: str, key: str | None) -> Source:
             ``torch.load(weights_only=False)`` rebuilds); an empty selection; and what :func:`read_archive` raises.
         CorruptCheckpointError: a damaged archive.
     """
-    arch = read_archive(path)
+    arch = arch if arch is not None else read_archive(path)
     sels = selections(arch)
     listing = ", ".join(sels)
     if key is None:
@@ -110,4 +111,4 @@ def pt2_source(path: str, key: str | None) -> Source:
 
 def read_tensors(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
     """:meth:`ckptool.readers.Opened.state_dict` of a torch.export archive (the registry's ``reader``)."""
-    return pt2_source(o.target, key)
+    return pt2_source(o.target, key, o.pt2())

@@ -70,12 +70,22 @@ def describe(v: Any) -> str:
         return f"pickled nn.Module {cls} ({n} tensors)"
     items = mapping_items(v)
     if items is not None:
-        n = sum(1 for _ in iter_tensors(v))
-        if is_optimizer_state(items):
-            return f"optimizer state ({n} tensors)"
-        if is_state_dict(v):
-            return f"state_dict ({n} tensors)"
-        return f"mapping of {len(items)} entries" + (f", {n} tensors" if n else "")
+        return _describe_mapping(v, items)
+    return _describe_other(v)
+
+
+def _describe_mapping(v: Any, items: list[tuple[Any, Any]]) -> str:
+    """:func:`describe` of a mapping: an optimizer state, a state_dict, or its entry and tensor counts."""
+    n = sum(1 for _ in iter_tensors(v))
+    if is_optimizer_state(items):
+        return f"optimizer state ({n} tensors)"
+    if is_state_dict(v):
+        return f"state_dict ({n} tensors)"
+    return f"mapping of {len(items)} entries" + (f", {n} tensors" if n else "")
+
+
+def _describe_other(v: Any) -> str:
+    """:func:`describe` of a list, tuple, plain value or pickled object."""
     if isinstance(v, (list, tuple)):
         n = sum(1 for _ in iter_tensors(v))
         return f"{type(v).__name__} of {len(v)} items" + (f", {n} tensors" if n else "")

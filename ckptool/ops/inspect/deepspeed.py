@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ckptool.formats.nodes import qualified_name
 from ckptool.model.zero import ZeroCheckpoint, ZeroTensor, plan
-from ckptool.readers.read_deepspeed import read_zero
+from ckptool.readers import Opened, open_checkpoint
 
 __all__ = ["DeepSpeedSummary", "consolidate_command", "describe_deepspeed"]
 
@@ -48,16 +48,18 @@ def _names(items: list[str], limit: int = 12) -> str:
     return ", ".join(items[:limit]) + more if items else "none"
 
 
-def describe_deepspeed(path: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedSummary:
-    """Describe the DeepSpeed checkpoint at ``path`` (a top folder with ``latest``, or a tag folder) without
-    importing deepspeed or torch and without reading tensor data.
+def describe_deepspeed(path: str | os.PathLike[str] | Opened, tag: str | None = None) -> DeepSpeedSummary:
+    """Describe the DeepSpeed checkpoint at ``path`` (a top folder with ``latest``, or a tag folder; or opened
+    already: its pickles are read once, by :meth:`ckptool.readers.Opened.zero`) without importing deepspeed or torch
+    and without reading tensor data.
 
     Raises:
         UsageError / CorruptCheckpointError / UnsupportedError: see :func:`ckptool.model.zero.read_zero` and
             :func:`ckptool.model.zero.plan`.
     """
-    p = os.fspath(path)
-    z = read_zero(p, tag)
+    o = path if isinstance(path, Opened) else open_checkpoint(path)
+    p = o.target
+    z = o.zero(tag)
     tensors = plan(z)
     kinds: dict[str, list[str]] = {}
     for t in tensors:

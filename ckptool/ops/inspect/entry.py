@@ -28,8 +28,6 @@ from collections.abc import Callable
 from ckptool import _source as source
 from ckptool._gc import gc_paused
 from ckptool.errors import CorruptCheckpointError
-from ckptool.formats import detect
-from ckptool.formats.sharded import read_index, set_kind
 from ckptool.model.graph import too_deep
 from ckptool.ops.inspect.formats import dcp_info, deepspeed_info, pt2_info, safetensors_info
 from ckptool.ops.inspect.info import (
@@ -104,44 +102,44 @@ def inspect_pickled(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
     ``data.pkl`` / plain pickle from it, :func:`ckptool.ops.inspect.pickles.already_read`)."""
     try:
         ck = o.graph()
-        info = describe(ck, limits)
+        info = describe(ck, limits, o.spec)
     except RecursionError as e:
         raise CorruptCheckpointError(f"{o.target}: {too_deep(e)}") from None
-    info.scan = scan_file(o.target, preparsed=already_read(ck))
+    info.scan = scan_file(o.target, preparsed=already_read(ck, o.spec))
     return info
 
 
 def inspect_package(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
-    info = package_info(o.target, limits, o.package())
+    info = package_info(o, limits)
     info.scan = scan_file(o.target)
     return info
 
 
 def inspect_safetensors(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
-    info = safetensors_info(o.target)
+    info = safetensors_info(o)
     info.scan = scan_file(o.target)
     return info
 
 
 def inspect_pt2(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
     scan = scan_file(o.target)  # once: its globals are the archive's globals (describe_pt2)
-    info = pt2_info(o.target, scan)
+    info = pt2_info(o, scan)
     info.scan = scan
     return info
 
 
 def inspect_sharded(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
-    return _index_info(o.target, limits)
+    return _index_info(o, limits)
 
 
 def inspect_dcp(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
-    info = dcp_info(o.target, o.dcp_metadata())
+    info = dcp_info(o)
     info.scan = scan_file(o.target)
     return info
 
 
 def inspect_deepspeed(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
-    return deepspeed_info(o.target)
+    return deepspeed_info(o)
 
 
 @gc_paused
@@ -155,27 +153,22 @@ def inspect_set(path: str | os.PathLike[str], limits: PreviewLimits | None = Non
     ``metadata`` holds the index's ``metadata`` (values that are not strings as JSON) and the shard count. For DCP
     the tensors come from ``.metadata`` (names, dtypes, shapes; sizes = elements * element size; DCP records no
     device, so ``cpu`` is shown, where ``dcp_to_torch_save`` puts them); non-tensor entries are listed under
-    ``metadata["non_tensor_entries"]``, and ``globals`` says which globals of ``.metadata`` ckptool accepts without
-    ``--trust`` (:func:`ckptool.ops.scan.dcp_safety.is_dcp_allowed`) and ``values`` names them (their bytes are not
-    read). ``limits``: as :func:`inspect`.
+    ``metadata["non_tensor_entries"]``, ``globals`` lists the globals of ``.metadata``, each rated as ``ckptool
+    scan`` rates it there (DCP's own record classes and paths are safe in ``.metadata``; ``allowed`` is still
+    ``torch.load(weights_only=True)``'s verdict, which refuses them), and ``values`` names the non-tensor entries
+    (their bytes are not read). ``limits``: as :func:`inspect`.
 
     Raises:
         UsageError: a folder that is none of these; a missing shard.
         CorruptCheckpointError / NotACheckpointError: a damaged index, shard or ``.metadata``.
     """
-    kind, set_path = set_kind(os.fspath(path))
-    if kind == "file":
-        return inspect(set_path, limits)
-    if kind == "index":
-        return _index_info(set_path, limits)
-    info = dcp_info(set_path)
-    info.scan = scan_file(set_path)
-    return info
+    return _describe(path, limits)
 
 
-def _index_info(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
-    """The sharded set of the ``*.index.json`` at ``path``: every shard's :func:`inspect`, added up."""
-    index = read_index(path)
+def _index_info(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
+    """The sharded set ``o`` (its ``*.index.json``, read once by :meth:`ckptool.readers.Opened.index`): every
+    shard's :func:`inspect`, added up."""
+    path, index = o.target, o.index()
     tensors: list[TensorInfo] = []
     devices: dict[str, int] = {}
     globs: dict[str, GlobalInfo] = {}
@@ -187,10 +180,11 @@ def _index_info(path: str, limits: PreviewLimits | None) -> CheckpointInfo:
     fmts = set()
     scans: list[tuple[str, ScanResult]] = []
     for shard in index.shards:
-        info = inspect(index.shard_path(shard), limits)
+        opened = open_checkpoint(index.shard_path(shard))
+        info = inspect(opened, limits)
         if info.scan is not None:
             scans.append((shard, info.scan))
-        fmts.add("safetensors" if info.format == detect.SAFETENSORS else "torch")
+        fmts.add("torch" if opened.spec.pickled else "safetensors")
         size += info.size
         storages += info.storages
         for t in info.tensors:

@@ -9,22 +9,31 @@ own ``nbytes`` is its numel * element size.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from itertools import chain
 from typing import Any
 
-from ckptool.model.allowlist import ALLOWED, DANGEROUS, NEEDS_TRUST, UNKNOWN, classify_global, level_of, worst_level
+from ckptool.model.allowlist import (
+    ALLOWED,
+    DANGEROUS,
+    NEEDS_TRUST,
+    UNKNOWN,
+    classify_global,
+    is_allowed,
+    level_of,
+    worst_level,
+)
 from ckptool.model.keys import has_flat_param_key, shared_prefixes, suggest_command
 from ckptool.model.notebook import facts_table, tree_html
-from ckptool.model.tree import TensorRow, TreeNode, build_tree
+from ckptool.model.tree import TreeNode, build_tree
 from ckptool.model.units import human_bytes
 from ckptool.ops.inspect.json_rows import rows_json
 from ckptool.ops.inspect.values import ValueInfo
 from ckptool.ops.scan.entry import ScanResult
 
-__all__ = ["SCHEMA", "TENSOR_FIELDS", "ByteTotal", "CheckpointInfo", "GlobalInfo", "StateDictInfo", "TensorInfo",
-           "state_dict_info"]
+__all__ = ["FSDP_REMEDY", "SCHEMA", "TENSOR_FIELDS", "ByteTotal", "CheckpointInfo", "GlobalInfo", "StateDictInfo",
+           "TensorInfo", "rate_globals", "state_dict_info"]
 
 #: the ``"schema"`` of :meth:`CheckpointInfo.to_dict` (``ckptool inspect --json``)
 SCHEMA = "ckptool.inspect/2"
@@ -62,6 +71,16 @@ class StateDictInfo:
     fix: str | None = None
     flat_params: bool = False
 
+    @property
+    def remedy(self) -> str | None:
+        """What to do before loading it into a model: consolidate FSDP's flat parameters first
+        (:data:`FSDP_REMEDY`), else :attr:`fix`; None when nothing is needed."""
+        return FSDP_REMEDY if self.flat_params else self.fix
+
+
+#: what a state_dict of FSDP flat parameters needs before it loads into a model
+FSDP_REMEDY = "FSDP flat parameters: consolidate first (torch.distributed.checkpoint / Lightning)"
+
 
 def state_dict_info(path: str, keys: list[str]) -> StateDictInfo:
     """The :class:`StateDictInfo` of the state_dict at dotted ``path`` holding ``keys``: its shared wrapper prefixes
@@ -73,10 +92,11 @@ def state_dict_info(path: str, keys: list[str]) -> StateDictInfo:
 
 @dataclass
 class GlobalInfo:
-    """A global the pickle would import (``module.qualname``), and whether ``torch.load(weights_only=True)``
-    accepts it (``allowed``). ``status`` is how ``ckptool scan`` classifies it (``allowed``, ``dangerous`` or
-    ``unknown``, see :func:`ckptool.model.allowlist.classify_global`; filled in from ``name`` when not given) and
-    ``reason`` says why."""
+    """A global the pickle would import (``module.qualname``): ``allowed``, whether ``torch.load(weights_only=True)``
+    accepts it (:func:`ckptool.model.allowlist.is_allowed`, held to torch's own verdict by a test); ``status`` and
+    ``reason``, how ``ckptool scan`` rates it where it is named (:func:`ckptool.model.allowlist.classify_global`,
+    filled in from ``name`` alone when not given: :func:`rate_globals` gives the pickle's context); :attr:`level`,
+    scan's level of it."""
 
     name: str
     allowed: bool
@@ -86,8 +106,21 @@ class GlobalInfo:
     def __post_init__(self) -> None:
         if not self.status:
             self.status, self.reason = classify_global(self.name)
-            if self.allowed and self.status != ALLOWED:  # allowed by a caller's own list (DCP metadata)
-                self.status, self.reason = ALLOWED, "allowed for this format"
+
+    @property
+    def level(self) -> str:
+        """``safe``, ``needs-trust`` or ``dangerous``: the level ``ckptool scan`` gives this global
+        (:func:`ckptool.model.allowlist.level_of`, as :attr:`ckptool.ops.scan.results.GlobalFinding.level`)."""
+        return level_of(self.status)
+
+
+def rate_globals(names: Iterable[str], *, torchscript: bool = False, dcp_metadata: bool = False) -> list[GlobalInfo]:
+    """A :class:`GlobalInfo` for each of ``names`` (each once, first use first), rated as ``ckptool scan`` rates it in
+    the same pickle: :func:`ckptool.model.allowlist.classify_global` with the pickle's context (``torchscript``: the
+    pickle of a TorchScript archive; ``dcp_metadata``: a DCP folder's ``.metadata``); ``allowed`` is torch's
+    weights_only verdict whatever the context."""
+    return [GlobalInfo(n, is_allowed(n), *classify_global(n, torchscript=torchscript, dcp_metadata=dcp_metadata))
+            for n in dict.fromkeys(names)]
 
 
 @dataclass
@@ -258,8 +291,7 @@ class CheckpointInfo:
     def tree(self, *, fold: bool = True) -> TreeNode:
         """The module tree of :attr:`tensors` by dotted key (:func:`ckptool.model.tree.build_tree`; repeated
         numbered blocks folded into one node unless ``fold`` is False)."""
-        return build_tree((TensorRow(t.key, tuple(t.shape), t.dtype, t.device, t.nbytes) for t in self.tensors),
-                          fold=fold)
+        return build_tree(self.tensors, fold=fold)
 
     def _repr_html_(self) -> str:
         """The summary and the module tree, for Jupyter (``ckptool.inspect(path)`` as a cell's last line)."""

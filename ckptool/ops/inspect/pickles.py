@@ -14,12 +14,9 @@ from dataclasses import asdict
 from typing import Any, cast
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.formats import detect
 from ckptool.formats.dtypes import DTYPE_SIZES, numel, tensor_dtype
 from ckptool.formats.nodes import ParameterNode, StorageRef, TensorNode, qualified_name
-from ckptool.formats.torch_package import Package, read_package
 from ckptool.formats.torchfile import Checkpoint
-from ckptool.model.allowlist import classify_global, is_allowed
 from ckptool.model.graph import (
     StateDictRef,
     depth_first,
@@ -32,16 +29,18 @@ from ckptool.model.graph import (
     tensor_leaf,
     too_deep,
 )
+from ckptool.ops.inspect.advice import PICKLE_LOAD, TORCH_JIT_LOAD, TORCH_LOAD
 from ckptool.ops.inspect.info import (
     ByteTotal,
     CheckpointInfo,
-    GlobalInfo,
     StateDictInfo,
     TensorInfo,
+    rate_globals,
     state_dict_info,
 )
 from ckptool.ops.inspect.totals import byte_totals, device_bytes, storage_rows, storage_totals
 from ckptool.ops.inspect.values import PreviewLimits, ValueInfo, value_infos
+from ckptool.readers import FORMATS, Format, Opened
 
 __all__ = ["already_read", "describe", "kind_of", "package_info", "tensor_infos"]
 
@@ -113,16 +112,15 @@ def kind_of(root: Any, sds: list[StateDictRef]) -> str:
         return "training_checkpoint"
     return "tensors"
 
-def already_read(ck: Checkpoint) -> dict[str, tuple[list[str], Any, int | None]]:
-    """The pickle of ``ck`` that was read whole (the ``data.pkl`` of a torch zip, a plain pickle), by its ``where``
-    in :func:`ckptool.ops.scan.entry.scan_file` (its ``preparsed``), so that the scan does not read it a second time
-    (for
-    ``data.pkl``, not even its opcodes: where it ends is known)."""
+def already_read(ck: Checkpoint, spec: Format) -> dict[str, tuple[list[str], Any, int | None]]:
+    """The pickle of ``ck`` (a file of format ``spec``) that was read whole (the ``data.pkl`` of a torch zip, a
+    plain pickle), by its ``where`` in :func:`ckptool.ops.scan.entry.scan_file` (its ``preparsed``), so that the
+    scan does not read it a second time (for ``data.pkl``, not even its opcodes: where it ends is known)."""
     names = [qualified_name(m, n) for m, n in ck.globals]
-    if ck.format == detect.PICKLE:
+    if spec.loaded_by == PICKLE_LOAD:
         return {"pickle at byte 0": (names, ck.root, None)}
     rec = ck.record("data.pkl")
-    if ck.format == detect.TORCH_ZIP and rec is not None and rec.zipinfo is not None:
+    if spec.loaded_by == TORCH_LOAD and rec is not None and rec.zipinfo is not None:
         return {rec.zipinfo.name: (names, ck.root, ck.pickle_size or None)}
     return {}
 
@@ -140,12 +138,13 @@ def _extra_roots(ck: Checkpoint, tensors: list[TensorInfo]) -> tuple[int, list[B
     return len(storages), byte_totals(tensors, storages)
 
 
-def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointInfo:
+def describe(ck: Checkpoint, limits: PreviewLimits | None = None, spec: Format | None = None) -> CheckpointInfo:
     """Build the :class:`CheckpointInfo` (without ``scan``) of an already-read
-    :class:`~ckptool.formats.torchfile.Checkpoint` (``limits``: as :func:`ckptool.ops.inspect.entry.inspect`). Tensors
-    of
-    extra roots (a TorchScript archive's ``constants.pkl``) are keyed ``<root>.<key>``, their storages
-    ``<root>/<key>``."""
+    :class:`~ckptool.formats.torchfile.Checkpoint` (``limits``: as :func:`ckptool.ops.inspect.entry.inspect`;
+    ``spec``: its format's registry entry, by default the one ``ck.format`` names). Tensors of extra roots (a
+    TorchScript archive's ``constants.pkl``) are keyed ``<root>.<key>``, their storages ``<root>/<key>``; a file
+    loaded by ``torch.jit.load`` is of kind ``torchscript`` whatever it holds."""
+    spec = spec if spec is not None else FORMATS[ck.format]
     tensors = tensor_infos(ck.root)
     if not ck.extra_roots:  # the common case: no row per storage
         n_storages, totals = len(ck.storages), storage_totals(tensors, ck.storages)
@@ -157,20 +156,21 @@ def describe(ck: Checkpoint, limits: PreviewLimits | None = None) -> CheckpointI
         devices = {tensors[0].device: len(tensors)}
     else:  # tensors per location tag, in order of first use
         devices = dict(Counter([t.device for t in tensors]))
-    kind = "torchscript" if ck.format == detect.TORCHSCRIPT else kind_of(ck.root, sds)
+    script = spec.loaded_by == TORCH_JIT_LOAD  # a TorchScript archive: its values are the program's
+    kind = "torchscript" if script else kind_of(ck.root, sds)
     names = [qualified_name(m, n) for m, n in ck.globals]
-    torchscript = ck.format == detect.TORCHSCRIPT and ck.record("constants.pkl") is not None
-    globs = [GlobalInfo(n, is_allowed(n), *classify_global(n, torchscript=torchscript)) for n in dict.fromkeys(names)]
-    values, complete = ([], True) if kind == "torchscript" else value_infos(
+    # TorchScript's own unpickler resolves its names where the archive holds constants.pkl (as scan rates them)
+    globs = rate_globals(names, torchscript=ck.record("constants.pkl") is not None)
+    values, complete = ([], True) if script else value_infos(
         ck.root, [sd.obj for sd in sds], limits or PreviewLimits())
     return CheckpointInfo(ck.path, ck.format, kind, ck.size, tensors, devices, device_bytes(totals), sd_infos, globs,
                           storages=n_storages, totals=totals, values=values, values_complete=complete,
                           weights_only_refusal=ck.weights_only_refusal)
 
 
-def package_info(path: str, limits: PreviewLimits | None, pkg: Package | None = None) -> CheckpointInfo:
-    """The :class:`CheckpointInfo` (without ``scan``) of the ``torch.package`` archive at ``path``
-    (:func:`ckptool.formats.torch_package.read_package`): the tensors of every pickle, keyed ``<member>:<key>``
+def package_info(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
+    """The :class:`CheckpointInfo` (without ``scan``) of the ``torch.package`` archive ``o`` (its pickles read once,
+    by :meth:`ckptool.readers.Opened.package`): the tensors of every pickle, keyed ``<member>:<key>``
     (``weights/sd.pkl:fc.weight``), their storages shared across pickles as the archive shares them; the pickles,
     modules and extern modules in ``package``, its versions in ``metadata``. ``limits``: as
     :func:`ckptool.ops.inspect.entry.inspect`.
@@ -179,8 +179,9 @@ def package_info(path: str, limits: PreviewLimits | None, pkg: Package | None = 
         CorruptCheckpointError: a damaged archive (see :func:`ckptool.formats.torch_package.read_package`) or a
             pickle nested deeper than ckptool can walk.
     """
+    path = o.target
     try:
-        pkg = pkg if pkg is not None else read_package(path)  # (read already by Opened.package())
+        pkg = o.package()
         tensors: list[TensorInfo] = []
         sd_infos: list[StateDictInfo] = []
         values: list[ValueInfo] = []
@@ -202,8 +203,8 @@ def package_info(path: str, limits: PreviewLimits | None, pkg: Package | None = 
         raise CorruptCheckpointError(f"{path}: {too_deep(e)}") from None
     totals = storage_totals(tensors, pkg.storages)
     devices = dict(Counter(t.device for t in tensors))
-    return CheckpointInfo(path, detect.TORCH_PACKAGE, "package", pkg.size, tensors, devices,
-                          device_bytes(totals), sd_infos, [GlobalInfo(n, is_allowed(n)) for n in names],
+    return CheckpointInfo(path, o.format, "package", pkg.size, tensors, devices,
+                          device_bytes(totals), sd_infos, rate_globals(names),
                           storages=len(pkg.storages), totals=totals, values=values, values_complete=complete,
                           metadata={"python_version": pkg.python_version, "version": pkg.version},
                           package={"resources": resources, "modules": pkg.modules,

@@ -21,34 +21,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool.formats.pt2 import Payload, Pt2Archive
+from ckptool.ops.inspect.info import TensorInfo
 from ckptool.ops.inspect.values import ValueInfo
 from ckptool.ops.scan.entry import GlobalFinding, ScanResult, scan_file
-from ckptool.readers.read_pt2 import read_archive
+from ckptool.readers import Opened, open_checkpoint
 
-__all__ = ["Pt2Description", "Pt2Tensor", "describe_pt2", "tensor_key"]
-
-
-@dataclass
-class Pt2Tensor:
-    """One tensor of the archive as ``inspect`` lists it: its ``key`` (see the module docstring), the
-    :class:`~ckptool.formats.pt2.Payload` and whether it belongs to the state_dict (``weight``)."""
-
-    key: str
-    payload: Payload
-    weight: bool
+__all__ = ["Pt2Description", "describe_pt2", "tensor_key"]
 
 
 @dataclass
 class Pt2Description:
-    """What :func:`describe_pt2` read: the ``archive``; its ``tensors`` (weights first, then constants, per
-    program); ``storages``: member name -> ``(location tag, dtype, bytes)`` of every raw payload member, each once;
-    ``state_dicts``: dotted path -> keys of each program's state_dict; ``programs``: each program's signature
-    (:meth:`ckptool.formats.pt2.Program.signature`); ``metadata``: the archive's version records; ``globals``: the
-    globals of its pickled members as ``ckptool scan`` classifies them; ``values``: the pickled objects (not read);
-    ``notes``: what ckptool did not read."""
+    """What :func:`describe_pt2` read: the ``archive``; its ``tensors`` as ``inspect`` lists them
+    (:class:`~ckptool.ops.inspect.info.TensorInfo`: weights first, then constants, per program; a raw payload's
+    storage key is its member, a pickled one has none); ``storages``: member name -> ``(location tag, dtype,
+    bytes)`` of every raw payload member, each once; ``state_dicts``: dotted path -> keys of each program's
+    state_dict; ``programs``: each program's signature (:meth:`ckptool.formats.pt2.Program.signature`);
+    ``metadata``: the archive's version records; ``globals``: the globals of its pickled members as ``ckptool
+    scan`` classifies them; ``values``: the pickled objects (not read); ``notes``: what ckptool did not read."""
 
     archive: Pt2Archive
-    tensors: list[Pt2Tensor] = field(default_factory=list)
+    tensors: list[TensorInfo] = field(default_factory=list)
     storages: dict[str, tuple[str, str, int]] = field(default_factory=dict)
     state_dicts: dict[str, list[str]] = field(default_factory=dict)
     programs: list[dict[str, Any]] = field(default_factory=list)
@@ -64,18 +56,24 @@ def tensor_key(arch: Pt2Archive, program: str, fqn: str, weight: bool) -> str:
     return key if len(arch.programs) == 1 else f"{program}.{key}"
 
 
-def describe_pt2(path: str | os.PathLike[str], scan: ScanResult | None = None) -> Pt2Description:
-    """Read the ``torch.export`` archive at ``path`` for ``inspect``: no tensor bytes, nothing unpickled (pickled
-    members are only scanned). ``scan``: the :func:`ckptool.ops.scan.entry.scan_file` of the same archive when the
-    caller
-    has it (``inspect`` shows it too), so that the archive is scanned once; else it is scanned here.
+def _row(key: str, p: Payload) -> TensorInfo:
+    """The ``inspect`` row of the tensor payload ``p`` under ``key``."""
+    return TensorInfo(key, list(p.shape), p.dtype or "unknown", p.device, p.nbytes, list(p.stride), p.storage_offset,
+                      None if p.pickled else p.member, p.requires_grad)
+
+
+def describe_pt2(path: str | os.PathLike[str] | Opened, scan: ScanResult | None = None) -> Pt2Description:
+    """Read the ``torch.export`` archive at ``path`` (or opened already: its structure is read once, by
+    :meth:`ckptool.readers.Opened.pt2`) for ``inspect``: no tensor bytes, nothing unpickled (pickled members are
+    only scanned). ``scan``: the :func:`ckptool.ops.scan.entry.scan_file` of the same archive when the caller has it
+    (``inspect`` shows it too), so that the archive is scanned once; else it is scanned here.
 
     Raises:
         NotACheckpointError / UnsupportedError / CorruptCheckpointError: see
             :func:`ckptool.formats.pt2.read_pt2` (newer archive or schema versions, legacy layout, damage).
     """
-    path = os.fspath(path)
-    arch = read_archive(path)
+    o = path if isinstance(path, Opened) else open_checkpoint(path)
+    arch = o.pt2()
     d = Pt2Description(arch)
     d.metadata = {"archive_version": arch.version}
     for prog in arch.programs:
@@ -91,12 +89,12 @@ def describe_pt2(path: str | os.PathLike[str], scan: ScanResult | None = None) -
                 if p.kind == "object":
                     d.values.append(ValueInfo(key, "object", f"pickled object in {p.member} (not read)"))
                     continue
-                d.tensors.append(Pt2Tensor(key, p, weight))
+                d.tensors.append(_row(key, p))
                 if not p.pickled:
                     d.storages.setdefault(p.member, (p.device, p.dtype or "unknown", p.record_size))
         d.state_dicts[prog.name if len(arch.programs) > 1 else ""] = [
             tensor_key(arch, prog.name, p.fqn, True) for p in prog.weights]
     if arch.aoti:
         d.metadata["aotinductor_members"] = str(len(arch.aoti))
-    d.globals = (scan if scan is not None else scan_file(path)).globals
+    d.globals = (scan if scan is not None else scan_file(o.target)).globals
     return d

@@ -21,7 +21,7 @@ import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import TypeAlias, cast
 
 from ckptool.errors import CkptError
 from ckptool.formats.dtypes import STRUCT_FORMATS, numel, tensor_dtype
@@ -119,23 +119,7 @@ class _Walker:
 
     def visit(self, path: str, obj: object, depth: int) -> None:
         """Describe ``obj`` at ``path``: one entry, or its children's entries."""
-        if is_tensor(obj):
-            rng = _rng_tensor(path, obj)
-            if rng:
-                self.add(path, "torch.ByteTensor", rng)
-            return
-        if isinstance(obj, (*_ATOMS, GlobalMeta)):
-            self.leaf(path, obj)
-            return
-        if id(obj) in self.skip:
-            return
-        rng = _rng_tuple(obj)
-        if rng:
-            self.add(path, type(obj).__name__, rng)
-            return
-        first = self.seen.get(id(obj))
-        if first is not None:
-            self.add(path, _type_name(obj), f"same object as {first or '(top level)'}")
+        if self.shown_alone(path, obj):
             return
         items = mapping_items(obj)
         seq = _sequence(obj)
@@ -150,12 +134,39 @@ class _Walker:
             self.container(path, obj, None, seq, depth, "items")
         else:
             assert isinstance(obj, ObjectNode)
-            attrs = _attributes(obj)
-            if attrs is None or depth >= self.limits.depth:
-                self.leaf(path, obj)
-                return
-            self.add(path, obj.global_name, f"object ({len(attrs)} attributes)")
-            self.children(path, obj, [k for k, _v in attrs], [v for _k, v in attrs], depth, "attributes")
+            self.instance(path, obj, depth)
+
+    def shown_alone(self, path: str, obj: object) -> bool:
+        """True when ``obj`` is described without walking into it (added here, or left out): a tensor (an RNG
+        state shown), a plain value, a skipped container, an RNG state tuple, an object met before."""
+        if is_tensor(obj):
+            rng = _rng_tensor(path, obj)
+            if rng:
+                self.add(path, "torch.ByteTensor", rng)
+            return True
+        if isinstance(obj, (*_ATOMS, GlobalMeta)):
+            self.leaf(path, obj)
+            return True
+        if id(obj) in self.skip:
+            return True
+        rng = _rng_tuple(obj)
+        if rng:
+            self.add(path, type(obj).__name__, rng)
+            return True
+        first = self.seen.get(id(obj))
+        if first is not None:
+            self.add(path, _type_name(obj), f"same object as {first or '(top level)'}")
+            return True
+        return False
+
+    def instance(self, path: str, obj: ObjectNode, depth: int) -> None:
+        """A pickled object: one entry, then its attributes (a leaf when it has none readable, or is too deep)."""
+        attrs = _attributes(obj)
+        if attrs is None or depth >= self.limits.depth:
+            self.leaf(path, obj)
+            return
+        self.add(path, obj.global_name, f"object ({len(attrs)} attributes)")
+        self.children(path, obj, [k for k, _v in attrs], [v for _k, v in attrs], depth, "attributes")
 
     def leaf(self, path: str, obj: object) -> None:
         ok, value = _json_value(obj, self.limits)
@@ -282,9 +293,9 @@ def _numpy_values(arr: NumpyArray, limit: int) -> list[bool | int | float] | Non
     return [v for (v,) in struct.iter_unpack("<" + fmt, data[:len(data) - len(data) % size])]
 
 
-def _json_value(obj: object, limits: PreviewLimits, depth: int = 0) -> tuple[bool, JsonValue]:
-    """``(True, value)`` when ``obj`` is a plain value (or a short flat list / dict of them) that JSON carries
-    whole, else ``(False, None)``."""
+def _json_scalar(obj: object, limits: PreviewLimits) -> tuple[bool, JsonValue] | None:
+    """:func:`_json_value` of a plain scalar (None, bool, int, float, str, a numpy scalar); None for anything
+    else."""
     if obj is None or isinstance(obj, bool):
         return True, obj
     if isinstance(obj, int):
@@ -300,25 +311,25 @@ def _json_value(obj: object, limits: PreviewLimits, depth: int = 0) -> tuple[boo
             return False, None
         return (True, values[0]) if values and not (isinstance(values[0], float) and not math.isfinite(values[0])) \
             else (False, None)
+    return None
+
+
+def _json_value(obj: object, limits: PreviewLimits, depth: int = 0) -> tuple[bool, JsonValue]:
+    """``(True, value)`` when ``obj`` is a plain value (or a short flat list / dict of them) that JSON carries
+    whole, else ``(False, None)``."""
+    scalar = _json_scalar(obj, limits)
+    if scalar is not None:
+        return scalar
     if depth > 0:
         return False, None
     if isinstance(obj, (list, tuple)) and len(obj) <= limits.items:
-        out: list[JsonValue] = []
-        for v in obj:
-            ok, jv = _json_value(v, limits, depth + 1)
-            if not ok:
-                return False, None
-            out.append(jv)
-        return True, out
+        values = [_json_value(v, limits, depth + 1) for v in obj]
+        return (True, [jv for _ok, jv in values]) if all(ok for ok, _jv in values) else (False, None)
     items = mapping_items(obj)
     if items is not None and len(items) <= limits.items and all(type(k) is str for k, _v in items):
-        d: dict[str, JsonValue] = {}
-        for k, v in items:
-            ok, jv = _json_value(v, limits, depth + 1)
-            if not ok:
-                return False, None
-            d[k] = jv
-        return True, d
+        pairs = [(k, _json_value(v, limits, depth + 1)) for k, v in items]
+        if all(ok for _k, (ok, _jv) in pairs):
+            return True, {cast(str, k): jv for k, (_ok, jv) in pairs}
     return False, None
 
 
@@ -342,6 +353,11 @@ class _Render:
         self.budget -= len(s)
 
     def emit(self, obj: object, depth: int) -> None:
+        if not self.atom(obj):
+            self.structure(obj, depth)
+
+    def atom(self, obj: object) -> bool:
+        """Write ``obj`` when it is a plain value or a global (True), else write nothing (False)."""
         if isinstance(obj, str):
             suffix = f"… ({len(obj)} chars)"
             short = len(obj) + 2 <= self.budget
@@ -354,7 +370,13 @@ class _Render:
             self.put(repr(obj))
         elif isinstance(obj, GlobalMeta):
             self.put(obj.qualified_name)
-        elif is_tensor(obj):
+        else:
+            return False
+        return True
+
+    def structure(self, obj: object, depth: int) -> None:
+        """Write a tensor, a numpy value, a storage, a container or a pickled object."""
+        if is_tensor(obj):
             self.tensor(obj)
         elif numpy_kind(obj) is not None and isinstance(obj, ReduceNode):
             self.numpy(obj)
