@@ -155,21 +155,26 @@ def test_sanitize_names_the_level(tmp_path: Path) -> None:
         sanitize(tmp_path / "h.pt", tmp_path / "o.pt")
 
 
-def test_refusal_note_for_the_hints_names_levels(tmp_path: Path) -> None:
-    """The load hints' note (ops-level :func:`ckptool.ops.inspect.advice.refusal_note`) says each refused global's
-    scan level, and never advises trust for a dangerous one."""
+def test_load_hint_names_levels_and_never_advises_running_a_dangerous_file(tmp_path: Path) -> None:
+    """The load hint's note (:func:`ckptool.ops.hints.load_hint`) says each refused global's scan level, and for a
+    dangerous one says not to load it with weights_only=False (it advised exactly that for every refused file)."""
+    import argparse
     import os
 
     import torch
 
-    from ckptool.ops.inspect.advice import refusal_note
+    from ckptool.ops.hints import load_hint
 
     class Evil:
         def __reduce__(self) -> tuple[object, ...]:
             return (os.system, ("echo never",))
 
     torch.save({"w": torch.ones(1), "cmd": Evil()}, tmp_path / "h.pt")
-    note = refusal_note(ckptool.inspect(tmp_path / "h.pt"))
-    assert note is not None and "system (DANGEROUS)" in note and "do not load it with trust" in note
+    notes = " ".join(load_hint(tmp_path / "h.pt").notes)
+    assert "system (DANGEROUS)" in notes and "Do not load it with weights_only=False" in notes, notes
+    torch.save({"w": torch.ones(1), "args": argparse.Namespace(lr=0.1)}, tmp_path / "ns.pt")
+    notes = " ".join(load_hint(tmp_path / "ns.pt").notes)
+    assert "argparse.Namespace (needs-trust)" in notes and "ckptool sanitize" in notes, notes
     torch.save({"w": torch.ones(1)}, tmp_path / "ok.pt")
-    assert refusal_note(ckptool.inspect(tmp_path / "ok.pt")) is None
+    assert not any("refuses" in n for n in load_hint(tmp_path / "ok.pt").notes)
+

@@ -34,8 +34,9 @@ from typing import cast
 
 from ckptool import _source as source
 from ckptool.formats.safetensors import recorded_names
+from ckptool.model.allowlist import DANGEROUS, level_word
 from ckptool.model.devices import map_location_for
-from ckptool.ops.inspect.entry import CheckpointInfo, inspect
+from ckptool.ops.inspect.entry import CheckpointInfo, GlobalInfo, inspect
 from ckptool.readers import Opened, open_checkpoint
 
 __all__ = ["LoadHint", "dcp_hint", "load_hint", "package_hint", "safetensors_hint", "torch_hint"]
@@ -95,13 +96,21 @@ def _device_notes(path: str, tags: set[str], chosen: frozenset[str], sharded: bo
     return notes
 
 
-def _unsafe_note(path: str, unsafe: list[str]) -> str:
+def _unsafe_note(path: str, info: CheckpointInfo) -> str:
+    """Why ``torch.load(weights_only=True)`` refuses ``path``: each global it names outside the allowlist with the
+    level ``ckptool scan`` gives it (:func:`ckptool.model.allowlist.level_word`), then the remedy: a weights-only copy
+    with ``ckptool sanitize``, or ``weights_only=False`` for a trusted source; never that for a dangerous global."""
+    unsafe = [g for g in info.globals if not g.allowed] or [GlobalInfo(n, False) for n in info.unsafe_globals]
     more = f" and {len(unsafe) - _LISTED} more" if len(unsafe) > _LISTED else ""
+    named = ", ".join(f"{g.name} ({level_word(g.level)})" for g in unsafe[:_LISTED])
+    if any(g.level == DANGEROUS for g in unsafe):
+        return (f"torch.load(weights_only=True) refuses this file: it names {named}{more}. Do not load it with "
+                f"weights_only=False: that runs the file's code; see `ckptool scan {shlex.quote(path)}`")
     stem, ext = os.path.splitext(path)
     safe = f"{stem}.safe{ext or '.pt'}"
-    return (f"torch.load(weights_only=True) refuses this file: it names {', '.join(unsafe[:_LISTED])}{more}. Make "
-            f"a weights-only copy with `ckptool sanitize {shlex.quote(path)} -o {shlex.quote(safe)}` first; load "
-            "it with weights_only=False (below) only if you trust its source, since that runs the file's code")
+    return (f"torch.load(weights_only=True) refuses this file: it names {named}{more}. Make a weights-only copy "
+            f"with `ckptool sanitize {shlex.quote(path)} -o {shlex.quote(safe)}` first; load it with "
+            "weights_only=False (below) only if you trust its source, since that runs the file's code")
 
 
 def _shard_files(opened: Opened) -> list[str]:
@@ -220,7 +229,7 @@ def torch_hint(opened: Opened, info: CheckpointInfo, state_dict: str | None, cho
     tags = set(info.storage_bytes)
     notes: list[str] = []
     if unsafe:
-        notes.append(_unsafe_note(path, unsafe))
+        notes.append(_unsafe_note(path, info))
     elif info.weights_only_refusal is not None:
         notes.append(f"torch.load(weights_only=True) refuses this file: its pickle uses {info.weights_only_refusal}, "
                      "which torch's weights_only unpickler does not read (a pickle_protocol above 3?); load it with "

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from ckptool.model.allowlist import DANGEROUS, SAFE, level_word, refusal_remedy
+from ckptool.model.allowlist import DANGEROUS, SAFE, level_word
 from ckptool.ops.inspect.info import CheckpointInfo
 from ckptool.ops.scan.results import PickleFinding, ScanResult
 from ckptool.readers import FORMATS
 
 __all__ = ["DCP_LOAD", "DEEPSPEED_LOAD", "EXPORT_LOAD", "PACKAGE_IMPORTER", "PICKLE_LOAD", "TORCH_JIT_LOAD",
-           "TORCH_LOAD", "advice_lines", "hidden_level", "loaded_by", "metadata_lines", "refusal_note",
+           "TORCH_LOAD", "advice_lines", "hidden_level", "loaded_by", "metadata_lines",
            "security_lines"]
 
 Lines = Callable[[CheckpointInfo], list[str]]
@@ -187,18 +187,3 @@ def metadata_lines(info: CheckpointInfo) -> list[str]:
         return []
     shown = _METADATA.get(loaded_by(info))
     return shown(info) if shown is not None else [f"Metadata: {json.dumps(info.metadata)[:200]}"]
-
-
-def refusal_note(info: CheckpointInfo, *, listed: int = 3) -> str | None:
-    """For the load hints (:mod:`ckptool.ops.hints`): why ``torch.load(weights_only=True)`` refuses ``info``'s file
-    and what to do, in scan's words: the globals outside the weights_only allowlist with their scan level
-    (``numpy.ndarray (needs-trust)``, ``os.system (DANGEROUS)``, the first ``listed``), then
-    :func:`ckptool.model.allowlist.refusal_remedy` (sanitize first, trust second; never trust a dangerous one).
-    None when torch reads the file."""
-    unsafe = [g for g in info.globals if not g.allowed]
-    if not unsafe:
-        return None
-    more = f" and {len(unsafe) - listed} more" if len(unsafe) > listed else ""
-    named = ", ".join(f"{g.name} ({level_word(g.level)})" for g in unsafe[:listed])
-    return (f"torch.load(weights_only=True) refuses this file: it names {named}{more}. "
-            + refusal_remedy(info.path, [g.name for g in unsafe]))
