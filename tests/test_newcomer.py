@@ -58,3 +58,13 @@ def test_readme_installs_from_the_repository() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert not re.search(r"^pip install '?ckptool", text, re.M)
     assert re.search(r"^pip install \.", text, re.M)
+
+
+def test_inspect_help_names_every_registry_format() -> None:
+    """``inspect --help`` lists the formats it prints: every entry of the registry (it named 7 of 11)."""
+    from ckptool.readers import FORMATS
+
+    r = CliRunner().invoke(cli, ["inspect", "--help"], terminal_width=400)
+    listed = re.search(r"Prints the format \(([^)]*)\)", " ".join(r.output.split()))
+    assert listed is not None, r.output
+    assert [f.strip() for f in listed.group(1).split(",")] == list(FORMATS)
