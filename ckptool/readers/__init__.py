@@ -11,8 +11,8 @@ the readers of what it holds, each read at most once:
   data in which file), the same for every format, so that an operation never reads a format through another
   operation's code.
 
-The registry (:data:`FORMATS`) lists every format ckptool reads, in the order ``docs/formats.md`` shows them; the
-support matrix (:mod:`ckptool.ops.matrix`) has one row per entry, and a test holds the two to the same names.
+The registry (:data:`FORMATS`, :mod:`ckptool.readers.registry`) lists every format ckptool reads, in the order
+``docs/formats.md`` shows them; the support matrix (:mod:`ckptool.ops.matrix`) is generated from it.
 
 =====================  ===============================================================================
 format                 recognised by (:mod:`ckptool.formats.detect`, :mod:`ckptool.formats.sharded`, ...)
@@ -33,12 +33,10 @@ format                 recognised by (:mod:`ckptool.formats.detect`, :mod:`ckpto
 
 from __future__ import annotations
 
-import functools
-import importlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Literal, TypeVar, cast
+from typing import Any, BinaryIO, TypeVar, cast
 
 from ckptool import _source as source
 from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
@@ -60,17 +58,7 @@ from ckptool.readers.read_dcp import dcp_tree
 from ckptool.readers.read_deepspeed import read_zero
 from ckptool.readers.read_package import package_state_dicts
 from ckptool.readers.read_torch import graph_source
-from ckptool.readers.support import (
-    DCP_REMAP,
-    FOLDER,
-    JIT,
-    NO_MODULE,
-    PACKAGE,
-    PT2_STATE_DICT,
-    SET_ROW,
-    ZERO,
-    Cell,
-)
+from ckptool.readers.registry import FORMATS, Format, plugin
 
 __all__ = [
     "FORMATS",
@@ -88,257 +76,7 @@ __all__ = [
     "span",
 ]
 
-Kind = Literal["file", "set", "folder"]
 _T = TypeVar("_T")
-
-
-Role = Literal["read", "describe", "load", "hint", "rewrite"]
-
-
-@dataclass(frozen=True)
-class Format:
-    """One registry entry: ``name`` (as ``inspect --json``, ``convert``'s result and ``docs/formats.md`` name it),
-    ``label`` (what it is, for people), ``kind`` (one ``file``, a ``set`` of files named by an index, or a
-    ``folder``), ``pickled`` (its structure is a pickle read as a node graph: :meth:`Opened.graph`), and
-    ``tensors``: whether ckptool reads its tensors without running code (:meth:`Opened.state_dict`), else
-    ``refusal``, the sentence that says why not and what to do instead (a torch.package archive, whose tensors
-    are read, keeps one for the commands that do not take it yet); ``keyed``: it holds several mappings, of which
-    a dotted ``key`` selects one (the others hold one flat mapping of tensors, ``flat``: what the format is, in
-    the sentence that refuses ``--key``); ``header``: its tensors are listed by name in a JSON header ahead of one
-    data block (:meth:`Opened.safetensors_header`), so a rewrite renames them there and copies the data block, and
-    the tied names the writing library left out are recorded in its ``__metadata__``; ``consolidate``: its tensors
-    are partitions that only a consolidation joins (``ckptool convert`` writes one file of them), so the commands
-    that rewrite a checkpoint (remap, the prefix commands, rename, filter) take it only once consolidated;
-    ``key_form``: how a ``key`` is named, for people (``PATH``, a dotted path; ``MEMBER:PATH`` in a torch.package
-    archive); ``tagged``: its checkpoints lie in tag folders (DeepSpeed's ``global_step*``: ``tag`` and
-    ``exclude_frozen`` apply); ``torch_distributed``: written by ``torch.distributed.checkpoint``, whose whole state
-    (tensors and other entries) torch's own planner restores; ``refusals``: the sentence an operation
-    (``"extract-state-dict"``; ``"rewrite"``: remap and sanitize; ``"prefix"``: the prefix commands; ``"edit"``:
-    rename and filter) refuses it with, where that operation has its own (a template: ``{path}``, ``{action}``,
-    ``{api}``, ``{done}`` filled by :meth:`refusal_for`); ``location_tags``: its files
-    record each storage's location tag (torch pickles; the others open on the CPU); ``strides``: which strides its
-    tensors keep, ``"saved"`` (every tensor's, as saved), ``"views"`` (contiguous, but for the views ckptool's
-    sharing record gives back: safetensors) or ``"none"`` (a DCP folder: ``dcp.load`` copies each record into the
-    caller's tensors); ``loaded_by``: the call its users load it with (``torch.load`` for torch's own files, whose
-    pickles ``torch.load(weights_only=True)``'s allowlist decides), what ``inspect``'s advice names.
-
-    What differs per format in the layers above is named here too, as plug-ins: dotted references
-    ``"package.module:function"`` resolved lazily by :meth:`behaviour` (imported the first time a checkpoint of
-    that format is met, as fsspec's ``known_implementations`` and pip's ``commands_dict`` do, so that nothing is
-    imported for formats not met, and the readers layer, below ``ops`` and ``torch_ops``, never imports them):
-
-    * ``reader``: its tensors as a :class:`~ckptool.formats.tensors.Source`, ``(opened, key, tag,
-      exclude_frozen) -> Source`` (:meth:`Opened.state_dict`; in the format's reader module);
-    * ``describer``: ``ckptool inspect``, ``(opened, limits) -> CheckpointInfo`` (:mod:`ckptool.ops.inspect.entry`);
-    * ``loader``: ``load_into`` / ``verify``, ``(opened, request) -> (object, saved location tags)``
-      (:mod:`ckptool.torch_ops.load`);
-    * ``hint``: the "Load it with" line of a written output, ``(opened, info, state_dict, chosen) -> LoadHint``
-      (:mod:`ckptool.ops.hints`; empty: ``torch.load``);
-    * ``rewriter``: ``remap`` of a file whose storages are not a torch pickle's (a torch.package archive),
-      ``(opened, dst, to, mapping, allow_missing, progress, *, renaming) -> WriteResult``
-      (:mod:`ckptool.ops.rewrite`; empty: the pickle's node graph streamed anew).
-
-    ``support`` is the format's row of the support matrix (:mod:`ckptool.ops.matrix`, ``docs/formats.md``):
-    operation -> :class:`~ckptool.readers.support.Cell` for every operation that does not plainly work (a refusal
-    with its reason and route, a known bug, or a working cell's phrase); None: not a row (plain pickles, which
-    only ``inspect`` and ``scan`` read)."""
-
-    name: str
-    label: str
-    kind: Kind
-    pickled: bool = False
-    tensors: bool = True
-    refusal: str = ""
-    keyed: bool = False
-    header: bool = False
-    consolidate: bool = False
-    flat: str = ""
-    reader: str = ""
-    describer: str = ""
-    loader: str = ""
-    hint: str = ""
-    rewriter: str = ""
-    support: Mapping[str, Cell] | None = field(default=None, hash=False)
-    key_form: str = "PATH"
-    tagged: bool = False
-    torch_distributed: bool = False
-    refusals: Mapping[str, str] = field(default_factory=dict, compare=False)
-    location_tags: bool = False
-    strides: Literal["saved", "views", "none"] = "none"
-    loaded_by: str = "torch.load"
-
-    def refusal_for(self, operation: str, path: str, **words: str) -> str | None:
-        """The sentence ``operation`` refuses a checkpoint of this format with (:attr:`refusals`), ``path`` first
-        and the template's ``{path}`` / ``{...}`` filled from ``words``; None when the operation takes it."""
-        template = self.refusals.get(operation)
-        return None if template is None else f"{path} {template.format(path=path, **words)}"
-
-    def behaviour(self, role: Role, default: Callable[..., Any] | None = None) -> Callable[..., Any]:
-        """The plug-in this format names for ``role`` (``"read"``, ``"describe"``, ``"load"``, ``"hint"``), its
-        module imported on first use (cached); ``default`` when the format names none.
-
-        Raises:
-            UnsupportedError: the format names none and there is no ``default``.
-        """
-        ref = getattr(self, _ROLES[role])
-        if not ref:
-            if default is not None:
-                return default
-            raise UnsupportedError(f"a {self.label.strip('`')} has no {role} behaviour")
-        return plugin(ref)
-
-
-#: :meth:`Format.behaviour`'s roles -> the :class:`Format` field naming the plug-in
-_ROLES: dict[str, str] = {"read": "reader", "describe": "describer", "load": "loader", "hint": "hint",
-                          "rewrite": "rewriter"}
-
-
-@functools.cache
-def plugin(ref: str) -> Callable[..., Any]:
-    """The function a dotted reference ``"package.module:function"`` names, its module imported (once).
-
-    Raises:
-        ImportError / AttributeError: no such module or function (a registry entry out of date).
-    """
-    module, _, name = ref.partition(":")
-    fn = getattr(importlib.import_module(module), name)
-    if not callable(fn):
-        raise TypeError(f"{ref} is not callable")
-    return cast(Callable[..., Any], fn)
-
-
-_TORCH_READ = "ckptool.readers.read_torch:read_tensors"
-_PICKLED_INSPECT = "ckptool.ops.inspect.entry:inspect_pickled"
-_SET_INSPECT = "ckptool.ops.inspect.entry:inspect_sharded"
-_TORCH_LOAD = "ckptool.torch_ops.loaders:load_torch_zip"
-_SET_LOAD = "ckptool.torch_ops.loaders:load_set"
-_TORCH_ROW = {"scan": Cell("works", "safe"), "diff": Cell("works", "identical"), "extract-state-dict": NO_MODULE}
-
-#: what torch.save files record of each tensor: its storage's location tag and its strides
-_TORCH_LAYOUT: dict[str, Any] = {"location_tags": True, "strides": "saved"}
-
-#: every format ckptool reads, in the order of ``docs/formats.md``
-FORMATS: dict[str, Format] = {f.name: f for f in (
-    Format(detect.TORCH_ZIP, "`torch.save` zip (`pytorch_model.bin`, accelerate's `optimizer.bin`)", "file",
-           pickled=True, keyed=True, reader=_TORCH_READ, describer=_PICKLED_INSPECT, loader=_TORCH_LOAD,
-           support=_TORCH_ROW, **_TORCH_LAYOUT),
-    Format(detect.TORCH_LEGACY, "`torch.save(..., _use_new_zipfile_serialization=False)`", "file", pickled=True,
-           keyed=True, reader=_TORCH_READ, describer=_PICKLED_INSPECT,
-           loader="ckptool.torch_ops.loaders:load_torch_legacy", support=_TORCH_ROW, **_TORCH_LAYOUT),
-    Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False, **_TORCH_LAYOUT,
-           loaded_by="torch.jit.load",
-           refusal="is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
-                   "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file",
-           refusals={"extract-state-dict": "is a TorchScript archive: its state_dict is torch.jit.load(path, "
-                                           "map_location='cpu').state_dict()",
-                     "rewrite": "is a TorchScript archive, not a torch.save checkpoint; load it on any device with "
-                                "torch.jit.load(path, map_location='cpu') (or 'cuda:0')",
-                     "prefix": "is a TorchScript archive: its parameter names are fixed by its compiled code and "
-                               "cannot be renamed. Load it with torch.jit.load(path, map_location='cpu') and rename "
-                               "model.state_dict() with ckptool.{api}(state_dict)",
-                     "edit": "is a TorchScript archive: its parameter names are fixed by its compiled code and "
-                             "cannot be {done}. Load it with torch.jit.load(path, map_location='cpu') and save "
-                             "model.state_dict() with torch.save first",},
-           describer=_PICKLED_INSPECT, loader="ckptool.torch_ops.loaders:load_torchscript", support={
-               "scan": Cell("works", "needs-trust"),
-               "diff": Cell("works", "identical"),
-               "convert": Cell("refused", "is a TorchScript archive", JIT),
-               "remap": Cell("refused", "is a TorchScript archive", "torch.jit.load(path, map_location='cpu')"),
-               "prefix": Cell("refused", "cannot be renamed", JIT),
-               "extract-state-dict": Cell("refused", "is a TorchScript archive", "torch.jit.load(path).state_dict()"),
-               "sanitize": Cell("refused", "is a TorchScript archive", "torch.jit.load(path, map_location='cpu')"),
-               "verify": Cell("refused", "--trust", "`ckptool verify --trust` (compiles the archive's code)"),
-               "load_into": Cell("refused", "trust=True", "ckptool.load_into(model, path, trust=True)"),
-               "rename": Cell("refused", "cannot be renamed", JIT),
-               "filter": Cell("refused", "cannot be filtered", JIT),
-               "average": Cell("refused", "is a TorchScript archive", JIT),
-           }),
-    Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", keyed=True, key_form="MEMBER:PATH",
-           **_TORCH_LAYOUT, loaded_by="torch.package.PackageImporter",
-           refusal="is a torch.package archive: its objects are rebuilt by the package's own code, which this "
-                   "command would run; `ckptool convert PATH -o model.safetensors` writes its tensors without "
-                   "running it (then run the command on that file), torch.package.PackageImporter(path)."
-                   "load_pickle(...) loads them (runs the package's code: trusted files only)",
-           reader="ckptool.readers.read_package:read_tensors",
-           describer="ckptool.ops.inspect.entry:inspect_package", loader="ckptool.torch_ops.loaders:load_package",
-           hint="ckptool.ops.hints:package_hint", rewriter="ckptool.ops.rewrite.package:remap_package", support={
-               **dict.fromkeys(("prefix", "extract-state-dict", "sanitize", "rename", "filter"), PACKAGE),
-               "scan": Cell("works", "safe"),
-               "diff": Cell("works", "identical"),
-               "remap": Cell("works", "re-tagged"),
-               "verify": Cell("works", "bit-identical"),
-           }),
-    Format(detect.SAFETENSORS, "safetensors file", "file", flat="safetensors", header=True, strides="views",
-           loaded_by="safetensors.torch.load_file",
-           refusals={"extract-state-dict": "is safetensors: it already is a state_dict",
-                     "rewrite": "is safetensors: it carries no device tags, so there is nothing to {action}; "
-                                "load it on any device with safetensors.torch.load_file(path, device='cpu')"},
-           reader="ckptool.readers.read_safetensors:read_tensors",
-           describer="ckptool.ops.inspect.entry:inspect_safetensors",
-           loader="ckptool.torch_ops.loaders:load_safetensors", hint="ckptool.ops.hints:safetensors_hint", support={
-               "scan": Cell("works", "safe"),
-               "diff": Cell("works", "identical"),
-               "remap": Cell("refused", "nothing to remap", "safetensors.torch.load_file(path, device=...)"),
-               "extract-state-dict": Cell("refused", "already is a state_dict", "use the file as it is"),
-               "sanitize": Cell("refused", "nothing to sanitize", "safetensors.torch.load_file(path, device=...)"),
-           }),
-    Format("sharded-safetensors", "sharded safetensors set (`*.safetensors.index.json`)", "set", strides="views",
-           loaded_by="safetensors.torch.load_file",
-           refusals={"rewrite": "is safetensors: it carries no device tags, so there is nothing to "
-                                "{action}; load it on any device with safetensors.torch.load_file(path, device='cpu')"},
-           flat="a sharded set", reader="ckptool.readers.read_safetensors:read_set_tensors", describer=_SET_INSPECT,
-           loader=_SET_LOAD, hint="ckptool.ops.hints:safetensors_hint", support={
-               **SET_ROW,
-               "remap": Cell("refused", "carries no device tags", "safetensors.torch.load_file(shard, device=...)"),
-           }),
-    Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set", flat="a sharded set", **_TORCH_LAYOUT,
-           reader="ckptool.readers.read_safetensors:read_set_tensors", describer=_SET_INSPECT, loader=_SET_LOAD,
-           support=SET_ROW),
-    Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True, torch_distributed=True,
-           loaded_by="torch.distributed.checkpoint.load",
-           reader="ckptool.readers.read_dcp:read_tensors", describer="ckptool.ops.inspect.entry:inspect_dcp",
-           loader="ckptool.torch_ops.loaders:load_dcp", hint="ckptool.ops.hints:dcp_hint", support={
-               "scan": Cell("works", "safe"),
-               "diff": Cell("works", "2 of 2 matched tensors equal"),
-               "remap": DCP_REMAP,
-               "extract-state-dict": FOLDER, "sanitize": FOLDER,
-           }),
-    Format(detect.PT2, "torch.export archive (`.pt2`)", "file", keyed=True, strides="saved",
-           loaded_by="torch.export.load",
-           refusals={"edit": "is a torch.export archive; write its state_dict with `ckptool extract-state-dict "
-                             "{path}` first"},
-           reader="ckptool.readers.read_pt2:read_tensors", describer="ckptool.ops.inspect.entry:inspect_pt2",
-           loader="ckptool.torch_ops.loaders:load_pt2", support={
-               "scan": Cell("works", "safe"),
-               "diff": Cell("works", "identical"),
-               "remap": Cell("refused", "this command does not apply", PT2_STATE_DICT),
-               "prefix": Cell("refused", "this command does not apply", PT2_STATE_DICT),
-               "sanitize": Cell("refused", "this command does not apply", PT2_STATE_DICT),
-               "rename": Cell("refused", "write its state_dict", PT2_STATE_DICT),
-               "filter": Cell("refused", "write its state_dict", PT2_STATE_DICT),
-           }),
-    Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder", flat="a DeepSpeed checkpoint",
-           consolidate=True, tagged=True, **_TORCH_LAYOUT, loaded_by="DeepSpeedEngine.load_checkpoint",
-           reader="ckptool.readers.read_deepspeed:read_tensors",
-           describer="ckptool.ops.inspect.entry:inspect_deepspeed", loader="ckptool.torch_ops.loaders:load_deepspeed",
-           support={
-               "scan": Cell("works", "needs-trust"),
-               "diff": Cell("works", "identical"),
-               "remap": ZERO, "prefix": ZERO,
-               "extract-state-dict": FOLDER, "sanitize": FOLDER, "rename": FOLDER, "filter": FOLDER,
-           }),
-    Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
-           loaded_by="pickle.load",
-           refusal="is a plain pickle without torch storages, not a torch.save checkpoint",
-           refusals={"extract-state-dict": "is a plain pickle without torch storages; there is no state_dict to "
-                                           "extract",
-                     "rewrite": "is a plain pickle without torch storages; there is nothing to {action}",
-                     "prefix": "is a plain pickle without torch storages, not a torch.save checkpoint; load it and "
-                               "rename the state_dict in memory",
-                     "edit": "is a plain pickle without torch storages, not a torch.save checkpoint"},
-           describer=_PICKLED_INSPECT, loader="ckptool.torch_ops.loaders:load_pickle"),
-)}
-
 
 @dataclass(frozen=True)
 class StateDictEntry:
