@@ -46,9 +46,10 @@ def _tensors(n: int) -> str:
 
 
 def _print_folded(res: DiffResult) -> set[str]:
-    """Print every change repeated over several tensors as one summary line (``"72 tensors: device cuda:1 ->
-    cpu"``) and every property a format cannot store (:func:`_not_stored_lines`); return the changes folded."""
-    counts = Counter(c for t in res.tensors for c in t.changes)
+    """Print every change repeated over several tensors as one summary line (``"72 tensors: device cuda:0 ->
+    cpu"``) and every property a format cannot store (:func:`_not_stored_lines`); return the changes folded. A
+    shape change is never folded: its tensor's values are not compared, so it has a row, which shows it."""
+    counts = Counter(c for t in res.tensors for c in t.changes if not c.startswith("shape "))
     repeated = {c for c, n in counts.items() if n > 1}
     for c, n in counts.items():
         if n > 1:
@@ -67,7 +68,8 @@ def _row(t: KeyDiff, changes: list[str]) -> tuple[str, ...]:
 
 def _print_tensors(res: DiffResult, verbose: bool) -> None:
     """The tensors that differ: one row each with ``verbose``; else every change repeated over several tensors
-    (and every property a format cannot store) as one summary line, and rows only for what is left."""
+    (and every property a format cannot store) as one summary line, and rows only for what is left (a shape
+    change is never folded: it stays in its row)."""
     from tabulate import tabulate
 
     repeated = set() if verbose else _print_folded(res)
@@ -98,15 +100,7 @@ def _print_result(res: DiffResult, verbose: bool = False) -> None:
         click.echo(f"shared storage differs: {line}")
     for note in res.notes:
         click.echo(f"note: {note}")
-    if res.mode == "keys-only":
-        values = f"{res.compared} tensors matched (values not compared)"
-    else:
-        how = "bit-exact" if res.mode == "exact" else f"within rtol={res.rtol:g}, atol={res.atol:g}"
-        values = f"{res.values_equal} of {res.compared} matched tensors equal ({how})"
-        if res.not_compared:
-            values += f", {res.not_compared} not compared"
-    click.echo(("identical: " if res.identical else "different: ") + values
-               + (f", {res.plain_values} plain values compared" if res.plain_values else ""))
+    click.echo(res.summary())
 
 
 @click.command("diff")
@@ -123,7 +117,7 @@ def _print_result(res: DiffResult, verbose: bool = False) -> None:
                    "unchanged.")
 @click.option("-v", "--verbose", is_flag=True,
               help="One row per tensor; default: a change repeated over several tensors is one summary line "
-                   "('72 tensors: device cuda:1 -> cpu').")
+                   "('72 tensors: device cuda:0 -> cpu').")
 @click.option("--key", default=None, metavar="PATH",
               help="Compare the state_dict at this dotted path (e.g. model_state_dict) of each torch file where it "
                    "resolves; default: a training checkpoint against a bare state_dict is compared through the "

@@ -7,7 +7,7 @@ import os
 
 import click
 
-from ckptool.cli._common import claim_output, force_option, human_bytes
+from ckptool.cli._common import claim_output, emit_json, force_option, human_bytes, json_option
 from ckptool.ops.diff.report import report
 
 
@@ -21,10 +21,11 @@ def default_output(a: str) -> str:
 @click.command("report")
 @click.argument("a", type=click.Path(dir_okay=True))
 @click.argument("b", type=click.Path(dir_okay=True), required=False)
-@click.option("-o", "--output", "dst", metavar="OUT", help="The page to write. Default: A's name + .report.html in "
-              "the current folder.")
+@click.option("-o", "--output", "dst", metavar="OUT", help="The page to write. Default: A's name up to its first dot "
+              "+ .report.html, in the current folder (model.pth -> model.report.html).")
 @force_option
-def report_cmd(a: str, b: str | None, dst: str | None, force: bool) -> None:
+@json_option("report")
+def report_cmd(a: str, b: str | None, dst: str | None, force: bool, as_json: bool) -> None:
     """Write one self-contained HTML page about checkpoint A, or comparing A with B.
 
     The page (CSS and JavaScript inline; it opens from disk in any current browser, with no network) shows the
@@ -33,15 +34,21 @@ def report_cmd(a: str, b: str | None, dst: str | None, force: bool) -> None:
     module tree with repeated blocks folded (layers.0-31 x32) and a search box, and a treemap of the bytes by
     module coloured by dtype. With B: every key as equal, value change, shape or dtype change, or on one side
     only, and per module the relative change ||B - A|| / ||A|| as bars (every tensor of both is streamed once;
-    needs numpy). Nothing from either file is run, and without B no tensor data is read.
+    needs numpy). Nothing from either file is run, and without B no tensor data is read. With --json the page
+    is written too, and what it summarises is printed as one JSON object.
 
     \b
     Examples:
       ckptool report model.pth -o model.html
       ckptool report base.safetensors finetuned.safetensors -o what-moved.html
+      ckptool report base.pth tuned.pth --json    # the page, and its figures as JSON
     """
     out = claim_output(dst or default_output(a), force=force)
     res = report(a, b, dst=out)
+    if as_json:
+        emit_json("report", {"dst": res.dst, "bytes_written": res.bytes_written, "seconds": round(res.seconds, 3),
+                             "compared": res.compared, **res.figures})
+        return
     click.echo(f"Wrote {res.dst} ({human_bytes(res.bytes_written)}, {res.tensors} tensors"
                f"{', compared with ' + b if b else ''}, in {res.seconds:.1f} s)")
     click.echo(f"Open it in a browser: file://{os.path.abspath(res.dst)}")

@@ -18,6 +18,8 @@ the one Python expression that opens it with plain torch on a machine without a 
   pickle, numpy arrays, an ``argparse.Namespace``) -> a note naming ``ckptool sanitize`` first, and
   ``weights_only=False`` in the expression, for a source the user trusts.
 * a state_dict inside a bigger dict -> the indexing (``['state_dict']``) inside ``model.load_state_dict(...)``.
+* a DCP folder -> ``torch.distributed.checkpoint.load`` of ``model.state_dict()`` wrapped in the nesting the
+  folder was saved with (``{'model': model.state_dict()}``): DCP matches the flattened keys.
 * a ``torch.package`` archive (remap's output) -> ``torch.package.PackageImporter(path).load_pickle(...)`` of its
   first pickle, with a note that it runs the package's code.
 
@@ -30,7 +32,7 @@ import os
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from ckptool import _source as source
 from ckptool.formats.safetensors import recorded_names
@@ -50,7 +52,8 @@ class LoadHint:
     """How to open a written file: ``code`` is one Python expression that loads it with plain torch on a machine
     without a GPU, once the statements ``imports`` have run (``import torch``, ``import safetensors.torch``,
     ``import fsspec`` for a URL, ``import ckptool`` where only ckptool rebuilds views) and, where the code names
-    them, ``model`` is the user's ``nn.Module`` (``state_dict`` for a DCP folder: its state_dict to fill);
+    them, ``model`` is the user's ``nn.Module`` (``state_dict``, for a DCP folder holding no state_dict: the
+    dict of tensors to fill);
     ``notes`` are the lines to print before it (devices kept, globals that ``weights_only=True`` refuses, tied
     weights)."""
 
@@ -210,13 +213,47 @@ def package_hint(opened: Opened, info: CheckpointInfo, _state_dict: str | None, 
     return LoadHint(code, notes, ["import torch.package"])
 
 
-def dcp_hint(opened: Opened, _info: CheckpointInfo, _state_dict: str | None, _chosen: frozenset[str]) -> LoadHint:
-    """A DCP folder (the registry's ``hint``): ``torch.distributed.checkpoint.load`` into a state_dict filled
-    first."""
-    note = ("fill state_dict (a dict of tensors of the right shapes, such as model.state_dict()) first; DCP "
-            "loads in place")
-    return LoadHint(f"torch.distributed.checkpoint.load(state_dict, checkpoint_id={opened.target!r})", [note],
-                    ["import torch.distributed.checkpoint"])
+def _dcp_paths(opened: Opened) -> list[tuple[Any, ...]]:
+    """The path of every entry of the DCP folder ``opened`` in the nesting it was saved with, as its
+    ``planner_data`` records it (``("model", "fc.weight")``; ``(fqn,)`` where the planner recorded none), tensor
+    entries first."""
+    meta = opened.dcp_metadata()
+    planner = meta.planner_data or {}
+    entries = sorted(meta.entries, key=lambda e: e.dtype is None)
+    return [c if isinstance(c := planner.get(e.fqn), tuple) and c else (e.fqn,) for e in entries]
+
+
+def dcp_hint(opened: Opened, info: CheckpointInfo, state_dict: str | None, _chosen: frozenset[str]) -> LoadHint:
+    """A DCP folder (the registry's ``hint``): ``torch.distributed.checkpoint.load`` of ``model.state_dict()``
+    wrapped in the nesting the folder was saved with (``{'model': model.state_dict()}`` for a folder saved as
+    ``{"model": sd}``: DCP matches the flattened keys, ``model.fc.weight``, and loads in place into the model's
+    tensors). The state_dict is ``state_dict`` (a dotted path) where given, else the folder's largest one; the
+    note names the folder's other top-level entries, which the line leaves unloaded."""
+    target = opened.target
+    imports = ["import torch.distributed.checkpoint"]
+    biggest = sorted(info.state_dicts, key=lambda sd: -sd.tensors)
+    path = state_dict if state_dict is not None else biggest[0].path if biggest else None
+    if path is None:
+        note = ("fill state_dict (a dict of tensors of the right shapes, in the nesting the folder was saved with) "
+                "first; DCP loads in place")
+        return LoadHint(f"torch.distributed.checkpoint.load(state_dict, checkpoint_id={target!r})", [note], imports)
+    paths = _dcp_paths(opened)
+    nesting = next((p[:-1] for p in paths if ".".join(map(str, p[:-1])) == path),
+                   tuple(path.split(".")) if path else ())
+    wrapped = "model.state_dict()"
+    for key in reversed(nesting):
+        wrapped = f"{{{key!r}: {wrapped}}}"
+    if nesting:
+        under = " -> ".join(map(repr, nesting))
+        note = ("DCP loads in place into the tensors it is given, matched by their keys: the line passes "
+                f"model.state_dict() in the nesting the folder was saved with (under {under}), which fills model")
+    else:
+        note = ("DCP loads in place into the tensors it is given, matched by their keys: the line passes "
+                "model.state_dict() as the folder was saved (at its top level), which fills model")
+    others = list(dict.fromkeys(str(p[0]) for p in paths if nesting and p[:1] != nesting[:1]))
+    if others:
+        note += f"; the folder's other entries ({_names(others)}) stay unloaded: add them to the dict to load them"
+    return LoadHint(f"torch.distributed.checkpoint.load({wrapped}, checkpoint_id={target!r})", [note], imports)
 
 
 def torch_hint(opened: Opened, info: CheckpointInfo, state_dict: str | None, chosen: frozenset[str]) -> LoadHint:

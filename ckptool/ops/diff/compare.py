@@ -27,7 +27,7 @@ from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.dtypes import contiguous_stride, element_size, numel
 from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Tensor, is_contiguous
-from ckptool.model.keys import reconcile
+from ckptool.model.keys import WRAPPER_ONLY_COMPONENTS, reconcile
 from ckptool.model.notebook import facts_table
 from ckptool.ops.diff.sides import UNREAD, Side, read_pair, readable
 from ckptool.readers import Opened
@@ -100,6 +100,8 @@ class DiffResult:
     rtol: float | None = None
     atol: float | None = None
     prefix: str | None = None
+    #: the wrapper prefixes the keys differ by (``["module."]``), each once; empty when they match as they are
+    prefixes: list[str] = field(default_factory=list)
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
     tensors: list[KeyDiff] = field(default_factory=list)
@@ -137,6 +139,60 @@ class DiffResult:
         return not (self.prefix or self.only_a or self.only_b or self.values or self.shared
                     or any(t.changes or t.values == DIFFER or (self.strict and t.not_stored) for t in self.tensors))
 
+    def _key_differences(self) -> list[str]:
+        """The phrases of :meth:`differences` about keys: the wrapper prefixes, the keys on one side only."""
+        out = []
+        if self.prefix:
+            named = " and ".join(f"`{c}`" for c in self.prefixes)
+            out.append("keys differ by " + (f"a {named} prefix" if len(self.prefixes) == 1 else
+                                            f"the prefixes {named}" if self.prefixes else "a wrapper prefix"))
+        only = [(len(k), who) for who, k in (("A", self.only_a), ("B", self.only_b)) if k]
+        if only:
+            out.append(", ".join(f"{_count(n, 'key') if i == 0 else n} only in {who}"
+                                 for i, (n, who) in enumerate(only)))
+        return out
+
+    def differences(self) -> list[str]:
+        """What makes A and B differ, one phrase each, counted from the result itself (empty when
+        :attr:`identical`): the wrapper prefixes the keys differ by, the keys on one side only, the tensors whose
+        shape, dtype, saved device or stride changed, those whose values differ, the plain values that differ,
+        the sharing that differs and, with ``strict``, the properties one format cannot store."""
+        out = self._key_differences()
+        kinds: dict[str, int] = {}
+        for t in self.tensors:
+            for what in dict.fromkeys(c.split(" ", 1)[0] for c in t.changes):
+                kinds[what] = kinds.get(what, 0) + 1
+        out += [f"{_count(n, 'tensor')} change{'s' if n == 1 else ''} {what}" for what, n in kinds.items()]
+        differ = sum(t.values == DIFFER for t in self.tensors)
+        if differ:
+            out.append(f"values differ in {_count(differ, 'tensor')}")
+        if self.values:
+            out.append(f"{_count(len(self.values), 'plain value')} differ{'s' if len(self.values) == 1 else ''}")
+        if self.shared:
+            out.append(f"storage sharing differs ({_count(len(self.shared), 'group')})")
+        lost = sum(bool(t.not_stored) for t in self.tensors) if self.strict else 0
+        if lost:
+            out.append(f"{_count(lost, 'tensor')} hold{'s' if lost == 1 else ''} what the other format cannot "
+                       "store (--strict)")
+        return out
+
+    def summary(self) -> str:
+        """The line that closes ``ckptool diff``: ``identical: `` or ``different: `` and what differs
+        (:meth:`differences`), then how many matched tensors are equal (``11 of 11 matched tensors equal
+        (bit-exact)``); every figure is counted from the rows, so the line cannot contradict them."""
+        if self.mode == "keys-only":
+            counted = f"{self.compared} tensors matched (values not compared)"
+        else:
+            how = "bit-exact" if self.mode == "exact" else f"within rtol={self.rtol:g}, atol={self.atol:g}"
+            counted = f"{self.values_equal} of {self.compared} matched tensors equal ({how})"
+            if self.not_compared:
+                counted += f", {self.not_compared} not compared"
+        if self.plain_values:
+            counted += f", {_count(self.plain_values, 'plain value')} compared"
+        if self.identical:
+            return f"identical: {counted}"
+        return f"different: {'; '.join([*self.differences(), counted])}"
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict with ``"schema": "ckptool.diff/1"``; non-finite numbers and values that are not
         JSON types are written as their ``repr``."""
@@ -150,12 +206,18 @@ class DiffResult:
             "key_a": self.key_a, "key_b": self.key_b,
             "identical": self.identical, "mode": self.mode, "strict": self.strict, "rtol": self.rtol,
             "atol": self.atol,
-            "prefix": self.prefix, "only_a": self.only_a, "only_b": self.only_b,
+            "prefix": self.prefix, "prefixes": self.prefixes, "summary": self.summary(),
+            "only_a": self.only_a, "only_b": self.only_b,
             "tensors": [{**t.__dict__, "max_abs": plain(t.max_abs), "max_rel": plain(t.max_rel)} for t in self.tensors],
             "values": [{"key": v.key, "key_b": v.key_b, "a": plain(v.a), "b": plain(v.b)} for v in self.values],
             "shared": self.shared, "compared": self.compared, "values_equal": self.values_equal,
             "plain_values": self.plain_values, "not_compared": self.not_compared, "notes": self.notes,
         }
+
+
+def _count(n: int, word: str) -> str:
+    """``1 tensor`` / ``2 tensors``."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 # ------------------------------------------------------------------------------------------------ streaming values
@@ -267,30 +329,44 @@ def _compare_values(ta: Tensor, tb: Tensor, files: FileRanges, rtol: float | Non
 
 
 # ------------------------------------------------------------------------------------------------ matching keys
-def _match(keys_a: list[str], keys_b: list[str]) -> tuple[dict[str, str], str | None]:
+def _carrying(comp: str, keys: list[str]) -> int:
+    """How many of ``keys`` carry the dotted components ``comp`` (``"module."``): at the front, or for a
+    component only wrappers use (``_checkpoint_wrapped_module.``) anywhere between dots."""
+    if comp.split(".")[0] in WRAPPER_ONLY_COMPONENTS:
+        return sum(f".{comp}" in f".{k}" for k in keys)
+    return sum(k.startswith(comp) for k in keys)
+
+
+def _on(comps: list[str], keys: list[str]) -> str:
+    """```module.` on every key`` / ```module.` on 7 of 11 keys``, each component counted in ``keys``."""
+    parts = []
+    for c in comps:
+        n = _carrying(c, keys)
+        parts.append(f"`{c}` on " + ("every key" if n == len(keys) else f"{n} of {len(keys)} keys"))
+    return " and ".join(parts)
+
+
+def _match(keys_a: list[str], keys_b: list[str]) -> tuple[dict[str, str], str | None, list[str]]:
     """``{key in B: key in A}`` for the keys that match after reconciling wrapper prefixes (renaming B's keys onto
-    A's or A's onto B's, whichever matches more), and the sentence that says which side has which prefix (None when
-    the keys match as they are)."""
+    A's or A's onto B's, whichever matches more), the sentence that says which side has which prefix on how many
+    of its keys (counted in the keys themselves; None when the keys match as they are) and those prefixes."""
     set_a, set_b = set(keys_a), set(keys_b)
     same = sum(k in set_a for k in keys_b)
     b_to_a, a_to_b = reconcile(keys_b, keys_a), reconcile(keys_a, keys_b)
     if b_to_a.changed and b_to_a.matched > same and b_to_a.matched >= a_to_b.matched:
-        best = b_to_a
         pairs = {kb: ka for kb, ka in b_to_a.mapping.items() if ka in set_a}
         a_has, b_has = b_to_a.added, b_to_a.removed
     elif a_to_b.changed and a_to_b.matched > same:
-        best = a_to_b
         pairs = {kb: ka for ka, kb in a_to_b.mapping.items() if kb in set_b}
         a_has, b_has = a_to_b.removed, a_to_b.added
     else:
-        return {k: k for k in keys_b if k in set_a}, None
-    renamed = sum(old != new for old, new in best.mapping.items())  # keys of the side renamed
-    where = "every key" if renamed == len(best.mapping) else f"{renamed} of {len(best.mapping)} keys"
-    has = [(who, ", ".join(f"`{c}`" for c in comps)) for who, comps in (("A", a_has), ("B", b_has)) if comps]
+        return {k: k for k in keys_b if k in set_a}, None, []
+    has = [(who, _on(comps, keys)) for who, comps, keys in (("A", a_has, keys_a), ("B", b_has, keys_b)) if comps]
+    comps = list(dict.fromkeys(a_has + b_has))
     if len(has) == 1:
-        who, comps = has[0]
-        return pairs, f"{who} has {comps} on {where}, {'B' if who == 'A' else 'A'} has none; keys matched without it"
-    return pairs, f"A has {has[0][1]} and B has {has[1][1]} on {where}; keys matched without them"
+        who, on = has[0]
+        return pairs, f"{who} has {on}, {'B' if who == 'A' else 'A'} has none; keys matched without it", comps
+    return pairs, f"A has {has[0][1]} and B has {has[1][1]}; keys matched without them", comps
 
 
 def _device_changes(da: str | None, db: str | None) -> tuple[list[str], list[str]]:
@@ -413,7 +489,7 @@ def _check_options(rtol: float | None, atol: float | None, keys_only: bool, norm
 def _match_keys(side_a: Side, side_b: Side, res: DiffResult) -> dict[str, str]:
     """Match the two sides' keys: fills ``res.prefix``, ``only_a`` / ``only_b``, ``plain_values`` and the plain
     ``values`` that differ; returns the matched tensors (key in B -> key in A)."""
-    pairs, res.prefix = _match(list(side_a.tensors), list(side_b.tensors))
+    pairs, res.prefix, res.prefixes = _match(list(side_a.tensors), list(side_b.tensors))
     matched_a = set(pairs.values())
     value_pairs = {k: k for k in side_b.values if k in side_a.values}
     res.only_a = [k for k in side_a.tensors if k not in matched_a] + [k for k in side_a.values if k not in value_pairs]

@@ -24,7 +24,7 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
@@ -57,13 +57,15 @@ MAX_MATCHES = 500
 @dataclass
 class ReportResult:
     """What :func:`report` wrote: ``dst`` the page's path, ``bytes_written`` its size in bytes, ``tensors`` the
-    tensors of A, ``seconds`` the wall time taken, ``compared`` whether a second checkpoint was compared."""
+    tensors of A, ``seconds`` the wall time taken, ``compared`` whether a second checkpoint was compared,
+    ``figures`` what the page summarises (:func:`report_figures`: ``a``, ``b``, ``comparison``)."""
 
     dst: str
     bytes_written: int
     tensors: int
     seconds: float
     compared: bool
+    figures: dict[str, Any] = field(default_factory=dict)
 
     @property
     def out(self) -> str:
@@ -116,29 +118,49 @@ def _treemap(tree: TreeNode) -> list[dict[str, Any]]:
     return rects
 
 
-def _summary(info: CheckpointInfo) -> dict[str, Any]:
-    params_by: dict[str, dict[str, int]] = {"dtype": {}, "device": {}}
+def side_figures(info: CheckpointInfo) -> dict[str, Any]:
+    """The figures of one checkpoint that the page's summary shows, JSON-ready (counts and bytes as integers):
+    ``path``, ``format``, ``kind``, ``size`` (the file or folder, bytes), ``tensors``, ``storages``, ``bytes``
+    (each storage once), ``params`` (elements), ``by_dtype`` / ``by_device`` (``{name: {"params", "bytes"}}``),
+    ``state_dicts`` (``[{"path", "tensors", "prefixes", "fix"}]``), ``verdict`` (scan's level), ``dangerous`` /
+    ``needs_trust`` (the globals of each level) and ``values`` (``[{"path", "type", "shown"}]``, the entries that
+    are not tensors)."""
+    by: dict[str, dict[str, dict[str, int]]] = {"dtype": {}, "device": {}}
+
+    def add(what: str, key: str, field: str, n: int) -> None:
+        row = by[what].setdefault(key, {"params": 0, "bytes": 0})
+        row[field] += n
+
     for t in info.tensors:
-        n = math.prod(t.shape)
-        params_by["dtype"][t.dtype] = params_by["dtype"].get(t.dtype, 0) + n
-        params_by["device"][t.device] = params_by["device"].get(t.device, 0) + n
-    bytes_by: dict[str, dict[str, int]] = {"dtype": {}, "device": {}}
+        add("dtype", t.dtype, "params", math.prod(t.shape))
+        add("device", t.device, "params", math.prod(t.shape))
     for row in info.totals:
-        bytes_by["dtype"][row.dtype] = bytes_by["dtype"].get(row.dtype, 0) + row.bytes
-        bytes_by["device"][row.device] = bytes_by["device"].get(row.device, 0) + row.bytes
+        add("dtype", row.dtype, "bytes", row.bytes)
+        add("device", row.device, "bytes", row.bytes)
     security = info.security()
     return {
-        "path": info.path, "format": info.format, "kind": info.kind, "size": human_bytes(info.size),
-        "tensors": len(info.tensors), "storages": info.storages, "bytes": human_bytes(info.total_bytes),
-        "params": sum(params_by["dtype"].values()),
-        "by": [(what, key, human_count(params_by[what].get(key, 0)), human_bytes(bytes_by[what].get(key, 0)))
-               for what in ("dtype", "device") for key in sorted(set(params_by[what]) | set(bytes_by[what]))],
-        "state_dicts": [(sd.path or "(top level)", sd.tensors, " ".join(sd.prefixes) or "-", sd.fix or "-")
+        "path": info.path, "format": info.format, "kind": info.kind, "size": info.size,
+        "tensors": len(info.tensors), "storages": info.storages, "bytes": info.total_bytes,
+        "params": sum(r["params"] for r in by["dtype"].values()),
+        "by_dtype": dict(sorted(by["dtype"].items())), "by_device": dict(sorted(by["device"].items())),
+        "state_dicts": [{"path": sd.path, "tensors": sd.tensors, "prefixes": list(sd.prefixes), "fix": sd.fix}
                         for sd in info.state_dicts],
         "verdict": security.get("level") or info.verdict,
         "dangerous": [d["name"] for d in security.get("dangerous", [])],
-        "needs_trust": security.get("needs_trust", []),
-        "values": [(v.path, v.type, v.shown) for v in info.values],
+        "needs_trust": list(security.get("needs_trust", [])),
+        "values": [{"path": v.path, "type": v.type, "shown": v.shown} for v in info.values],
+    }
+
+
+def _summary(fig: dict[str, Any]) -> dict[str, Any]:
+    """:func:`side_figures` as the page shows them (sizes and counts in words, rows as tuples)."""
+    return {
+        **fig, "size": human_bytes(fig["size"]), "bytes": human_bytes(fig["bytes"]),
+        "by": [(what, key, human_count(row["params"]), human_bytes(row["bytes"]))
+               for what in ("dtype", "device") for key, row in fig[f"by_{what}"].items()],
+        "state_dicts": [(sd["path"] or "(top level)", sd["tensors"], " ".join(sd["prefixes"]) or "-", sd["fix"] or "-")
+                        for sd in fig["state_dicts"]],
+        "values": [(v["path"], v["type"], v["shown"]) for v in fig["values"]],
     }
 
 
@@ -183,33 +205,59 @@ def _module_changes(info: CheckpointInfo, res: DiffResult, depth: int = 3) -> li
     return out
 
 
+def report_figures(info: CheckpointInfo, other: CheckpointInfo | None = None, res: DiffResult | None = None
+                   ) -> dict[str, Any]:
+    """Every figure the page summarises, JSON-ready (what ``ckptool report --json`` prints): ``a`` and ``b``
+    (:func:`side_figures`; ``b`` None without B) and ``comparison`` (None without B): ``counts`` (keys per
+    status: equal, value change, shape or dtype change, only in A, only in B), ``prefix`` (the wrapper prefix keys
+    were matched after, or None), ``modules`` (per module of A three levels deep: ``path``, ``depth``,
+    ``tensors`` measured, ``rel`` = ``||B - A|| / ||A||``, None where ``||A||`` is 0 and B differs), ``norms``
+    (whether the relative changes were measured: False without numpy), ``changed`` (the keys that differ,
+    ``[{"key", "status", "detail"}]``, the first :data:`MAX_DIFF_ROWS`) and ``changed_left`` (those not listed)."""
+    comparison = None
+    if res is not None:
+        counts, rows = _diff_rows(res)
+        modules = [{**c, "rel": c["rel"] if math.isfinite(c["rel"]) else None} for c in _module_changes(info, res)]
+        comparison = {
+            "counts": counts, "prefix": res.prefix or None, "modules": modules,
+            "norms": bool(res.norms) or res.compared == 0,
+            "changed": [{"key": k, "status": st, "detail": d} for k, st, d in rows[:MAX_DIFF_ROWS]],
+            "changed_left": max(0, len(rows) - MAX_DIFF_ROWS),
+        }
+    return {"a": side_figures(info), "b": side_figures(other) if other is not None else None,
+            "comparison": comparison}
+
+
 # ------------------------------------------------------------------------------------------------ the page
-def render_html(info: CheckpointInfo, other: CheckpointInfo | None = None, res: DiffResult | None = None) -> str:
-    """The page for ``info`` (and the comparison with ``other`` when ``res`` is given) as one HTML string."""
+def _page(info: CheckpointInfo, figures: dict[str, Any]) -> str:
+    """The page of :func:`report_figures` ``figures`` (``info``: side A, for its module tree) as one HTML string."""
     tree = info.tree()
     template = resources.files("ckptool.ops.diff").joinpath("report.html.j2").read_text(encoding="utf-8")
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
                              lstrip_blocks=True)
     data = {"tree": _compact(tree), "maxMatches": MAX_MATCHES}
-    counts: dict[str, int] = {}
-    rows: list[tuple[str, str, str]] = []
-    changes: list[dict[str, Any]] = []
-    if res is not None:
-        counts, rows = _diff_rows(res)
-        changes = _module_changes(info, res)
-        top = max((c["rel"] for c in changes if math.isfinite(c["rel"])), default=0.0)
-        for c in changes:
-            c["width"] = 100.0 if not math.isfinite(c["rel"]) or top == 0 else 100.0 * c["rel"] / top
-            c["shown"] = "inf" if not math.isfinite(c["rel"]) else f"{c['rel']:.3g}"
+    comparison = figures["comparison"] or {"counts": {}, "changed": [], "changed_left": 0, "modules": [],
+                                           "norms": True}
+    changes = [dict(c) for c in comparison["modules"]]
+    top = max((c["rel"] for c in changes if c["rel"] is not None), default=0.0)
+    for c in changes:
+        c["width"] = 100.0 if c["rel"] is None or top == 0 else 100.0 * c["rel"] / top
+        c["shown"] = "inf" if c["rel"] is None else f"{c['rel']:.3g}"
     rects = _treemap(tree)
+    b = figures["b"]
     return env.from_string(template).render(
-        a=_summary(info), b=_summary(other) if other is not None else None, res=res,
+        a=_summary(figures["a"]), b=_summary(b) if b is not None else None, res=figures["comparison"],
         treemap=rects, treemap_w=TREEMAP_W, treemap_h=TREEMAP_H,
         legend=sorted({(r["dtype"], r["colour"]) for r in rects if r["depth"] == 0}),
-        counts=counts, rows=rows[:MAX_DIFF_ROWS], rows_left=max(0, len(rows) - MAX_DIFF_ROWS),
-        changes=changes, norms_missing=res is not None and not res.norms and res.compared > 0,
+        counts=comparison["counts"], rows=[(r["key"], r["status"], r["detail"]) for r in comparison["changed"]],
+        rows_left=comparison["changed_left"], changes=changes, norms_missing=not comparison["norms"],
         data_json=json.dumps(data, separators=(",", ":")).replace("</", "<\\/"),
     )
+
+
+def render_html(info: CheckpointInfo, other: CheckpointInfo | None = None, res: DiffResult | None = None) -> str:
+    """The page for ``info`` (and the comparison with ``other`` when ``res`` is given) as one HTML string."""
+    return _page(info, report_figures(info, other, res))
 
 
 @renamed_argument("out", "dst")
@@ -239,11 +287,12 @@ def report(a: str | os.PathLike[str], b: str | os.PathLike[str] | None = None, *
         side_b = open_checkpoint(b)
         other = inspect(side_b)
         res = diff(side_a, side_b, norms=True)
-    page = render_html(info, other, res).encode("utf-8")
+    figures = report_figures(info, other, res)
+    page = _page(info, figures).encode("utf-8")
     path = os.fspath(dst)
     with atomic_output(path) as f:
         f.write(page)
-    return ReportResult(path, len(page), len(info.tensors), time.perf_counter() - start, b is not None)
+    return ReportResult(path, len(page), len(info.tensors), time.perf_counter() - start, b is not None, figures)
 
 
-__all__ = ["ReportResult", "render_html", "report"]
+__all__ = ["ReportResult", "render_html", "report", "report_figures", "side_figures"]
