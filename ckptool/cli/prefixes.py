@@ -22,6 +22,7 @@ from ckptool.cli._common import (
     mapping_of,
     refuse_stdout,
     renamed_state_dict,
+    report_kept,
     report_rename,
     report_write,
     set_output_options,
@@ -70,6 +71,7 @@ def _run(operation: str, src: str, dst: str | None, in_place: bool, force: bool,
     unit = "tensors" if spec and spec.header else "storages"
     retagged = "".join(f"; re-tagged {a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
     report_write(res.dst, res.bytes_written, f"{res.storages} {unit}{set_detail(res)}{retagged}")
+    report_kept(res)
     report_hint(res.dst, state_dict=renamed_state_dict(res), to=to, maps=maps)
 
 

@@ -18,6 +18,7 @@ from ckptool.cli._common import (
     mapping_of,
     refuse_stdout,
     renamed_state_dict,
+    report_kept,
     report_rename,
     report_write,
     set_output_options,
@@ -87,4 +88,5 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
     changes = (", ".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
                or "none (tags already match)")
     report_write(res.dst, res.bytes_written, f"{res.storages} storages{set_detail(res)}; re-tagged: {changes}")
+    report_kept(res)
     report_hint(res.dst, state_dict=state_dict, to=to, maps=maps)

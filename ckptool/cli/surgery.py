@@ -21,6 +21,7 @@ from ckptool.cli._common import (
     mapping_of,
     refuse_stdout,
     renamed_state_dict,
+    report_kept,
     report_write,
     retagged_list,
     set_output_options,
@@ -152,6 +153,7 @@ def _report_output(res: RuleResult | FilterResult, sd: str | None, to: str | Non
         click.echo("Dry run: nothing was written")
         return
     report_write(res.dst, res.bytes_written, _stored(res))
+    report_kept(res)
     report_hint(res.dst, state_dict=sd, to=to, maps=maps)
 
 
