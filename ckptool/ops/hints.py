@@ -41,6 +41,7 @@ from ckptool.errors import CkptError
 from ckptool.formats.safetensors import recorded_names
 from ckptool.model.allowlist import DANGEROUS, level_word
 from ckptool.model.devices import map_location_for
+from ckptool.model.keys import WRAPPER_COMPONENTS, shared_prefixes
 from ckptool.ops.inspect.entry import CheckpointInfo, GlobalInfo, inspect
 from ckptool.readers import Opened, open_checkpoint
 
@@ -164,7 +165,9 @@ def set_hint(opened: Opened, notes: list[str], *, trusted: bool) -> LoadHint | N
     """The hint of the local sharded set ``opened`` (``notes`` before it; ``trusted``: its pickles need
     ``weights_only=False``): ``transformers.<Architecture>.from_pretrained(folder)`` when the folder holds a
     ``config.json`` and an index of the names transformers reads (a note says when to load into one's own model
-    instead), else ``ckptool.load_into(model, folder)`` (``trust=True`` for pickles torch's weights_only refuses).
+    instead) and its keys do not all start with a wrapper's prefix (``module.``, ``_orig_mod.``: from_pretrained
+    would match none), else ``ckptool.load_into(model, folder)`` (``trust=True`` for pickles torch's weights_only
+    refuses).
     None for a set at a URL (the caller lists its shards)."""
     index = opened.target
     if source.is_url(index):
@@ -175,6 +178,11 @@ def set_hint(opened: Opened, notes: list[str], *, trusted: bool) -> LoadHint | N
     arch = _architecture(os.path.dirname(index) or ".")
     if arch is None or os.path.basename(index) not in _TRANSFORMERS_INDEXES:
         return LoadHint(into, notes, ["import ckptool"])
+    wrappers = [p for p in shared_prefixes(list(opened.index().weight_map)) if p[:-1] in WRAPPER_COMPONENTS]
+    if wrappers:  # from_pretrained would match none of its names and start from random weights
+        note = (f"every key starts with {''.join(wrappers)} (a wrapper's): from_pretrained would load none of "
+                f"them; ckptool.load_into removes it (or `ckptool strip-dataparallel` / `unwrap` first)")
+        return LoadHint(into, [*notes, note], ["import ckptool"])
     note = (f"from_pretrained builds the model config.json describes and loads the set into it; where the keys no "
             f"longer match that model's names (a prefix removed or added), load into your own model: {into}")
     return LoadHint(f"transformers.{arch}.from_pretrained({place!r})", [*notes, note], ["import transformers"])

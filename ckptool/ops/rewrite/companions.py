@@ -44,13 +44,13 @@ class Companions:
         """The names of the files copied."""
         return [name for _p, name in self.files]
 
-    def note(self) -> str | None:
-        """The note naming what was left out of the output folder, or None when nothing was."""
+    def notes(self) -> list[str]:
+        """The note naming what was left out of the output folder; none when nothing was."""
         if not self.left:
-            return None
+            return []
         shown = ", ".join(self.left[:4]) + (" ..." if len(self.left) > 4 else "")
-        return (f"not copied from the input folder: {shown} (subfolders, and weights files this rewrite did not "
-                "change, would not match the new set)")
+        return [(f"not copied from the input folder: {shown} (subfolders, and weights files this rewrite did "
+                 "not change, would not match the new set)")]
 
 
 def companion_files(folder: str, own: set[str], out_folder: str) -> Companions:

@@ -75,14 +75,15 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
     n = len(groups)
     paths = [os.path.join(layout.folder, name) for name in layout.shard_names(n)]
     index = os.path.join(layout.folder, layout.index_name) if n > 1 or always_index else None
+    own = [*paths, *([index] if index else [])]
     extra = [(src, os.path.join(layout.folder, name)) for src, name in companions]
-    _refuse_set_target(layout, [*paths, *([index] if index else []), *(p for _s, p in extra)], inputs)
+    _refuse_set_target(layout, [*own, *(p for _s, p in extra)], inputs)
     earlier = _earlier_set(layout)  # read before the new index replaces the old one
     made = layout.is_output_folder and not os.path.isdir(layout.folder)
     if made:
         os.makedirs(layout.folder)
     committed: list[str] = []
-    keep = {os.path.basename(p) for p in [*paths, *([index] if index else [])]}
+    keep = {os.path.basename(p) for p in own}
     if index is None:  # before the notes of the commit (what it removed), which follow from it
         res.notes.append(f"everything fits one shard: wrote the single file {os.path.basename(paths[0])} and no "
                          "index, as transformers' save_pretrained does")
@@ -106,7 +107,7 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
         if not done:
             _undo(committed, layout.folder if made else None)
         raise
-    res.files += paths + ([index] if index else [])
+    res.files += own
     if index is not None and not layout.is_output_folder:
         res.dst = index  # NAME.safetensors itself is not written: the index names the set
 

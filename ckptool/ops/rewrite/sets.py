@@ -475,14 +475,11 @@ def rewrite_set(
             res.retagged[pair] = res.retagged.get(pair, 0) + n
 
     inputs = [os.path.abspath(index_path), *(sh.path for sh in s.shards)]
-    own = {os.path.basename(index_path), *(os.path.basename(sh.path) for sh in s.shards)}
-    companions = companion_files(os.path.dirname(index_path), own, layout.folder)
+    companions = companion_files(os.path.dirname(index_path), {os.path.basename(p) for p in inputs}, layout.folder)
     write_set(layout, shards, write, inputs, weight_map, _data_bytes(shards), res, dst,
               metadata=metadata, always_index=True, companions=companions.files)
     res.kept = companions.names
-    left = companions.note()
-    if left is not None:
-        res.notes.append(left)
+    res.notes += companions.notes()
     res.dst = os.path.join(layout.folder, layout.index_name)
     if len(shards) < len(s.shards):
         res.notes.append(f"{len(s.shards) - len(shards)} shard(s) held only dropped tensors and were not written; "
