@@ -45,7 +45,8 @@ from ckptool.model.keys import WRAPPER_COMPONENTS, shared_prefixes
 from ckptool.ops.inspect.entry import CheckpointInfo, GlobalInfo, inspect
 from ckptool.readers import Opened, open_checkpoint
 
-__all__ = ["LoadHint", "dcp_hint", "load_hint", "package_hint", "safetensors_hint", "set_hint", "torch_hint"]
+__all__ = ["LoadHint", "dcp_hint", "load_hint", "package_hint", "renamed_set_hint", "safetensors_hint", "set_hint",
+           "torch_hint"]
 
 _LISTED = 3  # globals named in the note before "and N more"
 _NO_DEVICE_TAGS = frozenset({"cpu", "meta"})  # tags that open on any machine without map_location
@@ -183,8 +184,8 @@ def set_hint(opened: Opened, notes: list[str], *, trusted: bool) -> LoadHint | N
         note = (f"every key starts with {''.join(wrappers)} (a wrapper's): from_pretrained would load none of "
                 f"them; ckptool.load_into removes it (or `ckptool strip-dataparallel` / `unwrap` first)")
         return LoadHint(into, [*notes, note], ["import ckptool"])
-    note = (f"from_pretrained builds the model config.json describes and loads the set into it; where the keys no "
-            f"longer match that model's names (a prefix removed or added), load into your own model: {into}")
+    note = (f"from_pretrained builds the model config.json describes and loads the set into it; into your own "
+            f"model: {into}")
     return LoadHint(f"transformers.{arch}.from_pretrained({place!r})", [*notes, note], ["import transformers"])
 
 
@@ -325,7 +326,7 @@ def torch_hint(opened: Opened, info: CheckpointInfo, state_dict: str | None, cho
 
 
 def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
-              chosen: Iterable[str] = ()) -> LoadHint:
+              chosen: Iterable[str] = (), renamed: bool = False) -> LoadHint:
     """The :class:`LoadHint` of the file (or sharded set, or DCP folder) at ``path``, read from the file itself:
     the checkpoint opened once (:func:`ckptool.readers.open_checkpoint`: a local folder that is not a DCP
     checkpoint is the set it holds, its ``*.index.json`` or the single ``model.safetensors`` /
@@ -342,11 +343,28 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
             loads as itself). Tied weights and views in safetensors need the model whatever ``state_dict`` is.
         chosen: the location tags the user asked for (:func:`ckptool.model.devices.chosen_tags`); other non-cpu
             tags in the file get a note saying they were kept.
+        renamed: the command that wrote ``path`` renamed its keys: a model folder's set then loads into the
+            user's model (``ckptool.load_into``), not through ``from_pretrained``, whose class may no longer match
+            the names (:func:`set_hint`).
 
     Raises what :func:`ckptool.ops.inspect.entry.inspect` raises for an unreadable file, and UsageError for a folder
     that holds no checkpoint set.
     """
     opened = open_checkpoint(path)
     info = inspect(opened)
-    hint = opened.spec.behaviour("hint", torch_hint)
-    return cast(LoadHint, hint(opened, info, state_dict, frozenset(chosen)))
+    hint = cast(LoadHint, opened.spec.behaviour("hint", torch_hint)(opened, info, state_dict, frozenset(chosen)))
+    if renamed and hint.imports == ["import transformers"]:  # set_hint's from_pretrained line
+        return renamed_set_hint(opened, hint, trusted=not opened.spec.header and not info.weights_only_loads)
+    return hint
+
+
+def renamed_set_hint(opened: Opened, hint: LoadHint, *, trusted: bool) -> LoadHint:
+    """The hint of a model folder's set whose keys a command renamed (``hint``: its ``from_pretrained`` line):
+    ``ckptool.load_into(model, folder)``, with a note that ``from_pretrained`` loads it only where the names still
+    match the class ``config.json`` names."""
+    place = _set_place(opened.target)
+    note = (f"keys were renamed: {hint.code} loads the folder only where the names still match that class's "
+            "(transformers adds or removes the base model's own prefix, such as transformer., itself); the line "
+            "below loads it into your own model")
+    into = f"ckptool.load_into(model, {place!r}{', trust=True' if trusted else ''})"
+    return LoadHint(into, [*hint.notes[:-1], note], ["import ckptool"])
