@@ -12,7 +12,8 @@ flat), except
   names, and ``from_pretrained`` could load them instead of the rewritten set. They are named in a note instead,
   as are subfolders (not copied).
 A set read through a URL, or written into its own folder, keeps nothing (the files are where they were). A single
-weights file is rewritten into a single file: nothing is copied beside it.
+weights file, given as a file or as the folder holding only it, is rewritten into a single file beside it: nothing
+is copied.
 """
 
 from __future__ import annotations
