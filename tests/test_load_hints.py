@@ -67,7 +67,7 @@ def build(ref):
 RUNNER = MATCHING_MODEL + r'''
 import json, re, sys
 
-MODULES = ("torch.distributed.checkpoint", "safetensors.torch", "fsspec", "ckptool", "torch")
+MODULES = ("torch.distributed.checkpoint", "safetensors.torch", "fsspec", "ckptool", "transformers", "torch")
 
 def bits(t):
     return t.detach().reshape(-1).contiguous().view(torch.uint8)
@@ -247,6 +247,51 @@ def test_every_printed_hint_loads_into_a_matching_model(src: Sources, run_cli: A
         cases.append({"code": hint_line(r.output), "ref": src.ref(ref), "argv": argv, **extra})
     failures = run_hints(cases)
     assert not failures, json.dumps(failures, indent=1)
+
+
+def test_set_hints_of_a_model_folder_run(run_cli: Any, tmp_path: Path) -> None:
+    """A rewritten transformers model folder (issue 37): the printed line is ``from_pretrained(folder)`` and builds
+    the model with the saved values, tied ``lm_head.weight`` included; with ``--json``, with exactly its imports;
+    keys renamed, or no config.json: ``ckptool.load_into(model, folder)`` into the matching model."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=32,
+                                                                 n_positions=16, bos_token_id=0, eos_token_id=1))
+    model.save_pretrained(tmp_path / "hf", max_shard_size="2KB")
+    ref = tmp_path / "ref.pt"
+    torch.save(model.state_dict(), ref)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for p in (tmp_path / "hf").glob("model*"):
+        p.rename(bare / p.name)
+    (tmp_path / "hf" / "config.json").rename(bare / "config.json")
+    cases = []
+    argv = ["filter", bare, "--keep", "*", "-o", tmp_path / "kept"]
+    r = run_cli(*argv)
+    assert r.exit_code == 0, r.output
+    assert hint_line(r.output) == f"transformers.GPT2LMHeadModel.from_pretrained({str(tmp_path / 'kept')!r})"
+    cases.append({"code": hint_line(r.output), "ref": str(ref), "sub": ".state_dict()", "argv": argv[:1]})
+    hint = json.loads(run_cli(*argv, "--force", "--json").output)["load_hint"]
+    cases.append({"code": hint["code"], "imports": hint["imports"], "ref": str(ref), "sub": ".state_dict()"})
+    # keys renamed: into the user's model (from_pretrained would start GPT2LMHeadModel from random weights here)
+    r = run_cli("add-prefix", bare, "net.", "-o", tmp_path / "net")
+    assert hint_line(r.output) == f"ckptool.load_into(model, {str(tmp_path / 'net')!r})"
+    saved = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: saved once
+    cases.append({"code": hint_line(r.output), "ref": src_ref(tmp_path / "ref1.pt", {f"net.{k}": v
+                                                                                      for k, v in saved.items()})})
+    (bare / "config.json").unlink()
+    r = run_cli("strip-prefix", bare, "transformer.", "-o", tmp_path / "noconfig")
+    assert hint_line(r.output) == f"ckptool.load_into(model, {str(tmp_path / 'noconfig')!r})"
+    stripped = {k.removeprefix("transformer."): v for k, v in saved.items()}
+    cases.append({"code": hint_line(r.output), "ref": src_ref(tmp_path / "ref2.pt", stripped)})
+    failures = run_hints(cases)
+    assert not failures, json.dumps(failures, indent=1)
+
+
+def src_ref(path: Path, sd: dict[str, torch.Tensor]) -> str:
+    """``sd`` saved at ``path`` for the runner."""
+    torch.save(dict(sd), path)
+    return str(path)
 
 
 def test_json_hints_run_with_exactly_their_imports(src: Sources, run_cli: Any, tmp_path: Path) -> None:

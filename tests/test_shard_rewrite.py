@@ -45,8 +45,8 @@ def _index(path: Path) -> dict[str, Any]:
 
 
 def test_remap_torch_set_cuda_to_cpu(run_cli: Callable[..., Any], tmp_path: Path) -> None:
-    """A torch-shard set tagged cuda:0 is remapped to cpu: same layout, every tag cpu, and the printed hint (a plain
-    torch.load of every shard, no map_location) gives back every tensor bit-exactly."""
+    """A torch-shard set tagged cuda:0 is remapped to cpu: same layout, every tag cpu, and the printed hint
+    (ckptool.load_into of the folder) gives back every tensor bit-exactly."""
     sd = _state_dict([f"layers.{i}.weight" for i in range(4)])
     index = _make_set(run_cli, tmp_path, sd, "torch", "--to", "cuda:0")
     shards = sorted(p.name for p in index.parent.glob("*.bin"))
@@ -58,7 +58,11 @@ def test_remap_torch_set_cuda_to_cpu(run_cli: Callable[..., Any], tmp_path: Path
     assert _index(out / index.name) == _index(index)  # weight_map and metadata unchanged
     assert {t for s in shards for t in location_tags(out / s)} == {"cpu"}
     hint = next(line for line in r.output.splitlines() if line.startswith("Load it with: "))
-    got = eval(hint.removeprefix("Load it with: "), {"torch": torch})
+    assert hint == f"Load it with: ckptool.load_into(model, {str(out)!r})"  # the loader, not the shard paths
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False) for _ in range(4))
+    eval(hint.removeprefix("Load it with: "), {"ckptool": ckptool, "model": model})
+    got = model.state_dict()
     assert sorted(got) == sorted(sd)
     for k, v in sd.items():
         assert got[k].device.type == "cpu" and got[k].dtype == v.dtype and torch.equal(got[k], v), k

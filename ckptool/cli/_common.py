@@ -112,6 +112,15 @@ def report_write(dst: str, bytes_written: int, detail: str) -> None:
     click.echo(f"Wrote {dst} ({human_bytes(bytes_written)}, {detail})")
 
 
+def report_kept(res: object) -> None:
+    """Print ``kept: config.json, tokenizer.json, ...``: the files of a model folder a rewrite of its set copied
+    beside the new set (the result's ``kept``, :class:`ckptool.ops.rewrite.sets.SetFilesResult`); nothing when
+    none were."""
+    kept = getattr(res, "kept", None)
+    if kept:
+        click.echo(f"kept: {', '.join(kept)}")
+
+
 def renamed_state_dict(res: RenameResult) -> str | None:
     """The dotted path of the one state_dict a rename changed (a mapping, not a pickled module), for the load
     hint's ``model.load_state_dict(...[path])``; None when it changed several, or a module."""

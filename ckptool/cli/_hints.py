@@ -18,19 +18,24 @@ from ckptool.ops.hints import LoadHint, load_hint
 
 
 def hint_for(path: str, *, state_dict: str | None = None, to: str | None = None,
-             maps: tuple[str, ...] = ()) -> LoadHint:
+             maps: tuple[str, ...] = (), renamed: bool = False) -> LoadHint:
     """The :func:`ckptool.ops.hints.load_hint` of the file written at ``path`` (``state_dict``: dotted path to load
-    into a model; ``to`` / ``maps``: the tags the user chose)."""
-    return load_hint(path, state_dict=state_dict, chosen=chosen_tags(to, mapping_of(maps)))
+    into a model; ``to`` / ``maps``: the tags the user chose; ``renamed``: the command renamed keys)."""
+    return load_hint(path, state_dict=state_dict, chosen=chosen_tags(to, mapping_of(maps)), renamed=renamed)
 
 
 def report_hint(path: str, *, state_dict: str | None = None, to: str | None = None,
-                maps: tuple[str, ...] = ()) -> None:
+                maps: tuple[str, ...] = (), renamed: bool = False) -> None:
     """Print the notes and the ``Load it with: ...`` line of :func:`hint_for` (same arguments)."""
-    hint = hint_for(path, state_dict=state_dict, to=to, maps=maps)
+    hint = hint_for(path, state_dict=state_dict, to=to, maps=maps, renamed=renamed)
     for note in hint.notes:
         click.echo(f"Note: {note}")
     click.echo(f"Load it with: {hint.code}")
+
+
+def renamed_keys(res: object) -> bool:
+    """Whether the result ``res`` of a rewrite renamed keys (its ``renamed`` count; none for a remap or filter)."""
+    return bool(getattr(res, "renamed", 0))
 
 
 def hint_payload(hint: LoadHint) -> dict[str, Any]:

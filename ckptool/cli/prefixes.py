@@ -22,13 +22,14 @@ from ckptool.cli._common import (
     mapping_of,
     refuse_stdout,
     renamed_state_dict,
+    report_kept,
     report_rename,
     report_write,
     set_output_options,
     source_size,
     write_payload,
 )
-from ckptool.cli._hints import hint_for, hint_payload, report_hint
+from ckptool.cli._hints import hint_for, hint_payload, renamed_keys, report_hint
 from ckptool.ops.rewrite.prefixes import (
     RenameResult,
     add_prefix,
@@ -61,7 +62,7 @@ def _run(operation: str, src: str, dst: str | None, in_place: bool, force: bool,
     with Progress(operation, source_size(src)) as bar:
         res = write(out, bar)
     if as_json:
-        hint = hint_for(res.dst, state_dict=renamed_state_dict(res), to=to, maps=maps)
+        hint = hint_for(res.dst, state_dict=renamed_state_dict(res), to=to, maps=maps, renamed=renamed_keys(res))
         emit_json(operation, {"operation": res.operation, **write_payload(res, res), **set_payload(res),
                               **hint_payload(hint)})
         return
@@ -70,7 +71,8 @@ def _run(operation: str, src: str, dst: str | None, in_place: bool, force: bool,
     unit = "tensors" if spec and spec.header else "storages"
     retagged = "".join(f"; re-tagged {a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
     report_write(res.dst, res.bytes_written, f"{res.storages} {unit}{set_detail(res)}{retagged}")
-    report_hint(res.dst, state_dict=renamed_state_dict(res), to=to, maps=maps)
+    report_kept(res)
+    report_hint(res.dst, state_dict=renamed_state_dict(res), to=to, maps=maps, renamed=renamed_keys(res))
 
 
 @click.command("strip-dataparallel", epilog=_EPILOG_SAFETY)

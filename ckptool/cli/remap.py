@@ -18,13 +18,14 @@ from ckptool.cli._common import (
     mapping_of,
     refuse_stdout,
     renamed_state_dict,
+    report_kept,
     report_rename,
     report_write,
     set_output_options,
     source_size,
     write_payload,
 )
-from ckptool.cli._hints import hint_for, hint_payload, report_hint
+from ckptool.cli._hints import hint_for, hint_payload, renamed_keys, report_hint
 from ckptool.ops.rewrite.prefixes import RenameResult
 from ckptool.ops.rewrite.remap import remap, remap_output
 from ckptool.ops.rewrite.sets import refuse_existing_set, set_detail, set_payload
@@ -79,7 +80,7 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
     rename = res if isinstance(res, RenameResult) else None
     state_dict = renamed_state_dict(rename) if rename is not None else None
     if as_json:
-        hint = hint_payload(hint_for(res.dst, state_dict=state_dict, to=to, maps=maps))
+        hint = hint_payload(hint_for(res.dst, state_dict=state_dict, to=to, maps=maps, renamed=renamed_keys(res)))
         emit_json("remap", {**write_payload(res, rename), **set_payload(res), **hint})
         return
     if rename is not None:
@@ -87,4 +88,5 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
     changes = (", ".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
                or "none (tags already match)")
     report_write(res.dst, res.bytes_written, f"{res.storages} storages{set_detail(res)}; re-tagged: {changes}")
-    report_hint(res.dst, state_dict=state_dict, to=to, maps=maps)
+    report_kept(res)
+    report_hint(res.dst, state_dict=state_dict, to=to, maps=maps, renamed=renamed_keys(res))

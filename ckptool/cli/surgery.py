@@ -21,13 +21,14 @@ from ckptool.cli._common import (
     mapping_of,
     refuse_stdout,
     renamed_state_dict,
+    report_kept,
     report_write,
     retagged_list,
     set_output_options,
     source_size,
     write_payload,
 )
-from ckptool.cli._hints import hint_for, hint_payload, report_hint
+from ckptool.cli._hints import hint_for, hint_payload, renamed_keys, report_hint
 from ckptool.errors import UsageError
 from ckptool.ops.rewrite.sets import set_detail, set_payload
 from ckptool.ops.surgery.average import AverageResult, average
@@ -142,7 +143,7 @@ def _emit(res: RuleResult | FilterResult, command: str, payload: dict[str, Any],
           maps: tuple[str, ...]) -> None:
     """Print ``payload`` as the command's JSON, with the load hint of what was written (none after a dry run)."""
     if not res.dry_run:
-        payload.update(hint_payload(hint_for(res.dst, state_dict=sd, to=to, maps=maps)))
+        payload.update(hint_payload(hint_for(res.dst, state_dict=sd, to=to, maps=maps, renamed=renamed_keys(res))))
     emit_json(command, payload)
 
 
@@ -152,7 +153,8 @@ def _report_output(res: RuleResult | FilterResult, sd: str | None, to: str | Non
         click.echo("Dry run: nothing was written")
         return
     report_write(res.dst, res.bytes_written, _stored(res))
-    report_hint(res.dst, state_dict=sd, to=to, maps=maps)
+    report_kept(res)
+    report_hint(res.dst, state_dict=sd, to=to, maps=maps, renamed=renamed_keys(res))
 
 
 # ------------------------------------------------------------------------------------------------ filter

@@ -5,9 +5,12 @@ what the written file holds, never a fixed string.
 through :func:`ckptool.ops.inspect.entry.inspect`; tensor bytes are never read, nothing is imported or run) and builds
 the one Python expression that opens it with plain torch on a machine without a GPU:
 
-* format: a torch zip file -> ``torch.load``; safetensors -> ``safetensors.torch.load_file``; a sharded set -> the
-  shards listed in its index, merged into one dict; a folder of shards -> its index, or its single file when
-  everything fitted one shard (never the folder: ``load_file('out/')`` fails); a URL -> the file ``fsspec`` opens.
+* format: a torch zip file -> ``torch.load``; safetensors -> ``safetensors.torch.load_file``; a folder of shards
+  with its index -> the loader users use, never a list of shard paths (:func:`set_hint`): ``transformers``
+  ``from_pretrained(folder)`` when the folder is a model folder (a ``config.json`` beside an index of the names
+  transformers reads), else ``ckptool.load_into(model, folder)``; a folder holding one shard -> its single file
+  (never the folder: ``load_file('out/')`` fails); a URL -> the file ``fsspec`` opens (a set at a URL: its shards
+  merged into one dict).
 * tied weights in safetensors (stored once, the alias recorded in ``__metadata__``) -> the model is needed:
   ``safetensors.torch.load_model(model, path)``, or for shards the merged dict with each alias given its kept
   tensor; other views recorded by ckptool (``ckptool.shared``) -> ``ckptool.load_into(model, path)``.
@@ -28,6 +31,7 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from collections.abc import Iterable
@@ -35,13 +39,16 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ckptool import _source as source
+from ckptool.errors import CkptError
 from ckptool.formats.safetensors import recorded_names
 from ckptool.model.allowlist import DANGEROUS, level_word
 from ckptool.model.devices import map_location_for
+from ckptool.model.keys import WRAPPER_COMPONENTS, shared_prefixes
 from ckptool.ops.inspect.entry import CheckpointInfo, GlobalInfo, inspect
 from ckptool.readers import Opened, open_checkpoint
 
-__all__ = ["LoadHint", "dcp_hint", "load_hint", "package_hint", "safetensors_hint", "torch_hint"]
+__all__ = ["LoadHint", "dcp_hint", "load_hint", "package_hint", "renamed_set_hint", "safetensors_hint", "set_hint",
+           "torch_hint"]
 
 _LISTED = 3  # globals named in the note before "and N more"
 _NO_DEVICE_TAGS = frozenset({"cpu", "meta"})  # tags that open on any machine without map_location
@@ -125,6 +132,66 @@ def _shard_files(opened: Opened) -> list[str]:
     return [os.path.join(os.path.dirname(path), s) for s in sorted(index.shards)]
 
 
+#: the index names ``transformers`` ``from_pretrained`` looks for in a model folder
+_TRANSFORMERS_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def _architecture(folder: str) -> str | None:
+    """The model class ``config.json`` of ``folder`` names (``architectures[0]``, ``AutoModel`` when it names none);
+    None without a readable ``config.json``."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    names = config.get("architectures")
+    first = names[0] if isinstance(names, list) and names else None
+    return first if isinstance(first, str) and first.isidentifier() else "AutoModel"
+
+
+def _set_place(index: str) -> str:
+    """How the hint names the set of ``index``: its folder when the index has a name transformers reads
+    (``model.safetensors.index.json``: a model folder) and the folder opens as that set (its one index), else the
+    index itself (a folder holding several sets, ``NAME.safetensors.index.json``, and one that may get more)."""
+    folder = os.path.dirname(index) or "."
+    if os.path.basename(index) not in _TRANSFORMERS_INDEXES:
+        return index
+    try:
+        same = open_checkpoint(folder).target == index
+    except CkptError:
+        same = False
+    return folder if same else index
+
+
+def set_hint(opened: Opened, notes: list[str], *, trusted: bool) -> LoadHint | None:
+    """The hint of the local sharded set ``opened`` (``notes`` before it; ``trusted``: its pickles need
+    ``weights_only=False``): ``transformers.<Architecture>.from_pretrained(folder)`` when the folder holds a
+    ``config.json`` and an index of the names transformers reads (a note says when to load into one's own model
+    instead) and its keys do not all start with a wrapper's prefix (``module.``, ``_orig_mod.``: from_pretrained
+    would match none), else ``ckptool.load_into(model, folder)`` (``trust=True`` for pickles torch's weights_only
+    refuses).
+    None for a set at a URL (the caller lists its shards)."""
+    index = opened.target
+    if source.is_url(index):
+        return None
+    place = _set_place(index)
+    trust = ", trust=True" if trusted else ""
+    into = f"ckptool.load_into(model, {place!r}{trust})"
+    arch = _architecture(os.path.dirname(index) or ".")
+    if arch is None or os.path.basename(index) not in _TRANSFORMERS_INDEXES:
+        return LoadHint(into, notes, ["import ckptool"])
+    wrappers = [p for p in shared_prefixes(list(opened.index().weight_map)) if p[:-1] in WRAPPER_COMPONENTS]
+    if wrappers:  # from_pretrained would match none of its names and start from random weights
+        note = (f"every key starts with {''.join(wrappers)} (a wrapper's): from_pretrained would load none of "
+                f"them; ckptool.load_into removes it (or `ckptool strip-dataparallel` / `unwrap` first)")
+        return LoadHint(into, [*notes, note], ["import ckptool"])
+    note = (f"from_pretrained builds the model config.json describes and loads the set into it; into your own "
+            f"model: {into}")
+    return LoadHint(f"transformers.{arch}.from_pretrained({place!r})", [*notes, note], ["import transformers"])
+
+
 def _dropped(files: list[str]) -> tuple[dict[str, str], list[str]]:
     """The tensors the safetensors ``files`` hold only as records in ``__metadata__`` (:mod:`ckptool.formats.
     safetensors`): ``(exact, views)``, ``exact`` alias -> kept name for a tensor that *is* a stored one (a tied
@@ -161,6 +228,10 @@ def safetensors_hint(opened: Opened, _info: CheckpointInfo, state_dict: str | No
     path = opened.target
     sharded = opened.spec.kind == "set"
     url = source.is_url(path)
+    if sharded and not url:
+        found = set_hint(opened, [], trusted=False)
+        assert found is not None
+        return found
     files = _shard_files(opened) if sharded else [path]
     exact, views = _dropped(files)
     if views:
@@ -273,6 +344,9 @@ def torch_hint(opened: Opened, info: CheckpointInfo, state_dict: str | None, cho
                      "weights_only=False (below) only if you trust its source")
     notes += _device_notes(path, tags, chosen, sharded=sharded)
     imports = ["import torch"]
+    found = set_hint(opened, notes, trusted=not info.weights_only_loads) if sharded else None
+    if found is not None:
+        return found
     if sharded:
         one = _torch_load("f", tags, not info.weights_only_loads)
         code = f"{{k: v for f in {_shard_files(opened)!r} for k, v in {one}.items()}}"
@@ -289,7 +363,7 @@ def torch_hint(opened: Opened, info: CheckpointInfo, state_dict: str | None, cho
 
 
 def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
-              chosen: Iterable[str] = ()) -> LoadHint:
+              chosen: Iterable[str] = (), renamed: bool = False) -> LoadHint:
     """The :class:`LoadHint` of the file (or sharded set, or DCP folder) at ``path``, read from the file itself:
     the checkpoint opened once (:func:`ckptool.readers.open_checkpoint`: a local folder that is not a DCP
     checkpoint is the set it holds, its ``*.index.json`` or the single ``model.safetensors`` /
@@ -306,11 +380,28 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
             loads as itself). Tied weights and views in safetensors need the model whatever ``state_dict`` is.
         chosen: the location tags the user asked for (:func:`ckptool.model.devices.chosen_tags`); other non-cpu
             tags in the file get a note saying they were kept.
+        renamed: the command that wrote ``path`` renamed its keys: a model folder's set then loads into the
+            user's model (``ckptool.load_into``), not through ``from_pretrained``, whose class may no longer match
+            the names (:func:`set_hint`).
 
     Raises what :func:`ckptool.ops.inspect.entry.inspect` raises for an unreadable file, and UsageError for a folder
     that holds no checkpoint set.
     """
     opened = open_checkpoint(path)
     info = inspect(opened)
-    hint = opened.spec.behaviour("hint", torch_hint)
-    return cast(LoadHint, hint(opened, info, state_dict, frozenset(chosen)))
+    hint = cast(LoadHint, opened.spec.behaviour("hint", torch_hint)(opened, info, state_dict, frozenset(chosen)))
+    if renamed and hint.imports == ["import transformers"]:  # set_hint's from_pretrained line
+        return renamed_set_hint(opened, hint, trusted=not opened.spec.header and not info.weights_only_loads)
+    return hint
+
+
+def renamed_set_hint(opened: Opened, hint: LoadHint, *, trusted: bool) -> LoadHint:
+    """The hint of a model folder's set whose keys a command renamed (``hint``: its ``from_pretrained`` line):
+    ``ckptool.load_into(model, folder)``, with a note that ``from_pretrained`` loads it only where the names still
+    match the class ``config.json`` names."""
+    place = _set_place(opened.target)
+    note = (f"keys were renamed: {hint.code} loads the folder only where the names still match that class's "
+            "(transformers adds or removes the base model's own prefix, such as transformer., itself); the line "
+            "below loads it into your own model")
+    into = f"ckptool.load_into(model, {place!r}{', trust=True' if trusted else ''})"
+    return LoadHint(into, [*hint.notes[:-1], note], ["import ckptool"])

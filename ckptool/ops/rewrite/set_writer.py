@@ -16,6 +16,7 @@ from ckptool._commit import mark_committed, signals_blocked
 from ckptool._fileio import atomic_output, same_file, temp_path
 from ckptool.errors import OutputError, UsageError
 from ckptool.formats.sharded import INDEX_SUFFIX, SetLayout, encode_index, files_named
+from ckptool.ops.rewrite.companions import copy_companion
 
 #: one shard's worth of what :func:`write_set` writes (convert: a list of units; a rewrite: an input shard)
 G = TypeVar("G")
@@ -45,12 +46,15 @@ class SetFiles(Protocol):
 
 def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str, G], None],
               inputs: list[str], weight_map: dict[str, str], total: int, res: SetFiles, out: str, *,
-              metadata: dict[str, Any] | None = None, always_index: bool = False) -> None:
+              metadata: dict[str, Any] | None = None, always_index: bool = False,
+              companions: Sequence[tuple[str, str]] = ()) -> None:
     """Write the shards ``groups`` with ``write(path, final path, group)`` as the set ``layout`` (several: shards
     plus the index of ``weight_map``, which ``write`` fills, and ``total`` bytes, or the index ``metadata`` given,
     kept as it is; one: the single file, no index, as ``transformers`` ``save_pretrained`` does, unless
-    ``always_index``), adding the files to ``res``. Used by ``convert`` and by the shard-set rewrites of
-    :mod:`ckptool.ops.rewrite.sets` (a group there is one input shard).
+    ``always_index``), adding the files to ``res``; ``companions`` (source path, file name): files copied byte for
+    byte into the set's folder with the shards, in the same commit (a model folder's ``config.json``, tokenizer
+    files: :mod:`ckptool.ops.rewrite.companions`; not added to ``res.files``). Used by ``convert`` and by the
+    shard-set rewrites of :mod:`ckptool.ops.rewrite.sets` (a group there is one input shard).
 
     The files an earlier run wrote for the same layout are this run's to replace (as ``convert`` replaces an
     existing output file); nothing else is touched. Steps: (1) refuse before writing when a file of the set is an
@@ -71,13 +75,15 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
     n = len(groups)
     paths = [os.path.join(layout.folder, name) for name in layout.shard_names(n)]
     index = os.path.join(layout.folder, layout.index_name) if n > 1 or always_index else None
-    _refuse_set_target(layout, [*paths, *([index] if index else [])], inputs)
+    own = [*paths, *([index] if index else [])]
+    extra = [(src, os.path.join(layout.folder, name)) for src, name in companions]
+    _refuse_set_target(layout, [*own, *(p for _s, p in extra)], inputs)
     earlier = _earlier_set(layout)  # read before the new index replaces the old one
     made = layout.is_output_folder and not os.path.isdir(layout.folder)
     if made:
         os.makedirs(layout.folder)
     committed: list[str] = []
-    keep = {os.path.basename(p) for p in [*paths, *([index] if index else [])]}
+    keep = {os.path.basename(p) for p in own}
     if index is None:  # before the notes of the commit (what it removed), which follow from it
         res.notes.append(f"everything fits one shard: wrote the single file {os.path.basename(paths[0])} and no "
                          "index, as transformers' save_pretrained does")
@@ -85,6 +91,7 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
     try:
         with contextlib.ExitStack() as stack:  # the scratch files go when it closes, whatever happened
             staged = _stage(stack, paths, groups, write)
+            staged += _stage(stack, [p for _s, p in extra], [s for s, _p in extra], _copy)
             # every shard is written and verified: put them in place, write the index, remove the earlier set's
             # files and record the output as complete with SIGINT / SIGTERM held, so that an interrupt comes before
             # the set changes (nothing kept) or after it is whole (the CLI says so)
@@ -100,7 +107,7 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
         if not done:
             _undo(committed, layout.folder if made else None)
         raise
-    res.files += paths + ([index] if index else [])
+    res.files += own
     if index is not None and not layout.is_output_folder:
         res.dst = index  # NAME.safetensors itself is not written: the index names the set
 
@@ -115,6 +122,11 @@ def _stage(stack: contextlib.ExitStack, paths: list[str], groups: Sequence[G],
         write(tmp, final, us)
         staged.append((tmp, final))
     return staged
+
+
+def _copy(path: str, _final: str, src: str) -> None:
+    """Copy the companion file ``src`` into the scratch file ``path``."""
+    copy_companion(src, path)
 
 
 def _move_into_place(staged: list[tuple[str, str]], committed: list[str]) -> None:

@@ -39,6 +39,7 @@ from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.rename_plan import RenamePlan, plan_keys
+from ckptool.ops.rewrite.companions import companion_files
 from ckptool.ops.rewrite.set_writer import write_set
 from ckptool.ops.rewrite.stream import (
     ProgressFn,
@@ -57,11 +58,13 @@ from ckptool.readers import Format, Opened, open_checkpoint
 @dataclass(kw_only=True)
 class SetFilesResult:
     """The files of a rewritten set: ``files`` (shards, then the index), ``notes`` (earlier set's files removed,
-    ...), ``shards`` (count)."""
+    ...), ``shards`` (count), ``kept``: the names of the files of the input's folder copied beside the set byte for
+    byte (``config.json``, tokenizer files: :mod:`ckptool.ops.rewrite.companions`)."""
 
     files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     shards: int = 0
+    kept: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -79,10 +82,10 @@ class SetRenameResult(RenameResult, SetFilesResult):
 
 def set_payload(res: object) -> dict[str, Any]:
     """The JSON fields a command adds for a rewritten set: ``shards`` (count), ``files`` (shards, then the index),
-    ``notes``; none for a single file."""
+    ``notes``, ``kept`` (the input folder's other files copied beside the set); none for a single file."""
     if not isinstance(res, SetFilesResult):
         return {}
-    return {"shards": res.shards, "files": list(res.files), "notes": list(res.notes)}
+    return {"shards": res.shards, "files": list(res.files), "notes": list(res.notes), "kept": list(res.kept)}
 
 
 def set_detail(res: object) -> str:
@@ -472,8 +475,11 @@ def rewrite_set(
             res.retagged[pair] = res.retagged.get(pair, 0) + n
 
     inputs = [os.path.abspath(index_path), *(sh.path for sh in s.shards)]
+    companions = companion_files(os.path.dirname(index_path), {os.path.basename(p) for p in inputs}, layout.folder)
     write_set(layout, shards, write, inputs, weight_map, _data_bytes(shards), res, dst,
-              metadata=metadata, always_index=True)
+              metadata=metadata, always_index=True, companions=companions.files)
+    res.kept = companions.names
+    res.notes += companions.notes()
     res.dst = os.path.join(layout.folder, layout.index_name)
     if len(shards) < len(s.shards):
         res.notes.append(f"{len(s.shards) - len(shards)} shard(s) held only dropped tensors and were not written; "

@@ -52,7 +52,7 @@ from ckptool.readers import Opened
 __all__ = ["filter_dcp", "filter_set", "rename_dcp", "rename_set"]
 
 #: the fields a set's or folder's result takes from what was written
-_WRITTEN = ("dst", "storages", "bytes_written", "retagged", "files", "notes", "shards")
+_WRITTEN = ("dst", "storages", "bytes_written", "retagged", "files", "notes", "shards", "kept")
 
 
 def _written(w: object) -> dict[str, Any]:
