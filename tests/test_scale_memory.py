@@ -8,6 +8,7 @@ import pickle
 import pytest
 
 import ckptool.formats.detect as detect_mod
+import ckptool.ops.scan.directories as scan_directories_mod
 import ckptool.ops.scan.pickles as scan_pickles_mod
 from ckptool.formats.pickler import GraphPickler
 from ckptool.formats.torchfile import Record, read_checkpoint
@@ -27,7 +28,7 @@ def test_inspect_reads_the_directory_once_and_data_pkl_once(many, monkeypatch) -
     reads, walks = [], []
     real_read, real_check = detect_mod.read_directory, scan_pickles_mod.check_pickle
     monkeypatch.setattr(detect_mod, "read_directory", lambda *a, **k: reads.append(1) or real_read(*a, **k))
-    monkeypatch.setattr(scan_pickles_mod, "read_directory", lambda *a, **k: reads.append(2) or real_read(*a, **k))
+    monkeypatch.setattr(scan_directories_mod, "read_directory", lambda *a, **k: reads.append(2) or real_read(*a, **k))
     monkeypatch.setattr(scan_pickles_mod, "check_pickle", lambda *a, **k: walks.append(1) or real_check(*a, **k))
     info = inspect(many)
     assert len(info.tensors) == 300 and info.scan is not None and info.scan.verdict == "safe"

@@ -47,7 +47,8 @@ SCAN_ZIP_MODULES = {
     "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices", "ckptool.model.graph",
     "ckptool.model.units", "ckptool.model.weights_only",
     "ckptool.ops", "ckptool.ops.scan", "ckptool.ops.scan.entry", "ckptool.ops.scan.byte_windows",
-    "ckptool.ops.scan.shipped_code", "ckptool.ops.scan.dcp",
+    "ckptool.ops.scan.shipped_code", "ckptool.ops.scan.dcp", "ckptool.ops.scan.directories",
+    "ckptool.ops.scan.layouts",
     "ckptool.ops.scan.pickles",
     "ckptool.ops.scan.results", "ckptool.ops.scan.sarif", "ckptool.ops.scan.tar",
 }
