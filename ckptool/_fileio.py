@@ -302,6 +302,21 @@ def _fsync_folder(folder: str) -> None:
             os.close(dfd)
 
 
+def make_output_folder(folder: str) -> None:
+    """``os.makedirs(folder)`` for an output folder (a set's), its failure worded as a single file's is
+    (:func:`temp_path`): ``cannot write in PARENT: Read-only file system; choose another output folder``.
+
+    Raises:
+        OutputError: the folder cannot be made.
+    """
+    try:
+        os.makedirs(folder)
+    except OSError as e:
+        parent = os.path.dirname(os.path.abspath(folder))
+        advice = os_error_advice(e.errno) or "choose another output folder"
+        raise OutputError(f"cannot write in {parent}: {e.strerror or e}; {advice}", parent, e.errno) from e
+
+
 def _make_temp(dst: str, folder: str, advice: str) -> tuple[int, str]:
     """``tempfile.mkstemp`` of a temporary file for ``dst`` in ``folder`` (:func:`temp_prefix`, :data:`TMP_SUFFIX`);
     :class:`OutputError` naming ``folder`` (with ``advice`` where the errno has none) when it cannot be made."""

@@ -3,6 +3,7 @@ dangerous global, a read-only folder, plurals, one "re-tagged"), readable result
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -50,3 +51,112 @@ def test_commands_that_need_numpy_name_the_numpy_extra(generated: dict[str, Path
     p = subprocess.run([sys.executable, "-c", code, *[a.format(g=g, o=tmp_path) for a in args]], check=False,
                        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert (p.returncode, p.stderr.splitlines()) == (1, [NUMPY_HINT])
+
+
+# ------------------------------------------------------------------------------------------ 7. messages
+def _evil(path: Path) -> Path:
+    """A plain pickle whose loading calls ``os.system`` (never loaded here)."""
+    import pickle
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return os.system, ("echo pwned",)
+
+    path.write_bytes(pickle.dumps({"a": Evil()}, protocol=2))
+    return path
+
+
+@pytest.mark.torchfree
+def test_sanitize_of_a_plain_pickle_names_its_dangerous_global(run_cli, tmp_path: Path) -> None:
+    evil = _evil(tmp_path / "evil.pth")
+    r = run_cli("sanitize", evil, "-o", tmp_path / "out.pth", catch_exceptions=True)
+    assert r.exit_code == 1 and not (tmp_path / "out.pth").exists()
+    assert f"it names {os.system.__module__}.system (DANGEROUS): see `ckptool scan {evil}`" in r.output
+    from ckptool.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match=r"posix\.system|nt\.system"):
+        import ckptool
+
+        ckptool.sanitize(evil, tmp_path / "out.pth")
+
+
+@pytest.mark.torchfree
+def test_a_set_into_a_folder_that_cannot_be_made_says_so_as_a_single_file_does(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import errno
+
+    import ckptool._fileio as fileio
+    from ckptool.errors import OutputError
+
+    def read_only(path: str, *a: object, **k: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    monkeypatch.setattr(fileio.os, "makedirs", read_only)
+    with pytest.raises(OutputError) as e:
+        fileio.make_output_folder(str(tmp_path / "ro" / "out"))
+    assert str(e.value) == (f"cannot write in {tmp_path / 'ro'}: Read-only file system; the filesystem is "
+                            "read-only: choose another output folder")
+    assert e.value.errno == errno.EROFS
+
+
+def test_a_set_written_into_a_folder_that_cannot_be_made(run_cli, monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    import errno
+
+    import ckptool._fileio as fileio
+
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("safetensors.torch")
+    src = tmp_path / "set"
+    src.mkdir()
+    names = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    for name, key in zip(names, ("module.a", "module.b")):
+        st.save_file({key: torch.ones(2)}, str(src / name))
+    index = {"metadata": {}, "weight_map": {"module.a": names[0], "module.b": names[1]}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index), encoding="utf-8")
+
+    def read_only(path: str, *a: object, **k: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    monkeypatch.setattr(fileio.os, "makedirs", read_only)
+    r = run_cli("strip-dataparallel", src, "-o", tmp_path / "out", catch_exceptions=True)
+    assert r.exit_code == 1
+    assert (f"Error: cannot write in {tmp_path}: Read-only file system; the filesystem is read-only: choose "
+            "another output folder") in r.output
+
+
+@pytest.mark.torchfree
+def test_plurals_and_one_spelling_of_retagged() -> None:
+    from ckptool.model.units import plural, retagged_words
+
+    assert (plural(1, "storage"), plural(2, "storage"), plural(1, "entry", "entries"),
+            plural(3, "entry", "entries")) == ("1 storage", "2 storages", "1 entry", "3 entries")
+    assert (retagged_words({("cuda:0", "cpu"): 5, ("cuda:1", "cpu"): 1})
+            == "re-tagged cuda:0 -> cpu (5), cuda:1 -> cpu (1)")
+    assert retagged_words({}) == ""
+    root = Path(__file__).parents[1]
+    for folder in ("ckptool", "docs"):
+        for f in (root / folder).rglob("*.*"):
+            if f.suffix in (".py", ".md"):
+                text = f.read_text(encoding="utf-8")
+                assert "re-tagged: " not in text.replace("re-tagged: ``to``", ""), f
+
+
+@pytest.mark.torchfree
+def test_a_note_continues_its_colon_in_lower_case() -> None:
+    from ckptool.cli._hints import after_colon
+
+    assert after_colon("Storages are tagged cuda:0 as asked") == "storages are tagged cuda:0 as asked"
+    assert after_colon("The output keeps") == "the output keeps"
+    assert after_colon("URL: the server") == "URL: the server"
+    assert after_colon("DCP folders") == "DCP folders"
+    assert after_colon("torch.load refuses") == "torch.load refuses"
+
+
+def test_one_storage_is_one_storage(run_cli, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    torch.save({"module.w": torch.ones(2)}, tmp_path / "one.pt")
+    r = run_cli("strip-dataparallel", tmp_path / "one.pt", "-o", tmp_path / "out.pt", "--to", "cpu")
+    assert ", 1 storage)" in r.output and "1 storages" not in r.output, r.output
+    r = run_cli("inspect", tmp_path / "out.pt", "--tree")
+    assert "1 tensor," in r.output and "2 params" in r.output, r.output

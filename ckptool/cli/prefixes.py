@@ -29,6 +29,7 @@ from ckptool.cli._common import (
     write_payload,
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
+from ckptool.model.units import plural, retagged_words
 from ckptool.ops.rewrite.prefixes import (
     RenameResult,
     add_prefix,
@@ -67,9 +68,10 @@ def _run(operation: str, src: str, dst: str | None, in_place: bool, force: bool,
         return
     report_rename(res)
     spec = FORMATS.get(res.format_in)
-    unit = "tensors" if spec and spec.header else "storages"
-    retagged = "".join(f"; re-tagged {a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
-    report_write(res.dst, res.bytes_written, f"{res.storages} {unit}{set_detail(res)}{retagged}")
+    unit = "tensor" if spec and spec.header else "storage"
+    retagged = retagged_words(res.retagged)
+    report_write(res.dst, res.bytes_written,
+                 f"{plural(res.storages, unit)}{set_detail(res)}{f'; {retagged}' if retagged else ''}")
     report_hint(res.dst, state_dict=renamed_state_dict(res), to=to, maps=maps)
 
 

@@ -25,6 +25,7 @@ from ckptool.cli._common import (
     write_payload,
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
+from ckptool.model.units import plural, retagged_words
 from ckptool.ops.rewrite.prefixes import RenameResult
 from ckptool.ops.rewrite.remap import remap, remap_output
 from ckptool.ops.rewrite.sets import refuse_existing_set, set_detail, set_payload
@@ -84,7 +85,6 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
         return
     if rename is not None:
         report_rename(rename)
-    changes = (", ".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
-               or "none (tags already match)")
-    report_write(res.dst, res.bytes_written, f"{res.storages} storages{set_detail(res)}; re-tagged: {changes}")
+    changes = retagged_words(res.retagged) or "nothing re-tagged (tags already match)"
+    report_write(res.dst, res.bytes_written, f"{plural(res.storages, 'storage')}{set_detail(res)}; {changes}")
     report_hint(res.dst, state_dict=state_dict, to=to, maps=maps)

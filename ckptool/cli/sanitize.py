@@ -21,6 +21,7 @@ from ckptool.cli._common import (
     source_size,
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
+from ckptool.model.units import plural, retagged_words
 from ckptool.ops.sanitize import Conversion, sanitize, sanitize_output
 
 
@@ -69,9 +70,9 @@ def sanitize_cmd(src: str, dst: str | None, in_place: bool, force: bool, to: str
         click.echo(f"Dropped {len(res.dropped)} object(s) no rule converts (--drop-unknown):")
         for c in res.dropped:
             click.echo(f"  {c.label}: {c.source} ({c.why})")
-    retagged = ", ".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
-    report_write(res.dst, res.bytes_written, f"{res.storages} storages, {res.new_storages} new"
-                 + (f"; re-tagged: {retagged}" if retagged else ""))
+    retagged = retagged_words(res.retagged)
+    report_write(res.dst, res.bytes_written, f"{plural(res.storages, 'storage')}, {res.new_storages} new"
+                 + (f"; {retagged}" if retagged else ""))
     report_hint(res.dst, to=to, maps=maps)
 
 

@@ -29,6 +29,7 @@ from ckptool.cli._common import (
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.errors import UsageError
+from ckptool.model.units import plural, retagged_words
 from ckptool.ops.rewrite.sets import set_detail, set_payload
 from ckptool.ops.surgery.average import AverageResult, average
 from ckptool.ops.surgery.edit import FilterResult, RuleResult, filter_keys, load_rules, rename, surgery_output
@@ -68,10 +69,10 @@ def _target(src: str, dst: str | None, in_place: bool, force: bool, dry_run: boo
 def _stored(res: RuleResult | FilterResult) -> str:
     """``N storages`` (``N tensors`` for safetensors, ``N records`` for a DCP folder), the shards of a set and the
     re-tagging, for the ``Wrote ...`` line."""
-    tags = "".join(f"; re-tagged {a} -> {b} ({k})" for (a, b), k in sorted(res.retagged.items()))
+    tags = retagged_words(res.retagged)
     spec = FORMATS.get(res.format_in)  # a DCP folder's records, a safetensors file's tensors
-    unit = "tensors" if spec and spec.header else "records" if spec and spec.kind == "folder" else "storages"
-    return f"{res.storages} {unit}{set_detail(res)}{tags}"
+    unit = "tensor" if spec and spec.header else "record" if spec and spec.kind == "folder" else "storage"
+    return f"{plural(res.storages, unit)}{set_detail(res)}{f'; {tags}' if tags else ''}"
 
 
 # ------------------------------------------------------------------------------------------------ rename
