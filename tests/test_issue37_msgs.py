@@ -160,3 +160,41 @@ def test_one_storage_is_one_storage(run_cli, tmp_path: Path) -> None:
     assert ", 1 storage)" in r.output and "1 storages" not in r.output, r.output
     r = run_cli("inspect", tmp_path / "out.pt", "--tree")
     assert "1 tensor," in r.output and "2 params" in r.output, r.output
+
+
+# ------------------------------------------------------------------------------------------ 8. Python API
+def test_results_print_what_the_command_prints(run_cli, tmp_path: Path) -> None:
+    """``print(result)`` is the command's text (or a short summary), not a dataclass dump; the CLI prints the same
+    text from the same method."""
+    import ckptool
+
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "dp.pt"
+    torch.save({"module.w": torch.ones(2), "module.b": torch.zeros(3)}, src)
+
+    info = ckptool.inspect(src)
+    text = str(info)
+    assert text.splitlines()[0] == str(src) and "tensors:          2 in 2 storages, 20 B" in text
+    assert len(text) < 600 and "TensorInfo(" not in text
+
+    [scan] = ckptool.scan([str(src)])
+    assert str(scan).startswith(f"{src}: safe (torch-zip, 1 pickle, ") and "ScanResult(" not in str(scan)
+    evil = _evil(tmp_path / "evil.pth")
+    [bad] = ckptool.scan([str(evil)])
+    assert "DANGEROUS" in str(bad) and "system" in str(bad)
+    assert run_cli("scan", evil).output.strip() == str(bad)
+
+    res = ckptool.strip_dataparallel(src, tmp_path / "a.pt", to="cuda:0")
+    size = ckptool.inspect(tmp_path / "a.pt").size / 1024
+    assert str(res) == f"Wrote {tmp_path / 'a.pt'} ({size:.1f} KiB, 2 storages; re-tagged cpu -> cuda:0 (2))"
+    out = run_cli("strip-dataparallel", src, "-o", tmp_path / "b.pt", "--to", "cuda:0").output
+    assert str(res).replace("a.pt", "b.pt") in out
+
+    san = ckptool.sanitize(tmp_path / "a.pt", tmp_path / "c.pt")
+    assert str(san).startswith("Converted 0 objects; nothing from the file was imported or run")
+    assert str(san).splitlines()[-1].startswith(f"Wrote {tmp_path / 'c.pt'} (") and ", 2 storages, 0 new)" in str(san)
+
+    model = tmp_path / "model.pt"
+    torch.save(torch.nn.Linear(2, 3), model)
+    ext = ckptool.extract_state_dict(model, tmp_path / "d.pt")
+    assert str(ext).startswith(f"Wrote {tmp_path / 'd.pt'} (torch-zip, ") and "2 tensors from " in str(ext)

@@ -14,7 +14,6 @@ from ckptool.cli._common import (
     device_options,
     emit_json,
     force_option,
-    human_bytes,
     json_option,
     key_option,
     mapping_of,
@@ -22,7 +21,6 @@ from ckptool.cli._common import (
     source_size,
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
-from ckptool.model.units import plural
 from ckptool.ops.extract import default_output, extract_state_dict
 
 
@@ -71,11 +69,5 @@ def extract_cmd(src: str, dst: str | None, key: str | None, unwrap_keys: bool, t
             "path": res.path, "storages": res.storages, "bytes_written": res.bytes_written, "removed": res.removed,
             "trusted": res.trusted, **hint_payload(hint_for(res.dst, state_dict="", to=to, maps=maps))})
         return
-    where = f" at {res.path}" if res.path else ""
-    ran = " [trusted: the file's code ran]" if res.trusted else "; nothing from the file was imported or run"
-    click.echo(f"Wrote {res.dst} ({res.format}, {human_bytes(res.bytes_written)}): "
-               f"{plural(len(res.keys), 'tensor')} from {res.module}{where}, {plural(res.storages, 'storage')}{ran}")
-    if res.removed:
-        click.echo("Removed wrapper components: "
-                   + ", ".join(f"{c}. ({plural(n, 'key')})" for c, n in sorted(res.removed.items())))
+    click.echo(res)
     report_hint(res.dst, state_dict="", to=to, maps=maps)

@@ -23,13 +23,11 @@ from ckptool.cli._common import (
     refuse_stdout,
     renamed_state_dict,
     report_rename,
-    report_write,
     set_output_options,
     source_size,
     write_payload,
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
-from ckptool.model.units import plural, retagged_words
 from ckptool.ops.rewrite.prefixes import (
     RenameResult,
     add_prefix,
@@ -38,9 +36,8 @@ from ckptool.ops.rewrite.prefixes import (
     strip_prefix,
     unwrap,
 )
-from ckptool.ops.rewrite.sets import refuse_existing_set, set_detail, set_payload
+from ckptool.ops.rewrite.sets import refuse_existing_set, set_payload
 from ckptool.ops.rewrite.stream import ProgressFn
-from ckptool.readers import FORMATS
 
 _EPILOG_SAFETY = (
     "Tensor records are copied, not decoded (torch is not imported): the cost is the cost of copying the file. "
@@ -67,11 +64,7 @@ def _run(operation: str, src: str, dst: str | None, in_place: bool, force: bool,
                               **hint_payload(hint)})
         return
     report_rename(res)
-    spec = FORMATS.get(res.format_in)
-    unit = "tensor" if spec and spec.header else "storage"
-    retagged = retagged_words(res.retagged)
-    report_write(res.dst, res.bytes_written,
-                 f"{plural(res.storages, unit)}{set_detail(res)}{f'; {retagged}' if retagged else ''}")
+    click.echo(res)
     report_hint(res.dst, state_dict=renamed_state_dict(res), to=to, maps=maps)
 
 

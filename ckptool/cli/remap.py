@@ -25,10 +25,9 @@ from ckptool.cli._common import (
     write_payload,
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
-from ckptool.model.units import plural, retagged_words
 from ckptool.ops.rewrite.prefixes import RenameResult
 from ckptool.ops.rewrite.remap import remap, remap_output
-from ckptool.ops.rewrite.sets import refuse_existing_set, set_detail, set_payload
+from ckptool.ops.rewrite.sets import refuse_existing_set, set_payload
 
 
 @click.command("remap")
@@ -85,6 +84,6 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
         return
     if rename is not None:
         report_rename(rename)
-    changes = retagged_words(res.retagged) or "nothing re-tagged (tags already match)"
-    report_write(res.dst, res.bytes_written, f"{plural(res.storages, 'storage')}{set_detail(res)}; {changes}")
+    report_write(res.dst, res.bytes_written,
+                 res.detail() + ("" if res.retagged else "; nothing re-tagged (tags already match)"))
     report_hint(res.dst, state_dict=state_dict, to=to, maps=maps)

@@ -29,11 +29,9 @@ from ckptool.cli._common import (
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.errors import UsageError
-from ckptool.model.units import plural, retagged_words
-from ckptool.ops.rewrite.sets import set_detail, set_payload
+from ckptool.ops.rewrite.sets import set_payload
 from ckptool.ops.surgery.average import AverageResult, average
 from ckptool.ops.surgery.edit import FilterResult, RuleResult, filter_keys, load_rules, rename, surgery_output
-from ckptool.readers import FORMATS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,15 +62,6 @@ def _target(src: str, dst: str | None, in_place: bool, force: bool, dry_run: boo
     if dry_run:
         return None
     return claim_output(out, force=force, in_place=in_place)
-
-
-def _stored(res: RuleResult | FilterResult) -> str:
-    """``N storages`` (``N tensors`` for safetensors, ``N records`` for a DCP folder), the shards of a set and the
-    re-tagging, for the ``Wrote ...`` line."""
-    tags = retagged_words(res.retagged)
-    spec = FORMATS.get(res.format_in)  # a DCP folder's records, a safetensors file's tensors
-    unit = "tensor" if spec and spec.header else "record" if spec and spec.kind == "folder" else "storage"
-    return f"{plural(res.storages, unit)}{set_detail(res)}{f'; {tags}' if tags else ''}"
 
 
 # ------------------------------------------------------------------------------------------------ rename
@@ -152,7 +141,7 @@ def _report_output(res: RuleResult | FilterResult, sd: str | None, to: str | Non
     if res.dry_run:
         click.echo("Dry run: nothing was written")
         return
-    report_write(res.dst, res.bytes_written, _stored(res))
+    click.echo(res)
     report_hint(res.dst, state_dict=sd, to=to, maps=maps)
 
 

@@ -32,3 +32,8 @@ def retagged_words(retagged: dict[tuple[str, str], int]) -> str:
     ``re-tagged cuda:0 -> cpu (5)``; several joined with ``, ``; empty when nothing was re-tagged."""
     changes = ", ".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(retagged.items()))
     return f"re-tagged {changes}" if changes else ""
+
+
+def wrote_line(dst: str, bytes_written: int, detail: str) -> str:
+    """``Wrote DST (SIZE, DETAIL)``: the line every rewriting command ends its report with."""
+    return f"Wrote {dst} ({human_bytes(bytes_written)}, {detail})"

@@ -60,7 +60,7 @@ from ckptool.model.graph import ATOMS, is_module, join, mapping_items, set_mappi
 from ckptool.model.module_state import detached, module_state_dict, state_dict_node
 from ckptool.model.numpy_nodes import numpy_kind, numpy_type_dtype, read_array, read_dtype
 from ckptool.model.tensor_nodes import tensor_node
-from ckptool.model.units import plural
+from ckptool.model.units import plural, retagged_words, wrote_line
 from ckptool.ops.rewrite.stream import ProgressFn, output_path, refuse_unwritable, retag_function, rewrite_file
 from ckptool.readers import Opened, open_checkpoint
 
@@ -128,6 +128,20 @@ class SanitizeResult:
     bytes_written: int = 0
     devices: dict[str, int] = field(default_factory=dict)
     retagged: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        """What ``ckptool sanitize`` prints (before its load hint): each object converted and dropped, then the
+        ``Wrote DST (SIZE, N storages, M new; re-tagged ...)`` line."""
+        lines = [f"Converted {plural(len(self.converted), 'object')}; nothing from the file was imported or run"
+                 + (":" if self.converted else "")]
+        lines += [f"  {c.label}: {c.source} -> {c.detail}" for c in self.converted]
+        if self.dropped:
+            lines.append(f"Dropped {plural(len(self.dropped), 'object')} no rule converts (--drop-unknown):")
+            lines += [f"  {c.label}: {c.source} ({c.why})" for c in self.dropped]
+        retagged = retagged_words(self.retagged)
+        lines.append(wrote_line(self.dst, self.bytes_written, f"{plural(self.storages, 'storage')}, "
+                                f"{self.new_storages} new" + (f"; {retagged}" if retagged else "")))
+        return "\n".join(lines)
 
 
 def _global_of(obj: object) -> str:
