@@ -198,3 +198,17 @@ def test_results_print_what_the_command_prints(run_cli, tmp_path: Path) -> None:
     torch.save(torch.nn.Linear(2, 3), model)
     ext = ckptool.extract_state_dict(model, tmp_path / "d.pt")
     assert str(ext).startswith(f"Wrote {tmp_path / 'd.pt'} (torch-zip, ") and "2 tensors from " in str(ext)
+
+
+def test_average_prints_its_result(run_cli, tmp_path: Path) -> None:
+    import ckptool
+
+    torch = pytest.importorskip("torch")
+    torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
+    torch.save({"w": torch.zeros(2)}, tmp_path / "b.pt")
+    res = ckptool.average([tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "c.pt")
+    text = str(res)
+    assert text.startswith("Averaged 2 checkpoints (weights 0.5, 0.5): 1 floating tensor in float64")
+    assert text.splitlines()[-1].startswith(f"Wrote {tmp_path / 'c.pt'} (") and text.endswith(", 1 tensor)")
+    out = run_cli("average", tmp_path / "a.pt", tmp_path / "b.pt", "-o", tmp_path / "d.pt").output
+    assert text.replace("c.pt", "d.pt") in out
