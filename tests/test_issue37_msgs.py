@@ -212,3 +212,10 @@ def test_average_prints_its_result(run_cli, tmp_path: Path) -> None:
     assert text.splitlines()[-1].startswith(f"Wrote {tmp_path / 'c.pt'} (") and text.endswith(", 1 tensor)")
     out = run_cli("average", tmp_path / "a.pt", tmp_path / "b.pt", "-o", tmp_path / "d.pt").output
     assert text.replace("c.pt", "d.pt") in out
+
+
+def test_the_note_after_a_write_continues_in_lower_case(run_cli, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
+    out = run_cli("remap", tmp_path / "a.pt", "--to", "cuda:0", "-o", tmp_path / "b.pt").output
+    assert "Note: storages are tagged cuda:0 as asked" in out and "Note: Storages" not in out, out
