@@ -43,8 +43,7 @@ CHUNK = 8 << 20
 
 
 def current_umask() -> int:
-    """The process's file mode creation mask (``os.umask`` read without changing it), for the mode a new file or
-    folder would get."""
+    """The process's file mode creation mask (``os.umask`` read, unchanged): the mode a new file would get."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -103,11 +102,8 @@ def remove_stale_temps(dst: str) -> list[str]:
             if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or (
                     hasattr(os, "geteuid") and st.st_uid != os.geteuid()):
                 continue
-            if m["host"] == _HOST:
-                stale = not _pid_alive(int(m["pid"]))
-            else:
-                stale = time.time() - st.st_mtime > 24 * 3600
-            if stale:
+            here = m["host"] == _HOST  # a process of this host that has gone, else a day old
+            if not _pid_alive(int(m["pid"])) if here else time.time() - st.st_mtime > 24 * 3600:
                 os.unlink(path)
                 removed.append(path)
         except OSError:
@@ -140,8 +136,7 @@ def temp_path(near: str, *, folder: bool = False) -> Iterator[str]:
             os.close(fd)
     except OSError as e:
         release()
-        advice = os_error_advice(e.errno) or "choose another output folder"
-        raise OutputError(f"cannot write in {parent}: {e.strerror or e}; {advice}", parent, e.errno) from e
+        raise _cannot_write_in(parent, e) from e
     try:
         release()
         yield path
@@ -154,14 +149,12 @@ def temp_path(near: str, *, folder: bool = False) -> Iterator[str]:
 
 
 def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0 sends nothing (this process included): does ``pid`` exist?
     except ProcessLookupError:
         return False
-    except (PermissionError, OSError):
-        return True
+    except OSError:  # PermissionError included: the process exists
+        pass
     return True
 
 
@@ -302,14 +295,26 @@ def _fsync_folder(folder: str) -> None:
             os.close(dfd)
 
 
+def make_output_folder(folder: str) -> None:
+    """``os.makedirs(folder)`` of a set's output folder; its failure in :func:`temp_path`'s words (OutputError)."""
+    try:
+        os.makedirs(folder)
+    except OSError as e:
+        raise _cannot_write_in(os.path.dirname(os.path.abspath(folder)), e) from e
+
+
+def _cannot_write_in(folder: str, e: OSError, advice: str = "choose another output folder") -> OutputError:
+    """The one sentence for an output that cannot be made in ``folder`` (the errno's advice, else ``advice``)."""
+    return OutputError(f"cannot write in {folder}: {e.strerror or e}; {os_error_advice(e.errno) or advice}", folder,
+                       e.errno)
+
+
 def _make_temp(dst: str, folder: str, advice: str) -> tuple[int, str]:
-    """``tempfile.mkstemp`` of a temporary file for ``dst`` in ``folder`` (:func:`temp_prefix`, :data:`TMP_SUFFIX`);
-    :class:`OutputError` naming ``folder`` (with ``advice`` where the errno has none) when it cannot be made."""
+    """``tempfile.mkstemp`` for ``dst`` in ``folder``; :func:`_cannot_write_in` ``folder`` when it fails."""
     try:
         return tempfile.mkstemp(prefix=temp_prefix(dst), suffix=TMP_SUFFIX, dir=folder)
     except OSError as e:
-        hint = os_error_advice(e.errno) or advice
-        raise OutputError(f"cannot write in {folder}: {e.strerror or e}; {hint}", folder, e.errno) from e
+        raise _cannot_write_in(folder, e, advice) from e
 
 
 @contextlib.contextmanager

@@ -205,7 +205,7 @@ def test_remap_non_tensor_entry_to_cpu(run_cli: Callable[..., Any], tmp_path: Pa
     assert any("on a CUDA device" in str(getattr(f, "exception", f)) for f in exc.value.failures.values())
     r = run_cli("remap", src, "--to", "cpu", "-o", tmp_path / "cpu")
     assert r.exit_code == 0, r.output
-    assert "re-tagged: cuda:0 -> cpu (2)" in r.output
+    assert "re-tagged cuda:0 -> cpu (2)" in r.output
     out = tmp_path / "cpu"
     _same(dcp_back(out), state)
     a, b = FileSystemReader(str(src)).read_metadata(), FileSystemReader(str(out)).read_metadata()

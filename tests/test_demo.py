@@ -214,7 +214,32 @@ def test_portable_full_model_lost_its_wrapper_but_still_needs_trust(run):
     assert info.kind == "full_model" and set(info.devices) == {"cpu"}
     assert "ckptool.demo.DigitsMLP" in info.unsafe_globals
     assert not any("DataParallel" in g for g in info.unsafe_globals)
-    assert run.res.verified["full_model"].startswith("no")
+
+
+def test_the_full_model_refusal_is_followed_by_its_fix(run):
+    """verify refuses the pickled model without trust; the demo then shows the fix it recommends (extract its
+    state_dict without running it, then verify that) instead of ending on the refusal."""
+    need(run, "fix")
+    import ckptool
+
+    fixed = run.res.extracted
+    assert fixed is not None and fixed.is_file() and ckptool.inspect(fixed).kind == "state_dict"
+    assert ckptool.inspect(fixed).unsafe_globals == []
+    n = run.res.n_test
+    assert run.res.verified["full_model"] == f"yes after extract-state-dict ({n}/{n} same predictions)"
+    assert run.res.matches["full_model"] == run.res.n_test
+    text = run.text
+    assert f"$ ckptool extract-state-dict {run.res.portable['full_model'].name} -o {fixed.name}" in text
+    assert f"$ ckptool verify {fixed.name} --model ckptool.demo:DigitsMLP" in text
+    assert f"OK: {fixed} loads into DigitsMLP" in text
+    fix = text[text.index("== 5/7"):text.index("== 6/7")]
+    assert "UnsafeCheckpointError" not in fix and max(len(line) for line in fix.splitlines()) < 160
+
+
+def test_the_demo_measures_and_prints_its_own_time(tmp_path, capsys):
+    res = demo.run_demo(out=tmp_path / "t", device="cpu", epochs=1, summary_only=True)
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert res.seconds > 0 and last.startswith(f"Done in {res.seconds:.1f} s.")
 
 
 def test_resume_continues_from_the_checkpoint(run):
@@ -241,9 +266,11 @@ def test_printed_cli_commands_work(run, run_cli, tmp_path, monkeypatch):
     import shutil
 
     shutil.copy(run.res.saved["state_dict"], tmp_path)
+    shutil.copy(run.res.portable["full_model"], tmp_path)
     monkeypatch.chdir(tmp_path)
     cmds = [ln.strip()[2:] for ln in run.text.splitlines() if ln.strip().startswith("$ ckptool ")]
-    assert [c.split()[1] for c in cmds] == ["inspect", "remap", "remap", "strip-dataparallel", "verify"]
+    assert [c.split()[1] for c in cmds] == ["inspect", "remap", "remap", "strip-dataparallel", "verify",
+                                            "extract-state-dict", "verify"]
     for c in cmds:
         res = run_cli(*shlex.split(c)[1:])
         assert res.exit_code == 0, f"{c}\n{res.output}"
@@ -253,8 +280,8 @@ def test_printed_cli_commands_work(run, run_cli, tmp_path, monkeypatch):
 def test_everything_is_written_under_out(run):
     need(run, "summary")
     written = {p for group in (run.res.saved, run.res.received, run.res.remapped, run.res.portable)
-               for p in group.values()}
-    assert len(written) == 4 * len(KINDS)
+               for p in group.values()} | {run.res.extracted}
+    assert len(written) == 4 * len(KINDS) + 1
     assert {p for p in run.out.rglob("*") if p.is_file()} == written
 
 

@@ -139,7 +139,7 @@ def test_error_table_names_the_torch_extra() -> None:
     missing = ModuleNotFoundError("No module named 'torch'", name="torch")
     assert describe_error(missing) == (HINT.removeprefix("Error: "), 1)
     numpy = describe_error(ModuleNotFoundError("No module named 'numpy'", name="numpy"))
-    assert numpy[0].endswith("pip install 'ckptool[torch]'")
+    assert numpy[0].endswith("pip install 'ckptool[numpy]'")
     try:
         raise UsageError("--model m:f: cannot import m") from missing
     except UsageError as e:

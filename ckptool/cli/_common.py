@@ -26,6 +26,7 @@ from ckptool.cli._flags import set_output as set_output
 from ckptool.errors import CkptError, UsageError
 from ckptool.model.devices import DEVICE_HELP, parse_mapping
 from ckptool.model.units import human_bytes as human_bytes
+from ckptool.model.units import wrote_line
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -109,7 +110,7 @@ def allow_nested_option(f: F) -> F:
 
 def report_write(dst: str, bytes_written: int, detail: str) -> None:
     """Print ``Wrote DST (SIZE, DETAIL)``: the line every rewriting command ends its report with."""
-    click.echo(f"Wrote {dst} ({human_bytes(bytes_written)}, {detail})")
+    click.echo(wrote_line(dst, bytes_written, detail))
 
 
 def report_kept(res: object) -> None:

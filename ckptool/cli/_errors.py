@@ -53,10 +53,17 @@ def ckpt_exit_code(e: CkptError) -> int:
 #: pip's name for a module whose distribution is named differently (default: the module's own name)
 _PIP_NAMES = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
 
-#: modules ``pip install ckptool`` leaves out and its ``torch`` extra adds (pyproject.toml): the commands that
-#: materialise tensors (verify, demo, DCP conversion, casts, trusted loads) import them when they run
-_TORCH_EXTRA = frozenset({"torch", "numpy", "safetensors"})
+#: modules ``pip install ckptool`` leaves out -> the smallest extra of pyproject.toml that adds them: torch and
+#: safetensors come with the ``torch`` extra (verify, demo, DCP conversion, casts, trusted loads); numpy alone is what
+#: ``average``, ``report A B`` and ``diff --rtol/--atol`` need without torch, and the ``numpy`` extra adds just it
+_EXTRAS = {"torch": "torch", "safetensors": "torch", "numpy": "numpy"}
+_TORCH_EXTRA = frozenset(_EXTRAS)
 TORCH_EXTRA_HINT = "pip install 'ckptool[torch]'"
+
+
+def extra_hint(module: str) -> str:
+    """The install line for ``module``, one ``pip install ckptool`` leaves out: its extra (``torch`` or ``numpy``)."""
+    return f"pip install 'ckptool[{_EXTRAS[module]}]'"
 
 #: the standard library as this Python names it, plus the modules later Pythons added (tomllib: 3.11), which a
 #: ckptool bug could import on an older one: pip cannot install any of them
@@ -103,7 +110,7 @@ def _import(e: ImportError) -> tuple[str, int] | None:
                "pip install --force-reinstall ckptool")
     elif isinstance(e, ModuleNotFoundError) and top in _TORCH_EXTRA:
         msg = (f"this needs the {top} package, which is not installed (`pip install ckptool` leaves it out); "
-               f"install it with: {TORCH_EXTRA_HINT}")
+               f"install it with: {extra_hint(top)}")
     elif isinstance(e, ModuleNotFoundError):
         msg = f"this needs the {pip} package, which is not installed; install it with: pip install {pip}"
     else:

@@ -24,12 +24,21 @@ def hint_for(path: str, *, state_dict: str | None = None, to: str | None = None,
     return load_hint(path, state_dict=state_dict, chosen=chosen_tags(to, mapping_of(maps)), renamed=renamed)
 
 
+def after_colon(sentence: str) -> str:
+    """``sentence`` continued after ``Note: ``: its first word lower-cased when it is an ordinary capitalised word
+    (``Storages are ...`` -> ``storages are ...``), kept as it is otherwise (``URL``, ``DCP``, ``torch.load``)."""
+    first = sentence.split(" ", 1)[0]
+    if first[:1].isupper() and first[1:].islower():
+        return sentence[0].lower() + sentence[1:]
+    return sentence
+
+
 def report_hint(path: str, *, state_dict: str | None = None, to: str | None = None,
                 maps: tuple[str, ...] = (), renamed: bool = False) -> None:
     """Print the notes and the ``Load it with: ...`` line of :func:`hint_for` (same arguments)."""
     hint = hint_for(path, state_dict=state_dict, to=to, maps=maps, renamed=renamed)
     for note in hint.notes:
-        click.echo(f"Note: {note}")
+        click.echo(f"Note: {after_colon(note)}")
     click.echo(f"Load it with: {hint.code}")
 
 

@@ -23,14 +23,13 @@ from ckptool.cli._common import (
     key_option,
     mapping_of,
     refuse_stdout,
-    report_write,
     set_output,
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.errors import UsageError
 from ckptool.formats.sharded import output_layout
 from ckptool.ops.convert import ConvertResult, OutputFormat, convert
-from ckptool.ops.convert.report import convert_lines, verification_line, written_detail
+from ckptool.ops.convert.report import convert_text
 from ckptool.ops.convert.source import CAST_TO
 
 
@@ -56,12 +55,7 @@ def _claim_convert_output(dst: str, fmt: str | None, max_shard_size: str | None,
 def report_convert(res: ConvertResult) -> None:
     """Print what a conversion did (:mod:`ckptool.ops.convert.report`): the selection, what was left out, aliases,
     layout changes, casts, notes, the files, the verification."""
-    for line in convert_lines(res):
-        click.echo(line)
-    report_write(res.dst, res.bytes_written, written_detail(res))
-    verified = verification_line(res)
-    if verified:
-        click.echo(verified)
+    click.echo(convert_text(res))
 
 
 @click.command("convert")

@@ -14,7 +14,6 @@ from ckptool.cli._common import (
     device_options,
     emit_json,
     force_option,
-    human_bytes,
     json_option,
     key_option,
     mapping_of,
@@ -70,11 +69,5 @@ def extract_cmd(src: str, dst: str | None, key: str | None, unwrap_keys: bool, t
             "path": res.path, "storages": res.storages, "bytes_written": res.bytes_written, "removed": res.removed,
             "trusted": res.trusted, **hint_payload(hint_for(res.dst, state_dict="", to=to, maps=maps))})
         return
-    where = f" at {res.path}" if res.path else ""
-    click.echo(f"Wrote {res.dst} ({res.format}, {human_bytes(res.bytes_written)}): {len(res.keys)} tensors from "
-               f"{res.module}{where}, {res.storages} storages" + (" [trusted: the file's code ran]" if res.trusted
-                                                                 else "; nothing from the file was imported or run"))
-    if res.removed:
-        click.echo("Removed wrapper components: "
-                   + ", ".join(f"{c}. ({n} keys)" for c, n in sorted(res.removed.items())))
+    click.echo(res)
     report_hint(res.dst, state_dict="", to=to, maps=maps)

@@ -12,7 +12,7 @@ from ckptool._gc import gc_paused
 from ckptool.cli._common import human_bytes
 from ckptool.model.allowlist import level_word
 from ckptool.model.tree import tree_lines
-from ckptool.model.units import human_count
+from ckptool.model.units import human_count, plural
 from ckptool.ops.inspect.advice import advice_lines, hidden_level, metadata_lines, security_lines
 from ckptool.ops.inspect.entry import SCHEMA, CheckpointInfo, inspect
 from ckptool.ops.inspect.values import ALL_VALUES, ValueInfo
@@ -74,7 +74,8 @@ def _print_tree(info: CheckpointInfo, depth: int | None, as_json: bool) -> None:
         click.echo(json.dumps({"schema": TREE_SCHEMA, "path": info.path, "format": info.format,
                                "tree": tree.to_dict(max_depth=depth)}))
         return
-    click.echo(f"{info.path}: {info.format}, {len(info.tensors)} tensors, {human_count(tree.params)} params, "
+    params = f"{human_count(tree.params)} param{'' if tree.params == 1 else 's'}"
+    click.echo(f"{info.path}: {info.format}, {plural(len(info.tensors), 'tensor')}, {params}, "
                f"{human_bytes(tree.nbytes)}")
     for line in tree_lines(tree, depth):
         click.echo(line)

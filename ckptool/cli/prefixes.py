@@ -24,7 +24,6 @@ from ckptool.cli._common import (
     renamed_state_dict,
     report_kept,
     report_rename,
-    report_write,
     set_output_options,
     source_size,
     write_payload,
@@ -38,9 +37,8 @@ from ckptool.ops.rewrite.prefixes import (
     strip_prefix,
     unwrap,
 )
-from ckptool.ops.rewrite.sets import refuse_existing_set, set_detail, set_payload
+from ckptool.ops.rewrite.sets import refuse_existing_set, set_payload
 from ckptool.ops.rewrite.stream import ProgressFn
-from ckptool.readers import FORMATS
 
 _EPILOG_SAFETY = (
     "Tensor records are copied, not decoded (torch is not imported): the cost is the cost of copying the file. "
@@ -67,10 +65,7 @@ def _run(operation: str, src: str, dst: str | None, in_place: bool, force: bool,
                               **hint_payload(hint)})
         return
     report_rename(res)
-    spec = FORMATS.get(res.format_in)
-    unit = "tensors" if spec and spec.header else "storages"
-    retagged = "".join(f"; re-tagged {a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
-    report_write(res.dst, res.bytes_written, f"{res.storages} {unit}{set_detail(res)}{retagged}")
+    click.echo(res)
     report_kept(res)
     report_hint(res.dst, state_dict=renamed_state_dict(res), to=to, maps=maps, renamed=renamed_keys(res))
 

@@ -28,7 +28,7 @@ from ckptool.cli._common import (
 from ckptool.cli._hints import hint_for, hint_payload, renamed_keys, report_hint
 from ckptool.ops.rewrite.prefixes import RenameResult
 from ckptool.ops.rewrite.remap import remap, remap_output
-from ckptool.ops.rewrite.sets import refuse_existing_set, set_detail, set_payload
+from ckptool.ops.rewrite.sets import refuse_existing_set, set_payload
 
 
 @click.command("remap")
@@ -85,8 +85,7 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
         return
     if rename is not None:
         report_rename(rename)
-    changes = (", ".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
-               or "none (tags already match)")
-    report_write(res.dst, res.bytes_written, f"{res.storages} storages{set_detail(res)}; re-tagged: {changes}")
+    report_write(res.dst, res.bytes_written,
+                 res.detail() + ("" if res.retagged else "; nothing re-tagged (tags already match)"))
     report_kept(res)
     report_hint(res.dst, state_dict=state_dict, to=to, maps=maps, renamed=renamed_keys(res))

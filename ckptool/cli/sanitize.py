@@ -16,7 +16,6 @@ from ckptool.cli._common import (
     mapping_of,
     output_options,
     refuse_stdout,
-    report_write,
     retagged_list,
     source_size,
 )
@@ -61,17 +60,7 @@ def sanitize_cmd(src: str, dst: str | None, in_place: bool, force: bool, to: str
             "bytes_written": res.bytes_written, "devices": res.devices, "retagged": retagged_list(res.retagged),
             **hint_payload(hint_for(res.dst, to=to, maps=maps))})
         return
-    click.echo(f"Converted {len(res.converted)} object(s); nothing from the file was imported or run"
-               + (":" if res.converted else ""))
-    for c in res.converted:
-        click.echo(f"  {c.label}: {c.source} -> {c.detail}")
-    if res.dropped:
-        click.echo(f"Dropped {len(res.dropped)} object(s) no rule converts (--drop-unknown):")
-        for c in res.dropped:
-            click.echo(f"  {c.label}: {c.source} ({c.why})")
-    retagged = ", ".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(res.retagged.items()))
-    report_write(res.dst, res.bytes_written, f"{res.storages} storages, {res.new_storages} new"
-                 + (f"; re-tagged: {retagged}" if retagged else ""))
+    click.echo(res)
     report_hint(res.dst, to=to, maps=maps)
 
 

@@ -8,44 +8,15 @@ import json
 import click
 
 from ckptool import __version__
-from ckptool.cli._common import emit_json, human_bytes, is_quiet, json_option
+from ckptool.cli._common import emit_json, is_quiet, json_option
 from ckptool.errors import UsageError
 from ckptool.ops.scan.entry import ScanResult, exit_status, scan
+from ckptool.ops.scan.results import SHOWN
 from ckptool.ops.scan.sarif import to_sarif
-
-#: how each verdict is written on the first line of a file's report
-_SHOWN = {"safe": "safe", "needs-trust": "NEEDS TRUST", "dangerous": "DANGEROUS", "unsafe": "UNSAFE",
-          "error": "ERROR"}
 
 
 def _print_result(res: ScanResult, show_all: bool, strict: bool) -> None:
-    verdict = res.strict_verdict if strict else res.verdict
-    n_pickles = len(res.pickles)
-    head = (f"{res.path}: {_SHOWN[verdict]} ({res.format}, {n_pickles} pickle{'s' if n_pickles != 1 else ''}, "
-            f"{len(res.globals)} global{'s' if len(res.globals) != 1 else ''}")
-    bad = res.unsafe
-    head += f", {len(bad)} not allowed)" if bad else ")"
-    click.echo(head)
-    rows = [(g.level.upper() if g.level == "dangerous" else g.level, g.name, g.reason, ", ".join(g.where))
-            for g in (res.globals if show_all else bad)]
-    if rows:  # a safe file prints no table, and its scan does not load tabulate (and what it loads: ~20 ms)
-        from tabulate import tabulate
-
-        click.echo(tabulate(rows, headers=["level", "global", "why", "in"]))
-    for c in res.code:  # code that ships in the file (ops/scan/shipped_code.py)
-        click.echo(f"  code ({c.level.upper() if c.level == 'dangerous' else c.level}, {c.kind}): {c.member}: "
-                   f"{c.reason}")
-    if res.recognised is not None:
-        click.echo(f"  recognised: {res.recognised[1]}")
-    if res.error:
-        click.echo(f"  error: {res.error}")
-    if res.bytes_read is not None:
-        click.echo(f"  read {human_bytes(res.bytes_read)} over the network")
-    for p in res.pickles:
-        if p.error:
-            click.echo(f"  error in {p.where}: {p.error}")
-    for note in res.notes:
-        click.echo(f"  note: {note}")
+    click.echo(res.report(show_all=show_all, strict=strict))
 
 
 def _table(results: list[ScanResult], strict: bool) -> str:
@@ -60,7 +31,7 @@ def _table(results: list[ScanResult], strict: bool) -> str:
         if code and (not bad or bad[0].level != "dangerous"):
             worst = f"{code[0].kind} {code[0].member} ({code[0].level})"
         hidden = len(r.hidden)
-        rows.append((r.path, _SHOWN[r.strict_verdict if strict else r.verdict], r.format,
+        rows.append((r.path, SHOWN[r.strict_verdict if strict else r.verdict], r.format,
                      f"{len(r.pickles)}" + (f" ({hidden} hidden)" if hidden else ""), len(bad), worst))
     return tabulate(rows, headers=["file", "verdict", "format", "pickles", "not allowed", "worst global"],
                     disable_numparse=True)

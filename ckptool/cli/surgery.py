@@ -22,7 +22,6 @@ from ckptool.cli._common import (
     refuse_stdout,
     renamed_state_dict,
     report_kept,
-    report_write,
     retagged_list,
     set_output_options,
     source_size,
@@ -30,10 +29,9 @@ from ckptool.cli._common import (
 )
 from ckptool.cli._hints import hint_for, hint_payload, renamed_keys, report_hint
 from ckptool.errors import UsageError
-from ckptool.ops.rewrite.sets import set_detail, set_payload
-from ckptool.ops.surgery.average import AverageResult, average
+from ckptool.ops.rewrite.sets import set_payload
+from ckptool.ops.surgery.average import average
 from ckptool.ops.surgery.edit import FilterResult, RuleResult, filter_keys, load_rules, rename, surgery_output
-from ckptool.readers import FORMATS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,15 +62,6 @@ def _target(src: str, dst: str | None, in_place: bool, force: bool, dry_run: boo
     if dry_run:
         return None
     return claim_output(out, force=force, in_place=in_place)
-
-
-def _stored(res: RuleResult | FilterResult) -> str:
-    """``N storages`` (``N tensors`` for safetensors, ``N records`` for a DCP folder), the shards of a set and the
-    re-tagging, for the ``Wrote ...`` line."""
-    tags = "".join(f"; re-tagged {a} -> {b} ({k})" for (a, b), k in sorted(res.retagged.items()))
-    spec = FORMATS.get(res.format_in)  # a DCP folder's records, a safetensors file's tensors
-    unit = "tensors" if spec and spec.header else "records" if spec and spec.kind == "folder" else "storages"
-    return f"{res.storages} {unit}{set_detail(res)}{tags}"
 
 
 # ------------------------------------------------------------------------------------------------ rename
@@ -152,7 +141,7 @@ def _report_output(res: RuleResult | FilterResult, sd: str | None, to: str | Non
     if res.dry_run:
         click.echo("Dry run: nothing was written")
         return
-    report_write(res.dst, res.bytes_written, _stored(res))
+    click.echo(res)
     report_kept(res)
     report_hint(res.dst, state_dict=sd, to=to, maps=maps, renamed=renamed_keys(res))
 
@@ -237,24 +226,6 @@ def _parse_weights(text: str | None) -> list[float] | None:
         raise UsageError(f"--weights {text!r}: give one number per input, separated by commas (2,1,1)") from None
 
 
-def _report_average(res: AverageResult) -> None:
-    total = sum(res.weights)
-    ws = ", ".join(f"{w / total:.4g}" for w in res.weights)
-    where = f" of state_dict {res.key!r}" if res.key else ""
-    click.echo(f"Averaged {len(res.inputs)} checkpoints{where} (weights {ws}): {res.averaged} floating tensors in "
-               "float64, cast back to their dtypes")
-    if res.from_first:
-        click.echo(f"Taken from the first input (integer / bool tensors): {', '.join(res.from_first)}")
-    if res.tied:
-        click.echo("Tied (one storage): " + ", ".join(f"{a} -> {b}" for a, b in res.tied.items()))
-    for note in res.notes:
-        click.echo(f"Note: {note}")
-    for entry in res.left_out:
-        click.echo(f"Left out (not averaged): {entry}")
-    for entry in res.skipped:
-        click.echo(f"Left out of the state_dict (not a tensor): {entry}")
-
-
 @click.command("average")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(dir_okay=True), metavar="A B [C ...]")
 @click.option("-o", "--output", "dst", required=True, type=click.Path(dir_okay=False),
@@ -288,6 +259,5 @@ def average_cmd(inputs: tuple[str, ...], dst: str, weights: str | None, key: str
     if as_json:
         emit_json("average", {**vars(res), **hint_payload(hint_for(res.dst, state_dict=""))})
         return
-    _report_average(res)
-    report_write(res.dst, res.bytes_written, f"{res.tensors} tensors")
+    click.echo(res)
     report_hint(res.dst, state_dict="")  # the output is a plain state_dict

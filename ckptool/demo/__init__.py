@@ -13,9 +13,10 @@ The steps (each a function here, printed by :func:`run_demo` as a short headed s
    (:func:`missing_gpu_tag`), as a file saved on another machine is, and the error a plain ``torch.load`` raises.
 5. :func:`fix_file`: ``ckptool.remap(..., to="cpu")`` then ``ckptool.strip_dataparallel``, then
    ``ckptool.verify`` into a fresh bare model moved with ``.to(device)``; :func:`predictions_match` compares its
-   held-out predictions with the trained model's.
+   held-out predictions with the trained model's; the pickled full model, which verify refuses without trust,
+   is fixed with :func:`extract_fix` (``ckptool.extract_state_dict``) and verified.
 6. :func:`resume`: ``ckptool.load_training_state`` on the current device, then one more epoch.
-7. A summary table (tabulate).
+7. A summary table (tabulate), and the run's own wall time.
 
 The package imports torch at import time; ``ckptool`` and ``ckptool.cli`` import it only inside the ``demo``
 command. Nothing is downloaded: the data ship in the package. Its modules: :mod:`ckptool.demo.training` (data,

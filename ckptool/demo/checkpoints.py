@@ -1,7 +1,8 @@
 """The checkpoint files of the demo: saved three ways, re-tagged for a GPU this machine lacks, fixed, resumed.
 
 Each function is one step of the portability story of :mod:`ckptool.demo` and calls the ckptool operation a user
-would (:func:`ckptool.remap`, :func:`ckptool.strip_dataparallel`, :func:`ckptool.load_training_state`).
+would (:func:`ckptool.remap`, :func:`ckptool.strip_dataparallel`, :func:`ckptool.extract_state_dict`,
+:func:`ckptool.load_training_state`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from ckptool.demo.training import Split, Trained, accuracy, bare_model, make_optimizer, predict, train_one_epoch
+from ckptool.ops.extract import extract_state_dict
 from ckptool.ops.rewrite.prefixes import strip_dataparallel
 from ckptool.ops.rewrite.remap import remap
 from ckptool.torch_ops.reports import TrainingState
@@ -91,6 +93,15 @@ def fix_file(received: Path, kind: str) -> tuple[Path, Path]:
     remap(received, cpu, to="cpu")
     strip_dataparallel(cpu, portable)
     return cpu, portable
+
+
+def extract_fix(full_model: Path) -> Path:
+    """The fix for a pickled model that ``verify`` refuses without trust: ``ckptool.extract_state_dict(full_model,
+    <stem>.full_model.state_dict.pt)`` writes its state_dict, read from the pickle without importing or running
+    its classes. Returns the path written."""
+    out = full_model.with_name(f"{STEM}.full_model.state_dict.pt")
+    extract_state_dict(full_model, out)
+    return out
 
 
 def load_plain(model: nn.Module, path: Path, key: str | None = None) -> None:

@@ -18,6 +18,7 @@ from tabulate import tabulate
 
 from ckptool.demo.checkpoints import (
     KINDS,
+    extract_fix,
     fix_file,
     load_plain,
     make_received_copies,
@@ -110,8 +111,9 @@ class DemoResult:
     ``out`` the folder; ``device`` the training device; ``accuracy`` held-out accuracy (0..1) after training;
     ``losses`` the mean training loss of each epoch; kind -> path maps of the files written: ``saved`` (as
     trained), ``received`` (tagged ``gpu_tag``), ``remapped`` (tagged cpu), ``portable`` (tagged cpu, no
-    ``module.``); ``plain_load_error`` what ``torch.load`` raised for the received state_dict; ``matches`` kind ->
-    held-out predictions equal to the trained model's (of ``n_test``); ``resumed`` see :func:`resume`;
+    ``module.``); ``extracted`` the full model's state_dict (the fix for verify's refusal of the pickled model);
+    ``plain_load_error`` what ``torch.load`` raised for the received state_dict; ``matches`` kind -> held-out
+    predictions equal to the trained model's (of ``n_test``); ``resumed`` see :func:`resume`;
     ``rows`` the summary table (``SUMMARY_HEADERS``); ``seconds`` wall-clock time.
     """
 
@@ -125,6 +127,7 @@ class DemoResult:
     plain_load_error: str | None = None
     remapped: dict[str, Path] = field(default_factory=dict)
     portable: dict[str, Path] = field(default_factory=dict)
+    extracted: Path | None = None
     n_test: int = 0
     matches: dict[str, int] = field(default_factory=dict)
     verified: dict[str, str] = field(default_factory=dict)
@@ -234,24 +237,37 @@ class DemoRun:
                     f"ckptool.verify(DigitsMLP().to({str(dev)!r}), {sd.name!r}, device={str(dev)!r}"
                     + (f", input_shape={shape})" if shape else ")")])
         for kind, key in (("state_dict", None), ("checkpoint", "model_state_dict"), ("full_model", None)):
-            path, model = self.res.portable[kind], bare_model(dev)
+            path = self.res.portable[kind]
             try:
-                report = verify(model, path, device=dev, key=key, input_shape=shape)
-            except UnsafeCheckpointError as e:
-                # the full model: verify will not unpickle its classes without trust=True (project rule 1)
-                self.res.verified[kind] = "no: needs trust"
-                p.result(f"{path.name}: refused without trust=True, as it should be:\n  {e}", fg="yellow")
-                continue
-            same, equal = predictions_match(self.trained, model, self.split)
-            self.res.matches[kind] = same
-            self.res.verified[kind] = f"yes ({same}/{n} same predictions)" if report.ok else "FAILED"
-            p.result(f"{report.summary()}\n  held-out predictions equal to the trained model's: {same}/{n}; "
-                     f"logits bitwise equal: {'yes' if equal else 'no'}", fg=None if report.ok else "red")
+                self._verify(kind, path, key, shape)
+            except UnsafeCheckpointError:
+                # the full model: verify will not unpickle its classes without trust=True (project rule 1); the
+                # fix it recommends, shown: its state_dict extracted without running it, then verified
+                fixed = self.res.extracted = extract_fix(path)
+                p.result(f"{path.name}: a pickled model; verify refuses to import and run its classes without "
+                         "trust=True.\nThe fix: extract its state_dict without running anything, then verify that:",
+                         fg="yellow")
+                p.commands([f"ckptool extract-state-dict {path.name} -o {fixed.name}",
+                            f"ckptool verify {fixed.name} --model ckptool.demo:DigitsMLP --device {dev}"],
+                           f"ckptool.extract_state_dict({path.name!r}, {fixed.name!r})")
+                self._verify(kind, fixed, None, shape, "after extract-state-dict ")
         model = bare_model(dev)
         load_plain(model, sd)
         same, _ = predictions_match(self.trained, model, self.split)
         p.commands([], f"model.load_state_dict(torch.load({sd.name!r}))   # plain torch, strict")
         p.result(f"loads strictly with plain torch: {same}/{n} held-out predictions match")
+
+    def _verify(self, kind: str, path: Path, key: str | None, shape: tuple[int, ...] | None, how: str = "") -> None:
+        """:func:`ckptool.verify` ``path`` into a fresh bare model, compare its held-out predictions with the trained
+        model's and print both; ``how`` prefixes the summary's "verified" cell."""
+        assert self.trained is not None
+        model, n = bare_model(self.device), self.res.n_test
+        report = verify(model, path, device=self.device, key=key, input_shape=shape)
+        same, equal = predictions_match(self.trained, model, self.split)
+        self.res.matches[kind] = same
+        self.res.verified[kind] = f"yes {how}({same}/{n} same predictions)" if report.ok else "FAILED"
+        self.p.result(f"{report.summary()}\n  held-out predictions equal to the trained model's: {same}/{n}; "
+                      f"logits bitwise equal: {'yes' if equal else 'no'}", fg=None if report.ok else "red")
 
     def resume(self) -> None:
         """Step 6: :func:`resume` from the received training checkpoint and print the losses."""

@@ -1,4 +1,4 @@
-"""Units shown to people: sizes in bytes."""
+"""Words shown to people: sizes in bytes, counts, plurals, the re-tagging of storages."""
 
 from __future__ import annotations
 
@@ -19,3 +19,21 @@ def human_count(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f}{suffix}"
     return str(n)
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``n`` and the noun that agrees with it: ``plural(1, "storage")`` -> ``1 storage``, ``plural(2, "entry",
+    "entries")`` -> ``2 entries`` (``words`` defaults to ``word + "s"``)."""
+    return f"{n} {word if n == 1 else words or word + 's'}"
+
+
+def retagged_words(retagged: dict[tuple[str, str], int]) -> str:
+    """The one spelling of a re-tagging every command prints: ``{("cuda:0", "cpu"): 5}`` ->
+    ``re-tagged cuda:0 -> cpu (5)``; several joined with ``, ``; empty when nothing was re-tagged."""
+    changes = ", ".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(retagged.items()))
+    return f"re-tagged {changes}" if changes else ""
+
+
+def wrote_line(dst: str, bytes_written: int, detail: str) -> str:
+    """``Wrote DST (SIZE, DETAIL)``: the line every rewriting command ends its report with."""
+    return f"Wrote {dst} ({human_bytes(bytes_written)}, {detail})"

@@ -48,6 +48,7 @@ from ckptool.model.module_state import detached, module_state_dict, state_dict_n
 from ckptool.model.paths import get_path
 from ckptool.model.rename_memory import rename_state_dict
 from ckptool.model.rename_plan import build_plan
+from ckptool.model.units import human_bytes, plural
 from ckptool.ops.convert import OutputFormat, convert
 from ckptool.ops.rewrite.stream import ProgressFn, retag_function, rewrite_file
 from ckptool.readers import Opened, open_checkpoint
@@ -72,6 +73,19 @@ class ExtractResult:
     bytes_written: int = 0
     removed: dict[str, int] = field(default_factory=dict)
     trusted: bool = False
+
+    def __str__(self) -> str:
+        """What ``ckptool extract-state-dict`` prints (before its load hint): the ``Wrote ...`` line, and the
+        wrapper components removed."""
+        where = f" at {self.path}" if self.path else ""
+        ran = " [trusted: the file's code ran]" if self.trusted else "; nothing from the file was imported or run"
+        text = (f"Wrote {self.dst} ({self.format}, {human_bytes(self.bytes_written)}): "
+                f"{plural(len(self.keys), 'tensor')} from {self.module}{where}, "
+                f"{plural(self.storages, 'storage')}{ran}")
+        if self.removed:
+            text += "\nRemoved wrapper components: " + ", ".join(f"{c}. ({plural(n, 'key')})"
+                                                                 for c, n in sorted(self.removed.items()))
+        return text
 
 
 # ------------------------------------------------------------------------------------------------ the walk

@@ -30,12 +30,13 @@ from __future__ import annotations
 import ntpath
 import os
 import posixpath
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptool._gc import gc_paused
-from ckptool.errors import UnsafeCheckpointError, UnsupportedError
+from ckptool.errors import CkptError, UnsafeCheckpointError, UnsupportedError
 from ckptool.formats.nodes import (
     ALLOC,
     CLASS_BUILD,
@@ -59,14 +60,18 @@ from ckptool.model.graph import ATOMS, is_module, join, mapping_items, set_mappi
 from ckptool.model.module_state import detached, module_state_dict, state_dict_node
 from ckptool.model.numpy_nodes import numpy_kind, numpy_type_dtype, read_array, read_dtype
 from ckptool.model.tensor_nodes import tensor_node
+from ckptool.model.units import plural, retagged_words, wrote_line
 from ckptool.ops.rewrite.stream import ProgressFn, output_path, refuse_unwritable, retag_function, rewrite_file
-from ckptool.readers import open_checkpoint
+from ckptool.readers import Opened, open_checkpoint
 
 __all__ = ["Conversion", "SanitizeResult", "sanitize"]
 
 _PATHS = {f"pathlib.{m}{c}": j for m in ("", "_local.") for c, j in (
     ("Path", posixpath), ("PosixPath", posixpath), ("PurePosixPath", posixpath), ("WindowsPath", ntpath),
     ("PureWindowsPath", ntpath))}
+#: the globals a refusal names, at most
+_LISTED = 5
+
 _RECONSTRUCTOR = ("copyreg._reconstructor", "copy_reg._reconstructor")
 #: record classes converted although their module is on the dangerous list (``types``)
 _KNOWN_RECORDS = frozenset({"argparse.Namespace", "types.SimpleNamespace"})
@@ -123,6 +128,20 @@ class SanitizeResult:
     bytes_written: int = 0
     devices: dict[str, int] = field(default_factory=dict)
     retagged: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        """What ``ckptool sanitize`` prints (before its load hint): each object converted and dropped, then the
+        ``Wrote DST (SIZE, N storages, M new; re-tagged ...)`` line."""
+        lines = [f"Converted {plural(len(self.converted), 'object')}; nothing from the file was imported or run"
+                 + (":" if self.converted else "")]
+        lines += [f"  {c.label}: {c.source} -> {c.detail}" for c in self.converted]
+        if self.dropped:
+            lines.append(f"Dropped {plural(len(self.dropped), 'object')} no rule converts (--drop-unknown):")
+            lines += [f"  {c.label}: {c.source} ({c.why})" for c in self.dropped]
+        retagged = retagged_words(self.retagged)
+        lines.append(wrote_line(self.dst, self.bytes_written, f"{plural(self.storages, 'storage')}, "
+                                f"{self.new_storages} new" + (f"; {retagged}" if retagged else "")))
+        return "\n".join(lines)
 
 
 def _global_of(obj: object) -> str:
@@ -288,7 +307,7 @@ class _Sanitizer:
         self.memo[id(obj)] = new
         at = len(self.converted)  # the record is listed before what it holds
         new.update(self._items(items, path))
-        self.converted.insert(at, Conversion(path, "record", cls, f"dict ({len(new)} entries)"))
+        self.converted.insert(at, Conversion(path, "record", cls, f"dict ({plural(len(new), 'entry', 'entries')})"))
         return new
 
     def _allowed(self, obj: PickledObject, path: str) -> PickledObject:
@@ -331,7 +350,8 @@ class _Sanitizer:
         items = [(k, detached(t)) for k, t in entries]
         for _k, t in items:
             self._use_tensor(t)
-        self.converted.append(Conversion(path, "module", _global_of(obj), f"state_dict ({len(items)} tensors)"))
+        detail = f"state_dict ({plural(len(items), 'tensor')})"
+        self.converted.append(Conversion(path, "module", _global_of(obj), detail))
         return state_dict_node(items, meta)
 
 
@@ -340,6 +360,25 @@ def _left_over(path: str, name: str) -> Conversion:
     it (:func:`ckptool.model.allowlist.classify_global`), its level and reason."""
     status, reason = classify_global(name)
     return Conversion(path, "unknown", name, reason, level_of(status))
+
+
+def _refuse_unwritable(opened: Opened, src: str) -> None:
+    """The format's refusal to rewrite (a plain pickle, safetensors, ...), naming each global outside the
+    weights_only allowlist with the level ``ckptool scan`` gives it: a plain pickle calling ``os.system`` is no
+    mere "nothing to sanitize"."""
+    try:
+        refuse_unwritable(opened.spec, src, "sanitize")
+    except UnsupportedError as e:
+        try:
+            names = [qualified_name(m, n) for m, n in opened.graph().globals]
+        except CkptError:  # no pickle to read (safetensors): the refusal as it is
+            raise e from None
+        named = [(n, classify_global(n)) for n in dict.fromkeys(names) if not is_allowed(n)]
+        if not named:
+            raise
+        words = ", ".join(f"{n} ({level_word(level_of(status))})" for n, (status, _why) in named[:_LISTED])
+        more = f" and {len(named) - _LISTED} more" if len(named) > _LISTED else ""
+        raise UnsupportedError(f"{e}; it names {words}{more}: see `ckptool scan {shlex.quote(src)}`") from None
 
 
 def _refusal(src: str, left: list[Conversion]) -> UnsafeCheckpointError:
@@ -388,7 +427,7 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
     src = os.fspath(src)
     out = sanitize_output(src, dst, in_place)
     opened = open_checkpoint(src).require_file()
-    refuse_unwritable(opened.spec, src, "sanitize")
+    _refuse_unwritable(opened, src)
     ck = opened.graph()
     location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     s = _Sanitizer(ck, drop_unknown)

@@ -7,7 +7,7 @@ DeepSpeed folder's consolidated state_dict (``tagged``), the one flat mapping of
 
 from __future__ import annotations
 
-from ckptool.model.units import human_bytes
+from ckptool.model.units import human_bytes, wrote_line
 from ckptool.ops.convert.source import ConvertResult
 from ckptool.readers import FORMATS, Format
 
@@ -94,6 +94,13 @@ def written_detail(res: ConvertResult) -> str:
     shards = f", {res.shards} shards + index" if res.shards > 1 else ""
     stored = f"{res.stored} of {res.tensors} tensors stored" if res.stored != res.tensors else f"{res.tensors} tensors"
     return stored + shards
+
+
+def convert_text(res: ConvertResult) -> str:
+    """Everything ``ckptool convert`` prints for ``res`` before its load hint: :func:`convert_lines`, the
+    ``Wrote DST (SIZE, DETAIL)`` line (:func:`written_detail`), :func:`verification_line`."""
+    lines = [*convert_lines(res), wrote_line(res.dst, res.bytes_written, written_detail(res)), verification_line(res)]
+    return "\n".join(line for line in lines if line)
 
 
 def verification_line(res: ConvertResult) -> str:

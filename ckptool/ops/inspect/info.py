@@ -27,7 +27,7 @@ from ckptool.model.allowlist import (
 from ckptool.model.keys import has_flat_param_key, shared_prefixes, suggest_command
 from ckptool.model.notebook import facts_table, tree_html
 from ckptool.model.tree import TreeNode, build_tree
-from ckptool.model.units import human_bytes
+from ckptool.model.units import human_bytes, plural
 from ckptool.ops.inspect.json_rows import rows_json
 from ckptool.ops.inspect.values import ValueInfo
 from ckptool.ops.scan.entry import ScanResult
@@ -293,13 +293,23 @@ class CheckpointInfo:
         numbered blocks folded into one node unless ``fold`` is False)."""
         return build_tree(self.tensors, fold=fold)
 
+    def facts(self) -> list[tuple[str, str]]:
+        """The summary as ``(name, value)`` rows: format, kind, size, tensors, devices, wrapper prefixes, safety
+        (what :meth:`__str__` prints and Jupyter shows above the module tree)."""
+        tensors = f"{len(self.tensors)} in {plural(self.storages, 'storage')}, {human_bytes(self.total_bytes)}"
+        return [("format", self.format), ("kind", self.kind), ("size", human_bytes(self.size)),
+                ("tensors", tensors),
+                ("devices", ", ".join(f"{d} ({n})" for d, n in self.devices.items()) or "-"),
+                ("wrapper prefixes", "; ".join(f"{sd.path or '(top level)'}: {' '.join(sd.prefixes)}"
+                                               for sd in self.state_dicts if sd.prefixes) or "-"),
+                ("safety", self.security().get("level") or self.verdict)]
+
+    def __str__(self) -> str:
+        """A short summary (``print(ckptool.inspect(path))``): the path, then one line per :meth:`facts` row;
+        ``ckptool inspect PATH`` prints the long form, :meth:`to_dict` is the whole."""
+        return "\n".join([self.path, *(f"  {name + ':':<17} {value}" for name, value in self.facts())])
+
     def _repr_html_(self) -> str:
         """The summary and the module tree, for Jupyter (``ckptool.inspect(path)`` as a cell's last line)."""
-        facts = [("format", self.format), ("kind", self.kind), ("size", human_bytes(self.size)),
-                 ("tensors", f"{len(self.tensors)} in {self.storages} storages, {human_bytes(self.total_bytes)}"),
-                 ("devices", ", ".join(f"{d} ({n})" for d, n in self.devices.items()) or "-"),
-                 ("wrapper prefixes", "; ".join(f"{sd.path or '(top level)'}: {' '.join(sd.prefixes)}"
-                                                for sd in self.state_dicts if sd.prefixes) or "-"),
-                 ("safety", self.security().get("level") or self.verdict)]
-        return facts_table(self.path, facts) + tree_html(self.tree())
+        return facts_table(self.path, self.facts()) + tree_html(self.tree())
 

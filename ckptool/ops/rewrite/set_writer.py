@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ckptool._commit import mark_committed, signals_blocked
-from ckptool._fileio import atomic_output, same_file, temp_path
+from ckptool._fileio import atomic_output, make_output_folder, same_file, temp_path
 from ckptool.errors import OutputError, UsageError
 from ckptool.formats.sharded import INDEX_SUFFIX, SetLayout, encode_index, files_named
 from ckptool.ops.rewrite.companions import copy_companion
@@ -81,7 +81,7 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
     earlier = _earlier_set(layout)  # read before the new index replaces the old one
     made = layout.is_output_folder and not os.path.isdir(layout.folder)
     if made:
-        os.makedirs(layout.folder)
+        make_output_folder(layout.folder)
     committed: list[str] = []
     keep = {os.path.basename(p) for p in own}
     if index is None:  # before the notes of the commit (what it removed), which follow from it

@@ -30,7 +30,8 @@ from ckptool.formats.zipdir import ENCRYPTED
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.rename_plan import RenamePlan, RenameSummary
-from ckptool.readers import Format
+from ckptool.model.units import plural, retagged_words, wrote_line
+from ckptool.readers import FORMATS, Format
 from ckptool.readers.read_torch import locate_records
 
 
@@ -44,6 +45,23 @@ class WriteResult:
     storages: int = 0
     bytes_written: int = 0
     retagged: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def unit(self) -> str:
+        """What :attr:`storages` counts, in the singular: ``tensor`` for a safetensors output, else ``storage``."""
+        spec = FORMATS.get(self.format_in)
+        return "tensor" if spec is not None and spec.header else "storage"
+
+    def detail(self) -> str:
+        """The words of the ``Wrote`` line after the size: ``9 storages`` (:meth:`unit`), a set's shards and notes
+        (:class:`~ckptool.ops.rewrite.sets.SetFilesResult`), the re-tagging."""
+        shards = getattr(self, "shards", None)  # a set's result: its shard count and notes
+        words = [plural(self.storages, self.unit()) + (f" in {plural(shards, 'shard')}" if shards is not None else ""),
+                 *getattr(self, "notes", ()), retagged_words(self.retagged)]
+        return "; ".join(w for w in words if w)
+
+    def __str__(self) -> str:
+        """The line ``ckptool`` prints for this write: ``Wrote DST (SIZE, DETAIL)`` (:meth:`detail`)."""
+        return wrote_line(self.dst, self.bytes_written, self.detail())
 
 
 def refuse_unwritable(spec: Format, path: str, action: str) -> None:

@@ -35,6 +35,7 @@ from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import contiguous_stride, element_size
 from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Source, Storage, Tensor, is_contiguous
+from ckptool.model.units import plural, wrote_line
 from ckptool.ops.convert import ConvertResult
 from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.plan import check_safetensors_dtypes
@@ -76,6 +77,24 @@ class AverageResult:
     skipped: list[str] = field(default_factory=list)
     bytes_written: int = 0
     notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        """What ``ckptool average`` prints (before its load hint): the weights and what was averaged, taken from
+        the first input, tied and left out, then the ``Wrote DST (SIZE, N tensors)`` line."""
+        total = sum(self.weights)
+        ws = ", ".join(f"{w / total:.4g}" for w in self.weights)
+        where = f" of state_dict {self.key!r}" if self.key else ""
+        lines = [(f"Averaged {len(self.inputs)} checkpoints{where} (weights {ws}): "
+                 f"{plural(self.averaged, 'floating tensor')} in float64, cast back to their dtypes")]
+        if self.from_first:
+            lines.append(f"Taken from the first input (integer / bool tensors): {', '.join(self.from_first)}")
+        if self.tied:
+            lines.append("Tied (one storage): " + ", ".join(f"{a} -> {b}" for a, b in self.tied.items()))
+        lines += [f"Note: {note}" for note in self.notes]
+        lines += [f"Left out (not averaged): {entry}" for entry in self.left_out]
+        lines += [f"Left out of the state_dict (not a tensor): {entry}" for entry in self.skipped]
+        lines.append(wrote_line(self.dst, self.bytes_written, plural(self.tensors, "tensor")))
+        return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ reading

@@ -22,6 +22,7 @@ from ckptool.ops.rewrite.prefixes import RenameResult
 from ckptool.ops.rewrite.sets import SetFilesResult
 from ckptool.ops.rewrite.stream import ProgressFn, WriteResult
 from ckptool.ops.surgery.rules import RuleStep
+from ckptool.readers import FORMATS
 from ckptool.readers.read_safetensors import restore_library_aliases, safetensors_source
 from ckptool.readers.read_torch import select_state_dict
 
@@ -46,6 +47,10 @@ class RuleResult(RenameResult):
     rules: list[RuleUse] = field(default_factory=list)
     renames: list[tuple[str, str, str]] = field(default_factory=list)
     dry_run: bool = False
+
+    def unit(self) -> str:
+        """What :attr:`storages` counts: a DCP folder's records, else as :meth:`WriteResult.unit`."""
+        return _surgery_unit(self)
 
 
 @dataclass
@@ -78,6 +83,15 @@ class FilterResult(WriteResult):
     @property
     def dropped(self) -> int:
         return sum(len(c.dropped) for c in self.changes)
+
+    def unit(self) -> str:
+        """What :attr:`storages` counts: a DCP folder's records, else as :meth:`WriteResult.unit`."""
+        return _surgery_unit(self)
+
+
+def _surgery_unit(res: WriteResult) -> str:
+    spec = FORMATS.get(res.format_in)
+    return "record" if spec is not None and spec.kind == "folder" else WriteResult.unit(res)
 
 
 
