@@ -37,8 +37,9 @@ if TYPE_CHECKING:
     from ckptool.formats.tensors import Storage, Tensor
     from ckptool.model.rename_memory import rename_state_dict
     from ckptool.ops.convert import ConvertResult, convert
-    from ckptool.ops.diff.compare import DiffResult, diff
+    from ckptool.ops.diff.compare import diff
     from ckptool.ops.diff.report import ReportResult, report
+    from ckptool.ops.diff.result import DiffResult
     from ckptool.ops.extract import ExtractResult, extract_state_dict
     from ckptool.ops.inspect.entry import CheckpointInfo, StateDictInfo, TensorInfo, inspect
     from ckptool.ops.rewrite.prefixes import RenameResult, add_prefix, strip_dataparallel, strip_prefix, unwrap
@@ -85,7 +86,7 @@ _LAZY: dict[str, str] = {
     "convert": "ckptool.ops.convert",
     "ConvertResult": "ckptool.ops.convert",
     "diff": "ckptool.ops.diff.compare",
-    "DiffResult": "ckptool.ops.diff.compare",
+    "DiffResult": "ckptool.ops.diff.result",
     "scan": "ckptool.ops.scan.entry",
     "scan_file": "ckptool.ops.scan.entry",
     "ScanResult": "ckptool.ops.scan.entry",

@@ -15,7 +15,8 @@ from torch import nn
 
 import ckptool
 from ckptool.ops.diff import compare as diff_mod
-from ckptool.ops.diff.compare import DIFFER, diff
+from ckptool.ops.diff.compare import diff
+from ckptool.ops.diff.result import DIFFER
 
 
 def _model_sd() -> dict[str, torch.Tensor]:

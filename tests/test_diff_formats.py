@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from ckptool.ops.diff.compare import DIFFER, diff
+from ckptool.ops.diff.compare import diff
+from ckptool.ops.diff.result import DIFFER
 
 REPO = Path(__file__).resolve().parents[1]
 DS = REPO / "fixtures" / "deepspeed-zero"  # the folders tests/test_deepspeed.py reads (fixtures/make_deepspeed.py)

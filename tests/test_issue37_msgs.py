@@ -219,3 +219,23 @@ def test_the_note_after_a_write_continues_in_lower_case(run_cli, tmp_path: Path)
     torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
     out = run_cli("remap", tmp_path / "a.pt", "--to", "cuda:0", "-o", tmp_path / "b.pt").output
     assert "Note: storages are tagged cuda:0 as asked" in out and "Note: Storages" not in out, out
+
+
+def test_diff_and_convert_results_print_what_the_command_prints(run_cli, tmp_path: Path) -> None:
+    """``print(ckptool.diff(a, b))`` and ``print(ckptool.convert(...))`` give the text the commands print (a
+    dataclass dump before; the text lived in the CLI)."""
+    import ckptool
+
+    torch = pytest.importorskip("torch")
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save({"module.w": torch.ones(2), "module.b": torch.zeros(3)}, a)
+    torch.save({"w": torch.ones(2), "b": torch.ones(3)}, b)
+    res = ckptool.diff(a, b)
+    text = str(res)
+    assert "DiffResult(" not in text and text.splitlines()[-1] == res.summary()
+    r = run_cli("diff", a, b)
+    assert r.exit_code == 1 and r.output.strip() == text
+    conv = ckptool.convert(b, tmp_path / "b.safetensors")
+    assert "ConvertResult(" not in str(conv) and "Wrote" in str(conv)
+    out = run_cli("convert", b, "-o", tmp_path / "c.safetensors").output
+    assert str(conv).replace("b.safetensors", "c.safetensors").splitlines()[0] in out

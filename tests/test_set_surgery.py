@@ -115,7 +115,7 @@ def test_filter_set_drops_emptied_shards(run_cli: Callable[..., Any], tmp_path: 
     kept = {k: v for k, v in _sd().items() if not k.startswith("head.")}
     assert doc["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in kept.values())
     _same(_load_set(out), kept)
-    assert "2 shard(s) held only dropped tensors" in r.output
+    assert "2 shards held only dropped tensors" in r.output
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])

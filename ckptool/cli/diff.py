@@ -5,102 +5,11 @@ nothing is run from the files, torch is not imported). Exit status as GNU ``diff
 from __future__ import annotations
 
 import json
-import math
-from collections import Counter
 
 import click
 
-from ckptool.ops.diff.compare import EQUAL, DiffResult, KeyDiff, diff
-
-
-def _number(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if math.isinf(x):
-        return "inf"
-    return f"{x:.3g}"
-
-
-def _not_stored_lines(res: DiffResult) -> list[str]:
-    """One line per property and side for :attr:`~ckptool.ops.diff.compare.KeyDiff.not_stored` (``"72 tensors: device
-    cuda:0 in A, not stored in B (safetensors)"``), saying whether it counts (``--strict``)."""
-    lost: dict[tuple[str, str], Counter[str]] = {}
-    for t in res.tensors:
-        for entry in t.not_stored:  # "device cuda:0 not stored in B", "stride [1, 6] not stored in B"
-            what, side = entry.rsplit(" not stored in ", 1)
-            prop, value = what.split(" ", 1)
-            lost.setdefault((prop, side), Counter())[value] += 1
-    counted = "counted (--strict)" if res.strict else "not counted as a difference (--strict counts it)"
-    lines = []
-    for (prop, side), values in lost.items():
-        n = sum(values.values())
-        other, fmt = ("A", res.format_b) if side == "B" else ("B", res.format_a)
-        shown = ", ".join(values) if len(values) <= 3 else f"({len(values)} different)"
-        what = f"non-contiguous stride {shown}" if prop == "stride" else f"{prop} {shown}"
-        lines.append(f"{_tensors(n)}: {what} in {other}, not stored in {side} ({fmt}): {counted}")
-    return lines
-
-
-def _tensors(n: int) -> str:
-    return f"{n} tensor{'' if n == 1 else 's'}"
-
-
-def _print_folded(res: DiffResult) -> set[str]:
-    """Print every change repeated over several tensors as one summary line (``"72 tensors: device cuda:0 ->
-    cpu"``) and every property a format cannot store (:func:`_not_stored_lines`); return the changes folded. A
-    shape change is never folded: its tensor's values are not compared, so it has a row, which shows it."""
-    counts = Counter(c for t in res.tensors for c in t.changes if not c.startswith("shape "))
-    repeated = {c for c, n in counts.items() if n > 1}
-    for c, n in counts.items():
-        if n > 1:
-            click.echo(f"{_tensors(n)}: {c}")
-    for line in _not_stored_lines(res):
-        click.echo(line)
-    return repeated
-
-
-def _row(t: KeyDiff, changes: list[str]) -> tuple[str, ...]:
-    """One table row: key (``A / B`` when renamed), changes, values verdict, max abs, max rel, mismatched."""
-    return (t.key if t.key == t.key_b else f"{t.key} / {t.key_b}", "; ".join(changes) or "-",
-            t.values + (f" ({t.note})" if t.note else ""), _number(t.max_abs), _number(t.max_rel),
-            "-" if t.mismatched is None else f"{t.mismatched}/{t.numel}")
-
-
-def _print_tensors(res: DiffResult, verbose: bool) -> None:
-    """The tensors that differ: one row each with ``verbose``; else every change repeated over several tensors
-    (and every property a format cannot store) as one summary line, and rows only for what is left (a shape
-    change is never folded: it stays in its row)."""
-    from tabulate import tabulate
-
-    repeated = set() if verbose else _print_folded(res)
-    rows = []
-    for t in res.tensors:
-        changes = [c for c in t.changes if c not in repeated] + (t.not_stored if verbose else [])
-        if verbose or changes or t.values != EQUAL:
-            rows.append(_row(t, changes))
-    if rows:
-        click.echo(tabulate(rows, headers=["tensor", "changes", "values", "max abs", "max rel", "mismatched"]))
-
-
-def _print_result(res: DiffResult, verbose: bool = False) -> None:
-    from tabulate import tabulate
-
-    for who, path, fmt, key in (("A", res.a, res.format_a, res.key_a), ("B", res.b, res.format_b, res.key_b)):
-        click.echo(f"{who}: {path} ({fmt})" + ("" if key is None else f", state_dict {key!r}"))
-    if res.prefix:
-        click.echo(f"keys: {res.prefix}")
-    for who, keys in (("A", res.only_a), ("B", res.only_b)):
-        if keys:
-            shown = ", ".join(keys[:20]) + (f" (and {len(keys) - 20} more)" if len(keys) > 20 else "")
-            click.echo(f"only in {who} ({len(keys)}): {shown}")
-    _print_tensors(res, verbose)
-    if res.values:
-        click.echo(tabulate([(v.key, repr(v.a), repr(v.b)) for v in res.values], headers=["value", "A", "B"]))
-    for line in res.shared:
-        click.echo(f"shared storage differs: {line}")
-    for note in res.notes:
-        click.echo(f"note: {note}")
-    click.echo(res.summary())
+from ckptool.ops.diff.compare import diff
+from ckptool.ops.diff.result import diff_text
 
 
 @click.command("diff")
@@ -158,5 +67,5 @@ def diff_cmd(ctx: click.Context, a: str, b: str, rtol: float | None, atol: float
     if as_json:
         click.echo(json.dumps(res.to_dict(), indent=2))
     else:
-        _print_result(res, verbose)
+        click.echo(diff_text(res, verbose))
     ctx.exit(0 if res.identical else 1)

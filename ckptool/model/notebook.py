@@ -2,7 +2,7 @@
 
 Plain HTML with no script, so that it renders in any notebook front end, also one that strips JavaScript (the
 page of ``ckptool report`` is the interactive view). Used by :class:`ckptool.ops.inspect.entry.CheckpointInfo` and
-:class:`ckptool.ops.diff.compare.DiffResult`.
+:class:`ckptool.ops.diff.result.DiffResult`.
 """
 
 from __future__ import annotations

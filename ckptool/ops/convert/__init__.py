@@ -58,7 +58,8 @@ from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_torch, write_dcp
 from ckptool.ops.convert.outputs import write_outputs
-from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, ConvertResult, OutputFormat, parse_size
+from ckptool.ops.convert.report import ConvertResult
+from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, OutputFormat, parse_size
 from ckptool.ops.convert.verify import VerificationError
 from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn

@@ -25,7 +25,7 @@ from ckptool.formats.pickler import PicklerError, dumps
 from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.formats.zipdir import data_offset
 from ckptool.model.tensor_nodes import tensor_node
-from ckptool.ops.convert.source import ConvertResult
+from ckptool.ops.convert.report import ConvertResult
 from ckptool.ops.convert.verify import records_difference, verify_fail
 from ckptool.ops.convert.write import emit
 from ckptool.ops.rewrite.set_writer import scratch_file

@@ -12,7 +12,8 @@ from ckptool.formats.dtypes import DTYPE_SIZES
 from ckptool.formats.sharded import output_layout
 from ckptool.formats.tensors import Source
 from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, union_elements, units
-from ckptool.ops.convert.source import ConvertResult, OutputFormat, out_dtype
+from ckptool.ops.convert.report import ConvertResult
+from ckptool.ops.convert.source import OutputFormat, out_dtype
 from ckptool.ops.convert.verify import torch_verifier, verification_check, verify_safetensors, with_evidence
 from ckptool.ops.convert.write import Files, Written, archive_name, emit, write_safetensors, write_torch
 from ckptool.ops.rewrite.set_writer import write_set

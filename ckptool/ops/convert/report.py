@@ -1,4 +1,5 @@
-"""What ``convert`` did, in sentences for people: the lines ``ckptool convert`` prints around its ``Wrote`` line.
+"""What ``convert`` did (:class:`ConvertResult`) and, in sentences for people, the lines ``ckptool convert`` prints
+around its ``Wrote`` line (:func:`convert_text`, also ``str(result)``).
 
 The input's facts come from the registry (:data:`ckptool.readers.FORMATS`, by ``ConvertResult.format_in``): a
 DeepSpeed folder's consolidated state_dict (``tagged``), the one flat mapping of a safetensors file or a sharded set
@@ -7,12 +8,68 @@ DeepSpeed folder's consolidated state_dict (``tagged``), the one flat mapping of
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from ckptool.model.units import human_bytes, wrote_line
-from ckptool.ops.convert.source import ConvertResult
+from ckptool.ops.convert.source import OutputFormat
 from ckptool.readers import FORMATS, Format
 
 _LIST = 8  # names listed before "and N more"
 _LEFT_OUT = 20  # entries not carried listed before "... and N more"
+
+
+@dataclass
+class ConvertResult:
+    """What :func:`ckptool.ops.convert.convert` did.
+
+    ``format_in`` is the input's registry name (:data:`ckptool.readers.FORMATS`: ``torch-zip``,
+    ``sharded-safetensors``, ``dcp``...), ``format_out`` an :class:`OutputFormat`'s value (``torch``,
+    ``safetensors``, ``dcp``).
+    ``dst`` is the file written (the ``*.index.json`` of a named shard set), or the folder for a shard folder and
+    DCP output; ``files`` lists every file written (shards, then the index). ``key`` is the dotted path of the
+    state_dict converted (``""``: top level; None for safetensors, sharded and whole-object conversions).
+    ``tensors`` counts the tensors of the output (aliases included), ``stored`` those whose bytes were written,
+    ``bytes_written`` the output size in bytes. ``left_out`` describes the other entries of the source that were not
+    carried (``"optimizer_state: optimizer state (12 tensors)"``); ``skipped`` the non-tensor entries of the
+    selected state_dict, which safetensors cannot hold. ``aliases`` maps each tensor stored as a view of another to
+    that tensor; ``made_contiguous`` lists tensors stored contiguous although their layout was not;
+    ``trimmed_bytes`` counts storage bytes that no tensor reached (``torch.save`` of a slice keeps its whole
+    storage). ``cast`` counts ``"float32->float16": tensors``. ``renamed`` counts renamed keys. ``verified`` is True
+    after a passing verification (``checked``: what was compared with what, the sentence after ``Verified:``),
+    None with ``verify=False``. """
+
+    src: str
+    dst: str
+    format_in: str
+    format_out: str
+    key: str | None = None
+    tensors: int = 0
+    stored: int = 0
+    bytes_written: int = 0
+    files: list[str] = field(default_factory=list)
+    shards: int = 1
+    left_out: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+    made_contiguous: list[str] = field(default_factory=list)
+    trimmed_bytes: int = 0
+    cast: dict[str, int] = field(default_factory=dict)
+    renamed: int = 0
+    notes: list[str] = field(default_factory=list)
+    verified: bool | None = None
+    checked: str = "the output re-opens with the names, shapes, dtypes and values of the source"
+
+    @property
+    def load_path(self) -> str:
+        """The one path that opens the output: the DCP folder, the index of several shards, else the file written
+        (the single file of a shard folder whose tensors fit one shard, not the folder ``dst``)."""
+        if OutputFormat(self.format_out).folder or not self.files:
+            return self.dst
+        return self.files[-1]
+
+    def __str__(self) -> str:
+        """The text ``ckptool convert`` prints (:func:`convert_text`)."""
+        return convert_text(self)
 
 
 def _names(items: list[str]) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, field
 
 from ckptool.errors import UsageError
 from ckptool.formats.safetensors import SHARED_KEY as SHARED_KEY  # re-exported: ckptool.ops.convert.SHARED_KEY
@@ -78,56 +77,6 @@ _SUFFIXES = {
     OutputFormat.SAFETENSORS: (".safetensors",),
     OutputFormat.TORCH: (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"),
 }
-
-
-@dataclass
-class ConvertResult:
-    """What :func:`ckptool.ops.convert.convert` did.
-
-    ``format_in`` is the input's registry name (:data:`ckptool.readers.FORMATS`: ``torch-zip``,
-    ``sharded-safetensors``, ``dcp``...), ``format_out`` an :class:`OutputFormat`'s value (``torch``,
-    ``safetensors``, ``dcp``).
-    ``dst`` is the file written (the ``*.index.json`` of a named shard set), or the folder for a shard folder and
-    DCP output; ``files`` lists every file written (shards, then the index). ``key`` is the dotted path of the
-    state_dict converted (``""``: top level; None for safetensors, sharded and whole-object conversions).
-    ``tensors`` counts the tensors of the output (aliases included), ``stored`` those whose bytes were written,
-    ``bytes_written`` the output size in bytes. ``left_out`` describes the other entries of the source that were not
-    carried (``"optimizer_state: optimizer state (12 tensors)"``); ``skipped`` the non-tensor entries of the
-    selected state_dict, which safetensors cannot hold. ``aliases`` maps each tensor stored as a view of another to
-    that tensor; ``made_contiguous`` lists tensors stored contiguous although their layout was not;
-    ``trimmed_bytes`` counts storage bytes that no tensor reached (``torch.save`` of a slice keeps its whole
-    storage). ``cast`` counts ``"float32->float16": tensors``. ``renamed`` counts renamed keys. ``verified`` is True
-    after a passing verification (``checked``: what was compared with what, the sentence after ``Verified:``),
-    None with ``verify=False``. """
-
-    src: str
-    dst: str
-    format_in: str
-    format_out: str
-    key: str | None = None
-    tensors: int = 0
-    stored: int = 0
-    bytes_written: int = 0
-    files: list[str] = field(default_factory=list)
-    shards: int = 1
-    left_out: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    aliases: dict[str, str] = field(default_factory=dict)
-    made_contiguous: list[str] = field(default_factory=list)
-    trimmed_bytes: int = 0
-    cast: dict[str, int] = field(default_factory=dict)
-    renamed: int = 0
-    notes: list[str] = field(default_factory=list)
-    verified: bool | None = None
-    checked: str = "the output re-opens with the names, shapes, dtypes and values of the source"
-
-    @property
-    def load_path(self) -> str:
-        """The one path that opens the output: the DCP folder, the index of several shards, else the file written
-        (the single file of a shard folder whose tensors fit one shard, not the folder ``dst``)."""
-        if OutputFormat(self.format_out).folder or not self.files:
-            return self.dst
-        return self.files[-1]
 
 
 def out_dtype(dtype: str, cast: str | None) -> str:

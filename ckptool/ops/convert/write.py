@@ -31,7 +31,8 @@ from ckptool.model.keys import rename_metadata_items
 from ckptool.model.tensor_nodes import storage_ref, view_node
 from ckptool.ops.convert.evidence import SourceEvidence
 from ckptool.ops.convert.plan import Unit, shared_metadata
-from ckptool.ops.convert.source import ConvertResult, out_dtype
+from ckptool.ops.convert.report import ConvertResult
+from ckptool.ops.convert.source import out_dtype
 from ckptool.readers.data import FileRanges, read_range
 from ckptool.torch_ops.cast import FlatCache, tensor_buffer
 

@@ -35,7 +35,8 @@ from ckptool._deprecate import renamed_argument
 from ckptool._fileio import atomic_output
 from ckptool.model.tree import TreeNode, shape_text
 from ckptool.model.units import human_bytes, human_count
-from ckptool.ops.diff.compare import CLOSE, DIFFER, DiffResult, diff
+from ckptool.ops.diff.compare import diff
+from ckptool.ops.diff.result import CLOSE, DIFFER, DiffResult
 from ckptool.ops.inspect.entry import CheckpointInfo, inspect
 from ckptool.readers import open_checkpoint
 

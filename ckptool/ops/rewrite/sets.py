@@ -39,6 +39,7 @@ from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.rename_plan import RenamePlan, plan_keys
+from ckptool.model.units import plural
 from ckptool.ops.rewrite.companions import companion_files
 from ckptool.ops.rewrite.set_writer import write_set
 from ckptool.ops.rewrite.stream import (
@@ -93,7 +94,7 @@ def set_detail(res: object) -> str:
     for a single file."""
     if not isinstance(res, SetFilesResult):
         return ""
-    return f" in {res.shards} shard(s)" + "".join(f"; {n}" for n in res.notes)
+    return f" in {plural(res.shards, 'shard')}" + "".join(f"; {n}" for n in res.notes)
 
 
 @dataclass
@@ -408,6 +409,12 @@ def _output_layout(s: OpenSet, shards: list[_Shard], dst: str, key_map: dict[str
                     if k not in gone and v in position}
 
 
+def _dropped_shards(n: int) -> str:
+    """The note of a filtering that left ``n`` shards empty (they are not written)."""
+    were = "was" if n == 1 else "were"
+    return f"{plural(n, 'shard')} held only dropped tensors and {were} not written; the shards kept are numbered anew"
+
+
 def rewrite_set(
     src: str | Opened | OpenSet, dst: str, *, operation: str, plan: RenamePlan | None = None, to: str | None = None,
     mapping: Mapping[str, str] | None = None, key: str | None = None, allow_missing: bool = False,
@@ -482,8 +489,7 @@ def rewrite_set(
     res.notes += companions.notes()
     res.dst = os.path.join(layout.folder, layout.index_name)
     if len(shards) < len(s.shards):
-        res.notes.append(f"{len(s.shards) - len(shards)} shard(s) held only dropped tensors and were not written; "
-                         "the shards kept are numbered anew")
+        res.notes.append(_dropped_shards(len(s.shards) - len(shards)))
     if summary is None:
         return res
     return SetRenameResult(**vars(res), operation=operation, **vars(summary))
