@@ -630,6 +630,8 @@ def pair_sections(args: argparse.Namespace, files: dict[str, dict[str, object]],
     for p, limit in zip(comparisons, (1.0, None, 0.12)):
         value = p.ratio()
         status = "n/a" if value is None else "info" if limit is None else "PASS" if value <= limit else "FAIL"
+        if value is not None and not p.valid:  # other work shared the cores: not a figure to claim
+            status = f"{status}, NOT VALID (load > {pairs.QUIET_LOAD})"
         tgt.append({"figure": f"pairs: {p.name} (median A / median B)", "value": value, "unit": "x",
                     "target": limit, "status": status})
     rows = [p.row() for p in comparisons]
@@ -639,7 +641,7 @@ def pair_sections(args: argparse.Namespace, files: dict[str, dict[str, object]],
     return [
         {"title": f"alternating pairs A B (1 warm-up, then {n} pairs; wall s, median (min-max))\n  "
                   + "\n  ".join(notes),
-         "headers": ["A / B", "A", "B", "median A / median B", "per-pair A/B"], "rows": rows},
+         "headers": ["A / B", "A", "B", "median A / median B", "per-pair A/B", "load average (1 min)"], "rows": rows},
         {"title": f"start-up (median of {1 if args.smoke else args.startup_rounds} rounds after a warm-up; {snote})",
          "headers": ["command", "median s", "spread s", "over python -c pass"], "rows": srows},
     ]

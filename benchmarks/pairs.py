@@ -15,7 +15,9 @@ one warm-up run, then alternating A B A B pairs, medians and spread printed.
   runs from the checkout as ``python -m ckptool`` with the interpreter running this script.
 * every child gets this process's environment without ``PYTHONPATH`` (the installed copy is the one measured);
 * ``pair_figures`` runs A and B once each (warm-up, not counted), then ``pairs`` times A, B, and prints each
-  side's median and min-max, the ratio of the medians and the median (min-max) of the per-pair ratios A/B;
+  side's median and min-max, the ratio of the medians and the median (min-max) of the per-pair ratios A/B, and the
+  1-minute load average read before and after each pair (``os.getloadavg``): a comparison during which it went over
+  :data:`QUIET_LOAD` is marked not valid for claims (other work shared the cores, so its ratio is not the tools');
 * ``startup_figures`` runs ``ckptool COMMAND --help`` for every command (imports the command's module and what it
   imports, runs nothing) alternating with ``python -c pass`` of the same environment.
 """
@@ -33,6 +35,8 @@ from dataclasses import dataclass, field
 from children import REPO, warm_cache
 
 OUT_ROOT = os.path.join(REPO, "benchmarks", "out")
+#: the highest 1-minute load average, before and after every pair, of a comparison valid for claims (2-core machine)
+QUIET_LOAD = 1.5
 
 
 @dataclass
@@ -137,21 +141,43 @@ class Pair:
     a: list[float] = field(default_factory=list)
     b: list[float] = field(default_factory=list)
     error: str = ""
+    #: the 1-minute load average before and after each pair, in run order
+    loads: list[float] = field(default_factory=list)
+
+    @property
+    def valid(self) -> bool:
+        """Valid for claims: measured, and the load average stayed at or under :data:`QUIET_LOAD` throughout."""
+        return bool(self.loads) and max(self.loads) <= QUIET_LOAD
+
+    def load_text(self) -> str:
+        """``0.61-1.12 valid`` or ``0.90-2.40 NOT VALID for claims (load > 1.5)``; ``-`` when nothing was read."""
+        if not self.loads:
+            return "-"
+        span = f"{min(self.loads):.2f}-{max(self.loads):.2f}"
+        return f"{span} valid" if self.valid else f"{span} NOT VALID for claims (load > {QUIET_LOAD})"
 
     def ratio(self) -> float | None:
         """median A / median B (None when a side failed)."""
         return None if self.error or not self.a else statistics.median(self.a) / statistics.median(self.b)
 
     def row(self) -> list[str]:
-        """``[figure, A median (min-max), B median (min-max), ratio of medians, median pair ratio (min-max)]``."""
+        """``[figure, A median (min-max), B median (min-max), ratio of medians, median pair ratio (min-max), load]``."""
         if self.error or not self.a:
-            return [self.name, f"n/a ({self.error})", "", "", ""]
+            return [self.name, f"n/a ({self.error})", "", "", "", self.load_text()]
         ratios = sorted(x / y for x, y in zip(self.a, self.b))
         return [self.name,
                 f"{statistics.median(self.a):.3f} ({min(self.a):.3f}-{max(self.a):.3f})",
                 f"{statistics.median(self.b):.3f} ({min(self.b):.3f}-{max(self.b):.3f})",
                 f"{statistics.median(self.a) / statistics.median(self.b):.3f}x",
-                f"{statistics.median(ratios):.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f})"]
+                f"{statistics.median(ratios):.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f})", self.load_text()]
+
+
+def load_average() -> float:
+    """The 1-minute load average (``os.getloadavg``); 0.0 where the system has none."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
 
 
 def alternate(p: Pair, a: Callable[[], float], b: Callable[[], float], pairs: int,
@@ -161,9 +187,12 @@ def alternate(p: Pair, a: Callable[[], float], b: Callable[[], float], pairs: in
         a()
         b()
         for i in range(pairs):
+            p.loads.append(load_average())
             p.a.append(a())
             p.b.append(b())
-            log(f"  {p.name} pair {i + 1}: {p.a[-1]:.3f} s / {p.b[-1]:.3f} s")
+            p.loads.append(load_average())
+            load = f"load {p.loads[-2]:.2f} / {p.loads[-1]:.2f}"
+            log(f"  {p.name} pair {i + 1}: {p.a[-1]:.3f} s / {p.b[-1]:.3f} s ({load})")
     except RuntimeError as e:
         p.error = str(e)
     return p
