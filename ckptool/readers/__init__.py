@@ -102,9 +102,7 @@ class Opened:
     path: str
     format: str
     target: str
-    _graph: Checkpoint | None = field(default=None, repr=False)
-    _dcp: DcpMetadata | None = field(default=None, repr=False)
-    _package: torch_package.Package | None = field(default=None, repr=False)
+    #: what its readers parsed, by name (:meth:`_cached`): each structure is read once per command
     _parsed: dict[str, object] = field(default_factory=dict, repr=False)
 
     @property
@@ -135,9 +133,7 @@ class Opened:
         """
         if self.format != "dcp":
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a DCP folder")
-        if self._dcp is None:
-            self._dcp = read_dcp_metadata(self.target)
-        return self._dcp
+        return self._cached("dcp", lambda: read_dcp_metadata(self.target))
 
     def package(self) -> torch_package.Package:
         """A torch.package archive's pickles as node graphs (:func:`ckptool.formats.torch_package.read_package`,
@@ -149,9 +145,7 @@ class Opened:
         """
         if self.format != detect.TORCH_PACKAGE:
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a torch.package archive")
-        if self._package is None:
-            self._package = torch_package.read_package(self.target)
-        return self._package
+        return self._cached("package", lambda: torch_package.read_package(self.target))
 
     def _cached(self, what: str, read: Callable[[], _T]) -> _T:
         """``read()`` once per :class:`Opened` and ``what`` (the parse of one structure of the checkpoint)."""
@@ -237,12 +231,10 @@ class Opened:
                 archives: :func:`ckptool.formats.torchfile.read_checkpoint`'s message; sets and folders).
             NotACheckpointError / CorruptCheckpointError: see :func:`ckptool.formats.torchfile.read_checkpoint`.
         """
-        if self._graph is None:
-            if self.spec.kind != "file":
-                raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}: several files, not one pickle")
-            self._graph = (read_pickle_file(self.target) if self.format == detect.PICKLE
-                           else read_checkpoint(self.target, self.format))
-        return self._graph
+        if self.spec.kind != "file":
+            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}: several files, not one pickle")
+        return self._cached("graph", lambda: read_pickle_file(self.target) if self.format == detect.PICKLE
+                            else read_checkpoint(self.target, self.format))
 
     def state_dicts(self) -> list[StateDictEntry]:
         """Every state_dict the checkpoint holds, outermost first (:func:`ckptool.model.graph.find_state_dicts`
