@@ -61,6 +61,14 @@ ST_READ_ONLY: dict[str, str] = {"F4": "float4_e2m1fn_x2"}
 #: safetensors dtype code -> torch dtype name (inverse of :data:`ST_CODES`, plus :data:`ST_READ_ONLY`)
 ST_NAMES: dict[str, str] = {**{v: k for k, v in ST_CODES.items()}, **ST_READ_ONLY}
 
+#: every dtype code the safetensors format defines -> bits per element (``Dtype::bitsize`` in safetensors'
+#: ``tensor.rs``, 0.8): the codes its reader accepts, sub-byte ones included (``F4``, ``F6_*``)
+ST_BITS: dict[str, int] = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
+    "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}
+
 
 def element_size(dtype: str) -> int:
     """Size in bytes of one element of ``dtype`` (a torch dtype name such as ``"bfloat16"``).

@@ -14,19 +14,25 @@ convention of ``safetensors.torch.save_model``), and the full layout of every sh
 from __future__ import annotations
 
 import json
+import math
 import struct
+from collections import Counter
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
-from ckptool.formats.dtypes import ST_CODES, ST_NAMES, element_size, numel
-from ckptool.formats.strided import shape_problem, view_problem
+from ckptool.formats.dtypes import ST_BITS, ST_NAMES, element_size
+from ckptool.formats.strided import view_problem
 from ckptool.formats.tensors import span
 
-#: the safetensors library's own limit on the header size (bytes)
-MAX_HEADER = 100 << 20
+#: the safetensors library's own limit on the header size (bytes; ``MAX_HEADER_SIZE`` in its ``tensor.rs``)
+MAX_HEADER = 100_000_000
+#: serde_json's nesting limit, which the library's header parser keeps: a header nested this deep is refused
+MAX_DEPTH = 128
+_U64 = (1 << 64) - 1
+_FIELDS = ("dtype", "shape", "data_offsets")
 METADATA_KEY = "__metadata__"
 #: ``__metadata__`` key holding the layout of shared storages (JSON, see :func:`encode_shared`)
 SHARED_KEY = "ckptool.shared"
@@ -57,47 +63,52 @@ def library_aliases(metadata: Mapping[str, object] | None, stored: Container[str
             if k != SHARED_KEY and k not in stored and isinstance(v, str) and v in stored}
 
 
-def read_header(path: str, *, strict_metadata: bool = False) -> SafetensorsHeader:
-    """Parse the JSON header of the safetensors file at ``path`` (no tensor data is read).
+def read_header(path: str) -> SafetensorsHeader:
+    """Parse the JSON header of the safetensors file at ``path`` (no tensor data is read), accepting exactly the
+    headers ``safetensors.safe_open`` accepts (``SafeTensors::read_metadata`` and ``Metadata::validate`` in the
+    library's ``tensor.rs``, 0.8; ``tests/test_safetensors_parity.py`` holds the two together):
 
-    Each entry must have an int list ``shape``, a str ``dtype`` and ``data_offsets`` ``[begin, end]`` with
-    ``begin <= end <= data size``. With ``strict_metadata`` a ``__metadata__`` that is not a mapping of strings
-    is refused (the format requires one); without it such a value is dropped (``metadata`` is ``None``).
+    * the length ``N`` at most :data:`MAX_HEADER`, ``8 + N`` within the file; the header UTF-8, one JSON object
+      as serde_json reads it (no ``NaN``, no number out of range, no lone surrogate, nested less than
+      :data:`MAX_DEPTH` deep; a repeated key keeps its last value, a repeated field of an entry or a repeated
+      ``__metadata__`` is refused);
+    * ``__metadata__`` absent, null or a mapping of strings;
+    * every other item an entry ``{"dtype", "shape", "data_offsets"}`` (or serde's array form ``[dtype, shape,
+      data_offsets]``) with a dtype code of the format (:data:`~ckptool.formats.dtypes.ST_BITS`), a shape of
+      64-bit sizes and two 64-bit offsets;
+    * sorted by their offsets, the entries tile the data block from its first byte to the end of the file, with
+      no gap and no overlap, each as long as its shape and dtype need (a whole number of bytes, counted without
+      64-bit overflow).
 
     Raises:
-        CorruptCheckpointError: the header length runs past the file or over :data:`MAX_HEADER`, the JSON is
-            invalid or not an object, an entry is malformed or points past the data, or (``strict_metadata``)
-            ``__metadata__`` is not a mapping of strings.
+        CorruptCheckpointError: the header breaks one of these rules (the message says which, and where).
         OSError: the file cannot be read.
     """
     size = source.file_size(path)
     with source.open_binary(path) as f:  # a URL: two range reads, the length and the header
         n = _read_length(f, path, size)
         raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
-        raise CorruptCheckpointError(
-            f"{path}: safetensors header is not valid JSON ({type(e).__name__}: {str(e)[:200]}); re-download it"
-        ) from e
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object; the file is damaged")
+    header = _parse_json(raw, path)
     data_size = size - 8 - n
     meta = header.pop(METADATA_KEY, None)
-    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
-        if strict_metadata:
-            raise CorruptCheckpointError(
-                f"{path}: safetensors __metadata__ is not a mapping of strings; the file is damaged")
-        meta = None
-    for name, entry in header.items():
-        if not _entry_ok(entry, data_size):
-            raise CorruptCheckpointError(f"{path}: safetensors entry {name!r} is malformed or points past the data")
-        problem = _size_problem(entry)
-        if problem is not None:
-            raise CorruptCheckpointError(f"{path}: safetensors entry {name!r} does not fit its data: {problem}; "
-                                         "safetensors refuses it too. The file is damaged or was crafted: "
-                                         "re-download it")
-    return SafetensorsHeader(header, meta, 8 + n, data_size)
+    if meta is not None and not (isinstance(meta, _Object) and all(isinstance(v, str) for _, v in meta.every_item())):
+        raise _refused(path, "its __metadata__ is not a mapping of strings")
+    entries: dict[str, dict[str, Any]] = {}
+    for name, value in header.every_item():  # a replaced value must be an entry too
+        entry = _tensor_entry(value) if name != METADATA_KEY else {}
+        if isinstance(entry, str):
+            raise _refused(path, f"entry {name!r} {entry}")
+        if name in header:
+            entries[name] = entry  # the last value of a repeated name wins
+    problem = _layout_problem(entries, data_size)
+    if problem is not None:
+        raise _refused(path, problem)
+    return SafetensorsHeader(entries, dict(meta) if meta is not None else None, 8 + n, data_size)
+
+
+def _refused(path: str, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: safetensors header refused: {why}; safetensors.safe_open refuses it too. "
+                                  "The file is damaged or was crafted: re-download it")
 
 
 def _read_length(f: BinaryIO, path: str, size: int) -> int:
@@ -112,36 +123,154 @@ def _read_length(f: BinaryIO, path: str, size: int) -> int:
     return n
 
 
-def _entry_ok(entry: Any, data_size: int) -> bool:
-    if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and isinstance(entry.get("dtype"), str)
-            and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2):
-        return False
-    numbers = entry["data_offsets"] + entry["shape"]
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in numbers):
-        return False
-    begin, end = entry["data_offsets"]
-    return bool(begin <= end <= data_size)
+# ------------------------------------------------------------------------------------------------ the header's JSON
+class _Object(dict[str, Any]):
+    """A JSON object as serde_json gives it to the library: a repeated key keeps its last value; ``repeated``
+    names the keys given more than once (a repeated field of a struct is refused there), and ``pairs`` holds
+    every item in order, the replaced ones too (serde reads each value as its type before the map replaces it)."""
+
+    repeated: frozenset[str] = frozenset()
+    pairs: list[tuple[str, Any]] | None = None
+
+    def every_item(self) -> list[tuple[str, Any]]:
+        """Every ``(key, value)`` as written, replaced values included."""
+        return self.pairs if self.pairs is not None else list(self.items())
 
 
-#: the safetensors codes whose element size is whole bytes (those ckptool converts)
-ST_CODES_TO_NAMES = {v: k for k, v in ST_CODES.items()}
+def _object(pairs: list[tuple[str, Any]]) -> _Object:
+    obj = _Object(pairs)
+    if len(obj) != len(pairs):
+        obj.repeated = frozenset(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+        obj.pairs = pairs
+    return obj
 
 
-def _size_problem(entry: dict[str, Any]) -> str | None:
-    """Why a well-formed entry's shape does not match its data (the check safetensors' ``Metadata::validate`` does:
-    the element count, without overflow, times the element size equals ``end - begin``), or None. Codes ckptool
-    only describes (:data:`ST_READ_ONLY`, sub-byte elements) and unknown codes are left to the readers that need
-    them."""
-    problem = shape_problem(entry["shape"])
+def _float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number out of range: {text[:40]}")
+    return value
+
+
+def _int(text: str) -> int | float:
+    """An integer literal as serde_json reads it: a u64 / i64 where it fits, else (``-0`` too) an f64."""
+    if len(text) > 21:  # past 64 bits whatever its digits (and never int() of thousands of digits)
+        return _float(text)
+    value = int(text)
+    if value > _U64 or value < -(1 << 63) or (value == 0 and text.startswith("-")):
+        return _float(text)
+    return value
+
+
+def _constant(text: str) -> Any:
+    raise ValueError(f"{text} is not JSON")
+
+
+def _parse_json(raw: bytes, path: str) -> _Object:
+    try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_object, parse_int=_int, parse_float=_float,
+                         parse_constant=_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise CorruptCheckpointError(
+            f"{path}: safetensors header is not valid JSON ({type(e).__name__}: {str(e)[:200]}); re-download it"
+        ) from e
+    if not isinstance(doc, _Object):
+        raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object; the file is damaged")
+    problem = _serde_problem(doc)
     if problem is not None:
-        return problem
-    dtype = ST_CODES_TO_NAMES.get(entry["dtype"])
-    if dtype is None:
-        return None
-    begin, end = entry["data_offsets"]
-    need = numel(entry["shape"]) * element_size(dtype)
-    if need != end - begin:
-        return f"shape {entry['shape']} of {entry['dtype']} is {need} bytes but data_offsets hold {end - begin}"
+        raise CorruptCheckpointError(f"{path}: safetensors header is not valid JSON as safetensors reads it "
+                                     f"({problem}); the file is damaged or was crafted: re-download it")
+    return doc
+
+
+def _serde_problem(doc: _Object) -> str | None:
+    """What serde_json (the library's parser) refuses in a document Python's json took: nesting
+    :data:`MAX_DEPTH` deep, a lone surrogate escape in a string or a key, ``__metadata__`` given twice."""
+    if METADATA_KEY in doc.repeated:
+        return f"{METADATA_KEY} is given twice"
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+                return f"the string {value[:40]!r} holds a lone surrogate"
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_DEPTH:
+                return f"it is nested {MAX_DEPTH} levels deep"
+            items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+            stack.extend((v, depth + 1) for v in items)
+    return None
+
+
+def _is_u64(v: object) -> bool:
+    return type(v) is int and 0 <= v <= _U64
+
+
+def _tensor_entry(value: Any) -> dict[str, Any] | str:
+    """``value`` as the entry ``{"dtype", "shape", "data_offsets"}`` the way serde reads the library's
+    ``TensorInfo`` (an object whose other fields are ignored, or an array of the three; the dtype a code or
+    ``{code: null}``), or why it is refused."""
+    if isinstance(value, list):
+        if len(value) != 3:
+            return f"is an array of {len(value)} items, not a tensor entry"
+        dtype, shape, offsets = value
+    elif isinstance(value, _Object):
+        twice = [f for f in _FIELDS if f in value.repeated]
+        missing = [f for f in _FIELDS if f not in value]
+        if twice or missing:
+            return f"gives {twice[0]!r} twice" if twice else f"has no {missing[0]!r}"
+        dtype, shape, offsets = (value[f] for f in _FIELDS)
+    else:
+        return f"is a {type(value).__name__}, not a tensor entry"
+    if isinstance(dtype, dict) and len(dtype) == 1 and None in dtype.values():
+        dtype = next(iter(dtype))
+    if not isinstance(dtype, str) or dtype not in ST_BITS:
+        return f"has dtype {dtype!r}, which the safetensors format does not define"
+    if not (isinstance(shape, list) and all(_is_u64(v) for v in shape)):
+        return f"has shape {shape!r}, not a list of sizes (integers from 0 to 2**64-1)"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_u64(v) for v in offsets)):
+        return f"has data_offsets {offsets!r}, not two offsets (integers from 0 to 2**64-1)"
+    if isinstance(value, _Object) and value["dtype"] is dtype:
+        return dict(value)
+    return {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+
+
+def _nbytes(shape: list[int], bits: int) -> int | str:
+    """The bytes of ``shape`` elements of ``bits`` bits each, or why the library refuses them (its 64-bit
+    ``checked_mul`` overflows, left to right, even where a later size is 0; a size that is not whole bytes)."""
+    n = 1
+    for v in shape:
+        n *= v
+        if n > _U64:
+            return f"its element count overflows 64 bits (shape {shape})"
+    if n * bits > _U64:
+        return f"its size in bits overflows 64 bits (shape {shape})"
+    if n * bits % 8:
+        return f"{n} elements of {bits} bits do not end on a byte boundary"
+    return n * bits // 8
+
+
+def _layout_problem(entries: dict[str, dict[str, Any]], data_size: int) -> str | None:
+    """Why the entries, sorted by their ``data_offsets``, do not tile the ``data_size``-byte data block exactly
+    (``Metadata::validate`` and the end-of-file check of ``read_metadata``), or None."""
+    start = 0
+    for name, e in sorted(entries.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        begin, end = e["data_offsets"]
+        if begin != start or end < begin:
+            if begin == start:
+                return f"entry {name!r} has data_offsets [{begin}, {end}] that end before they begin"
+            how = "overlaps the previous tensor" if begin < start else "leaves a gap after the previous tensor"
+            return (f"entry {name!r} has data_offsets [{begin}, {end}] but the previous tensor ends at byte {start} "
+                    f"(it {how}; the tensors must tile the data block)")
+        need = _nbytes(e["shape"], ST_BITS[e["dtype"]])
+        if isinstance(need, str):
+            return f"entry {name!r}: {need}"
+        if need != end - begin:
+            return (f"entry {name!r} does not fit its data: shape {e['shape']} of {e['dtype']} is {need} bytes but "
+                    f"data_offsets hold {end - begin}")
+        start = end
+    if start != data_size:
+        return f"the tensors end at byte {start} of the {data_size}-byte data block (the file must end with them)"
     return None
 
 
