@@ -18,8 +18,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ckptool.errors import KeyCollisionError, UsageError
+from ckptool.errors import CorruptCheckpointError, KeyCollisionError, UsageError
 
+#: the longest key (in characters) a rename rule, prefix or filter glob is matched against: real keys are short
+#: (under 1 KiB); the cap keeps the work on one key bounded whatever a file holds (issue 36)
+MAX_KEY_LENGTH = 64 * 1024
 #: Components that wrappers add at the front of every key, in the order they are usually found.
 WRAPPER_COMPONENTS: tuple[str, ...] = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 #: Components that only wrappers use, so they are removed wherever they stand in a key.
@@ -449,3 +452,17 @@ def mapping_key_function(mapping: Mapping[str, str]) -> Callable[[str], str]:
         return key
 
     return key_fn
+
+
+def check_key_lengths(keys: Iterable[str], where: str) -> None:
+    """Refuse a key longer than :data:`MAX_KEY_LENGTH` characters, before any rule or glob is matched against it
+    (``where``: the file, for the message).
+
+    Raises:
+        CorruptCheckpointError: a key over the cap (the message gives its start, its length and the cap).
+    """
+    for k in keys:
+        if len(k) > MAX_KEY_LENGTH:
+            raise CorruptCheckpointError(
+                f"{where}: the key {k[:60]!r}... is {len(k):,} characters long, over ckptool's cap of "
+                f"{MAX_KEY_LENGTH:,} characters for a key (MAX_KEY_LENGTH); the file was crafted or damaged")

@@ -18,6 +18,7 @@ from ckptool.errors import NestedPrefixError, PrefixNotFoundError, UnsupportedEr
 from ckptool.model.keys import (
     WRAPPER_COMPONENTS,
     attribute_prefix,
+    check_key_lengths,
     is_flat_param_key,
     normalize_prefix,
     raise_on_collisions,
@@ -187,6 +188,7 @@ def plan_keys(
 
     Raises:
         UnsupportedError: a target holds FSDP flat parameters.
+        CorruptCheckpointError: a key longer than :data:`~ckptool.model.keys.MAX_KEY_LENGTH`.
         KeyCollisionError: two keys of one target would get one name.
         PrefixNotFoundError: a prefix to strip (or, for unwrap, every wrapper component) is carried by no key of
             any target, unless ``allow_missing``.
@@ -197,6 +199,7 @@ def plan_keys(
     mappings: list[dict[str, str]] = []
     step_hits: list[dict[str, int]] = [{} for _ in plan.steps]
     for path, keys, is_mod in targets:
+        check_key_lengths(keys, where)
         flat = [k for k in keys if is_flat_param_key(k)]
         if flat:
             raise UnsupportedError(

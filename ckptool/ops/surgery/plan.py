@@ -15,6 +15,7 @@ from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.tensors import Source
 from ckptool.model.graph import StateDictRef, find_state_dicts, mapping_items
+from ckptool.model.keys import check_key_lengths
 from ckptool.model.rename_plan import RenamePlan, RenameSummary, label, plan_keys
 from ckptool.ops.convert import ConvertResult
 from ckptool.ops.convert.outputs import write_outputs
@@ -206,9 +207,11 @@ def plan_filter(targets: list[tuple[str, list[str]]], globs: Globs, allow_unused
     Raises:
         PrefixNotFoundError: a glob matches no key (unless ``allow_unused``).
         UsageError: a state_dict would lose every key.
+        CorruptCheckpointError: a key longer than :data:`~ckptool.model.keys.MAX_KEY_LENGTH`.
     """
     changes = []
     for path, keys in targets:
+        check_key_lengths(keys, where)
         ch = FilterChange(path, len(keys), 0)
         for k in keys:
             if globs.kept(k):

@@ -1,8 +1,13 @@
 """Key renaming rules: ``REGEX=REPLACEMENT`` pairs as steps of a :class:`~ckptool.model.rename_plan.RenamePlan`, and
 the rules files of ``ckptool rename --rules`` (JSON, YAML, TOML). Used by :mod:`ckptool.ops.surgery.edit`.
 
-A rule is ``re.sub(REGEX, REPLACEMENT, key)`` on the whole fully qualified name (Python ``re`` syntax, ``\\1`` /
-``\\g<name>`` groups), as mmengine's ``load_checkpoint(revise_keys=[(r'^module\\.', '')])`` applies them.
+A rule is ``re.sub(REGEX, REPLACEMENT, key)`` on the whole fully qualified name (``\\1`` / ``\\g<name>`` groups), as
+mmengine's ``load_checkpoint(revise_keys=[(r'^module\\.', '')])`` applies them, with one difference: the REGEX is
+matched by RE2 (``google-re2``), in time linear in the key whatever the rule and the key, because key names come
+from the file and Python's backtracking ``re`` can take exponential time (``^(.*\\.)*bias$`` on a key of 40
+components). RE2 takes Python's syntax less backreferences, lookarounds, possessive and atomic groups and ``\\Z``
+(write ``\\z`` or ``$``); its ``\\w``, ``\\d``, ``\\s``, ``\\b`` are ASCII (as Python's ``re.ASCII``) and ``$`` is the
+end of the key only. The REPLACEMENT is read by Python's ``re`` itself (:func:`replacement_template`).
 """
 
 from __future__ import annotations
@@ -16,10 +21,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import re2  # google-re2: linear-time matching (see the module docstring)
+
 from ckptool.errors import CkptError, UsageError
 from ckptool.model.rename_plan import RenamePlan, Step
 
-__all__ = ["RuleLike", "RuleStep", "load_rules", "parse_rule", "rules_plan"]
+__all__ = ["RuleLike", "RuleStep", "compile_rule", "load_rules", "parse_rule", "replacement_template",
+           "rules_plan"]
+
+#: a replacement as pieces: literal text, and the numbers of the groups whose text goes in between
+Template = tuple[str | int, ...]
 
 #: a rule as given: ``"REGEX=REPLACEMENT"`` or a pair ``(REGEX, REPLACEMENT)``
 RuleLike = str | Sequence[str]
@@ -27,24 +38,36 @@ RuleLike = str | Sequence[str]
 
 @dataclass(frozen=True)
 class RuleStep(Step):
-    """One rule as a :class:`~ckptool.model.rename_plan.Step` (``kind="rule"``): ``pattern.sub(replacement, key)``.
+    """One rule as a :class:`~ckptool.model.rename_plan.Step` (``kind="rule"``): ``re.sub(regex, replacement, key)``
+    with ``pattern`` the regex compiled by RE2 and ``template`` the replacement read by Python's ``re``
+    (:func:`compile_rule`).
 
     ``prefixes`` holds the rule's label (``"rule 1"``); :meth:`apply` reports it as removed when the pattern
     matched, which is how :func:`ckptool.model.rename_plan.plan_keys` counts the keys each rule matched."""
 
-    pattern: re.Pattern[str] | None = None
+    regex: str = ""
     replacement: str = ""
+    pattern: Any = None
+    template: Template = ()
 
     def apply(self, key: str) -> tuple[str, list[str], list[str]]:
-        assert self.pattern is not None
-        new, n = self.pattern.subn(self.replacement, key)
-        return new, ([self.prefixes[0]] if n else []), []
+        """``re.sub``'s result on ``key`` (every non-overlapping match replaced, empty matches too, as
+        ``re.sub`` does since Python 3.7), in time linear in ``len(key)`` (RE2)."""
+        pieces: list[str] = []
+        end = 0
+        for m in self.pattern.finditer(key):
+            pieces.append(key[end:m.start()])
+            pieces.extend(p if isinstance(p, str) else (m.group(p) or "") for p in self.template)
+            end = m.end()
+        if not pieces:
+            return key, [], []
+        pieces.append(key[end:])
+        return "".join(pieces), [self.prefixes[0]], []
 
     @property
     def text(self) -> str:
         """The rule as ``REGEX=REPLACEMENT``."""
-        assert self.pattern is not None
-        return f"{self.pattern.pattern}={self.replacement}"
+        return f"{self.regex}={self.replacement}"
 
 
 def parse_rule(text: str) -> tuple[str, str]:
@@ -104,21 +127,79 @@ def load_rules(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
     return [(r[0], r[1]) for r in doc]
 
 
+#: RE2's options: a pattern it refuses raises, and is not also logged on stderr
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False
+#: what RE2 does not take of Python's syntax, said with its refusals
+_RE2_HINT = ("rules are matched by RE2 in time linear in the key, which has no backreferences (\\1 in the REGEX), "
+             "lookarounds ((?=...), (?!...), (?<=...), (?<!...)), possessive or atomic groups, or \\Z (write \\z or $)")
+
+
+def replacement_template(repl: str, groups: int, names: dict[str, int]) -> Template:
+    """``repl`` read as Python's ``re.sub`` reads a replacement (``\\1``, ``\\g<name>``, ``\\g<0>``, ``\\n``...): its
+    literal text and group numbers in order, for a pattern of ``groups`` groups named ``names`` (name -> number).
+
+    Python's ``re`` does the reading: a stand-in pattern with the same groups, each capturing one marker
+    character (U+0100 and up, none of them in ``repl``; a replacement's escapes make only characters below
+    U+0100), expands ``repl`` once, and the markers in the result are the group references.
+
+    Raises:
+        re.error: a bad escape, a reference to a group the pattern lacks.
+        IndexError: an unknown group name.
+    """
+    marks = [c for c in map(chr, range(0x100, 0x100 + groups + len(repl) + 2)) if c not in repl][:groups + 2]
+    by_number = {i: n for n, i in names.items()}
+    stand_in = marks[0] + "".join(f"(?P<{by_number[i]}>{marks[i]})" if i in by_number else f"({marks[i]})"
+                                  for i in range(1, groups + 1)) + marks[-1]
+    expanded = re.compile(stand_in).sub(repl, "".join(marks))
+    pieces: list[str | int] = []
+    index = {c: i for i, c in enumerate(marks[:-1])}
+    i = 0
+    while i < len(expanded):
+        c = expanded[i]
+        if c in index:
+            pieces.append(index[c])
+            i += groups + 2 if index[c] == 0 else 1  # \g<0>: every marker, the first to the last
+        else:
+            j = i
+            while j < len(expanded) and expanded[j] not in index:
+                j += 1
+            pieces.append(expanded[i:j])
+            i = j
+    return tuple(pieces)
+
+
+def compile_rule(regex: str, repl: str, label: str) -> RuleStep:
+    """The :class:`RuleStep` of ``regex`` and ``repl``; ``label`` names it in its errors and results.
+
+    Raises:
+        UsageError: a regex RE2 does not take (the message names the rule and what RE2 lacks) or a replacement
+            Python's ``re`` does not take (a bad escape, a group the regex lacks).
+    """
+    try:
+        pattern = re2.compile(regex, _RE2_OPTIONS)
+    except re2.error as e:
+        why = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+        hint = f"; {_RE2_HINT}" if any(w in why for w in ("operator", "escape", "capture")) else ""
+        raise UsageError(f"{label} ({regex}={repl}): {why}{hint}") from None
+    try:
+        template = replacement_template(repl, pattern.groups, dict(pattern.groupindex))
+    except (re.error, IndexError) as e:
+        raise UsageError(f"{label} ({regex}={repl}): {e}") from None
+    return RuleStep("rule", (label,), regex, repl, pattern, template)
+
+
 def rules_plan(rules: Iterable[RuleLike]) -> RenamePlan:
     """A :class:`~ckptool.model.rename_plan.RenamePlan` of one :class:`RuleStep` per rule, in order.
 
     Raises:
-        UsageError: no rule, a regex that does not compile, a replacement naming a group the regex lacks.
+        UsageError: no rule, a regex that does not compile (or that RE2 does not take), a replacement naming a
+            group the regex lacks.
     """
     steps: list[Step] = []
     for i, rule in enumerate(rules, 1):
         regex, repl = parse_rule(rule) if isinstance(rule, str) else tuple(rule)
-        try:
-            pattern = re.compile(regex)
-            pattern.sub(repl, "")  # parses the replacement: a bad group reference fails here
-        except re.error as e:
-            raise UsageError(f"rule {i} ({regex}={repl}): {e}") from None
-        steps.append(RuleStep("rule", (f"rule {i}",), pattern, repl))
+        steps.append(compile_rule(regex, repl, f"rule {i}"))
     if not steps:
         raise UsageError("no rule given: pass --rule REGEX=REPLACEMENT or --rules FILE (rules=[...])")
     return RenamePlan(tuple(steps))
