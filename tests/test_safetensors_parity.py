@@ -34,8 +34,15 @@ A = '{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
 B = '{"dtype":"F32","shape":[1],"data_offsets":[4,8]}'
 
 
+def _fill(template: str, *values: str) -> str:
+    """``template`` with each ``@`` replaced by the next of ``values`` (JSON text holds ``%`` and ``{}``)."""
+    for v in values:
+        template = template.replace("@", v, 1)
+    return template
+
+
 def _unknown(value: str) -> str:
-    return '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"zz":%s}}' % value
+    return _fill('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"zz":@}}', value)
 
 
 def _file(path: Path, header: str | bytes, data: int, *, pad: bool = True, length: int | None = None) -> Path:
@@ -65,65 +72,65 @@ def _ckptool_accepts(path: Path) -> bool:
 
 # name: (header, data bytes, whether the library accepts it)
 CASES: dict[str, tuple[str, int, bool]] = {
-    "valid": ('{"a":%s,"b":%s}' % (A, B), 8, True),
+    "valid": (_fill('{"a":@,"b":@}', A, B), 8, True),
     "empty header": ("{}", 0, True),
-    "overlapping offsets": ('{"a":%s,"b":%s}' % (A, A.replace("[0,4]", "[2,6]")), 6, False),
-    "gap between tensors": ('{"a":%s,"b":%s}' % (A, B.replace("[4,8]", "[5,9]")), 9, False),
+    "overlapping offsets": (_fill('{"a":@,"b":@}', A, A.replace("[0,4]", "[2,6]")), 6, False),
+    "gap between tensors": (_fill('{"a":@,"b":@}', A, B.replace("[4,8]", "[5,9]")), 9, False),
     "two tensors inside one 8-byte block that do not tile it": (
         '{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[2],"data_offsets":[4,6]}}',
         8, False),
-    "offsets past the end": ('{"a":%s}' % A.replace("[0,4]", "[0,8]").replace("[1]", "[2]"), 4, False),
-    "trailing data bytes": ('{"a":%s}' % A, 5, False),
-    "shape does not match the offsets": ('{"a":%s}' % A.replace("[1]", "[2]"), 4, False),
-    "end before begin": ('{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},'
-                         '"b":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}}', 4, False),
-    "unknown dtype": ('{"a":%s}' % A.replace("F32", "Q9"), 4, False),
-    "lower-case dtype": ('{"a":%s}' % A.replace("F32", "f32"), 4, False),
-    "duplicate key, different entries": ('{"a":%s,"a":%s}' % (A, B), 8, False),
-    "duplicate key, the last one tiles": ('{"a":%s,"a":%s}' % (B, A), 4, True),
-    "duplicate key, same entry": ('{"a":%s,"a":%s}' % (A, A), 4, True),
+    "offsets past the end": (_fill('{"a":@}', A.replace("[0,4]", "[0,8]").replace("[1]", "[2]")), 4, False),
+    "trailing data bytes": (_fill('{"a":@}', A), 5, False),
+    "shape does not match the offsets": (_fill('{"a":@}', A.replace("[1]", "[2]")), 4, False),
+    "end before begin": (('{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},'
+                          '"b":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}}'), 4, False),
+    "unknown dtype": (_fill('{"a":@}', A.replace("F32", "Q9")), 4, False),
+    "lower-case dtype": (_fill('{"a":@}', A.replace("F32", "f32")), 4, False),
+    "duplicate key, different entries": (_fill('{"a":@,"a":@}', A, B), 8, False),
+    "duplicate key, the last one tiles": (_fill('{"a":@,"a":@}', B, A), 4, True),
+    "duplicate key, same entry": (_fill('{"a":@,"a":@}', A, A), 4, True),
     "duplicate field in an entry": ('{"a":{"dtype":"F32","dtype":"F32","shape":[1],"data_offsets":[0,4]}}', 4, False),
-    "duplicate __metadata__": ('{"__metadata__":{"x":"1"},"__metadata__":{"x":"1"},"a":%s}' % A, 4, False),
-    "duplicate key inside __metadata__": ('{"__metadata__":{"x":"1","x":"2"},"a":%s}' % A, 4, True),
-    "__metadata__ null": ('{"__metadata__":null,"a":%s}' % A, 4, True),
-    "__metadata__ value not a string": ('{"__metadata__":{"x":1},"a":%s}' % A, 4, False),
-    "__metadata__ a list": ('{"__metadata__":[],"a":%s}' % A, 4, False),
+    "duplicate __metadata__": (_fill('{"__metadata__":{"x":"1"},"__metadata__":{"x":"1"},"a":@}', A), 4, False),
+    "duplicate key inside __metadata__": (_fill('{"__metadata__":{"x":"1","x":"2"},"a":@}', A), 4, True),
+    "__metadata__ null": (_fill('{"__metadata__":null,"a":@}', A), 4, True),
+    "__metadata__ value not a string": (_fill('{"__metadata__":{"x":1},"a":@}', A), 4, False),
+    "__metadata__ a list": (_fill('{"__metadata__":[],"a":@}', A), 4, False),
     "unknown field in an entry": (_unknown('[1,{"q":null}]'), 4, True),
     "nesting 127 deep": (_unknown("[" * 125 + "]" * 125), 4, True),
     "nesting 128 deep": (_unknown("[" * 126 + "]" * 126), 4, False),
     "lone surrogate": (_unknown('"\\ud800"'), 4, False),
     "surrogate pair": (_unknown('"\\ud83d\\ude00"'), 4, True),
-    "lone surrogate in a name": ('{"\\udc00":%s}' % A, 4, False),
+    "lone surrogate in a name": (_fill('{"\\udc00":@}', A), 4, False),
     "NaN": (_unknown("NaN"), 4, False),
     "number out of range": (_unknown("1e400"), 4, False),
     "400-digit integer": (_unknown("9" * 400), 4, False),
     "negative integer in an unknown field": (_unknown("-5"), 4, True),
-    "shape size as a float": ('{"a":%s}' % A.replace("[1]", "[1.0]"), 4, False),
+    "shape size as a float": (_fill('{"a":@}', A.replace("[1]", "[1.0]")), 4, False),
     "shape size -0": ('{"a":{"dtype":"F32","shape":[-0],"data_offsets":[0,0]}}', 0, False),
-    "shape size past 64 bits": ('{"a":%s}' % A.replace("[1]", "[18446744073709551616]"), 4, False),
-    "shape size true": ('{"a":%s}' % A.replace("[1]", "[true]"), 4, False),
-    "three data_offsets": ('{"a":%s}' % A.replace("[0,4]", "[0,4,4]"), 4, False),
+    "shape size past 64 bits": (_fill('{"a":@}', A.replace("[1]", "[18446744073709551616]")), 4, False),
+    "shape size true": (_fill('{"a":@}', A.replace("[1]", "[true]")), 4, False),
+    "three data_offsets": (_fill('{"a":@}', A.replace("[0,4]", "[0,4,4]")), 4, False),
     "entry as an array": ('{"a":["F32",[1],[0,4]]}', 4, True),
     "entry as an array of 4": ('{"a":["F32",[1],[0,4],1]}', 4, False),
     "dtype as {code: null}": ('{"a":{"dtype":{"F32":null},"shape":[1],"data_offsets":[0,4]}}', 4, True),
     "dtype as {code: []}": ('{"a":{"dtype":{"F32":[]},"shape":[1],"data_offsets":[0,4]}}', 4, False),
     "missing field": ('{"a":{"shape":[1],"data_offsets":[0,4]}}', 4, False),
-    "entry not an object": ('{"a":%s,"b":1}' % A, 4, False),
+    "entry not an object": (_fill('{"a":@,"b":1}', A), 4, False),
     "F4 odd element count": ('{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}', 2, False),
     "F6 whole bytes": ('{"a":{"dtype":"F6_E2M3","shape":[4],"data_offsets":[0,3]}}', 3, True),
-    "empty tensors at one offset": ('{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},'
-                                    '"b":{"dtype":"I8","shape":[0],"data_offsets":[0,0]}}', 0, True),
+    "empty tensors at one offset": (('{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},'
+                                     '"b":{"dtype":"I8","shape":[0],"data_offsets":[0,0]}}'), 0, True),
     "element count overflows before a 0": (
         '{"a":{"dtype":"F32","shape":[4294967296,4294967296,0],"data_offsets":[0,0]}}', 0, False),
     "0 before a large element count": (
         '{"a":{"dtype":"F32","shape":[0,4294967296,4294967296],"data_offsets":[0,0]}}', 0, True),
     "bits overflow": ('{"a":{"dtype":"F32","shape":[4611686018427387904],"data_offsets":[0,0]}}', 0, False),
     "not an object": ("[]", 0, False),
-    "trailing NUL": ('{"a":%s}\0' % A, 4, False),
-    "form feed before the object": ('\f{"a":%s}' % A, 4, False),
-    "BOM": ('\ufeff{"a":%s}' % A, 4, False),
-    "raw control character in a name": ('{"a\x01":%s}' % A, 4, False),
-    "escaped NUL in a name": ('{"a\\u0000":%s}' % A, 4, True),
+    "trailing NUL": (_fill('{"a":@}\0', A), 4, False),
+    "form feed before the object": (_fill('\f{"a":@}', A), 4, False),
+    "BOM": (_fill('\ufeff{"a":@}', A), 4, False),
+    "raw control character in a name": (_fill('{"a\x01":@}', A), 4, False),
+    "escaped NUL in a name": (_fill('{"a\\u0000":@}', A), 4, True),
 }
 
 
@@ -136,9 +143,9 @@ def test_named_cases(tmp_path: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("name, header, data, pad, length", [
-    ("no padding", '{"a":%s}' % A, 4, False, None),
-    ("header length past the file", '{"a":%s}' % A, 4, True, 1 << 20),
-    ("header length short", '{"a":%s}' % A, 4, True, 40),
+    ("no padding", _fill('{"a":@}', A), 4, False, None),
+    ("header length past the file", _fill('{"a":@}', A), 4, True, 1 << 20),
+    ("header length short", _fill('{"a":@}', A), 4, True, 40),
     ("header length over the library's limit", "{}", 0, True, 100_000_001),
     ("invalid UTF-8", b'{"a\xff":' + A.encode() + b"}", 4, True, None),
     ("empty file", b"", 0, False, None),
@@ -180,7 +187,7 @@ def _headers(draw: st.DrawFn) -> tuple[str, int]:
                                "float": (begin, end, json.dumps([float(s) for s in shape]))}.get(
                                    change, (begin, end, json.dumps(shape)))
         offsets = f"[{begin},{end}]" if change != "neg" else f"[-0,{end}]"
-        dtype = json.dumps(code) if change != "dtype-map" else '{"%s":null}' % code
+        dtype = json.dumps(code) if change != "dtype-map" else _fill('{"@":null}', code)
         if change == "array":
             value = f"[{dtype},{shape_t},{offsets}]"
         else:
@@ -208,14 +215,14 @@ def test_generated_headers_are_judged_as_the_library_judges_them(tmp_path: Path,
 
 # ------------------------------------------------------------------------------------------------ every command
 CORRUPT = {
-    "overlap": ('{"a":%s,"b":%s}' % (A, A.replace("[0,4]", "[2,6]")), 6),
-    "gap": ('{"a":%s,"b":%s}' % (A, B.replace("[4,8]", "[5,9]")), 9),
-    "past end": ('{"a":%s}' % A.replace("[0,4]", "[0,8]").replace("[1]", "[2]"), 4),
-    "trailing bytes": ('{"a":%s}' % A, 5),
-    "duplicate key": ('{"a":%s,"a":%s}' % (A, B), 8),
+    "overlap": (_fill('{"a":@,"b":@}', A, A.replace("[0,4]", "[2,6]")), 6),
+    "gap": (_fill('{"a":@,"b":@}', A, B.replace("[4,8]", "[5,9]")), 9),
+    "past end": (_fill('{"a":@}', A.replace("[0,4]", "[0,8]").replace("[1]", "[2]")), 4),
+    "trailing bytes": (_fill('{"a":@}', A), 5),
+    "duplicate key": (_fill('{"a":@,"a":@}', A, B), 8),
     "duplicate field": ('{"a":{"dtype":"F32","dtype":"F32","shape":[1],"data_offsets":[0,4]}}', 4),
-    "bad dtype": ('{"a":%s}' % A.replace("F32", "Q9"), 4),
-    "shape size": ('{"a":%s}' % A.replace("[1]", "[2]"), 4),
+    "bad dtype": (_fill('{"a":@}', A.replace("F32", "Q9")), 4),
+    "shape size": (_fill('{"a":@}', A.replace("[1]", "[2]")), 4),
 }
 COMMANDS = [["inspect"], ["convert", "-o", "{out}.pt"], ["diff", "{src}"], ["average", "{src}", "-o", "{out}.pt"],
             ["rename", "--rule", "^a$=b", "-o", "{out}.safetensors"], ["filter", "--keep", "a", "-o",

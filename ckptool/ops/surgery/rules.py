@@ -52,10 +52,15 @@ class RuleStep(Step):
 
     def apply(self, key: str) -> tuple[str, list[str], list[str]]:
         """``re.sub``'s result on ``key`` (every non-overlapping match replaced, empty matches too, as
-        ``re.sub`` does since Python 3.7), in time linear in ``len(key)`` (RE2)."""
+        ``re.sub`` does since Python 3.7), in time linear in ``len(key)`` (RE2). One difference: after an empty
+        match ``re.sub`` also tries a longer match at the same place (``a??`` on ``aa``), RE2 moves on."""
         pieces: list[str] = []
         end = 0
+        last = (-1, -1)
         for m in self.pattern.finditer(key):
+            if m.span() == last and m.start() == m.end():
+                continue  # google-re2's finditer gives an empty match at the end of the key twice
+            last = m.span()
             pieces.append(key[end:m.start()])
             pieces.extend(p if isinstance(p, str) else (m.group(p) or "") for p in self.template)
             end = m.end()
