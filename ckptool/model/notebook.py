@@ -1,17 +1,27 @@
-"""HTML for notebooks (Jupyter's ``_repr_html_``): a table of facts and a module tree as nested ``<details>``.
+"""HTML for notebooks (Jupyter's ``_repr_html_``): a table of facts and a module tree as nested ``<details>``; and
+:func:`script_json`, the one way ckptool puts JSON inside an HTML ``<script>`` element.
 
 Plain HTML with no script, so that it renders in any notebook front end, also one that strips JavaScript (the
 page of ``ckptool report`` is the interactive view). Used by :class:`ckptool.ops.inspect.entry.CheckpointInfo` and
-:class:`ckptool.ops.diff.result.DiffResult`.
+:class:`ckptool.ops.diff.result.DiffResult`. Every text from a checkpoint (key names, dict keys, metadata) is
+escaped: :func:`html.escape` in markup, :func:`script_json` in a script.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from html import escape
+from typing import Any
 
 from ckptool.model.tree import TreeNode, shape_text
 from ckptool.model.units import human_bytes, human_count
+
+#: the characters JSON inside ``<script>`` must not hold as themselves, each written as its JSON escape: ``<`` and
+#: ``>`` (``</script>`` ends the element; ``<!--<script>`` puts the HTML parser in its escaped-script state, where
+#: the element's end tag is not seen), ``&``, and U+2028 / U+2029 (line ends in JavaScript before ES2019)
+SCRIPT_ESCAPES = {ord("<"): "\\u003c", ord(">"): "\\u003e", ord("&"): "\\u0026", 0x2028: "\\u2028",
+                  0x2029: "\\u2029"}
 
 #: tree nodes written at most (the rest are summarised): a notebook cell stays light for 50,000 tensors
 MAX_NODES = 400
@@ -55,3 +65,16 @@ def tree_html(tree: TreeNode, *, open_depth: int = 1, max_nodes: int = MAX_NODES
     if more > 0:
         parts.append(f"<div><i>... {more} more nodes (ckptool report draws them all)</i></div>")
     return "<div>" + "".join(parts) + "</div>"
+
+
+def script_json(value: Any) -> str:
+    """``value`` as compact JSON text that is safe as the content of an HTML ``<script>`` element whatever its
+    strings hold: ``<``, ``>``, ``&``, U+2028 and U+2029 are written as ``\\u003c``, ``\\u003e``, ``\\u0026``,
+    ``\\u2028``, ``\\u2029`` (:data:`SCRIPT_ESCAPES`; the same JSON to ``JSON.parse``), so no key name can end the
+    element or change how the HTML parser reads it (WHATWG HTML, "script data" states). The escapes are those of
+    Django's ``json_script`` and Go's ``html/template``.
+
+    Raises:
+        TypeError: ``value`` holds something JSON cannot.
+    """
+    return json.dumps(value, separators=(",", ":")).translate(SCRIPT_ESCAPES)

@@ -19,7 +19,6 @@ Inspecting reads only pickles and headers; the comparison reads every tensor of 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -33,6 +32,7 @@ import squarify
 
 from ckptool._deprecate import renamed_argument
 from ckptool._fileio import atomic_output
+from ckptool.model.notebook import script_json
 from ckptool.model.tree import TreeNode, shape_text
 from ckptool.model.units import human_bytes, human_count
 from ckptool.ops.diff.compare import diff
@@ -252,7 +252,7 @@ def _page(info: CheckpointInfo, figures: dict[str, Any]) -> str:
         legend=sorted({(r["dtype"], r["colour"]) for r in rects if r["depth"] == 0}),
         counts=comparison["counts"], rows=[(r["key"], r["status"], r["detail"]) for r in comparison["changed"]],
         rows_left=comparison["changed_left"], changes=changes, norms_missing=not comparison["norms"],
-        data_json=json.dumps(data, separators=(",", ":")).replace("</", "<\\/"),
+        data_json=script_json(data),
     )
 
 
