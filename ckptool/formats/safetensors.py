@@ -206,22 +206,29 @@ def _is_u64(v: object) -> bool:
     return type(v) is int and 0 <= v <= _U64
 
 
-def _tensor_entry(value: Any) -> dict[str, Any] | str:
-    """``value`` as the entry ``{"dtype", "shape", "data_offsets"}`` the way serde reads the library's
-    ``TensorInfo`` (an object whose other fields are ignored, or an array of the three; the dtype a code or
-    ``{code: null}``), or why it is refused."""
+def _entry_fields(value: Any) -> tuple[Any, Any, Any] | str:
+    """``(dtype, shape, data_offsets)`` of an entry in either form serde reads the library's ``TensorInfo`` (an
+    object whose other fields are ignored, or an array of the three), or why it is refused."""
     if isinstance(value, list):
         if len(value) != 3:
             return f"is an array of {len(value)} items, not a tensor entry"
-        dtype, shape, offsets = value
-    elif isinstance(value, _Object):
+        return value[0], value[1], value[2]
+    if isinstance(value, _Object):
         twice = [f for f in _FIELDS if f in value.repeated]
         missing = [f for f in _FIELDS if f not in value]
         if twice or missing:
             return f"gives {twice[0]!r} twice" if twice else f"has no {missing[0]!r}"
-        dtype, shape, offsets = (value[f] for f in _FIELDS)
-    else:
-        return f"is a {type(value).__name__}, not a tensor entry"
+        return value["dtype"], value["shape"], value["data_offsets"]
+    return f"is a {type(value).__name__}, not a tensor entry"
+
+
+def _tensor_entry(value: Any) -> dict[str, Any] | str:
+    """``value`` as the entry ``{"dtype", "shape", "data_offsets"}`` the way serde reads the library's
+    ``TensorInfo`` (:func:`_entry_fields`; the dtype a code or ``{code: null}``), or why it is refused."""
+    fields = _entry_fields(value)
+    if isinstance(fields, str):
+        return fields
+    dtype, shape, offsets = fields
     if isinstance(dtype, dict) and len(dtype) == 1 and None in dtype.values():
         dtype = next(iter(dtype))
     if not isinstance(dtype, str) or dtype not in ST_BITS:
