@@ -79,6 +79,9 @@ CASES: dict[str, tuple[str, int, bool]] = {
     "two tensors inside one 8-byte block that do not tile it": (
         '{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[2],"data_offsets":[4,6]}}',
         8, False),
+    "F32 at an odd offset (the library does not ask for alignment)": (
+        '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"b":{"dtype":"F32","shape":[1],"data_offsets":[1,5]}}',
+        5, True),
     "offsets past the end": (_fill('{"a":@}', A.replace("[0,4]", "[0,8]").replace("[1]", "[2]")), 4, False),
     "trailing data bytes": (_fill('{"a":@}', A), 5, False),
     "shape does not match the offsets": (_fill('{"a":@}', A.replace("[1]", "[2]")), 4, False),
