@@ -127,15 +127,20 @@ def test_a_bad_replacement_is_an_error_naming_the_rule(repl: str, why: str) -> N
         rules_plan([("(a)", repl)])
 
 
-@pytest.mark.parametrize("command", [["rename", "--rule", "^a=b"], ["filter", "--drop", "a*"]])
+@pytest.mark.parametrize("command", [
+    ["rename", "--rule", "^a=b", "-o", "{out}.safetensors"], ["filter", "--drop", "a*", "-o", "{out}.safetensors"],
+    ["inspect"], ["convert", "-o", "{out}.pt"], ["diff", "{src}"], ["average", "{src}", "-o", "{out}.pt"],
+    ["report", "-o", "{out}.html"],
+], ids=lambda c: c[0])
 def test_a_key_over_the_cap_is_refused(tmp_path: Path, run_cli, command: list[str]) -> None:
     long_key = "a" * (MAX_KEY_LENGTH + 1)
     src = _safetensors(tmp_path / "k.safetensors", [long_key, "fc.weight"])
-    r = run_cli(command[0], src, *command[1:], "-o", tmp_path / "out.safetensors")
+    args = [a.format(out=tmp_path / "out", src=src) for a in command]
+    r = run_cli(args[0], src, *args[1:])
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert r.exit_code == 1 and len(lines) == 1, r.output
     assert lines[0].startswith("Error: ") and f"cap of {MAX_KEY_LENGTH:,} characters" in lines[0]
-    assert not (tmp_path / "out.safetensors").exists()
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["k.safetensors"]
 
 
 def test_a_key_at_the_cap_is_renamed(tmp_path: Path) -> None:

@@ -20,8 +20,9 @@ from typing import Any, TypeVar
 
 from ckptool.errors import CorruptCheckpointError, KeyCollisionError, UsageError
 
-#: the longest key (in characters) a rename rule, prefix or filter glob is matched against: real keys are short
-#: (under 1 KiB); the cap keeps the work on one key bounded whatever a file holds (issue 36)
+#: the longest key (in characters) ckptool reads from a file (``Opened.state_dict`` / ``state_dicts``) and matches
+#: a rename rule, prefix or filter glob against: real keys are short (under 1 KiB); the cap keeps the work on one
+#: key bounded whatever a file holds (issue 36)
 MAX_KEY_LENGTH = 64 * 1024
 #: Components that wrappers add at the front of every key, in the order they are usually found.
 WRAPPER_COMPONENTS: tuple[str, ...] = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
@@ -455,8 +456,8 @@ def mapping_key_function(mapping: Mapping[str, str]) -> Callable[[str], str]:
 
 
 def check_key_lengths(keys: Iterable[str], where: str) -> None:
-    """Refuse a key longer than :data:`MAX_KEY_LENGTH` characters, before any rule or glob is matched against it
-    (``where``: the file, for the message).
+    """Refuse a key longer than :data:`MAX_KEY_LENGTH` characters (``where``: the file, for the message): the one
+    check, run where a reader hands keys on and before any rule or glob is matched against them.
 
     Raises:
         CorruptCheckpointError: a key over the cap (the message gives its start, its length and the cap).

@@ -51,7 +51,7 @@ from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguou
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file, read_pickle_member
 from ckptool.formats.zipdir import ZipEntry
 from ckptool.model.graph import find_state_dicts, state_children
-from ckptool.model.keys import shared_prefixes
+from ckptool.model.keys import check_key_lengths, shared_prefixes
 from ckptool.model.values import iter_values
 from ckptool.model.zero import ZeroCheckpoint
 from ckptool.readers.read_dcp import dcp_tree
@@ -245,17 +245,22 @@ class Opened:
         Raises:
             UnsupportedError: a format whose tensors are not read without running code (TorchScript reads as a
                 pickle), see :meth:`state_dict`.
+            CorruptCheckpointError: a key longer than :data:`ckptool.model.keys.MAX_KEY_LENGTH`.
         """
         root = self.tree()
         if root is not None:
             refs = find_state_dicts(root)
-            return [StateDictEntry(r.path, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
-                    for r in refs for keys in [r.keys()]]
-        if self.format == detect.TORCH_PACKAGE:  # keyed <member>:<path>, as inspect prints them
-            return [StateDictEntry(k, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
-                    for k, r in package_state_dicts(self.package()) for keys in [r.keys()]]
-        names = tuple(t.name for t in self.state_dict().tensors)
-        return [StateDictEntry("", names, tuple(shared_prefixes(names)))]
+            found = [StateDictEntry(r.path, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
+                     for r in refs for keys in [r.keys()]]
+        elif self.format == detect.TORCH_PACKAGE:  # keyed <member>:<path>, as inspect prints them
+            found = [StateDictEntry(k, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
+                     for k, r in package_state_dicts(self.package()) for keys in [r.keys()]]
+        else:
+            names = tuple(t.name for t in self.state_dict().tensors)
+            found = [StateDictEntry("", names, tuple(shared_prefixes(names)))]
+        for entry in found:
+            check_key_lengths(entry.keys, self.path)
+        return found
 
     def tree(self) -> Any:
         """The nesting in which a dotted ``key`` names a state_dict: a pickle's root node (:meth:`graph`), a DCP
@@ -312,6 +317,7 @@ class Opened:
                 naming nothing; ``tag`` / ``exclude_frozen`` for a format that is not DeepSpeed.
             UnsupportedError: a format whose tensors ckptool does not read without running code
                 (:attr:`Format.refusal`); see also the format's reader.
+            CorruptCheckpointError: a key longer than :data:`ckptool.model.keys.MAX_KEY_LENGTH`.
         """
         spec = self.spec
         if (tag is not None or exclude_frozen) and self.format != "deepspeed":
@@ -322,7 +328,9 @@ class Opened:
         if key is not None and not spec.keyed:
             raise UsageError(f"{self.path} is {spec.flat}: it holds one flat mapping of tensors, so --key does not "
                              "apply")
-        return cast(Source, spec.behaviour("read")(self, key, tag, exclude_frozen))
+        src = cast(Source, spec.behaviour("read")(self, key, tag, exclude_frozen))
+        check_key_lengths((t.name for t in src.tensors), self.path)
+        return src
 
 
 def _set_format(index_path: str) -> str:

@@ -29,6 +29,7 @@ from ckptool import _source as source
 from ckptool._gc import gc_paused
 from ckptool.errors import CorruptCheckpointError
 from ckptool.model.graph import too_deep
+from ckptool.model.keys import check_key_lengths
 from ckptool.ops.inspect.formats import dcp_info, deepspeed_info, pt2_info, safetensors_info
 from ckptool.ops.inspect.info import (
     SCHEMA,
@@ -94,7 +95,9 @@ def _describe(path: str | os.PathLike[str] | Opened, limits: PreviewLimits | Non
     """:func:`inspect` without the count of bytes read: the format recognised once, its describer run."""
     opened = path if isinstance(path, Opened) else open_checkpoint(path)
     describer: Describer = opened.spec.behaviour("describe")  # the registry entry names it
-    return describer(opened, limits)
+    info = describer(opened, limits)
+    check_key_lengths((t.key for t in info.tensors), opened.path)  # the describers read headers themselves
+    return info
 
 
 def inspect_pickled(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
