@@ -13,8 +13,10 @@ convention of ``safetensors.torch.save_model``), and the full layout of every sh
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import re
 import struct
 from collections import Counter
 from collections.abc import Container, Mapping
@@ -91,10 +93,10 @@ def read_header(path: str) -> SafetensorsHeader:
     header = _parse_json(raw, path)
     data_size = size - 8 - n
     meta = header.pop(METADATA_KEY, None)
-    if meta is not None and not (isinstance(meta, _Object) and all(isinstance(v, str) for _, v in meta.every_item())):
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for _, v in _every_item(meta))):
         raise _refused(path, "its __metadata__ is not a mapping of strings")
     entries: dict[str, dict[str, Any]] = {}
-    for name, value in header.every_item():  # a replaced value must be an entry too
+    for name, value in _every_item(header):  # a replaced value must be an entry too
         entry = _tensor_entry(value) if name != METADATA_KEY else {}
         if isinstance(entry, str):
             raise _refused(path, f"entry {name!r} {entry}")
@@ -132,10 +134,6 @@ class _Object(dict[str, Any]):
     repeated: frozenset[str] = frozenset()
     pairs: list[tuple[str, Any]] | None = None
 
-    def every_item(self) -> list[tuple[str, Any]]:
-        """Every ``(key, value)`` as written, replaced values included."""
-        return self.pairs if self.pairs is not None else list(self.items())
-
 
 def _object(pairs: list[tuple[str, Any]]) -> _Object:
     obj = _Object(pairs)
@@ -143,6 +141,15 @@ def _object(pairs: list[tuple[str, Any]]) -> _Object:
         obj.repeated = frozenset(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
         obj.pairs = pairs
     return obj
+
+
+def _repeated(obj: dict[str, Any]) -> frozenset[str]:
+    return obj.repeated if isinstance(obj, _Object) else frozenset()
+
+
+def _every_item(obj: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Every ``(key, value)`` of ``obj`` as written, replaced values of a repeated key included."""
+    return obj.pairs if isinstance(obj, _Object) and obj.pairs is not None else list(obj.items())
 
 
 def _float(text: str) -> float:
@@ -166,39 +173,70 @@ def _constant(text: str) -> Any:
     raise ValueError(f"{text} is not JSON")
 
 
-def _parse_json(raw: bytes, path: str) -> _Object:
+#: a JSON string of a text that parsed (its escapes whole); the rest is the document's structure and numbers
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+#: outside strings, an integer literal serde_json reads as a float: ``-0``, or 21 digits and more (past 64 bits)
+_FLOAT_INT = re.compile(r"-0(?![0-9.eE])|[0-9]{21}")
+#: an escaped UTF-16 surrogate (``\\ud800``), lone unless paired
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_DEPTH_STEP = [1 if c in b"[{" else -1 for c in range(256)]
+
+
+def _parse_json(raw: bytes, path: str) -> dict[str, Any]:
+    """The header as serde_json reads it: Python's json, then what serde refuses besides (:func:`_serde_problem`).
+
+    Plain ints and dicts for a header without repeated keys and without integers serde reads as floats (the
+    common case, checked on the text outside strings); otherwise parsed again with hooks that keep both."""
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_object, parse_int=_int, parse_float=_float,
-                         parse_constant=_constant)
+        text = raw.decode("utf-8")
+        doc = json.loads(text, parse_float=_float, parse_constant=_constant)
+        outside = _JSON_STRING.sub('""', text)
+        if _FLOAT_INT.search(outside) or outside.count(":") != _pair_count(doc):
+            doc = json.loads(text, object_pairs_hook=_object, parse_int=_int, parse_float=_float,
+                             parse_constant=_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise CorruptCheckpointError(
             f"{path}: safetensors header is not valid JSON ({type(e).__name__}: {str(e)[:200]}); re-download it"
         ) from e
-    if not isinstance(doc, _Object):
+    if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object; the file is damaged")
-    problem = _serde_problem(doc)
+    problem = _serde_problem(doc, text, outside)
     if problem is not None:
         raise CorruptCheckpointError(f"{path}: safetensors header is not valid JSON as safetensors reads it "
                                      f"({problem}); the file is damaged or was crafted: re-download it")
     return doc
 
 
-def _serde_problem(doc: _Object) -> str | None:
-    """What serde_json (the library's parser) refuses in a document Python's json took: nesting
-    :data:`MAX_DEPTH` deep, a lone surrogate escape in a string or a key, ``__metadata__`` given twice."""
-    if METADATA_KEY in doc.repeated:
+def _pair_count(doc: Any) -> int:
+    """The items of ``doc`` and of its values that are objects (-1 for a document that is not an object): equal to
+    the colons outside strings when no key is repeated and no object is nested deeper."""
+    if not isinstance(doc, dict):
+        return -1
+    return len(doc) + sum(len(v) for v in doc.values() if isinstance(v, dict))
+
+
+def _serde_problem(doc: dict[str, Any], text: str, outside: str) -> str | None:
+    """What serde_json (the library's parser) refuses in a document Python's json took (``text``; ``outside``:
+    the text with its strings emptied): ``__metadata__`` given twice, nesting :data:`MAX_DEPTH` deep, a lone
+    surrogate escape in a string or a key."""
+    if METADATA_KEY in _repeated(doc):
         return f"{METADATA_KEY} is given twice"
-    stack: list[tuple[Any, int]] = [(doc, 1)]
+    brackets = outside.encode("ascii", "ignore").translate(None, _NOT_BRACKETS)
+    if max(itertools.accumulate(_DEPTH_STEP[c] for c in brackets), default=0) >= MAX_DEPTH:
+        return f"it is nested {MAX_DEPTH} levels deep"
+    if not _SURROGATE_ESCAPE.search(text):
+        return None
+    stack: list[Any] = [doc]
     while stack:
-        value, depth = stack.pop()
+        value = stack.pop()
         if isinstance(value, str):
-            if not value.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+            if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
                 return f"the string {value[:40]!r} holds a lone surrogate"
-        elif isinstance(value, (dict, list)):
-            if depth >= MAX_DEPTH:
-                return f"it is nested {MAX_DEPTH} levels deep"
-            items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
-            stack.extend((v, depth + 1) for v in items)
+        elif isinstance(value, dict):
+            stack += [*value.keys(), *value.values()]
+        elif isinstance(value, list):
+            stack += value
     return None
 
 
@@ -213,8 +251,8 @@ def _entry_fields(value: Any) -> tuple[Any, Any, Any] | str:
         if len(value) != 3:
             return f"is an array of {len(value)} items, not a tensor entry"
         return value[0], value[1], value[2]
-    if isinstance(value, _Object):
-        twice = [f for f in _FIELDS if f in value.repeated]
+    if isinstance(value, dict):
+        twice = [f for f in _FIELDS if f in _repeated(value)]
         missing = [f for f in _FIELDS if f not in value]
         if twice or missing:
             return f"gives {twice[0]!r} twice" if twice else f"has no {missing[0]!r}"
@@ -237,8 +275,8 @@ def _tensor_entry(value: Any) -> dict[str, Any] | str:
         return f"has shape {shape!r}, not a list of sizes (integers from 0 to 2**64-1)"
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_u64(v) for v in offsets)):
         return f"has data_offsets {offsets!r}, not two offsets (integers from 0 to 2**64-1)"
-    if isinstance(value, _Object) and value["dtype"] is dtype:
-        return dict(value)
+    if isinstance(value, dict) and value["dtype"] is dtype:
+        return value if type(value) is dict else dict(value)
     return {"dtype": dtype, "shape": shape, "data_offsets": offsets}
 
 
