@@ -20,7 +20,6 @@ import tarfile
 
 from ckptool import _source as source
 from ckptool.errors import CkptError, CorruptCheckpointError, InputNotFoundError, NotACheckpointError, UsageError
-from ckptool.formats.pt2 import is_pt2_names
 from ckptool.formats.unpickler import load_pickle_at
 from ckptool.formats.zipdir import TorchRecords, ZipEntry, read_directory
 
@@ -31,6 +30,10 @@ PT2 = "torch-export"
 TORCH_PACKAGE = "torch-package"
 SAFETENSORS = "safetensors"
 PICKLE = "pickle"
+
+#: the name ending of a sharded set's index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``;
+#: :mod:`ckptool.formats.sharded` reads it)
+INDEX_SUFFIX = ".index.json"
 
 LEGACY_MAGIC_PREFIX = bytes.fromhex("80028a0a6cfc9c46f9206aa85019")
 ZIP_MAGIC = b"PK\x03\x04"
@@ -198,6 +201,12 @@ _TORCHSCRIPT_MEMBER = re.compile(r"\n(?:[^/\n]*/)?(?:constants\.pkl\n|code/)")
 _DATA_PKL_MEMBER = re.compile(r"\n(?:[^/\n]*/)?data\.pkl\n")
 #: the member every torch.package archive holds (torch/package/package_exporter.py ``_write_mock_and_extern``)
 _PACKAGE_MEMBER = re.compile(r"\n(?:[^/\n]*/)?\.data/extern_modules\n")
+
+
+def is_pt2_names(names: list[str]) -> bool:
+    """Whether zip member ``names`` are a ``torch.export`` archive's: an ``archive_format`` record at the top
+    level or under the one top folder."""
+    return any(n == "archive_format" or (n.count("/") == 1 and n.endswith("/archive_format")) for n in names)
 
 
 def _zip_kind(path: str) -> str:
