@@ -33,15 +33,14 @@ main()
 
 #: every ckptool module a safe ``scan`` of one torch zip file loads: the CLI frame, the scan operation with its
 #: zip and pickle walk (the zip directory, the restricted unpickler, the allowlist and the graph walk), the code
-#: finder (native headers: every zip member outside the tensor records is looked at for a library) and the legacy
-#: tar walk the pickle scanner shares. The code of the other formats (.pt2, DCP, DeepSpeed, sharded sets,
-#: safetensors, torch.package) and of SARIF output is named as strings and imported only when met
-#: (:func:`ckptool.formats.plugin`); issue 41 took this set from 45 modules to 34.
+#: finder (every zip member outside the tensor records is looked at for a native library's first bytes) and the
+#: legacy tar walk the pickle scanner shares. The code of the other formats (.pt2, DCP, DeepSpeed, sharded sets,
+#: safetensors, torch.package, native library headers) and of SARIF output is named as strings and imported only
+#: when met (:func:`ckptool.formats.plugin`); issue 41 took this set from 45 modules to 33.
 SCAN_ZIP_MODULES = {
     "ckptool", "ckptool._gc", "ckptool._remote", "ckptool._source", "ckptool.errors",
     "ckptool.cli", "ckptool.cli._common", "ckptool.cli._errors", "ckptool.cli._flags", "ckptool.cli.scan",
-    "ckptool.formats", "ckptool.formats.detect", "ckptool.formats.dtypes", "ckptool.formats.native",
-    "ckptool.formats.nodes", "ckptool.formats.pickle_check", "ckptool.formats.unpickler", "ckptool.formats.zipdir",
+    "ckptool.formats", "ckptool.formats.detect", "ckptool.formats.dtypes", "ckptool.formats.nodes", "ckptool.formats.pickle_check", "ckptool.formats.unpickler", "ckptool.formats.zipdir",
     "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices", "ckptool.model.graph",
     "ckptool.model.units", "ckptool.model.weights_only",
     "ckptool.ops", "ckptool.ops.scan", "ckptool.ops.scan.entry", "ckptool.ops.scan.byte_windows",
@@ -52,12 +51,13 @@ SCAN_ZIP_MODULES = {
 #: every ckptool module ``inspect`` of one torch zip file loads: scan's (its safety analysis is scan's, less the
 #: scan command) and the readers layer with the torch zip reader, the node graph walks, the tensor model, the
 #: inspect operation (describer of pickled files, totals, values, advice) and the printers it needs. The other
-#: formats' readers and describers are registry plug-ins, imported when met; issue 41 took this set from 73 to 57.
+#: formats' readers and describers are registry plug-ins, imported when met, and so are the module tree and its
+#: HTML (``--tree``, Jupyter); issue 41 took this set from 73 modules to 54.
 INSPECT_ZIP_MODULES = (SCAN_ZIP_MODULES - {"ckptool.cli.scan"}) | {
     "ckptool.cli.inspect",
     "ckptool.formats.segments", "ckptool.formats.strided", "ckptool.formats.tensors", "ckptool.formats.torchfile",
-    "ckptool.model.keys", "ckptool.model.nonstrided", "ckptool.model.notebook", "ckptool.model.numpy_nodes",
-    "ckptool.model.paths", "ckptool.model.tree", "ckptool.model.values",
+    "ckptool.model.keys", "ckptool.model.nonstrided", "ckptool.model.numpy_nodes", "ckptool.model.paths",
+    "ckptool.model.values",
     "ckptool.ops.inspect", "ckptool.ops.inspect.advice", "ckptool.ops.inspect.entry", "ckptool.ops.inspect.info",
     "ckptool.ops.inspect.json_rows", "ckptool.ops.inspect.pickles", "ckptool.ops.inspect.totals",
     "ckptool.ops.inspect.values",

@@ -11,24 +11,31 @@ caller's, as an import would; import-linter does not see these edges, the tests 
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, cast
 
 __all__ = ["plugin"]
 
 
-@functools.cache
 def plugin(ref: str) -> Callable[..., Any]:
-    """The function a dotted reference ``"package.module:function"`` names, its module imported (once).
+    """The function a dotted reference ``"package.module:function"`` names, its module imported the first time
+    (then looked up in :data:`_modules`; the function is looked up on each call, so that a test can patch it).
 
     Raises:
         ImportError / AttributeError: no such module or function (a reference out of date).
         TypeError: the name is not callable.
     """
     module, _, name = ref.partition(":")
-    fn = getattr(importlib.import_module(module), name)
+    mod = _modules.get(module)
+    if mod is None:
+        mod = _modules[module] = importlib.import_module(module)
+    fn = getattr(mod, name)
     if not callable(fn):
         raise TypeError(f"{ref} is not callable")
     return cast(Callable[..., Any], fn)
+
+
+#: the modules :func:`plugin` imported, by name
+_modules: dict[str, ModuleType] = {}

@@ -203,6 +203,18 @@ _DATA_PKL_MEMBER = re.compile(r"\n(?:[^/\n]*/)?data\.pkl\n")
 _PACKAGE_MEMBER = re.compile(r"\n(?:[^/\n]*/)?\.data/extern_modules\n")
 
 
+#: the bytes :func:`ckptool.formats.native.describe_native` reads of a native binary (a PE header may start a few
+#: hundred bytes in)
+NATIVE_HEAD_BYTES = 4096
+
+
+def may_be_native(head: bytes) -> bool:
+    """True when the first 4 bytes of ``head`` are one of the magics of a native binary (ELF, Mach-O, a universal
+    Mach-O, PE's ``MZ``) that :func:`ckptool.formats.native.describe_native` reads further."""
+    return head[:4] in (b"\x7fELF", b"\xfe\xed\xfa\xce", b"\xfe\xed\xfa\xcf", b"\xce\xfa\xed\xfe",
+                        b"\xcf\xfa\xed\xfe", b"\xca\xfe\xba\xbe", b"\xca\xfe\xba\xbf") or head[:2] == b"MZ"
+
+
 def is_pt2_names(names: list[str]) -> bool:
     """Whether zip member ``names`` are a ``torch.export`` archive's: an ``archive_format`` record at the top
     level or under the one top folder."""

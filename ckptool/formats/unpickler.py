@@ -125,13 +125,17 @@ def _storage_loader(storages: dict[str, StorageRef], locations: dict[str, str]
     (one call per storage): a 5-tuple of exact types that names a new storage. Everything else, a storage named
     again included, goes to :func:`_persistent_record`."""
 
+    new_ref = object.__new__
+
     def persistent_load(pid: Any) -> StorageRef | GlobalMeta | PersistentRef:
         if type(pid) is tuple and len(pid) == 5 and pid[0] == "storage":
             key, location, numel = pid[2], pid[3], pid[4]
             if (type(key) is str and type(location) is str and type(numel) is int and numel >= 0
                     and key not in storages):
-                ref = storages[key] = StorageRef(pid[0], pid[1], key, locations.setdefault(location, location),
-                                                 numel, ())
+                # StorageRef(...) without its __init__ frame (one per storage: 50,000 in a big state_dict)
+                ref = storages[key] = new_ref(StorageRef)
+                ref.typename, ref.storage_type, ref.key, ref.numel, ref.extra = pid[0], pid[1], key, numel, ()
+                ref.location = locations.setdefault(location, location)
                 return ref
         return _persistent_record(storages, locations, pid)
 
