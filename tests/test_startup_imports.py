@@ -65,8 +65,10 @@ INSPECT_ZIP_MODULES = (SCAN_ZIP_MODULES - {"ckptool.cli.scan"}) | {
     "ckptool.readers", "ckptool.readers.read_torch", "ckptool.readers.registry", "ckptool.readers.support",
 }
 
-#: the third-party packages neither command imports: torch, numpy, the table printer, the progress bar, fsspec
-HEAVY = {"torch", "numpy", "tabulate", "tqdm", "fsspec", "safetensors", "jinja2"}
+#: the third-party packages neither command imports: torch, numpy, the table printer, the progress bar, fsspec;
+#: and the standard library's modules that only a tar archive or a remote file needs (tarfile, tempfile and shutil
+#: import bz2, lzma, random...: a few milliseconds of a start-up of about a hundred)
+HEAVY = {"torch", "numpy", "tabulate", "tqdm", "fsspec", "safetensors", "jinja2", "tarfile", "tempfile", "shutil"}
 
 
 def loaded_modules(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], set[str]]:

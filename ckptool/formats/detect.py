@@ -13,10 +13,11 @@ first: a package may ship a module named ``code`` or a resource named ``data.pkl
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import struct
-import tarfile
+from types import ModuleType
 
 from ckptool import _source as source
 from ckptool.errors import CkptError, CorruptCheckpointError, InputNotFoundError, NotACheckpointError, UsageError
@@ -166,6 +167,13 @@ def is_legacy_stream(head: bytes) -> bool:
     return type(value) is int and value == LEGACY_MAGIC_NUMBER
 
 
+def tarfile_module() -> ModuleType:
+    """The standard library's ``tarfile``, imported the first time a file that is not a zip is looked at (for
+    :func:`is_tar`, and scan's walk of a legacy tar): it imports ``shutil``, ``bz2``, ``lzma``..., which the start-up
+    of a command on a zip does without."""
+    return importlib.import_module("tarfile")
+
+
 def is_tar(head: bytes) -> bool:
     """True when ``head`` (a file's first 512 bytes or more) starts with a tar header that Python's ``tarfile``
     accepts (``tarfile.TarInfo.frombuf``: its checksum matches, its number fields parse; or a block of zeros, an
@@ -173,6 +181,7 @@ def is_tar(head: bytes) -> bool:
     ``ustar`` magic (old V7 tars have none): ``torch.load`` opens any file that is not a zip with
     ``tarfile.open(mode="r:")`` first and, when that works, loads it as a legacy tar checkpoint
     (torch/serialization.py ``_legacy_load``), even when its first bytes also parse as a pickle."""
+    tarfile = tarfile_module()
     try:
         tarfile.TarInfo.frombuf(bytes(head[:512]), "utf-8", "surrogateescape")
     except tarfile.HeaderError as e:  # a block of zeros: tarfile opens an empty archive (torch.load then fails)
