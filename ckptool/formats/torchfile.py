@@ -208,9 +208,10 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
         data = read_pickle_member(f, data_pkl, path)
         ck.protocol = data[1] if len(data) > 1 and data[0] == 0x80 else 2
         # load_structure's reading of bytes, keeping where the pickle ends (the member may go on after STOP)
+        refusal: list[str | None] = [None]  # the opcode torch's weights_only unpickler refuses, in the same walk
         ck.root, up, ck.pickle_size = load_pickle_at(data, 0, f"data.pkl in {path}", exact=True,
-                                                     storages=ck.storages, global_cache=cache)
-        ck.weights_only_refusal = weights_only_refusal(data, 0, ck.pickle_size)
+                                                     storages=ck.storages, global_cache=cache, weights_only=refusal)
+        ck.weights_only_refusal = refusal[0]
         seen.update(up.globals_seen)
         if "byteorder" in by_name:
             ck.byteorder = read_byteorder(f, by_name["byteorder"], path)

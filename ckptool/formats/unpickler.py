@@ -236,20 +236,22 @@ def _flat_reader(data: bytes | bytearray) -> BinaryIO:
 def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exact: bool = False,
                    strict_frames: bool = True, storages: dict[str, StorageRef] | None = None,
                    global_cache: dict[tuple[str, str], GlobalMeta] | None = None,
-                   ) -> tuple[Any, RestrictedUnpickler, int]:
+                   weights_only: list[str | None] | None = None) -> tuple[Any, RestrictedUnpickler, int]:
     """Check (:func:`check_pickle`) then unpickle the pickle that starts at ``buf[pos]`` into a node graph.
 
     ``buf`` is bytes or an ``mmap``; ``exact=True`` when the pickle ends exactly at the end of ``buf``;
     ``strict_frames=False`` reads a pickle with malformed FRAMEs as one flat stream instead of refusing it.
     Returns ``(root, unpickler, end)``, ``end`` being the offset just after the pickle's STOP opcode. ``storages``
-    and ``global_cache`` go to :class:`RestrictedUnpickler`. If parsing fails after the checks, the error's
+    and ``global_cache`` go to :class:`RestrictedUnpickler`; ``weights_only`` to :func:`check_pickle` (its one item
+    set to the opcode torch's weights_only unpickler refuses, found in the same walk). If parsing fails after the
+    checks, the error's
     ``unpickler`` attribute still lists (``globals_seen``) the globals named before the failure.
 
     Raises:
         CorruptCheckpointError: a truncated, malformed or hostile pickle (``what`` names it in the message).
         UnsupportedError: tuple nesting too deep to read safely (see :func:`call_with_stack`).
     """
-    end = check_pickle(buf, pos, what=what, exact=exact, strict_frames=strict_frames)
+    end = check_pickle(buf, pos, what=what, exact=exact, strict_frames=strict_frames, weights_only=weights_only)
     chunk = buf if (pos == 0 and end == len(buf) and type(buf) in (bytes, bytearray)) else bytes(buf[pos:end])
     assert not isinstance(chunk, mmap.mmap)
     up = RestrictedUnpickler(_flat_reader(chunk), storages=storages, global_cache=global_cache)
