@@ -607,7 +607,8 @@ def import_figures(files: dict[str, dict[str, object]], workdir: str, rounds: in
         else:
             rows.append([label, f"{statistics.median(totals):.1f}", f"{statistics.median(clis):.1f}", counts[0],
                          counts[1]])
-    return {"title": f"imports (python -X importtime, median of {rounds} runs; ms indicative, counts exact)",
+    runs = f"{rounds} run{'s' if rounds != 1 else ''}"
+    return {"title": f"imports (python -X importtime, median of {runs}; ms indicative, counts exact)",
             "headers": ["command", "import ms", "ckptool.cli ms", "ckptool modules", "all modules"], "rows": rows}
 
 
