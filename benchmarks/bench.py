@@ -4,7 +4,8 @@
 Usage::
 
     python benchmarks/bench.py [--workdir DIR] [--size-gib 2.0] [--many 50000] [--dcp-gib 4.0]
-                               [--only inspect|remap|strip|convert|scan|load|scale|dcp|pairs] [--repeat 3] [--keep]
+                               [--only inspect|remap|strip|convert|scan|load|scale|dcp|pairs|imports] [--repeat 3]
+                               [--keep]
                                [--json] [--extras] [--pairs 15] [--startup-rounds 7]
 
     # the reproducible comparisons (benchmarks/pairs.py): scan vs picklescan and inspect (2) vs torch's meta load,
@@ -105,7 +106,9 @@ What it does
    (``load_into`` vs ``torch.load(mmap=True)`` + ``load_state_dict`` and plain ``torch.load`` + ``load_state_dict``
    on checkpoint (1): time <= 1.0x the mmap load, peak RSS <= import baseline + model + 64 MiB), ``scale`` (inspect
    and remap of 10k / 100k / 1M tensors and 100 MB / 2 GB / 8 GB files, one run each) and ``dcp`` (DCP folder of
-   ``--dcp-gib`` GiB -> one torch file: peak RSS <= 256 MiB).
+   ``--dcp-gib`` GiB -> one torch file: peak RSS <= 256 MiB) and ``imports`` (``python -X importtime`` of ``ckptool
+   scan`` and ``ckptool inspect --json`` of checkpoint (1): the start-up's import time, ``ckptool.cli``'s, and how
+   many ckptool modules and modules in all each command imports; counts exact, times indicative).
 
 5. ``--against [REF]`` (default ``HEAD~1``) runs, instead of all of the above, the regression check of
    ``benchmarks/regression.py`` (see its docstring): ``inspect --json`` of checkpoint (2), ``remap --to cpu`` of (1)
@@ -581,6 +584,52 @@ def build_one(workdir: str, kind: str, amount: float, keep: bool) -> str:
 _BUILT: list[str] = []
 
 
+def import_figures(files: dict[str, dict[str, object]], workdir: str, rounds: int) -> dict[str, Any]:
+    """The ``imports`` section: ``python -X importtime -m ckptool scan FILE`` and ``... inspect --json FILE`` of
+    checkpoint (1) (one torch zip), ``rounds`` runs each: the median import time of the command's whole start-up
+    (the sum of every module's own time), of ``ckptool.cli`` alone (its cumulative time: click and the CLI frame),
+    the ckptool modules the command imported and all the modules imported (each a line of ``-X importtime``; the
+    counts are exact, the times indicative on a shared machine). ``tests/test_startup_imports.py`` pins the ckptool
+    module sets."""
+    src = str(files["1"]["path"])
+    rows = []
+    for label, args in (("ckptool scan (1)", ["scan", src]),
+                        ("ckptool inspect --json (1)", ["inspect", "--json", src])):
+        totals, clis, counts = [], [], (0, 0)
+        for _ in range(rounds):
+            rc, _out, err = run_plain([sys.executable, "-X", "importtime", "-m", "ckptool", *args], workdir)
+            if rc not in (0, 4):  # scan's own exit status of a file that needs trust is no failure here
+                rows.append([label, f"n/a (failed: {_failure_summary(err, rc)})", "n/a", "n/a", "n/a"])
+                break
+            total, cli, counts = _importtime(err)
+            totals.append(total)
+            clis.append(cli)
+        else:
+            rows.append([label, f"{statistics.median(totals):.1f}", f"{statistics.median(clis):.1f}", counts[0],
+                         counts[1]])
+    runs = f"{rounds} run{'s' if rounds != 1 else ''}"
+    return {"title": f"imports (python -X importtime, median of {runs}; ms indicative, counts exact)",
+            "headers": ["command", "import ms", "ckptool.cli ms", "ckptool modules", "all modules"], "rows": rows}
+
+
+def _importtime(stderr: str) -> tuple[float, float, tuple[int, int]]:
+    """From ``-X importtime`` lines (``import time: self | cumulative | name``): the sum of every module's own
+    time (ms), ``ckptool.cli``'s cumulative time (ms), and (ckptool modules, all modules) imported."""
+    total, cli, ours, every = 0, 0, 0, 0
+    for line in stderr.splitlines():
+        if not line.startswith("import time:") or "|" not in line:
+            continue
+        own, cumulative, name = (p.strip() for p in line[len("import time:"):].split("|"))
+        if not own.isdigit():  # the header line
+            continue
+        total += int(own)
+        every += 1
+        ours += name == "ckptool" or name.startswith("ckptool.")
+        if name == "ckptool.cli":
+            cli = int(cumulative)
+    return total / 1000, cli / 1000, (ours, every)
+
+
 def extra_figures(args: argparse.Namespace, workdir: str, files: dict[str, dict[str, object]],
                   tgt: list[dict[str, object]]) -> list[dict[str, Any]]:
     """The load / scale / dcp sections (:mod:`figures`) and the ``--extras`` modules; their targets are appended to
@@ -600,6 +649,8 @@ def extra_figures(args: argparse.Namespace, workdir: str, files: dict[str, dict[
         sections.append({"title": "scale (one run each)", "headers": [
             "checkpoint", "inspect s", "inspect MiB", "remap s", "remap MiB", "remap per unit"], "rows": rows})
         tgt.extend(t)
+    if args.only in (None, "imports"):
+        sections.append(import_figures(files, workdir, 1 if args.smoke else max(args.repeat, 5)))
     if args.only in (None, "dcp"):
         rows, t = figures.dcp_figures(ctx, args.dcp_gib)
         sections.append({"title": f"DCP folder -> one torch file (median of {args.repeat})",
@@ -713,7 +764,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "benchmarks/out/, or benchmarks/out/keep with --keep)")
     ap.add_argument("--size-gib", type=float, default=2.0, help="size of checkpoint (1) in GiB (default 2.0)")
     ap.add_argument("--many", type=int, default=50000, help="number of small tensors in checkpoint (2) (default 50000)")
-    ap.add_argument("--only", choices=("inspect", "remap", "strip", "convert", "scan", "load", "scale", "dcp", "pairs"),
+    ap.add_argument("--only", choices=("inspect", "remap", "strip", "convert", "scan", "load", "scale", "dcp", "pairs",
+                                       "imports"),
                     help="run only this figure (a ckptool command and its baselines)")
     ap.add_argument("--dcp-gib", type=float, default=4.0, help="size of the DCP checkpoint (default 4.0)")
     ap.add_argument("--extras", action="store_true", help="also run every benchmarks/bench_*.py module")

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import io
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -223,7 +223,10 @@ def _spooled(fs: Any, fspath: str, url: str, stamp: tuple[int | None, str | None
     local = _spools.get(key)
     if local is not None:
         return local
-    fd, local = tempfile.mkstemp(prefix="ckptool-", suffix=".ckptool-tmp")
+    # tempfile imported here, for a remote file only: a local checkpoint's start-up does without it (and shutil, bz2,
+    # lzma, random, which it imports)
+    made: tuple[int, str] = importlib.import_module("tempfile").mkstemp(prefix="ckptool-", suffix=".ckptool-tmp")
+    fd, local = made
     try:
         with os.fdopen(fd, "wb") as out, fs.open(fspath, "rb", block_size=0) as src:
             n = 0

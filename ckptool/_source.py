@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import io
 import mmap
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, TypeVar
 
@@ -253,14 +252,21 @@ class RangeView:
         """Nothing to release (the file belongs to the caller); for symmetry with ``mmap``."""
 
 
+def _stdlib(name: str) -> Any:
+    """The standard library's module ``name``, imported when first needed: ``tempfile`` and ``shutil`` serve only
+    a remote file's local copies, and a local checkpoint's start-up does without them (they import ``bz2``,
+    ``lzma``, ``random``...)."""
+    return importlib.import_module(name)
+
+
 def spool(f: BinaryIO) -> BinaryIO:
     """A local temporary copy (in the system temp folder, deleted when closed) of the whole remote file ``f``,
     copied in :data:`CHUNK`-byte pieces: for layouts without an index (torch legacy streams, plain pickles), which
     can only be read from the start."""
-    tmp = tempfile.TemporaryFile(prefix="ckptool-", suffix=".ckptool-tmp")  # noqa: SIM115 - returned
+    tmp: BinaryIO = _stdlib("tempfile").TemporaryFile(prefix="ckptool-", suffix=".ckptool-tmp")
     try:
         f.seek(0)
-        shutil.copyfileobj(f, tmp, CHUNK)
+        _stdlib("shutil").copyfileobj(f, tmp, CHUNK)
         tmp.flush()
         tmp.seek(0)
     except BaseException:
@@ -310,14 +316,14 @@ def local_copy(url: str) -> Iterator[str]:
         InputNotFoundError: nothing at ``url``.
         RemoteError: the download failed (nothing is left behind).
     """
-    folder = tempfile.mkdtemp(prefix="ckptool-")
+    folder = _stdlib("tempfile").mkdtemp(prefix="ckptool-")
     try:
         local = os.path.join(folder, url.rstrip("/").rsplit("/", 1)[-1] or "checkpoint")
         with open_binary(url) as f, open(local, "wb") as out:
-            shutil.copyfileobj(f, out, CHUNK)
+            _stdlib("shutil").copyfileobj(f, out, CHUNK)
         yield local
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        _stdlib("shutil").rmtree(folder, ignore_errors=True)
 
 
 def upload(local: str, url: str) -> None:

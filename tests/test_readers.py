@@ -180,7 +180,9 @@ def test_a_dcp_metadata_and_a_package_are_read_once_per_side(fixtures: dict[str,
     from ckptool.readers import read_package as package_reader
 
     reads: list[str] = []
-    holders = [m for m in (readers, read_dcp, diff_sides, inspect_formats) if hasattr(m, "read_dcp_metadata")]
+    # (the readers layer names it as a plug-in, looked up in its home module when called)
+    holders = [m for m in (dcp_format, readers, read_dcp, diff_sides, inspect_formats)
+               if hasattr(m, "read_dcp_metadata")]
     _record_calls(monkeypatch, holders, "read_dcp_metadata", dcp_format.read_dcp_metadata, into=reads)
     # (read_package is imported by name into the package reader)
     _record_calls(monkeypatch, [torch_package, package_reader], "read_package", into=reads)

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -229,8 +230,6 @@ def test_failed_upload_is_discarded(tmp_path: Path) -> None:
     """A destination that fails mid-upload: one RemoteError, the upload discarded, nothing at the URL."""
     from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
-    from ckptool import _source
-
     discarded: list[str] = []
 
     class _Flaky(MemoryFile):
@@ -258,7 +257,7 @@ def test_failed_upload_is_discarded(tmp_path: Path) -> None:
     with pytest.raises(ckptool.RemoteError, match=r"^writing flakymem://out/m\.pth failed \(ConnectionResetError"):
         ckptool.remap(str(src), "flakymem://out/m.pth", to="cpu")
     assert discarded and not FlakyFS().exists("/out/m.pth")
-    assert not [n for n in os.listdir(_source.tempfile.gettempdir()) if n.startswith(".m.pth.ckptool-")]
+    assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(".m.pth.ckptool-")]
 
 
 def test_local_paths_do_not_import_fsspec(tmp_path: Path) -> None:

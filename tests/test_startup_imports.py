@@ -2,8 +2,9 @@
 
 A command runs in a subprocess (``python -c`` calling :func:`ckptool.cli.main`) that prints, at exit, the
 ``ckptool`` modules and the third-party top-level packages in ``sys.modules``; the test pins that set for a safe
-``scan`` of one torch zip file (no load hint, no inspect report, no DCP folder reading, no DeepSpeed or sharded-set
-code, no table printer), so that a new import on scan's path is a decision someone makes, with this test.
+``scan`` and for an ``inspect`` of one torch zip file (no load hint, no .pt2, DCP, DeepSpeed, sharded-set,
+safetensors or torch.package code, no SARIF writer), so that a new import on their path is a decision someone
+makes, with this test.
 """
 
 from __future__ import annotations
@@ -31,27 +32,43 @@ main()
 """
 
 #: every ckptool module a safe ``scan`` of one torch zip file loads: the CLI frame, the scan operation with its
-#: pickle, zip and safetensors readers, the allowlist and the graph walk, the DCP dispatch (scan_file takes a
-#: DCP folder too, and ``ops.scan`` imports its folder scanner), the code finder (native headers: every zip is
-#: looked at for libraries; torch.package module names) and the folder walk's readers of DeepSpeed ``latest``
-#: files and sharded indexes (about 3 ms together: ``formats.deepspeed`` reads rank files through
-#: ``formats.torchfile``)
+#: zip and pickle walk (the zip directory, the restricted unpickler, the allowlist and the graph walk), the code
+#: finder (every zip member outside the tensor records is looked at for a native library's first bytes) and the
+#: legacy tar walk the pickle scanner shares. The code of the other formats (.pt2, DCP, DeepSpeed, sharded sets,
+#: safetensors, torch.package, native library headers) and of SARIF output is named as strings and imported only
+#: when met (:func:`ckptool.formats.plugin`); issue 41 took this set from 45 modules to 33.
 SCAN_ZIP_MODULES = {
     "ckptool", "ckptool._gc", "ckptool._remote", "ckptool._source", "ckptool.errors",
     "ckptool.cli", "ckptool.cli._common", "ckptool.cli._errors", "ckptool.cli._flags", "ckptool.cli.scan",
-    "ckptool.formats", "ckptool.formats.dcp", "ckptool.formats.detect", "ckptool.formats.dtypes",
-    "ckptool.formats.deepspeed", "ckptool.formats.native", "ckptool.formats.sharded", "ckptool.formats.torchfile",
-    "ckptool.formats.torch_package",
-    "ckptool.formats.nodes", "ckptool.formats.pickle_check", "ckptool.formats.pt2", "ckptool.formats.safetensors",
-    "ckptool.formats.strided", "ckptool.formats.tensors", "ckptool.formats.unpickler", "ckptool.formats.zipdir",
+    "ckptool.formats", "ckptool.formats.detect", "ckptool.formats.dtypes", "ckptool.formats.nodes",
+    "ckptool.formats.pickle_check", "ckptool.formats.unpickler", "ckptool.formats.zipdir",
     "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices", "ckptool.model.graph",
     "ckptool.model.units", "ckptool.model.weights_only",
     "ckptool.ops", "ckptool.ops.scan", "ckptool.ops.scan.entry", "ckptool.ops.scan.byte_windows",
-    "ckptool.ops.scan.shipped_code", "ckptool.ops.scan.dcp", "ckptool.ops.scan.directories",
-    "ckptool.ops.scan.layouts",
-    "ckptool.ops.scan.pickles",
-    "ckptool.ops.scan.results", "ckptool.ops.scan.sarif", "ckptool.ops.scan.tar",
+    "ckptool.ops.scan.directories", "ckptool.ops.scan.layouts", "ckptool.ops.scan.pickles",
+    "ckptool.ops.scan.results", "ckptool.ops.scan.shipped_code", "ckptool.ops.scan.tar",
 }
+
+#: every ckptool module ``inspect`` of one torch zip file loads: scan's (its safety analysis is scan's, less the
+#: scan command) and the readers layer with the torch zip reader, the node graph walks, the tensor model, the
+#: inspect operation (describer of pickled files, totals, values, advice) and the printers it needs. The other
+#: formats' readers and describers are registry plug-ins, imported when met, and so are the module tree and its
+#: HTML (``--tree``, Jupyter); issue 41 took this set from 73 modules to 54.
+INSPECT_ZIP_MODULES = (SCAN_ZIP_MODULES - {"ckptool.cli.scan"}) | {
+    "ckptool.cli.inspect",
+    "ckptool.formats.segments", "ckptool.formats.strided", "ckptool.formats.tensors", "ckptool.formats.torchfile",
+    "ckptool.model.keys", "ckptool.model.nonstrided", "ckptool.model.numpy_nodes", "ckptool.model.paths",
+    "ckptool.model.values",
+    "ckptool.ops.inspect", "ckptool.ops.inspect.advice", "ckptool.ops.inspect.entry", "ckptool.ops.inspect.info",
+    "ckptool.ops.inspect.json_rows", "ckptool.ops.inspect.pickles", "ckptool.ops.inspect.totals",
+    "ckptool.ops.inspect.values",
+    "ckptool.readers", "ckptool.readers.read_torch", "ckptool.readers.registry", "ckptool.readers.support",
+}
+
+#: the third-party packages neither command imports: torch, numpy, the table printer, the progress bar, fsspec;
+#: and the standard library's modules that only a tar archive or a remote file needs (tarfile, tempfile and shutil
+#: import bz2, lzma, random...: a few milliseconds of a start-up of about a hundred)
+HEAVY = {"torch", "numpy", "tabulate", "tqdm", "fsspec", "safetensors", "jinja2", "tarfile", "tempfile", "shutil"}
 
 
 def loaded_modules(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], set[str]]:
@@ -65,18 +82,42 @@ def loaded_modules(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProc
     return proc, set(json.loads(line[-1][len("MODULES "):]))
 
 
-def test_safe_scan_of_one_zip_file_imports_only_the_scan_code(tmp_path: Path) -> None:
+def _torch_zip(tmp_path: Path) -> Path:
     torch = pytest.importorskip("torch")
     path = tmp_path / "sd.pt"
     torch.save({"w": torch.zeros(4), "b": torch.ones(2, dtype=torch.float16)}, path)
+    return path
+
+
+def _ours(mods: set[str]) -> set[str]:
+    return {m for m in mods if m == "ckptool" or m.startswith("ckptool.")}
+
+
+def _diff(ours: set[str], pinned: set[str]) -> str:
+    return f"new: {sorted(ours - pinned)}; gone: {sorted(pinned - ours)}"
+
+
+def test_safe_scan_of_one_zip_file_imports_only_the_scan_code(tmp_path: Path) -> None:
+    path = _torch_zip(tmp_path)
     proc, mods = loaded_modules(["scan", str(path)], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "safe (torch-zip" in proc.stdout
-    ours = {m for m in mods if m == "ckptool" or m.startswith("ckptool.")}
-    assert ours == SCAN_ZIP_MODULES, (f"new: {sorted(ours - SCAN_ZIP_MODULES)}; "
-                                      f"gone: {sorted(SCAN_ZIP_MODULES - ours)}")
-    # nor the heavy third-party packages: torch, numpy, the table printer, the progress bar, fsspec
-    assert not {"torch", "numpy", "tabulate", "tqdm", "fsspec", "safetensors", "jinja2"} & mods
+    ours = _ours(mods)
+    assert ours == SCAN_ZIP_MODULES, _diff(ours, SCAN_ZIP_MODULES)
+    assert not HEAVY & mods
+
+
+def test_inspect_of_one_zip_file_imports_only_the_zip_reader(tmp_path: Path) -> None:
+    path = _torch_zip(tmp_path)
+    for args in (["inspect", str(path)], ["inspect", "--json", str(path)]):
+        proc, mods = loaded_modules(args, tmp_path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "torch-zip" in proc.stdout
+        ours = _ours(mods)
+        assert ours == INSPECT_ZIP_MODULES, f"{args}: {_diff(ours, INSPECT_ZIP_MODULES)}"
+        # the text report prints its tables with tabulate, which imports shutil and tempfile
+        allowed = set() if "--json" in args else {"tabulate", "shutil", "tempfile"}
+        assert not (HEAVY - allowed) & mods, sorted((HEAVY - allowed) & mods)
 
 
 @pytest.mark.torchfree

@@ -17,10 +17,10 @@ import sys
 import zipfile
 from pathlib import Path
 
-from ckptool.formats.dcp import DCP_GLOBALS
 from ckptool.model.allowlist import (
     ACCELERATE_SAFE_GLOBALS,
     DANGEROUS_NAMES,
+    DCP_GLOBALS,
     NEEDS_TRUST_NAMES,
     TORCHSCRIPT_NAMES,
     is_allowed,

@@ -10,8 +10,8 @@ import click
 
 from ckptool._gc import gc_paused
 from ckptool.cli._common import human_bytes
+from ckptool.formats import plugin
 from ckptool.model.allowlist import level_word
-from ckptool.model.tree import tree_lines
 from ckptool.model.units import human_count, plural
 from ckptool.ops.inspect.advice import advice_lines, hidden_level, metadata_lines, security_lines
 from ckptool.ops.inspect.entry import SCHEMA, CheckpointInfo, inspect
@@ -77,7 +77,7 @@ def _print_tree(info: CheckpointInfo, depth: int | None, as_json: bool) -> None:
     params = f"{human_count(tree.params)} param{'' if tree.params == 1 else 's'}"
     click.echo(f"{info.path}: {info.format}, {plural(len(info.tensors), 'tensor')}, {params}, "
                f"{human_bytes(tree.nbytes)}")
-    for line in tree_lines(tree, depth):
+    for line in plugin("ckptool.model.tree:tree_lines")(tree, depth):  # (--tree only)
         click.echo(line)
 
 

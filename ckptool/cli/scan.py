@@ -10,9 +10,9 @@ import click
 from ckptool import __version__
 from ckptool.cli._common import emit_json, is_quiet, json_option
 from ckptool.errors import UsageError
+from ckptool.formats import plugin
 from ckptool.ops.scan.entry import ScanResult, exit_status, scan
 from ckptool.ops.scan.results import SHOWN
-from ckptool.ops.scan.sarif import to_sarif
 
 
 def _print_result(res: ScanResult, show_all: bool, strict: bool) -> None:
@@ -119,7 +119,8 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
     if fmt == "json":
         emit_json("scan", {"strict": strict, "exit_code": code, "files": [r.to_dict(strict=strict) for r in results]})
     elif fmt == "sarif":
-        click.echo(json.dumps(to_sarif(results, version=__version__, strict=strict), indent=2))
+        sarif = plugin("ckptool.ops.scan.sarif:to_sarif")  # only for --format sarif
+        click.echo(json.dumps(sarif(results, version=__version__, strict=strict), indent=2))
     elif not is_quiet():
         for i, r in enumerate(results):
             if i:

@@ -32,17 +32,7 @@ _MD = "torch.distributed.checkpoint.metadata."
 TENSOR_METADATA = _MD + "TensorStorageMetadata"
 #: the class of a non-tensor entry (``BYTE_IO``: read with ``torch.load(weights_only=False)``)
 BYTES_METADATA = _MD + "BytesStorageMetadata"
-
-#: globals a DCP ``.metadata`` pickle names (torch/distributed/checkpoint/metadata.py, filesystem.py)
-DCP_GLOBALS = frozenset({
-    *(f"torch.distributed.checkpoint.metadata.{n}" for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
-    # StorageMeta.checkpoint_id: the folder as a path object (Python 3.13 pickles name pathlib._local)
-    *(f"pathlib.{sub}{n}" for sub in ("", "_local.") for n in (
-        "Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
-})
+#: the globals a ``.metadata`` pickle names are listed with the allowlist (``ckptool.model.allowlist.DCP_GLOBALS``)
 
 
 class DcpEntry(NamedTuple):

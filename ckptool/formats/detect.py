@@ -13,14 +13,14 @@ first: a package may ship a module named ``code`` or a resource named ``data.pkl
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import struct
-import tarfile
+from types import ModuleType
 
 from ckptool import _source as source
 from ckptool.errors import CkptError, CorruptCheckpointError, InputNotFoundError, NotACheckpointError, UsageError
-from ckptool.formats.pt2 import is_pt2_names
 from ckptool.formats.unpickler import load_pickle_at
 from ckptool.formats.zipdir import TorchRecords, ZipEntry, read_directory
 
@@ -31,6 +31,10 @@ PT2 = "torch-export"
 TORCH_PACKAGE = "torch-package"
 SAFETENSORS = "safetensors"
 PICKLE = "pickle"
+
+#: the name ending of a sharded set's index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``;
+#: :mod:`ckptool.formats.sharded` reads it)
+INDEX_SUFFIX = ".index.json"
 
 LEGACY_MAGIC_PREFIX = bytes.fromhex("80028a0a6cfc9c46f9206aa85019")
 ZIP_MAGIC = b"PK\x03\x04"
@@ -163,6 +167,13 @@ def is_legacy_stream(head: bytes) -> bool:
     return type(value) is int and value == LEGACY_MAGIC_NUMBER
 
 
+def tarfile_module() -> ModuleType:
+    """The standard library's ``tarfile``, imported the first time a file that is not a zip is looked at (for
+    :func:`is_tar`, and scan's walk of a legacy tar): it imports ``shutil``, ``bz2``, ``lzma``..., which the start-up
+    of a command on a zip does without."""
+    return importlib.import_module("tarfile")
+
+
 def is_tar(head: bytes) -> bool:
     """True when ``head`` (a file's first 512 bytes or more) starts with a tar header that Python's ``tarfile``
     accepts (``tarfile.TarInfo.frombuf``: its checksum matches, its number fields parse; or a block of zeros, an
@@ -170,6 +181,7 @@ def is_tar(head: bytes) -> bool:
     ``ustar`` magic (old V7 tars have none): ``torch.load`` opens any file that is not a zip with
     ``tarfile.open(mode="r:")`` first and, when that works, loads it as a legacy tar checkpoint
     (torch/serialization.py ``_legacy_load``), even when its first bytes also parse as a pickle."""
+    tarfile = tarfile_module()
     try:
         tarfile.TarInfo.frombuf(bytes(head[:512]), "utf-8", "surrogateescape")
     except tarfile.HeaderError as e:  # a block of zeros: tarfile opens an empty archive (torch.load then fails)
@@ -198,6 +210,24 @@ _TORCHSCRIPT_MEMBER = re.compile(r"\n(?:[^/\n]*/)?(?:constants\.pkl\n|code/)")
 _DATA_PKL_MEMBER = re.compile(r"\n(?:[^/\n]*/)?data\.pkl\n")
 #: the member every torch.package archive holds (torch/package/package_exporter.py ``_write_mock_and_extern``)
 _PACKAGE_MEMBER = re.compile(r"\n(?:[^/\n]*/)?\.data/extern_modules\n")
+
+
+#: the bytes :func:`ckptool.formats.native.describe_native` reads of a native binary (a PE header may start a few
+#: hundred bytes in)
+NATIVE_HEAD_BYTES = 4096
+
+
+def may_be_native(head: bytes) -> bool:
+    """True when the first 4 bytes of ``head`` are one of the magics of a native binary (ELF, Mach-O, a universal
+    Mach-O, PE's ``MZ``) that :func:`ckptool.formats.native.describe_native` reads further."""
+    return head[:4] in (b"\x7fELF", b"\xfe\xed\xfa\xce", b"\xfe\xed\xfa\xcf", b"\xce\xfa\xed\xfe",
+                        b"\xcf\xfa\xed\xfe", b"\xca\xfe\xba\xbe", b"\xca\xfe\xba\xbf") or head[:2] == b"MZ"
+
+
+def is_pt2_names(names: list[str]) -> bool:
+    """Whether zip member ``names`` are a ``torch.export`` archive's: an ``archive_format`` record at the top
+    level or under the one top folder."""
+    return any(n == "archive_format" or (n.count("/") == 1 and n.endswith("/archive_format")) for n in names)
 
 
 def _zip_kind(path: str) -> str:

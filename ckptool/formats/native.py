@@ -16,10 +16,13 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-__all__ = ["HEAD_BYTES", "NativeCode", "describe_native", "may_be_native"]
+from ckptool.formats.detect import NATIVE_HEAD_BYTES
 
-#: the bytes :func:`describe_native` needs (a PE header may start a few hundred bytes in)
-HEAD_BYTES = 4096
+__all__ = ["HEAD_BYTES", "NativeCode", "describe_native"]
+
+#: the bytes :func:`describe_native` needs (a PE header may start a few hundred bytes in); which first bytes are worth
+#: reading so far is :func:`ckptool.formats.detect.may_be_native` (scan looks at every zip member's)
+HEAD_BYTES = NATIVE_HEAD_BYTES
 
 _ELF_MACHINES = {3: "x86", 8: "MIPS", 0x14: "PowerPC", 0x15: "PowerPC64", 0x16: "s390x", 0x28: "ARM",
                  0x2B: "SPARC v9", 0x3E: "x86-64", 0xB7: "AArch64", 0xF3: "RISC-V", 0x102: "LoongArch"}
@@ -43,12 +46,6 @@ class NativeCode(NamedTuple):
     def __str__(self) -> str:
         bits = f" {self.bits}-bit" if self.bits else ""
         return f"{self.format}{bits} {self.kind} for {self.arch}"
-
-
-def may_be_native(head: bytes) -> bool:
-    """True when the first 4 bytes of ``head`` are one of the magics :func:`describe_native` reads further."""
-    return head[:4] in (b"\x7fELF", b"\xfe\xed\xfa\xce", b"\xfe\xed\xfa\xcf", b"\xce\xfa\xed\xfe",
-                        b"\xcf\xfa\xed\xfe", b"\xca\xfe\xba\xbe", b"\xca\xfe\xba\xbf") or head[:2] == b"MZ"
 
 
 def describe_native(head: bytes) -> NativeCode | None:

@@ -99,12 +99,8 @@ def _run_pattern(k: int) -> re.Pattern[bytes]:
     """The opcode-run expression that accepts LONG_BINPUT indices below ``2**k`` (16 <= k <= 32)."""
     pat = _patterns.get(k)
     if pat is None:
-        nb, rem = divmod(k, 8)
-        put = b"r" + b"." * nb
-        if nb < 4:
-            put += b"[\\x00-\\x%02x]" % ((1 << rem) - 1) + b"\\x00" * (3 - nb)
         alts = [
-            put,  # memo puts first: the commonest opcode of a torch pickle
+            _long_binput(k),  # memo puts first: the commonest opcode of a torch pickle
             _cls(_ARG1) + b".",
             _cls(_NOARG) + b"+" + _POSSESSIVE,  # a run of argument-less opcodes in one step
             _cls(_LEN4_UNSIGNED + _LEN4_SIGNED) + _counted(b"\x00\x00\x00"),
@@ -121,6 +117,33 @@ def _run_pattern(k: int) -> re.Pattern[bytes]:
     return pat
 
 
+def _long_binput(k: int) -> bytes:
+    """The expression of a LONG_BINPUT whose memo index is below ``2**k`` (16 <= k <= 32)."""
+    nb, rem = divmod(k, 8)
+    put = b"r" + b"." * nb
+    if nb < 4:
+        put += b"[\\x00-\\x%02x]" % ((1 << rem) - 1) + b"\\x00" * (3 - nb)
+    return put
+
+
+_wo_run_patterns: dict[int, re.Pattern[bytes]] = {}
+
+
+def _weights_only_run_pattern(k: int) -> re.Pattern[bytes]:
+    """The opcode-run expression of :func:`_run_pattern` (LONG_BINPUT indices below ``2**k``) restricted to the
+    opcodes torch's weights_only unpickler reads (:data:`WEIGHTS_ONLY_OPCODES`): where it stops at an opcode outside
+    the list, that opcode is the one the weights_only unpickler refuses (:func:`check_pickle`'s ``weights_only``)."""
+    pat = _wo_run_patterns.get(k)
+    if pat is None:
+        alts = [_long_binput(k)]
+        for group, arg in _WEIGHTS_ONLY_BY_ARGUMENT:
+            ops = group.replace(b"r", b"").replace(b".", b"")  # LONG_BINPUT as above; STOP ends the walk
+            if ops:
+                alts.append(_cls(ops) + arg)
+        pat = _wo_run_patterns[k] = re.compile(b"(?:" + b"|".join(alts) + b")*" + _POSSESSIVE, re.DOTALL)
+    return pat
+
+
 def _corrupt(what: str, detail: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"{what} is corrupted or truncated ({detail}); re-download or re-save the checkpoint")
@@ -133,7 +156,8 @@ def _memo_bomb(what: str, idx: int, pos: int, start: int) -> CorruptCheckpointEr
 
 
 def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, what: str = "pickle",
-                 exact: bool = True, strict_frames: bool = True) -> int:
+                 exact: bool = True, strict_frames: bool = True,
+                 weights_only: list[str | None] | None = None) -> int:
     """Walk the opcodes of the pickle at ``buf[start:]`` (bytes or ``mmap``) without building anything and return
     the offset just after its STOP opcode.
 
@@ -143,6 +167,9 @@ def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, w
     CPython's C unpickler reading from a file without ``peek`` (what ``torch.load`` does with ``data.pkl``) drops
     the bytes of a frame that an opcode runs past, so a malformed frame makes it see other opcodes than an
     in-memory read does. ``strict_frames=False`` reads the opcodes as one flat stream (frames are ignored).
+    ``weights_only`` (a list of one item): set to what :func:`weights_only_refusal` says of the pickle, found in
+    the same walk (one pass over the bytes instead of two: its opcodes are walked with the weights_only subset of
+    the expression until one outside the list is met).
 
     Raises:
         CorruptCheckpointError: an unknown opcode, an argument or length running past ``end``, no STOP opcode, a
@@ -150,8 +177,10 @@ def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, w
     """
     end = len(buf) if end is None else end
     at = [start]
+    if weights_only is not None:
+        weights_only[:] = [None]
     try:
-        return _walk(buf, start, end, what, exact, strict_frames, at)
+        return _walk(buf, start, end, what, exact, strict_frames, at, weights_only)
     except CorruptCheckpointError as e:
         e.offset = at[0]  # type: ignore[attr-defined] # where the refused opcode starts: what precedes was checked
         raise
@@ -164,17 +193,19 @@ _PY_PREFIX = 24 << 10
 _FAST_FROM_START = 1 << 20
 
 
-def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, strict_frames: bool, at: list[int]) -> int:
+def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, strict_frames: bool, at: list[int],
+          wo: list[str | None] | None) -> int:
     size = end - start
     k = max(16, min(32, size.bit_length() - 1)) if exact else max(16, min(22, size.bit_length() - 1))
     fast_from = start if exact and size >= _FAST_FROM_START else start + _PY_PREFIX
     match = None
     pos = start
     limit = end  # the end of the current frame, or ``end``
+    wo_left = wo is not None  # no opcode outside the weights_only list met yet (its expression walks)
     while True:
         if pos >= fast_from:
             if match is None:
-                match = _run_pattern(k).match
+                match = (_weights_only_run_pattern if wo_left else _run_pattern)(k).match
             m = match(buf, pos, limit)
             assert m is not None  # the expression ends in a loop (``*``): it always matches, if only the empty string
             pos = m.end()
@@ -185,18 +216,14 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
         if pos >= end:
             raise _corrupt(what, "no STOP opcode: the pickle is cut short")
         op = buf[pos]
+        if wo_left and op not in WEIGHTS_ONLY_OPCODES:  # the first opcode torch's weights_only unpickler refuses
+            assert wo is not None
+            wo[0] = f"opcode {_OPCODE_NAMES.get(op, 'unknown')} (0x{op:02x}) at byte {pos - start}"
+            wo_left, match = False, None  # the whole expression from here
         if op == _STOP:
             return pos + 1
         if op == _FRAME:
-            if pos + 9 > end:
-                raise _corrupt(what, f"FRAME at byte {pos - start} is cut short")
-            if strict_frames:
-                if limit != end:
-                    raise _bad_frame(what, pos - start, "a FRAME starts inside the previous frame")
-                frame_end = pos + 9 + int.from_bytes(buf[pos + 1:pos + 9], "little")
-                if frame_end > end:
-                    raise _corrupt(what, f"FRAME at byte {pos - start} runs past the end of the data")
-                limit = frame_end
+            limit = _frame_limit(buf, pos, start, end, limit, what, strict_frames)
             pos += 9
             continue
         nxt = _check_one(buf, op, pos, start, limit, what)
@@ -205,6 +232,25 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
                 raise _bad_frame(what, pos - start, "an opcode runs past the end of its FRAME")
             raise _corrupt(what, f"opcode {bytes([op])!r} at byte {pos - start} runs past the end of the data")
         pos = nxt
+
+
+def _frame_limit(buf: PickleBuffer, pos: int, start: int, end: int, limit: int, what: str, strict: bool) -> int:
+    """Where the opcodes after the FRAME at ``pos`` must end (``limit``: the end of the frame it would be in, ``end``
+    when none): with ``strict`` frames the end of the new frame (its 8-byte length read), else ``limit``.
+
+    Raises:
+        CorruptCheckpointError: the FRAME is cut short; (``strict``) it starts inside the previous frame or runs
+            past ``end``."""
+    if pos + 9 > end:
+        raise _corrupt(what, f"FRAME at byte {pos - start} is cut short")
+    if not strict:
+        return limit
+    if limit != end:
+        raise _bad_frame(what, pos - start, "a FRAME starts inside the previous frame")
+    frame_end = pos + 9 + int.from_bytes(buf[pos + 1:pos + 9], "little")
+    if frame_end > end:
+        raise _corrupt(what, f"FRAME at byte {pos - start} runs past the end of the data")
+    return frame_end
 
 
 def walk_prefix(buf: PickleBuffer, start: int, pos: int, what: str = "pickle") -> int:

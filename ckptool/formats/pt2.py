@@ -167,12 +167,6 @@ class Pt2Archive:
     aoti: list[str] = field(default_factory=list)
 
 
-def is_pt2_names(names: list[str]) -> bool:
-    """Whether zip member ``names`` are a ``torch.export`` archive's: an ``archive_format`` record at the top
-    level or under the one top folder."""
-    return any(n == "archive_format" or (n.count("/") == 1 and n.endswith("/archive_format")) for n in names)
-
-
 def _relative(entries: list[ZipEntry]) -> tuple[str, dict[str, ZipEntry]]:
     first = entries[0].name
     top = first.split("/", 1)[0] + "/" if "/" in first else ""

@@ -19,8 +19,8 @@ from ckptool import _source as source
 from ckptool.errors import CkptError, CorruptCheckpointError, InputNotFoundError, UsageError
 from ckptool.formats.dcp import is_dcp_folder
 from ckptool.formats.deepspeed import is_deepspeed_folder
+from ckptool.formats.detect import INDEX_SUFFIX as INDEX_SUFFIX  # re-exported: its home is detect (format_of)
 
-INDEX_SUFFIX = ".index.json"
 #: output format -> (file stem, suffix) of its shards, as ``transformers`` names them
 SHARD_NAMES: dict[str, tuple[str, str]] = {"safetensors": ("model", ".safetensors"), "torch": ("pytorch_model", ".bin")}
 #: suffixes of an output name that make a sharded output a set of files beside it rather than a folder

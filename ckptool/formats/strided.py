@@ -208,32 +208,30 @@ def _fits(t: TensorNode) -> bool:
 def _first_misfit(tensors: list[TensorNode]) -> TensorNode | None:
     """The first of ``tensors`` that does not fit its storage (:func:`tensor_view_problem`), or None.
 
-    :func:`_fits` inlined for the commonest tensor, a one-dimensional ``_rebuild_tensor_v2`` view (the same
-    verdict in a few operations, without a call): the rest go through :func:`_fits`, then
-    :func:`tensor_view_problem`."""
+    :func:`_fits` inlined for the commonest tensor, a one-dimensional ``_rebuild_tensor_v2`` view of a storage that
+    surely holds it (the same verdict in a few operations, without a call: this runs for every tensor); the rest go
+    through :func:`_fits`, then :func:`tensor_view_problem`."""
     rebuild_v2 = None  # the placeholder seen last whose name is _rebuild_tensor_v2 (one per file)
     for t in tensors:
         a = t.args
         func = t.func
         if len(a) >= 4 and (func is rebuild_v2 or func.name == "_rebuild_tensor_v2"):
             rebuild_v2 = func
-            if _vector_fits(a[0], a[1], a[2], a[3]):
-                continue
+            ref, off, shape, stride = a[0], a[1], a[2], a[3]
+            if ((type(ref), type(off), type(shape), type(stride)) == _VECTOR_TYPES and len(shape) == len(stride) == 1
+                    and not (ref.extra and ref.extra[0] is not None)):
+                size, st = shape[0], stride[0]
+                if (type(size), type(st)) == _INTS and 0 < size <= _I64 and off >= 0 and st >= 0 and \
+                        off + (size - 1) * st < ref.numel:
+                    continue
         if not _fits(t) and tensor_view_problem(t) is not None:
             return t
     return None
 
 
-def _vector_fits(ref: object, off: object, shape: object, stride: object) -> bool:
-    """True for a one-dimensional ``_rebuild_tensor_v2`` view (its storage, storage offset, sizes and strides)
-    that surely fits its typed storage: :func:`_fits` for the commonest tensor, in a few operations."""
-    if not (type(shape) is tuple and len(shape) == 1 and type(stride) is tuple and len(stride) == 1
-            and type(ref) is StorageRef and type(off) is int and off >= 0
-            and not (ref.extra and ref.extra[0] is not None)):
-        return False
-    size, st = shape[0], stride[0]
-    return (type(size) is int and type(st) is int and size > 0 and st >= 0 and size <= _I64
-            and off + (size - 1) * st < ref.numel)
+#: the types of a one-dimensional view's storage, storage offset, sizes and strides; of a size and a stride
+_VECTOR_TYPES = (StorageRef, int, tuple, tuple)
+_INTS = (int, int)
 
 
 def _walk(root: object, pick: Callable[[list[TensorNode]], TensorNode | None],

@@ -185,12 +185,11 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
     archive = first.split("/", 1)[0] if "/" in first else ""
     ck = Checkpoint(path, fmt, size, archive_name=archive or "archive")
     lead = archive + "/" if archive else ""
-    n_lead = len(lead)
     # comprehensions rather than one loop (50,000 members in a big state_dict); a file that fails a check is walked
     # member by member (_zip_records) to refuse it with the same error
-    names = [e.name[n_lead:] if e.name.startswith(lead) else e.name for e in entries]
+    names, lowered = _member_names([e.name for e in entries], lead)
     by_name = dict(zip(names, entries))
-    data_pkl = _torch_data_pkl(path, entries, names, by_name)
+    data_pkl = _torch_data_pkl(path, entries, names, by_name, lowered)
     if len(by_name) == len(entries) and max([e.header_offset + e.compress_size for e in entries]) <= size:
         ck._members = (names, entries)  # records made on first use (Checkpoint.records)
     else:
@@ -200,8 +199,7 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
             f"{path}: the zip's members hold more bytes than the file ({size} bytes): several members share or "
             "overlap their data (a zip bomb or a hand-made archive; torch.save never writes one), so ckptool "
             "refuses it (run `ckptool scan` on it)")
-    joined = "\n".join(names)
-    if joined != joined.lower():  # torch finds records ignoring case (the names are unique so, checked above)
+    if lowered != names:  # torch finds records ignoring case (the names are unique so, checked above)
         for n, e in list(by_name.items()):
             by_name.setdefault(n.lower(), e)
     cache: dict[tuple[str, str], GlobalMeta] = {}
@@ -210,9 +208,10 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
         data = read_pickle_member(f, data_pkl, path)
         ck.protocol = data[1] if len(data) > 1 and data[0] == 0x80 else 2
         # load_structure's reading of bytes, keeping where the pickle ends (the member may go on after STOP)
+        refusal: list[str | None] = [None]  # the opcode torch's weights_only unpickler refuses, in the same walk
         ck.root, up, ck.pickle_size = load_pickle_at(data, 0, f"data.pkl in {path}", exact=True,
-                                                     storages=ck.storages, global_cache=cache)
-        ck.weights_only_refusal = weights_only_refusal(data, 0, ck.pickle_size)
+                                                     storages=ck.storages, global_cache=cache, weights_only=refusal)
+        ck.weights_only_refusal = refusal[0]
         seen.update(up.globals_seen)
         if "byteorder" in by_name:
             ck.byteorder = read_byteorder(f, by_name["byteorder"], path)
@@ -231,16 +230,36 @@ def _read_zip(path: str, fmt: str) -> Checkpoint:
     return ck
 
 
-def _torch_data_pkl(path: str, entries: list[ZipEntry], names: list[str], by_name: dict[str, ZipEntry]) -> ZipEntry:
+def _member_names(full: list[str], lead: str) -> tuple[list[str], list[str]]:
+    """The members' names ``full`` without the archive folder ``lead`` (where they start with it), and the same
+    lower-cased: in C loops over the names joined when none holds a newline (50,000 records in a big state_dict),
+    else name by name."""
+    joined = "\n".join(full)
+    if joined.count("\n") == len(full) - 1 and full:
+        if not lead:
+            names = full
+        elif joined.startswith(lead) and joined.count("\n" + lead) == len(full) - 1:  # every name starts so
+            joined = joined[len(lead):].replace("\n" + lead, "\n")
+            names = joined.split("\n")
+        else:
+            names = [n[len(lead):] if n.startswith(lead) else n for n in full]
+            joined = "\n".join(names)
+        return names, joined.lower().split("\n")
+    names = [n[len(lead):] if lead and n.startswith(lead) else n for n in full]
+    return names, [n.lower() for n in names]
+
+
+def _torch_data_pkl(path: str, entries: list[ZipEntry], names: list[str], by_name: dict[str, ZipEntry],
+                    lower_names: list[str]) -> ZipEntry:
     """The ``data.pkl`` member torch reads (:class:`~ckptool.formats.zipdir.TorchRecords`: names matched ignoring
-    ASCII case); ``names`` (the members' names without the archive folder, which ``by_name`` maps) then calls it
-    ``data.pkl``, the name rewriters give the new pickle.
+    ASCII case); ``names`` (the members' names without the archive folder, which ``by_name`` maps; ``lower_names``: the
+    same lower-cased) then calls it ``data.pkl``, the name rewriters give the new pickle.
 
     Raises:
         NotACheckpointError: torch finds no ``data.pkl``.
         CorruptCheckpointError: two member names differ only in case (torch reads one, ``zipfile`` another).
     """
-    if len(by_name) == len(names) and len({n.lower() for n in by_name}) != len(names):
+    if len(by_name) == len(names) and len(set(lower_names)) != len(names):
         lowered: dict[str, str] = {}
         for e in entries:
             other = lowered.setdefault(e.name.lower(), e.name)

@@ -125,13 +125,17 @@ def _storage_loader(storages: dict[str, StorageRef], locations: dict[str, str]
     (one call per storage): a 5-tuple of exact types that names a new storage. Everything else, a storage named
     again included, goes to :func:`_persistent_record`."""
 
+    new_ref = object.__new__
+
     def persistent_load(pid: Any) -> StorageRef | GlobalMeta | PersistentRef:
         if type(pid) is tuple and len(pid) == 5 and pid[0] == "storage":
             key, location, numel = pid[2], pid[3], pid[4]
             if (type(key) is str and type(location) is str and type(numel) is int and numel >= 0
                     and key not in storages):
-                ref = storages[key] = StorageRef(pid[0], pid[1], key, locations.setdefault(location, location),
-                                                 numel, ())
+                # StorageRef(...) without its __init__ frame (one per storage: 50,000 in a big state_dict)
+                ref = storages[key] = new_ref(StorageRef)
+                ref.typename, ref.storage_type, ref.key, ref.numel, ref.extra = pid[0], pid[1], key, numel, ()
+                ref.location = locations.setdefault(location, location)
                 return ref
         return _persistent_record(storages, locations, pid)
 
@@ -232,20 +236,22 @@ def _flat_reader(data: bytes | bytearray) -> BinaryIO:
 def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exact: bool = False,
                    strict_frames: bool = True, storages: dict[str, StorageRef] | None = None,
                    global_cache: dict[tuple[str, str], GlobalMeta] | None = None,
-                   ) -> tuple[Any, RestrictedUnpickler, int]:
+                   weights_only: list[str | None] | None = None) -> tuple[Any, RestrictedUnpickler, int]:
     """Check (:func:`check_pickle`) then unpickle the pickle that starts at ``buf[pos]`` into a node graph.
 
     ``buf`` is bytes or an ``mmap``; ``exact=True`` when the pickle ends exactly at the end of ``buf``;
     ``strict_frames=False`` reads a pickle with malformed FRAMEs as one flat stream instead of refusing it.
     Returns ``(root, unpickler, end)``, ``end`` being the offset just after the pickle's STOP opcode. ``storages``
-    and ``global_cache`` go to :class:`RestrictedUnpickler`. If parsing fails after the checks, the error's
+    and ``global_cache`` go to :class:`RestrictedUnpickler`; ``weights_only`` to :func:`check_pickle` (its one item
+    set to the opcode torch's weights_only unpickler refuses, found in the same walk). If parsing fails after the
+    checks, the error's
     ``unpickler`` attribute still lists (``globals_seen``) the globals named before the failure.
 
     Raises:
         CorruptCheckpointError: a truncated, malformed or hostile pickle (``what`` names it in the message).
         UnsupportedError: tuple nesting too deep to read safely (see :func:`call_with_stack`).
     """
-    end = check_pickle(buf, pos, what=what, exact=exact, strict_frames=strict_frames)
+    end = check_pickle(buf, pos, what=what, exact=exact, strict_frames=strict_frames, weights_only=weights_only)
     chunk = buf if (pos == 0 and end == len(buf) and type(buf) in (bytes, bytearray)) else bytes(buf[pos:end])
     assert not isinstance(chunk, mmap.mmap)
     up = RestrictedUnpickler(_flat_reader(chunk), storages=storages, global_cache=global_cache)

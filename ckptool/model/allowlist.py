@@ -20,7 +20,7 @@ The three levels, and the rule that puts each global in one (first match wins):
    rebuilds them as data, and these names can call nothing else. Anywhere else they need trust (rule 2).
 2. ``needs-trust`` (status ``needs-trust``): a name on :data:`NEEDS_TRUST_NAMES` (exact), such as
    ``argparse.Namespace``, ``pathlib.PosixPath``, numpy's array/dtype/RNG-state rebuilders, ``torch._C.Generator``
-   or the DCP metadata classes (:data:`ckptool.formats.dcp.DCP_GLOBALS`). This list is checked before rule 4, so
+   or the DCP metadata classes (:data:`DCP_GLOBALS`). This list is checked before rule 4, so
    that ``pathlib.PosixPath`` is data while every other ``pathlib`` name stays dangerous. A name on
    :data:`DANGEROUS_NAMES` (exact) is dangerous. The rules below apply to every other name.
 3. ``needs-trust``: a class (last part CapWords, every part before it a lowercase module name) of a module of
@@ -59,10 +59,21 @@ import functools
 import sys
 from collections.abc import Iterable
 
-from ckptool.formats.dcp import DCP_GLOBALS
 from ckptool.formats.nodes import ALLOC, CLASS_BUILD, split_use
 from ckptool.formats.unpickler import MAX_REQUEST_BYTES
 from ckptool.model.weights_only import WEIGHTS_ONLY_ALLOWED
+
+#: globals a DCP ``.metadata`` pickle names (torch/distributed/checkpoint/metadata.py, filesystem.py; read by
+#: :mod:`ckptool.formats.dcp`)
+DCP_GLOBALS = frozenset({
+    *(f"torch.distributed.checkpoint.metadata.{n}" for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    # StorageMeta.checkpoint_id: the folder as a path object (Python 3.13 pickles name pathlib._local)
+    *(f"pathlib.{sub}{n}" for sub in ("", "_local.") for n in (
+        "Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
+})
 
 
 def is_allowed(qualified_name: str) -> bool:

@@ -36,29 +36,28 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from ckptool import _source as source
 from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
-from ckptool.formats import detect, torch_package
-from ckptool.formats import pt2 as pt2_format  # not `read_pt2`: the name of this package's module read_pt2
-from ckptool.formats.dcp import DcpMetadata, read_dcp_metadata
-from ckptool.formats.deepspeed import is_deepspeed_folder
-from ckptool.formats.pt2 import Pt2Archive
-from ckptool.formats.safetensors import SafetensorsHeader, read_header
-from ckptool.formats.sharded import INDEX_SUFFIX, ShardIndex, is_checkpoint_set, parse_index, read_index, set_kind
+from ckptool.formats import detect
+from ckptool.formats.detect import INDEX_SUFFIX
 from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file, read_pickle_member
 from ckptool.formats.zipdir import ZipEntry
 from ckptool.model.graph import find_state_dicts, state_children
 from ckptool.model.keys import check_key_lengths, shared_prefixes
 from ckptool.model.values import iter_values
-from ckptool.model.zero import ZeroCheckpoint
-from ckptool.readers.read_dcp import dcp_tree
-from ckptool.readers.read_deepspeed import read_zero
-from ckptool.readers.read_package import package_state_dicts
 from ckptool.readers.read_torch import graph_source
 from ckptool.readers.registry import FORMATS, Format, plugin
+
+if TYPE_CHECKING:  # the readers of the other formats are imported when a checkpoint of theirs is met (plugin)
+    from ckptool.formats.dcp import DcpMetadata
+    from ckptool.formats.pt2 import Pt2Archive
+    from ckptool.formats.safetensors import SafetensorsHeader
+    from ckptool.formats.sharded import ShardIndex
+    from ckptool.formats.torch_package import Package
+    from ckptool.model.zero import ZeroCheckpoint
 
 __all__ = [
     "FORMATS",
@@ -133,9 +132,10 @@ class Opened:
         """
         if self.format != "dcp":
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a DCP folder")
-        return self._cached("dcp", lambda: read_dcp_metadata(self.target))
+        meta: DcpMetadata = self._read_once("dcp", "ckptool.formats.dcp:read_dcp_metadata", self.target)
+        return meta
 
-    def package(self) -> torch_package.Package:
+    def package(self) -> Package:
         """A torch.package archive's pickles as node graphs (:func:`ckptool.formats.torch_package.read_package`,
         nothing imported or run), read once.
 
@@ -145,7 +145,13 @@ class Opened:
         """
         if self.format != detect.TORCH_PACKAGE:
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a torch.package archive")
-        return self._cached("package", lambda: torch_package.read_package(self.target))
+        pkg: Package = self._read_once("package", "ckptool.formats.torch_package:read_package", self.target)
+        return pkg
+
+    def _read_once(self, what: str, ref: str, *args: Any) -> Any:
+        """The plug-in ``ref`` (``"module:function"``, :func:`ckptool.formats.plugin`: the reader of a format, imported
+        when a checkpoint of that format is met) called with ``args``, once per :class:`Opened` and ``what``."""
+        return self._cached(what, lambda: plugin(ref)(*args))
 
     def _cached(self, what: str, read: Callable[[], _T]) -> _T:
         """``read()`` once per :class:`Opened` and ``what`` (the parse of one structure of the checkpoint)."""
@@ -161,7 +167,8 @@ class Opened:
         """
         if self.format != detect.SAFETENSORS:
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a safetensors file")
-        return self._cached("header", lambda: read_header(self.target))
+        header: SafetensorsHeader = self._read_once("header", "ckptool.formats.safetensors:read_header", self.target)
+        return header
 
     def index(self) -> ShardIndex:
         """A sharded set's index, every shard it names checked to exist (:func:`ckptool.formats.sharded.read_index`),
@@ -172,7 +179,8 @@ class Opened:
         """
         if self.spec.kind != "set":
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a sharded set")
-        return self._cached("index", lambda: read_index(self.target))
+        index: ShardIndex = self._read_once("index", "ckptool.formats.sharded:read_index", self.target)
+        return index
 
     def zip_entries(self) -> list[ZipEntry]:
         """A zip file's central directory (:func:`ckptool.formats.detect.zip_entries`, cached per file version).
@@ -210,7 +218,8 @@ class Opened:
         """
         if self.format != detect.PT2:
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a torch.export archive")
-        return self._cached("pt2", lambda: pt2_format.read_pt2(self.target, self.zip_entries()))
+        archive: Pt2Archive = self._read_once("pt2", "ckptool.formats.pt2:read_pt2", self.target, self.zip_entries())
+        return archive
 
     def zero(self, tag: str | None = None) -> ZeroCheckpoint:
         """A DeepSpeed ZeRO folder's pickles and consolidation plan (:func:`ckptool.readers.read_deepspeed.
@@ -221,7 +230,9 @@ class Opened:
         """
         if self.format != "deepspeed":
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a DeepSpeed folder")
-        return self._cached(f"zero:{tag}", lambda: read_zero(self.target, tag))
+        zero: ZeroCheckpoint = self._read_once(f"zero:{tag}", "ckptool.readers.read_deepspeed:read_zero", self.target,
+                                               tag)
+        return zero
 
     def graph(self) -> Checkpoint:
         """The pickle as a node graph (nothing imported or run), read once.
@@ -254,7 +265,8 @@ class Opened:
                      for r in refs for keys in [r.keys()]]
         elif self.format == detect.TORCH_PACKAGE:  # keyed <member>:<path>, as inspect prints them
             found = [StateDictEntry(k, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
-                     for k, r in package_state_dicts(self.package()) for keys in [r.keys()]]
+                     for k, r in plugin("ckptool.readers.read_package:package_state_dicts")(self.package())
+                     for keys in [r.keys()]]
         else:
             names = tuple(t.name for t in self.state_dict().tensors)
             found = [StateDictEntry("", names, tuple(shared_prefixes(names)))]
@@ -272,7 +284,7 @@ class Opened:
         if self.spec.pickled:
             return self.graph().root
         if self.format == "dcp":
-            return self._cached("tree", lambda: dcp_tree(self.dcp_metadata()))
+            return self._cached("tree", lambda: plugin("ckptool.readers.read_dcp:dcp_tree")(self.dcp_metadata()))
         return None
 
     def all_tensors(self) -> tuple[Source, dict[str, str]]:
@@ -336,7 +348,7 @@ class Opened:
 def _set_format(index_path: str) -> str:
     """``sharded-safetensors`` when every shard the index names is a ``.safetensors`` file, else ``sharded-bin``
     (the shards' own bytes are checked when they are read)."""
-    shards = parse_index(index_path).shards
+    shards = plugin("ckptool.formats.sharded:parse_index")(index_path).shards
     return "sharded-safetensors" if shards and all(s.endswith(".safetensors") for s in shards) else "sharded-bin"
 
 
@@ -353,10 +365,11 @@ def format_of(path: str | os.PathLike[str]) -> tuple[str, str]:
         NotACheckpointError / CorruptCheckpointError: see :func:`ckptool.formats.detect.detect_format`.
     """
     p = os.fspath(path)
-    if not source.is_url(p) and os.path.isdir(p) and is_deepspeed_folder(p):
+    folder = not source.is_url(p) and os.path.isdir(p)
+    if folder and plugin("ckptool.formats.deepspeed:is_deepspeed_folder")(p):
         return "deepspeed", p
-    if (not source.is_url(p) and is_checkpoint_set(p)) or p.endswith(INDEX_SUFFIX):
-        kind, target = set_kind(p)
+    if folder or p.endswith(INDEX_SUFFIX):  # a set (:func:`ckptool.formats.sharded.is_checkpoint_set`)
+        kind, target = plugin("ckptool.formats.sharded:set_kind")(p)
         if kind == "dcp":
             return "dcp", target
         if kind == "index":

@@ -7,14 +7,12 @@ entry a checkpoint is.
 
 from __future__ import annotations
 
-import functools
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from ckptool.errors import UnsupportedError
-from ckptool.formats import detect
+from ckptool.formats import detect, plugin
 from ckptool.readers.support import (
     DCP_REMAP,
     FOLDER,
@@ -133,20 +131,6 @@ _ROLES: dict[str, str] = {"read": "reader", "describe": "describer", "load": "lo
                           "rewrite": "rewriter"}
 
 
-@functools.cache
-def plugin(ref: str) -> Callable[..., Any]:
-    """The function a dotted reference ``"package.module:function"`` names, its module imported (once).
-
-    Raises:
-        ImportError / AttributeError: no such module or function (a registry entry out of date).
-    """
-    module, _, name = ref.partition(":")
-    fn = getattr(importlib.import_module(module), name)
-    if not callable(fn):
-        raise TypeError(f"{ref} is not callable")
-    return cast(Callable[..., Any], fn)
-
-
 _TORCH_READ = "ckptool.readers.read_torch:read_tensors"
 _PICKLED_INSPECT = "ckptool.ops.inspect.entry:inspect_pickled"
 _SET_INSPECT = "ckptool.ops.inspect.entry:inspect_sharded"
@@ -214,7 +198,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                      "rewrite": "is safetensors: it carries no device tags, so there is nothing to {action}; "
                                 "load it on any device with safetensors.torch.load_file(path, device='cpu')"},
            reader="ckptool.readers.read_safetensors:read_tensors",
-           describer="ckptool.ops.inspect.entry:inspect_safetensors",
+           describer="ckptool.ops.inspect.formats:inspect_safetensors",
            loader="ckptool.torch_ops.loaders:load_safetensors", hint="ckptool.ops.hints:safetensors_hint", support={
                "scan": Cell("works", "safe"),
                "diff": Cell("works", "identical"),
@@ -236,7 +220,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            support=SET_ROW),
     Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True, torch_distributed=True,
            loaded_by="torch.distributed.checkpoint.load",
-           reader="ckptool.readers.read_dcp:read_tensors", describer="ckptool.ops.inspect.entry:inspect_dcp",
+           reader="ckptool.readers.read_dcp:read_tensors", describer="ckptool.ops.inspect.formats:inspect_dcp",
            loader="ckptool.torch_ops.loaders:load_dcp", hint="ckptool.ops.hints:dcp_hint", support={
                "scan": Cell("works", "safe"),
                "diff": Cell("works", "2 of 2 matched tensors equal"),
@@ -247,7 +231,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            loaded_by="torch.export.load",
            refusals={"edit": "is a torch.export archive; write its state_dict with `ckptool extract-state-dict "
                              "{path}` first"},
-           reader="ckptool.readers.read_pt2:read_tensors", describer="ckptool.ops.inspect.entry:inspect_pt2",
+           reader="ckptool.readers.read_pt2:read_tensors", describer="ckptool.ops.inspect.formats:inspect_pt2",
            loader="ckptool.torch_ops.loaders:load_pt2", support={
                "scan": Cell("works", "safe"),
                "diff": Cell("works", "identical"),
@@ -260,7 +244,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder", flat="a DeepSpeed checkpoint",
            consolidate=True, tagged=True, **_TORCH_LAYOUT, loaded_by="DeepSpeedEngine.load_checkpoint",
            reader="ckptool.readers.read_deepspeed:read_tensors",
-           describer="ckptool.ops.inspect.entry:inspect_deepspeed", loader="ckptool.torch_ops.loaders:load_deepspeed",
+           describer="ckptool.ops.inspect.formats:inspect_deepspeed", loader="ckptool.torch_ops.loaders:load_deepspeed",
            support={
                "scan": Cell("works", "needs-trust"),
                "diff": Cell("works", "identical"),

@@ -28,9 +28,9 @@ from collections.abc import Callable
 from ckptool import _source as source
 from ckptool._gc import gc_paused
 from ckptool.errors import CorruptCheckpointError
+from ckptool.formats import plugin
 from ckptool.model.graph import too_deep
 from ckptool.model.keys import check_key_lengths
-from ckptool.ops.inspect.formats import dcp_info, deepspeed_info, pt2_info, safetensors_info
 from ckptool.ops.inspect.info import (
     SCHEMA,
     ByteTotal,
@@ -45,7 +45,6 @@ from ckptool.ops.inspect.totals import byte_totals, device_bytes, merge_totals
 from ckptool.ops.inspect.values import PreviewLimits, ValueInfo
 from ckptool.ops.scan.entry import ScanResult, combine_results, scan_file
 from ckptool.readers import Opened, open_checkpoint
-from ckptool.readers.read_safetensors import set_format_name
 
 __all__ = ["SCHEMA", "ByteTotal", "CheckpointInfo", "GlobalInfo", "StateDictInfo", "TensorInfo",
            "byte_totals", "describe", "inspect", "inspect_set", "tensor_infos"]
@@ -118,31 +117,9 @@ def inspect_package(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
     return info
 
 
-def inspect_safetensors(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
-    info = safetensors_info(o)
-    info.scan = scan_file(o.target)
-    return info
-
-
-def inspect_pt2(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
-    scan = scan_file(o.target)  # once: its globals are the archive's globals (describe_pt2)
-    info = pt2_info(o, scan)
-    info.scan = scan
-    return info
-
 
 def inspect_sharded(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
     return _index_info(o, limits)
-
-
-def inspect_dcp(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
-    info = dcp_info(o)
-    info.scan = scan_file(o.target)
-    return info
-
-
-def inspect_deepspeed(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
-    return deepspeed_info(o)
 
 
 @gc_paused
@@ -202,7 +179,7 @@ def _index_info(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
             globs.setdefault(g.name, g)
     meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (index.metadata or {}).items()}
     meta["shards"] = str(len(index.shards))
-    fmt = set_format_name(fmts)
+    fmt = plugin("ckptool.readers.read_safetensors:set_format_name")(fmts)
     merged = merge_totals(totals)
     return CheckpointInfo(path, fmt, "state_dict", size, tensors, devices, device_bytes(merged),
                           [state_dict_info("", [t.key for t in tensors])], list(globs.values()), storages=storages,

@@ -2,7 +2,8 @@
 ``torch.export`` archives (:func:`pt2_info`), DeepSpeed ZeRO folders (:func:`deepspeed_info`) and
 ``torch.distributed.checkpoint`` folders (:func:`dcp_info`), each from its headers, configs or metadata (no tensor
 bytes read, nothing imported or run). Each returns a :class:`~ckptool.ops.inspect.entry.CheckpointInfo` without
-``scan``; :func:`ckptool.ops.inspect.entry.inspect` adds it.
+``scan``; the ``inspect_*`` describers the registry names (:attr:`ckptool.readers.Format.describer`) add it, so that
+this module and the format code it needs are imported only when such a checkpoint is inspected.
 """
 
 from __future__ import annotations
@@ -18,11 +19,35 @@ from ckptool.ops.inspect.deepspeed import describe_deepspeed
 from ckptool.ops.inspect.info import CheckpointInfo, GlobalInfo, TensorInfo, rate_globals, state_dict_info
 from ckptool.ops.inspect.pt2 import describe_pt2
 from ckptool.ops.inspect.totals import byte_totals, device_bytes, one_storage_each
-from ckptool.ops.inspect.values import ValueInfo
-from ckptool.ops.scan.entry import ScanResult
+from ckptool.ops.inspect.values import PreviewLimits, ValueInfo
+from ckptool.ops.scan.entry import ScanResult, scan_file
 from ckptool.readers import Opened
 
-__all__ = ["dcp_info", "deepspeed_info", "pt2_info", "safetensors_info"]
+__all__ = ["dcp_info", "deepspeed_info", "inspect_dcp", "inspect_deepspeed", "inspect_pt2", "inspect_safetensors",
+           "pt2_info", "safetensors_info"]
+
+
+def inspect_safetensors(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
+    info = safetensors_info(o)
+    info.scan = scan_file(o.target)
+    return info
+
+
+def inspect_pt2(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
+    scan = scan_file(o.target)  # once: its globals are the archive's globals (describe_pt2)
+    info = pt2_info(o, scan)
+    info.scan = scan
+    return info
+
+
+def inspect_dcp(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
+    info = dcp_info(o)
+    info.scan = scan_file(o.target)
+    return info
+
+
+def inspect_deepspeed(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
+    return deepspeed_info(o)
 
 
 def deepspeed_info(o: Opened) -> CheckpointInfo:

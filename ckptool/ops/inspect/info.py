@@ -12,8 +12,9 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ckptool.formats import plugin
 from ckptool.model.allowlist import (
     ALLOWED,
     DANGEROUS,
@@ -25,12 +26,13 @@ from ckptool.model.allowlist import (
     worst_level,
 )
 from ckptool.model.keys import has_flat_param_key, shared_prefixes, suggest_command
-from ckptool.model.notebook import facts_table, tree_html
-from ckptool.model.tree import TreeNode, build_tree
 from ckptool.model.units import human_bytes, plural
 from ckptool.ops.inspect.json_rows import rows_json
 from ckptool.ops.inspect.values import ValueInfo
 from ckptool.ops.scan.entry import ScanResult
+
+if TYPE_CHECKING:  # the module tree and its HTML are built on demand (--tree, Jupyter): plug-ins
+    from ckptool.model.tree import TreeNode
 
 __all__ = ["FSDP_REMEDY", "SCHEMA", "TENSOR_FIELDS", "ByteTotal", "CheckpointInfo", "GlobalInfo", "StateDictInfo",
            "TensorInfo", "rate_globals", "state_dict_info"]
@@ -291,7 +293,8 @@ class CheckpointInfo:
     def tree(self, *, fold: bool = True) -> TreeNode:
         """The module tree of :attr:`tensors` by dotted key (:func:`ckptool.model.tree.build_tree`; repeated
         numbered blocks folded into one node unless ``fold`` is False)."""
-        return build_tree(self.tensors, fold=fold)
+        tree: TreeNode = plugin("ckptool.model.tree:build_tree")(self.tensors, fold=fold)
+        return tree
 
     def facts(self) -> list[tuple[str, str]]:
         """The summary as ``(name, value)`` rows: format, kind, size, tensors, devices, wrapper prefixes, safety
@@ -311,5 +314,6 @@ class CheckpointInfo:
 
     def _repr_html_(self) -> str:
         """The summary and the module tree, for Jupyter (``ckptool.inspect(path)`` as a cell's last line)."""
-        return facts_table(self.path, self.facts()) + tree_html(self.tree())
+        html: str = plugin("ckptool.model.notebook:facts_table")(self.path, self.facts())
+        return html + str(plugin("ckptool.model.notebook:tree_html")(self.tree()))
 

@@ -42,17 +42,16 @@ def zip_directories(f: BinaryIO, size: int, where: str, path: str, top_file: boo
         note(f"torch's zip reader refuses the zip{inside(where)} ({torch_err}); Python's zipfile reads it: "
              "its members were scanned")
         return None, zf_view
-    have = {(e.name, e.header_offset) for e in torch_view}
     extra: list[ZipEntry] = []
-    if zf_view is not torch_view:
+    if zf_view is not torch_view:  # (the same directory, the common case: no set of its 50,000 names to build)
+        have = {(e.name, e.header_offset) for e in torch_view}
         extra = [e for e in zf_view if (e.name, e.header_offset) not in have]
         if extra or len(zf_view) != len(torch_view):
             z = cast(Directory, zf_view).end
             note(f"torch's zip reader and Python's zipfile read different central directories{inside(where)} "
                  f"(torch: {len(torch_view)} entries at byte {torch_view.end.offset}; zipfile: "
                  f"{len(zf_view)} entries at byte {z.offset}): the members of both were scanned")
-    seen = have | {(e.name, e.header_offset) for e in extra}
-    return torch_view, list(torch_view) + extra + _plain_extra(f, size, where, label, torch_view, seen, note)
+    return torch_view, list(torch_view) + extra + _plain_extra(f, size, where, label, torch_view, extra, note)
 
 
 def _torch_directory(f: BinaryIO, size: int, label: str, top_file: str | None
@@ -66,11 +65,12 @@ def _torch_directory(f: BinaryIO, size: int, label: str, top_file: str | None
         return None, err
 
 
-def _plain_extra(f: BinaryIO, size: int, where: str, label: str, torch_view: Directory, seen: set[tuple[str, int]],
+def _plain_extra(f: BinaryIO, size: int, where: str, label: str, torch_view: Directory, extra: list[ZipEntry],
                  note: Callable[[str], None]) -> list[ZipEntry]:
-    """The entries (not ``seen``) of the central directory the 32-bit end record points to, where it is another
-    than the ZIP64 record's (which torch and zipfile read) and readers that take the ZIP64 record only when the
-    32-bit one is full would read it; a note when it has entries torch's lacks."""
+    """The entries (neither torch's nor ``extra``, zipfile's others) of the central directory the 32-bit end
+    record points to, where it is another than the ZIP64 record's (which torch and zipfile read) and readers that
+    take the ZIP64 record only when the 32-bit one is full would read it; a note when it has entries torch's
+    lacks."""
     t = torch_view.end
     if t.plain is None or t.plain == (t.entries, t.size, t.offset) or 0xFFFF in t.plain[:1] or \
             0xFFFFFFFF in t.plain[1:]:
@@ -85,4 +85,5 @@ def _plain_extra(f: BinaryIO, size: int, where: str, label: str, torch_view: Dir
         return []
     note(f"the zip's 32-bit end record{inside(where)} points to another central directory than its "
          f"ZIP64 end record (which torch and zipfile read): its {len(plain)} entries were scanned too")
+    seen = {(e.name, e.header_offset) for e in extra}
     return [e for e in more if (e.name, e.header_offset) not in seen]

@@ -76,14 +76,11 @@ from ckptool import _source as source
 from ckptool._source import RangeView, leaves_folder
 from ckptool.errors import CkptError, InputNotFoundError, UsageError
 from ckptool.formats import detect as formats
-from ckptool.formats.dcp import is_dcp_folder
-from ckptool.formats.deepspeed import loaded_tag_folders
+from ckptool.formats import plugin
+from ckptool.formats.detect import INDEX_SUFFIX
 from ckptool.formats.pickle_check import PickleBuffer
-from ckptool.formats.safetensors import read_header
-from ckptool.formats.sharded import INDEX_SUFFIX, parse_index, shard_outside
 from ckptool.model.allowlist import recognise_file
 from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, zip_end
-from ckptool.ops.scan.dcp import dcp_part, scan_dcp_folder
 from ckptool.ops.scan.layouts import Layout
 from ckptool.ops.scan.pickles import NotAPickle, Preparsed
 from ckptool.ops.scan.results import (
@@ -116,9 +113,9 @@ def scan_file(path: str | os.PathLike[str], *,
         its ``strict_exit_code`` 0 (safe), 1 (unsafe) or 2 (unreadable).
     """
     path = os.fspath(path)
-    dcp = dcp_part(path)
+    dcp = _dcp_part(path) if os.path.isdir(path) or path.endswith(_DCP_NAMES) else None
     if dcp is not None:
-        return scan_dcp_folder(*dcp)
+        return cast(ScanResult, plugin("ckptool.ops.scan.dcp:scan_dcp_folder")(*dcp))
     res = ScanResult(path)
     sc = CodeScanner(res, preparsed)  # the pickles, and the code that ships in each zip (ops/scan/shipped_code.py)
     start = source.bytes_transferred()
@@ -130,7 +127,7 @@ def scan_file(path: str | os.PathLike[str], *,
             layout = sc.any(buf, "", 0, f)
             res.format = layout.format
             if layout.header:
-                read_header(path)
+                plugin("ckptool.formats.safetensors:read_header")(path)
     except NotAPickle:
         res.error = _not_a_pickle(path)
     except CkptError as e:
@@ -146,6 +143,16 @@ def scan_file(path: str | os.PathLike[str], *,
     if source.is_url(path):
         res.bytes_read = source.bytes_transferred() - start
     return res
+
+
+#: the names of the files of a DCP folder (``.metadata``, ``*.distcp``), the only files :func:`scan_file` reads
+#: as a part of a folder (:func:`ckptool.ops.scan.dcp.dcp_part`); the folder walk and the readers of other formats
+#: are named as strings (:func:`ckptool.formats.plugin`): a scan imports the code of the formats it meets
+_DCP_NAMES = (".metadata", ".distcp")
+
+
+def _dcp_part(path: str) -> tuple[str, str | None] | None:
+    return cast("tuple[str, str | None] | None", plugin("ckptool.ops.scan.dcp:dcp_part")(path))
 
 
 def _indexed(view: RangeView) -> bool:
@@ -250,7 +257,7 @@ def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
     away: list[tuple[str, str]] = []
     for root, dirs, files in os.walk(top):
         dirs.sort()
-        dcp = is_dcp_folder(root)
+        dcp = plugin("ckptool.formats.dcp:is_dcp_folder")(root)
         if dcp:
             seen.add(os.path.realpath(root))
             yield root, []
@@ -263,7 +270,7 @@ def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
             if _is_candidate(full):
                 seen.add(os.path.realpath(full))
                 yield full, []
-        for folder, why in loaded_tag_folders(root, (dirs, files)):
+        for folder, why in plugin("ckptool.formats.deepspeed:loaded_tag_folders")(root, (dirs, files)):
             away += [(f, f"{why}; DeepSpeed reads it from there") for f in _folder_files(folder)]
     yield from _followed(away, seen)
 
@@ -288,13 +295,13 @@ def _index_shards(index_path: str, top: str) -> list[tuple[str, str]]:
     paths ``transformers`` opens (``os.path.join(index folder, shard)``). An index that does not parse gives none
     (its loader fails too)."""
     try:
-        index = parse_index(index_path)
+        index = plugin("ckptool.formats.sharded:parse_index")(index_path)
     except CkptError:
         return []
     out = []
     for shard in index.shards:
         path = index.shard_path(shard)
-        why = shard_outside(index, shard) or leaves_folder(top, path)
+        why = plugin("ckptool.formats.sharded:shard_outside")(index, shard) or leaves_folder(top, path)
         out.append((path, f"{index_path} names the shard {shard!r}: {why}; transformers reads it from there"
                     if why else ""))
     return out

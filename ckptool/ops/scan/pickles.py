@@ -21,10 +21,10 @@ from typing import Any, BinaryIO, TypeAlias, cast
 from ckptool import _source as source
 from ckptool.errors import CkptError, CorruptCheckpointError
 from ckptool.formats import detect as formats
+from ckptool.formats import plugin
 from ckptool.formats.dtypes import STORAGE_TYPES
 from ckptool.formats.nodes import GlobalMeta, ObjectNode, ReduceNode, StorageRef, qualified_name
 from ckptool.formats.pickle_check import PickleBuffer, check_pickle
-from ckptool.formats.pt2 import is_pt2_names, member_roles
 from ckptool.formats.unpickler import load_pickle_at, partial_globals
 from ckptool.formats.zipdir import (
     MAX_RATIO,
@@ -324,10 +324,10 @@ class Scanner:
             return layouts.TORCHSCRIPT
         if recs.find("data.pkl") is not None:
             return layouts.TORCH_ZIP
-        if not is_pt2_names(names):
+        if not formats.is_pt2_names(names):
             return layouts.ZIP
         try:
-            self.pt2_roles[where] = member_roles(f, size, entries, where or self.res.path)
+            self.pt2_roles[where] = plugin("ckptool.formats.pt2:member_roles")(f, size, entries, where or self.res.path)
         except CkptError as err:
             self.note(f"the torch.export configs{inside(where)} could not be read ({err}); members were scanned by "
                       "their first bytes")

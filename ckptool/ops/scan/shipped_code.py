@@ -47,8 +47,7 @@ from typing import BinaryIO
 from ckptool import _source as source
 from ckptool.errors import CkptError
 from ckptool.formats import detect as formats
-from ckptool.formats.native import HEAD_BYTES, describe_native, may_be_native
-from ckptool.formats.torch_package import module_name
+from ckptool.formats import plugin
 from ckptool.formats.zipdir import ZipEntry, read_directory, read_member, read_member_head
 from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST
 from ckptool.ops.scan.layouts import Layout
@@ -166,7 +165,7 @@ class _MemberCode:
         if aoti and name.endswith(".cpp"):
             self.out.append(CodeFinding(label, NATIVE_SOURCE, DANGEROUS, _AOTI_SOURCE, "C++ source"))
         if self.package and name.endswith(".py") and not rel.startswith(".data/"):
-            self.modules[module_name(rel)] = label
+            self.modules[plugin("ckptool.formats.torch_package:module_name")(rel)] = label
         if skip_native and not (aoti or name.lower().endswith(_LIBRARY_SUFFIXES)):
             return
         found = _native(self.f, e, label)
@@ -193,9 +192,10 @@ def _outside_storage(entries: list[ZipEntry], names: list[str], storage: tuple[s
 def _native(f: BinaryIO, e: ZipEntry, label: str) -> CodeFinding | None:
     try:
         head = read_member_head(f, e, label, 64)
-        if not may_be_native(head):
+        if not formats.may_be_native(head):
             return None
-        desc = describe_native(read_member_head(f, e, label, HEAD_BYTES) if head[:2] == b"MZ" else head)
+        describe = plugin("ckptool.formats.native:describe_native")  # imported when a member may be a library
+        desc = describe(read_member_head(f, e, label, formats.NATIVE_HEAD_BYTES) if head[:2] == b"MZ" else head)
     except CkptError:
         return None  # unreadable members are reported by the pickle walk
     if desc is None:

@@ -10,14 +10,17 @@ Nothing is imported or called from the file.
 from __future__ import annotations
 
 import io
-import tarfile
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptool.errors import CorruptCheckpointError
+from ckptool.formats.detect import tarfile_module
 from ckptool.formats.dtypes import STORAGE_TYPES
 from ckptool.formats.nodes import GlobalMeta
 from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.ops.scan.results import PickleFinding
+
+if TYPE_CHECKING:
+    import tarfile
 
 __all__ = [
     "LOADED_TAR_MEMBERS",
@@ -66,17 +69,18 @@ def scan_tar(w: PickleWalker, buf: PickleBuffer, where: str, depth: int) -> None
     Raises:
         CorruptCheckpointError: ``tarfile`` cannot open the archive (damage after the readable members is a note).
     """
+    tar = tarfile_module()  # imported for a tar only
     try:
-        with tarfile.open(fileobj=io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf)), mode="r:") as tf:
+        with tar.open(fileobj=io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf)), mode="r:") as tf:
             _tar_members(w, tf, where, depth)
-    except tarfile.TarError as e:
+    except tar.TarError as e:
         raise CorruptCheckpointError(f"damaged tar archive{inside(where)} ({e})") from e
 
 
 def _tar_members(w: PickleWalker, tf: tarfile.TarFile, where: str, depth: int) -> None:
     try:
         _read_tar_members(w, tf, where, depth)
-    except tarfile.TarError as e:
+    except tarfile_module().TarError as e:
         w.note(f"the tar archive{inside(where)} is damaged after its readable members ({e})")
 
 
