@@ -17,6 +17,7 @@ from ckptool.errors import UsageError
 from ckptool.model.devices import parse_device
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.rewrite.dcp import rewrite_dcp
+from ckptool.ops.rewrite.folders import write_output
 from ckptool.ops.rewrite.prefixes import RenameResult, rename_graph
 from ckptool.ops.rewrite.sets import dcp_folder, opened_input, rewrite_output, rewrite_set, set_index
 from ckptool.ops.rewrite.stream import ProgressFn, WriteResult, refuse_unwritable, retag_function, rewrite_file
@@ -42,6 +43,11 @@ def remap(
 
     ``dst`` defaults to ``<stem>.<target><ext>`` beside ``src`` (``model.cpu.pth``); ``in_place=True`` replaces
     ``src``. Writing is atomic: a temporary file in the destination folder, fsynced, then renamed.
+
+    A model folder holding one weights file, given as the folder (``transformers`` ``save_pretrained``'s
+    ``config.json`` + ``pytorch_model.bin``), is written as a folder (``dst``, by default ``<folder>.<target>``)
+    holding the rewritten file and the folder's other files copied byte for byte, listed in the result's ``kept``
+    (:mod:`ckptool.ops.rewrite.folders`); given as the file, it is one file as above.
 
     A sharded set (``*.index.json``, or the folder holding it) is rewritten shard by shard into a set of the same
     layout with its index (:func:`ckptool.ops.rewrite.sets.rewrite_set`): ``dst`` a folder (created) or
@@ -110,20 +116,22 @@ def _remap_file(opened: Opened, dst: str | os.PathLike[str] | None, plan: Rename
                 mapping: Mapping[str, str] | None, in_place: bool, key: str | None, allow_missing: bool,
                 progress: ProgressFn | None) -> WriteResult:
     """:func:`remap` of one file ``opened`` (arguments as there), with the renaming ``plan`` (None: none); a
-    ``torch.package`` archive through :func:`ckptool.ops.rewrite.package.remap_package` (no renaming)."""
+    ``torch.package`` archive through :func:`ckptool.ops.rewrite.package.remap_package` (no renaming). A model
+    folder holding the file is written as a folder (:func:`ckptool.ops.rewrite.folders.write_output`)."""
     src = opened.target
     refuse_unwritable(opened.spec, src, "remap")
     out = remap_output(opened, dst, to=to, in_place=in_place)
     if opened.spec.rewriter:  # a file whose storage ids are not one torch pickle's (torch.package)
         rewrite = opened.spec.behaviour("rewrite")
-        res = rewrite(opened, out, to, mapping, allow_missing, progress, renaming=plan is not None)
-        return cast(WriteResult, res)
+        return write_output(opened, out, lambda path: cast(
+            WriteResult, rewrite(opened, path, to, mapping, allow_missing, progress, renaming=plan is not None)))
     ck = opened.graph()
     fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     if plan is None:
-        return rewrite_file(ck, out, ck.root, fn, progress=progress)
+        return write_output(opened, out, lambda path: rewrite_file(ck, path, ck.root, fn, progress=progress))
     root, summary = rename_graph(ck.root, plan, key=key, allow_missing=allow_missing, where=src)
-    return RenameResult.combine(rewrite_file(ck, out, root, fn, progress=progress), summary, "remap")
+    return write_output(opened, out, lambda path: RenameResult.combine(
+        rewrite_file(ck, path, root, fn, progress=progress), summary, "remap"))
 
 
 def remap_output(src: str | os.PathLike[str] | Opened, dst: str | os.PathLike[str] | None, *, to: str | None,
