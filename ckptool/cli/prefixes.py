@@ -113,7 +113,8 @@ def strip_prefix_cmd(src: str, prefixes: tuple[str, ...], key: str | None, to: s
     module.` turns both model.module.fc.weight and module.fc.weight into fc.weight. Keys without the prefix are
     kept. The state_dict's _metadata is renamed with the keys; optimizer state and other entries stay as they
     are. Exits with an error when no key carries a PREFIX (see --allow-missing) or when two keys would become
-    one (the colliding keys are listed). Without -o the result is written next to SRC as <stem>.stripped<ext> (a folder: <folder>.stripped).
+    one (the colliding keys are listed). Without -o the result is written next to SRC as <stem>.stripped<ext>
+    (a folder: <folder>.stripped).
 
     \b
     Examples:
