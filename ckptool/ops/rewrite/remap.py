@@ -42,12 +42,9 @@ def remap(
     ``"cuda:1"`` stays ``"cuda:1"``). Full-model pickles are rewritten without importing their classes.
 
     ``dst`` defaults to ``<stem>.<target><ext>`` beside ``src`` (``model.cpu.pth``); ``in_place=True`` replaces
-    ``src``. Writing is atomic: a temporary file in the destination folder, fsynced, then renamed.
-
-    A model folder holding one weights file, given as the folder (``transformers`` ``save_pretrained``'s
-    ``config.json`` + ``pytorch_model.bin``), is written as a folder (``dst``, by default ``<folder>.<target>``)
-    holding the rewritten file and the folder's other files copied byte for byte, listed in the result's ``kept``
-    (:mod:`ckptool.ops.rewrite.folders`); given as the file, it is one file as above.
+    ``src``. Writing is atomic: a temporary file in the destination folder, fsynced, then renamed. A model folder
+    holding one weights file, given as the folder, gives a folder (by default ``<folder>.<target>``) with its other
+    files copied, listed in the result's ``kept`` (:mod:`ckptool.ops.rewrite.folders`).
 
     A sharded set (``*.index.json``, or the folder holding it) is rewritten shard by shard into a set of the same
     layout with its index (:func:`ckptool.ops.rewrite.sets.rewrite_set`): ``dst`` a folder (created) or
@@ -68,12 +65,10 @@ def remap(
     state_dict(s) found, or to the one at dotted path ``key``; ``allow_missing`` as in
     :func:`ckptool.ops.rewrite.prefixes.strip_prefix` (it also lets a ``mapping`` source that matches no storage pass),
     ``allow_nested`` as in :func:`ckptool.ops.rewrite.prefixes.add_prefix`. ``progress(nbytes)`` is called as the
-    input's
-    records are copied (bytes since the last call).
+    input's records are copied (bytes since the last call).
 
     Returns a :class:`~ckptool.ops.rewrite.stream.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``),
-    a
-    :class:`~ckptool.ops.rewrite.prefixes.RenameResult` (a WriteResult with the renaming added) when keys were renamed.
+    a :class:`~ckptool.ops.rewrite.prefixes.RenameResult` (the renaming added) when keys were renamed.
 
     Raises:
         UsageError: bad device strings, ``dst`` equal to ``src`` without ``in_place``, missing output folder,
