@@ -253,26 +253,27 @@ def one_file_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"st": st, "bin": pt, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-#: each rewriting command on a model folder holding one weights file: (input, argv, the weights file written);
-#: ``{src}`` the input folder, ``{out}`` the test's folder (a step may read an earlier step's output folder)
+#: each rewriting command on a model folder holding one weights file: (input, argv, the weights file written,
+#: whether from_pretrained loads the output as the model); ``{src}`` the input folder, ``{out}`` the test's folder (a
+#: step may read an earlier step's output folder)
 _ONE_FILE_STEPS = [
-    ("st", ["strip-prefix", "{src}", "transformer.", "-o", "{out}/stripped"], "model.safetensors"),
-    ("st", ["add-prefix", "{out}/stripped", "transformer.", "-o", "{out}/back"], "model.safetensors"),
-    ("st", ["add-prefix", "{src}", "module.", "-o", "{out}/dp"], "model.safetensors"),
-    ("st", ["strip-dataparallel", "{out}/dp", "-o", "{out}/undp"], "model.safetensors"),
-    ("st", ["add-prefix", "{src}", "_orig_mod.", "-o", "{out}/compiled"], "model.safetensors"),
-    ("st", ["unwrap", "{out}/compiled", "-o", "{out}/unwrapped"], "model.safetensors"),
+    ("st", ["strip-prefix", "{src}", "transformer.", "-o", "{out}/stripped"], "model.safetensors", False),
+    ("st", ["add-prefix", "{out}/stripped", "transformer.", "-o", "{out}/back"], "model.safetensors", True),
+    ("st", ["add-prefix", "{src}", "module.", "-o", "{out}/dp"], "model.safetensors", False),
+    ("st", ["strip-dataparallel", "{out}/dp", "-o", "{out}/undp"], "model.safetensors", True),
+    ("st", ["add-prefix", "{src}", "_orig_mod.", "-o", "{out}/compiled"], "model.safetensors", False),
+    ("st", ["unwrap", "{out}/compiled", "-o", "{out}/unwrapped"], "model.safetensors", True),
     ("st", ["rename", "{out}/stripped", "--rule", r"^(wte|wpe|h|ln_f)\.=transformer.\1.", "-o", "{out}/renamed"],
-     "model.safetensors"),
-    ("st", ["filter", "{src}", "--keep", "*", "-o", "{out}/filtered"], "model.safetensors"),
-    ("bin", ["remap", "{src}", "--to", "cpu", "-o", "{out}/remapped"], "pytorch_model.bin"),
+     "model.safetensors", True),
+    ("st", ["filter", "{src}", "--keep", "*", "-o", "{out}/filtered"], "model.safetensors", True),
+    ("bin", ["remap", "{src}", "--to", "cpu", "-o", "{out}/remapped"], "pytorch_model.bin", True),
     ("bin", ["remap", "{src}", "--to", "cpu", "--strip-prefix", "transformer.", "-o", "{out}/remap-stripped"],
-     "pytorch_model.bin"),
-    ("bin", ["strip-prefix", "{src}", "transformer.", "-o", "{out}/bin-stripped"], "pytorch_model.bin"),
-    ("bin", ["add-prefix", "{out}/bin-stripped", "transformer.", "-o", "{out}/bin-back"], "pytorch_model.bin"),
-    ("bin", ["rename", "{src}", "--rule", r"^lm_head\.=lm_head.", "--to", "cpu", "-o", "{out}/bin-renamed"],
-     "pytorch_model.bin"),
-    ("bin", ["filter", "{src}", "--keep", "*", "-o", "{out}/bin-filtered"], "pytorch_model.bin"),
+     "pytorch_model.bin", False),
+    ("bin", ["strip-prefix", "{src}", "transformer.", "-o", "{out}/bin-stripped"], "pytorch_model.bin", False),
+    ("bin", ["add-prefix", "{out}/bin-stripped", "transformer.", "-o", "{out}/bin-back"], "pytorch_model.bin", True),
+    ("bin", ["rename", "{out}/bin-stripped", "--rule", r"^(wte|wpe|h|ln_f)\.=transformer.\1.", "--to", "cpu", "-o",
+             "{out}/bin-renamed"], "pytorch_model.bin", True),
+    ("bin", ["filter", "{src}", "--keep", "*", "-o", "{out}/bin-filtered"], "pytorch_model.bin", True),
 ]
 
 _KEPT = ["README.md", "config.json", "generation_config.json", "tokenizer.json", "vocab.txt"]
@@ -292,7 +293,7 @@ def test_every_rewrite_of_a_one_file_model_folder_writes_a_folder(one_file_dirs:
                                                                   tmp_path: Path) -> None:
     """The folder given: a folder written, the weights file under its own name, every other file copied byte for
     byte and listed (``kept:``), and ``from_pretrained(out)`` loads it (names as transformers saves them)."""
-    for which, argv, weights in _ONE_FILE_STEPS:
+    for which, argv, weights, loads in _ONE_FILE_STEPS:
         src = one_file_dirs[which]
         args = [a.format(src=src, out=tmp_path) for a in argv]
         r = run_cli(*args)
@@ -305,12 +306,17 @@ def test_every_rewrite_of_a_one_file_model_folder_writes_a_folder(one_file_dirs:
         if "{src}" in argv:  # the input folder's subfolder is named, not copied
             assert "not copied from the input folder: onnx/" in r.output
         hint = _hint(r.output)
-        assert str(out / weights) in hint, hint
         if args[2] in ("module.", "_orig_mod."):  # a wrapper's prefix: from_pretrained would match no key
+            assert hint.startswith("model.load_state_dict(") and "Note: every key starts with" in r.output, hint
             _loads_after_wrapping(out, weights, one_file_dirs["state"])
-        elif "transformer." in args and args[0] != "add-prefix":  # the base model's own prefix removed
-            continue  # (from_pretrained of the base model class reads it; the next step adds it back)
-        else:
+            continue
+        if args[0] in ("remap", "filter") and "--strip-prefix" not in args:  # names as saved: from_pretrained
+            assert hint == f"transformers.GPT2LMHeadModel.from_pretrained({str(out)!r})", hint
+            eval(hint, {"transformers": transformers})  # the printed line, run as a user runs it
+        else:  # keys renamed: into the user's own model, from_pretrained named in a note
+            assert hint == f"ckptool.load_into(model, {str(out / weights)!r})", hint
+            assert "keys were renamed: transformers.GPT2LMHeadModel.from_pretrained(" in r.output
+        if loads:  # (a step that removed the base model's prefix is read back by the next step)
             _loads_as_the_model(out, one_file_dirs["state"])
 
 
