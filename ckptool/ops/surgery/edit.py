@@ -43,7 +43,7 @@ from ckptool.model.objects import find_object_state_dicts
 from ckptool.model.paths import resolve_path
 from ckptool.model.rename_memory import copy_meta, new_like, rename_mapping, replace_at
 from ckptool.model.rename_plan import RenamePlan, RenameSummary
-from ckptool.ops.rewrite.folders import write_output
+from ckptool.ops.rewrite.folders import model_folder, write_output
 from ckptool.ops.rewrite.prefixes import MappingT, PathArg, rename_graph, rewrite_safetensors
 from ckptool.ops.rewrite.sets import (
     dcp_folder,
@@ -53,7 +53,7 @@ from ckptool.ops.rewrite.sets import (
     rewrite_output,
     set_output,
 )
-from ckptool.ops.rewrite.stream import ProgressFn, WriteResult, retag_function, rewrite_file
+from ckptool.ops.rewrite.stream import ProgressFn, WriteResult, output_path, retag_function, rewrite_file
 from ckptool.ops.surgery.plan import (
     FilterChange,
     FilterResult,
@@ -287,9 +287,14 @@ def surgery_output(src: str, dst: str | None, in_place: bool, tag: str, *, force
             (:func:`ckptool.ops.rewrite.sets.refuse_existing_set`).
     """
     opened = open_checkpoint(src)
-    out = rewrite_output(opened, dst, tag, in_place)
-    refuse_existing_set(opened, out, force=force)
-    return out
+    folder = dcp_folder(opened)
+    if folder is not None:
+        return dcp_output(folder, dst, tag, in_place)
+    if opened.spec.kind == "set" or model_folder(opened) is not None:
+        out = rewrite_output(opened, dst, tag, in_place)
+        refuse_existing_set(opened, out, force=force)
+        return out
+    return output_path(src, dst, in_place, tag)
 
 
 def _rewritable(opened: Opened, done: str) -> Opened:
