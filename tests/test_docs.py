@@ -308,9 +308,31 @@ def test_python_api_has_a_section_and_an_example_for_every_public_name() -> None
     assert not unknown, f"docs/python-api.md headings name what ckptool does not export: {unknown}"
     bare = [heading for heading, body in sections.items() if "```python" not in body]
     assert not bare, f"sections of docs/python-api.md without an example: {bare}"
+    unused = _names_without_a_run_example(sections)
+    assert not unused, f"public names that no executed example of their section uses: {unused}"
 
 
 _PY_BLOCK = re.compile(r"(?:<!--\s*python:(?P<spec>[^\n]*?)-->\s*\n)?```python\n(?P<body>.*?)\n```", re.S)
+
+
+def _names_without_a_run_example(sections: dict[str, str]) -> list[str]:
+    """The names of the ``###`` headings whose section has no executed ``python`` block (one not excused with
+    ``<!-- python: not run: ... -->``) that names them (a call, a type checked, a comment naming the result)."""
+    missing = []
+    for heading, body in sections.items():
+        run = "\n".join(m.group("body") for m in _PY_BLOCK.finditer(body)
+                        if not (m.group("spec") or "").strip().startswith("not run"))
+        missing += [n for n in re.findall(r"`(\w+)`", heading) if not re.search(rf"\b{n}\b", run)]
+    return missing
+
+
+def test_an_example_that_is_not_run_does_not_count() -> None:
+    """The check above fails for a name whose only example is excused from running, or does not use it."""
+    excused = "<!-- python: not run: needs a server -->\n```python\nckptool.scan('x')\n```\n"
+    assert _names_without_a_run_example({"`scan`": excused}) == ["scan"]
+    assert _names_without_a_run_example({"`scan`, `ScanResult`": "```python\nckptool.scan('x')\n```\n"}) == \
+        ["ScanResult"]
+    assert _names_without_a_run_example({"`scan`": "```python\nckptool.scan('x')\n```\n"}) == []
 
 
 def test_python_api_examples_run(tmp_path: Path) -> None:

@@ -60,7 +60,9 @@ def set_output_options(f: F) -> F:
     return click.option("-o", "--output", "dst", type=click.Path(),
                         help="Output file. Default: next to SRC with the operation in the name. For a sharded set "
                              "(*.index.json or its folder): a folder (created), or NAME.safetensors.index.json / "
-                             "NAME.bin.index.json; default: the folder <folder>.<operation> beside it.")(f)
+                             "NAME.bin.index.json; for a model folder holding one weights file: a folder (created; "
+                             "the other files copied), or a file name (that file alone); default for both: the "
+                             "folder <folder>.<operation> beside it.")(f)
 
 
 def key_option(help_text: str = RENAME_KEY_HELP) -> Callable[[F], F]:

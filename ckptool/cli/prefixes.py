@@ -85,7 +85,7 @@ def strip_dataparallel_cmd(src: str, key: str | None, to: str | None, maps: tupl
     components are removed: mlp_module.fc.weight never changes. The state_dict's _metadata is renamed with the
     keys; optimizer state and other entries stay as they are. On a full-model pickle
     (torch.save(nn.DataParallel(model))) the output holds the inner module, written without importing its class.
-    Without -o the result is written next to SRC as <stem>.stripped<ext>.
+    Without -o the result is written next to SRC as <stem>.stripped<ext> (a folder: <folder>.stripped).
 
     \b
     Examples:
@@ -113,7 +113,8 @@ def strip_prefix_cmd(src: str, prefixes: tuple[str, ...], key: str | None, to: s
     module.` turns both model.module.fc.weight and module.fc.weight into fc.weight. Keys without the prefix are
     kept. The state_dict's _metadata is renamed with the keys; optimizer state and other entries stay as they
     are. Exits with an error when no key carries a PREFIX (see --allow-missing) or when two keys would become
-    one (the colliding keys are listed). Without -o the result is written next to SRC as <stem>.stripped<ext>.
+    one (the colliding keys are listed). Without -o the result is written next to SRC as <stem>.stripped<ext>
+    (a folder: <folder>.stripped).
 
     \b
     Examples:
@@ -143,7 +144,7 @@ def add_prefix_cmd(src: str, prefix: str, key: str | None, to: str | None, maps:
     DistributedDataParallel, `_orig_mod.` for a torch.compile model. The state_dict's _metadata gets the
     prefix too; optimizer state and other entries stay as they are. Keys that already start with PREFIX are
     refused (the result would be module.module.) unless --allow-nested. Without -o the result is written next
-    to SRC as <stem>.prefixed<ext>.
+    to SRC as <stem>.prefixed<ext> (a folder: <folder>.prefixed).
 
     \b
     Examples:
@@ -173,7 +174,7 @@ def unwrap_cmd(src: str, key: str | None, to: str | None, maps: tuple[str, ...],
     that every key of the state_dict shares (Lightning's `model.`, `net.`). On a full-model pickle the
     wrapper objects are replaced by the modules they hold. FSDP flat parameters (_flat_param) cannot be renamed:
     the command explains how to consolidate them. Without -o the result is written next to SRC as
-    <stem>.unwrapped<ext>.
+    <stem>.unwrapped<ext> (a folder: <folder>.unwrapped).
 
     \b
     Examples:

@@ -58,9 +58,10 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
     empty folder): its tensor chunks are always stored from CPU, so only the tensors its non-tensor entries hold
     are re-tagged, and a folder with none to change is refused. A torch.package archive gets the tags of its
     pickles' storage ids rewritten (every other member copied as it is; nothing of the package runs). Without -o the
-    result is written next to SRC with the target in the name (model.cpu.pth). A --map FROM that matches no
-    storage is an error (the tags found are listed) unless --allow-missing. --unwrap, --strip-dataparallel,
-    --strip-prefix and --add-prefix rename the state_dict keys in the same pass (one write).
+    result is written next to SRC with the target in the name (model.cpu.pth; a folder: <folder>.cpu). A --map
+    FROM that matches no storage is an error (the tags found are listed) unless --allow-missing. --unwrap,
+    --strip-dataparallel, --strip-prefix and --add-prefix rename the state_dict keys in the same pass (one
+    write).
 
     \b
     Examples:

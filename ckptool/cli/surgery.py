@@ -101,8 +101,8 @@ def rename_cmd(src: str, rules: tuple[str, ...], rules_file: str | None, key: st
     '^=module.' is add-prefix module. The state_dict's _metadata is renamed with the keys and tied
     tensors stay tied; optimizer state and other entries stay as they are. Exits with an error when two
     keys would become one (listed) or a rule matches no key (see --allow-unused). Without -o the result
-    is written next to SRC as <stem>.renamed<ext> (a sharded set or DCP folder: the folder
-    <folder>.renamed).
+    is written next to SRC as <stem>.renamed<ext> (a sharded set, DCP folder or model folder: the
+    folder <folder>.renamed).
 
     \b
     Examples:
@@ -189,7 +189,7 @@ def filter_cmd(src: str, keep: tuple[str, ...], drop: tuple[str, ...], key: str 
     tensors' bytes leave the file; _metadata is kept. With --key the output is that state_dict alone
     (extracted from a training checkpoint). Exits with an error when a glob matches no key (see
     --allow-unused) or every key would go. Without -o the result is written next to SRC as
-    <stem>.filtered<ext> (a sharded set or DCP folder: the folder <folder>.filtered; a shard left
+    <stem>.filtered<ext> (a sharded set, DCP folder or model folder: the folder <folder>.filtered; a shard left
     empty is not written).
 
     \b

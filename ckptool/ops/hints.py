@@ -41,9 +41,10 @@ from typing import Any, cast
 from ckptool import _source as source
 from ckptool.errors import CkptError
 from ckptool.formats.safetensors import recorded_names
+from ckptool.formats.sharded import SINGLE_FILES
 from ckptool.model.allowlist import DANGEROUS, level_word
 from ckptool.model.devices import map_location_for
-from ckptool.model.keys import WRAPPER_COMPONENTS, shared_prefixes
+from ckptool.model.keys import WRAPPER_COMPONENTS, shared_prefixes, suggest_command
 from ckptool.ops.inspect.entry import CheckpointInfo, GlobalInfo, inspect
 from ckptool.readers import Opened, open_checkpoint
 
@@ -390,9 +391,58 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
     opened = open_checkpoint(path)
     info = inspect(opened)
     hint = cast(LoadHint, opened.spec.behaviour("hint", torch_hint)(opened, info, state_dict, frozenset(chosen)))
+    hint = one_file_folder_hint(opened, info, hint) or hint
     if renamed and hint.imports == ["import transformers"]:  # set_hint's from_pretrained line
         return renamed_set_hint(opened, hint, trusted=not opened.spec.header and not info.weights_only_loads)
-    return hint
+    wrapped = _wrapper_note(info, os.fspath(path), state_dict) if hint.code.startswith("model.load_state_dict(") \
+        else None
+    return hint if wrapped is None else LoadHint(hint.code, [*hint.notes, wrapped], hint.imports)
+
+
+def one_file_folder_hint(opened: Opened, info: CheckpointInfo, hint: LoadHint) -> LoadHint | None:
+    """The hint of a local model folder's one weights file (``model.safetensors`` / ``pytorch_model.bin`` beside a
+    ``config.json``, the file the folder opens as: ``transformers`` ``save_pretrained`` of a model that fits one
+    file), as :func:`set_hint` gives a set's: ``transformers.<Architecture>.from_pretrained(folder)``, ``hint`` (the
+    file's own line) in a note. None for any other file, one whose keys all start with a wrapper's prefix
+    (from_pretrained would match none), or pickles ``torch.load(weights_only=True)`` refuses (transformers loads
+    with it)."""
+    path = opened.target
+    folder = os.path.dirname(path) or "."
+    if opened.spec.kind != "file" or source.is_url(path) or os.path.basename(path) not in SINGLE_FILES:
+        return None
+    arch = _architecture(folder)
+    top = next((s for s in info.state_dicts if s.path == ""), None)
+    if arch is None or not info.weights_only_loads or top is None or \
+            any(p[:-1] in WRAPPER_COMPONENTS for p in top.prefixes):
+        return None
+    try:
+        if open_checkpoint(folder).target != path:
+            return None
+    except CkptError:
+        return None
+    note = (f"from_pretrained builds the model config.json describes and loads the file into it; into your own "
+            f"model: {hint.code}")
+    return LoadHint(f"transformers.{arch}.from_pretrained({folder!r})", [*hint.notes, note], ["import transformers"])
+
+
+def _wrapper_note(info: CheckpointInfo, path: str, state_dict: str | None) -> str | None:
+    """The note of a ``model.load_state_dict(...)`` hint whose state_dict (dotted path ``state_dict``) has every key
+    under a wrapper's prefix (``module.``: ``torch.save(nn.DataParallel(model).state_dict())``, or the state_dict
+    ``extract-state-dict`` takes from a pickled ``DataParallel``): the line loads it into the wrapped model only;
+    how to load it into the bare one. None otherwise."""
+    sd = next((s for s in info.state_dicts if s.path == state_dict), None)
+    if sd is None or not sd.prefixes or not all(p[:-1] in WRAPPER_COMPONENTS for p in sd.prefixes):
+        return None
+    key = f", key={state_dict!r}" if state_dict else ""
+    example = _WRAPPED.get("".join(sd.prefixes))
+    wrapped = f"the wrapped model ({example})" if example else "the wrapped model"
+    return (f"every key starts with {''.join(sd.prefixes)} (a wrapper's): the line below loads it into {wrapped}; "
+            f"into the bare model: ckptool.load_into(model, {path!r}{key}), which removes it, or "
+            f"`{suggest_command(sd.prefixes, src=path, key=state_dict or None)}` first")
+
+
+#: the wrapped model a state_dict of these prefixes loads into, for :func:`_wrapper_note`
+_WRAPPED = {"module.": "nn.DataParallel(model)", "_orig_mod.": "torch.compile(model)"}
 
 
 def renamed_set_hint(opened: Opened, hint: LoadHint, *, trusted: bool) -> LoadHint:

@@ -11,9 +11,10 @@ flat), except
   ``model.safetensors``, ``tf_model.h5``, ``training_args.bin`` too): copied unchanged they would hold the old
   names, and ``from_pretrained`` could load them instead of the rewritten set. They are named in a note instead,
   as are subfolders (not copied).
-A set read through a URL, or written into its own folder, keeps nothing (the files are where they were). A single
-weights file, given as a file or as the folder holding only it, is rewritten into a single file beside it: nothing
-is copied.
+A set read through a URL, or written into its own folder, keeps nothing (the files are where they were). A model
+folder holding one weights file, given as the folder, is written as a folder with its companions in the same way
+(:mod:`ckptool.ops.rewrite.folders`); the weights file given as a file is rewritten into one file: nothing is
+copied.
 """
 
 from __future__ import annotations
@@ -74,13 +75,15 @@ def companion_files(folder: str, own: set[str], out_folder: str) -> Companions:
 
 
 def copy_companion(src: str, dst: str) -> None:
-    """Copy the file ``src`` to ``dst`` (a scratch file of the set writer) byte for byte.
+    """Copy the file ``src`` to ``dst`` (a scratch file of the set writer) byte for byte, and fsync it.
 
     Raises:
         OutputError: reading ``src`` or writing ``dst`` failed.
     """
     try:
         shutil.copyfile(src, dst)
+        with open(dst, "rb+") as f:  # durable before the commit renames it into place, as the weights are
+            os.fsync(f.fileno())
     except OSError as e:
         raise OutputError(f"copying {src} into the output failed: {e.strerror or e}; nothing was kept", dst,
                           e.errno) from e

@@ -57,6 +57,7 @@ from ckptool.model.rename_plan import (
     plan_keys,
 )
 from ckptool.ops.rewrite.dcp import rewrite_dcp
+from ckptool.ops.rewrite.folders import write_output
 from ckptool.ops.rewrite.sets import dcp_folder, opened_input, rewrite_output, rewrite_set, set_index, set_output
 from ckptool.ops.rewrite.stream import (
     ProgressFn,
@@ -370,13 +371,13 @@ def apply_plan(
         if to is not None or mapping:
             raise UsageError(f"{src} is safetensors: it carries no location tags, so --to / --map do not apply "
                              "(load it on any device with safetensors.torch.load_file(path, device=...))")
-        return rewrite_safetensors(opened, out, plan, key=key, allow_missing=allow_missing, operation=operation,
-                                    progress=progress)
+        return write_output(opened, out, lambda path: rewrite_safetensors(
+            opened, path, plan, key=key, allow_missing=allow_missing, operation=operation, progress=progress))
     ck = opened.graph()
     location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     root, summary = rename_graph(ck.root, plan, key=key, allow_missing=allow_missing, where=src)
-    res = rewrite_file(ck, out, root, location_fn, progress=progress)
-    return RenameResult.combine(res, summary, operation)
+    return write_output(opened, out, lambda path: RenameResult.combine(
+        rewrite_file(ck, path, root, location_fn, progress=progress), summary, operation))
 
 @overload
 def strip_prefix(src: MappingT, prefixes: str | Sequence[str], dst: None = None, *, key: str | None = None,
@@ -402,7 +403,9 @@ def strip_prefix(
     ``src`` is a checkpoint path (torch zip, legacy, safetensors, or a sharded set: ``*.index.json`` or its folder,
     rewritten as :func:`ckptool.ops.rewrite.sets.rewrite_set` describes, keys checked over the whole set; or a
     ``torch.distributed.checkpoint`` folder, written as a new DCP folder by
-    :func:`ckptool.ops.rewrite.dcp.rewrite_dcp`, ``dst`` a new or empty folder) or an in-memory mapping. For a path, the
+    :func:`ckptool.ops.rewrite.dcp.rewrite_dcp`, ``dst`` a new or empty folder; or a model folder holding one weights
+    file, written as a folder with its other files copied, by default ``<folder>.stripped``:
+    :mod:`ckptool.ops.rewrite.folders`) or an in-memory mapping. For a path, the
     output goes to ``dst``, by default ``<stem>.stripped<ext>`` beside ``src`` (``in_place=True`` replaces
     ``src``, atomically); it is torch's zip format (or safetensors for a safetensors input) and loads with
     ``torch.load(dst, weights_only=True)``. Returns a :class:`RenameResult` for a path, a new mapping of the same

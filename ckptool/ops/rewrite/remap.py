@@ -17,6 +17,7 @@ from ckptool.errors import UsageError
 from ckptool.model.devices import parse_device
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.rewrite.dcp import rewrite_dcp
+from ckptool.ops.rewrite.folders import write_output
 from ckptool.ops.rewrite.prefixes import RenameResult, rename_graph
 from ckptool.ops.rewrite.sets import dcp_folder, opened_input, rewrite_output, rewrite_set, set_index
 from ckptool.ops.rewrite.stream import ProgressFn, WriteResult, refuse_unwritable, retag_function, rewrite_file
@@ -41,7 +42,9 @@ def remap(
     ``"cuda:1"`` stays ``"cuda:1"``). Full-model pickles are rewritten without importing their classes.
 
     ``dst`` defaults to ``<stem>.<target><ext>`` beside ``src`` (``model.cpu.pth``); ``in_place=True`` replaces
-    ``src``. Writing is atomic: a temporary file in the destination folder, fsynced, then renamed.
+    ``src``. Writing is atomic: a temporary file in the destination folder, fsynced, then renamed. A model folder
+    holding one weights file, given as the folder, gives a folder (by default ``<folder>.<target>``) with its other
+    files copied, listed in the result's ``kept`` (:mod:`ckptool.ops.rewrite.folders`).
 
     A sharded set (``*.index.json``, or the folder holding it) is rewritten shard by shard into a set of the same
     layout with its index (:func:`ckptool.ops.rewrite.sets.rewrite_set`): ``dst`` a folder (created) or
@@ -62,12 +65,10 @@ def remap(
     state_dict(s) found, or to the one at dotted path ``key``; ``allow_missing`` as in
     :func:`ckptool.ops.rewrite.prefixes.strip_prefix` (it also lets a ``mapping`` source that matches no storage pass),
     ``allow_nested`` as in :func:`ckptool.ops.rewrite.prefixes.add_prefix`. ``progress(nbytes)`` is called as the
-    input's
-    records are copied (bytes since the last call).
+    input's records are copied (bytes since the last call).
 
     Returns a :class:`~ckptool.ops.rewrite.stream.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``),
-    a
-    :class:`~ckptool.ops.rewrite.prefixes.RenameResult` (a WriteResult with the renaming added) when keys were renamed.
+    a :class:`~ckptool.ops.rewrite.prefixes.RenameResult` (the renaming added) when keys were renamed.
 
     Raises:
         UsageError: bad device strings, ``dst`` equal to ``src`` without ``in_place``, missing output folder,
@@ -110,20 +111,22 @@ def _remap_file(opened: Opened, dst: str | os.PathLike[str] | None, plan: Rename
                 mapping: Mapping[str, str] | None, in_place: bool, key: str | None, allow_missing: bool,
                 progress: ProgressFn | None) -> WriteResult:
     """:func:`remap` of one file ``opened`` (arguments as there), with the renaming ``plan`` (None: none); a
-    ``torch.package`` archive through :func:`ckptool.ops.rewrite.package.remap_package` (no renaming)."""
+    ``torch.package`` archive through :func:`ckptool.ops.rewrite.package.remap_package` (no renaming). A model
+    folder holding the file is written as a folder (:func:`ckptool.ops.rewrite.folders.write_output`)."""
     src = opened.target
     refuse_unwritable(opened.spec, src, "remap")
     out = remap_output(opened, dst, to=to, in_place=in_place)
     if opened.spec.rewriter:  # a file whose storage ids are not one torch pickle's (torch.package)
         rewrite = opened.spec.behaviour("rewrite")
-        res = rewrite(opened, out, to, mapping, allow_missing, progress, renaming=plan is not None)
-        return cast(WriteResult, res)
+        return write_output(opened, out, lambda path: cast(
+            WriteResult, rewrite(opened, path, to, mapping, allow_missing, progress, renaming=plan is not None)))
     ck = opened.graph()
     fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     if plan is None:
-        return rewrite_file(ck, out, ck.root, fn, progress=progress)
+        return write_output(opened, out, lambda path: rewrite_file(ck, path, ck.root, fn, progress=progress))
     root, summary = rename_graph(ck.root, plan, key=key, allow_missing=allow_missing, where=src)
-    return RenameResult.combine(rewrite_file(ck, out, root, fn, progress=progress), summary, "remap")
+    return write_output(opened, out, lambda path: RenameResult.combine(
+        rewrite_file(ck, path, root, fn, progress=progress), summary, "remap"))
 
 
 def remap_output(src: str | os.PathLike[str] | Opened, dst: str | os.PathLike[str] | None, *, to: str | None,

@@ -47,14 +47,16 @@ class SetFiles(Protocol):
 def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str, G], None],
               inputs: list[str], weight_map: dict[str, str], total: int, res: SetFiles, out: str, *,
               metadata: dict[str, Any] | None = None, always_index: bool = False,
-              companions: Sequence[tuple[str, str]] = ()) -> None:
+              companions: Sequence[tuple[str, str]] = (), one_file: bool = False) -> None:
     """Write the shards ``groups`` with ``write(path, final path, group)`` as the set ``layout`` (several: shards
     plus the index of ``weight_map``, which ``write`` fills, and ``total`` bytes, or the index ``metadata`` given,
     kept as it is; one: the single file, no index, as ``transformers`` ``save_pretrained`` does, unless
     ``always_index``), adding the files to ``res``; ``companions`` (source path, file name): files copied byte for
     byte into the set's folder with the shards, in the same commit (a model folder's ``config.json``, tokenizer
-    files: :mod:`ckptool.ops.rewrite.companions`; not added to ``res.files``). Used by ``convert`` and by the
-    shard-set rewrites of :mod:`ckptool.ops.rewrite.sets` (a group there is one input shard).
+    files: :mod:`ckptool.ops.rewrite.companions`; not added to ``res.files``). Used by ``convert``, by the
+    shard-set rewrites of :mod:`ckptool.ops.rewrite.sets` (a group there is one input shard) and by the rewrites of
+    a model folder holding one file (:mod:`ckptool.ops.rewrite.folders`: ``one_file``, one group, no note saying
+    that everything fit one shard).
 
     The files an earlier run wrote for the same layout are this run's to replace (as ``convert`` replaces an
     existing output file); nothing else is touched. Steps: (1) refuse before writing when a file of the set is an
@@ -84,7 +86,7 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
         make_output_folder(layout.folder)
     committed: list[str] = []
     keep = {os.path.basename(p) for p in own}
-    if index is None:  # before the notes of the commit (what it removed), which follow from it
+    if index is None and not one_file:  # before the notes of the commit (what it removed), which follow from it
         res.notes.append(f"everything fits one shard: wrote the single file {os.path.basename(paths[0])} and no "
                          "index, as transformers' save_pretrained does")
     done = False

@@ -41,6 +41,7 @@ from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.rename_plan import RenamePlan, plan_keys
 from ckptool.model.units import plural
 from ckptool.ops.rewrite.companions import companion_files
+from ckptool.ops.rewrite.folders import folder_output, model_folder_output, refuse_existing_folder
 from ckptool.ops.rewrite.set_writer import write_set
 from ckptool.ops.rewrite.stream import (
     ProgressFn,
@@ -83,8 +84,11 @@ class SetRenameResult(RenameResult, SetFilesResult):
 
 def set_payload(res: object) -> dict[str, Any]:
     """The JSON fields a command adds for a rewritten set: ``shards`` (count), ``files`` (shards, then the index),
-    ``notes``, ``kept`` (the input folder's other files copied beside the set); none for a single file."""
+    ``notes``, ``kept`` (the input folder's other files copied beside the set); for a model folder written as a
+    folder (:mod:`ckptool.ops.rewrite.folders`) ``kept`` and ``notes``; none for a single file."""
     if not isinstance(res, SetFilesResult):
+        if isinstance(res, WriteResult) and (res.kept or res.notes):
+            return {"kept": list(res.kept), "notes": list(res.notes)}
         return {}
     return {"shards": res.shards, "files": list(res.files), "notes": list(res.notes), "kept": list(res.kept)}
 
@@ -142,21 +146,6 @@ def set_output(index: str, dst: str | os.PathLike[str] | None, tag: str, in_plac
                          "old folder when you have checked the new one")
 
 
-def folder_output(folder: str, dst: str | os.PathLike[str] | None, tag: str, in_place: bool, refusal: str) -> str:
-    """The output folder of a rewrite of a set or folder of files: ``dst``, or by default ``<folder>.<tag>`` beside
-    ``folder``.
-
-    Raises:
-        UsageError: ``in_place``, with the message ``refusal`` (such inputs are written anew elsewhere).
-    """
-    if in_place:
-        raise UsageError(refusal)
-    if dst is not None:
-        return os.fspath(dst)
-    where = os.path.abspath(folder)
-    return f"{where.rstrip(os.sep) or where}.{tag}"
-
-
 def dcp_folder(opened: Opened) -> str | None:
     """The folder ``opened`` names when it is a local ``torch.distributed.checkpoint`` folder (as
     :func:`ckptool.readers.open_checkpoint` recognised it: the folder format the rewrites take as it is, where a
@@ -178,9 +167,10 @@ def dcp_output(folder: str, dst: str | os.PathLike[str] | None, tag: str, in_pla
 
 
 def rewrite_output(opened: Opened, dst: str | os.PathLike[str] | None, tag: str, in_place: bool) -> str:
-    """Where a rewrite of ``opened`` (remap, the prefix commands) writes: ``dst``; else for a DCP folder or a
-    sharded set the folder ``<folder>.<tag>`` beside it (:func:`dcp_output`,
-    :func:`ckptool.ops.rewrite.sets.set_output`), for a file ``<stem>.<tag><ext>`` beside it or, with
+    """Where a rewrite of ``opened`` (remap, the prefix commands, rename, filter) writes: ``dst``; else for a DCP
+    folder, a sharded set or a model folder holding one file the folder ``<folder>.<tag>`` beside it
+    (:func:`dcp_output`, :func:`ckptool.ops.rewrite.sets.set_output`,
+    :func:`ckptool.ops.rewrite.folders.model_folder_output`), for a file ``<stem>.<tag><ext>`` beside it or, with
     ``in_place``, the file itself (:func:`ckptool.ops.rewrite.stream.output_path`).
 
     Raises:
@@ -193,6 +183,9 @@ def rewrite_output(opened: Opened, dst: str | os.PathLike[str] | None, tag: str,
     index = set_index(opened)
     if index is not None:
         return set_output(index, dst, tag, in_place)
+    folder = model_folder_output(opened, dst, tag, in_place)
+    if folder is not None:
+        return folder
     return output_path(opened.target, os.fspath(dst) if dst is not None else None, in_place, tag)
 
 
@@ -231,14 +224,16 @@ def _layout(index: ShardIndex, first: str, safetensors: bool, dst: str) -> SetLa
 
 def refuse_existing_set(src: str | os.PathLike[str] | Opened, out: str, *, force: bool) -> None:
     """Refuse, unless ``force``, to write the rewrite of the set ``src`` to ``out`` where a shard set of the same
-    names already is (as ``convert`` refuses an existing set; with ``force`` the earlier set is replaced whole). A
-    no-op when ``src`` is not a sharded set.
+    names already is (as ``convert`` refuses an existing set; with ``force`` the earlier set is replaced whole), or
+    the rewrite of a model folder to a folder already holding its weights file
+    (:func:`ckptool.ops.rewrite.folders.refuse_existing_folder`). A no-op for a file.
 
     Raises:
         UsageError: files of a set are in the way, or ``out`` is not a usable output name.
     """
     o = opened_input(src)
     if set_index(o) is None or force:
+        refuse_existing_folder(o, out, force=force)
         return
     index = o.index()
     first = next(iter(index.shards), "")

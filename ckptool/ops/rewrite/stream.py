@@ -37,7 +37,10 @@ from ckptool.readers.read_torch import locate_records
 
 @dataclass
 class WriteResult:
-    """What a rewrite wrote: ``dst`` path, ``bytes_written``, storages re-tagged ``{(old, new): count}``."""
+    """What a rewrite wrote: ``dst`` path, ``bytes_written``, storages re-tagged ``{(old, new): count}``;
+    ``kept``: the names of the files of the input's model folder copied beside the output byte for byte
+    (``config.json``, tokenizer files: :mod:`ckptool.ops.rewrite.companions`; a folder output only), ``notes``
+    for the user (what was not copied)."""
 
     src: str
     dst: str
@@ -45,6 +48,8 @@ class WriteResult:
     storages: int = 0
     bytes_written: int = 0
     retagged: dict[tuple[str, str], int] = field(default_factory=dict)
+    kept: list[str] = field(default_factory=list, kw_only=True)
+    notes: list[str] = field(default_factory=list, kw_only=True)
 
     def unit(self) -> str:
         """What :attr:`storages` counts, in the singular: ``tensor`` for a safetensors output, else ``storage``."""
@@ -56,7 +61,7 @@ class WriteResult:
         (:class:`~ckptool.ops.rewrite.sets.SetFilesResult`), the re-tagging."""
         shards = getattr(self, "shards", None)  # a set's result: its shard count and notes
         words = [plural(self.storages, self.unit()) + (f" in {plural(shards, 'shard')}" if shards is not None else ""),
-                 *getattr(self, "notes", ()), retagged_words(self.retagged)]
+                 *self.notes, retagged_words(self.retagged)]
         return "; ".join(w for w in words if w)
 
     def __str__(self) -> str:

@@ -43,8 +43,16 @@ from ckptool.model.objects import find_object_state_dicts
 from ckptool.model.paths import resolve_path
 from ckptool.model.rename_memory import copy_meta, new_like, rename_mapping, replace_at
 from ckptool.model.rename_plan import RenamePlan, RenameSummary
+from ckptool.ops.rewrite.folders import model_folder, write_output
 from ckptool.ops.rewrite.prefixes import MappingT, PathArg, rename_graph, rewrite_safetensors
-from ckptool.ops.rewrite.sets import dcp_folder, dcp_output, prune_storages, refuse_existing_set, set_output
+from ckptool.ops.rewrite.sets import (
+    dcp_folder,
+    dcp_output,
+    prune_storages,
+    refuse_existing_set,
+    rewrite_output,
+    set_output,
+)
 from ckptool.ops.rewrite.stream import ProgressFn, WriteResult, output_path, retag_function, rewrite_file
 from ckptool.ops.surgery.plan import (
     FilterChange,
@@ -123,7 +131,9 @@ def rename(src: MappingT | PathArg, dst: PathArg | None = None, *, rules: Iterab
     in-memory mapping. For a path the output goes to ``dst`` (default ``<stem>.renamed<ext>`` beside ``src``;
     ``in_place`` replaces ``src`` atomically), a torch zip file (safetensors for a safetensors input) that loads with
     ``torch.load(dst, weights_only=True)`` when the input did; returns a :class:`RuleResult` (``dry_run``: nothing
-    written, the result says what would be renamed). ``to`` / ``mapping`` re-tag the storages of a torch output in
+    written, the result says what would be renamed). A model folder holding one weights file, given as the folder,
+    is written as a folder (by default ``<folder>.renamed``) with its other files copied, listed in the result's
+    ``kept`` (:mod:`ckptool.ops.rewrite.folders`). ``to`` / ``mapping`` re-tag the storages of a torch output in
     the same pass, as :func:`ckptool.ops.rewrite.remap.remap` does (``allow_unused`` also lets a ``mapping`` source that
     matches no storage pass). For a mapping, returns a new mapping of the same type (values
     are the same objects, ``_metadata`` renamed); nothing is mutated.
@@ -153,13 +163,16 @@ def rename(src: MappingT | PathArg, dst: PathArg | None = None, *, rules: Iterab
         return many(plan, key=key, allow_unused=allow_unused, dry_run=dry_run, to=to, mapping=mapping,
                     progress=progress)
     opened = _rewritable(opened, "renamed")
-    out = "" if dry_run else output_path(path, _opt(dst), in_place, "renamed")
     if opened.spec.header:
         _refuse_safetensors_options(path, key, to, mapping)
-        planned, write = _rename_safetensors(opened, out, plan, allow_unused, dry_run, progress)
-    else:
-        planned, write = _rename_torch(opened.graph(), out, plan, key, allow_unused, dry_run,
-                                       (to, mapping), progress)
+
+    def one(out: str) -> tuple[_Planned, WriteResult]:
+        if opened.spec.header:
+            return _rename_safetensors(opened, out, plan, allow_unused, dry_run, progress)
+        return _rename_torch(opened.graph(), out, plan, key, allow_unused, dry_run, (to, mapping), progress)
+
+    planned, write = one("") if dry_run else write_output(
+        opened, rewrite_output(opened, dst, "renamed", in_place), one, lambda r: r[1])
     targets, mappings, summary, uses = planned
     fields = {k: v for k, v in vars(write).items() if k in WriteResult.__dataclass_fields__}
     return RuleResult(**fields, **vars(summary), operation="rename", rules=uses,
@@ -265,18 +278,20 @@ def _many(opened: Opened, dst: str | os.PathLike[str] | None, in_place: bool, dr
 def surgery_output(src: str, dst: str | None, in_place: bool, tag: str, *, force: bool) -> str:
     """The output :func:`rename` (``tag="renamed"``) or :func:`filter_keys` (``"filtered"``) writes for ``src``:
     ``dst``, ``src`` with ``in_place``, ``<stem>.<tag><ext>`` beside a file, the folder ``<folder>.<tag>`` beside a
-    sharded set's folder or a DCP folder.
+    sharded set's folder, a DCP folder or a model folder holding one weights file
+    (:func:`ckptool.ops.rewrite.sets.rewrite_output`).
 
     Raises:
         UsageError: ``in_place`` for a set or folder; ``dst`` equal to ``src`` without ``in_place``; files of a
-            set at the output, unless ``force`` (:func:`ckptool.ops.rewrite.sets.refuse_existing_set`).
+            set (or the weights file of a model folder) at the output, unless ``force``
+            (:func:`ckptool.ops.rewrite.sets.refuse_existing_set`).
     """
     opened = open_checkpoint(src)
     folder = dcp_folder(opened)
     if folder is not None:
         return dcp_output(folder, dst, tag, in_place)
-    if opened.spec.kind == "set":
-        out = set_output(opened.target, dst, tag, in_place)
+    if opened.spec.kind == "set" or model_folder(opened) is not None:
+        out = rewrite_output(opened, dst, tag, in_place)
         refuse_existing_set(opened, out, force=force)
         return out
     return output_path(src, dst, in_place, tag)
@@ -381,6 +396,7 @@ def filter_keys(src: Mapping[Any, Any] | PathArg, dst: PathArg | None = None, *,
     checkpoint); without it every state_dict found is filtered and the rest of the checkpoint kept. For a path the
     output goes to ``dst`` (default ``<stem>.filtered<ext>``; ``in_place`` replaces ``src``), without the bytes of
     the dropped tensors; returns a :class:`FilterResult` listing what was dropped (``dry_run``: nothing written).
+    A model folder holding one weights file is written as a folder, as :func:`rename` writes it.
     ``to`` / ``mapping`` re-tag the storages of a torch output as in :func:`rename`.
     For a mapping, returns a new mapping of the same type (``_metadata`` kept); nothing is mutated.
 
@@ -404,8 +420,12 @@ def filter_keys(src: Mapping[Any, Any] | PathArg, dst: PathArg | None = None, *,
         return many(globs, key=key, allow_unused=allow_unused, dry_run=dry_run, to=to, mapping=mapping,
                     progress=progress)
     opened = _rewritable(opened, "filtered")
-    out = "" if dry_run else output_path(path, _opt(dst), in_place, "filtered")
     if opened.spec.header:
         _refuse_safetensors_options(path, key, to, mapping)
-        return _filter_safetensors(opened, out, globs, allow_unused, dry_run, progress)
-    return _filter_torch(opened.graph(), out, globs, key, allow_unused, dry_run, (to, mapping), progress)
+
+    def one(out: str) -> FilterResult:
+        if opened.spec.header:
+            return _filter_safetensors(opened, out, globs, allow_unused, dry_run, progress)
+        return _filter_torch(opened.graph(), out, globs, key, allow_unused, dry_run, (to, mapping), progress)
+
+    return one("") if dry_run else write_output(opened, rewrite_output(opened, dst, "filtered", in_place), one)
