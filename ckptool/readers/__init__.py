@@ -27,6 +27,8 @@ format                 recognised by (:mod:`ckptool.formats.detect`, :mod:`ckpto
 ``dcp``                a folder holding ``.metadata`` (``torch.distributed.checkpoint``)
 ``torch-export``       a zip holding ``archive_format`` (``torch.export.save``, ``.pt2``)
 ``deepspeed``          a folder holding ``latest`` or ``global_step*/`` ZeRO files
+``megatron-legacy``    ``latest_checkpointed_iteration.txt`` / ``mp_rank_*/model_optim_rng.pt`` folders
+``megatron-dist``      a DCP folder with Megatron-Core's ``metadata.json`` (``sharded_backend``)
 ``pickle``             a plain pickle (protocol 2-5) without torch's layout
 =====================  ===============================================================================
 """
@@ -44,6 +46,7 @@ from ckptool.formats import detect, torch_package
 from ckptool.formats import pt2 as pt2_format  # not `read_pt2`: the name of this package's module read_pt2
 from ckptool.formats.dcp import DcpMetadata, read_dcp_metadata
 from ckptool.formats.deepspeed import is_deepspeed_folder
+from ckptool.formats.megatron import megatron_layout
 from ckptool.formats.pt2 import Pt2Archive
 from ckptool.formats.safetensors import SafetensorsHeader, read_header
 from ckptool.formats.sharded import INDEX_SUFFIX, ShardIndex, is_checkpoint_set, parse_index, read_index, set_kind
@@ -345,6 +348,9 @@ def format_of(path: str | os.PathLike[str]) -> tuple[str, str]:
         NotACheckpointError / CorruptCheckpointError: see :func:`ckptool.formats.detect.detect_format`.
     """
     p = os.fspath(path)
+    megatron = None if source.is_url(p) else megatron_layout(p)
+    if megatron is not None:
+        return megatron
     if not source.is_url(p) and os.path.isdir(p) and is_deepspeed_folder(p):
         return "deepspeed", p
     if (not source.is_url(p) and is_checkpoint_set(p)) or p.endswith(INDEX_SUFFIX):

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from ckptool.errors import UnsupportedError
-from ckptool.formats import detect
+from ckptool.formats import detect, megatron
 from ckptool.readers.support import (
     DCP_REMAP,
     FOLDER,
     JIT,
+    MEGATRON,
     NO_MODULE,
     PACKAGE,
     PT2_STATE_DICT,
@@ -267,6 +268,21 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "remap": ZERO, "prefix": ZERO,
                "extract-state-dict": FOLDER, "sanitize": FOLDER, "rename": FOLDER, "filter": FOLDER,
            }),
+    # --- Megatron-LM / Megatron-Core / NeMo (docs/megatron.md; ckptool.formats.megatron) ---
+    Format(megatron.LEGACY, "Megatron-LM legacy tree (`mp_rank_XX/model_optim_rng.pt`)", "folder",
+           flat="a Megatron checkpoint", consolidate=True, **_TORCH_LAYOUT, loaded_by="Megatron-LM load_checkpoint",
+           reader="ckptool.readers.read_megatron:read_legacy_tensors",
+           describer="ckptool.ops.inspect.megatron:inspect_legacy", loader="ckptool.torch_ops.megatron:load_megatron",
+           support={"scan": Cell("works", "needs-trust"), "diff": Cell("works", "identical"),
+                    "remap": MEGATRON, "prefix": MEGATRON,
+                    "extract-state-dict": FOLDER, "sanitize": FOLDER, "rename": FOLDER, "filter": FOLDER}),
+    Format(megatron.DIST, "Megatron-Core `torch_dist` folder (`metadata.json`, `common.pt`, `.distcp`)", "folder",
+           flat="a Megatron checkpoint", consolidate=True, loaded_by="megatron.core.dist_checkpointing.load",
+           reader="ckptool.readers.read_megatron:read_dist_tensors",
+           describer="ckptool.ops.inspect.megatron:inspect_dist", loader="ckptool.torch_ops.megatron:load_megatron",
+           support={"scan": Cell("works", "needs-trust"), "diff": Cell("works", "identical"),
+                    "remap": MEGATRON, "prefix": MEGATRON,
+                    "extract-state-dict": FOLDER, "sanitize": FOLDER, "rename": FOLDER, "filter": FOLDER}),
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
            loaded_by="pickle.load",
            refusal="is a plain pickle without torch storages, not a torch.save checkpoint",
