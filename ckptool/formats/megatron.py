@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from ckptool._source import leaves_folder
 from ckptool.errors import CorruptCheckpointError, UsageError
 
-__all__ = ["COMMON_FILE", "DIST", "LEGACY", "LATEST_FILE", "RANK_FILE", "MegatronFolder", "RankFolder",
+__all__ = ["COMMON_FILE", "DIST", "LATEST_FILE", "LEGACY", "MCORE_METADATA_GLOBALS", "RANK_FILE", "MegatronFolder", "RankFolder",
            "find_megatron", "megatron_layout", "read_backend"]
 
 LEGACY = "megatron-legacy"
@@ -37,6 +37,10 @@ RANK_FILE = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 METADATA_JSON = "metadata.json"
 COMMON_FILE = "common.pt"
+#: the globals Megatron-Core adds to a torch_dist ``.metadata``: the save plans it caches there
+#: (``Metadata.all_local_plans``, ``strategies/torch.py`` ``MCoreSavePlanner``), torch's own planner dataclasses
+MCORE_METADATA_GLOBALS = frozenset(f"torch.distributed.checkpoint.planner.{n}" for n in (
+    "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"))
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 _MAX_TEXT = 4096
 

@@ -239,11 +239,12 @@ def _left_out(tree: dict[str, Any], keys: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ the source
-def check_metadata_globals(meta: DcpMetadata) -> None:
+def check_metadata_globals(meta: DcpMetadata, also: frozenset[str] = frozenset()) -> None:
     """Refuse a ``.metadata`` naming a global that ``ckptool scan`` does not allow there (DCP's own record classes
-    and paths: :func:`ckptool.model.allowlist.classify_global` with ``dcp_metadata=True``), as ``convert`` does
-    before torch reads the folder; nothing of it is run here either way."""
-    bad = sorted({g for g in meta.globals if classify_global(g, dcp_metadata=True)[0] != ALLOWED})
+    and paths: :func:`ckptool.model.allowlist.classify_global` with ``dcp_metadata=True``) nor ``also`` names (the
+    records a layout built on DCP adds: Megatron-Core's cached save plans), as ``convert`` does before torch reads
+    the folder; nothing of it is run here either way."""
+    bad = sorted({g for g in meta.globals if g not in also and classify_global(g, dcp_metadata=True)[0] != ALLOWED})
     if bad:
         raise UnsafeCheckpointError(
             f"{meta.folder}: .metadata names {', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''}, which "
@@ -447,14 +448,16 @@ def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any]
     return Tensor(name, e.fqn, dtype, shape, contiguous_stride(shape), 0, st, False, index)
 
 
-def dcp_source(folder: str | os.PathLike[str], key: str | None = None, meta: DcpMetadata | None = None) -> Source:
+def dcp_source(folder: str | os.PathLike[str], key: str | None = None, meta: DcpMetadata | None = None,
+               also: frozenset[str] = frozenset()) -> Source:
     """The tensors of the DCP folder ``folder`` as a :class:`Source` (format ``"dcp"``): the state_dict
     ``convert`` converts from it (found in the ``planner_data`` nesting by
     :func:`~ckptool.readers.read_torch.select_state_dict`, named relative to it), or with ``key`` the mapping at
     that dotted path, ``""`` every tensor of the folder by its fully qualified name. Each storage is the byte range
     of the tensor's data in a ``.distcp`` file (or ``segments`` of several, for a tensor saved in row chunks); no
     tensor bytes are read. Non-tensor entries of the selection go to ``skipped``, the other entries to
-    ``left_out``. ``meta``: the folder's ``.metadata`` already read (:meth:`ckptool.readers.Opened.dcp_metadata`).
+    ``left_out``. ``meta``: the folder's ``.metadata`` already read (:meth:`ckptool.readers.Opened.dcp_metadata`);
+    ``also``: globals ``.metadata`` may name besides DCP's own (:func:`check_metadata_globals`).
 
     Raises:
         UsageError / UnsupportedError: see :func:`~ckptool.readers.read_torch.select_state_dict`; chunks that are
@@ -464,7 +467,7 @@ def dcp_source(folder: str | os.PathLike[str], key: str | None = None, meta: Dcp
         CorruptCheckpointError: a damaged ``.metadata``, a record that does not match it or lies outside its file.
     """
     meta = meta if meta is not None else read_dcp_metadata(folder)
-    check_metadata_globals(meta)
+    check_metadata_globals(meta, also)
     tree = dcp_tree(meta)
     sd = select_state_dict(tree, key, meta.folder)
     keys = [str(link.key) for link in sd.trail]

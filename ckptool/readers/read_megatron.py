@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
 from ckptool.formats.dcp import read_dcp_metadata
-from ckptool.formats.megatron import COMMON_FILE, MegatronFolder, find_megatron
+from ckptool.formats.megatron import COMMON_FILE, MCORE_METADATA_GLOBALS, MegatronFolder, find_megatron
 from ckptool.formats.nodes import GlobalMeta, PickledObject
 from ckptool.formats.tensors import Source, Tensor
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint
@@ -239,7 +239,7 @@ def dist_source(path: str | os.PathLike[str], key: str | None = None) -> Source:
         raise UnsupportedError(f"{mf.folder} is a Megatron dist_checkpointing folder of backend {backend!r}; "
                                "ckptool reads the torch_dist backend (Megatron-Core's default): convert it with "
                                "Megatron's own tools (dist_checkpointing.load, then save with torch_dist)")
-    src = dcp_source(mf.folder, key, read_dcp_metadata(mf.folder))
+    src = dcp_source(mf.folder, key, read_dcp_metadata(mf.folder), MCORE_METADATA_GLOBALS)
     src.format = "megatron-dist"
     kept, other = read_common(mf.folder)
     src.metadata = kept or None
