@@ -55,6 +55,7 @@ from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.formats.tensors import Source
 from ckptool.model.devices import location_function
 from ckptool.model.keys import raise_on_collisions
+from ckptool.model.megatron import USER_RULES, parse_tp_dims
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_torch, write_dcp
 from ckptool.ops.convert.outputs import write_outputs
@@ -80,6 +81,7 @@ def convert(
     unwrap: bool = False, strip_prefixes: str | Sequence[str] = (), max_shard_size: int | str | None = None,
     dtype: str | None = None, verify: bool = True, trust: bool = False,
     progress: ProgressFn | None = None, tag: str | None = None, exclude_frozen: bool = False,
+    tp_dims: Sequence[str] = (),
 ) -> ConvertResult:
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
@@ -108,6 +110,8 @@ def convert(
     * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors.
     * ``verify`` re-opens the output and compares every tensor with the source (see the module docstring).
     * ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
+    * ``tp_dims``: a Megatron legacy tree's tensor-parallel rules ``"PATTERN=DIM"`` ahead of the built-in ones
+      (:func:`ckptool.model.megatron.parse_tp_dims`, ``docs/megatron.md``).
     * ``progress(nbytes)`` is called with the bytes of tensor data written since the last call, as every operation
       reports progress; when it has a ``total`` attribute that is None (ckptool's progress bar), that is set to the
       bytes to be written first (:func:`ckptool.ops.rewrite.stream.announce_total`).
@@ -127,6 +131,14 @@ def convert(
         DeviceNotFoundError: a ``mapping`` source matches no storage of the source (unless ``allow_missing``).
         VerificationError: the output does not read back as the source (it is not kept).
     """
+    if tp_dims:
+        token = USER_RULES.set(parse_tp_dims(tp_dims))
+        try:
+            return convert(src, dst, format=format, key=key, to=to, mapping=mapping, allow_missing=allow_missing,
+                           unwrap=unwrap, strip_prefixes=strip_prefixes, max_shard_size=max_shard_size, dtype=dtype,
+                           verify=verify, trust=trust, progress=progress, tag=tag, exclude_frozen=exclude_frozen)
+        finally:
+            USER_RULES.reset(token)
     src_p, dst_p = os.fspath(src), os.fspath(dst)
     strip = [strip_prefixes] if isinstance(strip_prefixes, str) else list(strip_prefixes)
     shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
