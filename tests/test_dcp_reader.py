@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 import ckptool
-from ckptool.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError
+from ckptool.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptool.formats.segments import read_segments
 from ckptool.formats.tensors import Tensor
 from ckptool.readers import open_checkpoint

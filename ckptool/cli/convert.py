@@ -95,7 +95,8 @@ def report_convert(res: ConvertResult) -> None:
 @json_option("convert")
 def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | None, maps: tuple[str, ...],
                 unwrap_keys: bool, strip_prefixes: tuple[str, ...], max_shard_size: str | None, dtype: str | None,
-                tag: str | None, exclude_frozen: bool, tp_dims: tuple[str, ...], allow_missing: bool, no_verify: bool, trust: bool, force: bool,
+                tag: str | None, exclude_frozen: bool, tp_dims: tuple[str, ...], allow_missing: bool, no_verify: bool,
+                trust: bool, force: bool,
                 as_json: bool) -> None:
     """Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint.
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from ckptool._source import leaves_folder
 from ckptool.errors import CorruptCheckpointError, UsageError
 
-__all__ = ["COMMON_FILE", "DIST", "LATEST_FILE", "LEGACY", "MCORE_METADATA_GLOBALS", "RANK_FILE", "MegatronFolder", "RankFolder",
+__all__ = ["COMMON_FILE", "DIST", "LATEST_FILE", "LEGACY", "MCORE_METADATA_GLOBALS", "RANK_FILE", "MegatronFolder",
+           "RankFolder",
            "find_megatron", "megatron_layout", "read_backend"]
 
 LEGACY = "megatron-legacy"

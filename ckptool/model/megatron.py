@@ -186,7 +186,7 @@ def join(name: str, shards: Sequence[Tensor], rule: str, where: str) -> Tensor:
     segs: list[Segment] = []
     if rule == "glu":
         for half in (0, 1):
-            for (b, _), s in zip(bases, shapes):
+            for b, _ in bases:
                 n = b.nbytes // 2
                 segs.append(b._replace(offset=b.offset + half * n, nbytes=n))
     else:

@@ -461,7 +461,8 @@ def dcp_source(folder: str | os.PathLike[str], key: str | None = None, meta: Dcp
 
     Raises:
         UsageError / UnsupportedError: see :func:`~ckptool.readers.read_torch.select_state_dict`; chunks that are
-            that are not contiguous views, transformed or compressed records, a folder not saved as ``torch.save`` records.
+            that are not contiguous views, transformed or compressed records, a folder not saved as ``torch.save``
+            records.
         UnsafeCheckpointError: ``.metadata`` or a tensor record names a global outside what ``ckptool scan``
             allows there (nothing is run either way).
         CorruptCheckpointError: a damaged ``.metadata``, a record that does not match it or lies outside its file.

@@ -182,11 +182,8 @@ def legacy_source(tree: LegacyTree) -> Source:
         UnsupportedError: see :func:`ckptool.model.megatron.consolidate`.
     """
     by = {(s.tp, s.pp, s.ep): s for s in tree.ranks}
-    chunks = []
-    for pp in range(tree.pp_size):
-        for ep in range(tree.ep_size):
-            for v in sorted(by[(0, pp, ep)].chunks):
-                chunks.append(Chunk(pp, v, ep, [by[(tp, pp, ep)].chunks.get(v, []) for tp in range(tree.tp_size)]))
+    chunks = [Chunk(pp, v, ep, [by[(tp, pp, ep)].chunks.get(v, []) for tp in range(tree.tp_size)])
+              for pp in range(tree.pp_size) for ep in range(tree.ep_size) for v in sorted(by[(0, pp, ep)].chunks)]
     done = consolidate(chunks, tree.mf.folder, swiglu=tree.args.get("swiglu") is True)
     src = Source(tree.mf.folder, "megatron-legacy", done.tensors, notes=done.notes)
     entries = tree.ranks[0].entries

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-__all__ = ["DCP_REMAP", "FOLDER", "JIT", "MEGATRON", "NO_MODULE", "PACKAGE", "PT2_STATE_DICT", "SET_ROW", "WORKS", "ZERO", "Cell",
+__all__ = ["DCP_REMAP", "FOLDER", "JIT", "MEGATRON", "NO_MODULE", "PACKAGE", "PT2_STATE_DICT", "SET_ROW", "WORKS",
+           "ZERO", "Cell",
            "Status"]
 
 Status = Literal["works", "refused", "bug"]

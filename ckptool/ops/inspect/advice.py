@@ -17,7 +17,8 @@ from ckptool.ops.inspect.info import CheckpointInfo
 from ckptool.ops.scan.results import PickleFinding, ScanResult
 from ckptool.readers import FORMATS
 
-__all__ = ["DCP_LOAD", "DEEPSPEED_LOAD", "EXPORT_LOAD", "MCORE_LOAD", "MEGATRON_LOAD", "PACKAGE_IMPORTER", "PICKLE_LOAD", "TORCH_JIT_LOAD",
+__all__ = ["DCP_LOAD", "DEEPSPEED_LOAD", "EXPORT_LOAD", "MCORE_LOAD", "MEGATRON_LOAD", "PACKAGE_IMPORTER",
+           "PICKLE_LOAD", "TORCH_JIT_LOAD",
            "TORCH_LOAD", "advice_lines", "hidden_level", "loaded_by", "metadata_lines",
            "security_lines"]
 
@@ -110,7 +111,8 @@ def _deepspeed_usage(info: CheckpointInfo) -> list[str]:
 
 def _megatron_usage(info: CheckpointInfo) -> list[str]:
     return [(f"Megatron checkpoint: the tensors above are its consolidated model (Megatron's names; see "
-             f"docs/megatron.md). Consolidate it (no Megatron, no GPU) with: {(info.metadata or {}).get('consolidate')}")]
+             "docs/megatron.md). Consolidate it (no Megatron, no GPU) with: "
+             f"{(info.metadata or {}).get('consolidate')}")]
 
 
 #: ``Format.loaded_by`` -> how to load such a checkpoint (the first advice line); others: :func:`_gpu_usage`
@@ -189,7 +191,8 @@ def advice_lines(info: CheckpointInfo) -> list[str]:
 
 
 def _zero_facts(info: CheckpointInfo) -> list[str]:
-    """A DeepSpeed folder's ZeRO facts (a Megatron folder's facts), one a line (the consolidation command is advice: :func:`advice_lines`)."""
+    """A DeepSpeed folder's ZeRO facts (a Megatron folder's facts), one a line (the consolidation command is
+    advice: :func:`advice_lines`)."""
     return [f"  {k.replace('_', ' ')}: {v}" for k, v in (info.metadata or {}).items() if k != "consolidate"]
 
 

@@ -89,8 +89,8 @@ def inspect_legacy(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
     meta.update({f"args.{k}": str(tree.args[k]) for k in ARGS_SHOWN if k in tree.args})
     tensors = _legacy_tensors(tree, meta)
     globs = sorted({g for s in tree.ranks for g in s.globals})
-    values = [ValueInfo(f"args.{k}", type(v).__name__, repr(v), v if not isinstance(v, bytes) else None,
-                        not isinstance(v, bytes)) for k, v in tree.args.items()]
+    values = [ValueInfo(f"args.{k}", type(v).__name__, repr(v), v, True) for k, v in tree.args.items()
+              if v is None or isinstance(v, (bool, int, float, str))]
     return _summary(tensors, mf.folder, o.format, _folder_size(mf.files), rate_globals(globs), meta, values)
 
 
