@@ -35,7 +35,7 @@ from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES, contiguous_stride, numel
 from ckptool.formats.tensors import Segment, Storage, Tensor, is_contiguous
 
-__all__ = ["TP_RULES", "USER_RULES", "Chunk", "Consolidated", "consolidate", "parse_tp_dims", "tp_rule"]
+__all__ = ["TP_RULES", "USER_RULES", "Consolidated", "ModelPart", "consolidate", "parse_tp_dims", "tp_rule"]
 
 #: (pattern, rule, why): Megatron's tensor-parallel layouts, first match wins (module docstring)
 TP_RULES: tuple[tuple[str, str, str], ...] = (
@@ -105,7 +105,7 @@ def tp_rule(name: str, swiglu: bool = False, user: Sequence[tuple[str, str]] = (
 
 
 @dataclass
-class Chunk:
+class ModelPart:
     """The model tensors of one model-parallel piece: pipeline rank ``pp``, virtual chunk ``v``, expert rank ``ep``,
     one list of tensors (local names, file order) per tensor-parallel rank, in rank order."""
 
@@ -140,8 +140,8 @@ def _renumber(name: str, layer_offsets: dict[str, int], expert_offsets: dict[str
     return _LAYER.sub(sub, name)
 
 
-def _base(t: Tensor, where: str) -> tuple[Segment, int]:
-    """``(segment of the whole contiguous tensor, element size)`` of a shard.
+def _base(t: Tensor, where: str) -> Segment:
+    """The segment of a shard's whole contiguous data.
 
     Raises:
         UnsupportedError: a shard that is not contiguous in its storage.
@@ -152,15 +152,14 @@ def _base(t: Tensor, where: str) -> tuple[Segment, int]:
                                "contiguous shards only (Megatron saves them contiguous)")
     st = t.storage
     swap = st.segments[0].swap if st.segments else 0
-    return Segment(st.path, st.offset + t.offset * es, numel(t.shape) * es, swap=swap), es
+    return Segment(st.path, st.offset + t.offset * es, numel(t.shape) * es, swap=swap)
 
 
-def join(name: str, shards: Sequence[Tensor], rule: str, where: str) -> Tensor:
-    """One tensor ``name`` from its tensor-parallel ``shards`` (rank order) by ``rule`` (module docstring).
+def _check_shapes(name: str, shards: Sequence[Tensor], rule: str, where: str) -> int:
+    """The dimension ``rule`` joins ``shards`` along (-1: replicated), checked against their dtypes and shapes.
 
     Raises:
-        UnsupportedError: shards whose dtypes differ, or whose shapes do not fit the rule (each names the tensor
-            and the ``--tp-dim`` route).
+        UnsupportedError: dtypes that differ, shapes that do not fit the rule (naming ``--tp-dim``).
     """
     first = shards[0]
     shapes = [s.shape for s in shards]
@@ -171,38 +170,56 @@ def join(name: str, shards: Sequence[Tensor], rule: str, where: str) -> Tensor:
         if any(s != first.shape for s in shapes):
             raise UnsupportedError(f"{where}: {name!r} is taken as replicated, but its shards' shapes differ "
                                    f"({[list(s) for s in shapes]}){route}")
-        return Tensor(name, first.src_name, first.dtype, first.shape, first.stride, first.offset, first.storage,
-                      first.requires_grad)
-    dim = 0 if rule == "glu" else int(rule)
-    rank = len(first.shape)
-    if dim >= rank or any(len(s) != rank or s[:dim] + s[dim + 1:] != first.shape[:dim] + first.shape[dim + 1:]
-                          for s in shapes) or (rule == "glu" and any(s[0] % 2 for s in shapes)):
+        return -1
+    dim, rank = 0 if rule == "glu" else int(rule), len(first.shape)
+    rest = first.shape[:dim] + first.shape[dim + 1:]
+    fits = dim < rank and all(len(s) == rank and s[:dim] + s[dim + 1:] == rest for s in shapes)
+    if not fits or (rule == "glu" and any(s[0] % 2 for s in shapes)):
         raise UnsupportedError(f"{where}: {name!r} cannot be joined along dimension {dim} ({rule}): its shards' "
                                f"shapes are {[list(s) for s in shapes]}{route}")
-    bases = [_base(s, where) for s in shards]
-    es = bases[0][1]
+    return dim
+
+
+def _segments(bases: Sequence[Segment], shapes: Sequence[tuple[int, ...]], dim: int, glu: bool,
+              es: int) -> list[Segment]:
+    """The byte ranges of the joined tensor, in order: for ``glu`` every shard's first half then every shard's
+    second half; else, for each index of the dimensions before ``dim``, each shard's block in rank order."""
+    segs: list[Segment] = []
+    if glu:
+        for half in (0, 1):
+            segs += [b._replace(offset=b.offset + half * (b.nbytes // 2), nbytes=b.nbytes // 2) for b in bases]
+        return segs
+    blocks = [numel(s[dim:]) * es for s in shapes]
+    for o in range(numel(shapes[0][:dim])):
+        segs += [b._replace(offset=b.offset + o * n, nbytes=n) for b, n in zip(bases, blocks)]
+    return [s for s in segs if s.nbytes]
+
+
+def join(name: str, shards: Sequence[Tensor], rule: str, where: str) -> Tensor:
+    """One tensor ``name`` from its tensor-parallel ``shards`` (rank order) by ``rule`` (module docstring): a
+    replicated tensor is rank 0's as it is; a joined one a contiguous tensor over the shards' byte ranges
+    (``segments``).
+
+    Raises:
+        UnsupportedError: shards whose dtypes differ, or whose shapes do not fit the rule (each names the tensor
+            and the ``--tp-dim`` route); a shard that is not contiguous.
+    """
+    first = shards[0]
+    dim = _check_shapes(name, shards, rule, where)
+    if dim < 0:
+        return Tensor(name, first.src_name, first.dtype, first.shape, first.stride, first.offset, first.storage,
+                      first.requires_grad)
+    es = DTYPE_SIZES[first.dtype]
+    shapes = [s.shape for s in shards]
+    segs = _segments([_base(s, where) for s in shards], shapes, dim, rule == "glu", es)
     shape = list(first.shape)
     shape[dim] = sum(s[dim] for s in shapes)
-    segs: list[Segment] = []
-    if rule == "glu":
-        for half in (0, 1):
-            for b, _ in bases:
-                n = b.nbytes // 2
-                segs.append(b._replace(offset=b.offset + half * n, nbytes=n))
-    else:
-        outer = numel(first.shape[:dim])
-        blocks = [numel(s[dim:]) * es for s in shapes]
-        for o in range(outer):
-            for (b, _), n in zip(bases, blocks):
-                segs.append(b._replace(offset=b.offset + o * n, nbytes=n))
-    segs = [s for s in segs if s.nbytes]
-    nbytes = numel(shape) * es
-    st = Storage(segs[0].path if segs else first.storage.path, segs[0].offset if segs else 0, nbytes, first.dtype,
-                 first.storage.location, segments=segs)
+    st = Storage(segs[0].path if segs else first.storage.path, segs[0].offset if segs else 0, numel(shape) * es,
+                 first.dtype, first.storage.location, segments=segs)
     return Tensor(name, first.src_name, first.dtype, tuple(shape), contiguous_stride(shape), 0, st)
 
 
-def _check_ranks(c: Chunk, where: str) -> None:
+def _check_ranks(c: ModelPart, where: str) -> None:
     """Raise UnsupportedError when the tensor-parallel ranks of ``c`` do not hold the same names."""
     names = [t.name for t in c.shards[0]]
     for i, shards in enumerate(c.shards[1:], 1):
@@ -212,7 +229,7 @@ def _check_ranks(c: Chunk, where: str) -> None:
                                    f"rank 0 ({', '.join(odd[:5])}); the checkpoint is incomplete or mixed")
 
 
-def consolidate(chunks: Sequence[Chunk], where: str, swiglu: bool = False) -> Consolidated:
+def consolidate(chunks: Sequence[ModelPart], where: str, swiglu: bool = False) -> Consolidated:
     """The whole model from its ``chunks`` (any order): layers renumbered, expert indices offset, shards joined
     (module docstring); a name met again in a later stage (a tied copy) keeps its first occurrence (noted).
 

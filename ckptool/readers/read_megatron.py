@@ -24,21 +24,21 @@ from typing import TYPE_CHECKING, Any
 
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
-from ckptool.formats.dcp import read_dcp_metadata
+from ckptool.formats.dcp import DcpMetadata, read_dcp_metadata
 from ckptool.formats.megatron import COMMON_FILE, MCORE_METADATA_GLOBALS, MegatronFolder, find_megatron
 from ckptool.formats.nodes import GlobalMeta, PickledObject
 from ckptool.formats.tensors import Source, Tensor
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint
 from ckptool.model.graph import ATOMS
-from ckptool.model.megatron import Chunk, consolidate
+from ckptool.model.megatron import ModelPart, consolidate
 from ckptool.readers.read_dcp import dcp_source
 from ckptool.readers.read_torch import describe, graph_source
 
 if TYPE_CHECKING:
     from ckptool.readers import Opened
 
-__all__ = ["LegacyTree", "RankState", "dist_source", "legacy_source", "plain", "read_common", "read_dist_tensors",
-           "read_legacy", "read_legacy_tensors"]
+__all__ = ["DistFolder", "LegacyTree", "RankState", "dist_source", "legacy_source", "plain", "read_common",
+           "read_dist", "read_dist_tensors", "read_legacy", "read_legacy_tensors"]
 
 #: the entries of a ``model_optim_rng.pt`` that are not the model (``generate_state_dict``)
 _TRAINING = ("optimizer", "opt_param_scheduler", "rng_state")
@@ -182,7 +182,7 @@ def legacy_source(tree: LegacyTree) -> Source:
         UnsupportedError: see :func:`ckptool.model.megatron.consolidate`.
     """
     by = {(s.tp, s.pp, s.ep): s for s in tree.ranks}
-    chunks = [Chunk(pp, v, ep, [by[(tp, pp, ep)].chunks.get(v, []) for tp in range(tree.tp_size)])
+    chunks = [ModelPart(pp, v, ep, [by[(tp, pp, ep)].chunks.get(v, []) for tp in range(tree.tp_size)])
               for pp in range(tree.pp_size) for ep in range(tree.ep_size) for v in sorted(by[(0, pp, ep)].chunks)]
     done = consolidate(chunks, tree.mf.folder, swiglu=tree.args.get("swiglu") is True)
     src = Source(tree.mf.folder, "megatron-legacy", done.tensors, notes=done.notes)
@@ -219,6 +219,32 @@ def read_common(folder: str) -> tuple[dict[str, str], list[str]]:
         else:
             other.append(f"{COMMON_FILE}: {k}: {_what(v)} (not plain data; `ckptool inspect {path}` shows it)")
     return kept, other
+
+
+@dataclass
+class DistFolder:
+    """A torch_dist folder read for ``inspect``: the folder, its ``.metadata``, ``common.pt``'s plain entries (JSON
+    strings) and other entries (described), the globals ``common.pt`` names."""
+
+    mf: MegatronFolder
+    meta: DcpMetadata
+    common: dict[str, str]
+    other: list[str]
+    common_globals: list[str]
+
+
+def read_dist(path: str | os.PathLike[str]) -> DistFolder:
+    """Read the torch_dist folder at ``path`` (its ``.metadata`` and ``common.pt`` pickles, restricted unpickler;
+    no tensor data).
+
+    Raises: what :func:`ckptool.formats.megatron.find_megatron`, :func:`ckptool.formats.dcp.read_dcp_metadata` and
+        :func:`read_common` raise.
+    """
+    mf = find_megatron(path)
+    kept, other = read_common(mf.folder)
+    common = os.path.join(mf.folder, COMMON_FILE)
+    globs = [f"{m}.{n}" for m, n in read_checkpoint(common).globals] if os.path.isfile(common) else []
+    return DistFolder(mf, read_dcp_metadata(mf.folder), kept, other, globs)
 
 
 def dist_source(path: str | os.PathLike[str], key: str | None = None) -> Source:

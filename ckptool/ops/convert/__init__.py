@@ -45,6 +45,7 @@ Importing this package does not import torch; the functions import it when they 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -74,6 +75,20 @@ from ckptool.torch_ops.load import load_checkpoint
 __all__ = ["SHARED_KEY", "ConvertResult", "OutputFormat", "VerificationError", "convert", "parse_size"]
 
 
+def _with_tp_rules(fn: Callable[..., ConvertResult]) -> Callable[..., ConvertResult]:
+    """``fn`` run with its ``tp_dims`` argument as the Megatron tensor-parallel rules of the call
+    (:data:`ckptool.model.megatron.USER_RULES`), restored after it."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> ConvertResult:
+        token = USER_RULES.set(parse_tp_dims(kwargs.get("tp_dims") or ()))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            USER_RULES.reset(token)
+    return run
+
+
+@_with_tp_rules
 @holding_versions
 def convert(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], *, format: str | None = None, key: str | None = None,
@@ -131,14 +146,6 @@ def convert(
         DeviceNotFoundError: a ``mapping`` source matches no storage of the source (unless ``allow_missing``).
         VerificationError: the output does not read back as the source (it is not kept).
     """
-    if tp_dims:
-        token = USER_RULES.set(parse_tp_dims(tp_dims))
-        try:
-            return convert(src, dst, format=format, key=key, to=to, mapping=mapping, allow_missing=allow_missing,
-                           unwrap=unwrap, strip_prefixes=strip_prefixes, max_shard_size=max_shard_size, dtype=dtype,
-                           verify=verify, trust=trust, progress=progress, tag=tag, exclude_frozen=exclude_frozen)
-        finally:
-            USER_RULES.reset(token)
     src_p, dst_p = os.fspath(src), os.fspath(dst)
     strip = [strip_prefixes] if isinstance(strip_prefixes, str) else list(strip_prefixes)
     shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None

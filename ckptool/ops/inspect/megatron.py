@@ -15,16 +15,13 @@ import os
 import shlex
 
 from ckptool.errors import UnsupportedError
-from ckptool.formats.dcp import read_dcp_metadata
 from ckptool.formats.dtypes import DTYPE_SIZES, contiguous_stride, numel
-from ckptool.formats.megatron import COMMON_FILE, find_megatron
 from ckptool.formats.tensors import Tensor
-from ckptool.formats.torchfile import read_checkpoint
 from ckptool.ops.inspect.info import CheckpointInfo, GlobalInfo, TensorInfo, rate_globals, state_dict_info
 from ckptool.ops.inspect.totals import device_bytes, one_storage_each
 from ckptool.ops.inspect.values import PreviewLimits, ValueInfo
 from ckptool.readers import Opened
-from ckptool.readers.read_megatron import LegacyTree, legacy_source, read_common, read_legacy
+from ckptool.readers.read_megatron import LegacyTree, legacy_source, read_dist, read_legacy
 
 __all__ = ["ARGS_SHOWN", "inspect_dist", "inspect_legacy"]
 
@@ -97,15 +94,13 @@ def inspect_legacy(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
 def inspect_dist(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
     """``ckptool inspect`` of a torch_dist folder (the registry's ``describer``; module docstring).
 
-    Raises: what :func:`ckptool.formats.dcp.read_dcp_metadata` and :func:`ckptool.readers.read_megatron.
-        read_common` raise.
+    Raises: what :func:`ckptool.readers.read_megatron.read_dist` raises.
     """
-    mf = find_megatron(o.target)
-    dmeta = read_dcp_metadata(mf.folder)
+    d = read_dist(o.target)
+    mf, dmeta, kept, other = d.mf, d.meta, d.common, d.other
     tensors = [TensorInfo(e.fqn, list(e.shape or ()), e.dtype, "cpu",
                           numel(e.shape or ()) * DTYPE_SIZES.get(e.dtype, 0), list(contiguous_stride(e.shape or ())),
                           0, e.fqn) for e in dmeta.entries if e.dtype is not None]
-    kept, other = read_common(mf.folder)
     meta = {f"backend.{k}": str(v) for k, v in mf.backend.items()}
     if mf.iteration is not None:
         meta["iteration_folder"] = mf.iteration
@@ -116,10 +111,7 @@ def inspect_dist(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
     if non_tensor:
         meta["non_tensor_entries"] = ", ".join(non_tensor)
     meta["consolidate"] = shlex.join(["ckptool", "convert", o.path, "-o", "model.safetensors"])
-    common = os.path.join(mf.folder, COMMON_FILE)
-    globs = list(dmeta.globals)
-    if os.path.isfile(common):
-        globs += [f"{m}.{n}" for m, n in read_checkpoint(common).globals]
+    globs = [*dmeta.globals, *d.common_globals]
     values = [ValueInfo(f"common.{k}", type(json.loads(v)).__name__, v, json.loads(v), True) for k, v in kept.items()]
     files = [os.path.join(mf.folder, n) for n in os.listdir(mf.folder)]
     return _summary(tensors, mf.folder, o.format, _folder_size(files),
