@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+_DCP_TO_TORCH = ("import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as f; "
+                 "f(sys.argv[1], sys.argv[2])")
 
 
 def _timed(cmd: list[str]) -> dict[str, float]:
@@ -62,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                      "--no-verify"])
         res["ckptool convert -o .safetensors"] = _timed([*ck, "-o", str(t / "out.safetensors")])
         res["ckptool convert -o .pt"] = _timed([*ck, "-o", str(t / "ck.pt")])
-        res["dcp_to_torch_save"] = _timed([sys.executable, "-c", "import sys; from torch.distributed.checkpoint."
-                                           "format_utils import dcp_to_torch_save as f; f(sys.argv[1], sys.argv[2])",
-                                           str(a.folder), str(t / "ref.pt")])
+        res["dcp_to_torch_save"] = _timed([sys.executable, "-c", _DCP_TO_TORCH, str(a.folder), str(t / "ref.pt")])
         res["equal"] = _equal(t / "out.safetensors", t / "ref.pt")
     res["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
     (out / "megatron.json").write_text(json.dumps(res, indent=1) + "\n")

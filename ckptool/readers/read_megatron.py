@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 __all__ = ["DistFolder", "LegacyTree", "RankState", "dist_source", "legacy_source", "plain", "read_common",
            "read_dist", "read_dist_tensors", "read_legacy", "read_legacy_tensors"]
 
+#: the note saying where the plain entries go
+_KEPT = ("{what}: kept as JSON in a safetensors output's __metadata__; a torch output holds the state_dict's tensors "
+         "only")
 #: the entries of a ``model_optim_rng.pt`` that are not the model (``generate_state_dict``)
 _TRAINING = ("optimizer", "opt_param_scheduler", "rng_state")
 
@@ -194,6 +197,8 @@ def legacy_source(tree: LegacyTree) -> Source:
     src.metadata = {k: json.dumps(v) for k, v in (("iteration", tree.iteration),
                                                  ("checkpoint_version", tree.checkpoint_version))
                     if plain(v)[0] and v is not None}
+    if src.metadata:
+        src.notes.append(_KEPT.format(what="iteration and checkpoint_version"))
     return src
 
 
@@ -267,6 +272,8 @@ def dist_source(path: str | os.PathLike[str], key: str | None = None) -> Source:
     kept, other = read_common(mf.folder)
     src.metadata = kept or None
     src.left_out += other
+    if kept:
+        src.notes.append(_KEPT.format(what=f"{COMMON_FILE}'s plain entries ({', '.join(kept)})"))
     return src
 
 
