@@ -316,3 +316,15 @@ def test_a_zarr_folder_is_refused(tmp_path: Path, run_cli: Any) -> None:
     assert r.exit_code != 0 and "backend 'zarr'" in r.output, r.output
     with pytest.raises(UnsupportedError):
         open_checkpoint(folder).state_dict()
+
+
+@pytest.mark.torchfree
+def test_megatron_deepspeed_folder_stays_deepspeed(tmp_path: Path) -> None:
+    """Megatron-DeepSpeed writes latest_checkpointed_iteration.txt beside DeepSpeed's ``latest`` and global_stepN
+    folders: still a DeepSpeed folder; a plain tree is recognised from its top folder or its iteration folder."""
+    folder = tmp_path / "mds"
+    shutil.copytree(REPO / "fixtures" / "deepspeed-zero" / "zero2-1rank", folder)
+    (folder / "latest_checkpointed_iteration.txt").write_text("2")
+    assert open_checkpoint(folder).format == "deepspeed"
+    assert open_checkpoint(LEGACY).format == open_checkpoint(LEGACY / "iter_0000010").format == "megatron-legacy"
+    assert open_checkpoint(DIST).format == "megatron-dist"

@@ -164,7 +164,9 @@ def megatron_layout(path: str | os.PathLike[str]) -> tuple[str, str] | None:
         return None
     sub = os.path.join(p, _iteration_folder(latest))
     if leaves_folder(p, _iteration_folder(latest)) is not None or not os.path.isdir(sub):
-        return LEGACY, p  # a top folder that names nothing usable: the reader says what is wrong
+        # a top folder that names nothing usable: the reader says what is wrong; unless DeepSpeed's `latest` is
+        # there too (Megatron-DeepSpeed writes both, its tags are DeepSpeed's global_stepN folders)
+        return None if os.path.isfile(os.path.join(p, "latest")) else (LEGACY, p)
     found = _iteration_layout(sub)
     return (found, sub) if found is not None else (LEGACY, p)
 
