@@ -18,6 +18,13 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED = ROOT / "fixtures" / "deepspeed-zero" / "zero2-1rank"
+MEGATRON = ROOT / "fixtures" / "megatron"
+#: the folder formats whose fixtures are committed: name -> (folder, the file of its reference tensors)
+COMMITTED = {
+    "deepspeed": (DEEPSPEED, DEEPSPEED.parent / "zero2-1rank.oracle.pt"),
+    "megatron-legacy": (MEGATRON / "legacy-gpt", MEGATRON / "legacy-gpt.full.pt"),
+    "megatron-dist": (MEGATRON / "dist-gpt", MEGATRON / "dist-gpt.reference.pt"),
+}
 
 
 class Net(nn.Module):
@@ -42,6 +49,35 @@ def build_deepspeed_model() -> nn.Module:
 
     model: nn.Module = make_deepspeed._model(5)
     return model
+
+
+def _module_of(reference: Path) -> nn.Module:
+    """A module whose state_dict has the names, shapes and dtypes of the tensors in ``reference`` (zeros)."""
+    model = nn.Module()
+    for name, t in torch.load(reference, weights_only=True).items():
+        *path, leaf = name.split(".")
+        m = model
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, nn.Parameter(torch.zeros_like(t), requires_grad=False))
+    return model
+
+
+def build_megatron_legacy_model() -> nn.Module:
+    """A module with the names and shapes of the Megatron legacy fixture's consolidated model."""
+    return _module_of(COMMITTED["megatron-legacy"][1])
+
+
+def build_megatron_dist_model() -> nn.Module:
+    """A module with the names and shapes of the Megatron torch_dist fixture's tensors."""
+    return _module_of(COMMITTED["megatron-dist"][1])
+
+
+#: format -> the ``--model`` factory of ``ckptool verify`` (others: :func:`build_model`)
+MODELS = {"deepspeed": "build_deepspeed_model", "megatron-legacy": "build_megatron_legacy_model",
+          "megatron-dist": "build_megatron_dist_model"}
 
 
 def _dcp_save(state: dict[str, Any], folder: Path, tmp: Path) -> None:
@@ -87,6 +123,7 @@ def build(out: Path, convert: Any) -> dict[str, Path]:
     _dcp_save({"model": {k: v.clone() for k, v in sd.items()}}, p["dcp"], out)
     p["torch-export"] = out / "model.pt2"
     torch.export.save(torch.export.export(net, (torch.randn(2, 4),)), str(p["torch-export"]))
-    p["deepspeed"] = out / "deepspeed"
-    shutil.copytree(DEEPSPEED, p["deepspeed"])
+    for name, (folder, _ref) in COMMITTED.items():
+        p[name] = out / name
+        shutil.copytree(folder, p[name])
     return p

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 import ckptool
-from ckptool.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError
+from ckptool.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptool.formats.segments import read_segments
 from ckptool.formats.tensors import Tensor
 from ckptool.readers import open_checkpoint
@@ -131,12 +131,23 @@ def test_row_chunks_are_gathered(tmp_path: Path) -> None:
                                                                        str(folder / "__1_0.distcp")}
 
 
-def test_column_chunks_are_refused_with_the_convert_route(tmp_path: Path) -> None:
-    w = torch.randn(4, 6)
-    folder = craft(tmp_path / "cols", {"w": (w, [((0, 0), (4, 3), 0), ((0, 3), (4, 3), 1)])})
-    assert torch.equal(_load(folder, {"w": w})["w"], w)
-    with pytest.raises(UnsupportedError, match=r"'w' \[4, 6\] is stored in 2 chunks .*ckptool convert .* -o model.pt"):
-        dcp_source(folder)
+def test_column_and_block_chunks_are_gathered_row_by_row(tmp_path: Path) -> None:
+    """Chunks that split a later dimension (Megatron's row-parallel weights; 2x2 blocks; a 3-D tensor split along
+    its last dimension) are gathered as one run per row, in row-major order, as torch's own reader puts them."""
+    torch.manual_seed(2)
+    whole = {"w": torch.randn(4, 6), "blk": torch.randn(4, 4), "z": torch.arange(24, dtype=torch.int16).view(2, 3, 4)}
+    folder = craft(tmp_path / "cols", {
+        "w": (whole["w"], [((0, 3), (4, 3), 1), ((0, 0), (4, 3), 0)]),
+        "blk": (whole["blk"], [((0, 0), (2, 2), 0), ((0, 2), (2, 2), 1), ((2, 0), (2, 2), 0), ((2, 2), (2, 2), 1)]),
+        "z": (whole["z"], [((0, 0, 0), (2, 3, 1), 0), ((0, 0, 1), (2, 3, 3), 1)]),
+    })
+    loaded = _load(folder, whole)
+    assert all(torch.equal(loaded[k], v) for k, v in whole.items())
+    src = dcp_source(folder)
+    segs = {t.name: len(t.storage.segments or []) for t in src.tensors}
+    assert segs == {"w": 8, "blk": 8, "z": 12}
+    for t in src.tensors:
+        assert torch.equal(_read(t), whole[t.name]), t.name
 
 
 def _big_endian(record: bytes) -> bytes:

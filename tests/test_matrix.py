@@ -41,12 +41,12 @@ def fixtures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def references(fixtures: dict[str, Path]) -> dict[str, dict[str, torch.Tensor]]:
     """The tensors each fixture holds, as torch's own loaders give them."""
     sd = torch.load(fixtures["torch-zip"], weights_only=True)
-    ds = torch.load(matrix_fixtures.DEEPSPEED.parent / "zero2-1rank.oracle.pt", weights_only=True)
-    return {fmt: ds if fmt == "deepspeed" else sd for fmt in FORMATS}
+    committed = {fmt: torch.load(ref, weights_only=True) for fmt, (_f, ref) in matrix_fixtures.COMMITTED.items()}
+    return {fmt: committed.get(fmt, sd) for fmt in FORMATS}
 
 
 def _model(fmt: str) -> str:
-    return f"{matrix_fixtures.__file__}:{'build_deepspeed_model' if fmt == 'deepspeed' else 'build_model'}"
+    return f"{matrix_fixtures.__file__}:{matrix_fixtures.MODELS.get(fmt, 'build_model')}"
 
 
 def _command(fmt: str, op: str, src: Path, out: Path) -> list[Any]:
@@ -152,7 +152,7 @@ def _load_into(cell: Cell, fmt: str, src: Path, ref: dict[str, torch.Tensor]) ->
     from ckptool import errors
     from ckptool.torch_ops.load import load_into
 
-    model = matrix_fixtures.build_deepspeed_model() if fmt == "deepspeed" else matrix_fixtures.build_model()
+    model = getattr(matrix_fixtures, matrix_fixtures.MODELS.get(fmt, "build_model"))()
     if cell.status == "works":
         load_into(model, src)
         got = model.state_dict()

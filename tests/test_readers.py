@@ -86,10 +86,8 @@ def _values(src: Source, files: Files) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("fmt", [f for f in MATRIX_FORMATS if FORMATS[f].tensors])
 def test_state_dict_byte_ranges_hold_what_torch_loads(fmt: str, fixtures: dict[str, Path]) -> None:
     """Every reader's tensors, rebuilt from their byte ranges alone, equal torch's own load bit for bit."""
-    if fmt == "deepspeed":
-        want = torch.load(matrix_fixtures.DEEPSPEED.parent / "zero2-1rank.oracle.pt", weights_only=True)
-    else:
-        want = torch.load(fixtures["torch-zip"], weights_only=True)
+    committed = matrix_fixtures.COMMITTED.get(fmt)  # a committed folder (DeepSpeed, Megatron): its reference
+    want = torch.load(committed[1] if committed else fixtures["torch-zip"], weights_only=True)
     src = open_checkpoint(fixtures[fmt]).state_dict()
     files = Files()
     try:

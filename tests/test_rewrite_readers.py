@@ -34,9 +34,9 @@ def torch_file(tmp_path: Path) -> Path:
 
 def test_the_format_facts_the_rewrites_branch_on() -> None:
     """A header-listed format (renamed in its header, data block copied) is safetensors alone; the one that must
-    be consolidated before a rewrite is DeepSpeed's."""
+    be consolidated before a rewrite are DeepSpeed's and Megatron's."""
     assert [f.name for f in FORMATS.values() if f.header] == ["safetensors"]
-    assert [f.name for f in FORMATS.values() if f.consolidate] == ["deepspeed"]
+    assert [f.name for f in FORMATS.values() if f.consolidate] == ["deepspeed", "megatron-legacy", "megatron-dist"]
 
 
 @pytest.mark.parametrize("command", [["remap", "--to", "cpu"], ["strip-dataparallel"]])

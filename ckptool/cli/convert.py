@@ -82,6 +82,10 @@ def report_convert(res: ConvertResult) -> None:
 @click.option("--tag", metavar="TAG",
               help="DeepSpeed folder: the tag folder to consolidate (global_step1000; default: named by 'latest').")
 @click.option("--exclude-frozen", is_flag=True, help="DeepSpeed folder: leave out frozen parameters.")
+@click.option("--tp-dim", "tp_dims", metavar="PATTERN=DIM", multiple=True,
+              help="Megatron legacy tree: join the tensor-parallel shards of the tensors whose name matches PATTERN "
+                   "(fnmatch) along DIM (0, 1, ...; glu; none: replicated), ahead of the built-in rules "
+                   "(docs/megatron.md). Repeatable.")
 @allow_missing_option
 @click.option("--no-verify", is_flag=True, help="Skip re-opening the output to compare it with the source.")
 @click.option("--trust", is_flag=True,
@@ -91,15 +95,18 @@ def report_convert(res: ConvertResult) -> None:
 @json_option("convert")
 def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | None, maps: tuple[str, ...],
                 unwrap_keys: bool, strip_prefixes: tuple[str, ...], max_shard_size: str | None, dtype: str | None,
-                tag: str | None, exclude_frozen: bool, allow_missing: bool, no_verify: bool, trust: bool, force: bool,
+                tag: str | None, exclude_frozen: bool, tp_dims: tuple[str, ...], allow_missing: bool, no_verify: bool,
+                trust: bool, force: bool,
                 as_json: bool) -> None:
     """Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint.
 
     SRC is a torch.save file, a safetensors file, a sharded set (*.index.json, or the folder holding it), a
     DCP folder, a torch.export archive (.pt2: its state_dict, or --key constants), a torch.package archive
     (PackageExporter: its state_dict read without running the package's code; --key MEMBER or MEMBER:PATH, the
-    keys inspect prints), or a DeepSpeed ZeRO 1/2/3 checkpoint folder (consolidated to the fp32 master weights
-    and buffers exactly as DeepSpeed's zero_to_fp32 does, without deepspeed and one tensor at a time).
+    keys inspect prints), a DeepSpeed ZeRO 1/2/3 checkpoint folder (consolidated to the fp32 master weights
+    and buffers exactly as DeepSpeed's zero_to_fp32 does, without deepspeed and one tensor at a time), or a
+    Megatron checkpoint (a legacy mp_rank_XX tree, its tensor-parallel shards joined by layer type and pipeline
+    stages renumbered; or a torch_dist folder), without Megatron.
 
     From a torch file the state_dict is converted (found automatically, or --key); what else the file
     held (optimizer state, epoch...) is listed as not carried. Sparse, quantized and nested tensors are refused
@@ -122,6 +129,7 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
       ckptool convert ds_checkpoints/ -o model.safetensors         # DeepSpeed ZeRO, tag from 'latest'
       ckptool convert exported.pt2 -o model.safetensors            # torch.export.save archive
       ckptool convert packaged.pt -o model.safetensors             # torch.package archive
+      ckptool convert megatron_ckpt/ -o model.safetensors          # Megatron legacy tree or torch_dist
     """
     refuse_stdout(dst, f"{ZIP_NEEDS_SEEK}, and every output is re-opened to verify it before it is kept")
     _claim_convert_output(dst, fmt, max_shard_size, force)
@@ -129,7 +137,7 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
         res = convert(src, dst, format=fmt, key=key, to=to, mapping=mapping_of(maps), allow_missing=allow_missing,
                       unwrap=unwrap_keys, strip_prefixes=strip_prefixes, max_shard_size=max_shard_size, dtype=dtype,
                       verify=not no_verify, trust=trust, progress=bar, tag=tag,
-                      exclude_frozen=exclude_frozen)
+                      exclude_frozen=exclude_frozen, tp_dims=tp_dims)
     written = res.load_path  # a sharded set: its index; one shard in a folder: that file
     if as_json:
         emit_json("convert", {**dataclasses.asdict(res), **hint_payload(hint_for(written, to=to, maps=maps))})

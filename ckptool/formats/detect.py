@@ -31,6 +31,8 @@ PT2 = "torch-export"
 TORCH_PACKAGE = "torch-package"
 SAFETENSORS = "safetensors"
 PICKLE = "pickle"
+MEGATRON_LEGACY = "megatron-legacy"  # folders: ckptool.formats.megatron
+MEGATRON_DIST = "megatron-dist"
 
 #: the name ending of a sharded set's index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``;
 #: :mod:`ckptool.formats.sharded` reads it)

@@ -16,6 +16,7 @@ copying it needs no more memory than the copy's buffer. Nothing here imports tor
 from __future__ import annotations
 
 import array
+import bisect
 import struct
 from collections.abc import Callable, Sequence
 
@@ -107,10 +108,13 @@ class ConcatenatedFile:
     def read(self, n: int = -1) -> bytes:
         end = self.size if n is None or n < 0 else min(self.size, self._pos + n)
         out = bytearray()
-        for seg, start in zip(self.segments, self._starts):
+        i = max(0, bisect.bisect_right(self._starts, self._pos) - 1)  # the first segment the range reaches
+        while i < len(self.segments) and self._starts[i] < end:
+            seg, start = self.segments[i], self._starts[i]
             lo, hi = max(self._pos, start), min(end, start + seg.nbytes)
             if lo < hi:
                 out += _read(self._read, seg, lo - start, hi - start)
+            i += 1
         self._pos = max(self._pos, end)
         return bytes(out)
 

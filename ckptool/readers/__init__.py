@@ -27,6 +27,8 @@ format                 recognised by (:mod:`ckptool.formats.detect`, :mod:`ckpto
 ``dcp``                a folder holding ``.metadata`` (``torch.distributed.checkpoint``)
 ``torch-export``       a zip holding ``archive_format`` (``torch.export.save``, ``.pt2``)
 ``deepspeed``          a folder holding ``latest`` or ``global_step*/`` ZeRO files
+``megatron-legacy``    ``latest_checkpointed_iteration.txt`` / ``mp_rank_*/model_optim_rng.pt`` folders
+``megatron-dist``      a DCP folder with Megatron-Core's ``metadata.json`` (``sharded_backend``)
 ``pickle``             a plain pickle (protocol 2-5) without torch's layout
 =====================  ===============================================================================
 """
@@ -366,6 +368,9 @@ def format_of(path: str | os.PathLike[str]) -> tuple[str, str]:
     """
     p = os.fspath(path)
     folder = not source.is_url(p) and os.path.isdir(p)
+    megatron: tuple[str, str] | None = plugin("ckptool.formats.megatron:megatron_layout")(p) if folder else None
+    if megatron is not None:
+        return megatron
     if folder and plugin("ckptool.formats.deepspeed:is_deepspeed_folder")(p):
         return "deepspeed", p
     if folder or p.endswith(INDEX_SUFFIX):  # a set (:func:`ckptool.formats.sharded.is_checkpoint_set`)

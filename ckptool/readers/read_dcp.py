@@ -13,10 +13,11 @@ chunk there as a ``torch.save`` record (a small torch zip holding the chunk as o
 a :class:`~ckptool.formats.tensors.Tensor` over the record's data bytes:
 
 * a tensor stored whole (one chunk) is the record's own view (strides and storage offset as saved);
-* a tensor in several chunks whose every chunk is a row-major contiguous run of the whole tensor (sharded along
-  its first dimension, as FSDP does) is gathered from the records' bytes (``segments``,
-  :mod:`ckptool.formats.segments`); other chunkings (a 2-D tensor sharded by columns) are refused with the route
-  that works (``ckptool convert SRC -o model.pt``, which gathers them with torch).
+* a tensor in several chunks is gathered from the records' bytes (``segments``, :mod:`ckptool.formats.segments`):
+  a chunk of whole rows (sharded along the first dimension, as FSDP does) is one contiguous run of the whole
+  tensor, a chunk that splits a later dimension (Megatron's row-parallel weights, split along dimension 1) one run
+  per index of the dimensions before it (one per row of a 2-D weight), the runs of all chunks put in row-major
+  order.
 
 Non-tensor entries (``BytesStorageMetadata``: pickles DCP loads with ``torch.load(weights_only=False)``) are never
 read: they are listed in ``skipped`` (:data:`NON_TENSOR`). Which entries are read follows ``convert``: the nesting
@@ -238,11 +239,12 @@ def _left_out(tree: dict[str, Any], keys: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ the source
-def check_metadata_globals(meta: DcpMetadata) -> None:
+def check_metadata_globals(meta: DcpMetadata, also: frozenset[str] = frozenset()) -> None:
     """Refuse a ``.metadata`` naming a global that ``ckptool scan`` does not allow there (DCP's own record classes
-    and paths: :func:`ckptool.model.allowlist.classify_global` with ``dcp_metadata=True``), as ``convert`` does
-    before torch reads the folder; nothing of it is run here either way."""
-    bad = sorted({g for g in meta.globals if classify_global(g, dcp_metadata=True)[0] != ALLOWED})
+    and paths: :func:`ckptool.model.allowlist.classify_global` with ``dcp_metadata=True``) nor ``also`` names (the
+    records a layout built on DCP adds: Megatron-Core's cached save plans), as ``convert`` does before torch reads
+    the folder; nothing of it is run here either way."""
+    bad = sorted({g for g in meta.globals if g not in also and classify_global(g, dcp_metadata=True)[0] != ALLOWED})
     if bad:
         raise UnsafeCheckpointError(
             f"{meta.folder}: .metadata names {', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''}, which "
@@ -381,14 +383,21 @@ def _chunk_bytes(blob: RecordSlice, entries: list[ZipEntry], rec: ZipEntry, node
     return Tensor(fqn, fqn, dtype, tuple(node.shape), stride, node.storage_offset, st)
 
 
-def _run_start(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> int | None:
-    """The row-major index in the whole tensor of the chunk's first element when its elements are one contiguous
-    run of the tensor (every dimension after the last one it splits is whole, every one before it has size 1),
-    else None."""
+def _runs(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> tuple[list[int], int]:
+    """``(starts, length)``: the chunk's elements as runs of ``length`` elements contiguous in the whole tensor
+    (row-major), each run's first element's index in it, in the chunk's own row-major order. A chunk of whole rows
+    (FSDP's dimension-0 shards) is one run; a chunk that splits a later dimension (tensor parallelism's
+    row-parallel weights, split along dimension 1) is one run per index of the dimensions before the last one it
+    splits."""
     j = max((i for i, (s, n) in enumerate(zip(sizes, shape)) if s != n), default=-1)
-    if any(s != 1 for s in sizes[:max(j, 0)]):
-        return None
-    return sum(o * st for o, st in zip(offsets, contiguous_stride(shape)))
+    if j < 0:
+        return [0], numel(shape)
+    strides = contiguous_stride(shape)
+    length = sizes[j] * strides[j]
+    starts = [sum(o * st for o, st in zip(offsets, strides))]
+    for d in range(j):  # every index of the outer dimensions, row-major: the chunk's own order
+        starts = [s + k * strides[d] for s in starts for k in range(sizes[d])]
+    return starts, length
 
 
 def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any], e: DcpEntry, name: str,
@@ -412,12 +421,6 @@ def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any]
     runs: list[tuple[int, int, Segment]] = []
     for offsets, sizes in chunks:
         n = numel(sizes)
-        start = _run_start(offsets, sizes, shape) if n else 0
-        if start is None:
-            raise UnsupportedError(
-                f"{meta.folder}: tensor {e.fqn!r} {list(shape)} is stored in {len(chunks)} chunks that are not "
-                f"row-major runs of it (the chunk at offsets {list(offsets)}, sizes {list(sizes)}, splits its rows); "
-                "ckptool gathers only chunks of whole rows: " + _CONVERT.format(folder=meta.folder))
         if not n:
             continue
         c = record(offsets, sizes)
@@ -426,7 +429,10 @@ def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any]
                                    "non-contiguous view; ckptool gathers contiguous chunks only: "
                                    + _CONVERT.format(folder=meta.folder))
         swap = c.storage.segments[0].swap if c.storage.segments else 0
-        runs.append((start, n, Segment(c.storage.path, c.storage.offset + c.offset * es, n * es, swap=swap)))
+        base = c.storage.offset + c.offset * es
+        starts, length = _runs(offsets, sizes, shape)
+        runs += [(start, length, Segment(c.storage.path, base + i * length * es, length * es, swap=swap))
+                 for i, start in enumerate(starts)]
     runs.sort(key=lambda r: r[0])
     pos = 0
     for start, n, _seg in runs:
@@ -442,24 +448,27 @@ def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any]
     return Tensor(name, e.fqn, dtype, shape, contiguous_stride(shape), 0, st, False, index)
 
 
-def dcp_source(folder: str | os.PathLike[str], key: str | None = None, meta: DcpMetadata | None = None) -> Source:
+def dcp_source(folder: str | os.PathLike[str], key: str | None = None, meta: DcpMetadata | None = None,
+               also: frozenset[str] = frozenset()) -> Source:
     """The tensors of the DCP folder ``folder`` as a :class:`Source` (format ``"dcp"``): the state_dict
     ``convert`` converts from it (found in the ``planner_data`` nesting by
     :func:`~ckptool.readers.read_torch.select_state_dict`, named relative to it), or with ``key`` the mapping at
     that dotted path, ``""`` every tensor of the folder by its fully qualified name. Each storage is the byte range
     of the tensor's data in a ``.distcp`` file (or ``segments`` of several, for a tensor saved in row chunks); no
     tensor bytes are read. Non-tensor entries of the selection go to ``skipped``, the other entries to
-    ``left_out``. ``meta``: the folder's ``.metadata`` already read (:meth:`ckptool.readers.Opened.dcp_metadata`).
+    ``left_out``. ``meta``: the folder's ``.metadata`` already read (:meth:`ckptool.readers.Opened.dcp_metadata`);
+    ``also``: globals ``.metadata`` may name besides DCP's own (:func:`check_metadata_globals`).
 
     Raises:
         UsageError / UnsupportedError: see :func:`~ckptool.readers.read_torch.select_state_dict`; chunks that are
-            not row-major runs, transformed or compressed records, a folder not saved as ``torch.save`` records.
+            that are not contiguous views, transformed or compressed records, a folder not saved as ``torch.save``
+            records.
         UnsafeCheckpointError: ``.metadata`` or a tensor record names a global outside what ``ckptool scan``
             allows there (nothing is run either way).
         CorruptCheckpointError: a damaged ``.metadata``, a record that does not match it or lies outside its file.
     """
     meta = meta if meta is not None else read_dcp_metadata(folder)
-    check_metadata_globals(meta)
+    check_metadata_globals(meta, also)
     tree = dcp_tree(meta)
     sd = select_state_dict(tree, key, meta.folder)
     keys = [str(link.key) for link in sd.trail]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-__all__ = ["DCP_REMAP", "FOLDER", "JIT", "NO_MODULE", "PACKAGE", "PT2_STATE_DICT", "SET_ROW", "WORKS", "ZERO", "Cell",
+__all__ = ["DCP_REMAP", "FOLDER", "JIT", "MEGATRON", "NO_MODULE", "PACKAGE", "PT2_STATE_DICT", "SET_ROW", "WORKS",
+           "ZERO", "Cell",
            "Status"]
 
 Status = Literal["works", "refused", "bug"]
@@ -48,6 +49,7 @@ FOLDER = Cell("refused", "is a folder, and this command reads one checkpoint fil
 DCP_REMAP = Cell("refused", "nothing to remap",
                  "none needed: `dcp.load` places tensors where the state_dict you pass lives; a folder whose "
                  "non-tensor entries hold GPU-tagged tensors is remapped (`ckptool remap SRC --to cpu -o OUT/`)")
+MEGATRON = Cell("refused", "is a Megatron checkpoint folder", "`ckptool convert SRC -o model.pt`, then the command")
 ZERO = Cell("refused", "is a DeepSpeed ZeRO checkpoint folder", "`ckptool convert SRC -o model.pt`, then the command")
 SHARD_NOT_CHECKPOINT = Cell("refused", "is the index of a sharded set", CONVERT)
 #: what a sharded set's row shares, both kinds of shards

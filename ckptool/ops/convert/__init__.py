@@ -45,6 +45,7 @@ Importing this package does not import torch; the functions import it when they 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -55,6 +56,7 @@ from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
 from ckptool.formats.tensors import Source
 from ckptool.model.devices import location_function
 from ckptool.model.keys import raise_on_collisions
+from ckptool.model.megatron import USER_RULES, parse_tp_dims
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_torch, write_dcp
 from ckptool.ops.convert.outputs import write_outputs
@@ -73,6 +75,20 @@ from ckptool.torch_ops.load import load_checkpoint
 __all__ = ["SHARED_KEY", "ConvertResult", "OutputFormat", "VerificationError", "convert", "parse_size"]
 
 
+def _with_tp_rules(fn: Callable[..., ConvertResult]) -> Callable[..., ConvertResult]:
+    """``fn`` run with its ``tp_dims`` argument as the Megatron tensor-parallel rules of the call
+    (:data:`ckptool.model.megatron.USER_RULES`), restored after it."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> ConvertResult:
+        token = USER_RULES.set(parse_tp_dims(kwargs.get("tp_dims") or ()))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            USER_RULES.reset(token)
+    return run
+
+
+@_with_tp_rules
 @holding_versions
 def convert(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], *, format: str | None = None, key: str | None = None,
@@ -80,6 +96,7 @@ def convert(
     unwrap: bool = False, strip_prefixes: str | Sequence[str] = (), max_shard_size: int | str | None = None,
     dtype: str | None = None, verify: bool = True, trust: bool = False,
     progress: ProgressFn | None = None, tag: str | None = None, exclude_frozen: bool = False,
+    tp_dims: Sequence[str] = (),
 ) -> ConvertResult:
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
@@ -108,6 +125,8 @@ def convert(
     * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors.
     * ``verify`` re-opens the output and compares every tensor with the source (see the module docstring).
     * ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
+    * ``tp_dims``: a Megatron legacy tree's tensor-parallel rules ``"PATTERN=DIM"`` ahead of the built-in ones
+      (:func:`ckptool.model.megatron.parse_tp_dims`, ``docs/megatron.md``).
     * ``progress(nbytes)`` is called with the bytes of tensor data written since the last call, as every operation
       reports progress; when it has a ``total`` attribute that is None (ckptool's progress bar), that is set to the
       bytes to be written first (:func:`ckptool.ops.rewrite.stream.announce_total`).

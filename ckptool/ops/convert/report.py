@@ -102,10 +102,11 @@ def selection(res: ConvertResult) -> str:
 
 
 def _left_out_lines(res: ConvertResult) -> list[str]:
-    """The entries of the input not carried, with the ``--key`` that converts another (where one can)."""
+    """The entries of the input not carried, with the ``--key`` that converts another (where one can: a format
+    holding several mappings, :attr:`ckptool.readers.Format.keyed`)."""
     spec = _input_format(res)
     n = len(res.left_out)
-    how = "" if spec.tagged else f" (pass --key {spec.key_form} to convert another state_dict)"
+    how = "" if not spec.keyed else f" (pass --key {spec.key_form} to convert another state_dict)"
     lines = [f"Not carried: {n} other {_entries(n)} of the file{how}:"]
     lines += [f"  {line}" for line in res.left_out[:_LEFT_OUT]]
     if n > _LEFT_OUT:

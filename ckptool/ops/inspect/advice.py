@@ -17,7 +17,8 @@ from ckptool.ops.inspect.info import CheckpointInfo
 from ckptool.ops.scan.results import PickleFinding, ScanResult
 from ckptool.readers import FORMATS
 
-__all__ = ["DCP_LOAD", "DEEPSPEED_LOAD", "EXPORT_LOAD", "PACKAGE_IMPORTER", "PICKLE_LOAD", "TORCH_JIT_LOAD",
+__all__ = ["DCP_LOAD", "DEEPSPEED_LOAD", "EXPORT_LOAD", "MCORE_LOAD", "MEGATRON_LOAD", "PACKAGE_IMPORTER",
+           "PICKLE_LOAD", "TORCH_JIT_LOAD",
            "TORCH_LOAD", "advice_lines", "hidden_level", "loaded_by", "metadata_lines",
            "security_lines"]
 
@@ -27,6 +28,7 @@ Lines = Callable[[CheckpointInfo], list[str]]
 TORCH_LOAD, TORCH_JIT_LOAD, PICKLE_LOAD = "torch.load", "torch.jit.load", "pickle.load"
 PACKAGE_IMPORTER, EXPORT_LOAD = "torch.package.PackageImporter", "torch.export.load"
 DEEPSPEED_LOAD, DCP_LOAD = "DeepSpeedEngine.load_checkpoint", "torch.distributed.checkpoint.load"
+MEGATRON_LOAD, MCORE_LOAD = "Megatron-LM load_checkpoint", "megatron.core.dist_checkpointing.load"
 
 
 def hidden_level(sc: ScanResult, p: PickleFinding) -> str:
@@ -107,8 +109,16 @@ def _deepspeed_usage(info: CheckpointInfo) -> list[str]:
             f"(no deepspeed needed) with: {info.metadata['consolidate']}")]
 
 
+def _megatron_usage(info: CheckpointInfo) -> list[str]:
+    return [(f"Megatron checkpoint: the tensors above are its consolidated model (Megatron's names; see "
+             "docs/megatron.md). Consolidate it (no Megatron, no GPU) with: "
+             f"{(info.metadata or {}).get('consolidate')}")]
+
+
 #: ``Format.loaded_by`` -> how to load such a checkpoint (the first advice line); others: :func:`_gpu_usage`
 _USAGE: dict[str, Lines] = {
+    MEGATRON_LOAD: _megatron_usage,
+    MCORE_LOAD: _megatron_usage,
     TORCH_JIT_LOAD: lambda _info: ["TorchScript archive: load it with torch.jit.load(path, map_location='cpu')."],
     DEEPSPEED_LOAD: _deepspeed_usage,
     PACKAGE_IMPORTER: lambda _info: [
@@ -139,6 +149,13 @@ def _deepspeed_globals(info: CheckpointInfo) -> list[str]:
             "ckptool reads them without importing anything.")] if unsafe else []
 
 
+def _megatron_globals(info: CheckpointInfo) -> list[str]:
+    unsafe = info.unsafe_globals
+    return [(f"{len(unsafe)} global(s) are outside the weights_only allowlist ({', '.join(unsafe[:3])}): Megatron "
+            "loads these files with weights_only=False; ckptool reads them without importing anything.")
+            ] if unsafe else []
+
+
 def _export_globals(info: CheckpointInfo) -> list[str]:
     unsafe = info.unsafe_globals
     return [(f"{len(unsafe)} global(s) are outside the weights_only allowlist: torch.export.load unpickles these "
@@ -159,6 +176,8 @@ _GLOBALS: dict[str, Lines] = {
     TORCH_JIT_LOAD: lambda _info: [],
     PACKAGE_IMPORTER: lambda _info: [],
     DEEPSPEED_LOAD: _deepspeed_globals,
+    MEGATRON_LOAD: _megatron_globals,
+    MCORE_LOAD: _megatron_globals,
     EXPORT_LOAD: _export_globals,
     DCP_LOAD: _dcp_globals,
 }
@@ -172,12 +191,13 @@ def advice_lines(info: CheckpointInfo) -> list[str]:
 
 
 def _zero_facts(info: CheckpointInfo) -> list[str]:
-    """A DeepSpeed folder's ZeRO facts, one a line (the consolidation command is advice: :func:`advice_lines`)."""
+    """A DeepSpeed folder's ZeRO facts (a Megatron folder's facts), one a line (the consolidation command is
+    advice: :func:`advice_lines`)."""
     return [f"  {k.replace('_', ' ')}: {v}" for k, v in (info.metadata or {}).items() if k != "consolidate"]
 
 
 #: ``Format.loaded_by`` -> its metadata lines; others: the metadata as JSON on one line
-_METADATA: dict[str, Lines] = {DEEPSPEED_LOAD: _zero_facts}
+_METADATA: dict[str, Lines] = {DEEPSPEED_LOAD: _zero_facts, MEGATRON_LOAD: _zero_facts, MCORE_LOAD: _zero_facts}
 
 
 def metadata_lines(info: CheckpointInfo) -> list[str]:

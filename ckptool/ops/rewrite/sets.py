@@ -127,10 +127,13 @@ def set_index(src: str | os.PathLike[str] | Opened) -> str | None:
         UsageError: a DeepSpeed folder (consolidate it first), a folder that is no checkpoint set, a missing index.
     """
     o = opened_input(src)
-    if o.spec.consolidate:
+    if o.spec.consolidate and o.spec.tagged:
         raise UsageError(f"{o.path} is a DeepSpeed ZeRO checkpoint folder, which this command does not rewrite: "
                          f"consolidate it first with `ckptool convert {o.path} -o model.pt` (exactly as DeepSpeed's "
                          "zero_to_fp32 does), then run the command on that file")
+    if o.spec.consolidate:
+        raise UsageError(f"{o.path} is {o.spec.flat} folder, which this command does not rewrite: consolidate it "
+                         f"first with `ckptool convert {o.path} -o model.pt`, then run the command on that file")
     return o.target if o.spec.kind == "set" else None
 
 
