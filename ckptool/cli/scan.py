@@ -132,7 +132,8 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
     if jsonl and (as_json or out_format not in (None, "text")):
         raise UsageError(f"--jsonl and --{'json' if as_json else 'format ' + str(out_format)} ask for two outputs; "
                          "give one")
-    if jobs > 1 or jsonl or cache_path or any(source.is_url(p) and source.kind(p) == "directory" for p in paths):
+    if jobs > 1 or jsonl or cache_path or any(source.is_url(p) and (p.endswith("/") or source.kind(p) == "directory")
+                                                  for p in paths):
         from ckptool.cli.many import run_many  # noqa: PLC0415 - deferred: not on the path of one file's scan
 
         ctx.exit(run_many(paths, "jsonl" if jsonl else fmt, jobs=jobs, cache_path=cache_path, strict=strict,

@@ -56,7 +56,7 @@ def expand(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Target]:
     for given in paths:
         p = os.fspath(given)
         try:
-            if source.is_url(p) and source.kind(p) == "directory":
+            if source.is_url(p) and (p.endswith("/") or source.kind(p) == "directory"):
                 yield from (Target(u, size=size, version=tag, listed=True) for u, size, tag in source.list_objects(p))
                 continue
             for path, notes in iter_targets([p]):
