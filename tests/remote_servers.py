@@ -129,9 +129,9 @@ class RangeHandler(BaseHTTPRequestHandler):
         """Answer a GET of a folder with a page linking its entries (folders end with ``/``); False if no folder."""
         rel = self.path.split("?", 1)[0].lstrip("/")
         folder = self.server.root / rel
-        if (not rel.endswith("/") and rel) or not folder.is_dir():
+        if not folder.is_dir():
             return False
-        base = "/" + rel
+        base = "/" + rel.rstrip("/") + "/" if rel.strip("/") else "/"
         links = [f'<a href="{base}{c.name}{"/" if c.is_dir() else ""}">{c.name}</a>' for c in sorted(folder.iterdir())
                  if not c.name.endswith(".v2")]
         body = ("<html><body>" + "\n".join(links) + "</body></html>").encode()

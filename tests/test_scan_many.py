@@ -185,3 +185,56 @@ def test_cache_that_is_no_database_is_one_error_line(tmp_path: Path, run_cli: An
     bad.write_bytes(b"this is not a database, but it is long enough to have a header" * 20)
     r = run_cli("scan", str(tmp_path / "a.pt"), "--cache", str(bad))
     assert r.exit_code != 0 and r.output.startswith("Error:") and "scan cache" in r.output
+
+
+# ------------------------------------------------------------------------------------------------ buckets
+@pytest.fixture
+def remote() -> None:
+    pytest.importorskip("fsspec")
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    pytest.importorskip("aiohttp")
+
+
+def test_s3_bucket_of_200_with_one_malicious_object(remote: None, request: pytest.FixtureRequest,
+                                                    run_cli: Any, tmp_path: Path) -> None:
+    s3 = request.getfixturevalue("s3")
+    files = _bucket(tmp_path)
+    s3.pipe({f"ckpt/scan38/{name}": data for name, data in files.items()})
+    r = run_cli("scan", "s3://ckpt/scan38/", "--jobs", "8", "--jsonl")
+    assert r.exit_code == 1, r.output
+    rows = _lines(r.output)
+    assert len(rows) == 202  # the README is no checkpoint by its content: skipped
+    _check_bucket(rows)
+    assert all(row["path"].startswith("s3://ckpt/scan38/") and row["bytes_read"] > 0 for row in rows)
+    text = run_cli("scan", "s3://ckpt/scan38/", "--jobs", "8")
+    assert text.output.rstrip().splitlines()[-2:] == [
+        "202 files: 200 safe, 0 need trust, 1 dangerous, 1 unreadable",
+        "skipped 1 object(s) under the prefixes that are no checkpoint by their content"]
+
+
+def test_http_prefix_cache_reads_nothing_the_second_time(remote: None, request: pytest.FixtureRequest,
+                                                        run_cli: Any, tmp_path: Path) -> None:
+    from remote_servers import url
+
+    http = request.getfixturevalue("http")
+    folder = http.root / "scan38"
+    _bucket(folder, n=20, evil_at=4)
+    db = str(tmp_path / "scans.sqlite")
+    before = http.sent
+    first = run_cli("scan", url(http, "scan38/"), "--jobs", "4", "--jsonl", "--cache", db)
+    assert first.exit_code == 1
+    _check_bucket(_lines(first.output), n=20, evil_at=4)
+    read = http.sent - before
+    assert read > 0
+    before = http.sent
+    second = run_cli("scan", url(http, "scan38/"), "--jobs", "4", "--jsonl", "--cache", db)
+    assert _lines(second.output) and all(row["bytes_read"] == 0 for row in _lines(second.output))
+    _check_bucket(_lines(second.output), n=20, evil_at=4)
+    listing = http.sent - before
+    assert listing < read // 4  # only the index pages: no object was read
+    (folder / "m010" / "model.pt").write_bytes(EVIL + b"\x00" * 3)  # replaced: another size and ETag
+    third = run_cli("scan", url(http, "scan38/"), "--jsonl", "--cache", db)
+    rows = {row["path"].rsplit("/", 2)[-2]: row for row in _lines(third.output)}
+    assert rows["m010"]["verdict"] == "dangerous" and rows["m010"]["bytes_read"] > 0
+    assert rows["m011"]["bytes_read"] == 0

@@ -123,10 +123,17 @@ def _cache_key(t: Target) -> str | None:
     return ScanCache.key(t.path if source.is_url(t.path) else os.path.abspath(t.path), t.size, t.version)
 
 
+#: words of the errors that come from the network, not from the object (:mod:`ckptool._remote`'s messages)
+TRANSIENT = ("network", "changed while it was read", "disappeared while", "run it again", "the scan task failed")
+
+
 def _cacheable(res: ScanResult | None) -> bool:
-    """A result worth keeping: a local file's whatever it is (the same bytes give the same result); a URL's only when
-    it was read to its end (a network failure is not a property of the object)."""
-    return res is None or not source.is_url(res.path) or res.readable
+    """A result worth keeping: whatever the bytes gave (a damaged file stays damaged), but not a failure to get them
+    (a dropped connection, an object replaced mid-read: :data:`TRANSIENT`)."""
+    if res is None:
+        return True
+    errors = [res.error or "", *(p.error or "" for p in res.pickles)]
+    return not any(word in e for e in errors for word in TRANSIENT)
 
 
 class ScanRun:
