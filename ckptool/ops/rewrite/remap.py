@@ -8,8 +8,10 @@ decoded, so no GPU, no torch and no memory for the tensors are needed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from typing import cast
 
 from ckptool._gc import gc_paused
@@ -17,6 +19,7 @@ from ckptool.errors import UsageError
 from ckptool.model.devices import parse_device
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.rewrite.dcp import rewrite_dcp
+from ckptool.ops.rewrite.parallel import shard_executor
 from ckptool.ops.rewrite.prefixes import RenameResult, rename_graph
 from ckptool.ops.rewrite.sets import dcp_folder, opened_input, rewrite_output, rewrite_set, set_index
 from ckptool.ops.rewrite.stream import ProgressFn, WriteResult, refuse_unwritable, retag_function, rewrite_file
@@ -29,7 +32,7 @@ def remap(
     mapping: Mapping[str, str] | None = None, in_place: bool = False, unwrap: bool = False,
     strip_dataparallel: bool = False, strip_prefixes: str | Sequence[str] = (), add_prefix: str | None = None,
     key: str | None = None, allow_missing: bool = False, allow_nested: bool = False,
-    progress: ProgressFn | None = None,
+    progress: ProgressFn | None = None, executor: Executor | None = None,
 ) -> WriteResult:
     """Write a copy of checkpoint ``src`` whose storages are tagged for another device.
 
@@ -63,7 +66,9 @@ def remap(
     :func:`ckptool.ops.rewrite.prefixes.strip_prefix` (it also lets a ``mapping`` source that matches no storage pass),
     ``allow_nested`` as in :func:`ckptool.ops.rewrite.prefixes.add_prefix`. ``progress(nbytes)`` is called as the
     input's
-    records are copied (bytes since the last call).
+    records are copied (bytes since the last call). ``executor``: a ``concurrent.futures.ThreadPoolExecutor`` that
+    writes the shards of a set one per task, the index last (:mod:`ckptool.ops.rewrite.parallel`; the same for
+    every set rewrite inside a ``with shard_executor(pool):`` block of that module).
 
     Returns a :class:`~ckptool.ops.rewrite.stream.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``),
     a
@@ -100,8 +105,9 @@ def remap(
     index = set_index(opened)
     if index is not None:
         out = remap_output(opened, dst, to=to, in_place=in_place)
-        return rewrite_set(opened, out, operation="remap", plan=plan, to=to, mapping=mapping, key=key,
-                           allow_missing=allow_missing, progress=progress)
+        with shard_executor(executor) if executor is not None else contextlib.nullcontext():
+            return rewrite_set(opened, out, operation="remap", plan=plan, to=to, mapping=mapping, key=key,
+                               allow_missing=allow_missing, progress=progress)
     return _remap_file(opened, dst, plan, to=to, mapping=mapping, in_place=in_place, key=key,
                        allow_missing=allow_missing, progress=progress)
 

@@ -8,6 +8,7 @@ import it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
@@ -17,6 +18,7 @@ from ckptool._fileio import atomic_output, make_output_folder, same_file, temp_p
 from ckptool.errors import OutputError, UsageError
 from ckptool.formats.sharded import INDEX_SUFFIX, SetLayout, encode_index, files_named
 from ckptool.ops.rewrite.companions import copy_companion
+from ckptool.ops.rewrite.parallel import current_executor, run_all
 
 #: one shard's worth of what :func:`write_set` writes (convert: a list of units; a rewrite: an input shard)
 G = TypeVar("G")
@@ -114,13 +116,16 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
 
 def _stage(stack: contextlib.ExitStack, paths: list[str], groups: Sequence[G],
            write: Callable[[str, str, G], None]) -> list[tuple[str, str]]:
-    """Write each group with ``write`` into a scratch file beside its final path (removed when ``stack`` closes);
+    """Write each group with ``write`` into a scratch file beside its final path (removed when ``stack`` closes),
+    one task per group on the executor of an enclosing :func:`ckptool.ops.rewrite.parallel.shard_executor` block;
     ``(scratch, final)`` pairs."""
-    staged: list[tuple[str, str]] = []
-    for final, us in zip(paths, groups):
-        tmp = stack.enter_context(scratch_file(final))
-        write(tmp, final, us)
-        staged.append((tmp, final))
+    staged = [(stack.enter_context(scratch_file(final)), final) for final in paths]
+    pool = current_executor()
+    if pool is None or len(staged) < 2:
+        for (tmp, final), us in zip(staged, groups):
+            write(tmp, final, us)
+    else:  # one task per shard; all done (or all stopped) before the caller commits or cleans up
+        run_all(pool, [functools.partial(write, tmp, final, us) for (tmp, final), us in zip(staged, groups)])
     return staged
 
 
