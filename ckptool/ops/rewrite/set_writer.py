@@ -11,6 +11,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
 
 from ckptool._commit import mark_committed, signals_blocked
@@ -49,13 +50,15 @@ class SetFiles(Protocol):
 def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str, G], None],
               inputs: list[str], weight_map: dict[str, str], total: int, res: SetFiles, out: str, *,
               metadata: dict[str, Any] | None = None, always_index: bool = False,
-              companions: Sequence[tuple[str, str]] = ()) -> None:
+              companions: Sequence[tuple[str, str]] = (), parallel: bool = False) -> None:
     """Write the shards ``groups`` with ``write(path, final path, group)`` as the set ``layout`` (several: shards
     plus the index of ``weight_map``, which ``write`` fills, and ``total`` bytes, or the index ``metadata`` given,
     kept as it is; one: the single file, no index, as ``transformers`` ``save_pretrained`` does, unless
     ``always_index``), adding the files to ``res``; ``companions`` (source path, file name): files copied byte for
     byte into the set's folder with the shards, in the same commit (a model folder's ``config.json``, tokenizer
-    files: :mod:`ckptool.ops.rewrite.companions`; not added to ``res.files``). Used by ``convert`` and by the
+    files: :mod:`ckptool.ops.rewrite.companions`; not added to ``res.files``). ``parallel``: ``write`` may run in
+    several threads at once, and does, one shard per task, inside a
+    :func:`ckptool.ops.rewrite.parallel.shard_executor` block. Used by ``convert`` and by the
     shard-set rewrites of :mod:`ckptool.ops.rewrite.sets` (a group there is one input shard).
 
     The files an earlier run wrote for the same layout are this run's to replace (as ``convert`` replaces an
@@ -92,7 +95,7 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
     done = False
     try:
         with contextlib.ExitStack() as stack:  # the scratch files go when it closes, whatever happened
-            staged = _stage(stack, paths, groups, write)
+            staged = _stage(stack, paths, groups, write, current_executor() if parallel else None)
             staged += _stage(stack, [p for _s, p in extra], [s for s, _p in extra], _copy)
             # every shard is written and verified: put them in place, write the index, remove the earlier set's
             # files and record the output as complete with SIGINT / SIGTERM held, so that an interrupt comes before
@@ -115,12 +118,11 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
 
 
 def _stage(stack: contextlib.ExitStack, paths: list[str], groups: Sequence[G],
-           write: Callable[[str, str, G], None]) -> list[tuple[str, str]]:
+           write: Callable[[str, str, G], None], pool: Executor | None = None) -> list[tuple[str, str]]:
     """Write each group with ``write`` into a scratch file beside its final path (removed when ``stack`` closes),
-    one task per group on the executor of an enclosing :func:`ckptool.ops.rewrite.parallel.shard_executor` block;
+    one task per group on ``pool`` when given;
     ``(scratch, final)`` pairs."""
     staged = [(stack.enter_context(scratch_file(final)), final) for final in paths]
-    pool = current_executor()
     if pool is None or len(staged) < 2:
         for (tmp, final), us in zip(staged, groups):
             write(tmp, final, us)

@@ -495,7 +495,7 @@ def rewrite_set(
     inputs = [os.path.abspath(index_path), *(sh.path for sh in s.shards)]
     companions = companion_files(os.path.dirname(index_path), {os.path.basename(p) for p in inputs}, layout.folder)
     write_set(layout, shards, write, inputs, weight_map, _data_bytes(shards), res, dst,
-              metadata=metadata, always_index=True, companions=companions.files)
+              metadata=metadata, always_index=True, companions=companions.files, parallel=True)
     res.kept = companions.names
     res.notes += companions.notes()
     res.dst = os.path.join(layout.folder, layout.index_name)
