@@ -95,6 +95,17 @@ def run_many(paths: tuple[str, ...], fmt: str, *, jobs: int, cache_path: str | N
         raise UsageError(f"{', '.join(paths)}: no checkpoint found ({skipped} object(s) listed, none a checkpoint by "
                          "its content); nothing was scanned: check the paths")
     code = exit_status(results, strict=strict)
+    _finish(results, fmt, code, strict, text, table, summary)
+    if text and skipped:
+        click.echo(f"skipped {skipped} object(s) under the prefixes that are no checkpoint by their content")
+    if text and cache is not None:
+        click.echo(f"{run.hits} of {len(run.targets)} answered from the cache {cache_path}")
+    return code
+
+
+def _finish(results: list[ScanResult], fmt: str, code: int, strict: bool, text: bool, table: Any,
+            summary: Any) -> None:
+    """What follows the files: one JSON document, the SARIF log, or the table and the counts."""
     if fmt == "json":
         emit_json("scan", {"strict": strict, "exit_code": code, "files": [r.to_dict(strict=strict) for r in results]})
     elif fmt == "sarif":
@@ -104,8 +115,3 @@ def run_many(paths: tuple[str, ...], fmt: str, *, jobs: int, cache_path: str | N
         click.echo(table(results, strict))
         click.echo("")
         click.echo(summary(results, strict))
-        if skipped:
-            click.echo(f"skipped {skipped} object(s) under the prefixes that are no checkpoint by their content")
-        if cache is not None:
-            click.echo(f"{run.hits} of {len(run.targets)} answered from the cache {cache_path}")
-    return code

@@ -48,6 +48,21 @@ def _summary(results: list[ScanResult], strict: bool) -> str:
             f"{counts['dangerous']} dangerous, {counts['error']} unreadable")
 
 
+def _is_prefix(p: str) -> bool:
+    return source.is_url(p) and (p.endswith("/") or source.kind(p) == "directory")
+
+
+def _many(paths: tuple[str, ...], fmt: str, jsonl: bool, jobs: int, cache_path: str | None, strict: bool,
+          show_all: bool) -> int:
+    """Many checkpoints as one run (:mod:`ckptool.cli.many`); its exit status."""
+    if jsonl and fmt != "text":
+        raise UsageError(f"--jsonl and --{'json' if fmt == 'json' else 'format ' + fmt} ask for two outputs; give one")
+    from ckptool.cli.many import run_many  # noqa: PLC0415 - deferred: not on the path of one file's scan
+
+    return run_many(paths, "jsonl" if jsonl else fmt, jobs=jobs, cache_path=cache_path, strict=strict,
+                    show_all=show_all, table=_table, summary=_summary)
+
+
 @click.command("scan")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(dir_okay=True))
 @json_option("scan")
@@ -107,10 +122,9 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
       4  a file needs trust (and none is dangerous or unreadable)
       2  also: a path does not exist, or a folder holds no checkpoint file (Error: line)
 
-    Many checkpoints at once (docs/scale.md): a path may be a URL prefix (s3://bucket/models/, any fsspec
-    filesystem that lists; its objects are checkpoints by their content). With a prefix, --jobs, --jsonl or --cache,
-    each file is printed as it finishes, and a path or object that cannot be read is a row with its error, never the
-    end of the run.
+    A path may be a URL prefix (s3://bucket/models/: its objects that are checkpoints by their content). With a
+    prefix, --jobs, --jsonl or --cache, files print as they finish and a path that cannot be read is a row with its
+    error, never the end of the run (docs/scale.md).
 
     With --strict: 0 safe, 1 a file names a global outside the allowlist (unsafe), 2 unreadable.
     --quiet prints nothing (the exit status answers); --json gives "strict", "exit_code" and "files" (per file:
@@ -129,15 +143,8 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
     if as_json and out_format not in (None, "json"):
         raise UsageError(f"--json and --format {out_format} ask for two outputs; give one")
     fmt = "json" if as_json else out_format or "text"
-    if jsonl and (as_json or out_format not in (None, "text")):
-        raise UsageError(f"--jsonl and --{'json' if as_json else 'format ' + str(out_format)} ask for two outputs; "
-                         "give one")
-    if jobs > 1 or jsonl or cache_path or any(source.is_url(p) and (p.endswith("/") or source.kind(p) == "directory")
-                                                  for p in paths):
-        from ckptool.cli.many import run_many  # noqa: PLC0415 - deferred: not on the path of one file's scan
-
-        ctx.exit(run_many(paths, "jsonl" if jsonl else fmt, jobs=jobs, cache_path=cache_path, strict=strict,
-                          show_all=show_all, table=_table, summary=_summary))
+    if jobs > 1 or jsonl or cache_path or any(_is_prefix(p) for p in paths):
+        ctx.exit(_many(paths, fmt, jsonl, jobs, cache_path, strict, show_all))
     results = scan(paths)
     code = exit_status(results, strict=strict)
     if fmt == "json":

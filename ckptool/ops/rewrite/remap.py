@@ -8,7 +8,6 @@ decoded, so no GPU, no torch and no memory for the tensors are needed.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
@@ -19,7 +18,6 @@ from ckptool.errors import UsageError
 from ckptool.model.devices import parse_device
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.rewrite.dcp import rewrite_dcp
-from ckptool.ops.rewrite.parallel import shard_executor
 from ckptool.ops.rewrite.prefixes import RenameResult, rename_graph
 from ckptool.ops.rewrite.sets import dcp_folder, opened_input, rewrite_output, rewrite_set, set_index
 from ckptool.ops.rewrite.stream import ProgressFn, WriteResult, refuse_unwritable, retag_function, rewrite_file
@@ -65,14 +63,12 @@ def remap(
     state_dict(s) found, or to the one at dotted path ``key``; ``allow_missing`` as in
     :func:`ckptool.ops.rewrite.prefixes.strip_prefix` (it also lets a ``mapping`` source that matches no storage pass),
     ``allow_nested`` as in :func:`ckptool.ops.rewrite.prefixes.add_prefix`. ``progress(nbytes)`` is called as the
-    input's
-    records are copied (bytes since the last call). ``executor``: a ``concurrent.futures.ThreadPoolExecutor`` that
-    writes the shards of a set one per task, the index last (:mod:`ckptool.ops.rewrite.parallel`; the same for
-    every set rewrite inside a ``with shard_executor(pool):`` block of that module).
+    input's records are copied (bytes since the last call); ``executor``: a ``ThreadPoolExecutor`` writing a set's
+    shards one per task, the index last (:mod:`ckptool.ops.rewrite.parallel`).
 
     Returns a :class:`~ckptool.ops.rewrite.stream.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``),
-    a
-    :class:`~ckptool.ops.rewrite.prefixes.RenameResult` (a WriteResult with the renaming added) when keys were renamed.
+    a :class:`~ckptool.ops.rewrite.prefixes.RenameResult` (a WriteResult with the renaming added) when keys were
+    renamed.
 
     Raises:
         UsageError: bad device strings, ``dst`` equal to ``src`` without ``in_place``, missing output folder,
@@ -105,9 +101,8 @@ def remap(
     index = set_index(opened)
     if index is not None:
         out = remap_output(opened, dst, to=to, in_place=in_place)
-        with shard_executor(executor) if executor is not None else contextlib.nullcontext():
-            return rewrite_set(opened, out, operation="remap", plan=plan, to=to, mapping=mapping, key=key,
-                               allow_missing=allow_missing, progress=progress)
+        return rewrite_set(opened, out, operation="remap", plan=plan, to=to, mapping=mapping, key=key,
+                           allow_missing=allow_missing, progress=progress, executor=executor)
     return _remap_file(opened, dst, plan, to=to, mapping=mapping, in_place=in_place, key=key,
                        allow_missing=allow_missing, progress=progress)
 

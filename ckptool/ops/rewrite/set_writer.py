@@ -19,7 +19,7 @@ from ckptool._fileio import atomic_output, make_output_folder, same_file, temp_p
 from ckptool.errors import OutputError, UsageError
 from ckptool.formats.sharded import INDEX_SUFFIX, SetLayout, encode_index, files_named
 from ckptool.ops.rewrite.companions import copy_companion
-from ckptool.ops.rewrite.parallel import current_executor, run_all
+from ckptool.ops.rewrite.parallel import run_all
 
 #: one shard's worth of what :func:`write_set` writes (convert: a list of units; a rewrite: an input shard)
 G = TypeVar("G")
@@ -50,15 +50,14 @@ class SetFiles(Protocol):
 def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str, G], None],
               inputs: list[str], weight_map: dict[str, str], total: int, res: SetFiles, out: str, *,
               metadata: dict[str, Any] | None = None, always_index: bool = False,
-              companions: Sequence[tuple[str, str]] = (), parallel: bool = False) -> None:
+              companions: Sequence[tuple[str, str]] = (), pool: Executor | None = None) -> None:
     """Write the shards ``groups`` with ``write(path, final path, group)`` as the set ``layout`` (several: shards
     plus the index of ``weight_map``, which ``write`` fills, and ``total`` bytes, or the index ``metadata`` given,
     kept as it is; one: the single file, no index, as ``transformers`` ``save_pretrained`` does, unless
     ``always_index``), adding the files to ``res``; ``companions`` (source path, file name): files copied byte for
     byte into the set's folder with the shards, in the same commit (a model folder's ``config.json``, tokenizer
-    files: :mod:`ckptool.ops.rewrite.companions`; not added to ``res.files``). ``parallel``: ``write`` may run in
-    several threads at once, and does, one shard per task, inside a
-    :func:`ckptool.ops.rewrite.parallel.shard_executor` block. Used by ``convert`` and by the
+    files: :mod:`ckptool.ops.rewrite.companions`; not added to ``res.files``). ``pool``: an executor that runs ``write``
+    one shard per task (``write`` must then be safe to run in several threads at once). Used by ``convert`` and by the
     shard-set rewrites of :mod:`ckptool.ops.rewrite.sets` (a group there is one input shard).
 
     The files an earlier run wrote for the same layout are this run's to replace (as ``convert`` replaces an
@@ -95,7 +94,7 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
     done = False
     try:
         with contextlib.ExitStack() as stack:  # the scratch files go when it closes, whatever happened
-            staged = _stage(stack, paths, groups, write, current_executor() if parallel else None)
+            staged = _stage(stack, paths, groups, write, pool)
             staged += _stage(stack, [p for _s, p in extra], [s for s, _p in extra], _copy)
             # every shard is written and verified: put them in place, write the index, remove the earlier set's
             # files and record the output as complete with SIGINT / SIGTERM held, so that an interrupt comes before

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -431,13 +432,15 @@ def rewrite_set(
     src: str | Opened | OpenSet, dst: str, *, operation: str, plan: RenamePlan | None = None, to: str | None = None,
     mapping: Mapping[str, str] | None = None, key: str | None = None, allow_missing: bool = False,
     drop: Collection[str] = (), write_subset: SubsetWriter | None = None, progress: ProgressFn | None = None,
+    executor: Executor | None = None,
 ) -> SetWriteResult | SetRenameResult:
     """Rewrite the sharded set of the index ``src`` (or the set :func:`open_set` read) into ``dst`` (see
     :func:`_layout`): storages re-tagged by ``to`` / ``mapping`` (torch shards), keys renamed by ``plan``, the names
     ``drop`` left out (safetensors shards through ``write_subset``; see the module docstring); one output shard per
     input shard (that keeps a tensor), index ``weight_map`` renamed the same way and its ``metadata`` kept.
     ``operation`` names the command in the result and in messages; ``progress(nbytes)`` as the shards' bytes are
-    copied.
+    copied; ``executor`` (else that of an enclosing :func:`ckptool.ops.rewrite.parallel.shard_executor` block): a
+    ``ThreadPoolExecutor`` that writes the shards one per task (the index is written last, by this thread).
 
     Returns a :class:`SetRenameResult` when ``plan`` is given, else a :class:`SetWriteResult`; ``dst`` of either is
     the output index.
@@ -471,7 +474,8 @@ def rewrite_set(
         metadata = {**(index.metadata or {}), "total_size": 0}
     res = SetWriteResult(index_path, "", shards[0].fmt, shards=len(shards))
     lock = threading.Lock()  # the shards may be written by tasks at once (ops/rewrite/parallel.py)
-    progress = locked(progress) if current_executor() is not None else progress
+    pool = executor or current_executor()
+    progress = locked(progress) if pool is not None else progress
 
     def write(path: str, _final: str, shard: _Shard) -> None:
         dropped = gone.intersection(shard.keys)
@@ -495,7 +499,7 @@ def rewrite_set(
     inputs = [os.path.abspath(index_path), *(sh.path for sh in s.shards)]
     companions = companion_files(os.path.dirname(index_path), {os.path.basename(p) for p in inputs}, layout.folder)
     write_set(layout, shards, write, inputs, weight_map, _data_bytes(shards), res, dst,
-              metadata=metadata, always_index=True, companions=companions.files, parallel=True)
+              metadata=metadata, always_index=True, companions=companions.files, pool=pool)
     res.kept = companions.names
     res.notes += companions.notes()
     res.dst = os.path.join(layout.folder, layout.index_name)

@@ -33,7 +33,7 @@ from ckptool.ops.scan.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets
 __all__ = ["ScanRun", "Target", "expand", "scan_many", "scan_target", "starts_like_checkpoint"]
 
 #: threads that ask for the versions of objects the listing gave none for (``HEAD`` requests, for the cache)
-STAMP_THREADS = 16
+STAMP_THREADS = 64
 
 
 @dataclass(frozen=True)
