@@ -207,6 +207,10 @@ def test_s3_bucket_of_200_with_one_malicious_object(remote: None, request: pytes
     assert len(rows) == 202  # the README is no checkpoint by its content: skipped
     _check_bucket(rows)
     assert all(row["path"].startswith("s3://ckpt/scan38/") and row["bytes_read"] > 0 for row in rows)
+    db = str(tmp_path / "scans.sqlite")
+    assert run_cli("scan", "s3://ckpt/scan38/", "--jobs", "8", "--cache", db).exit_code == 1
+    again = run_cli("scan", "s3://ckpt/scan38/", "--jobs", "8", "--cache", db, "--jsonl")
+    assert again.exit_code == 1 and all(row["bytes_read"] == 0 for row in _lines(again.output))  # the listing only
     text = run_cli("scan", "s3://ckpt/scan38/", "--jobs", "8")
     assert text.output.rstrip().splitlines()[-2:] == [
         "202 files: 200 safe, 0 need trust, 1 dangerous, 1 unreadable",
@@ -238,3 +242,12 @@ def test_http_prefix_cache_reads_nothing_the_second_time(remote: None, request: 
     rows = {row["path"].rsplit("/", 2)[-2]: row for row in _lines(third.output)}
     assert rows["m010"]["verdict"] == "dangerous" and rows["m010"]["bytes_read"] > 0
     assert rows["m011"]["bytes_read"] == 0
+
+
+def test_progress_bar_counts_files_and_bytes(tmp_path: Path, run_cli: Any) -> None:
+    for i in range(3):
+        (tmp_path / f"{i}.pt").write_bytes(_safe(i))
+    r = run_cli("scan", str(tmp_path), "--jsonl", "--progress")
+    assert r.exit_code == 0 and len(_lines(r.stdout)) == 3
+    stored = sum(len(_safe(i)) for i in range(3))
+    assert "3/3" in r.stderr and f"{stored} B of {stored} B" in r.stderr, r.stderr

@@ -64,7 +64,8 @@ def set_output_options(f: F) -> F:
     """:func:`output_options` for the commands that also rewrite sharded sets (``remap``, the prefix commands):
     ``-o`` may name a folder, which holds the rewritten set; ``--jobs N`` writes N shards of a set at once."""
     f = force_option(f)
-    f = click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, expose_value=False, callback=_shard_jobs,
+    f = click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, metavar="N", expose_value=False,
+                     callback=_shard_jobs,
                      help="For a sharded set: write N shards at once (threads; the index is written last, once "
                           "every shard is written, so an interrupted run leaves no set). Default 1.")(f)
     f = click.option("--in-place", is_flag=True,

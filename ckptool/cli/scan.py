@@ -72,7 +72,7 @@ def _many(paths: tuple[str, ...], fmt: str, jsonl: bool, jobs: int, cache_path: 
                    "file, the pickle and the key path).")
 @click.option("--jsonl", is_flag=True,
               help="Print one JSON object per checkpoint (its entry of --json), one line each, as files finish.")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
               help="Scan N checkpoints at once: threads for URLs (waits on the network), processes for local files "
                    "(CPU work). Results come as files finish.")
 @click.option("--cache", "cache_path", type=click.Path(dir_okay=False), default=None,

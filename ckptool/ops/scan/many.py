@@ -60,7 +60,8 @@ def expand(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Target]:
                 yield from (Target(u, size=size, version=tag, listed=True) for u, size, tag in source.list_objects(p))
                 continue
             for path, notes in iter_targets([p]):
-                yield Target(path, tuple(notes))
+                local = not source.is_url(path) and os.path.isfile(path)
+                yield Target(path, tuple(notes), size=os.path.getsize(path) if local else None)
         except (CkptError, OSError) as e:
             yield Target(p, error=str(e))
 
