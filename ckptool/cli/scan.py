@@ -54,10 +54,10 @@ def _is_prefix(p: str) -> bool:
 
 def _many(paths: tuple[str, ...], fmt: str, jsonl: bool, jobs: int, cache_path: str | None, strict: bool,
           show_all: bool) -> int:
-    """Many checkpoints as one run (:mod:`ckptool.cli.many`); its exit status."""
+    """Many checkpoints as one run (:mod:`ckptool.cli._many`); its exit status."""
     if jsonl and fmt != "text":
         raise UsageError(f"--jsonl and --{'json' if fmt == 'json' else 'format ' + fmt} ask for two outputs; give one")
-    from ckptool.cli.many import run_many  # noqa: PLC0415 - deferred: not on the path of one file's scan
+    from ckptool.cli._many import run_many  # noqa: PLC0415 - deferred: not on the path of one file's scan
 
     return run_many(paths, "jsonl" if jsonl else fmt, jobs=jobs, cache_path=cache_path, strict=strict,
                     show_all=show_all, table=_table, summary=_summary)
