@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from ckptool.ops.rewrite.stream import WriteResult
     from ckptool.ops.sanitize import SanitizeResult, sanitize
     from ckptool.ops.scan.entry import ScanResult, scan, scan_file
+    from ckptool.ops.scan.many import scan_many
     from ckptool.ops.surgery.average import AverageResult, average
     from ckptool.ops.surgery.edit import FilterResult, RuleResult, filter_keys, rename
     from ckptool.readers import Opened, open_checkpoint
@@ -90,6 +91,7 @@ _LAZY: dict[str, str] = {
     "scan": "ckptool.ops.scan.entry",
     "scan_file": "ckptool.ops.scan.entry",
     "ScanResult": "ckptool.ops.scan.entry",
+    "scan_many": "ckptool.ops.scan.many",
     "extract_state_dict": "ckptool.ops.extract",
     "ExtractResult": "ckptool.ops.extract",
     "sanitize": "ckptool.ops.sanitize",
@@ -173,6 +175,7 @@ __all__ = [
     "save_portable",
     "scan",
     "scan_file",
+    "scan_many",
     "strip_dataparallel",
     "strip_prefix",
     "unwrap",

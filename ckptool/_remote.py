@@ -19,6 +19,7 @@ import importlib
 import io
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,8 +27,8 @@ from ckptool.errors import RemoteError
 
 __all__ = [
     "BLOCK", "CHUNK", "REMOTE_EXTRA", "CountedReader", "NoRangeSupport", "RangeError", "changed_error",
-    "checked_fetcher", "consistent_reads", "filesystem", "http_file", "pins", "remote_info", "short_error",
-    "transferred_bytes", "version_stamp",
+    "checked_fetcher", "consistent_reads", "count_transferred", "filesystem", "http_file", "pins", "remote_info",
+    "short_error", "thread_transferred", "transferred_bytes", "version_stamp",
 ]
 
 #: the read buffer of a remote reader: the smallest range request (small reads of a zip's local headers and the
@@ -40,6 +41,20 @@ REMOTE_EXTRA = "pip install 'ckptool[remote]'"
 
 #: bytes read from remote sources by this process (:func:`ckptool._source.bytes_transferred`)
 transferred_bytes = [0]
+#: the same count per thread (``.n``), so that concurrent scans each know their own (:func:`count_transferred`)
+_per_thread = threading.local()
+
+
+def count_transferred(n: int) -> None:
+    """Add ``n`` bytes read from a remote source to the process's count and to the calling thread's."""
+    transferred_bytes[0] += n
+    _per_thread.n = getattr(_per_thread, "n", 0) + n
+
+
+def thread_transferred() -> int:
+    """Bytes read from remote sources by the calling thread so far (a scan running beside others in threads
+    counts only its own)."""
+    return int(getattr(_per_thread, "n", 0))
 
 
 def filesystem(url: str) -> tuple[Any, str]:
@@ -233,7 +248,7 @@ def _spooled(fs: Any, fspath: str, url: str, stamp: tuple[int | None, str | None
             while piece := src.read(CHUNK):
                 out.write(piece)
                 n += len(piece)
-        transferred_bytes[0] += n
+        count_transferred(n)
         if stamp[0] is not None and n != stamp[0]:
             raise RemoteError(f"{url}: the server ignores Range requests, and the whole object it sent holds {n} "
                               f"bytes where its size is {stamp[0]}; nothing was written: run it again", url)
@@ -294,7 +309,7 @@ def checked_fetcher(f: Any, fs: Any, fspath: str, url: str, stamp: tuple[int | N
                 if len(data) != end - start:
                     raise RemoteError(f"reading {url} failed at byte {start}: {len(data)} bytes came for a range of "
                                       f"{end - start}; nothing was written: run it again", url)
-                transferred_bytes[0] += len(data)
+                count_transferred(len(data))
                 return bytes(data)
         with open(local, "rb") as g:
             g.seek(start)
@@ -327,7 +342,7 @@ class CountedReader(io.RawIOBase):
     def readinto(self, b: Any) -> int:
         data = self._f.read(len(b))
         b[: len(data)] = data
-        transferred_bytes[0] += len(data)
+        count_transferred(len(data))
         return len(data)
 
     def close(self) -> None:

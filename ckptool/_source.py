@@ -49,6 +49,7 @@ from ckptool._remote import (
     pins,
     remote_info,
     short_error,
+    thread_transferred,
     transferred_bytes,
     version_stamp,
 )
@@ -57,7 +58,8 @@ from ckptool.errors import InputNotFoundError, RemoteError
 __all__ = [
     "BLOCK", "CHUNK", "REMOTE_EXTRA", "NoRangeSupport", "RangeError", "RangeView", "bytes_transferred", "changed_error",
     "consistent_reads", "file_size", "holding_versions", "is_remote_file", "is_url", "kind", "leaves_folder",
-    "local_copy", "open_binary", "recheck", "remote_exists", "spool", "upload", "version_key", "whole_view",
+    "list_objects", "local_copy", "open_binary", "recheck", "remote_exists", "spool", "thread_bytes_transferred",
+    "upload", "version_key", "whole_view",
 ]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
@@ -75,6 +77,11 @@ def bytes_transferred() -> int:
     return transferred_bytes[0]
 
 
+def thread_bytes_transferred() -> int:
+    """:func:`bytes_transferred` of the calling thread alone (what a scan transferred while others ran in threads)."""
+    return thread_transferred()
+
+
 def kind(path: str) -> str | None:
     """``"file"``, ``"directory"`` or None (nothing there) for a local path or URL.
 
@@ -89,6 +96,30 @@ def kind(path: str) -> str | None:
     if info is None:
         return None
     return "directory" if info.get("type") == "directory" else "file"
+
+
+def list_objects(url: str) -> list[tuple[str, int | None, str | None]]:
+    """Every object under the prefix or folder ``url`` (recursively, sorted by name; fsspec's ``find``, one listing
+    request per 1000 keys on S3): ``(URL, size, version tag)``, the size and ETag / modification time as the listing
+    gives them (None where it gives none: an HTTP index page names links only).
+
+    Raises:
+        RemoteError: the listing failed.
+    """
+    fs, p = filesystem(url)
+    try:
+        found = fs.find(p, detail=True)
+    except Exception as e:  # the filesystem's own errors: one clear line
+        raise RemoteError(f"cannot list {url} ({short_error(e)}); check the URL, the network and fsspec's credentials "
+                          "for it", url) from e
+    out = []
+    for name in sorted(found):
+        info = found[name]
+        if info.get("type") == "directory":
+            continue
+        size, tag = version_stamp(info)
+        out.append((str(fs.unstrip_protocol(name)), size, tag))
+    return out
 
 
 def file_size(path: str) -> int:

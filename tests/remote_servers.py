@@ -10,7 +10,9 @@ once per session for every test module.
   every case: ``/drop/`` answers large ranges with a few bytes and closes the connection (the body is cut),
   ``/badrange/`` answers 206 with a ``Content-Range`` (and the bytes) one byte past what was asked,
   ``/short/`` sends 10 bytes fewer than asked with a matching ``Content-Length``, ``/replace/`` serves
-  ``NAME.v2`` (its own ETag) from the ``replace_after``-th GET on: an object replaced while it is read.
+  ``NAME.v2`` (its own ETag) from the ``replace_after``-th GET on: an object replaced while it is read. A GET of a
+  folder answers an index page linking its files and subfolders (what fsspec's HTTP ``ls`` / ``find`` read);
+  ``delay`` seconds are added to every request (the latency of a distant object store, for benchmarks).
 * ``plain_http``: the standard library's ``http.server.SimpleHTTPRequestHandler`` (``python -m http.server``),
   which ignores ``Range`` and answers every GET with the whole file.
 """
@@ -22,6 +24,7 @@ import hashlib
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -79,6 +82,7 @@ class Files(ThreadingHTTPServer):
     sent: int = 0
     gets: int = 0  # GET requests under /replace/ so far
     replace_after: int = 2
+    delay: float = 0.0  # seconds added to every request
     lock = threading.Lock()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -93,6 +97,8 @@ class RangeHandler(BaseHTTPRequestHandler):
         pass
 
     def _file(self, count: bool = False) -> tuple[Path | None, str]:
+        if self.server.delay:
+            time.sleep(self.server.delay)
         rel = self.path.split("?", 1)[0].lstrip("/")
         mode, _, rest = rel.partition("/")
         if mode not in MODES:
@@ -119,8 +125,27 @@ class RangeHandler(BaseHTTPRequestHandler):
         self._head(p, 200, p.stat().st_size)
         self.end_headers()
 
+    def _index(self) -> bool:
+        """Answer a GET of a folder with a page linking its entries (folders end with ``/``); False if no folder."""
+        rel = self.path.split("?", 1)[0].lstrip("/")
+        folder = self.server.root / rel
+        if not folder.is_dir():
+            return False
+        base = "/" + rel.rstrip("/") + "/" if rel.strip("/") else "/"
+        links = [f'<a href="{base}{c.name}{"/" if c.is_dir() else ""}">{c.name}</a>' for c in sorted(folder.iterdir())
+                 if not c.name.endswith(".v2")]
+        body = ("<html><body>" + "\n".join(links) + "</body></html>").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        return True
+
     def do_GET(self) -> None:
         p, mode = self._file(count=True)
+        if p is None and self._index():
+            return
         if p is None:
             self.send_error(404)
             return

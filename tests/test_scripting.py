@@ -136,7 +136,7 @@ def test_in_place_needs_no_force(run_cli, ckpts: dict[str, Path]) -> None:
 @pytest.mark.torchfree
 @pytest.mark.parametrize("args, message", [
     (["remap"], "Error: Missing argument 'SRC'."),
-    (["remap", "x.pt", "--bogus"], "Error: No such option '--bogus'."),
+    (["remap", "x.pt", "--nonsense"], "Error: No such option '--nonsense'."),  # (--bogus: "Did you mean '--jobs'?")
     (["inspect", "x.pt", "--limit", "many"],
      "Error: Invalid value for '--limit': 'many' is not a valid integer range."),
 ])

@@ -51,10 +51,23 @@ def output_options(f: F) -> F:
                         help="Output file. Default: next to SRC with the operation in the name.")(f)
 
 
+def _shard_jobs(ctx: click.Context, _param: click.Parameter, jobs: int) -> None:
+    """``--jobs N``: the command runs in a :func:`ckptool.ops.rewrite.parallel.shard_jobs` block (a pool of N threads
+    for the shards of a set), closed with the command's context."""
+    if jobs > 1:
+        from ckptool.ops.rewrite.parallel import shard_jobs  # noqa: PLC0415 - only for --jobs: not at start-up
+
+        ctx.with_resource(shard_jobs(jobs))
+
+
 def set_output_options(f: F) -> F:
     """:func:`output_options` for the commands that also rewrite sharded sets (``remap``, the prefix commands):
-    ``-o`` may name a folder, which holds the rewritten set."""
+    ``-o`` may name a folder, which holds the rewritten set; ``--jobs N`` writes N shards of a set at once."""
     f = force_option(f)
+    f = click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, metavar="N", expose_value=False,
+                     callback=_shard_jobs,
+                     help="For a sharded set: write N shards at once (threads; the index is written last, once "
+                          "every shard is written, so an interrupted run leaves no set). Default 1.")(f)
     f = click.option("--in-place", is_flag=True,
                      help="Replace SRC itself (atomically) instead of writing a new file (not for sharded sets).")(f)
     return click.option("-o", "--output", "dst", type=click.Path(),

@@ -8,6 +8,7 @@ import json
 import click
 
 from ckptool import __version__
+from ckptool import _source as source
 from ckptool.cli._common import emit_json, is_quiet, json_option
 from ckptool.errors import UsageError
 from ckptool.formats import plugin
@@ -47,6 +48,21 @@ def _summary(results: list[ScanResult], strict: bool) -> str:
             f"{counts['dangerous']} dangerous, {counts['error']} unreadable")
 
 
+def _is_prefix(p: str) -> bool:
+    return source.is_url(p) and (p.endswith("/") or source.kind(p) == "directory")
+
+
+def _many(paths: tuple[str, ...], fmt: str, jsonl: bool, jobs: int, cache_path: str | None, strict: bool,
+          show_all: bool) -> int:
+    """Many checkpoints as one run (:mod:`ckptool.cli._many`); its exit status."""
+    if jsonl and fmt != "text":
+        raise UsageError(f"--jsonl and --{'json' if fmt == 'json' else 'format ' + fmt} ask for two outputs; give one")
+    from ckptool.cli._many import run_many  # noqa: PLC0415 - deferred: not on the path of one file's scan
+
+    return run_many(paths, "jsonl" if jsonl else fmt, jobs=jobs, cache_path=cache_path, strict=strict,
+                    show_all=show_all, table=_table, summary=_summary)
+
+
 @click.command("scan")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(dir_okay=True))
 @json_option("scan")
@@ -54,13 +70,21 @@ def _summary(results: list[ScanResult], strict: bool) -> str:
               help="Output format: text (the default report), json (as --json) or sarif (a SARIF 2.1.0 log for "
                    "code-scanning dashboards: one result per dangerous or needs-trust global and pickle, with the "
                    "file, the pickle and the key path).")
+@click.option("--jsonl", is_flag=True,
+              help="Print one JSON object per checkpoint (its entry of --json), one line each, as files finish.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+              help="Scan N checkpoints at once: threads for URLs (waits on the network), processes for local files "
+                   "(CPU work). Results come as files finish.")
+@click.option("--cache", "cache_path", type=click.Path(dir_okay=False), default=None,
+              help="A SQLite file of earlier results (made when missing): a checkpoint whose path or URL, size, "
+                   "modification time or ETag and ckptool version are unchanged is not read again.")
 @click.option("--all", "show_all", is_flag=True, help="List allowed globals too, not only the ones that are not.")
 @click.option("--strict", is_flag=True,
               help="One verdict: unsafe unless every global is in torch's weights_only allowlist (exit 0 safe, "
                    "1 unsafe, 2 unreadable).")
 @click.pass_context
-def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_format: str | None, show_all: bool,
-             strict: bool) -> None:
+def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_format: str | None, jsonl: bool,
+             jobs: int, cache_path: str | None, show_all: bool, strict: bool) -> None:
     """Say whether loading each checkpoint in PATHS could run code, without running or importing anything.
 
     Every pickle in each file is read (zip members such as data.pkl and other .pkl files, nested zips, the five
@@ -98,6 +122,10 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
       4  a file needs trust (and none is dangerous or unreadable)
       2  also: a path does not exist, or a folder holds no checkpoint file (Error: line)
 
+    A path may be a URL prefix (s3://bucket/models/: its objects that are checkpoints by their content). With a
+    prefix, --jobs, --jsonl or --cache, files print as they finish and a path that cannot be read is a row with its
+    error, never the end of the run (docs/scale.md).
+
     With --strict: 0 safe, 1 a file names a global outside the allowlist (unsafe), 2 unreadable.
     --quiet prints nothing (the exit status answers); --json gives "strict", "exit_code" and "files" (per file:
     "verdict", "level", each global's "status" and "level", each pickle's "hidden" and "key_paths");
@@ -110,10 +138,13 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
       ckptool scan ~/Downloads/*.bin --json
       ckptool scan checkpoints/ --strict
       ckptool scan models/ --format sarif > ckptool.sarif
+      ckptool scan s3://bucket/models/ --jobs 16 --jsonl --cache scans.sqlite
     """
     if as_json and out_format not in (None, "json"):
         raise UsageError(f"--json and --format {out_format} ask for two outputs; give one")
     fmt = "json" if as_json else out_format or "text"
+    if jobs > 1 or jsonl or cache_path or any(_is_prefix(p) for p in paths):
+        ctx.exit(_many(paths, fmt, jsonl, jobs, cache_path, strict, show_all))
     results = scan(paths)
     code = exit_status(results, strict=strict)
     if fmt == "json":

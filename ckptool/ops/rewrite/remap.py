@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from typing import cast
 
 from ckptool._gc import gc_paused
@@ -30,7 +31,7 @@ def remap(
     mapping: Mapping[str, str] | None = None, in_place: bool = False, unwrap: bool = False,
     strip_dataparallel: bool = False, strip_prefixes: str | Sequence[str] = (), add_prefix: str | None = None,
     key: str | None = None, allow_missing: bool = False, allow_nested: bool = False,
-    progress: ProgressFn | None = None,
+    progress: ProgressFn | None = None, executor: Executor | None = None,
 ) -> WriteResult:
     """Write a copy of checkpoint ``src`` whose storages are tagged for another device.
 
@@ -65,10 +66,12 @@ def remap(
     state_dict(s) found, or to the one at dotted path ``key``; ``allow_missing`` as in
     :func:`ckptool.ops.rewrite.prefixes.strip_prefix` (it also lets a ``mapping`` source that matches no storage pass),
     ``allow_nested`` as in :func:`ckptool.ops.rewrite.prefixes.add_prefix`. ``progress(nbytes)`` is called as the
-    input's records are copied (bytes since the last call).
+    input's records are copied (bytes since the last call); ``executor``: a ``ThreadPoolExecutor`` writing a set's
+    shards one per task, the index last (:mod:`ckptool.ops.rewrite.parallel`).
 
     Returns a :class:`~ckptool.ops.rewrite.stream.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``),
-    a :class:`~ckptool.ops.rewrite.prefixes.RenameResult` (the renaming added) when keys were renamed.
+    a :class:`~ckptool.ops.rewrite.prefixes.RenameResult` (a WriteResult with the renaming added) when keys were
+    renamed.
 
     Raises:
         UsageError: bad device strings, ``dst`` equal to ``src`` without ``in_place``, missing output folder,
@@ -102,7 +105,7 @@ def remap(
     if index is not None:
         out = remap_output(opened, dst, to=to, in_place=in_place)
         return rewrite_set(opened, out, operation="remap", plan=plan, to=to, mapping=mapping, key=key,
-                           allow_missing=allow_missing, progress=progress)
+                           allow_missing=allow_missing, progress=progress, executor=executor)
     return _remap_file(opened, dst, plan, to=to, mapping=mapping, in_place=in_place, key=key,
                        allow_missing=allow_missing, progress=progress)
 

@@ -8,8 +8,10 @@ import it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
 
 from ckptool._commit import mark_committed, signals_blocked
@@ -17,6 +19,7 @@ from ckptool._fileio import atomic_output, make_output_folder, same_file, temp_p
 from ckptool.errors import OutputError, UsageError
 from ckptool.formats.sharded import INDEX_SUFFIX, SetLayout, encode_index, files_named
 from ckptool.ops.rewrite.companions import copy_companion
+from ckptool.ops.rewrite.parallel import run_all
 
 #: one shard's worth of what :func:`write_set` writes (convert: a list of units; a rewrite: an input shard)
 G = TypeVar("G")
@@ -47,13 +50,15 @@ class SetFiles(Protocol):
 def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str, G], None],
               inputs: list[str], weight_map: dict[str, str], total: int, res: SetFiles, out: str, *,
               metadata: dict[str, Any] | None = None, always_index: bool = False,
-              companions: Sequence[tuple[str, str]] = (), one_file: bool = False) -> None:
+              companions: Sequence[tuple[str, str]] = (), one_file: bool = False,
+              pool: Executor | None = None) -> None:
     """Write the shards ``groups`` with ``write(path, final path, group)`` as the set ``layout`` (several: shards
     plus the index of ``weight_map``, which ``write`` fills, and ``total`` bytes, or the index ``metadata`` given,
     kept as it is; one: the single file, no index, as ``transformers`` ``save_pretrained`` does, unless
     ``always_index``), adding the files to ``res``; ``companions`` (source path, file name): files copied byte for
     byte into the set's folder with the shards, in the same commit (a model folder's ``config.json``, tokenizer
-    files: :mod:`ckptool.ops.rewrite.companions`; not added to ``res.files``). Used by ``convert``, by the
+    files: :mod:`ckptool.ops.rewrite.companions`; not added to ``res.files``). ``pool``: an executor that runs ``write``
+    one shard per task (``write`` must then be safe to run in several threads at once). Used by ``convert``, by the
     shard-set rewrites of :mod:`ckptool.ops.rewrite.sets` (a group there is one input shard) and by the rewrites of
     a model folder holding one file (:mod:`ckptool.ops.rewrite.folders`: ``one_file``, one group, no note saying
     that everything fit one shard).
@@ -92,7 +97,7 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
     done = False
     try:
         with contextlib.ExitStack() as stack:  # the scratch files go when it closes, whatever happened
-            staged = _stage(stack, paths, groups, write)
+            staged = _stage(stack, paths, groups, write, pool)
             staged += _stage(stack, [p for _s, p in extra], [s for s, _p in extra], _copy)
             # every shard is written and verified: put them in place, write the index, remove the earlier set's
             # files and record the output as complete with SIGINT / SIGTERM held, so that an interrupt comes before
@@ -115,14 +120,16 @@ def write_set(layout: SetLayout, groups: Sequence[G], write: Callable[[str, str,
 
 
 def _stage(stack: contextlib.ExitStack, paths: list[str], groups: Sequence[G],
-           write: Callable[[str, str, G], None]) -> list[tuple[str, str]]:
-    """Write each group with ``write`` into a scratch file beside its final path (removed when ``stack`` closes);
+           write: Callable[[str, str, G], None], pool: Executor | None = None) -> list[tuple[str, str]]:
+    """Write each group with ``write`` into a scratch file beside its final path (removed when ``stack`` closes),
+    one task per group on ``pool`` when given;
     ``(scratch, final)`` pairs."""
-    staged: list[tuple[str, str]] = []
-    for final, us in zip(paths, groups):
-        tmp = stack.enter_context(scratch_file(final))
-        write(tmp, final, us)
-        staged.append((tmp, final))
+    staged = [(stack.enter_context(scratch_file(final)), final) for final in paths]
+    if pool is None or len(staged) < 2:
+        for (tmp, final), us in zip(staged, groups):
+            write(tmp, final, us)
+    else:  # one task per shard; all done (or all stopped) before the caller commits or cleans up
+        run_all(pool, [functools.partial(write, tmp, final, us) for (tmp, final), us in zip(staged, groups)])
     return staged
 
 

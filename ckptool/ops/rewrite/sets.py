@@ -20,7 +20,9 @@ the index written, with SIGINT / SIGTERM held); a failed run leaves nothing.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,6 +44,7 @@ from ckptool.model.rename_plan import RenamePlan, plan_keys
 from ckptool.model.units import plural
 from ckptool.ops.rewrite.companions import companion_files
 from ckptool.ops.rewrite.folders import folder_output, model_folder_output, refuse_existing_folder
+from ckptool.ops.rewrite.parallel import current_executor, locked
 from ckptool.ops.rewrite.set_writer import write_set
 from ckptool.ops.rewrite.stream import (
     ProgressFn,
@@ -413,17 +416,29 @@ def _dropped_shards(n: int) -> str:
     return f"{plural(n, 'shard')} held only dropped tensors and {were} not written; the shards kept are numbered anew"
 
 
+def _add(res: SetWriteResult, w: WriteResult, metadata: dict[str, Any] | None, size: int) -> None:
+    """Add one shard's write ``w`` (and its ``size`` of tensor data, to ``metadata``'s ``total_size``) to ``res``."""
+    if metadata is not None and size:
+        metadata["total_size"] += size
+    res.storages += w.storages
+    res.bytes_written += w.bytes_written
+    for pair, n in w.retagged.items():
+        res.retagged[pair] = res.retagged.get(pair, 0) + n
+
+
 def rewrite_set(
     src: str | Opened | OpenSet, dst: str, *, operation: str, plan: RenamePlan | None = None, to: str | None = None,
     mapping: Mapping[str, str] | None = None, key: str | None = None, allow_missing: bool = False,
     drop: Collection[str] = (), write_subset: SubsetWriter | None = None, progress: ProgressFn | None = None,
+    executor: Executor | None = None,
 ) -> SetWriteResult | SetRenameResult:
     """Rewrite the sharded set of the index ``src`` (or the set :func:`open_set` read) into ``dst`` (see
     :func:`_layout`): storages re-tagged by ``to`` / ``mapping`` (torch shards), keys renamed by ``plan``, the names
     ``drop`` left out (safetensors shards through ``write_subset``; see the module docstring); one output shard per
     input shard (that keeps a tensor), index ``weight_map`` renamed the same way and its ``metadata`` kept.
     ``operation`` names the command in the result and in messages; ``progress(nbytes)`` as the shards' bytes are
-    copied.
+    copied; ``executor`` (else that of an enclosing :func:`ckptool.ops.rewrite.parallel.shard_executor` block): a
+    ``ThreadPoolExecutor`` that writes the shards one per task (the index is written last, by this thread).
 
     Returns a :class:`SetRenameResult` when ``plan`` is given, else a :class:`SetWriteResult`; ``dst`` of either is
     the output index.
@@ -456,6 +471,9 @@ def rewrite_set(
     if gone:  # total_size counted anew as the shards are written (the index is written after them)
         metadata = {**(index.metadata or {}), "total_size": 0}
     res = SetWriteResult(index_path, "", shards[0].fmt, shards=len(shards))
+    lock = threading.Lock()  # the shards may be written by tasks at once (ops/rewrite/parallel.py)
+    pool = executor or current_executor()
+    progress = locked(progress) if pool is not None else progress
 
     def write(path: str, _final: str, shard: _Shard) -> None:
         dropped = gone.intersection(shard.keys)
@@ -471,18 +489,15 @@ def rewrite_set(
             if key_map and bound is not None:
                 rename_mapping_node(shard.ck.root, key_map, bound)
             w = rewrite_file(shard.ck, path, shard.ck.root, location_fn, progress=progress)
-        if metadata is not None and gone:
-            metadata["total_size"] += (open_checkpoint(path).safetensors_header().data_size
-                                       if shard.header is not None else _data_bytes([shard]))
-        res.storages += w.storages
-        res.bytes_written += w.bytes_written
-        for pair, n in w.retagged.items():
-            res.retagged[pair] = res.retagged.get(pair, 0) + n
+        size = (open_checkpoint(path).safetensors_header().data_size if shard.header is not None
+                else _data_bytes([shard])) if metadata is not None and gone else 0
+        with lock:
+            _add(res, w, metadata, size)
 
     inputs = [os.path.abspath(index_path), *(sh.path for sh in s.shards)]
     companions = companion_files(os.path.dirname(index_path), {os.path.basename(p) for p in inputs}, layout.folder)
     write_set(layout, shards, write, inputs, weight_map, _data_bytes(shards), res, dst,
-              metadata=metadata, always_index=True, companions=companions.files)
+              metadata=metadata, always_index=True, companions=companions.files, pool=pool)
     res.kept = companions.names
     res.notes += companions.notes()
     res.dst = os.path.join(layout.folder, layout.index_name)

@@ -94,7 +94,7 @@ from ckptool.ops.scan.results import (
 from ckptool.ops.scan.shipped_code import CodeScanner
 
 __all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult", "combine_results",
-           "exit_status", "iter_paths", "scan", "scan_file"]
+           "exit_status", "iter_paths", "iter_targets", "scan", "scan_file"]
 
 
 def scan_file(path: str | os.PathLike[str], *,
@@ -118,7 +118,7 @@ def scan_file(path: str | os.PathLike[str], *,
         return cast(ScanResult, plugin("ckptool.ops.scan.dcp:scan_dcp_folder")(*dcp))
     res = ScanResult(path)
     sc = CodeScanner(res, preparsed)  # the pickles, and the code that ships in each zip (ops/scan/shipped_code.py)
-    start = source.bytes_transferred()
+    start = source.thread_bytes_transferred()
     layout: Layout | None = None  # what the file was found to be (None: unreadable)
     try:
         formats.check_readable(path)
@@ -141,7 +141,7 @@ def scan_file(path: str | os.PathLike[str], *,
     if type(sc.root) is dict:
         res.recognised = recognise_file(sc.root, [g.name for g in res.globals])
     if source.is_url(path):
-        res.bytes_read = source.bytes_transferred() - start
+        res.bytes_read = source.thread_bytes_transferred() - start
     return res
 
 
@@ -215,6 +215,12 @@ def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
     """
     for path, _notes in _targets(paths):
         yield path
+
+
+def iter_targets(paths: Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, list[str]]]:
+    """:func:`iter_paths`, each path with the notes its result gets (why a file outside a scanned folder is
+    scanned); raises as :func:`iter_paths` does. Used by :mod:`ckptool.ops.scan.many`."""
+    return _targets(paths)
 
 
 def _targets(paths: Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, list[str]]]:

@@ -1,0 +1,228 @@
+"""Scanning many checkpoints in one run: files, folders and object-store prefixes, on any
+:class:`concurrent.futures.Executor`, with an optional cache (``ckptool scan --jobs N``, :func:`scan_many`).
+
+* What is scanned (:func:`expand`): each path as :func:`ckptool.ops.scan.entry.iter_targets` gives it (a file, a
+  folder walked recursively, a DCP folder as one); a URL that is a prefix or folder (``s3://bucket/models/``, any
+  fsspec filesystem that lists) stands for every object under it (:func:`ckptool._source.list_objects`). An object
+  found under a prefix is a checkpoint by its content, as a local folder's files are: its name ends like a checkpoint
+  (:data:`~ckptool.ops.scan.entry.CHECKPOINT_SUFFIXES`), or its first bytes are a zip, a pickle of protocol 2-5,
+  safetensors or a tar (one range request, :func:`starts_like_checkpoint`); other objects are skipped.
+* One task per checkpoint (:func:`scan_target`: a module-level function of a picklable :class:`Target`, so a
+  process pool or ``dask.distributed``'s ``Client.get_executor()`` runs it as well as a thread pool); results come
+  back as tasks finish. A checkpoint that cannot be read, a path that does not exist or a task that failed is a
+  result whose ``error`` says why (verdict ``error``), never the end of the run.
+* With a :class:`~ckptool.ops.scan.cache.ScanCache`, each checkpoint's version (size and modification time, or
+  size and ETag) is looked up first, from the listing where it gives them, else by one ``stat`` or ``HEAD``; a
+  checkpoint found there is not read. The cache is read and written by the caller, never by the tasks.
+
+Nothing here schedules work across machines: the executor does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+
+from ckptool import _source as source
+from ckptool.errors import CkptError
+from ckptool.ops.scan.cache import ScanCache
+from ckptool.ops.scan.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets, scan_file
+
+__all__ = ["ScanRun", "Target", "expand", "scan_many", "scan_target", "starts_like_checkpoint"]
+
+#: threads that ask for the versions of objects the listing gave none for (``HEAD`` requests, for the cache)
+STAMP_THREADS = 64
+
+
+@dataclass(frozen=True)
+class Target:
+    """One checkpoint to scan: ``path`` (file, DCP folder or URL), the ``notes`` its result gets, its ``size`` and
+    ``version`` (modification time in ns, or ETag) where known, ``listed`` when it was found under a URL prefix (and
+    is skipped unless it is a checkpoint by its content), ``error`` when finding it failed."""
+
+    path: str
+    notes: tuple[str, ...] = ()
+    size: int | None = None
+    version: str | None = None
+    listed: bool = False
+    error: str | None = None
+
+
+def expand(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Target]:
+    """The checkpoints of ``paths`` (see the module docstring), in order; a path that cannot be walked or listed
+    (missing, empty, a listing refused) is one :class:`Target` with its ``error``."""
+    for given in paths:
+        p = os.fspath(given)
+        try:
+            if source.is_url(p) and (p.endswith("/") or source.kind(p) == "directory"):
+                yield from (Target(u, size=size, version=tag, listed=True) for u, size, tag in source.list_objects(p))
+                continue
+            for path, notes in iter_targets([p]):
+                local = not source.is_url(path) and os.path.isfile(path)
+                yield Target(path, tuple(notes), size=os.path.getsize(path) if local else None)
+        except (CkptError, OSError) as e:
+            yield Target(p, error=str(e))
+
+
+def starts_like_checkpoint(url: str) -> bool:
+    """Whether the first 512 bytes of ``url`` are a zip, a pickle of protocol 2-5 (a torch legacy stream starts with
+    one), a safetensors header or a tar header (``ustar`` at byte 257); True when they cannot be read (the scan then
+    says why)."""
+    try:
+        with source.open_binary(url) as f:
+            head = f.read(512)
+    except (CkptError, OSError):
+        return True
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")) or head[257:262] == b"ustar":
+        return True
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return True
+    return head[8:9] == b"{"  # safetensors: an 8-byte header length, then the JSON header
+
+
+def scan_target(t: Target) -> ScanResult | None:
+    """Scan one :class:`Target` (the task each executor runs): its :class:`ScanResult`, with the bytes it transferred
+    for a URL; None for an object under a prefix that is no checkpoint by its content. Never raises for a problem of
+    the checkpoint or the network: the result's ``error`` says it."""
+    if t.error is not None:
+        return ScanResult(t.path, error=t.error)
+    start = source.thread_bytes_transferred()
+    try:
+        if t.listed and not t.path.lower().endswith(CHECKPOINT_SUFFIXES) and not starts_like_checkpoint(t.path):
+            return None
+        res = scan_file(t.path)
+    except (CkptError, OSError) as e:
+        res = ScanResult(t.path, error=str(e))
+    res.notes += t.notes
+    if source.is_url(t.path):
+        res.bytes_read = source.thread_bytes_transferred() - start
+    return res
+
+
+def _stamped(t: Target) -> Target:
+    """``t`` with its size and version (a local file's ``stat``, else a URL's ``HEAD``) where the listing gave none;
+    ``error`` set when asking failed. A folder (a DCP checkpoint) gets none: it is not cached."""
+    if t.error is not None or (t.size is not None and t.version is not None):
+        return t
+    try:
+        if not source.is_url(t.path):
+            if not os.path.isfile(t.path):
+                return t
+            st = os.stat(t.path)
+            return replace(t, size=st.st_size, version=str(st.st_mtime_ns))
+        _url, size, tag = source.version_key(t.path)
+        return replace(t, size=size if isinstance(size, int) else None, version=None if tag is None else str(tag))
+    except (CkptError, OSError) as e:
+        return replace(t, error=str(e))
+
+
+def _cache_key(t: Target) -> str | None:
+    if t.error is not None or t.size is None or t.version is None:
+        return None
+    return ScanCache.key(t.path if source.is_url(t.path) else os.path.abspath(t.path), t.size, t.version)
+
+
+#: words of the errors that come from the network, not from the object (:mod:`ckptool._remote`'s messages)
+TRANSIENT = ("network", "changed while it was read", "disappeared while", "run it again", "the scan task failed")
+
+
+def _cacheable(res: ScanResult | None) -> bool:
+    """A result worth keeping: whatever the bytes gave (a damaged file stays damaged), but not a failure to get them
+    (a dropped connection, an object replaced mid-read: :data:`TRANSIENT`)."""
+    if res is None:
+        return True
+    errors = [res.error or "", *(p.error or "" for p in res.pickles)]
+    return not any(word in e for e in errors for word in TRANSIENT)
+
+
+class ScanRun:
+    """One scan of many checkpoints: :attr:`targets` (every checkpoint found, listed before the first is scanned)
+    and, iterated, ``(target, result)`` pairs as tasks finish (in order without an executor). ``executor``: any
+    :class:`concurrent.futures.Executor` (None: one after another in this thread); ``cache``: a
+    :class:`~ckptool.ops.scan.cache.ScanCache`; ``window``: tasks in flight at most (default: 4 per worker of a
+    pool that says how many it has, else 64)."""
+
+    def __init__(self, paths: Iterable[str | os.PathLike[str]], *, executor: cf.Executor | None = None,
+                 cache: ScanCache | None = None, window: int | None = None) -> None:
+        self.targets = list(expand(paths))
+        self.executor = executor
+        self.cache = cache
+        workers = getattr(executor, "_max_workers", None)
+        self.window = window or (4 * workers if isinstance(workers, int) else 64)
+        #: checkpoints answered from the cache so far
+        self.hits = 0
+
+    def _lookups(self) -> Iterator[tuple[Target, str | None, tuple[bool, ScanResult | None]]]:
+        """Each target with its cache key and what the cache holds for it (``(False, None)`` when nothing)."""
+        if self.cache is None:
+            yield from ((t, None, (False, None)) for t in self.targets)
+            return
+        need = any(source.is_url(t.path) and t.version is None for t in self.targets)
+        with cf.ThreadPoolExecutor(STAMP_THREADS if need else 1) as pool:
+            for t in pool.map(_stamped, self.targets):
+                key = _cache_key(t)
+                yield t, key, (self.cache.get(key) if key is not None else (False, None))
+
+    def __iter__(self) -> Iterator[tuple[Target, ScanResult | None]]:
+        pending: dict[cf.Future[ScanResult | None], tuple[Target, str | None]] = {}
+        for t, key, (found, cached) in self._lookups():
+            if found:
+                self.hits += 1
+                if cached is not None and source.is_url(cached.path):
+                    cached.bytes_read = 0
+                yield t, cached
+                continue
+            if self.executor is None:
+                yield t, self._done(t, key, scan_target(t))
+                continue
+            pending[self.executor.submit(scan_target, t)] = (t, key)
+            while len(pending) >= self.window:
+                yield from self._drain(pending, cf.FIRST_COMPLETED)
+        while pending:
+            yield from self._drain(pending, cf.FIRST_COMPLETED)
+
+    def _drain(self, pending: dict[cf.Future[ScanResult | None], tuple[Target, str | None]], when: str
+               ) -> Iterator[tuple[Target, ScanResult | None]]:
+        done, _ = cf.wait(list(pending), return_when=when)
+        for fut in done:
+            t, key = pending.pop(fut)
+            try:
+                res = fut.result()
+            except Exception as e:  # the task itself failed (a worker died, a bug): a row, not the end of the run
+                res = ScanResult(t.path, error=f"the scan task failed: {type(e).__name__}: {e}")
+                key = None
+            yield t, self._done(t, key, res)
+
+    def _done(self, t: Target, key: str | None, res: ScanResult | None) -> ScanResult | None:
+        if self.cache is not None and key is not None and _cacheable(res):
+            self.cache.put(key, res)
+        return res
+
+
+def scan_many(paths: Iterable[str | os.PathLike[str]], *, executor: cf.Executor | None = None,
+              cache: ScanCache | str | os.PathLike[str] | None = None) -> Iterator[ScanResult]:
+    """Scan every checkpoint of ``paths`` (files, folders walked recursively, URL prefixes listed; see
+    :mod:`ckptool.ops.scan.many`) and yield each :class:`ScanResult` as its scan finishes.
+
+    ``executor``: any :class:`concurrent.futures.Executor` runs one task per checkpoint (a ``ThreadPoolExecutor``
+    for remote objects, whose scans wait on the network; a ``ProcessPoolExecutor`` for local files, whose scans
+    parse pickles in Python; ``dask.distributed.Client(...).get_executor()`` for a cluster); None scans them one
+    after another, in order. ``cache``: a :class:`~ckptool.ops.scan.cache.ScanCache` or the path of its SQLite file
+    (made when missing): an unchanged checkpoint is answered from it without being read.
+
+    A missing path, an empty folder, a listing refused, an unreadable object or a failed task is a result whose
+    ``verdict`` is ``error`` (its ``error`` says why); nothing raises for them.
+
+    Raises:
+        OutputError: ``cache`` cannot be opened as a SQLite database.
+    """
+    db = cache if isinstance(cache, ScanCache) or cache is None else ScanCache(cache)
+    try:
+        for _t, res in ScanRun(paths, executor=executor, cache=db):
+            if res is not None:
+                yield res
+    finally:
+        if db is not None and db is not cache:
+            db.close()
