@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeAlias, TypeVar
 
-from ckptool.errors import CorruptCheckpointError, UnsupportedError
+from ckptool.errors import CorruptCheckpointError, TruncatedError, UnsupportedError
 
 # The C unpickler trusts the lengths and indices written in the stream. Before it runs, check_pickle() walks the
 # opcodes (pickletools' opcode table: the same argument layout the C unpickler reads) and refuses what would make
@@ -126,6 +126,10 @@ def _corrupt(what: str, detail: str) -> CorruptCheckpointError:
         f"{what} is corrupted or truncated ({detail}); re-download or re-save the checkpoint")
 
 
+def _truncated(what: str, detail: str) -> TruncatedError:
+    return TruncatedError(f"{what} is corrupted or truncated ({detail}); re-download or re-save the checkpoint")
+
+
 def _memo_bomb(what: str, idx: int, pos: int, start: int) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"{what} is malformed or hostile: memo index {idx} at byte {pos - start} is larger than the pickle could "
@@ -195,7 +199,7 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
                     raise _bad_frame(what, pos - start, "a FRAME starts inside the previous frame")
                 frame_end = pos + 9 + int.from_bytes(buf[pos + 1:pos + 9], "little")
                 if frame_end > end:
-                    raise _corrupt(what, f"FRAME at byte {pos - start} runs past the end of the data")
+                    raise _truncated(what, f"FRAME at byte {pos - start} runs past the end of the data")
                 limit = frame_end
             pos += 9
             continue
@@ -203,7 +207,7 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
         if nxt < 0:
             if limit != end and _check_one(buf, op, pos, start, end, what) >= 0:
                 raise _bad_frame(what, pos - start, "an opcode runs past the end of its FRAME")
-            raise _corrupt(what, f"opcode {bytes([op])!r} at byte {pos - start} runs past the end of the data")
+            raise _truncated(what, f"opcode {bytes([op])!r} at byte {pos - start} runs past the end of the data")
         pos = nxt
 
 

@@ -65,6 +65,8 @@ from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.ops.scan.dcp_safety import check_dcp_safe
 from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers.budget import check_expansion
+from ckptool.readers.read_dcp import check_records
 from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.readers.read_torch import refuse_non_strided_for_dcp
 from ckptool.torch_ops.dcp import dcp_to_torch_file
@@ -80,6 +82,7 @@ def convert(
     unwrap: bool = False, strip_prefixes: str | Sequence[str] = (), max_shard_size: int | str | None = None,
     dtype: str | None = None, verify: bool = True, trust: bool = False,
     progress: ProgressFn | None = None, tag: str | None = None, exclude_frozen: bool = False,
+    max_expand: float | None = None,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
@@ -107,6 +110,10 @@ def convert(
       that fits one shard is the single file, without index (``transformers`` ``save_pretrained``).
     * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors.
     * ``verify`` re-opens the output and compares every tensor with the source (see the module docstring).
+    * ``max_expand`` bounds what the conversion reads and writes by what the source holds: the dense bytes of its
+      tensors may be at most that many times the bytes of their storages (None: the default factor; ``0``: no
+      limit), so that a view saved over a few bytes (``expand()``, a DCP ``.metadata`` declaring more than its
+      records hold) is refused before it is made dense (:mod:`ckptool.readers.budget`).
     * ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
     * ``progress(nbytes)`` is called with the bytes of tensor data written since the last call, as every operation
       reports progress; when it has a ``total`` attribute that is None (ckptool's progress bar), that is set to the
@@ -119,7 +126,7 @@ def convert(
             an output suffix that names no format, ``dst`` the same file as ``src``), a missing output folder or
             shard.
         UnsupportedError: plain pickles and TorchScript archives; dtypes safetensors cannot hold (complex128,
-            quantized tensors); no state_dict found.
+            quantized tensors); no state_dict found; tensors over the ``max_expand`` budget.
         NotACheckpointError / CorruptCheckpointError: unreadable or damaged input.
         UnsafeCheckpointError: a DCP folder (or a torch file converted to DCP) needs globals outside the allowlist
             and ``trust`` is False.
@@ -139,10 +146,12 @@ def convert(
     if opened.spec.torch_distributed:
         return _from_dcp(opened, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
             key=key, to=to, mapping=mapping, allow_missing=allow_missing, max_shard_size=shard_bytes, dtype=dtype,
-            verify=verify, progress=progress, **renames))
+            verify=verify, progress=progress, max_expand=max_expand, **renames))
     if fmt_out.folder and opened.spec.tensors and not opened.spec.tagged:
-        return _to_dcp(opened, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype)
+        return _to_dcp(opened, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype,
+                       max_expand=max_expand)
     source = _read_source(opened, fmt_out, key, tag, exclude_frozen)
+    check_expansion(source.tensors, max_expand, src_p, "convert")
     _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
     res = ConvertResult(src_p, dst_p, source.format, fmt_out.value, key=source.key, left_out=list(source.left_out),
                         skipped=list(source.skipped), notes=list(source.notes))
@@ -270,6 +279,7 @@ def _from_dcp(opened: Opened, dst: str, *, fmt_out: OutputFormat, trust: bool,
         raise UsageError(f"{src} is already a DCP checkpoint; convert it to torch or safetensors")
     meta = opened.dcp_metadata()
     check_dcp_safe(meta, trust)
+    check_records(meta, options.get("max_expand"), "convert")  # before torch allocates what .metadata declares
     whole = fmt_out.whole_state and not any(options.get(k) for k in ("key", "to", "mapping", "max_shard_size",
                                                                       "dtype", "unwrap", "strip_prefixes"))
     if whole:
@@ -282,7 +292,7 @@ def _from_dcp(opened: Opened, dst: str, *, fmt_out: OutputFormat, trust: bool,
 
 
 def _to_dcp(opened: Opened, dst: str, *, key: str | None, trust: bool, verify: bool, renames: dict[str, Any],
-            cast: str | None) -> ConvertResult:
+            cast: str | None, max_expand: float | None) -> ConvertResult:
     """Write a DCP folder at ``dst`` (:func:`ckptool.ops.convert.dcp.write_dcp`) from a checkpoint whose tensors
     ckptool reads (a torch file, a sharded set, safetensors, ``.pt2``, torch.package).
 
@@ -302,12 +312,13 @@ def _to_dcp(opened: Opened, dst: str, *, key: str | None, trust: bool, verify: b
     sub: ConvertResult | None = None
     if opened.spec.pickled and key is None and not renames and cast is None:
         refuse_non_strided_for_dcp(src, opened.format)
+        check_expansion(opened.all_tensors()[0].tensors, max_expand, src, "convert")  # torch saves them dense
         res.notes.append(WHOLE_NOTE)
         obj, _saved = load_checkpoint(src, "cpu", trust=trust)
     else:
         with scratch_file(dst) as tmp:
             sub = convert(src, tmp, format=OutputFormat.TORCH.value, key=key, dtype=cast, verify=verify, trust=trust,
-                          **renames)
+                          max_expand=max_expand, **renames)
             res.key, res.left_out, res.skipped, res.cast, res.renamed = (sub.key, sub.left_out, sub.skipped,
                                                                          sub.cast, sub.renamed)
             obj, _saved = load_checkpoint(tmp, "cpu", trust=trust)

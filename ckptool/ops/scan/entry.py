@@ -74,7 +74,7 @@ from typing import cast
 
 from ckptool import _source as source
 from ckptool._source import RangeView, leaves_folder
-from ckptool.errors import CkptError, InputNotFoundError, UsageError
+from ckptool.errors import CkptError, InputNotFoundError, TruncatedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dcp import is_dcp_folder
 from ckptool.formats.deepspeed import loaded_tag_folders
@@ -106,14 +106,15 @@ def scan_file(path: str | os.PathLike[str], *,
 
     Reads the file without importing or running anything from it, in time and memory bounded by its size (tensor
     bytes are never read). Problems with the file's content never raise: they make the result's ``verdict``
-    ``error`` (with ``error`` or a pickle's ``error`` saying what happened), or ``dangerous`` when a dangerous
-    global was found first. ``preparsed`` maps the ``where`` of a pickle the caller already read whole with the
+    ``error`` (with ``error`` or a pickle's ``error`` saying what happened), ``incomplete`` when the data is cut
+    short (``incomplete``, a pickle's ``truncated``), or ``dangerous`` when a dangerous global was found first.
+    ``preparsed`` maps the ``where`` of a pickle the caller already read whole with the
     restricted unpickler (``inspect``: ``archive/data.pkl``) to its globals, root and end offset (or None), which
     are then not read again.
 
     Returns:
-        A :class:`ScanResult`; its ``exit_code`` is 0 (safe), 1 (dangerous), 2 (unreadable) or 4 (needs trust),
-        its ``strict_exit_code`` 0 (safe), 1 (unsafe) or 2 (unreadable).
+        A :class:`ScanResult`; its ``exit_code`` is 0 (safe), 1 (dangerous), 2 (unreadable), 4 (needs trust) or
+        5 (incomplete), its ``strict_exit_code`` 0 (safe), 1 (unsafe), 2 (unreadable) or 5 (incomplete).
     """
     path = os.fspath(path)
     dcp = dcp_part(path)
@@ -123,21 +124,26 @@ def scan_file(path: str | os.PathLike[str], *,
     sc = CodeScanner(res, preparsed)  # the pickles, and the code that ships in each zip (ops/scan/shipped_code.py)
     start = source.bytes_transferred()
     layout: Layout | None = None  # what the file was found to be (None: unreadable)
+    head = b""
     try:
         formats.check_readable(path)
         # a URL: the zip / safetensors paths read by range (its directory, pickles and headers); others are copied
         with source.open_binary(path) as f, source.whole_view(f, lazy=_indexed) as buf:
+            head = bytes(buf[:2])
             layout = sc.any(buf, "", 0, f)
             res.format = layout.format
             if layout.header:
                 read_header(path)
     except NotAPickle:
         res.error = _not_a_pickle(path)
+    except TruncatedError as e:  # a zip without its end of central directory: cut short, not unreadable
+        res.incomplete.append(str(e))
     except CkptError as e:
         res.error = str(e)
     except RecursionError:
         res.error = f"{path}: nested too deeply to scan"
-    if layout is not None and layout.plain_pickle and res.pickles and res.pickles[0].error and not res.globals:
+    if layout is not None and layout.plain_pickle and res.pickles and res.pickles[0].error and not res.globals \
+            and not (res.pickles[0].truncated and _protocol_header(head)):
         res.error = _not_a_pickle(path)  # a PNG starts with a byte that is also an opcode: say what it is
     if layout is not None and layout.expects_pickles and not res.pickles and not res.error:
         res.notes.append("the zip holds no pickle")
@@ -174,11 +180,18 @@ def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]
                 res.globals.append(acc)
             acc.where += [f"{name}!{w}" for w in g.where]
         res.notes += [f"{name}: {n}" for n in part.notes]
+        res.incomplete += [f"{name}: {n}" for n in part.incomplete]
         res.code += [replace(c, member=f"{name}!{c.member}") for c in part.code]
         if part.error:
             errors.append(f"{name}: {part.error}")
     res.error = "; ".join(errors) or None
     return res
+
+
+def _protocol_header(head: bytes) -> bool:
+    """``head`` (a file's first two bytes) is the PROTO opcode of protocol 2 to 5, as ``pickle.dump`` begins: a
+    pickle cut short, not other bytes whose first byte happens to be an opcode."""
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
 def _not_a_pickle(path: str) -> str:
