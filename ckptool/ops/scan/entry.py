@@ -70,7 +70,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 from ckptool import _source as source
 from ckptool._source import RangeView, leaves_folder
@@ -78,10 +78,15 @@ from ckptool.errors import CkptError, InputNotFoundError, TruncatedError, UsageE
 from ckptool.formats import detect as formats
 from ckptool.formats.dcp import is_dcp_folder
 from ckptool.formats.deepspeed import loaded_tag_folders
+from ckptool.formats.dtypes import storage_nbytes, tensor_dtype
+from ckptool.formats.nodes import TensorNode
 from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.formats.safetensors import read_header
 from ckptool.formats.sharded import INDEX_SUFFIX, parse_index, shard_outside
+from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND, view_nbytes
 from ckptool.model.allowlist import recognise_file
+from ckptool.model.graph import iter_tensors
+from ckptool.model.units import human_bytes
 from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, zip_end
 from ckptool.ops.scan.dcp import dcp_part, scan_dcp_folder
 from ckptool.ops.scan.layouts import Layout
@@ -149,6 +154,8 @@ def scan_file(path: str | os.PathLike[str], *,
         res.notes.append("the zip holds no pickle")
     if type(sc.root) is dict:
         res.recognised = recognise_file(sc.root, [g.name for g in res.globals])
+    if sc.root is not None:
+        res.notes += _expansion_notes(sc.root)
     if source.is_url(path):
         res.bytes_read = source.bytes_transferred() - start
     return res
@@ -163,6 +170,34 @@ def _indexed(view: RangeView) -> bool:
         return True
     # zip_end only takes len() and slices, which a RangeView gives by range requests
     return head.startswith((ZIP_LOCAL, ZIP_EOCD)) and zip_end(cast("PickleBuffer", view)) == len(view)
+
+
+def _expansion_notes(root: Any) -> list[str]:
+    """A note (not a danger: nothing runs) when the tensors of the pickle torch loads are far larger dense than the
+    bytes their storages hold, past the budget every command that makes them dense holds to
+    (:mod:`ckptool.readers.budget`: :data:`~ckptool.formats.tensors.MAX_EXPAND` times, above
+    :data:`~ckptool.formats.tensors.EXPAND_FLOOR`): a stride-0 view such as ``zeros(1).expand(2**20, 2**20)``."""
+    held: dict[str, int] = {}
+    dense = 0
+    worst: tuple[float, str, TensorNode, int, int] | None = None
+    try:
+        for key, t, _rg in iter_tensors(root):
+            ref = t.storage
+            if ref is None:
+                continue
+            n, stored = view_nbytes(t.shape, tensor_dtype(t)), storage_nbytes(ref)
+            held[str(ref.key)] = stored
+            dense += n
+            if worst is None or n / max(stored, 1) > worst[0]:
+                worst = (n / max(stored, 1), key, t, n, stored)
+    except (CkptError, TypeError, ValueError):  # a malformed tensor: what the scan reports already
+        return []
+    if worst is None or dense <= max(MAX_EXPAND * sum(held.values()), EXPAND_FLOOR):
+        return []
+    factor, key, t, n, stored = worst
+    return [(f"tensor {key!r} {list(t.shape)} is {human_bytes(n)} dense over a storage of {human_bytes(stored)} "
+             f"({factor:.3g}x: a view that repeats elements, as expand() saves); commands that make tensors dense "
+             f"(convert, diff, average, report) refuse it past --max-expand {MAX_EXPAND:g}")]
 
 
 def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]) -> ScanResult:
