@@ -147,11 +147,8 @@ def scan_file(path: str | os.PathLike[str], *,
         res.error = str(e)
     except RecursionError:
         res.error = f"{path}: nested too deeply to scan"
-    if layout is not None and layout.plain_pickle and res.pickles and res.pickles[0].error and not res.globals \
-            and not (res.pickles[0].truncated and _protocol_header(head)):
-        res.error = _not_a_pickle(path)  # a PNG starts with a byte that is also an opcode: say what it is
-    if layout is not None and layout.expects_pickles and not res.pickles and not res.error:
-        res.notes.append("the zip holds no pickle")
+    if layout is not None:
+        _layout_findings(res, layout, head)
     if type(sc.root) is dict:
         res.recognised = recognise_file(sc.root, [g.name for g in res.globals])
     if sc.root is not None:
@@ -221,6 +218,18 @@ def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]
             errors.append(f"{name}: {part.error}")
     res.error = "; ".join(errors) or None
     return res
+
+
+def _layout_findings(res: ScanResult, layout: Layout, head: bytes) -> None:
+    """What the layout found says beyond the pickles: a plain pickle failing at once with no global is no pickle
+    at all (a PNG starts with a byte that is also an opcode), unless it is a pickle cut short (its PROTO header,
+    ``head``: the file's first two bytes); a zip holding no pickle."""
+    first = res.pickles[0] if res.pickles else None
+    if layout.plain_pickle and first is not None and first.error and not res.globals \
+            and not (first.truncated and _protocol_header(head)):
+        res.error = _not_a_pickle(res.path)
+    if layout.expects_pickles and not res.pickles and not res.error:
+        res.notes.append("the zip holds no pickle")
 
 
 def _protocol_header(head: bytes) -> bool:
