@@ -110,10 +110,7 @@ def convert(
       that fits one shard is the single file, without index (``transformers`` ``save_pretrained``).
     * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors.
     * ``verify`` re-opens the output and compares every tensor with the source (see the module docstring).
-    * ``max_expand`` bounds what the conversion reads and writes by what the source holds: the dense bytes of its
-      tensors may be at most that many times the bytes of their storages (None: the default factor; ``0``: no
-      limit), so that a view saved over a few bytes (``expand()``, a DCP ``.metadata`` declaring more than its
-      records hold) is refused before it is made dense (:mod:`ckptool.readers.budget`).
+    * ``max_expand``: what the tensors may take dense, per storage byte (:mod:`ckptool.readers.budget`; 0: no limit).
     * ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
     * ``progress(nbytes)`` is called with the bytes of tensor data written since the last call, as every operation
       reports progress; when it has a ``total`` attribute that is None (ckptool's progress bar), that is set to the
@@ -150,8 +147,7 @@ def convert(
     if fmt_out.folder and opened.spec.tensors and not opened.spec.tagged:
         return _to_dcp(opened, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype,
                        max_expand=max_expand)
-    source = _read_source(opened, fmt_out, key, tag, exclude_frozen)
-    check_expansion(source.tensors, max_expand, src_p, "convert")
+    source = _read_source(opened, fmt_out, key, tag, exclude_frozen, max_expand)
     _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
     res = ConvertResult(src_p, dst_p, source.format, fmt_out.value, key=source.key, left_out=list(source.left_out),
                         skipped=list(source.skipped), notes=list(source.notes))
@@ -193,13 +189,14 @@ def _check_options(src: str, dst: str, fmt_out: OutputFormat, shard_bytes: int |
 
 
 def _read_source(opened: Opened, fmt_out: OutputFormat, key: str | None, tag: str | None,
-                 exclude_frozen: bool) -> Source:
+                 exclude_frozen: bool, max_expand: float | None) -> Source:
     """The tensors to convert (:meth:`ckptool.readers.Opened.state_dict`); for an output that keeps shared storages
     (torch) from one file, the tied names ``safetensors.torch.save_model`` dropped given back (only a safetensors
     source records them; a sharded set's metadata is its first shard's alone).
 
     Raises:
-        UnsupportedError: the selected state_dict holds no tensors (and what the reader raises).
+        UnsupportedError: the selected state_dict holds no tensors, or is over the ``max_expand`` budget
+            (:func:`ckptool.readers.budget.check_expansion`), and what the reader raises.
     """
     if opened.spec.tagged:
         _refuse_deepspeed_options(opened.path, fmt_out, key)
@@ -208,6 +205,7 @@ def _read_source(opened: Opened, fmt_out: OutputFormat, key: str | None, tag: st
         restore_library_aliases(source)
     if not source.tensors:
         raise UnsupportedError(f"{opened.path}: the selected state_dict holds no tensors; nothing to convert")
+    check_expansion(source.tensors, max_expand, opened.path, "convert")
     return source
 
 
