@@ -220,6 +220,15 @@ def test_the_fixtures_and_real_checkpoints_are_within_the_default(real_dir: Path
     assert checked >= 10
 
 
+def test_an_error_line_never_carries_a_traceback() -> None:
+    """The last guard: a library's text carried into a CkptError is cut where a traceback starts."""
+    from ckptool.cli._errors import describe_error
+
+    err = CorruptCheckpointError("x: torch failed (boom)\nTraceback (most recent call last):\n  File 'a.py'")
+    assert describe_error(err) == ("x: torch failed (boom)", 1)
+    assert describe_error(CorruptCheckpointError("two lines\nof tables")) == ("two lines\nof tables", 1)
+
+
 def test_no_torch_traceback_when_torch_reads_a_dcp_folder(tmp_path: Path) -> None:
     """torch's CheckpointException carries each rank's traceback in its text: only the first rank's exception
     type and first line reach the message (torch's own reader, given the folder ckptool's check refuses)."""

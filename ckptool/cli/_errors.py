@@ -70,6 +70,9 @@ def extra_hint(module: str) -> str:
 #: ckptool bug could import on an older one: pip cannot install any of them
 _STDLIB = frozenset(sys.stdlib_module_names) | {"tomllib"}
 
+#: where a Python traceback starts in an exception's text (torch's CheckpointException carries one per rank)
+TRACEBACK = "Traceback (most recent call last)"
+
 DEBUG_HINT = "run again with --debug (or CKPTOOL_DEBUG=1) for the traceback"
 
 
@@ -84,7 +87,10 @@ def _ckpt(e: CkptError) -> tuple[str, int]:
         found = _import(cause)
         if found is not None:
             return found
-    return str(e), ckpt_exit_code(e)
+    text = str(e)
+    if TRACEBACK in text:  # a library's exception text carried into ours: never a traceback without --debug
+        text = text[:text.index(TRACEBACK)].rstrip() or type(e).__name__
+    return text, ckpt_exit_code(e)
 
 
 def _memory(e: MemoryError) -> tuple[str, int]:
