@@ -36,6 +36,12 @@ class CorruptCheckpointError(CkptError, ValueError):
     """The file starts like a known format but is truncated or damaged (bad zip directory, broken pickle...)."""
 
 
+class TruncatedError(CorruptCheckpointError):
+    """The file ends before what its own structure declares: a pickle cut before its STOP opcode, a zip without
+    its end of central directory, a member, storage block or DCP record past the end of its file (a truncated
+    download or copy). ``ckptool scan`` calls such a file ``incomplete``."""
+
+
 class UnsupportedError(CkptError, ValueError):
     """A valid checkpoint that asks for an operation this format or layout cannot support (e.g. remapping a
     TorchScript archive, renaming FSDP flat parameters)."""

@@ -175,7 +175,10 @@ def test_generated_fixtures(generated: dict[str, Path], manifest) -> None:
             unknown = {g.name for g in res.globals if g.status == UNKNOWN}
             assert "fixture_models.TinyNet" in unknown and not any(g.status == DANGEROUS for g in res.globals)
         assert res.verdict != DANGEROUS, (name, res.unsafe)  # benign files are never called dangerous
-        if info.kind == "bad" and name not in ("truncated_legacy.pt", "notorch.zip"):
+        if info.kind == "bad" and name.startswith("truncated_"):  # cut short: incomplete (issue 36), never safe
+            assert res.verdict == "incomplete" and res.exit_code == 5 and res.strict_exit_code == 5, name
+            assert res.cut_short and res.to_dict()["incomplete"], name
+        elif info.kind == "bad" and name != "notorch.zip":
             assert res.verdict == "error", name
 
 
@@ -198,7 +201,9 @@ def test_every_hostile_file_is_flagged(corpus) -> None:
                     assert g.status == DANGEROUS, g
         else:
             assert res.verdict != DANGEROUS, entry.name
-        if entry.bomb and entry.kind != "deep nesting":
+        if entry.bomb and entry.kind == "truncated zip":  # cut short: incomplete, never safe (issue 36)
+            assert res.verdict == "incomplete" and res.exit_code == 5, entry.name
+        elif entry.bomb and entry.kind != "deep nesting":
             assert res.verdict == "error", entry.name
     assert flagged == sum(bool(e.expect) for e, _ in corpus) > 200
 
@@ -273,7 +278,12 @@ def test_cli_exit_codes(run_cli, real_dir: Path, generated: dict[str, Path], cor
     assert "DANGEROUS  os.system" in r.output and ": DANGEROUS (" in r.output
     assert "4 files: 1 safe, 1 need trust, 1 dangerous, 1 unreadable" in r.output
     r = run_cli("scan", real_dir / "lpips-v0.1-alex.pth", generated["truncated_zip.pt"], full)
-    assert r.exit_code == 2 and "damaged zip" in r.output
+    assert r.exit_code == 4 and "damaged zip" in r.output and ": INCOMPLETE (" in r.output  # needs trust first
+    assert "3 files: 1 safe, 1 need trust, 0 dangerous, 0 unreadable, 1 incomplete" in r.output
+    r = run_cli("scan", real_dir / "lpips-v0.1-alex.pth", generated["truncated_zip.pt"], generated["empty.pt"])
+    assert r.exit_code == 2  # unreadable before incomplete
+    r = run_cli("scan", real_dir / "lpips-v0.1-alex.pth", generated["truncated_zip.pt"])
+    assert r.exit_code == 5
     r = run_cli("scan", generated["model_full_cuda0.pt"], real_dir / "lpips-v0.1-alex.pth")
     assert r.exit_code == 4 and ": NEEDS TRUST (" in r.output
     assert re.search(r"needs-trust +fixture_models.TinyNet +a class on no list", r.output)
@@ -288,6 +298,8 @@ def test_cli_strict_keeps_the_single_verdict(run_cli, real_dir: Path, generated:
     r = run_cli("scan", "--strict", real_dir / "lpips-v0.1-alex.pth", gadget, generated["empty.pt"])
     assert r.exit_code == 1 and "3 files: 1 safe, 1 unsafe, 1 unreadable" in r.output
     r = run_cli("scan", "--strict", real_dir / "lpips-v0.1-alex.pth", generated["truncated_zip.pt"])
+    assert r.exit_code == 5 and "2 files: 1 safe, 0 unsafe, 0 unreadable, 1 incomplete" in r.output
+    r = run_cli("scan", "--strict", generated["empty.pt"], generated["truncated_zip.pt"])
     assert r.exit_code == 2
     assert run_cli("scan", "--strict", real_dir / "lpips-v0.1-alex.pth").exit_code == 0
     out = json.loads(run_cli("scan", "--strict", "--json", generated["model_full_cuda0.pt"]).output)
@@ -326,7 +338,7 @@ def test_cli_json(run_cli, generated: dict[str, Path], real_dir: Path, corpus) -
                                     "reason": "runs processes and changes files", "where": ["pickle at byte 0"]}
     assert out[0]["pickles"][0]["where"].endswith("data.pkl")
     assert set(out[1]) == {"path", "verdict", "level", "format", "error", "globals", "pickles", "notes", "code",
-                           "recognised"}
+                           "recognised", "incomplete"}
     assert out[0]["pickles"][0]["hidden"] is False
 
 

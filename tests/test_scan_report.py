@@ -100,7 +100,7 @@ def test_sarif_log(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (run,) = log["runs"]
     driver = run["tool"]["driver"]
     assert driver["name"] == "ckptool" and driver["version"] == "1.2.3"
-    assert [r["id"] for r in driver["rules"]] == ["CKPT001", "CKPT002", "CKPT003", "CKPT004"]
+    assert [r["id"] for r in driver["rules"]] == ["CKPT001", "CKPT002", "CKPT003", "CKPT004", "CKPT005"]
     assert driver["rules"] == RULES
     assert sorted(a["location"]["uri"] for a in run["artifacts"]) == [
         "models/net.pkl", "models/ok.pkl", "models/sub/evil.pt"]
@@ -122,12 +122,15 @@ def test_sarif_log(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_sarif_for_unreadable_and_absolute_paths(tmp_path: Path) -> None:
     bad = tmp_path / "cut.pt"
-    bad.write_bytes(pickle.dumps({"a": 1}, protocol=2)[:-3])
-    log = to_sarif(scan([bad]), version="1")
+    bad.write_bytes(pickle.dumps({"a": 1}, protocol=2)[:-3])  # cut short: incomplete (CKPT005, issue 36)
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes(b"\x80\x02\x9b" + bytes(20))  # an invalid opcode: unreadable (CKPT003)
+    log = to_sarif(scan([bad, damaged]), version="1")
     _validate(log)
     results = log["runs"][0]["results"]
-    assert results and {r["ruleId"] for r in results} == {"CKPT003"} and {r["level"] for r in results} == {"warning"}
-    assert {r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] for r in results} == {bad.as_uri()}
+    rules = {r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]: r["ruleId"] for r in results}
+    assert rules == {bad.as_uri(): "CKPT005", damaged.as_uri(): "CKPT003"}
+    assert {r["level"] for r in results} == {"warning"}
 
 
 def test_cli_sarif_keeps_the_exit_status(folder: Path, run_cli) -> None:

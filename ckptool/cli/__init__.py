@@ -121,8 +121,8 @@ Exit status:
   {EXIT_BUG}  internal error: a bug in ckptool; run again with --debug (before or after the command) or
      CKPTOOL_DEBUG=1 for the traceback, and report it
   {EXIT_INTERRUPTED}  interrupted (SIGINT, Ctrl-C); {EXIT_TERMINATED} terminated (SIGTERM): nothing was written
-`ckptool scan` has its own: 0 every file safe, 1 a file dangerous, 2 a file unreadable, 4 a file needs trust
-(--strict: 0 safe, 1 unsafe, 2 unreadable)."""
+`ckptool scan` has its own: 0 every file safe, 1 a file dangerous, 2 a file unreadable, 4 a file needs trust,
+5 a file incomplete (--strict: 0 safe, 1 unsafe, 2 unreadable, 5 incomplete)."""
 
 
 def _set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> None:

@@ -24,6 +24,7 @@ from ckptool.cli._flags import muted_stdout as muted_stdout
 from ckptool.cli._flags import progress_wanted as progress_wanted
 from ckptool.cli._flags import set_output as set_output
 from ckptool.errors import CkptError, UsageError
+from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND
 from ckptool.model.devices import DEVICE_HELP, parse_mapping
 from ckptool.model.units import human_bytes as human_bytes
 from ckptool.model.units import wrote_line
@@ -82,6 +83,16 @@ def key_option(help_text: str = RENAME_KEY_HELP) -> Callable[[F], F]:
     """``--key PATH`` (parameter ``key``, default ``None``): the dotted path of a state_dict or module in the
     file; ``help_text`` says which, for this command."""
     return click.option("--key", metavar="PATH", default=None, help=help_text)
+
+
+def max_expand_option(f: F) -> F:
+    """``--max-expand FACTOR`` (parameter ``max_expand``, default None: :data:`ckptool.formats.tensors.MAX_EXPAND`):
+    the budget of the commands that make tensors dense (:mod:`ckptool.readers.budget`)."""
+    return click.option(
+        "--max-expand", "max_expand", metavar="FACTOR", type=float, default=None,
+        help=f"Refuse tensors whose dense size is more than FACTOR times the bytes their storages hold in the "
+             f"input (a view saved over a few bytes: expand(), broadcasting, a DCP .metadata declaring more than "
+             f"its records hold), beyond {human_bytes(EXPAND_FLOOR)}. Default: {MAX_EXPAND:g}; 0: no limit.")(f)
 
 
 def device_options(f: F) -> F:

@@ -20,7 +20,8 @@ from ckptool.errors import CkptError, UsageError, os_error_advice
 
 # ------------------------------------------------------------------------------------------------ exit status
 # What the ``ckptool`` command's exit status means (``ckptool scan`` has its own verdict codes: 0 every file is
-# safe, 1 a file is dangerous, 2 a file could not be read, 4 a file needs trust; see ckptool.ops.scan.entry.EXIT_CODES).
+# safe, 1 a file is dangerous, 2 a file could not be read, 4 a file needs trust, 5 a file is incomplete (cut short:
+# a truncated download); see ckptool.ops.scan.results.EXIT_CODES, whose codes never collide with the ones below).
 
 #: the command did what it was asked
 EXIT_OK = 0
@@ -69,6 +70,9 @@ def extra_hint(module: str) -> str:
 #: ckptool bug could import on an older one: pip cannot install any of them
 _STDLIB = frozenset(sys.stdlib_module_names) | {"tomllib"}
 
+#: where a Python traceback starts in an exception's text (torch's CheckpointException carries one per rank)
+TRACEBACK = "Traceback (most recent call last)"
+
 DEBUG_HINT = "run again with --debug (or CKPTOOL_DEBUG=1) for the traceback"
 
 
@@ -83,7 +87,10 @@ def _ckpt(e: CkptError) -> tuple[str, int]:
         found = _import(cause)
         if found is not None:
             return found
-    return str(e), ckpt_exit_code(e)
+    text = str(e)
+    if TRACEBACK in text:  # a library's exception text carried into ours: never a traceback without --debug
+        text = text[:text.index(TRACEBACK)].rstrip() or type(e).__name__
+    return text, ckpt_exit_code(e)
 
 
 def _memory(e: MemoryError) -> tuple[str, int]:

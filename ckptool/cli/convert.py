@@ -22,6 +22,7 @@ from ckptool.cli._common import (
     json_option,
     key_option,
     mapping_of,
+    max_expand_option,
     refuse_stdout,
     set_output,
 )
@@ -92,12 +93,12 @@ def report_convert(res: ConvertResult) -> None:
               help="Allow globals outside torch's weights-only allowlist where torch loads the data (DCP). Only for "
                    "files you trust.")
 @force_option
+@max_expand_option
 @json_option("convert")
 def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | None, maps: tuple[str, ...],
                 unwrap_keys: bool, strip_prefixes: tuple[str, ...], max_shard_size: str | None, dtype: str | None,
                 tag: str | None, exclude_frozen: bool, tp_dims: tuple[str, ...], allow_missing: bool, no_verify: bool,
-                trust: bool, force: bool,
-                as_json: bool) -> None:
+                trust: bool, force: bool, max_expand: float | None, as_json: bool) -> None:
     """Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint.
 
     SRC is a torch.save file, a safetensors file, a sharded set (*.index.json, or the folder holding it), a
@@ -137,7 +138,7 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
         res = convert(src, dst, format=fmt, key=key, to=to, mapping=mapping_of(maps), allow_missing=allow_missing,
                       unwrap=unwrap_keys, strip_prefixes=strip_prefixes, max_shard_size=max_shard_size, dtype=dtype,
                       verify=not no_verify, trust=trust, progress=bar, tag=tag,
-                      exclude_frozen=exclude_frozen, tp_dims=tp_dims)
+                      exclude_frozen=exclude_frozen, tp_dims=tp_dims, max_expand=max_expand)
     written = res.load_path  # a sharded set: its index; one shard in a folder: that file
     if as_json:
         emit_json("convert", {**dataclasses.asdict(res), **hint_payload(hint_for(written, to=to, maps=maps))})

@@ -8,6 +8,7 @@ import json
 
 import click
 
+from ckptool.cli._common import max_expand_option
 from ckptool.ops.diff.compare import diff
 from ckptool.ops.diff.result import diff_text
 
@@ -31,10 +32,11 @@ from ckptool.ops.diff.result import diff_text
               help="Compare the state_dict at this dotted path (e.g. model_state_dict) of each torch file where it "
                    "resolves; default: a training checkpoint against a bare state_dict is compared through the "
                    "state_dict convert would pick.")
+@max_expand_option
 @click.option("--json", "as_json", is_flag=True, help='Print the result as JSON ("schema": "ckptool.diff/1").')
 @click.pass_context
 def diff_cmd(ctx: click.Context, a: str, b: str, rtol: float | None, atol: float | None, keys_only: bool,
-             strict: bool, key: str | None, verbose: bool, as_json: bool) -> None:
+             strict: bool, key: str | None, verbose: bool, max_expand: float | None, as_json: bool) -> None:
     """Show what changed between checkpoints A and B, of any formats ckptool reads.
 
     Works across torch.save files (zip and legacy), safetensors, sharded sets (an *.index.json or its folder),
@@ -63,7 +65,8 @@ def diff_cmd(ctx: click.Context, a: str, b: str, rtol: float | None, atol: float
       ckptool diff ds_checkpoint/ model.safetensors    # a DeepSpeed ZeRO folder
       ckptool diff gpu_model.pth model.safetensors --strict   # a device the file cannot keep counts too
     """
-    res = diff(a, b, rtol=rtol, atol=atol, keys_only=keys_only, strict=strict, key=key)
+    res = diff(a, b, rtol=rtol, atol=atol, keys_only=keys_only, strict=strict, key=key,
+               max_expand=max_expand)
     if as_json:
         click.echo(json.dumps(res.to_dict(), indent=2))
     else:

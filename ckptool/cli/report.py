@@ -7,7 +7,7 @@ import os
 
 import click
 
-from ckptool.cli._common import claim_output, emit_json, force_option, human_bytes, json_option
+from ckptool.cli._common import claim_output, emit_json, force_option, human_bytes, json_option, max_expand_option
 from ckptool.ops.diff.report import report
 
 
@@ -24,8 +24,10 @@ def default_output(a: str) -> str:
 @click.option("-o", "--output", "dst", metavar="OUT", help="The page to write. Default: A's name up to its first dot "
               "+ .report.html, in the current folder (model.pth -> model.report.html).")
 @force_option
+@max_expand_option
 @json_option("report")
-def report_cmd(a: str, b: str | None, dst: str | None, force: bool, as_json: bool) -> None:
+def report_cmd(a: str, b: str | None, dst: str | None, force: bool, max_expand: float | None,
+               as_json: bool) -> None:
     """Write one self-contained HTML page about checkpoint A, or comparing A with B.
 
     The page (CSS and JavaScript inline; it opens from disk in any current browser, with no network) shows the
@@ -44,7 +46,7 @@ def report_cmd(a: str, b: str | None, dst: str | None, force: bool, as_json: boo
       ckptool report base.pth tuned.pth --json    # the page, and its figures as JSON
     """
     out = claim_output(dst or default_output(a), force=force)
-    res = report(a, b, dst=out)
+    res = report(a, b, dst=out, max_expand=max_expand)
     if as_json:
         emit_json("report", {"dst": res.dst, "bytes_written": res.bytes_written, "seconds": round(res.seconds, 3),
                              "compared": res.compared, **res.figures})

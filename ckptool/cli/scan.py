@@ -13,7 +13,7 @@ from ckptool.cli._common import emit_json, is_quiet, json_option
 from ckptool.errors import UsageError
 from ckptool.formats import plugin
 from ckptool.ops.scan.entry import ScanResult, exit_status, scan
-from ckptool.ops.scan.results import SHOWN
+from ckptool.ops.scan.results import INCOMPLETE, SHOWN
 
 
 def _print_result(res: ScanResult, show_all: bool, strict: bool) -> None:
@@ -40,12 +40,17 @@ def _table(results: list[ScanResult], strict: bool) -> str:
 
 def _summary(results: list[ScanResult], strict: bool) -> str:
     if strict:
-        counts = {v: sum(r.strict_verdict == v for r in results) for v in ("safe", "unsafe", "error")}
+        counts = {v: sum(r.strict_verdict == v for r in results) for v in ("safe", "unsafe", "error", INCOMPLETE)}
         return (f"{len(results)} files: {counts['safe']} safe, {counts['unsafe']} unsafe, "
-                f"{counts['error']} unreadable")
-    counts = {v: sum(r.verdict == v for r in results) for v in ("safe", "needs-trust", "dangerous", "error")}
+                f"{counts['error']} unreadable" + _incomplete(counts))
+    counts = {v: sum(r.verdict == v for r in results)
+              for v in ("safe", "needs-trust", "dangerous", "error", INCOMPLETE)}
     return (f"{len(results)} files: {counts['safe']} safe, {counts['needs-trust']} need trust, "
-            f"{counts['dangerous']} dangerous, {counts['error']} unreadable")
+            f"{counts['dangerous']} dangerous, {counts['error']} unreadable" + _incomplete(counts))
+
+
+def _incomplete(counts: dict[str, int]) -> str:
+    return f", {counts[INCOMPLETE]} incomplete" if counts[INCOMPLETE] else ""
 
 
 def _is_prefix(p: str) -> bool:
@@ -81,7 +86,7 @@ def _many(paths: tuple[str, ...], fmt: str, jsonl: bool, jobs: int, cache_path: 
 @click.option("--all", "show_all", is_flag=True, help="List allowed globals too, not only the ones that are not.")
 @click.option("--strict", is_flag=True,
               help="One verdict: unsafe unless every global is in torch's weights_only allowlist (exit 0 safe, "
-                   "1 unsafe, 2 unreadable).")
+                   "1 unsafe, 2 unreadable, 5 incomplete).")
 @click.pass_context
 def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_format: str | None, jsonl: bool,
              jobs: int, cache_path: str | None, show_all: bool, strict: bool) -> None:
@@ -103,7 +108,9 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
                    loading would call it with arguments the file chooses
 
     A file is as bad as its worst global; a file that could not be read to its end is unreadable (unless a
-    dangerous global came first). A pickle torch.load does not read today (another zip member, data after the end)
+    dangerous global came first); a file cut short (a pickle, a zip, a legacy storage block or a DCP record ending
+    past the end of the data: a truncated download) whose globals are all safe is incomplete, never safe. A
+    pickle torch.load does not read today (another zip member, data after the end)
     counts the same: other loaders and tools may read it. Directories are walked recursively for checkpoint files
     (a torch.distributed.checkpoint folder is read as one, .metadata then each record's byte range of the .distcp
     files) and end with a table of every file's verdict and the counts. Known library files are recognised by
@@ -120,17 +127,19 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
       1  a file is dangerous
       2  a file could not be read (and none is dangerous)
       4  a file needs trust (and none is dangerous or unreadable)
+      5  a file is incomplete (and none is dangerous, unreadable or needs trust)
       2  also: a path does not exist, or a folder holds no checkpoint file (Error: line)
 
     A path may be a URL prefix (s3://bucket/models/: its objects that are checkpoints by their content). With a
     prefix, --jobs, --jsonl or --cache, files print as they finish and a path that cannot be read is a row with its
     error, never the end of the run (docs/scale.md).
 
-    With --strict: 0 safe, 1 a file names a global outside the allowlist (unsafe), 2 unreadable.
+    With --strict: 0 safe, 1 a file names a global outside the allowlist (unsafe), 2 unreadable, 5 incomplete.
     --quiet prints nothing (the exit status answers); --json gives "strict", "exit_code" and "files" (per file:
     "verdict", "level", each global's "status" and "level", each pickle's "hidden" and "key_paths");
     --format sarif prints a SARIF 2.1.0 log (rules CKPT001 dangerous, CKPT002 needs trust, CKPT003 unreadable,
-    CKPT004 code in the file), with the same exit status.
+    CKPT004 code in the file, CKPT005 incomplete), with the same exit status; --json gives each file's
+    "incomplete" (what is cut short).
 
     \b
     Examples:

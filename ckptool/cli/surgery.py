@@ -19,6 +19,7 @@ from ckptool.cli._common import (
     json_option,
     key_option,
     mapping_of,
+    max_expand_option,
     refuse_stdout,
     renamed_state_dict,
     report_kept,
@@ -235,9 +236,10 @@ def _parse_weights(text: str | None) -> list[float] | None:
 @key_option("Dotted path of the state_dict to average in torch inputs (state_dict_ema, model_ema). Default: the "
             "one `ckptool convert` would choose.")
 @click.option("--force", is_flag=True, help="Replace the output if it exists (default: refuse, write nothing).")
+@max_expand_option
 @json_option("average")
 def average_cmd(inputs: tuple[str, ...], dst: str, weights: str | None, key: str | None, force: bool,
-                as_json: bool) -> None:
+                max_expand: float | None, as_json: bool) -> None:
     """Average the state_dicts of two or more checkpoints (any mix of torch and safetensors files).
 
     Floating tensors are averaged in float64 and cast back to their dtypes; integer and bool
@@ -255,7 +257,8 @@ def average_cmd(inputs: tuple[str, ...], dst: str, weights: str | None, key: str
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
     out = claim_output(dst, force=force)
     with Progress("average", source_size(inputs[0])) as bar:
-        res = average(list(inputs), out, weights=_parse_weights(weights), key=key, progress=bar)
+        res = average(list(inputs), out, weights=_parse_weights(weights), key=key, progress=bar,
+                      max_expand=max_expand)
     if as_json:
         emit_json("average", {**vars(res), **hint_payload(hint_for(res.dst, state_dict=""))})
         return

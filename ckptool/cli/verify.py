@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from ckptool.cli._common import emit_json, json_option, key_option
+from ckptool.cli._common import emit_json, json_option, key_option, max_expand_option
 from ckptool.errors import CkptError, InputNotFoundError, UsageError
 from ckptool.torch_ops.verify import verify
 
@@ -134,10 +134,12 @@ def build_factory(spec: str, kwargs_json: str | None) -> Callable[[], Any]:
               "on DEVICE and on the CPU, and compare the outputs.")
 @click.option("--trust", is_flag=True, help="Allow a full (unrestricted) unpickle. Runs code named by the file: "
               "only for files from a source you trust.")
+@max_expand_option
 @json_option("verify")
 @click.pass_context
 def verify_cmd(ctx: click.Context, ckpt: str, model_spec: str, model_kwargs: str | None, device: str | None,
-               key: str | None, strict: bool, input_shape: str | None, trust: bool, as_json: bool) -> None:
+               key: str | None, strict: bool, input_shape: str | None, trust: bool, max_expand: float | None,
+               as_json: bool) -> None:
     """Check that checkpoint CKPT loads intact into the model --model builds, on DEVICE.
 
     Builds the model and moves it to DEVICE, opens CKPT memory-mapped (weights_only unless --trust; tensors are
@@ -153,7 +155,8 @@ def verify_cmd(ctx: click.Context, ckpt: str, model_spec: str, model_kwargs: str
     """
     shape = parse_input_shape(input_shape) if input_shape else None
     factory = build_factory(model_spec, model_kwargs)
-    report = verify(factory, ckpt, device=device, key=key, strict=strict, input_shape=shape, trust=trust)
+    report = verify(factory, ckpt, device=device, key=key, strict=strict, input_shape=shape, trust=trust,
+                    max_expand=max_expand)
     if as_json:
         emit_json("verify", report.to_dict())
     else:

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeAlias, TypeVar
 
-from ckptool.errors import CorruptCheckpointError, UnsupportedError
+from ckptool.errors import CorruptCheckpointError, TruncatedError, UnsupportedError
 
 # The C unpickler trusts the lengths and indices written in the stream. Before it runs, check_pickle() walks the
 # opcodes (pickletools' opcode table: the same argument layout the C unpickler reads) and refuses what would make
@@ -149,6 +149,34 @@ def _corrupt(what: str, detail: str) -> CorruptCheckpointError:
         f"{what} is corrupted or truncated ({detail}); re-download or re-save the checkpoint")
 
 
+def _truncated(what: str, detail: str) -> TruncatedError:
+    return TruncatedError(f"{what} is corrupted or truncated ({detail}); re-download or re-save the checkpoint")
+
+
+#: a length running past the end of the data is a truncation (:class:`~ckptool.errors.TruncatedError`) when the
+#: pickle it declares is at most this many times the data there is, plus :data:`_CUT_SLACK` bytes; beyond, a
+#: hostile length (``BINUNICODE8`` of 2^62 bytes in a 13-byte file), which is damage, not a cut
+_CUT_RATIO = 16
+_CUT_SLACK = 1 << 20
+
+
+def _past_end(what: str, detail: str, declared: int, size: int) -> CorruptCheckpointError:
+    """A length that runs past the end of the ``size`` bytes there are, to byte ``declared``: truncated, or a
+    length no cut explains (see :data:`_CUT_RATIO`)."""
+    if declared <= _CUT_RATIO * size + _CUT_SLACK:
+        return _truncated(what, detail)
+    return _corrupt(what, f"{detail}, to byte {declared}: a length no truncation explains")
+
+
+def _declared_end(buf: PickleBuffer, op: int, pos: int, end: int) -> int:
+    """Where the opcode at ``pos`` says it ends (its length argument read where it is complete), else ``end + 1``."""
+    if op in _LEN1 or op in _LEN4_UNSIGNED or op in _LEN4_SIGNED or op in _LEN8:
+        width = 1 if op in _LEN1 else 8 if op in _LEN8 else 4
+        if pos + 1 + width <= end:
+            return pos + 1 + width + int.from_bytes(buf[pos + 1:pos + 1 + width], "little")
+    return end + 1
+
+
 def _memo_bomb(what: str, idx: int, pos: int, start: int) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"{what} is malformed or hostile: memo index {idx} at byte {pos - start} is larger than the pickle could "
@@ -214,7 +242,7 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
             limit = end
             continue
         if pos >= end:
-            raise _corrupt(what, "no STOP opcode: the pickle is cut short")
+            raise _truncated(what, "no STOP opcode: the pickle is cut short")
         op = buf[pos]
         if wo_left and op not in WEIGHTS_ONLY_OPCODES:  # the first opcode torch's weights_only unpickler refuses
             assert wo is not None
@@ -230,7 +258,8 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
         if nxt < 0:
             if limit != end and _check_one(buf, op, pos, start, end, what) >= 0:
                 raise _bad_frame(what, pos - start, "an opcode runs past the end of its FRAME")
-            raise _corrupt(what, f"opcode {bytes([op])!r} at byte {pos - start} runs past the end of the data")
+            raise _past_end(what, f"opcode {bytes([op])!r} at byte {pos - start} runs past the end of the data",
+                            _declared_end(buf, op, pos, end) - start, end - start)
         pos = nxt
 
 
@@ -242,14 +271,15 @@ def _frame_limit(buf: PickleBuffer, pos: int, start: int, end: int, limit: int, 
         CorruptCheckpointError: the FRAME is cut short; (``strict``) it starts inside the previous frame or runs
             past ``end``."""
     if pos + 9 > end:
-        raise _corrupt(what, f"FRAME at byte {pos - start} is cut short")
+        raise _truncated(what, f"FRAME at byte {pos - start} is cut short")
     if not strict:
         return limit
     if limit != end:
         raise _bad_frame(what, pos - start, "a FRAME starts inside the previous frame")
     frame_end = pos + 9 + int.from_bytes(buf[pos + 1:pos + 9], "little")
     if frame_end > end:
-        raise _corrupt(what, f"FRAME at byte {pos - start} runs past the end of the data")
+        raise _past_end(what, f"FRAME at byte {pos - start} runs past the end of the data", frame_end - start,
+                        end - start)
     return frame_end
 
 

@@ -15,9 +15,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ckptool.formats.dtypes import DTYPE_SIZES, numel
+from ckptool.formats.dtypes import DTYPE_SIZES, element_size, numel
 
-__all__ = ["Piece", "Segment", "Source", "Storage", "Tensor", "is_contiguous", "span"]
+__all__ = ["EXPAND_FLOOR", "MAX_EXPAND", "Piece", "Segment", "Source", "Storage", "Tensor", "is_contiguous", "span",
+           "view_nbytes"]
+
+#: ``--max-expand``'s default: the dense bytes of the tensors a command materialises may be this many times the
+#: bytes of their storages (tied views of one storage count each in full); :mod:`ckptool.readers.budget`
+MAX_EXPAND = 64.0
+#: dense bytes always allowed, whatever the storages hold (a small broadcast buffer in a tiny file)
+EXPAND_FLOOR = 16 << 20
 
 
 class Segment(NamedTuple):
@@ -85,6 +92,20 @@ class Tensor:
         return numel(self.shape)
 
     @property
+    def nbytes(self) -> int:
+        """The bytes of the tensor as a dense array: what materialising it (a contiguous copy, a safetensors
+        record, a value comparison) allocates and writes (:func:`view_nbytes`)."""
+        return view_nbytes(self.shape, self.dtype)
+
+    @property
+    def expansion(self) -> float:
+        """How many times :attr:`nbytes` exceeds the bytes its storage holds (``storage.nbytes``; 1 for an empty
+        storage): at most 1 for a contiguous tensor, a slice or a transpose, 2 and more only for a view that
+        shows elements more than once (stride 0 from ``expand()`` or broadcasting, overlapping strides) or that
+        tied views of one storage each count in full. :mod:`ckptool.readers.budget` holds every command to it."""
+        return self.nbytes / max(self.storage.nbytes, 1)
+
+    @property
     def span(self) -> tuple[int, int]:
         """``[lo, hi)``: the elements of the storage this tensor reaches (``lo == hi`` when empty)."""
         return span(self.offset, self.shape, self.stride)
@@ -113,6 +134,12 @@ def span(offset: int, shape: Sequence[int], stride: Sequence[int]) -> tuple[int,
     if numel(shape) == 0:
         return offset, offset
     return offset, offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1
+
+
+def view_nbytes(shape: Sequence[int], dtype: str) -> int:
+    """Bytes of a dense ``shape`` array of ``dtype`` (its element size: :func:`ckptool.formats.dtypes.
+    element_size`)."""
+    return numel(shape) * element_size(dtype)
 
 
 def is_contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import BinaryIO, NamedTuple
 
-from ckptool.errors import CorruptCheckpointError
+from ckptool.errors import CorruptCheckpointError, TruncatedError
 
 _EOCD = b"PK\x05\x06"
 _EOCD64_LOCATOR = b"PK\x06\x07"
@@ -90,7 +90,7 @@ class Directory(list[ZipEntry]):
 
 
 def _no_end(path: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
+    return TruncatedError(
         f"{path} is a damaged zip (no end of central directory: the file is truncated); re-download or re-save it")
 
 
@@ -271,7 +271,7 @@ def _read_entries(f: BinaryIO, end: EndRecord, path: str, *, counted: bool) -> D
     f.seek(end.offset)
     buf = f.read(cd_size)
     if len(buf) != cd_size:
-        raise CorruptCheckpointError(f"{path} is truncated (central directory incomplete); re-download it")
+        raise TruncatedError(f"{path} is truncated (central directory incomplete); re-download it")
     out = Directory()
     out.end = end
     append = out.append
@@ -501,7 +501,7 @@ def member_buffer(f: BinaryIO, entry: ZipEntry, path: str, *, limit: int | None 
     if entry.method == 0:
         data = f.read(entry.compress_size)
         if len(data) != entry.compress_size:
-            raise CorruptCheckpointError(f"{path}: {entry.name!r} is truncated; re-download the file")
+            raise TruncatedError(f"{path}: {entry.name!r} is truncated; re-download the file")
         if check_crc and zlib.crc32(data) != entry.crc:
             raise _bad_crc(path, entry)
         return data
@@ -532,7 +532,7 @@ def _inflate(f: BinaryIO, entry: ZipEntry, path: str,
                     f"{declared}; the file is damaged")
             pending = f.read(min(READ_CHUNK, left))
             if not pending:
-                raise CorruptCheckpointError(f"{path}: {entry.name!r} is truncated; re-download the file")
+                raise TruncatedError(f"{path}: {entry.name!r} is truncated; re-download the file")
             left -= len(pending)
         try:
             piece = d.decompress(pending, INFLATE_CHUNK)

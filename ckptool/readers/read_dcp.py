@@ -52,6 +52,7 @@ from ckptool.formats.zipdir import ZipEntry, data_offset, read_directory, read_m
 from ckptool.model.allowlist import ALLOWED, classify_global
 from ckptool.model.graph import join
 from ckptool.model.tensor_nodes import tensor_node
+from ckptool.readers.budget import ExpandBudget
 from ckptool.readers.read_torch import describe, select_state_dict
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ __all__ = [
     "OpaqueEntry",
     "RecordSlice",
     "check_metadata_globals",
+    "check_records",
     "chunk_infos",
     "dcp_source",
     "dcp_tree",
@@ -358,6 +360,45 @@ def read_chunk(files: dict[str, BinaryIO], meta: DcpMetadata, e: DcpEntry, dtype
     if rec is None:
         raise CorruptCheckpointError(f"{what} has no data/{ref.key} member; the folder is damaged")
     return _chunk_bytes(blob, entries, rec, node, storage_nbytes(ref), dtype, what, e.fqn)
+
+
+def check_records(meta: DcpMetadata, max_expand: float | None, doing: str) -> None:
+    """Check every tensor chunk of the folder before torch reads any: its record read as a node graph
+    (:func:`read_chunk`: inside its ``.distcp`` file, one plain tensor of the dtype and chunk size ``.metadata``
+    gives, naming only allowlisted globals), the chunks of each tensor holding at least its declared elements, and
+    the dense bytes of the records' views within ``max_expand`` times their storages' bytes
+    (:class:`~ckptool.readers.budget.ExpandBudget`; ``doing`` says what the command would do): a ``.metadata``
+    cannot make torch allocate what the records do not hold (``torch.empty`` of a declared size, a stride-0 view
+    made dense).
+
+    Raises:
+        UnsupportedError: over the budget (naming ``--max-expand``); a record DCP transformed, or not a torch zip.
+        UnsafeCheckpointError / CorruptCheckpointError: as :func:`read_chunk`; a chunk without a record, chunks
+            holding fewer elements than their tensor.
+    """
+    infos = chunk_infos(meta)
+    budget = ExpandBudget(max_expand, meta.folder, doing)
+    files: dict[str, BinaryIO] = {}
+    try:
+        for e in meta.entries:
+            if e.dtype is None:
+                continue
+            dtype, shape, covered = entry_dtype(meta, e), e.shape or (), 0
+            for offsets, sizes in entry_chunks(meta, e):
+                info = infos.get((e.fqn, offsets))
+                if info is None:
+                    raise CorruptCheckpointError(f"{meta.folder}: the chunk of {e.fqn!r} at offsets {list(offsets)} "
+                                                 "has no record in .metadata's storage_data; the folder is damaged")
+                budget.add([read_chunk(files, meta, e, dtype, sizes, info)])
+                covered += numel(sizes)
+            if covered < numel(shape):
+                raise CorruptCheckpointError(f"{meta.folder}: the chunks of {e.fqn!r} {list(shape)} do not cover it "
+                                             f"once (they hold {covered} of its {numel(shape)} elements); the folder "
+                                             "is damaged")
+    finally:
+        for fh in files.values():
+            fh.close()
+    budget.check()
 
 
 def _chunk_bytes(blob: RecordSlice, entries: list[ZipEntry], rec: ZipEntry, node: TensorNode, nbytes: int,

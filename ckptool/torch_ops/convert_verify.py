@@ -103,7 +103,9 @@ def torch_load_difference(path: str, expected: Sequence[Tensor], dtype_of: Calla
     except MemoryError:
         raise
     except Exception as e:
-        return f"torch.load(weights_only=True) refused it ({type(e).__name__}: {e})"
+        lines = str(e).strip().splitlines() or [""]  # torch's text runs on for lines; its reason is one of them
+        why = next((ln.strip() for ln in lines if "WeightsUnpickler error" in ln), lines[0].strip())
+        return f"torch.load(weights_only=True) refused it ({type(e).__name__}: {why[:300]})"
     if not isinstance(obj, dict) or list(obj) != [t.name for t in expected]:
         return "the state_dict keys differ"
     numbers = storage_numbers(expected)

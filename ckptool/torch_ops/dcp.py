@@ -148,7 +148,19 @@ def dcp_to_torch_file(folder: str, out: str | IO[bytes]) -> None:
                 "(DCP loads such entries without map_location); re-tag them first: `ckptool remap "
                 f"{folder} --to cpu -o {folder.rstrip('/')}.cpu/`, then convert that folder") from e
         raise CorruptCheckpointError(f"{folder}: torch.distributed.checkpoint could not read it "
-                                     f"({type(e).__name__}: {e}); the folder is incomplete or damaged") from e
+                                     f"({_reason(e)}); the folder is incomplete or damaged") from e
+
+
+def _reason(e: BaseException) -> str:
+    """``Type: first line`` of what torch raised: of the first rank's exception for a ``CheckpointException``
+    (whose own text is the ranks, then each one's traceback), never a traceback."""
+    failures = getattr(e, "failures", None)
+    first = next(iter(failures.values()), None) if isinstance(failures, dict) else None
+    inner = first[0] if isinstance(first, tuple) and first and isinstance(first[0], BaseException) else first
+    if isinstance(inner, BaseException):
+        e = inner
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
 
 
 def save_dcp(state: dict[str, Any], folder: str) -> int:

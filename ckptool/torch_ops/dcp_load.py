@@ -47,10 +47,10 @@ from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.read_dcp import (
     RecordSlice,
     check_metadata_globals,
+    check_records,
     chunk_infos,
     entry_chunks,
     entry_dtype,
-    read_chunk,
     record_in_file,
     torch_save_record,
 )
@@ -63,13 +63,15 @@ _ZIP_HEAD = b"PK\x03\x04"
 
 
 def load_dcp_state_dict(folder: str | os.PathLike[str] | Opened, device: torch.device | str = "cpu", *,
-                        trust: bool = False, safe_globals: Collection[str] = ()
+                        trust: bool = False, safe_globals: Collection[str] = (), max_expand: float | None = None
                         ) -> tuple[dict[Any, Any], dict[str, int]]:
     """The nested state of the DCP folder ``folder`` (a path, opened once, or already opened) as
     ``dcp_to_torch_save`` rebuilds it, every tensor on
     ``device``; safe unless ``trust`` (see the module docstring). ``safe_globals``: ``module.qualname`` of globals
     the caller allows in non-tensor entries beside torch's allowlist (what ``torch.serialization.add_safe_globals``
-    registered, which ``torch.load(weights_only=True)`` accepts too).
+    registered, which ``torch.load(weights_only=True)`` accepts too). Before torch reads anything, every tensor
+    record is checked (:func:`~ckptool.readers.read_dcp.check_records`): ``max_expand`` bounds the bytes torch
+    allocates by what the records hold (:mod:`ckptool.readers.budget`; None: the default factor).
 
     Returns ``(state, saved_devices)``: the nested dict and location tag -> tensor count as saved (DCP writes
     every tensor chunk from the CPU; the tensors inside non-tensor entries keep their own tags).
@@ -81,7 +83,7 @@ def load_dcp_state_dict(folder: str | os.PathLike[str] | Opened, device: torch.d
             checked); a tensor record naming such globals, with or without ``trust`` (DCP loads tensor records
             with ``weights_only=True`` too).
         UnsupportedError: records DCP transformed, a folder saved in DCP's safetensors serialization, a dtype
-            ckptool does not know.
+            ckptool does not know; tensors over the ``max_expand`` budget.
         CorruptCheckpointError: a damaged ``.metadata``, a record missing, outside its file, truncated or not
             what ``.metadata`` says, chunks that do not cover their tensor exactly once, torch failing to read a
             record.
@@ -89,6 +91,7 @@ def load_dcp_state_dict(folder: str | os.PathLike[str] | Opened, device: torch.d
     meta = (folder if isinstance(folder, Opened) else open_checkpoint(folder)).dcp_metadata()
     if not trust:
         check_metadata_globals(meta)
+    check_records(meta, max_expand, "load")
     infos = chunk_infos(meta)
     root: dict[Any, Any] = {}
     saved: dict[str, int] = {}
@@ -110,8 +113,8 @@ def load_dcp_state_dict(folder: str | os.PathLike[str] | Opened, device: torch.d
 # ------------------------------------------------------------------------------------------------ tensors
 def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any], e: DcpEntry,
             device: torch.device | str) -> torch.Tensor:
-    """Tensor entry ``e``: every chunk's record checked (:func:`~ckptool.readers.read_dcp.read_chunk`), loaded
-    by ``torch.load(weights_only=True)`` and copied into place."""
+    """Tensor entry ``e``: every chunk's record (checked first: :func:`~ckptool.readers.read_dcp.check_records`)
+    loaded by ``torch.load(weights_only=True)`` and copied into place."""
     import torch
 
     dtype = entry_dtype(meta, e)
@@ -124,7 +127,6 @@ def _tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, Any]
         if info is None:
             raise CorruptCheckpointError(f"{meta.folder}: the chunk of {e.fqn!r} at offsets {list(offsets)} has no "
                                          "record in .metadata's storage_data; the folder is damaged")
-        read_chunk(files, meta, e, dtype, sizes, info)  # the record's structure, before torch reads it
         what = f"{meta.folder}: the record of {e.fqn!r} at offsets {list(offsets)}"
         part = _torch_load(record_in_file(files, meta, info, what), what, device, weights_only=True)
         if not isinstance(part, torch.Tensor) or tuple(part.shape) != sizes or str(part.dtype) != f"torch.{dtype}":
@@ -233,14 +235,21 @@ def _torch_load(blob: RecordSlice | io.BytesIO, what: str, device: torch.device 
     except pickle.UnpicklingError as ex:
         if weights_only:
             raise _WeightsOnlyRefused(str(ex).strip().splitlines()[0][:300] if str(ex).strip() else "") from ex
-        raise CorruptCheckpointError(f"{what}: unpickling failed ({ex}); the folder is damaged") from ex
+        raise CorruptCheckpointError(f"{what}: unpickling failed ({_first_line(ex)[:300]}); the folder is "
+                                     "damaged") from ex
     except (CkptError, MemoryError):
         raise
     except ImportError as ex:  # a trusted pickle naming code that is not importable here
-        raise CkptError(f"{what} names code that is not importable here ({ex})") from ex
+        raise CkptError(f"{what} names code that is not importable here ({_first_line(ex)})") from ex
     except Exception as ex:  # torch's own RuntimeError / EOFError / ValueError for a damaged record
         raise CorruptCheckpointError(f"{what}: torch.load failed ({type(ex).__name__}: "
-                                     f"{str(ex).strip()[:300]}); the folder is truncated or damaged") from ex
+                                     f"{_first_line(ex)[:300]}); the folder is truncated or damaged") from ex
+
+
+def _first_line(ex: BaseException) -> str:
+    """The first line of torch's message (some carry a traceback of their own below it)."""
+    text = str(ex).strip()
+    return text.splitlines()[0] if text else type(ex).__name__
 
 
 def _describe(v: Any) -> str:

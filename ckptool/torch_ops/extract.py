@@ -68,7 +68,8 @@ def materialize(ck: Checkpoint, entries: Sequence[tuple[str, TensorNode]]) -> di
                     memory_format=torch.contiguous_format)
             except RuntimeError as e:
                 raise CkptError(
-                    f"{ck.path}: tensor {key} does not fit in its storage ({e}); the file is damaged") from e
+                    f"{ck.path}: tensor {key} does not fit in its storage ({str(e).strip().splitlines()[0][:300]}); "
+                    "the file is damaged") from e
     return out
 
 

@@ -233,11 +233,12 @@ def check_model(model: object) -> None:
 
 
 def load_for_model(model: nn.Module, path: str | os.PathLike[str], device: DeviceLike | None, *, trust: bool,
-                   spans: FileSpans | None = None, key: str | None = None
+                   spans: FileSpans | None = None, key: str | None = None, max_expand: float | None = None
                    ) -> tuple[str, torch.device, Any, dict[str, int]]:
     """Steps 1 and 2 of :func:`load_into`: ``model.to(device)`` when ``device`` is given (else the model's own
     device is used), then :func:`load_checkpoint` onto that device (memory-mapped on the CPU instead, with
-    ``spans``; ``key``: the state_dict of a torch.package archive). Returns ``(path as str, device, loaded
+    ``spans``; ``key``: the state_dict of a torch.package archive; ``max_expand``: the budget of a DCP folder's
+    records, :mod:`ckptool.readers.budget`). Returns ``(path as str, device, loaded
     object, saved location tags)``.
 
     Raises:
@@ -250,13 +251,13 @@ def load_for_model(model: nn.Module, path: str | os.PathLike[str], device: Devic
     if device is not None:
         model.to(dev)
     p = os.fspath(path)
-    obj, saved = load_checkpoint(p, dev, trust=trust, spans=spans, key=key)
+    obj, saved = load_checkpoint(p, dev, trust=trust, spans=spans, key=key, max_expand=max_expand)
     return p, dev, obj, saved
 
 
 def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceLike | None = None,
               key: str | None = None, strict: bool = True, prefixes: PrefixSpec = "auto", trust: bool = False,
-              mmap: bool = False) -> LoadReport:
+              mmap: bool = False, max_expand: float | None = None) -> LoadReport:
     """Load the checkpoint at ``path`` into ``model`` on ``device``, fixing what usually needs boilerplate.
 
     1. ``model.to(device)`` when ``device`` is given (else the model stays where it is, and its device is used).
@@ -282,6 +283,11 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceL
        (``lm_head.weight`` is ``embed.weight``; :func:`ckptool.torch_ops.tied.tied_entries`) got its values from
        that entry and is reported in ``LoadReport.tied``, not as missing.
 
+    ``max_expand`` (default :data:`ckptool.readers.budget.MAX_EXPAND`; ``0``: no limit) bounds what a DCP
+    folder's tensors take in memory by what its records hold: a ``.metadata`` declaring a tensor larger than its
+    records, or a record saved as a stride-0 view (``expand()``), is refused before torch allocates it
+    (:mod:`ckptool.readers.budget`). A torch file's views are loaded as views: the model bounds what they take.
+
     With ``mmap=True`` (CPU only) nothing is copied at all: the memory-mapped tensors themselves become the
     model's parameters and buffers (``load_state_dict(assign=True)``: they take the checkpoint's dtypes too, and
     their pages are read from the file when first used). The file must then not be overwritten while the model
@@ -298,7 +304,7 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceL
         UsageError: bad device, ``model`` not an ``nn.Module``, ``key`` names no state_dict, bad ``prefixes``,
             ``mmap`` with a device other than the CPU.
         NotACheckpointError / CorruptCheckpointError: unreadable file.
-        UnsupportedError: the file holds no state_dict.
+        UnsupportedError: the file holds no state_dict; a DCP folder's tensors over the ``max_expand`` budget.
         KeyCollisionError: stripping ``prefixes`` would merge two keys.
         CkptError: the model's own ``load_state_dict`` refused a value (its RuntimeError is chained).
     """
@@ -307,7 +313,8 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, device: DeviceL
         raise UsageError("load_into(mmap=True) maps the file into host memory: use device='cpu' (or mmap=False to "
                          "stream the tensors onto the device)")
     with FileSpans() as spans:
-        p, dev, obj, saved = load_for_model(model, path, device, trust=trust, spans=spans, key=key)
+        p, dev, obj, saved = load_for_model(model, path, device, trust=trust, spans=spans, key=key,
+                                            max_expand=max_expand)
         done = load_selected(model, obj, path=p, key=key, device=dev, strict=strict, prefixes=prefixes, saved=saved,
                              spans=spans, assign=mmap)
     del obj

@@ -120,19 +120,22 @@ def _saved_devices_and_unsafe_globals(opened: Opened, facts: dict[str, object] |
 class LoadRequest:
     """What :func:`load_checkpoint` was asked, as each format's loader (:attr:`ckptool.readers.Format.loader`)
     takes it: the ``device``, ``trust``, ``spans`` (a :class:`~ckptool.torch_ops.stream.FileSpans` to map files
-    through, None: load them whole) and ``key`` (the state_dict of a torch.package archive)."""
+    through, None: load them whole), ``key`` (the state_dict of a torch.package archive) and ``max_expand`` (the
+    budget of a DCP folder's records: :mod:`ckptool.readers.budget`)."""
 
     device: torch.device
     trust: bool = False
     spans: FileSpans | None = None
     key: str | None = None
+    max_expand: float | None = None
 
 
 Loader = Callable[[Opened, LoadRequest], tuple[Any, dict[str, int]]]
 
 
 def load_checkpoint(path: str | os.PathLike[str] | Opened, device: DeviceLike = "cpu", *, trust: bool = False,
-                    spans: FileSpans | None = None, key: str | None = None) -> tuple[Any, dict[str, int]]:
+                    spans: FileSpans | None = None, key: str | None = None, max_expand: float | None = None
+                    ) -> tuple[Any, dict[str, int]]:
     """Load the object saved in ``path`` (a path or URL, opened once, or a checkpoint already opened with
     :func:`ckptool.readers.open_checkpoint`) with every tensor on ``device``; safe unless ``trust``. The format's
     registry entry names its loader (:attr:`ckptool.readers.Format.loader`, one of the ``load_*`` functions here).
@@ -146,7 +149,8 @@ def load_checkpoint(path: str | os.PathLike[str] | Opened, device: DeviceLike = 
     folder) or a model folder: every shard loaded so, merged into one ``OrderedDict``. A DeepSpeed ZeRO folder: its
     consolidated fp32 state_dict (:func:`ckptool.torch_ops.zero.load_zero_state_dict`). A DCP folder: the nested
     state ``dcp_to_torch_save`` would rebuild, each record loaded by ``torch.load(weights_only=True)``, non-tensor
-    entries unpickled unrestricted only with ``trust`` (:func:`ckptool.torch_ops.dcp_load.load_dcp_state_dict`).
+    entries unpickled unrestricted only with ``trust`` (:func:`ckptool.torch_ops.dcp_load.load_dcp_state_dict`;
+    its records' views held to ``max_expand``, :mod:`ckptool.readers.budget`).
     TorchScript archives (only with ``trust``):
     ``torch.jit.load(path, map_location=device).state_dict()``. Plain pickles (only with ``trust``):
     ``pickle.load``, then tensors moved to ``device`` (:func:`~ckptool.torch_ops.devices.map_tensors`: an object
@@ -179,7 +183,7 @@ def load_checkpoint(path: str | os.PathLike[str] | Opened, device: DeviceLike = 
         spans = None
     opened = path if isinstance(path, Opened) else open_checkpoint(path)
     load: Loader = opened.spec.behaviour("load")
-    return load(opened, LoadRequest(dev, trust, spans, key))
+    return load(opened, LoadRequest(dev, trust, spans, key, max_expand))
 
 
 def _local_file(load: Loader) -> Loader:
@@ -276,7 +280,8 @@ def load_deepspeed(opened: Opened, req: LoadRequest) -> tuple[Any, dict[str, int
 def load_dcp(opened: Opened, req: LoadRequest) -> tuple[Any, dict[str, int]]:
     """A DCP folder: ``torch.load`` of each record, never DCP's reader (:mod:`ckptool.torch_ops.dcp_load`)."""
     return load_dcp_state_dict(opened, req.device, trust=req.trust,
-                               safe_globals=() if req.trust else registered_safe_globals())
+                               safe_globals=() if req.trust else registered_safe_globals(),
+                               max_expand=req.max_expand)
 
 
 def _load_torch(opened: Opened, req: LoadRequest, mappable: bool) -> tuple[Any, dict[str, int]]:

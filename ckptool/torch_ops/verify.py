@@ -111,7 +111,8 @@ def _forward_check(model: nn.Module, shape: Sequence[int], device: torch.device)
 @model_first
 def verify(model: nn.Module | Callable[[], nn.Module], path: str | os.PathLike[str], *,
            device: DeviceLike | None = None, key: str | None = None, strict: bool = True,
-           input_shape: Sequence[int] | None = None, trust: bool = False) -> VerifyReport:
+           input_shape: Sequence[int] | None = None, trust: bool = False,
+           max_expand: float | None = None) -> VerifyReport:
     """Prove that checkpoint ``path`` lands intact in ``model`` on ``device``.
 
     The model comes first, as in :func:`load_into` and torch's ``model.load_state_dict(state_dict)``; the order of
@@ -128,7 +129,8 @@ def verify(model: nn.Module | Callable[[], nn.Module], path: str | os.PathLike[s
     largest absolute difference is compared with a tolerance suited to the output dtype (:func:`_tolerance`).
 
     With ``strict=True`` missing, unexpected and shape-mismatched entries are failures; with ``strict=False``
-    they are reported only. Returns a :class:`VerifyReport` (``ok`` when everything holds).
+    they are reported only. ``max_expand``: as :func:`load_into` (a DCP folder's tensors bounded by what its
+    records hold, :mod:`ckptool.readers.budget`). Returns a :class:`VerifyReport` (``ok`` when everything holds).
 
     Raises:
         UsageError: bad device, ``model`` (or what the factory returns) not an ``nn.Module``, ``key`` names no
@@ -159,7 +161,7 @@ def verify(model: nn.Module | Callable[[], nn.Module], path: str | os.PathLike[s
             raise UsageError(f"input shape {input_shape!r}: give positive sizes such as 1,784")
     with FileSpans() as spans:
         p, dev, obj, saved = load_for_model(model, path, default_device() if device is None else device,
-                                            trust=trust, spans=spans, key=key)
+                                            trust=trust, spans=spans, key=key, max_expand=max_expand)
         done = load_selected(model, obj, path=p, key=key, device=dev, strict=strict, prefixes="auto", saved=saved,
                              spans=spans)
         del obj

@@ -67,6 +67,8 @@ from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.ops.scan.dcp_safety import check_dcp_safe
 from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers.budget import check_expansion
+from ckptool.readers.read_dcp import check_records
 from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.readers.read_torch import refuse_non_strided_for_dcp
 from ckptool.torch_ops.dcp import dcp_to_torch_file
@@ -97,6 +99,7 @@ def convert(
     dtype: str | None = None, verify: bool = True, trust: bool = False,
     progress: ProgressFn | None = None, tag: str | None = None, exclude_frozen: bool = False,
     tp_dims: Sequence[str] = (),
+    max_expand: float | None = None,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
@@ -124,6 +127,7 @@ def convert(
       that fits one shard is the single file, without index (``transformers`` ``save_pretrained``).
     * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors.
     * ``verify`` re-opens the output and compares every tensor with the source (see the module docstring).
+    * ``max_expand``: what the tensors may take dense, per storage byte (:mod:`ckptool.readers.budget`; 0: no limit).
     * ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
     * ``tp_dims``: a Megatron legacy tree's tensor-parallel rules ``"PATTERN=DIM"`` ahead of the built-in ones
       (:func:`ckptool.model.megatron.parse_tp_dims`, ``docs/megatron.md``).
@@ -138,7 +142,7 @@ def convert(
             an output suffix that names no format, ``dst`` the same file as ``src``), a missing output folder or
             shard.
         UnsupportedError: plain pickles and TorchScript archives; dtypes safetensors cannot hold (complex128,
-            quantized tensors); no state_dict found.
+            quantized tensors); no state_dict found; tensors over the ``max_expand`` budget.
         NotACheckpointError / CorruptCheckpointError: unreadable or damaged input.
         UnsafeCheckpointError: a DCP folder (or a torch file converted to DCP) needs globals outside the allowlist
             and ``trust`` is False.
@@ -158,10 +162,11 @@ def convert(
     if opened.spec.torch_distributed:
         return _from_dcp(opened, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
             key=key, to=to, mapping=mapping, allow_missing=allow_missing, max_shard_size=shard_bytes, dtype=dtype,
-            verify=verify, progress=progress, **renames))
+            verify=verify, progress=progress, max_expand=max_expand, **renames))
     if fmt_out.folder and opened.spec.tensors and not opened.spec.tagged:
-        return _to_dcp(opened, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype)
-    source = _read_source(opened, fmt_out, key, tag, exclude_frozen)
+        return _to_dcp(opened, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype,
+                       max_expand=max_expand)
+    source = _read_source(opened, fmt_out, key, tag, exclude_frozen, max_expand)
     _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
     res = ConvertResult(src_p, dst_p, source.format, fmt_out.value, key=source.key, left_out=list(source.left_out),
                         skipped=list(source.skipped), notes=list(source.notes))
@@ -203,13 +208,14 @@ def _check_options(src: str, dst: str, fmt_out: OutputFormat, shard_bytes: int |
 
 
 def _read_source(opened: Opened, fmt_out: OutputFormat, key: str | None, tag: str | None,
-                 exclude_frozen: bool) -> Source:
+                 exclude_frozen: bool, max_expand: float | None) -> Source:
     """The tensors to convert (:meth:`ckptool.readers.Opened.state_dict`); for an output that keeps shared storages
     (torch) from one file, the tied names ``safetensors.torch.save_model`` dropped given back (only a safetensors
     source records them; a sharded set's metadata is its first shard's alone).
 
     Raises:
-        UnsupportedError: the selected state_dict holds no tensors (and what the reader raises).
+        UnsupportedError: the selected state_dict holds no tensors, or is over the ``max_expand`` budget
+            (:func:`ckptool.readers.budget.check_expansion`), and what the reader raises.
     """
     if opened.spec.tagged:
         _refuse_deepspeed_options(opened.path, fmt_out, key)
@@ -218,6 +224,7 @@ def _read_source(opened: Opened, fmt_out: OutputFormat, key: str | None, tag: st
         restore_library_aliases(source)
     if not source.tensors:
         raise UnsupportedError(f"{opened.path}: the selected state_dict holds no tensors; nothing to convert")
+    check_expansion(source.tensors, max_expand, opened.path, "convert")
     return source
 
 
@@ -289,6 +296,7 @@ def _from_dcp(opened: Opened, dst: str, *, fmt_out: OutputFormat, trust: bool,
         raise UsageError(f"{src} is already a DCP checkpoint; convert it to torch or safetensors")
     meta = opened.dcp_metadata()
     check_dcp_safe(meta, trust)
+    check_records(meta, options.get("max_expand"), "convert")  # before torch allocates what .metadata declares
     whole = fmt_out.whole_state and not any(options.get(k) for k in ("key", "to", "mapping", "max_shard_size",
                                                                       "dtype", "unwrap", "strip_prefixes"))
     if whole:
@@ -301,7 +309,7 @@ def _from_dcp(opened: Opened, dst: str, *, fmt_out: OutputFormat, trust: bool,
 
 
 def _to_dcp(opened: Opened, dst: str, *, key: str | None, trust: bool, verify: bool, renames: dict[str, Any],
-            cast: str | None) -> ConvertResult:
+            cast: str | None, max_expand: float | None) -> ConvertResult:
     """Write a DCP folder at ``dst`` (:func:`ckptool.ops.convert.dcp.write_dcp`) from a checkpoint whose tensors
     ckptool reads (a torch file, a sharded set, safetensors, ``.pt2``, torch.package).
 
@@ -321,12 +329,13 @@ def _to_dcp(opened: Opened, dst: str, *, key: str | None, trust: bool, verify: b
     sub: ConvertResult | None = None
     if opened.spec.pickled and key is None and not renames and cast is None:
         refuse_non_strided_for_dcp(src, opened.format)
+        check_expansion(opened.all_tensors()[0].tensors, max_expand, src, "convert")  # torch saves them dense
         res.notes.append(WHOLE_NOTE)
         obj, _saved = load_checkpoint(src, "cpu", trust=trust)
     else:
         with scratch_file(dst) as tmp:
             sub = convert(src, tmp, format=OutputFormat.TORCH.value, key=key, dtype=cast, verify=verify, trust=trust,
-                          **renames)
+                          max_expand=max_expand, **renames)
             res.key, res.left_out, res.skipped, res.cast, res.renamed = (sub.key, sub.left_out, sub.skipped,
                                                                          sub.cast, sub.renamed)
             obj, _saved = load_checkpoint(tmp, "cpu", trust=trust)

@@ -30,6 +30,7 @@ from ckptool.model.keys import WRAPPER_ONLY_COMPONENTS, reconcile
 from ckptool.ops.diff.result import CLOSE, DIFFER, EQUAL, NOT_COMPARED, DiffResult, KeyDiff, ValueDiff
 from ckptool.ops.diff.sides import UNREAD, Side, read_pair, readable
 from ckptool.readers import Opened
+from ckptool.readers.budget import check_expansion
 from ckptool.readers.data import FileRanges, read_range
 from ckptool.torch_ops.value_stats import ValueStats, is_numeric, require_numpy, squared_norms
 
@@ -332,7 +333,7 @@ def _unread_note(side_a: Side, side_b: Side, pairs: dict[str, str]) -> str | Non
 @gc_paused
 def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened, *, rtol: float | None = None,
          atol: float | None = None, keys_only: bool = False, strict: bool = False,
-         norms: bool = False, key: str | None = None) -> DiffResult:
+         norms: bool = False, key: str | None = None, max_expand: float | None = None) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` (any formats ckptool reads: torch zip, legacy, safetensors, sharded sets
     given by their ``*.index.json`` or folder, DCP folders, ``.pt2`` archives, DeepSpeed ZeRO folders: their
     consolidated fp32 state_dict as ``convert`` reads it) without torch and without loading either whole.
@@ -357,6 +358,9 @@ def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened,
     value. ``keys_only`` skips values. Sources: ``torch.testing.assert_close`` for the tolerances, GNU ``diff`` for
     the equal / different outcome. ``norms`` (needs numpy) also records, per matched numeric tensor pair of equal
     shapes, ``||A||**2`` and ``||B - A||**2`` in :attr:`DiffResult.norms` (every element of both is then decoded).
+    Unless ``keys_only``, each side's tensors are held to ``max_expand`` (:mod:`ckptool.readers.budget`: a view
+    that repeats its storage's elements, as ``expand()`` saves, is compared element by element, so the dense
+    bytes of a side may be at most that many times what its storages hold; None: the default factor).
 
     Returns a :class:`DiffResult` (``identical`` is True when nothing differs).
 
@@ -364,13 +368,17 @@ def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened,
         UsageError: a negative tolerance, tolerances with ``keys_only``, a path that is missing or not a
             checkpoint set (see :func:`ckptool.readers.open_checkpoint`), a ``key`` that resolves on neither side.
         NotACheckpointError / CorruptCheckpointError / UnsupportedError: a side cannot be read (see
-            :func:`ckptool.readers.open_checkpoint` and ``convert``'s readers; a plain pickle).
+            :func:`ckptool.readers.open_checkpoint` and ``convert``'s readers; a plain pickle), or its tensors are
+            over the ``max_expand`` budget.
         ModuleNotFoundError: tolerances given and numpy is not installed.
     """
     _check_options(rtol, atol, keys_only, norms)
     tolerance = rtol is not None or atol is not None
     side_a, side_b, key_a, key_b = read_pair(a if isinstance(a, Opened) else os.fspath(a),
                                              b if isinstance(b, Opened) else os.fspath(b), key)
+    if not keys_only:
+        for side in (side_a, side_b):
+            check_expansion(side.tensors.values(), max_expand, side.path, "compare")
     mode = "keys-only" if keys_only else "tolerance" if tolerance else "exact"
     res = DiffResult(side_a.path, side_b.path, side_a.format, side_b.format, mode,
                      rtol=(rtol or 0.0) if tolerance else None, atol=(atol or 0.0) if tolerance else None,

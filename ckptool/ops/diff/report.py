@@ -263,7 +263,7 @@ def render_html(info: CheckpointInfo, other: CheckpointInfo | None = None, res: 
 
 @renamed_argument("out", "dst")
 def report(a: str | os.PathLike[str], b: str | os.PathLike[str] | None = None, *,
-           dst: str | os.PathLike[str]) -> ReportResult:
+           dst: str | os.PathLike[str], max_expand: float | None = None) -> ReportResult:
     """Write the HTML page about checkpoint ``a`` (compared with ``b`` when given) to ``dst``, atomically.
 
     ``dst`` was called ``out`` in ckptool 0.1; ``out=`` still works with a ``DeprecationWarning`` until 0.3.
@@ -271,12 +271,13 @@ def report(a: str | os.PathLike[str], b: str | os.PathLike[str] | None = None, *
     ``a`` and ``b`` are anything :func:`ckptool.ops.inspect.entry.inspect` reads (torch zip and legacy files,
     TorchScript, safetensors, sharded sets, DCP and DeepSpeed folders, ``.pt2``; local paths or URLs). Without
     ``b`` only pickles and headers are read; with ``b`` every tensor of both is streamed once
-    (:func:`ckptool.ops.diff.compare.diff` with ``norms=True``, which needs numpy).
+    (:func:`ckptool.ops.diff.compare.diff` with ``norms=True``, which needs numpy; ``max_expand`` as there).
 
     Returns a :class:`ReportResult`.
 
     Raises:
-        NotACheckpointError / CorruptCheckpointError / UnsupportedError: a side cannot be read.
+        NotACheckpointError / CorruptCheckpointError / UnsupportedError: a side cannot be read, or (with ``b``)
+            its tensors are over the ``max_expand`` budget (:mod:`ckptool.readers.budget`).
         ModuleNotFoundError: ``b`` given and numpy is not installed (``pip install numpy``).
         OutputError / UsageError: ``dst`` cannot be written (see :func:`ckptool._fileio.atomic_output`).
     """
@@ -287,7 +288,7 @@ def report(a: str | os.PathLike[str], b: str | os.PathLike[str] | None = None, *
     if b is not None:
         side_b = open_checkpoint(b)
         other = inspect(side_b)
-        res = diff(side_a, side_b, norms=True)
+        res = diff(side_a, side_b, norms=True, max_expand=max_expand)
     figures = report_figures(info, other, res)
     page = _page(info, figures).encode("utf-8")
     path = os.fspath(dst)

@@ -88,6 +88,8 @@ def security_lines(info: CheckpointInfo) -> list[str]:
     if sc.verdict == "error":
         return [(f"Part of this file could not be read to its end, so ckptool cannot vouch for it; see "
                  f"`ckptool scan {info.path}`.")]
+    if sc.verdict == "incomplete":
+        return [f"This file is cut short ({sc.cut_short[0]}): torch.load cannot load it whole; re-download it."]
     return _needs_trust_lines(info, sc)
 
 

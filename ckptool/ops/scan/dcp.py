@@ -28,10 +28,10 @@ from __future__ import annotations
 import mmap
 import os
 
-from ckptool.errors import CkptError
+from ckptool.errors import CkptError, TruncatedError
 from ckptool.formats.dcp import METADATA_FILE, DcpItem, is_dcp_folder, read_dcp_metadata
 from ckptool.ops.scan.byte_windows import ZIP_LOCAL, Window
-from ckptool.ops.scan.pickles import Scanner
+from ckptool.ops.scan.pickles import Scanner, failed
 from ckptool.ops.scan.results import PickleFinding, ScanResult
 from ckptool.ops.scan.shipped_code import CodeScanner
 from ckptool.ops.scan.tar import PICKLE_FIRST
@@ -71,8 +71,8 @@ def scan_dcp_folder(folder: str | os.PathLike[str], part: str | None = None) -> 
         items = meta.items()
         problems += meta.problems
     except CkptError as e:
-        problems.append(str(e))
-        res.error = "; ".join(problems)
+        (res.incomplete if isinstance(e, TruncatedError) else problems).append(str(e))
+        res.error = "; ".join(problems) or None
         return res
     if part == METADATA_FILE:
         res.error = "; ".join(problems) or None
@@ -124,12 +124,13 @@ def _scan_metadata_pickle(sc: Scanner, path: str, problems: list[str]) -> None:
 def _scan_data_file(sc: Scanner, folder: str, rel: str, items: list[DcpItem], problems: list[str]) -> None:
     path = os.path.join(folder, rel)
     if not os.path.isfile(path):
-        problems.append(f".metadata names {rel!r}, which is missing: the folder is incomplete")
+        sc.res.incomplete.append(f".metadata names {rel!r}, which is missing: the folder is incomplete")
         return
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
-            problems.append(f"{rel} is empty but .metadata names {len(items)} records in it; the folder is damaged")
+            sc.res.incomplete.append(f"{rel} is empty but .metadata names {len(items)} records in it; the folder is "
+                                     "incomplete")
             return
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
@@ -138,7 +139,7 @@ def _scan_data_file(sc: Scanner, folder: str, rel: str, items: list[DcpItem], pr
             kind = "entry" if it.is_bytes else "tensor"
             label = f"{rel} bytes {it.offset}-{it.offset + it.length} ({kind} {it.fqn!r})"
             if it.offset < 0 or it.length < 0 or it.offset + it.length > size:
-                problems.append(f"{label}: the range runs past the end of the {size}-byte file (truncated?)")
+                sc.res.incomplete.append(f"{label}: the range runs past the end of the {size}-byte file (truncated?)")
                 continue
             covered.append((it.offset, it.offset + it.length))
             if it.transforms:
@@ -165,7 +166,7 @@ def _scan_item(sc: Scanner, w: Window, it: DcpItem, label: str) -> None:
             return
     except CkptError as e:
         sc.loaded.add(label)
-        sc.record(PickleFinding(label, it.offset, [], str(e)))
+        sc.record(failed(label, it.offset, [], e))
         return
     # torch.load of bytes that are not a zip unpickles them from byte 0 (any protocol); DCP hands it a BytesIO, for
     # which _legacy_load never tries the legacy tar layout (that needs a real file)

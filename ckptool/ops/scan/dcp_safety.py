@@ -45,5 +45,6 @@ def check_dcp_safe(meta: DcpMetadata, trust: bool) -> None:
             f"{' and more' if len(names) > 5 else ''}, outside torch's weights_only allowlist or unchecked "
             "(torch.distributed.checkpoint unpickles .metadata and non-tensor entries without restriction). "
             "Pass --trust (trust=True) only if you trust where the folder came from", names)
-    if res.error:
-        raise CorruptCheckpointError(f"{meta.folder}: {res.error}; `ckptool scan {meta.folder}` says more")
+    if res.error or res.cut_short:
+        why = res.error or res.cut_short[0]
+        raise CorruptCheckpointError(f"{meta.folder}: {why}; `ckptool scan {meta.folder}` says more")

@@ -70,16 +70,21 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 from ckptool import _source as source
 from ckptool._source import RangeView, leaves_folder
-from ckptool.errors import CkptError, InputNotFoundError, UsageError
+from ckptool.errors import CkptError, InputNotFoundError, TruncatedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats import plugin
 from ckptool.formats.detect import INDEX_SUFFIX
+from ckptool.formats.dtypes import storage_nbytes, tensor_dtype
+from ckptool.formats.nodes import TensorNode
 from ckptool.formats.pickle_check import PickleBuffer
+from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND, view_nbytes
 from ckptool.model.allowlist import recognise_file
+from ckptool.model.graph import iter_tensors
+from ckptool.model.units import human_bytes
 from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, zip_end
 from ckptool.ops.scan.layouts import Layout
 from ckptool.ops.scan.pickles import NotAPickle, Preparsed
@@ -103,14 +108,15 @@ def scan_file(path: str | os.PathLike[str], *,
 
     Reads the file without importing or running anything from it, in time and memory bounded by its size (tensor
     bytes are never read). Problems with the file's content never raise: they make the result's ``verdict``
-    ``error`` (with ``error`` or a pickle's ``error`` saying what happened), or ``dangerous`` when a dangerous
-    global was found first. ``preparsed`` maps the ``where`` of a pickle the caller already read whole with the
+    ``error`` (with ``error`` or a pickle's ``error`` saying what happened), ``incomplete`` when the data is cut
+    short (``incomplete``, a pickle's ``truncated``), or ``dangerous`` when a dangerous global was found first.
+    ``preparsed`` maps the ``where`` of a pickle the caller already read whole with the
     restricted unpickler (``inspect``: ``archive/data.pkl``) to its globals, root and end offset (or None), which
     are then not read again.
 
     Returns:
-        A :class:`ScanResult`; its ``exit_code`` is 0 (safe), 1 (dangerous), 2 (unreadable) or 4 (needs trust),
-        its ``strict_exit_code`` 0 (safe), 1 (unsafe) or 2 (unreadable).
+        A :class:`ScanResult`; its ``exit_code`` is 0 (safe), 1 (dangerous), 2 (unreadable), 4 (needs trust) or
+        5 (incomplete), its ``strict_exit_code`` 0 (safe), 1 (unsafe), 2 (unreadable) or 5 (incomplete).
     """
     path = os.fspath(path)
     dcp = _dcp_part(path) if os.path.isdir(path) or path.endswith(_DCP_NAMES) else None
@@ -120,26 +126,30 @@ def scan_file(path: str | os.PathLike[str], *,
     sc = CodeScanner(res, preparsed)  # the pickles, and the code that ships in each zip (ops/scan/shipped_code.py)
     start = source.thread_bytes_transferred()
     layout: Layout | None = None  # what the file was found to be (None: unreadable)
+    head = b""
     try:
         formats.check_readable(path)
         # a URL: the zip / safetensors paths read by range (its directory, pickles and headers); others are copied
         with source.open_binary(path) as f, source.whole_view(f, lazy=_indexed) as buf:
+            head = bytes(buf[:2])
             layout = sc.any(buf, "", 0, f)
             res.format = layout.format
             if layout.header:
                 plugin("ckptool.formats.safetensors:read_header")(path)
     except NotAPickle:
         res.error = _not_a_pickle(path)
+    except TruncatedError as e:  # a zip without its end of central directory: cut short, not unreadable
+        res.incomplete.append(str(e))
     except CkptError as e:
         res.error = str(e)
     except RecursionError:
         res.error = f"{path}: nested too deeply to scan"
-    if layout is not None and layout.plain_pickle and res.pickles and res.pickles[0].error and not res.globals:
-        res.error = _not_a_pickle(path)  # a PNG starts with a byte that is also an opcode: say what it is
-    if layout is not None and layout.expects_pickles and not res.pickles and not res.error:
-        res.notes.append("the zip holds no pickle")
+    if layout is not None:
+        _layout_findings(res, layout, head)
     if type(sc.root) is dict:
         res.recognised = recognise_file(sc.root, [g.name for g in res.globals])
+    if sc.root is not None:
+        res.notes += _expansion_notes(sc.root)
     if source.is_url(path):
         res.bytes_read = source.thread_bytes_transferred() - start
     return res
@@ -166,6 +176,34 @@ def _indexed(view: RangeView) -> bool:
     return head.startswith((ZIP_LOCAL, ZIP_EOCD)) and zip_end(cast("PickleBuffer", view)) == len(view)
 
 
+def _expansion_notes(root: Any) -> list[str]:
+    """A note (not a danger: nothing runs) when the tensors of the pickle torch loads are far larger dense than the
+    bytes their storages hold, past the budget every command that makes them dense holds to
+    (:mod:`ckptool.readers.budget`: :data:`~ckptool.formats.tensors.MAX_EXPAND` times, above
+    :data:`~ckptool.formats.tensors.EXPAND_FLOOR`): a stride-0 view such as ``zeros(1).expand(2**20, 2**20)``."""
+    held: dict[str, int] = {}
+    dense = 0
+    worst: tuple[float, str, TensorNode, int, int] | None = None
+    try:
+        for key, t, _rg in iter_tensors(root):
+            ref = t.storage
+            if ref is None:
+                continue
+            n, stored = view_nbytes(t.shape, tensor_dtype(t)), storage_nbytes(ref)
+            held[str(ref.key)] = stored
+            dense += n
+            if worst is None or n / max(stored, 1) > worst[0]:
+                worst = (n / max(stored, 1), key, t, n, stored)
+    except (CkptError, TypeError, ValueError):  # a malformed tensor: what the scan reports already
+        return []
+    if worst is None or dense <= max(MAX_EXPAND * sum(held.values()), EXPAND_FLOOR):
+        return []
+    factor, key, t, n, stored = worst
+    return [(f"tensor {key!r} {list(t.shape)} is {human_bytes(n)} dense over a storage of {human_bytes(stored)} "
+             f"({factor:.3g}x: a view that repeats elements, as expand() saves); commands that make tensors dense "
+             f"(convert, diff, average, report) refuse it past --max-expand {MAX_EXPAND:g}")]
+
+
 def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]) -> ScanResult:
     """One result for a set of files (the shards of a sharded checkpoint): every part's pickles, globals, notes and
     errors, each ``where`` prefixed by the part's name (``shard.bin!archive/data.pkl``)."""
@@ -181,11 +219,30 @@ def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]
                 res.globals.append(acc)
             acc.where += [f"{name}!{w}" for w in g.where]
         res.notes += [f"{name}: {n}" for n in part.notes]
+        res.incomplete += [f"{name}: {n}" for n in part.incomplete]
         res.code += [replace(c, member=f"{name}!{c.member}") for c in part.code]
         if part.error:
             errors.append(f"{name}: {part.error}")
     res.error = "; ".join(errors) or None
     return res
+
+
+def _layout_findings(res: ScanResult, layout: Layout, head: bytes) -> None:
+    """What the layout found says beyond the pickles: a plain pickle failing at once with no global is no pickle
+    at all (a PNG starts with a byte that is also an opcode), unless it is a pickle cut short (its PROTO header,
+    ``head``: the file's first two bytes); a zip holding no pickle."""
+    first = res.pickles[0] if res.pickles else None
+    if layout.plain_pickle and first is not None and first.error and not res.globals \
+            and not (first.truncated and _protocol_header(head)):
+        res.error = _not_a_pickle(res.path)
+    if layout.expects_pickles and not res.pickles and not res.error:
+        res.notes.append("the zip holds no pickle")
+
+
+def _protocol_header(head: bytes) -> bool:
+    """``head`` (a file's first two bytes) is the PROTO opcode of protocol 2 to 5, as ``pickle.dump`` begins: a
+    pickle cut short, not other bytes whose first byte happens to be an opcode."""
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
 def _not_a_pickle(path: str) -> str:

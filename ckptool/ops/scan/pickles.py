@@ -19,7 +19,7 @@ from operator import not_, or_
 from typing import Any, BinaryIO, TypeAlias, cast
 
 from ckptool import _source as source
-from ckptool.errors import CkptError, CorruptCheckpointError
+from ckptool.errors import CkptError, CorruptCheckpointError, TruncatedError
 from ckptool.formats import detect as formats
 from ckptool.formats import plugin
 from ckptool.formats.dtypes import STORAGE_TYPES
@@ -42,7 +42,7 @@ from ckptool.ops.scan.layouts import Layout
 from ckptool.ops.scan.results import GlobalFinding, PickleFinding, ScanResult
 from ckptool.ops.scan.tar import MAX_PICKLES_IN_A_ROW, PICKLE_FIRST, inside, join_where, scan_tar
 
-__all__ = ["MAX_KEY_PATHS", "Container", "NotAPickle", "Scanner", "Window", "as_file", "key_paths"]
+__all__ = ["MAX_KEY_PATHS", "Container", "NotAPickle", "Scanner", "Window", "as_file", "failed", "key_paths"]
 
 # ------------------------------------------------------------------------------------------------ scanning
 #: what a caller (``inspect``) already read of a pickle: its globals, its root node, the offset after its STOP opcode
@@ -124,7 +124,7 @@ class Scanner:
     def _unreadable_member(self, label: str, is_pickle: bool, err: Exception) -> None:
         """A zip member that could not be read: a finding for a pickle member, a note for anything else."""
         if is_pickle:
-            self.record(PickleFinding(label, 0, [], str(err)))
+            self.record(failed(label, 0, [], err))
         else:
             self.note(f"member {label} could not be read ({err})")
 
@@ -144,7 +144,7 @@ class Scanner:
         except CkptError as e:
             names = self._globals_before_failure(buf, pos, where, e)
             if required or names:
-                self.record(PickleFinding(where, pos, names, str(e)))
+                self.record(failed(where, pos, names, e))
             return None
         self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root)
         return end
@@ -168,7 +168,7 @@ class Scanner:
         try:
             root, up, end = load_pickle_at(buf, pos, where)
         except CkptError as e:
-            self.record(PickleFinding(where, pos, self._globals_before_failure(buf, pos, where, e), str(e)))
+            self.record(failed(where, pos, self._globals_before_failure(buf, pos, where, e), e))
             return None
         self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root)
         return root, end
@@ -486,7 +486,7 @@ class Scanner:
             try:
                 root, up, end = load_pickle_at(buf, pos, label, storages=main_storages if i == 3 else None)
             except CkptError as e:
-                self.record(PickleFinding(label, pos, self._globals_before_failure(buf, pos, label, e), str(e)))
+                self.record(failed(label, pos, self._globals_before_failure(buf, pos, label, e), e))
                 return
             self.record(PickleFinding(label, pos, [qualified_name(m, n) for m, n in up.globals_seen]),
                         root if i == 3 else None)
@@ -500,17 +500,32 @@ class Scanner:
         for key in keys:
             ref = main_storages.get(str(key)) if isinstance(key, (str, int)) else None
             head = bytes(buf[pos:pos + 8])
-            if ref is None or len(head) != 8:
+            if ref is not None and len(head) != 8:
+                self.res.incomplete.append(f"the data ends at byte {len(buf)}{inside(where)}, before the legacy "
+                                           f"storage {key}: the file is truncated (torch.load fails on it)")
+                return
+            if ref is None:
                 self.note("the legacy storage blocks do not match the storage keys; data after them was not checked")
                 return
             numel = struct.unpack("<q", head)[0]
             elsize = STORAGE_TYPES.get(ref.storage_type_name, ("", 1))[1]
-            if numel < 0 or pos + 8 + numel * elsize > len(buf):
-                self.note("a legacy storage block runs past the end of the file; data after it was not checked")
+            if numel < 0:
+                self.note("a legacy storage block has a negative size; data after it was not checked")
+                return
+            if pos + 8 + numel * elsize > len(buf):
+                self.res.incomplete.append(
+                    f"legacy storage {key} needs {numel * elsize} bytes at byte {pos + 8}{inside(where)}, but the "
+                    f"data ends at byte {len(buf)}: the file is truncated (torch.load fails on it)")
                 return
             pos += 8 + numel * elsize
         if pos < len(buf):
             self.trailing(buf, pos, where, depth)
+
+def failed(where: str, offset: int, names: list[str], err: Exception) -> PickleFinding:
+    """The finding of a pickle that could not be read to its end because of ``err``: ``truncated`` when the data
+    ended first (:class:`~ckptool.errors.TruncatedError`)."""
+    return PickleFinding(where, offset, names, str(err), truncated=isinstance(err, TruncatedError))
+
 
 def as_file(buf: Container) -> BinaryIO:
     """``buf`` as a file: a :class:`Window` is one already; bytes and mapped files get a ``BytesIO``."""

@@ -19,13 +19,17 @@ from ckptool.model.allowlist import (
 )
 from ckptool.model.units import human_bytes, plural
 
-__all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "CodeFinding", "GlobalFinding", "PickleFinding", "ScanResult",
-           "exit_status"]
+__all__ = ["EXIT_CODES", "INCOMPLETE", "STRICT_EXIT_CODES", "VERDICT_ORDER", "CodeFinding", "GlobalFinding",
+           "PickleFinding", "ScanResult", "exit_status"]
 
+#: the verdict of a file read to its end whose data is cut short (:attr:`ScanResult.incomplete`): never ``safe``
+INCOMPLETE = "incomplete"
 #: the ``ckptool scan`` exit status of each verdict (3 is every command's internal-error status)
-EXIT_CODES: dict[str, int] = {SAFE: 0, DANGEROUS: 1, "error": 2, NEEDS_TRUST: 4}
-#: the exit status of each strict verdict (``--strict``: the codes of earlier versions)
-STRICT_EXIT_CODES: dict[str, int] = {"safe": 0, "unsafe": 1, "error": 2}
+EXIT_CODES: dict[str, int] = {SAFE: 0, DANGEROUS: 1, "error": 2, NEEDS_TRUST: 4, INCOMPLETE: 5}
+#: the exit status of each strict verdict (``--strict``: the codes of earlier versions, and ``incomplete``)
+STRICT_EXIT_CODES: dict[str, int] = {"safe": 0, "unsafe": 1, "error": 2, INCOMPLETE: 5}
+#: the verdicts from worst to best: the worst file decides the exit status of several (:func:`exit_status`)
+VERDICT_ORDER = (DANGEROUS, "unsafe", "error", NEEDS_TRUST, INCOMPLETE, SAFE)
 
 # ------------------------------------------------------------------------------------------------ results
 @dataclass
@@ -46,6 +50,9 @@ class PickleFinding:
     #: for each global outside the weights_only allowlist, the dotted key paths in the pickle's object where it
     #: is used (``model.evil``, ``(top level)``; at most :data:`MAX_KEY_PATHS`; empty when it could not be located)
     key_paths: dict[str, list[str]] = field(default_factory=dict)
+    #: True when ``error`` is that the data ends before the pickle's STOP opcode
+    #: (:class:`~ckptool.errors.TruncatedError`): every byte there is was read, and the file is ``incomplete``
+    truncated: bool = False
 
 
 @dataclass
@@ -113,6 +120,9 @@ class ScanResult:
     bytes_read: int | None = None
     #: code that ships inside the file (native libraries, torch.package modules, TorchScript source)
     code: list[CodeFinding] = field(default_factory=list)
+    #: what is cut short: the file ends before what its structure declares (a legacy storage block, a zip's end of
+    #: central directory, a DCP record past the end of its file); the verdict is then never ``safe``
+    incomplete: list[str] = field(default_factory=list)
 
     def pickle_level(self, pickle: PickleFinding) -> str:
         """The worst level of the globals ``pickle`` names, as this scan rated them."""
@@ -125,8 +135,14 @@ class ScanResult:
 
     @property
     def readable(self) -> bool:
-        """False when the file, or one of its pickles, could not be read to its end."""
-        return not (self.error or any(p.error for p in self.pickles))
+        """False when the file, or one of its pickles, could not be read to its end for another reason than the
+        data ending (:attr:`cut_short`)."""
+        return not (self.error or any(p.error and not p.truncated for p in self.pickles))
+
+    @property
+    def cut_short(self) -> list[str]:
+        """What ends before its structure says it does: :attr:`incomplete`, then each truncated pickle."""
+        return self.incomplete + [f"{p.where}: {p.error}" for p in self.pickles if p.truncated]
 
     @property
     def level(self) -> str:
@@ -137,29 +153,34 @@ class ScanResult:
     @property
     def verdict(self) -> str:
         """``dangerous`` if any global is; else ``error`` if a pickle (or the file) could not be read to its end;
-        else ``needs-trust`` or ``safe`` (:attr:`level`)."""
+        else ``needs-trust`` (:attr:`level`); else ``incomplete`` if the data is cut short (:attr:`cut_short`);
+        else ``safe``."""
         level = self.level
-        if level == DANGEROUS or self.readable:
-            return level
-        return "error"
+        if level != DANGEROUS and not self.readable:
+            return "error"
+        return INCOMPLETE if level == SAFE and self.cut_short else level
 
     @property
     def strict_verdict(self) -> str:
         """The single verdict of ``--strict``: ``unsafe`` if any global is not allowed or the file carries code;
-        else ``error`` if a pickle (or the file) could not be read to its end; else ``safe``."""
+        else ``error`` if a pickle (or the file) could not be read to its end; else ``incomplete`` if the data is
+        cut short; else ``safe``."""
         if self.code or any(g.status != ALLOWED for g in self.globals):
             return "unsafe"
-        return "safe" if self.readable else "error"
+        if not self.readable:
+            return "error"
+        return INCOMPLETE if self.cut_short else "safe"
 
     @property
     def exit_code(self) -> int:
-        """The ``ckptool scan`` exit status for this file alone: 0 safe, 1 dangerous, 2 unreadable, 4 needs trust
-        (:data:`EXIT_CODES`)."""
+        """The ``ckptool scan`` exit status for this file alone: 0 safe, 1 dangerous, 2 unreadable, 4 needs trust,
+        5 incomplete (:data:`EXIT_CODES`)."""
         return EXIT_CODES[self.verdict]
 
     @property
     def strict_exit_code(self) -> int:
-        """The ``ckptool scan --strict`` exit status for this file alone: 0 safe, 1 unsafe, 2 unreadable."""
+        """The ``ckptool scan --strict`` exit status for this file alone: 0 safe, 1 unsafe, 2 unreadable,
+        5 incomplete."""
         return STRICT_EXIT_CODES[self.strict_verdict]
 
     @property
@@ -178,6 +199,7 @@ class ScanResult:
             "globals": [g.to_dict() for g in self.globals],
             "pickles": [vars(p).copy() for p in self.pickles],
             "notes": list(self.notes),
+            "incomplete": self.cut_short,
             "code": [c.to_dict() for c in self.code],
             "recognised": None if self.recognised is None else {"kind": self.recognised[0],
                                                                 "description": self.recognised[1]},
@@ -205,9 +227,11 @@ class ScanResult:
             lines.append(f"  recognised: {self.recognised[1]}")
         if self.error:
             lines.append(f"  error: {self.error}")
+        lines += [f"  incomplete: {why}" for why in self.incomplete]
         if self.bytes_read is not None:
             lines.append(f"  read {human_bytes(self.bytes_read)} over the network")
-        lines += [f"  error in {p.where}: {p.error}" for p in self.pickles if p.error]
+        lines += [f"  {'incomplete' if p.truncated else 'error'} in {p.where}: {p.error}" for p in self.pickles
+                  if p.error]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -217,7 +241,8 @@ class ScanResult:
 
 
 #: how each verdict is written on the first line of a file's report
-SHOWN = {"safe": "safe", "needs-trust": "NEEDS TRUST", "dangerous": "DANGEROUS", "unsafe": "UNSAFE", "error": "ERROR"}
+SHOWN = {"safe": "safe", "needs-trust": "NEEDS TRUST", "dangerous": "DANGEROUS", "unsafe": "UNSAFE", "error": "ERROR",
+         INCOMPLETE: "INCOMPLETE"}
 
 
 def _shown_level(level: str) -> str:
@@ -226,6 +251,7 @@ def _shown_level(level: str) -> str:
 
 def exit_status(results: Iterable[ScanResult], *, strict: bool = False) -> int:
     """The ``ckptool scan`` exit status of several files: the worst file decides, in the order dangerous (1),
-    unreadable (2), needs trust (4), safe (0); with ``strict``: unsafe (1), unreadable (2), safe (0)."""
+    unreadable (2), needs trust (4), incomplete (5), safe (0); with ``strict``: unsafe (1), unreadable (2),
+    incomplete (5), safe (0) (:data:`VERDICT_ORDER`)."""
     codes = {r.strict_exit_code if strict else r.exit_code for r in results}
-    return next((c for c in (1, 2, 4) if c in codes), 0)
+    return next((c for c in (1, 2, 4, 5) if c in codes), 0)

@@ -62,6 +62,13 @@ RULES: list[dict[str, Any]] = [
      "help": {"text": "`ckptool scan --json FILE` lists each member under \"code\" with its kind and reason. Load "
                       "such a file only if you trust its author."},
      "defaultConfiguration": {"level": "error"}},
+    {"id": "CKPT005", "name": "Incomplete",
+     "shortDescription": {"text": "The checkpoint ends before what its structure declares"},
+     "fullDescription": {"text": "Every byte of the file was read, but a pickle stops before its end, a zip has no "
+                                 "end of central directory, or a storage block or DCP record runs past the end of "
+                                 "its file: a truncated download or copy, which torch.load cannot load whole."},
+     "help": {"text": "Re-download or re-copy the checkpoint; `ckptool scan FILE` says what is cut short."},
+     "defaultConfiguration": {"level": "warning"}},
 ]
 _RULE_INDEX = {r["id"]: i for i, r in enumerate(RULES)}
 
@@ -102,8 +109,10 @@ def _file_results(res: ScanResult, strict: bool) -> list[dict[str, Any]]:
                     + (" (a pickle torch.load does not read today)" if hidden else ""))
             out.append(_result(rule, level, text, res, where, paths,
                                {"global": g.name, "status": g.status, "hidden": hidden}))
-    out += [_result("CKPT003", "warning", f"{p.where} could not be read to its end: {p.error}", res, p.where, [],
+    out += [_result("CKPT005" if p.truncated else "CKPT003", "warning",
+                    f"{p.where} could not be read to its end: {p.error}", res, p.where, [],
                     {"hidden": p.hidden}) for p in res.pickles if p.error]
+    out += [_result("CKPT005", "warning", why, res, None, [], {}) for why in res.incomplete]
     if res.error:
         out.append(_result("CKPT003", "warning", res.error, res, None, [], {}))
     for c in res.code:  # code that ships in the file (ops/scan/shipped_code.py)

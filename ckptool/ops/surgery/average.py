@@ -43,6 +43,7 @@ from ckptool.ops.convert.write import Files
 from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers import open_checkpoint
+from ckptool.readers.budget import check_expansion
 from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.torch_ops.average import AVERAGED, TAKEN_FROM_FIRST, Accumulator, average_state_dicts
 
@@ -273,10 +274,12 @@ def average(inputs: Sequence[Mapping[Any, Any]], dst: None = None, *, weights: S
             key: str | None = None, progress: ProgressFn | None = None) -> OrderedDict[Any, Any]: ...
 @overload
 def average(inputs: Sequence[PathArg], dst: PathArg | None = None, *, weights: Sequence[float] | None = None,
-            key: str | None = None, progress: ProgressFn | None = None) -> AverageResult: ...
+            key: str | None = None, progress: ProgressFn | None = None,
+            max_expand: float | None = None) -> AverageResult: ...
 def average(inputs: Sequence[PathArg] | Sequence[Mapping[Any, Any]], dst: PathArg | None = None, *,
             weights: Sequence[float] | None = None, key: str | None = None,
-            progress: ProgressFn | None = None) -> AverageResult | OrderedDict[Any, Any]:
+            progress: ProgressFn | None = None, max_expand: float | None = None
+            ) -> AverageResult | OrderedDict[Any, Any]:
     """The weighted mean of the state_dicts of ``inputs`` (two or more), written to ``dst``.
 
     ``inputs`` are checkpoint paths (torch zip, legacy, safetensors, sharded index, in any mix; see the module
@@ -286,6 +289,9 @@ def average(inputs: Sequence[PathArg] | Sequence[Mapping[Any, Any]], dst: PathAr
     ``key`` selects the state_dict (dotted path, ``"state_dict_ema"``) in torch inputs; by default ``convert``'s
     choice. ``dst``'s extension picks the format: ``.safetensors``, else torch's zip format (loads with
     ``torch.load(dst, weights_only=True)``). ``progress(nbytes)`` is called as output bytes are computed.
+    ``max_expand`` holds each input path's tensors to that many times the bytes their storages hold
+    (:mod:`ckptool.readers.budget`: a view that repeats elements, as ``expand()`` saves, is averaged and written
+    dense; None: the default factor).
 
     Returns an :class:`AverageResult` for paths. Floating tensors are averaged in float64 and cast back; integer and
     bool tensors come from the first input (``from_first``).
@@ -294,7 +300,7 @@ def average(inputs: Sequence[PathArg] | Sequence[Mapping[Any, Any]], dst: PathAr
         UsageError: fewer than two inputs, bad weights, no ``dst`` for paths, ``dst`` that is an input, ``key`` when
             no input is a torch file, paths mixed with mappings.
         UnsupportedError: keys, shapes or dtypes that differ between inputs (the key is named); a dtype that cannot
-            be averaged (float8); an input format average does not read.
+            be averaged (float8); an input format average does not read; an input over the ``max_expand`` budget.
         NotACheckpointError / CorruptCheckpointError: unreadable input.
     """
     if len(inputs) < 2:
@@ -306,6 +312,8 @@ def average(inputs: Sequence[PathArg] | Sequence[Mapping[Any, Any]], dst: PathAr
         return average_state_dicts([x for x in inputs if isinstance(x, Mapping)], ws, key=key)
     paths, out = _paths(inputs, dst)
     sources = [_read(p, key) for p in paths]
+    for src in sources:
+        check_expansion(src.tensors, max_expand, src.path, "average")
     if key is not None and all(s.key is None for s in sources):
         raise UsageError("--key selects a state_dict inside torch.save files; every input is a flat mapping of "
                          "tensors (safetensors), so it does not apply")
