@@ -36,14 +36,15 @@ main()
 #: finder (every zip member outside the tensor records is looked at for a native library's first bytes) and the
 #: legacy tar walk the pickle scanner shares. The code of the other formats (.pt2, DCP, DeepSpeed, sharded sets,
 #: safetensors, torch.package, native library headers) and of SARIF output is named as strings and imported only
-#: when met (:func:`ckptool.formats.plugin`); issue 41 took this set from 45 modules to 33.
+#: when met (:func:`ckptool.formats.plugin`); issue 41 took this set from 45 modules to 33; the tensor model
+#: (``formats.tensors``) came back with issue 36's note on tensors that expand past the input's budget.
 SCAN_ZIP_MODULES = {
     "ckptool", "ckptool._gc", "ckptool._remote", "ckptool._source", "ckptool.errors",
     "ckptool.cli", "ckptool.cli._common", "ckptool.cli._errors", "ckptool.cli._flags", "ckptool.cli.scan",
     "ckptool.formats", "ckptool.formats.detect", "ckptool.formats.dtypes", "ckptool.formats.nodes",
-    "ckptool.formats.pickle_check", "ckptool.formats.unpickler", "ckptool.formats.zipdir",
-    "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices", "ckptool.model.graph",
-    "ckptool.model.units", "ckptool.model.weights_only",
+    "ckptool.formats.pickle_check", "ckptool.formats.tensors", "ckptool.formats.unpickler",
+    "ckptool.formats.zipdir", "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices",
+    "ckptool.model.graph", "ckptool.model.units", "ckptool.model.weights_only",
     "ckptool.ops", "ckptool.ops.scan", "ckptool.ops.scan.entry", "ckptool.ops.scan.byte_windows",
     "ckptool.ops.scan.directories", "ckptool.ops.scan.layouts", "ckptool.ops.scan.pickles",
     "ckptool.ops.scan.results", "ckptool.ops.scan.shipped_code", "ckptool.ops.scan.tar",
@@ -56,7 +57,7 @@ SCAN_ZIP_MODULES = {
 #: HTML (``--tree``, Jupyter); issue 41 took this set from 73 modules to 54.
 INSPECT_ZIP_MODULES = (SCAN_ZIP_MODULES - {"ckptool.cli.scan"}) | {
     "ckptool.cli.inspect",
-    "ckptool.formats.segments", "ckptool.formats.strided", "ckptool.formats.tensors", "ckptool.formats.torchfile",
+    "ckptool.formats.segments", "ckptool.formats.strided", "ckptool.formats.torchfile",
     "ckptool.model.keys", "ckptool.model.nonstrided", "ckptool.model.numpy_nodes", "ckptool.model.paths",
     "ckptool.model.values",
     "ckptool.ops.inspect", "ckptool.ops.inspect.advice", "ckptool.ops.inspect.entry", "ckptool.ops.inspect.info",

@@ -154,6 +154,11 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
     fmt = "json" if as_json else out_format or "text"
     if jobs > 1 or jsonl or cache_path or any(_is_prefix(p) for p in paths):
         ctx.exit(_many(paths, fmt, jsonl, jobs, cache_path, strict, show_all))
+    ctx.exit(_one_run(paths, fmt, strict, show_all))
+
+
+def _one_run(paths: tuple[str, ...], fmt: str, strict: bool, show_all: bool) -> int:
+    """The checkpoints ``paths`` scanned and printed together (the report, --json or SARIF); the exit status."""
     results = scan(paths)
     code = exit_status(results, strict=strict)
     if fmt == "json":
@@ -171,5 +176,5 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
             click.echo(_table(results, strict))
             click.echo("")
             click.echo(_summary(results, strict))
-    ctx.exit(code)
+    return code
 

@@ -98,21 +98,19 @@ def convert(
     unwrap: bool = False, strip_prefixes: str | Sequence[str] = (), max_shard_size: int | str | None = None,
     dtype: str | None = None, verify: bool = True, trust: bool = False,
     progress: ProgressFn | None = None, tag: str | None = None, exclude_frozen: bool = False,
-    tp_dims: Sequence[str] = (),
-    max_expand: float | None = None,
+    tp_dims: Sequence[str] = (), max_expand: float | None = None,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
     ``src`` is a torch.save file (zip or legacy), a ``torch.export`` archive (``.pt2``: its state_dict, or with
     ``key="constants"`` its constants; :mod:`ckptool.readers.read_pt2`), a ``torch.package`` archive (its state_dict
     read without running the package's code, ``key`` as ``<member>`` or ``<member>:<path>``:
-    :mod:`ckptool.readers.read_package`), a safetensors file, a sharded set
-    (its ``*.index.json``, or the folder holding it), a DCP folder, or a DeepSpeed ZeRO checkpoint folder
-    (consolidated to its fp32 state_dict as ``zero_to_fp32`` does, without deepspeed:
-    :mod:`ckptool.readers.read_deepspeed`; ``tag`` picks the tag folder, default from ``latest``;
-    ``exclude_frozen`` leaves out frozen parameters). ``format`` is ``"torch"``, ``"safetensors"`` or ``"dcp"``;
-    by default it follows ``dst``'s suffix (``.safetensors``; ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt``), and is
-    safetensors for a folder of shards.
+    :mod:`ckptool.readers.read_package`), a safetensors file, a sharded set (its ``*.index.json``, or the folder
+    holding it), a DCP folder, or a DeepSpeed ZeRO checkpoint folder (consolidated to its fp32 state_dict as
+    ``zero_to_fp32`` does, without deepspeed: :mod:`ckptool.readers.read_deepspeed`; ``tag`` picks the tag folder,
+    default from ``latest``; ``exclude_frozen`` leaves out frozen parameters). ``format`` is ``"torch"``,
+    ``"safetensors"`` or ``"dcp"``; by default it follows ``dst``'s suffix (``.safetensors``; ``.pt`` / ``.pth`` /
+    ``.bin`` / ``.ckpt``), and is safetensors for a folder of shards.
 
     * ``key`` selects the state_dict (dotted path such as ``"model_state_dict"``); by default it is found, and the
       other entries of the file are reported in ``left_out``, not carried.
@@ -129,8 +127,7 @@ def convert(
     * ``verify`` re-opens the output and compares every tensor with the source (see the module docstring).
     * ``max_expand``: what the tensors may take dense, per storage byte (:mod:`ckptool.readers.budget`; 0: no limit).
     * ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
-    * ``tp_dims``: a Megatron legacy tree's tensor-parallel rules ``"PATTERN=DIM"`` ahead of the built-in ones
-      (:func:`ckptool.model.megatron.parse_tp_dims`, ``docs/megatron.md``).
+    * ``tp_dims``: a Megatron legacy tree's rules ``"PATTERN=DIM"`` (:func:`ckptool.model.megatron.parse_tp_dims`).
     * ``progress(nbytes)`` is called with the bytes of tensor data written since the last call, as every operation
       reports progress; when it has a ``total`` attribute that is None (ckptool's progress bar), that is set to the
       bytes to be written first (:func:`ckptool.ops.rewrite.stream.announce_total`).

@@ -70,8 +70,7 @@ def remap(
     shards one per task, the index last (:mod:`ckptool.ops.rewrite.parallel`).
 
     Returns a :class:`~ckptool.ops.rewrite.stream.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``),
-    a :class:`~ckptool.ops.rewrite.prefixes.RenameResult` (a WriteResult with the renaming added) when keys were
-    renamed.
+    a :class:`~ckptool.ops.rewrite.prefixes.RenameResult` (the renaming added) when keys were renamed.
 
     Raises:
         UsageError: bad device strings, ``dst`` equal to ``src`` without ``in_place``, missing output folder,
@@ -86,13 +85,7 @@ def remap(
     src = os.fspath(src)
     if (to is None) == (not mapping):
         raise UsageError("give exactly one of --to DEVICE or --map FROM=TO")
-    plan = None
-    if unwrap or strip_dataparallel or strip_prefixes or add_prefix is not None:
-        plan = build_plan(strip_prefixes=strip_prefixes, strip_dataparallel=strip_dataparallel, unwrap=unwrap,
-                          add_prefix=add_prefix, allow_nested=allow_nested)
-    elif key is not None:
-        raise UsageError("--key selects the state_dict to rename: add --unwrap, --strip-dataparallel, "
-                         "--strip-prefix or --add-prefix")
+    plan = _renaming(strip_prefixes, strip_dataparallel, unwrap, add_prefix, allow_nested, key)
     opened = open_checkpoint(src)
     folder = dcp_folder(opened)
     if folder is not None:
@@ -108,6 +101,22 @@ def remap(
                            allow_missing=allow_missing, progress=progress, executor=executor)
     return _remap_file(opened, dst, plan, to=to, mapping=mapping, in_place=in_place, key=key,
                        allow_missing=allow_missing, progress=progress)
+
+
+def _renaming(strip_prefixes: str | Sequence[str], strip_dataparallel: bool, unwrap: bool, add_prefix: str | None,
+              allow_nested: bool, key: str | None) -> RenamePlan | None:
+    """The renaming :func:`remap` does in the same pass, None for none.
+
+    Raises:
+        UsageError: ``key`` without a renaming; bad prefixes.
+    """
+    if unwrap or strip_dataparallel or strip_prefixes or add_prefix is not None:
+        return build_plan(strip_prefixes=strip_prefixes, strip_dataparallel=strip_dataparallel, unwrap=unwrap,
+                          add_prefix=add_prefix, allow_nested=allow_nested)
+    if key is not None:
+        raise UsageError("--key selects the state_dict to rename: add --unwrap, --strip-dataparallel, "
+                         "--strip-prefix or --add-prefix")
+    return None
 
 
 def _remap_file(opened: Opened, dst: str | os.PathLike[str] | None, plan: RenamePlan | None, *, to: str | None,
