@@ -73,6 +73,7 @@ from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.readers.read_torch import refuse_non_strided_for_dcp
 from ckptool.torch_ops.dcp import dcp_to_torch_file
 from ckptool.torch_ops.load import load_checkpoint
+from ckptool.torch_ops.trusted import refuse_dangerous
 
 __all__ = ["SHARED_KEY", "ConvertResult", "OutputFormat", "VerificationError", "convert", "parse_size"]
 
@@ -145,7 +146,8 @@ def convert(
             quantized tensors); no state_dict found; tensors over the ``max_expand`` budget.
         NotACheckpointError / CorruptCheckpointError: unreadable or damaged input.
         UnsafeCheckpointError: a DCP folder (or a torch file converted to DCP) needs globals outside the allowlist
-            and ``trust`` is False.
+            and ``trust`` is False; with ``trust``, ``ckptool scan`` rates the input dangerous
+            (:func:`ckptool.torch_ops.trusted.refuse_dangerous`).
         PrefixNotFoundError / KeyCollisionError: as :func:`ckptool.ops.rewrite.prefixes.strip_prefix`.
         DeviceNotFoundError: a ``mapping`` source matches no storage of the source (unless ``allow_missing``).
         VerificationError: the output does not read back as the source (it is not kept).
@@ -157,6 +159,8 @@ def convert(
     _check_options(src_p, dst_p, fmt_out, shard_bytes, dtype, to is not None or bool(mapping))
     renames: dict[str, Any] = {"unwrap": unwrap, "strip_prefixes": strip}
     opened = open_checkpoint(src_p)
+    if trust:
+        refuse_dangerous(opened)  # trust covers classes, never gadgets
     if (tag is not None or exclude_frozen) and not opened.spec.tagged:
         raise UsageError(f"--tag and --exclude-frozen apply to DeepSpeed checkpoint folders; {src_p} is not one")
     if opened.spec.torch_distributed:
