@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.nodes import GlobalMeta, ObjectNode, PickledObject, ReduceNode, qualified_name
 from ckptool.formats.strided import shape_problem
@@ -130,9 +131,10 @@ def read_dcp_metadata(folder: str | os.PathLike[str], *, strict: bool = True) ->
     """
     folder = os.fspath(folder)
     p = os.path.join(folder, METADATA_FILE)
+    source.refuse_special(p, "the DCP .metadata")
     if not os.path.isfile(p):
         raise UsageError(f"{folder} has no .metadata: not a torch.distributed.checkpoint folder")
-    with open(p, "rb") as f:
+    with source.open_regular(p, "the DCP .metadata") as f:
         data = f.read()
     root, up = load_structure(data, f".metadata of {folder}")
     st = _state(root)

@@ -237,7 +237,7 @@ def _torch_load(blob: RecordSlice | io.BytesIO, what: str, device: torch.device 
     try:
         if weights_only:
             return torch.load(blob, map_location=device, weights_only=True)  # type: ignore[arg-type]
-        return torch.load(blob, map_location=device, weights_only=False, pickle_module=GUARDED)  # gadgets refused
+        return torch.load(blob, map_location=device, weights_only=False, pickle_module=GUARDED)  # type: ignore[arg-type]
     except CkptError:
         raise
     except pickle.UnpicklingError as ex:
