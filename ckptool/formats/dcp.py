@@ -114,8 +114,10 @@ def _state(node: Any) -> Any:
 
 
 def is_dcp_folder(path: str) -> bool:
-    """True when ``path`` is a folder holding a DCP ``.metadata`` file."""
-    return os.path.isfile(os.path.join(path, METADATA_FILE))
+    """True when ``path`` is a folder holding a DCP ``.metadata`` file (or a FIFO or device of that name, which
+    reading it then refuses: :func:`read_dcp_metadata`)."""
+    p = os.path.join(path, METADATA_FILE)
+    return os.path.exists(p) and not os.path.isdir(p)
 
 
 def read_dcp_metadata(folder: str | os.PathLike[str], *, strict: bool = True) -> DcpMetadata:
