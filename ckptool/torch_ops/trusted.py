@@ -15,7 +15,7 @@ that use scan's own verdict, the one classification of :func:`ckptool.model.allo
    module is imported (defence in depth: a pickle the scan could not see, or a loader called directly).
 
 To load such a file anyway, one must do it by hand, outside ckptool, at one's own risk
-(``torch.load(path, weights_only=False)``): ``docs/safety.md``.
+(``torch.load(path, weights_only=False)``): ``docs/commands/verify.md``, *Safety*.
 
 The scan engine lives in :mod:`ckptool.ops.scan`, a layer above this one; it is reached as the registry reaches the
 layers above it, through a lazy plug-in reference (:func:`ckptool.readers.plugin`), so that importing this module
