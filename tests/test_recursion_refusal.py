@@ -63,7 +63,8 @@ def test_a_deeply_nested_rules_file_is_refused(tmp_path: Path, small_checkpoint:
 def test_deeply_nested_safetensors_metadata_is_refused_or_read(tmp_path: Path, depth: int, command: str) -> None:
     path = _safetensors(tmp_path / "nested.safetensors", b'{"k":' * depth + b"1" + b"}" * depth)
     args = {"inspect": ["inspect", path], "diff": ["diff", path, path], "scan": ["scan", path],
-            "convert": ["convert", path, "-o", tmp_path / "o.pt"], "report": ["report", path, "-o", tmp_path / "r.html"]}
+            "convert": ["convert", path, "-o", tmp_path / "o.pt"],
+            "report": ["report", path, "-o", tmp_path / "r.html"]}
     code, out = _run(*args[command])
     assert code != EXIT_BUG and "Traceback" not in out and "internal error" not in out, out
     if code != 0 and command != "scan":
