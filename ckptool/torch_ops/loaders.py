@@ -254,7 +254,7 @@ def load_pickle(opened: Opened, req: LoadRequest) -> tuple[Any, dict[str, int]]:
         raise UnsafeCheckpointError(
             f"{path} is a plain pickle, not a torch.save file: only an unrestricted unpickler reads it. Pass "
             "trust=True (--trust) only if you trust its source")
-    with open(path, "rb") as f, guarded(path, "pickle at byte 0"):
+    with source.open_regular(path) as f, guarded(path, "pickle at byte 0"):
         try:
             obj = GuardedUnpickler(f).load()  # trusted by the caller, gadgets refused
         except (MemoryError, CkptError):
