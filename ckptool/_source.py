@@ -31,6 +31,7 @@ import io
 import mmap
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, TypeVar
 
@@ -53,12 +54,13 @@ from ckptool._remote import (
     transferred_bytes,
     version_stamp,
 )
-from ckptool.errors import InputNotFoundError, RemoteError
+from ckptool.errors import InputNotFoundError, NotACheckpointError, RemoteError
 
 __all__ = [
     "BLOCK", "CHUNK", "REMOTE_EXTRA", "NoRangeSupport", "RangeError", "RangeView", "bytes_transferred", "changed_error",
     "consistent_reads", "file_size", "holding_versions", "is_remote_file", "is_url", "kind", "leaves_folder",
-    "list_objects", "local_copy", "open_binary", "recheck", "remote_exists", "spool", "thread_bytes_transferred",
+    "list_objects", "local_copy", "open_binary", "open_regular", "recheck", "refuse_special", "remote_exists",
+    "special_kind", "spool", "thread_bytes_transferred",
     "upload", "version_key", "whole_view",
 ]
 
@@ -190,6 +192,71 @@ def recheck(url: str) -> tuple[int | None, str | None]:
     return version_stamp(info)
 
 
+# ------------------------------------------------------------------------------------------------ regular files
+#: what each kind of file that is neither a regular file nor a folder is, as ``stat`` tells them apart
+_SPECIAL: tuple[tuple[Callable[[int], bool], str], ...] = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def special_kind(mode: int) -> str | None:
+    """What a file of ``st_mode`` ``mode`` is when it is a FIFO, a character or block device or a socket
+    (``"a FIFO (named pipe)"``...), else None (a regular file, a folder, a link)."""
+    return next((what for test, what in _SPECIAL if test(mode)), None)
+
+
+def _special_error(path: str, kind: str, what: str) -> NotACheckpointError:
+    return NotACheckpointError(
+        f"{path}{f' ({what})' if what else ''} is {kind}, not a regular file: ckptool reads only regular files "
+        "(reading a pipe, device or socket can block forever or never end); copy its content into a file first")
+
+
+def refuse_special(path: str, what: str = "") -> None:
+    """Refuse ``path`` (a local path; links followed) when it is a FIFO, a character or block device or a socket,
+    from its ``stat`` alone: nothing is opened. ``what`` says what it is to the caller (``"a DCP record"``, ``"the
+    rules file"``). A path that does not exist, a folder and a URL pass (their callers refuse those).
+
+    Raises:
+        NotACheckpointError: a FIFO, a device or a socket.
+    """
+    if is_url(path):
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return
+    kind = special_kind(mode)
+    if kind is not None:
+        raise _special_error(path, kind, what)
+
+
+def open_regular(path: str, what: str = "") -> BinaryIO:
+    """``open(path, "rb")`` of a local regular file, checked without blocking: :func:`refuse_special` first, then
+    the file opened with ``O_NONBLOCK`` (a FIFO swapped in meanwhile neither blocks the open nor passes) and its
+    ``fstat`` checked again, the flag cleared for the reads that follow. The one place every reader of a local
+    input file opens it (:func:`open_binary` included).
+
+    Raises:
+        NotACheckpointError: a FIFO, a device or a socket.
+        OSError: the file could not be opened (FileNotFoundError, PermissionError, IsADirectoryError...).
+    """
+    refuse_special(path, what)
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        kind = special_kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise _special_error(path, kind, what)
+        if nonblock and hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        f = open(fd, "rb", closefd=True)  # noqa: SIM115 - the caller's to close
+    except BaseException:
+        os.close(fd)
+        raise
+    f.raw.name = path  # type: ignore[attr-defined]  # as open(path) names it (error messages, zipfile)
+    return f
+
+
 def open_binary(path: str) -> BinaryIO:
     """A seekable binary reader of ``path``: the local file itself (``open(path, "rb")``), or for a URL fsspec's
     own file object (``fs.open``: its read-ahead cache of :data:`BLOCK` bytes, each miss one range request) with
@@ -201,10 +268,11 @@ def open_binary(path: str) -> BinaryIO:
     Raises:
         InputNotFoundError: nothing at a URL.
         RemoteError: a URL could not be reached or changed; later, a read that failed or was not exact.
+        NotACheckpointError: a local FIFO, device or socket (:func:`open_regular`).
         OSError: a local file could not be opened.
     """
     if not is_url(path):
-        return open(path, "rb")
+        return open_regular(path)
     info = remote_info(path)
     if info is None:
         raise InputNotFoundError(f"{path}: no such file; check the URL")

@@ -208,8 +208,11 @@ def test_a_payload_in_a_non_tensor_entry_is_refused_unrun(tmp_path: Path, monkey
                                    "--device", "cpu"])
     assert res.exit_code not in (0, 3) and "--trust" in res.output, res.output
     assert not marker.exists()
-    with contextlib.suppress(ckptool.errors.CkptError):  # the payload is live: trust=True unpickles it as DCP does
+    with pytest.raises(UnsafeCheckpointError, match="DANGEROUS"):  # trust covers classes, never gadgets
         load_dcp_state_dict(folder, trust=True)
+    assert not marker.exists()
+    with contextlib.suppress(Exception):  # the payload is live: torch.load(weights_only=False) runs it, as DCP does
+        torch.load(io.BytesIO(_payload(kind)), weights_only=False)
     assert marker.exists()
 
 

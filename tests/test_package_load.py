@@ -217,17 +217,20 @@ def test_a_payload_package_is_never_run(tmp_path: Path, run_cli: Any, monkeypatc
     models.write_text("import torch\n\nclass W(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
                       "        self.w = torch.nn.Parameter(torch.ones(3))\n\ndef build():\n    return W()\n",
                       encoding="utf-8")
-    for trust in (False, True):
-        with pytest.raises(errors.UnsupportedError, match="no state_dict found in the package's pickles"):
-            load_into(nn.Linear(2, 2), alone, trust=trust)
-        w = nn.Module()
-        w.w = nn.Parameter(torch.ones(3))
-        load_into(w, beside, trust=trust)
-        assert torch.equal(w.w.detach(), torch.zeros(3))  # the record's 12 zero bytes
+    with pytest.raises(errors.UnsupportedError, match="no state_dict found in the package's pickles"):
+        load_into(nn.Linear(2, 2), alone)
+    w = nn.Module()
+    w.w = nn.Parameter(torch.ones(3))
+    load_into(w, beside)
+    assert torch.equal(w.w.detach(), torch.zeros(3))  # the record's 12 zero bytes
+    for path in (alone, beside):  # trust covers classes, never gadgets: scan rates both files dangerous
+        with pytest.raises(errors.UnsafeCheckpointError, match=r"os\.system .*DANGEROUS"):
+            load_into(nn.Linear(2, 2), path, trust=True)
     res = run_cli("verify", alone, "--model", f"{models}:build", "--device", "cpu", catch_exceptions=True)
     assert res.exit_code not in (0, 3) and res.output.count("Error:") == 1, res.output
-    res = run_cli("verify", beside, "--model", f"{models}:build", "--device", "cpu", "--trust")
-    assert res.exit_code == 0, res.output
+    res = run_cli("verify", beside, "--model", f"{models}:build", "--device", "cpu", "--trust",
+                  catch_exceptions=True)
+    assert res.exit_code == 1 and res.output.count("Error:") == 1 and "os.system" in res.output, res.output
     assert not marker.exists()
     PackageImporter(str(alone)).load_pickle("model", "state_dict.pkl")
     assert marker.exists()  # the fixture is live
@@ -239,10 +242,11 @@ def test_a_reduce_package_object_is_refused(tmp_path: Path, shipped: Any) -> Non
     with PackageExporter(str(pkg)) as exp:
         exp.intern(_REDUCE_MODULE)
         exp.save_pickle("m", "sd.pkl", {"weight": torch.zeros(2, 2), "h": mod.Holder(torch.ones(3))})
-    for trust in (False, True):
-        with pytest.raises(errors.UnsupportedError, match=r"m/sd\.pkl:h is an object the package's own code "
-                                                          r"rebuilds.*made by tests_pkgload_reduce\.rebuild"):
-            load_into(nn.Linear(2, 2), pkg, trust=trust)
+    with pytest.raises(errors.UnsupportedError, match=r"m/sd\.pkl:h is an object the package's own code "
+                                                      r"rebuilds.*made by tests_pkgload_reduce\.rebuild"):
+        load_into(nn.Linear(2, 2), pkg)
+    with pytest.raises(errors.UnsafeCheckpointError, match=r"tests_pkgload_reduce\.rebuild .*DANGEROUS"):
+        load_into(nn.Linear(2, 2), pkg, trust=True)  # a function on no list: trust covers classes, not gadgets
 
 
 # ------------------------------------------------------------------------------------------------ read_storage

@@ -25,8 +25,8 @@ from ckptool.errors import CkptError, UsageError, os_error_advice
 
 #: the command did what it was asked
 EXIT_OK = 0
-#: the input was refused or is invalid (a :class:`~ckptool.errors.CkptError`), or the system refused: out of memory,
-#: permission denied, disk full, a package missing
+#: the input was refused or is invalid (a :class:`~ckptool.errors.CkptError`, or a ``RecursionError``: input nested
+#: deeper than a parser can go), or the system refused: out of memory, permission denied, disk full, a package missing
 EXIT_FAILURE = 1
 #: bad arguments: Click's usage errors and :class:`~ckptool.errors.UsageError` (a missing input included:
 #: :class:`~ckptool.errors.InputNotFoundError` is a UsageError)
@@ -100,6 +100,17 @@ def _memory(e: MemoryError) -> tuple[str, int]:
     return msg, EXIT_FAILURE
 
 
+def _recursion(e: RecursionError) -> tuple[str, int]:
+    """A ``RecursionError`` is input nested deeper than Python's parsers and walkers go (a JSON, YAML or TOML
+    document, a pickle, a header nested thousands deep): bad input, refused like any other (exit
+    :data:`EXIT_FAILURE`), not an internal error. The readers turn the ones they expect into their own errors; this
+    row catches the rest."""
+    detail = _first_line(e)
+    msg = (f"the input is nested too deeply to read{f' ({detail})' if detail else ''}: it is damaged or hostile, "
+           f"and ckptool refuses it; if you believe it is sound, {DEBUG_HINT}, and report it")
+    return msg, EXIT_FAILURE
+
+
 def _import(e: ImportError) -> tuple[str, int] | None:
     top = (e.name or "").split(".")[0]
     if top == "ckptool":
@@ -152,6 +163,7 @@ def _os(e: OSError) -> tuple[str, int]:
 ERRORS: tuple[tuple[type[BaseException], Callable[[Any], tuple[str, int] | None]], ...] = (
     (CkptError, _ckpt),
     (MemoryError, _memory),
+    (RecursionError, _recursion),
     (ImportError, _import),
     (PermissionError, _permission),
     (OSError, _os),

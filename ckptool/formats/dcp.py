@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.nodes import GlobalMeta, ObjectNode, PickledObject, ReduceNode, qualified_name
 from ckptool.formats.strided import shape_problem
@@ -113,8 +114,10 @@ def _state(node: Any) -> Any:
 
 
 def is_dcp_folder(path: str) -> bool:
-    """True when ``path`` is a folder holding a DCP ``.metadata`` file."""
-    return os.path.isfile(os.path.join(path, METADATA_FILE))
+    """True when ``path`` is a folder holding a DCP ``.metadata`` file (or a FIFO or device of that name, which
+    reading it then refuses: :func:`read_dcp_metadata`)."""
+    p = os.path.join(path, METADATA_FILE)
+    return os.path.exists(p) and not os.path.isdir(p)
 
 
 def read_dcp_metadata(folder: str | os.PathLike[str], *, strict: bool = True) -> DcpMetadata:
@@ -130,9 +133,10 @@ def read_dcp_metadata(folder: str | os.PathLike[str], *, strict: bool = True) ->
     """
     folder = os.fspath(folder)
     p = os.path.join(folder, METADATA_FILE)
+    source.refuse_special(p, "the DCP .metadata")
     if not os.path.isfile(p):
         raise UsageError(f"{folder} has no .metadata: not a torch.distributed.checkpoint folder")
-    with open(p, "rb") as f:
+    with source.open_regular(p, "the DCP .metadata") as f:
         data = f.read()
     root, up = load_structure(data, f".metadata of {folder}")
     st = _state(root)

@@ -99,6 +99,7 @@ def check_readable(path: str) -> int:
         raise InputNotFoundError(f"{path}: no such file; check the path")
     if os.path.isdir(path):
         raise UsageError(folder_refusal(path))
+    source.refuse_special(path)
     size = os.path.getsize(path)
     if size == 0:
         raise NotACheckpointError(f"{path} is empty (0 bytes); re-download or re-save the checkpoint")

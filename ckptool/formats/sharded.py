@@ -101,17 +101,33 @@ def shard_outside(index: ShardIndex, shard: str) -> str | None:
     return source.leaves_folder(index.folder, shard)
 
 
+def _same_file(a: str, b: str) -> bool:
+    """``a`` and ``b`` are one local file (links followed); False for URLs and missing files."""
+    if source.is_url(a) or source.is_url(b):
+        return a == b
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def read_index(path: str) -> ShardIndex:
     """Read the sharded-set index at ``path`` and check that every shard it names exists beside it.
 
     Raises:
         CorruptCheckpointError: not JSON, no ``weight_map`` of strings to strings, or a shard path that points
             outside the index's folder (absolute, ``..``, or through a symlinked subfolder: :func:`shard_outside`;
-            ``ckptool scan`` of the folder follows and reports such shards).
+            ``ckptool scan`` of the folder follows and reports such shards), or a shard that is an index itself
+            (the index's own file or another ``*.index.json``: reading it would lead back to an index, forever).
         InputNotFoundError: a shard file is missing (the set was not downloaded completely).
     """
     index = parse_index(path)
     for shard in index.shards:
+        itself = _same_file(index.shard_path(shard), path)
+        if itself or shard.lower().endswith(INDEX_SUFFIX):
+            raise CorruptCheckpointError(f"{path}: its weight_map names {shard!r} as a shard, which is "
+                                         f"{'the index itself' if itself else 'an index'}, not a checkpoint file: "
+                                         "the index is damaged or hostile; fix its weight_map")
         why = shard_outside(index, shard)
         if why is not None:
             raise CorruptCheckpointError(f"{path}: shard path {shard!r} points outside the index's folder ({why}); "

@@ -53,6 +53,7 @@ from ckptool.ops.convert import OutputFormat, convert
 from ckptool.ops.rewrite.stream import ProgressFn, retag_function, rewrite_file
 from ckptool.readers import Opened, open_checkpoint
 from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted
+from ckptool.torch_ops.trusted import refuse_dangerous
 
 __all__ = ["ExtractResult", "extract_state_dict"]
 
@@ -181,6 +182,8 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
     src = os.fspath(src)
     dst = os.fspath(dst) if dst is not None else default_output(src)
     out = _output_format(src, dst, to, mapping, trust)
+    if trust:
+        refuse_dangerous(src)  # trust covers classes, never gadgets
     opened = _extractable(src)
     if not opened.spec.pickled and not opened.spec.refusal:  # .pt2: its state_dict through the registry's reader
         return _extract_pt2(opened, dst, out, key, unwrap, to, mapping, allow_missing, progress)

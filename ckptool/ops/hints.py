@@ -140,10 +140,10 @@ _TRANSFORMERS_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.inde
 def _architecture(folder: str) -> str | None:
     """The model class ``config.json`` of ``folder`` names (``architectures[0]``, ``AutoModel`` when it names none);
     None without a readable ``config.json``."""
-    try:
-        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
+    try:  # a FIFO or device named config.json is never opened for reading (open_regular)
+        with source.open_regular(os.path.join(folder, "config.json")) as f:
+            config = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError, RecursionError, CkptError):
         return None
     if not isinstance(config, dict):
         return None

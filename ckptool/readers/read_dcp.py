@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError
 from ckptool.formats.dcp import DcpEntry, DcpMetadata, read_dcp_metadata
 from ckptool.formats.dtypes import DTYPE_SIZES, contiguous_stride, element_size, numel, storage_nbytes, tensor_dtype
@@ -130,7 +131,7 @@ def open_record(files: dict[str, BinaryIO], folder: str, info: Any) -> tuple[Bin
             or os.path.normpath(rel).startswith(".."):
         return None
     if rel not in files:
-        files[rel] = open(os.path.join(folder, rel), "rb")  # noqa: SIM115 - closed by the caller
+        files[rel] = source.open_regular(os.path.join(folder, rel), "a file .metadata names")  # closed by the caller
     f = files[rel]
     return f, RecordSlice(f, off, length)
 

@@ -56,6 +56,7 @@ from ckptool.readers.read_dcp import (
 )
 from ckptool.torch_ops.annotations import torch
 from ckptool.torch_ops.cast import torch_dtype
+from ckptool.torch_ops.trusted import GUARDED, guarded, refuse_gadgets
 
 __all__ = ["load_dcp_state_dict"]
 
@@ -187,6 +188,8 @@ def _non_tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, 
     else:
         names: list[str] = []
         node, _storages, _entries = torch_save_record(blob, what, names)
+        if trust:
+            refuse_gadgets(meta.folder, names, f"the record of the non-tensor entry {e.fqn!r}")
         bad = sorted({g for g in names if classify_global(g)[0] != ALLOWED and g not in allowed})
         if bad and not trust:
             raise UnsafeCheckpointError(f"{what} names {', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''}, "
@@ -196,7 +199,8 @@ def _non_tensor(files: dict[str, BinaryIO], meta: DcpMetadata, infos: dict[Any, 
             saved[tag] = saved.get(tag, 0) + 1
     blob.seek(0)
     try:  # in memory, as DCP's read_data hands a BYTE_IO record to load_bytes (a legacy pickle needs readline)
-        return _torch_load(io.BytesIO(blob.read()), what, device, weights_only=not trust)
+        with guarded(meta.folder, f"the record of the non-tensor entry {e.fqn!r}"):
+            return _torch_load(io.BytesIO(blob.read()), what, device, weights_only=not trust)
     except _WeightsOnlyRefused as ex:
         raise UnsafeCheckpointError(f"{what}: torch.load(weights_only=True) refuses it ({ex}); {remedy}",
                                     [e.fqn]) from None
@@ -231,13 +235,17 @@ def _torch_load(blob: RecordSlice | io.BytesIO, what: str, device: torch.device 
 
     blob.seek(0)
     try:
-        return torch.load(blob, map_location=device, weights_only=weights_only)  # type: ignore[arg-type]
+        if weights_only:
+            return torch.load(blob, map_location=device, weights_only=True)  # type: ignore[arg-type]
+        return torch.load(blob, map_location=device, weights_only=False, pickle_module=GUARDED)  # type: ignore[arg-type]
+    except CkptError:
+        raise
     except pickle.UnpicklingError as ex:
         if weights_only:
             raise _WeightsOnlyRefused(str(ex).strip().splitlines()[0][:300] if str(ex).strip() else "") from ex
         raise CorruptCheckpointError(f"{what}: unpickling failed ({_first_line(ex)[:300]}); the folder is "
                                      "damaged") from ex
-    except (CkptError, MemoryError):
+    except MemoryError:
         raise
     except ImportError as ex:  # a trusted pickle naming code that is not importable here
         raise CkptError(f"{what} names code that is not importable here ({_first_line(ex)})") from ex

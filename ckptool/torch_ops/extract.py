@@ -10,11 +10,12 @@ Importing this module does not import torch; each function imports it when calle
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptool._fileio import atomic_output
-from ckptool.errors import CkptError, UnsupportedError, UsageError
+from ckptool.errors import CkptError, CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES, tensor_dtype
 from ckptool.formats.nodes import REBUILD_QTENSOR, StorageRef, TensorNode
 from ckptool.formats.torchfile import Checkpoint
@@ -22,6 +23,7 @@ from ckptool.model.nonstrided import non_strided, refusal
 from ckptool.model.paths import get_path
 from ckptool.readers.read_torch import record_reader
 from ckptool.torch_ops.cast import torch_dtype
+from ckptool.torch_ops.trusted import GUARDED, guarded
 
 if TYPE_CHECKING:
     import torch
@@ -103,10 +105,16 @@ def load_trusted_module(src: str, key: str | None, device: str) -> nn.Module:
     from torch import nn
 
     try:
-        obj = torch.load(src, map_location=device, weights_only=False)  # the user passed --trust
+        with guarded(src):  # the user passed --trust: classes, never gadgets
+            obj = torch.load(src, map_location=device, weights_only=False, pickle_module=GUARDED)
+    except CkptError:
+        raise
     except (ModuleNotFoundError, AttributeError) as e:
         raise CkptError(f"{src}: loading with --trust needs the model's classes importable here ({e}); run from the "
                         "project that defines them, or extract without --trust") from e
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError) as e:
+        raise CorruptCheckpointError(f"{src}: torch.load failed: {str(e).strip()[:300] or type(e).__name__}; the "
+                                     "file may be truncated, damaged or not a torch.save file") from e
     module = obj
     if key is not None:
         try:

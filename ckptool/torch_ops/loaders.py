@@ -8,7 +8,9 @@ the :class:`~ckptool.readers.Opened`'s cached readers, never a parser of its own
 Safety (project rule 1): a file is loaded with ``weights_only=True`` unless ``trust=True``. Before calling torch,
 the pickle is read by ckptool's restricted reader (nothing imported or run) and any global outside torch's
 allowlist is named in an :class:`~ckptool.errors.UnsafeCheckpointError`; a weights-only failure from torch itself
-becomes the same error. There is no silent fallback to ``weights_only=False``.
+becomes the same error. There is no silent fallback to ``weights_only=False``. ``trust`` covers classes, never
+gadgets (:mod:`ckptool.torch_ops.trusted`): a file ``ckptool scan`` rates dangerous is refused first, and every
+unrestricted unpickle refuses a dangerous global before importing it.
 
 Importing this module does not import torch; each function imports it when called.
 """
@@ -40,6 +42,7 @@ from ckptool.torch_ops.select import as_state_dict
 from ckptool.torch_ops.source_load import load_source
 from ckptool.torch_ops.stream import FileSpans
 from ckptool.torch_ops.tied import restore_shared
+from ckptool.torch_ops.trusted import GUARDED, GuardedUnpickler, guarded, refuse_dangerous, refuse_gadgets
 from ckptool.torch_ops.zero import load_zero_state_dict
 
 __all__ = ["LoadRequest", "Loader", "first_line", "load_checkpoint", "load_dcp", "load_deepspeed", "load_package",
@@ -175,13 +178,17 @@ def load_checkpoint(path: str | os.PathLike[str] | Opened, device: DeviceLike = 
             sharing record in a safetensors header, a tensor in two shards, a DCP record that does not match
             its ``.metadata``.
         UnsafeCheckpointError: the file needs globals outside the weights-only allowlist (or is TorchScript / a
-            plain pickle) and ``trust`` is False.
+            plain pickle) and ``trust`` is False; with ``trust``, ``ckptool scan`` rates the file dangerous (a
+            gadget such as ``os.system``: :func:`~ckptool.torch_ops.trusted.refuse_dangerous`), checked before
+            anything is loaded.
         CkptError: a trusted pickle names code that is not importable here.
     """
     dev = resolve_device(device)
     if spans is not None and not spans.available():
         spans = None
     opened = path if isinstance(path, Opened) else open_checkpoint(path)
+    if trust:
+        refuse_dangerous(opened)
     load: Loader = opened.spec.behaviour("load")
     return load(opened, LoadRequest(dev, trust, spans, key, max_expand))
 
@@ -247,10 +254,10 @@ def load_pickle(opened: Opened, req: LoadRequest) -> tuple[Any, dict[str, int]]:
         raise UnsafeCheckpointError(
             f"{path} is a plain pickle, not a torch.save file: only an unrestricted unpickler reads it. Pass "
             "trust=True (--trust) only if you trust its source")
-    with open(path, "rb") as f:
+    with source.open_regular(path) as f, guarded(path, "pickle at byte 0"):
         try:
-            obj = pickle.load(f)  # trusted by the caller
-        except MemoryError:
+            obj = GuardedUnpickler(f).load()  # trusted by the caller, gadgets refused
+        except (MemoryError, CkptError):
             raise
         except Exception as e:  # an ImportError here is the file's: a class that no longer exists
             raise CorruptCheckpointError(f"{path}: unpickling failed: {first_line(e)}") from e
@@ -293,16 +300,23 @@ def _load_torch(opened: Opened, req: LoadRequest, mappable: bool) -> tuple[Any, 
     path, trust = opened.target, req.trust
     facts: dict[str, object] = {}
     saved, unsafe = _saved_devices_and_unsafe_globals(opened, facts)
-    if not trust:
+    if trust:
+        refuse_gadgets(path, unsafe)  # trust covers classes, never gadgets
+    else:
         registered = registered_safe_globals()
         unsafe = [g for g in unsafe if g not in registered]
         if unsafe:
             raise _unsafe_error(path, unsafe)
     try:
-        if req.spans is not None and mappable and not facts.get("foreign_byteorder"):
-            obj = req.spans.torch_load(path, trust=trust)
-        else:
-            obj = torch.load(path, map_location=req.device, weights_only=not trust)
+        with guarded(path):
+            if req.spans is not None and mappable and not facts.get("foreign_byteorder"):
+                obj = req.spans.torch_load(path, trust=trust)
+            elif trust:
+                obj = torch.load(path, map_location=req.device, weights_only=False, pickle_module=GUARDED)
+            else:
+                obj = torch.load(path, map_location=req.device, weights_only=True)
+    except CkptError:
+        raise
     except pickle.UnpicklingError as e:
         if trust:
             raise CorruptCheckpointError(f"{path}: unpickling failed: {first_line(e)}") from e

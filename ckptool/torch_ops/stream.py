@@ -33,6 +33,7 @@ from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.dtypes import ST_NAMES, contiguous_stride, numel
 from ckptool.torch_ops.cast import torch_dtype
 from ckptool.torch_ops.devices import MoveMemo, map_tensors, move_tensor
+from ckptool.torch_ops.trusted import GUARDED
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -139,7 +140,8 @@ class FileSpans:
         import torch
 
         fd = self._open(path)
-        obj = torch.load(path, mmap=True, map_location="cpu", weights_only=not trust)
+        extra = {"pickle_module": GUARDED} if trust else {}  # with trust, gadgets are still refused
+        obj = torch.load(path, mmap=True, map_location="cpu", weights_only=not trust, **extra)
         self._add_proc_maps(fd)
         return obj
 

@@ -73,6 +73,7 @@ from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.readers.read_torch import refuse_non_strided_for_dcp
 from ckptool.torch_ops.dcp import dcp_to_torch_file
 from ckptool.torch_ops.load import load_checkpoint
+from ckptool.torch_ops.trusted import refuse_dangerous
 
 __all__ = ["SHARED_KEY", "ConvertResult", "OutputFormat", "VerificationError", "convert", "parse_size"]
 
@@ -142,7 +143,7 @@ def convert(
             quantized tensors); no state_dict found; tensors over the ``max_expand`` budget.
         NotACheckpointError / CorruptCheckpointError: unreadable or damaged input.
         UnsafeCheckpointError: a DCP folder (or a torch file converted to DCP) needs globals outside the allowlist
-            and ``trust`` is False.
+            and ``trust`` is False; with ``trust``, ``ckptool scan`` rates the input dangerous (:func:`_open_source`).
         PrefixNotFoundError / KeyCollisionError: as :func:`ckptool.ops.rewrite.prefixes.strip_prefix`.
         DeviceNotFoundError: a ``mapping`` source matches no storage of the source (unless ``allow_missing``).
         VerificationError: the output does not read back as the source (it is not kept).
@@ -153,7 +154,7 @@ def convert(
     fmt_out = OutputFormat.choose(dst_p, format, shard_bytes is not None)
     _check_options(src_p, dst_p, fmt_out, shard_bytes, dtype, to is not None or bool(mapping))
     renames: dict[str, Any] = {"unwrap": unwrap, "strip_prefixes": strip}
-    opened = open_checkpoint(src_p)
+    opened = _open_source(src_p, trust)
     if (tag is not None or exclude_frozen) and not opened.spec.tagged:
         raise UsageError(f"--tag and --exclude-frozen apply to DeepSpeed checkpoint folders; {src_p} is not one")
     if opened.spec.torch_distributed:
@@ -202,6 +203,19 @@ def _check_options(src: str, dst: str, fmt_out: OutputFormat, shard_bytes: int |
                          "only; write it there and upload the folder (an output URL takes one file)")
     if same_file(src, dst):
         raise UsageError(f"output {dst} is the input; choose another -o path")
+
+
+def _open_source(src: str, trust: bool) -> Opened:
+    """``open_checkpoint(src)``; with ``trust``, refused first when ``ckptool scan`` rates it dangerous: trust
+    covers classes, never gadgets (:func:`ckptool.torch_ops.trusted.refuse_dangerous`).
+
+    Raises:
+        UnsafeCheckpointError: ``trust`` and a dangerous global or shipped code; what ``open_checkpoint`` raises.
+    """
+    opened = open_checkpoint(src)
+    if trust:
+        refuse_dangerous(opened)
+    return opened
 
 
 def _read_source(opened: Opened, fmt_out: OutputFormat, key: str | None, tag: str | None,

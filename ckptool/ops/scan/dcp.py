@@ -28,7 +28,8 @@ from __future__ import annotations
 import mmap
 import os
 
-from ckptool.errors import CkptError, TruncatedError
+from ckptool import _source as source
+from ckptool.errors import CkptError, NotACheckpointError, TruncatedError
 from ckptool.formats.dcp import METADATA_FILE, DcpItem, is_dcp_folder, read_dcp_metadata
 from ckptool.ops.scan.byte_windows import ZIP_LOCAL, Window
 from ckptool.ops.scan.pickles import Scanner, failed
@@ -100,11 +101,14 @@ def scan_dcp_folder(folder: str | os.PathLike[str], part: str | None = None) -> 
 def _scan_metadata_pickle(sc: Scanner, path: str, problems: list[str]) -> None:
     """``.metadata``: its first pickle under the DCP metadata rules, data after it as hidden pickles."""
     try:
-        with open(path, "rb") as f:
+        with source.open_regular(path, "the DCP .metadata") as f:
             if os.fstat(f.fileno()).st_size == 0:
                 problems.append(f"{path} is empty; the folder is damaged")
                 return
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except NotACheckpointError as e:
+        problems.append(str(e))
+        return
     except OSError as e:
         problems.append(f"{path}: cannot read it ({e.strerror or e})")
         return
@@ -123,10 +127,14 @@ def _scan_metadata_pickle(sc: Scanner, path: str, problems: list[str]) -> None:
 
 def _scan_data_file(sc: Scanner, folder: str, rel: str, items: list[DcpItem], problems: list[str]) -> None:
     path = os.path.join(folder, rel)
+    if os.path.exists(path) and source.special_kind(os.stat(path).st_mode) is not None:
+        problems.append(f".metadata names {rel!r}, which is {source.special_kind(os.stat(path).st_mode)}, not a "
+                        "regular file: ckptool does not read it (it could block forever)")
+        return
     if not os.path.isfile(path):
         sc.res.incomplete.append(f".metadata names {rel!r}, which is missing: the folder is incomplete")
         return
-    with open(path, "rb") as f:
+    with source.open_regular(path, "a DCP data file") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             sc.res.incomplete.append(f"{rel} is empty but .metadata names {len(items)} records in it; the folder is "

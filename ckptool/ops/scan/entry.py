@@ -381,10 +381,12 @@ def _followed(away: list[tuple[str, str]], seen: set[str]) -> Iterator[tuple[str
 
 
 def _looks_like_checkpoint(path: str) -> bool:
+    """The first bytes of ``path`` are a zip's or a pickle's; a FIFO, device or socket is never opened (a file of
+    a checkpoint's name is still scanned, to a refusal: :func:`_is_candidate`)."""
     try:
-        with open(path, "rb") as f:
+        with source.open_regular(path) as f:
             head = f.read(4)
-    except OSError:
+    except (OSError, CkptError):
         return False
     return head.startswith(ZIP_LOCAL) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
 

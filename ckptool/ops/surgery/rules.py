@@ -23,7 +23,8 @@ from typing import Any
 
 import re2  # google-re2: linear-time matching (see the module docstring)
 
-from ckptool.errors import CkptError, UsageError
+from ckptool import _source as source
+from ckptool.errors import CkptError, NotACheckpointError, UsageError
 from ckptool.model.rename_plan import RenamePlan, Step
 
 __all__ = ["RuleLike", "RuleStep", "compile_rule", "load_rules", "parse_rule", "replacement_template",
@@ -88,18 +89,37 @@ def parse_rule(text: str) -> tuple[str, str]:
     return regex, repl
 
 
+#: the largest rules file read, in bytes (4 MiB: a rules file is a few lines; a larger one is a mistake, and a
+#: device such as /dev/zero never ends)
+MAX_RULES_BYTES = 4 << 20
+_RULES_EXTENSIONS = (".json", ".yaml", ".yml", ".toml")
+
+
 def _read_rules_document(path: str) -> Any:
+    """The parsed document of the rules file ``path``: its extension checked first, then the file opened only if
+    it is a regular file (:func:`ckptool._source.open_regular`: a FIFO or device is refused without blocking) and
+    read up to :data:`MAX_RULES_BYTES`.
+
+    Raises:
+        UsageError: another extension, a file over the size cap.
+        NotACheckpointError: a FIFO, device or socket.
+        OSError / ValueError / RecursionError / yaml.YAMLError: as reading and parsing raise them.
+    """
     ext = os.path.splitext(path)[1].lower()
-    with open(path, "rb") as f:
-        data = f.read()
+    if ext not in _RULES_EXTENSIONS:
+        raise UsageError(f"rules file {path}: name it .json, .yaml / .yml or .toml")
+    with source.open_regular(path, "the rules file") as f:
+        data = f.read(MAX_RULES_BYTES + 1)
+    if len(data) > MAX_RULES_BYTES:
+        raise UsageError(f"rules file {path} is larger than {MAX_RULES_BYTES >> 20} MiB, the most ckptool reads; "
+                         "a rules file lists [REGEX, REPLACEMENT] pairs")
     if ext == ".json":
         return json.loads(data)
     if ext in (".yaml", ".yml"):  # optional: only a YAML rules file needs PyYAML
         return importlib.import_module("yaml").safe_load(data)
-    if ext == ".toml":  # the standard library's from Python 3.11; tomli (its origin) before
-        toml = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")
-        return toml.loads(data.decode("utf-8"))
-    raise UsageError(f"rules file {path}: name it .json, .yaml / .yml or .toml")
+    # TOML: the standard library's from Python 3.11; tomli (its origin) before
+    toml = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    return toml.loads(data.decode("utf-8"))
 
 
 def load_rules(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
@@ -107,13 +127,21 @@ def load_rules(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
     entry is one (TOML has no top-level list: ``rules = [['^module\\.', ''], ...]``).
 
     Raises:
-        UsageError: the file is missing, does not parse, or holds something else than such pairs.
+        UsageError: the file is missing, is a FIFO, a device or a socket (refused without opening it for
+            reading), does not parse, is nested deeper than the parser can go, is larger than
+            :data:`MAX_RULES_BYTES` or has another extension (checked before it is read), or holds something else
+            than such pairs.
     """
     p = os.fspath(path)
     try:
         doc = _read_rules_document(p)
+    except NotACheckpointError as e:  # a FIFO or device: a bad argument, as a missing rules file is
+        raise UsageError(str(e)) from None
     except CkptError:  # the UsageError of an unknown extension is a ValueError too: not a parse failure
         raise
+    except RecursionError:
+        raise UsageError(f"rules file {p} is nested deeper than its parser can read; a rules file is a list of "
+                         "[REGEX, REPLACEMENT] pairs") from None
     except OSError as e:
         raise UsageError(f"rules file {p}: {e.strerror or e}") from None
     except ValueError as e:  # json, tomllib and tomli errors are ValueErrors
