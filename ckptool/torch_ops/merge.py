@@ -1,19 +1,25 @@
 """The arithmetic of ``ckptool merge-lora``, with torch: ``W' = W + scaling * (B @ A)`` on one weight at a time.
 
 What PEFT's ``LoraLayer.merge`` computes (``peft/tuners/lora/layer.py``: ``Linear.get_delta_weight`` and
-``Embedding.get_delta_weight``, then ``base_layer.weight.data += delta_weight``), on bytes read from the files:
+``Embedding.get_delta_weight``, then ``base_layer.weight.data += delta_weight``), on bytes read from the files,
+operation for operation so that the result has PEFT's bits:
 
-- the delta is ``B @ A`` (``A``: ``(r, in)``, ``B``: ``(out, r)``) in float32 at least (``torch.promote_types`` of
-  the adapter's dtypes and float32: PEFT casts half adapter weights to float32 on the CPU, and PEFT's default
-  ``autocast_adapter_dtype`` keeps them float32 anyway), transposed for ``fan_in_fan_out`` (GPT-2's ``Conv1D``) and
-  for embeddings, times ``scaling`` (a Python float, as PEFT multiplies);
-- it is added to ``W`` in the promoted dtype of ``W`` and the delta (float32 for half weights: ``W.float() + delta``,
-  one rounding back to ``W``'s dtype, as torch's in-place ``W += delta`` of a half tensor and a float32 one does).
+- the delta is ``B @ A`` (``A``: ``(r, in)``, ``B``: ``(out, r)``), transposed for ``fan_in_fan_out`` (GPT-2's
+  ``Conv1D``) and for embeddings, times ``scaling`` (a Python float, as PEFT multiplies), computed in float32 when
+  ``B`` is float16 / bfloat16 (PEFT's ``cast_to_fp32`` on the CPU) and then rounded to ``B``'s dtype, else in
+  the factors' dtype (float32: PEFT's default ``autocast_adapter_dtype`` keeps adapters float32 whatever the base);
+- it is added to ``W`` in the promoted dtype of the two (``W.float() + delta`` for a half ``W`` and a float32 delta)
+  and rounded once to ``W``'s dtype, as torch's in-place ``W += delta`` does.
 
-The delta is computed a block of ``W``'s rows at a time (:data:`BLOCK_ELEMENTS` elements): rows of ``B`` for a
-plain weight, columns of ``A`` for a transposed one, so that memory stays at ``W``'s bytes plus a few float32
-blocks. Each element of ``B @ A`` is one dot product of length ``r``; a block is the same products, so the result is
-the same bits as the whole product (held by ``tests/test_merge_lora.py`` against PEFT with small blocks).
+A float32 adapter on a half base is thus merged with one rounding; a half adapter (saved with
+``autocast_adapter_dtype=False``) with two, the delta's and the sum's, as PEFT merges it.
+
+The delta is computed a block of ``W``'s rows at a time (:data:`BLOCK_ELEMENTS` elements, at least
+:data:`MIN_BLOCK_ROWS` rows): rows of ``B`` for a plain weight, columns of ``A`` for a transposed one, so that memory
+stays at ``W``'s bytes plus a few float32 blocks. Each element of ``B @ A`` is one dot product of length ``r``,
+which torch's CPU matrix product (MKL) sums in the same order for a block of 16 rows or more as for the whole
+product, so the result has the whole product's bits (held by ``tests/test_merge_lora.py`` against PEFT and
+against the whole product, with small blocks); a block of very few rows goes through another kernel and may not.
 """
 
 from __future__ import annotations
@@ -26,13 +32,28 @@ from ckptool.torch_ops.cast import torch_dtype
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BLOCK_ELEMENTS", "add_lora_delta"]
+__all__ = ["BLOCK_ELEMENTS", "MIN_BLOCK_ROWS", "add_lora_delta", "tensor_of"]
 
 #: elements of ``W`` merged at a time (16 MiB of float32)
 BLOCK_ELEMENTS = 1 << 22
+#: the fewest rows of ``W`` in a block: MKL computes a product of a few rows (1 to 7 seen) by another kernel
+#: (matrix-vector), whose sums round differently from the whole product's
+MIN_BLOCK_ROWS = 64
 
 
-def _tensor(data: bytearray | bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _blocks(n: int, rows: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` blocks of ``rows`` rows over ``n``, the remainder folded into the last block (so that no
+    block is shorter than ``rows`` unless ``n`` is)."""
+    out = []
+    i = 0
+    while i < n:
+        j = n if n - (i + rows) < rows else i + rows
+        out.append((i, j))
+        i = j
+    return out
+
+
+def tensor_of(data: bytearray | bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """``data`` (little-endian elements, row-major) as a tensor of ``dtype`` and ``shape``, sharing its memory
     when ``data`` is a ``bytearray``."""
     import torch
@@ -66,17 +87,17 @@ def add_lora_delta(w: bytearray, w_dtype: str, w_shape: tuple[int, ...], a: byte
     if r != r2 or tuple(w_shape) != want:
         raise UnsupportedError(f"lora_A {list(a_shape)} and lora_B {list(b_shape)} give a delta of shape {list(want)}"
                                f", but the weight is {list(w_shape)}")
-    wt = _tensor(w, w_dtype, tuple(w_shape))
-    at, bt = _tensor(a, a_dtype, a_shape), _tensor(b, b_dtype, b_shape)
-    delta_dtype = torch.promote_types(torch.promote_types(at.dtype, bt.dtype), torch.float32)
+    wt = tensor_of(w, w_dtype, tuple(w_shape))
+    at, bt = tensor_of(a, a_dtype, a_shape), tensor_of(b, b_dtype, b_shape)
+    half = bt.dtype in (torch.float16, torch.bfloat16)  # PEFT: lora_B's dtype, cast_to_fp32 on the CPU
+    compute = torch.float32 if half else torch.promote_types(at.dtype, bt.dtype)
+    delta_dtype = bt.dtype if half else compute
     acc_dtype = torch.promote_types(wt.dtype, delta_dtype)
-    at, bt = at.to(delta_dtype), bt.to(delta_dtype)
-    rows = max(1, BLOCK_ELEMENTS // max(1, w_shape[1]))
+    at, bt = at.to(compute), bt.to(compute)
     with torch.no_grad():
-        for i in range(0, w_shape[0], rows):
-            j = min(w_shape[0], i + rows)
+        for i, j in _blocks(w_shape[0], max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, w_shape[1]))):
             block = (bt @ at[:, i:j]).t() if transpose else bt[i:j] @ at
-            block = block * scaling
+            block = (block * scaling).to(delta_dtype)
             acc = wt[i:j].to(acc_dtype)
             acc += block
             wt[i:j].copy_(acc)  # one rounding back to W's dtype, as .to(dtype)

@@ -5,7 +5,9 @@ A folder written by PEFT's ``save_pretrained`` holds ``adapter_config.json`` and
 (``adapter_model.bin`` with ``safe_serialization=False``). Its keys are those of
 ``peft.get_peft_model_state_dict``: ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight`` (a linear or
 ``Conv1D`` layer), ``base_model.model.<module>.lora_embedding_A`` / ``_B`` (an embedding), and for
-``modules_to_save`` the module's own tensors under their base names (``base_model.model.score.weight``).
+``modules_to_save`` the module's own tensors under their base names (``base_model.model.score.weight``); with
+``save_embedding_layers`` (PEFT sets it when an embedding is targeted) the embedding's own weight as
+``<module>.base_layer.weight``, which replaces the base's before the merge, as loading the adapter does.
 
 The scaling of a module is PEFT's (``peft/tuners/lora/layer.py``, ``LoraLayer.update_layer``): ``lora_alpha / r``,
 or ``lora_alpha / sqrt(r)`` with ``use_rslora``, where ``r`` and ``lora_alpha`` come from ``rank_pattern`` /
@@ -173,7 +175,7 @@ def group_tensors(config: dict[str, Any], tensors: list[Tensor], where: str) -> 
             if ".lora_" in name or name.startswith("lora_"):
                 raise UnsupportedError(f"{where}: {t.name!r} is a LoRA tensor merge-lora does not know; "
                                        f"{_MERGE_FIX}")
-            copies[name] = t
+            copies[name.replace(".base_layer.", ".")] = t  # save_embedding_layers: the layer's own weight
             continue
         found.setdefault(m["module"], {})[m["part"][:-len(".weight")] if m["part"].endswith("weight")
                                            else m["part"]] = t

@@ -162,6 +162,13 @@ def _check_unshared(base: Source, keys: set[str]) -> None:
                                    "would untie them. Merge with PEFT, or untie them first (`ckptool convert`)")
 
 
+def _check_copy(adapter: Adapter, t: Tensor, c: Tensor) -> None:
+    """Raises UnsupportedError when the adapter's copy ``c`` of base tensor ``t`` is of another shape."""
+    if c.shape != t.shape:
+        raise UnsupportedError(f"{adapter.file}: the adapter's own {t.name!r} (modules_to_save) is {list(c.shape)}, "
+                               f"the base's {list(t.shape)}; is this the base the adapter was trained on?")
+
+
 def _spool(base: Source, adapter: Adapter, targets: dict[str, LoraPair], copies: dict[str, Tensor],
            scratch_path: str, progress: ProgressFn | None) -> list[Tensor]:
     """The output tensors: merged weights computed into ``scratch_path``, copies, the rest as in the base."""
@@ -169,16 +176,15 @@ def _spool(base: Source, adapter: Adapter, targets: dict[str, LoraPair], copies:
     with FileRanges() as files, open(scratch_path, "w+b") as scratch:
         for t in base.tensors:
             pair = targets.get(t.name)
+            if t.name in copies:
+                _check_copy(adapter, t, copies[t.name])
             if pair is not None:
-                out.append(_merged_tensor(t, pair, files, scratch_path, scratch))
+                w = replace(copies[t.name], name=t.name, index=t.index) if t.name in copies else t
+                out.append(_merged_tensor(w, pair, files, scratch_path, scratch))
                 if progress is not None:
                     progress(t.numel * element_size(t.dtype))
             elif t.name in copies:
-                c = copies[t.name]
-                if c.shape != t.shape:
-                    raise UnsupportedError(f"{adapter.file}: modules_to_save tensor for {t.name!r} is "
-                                           f"{list(c.shape)}, the base's {list(t.shape)}")
-                out.append(replace(c, name=t.name, index=t.index))
+                out.append(replace(copies[t.name], name=t.name, index=t.index))
             else:
                 out.append(t)
         scratch.flush()
@@ -225,10 +231,10 @@ def merge_lora(base: PathArg, adapter: PathArg, dst: PathArg, *, key: str | None
 
     For every weight the adapter targets, ``W' = W + scaling * (B @ A)`` (transposed with ``fan_in_fan_out`` and for
     embeddings), ``scaling = lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``; ``rank_pattern`` /
-    ``alpha_pattern`` honoured), in float32 (float64 for a float64 weight) and cast back to ``W``'s dtype: the bits
-    of PEFT's ``merge_and_unload()`` for float32 weights and for half weights with float32 adapters (PEFT's
-    default); for an adapter saved in float16 / bfloat16 PEFT rounds the delta to that dtype before adding it, so
-    the two can differ by one unit in the last place. ``modules_to_save`` tensors replace the base's; every other
+    ``alpha_pattern`` honoured), in float32 and cast back to ``W``'s dtype, operation for operation as PEFT's
+    ``merge_and_unload()`` computes it, so with its bits (an adapter saved in float16 / bfloat16 has its delta
+    rounded to that dtype before the sum, as PEFT does: :mod:`ckptool.torch_ops.merge`). ``modules_to_save``
+    tensors replace the base's; every other
     tensor is copied byte for byte. ``key`` selects the state_dict in a base that holds several (torch files, DCP).
 
     ``dst``: ``NAME.safetensors``; ``NAME.pt`` / ``.pth`` / ``.bin`` (torch zip, ``torch.load(weights_only=True)``);
