@@ -21,11 +21,11 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-import make_lora  # noqa: E402  (fixtures/, on sys.path by conftest)
+import make_lora
 
-import ckptool  # noqa: E402
-from ckptool.errors import InputNotFoundError, UnsupportedError, UsageError  # noqa: E402
-from ckptool.torch_ops import merge as merge_math  # noqa: E402
+import ckptool
+from ckptool.errors import InputNotFoundError, UnsupportedError, UsageError
+from ckptool.torch_ops import merge as merge_math
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -173,9 +173,9 @@ def test_refusals(tmp_path: Path) -> None:
     wrong = tmp_path / "wrong"
     wrong.mkdir()
     make_lora.tiny_model("gpt2").save_pretrained(wrong)
-    with pytest.raises(UnsupportedError, match="q_proj.weight.*which .*wrong has no key for"):
+    with pytest.raises(UnsupportedError, match=r"q_proj\.weight.*which .*wrong has no key for"):
         ckptool.merge_lora(wrong, adapter, tmp_path / "x.safetensors")
-    with pytest.raises(InputNotFoundError, match="no adapter_config.json"):
+    with pytest.raises(InputNotFoundError, match=r"no adapter_config\.json"):
         ckptool.merge_lora(base, base, tmp_path / "x.safetensors")
     with pytest.raises(UsageError, match="is the input"):
         ckptool.merge_lora(base / "model.safetensors", adapter, base / "model.safetensors")

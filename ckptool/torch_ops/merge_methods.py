@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ckptool.torch_ops.merge import tensor_of
+
 if TYPE_CHECKING:
     import torch
 
@@ -165,10 +167,8 @@ def merge_elements(method: str, dtype: str, shape: tuple[int, ...], base: bytear
     and in each input; returns the merged tensor's bytes."""
     import torch
 
-    from ckptool.torch_ops.merge import tensor_of
-
     b = tensor_of(base, dtype, shape) if base is not None else None
     merged = merge_tensor(method, b, [tensor_of(x, dtype, shape) for x in xs], weights, density=density, lam=lam,
                           t=t, generator=generator)
-    return bytes(merged.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return merged.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 

@@ -42,6 +42,7 @@ from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers import open_checkpoint
 from ckptool.readers.data import FileRanges, read_range, read_storage
 from ckptool.readers.read_safetensors import restore_library_aliases
+from ckptool.torch_ops.merge import add_lora_delta
 
 __all__ = ["MergeLoraResult", "merge_lora"]
 
@@ -75,8 +76,8 @@ class MergeLoraResult:
         """What ``ckptool merge-lora`` prints (before its load hint)."""
         scalings = sorted(set(self.merged.values()))
         shown = ", ".join(f"{s:.6g}" for s in scalings[:4]) + (" ..." if len(scalings) > 4 else "")
-        lines = [f"Merged {plural(len(self.merged), 'LoRA weight')} of {self.adapter} into {self.base} "
-                 f"(W + scaling * B @ A in float32, cast back to W's dtype; scaling {shown})"]
+        lines = [(f"Merged {plural(len(self.merged), 'LoRA weight')} of {self.adapter} into {self.base} "
+                  f"(W + scaling * B @ A in float32, cast back to W's dtype; scaling {shown})")]
         if self.copied:
             lines.append(f"Replaced by the adapter's modules_to_save: {', '.join(self.copied)}")
         if self.renamed:
@@ -135,8 +136,6 @@ def tensor_bytes(t: Tensor, files: FileRanges) -> bytearray:
 
 def _merged_tensor(t: Tensor, pair: LoraPair, files: FileRanges, scratch_path: str, scratch: object) -> Tensor:
     """``t`` merged with ``pair``, written at the end of ``scratch``; the output tensor (a view of it)."""
-    from ckptool.torch_ops.merge import add_lora_delta
-
     w = tensor_bytes(t, files)
     try:
         add_lora_delta(w, t.dtype, t.shape, tensor_bytes(pair.a, files), pair.a.dtype, pair.a.shape,

@@ -20,6 +20,7 @@ from ckptool.formats.tensors import Source, Storage, Tensor
 from ckptool.ops.merge.lora import tensor_bytes
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers.data import FileRanges
+from ckptool.torch_ops.merge_methods import merge_elements, new_generator
 
 __all__ = ["METHODS", "MethodOptions", "check_method", "spool_merged"]
 
@@ -77,8 +78,6 @@ def spool_merged(ref: Source, inputs: list[Source], opts: MethodOptions, weights
     """Compute every output tensor into ``scratch``: the floating tensors of ``ref`` (the base, or the first input
     for slerp) merged with the same keys of ``inputs``, the others (integer, bool) copied from ``ref``; tensors in
     ``ties`` stay views of the tensor they are tied to. Returns the output tensors and the names copied."""
-    from ckptool.torch_ops.merge_methods import merge_elements, new_generator
-
     by_name = [{t.name: t for t in s.tensors} for s in inputs]
     generator = new_generator(opts.seed)
     out: list[Tensor] = []
@@ -89,11 +88,13 @@ def spool_merged(ref: Source, inputs: list[Source], opts: MethodOptions, weights
             if t.name in ties:
                 st = made[ties[t.name]]
             else:
-                data = tensor_bytes(t, files)
+                own = tensor_bytes(t, files)
+                data: bytes | bytearray = own
                 if t.dtype in _FLOATING:
                     xs = [tensor_bytes(m[t.name], files) for m in by_name]
-                    data = merge_elements(opts.method, t.dtype, t.shape, None if opts.method == "slerp" else data,
-                                          xs if opts.method != "slerp" else [data, *xs], weights,
+                    slerp = opts.method == "slerp"  # between ref and the other input; the others: onto the base
+                    data = merge_elements(opts.method, t.dtype, t.shape, None if slerp else own,
+                                          [own, *xs] if slerp else xs, weights,
                                           density=opts.density, lam=opts.lam, t=opts.t, generator=generator)
                 else:
                     copied.append(t.name)
