@@ -223,6 +223,13 @@ def _companions(base_path: str, base: Source, out_folder: str) -> list[tuple[str
     return found.files
 
 
+def _refuse_overwrite(out: str, inputs: set[str]) -> None:
+    """Raises UsageError when ``out`` is one of the ``inputs``."""
+    for p in sorted(inputs):
+        if same_file(p, out):
+            raise UsageError(f"output {out} is the input {p}; choose another -o path")
+
+
 def merge_lora(base: PathArg, adapter: PathArg, dst: PathArg, *, key: str | None = None,
                max_shard_size: int | str | None = None, progress: ProgressFn | None = None) -> MergeLoraResult:
     """Merge the PEFT LoRA adapter folder ``adapter`` into the checkpoint ``base`` and write the result to ``dst``:
@@ -258,9 +265,7 @@ def merge_lora(base: PathArg, adapter: PathArg, dst: PathArg, *, key: str | None
     src = opened.state_dict(key if opened.spec.keyed else None)
     if opened.spec.header:
         restore_library_aliases(src)
-    for p in {base_p, ad.file, *(t.storage.path for t in src.tensors)}:
-        if same_file(p, out):
-            raise UsageError(f"output {out} is the input {p}; choose another -o path")
+    _refuse_overwrite(out, {base_p, ad.file, *(t.storage.path for t in src.tensors)})
     by_name = {t.name: t for t in src.tensors}
     match = _match([p.target for p in ad.pairs] + list(ad.copies), by_name, base_p)
     targets = {match[p.target]: p for p in ad.pairs}

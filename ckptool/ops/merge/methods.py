@@ -52,15 +52,7 @@ def check_method(method: str, n_inputs: int, has_base: bool, density: float | No
             without one, ``t`` outside ``[0, 1]`` or not for slerp, ``seed`` not for DARE; a weight that is not a
             finite number.
     """
-    if method not in METHODS:
-        raise UsageError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    needs_base = method not in ("linear", "slerp")
-    if needs_base and not has_base:
-        raise UsageError(f"--method {method} merges the differences from a base model: give --base BASE")
-    if has_base and not needs_base:
-        raise UsageError(f"--base applies to task-arithmetic, ties and DARE; {method} does not use one")
-    if method == "slerp" and n_inputs != 2:
-        raise UsageError(f"slerp interpolates between two inputs, got {n_inputs}")
+    _check_inputs(method, n_inputs, has_base)
     if density is not None and (method not in ("ties", "dare-ties", "dare-linear") or not 0 < density <= 1):
         raise UsageError(f"--density {density}: the fraction of each difference kept, in (0, 1], for ties and DARE")
     if t is not None and (method != "slerp" or not 0 <= t <= 1):
@@ -71,6 +63,19 @@ def check_method(method: str, n_inputs: int, has_base: bool, density: float | No
         raise UsageError("--weights: one finite number per input (not for slerp: use --t)")
     return MethodOptions(method, 1.0 if density is None else density, 0.5 if t is None else t,
                          0 if seed is None else seed)
+
+
+def _check_inputs(method: str, n_inputs: int, has_base: bool) -> None:
+    """Raises UsageError: an unknown method, a base missing or not used, slerp with other than two inputs."""
+    if method not in METHODS:
+        raise UsageError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    needs_base = method not in ("linear", "slerp")
+    if needs_base and not has_base:
+        raise UsageError(f"--method {method} merges the differences from a base model: give --base BASE")
+    if has_base and not needs_base:
+        raise UsageError(f"--base applies to task-arithmetic, ties and DARE; {method} does not use one")
+    if method == "slerp" and n_inputs != 2:
+        raise UsageError(f"slerp interpolates between two inputs, got {n_inputs}")
 
 
 def spool_merged(ref: Source, inputs: list[Source], opts: MethodOptions, weights: list[float], ties: dict[str, str],

@@ -92,8 +92,8 @@ class AverageResult:
                      f"{plural(self.averaged, 'floating tensor')} in float64, cast back to their dtypes")]
         else:
             on = f" onto base {self.base}" if self.base else ""
-            lines = [(f"Merged {len(self.inputs)} checkpoints{where} by {self.method}{on} (mergekit's definition): "
-                      f"{plural(self.averaged, 'floating tensor')}")]
+            lines = [(f"Merged {plural(len(self.inputs), 'checkpoint')}{where} by {self.method}{on} (mergekit's "
+                      f"definition): {plural(self.averaged, 'floating tensor')}")]
         if self.from_first:
             src = "the base" if self.base else "the first input"
             lines.append(f"Taken from {src} (integer / bool tensors): {', '.join(self.from_first)}")
@@ -265,6 +265,20 @@ def _spool(sources: list[Source], weights: list[float], ties: dict[str, str], sc
     return out
 
 
+def _method_weights(method: str, weights: Sequence[float] | None, n: int, has_base: bool) -> list[float]:
+    """The weights of ``n`` inputs: :func:`_weights` for ``linear``, else as given (default 1 each).
+
+    Raises UsageError: too few inputs; not one weight per input."""
+    if n < (1 if has_base else 2):
+        raise UsageError(f"average needs two or more inputs, got {n}")
+    if method == "linear":
+        return _weights(weights, n)
+    ws = [float(w) for w in weights or [1.0] * n]
+    if len(ws) != n:
+        raise UsageError(f"{len(ws)} weights for {n} inputs; give one weight per input")
+    return ws
+
+
 def _weights(weights: Sequence[float] | None, n: int) -> list[float]:
     """Raises UsageError: not one positive finite weight per input."""
     if weights is None:
@@ -323,11 +337,7 @@ def average(inputs: Sequence[PathArg] | Sequence[Mapping[Any, Any]], dst: PathAr
     """
     opts = check_method(method, len(inputs), base is not None, density, t, seed,
                         None if weights is None else [float(w) for w in weights])
-    if len(inputs) < (1 if base is not None else 2):
-        raise UsageError(f"average needs two or more inputs, got {len(inputs)}")
-    ws = _weights(weights, len(inputs)) if method == "linear" else [float(w) for w in weights or [1.0] * len(inputs)]
-    if len(ws) != len(inputs):
-        raise UsageError(f"{len(ws)} weights for {len(inputs)} inputs; give one weight per input")
+    ws = _method_weights(method, weights, len(inputs), base is not None)
     if all(isinstance(x, Mapping) for x in inputs):
         if dst is not None or method != "linear":
             raise UsageError("dst and method apply to checkpoint paths; for in-memory state_dicts the mean is returned")
