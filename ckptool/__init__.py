@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from ckptool.ops.diff.result import DiffResult
     from ckptool.ops.extract import ExtractResult, extract_state_dict
     from ckptool.ops.inspect.entry import CheckpointInfo, StateDictInfo, TensorInfo, inspect
+    from ckptool.ops.merge import MergeLoraResult, merge_lora
     from ckptool.ops.rewrite.prefixes import RenameResult, add_prefix, strip_dataparallel, strip_prefix, unwrap
     from ckptool.ops.rewrite.remap import remap
     from ckptool.ops.rewrite.stream import WriteResult
@@ -104,6 +105,8 @@ _LAZY: dict[str, str] = {
     "FilterResult": "ckptool.ops.surgery.edit",
     "average": "ckptool.ops.surgery.average",
     "AverageResult": "ckptool.ops.surgery.average",
+    "merge_lora": "ckptool.ops.merge",
+    "MergeLoraResult": "ckptool.ops.merge",
 }
 
 
@@ -134,6 +137,7 @@ __all__ = [
     "InputNotFoundError",
     "KeyCollisionError",
     "LoadReport",
+    "MergeLoraResult",
     "NestedPrefixError",
     "NotACheckpointError",
     "Opened",
@@ -166,6 +170,7 @@ __all__ = [
     "inspect",
     "load_into",
     "load_training_state",
+    "merge_lora",
     "open_checkpoint",
     "remap",
     "rename",

@@ -63,6 +63,9 @@ def _command(fmt: str, op: str, src: Path, out: Path) -> list[Any]:
         "rename": ["rename", src, "--rule", "^=net.", "-o", dst],
         "filter": ["filter", src, "--drop", "*bias", "-o", dst],
         "average": ["average", src, src, "-o", out / "out.safetensors"],
+        "average --method": ["average", src, "--method", "ties", "--density", "0.5", "--base", src, "-o",
+                             out / "out.safetensors"],
+        "merge-lora": ["merge-lora", src, out / ".adapter", "-o", out / "out.safetensors"],
         "report": ["report", src, "-o", out / "out.html"],
     }[op]
 
@@ -128,6 +131,22 @@ def _is_package(path: Path) -> bool:
         return any(n.endswith("/.data/extern_modules") for n in z.namelist())
 
 
+def _write_adapter(folder: Path, ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A PEFT-style LoRA adapter (r=2, lora_alpha=4) on the first 2-D float32 weight of ``ref``, written to
+    ``folder``; returns ``ref`` with that weight merged as PEFT merges it (``W + 2.0 * (B @ A)``)."""
+    from safetensors.torch import save_file
+
+    key = next(k for k, v in ref.items() if v.dim() == 2 and v.dtype == torch.float32)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, ref[key].shape[1], generator=g), torch.randn(ref[key].shape[0], 2, generator=g)
+    folder.mkdir(exist_ok=True)
+    module = key[:-len(".weight")]
+    save_file({f"base_model.model.{module}.lora_A.weight": a, f"base_model.model.{module}.lora_B.weight": b},
+              str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    return {**ref, key: ref[key] + (b @ a) * 2.0}
+
+
 def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     """Every tensor of ``got`` equals ``want``'s bit for bit; a key of ``want`` may be missing only when its tensor
     is tied to one that is there (safetensors writes a tied tensor once)."""
@@ -144,7 +163,8 @@ def _check_works(cell: Cell, fmt: str, op: str, res: Any, out: Path, ref: dict[s
     assert cell.reason in res.output
     if op == "report":
         assert (out / "out.html").read_text(encoding="utf-8").lstrip().lower().startswith("<!doctype html")
-    elif op in {"convert", "remap", "prefix", "extract-state-dict", "sanitize", "rename", "filter", "average"}:
+    elif op in {"convert", "remap", "prefix", "extract-state-dict", "sanitize", "rename", "filter", "average",
+                "average --method", "merge-lora"}:
         _same(_open(out), _expected(op, ref))
 
 
@@ -191,6 +211,8 @@ def test_cell(fmt: str, op: str, fixtures: dict[str, Path], references: dict[str
     if op == "load_into":
         _load_into(cell, fmt, fixtures[fmt], references[fmt])
         return
+    if op == "merge-lora":
+        references = {**references, fmt: _write_adapter(tmp_path / ".adapter", references[fmt])}
     res = _invoke(*_command(fmt, op, fixtures[fmt], tmp_path))
     if cell.status == "works":
         _check_works(cell, fmt, op, res, tmp_path, references[fmt])

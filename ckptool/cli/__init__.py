@@ -85,6 +85,9 @@ COMMANDS: dict[str, CommandInfo] = {
     "average": CommandInfo(
         "ckptool.cli.surgery", "average_cmd",
         "Average the state_dicts of two or more checkpoints (any mix of torch and safetensors files)."),
+    "merge-lora": CommandInfo(
+        "ckptool.cli.merge", "merge_lora_cmd",
+        "Merge the LoRA adapter folder ADAPTER (PEFT's adapter_config.json + adapter_model.safetensors) into BASE."),
     "convert": CommandInfo(
         "ckptool.cli.convert", "convert_cmd",
         "Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint."),

@@ -30,6 +30,7 @@ from ckptool.cli._common import (
 )
 from ckptool.cli._hints import hint_for, hint_payload, renamed_keys, report_hint
 from ckptool.errors import UsageError
+from ckptool.ops.merge.methods import METHODS
 from ckptool.ops.rewrite.sets import set_payload
 from ckptool.ops.surgery.average import average
 from ckptool.ops.surgery.edit import FilterResult, RuleResult, filter_keys, load_rules, rename, surgery_output
@@ -235,10 +236,18 @@ def _parse_weights(text: str | None) -> list[float] | None:
               help="One positive weight per input, divided by their sum (default: equal weights).")
 @key_option("Dotted path of the state_dict to average in torch inputs (state_dict_ema, model_ema). Default: the "
             "one `ckptool convert` would choose.")
+@click.option("--method", default="linear", show_default=True, type=click.Choice(METHODS),
+              help="linear: the weighted mean; task-arithmetic, ties, dare-ties, dare-linear: the inputs' "
+                   "differences from --base merged as mergekit defines them; slerp: two inputs, by --t.")
+@click.option("--base", type=click.Path(dir_okay=True), help="The base model (task-arithmetic, ties, DARE).")
+@click.option("--density", type=float, help="ties / DARE: the fraction of each difference kept (default 1).")
+@click.option("--t", "t", type=float, help="slerp: 0 gives the first input, 1 the second (default 0.5).")
+@click.option("--seed", type=int, help="dare-ties / dare-linear: the seed of the random draws (default 0).")
 @click.option("--force", is_flag=True, help="Replace the output if it exists (default: refuse, write nothing).")
 @max_expand_option
 @json_option("average")
-def average_cmd(inputs: tuple[str, ...], dst: str, weights: str | None, key: str | None, force: bool,
+def average_cmd(inputs: tuple[str, ...], dst: str, weights: str | None, key: str | None, method: str,
+                base: str | None, density: float | None, t: float | None, seed: int | None, force: bool,
                 max_expand: float | None, as_json: bool) -> None:
     """Average the state_dicts of two or more checkpoints (any mix of torch and safetensors files).
 
@@ -246,19 +255,21 @@ def average_cmd(inputs: tuple[str, ...], dst: str, weights: str | None, key: str
     tensors (num_batches_tracked) are taken from the first input and listed. Every input must have
     the same keys, shapes and dtypes (the first difference is named). Tensors are read and averaged a
     chunk at a time, so memory stays small whatever the checkpoints' size. The output is a plain
-    state_dict; tensors tied in every input stay tied.
+    state_dict; tensors tied in every input stay tied. --method picks one of mergekit's merge
+    methods instead (one key's tensors in memory at a time; see docs/commands/merge.md).
 
     \b
     Examples:
       ckptool average ep8.pth ep9.pth ep10.pth -o avg.pth
       ckptool average a.safetensors b.pth --weights 3,1 -o soup.safetensors
       ckptool average run1.pth run2.pth --key state_dict_ema -o ema_avg.pth
+      ckptool average ft1.pt ft2.pt --method ties --base base.pt --density 0.5 -o ties.pt
     """
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
     out = claim_output(dst, force=force)
     with Progress("average", source_size(inputs[0])) as bar:
-        res = average(list(inputs), out, weights=_parse_weights(weights), key=key, progress=bar,
-                      max_expand=max_expand)
+        res = average(list(inputs), out, weights=_parse_weights(weights), key=key, progress=bar, method=method,
+                      base=base, density=density, t=t, seed=seed, max_expand=max_expand)
     if as_json:
         emit_json("average", {**vars(res), **hint_payload(hint_for(res.dst, state_dict=""))})
         return

@@ -35,10 +35,11 @@ FORMATS: tuple[str, ...] = tuple(name for name, f in READERS.items() if f.suppor
 FORMAT_LABELS: dict[str, str] = {name: READERS[name].label for name in FORMATS}
 
 #: the operations: CLI commands, ``prefix`` for strip-dataparallel / strip-prefix / add-prefix / unwrap (and the
-#: same flags of remap), ``load_into`` for :func:`ckptool.load_into`
+#: same flags of remap), ``load_into`` for :func:`ckptool.load_into`, ``average --method`` for mergekit's methods
+#: (ties onto a base), ``merge-lora`` with the format as the base
 OPERATIONS: tuple[str, ...] = (
     "inspect", "scan", "diff", "convert", "remap", "prefix", "extract-state-dict", "sanitize", "verify",
-    "load_into", "rename", "filter", "average", "report",
+    "load_into", "rename", "filter", "average", "average --method", "merge-lora", "report",
 )
 
 

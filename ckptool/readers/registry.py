@@ -177,6 +177,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "rename": Cell("refused", "cannot be renamed", JIT),
                "filter": Cell("refused", "cannot be filtered", JIT),
                "average": Cell("refused", "is a TorchScript archive", JIT),
+               "average --method": Cell("refused", "is a TorchScript archive", JIT),
+               "merge-lora": Cell("refused", "is a TorchScript archive", JIT),
            }),
     Format(detect.TORCH_PACKAGE, "torch.package (`PackageExporter`)", "file", keyed=True, key_form="MEMBER:PATH",
            **_TORCH_LAYOUT, loaded_by="torch.package.PackageImporter",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ckptool.formats.dtypes import DTYPE_SIZES
@@ -112,12 +112,14 @@ WRITERS: dict[OutputFormat, Writer] = {
 
 def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_bytes: int | None, cast: str | None,
                   location: Callable[[str], str], rename_key: Callable[[str], str] | None, verify: bool,
-                  progress: ProgressFn | None, res: ConvertResult) -> None:
+                  progress: ProgressFn | None, res: ConvertResult,
+                  companions: Sequence[tuple[str, str]] = ()) -> None:
     """Write ``src`` to ``dst`` as ``fmt_out`` (:attr:`OutputFormat.SAFETENSORS` or :attr:`OutputFormat.TORCH`, or
     its value: :data:`WRITERS`), filling ``res``: one file,
     or with ``shard_bytes`` a set of shards of at most that many bytes each
     (:func:`ckptool.formats.sharded.output_layout`: beside ``dst`` when it is named ``NAME.safetensors`` / ``.bin``
-    / ``.pt`` / ``.pth``, else in the folder ``dst``), written as :func:`write_set` describes.
+    / ``.pt`` / ``.pth``, else in the folder ``dst``), written as :func:`write_set` describes, with ``companions``
+    (source path, file name) copied into the set's folder in the same commit (``merge-lora``'s model folders).
 
     Raises:
         UnsupportedError: a dtype safetensors cannot hold.
@@ -150,7 +152,8 @@ def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_byte
             res.files.append(dst)
         else:
             inputs = list(dict.fromkeys([src.path, *(t.storage.path for t in src.tensors)]))
-            write_set(output_layout(dst, fmt_out.value), groups, write, inputs, weight_map, total, res, dst)
+            write_set(output_layout(dst, fmt_out.value), groups, write, inputs, weight_map, total, res, dst,
+                      companions=companions)
     finally:
         job.files.close()
     res.shards = len(groups)

@@ -40,6 +40,7 @@ from ckptool.ops.convert import ConvertResult
 from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.plan import check_safetensors_dtypes
 from ckptool.ops.convert.write import Files
+from ckptool.ops.merge.methods import MethodOptions, check_method, spool_merged
 from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers import open_checkpoint
@@ -78,17 +79,25 @@ class AverageResult:
     skipped: list[str] = field(default_factory=list)
     bytes_written: int = 0
     notes: list[str] = field(default_factory=list)
+    method: str = "linear"
+    base: str | None = None
 
     def __str__(self) -> str:
         """What ``ckptool average`` prints (before its load hint): the weights and what was averaged, taken from
         the first input, tied and left out, then the ``Wrote DST (SIZE, N tensors)`` line."""
-        total = sum(self.weights)
-        ws = ", ".join(f"{w / total:.4g}" for w in self.weights)
         where = f" of state_dict {self.key!r}" if self.key else ""
-        lines = [(f"Averaged {len(self.inputs)} checkpoints{where} (weights {ws}): "
-                 f"{plural(self.averaged, 'floating tensor')} in float64, cast back to their dtypes")]
+        if self.method == "linear":
+            total = sum(self.weights)
+            ws = ", ".join(f"{w / total:.4g}" for w in self.weights)
+            lines = [(f"Averaged {len(self.inputs)} checkpoints{where} (weights {ws}): "
+                     f"{plural(self.averaged, 'floating tensor')} in float64, cast back to their dtypes")]
+        else:
+            on = f" onto base {self.base}" if self.base else ""
+            lines = [(f"Merged {plural(len(self.inputs), 'checkpoint')}{where} by {self.method}{on} (mergekit's "
+                      f"definition): {plural(self.averaged, 'floating tensor')}")]
         if self.from_first:
-            lines.append(f"Taken from the first input (integer / bool tensors): {', '.join(self.from_first)}")
+            src = "the base" if self.base else "the first input"
+            lines.append(f"Taken from {src} (integer / bool tensors): {', '.join(self.from_first)}")
         if self.tied:
             lines.append("Tied (one storage): " + ", ".join(f"{a} -> {b}" for a, b in self.tied.items()))
         lines += [f"Note: {note}" for note in self.notes]
@@ -257,6 +266,20 @@ def _spool(sources: list[Source], weights: list[float], ties: dict[str, str], sc
     return out
 
 
+def _method_weights(method: str, weights: Sequence[float] | None, n: int, has_base: bool) -> list[float]:
+    """The weights of ``n`` inputs: :func:`_weights` for ``linear``, else as given (default 1 each).
+
+    Raises UsageError: too few inputs; not one weight per input."""
+    if n < (1 if has_base else 2):
+        raise UsageError(f"average needs two or more inputs, got {n}")
+    if method == "linear":
+        return _weights(weights, n)
+    ws = [float(w) for w in weights or [1.0] * n]
+    if len(ws) != n:
+        raise UsageError(f"{len(ws)} weights for {n} inputs; give one weight per input")
+    return ws
+
+
 def _weights(weights: Sequence[float] | None, n: int) -> list[float]:
     """Raises UsageError: not one positive finite weight per input."""
     if weights is None:
@@ -271,15 +294,19 @@ def _weights(weights: Sequence[float] | None, n: int) -> list[float]:
 
 @overload
 def average(inputs: Sequence[Mapping[Any, Any]], dst: None = None, *, weights: Sequence[float] | None = None,
-            key: str | None = None, progress: ProgressFn | None = None) -> OrderedDict[Any, Any]: ...
+            key: str | None = None, progress: ProgressFn | None = None, method: str = "linear",
+            base: PathArg | None = None, density: float | None = None, t: float | None = None,
+            seed: int | None = None) -> OrderedDict[Any, Any]: ...
 @overload
 def average(inputs: Sequence[PathArg], dst: PathArg | None = None, *, weights: Sequence[float] | None = None,
-            key: str | None = None, progress: ProgressFn | None = None,
-            max_expand: float | None = None) -> AverageResult: ...
+            key: str | None = None, progress: ProgressFn | None = None, method: str = "linear",
+            base: PathArg | None = None, density: float | None = None, t: float | None = None,
+            seed: int | None = None, max_expand: float | None = None) -> AverageResult: ...
 def average(inputs: Sequence[PathArg] | Sequence[Mapping[Any, Any]], dst: PathArg | None = None, *,
             weights: Sequence[float] | None = None, key: str | None = None,
-            progress: ProgressFn | None = None, max_expand: float | None = None
-            ) -> AverageResult | OrderedDict[Any, Any]:
+            progress: ProgressFn | None = None, method: str = "linear", base: PathArg | None = None,
+            density: float | None = None, t: float | None = None,
+            seed: int | None = None, max_expand: float | None = None) -> AverageResult | OrderedDict[Any, Any]:
     """The weighted mean of the state_dicts of ``inputs`` (two or more), written to ``dst``.
 
     ``inputs`` are checkpoint paths (torch zip, legacy, safetensors, sharded index, in any mix; see the module
@@ -296,31 +323,40 @@ def average(inputs: Sequence[PathArg] | Sequence[Mapping[Any, Any]], dst: PathAr
     Returns an :class:`AverageResult` for paths. Floating tensors are averaged in float64 and cast back; integer and
     bool tensors come from the first input (``from_first``).
 
+    ``method`` (paths only) picks another of mergekit's merge methods (:mod:`ckptool.ops.merge.methods`, the
+    arithmetic in :mod:`ckptool.torch_ops.merge_methods`, computed in the tensors' dtype as mergekit does):
+    ``"task-arithmetic"``, ``"ties"``, ``"dare-ties"``, ``"dare-linear"`` merge the differences of ``inputs`` from
+    ``base`` (a checkpoint of the same keys), ``weights`` (default 1 each, not normalised, may be negative)
+    scaling each; ``density`` (ties, DARE; default 1) is the fraction of each difference kept, ``seed`` (DARE,
+    default 0) seeds its random draws; ``"slerp"`` interpolates between two inputs by ``t`` (default 0.5). Integer
+    and bool tensors then come from ``base`` (slerp: the first input).
+
     Raises:
-        UsageError: fewer than two inputs, bad weights, no ``dst`` for paths, ``dst`` that is an input, ``key`` when
-            no input is a torch file, paths mixed with mappings.
+        UsageError: fewer than two inputs (one with a base), bad weights, no ``dst`` for paths, ``dst`` that is an
+            input, ``key`` when no input is a torch file, paths mixed with mappings; a method's options that do not
+            fit it (:func:`ckptool.ops.merge.methods.check_method`).
         UnsupportedError: keys, shapes or dtypes that differ between inputs (the key is named); a dtype that cannot
             be averaged (float8); an input format average does not read; an input over the ``max_expand`` budget.
         NotACheckpointError / CorruptCheckpointError: unreadable input.
     """
-    if len(inputs) < 2:
-        raise UsageError(f"average needs two or more inputs, got {len(inputs)}")
-    ws = _weights(weights, len(inputs))
+    opts = check_method(method, len(inputs), base is not None, density, t, seed,
+                        None if weights is None else [float(w) for w in weights])
+    ws = _method_weights(method, weights, len(inputs), base is not None)
     if all(isinstance(x, Mapping) for x in inputs):
-        if dst is not None:
-            raise UsageError("dst applies to checkpoint paths; for in-memory state_dicts the mean is returned")
+        if dst is not None or method != "linear":
+            raise UsageError("dst and method apply to checkpoint paths; for in-memory state_dicts the mean is returned")
         return average_state_dicts([x for x in inputs if isinstance(x, Mapping)], ws, key=key)
-    paths, out = _paths(inputs, dst)
+    paths, out = _paths([*inputs, *([base] if base is not None else [])], dst)
     sources = [_read(p, key) for p in paths]
     for src in sources:
         check_expansion(src.tensors, max_expand, src.path, "average")
     if key is not None and all(s.key is None for s in sources):
         raise UsageError("--key selects a state_dict inside torch.save files; every input is a flat mapping of "
                          "tensors (safetensors), so it does not apply")
-    _check_match(sources)
+    _check_match(sources[::-1] if base is not None else sources)  # the base's keys first, when there is one
     if not sources[0].tensors:
         raise UnsupportedError(f"{paths[0]}: the selected state_dict holds no tensors; nothing to average")
-    return _write(sources, ws, paths, out, progress)
+    return _write(sources, ws, paths, out, progress, opts)
 
 
 def _paths(inputs: Sequence[object], dst: PathArg | None) -> tuple[list[str], str]:
@@ -342,9 +378,13 @@ def _paths(inputs: Sequence[object], dst: PathArg | None) -> tuple[list[str], st
 
 
 def _write(sources: list[Source], ws: list[float], paths: list[str], out: str,
-           progress: ProgressFn | None) -> AverageResult:
-    """The mean of ``sources`` (checked to match) computed into a scratch file beside ``out``, then written as
-    ``out`` by ``convert``'s writer: safetensors for a ``.safetensors`` name, else a torch zip file."""
+           progress: ProgressFn | None, opts: MethodOptions) -> AverageResult:
+    """The mean of ``sources`` (checked to match; the last one the base when ``opts`` needs one) computed into a
+    scratch file beside ``out``, then written as ``out`` by ``convert``'s writer: safetensors for a
+    ``.safetensors`` name, else a torch zip file."""
+    has_base = opts.method not in ("linear", "slerp")
+    if has_base:  # the base first: its keys, order, _metadata and integer tensors
+        sources, paths = [sources[-1], *sources[:-1]], [paths[-1], *paths[:-1]]
     safetensors = out.endswith(".safetensors")
     fmt_out = "safetensors" if safetensors else "torch"  # write_outputs' output choice
     if safetensors:
@@ -357,10 +397,19 @@ def _write(sources: list[Source], ws: list[float], paths: list[str], out: str,
     state = next((s.sd_state for s in sources if s.sd_state is not None), None)
     meta = next((s.metadata for s in sources if s.metadata), None)
     with scratch_file(out) as scratch_path, open(scratch_path, "w+b") as scratch:
-        tensors = _spool(sources, ws, ties, scratch, scratch_path, progress, res)
+        if opts.method == "linear":
+            tensors = _spool(sources, ws, ties, scratch, scratch_path, progress, res)
+        else:
+            tensors, res.from_first = spool_merged(sources[0], sources[1:], opts, ws, ties, scratch, scratch_path,
+                                                   progress)
+            res.averaged = len(tensors) - len(res.from_first) - len(ties)
+            res.tied = dict(ties)
         scratch.flush()
         result = Source(out, sources[0].format, tensors, key=sources[0].key, metadata=meta, sd_state=state)
         cres = ConvertResult(scratch_path, out, sources[0].format, fmt_out)
         write_outputs(result, out, fmt_out, None, None, lambda _saved: "cpu", None, False, None, cres)
     res.tensors, res.bytes_written = len(tensors), cres.bytes_written
+    if has_base:
+        res.method, res.base, res.inputs, res.formats_in = opts.method, paths[0], paths[1:], res.formats_in[1:]
+    res.method = opts.method
     return res

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Peak memory and time of ``ckptool merge-lora`` (issue 39: peak RSS under 1.2 x the largest tensor + 64 MiB)
+beside PEFT's ``merge_and_unload()`` + ``save_pretrained``, and of ``ckptool average --method ties`` beside
+``mergekit-yaml`` on the same inputs.
+
+Usage::
+
+    python benchmarks/bench_merge.py [--size-mib 1024] [--ties-mib 256] [--workdir DIR] [--json]
+    python benchmarks/bench_merge.py --smoke          # 64 MiB base, 3 x 16 MiB ties inputs
+
+merge-lora: a Llama-shaped model folder (``config.json`` + ``model.safetensors``, float32, about ``--size-mib``:
+hidden 1024, vocabulary 32000, as many layers as fit) and a rank-64 PEFT adapter over every linear layer
+(q/k/v/o/gate/up/down), both written directly in a child (no training). Commands, each a child process (wall clock
+and peak RSS from ``wait4``, page cache warmed first):
+
+- ``ckptool merge-lora BASE ADAPTER -o OUT``
+- PEFT: ``AutoModelForCausalLM.from_pretrained(BASE)``, ``PeftModel.from_pretrained(ADAPTER)``,
+  ``merge_and_unload()``, ``save_pretrained(OUT)`` (needs ``peft``; skipped without it)
+
+ties: three Llama-shaped folders of ``--ties-mib`` (the base and two others) merged with ``--density 0.5``, by
+``ckptool average --method ties`` and by ``mergekit-yaml --lazy-unpickle`` (``$CKPTOOL_MERGEKIT`` or ``PATH``;
+skipped without it). Only the standard library is used here; torch runs in the children.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from children import child_env, compile_checkout, run_child, warm_cache
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT_ROOT = os.path.join(REPO, "benchmarks", "out")
+
+_BUILD = r"""
+import json, os, sys, torch, transformers
+from safetensors.torch import save_file
+folder, mib, seed, adapter = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+h, inter, vocab = 1024, 2816, 32000
+per_layer = (4 * h * h + 3 * h * inter + 2 * h) * 4
+layers = max(1, int((mib * 2**20 - 2 * vocab * h * 4) / per_layer))
+cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+                               num_attention_heads=16, num_key_value_heads=16, vocab_size=vocab)
+g = torch.Generator().manual_seed(seed)
+with torch.device("meta"):
+    shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
+os.makedirs(folder, exist_ok=True)
+save_file({k: torch.randn(s, generator=g) * 0.02 for k, s in shapes.items()}, os.path.join(folder, "model.safetensors"),
+          metadata={"format": "pt"})
+cfg.save_pretrained(folder)
+if adapter != "-":
+    r = 64
+    lora = {}
+    for k, s in shapes.items():
+        if k.endswith("proj.weight"):
+            m = "base_model.model." + k[:-len(".weight")]
+            lora[m + ".lora_A.weight"] = torch.randn(r, s[1], generator=g) * 0.01
+            lora[m + ".lora_B.weight"] = torch.randn(s[0], r, generator=g) * 0.01
+    os.makedirs(adapter, exist_ok=True)
+    save_file(lora, os.path.join(adapter, "adapter_model.safetensors"))
+    json.dump({"peft_type": "LORA", "r": r, "lora_alpha": 128, "task_type": "CAUSAL_LM",
+               "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
+              open(os.path.join(adapter, "adapter_config.json"), "w"))
+print(layers, max(s.numel() * 4 for s in shapes.values()))
+"""
+
+_PEFT = r"""
+import sys, torch, transformers, peft
+m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+peft.PeftModel.from_pretrained(m, sys.argv[2]).merge_and_unload().save_pretrained(sys.argv[3])
+"""
+
+_SAME = r"""
+import sys, torch
+from safetensors.torch import load_file
+a, b = load_file(sys.argv[1]), load_file(sys.argv[2])
+bad = [k for k in a if k in b and not torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7)]
+print(",".join(bad[:3]) + (f" (of {len(bad)})" if bad else ""))
+"""
+
+
+def _run(label: str, cmd: list[str], workdir: str, inputs: list[str], results: dict[str, dict[str, object]]) -> bool:
+    for p in inputs:
+        warm_cache(p)
+    rc, wall, kib, _out, err = run_child(cmd, workdir)
+    results[label] = {"wall_s": round(wall, 2), "peak_rss_mib": round(kib / 1024), "exit": rc}
+    if rc:
+        results[label]["error"] = (err.strip().splitlines() or ["?"])[-1]
+    return rc == 0
+
+
+def _mergekit() -> str | None:
+    exe = os.environ.get("CKPTOOL_MERGEKIT") or shutil.which("mergekit-yaml")
+    return exe if exe and os.path.exists(exe) else None
+
+
+def bench_lora(workdir: str, mib: float, results: dict[str, dict[str, object]]) -> dict[str, object]:
+    """merge-lora and PEFT on a ``mib`` MiB base; returns the facts of the inputs."""
+    py, base, adapter = sys.executable, os.path.join(workdir, "base"), os.path.join(workdir, "adapter")
+    out = subprocess.run([py, "-c", _BUILD, base, str(mib), "0", adapter], check=True, capture_output=True,
+                         text=True, env=child_env()).stdout.split()
+    facts: dict[str, object] = {"layers": int(out[0]), "largest_tensor_mib": int(out[1]) / 2**20,
+                                "base_mib": os.path.getsize(os.path.join(base, "model.safetensors")) / 2**20}
+    weights = [os.path.join(base, "model.safetensors"), os.path.join(adapter, "adapter_model.safetensors")]
+    ours = os.path.join(workdir, "merged")
+    _run("ckptool merge-lora", [py, "-m", "ckptool", "merge-lora", base, adapter, "-o", ours], workdir, weights,
+         results)
+    theirs = os.path.join(workdir, "peft")
+    if subprocess.run([py, "-c", "import peft"], env=child_env(), check=False).returncode == 0 and _run(
+            "PEFT merge_and_unload + save_pretrained", [py, "-c", _PEFT, base, adapter, theirs], workdir, weights,
+            results):
+        diff = subprocess.run([py, "-c", _SAME, os.path.join(ours, "model.safetensors"),
+                               os.path.join(theirs, "model.safetensors")], capture_output=True, text=True,
+                              env=child_env(), check=False).stdout.strip()
+        facts["differing_tensors"] = diff or "none"
+    return facts
+
+
+def bench_ties(workdir: str, mib: float, results: dict[str, dict[str, object]]) -> None:
+    """average --method ties and mergekit on three ``mib`` MiB folders."""
+    py = sys.executable
+    folders = [os.path.join(workdir, f"m{i}") for i in range(3)]
+    for i, f in enumerate(folders):
+        subprocess.run([py, "-c", _BUILD, f, str(mib), str(i + 1), "-"], check=True, capture_output=True,
+                       env=child_env())
+    files = [os.path.join(f, "model.safetensors") for f in folders]
+    _run("ckptool average --method ties", [py, "-m", "ckptool", "average", folders[1], folders[2], "--method",
+                                           "ties", "--base", folders[0], "--density", "0.5", "-o",
+                                           os.path.join(workdir, "ties.safetensors")], workdir, files, results)
+    exe = _mergekit()
+    if exe:
+        yml = os.path.join(workdir, "ties.yml")
+        with open(yml, "w", encoding="utf-8") as f:
+            f.write(f"merge_method: ties\nbase_model: {folders[0]}\nmodels:\n" + "".join(
+                f"  - model: {m}\n    parameters: {{weight: 1.0, density: 0.5}}\n" for m in folders[1:])
+                + "dtype: float32\n")
+        _run("mergekit-yaml ties", [exe, yml, os.path.join(workdir, "mk"), "--lazy-unpickle"], workdir, files,
+             results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", help="where to build the files (default: a fresh folder under benchmarks/out/)")
+    ap.add_argument("--size-mib", type=float, default=1024.0, help="merge-lora base size in MiB (default 1024)")
+    ap.add_argument("--ties-mib", type=float, default=256.0, help="size of each ties input in MiB (default 256)")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--smoke", action="store_true", help="--size-mib 300 --ties-mib 300 (small layers)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.size_mib = args.ties_mib = 300.0
+    os.makedirs(DEFAULT_OUT_ROOT, exist_ok=True)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bench-merge-", dir=DEFAULT_OUT_ROOT)
+    os.makedirs(workdir, exist_ok=True)
+    results: dict[str, dict[str, object]] = {}
+    try:
+        compile_checkout()
+        facts = bench_lora(workdir, args.size_mib, results)
+        bench_ties(workdir, args.ties_mib, results)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    largest = float(facts["largest_tensor_mib"])  # type: ignore[arg-type]
+    target = 1.2 * largest + 64
+    report = {"inputs": facts, "merge_lora_target_mib": round(target), "runs": results,
+              "loadavg": [round(x, 2) for x in os.getloadavg()]}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"inputs: {facts}; merge-lora target: peak RSS <= 1.2 x {largest:.0f} + 64 = {target:.0f} MiB")
+        print(f"{'command':<42} {'wall s':>8} {'peak RSS MiB':>13}")
+        for label, r in results.items():
+            print(f"{label:<42} {r['wall_s']:>8} {r['peak_rss_mib']:>13}  {r.get('error', '')}")
+        print(f"load average: {report['loadavg']}")
+    return 1 if any(r["exit"] for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
