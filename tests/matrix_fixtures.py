@@ -18,7 +18,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED = ROOT / "fixtures" / "deepspeed-zero" / "zero2-1rank"
-MEGATRON = ROOT / "fixtures" / "megatron"
+MEGATRON = ROOT / "fixtures" / "megatron-ckpts"
 #: the folder formats whose fixtures are committed: name -> (folder, the file of its reference tensors)
 COMMITTED = {
     "deepspeed": (DEEPSPEED, DEEPSPEED.parent / "zero2-1rank.oracle.pt"),

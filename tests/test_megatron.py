@@ -2,7 +2,7 @@
 weights bit for bit, a ``torch_dist`` folder written by megatron-core itself converted to exactly what torch's
 ``dcp_to_torch_save`` gives plus ``common.pt``'s plain entries, both without torch; hostile pickles run nothing.
 
-Fixtures: ``fixtures/megatron/`` (``fixtures/make_megatron.py``; README there).
+Fixtures: ``fixtures/megatron-ckpts/`` (``fixtures/make_megatron.py``; README there).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ckptool.model.megatron import TP_RULES, parse_tp_dims, tp_rule
 from ckptool.readers import open_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-MG = REPO / "fixtures" / "megatron"
+MG = REPO / "fixtures" / "megatron-ckpts"
 LEGACY, DIST = MG / "legacy-gpt", MG / "dist-gpt"
 ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I64": "int64", "U8": "uint8"}
 

@@ -209,7 +209,11 @@ AUDIT = textwrap.dedent("""
     from ckptool.errors import CkptError
     from ckptool.ops.sanitize import sanitize
     files, warm, outdir = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
-    sanitize(warm, os.path.join(outdir, "warm.pth"), to="cpu")  # ckptool's own lazy imports, before the hook
+    for i, path in enumerate(files):  # ckptool's own lazy imports (each format's plug-ins), before the hook
+        try:
+            sanitize(path, os.path.join(outdir, f"warm-{i}.pth"), to="cpu")
+        except CkptError:
+            pass
     events, armed = [], [False]
     FORBIDDEN = ("import", "exec", "compile", "os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork",
                  "subprocess.", "socket.", "ctypes.", "pickle.find_class", "marshal.load")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import types
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,8 @@ def test_reader_fault_in_a_dcp_folder_fails_verification(tmp_path: Path, run_cli
     """DCP folder -> torch file: ckptool copies each tensor's record bytes out of the ``.distcp`` files with the
     CRC-32 their embedded zip directories record; ``zipfile`` then checks the output against those."""
     torch = pytest.importorskip("torch")
-    from ckptool.readers import read_dcp as dcp_module  # where the .distcp files are opened (open_record)
+    from ckptool import _source as source_module  # where every local input is opened (open_regular)
+    from ckptool.readers import read_dcp as dcp_module  # where the .distcp records are read for the output
 
     src = tmp_path / "src.pt"
     torch.save({"w": torch.arange(250_000, dtype=torch.float32), "b": torch.ones(3)}, src)
@@ -196,14 +198,17 @@ def test_reader_fault_in_a_dcp_folder_fails_verification(tmp_path: Path, run_cli
     r = run_cli("convert", tmp_path / "dcp", "-o", tmp_path / "o" / "back.pt")  # the control, without a fault
     assert r.exit_code == 0 and "the CRC-32 the .distcp file's own zip directory records" in r.output, r.output
     os.unlink(tmp_path / "o" / "back.pt")
-    real_open = open
+    real_open = source_module.open_regular
 
-    def faulty_open(path: Any, mode_: str = "r", *args: Any, **kwargs: Any) -> Any:
-        if str(path).endswith(".distcp") and mode_ == "rb":
+    def faulty_open(path: str, what: str = "") -> Any:
+        if str(path).endswith(".distcp"):
             return io.BufferedReader(Faulty(str(path), os.path.getsize(path) // 2, mode))
-        return real_open(path, mode_, *args, **kwargs)
+        return real_open(path, what)
 
-    monkeypatch.setattr(dcp_module, "open", faulty_open, raising=False)
+    shim = types.ModuleType("faulty_source")  # read_dcp's own view of _source: scan's safety check reads true bytes
+    shim.__dict__.update(vars(source_module))
+    shim.open_regular = faulty_open  # type: ignore[attr-defined]
+    monkeypatch.setattr(dcp_module, "source", shim)
     r = run_cli("convert", tmp_path / "dcp", "-o", tmp_path / "o" / "back.pt")
     lines = [line for line in r.output.splitlines() if line.startswith(("Error", "Verified"))]
     assert r.exit_code == 1, r.output

@@ -43,7 +43,7 @@ def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int, as_tree: b
     """Show what checkpoint PATH holds, without running its code or reading tensor data.
 
     Prints the format (torch-zip, torch-legacy, torchscript, torch-package, safetensors, sharded-safetensors,
-    sharded-bin, dcp, torch-export, deepspeed, pickle), the kind (state_dict, training_checkpoint, full_model,
+    sharded-bin, dcp, torch-export, deepspeed, megatron-legacy, megatron-dist, pickle), the kind (state_dict, training_checkpoint, full_model,
     torchscript, exported_program, package, tensors), a table of tensors (key, shape, dtype, saved device, size),
     storage bytes per device and dtype (a storage shared by several tensors, such as tied weights, counted once),
     the state_dicts found with their wrapper prefixes and the command that removes them, the non-tensor entries

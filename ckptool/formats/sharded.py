@@ -107,7 +107,7 @@ def _same_file(a: str, b: str) -> bool:
         return a == b
     try:
         return os.path.samefile(a, b)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL byte in a name the index gives (shard_outside says more)
         return False
 
 

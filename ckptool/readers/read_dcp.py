@@ -316,7 +316,7 @@ def record_in_file(files: dict[str, BinaryIO], meta: DcpMetadata, info: Any, wha
         raise CorruptCheckpointError(f"{what} is malformed or names a file outside the folder; the folder is "
                                      "damaged or was crafted")
     f, blob = found
-    size = os.fstat(f.fileno()).st_size
+    size = f.seek(0, os.SEEK_END)  # any reader (a test's faulty one too), not only a file with a descriptor
     if blob.start < 0 or blob.size < 0 or blob.start + blob.size > size:
         raise CorruptCheckpointError(f"{what} runs past the end of its file ({blob.start} + {blob.size} > {size} "
                                      "bytes); the folder is truncated or damaged")

@@ -85,7 +85,7 @@ class MergeLoraResult:
             lines.append(f"Adapter keys matched to base keys by prefix: {plural(len(self.renamed), 'key')} "
                          f"({first[0]} -> {first[1]} ...)")
         if self.kept:
-            lines.append(f"Copied beside it: {', '.join(self.kept)}")
+            lines.append(f"kept: {', '.join(self.kept)}")
         lines += [f"Note: {note}" for note in self.notes]
         lines.append(wrote_line(self.dst, self.bytes_written, plural(self.tensors, "tensor")))
         return "\n".join(lines)

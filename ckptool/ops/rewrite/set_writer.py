@@ -124,12 +124,15 @@ def _stage(stack: contextlib.ExitStack, paths: list[str], groups: Sequence[G],
     """Write each group with ``write`` into a scratch file beside its final path (removed when ``stack`` closes),
     one task per group on ``pool`` when given;
     ``(scratch, final)`` pairs."""
+    if pool is None or len(paths) < 2:  # one scratch file made at a time: a killed run leaves at most one behind
+        staged = []
+        for final, us in zip(paths, groups):
+            staged.append((stack.enter_context(scratch_file(final)), final))
+            write(staged[-1][0], final, us)
+        return staged
     staged = [(stack.enter_context(scratch_file(final)), final) for final in paths]
-    if pool is None or len(staged) < 2:
-        for (tmp, final), us in zip(staged, groups):
-            write(tmp, final, us)
-    else:  # one task per shard; all done (or all stopped) before the caller commits or cleans up
-        run_all(pool, [functools.partial(write, tmp, final, us) for (tmp, final), us in zip(staged, groups)])
+    # one task per shard; all done (or all stopped) before the caller commits or cleans up
+    run_all(pool, [functools.partial(write, tmp, final, us) for (tmp, final), us in zip(staged, groups)])
     return staged
 
 

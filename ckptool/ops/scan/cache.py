@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import sqlite3
+import time
 from typing import Any
 
 from ckptool import __version__
@@ -67,6 +68,25 @@ def result_from_dict(d: dict[str, Any]) -> ScanResult:
     return res
 
 
+def _prepare(db: sqlite3.Connection) -> None:
+    """Switch ``db`` to the write-ahead log and make its table. Two runs opening a new cache at once can find it
+    locked here (SQLite does not wait on its busy timeout for the journal-mode switch): retried until
+    :data:`BUSY_TIMEOUT` has passed.
+
+    Raises:
+        sqlite3.Error: not a database, or still locked after the timeout."""
+    deadline = time.monotonic() + BUSY_TIMEOUT
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("CREATE TABLE IF NOT EXISTS scans (key TEXT PRIMARY KEY, result TEXT NOT NULL)")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class ScanCache:
     """The SQLite scan cache at ``path`` (made when missing). :meth:`get` and :meth:`put` by :meth:`key`.
 
@@ -79,8 +99,7 @@ class ScanCache:
         try:
             self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, isolation_level=None,
                                        check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("CREATE TABLE IF NOT EXISTS scans (key TEXT PRIMARY KEY, result TEXT NOT NULL)")
+            _prepare(self._db)
         except sqlite3.Error as e:
             raise OutputError(f"cannot use {self.path} as a scan cache ({e}); give another --cache path",
                               self.path) from e
