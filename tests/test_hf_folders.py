@@ -411,3 +411,25 @@ def test_a_failed_copy_in_a_one_file_folder_leaves_nothing(one_file_dirs: dict[s
         ckptool.filter_keys(one_file_dirs["bin"], tmp_path / "out2", keep="*")
     assert len(calls) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_convert_of_a_model_folder_into_a_folder_keeps_its_files(model_dirs: dict[str, Any],
+                                                                 one_file_dirs: dict[str, Any], run_cli: Any,
+                                                                 tmp_path: Path) -> None:
+    """convert of a model folder (a set, or one weights file) into a folder of shards copies the folder's other
+    files as the rewriting commands do (``kept:``, ``--json``), and ``from_pretrained(out)`` loads the result; into
+    one file, nothing is copied and a note says how to keep them (issue 37)."""
+    for name, src, state in (("set", model_dirs["bin"], model_dirs["state"]),
+                             ("one", one_file_dirs["st"], one_file_dirs["state"])):
+        out = tmp_path / f"{name}-out"
+        r = run_cli("convert", src, "-o", out, "--max-shard-size", "2KB")
+        assert r.exit_code == 0, r.output
+        _companions_copied(src, out)
+        assert _kept(r.output) == _KEPT
+        assert "not copied from the input folder: onnx/" in r.output
+        _loads_as_the_model(out, state)
+        r = run_cli("convert", src, "-o", tmp_path / f"{name}-json", "--max-shard-size", "2KB", "--json")
+        assert r.exit_code == 0 and json.loads(r.output)["kept"] == _KEPT, r.output
+        r = run_cli("convert", src, "-o", tmp_path / f"{name}.safetensors")
+        assert r.exit_code == 0, r.output
+        assert "kept:" not in r.output and "are not copied beside a file" in r.output

@@ -56,6 +56,7 @@ class ConvertResult:
     cast: dict[str, int] = field(default_factory=dict)
     renamed: int = 0
     notes: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # model-folder files copied beside a set (ops.rewrite.companions)
     verified: bool | None = None
     checked: str = "the output re-opens with the names, shapes, dtypes and values of the source"
 
@@ -142,6 +143,8 @@ def convert_lines(res: ConvertResult) -> list[str]:
         lines.append(f"Not stored: {len(res.skipped)} non-tensor {_entries(len(res.skipped))} of the state_dict: "
                      f"{_names(res.skipped)}")
     lines += _layout_lines(res)
+    if res.kept:
+        lines.append(f"kept: {', '.join(res.kept)}")
     lines += [f"Note: {note}" for note in res.notes]
     return lines
 
