@@ -43,15 +43,15 @@ def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int, as_tree: b
     """Show what checkpoint PATH holds, without running its code or reading tensor data.
 
     Prints the format (torch-zip, torch-legacy, torchscript, torch-package, safetensors, sharded-safetensors,
-    sharded-bin, dcp, torch-export, deepspeed, megatron-legacy, megatron-dist, pickle), the kind (state_dict, training_checkpoint, full_model,
-    torchscript, exported_program, package, tensors), a table of tensors (key, shape, dtype, saved device, size),
-    storage bytes per device and dtype (a storage shared by several tensors, such as tied weights, counted once),
-    the state_dicts found with their wrapper prefixes and the command that removes them, the non-tensor entries
-    (epoch, steps, learning rates, hyper-parameters, scaler state; RNG states as "RNG state (N bytes)"), and the
-    globals the pickle would import, marked by whether torch.load(weights_only=True) allows them and by the level
-    `ckptool scan` gives them (safe, needs-trust, DANGEROUS). For a torch.export archive (.pt2): its weights and
-    constants, the program's signature (inputs, outputs, lifted parameters and buffers) and the archive's versions.
-    Torch is not imported and nothing from the file is run.
+    sharded-bin, dcp, torch-export, deepspeed, megatron-legacy, megatron-dist, pickle), the kind (state_dict,
+    training_checkpoint, full_model, torchscript, exported_program, package, tensors), a table of tensors (key,
+    shape, dtype, saved device, size), storage bytes per device and dtype (a storage shared by several tensors, such
+    as tied weights, counted once), the state_dicts found with their wrapper prefixes and the command that removes
+    them, the non-tensor entries (epoch, steps, learning rates, hyper-parameters, scaler state; RNG states as "RNG
+    state (N bytes)"), and the globals the pickle would import, marked by whether torch.load(weights_only=True)
+    allows them and by the level `ckptool scan` gives them (safe, needs-trust, DANGEROUS). For a torch.export
+    archive (.pt2): its weights and constants, the program's signature (inputs, outputs, lifted parameters and
+    buffers) and the archive's versions. Torch is not imported and nothing from the file is run.
 
     PATH may be a URL fsspec reads (s3://, gs://, http(s)://, hf://; pip install 'ckptool[remote]'): only the
     zip directory, the pickle and the headers are fetched, by range requests, and the bytes read are shown.
