@@ -78,10 +78,10 @@ from ckptool.errors import CkptError, InputNotFoundError, TruncatedError, UsageE
 from ckptool.formats import detect as formats
 from ckptool.formats import plugin
 from ckptool.formats.detect import INDEX_SUFFIX
-from ckptool.formats.dtypes import storage_nbytes, tensor_dtype
+from ckptool.formats.dtypes import element_size, numel, storage_element, tensor_dtype
 from ckptool.formats.nodes import TensorNode
 from ckptool.formats.pickle_check import PickleBuffer
-from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND, view_nbytes
+from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND
 from ckptool.model.allowlist import recognise_file
 from ckptool.model.graph import iter_tensors
 from ckptool.model.units import human_bytes
@@ -184,12 +184,19 @@ def _expansion_notes(root: Any) -> list[str]:
     held: dict[str, int] = {}
     dense = 0
     worst: tuple[float, str, TensorNode, int, int] | None = None
+    # (tensor, storage) element sizes per (storage class, dtype global) pair: the lookups once per pair, not per
+    # tensor (a 50,000-tensor file has one or two pairs); the placeholders live as long as ``root``
+    sizes: dict[tuple[int, int], tuple[int, int]] = {}
     try:
         for key, t, _rg in iter_tensors(root):
             ref = t.storage
             if ref is None:
                 continue
-            n, stored = view_nbytes(t.shape, tensor_dtype(t)), storage_nbytes(ref)
+            pair = (id(ref.storage_type), id(t.dtype_global))
+            each = sizes.get(pair)
+            if each is None:
+                each = sizes[pair] = (element_size(tensor_dtype(t)), storage_element(ref)[1])
+            n, stored = numel(t.shape) * each[0], ref.numel * each[1]
             held[str(ref.key)] = stored
             dense += n
             if worst is None or n / max(stored, 1) > worst[0]:
