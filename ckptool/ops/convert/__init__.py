@@ -198,7 +198,7 @@ def _model_folder_files(res: ConvertResult, source: Source, fmt_out: OutputForma
     to copy beside a set written into a folder, as the rewriting commands copy them (issue 37); none for other
     inputs and outputs, with a note when a model folder becomes one file or a named set (nothing copied)."""
     src = res.src
-    if is_url(src) or fmt_out.value not in ("safetensors", "torch"):
+    if is_url(src) or fmt_out.folder:  # DCP output: a folder of its own, written by torch
         return Companions()
     index_folder = os.path.dirname(os.path.abspath(src)) if src.endswith(INDEX_SUFFIX) else None
     folder = src if os.path.isdir(src) else index_folder
