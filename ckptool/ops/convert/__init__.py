@@ -53,7 +53,7 @@ from typing import Any
 from ckptool._fileio import same_file
 from ckptool._source import holding_versions, is_url
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
-from ckptool.formats.sharded import INDEX_SUFFIX, output_layout
+from ckptool.formats.sharded import output_layout
 from ckptool.formats.tensors import Source
 from ckptool.model.devices import location_function
 from ckptool.model.keys import raise_on_collisions
@@ -64,7 +64,7 @@ from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.report import ConvertResult
 from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, OutputFormat, parse_size
 from ckptool.ops.convert.verify import VerificationError
-from ckptool.ops.rewrite.companions import Companions, companion_files
+from ckptool.ops.rewrite.companions import Companions, model_folder_of, source_companions
 from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.ops.scan.dcp_safety import check_dcp_safe
@@ -197,21 +197,16 @@ def _model_folder_files(res: ConvertResult, source: Source, fmt_out: OutputForma
     """The files of the input's model folder (``config.json``, tokenizer files: :mod:`ckptool.ops.rewrite.companions`)
     to copy beside a set written into a folder, as the rewriting commands copy them (issue 37); none for other
     inputs and outputs, with a note when a model folder becomes one file or a named set (nothing copied)."""
-    src = res.src
-    if is_url(src) or fmt_out.folder:  # DCP output: a folder of its own, written by torch
+    folder = model_folder_of(res.src)
+    if folder is None or fmt_out.folder:  # DCP output: a folder of its own, written by torch
         return Companions()
-    index_folder = os.path.dirname(os.path.abspath(src)) if src.endswith(INDEX_SUFFIX) else None
-    folder = src if os.path.isdir(src) else index_folder
-    if folder is None:
-        return Companions()
-    own = {os.path.basename(t.storage.path) for t in source.tensors} | {os.path.basename(src)}
     layout = output_layout(res.dst, fmt_out.value) if shard_bytes is not None else None
     if layout is None or not layout.is_output_folder:
         if os.path.isfile(os.path.join(folder, "config.json")):
             res.notes.append("the model folder's other files (config.json, tokenizer files) are not copied beside "
                              "a file; write a folder (-o OUT/ --max-shard-size SIZE) to keep them with the weights")
         return Companions()
-    found = companion_files(folder, own, layout.folder)
+    found = source_companions(res.src, folder, (t.storage.path for t in source.tensors), layout.folder)
     res.notes += found.notes()
     return found
 

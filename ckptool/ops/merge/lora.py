@@ -26,7 +26,6 @@ from dataclasses import dataclass, field, replace
 from ckptool._fileio import same_file
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats.dtypes import contiguous_stride, element_size
-from ckptool.formats.sharded import INDEX_SUFFIX
 from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.model.keys import reconcile
@@ -36,7 +35,7 @@ from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.plan import check_safetensors_dtypes
 from ckptool.ops.convert.source import OutputFormat, parse_size
 from ckptool.ops.merge.adapter import Adapter, LoraPair, group_tensors, read_adapter_config, weights_file
-from ckptool.ops.rewrite.companions import companion_files
+from ckptool.ops.rewrite.companions import model_folder_of, source_companions
 from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers import open_checkpoint
@@ -212,15 +211,10 @@ def _output(dst: str, max_shard_size: int | str | None) -> tuple[OutputFormat, i
 def _companions(base_path: str, base: Source, out_folder: str) -> list[tuple[str, str]] | None:
     """The base folder's companion files to copy into ``out_folder`` (a transformers folder's ``config.json``,
     tokenizer files), with the note of what was left; None when the base is not a folder or an index."""
-    if os.path.isdir(base_path):
-        folder = base_path
-    elif base_path.endswith(INDEX_SUFFIX):
-        folder = os.path.dirname(os.path.abspath(base_path))
-    else:
+    folder = model_folder_of(base_path)
+    if folder is None:
         return None
-    own = {os.path.basename(t.storage.path) for t in base.tensors} | {os.path.basename(base.path)}
-    found = companion_files(folder, own, out_folder)
-    return found.files
+    return source_companions(base.path, folder, (t.storage.path for t in base.tensors), out_folder).files
 
 
 def _refuse_overwrite(out: str, inputs: set[str]) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ckptool import _source as source
@@ -53,6 +54,23 @@ class Companions:
         shown = ", ".join(self.left[:4]) + (" ..." if len(self.left) > 4 else "")
         return [(f"not copied from the input folder: {shown} (subfolders, and weights files this rewrite did "
                  "not change, would not match the new set)")]
+
+
+def model_folder_of(path: str) -> str | None:
+    """The model folder a checkpoint argument names: the folder itself, or the folder holding a ``*.index.json``;
+    None for a URL or a single file (whose folder the user did not give)."""
+    if source.is_url(path):
+        return None
+    if os.path.isdir(path):
+        return path
+    return os.path.dirname(os.path.abspath(path)) if path.endswith(INDEX_SUFFIX) else None
+
+
+def source_companions(path: str, folder: str, weights: Iterable[str], out_folder: str) -> Companions:
+    """:func:`companion_files` of the model folder ``folder`` that ``path`` names, leaving out the checkpoint's own
+    files: ``path`` itself and the ``weights`` files its tensors are read from."""
+    own = {os.path.basename(p) for p in weights} | {os.path.basename(path)}
+    return companion_files(folder, own, out_folder)
 
 
 def companion_files(folder: str, own: set[str], out_folder: str) -> Companions:
