@@ -152,14 +152,13 @@ def test_the_library_results_name_the_kept_files(model_dirs: dict[str, Any], tmp
     assert "config.json" in res.kept
 
 
-def test_a_failed_copy_leaves_nothing(model_dirs: dict[str, Any], tmp_path: Path,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """The companions are part of the set's commit: a copy that fails leaves no shard, index nor companion."""
-    import ckptool
+def _third_copy_fails(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The set writer's companion copy made to fail on its third call (disk full); the list of the files it was
+    asked to copy, filled as it runs."""
     from ckptool.errors import OutputError
     from ckptool.ops.rewrite import set_writer
 
-    calls = []
+    calls: list[str] = []
 
     def failing(src: str, dst: str) -> None:
         calls.append(src)
@@ -168,6 +167,16 @@ def test_a_failed_copy_leaves_nothing(model_dirs: dict[str, Any], tmp_path: Path
         shutil.copyfile(src, dst)
 
     monkeypatch.setattr(set_writer, "copy_companion", failing)
+    return calls
+
+
+def test_a_failed_copy_leaves_nothing(model_dirs: dict[str, Any], tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The companions are part of the set's commit: a copy that fails leaves no shard, index nor companion."""
+    import ckptool
+    from ckptool.errors import OutputError
+
+    calls = _third_copy_fails(monkeypatch)
     with pytest.raises(OutputError):
         ckptool.strip_prefix(model_dirs["st"], "transformer.", tmp_path / "out")
     assert len(calls) == 3
@@ -392,17 +401,8 @@ def test_a_failed_copy_in_a_one_file_folder_leaves_nothing(one_file_dirs: dict[s
     """The weights file and the companions are one commit: a copy that fails leaves no file and no folder."""
     import ckptool
     from ckptool.errors import OutputError
-    from ckptool.ops.rewrite import set_writer
 
-    calls = []
-
-    def failing(src: str, dst: str) -> None:
-        calls.append(src)
-        if len(calls) == 3:
-            raise OutputError(f"copying {src} into the output failed: disk full; nothing was kept", dst)
-        shutil.copyfile(src, dst)
-
-    monkeypatch.setattr(set_writer, "copy_companion", failing)
+    calls = _third_copy_fails(monkeypatch)
     with pytest.raises(OutputError):
         ckptool.strip_prefix(one_file_dirs["st"], "transformer.", tmp_path / "out")
     assert len(calls) == 3
