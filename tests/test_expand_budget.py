@@ -244,14 +244,15 @@ def test_inspect_counts_the_bytes_its_scan_would_walk_for(tmp_path: Path, monkey
     """inspect lists every tensor already; its scan takes the dense and storage bytes from that list (issue 41:
     a second walk of 50,000 tensors was a quarter of inspect's time), and walks only past the budget."""
     import ckptool.ops.scan.entry as scan_entry
-    from ckptool.ops.inspect.pickles import counted_bytes, tensor_infos
+    from ckptool.ops.inspect.pickles import counted_bytes, describe
 
     base = torch.arange(12, dtype=torch.float32)
     sd = {"w": base.view(3, 4), "tied": base.view(3, 4), "row": base[4:8], "h": torch.ones(2, dtype=torch.float16)}
     src = tmp_path / "views.pt"
     torch.save(sd, src)
     ck = open_checkpoint(src).graph()
-    assert counted_bytes(ck, tensor_infos(ck.root)) == (48 + 48 + 16 + 4, 48 + 4)  # each storage once
+    described = describe(ck)
+    assert counted_bytes(ck, described.tensors, described.totals) == (48 + 48 + 16 + 4, 48 + 4)  # storages once
 
     def no_walk(root: object) -> None:
         raise AssertionError("the tensors were walked a second time")
