@@ -45,9 +45,11 @@ Importing this package does not import torch; the functions import it when they 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 from ckptool._fileio import same_file
@@ -65,6 +67,7 @@ from ckptool.ops.convert.report import ConvertResult
 from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, OutputFormat, parse_size
 from ckptool.ops.convert.verify import VerificationError
 from ckptool.ops.rewrite.companions import Companions, model_folder_of, source_companions
+from ckptool.ops.rewrite.parallel import shard_executor
 from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.ops.scan.dcp_safety import check_dcp_safe
@@ -82,12 +85,15 @@ __all__ = ["SHARED_KEY", "ConvertResult", "OutputFormat", "VerificationError", "
 
 def _with_tp_rules(fn: Callable[..., ConvertResult]) -> Callable[..., ConvertResult]:
     """``fn`` run with its ``tp_dims`` argument as the Megatron tensor-parallel rules of the call
-    (:data:`ckptool.model.megatron.USER_RULES`), restored after it."""
+    (:data:`ckptool.model.megatron.USER_RULES`), and its ``executor`` argument (when given) as the executor of the
+    shards (:func:`ckptool.ops.rewrite.parallel.shard_executor`), both restored after it."""
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> ConvertResult:
         token = USER_RULES.set(parse_tp_dims(kwargs.get("tp_dims") or ()))
+        pool = kwargs.get("executor")
         try:
-            return fn(*args, **kwargs)
+            with shard_executor(pool) if pool is not None else contextlib.nullcontext():
+                return fn(*args, **kwargs)
         finally:
             USER_RULES.reset(token)
     return run
@@ -101,7 +107,7 @@ def convert(
     unwrap: bool = False, strip_prefixes: str | Sequence[str] = (), max_shard_size: int | str | None = None,
     dtype: str | None = None, verify: bool = True, trust: bool = False,
     progress: ProgressFn | None = None, tag: str | None = None, exclude_frozen: bool = False,
-    tp_dims: Sequence[str] = (), max_expand: float | None = None,
+    tp_dims: Sequence[str] = (), max_expand: float | None = None, executor: Executor | None = None,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
@@ -130,6 +136,10 @@ def convert(
     * ``verify`` re-opens the output and compares every tensor with the source (see the module docstring).
     * ``max_expand``: what the tensors may take dense, per storage byte (:mod:`ckptool.readers.budget`; 0: no limit).
     * ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
+    * ``executor``: a ``concurrent.futures.ThreadPoolExecutor`` that writes the shards of a sharded output one per
+      task (``convert --jobs N``; :mod:`ckptool.ops.rewrite.parallel`): the output equals the serial run's byte for
+      byte, the index is written last, once every shard is written and verified, and a failed or interrupted task
+      leaves no set. (Also inside a ``with shard_executor(pool):`` block of that module.)
     * ``tp_dims``: a Megatron legacy tree's rules ``"PATTERN=DIM"`` (:func:`ckptool.model.megatron.parse_tp_dims`).
     * ``progress(nbytes)`` is called with the bytes of tensor data written since the last call, as every operation
       reports progress; when it has a ``total`` attribute that is None (ckptool's progress bar), that is set to the
