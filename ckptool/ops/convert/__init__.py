@@ -132,14 +132,12 @@ def convert(
       ``x-00001-of-0000N.safetensors``... and ``x.safetensors.index.json`` beside it (likewise ``.bin`` / ``.pt`` /
       ``.pth``), a folder ``dst`` gets ``model-00001-of-0000N.safetensors``... / ``pytorch_model-...bin``; a set
       that fits one shard is the single file, without index (``transformers`` ``save_pretrained``).
-    * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors.
-    * ``verify`` re-opens the output and compares every tensor with the source (see the module docstring).
+    * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors. ``verify``
+      re-opens the output and compares every tensor with the source (see the module docstring).
     * ``max_expand``: what the tensors may take dense, per storage byte (:mod:`ckptool.readers.budget`; 0: no limit).
-    * ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
-    * ``executor``: a ``concurrent.futures.ThreadPoolExecutor`` that writes the shards of a sharded output one per
-      task (``convert --jobs N``; :mod:`ckptool.ops.rewrite.parallel`): the output equals the serial run's byte for
-      byte, the index is written last, once every shard is written and verified, and a failed or interrupted task
-      leaves no set. (Also inside a ``with shard_executor(pool):`` block of that module.)
+      ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
+    * ``executor``: a ``ThreadPoolExecutor`` writing a sharded output one shard per task, the index last, once all
+      are verified (the serial run's bytes; a failed task leaves no set: :mod:`ckptool.ops.rewrite.parallel`).
     * ``tp_dims``: a Megatron legacy tree's rules ``"PATTERN=DIM"`` (:func:`ckptool.model.megatron.parse_tp_dims`).
     * ``progress(nbytes)`` is called with the bytes of tensor data written since the last call, as every operation
       reports progress; when it has a ``total`` attribute that is None (ckptool's progress bar), that is set to the
