@@ -136,12 +136,10 @@ def convert(
       re-opens the output and compares every tensor with the source (see the module docstring).
     * ``max_expand``: what the tensors may take dense, per storage byte (:mod:`ckptool.readers.budget`; 0: no limit).
       ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
-    * ``executor``: a ``ThreadPoolExecutor`` writing a sharded output one shard per task, the index last, once all
-      are verified (the serial run's bytes; a failed task leaves no set: :mod:`ckptool.ops.rewrite.parallel`).
+    * ``executor``: a thread pool writing a sharded output's shards at once (:mod:`ckptool.ops.rewrite.parallel`).
     * ``tp_dims``: a Megatron legacy tree's rules ``"PATTERN=DIM"`` (:func:`ckptool.model.megatron.parse_tp_dims`).
-    * ``progress(nbytes)`` is called with the bytes of tensor data written since the last call, as every operation
-      reports progress; when it has a ``total`` attribute that is None (ckptool's progress bar), that is set to the
-      bytes to be written first (:func:`ckptool.ops.rewrite.stream.announce_total`).
+    * ``progress(nbytes)``: the bytes of tensor data written since the last call; a ``total`` attribute of it that is
+      None (ckptool's bar) is first set to the bytes to write (:func:`ckptool.ops.rewrite.stream.announce_total`).
 
     Returns a :class:`ConvertResult`. The output is written atomically; ``src`` is never modified.
 
