@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import dataclass
 
 from ckptool import _source as source
 from ckptool.errors import CkptError, UsageError
-from ckptool.formats.sharded import INDEX_SUFFIX
 from ckptool.ops.inspect.entry import SCHEMA, inspect
 from ckptool.ops.inspect.values import ALL_VALUES
 from ckptool.ops.scan.many import ManyRun, Target, not_a_checkpoint
-from ckptool.readers import format_of
+from ckptool.readers import open_checkpoint
 
 __all__ = ["InspectRow", "InspectRun", "inspect_target", "is_one_checkpoint"]
 
@@ -68,16 +66,15 @@ def inspect_target(t: Target, show_all: bool = False) -> InspectRow | None:
 
 def is_one_checkpoint(folder: str) -> bool:
     """Whether the local ``folder`` is one checkpoint as given, rather than a folder to walk: what
-    :func:`ckptool.readers.format_of` reads as a folder (a DCP, DeepSpeed or Megatron folder) or as a set (a folder
-    holding one ``*.index.json``). A folder that holds one weights file beside others (``inspect FOLDER`` reads that
-    file) is walked: the file is one of its rows."""
+    :func:`ckptool.readers.open_checkpoint` reads as a set (a folder holding one ``*.index.json``) or a folder (a
+    DCP, DeepSpeed or Megatron folder: the registry entry's ``kind``). A folder that holds one weights file beside
+    others (``inspect FOLDER`` reads that file) is walked: the file is one of its rows."""
     try:
-        _fmt, target = format_of(folder)
+        return open_checkpoint(folder).spec.kind != "file"
     except UsageError:
         return False
     except (CkptError, OSError):
         return True  # a checkpoint folder that is damaged: its row says why
-    return target.endswith(INDEX_SUFFIX) or os.path.isdir(target)
 
 
 def _failed(t: Target, why: str) -> InspectRow:
