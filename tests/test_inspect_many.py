@@ -135,3 +135,19 @@ def test_s3_prefix_with_threads(request: pytest.FixtureRequest, run_cli: Any, tm
          "set/model-00002-of-00002.safetensors"])
     good = [row for row in rows.values() if "error" not in row]
     assert len(good) == 4 and all(0 < row["bytes_read"] < 4096 for row in good)
+
+
+def test_cycle_collector_runs_between_checkpoints(tmp_path: Path, run_cli: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command pauses the cycle collector for one checkpoint's graph; a run over many keeps it on between
+    checkpoints (each inspect pauses it again while it reads), so a long run does not pile up cyclic garbage."""
+    import gc
+
+    from ckptool.ops.inspect import many
+
+    _tree(tmp_path)
+    seen: list[bool] = []
+    real = many.not_a_checkpoint
+    monkeypatch.setattr(many, "not_a_checkpoint", lambda t: seen.append(gc.isenabled()) or real(t))
+    assert run_cli("inspect", tmp_path, "--jsonl").exit_code == 1
+    assert len(seen) == 5 and all(seen)

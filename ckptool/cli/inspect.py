@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from collections import Counter
 from typing import Any
@@ -108,7 +109,15 @@ def _many(paths: tuple[str, ...], as_json: bool, jsonl: bool, jobs: int, show_al
                          "--jobs) give --json (one JSON array) or --jsonl (one JSON object a line)")
     from ckptool.cli._many import run_inspect_many  # noqa: PLC0415 - deferred: not on the path of one file
 
-    return run_inspect_many(paths, jsonl, jobs=jobs, show_all=show_all)
+    # the command pauses the cycle collector for one checkpoint (gc_paused); a run over many needs it between them,
+    # and each inspect pauses it again while it reads
+    was_enabled = gc.isenabled()
+    gc.enable()
+    try:
+        return run_inspect_many(paths, jsonl, jobs=jobs, show_all=show_all)
+    finally:
+        if not was_enabled:
+            gc.disable()
 
 
 def _print_tree(info: CheckpointInfo, depth: int | None, as_json: bool) -> None:

@@ -9,8 +9,10 @@
   safetensors or a tar (one range request, :func:`starts_like_checkpoint`); other objects are skipped.
 * One task per checkpoint (:func:`scan_target`: a module-level function of a picklable :class:`Target`, so a
   process pool or ``dask.distributed``'s ``Client.get_executor()`` runs it as well as a thread pool); results come
-  back as tasks finish. A checkpoint that cannot be read, a path that does not exist or a task that failed is a
-  result whose ``error`` says why (verdict ``error``), never the end of the run.
+  back as tasks finish. :class:`ManyRun` is that loop for any such task (``inspect`` of many checkpoints runs
+  :func:`ckptool.ops.inspect.many.inspect_target` on it); :class:`ScanRun` adds the cache. A checkpoint that
+  cannot be read, a path that does not exist or a task that failed is a result whose ``error`` says why (verdict
+  ``error``), never the end of the run.
 * With a :class:`~ckptool.ops.scan.cache.ScanCache`, each checkpoint's version (size and modification time, or
   size and ETag) is looked up first, from the listing where it gives them, else by one ``stat`` or ``HEAD``; a
   checkpoint found there is not read. The cache is read and written by the caller, never by the tasks.
