@@ -248,3 +248,22 @@ def test_dcp_failed_or_interrupted_task_commits_nothing(tmp_path: Path, monkeypa
         ckptool.strip_dataparallel(src, tmp_path / "out")
     assert not wrote
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_dcp_remap_jobs_relays_the_retagged_file_as_the_serial_run(run_cli: Callable[..., Any],
+                                                                    tmp_path: Path) -> None:
+    """remap --to cpu of a folder whose non-tensor entry is tagged cuda:0: the file holding it is laid out anew by
+    its task, the others copied by theirs; the folder equals the serial run's and torch reads it on CPU."""
+    from dcp_craft import dcp_back, save_dcp
+
+    extra = (torch.arange(4.0), torch.ones(2, dtype=torch.float16))
+    state = {"model": {f"layers.{i}.weight": torch.full((8,), float(i)) for i in range(6)}, "extra": extra}
+    src = save_dcp(state, tmp_path / "ckpt", cuda=extra, thread_count=3)
+    serial = run_cli("remap", src, "--to", "cpu", "-o", tmp_path / "one")
+    parallel = run_cli("remap", src, "--to", "cpu", "-o", tmp_path / "two", "--jobs", "3")
+    assert serial.exit_code == parallel.exit_code == 0, serial.output + parallel.output
+    assert "re-tagged cuda:0 -> cpu (2)" in parallel.output
+    assert _files(tmp_path / "one") == _files(tmp_path / "two")
+    back = dcp_back(tmp_path / "two")
+    assert torch.equal(back["extra"][0], extra[0]) and torch.equal(back["model"]["layers.5.weight"],
+                                                                   state["model"]["layers.5.weight"])
