@@ -60,7 +60,7 @@ from ckptool.errors import (
     VerificationError,
 )
 from ckptool.formats import detect
-from ckptool.formats.dcp import METADATA_FILE, DcpMetadata
+from ckptool.formats.dcp import METADATA_FILE, DcpLayout, DcpMetadata
 from ckptool.formats.nodes import PickledObject, TensorNode
 from ckptool.formats.pickler import PicklerError, dumps
 from ckptool.formats.torchfile import Checkpoint
@@ -69,6 +69,7 @@ from ckptool.model.graph import mapping_items
 from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenameSummary
 from ckptool.model.tensor_nodes import tensor_node
+from ckptool.ops.rewrite.layouts import copy_companions, follow_names
 from ckptool.ops.rewrite.sets import SetRenameResult, SetWriteResult
 from ckptool.ops.rewrite.stream import ProgressFn, write_zip
 from ckptool.ops.scan.dcp_safety import is_dcp_allowed
@@ -275,6 +276,7 @@ def _apply_names(meta: DcpMetadata, records: list[_Record], fqns: dict[str, str]
         new = {fqns.get(k, k): tuple(paths[k]) if k in paths else v for k, v in planner.items()}
         planner.clear()
         planner.update(new)
+    follow_names(meta, fqns, {r.fqn for r in records if r.dropped}, {id(r.index): r.fqn for r in records})
 
 
 def _drop(meta: DcpMetadata, records: list[_Record],
@@ -532,8 +534,8 @@ def rewrite_dcp(
     folder = src.target
     if not dry_run:
         _check_target(folder, dst)
-    meta = src.dcp_metadata()
-    bad = [g for g in dict.fromkeys(meta.globals) if not is_dcp_allowed(g)]
+    meta, layout = src.dcp_metadata(), src.spec.behaviour("dcp")()  # layout: the files and globals of Megatron's
+    bad = [g for g in dict.fromkeys(meta.globals) if not is_dcp_allowed(g) and g not in layout.globals]
     if bad:
         raise UnsafeCheckpointError(
             f"{folder}: its .metadata names {', '.join(bad[:5])}, which torch.distributed.checkpoint never writes "
@@ -554,18 +556,19 @@ def rewrite_dcp(
                          shards=len(sizes))
     if not dry_run:
         changing = rename is not None or drop is not None
-        _write(folder, dst, meta, records, sizes, fqns, res, (to, mapping, allow_missing, changing), progress)
+        _write(folder, dst, meta, records, (sizes, layout), fqns, res, (to, mapping, allow_missing, changing),
+               progress)
     if summary is None:
         return res
     return SetRenameResult(**vars(res), operation=operation, **vars(summary))
 
 
-def _write(folder: str, dst: str, meta: DcpMetadata, records: list[_Record], sizes: dict[str, int],
+def _write(folder: str, dst: str, meta: DcpMetadata, records: list[_Record], files: tuple[dict[str, int], DcpLayout],
            fqns: dict[str, str], res: SetWriteResult, retag: tuple[str | None, Mapping[str, str] | None, bool, bool],
            progress: ProgressFn | None) -> None:
-    """:func:`rewrite_dcp`'s writing (``retag``: ``to``, ``mapping``, ``allow_missing``, whether the entries change
-    too); fills ``res``."""
-    to, mapping, allow_missing, renaming = retag
+    """:func:`rewrite_dcp`'s writing (``files``: the data files' sizes, the layout whose companion files are copied
+    as they are; ``retag``: ``to``, ``mapping``, ``allow_missing``, whether the entries change too); fills ``res``."""
+    (sizes, layout), (to, mapping, allow_missing, renaming) = files, retag
     with temp_path(dst, folder=True) as scratch:
         if to is not None or mapping:
             res.retagged, _tags = _retag(folder, records, scratch, to, mapping, allow_missing=allow_missing,
@@ -576,17 +579,19 @@ def _write(folder: str, dst: str, meta: DcpMetadata, records: list[_Record], siz
             _write_metadata(meta, stage)
             entries, items = _expected(meta, records, fqns)
             _read_back(stage, dst, entries, items, meta.planner_data)
+            kept = copy_companions(folder, stage, layout)
             names = sorted(os.path.relpath(os.path.join(d, n), stage) for d, _s, ns in os.walk(stage) for n in ns)
             res.bytes_written = sum(os.path.getsize(os.path.join(stage, n)) for n in names)
             _commit(stage, dst)
     res.files = [os.path.join(dst, n) for n in names]
-    left = sorted(n for n in os.listdir(folder) if n != METADATA_FILE and n not in sizes)
+    left = sorted(n for n in os.listdir(folder) if n != METADATA_FILE and n not in sizes and n not in kept)
     dropped = sum(r.dropped for r in records)
     how = (f"the records of the dropped entries ({dropped}) were left out, the files holding one laid out anew"
            if dropped else "those holding a re-tagged non-tensor entry were laid out anew around it" if res.retagged
            else "")
     res.notes.append(f"{res.storages} records (tensor chunks and non-tensor entries); the .distcp data files were "
-                     f"copied byte for byte{'; ' + how if how else ''}")
+                     f"copied byte for byte{'; ' + how if how else ''}{'; ' if kept else ''}{', '.join(kept)}"
+                     f"{' as they are' if kept else ''}")
     if left:
         res.notes.append(f"not copied (no record of .metadata names them): {', '.join(left[:5])}"
                          f"{' ...' if len(left) > 5 else ''}")
