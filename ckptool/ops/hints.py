@@ -48,8 +48,8 @@ from ckptool.model.keys import WRAPPER_COMPONENTS, shared_prefixes, suggest_comm
 from ckptool.ops.inspect.entry import CheckpointInfo, GlobalInfo, inspect
 from ckptool.readers import Opened, open_checkpoint
 
-__all__ = ["LoadHint", "dcp_hint", "load_hint", "megatron_dist_hint", "package_hint", "renamed_set_hint", "safetensors_hint", "set_hint",
-           "torch_hint"]
+__all__ = ["LoadHint", "dcp_hint", "load_hint", "megatron_dist_hint", "package_hint", "renamed_set_hint",
+           "safetensors_hint", "set_hint", "torch_hint"]
 
 _LISTED = 3  # globals named in the note before "and N more"
 _NO_DEVICE_TAGS = frozenset({"cpu", "meta"})  # tags that open on any machine without map_location
