@@ -69,7 +69,7 @@ from ckptool.model.graph import mapping_items
 from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenameSummary
 from ckptool.model.tensor_nodes import tensor_node
-from ckptool.ops.rewrite.layouts import copy_companions, follow_names
+from ckptool.ops.rewrite.layouts import companions_note, copy_companions, follow_names
 from ckptool.ops.rewrite.sets import SetRenameResult, SetWriteResult
 from ckptool.ops.rewrite.stream import ProgressFn, write_zip
 from ckptool.ops.scan.dcp_safety import is_dcp_allowed
@@ -584,14 +584,13 @@ def _write(folder: str, dst: str, meta: DcpMetadata, records: list[_Record], fil
             res.bytes_written = sum(os.path.getsize(os.path.join(stage, n)) for n in names)
             _commit(stage, dst)
     res.files = [os.path.join(dst, n) for n in names]
-    left = sorted(n for n in os.listdir(folder) if n != METADATA_FILE and n not in sizes and n not in kept)
+    left = sorted(set(os.listdir(folder)) - {METADATA_FILE, *sizes, *kept})
     dropped = sum(r.dropped for r in records)
     how = (f"the records of the dropped entries ({dropped}) were left out, the files holding one laid out anew"
            if dropped else "those holding a re-tagged non-tensor entry were laid out anew around it" if res.retagged
            else "")
     res.notes.append(f"{res.storages} records (tensor chunks and non-tensor entries); the .distcp data files were "
-                     f"copied byte for byte{'; ' + how if how else ''}{'; ' if kept else ''}{', '.join(kept)}"
-                     f"{' as they are' if kept else ''}")
+                     f"copied byte for byte{'; ' + how if how else ''}{companions_note(kept)}")
     if left:
         res.notes.append(f"not copied (no record of .metadata names them): {', '.join(left[:5])}"
                          f"{' ...' if len(left) > 5 else ''}")

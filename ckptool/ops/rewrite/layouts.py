@@ -27,10 +27,11 @@ from typing import Any
 
 from ckptool._fileio import copy_range
 from ckptool.errors import UnsupportedError, VerificationError
-from ckptool.formats.dcp import DcpLayout, DcpMetadata, read_dcp_metadata
+from ckptool.formats.dcp import DcpLayout, DcpMetadata
 from ckptool.formats.nodes import PickledObject
+from ckptool.readers import open_checkpoint
 
-__all__ = ["copy_companions", "follow_names"]
+__all__ = ["companions_note", "copy_companions", "follow_names"]
 
 #: the attributes of torch's ``Metadata`` (torch/distributed/checkpoint/metadata.py) the DCP rewrite renames or keeps
 _DCP_FIELDS = frozenset(("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"))
@@ -152,7 +153,7 @@ def _check_plans(stage: str) -> None:
     Raises:
         VerificationError: one is not (nothing is kept: the caller's stage folder goes).
     """
-    back = read_dcp_metadata(stage)
+    back = open_checkpoint(stage).dcp_metadata()
     st = back.root.state
     entries = {e.fqn for e in back.entries}
     named = [_item_index(back, it)["fqn"] for plan in st.get(_PLANS) or [] for it in _plan_items(back, plan)]
@@ -189,3 +190,9 @@ def copy_companions(folder: str, stage: str, layout: DcpLayout) -> list[str]:
     if layout.companions:
         _check_plans(stage)
     return copied
+
+
+def companions_note(copied: list[str]) -> str:
+    """The words a rewrite's note adds for the companion files it copied (``"; metadata.json, common.pt as they
+    are"``; empty for none)."""
+    return f"; {', '.join(copied)} as they are" if copied else ""
