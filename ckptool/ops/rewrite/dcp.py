@@ -7,7 +7,8 @@ DCP folder: ``.metadata`` rewritten from its node graph (:mod:`ckptool.formats.p
 hard-linked: the output does not alias the input). Everything is checked before a byte is written; the folder is
 written into a staging folder beside the destination and renamed into place once complete and read back
 (:func:`rewrite_dcp`); a failed run leaves nothing. ``storage_meta`` (the folder the checkpoint was saved to, its
-save id) is kept as written; files of the folder that no record names are not copied (the result notes them).
+save id) is kept as written; files of the folder that no record names are not copied (the result notes them), but
+for those of a Megatron-Core torch_dist folder (copied; its cached plans renamed: :mod:`ckptool.ops.rewrite.layouts`).
 
 **Renaming.** DCP saves a nested state (``dcp.save({"model": model.state_dict(), "optim": ...})``) flattened: each
 leaf's fully qualified name (FQN) is its path joined with dots (``model.fc.weight``) and ``planner_data`` records
@@ -534,7 +535,7 @@ def rewrite_dcp(
     folder = src.target
     if not dry_run:
         _check_target(folder, dst)
-    meta, layout = src.dcp_metadata(), src.spec.behaviour("dcp")()  # layout: the files and globals of Megatron's
+    meta, layout = src.dcp_metadata(), src.spec.behaviour("dcp")()  # layout: files and globals Megatron adds
     bad = [g for g in dict.fromkeys(meta.globals) if not is_dcp_allowed(g) and g not in layout.globals]
     if bad:
         raise UnsafeCheckpointError(
