@@ -143,3 +143,27 @@ def test_megatron_loads_a_folder_ckptool_rewrote(how: str, tmp_path: Path, run_c
     if how == "strip-prefix":
         p = _readback(out, tmp_path / "rb", {})
         assert p.returncode != 0, p.stdout
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_hostile_common_pt_is_copied_never_run(tmp_path: Path, run_cli: Any) -> None:
+    """A ``common.pt`` whose pickle would run ``os.system``: the rewrite copies its bytes and runs nothing (it is
+    never unpickled but by ckptool's restricted reader, and the rewrite does not even read it)."""
+    torch = pytest.importorskip("torch")
+    marker = tmp_path / "PWNED"
+    folder = tmp_path / "src"
+    shutil.copytree(DIST, folder)
+    common = torch.load(folder / "common.pt", weights_only=False)  # the committed fixture
+    common["args"] = _Payload(marker)
+    torch.save(common, folder / "common.pt")
+    r = run_cli("strip-prefix", folder, "decoder.", "-o", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert not marker.exists()
+    assert (tmp_path / "out" / "common.pt").read_bytes() == (folder / "common.pt").read_bytes()
