@@ -167,3 +167,19 @@ def test_a_hostile_common_pt_is_copied_never_run(tmp_path: Path, run_cli: Any) -
     assert r.exit_code == 0, r.output
     assert not marker.exists()
     assert (tmp_path / "out" / "common.pt").read_bytes() == (folder / "common.pt").read_bytes()
+
+
+@pytest.mark.torchfree
+def test_a_companion_that_does_not_copy_back_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copies of ``metadata.json`` / ``common.pt`` are compared with their sources before the folder is put in
+    place: a difference is an error, and no output or scratch folder is left."""
+    import ckptool
+    from ckptool.errors import VerificationError
+    from ckptool.ops.rewrite import layouts
+
+    monkeypatch.setattr(layouts.filecmp, "cmp", lambda *a, **k: False)
+    out = tmp_path / "work" / "out"
+    out.parent.mkdir()
+    with pytest.raises(VerificationError, match=r"metadata\.json differs"):
+        ckptool.strip_prefix(DIST, "decoder.", out)
+    assert list(out.parent.iterdir()) == []
