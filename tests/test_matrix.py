@@ -6,6 +6,7 @@ cell that exits 0 prints the table's reason."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import zipfile
 from pathlib import Path
@@ -45,6 +46,10 @@ def references(fixtures: dict[str, Path]) -> dict[str, dict[str, torch.Tensor]]:
     return {fmt: committed.get(fmt, sd) for fmt in FORMATS}
 
 
+#: the glob ``filter`` drops: ``*bias``, but in a fixture without biases (Megatron-Core's torch_dist folder)
+_DROP = {"megatron-dist": "*layernorm*"}
+
+
 def _model(fmt: str) -> str:
     return f"{matrix_fixtures.__file__}:{matrix_fixtures.MODELS.get(fmt, 'build_model')}"
 
@@ -61,7 +66,7 @@ def _command(fmt: str, op: str, src: Path, out: Path) -> list[Any]:
         "sanitize": ["sanitize", src, "-o", dst],
         "verify": ["verify", src, "--model", _model(fmt), "--device", "cpu"],
         "rename": ["rename", src, "--rule", "^=net.", "-o", dst],
-        "filter": ["filter", src, "--drop", "*bias", "-o", dst],
+        "filter": ["filter", src, "--drop", _DROP.get(fmt, "*bias"), "-o", dst],
         "average": ["average", src, src, "-o", out / "out.safetensors"],
         "average --method": ["average", src, "--method", "ties", "--density", "0.5", "--base", src, "-o",
                              out / "out.safetensors"],
@@ -70,14 +75,14 @@ def _command(fmt: str, op: str, src: Path, out: Path) -> list[Any]:
     }[op]
 
 
-def _expected(op: str, ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _expected(op: str, ref: dict[str, torch.Tensor], fmt: str = "") -> dict[str, torch.Tensor]:
     """``ref`` as ``op``'s output should hold it (see :func:`_command` for the arguments)."""
     if op == "prefix":
         return {f"module.{k}": v for k, v in ref.items()}
     if op == "rename":
         return {f"net.{k}": v for k, v in ref.items()}
     if op == "filter":
-        return {k: v for k, v in ref.items() if not k.endswith("bias")}
+        return {k: v for k, v in ref.items() if not fnmatch.fnmatchcase(k, _DROP.get(fmt, "*bias"))}
     return ref
 
 
@@ -167,7 +172,7 @@ def _check_works(cell: Cell, fmt: str, op: str, res: Any, out: Path, ref: dict[s
         assert (out / "out.html").read_text(encoding="utf-8").lstrip().lower().startswith("<!doctype html")
     elif op in {"convert", "remap", "prefix", "extract-state-dict", "sanitize", "rename", "filter", "average",
                 "average --method", "merge-lora"}:
-        _same(_open(out), _expected(op, ref))
+        _same(_open(out), _expected(op, ref, fmt))
 
 
 def _load_into(cell: Cell, fmt: str, src: Path, ref: dict[str, torch.Tensor]) -> None:

@@ -36,6 +36,22 @@ BYTES_METADATA = _MD + "BytesStorageMetadata"
 #: the globals a ``.metadata`` pickle names are listed with the allowlist (``ckptool.model.allowlist.DCP_GLOBALS``)
 
 
+@dataclass(frozen=True)
+class DcpLayout:
+    """What a folder format built on DCP adds to its ``.metadata`` and ``.distcp`` files (the registry's ``dcp``
+    plug-in, :attr:`ckptool.readers.Format.dcp`): ``companions``, the files beside them that a rewrite of the
+    folder copies byte for byte (Megatron-Core's ``metadata.json`` and ``common.pt``); ``globals``, the globals
+    its ``.metadata`` may name besides DCP's own (Megatron-Core's cached save plans, ``all_local_plans``)."""
+
+    companions: tuple[str, ...] = ()
+    globals: frozenset[str] = frozenset()
+
+
+def plain_layout() -> DcpLayout:
+    """A plain DCP folder's :class:`DcpLayout`: nothing beside ``.metadata`` and the data files."""
+    return DcpLayout()
+
+
 class DcpEntry(NamedTuple):
     """An entry of ``state_dict_metadata``: its FQN, and for a tensor its dtype name (``"unknown"`` when the pickle
     does not say) and shape; both None for a non-tensor entry."""

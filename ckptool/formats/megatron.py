@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 from ckptool._source import leaves_folder
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats import detect
+from ckptool.formats.dcp import DcpLayout
 
 __all__ = ["COMMON_FILE", "DIST", "LATEST_FILE", "LEGACY", "MCORE_METADATA_GLOBALS", "RANK_FILE", "MegatronFolder",
            "RankFolder",
-           "find_megatron", "megatron_layout", "read_backend"]
+           "dist_layout", "find_megatron", "megatron_layout", "read_backend"]
 
 LEGACY = detect.MEGATRON_LEGACY
 DIST = detect.MEGATRON_DIST
@@ -43,6 +44,9 @@ COMMON_FILE = "common.pt"
 #: (``Metadata.all_local_plans``, ``strategies/torch.py`` ``MCoreSavePlanner``), torch's own planner dataclasses
 MCORE_METADATA_GLOBALS = frozenset(f"torch.distributed.checkpoint.planner.{n}" for n in (
     "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"))
+#: the files of a torch_dist folder beside DCP's, which Megatron-Core's ``dist_checkpointing.load`` reads
+#: (``core.py`` ``maybe_load_config``, ``strategies/common.py`` ``load_common``) and a rewrite copies as they are
+DIST_COMPANIONS = (METADATA_JSON, COMMON_FILE)
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 _MAX_TEXT = 4096
 
@@ -93,6 +97,14 @@ class MegatronFolder:
             if os.path.isfile(opt):
                 out.append(opt)
         return out
+
+
+def dist_layout() -> DcpLayout:
+    """A torch_dist folder as DCP's rewrites see it (the registry's ``dcp`` plug-in): ``metadata.json`` and
+    ``common.pt`` copied byte for byte (``common.pt`` is never unpickled but by the restricted reader: its entries
+    are not sharded, so no FQN of ``.metadata`` is in it), and the save plans Megatron-Core caches in
+    ``.metadata`` (``all_local_plans``: torch's planner dataclasses) allowed there."""
+    return DcpLayout(DIST_COMPANIONS, MCORE_METADATA_GLOBALS)
 
 
 def _listdir(path: str) -> list[str]:

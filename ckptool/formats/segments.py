@@ -9,8 +9,12 @@ read), which is exact for both (every float16 and bfloat16 value is a float32 va
 each ``swap``-byte element as it is read (:func:`byteswap`): the storage of a torch file saved on a big-endian
 machine (its ``byteorder`` record says ``big``), read as the little-endian values ckptool writes and compares.
 
-:class:`ConcatenatedFile` reads the concatenation through ``seek`` / ``read`` / ``readinto``, a piece at a time, so
-copying it needs no more memory than the copy's buffer. Nothing here imports torch.
+:class:`ConcatenatedFile` reads the concatenation through ``seek`` / ``read`` / ``readinto``, so copying it needs no
+more memory than the copy's buffer (and as much again for the reads). The segments a call reaches that lie end to
+end in one file are read with one read (up to :data:`MAX_RUN` bytes) and scattered from memory
+(:func:`file_runs`): a DCP chunk split on a later dimension is one segment per row, its rows adjacent in its
+``torch.save`` record, so a copy of the gathered tensor reads each record's part in one call, not row by row
+(issue 40: 82,000 reads of 2 KiB for a 1 GiB Megatron folder before). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -23,11 +27,17 @@ from collections.abc import Callable, Sequence
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.tensors import Segment
 
-__all__ = ["ConcatenatedFile", "byteswap", "read_segments", "widen_to_float32"]
+__all__ = ["MAX_RUN", "ConcatenatedFile", "Run", "byteswap", "file_runs", "read_segments", "widen_to_float32"]
 
 #: ``read(path, offset, nbytes)``: the bytes of a file range (raises when the file ends first)
 ReadRange = Callable[[str, int, int], bytes | bytearray]
 
+
+#: the most bytes one read of adjacent segments takes (:func:`file_runs`)
+MAX_RUN = 64 << 20
+#: ``(path, offset, nbytes, parts)``: one read of ``nbytes`` at ``offset`` of ``path``, and where its bytes go:
+#: ``parts`` = ``[(offset in the run, nbytes, position in the output)]``
+Run = tuple[str, int, int, list[tuple[int, int, int]]]
 
 _SWAP_CODES = {n: c for c in "HILQ" if (n := array.array(c).itemsize) in (2, 4, 8)}
 
@@ -107,36 +117,72 @@ class ConcatenatedFile:
 
     def read(self, n: int = -1) -> bytes:
         end = self.size if n is None or n < 0 else min(self.size, self._pos + n)
-        out = bytearray()
-        i = max(0, bisect.bisect_right(self._starts, self._pos) - 1)  # the first segment the range reaches
-        while i < len(self.segments) and self._starts[i] < end:
-            seg, start = self.segments[i], self._starts[i]
-            lo, hi = max(self._pos, start), min(end, start + seg.nbytes)
-            if lo < hi:
-                out += _read(self._read, seg, lo - start, hi - start)
-            i += 1
-        self._pos = max(self._pos, end)
+        out = bytearray(max(0, end - self._pos))
+        self.readinto(out)
         return bytes(out)
 
     def readinto(self, buf: bytearray | memoryview) -> int:
-        data = self.read(len(buf))
-        memoryview(buf)[:len(data)] = data
-        return len(data)
+        """Fill ``buf`` from the current position (as much as is left), reading the plain segments that lie end to
+        end in one file with one read each (:func:`file_runs`); the number of bytes written.
+
+        Raises:
+            CorruptCheckpointError: a file ends first (from ``read``).
+        """
+        mv = memoryview(buf).cast("B")
+        pos, end = self._pos, min(self.size, self._pos + len(mv))
+        plain: list[tuple[str, int, int, int]] = []
+        i = max(0, bisect.bisect_right(self._starts, pos) - 1)  # the first segment the range reaches
+        while i < len(self.segments) and self._starts[i] < end:
+            seg, start = self.segments[i], self._starts[i]
+            lo, hi = max(pos, start), min(end, start + seg.nbytes)
+            if lo < hi and seg.widen is None and seg.swap <= 1:
+                plain.append((seg.path, seg.offset + lo - start, hi - lo, lo - pos))
+            elif lo < hi:
+                mv[lo - pos:hi - pos] = _exact(_read(self._read, seg, lo - start, hi - start), seg.path, hi - lo)
+            i += 1
+        for path, offset, nbytes, parts in file_runs(plain):
+            data = memoryview(_exact(self._read(path, offset, nbytes), path, nbytes))
+            for at, k, to in parts:
+                mv[to:to + k] = data[at:at + k]
+        self._pos = max(pos, end)
+        return max(0, end - pos)
+
+
+def file_runs(pieces: Sequence[tuple[str, int, int, int]], limit: int = MAX_RUN) -> list[Run]:
+    """Group ``pieces`` (``(path, file offset, nbytes, position in the output)``) into reads: pieces of one file
+    that lie end to end (one starts where another ends) are one :data:`Run`, up to ``limit`` bytes (a piece larger
+    than that is a run of its own). Bytes between pieces are never read."""
+    runs: list[Run] = []
+    for path, offset, nbytes, to in sorted(pieces):
+        last = runs[-1] if runs else None
+        if last is not None and last[0] == path and last[1] + last[2] == offset and last[2] + nbytes <= limit:
+            last[3].append((last[2], nbytes, to))
+            runs[-1] = (path, last[1], last[2] + nbytes, last[3])
+        else:
+            runs.append((path, offset, nbytes, [(0, nbytes, to)]))
+    return runs
+
+
+def _exact(data: bytes | bytearray, path: str, nbytes: int) -> bytes | bytearray:
+    """``data``, checked to be the ``nbytes`` asked of ``path``.
+
+    Raises:
+        CorruptCheckpointError: fewer (the file ended first).
+    """
+    if len(data) != nbytes:
+        raise CorruptCheckpointError(f"{path} is truncated: {nbytes} bytes expected, {len(data)} found; "
+                                     "re-download it")
+    return data
 
 
 def read_segments(segments: Sequence[Segment], read: ReadRange) -> bytearray:
-    """The whole concatenation of ``segments`` in one buffer.
+    """The whole concatenation of ``segments`` in one buffer (segments end to end in one file read at once:
+    :meth:`ConcatenatedFile.readinto`).
 
     Raises:
         CorruptCheckpointError: a file ends before its segment (from ``read``).
     """
-    total = sum(s.nbytes for s in segments)
-    out = bytearray(total)
-    pos = 0
-    for s in segments:
-        data = _read(read, s, 0, s.nbytes)
-        if len(data) != s.nbytes:
-            raise CorruptCheckpointError(f"{s.path} is truncated: {s.nbytes} bytes expected at offset {s.offset}")
-        out[pos:pos + s.nbytes] = data
-        pos += s.nbytes
+    f = ConcatenatedFile(segments, read)
+    out = bytearray(f.size)
+    f.readinto(out)
     return out

@@ -48,8 +48,8 @@ from ckptool.model.keys import WRAPPER_COMPONENTS, shared_prefixes, suggest_comm
 from ckptool.ops.inspect.entry import CheckpointInfo, GlobalInfo, inspect
 from ckptool.readers import Opened, open_checkpoint
 
-__all__ = ["LoadHint", "dcp_hint", "load_hint", "package_hint", "renamed_set_hint", "safetensors_hint", "set_hint",
-           "torch_hint"]
+__all__ = ["LoadHint", "dcp_hint", "load_hint", "megatron_dist_hint", "package_hint", "renamed_set_hint",
+           "safetensors_hint", "set_hint", "torch_hint"]
 
 _LISTED = 3  # globals named in the note before "and N more"
 _NO_DEVICE_TAGS = frozenset({"cpu", "meta"})  # tags that open on any machine without map_location
@@ -326,6 +326,20 @@ def dcp_hint(opened: Opened, info: CheckpointInfo, state_dict: str | None, _chos
     if others:
         note += f"; the folder's other entries ({_names(others)}) stay unloaded: add them to the dict to load them"
     return LoadHint(f"torch.distributed.checkpoint.load({wrapped}, checkpoint_id={target!r})", [note], imports)
+
+
+def megatron_dist_hint(opened: Opened, _info: CheckpointInfo, _state_dict: str | None,
+                       _chosen: frozenset[str]) -> LoadHint:
+    """A Megatron-Core torch_dist folder (the registry's ``hint``, :attr:`~ckptool.readers.Format.dcp`): what
+    Megatron loads it with, ``dist_checkpointing.load`` of the model's sharded state dict (megatron-core 0.16
+    ``serialization.py`` ``load``: each ``ShardedTensor``'s key is an FQN of the folder), and the note saying
+    that plain torch reads its tensors through ``convert``."""
+    target = opened.target
+    note = ("Megatron-Core loads a torch_dist folder into the ShardedTensors of the sharded state dict it is given, "
+            "matched by their keys (a renamed folder: keys as renamed); without Megatron, `ckptool convert "
+            f"{target} -o model.safetensors` writes its tensors as one file")
+    return LoadHint(f"dist_checkpointing.load(model.sharded_state_dict(), {target!r})", [note],
+                    ["from megatron.core import dist_checkpointing"])
 
 
 def torch_hint(opened: Opened, info: CheckpointInfo, state_dict: str | None, chosen: frozenset[str]) -> LoadHint:

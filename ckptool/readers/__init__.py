@@ -127,12 +127,12 @@ class Opened:
 
     def dcp_metadata(self) -> DcpMetadata:
         """A DCP folder's ``.metadata`` (:func:`ckptool.formats.dcp.read_dcp_metadata`, restricted unpickler), read
-        once.
+        once; also of a folder format built on DCP (:attr:`ckptool.readers.Format.dcp`: Megatron-Core's torch_dist).
 
         Raises:
             UnsupportedError: not a DCP folder; see also :func:`~ckptool.formats.dcp.read_dcp_metadata`.
         """
-        if self.format != "dcp":
+        if not self.spec.dcp:
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a DCP folder")
         meta: DcpMetadata = self._read_once("dcp", "ckptool.formats.dcp:read_dcp_metadata", self.target)
         return meta

@@ -28,8 +28,8 @@ from typing import BinaryIO, Literal
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.dtypes import DTYPE_SIZES, numel
-from ckptool.formats.segments import ConcatenatedFile, ReadRange, read_segments
-from ckptool.formats.tensors import Storage
+from ckptool.formats.segments import ConcatenatedFile, ReadRange, file_runs, read_segments
+from ckptool.formats.tensors import Segment, Storage
 
 __all__ = ["FileRanges", "read_range", "read_storage", "scatter"]
 
@@ -136,18 +136,34 @@ def read_storage(st: Storage, into: bytearray | memoryview | None = None, files:
         elif st.segments is None:
             fr.readinto(st.path, st.offset, mv)
         else:
-            pos = 0
-            for seg in st.segments:
-                part = mv[pos:pos + seg.nbytes]
-                if seg.widen is None and seg.swap <= 1:
-                    fr.readinto(seg.path, seg.offset, part)
-                else:
-                    part[:] = read_segments([seg], fr.read)
-                pos += seg.nbytes
+            _read_segments_into(st.segments, mv, fr)
     finally:
         if own:
             fr.close()
     return buf
+
+
+def _read_segments_into(segments: Sequence[Segment], mv: memoryview, files: FileRanges) -> None:
+    """Fill ``mv`` with the concatenation of ``segments``: a widened or swapped segment through a buffer of its own,
+    the plain ones that lie end to end in one file with one read each (up to
+    :data:`~ckptool.formats.segments.MAX_RUN` bytes, scattered from that buffer; a DCP chunk split on a later
+    dimension is one segment per row: :func:`~ckptool.formats.segments.file_runs`), a run of one segment straight
+    into ``mv``."""
+    pos = 0
+    plain: list[tuple[str, int, int, int]] = []
+    for seg in segments:
+        if seg.widen is None and seg.swap <= 1:
+            plain.append((seg.path, seg.offset, seg.nbytes, pos))
+        else:
+            mv[pos:pos + seg.nbytes] = read_segments([seg], files.read)
+        pos += seg.nbytes
+    for path, offset, nbytes, parts in file_runs(plain):
+        if len(parts) == 1:
+            files.readinto(path, offset, mv[parts[0][2]:parts[0][2] + nbytes])
+            continue
+        data = memoryview(files.read(path, offset, nbytes))
+        for at, k, to in parts:
+            mv[to:to + k] = data[at:at + k]
 
 
 def _scatter_pieces(st: Storage, mv: memoryview, files: FileRanges) -> None:

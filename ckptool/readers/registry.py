@@ -31,7 +31,7 @@ __all__ = ["FORMATS", "Format", "Kind", "Role", "plugin"]
 Kind = Literal["file", "set", "folder"]
 
 
-Role = Literal["read", "describe", "load", "hint", "rewrite"]
+Role = Literal["read", "describe", "load", "hint", "rewrite", "dcp"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ class Format:
     data block (:meth:`Opened.safetensors_header`), so a rewrite renames them there and copies the data block, and
     the tied names the writing library left out are recorded in its ``__metadata__``; ``consolidate``: its tensors
     are partitions that only a consolidation joins (``ckptool convert`` writes one file of them), so the commands
-    that rewrite a checkpoint (remap, the prefix commands, rename, filter) take it only once consolidated;
+    that rewrite a checkpoint (remap, the prefix commands, rename, filter) take it only once consolidated, unless
+    it is a DCP folder (``dcp``, below: Megatron-Core's torch_dist, rewritten as a DCP folder);
     ``key_form``: how a ``key`` is named, for people (``PATH``, a dotted path; ``MEMBER:PATH`` in a torch.package
     archive); ``tagged``: its checkpoints lie in tag folders (DeepSpeed's ``global_step*``: ``tag`` and
     ``exclude_frozen`` apply); ``torch_distributed``: written by ``torch.distributed.checkpoint``, whose whole state
@@ -75,7 +76,12 @@ class Format:
       (:mod:`ckptool.ops.hints`; empty: ``torch.load``);
     * ``rewriter``: ``remap`` of a file whose storages are not a torch pickle's (a torch.package archive),
       ``(opened, dst, to, mapping, allow_missing, progress, *, renaming) -> WriteResult``
-      (:mod:`ckptool.ops.rewrite`; empty: the pickle's node graph streamed anew).
+      (:mod:`ckptool.ops.rewrite`; empty: the pickle's node graph streamed anew);
+    * ``dcp``: the folder is a ``torch.distributed.checkpoint`` folder, perhaps with files of its own beside it,
+      ``() -> DcpLayout`` (:class:`ckptool.formats.dcp.DcpLayout`: the files a rewrite copies as they are, the
+      globals its ``.metadata`` may name besides DCP's own); :meth:`Opened.dcp_metadata` reads it and the DCP
+      rewrites (:mod:`ckptool.ops.rewrite.dcp`: remap, the prefix commands, rename, filter) write it anew (empty:
+      not a DCP folder).
 
     ``support`` is the format's row of the support matrix (:mod:`ckptool.ops.matrix`, ``docs/formats.md``):
     operation -> :class:`~ckptool.readers.support.Cell` for every operation that does not plainly work (a refusal
@@ -97,6 +103,7 @@ class Format:
     loader: str = ""
     hint: str = ""
     rewriter: str = ""
+    dcp: str = ""
     support: Mapping[str, Cell] | None = field(default=None, hash=False)
     key_form: str = "PATH"
     tagged: bool = False
@@ -129,7 +136,7 @@ class Format:
 
 #: :meth:`Format.behaviour`'s roles -> the :class:`Format` field naming the plug-in
 _ROLES: dict[str, str] = {"read": "reader", "describe": "describer", "load": "loader", "hint": "hint",
-                          "rewrite": "rewriter"}
+                          "rewrite": "rewriter", "dcp": "dcp"}
 
 
 _TORCH_READ = "ckptool.readers.read_torch:read_tensors"
@@ -224,7 +231,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True, torch_distributed=True,
            loaded_by="torch.distributed.checkpoint.load",
            reader="ckptool.readers.read_dcp:read_tensors", describer="ckptool.ops.inspect.formats:inspect_dcp",
-           loader="ckptool.torch_ops.loaders:load_dcp", hint="ckptool.ops.hints:dcp_hint", support={
+           loader="ckptool.torch_ops.loaders:load_dcp", hint="ckptool.ops.hints:dcp_hint",
+           dcp="ckptool.formats.dcp:plain_layout", support={
                "scan": Cell("works", "safe"),
                "diff": Cell("works", "2 of 2 matched tensors equal"),
                "remap": DCP_REMAP,
@@ -267,9 +275,9 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            flat="a Megatron checkpoint", consolidate=True, loaded_by="megatron.core.dist_checkpointing.load",
            reader="ckptool.readers.read_megatron:read_dist_tensors",
            describer="ckptool.ops.inspect.megatron:inspect_dist", loader="ckptool.torch_ops.megatron:load_megatron",
-           support={"scan": Cell("works", "needs-trust"), "diff": Cell("works", "identical"),
-                    "remap": MEGATRON, "prefix": MEGATRON,
-                    "extract-state-dict": FOLDER, "sanitize": FOLDER, "rename": FOLDER, "filter": FOLDER}),
+           dcp="ckptool.formats.megatron:dist_layout", hint="ckptool.ops.hints:megatron_dist_hint",
+           support={"scan": Cell("works", "needs-trust"), "diff": Cell("works", "identical"), "remap": DCP_REMAP,
+                    "extract-state-dict": FOLDER, "sanitize": FOLDER}),
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
            loaded_by="pickle.load",
            refusal="is a plain pickle without torch storages, not a torch.save checkpoint",

@@ -8,7 +8,8 @@ hard-linked: the output does not alias the input). Everything is checked before 
 written into a staging folder beside the destination (one data file per task with ``--jobs N``:
 :mod:`ckptool.ops.rewrite.parallel`) and renamed into place once complete and read back (:func:`rewrite_dcp`); a
 failed run leaves nothing. ``storage_meta`` (the folder the checkpoint was saved to, its
-save id) is kept as written; files of the folder that no record names are not copied (the result notes them).
+save id) is kept as written; files of the folder that no record names are not copied (the result notes them), but
+for those of a Megatron-Core torch_dist folder (copied; its cached plans renamed: :mod:`ckptool.ops.rewrite.layouts`).
 
 **Renaming.** DCP saves a nested state (``dcp.save({"model": model.state_dict(), "optim": ...})``) flattened: each
 leaf's fully qualified name (FQN) is its path joined with dots (``model.fc.weight``) and ``planner_data`` records
@@ -62,7 +63,7 @@ from ckptool.errors import (
     VerificationError,
 )
 from ckptool.formats import detect
-from ckptool.formats.dcp import METADATA_FILE, DcpMetadata
+from ckptool.formats.dcp import METADATA_FILE, DcpLayout, DcpMetadata
 from ckptool.formats.nodes import PickledObject, TensorNode
 from ckptool.formats.pickler import PicklerError, dumps
 from ckptool.formats.torchfile import Checkpoint
@@ -72,6 +73,7 @@ from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenameSummary
 from ckptool.model.tensor_nodes import tensor_node
 from ckptool.ops.rewrite.parallel import current_executor, locked, run_each
+from ckptool.ops.rewrite.layouts import companions_note, copy_companions, follow_names
 from ckptool.ops.rewrite.sets import SetRenameResult, SetWriteResult
 from ckptool.ops.rewrite.stream import ProgressFn, write_zip
 from ckptool.ops.scan.dcp_safety import is_dcp_allowed
@@ -278,6 +280,7 @@ def _apply_names(meta: DcpMetadata, records: list[_Record], fqns: dict[str, str]
         new = {fqns.get(k, k): tuple(paths[k]) if k in paths else v for k, v in planner.items()}
         planner.clear()
         planner.update(new)
+    follow_names(meta, fqns, {r.fqn for r in records if r.dropped}, {id(r.index): r.fqn for r in records})
 
 
 def _drop(meta: DcpMetadata, records: list[_Record],
@@ -537,8 +540,8 @@ def rewrite_dcp(
     folder = src.target
     if not dry_run:
         _check_target(folder, dst)
-    meta = src.dcp_metadata()
-    bad = [g for g in dict.fromkeys(meta.globals) if not is_dcp_allowed(g)]
+    meta, layout = src.dcp_metadata(), src.spec.behaviour("dcp")()  # layout: files and globals Megatron adds
+    bad = [g for g in dict.fromkeys(meta.globals) if not is_dcp_allowed(g) and g not in layout.globals]
     if bad:
         raise UnsafeCheckpointError(
             f"{folder}: its .metadata names {', '.join(bad[:5])}, which torch.distributed.checkpoint never writes "
@@ -559,19 +562,20 @@ def rewrite_dcp(
                          shards=len(sizes))
     if not dry_run:
         changing = rename is not None or drop is not None
-        _write(folder, dst, meta, records, sizes, fqns, res, (to, mapping, allow_missing, changing), progress,
-               executor or current_executor())
+        _write(folder, dst, meta, records, (sizes, layout), fqns, res, (to, mapping, allow_missing, changing),
+               progress, executor or current_executor())
     if summary is None:
         return res
     return SetRenameResult(**vars(res), operation=operation, **vars(summary))
 
 
-def _write(folder: str, dst: str, meta: DcpMetadata, records: list[_Record], sizes: dict[str, int],
+def _write(folder: str, dst: str, meta: DcpMetadata, records: list[_Record], files: tuple[dict[str, int], DcpLayout],
            fqns: dict[str, str], res: SetWriteResult, retag: tuple[str | None, Mapping[str, str] | None, bool, bool],
            progress: ProgressFn | None, pool: Executor | None) -> None:
-    """:func:`rewrite_dcp`'s writing (``retag``: ``to``, ``mapping``, ``allow_missing``, whether the entries change
-    too; ``pool``: the executor writing the data files one per task, or None); fills ``res``."""
-    to, mapping, allow_missing, renaming = retag
+    """:func:`rewrite_dcp`'s writing (``files``: the data files' sizes, the layout whose companion files are copied
+    as they are; ``retag``: ``to``, ``mapping``, ``allow_missing``, whether the entries change too; ``pool``: the
+    executor writing the data files one per task, or None); fills ``res``."""
+    (sizes, layout), (to, mapping, allow_missing, renaming) = files, retag
     with temp_path(dst, folder=True) as scratch:
         if to is not None or mapping:
             res.retagged, _tags = _retag(folder, records, scratch, to, mapping, allow_missing=allow_missing,
@@ -584,17 +588,18 @@ def _write(folder: str, dst: str, meta: DcpMetadata, records: list[_Record], siz
             _write_metadata(meta, stage)
             entries, items = _expected(meta, records, fqns)
             _read_back(stage, dst, entries, items, meta.planner_data)
+            kept = copy_companions(folder, stage, layout)
             names = sorted(os.path.relpath(os.path.join(d, n), stage) for d, _s, ns in os.walk(stage) for n in ns)
             res.bytes_written = sum(os.path.getsize(os.path.join(stage, n)) for n in names)
             _commit(stage, dst)
     res.files = [os.path.join(dst, n) for n in names]
-    left = sorted(n for n in os.listdir(folder) if n != METADATA_FILE and n not in sizes)
+    left = sorted(set(os.listdir(folder)) - {METADATA_FILE, *sizes, *kept})
     dropped = sum(r.dropped for r in records)
     how = (f"the records of the dropped entries ({dropped}) were left out, the files holding one laid out anew"
            if dropped else "those holding a re-tagged non-tensor entry were laid out anew around it" if res.retagged
            else "")
     res.notes.append(f"{res.storages} records (tensor chunks and non-tensor entries); the .distcp data files were "
-                     f"copied byte for byte{'; ' + how if how else ''}")
+                     f"copied byte for byte{'; ' + how if how else ''}{companions_note(kept)}")
     if left:
         res.notes.append(f"not copied (no record of .metadata names them): {', '.join(left[:5])}"
                          f"{' ...' if len(left) > 5 else ''}")

@@ -130,6 +130,8 @@ def set_index(src: str | os.PathLike[str] | Opened) -> str | None:
         UsageError: a DeepSpeed folder (consolidate it first), a folder that is no checkpoint set, a missing index.
     """
     o = opened_input(src)
+    if o.spec.dcp:  # Megatron-Core's torch_dist folder too: rewritten as a DCP folder
+        return None
     if o.spec.consolidate and o.spec.tagged:
         raise UsageError(f"{o.path} is a DeepSpeed ZeRO checkpoint folder, which this command does not rewrite: "
                          f"consolidate it first with `ckptool convert {o.path} -o model.pt` (exactly as DeepSpeed's "
@@ -154,10 +156,10 @@ def set_output(index: str, dst: str | os.PathLike[str] | None, tag: str, in_plac
 
 def dcp_folder(opened: Opened) -> str | None:
     """The folder ``opened`` names when it is a local ``torch.distributed.checkpoint`` folder (as
-    :func:`ckptool.readers.open_checkpoint` recognised it: the folder format the rewrites take as it is, where a
-    DeepSpeed folder must be consolidated first, :attr:`ckptool.readers.Format.consolidate`), else None."""
-    rewritable = opened.spec.kind == "folder" and not opened.spec.consolidate
-    return opened.target if rewritable and not source.is_url(opened.target) else None
+    :func:`ckptool.readers.open_checkpoint` recognised it: a format whose registry entry names a ``dcp`` layout,
+    :attr:`ckptool.readers.Format.dcp`, which the rewrites take as it is: DCP's own, Megatron-Core's torch_dist;
+    where a DeepSpeed folder or a Megatron legacy tree must be consolidated first), else None."""
+    return opened.target if opened.spec.dcp and not source.is_url(opened.target) else None
 
 
 def dcp_output(folder: str, dst: str | os.PathLike[str] | None, tag: str, in_place: bool) -> str:
