@@ -46,8 +46,11 @@ from ckptool._remote import (
     checked_fetcher,
     consistent_reads,
     filesystem,
+    StoreCache,
     http_file,
+    object_reads,
     pins,
+    range_store,
     remote_info,
     short_error,
     thread_transferred,
@@ -59,7 +62,7 @@ from ckptool.errors import InputNotFoundError, NotACheckpointError, RemoteError
 __all__ = [
     "BLOCK", "CHUNK", "REMOTE_EXTRA", "NoRangeSupport", "RangeError", "RangeView", "bytes_transferred", "changed_error",
     "consistent_reads", "file_size", "holding_versions", "is_remote_file", "is_url", "kind", "leaves_folder",
-    "list_objects", "local_copy", "open_binary", "open_regular", "recheck", "refuse_special", "remote_exists",
+    "list_objects", "local_copy", "object_reads", "open_binary", "open_regular", "recheck", "refuse_special", "remote_exists",
     "special_kind", "spool", "thread_bytes_transferred",
     "upload", "version_key", "whole_view",
 ]
@@ -186,7 +189,7 @@ def recheck(url: str) -> tuple[int | None, str | None]:
     Raises:
         RemoteError: it changed since it was first seen inside :func:`consistent_reads`, or it is gone.
     """
-    info = remote_info(url)
+    info = remote_info(url, fresh=True)
     if info is None:
         raise RemoteError(f"{url} disappeared while it was read; nothing was written", url)
     return version_stamp(info)
@@ -259,8 +262,10 @@ def open_regular(path: str, what: str = "") -> BinaryIO:
 
 def open_binary(path: str) -> BinaryIO:
     """A seekable binary reader of ``path``: the local file itself (``open(path, "rb")``), or for a URL fsspec's
-    own file object (``fs.open``: its read-ahead cache of :data:`BLOCK` bytes, each miss one range request) with
-    every range read checked to bring exactly the bytes asked for (over HTTP: status 206 and a ``Content-Range``
+    own file object (``fs.open``) whose cache reads :data:`BLOCK` bytes ahead, each miss one range request for the
+    bytes not yet held (:class:`~ckptool._remote.StoreCache`; inside :func:`object_reads` every open of the URL
+    shares the ranges fetched and the object's ``info``, so a second open costs no request), with every range read
+    checked to bring exactly the bytes asked for (over HTTP: status 206 and a ``Content-Range``
     naming them, :func:`http_file`), and the object's size and ETag / modification time held to those of the
     open (:func:`consistent_reads` holds them across opens). A server that ignores ``Range`` has the object
     downloaded once (:func:`_spooled`). Use it as a context manager.
@@ -291,7 +296,8 @@ def open_binary(path: str) -> BinaryIO:
     if again[1] is not None and again != stamp:  # the file object asked for the object's info once more
         f.close()
         raise changed_error(path, stamp, again)
-    f.cache.fetcher = checked_fetcher(f, fs, p, path, stamp)
+    # fsspec's per-file read-ahead cache becomes one over the object's shared ranges (object_reads)
+    f.cache = StoreCache(BLOCK, checked_fetcher(f, fs, p, path, stamp), f.size, range_store(path, stamp))
     f.name = path
     return f  # type: ignore[no-any-return]
 

@@ -21,6 +21,7 @@ Nothing here schedules work across machines: the executor does.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -90,9 +91,11 @@ def scan_target(t: Target) -> ScanResult | None:
         return ScanResult(t.path, error=t.error)
     start = source.thread_bytes_transferred()
     try:
-        if t.listed and not t.path.lower().endswith(CHECKPOINT_SUFFIXES) and not starts_like_checkpoint(t.path):
-            return None
-        res = scan_file(t.path)
+        # one object, one HEAD: the look at its first bytes and the scan share what they fetch
+        with source.object_reads(t.path) if source.is_url(t.path) else contextlib.nullcontext():
+            if t.listed and not t.path.lower().endswith(CHECKPOINT_SUFFIXES) and not starts_like_checkpoint(t.path):
+                return None
+            res = scan_file(t.path)
     except (CkptError, OSError) as e:
         res = ScanResult(t.path, error=str(e))
     res.notes += t.notes
