@@ -18,10 +18,10 @@ fsspec is imported only when a URL is read. :mod:`ckptool._source` re-exports th
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextlib
 import importlib
 import io
-import bisect
 import os
 import sys
 import threading
@@ -443,6 +443,11 @@ class RangeStore:
     def held(self) -> int:
         """Bytes kept now."""
         return self._held
+
+    def ranges(self) -> list[tuple[int, bytes]]:
+        """The ranges kept now: ``(offset, bytes)``, in order."""
+        with self._lock:
+            return list(zip(self._starts, self._data, strict=True))
 
 
 class StoreCache:

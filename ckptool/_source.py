@@ -42,11 +42,11 @@ from ckptool._remote import (
     CountedReader,
     NoRangeSupport,
     RangeError,
+    StoreCache,
     changed_error,
     checked_fetcher,
     consistent_reads,
     filesystem,
-    StoreCache,
     http_file,
     object_reads,
     pins,
@@ -62,9 +62,8 @@ from ckptool.errors import InputNotFoundError, NotACheckpointError, RemoteError
 __all__ = [
     "BLOCK", "CHUNK", "REMOTE_EXTRA", "NoRangeSupport", "RangeError", "RangeView", "bytes_transferred", "changed_error",
     "consistent_reads", "file_size", "holding_versions", "is_remote_file", "is_url", "kind", "leaves_folder",
-    "list_objects", "local_copy", "object_reads", "open_binary", "open_regular", "recheck", "refuse_special", "remote_exists",
-    "special_kind", "spool", "thread_bytes_transferred",
-    "upload", "version_key", "whole_view",
+    "list_objects", "local_copy", "object_reads", "open_binary", "open_regular", "recheck", "refuse_special",
+    "remote_exists", "special_kind", "spool", "thread_bytes_transferred", "upload", "version_key", "whole_view",
 ]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")

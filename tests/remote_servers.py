@@ -12,7 +12,8 @@ once per session for every test module.
   ``/short/`` sends 10 bytes fewer than asked with a matching ``Content-Length``, ``/replace/`` serves
   ``NAME.v2`` (its own ETag) from the ``replace_after``-th GET on: an object replaced while it is read. A GET of a
   folder answers an index page linking its files and subfolders (what fsspec's HTTP ``ls`` / ``find`` read);
-  ``delay`` seconds are added to every request (the latency of a distant object store, for benchmarks).
+  ``delay`` seconds are added to every request (the latency of a distant object store, for benchmarks);
+  ``log`` lists every request (method, path, ``Range``).
 * ``plain_http``: the standard library's ``http.server.SimpleHTTPRequestHandler`` (``python -m http.server``),
   which ignores ``Range`` and answers every GET with the whole file.
 """
@@ -85,6 +86,11 @@ class Files(ThreadingHTTPServer):
     delay: float = 0.0  # seconds added to every request
     lock = threading.Lock()
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: every request so far: (method, path, Range header or "")
+        self.log: list[tuple[str, str, str]] = []
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         """Quiet: a client that drops a connection mid-body (ckptool refusing an answer) is what some tests do, and a
         traceback on stderr would land in the output of the command a test runs in-process."""
@@ -97,6 +103,8 @@ class RangeHandler(BaseHTTPRequestHandler):
         pass
 
     def _file(self, count: bool = False) -> tuple[Path | None, str]:
+        with self.server.lock:
+            self.server.log.append((self.command, self.path, self.headers.get("Range", "")))
         if self.server.delay:
             time.sleep(self.server.delay)
         rel = self.path.split("?", 1)[0].lstrip("/")
