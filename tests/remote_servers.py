@@ -98,6 +98,8 @@ class Files(ThreadingHTTPServer):
 
 class RangeHandler(BaseHTTPRequestHandler):
     server: Files
+    #: the body bytes of the last answer (a file's bytes, an index page)
+    body_bytes = 0
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -143,6 +145,7 @@ class RangeHandler(BaseHTTPRequestHandler):
         links = [f'<a href="{base}{c.name}{"/" if c.is_dir() else ""}">{c.name}</a>' for c in sorted(folder.iterdir())
                  if not c.name.endswith(".v2")]
         body = ("<html><body>" + "\n".join(links) + "</body></html>").encode()
+        self.body_bytes = len(body)
         self.send_response(200)
         self.send_header("Content-Type", "text/html")
         self.send_header("Content-Length", str(len(body)))
@@ -180,6 +183,7 @@ class RangeHandler(BaseHTTPRequestHandler):
             self.close_connection = True
         with self.server.lock:  # counted before the write: the client may finish reading before this thread runs on
             self.server.sent += len(data)
+        self.body_bytes = len(data)
         self.wfile.write(data)
 
 
