@@ -5,8 +5,9 @@ MB (torch zip files 80 %, safetensors 15 %, small legacy torch files 5 %), serve
 50 ms: a distant object store) added to every request by two servers on 127.0.0.1:
 
 * ``http``: ``tests/remote_servers.py``'s HTTP server (``Range``, ETags, folder index pages: the one the remote
-  tests use), its ETags computed before the runs (an object store keeps them; hashing a 50 MB file on each
-  ``HEAD`` would be the server's cost, not the scanner's);
+  tests use) with its connections kept open (HTTP/1.1, as object stores do) and its ETags computed before the
+  runs (an object store keeps them; hashing a 50 MB file on each ``HEAD`` would be the server's cost, not the
+  scanner's);
 * ``s3``: moto's S3 server (werkzeug, as ``moto.server.ThreadedMotoServer`` runs it) behind a WSGI middleware that
   adds the delay and counts requests and body bytes; its listing carries each key's size and ETag.
 
@@ -119,7 +120,13 @@ class Counts:
 
 
 class CountingHandler(RangeHandler):
-    """:class:`RangeHandler` counting each answer's kind and body bytes in its server's ``counts``."""
+    """:class:`RangeHandler` counting each answer's kind and body bytes in its server's ``counts``, keeping its
+    connections open (HTTP/1.1, with ``TCP_NODELAY`` so that a body written after its headers is not held back by
+    Nagle's algorithm), as an object store does: ``http.server``'s HTTP/1.0 closes each one, and a new TCP
+    connection per request costs the client CPU that no object store makes it spend."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
 
     def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
         super().do_HEAD()

@@ -102,17 +102,45 @@ def kind(path: str) -> str | None:
     return "directory" if info.get("type") == "directory" else "file"
 
 
+#: folders whose index pages are read at once when an HTTP folder is listed (:func:`_walk_levels`)
+LIST_THREADS = 16
+
+
+def _walk_levels(fs: Any, top: str) -> dict[str, dict[str, Any]]:
+    """``fs.find(top, detail=True)`` for a filesystem whose ``find`` reads one folder after another (HTTP index
+    pages: fsspec's ``_walk`` awaits each subfolder in turn): the folders of each level listed at once, on
+    :data:`LIST_THREADS` threads, each folder once (an index page that links back up lists nothing twice)."""
+    import concurrent.futures as cf
+
+    found: dict[str, dict[str, Any]] = {}
+    seen, level = {top.rstrip("/")}, [top]
+    with cf.ThreadPoolExecutor(LIST_THREADS) as pool:
+        while level:
+            below = []
+            for listing in pool.map(lambda d: fs.ls(d, detail=True), level):
+                for info in listing:
+                    name = str(info["name"])
+                    if info.get("type") != "directory":
+                        found[name] = info
+                    elif name.rstrip("/") not in seen:
+                        seen.add(name.rstrip("/"))
+                        below.append(name)
+            level = below
+    return found
+
+
 def list_objects(url: str) -> list[tuple[str, int | None, str | None]]:
     """Every object under the prefix or folder ``url`` (recursively, sorted by name; fsspec's ``find``, one listing
-    request per 1000 keys on S3): ``(URL, size, version tag)``, the size and ETag / modification time as the listing
-    gives them (None where it gives none: an HTTP index page names links only).
+    request per 1000 keys on S3; an HTTP server's index pages a level at a time, :func:`_walk_levels`):
+    ``(URL, size, version tag)``, the size and ETag / modification time as the listing gives them (None where it
+    gives none: an HTTP index page names links only).
 
     Raises:
         RemoteError: the listing failed.
     """
     fs, p = filesystem(url)
     try:
-        found = fs.find(p, detail=True)
+        found = _walk_levels(fs, p) if type(fs).__name__ == "HTTPFileSystem" else fs.find(p, detail=True)
     except Exception as e:  # the filesystem's own errors: one clear line
         raise RemoteError(f"cannot list {url} ({short_error(e)}); check the URL, the network and fsspec's credentials "
                           "for it", url) from e
