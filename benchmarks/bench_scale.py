@@ -234,8 +234,14 @@ def scan_figures(args: argparse.Namespace, work: Path, stored: int, protocol: st
     out["share_of_stored"] = out["jobs16"]["share_of_stored"]
     out["cache_speedup"] = round(out["cache_first"]["seconds"] / out["cache_second"]["seconds"], 2)
     out["cache_second_object_bytes"] = out["cache_second"]["object_bytes"]
+    # what the cache changes, the process's start-up (the imports of ckptool and the fsspec backend) aside
+    work_first = out["cache_first"]["seconds"] - out["startup_s"]
+    work_second = max(0.01, out["cache_second"]["seconds"] - out["startup_s"])
+    out["cache_speedup_after_startup"] = round(work_first / work_second, 1)
     out["targets"] = [f"{name}: {out[key]} (target {op} {target}): "
                       f"{'met' if _meets(out[key], op, target) else 'NOT met'}" for name, key, op, target in TARGETS]
+    out["targets"].append(f"(not a target) --cache: first run / second run, start-up ({out['startup_s']:.2f} s) "
+                          f"taken from both: {out['cache_speedup_after_startup']}")
     for line in out["targets"]:
         print(protocol, line, file=sys.stderr)
     return out
