@@ -488,13 +488,21 @@ _objects: dict[tuple[int, str], _Object] = {}
 
 
 @contextlib.contextmanager
-def object_reads(url: str) -> Iterator[None]:
+def object_reads(url: str, info: dict[str, Any] | None = None) -> Iterator[None]:
     """Within this block, on this thread, every read of the object at ``url`` shares one ``info`` (its size and
-    ETag: one ``HEAD`` however often it is opened, see :func:`remote_info`) and one :class:`RangeStore` per version
-    (the bytes one open fetched serve the next), released when the block ends. Blocks nest. A scan of one object
-    runs inside one (:func:`ckptool.ops.scan.entry.scan_file`), so that its opens cost the requests of one."""
+    ETag: one ``HEAD`` however often it is opened, see :func:`remote_info`; none when the caller passes the ``info``
+    it already asked for) and one :class:`RangeStore` per version (the bytes one open fetched serve the next),
+    released when the block ends. Blocks nest. A scan of one object runs inside one
+    (:func:`ckptool.ops.scan.entry.scan_file`), so that its opens cost the requests of one.
+
+    Raises:
+        RemoteError: ``info`` is another version of ``url`` than the one pinned by :func:`consistent_reads`.
+    """
     key = (threading.get_ident(), url)
     held = _objects.setdefault(key, _Object())
+    if info is not None and held.info is None and info.get("type") != "directory":
+        _check_pin(url, version_stamp(info))
+        held.info = info
     held.depth += 1
     try:
         yield

@@ -63,7 +63,8 @@ __all__ = [
     "BLOCK", "CHUNK", "REMOTE_EXTRA", "NoRangeSupport", "RangeError", "RangeView", "bytes_transferred", "changed_error",
     "consistent_reads", "file_size", "holding_versions", "is_remote_file", "is_url", "kind", "leaves_folder",
     "list_objects", "local_copy", "object_reads", "open_binary", "open_regular", "recheck", "refuse_special",
-    "remote_exists", "special_kind", "spool", "thread_bytes_transferred", "upload", "version_key", "whole_view",
+    "remote_exists", "remote_info", "special_kind", "spool", "thread_bytes_transferred", "upload", "version_key",
+    "version_stamp", "whole_view",
 ]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
@@ -110,11 +111,9 @@ def _walk_levels(fs: Any, top: str) -> dict[str, dict[str, Any]]:
     """``fs.find(top, detail=True)`` for a filesystem whose ``find`` reads one folder after another (HTTP index
     pages: fsspec's ``_walk`` awaits each subfolder in turn): the folders of each level listed at once, on
     :data:`LIST_THREADS` threads, each folder once (an index page that links back up lists nothing twice)."""
-    import concurrent.futures as cf
-
     found: dict[str, dict[str, Any]] = {}
     seen, level = {top.rstrip("/")}, [top]
-    with cf.ThreadPoolExecutor(LIST_THREADS) as pool:
+    with _stdlib("concurrent.futures").ThreadPoolExecutor(LIST_THREADS) as pool:
         while level:
             below = []
             for listing in pool.map(lambda d: fs.ls(d, detail=True), level):

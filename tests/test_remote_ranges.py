@@ -129,3 +129,19 @@ def test_range_store_gives_the_bytes_and_fetches_only_what_it_lacks(limit: int,
         if limit >= len(DATA):  # nothing dropped: the same read again is answered from memory
             asked = len(fetched)
             assert store.read(start, end, fetch) == DATA[start:end] and len(fetched) == asked
+
+
+def test_the_head_asked_for_the_cache_serves_the_scan(served: tuple[Any, str, int], tmp_path: Path) -> None:
+    """With a cache, an object whose listing gave no version (an HTTP index page) is asked for it (a ``HEAD``)
+    before the scan; the scan then uses that answer: one ``HEAD`` in all, not one for the cache and one for the
+    scan."""
+    import ckptool
+    from remote_servers import url
+
+    http, _u, _size = served
+    (http.root / "one-head").mkdir()
+    _zip(http.root / "one-head" / "model.pt")
+    before = len(http.log)
+    [res] = ckptool.scan_many([url(http, "one-head/")], cache=tmp_path / "scans.sqlite")
+    assert res.verdict == "safe" and res.bytes_read
+    assert [m for m, _p, _r in http.log[before:]].count("HEAD") == 1, http.log[before:]

@@ -24,7 +24,8 @@ import concurrent.futures as cf
 import contextlib
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ckptool import _source as source
 from ckptool.errors import CkptError
@@ -49,6 +50,8 @@ class Target:
     version: str | None = None
     listed: bool = False
     error: str | None = None
+    #: fsspec's ``info`` of a URL whose version a ``HEAD`` gave (for the cache): its scan asks for it no more
+    info: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
 
 def expand(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Target]:
@@ -92,7 +95,7 @@ def scan_target(t: Target) -> ScanResult | None:
     start = source.thread_bytes_transferred()
     try:
         # one object, one HEAD: the look at its first bytes and the scan share what they fetch
-        with source.object_reads(t.path) if source.is_url(t.path) else contextlib.nullcontext():
+        with source.object_reads(t.path, t.info) if source.is_url(t.path) else contextlib.nullcontext():
             if t.listed and not t.path.lower().endswith(CHECKPOINT_SUFFIXES) and not starts_like_checkpoint(t.path):
                 return None
             res = scan_file(t.path)
@@ -115,8 +118,9 @@ def _stamped(t: Target) -> Target:
                 return t
             st = os.stat(t.path)
             return replace(t, size=st.st_size, version=str(st.st_mtime_ns))
-        _url, size, tag = source.version_key(t.path)
-        return replace(t, size=size if isinstance(size, int) else None, version=None if tag is None else str(tag))
+        info = source.remote_info(t.path)
+        size, tag = source.version_stamp(info or {})
+        return replace(t, size=size, version=None if tag is None else str(tag), info=info)
     except (CkptError, OSError) as e:
         return replace(t, error=str(e))
 
