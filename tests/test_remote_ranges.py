@@ -135,8 +135,9 @@ def test_the_head_asked_for_the_cache_serves_the_scan(served: tuple[Any, str, in
     """With a cache, an object whose listing gave no version (an HTTP index page) is asked for it (a ``HEAD``)
     before the scan; the scan then uses that answer: one ``HEAD`` in all, not one for the cache and one for the
     scan."""
-    import ckptool
     from remote_servers import url
+
+    import ckptool
 
     http, _u, _size = served
     (http.root / "one-head").mkdir()
