@@ -61,14 +61,25 @@ def _shard_jobs(ctx: click.Context, _param: click.Parameter, jobs: int) -> None:
         ctx.with_resource(shard_jobs(jobs))
 
 
+#: ``--jobs N`` of the commands that rewrite sets (:func:`set_output_options`)
+SET_JOBS_HELP = ("For a sharded set or a DCP folder: write N shards (.distcp files) at once (threads; the index "
+                 "or .metadata is written last, once every shard is written, so an interrupted run leaves no set). "
+                 "Default 1.")
+
+
+def jobs_option(help_text: str = SET_JOBS_HELP) -> Callable[[F], F]:
+    """``--jobs N`` / ``-j N`` (no parameter): the command runs inside a
+    :func:`ckptool.ops.rewrite.parallel.shard_jobs` block of N threads, where sets are written one shard per task;
+    ``help_text`` says what it applies to, for this command."""
+    return click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, metavar="N", expose_value=False,
+                        callback=_shard_jobs, help=help_text)
+
+
 def set_output_options(f: F) -> F:
     """:func:`output_options` for the commands that also rewrite sharded sets (``remap``, the prefix commands):
     ``-o`` may name a folder, which holds the rewritten set; ``--jobs N`` writes N shards of a set at once."""
     f = force_option(f)
-    f = click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, metavar="N", expose_value=False,
-                     callback=_shard_jobs,
-                     help="For a sharded set: write N shards at once (threads; the index is written last, once "
-                          "every shard is written, so an interrupted run leaves no set). Default 1.")(f)
+    f = jobs_option()(f)
     f = click.option("--in-place", is_flag=True,
                      help="Replace SRC itself (atomically) instead of writing a new file (not for sharded sets).")(f)
     return click.option("-o", "--output", "dst", type=click.Path(),

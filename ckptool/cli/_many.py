@@ -1,7 +1,9 @@
 """``ckptool scan`` of many checkpoints at once (``--jobs N``, ``--jsonl``, ``--cache PATH``, or a URL prefix):
 results printed as each file finishes, then the table and the counts (text), one JSON document, one SARIF log over
 all of them, or one JSON line per checkpoint (``--jsonl``); the exit status is the worst verdict's. A thin layer over
-:class:`ckptool.ops.scan.many.ScanRun`; what one path prints is :mod:`ckptool.cli.scan`'s, unchanged.
+:class:`ckptool.ops.scan.many.ScanRun`; what one path prints is :mod:`ckptool.cli.scan`'s, unchanged. The same
+machinery (the executor, the progress bar, the rows as they come) runs ``ckptool inspect --json`` / ``--jsonl`` of
+several paths (:func:`run_inspect_many`, over :class:`ckptool.ops.inspect.many.InspectRun`).
 
 ``--jobs N`` runs N scans at once: in threads when a checkpoint is a URL (a remote scan waits on range requests,
 during which Python releases the GIL, so threads overlap the waits at no cost), in processes otherwise (a local scan
@@ -14,20 +16,25 @@ import concurrent.futures as cf
 import json
 import multiprocessing
 import sys
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 import click
 
 from ckptool import __version__
 from ckptool import _source as source
 from ckptool.cli._common import emit_json, human_bytes, is_quiet, progress_wanted
+from ckptool.cli._errors import EXIT_FAILURE, EXIT_OK
 from ckptool.errors import UsageError
+from ckptool.ops.inspect.many import InspectRun
 from ckptool.ops.scan.cache import ScanCache
-from ckptool.ops.scan.many import ScanRun
+from ckptool.ops.scan.many import ManyRun, ScanRun
 from ckptool.ops.scan.results import ScanResult, exit_status
 from ckptool.ops.scan.sarif import to_sarif
 
-__all__ = ["run_many", "wants_many"]
+__all__ = ["run_inspect_many", "run_many", "wants_many"]
+
+R = TypeVar("R")
 
 
 def wants_many(paths: tuple[str, ...]) -> bool:
@@ -35,22 +42,49 @@ def wants_many(paths: tuple[str, ...]) -> bool:
     return any(source.is_url(p) and source.kind(p) == "directory" for p in paths)
 
 
-def _executor(run: ScanRun, jobs: int) -> cf.Executor | None:
+def _executor(run: ManyRun[Any], jobs: int) -> cf.Executor | None:
     if jobs <= 1:
         return None
     if any(source.is_url(t.path) for t in run.targets):
-        return cf.ThreadPoolExecutor(jobs, thread_name_prefix="ckptool-scan")
+        return cf.ThreadPoolExecutor(jobs, thread_name_prefix="ckptool-many")
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
     return cf.ProcessPoolExecutor(jobs, mp_context=ctx)
 
 
-def _bar(run: ScanRun) -> Any:
-    if not progress_wanted():
-        return None
-    from tqdm import tqdm
+def _results(run: ManyRun[R], jobs: int, desc: str, skipped: list[int]) -> Iterator[R]:
+    """The results of ``run`` on ``jobs`` workers (:func:`_executor`) as they come, under a progress bar over the
+    files and their bytes (``desc``); the objects that are no checkpoint counted in ``skipped[0]``. The pool is
+    shut down (tasks not started cancelled) when the iteration ends, however it ends."""
+    run.executor = _executor(run, jobs)
+    run.window = 4 * jobs
+    total = sum(t.size or 0 for t in run.targets)
+    bar = None
+    if progress_wanted():
+        from tqdm import tqdm
 
-    return tqdm(total=len(run.targets), desc="scan", unit="file", file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(total=len(run.targets), desc=desc, unit="file", file=sys.stderr, dynamic_ncols=True)
+    done = 0
+    try:
+        for t, res in run:
+            done += t.size or 0
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"{human_bytes(done)} of {human_bytes(total)}", refresh=False)
+            if res is None:
+                skipped[0] += 1
+                continue
+            yield res
+    finally:
+        if bar is not None:
+            bar.close()
+        if run.executor is not None:
+            run.executor.shutdown(cancel_futures=True)
+
+
+def _nothing_found(paths: tuple[str, ...], skipped: int, what: str) -> UsageError:
+    return UsageError(f"{', '.join(paths)}: no checkpoint found ({skipped} object(s) listed, none a checkpoint by "
+                      f"its content); nothing was {what}: check the paths")
 
 
 def run_many(paths: tuple[str, ...], fmt: str, *, jobs: int, cache_path: str | None, strict: bool,
@@ -64,43 +98,49 @@ def run_many(paths: tuple[str, ...], fmt: str, *, jobs: int, cache_path: str | N
     """
     cache = ScanCache(cache_path) if cache_path else None
     run = ScanRun(paths, cache=cache)
-    run.executor = _executor(run, jobs)
-    run.window = 4 * jobs
-    total = sum(t.size or 0 for t in run.targets)
-    bar, done, skipped = _bar(run), 0, 0
     results: list[ScanResult] = []
+    skipped = [0]
     text = fmt == "text" and not is_quiet()
     try:
-        for t, res in run:
-            done += t.size or 0
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(f"{human_bytes(done)} of {human_bytes(total)}", refresh=False)
-            if res is None:
-                skipped += 1
-                continue
+        for res in _results(run, jobs, "scan", skipped):
             results.append(res)
             if fmt == "jsonl":
                 click.echo(json.dumps(res.to_dict(strict=strict), default=str))
             elif text:
                 click.echo(("\n" if len(results) > 1 else "") + res.report(show_all=show_all, strict=strict))
     finally:
-        if bar is not None:
-            bar.close()
-        if run.executor is not None:
-            run.executor.shutdown(cancel_futures=True)
         if cache is not None:
             cache.close()
     if not results:
-        raise UsageError(f"{', '.join(paths)}: no checkpoint found ({skipped} object(s) listed, none a checkpoint by "
-                         "its content); nothing was scanned: check the paths")
+        raise _nothing_found(paths, skipped[0], "scanned")
     code = exit_status(results, strict=strict)
     _finish(results, fmt, code, strict, text, table, summary)
-    if text and skipped:
-        click.echo(f"skipped {skipped} object(s) under the prefixes that are no checkpoint by their content")
+    if text and skipped[0]:
+        click.echo(f"skipped {skipped[0]} object(s) under the prefixes that are no checkpoint by their content")
     if text and cache is not None:
         click.echo(f"{run.hits} of {len(run.targets)} answered from the cache {cache_path}")
     return code
+
+
+def run_inspect_many(paths: tuple[str, ...], jsonl: bool, *, jobs: int, show_all: bool) -> int:
+    """``inspect --json`` / ``--jsonl`` of the checkpoints of ``paths`` as one run
+    (:class:`ckptool.ops.inspect.many.InspectRun`), each printed as it finishes: with ``jsonl`` one line per
+    checkpoint (its ``inspect --json`` object, or ``{"schema", "path", "error"}``), else one JSON array of them, one
+    element a line. Returns the exit status: 0 when every checkpoint was read, 1 when a row holds an error.
+
+    Raises:
+        UsageError: no checkpoint was found under any path (nothing printed).
+    """
+    rows, failed, skipped = 0, 0, [0]
+    for row in _results(InspectRun(paths, show_all=show_all), jobs, "inspect", skipped):
+        failed += row.error is not None
+        click.echo(row.line() if jsonl else ("[\n" if not rows else ",\n") + row.line(), nl=jsonl)
+        rows += 1
+    if not rows:
+        raise _nothing_found(paths, skipped[0], "inspected")
+    if not jsonl:
+        click.echo("\n]")
+    return EXIT_FAILURE if failed else EXIT_OK
 
 
 def _finish(results: list[ScanResult], fmt: str, code: int, strict: bool, text: bool, table: Any,

@@ -19,6 +19,7 @@ from ckptool.cli._common import (
     device_options,
     emit_json,
     force_option,
+    jobs_option,
     json_option,
     key_option,
     mapping_of,
@@ -88,6 +89,9 @@ def report_convert(res: ConvertResult) -> None:
                    "(fnmatch) along DIM (0, 1, ...; glu; none: replicated), ahead of the built-in rules "
                    "(docs/megatron.md). Repeatable.")
 @allow_missing_option
+@jobs_option("With --max-shard-size: write N shards at once (threads; the output is the same byte for byte, the "
+             "index is written last, once every shard is written and verified, so an interrupted run leaves no "
+             "set). Default 1.")
 @click.option("--no-verify", is_flag=True, help="Skip re-opening the output to compare it with the source.")
 @click.option("--trust", is_flag=True,
               help="Allow globals outside torch's weights-only allowlist where torch loads the data (DCP). Only for "
@@ -125,6 +129,7 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
       ckptool convert model.safetensors -o model.pt --to cuda:0
       ckptool convert gpu_model.pth -o model.pt --to cpu       # opens with a plain torch.load
       ckptool convert model.pth -o out/ --max-shard-size 2GB --dtype bfloat16
+      ckptool convert model.pth -o out/ --max-shard-size 2GB --jobs 4   # 4 shards at once
       ckptool convert checkpoints/step_1000/ -o model.pt           # a DCP folder
       ckptool convert model.pt -o dcp_ckpt/ --format dcp
       ckptool convert ds_checkpoints/ -o model.safetensors         # DeepSpeed ZeRO, tag from 'latest'

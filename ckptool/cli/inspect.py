@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from collections import Counter
 from typing import Any
 
 import click
 
+from ckptool import _source as source
 from ckptool._gc import gc_paused
 from ckptool.cli._common import human_bytes
+from ckptool.errors import UsageError
 from ckptool.formats import plugin
 from ckptool.model.allowlist import level_word
 from ckptool.model.units import human_count, plural
@@ -24,10 +27,17 @@ _PATH_PART = 48  # characters of one dotted key component shown in the tables (t
 
 @click.command("inspect")
 @gc_paused  # 50,000 TensorInfo rows and their JSON: the cycle collector would walk them again and again
-@click.argument("path", type=click.Path(dir_okay=True))
+@click.argument("paths", metavar="PATH...", nargs=-1, required=True, type=click.Path(dir_okay=True))
 @click.option("--json", "as_json", is_flag=True,
               help=f"Print one JSON object instead of tables: \"schema\": \"{SCHEMA}\", every tensor, \"totals\" "
-                   "(storage bytes per device and dtype) and \"values\" (the non-tensor entries).")
+                   "(storage bytes per device and dtype) and \"values\" (the non-tensor entries). With several "
+                   "checkpoints: a JSON array of those objects.")
+@click.option("--jsonl", is_flag=True,
+              help="Print one JSON object per checkpoint (the object of --json), one line each, as checkpoints "
+                   "finish; a checkpoint that cannot be read is {\"schema\", \"path\", \"error\"}.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+              help="With several checkpoints: inspect N at once (threads for URLs, processes for local files, as "
+                   "scan --jobs). Rows come as checkpoints finish.")
 @click.option("--all", "show_all", is_flag=True,
               help="List every tensor and many more non-tensor entries (by default long tables, lists and dicts are "
                    "summarised).")
@@ -39,7 +49,9 @@ _PATH_PART = 48  # characters of one dotted key component shown in the tables (t
                    f"(\"schema\": \"{TREE_SCHEMA}\").")
 @click.option("--depth", type=click.IntRange(min=1), metavar="N",
               help="With --tree: show N levels (1 = the top-level modules).")
-def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int, as_tree: bool, depth: int | None) -> None:
+@click.pass_context
+def inspect_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, jsonl: bool, jobs: int, show_all: bool,
+                limit: int, as_tree: bool, depth: int | None) -> None:
     """Show what checkpoint PATH holds, without running its code or reading tensor data.
 
     Prints the format (torch-zip, torch-legacy, torchscript, torch-package, safetensors, sharded-safetensors,
@@ -55,9 +67,25 @@ def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int, as_tree: b
 
     PATH may be a URL fsspec reads (s3://, gs://, http(s)://, hf://; pip install 'ckptool[remote]'): only the
     zip directory, the pickle and the headers are fetched, by range requests, and the bytes read are shown.
+
+    Several checkpoints (several paths, a URL prefix ending in /, --jsonl or --jobs; with --json or --jsonl): a
+    folder that is one checkpoint (a sharded set, DCP, DeepSpeed or Megatron folder) is inspected as one, any other
+    folder is walked as `ckptool scan` walks it (checkpoint files recognised by content, a DCP folder as one), a URL
+    prefix lists its objects. Each checkpoint prints as it finishes; one that cannot be read is a row with its
+    error, never the end of the run. Exit status: 0 every checkpoint read, 1 a row holds an error, 2 no checkpoint
+    found (Error: line). See docs/scale.md.
+
+    \b
+    Examples:
+      ckptool inspect model.safetensors
+      ckptool inspect checkpoints/ runs/ --jsonl --jobs 4
+      ckptool inspect s3://bucket/models/ --json --jobs 16
     """
     if depth is not None and not as_tree:
         raise click.UsageError("--depth applies to --tree")
+    if len(paths) > 1 or jsonl or jobs > 1 or any(source.is_url(p) and p.endswith("/") for p in paths):
+        ctx.exit(_many(paths, as_json, jsonl, jobs, show_all, as_tree))
+    path = paths[0]
     info = inspect(path, ALL_VALUES) if show_all else inspect(path)
     if as_tree:
         _print_tree(info, depth, as_json)
@@ -66,6 +94,30 @@ def inspect_cmd(path: str, as_json: bool, show_all: bool, limit: int, as_tree: b
         _echo_json(info)
         return
     _print_info(info, limit=None if show_all else limit)
+
+
+def _many(paths: tuple[str, ...], as_json: bool, jsonl: bool, jobs: int, show_all: bool, as_tree: bool) -> int:
+    """Many checkpoints as one run (:func:`ckptool.cli._many.run_inspect_many`); its exit status.
+
+    Raises:
+        UsageError: text or --tree output asked for, or both --json and --jsonl.
+    """
+    if as_json and jsonl:
+        raise UsageError("--json and --jsonl ask for two outputs; give one")
+    if as_tree or not (as_json or jsonl):
+        raise UsageError(f"{'--tree' if as_tree else 'the tables'} show one checkpoint; for several paths (or "
+                         "--jobs) give --json (one JSON array) or --jsonl (one JSON object a line)")
+    from ckptool.cli._many import run_inspect_many  # noqa: PLC0415 - deferred: not on the path of one file
+
+    # the command pauses the cycle collector for one checkpoint (gc_paused); a run over many needs it between them,
+    # and each inspect pauses it again while it reads
+    was_enabled = gc.isenabled()
+    gc.enable()
+    try:
+        return run_inspect_many(paths, jsonl, jobs=jobs, show_all=show_all)
+    finally:
+        if not was_enabled:
+            gc.disable()
 
 
 def _print_tree(info: CheckpointInfo, depth: int | None, as_json: bool) -> None:

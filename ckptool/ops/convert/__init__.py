@@ -45,9 +45,11 @@ Importing this package does not import torch; the functions import it when they 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 from ckptool._fileio import same_file
@@ -65,6 +67,7 @@ from ckptool.ops.convert.report import ConvertResult
 from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, OutputFormat, parse_size
 from ckptool.ops.convert.verify import VerificationError
 from ckptool.ops.rewrite.companions import Companions, model_folder_of, source_companions
+from ckptool.ops.rewrite.parallel import shard_executor
 from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.ops.scan.dcp_safety import check_dcp_safe
@@ -82,12 +85,15 @@ __all__ = ["SHARED_KEY", "ConvertResult", "OutputFormat", "VerificationError", "
 
 def _with_tp_rules(fn: Callable[..., ConvertResult]) -> Callable[..., ConvertResult]:
     """``fn`` run with its ``tp_dims`` argument as the Megatron tensor-parallel rules of the call
-    (:data:`ckptool.model.megatron.USER_RULES`), restored after it."""
+    (:data:`ckptool.model.megatron.USER_RULES`), and its ``executor`` argument (when given) as the executor of the
+    shards (:func:`ckptool.ops.rewrite.parallel.shard_executor`), both restored after it."""
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> ConvertResult:
         token = USER_RULES.set(parse_tp_dims(kwargs.get("tp_dims") or ()))
+        pool = kwargs.get("executor")
         try:
-            return fn(*args, **kwargs)
+            with shard_executor(pool) if pool is not None else contextlib.nullcontext():
+                return fn(*args, **kwargs)
         finally:
             USER_RULES.reset(token)
     return run
@@ -101,7 +107,7 @@ def convert(
     unwrap: bool = False, strip_prefixes: str | Sequence[str] = (), max_shard_size: int | str | None = None,
     dtype: str | None = None, verify: bool = True, trust: bool = False,
     progress: ProgressFn | None = None, tag: str | None = None, exclude_frozen: bool = False,
-    tp_dims: Sequence[str] = (), max_expand: float | None = None,
+    tp_dims: Sequence[str] = (), max_expand: float | None = None, executor: Executor | None = None,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
@@ -126,14 +132,14 @@ def convert(
       ``x-00001-of-0000N.safetensors``... and ``x.safetensors.index.json`` beside it (likewise ``.bin`` / ``.pt`` /
       ``.pth``), a folder ``dst`` gets ``model-00001-of-0000N.safetensors``... / ``pytorch_model-...bin``; a set
       that fits one shard is the single file, without index (``transformers`` ``save_pretrained``).
-    * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors.
-    * ``verify`` re-opens the output and compares every tensor with the source (see the module docstring).
+    * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors. ``verify``
+      re-opens the output and compares every tensor with the source (see the module docstring).
     * ``max_expand``: what the tensors may take dense, per storage byte (:mod:`ckptool.readers.budget`; 0: no limit).
-    * ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
+      ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
+    * ``executor``: a thread pool writing a sharded output's shards at once (:mod:`ckptool.ops.rewrite.parallel`).
     * ``tp_dims``: a Megatron legacy tree's rules ``"PATTERN=DIM"`` (:func:`ckptool.model.megatron.parse_tp_dims`).
-    * ``progress(nbytes)`` is called with the bytes of tensor data written since the last call, as every operation
-      reports progress; when it has a ``total`` attribute that is None (ckptool's progress bar), that is set to the
-      bytes to be written first (:func:`ckptool.ops.rewrite.stream.announce_total`).
+    * ``progress(nbytes)``: the bytes of tensor data written since the last call; a ``total`` attribute of it that is
+      None (ckptool's bar) is first set to the bytes to write (:func:`ckptool.ops.rewrite.stream.announce_total`).
 
     Returns a :class:`ConvertResult`. The output is written atomically; ``src`` is never modified.
 

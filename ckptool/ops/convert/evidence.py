@@ -140,6 +140,14 @@ class SourceEvidence:
                             "with the operating system's open()")
         return None
 
+    def merge(self, other: SourceEvidence) -> None:
+        """Add what ``other`` (the evidence of one task of a parallel write, checked) compared to this one's."""
+        self.by_directory += other.by_directory
+        self.reread += other.reread
+        for url, stamp in other.urls.items():
+            if stamp != (None, None) or url not in self.urls:
+                self.urls[url] = stamp
+
     def summary(self) -> str:
         """What :meth:`check` compared, for the ``Verified:`` line (empty when nothing was recorded)."""
         parts = []

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -16,6 +18,7 @@ from ckptool.ops.convert.report import ConvertResult
 from ckptool.ops.convert.source import OutputFormat, out_dtype
 from ckptool.ops.convert.verify import torch_verifier, verification_check, verify_safetensors, with_evidence
 from ckptool.ops.convert.write import Files, Written, archive_name, emit, write_safetensors, write_torch
+from ckptool.ops.rewrite.parallel import current_executor, locked
 from ckptool.ops.rewrite.set_writer import write_set
 from ckptool.ops.rewrite.stream import ProgressFn, announce_total
 
@@ -110,6 +113,24 @@ WRITERS: dict[OutputFormat, Writer] = {
 }
 
 
+def _task_job(job: Job, us: list[Unit]) -> Job:
+    """``job`` for one task of a parallel write (:mod:`ckptool.ops.rewrite.parallel`): its own source files (one
+    file position per thread), its own evidence (held to the records of ``us``) and its own result lists, merged in
+    shard order afterwards (:func:`_merge_tasks`), so that the result reads as the serial run's."""
+    mine = dataclasses.replace(job, files=Files(), res=ConvertResult("", "", "", ""))
+    mine.files.evidence.expect_records(t.storage for u in us for t in u.members)
+    return mine
+
+
+def _merge_tasks(job: Job, tasks: list[Job]) -> None:
+    """Add what the ``tasks`` of a parallel write found (shard order) to ``job``: the layouts made contiguous, the
+    aliases, the evidence compared."""
+    for t in tasks:
+        job.res.made_contiguous += t.res.made_contiguous
+        job.res.aliases.update(t.res.aliases)
+        job.files.evidence.merge(t.files.evidence)
+
+
 def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_bytes: int | None, cast: str | None,
                   location: Callable[[str], str], rename_key: Callable[[str], str] | None, verify: bool,
                   progress: ProgressFn | None, res: ConvertResult,
@@ -120,6 +141,8 @@ def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_byte
     (:func:`ckptool.formats.sharded.output_layout`: beside ``dst`` when it is named ``NAME.safetensors`` / ``.bin``
     / ``.pt`` / ``.pth``, else in the folder ``dst``), written as :func:`write_set` describes, with ``companions``
     (source path, file name) copied into the set's folder in the same commit (``merge-lora``'s model folders).
+    Inside a :func:`ckptool.ops.rewrite.parallel.shard_executor` block (``convert --jobs N``) the shards are written
+    one per task, each task with its own source files; the index is written last, by this thread.
 
     Raises:
         UnsupportedError: a dtype safetensors cannot hold.
@@ -135,16 +158,26 @@ def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_byte
     total = sum(writer.unit_size(u) for u in plan)
     announce_total(progress, total)
     groups = [plan] if shard_bytes is None else split(plan, shard_bytes, writer.unit_size)
-    job = Job(src, cast, location, rename_key, verify, progress, res,
+    pool = current_executor() if shard_bytes is not None and len(groups) > 1 else None
+    job = Job(src, cast, location, rename_key, verify, locked(progress) if pool else progress, res,
               state=src.sd_state if len(groups) == 1 else None)
     job.files.evidence.expect_records(t.storage for t in src.tensors)
     weight_map: dict[str, str] = {}
+    done: dict[int, Job] = {}  # id(group) -> the job that wrote it
+    lock = threading.Lock()
 
     def write(path: str, final: str, us: list[Unit]) -> None:
         """Write the units ``us`` into ``path``, the bytes of the output file ``final``."""
-        w, names = writer.write_file(job, path, final, us)
-        res.bytes_written += w.nbytes
-        weight_map.update((n, os.path.basename(final)) for n in names)
+        mine = job if pool is None else _task_job(job, us)
+        try:
+            w, names = writer.write_file(mine, path, final, us)
+        finally:
+            if mine is not job:
+                mine.files.close()
+        with lock:
+            res.bytes_written += w.nbytes
+            weight_map.update((n, os.path.basename(final)) for n in names)
+            done[id(us)] = mine
 
     try:
         if shard_bytes is None:
@@ -153,7 +186,9 @@ def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_byte
         else:
             inputs = list(dict.fromkeys([src.path, *(t.storage.path for t in src.tensors)]))
             write_set(output_layout(dst, fmt_out.value), groups, write, inputs, weight_map, total, res, dst,
-                      companions=companions)
+                      companions=companions, pool=pool)
+            if pool is not None:
+                _merge_tasks(job, [done[id(g)] for g in groups])
     finally:
         job.files.close()
     res.shards = len(groups)

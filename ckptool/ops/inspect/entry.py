@@ -107,7 +107,7 @@ def inspect_pickled(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
         info = describe(ck, limits, o.spec)
     except RecursionError as e:
         raise CorruptCheckpointError(f"{o.target}: {too_deep(e)}") from None
-    info.scan = scan_file(o.target, preparsed=already_read(ck, o.spec))
+    info.scan = scan_file(o.target, preparsed=already_read(ck, o.spec, info))
     return info
 
 

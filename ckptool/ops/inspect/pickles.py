@@ -40,9 +40,10 @@ from ckptool.ops.inspect.info import (
 )
 from ckptool.ops.inspect.totals import byte_totals, device_bytes, storage_rows, storage_totals
 from ckptool.ops.inspect.values import PreviewLimits, ValueInfo, value_infos
+from ckptool.ops.scan.pickles import Preparsed
 from ckptool.readers import FORMATS, Format, Opened
 
-__all__ = ["already_read", "describe", "kind_of", "package_info", "tensor_infos"]
+__all__ = ["already_read", "counted_bytes", "describe", "kind_of", "package_info", "tensor_infos"]
 
 
 def tensor_infos(root: Any, storages: dict[str, StorageRef] | None = None) -> list[TensorInfo]:
@@ -112,17 +113,37 @@ def kind_of(root: Any, sds: list[StateDictRef]) -> str:
         return "training_checkpoint"
     return "tensors"
 
-def already_read(ck: Checkpoint, spec: Format) -> dict[str, tuple[list[str], Any, int | None]]:
+def already_read(ck: Checkpoint, spec: Format, info: CheckpointInfo | None = None) -> dict[str, Preparsed]:
     """The pickle of ``ck`` (a file of format ``spec``) that was read whole (the ``data.pkl`` of a torch zip, a
     plain pickle), by its ``where`` in :func:`ckptool.ops.scan.entry.scan_file` (its ``preparsed``), so that the
-    scan does not read it a second time (for ``data.pkl``, not even its opcodes: where it ends is known)."""
+    scan does not read it a second time (for ``data.pkl``, not even its opcodes: where it ends is known).
+    ``info``: :func:`describe` of ``ck``, whose tensors' bytes (:func:`counted_bytes`) spare the scan its own
+    walk of the tensors."""
     names = [qualified_name(m, n) for m, n in ck.globals]
+    counted = counted_bytes(ck, info.tensors, info.totals) if info is not None else None
     if spec.loaded_by == PICKLE_LOAD:
-        return {"pickle at byte 0": (names, ck.root, None)}
+        return {"pickle at byte 0": (names, ck.root, None, counted)}
     rec = ck.record("data.pkl")
     if spec.loaded_by == TORCH_LOAD and rec is not None and rec.zipinfo is not None:
-        return {rec.zipinfo.name: (names, ck.root, ck.pickle_size or None)}
+        return {rec.zipinfo.name: (names, ck.root, ck.pickle_size or None, counted)}
     return {}
+
+
+def counted_bytes(ck: Checkpoint, tensors: list[TensorInfo], totals: list[ByteTotal]) -> tuple[int, int] | None:
+    """The dense bytes of the tensors of ``ck.root`` (``tensors``: its :func:`tensor_infos`) that have a storage,
+    and the bytes of their distinct storages (``totals``: the file's :func:`storage_totals`, which count every
+    storage once): what scan's expansion note adds up (:data:`ckptool.ops.scan.pickles.Preparsed`); None where the
+    list holds other roots' tensors too."""
+    if ck.extra_roots:
+        return None
+    keys = {t.storage_key for t in tensors if t.storage_key is not None}
+    if keys == ck.storages.keys():  # the common case: every storage is some tensor's, and the totals count them
+        held = sum([b.bytes for b in totals])
+    elif keys <= ck.storages.keys():
+        held = sum(row[2] for row in storage_rows({k: ck.storages[k] for k in keys}).values())
+    else:
+        return None
+    return sum([t.nbytes for t in tensors if t.storage_key is not None]), held
 
 
 def _extra_roots(ck: Checkpoint, tensors: list[TensorInfo]) -> tuple[int, list[ByteTotal]]:

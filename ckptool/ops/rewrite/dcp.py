@@ -5,8 +5,9 @@ data files, each storage record a ``torch.save`` record at ``(offset, length)`` 
 DCP folder: ``.metadata`` rewritten from its node graph (:mod:`ckptool.formats.pickler`, nothing imported) and the
 ``.distcp`` files copied byte for byte (``copy_file_range``, or cloned where the filesystem shares extents; never
 hard-linked: the output does not alias the input). Everything is checked before a byte is written; the folder is
-written into a staging folder beside the destination and renamed into place once complete and read back
-(:func:`rewrite_dcp`); a failed run leaves nothing. ``storage_meta`` (the folder the checkpoint was saved to, its
+written into a staging folder beside the destination (one data file per task with ``--jobs N``:
+:mod:`ckptool.ops.rewrite.parallel`) and renamed into place once complete and read back (:func:`rewrite_dcp`); a
+failed run leaves nothing. ``storage_meta`` (the folder the checkpoint was saved to, its
 save id) is kept as written; files of the folder that no record names are not copied (the result notes them).
 
 **Renaming.** DCP saves a nested state (``dcp.save({"model": model.state_dict(), "optim": ...})``) flattened: each
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +71,7 @@ from ckptool.model.graph import mapping_items
 from ckptool.model.keys import raise_on_collisions
 from ckptool.model.rename_plan import RenameSummary
 from ckptool.model.tensor_nodes import tensor_node
+from ckptool.ops.rewrite.parallel import current_executor, locked, run_each
 from ckptool.ops.rewrite.sets import SetRenameResult, SetWriteResult
 from ckptool.ops.rewrite.stream import ProgressFn, write_zip
 from ckptool.ops.scan.dcp_safety import is_dcp_allowed
@@ -504,13 +507,15 @@ def _commit(stage: str, dst: str) -> None:
 def rewrite_dcp(
     src: Opened, dst: str, *, operation: str, rename: Renamer | None = None, drop: Dropper | None = None,
     to: str | None = None, mapping: Mapping[str, str] | None = None, allow_missing: bool = False,
-    dry_run: bool = False, progress: ProgressFn | None = None,
+    dry_run: bool = False, progress: ProgressFn | None = None, executor: Executor | None = None,
 ) -> SetWriteResult | SetRenameResult:
     """Write the DCP folder ``src`` (opened: :func:`ckptool.readers.open_checkpoint`) as a new DCP folder ``dst``
     (new or empty), its entries renamed by ``rename`` or
     dropped by ``drop``, and / or the tags of its non-tensor entries re-tagged by ``to`` / ``mapping`` (see the
     module docstring). ``operation`` names the command in the result; ``progress(nbytes)`` as the data files are
     copied. ``dry_run``: everything is read and checked, nothing written (``dst`` of the result is ``""``).
+    ``executor`` (else an enclosing :func:`~ckptool.ops.rewrite.parallel.shard_executor`'s): a thread pool writing
+    the data files one per task; ``.metadata`` and the rename into place follow, in this thread, once all are done.
 
     Returns a :class:`~ckptool.ops.rewrite.sets.SetRenameResult` when ``rename`` is given, else a
     :class:`~ckptool.ops.rewrite.sets.SetWriteResult` (``dst`` the folder, ``files`` what it holds, ``shards`` the
@@ -554,7 +559,8 @@ def rewrite_dcp(
                          shards=len(sizes))
     if not dry_run:
         changing = rename is not None or drop is not None
-        _write(folder, dst, meta, records, sizes, fqns, res, (to, mapping, allow_missing, changing), progress)
+        _write(folder, dst, meta, records, sizes, fqns, res, (to, mapping, allow_missing, changing), progress,
+               executor or current_executor())
     if summary is None:
         return res
     return SetRenameResult(**vars(res), operation=operation, **vars(summary))
@@ -562,17 +568,19 @@ def rewrite_dcp(
 
 def _write(folder: str, dst: str, meta: DcpMetadata, records: list[_Record], sizes: dict[str, int],
            fqns: dict[str, str], res: SetWriteResult, retag: tuple[str | None, Mapping[str, str] | None, bool, bool],
-           progress: ProgressFn | None) -> None:
+           progress: ProgressFn | None, pool: Executor | None) -> None:
     """:func:`rewrite_dcp`'s writing (``retag``: ``to``, ``mapping``, ``allow_missing``, whether the entries change
-    too); fills ``res``."""
+    too; ``pool``: the executor writing the data files one per task, or None); fills ``res``."""
     to, mapping, allow_missing, renaming = retag
     with temp_path(dst, folder=True) as scratch:
         if to is not None or mapping:
             res.retagged, _tags = _retag(folder, records, scratch, to, mapping, allow_missing=allow_missing,
                                          renaming=renaming)
-        with temp_path(dst, folder=True) as stage:  # removed on any failure
-            for rel, size in sizes.items():
-                _copy_file(folder, stage, rel, size, [r for r in records if r.rel == rel], progress)
+        with temp_path(dst, folder=True) as stage:  # removed on any failure (after every task has stopped)
+            # one data file per task with a pool (each sets its own records' offsets); .metadata after all of them
+            tell = locked(progress) if pool is not None else progress
+            run_each(lambda rel: _copy_file(folder, stage, rel, sizes[rel], [r for r in records if r.rel == rel],
+                                            tell), list(sizes), pool)
             _write_metadata(meta, stage)
             entries, items = _expected(meta, records, fqns)
             _read_back(stage, dst, entries, items, meta.planner_data)

@@ -67,7 +67,8 @@ def remap(
     :func:`ckptool.ops.rewrite.prefixes.strip_prefix` (it also lets a ``mapping`` source that matches no storage pass),
     ``allow_nested`` as in :func:`ckptool.ops.rewrite.prefixes.add_prefix`. ``progress(nbytes)`` is called as the
     input's records are copied (bytes since the last call); ``executor``: a ``ThreadPoolExecutor`` writing a set's
-    shards one per task, the index last (:mod:`ckptool.ops.rewrite.parallel`).
+    shards (a DCP folder's data files) one per task, the index (``.metadata``) last
+    (:mod:`ckptool.ops.rewrite.parallel`).
 
     Returns a :class:`~ckptool.ops.rewrite.stream.WriteResult` (``dst``, ``retagged`` ``{(old, new): storage count}``),
     a :class:`~ckptool.ops.rewrite.prefixes.RenameResult` (the renaming added) when keys were renamed.
@@ -93,7 +94,7 @@ def remap(
         renamer = None if plan is None else (
             lambda root: rename_graph(root, plan, key=key, allow_missing=allow_missing, where=folder))
         return rewrite_dcp(opened, out, operation="remap", rename=renamer, to=to, mapping=mapping,
-                           allow_missing=allow_missing, progress=progress)
+                           allow_missing=allow_missing, progress=progress, executor=executor)
     index = set_index(opened)
     if index is not None:
         out = remap_output(opened, dst, to=to, in_place=in_place)

@@ -157,7 +157,7 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None) -> ScanResul
     if type(sc.root) is dict:
         res.recognised = recognise_file(sc.root, [g.name for g in res.globals])
     if sc.root is not None:
-        res.notes += _expansion_notes(sc.root)
+        res.notes += _expansion_notes(sc.root, sc.root_bytes)
     if source.is_url(path):
         res.bytes_read = source.thread_bytes_transferred() - start
     return res
@@ -184,11 +184,15 @@ def _indexed(view: RangeView) -> bool:
     return head.startswith((ZIP_LOCAL, ZIP_EOCD)) and zip_end(cast("PickleBuffer", view)) == len(view)
 
 
-def _expansion_notes(root: Any) -> list[str]:
+def _expansion_notes(root: Any, counted: tuple[int, int] | None = None) -> list[str]:
     """A note (not a danger: nothing runs) when the tensors of the pickle torch loads are far larger dense than the
     bytes their storages hold, past the budget every command that makes them dense holds to
     (:mod:`ckptool.readers.budget`: :data:`~ckptool.formats.tensors.MAX_EXPAND` times, above
-    :data:`~ckptool.formats.tensors.EXPAND_FLOOR`): a stride-0 view such as ``zeros(1).expand(2**20, 2**20)``."""
+    :data:`~ckptool.formats.tensors.EXPAND_FLOOR`): a stride-0 view such as ``zeros(1).expand(2**20, 2**20)``.
+    ``counted``: the (dense, storage) bytes of ``root``'s tensors as ``inspect`` added them up listing the tensors;
+    within the budget they spare the walk, past it the walk names the most expanded tensor."""
+    if counted is not None and counted[0] <= max(MAX_EXPAND * counted[1], EXPAND_FLOOR):
+        return []
     held: dict[str, int] = {}
     dense = 0
     worst: tuple[float, str, TensorNode, int, int] | None = None

@@ -9,8 +9,10 @@
   safetensors or a tar (one range request, :func:`starts_like_checkpoint`); other objects are skipped.
 * One task per checkpoint (:func:`scan_target`: a module-level function of a picklable :class:`Target`, so a
   process pool or ``dask.distributed``'s ``Client.get_executor()`` runs it as well as a thread pool); results come
-  back as tasks finish. A checkpoint that cannot be read, a path that does not exist or a task that failed is a
-  result whose ``error`` says why (verdict ``error``), never the end of the run.
+  back as tasks finish. :class:`ManyRun` is that loop for any such task (``inspect`` of many checkpoints runs
+  :func:`ckptool.ops.inspect.many.inspect_target` on it); :class:`ScanRun` adds the cache. A checkpoint that
+  cannot be read, a path that does not exist or a task that failed is a result whose ``error`` says why (verdict
+  ``error``), never the end of the run.
 * With a :class:`~ckptool.ops.scan.cache.ScanCache`, each checkpoint's version (size and modification time, or
   size and ETag) is looked up first, from the listing where it gives them, else by one ``stat`` or ``HEAD``; a
   checkpoint found there is not read. The cache is read and written by the caller, never by the tasks.
@@ -23,16 +25,19 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ckptool import _source as source
 from ckptool.errors import CkptError
 from ckptool.ops.scan.cache import ScanCache
 from ckptool.ops.scan.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets, scan_file
 
-__all__ = ["ScanRun", "Target", "expand", "scan_many", "scan_target", "starts_like_checkpoint"]
+__all__ = ["ManyRun", "ScanRun", "Target", "expand", "not_a_checkpoint", "scan_many", "scan_target",
+           "starts_like_checkpoint"]
+
+R = TypeVar("R")
 
 #: threads that ask for the versions of objects the listing gave none for (``HEAD`` requests, for the cache)
 STAMP_THREADS = 64
@@ -54,14 +59,19 @@ class Target:
     info: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
 
-def expand(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Target]:
+def expand(paths: Iterable[str | os.PathLike[str]], whole: Callable[[str], bool] | None = None) -> Iterator[Target]:
     """The checkpoints of ``paths`` (see the module docstring), in order; a path that cannot be walked or listed
-    (missing, empty, a listing refused) is one :class:`Target` with its ``error``."""
+    (missing, empty, a listing refused) is one :class:`Target` with its ``error``. ``whole(folder)``: whether a
+    local folder given in ``paths`` is one checkpoint rather than a folder to walk (``inspect``: a sharded set, a
+    DeepSpeed or Megatron folder)."""
     for given in paths:
         p = os.fspath(given)
         try:
             if source.is_url(p) and (p.endswith("/") or source.kind(p) == "directory"):
                 yield from (Target(u, size=size, version=tag, listed=True) for u, size, tag in source.list_objects(p))
+                continue
+            if whole is not None and not source.is_url(p) and os.path.isdir(p) and whole(p):
+                yield Target(p)
                 continue
             for path, notes in iter_targets([p]):
                 local = not source.is_url(path) and os.path.isfile(path)
@@ -86,6 +96,12 @@ def starts_like_checkpoint(url: str) -> bool:
     return head[8:9] == b"{"  # safetensors: an 8-byte header length, then the JSON header
 
 
+def not_a_checkpoint(t: Target) -> bool:
+    """Whether ``t`` is an object found under a prefix that is no checkpoint by its name or first bytes (skipped:
+    the module docstring)."""
+    return t.listed and not t.path.lower().endswith(CHECKPOINT_SUFFIXES) and not starts_like_checkpoint(t.path)
+
+
 def scan_target(t: Target) -> ScanResult | None:
     """Scan one :class:`Target` (the task each executor runs): its :class:`ScanResult`, with the bytes it transferred
     for a URL; None for an object under a prefix that is no checkpoint by its content. Never raises for a problem of
@@ -96,7 +112,7 @@ def scan_target(t: Target) -> ScanResult | None:
     try:
         # one object, one HEAD: the look at its first bytes and the scan share what they fetch
         with source.object_reads(t.path, t.info) if source.is_url(t.path) else contextlib.nullcontext():
-            if t.listed and not t.path.lower().endswith(CHECKPOINT_SUFFIXES) and not starts_like_checkpoint(t.path):
+            if not_a_checkpoint(t):
                 return None
             res = scan_file(t.path)
     except (CkptError, OSError) as e:
@@ -144,63 +160,90 @@ def _cacheable(res: ScanResult | None) -> bool:
     return not any(word in e for e in errors for word in TRANSIENT)
 
 
-class ScanRun:
-    """One scan of many checkpoints: :attr:`targets` (every checkpoint found, listed before the first is scanned)
-    and, iterated, ``(target, result)`` pairs as tasks finish (in order without an executor). ``executor``: any
-    :class:`concurrent.futures.Executor` (None: one after another in this thread); ``cache``: a
-    :class:`~ckptool.ops.scan.cache.ScanCache`; ``window``: tasks in flight at most (default: 4 per worker of a
-    pool that says how many it has, else 64)."""
+class ManyRun(Generic[R]):
+    """One run of ``task`` over many checkpoints (``scan``, ``inspect``): :attr:`targets` (every checkpoint of
+    ``paths`` found by :func:`expand`, listed before the first task runs) and, iterated, ``(target, result)`` pairs
+    as tasks finish (in order without an executor; None: an object under a prefix that is no checkpoint).
+    ``task(target)``: a module-level function (a process pool or a cluster pickles it) that reports a problem of its
+    checkpoint in its result, never by raising; ``failed(target, why)``: the result of a task that raised (a worker
+    died, a bug), a row rather than the end of the run. ``executor``: any :class:`concurrent.futures.Executor`
+    (None: one after another in this thread); ``window``: tasks in flight at most (default: 4 per worker of a pool
+    that says how many it has, else 64); ``whole``: as :func:`expand`'s."""
 
-    def __init__(self, paths: Iterable[str | os.PathLike[str]], *, executor: cf.Executor | None = None,
-                 cache: ScanCache | None = None, window: int | None = None) -> None:
-        self.targets = list(expand(paths))
+    def __init__(self, paths: Iterable[str | os.PathLike[str]], task: Callable[[Target], R | None],
+                 failed: Callable[[Target, str], R], *, executor: cf.Executor | None = None,
+                 window: int | None = None, whole: Callable[[str], bool] | None = None) -> None:
+        self.targets = list(expand(paths, whole))
+        self.task = task
+        self.failed = failed
         self.executor = executor
-        self.cache = cache
         workers = getattr(executor, "_max_workers", None)
         self.window = window or (4 * workers if isinstance(workers, int) else 64)
-        #: checkpoints answered from the cache so far
+        #: checkpoints answered without running their task (from a cache) so far
         self.hits = 0
 
-    def _lookups(self) -> Iterator[tuple[Target, str | None, tuple[bool, ScanResult | None]]]:
-        """Each target with its cache key and what the cache holds for it (``(False, None)`` when nothing)."""
-        if self.cache is None:
-            yield from ((t, None, (False, None)) for t in self.targets)
-            return
-        need = any(source.is_url(t.path) and t.version is None for t in self.targets)
-        with cf.ThreadPoolExecutor(STAMP_THREADS if need else 1) as pool:
-            for t in pool.map(_stamped, self.targets):
-                key = _cache_key(t)
-                yield t, key, (self.cache.get(key) if key is not None else (False, None))
+    def _lookups(self) -> Iterator[tuple[Target, str | None, tuple[bool, R | None]]]:
+        """Each target with its cache key and what a cache holds for it (``(False, None)``: nothing, run the task)."""
+        yield from ((t, None, (False, None)) for t in self.targets)
 
-    def __iter__(self) -> Iterator[tuple[Target, ScanResult | None]]:
-        pending: dict[cf.Future[ScanResult | None], tuple[Target, str | None]] = {}
+    def __iter__(self) -> Iterator[tuple[Target, R | None]]:
+        pending: dict[cf.Future[R | None], tuple[Target, str | None]] = {}
         for t, key, (found, cached) in self._lookups():
             if found:
                 self.hits += 1
-                if cached is not None and source.is_url(cached.path):
-                    cached.bytes_read = 0
                 yield t, cached
                 continue
             if self.executor is None:
-                yield t, self._done(t, key, scan_target(t))
+                yield t, self._done(t, key, self.task(t))
                 continue
-            pending[self.executor.submit(scan_target, t)] = (t, key)
+            pending[self.executor.submit(self.task, t)] = (t, key)
             while len(pending) >= self.window:
                 yield from self._drain(pending, cf.FIRST_COMPLETED)
         while pending:
             yield from self._drain(pending, cf.FIRST_COMPLETED)
 
-    def _drain(self, pending: dict[cf.Future[ScanResult | None], tuple[Target, str | None]], when: str
-               ) -> Iterator[tuple[Target, ScanResult | None]]:
+    def _drain(self, pending: dict[cf.Future[R | None], tuple[Target, str | None]], when: str
+               ) -> Iterator[tuple[Target, R | None]]:
         done, _ = cf.wait(list(pending), return_when=when)
         for fut in done:
             t, key = pending.pop(fut)
             try:
                 res = fut.result()
             except Exception as e:  # the task itself failed (a worker died, a bug): a row, not the end of the run
-                res = ScanResult(t.path, error=f"the scan task failed: {type(e).__name__}: {e}")
+                res = self.failed(t, f"{type(e).__name__}: {e}")
                 key = None
             yield t, self._done(t, key, res)
+
+    def _done(self, t: Target, key: str | None, res: R | None) -> R | None:
+        """What a task gave for ``t`` (``key``: its cache key), once it is done."""
+        return res
+
+
+def _scan_failed(t: Target, why: str) -> ScanResult:
+    return ScanResult(t.path, error=f"the scan task failed: {why}")
+
+
+class ScanRun(ManyRun[ScanResult]):
+    """One scan of many checkpoints (:class:`ManyRun` of :func:`scan_target`); ``cache``: a
+    :class:`~ckptool.ops.scan.cache.ScanCache`, read and written here, never by the tasks."""
+
+    def __init__(self, paths: Iterable[str | os.PathLike[str]], *, executor: cf.Executor | None = None,
+                 cache: ScanCache | None = None, window: int | None = None) -> None:
+        super().__init__(paths, scan_target, _scan_failed, executor=executor, window=window)
+        self.cache = cache
+
+    def _lookups(self) -> Iterator[tuple[Target, str | None, tuple[bool, ScanResult | None]]]:
+        if self.cache is None:
+            yield from super()._lookups()
+            return
+        need = any(source.is_url(t.path) and t.version is None for t in self.targets)
+        with cf.ThreadPoolExecutor(STAMP_THREADS if need else 1) as pool:
+            for t in pool.map(_stamped, self.targets):
+                key = _cache_key(t)
+                found, cached = self.cache.get(key) if key is not None else (False, None)
+                if found and cached is not None and source.is_url(cached.path):
+                    cached.bytes_read = 0
+                yield t, key, (found, cached)
 
     def _done(self, t: Target, key: str | None, res: ScanResult | None) -> ScanResult | None:
         if self.cache is not None and key is not None and _cacheable(res):

@@ -46,8 +46,9 @@ __all__ = ["MAX_KEY_PATHS", "Container", "NotAPickle", "Scanner", "Window", "as_
 
 # ------------------------------------------------------------------------------------------------ scanning
 #: what a caller (``inspect``) already read of a pickle: its globals, its root node, the offset after its STOP opcode
-#: (None: unknown)
-Preparsed: TypeAlias = tuple[list[str], Any, int | None]
+#: (None: unknown), and the dense bytes of the root's tensors beside the bytes of their distinct storages, as the
+#: caller counted them listing the tensors (None: not counted; scan's expansion note walks the root for them)
+Preparsed: TypeAlias = tuple[list[str], Any, int | None, tuple[int, int] | None]
 _PICKLE_SUFFIXES = (".pkl", ".debug_pkl", ".pickle")
 #: folders of a torch zip / TorchScript archive holding tensor bytes and TorchScript source, which no loader unpickles
 _STORAGE_DIRS = ("data/", "constants/", ".data/", "code/")
@@ -77,6 +78,8 @@ class Scanner:
         self._crc_checked: str | None = None
         self._globals: dict[tuple[str, str], GlobalFinding] = {}
         self.root: Any = None  # the root of the first pickle torch's loader reads
+        #: (dense bytes, storage bytes) of :attr:`root`'s tensors when the caller counted them (:data:`Preparsed`)
+        self.root_bytes: tuple[int, int] | None = None
         #: per torch.export zip (by ``where``): the members its loader unpickles, and its raw tensor members
         self.pt2_roles: dict[str, tuple[set[str], set[str]]] = {}
         #: bytes left to inflate from zip members (:data:`INFLATE_BUDGET`), set from the file's size
@@ -110,7 +113,7 @@ class Scanner:
         got = self.preparsed.pop(where, None)
         if got is None:
             return None
-        names, root, known_end = got
+        names, root, known_end, counted = got
         if known_end is not None and where == self._crc_checked and 0 < known_end <= len(buf):
             end = known_end
         else:
@@ -119,6 +122,8 @@ class Scanner:
             except CkptError:
                 return None  # read it the ordinary way
         self.record(PickleFinding(where, 0, list(names)), root)
+        if self.root is root:
+            self.root_bytes = counted
         return end
 
     def _unreadable_member(self, label: str, is_pickle: bool, err: Exception) -> None:
