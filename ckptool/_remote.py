@@ -7,6 +7,10 @@ pinned while a command reads it, range reads held to be exact, and a local copy 
   ``Content-Range`` naming the bytes asked for); :func:`checked_fetcher` holds every other filesystem's fetch to
   the length asked for, counts the bytes in :data:`transferred_bytes` and turns failures into one ``RemoteError``.
 * :func:`_spooled` downloads the whole object once when the server answers a range request with all of it.
+* :func:`object_reads` shares one object's ``info`` (its ``HEAD``) and the byte ranges fetched so far
+  (:class:`RangeStore`, read through :class:`StoreCache`) among every open of it in one block: a scan opens an
+  object several times (format detection, its zip directory, the walk, the code finder), and each open would else
+  ask for its size and ETag again and fetch the same ranges again.
 
 fsspec is imported only when a URL is read. :mod:`ckptool._source` re-exports the public names.
 """
@@ -14,6 +18,7 @@ fsspec is imported only when a URL is read. :mod:`ckptool._source` re-exports th
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextlib
 import importlib
 import io
@@ -26,9 +31,10 @@ from typing import Any
 from ckptool.errors import RemoteError
 
 __all__ = [
-    "BLOCK", "CHUNK", "REMOTE_EXTRA", "CountedReader", "NoRangeSupport", "RangeError", "changed_error",
-    "checked_fetcher", "consistent_reads", "count_transferred", "filesystem", "http_file", "pins", "remote_info",
-    "short_error", "thread_transferred", "transferred_bytes", "version_stamp",
+    "BLOCK", "CHUNK", "REMOTE_EXTRA", "STORE_LIMIT", "CountedReader", "NoRangeSupport", "RangeError", "RangeStore",
+    "StoreCache", "changed_error", "checked_fetcher", "consistent_reads", "count_transferred", "filesystem",
+    "http_file", "object_reads", "pins", "range_store", "remote_info", "short_error", "thread_transferred",
+    "transferred_bytes", "version_stamp",
 ]
 
 #: the read buffer of a remote reader: the smallest range request (small reads of a zip's local headers and the
@@ -83,13 +89,18 @@ def short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
-def remote_info(url: str) -> dict[str, Any] | None:
-    """fsspec's ``info`` for ``url``, or None when nothing is there. Inside :func:`consistent_reads` the object's
-    size and version tag are held to those it had at first (:func:`_check_pin`).
+def remote_info(url: str, *, fresh: bool = False) -> dict[str, Any] | None:
+    """fsspec's ``info`` for ``url`` (one ``HEAD`` over HTTP and S3, unless fsspec's listing cache has it), or None
+    when nothing is there. Inside :func:`consistent_reads` the object's size and version tag are held to those it
+    had at first (:func:`_check_pin`). Inside :func:`object_reads` of ``url`` on this thread the first answer is
+    reused (no request) unless ``fresh``: the evidence that an object is still there asks again.
 
     Raises:
         RemoteError: the request failed (network, permission, a bad bucket name...); the object changed.
     """
+    held = _objects.get((threading.get_ident(), url))
+    if held is not None and held.info is not None and not fresh:
+        return held.info
     fs, p = filesystem(url)
     try:
         info: dict[str, Any] = fs.info(p)
@@ -100,6 +111,8 @@ def remote_info(url: str) -> dict[str, Any] | None:
                           "for it", url) from e
     if info.get("type") != "directory":
         _check_pin(url, version_stamp(info))
+        if held is not None:
+            held.info = info
     return info
 
 
@@ -252,7 +265,7 @@ def _spooled(fs: Any, fspath: str, url: str, stamp: tuple[int | None, str | None
         if stamp[0] is not None and n != stamp[0]:
             raise RemoteError(f"{url}: the server ignores Range requests, and the whole object it sent holds {n} "
                               f"bytes where its size is {stamp[0]}; nothing was written: run it again", url)
-        info = remote_info(url)  # the object downloaded is the one first seen, still there
+        info = remote_info(url, fresh=True)  # the object downloaded is the one first seen, still there
         if info is None or version_stamp(info) != stamp:
             raise changed_error(url, stamp, None if info is None else version_stamp(info))
     except BaseException as e:
@@ -348,3 +361,161 @@ class CountedReader(io.RawIOBase):
     def close(self) -> None:
         self._f.close()
         super().close()
+
+
+# ------------------------------------------------------------------------------------------------ one object's ranges
+#: the most bytes of one object :class:`RangeStore` keeps (a scan reads a zip's first block, its end record and
+#: directory, its pickles: tens of KiB, a few MiB for a pickle of 50,000 tensors); a range that would pass it
+#: empties the store first, and a range larger than it is not kept
+STORE_LIMIT = 4 << 20
+
+
+class RangeStore:
+    """The byte ranges of one version of one remote object fetched so far, shared by every reader of it inside
+    :func:`object_reads`: sorted, disjoint, touching ones joined, :data:`STORE_LIMIT` bytes at most. A read asks
+    the network only for the bytes no range holds (one request per read), so the same bytes never come twice
+    while they are kept. fsspec's own caches do not fit here: ``readahead`` and ``bytes`` keep one range (a zip's
+    first block and its end record evict each other), ``blockcache`` makes one request per block (the 64 KiB
+    end-record search is two or three), ``parts`` never fetches. Thread-safe."""
+
+    def __init__(self, limit: int = STORE_LIMIT) -> None:
+        self.limit = limit
+        self._starts: list[int] = []
+        self._data: list[bytes] = []
+        self._held = 0
+        self._lock = threading.Lock()
+        #: reads answered from memory, and reads that made a request
+        self.hits = self.misses = 0
+
+    def _at(self, pos: int) -> int | None:
+        """The index of the range holding byte ``pos``, or None."""
+        i = bisect.bisect_right(self._starts, pos) - 1
+        return i if i >= 0 and pos < self._starts[i] + len(self._data[i]) else None
+
+    def read(self, start: int, end: int, fetch: Callable[[int, int], bytes], ahead: int = 0) -> bytes:
+        """Bytes ``start`` to ``end`` (``end`` within the object) of the object: from the ranges held where they
+        cover them, else one ``fetch(lo, hi)`` of the bytes between the range holding ``start`` and the one holding
+        ``end - 1`` (where such ranges are held); when no held range follows, ``ahead`` more bytes are fetched
+        (read-ahead, up to the next held range; ``fetch`` clips at the object's end) and kept."""
+        with self._lock:
+            i = self._at(start)
+            head = b"" if i is None else self._data[i][start - self._starts[i]:end - self._starts[i]]
+            if len(head) == end - start:
+                self.hits += 1
+                return head
+            self.misses += 1
+            j = self._at(end - 1)
+            tail = b"" if j is None else self._data[j][:end - self._starts[j]]
+            lo, hi = start + len(head), end - len(tail)
+            if not tail:  # read ahead, up to the next range held
+                k = bisect.bisect_left(self._starts, hi)
+                hi = min(hi + ahead, self._starts[k]) if k < len(self._starts) else hi + ahead
+        got = fetch(lo, hi)
+        self._add(lo, got)
+        return head + got[:end - len(tail) - lo] + tail
+
+    def _add(self, lo: int, data: bytes) -> None:
+        """Keep ``data``, the bytes from ``lo``, joined with the ranges it touches."""
+        hi = lo + len(data)
+        if not data or len(data) > self.limit:
+            return
+        with self._lock:
+            a = bisect.bisect_left(self._starts, lo)
+            if a > 0 and self._starts[a - 1] + len(self._data[a - 1]) >= lo:
+                a -= 1
+            b = bisect.bisect_right(self._starts, hi, lo=a)
+            pre = post = b""
+            if a < b:
+                first, last = self._starts[a], self._starts[b - 1]
+                pre = self._data[a][:max(0, lo - first)]
+                post = self._data[b - 1][hi - last:] if last + len(self._data[b - 1]) > hi else b""
+            joined = pre + data + post
+            dropped = sum(len(d) for d in self._data[a:b])
+            if self._held - dropped + len(joined) > self.limit:  # full: start again from this range
+                self._starts, self._data, self._held = [], [], 0
+                a = b = dropped = 0
+                joined, pre = data, b""
+            self._starts[a:b] = [lo - len(pre)]
+            self._data[a:b] = [joined]
+            self._held += len(joined) - dropped
+
+    @property
+    def held(self) -> int:
+        """Bytes kept now."""
+        return self._held
+
+    def ranges(self) -> list[tuple[int, bytes]]:
+        """The ranges kept now: ``(offset, bytes)``, in order."""
+        with self._lock:
+            return list(zip(self._starts, self._data, strict=True))
+
+
+class StoreCache:
+    """A read cache of fsspec's kind (what ``AbstractBufferedFile.read`` calls: ``_fetch(start, end)``) over a
+    :class:`RangeStore`: each open of an object gets its own, all of them the same store. A miss reads
+    ``blocksize`` bytes ahead (as fsspec's ``readahead`` cache does) through ``fetcher``."""
+
+    name = "ckptool-ranges"
+
+    def __init__(self, blocksize: int, fetcher: Callable[[int, int], bytes], size: int, store: RangeStore) -> None:
+        self.blocksize = blocksize
+        self.fetcher = fetcher
+        self.size = size
+        self.store = store
+
+    def _fetch(self, start: int | None, end: int | None) -> bytes:
+        start = start or 0
+        end = self.size if end is None or end > self.size else end
+        if start >= end:
+            return b""
+        return self.store.read(start, end, self.fetcher, ahead=self.blocksize)
+
+    def _log_stats(self) -> str:
+        return f", {self.store.hits} hits, {self.store.misses} misses, {self.store.held} bytes held"
+
+
+class _Object:
+    """What the opens of one object share inside :func:`object_reads`: its ``info`` and a store per version."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.info: dict[str, Any] | None = None
+        self.stores: dict[tuple[int | None, str | None], RangeStore] = {}
+
+
+#: (thread, URL) -> what the opens of that object on that thread share, inside :func:`object_reads`
+_objects: dict[tuple[int, str], _Object] = {}
+
+
+@contextlib.contextmanager
+def object_reads(url: str, info: dict[str, Any] | None = None) -> Iterator[None]:
+    """Within this block, on this thread, every read of the object at ``url`` shares one ``info`` (its size and
+    ETag: one ``HEAD`` however often it is opened, see :func:`remote_info`; none when the caller passes the ``info``
+    it already asked for) and one :class:`RangeStore` per version (the bytes one open fetched serve the next),
+    released when the block ends. Blocks nest. A scan of one object runs inside one
+    (:func:`ckptool.ops.scan.entry.scan_file`), so that its opens cost the requests of one.
+
+    Raises:
+        RemoteError: ``info`` is another version of ``url`` than the one pinned by :func:`consistent_reads`.
+    """
+    key = (threading.get_ident(), url)
+    held = _objects.setdefault(key, _Object())
+    if info is not None and held.info is None and info.get("type") != "directory":
+        _check_pin(url, version_stamp(info))
+        held.info = info
+    held.depth += 1
+    try:
+        yield
+    finally:
+        held.depth -= 1
+        if not held.depth:
+            del _objects[key]
+
+
+def range_store(url: str, stamp: tuple[int | None, str | None]) -> RangeStore:
+    """The :class:`RangeStore` of version ``stamp`` of ``url``: the one shared inside :func:`object_reads` on this
+    thread, else a new one (the opens of one file object)."""
+    held = _objects.get((threading.get_ident(), url))
+    if held is None:
+        return RangeStore()
+    return held.stores.setdefault(stamp, RangeStore())

@@ -42,12 +42,15 @@ from ckptool._remote import (
     CountedReader,
     NoRangeSupport,
     RangeError,
+    StoreCache,
     changed_error,
     checked_fetcher,
     consistent_reads,
     filesystem,
     http_file,
+    object_reads,
     pins,
+    range_store,
     remote_info,
     short_error,
     thread_transferred,
@@ -59,9 +62,9 @@ from ckptool.errors import InputNotFoundError, NotACheckpointError, RemoteError
 __all__ = [
     "BLOCK", "CHUNK", "REMOTE_EXTRA", "NoRangeSupport", "RangeError", "RangeView", "bytes_transferred", "changed_error",
     "consistent_reads", "file_size", "holding_versions", "is_remote_file", "is_url", "kind", "leaves_folder",
-    "list_objects", "local_copy", "open_binary", "open_regular", "recheck", "refuse_special", "remote_exists",
-    "special_kind", "spool", "thread_bytes_transferred",
-    "upload", "version_key", "whole_view",
+    "list_objects", "local_copy", "object_reads", "open_binary", "open_regular", "recheck", "refuse_special",
+    "remote_exists", "remote_info", "special_kind", "spool", "thread_bytes_transferred", "upload", "version_key",
+    "version_stamp", "whole_view",
 ]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
@@ -100,17 +103,43 @@ def kind(path: str) -> str | None:
     return "directory" if info.get("type") == "directory" else "file"
 
 
+#: folders whose index pages are read at once when an HTTP folder is listed (:func:`_walk_levels`)
+LIST_THREADS = 16
+
+
+def _walk_levels(fs: Any, top: str) -> dict[str, dict[str, Any]]:
+    """``fs.find(top, detail=True)`` for a filesystem whose ``find`` reads one folder after another (HTTP index
+    pages: fsspec's ``_walk`` awaits each subfolder in turn): the folders of each level listed at once, on
+    :data:`LIST_THREADS` threads, each folder once (an index page that links back up lists nothing twice)."""
+    found: dict[str, dict[str, Any]] = {}
+    seen, level = {top.rstrip("/")}, [top]
+    with _stdlib("concurrent.futures").ThreadPoolExecutor(LIST_THREADS) as pool:
+        while level:
+            below = []
+            for listing in pool.map(lambda d: fs.ls(d, detail=True), level):
+                for info in listing:
+                    name = str(info["name"])
+                    if info.get("type") != "directory":
+                        found[name] = info
+                    elif name.rstrip("/") not in seen:
+                        seen.add(name.rstrip("/"))
+                        below.append(name)
+            level = below
+    return found
+
+
 def list_objects(url: str) -> list[tuple[str, int | None, str | None]]:
     """Every object under the prefix or folder ``url`` (recursively, sorted by name; fsspec's ``find``, one listing
-    request per 1000 keys on S3): ``(URL, size, version tag)``, the size and ETag / modification time as the listing
-    gives them (None where it gives none: an HTTP index page names links only).
+    request per 1000 keys on S3; an HTTP server's index pages a level at a time, :func:`_walk_levels`):
+    ``(URL, size, version tag)``, the size and ETag / modification time as the listing gives them (None where it
+    gives none: an HTTP index page names links only).
 
     Raises:
         RemoteError: the listing failed.
     """
     fs, p = filesystem(url)
     try:
-        found = fs.find(p, detail=True)
+        found = _walk_levels(fs, p) if type(fs).__name__ == "HTTPFileSystem" else fs.find(p, detail=True)
     except Exception as e:  # the filesystem's own errors: one clear line
         raise RemoteError(f"cannot list {url} ({short_error(e)}); check the URL, the network and fsspec's credentials "
                           "for it", url) from e
@@ -186,7 +215,7 @@ def recheck(url: str) -> tuple[int | None, str | None]:
     Raises:
         RemoteError: it changed since it was first seen inside :func:`consistent_reads`, or it is gone.
     """
-    info = remote_info(url)
+    info = remote_info(url, fresh=True)
     if info is None:
         raise RemoteError(f"{url} disappeared while it was read; nothing was written", url)
     return version_stamp(info)
@@ -259,8 +288,10 @@ def open_regular(path: str, what: str = "") -> BinaryIO:
 
 def open_binary(path: str) -> BinaryIO:
     """A seekable binary reader of ``path``: the local file itself (``open(path, "rb")``), or for a URL fsspec's
-    own file object (``fs.open``: its read-ahead cache of :data:`BLOCK` bytes, each miss one range request) with
-    every range read checked to bring exactly the bytes asked for (over HTTP: status 206 and a ``Content-Range``
+    own file object (``fs.open``) whose cache reads :data:`BLOCK` bytes ahead, each miss one range request for the
+    bytes not yet held (:class:`~ckptool._remote.StoreCache`; inside :func:`object_reads` every open of the URL
+    shares the ranges fetched and the object's ``info``, so a second open costs no request), with every range read
+    checked to bring exactly the bytes asked for (over HTTP: status 206 and a ``Content-Range``
     naming them, :func:`http_file`), and the object's size and ETag / modification time held to those of the
     open (:func:`consistent_reads` holds them across opens). A server that ignores ``Range`` has the object
     downloaded once (:func:`_spooled`). Use it as a context manager.
@@ -291,7 +322,8 @@ def open_binary(path: str) -> BinaryIO:
     if again[1] is not None and again != stamp:  # the file object asked for the object's info once more
         f.close()
         raise changed_error(path, stamp, again)
-    f.cache.fetcher = checked_fetcher(f, fs, p, path, stamp)
+    # fsspec's per-file read-ahead cache becomes one over the object's shared ranges (object_reads)
+    f.cache = StoreCache(BLOCK, checked_fetcher(f, fs, p, path, stamp), f.size, range_store(path, stamp))
     f.name = path
     return f  # type: ignore[no-any-return]
 

@@ -12,7 +12,8 @@ once per session for every test module.
   ``/short/`` sends 10 bytes fewer than asked with a matching ``Content-Length``, ``/replace/`` serves
   ``NAME.v2`` (its own ETag) from the ``replace_after``-th GET on: an object replaced while it is read. A GET of a
   folder answers an index page linking its files and subfolders (what fsspec's HTTP ``ls`` / ``find`` read);
-  ``delay`` seconds are added to every request (the latency of a distant object store, for benchmarks).
+  ``delay`` seconds are added to every request (the latency of a distant object store, for benchmarks);
+  ``log`` lists every request (method, path, ``Range``).
 * ``plain_http``: the standard library's ``http.server.SimpleHTTPRequestHandler`` (``python -m http.server``),
   which ignores ``Range`` and answers every GET with the whole file.
 """
@@ -65,7 +66,7 @@ def s3_server() -> Iterator[Any]:
             fsspec.filesystem("s3").clear_instance_cache()
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=4096)  # a benchmark bucket of 500 objects hashes each once
 def _etag_of(path: Path, size: int, mtime_ns: int) -> str:
     return f'"{hashlib.md5(path.read_bytes()).hexdigest()}"'
 
@@ -78,12 +79,20 @@ def _etag(path: Path) -> str:
 
 class Files(ThreadingHTTPServer):
     daemon_threads = True
+    #: the listen backlog (``http.server``'s default, 5, drops the connections of a burst of concurrent requests,
+    #: which then wait a second for the SYN to be sent again: no object store behaves so)
+    request_queue_size = 128
     root: Path
     sent: int = 0
     gets: int = 0  # GET requests under /replace/ so far
     replace_after: int = 2
     delay: float = 0.0  # seconds added to every request
     lock = threading.Lock()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: every request so far: (method, path, Range header or "")
+        self.log: list[tuple[str, str, str]] = []
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """Quiet: a client that drops a connection mid-body (ckptool refusing an answer) is what some tests do, and a
@@ -92,11 +101,15 @@ class Files(ThreadingHTTPServer):
 
 class RangeHandler(BaseHTTPRequestHandler):
     server: Files
+    #: the body bytes of the last answer (a file's bytes, an index page)
+    body_bytes = 0
 
     def log_message(self, *args: Any) -> None:
         pass
 
     def _file(self, count: bool = False) -> tuple[Path | None, str]:
+        with self.server.lock:
+            self.server.log.append((self.command, self.path, self.headers.get("Range", "")))
         if self.server.delay:
             time.sleep(self.server.delay)
         rel = self.path.split("?", 1)[0].lstrip("/")
@@ -135,6 +148,7 @@ class RangeHandler(BaseHTTPRequestHandler):
         links = [f'<a href="{base}{c.name}{"/" if c.is_dir() else ""}">{c.name}</a>' for c in sorted(folder.iterdir())
                  if not c.name.endswith(".v2")]
         body = ("<html><body>" + "\n".join(links) + "</body></html>").encode()
+        self.body_bytes = len(body)
         self.send_response(200)
         self.send_header("Content-Type", "text/html")
         self.send_header("Content-Length", str(len(body)))
@@ -172,6 +186,7 @@ class RangeHandler(BaseHTTPRequestHandler):
             self.close_connection = True
         with self.server.lock:  # counted before the write: the client may finish reading before this thread runs on
             self.server.sent += len(data)
+        self.body_bytes = len(data)
         self.wfile.write(data)
 
 

@@ -68,9 +68,11 @@ def end_record(buf: Container) -> tuple[int, int, int, int] | None:
     """``(eocd offset, central directory size, central directory offset, comment length)`` of the last end of
     central directory record in the last 64 KiB of ``buf``, or None."""
     size = len(buf)
-    lo = max(0, size - (65535 + 22))
+    # 20 bytes more than the search needs, where torch's reader looks for a ZIP64 locator: on a remote file one
+    # range read then serves both (ckptool._remote.RangeStore)
+    lo = max(0, size - (65535 + 22 + 20))
     tail = bytes(buf[lo:size])
-    at = tail.rfind(ZIP_EOCD)
+    at = tail.rfind(ZIP_EOCD, max(0, size - lo - (65535 + 22)))
     if at < 0 or at + 22 > len(tail):
         return None
     _sig, _d, _dcd, _n, _count, cd_size, cd_offset, clen = struct.unpack_from("<IHHHHIIH", tail, at)

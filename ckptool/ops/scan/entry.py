@@ -122,6 +122,14 @@ def scan_file(path: str | os.PathLike[str], *,
     dcp = _dcp_part(path) if os.path.isdir(path) or path.endswith(_DCP_NAMES) else None
     if dcp is not None:
         return cast(ScanResult, plugin("ckptool.ops.scan.dcp:scan_dcp_folder")(*dcp))
+    if source.is_url(path):  # its opens share one HEAD and the ranges fetched (format check, directory, code finder)
+        with source.object_reads(path):
+            return _scan_one(path, preparsed)
+    return _scan_one(path, preparsed)
+
+
+def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None) -> ScanResult:
+    """:func:`scan_file` of the file (or URL) ``path``."""
     res = ScanResult(path)
     sc = CodeScanner(res, preparsed)  # the pickles, and the code that ships in each zip (ops/scan/shipped_code.py)
     start = source.thread_bytes_transferred()

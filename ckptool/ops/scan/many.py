@@ -23,10 +23,11 @@ Nothing here schedules work across machines: the executor does.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Generic, TypeVar
 
 from ckptool import _source as source
 from ckptool.errors import CkptError
@@ -54,6 +55,8 @@ class Target:
     version: str | None = None
     listed: bool = False
     error: str | None = None
+    #: fsspec's ``info`` of a URL whose version a ``HEAD`` gave (for the cache): its scan asks for it no more
+    info: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
 
 def expand(paths: Iterable[str | os.PathLike[str]], whole: Callable[[str], bool] | None = None) -> Iterator[Target]:
@@ -107,9 +110,11 @@ def scan_target(t: Target) -> ScanResult | None:
         return ScanResult(t.path, error=t.error)
     start = source.thread_bytes_transferred()
     try:
-        if not_a_checkpoint(t):
-            return None
-        res = scan_file(t.path)
+        # one object, one HEAD: the look at its first bytes and the scan share what they fetch
+        with source.object_reads(t.path, t.info) if source.is_url(t.path) else contextlib.nullcontext():
+            if not_a_checkpoint(t):
+                return None
+            res = scan_file(t.path)
     except (CkptError, OSError) as e:
         res = ScanResult(t.path, error=str(e))
     res.notes += t.notes
@@ -129,8 +134,9 @@ def _stamped(t: Target) -> Target:
                 return t
             st = os.stat(t.path)
             return replace(t, size=st.st_size, version=str(st.st_mtime_ns))
-        _url, size, tag = source.version_key(t.path)
-        return replace(t, size=size if isinstance(size, int) else None, version=None if tag is None else str(tag))
+        info = source.remote_info(t.path)
+        size, tag = source.version_stamp(info or {})
+        return replace(t, size=size, version=None if tag is None else str(tag), info=info)
     except (CkptError, OSError) as e:
         return replace(t, error=str(e))
 
