@@ -77,6 +77,24 @@ def test_one_object_is_one_head_and_a_few_ranges(served: tuple[Any, str, int], l
     assert res.bytes_read < size / 50
 
 
+@pytest.mark.parametrize("listed", [False, True])
+def test_inspecting_one_object_is_one_head_too(served: tuple[Any, str, int], listed: bool) -> None:
+    """``inspect`` of a URL (one path, or a row of several) opens the object as often as a scan does, and then
+    scans it: one ``HEAD`` in all, no range twice."""
+    from ckptool.ops.inspect.many import inspect_target
+    from ckptool.ops.scan.many import Target
+
+    http, u, _size = served
+    before = len(http.log)
+    row = inspect_target(Target(u, listed=listed))
+    assert row is not None and row.error is None
+    reqs = _requests(http, u)
+    assert len(reqs) == len(http.log) - before
+    assert [m for m, _p, _r in reqs].count("HEAD") == 1, reqs
+    gets = [r for m, _p, r in reqs if m == "GET"]
+    assert len(gets) == len(set(gets)), gets
+
+
 def test_the_store_is_per_block_and_a_recheck_asks_again(served: tuple[Any, str, int]) -> None:
     """Outside :func:`object_reads` each open asks for the object's info (a ``HEAD``); inside one, the first
     answer serves the rest, and :func:`~ckptool._source.recheck` (the evidence that the object is still there)

@@ -85,7 +85,8 @@ def inspect(path: str | os.PathLike[str] | Opened, limits: PreviewLimits | None 
     if not source.is_url(given):
         return _describe(path, limits)
     start = source.bytes_transferred()
-    info = _describe(path, limits)
+    with source.object_reads(given):  # one HEAD, and no range fetched twice, however often the object is opened
+        info = _describe(path, limits)
     info.bytes_read = source.bytes_transferred() - start
     return info
 

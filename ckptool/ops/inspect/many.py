@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from dataclasses import dataclass
@@ -54,9 +55,11 @@ def inspect_target(t: Target, show_all: bool = False) -> InspectRow | None:
         return InspectRow(t.path, error=t.error)
     start = source.thread_bytes_transferred()
     try:
-        if not_a_checkpoint(t):
-            return None
-        info = inspect(t.path, ALL_VALUES) if show_all else inspect(t.path)
+        # one object, one HEAD: the look at its first bytes and the inspection share what they fetch
+        with source.object_reads(t.path, t.info) if source.is_url(t.path) else contextlib.nullcontext():
+            if not_a_checkpoint(t):
+                return None
+            info = inspect(t.path, ALL_VALUES) if show_all else inspect(t.path)
         if source.is_url(t.path):  # this task's own bytes, not those of the tasks beside it in other threads
             info.bytes_read = source.thread_bytes_transferred() - start
         return InspectRow(t.path, json="".join(info.json_pieces(indent=None)))
