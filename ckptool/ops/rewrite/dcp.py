@@ -7,9 +7,9 @@ DCP folder: ``.metadata`` rewritten from its node graph (:mod:`ckptool.formats.p
 hard-linked: the output does not alias the input). Everything is checked before a byte is written; the folder is
 written into a staging folder beside the destination (one data file per task with ``--jobs N``:
 :mod:`ckptool.ops.rewrite.parallel`) and renamed into place once complete and read back (:func:`rewrite_dcp`); a
-failed run leaves nothing. ``storage_meta`` (the folder the checkpoint was saved to, its
-save id) is kept as written; files of the folder that no record names are not copied (the result notes them), but
-for those of a Megatron-Core torch_dist folder (copied; its cached plans renamed: :mod:`ckptool.ops.rewrite.layouts`).
+failed run leaves nothing. ``storage_meta`` (the folder the checkpoint was saved to, its save id) is kept as
+written; files of the folder that no record names are not copied (the result notes them), but for those of a
+Megatron-Core torch_dist folder (copied; its cached plans renamed: :mod:`ckptool.ops.rewrite.layouts`).
 
 **Renaming.** DCP saves a nested state (``dcp.save({"model": model.state_dict(), "optim": ...})``) flattened: each
 leaf's fully qualified name (FQN) is its path joined with dots (``model.fc.weight``) and ``planner_data`` records
@@ -17,8 +17,7 @@ the path (``("model", "fc.weight")``; torch/distributed/checkpoint/_nested_dict.
 renaming applies to the state_dicts of that nesting exactly as the file commands apply to the file
 ``dcp_to_torch_save`` writes of the folder: the nesting is rebuilt as a node graph (one placeholder per entry) and
 renamed by the caller's ``rename`` (:func:`ckptool.ops.rewrite.prefixes.rename_graph`, the one planner: the same
-state_dicts
-found, optimizer state left alone, ``--key``, :class:`~ckptool.errors.PrefixNotFoundError`,
+state_dicts found, optimizer state left alone, ``--key``, :class:`~ckptool.errors.PrefixNotFoundError`,
 :class:`~ckptool.errors.KeyCollisionError`); each entry's new path gives its new FQN (``".".join``, as DCP
 flattens) and ``planner_data`` path. So ``strip-dataparallel`` turns ``model.module.fc.weight`` (``{"model":
 ddp.state_dict()}``) into ``model.fc.weight``, and a folder saved from a bare state_dict
@@ -100,8 +99,7 @@ def _check_target(folder: str, dst: str) -> None:
     """Refuse an output that is not a new or empty folder in an existing folder, or that is the input.
 
     Raises:
-        UsageError: as said.
-    """
+        UsageError: as said."""
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise UsageError(f"{dst} already exists and is not an empty folder; a DCP checkpoint is written into a new "
                          "(or empty) folder: choose another -o path")
@@ -136,8 +134,7 @@ def _records(meta: DcpMetadata) -> tuple[list[_Record], dict[str, int]]:
 
     Raises:
         CorruptCheckpointError: a malformed record, one outside the folder or past its file's end, two records
-            sharing one ``MetadataIndex`` or ``_StorageInfo`` object.
-    """
+            sharing one ``MetadataIndex`` or ``_StorageInfo`` object."""
     st = meta.root.state
     storage_data = st.get("storage_data") if type(st) is dict else None
     items = meta.items()  # raises when storage_data is not a dict
@@ -179,8 +176,7 @@ def _refuse_safetensors_files(folder: str, sizes: dict[str, int]) -> None:
     ``_write_files_from_queue``), which copying the files byte for byte would leave behind.
 
     Raises:
-        UnsupportedError: such a data file.
-    """
+        UnsupportedError: such a data file."""
     for rel in sizes:
         try:
             header = open_checkpoint(os.path.join(folder, rel)).spec.header
@@ -453,8 +449,7 @@ def _read_back(stage: str, dst: str, entries: list[Any], items: list[Any], plann
     it with what the plan says, each record's range with its written file.
 
     Raises:
-        VerificationError: a difference (nothing is kept).
-    """
+        VerificationError: a difference (nothing is kept)."""
     try:
         back = open_checkpoint(stage).dcp_metadata()
         got_items = [(i.fqn, i.is_bytes, i.relative_path, i.offset, i.length) for i in back.items()]
