@@ -150,7 +150,8 @@ def test_no_command_module_imports_another_or_the_package() -> None:
     """Command modules share code only through ckptool/cli/_common.py (which re-exports the flags of
     ckptool/cli/_flags.py, imported by the entry point too) and ckptool/cli/_hints.py (the load hint of the writing
     commands, which imports _common, never the other way) and ckptool/cli/_many.py (scan's many-checkpoint mode, kept
-    apart so that one file's scan does not load it); only the entry point imports ckptool.cli."""
+    apart so that one file's scan does not load it); the exit statuses come from ckptool/cli/_errors.py, where they
+    live; only the entry point imports ckptool.cli."""
     for path in CLI_DIR.glob("*.py"):
         if path.name in ("__init__.py", "_flags.py"):
             continue
@@ -165,7 +166,8 @@ def test_no_command_module_imports_another_or_the_package() -> None:
                 if path.name == "_common.py" and name.startswith("ckptool.cli._flags"):
                     continue
                 if name == "ckptool.cli" or name.startswith("ckptool.cli."):
-                    assert name.startswith(("ckptool.cli._common", "ckptool.cli._hints", "ckptool.cli._many")), \
+                    assert name.startswith(("ckptool.cli._common", "ckptool.cli._hints", "ckptool.cli._many",
+                                            "ckptool.cli._errors.EXIT_")) or name == "ckptool.cli._errors", \
                         f"{path.name} imports {name}"
                     assert path.name != "_common.py", f"_common.py imports {name}"
                     assert not (path.name == "_hints.py" and name.startswith("ckptool.cli._hints")), name
