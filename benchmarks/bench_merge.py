@@ -165,6 +165,8 @@ def bench_ties(workdir: str, mib: float, results: dict[str, dict[str, object]]) 
     facts: dict[str, object] = {"ties_layers": int(out[0]), "ties_largest_tensor_mib": int(out[1]) / 2**20}
     files = [os.path.join(f, "model.safetensors") for f in folders]
     ours = os.path.join(workdir, "ties.safetensors")
+    if os.path.exists(ours):  # a kept workdir: ckptool refuses to overwrite without --force
+        os.remove(ours)
     _run("ckptool average --method ties", [py, "-m", "ckptool", "average", folders[1], folders[2], "--method",
                                            "ties", "--base", folders[0], "--density", "0.5", "-o", ours],
          workdir, files, results)
