@@ -41,7 +41,7 @@ from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers import open_checkpoint
 from ckptool.readers.data import FileRanges, read_range, read_storage
 from ckptool.readers.read_safetensors import restore_library_aliases
-from ckptool.torch_ops.merge import add_lora_delta
+from ckptool.torch_ops.merge import add_lora_delta, release_freed_memory
 
 __all__ = ["MergeLoraResult", "merge_lora"]
 
@@ -179,6 +179,7 @@ def _spool(base: Source, adapter: Adapter, targets: dict[str, LoraPair], copies:
             if pair is not None:
                 w = replace(copies[t.name], name=t.name, index=t.index) if t.name in copies else t
                 out.append(_merged_tensor(w, pair, files, scratch_path, scratch))
+                release_freed_memory()
                 if progress is not None:
                     progress(t.numel * element_size(t.dtype))
             elif t.name in copies:

@@ -23,6 +23,7 @@ from ckptool.formats.tensors import Source, Storage, Tensor
 from ckptool.ops.merge.lora import tensor_bytes
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers.data import FileRanges
+from ckptool.torch_ops.merge import release_freed_memory
 from ckptool.torch_ops.merge_methods import merge_elements, new_generator
 
 __all__ = ["METHODS", "MethodOptions", "check_method", "spool_merged"]
@@ -109,6 +110,8 @@ def spool_merged(ref: Source, inputs: list[Source], opts: MethodOptions, weights
                 offset = scratch.tell()
                 scratch.write(data)
                 st = made[t.name] = Storage(scratch_path, offset, len(data), t.dtype, "cpu", zlib.crc32(data))
+                del data, own
+                release_freed_memory()
                 if progress is not None:
                     progress(t.numel * element_size(t.dtype))
             out.append(Tensor(t.name, t.name, t.dtype, t.shape, contiguous_stride(t.shape), 0, st, t.requires_grad,

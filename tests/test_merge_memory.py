@@ -1,5 +1,6 @@
-"""TIES' and DARE's arithmetic in bounded memory (issue 39) against mergekit's own functions: the ``k`` largest
-magnitudes found by selection, with mergekit's sort deciding ties across the cut; deltas combined a slice at a time.
+"""The merges in bounded memory (issue 39): TIES' and DARE's arithmetic against mergekit's own functions (the ``k``
+largest magnitudes found by selection, with mergekit's sort deciding ties across the cut; deltas combined a slice at
+a time), and the C heap handed back after each merged tensor.
 
 The references are mergekit 0.1.5's ``sparsify.magnitude`` and ``GeneralizedTaskArithmeticMerge.merge_group``
 (``get_mask``), transcribed below operation for operation (LGPL-3.0, https://github.com/arcee-ai/mergekit); where
@@ -12,12 +13,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptool.torch_ops import merge_methods
+from ckptool.torch_ops.merge import _malloc_trim
 from ckptool.torch_ops.merge_methods import magnitude_mask_, merge_tensor
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -174,3 +177,33 @@ def test_magnitude_equals_mergekits_own_function(tmp_path: Path) -> None:
     theirs = torch.load(tmp_path / "out.pt")
     for (t, d), want in zip(cases, theirs, strict=True):
         assert torch.equal(_bits(_ours(t, d)), _bits(want)), (t.dtype, d)
+
+
+_HEAP = """
+import sys
+from ckptool.torch_ops.merge import release_freed_memory
+def anon():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon")) // 1024
+big = bytearray(30 << 20)  # freed: glibc raises its mmap threshold to 30 MiB
+del big
+blocks = [bytearray(8 << 20) for _ in range(24)]  # 192 MiB from the heap now
+for b in blocks:
+    b[::4096] = b"x" * len(b[::4096])
+keep = bytearray(64)  # allocated last: the freed blocks are not at the heap's top
+held = anon()
+del blocks
+freed = anon()
+release_freed_memory()
+print(held, freed, anon())
+"""
+
+
+def test_release_freed_memory_returns_the_heap() -> None:
+    """Blocks under glibc's raised mmap threshold stay in the process when freed, until the heap is trimmed."""
+    if _malloc_trim() is None or not os.path.exists("/proc/self/status"):
+        pytest.skip("no glibc malloc_trim here")
+    out = subprocess.run([sys.executable, "-c", _HEAP], capture_output=True, text=True, check=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    held, freed, trimmed = map(int, out.stdout.split())
+    assert freed > held - 64  # free() kept most of the 192 MiB
+    assert trimmed < freed - 128  # malloc_trim gave it back
