@@ -6,6 +6,7 @@ beside PEFT's ``merge_and_unload()`` + ``save_pretrained``, and of ``ckptool ave
 Usage::
 
     python benchmarks/bench_merge.py [--size-mib 1024] [--ties-mib 256] [--workdir DIR] [--only lora|ties] [--json]
+    python benchmarks/bench_merge.py --only key [--key-elements 16777216]   # one key's merge, per method and dtype
     python benchmarks/bench_merge.py --smoke          # a 300 MiB base, 3 x 300 MiB ties inputs
 
 With ``--workdir`` the inputs are kept there and reused by the next run with the same sizes (a ``built.json``
@@ -28,6 +29,11 @@ by tensor. mergekit needs ``architectures`` in ``config.json`` (it picks its ten
 (else it tries to load one and logs an error), and treats a relative model path without a folder of that name as
 a Hugging Face repository (network). Each figure is printed with its ratio to the other tool's (ckptool / PEFT,
 ckptool / mergekit). Only the standard library is used here; torch runs in the children.
+
+key (``--only key``): one key of ``--key-elements`` elements, a base and two inputs (normal, std 0.02) made in a
+child, merged by ``ckptool.torch_ops.merge_methods.merge_elements`` for ties, dare-ties and task-arithmetic in
+float32 and bfloat16; the figure is how much the child's peak RSS grew during the merge, over the peak with the
+three tensors in memory, as a multiple of one tensor's bytes.
 """
 
 from __future__ import annotations
@@ -95,6 +101,33 @@ bad = [k for k in a if k not in b or not torch.allclose(a[k], b[k], rtol=1e-6, a
 same = sum(torch.equal(a[k], b[k]) for k in a if k in b)
 print(",".join(bad[:3]) + (f" (of {len(bad)})" if bad else "") + f";{same}/{len(a)}")
 """
+
+
+_ONE_KEY = r"""
+import resource, sys, torch
+from ckptool.torch_ops.merge_methods import merge_elements, new_generator
+method, dtype, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def tensor(seed):
+    b = bytearray(n * torch.tensor([], dtype=getattr(torch, dtype)).element_size())
+    torch.frombuffer(b, dtype=getattr(torch, dtype)).normal_(0, 0.02, generator=torch.Generator().manual_seed(seed))
+    return b
+base, xs = tensor(0), [tensor(1), tensor(2)]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+merge_elements(method, dtype, (n,), base, iter(xs), [1.0, 1.0], density=0.5, lam=1.0, t=0.5,
+               generator=new_generator(0))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 / len(base))
+"""
+
+
+def bench_key(elements: int) -> dict[str, float]:
+    """One key's merge per method and dtype: the peak RSS growth as a multiple of the tensor's bytes."""
+    out = {}
+    for method in ("ties", "dare-ties", "task-arithmetic"):
+        for dtype in ("float32", "bfloat16"):
+            r = subprocess.run([sys.executable, "-c", _ONE_KEY, method, dtype, str(elements)], capture_output=True,
+                               text=True, env=child_env(), check=True)
+            out[f"{method} {dtype}"] = round(float(r.stdout.split()[-1]), 1)
+    return out
 
 
 def _run(label: str, cmd: list[str], workdir: str, inputs: list[str], results: dict[str, dict[str, object]]) -> bool:
@@ -203,12 +236,20 @@ def main(argv: list[str] | None = None) -> int:
                     "benchmarks/out/, removed)")
     ap.add_argument("--size-mib", type=float, default=1024.0, help="merge-lora base size in MiB (default 1024)")
     ap.add_argument("--ties-mib", type=float, default=256.0, help="size of each ties input in MiB (default 256)")
-    ap.add_argument("--only", choices=("lora", "ties"), help="run one of the two benchmarks")
+    ap.add_argument("--only", choices=("lora", "ties", "key"), help="run one benchmark (key: only with --only)")
+    ap.add_argument("--key-elements", type=int, default=1 << 24, help="elements of --only key's tensor")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--smoke", action="store_true", help="--size-mib 300 --ties-mib 300 (small layers)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.size_mib = args.ties_mib = 300.0
+    if args.only == "key":
+        compile_checkout()
+        key = bench_key(args.key_elements)
+        print(json.dumps(key, indent=2) if args.json else "\n".join(
+            f"{k:<28} peak RSS grew {v} x the tensor" for k, v in key.items()))
+        print(f"load average: {[round(x, 2) for x in os.getloadavg()]}")
+        return 0
     os.makedirs(DEFAULT_OUT_ROOT, exist_ok=True)
     workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="bench-merge-", dir=DEFAULT_OUT_ROOT))
     os.makedirs(workdir, exist_ok=True)
