@@ -55,8 +55,9 @@ def _blocks(n: int, rows: int) -> list[tuple[int, int]]:
     return out
 
 
-def release_freed_memory() -> None:
-    """Hand the C heap's free memory back to the system (glibc ``malloc_trim(0)``; nothing elsewhere).
+def release_freed_memory(nbytes: int = 1 << 20) -> None:
+    """Hand the C heap's free memory back to the system (glibc ``malloc_trim(0)``; nothing elsewhere) after a tensor
+    of ``nbytes`` bytes was computed, when it is 1 MiB or more (a trim takes about 0.1 ms).
 
     Called after each tensor a merge computes: glibc raises its mmap threshold to the size of the last large block
     freed (up to 32 MiB), so the next tensors' buffers and torch's intermediates of that size come from the heap,
@@ -65,7 +66,7 @@ def release_freed_memory() -> None:
     settings for the rest of the process.
     """
     trim = _malloc_trim()
-    if trim is not None:
+    if trim is not None and nbytes >= 1 << 20:
         trim(0)
 
 

@@ -179,7 +179,7 @@ def _spool(base: Source, adapter: Adapter, targets: dict[str, LoraPair], copies:
             if pair is not None:
                 w = replace(copies[t.name], name=t.name, index=t.index) if t.name in copies else t
                 out.append(_merged_tensor(w, pair, files, scratch_path, scratch))
-                release_freed_memory()
+                release_freed_memory(t.numel * element_size(t.dtype))
                 if progress is not None:
                     progress(t.numel * element_size(t.dtype))
             elif t.name in copies:

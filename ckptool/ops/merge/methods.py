@@ -111,7 +111,7 @@ def spool_merged(ref: Source, inputs: list[Source], opts: MethodOptions, weights
                 scratch.write(data)
                 st = made[t.name] = Storage(scratch_path, offset, len(data), t.dtype, "cpu", zlib.crc32(data))
                 del data, own
-                release_freed_memory()
+                release_freed_memory(st.nbytes)
                 if progress is not None:
                     progress(t.numel * element_size(t.dtype))
             out.append(Tensor(t.name, t.name, t.dtype, t.shape, contiguous_stride(t.shape), 0, st, t.requires_grad,
