@@ -96,7 +96,8 @@ def test_small_blocks_give_the_same_bits(tmp_path: Path, monkeypatch: pytest.Mon
 @pytest.mark.parametrize("shape,r", [((300, 700), 16), ((1000, 64), 64), ((130, 2000), 8)])
 def test_blocks_equal_the_whole_product(monkeypatch: pytest.MonkeyPatch, transpose: bool,
                                         shape: tuple[int, int], r: int) -> None:
-    """add_lora_delta in blocks of 16 rows and more (remainder folded) equals ``W + (B @ A)[.T] * s`` whole."""
+    """add_lora_delta in blocks of 16 rows and more (remainder folded) equals ``W + (B @ A)[.T] * s`` whole, with
+    ``W`` whole or passed a block of rows at a time."""
     g = torch.Generator().manual_seed(sum(shape) + r)
     n_out, n_in = shape[::-1] if transpose else shape
     w, a, b = torch.randn(shape, generator=g), torch.randn(r, n_in, generator=g), torch.randn(n_out, r, generator=g)
@@ -110,6 +111,13 @@ def test_blocks_equal_the_whole_product(monkeypatch: pytest.MonkeyPatch, transpo
                                   b.numpy().tobytes(), "float32", (n_out, r), 0.37, transpose)
         got = torch.frombuffer(buf, dtype=torch.float32).view(shape)
         assert torch.equal(_bits(got), _bits(want)), block
+        parts = []  # W streamed a block of rows at a time (merge-lora's reads), the same bits
+        for i, j in merge_math.lora_blocks(shape):
+            part = bytearray(w[i:j].numpy().tobytes())
+            merge_math.add_lora_delta(part, "float32", shape, a.numpy().tobytes(), "float32", (r, n_in),
+                                      b.numpy().tobytes(), "float32", (n_out, r), 0.37, transpose, (i, j))
+            parts.append(part)
+        assert bytes(b"".join(parts)) == bytes(buf), block
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -16,7 +16,8 @@ A float32 adapter on a half base is thus merged with one rounding; a half adapte
 
 The delta is computed a block of ``W``'s rows at a time (:data:`BLOCK_ELEMENTS` elements, at least
 :data:`MIN_BLOCK_ROWS` rows): rows of ``B`` for a plain weight, columns of ``A`` for a transposed one, so that memory
-stays at ``W``'s bytes plus a few float32 blocks. Each element of ``B @ A`` is one dot product of length ``r``,
+stays at a few float32 blocks (the caller may pass ``W`` a block at a time, :func:`lora_blocks`). Each element of
+``B @ A`` is one dot product of length ``r``,
 which torch's CPU matrix product (MKL) sums in the same order for a block of 16 rows or more as for the whole
 product, so the result has the whole product's bits (held by ``tests/test_merge_lora.py`` against PEFT and
 against the whole product, with small blocks); a block of very few rows goes through another kernel and may not.
@@ -24,7 +25,10 @@ against the whole product, with small blocks); a block of very few rows goes thr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import ctypes
+import functools
+import math
+from typing import TYPE_CHECKING, Any
 
 from ckptool.errors import UnsupportedError
 from ckptool.torch_ops.cast import torch_dtype
@@ -32,10 +36,10 @@ from ckptool.torch_ops.cast import torch_dtype
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BLOCK_ELEMENTS", "MIN_BLOCK_ROWS", "add_lora_delta", "tensor_of"]
+__all__ = ["BLOCK_ELEMENTS", "MIN_BLOCK_ROWS", "add_lora_delta", "lora_blocks", "release_freed_memory", "tensor_of"]
 
-#: elements of ``W`` merged at a time (16 MiB of float32)
-BLOCK_ELEMENTS = 1 << 22
+#: elements of ``W`` merged at a time (4 MiB of float32)
+BLOCK_ELEMENTS = 1 << 20
 #: the fewest rows of ``W`` in a block: MKL computes a product of a few rows (1 to 7 seen) by another kernel
 #: (matrix-vector), whose sums round differently from the whole product's
 MIN_BLOCK_ROWS = 64
@@ -53,6 +57,37 @@ def _blocks(n: int, rows: int) -> list[tuple[int, int]]:
     return out
 
 
+def lora_blocks(w_shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` row blocks :func:`add_lora_delta` merges a weight of ``w_shape`` in: about
+    :data:`BLOCK_ELEMENTS` elements and at least :data:`MIN_BLOCK_ROWS` rows each, the remainder in the last."""
+    return _blocks(w_shape[0], max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, math.prod(w_shape[1:]))))
+
+
+def release_freed_memory(nbytes: int = 1 << 20) -> None:
+    """Hand the C heap's free memory back to the system (glibc ``malloc_trim(0)``; nothing elsewhere) after a tensor
+    of ``nbytes`` bytes was computed, when it is 1 MiB or more (a trim takes about 0.1 ms).
+
+    Called after each tensor a merge computes: glibc raises its mmap threshold to the size of the last large block
+    freed (up to 32 MiB), so the next tensors' buffers and torch's intermediates of that size come from the heap,
+    and what they free stays in the process (60 MiB of the 1 GiB merge-lora benchmark's peak RSS, measured in
+    issue 39). Trimming after each tensor keeps the peak at one tensor's working set, without changing malloc's
+    settings for the rest of the process.
+    """
+    trim = _malloc_trim()
+    if trim is not None and nbytes >= 1 << 20:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim`` (looked up in the process's own symbols), or None where the C library has none
+    (musl, macOS) or the process has no such table (Windows)."""
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):
+        return None
+
+
 def tensor_of(data: bytearray | bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """``data`` (little-endian elements, row-major) as a tensor of ``dtype`` and ``shape``, sharing its memory
     when ``data`` is a ``bytearray``."""
@@ -66,12 +101,14 @@ def tensor_of(data: bytearray | bytes, dtype: str, shape: tuple[int, ...]) -> to
 
 def add_lora_delta(w: bytearray, w_dtype: str, w_shape: tuple[int, ...], a: bytes | bytearray, a_dtype: str,
                    a_shape: tuple[int, ...], b: bytes | bytearray, b_dtype: str, b_shape: tuple[int, ...],
-                   scaling: float, transpose: bool) -> None:
+                   scaling: float, transpose: bool, rows: tuple[int, int] | None = None) -> None:
     """Add ``scaling * (B @ A)`` (transposed when ``transpose``) to the weight ``W`` held in ``w``, in place.
 
     ``w``: the row-major little-endian bytes of ``W`` (``w_dtype``: float16, bfloat16, float32 or float64;
-    ``w_shape``: ``(out, in)``, or ``(in, out)`` when ``transpose``); ``a`` / ``b``: those of ``A`` ``(r, in)`` and
-    ``B`` ``(out, r)``. See the module docstring for the dtypes and the order of operations.
+    ``w_shape``: ``(out, in)``, or ``(in, out)`` when ``transpose``), or with ``rows`` ``(start, stop)`` those of
+    these rows of ``W`` only (one of :func:`lora_blocks`: the caller streams ``W`` a block at a time); ``a`` /
+    ``b``: those of ``A`` ``(r, in)`` and ``B`` ``(out, r)``. See the module docstring for the dtypes and the order
+    of operations.
 
     Raises:
         UnsupportedError: a dtype that is not floating, or shapes that do not compose to ``W``'s.
@@ -87,7 +124,8 @@ def add_lora_delta(w: bytearray, w_dtype: str, w_shape: tuple[int, ...], a: byte
     if r != r2 or tuple(w_shape) != want:
         raise UnsupportedError(f"lora_A {list(a_shape)} and lora_B {list(b_shape)} give a delta of shape {list(want)}"
                                f", but the weight is {list(w_shape)}")
-    wt = tensor_of(w, w_dtype, tuple(w_shape))
+    i0, j0 = rows if rows is not None else (0, w_shape[0])
+    wt = tensor_of(w, w_dtype, (j0 - i0, *w_shape[1:]))
     at, bt = tensor_of(a, a_dtype, a_shape), tensor_of(b, b_dtype, b_shape)
     half = bt.dtype in (torch.float16, torch.bfloat16)  # PEFT: lora_B's dtype, cast_to_fp32 on the CPU
     compute = torch.float32 if half else torch.promote_types(at.dtype, bt.dtype)
@@ -95,9 +133,9 @@ def add_lora_delta(w: bytearray, w_dtype: str, w_shape: tuple[int, ...], a: byte
     acc_dtype = torch.promote_types(wt.dtype, delta_dtype)
     at, bt = at.to(compute), bt.to(compute)
     with torch.no_grad():
-        for i, j in _blocks(w_shape[0], max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, w_shape[1]))):
+        for i, j in [(i0, j0)] if rows is not None else lora_blocks(w_shape):
             block = (bt @ at[:, i:j]).t() if transpose else bt[i:j] @ at
-            block = (block * scaling).to(delta_dtype)
-            acc = wt[i:j].to(acc_dtype)
+            block = block.mul_(scaling).to(delta_dtype)  # block * scaling, in place
+            acc = wt[i - i0:j - i0].to(acc_dtype)
             acc += block
-            wt[i:j].copy_(acc)  # one rounding back to W's dtype, as .to(dtype)
+            wt[i - i0:j - i0].copy_(acc)  # one rounding back to W's dtype, as .to(dtype)

@@ -12,8 +12,9 @@ Streaming: the base tensors an adapter changes are read one at a time with their
 tensor is copied from the base files by ``convert``'s writer (:func:`ckptool.ops.convert.outputs.write_outputs`),
 which writes the output: ``.safetensors``, a torch zip file (``.pt`` / ``.pth`` / ``.bin``), or a folder
 (``model.safetensors``, shards with ``max_shard_size``) holding the base folder's companion files
-(``config.json``, tokenizer files: :mod:`ckptool.ops.rewrite.companions`). Memory: the largest merged weight plus
-a few float32 blocks, not the model.
+(``config.json``, tokenizer files: :mod:`ckptool.ops.rewrite.companions`). Memory: a few blocks of rows of the
+weight being merged (:func:`ckptool.torch_ops.merge.lora_blocks`; the whole weight where it is not one contiguous
+range of a file), and ``A`` and ``B``, not the model.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from ckptool._fileio import same_file
@@ -41,7 +43,7 @@ from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers import open_checkpoint
 from ckptool.readers.data import FileRanges, read_range, read_storage
 from ckptool.readers.read_safetensors import restore_library_aliases
-from ckptool.torch_ops.merge import add_lora_delta
+from ckptool.torch_ops.merge import add_lora_delta, lora_blocks, release_freed_memory
 
 __all__ = ["MergeLoraResult", "merge_lora"]
 
@@ -133,18 +135,35 @@ def tensor_bytes(t: Tensor, files: FileRanges) -> bytearray:
     return bytearray(b"".join(gather(whole, esize, t.offset, t.shape, t.stride)))
 
 
+def _weight_blocks(t: Tensor, files: FileRanges) -> Iterator[tuple[bytearray, tuple[int, int] | None]]:
+    """The bytes of ``t`` (row-major) a block of rows at a time (:func:`lora_blocks`) where it is one contiguous
+    range of a file, else whole (``None``: every row)."""
+    st, esize = t.storage, element_size(t.dtype)
+    if st.pieces is not None or len(t.shape) != 2 or not is_contiguous(t.shape, t.stride):
+        yield tensor_bytes(t, files), None
+        return
+    row = t.shape[1] * esize
+    for i, j in lora_blocks(t.shape):
+        data = read_range(st, t.offset * esize + i * row, (j - i) * row, files.read)
+        yield (data if isinstance(data, bytearray) else bytearray(data)), (i, j)
+
+
 def _merged_tensor(t: Tensor, pair: LoraPair, files: FileRanges, scratch_path: str, scratch: object) -> Tensor:
-    """``t`` merged with ``pair``, written at the end of ``scratch``; the output tensor (a view of it)."""
-    w = tensor_bytes(t, files)
-    try:
-        add_lora_delta(w, t.dtype, t.shape, tensor_bytes(pair.a, files), pair.a.dtype, pair.a.shape,
-                       tensor_bytes(pair.b, files), pair.b.dtype, pair.b.shape, pair.scaling, pair.transposed)
-    except UnsupportedError as e:
-        hint = " (fan_in_fan_out in adapter_config.json?)" if "shape" in str(e) else ""
-        raise UnsupportedError(f"{t.name!r}: {e}{hint}") from None
-    offset = scratch.tell()  # type: ignore[attr-defined]
-    scratch.write(w)  # type: ignore[attr-defined]
-    st = Storage(scratch_path, offset, len(w), t.dtype, "cpu", zlib.crc32(w))
+    """``t`` merged with ``pair``, written at the end of ``scratch`` a block of rows at a time; the output tensor
+    (a view of it)."""
+    a, b = tensor_bytes(pair.a, files), tensor_bytes(pair.b, files)
+    offset, crc = scratch.tell(), 0  # type: ignore[attr-defined]
+    for w, rows in _weight_blocks(t, files):
+        try:
+            add_lora_delta(w, t.dtype, t.shape, a, pair.a.dtype, pair.a.shape, b, pair.b.dtype, pair.b.shape,
+                           pair.scaling, pair.transposed, rows)
+        except UnsupportedError as e:
+            hint = " (fan_in_fan_out in adapter_config.json?)" if "shape" in str(e) else ""
+            raise UnsupportedError(f"{t.name!r}: {e}{hint}") from None
+        scratch.write(w)  # type: ignore[attr-defined]
+        crc = zlib.crc32(w, crc)
+    nbytes = t.numel * element_size(t.dtype)
+    st = Storage(scratch_path, offset, nbytes, t.dtype, "cpu", crc)
     return Tensor(t.name, t.name, t.dtype, t.shape, contiguous_stride(t.shape), 0, st, t.requires_grad, t.index)
 
 
@@ -179,6 +198,7 @@ def _spool(base: Source, adapter: Adapter, targets: dict[str, LoraPair], copies:
             if pair is not None:
                 w = replace(copies[t.name], name=t.name, index=t.index) if t.name in copies else t
                 out.append(_merged_tensor(w, pair, files, scratch_path, scratch))
+                release_freed_memory(t.numel * element_size(t.dtype))
                 if progress is not None:
                     progress(t.numel * element_size(t.dtype))
             elif t.name in copies:

@@ -4,11 +4,14 @@ The options are checked here (:func:`check_method`); :func:`spool_merged` comput
 inputs' (and the base's) tensors, one key at a time, into the scratch file ``ckptool.average`` then writes in the
 output format. The arithmetic is :mod:`ckptool.torch_ops.merge_methods` (mergekit's definitions, transcribed).
 Memory: one key's tensors of every input at a time (a method like TIES ranks a whole tensor's magnitudes, so it does
-not work a chunk at a time as ``linear`` does), not the checkpoints.
+not work a chunk at a time as ``linear`` does), not the checkpoints: each input's tensor is read when its delta is
+computed, into the buffer the delta then lives in, and the result is written into the base's buffer
+(:mod:`ckptool.torch_ops.merge_methods`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ from ckptool.formats.tensors import Source, Storage, Tensor
 from ckptool.ops.merge.lora import tensor_bytes
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers.data import FileRanges
+from ckptool.torch_ops.merge import release_freed_memory
 from ckptool.torch_ops.merge_methods import merge_elements, new_generator
 
 __all__ = ["METHODS", "MethodOptions", "check_method", "spool_merged"]
@@ -96,16 +100,18 @@ def spool_merged(ref: Source, inputs: list[Source], opts: MethodOptions, weights
                 own = tensor_bytes(t, files)
                 data: bytes | bytearray = own
                 if t.dtype in _FLOATING:
-                    xs = [tensor_bytes(m[t.name], files) for m in by_name]
+                    xs = (tensor_bytes(m[t.name], files) for m in by_name)  # read one at a time, as merged
                     slerp = opts.method == "slerp"  # between ref and the other input; the others: onto the base
                     data = merge_elements(opts.method, t.dtype, t.shape, None if slerp else own,
-                                          [own, *xs] if slerp else xs, weights,
+                                          itertools.chain([own], xs) if slerp else xs, weights,
                                           density=opts.density, lam=opts.lam, t=opts.t, generator=generator)
                 else:
                     copied.append(t.name)
                 offset = scratch.tell()
                 scratch.write(data)
                 st = made[t.name] = Storage(scratch_path, offset, len(data), t.dtype, "cpu", zlib.crc32(data))
+                del data, own
+                release_freed_memory(st.nbytes)
                 if progress is not None:
                     progress(t.numel * element_size(t.dtype))
             out.append(Tensor(t.name, t.name, t.dtype, t.shape, contiguous_stride(t.shape), 0, st, t.requires_grad,
