@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from ckptool import _source as source
 from ckptool.errors import CkptError, UsageError
 from ckptool.ops.inspect.entry import SCHEMA, inspect
 from ckptool.ops.inspect.values import ALL_VALUES
-from ckptool.ops.scan.many import ManyRun, Target, not_a_checkpoint
+from ckptool.ops.scan.many import ManyRun, Target, not_a_checkpoint, target_reads
 from ckptool.readers import open_checkpoint
 
 __all__ = ["InspectRow", "InspectRun", "inspect_target", "is_one_checkpoint"]
@@ -55,8 +54,7 @@ def inspect_target(t: Target, show_all: bool = False) -> InspectRow | None:
         return InspectRow(t.path, error=t.error)
     start = source.thread_bytes_transferred()
     try:
-        # one object, one HEAD: the look at its first bytes and the inspection share what they fetch
-        with source.object_reads(t.path, t.info) if source.is_url(t.path) else contextlib.nullcontext():
+        with target_reads(t):
             if not_a_checkpoint(t):
                 return None
             info = inspect(t.path, ALL_VALUES) if show_all else inspect(t.path)

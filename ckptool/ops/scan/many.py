@@ -35,7 +35,7 @@ from ckptool.ops.scan.cache import ScanCache
 from ckptool.ops.scan.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets, scan_file
 
 __all__ = ["ManyRun", "ScanRun", "Target", "expand", "not_a_checkpoint", "scan_many", "scan_target",
-           "starts_like_checkpoint"]
+           "starts_like_checkpoint", "target_reads"]
 
 R = TypeVar("R")
 
@@ -96,6 +96,13 @@ def starts_like_checkpoint(url: str) -> bool:
     return head[8:9] == b"{"  # safetensors: an 8-byte header length, then the JSON header
 
 
+def target_reads(t: Target) -> contextlib.AbstractContextManager[None]:
+    """The block a task reads ``t`` in: for a URL, :func:`ckptool._source.object_reads` (one ``HEAD``, given by the
+    listing or the cache's look-up where they asked already, and no range fetched twice: the look at its first
+    bytes and the task share what they fetch); nothing for a local file."""
+    return source.object_reads(t.path, t.info) if source.is_url(t.path) else contextlib.nullcontext()
+
+
 def not_a_checkpoint(t: Target) -> bool:
     """Whether ``t`` is an object found under a prefix that is no checkpoint by its name or first bytes (skipped:
     the module docstring)."""
@@ -110,8 +117,7 @@ def scan_target(t: Target) -> ScanResult | None:
         return ScanResult(t.path, error=t.error)
     start = source.thread_bytes_transferred()
     try:
-        # one object, one HEAD: the look at its first bytes and the scan share what they fetch
-        with source.object_reads(t.path, t.info) if source.is_url(t.path) else contextlib.nullcontext():
+        with target_reads(t):
             if not_a_checkpoint(t):
                 return None
             res = scan_file(t.path)
