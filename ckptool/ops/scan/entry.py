@@ -17,11 +17,12 @@ reason for each list, are in :mod:`ckptool.model.allowlist`):
   ``builtins.eval``, ``subprocess.Popen``, ``functools.partial``, ``torch.load`` inside a pickle...), or a
   function on no list: loading would call it with arguments the file chooses.
 
-A file's ``level`` is the worst level of its globals. Its three-level ``verdict`` is ``dangerous`` when any global
-is (even if the pickle is damaged after it: ``torch.load`` would already have run it), else ``error`` when a pickle
-(or the file) could not be read to its end (ckptool cannot vouch for what follows), else its level. The strict
-verdict (``ckptool scan --strict``) is the single one of earlier versions: ``unsafe`` when any global is outside
-the weights_only allowlist, else ``error``, else ``safe``.
+A file's ``verdict`` (:class:`ckptool.model.verdict.Verdict`, computed by
+:func:`ckptool.model.verdict.verdict_of`) is ``dangerous`` when any global or shipped code is (even if the pickle is
+damaged after it: ``torch.load`` would already have run it), else ``error`` when a pickle (or the file) could not be
+read to its end (ckptool cannot vouch for what follows), else ``needs-trust``, else ``incomplete`` when the data is
+cut short, else ``safe``. ``ckptool scan --strict`` is a policy on that verdict (needs-trust exits 1, as dangerous
+does), not a second vocabulary.
 
 Which pickles are read
 ----------------------
@@ -116,7 +117,8 @@ def scan_file(path: str | os.PathLike[str], *,
 
     Returns:
         A :class:`ScanResult`; its ``exit_code`` is 0 (safe), 1 (dangerous), 2 (unreadable), 4 (needs trust) or
-        5 (incomplete), its ``strict_exit_code`` 0 (safe), 1 (unsafe), 2 (unreadable) or 5 (incomplete).
+        5 (incomplete), its ``strict_exit_code`` 0 (safe), 1 (dangerous or needs trust), 2 (unreadable) or
+        5 (incomplete).
     """
     path = os.fspath(path)
     dcp = _dcp_part(path) if os.path.isdir(path) or path.endswith(_DCP_NAMES) else None
