@@ -121,6 +121,10 @@ def scan_file(path: str | os.PathLike[str], *,
         5 (incomplete).
     """
     path = os.fspath(path)
+    if path.endswith(INDEX_SUFFIX) and not source.is_url(path) and os.path.isfile(path):
+        refused = index_refusal(path)
+        if refused is not None:  # the set's readers refuse it: so does scan (never safe with a shard skipped)
+            return ScanResult(path, _set_format(path), error=refused)
     dcp = _dcp_part(path) if os.path.isdir(path) or path.endswith(_DCP_NAMES) else None
     if dcp is not None:
         return cast(ScanResult, plugin("ckptool.ops.scan.dcp:scan_dcp_folder")(*dcp))
@@ -315,6 +319,9 @@ def _targets(paths: Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, lis
             raise InputNotFoundError(f"{p}: no such file or directory; check the path")
         if os.path.isdir(p) or p.endswith(INDEX_SUFFIX):
             found = 0
+            if not os.path.isdir(p) and index_refusal(p) is not None:
+                found += 1
+                yield p, []
             items = _walk(p) if os.path.isdir(p) else _followed(_index_shards(p, os.path.dirname(p) or "."), set())
             for item in items:
                 found += 1
@@ -349,6 +356,8 @@ def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
             full = os.path.join(root, name)
             if name.endswith(INDEX_SUFFIX):
                 away += _index_shards(full, top)
+                if index_refusal(full) is not None:
+                    yield full, []
             if dcp and (name == ".metadata" or name.endswith(".distcp")):
                 continue
             if _is_candidate(full):
@@ -389,6 +398,31 @@ def _index_shards(index_path: str, top: str) -> list[tuple[str, str]]:
         out.append((path, f"{index_path} names the shard {shard!r}: {why}; transformers reads it from there"
                     if why else ""))
     return out
+
+
+def index_refusal(index_path: str) -> str | None:
+    """Why the readers of a sharded set (``inspect``, ``report``, ``convert``...) refuse the index at ``index_path``,
+    or None: a shard name that leaves the folder (``../x``, absolute, a URL is no local shard), a shard that is
+    missing, or one that is a device, FIFO or socket (``/dev/zero``). ``scan`` then reports the index as an
+    ``error`` (:func:`scan_file`), as those readers do, instead of scanning the other shards as safe. An index
+    that does not parse is left to the shards' own scan (its loader fails too)."""
+    try:
+        plugin("ckptool.formats.sharded:parse_index")(index_path)
+    except CkptError:
+        return None
+    try:
+        index = plugin("ckptool.formats.sharded:read_index")(index_path)
+        for shard in index.shards:
+            source.refuse_special(index.shard_path(shard), f"shard {shard!r} of {index_path}")
+    except CkptError as e:
+        return str(e)
+    return None
+
+
+def _set_format(index_path: str) -> str:
+    """The readers' format name of the set (:func:`ckptool.formats.sharded.set_format`: by its shards' bytes)."""
+    index = plugin("ckptool.formats.sharded:parse_index")(index_path)
+    return cast(str, plugin("ckptool.formats.sharded:set_format")(index))
 
 
 def _followed(away: list[tuple[str, str]], seen: set[str]) -> Iterator[tuple[str, list[str]]]:
