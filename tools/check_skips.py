@@ -72,7 +72,11 @@ def skipped(junit: Path) -> list[tuple[str, str]]:
     for case in ET.parse(junit).getroot().iter("testcase"):
         for skip in case.findall("skipped"):
             name = "::".join(p for p in (case.get("classname", ""), case.get("name", "")) if p)
-            message = skip.get("message") or skip.text or ""
+            message = skip.get("message") or ""
+            if message == "collection skipped":  # the reason is in the text: "(path, line, 'Skipped: reason')"
+                text = (skip.text or "").strip()
+                m = re.search(r"Skipped: (.*)[\"']\)$", text, re.S)
+                message = m.group(1) if m else text
             out.append((name, message.strip()))
     return out
 
