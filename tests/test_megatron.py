@@ -311,28 +311,6 @@ def test_megatron_reads_back_the_committed_folder(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stdout + p.stderr
 
 
-def test_a_folder_megatron_writes_now_converts_to_its_reference(tmp_path: Path, run_cli: Any) -> None:
-    """megatron-core's ``dist_checkpointing.save`` run now (``fixtures/make_megatron.py OUTDIR dist`` in
-    ``$CKPTOOL_MEGATRON_PYTHON``, 2 gloo ranks), not the committed folder: ckptool's conversion equals torch's
-    ``dcp_to_torch_save`` of it bit for bit, and ``common.pt``'s plain entries; so a megatron-core release that
-    writes differently shows here (pinned in .ci/oracles.txt)."""
-    python = os.environ.get("CKPTOOL_MEGATRON_PYTHON") or sys.executable
-    if python == sys.executable:
-        pytest.importorskip("megatron.core")
-    p = subprocess.run([python, str(REPO / "fixtures" / "make_megatron.py"), str(tmp_path), "dist"],
-                       capture_output=True, text=True, timeout=600, check=False)
-    assert p.returncode == 0, p.stdout + p.stderr[-4000:]
-    out = tmp_path / "model.safetensors"
-    r = run_cli("convert", tmp_path / "dist-gpt", "-o", out)
-    assert r.exit_code == 0, r.output
-    got, meta = safetensors_bytes(out)
-    want = torch_file_bytes(tmp_path / "dist-gpt.reference.pt")
-    assert sorted(got) == sorted(want) and len(want) == 5
-    assert all(got[name] == value for name, value in want.items())
-    common = json.loads((tmp_path / "dist-gpt.common.json").read_text(encoding="utf-8"))
-    assert {k: json.loads(v) for k, v in meta.items() if k != "format"} == common
-
-
 @pytest.mark.torchfree
 def test_a_zarr_folder_is_refused(tmp_path: Path, run_cli: Any) -> None:
     folder = tmp_path / "zarr"
