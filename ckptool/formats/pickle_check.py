@@ -9,6 +9,7 @@ stack is large enough for the tuple nesting :func:`tuple_levels` bounds. Every r
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import pickle
 import re
@@ -247,10 +248,8 @@ def release_pages(buf: PickleBuffer, start: int, stop: int) -> None:
     with memoryview(buf) as view:
         if not view.readonly:
             return
-    try:
+    with contextlib.suppress(OSError, ValueError):  # advice only
         buf.madvise(_DONTNEED, a, b - a)
-    except (OSError, ValueError):  # advice only
-        pass
 
 
 def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, what: str = "pickle",
@@ -280,7 +279,7 @@ def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, w
     if weights_only is not None:
         weights_only[:] = [None]
     try:
-        return _walk(buf, start, end, what, exact, strict_frames, at, weights_only, blobs)
+        return _walk(buf, start, end, what, exact, strict_frames, at, weights_only, _span_note(buf, start, blobs))
     except CorruptCheckpointError as e:
         e.offset = at[0]  # type: ignore[attr-defined] # where the refused opcode starts: what precedes was checked
         raise
@@ -294,7 +293,7 @@ _FAST_FROM_START = 1 << 20
 
 
 def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, strict_frames: bool, at: list[int],
-          wo: list[str | None] | None, blobs: list[Span] | None) -> int:
+          wo: list[str | None] | None, note: Callable[[int, int, int], None]) -> int:
     size = end - start
     k = max(16, min(32, size.bit_length() - 1)) if exact else max(16, min(22, size.bit_length() - 1))
     fast_from = start if exact and size >= _FAST_FROM_START else start + _PY_PREFIX
@@ -302,7 +301,6 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
     pos = start
     limit = end  # the end of the current frame, or ``end``
     wo_left = wo is not None  # no opcode outside the weights_only list met yet (its expression walks)
-    released = start  # (blobs) the pages before this offset were handed back (release_pages)
     while True:
         if pos >= fast_from:
             if match is None:
@@ -325,8 +323,7 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
             return pos + 1
         if op == _FRAME:
             limit = _frame_limit(buf, pos, start, end, limit, what, strict_frames)
-            if blobs is not None:
-                blobs.append((pos, pos + 9, op))
+            note(pos, pos + 9, op)
             pos += 9
             continue
         nxt = _check_one(buf, op, pos, start, limit, what)
@@ -335,12 +332,30 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
                 raise _bad_frame(what, pos - start, "an opcode runs past the end of its FRAME")
             raise _past_end(what, f"opcode {bytes([op])!r} at byte {pos - start} runs past the end of the data",
                             _declared_end(buf, op, pos, end) - start, end - start)
-        if blobs is not None and nxt - pos >= BLOB_MIN and op in BLOB_KINDS:
-            blobs.append((pos, nxt, op))
-            if nxt - released >= RELEASE_EVERY:
-                release_pages(buf, released, nxt)
-                released = nxt
+        note(pos, nxt, op)
         pos = nxt
+
+
+def _ignore(pos: int, nxt: int, op: int) -> None:
+    """The span note of a walk that collects no blobs."""
+
+
+def _span_note(buf: PickleBuffer, start: int, blobs: list[Span] | None) -> Callable[[int, int, int], None]:
+    """What :func:`_walk` calls with each opcode it checks in Python, ``(offset, next offset, opcode)``: appends
+    FRAMEs and blobs to ``blobs`` and hands back the pages walked past every :data:`RELEASE_EVERY` bytes; nothing
+    when ``blobs`` is None."""
+    if blobs is None:
+        return _ignore
+    released = [start]  # the pages before this offset were handed back (release_pages)
+
+    def note(pos: int, nxt: int, op: int) -> None:
+        if op == _FRAME or (nxt - pos >= BLOB_MIN and op in BLOB_KINDS):
+            blobs.append((pos, nxt, op))
+            if nxt - released[0] >= RELEASE_EVERY:
+                release_pages(buf, released[0], nxt)
+                released[0] = nxt
+
+    return note
 
 
 def _frame_limit(buf: PickleBuffer, pos: int, start: int, end: int, limit: int, what: str, strict: bool) -> int:

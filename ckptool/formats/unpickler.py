@@ -58,9 +58,9 @@ from ckptool.formats.nodes import (
 )
 from ckptool.formats.pickle_check import (
     BLOB_KINDS,
+    RELEASE_EVERY,
     PickleBuffer,
     Span,
-    RELEASE_EVERY,
     call_with_stack,
     check_pickle,
     release_pages,
@@ -305,7 +305,9 @@ def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exa
 
 def _chunk(buf: PickleBuffer, pos: int, end: int) -> bytes | bytearray:
     """``buf[pos:end]`` as bytes (``buf`` itself when it is exactly that)."""
-    return buf if (pos == 0 and end == len(buf) and type(buf) in (bytes, bytearray)) else bytes(buf[pos:end])
+    if pos == 0 and end == len(buf) and isinstance(buf, (bytes, bytearray)):
+        return buf
+    return bytes(buf[pos:end])
 
 
 #: the bytes of UTF-8 a string blob's check decodes at a time
