@@ -193,3 +193,42 @@ def test_scan_memory_is_bounded_by_the_structure_not_the_blobs(tmp_path: Path) -
     assert out[0] == "safe"
     peak_mib = int(out[-1]) / 1024  # ru_maxrss: KiB on Linux
     assert peak_mib < 64, f"scan peaked at {peak_mib:.0f} MiB"
+
+
+# ------------------------------------------------------------------------------------------------ cut frames
+_GADGET_BODY = b"\x8c\x02os\x8c\x06system\x93\x8c\x02id\x85R."  # STACK_GLOBAL os.system('id')
+
+
+@pytest.mark.parametrize(("name", "data", "verdict", "names"), [
+    ("gadget, cut before REDUCE", b"\x80\x04\x95" + struct.pack("<Q", len(_GADGET_BODY) + 3) + _GADGET_BODY[:-3],
+     "dangerous", ["os.system"]),
+    ("gadget whole, frame 3 bytes too long",
+     b"\x80\x04\x95" + struct.pack("<Q", len(_GADGET_BODY) + 3) + _GADGET_BODY, "dangerous", ["os.system"]),
+    ("cut inside the global's name", b"\x80\x04\x95" + struct.pack("<Q", len(_GADGET_BODY)) + _GADGET_BODY[:5],
+     "incomplete", []),
+    ("benign, 20 bytes declared, 17 present",
+     b"\x80\x04\x95" + struct.pack("<Q", 20) + b"}\x94(\x8c\x01a\x94K\x01u\x8c\x02bb\x94K", "incomplete", []),
+], ids=["cut-before-reduce", "frame-3-too-long", "cut-in-global", "benign-cut"])
+def test_a_frame_cut_short_does_not_hide_the_globals_before_the_cut(tmp_path: Path, name: str, data: bytes,
+                                                                    verdict: str, names: list[str]) -> None:
+    """A FRAME that runs past the end of the data (a cut file): the opcodes present before the cut are read, and a
+    dangerous global among them makes the verdict dangerous (incomplete otherwise). (Before: the C unpickler refused
+    the frame before reading any of them: incomplete, the gadget hidden.)"""
+    from ckptool.ops.scan.entry import scan_file
+
+    path = tmp_path / "cut.pkl"
+    path.write_bytes(data)
+    res = scan_file(path)
+    assert (res.verdict, [g.name for g in res.globals]) == (verdict, names), name
+    assert res.pickles[0].truncated
+
+
+def test_a_frame_no_cut_explains_still_hides_nothing_a_loader_runs(tmp_path: Path) -> None:
+    """A FRAME declaring 2**40 bytes is no truncation: loaders stop at it, so the gadget after it does not count
+    (the hostile corpus' frame-too-long.pt stays an error, not dangerous)."""
+    from ckptool.ops.scan.entry import scan_file
+
+    path = tmp_path / "long.pkl"
+    path.write_bytes(b"\x80\x04\x95" + struct.pack("<Q", 1 << 40) + _GADGET_BODY)
+    res = scan_file(path)
+    assert res.verdict == "error" and not res.globals

@@ -36,6 +36,7 @@ checked bytes as one flat stream.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import io
 import mmap
 import os
@@ -335,8 +336,9 @@ def _skeleton(buf: PickleBuffer, pos: int, end: int, spans: list[Span]
     with its :class:`BlobView`, and without its FRAME opcodes (the C unpickler reads the checked bytes as one flat
     stream, where a frame changes nothing; their lengths would no longer hold). A string blob that is not valid
     UTF-8 stays in place, so that the unpickler fails on it where a full read does. Returns ``(skeleton, (nonce,
-    views))``, or the plain chunk and None when ``spans`` holds no blob."""
-    if all(op not in BLOB_KINDS for _a, _b, op in spans):
+    views))``, ``(skeleton, None)`` when ``spans`` holds no blob (only FRAMEs), the plain chunk and None when it is
+    empty."""
+    if not spans:
         return _chunk(buf, pos, end), None
     nonce = os.urandom(16)
     views: list[BlobView] = []
@@ -357,18 +359,32 @@ def _skeleton(buf: PickleBuffer, pos: int, end: int, spans: list[Span]
         parts.append(b"C\x18" + nonce + len(views).to_bytes(8, "little") + b"Q")
         views.append(BlobView("str" if kind == "latin1" else kind, head, b - head))
     parts.append(bytes(buf[prev:end]))
-    return b"".join(parts), (nonce, views)
+    return b"".join(parts), (nonce, views) if views else None
 
 
-def partial_globals(buf: PickleBuffer, start: int, stop: int) -> dict[tuple[str, str], None]:
+def partial_globals(buf: PickleBuffer, start: int, stop: int, *, cut: bool = False) -> dict[tuple[str, str], None]:
     """The globals named by the opcodes in ``buf[start:stop]``, read as far as they go.
 
     For a pickle that :func:`check_pickle` refused at offset ``stop`` (``CorruptCheckpointError.offset``): the
     opcodes before it passed the checks, so they can be run through the restricted unpickler to see which globals
-    a loader would have imported before failing. Never raises for bad data.
+    a loader would have imported before failing. ``cut=True`` says the data was cut short at ``stop`` (a
+    :class:`~ckptool.errors.TruncatedError`): the opcodes of a FRAME that runs past ``stop`` then count, as those
+    of the whole file would; otherwise the read ends at such a FRAME, where a loader stops (a length no cut
+    explains). Blobs are not read (:func:`_skeleton`). Never raises for bad data.
     """
-    chunk = bytes(buf[start:stop])
-    up = RestrictedUnpickler(_flat_reader(chunk))
+    spans: list[Span] = []
+    with contextlib.suppress(CorruptCheckpointError):  # the spans before the refusal are what counts
+        check_pickle(buf, start, stop, what="pickle", exact=True, strict_frames=False, blobs=spans)
+    # without its FRAMEs: with ``cut``, a frame cut short (declaring 20 bytes with 17 present) would make the C
+    # unpickler refuse it before reading the opcodes it holds, which may name a global; without, the read stops
+    # where a loader's does, at a FRAME running past ``stop``
+    for a, _b, op in spans:
+        if not cut and op not in BLOB_KINDS and a + 9 + int.from_bytes(buf[a + 1:a + 9], "little") > stop:
+            stop = a
+            spans = [s for s in spans if s[1] <= a]
+            break
+    chunk, found = _skeleton(buf, start, stop, spans)
+    up = RestrictedUnpickler(_flat_reader(chunk), views=found)
     try:
         call_with_stack(up.load, tuple_levels(chunk))
     except (*PICKLE_ERRORS, CorruptCheckpointError, UnsupportedError):

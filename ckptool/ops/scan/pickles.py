@@ -161,11 +161,12 @@ class Scanner:
         stop = getattr(e, "offset", None)
         if stop is None:
             return []
+        cut = isinstance(e, TruncatedError)  # a cut frame's opcodes count (partial_globals)
         try:  # refused by the checks: read the flat stream (frames ignored) as far as it is sound
             end = check_pickle(buf, pos, what=what, exact=False, strict_frames=False)
-            seen = partial_globals(buf, pos, end)
+            seen = partial_globals(buf, pos, end, cut=cut)
         except CkptError as e2:
-            seen = partial_globals(buf, pos, getattr(e2, "offset", stop))
+            seen = partial_globals(buf, pos, getattr(e2, "offset", stop), cut=cut)
         return [qualified_name(m, n) for m, n in seen]
 
     def parse_root(self, buf: PickleBuffer, pos: int, where: str) -> tuple[Any, int] | None:
