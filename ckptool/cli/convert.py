@@ -33,6 +33,7 @@ from ckptool.formats.sharded import output_layout
 from ckptool.ops.convert import ConvertResult, OutputFormat, convert
 from ckptool.ops.convert.report import convert_text
 from ckptool.ops.convert.source import CAST_TO
+from ckptool.writers import is_folder_form
 
 
 def _claim_convert_output(dst: str, fmt: str | None, max_shard_size: str | None, force: bool) -> None:
@@ -41,7 +42,7 @@ def _claim_convert_output(dst: str, fmt: str | None, max_shard_size: str | None,
     chosen = OutputFormat(fmt) if fmt is not None else None
     if chosen is not None and chosen.folder:
         set_output(dst)
-    elif max_shard_size is None:
+    elif max_shard_size is None and not is_folder_form(dst):
         claim_output(dst, force=force)
     else:
         layout = output_layout(dst, (chosen or OutputFormat.SAFETENSORS).value)

@@ -10,7 +10,7 @@ from ckptool.cli._common import (
     ZIP_NEEDS_SEEK,
     Progress,
     allow_missing_option,
-    claim_output,
+    claim_target,
     device_options,
     emit_json,
     force_option,
@@ -59,7 +59,7 @@ def extract_cmd(src: str, dst: str | None, key: str | None, unwrap_keys: bool, t
       ckptool extract-state-dict ckpt.pth --key model --to cpu
     """
     refuse_stdout(dst, f"{ZIP_NEEDS_SEEK}, and a safetensors output is written and checked as a file")
-    out = claim_output(dst if dst is not None else default_output(src), force=force)
+    out = claim_target(dst if dst is not None else default_output(src), force=force)
     with Progress("extract", source_size(src)) as bar:
         res = extract_state_dict(src, out, key=key, unwrap=unwrap_keys, to=to, mapping=mapping_of(maps),
                                  allow_missing=allow_missing, trust=trust, progress=bar)

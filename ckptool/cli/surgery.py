@@ -14,6 +14,7 @@ from ckptool.cli._common import (
     ZIP_NEEDS_SEEK,
     Progress,
     claim_output,
+    claim_target,
     device_options,
     emit_json,
     json_option,
@@ -63,7 +64,7 @@ def _target(src: str, dst: str | None, in_place: bool, force: bool, dry_run: boo
     out = surgery_output(src, dst, in_place, tag, force=force or dry_run)  # a dry run checks --in-place too
     if dry_run:
         return None
-    return claim_output(out, force=force, in_place=in_place)
+    return claim_output(out, force=force, in_place=in_place, given=dst)
 
 
 # ------------------------------------------------------------------------------------------------ rename
@@ -266,7 +267,7 @@ def average_cmd(inputs: tuple[str, ...], dst: str, weights: str | None, key: str
       ckptool average ft1.pt ft2.pt --method ties --base base.pt --density 0.5 -o ties.pt
     """
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
-    out = claim_output(dst, force=force)
+    out = claim_target(dst, force=force)
     with Progress("average", source_size(inputs[0])) as bar:
         res = average(list(inputs), out, weights=_parse_weights(weights), key=key, progress=bar, method=method,
                       base=base, density=density, t=t, seed=seed, max_expand=max_expand)
