@@ -36,7 +36,7 @@ from ckptool.formats.dtypes import contiguous_stride, element_size
 from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.model.units import plural, wrote_line
-from ckptool.ops.convert import ConvertResult
+from ckptool.ops.convert import ConvertResult, OutputFormat
 from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.plan import check_safetensors_dtypes
 from ckptool.ops.convert.write import Files
@@ -390,8 +390,8 @@ def _write(sources: list[Source], ws: list[float], paths: list[str], out: str,
     has_base = opts.method not in ("linear", "slerp")
     if has_base:  # the base first: its keys, order, _metadata and integer tensors
         sources, paths = [sources[-1], *sources[:-1]], [paths[-1], *paths[:-1]]
-    fmt_out = choose_format(out).name  # write_outputs' output choice
-    safetensors = fmt_out == "safetensors"
+    fmt_out = OutputFormat(choose_format(out).name)  # write_outputs' output choice
+    safetensors = fmt_out is OutputFormat.SAFETENSORS
     if safetensors:
         check_safetensors_dtypes(sources[0].tensors, None, out)
     res = AverageResult(out, formats.SAFETENSORS if safetensors else formats.TORCH_ZIP, paths,
@@ -411,7 +411,7 @@ def _write(sources: list[Source], ws: list[float], paths: list[str], out: str,
             res.tied = dict(ties)
         scratch.flush()
         result = Source(out, sources[0].format, tensors, key=sources[0].key, metadata=meta, sd_state=state)
-        cres = ConvertResult(scratch_path, out, sources[0].format, fmt_out)
+        cres = ConvertResult(scratch_path, out, sources[0].format, fmt_out.value)
         write_outputs(result, out, fmt_out, None, None, lambda _saved: "cpu", None, False, None, cres)
     res.tensors, res.bytes_written = len(tensors), cres.bytes_written
     if has_base:
