@@ -50,8 +50,9 @@ def output_options(f: F) -> F:
     f = force_option(f)
     f = click.option("--in-place", is_flag=True,
                      help="Replace SRC itself (atomically) instead of writing a new file.")(f)
-    return click.option("-o", "--output", "dst", type=click.Path(dir_okay=False),
-                        help="Output file. Default: next to SRC with the operation in the name.")(f)
+    return click.option("-o", "--output", "dst", type=click.Path(),
+                        help="Output file, or a folder (OUT/) to hold it under SRC's name (docs/outputs.md). "
+                             "Default: next to SRC with the operation in the name.")(f)
 
 
 def _shard_jobs(ctx: click.Context, _param: click.Parameter, jobs: int) -> None:
@@ -85,7 +86,8 @@ def set_output_options(f: F) -> F:
     f = click.option("--in-place", is_flag=True,
                      help="Replace SRC itself (atomically) instead of writing a new file (not for sharded sets).")(f)
     return click.option("-o", "--output", "dst", type=click.Path(),
-                        help="Output file. Default: next to SRC with the operation in the name. For a sharded set "
+                        help="Output file, or a folder (OUT/) to hold it under SRC's name (docs/outputs.md). "
+                             "Default: next to SRC with the operation in the name. For a sharded set "
                              "(*.index.json or its folder): a folder (created), or NAME.safetensors.index.json / "
                              "NAME.bin.index.json; for a model folder holding one weights file: a folder (created; "
                              "the other files copied), or a file name (that file alone); default for both: the "

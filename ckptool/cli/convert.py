@@ -64,7 +64,9 @@ def report_convert(res: ConvertResult) -> None:
 @click.command("convert")
 @click.argument("src", type=click.Path(dir_okay=True))
 @click.option("-o", "--output", "dst", required=True, type=click.Path(),
-              help="Output file; with --max-shard-size, NAME.safetensors (or .bin/.pt/.pth) gives "
+              help="Output file (its suffix, in any case, names the format), or a folder (OUT/, an existing folder, "
+                   "a name without suffix) holding model.safetensors / pytorch_model.bin and SRC's companion files "
+                   "(docs/outputs.md); with --max-shard-size, NAME.safetensors (or .bin/.pt/.pth) gives "
                    "NAME-00001-of-0000N.* shards plus NAME.*.index.json beside it, a folder (ending in /) the "
                    "default shard names inside it; a folder with --format dcp.")
 @click.option("--format", "fmt", type=click.Choice([f.value for f in OutputFormat]),

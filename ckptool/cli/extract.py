@@ -26,9 +26,10 @@ from ckptool.ops.extract import default_output, extract_state_dict
 
 @click.command("extract-state-dict")
 @click.argument("src", type=click.Path(dir_okay=True))  # a folder gets the reader's advice
-@click.option("-o", "--output", "dst", type=click.Path(dir_okay=False),
-              help="Output file: *.safetensors for safetensors, anything else for torch's format. "
-                   "Default: SRC's stem + .state_dict.pth.")
+@click.option("-o", "--output", "dst", type=click.Path(),
+              help="Output file: *.safetensors for safetensors, *.pt / .pth / .bin for torch's format (any case), "
+                   "or a folder (OUT/) holding model.safetensors (docs/outputs.md). Default: SRC's stem + "
+                   ".state_dict.pth.")
 @key_option("Dotted path of the module in the file when it is not the top level (e.g. model).")
 @click.option("--unwrap", "unwrap_keys", is_flag=True,
               help="Remove wrapper prefixes from the keys (module. of DataParallel/DDP, _orig_mod. of "

@@ -45,8 +45,10 @@ def merge_lora_cmd(base: str, adapter: str, dst: str, max_shard_size: str | None
     out = claim_set(dst, force=force, source_is_folder=os.path.isdir(base))
     with Progress("merge-lora", None) as bar:
         res = merge_lora(base, adapter, out, key=key, max_shard_size=max_shard_size, progress=bar)
+    # the hint of what was written: a folder's index, or its one file (the folder may hold other sets)
+    written = res.files[-1] if res.files and os.path.isdir(res.dst) else res.dst
     if as_json:
-        emit_json("merge-lora", {**vars(res), **hint_payload(hint_for(res.dst, state_dict=""))})
+        emit_json("merge-lora", {**vars(res), **hint_payload(hint_for(written, state_dict=""))})
         return
     click.echo(res)
-    report_hint(res.dst, state_dict=None if res.kept else "")
+    report_hint(written, state_dict=None if res.kept else "")

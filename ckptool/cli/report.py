@@ -21,8 +21,9 @@ def default_output(a: str) -> str:
 @click.command("report")
 @click.argument("a", type=click.Path(dir_okay=True))
 @click.argument("b", type=click.Path(dir_okay=True), required=False)
-@click.option("-o", "--output", "dst", metavar="OUT", help="The page to write. Default: A's name up to its first dot "
-              "+ .report.html, in the current folder (model.pth -> model.report.html).")
+@click.option("-o", "--output", "dst", metavar="OUT", help="The page to write, or a folder (OUT/) to hold "
+              "it. Default: A's name up to its first dot + .report.html, in the current folder (model.pth -> "
+              "model.report.html).")
 @force_option
 @max_expand_option
 @json_option("report")

@@ -231,8 +231,9 @@ def _parse_weights(text: str | None) -> list[float] | None:
 
 @click.command("average")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(dir_okay=True), metavar="A B [C ...]")
-@click.option("-o", "--output", "dst", required=True, type=click.Path(dir_okay=False),
-              help="Output file: .safetensors for safetensors, anything else for torch's zip format.")
+@click.option("-o", "--output", "dst", required=True, type=click.Path(),
+              help="Output file: .safetensors for safetensors, .pt / .pth / .bin for torch's zip format (any "
+                   "case), or a folder (OUT/) holding model.safetensors (docs/outputs.md).")
 @click.option("--weights", metavar="W1,W2,...",
               help="One positive weight per input, divided by their sum (default: equal weights).")
 @key_option("Dotted path of the state_dict to average in torch inputs (state_dict_ema, model_ema). Default: the "
