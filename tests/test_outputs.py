@@ -275,3 +275,37 @@ def test_output_matrix(command: str, form: str, force: bool, inputs: Path, tmp_p
     assert not any(c.startswith("busy/") and c != f"busy/{folder_file}" and command != "merge-lora"
                    for c in changed)
     assert not {"busy/notes.txt", "busy/pytorch_model.bin.index.json"} & changed
+
+
+# ------------------------------------------------------------------------------------------------ what a format holds
+MG = Path(__file__).resolve().parents[1] / "fixtures" / "megatron-ckpts"
+
+
+def test_megatron_dist_to_torch_holds_common_entries(tmp_path: Path, run_cli: Any) -> None:
+    """A torch output holds non-tensor entries (the writers registry): ``convert`` of a torch_dist folder to ``.pt``
+    equals ``dcp_to_torch_save`` of it plus ``common.pt``'s plain entries (``args``, not plain, is named)."""
+    out = tmp_path / "mg.pt"
+    res = run_cli("convert", MG / "dist-gpt", "-o", out)
+    assert res.exit_code == 0, res.output
+    assert "common.pt: args: argparse.Namespace" in res.output
+    got = torch.load(out, weights_only=True)
+    want = {**torch.load(MG / "dist-gpt.reference.pt", weights_only=True),
+            **json.loads((MG / "dist-gpt.common.json").read_text(encoding="utf-8"))}
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert (torch.equal(got[k], v) and got[k].dtype == v.dtype) if torch.is_tensor(v) else got[k] == v, k
+    assert WRITERS["torch"].non_tensor_entries and not WRITERS["safetensors"].non_tensor_entries
+
+
+def test_the_torch_check_fails_on_other_entries(tmp_path: Path) -> None:
+    """The verification of a torch output compares the plain entries too: an injected difference is caught."""
+    from ckptool.readers import open_checkpoint
+    from ckptool.torch_ops.convert_verify import torch_load_difference
+
+    path = tmp_path / "x.pt"
+    torch.save({"w": torch.ones(2), "iteration": 10}, path)
+    tensors = open_checkpoint(str(path)).state_dict("").tensors  # the top level, tensors and plain values
+    assert torch_load_difference(str(path), tensors, entries={"iteration": 10}) is None
+    assert torch_load_difference(str(path), tensors, entries={"iteration": 11}) == \
+        "the plain entries differ from the source's"
+    assert torch_load_difference(str(path), tensors, entries={}) == "the state_dict keys differ"
