@@ -46,7 +46,8 @@ def merge_lora_cmd(base: str, adapter: str, dst: str, max_shard_size: str | None
     with Progress("merge-lora", None) as bar:
         res = merge_lora(base, adapter, out, key=key, max_shard_size=max_shard_size, progress=bar)
     # the hint of what was written: a folder's index, or its one file (the folder may hold other sets)
-    written = res.files[-1] if res.files and os.path.isdir(res.dst) else res.dst
+    written = os.path.join(res.dst, os.path.basename(res.files[-1])) if res.files and os.path.isdir(res.dst) \
+        else res.dst
     if as_json:
         emit_json("merge-lora", {**vars(res), **hint_payload(hint_for(written, state_dict=""))})
         return

@@ -60,7 +60,8 @@ def writer(name: str) -> Writer:
     try:
         return WRITERS[name.lower()]
     except KeyError:
-        raise UsageError(f"unknown format {name!r}: choose {', '.join(WRITERS)}") from None
+        *others, last = WRITERS
+        raise UsageError(f"unknown format {name!r}: choose {', '.join(others)} or {last}") from None
 
 
 def known_suffixes() -> list[str]:
