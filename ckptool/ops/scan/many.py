@@ -32,7 +32,7 @@ from typing import Any, Generic, TypeVar
 from ckptool import _source as source
 from ckptool.errors import CkptError
 from ckptool.ops.scan.cache import ScanCache
-from ckptool.ops.scan.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets, scan_file
+from ckptool.ops.scan.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets, scan_file, unreadable
 
 __all__ = ["ManyRun", "ScanRun", "Target", "expand", "not_a_checkpoint", "scan_many", "scan_target",
            "starts_like_checkpoint", "target_reads"]
@@ -74,6 +74,10 @@ def expand(paths: Iterable[str | os.PathLike[str]], whole: Callable[[str], bool]
                 yield Target(p)
                 continue
             for path, notes in iter_targets([p]):
+                why = unreadable(notes)
+                if why is not None:
+                    yield Target(path, error=why)
+                    continue
                 local = not source.is_url(path) and os.path.isfile(path)
                 yield Target(path, tuple(notes), size=os.path.getsize(path) if local else None)
         except (CkptError, OSError) as e:
@@ -202,7 +206,12 @@ class ManyRun(Generic[R]):
             if self.executor is None:
                 yield t, self._done(t, key, self.task(t))
                 continue
-            pending[self.executor.submit(self.task, t)] = (t, key)
+            try:
+                fut = self.executor.submit(self.task, t)
+            except Exception as e:  # the pool is broken (its workers could not start): a row, not a lost target
+                yield t, self._done(t, None, self.failed(t, f"{type(e).__name__}: {e}"))
+                continue
+            pending[fut] = (t, key)
             while len(pending) >= self.window:
                 yield from self._drain(pending, cf.FIRST_COMPLETED)
         while pending:

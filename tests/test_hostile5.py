@@ -1,0 +1,141 @@
+"""Hostile inputs, round 5 (issue 50): what a scan did not see is never called safe, the scan cache is a hint and
+never an authority, and the numbers the merge commands take are finite."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import pickle
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptool.ops.scan.many import ScanRun
+
+pytestmark = pytest.mark.torchfree
+
+EVIL = b"\x80\x02cos\nsystem\nq\x00X\x02\x00\x00\x00idq\x01\x85q\x02Rq\x03."
+
+
+def _folder(top: Path) -> Path:
+    (top / "ok").mkdir(parents=True)
+    (top / "hidden").mkdir()
+    (top / "ok" / "good.pt").write_bytes(pickle.dumps({"a": 1}, protocol=2))
+    (top / "hidden" / "evil.pt").write_bytes(EVIL)
+    return top
+
+
+@pytest.fixture
+def unlistable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder whose subfolder ``hidden`` cannot be listed (``os.scandir`` refuses it, as for a mode-000 folder of
+    another user: the test may run as root, who reads everything)."""
+    top = _folder(tmp_path / "d")
+    real = os.scandir
+
+    def scandir(path: Any = ".") -> Any:
+        if os.fspath(path).endswith("hidden"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    return top
+
+
+@pytest.mark.parametrize("args", [("scan",), ("scan", "--jsonl"), ("scan", "--json"), ("inspect", "--jsonl")])
+def test_an_unlistable_subfolder_is_an_error_row(unlistable: Path, run_cli, args: tuple[str, ...]) -> None:
+    res = run_cli(*args, unlistable)
+    assert res.exit_code != 0, res.output
+    assert str(unlistable / "hidden") in res.output
+    assert "cannot be listed" in res.output
+
+
+def test_an_unreadable_file_is_an_error_row(tmp_path: Path, run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    top = _folder(tmp_path / "d")
+    shutil.rmtree(top / "hidden")
+    (top / "locked.bin").write_bytes(EVIL)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if os.fspath(p).endswith("locked.bin")
+                        else real(p, mode, **kw))
+    res = run_cli("scan", "--jsonl", top)
+    assert res.exit_code == 2, res.output
+    rows = [json.loads(line) for line in res.output.splitlines()]
+    locked = [r for r in rows if r["path"].endswith("locked.bin")]
+    assert locked and locked[0]["verdict"] == "error" and "cannot be opened" in locked[0]["error"]
+
+
+class _BrokenPool(cf.Executor):
+    """An executor whose workers cannot start: every submit raises, as a broken process pool does."""
+
+    _max_workers = 2
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> cf.Future[Any]:
+        raise BrokenProcessPool("A child process terminated abruptly")
+
+
+def test_a_pool_that_cannot_start_gives_error_rows(tmp_path: Path) -> None:
+    top = _folder(tmp_path / "d")
+    shutil.rmtree(top / "hidden")
+    rows = list(ScanRun([str(top)], executor=_BrokenPool()))
+    assert len(rows) == 1
+    _t, res = rows[0]
+    assert res is not None and res.verdict == "error" and "BrokenProcessPool" in (res.error or "")
+
+
+def _second_user() -> Iterator[tuple[int, int]]:
+    """A second user's (uid, gid) that can run this interpreter, or a skip."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("the unprivileged run needs root to switch to a second user (the unlistable fixture covers it)")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("no setpriv to run as a second user")
+    if subprocess.run(["id", "ckptool-test"], check=False, capture_output=True).returncode != 0:
+        useradd = shutil.which("useradd")
+        if useradd is None or subprocess.run([useradd, "-M", "-r", "-s", "/usr/sbin/nologin", "ckptool-test"],
+                                             check=False, capture_output=True).returncode != 0:
+            pytest.skip("cannot make a second user")
+    uid = int(subprocess.run(["id", "-u", "ckptool-test"], check=False, capture_output=True, text=True).stdout)
+    gid = int(subprocess.run(["id", "-g", "ckptool-test"], check=False, capture_output=True, text=True).stdout)
+    probe = subprocess.run([setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", sys.executable, "-c",
+                            "import ckptool"], check=False, capture_output=True,
+                           env={**os.environ, "PYTHONPATH": _repo()})
+    if probe.returncode != 0:
+        pytest.skip("the second user cannot run this interpreter or import ckptool (a home folder it may not read)")
+    yield uid, gid
+
+
+def _repo() -> str:
+    return str(Path(__file__).resolve().parent.parent)
+
+
+@pytest.fixture
+def second_user() -> Iterator[tuple[int, int]]:
+    yield from _second_user()
+
+
+@pytest.mark.parametrize("args", [("scan",), ("scan", "--jsonl"), ("inspect", "--jsonl")])
+def test_a_mode_000_subfolder_as_a_second_user(second_user: tuple[int, int], args: tuple[str, ...]) -> None:
+    uid, gid = second_user
+    top = Path(tempfile.mkdtemp(prefix="ckptool-i50-"))
+    try:
+        top.chmod(0o755)
+        _folder(top)
+        for p in (top / "ok", top / "ok" / "good.pt"):
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        (top / "hidden").chmod(0)
+        res = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", sys.executable, "-m",
+                              "ckptool", *args, str(top)], check=False, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": _repo()})
+        assert res.returncode not in (0, 3), res.stdout + res.stderr
+        assert str(top / "hidden") in res.stdout + res.stderr
+    finally:
+        (top / "hidden").chmod(stat.S_IRWXU)
+        shutil.rmtree(top)
