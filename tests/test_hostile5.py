@@ -139,3 +139,14 @@ def test_a_mode_000_subfolder_as_a_second_user(second_user: tuple[int, int], arg
     finally:
         (top / "hidden").chmod(stat.S_IRWXU)
         shutil.rmtree(top)
+
+
+def test_an_s3_key_ending_in_a_slash_with_content_is_an_object(s3: Any, run_cli) -> None:
+    s3.pipe("ckpt/slash/ok.pt", pickle.dumps({"a": 1}, protocol=2))
+    s3.pipe("ckpt/slash/u/evil/", EVIL)
+    res = run_cli("scan", "--jsonl", "s3://ckpt/slash/")
+    rows = [json.loads(line) for line in res.output.splitlines() if line.startswith("{")]
+    evil = [r for r in rows if r["path"].rstrip("/").endswith("u/evil")]
+    assert res.exit_code != 0, res.output
+    assert evil and evil[0]["verdict"] in ("dangerous", "error"), rows
+

@@ -68,7 +68,7 @@ def expand(paths: Iterable[str | os.PathLike[str]], whole: Callable[[str], bool]
         p = os.fspath(given)
         try:
             if source.is_url(p) and (p.endswith("/") or source.kind(p) == "directory"):
-                yield from (Target(u, size=size, version=tag, listed=True) for u, size, tag in source.list_objects(p))
+                yield from (_listed(u, size, tag) for u, size, tag in source.list_objects(p))
                 continue
             if whole is not None and not source.is_url(p) and os.path.isdir(p) and whole(p):
                 yield Target(p)
@@ -82,6 +82,17 @@ def expand(paths: Iterable[str | os.PathLike[str]], whole: Callable[[str], bool]
                 yield Target(path, tuple(notes), size=os.path.getsize(path) if local else None)
         except (CkptError, OSError) as e:
             yield Target(p, error=str(e))
+
+
+def _listed(url: str, size: int | None, tag: str | None) -> Target:
+    """The :class:`Target` of an object a listing gave. A key that ends in ``/`` and holds bytes (S3 allows it; s3fs
+    takes it for a folder marker and cannot open it) is an object all the same: a result with an error, never skipped
+    as a folder."""
+    if url.endswith("/") and size:
+        return Target(url, size=size, version=tag, error=(
+            f"{url}: this object's key ends in '/' and it holds {size} bytes; it cannot be read through fsspec, so it "
+            "was not scanned: copy it to a key without the trailing '/' and scan that"))
+    return Target(url, size=size, version=tag, listed=True)
 
 
 def starts_like_checkpoint(url: str) -> bool:
