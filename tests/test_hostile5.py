@@ -150,3 +150,113 @@ def test_an_s3_key_ending_in_a_slash_with_content_is_an_object(s3: Any, run_cli)
     assert res.exit_code != 0, res.output
     assert evil and evil[0]["verdict"] in ("dangerous", "error"), rows
 
+
+
+# ------------------------------------------------------------------------------------------------ the scan cache
+def _cached_folder(tmp_path: Path, run_cli) -> tuple[Path, Path, Path]:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    good = folder / "good.pt"
+    good.write_bytes(pickle.dumps({"a": "x" * 64}, protocol=2))
+    (folder / "evil.pt").write_bytes(EVIL)
+    db = tmp_path / "scans.sqlite"
+    first = run_cli("scan", "--jsonl", "--cache", db, folder)
+    assert first.exit_code == 1, first.output
+    return folder, good, db
+
+
+def _rows(db: Path) -> list[tuple[str, str]]:
+    import sqlite3
+
+    with sqlite3.connect(db) as con:
+        return list(con.execute("SELECT key, result FROM scans"))
+
+
+def _set_rows(db: Path, fn: Any) -> None:
+    import sqlite3
+
+    con = sqlite3.connect(db)
+    try:
+        for key, result in _rows(db):
+            con.execute("UPDATE scans SET result = ? WHERE key = ?", (fn(key, result), key))
+        con.commit()
+    finally:
+        con.close()
+
+
+def test_a_same_size_file_with_its_mtime_set_back_is_scanned_again(tmp_path: Path, run_cli) -> None:
+    folder, good, db = _cached_folder(tmp_path, run_cli)
+    st = good.stat()
+    replacement = folder / "swap.tmp"
+    replacement.write_bytes(EVIL.ljust(st.st_size, b"\0"))
+    os.replace(replacement, good)
+    assert good.stat().st_size == st.st_size
+    os.utime(good, ns=(st.st_atime_ns, st.st_mtime_ns))
+    res = run_cli("scan", "--jsonl", "--cache", db, folder)
+    rows = {Path(json.loads(line)["path"]).name: json.loads(line) for line in res.output.splitlines()}
+    assert rows["good.pt"]["verdict"] == "dangerous", rows["good.pt"]
+
+
+@pytest.mark.parametrize("edit", ["no-globals", "null", "not-json", "no-path", "bogus-pickle", "wrong-status"])
+def test_an_edited_cache_row_is_a_miss(tmp_path: Path, run_cli, edit: str) -> None:
+    folder, _good, db = _cached_folder(tmp_path, run_cli)
+
+    def change(key: str, result: str) -> str:
+        if "evil.pt" not in key:
+            return result
+        d = json.loads(result)
+        if edit == "no-globals":
+            d["globals"] = []
+        elif edit == "null":
+            return "null"
+        elif edit == "not-json":
+            return "{not json"
+        elif edit == "no-path":
+            del d["path"]
+        elif edit == "bogus-pickle":
+            d["pickles"] = [{"bogus": 1}]
+        elif edit == "wrong-status":
+            for g in d["globals"]:
+                g["status"] = "fine"
+        return json.dumps(d)
+
+    _set_rows(db, change)
+    res = run_cli("scan", "--jsonl", "--cache", db, folder, catch_exceptions=True)
+    assert res.exit_code == 1, res.output
+    rows = {Path(json.loads(line)["path"]).name: json.loads(line) for line in res.output.splitlines()}
+    assert rows["evil.pt"]["verdict"] == "dangerous"
+
+
+def test_a_damaged_cache_file_is_a_miss_or_one_error_line(tmp_path: Path, run_cli) -> None:
+    folder, _good, db = _cached_folder(tmp_path, run_cli)
+    for p in (Path(str(db) + "-wal"), Path(str(db) + "-shm")):
+        assert not p.exists() or p.stat().st_size >= 0
+    data = bytearray(db.read_bytes())
+    page = int.from_bytes(data[16:18], "big") or 65536
+    for i in range(page, len(data)):  # every page after the header page: B-tree pages
+        data[i] = 0xA5
+    db.write_bytes(bytes(data))
+    res = run_cli("scan", "--jsonl", "--cache", db, folder, catch_exceptions=True)
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    if res.exit_code == 1:
+        rows = {Path(json.loads(line)["path"]).name: json.loads(line) for line in res.output.splitlines()}
+        assert rows["evil.pt"]["verdict"] == "dangerous"
+    else:
+        assert res.output.startswith("Error:") and len(res.output.strip().splitlines()) == 1, res.output
+
+
+@pytest.mark.parametrize("where", ["dangling", "outside"])
+def test_the_cache_path_is_not_followed_out(tmp_path: Path, run_cli, where: str) -> None:
+    (tmp_path / "a.pt").write_bytes(pickle.dumps({"a": 1}, protocol=2))
+    out = tmp_path / "elsewhere"
+    out.mkdir()
+    target = out / "made.sqlite"
+    if where == "outside":
+        target.write_bytes(b"")
+    inside = tmp_path / "here"
+    inside.mkdir()
+    link = inside / "scans.sqlite"
+    link.symlink_to(target)
+    res = run_cli("scan", "--cache", link, tmp_path / "a.pt")
+    assert res.exit_code != 0 and res.output.startswith("Error:") and "symbolic link" in res.output, res.output
+    assert (not target.exists()) if where == "dangling" else target.stat().st_size == 0

@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar
 
 from ckptool import _source as source
 from ckptool.errors import CkptError
-from ckptool.ops.scan.cache import ScanCache
+from ckptool.ops.scan.cache import ScanCache, local_version
 from ckptool.ops.scan.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets, scan_file, unreadable
 
 __all__ = ["ManyRun", "ScanRun", "Target", "expand", "not_a_checkpoint", "scan_many", "scan_target",
@@ -154,7 +154,7 @@ def _stamped(t: Target) -> Target:
             if not os.path.isfile(t.path):
                 return t
             st = os.stat(t.path)
-            return replace(t, size=st.st_size, version=str(st.st_mtime_ns))
+            return replace(t, size=st.st_size, version=local_version(st))
         info = source.remote_info(t.path)
         size, tag = source.version_stamp(info or {})
         return replace(t, size=size, version=None if tag is None else str(tag), info=info)
@@ -266,7 +266,7 @@ class ScanRun(ManyRun[ScanResult]):
         with cf.ThreadPoolExecutor(STAMP_THREADS if need else 1) as pool:
             for t in pool.map(_stamped, self.targets):
                 key = _cache_key(t)
-                found, cached = self.cache.get(key) if key is not None else (False, None)
+                found, cached = self.cache.get(key, may_skip=t.listed) if key is not None else (False, None)
                 if found and cached is not None and source.is_url(cached.path):
                     cached.bytes_read = 0
                 yield t, key, (found, cached)
