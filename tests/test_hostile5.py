@@ -12,10 +12,12 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -260,3 +262,93 @@ def test_the_cache_path_is_not_followed_out(tmp_path: Path, run_cli, where: str)
     res = run_cli("scan", "--cache", link, tmp_path / "a.pt")
     assert res.exit_code != 0 and res.output.startswith("Error:") and "symbolic link" in res.output, res.output
     assert (not target.exists()) if where == "dangling" else target.stat().st_size == 0
+
+
+# ------------------------------------------------------------------------------------------------ HTTP listings
+class _Hostile(BaseHTTPRequestHandler):
+    """Index pages that lead out of their prefix (``../``, ``/secret/``), to themselves (``./``, ``#fragment``,
+    ``?query``) or down an endless chain of ``sub/`` folders; ``/secret/evil.pt`` is a malicious pickle and the
+    ``requests`` list names every path asked for."""
+
+    requests: ClassVar[list[str]] = []
+    SAFE = pickle.dumps({"a": 1}, protocol=2)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _body(self) -> tuple[bytes, str]:
+        path = self.path
+        type(self).requests.append(path)
+        clean = path.split("?")[0].split("#")[0]
+        if clean == "/escape/":
+            links = ["../../secret/evil.pt", "/secret/evil.pt", "../secret/", "./", "ok.pt", "ok.pt#a", "ok.pt?x=1",
+                     *(f"#f{i}" for i in range(50)), "http://127.0.0.2:1/far.pt"]
+            return "".join(f'<a href="{h}">{h}</a>\n' for h in links).encode(), "text/html"
+        if clean.startswith("/chain/"):
+            return b'<a href="sub/">sub/</a>\n<a href="ok.pt">ok.pt</a>\n', "text/html"
+        if clean.endswith("evil.pt"):
+            return EVIL, "application/octet-stream"
+        if clean.endswith("ok.pt"):
+            return self.SAFE, "application/octet-stream"
+        return b"", ""
+
+    def do_HEAD(self) -> None:
+        body, kind = self._body()
+        self.send_response(200 if kind else 404)
+        self.send_header("Content-Length", str(len(body)))
+        if kind:
+            self.send_header("Content-Type", kind)
+            self.send_header("ETag", '"v1"')
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        body, kind = self._body()
+        if not kind:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        rng = self.headers.get("Range")
+        if rng and kind != "text/html":
+            lo, hi = (int(x) if x else None for x in rng.split("=")[1].split("-"))
+            hi = len(body) - 1 if hi is None or hi >= len(body) else hi
+            part = body[lo: hi + 1]
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {lo}-{hi}/{len(body)}")
+            body = part
+        else:
+            self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("ETag", '"v1"')
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def hostile_http() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hostile)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    _Hostile.requests = []
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_http_links_are_followed_only_inside_the_prefix(hostile_http: str, run_cli) -> None:
+    res = run_cli("scan", "--jsonl", f"{hostile_http}/escape/", catch_exceptions=True)
+    assert not any(r.startswith("/secret") for r in _Hostile.requests), _Hostile.requests
+    rows = [json.loads(line) for line in res.output.splitlines() if line.startswith("{")]
+    assert [r["path"] for r in rows] == [f"{hostile_http}/escape/ok.pt"], res.output
+    assert res.exit_code == 0, res.output
+    assert _Hostile.requests.count("/escape/") <= 2, _Hostile.requests
+
+
+def test_an_endless_http_folder_chain_fails_loudly(hostile_http: str, run_cli) -> None:
+    res = run_cli("scan", f"{hostile_http}/chain/", catch_exceptions=True)
+    assert res.exit_code == 2, res.output
+    assert "deeper than 64 folder levels" in res.output, res.output
