@@ -52,6 +52,7 @@ from ckptool._remote import (
     pins,
     range_store,
     remote_info,
+    set_timeout,
     short_error,
     thread_transferred,
     transferred_bytes,
@@ -63,8 +64,8 @@ __all__ = [
     "BLOCK", "CHUNK", "REMOTE_EXTRA", "NoRangeSupport", "RangeError", "RangeView", "bytes_transferred", "changed_error",
     "consistent_reads", "file_size", "holding_versions", "is_remote_file", "is_url", "kind", "leaves_folder",
     "list_objects", "local_copy", "object_reads", "open_binary", "open_regular", "recheck", "refuse_special",
-    "remote_exists", "remote_info", "special_kind", "spool", "thread_bytes_transferred", "upload", "version_key",
-    "version_stamp", "whole_view",
+    "remote_exists", "remote_info", "set_timeout", "special_kind", "spool", "thread_bytes_transferred", "upload",
+    "version_key", "version_stamp", "whole_view",
 ]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -284,6 +285,8 @@ class _Hostile(BaseHTTPRequestHandler):
             links = ["../../secret/evil.pt", "/secret/evil.pt", "../secret/", "./", "ok.pt", "ok.pt#a", "ok.pt?x=1",
                      *(f"#f{i}" for i in range(50)), "http://127.0.0.2:1/far.pt"]
             return "".join(f'<a href="{h}">{h}</a>\n' for h in links).encode(), "text/html"
+        if clean == "/mixed/":
+            return b'<a href="ok.pt">ok.pt</a>\n<a href="slow.pt">slow.pt</a>\n', "text/html"
         if clean.startswith("/chain/"):
             return b'<a href="sub/">sub/</a>\n<a href="ok.pt">ok.pt</a>\n', "text/html"
         if clean.endswith("evil.pt"):
@@ -292,7 +295,22 @@ class _Hostile(BaseHTTPRequestHandler):
             return self.SAFE, "application/octet-stream"
         return b"", ""
 
+    #: bytes the endless body sent before the client hung up
+    endless_sent: ClassVar[list[int]] = [0]
+    #: GETs of /noetag.pt so far (the first is answered from version A, the later ones from version B)
+    noetag_gets: ClassVar[list[int]] = [0]
+    NOETAG_A = pickle.dumps({"w": b"a" * 100_000}, protocol=4)
+    NOETAG_B = pickle.dumps({"w": b"b" * 100_000}, protocol=4)
+
     def do_HEAD(self) -> None:
+        clean = self.path.split("?")[0]
+        type(self).requests.append("HEAD " + clean)
+        if clean.endswith(("endless.pt", "gzip.pt", "slow.pt")):
+            self._head(1000, etag=True)
+            return
+        if clean.endswith("noetag.pt"):
+            self._head(len(self.NOETAG_A), etag=False)
+            return
         body, kind = self._body()
         self.send_response(200 if kind else 404)
         self.send_header("Content-Length", str(len(body)))
@@ -301,7 +319,79 @@ class _Hostile(BaseHTTPRequestHandler):
             self.send_header("ETag", '"v1"')
         self.end_headers()
 
+    def _head(self, n: int, etag: bool) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(n))
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Accept-Ranges", "bytes")
+        if etag:
+            self.send_header("ETag", '"v1"')
+        self.end_headers()
+
+    def _special(self, clean: str) -> bool:
+        """The misbehaving objects: an endless body, a gzip bomb on a range answer, a byte every half second, two
+        versions without ETag or Last-Modified."""
+        if clean.endswith("endless.pt"):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("ETag", '"v1"')
+            self.end_headers()
+            piece = b"\x80\x02" + b"\0" * (1 << 20)
+            try:
+                for _ in range(128):
+                    self.wfile.write(piece)
+                    type(self).endless_sent[0] += len(piece)
+            except OSError:
+                pass
+            return True
+        if clean.endswith("gzip.pt"):
+            import gzip
+
+            bomb = gzip.compress(b"\0" * (32 << 20))
+            self.send_response(206)
+            self.send_header("Content-Range", "bytes 0-999/1000")
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(bomb)))
+            self.send_header("ETag", '"v1"')
+            self.end_headers()
+            self.wfile.write(bomb)
+            return True
+        if clean.endswith("slow.pt"):
+            self.send_response(206)
+            self.send_header("Content-Range", "bytes 0-999/1000")
+            self.send_header("Content-Length", "1000")
+            self.send_header("ETag", '"v1"')
+            self.end_headers()
+            try:
+                for _ in range(60):
+                    self.wfile.write(b"\x80")
+                    self.wfile.flush()
+                    time.sleep(0.5)
+            except OSError:
+                pass
+            return True
+        if clean.endswith("noetag.pt"):
+            type(self).noetag_gets[0] += 1
+            body = self.NOETAG_A if type(self).noetag_gets[0] == 1 else self.NOETAG_B
+            rng = self.headers.get("Range")
+            if rng:
+                lo, hi = (int(x) if x else None for x in rng.split("=")[1].split("-"))
+                hi = len(body) - 1 if hi is None or hi >= len(body) else hi
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {lo}-{hi}/{len(body)}")
+                body = body[lo: hi + 1]
+            else:
+                self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return True
+        return False
+
     def do_GET(self) -> None:
+        if self._special(self.path.split("?")[0]):
+            type(self).requests.append(self.path)
+            return
         body, kind = self._body()
         if not kind:
             self.send_response(404)
@@ -332,6 +422,8 @@ def hostile_http() -> Iterator[str]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     _Hostile.requests = []
+    _Hostile.endless_sent = [0]
+    _Hostile.noetag_gets = [0]
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
@@ -352,3 +444,33 @@ def test_an_endless_http_folder_chain_fails_loudly(hostile_http: str, run_cli) -
     res = run_cli("scan", f"{hostile_http}/chain/", catch_exceptions=True)
     assert res.exit_code == 2, res.output
     assert "deeper than 64 folder levels" in res.output, res.output
+
+
+def test_an_endless_body_behind_a_small_head_is_read_to_its_size_only(hostile_http: str, run_cli) -> None:
+    res = run_cli("scan", f"{hostile_http}/endless.pt", catch_exceptions=True)
+    assert res.exit_code == 2, res.output
+    assert "more than the 1000 bytes" in res.output, res.output
+    time.sleep(0.5)
+    assert _Hostile.endless_sent[0] < 64 << 20, _Hostile.endless_sent[0]
+
+
+def test_content_encoding_on_a_range_answer_is_refused(hostile_http: str, run_cli) -> None:
+    res = run_cli("scan", f"{hostile_http}/gzip.pt", catch_exceptions=True)
+    assert res.exit_code == 2 and "Content-Encoding 'gzip'" in res.output, res.output
+
+
+def test_a_slow_object_times_out_alone(hostile_http: str, run_cli) -> None:
+    start = time.monotonic()
+    res = run_cli("--timeout", "1", "scan", "--jsonl", "--jobs", "4", f"{hostile_http}/mixed/", catch_exceptions=True)
+    took = time.monotonic() - start
+    rows = {r["path"].rsplit("/", 1)[1]: r for r in map(json.loads, res.output.splitlines())}
+    assert took < 15, took
+    assert rows["ok.pt"]["verdict"] == "safe" and rows["slow.pt"]["verdict"] == "error", rows
+    assert res.exit_code == 2
+
+
+def test_without_etag_every_byte_comes_from_one_response(hostile_http: str, run_cli) -> None:
+    res = run_cli("scan", "--json", f"{hostile_http}/noetag.pt", catch_exceptions=True)
+    gets = [r for r in _Hostile.requests if r.endswith("noetag.pt") and not r.startswith("HEAD")]
+    assert len(gets) == 1, _Hostile.requests
+    assert res.exit_code == 0, res.output
