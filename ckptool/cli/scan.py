@@ -79,7 +79,10 @@ def _many(paths: tuple[str, ...], fmt: str, jsonl: bool, jobs: int, cache_path: 
                    "(CPU work). Results come as files finish.")
 @click.option("--cache", "cache_path", type=click.Path(dir_okay=False), default=None,
               help="A SQLite file of earlier results (made when missing): a checkpoint whose path or URL, size, "
-                   "modification time or ETag and ckptool version are unchanged is not read again.")
+                   "device, inode, modification and change times or ETag and ckptool version are unchanged is not "
+                   "read again. A row that does not validate is scanned again; the file must be as trusted as "
+                   "ckptool itself (whoever can write it can make a scan say safe). A symbolic link that dangles or "
+                   "leaves its folder is refused.")
 @click.option("--all", "show_all", is_flag=True, help="List allowed globals too, not only the ones that are not.")
 @click.option("--strict", is_flag=True,
               help="A stricter exit status for the same verdicts: a file that needs trust fails as a dangerous one "

@@ -100,7 +100,7 @@ from ckptool.ops.scan.results import (
 from ckptool.ops.scan.shipped_code import CodeScanner
 
 __all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult", "combine_results",
-           "exit_status", "iter_paths", "iter_targets", "scan", "scan_file"]
+           "exit_status", "iter_paths", "iter_targets", "scan", "scan_file", "unreadable"]
 
 
 def scan_file(path: str | os.PathLike[str], *,
@@ -340,13 +340,27 @@ def _nothing_found(p: str) -> str:
     return f"{p} names no shard file that exists; nothing was scanned: download the shards, or scan them directly"
 
 
+#: the first note of a path :func:`iter_targets` yields that could not be listed or read (a subfolder or file the
+#: user may not read): the rest of the note says why, and the path is a result with that error, never left out
+UNREADABLE = "\x00unreadable: "
+
+
+def unreadable(notes: list[str] | tuple[str, ...]) -> str | None:
+    """Why the path :func:`iter_targets` yielded with ``notes`` could not be listed or read (None: it can be)."""
+    return notes[0][len(UNREADABLE):] if notes and notes[0].startswith(UNREADABLE) else None
+
+
 def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
     """The checkpoint files under the folder ``top`` (recursively, sorted, symlinked subfolders not entered), then
     the files a loader of ``top`` reads from outside it: the shards a ``*.index.json`` names and the files of the
-    DeepSpeed tag folders ``latest`` or a symlinked tag folder lead to (:func:`_followed`)."""
+    DeepSpeed tag folders ``latest`` or a symlinked tag folder lead to (:func:`_followed`). A subfolder that cannot
+    be listed (no permission) and a file that cannot be opened are yielded too, with an :data:`UNREADABLE` note: what
+    was not looked at is never taken as safe."""
     seen: set[str] = set()
     away: list[tuple[str, str]] = []
-    for root, dirs, files in os.walk(top):
+    failed: list[OSError] = []
+    for root, dirs, files in os.walk(top, onerror=failed.append):
+        yield from _unlisted(failed)
         dirs.sort()
         dcp = plugin("ckptool.formats.dcp:is_dcp_folder")(root)
         if dcp:
@@ -362,10 +376,22 @@ def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
                 continue
             if _is_candidate(full):
                 seen.add(os.path.realpath(full))
-                yield full, []
+                why = _cannot_open(full)
+                yield full, [] if why is None else [f"{UNREADABLE}{full}: {why}"]
         for folder, why in plugin("ckptool.formats.deepspeed:loaded_tag_folders")(root, (dirs, files)):
             away += [(f, f"{why}; DeepSpeed reads it from there") for f in _folder_files(folder)]
+    yield from _unlisted(failed)
     yield from _followed(away, seen)
+
+
+def _unlisted(failed: list[OSError]) -> Iterator[tuple[str, list[str]]]:
+    """Each folder ``os.walk`` could not list (``failed``, emptied), with its :data:`UNREADABLE` note."""
+    while failed:
+        e = failed.pop(0)
+        where = str(e.filename) if e.filename is not None else "a subfolder"
+        why = (f"{UNREADABLE}{where}: this folder cannot be listed ({e.strerror or e}); what it holds was not "
+               "scanned: run as a user who may read it")
+        yield where, [why]
 
 
 def _is_candidate(full: str) -> bool:
@@ -435,12 +461,24 @@ def _followed(away: list[tuple[str, str]], seen: set[str]) -> Iterator[tuple[str
         yield path, [f"outside the scanned folder: {why}"] if why else []
 
 
+def _cannot_open(path: str) -> str | None:
+    """Why the local file ``path`` cannot be opened for reading (no permission), or None."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return None
+    if os.access(path, os.R_OK) or not os.path.isfile(path):
+        return None
+    return "this file cannot be opened (permission denied); it was not scanned: run as a user who may read it"
+
+
 def _looks_like_checkpoint(path: str) -> bool:
     """The first bytes of ``path`` are a zip's or a pickle's; a FIFO, device or socket is never opened (a file of
-    a checkpoint's name is still scanned, to a refusal: :func:`_is_candidate`)."""
+    a checkpoint's name is still scanned, to a refusal: :func:`_is_candidate`). A regular file that cannot be opened
+    counts as one (it is then a result with an error, never left out)."""
     try:
         with source.open_regular(path) as f:
             head = f.read(4)
+    except PermissionError:
+        return True
     except (OSError, CkptError):
         return False
     return head.startswith(ZIP_LOCAL) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
@@ -456,6 +494,10 @@ def scan(paths: Iterable[str | os.PathLike[str]]) -> list[ScanResult]:
     """
     results = []
     for p, notes in _targets(paths):
+        why = unreadable(notes)
+        if why is not None:
+            results.append(ScanResult(p, error=why))
+            continue
         res = scan_file(p)
         res.notes += notes
         results.append(res)

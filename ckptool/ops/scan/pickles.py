@@ -147,7 +147,7 @@ class Scanner:
             if end is not None:
                 return end
         try:
-            root, up, end = load_pickle_at(buf, pos, where)
+            root, up, end = load_pickle_at(buf, pos, where, views=True)
         except CkptError as e:
             names = self._globals_before_failure(buf, pos, where, e)
             if required or names:
@@ -165,17 +165,18 @@ class Scanner:
         stop = getattr(e, "offset", None)
         if stop is None:
             return []
+        cut = isinstance(e, TruncatedError)  # a cut frame's opcodes count (partial_globals)
         try:  # refused by the checks: read the flat stream (frames ignored) as far as it is sound
             end = check_pickle(buf, pos, what=what, exact=False, strict_frames=False)
-            seen = partial_globals(buf, pos, end)
+            seen = partial_globals(buf, pos, end, cut=cut)
         except CkptError as e2:
-            seen = partial_globals(buf, pos, getattr(e2, "offset", stop))
+            seen = partial_globals(buf, pos, getattr(e2, "offset", stop), cut=cut)
         return [qualified_name(m, n) for m, n in seen]
 
     def parse_root(self, buf: PickleBuffer, pos: int, where: str) -> tuple[Any, int] | None:
         """:meth:`parse` that also returns the pickle's root: ``(root, end)``, or None when it failed (recorded)."""
         try:
-            root, up, end = load_pickle_at(buf, pos, where)
+            root, up, end = load_pickle_at(buf, pos, where, views=True)
         except CkptError as e:
             self.record(failed(where, pos, self._globals_before_failure(buf, pos, where, e), e))
             return None
@@ -511,7 +512,8 @@ class Scanner:
             if not where:
                 self.loaded.add(label)
             try:
-                root, up, end = load_pickle_at(buf, pos, label, storages=main_storages if i == 3 else None)
+                root, up, end = load_pickle_at(buf, pos, label, storages=main_storages if i == 3 else None,
+                                               views=True)
             except CkptError as e:
                 self.record(failed(label, pos, self._globals_before_failure(buf, pos, label, e), e))
                 return
