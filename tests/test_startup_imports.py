@@ -44,7 +44,7 @@ SCAN_ZIP_MODULES = {
     "ckptool.formats", "ckptool.formats.detect", "ckptool.formats.dtypes", "ckptool.formats.nodes",
     "ckptool.formats.pickle_check", "ckptool.formats.tensors", "ckptool.formats.unpickler",
     "ckptool.formats.zipdir", "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices",
-    "ckptool.model.graph", "ckptool.model.units", "ckptool.model.weights_only",
+    "ckptool.model.graph", "ckptool.model.units", "ckptool.model.verdict", "ckptool.model.weights_only",
     "ckptool.ops", "ckptool.ops.scan", "ckptool.ops.scan.entry", "ckptool.ops.scan.byte_windows",
     "ckptool.ops.scan.directories", "ckptool.ops.scan.layouts", "ckptool.ops.scan.pickles",
     "ckptool.ops.scan.results", "ckptool.ops.scan.shipped_code", "ckptool.ops.scan.tar",

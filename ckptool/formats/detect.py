@@ -20,6 +20,7 @@ import importlib
 import os
 import re
 import struct
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 from ckptool import _source as source
@@ -34,6 +35,9 @@ PT2 = "torch-export"
 TORCH_PACKAGE = "torch-package"
 SAFETENSORS = "safetensors"
 PICKLE = "pickle"
+#: a zip before its members say which (:func:`zip_kind`), and torch's legacy tar (refused by the readers)
+ZIP = "zip"
+LEGACY_TAR = "legacy-tar"
 MEGATRON_LEGACY = "megatron-legacy"  # folders: ckptool.formats.megatron
 MEGATRON_DIST = "megatron-dist"
 
@@ -109,6 +113,21 @@ def check_readable(path: str) -> int:
     return size
 
 
+def accepts_zip(head: bytes) -> bool:
+    """A zip's local-file magic (or an empty zip's end record) at byte 0."""
+    return head.startswith((ZIP_MAGIC, ZIP_EMPTY))
+
+
+def accepts_safetensors(head: bytes) -> bool:
+    """safetensors' 8-byte little-endian header length, then the header's ``{``."""
+    return len(head) >= 9 and head[8:9] == b"{"
+
+
+def accepts_pickle(head: bytes) -> bool:
+    """A pickle's PROTO opcode of protocol 2 to 5 at byte 0 (what ``torch.save``'s pickles start with)."""
+    return head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5
+
+
 def detect_format(path: str) -> str:
     """Return one of ``torch-zip``, ``torchscript``, ``torch-export``, ``torch-package``, ``torch-legacy``,
     ``safetensors``, ``pickle``.
@@ -123,17 +142,18 @@ def detect_format(path: str) -> str:
     size = check_readable(path)
     with source.open_binary(path) as f:
         head = f.read(512)
-    if head.startswith((ZIP_MAGIC, ZIP_EMPTY)):
+    kind = next(head_kinds(head), None)
+    if kind == ZIP:
         return _zip_kind(path)
-    if is_tar(head):  # torch.load tries tarfile before the legacy stream (serialization.py _legacy_load)
+    if kind == LEGACY_TAR:  # torch.load tries tarfile before the legacy stream (serialization.py _legacy_load)
         raise NotACheckpointError(
             f"{path} is a tar archive: the torch legacy tar format (torch < 0.4) is not supported; "
             "load it with an old torch and re-save it with torch.save (and run `ckptool scan` on it first: "
             "torch.load unpickles its members)"
         )
-    if is_legacy_stream(head):
+    if kind == TORCH_LEGACY:
         return TORCH_LEGACY
-    if len(head) >= 9 and head[8:9] == b"{":
+    if kind == SAFETENSORS:
         n = struct.unpack("<Q", head[:8])[0]
         if n + 8 > size:
             raise CorruptCheckpointError(
@@ -141,7 +161,7 @@ def detect_format(path: str) -> str:
                 f"file ({size} bytes): truncated or not safetensors; re-download it"
             )
         return SAFETENSORS
-    if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
+    if kind == PICKLE:
         return PICKLE
     for magic, what in _KNOWN_MAGIC:
         if head.startswith(magic):
@@ -193,6 +213,23 @@ def is_tar(head: bytes) -> bool:
     except tarfile.HeaderError as e:  # a block of zeros: tarfile opens an empty archive (torch.load then fails)
         return type(e).__name__ == "EOFHeaderError"
     return True
+
+
+#: THE classifier of a file's first bytes (at least 512, for the tar test): each container answers "is this
+#: mine?" (as Pillow's plug-ins answer ``_accept(prefix)``), in the order torch.load tries them (a zip, then
+#: ``tarfile``, then the legacy stream's magic number; safetensors and plain pickles after). The readers
+#: (:func:`detect_format`) take the first answer; ``scan`` walks the file as each answer in turn until one reads
+#: (a tar ``tarfile`` cannot read after all, a safetensors header past the end), then as bytes that begin like
+#: a pickle (protocol 0 and 1 too, which no loader of checkpoints reads).
+HEAD_ACCEPTS: tuple[tuple[str, Callable[[bytes], bool]], ...] = (
+    (ZIP, accepts_zip), (LEGACY_TAR, is_tar), (TORCH_LEGACY, is_legacy_stream),
+    (SAFETENSORS, accepts_safetensors), (PICKLE, accepts_pickle))
+
+
+def head_kinds(head: bytes) -> Iterator[str]:
+    """The containers of :data:`HEAD_ACCEPTS` that accept ``head`` (a file's first bytes), in order, each asked
+    only when the earlier answers were taken or passed over (a zip never imports ``tarfile``)."""
+    return (name for name, accept in HEAD_ACCEPTS if accept(head))
 
 
 _zip_cache: dict[tuple[object, ...], list[ZipEntry]] = {}

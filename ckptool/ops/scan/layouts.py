@@ -8,8 +8,21 @@ from dataclasses import dataclass
 
 from ckptool.formats import detect
 
-__all__ = ["EXPORT", "LEGACY", "LEGACY_TAR", "PICKLE", "SAFETENSORS", "TORCHSCRIPT", "TORCH_PACKAGE", "TORCH_ZIP",
-           "ZIP", "ZIP_LAYOUTS", "Layout", "zip_layout"]
+__all__ = [
+    "EXPORT",
+    "HEAD_LAYOUTS",
+    "LEGACY",
+    "LEGACY_TAR",
+    "PICKLE",
+    "SAFETENSORS",
+    "TORCHSCRIPT",
+    "TORCH_PACKAGE",
+    "TORCH_ZIP",
+    "ZIP",
+    "ZIP_LAYOUTS",
+    "Layout",
+    "zip_layout",
+]
 
 
 @dataclass(frozen=True)
@@ -40,9 +53,12 @@ class Layout:
     storage_record: str = ""
     #: the records its loader cannot do without (``torch.jit.load`` fails on an archive without ``data.pkl``)
     required_records: tuple[str, ...] = ()
+    #: the :class:`~ckptool.ops.scan.pickles.Scanner` method that walks a file the classifier's first bytes call
+    #: this (:data:`ckptool.formats.detect.HEAD_ACCEPTS`); ``""`` for the layouts a zip's members decide
+    walk: str = ""
 
 
-ZIP = Layout("zip", bare_zip=True, expects_pickles=True)
+ZIP = Layout(detect.ZIP, bare_zip=True, expects_pickles=True, walk="walk_zip")
 TORCH_ZIP = Layout(detect.TORCH_ZIP, ("data.pkl",), torch_records=True, expects_pickles=True,
                    storage_record="data/{key}")
 TORCHSCRIPT = Layout(detect.TORCHSCRIPT, ("data.pkl", "constants.pkl"), torch_records=True, script=True,
@@ -55,11 +71,14 @@ TORCH_PACKAGE = Layout(detect.TORCH_PACKAGE, ("data.pkl",), expects_pickles=True
 #: the layout of each answer of :func:`ckptool.formats.detect.zip_kind`, by the format it reports
 ZIP_LAYOUTS: dict[str, Layout] = {layout.format: layout for layout in (TORCH_PACKAGE, TORCHSCRIPT, TORCH_ZIP, EXPORT)}
 
+LEGACY_TAR = Layout(detect.LEGACY_TAR, walk="walk_tar")
+LEGACY = Layout(detect.TORCH_LEGACY, walk="walk_legacy")
+SAFETENSORS = Layout(detect.SAFETENSORS, header=True, walk="walk_safetensors")
+PICKLE = Layout(detect.PICKLE, plain_pickle=True, walk="walk_pickle")
+#: the layout of each answer of the one classifier of first bytes (:func:`ckptool.formats.detect.head_kinds`)
+HEAD_LAYOUTS: dict[str, Layout] = {layout.format: layout for layout in (ZIP, LEGACY_TAR, LEGACY, SAFETENSORS, PICKLE)}
+
 
 def zip_layout(kind: str | None) -> Layout:
     """The layout of the zip :func:`ckptool.formats.detect.zip_kind` calls ``kind`` (None: :data:`ZIP`)."""
     return ZIP_LAYOUTS.get(kind or "", ZIP)
-LEGACY_TAR = Layout("legacy-tar")
-LEGACY = Layout(detect.TORCH_LEGACY)
-SAFETENSORS = Layout(detect.SAFETENSORS, header=True)
-PICKLE = Layout(detect.PICKLE, plain_pickle=True)

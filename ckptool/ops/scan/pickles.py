@@ -13,7 +13,7 @@ import os
 import struct
 import zlib
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import compress, repeat
 from operator import not_, or_
 from typing import Any, BinaryIO, TypeAlias, cast
@@ -36,7 +36,7 @@ from ckptool.formats.zipdir import (
 from ckptool.model.allowlist import ALLOWED, classify_global
 from ckptool.model.graph import depth_first, node_children
 from ckptool.ops.scan import layouts
-from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
+from ckptool.ops.scan.byte_windows import ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
 from ckptool.ops.scan.directories import zip_directories
 from ckptool.ops.scan.layouts import Layout
 from ckptool.ops.scan.results import GlobalFinding, PickleFinding, ScanResult
@@ -201,10 +201,11 @@ class Scanner:
 
     # -- containers ------------------------------------------------------------------------------------------
     def any(self, buf: PickleBuffer, where: str, depth: int, f: BinaryIO | None = None) -> Layout:
-        """Scan ``buf`` (bytes or mmap, optionally its open file ``f``) as whatever its bytes say it is: the file
-        ``torch.load`` would read (its own pickles are not hidden), in torch.load's order: a zip (``PK\\x03\\x04``),
-        else a tar if ``tarfile`` accepts its first header (``_legacy_load`` tries it first), else a legacy stream or
-        a pickle; safetensors by its header. Returns what it was.
+        """Scan ``buf`` (bytes or mmap, optionally its open file ``f``) as whatever its bytes say it is, by the
+        readers' one classifier (:func:`ckptool.formats.detect.head_kinds`, torch.load's order: a zip, a tar
+        ``tarfile`` accepts, a legacy stream, safetensors, a pickle), each answer walked in turn until one reads
+        (its layout's :attr:`~ckptool.ops.scan.layouts.Layout.walk`); then as bytes that begin like a pickle of
+        any protocol. The file ``torch.load`` would read: its own pickles are not hidden. Returns what it was.
 
         Raises:
             NotAPickle: none of these, and the first byte is no opcode a pickle begins with.
@@ -212,18 +213,41 @@ class Scanner:
         if self.inflate_left is None:
             self.inflate_left = INFLATE_BUDGET + MAX_RATIO * len(buf)
         head = bytes(buf[:512])
-        if head.startswith((ZIP_LOCAL, ZIP_EOCD)):
-            return self.zip(buf, where, depth, f, loaded=True)
-        if formats.is_tar(head) and self._tar(buf, head, where, depth):
-            return layouts.LEGACY_TAR
-        if formats.is_legacy_stream(head):
-            self.legacy(buf, where, depth)
-            return layouts.LEGACY
-        if len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] + 8 <= len(buf):
-            self.appended_zip(buf, struct.unpack("<Q", head[:8])[0] + 8, where, depth)
-            return layouts.SAFETENSORS
+        for kind in formats.head_kinds(head):
+            walk: Callable[[PickleBuffer, bytes, str, int, BinaryIO | None], Layout | None] = getattr(
+                self, layouts.HEAD_LAYOUTS[kind].walk)
+            walked = walk(buf, head, where, depth, f)
+            if walked is not None:
+                return walked
         if not head or head[0] not in PICKLE_FIRST:
             raise NotAPickle()
+        return self.walk_pickle(buf, head, where, depth, f)
+
+    def walk_zip(self, buf: PickleBuffer, head: bytes, where: str, depth: int, f: BinaryIO | None) -> Layout:
+        """The classifier's ``zip``: :meth:`zip`, read as the file torch's loader reads."""
+        return self.zip(buf, where, depth, f, loaded=True)
+
+    def walk_tar(self, buf: PickleBuffer, head: bytes, where: str, depth: int, f: BinaryIO | None) -> Layout | None:
+        """The classifier's ``legacy-tar``: :meth:`_tar`; None when ``tarfile`` cannot read it after all."""
+        return layouts.LEGACY_TAR if self._tar(buf, head, where, depth) else None
+
+    def walk_legacy(self, buf: PickleBuffer, head: bytes, where: str, depth: int, f: BinaryIO | None) -> Layout:
+        """The classifier's ``torch-legacy``: :meth:`legacy`."""
+        self.legacy(buf, where, depth)
+        return layouts.LEGACY
+
+    def walk_safetensors(self, buf: PickleBuffer, head: bytes, where: str, depth: int,
+                         f: BinaryIO | None) -> Layout | None:
+        """The classifier's ``safetensors``: a zip appended after its data; None when the header's length runs
+        past the end (then read as whatever else the bytes may be)."""
+        end = struct.unpack("<Q", head[:8])[0] + 8
+        if end > len(buf):
+            return None
+        self.appended_zip(buf, end, where, depth)
+        return layouts.SAFETENSORS
+
+    def walk_pickle(self, buf: PickleBuffer, head: bytes, where: str, depth: int, f: BinaryIO | None) -> Layout:
+        """The classifier's ``pickle`` (and bytes that begin like one): :meth:`pickle_file`."""
         self.pickle_file(buf, where, depth)
         return layouts.PICKLE
 
