@@ -169,15 +169,17 @@ def test_invalid_utf8_string_blob_fails_where_a_full_read_fails() -> None:
 #: fork and exec on Linux
 _RSS_CHILD = """
 import re, sys
+from ckptool.ops.inspect.entry import inspect
 from ckptool.ops.scan.entry import scan_file
-res = scan_file(sys.argv[1])
+res = scan_file(sys.argv[1]) if sys.argv[2] == "scan" else inspect(sys.argv[1]).scan
 with open("/proc/self/status") as f:
     print(res.verdict, re.search(r"VmHWM:\\s*(\\d+) kB", f.read()).group(1))
 """
 
 
-def test_scan_memory_is_bounded_by_the_structure_not_the_blobs(tmp_path: Path) -> None:
-    """scan of a 320 MB pickle of ten 32 MB bytes blobs (written sparse: holes read as zeros) peaks under 64 MiB
+@pytest.mark.parametrize("command", ["scan", "inspect"])
+def test_scan_memory_is_bounded_by_the_structure_not_the_blobs(tmp_path: Path, command: str) -> None:
+    """scan (and inspect) of a 320 MB pickle of ten 32 MB bytes blobs (written sparse: holes read as zeros) peaks under 64 MiB
     of RSS in a fresh process (a full read holds every blob, and a copy of the pickle, in memory)."""
     path = tmp_path / "blobs.pkl"
     n, size = 10, 32 << 20
@@ -188,11 +190,11 @@ def test_scan_memory_is_bounded_by_the_structure_not_the_blobs(tmp_path: Path) -
             f.seek(size, os.SEEK_CUR)
         f.write(b"e.")  # APPENDS, STOP
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(path)], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(path), command], capture_output=True, text=True, env=env,
                          timeout=120, check=True).stdout.split()
     assert out[0] == "safe"
     peak_mib = int(out[-1]) / 1024  # ru_maxrss: KiB on Linux
-    assert peak_mib < 64, f"scan peaked at {peak_mib:.0f} MiB"
+    assert peak_mib < 64, f"{command} peaked at {peak_mib:.0f} MiB"
 
 
 # ------------------------------------------------------------------------------------------------ cut frames
@@ -232,3 +234,23 @@ def test_a_frame_no_cut_explains_still_hides_nothing_a_loader_runs(tmp_path: Pat
     path.write_bytes(b"\x80\x04\x95" + struct.pack("<Q", 1 << 40) + _GADGET_BODY)
     res = scan_file(path)
     assert res.verdict == "error" and not res.globals
+
+
+# ------------------------------------------------------------------------------------------------ inspect
+def test_inspect_shows_blob_values_as_a_full_read_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """inspect of a plain pickle reads its long values as views (Opened.described_graph) and shows every value
+    as a full read shows it: type, size and first bytes or characters."""
+    from ckptool.formats import torchfile
+    from ckptool.ops.inspect import entry
+    from ckptool.readers import Opened
+
+    path = tmp_path / "values.pkl"
+    for proto in (2, 4, 5):
+        path.write_bytes(pickle.dumps({"data": BLOB, "buf": bytearray(BLOB), "text": "\u00e9t\u00e9 " * 2000,
+                                       "latin": BLOB.decode("latin1")}, protocol=proto))
+        assert isinstance(torchfile.read_pickle_file(str(path), views=True).root["text"], BlobView)
+        with_views = [(v.path, v.type, v.shown, v.exact) for v in entry.inspect(path).values]
+        with monkeypatch.context() as m:
+            m.setattr(Opened, "described_graph", Opened.graph)
+            full = [(v.path, v.type, v.shown, v.exact) for v in entry.inspect(path).values]
+        assert with_views == full
