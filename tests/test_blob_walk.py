@@ -179,8 +179,8 @@ with open("/proc/self/status") as f:
 
 @pytest.mark.parametrize("command", ["scan", "inspect"])
 def test_scan_memory_is_bounded_by_the_structure_not_the_blobs(tmp_path: Path, command: str) -> None:
-    """scan (and inspect) of a 320 MB pickle of ten 32 MB bytes blobs (written sparse: holes read as zeros) peaks under 64 MiB
-    of RSS in a fresh process (a full read holds every blob, and a copy of the pickle, in memory)."""
+    """scan (and inspect) of a 320 MB pickle of ten 32 MB bytes blobs (written sparse: holes read as zeros) peaks
+    under 64 MiB of RSS in a fresh process (a full read holds every blob, and a copy of the pickle, in memory)."""
     path = tmp_path / "blobs.pkl"
     n, size = 10, 32 << 20
     with path.open("wb") as f:
@@ -190,8 +190,8 @@ def test_scan_memory_is_bounded_by_the_structure_not_the_blobs(tmp_path: Path, c
             f.seek(size, os.SEEK_CUR)
         f.write(b"e.")  # APPENDS, STOP
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(path), command], capture_output=True, text=True, env=env,
-                         timeout=120, check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(path), command], capture_output=True, text=True,
+                         env=env, timeout=120, check=True).stdout.split()
     assert out[0] == "safe"
     peak_mib = int(out[-1]) / 1024  # ru_maxrss: KiB on Linux
     assert peak_mib < 64, f"{command} peaked at {peak_mib:.0f} MiB"
