@@ -319,19 +319,13 @@ class Scanner:
 
     def _zip_layout(self, f: BinaryIO, size: int, where: str, depth: int, entries: list[ZipEntry],
                     recs: TorchRecords) -> Layout:
-        """What the zip is, by its records: TorchScript (``constants.pkl``), a torch zip (``data.pkl``), a
-        torch.export archive (its members' names; the members its loader unpickles then read from its configs into
-        :attr:`pt2_roles`), or a plain zip."""
-        top = recs.prefix or ""
-        names = [e.name for e in entries]
-        script = top + "constants.pkl" in names
-        self.torchscript = self.torchscript or (depth == 0 and script)
-        if script:
-            return layouts.TORCHSCRIPT
-        if recs.find("data.pkl") is not None:
-            return layouts.TORCH_ZIP
-        if not formats.is_pt2_names(names):
-            return layouts.ZIP
+        """What the zip is: the readers' answer (:func:`ckptool.formats.detect.zip_kind`: a torch.package archive,
+        TorchScript, a torch zip, a torch.export archive, whose members its loader unpickles are then read from its
+        configs into :attr:`pt2_roles`), or a plain zip."""
+        layout = layouts.zip_layout(formats.zip_kind(entries, recs))
+        self.torchscript = self.torchscript or (depth == 0 and layout.script)
+        if not layout.export:
+            return layout
         try:
             self.pt2_roles[where] = plugin("ckptool.formats.pt2:member_roles")(f, size, entries, where or self.res.path)
         except CkptError as err:
