@@ -36,15 +36,13 @@ import verdict_corpus
 
 # ------------------------------------------------------------------------------------------------ verdicts
 def test_verdicts_unchanged_on_every_corpus(tmp_path: Path) -> None:
-    """Every corpus in the repository gets the verdict, strict verdict and globals recorded from the main branch's
-    code before the walk was rewritten (tests/data/scan_verdicts.json; a nested pickle may add globals, never hide
-    one)."""
+    """Every corpus in the repository gets the verdict and globals recorded from the main branch's code before the
+    walk was rewritten (tests/data/scan_verdicts.json; a nested pickle may add globals, never hide one)."""
     recorded = json.loads(verdict_corpus.RECORD.read_text())
     got = verdict_corpus.verdicts(verdict_corpus.corpus_paths(tmp_path))
     assert sorted(got) == sorted(recorded)
     changed = {name: (recorded[name], got[name]) for name in recorded
-               if (got[name].get("verdict"), got[name].get("strict")) != (recorded[name].get("verdict"),
-                                                                          recorded[name].get("strict"))
+               if got[name].get("verdict") != recorded[name].get("verdict")
                or not set(recorded[name].get("globals", [])) <= set(got[name].get("globals", []))}
     assert not changed
 
