@@ -252,3 +252,28 @@ def test_inspect_shows_blob_values_as_a_full_read_does(tmp_path: Path, monkeypat
             m.setattr(Opened, "described_graph", Opened.graph)
             full = [(v.path, v.type, v.shown, v.exact) for v in entry.inspect(path).values]
         assert with_views == full
+
+
+# ------------------------------------------------------------------------------------------------ --jobs
+def test_jobs_chooses_the_pool_by_the_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--jobs 2`` of small local files runs them in this process, one after another (a worker process costs more
+    to start than hundreds of small scans, and threads take turns under the GIL); local files of
+    PROCESS_BYTES_PER_JOB or more per worker go to processes; URLs to threads."""
+    import concurrent.futures as cf
+
+    from ckptool.cli import _many
+    from ckptool.ops.scan.many import ScanRun, Target
+
+    for i in range(3):
+        (tmp_path / f"p{i}.pkl").write_bytes(pickle.dumps({"i": i}))
+    run = ScanRun([str(tmp_path)])
+    assert _many._executor(run, 1) is None
+    assert _many._executor(run, 2) is None
+    monkeypatch.setattr(_many, "PROCESS_BYTES_PER_JOB", 1)
+    pool = _many._executor(run, 2)
+    assert isinstance(pool, cf.ProcessPoolExecutor)
+    pool.shutdown()
+    run.targets = [Target("https://example.com/a.pt", size=1 << 40), *run.targets]
+    pool = _many._executor(run, 2)
+    assert isinstance(pool, cf.ThreadPoolExecutor)
+    pool.shutdown()
