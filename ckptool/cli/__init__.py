@@ -41,7 +41,7 @@ from ckptool.cli._errors import (
     EXIT_USAGE,
     describe_error,
 )
-from ckptool.cli._flags import common_options, is_quiet, muted_stdout, output_of
+from ckptool.cli._flags import common_options, is_quiet, muted_stdout, output_of, remove_made_folders
 
 
 class CommandInfo(NamedTuple):
@@ -309,7 +309,11 @@ class CkptGroup(click.Group):
             fio.forget_commits()
         try:
             with consistent_reads():  # one command reads one version of each remote object
-                return super().invoke(ctx)
+                try:
+                    return super().invoke(ctx)
+                except BaseException:
+                    remove_made_folders(ctx)
+                    raise
         except click.UsageError as e:  # the command's own arguments, or an unknown command
             raise _one_line(e) from None
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):

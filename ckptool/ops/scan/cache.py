@@ -142,6 +142,9 @@ def result_from_dict(d: dict[str, Any]) -> ScanResult:
     res.notes = list(d.get("notes", []))
     res.code = [CodeFinding(c["member"], c["kind"], c["level"], c["reason"], c.get("detail", ""))
                 for c in d.get("code", [])]
+    # "incomplete" is ScanResult.cut_short: the container's own list, then one line per truncated pickle
+    res.incomplete = [str(why) for why in d.get("incomplete", [])][:len(d.get("incomplete", [])) - sum(
+        bool(p.truncated) for p in res.pickles)]
     return res
 
 

@@ -17,11 +17,12 @@ reason for each list, are in :mod:`ckptool.model.allowlist`):
   ``builtins.eval``, ``subprocess.Popen``, ``functools.partial``, ``torch.load`` inside a pickle...), or a
   function on no list: loading would call it with arguments the file chooses.
 
-A file's ``level`` is the worst level of its globals. Its three-level ``verdict`` is ``dangerous`` when any global
-is (even if the pickle is damaged after it: ``torch.load`` would already have run it), else ``error`` when a pickle
-(or the file) could not be read to its end (ckptool cannot vouch for what follows), else its level. The strict
-verdict (``ckptool scan --strict``) is the single one of earlier versions: ``unsafe`` when any global is outside
-the weights_only allowlist, else ``error``, else ``safe``.
+A file's ``verdict`` (:class:`ckptool.model.verdict.Verdict`, computed by
+:func:`ckptool.model.verdict.verdict_of`) is ``dangerous`` when any global or shipped code is (even if the pickle is
+damaged after it: ``torch.load`` would already have run it), else ``error`` when a pickle (or the file) could not be
+read to its end (ckptool cannot vouch for what follows), else ``needs-trust``, else ``incomplete`` when the data is
+cut short, else ``safe``. ``ckptool scan --strict`` is a policy on that verdict (needs-trust exits 1, as dangerous
+does), not a second vocabulary.
 
 Which pickles are read
 ----------------------
@@ -116,9 +117,14 @@ def scan_file(path: str | os.PathLike[str], *,
 
     Returns:
         A :class:`ScanResult`; its ``exit_code`` is 0 (safe), 1 (dangerous), 2 (unreadable), 4 (needs trust) or
-        5 (incomplete), its ``strict_exit_code`` 0 (safe), 1 (unsafe), 2 (unreadable) or 5 (incomplete).
+        5 (incomplete), its ``strict_exit_code`` 0 (safe), 1 (dangerous or needs trust), 2 (unreadable) or
+        5 (incomplete).
     """
     path = os.fspath(path)
+    if path.endswith(INDEX_SUFFIX) and not source.is_url(path) and os.path.isfile(path):
+        refused = index_refusal(path)
+        if refused is not None:  # the set's readers refuse it: so does scan (never safe with a shard skipped)
+            return ScanResult(path, _set_format(path), error=refused)
     dcp = _dcp_part(path) if os.path.isdir(path) or path.endswith(_DCP_NAMES) else None
     if dcp is not None:
         return cast(ScanResult, plugin("ckptool.ops.scan.dcp:scan_dcp_folder")(*dcp))
@@ -313,6 +319,9 @@ def _targets(paths: Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, lis
             raise InputNotFoundError(f"{p}: no such file or directory; check the path")
         if os.path.isdir(p) or p.endswith(INDEX_SUFFIX):
             found = 0
+            if not os.path.isdir(p) and index_refusal(p) is not None:
+                found += 1
+                yield p, []
             items = _walk(p) if os.path.isdir(p) else _followed(_index_shards(p, os.path.dirname(p) or "."), set())
             for item in items:
                 found += 1
@@ -361,6 +370,8 @@ def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
             full = os.path.join(root, name)
             if name.endswith(INDEX_SUFFIX):
                 away += _index_shards(full, top)
+                if index_refusal(full) is not None:
+                    yield full, []
             if dcp and (name == ".metadata" or name.endswith(".distcp")):
                 continue
             if _is_candidate(full):
@@ -413,6 +424,31 @@ def _index_shards(index_path: str, top: str) -> list[tuple[str, str]]:
         out.append((path, f"{index_path} names the shard {shard!r}: {why}; transformers reads it from there"
                     if why else ""))
     return out
+
+
+def index_refusal(index_path: str) -> str | None:
+    """Why the readers of a sharded set (``inspect``, ``report``, ``convert``...) refuse the index at ``index_path``,
+    or None: a shard name that leaves the folder (``../x``, absolute, a URL is no local shard), a shard that is
+    missing, or one that is a device, FIFO or socket (``/dev/zero``). ``scan`` then reports the index as an
+    ``error`` (:func:`scan_file`), as those readers do, instead of scanning the other shards as safe. An index
+    that does not parse is left to the shards' own scan (its loader fails too)."""
+    try:
+        plugin("ckptool.formats.sharded:parse_index")(index_path)
+    except CkptError:
+        return None
+    try:
+        index = plugin("ckptool.formats.sharded:read_index")(index_path)
+        for shard in index.shards:
+            source.refuse_special(index.shard_path(shard), f"shard {shard!r} of {index_path}")
+    except CkptError as e:
+        return str(e)
+    return None
+
+
+def _set_format(index_path: str) -> str:
+    """The readers' format name of the set (:func:`ckptool.formats.sharded.set_format`: by its shards' bytes)."""
+    index = plugin("ckptool.formats.sharded:parse_index")(index_path)
+    return cast(str, plugin("ckptool.formats.sharded:set_format")(index))
 
 
 def _followed(away: list[tuple[str, str]], seen: set[str]) -> Iterator[tuple[str, list[str]]]:
