@@ -579,3 +579,42 @@ def test_merge_numbers_are_finite_and_in_range(tmp_path: Path, run_cli, name: st
     assert res.exit_code == 2, (res.exit_code, res.output)
     assert res.output.count("Error:") == 1 and "Traceback" not in res.output, res.output
     assert not (tmp_path / "out.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------------------ Megatron trees
+_MEGATRON = Path(__file__).resolve().parents[1] / "fixtures" / "megatron-ckpts" / "legacy-gpt"
+
+
+def _tree(tmp_path: Path) -> Path:
+    dst = tmp_path / "tree"
+    shutil.copytree(_MEGATRON, dst)
+    return dst
+
+
+def test_tp_dim_digits_are_ascii(tmp_path: Path, run_cli) -> None:
+    tree = _tree(tmp_path)
+    res = run_cli("convert", tree, "-o", tmp_path / "m.safetensors", "--tp-dim", "x.weight=\u00b2",
+                  catch_exceptions=True)
+    assert res.exit_code == 2 and res.output.count("Error:") == 1 and "--tp-dim" in res.output, res.output
+
+
+def test_latest_iteration_digits_are_ascii(tmp_path: Path, run_cli) -> None:
+    tree = _tree(tmp_path)
+    (tree / "latest_checkpointed_iteration.txt").write_text("\u00b2")
+    res = run_cli("inspect", tree, catch_exceptions=True)
+    assert res.exit_code in (1, 2) and res.output.count("Error:") == 1, res.output
+
+
+def test_parallel_sizes_are_checked_against_the_ranks_that_exist(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    tree = _tree(tmp_path)
+    rank = tree / "iter_0000010" / "mp_rank_00_000" / "model_optim_rng.pt"
+    state = torch.load(rank, weights_only=False)  # our own fixture
+    state["args"].tensor_model_parallel_size = 10**6
+    state["args"].pipeline_model_parallel_size = 10**6
+    torch.save(state, rank)
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "ckptool", "inspect", str(tree)], check=False, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": _repo()})
+    assert time.monotonic() - start < 20
+    assert res.returncode == 1 and "is missing" in res.stdout + res.stderr, res.stdout + res.stderr
