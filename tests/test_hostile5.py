@@ -618,3 +618,17 @@ def test_parallel_sizes_are_checked_against_the_ranks_that_exist(tmp_path: Path)
                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": _repo()})
     assert time.monotonic() - start < 20
     assert res.returncode == 1 and "is missing" in res.stdout + res.stderr, res.stdout + res.stderr
+
+
+# ------------------------------------------------------------------------------------------------ sharded indexes
+def test_a_huge_index_is_refused_before_parsing(tmp_path: Path, run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptool.formats import sharded
+
+    monkeypatch.setattr(sharded, "MAX_INDEX", 10_000)
+    _safetensors(tmp_path / "model-00001-of-00001.safetensors", {"w": [2]})
+    wm = {f"t{i}": "model-00001-of-00001.safetensors" for i in range(2000)}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": wm}))
+    res = run_cli("inspect", index, catch_exceptions=True)
+    assert res.exit_code == 1 and "larger than 10000 bytes" in res.output, res.output
+    assert res.output.count("Error:") == 1
