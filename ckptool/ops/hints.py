@@ -72,7 +72,9 @@ class LoadHint:
 
 def _index(path: str) -> str:
     """``['state_dict']`` / ``['model']['ema']`` / ``[0]`` for a dotted state_dict path (``""``: nothing)."""
-    return "".join(f"[{int(c)}]" if c.isdigit() else f"[{c!r}]" for c in path.split(".")) if path else ""
+    if not path:
+        return ""
+    return "".join(f"[{int(c)}]" if c.isascii() and c.isdigit() else f"[{c!r}]" for c in path.split("."))
 
 
 def _torch_load(file_expr: str, tags: Iterable[str], trusted: bool) -> str:
