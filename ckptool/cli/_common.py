@@ -189,9 +189,17 @@ def report_rename(res: RenameResult) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ --json
-#: the version of every ``--json`` schema (``"schema": "ckptool.<command>/1"``); raised when a field changes meaning
-#: or goes away (new fields keep the version)
+#: the version of a ``--json`` schema (``"schema": "ckptool.<command>/1"``); raised when a field changes meaning
+#: or goes away (new fields keep the version): :data:`SCHEMA_VERSIONS` lists the commands past 1 (CHANGELOG.md)
 SCHEMA_VERSION = 1
+#: the commands whose ``--json`` schema is past :data:`SCHEMA_VERSION`: scan and report 2 (one ``verdict``, the
+#: ``level`` / ``unsafe`` words gone)
+SCHEMA_VERSIONS: dict[str, int] = {"scan": 2, "report": 2}
+
+
+def schema_name(command: str) -> str:
+    """``ckptool.<command>/<version>``, the ``"schema"`` of ``command``'s ``--json`` object."""
+    return f"ckptool.{command}/{SCHEMA_VERSIONS.get(command, SCHEMA_VERSION)}"
 
 
 def json_option(command: str) -> Callable[[F], F]:
@@ -199,13 +207,13 @@ def json_option(command: str) -> Callable[[F], F]:
     report (see :func:`emit_json`)."""
     return click.option("--json", "as_json", is_flag=True,
                         help=f"Print one JSON object instead of the report: \"schema\": "
-                             f"\"ckptool.{command}/{SCHEMA_VERSION}\" plus the result fields.")
+                             f"\"{schema_name(command)}\" plus the result fields.")
 
 
 def emit_json(command: str, payload: dict[str, Any]) -> None:
     """Print ``{"schema": "ckptool.<command>/1", **payload}`` on stdout (also with ``--quiet``); a value JSON has no
     type for (a path) is written as its string."""
-    click.echo(json.dumps({"schema": f"ckptool.{command}/{SCHEMA_VERSION}", **payload}, indent=2, default=str))
+    click.echo(json.dumps({"schema": schema_name(command), **payload}, indent=2, default=str))
 
 
 def retagged_list(retagged: dict[tuple[str, str], int]) -> list[dict[str, Any]]:
