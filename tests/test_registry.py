@@ -1,11 +1,13 @@
-"""Formats are objects: each registry entry (:data:`ckptool.readers.FORMATS`) names what differs per format (its
-tensor reader, its describer for ``inspect``, its loader for ``load_into``, its load hint, its support-matrix row)
-as plug-ins resolved lazily, so that adding a format is its registry entry and its reader module; ``torch_ops``
-takes an :class:`~ckptool.readers.Opened` and reads through its cached readers."""
+"""Formats are objects: each registry entry (:data:`ckptool.readers.FORMATS`) names what differs per format in the
+readers layer (its tensor reader, its support-matrix row); the layers above register what differs in them (the
+describer for ``inspect``, the loader for ``load_into``, the load hint, remap's rewriter) in a typed
+:class:`~ckptool.readers.registry.Role` of their own, so that no layer names a higher one, in code or in a string;
+``torch_ops`` takes an :class:`~ckptool.readers.Opened` and reads through its cached readers."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect as pyinspect
 import subprocess
 import sys
 from pathlib import Path
@@ -19,23 +21,67 @@ from ckptool.ops.inspect.entry import CheckpointInfo, inspect
 from ckptool.ops.matrix import FORMATS as MATRIX_FORMATS
 from ckptool.ops.matrix import MATRIX, OPERATIONS, matrix_of
 from ckptool.readers import FORMATS, Format, Opened, open_checkpoint
+from ckptool.readers.registry import Role
 from ckptool.readers.support import WORKS, Cell
 
 ROOT = Path(__file__).resolve().parents[1]
-ROLES = {"read": "reader", "describe": "describer", "load": "loader", "hint": "hint"}
+ROLES = {"read": "reader", "dcp": "dcp"}
+
+
+def _roles() -> dict[str, tuple[Role[Any], type]]:
+    """Every role the layers above declare, with its Protocol."""
+    from ckptool.ops.hints import HINT, HintMaker
+    from ckptool.ops.inspect.entry import DESCRIBE, Describer
+    from ckptool.ops.rewrite.remap import REWRITE, Rewriter
+    from ckptool.torch_ops.loaders import LOAD, Loader
+
+    return {"describe": (DESCRIBE, Describer), "load": (LOAD, Loader), "hint": (HINT, HintMaker),
+            "rewrite": (REWRITE, Rewriter)}
 
 
 @pytest.mark.torchfree
 def test_every_reference_resolves_to_a_callable() -> None:
     """Each plug-in a registry entry names imports and is callable; every format is described and loaded, and every
     format whose tensors ckptool reads has a tensor reader."""
+    roles = _roles()
     for f in FORMATS.values():
         for role, name in ROLES.items():
             if getattr(f, name):
                 assert callable(f.behaviour(role)), (f.name, role)  # type: ignore[arg-type]
-        assert f.describer and f.loader, f.name
+        assert callable(roles["describe"][0].get(f.name)) and callable(roles["load"][0].get(f.name)), f.name
         assert bool(f.reader) == f.tensors, f.name
         assert f.keyed or not f.tensors or f.flat, f.name  # a flat mapping says what it is when --key is refused
+
+
+@pytest.mark.torchfree
+def test_every_lazy_plugin_matches_its_role() -> None:
+    """Every plug-in a layer registers lazily (a ``"module:function"`` string) names a module of that layer, imports,
+    and takes the arguments its role's Protocol passes (the ones registered as functions mypy checks)."""
+    seen = 0
+    for name, (role, protocol) in _roles().items():
+        want = len(pyinspect.signature(protocol.__call__).parameters) - 1  # type: ignore[operator]
+        for fmt, ref in role.references().items():
+            assert ref.startswith(role.owner + "."), (name, fmt, ref)
+            fn = role.get(fmt)
+            params = pyinspect.signature(fn).parameters.values()
+            required = [p for p in params if p.default is p.empty and p.kind != p.KEYWORD_ONLY]
+            assert len(required) <= want <= len(params), (name, fmt, ref)
+            seen += 1
+    assert seen >= 8  # inspect's describers of the formats met rarely, Megatron's loaders, the package rewriter
+
+
+@pytest.mark.torchfree
+def test_a_role_refuses_what_would_point_up_or_name_no_format() -> None:
+    role: Role[Any] = Role("toy", "ckptool.ops")
+    with pytest.raises(ValueError, match=r"not a module of ckptool\.ops"):
+        role.register_lazy("safetensors", "ckptool.cli.inspect:main")
+    with pytest.raises(KeyError, match="no registered format"):
+        role.register("no-such-format", print)
+    with pytest.raises(UnsupportedError, match="has no toy behaviour"):
+        role.get("safetensors")
+    assert role.get("safetensors", print) is print
+    role.register("safetensors", len)
+    assert role.get("safetensors") is len and role.find("pickle") is None
 
 
 @pytest.mark.torchfree
@@ -43,12 +89,20 @@ def test_a_missing_behaviour_is_refused_or_defaulted() -> None:
     pickle = FORMATS["pickle"]
     with pytest.raises(UnsupportedError, match="no read behaviour"):
         pickle.behaviour("read")
-    assert pickle.behaviour("hint", print) is print
+    assert pickle.behaviour("dcp", print) is print
+
+
+@pytest.mark.torchfree
+def test_the_registry_names_no_higher_layer() -> None:
+    """No module names a module of a layer above its own, in an import inside a function or in a plug-in string
+    (``tools/architecture_figures.py``'s ``upward plug-ins`` reads every string and every such import)."""
+    # the one left (issue 46): torch_ops' trusted load scans with ops' scanner, named as a string
+    assert _figures().upward_plugins() == ["ckptool/torch_ops/trusted.py:44 ckptool.ops.scan.entry:scan_file"]
 
 
 @pytest.mark.torchfree
 def test_plugins_are_imported_when_their_format_is_met() -> None:
-    """The readers layer imports no operation: the plug-ins it names are imported when a format is met."""
+    """The readers layer imports no operation: the layers above register their plug-ins when imported."""
     code = ("import sys, ckptool.readers\n"
             "bad = [m for m in sys.modules if m.startswith(('ckptool.ops', 'ckptool.torch_ops'))]\n"
             "assert not bad, bad")
@@ -78,13 +132,17 @@ def _toy_load(o: Opened, req: Any) -> tuple[Any, dict[str, int]]:
 def test_a_new_format_is_its_registry_entry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A format added to the registry alone is described by inspect, loaded by load_checkpoint and has its row in
     the support matrix: no operation names it."""
+    from ckptool.ops.inspect.entry import DESCRIBE
     from ckptool.torch_ops.load import load_checkpoint
+    from ckptool.torch_ops.loaders import LOAD
 
-    mod = sys.modules[__name__].__name__
     toy = Format("toy", "a toy format", "file", tensors=False, refusal="is a toy",
-                 describer=f"{mod}:_toy_describe", loader=f"{mod}:_toy_load",
                  support={"convert": Cell("refused", "is a toy", "play with it")})
     monkeypatch.setitem(FORMATS, "toy", toy)
+    for role in (DESCRIBE, LOAD):  # put back what the test registers
+        monkeypatch.setattr(role, "_plugins", dict(role._plugins))
+    DESCRIBE.register("toy", _toy_describe)
+    LOAD.register("toy", _toy_load)
     path = str(tmp_path / "x.toy")
     opened = Opened(path, "toy", path)
     assert inspect(opened).format == "toy"

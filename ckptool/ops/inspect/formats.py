@@ -2,7 +2,7 @@
 ``torch.export`` archives (:func:`pt2_info`), DeepSpeed ZeRO folders (:func:`deepspeed_info`) and
 ``torch.distributed.checkpoint`` folders (:func:`dcp_info`), each from its headers, configs or metadata (no tensor
 bytes read, nothing imported or run). Each returns a :class:`~ckptool.ops.inspect.entry.CheckpointInfo` without
-``scan``; the ``inspect_*`` describers the registry names (:attr:`ckptool.readers.Format.describer`) add it, so that
+``scan``; the ``inspect_*`` describers registered in :data:`ckptool.ops.inspect.entry.DESCRIBE` add it, so that
 this module and the format code it needs are imported only when such a checkpoint is inspected.
 """
 
