@@ -25,7 +25,7 @@ from ckptool.readers.registry import Role
 from ckptool.readers.support import WORKS, Cell
 
 ROOT = Path(__file__).resolve().parents[1]
-ROLES = {"read": "reader", "dcp": "dcp"}
+ROLES = {"read": "reader", "finish": "finish", "dcp": "dcp"}
 
 
 def _roles() -> dict[str, tuple[Role[Any], type]]:

@@ -54,7 +54,7 @@ from ckptool.readers.read_torch import graph_source
 from ckptool.readers.registry import FORMATS, Format, plugin
 
 if TYPE_CHECKING:  # the readers of the other formats are imported when a checkpoint of theirs is met (plugin)
-    from ckptool.formats.dcp import DcpMetadata
+    from ckptool.formats.dcp import DcpLayout, DcpMetadata
     from ckptool.formats.pt2 import Pt2Archive
     from ckptool.formats.safetensors import SafetensorsHeader
     from ckptool.formats.sharded import ShardIndex
@@ -137,6 +137,13 @@ class Opened:
         meta: DcpMetadata = self._read_once("dcp", "ckptool.formats.dcp:read_dcp_metadata", self.target)
         return meta
 
+    def dcp_layout(self) -> DcpLayout | None:
+        """What a rewrite of a folder written as a ``torch.distributed.checkpoint`` folder carries over beside its
+        ``.metadata`` (:class:`ckptool.formats.dcp.DcpLayout`: DCP's own folder, Megatron-Core's torch_dist with its
+        ``common.pt`` and ``metadata.json``; the format's ``dcp`` plug-in, :attr:`Format.dcp`); None for a format that
+        is not rewritten as a DCP folder."""
+        return cast("DcpLayout | None", self.spec.behaviour("dcp", _no_layout)())
+
     def package(self) -> Package:
         """A torch.package archive's pickles as node graphs (:func:`ckptool.formats.torch_package.read_package`,
         nothing imported or run), read once.
@@ -171,6 +178,15 @@ class Opened:
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a safetensors file")
         header: SafetensorsHeader = self._read_once("header", "ckptool.formats.safetensors:read_header", self.target)
         return header
+
+    def tensor_header(self) -> SafetensorsHeader | None:
+        """The header that lists this file's tensors by name ahead of one data block (a safetensors file:
+        :meth:`safetensors_header`; :attr:`Format.header`), so that a rewrite renames them there and copies the data
+        block; None for a format without one (a pickle's storages are rewritten through its node graph).
+
+        Raises: what :meth:`safetensors_header` raises.
+        """
+        return self.safetensors_header() if self.spec.header else None
 
     def index(self) -> ShardIndex:
         """A sharded set's index, every shard it names checked to exist (:func:`ckptool.formats.sharded.read_index`),
@@ -334,9 +350,7 @@ class Opened:
             CorruptCheckpointError: a key longer than :data:`ckptool.model.keys.MAX_KEY_LENGTH`.
         """
         spec = self.spec
-        if (tag is not None or exclude_frozen) and self.format != "deepspeed":
-            raise UsageError(f"--tag and --exclude-frozen apply to DeepSpeed checkpoint folders; {self.path} is not "
-                             "one")
+        self.check_tag_options(tag, exclude_frozen)
         if not spec.tensors:
             raise UnsupportedError(f"{self.path} {spec.refusal}")
         if key is not None and not spec.keyed:
@@ -346,6 +360,39 @@ class Opened:
         check_key_lengths((t.name for t in src.tensors), self.path)
         return src
 
+
+    def check_tag_options(self, tag: str | None, exclude_frozen: bool) -> None:
+        """Refuse ``tag`` / ``exclude_frozen`` (a tag folder, frozen parameters left out) for a format whose
+        checkpoints do not lie in tag folders (:attr:`Format.tagged`: DeepSpeed's ``global_step*``).
+
+        Raises:
+            UsageError: either is given and the format has no tag folders.
+        """
+        if (tag is not None or exclude_frozen) and not self.spec.tagged:
+            raise UsageError(f"--tag and --exclude-frozen apply to DeepSpeed checkpoint folders; {self.path} is not "
+                             "one")
+
+    def source(self, key: str | None = None, *, tag: str | None = None, exclude_frozen: bool = False) -> Source:
+        """The selected state_dict finished for a command that writes its tensors anew (``average``, ``merge-lora``):
+        :meth:`state_dict` with ``key`` where the format is keyed (a format of one flat mapping has nothing to
+        select, so ``key`` is not used), then the format's ``finish`` (:attr:`Format.finish`: the tied names
+        ``safetensors.torch.save_model`` left out, restored as views from its ``__metadata__``), so that no caller
+        finishes a :class:`Source` by its format.
+
+        Raises: what :meth:`state_dict` raises.
+        """
+        src = self.state_dict(key if self.spec.keyed else None, tag=tag, exclude_frozen=exclude_frozen)
+        self.spec.behaviour("finish", _unchanged)(src)
+        return src
+
+
+def _no_layout() -> None:
+    """The ``dcp`` plug-in of a format that is not rewritten as a DCP folder."""
+
+
+def _unchanged(_src: Source) -> list[str]:
+    """The ``finish`` of a format whose reader's Source is whole as read: nothing restored."""
+    return []
 
 def _set_format(index_path: str) -> str:
     """``sharded-safetensors`` when every shard the index names is a ``.safetensors`` file, else ``sharded-bin``

@@ -36,7 +36,7 @@ __all__ = ["FORMATS", "Format", "Kind", "Role", "Roles", "plugin"]
 Kind = Literal["file", "set", "folder"]
 
 
-Roles = Literal["read", "dcp"]
+Roles = Literal["read", "finish", "dcp"]
 
 P = TypeVar("P")
 
@@ -137,20 +137,25 @@ class Format:
     ``exclude_frozen`` apply); ``torch_distributed``: written by ``torch.distributed.checkpoint``, whose whole state
     (tensors and other entries) torch's own planner restores; ``refusals``: the sentence an operation
     (``"extract-state-dict"``; ``"rewrite"``: remap and sanitize; ``"prefix"``: the prefix commands; ``"edit"``:
-    rename and filter) refuses it with, where that operation has its own (a template: ``{path}``, ``{action}``,
+    rename and filter; ``"rewrite-folder"``: a folder the rewriting commands take only once consolidated) refuses
+    it with, where that operation has its own (a template: ``{path}``, ``{action}``,
     ``{api}``, ``{done}`` filled by :meth:`refusal_for`); ``location_tags``: its files
     record each storage's location tag (torch pickles; the others open on the CPU); ``strides``: which strides its
     tensors keep, ``"saved"`` (every tensor's, as saved), ``"views"`` (contiguous, but for the views ckptool's
     sharing record gives back: safetensors) or ``"none"`` (a DCP folder: ``dcp.load`` copies each record into the
     caller's tensors); ``loaded_by``: the call its users load it with (``torch.load`` for torch's own files, whose
-    pickles ``torch.load(weights_only=True)``'s allowlist decides), what ``inspect``'s advice names.
+    pickles ``torch.load(weights_only=True)``'s allowlist decides), what ``inspect``'s advice names; ``counts``: what a
+    rewrite of it counts in its ``Wrote`` line, in the singular (``storage``; ``tensor`` where each tensor is its
+    own byte range: safetensors).
 
-    Two plug-ins of the readers layer (or below) are named here as dotted references ``"package.module:function"``,
+    Three plug-ins of the readers layer (or below) are named here as dotted references ``"package.module:function"``,
     resolved lazily by :meth:`behaviour` (imported the first time a checkpoint of that format is met, as fsspec's
     ``known_implementations`` does, so that nothing is imported for formats not met):
 
     * ``reader``: its tensors as a :class:`~ckptool.formats.tensors.Source`, ``(opened, key, tag,
       exclude_frozen) -> Source`` (:meth:`Opened.state_dict`; in the format's reader module);
+    * ``finish``: what makes that Source whole for the commands that write its tensors anew, ``(source) -> names``
+      (:meth:`Opened.source`: the tied names the safetensors library left out, restored from ``__metadata__``);
     * ``dcp``: the folder is a ``torch.distributed.checkpoint`` folder, perhaps with files of its own beside it,
       ``() -> DcpLayout`` (:class:`ckptool.formats.dcp.DcpLayout`: the files a rewrite copies as they are, the
       globals its ``.metadata`` may name besides DCP's own); :meth:`Opened.dcp_metadata` reads it and the DCP
@@ -176,6 +181,7 @@ class Format:
     consolidate: bool = False
     flat: str = ""
     reader: str = ""
+    finish: str = ""
     dcp: str = ""
     support: Mapping[str, Cell] | None = field(default=None, hash=False)
     key_form: str = "PATH"
@@ -185,6 +191,7 @@ class Format:
     location_tags: bool = False
     strides: Literal["saved", "views", "none"] = "none"
     loaded_by: str = "torch.load"
+    counts: str = "storage"
 
     def refusal_for(self, operation: str, path: str, **words: str) -> str | None:
         """The sentence ``operation`` refuses a checkpoint of this format with (:attr:`refusals`), ``path`` first
@@ -209,7 +216,7 @@ class Format:
 
 
 #: :meth:`Format.behaviour`'s roles -> the :class:`Format` field naming the plug-in
-_ROLES: dict[str, str] = {"read": "reader", "dcp": "dcp"}
+_ROLES: dict[str, str] = {"read": "reader", "finish": "finish", "dcp": "dcp"}
 
 
 _TORCH_READ = "ckptool.readers.read_torch:read_tensors"
@@ -268,11 +275,13 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "verify": Cell("works", "bit-identical"),
            }),
     Format(detect.SAFETENSORS, "safetensors file", "file", flat="safetensors", header=True, strides="views",
+           counts="tensor",
            loaded_by="safetensors.torch.load_file",
            refusals={"extract-state-dict": "is safetensors: it already is a state_dict",
                      "rewrite": "is safetensors: it carries no device tags, so there is nothing to {action}; "
                                 "load it on any device with safetensors.torch.load_file(path, device='cpu')"},
-           reader="ckptool.readers.read_safetensors:read_tensors", support={
+           reader="ckptool.readers.read_safetensors:read_tensors",
+           finish="ckptool.readers.read_safetensors:restore_library_aliases", support={
                "scan": Cell("works", "safe"),
                "diff": Cell("works", "identical"),
                "remap": Cell("refused", "nothing to remap", "safetensors.torch.load_file(path, device=...)"),
@@ -314,6 +323,9 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            }),
     Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder", flat="a DeepSpeed checkpoint",
            consolidate=True, tagged=True, **_TORCH_LAYOUT, loaded_by="DeepSpeedEngine.load_checkpoint",
+           refusals={"rewrite-folder": "is a DeepSpeed ZeRO checkpoint folder, which this command does not rewrite: "
+                                       "consolidate it first with `ckptool convert {path} -o model.pt` (exactly as "
+                                       "DeepSpeed's zero_to_fp32 does), then run the command on that file"},
            reader="ckptool.readers.read_deepspeed:read_tensors",
            support={
                "scan": Cell("works", "needs-trust"),
@@ -324,6 +336,9 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     # --- Megatron-LM / Megatron-Core / NeMo (docs/megatron.md; ckptool.formats.megatron) ---
     Format(detect.MEGATRON_LEGACY, "Megatron-LM legacy tree (`mp_rank_XX/model_optim_rng.pt`)", "folder",
            flat="a Megatron checkpoint", consolidate=True, **_TORCH_LAYOUT, loaded_by="Megatron-LM load_checkpoint",
+           refusals={"rewrite-folder": "is a Megatron checkpoint folder, which this command does not rewrite: "
+                                       "consolidate it first with `ckptool convert {path} -o model.pt`, then run the "
+                                       "command on that file"},
            reader="ckptool.readers.read_megatron:read_legacy_tensors",
            support={"scan": Cell("works", "needs-trust"), "diff": Cell("works", "identical"),
                     "remap": MEGATRON, "prefix": MEGATRON,

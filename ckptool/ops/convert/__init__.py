@@ -163,8 +163,7 @@ def convert(
     _check_options(src_p, dst_p, fmt_out, shard_bytes, dtype, to is not None or bool(mapping))
     renames: dict[str, Any] = {"unwrap": unwrap, "strip_prefixes": strip}
     opened = _open_source(src_p, trust)
-    if (tag is not None or exclude_frozen) and not opened.spec.tagged:
-        raise UsageError(f"--tag and --exclude-frozen apply to DeepSpeed checkpoint folders; {src_p} is not one")
+    opened.check_tag_options(tag, exclude_frozen)
     if opened.spec.torch_distributed:
         return _from_dcp(opened, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
             key=key, to=to, mapping=mapping, allow_missing=allow_missing, max_shard_size=shard_bytes, dtype=dtype,

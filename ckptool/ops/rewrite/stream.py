@@ -52,9 +52,10 @@ class WriteResult:
     notes: list[str] = field(default_factory=list, kw_only=True)
 
     def unit(self) -> str:
-        """What :attr:`storages` counts, in the singular: ``tensor`` for a safetensors output, else ``storage``."""
+        """What :attr:`storages` counts, in the singular: the input format's :attr:`~ckptool.readers.Format.counts`
+        (``tensor`` for safetensors), else ``storage``."""
         spec = FORMATS.get(self.format_in)
-        return "tensor" if spec is not None and spec.header else "storage"
+        return spec.counts if spec is not None else "storage"
 
     def detail(self) -> str:
         """The words of the ``Wrote`` line after the size: ``9 storages`` (:meth:`unit`), a set's shards and notes
