@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect as pyinspect
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +99,32 @@ def test_the_registry_names_no_higher_layer() -> None:
     (``tools/architecture_figures.py``'s ``upward plug-ins`` reads every string and every such import)."""
     # the one left (issue 46): torch_ops' trusted load scans with ops' scanner, named as a string
     assert _figures().upward_plugins() == ["ckptool/torch_ops/trusted.py:44 ckptool.ops.scan.entry:scan_file"]
+
+
+@pytest.mark.torchfree
+def test_no_operation_tests_a_single_format_fact() -> None:
+    """ops, torch_ops and cli ask the reader (:meth:`Opened.source`, :meth:`Opened.tensor_header`,
+    :meth:`Opened.dcp_layout`, the registry's refusals, a Role) instead of testing a registry fact that is true for
+    one format (``spec.header``, ``spec.tagged``, ``spec.dcp``, ``spec.consolidate``, ...)."""
+    # the one left (issue 46): the trusted load scans files and DCP folders (spec.torch_distributed)
+    assert _figures().single_format_facts() == ["ckptool/torch_ops/trusted.py:106 spec.torch_distributed"]
+
+
+@pytest.mark.torchfree
+def test_folders_that_need_consolidating_are_refused_by_their_registry_entry(tmp_path: Path) -> None:
+    """The rewriting commands refuse a DeepSpeed folder and a Megatron legacy tree with the registry's sentence
+    (``refusals["rewrite-folder"]``), and take a DCP-layout folder (DCP's own, Megatron's torch_dist) as a folder."""
+    from ckptool.errors import UsageError
+    from ckptool.ops.rewrite.sets import set_index
+
+    for fmt, words in (("deepspeed", "DeepSpeed ZeRO checkpoint"), ("megatron-legacy", "Megatron checkpoint")):
+        with pytest.raises(UsageError, match=re.escape(f"{words} folder, which this command does not rewrite: "
+                                                       f"consolidate it first with `ckptool convert {tmp_path}")):
+            set_index(Opened(str(tmp_path), fmt, str(tmp_path)))
+    for fmt in ("dcp", "megatron-dist"):
+        assert Opened(str(tmp_path), fmt, str(tmp_path)).dcp_layout() is not None
+        assert set_index(Opened(str(tmp_path), fmt, str(tmp_path))) is None
+    assert Opened(str(tmp_path), "deepspeed", str(tmp_path)).dcp_layout() is None
 
 
 @pytest.mark.torchfree

@@ -420,7 +420,8 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
     hint = HINT.get(opened.format, torch_hint)(opened, info, state_dict, frozenset(chosen))
     hint = one_file_folder_hint(opened, info, hint) or hint
     if renamed and hint.imports == ["import transformers"]:  # set_hint's from_pretrained line
-        return renamed_set_hint(opened, hint, trusted=not opened.spec.header and not info.weights_only_loads)
+        return renamed_set_hint(opened, hint, trusted=opened.tensor_header() is None
+                                 and not info.weights_only_loads)
     wrapped = _wrapper_note(info, os.fspath(path), state_dict) if hint.code.startswith("model.load_state_dict(") \
         else None
     return hint if wrapped is None else LoadHint(hint.code, [*hint.notes, wrapped], hint.imports)

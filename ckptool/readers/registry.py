@@ -137,8 +137,9 @@ class Format:
     ``exclude_frozen`` apply); ``torch_distributed``: written by ``torch.distributed.checkpoint``, whose whole state
     (tensors and other entries) torch's own planner restores; ``refusals``: the sentence an operation
     (``"extract-state-dict"``; ``"rewrite"``: remap and sanitize; ``"prefix"``: the prefix commands; ``"edit"``:
-    rename and filter; ``"rewrite-folder"``: a folder the rewriting commands take only once consolidated) refuses
-    it with, where that operation has its own (a template: ``{path}``, ``{action}``,
+    rename and filter; ``"rewrite-folder"``: a folder the rewriting commands take only once consolidated;
+    ``"convert --key"`` / ``"convert to dcp"``: ``convert`` given a key, or asked for a DCP folder) refuses it with,
+    where that operation has its own (a template: ``{path}``, ``{action}``,
     ``{api}``, ``{done}`` filled by :meth:`refusal_for`); ``location_tags``: its files
     record each storage's location tag (torch pickles; the others open on the CPU); ``strides``: which strides its
     tensors keep, ``"saved"`` (every tensor's, as saved), ``"views"`` (contiguous, but for the views ckptool's
@@ -146,7 +147,8 @@ class Format:
     caller's tensors); ``loaded_by``: the call its users load it with (``torch.load`` for torch's own files, whose
     pickles ``torch.load(weights_only=True)``'s allowlist decides), what ``inspect``'s advice names; ``counts``: what a
     rewrite of it counts in its ``Wrote`` line, in the singular (``storage``; ``tensor`` where each tensor is its
-    own byte range: safetensors).
+    own byte range: safetensors); ``selected``: what ``convert`` of it selects when no key is given, for people
+    (a DeepSpeed folder's consolidated state_dict; empty: the tensors of a flat mapping, or the whole checkpoint).
 
     Three plug-ins of the readers layer (or below) are named here as dotted references ``"package.module:function"``,
     resolved lazily by :meth:`behaviour` (imported the first time a checkpoint of that format is met, as fsspec's
@@ -192,6 +194,7 @@ class Format:
     strides: Literal["saved", "views", "none"] = "none"
     loaded_by: str = "torch.load"
     counts: str = "storage"
+    selected: str = ""
 
     def refusal_for(self, operation: str, path: str, **words: str) -> str | None:
         """The sentence ``operation`` refuses a checkpoint of this format with (:attr:`refusals`), ``path`` first
@@ -323,9 +326,13 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            }),
     Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder", flat="a DeepSpeed checkpoint",
            consolidate=True, tagged=True, **_TORCH_LAYOUT, loaded_by="DeepSpeedEngine.load_checkpoint",
+           selected="the consolidated ZeRO state_dict (fp32 master weights, buffers)",
            refusals={"rewrite-folder": "is a DeepSpeed ZeRO checkpoint folder, which this command does not rewrite: "
                                        "consolidate it first with `ckptool convert {path} -o model.pt` (exactly as "
-                                       "DeepSpeed's zero_to_fp32 does), then run the command on that file"},
+                                       "DeepSpeed's zero_to_fp32 does), then run the command on that file",
+                     "convert --key": "is a DeepSpeed checkpoint: it holds one model, so --key does not apply",
+                     "convert to dcp": "is a DeepSpeed checkpoint: convert it to safetensors or torch (DCP output is "
+                                       "for torch files)"},
            reader="ckptool.readers.read_deepspeed:read_tensors",
            support={
                "scan": Cell("works", "needs-trust"),

@@ -163,11 +163,12 @@ def rename(src: MappingT | PathArg, dst: PathArg | None = None, *, rules: Iterab
         return many(plan, key=key, allow_unused=allow_unused, dry_run=dry_run, to=to, mapping=mapping,
                     progress=progress)
     opened = _rewritable(opened, "renamed")
-    if opened.spec.header:
+    header = opened.tensor_header()  # a safetensors file: its tensors renamed in its header
+    if header is not None:
         _refuse_safetensors_options(path, key, to, mapping)
 
     def one(out: str) -> tuple[_Planned, WriteResult]:
-        if opened.spec.header:
+        if header is not None:
             return _rename_safetensors(opened, out, plan, allow_unused, dry_run, progress)
         return _rename_torch(opened.graph(), out, plan, key, allow_unused, dry_run, (to, mapping), progress)
 
@@ -420,11 +421,12 @@ def filter_keys(src: Mapping[Any, Any] | PathArg, dst: PathArg | None = None, *,
         return many(globs, key=key, allow_unused=allow_unused, dry_run=dry_run, to=to, mapping=mapping,
                     progress=progress)
     opened = _rewritable(opened, "filtered")
-    if opened.spec.header:
+    header = opened.tensor_header()  # a safetensors file: its tensors renamed in its header
+    if header is not None:
         _refuse_safetensors_options(path, key, to, mapping)
 
     def one(out: str) -> FilterResult:
-        if opened.spec.header:
+        if header is not None:
             return _filter_safetensors(opened, out, globs, allow_unused, dry_run, progress)
         return _filter_torch(opened.graph(), out, globs, key, allow_unused, dry_run, (to, mapping), progress)
 
