@@ -36,7 +36,7 @@ __all__ = ["FORMATS", "Format", "Kind", "Role", "Roles", "plugin"]
 Kind = Literal["file", "set", "folder"]
 
 
-Roles = Literal["read", "finish", "dcp"]
+Roles = Literal["read", "dcp"]
 
 P = TypeVar("P")
 
@@ -150,14 +150,14 @@ class Format:
     own byte range: safetensors); ``selected``: what ``convert`` of it selects when no key is given, for people
     (a DeepSpeed folder's consolidated state_dict; empty: the tensors of a flat mapping, or the whole checkpoint).
 
-    Three plug-ins of the readers layer (or below) are named here as dotted references ``"package.module:function"``,
+    Two plug-ins of the readers layer (or below) are named here as dotted references ``"package.module:function"``,
     resolved lazily by :meth:`behaviour` (imported the first time a checkpoint of that format is met, as fsspec's
     ``known_implementations`` does, so that nothing is imported for formats not met):
 
-    * ``reader``: its tensors as a :class:`~ckptool.formats.tensors.Source`, ``(opened, key, tag,
-      exclude_frozen) -> Source`` (:meth:`Opened.state_dict`; in the format's reader module);
-    * ``finish``: what makes that Source whole for the commands that write its tensors anew, ``(source) -> names``
-      (:meth:`Opened.source`: the tied names the safetensors library left out, restored from ``__metadata__``);
+    * ``reader``: its reader class (:class:`ckptool.readers.reader.Reader`, in the format's reader module), made
+      per checkpoint by :attr:`Opened.reader`: its tensors as a :class:`~ckptool.formats.tensors.Source`
+      (:meth:`Opened.state_dict`; a format with ``tensors`` False is refused first), its state_dicts, nesting,
+      values and header, each a method of that class;
     * ``dcp``: the folder is a ``torch.distributed.checkpoint`` folder, perhaps with files of its own beside it,
       ``() -> DcpLayout`` (:class:`ckptool.formats.dcp.DcpLayout`: the files a rewrite copies as they are, the
       globals its ``.metadata`` may name besides DCP's own); :meth:`Opened.dcp_metadata` reads it and the DCP
@@ -183,7 +183,6 @@ class Format:
     consolidate: bool = False
     flat: str = ""
     reader: str = ""
-    finish: str = ""
     dcp: str = ""
     support: Mapping[str, Cell] | None = field(default=None, hash=False)
     key_form: str = "PATH"
@@ -219,10 +218,10 @@ class Format:
 
 
 #: :meth:`Format.behaviour`'s roles -> the :class:`Format` field naming the plug-in
-_ROLES: dict[str, str] = {"read": "reader", "finish": "finish", "dcp": "dcp"}
+_ROLES: dict[str, str] = {"read": "reader", "dcp": "dcp"}
 
 
-_TORCH_READ = "ckptool.readers.read_torch:read_tensors"
+_TORCH_READ = "ckptool.readers.read_torch:PickledReader"
 _TORCH_ROW = {"scan": Cell("works", "safe"), "diff": Cell("works", "identical"), "extract-state-dict": NO_MODULE}
 
 #: what torch.save files record of each tensor: its storage's location tag and its strides
@@ -236,6 +235,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(detect.TORCH_LEGACY, "`torch.save(..., _use_new_zipfile_serialization=False)`", "file", pickled=True,
            keyed=True, reader=_TORCH_READ, support=_TORCH_ROW, **_TORCH_LAYOUT),
     Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False, **_TORCH_LAYOUT,
+           reader=_TORCH_READ,
            loaded_by="torch.jit.load",
            refusal="is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
                    "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file",
@@ -270,7 +270,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                    "command would run; `ckptool convert PATH -o model.safetensors` writes its tensors without "
                    "running it (then run the command on that file), torch.package.PackageImporter(path)."
                    "load_pickle(...) loads them (runs the package's code: trusted files only)",
-           reader="ckptool.readers.read_package:read_tensors", support={
+           reader="ckptool.readers.read_package:PackageReader", support={
                **dict.fromkeys(("prefix", "extract-state-dict", "sanitize", "rename", "filter"), PACKAGE),
                "scan": Cell("works", "safe"),
                "diff": Cell("works", "identical"),
@@ -283,8 +283,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            refusals={"extract-state-dict": "is safetensors: it already is a state_dict",
                      "rewrite": "is safetensors: it carries no device tags, so there is nothing to {action}; "
                                 "load it on any device with safetensors.torch.load_file(path, device='cpu')"},
-           reader="ckptool.readers.read_safetensors:read_tensors",
-           finish="ckptool.readers.read_safetensors:restore_library_aliases", support={
+           reader="ckptool.readers.read_safetensors:SafetensorsReader", support={
                "scan": Cell("works", "safe"),
                "diff": Cell("works", "identical"),
                "remap": Cell("refused", "nothing to remap", "safetensors.torch.load_file(path, device=...)"),
@@ -295,16 +294,16 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            loaded_by="safetensors.torch.load_file",
            refusals={"rewrite": "is safetensors: it carries no device tags, so there is nothing to "
                                 "{action}; load it on any device with safetensors.torch.load_file(path, device='cpu')"},
-           flat="a sharded set", reader="ckptool.readers.read_safetensors:read_set_tensors", support={
+           flat="a sharded set", reader="ckptool.readers.read_safetensors:SetReader", support={
                **SET_ROW,
                "remap": Cell("refused", "carries no device tags", "safetensors.torch.load_file(shard, device=...)"),
            }),
     Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set", flat="a sharded set", **_TORCH_LAYOUT,
-           reader="ckptool.readers.read_safetensors:read_set_tensors",
+           reader="ckptool.readers.read_safetensors:SetReader",
            support=SET_ROW),
     Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True, torch_distributed=True,
            loaded_by="torch.distributed.checkpoint.load",
-           reader="ckptool.readers.read_dcp:read_tensors",
+           reader="ckptool.readers.read_dcp:DcpReader",
            dcp="ckptool.formats.dcp:plain_layout", support={
                "scan": Cell("works", "safe"),
                "diff": Cell("works", "2 of 2 matched tensors equal"),
@@ -315,7 +314,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            loaded_by="torch.export.load",
            refusals={"edit": "is a torch.export archive; write its state_dict with `ckptool extract-state-dict "
                              "{path}` first"},
-           reader="ckptool.readers.read_pt2:read_tensors", support={
+           reader="ckptool.readers.read_pt2:Pt2Reader", support={
                "scan": Cell("works", "safe"),
                "diff": Cell("works", "identical"),
                "remap": Cell("refused", "this command does not apply", PT2_STATE_DICT),
@@ -333,7 +332,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                      "convert --key": "is a DeepSpeed checkpoint: it holds one model, so --key does not apply",
                      "convert to dcp": "is a DeepSpeed checkpoint: convert it to safetensors or torch (DCP output is "
                                        "for torch files)"},
-           reader="ckptool.readers.read_deepspeed:read_tensors",
+           reader="ckptool.readers.read_deepspeed:DeepSpeedReader",
            support={
                "scan": Cell("works", "needs-trust"),
                "diff": Cell("works", "identical"),
@@ -346,18 +345,19 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            refusals={"rewrite-folder": "is a Megatron checkpoint folder, which this command does not rewrite: "
                                        "consolidate it first with `ckptool convert {path} -o model.pt`, then run the "
                                        "command on that file"},
-           reader="ckptool.readers.read_megatron:read_legacy_tensors",
+           reader="ckptool.readers.read_megatron:LegacyReader",
            support={"scan": Cell("works", "needs-trust"), "diff": Cell("works", "identical"),
                     "remap": MEGATRON, "prefix": MEGATRON,
                     "extract-state-dict": FOLDER, "sanitize": FOLDER, "rename": FOLDER, "filter": FOLDER}),
     Format(detect.MEGATRON_DIST, "Megatron-Core `torch_dist` folder (`metadata.json`, `common.pt`, `.distcp`)",
            "folder",
            flat="a Megatron checkpoint", consolidate=True, loaded_by="megatron.core.dist_checkpointing.load",
-           reader="ckptool.readers.read_megatron:read_dist_tensors",
+           reader="ckptool.readers.read_megatron:DistReader",
            dcp="ckptool.formats.megatron:dist_layout",
            support={"scan": Cell("works", "needs-trust"), "diff": Cell("works", "identical"), "remap": DCP_REMAP,
                     "extract-state-dict": FOLDER, "sanitize": FOLDER}),
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
+           reader=_TORCH_READ,
            loaded_by="pickle.load",
            refusal="is a plain pickle without torch storages, not a torch.save checkpoint",
            refusals={"extract-state-dict": "is a plain pickle without torch storages; there is no state_dict to "
