@@ -40,14 +40,13 @@ from typing import Any, Protocol
 
 from ckptool import _source as source
 from ckptool.errors import CkptError
-from ckptool.formats.safetensors import recorded_names
-from ckptool.formats.sharded import SINGLE_FILES
 from ckptool.model.allowlist import DANGEROUS, level_word
 from ckptool.model.devices import map_location_for
 from ckptool.model.keys import WRAPPER_COMPONENTS, shared_prefixes, suggest_command
 from ckptool.ops.inspect.entry import CheckpointInfo, GlobalInfo, inspect
 from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.registry import Role
+from ckptool.readers.structures import SINGLE_FILES, recorded_names
 
 __all__ = ["HINT", "HintMaker", "LoadHint", "dcp_hint", "load_hint", "megatron_dist_hint", "package_hint",
            "renamed_set_hint", "safetensors_hint", "set_hint", "torch_hint"]

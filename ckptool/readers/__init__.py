@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # the readers of the other formats are imported when a checkp
 
 __all__ = [
     "FORMATS",
+    "Checkpoint",
     "Format",
     "Opened",
     "Piece",

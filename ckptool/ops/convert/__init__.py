@@ -56,7 +56,6 @@ from typing import Any, Protocol
 from ckptool._fileio import same_file
 from ckptool._source import holding_versions, is_url
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
-from ckptool.formats.sharded import output_layout
 from ckptool.formats.tensors import Source
 from ckptool.model.devices import location_function
 from ckptool.model.keys import raise_on_collisions
@@ -82,6 +81,7 @@ from ckptool.torch_ops.dcp import dcp_to_torch_file
 from ckptool.torch_ops.load import load_checkpoint
 from ckptool.torch_ops.trusted import refuse_dangerous
 from ckptool.writers import is_folder_form
+from ckptool.writers.encoders import output_layout
 
 __all__ = ["SHARED_KEY", "ConvertResult", "OutputFormat", "VerificationError", "convert", "parse_size"]
 

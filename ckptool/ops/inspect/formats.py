@@ -12,7 +12,6 @@ import os
 import re
 
 from ckptool import _source as source
-from ckptool.formats.dcp import DcpMetadata
 from ckptool.formats.dtypes import DTYPE_SIZES, contiguous_stride, numel, safetensors_dtype
 from ckptool.model.allowlist import is_allowed
 from ckptool.ops.inspect.deepspeed import describe_deepspeed
@@ -22,6 +21,7 @@ from ckptool.ops.inspect.totals import byte_totals, device_bytes, one_storage_ea
 from ckptool.ops.inspect.values import PreviewLimits, ValueInfo
 from ckptool.ops.scan.entry import ScanResult, scan_file
 from ckptool.readers import Opened
+from ckptool.readers.structures import DcpMetadata
 
 __all__ = ["dcp_info", "deepspeed_info", "inspect_dcp", "inspect_deepspeed", "inspect_pt2", "inspect_safetensors",
            "pt2_info", "safetensors_info"]

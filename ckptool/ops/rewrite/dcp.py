@@ -62,10 +62,7 @@ from ckptool.errors import (
     VerificationError,
 )
 from ckptool.formats import detect
-from ckptool.formats.dcp import METADATA_FILE, DcpLayout, DcpMetadata
 from ckptool.formats.nodes import PickledObject, TensorNode
-from ckptool.formats.pickler import PicklerError, dumps
-from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.model.graph import mapping_items
 from ckptool.model.keys import raise_on_collisions
@@ -76,7 +73,9 @@ from ckptool.ops.rewrite.parallel import current_executor, locked, run_each
 from ckptool.ops.rewrite.sets import SetRenameResult, SetWriteResult
 from ckptool.ops.rewrite.stream import ProgressFn, write_zip
 from ckptool.ops.scan.dcp_safety import is_dcp_allowed
-from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers import Checkpoint, Opened, open_checkpoint
+from ckptool.readers.structures import METADATA_FILE, DcpLayout, DcpMetadata
+from ckptool.writers.encoders import PicklerError, dumps
 
 __all__ = ["Dropper", "Renamer", "rewrite_dcp"]
 

@@ -29,15 +29,6 @@ from typing import Any
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats.nodes import StorageRef
-from ckptool.formats.pickler import PicklerError, dumps
-from ckptool.formats.safetensors import SafetensorsHeader
-from ckptool.formats.sharded import (
-    INDEX_SUFFIX,
-    SET_FILE_SUFFIXES,
-    SetLayout,
-    ShardIndex,
-)
-from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.rename_plan import RenamePlan, plan_keys
@@ -57,7 +48,9 @@ from ckptool.ops.rewrite.stream import (
     safetensors_keys,
     write_renamed_safetensors,
 )
-from ckptool.readers import Format, Opened, open_checkpoint
+from ckptool.readers import Checkpoint, Format, Opened, open_checkpoint
+from ckptool.readers.structures import SafetensorsHeader, ShardIndex
+from ckptool.writers.encoders import INDEX_SUFFIX, SET_FILE_SUFFIXES, PicklerError, SetLayout, dumps
 
 
 @dataclass(kw_only=True)

@@ -36,8 +36,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, overload
 
 from ckptool.errors import UnsupportedError, UsageError
-from ckptool.formats.safetensors import SHARED_KEY
-from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.objects import find_object_state_dicts
 from ckptool.model.paths import resolve_path
@@ -73,8 +71,9 @@ from ckptool.ops.surgery.plan import (
 )
 from ckptool.ops.surgery.rules import RuleLike, RuleStep, load_rules, rules_plan
 from ckptool.ops.surgery.sets import filter_dcp, filter_set, rename_dcp, rename_set
-from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers import Checkpoint, Opened, open_checkpoint
 from ckptool.readers.read_safetensors import restore_library_aliases
+from ckptool.readers.structures import SHARED_KEY
 
 __all__ = ["FilterChange", "FilterResult", "RuleResult", "RuleStep", "RuleUse", "SetFilterResult", "SetRuleResult",
            "filter_keys", "load_rules", "rename", "rules_plan", "surgery_output"]
