@@ -71,7 +71,7 @@ LIMITS = {
     "tensor classes": 8,
     "single-format facts": 1,
     "upward plug-ins": 1,
-    "format-module imports": 36,
+    "format-module imports": 26,
 }
 MAX_COMPLEXITY = 20
 TENSOR_CLASS = re.compile(r"Tensor|Storage|Piece|Segment|Chunk")

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field, replace
 from ckptool._fileio import same_file
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats.dtypes import contiguous_stride, element_size
-from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.model.keys import reconcile
 from ckptool.model.units import plural, wrote_line
@@ -42,6 +41,7 @@ from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers import open_checkpoint
 from ckptool.readers.data import FileRanges, read_range, read_storage
+from ckptool.readers.structures import gather
 from ckptool.torch_ops.merge import add_lora_delta, lora_blocks, release_freed_memory
 from ckptool.writers import resolve_output, suffix_writer
 

@@ -22,14 +22,13 @@ from ckptool._fileio import atomic_output, clone_block, copy_range, file_mode, s
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.nodes import CLASS_BUILD, PickledObject, StorageRef, split_use
-from ckptool.formats.zipdir import ENCRYPTED
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.rename_plan import RenamePlan, RenameSummary
 from ckptool.model.units import plural, retagged_words, wrote_line
 from ckptool.readers import FORMATS, Checkpoint, Format
 from ckptool.readers.read_torch import locate_records
-from ckptool.readers.structures import SafetensorsHeader, recorded_names
+from ckptool.readers.structures import ENCRYPTED, SafetensorsHeader, recorded_names
 from ckptool.writers import is_folder_form
 from ckptool.writers.encoders import PicklerError, TorchZipWriter, dumps, encode_header, rename_metadata
 

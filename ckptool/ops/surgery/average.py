@@ -33,7 +33,6 @@ from ckptool._fileio import same_file
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import contiguous_stride, element_size
-from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.model.units import plural, wrote_line
 from ckptool.ops.convert import ConvertResult, OutputFormat
@@ -45,6 +44,7 @@ from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers import open_checkpoint
 from ckptool.readers.budget import check_expansion
+from ckptool.readers.structures import gather
 from ckptool.torch_ops.average import AVERAGED, TAKEN_FROM_FIRST, Accumulator, average_state_dicts
 from ckptool.writers import choose_format
 
