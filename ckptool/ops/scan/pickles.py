@@ -120,7 +120,7 @@ class Scanner:
             end = known_end
         else:
             try:
-                end = check_pickle(buf, 0, what=where, exact=False)
+                end = check_pickle(buf, 0, what=where, exact=False, blobs=[])  # blobs: walked pages handed back
             except CkptError:
                 return None  # read it the ordinary way
         self.record(PickleFinding(where, 0, list(names)), root)
@@ -167,7 +167,7 @@ class Scanner:
             return []
         cut = isinstance(e, TruncatedError)  # a cut frame's opcodes count (partial_globals)
         try:  # refused by the checks: read the flat stream (frames ignored) as far as it is sound
-            end = check_pickle(buf, pos, what=what, exact=False, strict_frames=False)
+            end = check_pickle(buf, pos, what=what, exact=False, strict_frames=False, blobs=[])
             seen = partial_globals(buf, pos, end, cut=cut)
         except CkptError as e2:
             seen = partial_globals(buf, pos, getattr(e2, "offset", stop), cut=cut)
