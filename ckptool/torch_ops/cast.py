@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from ckptool.errors import UnsupportedError
 from ckptool.formats.segments import read_segments
 from ckptool.formats.tensors import Storage, Tensor
+from ckptool.model.casts import CastCount
 
 if TYPE_CHECKING:
     import torch
@@ -50,17 +51,56 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
+#: elements cast and counted at a time (bounded temporaries: a few float64 buffers of this many elements)
+_COUNT_BLOCK = 1 << 20
+
+
+def cast_counting(flat: torch.Tensor, dtype: str) -> tuple[torch.Tensor, CastCount]:
+    """``flat`` (a 1-D floating tensor) cast to ``dtype`` (``Tensor.to``: IEEE round to nearest even, one rounding),
+    and what the cast did to its values (:class:`~ckptool.model.casts.CastCount`), counted exactly, block by block of
+    :data:`_COUNT_BLOCK` elements so the temporaries stay bounded.
+
+    Overflow: finite in, ``+-inf`` out; underflow: finite non-zero in, zero out; errors over the values finite on
+    both sides, in float64.
+    """
+    import torch
+
+    out = flat.to(torch_dtype(dtype))
+    count = CastCount(str(flat.dtype).removeprefix("torch."), dtype, elements=flat.numel())
+    for lo in range(0, flat.numel(), _COUNT_BLOCK):
+        a = flat[lo:lo + _COUNT_BLOCK].double()
+        b = out[lo:lo + _COUNT_BLOCK].double()
+        fin_a, fin_b = torch.isfinite(a), torch.isfinite(b)
+        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+        count.overflow += int((fin_a & torch.isinf(b)).sum())
+        count.nan_made += int((fin_a & nan_b).sum())
+        count.underflow += int((fin_a & (a != 0) & (b == 0)).sum())
+        count.nan_in += int(nan_a.sum())
+        count.nan_out += int(nan_b.sum())
+        both = fin_a & fin_b
+        if bool(both.any()):
+            a, b = a[both], b[both]
+            err = (b - a).abs()
+            count.max_abs_error = max(count.max_abs_error, float(err.max()))
+            nz = a != 0
+            if bool(nz.any()):
+                count.max_rel_error = max(count.max_rel_error, float((err[nz] / a[nz].abs()).max()))
+    return out, count
+
+
 class FlatCache:
     """Materialises storages as 1-D tensors of their output dtype, keeping only the last one (memory stays bounded
     by the largest storage): a cache of torch buffers over :class:`~ckptool.formats.tensors.Storage`, not a
     model of its own.
 
     ``read(path, offset, nbytes)`` returns the bytes of a file range; ``out_dtype(dtype)`` names the dtype a
-    storage of ``dtype`` is written as (a cast, or ``dtype`` itself).
+    storage of ``dtype`` is written as (a cast, or ``dtype`` itself); ``counted(storage, count)``, when given, receives
+    what each cast did to the storage's values (:func:`cast_counting`).
     """
 
-    def __init__(self, read: Callable[[str, int, int], bytearray], out_dtype: Callable[[str], str]) -> None:
-        self.read, self.out_dtype = read, out_dtype
+    def __init__(self, read: Callable[[str, int, int], bytearray], out_dtype: Callable[[str], str],
+                 counted: Callable[[Storage, CastCount], None] | None = None) -> None:
+        self.read, self.out_dtype, self.counted = read, out_dtype, counted
         self._key: int | None = None
         self._flat: torch.Tensor | None = None
 
@@ -81,7 +121,10 @@ class FlatCache:
                 data = from_bytes(self.read(st.path, p.file_offset, p.nbytes), st.dtype)
                 flat.as_strided(p.shape, p.stride, p.offset).copy_(data.reshape(p.shape))
         out = self.out_dtype(st.dtype)
-        if out != st.dtype:
+        if out != st.dtype and self.counted is not None:
+            flat, count = cast_counting(flat, out)
+            self.counted(st, count)
+        elif out != st.dtype:
             flat = flat.to(torch_dtype(out))
         self._key, self._flat = id(st), flat
         return flat

@@ -108,6 +108,7 @@ def convert(
     dtype: str | None = None, verify: bool = True, trust: bool = False,
     progress: ProgressFn | None = None, tag: str | None = None, exclude_frozen: bool = False,
     tp_dims: Sequence[str] = (), max_expand: float | None = None, executor: Executor | None = None,
+    allow_overflow: bool = False,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
@@ -132,7 +133,10 @@ def convert(
       ``x-00001-of-0000N.safetensors``... and ``x.safetensors.index.json`` beside it (likewise ``.bin`` / ``.pt`` /
       ``.pth``), a folder ``dst`` gets ``model-00001-of-0000N.safetensors``... / ``pytorch_model-...bin``; a set
       that fits one shard is the single file, without index (``transformers`` ``save_pretrained``).
-    * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors. ``verify``
+    * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors, and the result
+      says what each cast did to the values (``cast_values`` / ``cast_total``: values that became +-inf or 0, NaNs in
+      and out, largest absolute and relative errors; counted exactly, a storage at a time). A cast that makes inf or
+      NaN from finite values is refused (nothing written) unless ``allow_overflow``. ``verify``
       re-opens the output and compares every tensor with the source (see the module docstring).
     * ``max_expand``: what the tensors may take dense, per storage byte (:mod:`ckptool.readers.budget`; 0: no limit).
       ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
@@ -148,7 +152,8 @@ def convert(
             an output suffix that names no format, ``dst`` the same file as ``src``), a missing output folder or
             shard.
         UnsupportedError: plain pickles and TorchScript archives; dtypes safetensors cannot hold (complex128,
-            quantized tensors); no state_dict found; tensors over the ``max_expand`` budget.
+            quantized tensors); no state_dict found; tensors over the ``max_expand`` budget; a ``dtype`` cast that
+            makes inf or NaN from finite values (without ``allow_overflow``).
         NotACheckpointError / CorruptCheckpointError: unreadable or damaged input.
         UnsafeCheckpointError: a DCP folder (or a torch file converted to DCP) needs globals outside the allowlist
             and ``trust`` is False; with ``trust``, ``ckptool scan`` rates the input dangerous (:func:`_open_source`).
@@ -168,10 +173,10 @@ def convert(
     if opened.spec.torch_distributed:
         return _from_dcp(opened, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
             key=key, to=to, mapping=mapping, allow_missing=allow_missing, max_shard_size=shard_bytes, dtype=dtype,
-            verify=verify, progress=progress, max_expand=max_expand, **renames))
+            verify=verify, progress=progress, max_expand=max_expand, allow_overflow=allow_overflow, **renames))
     if fmt_out.folder and opened.spec.tensors and not opened.spec.tagged:
         return _to_dcp(opened, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype,
-                       max_expand=max_expand)
+                       max_expand=max_expand, allow_overflow=allow_overflow)
     source = _read_source(opened, fmt_out, key, tag, exclude_frozen, max_expand)
     _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
     res = ConvertResult(src_p, dst_p, source.format, fmt_out.value, key=source.key, left_out=list(source.left_out),
@@ -179,13 +184,13 @@ def convert(
     location = location_function(to, mapping, tags=[t.storage.location for t in source.tensors],
                                  allow_missing=allow_missing, where=src_p) or _keep_location
     res.renamed, plan = _apply_renames(source, unwrap, strip, allow_missing)
-    _write(source, res, fmt_out, shard_bytes, dtype, location, plan, verify, progress)
+    _write(source, res, fmt_out, shard_bytes, dtype, location, plan, verify, progress, allow_overflow)
     return res
 
 
 def _write(source: Source, res: ConvertResult, fmt_out: OutputFormat, shard_bytes: int | None, dtype: str | None,
            location: Callable[[str], str], plan: RenamePlan | None, verify: bool,
-           progress: ProgressFn | None) -> None:
+           progress: ProgressFn | None, allow_overflow: bool = False) -> None:
     """Write ``source`` to ``res.dst`` as ``fmt_out`` (:func:`ckptool.ops.convert.outputs.write_outputs`), with the
     notes of what the output format does not carry."""
     res.notes += source.notes[len(res.notes):]
@@ -194,7 +199,7 @@ def _write(source: Source, res: ConvertResult, fmt_out: OutputFormat, shard_byte
                          f"{fmt_out.value} holds tensors only")
     companions = _model_folder_files(res, source, fmt_out, shard_bytes)
     write_outputs(source, res.dst, fmt_out, shard_bytes, dtype, location, plan.rename if plan else None,
-                  verify, progress, res, companions=companions.files)
+                  verify, progress, res, companions=companions.files, allow_overflow=allow_overflow)
     res.kept = companions.names
 
 
@@ -349,7 +354,7 @@ def _from_dcp(opened: Opened, dst: str, *, fmt_out: OutputFormat, trust: bool,
 
 
 def _to_dcp(opened: Opened, dst: str, *, key: str | None, trust: bool, verify: bool, renames: dict[str, Any],
-            cast: str | None, max_expand: float | None) -> ConvertResult:
+            cast: str | None, max_expand: float | None, allow_overflow: bool = False) -> ConvertResult:
     """Write a DCP folder at ``dst`` (:func:`ckptool.ops.convert.dcp.write_dcp`) from a checkpoint whose tensors
     ckptool reads (a torch file, a sharded set, safetensors, ``.pt2``, torch.package).
 
@@ -375,9 +380,10 @@ def _to_dcp(opened: Opened, dst: str, *, key: str | None, trust: bool, verify: b
     else:
         with scratch_file(dst) as tmp:
             sub = convert(src, tmp, format=OutputFormat.TORCH.value, key=key, dtype=cast, verify=verify, trust=trust,
-                          max_expand=max_expand, **renames)
+                          max_expand=max_expand, allow_overflow=allow_overflow, **renames)
             res.key, res.left_out, res.skipped, res.cast, res.renamed = (sub.key, sub.left_out, sub.skipped,
                                                                          sub.cast, sub.renamed)
+            res.cast_values, res.cast_total = sub.cast_values, sub.cast_total
             obj, _saved = load_checkpoint(tmp, "cpu", trust=trust)
     if not isinstance(obj, dict):
         raise UnsupportedError(f"{src} holds a {type(obj).__name__}, not a dict; DCP saves a state_dict (a dict)")
