@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ckptool.errors import UnsupportedError
 from ckptool.formats.segments import read_segments
-from ckptool.formats.tensors import Storage, Tensor
+from ckptool.formats.tensors import Scaled, Storage, Tensor
 from ckptool.model.casts import CastCount
 
 if TYPE_CHECKING:
@@ -88,6 +88,39 @@ def cast_counting(flat: torch.Tensor, dtype: str) -> tuple[torch.Tensor, CastCou
     return out, count
 
 
+#: rows of a quantized weight dequantized at a time (one row of scale blocks is this many rows or fewer)
+_ROWS = 128
+
+
+def dequantized(sc: Scaled, read: Callable[[str, int, int], bytearray]) -> torch.Tensor:
+    """The values of the quantized weight ``sc`` as a 1-D float32 tensor: each element upcast to float32 and multiplied
+    by the float32 scale of its block (``scale.to(float32)``), the order of operations of transformers'
+    ``Fp8Dequantize._dequantize_one`` (``(q.to(float32) * s).to(dtype)``: the caller rounds once to its dtype).
+    Computed a row block at a time (one row of scale blocks), so the temporaries stay those of a block.
+
+    Raises:
+        UnsupportedError: the installed torch lacks the weight's or the scale's dtype.
+    """
+    import torch
+
+    w = sc.weight
+    rows, cols = (sc.shape[-2], sc.shape[-1]) if len(sc.shape) >= 2 else (1, sc.shape[-1] if sc.shape else 1)
+    q = from_bytes(read(w.path, w.offset, w.nbytes), w.dtype).reshape(-1, rows, cols)
+    st = sc.scale.storage
+    scale = from_bytes(read(st.path, st.offset, st.nbytes), st.dtype)
+    scale = scale.as_strided(sc.scale.shape, sc.scale.stride, sc.scale.offset).to(torch.float32)
+    srows, scols = (scale.shape[-2], scale.shape[-1]) if scale.dim() >= 2 else (1, 1)
+    scale = scale.reshape(-1, srows, scols)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    bm, bn = sc.block
+    for r in range(srows):
+        lo, hi = r * bm, min((r + 1) * bm, rows)
+        for e in range(q.shape[0]):
+            s_row = scale[e if scale.shape[0] > 1 else 0, r].repeat_interleave(bn)[:cols]
+            torch.mul(q[e, lo:hi].to(torch.float32), s_row, out=out[e, lo:hi])
+    return out.reshape(-1)
+
+
 class FlatCache:
     """Materialises storages as 1-D tensors of their output dtype, keeping only the last one (memory stays bounded
     by the largest storage): a cache of torch buffers over :class:`~ckptool.formats.tensors.Storage`, not a
@@ -111,7 +144,9 @@ class FlatCache:
         self._flat = None  # release the previous storage before reading the next
         import torch
 
-        if st.segments is not None:  # gathered from several files (a DeepSpeed ZeRO parameter)
+        if st.scaled is not None:  # a quantized weight's values (float32), dequantized
+            flat = dequantized(st.scaled, self.read)
+        elif st.segments is not None:  # gathered from several files (a DeepSpeed ZeRO parameter)
             flat = from_bytes(read_segments(st.segments, self.read), st.dtype)
         elif st.pieces is None:
             flat = from_bytes(self.read(st.path, st.offset, st.nbytes), st.dtype)
@@ -123,6 +158,8 @@ class FlatCache:
         out = self.out_dtype(st.dtype)
         if out != st.dtype and self.counted is not None:
             flat, count = cast_counting(flat, out)
+            if st.scaled is not None:
+                count.src = f"{st.scaled.weight.dtype} ({st.scaled.scheme})"
             self.counted(st, count)
         elif out != st.dtype:
             flat = flat.to(torch_dtype(out))

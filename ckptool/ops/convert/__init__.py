@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
@@ -62,6 +63,7 @@ from ckptool.model.keys import raise_on_collisions
 from ckptool.model.megatron import USER_RULES, parse_tp_dims
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_torch, write_dcp
+from ckptool.ops.convert.dequant import dequantize_source, quantization_config, unquantized_config
 from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.report import ConvertResult
 from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, OutputFormat, parse_size
@@ -105,10 +107,9 @@ def convert(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], *, format: str | None = None, key: str | None = None,
     to: str | None = None, mapping: Mapping[str, str] | None = None, allow_missing: bool = False,
     unwrap: bool = False, strip_prefixes: str | Sequence[str] = (), max_shard_size: int | str | None = None,
-    dtype: str | None = None, verify: bool = True, trust: bool = False,
+    dtype: str | None = None, verify: bool = True, trust: bool = False, allow_overflow: bool = False,
     progress: ProgressFn | None = None, tag: str | None = None, exclude_frozen: bool = False,
     tp_dims: Sequence[str] = (), max_expand: float | None = None, executor: Executor | None = None,
-    allow_overflow: bool = False,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` to ``dst`` in one pass.
 
@@ -133,11 +134,8 @@ def convert(
       ``x-00001-of-0000N.safetensors``... and ``x.safetensors.index.json`` beside it (likewise ``.bin`` / ``.pt`` /
       ``.pth``), a folder ``dst`` gets ``model-00001-of-0000N.safetensors``... / ``pytorch_model-...bin``; a set
       that fits one shard is the single file, without index (``transformers`` ``save_pretrained``).
-    * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors, and the result
-      says what each cast did to the values (``cast_values`` / ``cast_total``: values that became +-inf or 0, NaNs in
-      and out, largest absolute and relative errors; counted exactly, a storage at a time). A cast that makes inf or
-      NaN from finite values is refused (nothing written) unless ``allow_overflow``. ``verify``
-      re-opens the output and compares every tensor with the source (see the module docstring).
+    * ``dtype`` (float16, bfloat16, float32, float64) casts floats, dequantizes FP8 (:mod:`.dequant`), reports each
+      cast (``cast_values``; inf / NaN refused unless ``allow_overflow``). ``verify``: re-read and compare.
     * ``max_expand``: what the tensors may take dense, per storage byte (:mod:`ckptool.readers.budget`; 0: no limit).
       ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
     * ``executor``: a thread pool writing a sharded output's shards at once (:mod:`ckptool.ops.rewrite.parallel`).
@@ -152,8 +150,7 @@ def convert(
             an output suffix that names no format, ``dst`` the same file as ``src``), a missing output folder or
             shard.
         UnsupportedError: plain pickles and TorchScript archives; dtypes safetensors cannot hold (complex128,
-            quantized tensors); no state_dict found; tensors over the ``max_expand`` budget; a ``dtype`` cast that
-            makes inf or NaN from finite values (without ``allow_overflow``).
+            quantized tensors); no state_dict found; over ``max_expand``; a cast making inf (:mod:`.dequant` too).
         NotACheckpointError / CorruptCheckpointError: unreadable or damaged input.
         UnsafeCheckpointError: a DCP folder (or a torch file converted to DCP) needs globals outside the allowlist
             and ``trust`` is False; with ``trust``, ``ckptool scan`` rates the input dangerous (:func:`_open_source`).
@@ -192,15 +189,30 @@ def _write(source: Source, res: ConvertResult, fmt_out: OutputFormat, shard_byte
            location: Callable[[str], str], plan: RenamePlan | None, verify: bool,
            progress: ProgressFn | None, allow_overflow: bool = False) -> None:
     """Write ``source`` to ``res.dst`` as ``fmt_out`` (:func:`ckptool.ops.convert.outputs.write_outputs`), with the
-    notes of what the output format does not carry."""
+    notes of what the output format does not carry; with ``dtype``, quantized weights dequantized first."""
     res.notes += source.notes[len(res.notes):]
+    dequantized = dtype is not None and _dequantize(source, res)
     if not fmt_out.whole_state and source.sd_state is not None:
         res.notes.append(f"the state_dict's _metadata (module versions for load_state_dict) was not carried: "
                          f"{fmt_out.value} holds tensors only")
     companions = _model_folder_files(res, source, fmt_out, shard_bytes)
-    write_outputs(source, res.dst, fmt_out, shard_bytes, dtype, location, plan.rename if plan else None,
-                  verify, progress, res, companions=companions.files, allow_overflow=allow_overflow)
+    with tempfile.TemporaryDirectory(prefix="ckptool-config-") as tmp:
+        files = companions.files
+        if dequantized:  # config.json without its quantization_config: transformers loads the weights as they are
+            files = [(unquantized_config(p, tmp) or p, n) if n == "config.json" else (p, n) for p, n in files]
+            if files != companions.files:
+                res.notes.append("config.json copied without its quantization_config (the rest byte for byte)")
+        write_outputs(source, res.dst, fmt_out, shard_bytes, dtype, location, plan.rename if plan else None,
+                      verify, progress, res, companions=files, allow_overflow=allow_overflow)
     res.kept = companions.names
+
+
+def _dequantize(source: Source, res: ConvertResult) -> bool:
+    """Dequantize the quantized weights of ``source`` (:func:`ckptool.ops.convert.dequant.dequantize_source`, with
+    the model folder's ``quantization_config``), noting it in ``res``; whether there were any."""
+    notes = dequantize_source(source, quantization_config(model_folder_of(res.src)))
+    res.notes += notes
+    return bool(notes)
 
 
 def _model_folder_files(res: ConvertResult, source: Source, fmt_out: OutputFormat,

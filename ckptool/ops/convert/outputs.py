@@ -203,8 +203,8 @@ def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_byte
     res.stored, res.trimmed_bytes = writer.tally(plan, src)
     for t in src.tensors:
         out = out_dtype(t.dtype, cast)
-        if out != t.dtype:
-            k = f"{t.dtype}->{out}"
+        if out != t.dtype or t.storage.scaled is not None:
+            k = f"{t.storage.scaled.weight.dtype if t.storage.scaled else t.dtype}->{out}"
             res.cast[k] = res.cast.get(k, 0) + 1
     _cast_report(src, job.files, res)
     if verify:

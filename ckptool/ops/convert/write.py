@@ -194,7 +194,7 @@ def _write_safetensors_data(out: BinaryIO, u: Unit, t: Tensor, files: Files, cac
     esize = DTYPE_SIZES[u.dtype]
     st = t.storage
     crc: int | None
-    if u.dtype == t.dtype and st.pieces is None and is_contiguous(t.shape, t.stride):
+    if u.dtype == t.dtype and st.pieces is None and st.scaled is None and is_contiguous(t.shape, t.stride):
         whole = t.offset == 0 and t.numel * esize == st.nbytes
         src, base = files.storage(st)
         if (whole and st.crc is not None) or not need_crc:  # the checksum is known, or not needed
@@ -206,7 +206,7 @@ def _write_safetensors_data(out: BinaryIO, u: Unit, t: Tensor, files: Files, cac
             crc = copy_range_crc(src, out, base + t.offset * esize, t.numel * esize, behind=behind)
             if st.segments is None:  # (segments are recorded as Files.read reads them)
                 files.evidence.saw(st.path, base + t.offset * esize, t.numel * esize, crc)
-    elif u.dtype == t.dtype and st.pieces is None:  # a strided view, no cast: gather its bytes (no torch)
+    elif u.dtype == t.dtype and st.pieces is None and st.scaled is None:  # a strided view, no cast: gather (no torch)
         lo, hi = t.span
         crc = 0
         for piece in gather(files.storage_bytes(st, lo * esize, (hi - lo) * esize), esize,
@@ -278,7 +278,7 @@ def write_torch(out: BinaryIO, tensors: list[Tensor], files: Files, cast: str | 
     written = Written([], None, list(tensors), [])
     for st in storages:
         name = f"data/{keys[id(st)]}"
-        if st.pieces is None and out_dtype(st.dtype, cast) == st.dtype:
+        if st.pieces is None and st.scaled is None and out_dtype(st.dtype, cast) == st.dtype:
             w.copy_record(name, *files.storage(st), st.nbytes, st.crc)
             if st.crc is not None:  # the record carries the source's CRC-32, which zipfile checks on the output
                 files.evidence.vouched(st.path)
