@@ -209,8 +209,12 @@ def _write(source: Source, res: ConvertResult, fmt_out: OutputFormat, shard_byte
 
 def _dequantize(source: Source, res: ConvertResult) -> bool:
     """Dequantize the quantized weights of ``source`` (:func:`ckptool.ops.convert.dequant.dequantize_source`, with
-    the model folder's ``quantization_config``), noting it in ``res``; whether there were any."""
-    notes = dequantize_source(source, quantization_config(model_folder_of(res.src)))
+    the ``quantization_config`` of the model folder, or of the folder holding a single file), noting it in ``res``;
+    whether there were any."""
+    folder = model_folder_of(res.src)
+    if folder is None and not is_url(res.src):  # one file: the config.json beside it, if any, says the block size
+        folder = os.path.dirname(os.path.abspath(res.src))
+    notes = dequantize_source(source, quantization_config(folder))
     res.notes += notes
     return bool(notes)
 

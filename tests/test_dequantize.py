@@ -1,0 +1,190 @@
+"""``convert --dtype`` dequantizes fine-grained FP8 checkpoints (issue 48): the output equals transformers' own
+dequantization bit for bit, and ``from_pretrained`` on the output folder gives the logits of the reference model
+(transformers' ``FineGrainedFP8Config(dequantize=True)`` on CPU). The fixture is quantized with transformers' own
+``Fp8Quantize``."""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+from pathlib import Path
+
+import pytest
+
+import ckptool
+from ckptool.errors import UnsupportedError
+from ckptool.ops.convert.dequant import without_key
+
+torch = pytest.importorskip("torch")
+st_torch = pytest.importorskip("safetensors.torch")
+
+SCALE = "weight_scale_inv"
+
+
+def _hf(block: list[int]) -> types.SimpleNamespace:
+    from transformers import FineGrainedFP8Config
+
+    return types.SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=block))
+
+
+def _fp8_folder(folder: Path, block: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """A tiny Llama saved by transformers, its linear weights quantized to fine-grained FP8 by transformers'
+    ``Fp8Quantize`` (what ``save_pretrained`` of an FP8-quantized model holds), ``quantization_config`` in config.json
+    as ``FineGrainedFP8Config.to_dict()`` writes it. Returns the quantized state_dict."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    hf = _hf(block or [128, 128])
+    sd: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("proj.weight"):
+            sd.update(Fp8Quantize(hf)._quantize_one(k, v))
+        else:
+            sd[k] = v.contiguous()
+    model.save_pretrained(folder)
+    os.remove(folder / "model.safetensors")
+    st_torch.save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    conf = json.loads((folder / "config.json").read_text())
+    conf["quantization_config"] = hf.quantization_config.to_dict()
+    (folder / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    return sd
+
+
+def _reference(sd: dict[str, torch.Tensor], dtype: torch.dtype, block: list[int]) -> dict[str, torch.Tensor]:
+    """transformers' ``Fp8Dequantize`` of every quantized weight; the other tensors as they are, scales left out."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    deq = Fp8Dequantize(_hf(block))
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(SCALE):
+            continue
+        if v.dtype == torch.float8_e4m3fn:
+            out[k] = deq._dequantize_one(v, sd[k.removesuffix("weight") + SCALE], dtype)
+        else:
+            out[k] = v.to(dtype) if v.is_floating_point() else v
+    return out
+
+
+def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_fp8_folder_equals_transformers_dequantize_bit_for_bit(tmp_path: Path, dtype: str) -> None:
+    sd = _fp8_folder(tmp_path / "fp8")
+    res = ckptool.convert(tmp_path / "fp8", f"{tmp_path / 'out'}/", dtype=dtype, max_shard_size="1MB")
+    assert res.shards > 1  # sharded in the output
+    got = {}
+    for name in sorted(os.listdir(tmp_path / "out")):
+        if name.endswith(".safetensors"):
+            got.update(st_torch.load_file(tmp_path / "out" / name))
+    _bits_equal(got, _reference(sd, getattr(torch, dtype), [128, 128]))
+    assert not any(k.endswith(SCALE) for k in got)
+    assert res.cast.get(f"float8_e4m3fn->{dtype}") == 14
+    if dtype != "float32":  # the float32 products are the values: no second rounding to report
+        assert res.cast_values["model.layers.0.self_attn.q_proj.weight"].src == "float8_e4m3fn (fine-grained fp8)"
+    src_conf = (tmp_path / "fp8" / "config.json").read_text()
+    out_conf = (tmp_path / "out" / "config.json").read_text()
+    assert out_conf == without_key(src_conf, "quantization_config")
+    assert json.loads(out_conf) == {k: v for k, v in json.loads(src_conf).items() if k != "quantization_config"}
+
+
+def test_from_pretrained_on_the_output_gives_the_reference_logits(tmp_path: Path, run_cli) -> None:
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    _fp8_folder(tmp_path / "fp8")
+    r = run_cli("convert", tmp_path / "fp8", "-o", f"{tmp_path / 'out'}/", "--dtype", "bfloat16",
+                "--max-shard-size", "10GB")
+    assert r.exit_code == 0, r.output
+    assert "dequantized 14 fine-grained FP8 weight(s)" in r.output and "Cast report" in r.output
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16, quantization_config=(
+        FineGrainedFP8Config(dequantize=True, weight_block_size=[128, 128])))
+    assert type(ours.model.layers[0].mlp.up_proj) is torch.nn.Linear
+    ids = torch.tensor([[1, 5, 9, 200, 42]])
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, ref(ids).logits)
+
+
+def test_partial_blocks_and_experts_as_deepseek_stores_them(tmp_path: Path) -> None:
+    """A weight whose sides are not multiples of the block (DeepSeek-V3: ceil(rows / 128) scale rows), and a 3-D
+    expert stack (one scale grid per expert), against the block formula written out directly."""
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(200, 300, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.rand(2, 3, generator=g) + 0.01
+    e = (torch.randn(3, 256, 128, generator=g) * 10).clamp(-448, 448).to(torch.float8_e4m3fn)
+    es = torch.rand(3, 2, 1, generator=g)
+    st_torch.save_file({"a.weight": w, f"a.{SCALE}": s, "experts.weight": e, f"experts.{SCALE}": es,
+                        "norm": torch.ones(4)}, tmp_path / "m.safetensors")
+    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "fp8", '
+                                          '"weight_block_size": [128, 128]}}')
+    res = ckptool.convert(tmp_path / "m.safetensors", tmp_path / "out.pt", dtype="bfloat16")
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert sorted(out) == ["a.weight", "experts.weight", "norm"]
+    full = s.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    assert torch.equal(out["a.weight"].view(torch.int16), (w.float() * full).to(torch.bfloat16).view(torch.int16))
+    ref = (e.float() * es.repeat_interleave(128, 1)).to(torch.bfloat16)
+    assert torch.equal(out["experts.weight"].view(torch.int16), ref.view(torch.int16))
+    assert res.cast_total is not None and res.cast_total.elements == w.numel() + e.numel() + 4
+
+
+@pytest.mark.parametrize(("quant", "words"), [
+    ({"quant_method": "gptq", "bits": 4}, "gptq quantization is not dequantized"),
+    ({"quant_method": "awq"}, "awq quantization is not dequantized"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes quantization is not dequantized"),
+    ({"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}, "ue8m0"),
+])
+def test_other_schemes_are_named_and_refused(tmp_path: Path, run_cli, quant: dict[str, object], words: str) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    st_torch.save_file({"w": torch.ones(2, 2)}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({"quantization_config": quant}))
+    r = run_cli("convert", folder, "-o", f"{tmp_path / 'out'}/", "--dtype", "bfloat16", "--max-shard-size", "1GB")
+    assert r.exit_code == 1 and r.output.startswith("Error: ") and words in r.output, r.output
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+
+
+def test_a_scale_grid_that_does_not_fit_is_refused(tmp_path: Path) -> None:
+    st_torch.save_file({"a.weight": torch.zeros(100, 100).to(torch.float8_e4m3fn), f"a.{SCALE}": torch.ones(3, 3)},
+                       tmp_path / "m.safetensors")
+    with pytest.raises(UnsupportedError, match=r"a\.weight: a weight of shape \[100, 100\] does not fit"):
+        ckptool.convert(tmp_path / "m.safetensors", tmp_path / "o.safetensors", dtype="bfloat16")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_without_dtype_nothing_is_dequantized(tmp_path: Path) -> None:
+    w = torch.ones(128, 128).to(torch.float8_e4m3fn)
+    st_torch.save_file({"a.weight": w, f"a.{SCALE}": torch.ones(1, 1)}, tmp_path / "m.safetensors")
+    ckptool.convert(tmp_path / "m.safetensors", tmp_path / "o.safetensors")
+    assert sorted(st_torch.load_file(tmp_path / "o.safetensors")) == ["a.weight", f"a.{SCALE}"]
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ('{\n  "a": 1,\n  "quantization_config": {"x": [1, 2]},\n  "z": 3\n}\n', '{\n  "a": 1,\n  "z": 3\n}\n'),
+    ('{"a": 1, "quantization_config": {}}', '{"a": 1}'),
+    ('{"quantization_config": 2}', "{}"),
+    ('{"b": {"quantization_config": 1}}', None),
+])
+def test_without_key_keeps_every_other_byte(text: str, want: str | None) -> None:
+    assert without_key(text, "quantization_config") == want
+
+
+def test_without_a_config_the_block_is_the_scale_grid_as_transformers_derives_it(tmp_path: Path) -> None:
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(200, 300, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.rand(2, 3, generator=g) + 0.01
+    st_torch.save_file({"a.weight": w, f"a.{SCALE}": s}, tmp_path / "m.safetensors")
+    ckptool.convert(tmp_path / "m.safetensors", tmp_path / "o.safetensors", dtype="float16")
+    ref = Fp8Dequantize(None)._dequantize_one(w, s, torch.float16)  # blocks of 100 x 100
+    _bits_equal(st_torch.load_file(tmp_path / "o.safetensors"), {"a.weight": ref})
