@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import types
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def test_from_pretrained_on_the_output_gives_the_reference_logits(tmp_path: Path
     r = run_cli("convert", tmp_path / "fp8", "-o", f"{tmp_path / 'out'}/", "--dtype", "bfloat16",
                 "--max-shard-size", "10GB")
     assert r.exit_code == 0, r.output
-    assert "dequantized 14 fine-grained FP8 weight(s)" in r.output and "Cast report" in r.output
+    assert "dequantized 14 fine-grained fp8 weight(s)" in r.output and "Cast report" in r.output
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16, quantization_config=(
         FineGrainedFP8Config(dequantize=True, weight_block_size=[128, 128])))
@@ -188,3 +189,73 @@ def test_without_a_config_the_block_is_the_scale_grid_as_transformers_derives_it
     ckptool.convert(tmp_path / "m.safetensors", tmp_path / "o.safetensors", dtype="float16")
     ref = Fp8Dequantize(None)._dequantize_one(w, s, torch.float16)  # blocks of 100 x 100
     _bits_equal(st_torch.load_file(tmp_path / "o.safetensors"), {"a.weight": ref})
+
+
+def _ct_folder(folder: Path, strategy: str) -> None:
+    """A tiny Llama quantized to FP8 and saved by compressed-tensors itself (``apply_quantization_config``, the
+    scales set from each weight's absolute maximum as an observer would, ``ModelCompressor.compress_model``,
+    ``save_pretrained`` + ``update_config``)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    args = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=False)
+    qcfg = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                              ignore=["lm_head"])
+    apply_quantization_config(model, qcfg)
+    for m in model.modules():
+        if hasattr(m, "weight_scale"):
+            w = m.weight.detach().float().abs()
+            amax = w.amax(dim=1, keepdim=True) if strategy == "channel" else w.amax().reshape(1)
+            m.weight_scale.data.copy_((amax / 448).to(m.weight_scale.dtype))
+    comp = ModelCompressor.from_pretrained_model(model)
+    comp.compress_model(model)
+    model.save_pretrained(folder)
+    comp.update_config(folder)
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_compressed_tensors_fp8_equals_its_decompression_and_logits(tmp_path: Path, strategy: str) -> None:
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    _ct_folder(tmp_path / "ct", strategy)
+    assert json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]["quant_method"] == (
+        "compressed-tensors")
+    res = ckptool.convert(tmp_path / "ct", f"{tmp_path / 'out'}/", dtype="bfloat16", max_shard_size="10GB")
+    assert any("dequantized 14 compressed-tensors fp8 weight(s)" in n for n in res.notes)
+    # the reference: transformers loading the folder with compressed-tensors decompressing it (ModelCompressor)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.bfloat16,
+                                               quantization_config=CompressedTensorsConfig(run_compressed=False))
+    got = st_torch.load_file(tmp_path / "out" / "model.safetensors")
+    want = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight" or k in got}
+    _bits_equal(got, want)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"format": "pack-quantized"}, "format 'pack-quantized' (group_0) is not dequantized"),
+    ({"weights": {"type": "int", "num_bits": 4, "symmetric": True, "strategy": "group"}}, "4-bit int weights"),
+    ({"weights": {"type": "float", "num_bits": 8, "symmetric": True, "strategy": "block"}}, "strategy 'block'"),
+])
+def test_other_compressed_tensors_schemes_are_refused(tmp_path: Path, change: dict[str, object], words: str) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    st_torch.save_file({"w": torch.ones(2, 2)}, folder / "model.safetensors")
+    group = {"format": "float-quantized", "weights": {"type": "float", "num_bits": 8, "symmetric": True,
+                                                      "strategy": "channel"}, **change}
+    (folder / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "compressed-tensors", "config_groups": {"group_0": group}}}))
+    with pytest.raises(UnsupportedError, match=re.escape(words)):
+        ckptool.convert(folder, f"{tmp_path / 'out'}/", dtype="bfloat16", max_shard_size="1GB")

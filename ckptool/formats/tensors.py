@@ -80,13 +80,15 @@ class Scaled:
     """A quantized weight's values, in float32: the elements of ``weight`` (a contiguous storage of ``shape``, of a
     float8 dtype) times the scale of their block, ``scale`` (a tensor of one float per ``block = (rows, columns)``
     block of the last two dimensions; the last block of a row or column may be partial), each product rounded once
-    to float32, as transformers' ``Fp8Dequantize`` computes it. ``scheme`` names the quantization (for reports)."""
+    to ``compute`` (float32 as transformers' ``Fp8Dequantize`` computes it; the scale's dtype as compressed-tensors'
+    ``dequantize`` does). ``scheme`` names the quantization (for reports)."""
 
     weight: Storage
     shape: tuple[int, ...]
     scale: Tensor
     block: tuple[int, int]
     scheme: str
+    compute: str = "float32"
 
 
 @dataclass(eq=False)

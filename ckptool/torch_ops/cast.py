@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ckptool.errors import UnsupportedError
+from ckptool.formats.dtypes import DTYPE_SIZES, numel
 from ckptool.formats.segments import read_segments
 from ckptool.formats.tensors import Scaled, Storage, Tensor
 from ckptool.model.casts import CastCount
@@ -93,31 +94,36 @@ _ROWS = 128
 
 
 def dequantized(sc: Scaled, read: Callable[[str, int, int], bytearray]) -> torch.Tensor:
-    """The values of the quantized weight ``sc`` as a 1-D float32 tensor: each element upcast to float32 and multiplied
-    by the float32 scale of its block (``scale.to(float32)``), the order of operations of transformers'
-    ``Fp8Dequantize._dequantize_one`` (``(q.to(float32) * s).to(dtype)``: the caller rounds once to its dtype).
-    Computed a row block at a time (one row of scale blocks), so the temporaries stay those of a block.
+    """The values of the quantized weight ``sc`` as a 1-D float32 tensor: each element upcast and multiplied by the
+    scale of its block, in ``sc.compute``'s precision: float32 as transformers' ``Fp8Dequantize._dequantize_one``
+    (``q.to(float32) * s.to(float32)``), or the scale's own dtype as compressed-tensors' ``dequantize``
+    (``q.to(scale.dtype) * scale``: a float8 element times a 16-bit scale is exact in float32, so the product rounded
+    once to ``compute`` is theirs). The caller rounds the result once to its dtype. Computed a block of rows at a time
+    (whole rows of scale blocks, at least :data:`_ROWS` rows), so the temporaries stay those of a block.
 
     Raises:
-        UnsupportedError: the installed torch lacks the weight's or the scale's dtype.
+        UnsupportedError: the installed torch lacks the weight's, the scale's or ``compute``'s dtype.
     """
     import torch
 
-    w = sc.weight
-    rows, cols = (sc.shape[-2], sc.shape[-1]) if len(sc.shape) >= 2 else (1, sc.shape[-1] if sc.shape else 1)
-    q = from_bytes(read(w.path, w.offset, w.nbytes), w.dtype).reshape(-1, rows, cols)
+    w, f32 = sc.weight, torch.float32
+    rows, cols = sc.shape[-2:]
+    q = from_bytes(read(w.path, w.offset, numel(sc.shape) * DTYPE_SIZES[w.dtype]), w.dtype).reshape(-1, rows, cols)
     st = sc.scale.storage
     scale = from_bytes(read(st.path, st.offset, st.nbytes), st.dtype)
-    scale = scale.as_strided(sc.scale.shape, sc.scale.stride, sc.scale.offset).to(torch.float32)
-    srows, scols = (scale.shape[-2], scale.shape[-1]) if scale.dim() >= 2 else (1, 1)
-    scale = scale.reshape(-1, srows, scols)
-    out = torch.empty(q.shape, dtype=torch.float32)
+    scale = scale.as_strided(sc.scale.shape, sc.scale.stride, sc.scale.offset).to(f32)
+    scale = scale.reshape(-1, *(scale.shape[-2:] if scale.dim() >= 2 else (1, 1)))
+    compute = torch_dtype(sc.compute)
+    out = torch.empty(q.shape, dtype=f32)
     bm, bn = sc.block
-    for r in range(srows):
-        lo, hi = r * bm, min((r + 1) * bm, rows)
-        for e in range(q.shape[0]):
-            s_row = scale[e if scale.shape[0] > 1 else 0, r].repeat_interleave(bn)[:cols]
-            torch.mul(q[e, lo:hi].to(torch.float32), s_row, out=out[e, lo:hi])
+    step = bm * max(1, _ROWS // bm)
+    for e in range(q.shape[0]):
+        grid = scale[e if scale.shape[0] > 1 else 0]
+        for lo in range(0, rows, step):
+            hi = min(lo + step, rows)
+            s = grid[lo // bm:(hi + bm - 1) // bm].repeat_interleave(bm, 0)[:hi - lo].repeat_interleave(bn, 1)[:, :cols]
+            prod = q[e, lo:hi].to(f32) * s
+            out[e, lo:hi] = prod if compute == f32 else prod.to(compute)
     return out.reshape(-1)
 
 

@@ -3,11 +3,19 @@ and their blocks (torch-free; the arithmetic is :func:`ckptool.torch_ops.cast.de
 
 Fine-grained FP8 (DeepSeek-V3/R1, Qwen3-FP8, transformers' ``FineGrainedFP8Config``): a ``float8_e4m3fn`` weight
 ``X.weight`` (``(..., rows, cols)``) with a float32 ``X.weight_scale_inv`` of ``(..., ceil(rows / bm), ceil(cols /
-bn))``, one scale per ``bm x bn`` block (``quantization_config.weight_block_size``, 128 x 128 by default; without a
-config the block is ``rows / scale rows`` x ``cols / scale columns``, as transformers' ``Fp8Dequantize`` derives it).
+bn))``, one scale per ``bm x bn`` block (``quantization_config.weight_block_size``, 128 x 128 in practice; without
+it the block is ``rows / scale rows`` x ``cols / scale columns``, as transformers' ``Fp8Dequantize`` derives it).
 Source: transformers ``integrations/finegrained_fp8.py`` (``Fp8Quantize._quantize_one`` names the scale,
-``Fp8Dequantize._dequantize_one`` multiplies). A weight is replaced by a float32 storage of its values
-(:class:`~ckptool.formats.tensors.Scaled`), rounded once to the target dtype by the writer; the scales leave.
+``Fp8Dequantize._dequantize_one`` multiplies in float32).
+
+Compressed-tensors FP8 (``quant_method: compressed-tensors``, format ``naive-quantized`` / ``float-quantized``,
+llm-compressor's FP8 models): ``X.weight`` ``float8_e4m3fn`` with ``X.weight_scale`` of shape ``[1]`` (per tensor) or
+``[rows, 1]`` (per channel), in the model's dtype, and for static activations an ``X.input_scale`` that leaves with
+it. Source: compressed-tensors ``compressors/naive_quantized/base.py`` (``decompress``) and
+``quantization/lifecycle/forward_helpers.py`` (``_dequantize``: ``x_q.to(scale.dtype) * scale``).
+
+A weight is replaced by a float32 storage of its values (:class:`~ckptool.formats.tensors.Scaled`), rounded once to
+the target dtype by the writer; the scales leave.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ckptool.errors import UnsupportedError
@@ -75,53 +84,115 @@ def _block(cfg: Mapping[str, Any] | None, shape: tuple[int, ...], sshape: tuple[
     return bm, bn
 
 
+@dataclass(frozen=True)
+class Scheme:
+    """A quantization ckptool dequantizes: its ``name``, the suffix of a weight's scale after the module path
+    (``scale``), the other per-module tensors that leave the output with it (``extra``: a static activation scale),
+    whether the product is rounded in the scale's dtype (``in_scale_dtype``: compressed-tensors) or in float32."""
+
+    name: str
+    scale: str
+    extra: tuple[str, ...] = ()
+    in_scale_dtype: bool = False
+
+
+#: fine-grained FP8 (transformers ``integrations/finegrained_fp8.py``; DeepSeek-V3's ``weight_scale_inv``)
+FINE_GRAINED = Scheme("fine-grained fp8", FP8_SCALE)
+#: compressed-tensors FP8, per tensor or per channel (``compressors/naive_quantized/base.py``: ``weight_scale``,
+#: ``input_scale`` for static activations; ``forward_helpers._dequantize``: ``x_q.to(scale.dtype) * scale``)
+COMPRESSED_TENSORS = Scheme("compressed-tensors fp8", "weight_scale", ("input_scale",), in_scale_dtype=True)
+#: compressed-tensors formats whose FP8 weights are stored as they are, one scale per tensor or channel
+_CT_FORMATS = ("naive-quantized", "float-quantized")
+
+
+def _refuse(src: Source, why: str) -> UnsupportedError:
+    return UnsupportedError(f"{src.path}: {why}; nothing was written")
+
+
+def _check_compressed_tensors(src: Source, quant: Mapping[str, Any]) -> None:
+    """Raise unless every config group of a compressed-tensors ``quant`` is 8-bit float weights, symmetric, per
+    tensor or per channel, stored naive- or float-quantized, without transforms."""
+    if quant.get("transform_config"):
+        raise _refuse(src, "compressed-tensors with a transform (rotation) config is not dequantized")
+    for name, group in (quant.get("config_groups") or {}).items():
+        fmt = group.get("format") or quant.get("format")
+        w = group.get("weights") or {}
+        if fmt not in _CT_FORMATS:
+            raise _refuse(src, f"compressed-tensors format {fmt!r} ({name}) is not dequantized: ckptool reads "
+                               f"{' and '.join(_CT_FORMATS)} FP8 only")
+        if (w.get("type"), w.get("num_bits")) != ("float", 8) or w.get("symmetric") is False:
+            raise _refuse(src, f"compressed-tensors {name}: {w.get('num_bits')}-bit {w.get('type')} weights "
+                               f"(symmetric: {w.get('symmetric')}) are not dequantized: ckptool reads symmetric FP8")
+        if w.get("strategy") not in ("tensor", "channel"):
+            raise _refuse(src, f"compressed-tensors {name}: strategy {w.get('strategy')!r} is not dequantized: "
+                               "ckptool reads per-tensor and per-channel FP8")
+
+
+def _scheme(src: Source, quant: Mapping[str, Any] | None) -> Scheme | None:
+    """The scheme ``quant`` (a ``quantization_config``) names, checked; None without a config (then each weight's
+    scale name says it).
+
+    Raises:
+        UnsupportedError: a scheme ckptool does not dequantize, with the reason.
+    """
+    method = (quant or {}).get("quant_method")
+    if quant is None or method is None:
+        return None
+    if method in REFUSED_METHODS:
+        raise _refuse(src, f"{method} quantization is not dequantized by ckptool: {REFUSED_METHODS[method]}")
+    if method == "fp8":
+        if quant.get("scale_fmt") == "ue8m0":
+            raise _refuse(src, "FP8 with ue8m0 (power-of-two) scales is not dequantized yet")
+        return FINE_GRAINED
+    if method == "compressed-tensors":
+        _check_compressed_tensors(src, quant)
+        return COMPRESSED_TENSORS
+    raise _refuse(src, f"quant_method {method!r} is not one ckptool dequantizes (fp8, compressed-tensors)")
+
+
 def dequantize_source(src: Source, quant: Mapping[str, Any] | None) -> list[str]:
-    """Replace every fine-grained FP8 weight of ``src`` by its values (a float32 storage to be computed:
-    :class:`~ckptool.formats.tensors.Scaled`) and leave its scale out; ``quant`` is the model folder's
-    ``config.json`` ``quantization_config`` (or None). Returns notes saying what was dequantized.
+    """Replace every FP8 weight of ``src`` that has a scale (fine-grained ``weight_scale_inv``, compressed-tensors
+    ``weight_scale``) by its values (a float32 storage computed when written: :class:`~ckptool.formats.tensors.Scaled`)
+    and leave its scale (and a static ``input_scale``) out; ``quant`` is the model folder's ``config.json``
+    ``quantization_config`` (or None: the scheme is then the scale's name). Returns notes saying what was done.
 
     Raises:
         UnsupportedError: a quantization ckptool does not dequantize (GPTQ, AWQ, bitsandbytes, ue8m0 scales,
-            another ``quant_method``), or a weight whose scale grid does not fit it.
+            compressed-tensors other than FP8 per tensor / channel, another ``quant_method``), or a weight whose scale
+            grid does not fit it.
     """
-    method = (quant or {}).get("quant_method")
-    if method in REFUSED_METHODS:
-        raise UnsupportedError(f"{src.path}: {method} quantization is not dequantized by ckptool: "
-                               f"{REFUSED_METHODS[method]}; nothing was written")
-    if method not in (None, "fp8"):
-        raise UnsupportedError(f"{src.path}: quant_method {method!r} is not one ckptool dequantizes (fine-grained "
-                               "fp8); nothing was written")
-    if (quant or {}).get("scale_fmt") == "ue8m0":
-        raise UnsupportedError(f"{src.path}: FP8 with ue8m0 (power-of-two) scales is not dequantized yet; nothing "
-                               "was written")
+    chosen = _scheme(src, quant)
     by_name = {t.name: t for t in src.tensors}
-    scales: set[int] = set()
-    done = 0
+    gone: set[int] = set()
+    done: dict[str, int] = {}
     for t in src.tensors:
         if t.dtype not in FP8_DTYPES or not t.name.endswith("weight") or len(t.shape) < 2:
             continue
-        s = by_name.get(t.name[: -len("weight")] + FP8_SCALE)
-        if s is None:
+        base = t.name[: -len("weight")]
+        scheme = chosen or next((c for c in (FINE_GRAINED, COMPRESSED_TENSORS) if base + c.scale in by_name), None)
+        s = by_name.get(base + scheme.scale) if scheme is not None else None
+        if scheme is None or s is None:
             continue
         if s.dtype not in ("float32", "bfloat16", "float16"):
             raise UnsupportedError(f"{s.name}: a {s.dtype} scale (ue8m0 or another format) is not dequantized yet; "
                                    "nothing was written")
-        block = _block(quant, t.shape, s.shape, t.name)
+        block = _block(quant if scheme is FINE_GRAINED else None, t.shape, s.shape, t.name)
         if t.offset or not is_contiguous(t.shape, t.stride) or t.numel * DTYPE_SIZES[t.dtype] > t.storage.nbytes:
             raise UnsupportedError(f"{t.name}: a quantized weight stored as a view is not dequantized")
         st = t.storage
-        values = Storage(st.path, st.offset, t.numel * DTYPE_SIZES["float32"], "float32", st.location,
-                         scaled=Scaled(st, t.shape, s, block, "fine-grained fp8"))
-        t.dtype, t.storage = "float32", values
-        scales.add(id(s))
-        done += 1
+        compute = s.dtype if scheme.in_scale_dtype else "float32"
+        t.dtype, t.storage = "float32", Storage(st.path, st.offset, t.numel * DTYPE_SIZES["float32"], "float32",
+                                                st.location, scaled=Scaled(st, t.shape, s, block, scheme.name, compute))
+        gone.update(id(x) for x in (s, *(by_name.get(base + e) for e in scheme.extra)) if x is not None)
+        done[scheme.name] = done.get(scheme.name, 0) + 1
     if not done:
         return []
-    src.tensors[:] = [t for t in src.tensors if id(t) not in scales]
-    note = (f"dequantized {done} fine-grained FP8 weight(s) (each block's scale multiplied in float32, then rounded "
-            f"once); their {len(scales)} {FP8_SCALE} tensor(s) left out")
+    dropped = [t.name for t in src.tensors if id(t) in gone]
+    src.tensors[:] = [t for t in src.tensors if id(t) not in gone]
+    what = ", ".join(f"{n} {name} weight(s)" for name, n in done.items())
+    note = (f"dequantized {what} (upcast, times the scale of each block, rounded once); {len(dropped)} scale "
+            f"tensor(s) left out ({dropped[0]}{' ...' if len(dropped) > 1 else ''})")
     return [note]
-
 
 
 def _ws(text: str, i: int) -> int:
