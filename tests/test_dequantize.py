@@ -259,3 +259,54 @@ def test_other_compressed_tensors_schemes_are_refused(tmp_path: Path, change: di
         "quant_method": "compressed-tensors", "config_groups": {"group_0": group}}}))
     with pytest.raises(UnsupportedError, match=re.escape(words)):
         ckptool.convert(folder, f"{tmp_path / 'out'}/", dtype="bfloat16", max_shard_size="1GB")
+
+
+def _mxfp4_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """A tiny gpt-oss saved by transformers, its expert stacks replaced by MXFP4 blocks and scales in the layout
+    transformers' ``Mxfp4ReverseDeserialize`` writes (``X_blocks`` ``(experts, rows, groups, 16)`` uint8, ``X_scales``
+    ``(experts, rows, groups)`` uint8), ``quant_method: mxfp4`` in config.json. Returns the blocks and scales."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                       vocab_size=128, layer_types=["full_attention", "sliding_attention"])
+    model = GptOssForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    sd = st_torch.load_file(folder / "model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    packed = {}
+    for k in list(sd):
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, cols, rows = sd.pop(k).shape  # dequantized: (experts, cols, rows); packed per row
+            packed[k + "_blocks"] = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=g,
+                                                  dtype=torch.uint8)
+            packed[k + "_scales"] = torch.randint(120, 128, (experts, rows, cols // 32), generator=g,
+                                                  dtype=torch.uint8)
+    sd.update(packed)
+    st_torch.save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    conf = json.loads((folder / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": None}
+    (folder / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    return packed
+
+
+def test_mxfp4_experts_equal_transformers_dequantization_and_logits(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    packed = _mxfp4_folder(tmp_path / "mx")
+    res = ckptool.convert(tmp_path / "mx", f"{tmp_path / 'out'}/", dtype="bfloat16", max_shard_size="10GB")
+    assert any("dequantized 4 mxfp4 weight(s)" in n for n in res.notes), res.notes
+    got = st_torch.load_file(tmp_path / "out" / "model.safetensors")
+    assert not any(k.endswith(("_blocks", "_scales")) for k in got)
+    for k in packed:
+        if k.endswith("_blocks"):
+            ref = convert_moe_packed_tensors(packed[k], packed[k.replace("_blocks", "_scales")], dtype=torch.bfloat16)
+            _bits_equal({"w": got[k.removesuffix("_blocks")]}, {"w": ref})
+    # transformers on a CPU dequantizes an MXFP4 model to bfloat16 as it loads it: the reference model
+    ref_model = AutoModelForCausalLM.from_pretrained(tmp_path / "mx", dtype=torch.bfloat16)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, ref_model(ids).logits)

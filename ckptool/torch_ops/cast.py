@@ -106,6 +106,8 @@ def dequantized(sc: Scaled, read: Callable[[str, int, int], bytearray]) -> torch
     """
     import torch
 
+    if sc.fp4_packed:
+        return _mxfp4_values(sc, read)
     w, f32 = sc.weight, torch.float32
     rows, cols = sc.shape[-2:]
     q = from_bytes(read(w.path, w.offset, numel(sc.shape) * DTYPE_SIZES[w.dtype]), w.dtype).reshape(-1, rows, cols)
@@ -124,6 +126,34 @@ def dequantized(sc: Scaled, read: Callable[[str, int, int], bytearray]) -> torch
             s = grid[lo // bm:(hi + bm - 1) // bm].repeat_interleave(bm, 0)[:hi - lo].repeat_interleave(bn, 1)[:, :cols]
             prod = q[e, lo:hi].to(f32) * s
             out[e, lo:hi] = prod if compute == f32 else prod.to(compute)
+    return out.reshape(-1)
+
+
+#: the e2m1 value of each 4-bit code (transformers ``integrations/mxfp4.py`` ``FP4_VALUES``; OCP MX spec)
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _mxfp4_values(sc: Scaled, read: Callable[[str, int, int], bytearray]) -> torch.Tensor:
+    """The values of an MXFP4 expert stack (:attr:`~ckptool.formats.tensors.Scaled.fp4_packed`) as a 1-D float32
+    tensor in the layout ``(experts, groups * 32, rows)``, one expert at a time: each byte's low then high nibble
+    looked up as e2m1, times ``2 ** (scale - 127)`` (``torch.ldexp``: exact in float32), as transformers'
+    ``convert_moe_packed_tensors`` computes it before its single rounding to the target dtype."""
+    import torch
+
+    experts, rows, groups, nbytes = sc.shape
+    blocks = from_bytes(read(sc.weight.path, sc.weight.offset, numel(sc.shape)), "uint8").reshape(sc.shape)
+    st = sc.scale.storage
+    scales = from_bytes(read(st.path, st.offset, st.nbytes), st.dtype)
+    scales = scales.as_strided(sc.scale.shape, sc.scale.stride, sc.scale.offset).to(torch.int32) - 127
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    out = torch.empty(experts, groups * nbytes * 2, rows, dtype=torch.float32)
+    for e in range(experts):
+        blk = blocks[e].reshape(rows * groups, nbytes)
+        vals = torch.empty(rows * groups, nbytes * 2, dtype=torch.float32)
+        vals[:, 0::2] = lut[(blk & 0x0F).long()]
+        vals[:, 1::2] = lut[(blk >> 4).long()]
+        torch.ldexp(vals, scales[e].reshape(rows * groups, 1), out=vals)
+        out[e] = vals.reshape(rows, groups * nbytes * 2).t()
     return out.reshape(-1)
 
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptool.errors import UnsupportedError
-from ckptool.formats.dtypes import DTYPE_SIZES
-from ckptool.formats.tensors import Scaled, Source, Storage, is_contiguous
+from ckptool.formats.dtypes import DTYPE_SIZES, contiguous_stride, numel
+from ckptool.formats.tensors import Scaled, Source, Storage, Tensor, is_contiguous
 
 #: the suffix of a fine-grained FP8 weight's scale tensor, after the weight's module path
 FP8_SCALE = "weight_scale_inv"
@@ -101,6 +101,9 @@ FINE_GRAINED = Scheme("fine-grained fp8", FP8_SCALE)
 #: compressed-tensors FP8, per tensor or per channel (``compressors/naive_quantized/base.py``: ``weight_scale``,
 #: ``input_scale`` for static activations; ``forward_helpers._dequantize``: ``x_q.to(scale.dtype) * scale``)
 COMPRESSED_TENSORS = Scheme("compressed-tensors fp8", "weight_scale", ("input_scale",), in_scale_dtype=True)
+#: MXFP4 (gpt-oss; transformers ``integrations/mxfp4.py``): ``X_blocks`` uint8 ``(experts, rows, groups, 16)``, two
+#: e2m1 values a byte (low nibble first), 32 a block, and ``X_scales`` uint8 E8M0 exponents ``(experts, rows, groups)``
+MXFP4 = Scheme("mxfp4", "_scales")
 #: compressed-tensors formats whose FP8 weights are stored as they are, one scale per tensor or channel
 _CT_FORMATS = ("naive-quantized", "float-quantized")
 
@@ -144,10 +147,44 @@ def _scheme(src: Source, quant: Mapping[str, Any] | None) -> Scheme | None:
         if quant.get("scale_fmt") == "ue8m0":
             raise _refuse(src, "FP8 with ue8m0 (power-of-two) scales is not dequantized yet")
         return FINE_GRAINED
+    if method == "mxfp4":
+        return MXFP4
     if method == "compressed-tensors":
         _check_compressed_tensors(src, quant)
         return COMPRESSED_TENSORS
-    raise _refuse(src, f"quant_method {method!r} is not one ckptool dequantizes (fp8, compressed-tensors)")
+    raise _refuse(src, f"quant_method {method!r} is not one ckptool dequantizes (fp8, compressed-tensors, mxfp4)")
+
+
+def _mxfp4(src: Source, chosen: Scheme | None, by_name: dict[str, Tensor], gone: set[int],
+           done: dict[str, int]) -> None:
+    """Replace each MXFP4 expert stack ``X_blocks`` (with its ``X_scales``) of ``src`` by ``X``, its values in the
+    layout transformers' ``convert_moe_packed_tensors`` gives (``(experts, groups * 32, rows)``), adding the scales
+    to ``gone`` and the count to ``done``.
+
+    Raises:
+        UnsupportedError: blocks and scales whose shapes do not match as MXFP4's do.
+    """
+    if chosen not in (None, MXFP4):
+        return
+    for t in src.tensors:
+        s = by_name.get(t.name.removesuffix("_blocks") + MXFP4.scale) if t.name.endswith("_blocks") else None
+        if s is None or (t.dtype, s.dtype) != ("uint8", "uint8"):
+            continue
+        name = t.name.removesuffix("_blocks")
+        if len(t.shape) != 4 or t.shape[:-1] != s.shape or t.offset or not is_contiguous(t.shape, t.stride):
+            raise UnsupportedError(f"{t.name}: MXFP4 blocks of shape {list(t.shape)} with scales of shape "
+                                   f"{list(s.shape)} (expected (experts, rows, groups, 16) and (experts, rows, "
+                                   "groups), contiguous); nothing was written")
+        if name in by_name:
+            raise UnsupportedError(f"{t.name}: the dequantized name {name} is taken; nothing was written")
+        experts, rows, groups, nb = t.shape
+        shape = (experts, groups * nb * 2, rows)
+        st = t.storage
+        t.storage = Storage(st.path, st.offset, numel(shape) * DTYPE_SIZES["float32"], "float32", st.location,
+                            scaled=Scaled(st, t.shape, s, (1, nb * 2), MXFP4.name, fp4_packed=True))
+        t.name, t.dtype, t.shape, t.stride = name, "float32", shape, contiguous_stride(shape)
+        gone.add(id(s))
+        done[MXFP4.name] = done.get(MXFP4.name, 0) + 1
 
 
 def dequantize_source(src: Source, quant: Mapping[str, Any] | None) -> list[str]:
@@ -166,7 +203,7 @@ def dequantize_source(src: Source, quant: Mapping[str, Any] | None) -> list[str]
     gone: set[int] = set()
     done: dict[str, int] = {}
     for t in src.tensors:
-        if t.dtype not in FP8_DTYPES or not t.name.endswith("weight") or len(t.shape) < 2:
+        if chosen is MXFP4 or t.dtype not in FP8_DTYPES or not t.name.endswith("weight") or len(t.shape) < 2:
             continue
         base = t.name[: -len("weight")]
         scheme = chosen or next((c for c in (FINE_GRAINED, COMPRESSED_TENSORS) if base + c.scale in by_name), None)
@@ -185,6 +222,7 @@ def dequantize_source(src: Source, quant: Mapping[str, Any] | None) -> list[str]
                                                 st.location, scaled=Scaled(st, t.shape, s, block, scheme.name, compute))
         gone.update(id(x) for x in (s, *(by_name.get(base + e) for e in scheme.extra)) if x is not None)
         done[scheme.name] = done.get(scheme.name, 0) + 1
+    _mxfp4(src, chosen, by_name, gone, done)
     if not done:
         return []
     dropped = [t.name for t in src.tensors if id(t) in gone]
