@@ -80,8 +80,9 @@ def report_convert(res: ConvertResult) -> None:
               help="Write shards of at most SIZE (5GB, 500MB, 2GiB) plus an index, named as Hugging Face does "
                    "(see -o); one shard that fits everything is written as the single file DST, without index.")
 @click.option("--dtype", type=click.Choice(list(CAST_TO)),
-              help="Cast floating tensors (integer, bool, complex and float8 tensors are untouched); the report "
-                   "counts values made +-inf or 0, NaNs, and the largest errors, per tensor and in total.")
+              help="Cast floating tensors (integer, bool and complex tensors are untouched) and dequantize FP8 and "
+                   "MXFP4 weights (docs/dtypes.md); the report counts values made +-inf or 0, NaNs, and the largest "
+                   "errors, per tensor and in total.")
 @click.option("--allow-overflow", is_flag=True,
               help="With --dtype: write the output even when the cast turns finite values into inf or NaN "
                    "(refused by default, naming the tensors).")

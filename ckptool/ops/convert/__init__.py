@@ -23,7 +23,10 @@ One pass from SRC to DST, memory bounded by the largest storage, not by the file
   holding an ``OrderedDict`` state_dict; ``torch.load(dst, weights_only=True)`` opens it. Storages are tagged
   ``cpu`` or ``to``.
 * **dtype.** ``dtype`` casts floating tensors (float16, bfloat16, float32, float64); integer, bool, complex and
-  float8 tensors are untouched. A cast is applied to a whole storage, so views keep their offsets and strides.
+  float8 tensors are untouched. A cast is applied to a whole storage, so views keep their offsets and strides, and
+  counted (the cast report: :class:`~ckptool.model.casts.CastCount`; one making inf / NaN from finite values is
+  refused unless ``allow_overflow``). Quantized weights with their scales (fine-grained and compressed-tensors FP8,
+  MXFP4) are dequantized to ``dtype`` first (:mod:`ckptool.ops.convert.dequant`, docs/dtypes.md).
 * **Sharded sets** (:mod:`ckptool.formats.sharded`). An ``*.index.json`` is read as one checkpoint.
   ``max_shard_size`` writes shards plus an index, named as ``transformers`` names them, that it and
   ``huggingface_hub`` read; tensors that share a storage stay in one shard.
