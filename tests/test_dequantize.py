@@ -6,6 +6,7 @@ dequantization bit for bit, and ``from_pretrained`` on the output folder gives t
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import types
@@ -310,3 +311,33 @@ def test_mxfp4_experts_equal_transformers_dequantization_and_logits(tmp_path: Pa
     ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
     with torch.no_grad():
         assert torch.equal(ours(ids).logits, ref_model(ids).logits)
+
+
+def test_inspect_names_the_quantization(tmp_path: Path, run_cli) -> None:
+    _fp8_folder(tmp_path / "fp8")
+    info = ckptool.inspect(tmp_path / "fp8")
+    q = info.quantization
+    assert q is not None and q["scheme"] == "fine-grained fp8" and q["quant_method"] == "fp8" and not q["refused"]
+    assert len(q["weights"]) == 14 and q["bfloat16_bytes"] == 2 * sum(
+        math.prod(w["shape"]) for w in q["weights"].values())
+    assert q["weights"]["model.layers.0.mlp.down_proj.weight"] == {
+        "weight": "model.layers.0.mlp.down_proj.weight", "scale": "model.layers.0.mlp.down_proj.weight_scale_inv",
+        "extra": [], "block": [128, 128], "shape": [256, 384]}
+    r = run_cli("inspect", tmp_path / "fp8")
+    assert "Quant:    fine-grained fp8: 14 quantized weight(s) with their scales (blocks 128x128)" in r.output
+    assert json.loads(run_cli("inspect", tmp_path / "fp8", "--json").output)["quantization"]["scheme"] == (
+        "fine-grained fp8")
+    ckptool.convert(tmp_path / "fp8", f"{tmp_path / 'out'}/", dtype="bfloat16", max_shard_size="10GB")
+    assert ckptool.inspect(tmp_path / "out").quantization is None  # dequantized: nothing left to name
+    _mxfp4_folder(tmp_path / "mx")
+    mx = ckptool.inspect(tmp_path / "mx").quantization
+    assert mx is not None and mx["scheme"] == "mxfp4" and mx["weights"]["model.layers.0.mlp.experts.down_proj"][
+        "block"] == [1, 32]
+
+
+def test_inspect_names_refused_schemes_with_the_reason(tmp_path: Path) -> None:
+    st_torch.save_file({"w.qweight": torch.zeros(4, 4, dtype=torch.int32)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    q = ckptool.inspect(tmp_path / "model.safetensors").quantization
+    assert q is not None and q["scheme"] == "gptq" and "GPTQ packs int4 weights" in q["refused"]
+    assert "gptq: not dequantized by ckptool" in str(ckptool.inspect(tmp_path / "model.safetensors"))

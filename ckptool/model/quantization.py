@@ -6,10 +6,15 @@ layouts and the source of each fact.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from ckptool.errors import UnsupportedError
+from ckptool.model.units import human_bytes
 
 #: the suffix of a fine-grained FP8 weight's scale tensor, after the weight's module path
 FP8_SCALE = "weight_scale_inv"
@@ -45,6 +50,25 @@ COMPRESSED_TENSORS = Scheme("compressed-tensors fp8", "weight_scale", ("input_sc
 MXFP4 = Scheme("mxfp4", "_scales")
 #: compressed-tensors formats whose FP8 weights are stored as they are, one scale per tensor or channel
 _CT_FORMATS = ("naive-quantized", "float-quantized")
+
+
+def quantization_config(folder: str | None) -> dict[str, Any] | None:
+    """``config.json``'s ``quantization_config`` in the model folder ``folder`` (None: no folder, no file, no entry).
+
+    Raises:
+        UnsupportedError: ``config.json`` is not a JSON object.
+    """
+    if folder is None or not os.path.isfile(os.path.join(folder, "config.json")):
+        return None
+    try:
+        with open(os.path.join(folder, "config.json"), "rb") as f:
+            cfg = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise UnsupportedError(f"{folder}/config.json: unreadable ({e})") from None
+    if not isinstance(cfg, dict):
+        raise UnsupportedError(f"{folder}/config.json: not a JSON object")
+    quant = cfg.get("quantization_config")
+    return quant if isinstance(quant, dict) else None
 
 
 def _compressed_tensors_refusal(quant: Mapping[str, Any]) -> str | None:
@@ -140,3 +164,47 @@ def find_pairs(tensors: Mapping[str, tuple[str, tuple[int, ...]]], chosen: Schem
                 dims = (shape[0], shape[2] * shape[3] * 2, shape[1]) if len(shape) == 4 else shape
                 out.append(Pair(name, base + MXFP4.scale, MXFP4, (), base, dims))
     return out
+
+
+def describe(tensors: Mapping[str, tuple[str, tuple[int, ...], int]],
+             quant: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """What ``inspect`` says of a checkpoint's quantization, from its tensors (name -> ``(dtype, shape, bytes)``)
+    and its ``quantization_config`` (or None); None when neither shows one.
+
+    The dict: ``scheme`` (the schemes found, or the config's ``quant_method``), ``quant_method``, ``refused`` (why
+    ``convert --dtype`` does not dequantize it, else None), ``weights`` (dequantized name -> ``{"weight", "scale",
+    "extra", "block", "shape"}``: the tensors stored, the block of elements one scale covers, the shape once
+    dequantized), ``stored_bytes`` (the bytes of those tensors) and ``bfloat16_bytes`` (the weights' bytes once
+    dequantized to bfloat16).
+    """
+    chosen, why = scheme_of(quant)
+    method = (quant or {}).get("quant_method")
+    pairs = [] if why else find_pairs({k: (d, s) for k, (d, s, _n) in tensors.items()}, chosen)
+    if not pairs and method is None:
+        return None
+    weights: dict[str, Any] = {}
+    stored = 0
+    for p in pairs:
+        if p.scheme is MXFP4:
+            block: list[int] = [1, tensors[p.weight][1][-1] * 2]
+        else:
+            block = list(block_of(quant if p.scheme is FINE_GRAINED else None, tensors[p.weight][1],
+                                  tensors[p.scale][1]))
+        weights[p.name] = {"weight": p.weight, "scale": p.scale, "extra": list(p.extra), "block": block,
+                           "shape": list(p.shape)}
+        stored += sum(tensors[n][2] for n in (p.weight, p.scale, *p.extra))
+    names = sorted({p.scheme.name for p in pairs}) or [str(method)]
+    return {"scheme": ", ".join(names), "quant_method": method, "refused": why, "weights": weights,
+            "stored_bytes": stored, "bfloat16_bytes": sum(2 * math.prod(p.shape) for p in pairs)}
+
+
+def summary(q: Mapping[str, Any]) -> str:
+    """One line of :func:`describe`'s dict for people: the scheme, the weights and their blocks, the sizes, or why it
+    is refused."""
+    if q["refused"]:
+        return f"{q['scheme']}: not dequantized by ckptool ({q['refused']})"
+    ws = q["weights"]
+    blocks = sorted({"x".join(map(str, w["block"])) for w in ws.values()})
+    return (f"{q['scheme']}: {len(ws)} quantized weight(s) with their scales (blocks {', '.join(blocks) or '-'}), "
+            f"{human_bytes(q['stored_bytes'])} stored, {human_bytes(q['bfloat16_bytes'])} as bfloat16 "
+            "(convert --dtype bfloat16 dequantizes them)")

@@ -29,25 +29,7 @@ from ckptool.errors import UnsupportedError
 from ckptool.formats.dtypes import DTYPE_SIZES, contiguous_stride, numel
 from ckptool.formats.tensors import Scaled, Source, Storage, Tensor, is_contiguous
 from ckptool.model.quantization import FINE_GRAINED, MXFP4, Pair, block_of, find_pairs, scheme_of
-
-
-def quantization_config(folder: str | None) -> dict[str, Any] | None:
-    """``config.json``'s ``quantization_config`` in the model folder ``folder`` (None: no folder, no file, no entry).
-
-    Raises:
-        UnsupportedError: ``config.json`` is not a JSON object.
-    """
-    if folder is None or not os.path.isfile(os.path.join(folder, "config.json")):
-        return None
-    try:
-        with open(os.path.join(folder, "config.json"), "rb") as f:
-            cfg = json.loads(f.read())
-    except (OSError, ValueError) as e:
-        raise UnsupportedError(f"{folder}/config.json: unreadable ({e})") from None
-    if not isinstance(cfg, dict):
-        raise UnsupportedError(f"{folder}/config.json: not a JSON object")
-    quant = cfg.get("quantization_config")
-    return quant if isinstance(quant, dict) else None
+from ckptool.model.quantization import quantization_config as quantization_config  # re-exported for convert
 
 
 def _refuse(src: Source, why: str) -> UnsupportedError:
