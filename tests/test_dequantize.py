@@ -341,3 +341,17 @@ def test_inspect_names_refused_schemes_with_the_reason(tmp_path: Path) -> None:
     q = ckptool.inspect(tmp_path / "model.safetensors").quantization
     assert q is not None and q["scheme"] == "gptq" and "GPTQ packs int4 weights" in q["refused"]
     assert "gptq: not dequantized by ckptool" in str(ckptool.inspect(tmp_path / "model.safetensors"))
+
+
+def test_a_dequantized_weight_that_overflows_float16_is_refused_and_counted(tmp_path: Path) -> None:
+    w = torch.tensor([[448.0, -448.0, 1.0, 0.0]] * 4).to(torch.float8_e4m3fn)
+    s = torch.tensor([[1000.0]])  # 448 * 1000 > 65504: inf in float16
+    st_torch.save_file({"a.weight": w, f"a.{SCALE}": s}, tmp_path / "m.safetensors")
+    with pytest.raises(UnsupportedError, match=r"a\.weight \(float8_e4m3fn \(fine-grained fp8\)->float16: 8 to \+-inf"):
+        ckptool.convert(tmp_path / "m.safetensors", tmp_path / "o.safetensors", dtype="float16")
+    assert not (tmp_path / "o.safetensors").exists()
+    res = ckptool.convert(tmp_path / "m.safetensors", tmp_path / "o.safetensors", dtype="float16",
+                          allow_overflow=True)
+    c = res.cast_values["a.weight"]
+    assert (c.elements, c.overflow, c.underflow, c.max_abs_error) == (16, 8, 0, 0.0)
+    assert torch.isinf(st_torch.load_file(tmp_path / "o.safetensors")["a.weight"]).sum() == 8

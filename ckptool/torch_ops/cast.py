@@ -93,21 +93,42 @@ def cast_counting(flat: torch.Tensor, dtype: str) -> tuple[torch.Tensor, CastCou
 _ROWS = 128
 
 
-def dequantized(sc: Scaled, read: Callable[[str, int, int], bytearray]) -> torch.Tensor:
-    """The values of the quantized weight ``sc`` as a 1-D float32 tensor: each element upcast and multiplied by the
-    scale of its block, in ``sc.compute``'s precision: float32 as transformers' ``Fp8Dequantize._dequantize_one``
+class _Rounder:
+    """Rounds blocks of float32 values to ``dtype`` once (:func:`cast_counting`, counts summed in :attr:`count`), or
+    keeps them for ``dtype`` float32 (no rounding, nothing counted)."""
+
+    def __init__(self, dtype: str, src: str) -> None:
+        self.dtype = torch_dtype(dtype)
+        self.count: CastCount | None = None if dtype == "float32" else CastCount(src, dtype)
+
+    def __call__(self, vals: torch.Tensor) -> torch.Tensor:
+        if self.count is None:
+            return vals
+        out, c = cast_counting(vals.reshape(-1), str(self.dtype).removeprefix("torch."))
+        label = self.count.src  # the stored dtype and scheme, not the float32 products counted
+        self.count.add(c)
+        self.count.src = label
+        return out.reshape(vals.shape)
+
+
+def dequantized(sc: Scaled, read: Callable[[str, int, int], bytearray],
+                dtype: str = "float32") -> tuple[torch.Tensor, CastCount | None]:
+    """The values of the quantized weight ``sc`` as a 1-D tensor of ``dtype``, and what rounding them to it did
+    (:class:`~ckptool.model.casts.CastCount`; None for float32). Each element is upcast and multiplied by the scale of
+    its block in ``sc.compute``'s precision: float32 as transformers' ``Fp8Dequantize._dequantize_one``
     (``q.to(float32) * s.to(float32)``), or the scale's own dtype as compressed-tensors' ``dequantize``
     (``q.to(scale.dtype) * scale``: a float8 element times a 16-bit scale is exact in float32, so the product rounded
-    once to ``compute`` is theirs). The caller rounds the result once to its dtype. Computed a block of rows at a time
-    (whole rows of scale blocks, at least :data:`_ROWS` rows), so the temporaries stay those of a block.
+    once to ``compute`` is theirs); then rounded once to ``dtype``. Computed a block of rows at a time (whole rows of
+    scale blocks, at least :data:`_ROWS` rows): besides the stored bytes and the result, only a block's temporaries.
 
     Raises:
-        UnsupportedError: the installed torch lacks the weight's, the scale's or ``compute``'s dtype.
+        UnsupportedError: the installed torch lacks the weight's, the scale's, ``compute``'s or ``dtype``'s dtype.
     """
     import torch
 
+    rnd = _Rounder(dtype, f"{sc.weight.dtype} ({sc.scheme})")
     if sc.fp4_packed:
-        return _mxfp4_values(sc, read)
+        return _mxfp4_values(sc, read, rnd), rnd.count
     w, f32 = sc.weight, torch.float32
     rows, cols = sc.shape[-2:]
     q = from_bytes(read(w.path, w.offset, numel(sc.shape) * DTYPE_SIZES[w.dtype]), w.dtype).reshape(-1, rows, cols)
@@ -116,7 +137,7 @@ def dequantized(sc: Scaled, read: Callable[[str, int, int], bytearray]) -> torch
     scale = scale.as_strided(sc.scale.shape, sc.scale.stride, sc.scale.offset).to(f32)
     scale = scale.reshape(-1, *(scale.shape[-2:] if scale.dim() >= 2 else (1, 1)))
     compute = torch_dtype(sc.compute)
-    out = torch.empty(q.shape, dtype=f32)
+    out = torch.empty(q.shape, dtype=rnd.dtype)
     bm, bn = sc.block
     step = bm * max(1, _ROWS // bm)
     for e in range(q.shape[0]):
@@ -125,19 +146,19 @@ def dequantized(sc: Scaled, read: Callable[[str, int, int], bytearray]) -> torch
             hi = min(lo + step, rows)
             s = grid[lo // bm:(hi + bm - 1) // bm].repeat_interleave(bm, 0)[:hi - lo].repeat_interleave(bn, 1)[:, :cols]
             prod = q[e, lo:hi].to(f32) * s
-            out[e, lo:hi] = prod if compute == f32 else prod.to(compute)
-    return out.reshape(-1)
+            out[e, lo:hi] = rnd(prod if compute == f32 else prod.to(compute).to(f32))
+    return out.reshape(-1), rnd.count
 
 
 #: the e2m1 value of each 4-bit code (transformers ``integrations/mxfp4.py`` ``FP4_VALUES``; OCP MX spec)
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-def _mxfp4_values(sc: Scaled, read: Callable[[str, int, int], bytearray]) -> torch.Tensor:
-    """The values of an MXFP4 expert stack (:attr:`~ckptool.formats.tensors.Scaled.fp4_packed`) as a 1-D float32
-    tensor in the layout ``(experts, groups * 32, rows)``, one expert at a time: each byte's low then high nibble
-    looked up as e2m1, times ``2 ** (scale - 127)`` (``torch.ldexp``: exact in float32), as transformers'
-    ``convert_moe_packed_tensors`` computes it before its single rounding to the target dtype."""
+def _mxfp4_values(sc: Scaled, read: Callable[[str, int, int], bytearray], rnd: _Rounder) -> torch.Tensor:
+    """The values of an MXFP4 expert stack (:attr:`~ckptool.formats.tensors.Scaled.fp4_packed`) as a 1-D tensor of
+    ``rnd``'s dtype in the layout ``(experts, groups * 32, rows)``, one expert at a time: each byte's low then high
+    nibble looked up as e2m1, times ``2 ** (scale - 127)`` (``torch.ldexp``: exact in float32), rounded once, as
+    transformers' ``convert_moe_packed_tensors`` computes it."""
     import torch
 
     experts, rows, groups, nbytes = sc.shape
@@ -146,14 +167,14 @@ def _mxfp4_values(sc: Scaled, read: Callable[[str, int, int], bytearray]) -> tor
     scales = from_bytes(read(st.path, st.offset, st.nbytes), st.dtype)
     scales = scales.as_strided(sc.scale.shape, sc.scale.stride, sc.scale.offset).to(torch.int32) - 127
     lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
-    out = torch.empty(experts, groups * nbytes * 2, rows, dtype=torch.float32)
+    out = torch.empty(experts, groups * nbytes * 2, rows, dtype=rnd.dtype)
     for e in range(experts):
         blk = blocks[e].reshape(rows * groups, nbytes)
         vals = torch.empty(rows * groups, nbytes * 2, dtype=torch.float32)
         vals[:, 0::2] = lut[(blk & 0x0F).long()]
         vals[:, 1::2] = lut[(blk >> 4).long()]
         torch.ldexp(vals, scales[e].reshape(rows * groups, 1), out=vals)
-        out[e] = vals.reshape(rows, groups * nbytes * 2).t()
+        out[e] = rnd(vals).reshape(rows, groups * nbytes * 2).t()
     return out.reshape(-1)
 
 
@@ -180,9 +201,14 @@ class FlatCache:
         self._flat = None  # release the previous storage before reading the next
         import torch
 
-        if st.scaled is not None:  # a quantized weight's values (float32), dequantized
-            flat = dequantized(st.scaled, self.read)
-        elif st.segments is not None:  # gathered from several files (a DeepSpeed ZeRO parameter)
+        out = self.out_dtype(st.dtype)
+        if st.scaled is not None:  # a quantized weight's values, dequantized and rounded once to ``out``
+            flat, count = dequantized(st.scaled, self.read, out)
+            if count is not None and self.counted is not None:
+                self.counted(st, count)
+            self._key, self._flat = id(st), flat
+            return flat
+        if st.segments is not None:  # gathered from several files (a DeepSpeed ZeRO parameter)
             flat = from_bytes(read_segments(st.segments, self.read), st.dtype)
         elif st.pieces is None:
             flat = from_bytes(self.read(st.path, st.offset, st.nbytes), st.dtype)
@@ -191,11 +217,8 @@ class FlatCache:
             for p in st.pieces:
                 data = from_bytes(self.read(st.path, p.file_offset, p.nbytes), st.dtype)
                 flat.as_strided(p.shape, p.stride, p.offset).copy_(data.reshape(p.shape))
-        out = self.out_dtype(st.dtype)
         if out != st.dtype and self.counted is not None:
             flat, count = cast_counting(flat, out)
-            if st.scaled is not None:
-                count.src = f"{st.scaled.weight.dtype} ({st.scaled.scheme})"
             self.counted(st, count)
         elif out != st.dtype:
             flat = flat.to(torch_dtype(out))
