@@ -4,7 +4,8 @@ Each figure is computed from the source tree alone (``ast`` and radon), so it ca
 
 - ``format-name comparisons``: ``==`` / ``!=`` / ``in`` / ``not in`` against a string that is a format name
   (``FORMAT_NAMES``) or a constant holding one (``detect.TORCH_ZIP``, ...), and dict literals keyed by two or more
-  of them (per-format tables), outside ``ckptool/readers`` and ``ckptool/formats``;
+  of them (per-format tables), outside ``ckptool/readers``, ``ckptool/writers`` (the registries) and
+  ``ckptool/formats``;
 - ``parser calls``: calls of a format parser (``PARSERS`` below: detection, headers, zip directories, indexes, DCP
   metadata, pickles), by its name or through its module (not a method of an object, such as ``Opened``'s cached
   readers), outside ``ckptool/readers``, ``ckptool/formats`` and scan's byte-level walk (``ckptool/ops/scan``);
@@ -94,7 +95,7 @@ def _names_format(node: ast.AST, modules: set[str]) -> bool:
 def format_comparisons() -> list[str]:
     found = []
     for p in _modules():
-        if not _outside(p, "readers", "formats"):
+        if not _outside(p, "readers", "formats", "writers"):
             continue
         tree = ast.parse(p.read_text(encoding="utf-8"))
         modules = _module_names(tree)

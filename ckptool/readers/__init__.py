@@ -348,10 +348,10 @@ class Opened:
 
 
 def _set_format(index_path: str) -> str:
-    """``sharded-safetensors`` when every shard the index names is a ``.safetensors`` file, else ``sharded-bin``
-    (the shards' own bytes are checked when they are read)."""
-    shards = plugin("ckptool.formats.sharded:parse_index")(index_path).shards
-    return "sharded-safetensors" if shards and all(s.endswith(".safetensors") for s in shards) else "sharded-bin"
+    """``sharded-safetensors`` when every shard the index names is a safetensors file by its bytes, else
+    ``sharded-bin`` (:func:`ckptool.formats.sharded.set_format`)."""
+    index = plugin("ckptool.formats.sharded:parse_index")(index_path)
+    return cast(str, plugin("ckptool.formats.sharded:set_format")(index))
 
 
 def format_of(path: str | os.PathLike[str]) -> tuple[str, str]:

@@ -11,7 +11,8 @@ state_dict as a :class:`~ckptool.formats.tensors.Source` (Megatron's own paramet
 * A **torch_dist folder** (:func:`dist_source`): its tensors are the DCP folder's
   (:func:`ckptool.readers.read_dcp.dcp_source`: every chunk gathered, as ``dcp_to_torch_save`` gives them), and
   ``common.pt``'s plain entries (iteration, checkpoint version, scheduler state...) go to ``metadata`` as JSON
-  strings, which a safetensors output keeps in its ``__metadata__``; entries that are not plain (``args``, an
+  strings, which a safetensors output keeps in its ``__metadata__`` (and to ``entries``, which a torch output holds
+  beside the tensors, as ``dcp_to_torch_save`` plus ``common.pt`` give them); entries that are not plain (``args``, an
   ``argparse.Namespace``) are named in ``left_out``.
 """
 
@@ -41,8 +42,8 @@ __all__ = ["DistFolder", "LegacyTree", "RankState", "dist_source", "legacy_sourc
            "read_dist", "read_dist_tensors", "read_legacy", "read_legacy_tensors"]
 
 #: the note saying where the plain entries go
-_KEPT = ("{what}: kept as JSON in a safetensors output's __metadata__; a torch output holds the state_dict's tensors "
-         "only")
+_KEPT = ("{what}: kept as JSON in a safetensors output's __metadata__, and as entries of the dict a torch output "
+         "holds (beside the tensors, as the source keeps them)")
 #: the entries of a ``model_optim_rng.pt`` that are not the model (``generate_state_dict``)
 _TRAINING = ("optimizer", "opt_param_scheduler", "rng_state")
 
@@ -198,6 +199,7 @@ def legacy_source(tree: LegacyTree) -> Source:
                                                  ("checkpoint_version", tree.checkpoint_version))
                     if plain(v)[0] and v is not None}
     if src.metadata:
+        src.entries = {k: json.loads(v) for k, v in src.metadata.items()}
         src.notes.append(_KEPT.format(what="iteration and checkpoint_version"))
     return src
 
@@ -271,6 +273,7 @@ def dist_source(path: str | os.PathLike[str], key: str | None = None) -> Source:
     src.format = "megatron-dist"
     kept, other = read_common(mf.folder)
     src.metadata = kept or None
+    src.entries = {k: json.loads(v) for k, v in kept.items()} or None
     src.left_out += other
     if kept:
         src.notes.append(_KEPT.format(what=f"{COMMON_FILE}'s plain entries ({', '.join(kept)})"))

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
@@ -84,6 +85,7 @@ from ckptool.readers.read_torch import refuse_non_strided_for_dcp
 from ckptool.torch_ops.dcp import dcp_to_torch_file
 from ckptool.torch_ops.load import load_checkpoint
 from ckptool.torch_ops.trusted import refuse_dangerous
+from ckptool.writers import is_folder_form
 
 __all__ = ["SHARED_KEY", "ConvertResult", "OutputFormat", "VerificationError", "convert", "parse_size"]
 
@@ -124,7 +126,11 @@ def convert(
     ``zero_to_fp32`` does, without deepspeed: :mod:`ckptool.readers.read_deepspeed`; ``tag`` picks the tag folder,
     default from ``latest``; ``exclude_frozen`` leaves out frozen parameters). ``format`` is ``"torch"``,
     ``"safetensors"`` or ``"dcp"``; by default it follows ``dst``'s suffix (``.safetensors``; ``.pt`` / ``.pth`` /
-    ``.bin`` / ``.ckpt``), and is safetensors for a folder of shards.
+    ``.bin`` / ``.ckpt``; compared case-insensitively), and is safetensors for a folder output
+    (:func:`ckptool.writers.choose_format`). A ``dst`` that names a folder (``out/``, an existing folder, a name
+    without suffix: :func:`ckptool.writers.is_folder_form`) gets a ``transformers``-style folder: one
+    ``model.safetensors`` (``pytorch_model.bin``), or shards and an index with ``max_shard_size``, with the source
+    model folder's companion files.
 
     * ``key`` selects the state_dict (dotted path such as ``"model_state_dict"``); by default it is found, and the
       other entries of the file are reported in ``left_out``, not carried.
@@ -165,6 +171,8 @@ def convert(
     strip = [strip_prefixes] if isinstance(strip_prefixes, str) else list(strip_prefixes)
     shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
     fmt_out = OutputFormat.choose(dst_p, format, shard_bytes is not None)
+    if shard_bytes is None and not fmt_out.folder and is_folder_form(dst_p):
+        shard_bytes = sys.maxsize  # a folder output: one model.safetensors / pytorch_model.bin, as save_pretrained
     _check_options(src_p, dst_p, fmt_out, shard_bytes, dtype, to is not None or bool(mapping))
     renames: dict[str, Any] = {"unwrap": unwrap, "strip_prefixes": strip}
     opened = _open_source(src_p, trust)

@@ -40,6 +40,7 @@ class Job:
     res: ConvertResult
     files: Files = field(default_factory=Files)
     state: dict[str, object] | None = None
+    entries: dict[str, object] | None = None
     allow_overflow: bool = False
 
     def tick(self, n: int) -> None:
@@ -65,7 +66,7 @@ def _write_torch_file(job: Job, path: str, final: str, us: list[Unit]) -> tuple[
     check = with_evidence(job.files.evidence, torch_verifier(job.cast)) if job.verify else None
     w = emit(path, functools.partial(write_torch, tensors=tensors, files=job.files, cast=job.cast,
                                      location=job.location, archive=archive_name(final), sd_state=job.state,
-                                     rename_key=job.rename_key, progress=job.tick,
+                                     rename_key=job.rename_key, progress=job.tick, entries=job.entries,
                                      allow_overflow=job.allow_overflow, where=job.res.src or job.src.path), check)
     return w, [t.name for t in tensors]
 
@@ -166,8 +167,14 @@ def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_byte
     announce_total(progress, total)
     groups = [plan] if shard_bytes is None else split(plan, shard_bytes, writer.unit_size)
     pool = current_executor() if shard_bytes is not None and len(groups) > 1 else None
+    one = len(groups) == 1
     job = Job(src, cast, location, rename_key, verify, locked(progress) if pool else progress, res,
-              state=src.sd_state if len(groups) == 1 else None, allow_overflow=allow_overflow)
+              state=src.sd_state if one else None,
+              entries=src.entries if one and fmt_out.writer.non_tensor_entries else None,
+              allow_overflow=allow_overflow)
+    if src.entries and fmt_out.writer.non_tensor_entries and not one:
+        res.notes.append(f"the plain entries ({', '.join(src.entries)}) are not written into shards, which hold "
+                         "tensors only; write one file to keep them")
     job.files.evidence.expect_records(t.storage for t in src.tensors)
     weight_map: dict[str, str] = {}
     done: dict[int, Job] = {}  # id(group) -> the job that wrote it

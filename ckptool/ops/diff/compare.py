@@ -252,6 +252,18 @@ def _sharing(pairs: dict[str, str], a: Side, b: Side) -> list[str]:
     return list(lines)
 
 
+def _shared_differences(pairs: dict[str, str], a: Side, b: Side, res: DiffResult) -> None:
+    """Set ``res.shared`` (:func:`_sharing`); when a side's format cannot store sharing (:attr:`Side.stores_sharing`)
+    that is no difference (a note says so) unless ``res.strict``, as for the other properties a format cannot
+    store."""
+    res.shared = _sharing(pairs, a, b)
+    lost = [(s, side.format) for s, side in (("A", a), ("B", b)) if not side.stores_sharing]
+    if res.shared and lost and not res.strict:
+        res.notes.append(f"storage sharing is not stored in {' or '.join(f'{s} ({f})' for s, f in lost)}: "
+                         f"{len(res.shared)} group(s) shared on the other side not compared")
+        res.shared = []
+
+
 def _same_value(x: object, y: object) -> bool:
     if type(x) is not type(y):
         return False
@@ -386,7 +398,7 @@ def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened,
     res.notes += side_a.notes + side_b.notes
     pairs = _match_keys(side_a, side_b, res)
     _compare_pairs(side_a, side_b, pairs, res, (rtol, atol), keys_only, norms)
-    res.shared = _sharing(pairs, side_a, side_b)
+    _shared_differences(pairs, side_a, side_b, res)
     res.not_compared = res.compared - res.values_equal - sum(t.values == DIFFER for t in res.tensors)
     note = None if keys_only else _unread_note(side_a, side_b, pairs)
     if note:

@@ -33,6 +33,7 @@ from ckptool.model.rename_plan import RenamePlan, RenameSummary
 from ckptool.model.units import plural, retagged_words, wrote_line
 from ckptool.readers import FORMATS, Format
 from ckptool.readers.read_torch import locate_records
+from ckptool.writers import is_folder_form
 
 
 @dataclass
@@ -96,7 +97,9 @@ def retag_function(ck: Checkpoint, to: str | None, mapping: Mapping[str, str] | 
 
 
 def output_path(src: str, dst: str | None, in_place: bool, tag: str) -> str:
-    """Choose the output path: ``dst``, ``src`` itself for in-place, or ``<stem>.<tag><ext>`` beside ``src``.
+    """Choose the output path: ``dst``, ``src`` itself for in-place, or ``<stem>.<tag><ext>`` beside ``src``. A
+    ``dst`` that names a folder (``out/``, an existing folder, a name without suffix:
+    :func:`ckptool.writers.is_folder_form`) gets the file under ``src``'s own name inside it.
 
     Raises:
         UsageError: both ``dst`` and ``in_place``, or ``dst`` is the input file without ``in_place``.
@@ -108,6 +111,8 @@ def output_path(src: str, dst: str | None, in_place: bool, tag: str) -> str:
     if dst is None:
         stem, ext = os.path.splitext(src)
         dst = f"{stem}.{tag}{ext or '.pt'}"
+    elif is_folder_form(dst):
+        dst = os.path.join(dst, os.path.basename(src.split("?", 1)[0].rstrip("/")))
     if same_file(src, dst):
         raise UsageError(f"output {dst} is the input file; pass --in-place to overwrite it, or choose another -o path")
     return dst

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from ckptool.formats import detect
 
-__all__ = ["EXPORT", "LEGACY", "LEGACY_TAR", "PICKLE", "SAFETENSORS", "TORCHSCRIPT", "TORCH_ZIP", "ZIP", "Layout"]
+__all__ = ["EXPORT", "LEGACY", "LEGACY_TAR", "PICKLE", "SAFETENSORS", "TORCHSCRIPT", "TORCH_PACKAGE", "TORCH_ZIP",
+           "ZIP", "ZIP_LAYOUTS", "Layout", "zip_layout"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,16 @@ ZIP = Layout("zip", bare_zip=True, expects_pickles=True)
 TORCH_ZIP = Layout(detect.TORCH_ZIP, ("data.pkl",), torch_records=True, expects_pickles=True)
 TORCHSCRIPT = Layout(detect.TORCHSCRIPT, ("data.pkl", "constants.pkl"), torch_records=True, script=True)
 EXPORT = Layout(detect.PT2, export=True)
+#: a torch.package archive: ``torch.load`` would read a ``data.pkl`` it holds; its other pickles are read by
+#: ``PackageImporter.load_pickle``, by name (hidden to torch.load), its modules are code (shipped_code)
+TORCH_PACKAGE = Layout(detect.TORCH_PACKAGE, ("data.pkl",), expects_pickles=True)
+#: the layout of each answer of :func:`ckptool.formats.detect.zip_kind`, by the format it reports
+ZIP_LAYOUTS: dict[str, Layout] = {layout.format: layout for layout in (TORCH_PACKAGE, TORCHSCRIPT, TORCH_ZIP, EXPORT)}
+
+
+def zip_layout(kind: str | None) -> Layout:
+    """The layout of the zip :func:`ckptool.formats.detect.zip_kind` calls ``kind`` (None: :data:`ZIP`)."""
+    return ZIP_LAYOUTS.get(kind or "", ZIP)
 LEGACY_TAR = Layout("legacy-tar")
 LEGACY = Layout(detect.TORCH_LEGACY)
 SAFETENSORS = Layout(detect.SAFETENSORS, header=True)

@@ -145,7 +145,7 @@ class Scanner:
             if end is not None:
                 return end
         try:
-            root, up, end = load_pickle_at(buf, pos, where)
+            root, up, end = load_pickle_at(buf, pos, where, views=True)
         except CkptError as e:
             names = self._globals_before_failure(buf, pos, where, e)
             if required or names:
@@ -161,17 +161,18 @@ class Scanner:
         stop = getattr(e, "offset", None)
         if stop is None:
             return []
+        cut = isinstance(e, TruncatedError)  # a cut frame's opcodes count (partial_globals)
         try:  # refused by the checks: read the flat stream (frames ignored) as far as it is sound
             end = check_pickle(buf, pos, what=what, exact=False, strict_frames=False)
-            seen = partial_globals(buf, pos, end)
+            seen = partial_globals(buf, pos, end, cut=cut)
         except CkptError as e2:
-            seen = partial_globals(buf, pos, getattr(e2, "offset", stop))
+            seen = partial_globals(buf, pos, getattr(e2, "offset", stop), cut=cut)
         return [qualified_name(m, n) for m, n in seen]
 
     def parse_root(self, buf: PickleBuffer, pos: int, where: str) -> tuple[Any, int] | None:
         """:meth:`parse` that also returns the pickle's root: ``(root, end)``, or None when it failed (recorded)."""
         try:
-            root, up, end = load_pickle_at(buf, pos, where)
+            root, up, end = load_pickle_at(buf, pos, where, views=True)
         except CkptError as e:
             self.record(failed(where, pos, self._globals_before_failure(buf, pos, where, e), e))
             return None
@@ -318,19 +319,13 @@ class Scanner:
 
     def _zip_layout(self, f: BinaryIO, size: int, where: str, depth: int, entries: list[ZipEntry],
                     recs: TorchRecords) -> Layout:
-        """What the zip is, by its records: TorchScript (``constants.pkl``), a torch zip (``data.pkl``), a
-        torch.export archive (its members' names; the members its loader unpickles then read from its configs into
-        :attr:`pt2_roles`), or a plain zip."""
-        top = recs.prefix or ""
-        names = [e.name for e in entries]
-        script = top + "constants.pkl" in names
-        self.torchscript = self.torchscript or (depth == 0 and script)
-        if script:
-            return layouts.TORCHSCRIPT
-        if recs.find("data.pkl") is not None:
-            return layouts.TORCH_ZIP
-        if not formats.is_pt2_names(names):
-            return layouts.ZIP
+        """What the zip is: the readers' answer (:func:`ckptool.formats.detect.zip_kind`: a torch.package archive,
+        TorchScript, a torch zip, a torch.export archive, whose members its loader unpickles are then read from its
+        configs into :attr:`pt2_roles`), or a plain zip."""
+        layout = layouts.zip_layout(formats.zip_kind(entries, recs))
+        self.torchscript = self.torchscript or (depth == 0 and layout.script)
+        if not layout.export:
+            return layout
         try:
             self.pt2_roles[where] = plugin("ckptool.formats.pt2:member_roles")(f, size, entries, where or self.res.path)
         except CkptError as err:
@@ -489,7 +484,8 @@ class Scanner:
             if not where:
                 self.loaded.add(label)
             try:
-                root, up, end = load_pickle_at(buf, pos, label, storages=main_storages if i == 3 else None)
+                root, up, end = load_pickle_at(buf, pos, label, storages=main_storages if i == 3 else None,
+                                               views=True)
             except CkptError as e:
                 self.record(failed(label, pos, self._globals_before_failure(buf, pos, label, e), e))
                 return

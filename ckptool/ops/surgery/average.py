@@ -36,7 +36,7 @@ from ckptool.formats.dtypes import contiguous_stride, element_size
 from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.model.units import plural, wrote_line
-from ckptool.ops.convert import ConvertResult
+from ckptool.ops.convert import ConvertResult, OutputFormat
 from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.plan import check_safetensors_dtypes
 from ckptool.ops.convert.write import Files
@@ -47,6 +47,7 @@ from ckptool.readers import open_checkpoint
 from ckptool.readers.budget import check_expansion
 from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.torch_ops.average import AVERAGED, TAKEN_FROM_FIRST, Accumulator, average_state_dicts
+from ckptool.writers import choose_format
 
 __all__ = ["AverageResult", "average"]
 
@@ -371,6 +372,9 @@ def _paths(inputs: Sequence[object], dst: PathArg | None) -> tuple[list[str], st
     if dst is None:
         raise UsageError("average writes a new file: give dst (-o OUT.safetensors or OUT.pth)")
     out = os.fspath(dst)
+    if choose_format(out).is_folder:
+        raise UsageError(f"average writes one file, not a {choose_format(out).name} folder: name it "
+                         "OUT.safetensors or OUT.pth")
     for p in paths:
         if same_file(p, out):
             raise UsageError(f"output {out} is the input {p}; choose another -o path")
@@ -380,13 +384,14 @@ def _paths(inputs: Sequence[object], dst: PathArg | None) -> tuple[list[str], st
 def _write(sources: list[Source], ws: list[float], paths: list[str], out: str,
            progress: ProgressFn | None, opts: MethodOptions) -> AverageResult:
     """The mean of ``sources`` (checked to match; the last one the base when ``opts`` needs one) computed into a
-    scratch file beside ``out``, then written as ``out`` by ``convert``'s writer: safetensors for a
-    ``.safetensors`` name, else a torch zip file."""
+    scratch file beside ``out``, then written as ``out`` by ``convert``'s writer in the format
+    :func:`ckptool.writers.choose_format` names (safetensors for a ``.safetensors`` name in any case, a torch zip
+    file for ``.pt`` / ``.pth`` / ``.bin``...)."""
     has_base = opts.method not in ("linear", "slerp")
     if has_base:  # the base first: its keys, order, _metadata and integer tensors
         sources, paths = [sources[-1], *sources[:-1]], [paths[-1], *paths[:-1]]
-    safetensors = out.endswith(".safetensors")
-    fmt_out = "safetensors" if safetensors else "torch"  # write_outputs' output choice
+    fmt_out = OutputFormat(choose_format(out).name)  # write_outputs' output choice
+    safetensors = fmt_out is OutputFormat.SAFETENSORS
     if safetensors:
         check_safetensors_dtypes(sources[0].tensors, None, out)
     res = AverageResult(out, formats.SAFETENSORS if safetensors else formats.TORCH_ZIP, paths,
@@ -406,7 +411,7 @@ def _write(sources: list[Source], ws: list[float], paths: list[str], out: str,
             res.tied = dict(ties)
         scratch.flush()
         result = Source(out, sources[0].format, tensors, key=sources[0].key, metadata=meta, sd_state=state)
-        cres = ConvertResult(scratch_path, out, sources[0].format, fmt_out)
+        cres = ConvertResult(scratch_path, out, sources[0].format, fmt_out.value)
         write_outputs(result, out, fmt_out, None, None, lambda _saved: "cpu", None, False, None, cres)
     res.tensors, res.bytes_written = len(tensors), cres.bytes_written
     if has_base:
