@@ -18,9 +18,9 @@ class CastCount:
     ``elements``: values cast. ``overflow``: finite values that became ``+inf`` or ``-inf``. ``underflow``: finite
     non-zero values that became zero (of either sign). ``nan_in`` / ``nan_out``: NaNs before and after the cast;
     ``nan_made``: finite values that became NaN (a plain IEEE cast makes none; counted so that a refusal can say so).
-    ``max_abs_error`` / ``max_rel_error``: the largest ``|out - in|`` and ``|out - in| / |in|`` (``in`` non-zero)
-    over the values finite on both sides, computed in float64 (0.0 when there are none). Counts are exact: every
-    element is counted, none sampled.
+    ``max_abs_error`` / ``max_rel_error``: the largest ``|out - in|`` (exact) and ``|out - in| / |in|`` (``in``
+    non-zero; the quotient rounded once, in float32 or the input's wider dtype) over the values finite on both sides
+    (0.0 when there are none). Counts are exact: every element is counted, none sampled.
     """
 
     src: str

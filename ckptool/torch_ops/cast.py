@@ -8,6 +8,7 @@ without torch. Storages and tensors are the readers layer's (:class:`~ckptool.fo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -52,8 +53,37 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
-#: elements cast and counted at a time (bounded temporaries: a few float64 buffers of this many elements)
+#: elements cast and counted at a time (bounded temporaries: a few buffers of this many elements)
 _COUNT_BLOCK = 1 << 20
+
+
+def _count_block(a: torch.Tensor, b: torch.Tensor, count: CastCount) -> None:
+    """Add to ``count`` what rounding ``a`` to ``b`` did (both of one dtype, float32 or wider: the difference of a
+    value and its rounding, ``b`` within a factor of 2 of ``a`` or zero, is exact there (Sterbenz's lemma)). A block
+    whose largest difference is finite has nothing non-finite on either side (an inf or NaN makes it inf or NaN):
+    it needs no finiteness masks."""
+    import torch
+
+    if not a.numel():
+        return
+    err = (b - a).abs_()
+    top = float(err.max())
+    nz = a != 0
+    if not math.isfinite(top):  # an inf or NaN on a side: count them, and the errors over the finite values
+        fin_a, fin_b = torch.isfinite(a), torch.isfinite(b)
+        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+        count.overflow += int((fin_a & ~fin_b & ~nan_b).sum())
+        count.nan_made += int((fin_a & nan_b).sum())
+        count.nan_in += int(nan_a.sum())
+        count.nan_out += int(nan_b.sum())
+        both = fin_a & fin_b
+        err = torch.where(both, err, 0)
+        top = float(err.max())
+        nz &= fin_a
+    count.underflow += int((nz & (b == 0)).sum())
+    count.max_abs_error = max(count.max_abs_error, top)
+    rel = err.div_(torch.where(nz, a.abs(), 1))  # zero where a is 0 (then b is 0 too) or not finite
+    count.max_rel_error = max(count.max_rel_error, float(rel.max()))
 
 
 def cast_counting(flat: torch.Tensor, dtype: str) -> tuple[torch.Tensor, CastCount]:
@@ -62,30 +92,15 @@ def cast_counting(flat: torch.Tensor, dtype: str) -> tuple[torch.Tensor, CastCou
     :data:`_COUNT_BLOCK` elements so the temporaries stay bounded.
 
     Overflow: finite in, ``+-inf`` out; underflow: finite non-zero in, zero out; errors over the values finite on
-    both sides, in float64.
+    both sides, computed in the wider of float32 and ``flat``'s dtype (exact: :func:`_count_block`).
     """
     import torch
 
     out = flat.to(torch_dtype(dtype))
     count = CastCount(str(flat.dtype).removeprefix("torch."), dtype, elements=flat.numel())
+    wide = flat.dtype if flat.dtype in (torch.float32, torch.float64) else torch.float32
     for lo in range(0, flat.numel(), _COUNT_BLOCK):
-        a = flat[lo:lo + _COUNT_BLOCK].double()
-        b = out[lo:lo + _COUNT_BLOCK].double()
-        fin_a, fin_b = torch.isfinite(a), torch.isfinite(b)
-        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-        count.overflow += int((fin_a & torch.isinf(b)).sum())
-        count.nan_made += int((fin_a & nan_b).sum())
-        count.underflow += int((fin_a & (a != 0) & (b == 0)).sum())
-        count.nan_in += int(nan_a.sum())
-        count.nan_out += int(nan_b.sum())
-        both = fin_a & fin_b
-        if bool(both.any()):
-            a, b = a[both], b[both]
-            err = (b - a).abs()
-            count.max_abs_error = max(count.max_abs_error, float(err.max()))
-            nz = a != 0
-            if bool(nz.any()):
-                count.max_rel_error = max(count.max_rel_error, float((err[nz] / a[nz].abs()).max()))
+        _count_block(flat[lo:lo + _COUNT_BLOCK].to(wide), out[lo:lo + _COUNT_BLOCK].to(wide), count)
     return out, count
 
 
@@ -139,7 +154,7 @@ def dequantized(sc: Scaled, read: Callable[[str, int, int], bytearray],
     compute = torch_dtype(sc.compute)
     out = torch.empty(q.shape, dtype=rnd.dtype)
     bm, bn = sc.block
-    step = bm * max(1, _ROWS // bm)
+    step = bm * max(1, _ROWS // bm, _COUNT_BLOCK // (bm * cols))  # whole rows of blocks, about a count block
     for e in range(q.shape[0]):
         grid = scale[e if scale.shape[0] > 1 else 0]
         for lo in range(0, rows, step):

@@ -149,8 +149,7 @@ def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_byte
     (source path, file name) copied into the set's folder in the same commit (``merge-lora``'s model folders).
     Inside a :func:`ckptool.ops.rewrite.parallel.shard_executor` block (``convert --jobs N``) the shards are written
     one per task, each task with its own source files; the index is written last, by this thread. ``cast`` fills
-    ``res.cast_values`` / ``res.cast_total`` (the cast report: :func:`ckptool.torch_ops.cast.cast_counting`), and a
-    file whose cast made ``inf`` / NaN from finite values is refused unless ``allow_overflow``.
+    the cast report (:func:`_cast_report`); a file whose cast made inf / NaN is refused unless ``allow_overflow``.
 
     Raises:
         UnsupportedError: a dtype safetensors cannot hold; a cast making inf / NaN (not ``allow_overflow``).
@@ -169,9 +168,8 @@ def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_byte
     pool = current_executor() if shard_bytes is not None and len(groups) > 1 else None
     one = len(groups) == 1
     job = Job(src, cast, location, rename_key, verify, locked(progress) if pool else progress, res,
-              state=src.sd_state if one else None,
-              entries=src.entries if one and fmt_out.writer.non_tensor_entries else None,
-              allow_overflow=allow_overflow)
+              state=src.sd_state if one else None, allow_overflow=allow_overflow,
+              entries=src.entries if one and fmt_out.writer.non_tensor_entries else None)
     if src.entries and fmt_out.writer.non_tensor_entries and not one:
         res.notes.append(f"the plain entries ({', '.join(src.entries)}) are not written into shards, which hold "
                          "tensors only; write one file to keep them")
@@ -208,21 +206,23 @@ def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_byte
     res.shards = len(groups)
     res.tensors = len(src.tensors)
     res.stored, res.trimmed_bytes = writer.tally(plan, src)
-    for t in src.tensors:
-        out = out_dtype(t.dtype, cast)
-        if out != t.dtype or t.storage.scaled is not None:
-            k = f"{t.storage.scaled.weight.dtype if t.storage.scaled else t.dtype}->{out}"
-            res.cast[k] = res.cast.get(k, 0) + 1
-    _cast_report(src, job.files, res)
+    _cast_report(src, cast, job.files, res)
     if verify:
         res.verified = True
         res.checked = verification_check(fmt_out, {out_dtype(t.dtype, cast) for t in src.tensors},
                                          job.files.evidence.summary())
 
 
-def _cast_report(src: Source, files: Files, res: ConvertResult) -> None:
-    """Fill ``res.cast_values`` (the first tensor of each cast storage -> its :class:`~ckptool.model.casts.CastCount`,
-    in state_dict order) and ``res.cast_total`` from what the writers counted."""
+def _cast_report(src: Source, cast: str | None, files: Files, res: ConvertResult) -> None:
+    """Fill ``res.cast`` (``"float32->float16": tensors``; a dequantized weight counted from its stored dtype),
+    ``res.cast_values`` (the first tensor of each cast storage -> its :class:`~ckptool.model.casts.CastCount`, in
+    state_dict order) and ``res.cast_total`` from what the writers counted."""
+    for t in src.tensors:
+        out = out_dtype(t.dtype, cast)
+        scaled = t.storage.scaled
+        if out != t.dtype or scaled is not None:
+            k = f"{scaled.weight.dtype if scaled else t.dtype}->{out}"
+            res.cast[k] = res.cast.get(k, 0) + 1
     seen: set[int] = set()
     for t in src.tensors:
         got = files.cast_counts.get(id(t.storage))
