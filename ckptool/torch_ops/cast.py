@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 from ckptool.errors import UnsupportedError
 from ckptool.formats.dtypes import DTYPE_SIZES, numel
-from ckptool.formats.segments import read_segments
 from ckptool.formats.tensors import Scaled, Storage, Tensor
 from ckptool.model.casts import CastCount
+from ckptool.readers.structures import read_segments
 
 if TYPE_CHECKING:
     import torch
