@@ -265,8 +265,9 @@ class Opened:
         """:meth:`graph` for a command that only describes it (``inspect``): a plain pickle's long bytes,
         bytearray and str values stay in the file as :class:`~ckptool.formats.nodes.BlobView` records
         (:func:`~ckptool.formats.torchfile.read_pickle_file` with ``views=True``), so memory follows its structure;
-        never to be written back. Raises what :meth:`graph` raises."""
-        if self.spec.kind == "file" and self.format == detect.PICKLE:
+        never to be written back; the full graph when it was read already (one read per :class:`Opened`). Raises
+        what :meth:`graph` raises."""
+        if self.spec.kind == "file" and self.format == detect.PICKLE and "graph" not in self._parsed:
             return self._cached("described graph", lambda: read_pickle_file(self.target, views=True))
         return self.graph()
 
