@@ -240,18 +240,21 @@ def test_inspect_shows_blob_values_as_a_full_read_does(tmp_path: Path, monkeypat
     as a full read shows it: type, size and first bytes or characters."""
     from ckptool.formats import torchfile
     from ckptool.ops.inspect import entry
+    from ckptool.ops.inspect.values import ALL_VALUES, PreviewLimits
     from ckptool.readers import Opened
 
     path = tmp_path / "values.pkl"
     for proto in (2, 4, 5):
         path.write_bytes(pickle.dumps({"data": BLOB, "buf": bytearray(BLOB), "text": "\u00e9t\u00e9 " * 2000,
-                                       "latin": BLOB.decode("latin1")}, protocol=proto))
+                                       "latin": BLOB.decode("latin1"), "in a list": ["\u20ac" * 1400]},
+                                      protocol=proto))
         assert isinstance(torchfile.read_pickle_file(str(path), views=True).root["text"], BlobView)
-        with_views = [(v.path, v.type, v.shown, v.exact) for v in entry.inspect(path).values]
-        with monkeypatch.context() as m:
-            m.setattr(Opened, "described_graph", Opened.graph)
-            full = [(v.path, v.type, v.shown, v.exact) for v in entry.inspect(path).values]
-        assert with_views == full
+        for limits in (PreviewLimits(), ALL_VALUES):  # the default preview and --all's, the widest
+            with_views = [(v.path, v.type, v.shown, v.exact) for v in entry.inspect(path, limits).values]
+            with monkeypatch.context() as m:
+                m.setattr(Opened, "described_graph", Opened.graph)
+                full = [(v.path, v.type, v.shown, v.exact) for v in entry.inspect(path, limits).values]
+            assert with_views == full
 
 
 # ------------------------------------------------------------------------------------------------ --jobs

@@ -313,18 +313,22 @@ def _chunk(buf: PickleBuffer, pos: int, end: int) -> bytes | bytearray:
 
 #: the bytes of UTF-8 a string blob's check decodes at a time
 _UTF8_CHUNK = 1 << 20
+#: the characters of a string blob a BlobView keeps for previews: more than ``inspect``'s widest preview reads
+#: (``--all``: 400 characters a value, four times that to decide whether a container fits on a line)
+_STR_HEAD = 2048
 
 
 def _utf8_text(buf: PickleBuffer, start: int, stop: int) -> tuple[int, str] | None:
-    """``(length in characters, first 256 characters)`` of ``buf[start:stop]`` decoded as the C unpickler decodes
-    BINUNICODE (UTF-8, ``surrogatepass``), read :data:`_UTF8_CHUNK` bytes at a time; None when it is not UTF-8."""
+    """``(length in characters, first :data:`_STR_HEAD` characters)`` of ``buf[start:stop]`` decoded as the C
+    unpickler decodes BINUNICODE (UTF-8, ``surrogatepass``), read :data:`_UTF8_CHUNK` bytes at a time; None when it
+    is not UTF-8."""
     dec = codecs.getincrementaldecoder("utf-8")("surrogatepass")
     chars, head = 0, ""
     try:
         for at in range(start, stop, _UTF8_CHUNK):
             text = dec.decode(buf[at:min(stop, at + _UTF8_CHUNK)])
             chars += len(text)
-            head = head or text[:256]
+            head = head or text[:_STR_HEAD]
             release_pages(buf, at, min(stop, at + _UTF8_CHUNK))
         dec.decode(b"", final=True)
     except UnicodeDecodeError:
@@ -364,7 +368,7 @@ def _skeleton(buf: PickleBuffer, pos: int, end: int, spans: list[Span]
         if text is not None:
             view = BlobView("str", head, b - head, text[1], text[0])
         elif kind == "latin1":
-            view = BlobView("str", head, b - head, bytes(buf[head:head + 256]).decode("latin1"), b - head)
+            view = BlobView("str", head, b - head, bytes(buf[head:head + _STR_HEAD]).decode("latin1"), b - head)
         else:
             view = BlobView(kind, head, b - head, bytes(buf[head:head + 16]))
         views.append(view)
