@@ -280,3 +280,26 @@ def test_jobs_chooses_the_pool_by_the_work(tmp_path: Path, monkeypatch: pytest.M
     pool = _many._executor(run, 2)
     assert isinstance(pool, cf.ThreadPoolExecutor)
     pool.shutdown()
+
+
+@pytest.mark.parametrize("proto", range(6))
+def test_probing_walk_ends_where_the_plain_walk_ends(proto: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over a megabyte of opcodes (RE2's domain) the walk probes each run with ``re`` first (_probing): runs that
+    cross the probe's end, text lines longer than its slack and blobs between runs give the same end offset and
+    weights_only refusal, and the same refusal of a cut copy, as the plain ``re`` walk."""
+    from ckptool.formats import pickle_check
+
+    value = {f"key.{i}": (i, "x" * (i % 300), [i, 1.5], BLOB if i % 997 == 0 else None) for i in range(20000)}
+    data = pickle.dumps(value, protocol=proto)
+    assert len(data) > pickle_check.LINEAR_FROM
+
+    def walk(blob: bytes) -> tuple[object, ...]:
+        wo: list[str | None] = []
+        try:
+            return ("end", pickle_check.check_pickle(blob, 0, exact=False, weights_only=wo), wo)
+        except CkptError as e:
+            return ("error", str(e), getattr(e, "offset", None))
+
+    probed = [walk(data), walk(data[:len(data) // 2])]
+    monkeypatch.setattr(pickle_check, "LINEAR_FROM", 1 << 62)  # re only
+    assert probed == [walk(data), walk(data[:len(data) // 2])]

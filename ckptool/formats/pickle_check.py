@@ -149,7 +149,35 @@ def _run_matcher(k: int, weights_only: bool, room: int) -> Callable[[PickleBuffe
     weights_only list was met, else :func:`_run_pattern`) for a walk of ``room`` bytes: RE2's from
     :data:`LINEAR_FROM` on, else ``re``'s."""
     pat = (_weights_only_run_pattern if weights_only else _run_pattern)(k)
-    return linear_match(pat) if room >= LINEAR_FROM else pat.match
+    return _probing(pat.match, linear_match(pat)) if room >= LINEAR_FROM else pat.match
+
+
+#: :func:`_probing` reads this many bytes with ``re`` before it hands a run that goes on to RE2
+_PROBE = 4096
+#: a run that ``re`` ended this close to the probe's end may go on past it (the longest step of the expression but
+#: for text lines: a 127-byte string and its 5-byte header)
+_PROBE_SLACK = 256
+
+
+def _probing(small: Callable[[PickleBuffer, int, int], re.Match[bytes] | None],
+             large: Callable[[PickleBuffer, int, int], re.Match[bytes] | None]
+             ) -> Callable[[PickleBuffer, int, int], re.Match[bytes] | None]:
+    """A run matcher that tries ``re``'s ``small`` on the next :data:`_PROBE` bytes first and goes on with RE2's
+    ``large`` only when the run reaches the probe's end: each call of RE2 costs about 10 us before it reads a byte,
+    and a pickle of many blobs (the opcodes between them a few dozen bytes) calls it once per blob. The match
+    returned ends where the run ends (only its ``end()`` is used); a run cut at the probe's end by an opcode that
+    crosses it ends there, and that opcode is checked by the walk in Python, as any opcode the expression stops at."""
+
+    def match(buf: PickleBuffer, pos: int, endpos: int) -> re.Match[bytes] | None:
+        cap = pos + _PROBE
+        if cap >= endpos:
+            return small(buf, pos, endpos)
+        m = small(buf, pos, cap)
+        if m is None or cap - m.end() > _PROBE_SLACK:
+            return m
+        return large(buf, m.end(), endpos)
+
+    return match
 
 
 def _long_binput(k: int) -> bytes:
