@@ -282,7 +282,8 @@ def release_pages(buf: PickleBuffer, start: int, stop: int) -> None:
 
 def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, what: str = "pickle",
                  exact: bool = True, strict_frames: bool = True,
-                 weights_only: list[str | None] | None = None, blobs: list[Span] | None = None) -> int:
+                 weights_only: list[str | None] | None = None, blobs: list[Span] | None = None,
+                 gaps: list[tuple[bytes, bytes]] | None = None) -> int:
     """Walk the opcodes of the pickle at ``buf[start:]`` (bytes or ``mmap``) without building anything and return
     the offset just after its STOP opcode.
 
@@ -297,6 +298,9 @@ def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, w
     the expression until one outside the list is met). ``blobs``: a list that receives, in stream order, the
     :data:`Span` of every blob (an argument of :data:`BLOB_KINDS` of :data:`BLOB_MIN` bytes or more, stepped over by
     its declared length: its bytes are never read) and of every FRAME opcode, opcodes before a refusal included.
+    ``gaps`` (with ``blobs``): for each span, the bytes between the previous span (or ``start``) and it, and the
+    first 16 bytes of its payload, copied as the walk passes them (their pages in memory then; the walk hands
+    pages back behind it).
 
     Raises:
         CorruptCheckpointError: an unknown opcode, an argument or length running past ``end``, no STOP opcode, a
@@ -307,7 +311,8 @@ def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, w
     if weights_only is not None:
         weights_only[:] = [None]
     try:
-        return _walk(buf, start, end, what, exact, strict_frames, at, weights_only, _span_note(buf, start, blobs))
+        return _walk(buf, start, end, what, exact, strict_frames, at, weights_only,
+                     _span_note(buf, start, blobs, gaps))
     except CorruptCheckpointError as e:
         e.offset = at[0]  # type: ignore[attr-defined] # where the refused opcode starts: what precedes was checked
         raise
@@ -368,17 +373,23 @@ def _ignore(pos: int, nxt: int, op: int) -> None:
     """The span note of a walk that collects no blobs."""
 
 
-def _span_note(buf: PickleBuffer, start: int, blobs: list[Span] | None) -> Callable[[int, int, int], None]:
+def _span_note(buf: PickleBuffer, start: int, blobs: list[Span] | None, gaps: list[tuple[bytes, bytes]] | None
+               ) -> Callable[[int, int, int], None]:
     """What :func:`_walk` calls with each opcode it checks in Python, ``(offset, next offset, opcode)``: appends
-    FRAMEs and blobs to ``blobs`` and hands back the pages walked past every :data:`RELEASE_EVERY` bytes; nothing
-    when ``blobs`` is None."""
+    FRAMEs and blobs to ``blobs`` (and what precedes each, and its first bytes, to ``gaps``) and hands back the
+    pages walked past every :data:`RELEASE_EVERY` bytes; nothing when ``blobs`` is None."""
     if blobs is None:
         return _ignore
     released = [start]  # the pages before this offset were handed back (release_pages)
+    prev = [start]  # where the bytes of the next gap start
 
     def note(pos: int, nxt: int, op: int) -> None:
         if op == _FRAME or (nxt - pos >= BLOB_MIN and op in BLOB_KINDS):
             blobs.append((pos, nxt, op))
+            if gaps is not None:
+                first = pos + 1 + (8 if op in (0x8D, 0x8E, 0x96) else 4)
+                gaps.append((bytes(buf[prev[0]:pos]), bytes(buf[first:first + 16]) if op != _FRAME else b""))
+                prev[0] = nxt
             if nxt - released[0] >= RELEASE_EVERY:
                 release_pages(buf, released[0], nxt)
                 released[0] = nxt
