@@ -303,3 +303,34 @@ def test_probing_walk_ends_where_the_plain_walk_ends(proto: int, monkeypatch: py
     probed = [walk(data), walk(data[:len(data) // 2])]
     monkeypatch.setattr(pickle_check, "LINEAR_FROM", 1 << 62)  # re only
     assert probed == [walk(data), walk(data[:len(data) // 2])]
+
+
+def _sparse_legacy(path: Path, numel: int) -> None:
+    """A torch legacy-format file (``_use_new_zipfile_serialization=False``) of one float32 tensor of ``numel``
+    elements whose storage bytes are a hole (zeros, no disk): torch writes one of 65,536 elements, whose count is
+    then patched (a BININT in the pickles, the 8-byte count before the data)."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(65536)}, buf, _use_new_zipfile_serialization=False)
+    data = buf.getvalue().replace(b"J" + struct.pack("<i", 65536), b"J" + struct.pack("<i", numel))
+    at = data.rfind(struct.pack("<q", 65536))
+    head = data[:at] + struct.pack("<q", numel)
+    with path.open("wb") as f:
+        f.write(head)
+        f.truncate(len(head) + 4 * numel)
+
+
+@pytest.mark.parametrize("command", ["scan", "inspect"])
+def test_legacy_storages_are_located_by_their_sizes_never_read(tmp_path: Path, command: str) -> None:
+    """scan and inspect of a 320 MB legacy-format file step over its storage by its declared size: under 64 MiB
+    of RSS in a fresh process. (A guard: the legacy reader already did so before issue 52's walk.)"""
+    path = tmp_path / "legacy.pt"
+    _sparse_legacy(path, 80_000_000)
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(path), command], capture_output=True, text=True,
+                         env=env, timeout=120, check=True).stdout.split()
+    assert out[0] == "safe"
+    assert int(out[-1]) / 1024 < 64, f"{command} peaked at {int(out[-1]) / 1024:.0f} MiB"
