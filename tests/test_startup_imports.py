@@ -37,14 +37,15 @@ main()
 #: legacy tar walk the pickle scanner shares. The code of the other formats (.pt2, DCP, DeepSpeed, sharded sets,
 #: safetensors, torch.package, native library headers) and of SARIF output is named as strings and imported only
 #: when met (:func:`ckptool.formats.plugin`); issue 41 took this set from 45 modules to 33; the tensor model
-#: (``formats.tensors``) came back with issue 36's note on tensors that expand past the input's budget.
+#: (``formats.tensors``) came back with issue 36's note on tensors that expand past the input's budget; issue 46
+#: added the one verdict (``model.verdict``).
 SCAN_ZIP_MODULES = {
     "ckptool", "ckptool._gc", "ckptool._remote", "ckptool._source", "ckptool.errors",
     "ckptool.cli", "ckptool.cli._common", "ckptool.cli._errors", "ckptool.cli._flags", "ckptool.cli.scan",
     "ckptool.formats", "ckptool.formats.detect", "ckptool.formats.dtypes", "ckptool.formats.nodes",
     "ckptool.formats.pickle_check", "ckptool.formats.tensors", "ckptool.formats.unpickler",
     "ckptool.formats.zipdir", "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices",
-    "ckptool.model.graph", "ckptool.model.units", "ckptool.model.weights_only",
+    "ckptool.model.graph", "ckptool.model.units", "ckptool.model.verdict", "ckptool.model.weights_only",
     "ckptool.ops", "ckptool.ops.scan", "ckptool.ops.scan.entry", "ckptool.ops.scan.byte_windows",
     "ckptool.ops.scan.directories", "ckptool.ops.scan.layouts", "ckptool.ops.scan.pickles",
     "ckptool.ops.scan.results", "ckptool.ops.scan.shipped_code", "ckptool.ops.scan.tar",
@@ -54,7 +55,8 @@ SCAN_ZIP_MODULES = {
 #: scan command) and the readers layer with the torch zip reader, the node graph walks, the tensor model, the
 #: inspect operation (describer of pickled files, totals, values, advice) and the printers it needs. The other
 #: formats' readers and describers are registry plug-ins, imported when met, and so are the module tree and its
-#: HTML (``--tree``, Jupyter); issue 41 took this set from 73 modules to 54.
+#: HTML (``--tree``, Jupyter); issue 41 took this set from 73 modules to 54; issue 46 added the reader base class
+#: (``readers.reader``: the torch zip's ``PickledReader`` derives from it).
 INSPECT_ZIP_MODULES = (SCAN_ZIP_MODULES - {"ckptool.cli.scan"}) | {
     "ckptool.cli.inspect",
     "ckptool.formats.segments", "ckptool.formats.strided", "ckptool.formats.torchfile",
@@ -63,7 +65,8 @@ INSPECT_ZIP_MODULES = (SCAN_ZIP_MODULES - {"ckptool.cli.scan"}) | {
     "ckptool.ops.inspect", "ckptool.ops.inspect.advice", "ckptool.ops.inspect.entry", "ckptool.ops.inspect.info",
     "ckptool.ops.inspect.json_rows", "ckptool.ops.inspect.pickles", "ckptool.ops.inspect.totals",
     "ckptool.ops.inspect.values",
-    "ckptool.readers", "ckptool.readers.read_torch", "ckptool.readers.registry", "ckptool.readers.support",
+    "ckptool.readers", "ckptool.readers.read_torch", "ckptool.readers.reader", "ckptool.readers.registry",
+    "ckptool.readers.support",
 }
 
 #: the third-party packages neither command imports: torch, numpy, the table printer, the progress bar, fsspec;
