@@ -84,7 +84,9 @@ HINT: Role[HintMaker] = Role("hint", "ckptool.ops")
 
 def _index(path: str) -> str:
     """``['state_dict']`` / ``['model']['ema']`` / ``[0]`` for a dotted state_dict path (``""``: nothing)."""
-    return "".join(f"[{int(c)}]" if c.isdigit() else f"[{c!r}]" for c in path.split(".")) if path else ""
+    if not path:
+        return ""
+    return "".join(f"[{int(c)}]" if c.isascii() and c.isdigit() else f"[{c!r}]" for c in path.split("."))
 
 
 def _torch_load(file_expr: str, tags: Iterable[str], trusted: bool) -> str:
@@ -162,6 +164,51 @@ def _architecture(folder: str) -> str | None:
     names = config.get("architectures")
     first = names[0] if isinstance(names, list) and names else None
     return first if isinstance(first, str) and first.isidentifier() else "AutoModel"
+
+
+def _config(folder: str) -> dict[str, Any] | None:
+    """``config.json`` of ``folder`` as a dict; None without a readable one."""
+    try:  # a FIFO or device named config.json is never opened for reading (open_regular)
+        with source.open_regular(os.path.join(folder, "config.json")) as f:
+            config = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError, RecursionError, CkptError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+#: the output head ``transformers`` ties to the input embeddings in its language models (``_tied_weights_keys``)
+TIED_HEAD = "lm_head.weight"
+
+
+def tied_head(folder: str | None, names: Iterable[str]) -> str | None:
+    """The output head a ``transformers`` language model of the model folder ``folder`` ties to its input
+    embeddings and that the written tensors ``names`` leave out (``save_pretrained`` stores a tied weight once):
+    :data:`TIED_HEAD` when ``config.json`` names a ``*ForCausalLM`` / ``*LMHeadModel`` architecture and ties the
+    word embeddings (``tie_word_embeddings`` true, or absent: ``PretrainedConfig``'s default), else None."""
+    config = _config(folder) if folder is not None else None
+    if config is None or config.get("tie_word_embeddings", True) is not True:
+        return None
+    arch = _architecture(folder) if folder is not None else None
+    if arch is None or not arch.endswith(("ForCausalLM", "LMHeadModel")) or TIED_HEAD in set(names):
+        return None
+    return TIED_HEAD
+
+
+def tied_hint(hint: LoadHint, path: str, head: str) -> LoadHint:
+    """``hint`` (a ``model.load_state_dict(...)`` line) for a file that leaves out the tied output ``head``: the
+    safetensors file through ``safetensors.torch.load_model`` (it ties the head from the model's side), a torch
+    file with ``strict=False`` (the head stays the model's tied embedding), the head named in a note."""
+    why = (f"{head} is tied to the input embeddings (config.json: tie_word_embeddings) and stored once, as "
+           "transformers' save_pretrained does")
+    if hint.code.startswith("model.load_state_dict(safetensors.torch.load_file("):
+        return LoadHint(f"safetensors.torch.load_model(model, {path!r})",
+                        [*hint.notes, f"{why}: safetensors.torch.load_model ties it from the model's side"],
+                        hint.imports)
+    if hint.code.startswith("model.load_state_dict(") and hint.code.endswith(")"):
+        return LoadHint(f"{hint.code[:-1]}, strict=False)",
+                        [*hint.notes, f"{why}: strict=False leaves {head} missing, as the model's tie fills it"],
+                        hint.imports)
+    return hint
 
 
 def _set_place(index: str) -> str:

@@ -194,7 +194,7 @@ class _Sanitizer:
         self.converted: list[Conversion] = []
         self.left: list[Conversion] = []
         taken = {r.name for r in ck.records}
-        self._next = max((int(k) for k in ck.storages if k.isdigit()), default=-1) + 1
+        self._next = max((int(k) for k in ck.storages if k.isascii() and k.isdigit()), default=-1) + 1
         self._taken = taken
 
     def _new_key(self) -> str:

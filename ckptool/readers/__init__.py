@@ -238,6 +238,15 @@ class Opened:
         return self._cached("graph", lambda: read_pickle_file(self.target) if self.format == detect.PICKLE
                             else read_checkpoint(self.target, self.format))
 
+    def described_graph(self) -> Checkpoint:
+        """:meth:`graph` for a command that only describes it (``inspect``): a plain pickle's long bytes,
+        bytearray and str values stay in the file as :class:`~ckptool.formats.nodes.BlobView` records
+        (:func:`~ckptool.formats.torchfile.read_pickle_file` with ``views=True``), so memory follows its structure;
+        never to be written back. Raises what :meth:`graph` raises."""
+        if self.spec.kind == "file" and self.format == detect.PICKLE:
+            return self._cached("described graph", lambda: read_pickle_file(self.target, views=True))
+        return self.graph()
+
     def state_dicts(self) -> list[StateDictEntry]:
         """Every state_dict the checkpoint holds, outermost first (:func:`ckptool.model.graph.find_state_dicts`
         for a pickle or a DCP folder's nesting; every pickle of a torch.package archive, keyed ``<member>:<path>``;

@@ -134,7 +134,7 @@ def _rank_state(path: str, ranks: tuple[int, int, int]) -> tuple[RankState, Chec
     chunks: dict[int, list[Tensor]] = {}
     for t in src.tensors:
         head, _, rest = t.name.partition(".")
-        if head == "model" or (head.startswith("model") and head[5:].isdigit()):
+        if head == "model" or (head.startswith("model") and (head[5:].isascii() and head[5:].isdigit())):
             v = int(head[5:] or 0)
             if t.name in unread:
                 raise UnsupportedError(f"{path}: the bytes of {t.name!r} are not readable ({unread[t.name]})")
@@ -172,11 +172,14 @@ def read_legacy(path: str | os.PathLike[str]) -> LegacyTree:
     vp = max(len(s.chunks) for s in states)
     tree = LegacyTree(mf, args, root.get("iteration"), root.get("checkpoint_version"), tp, pp, ep, vp, states)
     have = {(s.tp, s.pp, s.ep) for s in states}
-    missing = [(a, b, c) for c in range(ep) for b in range(pp) for a in range(tp) if (a, b, c) not in have]
-    if missing:
-        a, b, c = missing[0]
-        raise CorruptCheckpointError(f"{mf.folder}: rank tp={a} pp={b} ep={c} is missing ({len(missing)} of "
-                                     f"{tp * pp * ep} ranks; TP={tp}, PP={pp}, EP={ep}); the checkpoint is incomplete")
+    # the sizes (from args, or from rank folder names) are checked against the ranks that exist by counting: the
+    # grid is never built (TP = PP = 10^6 would be 10^12 entries); the first gap is found within len(have) + 1 steps
+    total = tp * pp * ep
+    present = sum(1 for a, b, c in have if a < tp and b < pp and c < ep)
+    if present < total:
+        a, b, c = next((a, b, c) for c in range(ep) for b in range(pp) for a in range(tp) if (a, b, c) not in have)
+        raise CorruptCheckpointError(f"{mf.folder}: rank tp={a} pp={b} ep={c} is missing ({total - present} of "
+                                     f"{total} ranks; TP={tp}, PP={pp}, EP={ep}); the checkpoint is incomplete")
     return tree
 
 

@@ -116,7 +116,7 @@ def inspect_pickled(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
     """A torch zip, legacy or TorchScript file or a plain pickle: its node graph, read once (the scan takes the
     ``data.pkl`` / plain pickle from it, :func:`ckptool.ops.inspect.pickles.already_read`)."""
     try:
-        ck = o.graph()
+        ck = o.described_graph()  # a plain pickle's long values stay in the file
         info = describe(ck, limits, o.spec)
     except RecursionError as e:
         raise CorruptCheckpointError(f"{o.target}: {too_deep(e)}") from None

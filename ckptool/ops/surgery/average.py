@@ -278,7 +278,7 @@ def _method_weights(method: str, weights: Sequence[float] | None, n: int, has_ba
 
 
 def _weights(weights: Sequence[float] | None, n: int) -> list[float]:
-    """Raises UsageError: not one positive finite weight per input."""
+    """Raises UsageError: not one positive finite weight per input, or weights whose sum overflows."""
     if weights is None:
         return [1.0] * n
     ws = [float(w) for w in weights]
@@ -286,6 +286,9 @@ def _weights(weights: Sequence[float] | None, n: int) -> list[float]:
         raise UsageError(f"{len(ws)} weights for {n} inputs; give one weight per input (--weights 0.5,0.25,0.25)")
     if any(not math.isfinite(w) or w <= 0 for w in ws):
         raise UsageError(f"weights {ws}: each must be a positive number (they are divided by their sum)")
+    if not math.isfinite(sum(ws)):
+        raise UsageError(f"weights {ws}: their sum overflows a float64; give smaller weights (only their ratios "
+                         "matter: 1,1 for 1e308,1e308)")
     return ws
 
 
