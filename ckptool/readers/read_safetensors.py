@@ -162,6 +162,10 @@ class SafetensorsReader(Reader):
     """A safetensors file (the registry's ``reader``): one flat mapping listed by name in a JSON header ahead of
     one data block, its ``__metadata__`` strings its values."""
 
+    def __init__(self, opened: Opened) -> None:
+        super().__init__(opened)
+        self._header: SafetensorsHeader | None = None
+
     def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
         """:func:`safetensors_source` of the file (its sharing record restored)."""
         return safetensors_source(self.opened.target)
@@ -170,10 +174,6 @@ class SafetensorsReader(Reader):
         """The tied names ``safetensors.torch.save_model`` left out, restored as views
         (:func:`restore_library_aliases`)."""
         restore_library_aliases(src)
-
-    def __init__(self, opened: Opened) -> None:
-        super().__init__(opened)
-        self._header: SafetensorsHeader | None = None
 
     def values(self) -> dict[str, object]:
         """The ``__metadata__`` strings."""
