@@ -474,3 +474,161 @@ def test_without_etag_every_byte_comes_from_one_response(hostile_http: str, run_
     gets = [r for r in _Hostile.requests if r.endswith("noetag.pt") and not r.startswith("HEAD")]
     assert len(gets) == 1, _Hostile.requests
     assert res.exit_code == 0, res.output
+
+
+# ------------------------------------------------------------------------------------------------ adapter configs
+_BAD_CONFIGS = {
+    "r-string": '{"peft_type": "LORA", "r": "abc", "lora_alpha": 8}',
+    "r-list": '{"peft_type": "LORA", "r": [4], "lora_alpha": 8}',
+    "r-zero": '{"peft_type": "LORA", "r": 0, "lora_alpha": 8}',
+    "r-zero-rslora": '{"peft_type": "LORA", "r": 0, "lora_alpha": 8, "use_rslora": true}',
+    "alpha-string": '{"peft_type": "LORA", "r": 4, "lora_alpha": "x"}',
+    "alpha-401-digits": '{"peft_type": "LORA", "r": 4, "lora_alpha": ' + "9" * 401 + "}",
+    "alpha-nan": '{"peft_type": "LORA", "r": 4, "lora_alpha": NaN}',
+    "alpha-1e999": '{"peft_type": "LORA", "r": 4, "lora_alpha": 1e999}',
+    "alpha-pattern-null": '{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "alpha_pattern": {"q": null}}',
+    "alpha-pattern-huge": '{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "alpha_pattern": {"q": 1e300}}',
+    "rank-pattern-list": '{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "rank_pattern": [4]}',
+    "rank-pattern-paren": '{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "rank_pattern": {"(": 4}}',
+    "array": "[" + "1," * 1000 + "1]",
+}
+
+
+def _safetensors(path: Path, tensors: dict[str, list[int]]) -> None:
+    """A float32 safetensors file of ``tensors`` (name -> shape), every element 1.0 (no torch needed)."""
+    import struct
+
+    header: dict[str, Any] = {}
+    data = b""
+    for name, shape in tensors.items():
+        n = 1
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [len(data), len(data) + 4 * n]}
+        data += struct.pack(f"<{n}f", *([1.0] * n))
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def _lora(tmp_path: Path, config: str) -> tuple[Path, Path]:
+    base = tmp_path / "base.safetensors"
+    _safetensors(base, {"q.weight": [2, 2]})
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    _safetensors(adapter / "adapter_model.safetensors",
+                 {"base_model.model.q.lora_A.weight": [4, 2], "base_model.model.q.lora_B.weight": [2, 4]})
+    (adapter / "adapter_config.json").write_text(config)
+    return base, adapter
+
+
+@pytest.mark.parametrize("name", sorted(_BAD_CONFIGS))
+def test_a_bad_adapter_config_is_one_error_line(tmp_path: Path, run_cli, name: str) -> None:
+    base, adapter = _lora(tmp_path, _BAD_CONFIGS[name])
+    res = run_cli("merge-lora", base, adapter, "-o", tmp_path / "out.safetensors", catch_exceptions=True)
+    assert res.exit_code in (1, 2), (res.exit_code, res.output)
+    assert res.output.count("Error:") == 1 and "Traceback" not in res.output, res.output
+    assert "adapter_config.json" in res.output, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.safetensors"]
+
+
+def test_a_good_adapter_config_still_merges(tmp_path: Path, run_cli) -> None:
+    base, adapter = _lora(tmp_path, '{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "rank_pattern": {"q": 4}}')
+    res = run_cli("merge-lora", base, adapter, "-o", tmp_path / "out.safetensors", catch_exceptions=True)
+    assert res.exit_code == 0, res.output
+
+
+def test_a_huge_sparse_adapter_config_is_refused_by_its_size(tmp_path: Path, run_cli) -> None:
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    with open(adapter / "adapter_config.json", "wb") as f:
+        f.write(b"[")
+        f.truncate(1 << 30)
+    res = run_cli("merge-lora", tmp_path / "base", adapter, "-o", tmp_path / "out.safetensors",
+                  catch_exceptions=True)
+    assert res.exit_code == 2 and "larger than" in res.output, res.output
+
+
+def test_rank_pattern_keys_match_in_linear_time() -> None:
+    from ckptool.ops.merge.adapter import scaling_of
+
+    start = time.monotonic()
+    assert scaling_of({"r": 4, "lora_alpha": 8, "rank_pattern": {"(a+)+b": 2}}, "a" * 100_000 + "!", 4) == 2.0
+    assert time.monotonic() - start < 2
+
+
+# ------------------------------------------------------------------------------------------------ finite numbers
+_BAD_NUMBERS = {
+    "weights-overflow": ["--weights", "1e308,1e308"],
+    "weights-overflow-ties": ["--method", "ties", "--base", "{base}", "--weights", "1e308,1e308"],
+    "seed-huge": ["--method", "dare-ties", "--base", "{base}", "--seed", "1180591620717411303424"],
+    "seed-negative": ["--method", "dare-linear", "--base", "{base}", "--seed", "-1"],
+    "t-nan": ["--method", "slerp", "--t", "nan"],
+    "t-inf": ["--method", "slerp", "--t", "inf"],
+    "density-nan": ["--method", "ties", "--base", "{base}", "--density", "nan"],
+    "density-2": ["--method", "ties", "--base", "{base}", "--density", "2"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_BAD_NUMBERS))
+def test_merge_numbers_are_finite_and_in_range(tmp_path: Path, run_cli, name: str) -> None:
+    for n in ("a", "b", "base"):
+        _safetensors(tmp_path / f"{n}.safetensors", {"w": [2, 2]})
+    args = [a.format(base=tmp_path / "base.safetensors") for a in _BAD_NUMBERS[name]]
+    res = run_cli("average", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "-o", tmp_path / "out.safetensors",
+                  *args, catch_exceptions=True)
+    assert res.exit_code == 2, (res.exit_code, res.output)
+    assert res.output.count("Error:") == 1 and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------------------ Megatron trees
+_MEGATRON = Path(__file__).resolve().parents[1] / "fixtures" / "megatron-ckpts" / "legacy-gpt"
+
+
+def _tree(tmp_path: Path) -> Path:
+    dst = tmp_path / "tree"
+    shutil.copytree(_MEGATRON, dst)
+    return dst
+
+
+def test_tp_dim_digits_are_ascii(tmp_path: Path, run_cli) -> None:
+    tree = _tree(tmp_path)
+    res = run_cli("convert", tree, "-o", tmp_path / "m.safetensors", "--tp-dim", "x.weight=\u00b2",
+                  catch_exceptions=True)
+    assert res.exit_code == 2 and res.output.count("Error:") == 1 and "--tp-dim" in res.output, res.output
+
+
+def test_latest_iteration_digits_are_ascii(tmp_path: Path, run_cli) -> None:
+    tree = _tree(tmp_path)
+    (tree / "latest_checkpointed_iteration.txt").write_text("\u00b2")
+    res = run_cli("inspect", tree, catch_exceptions=True)
+    assert res.exit_code in (1, 2) and res.output.count("Error:") == 1, res.output
+
+
+def test_parallel_sizes_are_checked_against_the_ranks_that_exist(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    tree = _tree(tmp_path)
+    rank = tree / "iter_0000010" / "mp_rank_00_000" / "model_optim_rng.pt"
+    state = torch.load(rank, weights_only=False)  # our own fixture
+    state["args"].tensor_model_parallel_size = 10**6
+    state["args"].pipeline_model_parallel_size = 10**6
+    torch.save(state, rank)
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "ckptool", "inspect", str(tree)], check=False, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": _repo()})
+    assert time.monotonic() - start < 20
+    assert res.returncode == 1 and "is missing" in res.stdout + res.stderr, res.stdout + res.stderr
+
+
+# ------------------------------------------------------------------------------------------------ sharded indexes
+def test_a_huge_index_is_refused_before_parsing(tmp_path: Path, run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptool.formats import sharded
+
+    monkeypatch.setattr(sharded, "MAX_INDEX", 10_000)
+    _safetensors(tmp_path / "model-00001-of-00001.safetensors", {"w": [2]})
+    wm = {f"t{i}": "model-00001-of-00001.safetensors" for i in range(2000)}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": wm}))
+    res = run_cli("inspect", index, catch_exceptions=True)
+    assert res.exit_code == 1 and "larger than 10000 bytes" in res.output, res.output
+    assert res.output.count("Error:") == 1

@@ -70,7 +70,8 @@ def blob_pickles() -> dict[str, bytes]:
 
 
 def verdicts(paths: dict[str, Path]) -> dict[str, dict[str, object]]:
-    """``scan_file`` of each path: its verdict, strict verdict and the globals found with their status."""
+    """``scan_file`` of each path: its verdict and the globals found with their status (``--strict`` is a policy on
+    the verdict since issue 46, so the record's former ``strict`` column is derived, not kept)."""
     from ckptool.ops.scan.entry import scan_file
 
     out: dict[str, dict[str, object]] = {}
@@ -80,7 +81,7 @@ def verdicts(paths: dict[str, Path]) -> dict[str, dict[str, object]]:
         except Exception as e:  # a refusal (an Error: line) is a verdict too
             out[name] = {"verdict": f"raised {type(e).__name__}"}
             continue
-        out[name] = {"verdict": res.verdict, "strict": res.strict_verdict,
+        out[name] = {"verdict": str(res.verdict),
                      "globals": sorted(f"{g.name} {g.status}" for g in res.globals)}
     return out
 

@@ -65,12 +65,18 @@ class ShardIndex:
 _parsed: dict[tuple[object, ...], ShardIndex] = {}
 
 
+#: the largest index file parsed (bytes): the limit the safetensors library puts on a header, which an index is
+#: like (one JSON object naming every tensor); a 7-million-entry index of 170 MB is refused unread
+MAX_INDEX = 100_000_000
+
+
 def parse_index(path: str) -> ShardIndex:
     """Parse the sharded-set index at ``path`` (a local path or a URL) without looking at the shards it names; a
     local file is parsed once per version.
 
     Raises:
-        CorruptCheckpointError: not JSON, or no ``weight_map`` of strings to strings.
+        CorruptCheckpointError: larger than :data:`MAX_INDEX` bytes, not JSON, or no ``weight_map`` of strings to
+            strings.
     """
     return source.per_version(_parsed, path, lambda: _parse_index(path))
 
@@ -78,7 +84,12 @@ def parse_index(path: str) -> ShardIndex:
 def _parse_index(path: str) -> ShardIndex:
     try:
         with source.open_binary(path) as f:  # a local path or a URL
-            doc = json.loads(f.read().decode("utf-8"))
+            text = f.read(MAX_INDEX + 1)
+        if len(text) > MAX_INDEX:
+            raise CorruptCheckpointError(f"{path} is larger than {MAX_INDEX} bytes, the limit safetensors puts on a "
+                                         "header (an index of a few thousand tensors is well under 1 MB); refused "
+                                         "before parsing")
+        doc = json.loads(text.decode("utf-8"))
     except CkptError:  # a missing index (InputNotFoundError) or a URL that failed: a ValueError / OSError too
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError, a number over 4300 digits

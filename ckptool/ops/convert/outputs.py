@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ckptool.formats.dtypes import DTYPE_SIZES
-from ckptool.formats.sharded import output_layout
 from ckptool.formats.tensors import Source
 from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, union_elements, units
 from ckptool.ops.convert.report import ConvertResult
@@ -21,6 +20,7 @@ from ckptool.ops.convert.write import Files, Written, archive_name, emit, write_
 from ckptool.ops.rewrite.parallel import current_executor, locked
 from ckptool.ops.rewrite.set_writer import write_set
 from ckptool.ops.rewrite.stream import ProgressFn, announce_total
+from ckptool.writers.encoders import output_layout
 
 
 @dataclass
