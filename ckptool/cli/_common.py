@@ -270,7 +270,8 @@ def claim_output(path: str, *, force: bool, in_place: bool = False, given: str |
     Raises:
         UsageError: ``path`` exists and neither ``force`` nor ``in_place`` was given.
     """
-    from ckptool.writers import Output, is_folder_form, refuse_replacing  # writing commands only: not scan/inspect
+    # the output resolver loads with the writing commands only, not with scan or inspect
+    from ckptool.writers import Output, is_folder_form, refuse_replacing  # noqa: PLC0415
 
     refuse_replacing(Output(path, path, None, None), force=force or in_place)
     if given is not None and is_folder_form(given) and not is_folder_form(path):
@@ -288,7 +289,7 @@ def claim_set(dst: str, *, force: bool, source_is_folder: bool = False) -> str:
     Raises:
         UsageError: something would be replaced and ``force`` was not given; a suffix that names no format.
     """
-    from ckptool.writers import refuse_replacing, resolve_output
+    from ckptool.writers import refuse_replacing, resolve_output  # noqa: PLC0415 - writing commands only
 
     out = resolve_output(dst, source_is_folder=source_is_folder)
     refuse_replacing(out, force=force)
@@ -310,7 +311,7 @@ def claim_target(dst: str, *, force: bool, file_name: str | None = None, fmt: st
         UsageError: something would be replaced and ``force`` was not given; a suffix that names no format (with
             ``checkpoint``: the output is a checkpoint).
     """
-    from ckptool.writers import refuse_replacing, resolve_output
+    from ckptool.writers import refuse_replacing, resolve_output  # noqa: PLC0415 - writing commands only
 
     out = resolve_output(dst, fmt=fmt, file_name=file_name, default_format=default_format, checkpoint=checkpoint)
     refuse_replacing(out, force=force)
