@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ckptool import _source as source
 from ckptool.errors import UsageError
+from ckptool.formats.sharded import SetLayout
 from ckptool.writers.registry import Writer, choose_format, suffix_writer
 
 
@@ -82,10 +83,6 @@ def set_members(folder: str, file_name: str) -> list[str]:
     folder."""
     if not os.path.isdir(folder):
         return []
-    # imported here: the set reader's module is not needed by a command that only claims a one-file output, and
-    # `scan` / `inspect` of one file import this module through ckptool.cli._common (tests/test_startup_imports.py)
-    from ckptool.formats.sharded import SetLayout
-
     stem, ext = os.path.splitext(file_name)
     layout = SetLayout(folder, stem, ext, is_output_folder=True)
     return sorted(n for n in os.listdir(folder) if layout.is_member(n))
