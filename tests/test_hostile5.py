@@ -632,3 +632,93 @@ def test_a_huge_index_is_refused_before_parsing(tmp_path: Path, run_cli, monkeyp
     res = run_cli("inspect", index, catch_exceptions=True)
     assert res.exit_code == 1 and "larger than 10000 bytes" in res.output, res.output
     assert res.output.count("Error:") == 1
+
+
+# ------------------------------------------------------------------------------------------------ companions
+def _model_folder(top: Path) -> Path:
+    top.mkdir(parents=True)
+    _safetensors(top / "model.safetensors", {"transformer.w": [2, 2]})
+    (top / "config.json").write_text('{"model_type": "gpt2"}')
+    return top
+
+
+@pytest.mark.parametrize("target", ["/etc/passwd", "/proc/self/environ", "outside", "dangling", "/dev/null"])
+def test_a_companion_link_out_of_the_folder_is_refused(tmp_path: Path, run_cli, target: str) -> None:
+    src = _model_folder(tmp_path / "m")
+    if target == "outside":
+        (tmp_path / "secret.txt").write_text("secret")
+        target = str(tmp_path / "secret.txt")
+    elif target == "dangling":
+        target = str(tmp_path / "nothing-here")
+    (src / "tokenizer.json").symlink_to(target)
+    out = tmp_path / "o"
+    res = run_cli("strip-prefix", src, "transformer.", "-o", out, catch_exceptions=True)
+    assert res.exit_code == 1 and res.output.count("Error:") == 1, res.output
+    assert "tokenizer.json" in res.output and "symbolic link" in res.output, res.output
+    assert not out.exists()
+
+
+def test_companion_links_inside_the_folder_or_to_hf_blobs_are_copied(tmp_path: Path, run_cli) -> None:
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc123").write_text('{"vocab": 1}')
+    src = _model_folder(repo / "snapshots" / "rev1")
+    (src / "tokenizer.json").symlink_to("../../blobs/abc123")
+    (src / "real.txt").write_text("r")
+    (src / "alias.txt").symlink_to("real.txt")
+    out = tmp_path / "o"
+    res = run_cli("strip-prefix", src, "transformer.", "-o", out, catch_exceptions=True)
+    assert res.exit_code == 0, res.output
+    assert (out / "tokenizer.json").read_text() == '{"vocab": 1}' and (out / "alias.txt").read_text() == "r"
+    assert not (out / "tokenizer.json").is_symlink()
+
+
+def test_a_fifo_companion_is_never_opened(tmp_path: Path, run_cli) -> None:
+    src = _model_folder(tmp_path / "m")
+    os.mkfifo(src / "pipe.txt")
+    out = tmp_path / "o"
+    res = run_cli("strip-prefix", src, "transformer.", "-o", out, catch_exceptions=True)
+    assert res.exit_code == 0, res.output
+    assert not (out / "pipe.txt").exists()
+
+
+def test_a_sparse_companion_keeps_its_holes_and_mode(tmp_path: Path, run_cli) -> None:
+    src = _model_folder(tmp_path / "m")
+    big = src / "sparse.dat"
+    with open(big, "wb") as f:
+        f.write(b"head")
+        f.seek(256 << 20)
+        f.write(b"tail")
+    big.chmod(0o640)
+    if big.stat().st_blocks * 512 > 16 << 20:
+        pytest.skip("this filesystem does not keep holes")
+    out = tmp_path / "o"
+    res = run_cli("strip-prefix", src, "transformer.", "-o", out, catch_exceptions=True)
+    assert res.exit_code == 0, res.output
+    copy = out / "sparse.dat"
+    assert copy.stat().st_size == big.stat().st_size
+    assert copy.stat().st_blocks * 512 < 16 << 20, copy.stat().st_blocks
+    assert stat.S_IMODE(copy.stat().st_mode) == 0o640
+    with open(copy, "rb") as f:
+        assert f.read(4) == b"head"
+        f.seek(256 << 20)
+        assert f.read() == b"tail"
+
+
+def test_a_companion_larger_than_the_free_space_is_refused_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    from ckptool.errors import OutputError
+    from ckptool.ops.rewrite import companions
+
+    src = tmp_path / "c.txt"
+    src.write_bytes(b"x" * 100_000)
+    real = os.statvfs
+
+    class Full:
+        def __init__(self, st: Any) -> None:
+            self.f_frsize, self.f_bavail = st.f_frsize, 1
+
+    monkeypatch.setattr(companions.os, "statvfs", lambda p: Full(real(p)))
+    with pytest.raises(OutputError, match="free"):
+        companions.copy_companion(str(src), str(tmp_path / "dst"))
+    assert not (tmp_path / "dst").exists()
