@@ -722,3 +722,21 @@ def test_a_companion_larger_than_the_free_space_is_refused_first(tmp_path: Path,
     with pytest.raises(OutputError, match="free"):
         companions.copy_companion(str(src), str(tmp_path / "dst"))
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("target", ["outside", "/proc/self/environ", "/dev/null"])
+def test_follow_links_opts_in_for_regular_files_only(tmp_path: Path, run_cli, target: str) -> None:
+    src = _model_folder(tmp_path / "m")
+    pseudo = target != "outside"
+    if not pseudo:
+        (tmp_path / "tok.json").write_text("{}")
+        target = str(tmp_path / "tok.json")
+    (src / "tokenizer.json").symlink_to(target)
+    out = tmp_path / "o"
+    res = run_cli("--follow-links", "strip-prefix", src, "transformer.", "-o", out, catch_exceptions=True)
+    if pseudo:
+        assert res.exit_code == 1 and "symbolic link" in res.output and not out.exists(), res.output
+    else:
+        assert res.exit_code == 0 and (out / "tokenizer.json").read_text() == "{}", res.output
+    res = run_cli("strip-prefix", src, "transformer.", "-o", tmp_path / "o2", catch_exceptions=True)
+    assert res.exit_code == 1, "--follow-links must not outlive its run"

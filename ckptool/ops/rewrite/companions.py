@@ -121,10 +121,21 @@ def _inside(root: str, real: str) -> bool:
     return os.path.commonpath([root, real]) == root
 
 
+#: ``ckptool --follow-links``: a companion link may lead to a regular file anywhere (but ``/proc``, ``/sys``,
+#: ``/dev``); set per run by the CLI (:func:`set_follow_links`)
+_follow = [False]
+_PSEUDO = ("/proc", "/sys", "/dev")
+
+
+def set_follow_links(on: bool) -> None:
+    """Let companion links lead to regular files outside the model folder (``ckptool --follow-links``), or not."""
+    _follow[0] = on
+
+
 def check_link(folder: str, link: str) -> None:
     """Refuse the companion ``link`` (a symbolic link in the model folder ``folder``) unless it leads to a regular
     file inside ``folder`` or inside the ``blobs/`` folder of the Hugging Face cache repository ``folder`` is a
-    snapshot of.
+    snapshot of; with :func:`set_follow_links`, to any regular file outside ``/proc``, ``/sys`` and ``/dev``.
 
     Raises:
         UnsupportedError: it dangles, or leads to something else (outside the folder, ``/proc``, ``/dev``, a FIFO),
@@ -139,10 +150,13 @@ def check_link(folder: str, link: str) -> None:
         regular = False
     if regular and (_inside(top, real) or (blobs is not None and _inside(os.path.realpath(blobs), real))):
         return
+    if regular and _follow[0] and not any(_inside(p, real) for p in _PSEUDO):
+        return
     what = "a regular file" if regular else "no regular file" if os.path.exists(real) else "nothing (it dangles)"
     raise UnsupportedError(f"{link}: this companion file is a symbolic link to {real}, {what} outside the model "
                            "folder; it is not copied into the output (it could carry any file of this machine "
-                           "there): replace the link by the file, or remove it")
+                           "there): replace the link by the file, remove it, or pass ckptool --follow-links to "
+                           "copy a regular file it leads to")
 
 
 def copy_companion(src: str, dst: str) -> None:
