@@ -5,7 +5,10 @@ checkpoint (:func:`answers`), and where they disagree on format, kind, tensor co
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,12 +17,15 @@ from click.testing import CliRunner
 
 from ckptool.cli import cli
 from ckptool.errors import CkptError
-from ckptool.model.verdict import EXIT_CODES, Verdict
 
 #: the formats whose pickles ``sanitize`` rewrites (the others it refuses with advice)
 SANITIZED = {"torch-zip", "torch-legacy", "pickle"}
-#: scan's exit statuses from worst to best (a folder: the worst file decides)
-_WORST_FIRST = (1, 2, 4, 5, 0)
+#: refusals that are a limit of inspect's walk of the node graph, not a property of the file: scan reads such a
+#: pickle opcode by opcode, without recursion, and calls plain nested data safe (nothing in it runs)
+WALK_LIMITS = ("nests containers deeper than ckptool can walk",)
+#: scan's verdicts from worst to best (a folder: the worst file decides; the order of its exit statuses 1, 2, 4, 5,
+#: 0), spelled out here so that the oracle does not take them from the code it checks
+_WORST_FIRST = ("dangerous", "error", "needs-trust", "incomplete", "safe")
 
 
 @dataclass
@@ -44,8 +50,7 @@ def _run(*args: object) -> tuple[int, Any]:
 
 
 def _worst(verdicts: list[str]) -> str:
-    codes = {EXIT_CODES[Verdict(v)]: v for v in verdicts}
-    return next(codes[c] for c in _WORST_FIRST if c in codes)
+    return next((v for v in _WORST_FIRST if v in verdicts), verdicts[0])
 
 
 def answers(path: Path, tmp: Path) -> dict[str, Answer]:
@@ -118,6 +123,73 @@ def disagreements(path: Path, tmp: Path) -> list[str]:
             bad.append(f"report reads what inspect refuses ({ins.error[:200]})")
         if dif.ok:
             bad.append(f"diff reads what inspect refuses ({ins.error[:200]})")
-        if sc.ok and sc.verdict == "safe" and sc.format not in (None, "zip", "unknown"):
+        if sc.ok and sc.verdict == "safe" and sc.format not in (None, "zip", "unknown") and \
+                not any(limit in ins.error for limit in WALK_LIMITS):
             bad.append(f"scan says safe ({sc.format}) what inspect refuses ({ins.error[:200]})")
     return bad
+
+
+# ------------------------------------------------------------------------------------------------ variants
+def _members(data: bytes) -> list[zipfile.ZipInfo]:
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        return z.infolist()
+
+
+def rezip(data: bytes, *, add: dict[str, bytes] | None = None, drop: frozenset[str] = frozenset(),
+          rename: dict[str, str] | None = None) -> bytes:
+    """The zip ``data`` with the members ``drop`` left out, ``rename`` applied and ``add`` appended (stored)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            if info.filename in drop:
+                continue
+            body = src.read(info.filename)
+            info.filename = (rename or {}).get(info.filename, info.filename)
+            dst.writestr(info, body)
+        for name, body in (add or {}).items():
+            dst.writestr(name, body)
+    return out.getvalue()
+
+
+#: a small pickle that names only allowed globals
+BENIGN = pickle.dumps({"step": 3, "lr": 0.5}, protocol=2)
+
+
+def zip_variants(data: bytes) -> dict[str, bytes]:
+    """Variants of the zip ``data`` (a torch zip or TorchScript archive): members added (a pickle, TorchScript
+    source, a ``constants.pkl``, torch.package's ``extern_modules``), removed (``data.pkl``, a tensor record,
+    ``version``, ``constants.pkl``), renamed (``data.pkl`` in capitals, to another name) and the whole cut short."""
+    names = [m.filename for m in _members(data)]
+    top = names[0].split("/")[0] + "/" if "/" in names[0] else ""
+    data_pkl = next((n for n in names if n.lower() == f"{top}data.pkl".lower()), None)
+    record = next((n for n in names if n.startswith(f"{top}data/")), None)
+    out = {
+        "add-pickle": rezip(data, add={f"{top}extra.pkl": BENIGN}),
+        "add-code": rezip(data, add={f"{top}code/__torch__/extra.py": b"def f(x):\n    return x\n"}),
+        "add-extern-modules": rezip(data, add={f"{top}.data/extern_modules": b""}),
+        "cut-half": data[: len(data) // 2],
+        "cut-tail": data[: len(data) - 30],
+    }
+    if f"{top}constants.pkl" not in names:
+        out["add-constants"] = rezip(data, add={f"{top}constants.pkl": BENIGN})
+    if data_pkl:
+        out["drop-data-pkl"] = rezip(data, drop=frozenset({data_pkl}))
+        out["rename-data-pkl-upper"] = rezip(data, rename={data_pkl: f"{top}DATA.PKL"})
+        out["rename-data-pkl-other"] = rezip(data, rename={data_pkl: f"{top}data2.pkl"})
+    if record:
+        out["drop-record"] = rezip(data, drop=frozenset({record}))
+    for leaf in ("version", "constants.pkl"):
+        if f"{top}{leaf}" in names:
+            out[f"drop-{leaf}"] = rezip(data, drop=frozenset({f"{top}{leaf}"}))
+    return out
+
+
+def variants(path: Path) -> dict[str, bytes]:
+    """Variants of the checkpoint file at ``path``: :func:`zip_variants` for a zip, else the file cut short."""
+    data = path.read_bytes()
+    if data[:4] == b"PK\x03\x04":
+        try:
+            return zip_variants(data)
+        except (zipfile.BadZipFile, IndexError):
+            pass
+    return {"cut-half": data[: len(data) // 2], "cut-tail": data[: len(data) - 30]}

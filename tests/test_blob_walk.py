@@ -36,15 +36,13 @@ import verdict_corpus
 
 # ------------------------------------------------------------------------------------------------ verdicts
 def test_verdicts_unchanged_on_every_corpus(tmp_path: Path) -> None:
-    """Every corpus in the repository gets the verdict, strict verdict and globals recorded from the main branch's
-    code before the walk was rewritten (tests/data/scan_verdicts.json; a nested pickle may add globals, never hide
-    one)."""
+    """Every corpus in the repository gets the verdict and globals recorded from the main branch's code before the
+    walk was rewritten (tests/data/scan_verdicts.json; a nested pickle may add globals, never hide one)."""
     recorded = json.loads(verdict_corpus.RECORD.read_text())
     got = verdict_corpus.verdicts(verdict_corpus.corpus_paths(tmp_path))
     assert sorted(got) == sorted(recorded)
     changed = {name: (recorded[name], got[name]) for name in recorded
-               if (got[name].get("verdict"), got[name].get("strict")) != (recorded[name].get("verdict"),
-                                                                          recorded[name].get("strict"))
+               if got[name].get("verdict") != recorded[name].get("verdict")
                or not set(recorded[name].get("globals", [])) <= set(got[name].get("globals", []))}
     assert not changed
 
@@ -169,16 +167,18 @@ def test_invalid_utf8_string_blob_fails_where_a_full_read_fails() -> None:
 #: fork and exec on Linux
 _RSS_CHILD = """
 import re, sys
+from ckptool.ops.inspect.entry import inspect
 from ckptool.ops.scan.entry import scan_file
-res = scan_file(sys.argv[1])
+res = scan_file(sys.argv[1]) if sys.argv[2] == "scan" else inspect(sys.argv[1]).scan
 with open("/proc/self/status") as f:
     print(res.verdict, re.search(r"VmHWM:\\s*(\\d+) kB", f.read()).group(1))
 """
 
 
-def test_scan_memory_is_bounded_by_the_structure_not_the_blobs(tmp_path: Path) -> None:
-    """scan of a 320 MB pickle of ten 32 MB bytes blobs (written sparse: holes read as zeros) peaks under 64 MiB
-    of RSS in a fresh process (a full read holds every blob, and a copy of the pickle, in memory)."""
+@pytest.mark.parametrize("command", ["scan", "inspect"])
+def test_scan_memory_is_bounded_by_the_structure_not_the_blobs(tmp_path: Path, command: str) -> None:
+    """scan (and inspect) of a 320 MB pickle of ten 32 MB bytes blobs (written sparse: holes read as zeros) peaks
+    under 64 MiB of RSS in a fresh process (a full read holds every blob, and a copy of the pickle, in memory)."""
     path = tmp_path / "blobs.pkl"
     n, size = 10, 32 << 20
     with path.open("wb") as f:
@@ -188,11 +188,11 @@ def test_scan_memory_is_bounded_by_the_structure_not_the_blobs(tmp_path: Path) -
             f.seek(size, os.SEEK_CUR)
         f.write(b"e.")  # APPENDS, STOP
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(path)], capture_output=True, text=True, env=env,
-                         timeout=120, check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(path), command], capture_output=True, text=True,
+                         env=env, timeout=120, check=True).stdout.split()
     assert out[0] == "safe"
     peak_mib = int(out[-1]) / 1024  # ru_maxrss: KiB on Linux
-    assert peak_mib < 64, f"scan peaked at {peak_mib:.0f} MiB"
+    assert peak_mib < 64, f"{command} peaked at {peak_mib:.0f} MiB"
 
 
 # ------------------------------------------------------------------------------------------------ cut frames
@@ -232,3 +232,48 @@ def test_a_frame_no_cut_explains_still_hides_nothing_a_loader_runs(tmp_path: Pat
     path.write_bytes(b"\x80\x04\x95" + struct.pack("<Q", 1 << 40) + _GADGET_BODY)
     res = scan_file(path)
     assert res.verdict == "error" and not res.globals
+
+
+# ------------------------------------------------------------------------------------------------ inspect
+def test_inspect_shows_blob_values_as_a_full_read_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """inspect of a plain pickle reads its long values as views (Opened.described_graph) and shows every value
+    as a full read shows it: type, size and first bytes or characters."""
+    from ckptool.formats import torchfile
+    from ckptool.ops.inspect import entry
+    from ckptool.readers import Opened
+
+    path = tmp_path / "values.pkl"
+    for proto in (2, 4, 5):
+        path.write_bytes(pickle.dumps({"data": BLOB, "buf": bytearray(BLOB), "text": "\u00e9t\u00e9 " * 2000,
+                                       "latin": BLOB.decode("latin1")}, protocol=proto))
+        assert isinstance(torchfile.read_pickle_file(str(path), views=True).root["text"], BlobView)
+        with_views = [(v.path, v.type, v.shown, v.exact) for v in entry.inspect(path).values]
+        with monkeypatch.context() as m:
+            m.setattr(Opened, "described_graph", Opened.graph)
+            full = [(v.path, v.type, v.shown, v.exact) for v in entry.inspect(path).values]
+        assert with_views == full
+
+
+# ------------------------------------------------------------------------------------------------ --jobs
+def test_jobs_chooses_the_pool_by_the_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--jobs 2`` of small local files runs them in this process, one after another (a worker process costs more
+    to start than hundreds of small scans, and threads take turns under the GIL); local files of
+    PROCESS_BYTES_PER_JOB or more per worker go to processes; URLs to threads."""
+    import concurrent.futures as cf
+
+    from ckptool.cli import _many
+    from ckptool.ops.scan.many import ScanRun, Target
+
+    for i in range(3):
+        (tmp_path / f"p{i}.pkl").write_bytes(pickle.dumps({"i": i}))
+    run = ScanRun([str(tmp_path)])
+    assert _many._executor(run, 1) is None
+    assert _many._executor(run, 2) is None
+    monkeypatch.setattr(_many, "PROCESS_BYTES_PER_JOB", 1)
+    pool = _many._executor(run, 2)
+    assert isinstance(pool, cf.ProcessPoolExecutor)
+    pool.shutdown()
+    run.targets = [Target("https://example.com/a.pt", size=1 << 40), *run.targets]
+    pool = _many._executor(run, 2)
+    assert isinstance(pool, cf.ThreadPoolExecutor)
+    pool.shutdown()

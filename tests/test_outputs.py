@@ -309,3 +309,28 @@ def test_the_torch_check_fails_on_other_entries(tmp_path: Path) -> None:
     assert torch_load_difference(str(path), tensors, entries={"iteration": 11}) == \
         "the plain entries differ from the source's"
     assert torch_load_difference(str(path), tensors, entries={}) == "the state_dict keys differ"
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_files_the_writers_create_follow_the_umask(tmp_path: Path, run_cli: Any, monkeypatch: pytest.MonkeyPatch,
+                                                   mask: int) -> None:
+    """Every file a writing command creates gets ``0o666 & ~umask``, as ``open()`` gives a new file (shards, index,
+    a folder's single file, a rewrite into a new folder, the report page); the folder it makes ``0o777 & ~umask``.
+    (Companion copies keep their source's mode, as ``shutil.copy`` does: the copier's own tests.)"""
+    monkeypatch.chdir(tmp_path)
+    torch.save(_state_dict(), "sd.pt")
+    old = os.umask(mask)
+    try:
+        for argv in (["convert", "sd.pt", "-o", "shards/", "--max-shard-size", "40B"],
+                     ["convert", "sd.pt", "-o", "one/"], ["strip-dataparallel", "sd.pt", "-o", "new/"],
+                     ["report", "sd.pt", "-o", "page/"],
+                     ["average", "sd.pt", "sd.pt", "-o", "avg.SafeTensors"]):
+            res = run_cli(*argv)
+            assert res.exit_code == 0, (argv, res.output)
+    finally:
+        os.umask(old)
+    made = [p for p in tmp_path.rglob("*") if p.name != "sd.pt"]
+    assert len([p for p in made if p.is_file()]) >= 6
+    for p in made:
+        want = (0o777 if p.is_dir() else 0o666) & ~mask
+        assert p.stat().st_mode & 0o777 == want, (p, oct(p.stat().st_mode & 0o777))

@@ -29,11 +29,11 @@ from ckptool.cli._common import (
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.errors import UsageError
-from ckptool.formats.sharded import output_layout
 from ckptool.ops.convert import ConvertResult, OutputFormat, convert
 from ckptool.ops.convert.report import convert_text
 from ckptool.ops.convert.source import CAST_TO
 from ckptool.writers import is_folder_form
+from ckptool.writers.encoders import output_layout
 
 
 def _claim_convert_output(dst: str, fmt: str | None, max_shard_size: str | None, force: bool) -> None:

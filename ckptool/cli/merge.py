@@ -8,7 +8,7 @@ import os
 import click
 
 from ckptool.cli._common import Progress, claim_set, emit_json, json_option, key_option, refuse_stdout
-from ckptool.cli._hints import hint_for, hint_payload, report_hint
+from ckptool.cli._hints import folder_of, hint_for, hint_payload, report_hint
 from ckptool.ops.merge import merge_lora
 
 
@@ -49,7 +49,8 @@ def merge_lora_cmd(base: str, adapter: str, dst: str, max_shard_size: str | None
     written = os.path.join(res.dst, os.path.basename(res.files[-1])) if res.files and os.path.isdir(res.dst) \
         else res.dst
     if as_json:
-        emit_json("merge-lora", {**vars(res), **hint_payload(hint_for(written, state_dict=""))})
+        emit_json("merge-lora", {**vars(res), **hint_payload(hint_for(written, state_dict="",
+                                                                       source_folder=folder_of(base)))})
         return
     click.echo(res)
-    report_hint(written, state_dict=None if res.kept else "")
+    report_hint(written, state_dict=None if res.kept else "", source_folder=folder_of(base))

@@ -29,7 +29,7 @@ from ckptool.cli._common import (
     source_size,
     write_payload,
 )
-from ckptool.cli._hints import hint_for, hint_payload, renamed_keys, report_hint
+from ckptool.cli._hints import folder_of, hint_for, hint_payload, renamed_keys, report_hint
 from ckptool.errors import UsageError
 from ckptool.ops.merge.methods import METHODS
 from ckptool.ops.rewrite.sets import set_payload
@@ -273,7 +273,8 @@ def average_cmd(inputs: tuple[str, ...], dst: str, weights: str | None, key: str
         res = average(list(inputs), out, weights=_parse_weights(weights), key=key, progress=bar, method=method,
                       base=base, density=density, t=t, seed=seed, max_expand=max_expand)
     if as_json:
-        emit_json("average", {**vars(res), **hint_payload(hint_for(res.dst, state_dict=""))})
+        emit_json("average", {**vars(res), **hint_payload(hint_for(res.dst, state_dict="",
+                                                                    source_folder=folder_of(inputs[0])))})
         return
     click.echo(res)
-    report_hint(res.dst, state_dict="")  # the output is a plain state_dict
+    report_hint(res.dst, state_dict="", source_folder=folder_of(inputs[0]))  # the output is a plain state_dict

@@ -366,14 +366,17 @@ class BlobView:
     type the unpickler would have built (``"bytes"``, ``"bytearray"``, ``"str"``: UTF-8, or latin-1 for
     BINSTRING). Made by :func:`ckptool.formats.unpickler.load_pickle_at` with ``views=True`` (scan, inspect), so
     that their memory is bounded by a pickle's structure, not its blobs; a graph that holds one is never written
-    back (:mod:`ckptool.formats.pickler` refuses it)."""
+    back (:mod:`ckptool.formats.pickler` refuses it). ``head``: the first 16 bytes of a bytes or bytearray, the
+    first 256 characters of a str; ``chars``: a str's length in characters (-1 for bytes), for previews."""
 
-    __slots__ = ("kind", "length", "offset")
+    __slots__ = ("chars", "head", "kind", "length", "offset")
 
-    def __init__(self, kind: str, offset: int, length: int) -> None:
+    def __init__(self, kind: str, offset: int, length: int, head: bytes | str = b"", chars: int = -1) -> None:
         self.kind = kind
         self.offset = offset
         self.length = length
+        self.head = head
+        self.chars = chars
 
     def __repr__(self) -> str:
         return f"<{self.kind} of {self.length} bytes at byte {self.offset}>"

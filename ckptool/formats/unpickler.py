@@ -315,18 +315,21 @@ def _chunk(buf: PickleBuffer, pos: int, end: int) -> bytes | bytearray:
 _UTF8_CHUNK = 1 << 20
 
 
-def _is_utf8(buf: PickleBuffer, start: int, stop: int) -> bool:
-    """Whether ``buf[start:stop]`` decodes as the C unpickler decodes BINUNICODE (UTF-8, ``surrogatepass``), read
-    :data:`_UTF8_CHUNK` bytes at a time."""
+def _utf8_text(buf: PickleBuffer, start: int, stop: int) -> tuple[int, str] | None:
+    """``(length in characters, first 256 characters)`` of ``buf[start:stop]`` decoded as the C unpickler decodes
+    BINUNICODE (UTF-8, ``surrogatepass``), read :data:`_UTF8_CHUNK` bytes at a time; None when it is not UTF-8."""
     dec = codecs.getincrementaldecoder("utf-8")("surrogatepass")
+    chars, head = 0, ""
     try:
         for at in range(start, stop, _UTF8_CHUNK):
-            dec.decode(buf[at:min(stop, at + _UTF8_CHUNK)])
+            text = dec.decode(buf[at:min(stop, at + _UTF8_CHUNK)])
+            chars += len(text)
+            head = head or text[:256]
             release_pages(buf, at, min(stop, at + _UTF8_CHUNK))
         dec.decode(b"", final=True)
     except UnicodeDecodeError:
-        return False
-    return True
+        return None
+    return chars, head
 
 
 def _skeleton(buf: PickleBuffer, pos: int, end: int, spans: list[Span]
@@ -350,14 +353,21 @@ def _skeleton(buf: PickleBuffer, pos: int, end: int, spans: list[Span]
             released = a
         kind = BLOB_KINDS.get(op)
         head = a + 1 + (8 if op in (0x8D, 0x8E, 0x96) else 4)
-        if kind == "str" and not _is_utf8(buf, head, b):
+        text = _utf8_text(buf, head, b) if kind == "str" else None
+        if kind == "str" and text is None:
             continue  # read in full, where the C unpickler raises what it raises
         parts.append(bytes(buf[prev:a]))
         prev = b
         if kind is None:  # a FRAME
             continue
         parts.append(b"C\x18" + nonce + len(views).to_bytes(8, "little") + b"Q")
-        views.append(BlobView("str" if kind == "latin1" else kind, head, b - head))
+        if text is not None:
+            view = BlobView("str", head, b - head, text[1], text[0])
+        elif kind == "latin1":
+            view = BlobView("str", head, b - head, bytes(buf[head:head + 256]).decode("latin1"), b - head)
+        else:
+            view = BlobView(kind, head, b - head, bytes(buf[head:head + 16]))
+        views.append(view)
     parts.append(bytes(buf[prev:end]))
     return b"".join(parts), (nonce, views) if views else None
 

@@ -35,7 +35,6 @@ from ckptool._gc import gc_paused
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.nodes import TensorNode
-from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.devices import LocationFn
 from ckptool.model.graph import (
     class_name,
@@ -51,7 +50,7 @@ from ckptool.model.rename_plan import build_plan
 from ckptool.model.units import human_bytes, plural
 from ckptool.ops.convert import OutputFormat, convert
 from ckptool.ops.rewrite.stream import ProgressFn, retag_function, rewrite_file
-from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers import Checkpoint, Opened, open_checkpoint
 from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted
 from ckptool.torch_ops.trusted import refuse_dangerous
 from ckptool.writers import choose_format

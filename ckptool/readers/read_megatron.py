@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
@@ -34,12 +34,10 @@ from ckptool.model.graph import ATOMS
 from ckptool.model.megatron import ModelPart, consolidate
 from ckptool.readers.read_dcp import dcp_source
 from ckptool.readers.read_torch import describe, graph_source
-
-if TYPE_CHECKING:
-    from ckptool.readers import Opened
+from ckptool.readers.reader import Reader
 
 __all__ = ["DistFolder", "LegacyTree", "RankState", "dist_source", "legacy_source", "plain", "read_common",
-           "read_dist", "read_dist_tensors", "read_legacy", "read_legacy_tensors"]
+           "read_dist", "read_legacy"]
 
 #: the note saying where the plain entries go
 _KEPT = ("{what}: kept as JSON in a safetensors output's __metadata__, and as entries of the dict a torch output "
@@ -283,11 +281,17 @@ def dist_source(path: str | os.PathLike[str], key: str | None = None) -> Source:
     return src
 
 
-def read_legacy_tensors(o: Opened, _key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    """:meth:`ckptool.readers.Opened.state_dict` of a legacy tree (the registry's ``reader``)."""
-    return legacy_source(read_legacy(o.target))
+class LegacyReader(Reader):
+    """A Megatron-LM legacy tree (the registry's ``reader``): one flat mapping, consolidated by layer type."""
+
+    def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
+        """:func:`legacy_source` of the tree (:func:`read_legacy`)."""
+        return legacy_source(read_legacy(self.opened.target))
 
 
-def read_dist_tensors(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    """:meth:`ckptool.readers.Opened.state_dict` of a torch_dist folder (the registry's ``reader``)."""
-    return dist_source(o.target, key)
+class DistReader(Reader):
+    """A Megatron-Core torch_dist folder (the registry's ``reader``): a DCP folder plus ``common.pt``."""
+
+    def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
+        """:func:`dist_source` of the folder."""
+        return dist_source(self.opened.target, key)

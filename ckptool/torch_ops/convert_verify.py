@@ -89,6 +89,17 @@ def storage_numbers(tensors: Sequence[Tensor]) -> list[int]:
     return [ids.setdefault(id(t.storage), len(ids)) for t in tensors]
 
 
+def _keys_difference(obj: object, names: list[str], entries: Mapping[str, object]) -> str | None:
+    """What differs between the loaded ``obj`` and a dict of the tensors ``names`` followed by the plain
+    ``entries`` (value for value); None when nothing does."""
+    extra = {k: v for k, v in entries.items() if k not in set(names)}
+    if not isinstance(obj, dict) or list(obj) != names + list(extra):
+        return "the state_dict keys differ"
+    if any(obj[k] != v for k, v in extra.items()):
+        return "the plain entries differ from the source's"
+    return None
+
+
 def torch_load_difference(path: str, expected: Sequence[Tensor], dtype_of: Callable[[str], str] = str,
                           entries: Mapping[str, object] | None = None) -> str | None:
     """Open the torch zip file at ``path`` with ``torch.load(mmap=True, weights_only=True)`` and compare every
@@ -107,11 +118,9 @@ def torch_load_difference(path: str, expected: Sequence[Tensor], dtype_of: Calla
         lines = str(e).strip().splitlines() or [""]  # torch's text runs on for lines; its reason is one of them
         why = next((ln.strip() for ln in lines if "WeightsUnpickler error" in ln), lines[0].strip())
         return f"torch.load(weights_only=True) refused it ({type(e).__name__}: {why[:300]})"
-    names = [t.name for t in expected]
-    if not isinstance(obj, dict) or list(obj) != names + [k for k in (entries or {}) if k not in set(names)]:
-        return "the state_dict keys differ"
-    if any(obj[k] != v for k, v in (entries or {}).items() if k not in set(names)):
-        return "the plain entries differ from the source's"
+    diff = _keys_difference(obj, [t.name for t in expected], entries or {})
+    if diff is not None:
+        return diff
     numbers = storage_numbers(expected)
     owner: dict[int, int] = {}
     for t, n in zip(expected, numbers):

@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ckptool.formats.dtypes import DTYPE_SIZES
-from ckptool.formats.sharded import output_layout
 from ckptool.formats.tensors import Source
 from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, union_elements, units
 from ckptool.ops.convert.report import ConvertResult
@@ -21,6 +20,7 @@ from ckptool.ops.convert.write import Files, Written, archive_name, emit, write_
 from ckptool.ops.rewrite.parallel import current_executor, locked
 from ckptool.ops.rewrite.set_writer import write_set
 from ckptool.ops.rewrite.stream import ProgressFn, announce_total
+from ckptool.writers.encoders import output_layout
 
 
 @dataclass
@@ -114,6 +114,18 @@ WRITERS: dict[OutputFormat, Writer] = {
 }
 
 
+def _entries(src: Source, fmt_out: OutputFormat, files: int, res: ConvertResult) -> dict[str, object] | None:
+    """The plain entries of ``src`` the output holds: all of them in one file of a format that holds non-tensor
+    entries (the writers registry), none in shards (with a note) or in a format of tensors only."""
+    if not src.entries or not fmt_out.writer.non_tensor_entries:
+        return None
+    if files > 1:
+        res.notes.append(f"the plain entries ({', '.join(src.entries)}) are not written into shards, which hold "
+                         "tensors only; write one file to keep them")
+        return None
+    return src.entries
+
+
 def _task_job(job: Job, us: list[Unit]) -> Job:
     """``job`` for one task of a parallel write (:mod:`ckptool.ops.rewrite.parallel`): its own source files (one
     file position per thread), its own evidence (held to the records of ``us``) and its own result lists, merged in
@@ -160,13 +172,8 @@ def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_byte
     announce_total(progress, total)
     groups = [plan] if shard_bytes is None else split(plan, shard_bytes, writer.unit_size)
     pool = current_executor() if shard_bytes is not None and len(groups) > 1 else None
-    one = len(groups) == 1
     job = Job(src, cast, location, rename_key, verify, locked(progress) if pool else progress, res,
-              state=src.sd_state if one else None,
-              entries=src.entries if one and fmt_out.writer.non_tensor_entries else None)
-    if src.entries and fmt_out.writer.non_tensor_entries and not one:
-        res.notes.append(f"the plain entries ({', '.join(src.entries)}) are not written into shards, which hold "
-                         "tensors only; write one file to keep them")
+              state=src.sd_state if len(groups) == 1 else None, entries=_entries(src, fmt_out, len(groups), res))
     job.files.evidence.expect_records(t.storage for t in src.tensors)
     weight_map: dict[str, str] = {}
     done: dict[int, Job] = {}  # id(group) -> the job that wrote it

@@ -7,7 +7,7 @@ import enum
 import re
 
 from ckptool.errors import UsageError
-from ckptool.formats.safetensors import SHARED_KEY as SHARED_KEY  # re-exported: ckptool.ops.convert.SHARED_KEY
+from ckptool.readers.structures import SHARED_KEY as SHARED_KEY  # re-exported: ckptool.ops.convert.SHARED_KEY
 from ckptool.writers import Writer, choose_format, is_folder_form, writer
 
 #: dtypes ``dtype=`` casts (floating point; float8 formats carry scales elsewhere and are left alone)

@@ -20,12 +20,7 @@ from ckptool._commit import unmark_committed
 from ckptool._fileio import WriteBehind, atomic_output, copy_range, copy_range_crc, write_behind_for
 from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
 from ckptool.formats.nodes import StorageRef
-from ckptool.formats.pickler import dumps
-from ckptool.formats.safetensors import SHARED_KEY, encode_header
-from ckptool.formats.segments import ConcatenatedFile
-from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Storage, Tensor, is_contiguous
-from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.model.graph import mapping_items, ordered_dict_node
 from ckptool.model.keys import rename_metadata_items
 from ckptool.model.tensor_nodes import storage_ref, view_node
@@ -34,7 +29,9 @@ from ckptool.ops.convert.plan import Unit, shared_metadata
 from ckptool.ops.convert.report import ConvertResult
 from ckptool.ops.convert.source import out_dtype
 from ckptool.readers.data import FileRanges, read_range
+from ckptool.readers.structures import SHARED_KEY, ConcatenatedFile, gather
 from ckptool.torch_ops.cast import FlatCache, tensor_buffer
+from ckptool.writers.encoders import TorchZipWriter, dumps, encode_header
 
 #: dtype name -> legacy storage class ``torch.save`` names with ``_rebuild_tensor_v2`` (torch/storage.py); other
 #: dtypes are written as ``_rebuild_tensor_v3`` over an ``UntypedStorage``, as torch does for uint16, float8...

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from ckptool._gc import gc_paused
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.dtypes import contiguous_stride, element_size, numel
-from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Tensor, is_contiguous
 from ckptool.model.keys import WRAPPER_ONLY_COMPONENTS, reconcile
 from ckptool.ops.diff.result import CLOSE, DIFFER, EQUAL, NOT_COMPARED, DiffResult, KeyDiff, ValueDiff
@@ -32,6 +31,7 @@ from ckptool.ops.diff.sides import UNREAD, Side, read_pair, readable
 from ckptool.readers import Opened
 from ckptool.readers.budget import check_expansion
 from ckptool.readers.data import FileRanges, read_range
+from ckptool.readers.structures import gather
 from ckptool.torch_ops.value_stats import ValueStats, is_numeric, require_numpy, squared_norms
 
 #: bytes of each side read at a time when comparing values (a strided view reads its storage's span instead)

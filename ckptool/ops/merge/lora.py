@@ -28,7 +28,6 @@ from dataclasses import dataclass, field, replace
 from ckptool._fileio import same_file
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats.dtypes import contiguous_stride, element_size
-from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.model.keys import reconcile
 from ckptool.model.units import plural, wrote_line
@@ -42,7 +41,7 @@ from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers import open_checkpoint
 from ckptool.readers.data import FileRanges, read_range, read_storage
-from ckptool.readers.read_safetensors import restore_library_aliases
+from ckptool.readers.structures import gather
 from ckptool.torch_ops.merge import add_lora_delta, lora_blocks, release_freed_memory
 from ckptool.writers import resolve_output, suffix_writer
 
@@ -280,9 +279,7 @@ def merge_lora(base: PathArg, adapter: PathArg, dst: PathArg, *, key: str | None
     fmt, shard, folder = _output(out, max_shard_size, os.path.isdir(base_p))
     ad = _read_adapter(adapter_p)
     opened = open_checkpoint(base_p)
-    src = opened.state_dict(key if opened.spec.keyed else None)
-    if opened.spec.header:
-        restore_library_aliases(src)
+    src = opened.source(key)
     _refuse_overwrite(out, {base_p, ad.file, *(t.storage.path for t in src.tensors)})
     by_name = {t.name: t for t in src.tensors}
     match = _match([p.target for p in ad.pairs] + list(ad.copies), by_name, base_p)

@@ -35,15 +35,23 @@ class Layout:
     header: bool = False
     #: a plain pickle file (bytes that merely begin like one, a PNG, are "not a pickle")
     plain_pickle: bool = False
+    #: where its loader finds the bytes of the storage ``{key}`` that ``data.pkl`` names (``""``: not checked); a
+    #: missing record makes the file unreadable, as it makes the readers refuse it
+    storage_record: str = ""
+    #: the records its loader cannot do without (``torch.jit.load`` fails on an archive without ``data.pkl``)
+    required_records: tuple[str, ...] = ()
 
 
 ZIP = Layout("zip", bare_zip=True, expects_pickles=True)
-TORCH_ZIP = Layout(detect.TORCH_ZIP, ("data.pkl",), torch_records=True, expects_pickles=True)
-TORCHSCRIPT = Layout(detect.TORCHSCRIPT, ("data.pkl", "constants.pkl"), torch_records=True, script=True)
+TORCH_ZIP = Layout(detect.TORCH_ZIP, ("data.pkl",), torch_records=True, expects_pickles=True,
+                   storage_record="data/{key}")
+TORCHSCRIPT = Layout(detect.TORCHSCRIPT, ("data.pkl", "constants.pkl"), torch_records=True, script=True,
+                     storage_record="data/{key}", required_records=("data.pkl",))
 EXPORT = Layout(detect.PT2, export=True)
 #: a torch.package archive: ``torch.load`` would read a ``data.pkl`` it holds; its other pickles are read by
 #: ``PackageImporter.load_pickle``, by name (hidden to torch.load), its modules are code (shipped_code)
-TORCH_PACKAGE = Layout(detect.TORCH_PACKAGE, ("data.pkl",), expects_pickles=True)
+TORCH_PACKAGE = Layout(detect.TORCH_PACKAGE, ("data.pkl",), expects_pickles=True,
+                       storage_record=".data/{key}.storage")
 #: the layout of each answer of :func:`ckptool.formats.detect.zip_kind`, by the format it reports
 ZIP_LAYOUTS: dict[str, Layout] = {layout.format: layout for layout in (TORCH_PACKAGE, TORCHSCRIPT, TORCH_ZIP, EXPORT)}
 

@@ -78,6 +78,8 @@ class Scanner:
         self._crc_checked: str | None = None
         self._globals: dict[tuple[str, str], GlobalFinding] = {}
         self.root: Any = None  # the root of the first pickle torch's loader reads
+        #: the storages (persistent ids) each pickle the loader reads names, by ``where`` (read here, not preparsed)
+        self.storages_of: dict[str, dict[str, Any]] = {}
         #: (dense bytes, storage bytes) of :attr:`root`'s tensors when the caller counted them (:data:`Preparsed`)
         self.root_bytes: tuple[int, int] | None = None
         #: per torch.export zip (by ``where``): the members its loader unpickles, and its raw tensor members
@@ -118,7 +120,7 @@ class Scanner:
             end = known_end
         else:
             try:
-                end = check_pickle(buf, 0, what=where, exact=False)
+                end = check_pickle(buf, 0, what=where, exact=False, blobs=[])  # blobs: walked pages handed back
             except CkptError:
                 return None  # read it the ordinary way
         self.record(PickleFinding(where, 0, list(names)), root)
@@ -152,6 +154,8 @@ class Scanner:
                 self.record(failed(where, pos, names, e))
             return None
         self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root)
+        if pos == 0 and where in self.loaded:
+            self.storages_of[where] = up.storages
         return end
 
     def _globals_before_failure(self, buf: PickleBuffer, pos: int, what: str, e: CkptError) -> list[str]:
@@ -163,7 +167,7 @@ class Scanner:
             return []
         cut = isinstance(e, TruncatedError)  # a cut frame's opcodes count (partial_globals)
         try:  # refused by the checks: read the flat stream (frames ignored) as far as it is sound
-            end = check_pickle(buf, pos, what=what, exact=False, strict_frames=False)
+            end = check_pickle(buf, pos, what=what, exact=False, strict_frames=False, blobs=[])
             seen = partial_globals(buf, pos, end, cut=cut)
         except CkptError as e2:
             seen = partial_globals(buf, pos, getattr(e2, "offset", stop), cut=cut)
@@ -314,6 +318,8 @@ class Scanner:
             self._labels = labels  # (a nested zip has its own)
             self.zip_member(f, e, top, layout, where, depth, shared)
         self._shared_notes(shared)
+        if loaded and (layout.storage_record or layout.required_records):
+            self._missing_records(where, layout, recs)
         self._after_zip(buf, size, where, depth)
         return layout
 
@@ -380,6 +386,28 @@ class Scanner:
             self.trailing(buf[end:], 0, join_where(where, f"data after the zip's end at byte {end}"), depth)
         else:
             self.trailing(buf, end, where, depth)
+
+    def _missing_records(self, where: str, layout: Layout, recs: TorchRecords) -> None:
+        """A finding when ``data.pkl`` (as torch's reader finds it) names a storage whose record the zip lacks
+        (``data/<key>``, ``.data/<key>.storage`` in a torch.package): its loader fails there, and the readers
+        refuse the file as damaged, so the scan cannot call it safe; likewise a record the loader requires
+        (:attr:`Layout.required_records`)."""
+        absent = [r for r in layout.required_records if recs.find(r) is None]
+        if absent:
+            self.record(PickleFinding(join_where(where, absent[0]), 0, [],
+                                      f"the {layout.format} archive has no {absent[0]}: its loader fails there"))
+        e = recs.find("data.pkl")
+        label = None if e is None else (self._labels.get(id(e)) or join_where(where, e.name))
+        storages = self.storages_of.get(label or "")
+        if not storages:
+            return
+        missing = [k for k in storages if recs.find(layout.storage_record.format(key=k)) is None]
+        if missing:
+            self.record(PickleFinding(
+                f"{label} (its storages)", 0, [],
+                f"storage {missing[0]!r} has no record {layout.storage_record.format(key=missing[0])} in the archive"
+                f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; the file is damaged or "
+                "incomplete"))
 
     def _mark_loaded(self, where: str, layout: Layout, recs: TorchRecords, names: list[str]) -> None:
         """Mark the members torch's loader unpickles in a zip it reads (as it finds them: ignoring case)."""

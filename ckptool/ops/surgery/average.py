@@ -33,7 +33,6 @@ from ckptool._fileio import same_file
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import contiguous_stride, element_size
-from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.model.units import plural, wrote_line
 from ckptool.ops.convert import ConvertResult, OutputFormat
@@ -45,7 +44,7 @@ from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers import open_checkpoint
 from ckptool.readers.budget import check_expansion
-from ckptool.readers.read_safetensors import restore_library_aliases
+from ckptool.readers.structures import gather
 from ckptool.torch_ops.average import AVERAGED, TAKEN_FROM_FIRST, Accumulator, average_state_dicts
 from ckptool.writers import choose_format
 
@@ -120,10 +119,7 @@ def _read(path: str, key: str | None) -> Source:
             pickles), with the reason and the route.
     """
     opened = open_checkpoint(path)
-    src = opened.state_dict(key if opened.spec.keyed else None)
-    if opened.spec.header:  # tied names the safetensors library left out, as its __metadata__ records them
-        restore_library_aliases(src)
-    return src
+    return opened.source(key)
 
 
 def _check_match(sources: list[Source]) -> None:
