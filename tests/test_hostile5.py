@@ -740,3 +740,20 @@ def test_follow_links_opts_in_for_regular_files_only(tmp_path: Path, run_cli, ta
         assert res.exit_code == 0 and (out / "tokenizer.json").read_text() == "{}", res.output
     res = run_cli("strip-prefix", src, "transformer.", "-o", tmp_path / "o2", catch_exceptions=True)
     assert res.exit_code == 1, "--follow-links must not outlive its run"
+
+
+def test_a_merge_that_overflows_the_weight_dtype_is_refused(tmp_path: Path, run_cli) -> None:
+    import struct
+
+    base = tmp_path / "base.safetensors"
+    text = json.dumps({"q.weight": {"dtype": "F16", "shape": [2, 2], "data_offsets": [0, 8]}}).encode()
+    base.write_bytes(struct.pack("<Q", len(text)) + text + struct.pack("<4e", 65000, 65000, 1, 1))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    _safetensors(adapter / "adapter_model.safetensors",
+                 {"base_model.model.q.lora_A.weight": [4, 2], "base_model.model.q.lora_B.weight": [2, 4]})
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 4000}')
+    out = tmp_path / "out.safetensors"
+    res = run_cli("merge-lora", base, adapter, "-o", out, catch_exceptions=True)
+    assert res.exit_code == 1 and "inf or NaN" in res.output and res.output.count("Error:") == 1, res.output
+    assert not out.exists()

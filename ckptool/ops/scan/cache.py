@@ -167,6 +167,27 @@ def _prepare(db: sqlite3.Connection) -> None:
             time.sleep(0.05)
 
 
+def _is_busy(e: sqlite3.Error) -> bool:
+    """Whether ``e`` says another writer holds the database (not that the file is damaged)."""
+    return isinstance(e, sqlite3.OperationalError) and ("locked" in str(e) or "busy" in str(e))
+
+
+def _retrying(op: Any) -> Any:
+    """``op()``, tried again while another writer holds the database (SQLite answers some lock waits at once,
+    not after its busy timeout), until :data:`BUSY_TIMEOUT` has passed.
+
+    Raises:
+        sqlite3.Error: what the last try raised."""
+    deadline = time.monotonic() + BUSY_TIMEOUT
+    while True:
+        try:
+            return op()
+        except sqlite3.OperationalError as e:
+            if not _is_busy(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _check_link(p: str, cache: str) -> None:
     """Refuse ``p`` (the cache file or one of SQLite's companions of it) when it is a symbolic link that dangles or
     leads out of its folder, or something else than a regular file.
@@ -220,9 +241,9 @@ class ScanCache:
         if self._broken:
             return False, None
         try:
-            row = self._db.execute("SELECT result FROM scans WHERE key = ?", (key,)).fetchone()
-        except sqlite3.Error:  # damaged pages: the cache is a hint, the checkpoint is scanned again
-            self._broken = True
+            row = _retrying(lambda: self._db.execute("SELECT result FROM scans WHERE key = ?", (key,)).fetchone())
+        except sqlite3.Error as e:  # damaged pages: the cache is a hint, the checkpoint is scanned again
+            self._broken = not _is_busy(e)
             return False, None
         if row is None or not isinstance(row[0], str):
             return False, None
@@ -245,9 +266,10 @@ class ScanCache:
             return
         text = SKIPPED if result is None else json.dumps(result.to_dict())
         try:
-            self._db.execute("INSERT OR REPLACE INTO scans (key, result) VALUES (?, ?)", (key, text))
-        except sqlite3.Error:
-            self._broken = True
+            _retrying(lambda: self._db.execute("INSERT OR REPLACE INTO scans (key, result) VALUES (?, ?)",
+                                               (key, text)))
+        except sqlite3.Error as e:
+            self._broken = not _is_busy(e)
 
     def close(self) -> None:
         """Close the database."""
