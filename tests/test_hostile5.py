@@ -331,6 +331,17 @@ class _Hostile(BaseHTTPRequestHandler):
     def _special(self, clean: str) -> bool:
         """The misbehaving objects: an endless body, a gzip bomb on a range answer, a byte every half second, two
         versions without ETag or Last-Modified."""
+        if clean == "/bomb/":
+            import gzip
+
+            page = gzip.compress(b'<a href="ok.pt">ok.pt</a>\n' + b" " * (64 << 20))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+            return True
         if clean.endswith("endless.pt"):
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")
@@ -757,3 +768,8 @@ def test_a_merge_that_overflows_the_weight_dtype_is_refused(tmp_path: Path, run_
     res = run_cli("merge-lora", base, adapter, "-o", out, catch_exceptions=True)
     assert res.exit_code == 1 and "inf or NaN" in res.output and res.output.count("Error:") == 1, res.output
     assert not out.exists()
+
+
+def test_a_compressed_index_page_is_capped(hostile_http: str, run_cli) -> None:
+    res = run_cli("scan", f"{hostile_http}/bomb/", catch_exceptions=True)
+    assert res.exit_code == 2 and "larger than 33554432 bytes once decoded" in res.output, res.output
