@@ -773,3 +773,18 @@ def test_a_merge_that_overflows_the_weight_dtype_is_refused(tmp_path: Path, run_
 def test_a_compressed_index_page_is_capped(hostile_http: str, run_cli) -> None:
     res = run_cli("scan", f"{hostile_http}/bomb/", catch_exceptions=True)
     assert res.exit_code == 2 and "larger than 33554432 bytes once decoded" in res.output, res.output
+
+
+def test_a_merge_that_overflows_from_finite_inputs_is_refused(tmp_path: Path, run_cli) -> None:
+    _safetensors(tmp_path / "base.safetensors", {"w": [2, 2]})
+    for n in ("a", "b"):
+        path = tmp_path / f"{n}.safetensors"
+        _safetensors(path, {"w": [2, 2]})
+        data = bytearray(path.read_bytes())
+        data[-16:] = bytes.fromhex("00000040") * 4  # every element 2.0 (float32 little-endian)
+        path.write_bytes(bytes(data))
+    out = tmp_path / "out.safetensors"
+    res = run_cli("average", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--method", "task-arithmetic",
+                  "--base", tmp_path / "base.safetensors", "--weights", "3e38,3e38", "-o", out, catch_exceptions=True)
+    assert res.exit_code == 1 and "inf or NaN" in res.output and res.output.count("Error:") == 1, res.output
+    assert not out.exists()
