@@ -104,21 +104,26 @@ def _code_ok(c: Any) -> bool:
             and c.get("level") in _LEVELS and isinstance(c.get("detail", ""), str))
 
 
-def is_valid_row(d: Any, path: str | None = None) -> bool:
-    """Whether ``d`` (a cached result, parsed JSON) has the schema of :meth:`ScanResult.to_dict` (types, known
-    statuses and levels, finite counts), names ``path`` (when given: the URL, or the absolute path of a local file)
-    and lists every global its pickles name with a
-    status; anything else is a miss."""
+def _head_ok(d: Any, path: str | None) -> bool:
+    """The row's own fields: a dict naming ``path`` (when given), its format, error, recognised type and bytes."""
     if not isinstance(d, dict) or not isinstance(d.get("path"), str):
         return False
     if path is not None and d["path"] != path and ("://" in path or os.path.abspath(d["path"]) != path):
         return False
     rec = d.get("recognised")
     br = d.get("bytes_read")
-    if not (isinstance(d.get("format", "unknown"), str) and _opt_str(d.get("error"))
+    return (isinstance(d.get("format", "unknown"), str) and _opt_str(d.get("error"))
             and (rec is None or (isinstance(rec, dict) and isinstance(rec.get("kind"), str)
                                  and isinstance(rec.get("description"), str)))
-            and (br is None or _int(br) or (isinstance(br, float) and math.isfinite(br)))):
+            and (br is None or _int(br) or (isinstance(br, float) and math.isfinite(br))))
+
+
+def is_valid_row(d: Any, path: str | None = None) -> bool:
+    """Whether ``d`` (a cached result, parsed JSON) has the schema of :meth:`ScanResult.to_dict` (types, known
+    statuses and levels, finite counts), names ``path`` (when given: the URL, or the absolute path of a local file)
+    and lists every global its pickles name with a
+    status; anything else is a miss."""
+    if not _head_ok(d, path):
         return False
     pickles, globs, code = d.get("pickles", []), d.get("globals", []), d.get("code", [])
     if not (isinstance(pickles, list) and all(map(_pickle_ok, pickles)) and isinstance(globs, list)
