@@ -29,7 +29,6 @@ from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND
 from ckptool.model.devices import DEVICE_HELP, parse_mapping
 from ckptool.model.units import human_bytes as human_bytes
 from ckptool.model.units import wrote_line
-from ckptool.writers import Output, is_folder_form, refuse_replacing, resolve_output
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -271,6 +270,9 @@ def claim_output(path: str, *, force: bool, in_place: bool = False, given: str |
     Raises:
         UsageError: ``path`` exists and neither ``force`` nor ``in_place`` was given.
     """
+    # the output resolver loads with the writing commands only, not with scan or inspect
+    from ckptool.writers import Output, is_folder_form, refuse_replacing  # noqa: PLC0415
+
     refuse_replacing(Output(path, path, None, None), force=force or in_place)
     if given is not None and is_folder_form(given) and not is_folder_form(path):
         output_folder_for(path)
@@ -287,6 +289,8 @@ def claim_set(dst: str, *, force: bool, source_is_folder: bool = False) -> str:
     Raises:
         UsageError: something would be replaced and ``force`` was not given; a suffix that names no format.
     """
+    from ckptool.writers import refuse_replacing, resolve_output  # noqa: PLC0415 - writing commands only
+
     out = resolve_output(dst, source_is_folder=source_is_folder)
     refuse_replacing(out, force=force)
     set_output(dst)
@@ -307,6 +311,8 @@ def claim_target(dst: str, *, force: bool, file_name: str | None = None, fmt: st
         UsageError: something would be replaced and ``force`` was not given; a suffix that names no format (with
             ``checkpoint``: the output is a checkpoint).
     """
+    from ckptool.writers import refuse_replacing, resolve_output  # noqa: PLC0415 - writing commands only
+
     out = resolve_output(dst, fmt=fmt, file_name=file_name, default_format=default_format, checkpoint=checkpoint)
     refuse_replacing(out, force=force)
     if out.is_folder and out.path != out.folder:
