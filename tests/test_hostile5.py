@@ -788,3 +788,20 @@ def test_a_merge_that_overflows_from_finite_inputs_is_refused(tmp_path: Path, ru
                   "--base", tmp_path / "base.safetensors", "--weights", "3e38,3e38", "-o", out, catch_exceptions=True)
     assert res.exit_code == 1 and "inf or NaN" in res.output and res.output.count("Error:") == 1, res.output
     assert not out.exists()
+
+
+def test_a_join_of_millions_of_rows_is_refused_before_allocating() -> None:
+    from ckptool.errors import UnsupportedError
+    from ckptool.formats.tensors import Storage, Tensor
+    from ckptool.model.megatron import join
+
+    rows = 3_000_000
+    shards = [Tensor("x.weight", "x.weight", "float32", (rows, 1), (1, 1), 0,
+                     Storage(f"/r{i}.pt", 0, rows * 4, "float32")) for i in range(2)]
+    start = time.monotonic()
+    with pytest.raises(UnsupportedError, match="byte ranges"):
+        join("x.weight", shards, "1", "tree")
+    assert time.monotonic() - start < 1
+    small = [Tensor("x.weight", "x.weight", "float32", (4, 2), (2, 1), 0, Storage(f"/r{i}.pt", 0, 32, "float32"))
+             for i in range(2)]
+    assert join("x.weight", small, "1", "tree").shape == (4, 4)
