@@ -513,3 +513,48 @@ def refusal_remedy(path: str, names: Iterable[str]) -> str:
     return (f"Convert it without running it: `ckptool sanitize {path} -o OUT.pth` (numpy arrays become tensors, "
             "argparse.Namespace records dicts, a pickled model its state_dict); or pass trust=True (--trust) only "
             "if you trust its source")
+
+
+# ------------------------------------------------------------------------------------------------ uses of a global
+def is_importable_name(name: str) -> bool:
+    """True when ``module.qualname`` (a use key's global part, :func:`ckptool.formats.nodes.split_use`) is made of
+    Python identifiers joined by dots, as every name ``pickle`` can import is: ``find_class`` imports the module
+    (``__import__``) and walks the attributes, so ``hat_template: "{% for m in messages %}".bos: 1`` (a YAML file
+    read as a protocol-0 pickle) fails there, before anything is called."""
+    base = split_use(name)[0]
+    return bool(base) and all(part.isidentifier() for part in base.split("."))
+
+
+NOT_IMPORTABLE = ("not a Python name (its parts are not identifiers): no loader can import it, loading fails when "
+                  "it reaches it (ModuleNotFoundError), before anything is called")
+
+
+def rate_global(name: str, *, called: bool = True, torchscript: bool = False,
+                dcp_metadata: bool = False) -> tuple[str, str]:
+    """``(status, reason)`` of the global ``name`` as ``ckptool scan`` rates it in one pickle: :func:`classify_global`,
+    and then what the pickle does with it.
+
+    * A name that is not :func:`is_importable_name` is :data:`NEEDS_TRUST` at most, never dangerous (no loader can
+      import it; the scan reports the pickle as unreadable).
+    * ``called=False`` (the pickle never calls it, instantiates it, BUILDs on it as a class nor passes it to a call:
+      :meth:`ckptool.formats.unpickler.RestrictedUnpickler.uncalled_globals`; ``typing.Any`` held as a value in
+      OmegaConf metadata): a name :func:`classify_global` makes dangerous only by the general rules (a function on
+      no list, a standard-library or numpy class on no list) needs trust instead: loading imports it and calls
+      nothing. A known gadget (:data:`DANGEROUS_NAMES`, :data:`DANGEROUS_MODULES`, also reached through a module
+      attribute) stays dangerous even as a value: code that uses the loaded object (a hook, a callback attribute)
+      may call it.
+    """
+    if not is_importable_name(name):
+        return NEEDS_TRUST, NOT_IMPORTABLE
+    status, reason = classify_global(name, torchscript=torchscript, dcp_metadata=dcp_metadata)
+    if called or status != DANGEROUS or split_use(name)[1] is not None or len(name.split(".")) > MAX_NAME_PARTS:
+        return status, reason
+    if name in DANGEROUS_NAMES or _dangerous_reason(name) is not None or (status, reason) != _path_rating(name):
+        return status, reason  # a listed gadget, or one reached through a module attribute
+    top = name.split(".", 1)[0]
+    value = ("held only as a value (the pickle never calls it, instantiates it, BUILDs on it or passes it to a "
+             "call): loading imports it and calls nothing")
+    if top in KNOWN_PACKAGES:
+        return NEEDS_TRUST, f"{value}; code that uses the loaded object may call it"
+    return UNKNOWN, (f"{value} (importing its package runs that package's code); code that uses the loaded object "
+                     "may call it")

@@ -82,7 +82,7 @@ from ckptool.formats.dtypes import element_size, numel, storage_element, tensor_
 from ckptool.formats.nodes import TensorNode
 from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND
-from ckptool.model.allowlist import recognise_file
+from ckptool.model.allowlist import is_importable_name, recognise_file
 from ckptool.model.graph import iter_tensors
 from ckptool.model.units import human_bytes
 from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, zip_end
@@ -249,11 +249,15 @@ def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]
 def _layout_findings(res: ScanResult, layout: Layout, head: bytes) -> None:
     """What the layout found says beyond the pickles: a plain pickle failing at once with no global is no pickle
     at all (a PNG starts with a byte that is also an opcode), unless it is a pickle cut short (its PROTO header,
-    ``head``: the file's first two bytes); a zip holding no pickle."""
+    ``head``: the file's first two bytes); so is one whose globals are all no Python name (a YAML file starting
+    ``chat_template:`` reads as a GLOBAL opcode, no loader can import it); a zip holding no pickle."""
     first = res.pickles[0] if res.pickles else None
-    if layout.plain_pickle and first is not None and first.error and not res.globals \
+    if layout.plain_pickle and first is not None and first.error \
+            and all(not is_importable_name(g.name) for g in res.globals) \
             and not (first.truncated and _protocol_header(head)):
         res.error = _not_a_pickle(res.path)
+        if res.globals:  # what no loader can import is not listed as a global of a pickle that is not one
+            res.globals, res.pickles = [], []
     if layout.expects_pickles and not res.pickles and not res.error:
         res.notes.append("the zip holds no pickle")
 

@@ -13,7 +13,7 @@ import os
 import struct
 import zlib
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from itertools import compress, repeat
 from operator import not_, or_
 from typing import Any, BinaryIO, TypeAlias, cast
@@ -33,7 +33,7 @@ from ckptool.formats.zipdir import (
     read_member,
     read_member_head,
 )
-from ckptool.model.allowlist import ALLOWED, classify_global
+from ckptool.model.allowlist import ALLOWED, is_importable_name, rate_global
 from ckptool.model.graph import depth_first, node_children
 from ckptool.ops.scan import layouts
 from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
@@ -88,13 +88,21 @@ class Scanner:
         self._labels: dict[int, str] = {}
 
     # -- recording -------------------------------------------------------------------------------------------
-    def record(self, finding: PickleFinding, root: Any = None) -> None:
+    def record(self, finding: PickleFinding, root: Any = None, uncalled: Collection[str] = ()) -> None:
+        """Add ``finding`` to the result and rate its globals (:func:`~ckptool.model.allowlist.rate_global`);
+        ``uncalled``: those the pickle, read to its STOP, holds only as values (never called nor passed to a call).
+        A global that is no Python name makes the pickle unreadable (no loader can import it)."""
         finding.hidden = finding.where not in self.loaded
         if not finding.hidden and self.root is None and root is not None:
             self.root = root
         self.res.pickles.append(finding)
-        rated = [(name, *classify_global(name, torchscript=self.torchscript, dcp_metadata=self.dcp_metadata))
+        rated = [(name, *rate_global(name, called=name not in uncalled, torchscript=self.torchscript,
+                                     dcp_metadata=self.dcp_metadata))
                  for name in finding.globals]
+        bad_name = next((name for name in finding.globals if not is_importable_name(name)), None)
+        if bad_name is not None and finding.error is None:
+            finding.error = (f"it names the global {bad_name!r}, which is not a Python name: a loader fails there "
+                             "(nothing is imported or called)")
         if root is not None and any(status != ALLOWED for _n, status, _r in rated):
             finding.key_paths = key_paths(root, {n for n, status, _r in rated if status != ALLOWED})
         for name, status, reason in rated:
@@ -151,7 +159,8 @@ class Scanner:
             if required or names:
                 self.record(failed(where, pos, names, e))
             return None
-        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root)
+        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root,
+                    up.uncalled_globals())
         return end
 
     def _globals_before_failure(self, buf: PickleBuffer, pos: int, what: str, e: CkptError) -> list[str]:
@@ -175,7 +184,8 @@ class Scanner:
         except CkptError as e:
             self.record(failed(where, pos, self._globals_before_failure(buf, pos, where, e), e))
             return None
-        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root)
+        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root,
+                    up.uncalled_globals())
         return root, end
 
     def pickles_in_a_row(self, buf: PickleBuffer, pos: int, where: str, *, first_required: bool = True) -> int | None:
@@ -494,7 +504,7 @@ class Scanner:
                 self.record(failed(label, pos, self._globals_before_failure(buf, pos, label, e), e))
                 return
             self.record(PickleFinding(label, pos, [qualified_name(m, n) for m, n in up.globals_seen]),
-                        root if i == 3 else None)
+                        root if i == 3 else None, up.uncalled_globals())
             if i == 4:
                 keys = root
             pos = end
