@@ -319,12 +319,13 @@ class ObjectNode(PickledObject):
     kwargs: dict[str, Any]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ObjectNode:
-        if not cls.called:  # type: ignore[attr-defined]  # cls is a placeholder (GlobalMeta)
-            cls.called = True  # type: ignore[attr-defined]
-        if cls.sizing:  # type: ignore[attr-defined]  # cls is a placeholder (GlobalMeta)
-            _note_request(cast(GlobalMeta, cls), args)
+        g = cast(GlobalMeta, cls)  # cls is a placeholder
+        if not g.called:
+            g.called = True
+        if g.sizing:
+            _note_request(g, args)
         if args or kwargs:
-            _note_passed(cast(GlobalMeta, cls), (args, kwargs))
+            _note_passed(g, (args, kwargs))
         self = object.__new__(cls)
         self.args = args
         self.kwargs = kwargs

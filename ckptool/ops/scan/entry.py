@@ -249,12 +249,14 @@ def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]
 def _layout_findings(res: ScanResult, layout: Layout, head: bytes) -> None:
     """What the layout found says beyond the pickles: a plain pickle failing at once with no global is no pickle
     at all (a PNG starts with a byte that is also an opcode), unless it is a pickle cut short (its PROTO header,
-    ``head``: the file's first two bytes); so is one whose globals are all no Python name (a YAML file starting
-    ``chat_template:`` reads as a GLOBAL opcode, no loader can import it); a zip holding no pickle."""
+    ``head``: the file's first two bytes); so is one without that header whose globals are all no Python name (a
+    YAML file starting ``chat_template:`` reads as a GLOBAL opcode, no loader can import it); a zip holding no
+    pickle."""
     first = res.pickles[0] if res.pickles else None
-    if layout.plain_pickle and first is not None and first.error \
-            and all(not is_importable_name(g.name) for g in res.globals) \
-            and not (first.truncated and _protocol_header(head)):
+    names_only = bool(res.globals) and not _protocol_header(head) and \
+        all(not is_importable_name(g.name) for g in res.globals)
+    if layout.plain_pickle and first is not None and first.error and (
+            names_only or (not res.globals and not (first.truncated and _protocol_header(head)))):
         res.error = _not_a_pickle(res.path)
         if res.globals:  # what no loader can import is not listed as a global of a pickle that is not one
             res.globals, res.pickles = [], []
