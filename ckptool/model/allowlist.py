@@ -59,7 +59,7 @@ import functools
 import sys
 from collections.abc import Iterable
 
-from ckptool.formats.nodes import ALLOC, CLASS_BUILD, split_use
+from ckptool.formats.nodes import ALLOC, CLASS_BUILD, USE_MARK, split_use
 from ckptool.formats.unpickler import MAX_REQUEST_BYTES
 from ckptool.model.weights_only import WEIGHTS_ONLY_ALLOWED
 
@@ -549,7 +549,7 @@ def rate_global(name: str, *, called: bool = True, torchscript: bool = False,
     status, reason = classify_global(name, torchscript=torchscript, dcp_metadata=dcp_metadata)
     if called or status != DANGEROUS or split_use(name)[1] is not None or len(name.split(".")) > MAX_NAME_PARTS:
         return status, reason
-    if name in DANGEROUS_NAMES or _dangerous_reason(name) is not None or (status, reason) != _path_rating(name):
+    if _listed(name, status, reason):
         return status, reason  # a listed gadget, or one reached through a module attribute
     top = name.split(".", 1)[0]
     value = ("held only as a value (the pickle never calls it, instantiates it, BUILDs on it or passes it to a "
@@ -558,3 +558,27 @@ def rate_global(name: str, *, called: bool = True, torchscript: bool = False,
         return NEEDS_TRUST, f"{value}; code that uses the loaded object may call it"
     return UNKNOWN, (f"{value} (importing its package runs that package's code); code that uses the loaded object "
                      "may call it")
+
+
+def _listed(name: str, status: str, reason: str) -> bool:
+    """True when :func:`classify_global`'s ``(status, reason)`` of ``name`` comes from a list (an exact entry, a
+    :data:`DANGEROUS_MODULES` module, also reached through a module attribute), not from the general rules alone."""
+    return (name in DANGEROUS_NAMES or _dangerous_reason(name) is not None
+            or (status, reason) != _path_rating(name))
+
+
+def rate_target(target: str) -> tuple[str, str]:
+    """``(status, reason)`` of a Hydra ``_target_`` (a NeMo ``model_config.yaml``: ``hydra.utils.instantiate``
+    imports it and calls it with the config's arguments, CVE-2025-23304), by the rules of :func:`rate_global` for a
+    global the pickle calls: a listed gadget (``builtins.exec``, ``os.system``, ``subprocess.Popen``) or a function
+    of the standard library or numpy on no list is dangerous; a class or function of another package
+    (``nemo.collections.asr.models.EncDecCTCModel``, ``torch.optim.AdamW``) needs trust in that package (the
+    config chooses the arguments of one of its own callables); a name that is no Python name needs trust at most
+    (Hydra cannot locate it)."""
+    if not is_importable_name(target) or USE_MARK in target:
+        return NEEDS_TRUST, "not a Python name: Hydra cannot locate it (instantiating fails there)"
+    status, reason = rate_global(target, called=True)
+    if status != DANGEROUS or _listed(target, status, reason) or target.split(".", 1)[0] in KNOWN_PACKAGES:
+        return status, f"Hydra imports and calls it when the model is restored: {reason}"
+    return UNKNOWN, ("a callable of its package that Hydra imports and calls with the config's arguments when the "
+                     "model is restored: load it only if you trust the file and that package")

@@ -281,7 +281,7 @@ def _not_a_pickle(path: str) -> str:
 #: file name endings scanned inside a directory (explicit file arguments are always scanned)
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".jit", ".tar", ".zip", ".safetensors",
                        ".model", ".pts", ".torchscript", ".mar", ".npy", ".joblib", ".dat", ".data", ".distcp",
-                       ".pt2")
+                       ".pt2", ".nemo")
 
 
 def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:

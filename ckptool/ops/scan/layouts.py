@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from ckptool.formats import detect
 
-__all__ = ["EXPORT", "LEGACY", "LEGACY_TAR", "PICKLE", "SAFETENSORS", "TORCHSCRIPT", "TORCH_ZIP", "ZIP", "Layout"]
+__all__ = ["EXPORT", "GZIP", "LEGACY", "LEGACY_TAR", "PICKLE", "SAFETENSORS", "TAR", "TORCHSCRIPT", "TORCH_ZIP", "ZIP",
+           "Layout"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ TORCH_ZIP = Layout(detect.TORCH_ZIP, ("data.pkl",), torch_records=True, expects_
 TORCHSCRIPT = Layout(detect.TORCHSCRIPT, ("data.pkl", "constants.pkl"), torch_records=True, script=True)
 EXPORT = Layout(detect.PT2, export=True)
 LEGACY_TAR = Layout("legacy-tar")
+#: a tar archive with no legacy torch record (a NeMo ``.nemo`` archive): its members are scanned as files
+TAR = Layout("tar")
 LEGACY = Layout(detect.TORCH_LEGACY)
 SAFETENSORS = Layout(detect.SAFETENSORS, header=True)
 PICKLE = Layout(detect.PICKLE, plain_pickle=True)
+#: a gzip stream: its inflated bytes are scanned as a file
+GZIP = Layout("gzip")

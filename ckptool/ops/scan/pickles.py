@@ -8,6 +8,7 @@ from the file.
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
 import struct
@@ -33,14 +34,15 @@ from ckptool.formats.zipdir import (
     read_member,
     read_member_head,
 )
-from ckptool.model.allowlist import ALLOWED, is_importable_name, rate_global
+from ckptool.model.allowlist import ALLOWED, is_importable_name, rate_global, rate_target
 from ckptool.model.graph import depth_first, node_children
 from ckptool.ops.scan import layouts
 from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
+from ckptool.ops.scan.configs import hydra_targets, is_config_name, parse_config
 from ckptool.ops.scan.directories import zip_directories
 from ckptool.ops.scan.layouts import Layout
 from ckptool.ops.scan.results import GlobalFinding, PickleFinding, ScanResult
-from ckptool.ops.scan.tar import MAX_PICKLES_IN_A_ROW, PICKLE_FIRST, inside, join_where, scan_tar
+from ckptool.ops.scan.tar import MAX_PICKLES_IN_A_ROW, PICKLE_FIRST, inside, join_where, leaves_archive, scan_tar
 
 __all__ = ["MAX_KEY_PATHS", "Container", "NotAPickle", "Scanner", "Window", "as_file", "failed", "key_paths"]
 
@@ -58,6 +60,8 @@ MAX_ZIP_DEPTH = 16
 #: the bytes a scan inflates (or copies, for nested zips) from zip members: this plus :data:`MAX_RATIO` times the
 #: file's size; members past it are unreadable findings. Members sharing one local header are read once.
 INFLATE_BUDGET = 64 << 20
+#: the first bytes of a gzip stream (RFC 1952)
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 class Scanner:
@@ -219,32 +223,110 @@ class Scanner:
         head = bytes(buf[:512])
         if head.startswith((ZIP_LOCAL, ZIP_EOCD)):
             return self.zip(buf, where, depth, f, loaded=True)
-        if formats.is_tar(head) and self._tar(buf, head, where, depth):
-            return layouts.LEGACY_TAR
+        if formats.is_tar(head):
+            tar = self._tar(buf, head, where, depth)
+            if tar is not None:
+                return tar
         if formats.is_legacy_stream(head):
             self.legacy(buf, where, depth)
             return layouts.LEGACY
         if len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] + 8 <= len(buf):
             self.appended_zip(buf, struct.unpack("<Q", head[:8])[0] + 8, where, depth)
             return layouts.SAFETENSORS
+        if head.startswith(GZIP_MAGIC):
+            self.gzip(buf, where, depth)
+            return layouts.GZIP
         if not head or head[0] not in PICKLE_FIRST:
             raise NotAPickle()
         self.pickle_file(buf, where, depth)
         return layouts.PICKLE
 
-    def _tar(self, buf: PickleBuffer, head: bytes, where: str, depth: int) -> bool:
-        """A legacy tar archive (its first header valid): its members, the pickle ``pickle.load`` would read at byte
-        0, a zip appended after it. False (a note) when ``tarfile`` cannot read the archive after all."""
+    def gzip(self, buf: PickleBuffer, where: str, depth: int) -> None:
+        """A gzip stream (``.pkl.gz``, ``.tar.gz``, a ``.nemo`` archive): inflated within the bytes left to inflate
+        (:attr:`inflate_left`) and scanned as a file (:meth:`any`); a stream inflating past the budget, or damaged,
+        is an unreadable finding, never skipped."""
+        label = join_where(where, "gzip content")
+        if depth >= MAX_ZIP_DEPTH:
+            self.record(PickleFinding(label, 0, [], f"not read: wrappers nested more than {MAX_ZIP_DEPTH} deep"))
+            return
+        left = self.inflate_left if self.inflate_left is not None else INFLATE_BUDGET
         try:
-            scan_tar(self, buf, where, depth)
+            with gzip.GzipFile(fileobj=io.BytesIO(bytes(buf)), mode="rb") as gz:
+                data = gz.read(left + 1)
+        except (OSError, EOFError, zlib.error) as err:
+            self.record(PickleFinding(label, 0, [], f"the gzip stream could not be inflated ({err})",
+                                      truncated=isinstance(err, EOFError)))
+            return
+        if len(data) > left:
+            self.record(PickleFinding(label, 0, [], (
+                f"not read: it inflates to more than {INFLATE_BUDGET >> 20} MiB + {MAX_RATIO} times the file's size "
+                "(a gzip bomb?)")))
+            return
+        if self.inflate_left is not None:
+            self.inflate_left -= len(data)
+        self.note(f"{where or 'the file'} is gzip-compressed; its {len(data)} inflated bytes were scanned")
+        self.member_file(data, label, depth + 1)
+
+    def member_file(self, data: bytes, label: str, depth: int) -> None:
+        """Bytes inside a wrapper (a gzip stream, a tar member) scanned as a file of their own (:meth:`any`); bytes
+        that are no checkpoint at all are a note."""
+        try:
+            self.any(data, label, depth)
+        except NotAPickle:
+            self.note(f"{label} is not a pickle, a zip or a tar (no loader unpickles it)")
+
+    def config_member(self, data: bytes, label: str) -> None:
+        """A YAML or JSON config beside the weights (a NeMo archive's ``model_config.yaml``): every Hydra
+        ``_target_`` rated as a global (:func:`~ckptool.model.allowlist.rate_target`), where it is named by the
+        config and its key path; a config that cannot be parsed within the bounds is a note."""
+        try:
+            targets = list(hydra_targets(parse_config(data, label)))
+        except CkptError as err:
+            self.note(f"the config {label} was not read ({err})")
+            return
+        for target, path, use in targets:
+            status, reason = rate_target(target)
+            if use != "called":
+                reason += (" (_partial_: a functools.partial of it, called later)" if use == "partial" else
+                           " (_call_: false: imported, not called)")
+            self.record_global(target, status, reason, f"{label} at {path}")
+
+    def record_global(self, name: str, status: str, reason: str, where: str) -> None:
+        """Add the rated name ``name`` (a Hydra target) found at ``where`` to the result's globals."""
+        g = self._globals.get((name, status))
+        if g is None:
+            g = self._globals[name, status] = GlobalFinding(name, status, reason)
+            self.res.globals.append(g)
+        if where not in g.where:
+            g.where.append(where)
+
+    def tar_member(self, data: bytes, name: str, label: str, depth: int) -> bool:
+        """A tar member that is not a legacy torch record, read by what it is: a config (:meth:`config_member`), a
+        zip or gzip stream (:meth:`member_file`). False when it is none of these (the tar walk reads it as
+        pickles)."""
+        if is_config_name(name):
+            self.config_member(data, label)
+            return True
+        if data.startswith((ZIP_LOCAL, ZIP_EOCD, GZIP_MAGIC)):
+            self.member_file(data, label, depth + 1)
+            return True
+        return False
+
+    def _tar(self, buf: PickleBuffer, head: bytes, where: str, depth: int) -> Layout | None:
+        """A tar archive (its first header valid): its members, the pickle ``pickle.load`` would read at byte 0, a
+        zip appended after its members. Returns :data:`~ckptool.ops.scan.layouts.LEGACY_TAR` when a member has a
+        legacy record's name, else :data:`~ckptool.ops.scan.layouts.TAR`; None (a note) when ``tarfile`` cannot
+        read the archive after all."""
+        try:
+            end, legacy = scan_tar(self, buf, where, depth)
         except CorruptCheckpointError as err:
             self.note(f"the tar header at byte 0{inside(where)} is valid but the archive could not be read ({err})")
-            return False
+            return None
         if head[0] in PICKLE_FIRST:  # pickle.load (and tools that use it) read the file's first bytes
             self.parse(buf, 0, join_where(where, "pickle at byte 0 (read by pickle.load, not torch.load)"),
                        required=False)
-        self.appended_zip(buf, 512, where, depth)
-        return True
+        self.appended_zip(buf, max(512, end), where, depth)  # not the zip of a member (scanned as the member)
+        return layouts.LEGACY_TAR if legacy else layouts.TAR
 
     def pickle_file(self, buf: PickleBuffer, where: str, depth: int, *, loaded: bool = True) -> None:
         """A plain pickle (``pickle.load`` and ``torch.load`` read its first pickle), then any data after it."""
@@ -313,6 +395,7 @@ class Scanner:
         names = [e.name for e in entries]
         layout = self._zip_layout(f, size, where, depth, entries, recs)
         labels = self._labels = self._duplicate_labels(where, entries, names)
+        self._escape_notes(where, names)
         if loaded and torch_view is not None:
             self._mark_loaded(where, layout, recs, names)
         self._case_notes(where, recs, layout.loaded_records or ("data.pkl",))
@@ -347,6 +430,18 @@ class Scanner:
             self.note(f"the torch.export configs{inside(where)} could not be read ({err}); members were scanned by "
                       "their first bytes")
         return layouts.EXPORT
+
+    def _escape_notes(self, where: str, names: list[str]) -> None:
+        """A note for each member whose path leaves the folder it is extracted to (zip-slip: ``..``, an absolute
+        path; :func:`~ckptool.ops.scan.tar.leaves_archive`). The names are searched as one string first (50,000
+        members of a big checkpoint, none suspect)."""
+        text = "\n" + "\n".join(names)
+        if ".." not in text and "\n/" not in text and "\n\\" not in text and ":" not in text:
+            return
+        for name in names:
+            why = leaves_archive(name)
+            if why is not None:
+                self.note(f"zip member {name!r}{inside(where)} {why}")
 
     @staticmethod
     def _duplicate_labels(where: str, entries: list[ZipEntry], names: list[str]) -> dict[int, str]:
