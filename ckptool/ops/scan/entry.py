@@ -85,9 +85,12 @@ from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND
 from ckptool.model.allowlist import is_importable_name, recognise_file
 from ckptool.model.graph import iter_tensors
 from ckptool.model.units import human_bytes
+from ckptool.ops.scan import layouts
 from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, zip_end
+from ckptool.ops.scan.configs import MAX_CONFIG_BYTES, parse_config
 from ckptool.ops.scan.layouts import Layout
-from ckptool.ops.scan.pickles import NotAPickle, Preparsed
+from ckptool.ops.scan.pickles import NotAPickle, Preparsed, Scanner
+from ckptool.ops.scan.remote_code import HF_CONFIG_NAMES, hf_remote_code, is_code_config
 from ckptool.ops.scan.results import (
     EXIT_CODES,
     STRICT_EXIT_CODES,
@@ -145,7 +148,11 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None) -> ScanResul
             if layout.header:
                 plugin("ckptool.formats.safetensors:read_header")(path)
     except NotAPickle:
-        res.error = _not_a_pickle(path)
+        if is_code_config(path) and not source.is_url(path):
+            layout = _scan_code_config(sc, path)
+            res.format = layout.format
+        else:
+            res.error = _not_a_pickle(path)
     except TruncatedError as e:  # a zip without its end of central directory: cut short, not unreadable
         res.incomplete.append(str(e))
     except CkptError as e:
@@ -366,7 +373,28 @@ def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
 def _is_candidate(full: str) -> bool:
     if os.path.islink(full) and not os.path.isfile(full):
         return False
-    return os.path.basename(full).lower().endswith(CHECKPOINT_SUFFIXES) or _looks_like_checkpoint(full)
+    return os.path.basename(full).lower().endswith(CHECKPOINT_SUFFIXES) or _looks_like_checkpoint(full) or \
+        is_code_config(full)
+
+
+def _scan_code_config(sc: Scanner, path: str) -> Layout:
+    """A config that makes a loader run code (:func:`~ckptool.ops.scan.remote_code.is_code_config`): a Hugging
+    Face config's ``auto_map`` modules (:func:`~ckptool.ops.scan.remote_code.hf_remote_code`) into the result's
+    code, a NeMo config's Hydra targets into its globals; one that cannot be read within the bounds is the
+    result's error."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if os.path.basename(path) in HF_CONFIG_NAMES:
+            found, notes = hf_remote_code(path, data)
+            sc.res.code += found
+            sc.res.notes += notes
+        else:
+            parse_config(data, os.path.basename(path))  # the bounds: an error here is the file's error
+            sc.config_member(data, os.path.basename(path))
+    except (CkptError, OSError) as err:
+        sc.res.error = f"{path}: {err}"
+    return layouts.CONFIG
 
 
 def _folder_files(folder: str) -> list[str]:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from ckptool.formats import detect
 
-__all__ = ["EXPORT", "GZIP", "LEGACY", "LEGACY_TAR", "PICKLE", "SAFETENSORS", "TAR", "TORCHSCRIPT", "TORCH_ZIP", "ZIP",
-           "Layout"]
+__all__ = ["CONFIG", "EXPORT", "GZIP", "LEGACY", "LEGACY_TAR", "PICKLE", "SAFETENSORS", "TAR", "TORCHSCRIPT",
+           "TORCH_ZIP", "ZIP", "Layout"]
 
 
 @dataclass(frozen=True)
@@ -49,3 +49,5 @@ SAFETENSORS = Layout(detect.SAFETENSORS, header=True)
 PICKLE = Layout(detect.PICKLE, plain_pickle=True)
 #: a gzip stream: its inflated bytes are scanned as a file
 GZIP = Layout("gzip")
+#: a config that makes a loader run code (a Hugging Face ``auto_map``, NeMo's Hydra ``_target_`` entries)
+CONFIG = Layout("config")
