@@ -306,13 +306,15 @@ def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
         yield path
 
 
-def iter_targets(paths: Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, list[str]]]:
+def iter_targets(paths: Iterable[str | os.PathLike[str]], *, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
     """:func:`iter_paths`, each path with the notes its result gets (why a file outside a scanned folder is
-    scanned); raises as :func:`iter_paths` does. Used by :mod:`ckptool.ops.scan.many`."""
-    return _targets(paths)
+    scanned); raises as :func:`iter_paths` does. ``configs=False``: folders give no config that makes a loader run
+    code (:func:`~ckptool.ops.scan.remote_code.is_code_config`: for ``inspect``). Used by
+    :mod:`ckptool.ops.scan.many`."""
+    return _targets(paths, configs)
 
 
-def _targets(paths: Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, list[str]]]:
+def _targets(paths: Iterable[str | os.PathLike[str]], configs: bool = True) -> Iterator[tuple[str, list[str]]]:
     """:func:`iter_paths`, each path with the notes to add to its result (why a file outside a scanned folder is
     scanned)."""
     for given in paths:
@@ -326,7 +328,8 @@ def _targets(paths: Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, lis
             raise InputNotFoundError(f"{p}: no such file or directory; check the path")
         if os.path.isdir(p) or p.endswith(INDEX_SUFFIX):
             found = 0
-            items = _walk(p) if os.path.isdir(p) else _followed(_index_shards(p, os.path.dirname(p) or "."), set())
+            items = _walk(p, configs) if os.path.isdir(p) else \
+                _followed(_index_shards(p, os.path.dirname(p) or "."), set())
             for item in items:
                 found += 1
                 yield item
@@ -344,10 +347,11 @@ def _nothing_found(p: str) -> str:
     return f"{p} names no shard file that exists; nothing was scanned: download the shards, or scan them directly"
 
 
-def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
-    """The checkpoint files under the folder ``top`` (recursively, sorted, symlinked subfolders not entered), then
-    the files a loader of ``top`` reads from outside it: the shards a ``*.index.json`` names and the files of the
-    DeepSpeed tag folders ``latest`` or a symlinked tag folder lead to (:func:`_followed`)."""
+def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
+    """The checkpoint files under the folder ``top`` (recursively, sorted, symlinked subfolders not entered; with
+    ``configs`` also the configs that make a loader run code, :func:`~ckptool.ops.scan.remote_code.is_code_config`),
+    then the files a loader of ``top`` reads from outside it: the shards a ``*.index.json`` names and the files of
+    the DeepSpeed tag folders ``latest`` or a symlinked tag folder lead to (:func:`_followed`)."""
     seen: set[str] = set()
     away: list[tuple[str, str]] = []
     for root, dirs, files in os.walk(top):
@@ -362,7 +366,7 @@ def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
                 away += _index_shards(full, top)
             if dcp and (name == ".metadata" or name.endswith(".distcp")):
                 continue
-            if _is_candidate(full):
+            if _is_candidate(full) or (configs and is_code_config(full)):
                 seen.add(os.path.realpath(full))
                 yield full, []
         for folder, why in plugin("ckptool.formats.deepspeed:loaded_tag_folders")(root, (dirs, files)):
@@ -373,8 +377,7 @@ def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
 def _is_candidate(full: str) -> bool:
     if os.path.islink(full) and not os.path.isfile(full):
         return False
-    return os.path.basename(full).lower().endswith(CHECKPOINT_SUFFIXES) or _looks_like_checkpoint(full) or \
-        is_code_config(full)
+    return os.path.basename(full).lower().endswith(CHECKPOINT_SUFFIXES) or _looks_like_checkpoint(full)
 
 
 def _scan_code_config(sc: Scanner, path: str) -> Layout:
