@@ -206,3 +206,56 @@ def test_member_paths_that_leave_the_archive_are_noted(tmp_path: Path) -> None:
     assert not any("model_config.yaml" in n for n in notes)
     clean = scan_file(_nemo(tmp_path / "ok.nemo", BENIGN, _weights()))
     assert not any("archive" in n and "outside" in n for n in clean.notes)
+
+
+class _System:
+    def __reduce__(self) -> Any:
+        return (os.system, ("id",))
+
+
+@pytest.mark.parametrize("kind", ["npy", "npz"])
+def test_object_npy_and_npz_are_scanned_as_pickles(tmp_path: Path, kind: str) -> None:
+    """numpy.load(allow_pickle=True) unpickles an object array: the pickle after a .npy header (alone, or an .npz
+    member) is read; numeric arrays hold none and are safe."""
+    import numpy as np  # the torch extra (README's test command)
+    evil, ok = tmp_path / f"evil.{kind}", tmp_path / f"ok.{kind}"
+    if kind == "npy":
+        np.save(evil, np.array([_System()], dtype=object), allow_pickle=True)
+        np.save(ok, np.arange(6, dtype=np.float32).reshape(2, 3))
+    else:
+        np.savez(evil, a=np.arange(3), o=np.array([_System()], dtype=object))
+        np.savez(ok, a=np.arange(3), b=np.ones((2, 2)))
+    res = scan_file(evil)
+    assert res.verdict == "dangerous" and any(g.name.endswith(".system") for g in res.globals), res.report()
+    assert scan_file(ok).verdict == "safe"
+
+
+def test_zlib_joblib_dump_is_inflated(tmp_path: Path) -> None:
+    """joblib.dump(..., compress=3) writes a zlib stream: inflated and scanned; the malicious object inside is
+    found; a benign dump with a numpy array is not called dangerous (joblib's array record needs trust)."""
+    import joblib  # the test extra
+    import numpy as np
+    joblib.dump({"model": _System()}, tmp_path / "evil.joblib", compress=3)
+    joblib.dump({"coef": np.arange(4.0), "name": "linear"}, tmp_path / "ok.joblib", compress=3)
+    res = scan_file(tmp_path / "evil.joblib")
+    assert res.format == "zlib" and res.verdict == "dangerous", res.report()
+    ok = scan_file(tmp_path / "ok.joblib")
+    assert ok.verdict != "dangerous", ok.report()
+    assert any(g.name == "joblib.numpy_pickle.NumpyArrayWrapper" and g.status == NEEDS_TRUST for g in ok.globals)
+
+
+@pytest.mark.torchfree
+def test_7z_members_scanned(tmp_path: Path) -> None:
+    """A 7z archive (py7zr, the 7z extra): each member scanned as a file; the benign twin is safe."""
+    import py7zr  # in the test extra
+
+    (tmp_path / "e.pkl").write_bytes(pickle.dumps(_System(), protocol=2))
+    (tmp_path / "ok.pkl").write_bytes(pickle.dumps({"a": 1}, protocol=2))
+    with py7zr.SevenZipFile(tmp_path / "evil.7z", "w") as z:
+        z.write(tmp_path / "e.pkl", "weights/model.pkl")
+    with py7zr.SevenZipFile(tmp_path / "ok.7z", "w") as z:
+        z.write(tmp_path / "ok.pkl", "weights/model.pkl")
+    res = scan_file(tmp_path / "evil.7z")
+    assert res.format == "7z" and res.verdict == "dangerous"
+    assert any(w.startswith("7z member weights/model.pkl") for g in res.globals for w in g.where)
+    assert scan_file(tmp_path / "ok.7z").verdict == "safe"

@@ -221,6 +221,10 @@ NEEDS_TRUST_NAMES: dict[str, str] = {
     **{f"numpy.{core}.multiarray.{n}": _NUMPY_ARRAY for core in ("core", "_core") for n in ("_reconstruct", "scalar")},
     **{f"numpy.{core}.numeric._frombuffer": _NUMPY_ARRAY for core in ("core", "_core")},  # protocol 5 arrays
     "numpy.ndarray": _NUMPY_ARRAY, "numpy.dtype": _NUMPY_ARRAY,
+    # joblib.dump's array records: joblib.load's NumpyUnpickler reads the raw array bytes that follow the record
+    # (an object array's through pickle, whose globals are rated where they stand)
+    **{f"joblib.numpy_pickle{m}.{n}": "joblib's numpy array record: joblib.load reads the array's bytes after it"
+       for m, n in (("", "NumpyArrayWrapper"), ("_compat", "NDArrayWrapper"), ("_compat", "ZNDArrayWrapper"))},
     **{f"numpy.{t}": "a numpy scalar type: builds a number from the file's data" for t in (
         "bool", "bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "intc", "uintc",
         "intp", "uintp", "int_", "uint", "longlong", "ulonglong", "byte", "ubyte", "short", "ushort", "half",

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from ckptool.formats import detect
 
-__all__ = ["CONFIG", "EXPORT", "GZIP", "LEGACY", "LEGACY_TAR", "PICKLE", "SAFETENSORS", "TAR", "TORCHSCRIPT",
-           "TORCH_ZIP", "ZIP", "Layout"]
+__all__ = ["CONFIG", "EXPORT", "GZIP", "LEGACY", "LEGACY_TAR", "NPY", "PICKLE", "SAFETENSORS", "SEVEN_ZIP", "TAR",
+           "TORCHSCRIPT", "TORCH_ZIP", "ZIP", "ZLIB", "Layout"]
 
 
 @dataclass(frozen=True)
@@ -49,5 +49,10 @@ SAFETENSORS = Layout(detect.SAFETENSORS, header=True)
 PICKLE = Layout(detect.PICKLE, plain_pickle=True)
 #: a gzip stream: its inflated bytes are scanned as a file
 GZIP = Layout("gzip")
+#: a zlib stream (joblib's ``compress``), a 7z archive: their bytes are scanned as files; a .npy array (an object
+#: array's pickle is read)
+ZLIB = Layout("zlib")
+SEVEN_ZIP = Layout("7z")
+NPY = Layout("npy")
 #: a config that makes a loader run code (a Hugging Face ``auto_map``, NeMo's Hydra ``_target_`` entries)
 CONFIG = Layout("config")

@@ -60,8 +60,30 @@ MAX_ZIP_DEPTH = 16
 #: the bytes a scan inflates (or copies, for nested zips) from zip members: this plus :data:`MAX_RATIO` times the
 #: file's size; members past it are unreadable findings. Members sharing one local header are read once.
 INFLATE_BUDGET = 64 << 20
-#: the first bytes of a gzip stream (RFC 1952)
+#: the first bytes of a gzip stream (RFC 1952), of a .npy array (numpy.lib.format), of a 7z archive
 GZIP_MAGIC = b"\x1f\x8b"
+NPY_MAGIC = b"\x93NUMPY"
+SEVEN_ZIP_MAGIC = b"7z\xbc\xaf\x27\x1c"
+
+
+def _is_zlib(head: bytes) -> bool:
+    """A zlib stream header (RFC 1950: deflate, a 32 KiB window or less, the check bits right), as joblib's
+    ``compress`` writes: ``x\x9c``, ``x\x01``, ``x\xda``..."""
+    return len(head) >= 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7 and (head[0] << 8 | head[1]) % 31 == 0 \
+        and not head[1] & 0x20
+
+
+def _inflate(data: bytes, kind: str, limit: int) -> bytes:
+    """At most ``limit`` bytes of the ``gzip`` or ``zlib`` stream ``data``, inflated (a stream that ends early
+    raises ``EOFError``)."""
+    if kind == "gzip":
+        with gzip.GzipFile(fileobj=io.BytesIO(data), mode="rb") as gz:
+            return gz.read(limit)
+    d = zlib.decompressobj()
+    out = d.decompress(data, limit)
+    if not d.eof and len(out) < limit:
+        raise EOFError("the zlib stream ends before its end")
+    return out
 
 
 class Scanner:
@@ -236,36 +258,72 @@ class Scanner:
         if head.startswith(GZIP_MAGIC):
             self.gzip(buf, where, depth)
             return layouts.GZIP
+        if head.startswith(NPY_MAGIC):
+            self.npy(buf, where, depth)
+            return layouts.NPY
+        if _is_zlib(head):
+            self.inflated(buf, where, depth, "zlib")
+            return layouts.ZLIB
+        if head.startswith(SEVEN_ZIP_MAGIC):
+            plugin("ckptool.ops.scan.seven_zip:scan_7z")(self, buf, where, depth)
+            return layouts.SEVEN_ZIP
         if not head or head[0] not in PICKLE_FIRST:
             raise NotAPickle()
         self.pickle_file(buf, where, depth)
         return layouts.PICKLE
 
     def gzip(self, buf: PickleBuffer, where: str, depth: int) -> None:
-        """A gzip stream (``.pkl.gz``, ``.tar.gz``, a ``.nemo`` archive): inflated within the bytes left to inflate
-        (:attr:`inflate_left`) and scanned as a file (:meth:`any`); a stream inflating past the budget, or damaged,
-        is an unreadable finding, never skipped."""
-        label = join_where(where, "gzip content")
+        """A gzip stream (``.pkl.gz``, ``.tar.gz``, a ``.nemo`` archive): :meth:`inflated`."""
+        self.inflated(buf, where, depth, "gzip")
+
+    def inflated(self, buf: PickleBuffer, where: str, depth: int, kind: str) -> None:
+        """A ``gzip`` or ``zlib`` stream (``.pkl.gz``, ``.tar.gz``, a ``.nemo`` archive, a joblib file dumped with
+        ``compress``): inflated within the bytes left to inflate (:attr:`inflate_left`) and scanned as a file
+        (:meth:`any`); a stream inflating past the budget, or damaged, is an unreadable finding, never skipped."""
+        label = join_where(where, f"{kind} content")
         if depth >= MAX_ZIP_DEPTH:
             self.record(PickleFinding(label, 0, [], f"not read: wrappers nested more than {MAX_ZIP_DEPTH} deep"))
             return
         left = self.inflate_left if self.inflate_left is not None else INFLATE_BUDGET
         try:
-            with gzip.GzipFile(fileobj=io.BytesIO(bytes(buf)), mode="rb") as gz:
-                data = gz.read(left + 1)
+            data = _inflate(bytes(buf), kind, left + 1)
         except (OSError, EOFError, zlib.error) as err:
-            self.record(PickleFinding(label, 0, [], f"the gzip stream could not be inflated ({err})",
+            self.record(PickleFinding(label, 0, [], f"the {kind} stream could not be inflated ({err})",
                                       truncated=isinstance(err, EOFError)))
             return
         if len(data) > left:
             self.record(PickleFinding(label, 0, [], (
                 f"not read: it inflates to more than {INFLATE_BUDGET >> 20} MiB + {MAX_RATIO} times the file's size "
-                "(a gzip bomb?)")))
+                f"(a {kind} bomb?)")))
             return
         if self.inflate_left is not None:
             self.inflate_left -= len(data)
-        self.note(f"{where or 'the file'} is gzip-compressed; its {len(data)} inflated bytes were scanned")
+        self.note(f"{where or 'the file'} is {kind}-compressed; its {len(data)} inflated bytes were scanned")
         self.member_file(data, label, depth + 1)
+
+    def npy(self, buf: PickleBuffer, where: str, depth: int) -> None:
+        """A ``.npy`` array (numpy's format: magic, version, header length, header dict): an object array
+        (``descr`` ``|O``) holds a pickle after its header, which ``numpy.load(allow_pickle=True)`` unpickles:
+        read as pickles in a row. A numeric array holds no pickle."""
+        head = bytes(buf[:12])
+        major = head[6] if len(head) > 6 else 0
+        width = 2 if major == 1 else 4
+        if len(head) < 8 + width or major not in (1, 2, 3):
+            self.note(f"{where or 'the file'} starts like a .npy array but its header is not readable")
+            return
+        start = 8 + width + int.from_bytes(head[8:8 + width], "little")
+        header = bytes(buf[8 + width:start])
+        if b"'|O'" not in header and b'"|O"' not in header:
+            return
+        label = join_where(where, "npy object array")
+        self.loaded.add(label)
+        if start >= len(buf):
+            self.record(PickleFinding(label, start, [], "the object array's pickle is missing: the file is cut short",
+                                      truncated=True))
+            return
+        rest = self.pickles_in_a_row(buf, start, label)
+        if rest is not None and rest < len(buf):
+            self.trailing(buf, rest, where, depth)
 
     def member_file(self, data: bytes, label: str, depth: int) -> None:
         """Bytes inside a wrapper (a gzip stream, a tar member) scanned as a file of their own (:meth:`any`); bytes
@@ -534,7 +592,8 @@ class Scanner:
             return
         nested = head.startswith(ZIP_LOCAL)
         looks_pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
-        if not (is_pickle or nested or looks_pickled) or not self._within_budget(e, label):
+        npy = head.startswith(NPY_MAGIC)  # an .npz member: an object array holds a pickle
+        if not (is_pickle or nested or looks_pickled or npy) or not self._within_budget(e, label):
             return
         try:
             data = read_member(f, e, label, check_crc=False)
@@ -542,6 +601,9 @@ class Scanner:
             self._unreadable_member(label, is_pickle, err)
             return
         self._check_crc(e, data, label)
+        if npy:
+            self.npy(data, label, depth)
+            return
         if nested:
             self.note(f"member {label} is a zip archive; scanned it too")
             try:
