@@ -121,6 +121,15 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
     of the package names it), TorchScript code/ (needs trust when it calls only torch's built-in ops, dangerous
     when it calls a custom op).
 
+    What ships beside the weights is read too: gzip, zlib (joblib's compress), tar (a NeMo .nemo) and 7z (the 7z
+    extra) are opened within a budget and each member scanned as a file; a .npy object array (alone or in an .npz)
+    is read as the pickle numpy.load(allow_pickle=True) unpickles; a member path that leaves the archive is a note.
+    The Hydra _target_ entries of a NeMo config (in a .nemo, or a NeMo 2 folder's context/model.yaml) are rated
+    as globals; the modules a Hugging Face config's auto_map makes transformers run under trust_remote_code are
+    listed under "code" with their sha256 (dangerous when they call os.system, subprocess, eval, sockets...).
+    A global the pickle only holds as a value (never calls: typing.Any in OmegaConf hyper-parameters) needs
+    trust at most, unless a list names it; a "global" that is no Python name is never dangerous.
+
     \b
     Exit status (the worst file decides):
       0  every file is safe
