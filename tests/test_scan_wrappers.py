@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import os
 import pickle
 import tarfile
@@ -259,3 +260,16 @@ def test_7z_members_scanned(tmp_path: Path) -> None:
     assert res.format == "7z" and res.verdict == "dangerous"
     assert any(w.startswith("7z member weights/model.pkl") for g in res.globals for w in g.where)
     assert scan_file(tmp_path / "ok.7z").verdict == "safe"
+
+
+@pytest.mark.torchfree
+def test_hydra_targets_in_sarif(tmp_path: Path, run_cli: Any) -> None:
+    """SARIF: a dangerous Hydra target is a CKPT006 error naming the config and key path; pickle globals keep
+    CKPT001/CKPT002."""
+    p = _nemo(tmp_path / "m.nemo", EVIL, pickle.dumps(_System(), protocol=2))
+    r = run_cli("scan", "--format", "sarif", p)
+    assert r.exit_code == 1
+    results = json.loads(r.output)["runs"][0]["results"]
+    (hydra,) = [x for x in results if x["ruleId"] == "CKPT006" and x["level"] == "error"]
+    assert "builtins.exec" in hydra["message"]["text"] and "model.decoder._target_" in hydra["message"]["text"]
+    assert any(x["ruleId"] == "CKPT001" for x in results)

@@ -147,8 +147,8 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
     --quiet prints nothing (the exit status answers); --json gives "strict", "exit_code" and "files" (per file:
     "verdict", "level", each global's "status" and "level", each pickle's "hidden" and "key_paths");
     --format sarif prints a SARIF 2.1.0 log (rules CKPT001 dangerous, CKPT002 needs trust, CKPT003 unreadable,
-    CKPT004 code in the file, CKPT005 incomplete), with the same exit status; --json gives each file's
-    "incomplete" (what is cut short).
+    CKPT004 code in the file, CKPT005 incomplete, CKPT006 a config target), with the same exit status; --json
+    gives each file's "incomplete" (what is cut short).
 
     \b
     Examples:

@@ -17,7 +17,7 @@ from typing import Any
 from ckptool.errors import CorruptCheckpointError
 
 __all__ = ["CONFIG_SUFFIXES", "MAX_ALIASES", "MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH", "MAX_CONFIG_NODES",
-           "hydra_targets", "is_config_name", "parse_config"]
+           "TARGET_MARK", "hydra_targets", "is_config_name", "is_target_where", "parse_config", "target_where"]
 
 #: the member or file names read as configs
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
@@ -116,6 +116,22 @@ def hydra_targets(value: Any) -> Iterator[tuple[str, str, str]]:
         else:
             children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
         stack.extend((v, p, depth + 1) for p, v in reversed(children))
+
+
+#: separates a config's label from the key path of a target in the ``where`` of its finding
+#: (``model_config.yaml at model.decoder._target_``)
+TARGET_MARK = " at "
+
+
+def target_where(label: str, key_path: str) -> str:
+    """The ``where`` of a Hydra target found at ``key_path`` of the config ``label``."""
+    return f"{label}{TARGET_MARK}{key_path}"
+
+
+def is_target_where(where: str) -> bool:
+    """True for a ``where`` made by :func:`target_where` (a config's name, then a key path ending ``_target_``)."""
+    label, mark, path = where.rpartition(TARGET_MARK)
+    return bool(mark) and is_config_name(label) and path.endswith("_target_")
 
 
 def _join(path: str, key: str) -> str:

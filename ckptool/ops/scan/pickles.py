@@ -38,7 +38,7 @@ from ckptool.model.allowlist import ALLOWED, is_importable_name, rate_global, ra
 from ckptool.model.graph import depth_first, node_children
 from ckptool.ops.scan import layouts
 from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
-from ckptool.ops.scan.configs import hydra_targets, is_config_name, parse_config
+from ckptool.ops.scan.configs import hydra_targets, is_config_name, parse_config, target_where
 from ckptool.ops.scan.directories import zip_directories
 from ckptool.ops.scan.layouts import Layout
 from ckptool.ops.scan.results import GlobalFinding, PickleFinding, ScanResult
@@ -347,7 +347,7 @@ class Scanner:
             if use != "called":
                 reason += (" (_partial_: a functools.partial of it, called later)" if use == "partial" else
                            " (_call_: false: imported, not called)")
-            self.record_global(target, status, reason, f"{label} at {path}")
+            self.record_global(target, status, reason, target_where(label, path))
 
     def record_global(self, name: str, status: str, reason: str, where: str) -> None:
         """Add the rated name ``name`` (a Hydra target) found at ``where`` to the result's globals."""
