@@ -105,7 +105,9 @@ def _result(rule: str, level: str, text: str, res: ScanResult, member: str | Non
             "locations": [location], "properties": {"format": res.format, **props}}
 
 
-def _file_results(res: ScanResult, strict: bool) -> list[dict[str, Any]]:
+def _global_results(res: ScanResult, strict: bool) -> list[dict[str, Any]]:
+    """The results of the dangerous and needs-trust globals: one per global and pickle that names it (``CKPT001``,
+    ``CKPT002``), one per Hydra target and config that names it (``CKPT006``)."""
     out = []
     for g in res.globals:
         if g.level not in (DANGEROUS, NEEDS_TRUST):
@@ -124,6 +126,11 @@ def _file_results(res: ScanResult, strict: bool) -> list[dict[str, Any]]:
                     + (" (a pickle torch.load does not read today)" if hidden else ""))
             out.append(_result(rule, level, text, res, where, paths,
                                {"global": g.name, "status": g.status, "hidden": hidden}))
+    return out
+
+
+def _file_results(res: ScanResult, strict: bool) -> list[dict[str, Any]]:
+    out = _global_results(res, strict)
     out += [_result("CKPT005" if p.truncated else "CKPT003", "warning",
                     f"{p.where} could not be read to its end: {p.error}", res, p.where, [],
                     {"hidden": p.hidden}) for p in res.pickles if p.error]
