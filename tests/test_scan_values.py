@@ -45,6 +45,8 @@ def test_omegaconf_hparams_typing_any_needs_trust(tmp_path: Path, protocol: int)
     g = _global(res, "typing.Any")
     assert g.status == NEEDS_TRUST and "held only as a value" in g.reason
     assert res.verdict == "needs-trust" and res.exit_code == 4
+    # its key path, inside the DictConfig whose class is itself not allowed
+    assert "hyper_parameters._metadata.ref_type" in res.pickles[0].key_paths["typing.Any"]
     assert not any(x.status == DANGEROUS for x in res.globals)
 
 

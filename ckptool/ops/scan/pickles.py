@@ -35,7 +35,7 @@ from ckptool.formats.zipdir import (
     read_member_head,
 )
 from ckptool.model.allowlist import ALLOWED, is_importable_name, rate_global, rate_target
-from ckptool.model.graph import depth_first, node_children
+from ckptool.model.graph import MAX_DEPTH, node_children
 from ckptool.ops.scan import layouts
 from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
 from ckptool.ops.scan.configs import hydra_targets, is_config_name, parse_config, target_where
@@ -67,10 +67,10 @@ SEVEN_ZIP_MAGIC = b"7z\xbc\xaf\x27\x1c"
 
 
 def _is_zlib(head: bytes) -> bool:
-    """A zlib stream header (RFC 1950: deflate, a 32 KiB window or less, the check bits right), as joblib's
-    ``compress`` writes: ``x\x9c``, ``x\x01``, ``x\xda``..."""
-    return len(head) >= 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7 and (head[0] << 8 | head[1]) % 31 == 0 \
-        and not head[1] & 0x20
+    """A zlib stream header (RFC 1950: deflate with a 32 KiB window, ``x``, the check bits right, no preset
+    dictionary), as ``zlib.compress`` and joblib's ``compress`` write: ``x\x9c``, ``x\x01``, ``x\xda``. Smaller
+    windows are left out: their first bytes (``(``, ``H``, ``X``, ``h``) are also opcodes a pickle starts with."""
+    return len(head) >= 2 and head[0] == 0x78 and (head[0] << 8 | head[1]) % 31 == 0 and not head[1] & 0x20
 
 
 def _inflate(data: bytes, kind: str, limit: int) -> bytes:
@@ -727,23 +727,35 @@ MAX_KEY_PATHS = 5
 def key_paths(root: Any, names: set[str]) -> dict[str, list[str]]:
     """Where in the object ``root`` (a restricted unpickler's graph) each global of ``names`` is used: dotted key
     paths (:func:`ckptool.model.graph.node_children`'s, ``(top level)`` for the root itself), at most
-    :data:`MAX_KEY_PATHS` each. A global used only inside another call's callable is not located. Never raises."""
+    :data:`MAX_KEY_PATHS` each. The walk goes on inside an object whose own class is one of ``names``, so a global
+    held as a value inside it (``typing.Any`` in an OmegaConf config) is located too. A global used only inside
+    another call's callable is not located. Never raises."""
     out: dict[str, list[str]] = {}
 
-    def leaf(obj: Any) -> str | None:
-        if isinstance(obj, GlobalMeta):
-            name: str | None = obj.qualified_name
-        elif isinstance(obj, (ReduceNode, ObjectNode)):
-            name = obj.global_name
-        else:
-            return None
-        return name if name in names else None
+    def found(name: str | None, path: str) -> None:
+        if name in names:
+            paths = out.setdefault(name, [])
+            if len(paths) < MAX_KEY_PATHS and (path or "(top level)") not in paths:
+                paths.append(path or "(top level)")
 
+    stack: list[tuple[str, Any, int]] = [("", root, 0)]
+    seen: set[int] = set()
     try:
-        for path, name in depth_first(root, "", node_children, leaf):
-            found = out.setdefault(name, [])
-            if len(found) < MAX_KEY_PATHS and (path or "(top level)") not in found:
-                found.append(path or "(top level)")
+        while stack:
+            path, obj, depth = stack.pop()
+            if isinstance(obj, GlobalMeta):
+                found(obj.qualified_name, path)
+                continue
+            if isinstance(obj, _ATOMS) or id(obj) in seen or depth > MAX_DEPTH:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, (ReduceNode, ObjectNode)):
+                found(obj.global_name, path)
+            children = list(node_children(path, obj))
+            stack.extend((p, v, depth + 1) for p, v in reversed(children))
     except (CkptError, RecursionError):
         pass
     return out
+
+
+_ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None))
