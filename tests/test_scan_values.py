@@ -195,3 +195,18 @@ def test_generated_checkpoints_are_never_dangerous(generated: dict[str, Path]) -
         if res.verdict == "dangerous":
             dangerous[name] = [(g.name, g.reason) for g in res.globals if g.status == DANGEROUS]
     assert not dangerous, dangerous
+
+
+@pytest.mark.torchfree
+def test_inspect_agrees_with_scan_on_a_value(tmp_path: Path, run_cli: Any) -> None:
+    """inspect rates typing.Any held as a value as scan does (needs trust), in its table and its JSON."""
+    import json
+
+    p = tmp_path / "hp.ckpt"
+    p.write_bytes(pickle.dumps({"hyper_parameters": _hparams()}, protocol=2))
+    r = run_cli("inspect", p, "--json")
+    data = json.loads(r.output)
+    security = data["security"]
+    assert "typing.Any" in security["needs_trust"] and not security["dangerous"], security
+    assert security["scan_verdict"] == "needs-trust"
+    assert "DANGEROUS" not in run_cli("inspect", p).output

@@ -140,14 +140,16 @@ class Scanner:
                 g.where.append(finding.where)
 
     def take_preparsed(self, buf: PickleBuffer, where: str) -> int | None:
-        """Record the pickle at the start of ``buf`` from :attr:`preparsed` if the caller read it already, and
-        return where it ends (its opcodes walked again, not unpickled, unless the caller gave its end and ``buf`` is
-        a zip member whose CRC-32 matched: the bytes the caller's reader checked against the same CRC); None if
-        not."""
+        """Record the pickle at the start of ``buf`` from :attr:`preparsed` if the caller read it already (and none
+        of its globals is one whose level depends on whether the pickle calls it), and return where it ends (its
+        opcodes walked again, not unpickled, unless the caller gave its end and ``buf`` is a zip member whose CRC-32
+        matched: the bytes the caller's reader checked against the same CRC); None if not."""
         got = self.preparsed.pop(where, None)
         if got is None:
             return None
         names, root, known_end, counted = got
+        if any(rate_global(n, called=False)[0] != rate_global(n)[0] for n in names):
+            return None  # whether it calls them decides their level: read the ordinary way (uncalled_globals)
         if known_end is not None and where == self._crc_checked and 0 < known_end <= len(buf):
             end = known_end
         else:
