@@ -13,6 +13,7 @@ import os
 import pickle
 import tarfile
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -273,3 +274,21 @@ def test_hydra_targets_in_sarif(tmp_path: Path, run_cli: Any) -> None:
     (hydra,) = [x for x in results if x["ruleId"] == "CKPT006" and x["level"] == "error"]
     assert "builtins.exec" in hydra["message"]["text"] and "model.decoder._target_" in hydra["message"]["text"]
     assert any(x["ruleId"] == "CKPT001" for x in results)
+
+
+@pytest.mark.torchfree
+def test_wrappers_inside_a_zip_and_a_tar(tmp_path: Path) -> None:
+    """A .pkl.gz member of a zip and a zlib member of a tar are scanned as files; a zip member that merely starts
+    like zlib (``x^``) is a note, not an unreadable finding."""
+    evil = pickle.dumps(_System(), protocol=2)
+    z = tmp_path / "bundle.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        zf.writestr("weights/model.pkl.gz", gzip.compress(evil))
+        zf.writestr("notes.txt", b"x^ not zlib at all")
+    res = scan_file(z)
+    assert res.verdict == "dangerous" and any("gzip content" in w for g in res.globals for w in g.where)
+    assert any("notes.txt" in n and "zlib" in n for n in res.notes) and all(not p.error for p in res.pickles)
+    t = tmp_path / "bundle.tar"
+    with tarfile.open(t, "w:") as tf:
+        _member(tf, "model.joblib", zlib.compress(evil))
+    assert scan_file(t).verdict == "dangerous"

@@ -73,6 +73,12 @@ def _is_zlib(head: bytes) -> bool:
     return len(head) >= 2 and head[0] == 0x78 and (head[0] << 8 | head[1]) % 31 == 0 and not head[1] & 0x20
 
 
+def is_wrapper(head: bytes) -> bool:
+    """``head`` (a member's first bytes) starts a gzip or zlib stream or a 7z archive: scanned as a file of its own
+    when met inside a zip or tar (:meth:`Scanner.member_file`)."""
+    return head.startswith((GZIP_MAGIC, SEVEN_ZIP_MAGIC)) or _is_zlib(head)
+
+
 def _inflate(data: bytes, kind: str, limit: int) -> bytes:
     """At most ``limit`` bytes of the ``gzip`` or ``zlib`` stream ``data``, inflated (a stream that ends early
     raises ``EOFError``)."""
@@ -290,6 +296,9 @@ class Scanner:
         try:
             data = _inflate(bytes(buf), kind, left + 1)
         except (OSError, EOFError, zlib.error) as err:
+            if kind == "zlib" and where:  # two bytes are a weak signature: a member that merely starts like one
+                self.note(f"{where} starts like a zlib stream but does not inflate ({err})")
+                return
             self.record(PickleFinding(label, 0, [], f"the {kind} stream could not be inflated ({err})",
                                       truncated=isinstance(err, EOFError)))
             return
@@ -362,12 +371,12 @@ class Scanner:
 
     def tar_member(self, data: bytes, name: str, label: str, depth: int) -> bool:
         """A tar member that is not a legacy torch record, read by what it is: a config (:meth:`config_member`), a
-        zip or gzip stream (:meth:`member_file`). False when it is none of these (the tar walk reads it as
-        pickles)."""
+        zip, a .npy array, a gzip or zlib stream or a 7z archive (:meth:`member_file`). False when it is none of
+        these (the tar walk reads it as pickles)."""
         if is_config_name(name):
             self.config_member(data, label)
             return True
-        if data.startswith((ZIP_LOCAL, ZIP_EOCD, GZIP_MAGIC)):
+        if data.startswith((ZIP_LOCAL, ZIP_EOCD, NPY_MAGIC)) or is_wrapper(data[:8]):
             self.member_file(data, label, depth + 1)
             return True
         return False
@@ -595,7 +604,8 @@ class Scanner:
         nested = head.startswith(ZIP_LOCAL)
         looks_pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
         npy = head.startswith(NPY_MAGIC)  # an .npz member: an object array holds a pickle
-        if not (is_pickle or nested or looks_pickled or npy) or not self._within_budget(e, label):
+        wrapped = is_wrapper(head)  # a .pkl.gz, a 7z, a zlib joblib dump inside the zip
+        if not (is_pickle or nested or looks_pickled or npy or wrapped) or not self._within_budget(e, label):
             return
         try:
             data = read_member(f, e, label, check_crc=False)
@@ -605,6 +615,9 @@ class Scanner:
         self._check_crc(e, data, label)
         if npy:
             self.npy(data, label, depth)
+            return
+        if wrapped:
+            self.member_file(data, label, depth + 1)
             return
         if nested:
             self.note(f"member {label} is a zip archive; scanned it too")
