@@ -100,7 +100,10 @@ What it does
    * convert+verify (1) / cp + fsync (1)                  (informational)
    * convert (1) / torch mmap load+save_file (1)          (informational)
    * ``--only pairs`` (:mod:`pairs`): scan (1) / picklescan (1) <= 1.0 and inspect (2) / torch meta load (2)
-     <= 0.12 as medians of alternating pairs, each tool in its own clean virtual environment
+     <= 0.12 as medians of alternating pairs, each tool in its own clean virtual environment; then the four inputs
+     of issue 52 (:mod:`bench_pickles`: a 200 MB pickle of bytes blobs, a 524 MB plain pickle of tensors, the same
+     in the legacy format, a folder of 500 small pickles) against picklescan, inspect against the load, ``--jobs 2``
+     against ``--jobs 1``, and ckptool's peak RSS beside 64 MiB + 2 KiB per tensor (the load average beside each)
 
 4. Then the figures of ``benchmarks/figures.py`` (see its docstring), each with its own table: ``load``
    (``load_into`` vs ``torch.load(mmap=True)`` + ``load_state_dict`` and plain ``torch.load`` + ``load_state_dict``
@@ -149,6 +152,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import bench_diff  # benchmarks/ is on sys.path when this file runs as a script
+import bench_pickles
 import figures
 import pairs
 import regression
@@ -658,6 +662,7 @@ def extra_figures(args: argparse.Namespace, workdir: str, files: dict[str, dict[
         tgt.extend(t)
     if args.only == "pairs" or (args.only is None and not args.smoke):  # makes venvs with pip: not in CI's smoke run
         sections.extend(pair_sections(args, files, tgt))
+        sections.extend(pickle_sections(args, workdir, tgt))
     if args.extras:
         here = os.path.dirname(os.path.abspath(__file__))
         rows = []
@@ -669,6 +674,35 @@ def extra_figures(args: argparse.Namespace, workdir: str, files: dict[str, dict[
         sections.append({"title": "extras (benchmarks/bench_*.py; their output is on stderr)",
                          "headers": ["module", "result"], "rows": rows})
     return sections
+
+
+def pickle_sections(args: argparse.Namespace, workdir: str, tgt: list[dict[str, object]]) -> list[dict[str, Any]]:
+    """The four inputs of issue 52 (:mod:`bench_pickles`: a pickle of bytes blobs, a plain pickle of tensors, the
+    legacy format, a folder of small pickles) as alternating pairs against picklescan and the load, then ckptool's
+    peak RSS beside its bound; the targets are appended to ``tgt``."""
+    folder = os.path.join(workdir, "pickles")
+    os.makedirs(folder, exist_ok=True)
+    n = 1 if args.smoke else args.pairs
+    try:
+        comparisons, notes, rss = bench_pickles.figures(folder, 0.02 if args.smoke else 1.0, n, args.smoke, log)
+    finally:
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    for p, limit in zip(comparisons, bench_pickles.TARGETS):
+        value = p.ratio()
+        status = "n/a" if value is None else "PASS" if value <= limit else "FAIL"
+        if value is not None and not p.valid:
+            status = f"{status}, NOT VALID (load > {pairs.QUIET_LOAD})"
+        tgt.append({"figure": f"pickles: {p.name} (median A / median B)", "value": value, "unit": "x",
+                    "target": limit, "status": status})
+    return [
+        {"title": f"plain and legacy pickles, alternating pairs A B (1 warm-up, then {n} pairs; wall s)\n  "
+                  + "\n  ".join(notes),
+         "headers": ["A / B", "A", "B", "median A / median B", "per-pair A/B", "load average (1 min)"],
+         "rows": [p.row() for p in comparisons]},
+        {"title": "plain and legacy pickles: ckptool's peak RSS (one run each) beside the bound of issue 52",
+         "headers": ["run", "peak RSS MiB", "bound MiB"], "rows": rss},
+    ]
 
 
 def pair_sections(args: argparse.Namespace, files: dict[str, dict[str, object]],

@@ -31,10 +31,31 @@ from typing import Any
 from ckptool.errors import RemoteError
 
 __all__ = [
-    "BLOCK", "CHUNK", "REMOTE_EXTRA", "STORE_LIMIT", "CountedReader", "NoRangeSupport", "RangeError", "RangeStore",
-    "StoreCache", "changed_error", "checked_fetcher", "consistent_reads", "count_transferred", "filesystem",
-    "http_file", "object_reads", "pins", "range_store", "remote_info", "short_error", "thread_transferred",
-    "transferred_bytes", "version_stamp",
+    "BLOCK",
+    "CHUNK",
+    "REMOTE_EXTRA",
+    "STORE_LIMIT",
+    "CountedReader",
+    "NoRangeSupport",
+    "RangeError",
+    "RangeStore",
+    "StoreCache",
+    "changed_error",
+    "checked_fetcher",
+    "consistent_reads",
+    "count_transferred",
+    "filesystem",
+    "http_file",
+    "object_reads",
+    "pins",
+    "range_store",
+    "remote_info",
+    "set_timeout",
+    "short_error",
+    "thread_transferred",
+    "timeout",
+    "transferred_bytes",
+    "version_stamp",
 ]
 
 #: the read buffer of a remote reader: the smallest range request (small reads of a zip's local headers and the
@@ -63,6 +84,32 @@ def thread_transferred() -> int:
     return int(getattr(_per_thread, "n", 0))
 
 
+#: seconds an HTTP(S) request may wait to connect, or for its next bytes (``ckptool --timeout``,
+#: ``CKPTOOL_TIMEOUT``); a range request may take this long plus one second per :data:`MIN_RATE` bytes in all
+DEFAULT_TIMEOUT = 10.0
+_timeout: list[float | None] = [None]
+#: bytes per second a range answer must at least bring (a server sending a byte a second fails)
+MIN_RATE = 64 << 10
+
+
+def set_timeout(seconds: float | None) -> None:
+    """Set the per-request timeout of HTTP(S) reads (seconds; None: ``CKPTOOL_TIMEOUT`` or
+    :data:`DEFAULT_TIMEOUT`)."""
+    _timeout[0] = seconds
+
+
+def timeout() -> float:
+    """The per-request timeout of HTTP(S) reads in seconds: :func:`set_timeout`'s, else ``CKPTOOL_TIMEOUT``, else
+    :data:`DEFAULT_TIMEOUT` (an unreadable, non-finite or non-positive ``CKPTOOL_TIMEOUT`` is ignored)."""
+    if _timeout[0] is not None:
+        return _timeout[0]
+    try:
+        env = float(os.environ.get("CKPTOOL_TIMEOUT", ""))
+    except ValueError:
+        return DEFAULT_TIMEOUT
+    return env if 0 < env < 1e6 else DEFAULT_TIMEOUT
+
+
 def filesystem(url: str) -> tuple[Any, str]:
     """``(fsspec filesystem, path in it)`` for ``url``.
 
@@ -73,7 +120,13 @@ def filesystem(url: str) -> tuple[Any, str]:
         import fsspec
         import fsspec.core
 
-        fs, fspath = fsspec.core.url_to_fs(url)
+        options: dict[str, Any] = {}
+        if url.split("://", 1)[0].lower() in ("http", "https"):
+            import aiohttp
+
+            t = timeout()
+            options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=t, sock_read=t)}
+        fs, fspath = fsspec.core.url_to_fs(url, **options)
         return fs, str(fspath)
     except ImportError as e:  # fsspec itself, or the package of the scheme (s3fs, gcsfs, huggingface_hub...)
         what = e.name or "the package fsspec uses for this scheme"
@@ -183,6 +236,23 @@ class NoRangeSupport(RangeError):
     """The server answered a range request with the whole object (status 200): it ignores ``Range``."""
 
 
+async def _bounded(r: Any, n: int) -> bytes:
+    """The body of the aiohttp response ``r``, read up to ``n`` bytes and no further (a server that sends more
+    than the object's or the range's size is refused, never read on into memory).
+
+    Raises:
+        RangeError: more than ``n`` bytes came."""
+    out = bytearray()
+    while True:
+        piece = await r.content.read(min(CHUNK, n + 1 - len(out)))
+        if not piece:
+            return bytes(out)
+        out += piece
+        if len(out) > n:
+            raise RangeError(f"the server sent more than the {n} bytes asked for (its body runs past the object's "
+                             "declared size)")
+
+
 def http_file(fs: Any, url: str, info: dict[str, Any]) -> Any:
     """fsspec's :class:`~fsspec.implementations.http.HTTPFile` for ``url`` (its block cache, :data:`BLOCK`), whose
     range fetch accepts only an exact answer: status 206, ``Content-Range: bytes START-END/SIZE`` naming the
@@ -204,11 +274,19 @@ def http_file(fs: Any, url: str, info: dict[str, Any]) -> Any:
             kwargs = self.kwargs.copy()
             headers = {**kwargs.pop("headers", {}), "Range": f"bytes={start}-{end - 1}",
                        "Accept-Encoding": "identity"}
+            import aiohttp
+
+            t = timeout()
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=t + (end - start) / MIN_RATE, sock_connect=t, sock_read=t)
             r = await self.session.get(self.fs.encode_url(self.url), headers=headers, **kwargs)
             async with r:
                 r.raise_for_status()
+                enc = r.headers.get("Content-Encoding", "identity").strip().lower()
+                if enc not in ("", "identity"):
+                    raise RangeError(f"the server answered a range request with Content-Encoding {enc!r} (asked for "
+                                     "identity): refused, the bytes it would inflate to are not bounded")
                 if r.status == 200 and start == 0 and end == size:  # the whole object asked for, and sent
-                    out_all: bytes = await r.read()
+                    out_all = await _bounded(r, size)
                     if len(out_all) != size:
                         raise RangeError(f"the server sent {len(out_all)} bytes for the whole object of {size}")
                     return out_all
@@ -224,7 +302,7 @@ def http_file(fs: Any, url: str, info: dict[str, Any]) -> Any:
                 for k, v in versions.items():
                     if r.headers.get(k, v) != v:
                         raise changed_error(url, f"{k} {v}", f"{k} {r.headers[k]}")
-                out: bytes = await r.read()
+                out = await _bounded(r, end - start)
             if len(out) != end - start:
                 raise RangeError(f"the server sent {len(out)} bytes for a range of {end - start}")
             return out
@@ -237,7 +315,8 @@ def http_file(fs: Any, url: str, info: dict[str, Any]) -> Any:
                          loop=fs.loop, **kw)
 
 
-def _spooled(fs: Any, fspath: str, url: str, stamp: tuple[int | None, str | None]) -> str:
+def _spooled(fs: Any, fspath: str, url: str, stamp: tuple[int | None, str | None],
+             why: str = "the server ignores Range requests") -> str:
     """The path of a local copy of the object at ``url`` (``stamp``: its size and version tag), for a server that
     ignores ``Range``: the whole object is streamed once (``fs.open(block_size=0)``, fsspec's streaming reader) into
     a temporary file in the system temporary folder, checked to hold ``stamp``'s size, and announced on stderr with
@@ -261,10 +340,13 @@ def _spooled(fs: Any, fspath: str, url: str, stamp: tuple[int | None, str | None
             while piece := src.read(CHUNK):
                 out.write(piece)
                 n += len(piece)
+                if stamp[0] is not None and n > stamp[0]:
+                    break  # more than the declared size: refused below, never spooled on
         count_transferred(n)
         if stamp[0] is not None and n != stamp[0]:
-            raise RemoteError(f"{url}: the server ignores Range requests, and the whole object it sent holds {n} "
-                              f"bytes where its size is {stamp[0]}; nothing was written: run it again", url)
+            held = f"more than {stamp[0]}" if n > stamp[0] else str(n)
+            raise RemoteError(f"{url}: {why}, and the whole object it sent holds {held} bytes where its size is "
+                              f"{stamp[0]}; nothing was written: run it again", url)
         info = remote_info(url, fresh=True)  # the object downloaded is the one first seen, still there
         if info is None or version_stamp(info) != stamp:
             raise changed_error(url, stamp, None if info is None else version_stamp(info))
@@ -272,10 +354,10 @@ def _spooled(fs: Any, fspath: str, url: str, stamp: tuple[int | None, str | None
         with contextlib.suppress(OSError):
             os.unlink(local)
         if isinstance(e, Exception) and not isinstance(e, RemoteError):
-            raise RemoteError(f"reading {url} failed ({short_error(e)}); the server ignores Range requests, so the "
-                              "whole object was being downloaded: check the network and run it again", url) from e
+            raise RemoteError(f"reading {url} failed ({short_error(e)}); {why}, so the whole object was being "
+                              "downloaded: check the network and run it again", url) from e
         raise
-    sys.stderr.write(f"Note: {url}: the server ignores Range requests; downloaded the whole object once ({n} "
+    sys.stderr.write(f"Note: {url}: {why}; downloaded the whole object once ({n} "
                      "bytes) into a temporary file and read it from there\n")
     sys.stderr.flush()
     _spools[key] = local
@@ -305,6 +387,11 @@ def checked_fetcher(f: Any, fs: Any, fspath: str, url: str, stamp: tuple[int | N
         if start >= end:
             return b""
         local = _spools.get((url, stamp))
+        if local is None and stamp[1] is None and type(fs).__name__ == "HTTPFileSystem":
+            # no ETag nor Last-Modified: nothing would tell two versions' ranges apart, so every byte of the object
+            # comes from one response (downloaded once, checked against its size)
+            local = _spooled(fs, fspath, url, stamp, "the server gives neither ETag nor Last-Modified (ranges of two "
+                             "versions could not be told apart)")
         if local is None:
             try:
                 data = fetch(start, end)

@@ -52,6 +52,7 @@ from ckptool._remote import (
     pins,
     range_store,
     remote_info,
+    set_timeout,
     short_error,
     thread_transferred,
     transferred_bytes,
@@ -63,8 +64,8 @@ __all__ = [
     "BLOCK", "CHUNK", "REMOTE_EXTRA", "NoRangeSupport", "RangeError", "RangeView", "bytes_transferred", "changed_error",
     "consistent_reads", "file_size", "holding_versions", "is_remote_file", "is_url", "kind", "leaves_folder",
     "list_objects", "local_copy", "object_reads", "open_binary", "open_regular", "recheck", "refuse_special",
-    "remote_exists", "remote_info", "special_kind", "spool", "thread_bytes_transferred", "upload", "version_key",
-    "version_stamp", "whole_view",
+    "remote_exists", "remote_info", "set_timeout", "special_kind", "spool", "thread_bytes_transferred", "upload",
+    "version_key", "version_stamp", "whole_view",
 ]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
@@ -107,23 +108,64 @@ def kind(path: str) -> str | None:
 LIST_THREADS = 16
 
 
+#: folder levels below the prefix an HTTP listing descends at most (an index page that links ``sub/`` forever)
+MAX_LIST_DEPTH = 64
+#: objects and folders one HTTP listing may find at most (pages of endless distinct links)
+MAX_LISTED = 1_000_000
+
+
+def inside_prefix(link: str, top: str) -> str | None:
+    """``link`` (a URL an index page gave) as the URL it names, its query and fragment dropped and its ``.`` /
+    ``..`` segments resolved (a trailing ``/`` kept), when that is ``top`` or below it on the same server; None
+    when it leads elsewhere (``../../secret/``, ``/secret/``, another host)."""
+    parse = _stdlib("urllib.parse")
+    posix = _stdlib("posixpath")
+    lk, tp = parse.urlsplit(link), parse.urlsplit(top)
+    if (lk.scheme.replace("https", "http"), lk.netloc) != (tp.scheme.replace("https", "http"), tp.netloc):
+        return None
+    path = posix.normpath(lk.path or "/")
+    path = "/" if path in (".", "//") else ("/" + path.lstrip("/"))
+    if lk.path.endswith("/") and not path.endswith("/"):
+        path += "/"
+    base = posix.normpath(tp.path or "/").rstrip("/") + "/"
+    if not (path == base or path == base.rstrip("/") or path.startswith(base)):
+        return None
+    return str(parse.urlunsplit((lk.scheme, lk.netloc, path, "", "")))
+
+
 def _walk_levels(fs: Any, top: str) -> dict[str, dict[str, Any]]:
     """``fs.find(top, detail=True)`` for a filesystem whose ``find`` reads one folder after another (HTTP index
     pages: fsspec's ``_walk`` awaits each subfolder in turn): the folders of each level listed at once, on
-    :data:`LIST_THREADS` threads, each folder once (an index page that links back up lists nothing twice)."""
+    :data:`LIST_THREADS` threads, each folder and object once. A link is followed only inside ``top``
+    (:func:`inside_prefix`: ``..``, ``.``, queries and fragments normalised away; a link out of it is dropped).
+
+    Raises:
+        RemoteError: the folders go deeper than :data:`MAX_LIST_DEPTH` levels or hold more than :data:`MAX_LISTED`
+            entries (an endless listing).
+    """
     found: dict[str, dict[str, Any]] = {}
-    seen, level = {top.rstrip("/")}, [top]
+    seen, level, depth = {top.rstrip("/")}, [top], 0
     with _stdlib("concurrent.futures").ThreadPoolExecutor(LIST_THREADS) as pool:
         while level:
+            depth += 1
+            if depth > MAX_LIST_DEPTH:
+                raise RemoteError(f"listing {top} went deeper than {MAX_LIST_DEPTH} folder levels (an index page "
+                                  "that links further folders without end?); nothing was scanned: give a deeper "
+                                  "prefix", top)
             below = []
             for listing in pool.map(lambda d: fs.ls(d, detail=True), level):
                 for info in listing:
-                    name = str(info["name"])
-                    if info.get("type") != "directory":
-                        found[name] = info
+                    name = inside_prefix(str(info["name"]), top)
+                    if name is None:
+                        continue
+                    if info.get("type") != "directory" and not name.endswith("/"):
+                        found.setdefault(name, {**info, "name": name})
                     elif name.rstrip("/") not in seen:
                         seen.add(name.rstrip("/"))
                         below.append(name)
+                    if len(found) + len(seen) > MAX_LISTED:
+                        raise RemoteError(f"listing {top} found more than {MAX_LISTED} objects and folders (an "
+                                          "endless listing?); nothing was scanned: give a narrower prefix", top)
             level = below
     return found
 
@@ -140,6 +182,8 @@ def list_objects(url: str) -> list[tuple[str, int | None, str | None]]:
     fs, p = filesystem(url)
     try:
         found = _walk_levels(fs, p) if type(fs).__name__ == "HTTPFileSystem" else fs.find(p, detail=True)
+    except RemoteError:
+        raise
     except Exception as e:  # the filesystem's own errors: one clear line
         raise RemoteError(f"cannot list {url} ({short_error(e)}); check the URL, the network and fsspec's credentials "
                           "for it", url) from e

@@ -219,7 +219,7 @@ def test_a_protocol2_file_holding_int_and_str_is_not_dangerous(tmp_path: Path) -
     from ckptool.ops.inspect.entry import inspect as inspect_file
 
     sec = inspect_file(_p2_types_file(tmp_path)).to_dict()["security"]
-    assert sec["level"] == NEEDS_TRUST and not sec["dangerous"]
+    assert sec["verdict"] == NEEDS_TRUST and not sec["dangerous"]
 
 
 def test_torch_writes_and_refuses_the_protocol2_type_values(tmp_path: Path) -> None:

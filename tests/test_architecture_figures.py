@@ -25,7 +25,8 @@ def _figures() -> ModuleType:
 
 
 @pytest.mark.parametrize("figure", ["format-name comparisons", "parser calls", "private imports",
-                                    "complex functions", "modules in ops/", "tensor classes"])
+                                    "complex functions", "modules in ops/", "tensor classes",
+                                    "single-format facts", "upward plug-ins", "format-module imports"])
 def test_figure_within_its_limit(figure: str) -> None:
     figures = _figures()
     found = figures.FIGURES[figure]()
@@ -44,6 +45,9 @@ def test_the_checks_see_what_they_count(tmp_path: Path) -> None:
         "    if fmt == 'dcp' or fmt == detect.TORCH_ZIP:\n"
         "        return read_index(p)\n"
         "    return " + " or ".join(f"(a and b and c and d and e and {i})" for i in range(5)) + "\n"
+        "def g(opened):\n"
+        "    from ckptool.cli.scan import main\n"
+        "    return opened.spec.header, opened.spec.tagged, 'ckptool.cli.inspect:main', main\n"
     )
     planted = figures.PKG / "ops" / "_planted_for_test.py"
     planted.write_text(code, encoding="utf-8")
@@ -54,5 +58,8 @@ def test_the_checks_see_what_they_count(tmp_path: Path) -> None:
         assert any("_planted_for_test" in p and "_Scanner" in p for p in figures.private_imports())
         assert any("_planted_for_test" in p for p in figures.complex_functions())
         assert any("_planted_for_test" in p for p in figures.tensor_classes())
+        assert sum("_planted_for_test" in p for p in figures.single_format_facts()) == 2
+        assert sum("_planted_for_test" in p for p in figures.upward_plugins()) == 2
+        assert sum("_planted_for_test" in p for p in figures.format_module_imports()) == 2
     finally:
         planted.unlink()

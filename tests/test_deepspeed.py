@@ -274,15 +274,16 @@ def test_live_committed_folders_match_deepspeed(case: str, tmp_path: Path, run_c
 
 
 @pytest.mark.slow
-def test_live_regenerated_zero3_two_ranks(tmp_path: Path, run_cli: Any) -> None:
-    """A fresh ZeRO-3 checkpoint from 2 ranks (torch.distributed.run, gloo), larger hidden size, compared with
-    deepspeed live, frozen parameters excluded too."""
+@pytest.mark.parametrize("case", ["zero2-2ranks", "zero3-2ranks"])
+def test_live_regenerated_two_ranks(case: str, tmp_path: Path, run_cli: Any) -> None:
+    """A fresh ZeRO-2 (bfloat16) and ZeRO-3 (float32) checkpoint from 2 ranks (torch.distributed.run, gloo), larger
+    hidden size, compared with deepspeed's zero_to_fp32 live, frozen parameters excluded too."""
     _deepspeed()
     torch = pytest.importorskip("torch")
     sys.path.insert(0, str(REPO / "fixtures"))
     import make_deepspeed
 
-    folder = make_deepspeed.make_case(tmp_path, "zero3-2ranks", hidden=37, oracle=False)
+    folder = make_deepspeed.make_case(tmp_path, case, hidden=37, oracle=False)
     for exclude in (False, True):
         want = make_deepspeed.oracle_state_dict(folder, exclude_frozen=exclude)
         out = tmp_path / f"m{exclude}.pt"

@@ -170,10 +170,10 @@ def test_output_matching_wildcards() -> None:
 
 def test_json_schema_versions_in_the_docs_are_the_commands() -> None:
     """Every ``ckptool.<command>/<N>`` the README and docs name is the schema that command's ``--json`` prints."""
-    from ckptool.cli._common import SCHEMA_VERSION
+    from ckptool.cli._common import schema_name
     from ckptool.ops.inspect.entry import SCHEMA as INSPECT_SCHEMA
 
-    actual = {name: f"ckptool.{name}/{SCHEMA_VERSION}" for name in COMMANDS} | {"inspect": INSPECT_SCHEMA}
+    actual = {name: schema_name(name) for name in COMMANDS} | {"inspect": INSPECT_SCHEMA}
     named = [(page.name, m.group(0), m.group(1)) for page in _doc_pages()
              for m in re.finditer(r"ckptool\.([a-z-]+)/(\d+)", page.read_text(encoding="utf-8"))]
     assert any(name == "inspect" for _, _, name in named)

@@ -417,8 +417,11 @@ def test_opcode_walk_expression_equals_the_walk_in_python(monkeypatch: pytest.Mo
 @pytest.mark.parametrize(("names", "kind"), [
     (["a/data.pkl", "a/data/0", "a/version"], "torch-zip"),
     (["a/data.pkl", "a/constants.pkl", "a/version"], "torchscript"),
-    (["a/data.pkl", "a/code/__torch__/m.py"], "torchscript"),
-    (["data.pkl", "code/m.py"], "torchscript"),
+    # torch hands a zip to torch.jit.load only when it holds constants.pkl (_is_torchscript_zip): code/ beside
+    # data.pkl alone is a torch zip to torch.load, to inspect and to scan (issue 46)
+    (["a/data.pkl", "a/code/__torch__/m.py"], "torch-zip"),
+    (["data.pkl", "code/m.py"], "torch-zip"),
+    (["a/data.pkl", "a/constants.pkl", "a/code/__torch__/m.py"], "torchscript"),
     (["a/data.pkl", "a/b/constants.pkl", "a/b/code/x"], "torch-zip"),  # only one folder deep counts
     (["a/data.pkl", "a/xconstants.pkl", "a/mycode/x", "a/constants.pkl.bak"], "torch-zip"),
     (["a/data.pkl", "a/constants.pkl\nb/x"], "torch-zip"),  # a name holding a newline: read name by name

@@ -360,7 +360,7 @@ def test_values_json(generated: dict[str, Path], run_cli) -> None:
     r = run_cli("inspect", "--json", generated["lightning_cuda0.pt"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
-    assert d["schema"] == "ckptool.inspect/2"
+    assert d["schema"] == "ckptool.inspect/3"
     assert {"path", "format", "kind", "size", "tensors", "devices", "storage_bytes", "state_dicts", "globals",
             "storages", "metadata", "security", "totals", "total_bytes", "values", "values_complete"} <= set(d)
     assert {"path": "epoch", "type": "int", "value": 4} in d["values"]
@@ -533,6 +533,6 @@ def test_inspect_security_level_agrees_with_scan(generated: dict[str, Path], rea
 
     for path in (generated["model_full_cuda0.pt"], generated["sd_cpu.pt"], real_dir / "lpips-v0.1-alex.pth"):
         sec = ckptool.inspect(path).to_dict()["security"]
-        assert sec["level"] == scan_file(path).level, path
+        assert sec["verdict"] == scan_file(path).verdict and "level" not in sec, path
     full = ckptool.inspect(generated["model_full_cuda0.pt"]).to_dict()["security"]
-    assert full["level"] == "needs-trust" and full["needs_trust"]
+    assert full["verdict"] == "needs-trust" and full["needs_trust"]

@@ -1,5 +1,5 @@
 """``inspect`` recognises the format once (:func:`ckptool.readers.open_checkpoint`) and dispatches on it
-(:attr:`ckptool.readers.Format.describer`): one describer per registry format, a pickle read once through
+(:data:`ckptool.ops.inspect.entry.DESCRIBE`): one describer per registry format, a pickle read once through
 :meth:`ckptool.readers.Opened.graph`, a ``.pt2`` archive scanned once."""
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ pytestmark = pytest.mark.torchfree
 
 
 def test_a_describer_for_every_registry_format() -> None:
-    assert all(callable(f.behaviour("describe")) for f in readers.FORMATS.values())
+    from ckptool.ops.inspect.entry import DESCRIBE
+
+    assert all(callable(DESCRIBE.get(name)) for name in readers.FORMATS)
 
 
 def _no_second_read(monkeypatch: pytest.MonkeyPatch) -> None:

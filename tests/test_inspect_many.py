@@ -59,7 +59,7 @@ def test_folder_with_a_bad_file_jsonl_rows_are_the_single_json(tmp_path: Path, r
     rows = _rows(r.output)
     assert sorted(rows) == sorted([str(tmp_path / "broken.pt"), *(str(tmp_path / p) for p in formats)])
     bad = rows.pop(str(tmp_path / "broken.pt"))
-    assert set(bad) == {"schema", "path", "error"} and bad["schema"] == "ckptool.inspect/2"
+    assert set(bad) == {"schema", "path", "error"} and bad["schema"] == "ckptool.inspect/3"
     single_bad = run_cli("inspect", tmp_path / "broken.pt", "--json")
     assert single_bad.exit_code == 1 and bad["error"] in single_bad.output
     for rel, fmt in formats.items():

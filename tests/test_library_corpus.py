@@ -81,7 +81,7 @@ def test_inspect_file(corpus: dict[str, Path], run_cli: Any, name: str) -> None:
     assert set(rows) == set(ref)
     for k, t in ref.items():
         assert (rows[k]["shape"], rows[k]["dtype"]) == (list(t.shape), str(t.dtype).removeprefix("torch.")), k
-    assert d["security"]["level"] == "safe"
+    assert d["security"]["verdict"] == "safe"
 
 
 @pytest.mark.parametrize("name", [*SETS])

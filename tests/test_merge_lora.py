@@ -139,6 +139,26 @@ def test_half_adapter_equals_peft(tmp_path: Path, dtype: str) -> None:
     assert not torch.equal(_bits(once), _bits(ours[k]))
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("adapter_dtype", ["float32", "half"])
+def test_half_precision_with_an_uneven_scaling_equals_peft(tmp_path: Path, kind: str, dtype: str,
+                                                           adapter_dtype: str) -> None:
+    """A scaling that is not a power of two (rsLoRA's ``alpha / sqrt(r)`` = 3 / sqrt(8)) in a half-precision model,
+    with a float32 adapter and one saved in the half dtype: every rounding step of PEFT's order of operations
+    (``B @ A``, times scaling, to the delta's dtype, added to ``W``, to ``W``'s dtype) shows in the bits; with a
+    power-of-two scaling (the defaults' 2.0) scaling before or after a rounding gives the same bits, so the other
+    tests cannot tell the order apart."""
+    autocast = adapter_dtype == "float32"
+    options = {"use_rslora": True, "r": 8, "lora_alpha": 3}
+    base, adapter = make_lora.make(tmp_path, kind, dtype, autocast_adapter_dtype=autocast, **options)
+    ref = make_lora.peft_merged(base, adapter, tmp_path / "ref", dtype, autocast_adapter_dtype=autocast)
+    res = ckptool.merge_lora(base, adapter, tmp_path / "out.safetensors")
+    assert set(res.merged.values()) == {3 / 8 ** 0.5}
+    assert _same_bits(safetensors_torch.load_file(tmp_path / "out.safetensors"),
+                      safetensors_torch.load_file(ref / "model.safetensors")) == []
+
+
 def test_other_base_formats(tmp_path: Path) -> None:
     """A torch zip ``.pt`` base with a ``transformer.``-less key set (GPT2Model inside), a sharded set, and a
     ``.pt`` output: the same merged tensors."""

@@ -31,6 +31,8 @@ NAMES = {"linear": "linear", "task-arithmetic": "task_arithmetic", "ties": "ties
 
 def _mergekit() -> str:
     exe = os.environ.get("CKPTOOL_MERGEKIT") or shutil.which("mergekit-yaml")
+    if os.environ.get("CKPTOOL_MERGEKIT") and not os.path.exists(exe or ""):  # asked for, and missing: no skip
+        pytest.fail(f"CKPTOOL_MERGEKIT={exe} does not exist")
     if not exe or not os.path.exists(exe):
         pytest.skip("mergekit-yaml not found (set CKPTOOL_MERGEKIT to its path)")
     return exe

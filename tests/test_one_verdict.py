@@ -63,11 +63,11 @@ def _check(path: Path, tmp_path: Path) -> list[str]:
         assert g.level in LEVELS
         if g.name in scan and g.level not in scan[g.name]:
             bad.append(f"inspect rates {g.name} {g.level}, scan {sorted(scan[g.name])}")
-    if info.scan is not None and info.security()["level"] != info.scan.level:
-        bad.append(f"inspect's level {info.security()['level']} is not scan's {info.scan.level}")
+    if info.scan is not None and info.security()["verdict"] != info.scan.verdict:
+        bad.append(f"inspect's verdict {info.security()['verdict']} is not scan's {info.scan.verdict}")
     verdict, named = _report_levels(render_html(info))
-    if info.scan is not None and verdict != info.scan.level:
-        bad.append(f"report says {verdict}, scan {info.scan.level}")
+    if info.scan is not None and verdict != info.scan.verdict:
+        bad.append(f"report says {verdict}, scan {info.scan.verdict}")
     for name, levels in scan.items():
         shown = named.get(name, SAFE)
         if shown not in levels and max(levels, key=LEVELS.index) != shown:

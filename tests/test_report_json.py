@@ -1,5 +1,5 @@
 """``ckptool report --json`` (issue 37, item 4): the page is written and what it summarises is printed as one JSON
-object (``"schema": "ckptool.report/1"``), the same figures the page shows; ``report --help`` names the default
+object (``"schema": "ckptool.report/2"``), the same figures the page shows; ``report --help`` names the default
 output as it is made (``model.pth -> model.report.html``)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_report_json_prints_the_figures_of_the_page(pair: tuple[Path, Path], tmp
     r = CliRunner().invoke(cli, ["report", str(a), str(b), "-o", str(out), "--json"])
     assert r.exit_code == 0, r.output
     got = json.loads(r.output)
-    assert got["schema"] == "ckptool.report/1" and got["dst"] == str(out) and got["compared"] is True
+    assert got["schema"] == "ckptool.report/2" and got["dst"] == str(out) and got["compared"] is True
     assert got["bytes_written"] == out.stat().st_size
     sd = _blocks()
     side = got["a"]

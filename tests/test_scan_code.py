@@ -89,7 +89,7 @@ def test_native_library_anywhere_whatever_its_name(tmp_path: Path) -> None:
     res = scan_file(tmp_path / "a.zip")
     assert [(c.member, c.kind, c.level, c.detail) for c in res.code] == [
         ("docs/readme.txt", "native-library", DANGEROUS, "ELF 64-bit shared library for x86-64")]
-    assert res.verdict == DANGEROUS and res.exit_code == 1 and res.strict_verdict == "unsafe"
+    assert res.verdict == DANGEROUS and res.exit_code == 1 and res.strict_exit_code == 1
     (tmp_path / "pe.zip").write_bytes(_zip({"x/tool.dat": _pe(0xAA64, 0x0002, 0x20B), "b.pkl": hc.benign_pickle()}))
     assert [c.detail for c in scan_file(tmp_path / "pe.zip").code] == ["PE 64-bit executable for ARM64"]
 
@@ -170,7 +170,7 @@ def test_builtin_torchscript_needs_trust_with_its_reason(tmp_path: Path) -> None
     res = scan_file(_torchscript(tmp_path, "def forward(self, x):\n  return ops.quantized.add(torch.relu(x))\n"))
     assert [(c.member, c.kind, c.level) for c in res.code] == [("archive/code/", "torchscript", NEEDS_TRUST)]
     assert "built-in ops (aten, quantized) only" in res.code[0].reason
-    assert res.verdict == NEEDS_TRUST and res.strict_verdict == "unsafe"
+    assert res.verdict == NEEDS_TRUST and res.strict_exit_code == 1
 
 
 @pytest.mark.parametrize(("code", "op"), [
@@ -235,7 +235,7 @@ def test_json_sarif_inspect_and_text_carry_member_and_kind(tmp_path: Path, real_
     r = run_cli("scan", path)
     assert r.exit_code == 1 and "code (DANGEROUS, native-library): lib/x.bin:" in r.output
     sec = inspect(real_dir / "silero-vad.jit").to_dict()["security"]
-    assert sec["level"] == NEEDS_TRUST and [c["kind"] for c in sec["code"]] == ["torchscript"]
+    assert sec["verdict"] == NEEDS_TRUST and [c["kind"] for c in sec["code"]] == ["torchscript"]
 
 
 def test_combined_results_prefix_the_part(tmp_path: Path) -> None:

@@ -67,7 +67,7 @@ def test_a_dcp_folder_written_by_torch_is_safe(dcp_folder: Path, run_cli) -> Non
     for name in (".metadata", "__0_0.distcp"):
         part = scan_file(dcp_folder / name)
         assert part.verdict == SAFE, (name, part.error, part.unsafe)
-    assert inspect(dcp_folder).to_dict()["security"]["scan_verdict"] == SAFE
+    assert inspect(dcp_folder).to_dict()["security"]["verdict"] == SAFE
 
 
 def test_a_folder_walk_scans_a_dcp_folder_as_one(dcp_folder: Path, tmp_path: Path, run_cli) -> None:
@@ -94,7 +94,7 @@ def test_a_payload_in_dcp_metadata_is_dangerous(dcp_folder: Path, tmp_path: Path
     assert res.verdict == DANGEROUS and res.exit_code == 1
     (bad,) = [g for g in res.globals if g.status == DANGEROUS]
     assert bad.name in ("posix.system", "os.system") and bad.where == [".metadata"]
-    assert inspect(folder).to_dict()["security"]["scan_verdict"] == DANGEROUS
+    assert inspect(folder).to_dict()["security"]["verdict"] == DANGEROUS
     assert not os.path.exists(MARKER)
 
 
@@ -179,10 +179,10 @@ def test_sharded_bin_set(tmp_path: Path, run_cli) -> None:
     (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
     r = run_cli("scan", folder)
     assert r.exit_code == 0 and "2 files: 2 safe" in r.output
-    assert inspect(folder).to_dict()["security"]["scan_verdict"] == SAFE
+    assert inspect(folder).to_dict()["security"]["verdict"] == SAFE
     torch.save({"b.weight": torch.zeros(3), "evil": Payload()}, folder / "pytorch_model-00002-of-00002.bin")
     sec = inspect(folder).to_dict()["security"]
-    assert sec["scan_verdict"] == DANGEROUS
+    assert sec["verdict"] == DANGEROUS
     assert sec["dangerous"][0]["where"] == ["pytorch_model-00002-of-00002.bin!pytorch_model-00002-of-00002/data.pkl"]
     assert run_cli("scan", folder).exit_code == 1
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import ckptool
-from ckptool.ops.scan.cache import ScanCache, result_from_dict
+from ckptool.ops.scan.cache import ScanCache, local_version, result_from_dict
 
 pytestmark = pytest.mark.torchfree
 
@@ -173,7 +173,7 @@ def test_two_concurrent_runs_share_one_cache(tmp_path: Path) -> None:
     cache = ScanCache(db)
     try:
         st = (folder / "m005" / "model.pt").stat()
-        found, res = cache.get(ScanCache.key(str(folder / "m005" / "model.pt"), st.st_size, str(st.st_mtime_ns)))
+        found, res = cache.get(ScanCache.key(str(folder / "m005" / "model.pt"), st.st_size, local_version(st)))
     finally:
         cache.close()
     assert found and res is not None and res.verdict == "dangerous"

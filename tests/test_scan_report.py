@@ -145,7 +145,7 @@ def test_cli_sarif_keeps_the_exit_status(folder: Path, run_cli) -> None:
     r = run_cli("scan", "--json", "--format", "sarif", folder)
     assert r.exit_code == 2 and r.output.startswith("Error: ")
     r = run_cli("scan", "--format", "json", folder / "models" / "ok.pkl")
-    assert r.exit_code == 0 and json.loads(r.output)["schema"] == "ckptool.scan/1"
+    assert r.exit_code == 0 and json.loads(r.output)["schema"] == "ckptool.scan/2"
 
 
 def test_a_folder_is_scanned_recursively_with_a_summary_table(folder: Path, run_cli) -> None:

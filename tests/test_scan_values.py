@@ -208,5 +208,5 @@ def test_inspect_agrees_with_scan_on_a_value(tmp_path: Path, run_cli: Any) -> No
     data = json.loads(r.output)
     security = data["security"]
     assert "typing.Any" in security["needs_trust"] and not security["dangerous"], security
-    assert security["scan_verdict"] == "needs-trust"
+    assert security["verdict"] == "needs-trust"
     assert "DANGEROUS" not in run_cli("inspect", p).output

@@ -54,7 +54,8 @@ SCAN_ZIP_MODULES = {
 #: scan command) and the readers layer with the torch zip reader, the node graph walks, the tensor model, the
 #: inspect operation (describer of pickled files, totals, values, advice) and the printers it needs. The other
 #: formats' readers and describers are registry plug-ins, imported when met, and so are the module tree and its
-#: HTML (``--tree``, Jupyter); issue 41 took this set from 73 modules to 54.
+#: HTML (``--tree``, Jupyter); issue 41 took this set from 73 modules to 54; issue 46 added the reader base class
+#: (``readers.reader``: the torch zip's ``PickledReader`` derives from it).
 INSPECT_ZIP_MODULES = (SCAN_ZIP_MODULES - {"ckptool.cli.scan"}) | {
     "ckptool.cli.inspect",
     "ckptool.formats.segments", "ckptool.formats.strided", "ckptool.formats.torchfile",
@@ -63,7 +64,8 @@ INSPECT_ZIP_MODULES = (SCAN_ZIP_MODULES - {"ckptool.cli.scan"}) | {
     "ckptool.ops.inspect", "ckptool.ops.inspect.advice", "ckptool.ops.inspect.entry", "ckptool.ops.inspect.info",
     "ckptool.ops.inspect.json_rows", "ckptool.ops.inspect.pickles", "ckptool.ops.inspect.totals",
     "ckptool.ops.inspect.values",
-    "ckptool.readers", "ckptool.readers.read_torch", "ckptool.readers.registry", "ckptool.readers.support",
+    "ckptool.readers", "ckptool.readers.read_torch", "ckptool.readers.reader", "ckptool.readers.registry",
+    "ckptool.readers.support",
 }
 
 #: the third-party packages neither command imports: torch, numpy, the table printer, the progress bar, fsspec;

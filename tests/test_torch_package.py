@@ -92,7 +92,7 @@ def test_inspect_lists_the_tensors_of_each_pickle(packages: dict[str, Path]) -> 
         ("weights/sd.pkl", "weights", "sd.pkl", "state_dict", 1),
         ("weights/half/gpu.pkl", "weights.half", "gpu.pkl", "state_dict", 1)]
     assert info.package["modules"] == [] and "torch" in info.package["extern_modules"]
-    assert info.security()["level"] == "safe"
+    assert info.security()["verdict"] == "safe"
 
 
 def test_inspect_model_package_lists_modules_and_dangerous_verdict(packages: dict[str, Path], tmp_path: Path,
@@ -109,7 +109,7 @@ def test_inspect_model_package_lists_modules_and_dangerous_verdict(packages: dic
     assert info.package["resources"][0]["kind"] == "full_model"
     assert f"{MODULE}.Net" in info.package["resources"][0]["globals"]
     sec = info.security()
-    assert sec["level"] == "dangerous"
+    assert sec["verdict"] == "dangerous"
     assert [(c["kind"], c["detail"]) for c in sec["code"]] == [("python-module", MODULE)]
     # the fixture is live: torch's own loader runs the shipped module
     PackageImporter(str(packages["model"])).load_pickle("model", "model.pkl")
@@ -131,7 +131,7 @@ def test_cli_text_and_json(packages: dict[str, Path], run_cli, monkeypatch: pyte
     assert d["format"] == "torch-package" and d["package"]["resources"][0]["member"] == "weights/sd.pkl"
     assert {t["key"]: (t["shape"], t["dtype"], t["device"]) for t in d["tensors"]} == {
         "weights/sd.pkl:w": ([2, 3], "float32", "cpu"), "weights/half/gpu.pkl:b": ([4], "float16", "cuda:0")}
-    assert d["security"]["level"] == "safe"
+    assert d["security"]["verdict"] == "safe"
     assert MODULE not in sys.modules and not marker.exists()
 
 

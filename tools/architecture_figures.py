@@ -4,14 +4,24 @@ Each figure is computed from the source tree alone (``ast`` and radon), so it ca
 
 - ``format-name comparisons``: ``==`` / ``!=`` / ``in`` / ``not in`` against a string that is a format name
   (``FORMAT_NAMES``) or a constant holding one (``detect.TORCH_ZIP``, ...), and dict literals keyed by two or more
-  of them (per-format tables), outside ``ckptool/readers`` and ``ckptool/formats``;
+  of them (per-format tables), outside ``ckptool/readers``, ``ckptool/writers`` (the registries) and
+  ``ckptool/formats``;
 - ``parser calls``: calls of a format parser (``PARSERS`` below: detection, headers, zip directories, indexes, DCP
   metadata, pickles), by its name or through its module (not a method of an object, such as ``Opened``'s cached
   readers), outside ``ckptool/readers``, ``ckptool/formats`` and scan's byte-level walk (``ckptool/ops/scan``);
 - ``private imports``: ``from X import _name`` inside ``ckptool`` where ``_name`` is not a module;
 - ``complex functions``: functions and methods of cyclomatic complexity above 20 as radon counts it (grade D or worse);
 - ``modules in ops/``: the ``.py`` files directly in ``ckptool/ops`` (``__init__.py`` aside);
-- ``tensor classes``: classes whose name holds Tensor, Storage, Piece, Segment or Chunk.
+- ``tensor classes``: classes whose name holds Tensor, Storage, Piece, Segment or Chunk;
+- ``single-format facts``: reads of a registry fact that is true for exactly one format (``SINGLE_FORMAT_FACTS``:
+  ``spec.header`` = safetensors, ``spec.tagged`` = DeepSpeed, ``spec.torch_distributed`` / ``spec.dcp`` = DCP,
+  ``spec.consolidate``, ``spec.rewriter``) in ``ckptool/ops``, ``ckptool/torch_ops`` and ``ckptool/cli``: what
+  differs by format is a method of its reader, not a fact the caller tests (issue 46);
+- ``upward plug-ins``: ``"ckptool.module:function"`` strings and imports inside functions that name a module of a
+  higher layer than the one they are in (``LAYERS``, the import-linter contract's order), which import-linter
+  cannot see (issue 46: the layers above register their plug-ins, :class:`ckptool.readers.registry.Role`);
+- ``format-module imports``: import lines in ``ckptool/ops``, ``ckptool/torch_ops`` and ``ckptool/cli`` that name a
+  format's own module (``FORMAT_MODULES``) rather than the shared tensor model, the readers or the writers.
 
 Usage: ``python tools/architecture_figures.py [--check] [--list]``.
 """
@@ -43,6 +53,15 @@ PARSERS = {
     "is_checkpoint_set", "set_kind", "load_structure", "load_pickle_at", "zip_entries", "resolve_zip_offsets",
     "read_zero", "torch_end_record", "zipfile_end_record", "read_member", "member_buffer", "read_byteorder",
 }
+#: registry facts that are true for exactly one format (or one family): tested by a caller, they are a format switch
+SINGLE_FORMAT_FACTS = {"header", "tagged", "torch_distributed", "consolidate", "dcp", "rewriter"}
+#: the layers, highest first (pyproject.toml's import-linter contract): a plug-in string names a module of its own
+#: layer or a lower one
+LAYERS = ["cli", "demo", "ops", "torch_ops", "readers", "model", "formats"]
+#: the modules of one format each (or of the pickle machinery only the readers and writers use)
+FORMAT_MODULES = {"safetensors", "torchfile", "torchzip", "zipdir", "dcp", "sharded", "pickler", "pickle_check",
+                  "unpickler", "strided", "segments", "detect", "torch_package"}
+PLUGIN_REF = re.compile(r"^ckptool\.([a-z_]+)(?:\.[A-Za-z_.]+)?(?::[A-Za-z_]+)?$")
 LIMITS = {
     "format-name comparisons": 0,
     "parser calls": 0,
@@ -50,6 +69,9 @@ LIMITS = {
     "complex functions": 0,
     "modules in ops/": 12,
     "tensor classes": 8,
+    "single-format facts": 1,
+    "upward plug-ins": 1,
+    "format-module imports": 26,
 }
 MAX_COMPLEXITY = 20
 TENSOR_CLASS = re.compile(r"Tensor|Storage|Piece|Segment|Chunk")
@@ -94,7 +116,7 @@ def _names_format(node: ast.AST, modules: set[str]) -> bool:
 def format_comparisons() -> list[str]:
     found = []
     for p in _modules():
-        if not _outside(p, "readers", "formats"):
+        if not _outside(p, "readers", "formats", "writers"):
             continue
         tree = ast.parse(p.read_text(encoding="utf-8"))
         modules = _module_names(tree)
@@ -197,6 +219,66 @@ def tensor_classes() -> list[str]:
     ]
 
 
+def _layer(rel: str) -> int | None:
+    """The rank of the layer a module (``ops/scan/entry.py`` or ``ckptool.ops.scan.entry``) is in, 0 highest."""
+    top = rel.replace(".", "/").split("/")[0]
+    return LAYERS.index(top) if top in LAYERS else None
+
+
+def single_format_facts() -> list[str]:
+    found = []
+    for p in _modules():
+        if _outside(p, "ops", "torch_ops", "cli"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in SINGLE_FORMAT_FACTS:
+                owner = node.value
+                if (isinstance(owner, ast.Name) and owner.id == "spec") or (
+                        isinstance(owner, ast.Attribute) and owner.attr == "spec"):
+                    found.append(f"{_rel(p)}:{node.lineno} spec.{node.attr}")
+    return found
+
+
+def upward_plugins() -> list[str]:
+    found = []
+    for p in _modules():
+        here = _layer(p.relative_to(PKG).as_posix())
+        if here is None:
+            continue
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names: list[tuple[int, str]] = []
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and PLUGIN_REF.match(node.value):
+                names.append((node.lineno, node.value))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.ImportFrom) and sub.module and sub.module.startswith("ckptool."):
+                        names.append((sub.lineno, sub.module))
+                    elif isinstance(sub, ast.Import):
+                        names.extend((sub.lineno, a.name) for a in sub.names if a.name.startswith("ckptool."))
+            for line, name in names:
+                there = _layer(name.split(":")[0].removeprefix("ckptool."))
+                if there is not None and there < here:
+                    found.append(f"{_rel(p)}:{line} {name}")
+    return sorted(set(found))
+
+
+def format_module_imports() -> list[str]:
+    found = []
+    for p in _modules():
+        if _outside(p, "ops", "torch_ops", "cli"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            mods: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            if any(m.startswith("ckptool.formats.") and m.split(".")[2] in FORMAT_MODULES for m in mods):
+                found.append(f"{_rel(p)}:{node.lineno}")
+    return found
+
+
 FIGURES = {
     "format-name comparisons": format_comparisons,
     "parser calls": parser_calls,
@@ -204,6 +286,9 @@ FIGURES = {
     "complex functions": complex_functions,
     "modules in ops/": ops_modules,
     "tensor classes": tensor_classes,
+    "single-format facts": single_format_facts,
+    "upward plug-ins": upward_plugins,
+    "format-module imports": format_module_imports,
 }
 
 

@@ -31,7 +31,7 @@ from typing import IO, Any, NamedTuple
 import click
 
 from ckptool._gc import skip_final_collection
-from ckptool._source import consistent_reads
+from ckptool._source import consistent_reads, set_timeout
 from ckptool.cli._errors import (
     EXIT_BUG,
     EXIT_FAILURE,
@@ -41,7 +41,7 @@ from ckptool.cli._errors import (
     EXIT_USAGE,
     describe_error,
 )
-from ckptool.cli._flags import common_options, is_quiet, muted_stdout, output_of
+from ckptool.cli._flags import common_options, is_quiet, muted_stdout, output_of, remove_made_folders
 
 
 class CommandInfo(NamedTuple):
@@ -131,6 +131,11 @@ Exit status:
 def _set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
     if value:
         ctx.meta[_DEBUG] = True
+
+
+def _set_timeout(value: float | None) -> None:
+    if value is not None:
+        set_timeout(value)
 
 
 def is_debug(ctx: click.Context | None) -> bool:
@@ -304,7 +309,11 @@ class CkptGroup(click.Group):
             fio.forget_commits()
         try:
             with consistent_reads():  # one command reads one version of each remote object
-                return super().invoke(ctx)
+                try:
+                    return super().invoke(ctx)
+                except BaseException:
+                    remove_made_folders(ctx)
+                    raise
         except click.UsageError as e:  # the command's own arguments, or an unknown command
             raise _one_line(e) from None
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
@@ -329,6 +338,11 @@ class CkptGroup(click.Group):
 @click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
               help="Show full tracebacks instead of one-line errors; also accepted after the command "
                    "(or set CKPTOOL_DEBUG=1).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True, max=1e6), default=None, metavar="SECONDS",
+              expose_value=False, callback=lambda _c, _p, v: _set_timeout(v),
+              help="Seconds an HTTP(S) request may wait to connect or for its next bytes (a range read also fails "
+                   "under 64 KiB/s); an object that times out is an error of its own. Default 10, or "
+                   "CKPTOOL_TIMEOUT.")
 def cli() -> None:
     """Make PyTorch checkpoints portable between machines, devices and model wrappers.
 

@@ -21,13 +21,15 @@ import click
 from ckptool import _source as source
 from ckptool.cli._flags import is_quiet as is_quiet  # re-exported: command modules import only from here
 from ckptool.cli._flags import muted_stdout as muted_stdout
+from ckptool.cli._flags import output_folder_for
 from ckptool.cli._flags import progress_wanted as progress_wanted
 from ckptool.cli._flags import set_output as set_output
-from ckptool.errors import CkptError, UsageError
+from ckptool.errors import CkptError
 from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND
 from ckptool.model.devices import DEVICE_HELP, parse_mapping
 from ckptool.model.units import human_bytes as human_bytes
 from ckptool.model.units import wrote_line
+from ckptool.writers import Output, is_folder_form, refuse_replacing, resolve_output
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -48,8 +50,9 @@ def output_options(f: F) -> F:
     f = force_option(f)
     f = click.option("--in-place", is_flag=True,
                      help="Replace SRC itself (atomically) instead of writing a new file.")(f)
-    return click.option("-o", "--output", "dst", type=click.Path(dir_okay=False),
-                        help="Output file. Default: next to SRC with the operation in the name.")(f)
+    return click.option("-o", "--output", "dst", type=click.Path(),
+                        help="Output file, or a folder (OUT/) to hold it under SRC's name (docs/outputs.md). "
+                             "Default: next to SRC with the operation in the name.")(f)
 
 
 def _shard_jobs(ctx: click.Context, _param: click.Parameter, jobs: int) -> None:
@@ -83,7 +86,8 @@ def set_output_options(f: F) -> F:
     f = click.option("--in-place", is_flag=True,
                      help="Replace SRC itself (atomically) instead of writing a new file (not for sharded sets).")(f)
     return click.option("-o", "--output", "dst", type=click.Path(),
-                        help="Output file. Default: next to SRC with the operation in the name. For a sharded set "
+                        help="Output file, or a folder (OUT/) to hold it under SRC's name (docs/outputs.md). "
+                             "Default: next to SRC with the operation in the name. For a sharded set "
                              "(*.index.json or its folder): a folder (created), or NAME.safetensors.index.json / "
                              "NAME.bin.index.json; for a model folder holding one weights file: a folder (created; "
                              "the other files copied), or a file name (that file alone); default for both: the "
@@ -185,9 +189,17 @@ def report_rename(res: RenameResult) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ --json
-#: the version of every ``--json`` schema (``"schema": "ckptool.<command>/1"``); raised when a field changes meaning
-#: or goes away (new fields keep the version)
+#: the version of a ``--json`` schema (``"schema": "ckptool.<command>/1"``); raised when a field changes meaning
+#: or goes away (new fields keep the version): :data:`SCHEMA_VERSIONS` lists the commands past 1 (CHANGELOG.md)
 SCHEMA_VERSION = 1
+#: the commands whose ``--json`` schema is past :data:`SCHEMA_VERSION`: scan and report 2 (one ``verdict``, the
+#: ``level`` / ``unsafe`` words gone)
+SCHEMA_VERSIONS: dict[str, int] = {"scan": 2, "report": 2}
+
+
+def schema_name(command: str) -> str:
+    """``ckptool.<command>/<version>``, the ``"schema"`` of ``command``'s ``--json`` object."""
+    return f"ckptool.{command}/{SCHEMA_VERSIONS.get(command, SCHEMA_VERSION)}"
 
 
 def json_option(command: str) -> Callable[[F], F]:
@@ -195,13 +207,13 @@ def json_option(command: str) -> Callable[[F], F]:
     report (see :func:`emit_json`)."""
     return click.option("--json", "as_json", is_flag=True,
                         help=f"Print one JSON object instead of the report: \"schema\": "
-                             f"\"ckptool.{command}/{SCHEMA_VERSION}\" plus the result fields.")
+                             f"\"{schema_name(command)}\" plus the result fields.")
 
 
 def emit_json(command: str, payload: dict[str, Any]) -> None:
     """Print ``{"schema": "ckptool.<command>/1", **payload}`` on stdout (also with ``--quiet``); a value JSON has no
     type for (a path) is written as its string."""
-    click.echo(json.dumps({"schema": f"ckptool.{command}/{SCHEMA_VERSION}", **payload}, indent=2, default=str))
+    click.echo(json.dumps({"schema": schema_name(command), **payload}, indent=2, default=str))
 
 
 def retagged_list(retagged: dict[tuple[str, str], int]) -> list[dict[str, Any]]:
@@ -248,19 +260,59 @@ ZIP_NEEDS_SEEK = ("torch's zip format is written with seeks (record headers are 
                   "directory points back into the file)")
 
 
-def claim_output(path: str, *, force: bool, in_place: bool = False) -> str:
+def claim_output(path: str, *, force: bool, in_place: bool = False, given: str | None = None) -> str:
     """Check the output ``path`` a command is about to write and remember it for the ``Interrupted: ...`` line.
 
-    An existing file is refused unless ``force`` (or ``in_place``: the source is the output by request).
+    An existing file is refused unless ``force`` (or ``in_place``: the source is the output by request). ``given``:
+    the user's ``-o`` when the command already resolved it to ``path`` (a rewrite of one file into the folder
+    ``-o NAME/``: :func:`ckptool.ops.rewrite.stream.output_path`); that folder is made when missing, and removed
+    again when the command fails.
 
     Raises:
         UsageError: ``path`` exists and neither ``force`` nor ``in_place`` was given.
     """
-    exists = source.kind(path) == "file" if source.is_url(path) else os.path.isfile(path)
-    if not (force or in_place) and exists:
-        raise UsageError(f"output {path} exists; pass --force to replace it, or choose another -o path")
+    refuse_replacing(Output(path, path, None, None), force=force or in_place)
+    if given is not None and is_folder_form(given) and not is_folder_form(path):
+        output_folder_for(path)
     set_output(path)
     return path
+
+
+def claim_set(dst: str, *, force: bool, source_is_folder: bool = False) -> str:
+    """Check the output ``dst`` of a command that writes a folder itself when ``dst`` names one (``merge-lora``):
+    in a folder, the set named as the format's ``model.safetensors`` / ``pytorch_model.bin`` must not be there
+    unless ``force`` (other files in the folder are never touched); a file is checked as :func:`claim_output`
+    does. Returns ``dst``.
+
+    Raises:
+        UsageError: something would be replaced and ``force`` was not given; a suffix that names no format.
+    """
+    out = resolve_output(dst, source_is_folder=source_is_folder)
+    refuse_replacing(out, force=force)
+    set_output(dst)
+    return dst
+
+
+def claim_target(dst: str, *, force: bool, file_name: str | None = None, fmt: str | None = None,
+                 default_format: str | None = None, checkpoint: bool = True) -> str:
+    """Resolve the user's ``-o dst`` (:func:`ckptool.writers.resolve_output`, the rules of ``docs/outputs.md``),
+    check it as :func:`claim_output` does and return the file to write.
+
+    A ``dst`` that names a folder (``out/``, an existing folder, a name without suffix) holds the file
+    ``file_name`` (default: the format's ``model.safetensors`` / ``pytorch_model.bin``), the folder made when
+    missing (and removed again when the command fails). An existing file, or in a folder a file of the set of that
+    name, is refused unless ``force``; other files in the folder are never touched.
+
+    Raises:
+        UsageError: something would be replaced and ``force`` was not given; a suffix that names no format (with
+            ``checkpoint``: the output is a checkpoint).
+    """
+    out = resolve_output(dst, fmt=fmt, file_name=file_name, default_format=default_format, checkpoint=checkpoint)
+    refuse_replacing(out, force=force)
+    if out.is_folder and out.path != out.folder:
+        output_folder_for(out.path)
+    set_output(out.path)
+    return out.path
 
 
 # ------------------------------------------------------------------------------------------------ progress

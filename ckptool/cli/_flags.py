@@ -18,6 +18,7 @@ import click
 QUIET = "ckptool.quiet"  # keys in click's Context.meta
 PROGRESS = "ckptool.progress"
 OUTPUT = "ckptool.output"  # the file a command writes, named in the "Interrupted: ..." line
+MADE = "ckptool.made-folders"  # output folders a command made for its file, removed when it fails
 
 #: set to anything but "" or "0" to turn the progress bar off
 NO_PROGRESS_ENV = "CKPTOOL_NO_PROGRESS"
@@ -78,3 +79,28 @@ def output_of(ctx: click.Context) -> str | None:
     """The file the command of ``ctx`` writes, once it has said (:func:`set_output`)."""
     out = ctx.meta.get(OUTPUT)
     return out if isinstance(out, str) else None
+
+
+def output_folder_for(path: str) -> None:
+    """Make the missing folder that holds the output file ``path`` (``-o NAME/`` names a new folder), remembered so
+    that a failed command removes it again (:func:`remove_made_folders`): a failed run leaves nothing behind.
+
+    Raises:
+        OutputError: the folder cannot be made.
+    """
+    from ckptool._fileio import make_output_folder  # noqa: PLC0415 - only commands that write a new folder
+
+    folder = os.path.dirname(path)
+    if not folder or os.path.isdir(folder):
+        return
+    make_output_folder(folder)
+    ctx = _ctx()
+    if ctx is not None:
+        ctx.meta.setdefault(MADE, []).append(folder)
+
+
+def remove_made_folders(ctx: click.Context) -> None:
+    """Remove the output folders :func:`output_folder_for` made, when they are still empty (the command failed)."""
+    for folder in reversed(ctx.meta.pop(MADE, [])):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)

@@ -8,20 +8,29 @@ Apart from :mod:`ckptool.cli._common` because the hint reads the written file ba
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import click
 
 from ckptool.cli._common import mapping_of
 from ckptool.model.devices import chosen_tags
-from ckptool.ops.hints import LoadHint, load_hint
+from ckptool.ops.hints import LoadHint, load_hint, tied_head, tied_hint
+from ckptool.readers import open_checkpoint
 
 
 def hint_for(path: str, *, state_dict: str | None = None, to: str | None = None,
-             maps: tuple[str, ...] = (), renamed: bool = False) -> LoadHint:
+             maps: tuple[str, ...] = (), renamed: bool = False, source_folder: str | None = None) -> LoadHint:
     """The :func:`ckptool.ops.hints.load_hint` of the file written at ``path`` (``state_dict``: dotted path to load
-    into a model; ``to`` / ``maps``: the tags the user chose; ``renamed``: the command renamed keys)."""
-    return load_hint(path, state_dict=state_dict, chosen=chosen_tags(to, mapping_of(maps)), renamed=renamed)
+    into a model; ``to`` / ``maps``: the tags the user chose; ``renamed``: the command renamed keys;
+    ``source_folder``: the model folder the tensors came from, whose ``config.json`` says which weights the model
+    ties: :func:`ckptool.ops.hints.tied_head`)."""
+    hint = load_hint(path, state_dict=state_dict, chosen=chosen_tags(to, mapping_of(maps)), renamed=renamed)
+    if source_folder is None or state_dict != "" or not os.path.isfile(path):
+        return hint
+    opened = open_checkpoint(path)
+    head = tied_head(source_folder, (t.name for t in opened.state_dict("" if opened.spec.keyed else None).tensors))
+    return tied_hint(hint, path, head) if head is not None else hint
 
 
 def after_colon(sentence: str) -> str:
@@ -33,10 +42,18 @@ def after_colon(sentence: str) -> str:
     return sentence
 
 
+def folder_of(path: str) -> str | None:
+    """The local folder ``path`` is, or that holds the file ``path`` (whose ``config.json``, if any, says what the
+    model ties: :func:`hint_for`'s ``source_folder``); None for a URL."""
+    if "://" in path:
+        return None
+    return path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+
+
 def report_hint(path: str, *, state_dict: str | None = None, to: str | None = None,
-                maps: tuple[str, ...] = (), renamed: bool = False) -> None:
+                maps: tuple[str, ...] = (), renamed: bool = False, source_folder: str | None = None) -> None:
     """Print the notes and the ``Load it with: ...`` line of :func:`hint_for` (same arguments)."""
-    hint = hint_for(path, state_dict=state_dict, to=to, maps=maps, renamed=renamed)
+    hint = hint_for(path, state_dict=state_dict, to=to, maps=maps, renamed=renamed, source_folder=source_folder)
     for note in hint.notes:
         click.echo(f"Note: {after_colon(note)}")
     click.echo(f"Load it with: {hint.code}")

@@ -6,15 +6,17 @@ machinery (the executor, the progress bar, the rows as they come) runs ``ckptool
 several paths (:func:`run_inspect_many`, over :class:`ckptool.ops.inspect.many.InspectRun`).
 
 ``--jobs N`` runs N scans at once: in threads when a checkpoint is a URL (a remote scan waits on range requests,
-during which Python releases the GIL, so threads overlap the waits at no cost), in processes otherwise (a local scan
-is CPU work in Python: pickle opcodes, zip directories, which threads would run one at a time under the GIL).
+during which Python releases the GIL, so threads overlap the waits at no cost), in processes when the local files
+are big enough to repay starting them (a local scan is CPU work in Python: pickle opcodes, zip directories, which
+threads would run one at a time under the GIL), and one after another in this process otherwise: starting a worker
+process (importing ckptool) costs more than scanning hundreds of small files, so ``--jobs 2`` of 500 small pickles
+would be slower than ``--jobs 1`` (:data:`PROCESS_BYTES_PER_JOB`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import multiprocessing
 import sys
 from collections.abc import Iterator
 from typing import Any, TypeVar
@@ -26,8 +28,6 @@ from ckptool import _source as source
 from ckptool.cli._common import emit_json, human_bytes, is_quiet, progress_wanted
 from ckptool.cli._errors import EXIT_FAILURE, EXIT_OK
 from ckptool.errors import UsageError
-from ckptool.ops.inspect.many import InspectRun
-from ckptool.ops.scan.cache import ScanCache
 from ckptool.ops.scan.many import ManyRun, ScanRun
 from ckptool.ops.scan.results import ScanResult, exit_status
 from ckptool.ops.scan.sarif import to_sarif
@@ -42,11 +42,25 @@ def wants_many(paths: tuple[str, ...]) -> bool:
     return any(source.is_url(p) and source.kind(p) == "directory" for p in paths)
 
 
+#: local checkpoints are scanned in worker processes only when they come to this many bytes per worker or more:
+#: starting a worker (a fresh interpreter importing ckptool) takes about 0.3 s, while a scan reads pickles and
+#: headers only (about a millisecond per small file, 0.1-0.3 s per GB of torch checkpoint); below, threads
+PROCESS_BYTES_PER_JOB = 1 << 30
+
+
 def _executor(run: ManyRun[Any], jobs: int) -> cf.Executor | None:
+    """The pool of ``--jobs N``: none (this process, one file after another) for one job and for local work too
+    small to repay starting processes (:data:`PROCESS_BYTES_PER_JOB`: CPU work in Python, which threads would run
+    one at a time under the GIL), threads for URLs, processes (forkserver, else spawn) for big local work."""
     if jobs <= 1:
         return None
     if any(source.is_url(t.path) for t in run.targets):
         return cf.ThreadPoolExecutor(jobs, thread_name_prefix="ckptool-many")
+    if len(run.targets) < 2 or sum(t.size or 0 for t in run.targets) < PROCESS_BYTES_PER_JOB * min(jobs, len(
+            run.targets)):
+        return None  # in this process, one file after another: threads would only take turns under the GIL
+    import multiprocessing  # noqa: PLC0415 (only a pool of processes needs it: not at start-up)
+
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
     return cf.ProcessPoolExecutor(jobs, mp_context=ctx)
@@ -96,7 +110,11 @@ def run_many(paths: tuple[str, ...], fmt: str, *, jobs: int, cache_path: str | N
         UsageError: no checkpoint was found under any path.
         OutputError: the cache cannot be opened.
     """
-    cache = ScanCache(cache_path) if cache_path else None
+    cache = None
+    if cache_path:  # sqlite3 imported only for --cache (start-up)
+        from ckptool.ops.scan.cache import ScanCache  # noqa: PLC0415
+
+        cache = ScanCache(cache_path)
     run = ScanRun(paths, cache=cache)
     results: list[ScanResult] = []
     skipped = [0]
@@ -132,6 +150,9 @@ def run_inspect_many(paths: tuple[str, ...], jsonl: bool, *, jobs: int, show_all
         UsageError: no checkpoint was found under any path (nothing printed).
     """
     rows, failed, skipped = 0, 0, [0]
+    # imported here: ``scan`` of many files, the common use, need not import inspect's modules (start-up)
+    from ckptool.ops.inspect.many import InspectRun  # noqa: PLC0415
+
     for row in _results(InspectRun(paths, show_all=show_all), jobs, "inspect", skipped):
         failed += row.error is not None
         click.echo(row.line() if jsonl else ("[\n" if not rows else ",\n") + row.line(), nl=jsonl)

@@ -29,10 +29,11 @@ from ckptool.cli._common import (
 )
 from ckptool.cli._hints import hint_for, hint_payload, report_hint
 from ckptool.errors import UsageError
-from ckptool.formats.sharded import output_layout
 from ckptool.ops.convert import ConvertResult, OutputFormat, convert
 from ckptool.ops.convert.report import convert_text
 from ckptool.ops.convert.source import CAST_TO
+from ckptool.writers import is_folder_form
+from ckptool.writers.encoders import output_layout
 
 
 def _claim_convert_output(dst: str, fmt: str | None, max_shard_size: str | None, force: bool) -> None:
@@ -41,7 +42,7 @@ def _claim_convert_output(dst: str, fmt: str | None, max_shard_size: str | None,
     chosen = OutputFormat(fmt) if fmt is not None else None
     if chosen is not None and chosen.folder:
         set_output(dst)
-    elif max_shard_size is None:
+    elif max_shard_size is None and not is_folder_form(dst):
         claim_output(dst, force=force)
     else:
         layout = output_layout(dst, (chosen or OutputFormat.SAFETENSORS).value)
@@ -63,7 +64,9 @@ def report_convert(res: ConvertResult) -> None:
 @click.command("convert")
 @click.argument("src", type=click.Path(dir_okay=True))
 @click.option("-o", "--output", "dst", required=True, type=click.Path(),
-              help="Output file; with --max-shard-size, NAME.safetensors (or .bin/.pt/.pth) gives "
+              help="Output file (its suffix, in any case, names the format), or a folder (OUT/, an existing folder, "
+                   "a name without suffix) holding model.safetensors / pytorch_model.bin and SRC's companion files "
+                   "(docs/outputs.md); with --max-shard-size, NAME.safetensors (or .bin/.pt/.pth) gives "
                    "NAME-00001-of-0000N.* shards plus NAME.*.index.json beside it, a folder (ending in /) the "
                    "default shard names inside it; a folder with --format dcp.")
 @click.option("--format", "fmt", type=click.Choice([f.value for f in OutputFormat]),

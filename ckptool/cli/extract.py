@@ -10,7 +10,7 @@ from ckptool.cli._common import (
     ZIP_NEEDS_SEEK,
     Progress,
     allow_missing_option,
-    claim_output,
+    claim_target,
     device_options,
     emit_json,
     force_option,
@@ -26,9 +26,10 @@ from ckptool.ops.extract import default_output, extract_state_dict
 
 @click.command("extract-state-dict")
 @click.argument("src", type=click.Path(dir_okay=True))  # a folder gets the reader's advice
-@click.option("-o", "--output", "dst", type=click.Path(dir_okay=False),
-              help="Output file: *.safetensors for safetensors, anything else for torch's format. "
-                   "Default: SRC's stem + .state_dict.pth.")
+@click.option("-o", "--output", "dst", type=click.Path(),
+              help="Output file: *.safetensors for safetensors, *.pt / .pth / .bin for torch's format (any case), "
+                   "or a folder (OUT/) holding model.safetensors (docs/outputs.md). Default: SRC's stem + "
+                   ".state_dict.pth.")
 @key_option("Dotted path of the module in the file when it is not the top level (e.g. model).")
 @click.option("--unwrap", "unwrap_keys", is_flag=True,
               help="Remove wrapper prefixes from the keys (module. of DataParallel/DDP, _orig_mod. of "
@@ -59,7 +60,7 @@ def extract_cmd(src: str, dst: str | None, key: str | None, unwrap_keys: bool, t
       ckptool extract-state-dict ckpt.pth --key model --to cpu
     """
     refuse_stdout(dst, f"{ZIP_NEEDS_SEEK}, and a safetensors output is written and checked as a file")
-    out = claim_output(dst if dst is not None else default_output(src), force=force)
+    out = claim_target(dst if dst is not None else default_output(src), force=force)
     with Progress("extract", source_size(src)) as bar:
         res = extract_state_dict(src, out, key=key, unwrap=unwrap_keys, to=to, mapping=mapping_of(maps),
                                  allow_missing=allow_missing, trust=trust, progress=bar)

@@ -7,8 +7,8 @@ import os
 
 import click
 
-from ckptool.cli._common import Progress, claim_output, emit_json, json_option, key_option, refuse_stdout
-from ckptool.cli._hints import hint_for, hint_payload, report_hint
+from ckptool.cli._common import Progress, claim_set, emit_json, json_option, key_option, refuse_stdout
+from ckptool.cli._hints import folder_of, hint_for, hint_payload, report_hint
 from ckptool.ops.merge import merge_lora
 
 
@@ -22,7 +22,8 @@ from ckptool.ops.merge import merge_lora
               help="Write shards of at most SIZE (5GB, 500MiB) plus their index (a folder output).")
 @key_option("Dotted path of the state_dict in a torch BASE that holds several (state_dict, model). Default: the "
             "one `ckptool convert` would choose.")
-@click.option("--force", is_flag=True, help="Replace the output file if it exists (default: refuse).")
+@click.option("--force", is_flag=True, help="Replace the output (the file, or the set of that name in the folder) if "
+              "it exists (default: refuse, write nothing).")
 @json_option("merge-lora")
 def merge_lora_cmd(base: str, adapter: str, dst: str, max_shard_size: str | None, key: str | None, force: bool,
                    as_json: bool) -> None:
@@ -41,11 +42,15 @@ def merge_lora_cmd(base: str, adapter: str, dst: str, max_shard_size: str | None
       ckptool merge-lora model.safetensors ./my-lora -o merged.safetensors
     """
     refuse_stdout(dst, "merge-lora writes files, not a stream")
-    out = claim_output(dst, force=force) if not (dst.endswith("/") or os.path.isdir(dst)) else dst
+    out = claim_set(dst, force=force, source_is_folder=os.path.isdir(base))
     with Progress("merge-lora", None) as bar:
         res = merge_lora(base, adapter, out, key=key, max_shard_size=max_shard_size, progress=bar)
+    # the hint of what was written: a folder's index, or its one file (the folder may hold other sets)
+    written = os.path.join(res.dst, os.path.basename(res.files[-1])) if res.files and os.path.isdir(res.dst) \
+        else res.dst
     if as_json:
-        emit_json("merge-lora", {**vars(res), **hint_payload(hint_for(res.dst, state_dict=""))})
+        emit_json("merge-lora", {**vars(res), **hint_payload(hint_for(written, state_dict="",
+                                                                       source_folder=folder_of(base)))})
         return
     click.echo(res)
-    report_hint(res.dst, state_dict=None if res.kept else "")
+    report_hint(written, state_dict=None if res.kept else "", source_folder=folder_of(base))

@@ -56,7 +56,7 @@ def _run(operation: str, src: str, dst: str | None, in_place: bool, force: bool,
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
     out = rename_output(operation, src, dst, in_place)
     refuse_existing_set(src, out, force=force)
-    out = claim_output(out, force=force, in_place=in_place)
+    out = claim_output(out, force=force, in_place=in_place, given=dst)
     with Progress(operation, source_size(src)) as bar:
         res = write(out, bar)
     if as_json:

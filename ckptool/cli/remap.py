@@ -73,7 +73,7 @@ def remap_cmd(src: str, to: str | None, maps: tuple[str, ...], unwrap_keys: bool
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
     out = remap_output(src, dst, to=to, in_place=in_place)
     refuse_existing_set(src, out, force=force)
-    out = claim_output(out, force=force, in_place=in_place)
+    out = claim_output(out, force=force, in_place=in_place, given=dst)
     with Progress("remap", source_size(src)) as bar:
         res = remap(src, out, to=to, mapping=mapping_of(maps), in_place=in_place, unwrap=unwrap_keys,
                     strip_dataparallel=strip_dataparallel, strip_prefixes=strip_prefixes, add_prefix=add_prefix,

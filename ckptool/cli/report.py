@@ -7,7 +7,7 @@ import os
 
 import click
 
-from ckptool.cli._common import claim_output, emit_json, force_option, human_bytes, json_option, max_expand_option
+from ckptool.cli._common import claim_target, emit_json, force_option, human_bytes, json_option, max_expand_option
 from ckptool.ops.diff.report import report
 
 
@@ -21,8 +21,9 @@ def default_output(a: str) -> str:
 @click.command("report")
 @click.argument("a", type=click.Path(dir_okay=True))
 @click.argument("b", type=click.Path(dir_okay=True), required=False)
-@click.option("-o", "--output", "dst", metavar="OUT", help="The page to write. Default: A's name up to its first dot "
-              "+ .report.html, in the current folder (model.pth -> model.report.html).")
+@click.option("-o", "--output", "dst", metavar="OUT", help="The page to write, or a folder (OUT/) to hold "
+              "it. Default: A's name up to its first dot + .report.html, in the current folder (model.pth -> "
+              "model.report.html).")
 @force_option
 @max_expand_option
 @json_option("report")
@@ -45,7 +46,7 @@ def report_cmd(a: str, b: str | None, dst: str | None, force: bool, max_expand: 
       ckptool report base.safetensors finetuned.safetensors -o what-moved.html
       ckptool report base.pth tuned.pth --json    # the page, and its figures as JSON
     """
-    out = claim_output(dst or default_output(a), force=force)
+    out = claim_target(dst or default_output(a), force=force, file_name=default_output(a), checkpoint=False)
     res = report(a, b, dst=out, max_expand=max_expand)
     if as_json:
         emit_json("report", {"dst": res.dst, "bytes_written": res.bytes_written, "seconds": round(res.seconds, 3),

@@ -49,7 +49,7 @@ def sanitize_cmd(src: str, dst: str | None, in_place: bool, force: bool, to: str
       ckptool sanitize model_full.pth -o model.sd.pth --drop-unknown
     """
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
-    out = claim_output(sanitize_output(src, dst, in_place), force=force, in_place=in_place)
+    out = claim_output(sanitize_output(src, dst, in_place), force=force, in_place=in_place, given=dst)
     with Progress("sanitize", source_size(src)) as bar:
         res = sanitize(src, out, to=to, mapping=mapping_of(maps), allow_missing=allow_missing,
                        drop_unknown=drop_unknown, in_place=in_place, progress=bar)

@@ -13,7 +13,7 @@ from ckptool.cli._common import emit_json, is_quiet, json_option
 from ckptool.errors import UsageError
 from ckptool.formats import plugin
 from ckptool.ops.scan.entry import ScanResult, exit_status, scan
-from ckptool.ops.scan.results import INCOMPLETE, SHOWN
+from ckptool.ops.scan.results import INCOMPLETE
 
 
 def _print_result(res: ScanResult, show_all: bool, strict: bool) -> None:
@@ -32,17 +32,14 @@ def _table(results: list[ScanResult], strict: bool) -> str:
         if code and (not bad or bad[0].level != "dangerous"):
             worst = f"{code[0].kind} {code[0].member} ({code[0].level})"
         hidden = len(r.hidden)
-        rows.append((r.path, SHOWN[r.strict_verdict if strict else r.verdict], r.format,
+        rows.append((r.path, r.verdict.shown, r.format,
                      f"{len(r.pickles)}" + (f" ({hidden} hidden)" if hidden else ""), len(bad), worst))
     return tabulate(rows, headers=["file", "verdict", "format", "pickles", "not allowed", "worst global"],
                     disable_numparse=True)
 
 
 def _summary(results: list[ScanResult], strict: bool) -> str:
-    if strict:
-        counts = {v: sum(r.strict_verdict == v for r in results) for v in ("safe", "unsafe", "error", INCOMPLETE)}
-        return (f"{len(results)} files: {counts['safe']} safe, {counts['unsafe']} unsafe, "
-                f"{counts['error']} unreadable" + _incomplete(counts))
+    """The counts line: one verdict vocabulary with or without ``--strict`` (the policy changes the exit status)."""
     counts = {v: sum(r.verdict == v for r in results)
               for v in ("safe", "needs-trust", "dangerous", "error", INCOMPLETE)}
     return (f"{len(results)} files: {counts['safe']} safe, {counts['needs-trust']} need trust, "
@@ -82,11 +79,14 @@ def _many(paths: tuple[str, ...], fmt: str, jsonl: bool, jobs: int, cache_path: 
                    "(CPU work). Results come as files finish.")
 @click.option("--cache", "cache_path", type=click.Path(dir_okay=False), default=None,
               help="A SQLite file of earlier results (made when missing): a checkpoint whose path or URL, size, "
-                   "modification time or ETag and ckptool version are unchanged is not read again.")
+                   "device, inode, modification and change times or ETag and ckptool version are unchanged is not "
+                   "read again. A row that does not validate is scanned again; the file must be as trusted as "
+                   "ckptool itself (whoever can write it can make a scan say safe). A symbolic link that dangles or "
+                   "leaves its folder is refused.")
 @click.option("--all", "show_all", is_flag=True, help="List allowed globals too, not only the ones that are not.")
 @click.option("--strict", is_flag=True,
-              help="One verdict: unsafe unless every global is in torch's weights_only allowlist (exit 0 safe, "
-                   "1 unsafe, 2 unreadable, 5 incomplete).")
+              help="A stricter exit status for the same verdicts: a file that needs trust fails as a dangerous one "
+                   "(exit 0 safe, 1 dangerous or needs trust, 2 unreadable, 5 incomplete).")
 @click.pass_context
 def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_format: str | None, jsonl: bool,
              jobs: int, cache_path: str | None, show_all: bool, strict: bool) -> None:
@@ -143,9 +143,11 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
     prefix, --jobs, --jsonl or --cache, files print as they finish and a path that cannot be read is a row with its
     error, never the end of the run (docs/scale.md).
 
-    With --strict: 0 safe, 1 a file names a global outside the allowlist (unsafe), 2 unreadable, 5 incomplete.
+    With --strict (a policy on the same verdicts): 0 safe, 1 a file is dangerous or needs trust (names a global
+    outside the allowlist or ships code), 2 unreadable, 5 incomplete.
     --quiet prints nothing (the exit status answers); --json gives "strict", "exit_code" and "files" (per file:
-    "verdict", "level", each global's "status" and "level", each pickle's "hidden" and "key_paths");
+    "verdict" (safe, incomplete, needs-trust, error or dangerous) and "exit_code", each global's "status" and
+    "level", each pickle's "hidden" and "key_paths");
     --format sarif prints a SARIF 2.1.0 log (rules CKPT001 dangerous, CKPT002 needs trust, CKPT003 unreadable,
     CKPT004 code in the file, CKPT005 incomplete, CKPT006 a config target), with the same exit status; --json
     gives each file's "incomplete" (what is cut short).

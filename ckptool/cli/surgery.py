@@ -14,6 +14,7 @@ from ckptool.cli._common import (
     ZIP_NEEDS_SEEK,
     Progress,
     claim_output,
+    claim_target,
     device_options,
     emit_json,
     json_option,
@@ -28,7 +29,7 @@ from ckptool.cli._common import (
     source_size,
     write_payload,
 )
-from ckptool.cli._hints import hint_for, hint_payload, renamed_keys, report_hint
+from ckptool.cli._hints import folder_of, hint_for, hint_payload, renamed_keys, report_hint
 from ckptool.errors import UsageError
 from ckptool.ops.merge.methods import METHODS
 from ckptool.ops.rewrite.sets import set_payload
@@ -63,7 +64,7 @@ def _target(src: str, dst: str | None, in_place: bool, force: bool, dry_run: boo
     out = surgery_output(src, dst, in_place, tag, force=force or dry_run)  # a dry run checks --in-place too
     if dry_run:
         return None
-    return claim_output(out, force=force, in_place=in_place)
+    return claim_output(out, force=force, in_place=in_place, given=dst)
 
 
 # ------------------------------------------------------------------------------------------------ rename
@@ -230,8 +231,9 @@ def _parse_weights(text: str | None) -> list[float] | None:
 
 @click.command("average")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(dir_okay=True), metavar="A B [C ...]")
-@click.option("-o", "--output", "dst", required=True, type=click.Path(dir_okay=False),
-              help="Output file: .safetensors for safetensors, anything else for torch's zip format.")
+@click.option("-o", "--output", "dst", required=True, type=click.Path(),
+              help="Output file: .safetensors for safetensors, .pt / .pth / .bin for torch's zip format (any "
+                   "case), or a folder (OUT/) holding model.safetensors (docs/outputs.md).")
 @click.option("--weights", metavar="W1,W2,...",
               help="One positive weight per input, divided by their sum (default: equal weights).")
 @key_option("Dotted path of the state_dict to average in torch inputs (state_dict_ema, model_ema). Default: the "
@@ -266,12 +268,13 @@ def average_cmd(inputs: tuple[str, ...], dst: str, weights: str | None, key: str
       ckptool average ft1.pt ft2.pt --method ties --base base.pt --density 0.5 -o ties.pt
     """
     refuse_stdout(dst, ZIP_NEEDS_SEEK)
-    out = claim_output(dst, force=force)
+    out = claim_target(dst, force=force)
     with Progress("average", source_size(inputs[0])) as bar:
         res = average(list(inputs), out, weights=_parse_weights(weights), key=key, progress=bar, method=method,
                       base=base, density=density, t=t, seed=seed, max_expand=max_expand)
     if as_json:
-        emit_json("average", {**vars(res), **hint_payload(hint_for(res.dst, state_dict=""))})
+        emit_json("average", {**vars(res), **hint_payload(hint_for(res.dst, state_dict="",
+                                                                    source_folder=folder_of(inputs[0])))})
         return
     click.echo(res)
-    report_hint(res.dst, state_dict="")  # the output is a plain state_dict
+    report_hint(res.dst, state_dict="", source_folder=folder_of(inputs[0]))  # the output is a plain state_dict

@@ -43,7 +43,7 @@ _MP_RANK = re.compile(r"mp_rank_(\d+)")
 
 def natural_key(text: str) -> list[int | str]:
     """``zero_to_fp32.natural_keys``: digits compare as numbers (``rank_2`` before ``rank_10``)."""
-    return [int(c) if c.isdigit() else c for c in re.split(r"(\d+)", text)]
+    return [int(c) if c.isascii() and c.isdigit() else c for c in re.split(r"(\d+)", text)]
 
 
 def _is_tag_folder(path: str) -> bool:

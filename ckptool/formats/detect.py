@@ -5,10 +5,13 @@ magic ``PK\\x03\\x04``; the legacy stream's first pickle, the magic number ``0x1
 protocol-2 LONG1 (``80 02 8a 0a 6c fc 9c 46 f9 20 6a a8 50 19``); the legacy tar (a first block ``tarfile`` accepts
 as a header, with or without ``ustar``: :func:`is_tar`; torch.load tries it before anything but a zip);
 safetensors' 8-byte little-endian header length followed by ``{``. A zip is a TorchScript archive when it holds
-``constants.pkl`` or ``code/`` under its top folder, a torch checkpoint when it holds ``data.pkl``, a
+``constants.pkl`` under its top folder (torch/serialization.py ``_is_torchscript_zip``: ``torch.load`` hands such a
+zip to ``torch.jit.load``; a ``code/`` folder beside ``data.pkl`` alone does not), a torch checkpoint when it holds
+``data.pkl``, a
 ``torch.export`` archive (``.pt2``, :mod:`ckptool.formats.pt2`) when it holds ``archive_format``, a
 ``torch.package`` archive (:mod:`ckptool.formats.torch_package`) when it holds ``.data/extern_modules`` (checked
-first: a package may ship a module named ``code`` or a resource named ``data.pkl``).
+first: a package may ship a module named ``code`` or a resource named ``data.pkl``). :func:`zip_kind` is that
+order, the one answer ``inspect`` (:func:`detect_format`) and ``scan`` (its zip walk) both ask.
 """
 
 from __future__ import annotations
@@ -209,7 +212,7 @@ def zip_entries(path: str) -> list[ZipEntry]:
     return source.per_version(_zip_cache, path, read, keep=1, remote=True)
 
 
-_TORCHSCRIPT_MEMBER = re.compile(r"\n(?:[^/\n]*/)?(?:constants\.pkl\n|code/)")
+_TORCHSCRIPT_MEMBER = re.compile(r"\n(?:[^/\n]*/)?constants\.pkl\n")
 _DATA_PKL_MEMBER = re.compile(r"\n(?:[^/\n]*/)?data\.pkl\n")
 #: the member every torch.package archive holds (torch/package/package_exporter.py ``_write_mock_and_extern``)
 _PACKAGE_MEMBER = re.compile(r"\n(?:[^/\n]*/)?\.data/extern_modules\n")
@@ -233,31 +236,42 @@ def is_pt2_names(names: list[str]) -> bool:
     return any(n == "archive_format" or (n.count("/") == 1 and n.endswith("/archive_format")) for n in names)
 
 
-def _zip_kind(path: str) -> str:
-    entries = zip_entries(path)
+def zip_kind(entries: list[ZipEntry], records: TorchRecords | None = None) -> str | None:
+    """The one answer to "which zip is this?" from its members' names (``inspect``, the readers and ``scan`` ask
+    it), in this order: ``torch-package`` (``.data/extern_modules``), ``torchscript`` (``constants.pkl`` under the
+    top folder, as torch's ``_is_torchscript_zip`` decides), ``torch-zip`` (``data.pkl``, found as torch finds it:
+    ignoring case, :class:`~ckptool.formats.zipdir.TorchRecords` ``records`` when the caller has them),
+    ``torch-export`` (``archive_format``), else None (a zip no torch loader reads)."""
     names = [e.name for e in entries]
     # one search over all the names (50,000 records in a large state_dict) instead of a Python loop
     text = "\n" + "\n".join(names) + "\n"
     if text.count("\n") == len(names) + 1:
         # (the expression scans every name; the literal searches rule most archives out far faster)
-        script = ("constants.pkl\n" in text or "code/" in text) and _TORCHSCRIPT_MEMBER.search(text) is not None
+        script = "constants.pkl\n" in text and _TORCHSCRIPT_MEMBER.search(text) is not None
         data = _DATA_PKL_MEMBER.search(text) is not None
         package = "extern_modules\n" in text and _PACKAGE_MEMBER.search(text) is not None
     else:  # a member name holds a newline: look at each name
         leaf = {n.split("/", 1)[1] if "/" in n else n for n in names}
-        script = "constants.pkl" in leaf or any(n.startswith("code/") for n in leaf)
+        script = "constants.pkl" in leaf
         data = "data.pkl" in leaf
         package = ".data/extern_modules" in leaf
     if not data:  # torch finds data.pkl ignoring case (archive/DATA.PKL)
-        data = TorchRecords(entries).find("data.pkl") is not None
+        data = (records if records is not None else TorchRecords(entries)).find("data.pkl") is not None
     if package:
         return TORCH_PACKAGE
     if script:
         return TORCHSCRIPT
     if not data and is_pt2_names(names):
         return PT2
-    if data:
-        return TORCH_ZIP
+    return TORCH_ZIP if data else None
+
+
+def _zip_kind(path: str) -> str:
+    entries = zip_entries(path)
+    kind = zip_kind(entries)
+    if kind is not None:
+        return kind
+    names = [e.name for e in entries]
     raise NotACheckpointError(
         f"{path} is a zip archive without data.pkl, not a torch checkpoint ({len(names)} entries, "
         f"e.g. {', '.join(names[:3]) or 'none'})"

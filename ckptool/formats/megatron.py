@@ -47,7 +47,7 @@ MCORE_METADATA_GLOBALS = frozenset(f"torch.distributed.checkpoint.planner.{n}" f
 #: the files of a torch_dist folder beside DCP's, which Megatron-Core's ``dist_checkpointing.load`` reads
 #: (``core.py`` ``maybe_load_config``, ``strategies/common.py`` ``load_common``) and a rewrite copies as they are
 DIST_COMPANIONS = (METADATA_JSON, COMMON_FILE)
-_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+_RANK_DIR = re.compile(r"mp_rank_([0-9]{2})(?:_([0-9]{3}))?(?:_([0-9]{3}))?")
 _MAX_TEXT = 4096
 
 
@@ -158,7 +158,7 @@ def _iteration_folder(iteration: str) -> str:
     """``release`` or ``iter_{n:07d}`` (Megatron's ``get_checkpoint_name``); the text itself when it is neither."""
     if iteration == "release":
         return iteration
-    return f"iter_{int(iteration):07d}" if iteration.isdigit() else iteration
+    return f"iter_{int(iteration):07d}" if iteration.isascii() and iteration.isdigit() else iteration
 
 
 def megatron_layout(path: str | os.PathLike[str]) -> tuple[str, str] | None:

@@ -6,7 +6,8 @@ these records, which only remember what the pickle asked for and never run it:
 * :class:`GlobalMeta` instances stand in for every global the pickle names (``module``, ``name``);
 * :class:`ReduceNode` (``func(*args)``, REDUCE), with :class:`TensorNode` and :class:`ParameterNode` for torch's
   tensor and parameter rebuild functions, and :class:`ObjectNode` (``cls.__new__(cls, *args)``, NEWOBJ);
-* :class:`StorageRef` for a storage persistent id, :class:`PersistentRef` for any other persistent id.
+* :class:`StorageRef` for a storage persistent id, :class:`PersistentRef` for any other persistent id;
+* :class:`BlobView` for a long bytes, bytearray or str value left where it is in the file (scan and inspect only).
 
 :mod:`ckptool.formats.pickler` writes such a graph back to pickle bytes.
 """
@@ -377,6 +378,28 @@ class StorageRef:
 
     def __repr__(self) -> str:
         return f"<storage {self.key} {self.storage_type_name} {self.location} {self.numel}>"
+
+
+class BlobView:
+    """A long ``bytes``, ``bytearray`` or ``str`` value of a pickle, not read: its payload is ``length`` bytes at
+    byte ``offset`` of the buffer the pickle was read from (after the opcode and its length field); ``kind`` is the
+    type the unpickler would have built (``"bytes"``, ``"bytearray"``, ``"str"``: UTF-8, or latin-1 for
+    BINSTRING). Made by :func:`ckptool.formats.unpickler.load_pickle_at` with ``views=True`` (scan, inspect), so
+    that their memory is bounded by a pickle's structure, not its blobs; a graph that holds one is never written
+    back (:mod:`ckptool.formats.pickler` refuses it). ``head``: the first 16 bytes of a bytes or bytearray, the
+    first 256 characters of a str; ``chars``: a str's length in characters (-1 for bytes), for previews."""
+
+    __slots__ = ("chars", "head", "kind", "length", "offset")
+
+    def __init__(self, kind: str, offset: int, length: int, head: bytes | str = b"", chars: int = -1) -> None:
+        self.kind = kind
+        self.offset = offset
+        self.length = length
+        self.head = head
+        self.chars = chars
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} of {self.length} bytes at byte {self.offset}>"
 
 
 class PersistentRef:

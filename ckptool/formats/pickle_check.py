@@ -9,6 +9,7 @@ stack is large enough for the tuple nesting :func:`tuple_levels` bounds. Every r
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import pickle
 import re
@@ -217,9 +218,43 @@ def _memo_bomb(what: str, idx: int, pos: int, start: int) -> CorruptCheckpointEr
         "have numbered (it would make the unpickler allocate gigabytes); refusing to read it")
 
 
+#: a bytes, bytearray or string argument this long or longer is a blob: :func:`check_pickle` steps over it by its
+#: declared length without reading it, and with ``blobs`` says where it is (the unpickler can then leave it in place)
+BLOB_MIN = 4096
+#: the opcodes whose argument is a value's payload: BINBYTES BINBYTES8 BYTEARRAY8 BINUNICODE BINUNICODE8 BINSTRING
+#: (SHORT_BINBYTES and SHORT_BINSTRING hold under 256 bytes, never a blob), by the type they build
+BLOB_KINDS: dict[int, str] = {0x42: "bytes", 0x8E: "bytes", 0x96: "bytearray", 0x58: "str", 0x8D: "str",
+                              0x54: "latin1"}
+#: what ``blobs`` collects: ``(opcode offset, offset after the argument, opcode)`` of each blob and each FRAME
+Span: TypeAlias = "tuple[int, int, int]"
+
+
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+#: with ``blobs``, the pages of a mapped file that a walk has gone past are handed back every this many bytes
+RELEASE_EVERY = 8 << 20
+
+
+def release_pages(buf: PickleBuffer, start: int, stop: int) -> None:
+    """Drop from this process's memory the pages of ``buf[start:stop]`` when ``buf`` is a read-only mapped file
+    (``mmap`` with ``ACCESS_READ``: a shared mapping nobody writes, whose pages come back from the page cache when
+    read again), so that stepping over blobs does not leave the kernel's fault-around pages (64 KiB around each page
+    touched) counted in the RSS; nothing for bytes or a writable mapping (dropping its pages could lose data)."""
+    if _DONTNEED is None or not isinstance(buf, mmap.mmap):
+        return
+    page = mmap.PAGESIZE
+    a, b = -(-start // page) * page, stop // page * page
+    if b <= a:
+        return
+    with memoryview(buf) as view:
+        if not view.readonly:
+            return
+    with contextlib.suppress(OSError, ValueError):  # advice only
+        buf.madvise(_DONTNEED, a, b - a)
+
+
 def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, what: str = "pickle",
                  exact: bool = True, strict_frames: bool = True,
-                 weights_only: list[str | None] | None = None) -> int:
+                 weights_only: list[str | None] | None = None, blobs: list[Span] | None = None) -> int:
     """Walk the opcodes of the pickle at ``buf[start:]`` (bytes or ``mmap``) without building anything and return
     the offset just after its STOP opcode.
 
@@ -231,7 +266,9 @@ def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, w
     in-memory read does. ``strict_frames=False`` reads the opcodes as one flat stream (frames are ignored).
     ``weights_only`` (a list of one item): set to what :func:`weights_only_refusal` says of the pickle, found in
     the same walk (one pass over the bytes instead of two: its opcodes are walked with the weights_only subset of
-    the expression until one outside the list is met).
+    the expression until one outside the list is met). ``blobs``: a list that receives, in stream order, the
+    :data:`Span` of every blob (an argument of :data:`BLOB_KINDS` of :data:`BLOB_MIN` bytes or more, stepped over by
+    its declared length: its bytes are never read) and of every FRAME opcode, opcodes before a refusal included.
 
     Raises:
         CorruptCheckpointError: an unknown opcode, an argument or length running past ``end``, no STOP opcode, a
@@ -242,7 +279,7 @@ def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, w
     if weights_only is not None:
         weights_only[:] = [None]
     try:
-        return _walk(buf, start, end, what, exact, strict_frames, at, weights_only)
+        return _walk(buf, start, end, what, exact, strict_frames, at, weights_only, _span_note(buf, start, blobs))
     except CorruptCheckpointError as e:
         e.offset = at[0]  # type: ignore[attr-defined] # where the refused opcode starts: what precedes was checked
         raise
@@ -256,7 +293,7 @@ _FAST_FROM_START = 1 << 20
 
 
 def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, strict_frames: bool, at: list[int],
-          wo: list[str | None] | None) -> int:
+          wo: list[str | None] | None, note: Callable[[int, int, int], None]) -> int:
     size = end - start
     k = max(16, min(32, size.bit_length() - 1)) if exact else max(16, min(22, size.bit_length() - 1))
     fast_from = start if exact and size >= _FAST_FROM_START else start + _PY_PREFIX
@@ -286,6 +323,7 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
             return pos + 1
         if op == _FRAME:
             limit = _frame_limit(buf, pos, start, end, limit, what, strict_frames)
+            note(pos, pos + 9, op)
             pos += 9
             continue
         nxt = _check_one(buf, op, pos, start, limit, what)
@@ -294,7 +332,30 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
                 raise _bad_frame(what, pos - start, "an opcode runs past the end of its FRAME")
             raise _past_end(what, f"opcode {bytes([op])!r} at byte {pos - start} runs past the end of the data",
                             _declared_end(buf, op, pos, end) - start, end - start)
+        note(pos, nxt, op)
         pos = nxt
+
+
+def _ignore(pos: int, nxt: int, op: int) -> None:
+    """The span note of a walk that collects no blobs."""
+
+
+def _span_note(buf: PickleBuffer, start: int, blobs: list[Span] | None) -> Callable[[int, int, int], None]:
+    """What :func:`_walk` calls with each opcode it checks in Python, ``(offset, next offset, opcode)``: appends
+    FRAMEs and blobs to ``blobs`` and hands back the pages walked past every :data:`RELEASE_EVERY` bytes; nothing
+    when ``blobs`` is None."""
+    if blobs is None:
+        return _ignore
+    released = [start]  # the pages before this offset were handed back (release_pages)
+
+    def note(pos: int, nxt: int, op: int) -> None:
+        if op == _FRAME or (nxt - pos >= BLOB_MIN and op in BLOB_KINDS):
+            blobs.append((pos, nxt, op))
+            if nxt - released[0] >= RELEASE_EVERY:
+                release_pages(buf, released[0], nxt)
+                released[0] = nxt
+
+    return note
 
 
 def _frame_limit(buf: PickleBuffer, pos: int, start: int, end: int, limit: int, what: str, strict: bool) -> int:

@@ -20,6 +20,7 @@ from ckptool.errors import CkptError, CorruptCheckpointError, InputNotFoundError
 from ckptool.formats.dcp import is_dcp_folder
 from ckptool.formats.deepspeed import is_deepspeed_folder
 from ckptool.formats.detect import INDEX_SUFFIX as INDEX_SUFFIX  # re-exported: its home is detect (format_of)
+from ckptool.formats.detect import SAFETENSORS, detect_format
 
 #: output format -> (file stem, suffix) of its shards, as ``transformers`` names them
 SHARD_NAMES: dict[str, tuple[str, str]] = {"safetensors": ("model", ".safetensors"), "torch": ("pytorch_model", ".bin")}
@@ -27,6 +28,9 @@ SHARD_NAMES: dict[str, tuple[str, str]] = {"safetensors": ("model", ".safetensor
 SET_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 #: the one weights file of a model folder small enough for a single file
 SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+#: the weights files of a PEFT adapter folder (beside ``adapter_config.json``), in the order PEFT's
+#: ``load_peft_weights`` looks for them (``peft/utils/save_and_load.py``)
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 @dataclass
@@ -61,12 +65,18 @@ class ShardIndex:
 _parsed: dict[tuple[object, ...], ShardIndex] = {}
 
 
+#: the largest index file parsed (bytes): the limit the safetensors library puts on a header, which an index is
+#: like (one JSON object naming every tensor); a 7-million-entry index of 170 MB is refused unread
+MAX_INDEX = 100_000_000
+
+
 def parse_index(path: str) -> ShardIndex:
     """Parse the sharded-set index at ``path`` (a local path or a URL) without looking at the shards it names; a
     local file is parsed once per version.
 
     Raises:
-        CorruptCheckpointError: not JSON, or no ``weight_map`` of strings to strings.
+        CorruptCheckpointError: larger than :data:`MAX_INDEX` bytes, not JSON, or no ``weight_map`` of strings to
+            strings.
     """
     return source.per_version(_parsed, path, lambda: _parse_index(path))
 
@@ -74,7 +84,12 @@ def parse_index(path: str) -> ShardIndex:
 def _parse_index(path: str) -> ShardIndex:
     try:
         with source.open_binary(path) as f:  # a local path or a URL
-            doc = json.loads(f.read().decode("utf-8"))
+            text = f.read(MAX_INDEX + 1)
+        if len(text) > MAX_INDEX:
+            raise CorruptCheckpointError(f"{path} is larger than {MAX_INDEX} bytes, the limit safetensors puts on a "
+                                         "header (an index of a few thousand tensors is well under 1 MB); refused "
+                                         "before parsing")
+        doc = json.loads(text.decode("utf-8"))
     except CkptError:  # a missing index (InputNotFoundError) or a URL that failed: a ValueError / OSError too
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError, a number over 4300 digits
@@ -99,6 +114,29 @@ def shard_outside(index: ShardIndex, shard: str) -> str | None:
             return f"{shard} is outside {index.folder}"
         return None
     return source.leaves_folder(index.folder, shard)
+
+
+def set_format(index: ShardIndex) -> str:
+    """The registry name of the set ``index`` describes, from its shards' bytes (:func:`detect_format`), never
+    their file names: ``sharded-safetensors`` when every shard is a safetensors file (also ones named
+    ``pytorch_model-0000N-of-0000M.bin``), else ``sharded-bin`` (torch shards, or a mix). A shard that cannot be
+    read (missing, not a checkpoint, or any shard of a remote set, whose bytes are read later by range) counts by
+    its name's ending (``.safetensors``); reading the set then says what is wrong with it."""
+    shards = index.shards
+    if not shards:
+        return "sharded-bin"
+    remote = source.is_url(index.path)
+    for shard in shards:
+        if not (_shard_is_safetensors(index, shard) if not remote else shard.endswith(".safetensors")):
+            return "sharded-bin"
+    return "sharded-safetensors"
+
+
+def _shard_is_safetensors(index: ShardIndex, shard: str) -> bool:
+    try:
+        return detect_format(index.shard_path(shard)) == SAFETENSORS
+    except (CkptError, OSError, ValueError):
+        return shard.endswith(".safetensors")
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -226,7 +264,8 @@ def is_checkpoint_set(path: str | os.PathLike[str]) -> bool:
 def set_kind(path: str) -> tuple[str, str]:
     """What the set at ``path`` is: ``("index", index path)`` for an ``*.index.json`` or a folder holding exactly
     one, ``("dcp", folder)`` for a ``torch.distributed.checkpoint`` folder, ``("file", path)`` for a model folder
-    holding only ``model.safetensors`` or ``pytorch_model.bin``.
+    holding only ``model.safetensors`` or ``pytorch_model.bin``, or for a PEFT adapter folder (``adapter_config.json``
+    beside :data:`ADAPTER_FILES`: the file PEFT loads, as ``scan`` and ``merge-lora`` read it).
 
     Raises:
         InputNotFoundError: a missing index file.
@@ -247,6 +286,9 @@ def set_kind(path: str) -> tuple[str, str]:
     singles = sorted(n for n in names if n in SINGLE_FILES)
     if len(singles) == 1:  # a model folder whose weights fit one file (save_pretrained writes no index then)
         return "file", os.path.join(path, singles[0])
+    adapter = [n for n in ADAPTER_FILES if n in names] if not singles and "adapter_config.json" in names else []
+    if adapter:
+        return "file", os.path.join(path, adapter[0])
     if is_deepspeed_folder(path):
         raise UsageError(f"{path} is a DeepSpeed ZeRO checkpoint folder, which this command does not rewrite: "
                          f"consolidate it first with `ckptool convert {path} -o model.pt` (exactly as DeepSpeed's "

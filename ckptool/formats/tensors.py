@@ -116,6 +116,9 @@ class Source:
     """A source checkpoint read for conversion: its tensors in state_dict order plus what was not carried.
 
     ``sd_state`` is the selected OrderedDict node's BUILD state (``{"_metadata": ...}``), carried to torch output.
+    ``entries``: plain top-level entries beside the tensors (None, bool, int, float, str, lists and dicts of them:
+    a Megatron checkpoint's ``iteration``, ``common.pt``'s entries), written by an output format that holds
+    non-tensor entries (``ckptool.writers``: torch) as items of the same dict, as the source keeps them.
     """
 
     path: str
@@ -127,6 +130,7 @@ class Source:
     metadata: dict[str, str] | None = None
     sd_state: dict[str, object] | None = None
     notes: list[str] = field(default_factory=list)
+    entries: dict[str, object] | None = None
 
 
 def span(offset: int, shape: Sequence[int], stride: Sequence[int]) -> tuple[int, int]:

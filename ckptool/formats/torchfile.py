@@ -160,8 +160,11 @@ def read_checkpoint(path: str, fmt: str | None = None) -> Checkpoint:
     raise UnsupportedError(f"{path} is {fmt}, not a torch.save checkpoint")
 
 
-def read_pickle_file(path: str) -> Checkpoint:
-    """Read a plain pickle file (``pickle.dump``) as a structure without storages (its first pickle).
+def read_pickle_file(path: str, *, views: bool = False) -> Checkpoint:
+    """Read a plain pickle file (``pickle.dump``) as a structure without storages (its first pickle), the file
+    mapped, not copied. ``views=True`` (``inspect``: a graph never written back) leaves its long bytes, bytearray
+    and str values in the file as :class:`~ckptool.formats.nodes.BlobView` records (see
+    :func:`~ckptool.formats.unpickler.load_pickle_at`): memory bounded by the pickle's structure.
 
     Raises:
         UsageError / NotACheckpointError: a missing path, a directory or an empty file.
@@ -169,11 +172,11 @@ def read_pickle_file(path: str) -> Checkpoint:
         UnsupportedError: tuple nesting too deep to read safely.
     """
     size = formats.check_readable(path)
-    with source.open_binary(path) as f:
-        data = f.read()
-    root, up = load_structure(data, f"pickle in {path}")
-    return Checkpoint(path, formats.PICKLE, size, root=root, protocol=data[1], globals=list(up.globals_seen),
-                      pickle_size=len(data))
+    with source.open_binary(path) as f, source.whole_view(f) as buf:
+        root, up, _end = load_pickle_at(buf, 0, f"pickle in {path}", exact=True, views=views)
+        protocol, total = buf[1], len(buf)
+    return Checkpoint(path, formats.PICKLE, size, root=root, protocol=protocol, globals=list(up.globals_seen),
+                      pickle_size=total)
 
 
 def _read_zip(path: str, fmt: str) -> Checkpoint:

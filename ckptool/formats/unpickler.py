@@ -35,8 +35,11 @@ checked bytes as one flat stream.
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import io
 import mmap
+import os
 import pickle
 from collections.abc import Callable
 from typing import Any, BinaryIO, cast
@@ -46,6 +49,7 @@ from ckptool.formats.dtypes import STORAGE_TYPES
 from ckptool.formats.nodes import (
     ALLOC,
     CLASS_BUILD,
+    BlobView,
     GlobalMeta,
     PersistentRef,
     StorageRef,
@@ -54,7 +58,16 @@ from ckptool.formats.nodes import (
     requested_elements,
     use_key,
 )
-from ckptool.formats.pickle_check import PickleBuffer, call_with_stack, check_pickle, tuple_levels
+from ckptool.formats.pickle_check import (
+    BLOB_KINDS,
+    RELEASE_EVERY,
+    PickleBuffer,
+    Span,
+    call_with_stack,
+    check_pickle,
+    release_pages,
+    tuple_levels,
+)
 
 __all__ = ["MAX_REQUEST_BYTES", "PICKLE_ERRORS", "RestrictedUnpickler", "element_size", "load_pickle_at",
            "load_structure", "partial_globals", "request_bytes"]
@@ -70,7 +83,8 @@ class RestrictedUnpickler(pickle.Unpickler):
     """
 
     def __init__(self, file: BinaryIO, *, storages: dict[str, StorageRef] | None = None,
-                 global_cache: dict[tuple[str, str], GlobalMeta] | None = None) -> None:
+                 global_cache: dict[tuple[str, str], GlobalMeta] | None = None,
+                 views: tuple[bytes, list[BlobView]] | None = None) -> None:
         self._globals: dict[tuple[str, str], GlobalMeta] = global_cache if global_cache is not None else {}
         self.globals_seen: dict[tuple[str, str], None] = {}
         self.storages: dict[str, StorageRef] = storages if storages is not None else {}
@@ -78,7 +92,10 @@ class RestrictedUnpickler(pickle.Unpickler):
         self._locations: dict[str, str] = {}
         # pickle.Unpickler.__init__ looks the callback up: set first, a closure over the two tables (no attribute
         # lookups in the 50,000 calls of a big state_dict; no reference to self, so no cycle) replaces the method
-        self.persistent_load = _storage_loader(self.storages, self._locations)  # type: ignore[method-assign,assignment]
+        loader = _storage_loader(self.storages, self._locations)
+        if views is not None:  # the blobs a skeleton (_skeleton) names by persistent id
+            loader = _view_loader(loader, *views)
+        self.persistent_load = loader  # type: ignore[method-assign,assignment]
         super().__init__(file, encoding="latin1")
 
     def load(self) -> Any:
@@ -155,6 +172,18 @@ def _storage_loader(storages: dict[str, StorageRef], locations: dict[str, str]
                 ref.location = locations.setdefault(location, location)
                 return ref
         return _persistent_record(storages, locations, pid)
+
+    return persistent_load
+
+
+def _view_loader(loader: Callable[[Any], Any], nonce: bytes, views: list[BlobView]) -> Callable[[Any], Any]:
+    """``loader`` that first answers the persistent ids a skeleton puts in place of its blobs: bytes of ``nonce``
+    (16 random bytes, which no pickle can have guessed) followed by the blob's 8-byte index into ``views``."""
+
+    def persistent_load(pid: Any) -> Any:
+        if type(pid) is bytes and len(pid) == 24 and pid[:16] == nonce:
+            return views[int.from_bytes(pid[16:], "little")]
+        return loader(pid)
 
     return persistent_load
 
@@ -253,25 +282,32 @@ def _flat_reader(data: bytes | bytearray) -> BinaryIO:
 def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exact: bool = False,
                    strict_frames: bool = True, storages: dict[str, StorageRef] | None = None,
                    global_cache: dict[tuple[str, str], GlobalMeta] | None = None,
-                   weights_only: list[str | None] | None = None) -> tuple[Any, RestrictedUnpickler, int]:
+                   weights_only: list[str | None] | None = None,
+                   views: bool = False) -> tuple[Any, RestrictedUnpickler, int]:
     """Check (:func:`check_pickle`) then unpickle the pickle that starts at ``buf[pos]`` into a node graph.
 
     ``buf`` is bytes or an ``mmap``; ``exact=True`` when the pickle ends exactly at the end of ``buf``;
     ``strict_frames=False`` reads a pickle with malformed FRAMEs as one flat stream instead of refusing it.
     Returns ``(root, unpickler, end)``, ``end`` being the offset just after the pickle's STOP opcode. ``storages``
     and ``global_cache`` go to :class:`RestrictedUnpickler`; ``weights_only`` to :func:`check_pickle` (its one item
-    set to the opcode torch's weights_only unpickler refuses, found in the same walk). If parsing fails after the
-    checks, the error's
-    ``unpickler`` attribute still lists (``globals_seen``) the globals named before the failure.
+    set to the opcode torch's weights_only unpickler refuses, found in the same walk). With ``views=True`` (scan,
+    inspect: commands that never write the graph back) every blob (a bytes, bytearray or str value of
+    :data:`~ckptool.formats.pickle_check.BLOB_MIN` bytes or more) is left in ``buf`` and stands in the graph as a
+    :class:`~ckptool.formats.nodes.BlobView`: the walk steps over it by its declared length and the unpickler reads
+    a skeleton of the opcodes without it (:func:`_skeleton`), so memory follows the pickle's structure, not its
+    size; the same opcodes run in the same order, so the globals and errors are those of a full read. If parsing
+    fails after the checks, the error's ``unpickler`` attribute still lists (``globals_seen``) the globals named
+    before the failure.
 
     Raises:
         CorruptCheckpointError: a truncated, malformed or hostile pickle (``what`` names it in the message).
         UnsupportedError: tuple nesting too deep to read safely (see :func:`call_with_stack`).
     """
-    end = check_pickle(buf, pos, what=what, exact=exact, strict_frames=strict_frames, weights_only=weights_only)
-    chunk = buf if (pos == 0 and end == len(buf) and type(buf) in (bytes, bytearray)) else bytes(buf[pos:end])
-    assert not isinstance(chunk, mmap.mmap)
-    up = RestrictedUnpickler(_flat_reader(chunk), storages=storages, global_cache=global_cache)
+    spans: list[Span] | None = [] if views else None
+    end = check_pickle(buf, pos, what=what, exact=exact, strict_frames=strict_frames, weights_only=weights_only,
+                       blobs=spans)
+    chunk, found = _skeleton(buf, pos, end, spans) if spans else (_chunk(buf, pos, end), None)
+    up = RestrictedUnpickler(_flat_reader(chunk), storages=storages, global_cache=global_cache, views=found)
     try:
         root = call_with_stack(up.load, tuple_levels(chunk), what)
     except MemoryError as e:  # not the file's fault as such: say which file needed it (the CLI reports it)
@@ -285,15 +321,97 @@ def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exa
     return root, up, end
 
 
-def partial_globals(buf: PickleBuffer, start: int, stop: int) -> dict[tuple[str, str], None]:
+def _chunk(buf: PickleBuffer, pos: int, end: int) -> bytes | bytearray:
+    """``buf[pos:end]`` as bytes (``buf`` itself when it is exactly that)."""
+    if pos == 0 and end == len(buf) and isinstance(buf, (bytes, bytearray)):
+        return buf
+    return bytes(buf[pos:end])
+
+
+#: the bytes of UTF-8 a string blob's check decodes at a time
+_UTF8_CHUNK = 1 << 20
+
+
+def _utf8_text(buf: PickleBuffer, start: int, stop: int) -> tuple[int, str] | None:
+    """``(length in characters, first 256 characters)`` of ``buf[start:stop]`` decoded as the C unpickler decodes
+    BINUNICODE (UTF-8, ``surrogatepass``), read :data:`_UTF8_CHUNK` bytes at a time; None when it is not UTF-8."""
+    dec = codecs.getincrementaldecoder("utf-8")("surrogatepass")
+    chars, head = 0, ""
+    try:
+        for at in range(start, stop, _UTF8_CHUNK):
+            text = dec.decode(buf[at:min(stop, at + _UTF8_CHUNK)])
+            chars += len(text)
+            head = head or text[:256]
+            release_pages(buf, at, min(stop, at + _UTF8_CHUNK))
+        dec.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return None
+    return chars, head
+
+
+def _skeleton(buf: PickleBuffer, pos: int, end: int, spans: list[Span]
+              ) -> tuple[bytes | bytearray, tuple[bytes, list[BlobView]] | None]:
+    """The pickle ``buf[pos:end]`` with each blob of ``spans`` (:func:`check_pickle`'s ``blobs``) replaced by a
+    persistent id (SHORT_BINBYTES of a random nonce and the blob's index, then BINPERSID) that the unpickler answers
+    with its :class:`BlobView`, and without its FRAME opcodes (the C unpickler reads the checked bytes as one flat
+    stream, where a frame changes nothing; their lengths would no longer hold). A string blob that is not valid
+    UTF-8 stays in place, so that the unpickler fails on it where a full read does. Returns ``(skeleton, (nonce,
+    views))``, ``(skeleton, None)`` when ``spans`` holds no blob (only FRAMEs), the plain chunk and None when it is
+    empty."""
+    if not spans:
+        return _chunk(buf, pos, end), None
+    nonce = os.urandom(16)
+    views: list[BlobView] = []
+    parts: list[bytes] = []
+    prev = released = pos
+    for a, b, op in spans:
+        if b - released >= RELEASE_EVERY:  # what was copied is not needed in memory again
+            release_pages(buf, released, a)
+            released = a
+        kind = BLOB_KINDS.get(op)
+        head = a + 1 + (8 if op in (0x8D, 0x8E, 0x96) else 4)
+        text = _utf8_text(buf, head, b) if kind == "str" else None
+        if kind == "str" and text is None:
+            continue  # read in full, where the C unpickler raises what it raises
+        parts.append(bytes(buf[prev:a]))
+        prev = b
+        if kind is None:  # a FRAME
+            continue
+        parts.append(b"C\x18" + nonce + len(views).to_bytes(8, "little") + b"Q")
+        if text is not None:
+            view = BlobView("str", head, b - head, text[1], text[0])
+        elif kind == "latin1":
+            view = BlobView("str", head, b - head, bytes(buf[head:head + 256]).decode("latin1"), b - head)
+        else:
+            view = BlobView(kind, head, b - head, bytes(buf[head:head + 16]))
+        views.append(view)
+    parts.append(bytes(buf[prev:end]))
+    return b"".join(parts), (nonce, views) if views else None
+
+
+def partial_globals(buf: PickleBuffer, start: int, stop: int, *, cut: bool = False) -> dict[tuple[str, str], None]:
     """The globals named by the opcodes in ``buf[start:stop]``, read as far as they go.
 
     For a pickle that :func:`check_pickle` refused at offset ``stop`` (``CorruptCheckpointError.offset``): the
     opcodes before it passed the checks, so they can be run through the restricted unpickler to see which globals
-    a loader would have imported before failing. Never raises for bad data.
+    a loader would have imported before failing. ``cut=True`` says the data was cut short at ``stop`` (a
+    :class:`~ckptool.errors.TruncatedError`): the opcodes of a FRAME that runs past ``stop`` then count, as those
+    of the whole file would; otherwise the read ends at such a FRAME, where a loader stops (a length no cut
+    explains). Blobs are not read (:func:`_skeleton`). Never raises for bad data.
     """
-    chunk = bytes(buf[start:stop])
-    up = RestrictedUnpickler(_flat_reader(chunk))
+    spans: list[Span] = []
+    with contextlib.suppress(CorruptCheckpointError):  # the spans before the refusal are what counts
+        check_pickle(buf, start, stop, what="pickle", exact=True, strict_frames=False, blobs=spans)
+    # without its FRAMEs: with ``cut``, a frame cut short (declaring 20 bytes with 17 present) would make the C
+    # unpickler refuse it before reading the opcodes it holds, which may name a global; without, the read stops
+    # where a loader's does, at a FRAME running past ``stop``
+    for a, _b, op in spans:
+        if not cut and op not in BLOB_KINDS and a + 9 + int.from_bytes(buf[a + 1:a + 9], "little") > stop:
+            stop = a
+            spans = [s for s in spans if s[1] <= a]
+            break
+    chunk, found = _skeleton(buf, start, stop, spans)
+    up = RestrictedUnpickler(_flat_reader(chunk), views=found)
     try:
         call_with_stack(up.load, tuple_levels(chunk))
     except (*PICKLE_ERRORS, CorruptCheckpointError, UnsupportedError):

@@ -83,7 +83,7 @@ def parse_tp_dims(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
     out = []
     for item in items:
         pattern, eq, dim = item.rpartition("=")
-        if not eq or not pattern or not (dim.isdigit() or dim in ("glu", "none")):
+        if not eq or not pattern or not ((dim.isascii() and dim.isdigit()) or dim in ("glu", "none")):
             raise UsageError(f"--tp-dim {item!r}: give PATTERN=DIM, DIM a dimension (0, 1, ...), glu or none "
                              "(replicated), e.g. --tp-dim '*.my_proj.weight=1'")
         out.append((pattern, dim))

@@ -140,7 +140,7 @@ def _fold_children(children: list[TreeNode]) -> list[TreeNode]:
     run: list[TreeNode] = []
     sig: tuple[Any, ...] | None = None
     for child in [*children, None]:
-        numbered = child is not None and child.tensor is None and child.name.isdigit()
+        numbered = child is not None and child.tensor is None and child.name.isascii() and child.name.isdigit()
         child_sig = _signature(child) if child is not None and numbered else None
         if (child is not None and numbered and run and child_sig == sig
                 and int(child.name) == int(run[-1].name) + 1):

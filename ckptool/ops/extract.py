@@ -35,7 +35,6 @@ from ckptool._gc import gc_paused
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.nodes import TensorNode
-from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.devices import LocationFn
 from ckptool.model.graph import (
     class_name,
@@ -51,9 +50,10 @@ from ckptool.model.rename_plan import build_plan
 from ckptool.model.units import human_bytes, plural
 from ckptool.ops.convert import OutputFormat, convert
 from ckptool.ops.rewrite.stream import ProgressFn, retag_function, rewrite_file
-from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers import Checkpoint, Opened, open_checkpoint
 from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted
 from ckptool.torch_ops.trusted import refuse_dangerous
+from ckptool.writers import choose_format
 
 __all__ = ["ExtractResult", "extract_state_dict"]
 
@@ -211,15 +211,19 @@ _FORMAT_NAMES = {OutputFormat.SAFETENSORS: formats.SAFETENSORS, OutputFormat.TOR
 
 def _output_format(src: str, dst: str, to: str | None, mapping: Mapping[str, str] | None,
                    trust: bool) -> OutputFormat:
-    """The output format ``dst`` names (safetensors for ``*.safetensors``, else torch).
+    """The output format ``dst`` names (:func:`ckptool.writers.choose_format`: safetensors for
+    ``*.safetensors`` in any case, torch for ``.pt`` / ``.pth`` / ``.bin``...).
 
     Raises:
-        UsageError: ``dst`` is ``src``; ``to`` / ``mapping`` for an output without location tags; ``mapping`` with
-            ``trust``.
+        UsageError: ``dst``'s suffix names no format, or a folder format; ``dst`` is ``src``; ``to`` /
+            ``mapping`` for an output without location tags; ``mapping`` with ``trust``.
     """
     if same_file(src, dst):
         raise UsageError(f"output {dst} is the input file; choose another -o path")
-    out = OutputFormat.SAFETENSORS if dst.endswith(OutputFormat.SAFETENSORS.suffixes) else OutputFormat.TORCH
+    out = OutputFormat(choose_format(dst).name)
+    if out.folder:
+        raise UsageError(f"extract-state-dict writes one file, not a {out.value} folder: name it OUT.pt or "
+                         "OUT.safetensors")
     if not out.location_tags and (to is not None or mapping):
         raise UsageError("--to / --map set torch location tags; a safetensors output carries none (load it with "
                          "safetensors.torch.load_file(path, device=...))")

@@ -36,20 +36,20 @@ import os
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol
 
 from ckptool import _source as source
 from ckptool.errors import CkptError
-from ckptool.formats.safetensors import recorded_names
-from ckptool.formats.sharded import SINGLE_FILES
 from ckptool.model.allowlist import DANGEROUS, level_word
 from ckptool.model.devices import map_location_for
 from ckptool.model.keys import WRAPPER_COMPONENTS, shared_prefixes, suggest_command
 from ckptool.ops.inspect.entry import CheckpointInfo, GlobalInfo, inspect
 from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers.registry import Role
+from ckptool.readers.structures import SINGLE_FILES, recorded_names
 
-__all__ = ["LoadHint", "dcp_hint", "load_hint", "megatron_dist_hint", "package_hint", "renamed_set_hint",
-           "safetensors_hint", "set_hint", "torch_hint"]
+__all__ = ["HINT", "HintMaker", "LoadHint", "dcp_hint", "load_hint", "megatron_dist_hint", "package_hint",
+           "renamed_set_hint", "safetensors_hint", "set_hint", "torch_hint"]
 
 _LISTED = 3  # globals named in the note before "and N more"
 _NO_DEVICE_TAGS = frozenset({"cpu", "meta"})  # tags that open on any machine without map_location
@@ -70,9 +70,23 @@ class LoadHint:
     imports: list[str] = field(default_factory=lambda: ["import torch"])
 
 
+class HintMaker(Protocol):
+    """The ``hint`` role: the "Load it with" lines of a written checkpoint ``opened`` (:func:`load_hint`'s
+    ``info``, ``state_dict`` and ``chosen`` as there); a format with none registered gets :func:`torch_hint`."""
+
+    def __call__(self, opened: Opened, info: CheckpointInfo, state_dict: str | None, chosen: frozenset[str], /
+                 ) -> LoadHint: ...
+
+
+#: each format's hint maker, registered at the end of this module (the readers layer names none)
+HINT: Role[HintMaker] = Role("hint", "ckptool.ops")
+
+
 def _index(path: str) -> str:
     """``['state_dict']`` / ``['model']['ema']`` / ``[0]`` for a dotted state_dict path (``""``: nothing)."""
-    return "".join(f"[{int(c)}]" if c.isdigit() else f"[{c!r}]" for c in path.split(".")) if path else ""
+    if not path:
+        return ""
+    return "".join(f"[{int(c)}]" if c.isascii() and c.isdigit() else f"[{c!r}]" for c in path.split("."))
 
 
 def _torch_load(file_expr: str, tags: Iterable[str], trusted: bool) -> str:
@@ -152,6 +166,51 @@ def _architecture(folder: str) -> str | None:
     return first if isinstance(first, str) and first.isidentifier() else "AutoModel"
 
 
+def _config(folder: str) -> dict[str, Any] | None:
+    """``config.json`` of ``folder`` as a dict; None without a readable one."""
+    try:  # a FIFO or device named config.json is never opened for reading (open_regular)
+        with source.open_regular(os.path.join(folder, "config.json")) as f:
+            config = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError, RecursionError, CkptError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+#: the output head ``transformers`` ties to the input embeddings in its language models (``_tied_weights_keys``)
+TIED_HEAD = "lm_head.weight"
+
+
+def tied_head(folder: str | None, names: Iterable[str]) -> str | None:
+    """The output head a ``transformers`` language model of the model folder ``folder`` ties to its input
+    embeddings and that the written tensors ``names`` leave out (``save_pretrained`` stores a tied weight once):
+    :data:`TIED_HEAD` when ``config.json`` names a ``*ForCausalLM`` / ``*LMHeadModel`` architecture and ties the
+    word embeddings (``tie_word_embeddings`` true, or absent: ``PretrainedConfig``'s default), else None."""
+    config = _config(folder) if folder is not None else None
+    if config is None or config.get("tie_word_embeddings", True) is not True:
+        return None
+    arch = _architecture(folder) if folder is not None else None
+    if arch is None or not arch.endswith(("ForCausalLM", "LMHeadModel")) or TIED_HEAD in set(names):
+        return None
+    return TIED_HEAD
+
+
+def tied_hint(hint: LoadHint, path: str, head: str) -> LoadHint:
+    """``hint`` (a ``model.load_state_dict(...)`` line) for a file that leaves out the tied output ``head``: the
+    safetensors file through ``safetensors.torch.load_model`` (it ties the head from the model's side), a torch
+    file with ``strict=False`` (the head stays the model's tied embedding), the head named in a note."""
+    why = (f"{head} is tied to the input embeddings (config.json: tie_word_embeddings) and stored once, as "
+           "transformers' save_pretrained does")
+    if hint.code.startswith("model.load_state_dict(safetensors.torch.load_file("):
+        return LoadHint(f"safetensors.torch.load_model(model, {path!r})",
+                        [*hint.notes, f"{why}: safetensors.torch.load_model ties it from the model's side"],
+                        hint.imports)
+    if hint.code.startswith("model.load_state_dict(") and hint.code.endswith(")"):
+        return LoadHint(f"{hint.code[:-1]}, strict=False)",
+                        [*hint.notes, f"{why}: strict=False leaves {head} missing, as the model's tie fills it"],
+                        hint.imports)
+    return hint
+
+
 def _set_place(index: str) -> str:
     """How the hint names the set of ``index``: its folder when the index has a name transformers reads
     (``model.safetensors.index.json``: a model folder) and the folder opens as that set (its one index), else the
@@ -215,7 +274,7 @@ def _names(names: list[str]) -> str:
 
 def safetensors_hint(opened: Opened, _info: CheckpointInfo, state_dict: str | None, _chosen: frozenset[str]
                      ) -> LoadHint:
-    """The hint of a safetensors file or a sharded safetensors set (the registry's ``hint`` for both):
+    """The hint of a safetensors file or a sharded safetensors set (registered in :data:`HINT` for both):
 
     * views only ckptool rebuilds (:func:`_dropped`) -> ``ckptool.load_into(model, path)``, which restores them;
     * tied weights, one local file -> ``safetensors.torch.load_model(model, path)`` (it ties them from the model
@@ -263,7 +322,7 @@ def safetensors_hint(opened: Opened, _info: CheckpointInfo, state_dict: str | No
 
 def package_hint(opened: Opened, info: CheckpointInfo, _state_dict: str | None, _chosen: frozenset[str]
                  ) -> LoadHint:
-    """A ``torch.package`` archive (the registry's ``hint``): ``PackageImporter(path).load_pickle(package,
+    """A ``torch.package`` archive (registered in :data:`HINT`): ``PackageImporter(path).load_pickle(package,
     resource)`` of its first pickle
     (``map_location`` as for ``torch.load``), with a note that it runs the package's code and, for several
     pickles, names the others."""
@@ -296,7 +355,7 @@ def _dcp_paths(opened: Opened) -> list[tuple[Any, ...]]:
 
 
 def dcp_hint(opened: Opened, info: CheckpointInfo, state_dict: str | None, _chosen: frozenset[str]) -> LoadHint:
-    """A DCP folder (the registry's ``hint``): ``torch.distributed.checkpoint.load`` of ``model.state_dict()``
+    """A DCP folder (registered in :data:`HINT`): ``torch.distributed.checkpoint.load`` of ``model.state_dict()``
     wrapped in the nesting the folder was saved with (``{'model': model.state_dict()}`` for a folder saved as
     ``{"model": sd}``: DCP matches the flattened keys, ``model.fc.weight``, and loads in place into the model's
     tensors). The state_dict is ``state_dict`` (a dotted path) where given, else the folder's largest one; the
@@ -330,7 +389,7 @@ def dcp_hint(opened: Opened, info: CheckpointInfo, state_dict: str | None, _chos
 
 def megatron_dist_hint(opened: Opened, _info: CheckpointInfo, _state_dict: str | None,
                        _chosen: frozenset[str]) -> LoadHint:
-    """A Megatron-Core torch_dist folder (the registry's ``hint``, :attr:`~ckptool.readers.Format.dcp`): what
+    """A Megatron-Core torch_dist folder (registered in :data:`HINT`, :attr:`~ckptool.readers.Format.dcp`): what
     Megatron loads it with, ``dist_checkpointing.load`` of the model's sharded state dict (megatron-core 0.16
     ``serialization.py`` ``load``: each ``ShardedTensor``'s key is an FQN of the folder), and the note saying
     that plain torch reads its tensors through ``convert``."""
@@ -343,7 +402,7 @@ def megatron_dist_hint(opened: Opened, _info: CheckpointInfo, _state_dict: str |
 
 
 def torch_hint(opened: Opened, info: CheckpointInfo, state_dict: str | None, chosen: frozenset[str]) -> LoadHint:
-    """A torch file or a sharded set of torch shards (every format whose registry entry names no ``hint``):
+    """A torch file or a sharded set of torch shards (every format with no hint in :data:`HINT`):
     ``torch.load`` (each shard, merged), with notes for globals ``weights_only=True`` refuses and for location
     tags."""
     path = opened.target
@@ -383,7 +442,7 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
     the checkpoint opened once (:func:`ckptool.readers.open_checkpoint`: a local folder that is not a DCP
     checkpoint is the set it holds, its ``*.index.json`` or the single ``model.safetensors`` /
     ``pytorch_model.bin`` of a one-shard set), described by :func:`ckptool.ops.inspect.entry.inspect`, and the hint
-    its registry entry names (:attr:`ckptool.readers.Format.hint`: :func:`safetensors_hint`, :func:`dcp_hint`,
+    registered for its format in :data:`HINT` (:func:`safetensors_hint`, :func:`dcp_hint`,
     :func:`package_hint`; else :func:`torch_hint`).
 
     Args:
@@ -404,10 +463,11 @@ def load_hint(path: str | os.PathLike[str], *, state_dict: str | None = None,
     """
     opened = open_checkpoint(path)
     info = inspect(opened)
-    hint = cast(LoadHint, opened.spec.behaviour("hint", torch_hint)(opened, info, state_dict, frozenset(chosen)))
+    hint = HINT.get(opened.format, torch_hint)(opened, info, state_dict, frozenset(chosen))
     hint = one_file_folder_hint(opened, info, hint) or hint
     if renamed and hint.imports == ["import transformers"]:  # set_hint's from_pretrained line
-        return renamed_set_hint(opened, hint, trusted=not opened.spec.header and not info.weights_only_loads)
+        return renamed_set_hint(opened, hint, trusted=opened.tensor_header() is None
+                                 and not info.weights_only_loads)
     wrapped = _wrapper_note(info, os.fspath(path), state_dict) if hint.code.startswith("model.load_state_dict(") \
         else None
     return hint if wrapped is None else LoadHint(hint.code, [*hint.notes, wrapped], hint.imports)
@@ -469,3 +529,10 @@ def renamed_set_hint(opened: Opened, hint: LoadHint, *, trusted: bool) -> LoadHi
             "below loads it into your own model")
     into = f"ckptool.load_into(model, {place!r}{', trust=True' if trusted else ''})"
     return LoadHint(into, [*hint.notes[:-1], note], ["import ckptool"])
+
+
+HINT.register("torch-package", package_hint)
+HINT.register("safetensors", safetensors_hint)
+HINT.register("sharded-safetensors", safetensors_hint)
+HINT.register("dcp", dcp_hint)
+HINT.register("megatron-dist", megatron_dist_hint)

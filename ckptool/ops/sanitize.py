@@ -53,7 +53,6 @@ from ckptool.formats.nodes import (
     split_use,
     use_key,
 )
-from ckptool.formats.torchfile import Checkpoint
 from ckptool.formats.unpickler import MAX_REQUEST_BYTES, request_bytes
 from ckptool.model.allowlist import DANGEROUS, classify_global, is_allowed, level_of, level_word
 from ckptool.model.graph import ATOMS, is_module, join, mapping_items, set_mapping_items, too_deep
@@ -62,7 +61,7 @@ from ckptool.model.numpy_nodes import numpy_kind, numpy_type_dtype, read_array, 
 from ckptool.model.tensor_nodes import tensor_node
 from ckptool.model.units import plural, retagged_words, wrote_line
 from ckptool.ops.rewrite.stream import ProgressFn, output_path, refuse_unwritable, retag_function, rewrite_file
-from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers import Checkpoint, Opened, open_checkpoint
 
 __all__ = ["Conversion", "SanitizeResult", "sanitize"]
 
@@ -195,7 +194,7 @@ class _Sanitizer:
         self.converted: list[Conversion] = []
         self.left: list[Conversion] = []
         taken = {r.name for r in ck.records}
-        self._next = max((int(k) for k in ck.storages if k.isdigit()), default=-1) + 1
+        self._next = max((int(k) for k in ck.storages if k.isascii() and k.isdigit()), default=-1) + 1
         self._taken = taken
 
     def _new_key(self) -> str:

@@ -47,14 +47,13 @@ from ckptool.formats.detect import INDEX_SUFFIX
 from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
 from ckptool.formats.torchfile import Checkpoint, read_checkpoint, read_pickle_file, read_pickle_member
 from ckptool.formats.zipdir import ZipEntry
-from ckptool.model.graph import find_state_dicts, state_children
-from ckptool.model.keys import check_key_lengths, shared_prefixes
-from ckptool.model.values import iter_values
+from ckptool.model.keys import check_key_lengths
 from ckptool.readers.read_torch import graph_source
+from ckptool.readers.reader import Reader, StateDictEntry
 from ckptool.readers.registry import FORMATS, Format, plugin
 
 if TYPE_CHECKING:  # the readers of the other formats are imported when a checkpoint of theirs is met (plugin)
-    from ckptool.formats.dcp import DcpMetadata
+    from ckptool.formats.dcp import DcpLayout, DcpMetadata
     from ckptool.formats.pt2 import Pt2Archive
     from ckptool.formats.safetensors import SafetensorsHeader
     from ckptool.formats.sharded import ShardIndex
@@ -63,9 +62,11 @@ if TYPE_CHECKING:  # the readers of the other formats are imported when a checkp
 
 __all__ = [
     "FORMATS",
+    "Checkpoint",
     "Format",
     "Opened",
     "Piece",
+    "Reader",
     "Source",
     "StateDictEntry",
     "Storage",
@@ -78,19 +79,6 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
-
-@dataclass(frozen=True)
-class StateDictEntry:
-    """A state_dict a checkpoint holds: its dotted ``path`` (``""``: the top level, or the one flat mapping of
-    safetensors, sharded sets and DeepSpeed folders), its ``keys``, the wrapper ``prefixes`` every key shares
-    (``module.`` of DataParallel / DDP, ``_orig_mod.`` of ``torch.compile``, Lightning's ``model.``:
-    :func:`ckptool.model.keys.shared_prefixes`), and whether it is a pickled ``nn.Module``'s (``module``)."""
-
-    path: str
-    keys: tuple[str, ...]
-    prefixes: tuple[str, ...]
-    module: bool = False
-
 
 @dataclass
 class Opened:
@@ -110,6 +98,14 @@ class Opened:
     def spec(self) -> Format:
         """The registry entry of :attr:`format`."""
         return FORMATS[self.format]
+
+    @property
+    def reader(self) -> Reader:
+        """This checkpoint's reader (:class:`~ckptool.readers.reader.Reader`: the class the registry entry names,
+        :attr:`Format.reader`, imported when a checkpoint of that format is met), made once; what differs by format
+        is its methods, to which :meth:`state_dict`, :meth:`state_dicts`, :meth:`tree`, :meth:`values`,
+        :meth:`source` and :meth:`tensor_header` delegate."""
+        return self._cached("reader", lambda: cast(Reader, self.spec.behaviour("read", Reader)(self)))
 
     def require_file(self) -> Opened:
         """``self`` when it is one file; for a command that reads one checkpoint file.
@@ -136,6 +132,13 @@ class Opened:
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a DCP folder")
         meta: DcpMetadata = self._read_once("dcp", "ckptool.formats.dcp:read_dcp_metadata", self.target)
         return meta
+
+    def dcp_layout(self) -> DcpLayout | None:
+        """What a rewrite of a folder written as a ``torch.distributed.checkpoint`` folder carries over beside its
+        ``.metadata`` (:class:`ckptool.formats.dcp.DcpLayout`: DCP's own folder, Megatron-Core's torch_dist with its
+        ``common.pt`` and ``metadata.json``; the format's ``dcp`` plug-in, :attr:`Format.dcp`); None for a format that
+        is not rewritten as a DCP folder."""
+        return cast("DcpLayout | None", self.spec.behaviour("dcp", _no_layout)())
 
     def package(self) -> Package:
         """A torch.package archive's pickles as node graphs (:func:`ckptool.formats.torch_package.read_package`,
@@ -171,6 +174,15 @@ class Opened:
             raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a safetensors file")
         header: SafetensorsHeader = self._read_once("header", "ckptool.formats.safetensors:read_header", self.target)
         return header
+
+    def tensor_header(self) -> SafetensorsHeader | None:
+        """The header that lists this file's tensors by name ahead of one data block (a safetensors file:
+        :meth:`safetensors_header`; :attr:`Format.header`), so that a rewrite renames them there and copies the data
+        block; None for a format without one (a pickle's storages are rewritten through its node graph).
+
+        Raises: what :meth:`safetensors_header` raises.
+        """
+        return self.reader.header()
 
     def index(self) -> ShardIndex:
         """A sharded set's index, every shard it names checked to exist (:func:`ckptool.formats.sharded.read_index`),
@@ -249,6 +261,15 @@ class Opened:
         return self._cached("graph", lambda: read_pickle_file(self.target) if self.format == detect.PICKLE
                             else read_checkpoint(self.target, self.format))
 
+    def described_graph(self) -> Checkpoint:
+        """:meth:`graph` for a command that only describes it (``inspect``): a plain pickle's long bytes,
+        bytearray and str values stay in the file as :class:`~ckptool.formats.nodes.BlobView` records
+        (:func:`~ckptool.formats.torchfile.read_pickle_file` with ``views=True``), so memory follows its structure;
+        never to be written back. Raises what :meth:`graph` raises."""
+        if self.spec.kind == "file" and self.format == detect.PICKLE:
+            return self._cached("described graph", lambda: read_pickle_file(self.target, views=True))
+        return self.graph()
+
     def state_dicts(self) -> list[StateDictEntry]:
         """Every state_dict the checkpoint holds, outermost first (:func:`ckptool.model.graph.find_state_dicts`
         for a pickle or a DCP folder's nesting; every pickle of a torch.package archive, keyed ``<member>:<path>``;
@@ -260,18 +281,7 @@ class Opened:
                 pickle), see :meth:`state_dict`.
             CorruptCheckpointError: a key longer than :data:`ckptool.model.keys.MAX_KEY_LENGTH`.
         """
-        root = self.tree()
-        if root is not None:
-            refs = find_state_dicts(root)
-            found = [StateDictEntry(r.path, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
-                     for r in refs for keys in [r.keys()]]
-        elif self.format == detect.TORCH_PACKAGE:  # keyed <member>:<path>, as inspect prints them
-            found = [StateDictEntry(k, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
-                     for k, r in plugin("ckptool.readers.read_package:package_state_dicts")(self.package())
-                     for keys in [r.keys()]]
-        else:
-            names = tuple(t.name for t in self.state_dict().tensors)
-            found = [StateDictEntry("", names, tuple(shared_prefixes(names)))]
+        found = self.reader.state_dicts()
         for entry in found:
             check_key_lengths(entry.keys, self.path)
         return found
@@ -283,11 +293,7 @@ class Opened:
 
         Raises: what :meth:`graph` and :meth:`dcp_metadata` raise.
         """
-        if self.spec.pickled:
-            return self.graph().root
-        if self.format == "dcp":
-            return self._cached("tree", lambda: plugin("ckptool.readers.read_dcp:dcp_tree")(self.dcp_metadata()))
-        return None
+        return self.reader.tree()
 
     def all_tensors(self) -> tuple[Source, dict[str, str]]:
         """Every tensor of a torch zip, legacy or TorchScript file read whole, not one selected state_dict
@@ -307,15 +313,7 @@ class Opened:
         and buffers: :func:`ckptool.model.graph.state_children`), a TorchScript archive's constants keyed
         ``constants.<key>``; a safetensors file's ``__metadata__`` strings; nothing for the other formats (their
         non-tensor entries are pickles ckptool does not run, or absent). Tensor data is never read."""
-        if self.spec.pickled:
-            ck = self.graph()
-            values = dict(iter_values(ck.root, "", state_children))
-            for name, extra in ck.extra_roots.items():
-                values.update(iter_values(extra, name, state_children))
-            return values
-        if self.format == detect.SAFETENSORS:
-            return dict(self.safetensors_header().metadata or {})
-        return {}
+        return self.reader.values()
 
     def state_dict(self, key: str | None = None, *, tag: str | None = None, exclude_frozen: bool = False) -> Source:
         """The selected state_dict's tensors as a :class:`Source` (no tensor bytes read), chosen as ``convert``
@@ -334,24 +332,51 @@ class Opened:
             CorruptCheckpointError: a key longer than :data:`ckptool.model.keys.MAX_KEY_LENGTH`.
         """
         spec = self.spec
-        if (tag is not None or exclude_frozen) and self.format != "deepspeed":
-            raise UsageError(f"--tag and --exclude-frozen apply to DeepSpeed checkpoint folders; {self.path} is not "
-                             "one")
+        self.check_tag_options(tag, exclude_frozen)
         if not spec.tensors:
             raise UnsupportedError(f"{self.path} {spec.refusal}")
         if key is not None and not spec.keyed:
             raise UsageError(f"{self.path} is {spec.flat}: it holds one flat mapping of tensors, so --key does not "
                              "apply")
-        src = cast(Source, spec.behaviour("read")(self, key, tag, exclude_frozen))
+        src = self.reader.tensors(key, tag, exclude_frozen)
         check_key_lengths((t.name for t in src.tensors), self.path)
         return src
 
 
+    def check_tag_options(self, tag: str | None, exclude_frozen: bool) -> None:
+        """Refuse ``tag`` / ``exclude_frozen`` (a tag folder, frozen parameters left out) for a format whose
+        checkpoints do not lie in tag folders (:attr:`Format.tagged`: DeepSpeed's ``global_step*``).
+
+        Raises:
+            UsageError: either is given and the format has no tag folders.
+        """
+        if (tag is not None or exclude_frozen) and not self.spec.tagged:
+            raise UsageError(f"--tag and --exclude-frozen apply to DeepSpeed checkpoint folders; {self.path} is not "
+                             "one")
+
+    def source(self, key: str | None = None, *, tag: str | None = None, exclude_frozen: bool = False) -> Source:
+        """The selected state_dict finished for a command that writes its tensors anew (``average``, ``merge-lora``):
+        :meth:`state_dict` with ``key`` where the format is keyed (a format of one flat mapping has nothing to
+        select, so ``key`` is not used), then the reader's :meth:`~ckptool.readers.reader.Reader.finish`
+        (safetensors: the tied names ``safetensors.torch.save_model`` left out, restored as views from its
+        ``__metadata__``), so that no caller finishes a :class:`Source` by its format.
+
+        Raises: what :meth:`state_dict` raises.
+        """
+        src = self.state_dict(key if self.spec.keyed else None, tag=tag, exclude_frozen=exclude_frozen)
+        self.reader.finish(src)
+        return src
+
+
+def _no_layout() -> None:
+    """The ``dcp`` plug-in of a format that is not rewritten as a DCP folder."""
+
+
 def _set_format(index_path: str) -> str:
-    """``sharded-safetensors`` when every shard the index names is a ``.safetensors`` file, else ``sharded-bin``
-    (the shards' own bytes are checked when they are read)."""
-    shards = plugin("ckptool.formats.sharded:parse_index")(index_path).shards
-    return "sharded-safetensors" if shards and all(s.endswith(".safetensors") for s in shards) else "sharded-bin"
+    """``sharded-safetensors`` when every shard the index names is a safetensors file by its bytes, else
+    ``sharded-bin`` (:func:`ckptool.formats.sharded.set_format`)."""
+    index = plugin("ckptool.formats.sharded:parse_index")(index_path)
+    return cast(str, plugin("ckptool.formats.sharded:set_format")(index))
 
 
 def format_of(path: str | os.PathLike[str]) -> tuple[str, str]:

@@ -55,6 +55,7 @@ from ckptool.model.graph import join
 from ckptool.model.tensor_nodes import tensor_node
 from ckptool.readers.budget import ExpandBudget
 from ckptool.readers.read_torch import describe, select_state_dict
+from ckptool.readers.reader import Reader
 
 if TYPE_CHECKING:
     from ckptool.readers import Opened
@@ -533,7 +534,20 @@ def dcp_source(folder: str | os.PathLike[str], key: str | None = None, meta: Dcp
     return src
 
 
-def read_tensors(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    """:meth:`ckptool.readers.Opened.state_dict` of a DCP folder (the registry's ``reader``): :func:`dcp_source`
-    over its ``.metadata`` read once."""
-    return dcp_source(o.target, key, o.dcp_metadata())
+class DcpReader(Reader):
+    """A ``torch.distributed.checkpoint`` folder (the registry's ``reader``): its tensors in the nesting its
+    ``planner_data`` records, non-tensor entries never unpickled."""
+
+    def __init__(self, opened: Opened) -> None:
+        super().__init__(opened)
+        self._tree: dict[str, Any] | None = None
+
+    def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
+        """:func:`dcp_source` over its ``.metadata``, read once (:meth:`~ckptool.readers.Opened.dcp_metadata`)."""
+        return dcp_source(self.opened.target, key, self.opened.dcp_metadata())
+
+    def tree(self) -> dict[str, Any]:
+        """The ``planner_data`` nesting (:func:`dcp_tree`), built once."""
+        if self._tree is None:
+            self._tree = dcp_tree(self.opened.dcp_metadata())
+        return self._tree

@@ -11,17 +11,13 @@ share one storage, so safetensors stores them once and torch output keeps them t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ckptool.formats.deepspeed import find_deepspeed
 from ckptool.formats.dtypes import contiguous_stride
 from ckptool.formats.tensors import Source, Storage, Tensor
 from ckptool.model.zero import ZeroCheckpoint, plan, zero_checkpoint
+from ckptool.readers.reader import Reader
 
-if TYPE_CHECKING:
-    from ckptool.readers import Opened
-
-__all__ = ["FORMAT", "deepspeed_source", "read_tensors", "read_zero"]
+__all__ = ["FORMAT", "DeepSpeedReader", "deepspeed_source", "read_zero"]
 
 FORMAT = "deepspeed"
 
@@ -71,7 +67,10 @@ def deepspeed_source(z: ZeroCheckpoint, exclude_frozen: bool = False) -> Source:
     return src
 
 
-def read_tensors(o: Opened, _key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
-    """:meth:`ckptool.readers.Opened.state_dict` of a DeepSpeed folder (the registry's ``reader``): the
-    consolidated state_dict of its tag folder ``tag`` (:meth:`~ckptool.readers.Opened.zero`, read once)."""
-    return deepspeed_source(o.zero(tag), exclude_frozen)
+class DeepSpeedReader(Reader):
+    """A DeepSpeed ZeRO folder (the registry's ``reader``): one flat mapping, consolidated per tag folder."""
+
+    def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
+        """The consolidated state_dict of the tag folder ``tag`` (:meth:`~ckptool.readers.Opened.zero`, read once),
+        its frozen parameters left out with ``exclude_frozen``."""
+        return deepspeed_source(self.opened.zero(tag), exclude_frozen)

@@ -11,7 +11,8 @@ state_dict as a :class:`~ckptool.formats.tensors.Source` (Megatron's own paramet
 * A **torch_dist folder** (:func:`dist_source`): its tensors are the DCP folder's
   (:func:`ckptool.readers.read_dcp.dcp_source`: every chunk gathered, as ``dcp_to_torch_save`` gives them), and
   ``common.pt``'s plain entries (iteration, checkpoint version, scheduler state...) go to ``metadata`` as JSON
-  strings, which a safetensors output keeps in its ``__metadata__``; entries that are not plain (``args``, an
+  strings, which a safetensors output keeps in its ``__metadata__`` (and to ``entries``, which a torch output holds
+  beside the tensors, as ``dcp_to_torch_save`` plus ``common.pt`` give them); entries that are not plain (``args``, an
   ``argparse.Namespace``) are named in ``left_out``.
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
@@ -33,16 +34,14 @@ from ckptool.model.graph import ATOMS
 from ckptool.model.megatron import ModelPart, consolidate
 from ckptool.readers.read_dcp import dcp_source
 from ckptool.readers.read_torch import describe, graph_source
-
-if TYPE_CHECKING:
-    from ckptool.readers import Opened
+from ckptool.readers.reader import Reader
 
 __all__ = ["DistFolder", "LegacyTree", "RankState", "dist_source", "legacy_source", "plain", "read_common",
-           "read_dist", "read_dist_tensors", "read_legacy", "read_legacy_tensors"]
+           "read_dist", "read_legacy"]
 
 #: the note saying where the plain entries go
-_KEPT = ("{what}: kept as JSON in a safetensors output's __metadata__; a torch output holds the state_dict's tensors "
-         "only")
+_KEPT = ("{what}: kept as JSON in a safetensors output's __metadata__, and as entries of the dict a torch output "
+         "holds (beside the tensors, as the source keeps them)")
 #: the entries of a ``model_optim_rng.pt`` that are not the model (``generate_state_dict``)
 _TRAINING = ("optimizer", "opt_param_scheduler", "rng_state")
 
@@ -132,7 +131,7 @@ def _rank_state(path: str, ranks: tuple[int, int, int]) -> tuple[RankState, Chec
     chunks: dict[int, list[Tensor]] = {}
     for t in src.tensors:
         head, _, rest = t.name.partition(".")
-        if head == "model" or (head.startswith("model") and head[5:].isdigit()):
+        if head == "model" or (head.startswith("model") and (head[5:].isascii() and head[5:].isdigit())):
             v = int(head[5:] or 0)
             if t.name in unread:
                 raise UnsupportedError(f"{path}: the bytes of {t.name!r} are not readable ({unread[t.name]})")
@@ -170,11 +169,14 @@ def read_legacy(path: str | os.PathLike[str]) -> LegacyTree:
     vp = max(len(s.chunks) for s in states)
     tree = LegacyTree(mf, args, root.get("iteration"), root.get("checkpoint_version"), tp, pp, ep, vp, states)
     have = {(s.tp, s.pp, s.ep) for s in states}
-    missing = [(a, b, c) for c in range(ep) for b in range(pp) for a in range(tp) if (a, b, c) not in have]
-    if missing:
-        a, b, c = missing[0]
-        raise CorruptCheckpointError(f"{mf.folder}: rank tp={a} pp={b} ep={c} is missing ({len(missing)} of "
-                                     f"{tp * pp * ep} ranks; TP={tp}, PP={pp}, EP={ep}); the checkpoint is incomplete")
+    # the sizes (from args, or from rank folder names) are checked against the ranks that exist by counting: the
+    # grid is never built (TP = PP = 10^6 would be 10^12 entries); the first gap is found within len(have) + 1 steps
+    total = tp * pp * ep
+    present = sum(1 for a, b, c in have if a < tp and b < pp and c < ep)
+    if present < total:
+        a, b, c = next((a, b, c) for c in range(ep) for b in range(pp) for a in range(tp) if (a, b, c) not in have)
+        raise CorruptCheckpointError(f"{mf.folder}: rank tp={a} pp={b} ep={c} is missing ({total - present} of "
+                                     f"{total} ranks; TP={tp}, PP={pp}, EP={ep}); the checkpoint is incomplete")
     return tree
 
 
@@ -198,6 +200,7 @@ def legacy_source(tree: LegacyTree) -> Source:
                                                  ("checkpoint_version", tree.checkpoint_version))
                     if plain(v)[0] and v is not None}
     if src.metadata:
+        src.entries = {k: json.loads(v) for k, v in src.metadata.items()}
         src.notes.append(_KEPT.format(what="iteration and checkpoint_version"))
     return src
 
@@ -271,17 +274,24 @@ def dist_source(path: str | os.PathLike[str], key: str | None = None) -> Source:
     src.format = "megatron-dist"
     kept, other = read_common(mf.folder)
     src.metadata = kept or None
+    src.entries = {k: json.loads(v) for k, v in kept.items()} or None
     src.left_out += other
     if kept:
         src.notes.append(_KEPT.format(what=f"{COMMON_FILE}'s plain entries ({', '.join(kept)})"))
     return src
 
 
-def read_legacy_tensors(o: Opened, _key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    """:meth:`ckptool.readers.Opened.state_dict` of a legacy tree (the registry's ``reader``)."""
-    return legacy_source(read_legacy(o.target))
+class LegacyReader(Reader):
+    """A Megatron-LM legacy tree (the registry's ``reader``): one flat mapping, consolidated by layer type."""
+
+    def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
+        """:func:`legacy_source` of the tree (:func:`read_legacy`)."""
+        return legacy_source(read_legacy(self.opened.target))
 
 
-def read_dist_tensors(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    """:meth:`ckptool.readers.Opened.state_dict` of a torch_dist folder (the registry's ``reader``)."""
-    return dist_source(o.target, key)
+class DistReader(Reader):
+    """A Megatron-Core torch_dist folder (the registry's ``reader``): a DCP folder plus ``common.pt``."""
+
+    def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
+        """:func:`dist_source` of the folder."""
+        return dist_source(self.opened.target, key)

@@ -24,8 +24,6 @@ environment. Storage sharing follows ``PackageImporter``: two tensors of one pic
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
@@ -35,6 +33,7 @@ from ckptool.formats.tensors import Source, Storage
 from ckptool.formats.torch_package import Package, Resource, read_package
 from ckptool.formats.zipdir import data_offset
 from ckptool.model.graph import StateDictRef, depth_first, find_state_dicts, node_children
+from ckptool.model.keys import shared_prefixes
 from ckptool.model.nonstrided import find_non_strided
 from ckptool.model.paths import resolve_path
 from ckptool.readers.read_torch import (
@@ -45,11 +44,9 @@ from ckptool.readers.read_torch import (
     select_state_dict,
     state_dict_entries,
 )
+from ckptool.readers.reader import Reader, StateDictEntry
 
-if TYPE_CHECKING:
-    from ckptool.readers import Opened
-
-__all__ = ["package_source", "package_state_dicts", "split_key"]
+__all__ = ["PackageReader", "package_source", "package_state_dicts", "split_key"]
 
 
 def split_key(pkg: Package, key: str) -> tuple[Resource, str | None]:
@@ -205,7 +202,15 @@ def package_source(path: str, key: str | None = None, pkg: Package | None = None
     return src
 
 
-def read_tensors(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    """:meth:`ckptool.readers.Opened.state_dict` of a torch.package archive (the registry's ``reader``):
-    :func:`package_source` over its pickles read once."""
-    return package_source(o.target, key, o.package())
+class PackageReader(Reader):
+    """A torch.package archive (the registry's ``reader``): every pickle of it, its state_dicts keyed
+    ``<member>:<path>``."""
+
+    def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
+        """:func:`package_source` over its pickles, read once (:meth:`~ckptool.readers.Opened.package`)."""
+        return package_source(self.opened.target, key, self.opened.package())
+
+    def state_dicts(self) -> list[StateDictEntry]:
+        """Every state_dict of every pickle, keyed ``<member>:<path>`` as ``inspect`` prints them."""
+        return [StateDictEntry(k, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
+                for k, r in package_state_dicts(self.opened.package()) for keys in [r.keys()]]

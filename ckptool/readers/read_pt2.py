@@ -9,16 +9,12 @@ what ``torch.export.load(path).state_dict`` (or ``.constants``) holds, storage s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.pt2 import Payload, Program, Pt2Archive, read_pt2
 from ckptool.formats.tensors import Source, Storage, Tensor
 from ckptool.formats.zipdir import data_offset
-
-if TYPE_CHECKING:
-    from ckptool.readers import Opened
+from ckptool.readers.reader import Reader
 
 
 def read_archive(path: str) -> Pt2Archive:
@@ -109,6 +105,9 @@ def pt2_source(path: str, key: str | None, arch: Pt2Archive | None = None) -> So
     return src
 
 
-def read_tensors(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    """:meth:`ckptool.readers.Opened.state_dict` of a torch.export archive (the registry's ``reader``)."""
-    return pt2_source(o.target, key, o.pt2())
+class Pt2Reader(Reader):
+    """A torch.export archive (the registry's ``reader``): its programs' state_dicts and constants."""
+
+    def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
+        """:func:`pt2_source` over the archive's structure, read once (:meth:`~ckptool.readers.Opened.pt2`)."""
+        return pt2_source(self.opened.target, key, self.opened.pt2())

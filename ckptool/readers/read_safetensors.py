@@ -18,9 +18,10 @@ from ckptool.formats.safetensors import SHARED_KEY, SharedGroup, decode_shared, 
 from ckptool.formats.sharded import read_index
 from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous
 from ckptool.readers.read_torch import torch_source
+from ckptool.readers.reader import Reader
 
 if TYPE_CHECKING:
-    from ckptool.readers import Opened
+    from ckptool.formats.safetensors import SafetensorsHeader
 
 
 def safetensors_source(path: str) -> Source:
@@ -155,12 +156,32 @@ def restore_library_aliases(src: Source) -> list[str]:
     return restored
 
 
-def read_tensors(o: Opened, _key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    """:meth:`ckptool.readers.Opened.state_dict` of a safetensors file (the registry's ``reader``)."""
-    return safetensors_source(o.target)
+class SafetensorsReader(Reader):
+    """A safetensors file (the registry's ``reader``): one flat mapping listed by name in a JSON header ahead of
+    one data block, its ``__metadata__`` strings its values."""
+
+    def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
+        """:func:`safetensors_source` of the file (its sharing record restored)."""
+        return safetensors_source(self.opened.target)
+
+    def finish(self, src: Source) -> None:
+        """The tied names ``safetensors.torch.save_model`` left out, restored as views
+        (:func:`restore_library_aliases`)."""
+        restore_library_aliases(src)
+
+    def values(self) -> dict[str, object]:
+        """The ``__metadata__`` strings."""
+        return dict(self.opened.safetensors_header().metadata or {})
+
+    def header(self) -> SafetensorsHeader:
+        """The JSON header (:meth:`~ckptool.readers.Opened.safetensors_header`, read once): a rewrite renames the
+        tensors there and copies the data block."""
+        return self.opened.safetensors_header()
 
 
-def read_set_tensors(o: Opened, _key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    """:meth:`ckptool.readers.Opened.state_dict` of a sharded set, safetensors or torch shards (the registry's
-    ``reader``): :func:`index_source` of its index."""
-    return index_source(o.target)
+class SetReader(Reader):
+    """A sharded set, safetensors or torch shards (the registry's ``reader``): one flat mapping over its shards."""
+
+    def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
+        """:func:`index_source` of its index."""
+        return index_source(self.opened.target)

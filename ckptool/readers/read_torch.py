@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptool import _source as source
 from ckptool.errors import CkptError, CorruptCheckpointError, UnsupportedError, UsageError
@@ -50,9 +50,8 @@ from ckptool.model.graph import (
 from ckptool.model.keys import STATE_DICT_NAMES
 from ckptool.model.nonstrided import NonStrided, find_non_strided, non_strided, refusal
 from ckptool.model.paths import resolve_path
-
-if TYPE_CHECKING:
-    from ckptool.readers import Opened
+from ckptool.model.values import iter_values
+from ckptool.readers.reader import Reader
 
 
 def describe(v: Any) -> str:
@@ -394,10 +393,27 @@ def add_tensors(src: Source, entries: Sequence[tuple[str, TensorNode, bool]],
                          "converted as plain tensors")
 
 
-def read_tensors(o: Opened, key: str | None, _tag: str | None, _frozen: bool) -> Source:
-    """:meth:`ckptool.readers.Opened.state_dict` of a torch zip or legacy file (the registry's ``reader``):
-    :func:`torch_source` over the node graph ``o`` read once."""
-    return torch_source(o.target, o.format, key, o.graph())
+class PickledReader(Reader):
+    """A torch zip, legacy or TorchScript file or a plain pickle (the registry's ``reader``): the pickle as a node
+    graph, read once (:meth:`~ckptool.readers.Opened.graph`, nothing imported or run)."""
+
+    def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
+        """:func:`torch_source` over the node graph (a torch zip or legacy file)."""
+        return torch_source(self.opened.target, self.opened.format, key, self.opened.graph())
+
+    def tree(self) -> Any:
+        """The pickle's root node."""
+        return self.opened.graph().root
+
+    def values(self) -> dict[str, object]:
+        """The plain values of the pickle (:func:`ckptool.model.values.iter_values`), a pickled ``nn.Module``'s
+        attributes left out (its state_dict is its parameters and buffers), a TorchScript archive's constants
+        keyed ``constants.<key>``."""
+        ck = self.opened.graph()
+        values = dict(iter_values(ck.root, "", state_children))
+        for name, extra in ck.extra_roots.items():
+            values.update(iter_values(extra, name, state_children))
+        return values
 
 
 @contextmanager

@@ -1,15 +1,20 @@
 """The registry of formats: one :class:`Format` per format ckptool reads, in :data:`FORMATS`, each carrying what
 differs per format (its recognised kind, its facts, its refusals per operation, its support-matrix row and its
-plug-ins for the layers above, named as ``"module:function"`` strings and imported when the format is met:
-:meth:`Format.behaviour`). :mod:`ckptool.readers` re-exports it; :func:`ckptool.readers.open_checkpoint` says which
-entry a checkpoint is.
+tensor reader, :meth:`Format.behaviour`). :mod:`ckptool.readers` re-exports it; :func:`ckptool.readers.open_checkpoint`
+says which entry a checkpoint is.
+
+What the layers above do differently per format (``inspect``'s describer, ``load_into``'s loader, a written file's
+load hint, ``remap``'s rewriter) is theirs: each such layer declares a :class:`Role`, typed by its own
+:class:`typing.Protocol`, and registers its plug-in for each format when its module is imported (Pillow's
+``Image.register_open`` / ``register_save``), so that registration flows upward and this registry names no module of
+a higher layer, in code or in a string.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar, cast
 
 from ckptool.errors import UnsupportedError
 from ckptool.formats import detect, plugin
@@ -26,12 +31,90 @@ from ckptool.readers.support import (
     Cell,
 )
 
-__all__ = ["FORMATS", "Format", "Kind", "Role", "plugin"]
+__all__ = ["FORMATS", "Format", "Kind", "Role", "Roles", "plugin"]
 
 Kind = Literal["file", "set", "folder"]
 
 
-Role = Literal["read", "describe", "load", "hint", "rewrite", "dcp"]
+Roles = Literal["read", "dcp"]
+
+P = TypeVar("P")
+
+
+class Role(Generic[P]):
+    """One kind of plug-in that a layer above the readers supplies per format, as Pillow's plug-ins call
+    ``Image.register_open``: the layer that calls the plug-ins declares the role, typed by its own
+    :class:`typing.Protocol` (``DESCRIBE: Role[Describer] = Role("describe", "ckptool.ops")``), and registers each
+    format's plug-in when the module that defines it is imported (:meth:`register`), or, for a plug-in of its own
+    package that a command should import only when a checkpoint of that format is met, as a ``"module:function"``
+    reference inside ``owner`` (:meth:`register_lazy`: never a module of a layer above ``owner``). The registry of
+    formats (:data:`FORMATS`) never names a plug-in: adding a format to a role is one line in the layer that owns it.
+
+    ``name``: the role, for messages (``"describe"``); ``owner``: the package whose modules its lazy references may
+    name (``"ckptool.ops"``).
+    """
+
+    def __init__(self, name: str, owner: str) -> None:
+        self.name = name
+        self.owner = owner
+        self._plugins: dict[str, P] = {}
+        self._lazy: dict[str, str] = {}
+
+    def register(self, fmt: str, plugin: P) -> P:
+        """Register ``plugin`` as this role's for the format named ``fmt`` (a :data:`FORMATS` key); returns it.
+
+        Raises:
+            KeyError: ``fmt`` is no registry format.
+        """
+        if fmt not in FORMATS:
+            raise KeyError(f"{fmt!r} is no registered format (ckptool.readers.FORMATS)")
+        self._plugins[fmt] = plugin
+        self._lazy.pop(fmt, None)
+        return plugin
+
+    def register_lazy(self, fmt: str, ref: str) -> None:
+        """Register the function ``ref`` (``"package.module:function"``, a module inside :attr:`owner`) as this
+        role's for ``fmt``, its module imported the first time a checkpoint of that format is met
+        (:func:`ckptool.formats.plugin`); ``tests/test_registry.py`` resolves every one against the role's Protocol.
+
+        Raises:
+            KeyError: ``fmt`` is no registry format.
+            ValueError: ``ref`` names a module outside :attr:`owner` (a lazy reference never points up a layer).
+        """
+        if fmt not in FORMATS:
+            raise KeyError(f"{fmt!r} is no registered format (ckptool.readers.FORMATS)")
+        if not ref.startswith(self.owner + "."):
+            raise ValueError(f"the {self.name} plug-in {ref} is not a module of {self.owner}")
+        self._lazy[fmt] = ref
+        self._plugins.pop(fmt, None)
+
+    def formats(self) -> set[str]:
+        """The formats that have a plug-in for this role."""
+        return set(self._plugins) | set(self._lazy)
+
+    def references(self) -> dict[str, str]:
+        """The lazy references registered (:meth:`register_lazy`), by format."""
+        return dict(self._lazy)
+
+    def find(self, fmt: str) -> P | None:
+        """The plug-in registered for ``fmt`` (a lazy one imported now), None when there is none."""
+        if fmt in self._lazy:  # looked up on each call, so that a test can patch it (:func:`plugin`)
+            return cast(P, plugin(self._lazy[fmt]))
+        return self._plugins.get(fmt)
+
+    def get(self, fmt: str, default: P | None = None) -> P:
+        """The plug-in registered for ``fmt``, else ``default``.
+
+        Raises:
+            UnsupportedError: none is registered and there is no ``default``.
+        """
+        found = self.find(fmt)
+        if found is not None:
+            return found
+        if default is not None:
+            return default
+        label = FORMATS[fmt].label.strip("`") if fmt in FORMATS else fmt
+        raise UnsupportedError(f"a {label} has no {self.name} behaviour")
 
 
 @dataclass(frozen=True)
@@ -54,34 +137,35 @@ class Format:
     ``exclude_frozen`` apply); ``torch_distributed``: written by ``torch.distributed.checkpoint``, whose whole state
     (tensors and other entries) torch's own planner restores; ``refusals``: the sentence an operation
     (``"extract-state-dict"``; ``"rewrite"``: remap and sanitize; ``"prefix"``: the prefix commands; ``"edit"``:
-    rename and filter) refuses it with, where that operation has its own (a template: ``{path}``, ``{action}``,
+    rename and filter; ``"rewrite-folder"``: a folder the rewriting commands take only once consolidated;
+    ``"convert --key"`` / ``"convert to dcp"``: ``convert`` given a key, or asked for a DCP folder) refuses it with,
+    where that operation has its own (a template: ``{path}``, ``{action}``,
     ``{api}``, ``{done}`` filled by :meth:`refusal_for`); ``location_tags``: its files
     record each storage's location tag (torch pickles; the others open on the CPU); ``strides``: which strides its
     tensors keep, ``"saved"`` (every tensor's, as saved), ``"views"`` (contiguous, but for the views ckptool's
     sharing record gives back: safetensors) or ``"none"`` (a DCP folder: ``dcp.load`` copies each record into the
     caller's tensors); ``loaded_by``: the call its users load it with (``torch.load`` for torch's own files, whose
-    pickles ``torch.load(weights_only=True)``'s allowlist decides), what ``inspect``'s advice names.
+    pickles ``torch.load(weights_only=True)``'s allowlist decides), what ``inspect``'s advice names; ``counts``: what a
+    rewrite of it counts in its ``Wrote`` line, in the singular (``storage``; ``tensor`` where each tensor is its
+    own byte range: safetensors); ``selected``: what ``convert`` of it selects when no key is given, for people
+    (a DeepSpeed folder's consolidated state_dict; empty: the tensors of a flat mapping, or the whole checkpoint).
 
-    What differs per format in the layers above is named here too, as plug-ins: dotted references
-    ``"package.module:function"`` resolved lazily by :meth:`behaviour` (imported the first time a checkpoint of
-    that format is met, as fsspec's ``known_implementations`` and pip's ``commands_dict`` do, so that nothing is
-    imported for formats not met, and the readers layer, below ``ops`` and ``torch_ops``, never imports them):
+    Two plug-ins of the readers layer (or below) are named here as dotted references ``"package.module:function"``,
+    resolved lazily by :meth:`behaviour` (imported the first time a checkpoint of that format is met, as fsspec's
+    ``known_implementations`` does, so that nothing is imported for formats not met):
 
-    * ``reader``: its tensors as a :class:`~ckptool.formats.tensors.Source`, ``(opened, key, tag,
-      exclude_frozen) -> Source`` (:meth:`Opened.state_dict`; in the format's reader module);
-    * ``describer``: ``ckptool inspect``, ``(opened, limits) -> CheckpointInfo`` (:mod:`ckptool.ops.inspect.entry`);
-    * ``loader``: ``load_into`` / ``verify``, ``(opened, request) -> (object, saved location tags)``
-      (:mod:`ckptool.torch_ops.load`);
-    * ``hint``: the "Load it with" line of a written output, ``(opened, info, state_dict, chosen) -> LoadHint``
-      (:mod:`ckptool.ops.hints`; empty: ``torch.load``);
-    * ``rewriter``: ``remap`` of a file whose storages are not a torch pickle's (a torch.package archive),
-      ``(opened, dst, to, mapping, allow_missing, progress, *, renaming) -> WriteResult``
-      (:mod:`ckptool.ops.rewrite`; empty: the pickle's node graph streamed anew);
+    * ``reader``: its reader class (:class:`ckptool.readers.reader.Reader`, in the format's reader module), made
+      per checkpoint by :attr:`Opened.reader`: its tensors as a :class:`~ckptool.formats.tensors.Source`
+      (:meth:`Opened.state_dict`; a format with ``tensors`` False is refused first), its state_dicts, nesting,
+      values and header, each a method of that class;
     * ``dcp``: the folder is a ``torch.distributed.checkpoint`` folder, perhaps with files of its own beside it,
       ``() -> DcpLayout`` (:class:`ckptool.formats.dcp.DcpLayout`: the files a rewrite copies as they are, the
       globals its ``.metadata`` may name besides DCP's own); :meth:`Opened.dcp_metadata` reads it and the DCP
-      rewrites (:mod:`ckptool.ops.rewrite.dcp`: remap, the prefix commands, rename, filter) write it anew (empty:
-      not a DCP folder).
+      rewrites write it anew (empty: not a DCP folder).
+
+    What differs per format in the layers above (``inspect``'s describer, ``load_into``'s loader, a written
+    output's load hint, ``remap``'s rewriter) is not named here: those layers register it in a :class:`Role` of
+    their own.
 
     ``support`` is the format's row of the support matrix (:mod:`ckptool.ops.matrix`, ``docs/formats.md``):
     operation -> :class:`~ckptool.readers.support.Cell` for every operation that does not plainly work (a refusal
@@ -99,10 +183,6 @@ class Format:
     consolidate: bool = False
     flat: str = ""
     reader: str = ""
-    describer: str = ""
-    loader: str = ""
-    hint: str = ""
-    rewriter: str = ""
     dcp: str = ""
     support: Mapping[str, Cell] | None = field(default=None, hash=False)
     key_form: str = "PATH"
@@ -112,6 +192,8 @@ class Format:
     location_tags: bool = False
     strides: Literal["saved", "views", "none"] = "none"
     loaded_by: str = "torch.load"
+    counts: str = "storage"
+    selected: str = ""
 
     def refusal_for(self, operation: str, path: str, **words: str) -> str | None:
         """The sentence ``operation`` refuses a checkpoint of this format with (:attr:`refusals`), ``path`` first
@@ -119,9 +201,10 @@ class Format:
         template = self.refusals.get(operation)
         return None if template is None else f"{path} {template.format(path=path, **words)}"
 
-    def behaviour(self, role: Role, default: Callable[..., Any] | None = None) -> Callable[..., Any]:
-        """The plug-in this format names for ``role`` (``"read"``, ``"describe"``, ``"load"``, ``"hint"``), its
-        module imported on first use (cached); ``default`` when the format names none.
+    def behaviour(self, role: Roles, default: Callable[..., Any] | None = None) -> Callable[..., Any]:
+        """The plug-in of the readers layer (or below) this format names for ``role`` (``"read"``: its tensor
+        reader; ``"dcp"``: its DCP layout), its module imported on first use (cached); ``default`` when the format
+        names none. The layers above register theirs in a :class:`Role`.
 
         Raises:
             UnsupportedError: the format names none and there is no ``default``.
@@ -135,15 +218,10 @@ class Format:
 
 
 #: :meth:`Format.behaviour`'s roles -> the :class:`Format` field naming the plug-in
-_ROLES: dict[str, str] = {"read": "reader", "describe": "describer", "load": "loader", "hint": "hint",
-                          "rewrite": "rewriter", "dcp": "dcp"}
+_ROLES: dict[str, str] = {"read": "reader", "dcp": "dcp"}
 
 
-_TORCH_READ = "ckptool.readers.read_torch:read_tensors"
-_PICKLED_INSPECT = "ckptool.ops.inspect.entry:inspect_pickled"
-_SET_INSPECT = "ckptool.ops.inspect.entry:inspect_sharded"
-_TORCH_LOAD = "ckptool.torch_ops.loaders:load_torch_zip"
-_SET_LOAD = "ckptool.torch_ops.loaders:load_set"
+_TORCH_READ = "ckptool.readers.read_torch:PickledReader"
 _TORCH_ROW = {"scan": Cell("works", "safe"), "diff": Cell("works", "identical"), "extract-state-dict": NO_MODULE}
 
 #: what torch.save files record of each tensor: its storage's location tag and its strides
@@ -152,12 +230,12 @@ _TORCH_LAYOUT: dict[str, Any] = {"location_tags": True, "strides": "saved"}
 #: every format ckptool reads, in the order of ``docs/formats.md``
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(detect.TORCH_ZIP, "`torch.save` zip (`pytorch_model.bin`, accelerate's `optimizer.bin`)", "file",
-           pickled=True, keyed=True, reader=_TORCH_READ, describer=_PICKLED_INSPECT, loader=_TORCH_LOAD,
+           pickled=True, keyed=True, reader=_TORCH_READ,
            support=_TORCH_ROW, **_TORCH_LAYOUT),
     Format(detect.TORCH_LEGACY, "`torch.save(..., _use_new_zipfile_serialization=False)`", "file", pickled=True,
-           keyed=True, reader=_TORCH_READ, describer=_PICKLED_INSPECT,
-           loader="ckptool.torch_ops.loaders:load_torch_legacy", support=_TORCH_ROW, **_TORCH_LAYOUT),
+           keyed=True, reader=_TORCH_READ, support=_TORCH_ROW, **_TORCH_LAYOUT),
     Format(detect.TORCHSCRIPT, "TorchScript (`torch.jit.save`)", "file", pickled=True, tensors=False, **_TORCH_LAYOUT,
+           reader=_TORCH_READ,
            loaded_by="torch.jit.load",
            refusal="is a TorchScript archive, not a torch.save checkpoint; load it with torch.jit.load(path, "
                    "map_location='cpu'), save model.state_dict() with torch.save, then run the command on that file",
@@ -170,8 +248,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                                "model.state_dict() with ckptool.{api}(state_dict)",
                      "edit": "is a TorchScript archive: its parameter names are fixed by its compiled code and "
                              "cannot be {done}. Load it with torch.jit.load(path, map_location='cpu') and save "
-                             "model.state_dict() with torch.save first",},
-           describer=_PICKLED_INSPECT, loader="ckptool.torch_ops.loaders:load_torchscript", support={
+                             "model.state_dict() with torch.save first",}, support={
                "scan": Cell("works", "needs-trust"),
                "diff": Cell("works", "identical"),
                "convert": Cell("refused", "is a TorchScript archive", JIT),
@@ -193,9 +270,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                    "command would run; `ckptool convert PATH -o model.safetensors` writes its tensors without "
                    "running it (then run the command on that file), torch.package.PackageImporter(path)."
                    "load_pickle(...) loads them (runs the package's code: trusted files only)",
-           reader="ckptool.readers.read_package:read_tensors",
-           describer="ckptool.ops.inspect.entry:inspect_package", loader="ckptool.torch_ops.loaders:load_package",
-           hint="ckptool.ops.hints:package_hint", rewriter="ckptool.ops.rewrite.package:remap_package", support={
+           reader="ckptool.readers.read_package:PackageReader", support={
                **dict.fromkeys(("prefix", "extract-state-dict", "sanitize", "rename", "filter"), PACKAGE),
                "scan": Cell("works", "safe"),
                "diff": Cell("works", "identical"),
@@ -203,13 +278,12 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                "verify": Cell("works", "bit-identical"),
            }),
     Format(detect.SAFETENSORS, "safetensors file", "file", flat="safetensors", header=True, strides="views",
+           counts="tensor",
            loaded_by="safetensors.torch.load_file",
            refusals={"extract-state-dict": "is safetensors: it already is a state_dict",
                      "rewrite": "is safetensors: it carries no device tags, so there is nothing to {action}; "
                                 "load it on any device with safetensors.torch.load_file(path, device='cpu')"},
-           reader="ckptool.readers.read_safetensors:read_tensors",
-           describer="ckptool.ops.inspect.formats:inspect_safetensors",
-           loader="ckptool.torch_ops.loaders:load_safetensors", hint="ckptool.ops.hints:safetensors_hint", support={
+           reader="ckptool.readers.read_safetensors:SafetensorsReader", support={
                "scan": Cell("works", "safe"),
                "diff": Cell("works", "identical"),
                "remap": Cell("refused", "nothing to remap", "safetensors.torch.load_file(path, device=...)"),
@@ -220,18 +294,16 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            loaded_by="safetensors.torch.load_file",
            refusals={"rewrite": "is safetensors: it carries no device tags, so there is nothing to "
                                 "{action}; load it on any device with safetensors.torch.load_file(path, device='cpu')"},
-           flat="a sharded set", reader="ckptool.readers.read_safetensors:read_set_tensors", describer=_SET_INSPECT,
-           loader=_SET_LOAD, hint="ckptool.ops.hints:safetensors_hint", support={
+           flat="a sharded set", reader="ckptool.readers.read_safetensors:SetReader", support={
                **SET_ROW,
                "remap": Cell("refused", "carries no device tags", "safetensors.torch.load_file(shard, device=...)"),
            }),
     Format("sharded-bin", "sharded torch set (`*.bin.index.json`)", "set", flat="a sharded set", **_TORCH_LAYOUT,
-           reader="ckptool.readers.read_safetensors:read_set_tensors", describer=_SET_INSPECT, loader=_SET_LOAD,
+           reader="ckptool.readers.read_safetensors:SetReader",
            support=SET_ROW),
     Format("dcp", "`torch.distributed.checkpoint` folder", "folder", keyed=True, torch_distributed=True,
            loaded_by="torch.distributed.checkpoint.load",
-           reader="ckptool.readers.read_dcp:read_tensors", describer="ckptool.ops.inspect.formats:inspect_dcp",
-           loader="ckptool.torch_ops.loaders:load_dcp", hint="ckptool.ops.hints:dcp_hint",
+           reader="ckptool.readers.read_dcp:DcpReader",
            dcp="ckptool.formats.dcp:plain_layout", support={
                "scan": Cell("works", "safe"),
                "diff": Cell("works", "2 of 2 matched tensors equal"),
@@ -242,8 +314,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            loaded_by="torch.export.load",
            refusals={"edit": "is a torch.export archive; write its state_dict with `ckptool extract-state-dict "
                              "{path}` first"},
-           reader="ckptool.readers.read_pt2:read_tensors", describer="ckptool.ops.inspect.formats:inspect_pt2",
-           loader="ckptool.torch_ops.loaders:load_pt2", support={
+           reader="ckptool.readers.read_pt2:Pt2Reader", support={
                "scan": Cell("works", "safe"),
                "diff": Cell("works", "identical"),
                "remap": Cell("refused", "this command does not apply", PT2_STATE_DICT),
@@ -254,8 +325,14 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            }),
     Format("deepspeed", "DeepSpeed ZeRO folder (`latest`, `global_step*/`)", "folder", flat="a DeepSpeed checkpoint",
            consolidate=True, tagged=True, **_TORCH_LAYOUT, loaded_by="DeepSpeedEngine.load_checkpoint",
-           reader="ckptool.readers.read_deepspeed:read_tensors",
-           describer="ckptool.ops.inspect.formats:inspect_deepspeed", loader="ckptool.torch_ops.loaders:load_deepspeed",
+           selected="the consolidated ZeRO state_dict (fp32 master weights, buffers)",
+           refusals={"rewrite-folder": "is a DeepSpeed ZeRO checkpoint folder, which this command does not rewrite: "
+                                       "consolidate it first with `ckptool convert {path} -o model.pt` (exactly as "
+                                       "DeepSpeed's zero_to_fp32 does), then run the command on that file",
+                     "convert --key": "is a DeepSpeed checkpoint: it holds one model, so --key does not apply",
+                     "convert to dcp": "is a DeepSpeed checkpoint: convert it to safetensors or torch (DCP output is "
+                                       "for torch files)"},
+           reader="ckptool.readers.read_deepspeed:DeepSpeedReader",
            support={
                "scan": Cell("works", "needs-trust"),
                "diff": Cell("works", "identical"),
@@ -265,20 +342,22 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     # --- Megatron-LM / Megatron-Core / NeMo (docs/megatron.md; ckptool.formats.megatron) ---
     Format(detect.MEGATRON_LEGACY, "Megatron-LM legacy tree (`mp_rank_XX/model_optim_rng.pt`)", "folder",
            flat="a Megatron checkpoint", consolidate=True, **_TORCH_LAYOUT, loaded_by="Megatron-LM load_checkpoint",
-           reader="ckptool.readers.read_megatron:read_legacy_tensors",
-           describer="ckptool.ops.inspect.megatron:inspect_legacy", loader="ckptool.torch_ops.megatron:load_megatron",
+           refusals={"rewrite-folder": "is a Megatron checkpoint folder, which this command does not rewrite: "
+                                       "consolidate it first with `ckptool convert {path} -o model.pt`, then run the "
+                                       "command on that file"},
+           reader="ckptool.readers.read_megatron:LegacyReader",
            support={"scan": Cell("works", "needs-trust"), "diff": Cell("works", "identical"),
                     "remap": MEGATRON, "prefix": MEGATRON,
                     "extract-state-dict": FOLDER, "sanitize": FOLDER, "rename": FOLDER, "filter": FOLDER}),
     Format(detect.MEGATRON_DIST, "Megatron-Core `torch_dist` folder (`metadata.json`, `common.pt`, `.distcp`)",
            "folder",
            flat="a Megatron checkpoint", consolidate=True, loaded_by="megatron.core.dist_checkpointing.load",
-           reader="ckptool.readers.read_megatron:read_dist_tensors",
-           describer="ckptool.ops.inspect.megatron:inspect_dist", loader="ckptool.torch_ops.megatron:load_megatron",
-           dcp="ckptool.formats.megatron:dist_layout", hint="ckptool.ops.hints:megatron_dist_hint",
+           reader="ckptool.readers.read_megatron:DistReader",
+           dcp="ckptool.formats.megatron:dist_layout",
            support={"scan": Cell("works", "needs-trust"), "diff": Cell("works", "identical"), "remap": DCP_REMAP,
                     "extract-state-dict": FOLDER, "sanitize": FOLDER}),
     Format(detect.PICKLE, "a plain pickle (no torch layout)", "file", pickled=True, tensors=False,
+           reader=_TORCH_READ,
            loaded_by="pickle.load",
            refusal="is a plain pickle without torch storages, not a torch.save checkpoint",
            refusals={"extract-state-dict": "is a plain pickle without torch storages; there is no state_dict to "
@@ -286,6 +365,5 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
                      "rewrite": "is a plain pickle without torch storages; there is nothing to {action}",
                      "prefix": "is a plain pickle without torch storages, not a torch.save checkpoint; load it and "
                                "rename the state_dict in memory",
-                     "edit": "is a plain pickle without torch storages, not a torch.save checkpoint"},
-           describer=_PICKLED_INSPECT, loader="ckptool.torch_ops.loaders:load_pickle"),
+                     "edit": "is a plain pickle without torch storages, not a torch.save checkpoint"}),
 )}

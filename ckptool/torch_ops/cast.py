@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ckptool.errors import UnsupportedError
-from ckptool.formats.segments import read_segments
 from ckptool.formats.tensors import Storage, Tensor
+from ckptool.readers.structures import read_segments
 
 if TYPE_CHECKING:
     import torch

@@ -89,11 +89,23 @@ def storage_numbers(tensors: Sequence[Tensor]) -> list[int]:
     return [ids.setdefault(id(t.storage), len(ids)) for t in tensors]
 
 
-def torch_load_difference(path: str, expected: Sequence[Tensor], dtype_of: Callable[[str], str] = str
-                          ) -> str | None:
+def _keys_difference(obj: object, names: list[str], entries: Mapping[str, object]) -> str | None:
+    """What differs between the loaded ``obj`` and a dict of the tensors ``names`` followed by the plain
+    ``entries`` (value for value); None when nothing does."""
+    extra = {k: v for k, v in entries.items() if k not in set(names)}
+    if not isinstance(obj, dict) or list(obj) != names + list(extra):
+        return "the state_dict keys differ"
+    if any(obj[k] != v for k, v in extra.items()):
+        return "the plain entries differ from the source's"
+    return None
+
+
+def torch_load_difference(path: str, expected: Sequence[Tensor], dtype_of: Callable[[str], str] = str,
+                          entries: Mapping[str, object] | None = None) -> str | None:
     """Open the torch zip file at ``path`` with ``torch.load(mmap=True, weights_only=True)`` and compare every
     tensor's key (in order), dtype (``dtype_of(t.dtype)``: the dtype written, after a cast), shape, stride, storage
-    offset, ``requires_grad`` and storage sharing with the tensors meant to be written (``expected``). The storage
+    offset, ``requires_grad`` and storage sharing with the tensors meant to be written (``expected``), and the
+    plain ``entries`` written after them (every other key of the dict, value for value). The storage
     records' CRC-32 are checked by the caller (:func:`ckptool.ops.convert.verify.records_difference`).
     """
     import torch
@@ -106,8 +118,9 @@ def torch_load_difference(path: str, expected: Sequence[Tensor], dtype_of: Calla
         lines = str(e).strip().splitlines() or [""]  # torch's text runs on for lines; its reason is one of them
         why = next((ln.strip() for ln in lines if "WeightsUnpickler error" in ln), lines[0].strip())
         return f"torch.load(weights_only=True) refused it ({type(e).__name__}: {why[:300]})"
-    if not isinstance(obj, dict) or list(obj) != [t.name for t in expected]:
-        return "the state_dict keys differ"
+    diff = _keys_difference(obj, [t.name for t in expected], entries or {})
+    if diff is not None:
+        return diff
     numbers = storage_numbers(expected)
     owner: dict[int, int] = {}
     for t, n in zip(expected, numbers):

@@ -18,13 +18,12 @@ from collections.abc import Sequence
 from typing import IO, Any, BinaryIO, cast
 
 from ckptool.errors import CkptError, CorruptCheckpointError, UnsupportedError
-from ckptool.formats.dcp import DcpEntry
 from ckptool.formats.dtypes import contiguous_stride
-from ckptool.formats.pickler import PicklerError, dumps
-from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.model.tensor_nodes import tensor_node
+from ckptool.readers.structures import DcpEntry
 from ckptool.torch_ops.cast import tensor_buffer
 from ckptool.torch_ops.convert_verify import flat_tensors, same_tensors
+from ckptool.writers.encoders import PicklerError, TorchZipWriter, dumps
 
 #: tensor bytes read from the DCP folder per batch when it is streamed into one file (64 MiB)
 BATCH_BYTES = 64 << 20

@@ -39,7 +39,6 @@ from collections.abc import Collection
 from typing import Any, BinaryIO
 
 from ckptool.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
-from ckptool.formats.dcp import DcpEntry, DcpMetadata
 from ckptool.formats.dtypes import numel
 from ckptool.model import graph
 from ckptool.model.allowlist import ALLOWED, classify_global
@@ -54,6 +53,7 @@ from ckptool.readers.read_dcp import (
     record_in_file,
     torch_save_record,
 )
+from ckptool.readers.structures import DcpEntry, DcpMetadata
 from ckptool.torch_ops.annotations import torch
 from ckptool.torch_ops.cast import torch_dtype
 from ckptool.torch_ops.trusted import GUARDED, guarded, refuse_gadgets

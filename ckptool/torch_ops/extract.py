@@ -18,9 +18,9 @@ from ckptool._fileio import atomic_output
 from ckptool.errors import CkptError, CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES, tensor_dtype
 from ckptool.formats.nodes import REBUILD_QTENSOR, StorageRef, TensorNode
-from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.nonstrided import non_strided, refusal
 from ckptool.model.paths import get_path
+from ckptool.readers import Checkpoint
 from ckptool.readers.read_torch import record_reader
 from ckptool.torch_ops.cast import torch_dtype
 from ckptool.torch_ops.trusted import GUARDED, guarded

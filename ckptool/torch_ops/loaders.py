@@ -1,7 +1,8 @@
 """Loading a checkpoint file, set or folder with torch: :func:`load_checkpoint` and each format's loader.
 
-The format is recognised once (:func:`ckptool.readers.open_checkpoint`) and its registry entry names the loader
-(:attr:`ckptool.readers.Format.loader`: one of the ``load_*`` functions here, each taking the
+The format is recognised once (:func:`ckptool.readers.open_checkpoint`) and the loader registered for it in
+:data:`LOAD` is run (a :class:`~ckptool.readers.registry.Role` of this layer: one of the ``load_*`` functions here,
+registered for each format at the end of this module, each a :class:`Loader` taking the
 :class:`~ckptool.readers.Opened` and a :class:`LoadRequest`); every loader reads the structure it needs through
 the :class:`~ckptool.readers.Opened`'s cached readers, never a parser of its own.
 
@@ -23,9 +24,8 @@ import pickle
 import re
 import sys
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ckptool import _source as source
 from ckptool._gc import gc_paused
@@ -34,6 +34,7 @@ from ckptool.formats.nodes import qualified_name
 from ckptool.model import graph
 from ckptool.model.allowlist import ALLOWED, classify_global, refusal_remedy
 from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers.registry import Role
 from ckptool.torch_ops.annotations import DeviceLike, torch  # values at run time too (get_type_hints)
 from ckptool.torch_ops.dcp_load import load_dcp_state_dict
 from ckptool.torch_ops.devices import MoveMemo, map_tensors, move_tensor, resolve_device
@@ -45,7 +46,8 @@ from ckptool.torch_ops.tied import restore_shared
 from ckptool.torch_ops.trusted import GUARDED, GuardedUnpickler, guarded, refuse_dangerous, refuse_gadgets
 from ckptool.torch_ops.zero import load_zero_state_dict
 
-__all__ = ["LoadRequest", "Loader", "first_line", "load_checkpoint", "load_dcp", "load_deepspeed", "load_package",
+__all__ = ["LOAD", "LoadRequest", "Loader", "first_line", "load_checkpoint", "load_dcp", "load_deepspeed",
+           "load_package",
            "load_pickle", "load_pt2", "load_safetensors", "load_set", "load_torch_legacy", "load_torch_zip",
            "load_torchscript", "registered_safe_globals"]
 
@@ -121,7 +123,7 @@ def _saved_devices_and_unsafe_globals(opened: Opened, facts: dict[str, object] |
 
 @dataclass(frozen=True)
 class LoadRequest:
-    """What :func:`load_checkpoint` was asked, as each format's loader (:attr:`ckptool.readers.Format.loader`)
+    """What :func:`load_checkpoint` was asked, as each format's loader (:data:`LOAD`)
     takes it: the ``device``, ``trust``, ``spans`` (a :class:`~ckptool.torch_ops.stream.FileSpans` to map files
     through, None: load them whole), ``key`` (the state_dict of a torch.package archive) and ``max_expand`` (the
     budget of a DCP folder's records: :mod:`ckptool.readers.budget`)."""
@@ -133,7 +135,15 @@ class LoadRequest:
     max_expand: float | None = None
 
 
-Loader = Callable[[Opened, LoadRequest], tuple[Any, dict[str, int]]]
+class Loader(Protocol):
+    """The ``load`` role: a format's checkpoint ``opened`` loaded as :class:`LoadRequest` asks, returned with the
+    saved location tags (tag -> number of storages) as ``(object, tags)``."""
+
+    def __call__(self, opened: Opened, req: LoadRequest, /) -> tuple[Any, dict[str, int]]: ...
+
+
+#: each format's loader, registered at the end of this module (the readers layer names none)
+LOAD: Role[Loader] = Role("load", "ckptool.torch_ops")
 
 
 def load_checkpoint(path: str | os.PathLike[str] | Opened, device: DeviceLike = "cpu", *, trust: bool = False,
@@ -141,7 +151,7 @@ def load_checkpoint(path: str | os.PathLike[str] | Opened, device: DeviceLike = 
                     ) -> tuple[Any, dict[str, int]]:
     """Load the object saved in ``path`` (a path or URL, opened once, or a checkpoint already opened with
     :func:`ckptool.readers.open_checkpoint`) with every tensor on ``device``; safe unless ``trust``. The format's
-    registry entry names its loader (:attr:`ckptool.readers.Format.loader`, one of the ``load_*`` functions here).
+    loader is the one registered in :data:`LOAD` (one of the ``load_*`` functions here).
 
     torch zip / legacy files: ``torch.load(path, map_location=device, weights_only=not trust)``; the pickle is
     first read by ckptool's restricted reader (nothing imported), and a global outside torch's allowlist (and not
@@ -189,7 +199,7 @@ def load_checkpoint(path: str | os.PathLike[str] | Opened, device: DeviceLike = 
     opened = path if isinstance(path, Opened) else open_checkpoint(path)
     if trust:
         refuse_dangerous(opened)
-    load: Loader = opened.spec.behaviour("load")
+    load = LOAD.get(opened.format)
     return load(opened, LoadRequest(dev, trust, spans, key, max_expand))
 
 
@@ -371,3 +381,14 @@ def load_set(opened: Opened, req: LoadRequest) -> tuple[Any, dict[str, int]]:
         for tag, n in tags.items():
             saved[tag] = saved.get(tag, 0) + n
     return out, saved
+
+
+for _fmt, _load in (("torch-zip", load_torch_zip), ("torch-legacy", load_torch_legacy),
+                    ("torchscript", load_torchscript), ("torch-package", load_package),
+                    ("safetensors", load_safetensors), ("sharded-safetensors", load_set), ("sharded-bin", load_set),
+                    ("dcp", load_dcp), ("torch-export", load_pt2), ("deepspeed", load_deepspeed),
+                    ("pickle", load_pickle)):
+    LOAD.register(_fmt, _load)
+# imported when a checkpoint of theirs is met (it names LoadRequest: tests/test_registry.py checks its signature)
+LOAD.register_lazy("megatron-legacy", "ckptool.torch_ops.megatron:load_megatron")
+LOAD.register_lazy("megatron-dist", "ckptool.torch_ops.megatron:load_megatron")

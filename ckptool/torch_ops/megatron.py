@@ -14,10 +14,10 @@ __all__ = ["load_megatron"]
 
 
 def load_megatron(opened: Opened, req: LoadRequest) -> tuple[Any, dict[str, int]]:
-    """A Megatron legacy tree or torch_dist folder (the registry's ``loader``): the consolidated state_dict
-    (:meth:`ckptool.readers.Opened.state_dict`, read without Megatron and without running its pickles: tensor
-    bytes only), every tensor on ``req.device``; no saved location tags are reported (the shards' tags do not
-    describe the joined tensors).
+    """A Megatron legacy tree or torch_dist folder (a loader of :data:`~ckptool.torch_ops.loaders.LOAD`): the
+    consolidated state_dict (:meth:`ckptool.readers.Opened.state_dict`, read without Megatron and without running
+    its pickles: tensor bytes only), every tensor on ``req.device``; no saved location tags are reported (the
+    shards' tags do not describe the joined tensors).
 
     Raises: what the format's reader raises (:mod:`ckptool.readers.read_megatron`).
     """

@@ -14,8 +14,8 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
-from ckptool.formats.zipdir import data_offset
 from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers.structures import data_offset
 from ckptool.torch_ops.cast import torch_dtype
 
 if TYPE_CHECKING:

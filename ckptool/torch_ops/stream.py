@@ -38,7 +38,7 @@ from ckptool.torch_ops.trusted import GUARDED
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from ckptool.formats.safetensors import SafetensorsHeader
+    from ckptool.readers.structures import SafetensorsHeader
 
 __all__ = ["CHUNK", "FileSpans"]
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckptool.formats.dtypes import contiguous_stride
-from ckptool.formats.safetensors import SHARED_KEY, SafetensorsHeader, decode_shared
+from ckptool.readers.structures import SHARED_KEY, SafetensorsHeader, decode_shared
 from ckptool.torch_ops.cast import torch_dtype
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -48,14 +48,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, Protocol
 
 from ckptool._fileio import same_file
 from ckptool._source import holding_versions, is_url
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
-from ckptool.formats.sharded import output_layout
 from ckptool.formats.tensors import Source
 from ckptool.model.devices import location_function
 from ckptool.model.keys import raise_on_collisions
@@ -76,9 +76,12 @@ from ckptool.readers.budget import check_expansion
 from ckptool.readers.read_dcp import check_records
 from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.readers.read_torch import refuse_non_strided_for_dcp
+from ckptool.readers.registry import Role
 from ckptool.torch_ops.dcp import dcp_to_torch_file
 from ckptool.torch_ops.load import load_checkpoint
 from ckptool.torch_ops.trusted import refuse_dangerous
+from ckptool.writers import is_folder_form
+from ckptool.writers.encoders import output_layout
 
 __all__ = ["SHARED_KEY", "ConvertResult", "OutputFormat", "VerificationError", "convert", "parse_size"]
 
@@ -97,6 +100,19 @@ def _with_tp_rules(fn: Callable[..., ConvertResult]) -> Callable[..., ConvertRes
         finally:
             USER_RULES.reset(token)
     return run
+
+
+class Converter(Protocol):
+    """The ``convert`` role: a format that ``convert`` hands whole to a converter of its own (a DCP folder, whose
+    whole state torch's planner restores), ``opened`` written to ``dst`` as ``fmt_out`` with :func:`convert`'s
+    other ``options``."""
+
+    def __call__(self, opened: Opened, dst: str, /, *, fmt_out: OutputFormat, trust: bool,
+                 options: dict[str, Any]) -> ConvertResult: ...
+
+
+#: the formats ``convert`` hands to a converter of their own, registered at the end of this module
+CONVERT: Role[Converter] = Role("convert", "ckptool.ops")
 
 
 @_with_tp_rules
@@ -119,7 +135,11 @@ def convert(
     ``zero_to_fp32`` does, without deepspeed: :mod:`ckptool.readers.read_deepspeed`; ``tag`` picks the tag folder,
     default from ``latest``; ``exclude_frozen`` leaves out frozen parameters). ``format`` is ``"torch"``,
     ``"safetensors"`` or ``"dcp"``; by default it follows ``dst``'s suffix (``.safetensors``; ``.pt`` / ``.pth`` /
-    ``.bin`` / ``.ckpt``), and is safetensors for a folder of shards.
+    ``.bin`` / ``.ckpt``; compared case-insensitively), and is safetensors for a folder output
+    (:func:`ckptool.writers.choose_format`). A ``dst`` that names a folder (``out/``, an existing folder, a name
+    without suffix: :func:`ckptool.writers.is_folder_form`) gets a ``transformers``-style folder: one
+    ``model.safetensors`` (``pytorch_model.bin``), or shards and an index with ``max_shard_size``, with the source
+    model folder's companion files.
 
     * ``key`` selects the state_dict (dotted path such as ``"model_state_dict"``); by default it is found, and the
       other entries of the file are reported in ``left_out``, not carried.
@@ -160,16 +180,19 @@ def convert(
     strip = [strip_prefixes] if isinstance(strip_prefixes, str) else list(strip_prefixes)
     shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
     fmt_out = OutputFormat.choose(dst_p, format, shard_bytes is not None)
+    if shard_bytes is None and not fmt_out.folder and is_folder_form(dst_p):
+        shard_bytes = sys.maxsize  # a folder output: one model.safetensors / pytorch_model.bin, as save_pretrained
     _check_options(src_p, dst_p, fmt_out, shard_bytes, dtype, to is not None or bool(mapping))
     renames: dict[str, Any] = {"unwrap": unwrap, "strip_prefixes": strip}
     opened = _open_source(src_p, trust)
-    if (tag is not None or exclude_frozen) and not opened.spec.tagged:
-        raise UsageError(f"--tag and --exclude-frozen apply to DeepSpeed checkpoint folders; {src_p} is not one")
-    if opened.spec.torch_distributed:
-        return _from_dcp(opened, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
+    opened.check_tag_options(tag, exclude_frozen)
+    own = CONVERT.find(opened.format)  # a DCP folder: torch's planner restores its whole state
+    if own is not None:
+        return own(opened, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
             key=key, to=to, mapping=mapping, allow_missing=allow_missing, max_shard_size=shard_bytes, dtype=dtype,
             verify=verify, progress=progress, max_expand=max_expand, **renames))
-    if fmt_out.folder and opened.spec.tensors and not opened.spec.tagged:
+    _refuse_options(opened, fmt_out, key)
+    if fmt_out.folder and opened.spec.tensors:
         return _to_dcp(opened, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype,
                        max_expand=max_expand)
     source = _read_source(opened, fmt_out, key, tag, exclude_frozen, max_expand)
@@ -257,8 +280,6 @@ def _read_source(opened: Opened, fmt_out: OutputFormat, key: str | None, tag: st
         UnsupportedError: the selected state_dict holds no tensors, or is over the ``max_expand`` budget
             (:func:`ckptool.readers.budget.check_expansion`), and what the reader raises.
     """
-    if opened.spec.tagged:
-        _refuse_deepspeed_options(opened.path, fmt_out, key)
     source = opened.state_dict(key, tag=tag, exclude_frozen=exclude_frozen)
     if fmt_out.shared_storages and opened.spec.kind == "file":
         restore_library_aliases(source)
@@ -388,10 +409,13 @@ def _to_dcp(opened: Opened, dst: str, *, key: str | None, trust: bool, verify: b
     return res
 
 
-def _refuse_deepspeed_options(src: str, fmt_out: OutputFormat, key: str | None) -> None:
-    """Raise UsageError for ``--key`` (a ZeRO checkpoint holds one model) or DCP output from a DeepSpeed folder."""
-    if key is not None:
-        raise UsageError(f"{src} is a DeepSpeed checkpoint: it holds one model, so --key does not apply")
-    if fmt_out.folder:
-        raise UsageError(f"{src} is a DeepSpeed checkpoint: convert it to safetensors or torch (DCP output is for "
-                         "torch files)")
+def _refuse_options(opened: Opened, fmt_out: OutputFormat, key: str | None) -> None:
+    """Raise UsageError for ``--key`` or DCP output where the input's format refuses them
+    (:meth:`ckptool.readers.Format.refusal_for`: a DeepSpeed folder holds one model and converts to a file)."""
+    for operation, given in (("convert --key", key is not None), ("convert to dcp", fmt_out.folder)):
+        refusal = opened.spec.refusal_for(operation, opened.path) if given else None
+        if refusal is not None:
+            raise UsageError(refusal)
+
+
+CONVERT.register("dcp", _from_dcp)

@@ -18,12 +18,8 @@ from typing import Any, BinaryIO
 from ckptool._commit import mark_committed, signals_blocked
 from ckptool._fileio import temp_path
 from ckptool.errors import CkptError, UsageError
-from ckptool.formats.dcp import DcpEntry, DcpMetadata
 from ckptool.formats.dtypes import contiguous_stride, element_size, tensor_dtype
 from ckptool.formats.nodes import TensorNode
-from ckptool.formats.pickler import PicklerError, dumps
-from ckptool.formats.torchzip import TorchZipWriter
-from ckptool.formats.zipdir import data_offset
 from ckptool.model.tensor_nodes import tensor_node
 from ckptool.ops.convert.report import ConvertResult
 from ckptool.ops.convert.verify import records_difference, verify_fail
@@ -34,7 +30,9 @@ from ckptool.readers.read_dcp import node_state as _state
 from ckptool.readers.read_dcp import open_record as _record
 from ckptool.readers.read_dcp import size_ints as _ints
 from ckptool.readers.read_dcp import torch_save_record as _torch_save_record
+from ckptool.readers.structures import DcpEntry, DcpMetadata, data_offset
 from ckptool.torch_ops.dcp import dcp_round_trip_difference, dcp_to_torch_file, metadata_difference, save_dcp
+from ckptool.writers.encoders import PicklerError, TorchZipWriter, dumps
 
 WHOLE_NOTE = "the whole checkpoint was converted (pass --key to convert one state_dict)"
 

@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ckptool.formats.dtypes import DTYPE_SIZES
-from ckptool.formats.sharded import output_layout
 from ckptool.formats.tensors import Source
 from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, union_elements, units
 from ckptool.ops.convert.report import ConvertResult
@@ -21,6 +20,7 @@ from ckptool.ops.convert.write import Files, Written, archive_name, emit, write_
 from ckptool.ops.rewrite.parallel import current_executor, locked
 from ckptool.ops.rewrite.set_writer import write_set
 from ckptool.ops.rewrite.stream import ProgressFn, announce_total
+from ckptool.writers.encoders import output_layout
 
 
 @dataclass
@@ -39,6 +39,7 @@ class Job:
     res: ConvertResult
     files: Files = field(default_factory=Files)
     state: dict[str, object] | None = None
+    entries: dict[str, object] | None = None
 
     def tick(self, n: int) -> None:
         """Report ``n`` more bytes written."""
@@ -62,7 +63,7 @@ def _write_torch_file(job: Job, path: str, final: str, us: list[Unit]) -> tuple[
     check = with_evidence(job.files.evidence, torch_verifier(job.cast)) if job.verify else None
     w = emit(path, functools.partial(write_torch, tensors=tensors, files=job.files, cast=job.cast,
                                      location=job.location, archive=archive_name(final), sd_state=job.state,
-                                     rename_key=job.rename_key, progress=job.tick), check)
+                                     rename_key=job.rename_key, progress=job.tick, entries=job.entries), check)
     return w, [t.name for t in tensors]
 
 
@@ -113,6 +114,18 @@ WRITERS: dict[OutputFormat, Writer] = {
 }
 
 
+def _entries(src: Source, fmt_out: OutputFormat, files: int, res: ConvertResult) -> dict[str, object] | None:
+    """The plain entries of ``src`` the output holds: all of them in one file of a format that holds non-tensor
+    entries (the writers registry), none in shards (with a note) or in a format of tensors only."""
+    if not src.entries or not fmt_out.writer.non_tensor_entries:
+        return None
+    if files > 1:
+        res.notes.append(f"the plain entries ({', '.join(src.entries)}) are not written into shards, which hold "
+                         "tensors only; write one file to keep them")
+        return None
+    return src.entries
+
+
 def _task_job(job: Job, us: list[Unit]) -> Job:
     """``job`` for one task of a parallel write (:mod:`ckptool.ops.rewrite.parallel`): its own source files (one
     file position per thread), its own evidence (held to the records of ``us``) and its own result lists, merged in
@@ -160,7 +173,7 @@ def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_byte
     groups = [plan] if shard_bytes is None else split(plan, shard_bytes, writer.unit_size)
     pool = current_executor() if shard_bytes is not None and len(groups) > 1 else None
     job = Job(src, cast, location, rename_key, verify, locked(progress) if pool else progress, res,
-              state=src.sd_state if len(groups) == 1 else None)
+              state=src.sd_state if len(groups) == 1 else None, entries=_entries(src, fmt_out, len(groups), res))
     job.files.evidence.expect_records(t.storage for t in src.tensors)
     weight_map: dict[str, str] = {}
     done: dict[int, Job] = {}  # id(group) -> the job that wrote it

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from ckptool.errors import UnsupportedError
 from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
-from ckptool.formats.safetensors import SharedGroup, SharedView, encode_shared
 from ckptool.formats.tensors import Storage, Tensor, is_contiguous
 from ckptool.ops.convert.source import out_dtype
+from ckptool.writers.encoders import SharedGroup, SharedView, encode_shared
 
 
 @dataclass(eq=False)

@@ -95,8 +95,8 @@ def selection(res: ConvertResult) -> str:
         return f"state_dict {res.key!r}"
     if res.key == "":
         return "the top-level state_dict"
-    if spec.tagged:
-        return "the consolidated ZeRO state_dict (fp32 master weights, buffers)"
+    if spec.selected:
+        return spec.selected
     if not spec.keyed:
         return "the tensors"
     return "the whole checkpoint"

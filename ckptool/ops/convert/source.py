@@ -7,7 +7,8 @@ import enum
 import re
 
 from ckptool.errors import UsageError
-from ckptool.formats.safetensors import SHARED_KEY as SHARED_KEY  # re-exported: ckptool.ops.convert.SHARED_KEY
+from ckptool.readers.structures import SHARED_KEY as SHARED_KEY  # re-exported: ckptool.ops.convert.SHARED_KEY
+from ckptool.writers import Writer, choose_format, is_folder_form, writer
 
 #: dtypes ``dtype=`` casts (floating point; float8 formats carry scales elsewhere and are left alone)
 CAST_FROM = ("float16", "bfloat16", "float32", "float64")
@@ -26,57 +27,45 @@ class OutputFormat(enum.Enum):
     DCP = "dcp"
 
     @property
+    def writer(self) -> Writer:
+        """Its entry in the writers registry (:data:`ckptool.writers.WRITERS`): suffixes, what it holds, its hint."""
+        return writer(self.value)
+
+    @property
     def suffixes(self) -> tuple[str, ...]:
         """The ``dst`` suffixes that choose this format when ``format`` is not given."""
-        return _SUFFIXES.get(self, ())
+        return self.writer.suffixes
 
     @property
     def location_tags(self) -> bool:
         """Its storages carry location tags (``--to`` / ``--map`` apply)."""
-        return self is OutputFormat.TORCH
+        return self.writer.location_tags
 
     @property
     def shared_storages(self) -> bool:
         """Tensors sharing a storage stay views of one storage (tied names come back as views)."""
-        return self is OutputFormat.TORCH
+        return self.writer.shared_storages
 
     @property
     def whole_state(self) -> bool:
         """It holds a whole pickled checkpoint (nested dicts, non-tensor values, a state_dict's ``_metadata``), not
         tensors only."""
-        return self is OutputFormat.TORCH
+        return self.writer.non_tensor_entries and not self.writer.is_folder
 
     @property
     def folder(self) -> bool:
         """Written as a folder of files by torch (``torch.distributed.checkpoint``): not sharded by ckptool."""
-        return self is OutputFormat.DCP
+        return self.writer.is_folder
 
     @classmethod
     def choose(cls, dst: str, fmt: str | None, sharded: bool) -> OutputFormat:
-        """The format ``fmt`` names, else the one ``dst``'s suffix names, else safetensors for a folder of shards.
+        """The format ``fmt`` names, else the one ``dst``'s suffix names, else safetensors for a folder output (a
+        folder of shards): :func:`ckptool.writers.choose_format`, the one choice of every command.
 
         Raises:
             UsageError: ``fmt`` names no output format; no ``fmt`` and ``dst``'s suffix names none.
         """
-        if fmt is not None:
-            try:
-                return cls(fmt)
-            except ValueError:
-                raise UsageError(f"unknown format {fmt!r}: choose torch, safetensors or dcp") from None
-        low = dst.lower()
-        found = next((f for f in cls if low.endswith(f.suffixes)), None)
-        if found is not None:
-            return found
-        if sharded:  # a folder of shards
-            return cls.SAFETENSORS
-        raise UsageError(f"cannot tell the output format from {dst!r}: name it *.safetensors or *.pt / *.pth / *.bin, "
-                         "or pass --format torch|safetensors|dcp")
-
-
-_SUFFIXES = {
-    OutputFormat.SAFETENSORS: (".safetensors",),
-    OutputFormat.TORCH: (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"),
-}
+        return cls(choose_format(dst, fmt, folder=sharded or is_folder_form(dst)).name)
 
 
 def out_dtype(dtype: str, cast: str | None) -> str:

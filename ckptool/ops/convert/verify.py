@@ -247,7 +247,7 @@ def torch_verifier(cast: str | None) -> Callable[[Written, str], None]:
             return out_dtype(dtype, cast)
 
         if is_installed("torch"):
-            diff = torch_load_difference(path, w.tensors, dtype_of)
+            diff = torch_load_difference(path, w.tensors, dtype_of, w.entries)
         else:
             diff = reader_difference(path, w.tensors, dtype_of)
         diff = diff or records_difference(path, w.records)

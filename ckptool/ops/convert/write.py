@@ -20,12 +20,7 @@ from ckptool._commit import unmark_committed
 from ckptool._fileio import WriteBehind, atomic_output, copy_range, copy_range_crc, write_behind_for
 from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
 from ckptool.formats.nodes import StorageRef
-from ckptool.formats.pickler import dumps
-from ckptool.formats.safetensors import SHARED_KEY, encode_header
-from ckptool.formats.segments import ConcatenatedFile
-from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Storage, Tensor, is_contiguous
-from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.model.graph import mapping_items, ordered_dict_node
 from ckptool.model.keys import rename_metadata_items
 from ckptool.model.tensor_nodes import storage_ref, view_node
@@ -34,7 +29,9 @@ from ckptool.ops.convert.plan import Unit, shared_metadata
 from ckptool.ops.convert.report import ConvertResult
 from ckptool.ops.convert.source import out_dtype
 from ckptool.readers.data import FileRanges, read_range
+from ckptool.readers.structures import SHARED_KEY, ConcatenatedFile, gather
 from ckptool.torch_ops.cast import FlatCache, tensor_buffer
+from ckptool.writers.encoders import TorchZipWriter, dumps, encode_header
 
 #: dtype name -> legacy storage class ``torch.save`` names with ``_rebuild_tensor_v2`` (torch/storage.py); other
 #: dtypes are written as ``_rebuild_tensor_v3`` over an ``UntypedStorage``, as torch does for uint16, float8...
@@ -96,6 +93,7 @@ class Written:
     units: list[Unit]
     nbytes: int = 0
     records: dict[str, int] = field(default_factory=dict)  # torch output: record name -> CRC-32
+    entries: dict[str, Any] = field(default_factory=dict)  # torch output: the plain entries beside the tensors
 
 
 def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str] | None, files: Files,
@@ -210,10 +208,13 @@ def _renamed_meta_state(state: dict[str, Any], rename_key: Callable[[str], str] 
 
 
 def torch_pickle(tensors: list[Tensor], keys: dict[int, str], cast: str | None, location: Callable[[str], str],
-                 sd_state: dict[str, Any] | None, rename_key: Callable[[str], str] | None) -> bytes:
+                 sd_state: dict[str, Any] | None, rename_key: Callable[[str], str] | None,
+                 entries: dict[str, Any] | None = None) -> bytes:
     """``data.pkl`` of an ``OrderedDict`` state_dict of ``tensors``, as ``torch.save`` writes it (protocol 2,
     ``_rebuild_tensor_v2`` over a typed storage class, ``_rebuild_tensor_v3`` over ``UntypedStorage`` for dtypes
-    without one). Storages are named by ``keys[id(storage)]``."""
+    without one). Storages are named by ``keys[id(storage)]``. ``entries``: plain values (None, bool, int, float,
+    str, lists and dicts of them) stored after the tensors, as items of the same dict
+    (:attr:`ckptool.formats.tensors.Source.entries`)."""
     refs: dict[int, StorageRef] = {}
     items = []
     for t in tensors:
@@ -223,6 +224,7 @@ def torch_pickle(tensors: list[Tensor], keys: dict[int, str], cast: str | None, 
         if ref is None:
             ref = refs[id(st)] = storage_ref(keys[id(st)], dt, st.numel, location(st.location))
         items.append((t.name, view_node(ref, dt, t.offset, t.shape, t.stride, t.requires_grad)))
+    items += [(k, v) for k, v in (entries or {}).items() if k not in {t.name for t in tensors}]
     root = ordered_dict_node(items)
     if type(sd_state) is dict:
         root.state = _renamed_meta_state(sd_state, rename_key)
@@ -232,8 +234,9 @@ def torch_pickle(tensors: list[Tensor], keys: dict[int, str], cast: str | None, 
 
 def write_torch(out: BinaryIO, tensors: list[Tensor], files: Files, cast: str | None, location: Callable[[str], str],
                 archive: str, sd_state: dict[str, Any] | None, rename_key: Callable[[str], str] | None,
-                progress: Callable[[int], None] | None) -> Written:
-    """Write ``tensors`` as a torch zip checkpoint (an ``OrderedDict`` state_dict) into the open file ``out``.
+                progress: Callable[[int], None] | None, entries: dict[str, Any] | None = None) -> Written:
+    """Write ``tensors`` as a torch zip checkpoint (an ``OrderedDict`` state_dict, with the plain ``entries`` after
+    the tensors: :func:`torch_pickle`) into the open file ``out``.
 
     Storage records are copied from the source byte for byte (kernel copy when the source's CRC-32 is known);
     a storage that is cast or assembled from safetensors pieces is materialised, one at a time.
@@ -244,11 +247,12 @@ def write_torch(out: BinaryIO, tensors: list[Tensor], files: Files, cast: str | 
         if id(t.storage) not in keys:
             keys[id(t.storage)] = str(len(storages))
             storages.append(t.storage)
-    pkl = torch_pickle(tensors, keys, cast, location, sd_state, rename_key)
+    pkl = torch_pickle(tensors, keys, cast, location, sd_state, rename_key, entries)
     w = TorchZipWriter(out, archive)
     w.begin_torch_save(pkl)
     cache = files.cache(cast)
-    written = Written([], None, list(tensors), [])
+    written = Written([], None, list(tensors), [],
+                      entries={k: v for k, v in (entries or {}).items() if k not in {t.name for t in tensors}})
     for st in storages:
         name = f"data/{keys[id(st)]}"
         if st.pieces is None and out_dtype(st.dtype, cast) == st.dtype:

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from ckptool._gc import gc_paused
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.dtypes import contiguous_stride, element_size, numel
-from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Tensor, is_contiguous
 from ckptool.model.keys import WRAPPER_ONLY_COMPONENTS, reconcile
 from ckptool.ops.diff.result import CLOSE, DIFFER, EQUAL, NOT_COMPARED, DiffResult, KeyDiff, ValueDiff
@@ -32,6 +31,7 @@ from ckptool.ops.diff.sides import UNREAD, Side, read_pair, readable
 from ckptool.readers import Opened
 from ckptool.readers.budget import check_expansion
 from ckptool.readers.data import FileRanges, read_range
+from ckptool.readers.structures import gather
 from ckptool.torch_ops.value_stats import ValueStats, is_numeric, require_numpy, squared_norms
 
 #: bytes of each side read at a time when comparing values (a strided view reads its storage's span instead)
@@ -252,6 +252,18 @@ def _sharing(pairs: dict[str, str], a: Side, b: Side) -> list[str]:
     return list(lines)
 
 
+def _shared_differences(pairs: dict[str, str], a: Side, b: Side, res: DiffResult) -> None:
+    """Set ``res.shared`` (:func:`_sharing`); when a side's format cannot store sharing (:attr:`Side.stores_sharing`)
+    that is no difference (a note says so) unless ``res.strict``, as for the other properties a format cannot
+    store."""
+    res.shared = _sharing(pairs, a, b)
+    lost = [(s, side.format) for s, side in (("A", a), ("B", b)) if not side.stores_sharing]
+    if res.shared and lost and not res.strict:
+        res.notes.append(f"storage sharing is not stored in {' or '.join(f'{s} ({f})' for s, f in lost)}: "
+                         f"{len(res.shared)} group(s) shared on the other side not compared")
+        res.shared = []
+
+
 def _same_value(x: object, y: object) -> bool:
     if type(x) is not type(y):
         return False
@@ -386,7 +398,7 @@ def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened,
     res.notes += side_a.notes + side_b.notes
     pairs = _match_keys(side_a, side_b, res)
     _compare_pairs(side_a, side_b, pairs, res, (rtol, atol), keys_only, norms)
-    res.shared = _sharing(pairs, side_a, side_b)
+    _shared_differences(pairs, side_a, side_b, res)
     res.not_compared = res.compared - res.values_equal - sum(t.values == DIFFER for t in res.tensors)
     note = None if keys_only else _unread_note(side_a, side_b, pairs)
     if note:

@@ -123,7 +123,8 @@ def side_figures(info: CheckpointInfo) -> dict[str, Any]:
     """The figures of one checkpoint that the page's summary shows, JSON-ready (counts and bytes as integers):
     ``path``, ``format``, ``kind``, ``size`` (the file or folder, bytes), ``tensors``, ``storages``, ``bytes``
     (each storage once), ``params`` (elements), ``by_dtype`` / ``by_device`` (``{name: {"params", "bytes"}}``),
-    ``state_dicts`` (``[{"path", "tensors", "prefixes", "fix"}]``), ``verdict`` (scan's level), ``dangerous`` /
+    ``state_dicts`` (``[{"path", "tensors", "prefixes", "fix"}]``), ``verdict`` (scan's verdict, a
+    :class:`~ckptool.model.verdict.Verdict` word), ``dangerous`` /
     ``needs_trust`` (the globals of each level) and ``values`` (``[{"path", "type", "shown"}]``, the entries that
     are not tensors)."""
     by: dict[str, dict[str, dict[str, int]]] = {"dtype": {}, "device": {}}
@@ -146,7 +147,7 @@ def side_figures(info: CheckpointInfo) -> dict[str, Any]:
         "by_dtype": dict(sorted(by["dtype"].items())), "by_device": dict(sorted(by["device"].items())),
         "state_dicts": [{"path": sd.path, "tensors": sd.tensors, "prefixes": list(sd.prefixes), "fix": sd.fix}
                         for sd in info.state_dicts],
-        "verdict": security.get("level") or info.verdict,
+        "verdict": info.verdict.value,
         "dangerous": [d["name"] for d in security.get("dangerous", [])],
         "needs_trust": list(security.get("needs_trust", [])),
         "values": [{"path": v.path, "type": v.type, "shown": v.shown} for v in info.values],

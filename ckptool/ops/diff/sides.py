@@ -183,6 +183,13 @@ class Side:
         """``t``'s saved location tag, None when its format records none (the tensor opens on the CPU)."""
         return t.storage.location if self._spec_of(t).location_tags else None
 
+    @property
+    def stores_sharing(self) -> bool:
+        """Whether the side's format can record that tensors share a storage: not a format whose tensors keep no
+        strides (``strides`` ``"none"``, a DCP folder: ``dcp.load`` copies each record into the caller's own
+        tensors, so no tie or view survives a save)."""
+        return self.spec.strides != "none"
+
     def stride(self, t: Tensor) -> tuple[int, ...] | None:
         """``t``'s strides as its file records them, None when it records none (the tensor is contiguous):
         every tensor's in a torch file or ``.pt2`` archive; in safetensors only a view ckptool's sharing record

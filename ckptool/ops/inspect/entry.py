@@ -1,7 +1,10 @@
 """``ckptool.inspect``: what a checkpoint holds, read without torch and without reading tensor bytes.
 
-The format is recognised once, by :func:`ckptool.readers.open_checkpoint`, and its registry entry names who
-describes it (:attr:`ckptool.readers.Format.describer`, one of the ``inspect_*`` functions here):
+The format is recognised once, by :func:`ckptool.readers.open_checkpoint`, and the describer registered for it in
+:data:`DESCRIBE` describes it (a :class:`~ckptool.readers.registry.Role` of this layer, each format's
+:class:`Describer` registered at the end of this module: one of the ``inspect_*`` functions here, or of
+:mod:`ckptool.ops.inspect.formats` / :mod:`ckptool.ops.inspect.megatron`, imported when a checkpoint of theirs is
+met):
 
 * torch zip / legacy / TorchScript files and plain pickles: the pickle as the node graph the readers layer read
   (:meth:`ckptool.readers.Opened.graph`, with :mod:`ckptool.formats.unpickler`: nothing imported or run), described
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from ckptool import _source as source
 from ckptool._gc import gc_paused
@@ -46,11 +49,20 @@ from ckptool.ops.inspect.totals import byte_totals, device_bytes, merge_totals
 from ckptool.ops.inspect.values import PreviewLimits, ValueInfo
 from ckptool.ops.scan.entry import ScanResult, combine_results, scan_file
 from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers.registry import Role
 
-__all__ = ["SCHEMA", "ByteTotal", "CheckpointInfo", "GlobalInfo", "StateDictInfo", "TensorInfo",
-           "byte_totals", "describe", "inspect", "inspect_set", "tensor_infos"]
+__all__ = ["DESCRIBE", "SCHEMA", "ByteTotal", "CheckpointInfo", "Describer", "GlobalInfo", "StateDictInfo",
+           "TensorInfo", "byte_totals", "describe", "inspect", "inspect_set", "tensor_infos"]
 
-Describer = Callable[[Opened, PreviewLimits | None], CheckpointInfo]
+class Describer(Protocol):
+    """The ``describe`` role: what ``ckptool inspect`` says of a format's checkpoint ``opened`` (tensors read
+    from pickles and headers, never their bytes), ``limits`` bounding the values previewed."""
+
+    def __call__(self, opened: Opened, limits: PreviewLimits | None, /) -> CheckpointInfo: ...
+
+
+#: each format's describer, registered at the end of this module (the readers layer names none)
+DESCRIBE: Role[Describer] = Role("describe", "ckptool.ops")
 
 
 @gc_paused
@@ -95,7 +107,7 @@ def inspect(path: str | os.PathLike[str] | Opened, limits: PreviewLimits | None 
 def _describe(path: str | os.PathLike[str] | Opened, limits: PreviewLimits | None) -> CheckpointInfo:
     """:func:`inspect` without the count of bytes read: the format recognised once, its describer run."""
     opened = path if isinstance(path, Opened) else open_checkpoint(path)
-    describer: Describer = opened.spec.behaviour("describe")  # the registry entry names it
+    describer = DESCRIBE.get(opened.format)
     info = describer(opened, limits)
     check_key_lengths((t.key for t in info.tensors), opened.path)  # the describers read headers themselves
     return info
@@ -105,7 +117,7 @@ def inspect_pickled(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
     """A torch zip, legacy or TorchScript file or a plain pickle: its node graph, read once (the scan takes the
     ``data.pkl`` / plain pickle from it, :func:`ckptool.ops.inspect.pickles.already_read`)."""
     try:
-        ck = o.graph()
+        ck = o.described_graph()  # a plain pickle's long values stay in the file
         info = describe(ck, limits, o.spec)
     except RecursionError as e:
         raise CorruptCheckpointError(f"{o.target}: {too_deep(e)}") from None
@@ -203,3 +215,24 @@ def _index_info(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
                           [state_dict_info("", [t.key for t in tensors])], list(globs.values()), storages=storages,
                           metadata=meta, totals=merged, values=values, values_complete=complete,
                           scan=combine_results(path, fmt, scans))
+
+
+for _fmt in ("torch-zip", "torch-legacy", "torchscript", "pickle"):
+    DESCRIBE.register(_fmt, inspect_pickled)
+DESCRIBE.register("torch-package", inspect_package)
+DESCRIBE.register("sharded-safetensors", inspect_sharded)
+DESCRIBE.register("sharded-bin", inspect_sharded)
+# imported when a checkpoint of theirs is met (modules of this layer)
+DESCRIBE.register_lazy("safetensors", "ckptool.ops.inspect.formats:inspect_safetensors")
+DESCRIBE.register_lazy("dcp", "ckptool.ops.inspect.formats:inspect_dcp")
+DESCRIBE.register_lazy("torch-export", "ckptool.ops.inspect.formats:inspect_pt2")
+DESCRIBE.register_lazy("deepspeed", "ckptool.ops.inspect.formats:inspect_deepspeed")
+DESCRIBE.register_lazy("megatron-legacy", "ckptool.ops.inspect.megatron:inspect_legacy")
+DESCRIBE.register_lazy("megatron-dist", "ckptool.ops.inspect.megatron:inspect_dist")
+
+if TYPE_CHECKING:  # the lazy describers, checked against the Protocol
+    from ckptool.ops.inspect.formats import inspect_dcp, inspect_deepspeed, inspect_pt2, inspect_safetensors
+    from ckptool.ops.inspect.megatron import inspect_dist, inspect_legacy
+
+    _LAZY: tuple[Describer, ...] = (inspect_safetensors, inspect_dcp, inspect_pt2, inspect_deepspeed,
+                                    inspect_legacy, inspect_dist)

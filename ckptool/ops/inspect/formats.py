@@ -2,7 +2,7 @@
 ``torch.export`` archives (:func:`pt2_info`), DeepSpeed ZeRO folders (:func:`deepspeed_info`) and
 ``torch.distributed.checkpoint`` folders (:func:`dcp_info`), each from its headers, configs or metadata (no tensor
 bytes read, nothing imported or run). Each returns a :class:`~ckptool.ops.inspect.entry.CheckpointInfo` without
-``scan``; the ``inspect_*`` describers the registry names (:attr:`ckptool.readers.Format.describer`) add it, so that
+``scan``; the ``inspect_*`` describers registered in :data:`ckptool.ops.inspect.entry.DESCRIBE` add it, so that
 this module and the format code it needs are imported only when such a checkpoint is inspected.
 """
 
@@ -12,7 +12,6 @@ import os
 import re
 
 from ckptool import _source as source
-from ckptool.formats.dcp import DcpMetadata
 from ckptool.formats.dtypes import DTYPE_SIZES, contiguous_stride, numel, safetensors_dtype
 from ckptool.model.allowlist import is_allowed
 from ckptool.ops.inspect.deepspeed import describe_deepspeed
@@ -22,6 +21,7 @@ from ckptool.ops.inspect.totals import byte_totals, device_bytes, one_storage_ea
 from ckptool.ops.inspect.values import PreviewLimits, ValueInfo
 from ckptool.ops.scan.entry import ScanResult, scan_file
 from ckptool.readers import Opened
+from ckptool.readers.structures import DcpMetadata
 
 __all__ = ["dcp_info", "deepspeed_info", "inspect_dcp", "inspect_deepspeed", "inspect_pt2", "inspect_safetensors",
            "pt2_info", "safetensors_info"]

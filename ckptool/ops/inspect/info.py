@@ -16,17 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 from ckptool.formats import plugin
 from ckptool.model.allowlist import (
-    ALLOWED,
     DANGEROUS,
     NEEDS_TRUST,
     UNKNOWN,
     classify_global,
     is_allowed,
     level_of,
-    worst_level,
 )
 from ckptool.model.keys import has_flat_param_key, shared_prefixes, suggest_command
 from ckptool.model.units import human_bytes, plural
+from ckptool.model.verdict import Verdict, exit_code, verdict_of
 from ckptool.ops.inspect.json_rows import rows_json
 from ckptool.ops.inspect.values import ValueInfo
 from ckptool.ops.scan.entry import ScanResult
@@ -38,7 +37,7 @@ __all__ = ["FSDP_REMEDY", "SCHEMA", "TENSOR_FIELDS", "ByteTotal", "CheckpointInf
            "TensorInfo", "rate_globals", "state_dict_info"]
 
 #: the ``"schema"`` of :meth:`CheckpointInfo.to_dict` (``ckptool inspect --json``)
-SCHEMA = "ckptool.inspect/2"
+SCHEMA = "ckptool.inspect/3"
 
 
 @dataclass(slots=True)  # no __dict__: one per tensor (a million in a big state_dict)
@@ -184,7 +183,7 @@ class CheckpointInfo:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (``dataclasses.asdict`` without its deep copies: fast for 50,000 tensors), with
-        ``"schema": "ckptool.inspect/2"``, ``total_bytes`` (storage bytes, each storage once), ``totals`` and
+        ``"schema": "ckptool.inspect/3"``, ``total_bytes`` (storage bytes, each storage once), ``totals`` and
         ``values`` (``{"path", "type", "value"}`` or ``{"path", "type", "preview"}``)."""
         d = self._dict_without_tensors()
         d["tensors"] = [{  # the fields of TensorInfo (TENSOR_FIELDS), in order: a dict display, built fastest
@@ -238,23 +237,22 @@ class CheckpointInfo:
         """The ``security`` object of ``inspect --json``: the verdict of ``ckptool scan`` on the same file, from
         the same analysis (:attr:`scan`: every pickle in the file, not only the ones ``torch.load`` reads).
 
-        ``verdict`` ``safe`` / ``unsafe`` (scan ``--strict``), ``level`` (safe, needs-trust, dangerous),
-        ``scan_verdict`` (that, or ``error`` for a file scan could not read to its end) and its ``exit_code``,
-        ``dangerous`` (name, reason, ``where``), ``unknown`` and ``needs_trust`` names, ``hidden_pickles`` (the
-        pickles ``torch.load`` does not read today: ``where``, ``globals``, ``level``, ``error``), ``notes``, ``code``
-        (code that ships in the file: ``member``, ``kind``, ``level``, ``reason``, ``detail``) and
+        ``verdict`` (:class:`~ckptool.model.verdict.Verdict`'s word, scan's ``verdict``) and its ``exit_code``
+        (scan's), ``dangerous`` (name, reason, ``where``), ``unknown`` and ``needs_trust`` names, ``hidden_pickles``
+        (the pickles ``torch.load`` does not read today: ``where``, ``globals``, ``level``, ``error``), ``notes``,
+        ``code`` (code that ships in the file: ``member``, ``kind``, ``level``, ``reason``, ``detail``) and
         ``recognised`` (a known library file type)."""
         sc = self.scan
+        verdict = self.verdict
         if sc is None:  # built by hand: the globals listed are all there is
             globs: list[tuple[str, str, str, list[str]]] = [(g.name, g.status, g.reason, []) for g in self.globals]
-            return {"verdict": self.verdict, "level": worst_level(g[1] for g in globs), "scan_verdict": None,
-                    "exit_code": None,
+            return {"verdict": verdict.value, "exit_code": exit_code(verdict),
                     "dangerous": [{"name": n, "reason": r, "where": w} for n, st, r, w in globs if st == DANGEROUS],
                     "unknown": [n for n, st, _r, _w in globs if st == UNKNOWN],
                     "needs_trust": [n for n, st, _r, _w in globs if level_of(st) == NEEDS_TRUST],
                     "hidden_pickles": [], "notes": [], "code": [], "recognised": None}
         return {
-            "verdict": self.verdict, "level": sc.level, "scan_verdict": sc.verdict, "exit_code": sc.exit_code,
+            "verdict": verdict.value, "exit_code": sc.exit_code,
             "dangerous": [{"name": g.name, "reason": g.reason, "where": list(g.where)} for g in sc.globals
                           if g.status == DANGEROUS],
             "unknown": list(dict.fromkeys(g.name for g in sc.globals if g.status == UNKNOWN)),
@@ -278,12 +276,13 @@ class CheckpointInfo:
         return not self.unsafe_globals and self.weights_only_refusal is None
 
     @property
-    def verdict(self) -> str:
-        """``safe`` when every global of every pickle in the file is allowed (``ckptool scan --strict``'s verdict
-        from :attr:`scan`, ``error`` when a hidden part could not be read), else ``unsafe``."""
+    def verdict(self) -> Verdict:
+        """``ckptool scan``'s verdict on the file (:attr:`ckptool.ops.scan.results.ScanResult.verdict`, from the same
+        analysis: :attr:`scan`); for an info built by hand, :func:`~ckptool.model.verdict.verdict_of` the levels of
+        its :attr:`globals`."""
         if self.scan is not None:
-            return self.scan.strict_verdict
-        return "unsafe" if any(g.status != ALLOWED for g in self.globals) else "safe"
+            return self.scan.verdict
+        return verdict_of(g.level for g in self.globals)
 
     @property
     def total_bytes(self) -> int:
@@ -305,7 +304,7 @@ class CheckpointInfo:
                 ("devices", ", ".join(f"{d} ({n})" for d, n in self.devices.items()) or "-"),
                 ("wrapper prefixes", "; ".join(f"{sd.path or '(top level)'}: {' '.join(sd.prefixes)}"
                                                for sd in self.state_dicts if sd.prefixes) or "-"),
-                ("safety", self.security().get("level") or self.verdict)]
+                ("safety", self.verdict.value)]
 
     def __str__(self) -> str:
         """A short summary (``print(ckptool.inspect(path))``): the path, then one line per :meth:`facts` row;

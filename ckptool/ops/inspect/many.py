@@ -31,7 +31,7 @@ __all__ = ["InspectRow", "InspectRun", "inspect_target", "is_one_checkpoint"]
 @dataclass(frozen=True)
 class InspectRow:
     """What one task of a many-checkpoint ``inspect`` gave: ``path`` (as found), and ``json``: the object
-    ``ckptool inspect --json`` prints for it (``"schema": "ckptool.inspect/2"``, its ``"path"`` and everything
+    ``ckptool inspect --json`` prints for it (``"schema": "ckptool.inspect/3"``, its ``"path"`` and everything
     else), as one line of text; or ``error``: why it could not be read."""
 
     path: str

@@ -68,7 +68,7 @@ def _legacy_tensors(tree: LegacyTree, meta: dict[str, str]) -> list[TensorInfo]:
 
 
 def inspect_legacy(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
-    """``ckptool inspect`` of a legacy tree (the registry's ``describer``; module docstring).
+    """``ckptool inspect`` of a legacy tree (a describer of :data:`~ckptool.ops.inspect.entry.DESCRIBE`).
 
     Raises: what :func:`ckptool.readers.read_megatron.read_legacy` raises.
     """
@@ -92,7 +92,7 @@ def inspect_legacy(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
 
 
 def inspect_dist(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
-    """``ckptool inspect`` of a torch_dist folder (the registry's ``describer``; module docstring).
+    """``ckptool inspect`` of a torch_dist folder (a describer of :data:`~ckptool.ops.inspect.entry.DESCRIBE`).
 
     Raises: what :func:`ckptool.readers.read_megatron.read_dist` raises.
     """

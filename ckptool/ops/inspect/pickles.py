@@ -16,7 +16,6 @@ from typing import Any, cast
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.dtypes import DTYPE_SIZES, numel, tensor_dtype
 from ckptool.formats.nodes import ParameterNode, StorageRef, TensorNode, qualified_name
-from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.graph import (
     StateDictRef,
     depth_first,
@@ -41,7 +40,7 @@ from ckptool.ops.inspect.info import (
 from ckptool.ops.inspect.totals import byte_totals, device_bytes, storage_rows, storage_totals
 from ckptool.ops.inspect.values import PreviewLimits, ValueInfo, value_infos
 from ckptool.ops.scan.pickles import Preparsed
-from ckptool.readers import FORMATS, Format, Opened
+from ckptool.readers import FORMATS, Checkpoint, Format, Opened
 
 __all__ = ["already_read", "counted_bytes", "describe", "kind_of", "package_info", "tensor_infos"]
 

@@ -26,6 +26,7 @@ from typing import TypeAlias, cast
 from ckptool.errors import CkptError
 from ckptool.formats.dtypes import STRUCT_FORMATS, numel, tensor_dtype
 from ckptool.formats.nodes import (
+    BlobView,
     GlobalMeta,
     ObjectNode,
     ParameterNode,
@@ -40,7 +41,7 @@ from ckptool.model.numpy_nodes import NumpyArray, numpy_kind, read_array, read_d
 
 JsonValue: TypeAlias = "bool | int | float | str | list[JsonValue] | dict[str, JsonValue] | None"
 
-_ATOMS = (str, int, float, bool, type(None), bytes, bytearray, complex)
+_ATOMS = (str, int, float, bool, type(None), bytes, bytearray, complex, BlobView)
 _PLAIN = frozenset({*_ATOMS, GlobalMeta})
 _TENSOR_NODES = frozenset({TensorNode, ParameterNode})  # exact types of the values a container may hold to be one entry
 _RNG_KEY = re.compile(r"rng", re.IGNORECASE)
@@ -235,6 +236,8 @@ def _type_name(obj: object) -> str:
         return "None"
     if isinstance(obj, GlobalMeta):
         return "global"
+    if isinstance(obj, BlobView):
+        return obj.kind
     kind = numpy_kind(obj)
     if kind == "array" and isinstance(obj, PickledObject):
         try:
@@ -364,6 +367,12 @@ class _Render:
             self.put(repr(obj) if short else repr(obj[:max(self.budget - len(suffix) - 3, 4)]) + suffix)
         elif isinstance(obj, (bytes, bytearray)):
             self.put(f"{type(obj).__name__} ({len(obj)} bytes)" + (f" {bytes(obj[:16])!r}" if obj else ""))
+        elif isinstance(obj, BlobView):  # a long value left in the file (scan's and inspect's reads): as above
+            if obj.kind == "str":
+                self.put(repr(obj.head[:max(self.budget - len(f"… ({obj.chars} chars)") - 3, 4)])
+                         + f"… ({obj.chars} chars)")
+            else:
+                self.put(f"{obj.kind} ({obj.length} bytes) {obj.head!r}")
         elif isinstance(obj, int) and not isinstance(obj, bool) and obj.bit_length() > _BIG_INT_BITS:
             self.put(f"<int of {obj.bit_length()} bits>")
         elif isinstance(obj, _ATOMS):

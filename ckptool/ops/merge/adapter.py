@@ -12,7 +12,9 @@ A folder written by PEFT's ``save_pretrained`` holds ``adapter_config.json`` and
 The scaling of a module is PEFT's (``peft/tuners/lora/layer.py``, ``LoraLayer.update_layer``): ``lora_alpha / r``,
 or ``lora_alpha / sqrt(r)`` with ``use_rslora``, where ``r`` and ``lora_alpha`` come from ``rank_pattern`` /
 ``alpha_pattern`` when a pattern key matches the module name (``peft.utils.other.get_pattern_key``: the first key
-``k`` for which ``re.match(rf"(.*\\.)?({k})$", name)``), else from ``r`` / ``lora_alpha``.
+``k`` for which ``re.match(rf"(.*\\.)?({k})$", name)``; matched here by RE2, in time linear in the name, and a
+key RE2 does not take is refused), else from ``r`` / ``lora_alpha``. Every field the merge uses is checked for type,
+range and finiteness before any work (:func:`read_adapter_config`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import re2  # google-re2: pattern keys matched in time linear in the module name, as rename rules are
 
 from ckptool.errors import InputNotFoundError, UnsupportedError, UsageError
 from ckptool.formats.tensors import Tensor
@@ -89,7 +93,8 @@ def read_adapter_config(folder: str) -> dict[str, Any]:
 
     Raises:
         InputNotFoundError: no such folder, or no ``adapter_config.json`` in it.
-        UsageError: the file is not a JSON object.
+        UsageError: the file is larger than :data:`MAX_CONFIG_BYTES`, not a JSON object (``NaN`` / ``Infinity``
+            refused), or a field the merge uses has the wrong type or range (:func:`_check_config`).
         UnsupportedError: another PEFT type (LoHa, IA3, prompt tuning...) or a LoRA variant (DoRA, lora_bias, ...)
             that ``W + scaling * B @ A`` does not describe, with the reason.
     """
@@ -98,12 +103,17 @@ def read_adapter_config(folder: str) -> dict[str, Any]:
         raise InputNotFoundError(f"{folder} holds no adapter_config.json; ADAPTER is the folder PEFT's "
                                  "save_pretrained writes (adapter_config.json + adapter_model.safetensors)")
     try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{path} is not readable JSON ({e})") from None
+        with open(path, "rb") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise UsageError(f"{path} is larger than {MAX_CONFIG_BYTES} bytes; an adapter_config.json is a few "
+                             "hundred: refused before parsing")
+        config = json.loads(text.decode("utf-8"), parse_constant=_no_constant)
+    except (OSError, ValueError, RecursionError) as e:
+        raise UsageError(f"{path} is not readable JSON ({str(e)[:200]})") from None
     if not isinstance(config, dict):
         raise UsageError(f"{path} holds a {type(config).__name__}, not a JSON object")
+    _check_config(config, path)
     kind = config.get("peft_type")
     if kind != "LORA":
         raise UnsupportedError(f"{folder} is a {kind} adapter; merge-lora merges LoRA adapters only; "
@@ -115,6 +125,78 @@ def read_adapter_config(folder: str) -> dict[str, Any]:
     if config.get("use_rslora") and (config.get("rank_pattern") or config.get("alpha_pattern")):
         raise UnsupportedError(f"{folder}: use_rslora with rank_pattern / alpha_pattern, which PEFT itself rejects")
     return config
+
+
+#: the largest adapter_config.json read (bytes)
+MAX_CONFIG_BYTES = 1 << 20
+#: the largest rank taken (``r``, a ``rank_pattern`` value)
+MAX_RANK = 1 << 20
+#: the largest ``lora_alpha`` (in absolute value) taken
+MAX_ALPHA = 1e9
+#: the most ``rank_pattern`` / ``alpha_pattern`` keys, and the longest key
+MAX_PATTERNS, MAX_PATTERN_LENGTH = 100_000, 4096
+
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _rank(value: Any, what: str, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_RANK:
+        raise UsageError(f"{path}: {what} is {str(value)[:40]!r}; a rank is an integer from 1 to {MAX_RANK}")
+    return value
+
+
+def _alpha(value: Any, what: str, path: str) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or (isinstance(value, int) and abs(value) > MAX_ALPHA) or not math.isfinite(float(value)) \
+            or abs(float(value)) > MAX_ALPHA:
+        raise UsageError(f"{path}: {what} is {str(value)[:40]!r}; lora_alpha is a finite number of at most "
+                         f"{MAX_ALPHA:g} in absolute value")
+    return float(value)
+
+
+def _patterns(config: dict[str, Any], name: str, check: Any, path: str) -> dict[str, Any]:
+    """``config[name]`` (``rank_pattern`` / ``alpha_pattern``) checked: a JSON object (or null / missing) of at most
+    :data:`MAX_PATTERNS` keys, each a regular expression RE2 takes, each value checked by ``check``."""
+    raw = config.get(name)
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise UsageError(f"{path}: {name} is a {type(raw).__name__}; it is a JSON object of module-name patterns")
+    if len(raw) > MAX_PATTERNS:
+        raise UsageError(f"{path}: {name} has {len(raw)} keys, more than {MAX_PATTERNS}")
+    for key, value in raw.items():
+        if len(key) > MAX_PATTERN_LENGTH:
+            raise UsageError(f"{path}: a {name} key is {len(key)} characters long, more than {MAX_PATTERN_LENGTH}")
+        try:
+            re2.compile(rf"(.*\.)?({key})$", _RE2_OPTIONS)
+        except re2.error as e:
+            why = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+            raise UsageError(f"{path}: the {name} key {key[:80]!r} is no regular expression RE2 takes ({why}); "
+                             "patterns are matched in time linear in the module name") from None
+        check(value, f"{name}[{key[:80]!r}]", path)
+    return raw
+
+
+def _check_config(config: dict[str, Any], path: str) -> None:
+    """The fields of ``adapter_config.json`` the merge uses, checked for type and range before any work: ``r``
+    (an integer from 1 to :data:`MAX_RANK`), ``lora_alpha`` (a finite number), ``use_rslora`` and
+    ``fan_in_fan_out`` (booleans), ``rank_pattern`` / ``alpha_pattern`` (:func:`_patterns`).
+
+    Raises:
+        UsageError: a field of the wrong type or out of range, named with its value.
+    """
+    _rank(config.get("r", 8), "r", path)
+    _alpha(config.get("lora_alpha", 8), "lora_alpha", path)
+    for flag in ("use_rslora", "fan_in_fan_out"):
+        if config.get(flag) is not None and not isinstance(config[flag], bool):
+            raise UsageError(f"{path}: {flag} is {str(config[flag])[:40]!r}; it is true or false")
+    _patterns(config, "rank_pattern", _rank, path)
+    _patterns(config, "alpha_pattern", _alpha, path)
 
 
 def weights_file(folder: str) -> str:
@@ -133,7 +215,7 @@ def weights_file(folder: str) -> str:
 def _pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
     """``peft.utils.other.get_pattern_key`` then ``.get``: the value of the first pattern key matching ``name``."""
     for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", name):
+        if re2.match(rf"(.*\.)?({key})$", name, _RE2_OPTIONS):
             return patterns[key]
     return patterns.get(name, default)
 
@@ -151,7 +233,10 @@ def scaling_of(config: dict[str, Any], module: str, rank: int) -> float:
     if r != rank:
         raise UnsupportedError(f"{module}: lora_A has {rank} rows but adapter_config.json gives r={r} for it; the "
                                "config does not describe these weights")
-    return float(alpha / math.sqrt(r)) if config.get("use_rslora") else float(alpha / r)
+    scaling = float(alpha / math.sqrt(r)) if config.get("use_rslora") else float(alpha / r)
+    if not math.isfinite(scaling):
+        raise UsageError(f"{module}: the scaling lora_alpha / r = {alpha} / {r} is not finite")
+    return scaling
 
 
 _LORA = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)$")

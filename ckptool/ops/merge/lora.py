@@ -28,7 +28,6 @@ from dataclasses import dataclass, field, replace
 from ckptool._fileio import same_file
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats.dtypes import contiguous_stride, element_size
-from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.model.keys import reconcile
 from ckptool.model.units import plural, wrote_line
@@ -42,8 +41,9 @@ from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers import open_checkpoint
 from ckptool.readers.data import FileRanges, read_range, read_storage
-from ckptool.readers.read_safetensors import restore_library_aliases
+from ckptool.readers.structures import gather
 from ckptool.torch_ops.merge import add_lora_delta, lora_blocks, release_freed_memory
+from ckptool.writers import resolve_output, suffix_writer
 
 __all__ = ["MergeLoraResult", "merge_lora"]
 
@@ -210,22 +210,25 @@ def _spool(base: Source, adapter: Adapter, targets: dict[str, LoraPair], copies:
     return out
 
 
-def _output(dst: str, max_shard_size: int | str | None) -> tuple[OutputFormat, int | None, bool]:
-    """The output format, shard size and whether ``dst`` is a folder (see :func:`merge_lora`).
+def _output(dst: str, max_shard_size: int | str | None, base_is_folder: bool
+            ) -> tuple[OutputFormat, int | None, bool]:
+    """The output format, shard size and whether ``dst`` is a folder (see :func:`merge_lora`), as the writers'
+    resolver decides them (:func:`ckptool.writers.resolve_output`).
 
     Raises:
-        UsageError: ``dst`` names a DCP output, or a file with ``max_shard_size`` and no set suffix.
+        UsageError: ``dst`` names a DCP output, or a file whose suffix names no format.
     """
     shard = parse_size(max_shard_size) if max_shard_size is not None else None
-    low = dst.lower()
-    if low.endswith(".safetensors"):
-        return OutputFormat.SAFETENSORS, shard, False
-    if low.endswith((".pt", ".pth", ".bin", ".ckpt")):
-        return OutputFormat.TORCH, shard, False
-    if os.path.exists(dst) and not os.path.isdir(dst):
+    if os.path.exists(dst) and not os.path.isdir(dst) and suffix_writer(dst) is None:
         raise UsageError(f"{dst} is a file that is neither .safetensors nor .pt / .pth / .bin; name the output "
                          "NAME.safetensors, NAME.pt, or a folder")
-    return OutputFormat.SAFETENSORS, shard if shard is not None else sys.maxsize, True
+    out = resolve_output(dst, source_is_folder=base_is_folder)
+    fmt = OutputFormat(out.writer.name if out.writer is not None else "safetensors")
+    if fmt.folder:
+        raise UsageError(f"{dst}: merge-lora writes safetensors or torch files, not {fmt.value}")
+    if not out.is_folder:
+        return fmt, shard, False
+    return fmt, shard if shard is not None else sys.maxsize, True
 
 
 def _companions(base_path: str, base: Source, out_folder: str) -> list[tuple[str, str]] | None:
@@ -273,12 +276,10 @@ def merge_lora(base: PathArg, adapter: PathArg, dst: PathArg, *, key: str | None
         OutputError: the output could not be written (nothing is left behind).
     """
     base_p, adapter_p, out = os.fspath(base), os.fspath(adapter), os.fspath(dst)
-    fmt, shard, folder = _output(out, max_shard_size)
+    fmt, shard, folder = _output(out, max_shard_size, os.path.isdir(base_p))
     ad = _read_adapter(adapter_p)
     opened = open_checkpoint(base_p)
-    src = opened.state_dict(key if opened.spec.keyed else None)
-    if opened.spec.header:
-        restore_library_aliases(src)
+    src = opened.source(key)
     _refuse_overwrite(out, {base_p, ad.file, *(t.storage.path for t in src.tensors)})
     by_name = {t.name: t for t in src.tensors}
     match = _match([p.target for p in ad.pairs] + list(ad.copies), by_name, base_p)

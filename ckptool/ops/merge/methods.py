@@ -46,6 +46,10 @@ class MethodOptions:
     lam: float = 1.0
 
 
+#: the largest seed torch.Generator.manual_seed takes (an unsigned 64-bit integer)
+MAX_SEED = (1 << 64) - 1
+
+
 def check_method(method: str, n_inputs: int, has_base: bool, density: float | None, t: float | None,
                  seed: int | None, weights: list[float] | None) -> MethodOptions:
     """The :class:`MethodOptions` of ``average``'s arguments.
@@ -53,8 +57,8 @@ def check_method(method: str, n_inputs: int, has_base: bool, density: float | No
     Raises:
         UsageError: an unknown method; a base missing (task-arithmetic, ties, DARE) or given where unused
             (linear, slerp); slerp with other than two inputs; ``density`` outside ``(0, 1]`` or given to a method
-            without one, ``t`` outside ``[0, 1]`` or not for slerp, ``seed`` not for DARE; a weight that is not a
-            finite number.
+            without one, ``t`` outside ``[0, 1]`` or not for slerp, ``seed`` not for DARE or outside
+            ``[0, 2**64 - 1]``; a weight that is not a finite number, or weights whose sum overflows.
     """
     _check_inputs(method, n_inputs, has_base)
     if density is not None and (method not in ("ties", "dare-ties", "dare-linear") or not 0 < density <= 1):
@@ -63,8 +67,13 @@ def check_method(method: str, n_inputs: int, has_base: bool, density: float | No
         raise UsageError(f"--t {t}: slerp's interpolation factor, in [0, 1] (0 gives the first input)")
     if seed is not None and not method.startswith("dare"):
         raise UsageError("--seed applies to dare-ties and dare-linear (their random draws)")
+    if seed is not None and (isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
+        raise UsageError(f"--seed {seed}: an integer from 0 to {MAX_SEED} (what torch.Generator.manual_seed takes)")
     if weights is not None and (method == "slerp" or any(not math.isfinite(w) for w in weights)):
         raise UsageError("--weights: one finite number per input (not for slerp: use --t)")
+    if weights is not None and not math.isfinite(sum(abs(w) for w in weights)):
+        raise UsageError(f"--weights {','.join(map(str, weights))}: their sum overflows a float64; give smaller "
+                         "weights (only their ratios matter to a mean)")
     return MethodOptions(method, 1.0 if density is None else density, 0.5 if t is None else t,
                          0 if seed is None else seed)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from ckptool import _source as source
 from ckptool._fileio import same_file
 from ckptool.errors import OutputError
-from ckptool.formats.sharded import INDEX_SUFFIX
+from ckptool.writers.encoders import INDEX_SUFFIX
 
 #: names that hold weights: not copied beside a rewritten set (their content would not match it)
 WEIGHT_SUFFIXES = (INDEX_SUFFIX, ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",

@@ -62,10 +62,7 @@ from ckptool.errors import (
     VerificationError,
 )
 from ckptool.formats import detect
-from ckptool.formats.dcp import METADATA_FILE, DcpLayout, DcpMetadata
 from ckptool.formats.nodes import PickledObject, TensorNode
-from ckptool.formats.pickler import PicklerError, dumps
-from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.model.graph import mapping_items
 from ckptool.model.keys import raise_on_collisions
@@ -76,7 +73,9 @@ from ckptool.ops.rewrite.parallel import current_executor, locked, run_each
 from ckptool.ops.rewrite.sets import SetRenameResult, SetWriteResult
 from ckptool.ops.rewrite.stream import ProgressFn, write_zip
 from ckptool.ops.scan.dcp_safety import is_dcp_allowed
-from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers import Checkpoint, Opened, open_checkpoint
+from ckptool.readers.structures import METADATA_FILE, DcpLayout, DcpMetadata
+from ckptool.writers.encoders import PicklerError, dumps
 
 __all__ = ["Dropper", "Renamer", "rewrite_dcp"]
 
@@ -176,13 +175,14 @@ def _refuse_safetensors_files(folder: str, sizes: dict[str, int]) -> None:
     ``_write_files_from_queue``), which copying the files byte for byte would leave behind.
 
     Raises:
-        UnsupportedError: such a data file."""
+        UnsupportedError: such a data file.
+        CorruptCheckpointError: a data file that is a damaged safetensors file."""
     for rel in sizes:
         try:
-            header = open_checkpoint(os.path.join(folder, rel)).spec.header
+            data_file = open_checkpoint(os.path.join(folder, rel))
         except CkptError:
             continue
-        if header:
+        if data_file.tensor_header() is not None:
             raise UnsupportedError(
                 f"{folder}: its data file {rel} is a safetensors file (DCP's safetensors serialization) whose own "
                 "header names every tensor by its FQN; ckptool rewrites .metadata and copies the data files, which "
@@ -535,7 +535,8 @@ def rewrite_dcp(
     folder = src.target
     if not dry_run:
         _check_target(folder, dst)
-    meta, layout = src.dcp_metadata(), src.spec.behaviour("dcp")()  # layout: files and globals Megatron adds
+    meta, layout = src.dcp_metadata(), src.dcp_layout()  # layout: files and globals Megatron adds
+    assert layout is not None  # dcp_metadata() refused any other format
     bad = [g for g in dict.fromkeys(meta.globals) if not is_dcp_allowed(g) and g not in layout.globals]
     if bad:
         raise UnsafeCheckpointError(

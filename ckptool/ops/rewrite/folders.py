@@ -25,11 +25,11 @@ from typing import TypeVar
 from ckptool import _source as source
 from ckptool._fileio import same_file
 from ckptool.errors import UsageError
-from ckptool.formats.sharded import SET_FILE_SUFFIXES, SetLayout
 from ckptool.ops.rewrite.companions import companion_files
 from ckptool.ops.rewrite.set_writer import write_set
 from ckptool.ops.rewrite.stream import WriteResult
 from ckptool.readers import Opened
+from ckptool.writers.encoders import SET_FILE_SUFFIXES, SetLayout
 
 #: what a single-file write returns (a :class:`~ckptool.ops.rewrite.stream.WriteResult`, or a tuple holding one)
 R = TypeVar("R")

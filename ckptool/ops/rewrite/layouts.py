@@ -27,9 +27,9 @@ from typing import Any
 
 from ckptool._fileio import copy_range
 from ckptool.errors import UnsupportedError, VerificationError
-from ckptool.formats.dcp import DcpLayout, DcpMetadata
 from ckptool.formats.nodes import PickledObject
 from ckptool.readers import open_checkpoint
+from ckptool.readers.structures import DcpLayout, DcpMetadata
 
 __all__ = ["companions_note", "copy_companions", "follow_names"]
 

@@ -36,14 +36,13 @@ from ckptool._fileio import atomic_output, file_mode, same_file
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
 from ckptool.formats.nodes import CLASS_BUILD, GlobalMeta, StorageRef, qualified_name, split_use
 from ckptool.formats.pickle_check import call_with_stack, check_pickle, tuple_levels
-from ckptool.formats.pickler import PicklerError, dumps
 from ckptool.formats.torch_package import MARKER, Package, check_storages
-from ckptool.formats.torchzip import TorchZipWriter
 from ckptool.formats.unpickler import PICKLE_ERRORS, RestrictedUnpickler
-from ckptool.formats.zipdir import ENCRYPTED, ZipEntry, data_offset, read_member_head
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.ops.rewrite.stream import ProgressFn, WriteResult
 from ckptool.readers import Opened
+from ckptool.readers.structures import ENCRYPTED, ZipEntry, data_offset, read_member_head
+from ckptool.writers.encoders import PicklerError, TorchZipWriter, dumps
 
 __all__ = ["remap_package"]
 

@@ -367,7 +367,7 @@ def apply_plan(
     if refusal is not None:
         raise UnsupportedError(refusal)
     out = rename_output(operation, opened, dst, in_place)
-    if opened.spec.header:
+    if opened.tensor_header() is not None:  # a safetensors file: its tensors renamed in its header
         if to is not None or mapping:
             raise UsageError(f"{src} is safetensors: it carries no location tags, so --to / --map do not apply "
                              "(load it on any device with safetensors.torch.load_file(path, device=...))")

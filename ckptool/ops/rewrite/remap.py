@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
-from typing import cast
+from typing import TYPE_CHECKING, Protocol
 
 from ckptool._gc import gc_paused
 from ckptool.errors import UsageError
@@ -23,9 +23,24 @@ from ckptool.ops.rewrite.prefixes import RenameResult, rename_graph
 from ckptool.ops.rewrite.sets import dcp_folder, opened_input, rewrite_output, rewrite_set, set_index
 from ckptool.ops.rewrite.stream import ProgressFn, WriteResult, refuse_unwritable, retag_function, rewrite_file
 from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers.registry import Role
 
 
 @gc_paused
+class Rewriter(Protocol):
+    """The ``rewrite`` role: ``remap`` of a file whose storages are not one torch pickle's (a torch.package
+    archive), ``opened`` written to ``dst`` with its location tags rewritten (``to`` / ``mapping`` /
+    ``allow_missing`` / ``progress`` as :func:`remap` takes them; ``renaming``: a key renaming was asked for, which
+    it may refuse). A format with none registered is rewritten as its pickle's node graph."""
+
+    def __call__(self, opened: Opened, dst: str, to: str | None, mapping: Mapping[str, str] | None,
+                 allow_missing: bool, progress: ProgressFn | None, /, *, renaming: bool) -> WriteResult: ...
+
+
+#: the formats ``remap`` writes through a rewriter of their own, registered at the end of this module
+REWRITE: Role[Rewriter] = Role("rewrite", "ckptool.ops")
+
+
 def remap(
     src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = None, *, to: str | None = None,
     mapping: Mapping[str, str] | None = None, in_place: bool = False, unwrap: bool = False,
@@ -129,10 +144,10 @@ def _remap_file(opened: Opened, dst: str | os.PathLike[str] | None, plan: Rename
     src = opened.target
     refuse_unwritable(opened.spec, src, "remap")
     out = remap_output(opened, dst, to=to, in_place=in_place)
-    if opened.spec.rewriter:  # a file whose storage ids are not one torch pickle's (torch.package)
-        rewrite = opened.spec.behaviour("rewrite")
-        return write_output(opened, out, lambda path: cast(
-            WriteResult, rewrite(opened, path, to, mapping, allow_missing, progress, renaming=plan is not None)))
+    rewrite = REWRITE.find(opened.format)
+    if rewrite is not None:  # a file whose storage ids are not one torch pickle's (torch.package)
+        return write_output(opened, out, lambda path: rewrite(opened, path, to, mapping, allow_missing, progress,
+                                                              renaming=plan is not None))
     ck = opened.graph()
     fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     if plan is None:
@@ -153,3 +168,12 @@ def remap_output(src: str | os.PathLike[str] | Opened, dst: str | os.PathLike[st
     """
     tag = parse_device(to).replace(":", "") if to is not None else "remapped"
     return rewrite_output(opened_input(src), dst, tag, in_place)
+
+
+# imported when a checkpoint of its format is met (a module of this layer)
+REWRITE.register_lazy("torch-package", "ckptool.ops.rewrite.package:remap_package")
+
+if TYPE_CHECKING:  # the lazy rewriters, checked against the Protocol
+    from ckptool.ops.rewrite.package import remap_package
+
+    _LAZY: tuple[Rewriter, ...] = (remap_package,)

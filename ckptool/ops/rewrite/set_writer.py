@@ -17,9 +17,9 @@ from typing import Any, Protocol, TypeVar
 from ckptool._commit import mark_committed, signals_blocked
 from ckptool._fileio import atomic_output, make_output_folder, same_file, temp_path
 from ckptool.errors import OutputError, UsageError
-from ckptool.formats.sharded import INDEX_SUFFIX, SetLayout, encode_index, files_named
 from ckptool.ops.rewrite.companions import copy_companion
 from ckptool.ops.rewrite.parallel import run_all
+from ckptool.writers.encoders import INDEX_SUFFIX, SetLayout, encode_index, files_named
 
 #: one shard's worth of what :func:`write_set` writes (convert: a list of units; a rewrite: an input shard)
 G = TypeVar("G")

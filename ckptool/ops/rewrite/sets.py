@@ -29,15 +29,6 @@ from typing import Any
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats.nodes import StorageRef
-from ckptool.formats.pickler import PicklerError, dumps
-from ckptool.formats.safetensors import SafetensorsHeader
-from ckptool.formats.sharded import (
-    INDEX_SUFFIX,
-    SET_FILE_SUFFIXES,
-    SetLayout,
-    ShardIndex,
-)
-from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.rename_plan import RenamePlan, plan_keys
@@ -57,7 +48,9 @@ from ckptool.ops.rewrite.stream import (
     safetensors_keys,
     write_renamed_safetensors,
 )
-from ckptool.readers import Format, Opened, open_checkpoint
+from ckptool.readers import Checkpoint, Format, Opened, open_checkpoint
+from ckptool.readers.structures import SafetensorsHeader, ShardIndex
+from ckptool.writers.encoders import INDEX_SUFFIX, SET_FILE_SUFFIXES, PicklerError, SetLayout, dumps
 
 
 @dataclass(kw_only=True)
@@ -130,15 +123,11 @@ def set_index(src: str | os.PathLike[str] | Opened) -> str | None:
         UsageError: a DeepSpeed folder (consolidate it first), a folder that is no checkpoint set, a missing index.
     """
     o = opened_input(src)
-    if o.spec.dcp:  # Megatron-Core's torch_dist folder too: rewritten as a DCP folder
+    if o.dcp_layout() is not None:  # Megatron-Core's torch_dist folder too: rewritten as a DCP folder
         return None
-    if o.spec.consolidate and o.spec.tagged:
-        raise UsageError(f"{o.path} is a DeepSpeed ZeRO checkpoint folder, which this command does not rewrite: "
-                         f"consolidate it first with `ckptool convert {o.path} -o model.pt` (exactly as DeepSpeed's "
-                         "zero_to_fp32 does), then run the command on that file")
-    if o.spec.consolidate:
-        raise UsageError(f"{o.path} is {o.spec.flat} folder, which this command does not rewrite: consolidate it "
-                         f"first with `ckptool convert {o.path} -o model.pt`, then run the command on that file")
+    refusal = o.spec.refusal_for("rewrite-folder", o.path)  # a DeepSpeed or Megatron folder: consolidate it first
+    if refusal is not None:
+        raise UsageError(refusal)
     return o.target if o.spec.kind == "set" else None
 
 
@@ -159,7 +148,7 @@ def dcp_folder(opened: Opened) -> str | None:
     :func:`ckptool.readers.open_checkpoint` recognised it: a format whose registry entry names a ``dcp`` layout,
     :attr:`ckptool.readers.Format.dcp`, which the rewrites take as it is: DCP's own, Megatron-Core's torch_dist;
     where a DeepSpeed folder or a Megatron legacy tree must be consolidated first), else None."""
-    return opened.target if opened.spec.dcp and not source.is_url(opened.target) else None
+    return opened.target if opened.dcp_layout() is not None and not source.is_url(opened.target) else None
 
 
 def dcp_output(folder: str, dst: str | os.PathLike[str] | None, tag: str, in_place: bool) -> str:
@@ -245,7 +234,8 @@ def refuse_existing_set(src: str | os.PathLike[str] | Opened, out: str, *, force
         return
     index = o.index()
     first = next(iter(index.shards), "")
-    layout = _layout(index, first, bool(first) and open_checkpoint(index.shard_path(first)).spec.header, out)
+    layout = _layout(index, first,
+                     bool(first) and open_checkpoint(index.shard_path(first)).tensor_header() is not None, out)
     names = sorted(os.listdir(layout.folder)) if os.path.isdir(layout.folder) else []
     existing = [n for n in names if layout.is_member(n)]
     if existing:
@@ -263,8 +253,8 @@ def _open_shard(index: ShardIndex, name: str) -> _Shard:
     path = index.shard_path(name)
     shard = open_checkpoint(path)
     fmt = shard.format
-    if shard.spec.header:
-        header = shard.safetensors_header()
+    header = shard.tensor_header()
+    if header is not None:
         return _Shard(name, path, fmt, safetensors_keys(path, header), header=header)
     refuse_unwritable(shard.spec, path, "rewrite")
     ck = shard.graph()

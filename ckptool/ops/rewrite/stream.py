@@ -22,17 +22,15 @@ from ckptool._fileio import atomic_output, clone_block, copy_range, file_mode, s
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.nodes import CLASS_BUILD, PickledObject, StorageRef, split_use
-from ckptool.formats.pickler import PicklerError, dumps
-from ckptool.formats.safetensors import SafetensorsHeader, encode_header, recorded_names, rename_metadata
-from ckptool.formats.torchfile import Checkpoint
-from ckptool.formats.torchzip import TorchZipWriter
-from ckptool.formats.zipdir import ENCRYPTED
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.rename_plan import RenamePlan, RenameSummary
 from ckptool.model.units import plural, retagged_words, wrote_line
-from ckptool.readers import FORMATS, Format
+from ckptool.readers import FORMATS, Checkpoint, Format
 from ckptool.readers.read_torch import locate_records
+from ckptool.readers.structures import ENCRYPTED, SafetensorsHeader, recorded_names
+from ckptool.writers import is_folder_form
+from ckptool.writers.encoders import PicklerError, TorchZipWriter, dumps, encode_header, rename_metadata
 
 
 @dataclass
@@ -52,9 +50,10 @@ class WriteResult:
     notes: list[str] = field(default_factory=list, kw_only=True)
 
     def unit(self) -> str:
-        """What :attr:`storages` counts, in the singular: ``tensor`` for a safetensors output, else ``storage``."""
+        """What :attr:`storages` counts, in the singular: the input format's :attr:`~ckptool.readers.Format.counts`
+        (``tensor`` for safetensors), else ``storage``."""
         spec = FORMATS.get(self.format_in)
-        return "tensor" if spec is not None and spec.header else "storage"
+        return spec.counts if spec is not None else "storage"
 
     def detail(self) -> str:
         """The words of the ``Wrote`` line after the size: ``9 storages`` (:meth:`unit`), a set's shards and notes
@@ -96,7 +95,9 @@ def retag_function(ck: Checkpoint, to: str | None, mapping: Mapping[str, str] | 
 
 
 def output_path(src: str, dst: str | None, in_place: bool, tag: str) -> str:
-    """Choose the output path: ``dst``, ``src`` itself for in-place, or ``<stem>.<tag><ext>`` beside ``src``.
+    """Choose the output path: ``dst``, ``src`` itself for in-place, or ``<stem>.<tag><ext>`` beside ``src``. A
+    ``dst`` that names a folder (``out/``, an existing folder, a name without suffix:
+    :func:`ckptool.writers.is_folder_form`) gets the file under ``src``'s own name inside it.
 
     Raises:
         UsageError: both ``dst`` and ``in_place``, or ``dst`` is the input file without ``in_place``.
@@ -108,6 +109,8 @@ def output_path(src: str, dst: str | None, in_place: bool, tag: str) -> str:
     if dst is None:
         stem, ext = os.path.splitext(src)
         dst = f"{stem}.{tag}{ext or '.pt'}"
+    elif is_folder_form(dst):
+        dst = os.path.join(dst, os.path.basename(src.split("?", 1)[0].rstrip("/")))
     if same_file(src, dst):
         raise UsageError(f"output {dst} is the input file; pass --in-place to overwrite it, or choose another -o path")
     return dst

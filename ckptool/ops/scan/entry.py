@@ -17,11 +17,12 @@ reason for each list, are in :mod:`ckptool.model.allowlist`):
   ``builtins.eval``, ``subprocess.Popen``, ``functools.partial``, ``torch.load`` inside a pickle...), or a
   function on no list: loading would call it with arguments the file chooses.
 
-A file's ``level`` is the worst level of its globals. Its three-level ``verdict`` is ``dangerous`` when any global
-is (even if the pickle is damaged after it: ``torch.load`` would already have run it), else ``error`` when a pickle
-(or the file) could not be read to its end (ckptool cannot vouch for what follows), else its level. The strict
-verdict (``ckptool scan --strict``) is the single one of earlier versions: ``unsafe`` when any global is outside
-the weights_only allowlist, else ``error``, else ``safe``.
+A file's ``verdict`` (:class:`ckptool.model.verdict.Verdict`, computed by
+:func:`ckptool.model.verdict.verdict_of`) is ``dangerous`` when any global or shipped code is (even if the pickle is
+damaged after it: ``torch.load`` would already have run it), else ``error`` when a pickle (or the file) could not be
+read to its end (ckptool cannot vouch for what follows), else ``needs-trust``, else ``incomplete`` when the data is
+cut short, else ``safe``. ``ckptool scan --strict`` is a policy on that verdict (needs-trust exits 1, as dangerous
+does), not a second vocabulary.
 
 Which pickles are read
 ----------------------
@@ -102,7 +103,7 @@ from ckptool.ops.scan.results import (
 from ckptool.ops.scan.shipped_code import CodeScanner
 
 __all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult", "combine_results",
-           "exit_status", "iter_paths", "iter_targets", "scan", "scan_file"]
+           "exit_status", "iter_paths", "iter_targets", "scan", "scan_file", "unreadable"]
 
 
 def scan_file(path: str | os.PathLike[str], *,
@@ -119,9 +120,14 @@ def scan_file(path: str | os.PathLike[str], *,
 
     Returns:
         A :class:`ScanResult`; its ``exit_code`` is 0 (safe), 1 (dangerous), 2 (unreadable), 4 (needs trust) or
-        5 (incomplete), its ``strict_exit_code`` 0 (safe), 1 (unsafe), 2 (unreadable) or 5 (incomplete).
+        5 (incomplete), its ``strict_exit_code`` 0 (safe), 1 (dangerous or needs trust), 2 (unreadable) or
+        5 (incomplete).
     """
     path = os.fspath(path)
+    if path.endswith(INDEX_SUFFIX) and not source.is_url(path) and os.path.isfile(path):
+        refused = index_refusal(path)
+        if refused is not None:  # the set's readers refuse it: so does scan (never safe with a shard skipped)
+            return ScanResult(path, _set_format(path), error=refused)
     dcp = _dcp_part(path) if os.path.isdir(path) or path.endswith(_DCP_NAMES) else None
     if dcp is not None:
         return cast(ScanResult, plugin("ckptool.ops.scan.dcp:scan_dcp_folder")(*dcp))
@@ -328,6 +334,9 @@ def _targets(paths: Iterable[str | os.PathLike[str]], configs: bool = True) -> I
             raise InputNotFoundError(f"{p}: no such file or directory; check the path")
         if os.path.isdir(p) or p.endswith(INDEX_SUFFIX):
             found = 0
+            if not os.path.isdir(p) and index_refusal(p) is not None:
+                found += 1
+                yield p, []
             items = _walk(p, configs) if os.path.isdir(p) else \
                 _followed(_index_shards(p, os.path.dirname(p) or "."), set())
             for item in items:
@@ -347,14 +356,28 @@ def _nothing_found(p: str) -> str:
     return f"{p} names no shard file that exists; nothing was scanned: download the shards, or scan them directly"
 
 
+#: the first note of a path :func:`iter_targets` yields that could not be listed or read (a subfolder or file the
+#: user may not read): the rest of the note says why, and the path is a result with that error, never left out
+UNREADABLE = "\x00unreadable: "
+
+
+def unreadable(notes: list[str] | tuple[str, ...]) -> str | None:
+    """Why the path :func:`iter_targets` yielded with ``notes`` could not be listed or read (None: it can be)."""
+    return notes[0][len(UNREADABLE):] if notes and notes[0].startswith(UNREADABLE) else None
+
+
 def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
     """The checkpoint files under the folder ``top`` (recursively, sorted, symlinked subfolders not entered; with
     ``configs`` also the configs that make a loader run code, :func:`~ckptool.ops.scan.remote_code.is_code_config`),
     then the files a loader of ``top`` reads from outside it: the shards a ``*.index.json`` names and the files of
-    the DeepSpeed tag folders ``latest`` or a symlinked tag folder lead to (:func:`_followed`)."""
+    the DeepSpeed tag folders ``latest`` or a symlinked tag folder lead to (:func:`_followed`). A subfolder that
+    cannot be listed (no permission) and a file that cannot be opened are yielded too, with an :data:`UNREADABLE`
+    note: what was not looked at is never taken as safe."""
     seen: set[str] = set()
     away: list[tuple[str, str]] = []
-    for root, dirs, files in os.walk(top):
+    failed: list[OSError] = []
+    for root, dirs, files in os.walk(top, onerror=failed.append):
+        yield from _unlisted(failed)
         dirs.sort()
         dcp = plugin("ckptool.formats.dcp:is_dcp_folder")(root)
         if dcp:
@@ -364,14 +387,28 @@ def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
             full = os.path.join(root, name)
             if name.endswith(INDEX_SUFFIX):
                 away += _index_shards(full, top)
+                if index_refusal(full) is not None:
+                    yield full, []
             if dcp and (name == ".metadata" or name.endswith(".distcp")):
                 continue
             if _is_candidate(full) or (configs and is_code_config(full)):
                 seen.add(os.path.realpath(full))
-                yield full, []
+                why = _cannot_open(full)
+                yield full, [] if why is None else [f"{UNREADABLE}{full}: {why}"]
         for folder, why in plugin("ckptool.formats.deepspeed:loaded_tag_folders")(root, (dirs, files)):
             away += [(f, f"{why}; DeepSpeed reads it from there") for f in _folder_files(folder)]
+    yield from _unlisted(failed)
     yield from _followed(away, seen)
+
+
+def _unlisted(failed: list[OSError]) -> Iterator[tuple[str, list[str]]]:
+    """Each folder ``os.walk`` could not list (``failed``, emptied), with its :data:`UNREADABLE` note."""
+    while failed:
+        e = failed.pop(0)
+        where = str(e.filename) if e.filename is not None else "a subfolder"
+        why = (f"{UNREADABLE}{where}: this folder cannot be listed ({e.strerror or e}); what it holds was not "
+               "scanned: run as a user who may read it")
+        yield where, [why]
 
 
 def _is_candidate(full: str) -> bool:
@@ -426,6 +463,31 @@ def _index_shards(index_path: str, top: str) -> list[tuple[str, str]]:
     return out
 
 
+def index_refusal(index_path: str) -> str | None:
+    """Why the readers of a sharded set (``inspect``, ``report``, ``convert``...) refuse the index at ``index_path``,
+    or None: a shard name that leaves the folder (``../x``, absolute, a URL is no local shard), a shard that is
+    missing, or one that is a device, FIFO or socket (``/dev/zero``). ``scan`` then reports the index as an
+    ``error`` (:func:`scan_file`), as those readers do, instead of scanning the other shards as safe. An index
+    that does not parse is left to the shards' own scan (its loader fails too)."""
+    try:
+        plugin("ckptool.formats.sharded:parse_index")(index_path)
+    except CkptError:
+        return None
+    try:
+        index = plugin("ckptool.formats.sharded:read_index")(index_path)
+        for shard in index.shards:
+            source.refuse_special(index.shard_path(shard), f"shard {shard!r} of {index_path}")
+    except CkptError as e:
+        return str(e)
+    return None
+
+
+def _set_format(index_path: str) -> str:
+    """The readers' format name of the set (:func:`ckptool.formats.sharded.set_format`: by its shards' bytes)."""
+    index = plugin("ckptool.formats.sharded:parse_index")(index_path)
+    return cast(str, plugin("ckptool.formats.sharded:set_format")(index))
+
+
 def _followed(away: list[tuple[str, str]], seen: set[str]) -> Iterator[tuple[str, list[str]]]:
     """Each existing file of ``away`` (path, why) whose real path was not scanned yet (``seen``), with its note."""
     for path, why in away:
@@ -436,12 +498,24 @@ def _followed(away: list[tuple[str, str]], seen: set[str]) -> Iterator[tuple[str
         yield path, [f"outside the scanned folder: {why}"] if why else []
 
 
+def _cannot_open(path: str) -> str | None:
+    """Why the local file ``path`` cannot be opened for reading (no permission), or None."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return None
+    if os.access(path, os.R_OK) or not os.path.isfile(path):
+        return None
+    return "this file cannot be opened (permission denied); it was not scanned: run as a user who may read it"
+
+
 def _looks_like_checkpoint(path: str) -> bool:
     """The first bytes of ``path`` are a zip's or a pickle's; a FIFO, device or socket is never opened (a file of
-    a checkpoint's name is still scanned, to a refusal: :func:`_is_candidate`)."""
+    a checkpoint's name is still scanned, to a refusal: :func:`_is_candidate`). A regular file that cannot be opened
+    counts as one (it is then a result with an error, never left out)."""
     try:
         with source.open_regular(path) as f:
             head = f.read(4)
+    except PermissionError:
+        return True
     except (OSError, CkptError):
         return False
     return head.startswith(ZIP_LOCAL) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
@@ -457,6 +531,10 @@ def scan(paths: Iterable[str | os.PathLike[str]]) -> list[ScanResult]:
     """
     results = []
     for p, notes in _targets(paths):
+        why = unreadable(notes)
+        if why is not None:
+            results.append(ScanResult(p, error=why))
+            continue
         res = scan_file(p)
         res.notes += notes
         results.append(res)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ckptool.formats import detect
 
 __all__ = ["CONFIG", "EXPORT", "GZIP", "LEGACY", "LEGACY_TAR", "NPY", "PICKLE", "SAFETENSORS", "SEVEN_ZIP", "TAR",
-           "TORCHSCRIPT", "TORCH_ZIP", "ZIP", "ZLIB", "Layout"]
+           "TORCHSCRIPT", "TORCH_PACKAGE", "TORCH_ZIP", "ZIP", "ZIP_LAYOUTS", "ZLIB", "Layout", "zip_layout"]
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,30 @@ class Layout:
     header: bool = False
     #: a plain pickle file (bytes that merely begin like one, a PNG, are "not a pickle")
     plain_pickle: bool = False
+    #: where its loader finds the bytes of the storage ``{key}`` that ``data.pkl`` names (``""``: not checked); a
+    #: missing record makes the file unreadable, as it makes the readers refuse it
+    storage_record: str = ""
+    #: the records its loader cannot do without (``torch.jit.load`` fails on an archive without ``data.pkl``)
+    required_records: tuple[str, ...] = ()
 
 
 ZIP = Layout("zip", bare_zip=True, expects_pickles=True)
-TORCH_ZIP = Layout(detect.TORCH_ZIP, ("data.pkl",), torch_records=True, expects_pickles=True)
-TORCHSCRIPT = Layout(detect.TORCHSCRIPT, ("data.pkl", "constants.pkl"), torch_records=True, script=True)
+TORCH_ZIP = Layout(detect.TORCH_ZIP, ("data.pkl",), torch_records=True, expects_pickles=True,
+                   storage_record="data/{key}")
+TORCHSCRIPT = Layout(detect.TORCHSCRIPT, ("data.pkl", "constants.pkl"), torch_records=True, script=True,
+                     storage_record="data/{key}", required_records=("data.pkl",))
 EXPORT = Layout(detect.PT2, export=True)
+#: a torch.package archive: ``torch.load`` would read a ``data.pkl`` it holds; its other pickles are read by
+#: ``PackageImporter.load_pickle``, by name (hidden to torch.load), its modules are code (shipped_code)
+TORCH_PACKAGE = Layout(detect.TORCH_PACKAGE, ("data.pkl",), expects_pickles=True,
+                       storage_record=".data/{key}.storage")
+#: the layout of each answer of :func:`ckptool.formats.detect.zip_kind`, by the format it reports
+ZIP_LAYOUTS: dict[str, Layout] = {layout.format: layout for layout in (TORCH_PACKAGE, TORCHSCRIPT, TORCH_ZIP, EXPORT)}
+
+
+def zip_layout(kind: str | None) -> Layout:
+    """The layout of the zip :func:`ckptool.formats.detect.zip_kind` calls ``kind`` (None: :data:`ZIP`)."""
+    return ZIP_LAYOUTS.get(kind or "", ZIP)
 LEGACY_TAR = Layout("legacy-tar")
 #: a tar archive with no legacy torch record (a NeMo ``.nemo`` archive): its members are scanned as files
 TAR = Layout("tar")

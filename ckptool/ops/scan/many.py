@@ -31,8 +31,8 @@ from typing import Any, Generic, TypeVar
 
 from ckptool import _source as source
 from ckptool.errors import CkptError
-from ckptool.ops.scan.cache import ScanCache
-from ckptool.ops.scan.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets, scan_file
+from ckptool.ops.scan.cache import ScanCache, local_version
+from ckptool.ops.scan.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets, scan_file, unreadable
 
 __all__ = ["ManyRun", "ScanRun", "Target", "expand", "not_a_checkpoint", "scan_many", "scan_target",
            "starts_like_checkpoint", "target_reads"]
@@ -70,16 +70,31 @@ def expand(paths: Iterable[str | os.PathLike[str]], whole: Callable[[str], bool]
         p = os.fspath(given)
         try:
             if source.is_url(p) and (p.endswith("/") or source.kind(p) == "directory"):
-                yield from (Target(u, size=size, version=tag, listed=True) for u, size, tag in source.list_objects(p))
+                yield from (_listed(u, size, tag) for u, size, tag in source.list_objects(p))
                 continue
             if whole is not None and not source.is_url(p) and os.path.isdir(p) and whole(p):
                 yield Target(p)
                 continue
             for path, notes in iter_targets([p], configs=configs):
+                why = unreadable(notes)
+                if why is not None:
+                    yield Target(path, error=why)
+                    continue
                 local = not source.is_url(path) and os.path.isfile(path)
                 yield Target(path, tuple(notes), size=os.path.getsize(path) if local else None)
         except (CkptError, OSError) as e:
             yield Target(p, error=str(e))
+
+
+def _listed(url: str, size: int | None, tag: str | None) -> Target:
+    """The :class:`Target` of an object a listing gave. A key that ends in ``/`` and holds bytes (S3 allows it; s3fs
+    takes it for a folder marker and cannot open it) is an object all the same: a result with an error, never skipped
+    as a folder."""
+    if url.endswith("/") and size:
+        return Target(url, size=size, version=tag, error=(
+            f"{url}: this object's key ends in '/' and it holds {size} bytes; it cannot be read through fsspec, so it "
+            "was not scanned: copy it to a key without the trailing '/' and scan that"))
+    return Target(url, size=size, version=tag, listed=True)
 
 
 def starts_like_checkpoint(url: str) -> bool:
@@ -141,7 +156,7 @@ def _stamped(t: Target) -> Target:
             if not os.path.isfile(t.path):
                 return t
             st = os.stat(t.path)
-            return replace(t, size=st.st_size, version=str(st.st_mtime_ns))
+            return replace(t, size=st.st_size, version=local_version(st))
         info = source.remote_info(t.path)
         size, tag = source.version_stamp(info or {})
         return replace(t, size=size, version=None if tag is None else str(tag), info=info)
@@ -205,7 +220,12 @@ class ManyRun(Generic[R]):
             if self.executor is None:
                 yield t, self._done(t, key, self.task(t))
                 continue
-            pending[self.executor.submit(self.task, t)] = (t, key)
+            try:
+                fut = self.executor.submit(self.task, t)
+            except Exception as e:  # the pool is broken (its workers could not start): a row, not a lost target
+                yield t, self._done(t, None, self.failed(t, f"{type(e).__name__}: {e}"))
+                continue
+            pending[fut] = (t, key)
             while len(pending) >= self.window:
                 yield from self._drain(pending, cf.FIRST_COMPLETED)
         while pending:
@@ -249,7 +269,7 @@ class ScanRun(ManyRun[ScanResult]):
         with cf.ThreadPoolExecutor(STAMP_THREADS if need else 1) as pool:
             for t in pool.map(_stamped, self.targets):
                 key = _cache_key(t)
-                found, cached = self.cache.get(key) if key is not None else (False, None)
+                found, cached = self.cache.get(key, may_skip=t.listed) if key is not None else (False, None)
                 if found and cached is not None and source.is_url(cached.path):
                     cached.bytes_read = 0
                 yield t, key, (found, cached)

@@ -110,6 +110,8 @@ class Scanner:
         self._crc_checked: str | None = None
         self._globals: dict[tuple[str, str], GlobalFinding] = {}
         self.root: Any = None  # the root of the first pickle torch's loader reads
+        #: the storages (persistent ids) each pickle the loader reads names, by ``where`` (read here, not preparsed)
+        self.storages_of: dict[str, dict[str, Any]] = {}
         #: (dense bytes, storage bytes) of :attr:`root`'s tensors when the caller counted them (:data:`Preparsed`)
         self.root_bytes: tuple[int, int] | None = None
         #: per torch.export zip (by ``where``): the members its loader unpickles, and its raw tensor members
@@ -160,7 +162,7 @@ class Scanner:
             end = known_end
         else:
             try:
-                end = check_pickle(buf, 0, what=where, exact=False)
+                end = check_pickle(buf, 0, what=where, exact=False, blobs=[])  # blobs: walked pages handed back
             except CkptError:
                 return None  # read it the ordinary way
         self.record(PickleFinding(where, 0, list(names)), root)
@@ -187,7 +189,7 @@ class Scanner:
             if end is not None:
                 return end
         try:
-            root, up, end = load_pickle_at(buf, pos, where)
+            root, up, end = load_pickle_at(buf, pos, where, views=True)
         except CkptError as e:
             names = self._globals_before_failure(buf, pos, where, e)
             if required or names:
@@ -195,6 +197,8 @@ class Scanner:
             return None
         self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root,
                     up.uncalled_globals())
+        if pos == 0 and where in self.loaded:
+            self.storages_of[where] = up.storages
         return end
 
     def _globals_before_failure(self, buf: PickleBuffer, pos: int, what: str, e: CkptError) -> list[str]:
@@ -204,17 +208,18 @@ class Scanner:
         stop = getattr(e, "offset", None)
         if stop is None:
             return []
+        cut = isinstance(e, TruncatedError)  # a cut frame's opcodes count (partial_globals)
         try:  # refused by the checks: read the flat stream (frames ignored) as far as it is sound
-            end = check_pickle(buf, pos, what=what, exact=False, strict_frames=False)
-            seen = partial_globals(buf, pos, end)
+            end = check_pickle(buf, pos, what=what, exact=False, strict_frames=False, blobs=[])
+            seen = partial_globals(buf, pos, end, cut=cut)
         except CkptError as e2:
-            seen = partial_globals(buf, pos, getattr(e2, "offset", stop))
+            seen = partial_globals(buf, pos, getattr(e2, "offset", stop), cut=cut)
         return [qualified_name(m, n) for m, n in seen]
 
     def parse_root(self, buf: PickleBuffer, pos: int, where: str) -> tuple[Any, int] | None:
         """:meth:`parse` that also returns the pickle's root: ``(root, end)``, or None when it failed (recorded)."""
         try:
-            root, up, end = load_pickle_at(buf, pos, where)
+            root, up, end = load_pickle_at(buf, pos, where, views=True)
         except CkptError as e:
             self.record(failed(where, pos, self._globals_before_failure(buf, pos, where, e), e))
             return None
@@ -475,24 +480,20 @@ class Scanner:
             self._labels = labels  # (a nested zip has its own)
             self.zip_member(f, e, top, layout, where, depth, shared)
         self._shared_notes(shared)
+        if loaded and (layout.storage_record or layout.required_records):
+            self._missing_records(where, layout, recs)
         self._after_zip(buf, size, where, depth)
         return layout
 
     def _zip_layout(self, f: BinaryIO, size: int, where: str, depth: int, entries: list[ZipEntry],
                     recs: TorchRecords) -> Layout:
-        """What the zip is, by its records: TorchScript (``constants.pkl``), a torch zip (``data.pkl``), a
-        torch.export archive (its members' names; the members its loader unpickles then read from its configs into
-        :attr:`pt2_roles`), or a plain zip."""
-        top = recs.prefix or ""
-        names = [e.name for e in entries]
-        script = top + "constants.pkl" in names
-        self.torchscript = self.torchscript or (depth == 0 and script)
-        if script:
-            return layouts.TORCHSCRIPT
-        if recs.find("data.pkl") is not None:
-            return layouts.TORCH_ZIP
-        if not formats.is_pt2_names(names):
-            return layouts.ZIP
+        """What the zip is: the readers' answer (:func:`ckptool.formats.detect.zip_kind`: a torch.package archive,
+        TorchScript, a torch zip, a torch.export archive, whose members its loader unpickles are then read from its
+        configs into :attr:`pt2_roles`), or a plain zip."""
+        layout = layouts.zip_layout(formats.zip_kind(entries, recs))
+        self.torchscript = self.torchscript or (depth == 0 and layout.script)
+        if not layout.export:
+            return layout
         try:
             self.pt2_roles[where] = plugin("ckptool.formats.pt2:member_roles")(f, size, entries, where or self.res.path)
         except CkptError as err:
@@ -559,6 +560,28 @@ class Scanner:
             self.trailing(buf[end:], 0, join_where(where, f"data after the zip's end at byte {end}"), depth)
         else:
             self.trailing(buf, end, where, depth)
+
+    def _missing_records(self, where: str, layout: Layout, recs: TorchRecords) -> None:
+        """A finding when ``data.pkl`` (as torch's reader finds it) names a storage whose record the zip lacks
+        (``data/<key>``, ``.data/<key>.storage`` in a torch.package): its loader fails there, and the readers
+        refuse the file as damaged, so the scan cannot call it safe; likewise a record the loader requires
+        (:attr:`Layout.required_records`)."""
+        absent = [r for r in layout.required_records if recs.find(r) is None]
+        if absent:
+            self.record(PickleFinding(join_where(where, absent[0]), 0, [],
+                                      f"the {layout.format} archive has no {absent[0]}: its loader fails there"))
+        e = recs.find("data.pkl")
+        label = None if e is None else (self._labels.get(id(e)) or join_where(where, e.name))
+        storages = self.storages_of.get(label or "")
+        if not storages:
+            return
+        missing = [k for k in storages if recs.find(layout.storage_record.format(key=k)) is None]
+        if missing:
+            self.record(PickleFinding(
+                f"{label} (its storages)", 0, [],
+                f"storage {missing[0]!r} has no record {layout.storage_record.format(key=missing[0])} in the archive"
+                f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; the file is damaged or "
+                "incomplete"))
 
     def _mark_loaded(self, where: str, layout: Layout, recs: TorchRecords, names: list[str]) -> None:
         """Mark the members torch's loader unpickles in a zip it reads (as it finds them: ignoring case)."""
@@ -671,7 +694,8 @@ class Scanner:
             if not where:
                 self.loaded.add(label)
             try:
-                root, up, end = load_pickle_at(buf, pos, label, storages=main_storages if i == 3 else None)
+                root, up, end = load_pickle_at(buf, pos, label, storages=main_storages if i == 3 else None,
+                                               views=True)
             except CkptError as e:
                 self.record(failed(label, pos, self._globals_before_failure(buf, pos, label, e), e))
                 return

@@ -10,26 +10,18 @@ from typing import Any
 
 from ckptool.model.allowlist import (
     ALLOWED,
-    DANGEROUS,
     LEVELS,
-    NEEDS_TRUST,
-    SAFE,
     level_of,
     worst_level,
 )
 from ckptool.model.units import human_bytes, plural
+from ckptool.model.verdict import EXIT_CODES, STRICT_EXIT_CODES, Verdict, exit_code, verdict_of
 
-__all__ = ["EXIT_CODES", "INCOMPLETE", "STRICT_EXIT_CODES", "VERDICT_ORDER", "CodeFinding", "GlobalFinding",
-           "PickleFinding", "ScanResult", "exit_status"]
+__all__ = ["EXIT_CODES", "INCOMPLETE", "STRICT_EXIT_CODES", "CodeFinding", "GlobalFinding", "PickleFinding",
+           "ScanResult", "Verdict", "exit_status"]
 
 #: the verdict of a file read to its end whose data is cut short (:attr:`ScanResult.incomplete`): never ``safe``
-INCOMPLETE = "incomplete"
-#: the ``ckptool scan`` exit status of each verdict (3 is every command's internal-error status)
-EXIT_CODES: dict[str, int] = {SAFE: 0, DANGEROUS: 1, "error": 2, NEEDS_TRUST: 4, INCOMPLETE: 5}
-#: the exit status of each strict verdict (``--strict``: the codes of earlier versions, and ``incomplete``)
-STRICT_EXIT_CODES: dict[str, int] = {"safe": 0, "unsafe": 1, "error": 2, INCOMPLETE: 5}
-#: the verdicts from worst to best: the worst file decides the exit status of several (:func:`exit_status`)
-VERDICT_ORDER = (DANGEROUS, "unsafe", "error", NEEDS_TRUST, INCOMPLETE, SAFE)
+INCOMPLETE = Verdict.INCOMPLETE
 
 # ------------------------------------------------------------------------------------------------ results
 @dataclass
@@ -152,37 +144,25 @@ class ScanResult:
         return max((worst_level(g.status for g in self.globals), *(c.level for c in self.code)), key=LEVELS.index)
 
     @property
-    def verdict(self) -> str:
-        """``dangerous`` if any global is; else ``error`` if a pickle (or the file) could not be read to its end;
-        else ``needs-trust`` (:attr:`level`); else ``incomplete`` if the data is cut short (:attr:`cut_short`);
-        else ``safe``."""
-        level = self.level
-        if level != DANGEROUS and not self.readable:
-            return "error"
-        return INCOMPLETE if level == SAFE and self.cut_short else level
-
-    @property
-    def strict_verdict(self) -> str:
-        """The single verdict of ``--strict``: ``unsafe`` if any global is not allowed or the file carries code;
-        else ``error`` if a pickle (or the file) could not be read to its end; else ``incomplete`` if the data is
-        cut short; else ``safe``."""
-        if self.code or any(g.status != ALLOWED for g in self.globals):
-            return "unsafe"
-        if not self.readable:
-            return "error"
-        return INCOMPLETE if self.cut_short else "safe"
+    def verdict(self) -> Verdict:
+        """THE verdict (:func:`ckptool.model.verdict.verdict_of` of the levels of the globals and code found,
+        :attr:`readable` and :attr:`cut_short`): ``dangerous`` if any global or code is; else ``error`` if a pickle
+        (or the file) could not be read to its end; else ``needs-trust``; else ``incomplete`` if the data is cut
+        short; else ``safe``. ``--strict`` changes only the exit status (:attr:`strict_exit_code`)."""
+        return verdict_of([*(g.level for g in self.globals), *(c.level for c in self.code)],
+                          readable=self.readable, cut_short=bool(self.cut_short))
 
     @property
     def exit_code(self) -> int:
         """The ``ckptool scan`` exit status for this file alone: 0 safe, 1 dangerous, 2 unreadable, 4 needs trust,
         5 incomplete (:data:`EXIT_CODES`)."""
-        return EXIT_CODES[self.verdict]
+        return exit_code(self.verdict)
 
     @property
     def strict_exit_code(self) -> int:
-        """The ``ckptool scan --strict`` exit status for this file alone: 0 safe, 1 unsafe, 2 unreadable,
-        5 incomplete."""
-        return STRICT_EXIT_CODES[self.strict_verdict]
+        """The ``ckptool scan --strict`` exit status for this file alone (the policy applied to the same
+        :attr:`verdict`): 0 safe, 1 dangerous or needs trust, 2 unreadable, 5 incomplete."""
+        return exit_code(self.verdict, strict=True)
 
     @property
     def unsafe(self) -> list[GlobalFinding]:
@@ -191,11 +171,12 @@ class ScanResult:
         return sorted(bad, key=lambda g: -LEVELS.index(g.level))
 
     def to_dict(self, *, strict: bool = False) -> dict[str, Any]:
-        """A JSON-ready dict (what ``ckptool scan --json`` prints for each file): ``verdict`` (the strict one when
-        ``strict``), ``level``, each global with its ``status`` and ``level``, the ``code`` found, and for a URL
-        ``bytes_read``."""
+        """A JSON-ready dict (what ``ckptool scan --json`` prints for each file): ``verdict`` (:class:`Verdict`'s
+        word), ``exit_code`` (under ``--strict``'s policy when ``strict``), each global with its ``status`` and
+        ``level``, the ``code`` found, and for a URL ``bytes_read``."""
         d: dict[str, Any] = {
-            "path": self.path, "verdict": self.strict_verdict if strict else self.verdict, "level": self.level,
+            "path": self.path, "verdict": self.verdict.value,
+            "exit_code": self.strict_exit_code if strict else self.exit_code,
             "format": self.format, "error": self.error,
             "globals": [g.to_dict() for g in self.globals],
             "pickles": [vars(p).copy() for p in self.pickles],
@@ -212,10 +193,10 @@ class ScanResult:
     def report(self, *, show_all: bool = False, strict: bool = False) -> str:
         """What ``ckptool scan`` prints for this file: the verdict line (``evil.pth: DANGEROUS (pickle, 1 pickle, 1
         global, 1 not allowed)``), the table of the globals not allowed (every global with ``show_all``), the code
-        shipped in it, errors and notes; ``strict``: ``--strict``'s verdict."""
-        verdict = self.strict_verdict if strict else self.verdict
+        shipped in it, errors and notes (``strict`` is accepted for the callers of earlier versions: the verdict is
+        the same under ``--strict``, only the exit status differs)."""
         bad = self.unsafe
-        lines = [f"{self.path}: {SHOWN[verdict]} ({self.format}, {plural(len(self.pickles), 'pickle')}, "
+        lines = [f"{self.path}: {self.verdict.shown} ({self.format}, {plural(len(self.pickles), 'pickle')}, "
                  f"{plural(len(self.globals), 'global')}" + (f", {len(bad)} not allowed)" if bad else ")")]
         rows = [(_shown_level(g.level), g.name, g.reason, ", ".join(g.where)) for g in (self.globals if show_all
                                                                                        else bad)]
@@ -241,18 +222,13 @@ class ScanResult:
         return self.report()
 
 
-#: how each verdict is written on the first line of a file's report
-SHOWN = {"safe": "safe", "needs-trust": "NEEDS TRUST", "dangerous": "DANGEROUS", "unsafe": "UNSAFE", "error": "ERROR",
-         INCOMPLETE: "INCOMPLETE"}
-
-
 def _shown_level(level: str) -> str:
     return level.upper() if level == "dangerous" else level
 
 
 def exit_status(results: Iterable[ScanResult], *, strict: bool = False) -> int:
     """The ``ckptool scan`` exit status of several files: the worst file decides, in the order dangerous (1),
-    unreadable (2), needs trust (4), incomplete (5), safe (0); with ``strict``: unsafe (1), unreadable (2),
-    incomplete (5), safe (0) (:data:`VERDICT_ORDER`)."""
+    unreadable (2), needs trust (4), incomplete (5), safe (0); with ``strict`` (the policy on the same verdicts):
+    dangerous or needs trust (1), unreadable (2), incomplete (5), safe (0)."""
     codes = {r.strict_exit_code if strict else r.exit_code for r in results}
     return next((c for c in (1, 2, 4, 5) if c in codes), 0)

@@ -9,15 +9,14 @@ import io
 from typing import Any
 
 from ckptool.errors import CkptError
-from ckptool.formats.pickle_check import PickleBuffer
-from ckptool.ops.scan.pickles import INFLATE_BUDGET, Scanner
+from ckptool.ops.scan.pickles import INFLATE_BUDGET, Container, Scanner
 from ckptool.ops.scan.results import PickleFinding
 from ckptool.ops.scan.tar import MAX_TAR_MEMBERS, join_where, leaves_archive
 
 __all__ = ["scan_7z"]
 
 
-def scan_7z(sc: Scanner, buf: PickleBuffer, where: str, depth: int) -> None:
+def scan_7z(sc: Scanner, buf: Container, where: str, depth: int) -> None:
     """Scan the 7z archive ``buf``: at most :data:`~ckptool.ops.scan.tar.MAX_TAR_MEMBERS` members, together no more
     than the bytes left to inflate (:attr:`Scanner.inflate_left`); a member path that leaves the archive is a note.
     Without ``py7zr``, or for an archive it cannot read (encrypted, damaged), an unreadable finding: never skipped.
@@ -63,7 +62,7 @@ def scan_7z(sc: Scanner, buf: PickleBuffer, where: str, depth: int) -> None:
             return product
 
     try:
-        with py7zr.SevenZipFile(io.BytesIO(bytes(buf)), mode="r") as archive:
+        with py7zr.SevenZipFile(io.BytesIO(bytes(buf[:len(buf)])), mode="r") as archive:
             infos = archive.list()
             if len(infos) > MAX_TAR_MEMBERS:
                 raise CkptError(f"more than {MAX_TAR_MEMBERS} members")

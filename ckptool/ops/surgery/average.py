@@ -33,10 +33,9 @@ from ckptool._fileio import same_file
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import contiguous_stride, element_size
-from ckptool.formats.strided import gather
 from ckptool.formats.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.model.units import plural, wrote_line
-from ckptool.ops.convert import ConvertResult
+from ckptool.ops.convert import ConvertResult, OutputFormat
 from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.plan import check_safetensors_dtypes
 from ckptool.ops.convert.write import Files
@@ -45,8 +44,9 @@ from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
 from ckptool.readers import open_checkpoint
 from ckptool.readers.budget import check_expansion
-from ckptool.readers.read_safetensors import restore_library_aliases
+from ckptool.readers.structures import gather
 from ckptool.torch_ops.average import AVERAGED, TAKEN_FROM_FIRST, Accumulator, average_state_dicts
+from ckptool.writers import choose_format
 
 __all__ = ["AverageResult", "average"]
 
@@ -119,10 +119,7 @@ def _read(path: str, key: str | None) -> Source:
             pickles), with the reason and the route.
     """
     opened = open_checkpoint(path)
-    src = opened.state_dict(key if opened.spec.keyed else None)
-    if opened.spec.header:  # tied names the safetensors library left out, as its __metadata__ records them
-        restore_library_aliases(src)
-    return src
+    return opened.source(key)
 
 
 def _check_match(sources: list[Source]) -> None:
@@ -281,7 +278,7 @@ def _method_weights(method: str, weights: Sequence[float] | None, n: int, has_ba
 
 
 def _weights(weights: Sequence[float] | None, n: int) -> list[float]:
-    """Raises UsageError: not one positive finite weight per input."""
+    """Raises UsageError: not one positive finite weight per input, or weights whose sum overflows."""
     if weights is None:
         return [1.0] * n
     ws = [float(w) for w in weights]
@@ -289,6 +286,9 @@ def _weights(weights: Sequence[float] | None, n: int) -> list[float]:
         raise UsageError(f"{len(ws)} weights for {n} inputs; give one weight per input (--weights 0.5,0.25,0.25)")
     if any(not math.isfinite(w) or w <= 0 for w in ws):
         raise UsageError(f"weights {ws}: each must be a positive number (they are divided by their sum)")
+    if not math.isfinite(sum(ws)):
+        raise UsageError(f"weights {ws}: their sum overflows a float64; give smaller weights (only their ratios "
+                         "matter: 1,1 for 1e308,1e308)")
     return ws
 
 
@@ -371,6 +371,9 @@ def _paths(inputs: Sequence[object], dst: PathArg | None) -> tuple[list[str], st
     if dst is None:
         raise UsageError("average writes a new file: give dst (-o OUT.safetensors or OUT.pth)")
     out = os.fspath(dst)
+    if choose_format(out).is_folder:
+        raise UsageError(f"average writes one file, not a {choose_format(out).name} folder: name it "
+                         "OUT.safetensors or OUT.pth")
     for p in paths:
         if same_file(p, out):
             raise UsageError(f"output {out} is the input {p}; choose another -o path")
@@ -380,13 +383,14 @@ def _paths(inputs: Sequence[object], dst: PathArg | None) -> tuple[list[str], st
 def _write(sources: list[Source], ws: list[float], paths: list[str], out: str,
            progress: ProgressFn | None, opts: MethodOptions) -> AverageResult:
     """The mean of ``sources`` (checked to match; the last one the base when ``opts`` needs one) computed into a
-    scratch file beside ``out``, then written as ``out`` by ``convert``'s writer: safetensors for a
-    ``.safetensors`` name, else a torch zip file."""
+    scratch file beside ``out``, then written as ``out`` by ``convert``'s writer in the format
+    :func:`ckptool.writers.choose_format` names (safetensors for a ``.safetensors`` name in any case, a torch zip
+    file for ``.pt`` / ``.pth`` / ``.bin``...)."""
     has_base = opts.method not in ("linear", "slerp")
     if has_base:  # the base first: its keys, order, _metadata and integer tensors
         sources, paths = [sources[-1], *sources[:-1]], [paths[-1], *paths[:-1]]
-    safetensors = out.endswith(".safetensors")
-    fmt_out = "safetensors" if safetensors else "torch"  # write_outputs' output choice
+    fmt_out = OutputFormat(choose_format(out).name)  # write_outputs' output choice
+    safetensors = fmt_out is OutputFormat.SAFETENSORS
     if safetensors:
         check_safetensors_dtypes(sources[0].tensors, None, out)
     res = AverageResult(out, formats.SAFETENSORS if safetensors else formats.TORCH_ZIP, paths,
@@ -406,7 +410,7 @@ def _write(sources: list[Source], ws: list[float], paths: list[str], out: str,
             res.tied = dict(ties)
         scratch.flush()
         result = Source(out, sources[0].format, tensors, key=sources[0].key, metadata=meta, sd_state=state)
-        cres = ConvertResult(scratch_path, out, sources[0].format, fmt_out)
+        cres = ConvertResult(scratch_path, out, sources[0].format, fmt_out.value)
         write_outputs(result, out, fmt_out, None, None, lambda _saved: "cpu", None, False, None, cres)
     res.tensors, res.bytes_written = len(tensors), cres.bytes_written
     if has_base:

@@ -36,8 +36,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, overload
 
 from ckptool.errors import UnsupportedError, UsageError
-from ckptool.formats.safetensors import SHARED_KEY
-from ckptool.formats.torchfile import Checkpoint
 from ckptool.model.graph import mapping_items, set_mapping_items
 from ckptool.model.objects import find_object_state_dicts
 from ckptool.model.paths import resolve_path
@@ -73,8 +71,9 @@ from ckptool.ops.surgery.plan import (
 )
 from ckptool.ops.surgery.rules import RuleLike, RuleStep, load_rules, rules_plan
 from ckptool.ops.surgery.sets import filter_dcp, filter_set, rename_dcp, rename_set
-from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers import Checkpoint, Opened, open_checkpoint
 from ckptool.readers.read_safetensors import restore_library_aliases
+from ckptool.readers.structures import SHARED_KEY
 
 __all__ = ["FilterChange", "FilterResult", "RuleResult", "RuleStep", "RuleUse", "SetFilterResult", "SetRuleResult",
            "filter_keys", "load_rules", "rename", "rules_plan", "surgery_output"]
@@ -163,11 +162,12 @@ def rename(src: MappingT | PathArg, dst: PathArg | None = None, *, rules: Iterab
         return many(plan, key=key, allow_unused=allow_unused, dry_run=dry_run, to=to, mapping=mapping,
                     progress=progress)
     opened = _rewritable(opened, "renamed")
-    if opened.spec.header:
+    header = opened.tensor_header()  # a safetensors file: its tensors renamed in its header
+    if header is not None:
         _refuse_safetensors_options(path, key, to, mapping)
 
     def one(out: str) -> tuple[_Planned, WriteResult]:
-        if opened.spec.header:
+        if header is not None:
             return _rename_safetensors(opened, out, plan, allow_unused, dry_run, progress)
         return _rename_torch(opened.graph(), out, plan, key, allow_unused, dry_run, (to, mapping), progress)
 
@@ -420,11 +420,12 @@ def filter_keys(src: Mapping[Any, Any] | PathArg, dst: PathArg | None = None, *,
         return many(globs, key=key, allow_unused=allow_unused, dry_run=dry_run, to=to, mapping=mapping,
                     progress=progress)
     opened = _rewritable(opened, "filtered")
-    if opened.spec.header:
+    header = opened.tensor_header()  # a safetensors file: its tensors renamed in its header
+    if header is not None:
         _refuse_safetensors_options(path, key, to, mapping)
 
     def one(out: str) -> FilterResult:
-        if opened.spec.header:
+        if header is not None:
             return _filter_safetensors(opened, out, globs, allow_unused, dry_run, progress)
         return _filter_torch(opened.graph(), out, globs, key, allow_unused, dry_run, (to, mapping), progress)
 
