@@ -387,7 +387,7 @@ class BlobView:
     BINSTRING). Made by :func:`ckptool.formats.unpickler.load_pickle_at` with ``views=True`` (scan, inspect), so
     that their memory is bounded by a pickle's structure, not its blobs; a graph that holds one is never written
     back (:mod:`ckptool.formats.pickler` refuses it). ``head``: the first 16 bytes of a bytes or bytearray, the
-    first 256 characters of a str; ``chars``: a str's length in characters (-1 for bytes), for previews."""
+    first 2048 characters of a str; ``chars``: a str's length in characters (-1 for bytes), for previews."""
 
     __slots__ = ("chars", "head", "kind", "length", "offset")
 
