@@ -240,18 +240,21 @@ def test_inspect_shows_blob_values_as_a_full_read_does(tmp_path: Path, monkeypat
     as a full read shows it: type, size and first bytes or characters."""
     from ckptool.formats import torchfile
     from ckptool.ops.inspect import entry
+    from ckptool.ops.inspect.values import ALL_VALUES, PreviewLimits
     from ckptool.readers import Opened
 
     path = tmp_path / "values.pkl"
     for proto in (2, 4, 5):
         path.write_bytes(pickle.dumps({"data": BLOB, "buf": bytearray(BLOB), "text": "\u00e9t\u00e9 " * 2000,
-                                       "latin": BLOB.decode("latin1")}, protocol=proto))
+                                       "latin": BLOB.decode("latin1"), "in a list": ["\u20ac" * 1400]},
+                                      protocol=proto))
         assert isinstance(torchfile.read_pickle_file(str(path), views=True).root["text"], BlobView)
-        with_views = [(v.path, v.type, v.shown, v.exact) for v in entry.inspect(path).values]
-        with monkeypatch.context() as m:
-            m.setattr(Opened, "described_graph", Opened.graph)
-            full = [(v.path, v.type, v.shown, v.exact) for v in entry.inspect(path).values]
-        assert with_views == full
+        for limits in (PreviewLimits(), ALL_VALUES):  # the default preview and --all's, the widest
+            with_views = [(v.path, v.type, v.shown, v.exact) for v in entry.inspect(path, limits).values]
+            with monkeypatch.context() as m:
+                m.setattr(Opened, "described_graph", Opened.graph)
+                full = [(v.path, v.type, v.shown, v.exact) for v in entry.inspect(path, limits).values]
+            assert with_views == full
 
 
 # ------------------------------------------------------------------------------------------------ --jobs
@@ -277,3 +280,57 @@ def test_jobs_chooses_the_pool_by_the_work(tmp_path: Path, monkeypatch: pytest.M
     pool = _many._executor(run, 2)
     assert isinstance(pool, cf.ThreadPoolExecutor)
     pool.shutdown()
+
+
+@pytest.mark.parametrize("proto", range(6))
+def test_probing_walk_ends_where_the_plain_walk_ends(proto: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over a megabyte of opcodes (RE2's domain) the walk probes each run with ``re`` first (_probing): runs that
+    cross the probe's end, text lines longer than its slack and blobs between runs give the same end offset and
+    weights_only refusal, and the same refusal of a cut copy, as the plain ``re`` walk."""
+    from ckptool.formats import pickle_check
+
+    value = {f"key.{i}": (i, "x" * (i % 300), [i, 1.5], BLOB if i % 997 == 0 else None) for i in range(20000)}
+    data = pickle.dumps(value, protocol=proto)
+    assert len(data) > pickle_check.LINEAR_FROM
+
+    def walk(blob: bytes) -> tuple[object, ...]:
+        wo: list[str | None] = []
+        try:
+            return ("end", pickle_check.check_pickle(blob, 0, exact=False, weights_only=wo), wo)
+        except CkptError as e:
+            return ("error", str(e), getattr(e, "offset", None))
+
+    probed = [walk(data), walk(data[:len(data) // 2])]
+    monkeypatch.setattr(pickle_check, "LINEAR_FROM", 1 << 62)  # re only
+    assert probed == [walk(data), walk(data[:len(data) // 2])]
+
+
+def _sparse_legacy(path: Path, numel: int) -> None:
+    """A torch legacy-format file (``_use_new_zipfile_serialization=False``) of one float32 tensor of ``numel``
+    elements whose storage bytes are a hole (zeros, no disk): torch writes one of 65,536 elements, whose count is
+    then patched (a BININT in the pickles, the 8-byte count before the data)."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(65536)}, buf, _use_new_zipfile_serialization=False)
+    data = buf.getvalue().replace(b"J" + struct.pack("<i", 65536), b"J" + struct.pack("<i", numel))
+    at = data.rfind(struct.pack("<q", 65536))
+    head = data[:at] + struct.pack("<q", numel)
+    with path.open("wb") as f:
+        f.write(head)
+        f.truncate(len(head) + 4 * numel)
+
+
+@pytest.mark.parametrize("command", ["scan", "inspect"])
+def test_legacy_storages_are_located_by_their_sizes_never_read(tmp_path: Path, command: str) -> None:
+    """scan and inspect of a 320 MB legacy-format file step over its storage by its declared size: under 64 MiB
+    of RSS in a fresh process. (A guard: the legacy reader already did so before issue 52's walk.)"""
+    path = tmp_path / "legacy.pt"
+    _sparse_legacy(path, 80_000_000)
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(path), command], capture_output=True, text=True,
+                         env=env, timeout=120, check=True).stdout.split()
+    assert out[0] == "safe"
+    assert int(out[-1]) / 1024 < 64, f"{command} peaked at {int(out[-1]) / 1024:.0f} MiB"

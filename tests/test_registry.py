@@ -243,6 +243,13 @@ def test_each_format_has_a_reader_class(tmp_path: Path) -> None:
     assert s.tensor_header() is s.safetensors_header() and p.tensor_header() is None
     assert s.values() == {"format": "pt"} and p.values() == {"epoch": 3}
     assert s.tree() is None and p.tree() is p.graph().root
+    # the structures of one format are parsed and kept by its reader; the other readers refuse them
+    assert s.reader.safetensors_header() is s.safetensors_header()
+    for accessor, what in ((p.safetensors_header, "not a safetensors file"), (p.index, "not a sharded set"),
+                           (p.pt2, "not a torch.export archive"), (p.package, "not a torch.package archive"),
+                           (p.dcp_metadata, "not a DCP folder"), (lambda: p.zero(None), "not a DeepSpeed folder")):
+        with pytest.raises(UnsupportedError, match=what):
+            accessor()
     assert [e.path for e in p.state_dicts()] == ["model"] and [e.keys for e in s.state_dicts()] == [("w",)]
 
     tied = torch.nn.Linear(2, 2, bias=False)

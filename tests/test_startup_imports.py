@@ -37,7 +37,8 @@ main()
 #: legacy tar walk the pickle scanner shares. The code of the other formats (.pt2, DCP, DeepSpeed, sharded sets,
 #: safetensors, torch.package, native library headers) and of SARIF output is named as strings and imported only
 #: when met (:func:`ckptool.formats.plugin`); issue 41 took this set from 45 modules to 33; the tensor model
-#: (``formats.tensors``) came back with issue 36's note on tensors that expand past the input's budget.
+#: (``formats.tensors``) came back with issue 36's note on tensors that expand past the input's budget; issue 46
+#: added the one verdict (``model.verdict``).
 SCAN_ZIP_MODULES = {
     "ckptool", "ckptool._gc", "ckptool._remote", "ckptool._source", "ckptool.errors",
     "ckptool.cli", "ckptool.cli._common", "ckptool.cli._errors", "ckptool.cli._flags", "ckptool.cli.scan",

@@ -24,12 +24,11 @@ from ckptool.cli._flags import muted_stdout as muted_stdout
 from ckptool.cli._flags import output_folder_for
 from ckptool.cli._flags import progress_wanted as progress_wanted
 from ckptool.cli._flags import set_output as set_output
-from ckptool.errors import CkptError
+from ckptool.errors import CkptError, UsageError
 from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND
 from ckptool.model.devices import DEVICE_HELP, parse_mapping
 from ckptool.model.units import human_bytes as human_bytes
 from ckptool.model.units import wrote_line
-from ckptool.writers import Output, is_folder_form, refuse_replacing, resolve_output
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -271,6 +270,9 @@ def claim_output(path: str, *, force: bool, in_place: bool = False, given: str |
     Raises:
         UsageError: ``path`` exists and neither ``force`` nor ``in_place`` was given.
     """
+    # the output resolver loads with the writing commands only, not with scan or inspect
+    from ckptool.writers import Output, is_folder_form, refuse_replacing  # noqa: PLC0415
+
     refuse_replacing(Output(path, path, None, None), force=force or in_place)
     if given is not None and is_folder_form(given) and not is_folder_form(path):
         output_folder_for(path)
@@ -287,6 +289,8 @@ def claim_set(dst: str, *, force: bool, source_is_folder: bool = False) -> str:
     Raises:
         UsageError: something would be replaced and ``force`` was not given; a suffix that names no format.
     """
+    from ckptool.writers import refuse_replacing, resolve_output  # noqa: PLC0415 - writing commands only
+
     out = resolve_output(dst, source_is_folder=source_is_folder)
     refuse_replacing(out, force=force)
     set_output(dst)
@@ -304,12 +308,22 @@ def claim_target(dst: str, *, force: bool, file_name: str | None = None, fmt: st
     name, is refused unless ``force``; other files in the folder are never touched.
 
     Raises:
-        UsageError: something would be replaced and ``force`` was not given; a suffix that names no format (with
-            ``checkpoint``: the output is a checkpoint).
+        UsageError: something would be replaced and ``force`` was not given; a folder holding a sharded set of
+            the file's name (one file cannot replace it whole, even with ``force``); a suffix that names no format
+            (with ``checkpoint``: the output is a checkpoint).
     """
+    from ckptool.writers import refuse_replacing, resolve_output, set_members  # noqa: PLC0415 - writing only
+
     out = resolve_output(dst, fmt=fmt, file_name=file_name, default_format=default_format, checkpoint=checkpoint)
+    if out.folder is not None and out.path != out.folder:
+        name = os.path.basename(out.path)
+        shards = [n for n in set_members(out.folder, name) if n != name]
+        if shards:  # one file cannot replace a set atomically: its shards and index would stay beside it
+            raise UsageError(f"{out.folder} holds a sharded set named {name} ({', '.join(shards[:3])}"
+                             f"{' ...' if len(shards) > 3 else ''}), which this command, writing one file, cannot "
+                             "replace whole; remove it or choose another -o path")
     refuse_replacing(out, force=force)
-    if out.is_folder and out.path != out.folder:
+    if out.folder is not None and out.path != out.folder:
         output_folder_for(out.path)
     set_output(out.path)
     return out.path

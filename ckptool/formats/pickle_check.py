@@ -149,7 +149,35 @@ def _run_matcher(k: int, weights_only: bool, room: int) -> Callable[[PickleBuffe
     weights_only list was met, else :func:`_run_pattern`) for a walk of ``room`` bytes: RE2's from
     :data:`LINEAR_FROM` on, else ``re``'s."""
     pat = (_weights_only_run_pattern if weights_only else _run_pattern)(k)
-    return linear_match(pat) if room >= LINEAR_FROM else pat.match
+    return _probing(pat.match, linear_match(pat)) if room >= LINEAR_FROM else pat.match
+
+
+#: :func:`_probing` reads this many bytes with ``re`` before it hands a run that goes on to RE2
+_PROBE = 4096
+#: a run that ``re`` ended this close to the probe's end may go on past it (the longest step of the expression but
+#: for text lines: a 127-byte string and its 5-byte header)
+_PROBE_SLACK = 256
+
+
+def _probing(small: Callable[[PickleBuffer, int, int], re.Match[bytes] | None],
+             large: Callable[[PickleBuffer, int, int], re.Match[bytes] | None]
+             ) -> Callable[[PickleBuffer, int, int], re.Match[bytes] | None]:
+    """A run matcher that tries ``re``'s ``small`` on the next :data:`_PROBE` bytes first and goes on with RE2's
+    ``large`` only when the run reaches the probe's end: each call of RE2 costs about 10 us before it reads a byte,
+    and a pickle of many blobs (the opcodes between them a few dozen bytes) calls it once per blob. The match
+    returned ends where the run ends (only its ``end()`` is used); a run cut at the probe's end by an opcode that
+    crosses it ends there, and that opcode is checked by the walk in Python, as any opcode the expression stops at."""
+
+    def match(buf: PickleBuffer, pos: int, endpos: int) -> re.Match[bytes] | None:
+        cap = pos + _PROBE
+        if cap >= endpos:
+            return small(buf, pos, endpos)
+        m = small(buf, pos, cap)
+        if m is None or cap - m.end() > _PROBE_SLACK:
+            return m
+        return large(buf, m.end(), endpos)
+
+    return match
 
 
 def _long_binput(k: int) -> bytes:
@@ -254,7 +282,8 @@ def release_pages(buf: PickleBuffer, start: int, stop: int) -> None:
 
 def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, what: str = "pickle",
                  exact: bool = True, strict_frames: bool = True,
-                 weights_only: list[str | None] | None = None, blobs: list[Span] | None = None) -> int:
+                 weights_only: list[str | None] | None = None, blobs: list[Span] | None = None,
+                 gaps: list[tuple[bytes, bytes]] | None = None) -> int:
     """Walk the opcodes of the pickle at ``buf[start:]`` (bytes or ``mmap``) without building anything and return
     the offset just after its STOP opcode.
 
@@ -269,6 +298,9 @@ def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, w
     the expression until one outside the list is met). ``blobs``: a list that receives, in stream order, the
     :data:`Span` of every blob (an argument of :data:`BLOB_KINDS` of :data:`BLOB_MIN` bytes or more, stepped over by
     its declared length: its bytes are never read) and of every FRAME opcode, opcodes before a refusal included.
+    ``gaps`` (with ``blobs``): for each span, the bytes between the previous span (or ``start``) and it, and the
+    first 16 bytes of its payload, copied as the walk passes them (their pages in memory then; the walk hands
+    pages back behind it).
 
     Raises:
         CorruptCheckpointError: an unknown opcode, an argument or length running past ``end``, no STOP opcode, a
@@ -279,7 +311,8 @@ def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, w
     if weights_only is not None:
         weights_only[:] = [None]
     try:
-        return _walk(buf, start, end, what, exact, strict_frames, at, weights_only, _span_note(buf, start, blobs))
+        return _walk(buf, start, end, what, exact, strict_frames, at, weights_only,
+                     _span_note(buf, start, blobs, gaps))
     except CorruptCheckpointError as e:
         e.offset = at[0]  # type: ignore[attr-defined] # where the refused opcode starts: what precedes was checked
         raise
@@ -340,17 +373,23 @@ def _ignore(pos: int, nxt: int, op: int) -> None:
     """The span note of a walk that collects no blobs."""
 
 
-def _span_note(buf: PickleBuffer, start: int, blobs: list[Span] | None) -> Callable[[int, int, int], None]:
+def _span_note(buf: PickleBuffer, start: int, blobs: list[Span] | None, gaps: list[tuple[bytes, bytes]] | None
+               ) -> Callable[[int, int, int], None]:
     """What :func:`_walk` calls with each opcode it checks in Python, ``(offset, next offset, opcode)``: appends
-    FRAMEs and blobs to ``blobs`` and hands back the pages walked past every :data:`RELEASE_EVERY` bytes; nothing
-    when ``blobs`` is None."""
+    FRAMEs and blobs to ``blobs`` (and what precedes each, and its first bytes, to ``gaps``) and hands back the
+    pages walked past every :data:`RELEASE_EVERY` bytes; nothing when ``blobs`` is None."""
     if blobs is None:
         return _ignore
     released = [start]  # the pages before this offset were handed back (release_pages)
+    prev = [start]  # where the bytes of the next gap start
 
     def note(pos: int, nxt: int, op: int) -> None:
         if op == _FRAME or (nxt - pos >= BLOB_MIN and op in BLOB_KINDS):
             blobs.append((pos, nxt, op))
+            if gaps is not None:
+                first = pos + 1 + (8 if op in (0x8D, 0x8E, 0x96) else 4)
+                gaps.append((bytes(buf[prev[0]:pos]), bytes(buf[first:first + 16]) if op != _FRAME else b""))
+                prev[0] = nxt
             if nxt - released[0] >= RELEASE_EVERY:
                 release_pages(buf, released[0], nxt)
                 released[0] = nxt

@@ -54,6 +54,7 @@ from ckptool.formats.nodes import (
     PersistentRef,
     StorageRef,
     new_global,
+    qualified_name,
     requested_elements,
     use_key,
 )
@@ -117,6 +118,22 @@ class RestrictedUnpickler(pickle.Unpickler):
             nbytes = g.requested * element_size(g.name)
             if nbytes > MAX_REQUEST_BYTES:
                 self.globals_seen[use_key(*key, f"{ALLOC}{nbytes}")] = None
+
+    def uncalled_globals(self) -> set[str]:
+        """The globals of ``globals_seen`` (``module.qualname``, Python 3 names) that the pickle never called
+        (REDUCE) nor instantiated (NEWOBJ / NEWOBJ_EX / OBJ / INST) nor BUILT on as a class nor passed to a call (in
+        its arguments, at any depth of tuples, lists, sets and dicts): held only as values (BUILD state, dict values,
+        list items). Empty when a call's arguments were too many to walk (``args_unread``).
+        Meaningful after a :meth:`load` that read the pickle to its STOP (a pickle that failed may have called them
+        later); with a shared ``global_cache``, a call in any pickle that shares it counts."""
+        if any(g.args_unread for g in self._globals.values()):
+            return set()
+        out = set()
+        for key in self.globals_seen:
+            g = self._globals.get(key)
+            if g is not None and not (g.called or g.passed or g.class_builds):
+                out.add(qualified_name(*key))
+        return out
 
     def find_class(self, module: str, name: str) -> GlobalMeta:
         """The placeholder for global ``module.name`` (one per name and ``global_cache``); imports nothing."""
@@ -287,9 +304,10 @@ def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exa
         UnsupportedError: tuple nesting too deep to read safely (see :func:`call_with_stack`).
     """
     spans: list[Span] | None = [] if views else None
+    gaps: list[tuple[bytes, bytes]] | None = [] if views else None
     end = check_pickle(buf, pos, what=what, exact=exact, strict_frames=strict_frames, weights_only=weights_only,
-                       blobs=spans)
-    chunk, found = _skeleton(buf, pos, end, spans) if spans else (_chunk(buf, pos, end), None)
+                       blobs=spans, gaps=gaps)
+    chunk, found = _skeleton(buf, pos, end, spans, gaps) if spans else (_chunk(buf, pos, end), None)
     up = RestrictedUnpickler(_flat_reader(chunk), storages=storages, global_cache=global_cache, views=found)
     try:
         root = call_with_stack(up.load, tuple_levels(chunk), what)
@@ -313,18 +331,22 @@ def _chunk(buf: PickleBuffer, pos: int, end: int) -> bytes | bytearray:
 
 #: the bytes of UTF-8 a string blob's check decodes at a time
 _UTF8_CHUNK = 1 << 20
+#: the characters of a string blob a BlobView keeps for previews: more than ``inspect``'s widest preview reads
+#: (``--all``: 400 characters a value, four times that to decide whether a container fits on a line)
+_STR_HEAD = 2048
 
 
 def _utf8_text(buf: PickleBuffer, start: int, stop: int) -> tuple[int, str] | None:
-    """``(length in characters, first 256 characters)`` of ``buf[start:stop]`` decoded as the C unpickler decodes
-    BINUNICODE (UTF-8, ``surrogatepass``), read :data:`_UTF8_CHUNK` bytes at a time; None when it is not UTF-8."""
+    """``(length in characters, first :data:`_STR_HEAD` characters)`` of ``buf[start:stop]`` decoded as the C
+    unpickler decodes BINUNICODE (UTF-8, ``surrogatepass``), read :data:`_UTF8_CHUNK` bytes at a time; None when it
+    is not UTF-8."""
     dec = codecs.getincrementaldecoder("utf-8")("surrogatepass")
     chars, head = 0, ""
     try:
         for at in range(start, stop, _UTF8_CHUNK):
             text = dec.decode(buf[at:min(stop, at + _UTF8_CHUNK)])
             chars += len(text)
-            head = head or text[:256]
+            head = head or text[:_STR_HEAD]
             release_pages(buf, at, min(stop, at + _UTF8_CHUNK))
         dec.decode(b"", final=True)
     except UnicodeDecodeError:
@@ -332,13 +354,15 @@ def _utf8_text(buf: PickleBuffer, start: int, stop: int) -> tuple[int, str] | No
     return chars, head
 
 
-def _skeleton(buf: PickleBuffer, pos: int, end: int, spans: list[Span]
+def _skeleton(buf: PickleBuffer, pos: int, end: int, spans: list[Span], gaps: list[tuple[bytes, bytes]] | None = None
               ) -> tuple[bytes | bytearray, tuple[bytes, list[BlobView]] | None]:
     """The pickle ``buf[pos:end]`` with each blob of ``spans`` (:func:`check_pickle`'s ``blobs``) replaced by a
     persistent id (SHORT_BINBYTES of a random nonce and the blob's index, then BINPERSID) that the unpickler answers
     with its :class:`BlobView`, and without its FRAME opcodes (the C unpickler reads the checked bytes as one flat
     stream, where a frame changes nothing; their lengths would no longer hold). A string blob that is not valid
-    UTF-8 stays in place, so that the unpickler fails on it where a full read does. Returns ``(skeleton, (nonce,
+    UTF-8 stays in place, so that the unpickler fails on it where a full read does. ``gaps``: :func:`check_pickle`'s
+    copies of the bytes between the spans and of each blob's first bytes (else read from ``buf``). Returns
+    ``(skeleton, (nonce,
     views))``, ``(skeleton, None)`` when ``spans`` holds no blob (only FRAMEs), the plain chunk and None when it is
     empty."""
     if not spans:
@@ -347,26 +371,28 @@ def _skeleton(buf: PickleBuffer, pos: int, end: int, spans: list[Span]
     views: list[BlobView] = []
     parts: list[bytes] = []
     prev = released = pos
-    for a, b, op in spans:
-        if b - released >= RELEASE_EVERY:  # what was copied is not needed in memory again
+    for i, (a, b, op) in enumerate(spans):
+        if gaps is None and b - released >= RELEASE_EVERY:  # what was copied is not needed in memory again
             release_pages(buf, released, a)
             released = a
+        gap, first = gaps[i] if gaps is not None else (bytes(buf[prev:a]), b"")
+        parts.append(gap)
+        prev = b
         kind = BLOB_KINDS.get(op)
+        if kind is None:  # a FRAME
+            continue
         head = a + 1 + (8 if op in (0x8D, 0x8E, 0x96) else 4)
         text = _utf8_text(buf, head, b) if kind == "str" else None
         if kind == "str" and text is None:
-            continue  # read in full, where the C unpickler raises what it raises
-        parts.append(bytes(buf[prev:a]))
-        prev = b
-        if kind is None:  # a FRAME
+            parts.append(bytes(buf[a:b]))  # read in full, where the C unpickler raises what it raises
             continue
         parts.append(b"C\x18" + nonce + len(views).to_bytes(8, "little") + b"Q")
         if text is not None:
             view = BlobView("str", head, b - head, text[1], text[0])
         elif kind == "latin1":
-            view = BlobView("str", head, b - head, bytes(buf[head:head + 256]).decode("latin1"), b - head)
+            view = BlobView("str", head, b - head, bytes(buf[head:head + _STR_HEAD]).decode("latin1"), b - head)
         else:
-            view = BlobView(kind, head, b - head, bytes(buf[head:head + 16]))
+            view = BlobView(kind, head, b - head, first if gaps is not None else bytes(buf[head:head + 16]))
         views.append(view)
     parts.append(bytes(buf[prev:end]))
     return b"".join(parts), (nonce, views) if views else None

@@ -91,7 +91,8 @@ class Opened:
     path: str
     format: str
     target: str
-    #: what its readers parsed, by name (:meth:`_cached`): each structure is read once per command
+    #: what it read, by name (:meth:`_cached`: its reader, the pickle's graph, the zip directory), read once per
+    #: command; the structures of one format are kept by that format's reader (:attr:`reader`)
     _parsed: dict[str, object] = field(default_factory=dict, repr=False)
 
     @property
@@ -128,10 +129,7 @@ class Opened:
         Raises:
             UnsupportedError: not a DCP folder; see also :func:`~ckptool.formats.dcp.read_dcp_metadata`.
         """
-        if not self.spec.dcp:
-            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a DCP folder")
-        meta: DcpMetadata = self._read_once("dcp", "ckptool.formats.dcp:read_dcp_metadata", self.target)
-        return meta
+        return self.reader.dcp_metadata()
 
     def dcp_layout(self) -> DcpLayout | None:
         """What a rewrite of a folder written as a ``torch.distributed.checkpoint`` folder carries over beside its
@@ -148,15 +146,7 @@ class Opened:
             UnsupportedError: not a torch.package archive; see also
                 :func:`~ckptool.formats.torch_package.read_package`.
         """
-        if self.format != detect.TORCH_PACKAGE:
-            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a torch.package archive")
-        pkg: Package = self._read_once("package", "ckptool.formats.torch_package:read_package", self.target)
-        return pkg
-
-    def _read_once(self, what: str, ref: str, *args: Any) -> Any:
-        """The plug-in ``ref`` (``"module:function"``, :func:`ckptool.formats.plugin`: the reader of a format, imported
-        when a checkpoint of that format is met) called with ``args``, once per :class:`Opened` and ``what``."""
-        return self._cached(what, lambda: plugin(ref)(*args))
+        return self.reader.package()
 
     def _cached(self, what: str, read: Callable[[], _T]) -> _T:
         """``read()`` once per :class:`Opened` and ``what`` (the parse of one structure of the checkpoint)."""
@@ -170,10 +160,7 @@ class Opened:
         Raises:
             UnsupportedError: not a safetensors file; see also :func:`~ckptool.formats.safetensors.read_header`.
         """
-        if self.format != detect.SAFETENSORS:
-            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a safetensors file")
-        header: SafetensorsHeader = self._read_once("header", "ckptool.formats.safetensors:read_header", self.target)
-        return header
+        return self.reader.safetensors_header()
 
     def tensor_header(self) -> SafetensorsHeader | None:
         """The header that lists this file's tensors by name ahead of one data block (a safetensors file:
@@ -191,10 +178,7 @@ class Opened:
         Raises:
             UnsupportedError: not a sharded set; see also :func:`~ckptool.formats.sharded.read_index`.
         """
-        if self.spec.kind != "set":
-            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a sharded set")
-        index: ShardIndex = self._read_once("index", "ckptool.formats.sharded:read_index", self.target)
-        return index
+        return self.reader.index()
 
     def zip_entries(self) -> list[ZipEntry]:
         """A zip file's central directory (:func:`ckptool.formats.detect.zip_entries`, cached per file version).
@@ -230,10 +214,7 @@ class Opened:
         Raises:
             UnsupportedError: not a ``.pt2`` archive; see also :func:`~ckptool.formats.pt2.read_pt2`.
         """
-        if self.format != detect.PT2:
-            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a torch.export archive")
-        archive: Pt2Archive = self._read_once("pt2", "ckptool.formats.pt2:read_pt2", self.target, self.zip_entries())
-        return archive
+        return self.reader.pt2()
 
     def zero(self, tag: str | None = None) -> ZeroCheckpoint:
         """A DeepSpeed ZeRO folder's pickles and consolidation plan (:func:`ckptool.readers.read_deepspeed.
@@ -242,11 +223,7 @@ class Opened:
         Raises:
             UnsupportedError: not a DeepSpeed folder; see also :func:`~ckptool.readers.read_deepspeed.read_zero`.
         """
-        if self.format != "deepspeed":
-            raise UnsupportedError(f"{self.path} is a {self.spec.label.strip('`')}, not a DeepSpeed folder")
-        zero: ZeroCheckpoint = self._read_once(f"zero:{tag}", "ckptool.readers.read_deepspeed:read_zero", self.target,
-                                               tag)
-        return zero
+        return self.reader.zero(tag)
 
     def graph(self) -> Checkpoint:
         """The pickle as a node graph (nothing imported or run), read once.
@@ -265,8 +242,9 @@ class Opened:
         """:meth:`graph` for a command that only describes it (``inspect``): a plain pickle's long bytes,
         bytearray and str values stay in the file as :class:`~ckptool.formats.nodes.BlobView` records
         (:func:`~ckptool.formats.torchfile.read_pickle_file` with ``views=True``), so memory follows its structure;
-        never to be written back. Raises what :meth:`graph` raises."""
-        if self.spec.kind == "file" and self.format == detect.PICKLE:
+        never to be written back; the full graph when it was read already (one read per :class:`Opened`). Raises
+        what :meth:`graph` raises."""
+        if self.spec.kind == "file" and self.format == detect.PICKLE and "graph" not in self._parsed:
             return self._cached("described graph", lambda: read_pickle_file(self.target, views=True))
         return self.graph()
 
@@ -341,7 +319,6 @@ class Opened:
         src = self.reader.tensors(key, tag, exclude_frozen)
         check_key_lengths((t.name for t in src.tensors), self.path)
         return src
-
 
     def check_tag_options(self, tag: str | None, exclude_frozen: bool) -> None:
         """Refuse ``tag`` / ``exclude_frozen`` (a tag folder, frozen parameters left out) for a format whose

@@ -541,13 +541,21 @@ class DcpReader(Reader):
     def __init__(self, opened: Opened) -> None:
         super().__init__(opened)
         self._tree: dict[str, Any] | None = None
+        self._meta: DcpMetadata | None = None
 
     def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
         """:func:`dcp_source` over its ``.metadata``, read once (:meth:`~ckptool.readers.Opened.dcp_metadata`)."""
-        return dcp_source(self.opened.target, key, self.opened.dcp_metadata())
+        return dcp_source(self.opened.target, key, self.dcp_metadata())
+
+    def dcp_metadata(self) -> DcpMetadata:
+        """The folder's ``.metadata`` (:func:`ckptool.formats.dcp.read_dcp_metadata`, restricted unpickler), read
+        once."""
+        if self._meta is None:
+            self._meta = read_dcp_metadata(self.opened.target)
+        return self._meta
 
     def tree(self) -> dict[str, Any]:
         """The ``planner_data`` nesting (:func:`dcp_tree`), built once."""
         if self._tree is None:
-            self._tree = dcp_tree(self.opened.dcp_metadata())
+            self._tree = dcp_tree(self.dcp_metadata())
         return self._tree

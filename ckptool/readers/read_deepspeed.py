@@ -11,11 +11,16 @@ share one storage, so safetensors stores them once and torch output keeps them t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ckptool.formats.deepspeed import find_deepspeed
 from ckptool.formats.dtypes import contiguous_stride
 from ckptool.formats.tensors import Source, Storage, Tensor
 from ckptool.model.zero import ZeroCheckpoint, plan, zero_checkpoint
 from ckptool.readers.reader import Reader
+
+if TYPE_CHECKING:
+    from ckptool.readers import Opened
 
 __all__ = ["FORMAT", "DeepSpeedReader", "deepspeed_source", "read_zero"]
 
@@ -70,7 +75,17 @@ def deepspeed_source(z: ZeroCheckpoint, exclude_frozen: bool = False) -> Source:
 class DeepSpeedReader(Reader):
     """A DeepSpeed ZeRO folder (the registry's ``reader``): one flat mapping, consolidated per tag folder."""
 
+    def __init__(self, opened: Opened) -> None:
+        super().__init__(opened)
+        self._zero: dict[str | None, ZeroCheckpoint] = {}
+
     def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
         """The consolidated state_dict of the tag folder ``tag`` (:meth:`~ckptool.readers.Opened.zero`, read once),
         its frozen parameters left out with ``exclude_frozen``."""
-        return deepspeed_source(self.opened.zero(tag), exclude_frozen)
+        return deepspeed_source(self.zero(tag), exclude_frozen)
+
+    def zero(self, tag: str | None) -> ZeroCheckpoint:
+        """The pickles and consolidation plan of the tag folder ``tag`` (:func:`read_zero`), read once per tag."""
+        if tag not in self._zero:
+            self._zero[tag] = read_zero(self.opened.target, tag)
+        return self._zero[tag]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
@@ -35,6 +35,9 @@ from ckptool.model.megatron import ModelPart, consolidate
 from ckptool.readers.read_dcp import dcp_source
 from ckptool.readers.read_torch import describe, graph_source
 from ckptool.readers.reader import Reader
+
+if TYPE_CHECKING:
+    from ckptool.readers import Opened
 
 __all__ = ["DistFolder", "LegacyTree", "RankState", "dist_source", "legacy_source", "plain", "read_common",
            "read_dist", "read_legacy"]
@@ -292,6 +295,16 @@ class LegacyReader(Reader):
 class DistReader(Reader):
     """A Megatron-Core torch_dist folder (the registry's ``reader``): a DCP folder plus ``common.pt``."""
 
+    def __init__(self, opened: Opened) -> None:
+        super().__init__(opened)
+        self._meta: DcpMetadata | None = None
+
     def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
         """:func:`dist_source` of the folder."""
         return dist_source(self.opened.target, key)
+
+    def dcp_metadata(self) -> DcpMetadata:
+        """The DCP ``.metadata`` the folder is built on (:func:`ckptool.formats.dcp.read_dcp_metadata`), read once."""
+        if self._meta is None:
+            self._meta = read_dcp_metadata(self.opened.target)
+        return self._meta

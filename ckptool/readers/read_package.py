@@ -24,6 +24,8 @@ environment. Storage sharing follows ``PackageImporter``: two tensors of one pic
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
@@ -45,6 +47,9 @@ from ckptool.readers.read_torch import (
     state_dict_entries,
 )
 from ckptool.readers.reader import Reader, StateDictEntry
+
+if TYPE_CHECKING:
+    from ckptool.readers import Opened
 
 __all__ = ["PackageReader", "package_source", "package_state_dicts", "split_key"]
 
@@ -206,11 +211,22 @@ class PackageReader(Reader):
     """A torch.package archive (the registry's ``reader``): every pickle of it, its state_dicts keyed
     ``<member>:<path>``."""
 
+    def __init__(self, opened: Opened) -> None:
+        super().__init__(opened)
+        self._package: Package | None = None
+
     def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
         """:func:`package_source` over its pickles, read once (:meth:`~ckptool.readers.Opened.package`)."""
-        return package_source(self.opened.target, key, self.opened.package())
+        return package_source(self.opened.target, key, self.package())
+
+    def package(self) -> Package:
+        """The archive's pickles as node graphs (:func:`ckptool.formats.torch_package.read_package`, nothing
+        imported or run), read once."""
+        if self._package is None:
+            self._package = read_package(self.opened.target)
+        return self._package
 
     def state_dicts(self) -> list[StateDictEntry]:
         """Every state_dict of every pickle, keyed ``<member>:<path>`` as ``inspect`` prints them."""
         return [StateDictEntry(k, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
-                for k, r in package_state_dicts(self.opened.package()) for keys in [r.keys()]]
+                for k, r in package_state_dicts(self.package()) for keys in [r.keys()]]

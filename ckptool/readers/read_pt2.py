@@ -9,12 +9,17 @@ what ``torch.export.load(path).state_dict`` (or ``.constants``) holds, storage s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ckptool.errors import UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.pt2 import Payload, Program, Pt2Archive, read_pt2
 from ckptool.formats.tensors import Source, Storage, Tensor
 from ckptool.formats.zipdir import data_offset
 from ckptool.readers.reader import Reader
+
+if TYPE_CHECKING:
+    from ckptool.readers import Opened
 
 
 def read_archive(path: str) -> Pt2Archive:
@@ -108,6 +113,17 @@ def pt2_source(path: str, key: str | None, arch: Pt2Archive | None = None) -> So
 class Pt2Reader(Reader):
     """A torch.export archive (the registry's ``reader``): its programs' state_dicts and constants."""
 
+    def __init__(self, opened: Opened) -> None:
+        super().__init__(opened)
+        self._archive: Pt2Archive | None = None
+
     def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
         """:func:`pt2_source` over the archive's structure, read once (:meth:`~ckptool.readers.Opened.pt2`)."""
-        return pt2_source(self.opened.target, key, self.opened.pt2())
+        return pt2_source(self.opened.target, key, self.pt2())
+
+    def pt2(self) -> Pt2Archive:
+        """The archive's structure (:func:`ckptool.formats.pt2.read_pt2`: version records, payload configs,
+        signatures; nothing unpickled), read once."""
+        if self._archive is None:
+            self._archive = read_pt2(self.opened.target, self.opened.zip_entries())
+        return self._archive

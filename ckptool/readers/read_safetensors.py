@@ -22,6 +22,8 @@ from ckptool.readers.reader import Reader
 
 if TYPE_CHECKING:
     from ckptool.formats.safetensors import SafetensorsHeader
+    from ckptool.formats.sharded import ShardIndex
+    from ckptool.readers import Opened
 
 
 def safetensors_source(path: str) -> Source:
@@ -160,6 +162,10 @@ class SafetensorsReader(Reader):
     """A safetensors file (the registry's ``reader``): one flat mapping listed by name in a JSON header ahead of
     one data block, its ``__metadata__`` strings its values."""
 
+    def __init__(self, opened: Opened) -> None:
+        super().__init__(opened)
+        self._header: SafetensorsHeader | None = None
+
     def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
         """:func:`safetensors_source` of the file (its sharing record restored)."""
         return safetensors_source(self.opened.target)
@@ -171,17 +177,34 @@ class SafetensorsReader(Reader):
 
     def values(self) -> dict[str, object]:
         """The ``__metadata__`` strings."""
-        return dict(self.opened.safetensors_header().metadata or {})
+        return dict(self.safetensors_header().metadata or {})
 
     def header(self) -> SafetensorsHeader:
-        """The JSON header (:meth:`~ckptool.readers.Opened.safetensors_header`, read once): a rewrite renames the
-        tensors there and copies the data block."""
-        return self.opened.safetensors_header()
+        """The JSON header (:meth:`safetensors_header`): a rewrite renames the tensors there and copies the data
+        block."""
+        return self.safetensors_header()
+
+    def safetensors_header(self) -> SafetensorsHeader:
+        """The JSON header (:func:`ckptool.formats.safetensors.read_header`), read once."""
+        if self._header is None:
+            self._header = read_header(self.opened.target)
+        return self._header
 
 
 class SetReader(Reader):
     """A sharded set, safetensors or torch shards (the registry's ``reader``): one flat mapping over its shards."""
 
+    def __init__(self, opened: Opened) -> None:
+        super().__init__(opened)
+        self._index: ShardIndex | None = None
+
     def tensors(self, key: str | None, tag: str | None, exclude_frozen: bool) -> Source:
         """:func:`index_source` of its index."""
         return index_source(self.opened.target)
+
+    def index(self) -> ShardIndex:
+        """The index, every shard it names checked to exist (:func:`ckptool.formats.sharded.read_index`), read
+        once."""
+        if self._index is None:
+            self._index = read_index(self.opened.target)
+        return self._index

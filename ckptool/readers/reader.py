@@ -12,7 +12,10 @@ that format is met); :class:`ckptool.readers.Opened` makes one per checkpoint an
   keys;
 * :meth:`Reader.values`: the plain non-tensor values (epoch, step, metadata strings);
 * :meth:`Reader.header`: the header that lists the tensors by name ahead of one data block (safetensors), which a
-  rewrite renames in place of a pickle's node graph.
+  rewrite renames in place of a pickle's node graph;
+* the structures of one format, each parsed once and kept by that format's reader, refused by the others:
+  :meth:`Reader.safetensors_header`, :meth:`Reader.index` (a sharded set), :meth:`Reader.pt2`, :meth:`Reader.zero`
+  (a DeepSpeed folder, per tag), :meth:`Reader.package`, :meth:`Reader.dcp_metadata` (DCP, Megatron's torch_dist).
 
 A format overrides what it has; the defaults are those of a format holding one flat mapping of tensors and nothing
 else. The checks every format shares (refusals, ``--key`` on a flat mapping, key lengths) stay in
@@ -30,7 +33,12 @@ from ckptool.model.graph import find_state_dicts
 from ckptool.model.keys import shared_prefixes
 
 if TYPE_CHECKING:
+    from ckptool.formats.dcp import DcpMetadata
+    from ckptool.formats.pt2 import Pt2Archive
     from ckptool.formats.safetensors import SafetensorsHeader
+    from ckptool.formats.sharded import ShardIndex
+    from ckptool.formats.torch_package import Package
+    from ckptool.model.zero import ZeroCheckpoint
     from ckptool.readers import Opened
 
 __all__ = ["Reader", "StateDictEntry"]
@@ -92,3 +100,31 @@ class Reader:
     def header(self) -> SafetensorsHeader | None:
         """The header that lists the tensors by name ahead of one data block; None for a format without one."""
         return None
+
+    def _not(self, what: str) -> UnsupportedError:
+        """The refusal of a structure this format does not have."""
+        return UnsupportedError(f"{self.opened.path} is a {self.opened.spec.label.strip('`')}, not {what}")
+
+    def safetensors_header(self) -> SafetensorsHeader:
+        """A safetensors file's JSON header, read once. Raises: UnsupportedError: not a safetensors file."""
+        raise self._not("a safetensors file")
+
+    def index(self) -> ShardIndex:
+        """A sharded set's index, read once. Raises: UnsupportedError: not a sharded set."""
+        raise self._not("a sharded set")
+
+    def pt2(self) -> Pt2Archive:
+        """A torch.export archive's structure, read once. Raises: UnsupportedError: not one."""
+        raise self._not("a torch.export archive")
+
+    def zero(self, tag: str | None) -> ZeroCheckpoint:
+        """A DeepSpeed folder's tag folder ``tag``, read once per tag. Raises: UnsupportedError: not one."""
+        raise self._not("a DeepSpeed folder")
+
+    def package(self) -> Package:
+        """A torch.package archive's pickles, read once. Raises: UnsupportedError: not one."""
+        raise self._not("a torch.package archive")
+
+    def dcp_metadata(self) -> DcpMetadata:
+        """A DCP folder's ``.metadata``, read once. Raises: UnsupportedError: not a DCP folder."""
+        raise self._not("a DCP folder")

@@ -8,21 +8,9 @@ from dataclasses import dataclass
 
 from ckptool.formats import detect
 
-__all__ = [
-    "EXPORT",
-    "HEAD_LAYOUTS",
-    "LEGACY",
-    "LEGACY_TAR",
-    "PICKLE",
-    "SAFETENSORS",
-    "TORCHSCRIPT",
-    "TORCH_PACKAGE",
-    "TORCH_ZIP",
-    "ZIP",
-    "ZIP_LAYOUTS",
-    "Layout",
-    "zip_layout",
-]
+__all__ = ["CONFIG", "EXPORT", "GZIP", "HEAD_LAYOUTS", "LEGACY", "LEGACY_TAR", "NPY", "PICKLE", "SAFETENSORS",
+           "SEVEN_ZIP", "TAR", "TORCHSCRIPT", "TORCH_PACKAGE", "TORCH_ZIP", "ZIP", "ZIP_LAYOUTS", "ZLIB", "Layout",
+           "zip_layout"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +63,17 @@ LEGACY_TAR = Layout(detect.LEGACY_TAR, walk="walk_tar")
 LEGACY = Layout(detect.TORCH_LEGACY, walk="walk_legacy")
 SAFETENSORS = Layout(detect.SAFETENSORS, header=True, walk="walk_safetensors")
 PICKLE = Layout(detect.PICKLE, plain_pickle=True, walk="walk_pickle")
+#: a tar archive with no legacy torch record (a NeMo ``.nemo`` archive): its members are scanned as files
+TAR = Layout("tar")
+#: a gzip stream: its inflated bytes are scanned as a file
+GZIP = Layout("gzip")
+#: a zlib stream (joblib's ``compress``), a 7z archive: their bytes are scanned as files; a .npy array (an object
+#: array's pickle is read)
+ZLIB = Layout("zlib")
+SEVEN_ZIP = Layout("7z")
+NPY = Layout("npy")
+#: a config that makes a loader run code (a Hugging Face ``auto_map``, NeMo's Hydra ``_target_`` entries)
+CONFIG = Layout("config")
 #: the layout of each answer of the one classifier of first bytes (:func:`ckptool.formats.detect.head_kinds`)
 HEAD_LAYOUTS: dict[str, Layout] = {layout.format: layout for layout in (ZIP, LEGACY_TAR, LEGACY, SAFETENSORS, PICKLE)}
 
