@@ -163,13 +163,14 @@ def zip_variants(data: bytes) -> dict[str, bytes]:
     top = names[0].split("/")[0] + "/" if "/" in names[0] else ""
     data_pkl = next((n for n in names if n.lower() == f"{top}data.pkl".lower()), None)
     record = next((n for n in names if n.startswith(f"{top}data/")), None)
-    out = {
-        "add-pickle": rezip(data, add={f"{top}extra.pkl": BENIGN}),
-        "add-code": rezip(data, add={f"{top}code/__torch__/extra.py": b"def f(x):\n    return x\n"}),
-        "add-extern-modules": rezip(data, add={f"{top}.data/extern_modules": b""}),
-        "cut-half": data[: len(data) // 2],
-        "cut-tail": data[: len(data) - 30],
-    }
+    # (a member added under a name the zip holds already is a duplicate: inspect refuses it, scan notes it; that
+    # disagreement is left to its own issue, so the variants add new names only)
+    added = {"add-pickle": (f"{top}extra.pkl", BENIGN),
+             "add-code": (f"{top}code/__torch__/extra.py", b"def f(x):\n    return x\n"),
+             "add-extern-modules": (f"{top}.data/extern_modules", b"")}
+    out = {kind: rezip(data, add={name: body}) for kind, (name, body) in added.items() if name not in names}
+    out["cut-half"] = data[: len(data) // 2]
+    out["cut-tail"] = data[: len(data) - 30]
     if f"{top}constants.pkl" not in names:
         out["add-constants"] = rezip(data, add={f"{top}constants.pkl": BENIGN})
     if data_pkl:
