@@ -38,9 +38,9 @@ main()
 #: safetensors, torch.package, native library headers) and of SARIF output is named as strings and imported only
 #: when met (:func:`ckptool.formats.plugin`); issue 41 took this set from 45 modules to 33; the tensor model
 #: (``formats.tensors``) came back with issue 36's note on tensors that expand past the input's budget; issue 46
-#: added the one verdict (``model.verdict``).
+#: added the one verdict (``model.verdict``); ``_ranges`` is the range store split out of ``_remote``.
 SCAN_ZIP_MODULES = {
-    "ckptool", "ckptool._gc", "ckptool._remote", "ckptool._source", "ckptool.errors",
+    "ckptool", "ckptool._gc", "ckptool._ranges", "ckptool._remote", "ckptool._source", "ckptool.errors",
     "ckptool.cli", "ckptool.cli._common", "ckptool.cli._errors", "ckptool.cli._flags", "ckptool.cli.scan",
     "ckptool.formats", "ckptool.formats.detect", "ckptool.formats.dtypes", "ckptool.formats.nodes",
     "ckptool.formats.pickle_check", "ckptool.formats.tensors", "ckptool.formats.unpickler",

@@ -3,7 +3,7 @@
 
 * What is scanned (:func:`expand`): each path as :func:`ckptool.ops.scan.entry.iter_targets` gives it (a file, a
   folder walked recursively, a DCP folder as one); a URL that is a prefix or folder (``s3://bucket/models/``, any
-  fsspec filesystem that lists) stands for every object under it (:func:`ckptool._source.list_objects`). An object
+  fsspec filesystem that lists) stands for every object under it (:func:`ckptool._listing.list_objects`). An object
   found under a prefix is a checkpoint by its content, as a local folder's files are: its name ends like a checkpoint
   (:data:`~ckptool.ops.scan.entry.CHECKPOINT_SUFFIXES`), or its first bytes are a zip, a pickle of protocol 2-5,
   safetensors or a tar (one range request, :func:`starts_like_checkpoint`); other objects are skipped.
@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
+from ckptool import _listing
 from ckptool import _source as source
 from ckptool.errors import CkptError
 from ckptool.ops.scan.cache import ScanCache, local_version
@@ -70,7 +71,7 @@ def expand(paths: Iterable[str | os.PathLike[str]], whole: Callable[[str], bool]
         p = os.fspath(given)
         try:
             if source.is_url(p) and (p.endswith("/") or source.kind(p) == "directory"):
-                yield from (_listed(u, size, tag) for u, size, tag in source.list_objects(p))
+                yield from (_listed(u, size, tag) for u, size, tag in _listing.list_objects(p))
                 continue
             if whole is not None and not source.is_url(p) and os.path.isdir(p) and whole(p):
                 yield Target(p)
