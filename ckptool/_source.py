@@ -284,20 +284,22 @@ def _special_error(path: str, kind: str, what: str) -> NotACheckpointError:
         "(reading a pipe, device or socket can block forever or never end); copy its content into a file first")
 
 
-def refuse_special(path: str, what: str = "") -> None:
+def refuse_special(path: str, what: str = "", *, mode: int | None = None) -> None:
     """Refuse ``path`` (a local path; links followed) when it is a FIFO, a character or block device or a socket,
     from its ``stat`` alone: nothing is opened. ``what`` says what it is to the caller (``"a DCP record"``, ``"the
-    rules file"``). A path that does not exist, a folder and a URL pass (their callers refuse those).
+    rules file"``). A path that does not exist, a folder and a URL pass (their callers refuse those). ``mode``: the
+    ``st_mode`` of an ``os.stat(path)`` the caller made already (no second ``stat``: many small files).
 
     Raises:
         NotACheckpointError: a FIFO, a device or a socket.
     """
     if is_url(path):
         return
-    try:
-        mode = os.stat(path).st_mode
-    except (OSError, ValueError):
-        return
+    if mode is None:
+        try:
+            mode = os.stat(path).st_mode
+        except (OSError, ValueError):
+            return
     kind = special_kind(mode)
     if kind is not None:
         raise _special_error(path, kind, what)

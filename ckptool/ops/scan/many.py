@@ -25,14 +25,17 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import os
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ckptool import _source as source
 from ckptool.errors import CkptError
-from ckptool.ops.scan.cache import ScanCache, local_version
 from ckptool.ops.scan.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets, scan_file, unreadable
+
+if TYPE_CHECKING:  # the cache (sqlite3, hashlib) is imported only by a run that has one: many small files
+    from ckptool.ops.scan.cache import ScanCache
 
 __all__ = ["ManyRun", "ScanRun", "Target", "expand", "not_a_checkpoint", "scan_many", "scan_target",
            "starts_like_checkpoint", "target_reads"]
@@ -78,10 +81,21 @@ def expand(paths: Iterable[str | os.PathLike[str]], whole: Callable[[str], bool]
                 if why is not None:
                     yield Target(path, error=why)
                     continue
-                local = not source.is_url(path) and os.path.isfile(path)
-                yield Target(path, tuple(notes), size=os.path.getsize(path) if local else None)
+                yield Target(path, tuple(notes), size=_local_size(path))
         except (CkptError, OSError) as e:
             yield Target(p, error=str(e))
+
+
+def _local_size(path: str) -> int | None:
+    """The size in bytes of the local regular file ``path`` from one ``stat`` (links followed), else None (a URL, a
+    folder, a FIFO or device, a path that cannot be stat'ed: its scan says why)."""
+    if source.is_url(path):
+        return None
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _listed(url: str, size: int | None, tag: str | None) -> Target:
@@ -153,6 +167,8 @@ def _stamped(t: Target) -> Target:
         if not source.is_url(t.path):
             if not os.path.isfile(t.path):
                 return t
+            from ckptool.ops.scan.cache import local_version  # noqa: PLC0415 (a run with a cache only)
+
             st = os.stat(t.path)
             return replace(t, size=st.st_size, version=local_version(st))
         info = source.remote_info(t.path)
@@ -165,6 +181,8 @@ def _stamped(t: Target) -> Target:
 def _cache_key(t: Target) -> str | None:
     if t.error is not None or t.size is None or t.version is None:
         return None
+    from ckptool.ops.scan.cache import ScanCache  # noqa: PLC0415 (a run with a cache only)
+
     return ScanCache.key(t.path if source.is_url(t.path) else os.path.abspath(t.path), t.size, t.version)
 
 
@@ -294,7 +312,12 @@ def scan_many(paths: Iterable[str | os.PathLike[str]], *, executor: cf.Executor 
     Raises:
         OutputError: ``cache`` cannot be opened as a SQLite database.
     """
-    db = cache if isinstance(cache, ScanCache) or cache is None else ScanCache(cache)
+    if isinstance(cache, (str, os.PathLike)):
+        from ckptool.ops.scan.cache import ScanCache  # noqa: PLC0415 (a run with a cache only)
+
+        db: ScanCache | None = ScanCache(cache)
+    else:
+        db = cache
     try:
         for _t, res in ScanRun(paths, executor=executor, cache=db):
             if res is not None:
