@@ -109,9 +109,9 @@ def test_check_readable_stats_a_file_once(tmp_path: Path, monkeypatch: pytest.Mo
     assert dict(calls) == {("stat", "a.pkl"): 1}
 
 
-def test_scan_of_many_files_without_cache_imports_no_sqlite(tmp_path: Path) -> None:
+def test_scan_of_many_small_files_imports_no_cache_pool_or_sarif(tmp_path: Path) -> None:
     folder = _folder(tmp_path)
     proc, mods = loaded_modules(["scan", str(folder), "--jobs", "2"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"{N} files: {N} safe" in proc.stdout
-    assert not {"sqlite3", "hashlib", "ckptool.ops.scan.cache"} & mods
+    assert not {"sqlite3", "hashlib", "ckptool.ops.scan.cache", "concurrent.futures", "ckptool.ops.scan.sarif"} & mods

@@ -22,7 +22,6 @@ Nothing here schedules work across machines: the executor does.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import os
 import stat
@@ -34,7 +33,10 @@ from ckptool import _source as source
 from ckptool.errors import CkptError
 from ckptool.ops.scan.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets, scan_file, unreadable
 
-if TYPE_CHECKING:  # the cache (sqlite3, hashlib) is imported only by a run that has one: many small files
+if TYPE_CHECKING:  # the cache (sqlite3, hashlib) and the pools (concurrent.futures, logging) are imported only by
+    # a run that has them: a run of many small files in this process needs neither (start-up)
+    import concurrent.futures as cf
+
     from ckptool.ops.scan.cache import ScanCache
 
 __all__ = ["ManyRun", "ScanRun", "Target", "expand", "not_a_checkpoint", "scan_many", "scan_target",
@@ -242,13 +244,16 @@ class ManyRun(Generic[R]):
                 continue
             pending[fut] = (t, key)
             while len(pending) >= self.window:
-                yield from self._drain(pending, cf.FIRST_COMPLETED)
+                yield from self._drain(pending)
         while pending:
-            yield from self._drain(pending, cf.FIRST_COMPLETED)
+            yield from self._drain(pending)
 
-    def _drain(self, pending: dict[cf.Future[R | None], tuple[Target, str | None]], when: str
+    def _drain(self, pending: dict[cf.Future[R | None], tuple[Target, str | None]]
                ) -> Iterator[tuple[Target, R | None]]:
-        done, _ = cf.wait(list(pending), return_when=when)
+        """The tasks of ``pending`` that are done once the first of them is (removed from it), with their results."""
+        import concurrent.futures as cf  # noqa: PLC0415 (only a run on an executor gets here)
+
+        done, _ = cf.wait(list(pending), return_when=cf.FIRST_COMPLETED)
         for fut in done:
             t, key = pending.pop(fut)
             try:
@@ -280,6 +285,8 @@ class ScanRun(ManyRun[ScanResult]):
         if self.cache is None:
             yield from super()._lookups()
             return
+        import concurrent.futures as cf  # noqa: PLC0415 (only a run with a cache gets here)
+
         need = any(source.is_url(t.path) and t.version is None for t in self.targets)
         with cf.ThreadPoolExecutor(STAMP_THREADS if need else 1) as pool:
             for t in pool.map(_stamped, self.targets):
