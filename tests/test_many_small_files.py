@@ -10,6 +10,7 @@ while the CLI runs; the files are plain pickles of small dicts (no torch).
 from __future__ import annotations
 
 import collections
+import json
 import os
 import pickle
 from pathlib import Path
@@ -115,3 +116,29 @@ def test_scan_of_many_small_files_imports_no_cache_pool_or_sarif(tmp_path: Path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"{N} files: {N} safe" in proc.stdout
     assert not {"sqlite3", "hashlib", "ckptool.ops.scan.cache", "concurrent.futures", "ckptool.ops.scan.sarif"} & mods
+
+
+def _legacy_stream(inner_global: bytes) -> bytes:
+    """A legacy ``torch.save`` stream as ``torch.storage`` writes one into ``_load_from_bytes`` (magic number,
+    protocol, sys-info, a main pickle naming ``inner_global``, storage keys), written byte by byte (no torch)."""
+    magic = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
+    protocol = b"\x80\x02M\xe9\x03."
+    sys_info = b"\x80\x02}q\x00."
+    main = b"\x80\x02c" + inner_global + b"\nq\x00)Rq\x01."
+    keys = b"\x80\x02]q\x00."
+    return magic + protocol + sys_info + main + keys
+
+
+def test_load_from_bytes_stream_is_stepped_over_and_the_file_dangerous(tmp_path: Path, run_cli: Any) -> None:
+    # docs/performance.md, "The streams inside torch.storage._load_from_bytes": the outer global makes the file
+    # dangerous; the inner stream (here one naming os.system) is stepped over, not walked
+    inner = _legacy_stream(b"os\nsystem")
+    outer = (b"\x80\x02ctorch.storage\n_load_from_bytes\nq\x00B" + len(inner).to_bytes(4, "little") + inner
+             + b"q\x01\x85q\x02Rq\x03.")
+    path = tmp_path / "t.pkl"
+    path.write_bytes(outer)
+    r = run_cli("scan", "--json", str(path))
+    assert r.exit_code == 1, r.output
+    f = json.loads(r.output)["files"][0]
+    assert f["verdict"] == "dangerous"
+    assert [p["globals"] for p in f["pickles"]] == [["torch.storage._load_from_bytes"]]
