@@ -133,6 +133,52 @@ def inside_prefix(link: str, top: str) -> str | None:
     return str(parse.urlunsplit((lk.scheme, lk.netloc, path, "", "")))
 
 
+#: the most bytes an HTTP index page may hold once decoded (a ``Content-Encoding`` bomb stops here)
+MAX_INDEX_PAGE = 32 << 20
+
+
+def _index_page(fs: Any, url: str) -> list[dict[str, Any]]:
+    """fsspec's HTTP ``ls(url, detail=True)`` (the same links: ``<a href>`` values, and with ``simple_links`` bare
+    URLs), its page read up to :data:`MAX_INDEX_PAGE` bytes once decoded, under the request timeouts.
+
+    Raises:
+        RemoteError: the page is larger (an endless page, a compression bomb).
+    """
+    http = importlib.import_module("fsspec.implementations.http")
+    sync = importlib.import_module("fsspec.asyn").sync
+
+    async def fetch() -> bytes:
+        session = await fs.set_session()
+        async with session.get(fs.encode_url(url), **fs.kwargs) as r:
+            fs._raise_not_found_for_status(r, url)
+            kind = r.headers.get("Content-Type", "text/html").partition(";")[0]
+            if kind not in ("text/html", ""):
+                return b""
+            out = bytearray()
+            while piece := await r.content.read(1 << 20):
+                out += piece
+                if len(out) > MAX_INDEX_PAGE:
+                    raise RemoteError(f"the index page {url} is larger than {MAX_INDEX_PAGE} bytes once decoded (an "
+                                      "endless page or a compression bomb?); nothing was listed", url)
+            return bytes(out)
+
+    text = sync(fs.loop, fetch).decode("utf-8", "replace")
+    links = [u[2] for u in http.ex.findall(text)] + (http.ex2.findall(text) if fs.simple_links else [])
+    parts = importlib.import_module("urllib.parse").urlsplit(url)
+    out: dict[str, dict[str, Any]] = {}
+    for raw in links:
+        if raw in ("..", "../"):
+            continue
+        if raw.startswith("/") and len(raw) > 1:
+            link = f"{parts.scheme}://{parts.netloc}{raw}"
+        elif raw.startswith("http"):
+            link = raw
+        else:
+            link = "/".join([url.rstrip("/"), raw.lstrip("/")])
+        out.setdefault(link, {"name": link, "size": None, "type": "directory" if link.endswith("/") else "file"})
+    return list(out.values())
+
+
 def _walk_levels(fs: Any, top: str) -> dict[str, dict[str, Any]]:
     """``fs.find(top, detail=True)`` for a filesystem whose ``find`` reads one folder after another (HTTP index
     pages: fsspec's ``_walk`` awaits each subfolder in turn): the folders of each level listed at once, on
@@ -153,7 +199,7 @@ def _walk_levels(fs: Any, top: str) -> dict[str, dict[str, Any]]:
                                   "that links further folders without end?); nothing was scanned: give a deeper "
                                   "prefix", top)
             below = []
-            for listing in pool.map(lambda d: fs.ls(d, detail=True), level):
+            for listing in pool.map(lambda d: _index_page(fs, d), level):
                 for info in listing:
                     name = inside_prefix(str(info["name"]), top)
                     if name is None:

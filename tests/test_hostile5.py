@@ -331,6 +331,17 @@ class _Hostile(BaseHTTPRequestHandler):
     def _special(self, clean: str) -> bool:
         """The misbehaving objects: an endless body, a gzip bomb on a range answer, a byte every half second, two
         versions without ETag or Last-Modified."""
+        if clean == "/bomb/":
+            import gzip
+
+            page = gzip.compress(b'<a href="ok.pt">ok.pt</a>\n' + b" " * (64 << 20))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+            return True
         if clean.endswith("endless.pt"):
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")
@@ -632,3 +643,165 @@ def test_a_huge_index_is_refused_before_parsing(tmp_path: Path, run_cli, monkeyp
     res = run_cli("inspect", index, catch_exceptions=True)
     assert res.exit_code == 1 and "larger than 10000 bytes" in res.output, res.output
     assert res.output.count("Error:") == 1
+
+
+# ------------------------------------------------------------------------------------------------ companions
+def _model_folder(top: Path) -> Path:
+    top.mkdir(parents=True)
+    _safetensors(top / "model.safetensors", {"transformer.w": [2, 2]})
+    (top / "config.json").write_text('{"model_type": "gpt2"}')
+    return top
+
+
+@pytest.mark.parametrize("target", ["/etc/passwd", "/proc/self/environ", "outside", "dangling", "/dev/null"])
+def test_a_companion_link_out_of_the_folder_is_refused(tmp_path: Path, run_cli, target: str) -> None:
+    src = _model_folder(tmp_path / "m")
+    if target == "outside":
+        (tmp_path / "secret.txt").write_text("secret")
+        target = str(tmp_path / "secret.txt")
+    elif target == "dangling":
+        target = str(tmp_path / "nothing-here")
+    (src / "tokenizer.json").symlink_to(target)
+    out = tmp_path / "o"
+    res = run_cli("strip-prefix", src, "transformer.", "-o", out, catch_exceptions=True)
+    assert res.exit_code == 1 and res.output.count("Error:") == 1, res.output
+    assert "tokenizer.json" in res.output and "symbolic link" in res.output, res.output
+    assert not out.exists()
+
+
+def test_companion_links_inside_the_folder_or_to_hf_blobs_are_copied(tmp_path: Path, run_cli) -> None:
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc123").write_text('{"vocab": 1}')
+    src = _model_folder(repo / "snapshots" / "rev1")
+    (src / "tokenizer.json").symlink_to("../../blobs/abc123")
+    (src / "real.txt").write_text("r")
+    (src / "alias.txt").symlink_to("real.txt")
+    out = tmp_path / "o"
+    res = run_cli("strip-prefix", src, "transformer.", "-o", out, catch_exceptions=True)
+    assert res.exit_code == 0, res.output
+    assert (out / "tokenizer.json").read_text() == '{"vocab": 1}' and (out / "alias.txt").read_text() == "r"
+    assert not (out / "tokenizer.json").is_symlink()
+
+
+def test_a_fifo_companion_is_never_opened(tmp_path: Path, run_cli) -> None:
+    src = _model_folder(tmp_path / "m")
+    os.mkfifo(src / "pipe.txt")
+    out = tmp_path / "o"
+    res = run_cli("strip-prefix", src, "transformer.", "-o", out, catch_exceptions=True)
+    assert res.exit_code == 0, res.output
+    assert not (out / "pipe.txt").exists()
+
+
+def test_a_sparse_companion_keeps_its_holes_and_mode(tmp_path: Path, run_cli) -> None:
+    src = _model_folder(tmp_path / "m")
+    big = src / "sparse.dat"
+    with open(big, "wb") as f:
+        f.write(b"head")
+        f.seek(256 << 20)
+        f.write(b"tail")
+    big.chmod(0o640)
+    if big.stat().st_blocks * 512 > 16 << 20:
+        pytest.skip("this filesystem does not keep holes")
+    out = tmp_path / "o"
+    res = run_cli("strip-prefix", src, "transformer.", "-o", out, catch_exceptions=True)
+    assert res.exit_code == 0, res.output
+    copy = out / "sparse.dat"
+    assert copy.stat().st_size == big.stat().st_size
+    assert copy.stat().st_blocks * 512 < 16 << 20, copy.stat().st_blocks
+    assert stat.S_IMODE(copy.stat().st_mode) == 0o640
+    with open(copy, "rb") as f:
+        assert f.read(4) == b"head"
+        f.seek(256 << 20)
+        assert f.read() == b"tail"
+
+
+def test_a_companion_larger_than_the_free_space_is_refused_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    from ckptool.errors import OutputError
+    from ckptool.ops.rewrite import companions
+
+    src = tmp_path / "c.txt"
+    src.write_bytes(b"x" * 100_000)
+    real = os.statvfs
+
+    class Full:
+        def __init__(self, st: Any) -> None:
+            self.f_frsize, self.f_bavail = st.f_frsize, 1
+
+    monkeypatch.setattr(companions.os, "statvfs", lambda p: Full(real(p)))
+    with pytest.raises(OutputError, match="free"):
+        companions.copy_companion(str(src), str(tmp_path / "dst"))
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("target", ["outside", "/proc/self/environ", "/dev/null"])
+def test_follow_links_opts_in_for_regular_files_only(tmp_path: Path, run_cli, target: str) -> None:
+    src = _model_folder(tmp_path / "m")
+    pseudo = target != "outside"
+    if not pseudo:
+        (tmp_path / "tok.json").write_text("{}")
+        target = str(tmp_path / "tok.json")
+    (src / "tokenizer.json").symlink_to(target)
+    out = tmp_path / "o"
+    res = run_cli("--follow-links", "strip-prefix", src, "transformer.", "-o", out, catch_exceptions=True)
+    if pseudo:
+        assert res.exit_code == 1 and "symbolic link" in res.output and not out.exists(), res.output
+    else:
+        assert res.exit_code == 0 and (out / "tokenizer.json").read_text() == "{}", res.output
+    res = run_cli("strip-prefix", src, "transformer.", "-o", tmp_path / "o2", catch_exceptions=True)
+    assert res.exit_code == 1, "--follow-links must not outlive its run"
+
+
+def test_a_merge_that_overflows_the_weight_dtype_is_refused(tmp_path: Path, run_cli) -> None:
+    import struct
+
+    base = tmp_path / "base.safetensors"
+    text = json.dumps({"q.weight": {"dtype": "F16", "shape": [2, 2], "data_offsets": [0, 8]}}).encode()
+    base.write_bytes(struct.pack("<Q", len(text)) + text + struct.pack("<4e", 65000, 65000, 1, 1))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    _safetensors(adapter / "adapter_model.safetensors",
+                 {"base_model.model.q.lora_A.weight": [4, 2], "base_model.model.q.lora_B.weight": [2, 4]})
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 4000}')
+    out = tmp_path / "out.safetensors"
+    res = run_cli("merge-lora", base, adapter, "-o", out, catch_exceptions=True)
+    assert res.exit_code == 1 and "inf or NaN" in res.output and res.output.count("Error:") == 1, res.output
+    assert not out.exists()
+
+
+def test_a_compressed_index_page_is_capped(hostile_http: str, run_cli) -> None:
+    res = run_cli("scan", f"{hostile_http}/bomb/", catch_exceptions=True)
+    assert res.exit_code == 2 and "larger than 33554432 bytes once decoded" in res.output, res.output
+
+
+def test_a_merge_that_overflows_from_finite_inputs_is_refused(tmp_path: Path, run_cli) -> None:
+    _safetensors(tmp_path / "base.safetensors", {"w": [2, 2]})
+    for n in ("a", "b"):
+        path = tmp_path / f"{n}.safetensors"
+        _safetensors(path, {"w": [2, 2]})
+        data = bytearray(path.read_bytes())
+        data[-16:] = bytes.fromhex("00000040") * 4  # every element 2.0 (float32 little-endian)
+        path.write_bytes(bytes(data))
+    out = tmp_path / "out.safetensors"
+    res = run_cli("average", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--method", "task-arithmetic",
+                  "--base", tmp_path / "base.safetensors", "--weights", "3e38,3e38", "-o", out, catch_exceptions=True)
+    assert res.exit_code == 1 and "inf or NaN" in res.output and res.output.count("Error:") == 1, res.output
+    assert not out.exists()
+
+
+def test_a_join_of_millions_of_rows_is_refused_before_allocating() -> None:
+    from ckptool.errors import UnsupportedError
+    from ckptool.formats.tensors import Storage, Tensor
+    from ckptool.model.megatron import join
+
+    rows = 3_000_000
+    shards = [Tensor("x.weight", "x.weight", "float32", (rows, 1), (1, 1), 0,
+                     Storage(f"/r{i}.pt", 0, rows * 4, "float32")) for i in range(2)]
+    start = time.monotonic()
+    with pytest.raises(UnsupportedError, match="byte ranges"):
+        join("x.weight", shards, "1", "tree")
+    assert time.monotonic() - start < 1
+    small = [Tensor("x.weight", "x.weight", "float32", (4, 2), (2, 1), 0, Storage(f"/r{i}.pt", 0, 32, "float32"))
+             for i in range(2)]
+    assert join("x.weight", small, "1", "tree").shape == (4, 4)

@@ -334,3 +334,16 @@ def test_files_the_writers_create_follow_the_umask(tmp_path: Path, run_cli: Any,
     for p in made:
         want = (0o777 if p.is_dir() else 0o666) & ~mask
         assert p.stat().st_mode & 0o777 == want, (p, oct(p.stat().st_mode & 0o777))
+
+
+def test_one_file_never_half_replaces_a_set(tmp_path: Path, run_cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command writing one file into a folder holding shards of that name refuses, also with --force: the shards
+    and index would stay beside the new file (a folder holding two answers)."""
+    monkeypatch.chdir(tmp_path)
+    torch.save(_state_dict(""), "sd.pt")
+    assert run_cli("convert", "sd.pt", "-o", "out/", "--max-shard-size", "40B").exit_code == 0
+    before = _tree(tmp_path)
+    for force in ([], ["--force"]):
+        res = run_cli("average", "sd.pt", "sd.pt", "-o", "out/", *force)
+        assert res.exit_code == 2 and "holds a sharded set named model.safetensors" in res.output, res.output
+        assert _tree(tmp_path) == before

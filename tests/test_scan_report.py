@@ -100,7 +100,8 @@ def test_sarif_log(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (run,) = log["runs"]
     driver = run["tool"]["driver"]
     assert driver["name"] == "ckptool" and driver["version"] == "1.2.3"
-    assert [r["id"] for r in driver["rules"]] == ["CKPT001", "CKPT002", "CKPT003", "CKPT004", "CKPT005"]
+    assert [r["id"] for r in driver["rules"]] == ["CKPT001", "CKPT002", "CKPT003", "CKPT004", "CKPT005",
+                                                 "CKPT006"]
     assert driver["rules"] == RULES
     assert sorted(a["location"]["uri"] for a in run["artifacts"]) == [
         "models/net.pkl", "models/ok.pkl", "models/sub/evil.pt"]

@@ -14,10 +14,11 @@
 #
 # .ci/run calls `build` before the README's test command and sources DIR/env.sh, so the whole suite runs with every
 # oracle present. Environment: CKPTOOL_ORACLES_PYTHON (default python3) makes the venvs; PIP_FIND_LINKS and pip's
-# other settings pass through (a local torch CPU wheel is found that way on CI machines).
+# other settings pass through (a local torch CPU wheel is found that way on CI machines); CKPTOOL_ORACLES_PINS
+# reads another pins file.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
-pins="$repo/.ci/oracles.txt"
+pins=${CKPTOOL_ORACLES_PINS:-$repo/.ci/oracles.txt}
 TORCH_PIN="torch==2.13.0"
 # the test files that run an oracle (each skips its oracle tests without it; tools/check_skips.py finds those skips)
 ORACLE_TESTS=(tests/test_merge_lora.py tests/test_merge_methods.py tests/test_merge_memory.py tests/test_megatron.py

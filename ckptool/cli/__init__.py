@@ -138,6 +138,11 @@ def _set_timeout(value: float | None) -> None:
         set_timeout(value)
 
 
+def _set_follow_links(on: bool) -> None:
+    if on or "ckptool.ops.rewrite.companions" in sys.modules:  # imported only when asked for, or already there
+        importlib.import_module("ckptool.ops.rewrite.companions").set_follow_links(on)
+
+
 def is_debug(ctx: click.Context | None) -> bool:
     """Whether full tracebacks were asked for: ``--debug`` before or after the command, or ``CKPTOOL_DEBUG`` set
     to anything but ``""`` or ``"0"``."""
@@ -343,6 +348,10 @@ class CkptGroup(click.Group):
               help="Seconds an HTTP(S) request may wait to connect or for its next bytes (a range read also fails "
                    "under 64 KiB/s); an object that times out is an error of its own. Default 10, or "
                    "CKPTOOL_TIMEOUT.")
+@click.option("--follow-links", is_flag=True, expose_value=False, callback=lambda _c, _p, v: _set_follow_links(v),
+              help="Copy a model folder's companion files (config.json, tokenizer files) that are symbolic links "
+                   "to regular files outside the folder; default: refused, unless the link stays inside the "
+                   "folder or its Hugging Face cache repository. /proc, /sys and /dev stay refused.")
 def cli() -> None:
     """Make PyTorch checkpoints portable between machines, devices and model wrappers.
 

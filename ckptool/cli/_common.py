@@ -24,7 +24,7 @@ from ckptool.cli._flags import muted_stdout as muted_stdout
 from ckptool.cli._flags import output_folder_for
 from ckptool.cli._flags import progress_wanted as progress_wanted
 from ckptool.cli._flags import set_output as set_output
-from ckptool.errors import CkptError
+from ckptool.errors import CkptError, UsageError
 from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND
 from ckptool.model.devices import DEVICE_HELP, parse_mapping
 from ckptool.model.units import human_bytes as human_bytes
@@ -308,14 +308,22 @@ def claim_target(dst: str, *, force: bool, file_name: str | None = None, fmt: st
     name, is refused unless ``force``; other files in the folder are never touched.
 
     Raises:
-        UsageError: something would be replaced and ``force`` was not given; a suffix that names no format (with
-            ``checkpoint``: the output is a checkpoint).
+        UsageError: something would be replaced and ``force`` was not given; a folder holding a sharded set of
+            the file's name (one file cannot replace it whole, even with ``force``); a suffix that names no format
+            (with ``checkpoint``: the output is a checkpoint).
     """
-    from ckptool.writers import refuse_replacing, resolve_output  # noqa: PLC0415 - writing commands only
+    from ckptool.writers import refuse_replacing, resolve_output, set_members  # noqa: PLC0415 - writing only
 
     out = resolve_output(dst, fmt=fmt, file_name=file_name, default_format=default_format, checkpoint=checkpoint)
+    if out.folder is not None and out.path != out.folder:
+        name = os.path.basename(out.path)
+        shards = [n for n in set_members(out.folder, name) if n != name]
+        if shards:  # one file cannot replace a set atomically: its shards and index would stay beside it
+            raise UsageError(f"{out.folder} holds a sharded set named {name} ({', '.join(shards[:3])}"
+                             f"{' ...' if len(shards) > 3 else ''}), which this command, writing one file, cannot "
+                             "replace whole; remove it or choose another -o path")
     refuse_replacing(out, force=force)
-    if out.is_folder and out.path != out.folder:
+    if out.folder is not None and out.path != out.folder:
         output_folder_for(out.path)
     set_output(out.path)
     return out.path

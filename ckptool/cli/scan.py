@@ -117,6 +117,15 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
     of the package names it), TorchScript code/ (needs trust when it calls only torch's built-in ops, dangerous
     when it calls a custom op).
 
+    What ships beside the weights is read too: gzip, zlib (joblib's compress), tar (a NeMo .nemo) and 7z (the 7z
+    extra) are opened within a budget and each member scanned as a file; a .npy object array (alone or in an .npz)
+    is read as the pickle numpy.load(allow_pickle=True) unpickles; a member path that leaves the archive is a note.
+    The Hydra _target_ entries of a NeMo config (in a .nemo, or a NeMo 2 folder's context/model.yaml) are rated
+    as globals; the modules a Hugging Face config's auto_map makes transformers run under trust_remote_code are
+    listed under "code" with their sha256 (dangerous when they call os.system, subprocess, eval, sockets...).
+    A global the pickle only holds as a value (never calls: typing.Any in OmegaConf hyper-parameters) needs
+    trust at most, unless a list names it; a "global" that is no Python name is never dangerous.
+
     \b
     Exit status (the worst file decides):
       0  every file is safe
@@ -136,8 +145,8 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
     "verdict" (safe, incomplete, needs-trust, error or dangerous) and "exit_code", each global's "status" and
     "level", each pickle's "hidden" and "key_paths");
     --format sarif prints a SARIF 2.1.0 log (rules CKPT001 dangerous, CKPT002 needs trust, CKPT003 unreadable,
-    CKPT004 code in the file, CKPT005 incomplete), with the same exit status; --json gives each file's
-    "incomplete" (what is cut short).
+    CKPT004 code in the file, CKPT005 incomplete, CKPT006 a config target), with the same exit status; --json
+    gives each file's "incomplete" (what is cut short).
 
     \b
     Examples:

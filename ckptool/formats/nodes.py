@@ -109,8 +109,20 @@ class GlobalMeta(type):
     requested: int = 0
     #: how many BUILDs set attributes on the class itself (class mutation; set only when one did)
     class_builds: int = 0
+    #: True once the pickle called it (REDUCE) or instantiated it (NEWOBJ / NEWOBJ_EX / OBJ / INST); a global never
+    #: called is held only as a value (``typing.Any`` in OmegaConf metadata): loading imports it and calls nothing
+    called: bool = False
+    #: True once it was passed (at any depth of tuples, lists, sets and dicts) in the arguments of a call other than
+    #: torch's tensor and parameter rebuilders: the callable may call it (``copyreg._reconstructor(cls, base, state)``
+    #: calls ``base.__init__``), so it does not count as held only as a value
+    passed: bool = False
+    #: True when the arguments of one of its calls were too many to walk (:data:`MAX_ARGS_WALKED`): which globals
+    #: that call was passed is unknown
+    args_unread: bool = False
 
     def __call__(cls, *args: Any) -> ReduceNode:
+        if not cls.called:
+            cls.called = True
         if cls.sizing:
             _note_request(cls, args)
         node = cls.node_type  # chosen once per global in find_class
@@ -118,6 +130,9 @@ class GlobalMeta(type):
             inner = args[0] if args else None
             tensor = isinstance(inner, GlobalMeta) and (inner.module, inner.name) in STORAGE_TENSOR_REBUILDERS
             node = TensorNode if tensor else ReduceNode
+            _note_passed(cls, args)
+        elif args and node is ReduceNode:  # not the tensor fast path: its rebuilders call none of their arguments
+            _note_passed(cls, args)
         # ReduceNode.__init__ without its Python frame (two REDUCEs per tensor: the rebuild call, its hooks dict)
         obj = _new_object(node)
         obj.func = cls
@@ -305,8 +320,13 @@ class ObjectNode(PickledObject):
     kwargs: dict[str, Any]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ObjectNode:
-        if cls.sizing:  # type: ignore[attr-defined]  # cls is a placeholder (GlobalMeta)
-            _note_request(cast(GlobalMeta, cls), args)
+        g = cast(GlobalMeta, cls)  # cls is a placeholder
+        if not g.called:
+            g.called = True
+        if g.sizing:
+            _note_request(g, args)
+        if args or kwargs:
+            _note_passed(g, (args, kwargs))
         self = object.__new__(cls)
         self.args = args
         self.kwargs = kwargs
@@ -463,6 +483,34 @@ def requested_elements(g: GlobalMeta, args: tuple[Any, ...]) -> int:
         n = _product(shape) if isinstance(shape, tuple) else 0
         return 0 if args and isinstance(args[0], StorageRef) and args[0].numel >= n else n
     return 0
+
+
+#: the most values :func:`_note_passed` walks in the arguments of one call; past it the call's callable is marked
+#: ``args_unread`` (no global of that pickle then counts as held only as a value)
+MAX_ARGS_WALKED = 4096
+_CONTAINERS = (tuple, list, set, frozenset)
+
+
+def _note_passed(g: GlobalMeta, args: tuple[Any, ...]) -> None:
+    """Mark every placeholder in ``args`` (the arguments of a call of ``g``; tuples, lists, sets and dicts walked)
+    as ``passed``; nodes are not entered (their own calls marked theirs)."""
+    stack: list[Any] = [args]
+    left = MAX_ARGS_WALKED
+    while stack:
+        a = stack.pop()
+        t = type(a)
+        if t is GlobalMeta:
+            if not a.passed:
+                a.passed = True
+        elif t in _CONTAINERS:
+            stack.extend(a)
+        elif t is dict:
+            stack.extend(a.keys())
+            stack.extend(a.values())
+        left -= 1
+        if left < 0:
+            g.args_unread = True
+            return
 
 
 def _note_request(g: GlobalMeta, args: tuple[Any, ...]) -> None:

@@ -54,6 +54,7 @@ from ckptool.formats.nodes import (
     PersistentRef,
     StorageRef,
     new_global,
+    qualified_name,
     requested_elements,
     use_key,
 )
@@ -117,6 +118,22 @@ class RestrictedUnpickler(pickle.Unpickler):
             nbytes = g.requested * element_size(g.name)
             if nbytes > MAX_REQUEST_BYTES:
                 self.globals_seen[use_key(*key, f"{ALLOC}{nbytes}")] = None
+
+    def uncalled_globals(self) -> set[str]:
+        """The globals of ``globals_seen`` (``module.qualname``, Python 3 names) that the pickle never called
+        (REDUCE) nor instantiated (NEWOBJ / NEWOBJ_EX / OBJ / INST) nor BUILT on as a class nor passed to a call (in
+        its arguments, at any depth of tuples, lists, sets and dicts): held only as values (BUILD state, dict values,
+        list items). Empty when a call's arguments were too many to walk (``args_unread``).
+        Meaningful after a :meth:`load` that read the pickle to its STOP (a pickle that failed may have called them
+        later); with a shared ``global_cache``, a call in any pickle that shares it counts."""
+        if any(g.args_unread for g in self._globals.values()):
+            return set()
+        out = set()
+        for key in self.globals_seen:
+            g = self._globals.get(key)
+            if g is not None and not (g.called or g.passed or g.class_builds):
+                out.add(qualified_name(*key))
+        return out
 
     def find_class(self, module: str, name: str) -> GlobalMeta:
         """The placeholder for global ``module.name`` (one per name and ``global_cache``); imports nothing."""

@@ -59,7 +59,7 @@ import functools
 import sys
 from collections.abc import Iterable
 
-from ckptool.formats.nodes import ALLOC, CLASS_BUILD, split_use
+from ckptool.formats.nodes import ALLOC, CLASS_BUILD, USE_MARK, split_use
 from ckptool.formats.unpickler import MAX_REQUEST_BYTES
 from ckptool.model.weights_only import WEIGHTS_ONLY_ALLOWED
 
@@ -221,6 +221,10 @@ NEEDS_TRUST_NAMES: dict[str, str] = {
     **{f"numpy.{core}.multiarray.{n}": _NUMPY_ARRAY for core in ("core", "_core") for n in ("_reconstruct", "scalar")},
     **{f"numpy.{core}.numeric._frombuffer": _NUMPY_ARRAY for core in ("core", "_core")},  # protocol 5 arrays
     "numpy.ndarray": _NUMPY_ARRAY, "numpy.dtype": _NUMPY_ARRAY,
+    # joblib.dump's array records: joblib.load's NumpyUnpickler reads the raw array bytes that follow the record
+    # (an object array's through pickle, whose globals are rated where they stand)
+    **{f"joblib.numpy_pickle{m}.{n}": "joblib's numpy array record: joblib.load reads the array's bytes after it"
+       for m, n in (("", "NumpyArrayWrapper"), ("_compat", "NDArrayWrapper"), ("_compat", "ZNDArrayWrapper"))},
     **{f"numpy.{t}": "a numpy scalar type: builds a number from the file's data" for t in (
         "bool", "bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "intc", "uintc",
         "intp", "uintp", "int_", "uint", "longlong", "ulonglong", "byte", "ubyte", "short", "ushort", "half",
@@ -513,3 +517,72 @@ def refusal_remedy(path: str, names: Iterable[str]) -> str:
     return (f"Convert it without running it: `ckptool sanitize {path} -o OUT.pth` (numpy arrays become tensors, "
             "argparse.Namespace records dicts, a pickled model its state_dict); or pass trust=True (--trust) only "
             "if you trust its source")
+
+
+# ------------------------------------------------------------------------------------------------ uses of a global
+def is_importable_name(name: str) -> bool:
+    """True when ``module.qualname`` (a use key's global part, :func:`ckptool.formats.nodes.split_use`) is made of
+    Python identifiers joined by dots, as every name ``pickle`` can import is: ``find_class`` imports the module
+    (``__import__``) and walks the attributes, so ``hat_template: "{% for m in messages %}".bos: 1`` (a YAML file
+    read as a protocol-0 pickle) fails there, before anything is called."""
+    base = split_use(name)[0]
+    return bool(base) and all(part.isidentifier() for part in base.split("."))
+
+
+NOT_IMPORTABLE = ("not a Python name (its parts are not identifiers): no loader can import it, loading fails when "
+                  "it reaches it (ModuleNotFoundError), before anything is called")
+
+
+def rate_global(name: str, *, called: bool = True, torchscript: bool = False,
+                dcp_metadata: bool = False) -> tuple[str, str]:
+    """``(status, reason)`` of the global ``name`` as ``ckptool scan`` rates it in one pickle: :func:`classify_global`,
+    and then what the pickle does with it.
+
+    * A name that is not :func:`is_importable_name` is :data:`NEEDS_TRUST` at most, never dangerous (no loader can
+      import it; the scan reports the pickle as unreadable).
+    * ``called=False`` (the pickle never calls it, instantiates it, BUILDs on it as a class nor passes it to a call:
+      :meth:`ckptool.formats.unpickler.RestrictedUnpickler.uncalled_globals`; ``typing.Any`` held as a value in
+      OmegaConf metadata): a name :func:`classify_global` makes dangerous only by the general rules (a function on
+      no list, a standard-library or numpy class on no list) needs trust instead: loading imports it and calls
+      nothing. A known gadget (:data:`DANGEROUS_NAMES`, :data:`DANGEROUS_MODULES`, also reached through a module
+      attribute) stays dangerous even as a value: code that uses the loaded object (a hook, a callback attribute)
+      may call it.
+    """
+    if not is_importable_name(name):
+        return NEEDS_TRUST, NOT_IMPORTABLE
+    status, reason = classify_global(name, torchscript=torchscript, dcp_metadata=dcp_metadata)
+    if called or status != DANGEROUS or split_use(name)[1] is not None or len(name.split(".")) > MAX_NAME_PARTS:
+        return status, reason
+    if _listed(name, status, reason):
+        return status, reason  # a listed gadget, or one reached through a module attribute
+    top = name.split(".", 1)[0]
+    value = ("held only as a value (the pickle never calls it, instantiates it, BUILDs on it or passes it to a "
+             "call): loading imports it and calls nothing")
+    if top in KNOWN_PACKAGES:
+        return NEEDS_TRUST, f"{value}; code that uses the loaded object may call it"
+    return UNKNOWN, (f"{value} (importing its package runs that package's code); code that uses the loaded object "
+                     "may call it")
+
+
+def _listed(name: str, status: str, reason: str) -> bool:
+    """True when :func:`classify_global`'s ``(status, reason)`` of ``name`` comes from a list (an exact entry, a
+    :data:`DANGEROUS_MODULES` module, also reached through a module attribute), not from the general rules alone."""
+    return (name in DANGEROUS_NAMES or _dangerous_reason(name) is not None
+            or (status, reason) != _path_rating(name))
+
+
+def rate_target(target: str) -> tuple[str, str]:
+    """``(status, reason)`` of a Hydra ``_target_`` (a NeMo ``model_config.yaml``: ``hydra.utils.instantiate``
+    imports it and calls it with the config's arguments, CVE-2025-23304), by the rules of :func:`rate_global` for a
+    global the pickle calls: a listed gadget (``builtins.exec``, ``os.system``, ``subprocess.Popen``) or a function
+    of the standard library or numpy on no list is dangerous; a class or function of another package
+    (``nemo.collections.asr.models.EncDecCTCModel``, ``torch.optim.AdamW``) needs trust in that package (the
+    config chooses the arguments of one of its own callables); a name that is no Python name needs trust at most
+    (Hydra cannot locate it)."""
+    if not is_importable_name(target) or USE_MARK in target:
+        return NEEDS_TRUST, "not a Python name: Hydra cannot locate it (instantiating fails there)"
+    status, reason = rate_global(target, called=True)
+    if status != DANGEROUS or _listed(target, status, reason) or target.split(".", 1)[0] in KNOWN_PACKAGES:
+        return status, f"Hydra imports and calls it when the model is restored: {reason}"
+    return UNKNOWN, ("a callable of its package that Hydra imports and calls with the config's arguments when the "
+                     "model is restored: load it only if you trust the file and that package")

@@ -195,6 +195,12 @@ def _segments(bases: Sequence[Segment], shapes: Sequence[tuple[int, ...]], dim: 
     return [s for s in segs if s.nbytes]
 
 
+#: the most byte ranges a join may take (one per outer index and shard of a dimension-``d`` join): a 16384-row
+#: layer over 64 ranks takes about 10^6; a checkpoint claiming millions of rows of one element is refused rather
+#: than listed (each range costs about 100 bytes of memory)
+MAX_JOIN_PIECES = 1 << 22
+
+
 def join(name: str, shards: Sequence[Tensor], rule: str, where: str) -> Tensor:
     """One tensor ``name`` from its tensor-parallel ``shards`` (rank order) by ``rule`` (module docstring): a
     replicated tensor is rank 0's as it is; a joined one a contiguous tensor over the shards' byte ranges
@@ -202,7 +208,8 @@ def join(name: str, shards: Sequence[Tensor], rule: str, where: str) -> Tensor:
 
     Raises:
         UnsupportedError: shards whose dtypes differ, or whose shapes do not fit the rule (each names the tensor
-            and the ``--tp-dim`` route); a shard that is not contiguous.
+            and the ``--tp-dim`` route); a shard that is not contiguous; a join of more than
+            :data:`MAX_JOIN_PIECES` byte ranges.
     """
     first = shards[0]
     dim = _check_shapes(name, shards, rule, where)
@@ -211,6 +218,12 @@ def join(name: str, shards: Sequence[Tensor], rule: str, where: str) -> Tensor:
                       first.requires_grad)
     es = DTYPE_SIZES[first.dtype]
     shapes = [s.shape for s in shards]
+    pieces = 2 * len(shards) if rule == "glu" else numel(first.shape[:dim]) * len(shards)
+    if pieces > MAX_JOIN_PIECES:
+        raise UnsupportedError(f"{where}: joining {name!r} along dimension {dim} takes {pieces} byte ranges (its "
+                               f"shards {list(first.shape)} x {len(shards)}: one per row and shard), more than "
+                               f"{MAX_JOIN_PIECES}; refused before anything is allocated (a Megatron layer has far "
+                               "fewer rows): check the rank files, or give --tp-dim for it")
     segs = _segments([_base(s, where) for s in shards], shapes, dim, rule == "glu", es)
     shape = list(first.shape)
     shape[dim] = sum(s[dim] for s in shapes)

@@ -111,7 +111,8 @@ def add_lora_delta(w: bytearray, w_dtype: str, w_shape: tuple[int, ...], a: byte
     of operations.
 
     Raises:
-        UnsupportedError: a dtype that is not floating, or shapes that do not compose to ``W``'s.
+        UnsupportedError: a dtype that is not floating, or shapes that do not compose to ``W``'s; a merged value
+            that is inf or NaN where ``W``'s was finite (an overflow of ``W``'s dtype: refused, not written).
     """
     import torch
 
@@ -138,4 +139,11 @@ def add_lora_delta(w: bytearray, w_dtype: str, w_shape: tuple[int, ...], a: byte
             block = block.mul_(scaling).to(delta_dtype)  # block * scaling, in place
             acc = wt[i - i0:j - i0].to(acc_dtype)
             acc += block
-            wt[i - i0:j - i0].copy_(acc)  # one rounding back to W's dtype, as .to(dtype)
+            new = acc.to(wt.dtype)  # one rounding back to W's dtype, as .to(dtype)
+            bad = ~torch.isfinite(new) & torch.isfinite(wt[i - i0:j - i0])
+            if bool(bad.any()):
+                raise UnsupportedError(f"merging makes {int(bad.sum())} finite values of this weight inf or NaN in "
+                                       f"{w_dtype} (scaling {scaling:g}: the merged value does not fit the dtype); "
+                                       "nothing was written: check lora_alpha and r in adapter_config.json, or "
+                                       "merge into a wider dtype")
+            wt[i - i0:j - i0].copy_(new)

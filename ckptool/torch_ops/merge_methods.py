@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from ckptool.errors import UnsupportedError
 from ckptool.torch_ops.merge import tensor_of
 
 if TYPE_CHECKING:
@@ -240,16 +241,42 @@ def merge_elements(method: str, dtype: str, shape: tuple[int, ...], base: bytear
                    generator: torch.Generator) -> bytes | bytearray:
     """:func:`merge_tensor` on the row-major little-endian bytes of one tensor (``dtype``, ``shape``) in the base
     and in each input, read one input at a time from ``xs`` (each buffer becomes that input's delta); returns the
-    merged tensor's bytes: ``base``'s own buffer, overwritten (slerp: a new one)."""
+    merged tensor's bytes: ``base``'s own buffer, overwritten (slerp: a new one).
+
+    Raises:
+        UnsupportedError: every input element is finite but the merged tensor holds an inf or NaN."""
     import torch
+
+    finite = [True]  # every input element finite so far
+
+    def checked(bufs: Iterable[bytearray]) -> Iterable[torch.Tensor]:
+        for x in bufs:
+            xt = tensor_of(x, dtype, shape)
+            finite[0] = finite[0] and bool(torch.isfinite(xt).all())
+            yield xt
 
     with torch.no_grad():
         if method == "slerp":
-            a, b = (tensor_of(x, dtype, shape) for x in xs)
-            return _slerp(t, a, b).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            a, b = checked(xs)
+            out = _slerp(t, a, b)
+            _refuse_overflow(finite[0], out, dtype)
+            return out.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         assert base is not None
         if not base:
             return base
-        _task_arithmetic_(tensor_of(base, dtype, shape), (tensor_of(x, dtype, shape) for x in xs), weights, method,
-                          density, lam, generator)
+        bt = tensor_of(base, dtype, shape)
+        finite[0] = bool(torch.isfinite(bt).all())
+        _task_arithmetic_(bt, checked(xs), weights, method, density, lam, generator)
+        _refuse_overflow(finite[0], bt, dtype)
         return base
+
+
+def _refuse_overflow(inputs_finite: bool, out: torch.Tensor, dtype: str) -> None:
+    """Raises UnsupportedError: every input was finite but ``out`` holds an inf or NaN (the weights or the method
+    overflowed ``dtype``)."""
+    import torch
+
+    if inputs_finite and not bool(torch.isfinite(out).all()):
+        bad = int((~torch.isfinite(out)).sum())
+        raise UnsupportedError(f"the merge makes {bad} values inf or NaN in {dtype} from finite inputs (the weights "
+                               "or the method overflow the dtype); nothing was written: give smaller --weights")

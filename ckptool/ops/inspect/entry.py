@@ -32,6 +32,7 @@ from ckptool import _source as source
 from ckptool._gc import gc_paused
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats import plugin
+from ckptool.model.allowlist import DANGEROUS
 from ckptool.model.graph import too_deep
 from ckptool.model.keys import check_key_lengths
 from ckptool.ops.inspect.info import (
@@ -121,7 +122,23 @@ def inspect_pickled(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
     except RecursionError as e:
         raise CorruptCheckpointError(f"{o.target}: {too_deep(e)}") from None
     info.scan = scan_file(o.target, preparsed=already_read(ck, o.spec, info))
+    _as_scanned(info)
     return info
+
+
+def _as_scanned(info: CheckpointInfo) -> None:
+    """Rate each global of ``info`` as its scan did where the rating depends on what the pickle does with it (a
+    global held only as a value needs trust: :func:`ckptool.model.allowlist.rate_global`), so that inspect's table
+    and its security verdict agree."""
+    if info.scan is None:
+        return
+    scanned: dict[str, tuple[str, str]] = {}
+    for g in info.scan.globals:  # the worst rating where a name is rated twice (a value here, called there)
+        if g.name not in scanned or g.level == DANGEROUS:
+            scanned[g.name] = (g.status, g.reason)
+    for mine in info.globals:
+        if mine.name in scanned and mine.level == DANGEROUS:
+            mine.status, mine.reason = scanned[mine.name]
 
 
 def inspect_package(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:

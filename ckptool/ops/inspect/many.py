@@ -88,4 +88,4 @@ class InspectRun(ManyRun[InspectRow]):
 
     def __init__(self, paths: tuple[str, ...], *, show_all: bool = False) -> None:
         task = functools.partial(inspect_target, show_all=True) if show_all else inspect_target
-        super().__init__(paths, task, _failed, whole=is_one_checkpoint)
+        super().__init__(paths, task, _failed, whole=is_one_checkpoint, configs=False)

@@ -65,6 +65,14 @@ def check_method(method: str, n_inputs: int, has_base: bool, density: float | No
         raise UsageError(f"--density {density}: the fraction of each difference kept, in (0, 1], for ties and DARE")
     if t is not None and (method != "slerp" or not 0 <= t <= 1):
         raise UsageError(f"--t {t}: slerp's interpolation factor, in [0, 1] (0 gives the first input)")
+    _check_seed_and_weights(method, seed, weights)
+    return MethodOptions(method, 1.0 if density is None else density, 0.5 if t is None else t,
+                         0 if seed is None else seed)
+
+
+def _check_seed_and_weights(method: str, seed: int | None, weights: list[float] | None) -> None:
+    """Raises UsageError: ``seed`` not for DARE or outside ``[0, MAX_SEED]``; a weight that is not finite, weights
+    for slerp, or weights whose sum overflows."""
     if seed is not None and not method.startswith("dare"):
         raise UsageError("--seed applies to dare-ties and dare-linear (their random draws)")
     if seed is not None and (isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
@@ -74,8 +82,6 @@ def check_method(method: str, n_inputs: int, has_base: bool, density: float | No
     if weights is not None and not math.isfinite(sum(abs(w) for w in weights)):
         raise UsageError(f"--weights {','.join(map(str, weights))}: their sum overflows a float64; give smaller "
                          "weights (only their ratios matter to a mean)")
-    return MethodOptions(method, 1.0 if density is None else density, 0.5 if t is None else t,
-                         0 if seed is None else seed)
 
 
 def _check_inputs(method: str, n_inputs: int, has_base: bool) -> None:

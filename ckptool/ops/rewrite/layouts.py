@@ -28,6 +28,7 @@ from typing import Any
 from ckptool._fileio import copy_range
 from ckptool.errors import UnsupportedError, VerificationError
 from ckptool.formats.nodes import PickledObject
+from ckptool.ops.rewrite.companions import check_link
 from ckptool.readers import open_checkpoint
 from ckptool.readers.structures import DcpLayout, DcpMetadata
 
@@ -173,10 +174,13 @@ def copy_companions(folder: str, stage: str, layout: DcpLayout) -> list[str]:
     Raises:
         VerificationError: a copy differs from its source, or a cache names a missing entry (nothing is kept: the
             caller's stage folder goes).
+        UnsupportedError: a companion is a symbolic link out of ``folder`` (:func:`check_link`).
     """
     copied = []
     for name in layout.companions:
         src = os.path.join(folder, name)
+        if os.path.islink(src):
+            check_link(folder, src)
         if not os.path.isfile(src):
             continue
         dst = os.path.join(stage, name)

@@ -104,21 +104,26 @@ def _code_ok(c: Any) -> bool:
             and c.get("level") in _LEVELS and isinstance(c.get("detail", ""), str))
 
 
-def is_valid_row(d: Any, path: str | None = None) -> bool:
-    """Whether ``d`` (a cached result, parsed JSON) has the schema of :meth:`ScanResult.to_dict` (types, known
-    statuses and levels, finite counts), names ``path`` (when given: the URL, or the absolute path of a local file)
-    and lists every global its pickles name with a
-    status; anything else is a miss."""
+def _head_ok(d: Any, path: str | None) -> bool:
+    """The row's own fields: a dict naming ``path`` (when given), its format, error, recognised type and bytes."""
     if not isinstance(d, dict) or not isinstance(d.get("path"), str):
         return False
     if path is not None and d["path"] != path and ("://" in path or os.path.abspath(d["path"]) != path):
         return False
     rec = d.get("recognised")
     br = d.get("bytes_read")
-    if not (isinstance(d.get("format", "unknown"), str) and _opt_str(d.get("error"))
+    return (isinstance(d.get("format", "unknown"), str) and _opt_str(d.get("error"))
             and (rec is None or (isinstance(rec, dict) and isinstance(rec.get("kind"), str)
                                  and isinstance(rec.get("description"), str)))
-            and (br is None or _int(br) or (isinstance(br, float) and math.isfinite(br)))):
+            and (br is None or _int(br) or (isinstance(br, float) and math.isfinite(br))))
+
+
+def is_valid_row(d: Any, path: str | None = None) -> bool:
+    """Whether ``d`` (a cached result, parsed JSON) has the schema of :meth:`ScanResult.to_dict` (types, known
+    statuses and levels, finite counts), names ``path`` (when given: the URL, or the absolute path of a local file)
+    and lists every global its pickles name with a
+    status; anything else is a miss."""
+    if not _head_ok(d, path):
         return False
     pickles, globs, code = d.get("pickles", []), d.get("globals", []), d.get("code", [])
     if not (isinstance(pickles, list) and all(map(_pickle_ok, pickles)) and isinstance(globs, list)
@@ -163,6 +168,27 @@ def _prepare(db: sqlite3.Connection) -> None:
             return
         except sqlite3.OperationalError as e:
             if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _is_busy(e: sqlite3.Error) -> bool:
+    """Whether ``e`` says another writer holds the database (not that the file is damaged)."""
+    return isinstance(e, sqlite3.OperationalError) and ("locked" in str(e) or "busy" in str(e))
+
+
+def _retrying(op: Any) -> Any:
+    """``op()``, tried again while another writer holds the database (SQLite answers some lock waits at once,
+    not after its busy timeout), until :data:`BUSY_TIMEOUT` has passed.
+
+    Raises:
+        sqlite3.Error: what the last try raised."""
+    deadline = time.monotonic() + BUSY_TIMEOUT
+    while True:
+        try:
+            return op()
+        except sqlite3.OperationalError as e:
+            if not _is_busy(e) or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
 
@@ -220,9 +246,9 @@ class ScanCache:
         if self._broken:
             return False, None
         try:
-            row = self._db.execute("SELECT result FROM scans WHERE key = ?", (key,)).fetchone()
-        except sqlite3.Error:  # damaged pages: the cache is a hint, the checkpoint is scanned again
-            self._broken = True
+            row = _retrying(lambda: self._db.execute("SELECT result FROM scans WHERE key = ?", (key,)).fetchone())
+        except sqlite3.Error as e:  # damaged pages: the cache is a hint, the checkpoint is scanned again
+            self._broken = not _is_busy(e)
             return False, None
         if row is None or not isinstance(row[0], str):
             return False, None
@@ -245,9 +271,10 @@ class ScanCache:
             return
         text = SKIPPED if result is None else json.dumps(result.to_dict())
         try:
-            self._db.execute("INSERT OR REPLACE INTO scans (key, result) VALUES (?, ?)", (key, text))
-        except sqlite3.Error:
-            self._broken = True
+            _retrying(lambda: self._db.execute("INSERT OR REPLACE INTO scans (key, result) VALUES (?, ?)",
+                                               (key, text)))
+        except sqlite3.Error as e:
+            self._broken = not _is_busy(e)
 
     def close(self) -> None:
         """Close the database."""

@@ -83,12 +83,15 @@ from ckptool.formats.dtypes import element_size, numel, storage_element, tensor_
 from ckptool.formats.nodes import TensorNode
 from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND
-from ckptool.model.allowlist import recognise_file
+from ckptool.model.allowlist import is_importable_name, recognise_file
 from ckptool.model.graph import iter_tensors
 from ckptool.model.units import human_bytes
+from ckptool.ops.scan import layouts
 from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, zip_end
+from ckptool.ops.scan.configs import MAX_CONFIG_BYTES, parse_config
 from ckptool.ops.scan.layouts import Layout
-from ckptool.ops.scan.pickles import NotAPickle, Preparsed
+from ckptool.ops.scan.pickles import NotAPickle, Preparsed, Scanner
+from ckptool.ops.scan.remote_code import HF_CONFIG_NAMES, hf_remote_code, is_code_config
 from ckptool.ops.scan.results import (
     EXIT_CODES,
     STRICT_EXIT_CODES,
@@ -151,7 +154,11 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None) -> ScanResul
             if layout.header:
                 plugin("ckptool.formats.safetensors:read_header")(path)
     except NotAPickle:
-        res.error = _not_a_pickle(path)
+        if is_code_config(path) and not source.is_url(path):
+            layout = _scan_code_config(sc, path)
+            res.format = layout.format
+        else:
+            res.error = _not_a_pickle(path)
     except TruncatedError as e:  # a zip without its end of central directory: cut short, not unreadable
         res.incomplete.append(str(e))
     except CkptError as e:
@@ -255,11 +262,17 @@ def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]
 def _layout_findings(res: ScanResult, layout: Layout, head: bytes) -> None:
     """What the layout found says beyond the pickles: a plain pickle failing at once with no global is no pickle
     at all (a PNG starts with a byte that is also an opcode), unless it is a pickle cut short (its PROTO header,
-    ``head``: the file's first two bytes); a zip holding no pickle."""
+    ``head``: the file's first two bytes); so is one without that header whose globals are all no Python name (a
+    YAML file starting ``chat_template:`` reads as a GLOBAL opcode, no loader can import it); a zip holding no
+    pickle."""
     first = res.pickles[0] if res.pickles else None
-    if layout.plain_pickle and first is not None and first.error and not res.globals \
-            and not (first.truncated and _protocol_header(head)):
+    names_only = bool(res.globals) and not _protocol_header(head) and \
+        all(not is_importable_name(g.name) for g in res.globals)
+    if layout.plain_pickle and first is not None and first.error and (
+            names_only or (not res.globals and not (first.truncated and _protocol_header(head)))):
         res.error = _not_a_pickle(res.path)
+        if res.globals:  # what no loader can import is not listed as a global of a pickle that is not one
+            res.globals, res.pickles = [], []
     if layout.expects_pickles and not res.pickles and not res.error:
         res.notes.append("the zip holds no pickle")
 
@@ -281,7 +294,7 @@ def _not_a_pickle(path: str) -> str:
 #: file name endings scanned inside a directory (explicit file arguments are always scanned)
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".jit", ".tar", ".zip", ".safetensors",
                        ".model", ".pts", ".torchscript", ".mar", ".npy", ".joblib", ".dat", ".data", ".distcp",
-                       ".pt2")
+                       ".pt2", ".nemo")
 
 
 def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
@@ -299,13 +312,15 @@ def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
         yield path
 
 
-def iter_targets(paths: Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, list[str]]]:
+def iter_targets(paths: Iterable[str | os.PathLike[str]], *, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
     """:func:`iter_paths`, each path with the notes its result gets (why a file outside a scanned folder is
-    scanned); raises as :func:`iter_paths` does. Used by :mod:`ckptool.ops.scan.many`."""
-    return _targets(paths)
+    scanned); raises as :func:`iter_paths` does. ``configs=False``: folders give no config that makes a loader run
+    code (:func:`~ckptool.ops.scan.remote_code.is_code_config`: for ``inspect``). Used by
+    :mod:`ckptool.ops.scan.many`."""
+    return _targets(paths, configs)
 
 
-def _targets(paths: Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, list[str]]]:
+def _targets(paths: Iterable[str | os.PathLike[str]], configs: bool = True) -> Iterator[tuple[str, list[str]]]:
     """:func:`iter_paths`, each path with the notes to add to its result (why a file outside a scanned folder is
     scanned)."""
     for given in paths:
@@ -322,7 +337,8 @@ def _targets(paths: Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, lis
             if not os.path.isdir(p) and index_refusal(p) is not None:
                 found += 1
                 yield p, []
-            items = _walk(p) if os.path.isdir(p) else _followed(_index_shards(p, os.path.dirname(p) or "."), set())
+            items = _walk(p, configs) if os.path.isdir(p) else \
+                _followed(_index_shards(p, os.path.dirname(p) or "."), set())
             for item in items:
                 found += 1
                 yield item
@@ -350,12 +366,13 @@ def unreadable(notes: list[str] | tuple[str, ...]) -> str | None:
     return notes[0][len(UNREADABLE):] if notes and notes[0].startswith(UNREADABLE) else None
 
 
-def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
-    """The checkpoint files under the folder ``top`` (recursively, sorted, symlinked subfolders not entered), then
-    the files a loader of ``top`` reads from outside it: the shards a ``*.index.json`` names and the files of the
-    DeepSpeed tag folders ``latest`` or a symlinked tag folder lead to (:func:`_followed`). A subfolder that cannot
-    be listed (no permission) and a file that cannot be opened are yielded too, with an :data:`UNREADABLE` note: what
-    was not looked at is never taken as safe."""
+def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
+    """The checkpoint files under the folder ``top`` (recursively, sorted, symlinked subfolders not entered; with
+    ``configs`` also the configs that make a loader run code, :func:`~ckptool.ops.scan.remote_code.is_code_config`),
+    then the files a loader of ``top`` reads from outside it: the shards a ``*.index.json`` names and the files of
+    the DeepSpeed tag folders ``latest`` or a symlinked tag folder lead to (:func:`_followed`). A subfolder that
+    cannot be listed (no permission) and a file that cannot be opened are yielded too, with an :data:`UNREADABLE`
+    note: what was not looked at is never taken as safe."""
     seen: set[str] = set()
     away: list[tuple[str, str]] = []
     failed: list[OSError] = []
@@ -374,7 +391,7 @@ def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
                     yield full, []
             if dcp and (name == ".metadata" or name.endswith(".distcp")):
                 continue
-            if _is_candidate(full):
+            if _is_candidate(full) or (configs and is_code_config(full)):
                 seen.add(os.path.realpath(full))
                 why = _cannot_open(full)
                 yield full, [] if why is None else [f"{UNREADABLE}{full}: {why}"]
@@ -398,6 +415,26 @@ def _is_candidate(full: str) -> bool:
     if os.path.islink(full) and not os.path.isfile(full):
         return False
     return os.path.basename(full).lower().endswith(CHECKPOINT_SUFFIXES) or _looks_like_checkpoint(full)
+
+
+def _scan_code_config(sc: Scanner, path: str) -> Layout:
+    """A config that makes a loader run code (:func:`~ckptool.ops.scan.remote_code.is_code_config`): a Hugging
+    Face config's ``auto_map`` modules (:func:`~ckptool.ops.scan.remote_code.hf_remote_code`) into the result's
+    code, a NeMo config's Hydra targets into its globals; one that cannot be read within the bounds is the
+    result's error."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if os.path.basename(path) in HF_CONFIG_NAMES:
+            found, notes = hf_remote_code(path, data)
+            sc.res.code += found
+            sc.res.notes += notes
+        else:
+            parse_config(data, os.path.basename(path))  # the bounds: an error here is the file's error
+            sc.config_member(data, os.path.basename(path))
+    except (CkptError, OSError) as err:
+        sc.res.error = f"{path}: {err}"
+    return layouts.CONFIG
 
 
 def _folder_files(folder: str) -> list[str]:

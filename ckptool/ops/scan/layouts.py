@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from ckptool.formats import detect
 
-__all__ = ["EXPORT", "LEGACY", "LEGACY_TAR", "PICKLE", "SAFETENSORS", "TORCHSCRIPT", "TORCH_PACKAGE", "TORCH_ZIP",
-           "ZIP", "ZIP_LAYOUTS", "Layout", "zip_layout"]
+__all__ = ["CONFIG", "EXPORT", "GZIP", "LEGACY", "LEGACY_TAR", "NPY", "PICKLE", "SAFETENSORS", "SEVEN_ZIP", "TAR",
+           "TORCHSCRIPT", "TORCH_PACKAGE", "TORCH_ZIP", "ZIP", "ZIP_LAYOUTS", "ZLIB", "Layout", "zip_layout"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,17 @@ def zip_layout(kind: str | None) -> Layout:
     """The layout of the zip :func:`ckptool.formats.detect.zip_kind` calls ``kind`` (None: :data:`ZIP`)."""
     return ZIP_LAYOUTS.get(kind or "", ZIP)
 LEGACY_TAR = Layout("legacy-tar")
+#: a tar archive with no legacy torch record (a NeMo ``.nemo`` archive): its members are scanned as files
+TAR = Layout("tar")
 LEGACY = Layout(detect.TORCH_LEGACY)
 SAFETENSORS = Layout(detect.SAFETENSORS, header=True)
 PICKLE = Layout(detect.PICKLE, plain_pickle=True)
+#: a gzip stream: its inflated bytes are scanned as a file
+GZIP = Layout("gzip")
+#: a zlib stream (joblib's ``compress``), a 7z archive: their bytes are scanned as files; a .npy array (an object
+#: array's pickle is read)
+ZLIB = Layout("zlib")
+SEVEN_ZIP = Layout("7z")
+NPY = Layout("npy")
+#: a config that makes a loader run code (a Hugging Face ``auto_map``, NeMo's Hydra ``_target_`` entries)
+CONFIG = Layout("config")

@@ -64,11 +64,13 @@ class Target:
     info: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
 
-def expand(paths: Iterable[str | os.PathLike[str]], whole: Callable[[str], bool] | None = None) -> Iterator[Target]:
+def expand(paths: Iterable[str | os.PathLike[str]], whole: Callable[[str], bool] | None = None, *,
+           configs: bool = True) -> Iterator[Target]:
     """The checkpoints of ``paths`` (see the module docstring), in order; a path that cannot be walked or listed
     (missing, empty, a listing refused) is one :class:`Target` with its ``error``. ``whole(folder)``: whether a
     local folder given in ``paths`` is one checkpoint rather than a folder to walk (``inspect``: a sharded set, a
-    DeepSpeed or Megatron folder)."""
+    DeepSpeed or Megatron folder); ``configs``: folders also give the configs that make a loader run code
+    (:func:`ckptool.ops.scan.entry.iter_targets`; scan reads them, inspect does not)."""
     for given in paths:
         p = os.fspath(given)
         try:
@@ -78,7 +80,7 @@ def expand(paths: Iterable[str | os.PathLike[str]], whole: Callable[[str], bool]
             if whole is not None and not source.is_url(p) and os.path.isdir(p) and whole(p):
                 yield Target(p)
                 continue
-            for path, notes in iter_targets([p]):
+            for path, notes in iter_targets([p], configs=configs):
                 why = unreadable(notes)
                 if why is not None:
                     yield Target(path, error=why)
@@ -209,12 +211,13 @@ class ManyRun(Generic[R]):
     checkpoint in its result, never by raising; ``failed(target, why)``: the result of a task that raised (a worker
     died, a bug), a row rather than the end of the run. ``executor``: any :class:`concurrent.futures.Executor`
     (None: one after another in this thread); ``window``: tasks in flight at most (default: 4 per worker of a pool
-    that says how many it has, else 64); ``whole``: as :func:`expand`'s."""
+    that says how many it has, else 64); ``whole``, ``configs``: as :func:`expand`'s."""
 
     def __init__(self, paths: Iterable[str | os.PathLike[str]], task: Callable[[Target], R | None],
                  failed: Callable[[Target, str], R], *, executor: cf.Executor | None = None,
-                 window: int | None = None, whole: Callable[[str], bool] | None = None) -> None:
-        self.targets = list(expand(paths, whole))
+                 window: int | None = None, whole: Callable[[str], bool] | None = None,
+                 configs: bool = True) -> None:
+        self.targets = list(expand(paths, whole, configs=configs))
         self.task = task
         self.failed = failed
         self.executor = executor

@@ -8,12 +8,13 @@ from the file.
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
 import struct
 import zlib
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from itertools import compress, repeat
 from operator import not_, or_
 from typing import Any, BinaryIO, TypeAlias, cast
@@ -33,14 +34,15 @@ from ckptool.formats.zipdir import (
     read_member,
     read_member_head,
 )
-from ckptool.model.allowlist import ALLOWED, classify_global
-from ckptool.model.graph import depth_first, node_children
+from ckptool.model.allowlist import ALLOWED, is_importable_name, rate_global, rate_target
+from ckptool.model.graph import MAX_DEPTH, node_children
 from ckptool.ops.scan import layouts
 from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
+from ckptool.ops.scan.configs import hydra_targets, is_config_name, parse_config, target_where
 from ckptool.ops.scan.directories import zip_directories
 from ckptool.ops.scan.layouts import Layout
 from ckptool.ops.scan.results import GlobalFinding, PickleFinding, ScanResult
-from ckptool.ops.scan.tar import MAX_PICKLES_IN_A_ROW, PICKLE_FIRST, inside, join_where, scan_tar
+from ckptool.ops.scan.tar import MAX_PICKLES_IN_A_ROW, PICKLE_FIRST, inside, join_where, leaves_archive, scan_tar
 
 __all__ = ["MAX_KEY_PATHS", "Container", "NotAPickle", "Scanner", "Window", "as_file", "failed", "key_paths"]
 
@@ -58,6 +60,36 @@ MAX_ZIP_DEPTH = 16
 #: the bytes a scan inflates (or copies, for nested zips) from zip members: this plus :data:`MAX_RATIO` times the
 #: file's size; members past it are unreadable findings. Members sharing one local header are read once.
 INFLATE_BUDGET = 64 << 20
+#: the first bytes of a gzip stream (RFC 1952), of a .npy array (numpy.lib.format), of a 7z archive
+GZIP_MAGIC = b"\x1f\x8b"
+NPY_MAGIC = b"\x93NUMPY"
+SEVEN_ZIP_MAGIC = b"7z\xbc\xaf\x27\x1c"
+
+
+def _is_zlib(head: bytes) -> bool:
+    """A zlib stream header (RFC 1950: deflate with a 32 KiB window, ``x``, the check bits right, no preset
+    dictionary), as ``zlib.compress`` and joblib's ``compress`` write: ``x\x9c``, ``x\x01``, ``x\xda``. Smaller
+    windows are left out: their first bytes (``(``, ``H``, ``X``, ``h``) are also opcodes a pickle starts with."""
+    return len(head) >= 2 and head[0] == 0x78 and (head[0] << 8 | head[1]) % 31 == 0 and not head[1] & 0x20
+
+
+def is_wrapper(head: bytes) -> bool:
+    """``head`` (a member's first bytes) starts a gzip or zlib stream or a 7z archive: scanned as a file of its own
+    when met inside a zip or tar (:meth:`Scanner.member_file`)."""
+    return head.startswith((GZIP_MAGIC, SEVEN_ZIP_MAGIC)) or _is_zlib(head)
+
+
+def _inflate(data: bytes, kind: str, limit: int) -> bytes:
+    """At most ``limit`` bytes of the ``gzip`` or ``zlib`` stream ``data``, inflated (a stream that ends early
+    raises ``EOFError``)."""
+    if kind == "gzip":
+        with gzip.GzipFile(fileobj=io.BytesIO(data), mode="rb") as gz:
+            return gz.read(limit)
+    d = zlib.decompressobj()
+    out = d.decompress(data, limit)
+    if not d.eof and len(out) < limit:
+        raise EOFError("the zlib stream ends before its end")
+    return out
 
 
 class Scanner:
@@ -90,13 +122,21 @@ class Scanner:
         self._labels: dict[int, str] = {}
 
     # -- recording -------------------------------------------------------------------------------------------
-    def record(self, finding: PickleFinding, root: Any = None) -> None:
+    def record(self, finding: PickleFinding, root: Any = None, uncalled: Collection[str] = ()) -> None:
+        """Add ``finding`` to the result and rate its globals (:func:`~ckptool.model.allowlist.rate_global`);
+        ``uncalled``: those the pickle, read to its STOP, holds only as values (never called nor passed to a call).
+        A global that is no Python name makes the pickle unreadable (no loader can import it)."""
         finding.hidden = finding.where not in self.loaded
         if not finding.hidden and self.root is None and root is not None:
             self.root = root
         self.res.pickles.append(finding)
-        rated = [(name, *classify_global(name, torchscript=self.torchscript, dcp_metadata=self.dcp_metadata))
+        rated = [(name, *rate_global(name, called=name not in uncalled, torchscript=self.torchscript,
+                                     dcp_metadata=self.dcp_metadata))
                  for name in finding.globals]
+        bad_name = next((name for name in finding.globals if not is_importable_name(name)), None)
+        if bad_name is not None and finding.error is None:
+            finding.error = (f"it names the global {bad_name!r}, which is not a Python name: a loader fails there "
+                             "(nothing is imported or called)")
         if root is not None and any(status != ALLOWED for _n, status, _r in rated):
             finding.key_paths = key_paths(root, {n for n, status, _r in rated if status != ALLOWED})
         for name, status, reason in rated:
@@ -108,14 +148,16 @@ class Scanner:
                 g.where.append(finding.where)
 
     def take_preparsed(self, buf: PickleBuffer, where: str) -> int | None:
-        """Record the pickle at the start of ``buf`` from :attr:`preparsed` if the caller read it already, and
-        return where it ends (its opcodes walked again, not unpickled, unless the caller gave its end and ``buf`` is
-        a zip member whose CRC-32 matched: the bytes the caller's reader checked against the same CRC); None if
-        not."""
+        """Record the pickle at the start of ``buf`` from :attr:`preparsed` if the caller read it already (and none
+        of its globals is one whose level depends on whether the pickle calls it), and return where it ends (its
+        opcodes walked again, not unpickled, unless the caller gave its end and ``buf`` is a zip member whose CRC-32
+        matched: the bytes the caller's reader checked against the same CRC); None if not."""
         got = self.preparsed.pop(where, None)
         if got is None:
             return None
         names, root, known_end, counted = got
+        if any(rate_global(n, called=False)[0] != rate_global(n)[0] for n in names):
+            return None  # whether it calls them decides their level: read the ordinary way (uncalled_globals)
         if known_end is not None and where == self._crc_checked and 0 < known_end <= len(buf):
             end = known_end
         else:
@@ -153,7 +195,8 @@ class Scanner:
             if required or names:
                 self.record(failed(where, pos, names, e))
             return None
-        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root)
+        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root,
+                    up.uncalled_globals())
         if pos == 0 and where in self.loaded:
             self.storages_of[where] = up.storages
         return end
@@ -180,7 +223,8 @@ class Scanner:
         except CkptError as e:
             self.record(failed(where, pos, self._globals_before_failure(buf, pos, where, e), e))
             return None
-        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root)
+        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root,
+                    up.uncalled_globals())
         return root, end
 
     def pickles_in_a_row(self, buf: PickleBuffer, pos: int, where: str, *, first_required: bool = True) -> int | None:
@@ -214,32 +258,149 @@ class Scanner:
         head = bytes(buf[:512])
         if head.startswith((ZIP_LOCAL, ZIP_EOCD)):
             return self.zip(buf, where, depth, f, loaded=True)
-        if formats.is_tar(head) and self._tar(buf, head, where, depth):
-            return layouts.LEGACY_TAR
+        if formats.is_tar(head):
+            tar = self._tar(buf, head, where, depth)
+            if tar is not None:
+                return tar
         if formats.is_legacy_stream(head):
             self.legacy(buf, where, depth)
             return layouts.LEGACY
         if len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] + 8 <= len(buf):
             self.appended_zip(buf, struct.unpack("<Q", head[:8])[0] + 8, where, depth)
             return layouts.SAFETENSORS
+        if head.startswith(GZIP_MAGIC):
+            self.gzip(buf, where, depth)
+            return layouts.GZIP
+        if head.startswith(NPY_MAGIC):
+            self.npy(buf, where, depth)
+            return layouts.NPY
+        if _is_zlib(head):
+            self.inflated(buf, where, depth, "zlib")
+            return layouts.ZLIB
+        if head.startswith(SEVEN_ZIP_MAGIC):
+            plugin("ckptool.ops.scan.seven_zip:scan_7z")(self, buf, where, depth)
+            return layouts.SEVEN_ZIP
         if not head or head[0] not in PICKLE_FIRST:
             raise NotAPickle()
         self.pickle_file(buf, where, depth)
         return layouts.PICKLE
 
-    def _tar(self, buf: PickleBuffer, head: bytes, where: str, depth: int) -> bool:
-        """A legacy tar archive (its first header valid): its members, the pickle ``pickle.load`` would read at byte
-        0, a zip appended after it. False (a note) when ``tarfile`` cannot read the archive after all."""
+    def gzip(self, buf: PickleBuffer, where: str, depth: int) -> None:
+        """A gzip stream (``.pkl.gz``, ``.tar.gz``, a ``.nemo`` archive): :meth:`inflated`."""
+        self.inflated(buf, where, depth, "gzip")
+
+    def inflated(self, buf: PickleBuffer, where: str, depth: int, kind: str) -> None:
+        """A ``gzip`` or ``zlib`` stream (``.pkl.gz``, ``.tar.gz``, a ``.nemo`` archive, a joblib file dumped with
+        ``compress``): inflated within the bytes left to inflate (:attr:`inflate_left`) and scanned as a file
+        (:meth:`any`); a stream inflating past the budget, or damaged, is an unreadable finding, never skipped."""
+        label = join_where(where, f"{kind} content")
+        if depth >= MAX_ZIP_DEPTH:
+            self.record(PickleFinding(label, 0, [], f"not read: wrappers nested more than {MAX_ZIP_DEPTH} deep"))
+            return
+        left = self.inflate_left if self.inflate_left is not None else INFLATE_BUDGET
         try:
-            scan_tar(self, buf, where, depth)
+            data = _inflate(bytes(buf), kind, left + 1)
+        except (OSError, EOFError, zlib.error) as err:
+            if kind == "zlib" and where:  # two bytes are a weak signature: a member that merely starts like one
+                self.note(f"{where} starts like a zlib stream but does not inflate ({err})")
+                return
+            self.record(PickleFinding(label, 0, [], f"the {kind} stream could not be inflated ({err})",
+                                      truncated=isinstance(err, EOFError)))
+            return
+        if len(data) > left:
+            self.record(PickleFinding(label, 0, [], (
+                f"not read: it inflates to more than {INFLATE_BUDGET >> 20} MiB + {MAX_RATIO} times the file's size "
+                f"(a {kind} bomb?)")))
+            return
+        if self.inflate_left is not None:
+            self.inflate_left -= len(data)
+        self.note(f"{where or 'the file'} is {kind}-compressed; its {len(data)} inflated bytes were scanned")
+        self.member_file(data, label, depth + 1)
+
+    def npy(self, buf: PickleBuffer, where: str, depth: int) -> None:
+        """A ``.npy`` array (numpy's format: magic, version, header length, header dict): an object array
+        (``descr`` ``|O``) holds a pickle after its header, which ``numpy.load(allow_pickle=True)`` unpickles:
+        read as pickles in a row. A numeric array holds no pickle."""
+        head = bytes(buf[:12])
+        major = head[6] if len(head) > 6 else 0
+        width = 2 if major == 1 else 4
+        if len(head) < 8 + width or major not in (1, 2, 3):
+            self.note(f"{where or 'the file'} starts like a .npy array but its header is not readable")
+            return
+        start = 8 + width + int.from_bytes(head[8:8 + width], "little")
+        header = bytes(buf[8 + width:start])
+        if b"'|O'" not in header and b'"|O"' not in header:
+            return
+        label = join_where(where, "npy object array")
+        self.loaded.add(label)
+        if start >= len(buf):
+            self.record(PickleFinding(label, start, [], "the object array's pickle is missing: the file is cut short",
+                                      truncated=True))
+            return
+        rest = self.pickles_in_a_row(buf, start, label)
+        if rest is not None and rest < len(buf):
+            self.trailing(buf, rest, where, depth)
+
+    def member_file(self, data: bytes, label: str, depth: int) -> None:
+        """Bytes inside a wrapper (a gzip stream, a tar member) scanned as a file of their own (:meth:`any`); bytes
+        that are no checkpoint at all are a note."""
+        try:
+            self.any(data, label, depth)
+        except NotAPickle:
+            self.note(f"{label} is not a pickle, a zip or a tar (no loader unpickles it)")
+
+    def config_member(self, data: bytes, label: str) -> None:
+        """A YAML or JSON config beside the weights (a NeMo archive's ``model_config.yaml``): every Hydra
+        ``_target_`` rated as a global (:func:`~ckptool.model.allowlist.rate_target`), where it is named by the
+        config and its key path; a config that cannot be parsed within the bounds is a note."""
+        try:
+            targets = list(hydra_targets(parse_config(data, label)))
+        except CkptError as err:
+            self.note(f"the config {label} was not read ({err})")
+            return
+        for target, path, use in targets:
+            status, reason = rate_target(target)
+            if use != "called":
+                reason += (" (_partial_: a functools.partial of it, called later)" if use == "partial" else
+                           " (_call_: false: imported, not called)")
+            self.record_global(target, status, reason, target_where(label, path))
+
+    def record_global(self, name: str, status: str, reason: str, where: str) -> None:
+        """Add the rated name ``name`` (a Hydra target) found at ``where`` to the result's globals."""
+        g = self._globals.get((name, status))
+        if g is None:
+            g = self._globals[name, status] = GlobalFinding(name, status, reason)
+            self.res.globals.append(g)
+        if where not in g.where:
+            g.where.append(where)
+
+    def tar_member(self, data: bytes, name: str, label: str, depth: int) -> bool:
+        """A tar member that is not a legacy torch record, read by what it is: a config (:meth:`config_member`), a
+        zip, a .npy array, a gzip or zlib stream or a 7z archive (:meth:`member_file`). False when it is none of
+        these (the tar walk reads it as pickles)."""
+        if is_config_name(name):
+            self.config_member(data, label)
+            return True
+        if data.startswith((ZIP_LOCAL, ZIP_EOCD, NPY_MAGIC)) or is_wrapper(data[:8]):
+            self.member_file(data, label, depth + 1)
+            return True
+        return False
+
+    def _tar(self, buf: PickleBuffer, head: bytes, where: str, depth: int) -> Layout | None:
+        """A tar archive (its first header valid): its members, the pickle ``pickle.load`` would read at byte 0, a
+        zip appended after its members. Returns :data:`~ckptool.ops.scan.layouts.LEGACY_TAR` when a member has a
+        legacy record's name, else :data:`~ckptool.ops.scan.layouts.TAR`; None (a note) when ``tarfile`` cannot
+        read the archive after all."""
+        try:
+            end, legacy = scan_tar(self, buf, where, depth)
         except CorruptCheckpointError as err:
             self.note(f"the tar header at byte 0{inside(where)} is valid but the archive could not be read ({err})")
-            return False
+            return None
         if head[0] in PICKLE_FIRST:  # pickle.load (and tools that use it) read the file's first bytes
             self.parse(buf, 0, join_where(where, "pickle at byte 0 (read by pickle.load, not torch.load)"),
                        required=False)
-        self.appended_zip(buf, 512, where, depth)
-        return True
+        self.appended_zip(buf, max(512, end), where, depth)  # not the zip of a member (scanned as the member)
+        return layouts.LEGACY_TAR if legacy else layouts.TAR
 
     def pickle_file(self, buf: PickleBuffer, where: str, depth: int, *, loaded: bool = True) -> None:
         """A plain pickle (``pickle.load`` and ``torch.load`` read its first pickle), then any data after it."""
@@ -308,6 +469,7 @@ class Scanner:
         names = [e.name for e in entries]
         layout = self._zip_layout(f, size, where, depth, entries, recs)
         labels = self._labels = self._duplicate_labels(where, entries, names)
+        self._escape_notes(where, names)
         if loaded and torch_view is not None:
             self._mark_loaded(where, layout, recs, names)
         self._case_notes(where, recs, layout.loaded_records or ("data.pkl",))
@@ -338,6 +500,18 @@ class Scanner:
             self.note(f"the torch.export configs{inside(where)} could not be read ({err}); members were scanned by "
                       "their first bytes")
         return layouts.EXPORT
+
+    def _escape_notes(self, where: str, names: list[str]) -> None:
+        """A note for each member whose path leaves the folder it is extracted to (zip-slip: ``..``, an absolute
+        path; :func:`~ckptool.ops.scan.tar.leaves_archive`). The names are searched as one string first (50,000
+        members of a big checkpoint, none suspect)."""
+        text = "\n" + "\n".join(names)
+        if ".." not in text and "\n/" not in text and "\n\\" not in text and ":" not in text:
+            return
+        for name in names:
+            why = leaves_archive(name)
+            if why is not None:
+                self.note(f"zip member {name!r}{inside(where)} {why}")
 
     @staticmethod
     def _duplicate_labels(where: str, entries: list[ZipEntry], names: list[str]) -> dict[int, str]:
@@ -452,7 +626,9 @@ class Scanner:
             return
         nested = head.startswith(ZIP_LOCAL)
         looks_pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
-        if not (is_pickle or nested or looks_pickled) or not self._within_budget(e, label):
+        npy = head.startswith(NPY_MAGIC)  # an .npz member: an object array holds a pickle
+        wrapped = is_wrapper(head)  # a .pkl.gz, a 7z, a zlib joblib dump inside the zip
+        if not (is_pickle or nested or looks_pickled or npy or wrapped) or not self._within_budget(e, label):
             return
         try:
             data = read_member(f, e, label, check_crc=False)
@@ -460,6 +636,12 @@ class Scanner:
             self._unreadable_member(label, is_pickle, err)
             return
         self._check_crc(e, data, label)
+        if npy:
+            self.npy(data, label, depth)
+            return
+        if wrapped:
+            self.member_file(data, label, depth + 1)
+            return
         if nested:
             self.note(f"member {label} is a zip archive; scanned it too")
             try:
@@ -518,7 +700,7 @@ class Scanner:
                 self.record(failed(label, pos, self._globals_before_failure(buf, pos, label, e), e))
                 return
             self.record(PickleFinding(label, pos, [qualified_name(m, n) for m, n in up.globals_seen]),
-                        root if i == 3 else None)
+                        root if i == 3 else None, up.uncalled_globals())
             if i == 4:
                 keys = root
             pos = end
@@ -584,23 +766,35 @@ MAX_KEY_PATHS = 5
 def key_paths(root: Any, names: set[str]) -> dict[str, list[str]]:
     """Where in the object ``root`` (a restricted unpickler's graph) each global of ``names`` is used: dotted key
     paths (:func:`ckptool.model.graph.node_children`'s, ``(top level)`` for the root itself), at most
-    :data:`MAX_KEY_PATHS` each. A global used only inside another call's callable is not located. Never raises."""
+    :data:`MAX_KEY_PATHS` each. The walk goes on inside an object whose own class is one of ``names``, so a global
+    held as a value inside it (``typing.Any`` in an OmegaConf config) is located too. A global used only inside
+    another call's callable is not located. Never raises."""
     out: dict[str, list[str]] = {}
 
-    def leaf(obj: Any) -> str | None:
-        if isinstance(obj, GlobalMeta):
-            name: str | None = obj.qualified_name
-        elif isinstance(obj, (ReduceNode, ObjectNode)):
-            name = obj.global_name
-        else:
-            return None
-        return name if name in names else None
+    def found(name: str | None, path: str) -> None:
+        if name in names:
+            paths = out.setdefault(name, [])
+            if len(paths) < MAX_KEY_PATHS and (path or "(top level)") not in paths:
+                paths.append(path or "(top level)")
 
+    stack: list[tuple[str, Any, int]] = [("", root, 0)]
+    seen: set[int] = set()
     try:
-        for path, name in depth_first(root, "", node_children, leaf):
-            found = out.setdefault(name, [])
-            if len(found) < MAX_KEY_PATHS and (path or "(top level)") not in found:
-                found.append(path or "(top level)")
+        while stack:
+            path, obj, depth = stack.pop()
+            if isinstance(obj, GlobalMeta):
+                found(obj.qualified_name, path)
+                continue
+            if isinstance(obj, _ATOMS) or id(obj) in seen or depth > MAX_DEPTH:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, (ReduceNode, ObjectNode)):
+                found(obj.global_name, path)
+            children = list(node_children(path, obj))
+            stack.extend((p, v, depth + 1) for p, v in reversed(children))
     except (CkptError, RecursionError):
         pass
     return out
+
+
+_ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None))

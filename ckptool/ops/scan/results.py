@@ -94,7 +94,8 @@ class ScanResult:
     """What :func:`scan_file` found in one file.
 
     ``format`` is the container recognised from the bytes (``torch-zip``, ``torchscript``, ``torch-export``, ``zip``,
-    ``torch-legacy``, ``legacy-tar``, ``pickle``, ``safetensors``, or ``unknown``); ``notes`` list container
+    ``torch-legacy``, ``legacy-tar``, ``pickle``, ``safetensors``, the wrappers ``tar``, ``gzip``, ``zlib``,
+    ``7z``, ``npy``, a ``config`` that makes a loader run code, or ``unknown``); ``notes`` list container
     oddities (data after the last pickle, bad CRC-32, duplicate member names, unreadable extra members...);
     ``error`` says why the file could not be read at all; ``recognised`` names a known library file type
     (:func:`ckptool.model.allowlist.recognise_file`: ``(kind, description)``) when the content matches one;

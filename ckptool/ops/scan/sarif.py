@@ -2,11 +2,12 @@
 Format, https://docs.oasis-open.org/sarif/sarif/v2.1.0/sarif-v2.1.0.html), the format code-scanning dashboards
 (GitHub code scanning, GitLab, DefectDojo...) import.
 
-One run, tool ``ckptool`` with four rules (:data:`RULES`): one result per dangerous global and pickle that names
+One run, tool ``ckptool`` with its rules (:data:`RULES`): one result per dangerous global and pickle that names
 it (level ``error``), one per needs-trust global and pickle (``warning`` with ``--strict``, else ``note``), one
 per file or pickle that could not be read to its end (``warning``), one per piece of code that ships in the file
 (``CKPT004``: ``error`` when dangerous, else as needs-trust globals; its member, and ``code_kind`` and ``detail``
-in the properties). Each result's location is the file
+in the properties; a Hugging Face ``auto_map`` module is one), one per Hydra ``_target_`` of a config beside the
+weights (``CKPT006``, levels as for globals). Each result's location is the file
 (``artifactLocation.uri``, relative to the working directory when the path given was) and logical locations
 naming the pickle (``member``: ``archive/data.pkl``, ``.metadata``, ``__0_0.distcp bytes 0-1261 (entry 'x')!...``)
 and the dotted key path where the global is used (``object``: ``archive/data.pkl::model.evil``).
@@ -21,6 +22,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST
+from ckptool.ops.scan.configs import is_target_where
 from ckptool.ops.scan.results import ScanResult
 
 __all__ = ["RULES", "SARIF_SCHEMA", "SARIF_VERSION", "to_sarif"]
@@ -69,6 +71,15 @@ RULES: list[dict[str, Any]] = [
                                  "its file: a truncated download or copy, which torch.load cannot load whole."},
      "help": {"text": "Re-download or re-copy the checkpoint; `ckptool scan FILE` says what is cut short."},
      "defaultConfiguration": {"level": "warning"}},
+    {"id": "CKPT006", "name": "ConfigInstantiatesCode",
+     "shortDescription": {"text": "A config beside the weights names a callable its loader imports and calls"},
+     "fullDescription": {"text": "A Hydra _target_ in a NeMo config (model_config.yaml in a .nemo archive, "
+                                 "context/model.yaml of a NeMo 2 folder): hydra.utils.instantiate imports it and "
+                                 "calls it with the config's arguments when the model is restored (CVE-2025-23304). "
+                                 "Dangerous for a process, eval or other gadget; needs trust for a library class."},
+     "help": {"text": "`ckptool scan --json FILE` lists each target under \"globals\" with its key path. Restore "
+                      "the model only if you trust the file and the packages it names."},
+     "defaultConfiguration": {"level": "error"}},
 ]
 _RULE_INDEX = {r["id"]: i for i, r in enumerate(RULES)}
 
@@ -94,13 +105,19 @@ def _result(rule: str, level: str, text: str, res: ScanResult, member: str | Non
             "locations": [location], "properties": {"format": res.format, **props}}
 
 
-def _file_results(res: ScanResult, strict: bool) -> list[dict[str, Any]]:
+def _global_results(res: ScanResult, strict: bool) -> list[dict[str, Any]]:
+    """The results of the dangerous and needs-trust globals: one per global and pickle that names it (``CKPT001``,
+    ``CKPT002``), one per Hydra target and config that names it (``CKPT006``)."""
     out = []
     for g in res.globals:
         if g.level not in (DANGEROUS, NEEDS_TRUST):
             continue
         rule, level = ("CKPT001", "error") if g.level == DANGEROUS else ("CKPT002", "warning" if strict else "note")
         for where in g.where:
+            if is_target_where(where):  # a Hydra target of a config (ops/scan/configs.py), not a pickle's global
+                out.append(_result("CKPT006", level, f"{g.name} ({g.status}): {g.reason}; named in {where}", res,
+                                   where, [], {"global": g.name, "status": g.status}))
+                continue
             pickle = next((p for p in res.pickles if p.where == where), None)
             paths = pickle.key_paths.get(g.name, []) if pickle is not None else []
             hidden = pickle is not None and pickle.hidden
@@ -109,6 +126,11 @@ def _file_results(res: ScanResult, strict: bool) -> list[dict[str, Any]]:
                     + (" (a pickle torch.load does not read today)" if hidden else ""))
             out.append(_result(rule, level, text, res, where, paths,
                                {"global": g.name, "status": g.status, "hidden": hidden}))
+    return out
+
+
+def _file_results(res: ScanResult, strict: bool) -> list[dict[str, Any]]:
+    out = _global_results(res, strict)
     out += [_result("CKPT005" if p.truncated else "CKPT003", "warning",
                     f"{p.where} could not be read to its end: {p.error}", res, p.where, [],
                     {"hidden": p.hidden}) for p in res.pickles if p.error]

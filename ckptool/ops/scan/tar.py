@@ -30,6 +30,7 @@ __all__ = [
     "PickleWalker",
     "inside",
     "join_where",
+    "leaves_archive",
     "scan_tar",
     "tar_records",
 ]
@@ -61,10 +62,15 @@ class PickleWalker(Protocol):
 
     def trailing(self, buf: PickleBuffer, pos: int, where: str, depth: int) -> None: ...
 
+    def tar_member(self, data: bytes, name: str, label: str, depth: int) -> bool: ...
 
-def scan_tar(w: PickleWalker, buf: PickleBuffer, where: str, depth: int) -> None:
-    """A torch legacy tar (torch < 0.4) in ``buf``: ``torch.load`` unpickles its ``sys_info``, ``pickle``,
-    ``storages`` and ``tensors`` members; every member is read as pickles in a row, each recorded through ``w``.
+
+def scan_tar(w: PickleWalker, buf: PickleBuffer, where: str, depth: int) -> tuple[int, bool]:
+    """A tar archive in ``buf``: a torch legacy tar (torch < 0.4), whose ``sys_info``, ``pickle``, ``storages`` and
+    ``tensors`` members ``torch.load`` unpickles, or another tar (a NeMo ``.nemo`` archive), whose configs, zips and
+    gzip streams are read as what they are (``w.tar_member``); every other member is read as pickles in a row, each
+    recorded through ``w``. A member whose path leaves the archive is a note. Returns ``(end, legacy)``: the offset
+    after the last member read, and whether a member has a legacy record's name.
 
     Raises:
         CorruptCheckpointError: ``tarfile`` cannot open the archive (damage after the readable members is a note).
@@ -73,6 +79,7 @@ def scan_tar(w: PickleWalker, buf: PickleBuffer, where: str, depth: int) -> None
     try:
         with tar.open(fileobj=io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf)), mode="r:") as tf:
             _tar_members(w, tf, where, depth)
+            return tf.offset, any(m.name in LOADED_TAR_MEMBERS for m in tf.members)
     except tar.TarError as e:
         raise CorruptCheckpointError(f"damaged tar archive{inside(where)} ({e})") from e
 
@@ -89,6 +96,9 @@ def _read_tar_members(w: PickleWalker, tf: tarfile.TarFile, where: str, depth: i
         if i >= MAX_TAR_MEMBERS:
             w.note(f"more than {MAX_TAR_MEMBERS} tar members; the rest were not scanned")
             break
+        escape = leaves_archive(member.name, member.issym() or member.islnk(), member.linkname)
+        if escape:
+            w.note(f"tar member {member.name!r}{inside(where)} {escape}")
         if not member.isfile():
             continue
         fobj = tf.extractfile(member)
@@ -97,6 +107,8 @@ def _read_tar_members(w: PickleWalker, tf: tarfile.TarFile, where: str, depth: i
         known = member.name in LOADED_TAR_MEMBERS
         if known and not where:
             w.loaded.add(label)
+        if not known and w.tar_member(data, member.name, label, depth):
+            continue
         if data[:1] and data[0] in PICKLE_FIRST:
             if member.name in ("storages", "tensors"):  # pickles between raw blocks (torch's legacy_load)
                 rest = tar_records(w, data, label, member.name)
@@ -148,6 +160,20 @@ def tar_records(w: PickleWalker, data: bytes, label: str, member: str) -> int | 
             return None
         pos = got[1]
     return pos
+
+
+def leaves_archive(name: str, is_link: bool = False, target: str = "") -> str | None:
+    """Why extracting the member ``name`` (a link to ``target`` when ``is_link``) writes outside the folder it is
+    extracted to (``..`` parts, an absolute path, a drive letter, a link), or None. ``torch.load`` never extracts an
+    archive; a user who unpacks it (``tar -xf``, ``unzip``, ``tarfile.extractall`` before Python 3.14) may."""
+    parts = name.replace("\\", "/").split("/")
+    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
+        return "has an absolute path: extracting it writes outside the target folder"
+    if ".." in parts:
+        return "climbs out of the archive (a '..' part): extracting it writes outside the target folder (zip-slip)"
+    if is_link:
+        return f"is a link to {target!r}: extracting it makes a path that can point outside the target folder"
+    return None
 
 
 def inside(where: str) -> str:
