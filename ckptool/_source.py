@@ -263,7 +263,7 @@ def version_key(path: str) -> tuple[object, ...]:
     modification time of a local file; size and ETag / modification time of a URL."""
     if not is_url(path):
         st = os.stat(path)
-        return (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+        return (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)  # per_version builds it too
     return (path, *version_stamp(remote_info(path) or {}))
 
 
@@ -276,9 +276,18 @@ def per_version(cache: dict[tuple[object, ...], T], path: str, make: Callable[[]
     (:func:`version_key`) and kept in ``cache`` (at most ``keep`` versions; the cache is emptied when full). A URL
     is cached only with ``remote`` (its version costs a request); a path that is no regular file is not cached
     (``make`` raises its own error for it)."""
-    if (is_url(path) and not remote) or (not is_url(path) and not os.path.isfile(path)):
-        return make()
-    key = version_key(path)
+    if is_url(path):
+        if not remote:
+            return make()
+        key = version_key(path)
+    else:  # one stat: a regular file, and its version (many small files)
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):
+            return make()
+        if not stat.S_ISREG(st.st_mode):
+            return make()
+        key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)  # as version_key
     value = cache.get(key)
     if value is None:
         value = make()
