@@ -83,7 +83,12 @@ def report_convert(res: ConvertResult) -> None:
               help="Write shards of at most SIZE (5GB, 500MB, 2GiB) plus an index, named as Hugging Face does "
                    "(see -o); one shard that fits everything is written as the single file DST, without index.")
 @click.option("--dtype", type=click.Choice(list(CAST_TO)),
-              help="Cast floating tensors (integer, bool, complex and float8 tensors are untouched).")
+              help="Cast floating tensors (integer, bool and complex tensors are untouched) and dequantize FP8 and "
+                   "MXFP4 weights (docs/dtypes.md); the report counts values made +-inf or 0, NaNs, and the largest "
+                   "errors, per tensor and in total.")
+@click.option("--allow-overflow", is_flag=True,
+              help="With --dtype: write the output even when the cast turns finite values into inf or NaN "
+                   "(refused by default, naming the tensors).")
 @click.option("--tag", metavar="TAG",
               help="DeepSpeed folder: the tag folder to consolidate (global_step1000; default: named by 'latest').")
 @click.option("--exclude-frozen", is_flag=True, help="DeepSpeed folder: leave out frozen parameters.")
@@ -105,7 +110,7 @@ def report_convert(res: ConvertResult) -> None:
 def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | None, maps: tuple[str, ...],
                 unwrap_keys: bool, strip_prefixes: tuple[str, ...], max_shard_size: str | None, dtype: str | None,
                 tag: str | None, exclude_frozen: bool, tp_dims: tuple[str, ...], allow_missing: bool, no_verify: bool,
-                trust: bool, force: bool, max_expand: float | None, as_json: bool) -> None:
+                trust: bool, force: bool, max_expand: float | None, as_json: bool, allow_overflow: bool) -> None:
     """Convert checkpoint SRC to DST: torch.save <-> safetensors, sharded sets, torch.distributed.checkpoint.
 
     SRC is a torch.save file, a safetensors file, a sharded set (*.index.json, or the folder holding it), a
@@ -146,7 +151,8 @@ def convert_cmd(src: str, dst: str, fmt: str | None, key: str | None, to: str | 
         res = convert(src, dst, format=fmt, key=key, to=to, mapping=mapping_of(maps), allow_missing=allow_missing,
                       unwrap=unwrap_keys, strip_prefixes=strip_prefixes, max_shard_size=max_shard_size, dtype=dtype,
                       verify=not no_verify, trust=trust, progress=bar, tag=tag,
-                      exclude_frozen=exclude_frozen, tp_dims=tp_dims, max_expand=max_expand)
+                      exclude_frozen=exclude_frozen, tp_dims=tp_dims, max_expand=max_expand,
+                      allow_overflow=allow_overflow)
     written = res.load_path  # a sharded set: its index; one shard in a folder: that file
     if as_json:
         emit_json("convert", {**dataclasses.asdict(res), **hint_payload(hint_for(written, to=to, maps=maps))})

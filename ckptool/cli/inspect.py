@@ -15,6 +15,7 @@ from ckptool.cli._common import human_bytes
 from ckptool.errors import UsageError
 from ckptool.formats import plugin
 from ckptool.model.allowlist import level_word
+from ckptool.model.quantization import summary as quant_summary
 from ckptool.model.units import human_count, plural
 from ckptool.ops.inspect.advice import advice_lines, hidden_level, metadata_lines, security_lines
 from ckptool.ops.inspect.entry import SCHEMA, CheckpointInfo, inspect
@@ -172,6 +173,8 @@ def _print_summary(info: CheckpointInfo) -> None:
     echo(f"Tensors:  {len(info.tensors)} tensors, {info.storages} storages, {human_bytes(info.total_bytes)} in "
          "storages (shared storages counted once)"
          + (f"; {shared} tensors share storages (tied weights, views)" if shared else ""))
+    if info.quantization:
+        echo(f"Quant:    {quant_summary(info.quantization)}")
     for line in metadata_lines(info):
         echo(_one_line(line))
 

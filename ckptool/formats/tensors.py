@@ -66,10 +66,34 @@ class Storage:
     crc: int | None = None
     pieces: list[Piece] | None = None
     segments: list[Segment] | None = None
+    #: set for the values of a quantized weight (``convert --dtype`` dequantizing): then this storage holds no bytes
+    #: of its own (``dtype`` float32, ``nbytes`` of those values); they are computed from :class:`Scaled`'s storages
+    scaled: Scaled | None = None
 
     @property
     def numel(self) -> int:
         return self.nbytes // DTYPE_SIZES[self.dtype]
+
+
+@dataclass(eq=False)
+class Scaled:
+    """A quantized weight's values, in float32 (a block scale scheme; MXFP4: :attr:`fp4_packed`): the elements of
+    ``weight`` (a contiguous storage of ``shape``, of a float8 dtype) times the scale of their block, ``scale`` (a
+    tensor of one float per ``block = (rows, columns)`` block of the last two dimensions; the last block of a row or
+    column may be partial), each product rounded once to ``compute`` (float32 as transformers' ``Fp8Dequantize``
+    computes it; the scale's dtype as compressed-tensors' ``dequantize`` does). ``scheme`` names the quantization
+    (for reports)."""
+
+    weight: Storage
+    shape: tuple[int, ...]
+    scale: Tensor
+    block: tuple[int, int]
+    scheme: str
+    compute: str = "float32"
+    #: MXFP4 (gpt-oss): ``weight`` holds uint8 bytes of two e2m1 values each, ``shape`` ``(experts, rows, groups,
+    #: 16)``, ``scale`` uint8 E8M0 exponents ``(experts, rows, groups)``; the values are laid out as transformers'
+    #: ``convert_moe_packed_tensors`` returns them, ``(experts, groups * 32, rows)``
+    fp4_packed: bool = False
 
 
 @dataclass(eq=False)

@@ -23,7 +23,10 @@ One pass from SRC to DST, memory bounded by the largest storage, not by the file
   holding an ``OrderedDict`` state_dict; ``torch.load(dst, weights_only=True)`` opens it. Storages are tagged
   ``cpu`` or ``to``.
 * **dtype.** ``dtype`` casts floating tensors (float16, bfloat16, float32, float64); integer, bool, complex and
-  float8 tensors are untouched. A cast is applied to a whole storage, so views keep their offsets and strides.
+  float8 tensors are untouched. A cast is applied to a whole storage, so views keep their offsets and strides, and
+  counted (the cast report: :class:`~ckptool.model.casts.CastCount`; one making inf / NaN from finite values is
+  refused unless ``allow_overflow``). Quantized weights with their scales (fine-grained and compressed-tensors FP8,
+  MXFP4) are dequantized to ``dtype`` first (:mod:`ckptool.ops.convert.dequant`, docs/dtypes.md).
 * **Sharded sets** (:mod:`ckptool.formats.sharded`). An ``*.index.json`` is read as one checkpoint.
   ``max_shard_size`` writes shards plus an index, named as ``transformers`` names them, that it and
   ``huggingface_hub`` read; tensors that share a storage stay in one shard.
@@ -49,6 +52,7 @@ import contextlib
 import functools
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol
@@ -62,6 +66,7 @@ from ckptool.model.keys import raise_on_collisions
 from ckptool.model.megatron import USER_RULES, parse_tp_dims
 from ckptool.model.rename_plan import RenamePlan, build_plan
 from ckptool.ops.convert.dcp import WHOLE_NOTE, check_dcp_target, whole_dcp_to_torch, write_dcp
+from ckptool.ops.convert.dequant import dequantize_source, quantization_config, unquantized_config
 from ckptool.ops.convert.outputs import write_outputs
 from ckptool.ops.convert.report import ConvertResult
 from ckptool.ops.convert.source import CAST_TO, SHARED_KEY, OutputFormat, parse_size
@@ -121,7 +126,7 @@ def convert(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], *, format: str | None = None, key: str | None = None,
     to: str | None = None, mapping: Mapping[str, str] | None = None, allow_missing: bool = False,
     unwrap: bool = False, strip_prefixes: str | Sequence[str] = (), max_shard_size: int | str | None = None,
-    dtype: str | None = None, verify: bool = True, trust: bool = False,
+    dtype: str | None = None, verify: bool = True, trust: bool = False, allow_overflow: bool = False,
     progress: ProgressFn | None = None, tag: str | None = None, exclude_frozen: bool = False,
     tp_dims: Sequence[str] = (), max_expand: float | None = None, executor: Executor | None = None,
 ) -> ConvertResult:
@@ -152,8 +157,8 @@ def convert(
       ``x-00001-of-0000N.safetensors``... and ``x.safetensors.index.json`` beside it (likewise ``.bin`` / ``.pt`` /
       ``.pth``), a folder ``dst`` gets ``model-00001-of-0000N.safetensors``... / ``pytorch_model-...bin``; a set
       that fits one shard is the single file, without index (``transformers`` ``save_pretrained``).
-    * ``dtype`` (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``) casts floating tensors. ``verify``
-      re-opens the output and compares every tensor with the source (see the module docstring).
+    * ``dtype`` (float16, bfloat16, float32, float64) casts floats, dequantizes FP8 (:mod:`.dequant`), reports each
+      cast (``cast_values``; inf / NaN refused unless ``allow_overflow``). ``verify``: re-read and compare.
     * ``max_expand``: what the tensors may take dense, per storage byte (:mod:`ckptool.readers.budget`; 0: no limit).
       ``trust`` allows globals outside the weights-only allowlist when a step loads with torch (DCP).
     * ``executor``: a thread pool writing a sharded output's shards at once (:mod:`ckptool.ops.rewrite.parallel`).
@@ -168,7 +173,7 @@ def convert(
             an output suffix that names no format, ``dst`` the same file as ``src``), a missing output folder or
             shard.
         UnsupportedError: plain pickles and TorchScript archives; dtypes safetensors cannot hold (complex128,
-            quantized tensors); no state_dict found; tensors over the ``max_expand`` budget.
+            quantized tensors); no state_dict found; over ``max_expand``; a cast making inf (:mod:`.dequant` too).
         NotACheckpointError / CorruptCheckpointError: unreadable or damaged input.
         UnsafeCheckpointError: a DCP folder (or a torch file converted to DCP) needs globals outside the allowlist
             and ``trust`` is False; with ``trust``, ``ckptool scan`` rates the input dangerous (:func:`_open_source`).
@@ -190,11 +195,11 @@ def convert(
     if own is not None:
         return own(opened, dst_p, fmt_out=fmt_out, trust=trust, options=dict(
             key=key, to=to, mapping=mapping, allow_missing=allow_missing, max_shard_size=shard_bytes, dtype=dtype,
-            verify=verify, progress=progress, max_expand=max_expand, **renames))
+            verify=verify, progress=progress, max_expand=max_expand, allow_overflow=allow_overflow, **renames))
     _refuse_options(opened, fmt_out, key)
     if fmt_out.folder and opened.spec.tensors:
         return _to_dcp(opened, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype,
-                       max_expand=max_expand)
+                       max_expand=max_expand, allow_overflow=allow_overflow)
     source = _read_source(opened, fmt_out, key, tag, exclude_frozen, max_expand)
     _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
     res = ConvertResult(src_p, dst_p, source.format, fmt_out.value, key=source.key, left_out=list(source.left_out),
@@ -202,23 +207,42 @@ def convert(
     location = location_function(to, mapping, tags=[t.storage.location for t in source.tensors],
                                  allow_missing=allow_missing, where=src_p) or _keep_location
     res.renamed, plan = _apply_renames(source, unwrap, strip, allow_missing)
-    _write(source, res, fmt_out, shard_bytes, dtype, location, plan, verify, progress)
+    _write(source, res, fmt_out, shard_bytes, dtype, location, plan, verify, progress, allow_overflow)
     return res
 
 
 def _write(source: Source, res: ConvertResult, fmt_out: OutputFormat, shard_bytes: int | None, dtype: str | None,
            location: Callable[[str], str], plan: RenamePlan | None, verify: bool,
-           progress: ProgressFn | None) -> None:
+           progress: ProgressFn | None, allow_overflow: bool = False) -> None:
     """Write ``source`` to ``res.dst`` as ``fmt_out`` (:func:`ckptool.ops.convert.outputs.write_outputs`), with the
-    notes of what the output format does not carry."""
+    notes of what the output format does not carry; with ``dtype``, quantized weights dequantized first."""
     res.notes += source.notes[len(res.notes):]
+    dequantized = dtype is not None and _dequantize(source, res)
     if not fmt_out.whole_state and source.sd_state is not None:
         res.notes.append(f"the state_dict's _metadata (module versions for load_state_dict) was not carried: "
                          f"{fmt_out.value} holds tensors only")
     companions = _model_folder_files(res, source, fmt_out, shard_bytes)
-    write_outputs(source, res.dst, fmt_out, shard_bytes, dtype, location, plan.rename if plan else None,
-                  verify, progress, res, companions=companions.files)
+    with tempfile.TemporaryDirectory(prefix="ckptool-config-") as tmp:
+        files = companions.files
+        if dequantized:  # config.json without its quantization_config: transformers loads the weights as they are
+            files = [(unquantized_config(p, tmp) or p, n) if n == "config.json" else (p, n) for p, n in files]
+            if files != companions.files:
+                res.notes.append("config.json copied without its quantization_config (the rest byte for byte)")
+        write_outputs(source, res.dst, fmt_out, shard_bytes, dtype, location, plan.rename if plan else None,
+                      verify, progress, res, companions=files, allow_overflow=allow_overflow)
     res.kept = companions.names
+
+
+def _dequantize(source: Source, res: ConvertResult) -> bool:
+    """Dequantize the quantized weights of ``source`` (:func:`ckptool.ops.convert.dequant.dequantize_source`, with
+    the ``quantization_config`` of the model folder, or of the folder holding a single file), noting it in ``res``;
+    whether there were any."""
+    folder = model_folder_of(res.src)
+    if folder is None and not is_url(res.src):  # one file: the config.json beside it, if any, says the block size
+        folder = os.path.dirname(os.path.abspath(res.src))
+    notes = dequantize_source(source, quantization_config(folder))
+    res.notes += notes
+    return bool(notes)
 
 
 def _model_folder_files(res: ConvertResult, source: Source, fmt_out: OutputFormat,
@@ -370,7 +394,7 @@ def _from_dcp(opened: Opened, dst: str, *, fmt_out: OutputFormat, trust: bool,
 
 
 def _to_dcp(opened: Opened, dst: str, *, key: str | None, trust: bool, verify: bool, renames: dict[str, Any],
-            cast: str | None, max_expand: float | None) -> ConvertResult:
+            cast: str | None, max_expand: float | None, allow_overflow: bool = False) -> ConvertResult:
     """Write a DCP folder at ``dst`` (:func:`ckptool.ops.convert.dcp.write_dcp`) from a checkpoint whose tensors
     ckptool reads (a torch file, a sharded set, safetensors, ``.pt2``, torch.package).
 
@@ -396,9 +420,10 @@ def _to_dcp(opened: Opened, dst: str, *, key: str | None, trust: bool, verify: b
     else:
         with scratch_file(dst) as tmp:
             sub = convert(src, tmp, format=OutputFormat.TORCH.value, key=key, dtype=cast, verify=verify, trust=trust,
-                          max_expand=max_expand, **renames)
+                          max_expand=max_expand, allow_overflow=allow_overflow, **renames)
             res.key, res.left_out, res.skipped, res.cast, res.renamed = (sub.key, sub.left_out, sub.skipped,
                                                                          sub.cast, sub.renamed)
+            res.cast_values, res.cast_total = sub.cast_values, sub.cast_total
             obj, _saved = load_checkpoint(tmp, "cpu", trust=trust)
     if not isinstance(obj, dict):
         raise UnsupportedError(f"{src} holds a {type(obj).__name__}, not a dict; DCP saves a state_dict (a dict)")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ckptool.formats.dtypes import DTYPE_SIZES
 from ckptool.formats.tensors import Source
+from ckptool.model.casts import total_count
 from ckptool.ops.convert.plan import Unit, check_safetensors_dtypes, split, union_elements, units
 from ckptool.ops.convert.report import ConvertResult
 from ckptool.ops.convert.source import OutputFormat, out_dtype
@@ -40,6 +41,7 @@ class Job:
     files: Files = field(default_factory=Files)
     state: dict[str, object] | None = None
     entries: dict[str, object] | None = None
+    allow_overflow: bool = False
 
     def tick(self, n: int) -> None:
         """Report ``n`` more bytes written."""
@@ -52,7 +54,8 @@ def _write_safetensors_file(job: Job, path: str, final: str, us: list[Unit]) -> 
     meta = dict(job.src.metadata) if job.src.metadata else None
     check = with_evidence(job.files.evidence, verify_safetensors) if job.verify else None
     w = emit(path, functools.partial(write_safetensors, plan=us, base_meta=meta, files=job.files, cast=job.cast,
-                                     progress=job.tick, res=job.res, need_crc=job.verify), check)
+                                     progress=job.tick, res=job.res, need_crc=job.verify,
+                                     allow_overflow=job.allow_overflow), check)
     return w, [t.name for u in us for t in u.stored]
 
 
@@ -63,7 +66,8 @@ def _write_torch_file(job: Job, path: str, final: str, us: list[Unit]) -> tuple[
     check = with_evidence(job.files.evidence, torch_verifier(job.cast)) if job.verify else None
     w = emit(path, functools.partial(write_torch, tensors=tensors, files=job.files, cast=job.cast,
                                      location=job.location, archive=archive_name(final), sd_state=job.state,
-                                     rename_key=job.rename_key, progress=job.tick, entries=job.entries), check)
+                                     rename_key=job.rename_key, progress=job.tick, entries=job.entries,
+                                     allow_overflow=job.allow_overflow, where=job.res.src or job.src.path), check)
     return w, [t.name for t in tensors]
 
 
@@ -142,12 +146,13 @@ def _merge_tasks(job: Job, tasks: list[Job]) -> None:
         job.res.made_contiguous += t.res.made_contiguous
         job.res.aliases.update(t.res.aliases)
         job.files.evidence.merge(t.files.evidence)
+        job.files.cast_counts.update(t.files.cast_counts)
 
 
 def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_bytes: int | None, cast: str | None,
                   location: Callable[[str], str], rename_key: Callable[[str], str] | None, verify: bool,
                   progress: ProgressFn | None, res: ConvertResult,
-                  companions: Sequence[tuple[str, str]] = ()) -> None:
+                  companions: Sequence[tuple[str, str]] = (), allow_overflow: bool = False) -> None:
     """Write ``src`` to ``dst`` as ``fmt_out`` (:attr:`OutputFormat.SAFETENSORS` or :attr:`OutputFormat.TORCH`, or
     its value: :data:`WRITERS`), filling ``res``: one file,
     or with ``shard_bytes`` a set of shards of at most that many bytes each
@@ -155,10 +160,11 @@ def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_byte
     / ``.pt`` / ``.pth``, else in the folder ``dst``), written as :func:`write_set` describes, with ``companions``
     (source path, file name) copied into the set's folder in the same commit (``merge-lora``'s model folders).
     Inside a :func:`ckptool.ops.rewrite.parallel.shard_executor` block (``convert --jobs N``) the shards are written
-    one per task, each task with its own source files; the index is written last, by this thread.
+    one per task, each task with its own source files; the index is written last, by this thread. ``cast`` fills
+    the cast report (:func:`_cast_report`); a file whose cast made inf / NaN is refused unless ``allow_overflow``.
 
     Raises:
-        UnsupportedError: a dtype safetensors cannot hold.
+        UnsupportedError: a dtype safetensors cannot hold; a cast making inf / NaN (not ``allow_overflow``).
         UsageError: a file set named by a bare suffix; a folder output that is a file; a file of the output set
             that is an input or a directory; a missing output folder.
         OutputError: writing or renaming an output file failed.
@@ -173,7 +179,8 @@ def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_byte
     groups = [plan] if shard_bytes is None else split(plan, shard_bytes, writer.unit_size)
     pool = current_executor() if shard_bytes is not None and len(groups) > 1 else None
     job = Job(src, cast, location, rename_key, verify, locked(progress) if pool else progress, res,
-              state=src.sd_state if len(groups) == 1 else None, entries=_entries(src, fmt_out, len(groups), res))
+              state=src.sd_state if len(groups) == 1 else None, entries=_entries(src, fmt_out, len(groups), res),
+              allow_overflow=allow_overflow)
     job.files.evidence.expect_records(t.storage for t in src.tensors)
     weight_map: dict[str, str] = {}
     done: dict[int, Job] = {}  # id(group) -> the job that wrote it
@@ -207,12 +214,27 @@ def write_outputs(src: Source, dst: str, fmt_out: OutputFormat | str, shard_byte
     res.shards = len(groups)
     res.tensors = len(src.tensors)
     res.stored, res.trimmed_bytes = writer.tally(plan, src)
-    for t in src.tensors:
-        out = out_dtype(t.dtype, cast)
-        if out != t.dtype:
-            k = f"{t.dtype}->{out}"
-            res.cast[k] = res.cast.get(k, 0) + 1
+    _cast_report(src, cast, job.files, res)
     if verify:
         res.verified = True
         res.checked = verification_check(fmt_out, {out_dtype(t.dtype, cast) for t in src.tensors},
                                          job.files.evidence.summary())
+
+
+def _cast_report(src: Source, cast: str | None, files: Files, res: ConvertResult) -> None:
+    """Fill ``res.cast`` (``"float32->float16": tensors``; a dequantized weight counted from its stored dtype),
+    ``res.cast_values`` (the first tensor of each cast storage -> its :class:`~ckptool.model.casts.CastCount`, in
+    state_dict order) and ``res.cast_total`` from what the writers counted."""
+    for t in src.tensors:
+        out = out_dtype(t.dtype, cast)
+        scaled = t.storage.scaled
+        if out != t.dtype or scaled is not None:
+            k = f"{scaled.weight.dtype if scaled else t.dtype}->{out}"
+            res.cast[k] = res.cast.get(k, 0) + 1
+    seen: set[int] = set()
+    for t in src.tensors:
+        got = files.cast_counts.get(id(t.storage))
+        if got is not None and id(t.storage) not in seen:
+            seen.add(id(t.storage))
+            res.cast_values[t.name] = got[1]
+    res.cast_total = total_count(res.cast_values)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ckptool.model.casts import CastCount
 from ckptool.model.units import human_bytes, wrote_line
 from ckptool.ops.convert.source import OutputFormat
 from ckptool.readers import FORMATS, Format
@@ -34,7 +35,10 @@ class ConvertResult:
     selected state_dict, which safetensors cannot hold. ``aliases`` maps each tensor stored as a view of another to
     that tensor; ``made_contiguous`` lists tensors stored contiguous although their layout was not;
     ``trimmed_bytes`` counts storage bytes that no tensor reached (``torch.save`` of a slice keeps its whole
-    storage). ``cast`` counts ``"float32->float16": tensors``. ``renamed`` counts renamed keys. ``verified`` is True
+    storage). ``cast`` counts ``"float32->float16": tensors``; ``cast_values`` is the cast report, tensor name ->
+    what the cast did to its values (:class:`~ckptool.model.casts.CastCount`: overflows, underflows, NaNs, largest
+    errors; a storage shared by several tensors under its first tensor's name) and ``cast_total`` their sum.
+    ``renamed`` counts renamed keys. ``verified`` is True
     after a passing verification (``checked``: what was compared with what, the sentence after ``Verified:``),
     None with ``verify=False``. """
 
@@ -54,6 +58,8 @@ class ConvertResult:
     made_contiguous: list[str] = field(default_factory=list)
     trimmed_bytes: int = 0
     cast: dict[str, int] = field(default_factory=dict)
+    cast_values: dict[str, CastCount] = field(default_factory=dict)
+    cast_total: CastCount | None = None
     renamed: int = 0
     notes: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)  # model-folder files copied beside a set (ops.rewrite.companions)
@@ -128,6 +134,7 @@ def _layout_lines(res: ConvertResult) -> list[str]:
         lines.append(f"Storage bytes no tensor reaches were not carried: {human_bytes(res.trimmed_bytes)}")
     if res.cast:
         lines.append("Cast: " + ", ".join(f"{k} ({n})" for k, n in sorted(res.cast.items())))
+    lines += cast_report_lines(res)
     if res.renamed:
         lines.append(f"Renamed {res.renamed} key(s)")
     return lines
@@ -171,3 +178,24 @@ def verification_line(res: ConvertResult) -> str:
     if res.verified is None:
         return "Not verified (--no-verify)"
     return ""
+
+
+def _count_words(c: CastCount) -> str:
+    """``overflow to +-inf 2, underflow to 0 5, NaN in 1 / out 1, max abs error 0.0039, max rel error 0.00049``."""
+    made = f", finite to NaN {c.nan_made}" if c.nan_made else ""
+    return (f"overflow to +-inf {c.overflow}, underflow to 0 {c.underflow}{made}, NaN in {c.nan_in} / out "
+            f"{c.nan_out}, max abs error {c.max_abs_error:.3g}, max rel error {c.max_rel_error:.3g}")
+
+
+def cast_report_lines(res: ConvertResult) -> list[str]:
+    """The cast report: the totals over every value cast, then each tensor whose values overflowed, underflowed or
+    became NaN (the first :data:`_LIST`, then how many more)."""
+    total = res.cast_total
+    if total is None:
+        return []
+    lines = [f"Cast report ({total.elements} values): {_count_words(total)}"]
+    hit = [(n, c) for n, c in res.cast_values.items() if c.overflow or c.underflow or c.nan_made]
+    lines += [f"  {n} ({c.src}->{c.dst}): {_count_words(c)}" for n, c in hit[:_LIST]]
+    if len(hit) > _LIST:
+        lines.append(f"  ... and {len(hit) - _LIST} more tensor(s) with overflow or underflow")
+    return lines

@@ -21,6 +21,7 @@ from ckptool._fileio import WriteBehind, atomic_output, copy_range, copy_range_c
 from ckptool.formats.dtypes import DTYPE_SIZES, ST_CODES
 from ckptool.formats.nodes import StorageRef
 from ckptool.formats.tensors import Storage, Tensor, is_contiguous
+from ckptool.model.casts import CastCount, refuse_overflow
 from ckptool.model.graph import mapping_items, ordered_dict_node
 from ckptool.model.keys import rename_metadata_items
 from ckptool.model.tensor_nodes import storage_ref, view_node
@@ -50,6 +51,8 @@ class Files(FileRanges):
         super().__init__()
         #: every source range read into an output, for verification against independent evidence
         self.evidence = SourceEvidence()
+        #: id(storage) -> (storage, what its cast did to its values), for the cast report (``convert --dtype``)
+        self.cast_counts: dict[int, tuple[Storage, CastCount]] = {}
 
     def read(self, path: str, offset: int, n: int) -> bytearray:
         """``n`` bytes at ``offset`` of ``path``, recorded as evidence.
@@ -78,8 +81,22 @@ class Files(FileRanges):
         return read_range(st, offset, n, self.read)  # every range through self.read: recorded as evidence
 
     def cache(self, cast: str | None) -> FlatCache:
-        """A :class:`FlatCache` reading from these files, casting floating storages to ``cast``."""
-        return FlatCache(self.read, lambda dtype: out_dtype(dtype, cast))
+        """A :class:`FlatCache` reading from these files, casting floating storages to ``cast`` and recording what
+        each cast did in :attr:`cast_counts`."""
+        return FlatCache(self.read, lambda dtype: out_dtype(dtype, cast), self._counted)
+
+    def _counted(self, st: Storage, count: CastCount) -> None:
+        self.cast_counts[id(st)] = (st, count)  # by storage: a storage cast twice is counted once
+
+    def refuse_overflow(self, tensors: list[Tensor], where: str) -> None:
+        """Raise when a storage of ``tensors`` was cast with values made ``inf`` / NaN (named by its first tensor):
+        :func:`ckptool.model.casts.refuse_overflow`."""
+        counts: dict[int, tuple[str, CastCount]] = {}
+        for t in tensors:
+            got = self.cast_counts.get(id(t.storage))
+            if got is not None:
+                counts.setdefault(id(t.storage), (t.name, got[1]))
+        refuse_overflow(dict(counts.values()), where)
 
 
 @dataclass
@@ -98,13 +115,17 @@ class Written:
 
 def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str] | None, files: Files,
                       cast: str | None, progress: Callable[[int], None] | None, res: ConvertResult,
-                      need_crc: bool = True) -> Written:
+                      need_crc: bool = True, allow_overflow: bool = False) -> Written:
     """Write the units of ``plan`` as one safetensors file into the open binary file ``out``.
 
     Header keys follow state_dict order; data is laid out by element size (largest first), so every tensor starts
     on a multiple of its element size, as the safetensors writer does. Tensor bytes that need no change are copied
     by the kernel when their CRC-32 is known from the source zip (a tensor filling its storage record) or
     ``need_crc`` is False; otherwise they pass through an 8 MiB buffer that computes it.
+
+    Raises:
+        UnsupportedError: the ``cast`` made ``inf`` or NaN from finite values, unless ``allow_overflow`` (after the
+            data is written, so every such tensor is named; the file is not kept).
     """
     members = sorted((t for u in plan for t in u.members), key=lambda t: t.index)
     meta = _safetensors_metadata(plan, {id(t): i for i, t in enumerate(members)}, base_meta)
@@ -131,6 +152,8 @@ def write_safetensors(out: BinaryIO, plan: list[Unit], base_meta: dict[str, str]
             behind.written(out.tell())
         if progress:
             progress(t.numel * DTYPE_SIZES[u.dtype])
+    if not allow_overflow:
+        files.refuse_overflow(members, res.src)
     w = Written([], meta or None, members, plan, nbytes=len(head) + pos)
     for u, t in stored:
         w.expect.append((t.name, u.dtype, t.shape, crcs[id(t)]))
@@ -169,7 +192,7 @@ def _write_safetensors_data(out: BinaryIO, u: Unit, t: Tensor, files: Files, cac
     esize = DTYPE_SIZES[u.dtype]
     st = t.storage
     crc: int | None
-    if u.dtype == t.dtype and st.pieces is None and is_contiguous(t.shape, t.stride):
+    if u.dtype == t.dtype and st.pieces is None and st.scaled is None and is_contiguous(t.shape, t.stride):
         whole = t.offset == 0 and t.numel * esize == st.nbytes
         src, base = files.storage(st)
         if (whole and st.crc is not None) or not need_crc:  # the checksum is known, or not needed
@@ -181,7 +204,7 @@ def _write_safetensors_data(out: BinaryIO, u: Unit, t: Tensor, files: Files, cac
             crc = copy_range_crc(src, out, base + t.offset * esize, t.numel * esize, behind=behind)
             if st.segments is None:  # (segments are recorded as Files.read reads them)
                 files.evidence.saw(st.path, base + t.offset * esize, t.numel * esize, crc)
-    elif u.dtype == t.dtype and st.pieces is None:  # a strided view, no cast: gather its bytes (no torch)
+    elif u.dtype == t.dtype and st.pieces is None and st.scaled is None:  # a strided view, no cast: gather (no torch)
         lo, hi = t.span
         crc = 0
         for piece in gather(files.storage_bytes(st, lo * esize, (hi - lo) * esize), esize,
@@ -234,12 +257,17 @@ def torch_pickle(tensors: list[Tensor], keys: dict[int, str], cast: str | None, 
 
 def write_torch(out: BinaryIO, tensors: list[Tensor], files: Files, cast: str | None, location: Callable[[str], str],
                 archive: str, sd_state: dict[str, Any] | None, rename_key: Callable[[str], str] | None,
-                progress: Callable[[int], None] | None, entries: dict[str, Any] | None = None) -> Written:
+                progress: Callable[[int], None] | None, entries: dict[str, Any] | None = None,
+                allow_overflow: bool = False, where: str = "") -> Written:
     """Write ``tensors`` as a torch zip checkpoint (an ``OrderedDict`` state_dict, with the plain ``entries`` after
     the tensors: :func:`torch_pickle`) into the open file ``out``.
 
     Storage records are copied from the source byte for byte (kernel copy when the source's CRC-32 is known);
     a storage that is cast or assembled from safetensors pieces is materialised, one at a time.
+
+    Raises:
+        UnsupportedError: the ``cast`` made ``inf`` or NaN from finite values, unless ``allow_overflow`` (after the
+            data is written, so every such tensor is named; the file is not kept). ``where`` names the source.
     """
     storages: list[Storage] = []
     keys: dict[int, str] = {}
@@ -255,7 +283,7 @@ def write_torch(out: BinaryIO, tensors: list[Tensor], files: Files, cast: str | 
                       entries={k: v for k, v in (entries or {}).items() if k not in {t.name for t in tensors}})
     for st in storages:
         name = f"data/{keys[id(st)]}"
-        if st.pieces is None and out_dtype(st.dtype, cast) == st.dtype:
+        if st.pieces is None and st.scaled is None and out_dtype(st.dtype, cast) == st.dtype:
             w.copy_record(name, *files.storage(st), st.nbytes, st.crc)
             if st.crc is not None:  # the record carries the source's CRC-32, which zipfile checks on the output
                 files.evidence.vouched(st.path)
@@ -268,6 +296,8 @@ def write_torch(out: BinaryIO, tensors: list[Tensor], files: Files, cast: str | 
         written.records[name] = w.entries[-1][1]
         if progress:
             progress(st.numel * DTYPE_SIZES[out_dtype(st.dtype, cast)])
+    if not allow_overflow:
+        files.refuse_overflow(tensors, where)
     w.end_torch_save()
     written.nbytes = w.pos
     return written

@@ -26,15 +26,17 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptool import _source as source
 from ckptool._gc import gc_paused
-from ckptool.errors import CorruptCheckpointError
+from ckptool.errors import CorruptCheckpointError, UnsupportedError
 from ckptool.formats import plugin
 from ckptool.model.allowlist import DANGEROUS
 from ckptool.model.graph import too_deep
 from ckptool.model.keys import check_key_lengths
+from ckptool.model.quantization import describe as describe_quantization
+from ckptool.model.quantization import quantization_config
 from ckptool.ops.inspect.info import (
     SCHEMA,
     ByteTotal,
@@ -110,7 +112,20 @@ def _describe(path: str | os.PathLike[str] | Opened, limits: PreviewLimits | Non
     describer = DESCRIBE.get(opened.format)
     info = describer(opened, limits)
     check_key_lengths((t.key for t in info.tensors), opened.path)  # the describers read headers themselves
+    info.quantization = _quantization(info)
     return info
+
+
+def _quantization(info: CheckpointInfo) -> dict[str, Any] | None:
+    """:func:`ckptool.model.quantization.describe` of ``info``'s tensors and the ``quantization_config`` of the
+    ``config.json`` in its folder (a local model folder, the folder of an index or of a file; unreadable: none)."""
+    path = info.path
+    folder = None if source.is_url(path) else path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    try:
+        quant = quantization_config(folder)
+    except UnsupportedError:
+        quant = None
+    return describe_quantization({t.key: (t.dtype, tuple(t.shape), t.nbytes) for t in info.tensors}, quant)
 
 
 def inspect_pickled(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:

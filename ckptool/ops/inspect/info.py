@@ -24,6 +24,7 @@ from ckptool.model.allowlist import (
     level_of,
 )
 from ckptool.model.keys import has_flat_param_key, shared_prefixes, suggest_command
+from ckptool.model.quantization import summary as quant_summary
 from ckptool.model.units import human_bytes, plural
 from ckptool.model.verdict import Verdict, exit_code, verdict_of
 from ckptool.ops.inspect.json_rows import rows_json
@@ -180,6 +181,9 @@ class CheckpointInfo:
     #: ``member``, ``package``, ``resource``, ``kind``, ``tensors``, ``globals``), ``modules`` (the Python modules
     #: it ships, which ``PackageImporter`` runs), ``extern_modules``, ``python_version``, ``version``; else None
     package: dict[str, Any] | None = None
+    #: the quantization: scheme, quantized weights and their scales, blocks, sizes, or why it is not dequantized
+    #: (:func:`ckptool.model.quantization.describe`, from the tensors and the folder's ``config.json``); else None
+    quantization: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (``dataclasses.asdict`` without its deep copies: fast for 50,000 tensors), with
@@ -304,7 +308,8 @@ class CheckpointInfo:
                 ("devices", ", ".join(f"{d} ({n})" for d, n in self.devices.items()) or "-"),
                 ("wrapper prefixes", "; ".join(f"{sd.path or '(top level)'}: {' '.join(sd.prefixes)}"
                                                for sd in self.state_dicts if sd.prefixes) or "-"),
-                ("safety", self.verdict.value)]
+                ("safety", self.verdict.value),
+                *([("quantization", quant_summary(self.quantization))] if self.quantization else [])]
 
     def __str__(self) -> str:
         """A short summary (``print(ckptool.inspect(path))``): the path, then one line per :meth:`facts` row;
