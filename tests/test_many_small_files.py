@@ -97,9 +97,10 @@ def test_inspect_of_many_small_files_opens_each_once_and_jobs_2_does_no_more(
     # today three opens a file: the format's first bytes, the pickle read, the scan of it (issue 52 item 3 asks
     # for one; not done yet): pinned so that more is a decision
     assert one["open"] == {3}, one
-    # the folder's size stat, the format's (folder? version), and per open its check and FIFO/device guard, the
-    # scan's folder test: 10 (11 before per_version took a file's version from its regular-file test's stat)
-    assert one["stat"] == {10}, one
+    # the folder's size stat, the format's (folder? version), per open its check and FIFO/device guard, the scan's
+    # folder test, inspect's quantization-config folder test: 11 (one less since per_version took a file's version
+    # from its regular-file test's stat)
+    assert one["stat"] == {11}, one
 
 
 def test_check_readable_stats_a_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
