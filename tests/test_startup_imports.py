@@ -64,7 +64,8 @@ SCAN_ZIP_MODULES = {
 INSPECT_ZIP_MODULES = (SCAN_ZIP_MODULES - {"ckptool.cli.scan"}) | {
     "ckptool.cli.inspect",
     "ckptool.formats.segments", "ckptool.formats.strided", "ckptool.formats.torchfile",
-    "ckptool.model.keys", "ckptool.model.nonstrided", "ckptool.model.quantization", "ckptool.model.numpy_nodes", "ckptool.model.paths",
+    "ckptool.model.keys", "ckptool.model.nonstrided", "ckptool.model.numpy_nodes", "ckptool.model.paths",
+    "ckptool.model.quantization",
     "ckptool.model.values",
     "ckptool.ops.inspect", "ckptool.ops.inspect.advice", "ckptool.ops.inspect.entry", "ckptool.ops.inspect.info",
     "ckptool.ops.inspect.json_rows", "ckptool.ops.inspect.pickles", "ckptool.ops.inspect.totals",
