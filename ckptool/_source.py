@@ -125,7 +125,7 @@ def version_key(path: str) -> tuple[object, ...]:
     modification time of a local file; size and ETag / modification time of a URL."""
     if not is_url(path):
         st = os.stat(path)
-        return (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+        return (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)  # per_version builds it too
     return (path, *version_stamp(remote_info(path) or {}))
 
 
@@ -138,9 +138,18 @@ def per_version(cache: dict[tuple[object, ...], T], path: str, make: Callable[[]
     (:func:`version_key`) and kept in ``cache`` (at most ``keep`` versions; the cache is emptied when full). A URL
     is cached only with ``remote`` (its version costs a request); a path that is no regular file is not cached
     (``make`` raises its own error for it)."""
-    if (is_url(path) and not remote) or (not is_url(path) and not os.path.isfile(path)):
-        return make()
-    key = version_key(path)
+    if is_url(path):
+        if not remote:
+            return make()
+        key = version_key(path)
+    else:  # one stat: a regular file, and its version (many small files)
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):
+            return make()
+        if not stat.S_ISREG(st.st_mode):
+            return make()
+        key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)  # as version_key
     value = cache.get(key)
     if value is None:
         value = make()
@@ -192,20 +201,22 @@ def _special_error(path: str, kind: str, what: str) -> NotACheckpointError:
         "(reading a pipe, device or socket can block forever or never end); copy its content into a file first")
 
 
-def refuse_special(path: str, what: str = "") -> None:
+def refuse_special(path: str, what: str = "", *, mode: int | None = None) -> None:
     """Refuse ``path`` (a local path; links followed) when it is a FIFO, a character or block device or a socket,
     from its ``stat`` alone: nothing is opened. ``what`` says what it is to the caller (``"a DCP record"``, ``"the
-    rules file"``). A path that does not exist, a folder and a URL pass (their callers refuse those).
+    rules file"``). A path that does not exist, a folder and a URL pass (their callers refuse those). ``mode``: the
+    ``st_mode`` of an ``os.stat(path)`` the caller made already (no second ``stat``: many small files).
 
     Raises:
         NotACheckpointError: a FIFO, a device or a socket.
     """
     if is_url(path):
         return
-    try:
-        mode = os.stat(path).st_mode
-    except (OSError, ValueError):
-        return
+    if mode is None:
+        try:
+            mode = os.stat(path).st_mode
+        except (OSError, ValueError):
+            return
     kind = special_kind(mode)
     if kind is not None:
         raise _special_error(path, kind, what)
