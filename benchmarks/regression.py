@@ -13,6 +13,8 @@ figures. It
 
    * ``python -m ckptool inspect --json FILE`` of checkpoint (2), the ``--many`` (50,000) tensors;
    * ``python -m ckptool remap FILE --to cpu -o OUT`` of checkpoint (1), ``--size-gib`` (2) GiB;
+   * ``python -m ckptool scan FILE`` of checkpoint (1) and of checkpoint (2) (issues 46 and 49: scan's speed on the
+     2 GiB zip and on the 50,000 tensors);
    * ``ckptool.load_into(model, FILE)`` of checkpoint (1) in a ``python -c`` child that builds a model of the file's
      layout (``layers.{i}.weight``, uninitialised); its time is the load alone (``time.perf_counter`` around the
      call, the import of torch and ckptool excluded), its values are checked afterwards;
@@ -48,7 +50,7 @@ from children import REPO, child_env, compile_checkout, failure_summary, remove,
 DEFAULT_REF = "HEAD~1"
 TIME_TOLERANCE = 1.10
 RSS_TOLERANCE = 1.05
-FIGURES = ("inspect", "remap", "load_into")
+FIGURES = ("inspect", "scan", "scan_many", "remap", "load_into")
 SIDES = ("current", "ref")
 
 LOAD_INTO_CHILD = r"""
@@ -182,6 +184,9 @@ def figure_command(key: str, files: dict[str, dict[str, object]], out: str) -> t
     big, many = files["1"], files["2"]
     if key == "inspect":
         return str(many["path"]), [py, "-m", "ckptool", "inspect", "--json", str(many["path"])]
+    if key in ("scan", "scan_many"):
+        one = big if key == "scan" else many
+        return str(one["path"]), [py, "-m", "ckptool", "scan", str(one["path"])]
     if key == "remap":
         return str(big["path"]), [py, "-m", "ckptool", "remap", str(big["path"]), "--to", "cpu", "-o", out]
     if key == "load_into":
@@ -252,6 +257,8 @@ def titles_for(files: dict[str, dict[str, object]]) -> dict[str, str]:
     """The row title of each figure, with the size of its input."""
     gib = int(str(files["1"]["bytes"])) / 2**30
     return {"inspect": f"inspect --json, {int(str(files['2']['tensors'])):,} tensors",
+            "scan": f"scan, {gib:.2f} GiB",
+            "scan_many": f"scan, {int(str(files['2']['tensors'])):,} tensors",
             "remap": f"remap --to cpu, {gib:.2f} GiB",
             "load_into": f"load_into, {gib:.2f} GiB (load alone)"}
 

@@ -15,7 +15,8 @@ object's first size and ETag / modification time: a network failure, an inexact 
 :class:`~ckptool.errors.RemoteError` naming the URL. A server that ignores ``Range`` has the object downloaded once.
 
 The remote machinery (fsspec, version pins, exact range fetches, the local copy for a server that ignores ``Range``)
-lives in :mod:`ckptool._remote`; its public names are re-exported here.
+lives in :mod:`ckptool._remote`; its public names are re-exported here. Listing the objects under a prefix is
+:mod:`ckptool._listing`.
 
 Outputs to a URL are written by :func:`ckptool._fileio.atomic_output` into a local temporary file and sent by
 :func:`upload` only once complete; a failed upload is discarded (an S3 multipart upload is aborted), so no partial
@@ -35,6 +36,7 @@ import stat
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, TypeVar
 
+from ckptool._ranges import StoreCache
 from ckptool._remote import (
     BLOCK,
     CHUNK,
@@ -42,7 +44,6 @@ from ckptool._remote import (
     CountedReader,
     NoRangeSupport,
     RangeError,
-    StoreCache,
     changed_error,
     checked_fetcher,
     consistent_reads,
@@ -63,7 +64,7 @@ from ckptool.errors import InputNotFoundError, NotACheckpointError, RemoteError
 __all__ = [
     "BLOCK", "CHUNK", "REMOTE_EXTRA", "NoRangeSupport", "RangeError", "RangeView", "bytes_transferred", "changed_error",
     "consistent_reads", "file_size", "holding_versions", "is_remote_file", "is_url", "kind", "leaves_folder",
-    "list_objects", "local_copy", "object_reads", "open_binary", "open_regular", "recheck", "refuse_special",
+    "local_copy", "object_reads", "open_binary", "open_regular", "recheck", "refuse_special",
     "remote_exists", "remote_info", "set_timeout", "special_kind", "spool", "thread_bytes_transferred", "upload",
     "version_key", "version_stamp", "whole_view",
 ]
@@ -104,145 +105,6 @@ def kind(path: str) -> str | None:
     return "directory" if info.get("type") == "directory" else "file"
 
 
-#: folders whose index pages are read at once when an HTTP folder is listed (:func:`_walk_levels`)
-LIST_THREADS = 16
-
-
-#: folder levels below the prefix an HTTP listing descends at most (an index page that links ``sub/`` forever)
-MAX_LIST_DEPTH = 64
-#: objects and folders one HTTP listing may find at most (pages of endless distinct links)
-MAX_LISTED = 1_000_000
-
-
-def inside_prefix(link: str, top: str) -> str | None:
-    """``link`` (a URL an index page gave) as the URL it names, its query and fragment dropped and its ``.`` /
-    ``..`` segments resolved (a trailing ``/`` kept), when that is ``top`` or below it on the same server; None
-    when it leads elsewhere (``../../secret/``, ``/secret/``, another host)."""
-    parse = _stdlib("urllib.parse")
-    posix = _stdlib("posixpath")
-    lk, tp = parse.urlsplit(link), parse.urlsplit(top)
-    if (lk.scheme.replace("https", "http"), lk.netloc) != (tp.scheme.replace("https", "http"), tp.netloc):
-        return None
-    path = posix.normpath(lk.path or "/")
-    path = "/" if path in (".", "//") else ("/" + path.lstrip("/"))
-    if lk.path.endswith("/") and not path.endswith("/"):
-        path += "/"
-    base = posix.normpath(tp.path or "/").rstrip("/") + "/"
-    if not (path == base or path == base.rstrip("/") or path.startswith(base)):
-        return None
-    return str(parse.urlunsplit((lk.scheme, lk.netloc, path, "", "")))
-
-
-#: the most bytes an HTTP index page may hold once decoded (a ``Content-Encoding`` bomb stops here)
-MAX_INDEX_PAGE = 32 << 20
-
-
-def _index_page(fs: Any, url: str) -> list[dict[str, Any]]:
-    """fsspec's HTTP ``ls(url, detail=True)`` (the same links: ``<a href>`` values, and with ``simple_links`` bare
-    URLs), its page read up to :data:`MAX_INDEX_PAGE` bytes once decoded, under the request timeouts.
-
-    Raises:
-        RemoteError: the page is larger (an endless page, a compression bomb).
-    """
-    http = importlib.import_module("fsspec.implementations.http")
-    sync = importlib.import_module("fsspec.asyn").sync
-
-    async def fetch() -> bytes:
-        session = await fs.set_session()
-        async with session.get(fs.encode_url(url), **fs.kwargs) as r:
-            fs._raise_not_found_for_status(r, url)
-            kind = r.headers.get("Content-Type", "text/html").partition(";")[0]
-            if kind not in ("text/html", ""):
-                return b""
-            out = bytearray()
-            while piece := await r.content.read(1 << 20):
-                out += piece
-                if len(out) > MAX_INDEX_PAGE:
-                    raise RemoteError(f"the index page {url} is larger than {MAX_INDEX_PAGE} bytes once decoded (an "
-                                      "endless page or a compression bomb?); nothing was listed", url)
-            return bytes(out)
-
-    text = sync(fs.loop, fetch).decode("utf-8", "replace")
-    links = [u[2] for u in http.ex.findall(text)] + (http.ex2.findall(text) if fs.simple_links else [])
-    parts = importlib.import_module("urllib.parse").urlsplit(url)
-    out: dict[str, dict[str, Any]] = {}
-    for raw in links:
-        if raw in ("..", "../"):
-            continue
-        if raw.startswith("/") and len(raw) > 1:
-            link = f"{parts.scheme}://{parts.netloc}{raw}"
-        elif raw.startswith("http"):
-            link = raw
-        else:
-            link = "/".join([url.rstrip("/"), raw.lstrip("/")])
-        out.setdefault(link, {"name": link, "size": None, "type": "directory" if link.endswith("/") else "file"})
-    return list(out.values())
-
-
-def _walk_levels(fs: Any, top: str) -> dict[str, dict[str, Any]]:
-    """``fs.find(top, detail=True)`` for a filesystem whose ``find`` reads one folder after another (HTTP index
-    pages: fsspec's ``_walk`` awaits each subfolder in turn): the folders of each level listed at once, on
-    :data:`LIST_THREADS` threads, each folder and object once. A link is followed only inside ``top``
-    (:func:`inside_prefix`: ``..``, ``.``, queries and fragments normalised away; a link out of it is dropped).
-
-    Raises:
-        RemoteError: the folders go deeper than :data:`MAX_LIST_DEPTH` levels or hold more than :data:`MAX_LISTED`
-            entries (an endless listing).
-    """
-    found: dict[str, dict[str, Any]] = {}
-    seen, level, depth = {top.rstrip("/")}, [top], 0
-    with _stdlib("concurrent.futures").ThreadPoolExecutor(LIST_THREADS) as pool:
-        while level:
-            depth += 1
-            if depth > MAX_LIST_DEPTH:
-                raise RemoteError(f"listing {top} went deeper than {MAX_LIST_DEPTH} folder levels (an index page "
-                                  "that links further folders without end?); nothing was scanned: give a deeper "
-                                  "prefix", top)
-            below = []
-            for listing in pool.map(lambda d: _index_page(fs, d), level):
-                for info in listing:
-                    name = inside_prefix(str(info["name"]), top)
-                    if name is None:
-                        continue
-                    if info.get("type") != "directory" and not name.endswith("/"):
-                        found.setdefault(name, {**info, "name": name})
-                    elif name.rstrip("/") not in seen:
-                        seen.add(name.rstrip("/"))
-                        below.append(name)
-                    if len(found) + len(seen) > MAX_LISTED:
-                        raise RemoteError(f"listing {top} found more than {MAX_LISTED} objects and folders (an "
-                                          "endless listing?); nothing was scanned: give a narrower prefix", top)
-            level = below
-    return found
-
-
-def list_objects(url: str) -> list[tuple[str, int | None, str | None]]:
-    """Every object under the prefix or folder ``url`` (recursively, sorted by name; fsspec's ``find``, one listing
-    request per 1000 keys on S3; an HTTP server's index pages a level at a time, :func:`_walk_levels`):
-    ``(URL, size, version tag)``, the size and ETag / modification time as the listing gives them (None where it
-    gives none: an HTTP index page names links only).
-
-    Raises:
-        RemoteError: the listing failed.
-    """
-    fs, p = filesystem(url)
-    try:
-        found = _walk_levels(fs, p) if type(fs).__name__ == "HTTPFileSystem" else fs.find(p, detail=True)
-    except RemoteError:
-        raise
-    except Exception as e:  # the filesystem's own errors: one clear line
-        raise RemoteError(f"cannot list {url} ({short_error(e)}); check the URL, the network and fsspec's credentials "
-                          "for it", url) from e
-    out = []
-    for name in sorted(found):
-        info = found[name]
-        if info.get("type") == "directory":
-            continue
-        size, tag = version_stamp(info)
-        out.append((str(fs.unstrip_protocol(name)), size, tag))
-    return out
-
-
 def file_size(path: str) -> int:
     """Size in bytes of the file at ``path`` (local path or URL).
 
@@ -263,7 +125,7 @@ def version_key(path: str) -> tuple[object, ...]:
     modification time of a local file; size and ETag / modification time of a URL."""
     if not is_url(path):
         st = os.stat(path)
-        return (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+        return (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)  # per_version builds it too
     return (path, *version_stamp(remote_info(path) or {}))
 
 
@@ -276,9 +138,18 @@ def per_version(cache: dict[tuple[object, ...], T], path: str, make: Callable[[]
     (:func:`version_key`) and kept in ``cache`` (at most ``keep`` versions; the cache is emptied when full). A URL
     is cached only with ``remote`` (its version costs a request); a path that is no regular file is not cached
     (``make`` raises its own error for it)."""
-    if (is_url(path) and not remote) or (not is_url(path) and not os.path.isfile(path)):
-        return make()
-    key = version_key(path)
+    if is_url(path):
+        if not remote:
+            return make()
+        key = version_key(path)
+    else:  # one stat: a regular file, and its version (many small files)
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):
+            return make()
+        if not stat.S_ISREG(st.st_mode):
+            return make()
+        key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)  # as version_key
     value = cache.get(key)
     if value is None:
         value = make()
@@ -330,20 +201,22 @@ def _special_error(path: str, kind: str, what: str) -> NotACheckpointError:
         "(reading a pipe, device or socket can block forever or never end); copy its content into a file first")
 
 
-def refuse_special(path: str, what: str = "") -> None:
+def refuse_special(path: str, what: str = "", *, mode: int | None = None) -> None:
     """Refuse ``path`` (a local path; links followed) when it is a FIFO, a character or block device or a socket,
     from its ``stat`` alone: nothing is opened. ``what`` says what it is to the caller (``"a DCP record"``, ``"the
-    rules file"``). A path that does not exist, a folder and a URL pass (their callers refuse those).
+    rules file"``). A path that does not exist, a folder and a URL pass (their callers refuse those). ``mode``: the
+    ``st_mode`` of an ``os.stat(path)`` the caller made already (no second ``stat``: many small files).
 
     Raises:
         NotACheckpointError: a FIFO, a device or a socket.
     """
     if is_url(path):
         return
-    try:
-        mode = os.stat(path).st_mode
-    except (OSError, ValueError):
-        return
+    if mode is None:
+        try:
+            mode = os.stat(path).st_mode
+        except (OSError, ValueError):
+            return
     kind = special_kind(mode)
     if kind is not None:
         raise _special_error(path, kind, what)
@@ -379,7 +252,7 @@ def open_regular(path: str, what: str = "") -> BinaryIO:
 def open_binary(path: str) -> BinaryIO:
     """A seekable binary reader of ``path``: the local file itself (``open(path, "rb")``), or for a URL fsspec's
     own file object (``fs.open``) whose cache reads :data:`BLOCK` bytes ahead, each miss one range request for the
-    bytes not yet held (:class:`~ckptool._remote.StoreCache`; inside :func:`object_reads` every open of the URL
+    bytes not yet held (:class:`~ckptool._ranges.StoreCache`; inside :func:`object_reads` every open of the URL
     shares the ranges fetched and the object's ``info``, so a second open costs no request), with every range read
     checked to bring exactly the bytes asked for (over HTTP: status 206 and a ``Content-Range``
     naming them, :func:`http_file`), and the object's size and ETag / modification time held to those of the

@@ -1,5 +1,5 @@
 """What scanning one remote object costs (issue 38): the opens of one scan share one ``HEAD`` and the ranges
-fetched (:func:`ckptool._source.object_reads`, :class:`ckptool._remote.RangeStore`), counted on the HTTP server of
+fetched (:func:`ckptool._source.object_reads`, :class:`ckptool._ranges.RangeStore`), counted on the HTTP server of
 ``remote_servers.py``; and the range store itself, against the bytes it stands for.
 
 The checkpoint is a zip laid out as torch writes one (``archive/data.pkl`` first, then an 8 MB record), made here
@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptool import _source
-from ckptool._remote import BLOCK, RangeStore
+from ckptool._ranges import RangeStore
+from ckptool._remote import BLOCK
 
 pytestmark = pytest.mark.torchfree
 

@@ -38,16 +38,21 @@ main()
 #: safetensors, torch.package, native library headers) and of SARIF output is named as strings and imported only
 #: when met (:func:`ckptool.formats.plugin`); issue 41 took this set from 45 modules to 33; the tensor model
 #: (``formats.tensors``) came back with issue 36's note on tensors that expand past the input's budget; issue 46
-#: added the one verdict (``model.verdict``).
+#: added the one verdict (``model.verdict``); issue 49 the name checks of configs that make a loader run code
+#: (``ops.scan.configs``: NeMo's Hydra targets, ``ops.scan.remote_code``: a transformers ``auto_map``), asked of
+#: every file a scan meets; ``_ranges`` is the range store split out of ``_remote``, ``formats.pickle_stack`` the
+#: C stack sizing split out of ``formats.pickle_check`` (the same code as before, in modules under 600 lines).
 SCAN_ZIP_MODULES = {
-    "ckptool", "ckptool._gc", "ckptool._remote", "ckptool._source", "ckptool.errors",
+    "ckptool", "ckptool._gc", "ckptool._ranges", "ckptool._remote", "ckptool._source", "ckptool.errors",
     "ckptool.cli", "ckptool.cli._common", "ckptool.cli._errors", "ckptool.cli._flags", "ckptool.cli.scan",
     "ckptool.formats", "ckptool.formats.detect", "ckptool.formats.dtypes", "ckptool.formats.nodes",
-    "ckptool.formats.pickle_check", "ckptool.formats.tensors", "ckptool.formats.unpickler",
+    "ckptool.formats.pickle_check", "ckptool.formats.pickle_stack", "ckptool.formats.tensors",
+    "ckptool.formats.unpickler",
     "ckptool.formats.zipdir", "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices",
     "ckptool.model.graph", "ckptool.model.units", "ckptool.model.verdict", "ckptool.model.weights_only",
     "ckptool.ops", "ckptool.ops.scan", "ckptool.ops.scan.entry", "ckptool.ops.scan.byte_windows",
-    "ckptool.ops.scan.directories", "ckptool.ops.scan.layouts", "ckptool.ops.scan.pickles",
+    "ckptool.ops.scan.configs", "ckptool.ops.scan.directories", "ckptool.ops.scan.layouts",
+    "ckptool.ops.scan.pickles", "ckptool.ops.scan.remote_code",
     "ckptool.ops.scan.results", "ckptool.ops.scan.shipped_code", "ckptool.ops.scan.tar",
 }
 
@@ -56,11 +61,13 @@ SCAN_ZIP_MODULES = {
 #: inspect operation (describer of pickled files, totals, values, advice) and the printers it needs. The other
 #: formats' readers and describers are registry plug-ins, imported when met, and so are the module tree and its
 #: HTML (``--tree``, Jupyter); issue 41 took this set from 73 modules to 54; issue 46 added the reader base class
-#: (``readers.reader``: the torch zip's ``PickledReader`` derives from it).
+#: (``readers.reader``: the torch zip's ``PickledReader`` derives from it); issue 48 the quantization schemes
+#: (``model.quantization``: inspect names a checkpoint's scheme from its tensors' layout).
 INSPECT_ZIP_MODULES = (SCAN_ZIP_MODULES - {"ckptool.cli.scan"}) | {
     "ckptool.cli.inspect",
     "ckptool.formats.segments", "ckptool.formats.strided", "ckptool.formats.torchfile",
     "ckptool.model.keys", "ckptool.model.nonstrided", "ckptool.model.numpy_nodes", "ckptool.model.paths",
+    "ckptool.model.quantization",
     "ckptool.model.values",
     "ckptool.ops.inspect", "ckptool.ops.inspect.advice", "ckptool.ops.inspect.entry", "ckptool.ops.inspect.info",
     "ckptool.ops.inspect.json_rows", "ckptool.ops.inspect.pickles", "ckptool.ops.inspect.totals",

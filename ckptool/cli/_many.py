@@ -15,11 +15,10 @@ would be slower than ``--jobs 1`` (:data:`PROCESS_BYTES_PER_JOB`).
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import sys
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -30,7 +29,9 @@ from ckptool.cli._errors import EXIT_FAILURE, EXIT_OK
 from ckptool.errors import UsageError
 from ckptool.ops.scan.many import ManyRun, ScanRun
 from ckptool.ops.scan.results import ScanResult, exit_status
-from ckptool.ops.scan.sarif import to_sarif
+
+if TYPE_CHECKING:  # a pool is made only for URLs or big local work: many small files need neither import
+    import concurrent.futures as cf
 
 __all__ = ["run_inspect_many", "run_many", "wants_many"]
 
@@ -54,11 +55,14 @@ def _executor(run: ManyRun[Any], jobs: int) -> cf.Executor | None:
     one at a time under the GIL), threads for URLs, processes (forkserver, else spawn) for big local work."""
     if jobs <= 1:
         return None
-    if any(source.is_url(t.path) for t in run.targets):
-        return cf.ThreadPoolExecutor(jobs, thread_name_prefix="ckptool-many")
-    if len(run.targets) < 2 or sum(t.size or 0 for t in run.targets) < PROCESS_BYTES_PER_JOB * min(jobs, len(
-            run.targets)):
+    remote = any(source.is_url(t.path) for t in run.targets)
+    if not remote and (len(run.targets) < 2 or sum(t.size or 0 for t in run.targets) < PROCESS_BYTES_PER_JOB * min(
+            jobs, len(run.targets))):
         return None  # in this process, one file after another: threads would only take turns under the GIL
+    import concurrent.futures as cf  # noqa: PLC0415 (only a pool needs it: not for the work done in this process)
+
+    if remote:
+        return cf.ThreadPoolExecutor(jobs, thread_name_prefix="ckptool-many")
     import multiprocessing  # noqa: PLC0415 (only a pool of processes needs it: not at start-up)
 
     methods = multiprocessing.get_all_start_methods()
@@ -170,6 +174,8 @@ def _finish(results: list[ScanResult], fmt: str, code: int, strict: bool, text: 
     if fmt == "json":
         emit_json("scan", {"strict": strict, "exit_code": code, "files": [r.to_dict(strict=strict) for r in results]})
     elif fmt == "sarif":
+        from ckptool.ops.scan.sarif import to_sarif  # noqa: PLC0415 (only --format sarif)
+
         click.echo(json.dumps(to_sarif(results, version=__version__, strict=strict), indent=2))
     elif text:
         click.echo("")

@@ -16,10 +16,6 @@ from ckptool.ops.scan.entry import ScanResult, exit_status, scan
 from ckptool.ops.scan.results import INCOMPLETE
 
 
-def _print_result(res: ScanResult, show_all: bool, strict: bool) -> None:
-    click.echo(res.report(show_all=show_all, strict=strict))
-
-
 def _table(results: list[ScanResult], strict: bool) -> str:
     """One row per file: verdict, format, pickles (hidden ones counted apart), globals not allowed, the worst."""
     from tabulate import tabulate
@@ -177,15 +173,10 @@ def _one_run(paths: tuple[str, ...], fmt: str, strict: bool, show_all: bool) -> 
     elif fmt == "sarif":
         sarif = plugin("ckptool.ops.scan.sarif:to_sarif")  # only for --format sarif
         click.echo(json.dumps(sarif(results, version=__version__, strict=strict), indent=2))
-    elif not is_quiet():
-        for i, r in enumerate(results):
-            if i:
-                click.echo("")
-            _print_result(r, show_all, strict)
+    elif not is_quiet():  # one write: the reports are all known by now (a row per echo flushed each, 2 per file)
+        parts = [r.report(show_all=show_all, strict=strict) for r in results]
         if len(results) > 1:
-            click.echo("")
-            click.echo(_table(results, strict))
-            click.echo("")
-            click.echo(_summary(results, strict))
+            parts += [_table(results, strict), _summary(results, strict)]
+        click.echo("\n\n".join(parts))
     return code
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import stat
 import struct
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -102,12 +103,14 @@ def check_readable(path: str) -> int:
         if size == 0:
             raise NotACheckpointError(f"{path} is empty (0 bytes); re-upload or re-save the checkpoint")
         return size
-    if not os.path.exists(path):
-        raise InputNotFoundError(f"{path}: no such file; check the path")
-    if os.path.isdir(path):
+    try:  # one stat answers all four questions (exists, folder, FIFO/device/socket, size): many small files
+        st = os.stat(path)
+    except (OSError, ValueError):  # as os.path.exists: any failure to stat is "no such file"
+        raise InputNotFoundError(f"{path}: no such file; check the path") from None
+    if stat.S_ISDIR(st.st_mode):
         raise UsageError(folder_refusal(path))
-    source.refuse_special(path)
-    size = os.path.getsize(path)
+    source.refuse_special(path, mode=st.st_mode)
+    size = st.st_size
     if size == 0:
         raise NotACheckpointError(f"{path} is empty (0 bytes); re-download or re-save the checkpoint")
     return size

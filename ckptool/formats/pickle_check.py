@@ -4,7 +4,8 @@
 allocate or recurse out of proportion to the input; :func:`call_with_stack` runs the unpickler in a thread whose C
 stack is large enough for the tuple nesting :func:`tuple_levels` bounds. Every refusal is a
 :class:`~ckptool.errors.CorruptCheckpointError` (or :class:`~ckptool.errors.UnsupportedError` for a stack over
-:data:`MAX_UNPICKLE_STACK`). Used by :mod:`ckptool.formats.unpickler`.
+:data:`MAX_UNPICKLE_STACK`; both live in :mod:`ckptool.formats.pickle_stack` and are re-exported here). Used by
+:mod:`ckptool.formats.unpickler`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import mmap
 import pickle
 import re
 import sys
-import threading
 from collections.abc import Callable
-from typing import TypeAlias, TypeVar
+from typing import TypeAlias
 
-from ckptool.errors import CorruptCheckpointError, TruncatedError, UnsupportedError
+from ckptool.errors import CorruptCheckpointError, TruncatedError
+from ckptool.formats.pickle_stack import MAX_UNPICKLE_STACK as MAX_UNPICKLE_STACK  # re-exported: the stack limit
+from ckptool.formats.pickle_stack import call_with_stack as call_with_stack
+from ckptool.formats.pickle_stack import tuple_levels as tuple_levels
 
 # The C unpickler trusts the lengths and indices written in the stream. Before it runs, check_pickle() walks the
 # opcodes (pickletools' opcode table: the same argument layout the C unpickler reads) and refuses what would make
@@ -58,21 +61,12 @@ _STOP = 0x2E
 _FRAME = 0x95
 _LONG_BINPUT = 0x72
 _PUT = 0x70
-_TUPLE_OPS = (b"t", b"\x85", b"\x86", b"\x87")
 
 _ARG_SIZE: dict[int, int] = {}
 for _ops, _n in ((_NOARG, 0), (_ARG1, 1), (_ARG2, 2), (_ARG4, 4), (_ARG8, 8)):
     for _op in _ops:
         _ARG_SIZE[_op] = _n
 
-#: tuple nesting up to this bound is unpickled in the caller's thread (about 64 bytes of C stack per level)
-INLINE_TUPLE_LEVELS = 2000
-_STACK_PER_LEVEL = 160
-_STACK_BASE = 4 << 20
-#: the largest helper-thread stack ckptool asks for (virtual memory; only what deep nesting uses is touched)
-MAX_UNPICKLE_STACK = 2 << 30
-_stack_lock = threading.Lock()
-_T = TypeVar("_T")
 
 #: what the checks and the unpickler read: the bytes of a pickle, or a mapped file holding one
 PickleBuffer: TypeAlias = "bytes | bytearray | mmap.mmap"
@@ -505,51 +499,6 @@ def _lines_end(buf: PickleBuffer, op: int, pos: int, start: int, end: int, what:
         if nl < 0:
             return -1
     return nl + 1
-
-
-def tuple_levels(data: bytes | bytearray) -> int:
-    """An upper bound on how deeply tuples can nest in pickle ``data``: its number of tuple-building opcode bytes."""
-    return sum(data.count(op) for op in _TUPLE_OPS)
-
-
-def call_with_stack(fn: Callable[[], _T], levels: int, what: str = "pickle") -> _T:
-    """``fn()``, run in a helper thread with a C stack large enough for ``levels`` of recursion in C (tuple hashing)
-    when ``levels`` exceeds :data:`INLINE_TUPLE_LEVELS`, else in the calling thread. Exceptions propagate.
-
-    Raises:
-        UnsupportedError: the stack it would need exceeds :data:`MAX_UNPICKLE_STACK`, or no thread can be started.
-    """
-    if levels <= INLINE_TUPLE_LEVELS:
-        return fn()
-    need = _STACK_BASE + levels * _STACK_PER_LEVEL
-    if need > MAX_UNPICKLE_STACK:
-        raise UnsupportedError(
-            f"{what} has {levels} tuple-building opcodes: reading it safely would need a "
-            f"{need >> 20} MiB stack, over ckptool's {MAX_UNPICKLE_STACK >> 20} MiB limit")
-    need = (need + (1 << 20) - 1) & ~((1 << 20) - 1)
-    result: list[_T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(fn())
-        except BaseException as e:  # handed back to the caller's thread
-            error.append(e)
-
-    with _stack_lock:
-        old = threading.stack_size()
-        try:
-            threading.stack_size(need)
-            t = threading.Thread(target=run, name="ckptool-unpickle", daemon=True)
-            t.start()
-        except (RuntimeError, ValueError, MemoryError) as e:
-            raise UnsupportedError(f"{what}: cannot start a reader thread with a {need >> 20} MiB stack ({e})") from e
-        finally:
-            threading.stack_size(old)
-    t.join()
-    if error:
-        raise error[0]
-    return result[0]
 
 
 # ------------------------------------------------------------------------------------------------ weights_only

@@ -183,11 +183,7 @@ def convert(
     """
     src_p, dst_p = os.fspath(src), os.fspath(dst)
     strip = [strip_prefixes] if isinstance(strip_prefixes, str) else list(strip_prefixes)
-    shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
-    fmt_out = OutputFormat.choose(dst_p, format, shard_bytes is not None)
-    if shard_bytes is None and not fmt_out.folder and is_folder_form(dst_p):
-        shard_bytes = sys.maxsize  # a folder output: one model.safetensors / pytorch_model.bin, as save_pretrained
-    _check_options(src_p, dst_p, fmt_out, shard_bytes, dtype, to is not None or bool(mapping))
+    fmt_out, shard_bytes = _plan_output(src_p, dst_p, format, max_shard_size, dtype, to is not None or bool(mapping))
     renames: dict[str, Any] = {"unwrap": unwrap, "strip_prefixes": strip}
     opened = _open_source(src_p, trust)
     opened.check_tag_options(tag, exclude_frozen)
@@ -201,11 +197,37 @@ def convert(
         return _to_dcp(opened, dst_p, key=key, trust=trust, verify=verify, renames=renames, cast=dtype,
                        max_expand=max_expand, allow_overflow=allow_overflow)
     source = _read_source(opened, fmt_out, key, tag, exclude_frozen, max_expand)
-    _refuse_overwriting_input(source, dst_p, shard_bytes is not None)
-    res = ConvertResult(src_p, dst_p, source.format, fmt_out.value, key=source.key, left_out=list(source.left_out),
+    return _convert_source(source, src_p, dst_p, fmt_out, shard_bytes, to=to, mapping=mapping,
+                           allow_missing=allow_missing, unwrap=unwrap, strip=strip, dtype=dtype, verify=verify,
+                           progress=progress, allow_overflow=allow_overflow)
+
+
+def _plan_output(src: str, dst: str, format: str | None, max_shard_size: int | str | None, dtype: str | None,
+                 retag: bool) -> tuple[OutputFormat, int | None]:
+    """The output format of :func:`convert` (``format``, else from ``dst``: :meth:`OutputFormat.choose`) and its
+    shard size in bytes (``max_shard_size`` parsed; ``sys.maxsize`` for a folder ``dst`` without it: one
+    ``model.safetensors`` / ``pytorch_model.bin``, as ``save_pretrained``; None for one file), options checked
+    (:func:`_check_options`: UsageError)."""
+    shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
+    fmt_out = OutputFormat.choose(dst, format, shard_bytes is not None)
+    if shard_bytes is None and not fmt_out.folder and is_folder_form(dst):
+        shard_bytes = sys.maxsize  # a folder output: one model.safetensors / pytorch_model.bin, as save_pretrained
+    _check_options(src, dst, fmt_out, shard_bytes, dtype, retag)
+    return fmt_out, shard_bytes
+
+
+def _convert_source(source: Source, src: str, dst: str, fmt_out: OutputFormat, shard_bytes: int | None, *,
+                    to: str | None, mapping: Mapping[str, str] | None, allow_missing: bool, unwrap: bool,
+                    strip: Sequence[str], dtype: str | None, verify: bool, progress: ProgressFn | None,
+                    allow_overflow: bool) -> ConvertResult:
+    """Write the read ``source`` to ``dst`` for :func:`convert` (its options, same meaning): refuse to overwrite
+    the input, retag locations (``to`` / ``mapping``), rename the keys (``unwrap`` / ``strip``), then
+    :func:`_write`; the :class:`ConvertResult`."""
+    _refuse_overwriting_input(source, dst, shard_bytes is not None)
+    res = ConvertResult(src, dst, source.format, fmt_out.value, key=source.key, left_out=list(source.left_out),
                         skipped=list(source.skipped), notes=list(source.notes))
     location = location_function(to, mapping, tags=[t.storage.location for t in source.tensors],
-                                 allow_missing=allow_missing, where=src_p) or _keep_location
+                                 allow_missing=allow_missing, where=src) or _keep_location
     res.renamed, plan = _apply_renames(source, unwrap, strip, allow_missing)
     _write(source, res, fmt_out, shard_bytes, dtype, location, plan, verify, progress, allow_overflow)
     return res

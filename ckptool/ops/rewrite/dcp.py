@@ -46,7 +46,7 @@ and updates the records' offsets and lengths in ``.metadata``. A remap that woul
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -62,12 +62,9 @@ from ckptool.errors import (
     VerificationError,
 )
 from ckptool.formats import detect
-from ckptool.formats.nodes import PickledObject, TensorNode
+from ckptool.formats.nodes import PickledObject
 from ckptool.model.devices import LocationFn, location_function
-from ckptool.model.graph import mapping_items
-from ckptool.model.keys import raise_on_collisions
-from ckptool.model.rename_plan import RenameSummary
-from ckptool.model.tensor_nodes import tensor_node
+from ckptool.ops.rewrite.dcp_nesting import Dropper, Renamer, drop_entries, rename_entries
 from ckptool.ops.rewrite.layouts import companions_note, copy_companions, follow_names
 from ckptool.ops.rewrite.parallel import current_executor, locked, run_each
 from ckptool.ops.rewrite.sets import SetRenameResult, SetWriteResult
@@ -77,15 +74,7 @@ from ckptool.readers import Checkpoint, Opened, open_checkpoint
 from ckptool.readers.structures import METADATA_FILE, DcpLayout, DcpMetadata
 from ckptool.writers.encoders import PicklerError, dumps
 
-__all__ = ["Dropper", "Renamer", "rewrite_dcp"]
-
-#: ``rename(root) -> (new root, summary)``: the renaming of a node graph
-#: (:func:`ckptool.ops.rewrite.prefixes.rename_graph`
-#: with the plan, ``--key`` and ``--allow-missing`` bound), applied to the nesting of a DCP folder's entries
-Renamer = Callable[[Any], tuple[Any, RenameSummary]]
-#: ``drop(root) -> new root``: the nesting of a DCP folder's entries without the entries to drop (changed in place,
-#: or a part of it: see the module docstring)
-Dropper = Callable[[Any], Any]
+__all__ = ["rewrite_dcp"]
 
 _NOTHING = ("{src} is a torch.distributed.checkpoint folder. DCP folders store every tensor chunk from CPU (and "
             "torch reads them back with map_location='cpu'), "
@@ -191,75 +180,6 @@ def _refuse_safetensors_files(folder: str, sizes: dict[str, int]) -> None:
                 "safetensors files it writes")
 
 
-# ------------------------------------------------------------------------------------------------ renaming
-class _Entry:
-    """A non-tensor entry's place in the renaming graph (never a state_dict value; a ``*_extra_state`` key may
-    hold one, as in a state_dict)."""
-
-    __slots__ = ()
-
-
-def _nesting(meta: DcpMetadata) -> tuple[dict[Any, Any], dict[int, str]]:
-    """The entries of ``meta`` nested as ``dcp_to_torch_save`` nests them (``planner_data`` paths; an FQN itself
-    without one): a graph of dicts whose leaves are tensor nodes and :class:`_Entry` placeholders; and each
-    leaf's FQN by ``id``.
-
-    Raises:
-        CorruptCheckpointError: a path that is not a tuple of names and indices, or that runs through an entry.
-    """
-    planner = meta.planner_data if meta.planner_data is not None else {}
-    root: dict[Any, Any] = {}
-    leaves: dict[int, str] = {}
-    for e in meta.entries:
-        path = planner.get(e.fqn, (e.fqn,))
-        leaf: Any = tensor_node("0", "float32", (), ()) if e.dtype is not None else _Entry()
-        if not isinstance(path, (tuple, list)) or not path or not all(type(p) in (str, int) for p in path):
-            raise CorruptCheckpointError(f"{meta.folder}: planner_data gives {e.fqn!r} the path {path!r}, not a "
-                                         "tuple of names; the .metadata is damaged")
-        where = root
-        for p in path[:-1]:
-            where = where.setdefault(p, {})
-            if type(where) is not dict:
-                raise CorruptCheckpointError(f"{meta.folder}: the planner_data path of {e.fqn!r} runs through "
-                                             "another entry; the .metadata is damaged")
-        if path[-1] in where:
-            raise CorruptCheckpointError(f"{meta.folder}: two entries have the planner_data path {path!r}")
-        where[path[-1]] = leaf
-        leaves[id(leaf)] = e.fqn
-    return root, leaves
-
-
-def _paths(root: Any, leaves: dict[int, str]) -> dict[str, tuple[Any, ...]]:
-    """Each leaf's FQN (as :func:`_nesting` gave it) -> its path in the (renamed) graph ``root``."""
-    out: dict[str, tuple[Any, ...]] = {}
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(root, ())]
-    while stack:
-        node, path = stack.pop()
-        for k, v in mapping_items(node) or []:
-            if type(v) is TensorNode or isinstance(v, _Entry):
-                out[leaves[id(v)]] = (*path, k)
-            elif mapping_items(v) is not None:
-                stack.append((v, (*path, k)))
-    return out
-
-
-def _rename(meta: DcpMetadata, rename: Renamer) -> tuple[dict[str, str], dict[str, tuple[Any, ...]], RenameSummary]:
-    """``({old FQN: new FQN}, {old FQN: new planner path}, summary)`` of ``rename`` applied to the nesting of the
-    folder's entries (see the module docstring).
-
-    Raises:
-        KeyCollisionError: two entries would get one FQN; what ``rename`` raises.
-    """
-    root, leaves = _nesting(meta)
-    root, summary = rename(root)
-    paths = _paths(root, leaves)
-    if len(paths) != len(leaves):
-        raise UnsupportedError(f"{meta.folder}: the renaming lost entries of the folder; nothing was written")
-    fqns = {old: ".".join(map(str, p)) for old, p in paths.items()}
-    raise_on_collisions(fqns, where=meta.folder)
-    return fqns, paths, summary
-
-
 def _apply_names(meta: DcpMetadata, records: list[_Record], fqns: dict[str, str],
                  paths: dict[str, tuple[Any, ...]]) -> None:
     """Rename the FQNs of ``meta``'s graph in place: the keys of ``state_dict_metadata`` and ``planner_data``, the
@@ -277,34 +197,6 @@ def _apply_names(meta: DcpMetadata, records: list[_Record], fqns: dict[str, str]
         planner.clear()
         planner.update(new)
     follow_names(meta, fqns, {r.fqn for r in records if r.dropped}, {id(r.index): r.fqn for r in records})
-
-
-def _drop(meta: DcpMetadata, records: list[_Record],
-          drop: Dropper) -> tuple[dict[str, str], dict[str, tuple[Any, ...]]]:
-    """Apply ``drop`` to the nesting of the folder's entries: the entries it no longer reaches leave ``meta``'s
-    graph (``state_dict_metadata``, ``storage_data``, ``planner_data``) and their ``records`` are marked dropped.
-    Returns ``({old FQN: new FQN}, {old FQN: new path})`` of the entries kept, for :func:`_apply_names`.
-
-    Raises:
-        UsageError: every entry would go.
-        KeyCollisionError: two kept entries would get one FQN.
-    """
-    root, leaves = _nesting(meta)
-    paths = _paths(drop(root), leaves)
-    if not paths:
-        raise UsageError(f"{meta.folder}: the filter matched every entry of the folder; nothing was written")
-    gone = set(leaves.values()) - set(paths)
-    fqns = {old: ".".join(map(str, p)) for old, p in paths.items()}
-    raise_on_collisions(fqns, where=meta.folder)
-    st = meta.root.state
-    for table in (st["state_dict_metadata"], st.get("planner_data"), st["storage_data"]):  # the last by its fqn
-        if isinstance(table, dict):
-            for k in [k for k in table if (k.state["fqn"] if isinstance(k, PickledObject) else k) in gone]:
-                del table[k]
-    for r in records:
-        r.dropped = r.fqn in gone
-    meta.entries = [e for e in meta.entries if e.fqn not in gone]
-    return fqns, paths
 
 
 # ------------------------------------------------------------------------------------------------ remap
@@ -548,10 +440,12 @@ def rewrite_dcp(
     fqns: dict[str, str] = {}
     summary = None
     if rename is not None:
-        fqns, paths, summary = _rename(meta, rename)
+        fqns, paths, summary = rename_entries(meta, rename)
         _apply_names(meta, records, fqns, paths)
     elif drop is not None:
-        fqns, paths = _drop(meta, records, drop)
+        fqns, paths, gone = drop_entries(meta, drop)
+        for r in records:
+            r.dropped = r.fqn in gone
         _apply_names(meta, records, fqns, paths)
         sizes = {rel: n for rel, n in sizes.items() if any(r.rel == rel and not r.dropped for r in records)}
     res = SetWriteResult(folder, "" if dry_run else dst, src.format, storages=sum(not r.dropped for r in records),

@@ -69,7 +69,7 @@ def end_record(buf: Container) -> tuple[int, int, int, int] | None:
     central directory record in the last 64 KiB of ``buf``, or None."""
     size = len(buf)
     # 20 bytes more than the search needs, where torch's reader looks for a ZIP64 locator: on a remote file one
-    # range read then serves both (ckptool._remote.RangeStore)
+    # range read then serves both (ckptool._ranges.RangeStore)
     lo = max(0, size - (65535 + 22 + 20))
     tail = bytes(buf[lo:size])
     at = tail.rfind(ZIP_EOCD, max(0, size - lo - (65535 + 22)))

@@ -3,7 +3,7 @@
 
 * What is scanned (:func:`expand`): each path as :func:`ckptool.ops.scan.entry.iter_targets` gives it (a file, a
   folder walked recursively, a DCP folder as one); a URL that is a prefix or folder (``s3://bucket/models/``, any
-  fsspec filesystem that lists) stands for every object under it (:func:`ckptool._source.list_objects`). An object
+  fsspec filesystem that lists) stands for every object under it (:func:`ckptool._listing.list_objects`). An object
   found under a prefix is a checkpoint by its content, as a local folder's files are: its name ends like a checkpoint
   (:data:`~ckptool.ops.scan.entry.CHECKPOINT_SUFFIXES`), or its first bytes are a zip, a pickle of protocol 2-5,
   safetensors or a tar (one range request, :func:`starts_like_checkpoint`); other objects are skipped.
@@ -22,17 +22,23 @@ Nothing here schedules work across machines: the executor does.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import os
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ckptool import _listing
 from ckptool import _source as source
 from ckptool.errors import CkptError
-from ckptool.ops.scan.cache import ScanCache, local_version
 from ckptool.ops.scan.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets, scan_file, unreadable
+
+if TYPE_CHECKING:  # the cache (sqlite3, hashlib) and the pools (concurrent.futures, logging) are imported only by
+    # a run that has them: a run of many small files in this process needs neither (start-up)
+    import concurrent.futures as cf
+
+    from ckptool.ops.scan.cache import ScanCache
 
 __all__ = ["ManyRun", "ScanRun", "Target", "expand", "not_a_checkpoint", "scan_many", "scan_target",
            "starts_like_checkpoint", "target_reads"]
@@ -70,7 +76,7 @@ def expand(paths: Iterable[str | os.PathLike[str]], whole: Callable[[str], bool]
         p = os.fspath(given)
         try:
             if source.is_url(p) and (p.endswith("/") or source.kind(p) == "directory"):
-                yield from (_listed(u, size, tag) for u, size, tag in source.list_objects(p))
+                yield from (_listed(u, size, tag) for u, size, tag in _listing.list_objects(p))
                 continue
             if whole is not None and not source.is_url(p) and os.path.isdir(p) and whole(p):
                 yield Target(p)
@@ -80,10 +86,21 @@ def expand(paths: Iterable[str | os.PathLike[str]], whole: Callable[[str], bool]
                 if why is not None:
                     yield Target(path, error=why)
                     continue
-                local = not source.is_url(path) and os.path.isfile(path)
-                yield Target(path, tuple(notes), size=os.path.getsize(path) if local else None)
+                yield Target(path, tuple(notes), size=_local_size(path))
         except (CkptError, OSError) as e:
             yield Target(p, error=str(e))
+
+
+def _local_size(path: str) -> int | None:
+    """The size in bytes of the local regular file ``path`` from one ``stat`` (links followed), else None (a URL, a
+    folder, a FIFO or device, a path that cannot be stat'ed: its scan says why)."""
+    if source.is_url(path):
+        return None
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _listed(url: str, size: int | None, tag: str | None) -> Target:
@@ -155,6 +172,8 @@ def _stamped(t: Target) -> Target:
         if not source.is_url(t.path):
             if not os.path.isfile(t.path):
                 return t
+            from ckptool.ops.scan.cache import local_version  # noqa: PLC0415 (a run with a cache only)
+
             st = os.stat(t.path)
             return replace(t, size=st.st_size, version=local_version(st))
         info = source.remote_info(t.path)
@@ -167,6 +186,8 @@ def _stamped(t: Target) -> Target:
 def _cache_key(t: Target) -> str | None:
     if t.error is not None or t.size is None or t.version is None:
         return None
+    from ckptool.ops.scan.cache import ScanCache  # noqa: PLC0415 (a run with a cache only)
+
     return ScanCache.key(t.path if source.is_url(t.path) else os.path.abspath(t.path), t.size, t.version)
 
 
@@ -227,13 +248,16 @@ class ManyRun(Generic[R]):
                 continue
             pending[fut] = (t, key)
             while len(pending) >= self.window:
-                yield from self._drain(pending, cf.FIRST_COMPLETED)
+                yield from self._drain(pending)
         while pending:
-            yield from self._drain(pending, cf.FIRST_COMPLETED)
+            yield from self._drain(pending)
 
-    def _drain(self, pending: dict[cf.Future[R | None], tuple[Target, str | None]], when: str
+    def _drain(self, pending: dict[cf.Future[R | None], tuple[Target, str | None]]
                ) -> Iterator[tuple[Target, R | None]]:
-        done, _ = cf.wait(list(pending), return_when=when)
+        """The tasks of ``pending`` that are done once the first of them is (removed from it), with their results."""
+        import concurrent.futures as cf  # noqa: PLC0415 (only a run on an executor gets here)
+
+        done, _ = cf.wait(list(pending), return_when=cf.FIRST_COMPLETED)
         for fut in done:
             t, key = pending.pop(fut)
             try:
@@ -265,6 +289,8 @@ class ScanRun(ManyRun[ScanResult]):
         if self.cache is None:
             yield from super()._lookups()
             return
+        import concurrent.futures as cf  # noqa: PLC0415 (only a run with a cache gets here)
+
         need = any(source.is_url(t.path) and t.version is None for t in self.targets)
         with cf.ThreadPoolExecutor(STAMP_THREADS if need else 1) as pool:
             for t in pool.map(_stamped, self.targets):
@@ -297,7 +323,12 @@ def scan_many(paths: Iterable[str | os.PathLike[str]], *, executor: cf.Executor 
     Raises:
         OutputError: ``cache`` cannot be opened as a SQLite database.
     """
-    db = cache if isinstance(cache, ScanCache) or cache is None else ScanCache(cache)
+    if isinstance(cache, (str, os.PathLike)):
+        from ckptool.ops.scan.cache import ScanCache  # noqa: PLC0415 (a run with a cache only)
+
+        db: ScanCache | None = ScanCache(cache)
+    else:
+        db = cache
     try:
         for _t, res in ScanRun(paths, executor=executor, cache=db):
             if res is not None:
