@@ -23,6 +23,7 @@ Nothing here schedules work across machines: the executor does.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import stat
 from collections.abc import Callable, Iterable, Iterator
@@ -38,7 +39,21 @@ if TYPE_CHECKING:  # the cache (sqlite3, hashlib) and the pools (concurrent.futu
     # a run that has them: a run of many small files in this process needs neither (start-up)
     import concurrent.futures as cf
 
-    from ckptool.ops.scan.cache import ScanCache
+    from ckptool.ops.scan import cache as scan_cache
+else:
+    class _ModuleOnFirstUse:
+        """Stands for the module ``name``, imported when an attribute is first read: the public functions'
+        annotations (``cf.Executor``, ``scan_cache.ScanCache``) resolve for ``typing.get_type_hints`` while a run of
+        many small files imports neither module (as :mod:`ckptool.torch_ops.annotations` does for torch)."""
+
+        def __init__(self, name: str) -> None:
+            self._name = name
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(importlib.import_module(self._name), attr)
+
+    cf = _ModuleOnFirstUse("concurrent.futures")
+    scan_cache = _ModuleOnFirstUse("ckptool.ops.scan.cache")
 
 __all__ = ["ManyRun", "ScanRun", "Target", "expand", "not_a_checkpoint", "scan_many", "scan_target",
            "starts_like_checkpoint", "target_reads"]
@@ -281,7 +296,7 @@ class ScanRun(ManyRun[ScanResult]):
     :class:`~ckptool.ops.scan.cache.ScanCache`, read and written here, never by the tasks."""
 
     def __init__(self, paths: Iterable[str | os.PathLike[str]], *, executor: cf.Executor | None = None,
-                 cache: ScanCache | None = None, window: int | None = None) -> None:
+                 cache: scan_cache.ScanCache | None = None, window: int | None = None) -> None:
         super().__init__(paths, scan_target, _scan_failed, executor=executor, window=window)
         self.cache = cache
 
@@ -307,7 +322,7 @@ class ScanRun(ManyRun[ScanResult]):
 
 
 def scan_many(paths: Iterable[str | os.PathLike[str]], *, executor: cf.Executor | None = None,
-              cache: ScanCache | str | os.PathLike[str] | None = None) -> Iterator[ScanResult]:
+              cache: scan_cache.ScanCache | str | os.PathLike[str] | None = None) -> Iterator[ScanResult]:
     """Scan every checkpoint of ``paths`` (files, folders walked recursively, URL prefixes listed; see
     :mod:`ckptool.ops.scan.many`) and yield each :class:`ScanResult` as its scan finishes.
 
