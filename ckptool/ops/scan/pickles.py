@@ -2,8 +2,9 @@
 tars, plain pickles, data appended after any of them) read with the restricted unpickler, each global classified
 by :func:`ckptool.model.allowlist.classify_global` into a :class:`~ckptool.ops.scan.results.ScanResult`. The
 policy, and which pickles are read, are described in :mod:`ckptool.ops.scan.entry`; DCP folders are walked by
-:mod:`ckptool.ops.scan.dcp`, legacy tar archives by :mod:`ckptool.ops.scan.tar`. Nothing is imported or called
-from the file.
+:mod:`ckptool.ops.scan.dcp`, legacy tar archives by :mod:`ckptool.ops.scan.tar`; the wrappers (gzip, zlib, .npy,
+tar members) and torch legacy streams by the :class:`Scanner`'s base classes in :mod:`ckptool.ops.scan.wrappers`
+and :mod:`ckptool.ops.scan.legacy_stream`. Nothing is imported or called from the file.
 """
 
 from __future__ import annotations
