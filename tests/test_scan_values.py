@@ -106,6 +106,16 @@ def test_a_function_on_no_list_held_as_a_value_needs_trust(tmp_path: Path) -> No
 
 
 @pytest.mark.torchfree
+@pytest.mark.parametrize("pid", [b"(X\x0e\x00\x00\x00reduce_packageq\x00cmypkg.utils\nrun\nq\x01)tq\x02Q",
+                                 b"(X\x03\x00\x00\x00anyq\x00]q\x01cmypkg.utils\nrun\nq\x02atq\x03Q"])
+def test_a_function_in_a_persistent_id_is_called(tmp_path: Path, pid: bytes) -> None:
+    """A global inside a persistent id is handed to the loader's ``persistent_load``, which may call it: torch.package's
+    calls ``('reduce_package', func, args)`` as ``func(importer, *args)``. It is never "held only as a value"."""
+    (tmp_path / "p.pkl").write_bytes(b"\x80\x02}q\x10X\x01\x00\x00\x00h" + pid + b"s.")
+    assert _global(scan_file(tmp_path / "p.pkl"), "mypkg.utils.run").status == DANGEROUS
+
+
+@pytest.mark.torchfree
 def test_a_pickle_cut_short_keeps_its_globals_called(tmp_path: Path) -> None:
     """A pickle that fails before its STOP may call a global after the cut: nothing counts as a value there."""
     data = pickle.dumps({"hyper_parameters": _hparams()}, protocol=2)

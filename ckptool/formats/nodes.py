@@ -491,6 +491,30 @@ MAX_ARGS_WALKED = 4096
 _CONTAINERS = (tuple, list, set, frozenset)
 
 
+def note_persistent_id(pid: Any) -> bool:
+    """Mark every placeholder in the persistent id ``pid`` (tuples, lists, sets and dicts walked) as called: a
+    loader's ``persistent_load`` decides what it does with them, and torch.package's calls one
+    (``('reduce_package', func, args)``: ``func(importer, *args)``, ``torch/package/package_importer.py``), so none
+    of them counts as held only as a value. False when ``pid`` holds more than :data:`MAX_ARGS_WALKED` values (not
+    all were marked: the caller refuses it)."""
+    stack: list[Any] = [pid]
+    left = MAX_ARGS_WALKED
+    while stack:
+        a = stack.pop()
+        t = type(a)
+        if t is GlobalMeta:
+            a.called = True
+        elif t in _CONTAINERS:
+            stack.extend(a)
+        elif t is dict:
+            stack.extend(a.keys())
+            stack.extend(a.values())
+        left -= 1
+        if left < 0:
+            return False
+    return True
+
+
 def _note_passed(g: GlobalMeta, args: tuple[Any, ...]) -> None:
     """Mark every placeholder in ``args`` (the arguments of a call of ``g``; tuples, lists, sets and dicts walked)
     as ``passed``; nodes are not entered (their own calls marked theirs)."""

@@ -49,11 +49,13 @@ from ckptool.formats.dtypes import STORAGE_TYPES
 from ckptool.formats.nodes import (
     ALLOC,
     CLASS_BUILD,
+    MAX_ARGS_WALKED,
     BlobView,
     GlobalMeta,
     PersistentRef,
     StorageRef,
     new_global,
+    note_persistent_id,
     qualified_name,
     requested_elements,
     use_key,
@@ -214,6 +216,8 @@ def _persistent_record(storages: dict[str, StorageRef], locations: dict[str, str
         # legacy loader returns cls (the source only feeds a "source code changed" warning). The zip format
         # names the class directly, so returning the placeholder makes a rewrite emit a plain GLOBAL.
         return pid[1]
+    if not note_persistent_id(pid):  # its globals are called by the loader's persistent_load (torch.package)
+        raise pickle.UnpicklingError(f"a persistent id of more than {MAX_ARGS_WALKED} values")
     return PersistentRef(pid)
 
 
