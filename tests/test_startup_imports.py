@@ -41,7 +41,9 @@ main()
 #: added the one verdict (``model.verdict``); issue 49 the name checks of configs that make a loader run code
 #: (``ops.scan.configs``: NeMo's Hydra targets, ``ops.scan.remote_code``: a transformers ``auto_map``), asked of
 #: every file a scan meets; ``_ranges`` is the range store split out of ``_remote``, ``formats.pickle_stack`` the
-#: C stack sizing split out of ``formats.pickle_check`` (the same code as before, in modules under 600 lines).
+#: C stack sizing split out of ``formats.pickle_check`` (the same code as before, in modules under 600 lines);
+#: ``ops.scan.wrappers``, ``ops.scan.legacy_stream`` and ``ops.scan.key_paths``: the base classes and key path walk
+#: of the pickle scanner, split out of ``ops.scan.pickles`` (the same code, in modules under 600 lines).
 SCAN_ZIP_MODULES = {
     "ckptool", "ckptool._gc", "ckptool._ranges", "ckptool._remote", "ckptool._source", "ckptool.errors",
     "ckptool.cli", "ckptool.cli._common", "ckptool.cli._errors", "ckptool.cli._flags", "ckptool.cli.scan",
@@ -54,6 +56,7 @@ SCAN_ZIP_MODULES = {
     "ckptool.ops.scan.configs", "ckptool.ops.scan.directories", "ckptool.ops.scan.layouts",
     "ckptool.ops.scan.pickles", "ckptool.ops.scan.remote_code",
     "ckptool.ops.scan.results", "ckptool.ops.scan.shipped_code", "ckptool.ops.scan.tar",
+    "ckptool.ops.scan.key_paths", "ckptool.ops.scan.legacy_stream", "ckptool.ops.scan.wrappers",
 }
 
 #: every ckptool module ``inspect`` of one torch zip file loads: scan's (its safety analysis is scan's, less the

@@ -2,13 +2,13 @@
 tars, plain pickles, data appended after any of them) read with the restricted unpickler, each global classified
 by :func:`ckptool.model.allowlist.classify_global` into a :class:`~ckptool.ops.scan.results.ScanResult`. The
 policy, and which pickles are read, are described in :mod:`ckptool.ops.scan.entry`; DCP folders are walked by
-:mod:`ckptool.ops.scan.dcp`, legacy tar archives by :mod:`ckptool.ops.scan.tar`. Nothing is imported or called
-from the file.
+:mod:`ckptool.ops.scan.dcp`, legacy tar archives by :mod:`ckptool.ops.scan.tar`; the wrappers (gzip, zlib, .npy,
+tar members) and torch legacy streams by the :class:`Scanner`'s base classes in :mod:`ckptool.ops.scan.wrappers`
+and :mod:`ckptool.ops.scan.legacy_stream`. Nothing is imported or called from the file.
 """
 
 from __future__ import annotations
 
-import gzip
 import io
 import os
 import struct
@@ -23,28 +23,23 @@ from ckptool import _source as source
 from ckptool.errors import CkptError, CorruptCheckpointError, TruncatedError
 from ckptool.formats import detect as formats
 from ckptool.formats import plugin
-from ckptool.formats.dtypes import STORAGE_TYPES
-from ckptool.formats.nodes import GlobalMeta, ObjectNode, ReduceNode, StorageRef, qualified_name
+from ckptool.formats.nodes import StorageRef, qualified_name
 from ckptool.formats.pickle_check import PickleBuffer, check_pickle
-from ckptool.formats.unpickler import load_pickle_at, partial_globals
-from ckptool.formats.zipdir import (
-    MAX_RATIO,
-    TorchRecords,
-    ZipEntry,
-    read_member,
-    read_member_head,
-)
-from ckptool.model.allowlist import ALLOWED, is_importable_name, rate_global, rate_target
-from ckptool.model.graph import MAX_DEPTH, node_children
-from ckptool.ops.scan import layouts
-from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
-from ckptool.ops.scan.configs import hydra_targets, is_config_name, parse_config, target_where
+from ckptool.formats.unpickler import RestrictedUnpickler, load_pickle_at, partial_globals
+from ckptool.formats.zipdir import MAX_RATIO, TorchRecords, ZipEntry, read_member, read_member_head
+from ckptool.model.allowlist import ALLOWED, is_importable_name, rate_global
+from ckptool.ops.scan import layouts, wrappers
+from ckptool.ops.scan.byte_windows import ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
 from ckptool.ops.scan.directories import zip_directories
+from ckptool.ops.scan.key_paths import MAX_KEY_PATHS, key_paths
 from ckptool.ops.scan.layouts import Layout
+from ckptool.ops.scan.legacy_stream import LegacyWalk, failed
 from ckptool.ops.scan.results import GlobalFinding, PickleFinding, ScanResult
-from ckptool.ops.scan.tar import MAX_PICKLES_IN_A_ROW, PICKLE_FIRST, inside, join_where, leaves_archive, scan_tar
+from ckptool.ops.scan.tar import MAX_PICKLES_IN_A_ROW, PICKLE_FIRST, inside, join_where, leaves_archive
+from ckptool.ops.scan.wrappers import INFLATE_BUDGET, MAX_ZIP_DEPTH, NotAPickle, WrapperWalk
 
-__all__ = ["MAX_KEY_PATHS", "Container", "NotAPickle", "Scanner", "Window", "as_file", "failed", "key_paths"]
+__all__ = ["INFLATE_BUDGET", "MAX_KEY_PATHS", "MAX_ZIP_DEPTH", "Container", "NotAPickle", "Scanner", "Window",
+           "as_file", "failed", "key_paths"]
 
 # ------------------------------------------------------------------------------------------------ scanning
 #: what a caller (``inspect``) already read of a pickle: its globals, its root node, the offset after its STOP opcode
@@ -54,45 +49,11 @@ Preparsed: TypeAlias = tuple[list[str], Any, int | None, tuple[int, int] | None]
 _PICKLE_SUFFIXES = (".pkl", ".debug_pkl", ".pickle")
 #: folders of a torch zip / TorchScript archive holding tensor bytes and TorchScript source, which no loader unpickles
 _STORAGE_DIRS = ("data/", "constants/", ".data/", "code/")
-#: zips inside zips are scanned this deep; a zip deeper still is an unreadable finding (the verdict is then no
-#: better than ``error``)
-MAX_ZIP_DEPTH = 16
-#: the bytes a scan inflates (or copies, for nested zips) from zip members: this plus :data:`MAX_RATIO` times the
-#: file's size; members past it are unreadable findings. Members sharing one local header are read once.
-INFLATE_BUDGET = 64 << 20
-#: the first bytes of a gzip stream (RFC 1952), of a .npy array (numpy.lib.format), of a 7z archive
-GZIP_MAGIC = b"\x1f\x8b"
-NPY_MAGIC = b"\x93NUMPY"
-SEVEN_ZIP_MAGIC = b"7z\xbc\xaf\x27\x1c"
 
 
-def _is_zlib(head: bytes) -> bool:
-    """A zlib stream header (RFC 1950: deflate with a 32 KiB window, ``x``, the check bits right, no preset
-    dictionary), as ``zlib.compress`` and joblib's ``compress`` write: ``x\x9c``, ``x\x01``, ``x\xda``. Smaller
-    windows are left out: their first bytes (``(``, ``H``, ``X``, ``h``) are also opcodes a pickle starts with."""
-    return len(head) >= 2 and head[0] == 0x78 and (head[0] << 8 | head[1]) % 31 == 0 and not head[1] & 0x20
 
 
-def is_wrapper(head: bytes) -> bool:
-    """``head`` (a member's first bytes) starts a gzip or zlib stream or a 7z archive: scanned as a file of its own
-    when met inside a zip or tar (:meth:`Scanner.member_file`)."""
-    return head.startswith((GZIP_MAGIC, SEVEN_ZIP_MAGIC)) or _is_zlib(head)
-
-
-def _inflate(data: bytes, kind: str, limit: int) -> bytes:
-    """At most ``limit`` bytes of the ``gzip`` or ``zlib`` stream ``data``, inflated (a stream that ends early
-    raises ``EOFError``)."""
-    if kind == "gzip":
-        with gzip.GzipFile(fileobj=io.BytesIO(data), mode="rb") as gz:
-            return gz.read(limit)
-    d = zlib.decompressobj()
-    out = d.decompress(data, limit)
-    if not d.eof and len(out) < limit:
-        raise EOFError("the zlib stream ends before its end")
-    return out
-
-
-class Scanner:
+class Scanner(WrapperWalk, LegacyWalk):
     """The container walk of one scan: reads every pickle of a file (zip members, nested zips, legacy streams and
     tars, plain pickles, data appended after them) and records its findings into :attr:`res`."""
 
@@ -180,6 +141,17 @@ class Scanner:
     def note(self, text: str) -> None:
         self.res.notes.append(text)
 
+    @property
+    def budget_words(self) -> str:
+        """The bytes a scan inflates, in words (:data:`INFLATE_BUDGET`, :data:`MAX_RATIO`), for findings past it."""
+        return f"{INFLATE_BUDGET >> 20} MiB + {MAX_RATIO} times the file's size"
+
+    def load_at(self, buf: PickleBuffer, pos: int, where: str,
+                storages: dict[str, StorageRef] | None) -> tuple[Any, RestrictedUnpickler, int]:
+        """The pickle at ``buf[pos]``, read with views (:func:`~ckptool.formats.unpickler.load_pickle_at`, which
+        raises :class:`~ckptool.errors.CkptError`), its persistent ids into ``storages``: (root, unpickler, end)."""
+        return load_pickle_at(buf, pos, where, storages=storages, views=True)
+
     # -- one pickle ------------------------------------------------------------------------------------------
     def parse(self, buf: PickleBuffer, pos: int, where: str, *, required: bool = True) -> int | None:
         """Read the pickle at ``buf[pos]``; record it; return the offset after its STOP, or None if it failed.
@@ -191,7 +163,7 @@ class Scanner:
         try:
             root, up, end = load_pickle_at(buf, pos, where, views=True)
         except CkptError as e:
-            names = self._globals_before_failure(buf, pos, where, e)
+            names = self.globals_before_failure(buf, pos, where, e)
             if required or names:
                 self.record(failed(where, pos, names, e))
             return None
@@ -201,7 +173,7 @@ class Scanner:
             self.storages_of[where] = up.storages
         return end
 
-    def _globals_before_failure(self, buf: PickleBuffer, pos: int, what: str, e: CkptError) -> list[str]:
+    def globals_before_failure(self, buf: PickleBuffer, pos: int, what: str, e: CkptError) -> list[str]:
         up = getattr(e, "unpickler", None)
         if up is not None:  # unpickling itself failed: what it named so far
             return [qualified_name(m, n) for m, n in up.globals_seen]
@@ -221,7 +193,7 @@ class Scanner:
         try:
             root, up, end = load_pickle_at(buf, pos, where, views=True)
         except CkptError as e:
-            self.record(failed(where, pos, self._globals_before_failure(buf, pos, where, e), e))
+            self.record(failed(where, pos, self.globals_before_failure(buf, pos, where, e), e))
             return None
         self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root,
                     up.uncalled_globals())
@@ -264,16 +236,16 @@ class Scanner:
             if walked is not None:
                 return walked
         # what no checkpoint reader reads but a loader may unpack: scan reads inside it
-        if head.startswith(GZIP_MAGIC):
+        if head.startswith(wrappers.GZIP_MAGIC):
             self.gzip(buf, where, depth)
             return layouts.GZIP
-        if head.startswith(NPY_MAGIC):
+        if head.startswith(wrappers.NPY_MAGIC):
             self.npy(buf, where, depth)
             return layouts.NPY
-        if _is_zlib(head):
+        if wrappers.is_zlib(head):
             self.inflated(buf, where, depth, "zlib")
             return layouts.ZLIB
-        if head.startswith(SEVEN_ZIP_MAGIC):
+        if head.startswith(wrappers.SEVEN_ZIP_MAGIC):
             plugin("ckptool.ops.scan.seven_zip:scan_7z")(self, buf, where, depth)
             return layouts.SEVEN_ZIP
         if not head or head[0] not in PICKLE_FIRST:
@@ -285,9 +257,9 @@ class Scanner:
         return self.zip(buf, where, depth, f, loaded=True)
 
     def walk_tar(self, buf: PickleBuffer, head: bytes, where: str, depth: int, f: BinaryIO | None) -> Layout | None:
-        """The classifier's ``legacy-tar`` (a tar ``tarfile`` accepts): :meth:`_tar` (a legacy tar, or a tar of other
-        files); None when ``tarfile`` cannot read it after all."""
-        return self._tar(buf, head, where, depth)
+        """The classifier's ``legacy-tar`` (a tar ``tarfile`` accepts): :meth:`tar_archive` (a legacy tar, or a tar of
+        other files); None when ``tarfile`` cannot read it after all."""
+        return self.tar_archive(buf, head, where, depth)
 
     def walk_legacy(self, buf: PickleBuffer, head: bytes, where: str, depth: int, f: BinaryIO | None) -> Layout:
         """The classifier's ``torch-legacy``: :meth:`legacy`."""
@@ -309,85 +281,6 @@ class Scanner:
         self.pickle_file(buf, where, depth)
         return layouts.PICKLE
 
-    def gzip(self, buf: PickleBuffer, where: str, depth: int) -> None:
-        """A gzip stream (``.pkl.gz``, ``.tar.gz``, a ``.nemo`` archive): :meth:`inflated`."""
-        self.inflated(buf, where, depth, "gzip")
-
-    def inflated(self, buf: PickleBuffer, where: str, depth: int, kind: str) -> None:
-        """A ``gzip`` or ``zlib`` stream (``.pkl.gz``, ``.tar.gz``, a ``.nemo`` archive, a joblib file dumped with
-        ``compress``): inflated within the bytes left to inflate (:attr:`inflate_left`) and scanned as a file
-        (:meth:`any`); a stream inflating past the budget, or damaged, is an unreadable finding, never skipped."""
-        label = join_where(where, f"{kind} content")
-        if depth >= MAX_ZIP_DEPTH:
-            self.record(PickleFinding(label, 0, [], f"not read: wrappers nested more than {MAX_ZIP_DEPTH} deep"))
-            return
-        left = self.inflate_left if self.inflate_left is not None else INFLATE_BUDGET
-        try:
-            data = _inflate(bytes(buf), kind, left + 1)
-        except (OSError, EOFError, zlib.error) as err:
-            if kind == "zlib" and where:  # two bytes are a weak signature: a member that merely starts like one
-                self.note(f"{where} starts like a zlib stream but does not inflate ({err})")
-                return
-            self.record(PickleFinding(label, 0, [], f"the {kind} stream could not be inflated ({err})",
-                                      truncated=isinstance(err, EOFError)))
-            return
-        if len(data) > left:
-            self.record(PickleFinding(label, 0, [], (
-                f"not read: it inflates to more than {INFLATE_BUDGET >> 20} MiB + {MAX_RATIO} times the file's size "
-                f"(a {kind} bomb?)")))
-            return
-        if self.inflate_left is not None:
-            self.inflate_left -= len(data)
-        self.note(f"{where or 'the file'} is {kind}-compressed; its {len(data)} inflated bytes were scanned")
-        self.member_file(data, label, depth + 1)
-
-    def npy(self, buf: PickleBuffer, where: str, depth: int) -> None:
-        """A ``.npy`` array (numpy's format: magic, version, header length, header dict): an object array
-        (``descr`` ``|O``) holds a pickle after its header, which ``numpy.load(allow_pickle=True)`` unpickles:
-        read as pickles in a row. A numeric array holds no pickle."""
-        head = bytes(buf[:12])
-        major = head[6] if len(head) > 6 else 0
-        width = 2 if major == 1 else 4
-        if len(head) < 8 + width or major not in (1, 2, 3):
-            self.note(f"{where or 'the file'} starts like a .npy array but its header is not readable")
-            return
-        start = 8 + width + int.from_bytes(head[8:8 + width], "little")
-        header = bytes(buf[8 + width:start])
-        if b"'|O'" not in header and b'"|O"' not in header:
-            return
-        label = join_where(where, "npy object array")
-        self.loaded.add(label)
-        if start >= len(buf):
-            self.record(PickleFinding(label, start, [], "the object array's pickle is missing: the file is cut short",
-                                      truncated=True))
-            return
-        rest = self.pickles_in_a_row(buf, start, label)
-        if rest is not None and rest < len(buf):
-            self.trailing(buf, rest, where, depth)
-
-    def member_file(self, data: bytes, label: str, depth: int) -> None:
-        """Bytes inside a wrapper (a gzip stream, a tar member) scanned as a file of their own (:meth:`any`); bytes
-        that are no checkpoint at all are a note."""
-        try:
-            self.any(data, label, depth)
-        except NotAPickle:
-            self.note(f"{label} is not a pickle, a zip or a tar (no loader unpickles it)")
-
-    def config_member(self, data: bytes, label: str) -> None:
-        """A YAML or JSON config beside the weights (a NeMo archive's ``model_config.yaml``): every Hydra
-        ``_target_`` rated as a global (:func:`~ckptool.model.allowlist.rate_target`), where it is named by the
-        config and its key path; a config that cannot be parsed within the bounds is a note."""
-        try:
-            targets = list(hydra_targets(parse_config(data, label)))
-        except CkptError as err:
-            self.note(f"the config {label} was not read ({err})")
-            return
-        for target, path, use in targets:
-            status, reason = rate_target(target)
-            if use != "called":
-                reason += (" (_partial_: a functools.partial of it, called later)" if use == "partial" else
-                           " (_call_: false: imported, not called)")
-            self.record_global(target, status, reason, target_where(label, path))
 
     def record_global(self, name: str, status: str, reason: str, where: str) -> None:
         """Add the rated name ``name`` (a Hydra target) found at ``where`` to the result's globals."""
@@ -398,33 +291,6 @@ class Scanner:
         if where not in g.where:
             g.where.append(where)
 
-    def tar_member(self, data: bytes, name: str, label: str, depth: int) -> bool:
-        """A tar member that is not a legacy torch record, read by what it is: a config (:meth:`config_member`), a
-        zip, a .npy array, a gzip or zlib stream or a 7z archive (:meth:`member_file`). False when it is none of
-        these (the tar walk reads it as pickles)."""
-        if is_config_name(name):
-            self.config_member(data, label)
-            return True
-        if data.startswith((ZIP_LOCAL, ZIP_EOCD, NPY_MAGIC)) or is_wrapper(data[:8]):
-            self.member_file(data, label, depth + 1)
-            return True
-        return False
-
-    def _tar(self, buf: PickleBuffer, head: bytes, where: str, depth: int) -> Layout | None:
-        """A tar archive (its first header valid): its members, the pickle ``pickle.load`` would read at byte 0, a
-        zip appended after its members. Returns :data:`~ckptool.ops.scan.layouts.LEGACY_TAR` when a member has a
-        legacy record's name, else :data:`~ckptool.ops.scan.layouts.TAR`; None (a note) when ``tarfile`` cannot
-        read the archive after all."""
-        try:
-            end, legacy = scan_tar(self, buf, where, depth)
-        except CorruptCheckpointError as err:
-            self.note(f"the tar header at byte 0{inside(where)} is valid but the archive could not be read ({err})")
-            return None
-        if head[0] in PICKLE_FIRST:  # pickle.load (and tools that use it) read the file's first bytes
-            self.parse(buf, 0, join_where(where, "pickle at byte 0 (read by pickle.load, not torch.load)"),
-                       required=False)
-        self.appended_zip(buf, max(512, end), where, depth)  # not the zip of a member (scanned as the member)
-        return layouts.LEGACY_TAR if legacy else layouts.TAR
 
     def pickle_file(self, buf: PickleBuffer, where: str, depth: int, *, loaded: bool = True) -> None:
         """A plain pickle (``pickle.load`` and ``torch.load`` read its first pickle), then any data after it."""
@@ -650,8 +516,8 @@ class Scanner:
             return
         nested = head.startswith(ZIP_LOCAL)
         looks_pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
-        npy = head.startswith(NPY_MAGIC)  # an .npz member: an object array holds a pickle
-        wrapped = is_wrapper(head)  # a .pkl.gz, a 7z, a zlib joblib dump inside the zip
+        npy = head.startswith(wrappers.NPY_MAGIC)  # an .npz member: an object array holds a pickle
+        wrapped = wrappers.is_wrapper(head)  # a .pkl.gz, a 7z, a zlib joblib dump inside the zip
         if not (is_pickle or nested or looks_pickled or npy or wrapped) or not self._within_budget(e, label):
             return
         try:
@@ -694,8 +560,8 @@ class Scanner:
             return True
         if cost > self.inflate_left:
             self.record(PickleFinding(label, 0, [], (
-                f"not read: the file's members come to more than {INFLATE_BUDGET >> 20} MiB + {MAX_RATIO} times "
-                "the file's size once inflated (members sharing or overlapping their data: a zip bomb?)")))
+                f"not read: the file's members come to more than {self.budget_words} once inflated (members sharing "
+                "or overlapping their data: a zip bomb?)")))
             return False
         self.inflate_left -= cost
         return True
@@ -707,59 +573,6 @@ class Scanner:
             self.note(f"member {label} fails its CRC-32 check (torch does not check it); scanned anyway")
         self._crc_checked = label if crc_ok else None
 
-    def legacy(self, buf: PickleBuffer, where: str, depth: int) -> None:
-        """The five pickles of a torch legacy stream (torch/serialization.py ``_legacy_load``), then its storage
-        blocks, to find data after them."""
-        pos = 0
-        main_storages: dict[str, StorageRef] = {}
-        keys: object = None
-        for i, part in enumerate(("magic number", "protocol version", "sys_info", "main pickle", "storage keys")):
-            label = join_where(where, f"legacy {part}")
-            if not where:
-                self.loaded.add(label)
-            try:
-                root, up, end = load_pickle_at(buf, pos, label, storages=main_storages if i == 3 else None,
-                                               views=True)
-            except CkptError as e:
-                self.record(failed(label, pos, self._globals_before_failure(buf, pos, label, e), e))
-                return
-            self.record(PickleFinding(label, pos, [qualified_name(m, n) for m, n in up.globals_seen]),
-                        root if i == 3 else None, up.uncalled_globals())
-            if i == 4:
-                keys = root
-            pos = end
-        # the storage blocks: 8-byte element count + numel * element size bytes each, in key order
-        if not isinstance(keys, list):
-            self.note("the legacy storage key list is not a list; data after it was not checked")
-            return
-        for key in keys:
-            ref = main_storages.get(str(key)) if isinstance(key, (str, int)) else None
-            head = bytes(buf[pos:pos + 8])
-            if ref is not None and len(head) != 8:
-                self.res.incomplete.append(f"the data ends at byte {len(buf)}{inside(where)}, before the legacy "
-                                           f"storage {key}: the file is truncated (torch.load fails on it)")
-                return
-            if ref is None:
-                self.note("the legacy storage blocks do not match the storage keys; data after them was not checked")
-                return
-            numel = struct.unpack("<q", head)[0]
-            elsize = STORAGE_TYPES.get(ref.storage_type_name, ("", 1))[1]
-            if numel < 0:
-                self.note("a legacy storage block has a negative size; data after it was not checked")
-                return
-            if pos + 8 + numel * elsize > len(buf):
-                self.res.incomplete.append(
-                    f"legacy storage {key} needs {numel * elsize} bytes at byte {pos + 8}{inside(where)}, but the "
-                    f"data ends at byte {len(buf)}: the file is truncated (torch.load fails on it)")
-                return
-            pos += 8 + numel * elsize
-        if pos < len(buf):
-            self.trailing(buf, pos, where, depth)
-
-def failed(where: str, offset: int, names: list[str], err: Exception) -> PickleFinding:
-    """The finding of a pickle that could not be read to its end because of ``err``: ``truncated`` when the data
-    ended first (:class:`~ckptool.errors.TruncatedError`)."""
-    return PickleFinding(where, offset, names, str(err), truncated=isinstance(err, TruncatedError))
 
 
 def as_file(buf: Container) -> BinaryIO:
@@ -779,46 +592,3 @@ def _first_of_group(shared: dict[tuple[int, int, int, int], list[str]] | None, e
     return len(group) == 1
 
 
-class NotAPickle(Exception):
-    """:meth:`Scanner.any`: the bytes are no container the scan knows and do not start as a pickle."""
-
-
-#: the most key paths reported per global and pickle
-MAX_KEY_PATHS = 5
-
-
-def key_paths(root: Any, names: set[str]) -> dict[str, list[str]]:
-    """Where in the object ``root`` (a restricted unpickler's graph) each global of ``names`` is used: dotted key
-    paths (:func:`ckptool.model.graph.node_children`'s, ``(top level)`` for the root itself), at most
-    :data:`MAX_KEY_PATHS` each. The walk goes on inside an object whose own class is one of ``names``, so a global
-    held as a value inside it (``typing.Any`` in an OmegaConf config) is located too. A global used only inside
-    another call's callable is not located. Never raises."""
-    out: dict[str, list[str]] = {}
-
-    def found(name: str | None, path: str) -> None:
-        if name in names:
-            paths = out.setdefault(name, [])
-            if len(paths) < MAX_KEY_PATHS and (path or "(top level)") not in paths:
-                paths.append(path or "(top level)")
-
-    stack: list[tuple[str, Any, int]] = [("", root, 0)]
-    seen: set[int] = set()
-    try:
-        while stack:
-            path, obj, depth = stack.pop()
-            if isinstance(obj, GlobalMeta):
-                found(obj.qualified_name, path)
-                continue
-            if isinstance(obj, _ATOMS) or id(obj) in seen or depth > MAX_DEPTH:
-                continue
-            seen.add(id(obj))
-            if isinstance(obj, (ReduceNode, ObjectNode)):
-                found(obj.global_name, path)
-            children = list(node_children(path, obj))
-            stack.extend((p, v, depth + 1) for p, v in reversed(children))
-    except (CkptError, RecursionError):
-        pass
-    return out
-
-
-_ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None))
