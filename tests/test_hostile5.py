@@ -4,6 +4,7 @@ never an authority, and the numbers the merge commands take are finite."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import importlib.util
 import json
 import os
 import pickle
@@ -25,6 +26,8 @@ import pytest
 from ckptool.ops.scan.many import ScanRun
 
 pytestmark = pytest.mark.torchfree
+#: the few cases that merge (merge-lora, average --method need the torch extra): skipped by the torch-free jobs only
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="merges: needs the torch extra")
 
 EVIL = b"\x80\x02cos\nsystem\nq\x00X\x02\x00\x00\x00idq\x01\x85q\x02Rq\x03."
 
@@ -542,6 +545,7 @@ def test_a_bad_adapter_config_is_one_error_line(tmp_path: Path, run_cli, name: s
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.safetensors"]
 
 
+@needs_torch
 def test_a_good_adapter_config_still_merges(tmp_path: Path, run_cli) -> None:
     base, adapter = _lora(tmp_path, '{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "rank_pattern": {"q": 4}}')
     res = run_cli("merge-lora", base, adapter, "-o", tmp_path / "out.safetensors", catch_exceptions=True)
@@ -753,6 +757,7 @@ def test_follow_links_opts_in_for_regular_files_only(tmp_path: Path, run_cli, ta
     assert res.exit_code == 1, "--follow-links must not outlive its run"
 
 
+@needs_torch
 def test_a_merge_that_overflows_the_weight_dtype_is_refused(tmp_path: Path, run_cli) -> None:
     import struct
 
@@ -775,6 +780,7 @@ def test_a_compressed_index_page_is_capped(hostile_http: str, run_cli) -> None:
     assert res.exit_code == 2 and "larger than 33554432 bytes once decoded" in res.output, res.output
 
 
+@needs_torch
 def test_a_merge_that_overflows_from_finite_inputs_is_refused(tmp_path: Path, run_cli) -> None:
     _safetensors(tmp_path / "base.safetensors", {"w": [2, 2]})
     for n in ("a", "b"):
