@@ -381,6 +381,21 @@ class TorchRecords:
             self._lower = lower
         return self._lower
 
+    def missing(self, names: list[str]) -> list[str]:
+        """The records of ``names`` (``data/0``, ...) torch finds no entry for (:meth:`find` is None), in order; the
+        common case, all present, is decided by one set difference in C (50,000 storages of a large state_dict)."""
+        if self.prefix is None:
+            return list(names)
+        text = "\n".join(names)
+        if not names or not text.isascii() or text.count("\n") != len(names) - 1:
+            return [n for n in names if self.find(n) is None]
+        prefix = self._prefix_raw.decode("ascii", "replace")
+        keys = (prefix + text.replace("\n", "\n" + prefix)).lower().encode("ascii", "replace").split(b"\n")
+        index = self._index()
+        if prefix.isascii() and not set(keys).difference(index):
+            return []
+        return [n for n in names if self.find(n) is None]
+
     def find(self, name: str) -> ZipEntry | None:
         """The entry torch reads for record ``name`` (``data.pkl``, ``data/0``), or None where torch finds none."""
         if self.prefix is None:

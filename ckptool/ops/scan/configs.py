@@ -11,13 +11,15 @@ Each target is rated by :func:`ckptool.model.allowlist.rate_target`. Nothing is 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
 from ckptool.errors import CorruptCheckpointError
 
-__all__ = ["CONFIG_SUFFIXES", "MAX_ALIASES", "MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH", "MAX_CONFIG_NODES",
-           "TARGET_MARK", "hydra_targets", "is_config_name", "is_target_where", "parse_config", "target_where"]
+__all__ = ["CONFIG_SUFFIXES", "HF_CONFIG_NAMES", "MAX_ALIASES", "MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH",
+           "MAX_CONFIG_NODES", "TARGET_MARK", "hydra_targets", "is_code_config", "is_config_name", "is_nemo_config",
+           "is_target_where", "parse_config", "target_where"]
 
 #: the member or file names read as configs
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
@@ -136,3 +138,37 @@ def is_target_where(where: str) -> bool:
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+#: the Hugging Face configs whose ``auto_map`` names code (``AutoConfig``/``AutoModel*``, ``AutoTokenizer``,
+#: ``AutoProcessor``, ``AutoImageProcessor``, ``AutoFeatureExtractor``)
+HF_CONFIG_NAMES = frozenset({"config.json", "tokenizer_config.json", "processor_config.json",
+                             "preprocessor_config.json", "feature_extractor_config.json"})
+
+
+def is_nemo_config(path: str) -> bool:
+    """True for a NeMo config whose ``_target_`` entries Hydra instantiates: ``model_config.yaml`` (a ``.nemo``
+    archive, unpacked), ``context/model.yaml`` and ``context/io.json`` (a NeMo 2 checkpoint folder)."""
+    name = os.path.basename(path)
+    parent = os.path.basename(os.path.dirname(path))
+    return name == "model_config.yaml" or (parent == "context" and name in ("model.yaml", "io.json"))
+
+
+def is_code_config(path: str) -> bool:
+    """True for a file of a folder the scan reads for the code it makes a loader run: a Hugging Face config
+    (:data:`HF_CONFIG_NAMES`) that holds ``"auto_map"``, or a NeMo config (:func:`is_nemo_config`) that holds
+    ``_target_``; read only when the name matches, at most :data:`MAX_CONFIG_BYTES`."""
+    name = os.path.basename(path)
+    if name in HF_CONFIG_NAMES:
+        marker = b'"auto_map"'
+    elif is_nemo_config(path):
+        marker = b"_target_"
+    else:
+        return False
+    try:
+        if os.path.getsize(path) > MAX_CONFIG_BYTES:
+            return True  # read (and refused with a note) by the scan itself
+        with open(path, "rb") as f:
+            return marker in f.read()
+    except OSError:
+        return False

@@ -88,10 +88,9 @@ from ckptool.model.graph import iter_tensors
 from ckptool.model.units import human_bytes
 from ckptool.ops.scan import layouts
 from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, zip_end
-from ckptool.ops.scan.configs import MAX_CONFIG_BYTES, parse_config
+from ckptool.ops.scan.configs import HF_CONFIG_NAMES, MAX_CONFIG_BYTES, is_code_config, parse_config
 from ckptool.ops.scan.layouts import Layout
 from ckptool.ops.scan.pickles import NotAPickle, Preparsed, Scanner
-from ckptool.ops.scan.remote_code import HF_CONFIG_NAMES, hf_remote_code, is_code_config
 from ckptool.ops.scan.results import (
     EXIT_CODES,
     STRICT_EXIT_CODES,
@@ -315,7 +314,7 @@ def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
 def iter_targets(paths: Iterable[str | os.PathLike[str]], *, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
     """:func:`iter_paths`, each path with the notes its result gets (why a file outside a scanned folder is
     scanned); raises as :func:`iter_paths` does. ``configs=False``: folders give no config that makes a loader run
-    code (:func:`~ckptool.ops.scan.remote_code.is_code_config`: for ``inspect``). Used by
+    code (:func:`~ckptool.ops.scan.configs.is_code_config`: for ``inspect``). Used by
     :mod:`ckptool.ops.scan.many`."""
     return _targets(paths, configs)
 
@@ -368,7 +367,7 @@ def unreadable(notes: list[str] | tuple[str, ...]) -> str | None:
 
 def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
     """The checkpoint files under the folder ``top`` (recursively, sorted, symlinked subfolders not entered; with
-    ``configs`` also the configs that make a loader run code, :func:`~ckptool.ops.scan.remote_code.is_code_config`),
+    ``configs`` also the configs that make a loader run code, :func:`~ckptool.ops.scan.configs.is_code_config`),
     then the files a loader of ``top`` reads from outside it: the shards a ``*.index.json`` names and the files of
     the DeepSpeed tag folders ``latest`` or a symlinked tag folder lead to (:func:`_followed`). A subfolder that
     cannot be listed (no permission) and a file that cannot be opened are yielded too, with an :data:`UNREADABLE`
@@ -418,7 +417,7 @@ def _is_candidate(full: str) -> bool:
 
 
 def _scan_code_config(sc: Scanner, path: str) -> Layout:
-    """A config that makes a loader run code (:func:`~ckptool.ops.scan.remote_code.is_code_config`): a Hugging
+    """A config that makes a loader run code (:func:`~ckptool.ops.scan.configs.is_code_config`): a Hugging
     Face config's ``auto_map`` modules (:func:`~ckptool.ops.scan.remote_code.hf_remote_code`) into the result's
     code, a NeMo config's Hydra targets into its globals; one that cannot be read within the bounds is the
     result's error."""
@@ -426,6 +425,9 @@ def _scan_code_config(sc: Scanner, path: str) -> Layout:
         with open(path, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)
         if os.path.basename(path) in HF_CONFIG_NAMES:
+            # the module parser (ast, hashlib) loads only for a folder that has such a config
+            from ckptool.ops.scan.remote_code import hf_remote_code  # noqa: PLC0415
+
             found, notes = hf_remote_code(path, data)
             sc.res.code += found
             sc.res.notes += notes

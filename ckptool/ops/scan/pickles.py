@@ -465,7 +465,8 @@ class Scanner(WrapperWalk, LegacyWalk):
         storages = self.storages_of.get(label or "")
         if not storages:
             return
-        missing = [k for k in storages if recs.find(layout.storage_record.format(key=k)) is None]
+        records = {layout.storage_record.format(key=k): k for k in storages}
+        missing = [records[r] for r in recs.missing(list(records))]
         if missing:
             self.record(PickleFinding(
                 f"{label} (its storages)", 0, [],

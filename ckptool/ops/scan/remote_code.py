@@ -4,8 +4,8 @@ whose ``auto_map`` names modules of the folder, which ``transformers`` imports u
 and a NeMo config whose Hydra ``_target_`` entries ``hydra.utils.instantiate`` calls (rated by
 :meth:`ckptool.ops.scan.pickles.Scanner.config_member`).
 
-:func:`is_code_config` says which files of a folder the scan reads for this; :func:`hf_remote_code` lists each module
-``auto_map`` makes ``transformers`` run, with its sha256, as a :class:`~ckptool.ops.scan.results.CodeFinding`:
+:func:`~ckptool.ops.scan.configs.is_code_config` says which files of a folder the scan reads for this (by name,
+without this module's parser); :func:`hf_remote_code` lists each module ``auto_map`` makes ``transformers`` run, with its sha256, as a :class:`~ckptool.ops.scan.results.CodeFinding`:
 **needs-trust**, or **dangerous** when :func:`dangerous_calls` finds a call of a process, eval, socket or HTTP
 function in it. Modules are parsed with :mod:`ast`, never imported or run.
 """
@@ -19,18 +19,14 @@ from typing import Any
 
 from ckptool.errors import CkptError
 from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST
-from ckptool.ops.scan.configs import MAX_CONFIG_BYTES, parse_config
+from ckptool.ops.scan.configs import parse_config
 from ckptool.ops.scan.results import CodeFinding
 
-__all__ = ["DANGEROUS_CALLS", "HF_CONFIG_NAMES", "MAX_MODULE_BYTES", "REMOTE_CODE", "dangerous_calls",
-           "hf_remote_code", "is_code_config", "is_nemo_config", "parse_module"]
+__all__ = ["DANGEROUS_CALLS", "MAX_MODULE_BYTES", "REMOTE_CODE", "dangerous_calls", "hf_remote_code",
+           "parse_module"]
 
 #: the kind of a :class:`CodeFinding` for a module ``transformers`` runs under ``trust_remote_code``
 REMOTE_CODE = "remote-code"
-#: the Hugging Face configs whose ``auto_map`` names code (``AutoConfig``/``AutoModel*``, ``AutoTokenizer``,
-#: ``AutoProcessor``, ``AutoImageProcessor``, ``AutoFeatureExtractor``)
-HF_CONFIG_NAMES = frozenset({"config.json", "tokenizer_config.json", "processor_config.json",
-                             "preprocessor_config.json", "feature_extractor_config.json"})
 #: modules larger than this are not parsed (needs-trust, said so)
 MAX_MODULE_BYTES = 8 << 20
 #: the most modules followed from one config (the named ones and their relative imports)
@@ -48,34 +44,6 @@ DANGEROUS_CALLS: dict[str, str] = {
     "urllib.request": "opens network connections", "http.client": "opens network connections",
     "ctypes": "calls C functions", "importlib.import_module": "imports any module",
 }
-
-
-def is_nemo_config(path: str) -> bool:
-    """True for a NeMo config whose ``_target_`` entries Hydra instantiates: ``model_config.yaml`` (a ``.nemo``
-    archive, unpacked), ``context/model.yaml`` and ``context/io.json`` (a NeMo 2 checkpoint folder)."""
-    name = os.path.basename(path)
-    parent = os.path.basename(os.path.dirname(path))
-    return name == "model_config.yaml" or (parent == "context" and name in ("model.yaml", "io.json"))
-
-
-def is_code_config(path: str) -> bool:
-    """True for a file of a folder the scan reads for the code it makes a loader run: a Hugging Face config
-    (:data:`HF_CONFIG_NAMES`) that holds ``"auto_map"``, or a NeMo config (:func:`is_nemo_config`) that holds
-    ``_target_``; read only when the name matches, at most :data:`MAX_CONFIG_BYTES`."""
-    name = os.path.basename(path)
-    if name in HF_CONFIG_NAMES:
-        marker = b'"auto_map"'
-    elif is_nemo_config(path):
-        marker = b"_target_"
-    else:
-        return False
-    try:
-        if os.path.getsize(path) > MAX_CONFIG_BYTES:
-            return True  # read (and refused with a note) by the scan itself
-        with open(path, "rb") as f:
-            return marker in f.read()
-    except OSError:
-        return False
 
 
 def parse_module(source: bytes, name: str) -> ast.Module:
