@@ -5,9 +5,10 @@ and a NeMo config whose Hydra ``_target_`` entries ``hydra.utils.instantiate`` c
 :meth:`ckptool.ops.scan.pickles.Scanner.config_member`).
 
 :func:`~ckptool.ops.scan.configs.is_code_config` says which files of a folder the scan reads for this (by name,
-without this module's parser); :func:`hf_remote_code` lists each module ``auto_map`` makes ``transformers`` run, with its sha256, as a :class:`~ckptool.ops.scan.results.CodeFinding`:
-**needs-trust**, or **dangerous** when :func:`dangerous_calls` finds a call of a process, eval, socket or HTTP
-function in it. Modules are parsed with :mod:`ast`, never imported or run.
+without this module's parser); :func:`hf_remote_code` lists each module ``auto_map`` makes ``transformers`` run,
+with its sha256, as a :class:`~ckptool.ops.scan.results.CodeFinding`: **needs-trust**, or **dangerous** when
+:func:`dangerous_calls` finds a call of a process, eval, socket or HTTP function in it. Modules are parsed with
+:mod:`ast`, never imported or run.
 """
 
 from __future__ import annotations
