@@ -381,20 +381,20 @@ class TorchRecords:
             self._lower = lower
         return self._lower
 
-    def missing(self, names: list[str]) -> list[str]:
-        """The records of ``names`` (``data/0``, ...) torch finds no entry for (:meth:`find` is None), in order; the
-        common case, all present, is decided by one set difference in C (50,000 storages of a large state_dict)."""
-        if self.prefix is None:
-            return list(names)
-        text = "\n".join(names)
-        if not names or not text.isascii() or text.count("\n") != len(names) - 1:
-            return [n for n in names if self.find(n) is None]
-        prefix = self._prefix_raw.decode("ascii", "replace")
-        keys = (prefix + text.replace("\n", "\n" + prefix)).lower().encode("ascii", "replace").split(b"\n")
-        index = self._index()
-        if prefix.isascii() and not set(keys).difference(index):
-            return []
-        return [n for n in names if self.find(n) is None]
+    def missing(self, template: str, keys: list[str]) -> list[str]:
+        """The ``keys`` whose record ``template.format(key=key)`` (``data/{key}``) torch finds no entry for
+        (:meth:`find` is None), in order. The names are built and looked up by string and set operations in C (the
+        50,000 storages of a large state_dict), each key in Python only when one is missing or a name is not plain
+        ASCII."""
+        head, _, tail = template.partition("{key}")
+        text = "\n".join(keys)
+        plain = text.isascii() and text.count("\n") == len(keys) - 1 and template.isascii()
+        if keys and plain and self.prefix is not None and self._prefix_raw.isascii():
+            lead = self._prefix_raw.decode("ascii") + head
+            names = (lead + text.replace("\n", tail + "\n" + lead) + tail).lower().encode("ascii").split(b"\n")
+            if not set(names).difference(self._index()):
+                return []
+        return [k for k in keys if self.find(template.format(key=k)) is None]
 
     def find(self, name: str) -> ZipEntry | None:
         """The entry torch reads for record ``name`` (``data.pkl``, ``data/0``), or None where torch finds none."""

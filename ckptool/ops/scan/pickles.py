@@ -465,8 +465,7 @@ class Scanner(WrapperWalk, LegacyWalk):
         storages = self.storages_of.get(label or "")
         if not storages:
             return
-        records = {layout.storage_record.format(key=k): k for k in storages}
-        missing = [records[r] for r in recs.missing(list(records))]
+        missing = recs.missing(layout.storage_record, list(storages))
         if missing:
             self.record(PickleFinding(
                 f"{label} (its storages)", 0, [],
