@@ -49,6 +49,7 @@ Importing this package does not import torch; the functions import it when they 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -239,6 +240,7 @@ def _write(source: Source, res: ConvertResult, fmt_out: OutputFormat, shard_byte
     """Write ``source`` to ``res.dst`` as ``fmt_out`` (:func:`ckptool.ops.convert.outputs.write_outputs`), with the
     notes of what the output format does not carry; with ``dtype``, quantized weights dequantized first."""
     res.notes += source.notes[len(res.notes):]
+    source = carry_scalars(source, res, fmt_out)
     dequantized = dtype is not None and _dequantize(source, res)
     if not fmt_out.whole_state and source.sd_state is not None:
         res.notes.append(f"the state_dict's _metadata (module versions for load_state_dict) was not carried: "
@@ -253,6 +255,36 @@ def _write(source: Source, res: ConvertResult, fmt_out: OutputFormat, shard_byte
         write_outputs(source, res.dst, fmt_out, shard_bytes, dtype, location, plan.rename if plan else None,
                       verify, progress, res, companions=files, allow_overflow=allow_overflow)
     res.kept = companions.names
+
+
+def carry_scalars(source: Source, res: ConvertResult, fmt_out: OutputFormat) -> Source:
+    """``source`` with its training scalars (:attr:`Source.scalars`: ``epoch``, ``global_step``...) placed where
+    the writers registry says ``fmt_out`` holds them (:attr:`ckptool.writers.Writer.scalars`), noted in ``res``:
+    ``"metadata"``: added to safetensors' ``__metadata__`` as strings (``str(3)``: ``"3"``; a name the header
+    already uses, ``format`` or a tensor's name, is left out and named), taken off ``res.left_out``; ``""``: left
+    out, named in one note with the registry's reason (``scalars_why``); ``"state"``: a DCP folder's state holds
+    them as the source's entries (:func:`ckptool.ops.convert.dcp.write_dcp`), nothing to add."""
+    if not source.scalars:
+        return source
+    how, names = fmt_out.writer.scalars, list(source.scalars)
+    if how == "":
+        res.notes.append(f"the training entries {', '.join(names)} were not written: {fmt_out.writer.scalars_why}")
+        return source
+    if how != "metadata":
+        return source
+    meta = dict(source.metadata or {})
+    taken = set(meta) | {"format", SHARED_KEY} | {t.name for t in source.tensors}
+    kept = {k: str(v) for k, v in source.scalars.items() if k not in taken}
+    clash = [k for k in names if k not in kept]
+    meta.update(kept)
+    res.left_out = [x for x in res.left_out if x.split(": ", 1)[0] not in kept]
+    if kept:
+        res.notes.append(f"the training entries {', '.join(kept)} were written into __metadata__ as strings (read "
+                         "them with safetensors.safe_open(path, 'pt').metadata())")
+    if clash:
+        res.notes.append(f"the training entries {', '.join(clash)} were not written: __metadata__ already uses "
+                         "those names")
+    return dataclasses.replace(source, metadata=meta or None)
 
 
 def _dequantize(source: Source, res: ConvertResult) -> bool:
