@@ -257,6 +257,12 @@ def _write(source: Source, res: ConvertResult, fmt_out: OutputFormat, shard_byte
     res.kept = companions.names
 
 
+def _training(names: Sequence[str]) -> str:
+    """``"the training entry epoch was"`` / ``"the training entries epoch, step were"``."""
+    one = len(names) == 1
+    return f"the training {'entry' if one else 'entries'} {', '.join(names)} {'was' if one else 'were'}"
+
+
 def carry_scalars(source: Source, res: ConvertResult, fmt_out: OutputFormat) -> Source:
     """``source`` with its training scalars (:attr:`Source.scalars`: ``epoch``, ``global_step``...) placed where
     the writers registry says ``fmt_out`` holds them (:attr:`ckptool.writers.Writer.scalars`), noted in ``res``:
@@ -268,7 +274,7 @@ def carry_scalars(source: Source, res: ConvertResult, fmt_out: OutputFormat) -> 
         return source
     how, names = fmt_out.writer.scalars, list(source.scalars)
     if how == "":
-        res.notes.append(f"the training entries {', '.join(names)} were not written: {fmt_out.writer.scalars_why}")
+        res.notes.append(f"{_training(names)} not written: {fmt_out.writer.scalars_why}")
         return source
     if how != "metadata":
         return source
@@ -279,11 +285,10 @@ def carry_scalars(source: Source, res: ConvertResult, fmt_out: OutputFormat) -> 
     meta.update(kept)
     res.left_out = [x for x in res.left_out if x.split(": ", 1)[0] not in kept]
     if kept:
-        res.notes.append(f"the training entries {', '.join(kept)} were written into __metadata__ as strings (read "
-                         "them with safetensors.safe_open(path, 'pt').metadata())")
+        res.notes.append(f"{_training(list(kept))} written into __metadata__ as strings (read them back with "
+                         "safetensors.safe_open(path, 'pt').metadata())")
     if clash:
-        res.notes.append(f"the training entries {', '.join(clash)} were not written: __metadata__ already uses "
-                         "those names")
+        res.notes.append(f"{_training(clash)} not written: __metadata__ already uses the name")
     return dataclasses.replace(source, metadata=meta or None)
 
 
