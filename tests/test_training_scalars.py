@@ -99,3 +99,18 @@ def test_registry_says_where_each_format_holds_them() -> None:
     assert WRITERS["safetensors"].scalars == "metadata"
     assert WRITERS["dcp"].scalars == "state"
     assert WRITERS["torch"].scalars == "" and "load_state_dict" in WRITERS["torch"].scalars_why
+
+
+def test_extract_state_dict_carries_them_like_convert(tmp_path: Path, run_cli) -> None:
+    model = _fresh()
+    torch.save({"epoch": 3, "global_step": 120, "model": model}, tmp_path / "whole.pt")
+    r = run_cli("extract-state-dict", tmp_path / "whole.pt", "-o", tmp_path / "sd.safetensors")
+    assert r.exit_code == 0, r.output
+    with safe_open(str(tmp_path / "sd.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert meta == {"epoch": "3", "global_step": "120", "format": "pt"}
+    _fresh().load_state_dict(load_file(tmp_path / "sd.safetensors"))
+    r = run_cli("extract-state-dict", tmp_path / "whole.pt", "-o", tmp_path / "sd.pt")
+    assert r.exit_code == 0, r.output
+    assert "Note: the training entries epoch, global_step were not written: a torch state_dict file" in r.output
+    _fresh().load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))

@@ -121,15 +121,15 @@ def left_out(root: Any, trail: Sequence[Link]) -> list[str]:
 SCALAR_STR_MAX = 200
 
 
-def training_scalars(root: Any, trail: Sequence[Link]) -> dict[str, bool | int | float | str] | None:
-    """The plain scalar entries of a training checkpoint's top-level dict ``root`` beside the entry the first link
-    of ``trail`` follows (``{'epoch': 3, 'global_step': 120, 'model': sd, ...}`` -> ``{'epoch': 3,
+def training_scalars(root: Any, chosen: Any) -> dict[str, bool | int | float | str] | None:
+    """The plain scalar entries of a training checkpoint's top-level dict ``root`` beside its entry ``chosen`` (the
+    key of the state_dict or module taken: ``{'epoch': 3, 'global_step': 120, 'model': sd, ...}`` -> ``{'epoch': 3,
     'global_step': 120}``): str keys whose value is a bool, int, float or str of at most :data:`SCALAR_STR_MAX`
-    characters, in file order; None when the state_dict is the root itself or none is there."""
+    characters, in file order; None when ``root`` is no mapping or none is there."""
     items = mapping_items(root)
-    if not trail or items is None or trail[0].parent is not root:
+    if items is None:
         return None
-    out = {k: v for k, v in items if isinstance(k, str) and k != trail[0].key and type(v) in (bool, int, float, str)
+    out = {k: v for k, v in items if isinstance(k, str) and k != chosen and type(v) in (bool, int, float, str)
            and (not isinstance(v, str) or len(v) <= SCALAR_STR_MAX)}
     return out or None
 
@@ -269,7 +269,8 @@ def torch_source(path: str, fmt: str, key: str | None, ck: Checkpoint | None = N
     ck = ck if ck is not None else read_checkpoint(path, fmt)
     sd = select_state_dict(ck.root, key, path)
     src = Source(path, ck.format, [], key=sd.path, left_out=left_out(ck.root, sd.trail),
-                 scalars=training_scalars(ck.root, sd.trail))
+                 scalars=training_scalars(ck.root, sd.trail[0].key) if sd.trail and sd.trail[0].parent is ck.root
+                 else None)
     entries = state_dict_entries(src, sd.obj, sd.is_module)
     records = {r.name: r for r in ck.records}
     if ck.format != formats.TORCH_LEGACY:

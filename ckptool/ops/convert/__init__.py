@@ -89,7 +89,7 @@ from ckptool.torch_ops.trusted import refuse_dangerous
 from ckptool.writers import is_folder_form
 from ckptool.writers.encoders import output_layout
 
-__all__ = ["SHARED_KEY", "ConvertResult", "OutputFormat", "VerificationError", "convert", "parse_size"]
+__all__ = ["SHARED_KEY", "ConvertResult", "OutputFormat", "VerificationError", "convert", "parse_size", "place_scalars"]
 
 
 def _with_tp_rules(fn: Callable[..., ConvertResult]) -> Callable[..., ConvertResult]:
@@ -263,33 +263,40 @@ def _training(names: Sequence[str]) -> str:
     return f"the training {'entry' if one else 'entries'} {', '.join(names)} {'was' if one else 'were'}"
 
 
+def place_scalars(scalars: Mapping[str, object], fmt_out: OutputFormat, taken: set[str]
+                  ) -> tuple[dict[str, str], list[str]]:
+    """Where a training checkpoint's plain ``scalars`` (``epoch``, ``global_step``...) go in ``fmt_out``, as the
+    writers registry says (:attr:`ckptool.writers.Writer.scalars`): ``(__metadata__ entries to add, notes)``.
+    ``"metadata"`` (safetensors): each as ``str(value)`` (``"3"``), but a name in ``taken`` (the header's own:
+    ``format``, a tensor's name) left out and named; ``""`` (torch): none, one note naming them with the registry's
+    reason (``scalars_why``); ``"state"`` (DCP): none and no note (the folder's state holds them as entries).
+    Used by ``convert`` and ``extract-state-dict``."""
+    how, names = fmt_out.writer.scalars, list(scalars)
+    if not names or how == "state":
+        return {}, []
+    if how == "":
+        return {}, [f"{_training(names)} not written: {fmt_out.writer.scalars_why}"]
+    kept = {k: str(v) for k, v in scalars.items() if k not in taken | {"format", SHARED_KEY}}
+    clash = [k for k in names if k not in kept]
+    notes = [(f"{_training(list(kept))} written into __metadata__ as strings (read them back with "
+              "safetensors.safe_open(path, 'pt').metadata())")] if kept else []
+    if clash:
+        notes.append(f"{_training(clash)} not written: __metadata__ already uses the name")
+    return kept, notes
+
+
 def carry_scalars(source: Source, res: ConvertResult, fmt_out: OutputFormat) -> Source:
-    """``source`` with its training scalars (:attr:`Source.scalars`: ``epoch``, ``global_step``...) placed where
-    the writers registry says ``fmt_out`` holds them (:attr:`ckptool.writers.Writer.scalars`), noted in ``res``:
-    ``"metadata"``: added to safetensors' ``__metadata__`` as strings (``str(3)``: ``"3"``; a name the header
-    already uses, ``format`` or a tensor's name, is left out and named), taken off ``res.left_out``; ``""``: left
-    out, named in one note with the registry's reason (``scalars_why``); ``"state"``: a DCP folder's state holds
-    them as the source's entries (:func:`ckptool.ops.convert.dcp.write_dcp`), nothing to add."""
+    """``source`` with its training scalars (:attr:`Source.scalars`) placed as :func:`place_scalars` says for
+    ``fmt_out`` (safetensors: into ``source.metadata``, taken off ``res.left_out``), its notes added to ``res``."""
     if not source.scalars:
         return source
-    how, names = fmt_out.writer.scalars, list(source.scalars)
-    if how == "":
-        res.notes.append(f"{_training(names)} not written: {fmt_out.writer.scalars_why}")
-        return source
-    if how != "metadata":
-        return source
     meta = dict(source.metadata or {})
-    taken = set(meta) | {"format", SHARED_KEY} | {t.name for t in source.tensors}
-    kept = {k: str(v) for k, v in source.scalars.items() if k not in taken}
-    clash = [k for k in names if k not in kept]
-    meta.update(kept)
+    kept, notes = place_scalars(source.scalars, fmt_out, set(meta) | {t.name for t in source.tensors})
+    res.notes += notes
+    if not kept:
+        return source
     res.left_out = [x for x in res.left_out if x.split(": ", 1)[0] not in kept]
-    if kept:
-        res.notes.append(f"{_training(list(kept))} written into __metadata__ as strings (read them back with "
-                         "safetensors.safe_open(path, 'pt').metadata())")
-    if clash:
-        res.notes.append(f"{_training(clash)} not written: __metadata__ already uses the name")
-    return dataclasses.replace(source, metadata=meta or None)
+    return dataclasses.replace(source, metadata={**meta, **kept})
 
 
 def _dequantize(source: Source, res: ConvertResult) -> bool:
