@@ -368,7 +368,8 @@ def _quantized(kind: str, folder: Path) -> None:
 
 
 def _flip_byte(path: Path, key: str) -> None:
-    """Flip the top exponent bit of the first element (bfloat16: its second byte) of tensor ``key`` in the safetensors file ``path``."""
+    """Flip the top exponent bit of tensor ``key``'s first element (bfloat16: its second byte) in the safetensors
+    file ``path``."""
     data = bytearray(path.read_bytes())
     n = int.from_bytes(data[:8], "little")
     begin = json.loads(data[8:8 + n])[key]["data_offsets"][0]

@@ -26,8 +26,8 @@ from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.dtypes import contiguous_stride, element_size, numel
 from ckptool.formats.tensors import Tensor, is_contiguous
 from ckptool.model.keys import WRAPPER_ONLY_COMPONENTS, reconcile
-from ckptool.ops.diff.result import CLOSE, DIFFER, EQUAL, NOT_COMPARED, DiffResult, KeyDiff, ValueDiff
 from ckptool.ops.diff.quantized import dequantize_side
+from ckptool.ops.diff.result import CLOSE, DIFFER, EQUAL, NOT_COMPARED, DiffResult, KeyDiff, ValueDiff
 from ckptool.ops.diff.sides import UNREAD, Side, read_pair, readable
 from ckptool.readers import Opened
 from ckptool.readers.budget import check_expansion
@@ -38,8 +38,8 @@ from ckptool.torch_ops.value_stats import ValueStats, is_numeric, require_numpy,
 
 #: bytes of each side read at a time when comparing values (a strided view reads its storage's span instead)
 CHUNK_BYTES = 4 << 20
-#: the dtype :func:`_dequantized_as` gives a quantized weight compared bit-exact (its values are not computed then)
-QUANTIZED = "quantized"
+#: why a quantized weight is not compared bit-exact (its dequantized values need torch and tolerances)
+QUANTIZED_NOTE = "quantized: pass --rtol/--atol to compare its dequantized values"
 #: the dtypes ``convert --dtype`` dequantizes to: a quantized weight compared by value against one is rounded to it
 _DEQUANTIZED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: the most elements compared at a time (bounds numpy's float64 temporaries in tolerance mode)
@@ -87,8 +87,6 @@ def _chunks(t: Tensor, files: FileRanges, per: int) -> Iterator[bytes | bytearra
 
 def _not_comparable(dtype_a: str, dtype_b: str, tolerance: bool) -> str:
     """Why two tensors of the same shape cannot be compared by value (``""``: they can)."""
-    if not tolerance and QUANTIZED in (dtype_a, dtype_b):
-        return "quantized: pass --rtol/--atol to compare its dequantized values"
     if dtype_a == dtype_b:
         return ""
     if not tolerance:
@@ -173,6 +171,11 @@ def _dequantized_as(ta: Tensor, tb: Tensor, tolerance: bool) -> tuple[Tensor, Te
         return replace(t, dtype=sc.weight.dtype)
 
     return as_(ta, tb), as_(tb, ta)
+
+
+def _as_stored(t: Tensor) -> bool:
+    """True for a quantized weight left in its stored dtype by :func:`_dequantized_as` (its values not computed)."""
+    return t.storage.scaled is not None and t.dtype == t.storage.scaled.weight.dtype
 
 
 # ------------------------------------------------------------------------------------------------ matching keys
@@ -307,10 +310,11 @@ def _compare_pairs(side_a: Side, side_b: Side, pairs: dict[str, str], res: DiffR
     streamed from both files (unless ``keys_only``, the shapes differ, or a side's values are not read); fills
     ``res``."""
     rtol, atol = tolerances
+    tolerance = rtol is not None or atol is not None
     position = {k: i for i, k in enumerate(side_a.tensors)}
     with FileRanges() as files:
         for kb, ka in sorted(pairs.items(), key=lambda p: position[p[1]]):
-            ta, tb = _dequantized_as(side_a.tensors[ka], side_b.tensors[kb], rtol is not None or atol is not None)
+            ta, tb = _dequantized_as(side_a.tensors[ka], side_b.tensors[kb], tolerance)
             changes, lost = _layout_changes(side_a, ta, side_b, tb)
             d = KeyDiff(ka, kb, changes, numel=numel(ta.shape), not_stored=lost)
             res.compared += 1
@@ -321,10 +325,9 @@ def _compare_pairs(side_a: Side, side_b: Side, pairs: dict[str, str], res: DiffR
                 d.values, d.note = NOT_COMPARED, "shapes differ"
             elif ka in side_a.unread or kb in side_b.unread or ra is None or rb is None:
                 d.values, d.note = NOT_COMPARED, side_a.unread.get(ka) or side_b.unread.get(kb, "")
-            elif ta.storage.scaled is not None and ta.dtype == ta.storage.scaled.weight.dtype or (
-                    tb.storage.scaled is not None and tb.dtype == tb.storage.scaled.weight.dtype):
-                d.values, d.note = NOT_COMPARED, _not_comparable(QUANTIZED, QUANTIZED, False) if not (
-                    rtol is not None or atol is not None) else "a quantized weight against one not dequantized"
+            elif _as_stored(ta) or _as_stored(tb):
+                d.values, d.note = NOT_COMPARED, (QUANTIZED_NOTE if not tolerance
+                                                  else "a quantized weight against one not dequantized")
             else:
                 _compare_values(ra, rb, files, rtol, atol, d, res.norms if norms else None)
             if d.values in (EQUAL, CLOSE):
