@@ -402,7 +402,9 @@ def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened,
     its greatest absolute and relative differences and the count of differing elements); with ``rtol`` / ``atol``
     (either one; the other is then 0) an element of B is close when ``|b - a| <= atol + rtol * |a|``, as
     ``torch.testing.assert_close(actual=b, expected=a)`` decides, and tensors of different dtypes are compared by
-    value. ``keys_only`` skips values. Sources: ``torch.testing.assert_close`` for the tolerances, GNU ``diff`` for
+    value. A quantized side (FP8, MXFP4) against one without its scales is compared as ``convert --dtype``
+    dequantizes it (:mod:`ckptool.ops.diff.quantized`; with tolerances its values are computed with torch).
+    ``keys_only`` skips values. Sources: ``torch.testing.assert_close`` for the tolerances, GNU ``diff`` for
     the equal / different outcome. ``norms`` (needs numpy) also records, per matched numeric tensor pair of equal
     shapes, ``||A||**2`` and ``||B - A||**2`` in :attr:`DiffResult.norms` (every element of both is then decoded).
     Unless ``keys_only``, each side's tensors are held to ``max_expand`` (:mod:`ckptool.readers.budget`: a view
