@@ -15,13 +15,17 @@ side's is a change, as for any two tensors of different dtypes.
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import replace
 
 from ckptool.errors import UnsupportedError
 from ckptool.formats.tensors import Source, Tensor
-from ckptool.model.quantization import find_pairs, scheme_of
-from ckptool.ops.convert.dequant import dequantize_source, quantization_config
+from ckptool.model.quantization import find_pairs, quantization_config, scheme_of
+
+#: ``convert``'s dequantizing (:mod:`ckptool.ops.convert.dequant`), imported by a side that has quantized weights:
+#: importing ``ckptool.ops.convert`` (its writers) would otherwise double what every ``diff`` imports (start-up)
+_DEQUANT = "ckptool.ops.convert.dequant"
 
 
 def _folder(path: str) -> str:
@@ -48,7 +52,7 @@ def dequantize_side(tensors: dict[str, Tensor], path: str, other: dict[str, Tens
         return []
     src = Source(path, fmt, [replace(t) for t in tensors.values()])  # a refusal leaves ``tensors`` whole
     try:
-        notes = dequantize_source(src, quant)
+        notes: list[str] = importlib.import_module(_DEQUANT).dequantize_source(src, quant)
     except UnsupportedError as e:  # the side is compared as stored
         return [f"quantized weights compared as stored: {e}".removesuffix("; nothing was written")]
     tensors.clear()
