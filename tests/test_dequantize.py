@@ -417,3 +417,12 @@ def test_inspect_scan_and_report_agree_on_quantized_folders(tmp_path: Path, kind
     got = agreement.answers(tmp_path / "q", tmp_path / "work")
     assert {a.tensors for a in got.values() if a.ok and a.tensors is not None} == {
         len(safe_open(tmp_path / "q" / "model.safetensors", "pt").keys())}
+
+
+def test_diff_of_a_weight_convert_refuses_compares_it_as_stored(tmp_path: Path) -> None:
+    st_torch.save_file({"a.weight": torch.zeros(100, 100).to(torch.float8_e4m3fn), f"a.{SCALE}": torch.ones(3, 3)},
+                       tmp_path / "m.safetensors")
+    st_torch.save_file({"a.weight": torch.zeros(100, 100, dtype=torch.bfloat16)}, tmp_path / "o.safetensors")
+    res = ckptool.diff(tmp_path / "m.safetensors", tmp_path / "o.safetensors", atol=0)
+    assert not res.identical and res.only_a == [f"a.{SCALE}"]
+    assert any(n.startswith("quantized weights compared as stored: ") and "does not fit" in n for n in res.notes)

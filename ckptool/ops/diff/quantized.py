@@ -37,8 +37,8 @@ def dequantize_side(tensors: dict[str, Tensor], path: str, other: dict[str, Tens
     dequantized values and drop its scales, when ``other`` (the other side's tensors) holds none of those scales;
     returns notes saying what was done (none: nothing quantized, or both sides quantized and compared as stored).
 
-    A scheme ``convert`` refuses (GPTQ, AWQ, ue8m0 scales...), or a weight whose scale does not fit it, leaves the
-    side as stored, with a note saying why.
+    A ``quantization_config`` ``convert`` refuses (GPTQ, AWQ, bitsandbytes, ue8m0...) leaves the side as stored;
+    so does a weight ``convert`` would refuse (a scale grid that does not fit it), with a note saying why.
     """
     try:
         quant = quantization_config(_folder(path))
