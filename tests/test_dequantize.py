@@ -9,6 +9,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -355,3 +357,72 @@ def test_a_dequantized_weight_that_overflows_float16_is_refused_and_counted(tmp_
     c = res.cast_values["a.weight"]
     assert (c.elements, c.overflow, c.underflow, c.max_abs_error) == (16, 8, 0, 0.0)
     assert torch.isinf(st_torch.load_file(tmp_path / "o.safetensors")["a.weight"]).sum() == 8
+
+
+# ------------------------------------------------------------------------------------------------ diff, scan, report
+def _quantized(kind: str, folder: Path) -> None:
+    if kind == "fp8":
+        _fp8_folder(folder)
+    elif kind == "compressed-tensors":
+        _ct_folder(folder, "channel")
+    else:
+        _mxfp4_folder(folder)
+
+
+def _flip_byte(path: Path, key: str) -> None:
+    """Flip the top exponent bit of tensor ``key``'s first element (bfloat16: its second byte) in the safetensors
+    file ``path``."""
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    begin = json.loads(data[8:8 + n])[key]["data_offsets"][0]
+    data[8 + n + begin + 1] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "compressed-tensors", "mxfp4"])
+def test_diff_of_a_quantized_folder_against_its_dequantized_output(tmp_path: Path, run_cli, kind: str) -> None:
+    _quantized(kind, tmp_path / "q")
+    ckptool.convert(tmp_path / "q", f"{tmp_path / 'out'}/", dtype="bfloat16", max_shard_size="10GB")
+    r = run_cli("diff", tmp_path / "q", tmp_path / "out", "--atol", "0", "--json")
+    d = json.loads(r.output)
+    assert r.exit_code == 0 and d["identical"], r.output
+    assert d["only_a"] == [] and d["only_b"] == []  # the scales are the weights' and MXFP4's X_blocks is X
+    assert any("dequantized" in n for n in d["notes"])
+    weight = ("model.layers.0.mlp.experts.down_proj" if kind == "mxfp4"
+              else "model.layers.0.mlp.down_proj.weight")
+    # bit-exact, as for any dtype difference: the dtype change is reported, the values are not compared
+    r = run_cli("diff", tmp_path / "q", tmp_path / "out")
+    assert r.exit_code == 1 and "pass --rtol/--atol to compare its dequantized values" in r.output, r.output
+    assert ("uint8 -> bfloat16" if kind == "mxfp4" else "float8_e4m3fn -> bfloat16") in r.output
+    # bit-exact stays torch-free (the dequantized values are computed only with tolerances)
+    code = (f"import sys, ckptool; r = ckptool.diff({str(tmp_path / 'q')!r}, {str(tmp_path / 'out')!r}); "
+            "assert not r.identical and 'torch' not in sys.modules")
+    root = str(Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": root})
+    _flip_byte(tmp_path / "out" / "model.safetensors", weight)
+    r = run_cli("diff", tmp_path / "q", tmp_path / "out", "--atol", "1e-3")
+    assert r.exit_code == 1 and weight in r.output, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.startswith(weight + " ")]
+    assert lines and "differ" in lines[0]
+
+
+@pytest.mark.parametrize("kind", ["fp8", "compressed-tensors", "mxfp4"])
+def test_inspect_scan_and_report_agree_on_quantized_folders(tmp_path: Path, kind: str) -> None:
+    import agreement
+    from safetensors import safe_open
+
+    _quantized(kind, tmp_path / "q")
+    (tmp_path / "work").mkdir()
+    assert agreement.disagreements(tmp_path / "q", tmp_path / "work") == []
+    got = agreement.answers(tmp_path / "q", tmp_path / "work")
+    assert {a.tensors for a in got.values() if a.ok and a.tensors is not None} == {
+        len(safe_open(tmp_path / "q" / "model.safetensors", "pt").keys())}
+
+
+def test_diff_of_a_weight_convert_refuses_compares_it_as_stored(tmp_path: Path) -> None:
+    st_torch.save_file({"a.weight": torch.zeros(100, 100).to(torch.float8_e4m3fn), f"a.{SCALE}": torch.ones(3, 3)},
+                       tmp_path / "m.safetensors")
+    st_torch.save_file({"a.weight": torch.zeros(100, 100, dtype=torch.bfloat16)}, tmp_path / "o.safetensors")
+    res = ckptool.diff(tmp_path / "m.safetensors", tmp_path / "o.safetensors", atol=0)
+    assert not res.identical and res.only_a == [f"a.{SCALE}"]
+    assert any(n.startswith("quantized weights compared as stored: ") and "does not fit" in n for n in res.notes)

@@ -189,7 +189,7 @@ def test_keys_only_exit_codes_and_json(files: dict[str, Path], tmp_path: Path, r
     r = run_cli("diff", files["a"], files["ft"], "--keys-only", "--json")
     assert r.exit_code == 0
     doc = json.loads(r.output)
-    assert doc["schema"] == "ckptool.diff/1" and doc["identical"] and doc["mode"] == "keys-only"
+    assert doc["schema"] == "ckptool.diff/2" and doc["identical"] and doc["mode"] == "keys-only"
     r = run_cli("diff", files["a"], files["ft"], "--json")
     doc = json.loads(r.output)
     assert r.exit_code == 1 and doc["tensors"][0]["key"] == "2.weight" and doc["tensors"][0]["values"] == "differ"

@@ -192,8 +192,9 @@ def report_rename(res: RenameResult) -> None:
 #: or goes away (new fields keep the version): :data:`SCHEMA_VERSIONS` lists the commands past 1 (CHANGELOG.md)
 SCHEMA_VERSION = 1
 #: the commands whose ``--json`` schema is past :data:`SCHEMA_VERSION`: scan and report 2 (one ``verdict``, the
-#: ``level`` / ``unsafe`` words gone)
-SCHEMA_VERSIONS: dict[str, int] = {"scan": 2, "report": 2}
+#: ``level`` / ``unsafe`` words gone), diff 2 (a quantized side compared after dequantization: its scales leave
+#: ``only_a``; :data:`ckptool.ops.diff.result.SCHEMA`)
+SCHEMA_VERSIONS: dict[str, int] = {"scan": 2, "report": 2, "diff": 2}
 
 
 def schema_name(command: str) -> str:

@@ -33,7 +33,7 @@ from ckptool.ops.diff.result import diff_text
                    "resolves; default: a training checkpoint against a bare state_dict is compared through the "
                    "state_dict convert would pick.")
 @max_expand_option
-@click.option("--json", "as_json", is_flag=True, help='Print the result as JSON ("schema": "ckptool.diff/1").')
+@click.option("--json", "as_json", is_flag=True, help='Print the result as JSON ("schema": "ckptool.diff/2").')
 @click.pass_context
 def diff_cmd(ctx: click.Context, a: str, b: str, rtol: float | None, atol: float | None, keys_only: bool,
              strict: bool, key: str | None, verbose: bool, max_expand: float | None, as_json: bool) -> None:

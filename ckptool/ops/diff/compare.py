@@ -19,23 +19,29 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckptool._gc import gc_paused
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.formats.dtypes import contiguous_stride, element_size, numel
 from ckptool.formats.tensors import Tensor, is_contiguous
 from ckptool.model.keys import WRAPPER_ONLY_COMPONENTS, reconcile
+from ckptool.ops.diff.quantized import dequantize_side
 from ckptool.ops.diff.result import CLOSE, DIFFER, EQUAL, NOT_COMPARED, DiffResult, KeyDiff, ValueDiff
 from ckptool.ops.diff.sides import UNREAD, Side, read_pair, readable
 from ckptool.readers import Opened
 from ckptool.readers.budget import check_expansion
 from ckptool.readers.data import FileRanges, read_range
 from ckptool.readers.structures import gather
+from ckptool.torch_ops.cast import dequantized, tensor_buffer
 from ckptool.torch_ops.value_stats import ValueStats, is_numeric, require_numpy, squared_norms
 
 #: bytes of each side read at a time when comparing values (a strided view reads its storage's span instead)
 CHUNK_BYTES = 4 << 20
+#: why a quantized weight is not compared bit-exact (its dequantized values need torch and tolerances)
+QUANTIZED_NOTE = "quantized: pass --rtol/--atol to compare its dequantized values"
+#: the dtypes ``convert --dtype`` dequantizes to: a quantized weight compared by value against one is rounded to it
+_DEQUANTIZED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: the most elements compared at a time (bounds numpy's float64 temporaries in tolerance mode)
 CHUNK_ELEMENTS = 128 << 10
 
@@ -53,6 +59,11 @@ def _chunks(t: Tensor, files: FileRanges, per: int) -> Iterator[bytes | bytearra
     shape, stride = t.shape, t.stride
     n = numel(shape)
     if n == 0:
+        return
+    if st.scaled is not None:  # a quantized weight: its values dequantized (torch), rounded once to ``t.dtype``
+        values = tensor_buffer(dequantized(st.scaled, files.read, t.dtype)[0])
+        for pos in range(0, n * es, per * es):
+            yield bytes(values[pos:pos + per * es])
         return
     lo, hi = t.span
     limit = st.nbytes // es
@@ -145,6 +156,26 @@ def _compare_values(ta: Tensor, tb: Tensor, files: FileRanges, rtol: float | Non
     if res.stats is not None:
         d.max_abs, d.max_rel, d.mismatched = res.stats.max_abs, res.stats.max_rel, res.stats.mismatched
     d.values = CLOSE if tolerance and res.stats is not None and res.stats.mismatched == 0 else DIFFER
+
+
+def _dequantized_as(ta: Tensor, tb: Tensor, tolerance: bool) -> tuple[Tensor, Tensor]:
+    """The pair as compared when a side's tensor is a quantized weight (:mod:`ckptool.ops.diff.quantized`): with
+    tolerances, its values rounded once to the other side's dtype (a float dtype ``convert --dtype`` writes), as
+    ``convert`` computes them; bit-exact, its stored dtype (a layout change) and values not compared."""
+    def as_(t: Tensor, other: Tensor) -> Tensor:
+        sc = t.storage.scaled
+        if sc is None:
+            return t
+        if tolerance and other.dtype in _DEQUANTIZED_DTYPES and other.storage.scaled is None:
+            return replace(t, dtype=other.dtype)
+        return replace(t, dtype=sc.weight.dtype)
+
+    return as_(ta, tb), as_(tb, ta)
+
+
+def _as_stored(t: Tensor) -> bool:
+    """True for a quantized weight left in its stored dtype by :func:`_dequantized_as` (its values not computed)."""
+    return t.storage.scaled is not None and t.dtype == t.storage.scaled.weight.dtype
 
 
 # ------------------------------------------------------------------------------------------------ matching keys
@@ -279,10 +310,11 @@ def _compare_pairs(side_a: Side, side_b: Side, pairs: dict[str, str], res: DiffR
     streamed from both files (unless ``keys_only``, the shapes differ, or a side's values are not read); fills
     ``res``."""
     rtol, atol = tolerances
+    tolerance = rtol is not None or atol is not None
     position = {k: i for i, k in enumerate(side_a.tensors)}
     with FileRanges() as files:
         for kb, ka in sorted(pairs.items(), key=lambda p: position[p[1]]):
-            ta, tb = side_a.tensors[ka], side_b.tensors[kb]
+            ta, tb = _dequantized_as(side_a.tensors[ka], side_b.tensors[kb], tolerance)
             changes, lost = _layout_changes(side_a, ta, side_b, tb)
             d = KeyDiff(ka, kb, changes, numel=numel(ta.shape), not_stored=lost)
             res.compared += 1
@@ -293,6 +325,9 @@ def _compare_pairs(side_a: Side, side_b: Side, pairs: dict[str, str], res: DiffR
                 d.values, d.note = NOT_COMPARED, "shapes differ"
             elif ka in side_a.unread or kb in side_b.unread or ra is None or rb is None:
                 d.values, d.note = NOT_COMPARED, side_a.unread.get(ka) or side_b.unread.get(kb, "")
+            elif _as_stored(ta) or _as_stored(tb):
+                d.values, d.note = NOT_COMPARED, (QUANTIZED_NOTE if not tolerance
+                                                  else "a quantized weight against one not dequantized")
             else:
                 _compare_values(ra, rb, files, rtol, atol, d, res.norms if norms else None)
             if d.values in (EQUAL, CLOSE):
@@ -367,7 +402,9 @@ def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened,
     its greatest absolute and relative differences and the count of differing elements); with ``rtol`` / ``atol``
     (either one; the other is then 0) an element of B is close when ``|b - a| <= atol + rtol * |a|``, as
     ``torch.testing.assert_close(actual=b, expected=a)`` decides, and tensors of different dtypes are compared by
-    value. ``keys_only`` skips values. Sources: ``torch.testing.assert_close`` for the tolerances, GNU ``diff`` for
+    value. A quantized side (FP8, MXFP4) against one without its scales is compared as ``convert --dtype``
+    dequantizes it (:mod:`ckptool.ops.diff.quantized`; with tolerances its values are computed with torch).
+    ``keys_only`` skips values. Sources: ``torch.testing.assert_close`` for the tolerances, GNU ``diff`` for
     the equal / different outcome. ``norms`` (needs numpy) also records, per matched numeric tensor pair of equal
     shapes, ``||A||**2`` and ``||B - A||**2`` in :attr:`DiffResult.norms` (every element of both is then decoded).
     Unless ``keys_only``, each side's tensors are held to ``max_expand`` (:mod:`ckptool.readers.budget`: a view
@@ -396,6 +433,8 @@ def diff(a: str | os.PathLike[str] | Opened, b: str | os.PathLike[str] | Opened,
                      rtol=(rtol or 0.0) if tolerance else None, atol=(atol or 0.0) if tolerance else None,
                      strict=strict, key_a=key_a, key_b=key_b)
     res.notes += side_a.notes + side_b.notes
+    res.notes += dequantize_side(side_a.tensors, side_a.path, side_b.tensors, side_a.format)
+    res.notes += dequantize_side(side_b.tensors, side_b.path, side_a.tensors, side_b.format)
     pairs = _match_keys(side_a, side_b, res)
     _compare_pairs(side_a, side_b, pairs, res, (rtol, atol), keys_only, norms)
     _shared_differences(pairs, side_a, side_b, res)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ckptool.model.notebook import facts_table
 
-SCHEMA = "ckptool.diff/1"
+SCHEMA = "ckptool.diff/2"
 
 EQUAL, CLOSE, DIFFER, NOT_COMPARED = "equal", "close", "differ", "not compared"
 
@@ -173,7 +173,7 @@ class DiffResult:
         return f"different: {'; '.join([*self.differences(), counted])}"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict with ``"schema": "ckptool.diff/1"``; non-finite numbers and values that are not
+        """Plain JSON-ready dict with ``"schema": "ckptool.diff/2"``; non-finite numbers and values that are not
         JSON types are written as their ``repr``."""
         def plain(v: object) -> object:
             if v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and math.isfinite(v)):
