@@ -60,6 +60,9 @@ def _safetensors_check(dtypes: Collection[str]) -> str:
                "with torch or NumPy is not installed)")
     else:
         how = f"safetensors.safe_open with {'NumPy' if framework == 'numpy' else 'torch'}"
+        return (f"the output, re-opened with {how}, holds the names, shapes, dtypes and CRC-32 checksums written "
+                f"(a tensor over {WHOLE_BYTES >> 20} MiB: its bytes read back in pieces with ckptool's header "
+                "reader)")
     return f"the output, re-opened with {how}, holds the names, shapes, dtypes and CRC-32 checksums written"
 
 
