@@ -143,6 +143,10 @@ class Source:
     ``entries``: plain top-level entries beside the tensors (None, bool, int, float, str, lists and dicts of them:
     a Megatron checkpoint's ``iteration``, ``common.pt``'s entries), written by an output format that holds
     non-tensor entries (``ckptool.writers``: torch) as items of the same dict, as the source keeps them.
+    ``scalars``: a training checkpoint's plain top-level values beside the selected state_dict (``epoch``,
+    ``global_step``, ``best_acc``: int, float, bool, short str, in file order), carried where the output format can
+    hold them without changing how the output loads (``ckptool.writers``' ``scalars``: safetensors
+    ``__metadata__``); they stay named in ``left_out`` until a writer carries them.
     """
 
     path: str
@@ -155,6 +159,7 @@ class Source:
     sd_state: dict[str, object] | None = None
     notes: list[str] = field(default_factory=list)
     entries: dict[str, object] | None = None
+    scalars: dict[str, bool | int | float | str] | None = None
 
 
 def span(offset: int, shape: Sequence[int], stride: Sequence[int]) -> tuple[int, int]:

@@ -44,13 +44,14 @@ from ckptool.model.graph import (
 )
 from ckptool.model.keys import raise_on_collisions, unwrap_keys
 from ckptool.model.module_state import detached, module_state_dict, state_dict_node
-from ckptool.model.paths import get_path
+from ckptool.model.paths import get_path, resolve_path
 from ckptool.model.rename_memory import rename_state_dict
 from ckptool.model.rename_plan import build_plan
 from ckptool.model.units import human_bytes, plural
-from ckptool.ops.convert import OutputFormat, convert
+from ckptool.ops.convert import OutputFormat, convert, place_scalars
 from ckptool.ops.rewrite.stream import ProgressFn, retag_function, rewrite_file
 from ckptool.readers import Checkpoint, Opened, open_checkpoint
+from ckptool.readers.read_torch import training_scalars
 from ckptool.torch_ops.extract import load_trusted_module, materialize, save_safetensors, save_trusted
 from ckptool.torch_ops.trusted import refuse_dangerous
 from ckptool.writers import choose_format
@@ -74,6 +75,7 @@ class ExtractResult:
     bytes_written: int = 0
     removed: dict[str, int] = field(default_factory=dict)
     trusted: bool = False
+    notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         """What ``ckptool extract-state-dict`` prints (before its load hint): the ``Wrote ...`` line, and the
@@ -86,7 +88,7 @@ class ExtractResult:
         if self.removed:
             text += "\nRemoved wrapper components: " + ", ".join(f"{c}. ({plural(n, 'key')})"
                                                                  for c, n in sorted(self.removed.items()))
-        return text
+        return text + "".join(f"\nNote: {n}" for n in self.notes)
 
 
 # ------------------------------------------------------------------------------------------------ the walk
@@ -194,8 +196,9 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
     path, cls, items, meta, removed = _walk(ck, key, unwrap)
     res = ExtractResult(src, dst, _FORMAT_NAMES[out], [k for k, _t in items], cls, path, removed=removed)
     used = {t.storage.key for _k, t in items if t.storage is not None}
+    kept, res.notes = place_scalars(_scalars(ck, path), out, {k for k, _t in items})
     if out is OutputFormat.SAFETENSORS:
-        res.bytes_written = save_safetensors(materialize(ck, items), dst)
+        res.bytes_written = save_safetensors(materialize(ck, items), dst, metadata=kept)
         res.storages = len(used)
         return res
     res.storages, res.bytes_written = _write_zip(ck, dst, state_dict_node(items, meta), used, location_fn, progress)
@@ -230,6 +233,15 @@ def _output_format(src: str, dst: str, to: str | None, mapping: Mapping[str, str
     if trust and mapping:
         raise UsageError("--trust loads the module onto one device: give --to DEVICE instead of --map")
     return out
+
+
+def _scalars(ck: Checkpoint, path: str) -> dict[str, bool | int | float | str]:
+    """A training checkpoint's plain top-level values beside the module at ``path``
+    (:func:`ckptool.readers.read_torch.training_scalars`); {} for a module at the top level."""
+    trail = resolve_path(ck.root, path) if path else []
+    if not trail or trail[0].parent is not ck.root:
+        return {}
+    return training_scalars(ck.root, trail[0].key) or {}
 
 
 def _walk(ck: Checkpoint, key: str | None, unwrap: bool

@@ -117,6 +117,23 @@ def left_out(root: Any, trail: Sequence[Link]) -> list[str]:
     return out
 
 
+#: the longest string value taken as a training scalar (:func:`training_scalars`); longer ones are not "plain"
+SCALAR_STR_MAX = 200
+
+
+def training_scalars(root: Any, chosen: Any) -> dict[str, bool | int | float | str] | None:
+    """The plain scalar entries of a training checkpoint's top-level dict ``root`` beside its entry ``chosen`` (the
+    key of the state_dict or module taken: ``{'epoch': 3, 'global_step': 120, 'model': sd, ...}`` -> ``{'epoch': 3,
+    'global_step': 120}``): str keys whose value is a bool, int, float or str of at most :data:`SCALAR_STR_MAX`
+    characters, in file order; None when ``root`` is no mapping or none is there."""
+    items = mapping_items(root)
+    if items is None:
+        return None
+    out = {k: v for k, v in items if isinstance(k, str) and k != chosen and type(v) in (bool, int, float, str)
+           and (not isinstance(v, str) or len(v) <= SCALAR_STR_MAX)}
+    return out or None
+
+
 def select_state_dict(root: Any, key: str | None, where: str) -> StateDictRef:
     """The state_dict to convert (its dotted path, container, whether it is a module, and the trail to it).
 
@@ -251,7 +268,9 @@ def torch_source(path: str, fmt: str, key: str | None, ck: Checkpoint | None = N
             "map_location='cpu'), save model.state_dict() with torch.save, then convert that file")
     ck = ck if ck is not None else read_checkpoint(path, fmt)
     sd = select_state_dict(ck.root, key, path)
-    src = Source(path, ck.format, [], key=sd.path, left_out=left_out(ck.root, sd.trail))
+    src = Source(path, ck.format, [], key=sd.path, left_out=left_out(ck.root, sd.trail),
+                 scalars=training_scalars(ck.root, sd.trail[0].key) if sd.trail and sd.trail[0].parent is ck.root
+                 else None)
     entries = state_dict_entries(src, sd.obj, sd.is_module)
     records = {r.name: r for r in ck.records}
     if ck.format != formats.TORCH_LEGACY:

@@ -75,8 +75,10 @@ def materialize(ck: Checkpoint, entries: Sequence[tuple[str, TensorNode]]) -> di
     return out
 
 
-def save_safetensors(tensors: Mapping[str, torch.Tensor], dst: str) -> int:
-    """Write ``tensors`` (contiguous, CPU) to safetensors file ``dst`` atomically; returns the bytes written.
+def save_safetensors(tensors: Mapping[str, torch.Tensor], dst: str, metadata: Mapping[str, str] | None = None) -> int:
+    """Write ``tensors`` (contiguous, CPU) to safetensors file ``dst`` atomically, its ``__metadata__``
+    ``{"format": "pt"}`` plus ``metadata`` (str -> str: a training checkpoint's ``epoch``...); returns the bytes
+    written.
 
     Raises:
         UnsupportedError: safetensors cannot hold them (shared or non-contiguous tensors, an unknown dtype).
@@ -85,7 +87,7 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], dst: str) -> int:
     from safetensors.torch import save
 
     try:
-        data = save(dict(tensors), metadata={"format": "pt"})
+        data = save(dict(tensors), metadata={**(metadata or {}), "format": "pt"})
     except (ValueError, TypeError, RuntimeError) as e:
         raise UnsupportedError(f"safetensors cannot hold this state_dict ({e}); write a .pth file instead") from e
     with atomic_output(dst) as out:

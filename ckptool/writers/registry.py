@@ -3,8 +3,11 @@ it can hold and its load hint (issue 47). Commands ask :func:`choose_format`; no
 
 What each can hold follows the format, not ckptool: a torch zip (``torch.save``) holds a whole pickled
 checkpoint (non-tensor entries such as ``epoch``, views sharing one storage, any strides, storage location tags);
-safetensors holds contiguous tensors only, one per name, no sharing (the ``safetensors`` format spec); a
-``torch.distributed.checkpoint`` folder holds tensors and pickled plain entries, written by torch as a folder.
+safetensors holds contiguous tensors only, one per name, no sharing (the ``safetensors`` format spec), plus a
+str -> str ``__metadata__`` header; a ``torch.distributed.checkpoint`` folder holds tensors and pickled plain
+entries, written by torch as a folder. A training checkpoint's ``epoch`` and other plain scalars (``scalars``) go
+into safetensors' ``__metadata__`` as strings and stay entries of a DCP folder's state; a torch file of a state_dict
+does not take them: they would be keys ``load_state_dict`` rejects.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ class Writer:
     the file a folder output holds (the name ``transformers``' ``from_pretrained`` reads; ``""``: the format is a
     folder of its own); ``non_tensor_entries``, ``shared_storages``, ``strides``, ``location_tags``: what it can
     hold; ``is_folder``: written as a folder by torch (no shards, no URL output); ``hint``: the load call for a
-    file, with ``{path}`` the output path as a Python literal.
+    file, with ``{path}`` the output path as a Python literal. ``scalars``: where a training checkpoint's plain
+    top-level values (``epoch``, ``global_step``: :attr:`ckptool.formats.tensors.Source.scalars`) go without
+    changing how the output loads: ``"metadata"`` (safetensors' ``__metadata__``, str -> str: written as strings),
+    ``"state"`` (entries of the saved state itself), ``""`` nowhere, for the reason ``scalars_why``.
     """
 
     name: str
@@ -35,19 +41,23 @@ class Writer:
     location_tags: bool
     is_folder: bool
     hint: str
+    scalars: str = ""
+    scalars_why: str = ""
 
 
 #: every output format, by ``--format`` name
 WRITERS: dict[str, Writer] = {
     "torch": Writer("torch", (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"), "pytorch_model.bin",
                     non_tensor_entries=True, shared_storages=True, strides=True, location_tags=True, is_folder=False,
-                    hint="torch.load({path}, weights_only=True)"),
+                    hint="torch.load({path}, weights_only=True)", scalars="",
+                    scalars_why="a torch state_dict file holds them only as extra keys, which "
+                                "model.load_state_dict would reject as unexpected"),
     "safetensors": Writer("safetensors", (".safetensors",), "model.safetensors", non_tensor_entries=False,
                           shared_storages=False, strides=False, location_tags=False, is_folder=False,
-                          hint="safetensors.torch.load_file({path})"),
+                          hint="safetensors.torch.load_file({path})", scalars="metadata"),
     "dcp": Writer("dcp", (), "", non_tensor_entries=True, shared_storages=False, strides=False,
                   location_tags=False, is_folder=True,
-                  hint="torch.distributed.checkpoint.load(state_dict, checkpoint_id={path})"),
+                  hint="torch.distributed.checkpoint.load(state_dict, checkpoint_id={path})", scalars="state"),
 }
 
 

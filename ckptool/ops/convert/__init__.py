@@ -49,6 +49,7 @@ Importing this package does not import torch; the functions import it when they 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -88,7 +89,7 @@ from ckptool.torch_ops.trusted import refuse_dangerous
 from ckptool.writers import is_folder_form
 from ckptool.writers.encoders import output_layout
 
-__all__ = ["SHARED_KEY", "ConvertResult", "OutputFormat", "VerificationError", "convert", "parse_size"]
+__all__ = ["SHARED_KEY", "ConvertResult", "OutputFormat", "VerificationError", "convert", "parse_size", "place_scalars"]
 
 
 def _with_tp_rules(fn: Callable[..., ConvertResult]) -> Callable[..., ConvertResult]:
@@ -239,6 +240,7 @@ def _write(source: Source, res: ConvertResult, fmt_out: OutputFormat, shard_byte
     """Write ``source`` to ``res.dst`` as ``fmt_out`` (:func:`ckptool.ops.convert.outputs.write_outputs`), with the
     notes of what the output format does not carry; with ``dtype``, quantized weights dequantized first."""
     res.notes += source.notes[len(res.notes):]
+    source = carry_scalars(source, res, fmt_out)
     dequantized = dtype is not None and _dequantize(source, res)
     if not fmt_out.whole_state and source.sd_state is not None:
         res.notes.append(f"the state_dict's _metadata (module versions for load_state_dict) was not carried: "
@@ -253,6 +255,48 @@ def _write(source: Source, res: ConvertResult, fmt_out: OutputFormat, shard_byte
         write_outputs(source, res.dst, fmt_out, shard_bytes, dtype, location, plan.rename if plan else None,
                       verify, progress, res, companions=files, allow_overflow=allow_overflow)
     res.kept = companions.names
+
+
+def _training(names: Sequence[str]) -> str:
+    """``"the training entry epoch was"`` / ``"the training entries epoch, step were"``."""
+    one = len(names) == 1
+    return f"the training {'entry' if one else 'entries'} {', '.join(names)} {'was' if one else 'were'}"
+
+
+def place_scalars(scalars: Mapping[str, object], fmt_out: OutputFormat, taken: set[str]
+                  ) -> tuple[dict[str, str], list[str]]:
+    """Where a training checkpoint's plain ``scalars`` (``epoch``, ``global_step``...) go in ``fmt_out``, as the
+    writers registry says (:attr:`ckptool.writers.Writer.scalars`): ``(__metadata__ entries to add, notes)``.
+    ``"metadata"`` (safetensors): each as ``str(value)`` (``"3"``), but a name in ``taken`` (the header's own:
+    ``format``, a tensor's name) left out and named; ``""`` (torch): none, one note naming them with the registry's
+    reason (``scalars_why``); ``"state"`` (DCP): none and no note (the folder's state holds them as entries).
+    Used by ``convert`` and ``extract-state-dict``."""
+    how, names = fmt_out.writer.scalars, list(scalars)
+    if not names or how == "state":
+        return {}, []
+    if how == "":
+        return {}, [f"{_training(names)} not written: {fmt_out.writer.scalars_why}"]
+    kept = {k: str(v) for k, v in scalars.items() if k not in taken | {"format", SHARED_KEY}}
+    clash = [k for k in names if k not in kept]
+    notes = [(f"{_training(list(kept))} written into __metadata__ as strings (read them back with "
+              "safetensors.safe_open(path, 'pt').metadata())")] if kept else []
+    if clash:
+        notes.append(f"{_training(clash)} not written: __metadata__ already uses the name")
+    return kept, notes
+
+
+def carry_scalars(source: Source, res: ConvertResult, fmt_out: OutputFormat) -> Source:
+    """``source`` with its training scalars (:attr:`Source.scalars`) placed as :func:`place_scalars` says for
+    ``fmt_out`` (safetensors: into ``source.metadata``, taken off ``res.left_out``), its notes added to ``res``."""
+    if not source.scalars:
+        return source
+    meta = dict(source.metadata or {})
+    kept, notes = place_scalars(source.scalars, fmt_out, set(meta) | {t.name for t in source.tensors})
+    res.notes += notes
+    if not kept:
+        return source
+    res.left_out = [x for x in res.left_out if x.split(": ", 1)[0] not in kept]
+    return dataclasses.replace(source, metadata={**meta, **kept})
 
 
 def _dequantize(source: Source, res: ConvertResult) -> bool:
