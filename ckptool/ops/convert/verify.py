@@ -148,6 +148,18 @@ def header_difference(path: str, expect: Sequence[tuple[str, str, tuple[int, ...
     return None
 
 
+def _safe_open_then_pieces(path: str, expect: Sequence[tuple[str, str, tuple[int, ...], int | None]],
+                           metadata: Mapping[str, str] | None, framework: str) -> str | None:
+    """:func:`~ckptool.torch_ops.convert_verify.safe_open_difference`, then the CRC-32 of each tensor over
+    :data:`~ckptool.torch_ops.convert_verify.WHOLE_BYTES` (which ``safe_open`` only looked at: it reads a tensor
+    whole) read in bounded pieces by :func:`header_difference`. None when all match, else the first difference."""
+    diff = safe_open_difference(path, expect, metadata, framework)
+    if diff is not None:
+        return diff
+    big = [(n, d, s, c if numel(s) * element_size(d) > WHOLE_BYTES else None) for n, d, s, c in expect]
+    return header_difference(path, big, metadata)
+
+
 def verify_safetensors(w: Written, path: str) -> None:
     """Re-open ``path`` with ``safetensors.safe_open`` (or, without torch and NumPy, :func:`header_difference`) and
     compare every stored tensor's name, dtype, shape and CRC-32 with ``w.expect``, and the ``__metadata__`` (a tensor
@@ -163,10 +175,7 @@ def verify_safetensors(w: Written, path: str) -> None:
         if framework is None:
             diff = header_difference(path, w.expect, w.metadata)
         else:
-            diff = safe_open_difference(path, w.expect, w.metadata, framework)
-            if diff is None:  # the bytes of the tensors safe_open only looked at, read in bounded pieces
-                big = [(n, d, s, c if numel(s) * element_size(d) > WHOLE_BYTES else None) for n, d, s, c in w.expect]
-                diff = header_difference(path, big, w.metadata)
+            diff = _safe_open_then_pieces(path, w.expect, w.metadata, framework)
     except (MemoryError, ImportError):
         raise
     except CkptError as e:  # ckptool's header reader refused the file
