@@ -23,7 +23,9 @@ from torch import nn
 
 import ckptool._fileio
 import ckptool.ops.convert.outputs as cv_outputs
+import ckptool.ops.convert.verify as cv_verify
 import ckptool.ops.convert.write as cv_write
+import ckptool.torch_ops.convert_verify as cv_torch_verify
 from ckptool.errors import (
     CkptError,
     PrefixNotFoundError,
@@ -400,6 +402,43 @@ def _flip_last_byte(f: Any) -> None:
     last = f.read(1)[0]
     f.seek(-1, os.SEEK_CUR)
     f.write(bytes([last ^ 0xFF]))
+
+
+def test_verification_of_a_large_tensor_reads_it_in_pieces_and_catches_a_bad_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor over WHOLE_BYTES is not read whole by safe_open (its bytes would set convert's peak memory): its
+    CRC-32 is checked in bounded pieces (header_difference), and a flipped byte still fails verification."""
+    torch.save({"w": torch.randn(64).bfloat16(), "b": torch.randn(8)}, tmp_path / "m.pt")
+    monkeypatch.setattr(cv_verify, "WHOLE_BYTES", 0)
+    monkeypatch.setattr(cv_torch_verify, "WHOLE_BYTES", 0)
+    whole: list[str] = []
+    real_diff = cv_torch_verify._tensor_difference
+
+    def spy(f: Any, name: str, *a: Any) -> str | None:
+        real_get = f.get_tensor
+        f2 = type("F", (), {"get_tensor": lambda _s, n: (whole.append(n), real_get(n))[1],
+                            "get_slice": lambda _s, n: f.get_slice(n)})()
+        return real_diff(f2, name, *a)
+
+    monkeypatch.setattr(cv_torch_verify, "_tensor_difference", spy)
+    res = convert(tmp_path / "m.pt", tmp_path / "ok.safetensors")
+    assert res.verified is not None and whole == []  # no tensor read whole by safe_open
+    real_crc, real_kernel = cv_write.copy_range_crc, cv_write.copy_range
+
+    def corrupting_crc(fsrc: Any, fdst: Any, offset: int, size: int, crc: int = 0, **kw: Any) -> int:
+        good = real_crc(fsrc, fdst, offset, size, crc, **kw)
+        _flip_last_byte(fdst)
+        return good
+
+    def corrupting_kernel(fsrc: Any, fdst: Any, offset: int, size: int, **kw: Any) -> None:
+        real_kernel(fsrc, fdst, offset, size, **kw)
+        _flip_last_byte(fdst)
+
+    monkeypatch.setattr(cv_write, "copy_range_crc", corrupting_crc)
+    monkeypatch.setattr(cv_write, "copy_range", corrupting_kernel)
+    with pytest.raises(VerificationError, match="different bytes"):
+        convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
 
 
 @pytest.mark.parametrize("legacy", [False, True])  # zip: kernel copy, CRC from the zip; legacy: copied through a buffer

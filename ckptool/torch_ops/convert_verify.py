@@ -14,6 +14,7 @@ import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ckptool.formats.dtypes import ST_NAMES, element_size, numel
 from ckptool.formats.tensors import Tensor
 from ckptool.model.graph import join
 from ckptool.torch_ops.cast import tensor_buffer
@@ -73,12 +74,32 @@ def safe_open_difference(path: str, expect: Sequence[tuple[str, str, tuple[int, 
         if (f.metadata() or None) != (metadata or None):
             return "__metadata__ differs"
         for name, dtype, shape, crc in expect:
-            t = f.get_tensor(name)
-            if str(t.dtype).removeprefix("torch.") != dtype or tuple(t.shape) != tuple(shape):
-                return f"{name!r} reads back as {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)}"
-            if crc is not None and array_crc(t) != crc:
-                return f"{name!r} reads back with different bytes (CRC-32)"
-            del t
+            diff = _tensor_difference(f, name, dtype, tuple(shape), crc)
+            if diff is not None:
+                return diff
+    return None
+
+
+#: a tensor of more bytes is not read by :func:`safe_open_difference` (only its dtype and shape, from the header):
+#: ``safe_open`` reads a whole tensor (a slice too) into memory, so the check's peak would be the largest tensor; its
+#: bytes are checked in bounded pieces by the caller (:func:`ckptool.ops.convert.verify.header_difference`)
+WHOLE_BYTES = 8 << 20
+
+
+def _tensor_difference(f: Any, name: str, dtype: str, shape: tuple[int, ...], crc: int | None) -> str | None:
+    """Compare tensor ``name`` of the open ``safe_open`` file ``f`` with ``dtype``, ``shape`` and ``crc`` (the CRC-32
+    of its bytes, or None); a tensor over :data:`WHOLE_BYTES` only by its header's dtype and shape."""
+    if numel(shape) * element_size(dtype) > WHOLE_BYTES:
+        sl = f.get_slice(name)
+        got_dtype, got_shape = ST_NAMES.get(sl.get_dtype()), tuple(sl.get_shape())
+        if got_dtype != dtype or got_shape != shape:
+            return f"{name!r} reads back as {got_dtype} {list(got_shape)}, expected {dtype} {list(shape)}"
+        return None
+    t = f.get_tensor(name)
+    if str(t.dtype).removeprefix("torch.") != dtype or tuple(t.shape) != shape:
+        return f"{name!r} reads back as {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)}"
+    if crc is not None and array_crc(t) != crc:
+        return f"{name!r} reads back with different bytes (CRC-32)"
     return None
 
 
@@ -140,14 +161,19 @@ def torch_load_difference(path: str, expected: Sequence[Tensor], dtype_of: Calla
     return None
 
 
+def _bytes_of(a: Any) -> memoryview:
+    """The bytes of a NumPy array or a torch tensor in row-major order (no copy when contiguous)."""
+    if hasattr(a, "untyped_storage"):
+        return tensor_buffer(a)
+    import numpy as np
+
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
+
+
 def array_crc(a: Any) -> int:
     """CRC-32 of the bytes of a NumPy array or a torch tensor (what ``safetensors.safe_open`` returns), in
     row-major order."""
-    if hasattr(a, "untyped_storage"):
-        return zlib.crc32(tensor_buffer(a))
-    import numpy as np
-
-    return zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+    return zlib.crc32(_bytes_of(a))
 
 
 # ONE-HOME: a second walker over loaded objects beside ckptool.model.objects.iter_object_tensors, which enters a

@@ -34,6 +34,7 @@ from ckptool.ops.convert.source import OutputFormat, out_dtype
 from ckptool.ops.convert.write import Written
 from ckptool.readers import open_checkpoint
 from ckptool.torch_ops.convert_verify import (
+    WHOLE_BYTES,
     is_installed,
     safe_open_difference,
     safetensors_framework,
@@ -59,6 +60,9 @@ def _safetensors_check(dtypes: Collection[str]) -> str:
                "with torch or NumPy is not installed)")
     else:
         how = f"safetensors.safe_open with {'NumPy' if framework == 'numpy' else 'torch'}"
+        return (f"the output, re-opened with {how}, holds the names, shapes, dtypes and CRC-32 checksums written "
+                f"(a tensor over {WHOLE_BYTES >> 20} MiB: its bytes read back in pieces with ckptool's header "
+                "reader)")
     return f"the output, re-opened with {how}, holds the names, shapes, dtypes and CRC-32 checksums written"
 
 
@@ -144,9 +148,23 @@ def header_difference(path: str, expect: Sequence[tuple[str, str, tuple[int, ...
     return None
 
 
+def _safe_open_then_pieces(path: str, expect: Sequence[tuple[str, str, tuple[int, ...], int | None]],
+                           metadata: Mapping[str, str] | None, framework: str) -> str | None:
+    """:func:`~ckptool.torch_ops.convert_verify.safe_open_difference`, then the CRC-32 of each tensor over
+    :data:`~ckptool.torch_ops.convert_verify.WHOLE_BYTES` (which ``safe_open`` only looked at: it reads a tensor
+    whole) read in bounded pieces by :func:`header_difference`. None when all match, else the first difference."""
+    diff = safe_open_difference(path, expect, metadata, framework)
+    if diff is not None:
+        return diff
+    big = [(n, d, s, c if numel(s) * element_size(d) > WHOLE_BYTES else None) for n, d, s, c in expect]
+    return header_difference(path, big, metadata)
+
+
 def verify_safetensors(w: Written, path: str) -> None:
     """Re-open ``path`` with ``safetensors.safe_open`` (or, without torch and NumPy, :func:`header_difference`) and
-    compare every stored tensor's name, dtype, shape and CRC-32 with ``w.expect``, and the ``__metadata__``; then
+    compare every stored tensor's name, dtype, shape and CRC-32 with ``w.expect``, and the ``__metadata__`` (a tensor
+    over :data:`~ckptool.torch_ops.convert_verify.WHOLE_BYTES`: its CRC-32 through :func:`header_difference`, read in
+    bounded pieces, since ``safe_open`` reads a tensor whole: peak memory stays off the largest tensor); then
     read it back with ckptool and compare every tensor (aliases included) and the storage sharing with ``w``.
 
     Raises:
@@ -157,7 +175,7 @@ def verify_safetensors(w: Written, path: str) -> None:
         if framework is None:
             diff = header_difference(path, w.expect, w.metadata)
         else:
-            diff = safe_open_difference(path, w.expect, w.metadata, framework)
+            diff = _safe_open_then_pieces(path, w.expect, w.metadata, framework)
     except (MemoryError, ImportError):
         raise
     except CkptError as e:  # ckptool's header reader refused the file
