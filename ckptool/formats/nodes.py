@@ -491,50 +491,49 @@ MAX_ARGS_WALKED = 4096
 _CONTAINERS = (tuple, list, set, frozenset)
 
 
+def _placeholders(values: Any) -> list[GlobalMeta] | None:
+    """The placeholders in ``values`` (tuples, lists, sets and dicts walked; nodes are not entered: their own calls
+    marked theirs), or None when it holds more than :data:`MAX_ARGS_WALKED` values."""
+    found: list[GlobalMeta] = []
+    stack: list[Any] = [values]
+    left = MAX_ARGS_WALKED
+    while stack:
+        a = stack.pop()
+        t = type(a)
+        if t is GlobalMeta:
+            found.append(a)
+        elif t in _CONTAINERS:
+            stack.extend(a)
+        elif t is dict:
+            stack.extend(a.keys())
+            stack.extend(a.values())
+        left -= 1
+        if left < 0:
+            return None
+    return found
+
+
 def note_persistent_id(pid: Any) -> bool:
     """Mark every placeholder in the persistent id ``pid`` (tuples, lists, sets and dicts walked) as called: a
     loader's ``persistent_load`` decides what it does with them, and torch.package's calls one
     (``('reduce_package', func, args)``: ``func(importer, *args)``, ``torch/package/package_importer.py``), so none
-    of them counts as held only as a value. False when ``pid`` holds more than :data:`MAX_ARGS_WALKED` values (not
-    all were marked: the caller refuses it)."""
-    stack: list[Any] = [pid]
-    left = MAX_ARGS_WALKED
-    while stack:
-        a = stack.pop()
-        t = type(a)
-        if t is GlobalMeta:
-            a.called = True
-        elif t in _CONTAINERS:
-            stack.extend(a)
-        elif t is dict:
-            stack.extend(a.keys())
-            stack.extend(a.values())
-        left -= 1
-        if left < 0:
-            return False
-    return True
+    of them counts as held only as a value. False when ``pid`` holds more than :data:`MAX_ARGS_WALKED` values (none
+    marked: the caller refuses it)."""
+    found = _placeholders(pid)
+    for g in found or ():
+        g.called = True
+    return found is not None
 
 
 def _note_passed(g: GlobalMeta, args: tuple[Any, ...]) -> None:
-    """Mark every placeholder in ``args`` (the arguments of a call of ``g``; tuples, lists, sets and dicts walked)
-    as ``passed``; nodes are not entered (their own calls marked theirs)."""
-    stack: list[Any] = [args]
-    left = MAX_ARGS_WALKED
-    while stack:
-        a = stack.pop()
-        t = type(a)
-        if t is GlobalMeta:
-            if not a.passed:
-                a.passed = True
-        elif t in _CONTAINERS:
-            stack.extend(a)
-        elif t is dict:
-            stack.extend(a.keys())
-            stack.extend(a.values())
-        left -= 1
-        if left < 0:
-            g.args_unread = True
-            return
+    """Mark every placeholder in ``args`` (the arguments of a call of ``g``) as ``passed``; ``g.args_unread`` when
+    they are too many to walk (:func:`_placeholders`)."""
+    found = _placeholders(args)
+    if found is None:
+        g.args_unread = True
+        return
+    for a in found:
+        a.passed = True
 
 
 def _note_request(g: GlobalMeta, args: tuple[Any, ...]) -> None:
