@@ -71,7 +71,9 @@ LIMITS = {
     "tensor classes": 8,
     "single-format facts": 1,
     "upward plug-ins": 1,
-    "format-module imports": 26,
+    # 79 before issue 46; the rest is mostly scan's byte walk (issue 46's closing note), counted as it stands:
+    # scan's split modules import pickle_check's PickleBuffer directly, not through a re-export that hides it
+    "format-module imports": 28,
 }
 MAX_COMPLEXITY = 20
 TENSOR_CLASS = re.compile(r"Tensor|Storage|Piece|Segment|Chunk")

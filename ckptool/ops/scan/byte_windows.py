@@ -8,8 +8,7 @@ from typing import Any, TypeAlias
 
 from ckptool.formats.pickle_check import PickleBuffer
 
-#: ``PickleBuffer``: the bytes the scan walks (bytes or a mapped file), named here for the walks of ``ops/scan``
-__all__ = ["ZIP_EOCD", "ZIP_LOCAL", "Container", "PickleBuffer", "Window", "end_record", "zip_end", "zip_start"]
+__all__ = ["ZIP_EOCD", "ZIP_LOCAL", "Container", "Window", "end_record", "zip_end", "zip_start"]
 
 #: the signature of a zip local file header (the first bytes of a zip)
 ZIP_LOCAL = b"PK\x03\x04"

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ckptool.errors import CkptError, TruncatedError
 from ckptool.formats.dtypes import STORAGE_TYPES
 from ckptool.formats.nodes import StorageRef, qualified_name
-from ckptool.ops.scan.byte_windows import PickleBuffer
+from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.ops.scan.results import PickleFinding, ScanResult
 from ckptool.ops.scan.tar import inside, join_where
 

@@ -13,9 +13,10 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptool.errors import CkptError, CorruptCheckpointError
+from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.model.allowlist import rate_target
 from ckptool.ops.scan import layouts
-from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, PickleBuffer
+from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL
 from ckptool.ops.scan.configs import hydra_targets, is_config_name, parse_config, target_where
 from ckptool.ops.scan.layouts import Layout
 from ckptool.ops.scan.results import PickleFinding, ScanResult
