@@ -14,6 +14,22 @@ import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ForwardRef, Literal, Union
 
+
+class ModuleOnFirstUse:
+    """Stands for the module ``name``, imported when an attribute is first read: a name for annotations that
+    ``typing.get_type_hints`` resolves without the module being imported before (torch here; the pools and the scan
+    cache in :mod:`ckptool.ops.scan.many`)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(importlib.import_module(self._name), attr)
+
+    def __repr__(self) -> str:
+        return f"<module {self._name!r}, imported on first use>"
+
+
 if TYPE_CHECKING:  # pragma: no cover
     from typing import TypeAlias
 
@@ -26,23 +42,10 @@ if TYPE_CHECKING:  # pragma: no cover
     #: (keys as saved), or the prefix (or prefixes, in order) to strip
     PrefixSpec: TypeAlias = str | Sequence[str] | Literal[False] | None
 else:
-
-    class _ModuleOnFirstUse:
-        """Stands for the module ``name``, imported when an attribute is first read."""
-
-        def __init__(self, name: str) -> None:
-            self._name = name
-
-        def __getattr__(self, attr: str) -> Any:
-            return getattr(importlib.import_module(self._name), attr)
-
-        def __repr__(self) -> str:
-            return f"<module {self._name!r}, imported on first use>"
-
-    torch = _ModuleOnFirstUse("torch")
-    nn = _ModuleOnFirstUse("torch.nn")
+    torch = ModuleOnFirstUse("torch")
+    nn = ModuleOnFirstUse("torch.nn")
     # the forward reference is evaluated in this module (whose ``torch`` imports torch), wherever the alias is used
     DeviceLike = Union[str, int, ForwardRef("torch.device", module=__name__)]  # noqa: UP007 (a run-time value)
     PrefixSpec = Union[str, Sequence[str], Literal[False], None]  # noqa: UP007
 
-__all__ = ["DeviceLike", "PrefixSpec", "nn", "torch"]
+__all__ = ["DeviceLike", "ModuleOnFirstUse", "PrefixSpec", "nn", "torch"]

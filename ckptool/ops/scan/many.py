@@ -23,7 +23,6 @@ Nothing here schedules work across machines: the executor does.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import stat
 from collections.abc import Callable, Iterable, Iterator
@@ -41,19 +40,12 @@ if TYPE_CHECKING:  # the cache (sqlite3, hashlib) and the pools (concurrent.futu
 
     from ckptool.ops.scan import cache as scan_cache
 else:
-    class _ModuleOnFirstUse:
-        """Stands for the module ``name``, imported when an attribute is first read: the public functions'
-        annotations (``cf.Executor``, ``scan_cache.ScanCache``) resolve for ``typing.get_type_hints`` while a run of
-        many small files imports neither module (as :mod:`ckptool.torch_ops.annotations` does for torch)."""
+    # stand-ins imported on first use: the public functions' annotations (``cf.Executor``,
+    # ``scan_cache.ScanCache``) resolve for ``typing.get_type_hints`` while a run of many small files imports neither
+    from ckptool.torch_ops.annotations import ModuleOnFirstUse
 
-        def __init__(self, name: str) -> None:
-            self._name = name
-
-        def __getattr__(self, attr: str) -> Any:
-            return getattr(importlib.import_module(self._name), attr)
-
-    cf = _ModuleOnFirstUse("concurrent.futures")
-    scan_cache = _ModuleOnFirstUse("ckptool.ops.scan.cache")
+    cf = ModuleOnFirstUse("concurrent.futures")
+    scan_cache = ModuleOnFirstUse("ckptool.ops.scan.cache")
 
 __all__ = ["ManyRun", "ScanRun", "Target", "expand", "not_a_checkpoint", "scan_many", "scan_target",
            "starts_like_checkpoint", "target_reads"]
