@@ -214,7 +214,7 @@ def scan_figures(args: argparse.Namespace, work: Path, stored: int, protocol: st
     cache = work / f"scans-{protocol}.sqlite"
     out: dict[str, Any] = {"files": args.files, "bytes_stored": stored, "delay_s": args.delay}
     backend = "fsspec.implementations.http" if protocol == "http" else "s3fs"
-    startup = [sys.executable, "-c", f"import ckptool.cli.scan, ckptool.cli._many, ckptool.ops.scan.entry, {backend}"]
+    startup = [sys.executable, "-c", f"import ckptool.cli.scan, ckptool.cli._many, ckptool.scanning.entry, {backend}"]
     run(startup)  # compiled modules in place
     out["startup_s"] = sorted(run(startup)[0] for _ in range(3))[1]
     for url, env in serve(work, args.delay, counts):

@@ -47,11 +47,11 @@ if TYPE_CHECKING:
     from ckptool.ops.rewrite.remap import remap
     from ckptool.ops.rewrite.stream import WriteResult
     from ckptool.ops.sanitize import SanitizeResult, sanitize
-    from ckptool.ops.scan.entry import ScanResult, scan, scan_file
     from ckptool.ops.scan.many import scan_many
     from ckptool.ops.surgery.average import AverageResult, average
     from ckptool.ops.surgery.edit import FilterResult, RuleResult, filter_keys, rename
     from ckptool.readers import Opened, open_checkpoint
+    from ckptool.scanning.entry import ScanResult, scan, scan_file
     from ckptool.torch_ops.load import load_into
     from ckptool.torch_ops.portable import save_portable
     from ckptool.torch_ops.reports import LoadReport, TrainingState, VerifyReport
@@ -89,9 +89,9 @@ _LAZY: dict[str, str] = {
     "ConvertResult": "ckptool.ops.convert",
     "diff": "ckptool.ops.diff.compare",
     "DiffResult": "ckptool.ops.diff.result",
-    "scan": "ckptool.ops.scan.entry",
-    "scan_file": "ckptool.ops.scan.entry",
-    "ScanResult": "ckptool.ops.scan.entry",
+    "scan": "ckptool.scanning.entry",
+    "scan_file": "ckptool.scanning.entry",
+    "ScanResult": "ckptool.scanning.entry",
     "scan_many": "ckptool.ops.scan.many",
     "extract_state_dict": "ckptool.ops.extract",
     "ExtractResult": "ckptool.ops.extract",

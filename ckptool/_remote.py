@@ -467,7 +467,7 @@ def object_reads(url: str, info: dict[str, Any] | None = None) -> Iterator[None]
     ETag: one ``HEAD`` however often it is opened, see :func:`remote_info`; none when the caller passes the ``info``
     it already asked for) and one :class:`RangeStore` per version (the bytes one open fetched serve the next),
     released when the block ends. Blocks nest. A scan of one object runs inside one
-    (:func:`ckptool.ops.scan.entry.scan_file`), so that its opens cost the requests of one.
+    (:func:`ckptool.scanning.entry.scan_file`), so that its opens cost the requests of one.
 
     Raises:
         RemoteError: ``info`` is another version of ``url`` than the one pinned by :func:`consistent_reads`.

@@ -31,7 +31,7 @@ from ckptool.model.allowlist import (
     is_allowed,
     level_of,
 )
-from ckptool.ops.scan.entry import scan_file
+from ckptool.scanning.entry import scan_file
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))

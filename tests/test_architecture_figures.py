@@ -39,7 +39,7 @@ def test_the_checks_see_what_they_count(tmp_path: Path) -> None:
     code = (
         "from ckptool.formats import detect\n"
         "from ckptool.formats.sharded import read_index\n"
-        "from ckptool.ops.scan.pickles import _Scanner\n"
+        "from ckptool.scanning.pickles import _Scanner\n"
         "class WideTensor: pass\n"
         "def f(fmt, p, a, b, c, d, e):\n"
         "    if fmt == 'dcp' or fmt == detect.TORCH_ZIP:\n"

@@ -20,7 +20,7 @@ import time:      1500 |       2000 | click
 import time:       200 |        200 |     ckptool.errors
 import time:       300 |        500 |   ckptool
 import time:      2500 |       9000 | ckptool.cli
-import time:       400 |        400 |   ckptool.ops.scan.entry
+import time:       400 |        400 |   ckptool.scanning.entry
 some other line on stderr
 """
 

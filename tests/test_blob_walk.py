@@ -168,7 +168,7 @@ def test_invalid_utf8_string_blob_fails_where_a_full_read_fails() -> None:
 _RSS_CHILD = """
 import re, sys
 from ckptool.ops.inspect.entry import inspect
-from ckptool.ops.scan.entry import scan_file
+from ckptool.scanning.entry import scan_file
 res = scan_file(sys.argv[1]) if sys.argv[2] == "scan" else inspect(sys.argv[1]).scan
 with open("/proc/self/status") as f:
     print(res.verdict, re.search(r"VmHWM:\\s*(\\d+) kB", f.read()).group(1))
@@ -214,7 +214,7 @@ def test_a_frame_cut_short_does_not_hide_the_globals_before_the_cut(tmp_path: Pa
     """A FRAME that runs past the end of the data (a cut file): the opcodes present before the cut are read, and a
     dangerous global among them makes the verdict dangerous (incomplete otherwise). (Before: the C unpickler refused
     the frame before reading any of them: incomplete, the gadget hidden.)"""
-    from ckptool.ops.scan.entry import scan_file
+    from ckptool.scanning.entry import scan_file
 
     path = tmp_path / "cut.pkl"
     path.write_bytes(data)
@@ -226,7 +226,7 @@ def test_a_frame_cut_short_does_not_hide_the_globals_before_the_cut(tmp_path: Pa
 def test_a_frame_no_cut_explains_still_hides_nothing_a_loader_runs(tmp_path: Path) -> None:
     """A FRAME declaring 2**40 bytes is no truncation: loaders stop at it, so the gadget after it does not count
     (the hostile corpus' frame-too-long.pt stays an error, not dangerous)."""
-    from ckptool.ops.scan.entry import scan_file
+    from ckptool.scanning.entry import scan_file
 
     path = tmp_path / "long.pkl"
     path.write_bytes(b"\x80\x04\x95" + struct.pack("<Q", 1 << 40) + _GADGET_BODY)

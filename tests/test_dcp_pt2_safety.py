@@ -29,8 +29,8 @@ from ckptool.formats.dcp import read_dcp_metadata
 from ckptool.formats.detect import zip_entries
 from ckptool.formats.pt2 import member_roles, read_pt2
 from ckptool.ops.convert import convert
-from ckptool.ops.scan.dcp_safety import check_dcp_safe
-from ckptool.ops.scan.entry import scan_file
+from ckptool.scanning.dcp_safety import check_dcp_safe
+from ckptool.scanning.entry import scan_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fuzz"))
 import adversarial

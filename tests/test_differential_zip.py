@@ -31,8 +31,8 @@ from ckptool.errors import CorruptCheckpointError, NotACheckpointError
 from ckptool.formats import detect
 from ckptool.formats.torchfile import read_checkpoint
 from ckptool.formats.zipdir import TorchRecords, read_directory, read_member, zipfile_directory
-from ckptool.ops.scan import pickles as scan_pickles
-from ckptool.ops.scan.entry import scan_file
+from ckptool.scanning import pickles as scan_pickles
+from ckptool.scanning.entry import scan_file
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))

@@ -243,7 +243,7 @@ def test_no_torch_traceback_when_torch_reads_a_dcp_folder(tmp_path: Path) -> Non
 def test_inspect_counts_the_bytes_its_scan_would_walk_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """inspect lists every tensor already; its scan takes the dense and storage bytes from that list (issue 41:
     a second walk of 50,000 tensors was a quarter of inspect's time), and walks only past the budget."""
-    import ckptool.ops.scan.entry as scan_entry
+    import ckptool.scanning.entry as scan_entry
     from ckptool.ops.inspect.pickles import counted_bytes, describe
 
     base = torch.arange(12, dtype=torch.float32)

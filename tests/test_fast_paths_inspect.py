@@ -410,8 +410,8 @@ def test_scan_skips_only_what_zip_member_skips(tmp_path: Path, monkeypatch: pyte
     import pickle
     import zipfile
 
-    from ckptool.ops.scan import pickles as scan_pickles
-    from ckptool.ops.scan.entry import scan_file
+    from ckptool.scanning import pickles as scan_pickles
+    from ckptool.scanning.entry import scan_file
 
     path = tmp_path / "extra.pt"
     torch.save({"a": torch.ones(2), "b": torch.ones(3)}, path)

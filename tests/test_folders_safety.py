@@ -17,7 +17,7 @@ from ckptool._source import leaves_folder
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats.deepspeed import find_deepspeed
 from ckptool.formats.sharded import read_index
-from ckptool.ops.scan.entry import iter_paths, scan
+from ckptool.scanning.entry import iter_paths, scan
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))

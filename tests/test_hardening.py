@@ -450,7 +450,7 @@ AUDIT_SCRIPT = textwrap.dedent("""
     from ckptool.ops.inspect.entry import inspect
     from ckptool.formats import detect as formats
     try:
-        from ckptool.ops.scan.entry import scan_file
+        from ckptool.scanning.entry import scan_file
     except ImportError:
         scan_file = None
     try:

@@ -529,7 +529,7 @@ def test_values_import_nothing_and_read_no_tensor_bytes(generated: dict[str, Pat
 
 def test_inspect_security_level_agrees_with_scan(generated: dict[str, Path], real_dir: Path) -> None:
     """inspect's JSON carries the same three-level answer as `ckptool scan` (issue 13's levels, one classification)."""
-    from ckptool.ops.scan.entry import scan_file
+    from ckptool.scanning.entry import scan_file
 
     for path in (generated["model_full_cuda0.pt"], generated["sd_cpu.pt"], real_dir / "lpips-v0.1-alex.pth"):
         sec = ckptool.inspect(path).to_dict()["security"]

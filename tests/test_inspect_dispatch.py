@@ -14,8 +14,8 @@ from test_pt2_torchfree import make_pt2
 from ckptool import readers
 from ckptool.formats import torchfile
 from ckptool.ops.inspect.entry import inspect
-from ckptool.ops.scan.shipped_code import CodeScanner
 from ckptool.readers import open_checkpoint
+from ckptool.scanning.shipped_code import CodeScanner
 
 pytestmark = pytest.mark.torchfree
 

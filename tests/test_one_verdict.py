@@ -22,8 +22,8 @@ from ckptool.errors import CkptError
 from ckptool.model.allowlist import DANGEROUS, LEVELS, NEEDS_TRUST, SAFE
 from ckptool.ops.diff.report import render_html
 from ckptool.ops.sanitize import sanitize
-from ckptool.ops.scan.entry import ScanResult, scan_file
 from ckptool.readers import FORMATS, open_checkpoint
+from ckptool.scanning.entry import ScanResult, scan_file
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))

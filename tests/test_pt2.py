@@ -139,7 +139,7 @@ def test_safetensors_output_equals_torch_export_load(pt2: dict[str, Path], loade
 
 
 def test_scan_safe_and_payloads(pt2: dict[str, Path], run_cli: Any) -> None:
-    from ckptool.ops.scan.entry import scan_file
+    from ckptool.scanning.entry import scan_file
 
     res = scan_file(pt2["model.pt2"])
     assert (res.format, res.verdict) == ("torch-export", "safe")

@@ -17,7 +17,7 @@ from ckptool.formats import detect
 from ckptool.formats.safetensors import read_header
 from ckptool.ops.convert import convert
 from ckptool.ops.inspect.entry import inspect
-from ckptool.ops.scan.entry import scan_file
+from ckptool.scanning.entry import scan_file
 
 pytestmark = pytest.mark.torchfree
 

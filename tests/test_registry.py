@@ -98,7 +98,7 @@ def test_the_registry_names_no_higher_layer() -> None:
     """No module names a module of a layer above its own, in an import inside a function or in a plug-in string
     (``tools/architecture_figures.py``'s ``upward plug-ins`` reads every string and every such import)."""
     # the one left (issue 46): torch_ops' trusted load scans with ops' scanner, named as a string
-    assert _figures().upward_plugins() == ["ckptool/torch_ops/trusted.py:44 ckptool.ops.scan.entry:scan_file"]
+    assert _figures().upward_plugins() == ["ckptool/torch_ops/trusted.py:44 ckptool.scanning.entry:scan_file"]
 
 
 @pytest.mark.torchfree

@@ -8,8 +8,8 @@ import pickle
 import pytest
 
 import ckptool.formats.detect as detect_mod
-import ckptool.ops.scan.directories as scan_directories_mod
-import ckptool.ops.scan.pickles as scan_pickles_mod
+import ckptool.scanning.directories as scan_directories_mod
+import ckptool.scanning.pickles as scan_pickles_mod
 from ckptool.formats.pickler import GraphPickler
 from ckptool.formats.torchfile import Record, read_checkpoint
 from ckptool.ops.inspect.entry import TensorInfo, inspect

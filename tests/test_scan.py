@@ -23,7 +23,7 @@ from ckptool.model.allowlist import (
     worst_level,
 )
 from ckptool.ops.inspect.entry import inspect
-from ckptool.ops.scan.entry import iter_paths, scan, scan_file
+from ckptool.scanning.entry import iter_paths, scan, scan_file
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))

@@ -1,6 +1,6 @@
 """``scan`` (and ``inspect``'s security verdict) report code that ships inside a checkpoint outside any pickle:
 native libraries (:mod:`ckptool.formats.native`), torch.package modules and TorchScript source
-(:mod:`ckptool.ops.scan.shipped_code`), in the text report, ``--json``, SARIF and the verdict."""
+(:mod:`ckptool.scanning.shipped_code`), in the text report, ``--json``, SARIF and the verdict."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import pytest
 from ckptool.formats.native import describe_native
 from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST
 from ckptool.ops.inspect.entry import inspect
-from ckptool.ops.scan.entry import combine_results, scan_file
 from ckptool.ops.scan.sarif import to_sarif
-from ckptool.ops.scan.shipped_code import package_modules, torchscript_ops
+from ckptool.scanning.entry import combine_results, scan_file
+from ckptool.scanning.shipped_code import package_modules, torchscript_ops
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))
@@ -264,7 +264,7 @@ def test_torch_made_fixtures(tmp_path: Path) -> None:
 
 @needs_torch
 def test_a_library_in_a_zip_inside_a_dcp_file(tmp_path: Path) -> None:
-    """DCP folders are walked by their byte ranges (ops/scan/dcp.py); the zips found there are checked too."""
+    """DCP folders are walked by their byte ranges (scanning/dcp.py); the zips found there are checked too."""
     import warnings
 
     import torch

@@ -16,7 +16,7 @@ import torch
 
 from ckptool.model.allowlist import ACCELERATE_RNG, ALLOWED, DANGEROUS, NEEDS_TRUST, SAFE
 from ckptool.ops.inspect.entry import inspect
-from ckptool.ops.scan.entry import scan, scan_file
+from ckptool.scanning.entry import scan, scan_file
 
 MARKER = "/tmp/ckptool-scan-dcp-pwned"
 

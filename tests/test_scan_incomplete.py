@@ -13,8 +13,8 @@ import pytest
 import torch
 from hostile_inputs import make_case
 
-from ckptool.ops.scan.entry import scan_file
-from ckptool.ops.scan.results import EXIT_CODES, INCOMPLETE, STRICT_EXIT_CODES, exit_status
+from ckptool.scanning.entry import scan_file
+from ckptool.scanning.results import EXIT_CODES, INCOMPLETE, STRICT_EXIT_CODES, exit_status
 
 
 def _saved(legacy: bool) -> bytes:

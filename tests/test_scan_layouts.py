@@ -1,4 +1,4 @@
-"""The scan decides what a container is once (:class:`ckptool.ops.scan.layouts.Layout`) and follows its facts:
+"""The scan decides what a container is once (:class:`ckptool.scanning.layouts.Layout`) and follows its facts:
 the format it reports, the note for a zip without pickles, the check of a safetensors header, the "not a pickle"
 verdict for bytes that only begin like one."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from ckptool.formats import detect
-from ckptool.ops.scan import layouts
-from ckptool.ops.scan.entry import scan_file
+from ckptool.scanning import layouts
+from ckptool.scanning.entry import scan_file
 
 
 def _zip(path: Path, members: dict[str, bytes]) -> Path:

@@ -17,8 +17,8 @@ import pytest
 
 from ckptool import scan_file
 from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST
-from ckptool.ops.scan.entry import iter_paths
-from ckptool.ops.scan.remote_code import dangerous_calls, parse_module
+from ckptool.scanning.entry import iter_paths
+from ckptool.scanning.remote_code import dangerous_calls, parse_module
 
 CONFIG_MODULE = '''\
 from transformers import PretrainedConfig

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from ckptool.ops.scan.entry import scan
 from ckptool.ops.scan.sarif import RULES, to_sarif
+from ckptool.scanning.entry import scan
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))

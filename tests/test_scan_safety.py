@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-import ckptool.ops.scan.pickles as scan_pickles
+import ckptool.scanning.pickles as scan_pickles
 from ckptool.errors import CkptError
 from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST, SAFE
 from ckptool.ops.inspect.entry import inspect
-from ckptool.ops.scan.entry import scan_file
+from ckptool.scanning.entry import scan_file
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "fuzz"))

@@ -22,8 +22,8 @@ import pytest
 from ckptool import scan_file
 from ckptool.errors import CorruptCheckpointError
 from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST, UNKNOWN, rate_target
-from ckptool.ops.scan.configs import MAX_ALIASES, hydra_targets, parse_config
-from ckptool.ops.scan.pickles import INFLATE_BUDGET
+from ckptool.scanning.configs import MAX_ALIASES, hydra_targets, parse_config
+from ckptool.scanning.pickles import INFLATE_BUDGET
 
 BENIGN = b"""\
 target: nemo.collections.asr.models.ctc_models.EncDecCTCModel

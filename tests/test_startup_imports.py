@@ -39,11 +39,11 @@ main()
 #: when met (:func:`ckptool.formats.plugin`); issue 41 took this set from 45 modules to 33; the tensor model
 #: (``formats.tensors``) came back with issue 36's note on tensors that expand past the input's budget; issue 46
 #: added the one verdict (``model.verdict``); issue 49 the name checks of configs that make a loader run code
-#: (``ops.scan.configs``: NeMo's Hydra targets and a transformers ``auto_map``, by name), asked of every file a
+#: (``scanning.configs``: NeMo's Hydra targets and a transformers ``auto_map``, by name), asked of every file a
 #: scan meets; ``_ranges`` is the range store split out of ``_remote``, ``formats.pickle_stack`` the
 #: C stack sizing split out of ``formats.pickle_check`` (the same code as before, in modules under 600 lines);
-#: ``ops.scan.wrappers``, ``ops.scan.legacy_stream`` and ``ops.scan.key_paths``: the base classes and key path walk
-#: of the pickle scanner, split out of ``ops.scan.pickles`` (the same code, in modules under 600 lines).
+#: ``scanning.wrappers``, ``scanning.legacy_stream`` and ``scanning.key_paths``: the base classes and key path walk
+#: of the pickle scanner, split out of ``scanning.pickles`` (the same code, in modules under 600 lines).
 SCAN_ZIP_MODULES = {
     "ckptool", "ckptool._gc", "ckptool._ranges", "ckptool._remote", "ckptool._source", "ckptool.errors",
     "ckptool.cli", "ckptool.cli._common", "ckptool.cli._errors", "ckptool.cli._flags", "ckptool.cli.scan",
@@ -52,11 +52,11 @@ SCAN_ZIP_MODULES = {
     "ckptool.formats.unpickler",
     "ckptool.formats.zipdir", "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices",
     "ckptool.model.graph", "ckptool.model.units", "ckptool.model.verdict", "ckptool.model.weights_only",
-    "ckptool.ops", "ckptool.ops.scan", "ckptool.ops.scan.entry", "ckptool.ops.scan.byte_windows",
-    "ckptool.ops.scan.configs", "ckptool.ops.scan.directories", "ckptool.ops.scan.layouts",
-    "ckptool.ops.scan.pickles",
-    "ckptool.ops.scan.results", "ckptool.ops.scan.shipped_code", "ckptool.ops.scan.tar",
-    "ckptool.ops.scan.key_paths", "ckptool.ops.scan.legacy_stream", "ckptool.ops.scan.wrappers",
+    "ckptool.ops", "ckptool.ops.scan", "ckptool.scanning", "ckptool.scanning.entry", "ckptool.scanning.byte_windows",
+    "ckptool.scanning.configs", "ckptool.scanning.directories", "ckptool.scanning.layouts",
+    "ckptool.scanning.pickles",
+    "ckptool.scanning.results", "ckptool.scanning.shipped_code", "ckptool.scanning.tar",
+    "ckptool.scanning.key_paths", "ckptool.scanning.legacy_stream", "ckptool.scanning.wrappers",
 }
 
 #: every ckptool module ``inspect`` of one torch zip file loads: scan's (its safety analysis is scan's, less the

@@ -72,7 +72,7 @@ def blob_pickles() -> dict[str, bytes]:
 def verdicts(paths: dict[str, Path]) -> dict[str, dict[str, object]]:
     """``scan_file`` of each path: its verdict and the globals found with their status (``--strict`` is a policy on
     the verdict since issue 46, so the record's former ``strict`` column is derived, not kept)."""
-    from ckptool.ops.scan.entry import scan_file
+    from ckptool.scanning.entry import scan_file
 
     out: dict[str, dict[str, object]] = {}
     for name, p in sorted(paths.items()):

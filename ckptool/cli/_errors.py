@@ -21,7 +21,7 @@ from ckptool.errors import CkptError, UsageError, os_error_advice
 # ------------------------------------------------------------------------------------------------ exit status
 # What the ``ckptool`` command's exit status means (``ckptool scan`` has its own verdict codes: 0 every file is
 # safe, 1 a file is dangerous, 2 a file could not be read, 4 a file needs trust, 5 a file is incomplete (cut short:
-# a truncated download); see ckptool.ops.scan.results.EXIT_CODES, whose codes never collide with the ones below).
+# a truncated download); see ckptool.scanning.results.EXIT_CODES, whose codes never collide with the ones below).
 
 #: the command did what it was asked
 EXIT_OK = 0

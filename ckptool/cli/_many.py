@@ -28,7 +28,7 @@ from ckptool.cli._common import emit_json, human_bytes, is_quiet, progress_wante
 from ckptool.cli._errors import EXIT_FAILURE, EXIT_OK
 from ckptool.errors import UsageError
 from ckptool.ops.scan.many import ManyRun, ScanRun
-from ckptool.ops.scan.results import ScanResult, exit_status
+from ckptool.scanning.results import ScanResult, exit_status
 
 if TYPE_CHECKING:  # a pool is made only for URLs or big local work: many small files need neither import
     import concurrent.futures as cf

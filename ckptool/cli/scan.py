@@ -1,5 +1,5 @@
 """``ckptool scan``: whether loading a checkpoint could run code, from the globals its pickles name (a thin
-command over :func:`ckptool.ops.scan.entry.scan`; nothing is imported or run from the files, torch is not imported)."""
+command over :func:`ckptool.scanning.entry.scan`; nothing is imported or run from the files, torch is not imported)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from ckptool import _source as source
 from ckptool.cli._common import emit_json, is_quiet, json_option
 from ckptool.errors import UsageError
 from ckptool.formats import plugin
-from ckptool.ops.scan.entry import ScanResult, exit_status, scan
-from ckptool.ops.scan.results import INCOMPLETE
+from ckptool.scanning.entry import ScanResult, exit_status, scan
+from ckptool.scanning.results import INCOMPLETE
 
 
 def _table(results: list[ScanResult], strict: bool) -> str:

@@ -11,7 +11,7 @@ An entry is a tensor or a non-tensor entry by its class, as DCP decides (``isins
 in planner_helpers ``_create_read_items``, ``isinstance(v, TensorStorageMetadata)`` in default_planner), never by
 its attributes: :func:`entry_kind`. The class is only what the pickle's last BUILD shows; a pickle can BUILD an
 object twice (the first BUILD's slot state setting ``__class__``), so callers that guard a loader
-(:mod:`ckptool.ops.scan.dcp_safety`, :mod:`ckptool.ops.scan.dcp`) check every record with the same rules whatever its
+(:mod:`ckptool.scanning.dcp_safety`, :mod:`ckptool.scanning.dcp`) check every record with the same rules whatever its
 entry's class.
 """
 
@@ -97,7 +97,7 @@ class DcpMetadata:
     def items(self) -> list[DcpItem]:
         """Every storage record of ``storage_data`` (tensor chunks and non-tensor entries), in pickle order, as
         recorded: nothing is checked here (a hostile ``.metadata`` may point anywhere; see
-        :func:`ckptool.ops.scan.dcp.scan_dcp_folder`). Records whose fields are not of the recorded types are
+        :func:`ckptool.scanning.dcp.scan_dcp_folder`). Records whose fields are not of the recorded types are
         returned with ``relative_path`` None.
 
         Raises:

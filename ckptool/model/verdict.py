@@ -2,7 +2,7 @@
 ``error``, ``dangerous``), computed by :func:`verdict_of` from what a scan found, and the exit status each verdict
 gives (:func:`exit_code`; ``--strict`` is a policy on the verdict, not a second vocabulary).
 
-``ckptool scan`` (:attr:`ckptool.ops.scan.results.ScanResult.verdict`), ``inspect`` (its ``security.verdict``),
+``ckptool scan`` (:attr:`ckptool.scanning.results.ScanResult.verdict`), ``inspect`` (its ``security.verdict``),
 ``report`` (the page's safety row and ``--json``'s ``verdict``) and ``sanitize`` all use this enum under the key
 ``verdict``; a file that could not be read to its end is never ``safe``.
 """

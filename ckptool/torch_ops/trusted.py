@@ -7,7 +7,7 @@ unregistered op, a native library or Python module shipped in the archive): such
 that use scan's own verdict, the one classification of :func:`ckptool.model.allowlist.classify_global`:
 
 1. before anything is read by torch, :func:`refuse_dangerous` scans the input as ``ckptool scan`` does
-   (``ckptool.ops.scan.entry.scan_file``: every pickle of the file, hidden ones too, read by ckptool's restricted
+   (:func:`ckptool.scanning.entry.scan_file`: every pickle of the file, hidden ones too, read by ckptool's restricted
    reader, nothing imported) and raises an :class:`~ckptool.errors.UnsafeCheckpointError` naming the first
    dangerous global and the pickle it is in;
 2. every unrestricted unpickle (``torch.load(weights_only=False)``, ``pickle.load``) is given :data:`GUARDED`
@@ -17,9 +17,7 @@ that use scan's own verdict, the one classification of :func:`ckptool.model.allo
 To load such a file anyway, one must do it by hand, outside ckptool, at one's own risk
 (``torch.load(path, weights_only=False)``): ``docs/commands/verify.md``, *Safety*.
 
-The scan engine lives in :mod:`ckptool.ops.scan`, a layer above this one; it is reached as the registry reaches the
-layers above it, through a lazy plug-in reference (:func:`ckptool.readers.plugin`), so that importing this module
-imports neither it nor torch.
+The scan engine (:mod:`ckptool.scanning`) is the reading layer below this one, imported directly.
 """
 
 from __future__ import annotations
@@ -34,14 +32,11 @@ from typing import IO, Any
 from ckptool.errors import UnsafeCheckpointError
 from ckptool.formats.nodes import qualified_name
 from ckptool.model.allowlist import DANGEROUS, classify_global
-from ckptool.readers import Opened, plugin
+from ckptool.readers import Opened
+from ckptool.scanning.entry import scan_file, scans_as_one
 
-__all__ = ["GUARDED", "SCANNER", "GadgetRefused", "GuardedUnpickler", "gadget_error", "guarded", "refuse_dangerous",
+__all__ = ["GUARDED", "GadgetRefused", "GuardedUnpickler", "gadget_error", "guarded", "refuse_dangerous",
            "refuse_gadgets"]
-
-#: the function ``ckptool scan`` reads one file (or DCP folder) with (a :meth:`ckptool.readers.Format.behaviour`-style
-#: plug-in reference: imported when first called)
-SCANNER = "ckptool.ops.scan.entry:scan_file"
 
 #: what a refusal tells the user to do instead
 BY_HAND = ("--trust (trust=True) trusts the classes a checkpoint names, never such a gadget, so nothing was loaded; "
@@ -103,10 +98,10 @@ def refuse_dangerous(target: str | Opened) -> None:
         UnsafeCheckpointError: the scan found something dangerous.
     """
     if isinstance(target, Opened):
-        if target.spec.kind != "file" and not target.spec.torch_distributed:
-            return
         target = target.target
-    scan = plugin(SCANNER)(target)
+    if not scans_as_one(target):
+        return
+    scan = scan_file(target)
     for g in scan.globals:
         if g.level == DANGEROUS:
             raise gadget_error(target, g.name, g.where[0] if g.where else "", g.reason)

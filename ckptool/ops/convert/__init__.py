@@ -34,7 +34,7 @@ One pass from SRC to DST, memory bounded by the largest storage, not by the file
   torch's own machinery (:mod:`ckptool.torch_ops.dcp`). DCP's ``FileSystemReader`` unpickles ``.metadata`` and
   non-tensor entries without restriction, so both are first read with ckptool's restricted unpickler and refused
   unless every global they name is one DCP itself writes (or the weights-only allowlist accepts), or ``trust=True``
-  (:mod:`ckptool.ops.scan.dcp_safety`).
+  (:mod:`ckptool.scanning.dcp_safety`).
 * **Verification** (on by default): the output is re-opened lazily by the format's own reader and every tensor's
   name, shape and dtype, and a CRC-32 of its bytes, is compared with what was read from the source
   (:mod:`ckptool.ops.convert.verify`).
@@ -76,13 +76,13 @@ from ckptool.ops.rewrite.companions import Companions, model_folder_of, source_c
 from ckptool.ops.rewrite.parallel import shard_executor
 from ckptool.ops.rewrite.set_writer import scratch_file
 from ckptool.ops.rewrite.stream import ProgressFn
-from ckptool.ops.scan.dcp_safety import check_dcp_safe
 from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.budget import check_expansion
 from ckptool.readers.read_dcp import check_records
 from ckptool.readers.read_safetensors import restore_library_aliases
 from ckptool.readers.read_torch import refuse_non_strided_for_dcp
 from ckptool.readers.registry import Role
+from ckptool.scanning.dcp_safety import check_dcp_safe
 from ckptool.torch_ops.dcp import dcp_to_torch_file
 from ckptool.torch_ops.load import load_checkpoint
 from ckptool.torch_ops.trusted import refuse_dangerous

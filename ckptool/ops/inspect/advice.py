@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from ckptool.model.allowlist import DANGEROUS, SAFE, level_word
 from ckptool.ops.inspect.info import CheckpointInfo
-from ckptool.ops.scan.results import PickleFinding, ScanResult
 from ckptool.readers import FORMATS
+from ckptool.scanning.results import PickleFinding, ScanResult
 
 __all__ = ["DCP_LOAD", "DEEPSPEED_LOAD", "EXPORT_LOAD", "MCORE_LOAD", "MEGATRON_LOAD", "PACKAGE_IMPORTER",
            "PICKLE_LOAD", "TORCH_JIT_LOAD",

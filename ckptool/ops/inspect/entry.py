@@ -15,7 +15,7 @@ met):
 * a sharded set (an ``*.index.json`` or the folder holding one) as one checkpoint from its shards
   (:func:`inspect_set`).
 
-Every file's safety analysis is the one ``ckptool scan`` makes (:func:`ckptool.ops.scan.entry.scan_file`), reading
+Every file's safety analysis is the one ``ckptool scan`` makes (:func:`ckptool.scanning.entry.scan_file`), reading
 again only what the describer did not read. The result is a :class:`CheckpointInfo`
 (:mod:`ckptool.ops.inspect.info`); bytes are counted one way everywhere, each storage once
 (:mod:`ckptool.ops.inspect.totals`); the non-tensor entries (epoch, steps, learning rates, hyper-parameters, RNG
@@ -49,9 +49,9 @@ from ckptool.ops.inspect.info import (
 from ckptool.ops.inspect.pickles import already_read, describe, package_info, tensor_infos
 from ckptool.ops.inspect.totals import byte_totals, device_bytes, merge_totals
 from ckptool.ops.inspect.values import PreviewLimits, ValueInfo
-from ckptool.ops.scan.entry import ScanResult, combine_results, scan_file
 from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.registry import Role
+from ckptool.scanning.entry import ScanResult, combine_results, scan_file
 
 __all__ = ["DESCRIBE", "SCHEMA", "ByteTotal", "CheckpointInfo", "Describer", "GlobalInfo", "StateDictInfo",
            "TensorInfo", "byte_totals", "describe", "inspect", "inspect_set", "tensor_infos"]

@@ -19,9 +19,9 @@ from ckptool.ops.inspect.info import CheckpointInfo, GlobalInfo, TensorInfo, rat
 from ckptool.ops.inspect.pt2 import describe_pt2
 from ckptool.ops.inspect.totals import byte_totals, device_bytes, one_storage_each
 from ckptool.ops.inspect.values import PreviewLimits, ValueInfo
-from ckptool.ops.scan.entry import ScanResult, scan_file
 from ckptool.readers import Opened
 from ckptool.readers.structures import DcpMetadata
+from ckptool.scanning.entry import ScanResult, scan_file
 
 __all__ = ["dcp_info", "deepspeed_info", "inspect_dcp", "inspect_deepspeed", "inspect_pt2", "inspect_safetensors",
            "pt2_info", "safetensors_info"]
@@ -89,7 +89,7 @@ def safetensors_info(o: Opened) -> CheckpointInfo:
 def pt2_info(o: Opened, scan: ScanResult) -> CheckpointInfo:
     """A ``torch.export`` archive (:func:`ckptool.ops.inspect.pt2.describe_pt2`): its weights and constants, the
     program's signature in ``programs``, its versions in ``metadata``; the globals of its pickled members from
-    ``scan``, the :func:`ckptool.ops.scan.entry.scan_file` of the same archive (read once)."""
+    ``scan``, the :func:`ckptool.scanning.entry.scan_file` of the same archive (read once)."""
     d = describe_pt2(o, scan)
     devices: dict[str, int] = {}
     for t in d.tensors:

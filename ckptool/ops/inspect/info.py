@@ -29,7 +29,7 @@ from ckptool.model.units import human_bytes, plural
 from ckptool.model.verdict import Verdict, exit_code, verdict_of
 from ckptool.ops.inspect.json_rows import rows_json
 from ckptool.ops.inspect.values import ValueInfo
-from ckptool.ops.scan.entry import ScanResult
+from ckptool.scanning.entry import ScanResult
 
 if TYPE_CHECKING:  # the module tree and its HTML are built on demand (--tree, Jupyter): plug-ins
     from ckptool.model.tree import TreeNode
@@ -112,7 +112,7 @@ class GlobalInfo:
     @property
     def level(self) -> str:
         """``safe``, ``needs-trust`` or ``dangerous``: the level ``ckptool scan`` gives this global
-        (:func:`ckptool.model.allowlist.level_of`, as :attr:`ckptool.ops.scan.results.GlobalFinding.level`)."""
+        (:func:`ckptool.model.allowlist.level_of`, as :attr:`ckptool.scanning.results.GlobalFinding.level`)."""
         return level_of(self.status)
 
 
@@ -281,7 +281,7 @@ class CheckpointInfo:
 
     @property
     def verdict(self) -> Verdict:
-        """``ckptool scan``'s verdict on the file (:attr:`ckptool.ops.scan.results.ScanResult.verdict`, from the same
+        """``ckptool scan``'s verdict on the file (:attr:`ckptool.scanning.results.ScanResult.verdict`, from the same
         analysis: :attr:`scan`); for an info built by hand, :func:`~ckptool.model.verdict.verdict_of` the levels of
         its :attr:`globals`."""
         if self.scan is not None:

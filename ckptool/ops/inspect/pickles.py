@@ -39,8 +39,8 @@ from ckptool.ops.inspect.info import (
 )
 from ckptool.ops.inspect.totals import byte_totals, device_bytes, storage_rows, storage_totals
 from ckptool.ops.inspect.values import PreviewLimits, ValueInfo, value_infos
-from ckptool.ops.scan.pickles import Preparsed
 from ckptool.readers import FORMATS, Checkpoint, Format, Opened
+from ckptool.scanning.pickles import Preparsed
 
 __all__ = ["already_read", "counted_bytes", "describe", "kind_of", "package_info", "tensor_infos"]
 
@@ -114,7 +114,7 @@ def kind_of(root: Any, sds: list[StateDictRef]) -> str:
 
 def already_read(ck: Checkpoint, spec: Format, info: CheckpointInfo | None = None) -> dict[str, Preparsed]:
     """The pickle of ``ck`` (a file of format ``spec``) that was read whole (the ``data.pkl`` of a torch zip, a
-    plain pickle), by its ``where`` in :func:`ckptool.ops.scan.entry.scan_file` (its ``preparsed``), so that the
+    plain pickle), by its ``where`` in :func:`ckptool.scanning.entry.scan_file` (its ``preparsed``), so that the
     scan does not read it a second time (for ``data.pkl``, not even its opcodes: where it ends is known).
     ``info``: :func:`describe` of ``ck``, whose tensors' bytes (:func:`counted_bytes`) spare the scan its own
     walk of the tensors."""
@@ -131,7 +131,7 @@ def already_read(ck: Checkpoint, spec: Format, info: CheckpointInfo | None = Non
 def counted_bytes(ck: Checkpoint, tensors: list[TensorInfo], totals: list[ByteTotal]) -> tuple[int, int] | None:
     """The dense bytes of the tensors of ``ck.root`` (``tensors``: its :func:`tensor_infos`) that have a storage,
     and the bytes of their distinct storages (``totals``: the file's :func:`storage_totals`, which count every
-    storage once): what scan's expansion note adds up (:data:`ckptool.ops.scan.pickles.Preparsed`); None where the
+    storage once): what scan's expansion note adds up (:data:`ckptool.scanning.pickles.Preparsed`); None where the
     list holds other roots' tensors too."""
     if ck.extra_roots:
         return None

@@ -4,7 +4,7 @@ running anything (the archive layout is described in :mod:`ckptool.formats.pt2`)
 * :func:`describe_pt2` is what ``ckptool inspect`` shows: every weight and constant (FQN, shape, dtype, device,
   bytes, stride, storage offset, the member holding its storage) from the payload configs, the program's
   signature from its serialized JSON, the archive's versions, and the globals of the members a loader unpickles
-  (read by :func:`ckptool.ops.scan.entry.scan_file`: nothing imported or run).
+  (read by :func:`ckptool.scanning.entry.scan_file`: nothing imported or run).
 * ``extract-state-dict`` and ``convert`` of a ``.pt2`` (:func:`ckptool.ops.extract.extract_state_dict`,
   :mod:`ckptool.readers.read_pt2`) write the program's state_dict (parameters and persistent buffers, as
   ``torch.export.load(path).state_dict``), or with ``key="constants"`` its constants: tensor bytes copied from the
@@ -23,8 +23,8 @@ from typing import Any
 from ckptool.formats.pt2 import Payload, Pt2Archive
 from ckptool.ops.inspect.info import TensorInfo
 from ckptool.ops.inspect.values import ValueInfo
-from ckptool.ops.scan.entry import GlobalFinding, ScanResult, scan_file
 from ckptool.readers import Opened, open_checkpoint
+from ckptool.scanning.entry import GlobalFinding, ScanResult, scan_file
 
 __all__ = ["Pt2Description", "describe_pt2", "tensor_key"]
 
@@ -65,7 +65,7 @@ def _row(key: str, p: Payload) -> TensorInfo:
 def describe_pt2(path: str | os.PathLike[str] | Opened, scan: ScanResult | None = None) -> Pt2Description:
     """Read the ``torch.export`` archive at ``path`` (or opened already: its structure is read once, by
     :meth:`ckptool.readers.Opened.pt2`) for ``inspect``: no tensor bytes, nothing unpickled (pickled members are
-    only scanned). ``scan``: the :func:`ckptool.ops.scan.entry.scan_file` of the same archive when the caller has it
+    only scanned). ``scan``: the :func:`ckptool.scanning.entry.scan_file` of the same archive when the caller has it
     (``inspect`` shows it too), so that the archive is scanned once; else it is scanned here.
 
     Raises:

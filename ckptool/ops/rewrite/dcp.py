@@ -69,9 +69,9 @@ from ckptool.ops.rewrite.layouts import companions_note, copy_companions, follow
 from ckptool.ops.rewrite.parallel import current_executor, locked, run_each
 from ckptool.ops.rewrite.sets import SetRenameResult, SetWriteResult
 from ckptool.ops.rewrite.stream import ProgressFn, write_zip
-from ckptool.ops.scan.dcp_safety import is_dcp_allowed
 from ckptool.readers import Checkpoint, Opened, open_checkpoint
 from ckptool.readers.structures import METADATA_FILE, DcpLayout, DcpMetadata
+from ckptool.scanning.dcp_safety import is_dcp_allowed
 from ckptool.writers.encoders import PicklerError, dumps
 
 __all__ = ["rewrite_dcp"]

@@ -7,7 +7,7 @@ time and status-change time in nanoseconds, :func:`local_version`: ``os.utime`` 
 nothing but the kernel sets the status-change time; an object's ETag, else its modification time, as the listing or
 a ``HEAD`` gives them) and ckptool's fingerprint (its version and a hash of its own source files, so a ckptool with
 other rules never reuses a result): a replaced object has another size or ETag and is scanned again. The value is
-the result as JSON (the schema of ``ckptool scan --json``, :meth:`~ckptool.ops.scan.results.ScanResult.to_dict`),
+the result as JSON (the schema of ``ckptool scan --json``, :meth:`~ckptool.scanning.results.ScanResult.to_dict`),
 never a pickle: a cache file someone else could write must not be a way to run code.
 
 The cache is a hint, never an authority: a row that does not match the schema (:func:`is_valid_row`: types, known
@@ -36,7 +36,7 @@ from typing import Any
 
 from ckptool import __version__
 from ckptool.errors import OutputError
-from ckptool.ops.scan.results import CodeFinding, GlobalFinding, PickleFinding, ScanResult
+from ckptool.scanning.results import CodeFinding, GlobalFinding, PickleFinding, ScanResult
 
 __all__ = ["ScanCache", "fingerprint", "is_valid_row", "local_version", "result_from_dict"]
 

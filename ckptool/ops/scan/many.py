@@ -1,11 +1,11 @@
 """Scanning many checkpoints in one run: files, folders and object-store prefixes, on any
 :class:`concurrent.futures.Executor`, with an optional cache (``ckptool scan --jobs N``, :func:`scan_many`).
 
-* What is scanned (:func:`expand`): each path as :func:`ckptool.ops.scan.entry.iter_targets` gives it (a file, a
+* What is scanned (:func:`expand`): each path as :func:`ckptool.scanning.entry.iter_targets` gives it (a file, a
   folder walked recursively, a DCP folder as one); a URL that is a prefix or folder (``s3://bucket/models/``, any
   fsspec filesystem that lists) stands for every object under it (:func:`ckptool._listing.list_objects`). An object
   found under a prefix is a checkpoint by its content, as a local folder's files are: its name ends like a checkpoint
-  (:data:`~ckptool.ops.scan.entry.CHECKPOINT_SUFFIXES`), or its first bytes are a zip, a pickle of protocol 2-5,
+  (:data:`~ckptool.scanning.entry.CHECKPOINT_SUFFIXES`), or its first bytes are a zip, a pickle of protocol 2-5,
   safetensors or a tar (one range request, :func:`starts_like_checkpoint`); other objects are skipped.
 * One task per checkpoint (:func:`scan_target`: a module-level function of a picklable :class:`Target`, so a
   process pool or ``dask.distributed``'s ``Client.get_executor()`` runs it as well as a thread pool); results come
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from ckptool import _listing
 from ckptool import _source as source
 from ckptool.errors import CkptError
-from ckptool.ops.scan.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets, scan_file, unreadable
+from ckptool.scanning.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets, scan_file, unreadable
 
 if TYPE_CHECKING:  # the cache (sqlite3, hashlib) and the pools (concurrent.futures, logging) are imported only by
     # a run that has them: a run of many small files in this process needs neither (start-up)
@@ -78,7 +78,7 @@ def expand(paths: Iterable[str | os.PathLike[str]], whole: Callable[[str], bool]
     (missing, empty, a listing refused) is one :class:`Target` with its ``error``. ``whole(folder)``: whether a
     local folder given in ``paths`` is one checkpoint rather than a folder to walk (``inspect``: a sharded set, a
     DeepSpeed or Megatron folder); ``configs``: folders also give the configs that make a loader run code
-    (:func:`ckptool.ops.scan.entry.iter_targets`; scan reads them, inspect does not)."""
+    (:func:`ckptool.scanning.entry.iter_targets`; scan reads them, inspect does not)."""
     for given in paths:
         p = os.fspath(given)
         try:

@@ -22,8 +22,8 @@ from typing import Any
 from urllib.parse import quote
 
 from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST
-from ckptool.ops.scan.configs import is_target_where
-from ckptool.ops.scan.results import ScanResult
+from ckptool.scanning.configs import is_target_where
+from ckptool.scanning.results import ScanResult
 
 __all__ = ["RULES", "SARIF_SCHEMA", "SARIF_VERSION", "to_sarif"]
 
@@ -114,7 +114,7 @@ def _global_results(res: ScanResult, strict: bool) -> list[dict[str, Any]]:
             continue
         rule, level = ("CKPT001", "error") if g.level == DANGEROUS else ("CKPT002", "warning" if strict else "note")
         for where in g.where:
-            if is_target_where(where):  # a Hydra target of a config (ops/scan/configs.py), not a pickle's global
+            if is_target_where(where):  # a Hydra target of a config (scanning/configs.py), not a pickle's global
                 out.append(_result("CKPT006", level, f"{g.name} ({g.status}): {g.reason}; named in {where}", res,
                                    where, [], {"global": g.name, "status": g.status}))
                 continue
@@ -137,7 +137,7 @@ def _file_results(res: ScanResult, strict: bool) -> list[dict[str, Any]]:
     out += [_result("CKPT005", "warning", why, res, None, [], {}) for why in res.incomplete]
     if res.error:
         out.append(_result("CKPT003", "warning", res.error, res, None, [], {}))
-    for c in res.code:  # code that ships in the file (ops/scan/shipped_code.py)
+    for c in res.code:  # code that ships in the file (scanning/shipped_code.py)
         level = "error" if c.level == DANGEROUS else "warning" if strict else "note"
         out.append(_result("CKPT004", level, f"{c.kind} in {c.member}: {c.reason}", res, c.member, [],
                            {"code_kind": c.kind, "level": c.level, "detail": c.detail}))

@@ -31,11 +31,11 @@ import os
 from ckptool import _source as source
 from ckptool.errors import CkptError, NotACheckpointError, TruncatedError
 from ckptool.formats.dcp import METADATA_FILE, DcpItem, is_dcp_folder, read_dcp_metadata
-from ckptool.ops.scan.byte_windows import ZIP_LOCAL, Window
-from ckptool.ops.scan.pickles import Scanner, failed
-from ckptool.ops.scan.results import PickleFinding, ScanResult
-from ckptool.ops.scan.shipped_code import CodeScanner
-from ckptool.ops.scan.tar import PICKLE_FIRST
+from ckptool.scanning.byte_windows import ZIP_LOCAL, Window
+from ckptool.scanning.pickles import Scanner, failed
+from ckptool.scanning.results import PickleFinding, ScanResult
+from ckptool.scanning.shipped_code import CodeScanner
+from ckptool.scanning.tar import PICKLE_FIRST
 
 __all__ = ["DCP_FORMAT", "dcp_part", "scan_dcp_folder"]
 
@@ -59,11 +59,11 @@ def scan_dcp_folder(folder: str | os.PathLike[str], part: str | None = None) -> 
     ``.distcp`` file (the metadata is still read to find that file's records).
 
     Never raises for the folder's content: problems make the result unreadable (``error``), or dangerous when a
-    dangerous global was found. Returns a :class:`~ckptool.ops.scan.pickles.ScanResult` with format ``dcp``.
+    dangerous global was found. Returns a :class:`~ckptool.scanning.pickles.ScanResult` with format ``dcp``.
     """
     folder = os.fspath(folder)
     res = ScanResult(folder if part is None else os.path.join(folder, part), DCP_FORMAT)
-    sc = CodeScanner(res)  # also the code in each zip it reads (ops/scan/shipped_code.py)
+    sc = CodeScanner(res)  # also the code in each zip it reads (scanning/shipped_code.py)
     problems: list[str] = []
     if part in (None, METADATA_FILE):
         _scan_metadata_pickle(sc, os.path.join(folder, METADATA_FILE), problems)

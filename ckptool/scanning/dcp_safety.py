@@ -2,7 +2,7 @@
 
 torch's ``FileSystemReader`` unpickles ``.metadata`` with ``pickle.load`` and ``DefaultLoadPlanner`` loads
 non-tensor entries with ``torch.load(weights_only=False)``: either can run code. Before any torch function reads a
-folder, :func:`check_dcp_safe` scans it exactly as ``ckptool scan`` does (:func:`ckptool.ops.scan.dcp.
+folder, :func:`check_dcp_safe` scans it exactly as ``ckptool scan`` does (:func:`ckptool.scanning.dcp.
 scan_dcp_folder`: ``.metadata`` under DCP's own record classes, then every record of ``storage_data`` with the
 weights-only rules, tensor chunk or not, since a pickle can change an entry's class on the way) and accepts only a
 folder that scan calls safe.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from ckptool.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptool.formats.dcp import DcpMetadata
 from ckptool.model.allowlist import ALLOWED, classify_global
-from ckptool.ops.scan.dcp import scan_dcp_folder
+from ckptool.scanning.dcp import scan_dcp_folder
 
 
 def is_dcp_allowed(name: str) -> bool:

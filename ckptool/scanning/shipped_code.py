@@ -50,9 +50,9 @@ from ckptool.formats import detect as formats
 from ckptool.formats import plugin
 from ckptool.formats.zipdir import ZipEntry, read_directory, read_member, read_member_head
 from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST
-from ckptool.ops.scan.layouts import Layout
-from ckptool.ops.scan.pickles import Container, Scanner, as_file
-from ckptool.ops.scan.results import CodeFinding, ScanResult
+from ckptool.scanning.layouts import Layout
+from ckptool.scanning.pickles import Container, Scanner, as_file
+from ckptool.scanning.results import CodeFinding, ScanResult
 
 __all__ = ["BUILTIN_CLASS_NAMESPACES", "BUILTIN_NAMESPACES", "FILE_OPS", "NATIVE", "NATIVE_SOURCE", "PYTHON",
            "TORCHSCRIPT", "CodeScanner", "package_modules", "torchscript_ops", "zip_code"]
@@ -89,7 +89,7 @@ _OPS_REGEX = re.compile(r"\bops\s*\.\s*([A-Za-z_]\w*)\s*\.\s*([A-Za-z_]\w*)")
 
 
 class CodeScanner(Scanner):
-    """The scan's container walk (:class:`~ckptool.ops.scan.pickles.Scanner`), which also records the code found
+    """The scan's container walk (:class:`~ckptool.scanning.pickles.Scanner`), which also records the code found
     in every zip it walks into :attr:`ScanResult.code` (see the module docstring)."""
 
     def zip(self, buf: Container, where: str, depth: int, f: BinaryIO | None = None, *,

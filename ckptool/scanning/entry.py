@@ -47,7 +47,7 @@ Scanning looks at the bytes, never at the file name, and reads every place a loa
   (which ``zipfile`` and some scanners see instead of the leading pickle) is scanned as well;
 * safetensors files hold no pickle: their header is checked and they are safe;
 * a torch.distributed.checkpoint folder (or its ``.metadata`` / ``.distcp`` files) is read the way DCP reads it:
-  ``.metadata``, then each record's byte range of the ``.distcp`` files (:mod:`ckptool.ops.scan.dcp`);
+  ``.metadata``, then each record's byte range of the ``.distcp`` files (:mod:`ckptool.scanning.dcp`);
 * in a folder, also what its loaders read outside it: the tag folder DeepSpeed's ``latest`` names and symlinked tag
   folders, the shards an ``*.index.json`` names (``../x``, absolute, through a symlinked subfolder), each scanned
   with a note saying which name leads there (:func:`_walk`); a folder (or index) in which nothing is found is a
@@ -60,7 +60,7 @@ scanning costs what ``inspect`` costs. A file whose content is a known library f
 (:func:`ckptool.model.allowlist.recognise_file`: accelerate's RNG state), to say what a needs-trust file is.
 
 Code that ships in a zip outside any pickle (native libraries, torch.package modules, TorchScript source) is
-reported too, and counts in the verdict (:mod:`ckptool.ops.scan.shipped_code`).
+reported too, and counts in the verdict (:mod:`ckptool.scanning.shipped_code`).
 
 Nothing is imported or called while scanning: the pickles are read by :mod:`ckptool.formats.unpickler`.
 """
@@ -86,12 +86,12 @@ from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND
 from ckptool.model.allowlist import is_importable_name, recognise_file
 from ckptool.model.graph import iter_tensors
 from ckptool.model.units import human_bytes
-from ckptool.ops.scan import layouts
-from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL, zip_end
-from ckptool.ops.scan.configs import HF_CONFIG_NAMES, MAX_CONFIG_BYTES, is_code_config, parse_config
-from ckptool.ops.scan.layouts import Layout
-from ckptool.ops.scan.pickles import NotAPickle, Preparsed, Scanner
-from ckptool.ops.scan.results import (
+from ckptool.scanning import layouts
+from ckptool.scanning.byte_windows import ZIP_EOCD, ZIP_LOCAL, zip_end
+from ckptool.scanning.configs import HF_CONFIG_NAMES, MAX_CONFIG_BYTES, is_code_config, parse_config
+from ckptool.scanning.layouts import Layout
+from ckptool.scanning.pickles import NotAPickle, Preparsed, Scanner
+from ckptool.scanning.results import (
     EXIT_CODES,
     STRICT_EXIT_CODES,
     GlobalFinding,
@@ -99,7 +99,7 @@ from ckptool.ops.scan.results import (
     ScanResult,
     exit_status,
 )
-from ckptool.ops.scan.shipped_code import CodeScanner
+from ckptool.scanning.shipped_code import CodeScanner
 
 __all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult", "combine_results",
            "exit_status", "iter_paths", "iter_targets", "scan", "scan_file", "unreadable"]
@@ -129,17 +129,25 @@ def scan_file(path: str | os.PathLike[str], *,
             return ScanResult(path, _set_format(path), error=refused)
     dcp = _dcp_part(path) if os.path.isdir(path) or path.endswith(_DCP_NAMES) else None
     if dcp is not None:
-        return cast(ScanResult, plugin("ckptool.ops.scan.dcp:scan_dcp_folder")(*dcp))
+        return cast(ScanResult, plugin("ckptool.scanning.dcp:scan_dcp_folder")(*dcp))
     if source.is_url(path):  # its opens share one HEAD and the ranges fetched (format check, directory, code finder)
         with source.object_reads(path):
             return _scan_one(path, preparsed)
     return _scan_one(path, preparsed)
 
 
+def scans_as_one(path: str | os.PathLike[str]) -> bool:
+    """True when :func:`scan_file` reads ``path`` as one unit, as ``ckptool scan PATH`` does: a file or URL, or a
+    DCP folder (its ``.metadata`` and every record); False for any other local folder (a sharded set, a DeepSpeed or
+    Megatron folder), whose files are scanned one by one, each as it is opened."""
+    path = os.fspath(path)
+    return not os.path.isdir(path) or _dcp_part(path) is not None
+
+
 def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None) -> ScanResult:
     """:func:`scan_file` of the file (or URL) ``path``."""
     res = ScanResult(path)
-    sc = CodeScanner(res, preparsed)  # the pickles, and the code that ships in each zip (ops/scan/shipped_code.py)
+    sc = CodeScanner(res, preparsed)  # the pickles, and the code that ships in each zip (scanning/shipped_code.py)
     start = source.thread_bytes_transferred()
     layout: Layout | None = None  # what the file was found to be (None: unreadable)
     head = b""
@@ -176,13 +184,13 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None) -> ScanResul
 
 
 #: the names of the files of a DCP folder (``.metadata``, ``*.distcp``), the only files :func:`scan_file` reads
-#: as a part of a folder (:func:`ckptool.ops.scan.dcp.dcp_part`); the folder walk and the readers of other formats
+#: as a part of a folder (:func:`ckptool.scanning.dcp.dcp_part`); the folder walk and the readers of other formats
 #: are named as strings (:func:`ckptool.formats.plugin`): a scan imports the code of the formats it meets
 _DCP_NAMES = (".metadata", ".distcp")
 
 
 def _dcp_part(path: str) -> tuple[str, str | None] | None:
-    return cast("tuple[str, str | None] | None", plugin("ckptool.ops.scan.dcp:dcp_part")(path))
+    return cast("tuple[str, str | None] | None", plugin("ckptool.scanning.dcp:dcp_part")(path))
 
 
 def _indexed(view: RangeView) -> bool:
@@ -314,7 +322,7 @@ def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
 def iter_targets(paths: Iterable[str | os.PathLike[str]], *, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
     """:func:`iter_paths`, each path with the notes its result gets (why a file outside a scanned folder is
     scanned); raises as :func:`iter_paths` does. ``configs=False``: folders give no config that makes a loader run
-    code (:func:`~ckptool.ops.scan.configs.is_code_config`: for ``inspect``). Used by
+    code (:func:`~ckptool.scanning.configs.is_code_config`: for ``inspect``). Used by
     :mod:`ckptool.ops.scan.many`."""
     return _targets(paths, configs)
 
@@ -367,7 +375,7 @@ def unreadable(notes: list[str] | tuple[str, ...]) -> str | None:
 
 def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
     """The checkpoint files under the folder ``top`` (recursively, sorted, symlinked subfolders not entered; with
-    ``configs`` also the configs that make a loader run code, :func:`~ckptool.ops.scan.configs.is_code_config`),
+    ``configs`` also the configs that make a loader run code, :func:`~ckptool.scanning.configs.is_code_config`),
     then the files a loader of ``top`` reads from outside it: the shards a ``*.index.json`` names and the files of
     the DeepSpeed tag folders ``latest`` or a symlinked tag folder lead to (:func:`_followed`). A subfolder that
     cannot be listed (no permission) and a file that cannot be opened are yielded too, with an :data:`UNREADABLE`
@@ -417,8 +425,8 @@ def _is_candidate(full: str) -> bool:
 
 
 def _scan_code_config(sc: Scanner, path: str) -> Layout:
-    """A config that makes a loader run code (:func:`~ckptool.ops.scan.configs.is_code_config`): a Hugging
-    Face config's ``auto_map`` modules (:func:`~ckptool.ops.scan.remote_code.hf_remote_code`) into the result's
+    """A config that makes a loader run code (:func:`~ckptool.scanning.configs.is_code_config`): a Hugging
+    Face config's ``auto_map`` modules (:func:`~ckptool.scanning.remote_code.hf_remote_code`) into the result's
     code, a NeMo config's Hydra targets into its globals; one that cannot be read within the bounds is the
     result's error."""
     try:
@@ -426,7 +434,7 @@ def _scan_code_config(sc: Scanner, path: str) -> Layout:
             data = f.read(MAX_CONFIG_BYTES + 1)
         if os.path.basename(path) in HF_CONFIG_NAMES:
             # the module parser (ast, hashlib) loads only for a folder that has such a config
-            from ckptool.ops.scan.remote_code import hf_remote_code  # noqa: PLC0415
+            from ckptool.scanning.remote_code import hf_remote_code  # noqa: PLC0415
 
             found, notes = hf_remote_code(path, data)
             sc.res.code += found

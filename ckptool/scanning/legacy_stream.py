@@ -1,5 +1,5 @@
 """The torch legacy stream walk of ``ckptool scan`` (:class:`LegacyWalk`, a base class of
-:class:`ckptool.ops.scan.pickles.Scanner`): the five pickles of a file ``torch.save`` wrote before torch 1.6, then
+:class:`ckptool.scanning.pickles.Scanner`): the five pickles of a file ``torch.save`` wrote before torch 1.6, then
 its storage blocks, to find data after them. Nothing is imported or called from the file.
 """
 
@@ -13,8 +13,8 @@ from ckptool.errors import CkptError, TruncatedError
 from ckptool.formats.dtypes import STORAGE_TYPES
 from ckptool.formats.nodes import StorageRef, qualified_name
 from ckptool.formats.pickle_check import PickleBuffer
-from ckptool.ops.scan.results import PickleFinding, ScanResult
-from ckptool.ops.scan.tar import inside, join_where
+from ckptool.scanning.results import PickleFinding, ScanResult
+from ckptool.scanning.tar import inside, join_where
 
 __all__ = ["LegacyWalk", "failed"]
 
@@ -26,7 +26,7 @@ def failed(where: str, offset: int, names: list[str], err: Exception) -> PickleF
 
 
 class LegacyWalk:
-    """The legacy stream walk of a scan, a base class of :class:`~ckptool.ops.scan.pickles.Scanner`, which provides
+    """The legacy stream walk of a scan, a base class of :class:`~ckptool.scanning.pickles.Scanner`, which provides
     the attributes and methods declared here."""
 
     res: ScanResult

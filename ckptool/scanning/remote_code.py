@@ -2,11 +2,11 @@
 whose ``auto_map`` names modules of the folder, which ``transformers`` imports under ``trust_remote_code=True``
 (``dynamic_module_utils.get_class_from_dynamic_module``: the named module and every module it imports relatively),
 and a NeMo config whose Hydra ``_target_`` entries ``hydra.utils.instantiate`` calls (rated by
-:meth:`ckptool.ops.scan.pickles.Scanner.config_member`).
+:meth:`ckptool.scanning.pickles.Scanner.config_member`).
 
-:func:`~ckptool.ops.scan.configs.is_code_config` says which files of a folder the scan reads for this (by name,
+:func:`~ckptool.scanning.configs.is_code_config` says which files of a folder the scan reads for this (by name,
 without this module's parser); :func:`hf_remote_code` lists each module ``auto_map`` makes ``transformers`` run,
-with its sha256, as a :class:`~ckptool.ops.scan.results.CodeFinding`: **needs-trust**, or **dangerous** when
+with its sha256, as a :class:`~ckptool.scanning.results.CodeFinding`: **needs-trust**, or **dangerous** when
 :func:`dangerous_calls` finds a call of a process, eval, socket or HTTP function in it. Modules are parsed with
 :mod:`ast`, never imported or run.
 """
@@ -20,8 +20,8 @@ from typing import Any
 
 from ckptool.errors import CkptError
 from ckptool.model.allowlist import DANGEROUS, NEEDS_TRUST
-from ckptool.ops.scan.configs import parse_config
-from ckptool.ops.scan.results import CodeFinding
+from ckptool.scanning.configs import parse_config
+from ckptool.scanning.results import CodeFinding
 
 __all__ = ["DANGEROUS_CALLS", "MAX_MODULE_BYTES", "REMOTE_CODE", "dangerous_calls", "hf_remote_code",
            "parse_module"]
@@ -131,7 +131,7 @@ def hf_remote_code(path: str, data: bytes) -> tuple[list[CodeFinding], list[str]
     parsed).
 
     Raises:
-        CkptError: the config cannot be parsed within the bounds of :func:`~ckptool.ops.scan.configs.parse_config`.
+        CkptError: the config cannot be parsed within the bounds of :func:`~ckptool.scanning.configs.parse_config`.
     """
     folder = os.path.dirname(path)
     config = parse_config(data, os.path.basename(path))

@@ -1,4 +1,4 @@
-"""Byte-level pieces of ``ckptool scan`` (:mod:`ckptool.ops.scan.pickles`): :class:`Window`, a range of a mapped
+"""Byte-level pieces of ``ckptool scan`` (:mod:`ckptool.scanning.pickles`): :class:`Window`, a range of a mapped
 file seen as a file and as bytes, and where a zip's end record says the zip starts and ends."""
 
 from __future__ import annotations

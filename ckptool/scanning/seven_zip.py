@@ -1,5 +1,5 @@
 """7z archives in ``ckptool scan``: each member inflated by ``py7zr`` (the ``7z`` extra) within the scan's
-inflate budget and member bound, then scanned as a file (:meth:`ckptool.ops.scan.pickles.Scanner.member_file`).
+inflate budget and member bound, then scanned as a file (:meth:`ckptool.scanning.pickles.Scanner.member_file`).
 Imported only when a file starts with the 7z signature. Nothing is extracted to disk; nothing is imported or run.
 """
 
@@ -9,15 +9,15 @@ import io
 from typing import Any
 
 from ckptool.errors import CkptError
-from ckptool.ops.scan.pickles import INFLATE_BUDGET, Container, Scanner
-from ckptool.ops.scan.results import PickleFinding
-from ckptool.ops.scan.tar import MAX_TAR_MEMBERS, join_where, leaves_archive
+from ckptool.scanning.pickles import INFLATE_BUDGET, Container, Scanner
+from ckptool.scanning.results import PickleFinding
+from ckptool.scanning.tar import MAX_TAR_MEMBERS, join_where, leaves_archive
 
 __all__ = ["scan_7z"]
 
 
 def scan_7z(sc: Scanner, buf: Container, where: str, depth: int) -> None:
-    """Scan the 7z archive ``buf``: at most :data:`~ckptool.ops.scan.tar.MAX_TAR_MEMBERS` members, together no more
+    """Scan the 7z archive ``buf``: at most :data:`~ckptool.scanning.tar.MAX_TAR_MEMBERS` members, together no more
     than the bytes left to inflate (:attr:`Scanner.inflate_left`); a member path that leaves the archive is a note.
     Without ``py7zr``, or for an archive it cannot read (encrypted, damaged), an unreadable finding: never skipped.
     """

@@ -17,7 +17,7 @@ __all__ = ["CONFIG", "EXPORT", "GZIP", "HEAD_LAYOUTS", "LEGACY", "LEGACY_TAR", "
 class Layout:
     """One kind of container the scan walks."""
 
-    #: the name the scan reports (:attr:`ckptool.ops.scan.results.ScanResult.format`)
+    #: the name the scan reports (:attr:`ckptool.scanning.results.ScanResult.format`)
     format: str
     #: the records torch's loader unpickles from a zip it reads (found as torch finds them, ignoring case)
     loaded_records: tuple[str, ...] = ()
@@ -41,7 +41,7 @@ class Layout:
     storage_record: str = ""
     #: the records its loader cannot do without (``torch.jit.load`` fails on an archive without ``data.pkl``)
     required_records: tuple[str, ...] = ()
-    #: the :class:`~ckptool.ops.scan.pickles.Scanner` method that walks a file the classifier's first bytes call
+    #: the :class:`~ckptool.scanning.pickles.Scanner` method that walks a file the classifier's first bytes call
     #: this (:data:`ckptool.formats.detect.HEAD_ACCEPTS`); ``""`` for the layouts a zip's members decide
     walk: str = ""
 

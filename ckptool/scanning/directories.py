@@ -10,7 +10,7 @@ from typing import BinaryIO, cast
 from ckptool.errors import CkptError
 from ckptool.formats import detect as formats
 from ckptool.formats.zipdir import Directory, ZipEntry, plain_directory, read_directory, zipfile_directory
-from ckptool.ops.scan.tar import inside
+from ckptool.scanning.tar import inside
 
 __all__ = ["zip_directories"]
 

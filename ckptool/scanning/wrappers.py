@@ -1,7 +1,7 @@
 """The wrappers walk of ``ckptool scan`` (:class:`WrapperWalk`, a base class of
-:class:`ckptool.ops.scan.pickles.Scanner`): what no checkpoint reader reads but a loader may unpack, scanned inside
+:class:`ckptool.scanning.pickles.Scanner`): what no checkpoint reader reads but a loader may unpack, scanned inside
 within a budget: gzip and zlib streams, ``.npy`` object arrays, tar archives and their members (configs, zips,
-wrappers), 7z archives (:mod:`ckptool.ops.scan.seven_zip`). Nothing is imported or called from the file.
+wrappers), 7z archives (:mod:`ckptool.scanning.seven_zip`). Nothing is imported or called from the file.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from ckptool.errors import CkptError, CorruptCheckpointError
 from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.model.allowlist import rate_target
-from ckptool.ops.scan import layouts
-from ckptool.ops.scan.byte_windows import ZIP_EOCD, ZIP_LOCAL
-from ckptool.ops.scan.configs import hydra_targets, is_config_name, parse_config, target_where
-from ckptool.ops.scan.layouts import Layout
-from ckptool.ops.scan.results import PickleFinding, ScanResult
-from ckptool.ops.scan.tar import PICKLE_FIRST, inside, join_where, scan_tar
+from ckptool.scanning import layouts
+from ckptool.scanning.byte_windows import ZIP_EOCD, ZIP_LOCAL
+from ckptool.scanning.configs import hydra_targets, is_config_name, parse_config, target_where
+from ckptool.scanning.layouts import Layout
+from ckptool.scanning.results import PickleFinding, ScanResult
+from ckptool.scanning.tar import PICKLE_FIRST, inside, join_where, scan_tar
 
 __all__ = ["GZIP_MAGIC", "INFLATE_BUDGET", "MAX_ZIP_DEPTH", "NPY_MAGIC", "SEVEN_ZIP_MAGIC", "NotAPickle",
            "WrapperWalk", "is_wrapper", "is_zlib"]
@@ -69,7 +69,7 @@ class NotAPickle(Exception):
 
 
 class WrapperWalk:
-    """The wrappers walk of a scan, a base class of :class:`~ckptool.ops.scan.pickles.Scanner`, which provides the
+    """The wrappers walk of a scan, a base class of :class:`~ckptool.scanning.pickles.Scanner`, which provides the
     attributes and methods declared here (the container walk, the recording of findings)."""
 
     res: ScanResult
@@ -185,8 +185,8 @@ class WrapperWalk:
 
     def tar_archive(self, buf: PickleBuffer, head: bytes, where: str, depth: int) -> Layout | None:
         """A tar archive (its first header valid): its members, the pickle ``pickle.load`` would read at byte 0, a
-        zip appended after its members. Returns :data:`~ckptool.ops.scan.layouts.LEGACY_TAR` when a member has a
-        legacy record's name, else :data:`~ckptool.ops.scan.layouts.TAR`; None (a note) when ``tarfile`` cannot
+        zip appended after its members. Returns :data:`~ckptool.scanning.layouts.LEGACY_TAR` when a member has a
+        legacy record's name, else :data:`~ckptool.scanning.layouts.TAR`; None (a note) when ``tarfile`` cannot
         read the archive after all."""
         try:
             end, legacy = scan_tar(self, buf, where, depth)

@@ -1,7 +1,7 @@
 """The legacy tar archives of ``ckptool scan`` (torch < 0.4, read by torch's ``_legacy_load``): every member is
 read as pickles in a row; ``storages`` and ``tensors`` as torch reads them, pickles between raw blocks.
 
-The container walk (:class:`ckptool.ops.scan.pickles.Scanner`) calls :func:`scan_tar` with itself as the
+The container walk (:class:`ckptool.scanning.pickles.Scanner`) calls :func:`scan_tar` with itself as the
 :class:`PickleWalker` that reads and records each pickle. The pieces both use live here, below the walk: the
 opcodes a pickle can begin with, the most pickles read in a row, and the labels of nested places (``a!b``).
 Nothing is imported or called from the file.
@@ -17,7 +17,7 @@ from ckptool.formats.detect import tarfile_module
 from ckptool.formats.dtypes import STORAGE_TYPES
 from ckptool.formats.nodes import GlobalMeta
 from ckptool.formats.pickle_check import PickleBuffer
-from ckptool.ops.scan.results import PickleFinding
+from ckptool.scanning.results import PickleFinding
 
 if TYPE_CHECKING:
     import tarfile

@@ -1,10 +1,10 @@
 """The engine of ``ckptool scan``: every pickle in a byte container (zip members, nested zips, legacy streams and
 tars, plain pickles, data appended after any of them) read with the restricted unpickler, each global classified
-by :func:`ckptool.model.allowlist.classify_global` into a :class:`~ckptool.ops.scan.results.ScanResult`. The
-policy, and which pickles are read, are described in :mod:`ckptool.ops.scan.entry`; DCP folders are walked by
-:mod:`ckptool.ops.scan.dcp`, legacy tar archives by :mod:`ckptool.ops.scan.tar`; the wrappers (gzip, zlib, .npy,
-tar members) and torch legacy streams by the :class:`Scanner`'s base classes in :mod:`ckptool.ops.scan.wrappers`
-and :mod:`ckptool.ops.scan.legacy_stream`. Nothing is imported or called from the file.
+by :func:`ckptool.model.allowlist.classify_global` into a :class:`~ckptool.scanning.results.ScanResult`. The
+policy, and which pickles are read, are described in :mod:`ckptool.scanning.entry`; DCP folders are walked by
+:mod:`ckptool.scanning.dcp`, legacy tar archives by :mod:`ckptool.scanning.tar`; the wrappers (gzip, zlib, .npy,
+tar members) and torch legacy streams by the :class:`Scanner`'s base classes in :mod:`ckptool.scanning.wrappers`
+and :mod:`ckptool.scanning.legacy_stream`. Nothing is imported or called from the file.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from ckptool.formats.pickle_check import PickleBuffer, check_pickle
 from ckptool.formats.unpickler import RestrictedUnpickler, load_pickle_at, partial_globals
 from ckptool.formats.zipdir import MAX_RATIO, TorchRecords, ZipEntry, read_member, read_member_head
 from ckptool.model.allowlist import ALLOWED, is_importable_name, rate_global
-from ckptool.ops.scan import layouts, wrappers
-from ckptool.ops.scan.byte_windows import ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
-from ckptool.ops.scan.directories import zip_directories
-from ckptool.ops.scan.key_paths import MAX_KEY_PATHS, key_paths
-from ckptool.ops.scan.layouts import Layout
-from ckptool.ops.scan.legacy_stream import LegacyWalk, failed
-from ckptool.ops.scan.results import GlobalFinding, PickleFinding, ScanResult
-from ckptool.ops.scan.tar import MAX_PICKLES_IN_A_ROW, PICKLE_FIRST, inside, join_where, leaves_archive
-from ckptool.ops.scan.wrappers import INFLATE_BUDGET, MAX_ZIP_DEPTH, NotAPickle, WrapperWalk
+from ckptool.scanning import layouts, wrappers
+from ckptool.scanning.byte_windows import ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
+from ckptool.scanning.directories import zip_directories
+from ckptool.scanning.key_paths import MAX_KEY_PATHS, key_paths
+from ckptool.scanning.layouts import Layout
+from ckptool.scanning.legacy_stream import LegacyWalk, failed
+from ckptool.scanning.results import GlobalFinding, PickleFinding, ScanResult
+from ckptool.scanning.tar import MAX_PICKLES_IN_A_ROW, PICKLE_FIRST, inside, join_where, leaves_archive
+from ckptool.scanning.wrappers import INFLATE_BUDGET, MAX_ZIP_DEPTH, NotAPickle, WrapperWalk
 
 __all__ = ["INFLATE_BUDGET", "MAX_KEY_PATHS", "MAX_ZIP_DEPTH", "Container", "NotAPickle", "Scanner", "Window",
            "as_file", "failed", "key_paths"]
@@ -220,7 +220,7 @@ class Scanner(WrapperWalk, LegacyWalk):
         """Scan ``buf`` (bytes or mmap, optionally its open file ``f``) as whatever its bytes say it is, by the
         readers' one classifier (:func:`ckptool.formats.detect.head_kinds`, torch.load's order: a zip, a tar
         ``tarfile`` accepts, a legacy stream, safetensors, a pickle), each answer walked in turn until one reads
-        (its layout's :attr:`~ckptool.ops.scan.layouts.Layout.walk`); then as bytes that begin like a pickle of
+        (its layout's :attr:`~ckptool.scanning.layouts.Layout.walk`); then as bytes that begin like a pickle of
         any protocol. The file ``torch.load`` would read: its own pickles are not hidden. Returns what it was.
 
         Raises:
@@ -246,7 +246,7 @@ class Scanner(WrapperWalk, LegacyWalk):
             self.inflated(buf, where, depth, "zlib")
             return layouts.ZLIB
         if head.startswith(wrappers.SEVEN_ZIP_MAGIC):
-            plugin("ckptool.ops.scan.seven_zip:scan_7z")(self, buf, where, depth)
+            plugin("ckptool.scanning.seven_zip:scan_7z")(self, buf, where, depth)
             return layouts.SEVEN_ZIP
         if not head or head[0] not in PICKLE_FIRST:
             raise NotAPickle()
@@ -335,7 +335,7 @@ class Scanner(WrapperWalk, LegacyWalk):
             loaded: bool = False) -> Layout:
         """Every pickle-bearing member of the zip in ``buf`` (``f``: the same bytes as a file), then data after
         its end. The members are those of torch's central directory and of ``zipfile``'s, both
-        (:func:`~ckptool.ops.scan.directories.zip_directories`). ``loaded``: torch's loader reads this zip (the file
+        (:func:`~ckptool.scanning.directories.zip_directories`). ``loaded``: torch's loader reads this zip (the file
         itself, a DCP item), so the members it unpickles (``data.pkl`` as torch finds it, ignoring case;
         ``constants.pkl`` of a TorchScript archive) are not hidden. Returns what the zip is.
 
@@ -393,7 +393,7 @@ class Scanner(WrapperWalk, LegacyWalk):
 
     def _escape_notes(self, where: str, names: list[str]) -> None:
         """A note for each member whose path leaves the folder it is extracted to (zip-slip: ``..``, an absolute
-        path; :func:`~ckptool.ops.scan.tar.leaves_archive`). The names are searched as one string first (50,000
+        path; :func:`~ckptool.scanning.tar.leaves_archive`). The names are searched as one string first (50,000
         members of a big checkpoint, none suspect)."""
         text = "\n" + "\n".join(names)
         if ".." not in text and "\n/" not in text and "\n\\" not in text and ":" not in text:

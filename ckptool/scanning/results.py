@@ -1,6 +1,6 @@
 """The results of ``ckptool scan`` (:class:`ScanResult`: the pickles found, each global with its status and level,
-the verdicts and exit statuses), shared by the container walk (:mod:`ckptool.ops.scan.pickles`), DCP folders
-(:mod:`ckptool.ops.scan.dcp`), the SARIF log (:mod:`ckptool.ops.scan.sarif`) and ``inspect``."""
+the verdicts and exit statuses), shared by the container walk (:mod:`ckptool.scanning.pickles`), DCP folders
+(:mod:`ckptool.scanning.dcp`), the SARIF log (:mod:`ckptool.ops.scan.sarif`) and ``inspect``."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class GlobalFinding:
 @dataclass
 class CodeFinding:
     """Code that ships inside the file and that its normal loader runs or may run, outside any pickle
-    (:mod:`ckptool.ops.scan.shipped_code`): ``member`` (``where`` of the zip member, ``archive/code/`` for a TorchScript
+    (:mod:`ckptool.scanning.shipped_code`): ``member`` (``where`` of the zip member, ``archive/code/`` for a TorchScript
     archive's source as a whole), ``kind`` (``native-library``, ``python-module``, ``torchscript``), ``level``
     (``needs-trust`` or ``dangerous``), ``reason`` (what runs it, and when) and ``detail`` (the architecture, the
     module name, the op)."""
