@@ -53,7 +53,7 @@ def main() -> None:
         import ckptool.formats.unpickler
         import ckptool.formats.zipdir
         import ckptool.ops.inspect.entry
-        import ckptool.ops.scan.entry  # noqa: F401
+        import ckptool.scanning.entry  # noqa: F401
     atheris.Setup(sys.argv, test_one_input)
     atheris.Fuzz()
 

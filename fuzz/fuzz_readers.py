@@ -103,7 +103,7 @@ def readers() -> list[tuple[str, Callable[[str], object]]]:
     from ckptool.ops.diff.compare import diff
     from ckptool.ops.inspect.entry import inspect
     from ckptool.ops.rewrite.remap import remap
-    from ckptool.ops.scan.entry import scan_file
+    from ckptool.scanning.entry import scan_file
 
     def structure(path: str) -> object:
         with open(path, "rb") as f:

@@ -8,8 +8,8 @@ Each figure is computed from the source tree alone (``ast`` and radon), so it ca
   ``ckptool/formats``;
 - ``parser calls``: calls of a format parser (``PARSERS`` below: detection, headers, zip directories, indexes, DCP
   metadata, pickles), by its name or through its module (not a method of an object, such as ``Opened``'s cached
-  readers), outside ``ckptool/readers``, ``ckptool/formats`` and scan's byte-level walk (``ckptool/scanning``, the reading
-  layer below ``torch_ops``);
+  readers), outside ``ckptool/readers``, ``ckptool/formats`` and scan's byte-level walk (``ckptool/scanning``, the
+  reading layer below ``torch_ops``);
 - ``private imports``: ``from X import _name`` inside ``ckptool`` where ``_name`` is not a module;
 - ``complex functions``: functions and methods of cyclomatic complexity above 20 as radon counts it (grade D or worse);
 - ``modules in ops/``: the ``.py`` files directly in ``ckptool/ops`` (``__init__.py`` aside);
