@@ -38,7 +38,6 @@ from typing import Any
 from ckptool._gc import gc_paused
 from ckptool.errors import CkptError, UnsafeCheckpointError, UnsupportedError
 from ckptool.formats.nodes import (
-    ALLOC,
     CLASS_BUILD,
     GlobalMeta,
     ObjectNode,
@@ -51,9 +50,8 @@ from ckptool.formats.nodes import (
     global_placeholder,
     qualified_name,
     split_use,
-    use_key,
 )
-from ckptool.formats.unpickler import MAX_REQUEST_BYTES, request_bytes
+from ckptool.model.allocations import oversized_use
 from ckptool.model.allowlist import DANGEROUS, classify_global, is_allowed, level_of, level_word
 from ckptool.model.graph import ATOMS, is_module, join, mapping_items, set_mapping_items, too_deep
 from ckptool.model.module_state import detached, module_state_dict, state_dict_node
@@ -205,9 +203,7 @@ class _Sanitizer:
         return key
 
     def _unknown(self, obj: object, path: str) -> Any:
-        name = _global_of(obj)
-        if isinstance(obj, ReduceNode) and _oversized(obj):  # bytearray(1500000000): rated as the use it is
-            name = qualified_name(*use_key(obj.func.module, obj.func.name, f"{ALLOC}{_request(obj)}"))
+        name = oversized_use(obj) or _global_of(obj)  # bytearray(1500000000): rated as the use it is
         self.left.append(_left_over(path, name) if "." in name and not isinstance(obj, PersistentRef) else Conversion(
             path, "unknown", name, "a persistent id torch.load cannot resolve" if isinstance(obj, PersistentRef)
             else "no rule converts it"))
@@ -292,7 +288,7 @@ class _Sanitizer:
         if kind is not None:
             return self._numpy(obj, kind, path)
         name = _global_of(obj)
-        if is_allowed(name) and not _oversized(obj):
+        if is_allowed(name) and oversized_use(obj) is None:
             return self._allowed(obj, path)
         if name in _PATHS and isinstance(obj, ReduceNode) and all(isinstance(a, str) for a in obj.args):
             text = _PATHS[name].join(*obj.args) if obj.args else "."
@@ -454,16 +450,6 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
         tag = location_fn("cpu") if location_fn else "cpu"
         res.devices[tag] = res.devices.get(tag, 0) + len(s.new_records)
     return res
-
-
-def _request(obj: ReduceNode) -> int:
-    """The bytes the call ``obj`` asks to allocate when loaded (0: none sized by its arguments)."""
-    return request_bytes(obj.func, obj.args) if isinstance(obj.func, GlobalMeta) and obj.func.sizing else 0
-
-
-def _oversized(obj: PickledObject) -> bool:
-    """True for a call that asks to allocate more than the reader's limit (``bytearray(1500000000)``)."""
-    return isinstance(obj, ReduceNode) and _request(obj) > MAX_REQUEST_BYTES
 
 
 def sanitize_output(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None, in_place: bool = False) -> str:

@@ -20,7 +20,6 @@ from typing import Any
 from ckptool import _source as source
 from ckptool._fileio import atomic_output, clone_block, copy_range, file_mode, same_file
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
-from ckptool.formats import detect as formats
 from ckptool.formats.nodes import CLASS_BUILD, PickledObject, StorageRef, split_use
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.model.graph import mapping_items, set_mapping_items
@@ -29,7 +28,7 @@ from ckptool.model.units import plural, retagged_words, wrote_line
 from ckptool.readers import FORMATS, Checkpoint, Format
 from ckptool.readers.read_torch import locate_records
 from ckptool.readers.structures import ENCRYPTED, SafetensorsHeader, recorded_names
-from ckptool.writers import is_folder_form
+from ckptool.writers import is_folder_form, writer
 from ckptool.writers.encoders import PicklerError, TorchZipWriter, dumps, encode_header, rename_metadata
 
 
@@ -294,4 +293,5 @@ def write_renamed_safetensors(src: str, out: str, header: SafetensorsHeader, map
             if progress is not None:
                 progress(header.data_size)
             written = o.tell()
-    return WriteResult(src, out, formats.SAFETENSORS, storages=len(entries), bytes_written=written)
+    # a renamed safetensors file is safetensors again: the format in is the format the output reads as
+    return WriteResult(src, out, writer("safetensors").reads_as, storages=len(entries), bytes_written=written)
