@@ -96,7 +96,7 @@ def test_the_format_modules_are_every_format_module_and_import_linter_forbids_th
     figures = _figures()
     shared = {"__init__", "tensors", "dtypes", "nodes"}
     on_disk = {p.stem for p in (figures.PKG / "formats").glob("*.py")} - shared
-    assert figures.FORMAT_MODULES == on_disk
+    assert on_disk == figures.FORMAT_MODULES
     assert figures.LIMITS["format-module imports"] == 0
     # the contract's table, read without a TOML parser (Python 3.10 has none in its standard library)
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
