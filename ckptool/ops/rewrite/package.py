@@ -30,9 +30,8 @@ from collections.abc import Mapping
 
 from ckptool._fileio import atomic_output, file_mode, same_file
 from ckptool.errors import UnsupportedError
-from ckptool.formats.nodes import StorageRef
-from ckptool.model.devices import LocationFn, location_function
-from ckptool.ops.rewrite.stream import ProgressFn, WriteResult
+from ckptool.model.devices import location_function
+from ckptool.ops.rewrite.stream import ProgressFn, WriteResult, retag_counts
 from ckptool.readers import Opened
 from ckptool.readers.read_package import read_package_pickles
 from ckptool.writers.package import retagged_pickle, write_package
@@ -71,18 +70,9 @@ def remap_package(opened: Opened, dst: str, to: str | None = None, mapping: Mapp
                            allow_missing=allow_missing, where=src)
     new = {p.entry.name: retagged_pickle(p, src, fn) for p in archive.pickles
            if fn is not None and any(fn(rec.location) != rec.location for _pid, rec in p.pids)}
-    res = WriteResult(src, dst, opened.format, storages=len(archive.storages), retagged=_count(archive.storages, fn))
+    res = WriteResult(src, dst, opened.format, storages=len(archive.storages),
+                      retagged=retag_counts(archive.storages, fn))
     mode = file_mode(src) if same_file(src, dst) else None
     with atomic_output(dst, mode=mode) as out:
         res.bytes_written = write_package(out, src, archive.top, archive.entries, new, progress)
     return res
-
-
-def _count(storages: dict[str, StorageRef], fn: LocationFn | None) -> dict[tuple[str, str], int]:
-    """``{(old, new): storage count}`` of the tags ``fn`` changes."""
-    out: dict[tuple[str, str], int] = {}
-    for ref in storages.values():
-        new = fn(ref.location) if fn else ref.location
-        if new != ref.location:
-            out[(ref.location, new)] = out.get((ref.location, new), 0) + 1
-    return out

@@ -167,7 +167,7 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
         data_pkl = dumps(root, protocol=ck.protocol, storage_hook=hook)
     except PicklerError as e:
         raise UnsupportedError(f"{ck.path}: cannot write the pickle back ({e})") from e
-    res.retagged = _count_storages(ck, location_fn)
+    res.retagged = retag_counts(ck.storages, location_fn)
 
     w = TorchZipWriter(out, ck.archive_name, progress=progress)
     with source.open_binary(ck.path) as src:
@@ -206,11 +206,13 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
     return res
 
 
-def _count_storages(ck: Checkpoint, location_fn: LocationFn | None) -> dict[tuple[str, str], int]:
+def retag_counts(storages: Mapping[str, StorageRef], location_fn: LocationFn | None) -> dict[tuple[str, str], int]:
+    """``{(old tag, new tag): storage count}`` of the location tags ``location_fn`` changes among ``storages``
+    (each storage once, by key); empty for None."""
     out: dict[tuple[str, str], int] = {}
     if location_fn is None:
         return out
-    for ref in ck.storages.values():
+    for ref in storages.values():
         new = location_fn(ref.location)
         if new != ref.location:
             out[(ref.location, new)] = out.get((ref.location, new), 0) + 1
