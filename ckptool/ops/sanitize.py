@@ -2,28 +2,14 @@
 without running the file.
 
 The file is read with the restricted unpickler (:func:`ckptool.formats.torchfile.read_checkpoint`: a node graph,
-nothing imported or called), every object outside torch's weights_only allowlist is replaced by a rule below, and
+nothing imported or called), every object outside torch's weights_only allowlist is replaced by a rule, and
 the graph is written as a torch zip file (:func:`ckptool.ops.rewrite.stream.rewrite_file`: the existing storages copied
-byte for byte, the new ones added as records). The rules (the pass is :class:`ckptool.model.sanitizing.Sanitizer`), in
-the order they are tried:
-
-1. ``nn.Module`` objects (a ``torch.save(model)`` pickle, or a module inside a dict) become their state_dict, as
-   ``extract-state-dict`` computes it (:mod:`ckptool.ops.extract`: parameters and persistent buffers, detached,
-   with ``_metadata``).
-2. numpy arrays become tensors of the same dtype, shape and values (Fortran order kept as strides), in new
-   storages tagged ``cpu``; numpy scalars (``numpy.float64(0.5)``) become 0-d tensors. Which dtypes:
-   :mod:`ckptool.model.numpy_nodes`.
-3. numpy dtypes (``numpy.dtype('float16')``) and numpy scalar types (``numpy.float32``) become the torch dtype of
-   the same name (``torch.float16``).
-4. plain records become dicts: an object made without constructor arguments whose whole content is an attribute
-   dict (``argparse.Namespace``, ``types.SimpleNamespace``, dataclasses, simple config classes; ``__slots__``
-   values included) or dict items (dict subclasses such as Lightning's ``AttributeDict``). Classes classified
-   dangerous by :mod:`ckptool.model.allowlist` never are (``types.SimpleNamespace`` excepted).
-5. ``pathlib`` paths become their string.
-
-Anything else outside the allowlist (any other class or function, a dangerous global such as ``os.system``) is
-reported with its key path, and nothing is written, unless ``drop_unknown`` leaves it out (a dict entry removed,
-a list or tuple item replaced by None; each one listed in the result).
+byte for byte, the new ones added as records). The rules, in the order they are tried, are those of the pass
+:class:`ckptool.model.sanitizing.Sanitizer`: a pickled ``nn.Module`` becomes its state_dict, numpy arrays, scalars
+and dtypes become tensors and torch dtypes, plain records dicts, ``pathlib`` paths strings. Anything else outside the
+allowlist (any other class or function, a dangerous global such as ``os.system``) is reported with its key path, and
+nothing is written, unless ``drop_unknown`` leaves it out (a dict entry removed, a list or tuple item replaced by
+None; each one listed in the result).
 
 :func:`sanitize_dry_run` (``ckptool sanitize --dry-run``) makes the same pass and writes nothing: it says what the
 file is (format, kind, tensor count, the verdict ``ckptool scan`` gives it), what a run would convert and drop, or
