@@ -164,3 +164,36 @@ def test_diff_of_a_model_folder_against_its_dcp_save_is_identical(tmp_path: Path
     r = run_cli("diff", folder, dcp)
     assert r.exit_code == 0 and "storage sharing is not stored in B (dcp)" in r.output, r.output
     assert run_cli("diff", "--strict", folder, dcp).exit_code == 1
+
+
+def test_a_duplicate_member_name_is_an_error_everywhere(tmp_path: Path, run_cli) -> None:
+    """A zip holding two members of one name is a zip-confusion (two readers may see two different data.pkl):
+    inspect, report and sanitize refuse it, and scan's verdict is error (exit 2) in the same words (before: scan
+    noted it and said safe)."""
+    from ckptool.errors import CorruptCheckpointError
+    from ckptool.ops.sanitize import sanitize
+
+    p = ac.duplicate_data_pkl(tmp_path)
+    words = "two members named"
+    r = run_cli("scan", "--json", p)
+    row = json.loads(r.stdout)["files"][0]
+    assert r.exit_code == 2 and row["verdict"] == "error" and words in row["error"], row
+    for args in (("inspect", "--json", p), ("report", "--json", p, "-o", tmp_path / "r.html")):
+        r = run_cli(*args)
+        assert r.exit_code != 0 and words in r.output, r.output
+    with pytest.raises(CorruptCheckpointError, match=words):
+        sanitize(p, tmp_path / "out.pt", drop_unknown=True)
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_deep_nesting_is_an_error_everywhere(tmp_path: Path, run_cli) -> None:
+    """Containers nested deeper than ckptool's walk of the graph: inspect refuses, and scan's verdict is error with
+    the same words (before: scan said safe, and the agreement oracle excused it)."""
+    p = ac.deeply_nested(tmp_path)
+    refusal = run_cli("inspect", p)
+    assert refusal.exit_code != 0 and "deeper than ckptool can walk" in refusal.output
+    r = run_cli("scan", "--json", p)
+    row = json.loads(r.stdout)["files"][0]
+    assert r.exit_code == 2 and row["verdict"] == "error", row
+    assert row["error"] in refusal.output
+

@@ -84,7 +84,7 @@ from ckptool.formats.nodes import TensorNode
 from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND
 from ckptool.model.allowlist import is_importable_name, recognise_file
-from ckptool.model.graph import iter_tensors
+from ckptool.model.graph import TooDeepError, iter_tensors
 from ckptool.model.units import human_bytes
 from ckptool.scanning import layouts
 from ckptool.scanning.byte_windows import ZIP_EOCD, ZIP_LOCAL, zip_end
@@ -177,7 +177,10 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None) -> ScanResul
     if type(sc.root) is dict:
         res.recognised = recognise_file(sc.root, [g.name for g in res.globals])
     if sc.root is not None:
-        res.notes += _expansion_notes(sc.root, sc.root_bytes)
+        try:
+            res.notes += _expansion_notes(sc.root, sc.root_bytes)
+        except TooDeepError as e:  # the limit of every walk of the graph (inspect's refusal, in its words)
+            res.error = str(e) if res.error is None else f"{res.error}; {e}"
     if source.is_url(path):
         res.bytes_read = source.thread_bytes_transferred() - start
     return res
@@ -210,7 +213,12 @@ def _expansion_notes(root: Any, counted: tuple[int, int] | None = None) -> list[
     (:mod:`ckptool.readers.budget`: :data:`~ckptool.formats.tensors.MAX_EXPAND` times, above
     :data:`~ckptool.formats.tensors.EXPAND_FLOOR`): a stride-0 view such as ``zeros(1).expand(2**20, 2**20)``.
     ``counted``: the (dense, storage) bytes of ``root``'s tensors as ``inspect`` added them up listing the tensors;
-    within the budget they spare the walk, past it the walk names the most expanded tensor."""
+    within the budget they spare the walk, past it the walk names the most expanded tensor.
+
+    Raises:
+        TooDeepError: ``root`` nests containers deeper than :data:`ckptool.model.graph.MAX_DEPTH` (the walk every
+            command that lists the tensors makes: ``inspect`` refuses such a file in the same words).
+    """
     if counted is not None and counted[0] <= max(MAX_EXPAND * counted[1], EXPAND_FLOOR):
         return []
     held: dict[str, int] = {}
@@ -233,6 +241,8 @@ def _expansion_notes(root: Any, counted: tuple[int, int] | None = None) -> list[
             dense += n
             if worst is None or n / max(stored, 1) > worst[0]:
                 worst = (n / max(stored, 1), key, t, n, stored)
+    except TooDeepError:  # what inspect refuses: the caller makes it the file's error
+        raise
     except (CkptError, TypeError, ValueError):  # a malformed tensor: what the scan reports already
         return []
     if worst is None or dense <= max(MAX_EXPAND * sum(held.values()), EXPAND_FLOOR):
