@@ -202,17 +202,16 @@ def _dcp_part(path: str) -> tuple[str, str | None] | None:
     (``part`` None), or the ``.metadata`` or a ``.distcp`` file of one (``part`` = its file name), else None."""
     from ckptool.formats import folders  # noqa: PLC0415  (the folder formats' code, imported when one is met)
 
-    if os.path.isdir(path):
-        return (path, None) if folders.is_dcp_unit(folders.listing(path)) else None
-    folder, name = os.path.split(os.path.abspath(path))
-    if name == ".metadata" or name.endswith(".distcp"):
-        try:
-            unit = folders.is_dcp_unit(folders.listing(folder))
-        except OSError:
-            return None
-        if unit:
-            return os.path.dirname(path) or ".", name
-    return None
+    folder, name = (path, None) if os.path.isdir(path) else os.path.split(os.path.abspath(path))
+    if name is not None and name != ".metadata" and not name.endswith(".distcp"):
+        return None
+    try:
+        unit = folders.is_dcp_unit(folders.listing(folder))
+    except OSError:  # a folder that cannot be listed is no unit: its walk reports it (an unreadable row)
+        return None
+    if not unit:
+        return None
+    return (path, None) if name is None else (os.path.dirname(path) or ".", name)
 
 
 def _indexed(view: RangeView) -> bool:
