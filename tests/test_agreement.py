@@ -213,3 +213,21 @@ def test_inspect_of_a_model_folder_gives_scan_of_the_folder_s_verdict(make, verd
     assert json.loads(run_cli("report", "--json", folder, "-o", page).stdout)["a"]["verdict"] == verdict
     text = run_cli("inspect", folder).output
     assert f"ckptool scan {folder}`" in text or verdict == "needs-trust", text
+
+
+@pytest.mark.parametrize("protocol", [0, 1])
+def test_a_pickle_of_protocol_0_or_1_is_a_pickle_everywhere(protocol: int, tmp_path: Path, run_cli) -> None:
+    """A pickle without a PROTO header (``pickle.dump(obj, f, 0)``, Python 2's default) is a ``pickle`` to inspect,
+    report, diff and scan alike (before: scan read it as a safe pickle, inspect refused it as no checkpoint); the
+    same bytes with one more byte after the STOP are none (``pickle.load`` would leave it unread)."""
+    import collections
+    import pickle
+
+    path = tmp_path / "old.pkl"
+    path.write_bytes(pickle.dumps(collections.OrderedDict(a=1, b=[1.5, "x"]), protocol=protocol))
+    assert agreement.disagreements(path, tmp_path) == []
+    d = json.loads(run_cli("inspect", "--json", path).stdout)
+    assert d["format"] == "pickle" and d["security"]["verdict"] == "safe"
+    junk = tmp_path / "junk.pkl"
+    junk.write_bytes(path.read_bytes() + b"x")
+    assert run_cli("inspect", junk).exit_code != 0
