@@ -213,8 +213,19 @@ def deeply_nested(root: Path) -> Path:
     return p
 
 
+def deeply_nested_zip(root: Path) -> Path:
+    """A torch zip whose ``data.pkl`` holds the nesting of :func:`deeply_nested` beside its tensors' records."""
+    data = _torch_zip(_sd())
+    top = zipfile.ZipFile(io.BytesIO(data)).namelist()[0].split("/")[0]
+    deep = b"\x80\x02" + b"]" * 6000 + b"a" * 5999 + b"."
+    p = root / "deeply_nested_zip.pt"
+    p.write_bytes(_rezip(data, {f"{top}/data.pkl": deep}, drop=(f"{top}/data.pkl",)))
+    return p
+
+
 CASES["duplicate_data_pkl"] = duplicate_data_pkl
 CASES["deeply_nested"] = deeply_nested
+CASES["deeply_nested_zip"] = deeply_nested_zip
 
 
 def tied_folder_and_dcp(root: Path) -> tuple[Path, Path]:

@@ -186,16 +186,27 @@ def test_a_duplicate_member_name_is_an_error_everywhere(tmp_path: Path, run_cli)
     assert not (tmp_path / "out.pt").exists()
 
 
-def test_deep_nesting_is_an_error_everywhere(tmp_path: Path, run_cli) -> None:
-    """Containers nested deeper than ckptool's walk of the graph: inspect refuses, and scan's verdict is error with
-    the same words (before: scan said safe, and the agreement oracle excused it)."""
-    p = ac.deeply_nested(tmp_path)
+@pytest.mark.parametrize("make", [ac.deeply_nested, ac.deeply_nested_zip], ids=lambda f: f.__name__)
+def test_deep_nesting_is_an_error_everywhere(make, tmp_path: Path, run_cli) -> None:
+    """Containers nested deeper than ckptool's walk of the graph: inspect and report refuse, and scan's verdict is
+    error with the same words (before: scan said safe, and the agreement oracle excused it); sanitize refuses the
+    torch zip."""
+    from ckptool.errors import CkptError
+    from ckptool.ops.sanitize import sanitize
+
+    p = make(tmp_path)
+    words = "deeper than ckptool can walk"
     refusal = run_cli("inspect", p)
-    assert refusal.exit_code != 0 and "deeper than ckptool can walk" in refusal.output
+    assert refusal.exit_code != 0 and words in refusal.output
+    r = run_cli("report", "--json", p, "-o", tmp_path / "r.html")
+    assert r.exit_code != 0 and words in r.output
     r = run_cli("scan", "--json", p)
     row = json.loads(r.stdout)["files"][0]
     assert r.exit_code == 2 and row["verdict"] == "error", row
     assert row["error"] in refusal.output
+    with pytest.raises(CkptError):
+        sanitize(p, tmp_path / "out.pt", drop_unknown=True)
+    assert not (tmp_path / "out.pt").exists()
 
 
 @pytest.mark.parametrize(("make", "verdict"), [(ac.model_folder_with_remote_code, "dangerous"),
