@@ -18,6 +18,8 @@ from ckptool.formats.safetensors import read_header
 from ckptool.readers import FORMATS, format_of
 from ckptool.scanning.entry import scan_file, scans_as_one
 
+pytestmark = pytest.mark.torchfree
+
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 DIST = FIXTURES / "megatron-ckpts" / "dist-gpt"
 LEGACY = FIXTURES / "megatron-ckpts" / "legacy-gpt"
