@@ -65,8 +65,8 @@ LAYERS = ["cli", "demo", "ops", "torch_ops", "scanning", "readers", "model", "fo
 #: pyproject.toml's import-linter contract "The operations read and write through the readers and writers" lists
 #: the same modules (``tests/test_architecture_figures.py`` holds the two together)
 FORMAT_MODULES = {"safetensors", "torchfile", "torchzip", "zipdir", "dcp", "sharded", "pickler", "pickle_check",
-                  "pickle_stack", "unpickler", "strided", "segments", "detect", "torch_package", "pt2", "deepspeed",
-                  "megatron", "native"}
+                  "pickle_stack", "unpickler", "strided", "segments", "detect", "folders", "torch_package", "pt2",
+                  "deepspeed", "megatron", "native"}
 PLUGIN_REF = re.compile(r"^ckptool\.([a-z_]+)(?:\.[A-Za-z0-9_.]+)?(?::[A-Za-z0-9_]+)?$")
 LIMITS = {
     "format-name comparisons": 0,
