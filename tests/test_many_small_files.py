@@ -17,9 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_startup_imports import loaded_modules
 
 from ckptool.formats.detect import check_readable
+from ckptool.model.units import text_table
 
 pytestmark = pytest.mark.torchfree
 
@@ -146,3 +149,44 @@ def test_load_from_bytes_stream_is_stepped_over_and_the_file_dangerous(tmp_path:
     f = json.loads(r.output)["files"][0]
     assert f["verdict"] == "dangerous"
     assert [p["globals"] for p in f["pickles"]] == [["torch.storage._load_from_bytes"]]
+
+
+# -- the text report's tables without tabulate (issue 52: a table a file of a folder's scan) --------------------
+_CELL_TEXT = st.text(alphabet="abcXYZ0123456789.,_-+ eE\u00e9\n\x1b[m", max_size=10) | st.sampled_from(
+    ["True", "False", "nan", "inf", "1,000", "1_0", "0x1", "", " a", "a ", "1e5", "-3", "DANGEROUS",
+     "torch.storage._load_from_bytes", "pickle at byte 0"])
+
+
+@given(st.integers(1, 5).flatmap(lambda n: st.tuples(
+    st.lists(_CELL_TEXT, min_size=n, max_size=n),
+    st.lists(st.lists(_CELL_TEXT, min_size=n, max_size=n).map(tuple), min_size=1, max_size=4))),
+    st.booleans())
+@settings(max_examples=400, deadline=None)
+def test_text_table_is_tabulates_table(table: tuple[list[str], list[tuple[str, ...]]], numparse: bool) -> None:
+    from tabulate import tabulate
+
+    headers, rows = table
+    assert text_table(rows, headers, numparse=numparse) == tabulate(rows, headers=headers,
+                                                                    disable_numparse=not numparse)
+
+
+def test_text_table_writes_plain_text_columns_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tabulate
+
+    rows = [("DANGEROUS", "os.system", "runs a shell command", "pickle at byte 0"), ("needs-trust", "a.B", "c", "12")]
+    want = tabulate.tabulate(rows, headers=["level", "global", "why", "in"])
+    monkeypatch.setattr(tabulate, "tabulate", None)  # the plain table does not call it
+    assert text_table(rows, ["level", "global", "why", "in"]) == want
+
+
+def test_scan_of_many_dangerous_small_files_imports_no_tabulate(tmp_path: Path) -> None:
+    # a table a file (each file names os.system) and the folder's table, all of plain text: written without tabulate
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"f{i}.pkl").write_bytes(b"\x80\x02cos\nsystem\nq\x00.")
+    proc, mods = loaded_modules(["scan", str(folder)], tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "3 files: 0 safe, 0 need trust, 3 dangerous" in proc.stdout
+    assert "DANGEROUS  os.system" in proc.stdout
+    assert "tabulate" not in mods
