@@ -245,3 +245,30 @@ def test_scan_of_many_dangerous_small_files_imports_no_tabulate(tmp_path: Path) 
     assert "3 files: 0 safe, 0 need trust, 3 dangerous" in proc.stdout
     assert "DANGEROUS  os.system" in proc.stdout
     assert "tabulate" not in mods
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_text_report_does_not_look_for_key_paths_json_does(tmp_path: Path, run_cli: Any,
+                                                           monkeypatch: pytest.MonkeyPatch, jobs: str) -> None:
+    # key paths (where in each pickle's object a global not allowed is used) are in --json, --jsonl and SARIF, not
+    # in the text report: its scan does not walk the object graphs for them (issue 52), and says the same
+    import ckptool.scanning.pickles as pickles
+
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    for i in range(2):
+        (folder / f"f{i}.pkl").write_bytes(pickle.dumps({"cmd": os.system}, protocol=2))
+    real = pickles.key_paths
+    walked: list[int] = []
+
+    def counted(root: Any, names: set[str]) -> dict[str, list[str]]:
+        walked.append(1)
+        return real(root, names)
+
+    monkeypatch.setattr(pickles, "key_paths", counted)
+    text = run_cli("scan", str(folder), "--jobs", jobs)
+    assert text.exit_code == 1 and "DANGEROUS  posix.system" in text.output, text.output
+    assert walked == []
+    js = run_cli("scan", str(folder), "--json", "--jobs", jobs)
+    assert [f["pickles"][0]["key_paths"] for f in json.loads(js.output)["files"]] == [{"posix.system": ["cmd"]}] * 2
+    assert len(walked) == 2

@@ -119,10 +119,10 @@ def run_many(paths: tuple[str, ...], fmt: str, *, jobs: int, cache_path: str | N
         from ckptool.ops.scan.cache import ScanCache  # noqa: PLC0415
 
         cache = ScanCache(cache_path)
-    run = ScanRun(paths, cache=cache)
+    text = fmt == "text" and not is_quiet()
+    run = ScanRun(paths, cache=cache, key_paths=fmt != "text")  # the text report shows no key paths
     results: list[ScanResult] = []
     skipped = [0]
-    text = fmt == "text" and not is_quiet()
     try:
         for res in _results(run, jobs, "scan", skipped):
             results.append(res)

@@ -165,7 +165,7 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
 
 def _one_run(paths: tuple[str, ...], fmt: str, strict: bool, show_all: bool) -> int:
     """The checkpoints ``paths`` scanned and printed together (the report, --json or SARIF); the exit status."""
-    results = scan(paths)
+    results = scan(paths, key_paths=fmt != "text")  # the text report shows no key paths: not looked for
     code = exit_status(results, strict=strict)
     if fmt == "json":
         emit_json("scan", {"strict": strict, "exit_code": code, "files": [r.to_dict(strict=strict) for r in results]})

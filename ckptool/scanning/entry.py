@@ -106,7 +106,7 @@ __all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", 
 
 
 def scan_file(path: str | os.PathLike[str], *,
-              preparsed: Mapping[str, Preparsed] | None = None) -> ScanResult:
+              preparsed: Mapping[str, Preparsed] | None = None, key_paths: bool = True) -> ScanResult:
     """Scan one file, or one DCP folder: every pickle in it (see the module docstring), each global classified.
 
     Reads the file without importing or running anything from it, in time and memory bounded by its size (tensor
@@ -115,7 +115,9 @@ def scan_file(path: str | os.PathLike[str], *,
     short (``incomplete``, a pickle's ``truncated``), or ``dangerous`` when a dangerous global was found first.
     ``preparsed`` maps the ``where`` of a pickle the caller already read whole with the
     restricted unpickler (``inspect``: ``archive/data.pkl``) to its globals, root and end offset (or None), which
-    are then not read again.
+    are then not read again. ``key_paths=False`` leaves each pickle's :attr:`~PickleFinding.key_paths` empty (a
+    walk of its object graph a pickle that names a global not allowed), for a report that does not show them
+    (``scan``'s text report); the verdicts are the same.
 
     Returns:
         A :class:`ScanResult`; its ``exit_code`` is 0 (safe), 1 (dangerous), 2 (unreadable), 4 (needs trust) or
@@ -132,8 +134,8 @@ def scan_file(path: str | os.PathLike[str], *,
         return cast(ScanResult, plugin("ckptool.scanning.dcp:scan_dcp_folder")(*dcp))
     if source.is_url(path):  # its opens share one HEAD and the ranges fetched (format check, directory, code finder)
         with source.object_reads(path):
-            return _scan_one(path, preparsed)
-    return _scan_one(path, preparsed)
+            return _scan_one(path, preparsed, key_paths)
+    return _scan_one(path, preparsed, key_paths)
 
 
 def scans_as_one(path: str | os.PathLike[str]) -> bool:
@@ -144,10 +146,11 @@ def scans_as_one(path: str | os.PathLike[str]) -> bool:
     return not os.path.isdir(path) or _dcp_part(path) is not None
 
 
-def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None) -> ScanResult:
+def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None, key_paths: bool = True) -> ScanResult:
     """:func:`scan_file` of the file (or URL) ``path``."""
     res = ScanResult(path)
-    sc = CodeScanner(res, preparsed)  # the pickles, and the code that ships in each zip (scanning/shipped_code.py)
+    # the pickles, and the code that ships in each zip (scanning/shipped_code.py)
+    sc = CodeScanner(res, preparsed, key_paths=key_paths)
     start = source.thread_bytes_transferred()
     layout: Layout | None = None  # what the file was found to be (None: unreadable)
     head = b""
@@ -531,9 +534,9 @@ def _looks_like_checkpoint(path: str) -> bool:
     return head.startswith(ZIP_LOCAL) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
 
 
-def scan(paths: Iterable[str | os.PathLike[str]]) -> list[ScanResult]:
+def scan(paths: Iterable[str | os.PathLike[str]], *, key_paths: bool = True) -> list[ScanResult]:
     """:func:`scan_file` for everything :func:`iter_paths` yields (files as given, directories walked, DCP folders
-    as one each).
+    as one each); ``key_paths``: :func:`scan_file`'s.
 
     Raises:
         InputNotFoundError: a path does not exist.
@@ -545,7 +548,7 @@ def scan(paths: Iterable[str | os.PathLike[str]]) -> list[ScanResult]:
         if why is not None:
             results.append(ScanResult(p, error=why))
             continue
-        res = scan_file(p)
+        res = scan_file(p, key_paths=key_paths)
         res.notes += notes
         results.append(res)
     return results

@@ -27,6 +27,7 @@ import os
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ckptool import _listing
@@ -150,10 +151,11 @@ def not_a_checkpoint(t: Target) -> bool:
     return t.listed and not t.path.lower().endswith(CHECKPOINT_SUFFIXES) and not starts_like_checkpoint(t.path)
 
 
-def scan_target(t: Target) -> ScanResult | None:
+def scan_target(t: Target, *, key_paths: bool = True) -> ScanResult | None:
     """Scan one :class:`Target` (the task each executor runs): its :class:`ScanResult`, with the bytes it transferred
     for a URL; None for an object under a prefix that is no checkpoint by its content. Never raises for a problem of
-    the checkpoint or the network: the result's ``error`` says it."""
+    the checkpoint or the network: the result's ``error`` says it. ``key_paths``:
+    :func:`~ckptool.scanning.entry.scan_file`'s."""
     if t.error is not None:
         return ScanResult(t.path, error=t.error)
     start = source.thread_bytes_transferred()
@@ -161,7 +163,7 @@ def scan_target(t: Target) -> ScanResult | None:
         with target_reads(t):
             if not_a_checkpoint(t):
                 return None
-            res = scan_file(t.path)
+            res = scan_file(t.path, key_paths=key_paths)
     except (CkptError, OSError) as e:
         res = ScanResult(t.path, error=str(e))
     res.notes += t.notes
@@ -285,11 +287,14 @@ def _scan_failed(t: Target, why: str) -> ScanResult:
 
 class ScanRun(ManyRun[ScanResult]):
     """One scan of many checkpoints (:class:`ManyRun` of :func:`scan_target`); ``cache``: a
-    :class:`~ckptool.ops.scan.cache.ScanCache`, read and written here, never by the tasks."""
+    :class:`~ckptool.ops.scan.cache.ScanCache`, read and written here, never by the tasks; ``key_paths=False``: the
+    results without key paths (a report that does not show them; never with a cache, whose rows serve any output)."""
 
     def __init__(self, paths: Iterable[str | os.PathLike[str]], *, executor: cf.Executor | None = None,
-                 cache: scan_cache.ScanCache | None = None, window: int | None = None) -> None:
-        super().__init__(paths, scan_target, _scan_failed, executor=executor, window=window)
+                 cache: scan_cache.ScanCache | None = None, window: int | None = None,
+                 key_paths: bool = True) -> None:
+        task = scan_target if key_paths or cache is not None else partial(scan_target, key_paths=False)
+        super().__init__(paths, task, _scan_failed, executor=executor, window=window)
         self.cache = cache
 
     def _lookups(self) -> Iterator[tuple[Target, str | None, tuple[bool, ScanResult | None]]]:
