@@ -81,7 +81,9 @@ def test_scan_of_many_small_files_opens_each_once_and_jobs_2_does_no_more(
     for counts in (one, two, jsonl):
         assert counts["open"] == {1}, counts
         assert counts["access"] == {1}, counts  # the walk: can this file be read (else a row says why)
-        assert counts["lstat"] == {3}, counts  # the walk: a link?, its real path, a dangling link?
+        # the walk: one lstat (a link?), which answers its real path (its folder's, resolved once a folder, and its
+        # name) and whether it is a dangling link (three lstat a file before, and realpath's of each folder above)
+        assert counts["lstat"] == {1}, counts
     # per file: the walk's folder test, check_readable's one stat, the open's FIFO/device guard (was 6: issue 52)
     assert one["stat"] == {3}, one
     # --jobs 2 of small local work runs in this process: the same scan, plus one stat for the file's size (the
@@ -272,3 +274,18 @@ def test_text_report_does_not_look_for_key_paths_json_does(tmp_path: Path, run_c
     js = run_cli("scan", str(folder), "--json", "--jobs", jobs)
     assert [f["pickles"][0]["key_paths"] for f in json.loads(js.output)["files"]] == [{"posix.system": ["cmd"]}] * 2
     assert len(walked) == 2
+
+
+def test_whole_view_reads_a_small_file_and_maps_a_big_one(tmp_path: Path) -> None:
+    # a scan of many small files maps none of them (a read costs about half a map and unmap: issue 52)
+    import mmap
+
+    from ckptool import _source as source
+
+    small, big = tmp_path / "small.pkl", tmp_path / "big.pkl"
+    small.write_bytes(b"\x80\x04K\x01." + b"\x00" * 100)
+    big.write_bytes(b"\x80\x04K\x01." + b"\x00" * source.READ_WHOLE_BYTES)
+    for path, kind in ((small, bytes), (big, mmap.mmap)):
+        with source.open_binary(str(path)) as f, source.whole_view(f) as buf:
+            assert type(buf) is kind
+            assert bytes(buf[:5]) == b"\x80\x04K\x01." and len(buf) == path.stat().st_size

@@ -69,6 +69,7 @@ Nothing is imported or called while scanning: the pickles are read by :mod:`ckpt
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, cast
@@ -393,17 +394,23 @@ def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
         if dcp:
             seen.add(os.path.realpath(root))
             yield root, []
+        real_root = None
         for name in sorted(files):
             full = os.path.join(root, name)
+            link = _is_link(full)  # one lstat a file answers the three questions below (issue 52)
             if name.endswith(INDEX_SUFFIX):
                 away += _index_shards(full, top)
                 if index_refusal(full) is not None:
                     yield full, []
             if dcp and (name == ".metadata" or name.endswith(".distcp")):
                 continue
-            if _is_candidate(full) or (configs and is_code_config(full)):
-                seen.add(os.path.realpath(full))
-                why = _cannot_open(full)
+            if _is_candidate(full, link) or (configs and is_code_config(full)):
+                if link:
+                    seen.add(os.path.realpath(full))
+                else:  # not a link: its real path is its folder's, once a folder, and its name
+                    real_root = real_root or os.path.realpath(root)
+                    seen.add(os.path.join(real_root, name))
+                why = _cannot_open(full, link)
                 yield full, [] if why is None else [f"{UNREADABLE}{full}: {why}"]
         for folder, why in plugin("ckptool.formats.deepspeed:loaded_tag_folders")(root, (dirs, files)):
             away += [(f, f"{why}; DeepSpeed reads it from there") for f in _folder_files(folder)]
@@ -421,8 +428,18 @@ def _unlisted(failed: list[OSError]) -> Iterator[tuple[str, list[str]]]:
         yield where, [why]
 
 
-def _is_candidate(full: str) -> bool:
-    if os.path.islink(full) and not os.path.isfile(full):
+def _is_link(path: str) -> bool:
+    """``os.path.islink(path)``, and True where ``lstat`` fails (then every caller asks again, as for a link)."""
+    try:
+        return stat.S_ISLNK(os.lstat(path).st_mode)
+    except (OSError, ValueError):
+        return True
+
+
+def _is_candidate(full: str, link: bool = True) -> bool:
+    """Whether the walk scans the file ``full``: a checkpoint's name or first bytes, and not a dangling link or a
+    link to a folder; ``link=False`` when the caller knows ``full`` is no link (:func:`_is_link`)."""
+    if link and os.path.islink(full) and not os.path.isfile(full):
         return False
     return os.path.basename(full).lower().endswith(CHECKPOINT_SUFFIXES) or _looks_like_checkpoint(full)
 
@@ -511,9 +528,10 @@ def _followed(away: list[tuple[str, str]], seen: set[str]) -> Iterator[tuple[str
         yield path, [f"outside the scanned folder: {why}"] if why else []
 
 
-def _cannot_open(path: str) -> str | None:
-    """Why the local file ``path`` cannot be opened for reading (no permission), or None."""
-    if os.path.islink(path) and not os.path.exists(path):
+def _cannot_open(path: str, link: bool = True) -> str | None:
+    """Why the local file ``path`` cannot be opened for reading (no permission), or None; ``link=False`` when the
+    caller knows ``path`` is no link (:func:`_is_link`)."""
+    if link and os.path.islink(path) and not os.path.exists(path):
         return None
     if os.access(path, os.R_OK) or not os.path.isfile(path):
         return None
