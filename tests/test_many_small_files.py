@@ -289,3 +289,28 @@ def test_whole_view_reads_a_small_file_and_maps_a_big_one(tmp_path: Path) -> Non
         with source.open_binary(str(path)) as f, source.whole_view(f) as buf:
             assert type(buf) is kind
             assert bytes(buf[:5]) == b"\x80\x04K\x01." and len(buf) == path.stat().st_size
+
+
+@pytest.mark.parametrize("seconds, most", [(60.0, 5), (0.0, N + 4)])
+def test_rows_of_many_files_are_written_together_yet_as_they_come(
+        tmp_path: Path, run_cli: Any, monkeypatch: pytest.MonkeyPatch, seconds: float, most: int) -> None:
+    # --jobs 2 prints each file's row as it finishes; rows that finish within FLUSH_SECONDS of the last write go out
+    # in one write (was a flushed write a row: issue 52); with FLUSH_SECONDS 0, one write a row as before
+    import click
+
+    from ckptool.cli import _many
+
+    folder = _folder(tmp_path)
+    want = run_cli("scan", str(folder)).output
+    writes: list[str] = []
+    real = click.echo
+
+    def echo(message: Any = None, *a: Any, **k: Any) -> None:
+        writes.append(str(message))
+        real(message, *a, **k)
+
+    monkeypatch.setattr(_many, "FLUSH_SECONDS", seconds)
+    monkeypatch.setattr(click, "echo", echo)
+    r = run_cli("scan", str(folder), "--jobs", "2")
+    assert r.output == want  # the same text as --jobs 1
+    assert len(writes) <= most and (seconds or len(writes) == most), len(writes)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -100,6 +101,32 @@ def _results(run: ManyRun[R], jobs: int, desc: str, skipped: list[int]) -> Itera
             run.executor.shutdown(cancel_futures=True)
 
 
+#: the rows of files that finished are written together, at least this often (seconds) and every this many rows
+FLUSH_SECONDS, FLUSH_ROWS = 0.2, 256
+
+
+class _Rows:
+    """The rows of a run printed as files finish, in as few writes as that allows: each :meth:`add` keeps its text
+    until :data:`FLUSH_SECONDS` passed since the last write or :data:`FLUSH_ROWS` rows wait (a flushed write a row
+    cost ``scan --jobs 2`` of 500 small files more than the rows of ``--jobs 1``, written at once; issue 52)."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.last = time.monotonic()
+
+    def add(self, text: str) -> None:
+        self.parts.append(text)
+        if len(self.parts) >= FLUSH_ROWS or time.monotonic() - self.last >= FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the rows kept (one ``click.echo``, flushed)."""
+        if self.parts:
+            click.echo("".join(self.parts), nl=False)
+            self.parts.clear()
+        self.last = time.monotonic()
+
+
 def _nothing_found(paths: tuple[str, ...], skipped: int, what: str) -> UsageError:
     return UsageError(f"{', '.join(paths)}: no checkpoint found ({skipped} object(s) listed, none a checkpoint by "
                       f"its content); nothing was {what}: check the paths")
@@ -123,14 +150,16 @@ def run_many(paths: tuple[str, ...], fmt: str, *, jobs: int, cache_path: str | N
     run = ScanRun(paths, cache=cache, key_paths=fmt != "text")  # the text report shows no key paths
     results: list[ScanResult] = []
     skipped = [0]
+    rows = _Rows()
     try:
         for res in _results(run, jobs, "scan", skipped):
             results.append(res)
             if fmt == "jsonl":
-                click.echo(json.dumps(res.to_dict(strict=strict), default=str))
+                rows.add(json.dumps(res.to_dict(strict=strict), default=str) + "\n")
             elif text:
-                click.echo(("\n" if len(results) > 1 else "") + res.report(show_all=show_all, strict=strict))
+                rows.add(("\n" if len(results) > 1 else "") + res.report(show_all=show_all, strict=strict) + "\n")
     finally:
+        rows.flush()
         if cache is not None:
             cache.close()
     if not results:
