@@ -314,3 +314,73 @@ def test_rows_of_many_files_are_written_together_yet_as_they_come(
     r = run_cli("scan", str(folder), "--jobs", "2")
     assert r.output == want  # the same text as --jobs 1
     assert len(writes) <= most and (seconds or len(writes) == most), len(writes)
+
+
+# -- --jobs N of many small local files: shared with children forked from this process (issue 52 item 2) ---------
+def test_jobs_chooses_this_process_forked_children_or_a_pool_by_the_work(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptool.cli import _many
+    from ckptool.ops.scan.many import ScanRun
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    few, many = tmp_path / "few", tmp_path / "many"
+    for folder, n in ((few, _many.FORK_FILES_PER_JOB * 2 - 1), (many, _many.FORK_FILES_PER_JOB * 2)):
+        folder.mkdir()
+        for i in range(n):
+            (folder / f"f{i:03d}.pkl").write_bytes(pickle.dumps({"a": i}))
+
+    def choice(folder: Path, jobs: int, **kw: Any) -> tuple[Any, int]:
+        run = ScanRun([str(folder)], **kw)
+        pool = _many._executor(run, jobs)
+        if pool is not None:
+            pool.shutdown()
+        return type(pool).__name__ if pool is not None else None, run.forks
+
+    assert choice(many, 1) == (None, 1)  # --jobs 1: this process
+    assert choice(few, 2) == (None, 1)  # too few files to repay a fork
+    assert choice(many, 2) == (None, 2)  # many small files: this process and one forked child
+    assert choice(many, 8) == (None, 2)  # each process gets FORK_FILES_PER_JOB files at least
+    from ckptool.ops.scan.cache import ScanCache
+
+    cache = ScanCache(str(tmp_path / "cache.db"))
+    try:
+        assert choice(many, 2, cache=cache) == (None, 1)  # the cache is read and written by this process only
+    finally:
+        cache.close()
+    monkeypatch.setattr(_many, "PROCESS_BYTES_PER_JOB", 1)  # big local work: a pool of processes, no forks
+    assert choice(many, 2) == ("ProcessPoolExecutor", 1)
+
+
+@pytest.mark.parametrize("child_fails", [False, True])
+def test_jobs_2_shares_many_small_files_with_a_forked_child_and_prints_as_jobs_1(
+        tmp_path: Path, run_cli: Any, monkeypatch: pytest.MonkeyPatch, child_fails: bool) -> None:
+    from ckptool.cli import _many
+    from ckptool.ops.scan import many
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no os.fork on this platform: --jobs runs small local work in this process")
+    folder = _folder(tmp_path)
+    (folder / "z_evil.pkl").write_bytes(b"\x80\x02cos\nsystem\nq\x00.")  # dangerous, last: the child's slice
+    want = [run_cli("scan", str(folder), *args) for args in ((), ("--json",))]
+    monkeypatch.setattr(_many, "FORK_FILES_PER_JOB", 5)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    forks: list[int] = []
+    real_fork = os.fork
+
+    def fork() -> int:
+        pid = real_fork()
+        if pid:
+            forks.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", fork)
+    if child_fails:  # a child that fails sends nothing: its slice is scanned in this process, nothing is lost
+        def fail(task: Any, targets: Any) -> bytes:
+            raise RuntimeError("the child failed")
+
+        monkeypatch.setattr(many, "_slice_results", fail)
+    got = [run_cli("scan", str(folder), "--jobs", "2", *args) for args in ((), ("--json",))]
+    assert len(forks) == 2  # one child a run
+    assert [r.exit_code for r in got] == [r.exit_code for r in want] == [1, 1]
+    assert got[0].output == want[0].output
+    assert json.loads(got[1].output) == json.loads(want[1].output)

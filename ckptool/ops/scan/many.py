@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -235,12 +236,18 @@ class ManyRun(Generic[R]):
         self.window = window or (4 * workers if isinstance(workers, int) else 64)
         #: checkpoints answered without running their task (from a cache) so far
         self.hits = 0
+        #: without an executor, the processes the tasks are shared among (this one and ``forks - 1`` forked
+        #: children, :meth:`_forked`); 1: all in this process
+        self.forks = 1
 
     def _lookups(self) -> Iterator[tuple[Target, str | None, tuple[bool, R | None]]]:
         """Each target with its cache key and what a cache holds for it (``(False, None)``: nothing, run the task)."""
         yield from ((t, None, (False, None)) for t in self.targets)
 
     def __iter__(self) -> Iterator[tuple[Target, R | None]]:
+        if self.executor is None and self.forks > 1:
+            yield from self._forked(self.forks)
+            return
         pending: dict[cf.Future[R | None], tuple[Target, str | None]] = {}
         for t, key, (found, cached) in self._lookups():
             if found:
@@ -261,6 +268,57 @@ class ManyRun(Generic[R]):
         while pending:
             yield from self._drain(pending)
 
+    def _forked(self, n: int) -> Iterator[tuple[Target, R | None]]:
+        """The tasks shared among this process and ``n - 1`` children forked from it (``os.fork``: they start with
+        everything this process imported, in about a millisecond, where a pool's worker imports ckptool again),
+        each a contiguous slice of :attr:`targets`, in order: this process runs the first slice and yields each
+        result as it comes, then each child's, sent back whole as a pickle over a pipe (our own results, from our
+        own process). A child that cannot be started or fails leaves its slice to this process: no target is lost.
+        Used without a cache (:attr:`forks`: set by ``--jobs N`` for many small local files); in one process when
+        this one runs other threads (a fork copies only the calling thread: a lock another one holds stays held).
+        """
+        threading = sys.modules.get("threading")
+        if threading is not None and threading.active_count() > 1:
+            n = 1
+        targets = self.targets
+        cut = [len(targets) * i // n for i in range(n + 1)]
+        children: list[tuple[int, int, int, int]] = []  # (pid, read end, first, end)
+        try:
+            for i in range(1, n):
+                try:
+                    r, w = os.pipe()
+                except OSError:
+                    break
+                try:
+                    pid = os.fork()
+                except OSError:
+                    os.close(r)
+                    os.close(w)
+                    break
+                if pid == 0:  # the child: its slice, its results down the pipe, and out (never back to the caller)
+                    code = 1
+                    try:
+                        os.close(r)
+                        data = _slice_results(self.task, targets[cut[i]:cut[i + 1]])
+                        with os.fdopen(w, "wb") as out:
+                            out.write(data)
+                        code = 0
+                    finally:
+                        os._exit(code)
+                os.close(w)
+                children.append((pid, r, cut[i], cut[i + 1]))
+            last = children[0][2] if children else len(targets)
+            for t in targets[:last]:
+                yield t, self._done(t, None, self.task(t))
+            while children:
+                pid, r, first, end = children.pop(0)
+                results = _child_results(pid, r, end - first)
+                for j, t in enumerate(targets[first:end]):
+                    yield t, self._done(t, None, results[j] if results is not None else self.task(t))
+        finally:
+            for pid, r, _first, _end in children:  # the caller stopped early: end the children left
+                _end_child(pid, r)
+
     def _drain(self, pending: dict[cf.Future[R | None], tuple[Target, str | None]]
                ) -> Iterator[tuple[Target, R | None]]:
         """The tasks of ``pending`` that are done once the first of them is (removed from it), with their results."""
@@ -279,6 +337,42 @@ class ManyRun(Generic[R]):
     def _done(self, t: Target, key: str | None, res: R | None) -> R | None:
         """What a task gave for ``t`` (``key``: its cache key), once it is done."""
         return res
+
+
+def _slice_results(task: Callable[[Target], Any], targets: list[Target]) -> bytes:
+    """A forked child's work (:meth:`ManyRun._forked`): ``task`` of each target, pickled as one list."""
+    import pickle  # noqa: PLC0415
+
+    return pickle.dumps([task(t) for t in targets], protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _child_results(pid: int, r: int, count: int) -> list[Any] | None:
+    """The ``count`` results the forked child ``pid`` sent down the pipe ``r`` (closed here, the child reaped), or
+    None when it failed (then its slice is run again in this process)."""
+    import pickle  # noqa: PLC0415
+
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _pid, status = os.waitpid(pid, 0)
+    if status != 0 or not data:
+        return None
+    try:
+        results = pickle.loads(data)  # our own child's results (ScanResult, inspect rows): no checkpoint's data
+    except Exception:  # a child cut short: its slice is scanned here
+        return None
+    return results if isinstance(results, list) and len(results) == count else None
+
+
+def _end_child(pid: int, r: int) -> None:
+    """Stop the forked child ``pid`` whose results are no longer wanted, close its pipe ``r`` and reap it."""
+    import signal  # noqa: PLC0415
+
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        os.close(r)
+    with contextlib.suppress(OSError):
+        os.waitpid(pid, 0)
 
 
 def _scan_failed(t: Target, why: str) -> ScanResult:
