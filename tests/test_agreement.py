@@ -164,3 +164,20 @@ def test_diff_of_a_model_folder_against_its_dcp_save_is_identical(tmp_path: Path
     r = run_cli("diff", folder, dcp)
     assert r.exit_code == 0 and "storage sharing is not stored in B (dcp)" in r.output, r.output
     assert run_cli("diff", "--strict", folder, dcp).exit_code == 1
+
+
+@pytest.mark.parametrize(("make", "verdict"), [(ac.model_folder_with_remote_code, "dangerous"),
+                                               (ac.model_folder_with_training_args, "needs-trust")])
+def test_inspect_of_a_model_folder_gives_scan_of_the_folder_s_verdict(make, verdict: str, tmp_path: Path,
+                                                                      run_cli) -> None:
+    """``inspect FOLDER`` and ``report FOLDER`` read the weights and give the verdict ``scan FOLDER`` gives, the
+    files beside the weights included (issue 46: before, the folder's code and its other pickles were left out and
+    inspect said safe); the advice names the folder to scan."""
+    folder = make(tmp_path)
+    d = json.loads(run_cli("inspect", "--json", folder).stdout)
+    assert d["security"]["verdict"] == verdict
+    assert json.loads(run_cli("scan", "--json", folder).stdout)["verdict"] == verdict
+    page = tmp_path / "page.html"
+    assert json.loads(run_cli("report", "--json", folder, "-o", page).stdout)["a"]["verdict"] == verdict
+    text = run_cli("inspect", folder).output
+    assert f"ckptool scan {folder}`" in text or verdict == "needs-trust", text
