@@ -99,13 +99,13 @@ def test_inspect_of_many_small_files_opens_each_once_and_jobs_2_does_no_more(
     one = _run(run_cli, monkeypatch, first, "inspect", str(first), "--jsonl")
     two = _run(run_cli, monkeypatch, second, "inspect", str(second), "--jsonl", "--jobs", "2")
     assert one == two, (one, two)
-    # today three opens a file: the format's first bytes, the pickle read, the scan of it (issue 52 item 3 asks
-    # for one; not done yet): pinned so that more is a decision
-    assert one["open"] == {3}, one
-    # the folder's size stat, the format's (folder? version), per open its check and FIFO/device guard, the scan's
-    # folder test, inspect's quantization-config folder test: 11 (one less since per_version took a file's version
-    # from its regular-file test's stat)
-    assert one["stat"] == {11}, one
+    # one open a file (issue 52 item 3): inspect reads a file of source.READ_WHOLE_BYTES or less whole inside a
+    # source.local_reads block, and its format's first bytes, its pickle read and its scan share those bytes (three
+    # opens a file before)
+    assert one["open"] == {1}, one
+    # the folder's size stat, the format's (folder? version), the one open's check and FIFO/device guard, the scan's
+    # folder test, inspect's quantization-config folder test...: 9 (11 before: the two later opens' checks and guards)
+    assert one["stat"] == {9}, one
 
 
 def test_check_readable_stats_a_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -384,3 +384,24 @@ def test_jobs_2_shares_many_small_files_with_a_forked_child_and_prints_as_jobs_1
     assert [r.exit_code for r in got] == [r.exit_code for r in want] == [1, 1]
     assert got[0].output == want[0].output
     assert json.loads(got[1].output) == json.loads(want[1].output)
+
+
+def test_local_reads_share_one_open_of_a_small_file_and_not_of_a_big_one(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptool import _source as source
+
+    small, big = tmp_path / "small.pkl", tmp_path / "big.pkl"
+    small.write_bytes(b"\x80\x04K\x01.")
+    big.write_bytes(b"\x80\x04K\x01." + b"\x00" * source.READ_WHOLE_BYTES)
+    calls = _counted(monkeypatch, tmp_path)
+    for path in (small, big):
+        with source.local_reads(str(path)):
+            for _ in range(3):
+                with source.open_binary(str(path)) as f:
+                    assert f.read(5) == b"\x80\x04K\x01." and f.name == str(path)
+                    f.seek(0, os.SEEK_END)
+                    assert f.tell() == path.stat().st_size
+        with source.open_binary(str(path)) as f:  # after the block: its own open
+            assert f.read(2) == b"\x80\x04"
+    assert calls[("open", "small.pkl")] == 2 and calls[("open", "big.pkl")] == 4
+    assert not source._held_files  # nothing held after the blocks
