@@ -23,6 +23,7 @@ Nothing here schedules work across machines: the executor does.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import stat
 import sys
@@ -289,9 +290,11 @@ class ManyRun(Generic[R]):
                     r, w = os.pipe()
                 except OSError:
                     break
+                gc.freeze()  # the child's collections skip what it shares with this process (fewer pages copied)
                 try:
                     pid = os.fork()
                 except OSError:
+                    gc.unfreeze()
                     os.close(r)
                     os.close(w)
                     break
@@ -305,6 +308,7 @@ class ManyRun(Generic[R]):
                         code = 0
                     finally:
                         os._exit(code)
+                gc.unfreeze()
                 os.close(w)
                 children.append((pid, r, cut[i], cut[i + 1]))
             last = children[0][2] if children else len(targets)
