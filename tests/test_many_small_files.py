@@ -405,3 +405,20 @@ def test_local_reads_share_one_open_of_a_small_file_and_not_of_a_big_one(tmp_pat
             assert f.read(2) == b"\x80\x04"
     assert calls[("open", "small.pkl")] == 2 and calls[("open", "big.pkl")] == 4
     assert not source._held_files  # nothing held after the blocks
+
+
+def test_a_global_named_by_many_files_is_rated_once(tmp_path: Path, run_cli: Any) -> None:
+    # rate_global reads fixed tables only: its answer for a name is remembered (issue 52), long names excepted
+    from ckptool.model import allowlist
+
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"f{i}.pkl").write_bytes(b"\x80\x02cos\nsystem\nq\x00.")
+    allowlist._rate_remembered.cache_clear()
+    assert run_cli("scan", str(folder)).exit_code == 1
+    info = allowlist._rate_remembered.cache_info()
+    assert info.misses == 1 and info.hits == 3, info
+    long_name = "pkg." + "a" * allowlist.RATED_NAME_CHARS
+    assert allowlist.rate_global(long_name) == allowlist._rate(long_name, True, False, False)
+    assert allowlist._rate_remembered.cache_info().currsize == 1  # not remembered
