@@ -422,3 +422,30 @@ def test_a_global_named_by_many_files_is_rated_once(tmp_path: Path, run_cli: Any
     long_name = "pkg." + "a" * allowlist.RATED_NAME_CHARS
     assert allowlist.rate_global(long_name) == allowlist._rate(long_name, True, False, False)
     assert allowlist._rate_remembered.cache_info().currsize == 1  # not remembered
+
+
+@pytest.mark.parametrize("head", [
+    pickle.dumps(0x1950A86A20F9469CFC6C, protocol=3), pickle.dumps(0x1950A86A20F9469CFC6C, protocol=4),
+    pickle.dumps(0x1950A86A20F9469CFC6C, protocol=5),
+    b"\x80\x04I119547037146038801333356\n.", b"\x80\x03L119547037146038801333356L\n.",
+    b"\x80\x04I0x1950A86A20F9469CFC6C\n.", b"\x80\x04I1_19547037146038801333356\n.",
+    b"\x80\x04\x8b\x0c\x00\x00\x00l\xfc\x9cF\xf9 j\xa8P\x19\x00\x00.", b"\x80\x05N0\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19.",
+])
+def test_the_legacy_magic_number_is_found_in_any_spelling(head: bytes) -> None:
+    from ckptool.formats.detect import is_legacy_stream
+
+    assert is_legacy_stream(head + b"\x80\x02}q\x00.")
+
+
+def test_a_plain_pickle_is_no_legacy_stream_without_being_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    # no INT/LONG/LONG1/LONG4 opcode byte in its first 64 bytes: it makes no int as large as the magic number
+    from ckptool.formats import detect
+
+    def refuse(*a: Any, **k: Any) -> Any:
+        raise AssertionError("read")
+
+    head = pickle.dumps({"step": 1, "w": "x" * 60}, protocol=4)
+    monkeypatch.setattr(detect, "load_pickle_at", refuse)
+    assert not detect.is_legacy_stream(head)
+    with pytest.raises(AssertionError):
+        detect.is_legacy_stream(pickle.dumps(7, protocol=4) + b"L")  # a LONG byte in the head: read

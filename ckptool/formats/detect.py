@@ -201,6 +201,11 @@ def _is_old_pickle(path: str, head: bytes) -> bool:
 LEGACY_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 
 
+#: the opcodes that make an int past BININT's 32 bits (INT and LONG as text, LONG1, LONG4): the restricted unpickler
+#: makes ints of no other opcode (a call gives a node), so a first pickle without one of these bytes is no magic number
+_INT_OPCODES = (b"I", b"L", b"\x8a", b"\x8b")
+
+
 def is_legacy_stream(head: bytes) -> bool:
     """True when ``head`` (a file's first bytes) starts with a pickle of torch's legacy magic number, in any pickle
     protocol (``torch.save(..., _use_new_zipfile_serialization=False, pickle_protocol=4)`` writes it with FRAME),
@@ -209,8 +214,11 @@ def is_legacy_stream(head: bytes) -> bool:
         return True
     if head[:1] != b"\x80" or head[1:2] not in (b"\x03", b"\x04", b"\x05"):
         return False
+    first = bytes(head[:64])
+    if not any(op in first[2:] for op in _INT_OPCODES):
+        return False  # no opcode there makes an int that large: not read (most plain pickles, issue 52)
     try:
-        value, _up, _end = load_pickle_at(bytes(head[:64]), 0, "magic number")
+        value, _up, _end = load_pickle_at(first, 0, "magic number")
     except CkptError:
         return False
     return type(value) is int and value == LEGACY_MAGIC_NUMBER
