@@ -317,6 +317,31 @@ def test_rows_of_many_files_are_written_together_yet_as_they_come(
 
 
 # -- --jobs N of many small local files: shared with children forked from this process (issue 52 item 2) ---------
+def test_jobs_3_where_the_second_fork_fails_scans_every_file(tmp_path: Path, run_cli: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # a child that cannot be started leaves its slice to this process, after the started children's, in order
+    from ckptool.cli import _many
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no os.fork on this platform: --jobs runs small local work in this process")
+    folder = _folder(tmp_path)
+    want = run_cli("scan", str(folder)).output
+    monkeypatch.setattr(_many, "FORK_FILES_PER_JOB", 5)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    real_fork, calls = os.fork, []
+
+    def fork() -> int:
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("no more processes")
+        return real_fork()
+
+    monkeypatch.setattr(os, "fork", fork)
+    got = run_cli("scan", str(folder), "--jobs", "3")
+    assert len(calls) == 2 and got.exit_code == 0
+    assert got.output == want and f"{N} files: {N} safe" in got.output
+
+
 def test_jobs_chooses_this_process_forked_children_or_a_pool_by_the_work(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptool.cli import _many

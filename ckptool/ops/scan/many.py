@@ -311,14 +311,17 @@ class ManyRun(Generic[R]):
                 gc.unfreeze()
                 os.close(w)
                 children.append((pid, r, cut[i], cut[i + 1]))
-            last = children[0][2] if children else len(targets)
-            for t in targets[:last]:
+            # this process's slice, each child's, then the slices of children that could not be started
+            tail = children[-1][3] if children else len(targets)
+            for t in targets[:children[0][2] if children else tail]:
                 yield t, self._done(t, None, self.task(t))
             while children:
                 pid, r, first, end = children.pop(0)
-                results = _child_results(pid, r, end - first)
+                results = _child_results(pid, r, end - first)  # closes r, reaps pid (also when interrupted)
                 for j, t in enumerate(targets[first:end]):
                     yield t, self._done(t, None, results[j] if results is not None else self.task(t))
+            for t in targets[tail:]:
+                yield t, self._done(t, None, self.task(t))
         finally:
             for pid, r, _first, _end in children:  # the caller stopped early: end the children left
                 _end_child(pid, r)
@@ -355,9 +358,14 @@ def _child_results(pid: int, r: int, count: int) -> list[Any] | None:
     None when it failed (then its slice is run again in this process)."""
     import pickle  # noqa: PLC0415
 
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    _pid, status = os.waitpid(pid, 0)
+    chunks = []
+    try:
+        while chunk := os.read(r, 1 << 20):
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        _pid, status = os.waitpid(pid, 0)
+    data = b"".join(chunks)
     if status != 0 or not data:
         return None
     try:
