@@ -33,7 +33,6 @@ sys.path.insert(0, str(HERE.parent / "fuzz"))
 import hostile_corpus as hc
 import verdict_corpus
 
-
 # ------------------------------------------------------------------------------------------------ verdicts
 #: the verdicts changed on purpose since the record, each with its reason: name -> (recorded, now)
 MEANT_TO_CHANGE = {
