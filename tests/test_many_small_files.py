@@ -236,6 +236,22 @@ def test_text_table_writes_plain_text_columns_itself(monkeypatch: pytest.MonkeyP
     assert text_table(rows, ["level", "global", "why", "in"]) == want
 
 
+def test_text_table_remembers_a_small_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a folder of like files prints the same table of globals for each: its cells are tested once (issue 52)
+    from ckptool.model import units
+
+    rows = [("DANGEROUS", "torch.storage._load_from_bytes", "unpickles bytes", "pickle at byte 0")]
+    first = text_table(rows, ["level", "global", "why", "in"])
+
+    def tested(cell: object) -> bool:
+        raise AssertionError("a remembered table is not written again")
+
+    monkeypatch.setattr(units, "_is_plain_cell", tested)
+    assert text_table([list(r) for r in rows], ["level", "global", "why", "in"]) == first
+    with pytest.raises(AssertionError):  # another table is written
+        text_table(rows, ["level", "global", "why", "where"])
+
+
 def test_scan_of_many_dangerous_small_files_imports_no_tabulate(tmp_path: Path) -> None:
     # a table a file (each file names os.system) and the folder's table, all of plain text: written without tabulate
     folder = tmp_path / "bad"

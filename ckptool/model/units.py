@@ -61,6 +61,13 @@ def _is_numberish(cell: str) -> bool:
     return True
 
 
+#: tables of :data:`_REMEMBER_ROWS` rows or fewer already written by :func:`text_table` (at most
+#: :data:`_REMEMBERED` of them): ``scan`` of many files of one kind prints the same table of globals for each
+_tables: dict[tuple[object, ...], str] = {}
+_REMEMBER_ROWS = 16
+_REMEMBERED = 256
+
+
 def text_table(rows: Sequence[Sequence[object]], headers: Sequence[str], *, numparse: bool = True) -> str:
     """``tabulate(rows, headers=headers, disable_numparse=not numparse)`` (its ``simple`` format: the header, a line
     of dashes, a row a line, columns two spaces apart, each as wide as its widest cell, no trailing spaces), written
@@ -68,7 +75,24 @@ def text_table(rows: Sequence[Sequence[object]], headers: Sequence[str], *, nump
     column holds a cell that is no number (a column of text, aligned left): ``scan`` of hundreds of files prints a
     table a file, where ``tabulate``'s per-cell type tests and its import (about 15 ms) cost more than the scan of a
     small pickle (issue 52). Any other table is ``tabulate``'s own, so the output is the same byte for byte
-    (tests/test_many_small_files.py compares the two)."""
+    (tests/test_many_small_files.py compares the two). A small table of strings written before is not written again
+    (a table a file of a folder of like files: its cells are tested once)."""
+    key: tuple[object, ...] | None = None
+    if len(rows) <= _REMEMBER_ROWS and all(type(c) is str for r in rows for c in r):
+        key = (tuple(tuple(r) for r in rows), tuple(headers), numparse)
+        got = _tables.get(key)
+        if got is not None:
+            return got
+    text = _text_table(rows, headers, numparse)
+    if key is not None:
+        if len(_tables) >= _REMEMBERED:
+            _tables.clear()
+        _tables[key] = text
+    return text
+
+
+def _text_table(rows: Sequence[Sequence[object]], headers: Sequence[str], numparse: bool) -> str:
+    """:func:`text_table` written (not remembered)."""
     ncols = len(headers)
     plain = bool(rows) and all(_is_plain_cell(h) for h in headers) and all(
         len(r) == ncols and all(_is_plain_cell(c) for c in r) for r in rows)
