@@ -63,6 +63,9 @@ def exit_code(verdict: Verdict | str, *, strict: bool = False) -> int:
     return (STRICT_EXIT_CODES if strict else EXIT_CODES)[Verdict(verdict)]
 
 
+_RANK = {level: i for i, level in enumerate(LEVELS)}
+
+
 def verdict_of(levels: Iterable[str], *, readable: bool = True, cut_short: bool = False) -> Verdict:
     """THE verdict, from the findings: the ``levels`` (:data:`ckptool.model.allowlist.LEVELS` words) of every
     global and every piece of shipped code found, whether every part was ``readable`` to its end, and whether the
@@ -75,11 +78,14 @@ def verdict_of(levels: Iterable[str], *, readable: bool = True, cut_short: bool 
     Raises:
         ValueError: a level outside :data:`~ckptool.model.allowlist.LEVELS`.
     """
-    worst = SAFE
+    rank = _RANK[SAFE]  # the index in LEVELS of the worst level so far: a dict lookup a level (4 verdicts a file)
     for level in levels:
-        if level not in LEVELS:
+        r = _RANK.get(level)
+        if r is None:
             raise ValueError(f"unknown level {level!r}")
-        worst = max(worst, level, key=LEVELS.index)
+        if r > rank:
+            rank = r
+    worst = LEVELS[rank]
     if worst == DANGEROUS:
         return Verdict.DANGEROUS
     if not readable:
