@@ -317,6 +317,17 @@ def test_rows_of_many_files_are_written_together_yet_as_they_come(
 
 
 # -- --jobs N of many small local files: shared with children forked from this process (issue 52 item 2) ---------
+@pytest.fixture
+def only_this_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork tests see this process as running one thread: an earlier test may leave a daemon thread that waits
+    (fsspec's IO loop, ``fsspecIO``), and --jobs then scans in one process (ManyRun._forked), which is right for a
+    run but would make these tests depend on the order they run in. The children scan local files only."""
+    import threading
+
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+
+
+@pytest.mark.usefixtures("only_this_thread")
 def test_jobs_3_where_the_second_fork_fails_scans_every_file(tmp_path: Path, run_cli: Any,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     # a child that cannot be started leaves its slice to this process, after the started children's, in order
@@ -377,6 +388,7 @@ def test_jobs_chooses_this_process_forked_children_or_a_pool_by_the_work(tmp_pat
 
 
 @pytest.mark.parametrize("child_fails", [False, True])
+@pytest.mark.usefixtures("only_this_thread")
 def test_jobs_2_shares_many_small_files_with_a_forked_child_and_prints_as_jobs_1(
         tmp_path: Path, run_cli: Any, monkeypatch: pytest.MonkeyPatch, child_fails: bool) -> None:
     from ckptool.cli import _many

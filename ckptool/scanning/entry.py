@@ -79,7 +79,7 @@ from ckptool._source import RangeView, leaves_folder
 from ckptool.errors import CkptError, InputNotFoundError, TruncatedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats import plugin
-from ckptool.formats.detect import INDEX_SUFFIX
+from ckptool.formats.detect import CHECKPOINT_SUFFIXES, INDEX_SUFFIX, starts_like_checkpoint
 from ckptool.formats.dtypes import element_size, numel, storage_element, tensor_dtype
 from ckptool.formats.nodes import TensorNode
 from ckptool.formats.pickle_check import PickleBuffer
@@ -102,8 +102,9 @@ from ckptool.scanning.results import (
 )
 from ckptool.scanning.shipped_code import CodeScanner
 
-__all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult", "combine_results",
-           "exit_status", "iter_paths", "iter_targets", "scan", "scan_file", "unreadable"]
+__all__ = ["CHECKPOINT_SUFFIXES", "EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult",
+           "add_results", "combine_results", "exit_status", "iter_paths", "iter_targets", "scan", "scan_file",
+           "scans_as_one", "unreadable"]
 
 
 def scan_file(path: str | os.PathLike[str], *,
@@ -338,9 +339,6 @@ def _not_a_pickle(path: str) -> str:
 
 
 #: file name endings scanned inside a directory (explicit file arguments are always scanned)
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".jit", ".tar", ".zip", ".safetensors",
-                       ".model", ".pts", ".torchscript", ".mar", ".npy", ".joblib", ".dat", ".data", ".distcp",
-                       ".pt2", ".nemo")
 
 
 def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
@@ -586,7 +584,7 @@ def _looks_like_checkpoint(path: str) -> bool:
         return True
     except (OSError, CkptError):
         return False
-    return head.startswith(ZIP_LOCAL) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+    return starts_like_checkpoint(head)
 
 
 def scan(paths: Iterable[str | os.PathLike[str]], *, key_paths: bool = True) -> list[ScanResult]:
