@@ -183,15 +183,15 @@ class Scanner(WrapperWalk, LegacyWalk):
         up = getattr(e, "unpickler", None)
         if up is not None:  # unpickling itself failed: what it named so far
             return [qualified_name(m, n) for m, n in up.globals_seen]
-        stop = getattr(e, "offset", None)
-        if stop is None:
+        at = getattr(e, "offset", None)
+        if at is None:
             return []
         cut = isinstance(e, TruncatedError)  # a cut frame's opcodes count (partial_globals)
         try:  # refused by the checks: read the flat stream (frames ignored) as far as it is sound
             end = check_pickle(buf, pos, stop, what=what, exact=False, strict_frames=False, blobs=[])
             seen = partial_globals(buf, pos, end, cut=cut)
         except CkptError as e2:
-            seen = partial_globals(buf, pos, getattr(e2, "offset", stop), cut=cut)
+            seen = partial_globals(buf, pos, getattr(e2, "offset", at), cut=cut)
         return [qualified_name(m, n) for m, n in seen]
 
     def parse_root(self, buf: PickleBuffer, pos: int, where: str) -> tuple[Any, int] | None:

@@ -1,0 +1,219 @@
+"""Issue 52: the stream inside each ``torch.storage._load_from_bytes(b)`` call (``pickle.dump`` of a tensor writes its
+storage so; torch.load reads ``b`` with ``weights_only=False``) is walked in place, as the legacy stream (or zip) it
+is: its globals are listed with their ``where`` and rated, a stream cut short or damaged gets the findings the same
+stream gets as a file, and streams nested in streams are walked only so deep. Streams written byte by byte (no
+torch); ``tests/test_blob_walk.py`` has the ones ``pickle.dump`` of real tensors writes."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptool.scanning.entry import scan_file
+from ckptool.scanning.legacy_stream import MAX_STREAM_DEPTH, STREAM_LOADER
+from ckptool.scanning.results import ScanResult
+
+pytestmark = pytest.mark.torchfree
+
+MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
+PROTOCOL = b"\x80\x02M\xe9\x03."
+SYS_INFO = b"\x80\x02}q\x00."
+#: what the outer pickle holds before ``b`` (a BINBYTES opcode follows): ``_load_from_bytes`` pushed and memoized
+OUTER_HEAD = b"\x80\x02ctorch.storage\n_load_from_bytes\nq\x00"
+OUTER_TAIL = b"q\x01\x85q\x02Rq\x03."
+
+
+def storage_pickle(numel: int) -> bytes:
+    """A legacy main pickle as ``torch.save`` of a storage writes it: the persistent id ``('storage',
+    torch.FloatStorage, '0', 'cpu', numel)``."""
+    return (b"\x80\x02(X\x07\x00\x00\x00storageq\x00ctorch\nFloatStorage\nq\x01X\x01\x00\x00\x000q\x02"
+            b"X\x03\x00\x00\x00cpuq\x03J" + struct.pack("<i", numel) + b"tq\x04Q.")
+
+
+def stream(numel: int = 1100, main: bytes | None = None) -> bytes:
+    """A legacy ``torch.save`` stream of one float32 storage of ``numel`` elements (magic number, protocol,
+    sys-info, the main pickle, the storage keys, the 8-byte count and the bytes), or with another ``main`` pickle
+    (then no storage)."""
+    if main is not None:
+        return MAGIC + PROTOCOL + SYS_INFO + main + b"\x80\x02]q\x00."
+    return (MAGIC + PROTOCOL + SYS_INFO + storage_pickle(numel) + b"\x80\x02]q\x00X\x01\x00\x00\x000q\x01a."
+            + struct.pack("<q", numel) + b"\x00" * (4 * numel))
+
+
+def gadget_main(module: bytes = b"os", name: bytes = b"system") -> bytes:
+    """A main pickle that calls ``module.name('id')``."""
+    return b"\x80\x02c" + module + b"\n" + name + b"\nq\x00X\x02\x00\x00\x00idq\x01\x85q\x02Rq\x03."
+
+
+def loads_bytes(b: bytes) -> bytes:
+    """The body of a pickle that calls ``torch.storage._load_from_bytes(b)`` (no PROTO, no STOP)."""
+    return b"ctorch.storage\n_load_from_bytes\n(B" + struct.pack("<I", len(b)) + b + b"tR"
+
+
+def outer(b: bytes) -> bytes:
+    """``pickle.dump`` of one storage as torch writes it: ``torch.storage._load_from_bytes(b)``."""
+    return OUTER_HEAD + b"B" + struct.pack("<I", len(b)) + b + OUTER_TAIL
+
+
+def scan_bytes(tmp_path: Path, data: bytes, name: str = "t.pkl") -> ScanResult:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return scan_file(path)
+
+
+def found(res: ScanResult) -> dict[str, tuple[str, list[str]]]:
+    """Each global's status and ``where``."""
+    return {g.name: (g.status, g.where) for g in res.globals}
+
+
+AT = len(OUTER_HEAD) + 5  # where ``b``'s first byte lies in the outer pickle
+
+
+# ------------------------------------------------------------------------------------------------ globals
+def test_a_storage_stream_is_walked_and_its_global_listed(tmp_path: Path) -> None:
+    """The stream of a storage: its five pickles are read (not hidden: torch.load reads them), its storage class
+    listed and allowed, at ``pickle at byte 0!_load_from_bytes at byte M!legacy main pickle``."""
+    res = scan_bytes(tmp_path, outer(stream()))
+    where = f"pickle at byte 0!_load_from_bytes at byte {AT}"
+    assert found(res) == {STREAM_LOADER: ("dangerous", ["pickle at byte 0"]),
+                          "torch.FloatStorage": ("allowed", [f"{where}!legacy main pickle"])}
+    inner = [(p.where, p.offset, p.hidden, p.error) for p in res.pickles[1:]]
+    assert inner == [(f"{where}!legacy {part}", offset, False, None) for part, offset in (
+        ("magic number", 0), ("protocol version", len(MAGIC)), ("sys_info", len(MAGIC + PROTOCOL)),
+        ("main pickle", len(MAGIC + PROTOCOL + SYS_INFO)),
+        ("storage keys", len(MAGIC + PROTOCOL + SYS_INFO + storage_pickle(1100))))]
+    assert not res.notes and not res.cut_short
+
+
+@pytest.mark.parametrize("size", ["blob", "short"])
+def test_a_gadget_in_the_stream_is_named_dangerous_with_its_where(tmp_path: Path, run_cli: Any, size: str) -> None:
+    """``os.system`` in the stream's main pickle: torch.load(weights_only=False) of ``b`` runs it; scan names it
+    with its ``where`` (before: the stream was stepped over, only ``_load_from_bytes`` was listed). A stream of
+    fewer than BLOB_MIN bytes is read as bytes: ``_load_from_bytes call N``."""
+    main = gadget_main()
+    if size == "blob":  # a storage of 1,100 floats before it (the stream is a blob, left in the file)
+        main = storage_pickle(1100)[:-1] + b"0" + main[2:]
+    b = stream(main=main) + (struct.pack("<q", 1100) + b"\x00" * 4400 if size == "blob" else b"")
+    path = tmp_path / "t.pkl"
+    path.write_bytes(outer(b))
+    r = run_cli("scan", "--json", str(path))
+    assert r.exit_code == 1, r.output
+    f = json.loads(r.output)["files"][0]
+    label = f"_load_from_bytes at byte {AT}" if size == "blob" else "_load_from_bytes call 1"
+    bad = {g["name"]: g["where"] for g in f["globals"] if g["level"] == "dangerous"}
+    assert bad == {STREAM_LOADER: ["pickle at byte 0"], "os.system": [f"pickle at byte 0!{label}!legacy main pickle"]}
+    assert f["verdict"] == "dangerous"
+    text = run_cli("scan", str(path)).output
+    assert f"pickle at byte 0!{label}!legacy main pickle" in text
+
+
+def test_a_zip_stream_is_walked_as_the_torch_zip_it_is(tmp_path: Path) -> None:
+    """``b`` that starts as a zip is read as torch.load reads it (``_is_zipfile``): its ``data.pkl``, in place."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("archive/data.pkl", gadget_main(b"builtins", b"eval"))
+        z.writestr("archive/data/0", b"\x00" * 5000)
+        z.writestr("archive/version", b"3\n")
+    res = scan_bytes(tmp_path, outer(buf.getvalue()))
+    assert found(res)["builtins.eval"] == (
+        "dangerous", [f"pickle at byte 0!_load_from_bytes at byte {AT}!archive/data.pkl"])
+    assert not [p for p in res.pickles if p.hidden]
+
+
+def test_gadgets_before_a_failure_and_in_a_hidden_pickle_are_walked(tmp_path: Path) -> None:
+    """A pickle that fails after its ``_load_from_bytes`` call (torch.load ran it before failing) has its stream
+    walked; a stream passed by a pickle torch.load does not read (data after the first pickle) is hidden."""
+    b = stream(main=gadget_main(b"subprocess", b"call"))
+    failing = b"\x80\x02" + loads_bytes(b) + b"00."  # the second POP finds the stack empty: unpickling fails
+    res = scan_bytes(tmp_path, failing)
+    assert found(res)["subprocess.call"][1] == ["pickle at byte 0!_load_from_bytes call 1!legacy main pickle"]
+    assert res.pickles[0].error
+    res = scan_bytes(tmp_path, b"\x80\x02N." + b"\x80\x02" + loads_bytes(b) + b".")
+    hidden = {p.where: p.hidden for p in res.pickles}
+    assert hidden["data after the last pickle, byte 4!_load_from_bytes call 1!legacy main pickle"] is True
+
+
+def test_an_argument_that_is_no_bytes_is_a_note(tmp_path: Path) -> None:
+    """``_load_from_bytes`` passed a value built by a call: no stream to walk, a note (the file is dangerous)."""
+    res = scan_bytes(tmp_path, b"\x80\x02ctorch.storage\n_load_from_bytes\ncbuiltins\nbytes\n)R\x85R.")
+    assert res.verdict == "dangerous"
+    assert res.notes == [("torch.storage._load_from_bytes call 1 in pickle at byte 0 is passed a ReduceNode (not "
+                          "bytes the file holds): no stream to walk")]
+
+
+# ------------------------------------------------------------------------------------------------ cut short
+def _as_found(res: ScanResult, prefix: str = "") -> tuple[list[tuple[Any, ...]], list[str], str]:
+    """The pickles under ``prefix`` (``where``, offset, globals, error or not, truncated), what is cut short, and
+    the verdict the findings give without the outer ``_load_from_bytes`` (which is dangerous whatever ``b`` is)."""
+    cut = len(prefix) + 1 if prefix else 0
+    pickles = [(p.where[cut:], p.offset, p.globals, p.error is not None, p.truncated) for p in res.pickles
+               if p.where.startswith(prefix + "!" if prefix else "")]
+    incomplete = [s.replace(f" in {prefix}", "") for s in res.incomplete]
+    res.globals = [g for g in res.globals if g.name != STREAM_LOADER]
+    if prefix:
+        res.pickles = [p for p in res.pickles if p.where != "pickle at byte 0"]
+    return pickles, incomplete, res.verdict.value
+
+
+@pytest.mark.parametrize("keep", [14, 18, 24, 50, 93, 100, 112, 120, 5000, 8916])
+def test_a_stream_cut_short_gets_what_the_same_stream_gets_as_a_file(tmp_path: Path, keep: int) -> None:
+    """``b`` cut short to ``keep`` bytes (the outer BINBYTES declares the shorter length; in each of its pickles, its
+    storage's count and bytes): in a pickle, read only to its own end (never into the outer pickle's bytes after
+    it), its findings and verdict are those of the same bytes as a file (incomplete: a pickle truncated, or a
+    storage block ending early), never safe."""
+    whole = stream(2200)
+    assert len(whole) == 8917  # the pickles end at byte 109, the count at 117
+    b = whole[:keep]
+    in_pickle = scan_bytes(tmp_path, outer(b), "in.pkl")
+    as_file = scan_bytes(tmp_path, b, "b.pt")
+    label = f"_load_from_bytes at byte {AT}" if keep >= 4096 else "_load_from_bytes call 1"
+    got = _as_found(in_pickle, f"pickle at byte 0!{label}")
+    assert got == _as_found(as_file)
+    assert got[2] == "incomplete"
+
+
+def test_a_damaged_stream_is_an_error_as_a_file_is(tmp_path: Path) -> None:
+    """An invalid opcode in the stream's main pickle: an error finding, as for the file."""
+    b = bytearray(stream(1100))
+    b[len(MAGIC + PROTOCOL + SYS_INFO) + 3] = 0xFF
+    got = _as_found(scan_bytes(tmp_path, outer(bytes(b)), "in.pkl"), f"pickle at byte 0!_load_from_bytes at byte {AT}")
+    assert got == _as_found(scan_bytes(tmp_path, bytes(b), "b.pt"))
+    assert got[2] == "error"
+
+
+# ------------------------------------------------------------------------------------------------ bombs
+def test_streams_nested_past_the_limit_are_refused(tmp_path: Path) -> None:
+    """A stream whose main pickle calls ``_load_from_bytes`` of another, ``MAX_STREAM_DEPTH + 2`` deep, the last
+    one naming ``os.system``: the streams up to the limit are walked, the next is an unreadable finding (an error,
+    never safe), the gadget below it not reached."""
+    b = stream(main=gadget_main())
+    for _ in range(MAX_STREAM_DEPTH + 1):
+        b = stream(main=b"\x80\x02" + loads_bytes(b) + b".")
+    res = scan_bytes(tmp_path, b"\x80\x02" + loads_bytes(b) + b".")
+    step = "!_load_from_bytes call 1"
+    deepest = "pickle at byte 0" + (step + "!legacy main pickle") * MAX_STREAM_DEPTH + step
+    refused = [p for p in res.pickles if p.error]
+    assert [(p.where, p.error) for p in refused] == [
+        (deepest, f"not read: torch.storage._load_from_bytes streams nested more than {MAX_STREAM_DEPTH} deep")]
+    assert "os.system" not in found(res)
+    assert not res.readable
+
+
+def test_one_stream_passed_many_times_is_walked_once(tmp_path: Path) -> None:
+    """A pickle calling ``_load_from_bytes`` 200,000 times with one memoized ``b`` (a 2 MB file): the stream is
+    walked once, in well under a second."""
+    b = stream(1100)
+    body = b"\x80\x02ctorch.storage\n_load_from_bytes\nq\x00B" + struct.pack("<I", len(b)) + b + b"q\x01("
+    body += b"h\x00h\x01\x85R" * 200_000 + b"l."
+    t0 = time.perf_counter()
+    res = scan_bytes(tmp_path, body)
+    assert time.perf_counter() - t0 < 5
+    assert len(res.pickles) == 1 + 5
+    assert found(res)["torch.FloatStorage"][1] == [f"pickle at byte 0!_load_from_bytes at byte {AT}!legacy main pickle"]
