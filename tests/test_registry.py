@@ -97,8 +97,9 @@ def test_a_missing_behaviour_is_refused_or_defaulted() -> None:
 def test_the_registry_names_no_higher_layer() -> None:
     """No module names a module of a layer above its own, in an import inside a function or in a plug-in string
     (``tools/architecture_figures.py``'s ``upward plug-ins`` reads every string and every such import)."""
-    # the one left (issue 46): torch_ops' trusted load scans with ops' scanner, named as a string
-    assert _figures().upward_plugins() == ["ckptool/torch_ops/trusted.py:44 ckptool.scanning.entry:scan_file"]
+    # the last one (torch_ops' trusted load scanning with ops' scanner, named as a string) went when the scan engine
+    # moved to ckptool/scanning, the reading layer below torch_ops
+    assert _figures().upward_plugins() == []
 
 
 @pytest.mark.torchfree
@@ -106,8 +107,8 @@ def test_no_operation_tests_a_single_format_fact() -> None:
     """ops, torch_ops and cli ask the reader (:meth:`Opened.source`, :meth:`Opened.tensor_header`,
     :meth:`Opened.dcp_layout`, the registry's refusals, a Role) instead of testing a registry fact that is true for
     one format (``spec.header``, ``spec.tagged``, ``spec.dcp``, ``spec.consolidate``, ...)."""
-    # the one left (issue 46): the trusted load scans files and DCP folders (spec.torch_distributed)
-    assert _figures().single_format_facts() == ["ckptool/torch_ops/trusted.py:106 spec.torch_distributed"]
+    # the last one (the trusted load testing spec.torch_distributed) asks scanning.entry.scans_as_one now
+    assert _figures().single_format_facts() == []
 
 
 @pytest.mark.torchfree

@@ -52,7 +52,7 @@ SCAN_ZIP_MODULES = {
     "ckptool.formats.unpickler",
     "ckptool.formats.zipdir", "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices",
     "ckptool.model.graph", "ckptool.model.units", "ckptool.model.verdict", "ckptool.model.weights_only",
-    "ckptool.ops", "ckptool.ops.scan", "ckptool.scanning", "ckptool.scanning.entry", "ckptool.scanning.byte_windows",
+    "ckptool.scanning", "ckptool.scanning.entry", "ckptool.scanning.byte_windows",
     "ckptool.scanning.configs", "ckptool.scanning.directories", "ckptool.scanning.layouts",
     "ckptool.scanning.pickles",
     "ckptool.scanning.results", "ckptool.scanning.shipped_code", "ckptool.scanning.tar",
@@ -65,14 +65,16 @@ SCAN_ZIP_MODULES = {
 #: formats' readers and describers are registry plug-ins, imported when met, and so are the module tree and its
 #: HTML (``--tree``, Jupyter); issue 41 took this set from 73 modules to 54; issue 46 added the reader base class
 #: (``readers.reader``: the torch zip's ``PickledReader`` derives from it); issue 48 the quantization schemes
-#: (``model.quantization``: inspect names a checkpoint's scheme from its tensors' layout).
+#: (``model.quantization``: inspect names a checkpoint's scheme from its tensors' layout). Since the scan engine moved
+#: to ``ckptool.scanning`` (issue 46), a scan of one file imports no ``ckptool.ops`` module at all.
 INSPECT_ZIP_MODULES = (SCAN_ZIP_MODULES - {"ckptool.cli.scan"}) | {
     "ckptool.cli.inspect",
     "ckptool.formats.segments", "ckptool.formats.strided", "ckptool.formats.torchfile",
     "ckptool.model.keys", "ckptool.model.nonstrided", "ckptool.model.numpy_nodes", "ckptool.model.paths",
     "ckptool.model.quantization",
     "ckptool.model.values",
-    "ckptool.ops.inspect", "ckptool.ops.inspect.advice", "ckptool.ops.inspect.entry", "ckptool.ops.inspect.info",
+    "ckptool.ops", "ckptool.ops.inspect", "ckptool.ops.inspect.advice", "ckptool.ops.inspect.entry",
+    "ckptool.ops.inspect.info",
     "ckptool.ops.inspect.json_rows", "ckptool.ops.inspect.pickles", "ckptool.ops.inspect.totals",
     "ckptool.ops.inspect.values",
     "ckptool.readers", "ckptool.readers.read_torch", "ckptool.readers.reader", "ckptool.readers.registry",
