@@ -29,6 +29,9 @@ __all__ = ["MAX_STREAM_DEPTH", "STREAM_LOADER", "LegacyWalk", "failed"]
 #: ``pickle.dump`` of tensors nests one); a stream deeper still is an unreadable finding (the verdict is then no
 #: better than ``error``)
 MAX_STREAM_DEPTH = 4
+#: the pages a walk of a stream touched are handed back in this many bytes around it: the kernel maps up to 64 KiB
+#: around a page read from a mapped file (fault-around), pages of the bytes before the stream included
+_AROUND = 64 << 10
 #: the global whose calls pass a stream that torch.load reads (:meth:`LegacyWalk.nested_streams`)
 STREAM_LOADER = qualified_name(*LOAD_FROM_BYTES)
 
@@ -148,8 +151,8 @@ class LegacyWalk:
         :meth:`zip` over a :class:`~ckptool.scanning.byte_windows.Window`, anything else as a legacy stream
         (:meth:`legacy`), whose first pickle torch unpickles whatever it is. ``loaded``: torch's loader reads the
         pickle that passes it. Nested more than :data:`MAX_STREAM_DEPTH` deep: an unreadable finding. The pages of
-        a mapped ``buf`` the walk touched are handed back after it
-        (:func:`~ckptool.formats.pickle_check.release_pages`)."""
+        a mapped ``buf`` the walk touched, and those the kernel mapped around them (:data:`_AROUND`), are handed
+        back after it (:func:`~ckptool.formats.pickle_check.release_pages`)."""
         if loaded:
             self.loaded.add(where)
         if self.stream_depth >= MAX_STREAM_DEPTH:
@@ -169,4 +172,4 @@ class LegacyWalk:
         finally:
             self.stream_depth -= 1
             self.root = root  # the root of the file's pickle, not of a stream inside it
-            release_pages(buf, start, stop)
+            release_pages(buf, start // _AROUND * _AROUND, min(len(buf), -(-stop // _AROUND) * _AROUND))
