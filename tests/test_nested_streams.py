@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ckptool.scanning.entry import scan_file
 from ckptool.scanning.legacy_stream import MAX_STREAM_DEPTH, STREAM_LOADER
@@ -181,6 +183,17 @@ def test_a_stream_cut_short_gets_what_the_same_stream_gets_as_a_file(tmp_path: P
     assert got[2] == "incomplete"
 
 
+def test_a_window_ends_where_the_stream_ends(tmp_path: Path) -> None:
+    """A stream cut just before its main pickle's STOP, left in place in the outer pickle: the bytes after it there
+    (the outer pickle's own, ending in a STOP) are not read as the rest of the stream: truncated, as the file is."""
+    b = _BASES[-1][:_BEFORE_STOP]
+    assert len(b) >= 4096 and outer(b)[AT + len(b):] == OUTER_TAIL
+    res = scan_bytes(tmp_path, outer(b))
+    main = res.pickles[4]
+    assert (main.where, main.truncated) == (f"pickle at byte 0!_load_from_bytes at byte {AT}!legacy main pickle", True)
+    assert "no STOP opcode" in (main.error or "")
+
+
 def test_a_damaged_stream_is_an_error_as_a_file_is(tmp_path: Path) -> None:
     """An invalid opcode in the stream's main pickle: an error finding, as for the file."""
     b = bytearray(stream(1100))
@@ -188,6 +201,47 @@ def test_a_damaged_stream_is_an_error_as_a_file_is(tmp_path: Path) -> None:
     got = _as_found(scan_bytes(tmp_path, outer(bytes(b)), "in.pkl"), f"pickle at byte 0!_load_from_bytes at byte {AT}")
     assert got == _as_found(scan_bytes(tmp_path, bytes(b), "b.pt"))
     assert got[2] == "error"
+
+
+#: a main pickle of 6 KB: a long string, popped, before the storage's persistent id (a stream cut inside it is still
+#: a blob of the outer pickle, read in place)
+_LONG_MAIN = b"\x80\x02X" + struct.pack("<I", 6000) + b"x" * 6000 + b"0" + storage_pickle(1100)[2:]
+#: in the last stream of :data:`_BASES`, where its main pickle's STOP is: a stream cut there is followed, in the outer
+#: pickle, by bytes that end in a STOP (:data:`OUTER_TAIL`), which a walk past the window's end would read
+_BEFORE_STOP = len(MAGIC + PROTOCOL + SYS_INFO + _LONG_MAIN) - 1
+_BASES = [stream(2200), stream(300), stream(main=storage_pickle(1100)[:-1] + b"0" + gadget_main()[2:])
+          + struct.pack("<q", 1100) + b"\x00" * 4400, stream(1100) + b"\x80\x02" + gadget_main()[2:] + b"trailing",
+          stream(main=_LONG_MAIN)[:-len(b"\x80\x02]q\x00.")] + stream(1100)[len(MAGIC + PROTOCOL + SYS_INFO)
+                                                                        + len(storage_pickle(1100)):]]
+
+
+@settings(max_examples=80, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(base=st.sampled_from(range(len(_BASES))),
+       at=st.one_of(st.integers(14, 160), st.integers(4096, 6200), st.integers(160, 1 << 16), st.just(_BEFORE_STOP)),
+       how=st.sampled_from(["flip", "cut", "count"]), value=st.integers(1, 255))
+def test_a_mutated_stream_in_a_pickle_is_read_as_the_same_bytes_as_a_file(tmp_path: Path, base: int, at: int,
+                                                                           how: str, value: int) -> None:
+    """Streams (a storage of 2,200 or 300 floats, a gadget between a storage's pickle and its bytes, data after the
+    last storage, a main pickle of 6 KB) with a byte flipped (after the magic number's first 14 bytes, by which a
+    file is told a legacy stream), cut short, or the storage's element count changed: read in place as the window
+    of a ``_load_from_bytes`` blob, they give the pickles (where, offset, globals, error, truncated), what is cut
+    short and the verdict (the outer global left out) that the same bytes give as a file."""
+    b = bytearray(_BASES[base])
+    if how == "flip":
+        b[at % len(b)] ^= value
+    elif how == "cut":
+        del b[max(14, at % len(b)):]
+    else:
+        count = b.rfind(struct.pack("<q", 2200 if base == 0 else 300 if base == 1 else 1100), 100)
+        b[count:count + 8] = struct.pack("<q", value * 1000 - 2000)
+    data = bytes(b)
+    label = f"_load_from_bytes at byte {AT}" if len(data) >= 4096 else "_load_from_bytes call 1"
+    prefix = f"pickle at byte 0!{label}"
+    in_pickle, as_file = scan_bytes(tmp_path, outer(data), "in.pkl"), scan_bytes(tmp_path, data, "b.pt")
+    errors = [(p.error or "").replace(prefix + "!", "") for p in in_pickle.pickles[1:]]
+    assert errors == [p.error or "" for p in as_file.pickles]
+    assert _as_found(in_pickle, prefix) == _as_found(as_file)
 
 
 # ------------------------------------------------------------------------------------------------ bombs
