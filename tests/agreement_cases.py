@@ -142,10 +142,39 @@ def peft_adapter(root: Path) -> Path:
     return folder
 
 
+def model_folder_with_remote_code(root: Path) -> Path:
+    """A Hugging Face model folder whose ``config.json`` ``auto_map`` names a module that calls ``os.system``:
+    ``scan FOLDER`` rates it dangerous (transformers runs it under ``trust_remote_code=True``), so ``inspect`` and
+    ``report`` of the folder say so too, not safe from its weights alone."""
+    from safetensors.torch import save_file
+
+    folder = root / "remote-code"
+    folder.mkdir()
+    save_file(_sd(), str(folder / "model.safetensors"))
+    config = {"model_type": "toy", "auto_map": {"AutoModel": "modeling_toy.Toy"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_toy.py").write_text("import os\nos.system('true')\n\n\nclass Toy:\n    pass\n")
+    return folder
+
+
+def model_folder_with_training_args(root: Path) -> Path:
+    """A model folder holding ``pytorch_model.bin`` and a ``training_args.bin`` that pickles an
+    ``argparse.Namespace`` (as transformers' Trainer pickles its ``TrainingArguments``): ``scan FOLDER`` says
+    needs-trust, and so do ``inspect`` and ``report`` of the folder."""
+    import argparse
+
+    folder = root / "trained"
+    folder.mkdir()
+    torch.save(_sd(), folder / "pytorch_model.bin")
+    torch.save(argparse.Namespace(lr=0.1, epochs=3), folder / "training_args.bin")
+    return folder
+
+
 #: every case, by name
 CASES: dict[str, Callable[[Path], Path]] = {f.__name__: f for f in (
     torch_zip_with_code, second_pickle_cut_short, safetensors_shards_named_bin, torch_package,
-    index_with_url_shard, shard_symlink_dev_zero, shard_leaves_folder, peft_adapter)}
+    index_with_url_shard, shard_symlink_dev_zero, shard_leaves_folder, peft_adapter,
+    model_folder_with_remote_code, model_folder_with_training_args)}
 
 
 def index_shard_outside(root: Path) -> Path:

@@ -164,3 +164,38 @@ def test_diff_of_a_model_folder_against_its_dcp_save_is_identical(tmp_path: Path
     r = run_cli("diff", folder, dcp)
     assert r.exit_code == 0 and "storage sharing is not stored in B (dcp)" in r.output, r.output
     assert run_cli("diff", "--strict", folder, dcp).exit_code == 1
+
+
+@pytest.mark.parametrize(("make", "verdict"), [(ac.model_folder_with_remote_code, "dangerous"),
+                                               (ac.model_folder_with_training_args, "needs-trust")])
+def test_inspect_of_a_model_folder_gives_scan_of_the_folder_s_verdict(make, verdict: str, tmp_path: Path,
+                                                                      run_cli) -> None:
+    """``inspect FOLDER`` and ``report FOLDER`` read the weights and give the verdict ``scan FOLDER`` gives, the
+    files beside the weights included (issue 46: before, the folder's code and its other pickles were left out and
+    inspect said safe); the advice names the folder to scan."""
+    folder = make(tmp_path)
+    d = json.loads(run_cli("inspect", "--json", folder).stdout)
+    assert d["security"]["verdict"] == verdict
+    assert json.loads(run_cli("scan", "--json", folder).stdout)["verdict"] == verdict
+    page = tmp_path / "page.html"
+    assert json.loads(run_cli("report", "--json", folder, "-o", page).stdout)["a"]["verdict"] == verdict
+    text = run_cli("inspect", folder).output
+    assert f"ckptool scan {folder}`" in text or verdict == "needs-trust", text
+
+
+@pytest.mark.parametrize("protocol", [0, 1])
+def test_a_pickle_of_protocol_0_or_1_is_a_pickle_everywhere(protocol: int, tmp_path: Path, run_cli) -> None:
+    """A pickle without a PROTO header (``pickle.dump(obj, f, 0)``, Python 2's default) is a ``pickle`` to inspect,
+    report, diff and scan alike (before: scan read it as a safe pickle, inspect refused it as no checkpoint); the
+    same bytes with one more byte after the STOP are none (``pickle.load`` would leave it unread)."""
+    import collections
+    import pickle
+
+    path = tmp_path / "old.pkl"
+    path.write_bytes(pickle.dumps(collections.OrderedDict(a=1, b=[1.5, "x"]), protocol=protocol))
+    assert agreement.disagreements(path, tmp_path) == []
+    d = json.loads(run_cli("inspect", "--json", path).stdout)
+    assert d["format"] == "pickle" and d["security"]["verdict"] == "safe"
+    junk = tmp_path / "junk.pkl"
+    junk.write_bytes(path.read_bytes() + b"x")
+    assert run_cli("inspect", junk).exit_code != 0

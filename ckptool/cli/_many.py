@@ -28,7 +28,7 @@ from ckptool.cli._common import emit_json, human_bytes, is_quiet, progress_wante
 from ckptool.cli._errors import EXIT_FAILURE, EXIT_OK
 from ckptool.errors import UsageError
 from ckptool.ops.scan.many import ManyRun, ScanRun
-from ckptool.scanning.results import ScanResult, exit_status
+from ckptool.scanning.results import ScanResult, exit_status, worst_verdict
 
 if TYPE_CHECKING:  # a pool is made only for URLs or big local work: many small files need neither import
     import concurrent.futures as cf
@@ -172,7 +172,8 @@ def _finish(results: list[ScanResult], fmt: str, code: int, strict: bool, text: 
             summary: Any) -> None:
     """What follows the files: one JSON document, the SARIF log, or the table and the counts."""
     if fmt == "json":
-        emit_json("scan", {"strict": strict, "exit_code": code, "files": [r.to_dict(strict=strict) for r in results]})
+        emit_json("scan", {"strict": strict, "exit_code": code, "verdict": worst_verdict(results),
+                           "files": [r.to_dict(strict=strict) for r in results]})
     elif fmt == "sarif":
         from ckptool.ops.scan.sarif import to_sarif  # noqa: PLC0415 (only --format sarif)
 

@@ -13,7 +13,7 @@ from ckptool.cli._common import emit_json, is_quiet, json_option
 from ckptool.errors import UsageError
 from ckptool.formats import plugin
 from ckptool.scanning.entry import ScanResult, exit_status, scan
-from ckptool.scanning.results import INCOMPLETE
+from ckptool.scanning.results import INCOMPLETE, worst_verdict
 
 
 def _table(results: list[ScanResult], strict: bool) -> str:
@@ -169,7 +169,8 @@ def _one_run(paths: tuple[str, ...], fmt: str, strict: bool, show_all: bool) -> 
     results = scan(paths)
     code = exit_status(results, strict=strict)
     if fmt == "json":
-        emit_json("scan", {"strict": strict, "exit_code": code, "files": [r.to_dict(strict=strict) for r in results]})
+        emit_json("scan", {"strict": strict, "exit_code": code, "verdict": worst_verdict(results),
+                           "files": [r.to_dict(strict=strict) for r in results]})
     elif fmt == "sarif":
         sarif = plugin("ckptool.ops.scan.sarif:to_sarif")  # only for --format sarif
         click.echo(json.dumps(sarif(results, version=__version__, strict=strict), indent=2))

@@ -26,6 +26,7 @@ from types import ModuleType
 
 from ckptool import _source as source
 from ckptool.errors import CkptError, CorruptCheckpointError, InputNotFoundError, NotACheckpointError, UsageError
+from ckptool.formats.pickle_check import check_pickle
 from ckptool.formats.unpickler import load_pickle_at
 from ckptool.formats.zipdir import TorchRecords, ZipEntry, read_directory
 
@@ -164,7 +165,7 @@ def detect_format(path: str) -> str:
                 f"file ({size} bytes): truncated or not safetensors; re-download it"
             )
         return SAFETENSORS
-    if kind == PICKLE:
+    if kind == PICKLE or (kind is None and _is_old_pickle(path, head)):
         return PICKLE
     for magic, what in _KNOWN_MAGIC:
         if head.startswith(magic):
@@ -175,6 +176,25 @@ def detect_format(path: str) -> str:
         f"{path} is not a PyTorch checkpoint (first bytes {head[:8].hex(' ')}): expected a torch zip or legacy "
         "file, a TorchScript archive or safetensors"
     )
+
+
+#: the opcodes a pickle of protocol 0 or 1 can start with (it has no PROTO header: ``pickle.dump(obj, f, 0)``,
+#: Python 2's default): MARK, EMPTY_DICT/LIST/TUPLE, NONE, the ints, floats and strings, GLOBAL
+_OLD_PICKLE_FIRST = frozenset(b"(}])NIJKLMFGSTUVXc")
+
+
+def _is_old_pickle(path: str, head: bytes) -> bool:
+    """The local file ``path`` (first bytes ``head``) is one pickle of protocol 0 or 1: its opcodes walk
+    (:func:`~ckptool.formats.pickle_check.check_pickle`, nothing built) from byte 0 to a STOP at its last byte, as
+    ``pickle.load`` reads it and as ``ckptool scan`` walks it. Asked only of a file no other format accepted; the
+    walk stops at the first byte that is no opcode, so text and other files cost a few bytes."""
+    if not head or head[0] not in _OLD_PICKLE_FIRST or source.is_url(path):
+        return False
+    with source.open_binary(path) as f, source.whole_view(f) as buf:
+        try:
+            return check_pickle(buf, 0, len(buf), what=path, exact=True) == len(buf)
+        except CkptError:
+            return False
 
 
 #: the magic number a torch legacy stream starts with, as its first pickle (any protocol)

@@ -247,8 +247,16 @@ def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]
     """One result for a set of files (the shards of a sharded checkpoint): every part's pickles, globals, notes and
     errors, each ``where`` prefixed by the part's name (``shard.bin!archive/data.pkl``)."""
     res = ScanResult(path, fmt)
-    found: dict[tuple[str, str], GlobalFinding] = {}
-    errors = []
+    add_results(res, parts)
+    return res
+
+
+def add_results(res: ScanResult, parts: Iterable[tuple[str, ScanResult]]) -> None:
+    """Add to ``res`` every part's pickles, globals, notes, cut-short parts, code and errors, each ``where`` prefixed
+    by the part's name (``shard.bin!archive/data.pkl``): what :func:`combine_results` and ``inspect`` of a model
+    folder (the files beside its weights that ``scan`` of the folder reads) report as one result."""
+    found: dict[tuple[str, str], GlobalFinding] = {(g.name, g.status): g for g in res.globals}
+    errors = [res.error] if res.error else []
     for name, part in parts:
         res.pickles += [replace(p, where=f"{name}!{p.where}", globals=list(p.globals)) for p in part.pickles]
         for g in part.globals:
@@ -263,7 +271,6 @@ def combine_results(path: str, fmt: str, parts: Iterable[tuple[str, ScanResult]]
         if part.error:
             errors.append(f"{name}: {part.error}")
     res.error = "; ".join(errors) or None
-    return res
 
 
 def _layout_findings(res: ScanResult, layout: Layout, head: bytes) -> None:

@@ -18,7 +18,7 @@ from ckptool.model.units import human_bytes, plural
 from ckptool.model.verdict import EXIT_CODES, STRICT_EXIT_CODES, Verdict, exit_code, verdict_of
 
 __all__ = ["EXIT_CODES", "INCOMPLETE", "STRICT_EXIT_CODES", "CodeFinding", "GlobalFinding", "PickleFinding",
-           "ScanResult", "Verdict", "exit_status"]
+           "ScanResult", "Verdict", "exit_status", "worst_verdict"]
 
 #: the verdict of a file read to its end whose data is cut short (:attr:`ScanResult.incomplete`): never ``safe``
 INCOMPLETE = Verdict.INCOMPLETE
@@ -224,6 +224,14 @@ class ScanResult:
 
 def _shown_level(level: str) -> str:
     return level.upper() if level == "dangerous" else level
+
+
+def worst_verdict(results: Iterable[ScanResult]) -> Verdict:
+    """The verdict of several files together: the worst file's, in the order dangerous, error, needs-trust,
+    incomplete, safe (the order of :func:`exit_status`); ``safe`` for none."""
+    found = {r.verdict for r in results}
+    order = (Verdict.DANGEROUS, Verdict.ERROR, Verdict.NEEDS_TRUST, Verdict.INCOMPLETE)
+    return next((v for v in order if v in found), Verdict.SAFE)
 
 
 def exit_status(results: Iterable[ScanResult], *, strict: bool = False) -> int:

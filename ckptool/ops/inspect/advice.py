@@ -54,15 +54,15 @@ def _dangerous_lines(info: CheckpointInfo, sc: ScanResult) -> list[str]:
     if not bad and code:  # code that ships in the file (scan's shipped_code), not a global
         return [(f"DANGEROUS: {code[0].member}: {code[0].reason}"
                  + (f" (and {len(code) - 1} more)" if len(code) > 1 else "")
-                 + f". Do not load it; see `ckptool scan {info.path}`.")]
+                 + f". Do not load it; see `ckptool scan {sc.path}`.")]
     where = sorted({w for g in bad for w in g.where})
     names = ", ".join(g.name for g in bad[:3])
     if all(p.hidden for p in sc.pickles if any(g.name in p.globals for g in bad)):
         return [(f"DANGEROUS: {', '.join(where[:3])}, a pickle torch.load does not read today, names {names}: "
                  "another loader, an unpacking tool or a later torch would run it. Do not use this file; see "
-                 f"`ckptool scan {info.path}`.")]
+                 f"`ckptool scan {sc.path}`.")]
     return [(f"DANGEROUS: loading this file can run {names}, named in {', '.join(where[:3])}. Do not load it; "
-             f"see `ckptool scan {info.path}`.")]
+             f"see `ckptool scan {sc.path}`.")]
 
 
 def _needs_trust_lines(info: CheckpointInfo, sc: ScanResult) -> list[str]:
@@ -72,7 +72,7 @@ def _needs_trust_lines(info: CheckpointInfo, sc: ScanResult) -> list[str]:
         return [f"Needs trust: {sc.recognised[1]}."]
     if all(g.level == SAFE for g in info.globals) and any(sc.pickle_level(p) != SAFE for p in sc.hidden):
         return [(f"Needs trust: a pickle torch.load does not read today names globals outside the weights_only "
-                 f"allowlist; see `ckptool scan {info.path}`.")]
+                 f"allowlist; see `ckptool scan {sc.path}`.")]
     return []
 
 
@@ -87,7 +87,7 @@ def security_lines(info: CheckpointInfo) -> list[str]:
         return _dangerous_lines(info, sc)
     if sc.verdict == "error":
         return [(f"Part of this file could not be read to its end, so ckptool cannot vouch for it; see "
-                 f"`ckptool scan {info.path}`.")]
+                 f"`ckptool scan {sc.path}`.")]
     if sc.verdict == "incomplete":
         return [f"This file is cut short ({sc.cut_short[0]}): torch.load cannot load it whole; re-download it."]
     return _needs_trust_lines(info, sc)

@@ -51,7 +51,7 @@ from ckptool.ops.inspect.totals import byte_totals, device_bytes, merge_totals
 from ckptool.ops.inspect.values import PreviewLimits, ValueInfo
 from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.registry import Role
-from ckptool.scanning.entry import ScanResult, combine_results, scan_file
+from ckptool.scanning.entry import ScanResult, add_results, combine_results, iter_targets, scan_file
 
 __all__ = ["DESCRIBE", "SCHEMA", "ByteTotal", "CheckpointInfo", "Describer", "GlobalInfo", "StateDictInfo",
            "TensorInfo", "byte_totals", "describe", "inspect", "inspect_set", "tensor_infos"]
@@ -112,8 +112,25 @@ def _describe(path: str | os.PathLike[str] | Opened, limits: PreviewLimits | Non
     describer = DESCRIBE.get(opened.format)
     info = describer(opened, limits)
     check_key_lengths((t.key for t in info.tensors), opened.path)  # the describers read headers themselves
+    _scan_beside(opened, info)
     info.quantization = _quantization(info)
     return info
+
+
+def _scan_beside(opened: Opened, info: CheckpointInfo) -> None:
+    """A local model folder given as the path (its checkpoint one weights file or a sharded set in it): the files
+    beside the checkpoint that ``ckptool scan FOLDER`` reads too (other pickles such as ``training_args.bin``, a
+    config whose ``auto_map`` makes transformers run the folder's code), scanned and added to the checkpoint's
+    scan, so that the verdict of ``inspect FOLDER`` and ``report FOLDER`` is the one ``scan FOLDER`` gives (issue
+    46). A folder that is the checkpoint itself (DCP, DeepSpeed) is scanned as it is read."""
+    folder = os.fspath(opened.path)
+    if info.scan is None or opened.target == folder or source.is_url(folder) or not os.path.isdir(folder):
+        return  # a file, or a folder read as a whole: no syscall for the first
+    read = {os.path.realpath(t) for t, _ in iter_targets([opened.target])}
+    beside = [t for t, _ in iter_targets([folder]) if os.path.realpath(t) not in read]
+    if beside:
+        add_results(info.scan, [(os.path.relpath(t, folder), scan_file(t)) for t in beside])
+        info.scan.path = folder  # what the advice says to scan: the folder, not the weights file alone
 
 
 def _quantization(info: CheckpointInfo) -> dict[str, Any] | None:
