@@ -118,6 +118,19 @@ def test_a_gadget_in_the_stream_is_named_dangerous_with_its_where(tmp_path: Path
     assert f"pickle at byte 0!{label}!legacy main pickle" in text
 
 
+def test_inspect_names_the_gadget_in_a_stream(tmp_path: Path, run_cli: Any) -> None:
+    """inspect's safety analysis is scan's: the pickle inspect read already is read again by scan (not taken as
+    read: its ``_load_from_bytes`` streams are walked), so the gadget in a stream is named."""
+    path = tmp_path / "t.pkl"
+    path.write_bytes(outer(stream(main=gadget_main())))
+    r = run_cli("inspect", "--json", str(path))
+    security = json.loads(r.output)["security"]
+    assert security["verdict"] == "dangerous"
+    assert {d["name"]: d["where"] for d in security["dangerous"]} == {
+        STREAM_LOADER: ["pickle at byte 0"],
+        "os.system": ["pickle at byte 0!_load_from_bytes call 1!legacy main pickle"]}
+
+
 def test_a_zip_stream_is_walked_as_the_torch_zip_it_is(tmp_path: Path) -> None:
     """``b`` that starts as a zip is read as torch.load reads it (``_is_zipfile``): its ``data.pkl``, in place."""
     buf = io.BytesIO()
