@@ -20,8 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ckptool.scanning import legacy_stream
 from ckptool.scanning.entry import scan_file
-from ckptool.scanning.legacy_stream import MAX_STREAM_DEPTH, STREAM_LOADER
+from ckptool.scanning.legacy_stream import MAX_STREAM_DEPTH, STREAM_LOADER, TORCH_HEAD
 from ckptool.scanning.results import ScanResult
 
 pytestmark = pytest.mark.torchfree
@@ -196,10 +197,30 @@ def test_a_stream_cut_short_gets_what_the_same_stream_gets_as_a_file(tmp_path: P
     assert got[2] == "incomplete"
 
 
+@pytest.mark.parametrize("keep", [None, *range(0, len(TORCH_HEAD) + 80, 3)])
+def test_torch_head_is_recorded_as_a_read_records_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     keep: int | None) -> None:
+    """A stream that starts with torch's own first three pickles (TORCH_HEAD), whole or cut at any byte of them or
+    of the main pickle after them, in a pickle and as a file: the same findings as when they are read (the
+    shortcut turned off)."""
+    b = (TORCH_HEAD + stream(main=gadget_main())[len(MAGIC + PROTOCOL + SYS_INFO):])[:keep]
+
+    def findings() -> list[Any]:
+        out = []
+        for data, name in ((outer(b), "in.pkl"), (b, "b.pt")):
+            res = scan_bytes(tmp_path, data, name)
+            out.append(([vars(p) for p in res.pickles], [vars(g) for g in res.globals], res.notes, res.incomplete))
+        return out
+
+    fast = findings()
+    monkeypatch.setattr(legacy_stream, "TORCH_HEAD", b"\xff" * len(TORCH_HEAD))
+    assert fast == findings()
+
+
 def test_a_window_ends_where_the_stream_ends(tmp_path: Path) -> None:
     """A stream cut just before its main pickle's STOP, left in place in the outer pickle: the bytes after it there
     (the outer pickle's own, ending in a STOP) are not read as the rest of the stream: truncated, as the file is."""
-    b = _BASES[-1][:_BEFORE_STOP]
+    b = _LONG_STREAM[:_BEFORE_STOP]
     assert len(b) >= 4096 and outer(b)[AT + len(b):] == OUTER_TAIL
     res = scan_bytes(tmp_path, outer(b))
     main = res.pickles[4]
@@ -219,13 +240,15 @@ def test_a_damaged_stream_is_an_error_as_a_file_is(tmp_path: Path) -> None:
 #: a main pickle of 6 KB: a long string, popped, before the storage's persistent id (a stream cut inside it is still
 #: a blob of the outer pickle, read in place)
 _LONG_MAIN = b"\x80\x02X" + struct.pack("<I", 6000) + b"x" * 6000 + b"0" + storage_pickle(1100)[2:]
-#: in the last stream of :data:`_BASES`, where its main pickle's STOP is: a stream cut there is followed, in the outer
-#: pickle, by bytes that end in a STOP (:data:`OUTER_TAIL`), which a walk past the window's end would read
+#: a stream whose main pickle is :data:`_LONG_MAIN`, and where that pickle's STOP is: a stream cut there is followed,
+#: in the outer pickle, by bytes that end in a STOP (:data:`OUTER_TAIL`), which a walk past the window's end would read
+_LONG_STREAM = (stream(main=_LONG_MAIN)[:-len(b"\x80\x02]q\x00.")]
+                + stream(1100)[len(MAGIC + PROTOCOL + SYS_INFO) + len(storage_pickle(1100)):])
 _BEFORE_STOP = len(MAGIC + PROTOCOL + SYS_INFO + _LONG_MAIN) - 1
 _BASES = [stream(2200), stream(300), stream(main=storage_pickle(1100)[:-1] + b"0" + gadget_main()[2:])
           + struct.pack("<q", 1100) + b"\x00" * 4400, stream(1100) + b"\x80\x02" + gadget_main()[2:] + b"trailing",
-          stream(main=_LONG_MAIN)[:-len(b"\x80\x02]q\x00.")] + stream(1100)[len(MAGIC + PROTOCOL + SYS_INFO)
-                                                                        + len(storage_pickle(1100)):]]
+          _LONG_STREAM,
+          TORCH_HEAD + stream(1100)[len(MAGIC + PROTOCOL + SYS_INFO):]]  # torch's own first pickles
 
 
 @settings(max_examples=80, deadline=None, database=None, derandomize=True,

@@ -32,6 +32,15 @@ MAX_STREAM_DEPTH = 4
 #: the pages a walk of a stream touched are handed back in this many bytes around it: the kernel maps up to 64 KiB
 #: around a page read from a mapped file (fault-around), pages of the bytes before the stream included
 _AROUND = 64 << 10
+#: the first three pickles of every stream ``torch.save`` writes in the legacy format on a little-endian machine (the
+#: magic number, the protocol version 1001, the sys-info dict; torch/serialization.py ``_legacy_save``), and the
+#: offsets where each ends: they name no global, so a stream that starts with these bytes (each storage of a
+#: ``pickle.dump`` of tensors) has them recorded as a read records them, without reading them again
+TORCH_HEAD = (b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19.\x80\x02M\xe9\x03."
+              b"\x80\x02}q\x00(X\x10\x00\x00\x00protocol_versionq\x01M\xe9\x03X\r\x00\x00\x00little_endianq\x02\x88"
+              b"X\n\x00\x00\x00type_sizesq\x03}q\x04(X\x05\x00\x00\x00shortq\x05K\x02X\x03\x00\x00\x00intq\x06K\x04"
+              b"X\x04\x00\x00\x00longq\x07K\x04uu.")
+_HEAD_ENDS = (15, 21, len(TORCH_HEAD))
 #: the global whose calls pass a stream that torch.load reads (:meth:`LegacyWalk.nested_streams`)
 STREAM_LOADER = qualified_name(*LOAD_FROM_BYTES)
 
@@ -76,10 +85,15 @@ class LegacyWalk:
         pos = start
         main_storages: dict[str, StorageRef] = {}
         keys: object = None
+        known = buf[start:start + len(TORCH_HEAD)] == TORCH_HEAD and start + len(TORCH_HEAD) <= stop
         for i, part in enumerate(("magic number", "protocol version", "sys_info", "main pickle", "storage keys")):
             label = join_where(where, f"legacy {part}")
             if loaded or not where:
                 self.loaded.add(label)
+            if known and i < len(_HEAD_ENDS):  # torch's own first pickles (TORCH_HEAD): what a read records
+                self.record(PickleFinding(label, pos - start, []))
+                pos = start + _HEAD_ENDS[i]
+                continue
             try:
                 root, up, end = self.load_at(buf, pos, label, main_storages if i == 3 else None, stop)
             except CkptError as e:
