@@ -145,6 +145,27 @@ def test_a_zip_stream_is_walked_as_the_torch_zip_it_is(tmp_path: Path) -> None:
     assert not [p for p in res.pickles if p.hidden]
 
 
+def test_a_zip_stream_in_a_member_leaves_the_outer_zip_labels_alone(tmp_path: Path) -> None:
+    """A torch zip whose ``data.pkl`` (two members of that name: each labelled by its local header) calls
+    ``_load_from_bytes`` of a zip: after the inner zip's walk, the outer zip's checks still find its ``data.pkl``
+    by its label: the storage it names without a record is a finding (the inner zip's labels replaced the outer's,
+    and the check was skipped)."""
+    inner = io.BytesIO()
+    with zipfile.ZipFile(inner, "w") as z:
+        z.writestr("x/data.pkl", b"\x80\x02N.")
+    b = inner.getvalue()
+    main = storage_pickle(4)[:-1] + b"0" + loads_bytes(b) + b"."  # the storage's id, popped, then the call
+    buf = io.BytesIO()
+    with pytest.warns(UserWarning, match="Duplicate name"), zipfile.ZipFile(buf, "w") as z:
+        z.writestr("archive/version", b"3\n")
+        z.writestr("archive/data.pkl", b"\x80\x02}.")
+        z.writestr("archive/data.pkl", main)
+    res = scan_bytes(tmp_path, buf.getvalue(), "dup.pt")
+    missing = [p for p in res.pickles if p.where.endswith("(its storages)")]
+    assert [p.error for p in missing] == [
+        "storage '0' has no record data/0 in the archive; the file is damaged or incomplete"]
+
+
 def test_gadgets_before_a_failure_and_in_a_hidden_pickle_are_walked(tmp_path: Path) -> None:
     """A pickle that fails after its ``_load_from_bytes`` call (torch.load ran it before failing) has its stream
     walked; a stream passed by a pickle torch.load does not read (data after the first pickle) is hidden."""

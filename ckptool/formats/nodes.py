@@ -32,7 +32,7 @@ REBUILD_FROM_TYPE_V2 = ("torch._tensor", "_rebuild_from_type_v2")
 STORAGE_TENSOR_REBUILDERS = frozenset({REBUILD_TENSOR_V2, REBUILD_TENSOR_V3, REBUILD_TENSOR, REBUILD_QTENSOR})
 #: ``torch.storage._load_from_bytes(b)`` runs ``torch.load(io.BytesIO(b), weights_only=False)``: ``b`` is a whole
 #: torch.save stream (``pickle.dump`` of a tensor writes its storage so, in the legacy format); the argument of each
-#: call is kept (:meth:`GlobalMeta.streams`) for scan to walk
+#: call is kept (:attr:`GlobalMeta.streams`) for scan to walk
 LOAD_FROM_BYTES = ("torch.storage", "_load_from_bytes")
 
 def py3_global(module: str, name: str) -> tuple[str, str]:

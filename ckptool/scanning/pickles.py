@@ -382,8 +382,9 @@ class Scanner(WrapperWalk, LegacyWalk):
             self._duplicate_notes(where, entries)
         shared: dict[tuple[int, int, int, int], list[str]] = {}
         for e in self._candidates(entries, names, top, layout):
-            self._labels = labels  # (a nested zip has its own)
+            self._labels = labels  # (a nested zip, or one in a member's _load_from_bytes stream, has its own)
             self.zip_member(f, e, top, layout, where, depth, shared)
+        self._labels = labels
         self._shared_notes(shared)
         if loaded and (layout.storage_record or layout.required_records):
             self._missing_records(where, layout, recs)
