@@ -106,34 +106,42 @@ class LegacyWalk:
             if i == 4:
                 keys = root
             pos = end
-        # the storage blocks: 8-byte element count + numel * element size bytes each, in key order
+        after = self._storage_blocks(buf, keys, main_storages, pos, start, stop, where)
+        if after is not None and after < stop:
+            self.trailing(buf, after, where, depth, base=start, stop=stop)
+
+    def _storage_blocks(self, buf: PickleBuffer, keys: object, main_storages: dict[str, StorageRef], pos: int,
+                        start: int, stop: int, where: str) -> int | None:
+        """The storage blocks of a legacy stream ``buf[start:stop]`` from ``pos`` (after its pickles), in the order
+        of the storage ``keys`` (the last pickle's root): 8-byte element count + numel * element size bytes each,
+        stepped over by their declared sizes, never read. Returns where they end; None (a note, or what is cut
+        short) when they do not add up."""
         if not isinstance(keys, list):
             self.note(f"the legacy storage key list{inside(where)} is not a list; data after it was not checked")
-            return
+            return None
         for key in keys:
             ref = main_storages.get(str(key)) if isinstance(key, (str, int)) else None
             head = bytes(buf[pos:min(pos + 8, stop)])
             if ref is not None and len(head) != 8:
                 self.res.incomplete.append(f"the data ends at byte {stop - start}{inside(where)}, before the legacy "
                                            f"storage {key}: the file is truncated (torch.load fails on it)")
-                return
+                return None
             if ref is None:
                 self.note(f"the legacy storage blocks{inside(where)} do not match the storage keys; data after them "
                           "was not checked")
-                return
+                return None
             numel = struct.unpack("<q", head)[0]
             elsize = STORAGE_TYPES.get(ref.storage_type_name, ("", 1))[1]
             if numel < 0:
                 self.note(f"a legacy storage block{inside(where)} has a negative size; data after it was not checked")
-                return
+                return None
             if pos + 8 + numel * elsize > stop:
                 self.res.incomplete.append(
                     f"legacy storage {key} needs {numel * elsize} bytes at byte {pos + 8 - start}{inside(where)}, but "
                     f"the data ends at byte {stop - start}: the file is truncated (torch.load fails on it)")
-                return
+                return None
             pos += 8 + numel * elsize
-        if pos < stop:
-            self.trailing(buf, pos, where, depth, base=start, stop=stop)
+        return pos
 
     def nested_streams(self, buf: PickleBuffer, up: RestrictedUnpickler | None, where: str, pos: int) -> None:
         """The stream each ``torch.storage._load_from_bytes(b)`` call of the pickle just read at ``buf[pos]``
