@@ -193,9 +193,10 @@ def _legacy_stream(inner_global: bytes) -> bytes:
     return magic + protocol + sys_info + main + keys
 
 
-def test_load_from_bytes_stream_is_stepped_over_and_the_file_dangerous(tmp_path: Path, run_cli: Any) -> None:
+def test_load_from_bytes_stream_is_walked_and_its_gadget_named(tmp_path: Path, run_cli: Any) -> None:
     # docs/performance.md, "The streams inside torch.storage._load_from_bytes": the outer global makes the file
-    # dangerous; the inner stream (here one naming os.system) is stepped over, not walked
+    # dangerous, and the inner stream (here one naming os.system) is walked as the legacy stream it is: its five
+    # pickles listed, its gadget named with its where (tests/test_nested_streams.py has the rest)
     inner = _legacy_stream(b"os\nsystem")
     outer = (b"\x80\x02ctorch.storage\n_load_from_bytes\nq\x00B" + len(inner).to_bytes(4, "little") + inner
              + b"q\x01\x85q\x02Rq\x03.")
@@ -205,7 +206,10 @@ def test_load_from_bytes_stream_is_stepped_over_and_the_file_dangerous(tmp_path:
     assert r.exit_code == 1, r.output
     f = json.loads(r.output)["files"][0]
     assert f["verdict"] == "dangerous"
-    assert [p["globals"] for p in f["pickles"]] == [["torch.storage._load_from_bytes"]]
+    assert [p["globals"] for p in f["pickles"]] == [["torch.storage._load_from_bytes"], [], [], [], ["os.system"], []]
+    assert {g["name"]: g["where"] for g in f["globals"]} == {
+        "torch.storage._load_from_bytes": ["pickle at byte 0"],
+        "os.system": ["pickle at byte 0!_load_from_bytes call 1!legacy main pickle"]}
 
 
 # -- the text report's tables without tabulate (issue 52: a table a file of a folder's scan) --------------------
