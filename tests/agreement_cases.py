@@ -190,6 +190,44 @@ def index_shard_outside(root: Path) -> Path:
 CASES["index_shard_outside"] = index_shard_outside
 
 
+def duplicate_data_pkl(root: Path) -> Path:
+    """A torch zip holding a second ``data.pkl`` (a benign pickle of other values): a zip-confusion, since one
+    reader may load the first member and another the last. inspect refused it and scan called it safe (a note)."""
+    import pickle
+    import warnings
+
+    data = _torch_zip(_sd())
+    top = zipfile.ZipFile(io.BytesIO(data)).namelist()[0].split("/")[0]
+    p = root / "duplicate_data_pkl.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicate name: on purpose
+        p.write_bytes(_rezip(data, {f"{top}/data.pkl": pickle.dumps({"step": 3}, protocol=2)}))
+    return p
+
+
+def deeply_nested(root: Path) -> Path:
+    """A plain pickle of 6,000 nested lists (allowed globals only): inspect refused it (deeper than its walk of the
+    graph goes) and scan called it safe."""
+    p = root / "deeply_nested.pt"
+    p.write_bytes(b"\x80\x02" + b"]" * 6000 + b"a" * 5999 + b".")
+    return p
+
+
+def deeply_nested_zip(root: Path) -> Path:
+    """A torch zip whose ``data.pkl`` holds the nesting of :func:`deeply_nested` beside its tensors' records."""
+    data = _torch_zip(_sd())
+    top = zipfile.ZipFile(io.BytesIO(data)).namelist()[0].split("/")[0]
+    deep = b"\x80\x02" + b"]" * 6000 + b"a" * 5999 + b"."
+    p = root / "deeply_nested_zip.pt"
+    p.write_bytes(_rezip(data, {f"{top}/data.pkl": deep}, drop=(f"{top}/data.pkl",)))
+    return p
+
+
+CASES["duplicate_data_pkl"] = duplicate_data_pkl
+CASES["deeply_nested"] = deeply_nested
+CASES["deeply_nested_zip"] = deeply_nested_zip
+
+
 def tied_folder_and_dcp(root: Path) -> tuple[Path, Path]:
     """A transformers-style model folder (``model.safetensors`` by ``safetensors.torch.save_model`` of a module
     with tied weights: the alias is recorded in ``__metadata__``) and the DCP save of the same module."""

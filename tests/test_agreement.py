@@ -166,6 +166,49 @@ def test_diff_of_a_model_folder_against_its_dcp_save_is_identical(tmp_path: Path
     assert run_cli("diff", "--strict", folder, dcp).exit_code == 1
 
 
+def test_a_duplicate_member_name_is_an_error_everywhere(tmp_path: Path, run_cli) -> None:
+    """A zip holding two members of one name is a zip-confusion (two readers may see two different data.pkl):
+    inspect, report and sanitize refuse it, and scan's verdict is error (exit 2) in the same words (before: scan
+    noted it and said safe)."""
+    from ckptool.errors import CorruptCheckpointError
+    from ckptool.ops.sanitize import sanitize
+
+    p = ac.duplicate_data_pkl(tmp_path)
+    words = "two members named"
+    r = run_cli("scan", "--json", p)
+    row = json.loads(r.stdout)["files"][0]
+    assert r.exit_code == 2 and row["verdict"] == "error" and words in row["error"], row
+    for args in (("inspect", "--json", p), ("report", "--json", p, "-o", tmp_path / "r.html")):
+        r = run_cli(*args)
+        assert r.exit_code != 0 and words in r.output, r.output
+    with pytest.raises(CorruptCheckpointError, match=words):
+        sanitize(p, tmp_path / "out.pt", drop_unknown=True)
+    assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("make", [ac.deeply_nested, ac.deeply_nested_zip], ids=lambda f: f.__name__)
+def test_deep_nesting_is_an_error_everywhere(make, tmp_path: Path, run_cli) -> None:
+    """Containers nested deeper than ckptool's walk of the graph: inspect and report refuse, and scan's verdict is
+    error with the same words (before: scan said safe, and the agreement oracle excused it); sanitize refuses the
+    torch zip."""
+    from ckptool.errors import CkptError
+    from ckptool.ops.sanitize import sanitize
+
+    p = make(tmp_path)
+    words = "deeper than ckptool can walk"
+    refusal = run_cli("inspect", p)
+    assert refusal.exit_code != 0 and words in refusal.output
+    r = run_cli("report", "--json", p, "-o", tmp_path / "r.html")
+    assert r.exit_code != 0 and words in r.output
+    r = run_cli("scan", "--json", p)
+    row = json.loads(r.stdout)["files"][0]
+    assert r.exit_code == 2 and row["verdict"] == "error", row
+    assert row["error"] in refusal.output
+    with pytest.raises(CkptError):
+        sanitize(p, tmp_path / "out.pt", drop_unknown=True)
+    assert not (tmp_path / "out.pt").exists()
+
+
 @pytest.mark.parametrize(("make", "verdict"), [(ac.model_folder_with_remote_code, "dangerous"),
                                                (ac.model_folder_with_training_args, "needs-trust")])
 def test_inspect_of_a_model_folder_gives_scan_of_the_folder_s_verdict(make, verdict: str, tmp_path: Path,

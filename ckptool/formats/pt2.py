@@ -48,7 +48,7 @@ from typing import Any, BinaryIO
 
 from ckptool.errors import CkptError, CorruptCheckpointError, NotACheckpointError, UnsupportedError
 from ckptool.formats.dtypes import DTYPE_SIZES, numel
-from ckptool.formats.zipdir import ZipEntry, read_member
+from ckptool.formats.zipdir import ZipEntry, duplicate_member, read_member
 
 #: the ``archive_version`` values ckptool reads (torch 2.13's ``ARCHIVE_VERSION_VALUE``)
 ARCHIVE_VERSIONS = ("0",)
@@ -174,8 +174,7 @@ def _relative(entries: list[ZipEntry]) -> tuple[str, dict[str, ZipEntry]]:
     for e in entries:
         rel = e.name[len(top):] if top and e.name.startswith(top) else e.name
         if rel in out:
-            raise CorruptCheckpointError(f"the archive holds two members named {e.name!r}; loaders may read either "
-                                         "one, so ckptool refuses it (run `ckptool scan` on it)")
+            raise CorruptCheckpointError(f"{duplicate_member(e.name)} (`ckptool scan` lists what each holds)")
         out[rel] = e
     return top.rstrip("/"), out
 

@@ -17,8 +17,6 @@ from typing import Any
 
 from ckptool import _source as source
 from ckptool.errors import CkptError, CorruptCheckpointError, InputNotFoundError, UsageError
-from ckptool.formats.dcp import is_dcp_folder
-from ckptool.formats.deepspeed import is_deepspeed_folder
 from ckptool.formats.detect import INDEX_SUFFIX as INDEX_SUFFIX  # re-exported: its home is detect (format_of)
 from ckptool.formats.detect import SAFETENSORS, detect_format
 
@@ -130,6 +128,15 @@ def set_format(index: ShardIndex) -> str:
         if not (_shard_is_safetensors(index, shard) if not remote else shard.endswith(".safetensors")):
             return "sharded-bin"
     return "sharded-safetensors"
+
+
+def index_format(index_path: str) -> str:
+    """The registry name of the set whose index is at ``index_path`` (a local path or a URL): :func:`set_format` of
+    its parsed index, the one answer the readers (:func:`ckptool.readers.format_of`) and ``scan`` give.
+
+    Raises: what :func:`parse_index` raises.
+    """
+    return set_format(parse_index(index_path))
 
 
 def _shard_is_safetensors(index: ShardIndex, shard: str) -> bool:
@@ -252,47 +259,3 @@ def output_layout(dst: str, fmt: str) -> SetLayout:
     if name == ext:
         raise UsageError(f"output {dst!r} names no file: give the shards a name, such as model{ext}")
     return SetLayout(os.path.dirname(os.path.abspath(dst)), name[: -len(ext)], ext)
-
-
-def is_checkpoint_set(path: str | os.PathLike[str]) -> bool:
-    """True when ``path`` is a sharded index (``*.index.json``) or a folder (a DCP checkpoint, or a model folder):
-    inputs read as one checkpoint rather than one file."""
-    p = os.fspath(path)
-    return p.endswith(INDEX_SUFFIX) or os.path.isdir(p)
-
-
-def set_kind(path: str) -> tuple[str, str]:
-    """What the set at ``path`` is: ``("index", index path)`` for an ``*.index.json`` or a folder holding exactly
-    one, ``("dcp", folder)`` for a ``torch.distributed.checkpoint`` folder, ``("file", path)`` for a model folder
-    holding only ``model.safetensors`` or ``pytorch_model.bin``, or for a PEFT adapter folder (``adapter_config.json``
-    beside :data:`ADAPTER_FILES`: the file PEFT loads, as ``scan`` and ``merge-lora`` read it).
-
-    Raises:
-        InputNotFoundError: a missing index file.
-        UsageError: a folder that is none of these, or holds several indexes.
-    """
-    if path.endswith(INDEX_SUFFIX):
-        if source.kind(path) != "file":
-            raise InputNotFoundError(f"{path}: no such file; check the path")
-        return "index", path
-    if is_dcp_folder(path):
-        return "dcp", path
-    names = os.listdir(path)
-    indexes = sorted(n for n in names if n.endswith(INDEX_SUFFIX))
-    if len(indexes) == 1:
-        return "index", os.path.join(path, indexes[0])
-    if indexes:
-        raise UsageError(f"{path} holds several sharded indexes ({', '.join(indexes)}); pass one of them")
-    singles = sorted(n for n in names if n in SINGLE_FILES)
-    if len(singles) == 1:  # a model folder whose weights fit one file (save_pretrained writes no index then)
-        return "file", os.path.join(path, singles[0])
-    adapter = [n for n in ADAPTER_FILES if n in names] if not singles and "adapter_config.json" in names else []
-    if adapter:
-        return "file", os.path.join(path, adapter[0])
-    if is_deepspeed_folder(path):
-        raise UsageError(f"{path} is a DeepSpeed ZeRO checkpoint folder, which this command does not rewrite: "
-                         f"consolidate it first with `ckptool convert {path} -o model.pt` (exactly as DeepSpeed's "
-                         "zero_to_fp32 does), then run the command on that file")
-    raise UsageError(
-        f"{path} is a folder but neither a torch.distributed.checkpoint folder (no .metadata) nor a sharded "
-        "checkpoint (no *.index.json, model.safetensors or pytorch_model.bin); pass the checkpoint file")

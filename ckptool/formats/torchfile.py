@@ -22,7 +22,7 @@ from ckptool.formats.nodes import GlobalMeta, StorageRef
 from ckptool.formats.pickle_check import walk_prefix, weights_only_refusal
 from ckptool.formats.strided import check_tensor_views
 from ckptool.formats.unpickler import load_pickle_at, load_structure
-from ckptool.formats.zipdir import TorchRecords, ZipEntry, data_offset, member_buffer, read_member
+from ckptool.formats.zipdir import TorchRecords, ZipEntry, data_offset, duplicate_member, member_buffer, read_member
 
 _UNSET = object()
 
@@ -302,9 +302,7 @@ def _zip_records(path: str, entries: list[ZipEntry], lead: str, size: int, recor
             raise CorruptCheckpointError(
                 f"{path}: record {e.name!r} runs past the end of the file: truncated; re-download it")
         if name in by_name:
-            raise CorruptCheckpointError(
-                f"{path}: the zip holds two members named {e.name!r}; loaders may read either one, so ckptool "
-                "refuses the file (run `ckptool scan` on it)")
+            raise CorruptCheckpointError(f"{path}: {duplicate_member(e.name)} (`ckptool scan` lists what each holds)")
         records.append(Record(name, -1, e.file_size, e.crc, e))
         by_name[name] = e
     return by_name

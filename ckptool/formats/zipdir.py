@@ -89,6 +89,15 @@ class Directory(list[ZipEntry]):
     used: int = 0
 
 
+def duplicate_member(name: str) -> str:
+    """Why a zip holding two members named ``name`` is refused, by every command (``inspect``, ``report``,
+    ``sanitize`` through :func:`ckptool.formats.torchfile.read_checkpoint`, ``scan``'s verdict ``error``): two
+    readers of one file may see two different members of that name (a zip-confusion: one loader reads the first,
+    another the last), so what a check reads need not be what the loader runs."""
+    return (f"the zip holds two members named {name!r}; loaders may read either one (a zip-confusion: two readers "
+            "may see two different files), so ckptool refuses the file")
+
+
 def _no_end(path: str) -> CorruptCheckpointError:
     return TruncatedError(
         f"{path} is a damaged zip (no end of central directory: the file is truncated); re-download or re-save it")

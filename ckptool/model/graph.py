@@ -41,9 +41,15 @@ ATOMS = (str, int, float, bytes, bool, complex, type(None))
 _LEAVES = (*ATOMS, GlobalMeta)  # never entered by a walk
 
 
+class TooDeepError(CorruptCheckpointError):
+    """A node graph nested deeper than ckptool walks (:func:`too_deep`): every command that walks the graph refuses
+    it, and ``scan`` calls the file ``error`` with the same words (the walk of its tensors meets the same limit)."""
+
+
 def too_deep(e: RecursionError | None = None) -> CorruptCheckpointError:
-    """The error for a graph nested deeper than ckptool walks (:data:`MAX_DEPTH`, or Python's recursion limit)."""
-    return CorruptCheckpointError(
+    """The error for a graph nested deeper than ckptool walks (:data:`MAX_DEPTH`, or Python's recursion limit): a
+    :class:`TooDeepError`."""
+    return TooDeepError(
         "the pickle nests containers deeper than ckptool can walk (or a module contains itself); the file is "
         "malformed or hostile")
 

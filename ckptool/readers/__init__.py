@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from ckptool import _source as source
-from ckptool.errors import NotACheckpointError, UnsupportedError, UsageError
+from ckptool.errors import InputNotFoundError, NotACheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect
 from ckptool.formats.detect import INDEX_SUFFIX
 from ckptool.formats.tensors import Piece, Source, Storage, Tensor, is_contiguous, span
@@ -349,40 +349,44 @@ def _no_layout() -> None:
     """The ``dcp`` plug-in of a format that is not rewritten as a DCP folder."""
 
 
-def _set_format(index_path: str) -> str:
-    """``sharded-safetensors`` when every shard the index names is a safetensors file by its bytes, else
-    ``sharded-bin`` (:func:`ckptool.formats.sharded.set_format`)."""
-    index = plugin("ckptool.formats.sharded:parse_index")(index_path)
-    return cast(str, plugin("ckptool.formats.sharded:set_format")(index))
-
-
 def format_of(path: str | os.PathLike[str]) -> tuple[str, str]:
     """``(format name, path to read)`` of the checkpoint at ``path``: the one place ckptool tells formats apart.
 
-    A folder is a DeepSpeed checkpoint (:func:`ckptool.formats.deepspeed.is_deepspeed_folder`), a DCP checkpoint
-    (``.metadata``), a model folder holding one ``*.index.json`` (read as that set) or one weights file
-    (``model.safetensors`` / ``pytorch_model.bin``: read as that file); an ``*.index.json`` is a sharded set;
-    anything else is a file recognised from its first bytes (:func:`ckptool.formats.detect.detect_format`).
+    A folder is the first answer of the folder classifier (:data:`ckptool.formats.folders.FOLDER_ACCEPTS`: a
+    Megatron tree, a DeepSpeed or DCP folder, a model folder holding one ``*.index.json``, read as that set, or
+    one weights file, read as that file, a PEFT adapter folder, read as the file PEFT loads); a set is named by
+    its shards' bytes (:func:`ckptool.formats.sharded.index_format`), as is an ``*.index.json`` given as the path;
+    anything else is a file recognised from its first bytes (:data:`ckptool.formats.detect.HEAD_ACCEPTS`,
+    :func:`ckptool.formats.detect.detect_format`).
 
     Raises:
-        UsageError: a missing path; a folder that is none of those.
+        UsageError: a folder no format accepts, or holding several indexes.
+        InputNotFoundError: a missing path or index file.
         NotACheckpointError / CorruptCheckpointError: see :func:`ckptool.formats.detect.detect_format`.
     """
     p = os.fspath(path)
-    folder = not source.is_url(p) and os.path.isdir(p)
-    megatron: tuple[str, str] | None = plugin("ckptool.formats.megatron:megatron_layout")(p) if folder else None
-    if megatron is not None:
-        return megatron
-    if folder and plugin("ckptool.formats.deepspeed:is_deepspeed_folder")(p):
-        return "deepspeed", p
-    if folder or p.endswith(INDEX_SUFFIX):  # a set (:func:`ckptool.formats.sharded.is_checkpoint_set`)
-        kind, target = plugin("ckptool.formats.sharded:set_kind")(p)
-        if kind == "dcp":
-            return "dcp", target
-        if kind == "index":
+    if not source.is_url(p) and os.path.isdir(p):
+        # the folder formats' code is imported when a folder is met (a command on one file does without it)
+        from ckptool.formats import folders  # noqa: PLC0415
+
+        kind, target = folders.classify(p)
+        if kind == folders.SHARDED_SET:
             return _set_format(target), target
-        p = target  # a model folder holding one weights file
+        if kind not in folders.ONE_FILE:
+            return kind, target
+        p = target  # a model folder's one weights file, a PEFT adapter's: named by its bytes
+    elif p.endswith(INDEX_SUFFIX):
+        if source.kind(p) != "file":
+            raise InputNotFoundError(f"{p}: no such file; check the path")
+        return _set_format(p), p
     return _file_format(p), p
+
+
+def _set_format(index_path: str) -> str:
+    """The set's format by its shards' bytes (:func:`ckptool.formats.sharded.index_format`)."""
+    from ckptool.formats.sharded import index_format  # noqa: PLC0415  (imported when a set is met)
+
+    return index_format(index_path)
 
 
 #: a local file's version (:func:`ckptool._source.version_key`) -> its format, so that the steps of one command

@@ -30,28 +30,17 @@ import os
 
 from ckptool import _source as source
 from ckptool.errors import CkptError, NotACheckpointError, TruncatedError
-from ckptool.formats.dcp import METADATA_FILE, DcpItem, is_dcp_folder, read_dcp_metadata
+from ckptool.formats.dcp import METADATA_FILE, DcpItem, read_dcp_metadata
 from ckptool.scanning.byte_windows import ZIP_LOCAL, Window
 from ckptool.scanning.pickles import Scanner, failed
 from ckptool.scanning.results import PickleFinding, ScanResult
 from ckptool.scanning.shipped_code import CodeScanner
 from ckptool.scanning.tar import PICKLE_FIRST
 
-__all__ = ["DCP_FORMAT", "dcp_part", "scan_dcp_folder"]
+__all__ = ["DCP_FORMAT", "scan_dcp_folder"]
 
 DCP_FORMAT = "dcp"
 _PICKLE_HEADS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
-
-
-def dcp_part(path: str) -> tuple[str, str | None] | None:
-    """``(folder, part)`` when ``path`` is a DCP folder (``part`` None), or its ``.metadata`` or one of its
-    ``.distcp`` files (``part`` = the file name), else None."""
-    if os.path.isdir(path):
-        return (path, None) if is_dcp_folder(path) else None
-    folder, name = os.path.split(os.path.abspath(path))
-    if (name == METADATA_FILE or name.endswith(".distcp")) and is_dcp_folder(folder):
-        return os.path.dirname(path) or ".", name
-    return None
 
 
 def scan_dcp_folder(folder: str | os.PathLike[str], part: str | None = None) -> ScanResult:

@@ -84,7 +84,7 @@ from ckptool.formats.nodes import TensorNode
 from ckptool.formats.pickle_check import PickleBuffer
 from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND
 from ckptool.model.allowlist import is_importable_name, recognise_file
-from ckptool.model.graph import iter_tensors
+from ckptool.model.graph import TooDeepError, iter_tensors
 from ckptool.model.units import human_bytes
 from ckptool.scanning import layouts
 from ckptool.scanning.byte_windows import ZIP_EOCD, ZIP_LOCAL, zip_end
@@ -126,10 +126,14 @@ def scan_file(path: str | os.PathLike[str], *,
     if path.endswith(INDEX_SUFFIX) and not source.is_url(path) and os.path.isfile(path):
         refused = index_refusal(path)
         if refused is not None:  # the set's readers refuse it: so does scan (never safe with a shard skipped)
-            return ScanResult(path, _set_format(path), error=refused)
+            from ckptool.formats.sharded import index_format  # noqa: PLC0415  (imported when a set is met)
+
+            return ScanResult(path, index_format(path), error=refused)
     dcp = _dcp_part(path) if os.path.isdir(path) or path.endswith(_DCP_NAMES) else None
     if dcp is not None:
-        return cast(ScanResult, plugin("ckptool.scanning.dcp:scan_dcp_folder")(*dcp))
+        from ckptool.scanning.dcp import scan_dcp_folder  # noqa: PLC0415  (imported when a DCP folder is met)
+
+        return scan_dcp_folder(*dcp)
     if source.is_url(path):  # its opens share one HEAD and the ranges fetched (format check, directory, code finder)
         with source.object_reads(path):
             return _scan_one(path, preparsed)
@@ -179,7 +183,10 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None) -> ScanResul
     if type(sc.root) is dict:
         res.recognised = recognise_file(sc.root, [g.name for g in res.globals])
     if sc.root is not None:
-        res.notes += _expansion_notes(sc.root, sc.root_bytes)
+        try:
+            res.notes += _expansion_notes(sc.root, sc.root_bytes)
+        except TooDeepError as e:  # the limit of every walk of the graph (inspect's refusal, in its words)
+            res.error = str(e) if res.error is None else f"{res.error}; {e}"
     if source.is_url(path):
         res.bytes_read = source.thread_bytes_transferred() - start
     return res
@@ -205,13 +212,27 @@ def _read_by_reader(path: str, fmt: str) -> None:
 
 
 #: the names of the files of a DCP folder (``.metadata``, ``*.distcp``), the only files :func:`scan_file` reads
-#: as a part of a folder (:func:`ckptool.scanning.dcp.dcp_part`); the folder walk and the readers of other formats
-#: are named as strings (:func:`ckptool.formats.plugin`): a scan imports the code of the formats it meets
+#: as a part of a folder (:func:`_dcp_part`); the code of the folder formats is imported when a folder is met:
+#: a scan of one file does without it
 _DCP_NAMES = (".metadata", ".distcp")
 
 
 def _dcp_part(path: str) -> tuple[str, str | None] | None:
-    return cast("tuple[str, str | None] | None", plugin("ckptool.scanning.dcp:dcp_part")(path))
+    """``(folder, part)`` when ``path`` is a folder the folder classifier names a format written as
+    ``torch.distributed.checkpoint`` (:func:`ckptool.formats.folders.is_dcp_unit`: DCP, Megatron-Core's torch_dist)
+    (``part`` None), or the ``.metadata`` or a ``.distcp`` file of one (``part`` = its file name), else None."""
+    from ckptool.formats import folders  # noqa: PLC0415  (the folder formats' code, imported when one is met)
+
+    folder, name = (path, None) if os.path.isdir(path) else os.path.split(os.path.abspath(path))
+    if name is not None and name != ".metadata" and not name.endswith(".distcp"):
+        return None
+    try:
+        unit = folders.is_dcp_unit(folders.listing(folder))
+    except OSError:  # a folder that cannot be listed is no unit: its walk reports it (an unreadable row)
+        return None
+    if not unit:
+        return None
+    return (path, None) if name is None else (os.path.dirname(path) or ".", name)
 
 
 def _indexed(view: RangeView) -> bool:
@@ -231,7 +252,12 @@ def _expansion_notes(root: Any, counted: tuple[int, int] | None = None) -> list[
     (:mod:`ckptool.readers.budget`: :data:`~ckptool.formats.tensors.MAX_EXPAND` times, above
     :data:`~ckptool.formats.tensors.EXPAND_FLOOR`): a stride-0 view such as ``zeros(1).expand(2**20, 2**20)``.
     ``counted``: the (dense, storage) bytes of ``root``'s tensors as ``inspect`` added them up listing the tensors;
-    within the budget they spare the walk, past it the walk names the most expanded tensor."""
+    within the budget they spare the walk, past it the walk names the most expanded tensor.
+
+    Raises:
+        TooDeepError: ``root`` nests containers deeper than :data:`ckptool.model.graph.MAX_DEPTH` (the walk every
+            command that lists the tensors makes: ``inspect`` refuses such a file in the same words).
+    """
     if counted is not None and counted[0] <= max(MAX_EXPAND * counted[1], EXPAND_FLOOR):
         return []
     held: dict[str, int] = {}
@@ -254,6 +280,8 @@ def _expansion_notes(root: Any, counted: tuple[int, int] | None = None) -> list[
             dense += n
             if worst is None or n / max(stored, 1) > worst[0]:
                 worst = (n / max(stored, 1), key, t, n, stored)
+    except TooDeepError:  # what inspect refuses: the caller makes it the file's error
+        raise
     except (CkptError, TypeError, ValueError):  # a malformed tensor: what the scan reports already
         return []
     if worst is None or dense <= max(MAX_EXPAND * sum(held.values()), EXPAND_FLOOR):
@@ -408,13 +436,17 @@ def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
     the DeepSpeed tag folders ``latest`` or a symlinked tag folder lead to (:func:`_followed`). A subfolder that
     cannot be listed (no permission) and a file that cannot be opened are yielded too, with an :data:`UNREADABLE`
     note: what was not looked at is never taken as safe."""
+    # the folder formats' code, imported when a folder is met (a scan of one file does without it)
+    from ckptool.formats.deepspeed import loaded_tag_folders  # noqa: PLC0415
+    from ckptool.formats.folders import Listing, is_dcp_unit  # noqa: PLC0415
+
     seen: set[str] = set()
     away: list[tuple[str, str]] = []
     failed: list[OSError] = []
     for root, dirs, files in os.walk(top, onerror=failed.append):
         yield from _unlisted(failed)
         dirs.sort()
-        dcp = plugin("ckptool.formats.dcp:is_dcp_folder")(root)
+        dcp = ".metadata" in files and is_dcp_unit(Listing.of_walk(root, dirs, files))
         if dcp:
             seen.add(os.path.realpath(root))
             yield root, []
@@ -430,7 +462,7 @@ def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
                 seen.add(os.path.realpath(full))
                 why = _cannot_open(full)
                 yield full, [] if why is None else [f"{UNREADABLE}{full}: {why}"]
-        for folder, why in plugin("ckptool.formats.deepspeed:loaded_tag_folders")(root, (dirs, files)):
+        for folder, why in loaded_tag_folders(root, (dirs, files)):
             away += [(f, f"{why}; DeepSpeed reads it from there") for f in _folder_files(folder)]
     yield from _unlisted(failed)
     yield from _followed(away, seen)
@@ -488,14 +520,16 @@ def _index_shards(index_path: str, top: str) -> list[tuple[str, str]]:
     """The shards the index at ``index_path`` names, each with why it is outside ``top`` ("" when it is not): the
     paths ``transformers`` opens (``os.path.join(index folder, shard)``). An index that does not parse gives none
     (its loader fails too)."""
+    from ckptool.formats import sharded  # noqa: PLC0415  (imported when a set is met)
+
     try:
-        index = plugin("ckptool.formats.sharded:parse_index")(index_path)
+        index = sharded.parse_index(index_path)
     except CkptError:
         return []
     out = []
     for shard in index.shards:
         path = index.shard_path(shard)
-        why = plugin("ckptool.formats.sharded:shard_outside")(index, shard) or leaves_folder(top, path)
+        why = sharded.shard_outside(index, shard) or leaves_folder(top, path)
         out.append((path, f"{index_path} names the shard {shard!r}: {why}; transformers reads it from there"
                     if why else ""))
     return out
@@ -507,23 +541,19 @@ def index_refusal(index_path: str) -> str | None:
     missing, or one that is a device, FIFO or socket (``/dev/zero``). ``scan`` then reports the index as an
     ``error`` (:func:`scan_file`), as those readers do, instead of scanning the other shards as safe. An index
     that does not parse is left to the shards' own scan (its loader fails too)."""
+    from ckptool.formats import sharded  # noqa: PLC0415  (imported when a set is met)
+
     try:
-        plugin("ckptool.formats.sharded:parse_index")(index_path)
+        sharded.parse_index(index_path)
     except CkptError:
         return None
     try:
-        index = plugin("ckptool.formats.sharded:read_index")(index_path)
+        index = sharded.read_index(index_path)
         for shard in index.shards:
             source.refuse_special(index.shard_path(shard), f"shard {shard!r} of {index_path}")
     except CkptError as e:
         return str(e)
     return None
-
-
-def _set_format(index_path: str) -> str:
-    """The readers' format name of the set (:func:`ckptool.formats.sharded.set_format`: by its shards' bytes)."""
-    index = plugin("ckptool.formats.sharded:parse_index")(index_path)
-    return cast(str, plugin("ckptool.formats.sharded:set_format")(index))
 
 
 def _followed(away: list[tuple[str, str]], seen: set[str]) -> Iterator[tuple[str, list[str]]]:

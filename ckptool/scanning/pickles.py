@@ -26,7 +26,7 @@ from ckptool.formats import plugin
 from ckptool.formats.nodes import StorageRef, qualified_name
 from ckptool.formats.pickle_check import PickleBuffer, check_pickle
 from ckptool.formats.unpickler import RestrictedUnpickler, load_pickle_at, partial_globals
-from ckptool.formats.zipdir import MAX_RATIO, TorchRecords, ZipEntry, read_member, read_member_head
+from ckptool.formats.zipdir import MAX_RATIO, TorchRecords, ZipEntry, duplicate_member, read_member, read_member_head
 from ckptool.model.allowlist import ALLOWED, is_importable_name, rate_global
 from ckptool.scanning import layouts, wrappers
 from ckptool.scanning.byte_windows import ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
@@ -372,7 +372,7 @@ class Scanner(WrapperWalk, LegacyWalk):
             self._mark_loaded(where, layout, recs, names)
         self._case_notes(where, recs, layout.loaded_records or ("data.pkl",))
         if labels:
-            self._duplicate_notes(where, entries)
+            self._duplicate_errors(where, entries)
         shared: dict[tuple[int, int, int, int], list[str]] = {}
         for e in self._candidates(entries, names, top, layout):
             self._labels = labels  # (a nested zip has its own)
@@ -421,13 +421,15 @@ class Scanner(WrapperWalk, LegacyWalk):
         return {id(e): join_where(where, f"{e.name} (local header at byte {e.header_offset})")
                 for e in entries if e.name in dups}
 
-    def _duplicate_notes(self, where: str, entries: list[ZipEntry]) -> None:
-        """A note for each member whose name an earlier member has."""
+    def _duplicate_errors(self, where: str, entries: list[ZipEntry]) -> None:
+        """The result's error for each member whose name an earlier member has: a zip-confusion, which ``inspect``
+        and every reader refuse with the same words (:func:`~ckptool.formats.zipdir.duplicate_member`); the scan
+        still reads both members (a dangerous global in either makes the verdict dangerous)."""
         seen: set[str] = set()
         for e in entries:
             if e.name in seen:
-                self.note(f"the zip{inside(where)} holds two members named {e.name!r}: loaders may read either; "
-                          "both were scanned")
+                why = f"{where + ': ' if where else ''}{duplicate_member(e.name)}; both were scanned"
+                self.res.error = why if self.res.error is None else f"{self.res.error}; {why}"
             seen.add(e.name)
 
     @staticmethod
