@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from ckptool.ops.rewrite.prefixes import RenameResult, add_prefix, strip_dataparallel, strip_prefix, unwrap
     from ckptool.ops.rewrite.remap import remap
     from ckptool.ops.rewrite.stream import WriteResult
-    from ckptool.ops.sanitize import SanitizeResult, sanitize
+    from ckptool.ops.sanitize import SanitizeDryRun, SanitizeResult, sanitize, sanitize_dry_run
     from ckptool.ops.scan.many import scan_many
     from ckptool.ops.surgery.average import AverageResult, average
     from ckptool.ops.surgery.edit import FilterResult, RuleResult, filter_keys, rename
@@ -97,6 +97,8 @@ _LAZY: dict[str, str] = {
     "ExtractResult": "ckptool.ops.extract",
     "sanitize": "ckptool.ops.sanitize",
     "SanitizeResult": "ckptool.ops.sanitize",
+    "sanitize_dry_run": "ckptool.ops.sanitize",
+    "SanitizeDryRun": "ckptool.ops.sanitize",
     "report": "ckptool.ops.diff.report",
     "ReportResult": "ckptool.ops.diff.report",
     "rename": "ckptool.ops.surgery.edit",
@@ -147,6 +149,7 @@ __all__ = [
     "RenameResult",
     "ReportResult",
     "RuleResult",
+    "SanitizeDryRun",
     "SanitizeResult",
     "ScanResult",
     "StateDictInfo",
@@ -177,6 +180,7 @@ __all__ = [
     "rename_state_dict",
     "report",
     "sanitize",
+    "sanitize_dry_run",
     "save_portable",
     "scan",
     "scan_file",

@@ -33,6 +33,7 @@ import mmap
 import os
 import re
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, TypeVar
 
@@ -64,7 +65,7 @@ from ckptool.errors import InputNotFoundError, NotACheckpointError, RemoteError
 __all__ = [
     "BLOCK", "CHUNK", "REMOTE_EXTRA", "NoRangeSupport", "RangeError", "RangeView", "bytes_transferred", "changed_error",
     "consistent_reads", "file_size", "holding_versions", "is_remote_file", "is_url", "kind", "leaves_folder",
-    "local_copy", "object_reads", "open_binary", "open_regular", "recheck", "refuse_special",
+    "local_copy", "local_reads", "object_reads", "open_binary", "open_regular", "recheck", "refuse_special",
     "remote_exists", "remote_info", "set_timeout", "special_kind", "spool", "thread_bytes_transferred", "upload",
     "version_key", "version_stamp", "whole_view",
 ]
@@ -232,11 +233,15 @@ def open_regular(path: str, what: str = "") -> BinaryIO:
         NotACheckpointError: a FIFO, a device or a socket.
         OSError: the file could not be opened (FileNotFoundError, PermissionError, IsADirectoryError...).
     """
+    held = _held_files.get((threading.get_ident(), path)) if _held_files else None
+    if held is not None and held[1] is not None:
+        return _HeldFile(held[1], path)  # read whole already in this local_reads block
     refuse_special(path, what)
     nonblock = getattr(os, "O_NONBLOCK", 0)
     fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
-        kind = special_kind(os.fstat(fd).st_mode)
+        st = os.fstat(fd)
+        kind = special_kind(st.st_mode)
         if kind is not None:
             raise _special_error(path, kind, what)
         if nonblock and hasattr(os, "set_blocking"):
@@ -246,7 +251,43 @@ def open_regular(path: str, what: str = "") -> BinaryIO:
         os.close(fd)
         raise
     f.raw.name = path  # type: ignore[attr-defined]  # as open(path) names it (error messages, zipfile)
+    if held is not None and st.st_size <= READ_WHOLE_BYTES:  # the block's first open: read whole, then shared
+        with f:
+            held[1] = f.read()
+        return _HeldFile(held[1], path)
     return f
+
+
+class _HeldFile(io.BytesIO):
+    """The bytes of a local file a :func:`local_reads` block read whole, as a file named ``path`` (no ``fileno``:
+    the readers that would map it read it instead)."""
+
+    def __init__(self, data: bytes, path: str) -> None:
+        super().__init__(data)
+        self.name = path
+
+
+#: (thread, path) -> [blocks open, the file's bytes once read] of the :func:`local_reads` blocks open
+_held_files: dict[tuple[int, str], list[Any]] = {}
+
+
+@contextlib.contextmanager
+def local_reads(path: str) -> Iterator[None]:
+    """Within this block, on this thread, the opens of the local file ``path`` (:func:`open_regular`, every reader's
+    way in) share one: when the file is :data:`READ_WHOLE_BYTES` or smaller the first open reads it whole and every
+    open gets those bytes as an in-memory file named ``path`` (its format's first bytes, its pickle read and its
+    scan: ``inspect`` of many small files opens each once, issue 52); a bigger file is opened as usual each time.
+    All of them read the same bytes, even if the file changes meanwhile. Blocks nest; the bytes go when the
+    outermost ends."""
+    key = (threading.get_ident(), path)
+    held = _held_files.setdefault(key, [0, None])
+    held[0] += 1
+    try:
+        yield
+    finally:
+        held[0] -= 1
+        if not held[0]:
+            del _held_files[key]
 
 
 def open_binary(path: str) -> BinaryIO:
@@ -369,10 +410,16 @@ def spool(f: BinaryIO) -> BinaryIO:
     return tmp
 
 
+#: a local file of this many bytes or fewer is read whole by :func:`whole_view` rather than mapped: ``scan`` of a
+#: folder of small pickles maps and unmaps none of them (about 10 us a file, issue 52)
+READ_WHOLE_BYTES = 256 << 10
+
+
 @contextlib.contextmanager
 def whole_view(f: BinaryIO, *, lazy: Callable[[RangeView], bool] | None = None) -> Iterator[Any]:
     """The whole content of the open file ``f`` as a bytes-like buffer, released on exit: an ``mmap`` of a local
-    file (bytes where it cannot be mapped: a pipe, an empty file); for a remote file a :class:`RangeView` when
+    file (bytes where it cannot be mapped: a pipe, an empty file; and a file of :data:`READ_WHOLE_BYTES` or less,
+    whose one ``read`` costs half the mapping and unmapping of it); for a remote file a :class:`RangeView` when
     ``lazy(view)`` says the layout is read through its index (a zip that ends at the end of the file, safetensors),
     else an ``mmap`` of a :func:`spool`-ed local copy.
 
@@ -387,10 +434,13 @@ def whole_view(f: BinaryIO, *, lazy: Callable[[RangeView], bool] | None = None) 
         with spool(f) as local, whole_view(local) as buf:
             yield buf
         return
-    whole: mmap.mmap | bytes
+    whole: mmap.mmap | bytes | None = None
     try:
-        whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if os.fstat(f.fileno()).st_size > READ_WHOLE_BYTES:
+            whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError):  # not mappable (a pipe, an odd filesystem, an empty file): read it
+        pass
+    if whole is None:  # small, or not mappable
         f.seek(0)
         whole = f.read()
     try:

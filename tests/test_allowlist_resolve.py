@@ -290,6 +290,22 @@ def test_a_bytearray_from_data_is_not_a_request(tmp_path: Path) -> None:
     assert scan_file(path).verdict == "safe"
 
 
+@pytest.mark.parametrize(("make", "nbytes"), [(aa.bytearray_bomb, 1), (aa.storage_bomb, 4)])
+def test_oversized_use_names_a_call_past_the_limit_as_the_reader_records_it(make, nbytes: int) -> None:
+    """:func:`ckptool.model.allocations.oversized_use` (what ``sanitize`` asks of each call node) names a call past
+    the reader's limit with the use name the reader adds to the pickle's globals, and nothing at the limit."""
+    from ckptool.model.allocations import oversized_use, requested_bytes
+
+    limit = MAX_REQUEST_BYTES // nbytes
+    root, up = load_structure(make(limit))
+    assert requested_bytes(root) == limit * nbytes and oversized_use(root) is None
+    root, up = load_structure(make(limit + 1))
+    use = oversized_use(root)
+    assert use is not None and use.endswith(f"!alloc={(limit + 1) * nbytes}")
+    assert use in [qualified_name(m, n) for m, n in up.globals_seen]
+    assert requested_bytes({"not": "a call"}) == 0 and oversized_use("x") is None
+
+
 def test_sanitize_does_not_keep_a_bomb_or_a_class_build(tmp_path: Path) -> None:
     from ckptool.ops.sanitize import sanitize
 

@@ -118,10 +118,12 @@ def test_importing_ckptool_does_not_load_the_readers() -> None:
 # the 0.1 spellings still work for one release, with a DeprecationWarning.
 
 def test_the_output_argument_has_one_name() -> None:
-    """Every public function that writes a file names its output ``dst``; none says ``out``, ``output`` or
-    ``path`` for it any more (``path`` is an input everywhere)."""
+    """Every public function that writes a file (or, ``sanitize_dry_run``, says what file a run would write) names
+    its output ``dst``; none says ``out``, ``output`` or ``path`` for it any more (``path`` is an input
+    everywhere)."""
     outputs = {"add_prefix", "average", "convert", "extract_state_dict", "filter_keys", "merge_lora", "remap", "rename",
-               "report", "sanitize", "save_portable", "strip_dataparallel", "strip_prefix", "unwrap"}
+               "report", "sanitize", "sanitize_dry_run", "save_portable", "strip_dataparallel", "strip_prefix",
+               "unwrap"}
     for name in ckptool.__all__:
         value = getattr(ckptool, name)
         if isinstance(value, type) or not callable(value):

@@ -5,6 +5,7 @@ at most 12 modules directly in ``ops/``, at most 8 tensor / storage classes."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -63,3 +64,44 @@ def test_the_checks_see_what_they_count(tmp_path: Path) -> None:
         assert sum("_planted_for_test" in p for p in figures.format_module_imports()) == 2
     finally:
         planted.unlink()
+
+
+def test_format_module_imports_inside_functions_and_in_strings_count(tmp_path: Path) -> None:
+    """An import inside a function and a ``"ckptool.formats.<module>:function"`` plug-in string that name a format's
+    own module count as much as an import line at the top: hiding one in a function or a string does not bring the
+    figure down (the shared tensor model, ``formats.tensors`` / ``dtypes`` / ``nodes``, is not counted)."""
+    figures = _figures()
+    code = (
+        "from ckptool.formats.tensors import Source\n"
+        "from ckptool.formats.dtypes import element_size\n"
+        "def f(p):\n"
+        "    from ckptool.formats.torch_package import read_package\n"
+        "    import ckptool.formats.pt2\n"
+        "    return read_package(p), 'ckptool.formats.detect:zip_kind', 'ckptool.formats.pt2', Source\n"
+    )
+    planted = figures.PKG / "torch_ops" / "_planted_for_test.py"
+    planted.write_text(code, encoding="utf-8")
+    try:
+        found = [p for p in figures.format_module_imports() if "_planted_for_test" in p]
+        assert sorted(int(p.rsplit(":", 1)[1]) for p in found) == [4, 5, 6, 6], found
+    finally:
+        planted.unlink()
+
+
+def test_the_format_modules_are_every_format_module_and_import_linter_forbids_them() -> None:
+    """The figure's ``FORMAT_MODULES`` are every module of ``ckptool/formats`` but the shared tensor model (issue 46:
+    ops, cli and torch_ops use ``formats.tensors``, ``dtypes``, ``nodes``, the readers and the writers), and
+    pyproject.toml's import-linter contract for ops, cli and torch_ops forbids exactly those, so that
+    ``lint-imports`` holds the figure at 0 in CI."""
+    figures = _figures()
+    shared = {"__init__", "tensors", "dtypes", "nodes"}
+    on_disk = {p.stem for p in (figures.PKG / "formats").glob("*.py")} - shared
+    assert on_disk == figures.FORMAT_MODULES
+    assert figures.LIMITS["format-module imports"] == 0
+    # the contract's table, read without a TOML parser (Python 3.10 has none in its standard library)
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    block = text.split('name = "The operations read and write through the readers and writers', 1)[1]
+    block = block.split("[[tool.importlinter.contracts]]", 1)[0]
+    lists = {k: re.findall(r'"([^"]+)"', v) for k, v in re.findall(r"^(\w+) = (\[[^\]]*\])", block, re.M)}
+    assert sorted(lists["source_modules"]) == ["ckptool.cli", "ckptool.ops", "ckptool.torch_ops"]
+    assert {m.removeprefix("ckptool.formats.") for m in lists["forbidden_modules"]} == on_disk

@@ -33,18 +33,28 @@ sys.path.insert(0, str(HERE.parent / "fuzz"))
 import hostile_corpus as hc
 import verdict_corpus
 
-
 # ------------------------------------------------------------------------------------------------ verdicts
+#: the verdicts changed on purpose since the record, each with its reason: name -> (recorded, now)
+MEANT_TO_CHANGE = {
+    # issue 46: scan reports the nesting limit inspect refuses at (5,000 levels), one answer for the file
+    "hostile/deep-list.pt": ("safe", "error"),
+    "hostile/deep-dict-values.pt": ("safe", "error"),
+}
+
+
 def test_verdicts_unchanged_on_every_corpus(tmp_path: Path) -> None:
     """Every corpus in the repository gets the verdict and globals recorded from the main branch's code before the
-    walk was rewritten (tests/data/scan_verdicts.json; a nested pickle may add globals, never hide one)."""
+    walk was rewritten (tests/data/scan_verdicts.json; a nested pickle may add globals, never hide one), except the
+    changes :data:`MEANT_TO_CHANGE` lists."""
     recorded = json.loads(verdict_corpus.RECORD.read_text())
     got = verdict_corpus.verdicts(verdict_corpus.corpus_paths(tmp_path))
     assert sorted(got) == sorted(recorded)
-    changed = {name: (recorded[name], got[name]) for name in recorded
-               if got[name].get("verdict") != recorded[name].get("verdict")
-               or not set(recorded[name].get("globals", [])) <= set(got[name].get("globals", []))}
-    assert not changed
+    changed = {name: (recorded[name].get("verdict"), got[name].get("verdict")) for name in recorded
+               if got[name].get("verdict") != recorded[name].get("verdict")}
+    assert changed == MEANT_TO_CHANGE
+    hidden = {name: sorted(set(recorded[name].get("globals", [])) - set(got[name].get("globals", [])))
+              for name in recorded}
+    assert not {name: g for name, g in hidden.items() if g}
 
 
 # ------------------------------------------------------------------------------------------------ views

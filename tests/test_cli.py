@@ -151,7 +151,8 @@ def test_no_command_module_imports_another_or_the_package() -> None:
     ckptool/cli/_flags.py, imported by the entry point too) and ckptool/cli/_hints.py (the load hint of the writing
     commands, which imports _common, never the other way) and ckptool/cli/_many.py (scan's many-checkpoint mode, kept
     apart so that one file's scan does not load it); the exit statuses come from ckptool/cli/_errors.py, where they
-    live; only the entry point imports ckptool.cli."""
+    live (its ``EXIT_*`` codes, and ``ckpt_exit_code``: the status one of ckptool's errors gives, which
+    ``sanitize --dry-run --json`` reports beside the error); only the entry point imports ckptool.cli."""
     for path in CLI_DIR.glob("*.py"):
         if path.name in ("__init__.py", "_flags.py"):
             continue
@@ -167,7 +168,8 @@ def test_no_command_module_imports_another_or_the_package() -> None:
                     continue
                 if name == "ckptool.cli" or name.startswith("ckptool.cli."):
                     assert name.startswith(("ckptool.cli._common", "ckptool.cli._hints", "ckptool.cli._many",
-                                            "ckptool.cli._errors.EXIT_")) or name == "ckptool.cli._errors", \
+                                            "ckptool.cli._errors.EXIT_")) or name in ("ckptool.cli._errors",
+                                                                           "ckptool.cli._errors.ckpt_exit_code"), \
                         f"{path.name} imports {name}"
                     assert path.name != "_common.py", f"_common.py imports {name}"
                     assert not (path.name == "_hints.py" and name.startswith("ckptool.cli._hints")), name

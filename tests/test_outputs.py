@@ -37,6 +37,22 @@ def test_the_suffix_chooses_the_format_in_any_case(dst: str, name: str) -> None:
     assert choose_format(dst).name == name
 
 
+@pytest.mark.parametrize("name", sorted(WRITERS))
+def test_each_writer_reads_as_the_format_the_readers_give_what_it_writes(tmp_path: Path, name: str) -> None:
+    """``Writer.reads_as`` (the format a writing command's result reports for its output: extract-state-dict,
+    average, the safetensors rewrites) is what ``open_checkpoint`` and ``inspect`` say of a file that writer
+    wrote."""
+    import ckptool
+    from ckptool.readers import open_checkpoint
+
+    src = tmp_path / "in.pt"
+    torch.save({"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(3)}, src)
+    w = WRITERS[name]
+    dst = tmp_path / ("out" + (w.suffixes[0] if w.suffixes else ""))
+    ckptool.convert(src, dst, format=name)
+    assert open_checkpoint(dst).format == w.reads_as
+
+
 def test_an_unknown_suffix_is_refused_with_the_list() -> None:
     with pytest.raises(UsageError) as e:
         choose_format("x.weights")

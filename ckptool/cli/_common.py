@@ -202,12 +202,14 @@ def schema_name(command: str) -> str:
     return f"ckptool.{command}/{SCHEMA_VERSIONS.get(command, SCHEMA_VERSION)}"
 
 
-def json_option(command: str) -> Callable[[F], F]:
+def json_option(command: str, *, dry_run: str | None = None) -> Callable[[F], F]:
     """``--json`` (parameter ``as_json``): print one JSON object of schema ``ckptool.<command>/1`` instead of the
-    report (see :func:`emit_json`)."""
+    report (see :func:`emit_json`); ``dry_run``: the command whose schema a ``--dry-run`` prints, named in the help
+    too."""
+    also = f" (with --dry-run \"{schema_name(dry_run)}\")" if dry_run else ""
     return click.option("--json", "as_json", is_flag=True,
                         help=f"Print one JSON object instead of the report: \"schema\": "
-                             f"\"{schema_name(command)}\" plus the result fields.")
+                             f"\"{schema_name(command)}\"{also} plus the result fields.")
 
 
 def emit_json(command: str, payload: dict[str, Any]) -> None:
@@ -278,6 +280,19 @@ def claim_output(path: str, *, force: bool, in_place: bool = False, given: str |
     if given is not None and is_folder_form(given) and not is_folder_form(path):
         output_folder_for(path)
     set_output(path)
+    return path
+
+
+def check_output(path: str, *, force: bool, in_place: bool = False) -> str:
+    """What :func:`claim_output` checks of ``path`` for a dry run, which writes nothing: an existing file is refused
+    unless ``force`` or ``in_place``, so that a dry run exits as the run would. Returns ``path``.
+
+    Raises:
+        UsageError: ``path`` exists and neither ``force`` nor ``in_place`` was given.
+    """
+    from ckptool.writers import Output, refuse_replacing  # noqa: PLC0415 - writing commands only
+
+    refuse_replacing(Output(path, path, None, None), force=force or in_place)
     return path
 
 

@@ -4,6 +4,7 @@ command over :func:`ckptool.scanning.entry.scan`; nothing is imported or run fro
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import click
 
@@ -12,14 +13,13 @@ from ckptool import _source as source
 from ckptool.cli._common import emit_json, is_quiet, json_option
 from ckptool.errors import UsageError
 from ckptool.formats import plugin
+from ckptool.model.units import text_table
 from ckptool.scanning.entry import ScanResult, exit_status, scan
-from ckptool.scanning.results import INCOMPLETE, worst_verdict
+from ckptool.scanning.results import INCOMPLETE, Verdict, worst_verdict
 
 
 def _table(results: list[ScanResult], strict: bool) -> str:
     """One row per file: verdict, format, pickles (hidden ones counted apart), globals not allowed, the worst."""
-    from tabulate import tabulate
-
     rows = []
     for r in results:
         bad = r.unsafe
@@ -29,15 +29,14 @@ def _table(results: list[ScanResult], strict: bool) -> str:
             worst = f"{code[0].kind} {code[0].member} ({code[0].level})"
         hidden = len(r.hidden)
         rows.append((r.path, r.verdict.shown, r.format,
-                     f"{len(r.pickles)}" + (f" ({hidden} hidden)" if hidden else ""), len(bad), worst))
-    return tabulate(rows, headers=["file", "verdict", "format", "pickles", "not allowed", "worst global"],
-                    disable_numparse=True)
+                     f"{len(r.pickles)}" + (f" ({hidden} hidden)" if hidden else ""), str(len(bad)), worst))
+    return text_table(rows, ["file", "verdict", "format", "pickles", "not allowed", "worst global"], numparse=False)
 
 
 def _summary(results: list[ScanResult], strict: bool) -> str:
     """The counts line: one verdict vocabulary with or without ``--strict`` (the policy changes the exit status)."""
-    counts = {v: sum(r.verdict == v for r in results)
-              for v in ("safe", "needs-trust", "dangerous", "error", INCOMPLETE)}
+    verdicts = Counter(r.verdict.value for r in results)  # each file's verdict worked out once, not once a word
+    counts = {v: verdicts[Verdict(v).value] for v in ("safe", "needs-trust", "dangerous", "error", INCOMPLETE)}
     return (f"{len(results)} files: {counts['safe']} safe, {counts['needs-trust']} need trust, "
             f"{counts['dangerous']} dangerous, {counts['error']} unreadable" + _incomplete(counts))
 
@@ -166,7 +165,7 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
 
 def _one_run(paths: tuple[str, ...], fmt: str, strict: bool, show_all: bool) -> int:
     """The checkpoints ``paths`` scanned and printed together (the report, --json or SARIF); the exit status."""
-    results = scan(paths)
+    results = scan(paths, key_paths=fmt != "text")  # the text report shows no key paths: not looked for
     code = exit_status(results, strict=strict)
     if fmt == "json":
         emit_json("scan", {"strict": strict, "exit_code": code, "verdict": worst_verdict(results),

@@ -33,10 +33,14 @@ from ckptool.formats.torchfile import read_pickle_member
 from ckptool.formats.unpickler import load_structure
 from ckptool.formats.zipdir import ZipEntry, read_member
 
-__all__ = ["Package", "Resource", "check_storages", "module_name", "read_package"]
+__all__ = ["MARKER", "TRUSTED_ROUTE", "Package", "PicklePids", "Resource", "check_storages", "module_name",
+           "read_package"]
 
 #: the member every ``PackageExporter`` archive holds (under its top folder), which detection looks for
 MARKER = ".data/extern_modules"
+#: the way around a refusal to rewrite an archive: load it with torch in a trusted environment
+TRUSTED_ROUTE = ("Load it with torch.package.PackageImporter(path).load_pickle(package, resource, "
+                 "map_location='cpu') in a trusted environment (it runs the package's code) and export it again")
 #: the most bytes read of each small text record (``extern_modules``, ``python_version``, ``version``)
 _TEXT_LIMIT = 1 << 20
 
@@ -52,6 +56,22 @@ class Resource:
     package: str
     resource: str
     root: Any
+    globals: list[str]
+
+
+@dataclass
+class PicklePids:
+    """One pickle member read for a rewrite: its zip ``entry``, ``rel`` (its name below the top folder), node graph
+    ``root``, pickle ``protocol``, every persistent id as written (``pids``: ``(pid, record)`` in the order the
+    pickle names them, ``record`` the :class:`~ckptool.formats.nodes.StorageRef` or other record the restricted
+    reader made of it) and the ``globals`` it names (qualified, with the unsafe uses
+    :func:`~ckptool.formats.nodes.use_key` records)."""
+
+    entry: ZipEntry
+    rel: str
+    root: Any
+    protocol: int
+    pids: list[tuple[Any, Any]]
     globals: list[str]
 
 

@@ -90,10 +90,8 @@ class Directory(list[ZipEntry]):
 
 
 def duplicate_member(name: str) -> str:
-    """Why a zip holding two members named ``name`` is refused, by every command (``inspect``, ``report``,
-    ``sanitize`` through :func:`ckptool.formats.torchfile.read_checkpoint`, ``scan``'s verdict ``error``): two
-    readers of one file may see two different members of that name (a zip-confusion: one loader reads the first,
-    another the last), so what a check reads need not be what the loader runs."""
+    """Why a zip holding two members named ``name`` is refused by every command (``scan``'s verdict ``error``):
+    one loader reads the first, another the last (a zip-confusion), so a check may not read what a loader runs."""
     return (f"the zip holds two members named {name!r}; loaders may read either one (a zip-confusion: two readers "
             "may see two different files), so ckptool refuses the file")
 

@@ -547,7 +547,22 @@ def rate_global(name: str, *, called: bool = True, torchscript: bool = False,
       nothing. A known gadget (:data:`DANGEROUS_NAMES`, :data:`DANGEROUS_MODULES`, also reached through a module
       attribute) stays dangerous even as a value: code that uses the loaded object (a hook, a callback attribute)
       may call it.
+
+    The rules read only this module's fixed tables, so a name's rating is remembered (:data:`RATED_NAME_CHARS`):
+    ``scan`` of many files rates ``torch._utils._rebuild_tensor_v2`` once, not once a file (issue 52).
     """
+    if len(name) <= RATED_NAME_CHARS:
+        return _rate_remembered(name, called, torchscript, dcp_metadata)
+    return _rate(name, called, torchscript, dcp_metadata)
+
+
+#: the longest global name whose :func:`rate_global` is remembered (an LRU of 4096 names): a hostile pickle's long
+#: names are rated each time rather than held
+RATED_NAME_CHARS = 200
+
+
+def _rate(name: str, called: bool, torchscript: bool, dcp_metadata: bool) -> tuple[str, str]:
+    """:func:`rate_global`, worked out."""
     if not is_importable_name(name):
         return NEEDS_TRUST, NOT_IMPORTABLE
     status, reason = classify_global(name, torchscript=torchscript, dcp_metadata=dcp_metadata)
@@ -562,6 +577,9 @@ def rate_global(name: str, *, called: bool = True, torchscript: bool = False,
         return NEEDS_TRUST, f"{value}; code that uses the loaded object may call it"
     return UNKNOWN, (f"{value} (importing its package runs that package's code); code that uses the loaded object "
                      "may call it")
+
+
+_rate_remembered = functools.lru_cache(maxsize=4096)(_rate)
 
 
 def _listed(name: str, status: str, reason: str) -> bool:

@@ -33,7 +33,6 @@ from typing import Any
 from ckptool._fileio import same_file
 from ckptool._gc import gc_paused
 from ckptool.errors import UnsupportedError, UsageError
-from ckptool.formats import detect as formats
 from ckptool.formats.nodes import TensorNode
 from ckptool.model.devices import LocationFn
 from ckptool.model.graph import (
@@ -194,7 +193,7 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
     ck = opened.graph()  # a torch.package archive: the reader's refusal (its objects need the package's code)
     location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
     path, cls, items, meta, removed = _walk(ck, key, unwrap)
-    res = ExtractResult(src, dst, _FORMAT_NAMES[out], [k for k, _t in items], cls, path, removed=removed)
+    res = ExtractResult(src, dst, out.writer.reads_as, [k for k, _t in items], cls, path, removed=removed)
     used = {t.storage.key for _k, t in items if t.storage is not None}
     kept, res.notes = place_scalars(_scalars(ck, path), out, {k for k, _t in items})
     if out is OutputFormat.SAFETENSORS:
@@ -207,9 +206,6 @@ def extract_state_dict(src: str | os.PathLike[str], dst: str | os.PathLike[str] 
 
 #: this command's name in the registry's per-operation refusals (:attr:`ckptool.readers.Format.refusals`)
 OPERATION = "extract-state-dict"
-
-#: the registry name (:data:`ckptool.readers.FORMATS`) of what each output is, for ``ExtractResult.format``
-_FORMAT_NAMES = {OutputFormat.SAFETENSORS: formats.SAFETENSORS, OutputFormat.TORCH: formats.TORCH_ZIP}
 
 
 def _output_format(src: str, dst: str, to: str | None, mapping: Mapping[str, str] | None,
@@ -300,7 +296,7 @@ def _extract_pt2(opened: Opened, dst: str, out: OutputFormat, key: str | None, u
         keys = [renamed[k] for k in keys]
     res = convert(src, dst, format=out.value, key=key, to=to, mapping=mapping, allow_missing=allow_missing,
                   unwrap=unwrap, progress=progress)
-    return ExtractResult(src, dst, _FORMAT_NAMES[out], keys, f"the torch.export program's {source.key}", "",
+    return ExtractResult(src, dst, out.writer.reads_as, keys, f"the torch.export program's {source.key}", "",
                          len({id(t.storage) for t in source.tensors}), res.bytes_written, removed)
 
 
@@ -313,6 +309,6 @@ def _extract_trusted(src: str, dst: str, key: str | None, unwrap: bool, to: str 
         keys, removed = unwrap_keys(sd)
         sd = rename_state_dict(sd, build_plan(unwrap=True).bind(keys).rename)
     cls = f"{type(module).__module__}.{type(module).__qualname__}"
-    res = ExtractResult(src, dst, _FORMAT_NAMES[out], list(sd), cls, key or "", removed=removed, trusted=True)
+    res = ExtractResult(src, dst, out.writer.reads_as, list(sd), cls, key or "", removed=removed, trusted=True)
     res.bytes_written, res.storages = save_trusted(sd, dst, out is OutputFormat.SAFETENSORS)
     return res

@@ -2,34 +2,23 @@
 without running the file.
 
 The file is read with the restricted unpickler (:func:`ckptool.formats.torchfile.read_checkpoint`: a node graph,
-nothing imported or called), every object outside torch's weights_only allowlist is replaced by a rule below, and
+nothing imported or called), every object outside torch's weights_only allowlist is replaced by a rule, and
 the graph is written as a torch zip file (:func:`ckptool.ops.rewrite.stream.rewrite_file`: the existing storages copied
-byte for byte, the new ones added as records). The rules, in the order they are tried:
+byte for byte, the new ones added as records). The rules, in the order they are tried, are those of the pass
+:class:`ckptool.model.sanitizing.Sanitizer`: a pickled ``nn.Module`` becomes its state_dict, numpy arrays, scalars
+and dtypes become tensors and torch dtypes, plain records dicts, ``pathlib`` paths strings. Anything else outside the
+allowlist (any other class or function, a dangerous global such as ``os.system``) is reported with its key path, and
+nothing is written, unless ``drop_unknown`` leaves it out (a dict entry removed, a list or tuple item replaced by
+None; each one listed in the result).
 
-1. ``nn.Module`` objects (a ``torch.save(model)`` pickle, or a module inside a dict) become their state_dict, as
-   ``extract-state-dict`` computes it (:mod:`ckptool.ops.extract`: parameters and persistent buffers, detached,
-   with ``_metadata``).
-2. numpy arrays become tensors of the same dtype, shape and values (Fortran order kept as strides), in new
-   storages tagged ``cpu``; numpy scalars (``numpy.float64(0.5)``) become 0-d tensors. Which dtypes:
-   :mod:`ckptool.model.numpy_nodes`.
-3. numpy dtypes (``numpy.dtype('float16')``) and numpy scalar types (``numpy.float32``) become the torch dtype of
-   the same name (``torch.float16``).
-4. plain records become dicts: an object made without constructor arguments whose whole content is an attribute
-   dict (``argparse.Namespace``, ``types.SimpleNamespace``, dataclasses, simple config classes; ``__slots__``
-   values included) or dict items (dict subclasses such as Lightning's ``AttributeDict``). Classes classified
-   dangerous by :mod:`ckptool.model.allowlist` never are (``types.SimpleNamespace`` excepted).
-5. ``pathlib`` paths become their string.
-
-Anything else outside the allowlist (any other class or function, a dangerous global such as ``os.system``) is
-reported with its key path, and nothing is written, unless ``drop_unknown`` leaves it out (a dict entry removed,
-a list or tuple item replaced by None; each one listed in the result).
+:func:`sanitize_dry_run` (``ckptool sanitize --dry-run``) makes the same pass and writes nothing: it says what the
+file is (format, kind, tensor count, the verdict ``ckptool scan`` gives it), what a run would convert and drop, or
+the error with which a run would refuse it.
 """
 
 from __future__ import annotations
 
-import ntpath
 import os
-import posixpath
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -37,78 +26,28 @@ from typing import Any
 
 from ckptool._gc import gc_paused
 from ckptool.errors import CkptError, UnsafeCheckpointError, UnsupportedError
-from ckptool.formats.nodes import (
-    ALLOC,
-    CLASS_BUILD,
-    GlobalMeta,
-    ObjectNode,
-    ParameterNode,
-    PersistentRef,
-    PickledObject,
-    ReduceNode,
-    StorageRef,
-    TensorNode,
-    global_placeholder,
-    qualified_name,
-    split_use,
-    use_key,
-)
-from ckptool.formats.unpickler import MAX_REQUEST_BYTES, request_bytes
-from ckptool.model.allowlist import DANGEROUS, classify_global, is_allowed, level_of, level_word
-from ckptool.model.graph import ATOMS, is_module, join, mapping_items, set_mapping_items, too_deep
-from ckptool.model.module_state import detached, module_state_dict, state_dict_node
-from ckptool.model.numpy_nodes import numpy_kind, numpy_type_dtype, read_array, read_dtype
-from ckptool.model.tensor_nodes import tensor_node
+from ckptool.formats.nodes import CLASS_BUILD, qualified_name, split_use
+from ckptool.model.allowlist import classify_global, is_allowed, level_of, level_word
+from ckptool.model.devices import LocationFn
+from ckptool.model.graph import find_state_dicts, iter_tensors, too_deep
+from ckptool.model.sanitizing import DROP, Conversion, Sanitizer, left_over
 from ckptool.model.units import plural, retagged_words, wrote_line
-from ckptool.ops.rewrite.stream import ProgressFn, output_path, refuse_unwritable, retag_function, rewrite_file
+from ckptool.ops.inspect.pickles import kind_of
+from ckptool.ops.rewrite.stream import (
+    ProgressFn,
+    output_path,
+    refuse_unwritable,
+    retag_counts,
+    retag_function,
+    rewrite_file,
+)
 from ckptool.readers import Checkpoint, Opened, open_checkpoint
+from ckptool.scanning.entry import scan_file
 
-__all__ = ["Conversion", "SanitizeResult", "sanitize"]
+__all__ = ["Conversion", "SanitizeDryRun", "SanitizeResult", "sanitize", "sanitize_dry_run"]
 
-_PATHS = {f"pathlib.{m}{c}": j for m in ("", "_local.") for c, j in (
-    ("Path", posixpath), ("PosixPath", posixpath), ("PurePosixPath", posixpath), ("WindowsPath", ntpath),
-    ("PureWindowsPath", ntpath))}
 #: the globals a refusal names, at most
 _LISTED = 5
-
-_RECONSTRUCTOR = ("copyreg._reconstructor", "copy_reg._reconstructor")
-#: record classes converted although their module is on the dangerous list (``types``)
-_KNOWN_RECORDS = frozenset({"argparse.Namespace", "types.SimpleNamespace"})
-
-
-class _Drop:
-    """Marks a value ``drop_unknown`` leaves out."""
-
-
-_DROP = _Drop()
-
-
-@dataclass(frozen=True)
-class Conversion:
-    """One object sanitize replaced (or, in ``dropped`` / the error, could not): its dotted key ``path`` (``""``
-    = the top level), ``kind`` (``module``, ``array``, ``scalar``, ``dtype``, ``record``, ``path``, or
-    ``unknown``), the global it was (``source``: ``numpy.ndarray``, ``argparse.Namespace``...) and what it became
-    or why not (``detail``: ``tensor float16 [3, 4]``, ``dict (4 entries)``)."""
-
-    path: str
-    kind: str
-    source: str
-    detail: str
-    #: for a global no rule converts, the level ``ckptool scan`` gives it (``needs-trust`` or ``dangerous``:
-    #: :func:`ckptool.model.allowlist.level_of`), else ``""``
-    level: str = ""
-
-    @property
-    def label(self) -> str:
-        """The key path as shown to the user (``(top level)`` for the root)."""
-        return self.path or "(top level)"
-
-    @property
-    def why(self) -> str:
-        """:attr:`detail`, led by the scan level in scan's words when there is one (``DANGEROUS: runs processes and
-        changes files``, ``needs-trust: a class on no list...``)."""
-        return f"{level_word(self.level)}: {self.detail}" if self.level else self.detail
-
 
 @dataclass
 class SanitizeResult:
@@ -141,224 +80,6 @@ class SanitizeResult:
         lines.append(wrote_line(self.dst, self.bytes_written, f"{plural(self.storages, 'storage')}, "
                                 f"{self.new_storages} new" + (f"; {retagged}" if retagged else "")))
         return "\n".join(lines)
-
-
-def _global_of(obj: object) -> str:
-    if isinstance(obj, ObjectNode):
-        return obj.global_name
-    if isinstance(obj, ReduceNode):
-        return obj.global_name or "a call of a computed function"
-    if isinstance(obj, GlobalMeta):
-        return obj.qualified_name
-    return type(obj).__name__
-
-
-def _record_class(obj: PickledObject) -> str | None:
-    """The class of a record made without constructor arguments (NEWOBJ ``cls.__new__(cls)``, REDUCE ``cls()``
-    or protocol 0/1's ``copyreg._reconstructor(cls, object, None)``), else None."""
-    if isinstance(obj, ObjectNode):
-        return obj.global_name if not obj.args and not obj.kwargs else None
-    if not isinstance(obj, ReduceNode) or not isinstance(obj.func, GlobalMeta):
-        return None
-    if not obj.args:
-        return obj.func.qualified_name
-    a = obj.args
-    if (obj.func.qualified_name in _RECONSTRUCTOR and len(a) == 3 and isinstance(a[0], GlobalMeta)
-            and isinstance(a[1], GlobalMeta) and a[1].qualified_name == "builtins.object" and a[2] is None):
-        return a[0].qualified_name
-    return None
-
-
-def _record_items(obj: PickledObject) -> list[tuple[Any, Any]] | None:
-    """The ``(name, value)`` pairs of a plain record: its dict items (a dict subclass) or its attribute dict
-    (BUILD state: a dict, or ``(dict, slots dict)``), when it holds nothing else; else None."""
-    if obj.listitems is not None or obj.setitems is not None:
-        return None
-    parts = obj.state if isinstance(obj.state, tuple) and len(obj.state) == 2 else (obj.state,)
-    if not all(p is None or (type(p) is dict and all(isinstance(k, str) for k in p)) for p in parts):
-        return None
-    attrs = [kv for p in parts if p for kv in p.items()]
-    if obj.dictitems is not None and attrs:
-        return None  # a dict subclass with attributes too: no one dict says both
-    return list(obj.dictitems) if obj.dictitems is not None else attrs
-
-
-class _Sanitizer:
-    """One pass over a graph, replacing what is outside the allowlist (see the module docstring)."""
-
-    def __init__(self, ck: Checkpoint, drop_unknown: bool) -> None:
-        self.drop_unknown = drop_unknown
-        self.memo: dict[int, Any] = {}
-        self.used: set[str] = set()
-        self.new_records: list[tuple[str, bytes]] = []
-        self.converted: list[Conversion] = []
-        self.left: list[Conversion] = []
-        taken = {r.name for r in ck.records}
-        self._next = max((int(k) for k in ck.storages if k.isascii() and k.isdigit()), default=-1) + 1
-        self._taken = taken
-
-    def _new_key(self) -> str:
-        while f"data/{self._next}" in self._taken:
-            self._next += 1
-        key = str(self._next)
-        self._taken.add(f"data/{key}")
-        return key
-
-    def _unknown(self, obj: object, path: str) -> Any:
-        name = _global_of(obj)
-        if isinstance(obj, ReduceNode) and _oversized(obj):  # bytearray(1500000000): rated as the use it is
-            name = qualified_name(*use_key(obj.func.module, obj.func.name, f"{ALLOC}{_request(obj)}"))
-        self.left.append(_left_over(path, name) if "." in name and not isinstance(obj, PersistentRef) else Conversion(
-            path, "unknown", name, "a persistent id torch.load cannot resolve" if isinstance(obj, PersistentRef)
-            else "no rule converts it"))
-        return _DROP if self.drop_unknown else obj
-
-    def value(self, obj: Any, path: str) -> Any:
-        """The sanitized ``obj`` found at key ``path`` (shared objects stay shared: one result per object)."""
-        if type(obj) in ATOMS:
-            return obj
-        done = self.memo.get(id(obj), self)
-        if done is not self:
-            return done
-        new = self._value(obj, path)
-        self.memo[id(obj)] = new
-        return new
-
-    def _value(self, obj: Any, path: str) -> Any:
-        t = type(obj)
-        if t is TensorNode or t is ParameterNode:
-            self._use_tensor(obj)
-            return obj
-        if t is StorageRef:
-            self.used.add(obj.key)
-            return obj
-        if t is dict:
-            new: dict[Any, Any] = {}
-            self.memo[id(obj)] = new
-            new.update(self._items(list(obj.items()), path))
-            return new
-        if t is list:
-            out: list[Any] = []
-            self.memo[id(obj)] = out
-            out.extend(self._sequence(obj, path))
-            return out
-        if t is tuple:
-            return tuple(self._sequence(obj, path))
-        if t is set or t is frozenset:
-            vals = (self.value(v, join(path, i)) for i, v in enumerate(obj))
-            return t(v for v in vals if v is not _DROP)
-        if isinstance(obj, GlobalMeta):
-            return self._global(obj, path)
-        if isinstance(obj, PickledObject):
-            return self._node(obj, path)
-        if isinstance(obj, PersistentRef):
-            return self._unknown(obj, path)
-        return obj  # bytearray, complex...: values torch's unpickler reads itself
-
-    def _items(self, items: list[tuple[Any, Any]], path: str) -> list[tuple[Any, Any]]:
-        out = []
-        for k, v in items:
-            key = self.value(k, join(path, k))
-            val = self.value(v, join(path, k))
-            if key is not _DROP and val is not _DROP:
-                out.append((key, val))
-        return out
-
-    def _sequence(self, items: list[Any] | tuple[Any, ...], path: str) -> list[Any]:
-        out = []
-        for i, v in enumerate(items):
-            val = self.value(v, join(path, i))
-            out.append(None if val is _DROP else val)
-        return out
-
-    def _use_tensor(self, obj: TensorNode | ParameterNode) -> None:
-        t = obj.tensor if isinstance(obj, ParameterNode) else obj
-        if isinstance(t, TensorNode) and t.storage is not None:
-            self.used.add(t.storage.key)
-
-    def _global(self, g: GlobalMeta, path: str) -> Any:
-        if is_allowed(g.qualified_name):
-            return g
-        dtype = numpy_type_dtype(g)
-        if dtype is None:
-            return self._unknown(g, path)
-        self.converted.append(Conversion(path, "dtype", g.qualified_name, f"torch.{dtype}"))
-        return global_placeholder("torch", dtype)
-
-    def _node(self, obj: PickledObject, path: str) -> Any:
-        if is_module(obj):
-            return self._module(obj, path)
-        kind = numpy_kind(obj)
-        if kind is not None:
-            return self._numpy(obj, kind, path)
-        name = _global_of(obj)
-        if is_allowed(name) and not _oversized(obj):
-            return self._allowed(obj, path)
-        if name in _PATHS and isinstance(obj, ReduceNode) and all(isinstance(a, str) for a in obj.args):
-            text = _PATHS[name].join(*obj.args) if obj.args else "."
-            self.converted.append(Conversion(path, "path", name, f"str {text!r}"))
-            return text
-        cls = _record_class(obj)
-        items = _record_items(obj) if cls is not None else None
-        if cls is None or items is None or (cls not in _KNOWN_RECORDS and classify_global(cls)[0] == DANGEROUS):
-            return self._unknown(obj, path)
-        new: dict[Any, Any] = {}
-        self.memo[id(obj)] = new
-        at = len(self.converted)  # the record is listed before what it holds
-        new.update(self._items(items, path))
-        self.converted.insert(at, Conversion(path, "record", cls, f"dict ({plural(len(new), 'entry', 'entries')})"))
-        return new
-
-    def _allowed(self, obj: PickledObject, path: str) -> PickledObject:
-        """An allowed node (an OrderedDict, ``torch.Size``, ``torch.device``...) with its contents sanitized, in
-        place (the graph is this pass's own)."""
-        self.memo[id(obj)] = obj
-        items = mapping_items(obj)
-        if items is not None:
-            set_mapping_items(obj, self._items(list(items), path))
-        else:
-            obj.args = tuple(self._sequence(obj.args, path))  # type: ignore[attr-defined]  # Reduce/ObjectNode
-            if obj.listitems is not None:
-                obj.listitems = self._sequence(obj.listitems, path)
-        if obj.state is not None:
-            obj.state = self.value(obj.state, path)
-        return obj
-
-    def _numpy(self, obj: PickledObject, kind: str, path: str) -> Any:
-        what = path or "the top level"
-        try:
-            if kind == "dtype":
-                dtype, _big = read_dtype(obj)
-                self.converted.append(Conversion(path, "dtype", "numpy.dtype", f"torch.{dtype}"))
-                return global_placeholder("torch", dtype)
-            arr = read_array(obj, what)
-        except UnsupportedError as e:
-            left = Conversion(path, "unknown", _global_of(obj), str(e))
-            self.left.append(left)
-            return _DROP if self.drop_unknown else obj
-        key = self._new_key()
-        self.new_records.append((f"data/{key}", arr.data))
-        self.used.add(key)
-        node = tensor_node(key, arr.dtype, arr.shape, arr.stride)
-        self.converted.append(Conversion(path, kind, "numpy.ndarray" if kind == "array" else "numpy scalar",
-                                         f"tensor {arr.dtype} {list(arr.shape)}"))
-        return node
-
-    def _module(self, obj: PickledObject, path: str) -> Any:
-        entries, meta = module_state_dict(obj)
-        items = [(k, detached(t)) for k, t in entries]
-        for _k, t in items:
-            self._use_tensor(t)
-        detail = f"state_dict ({plural(len(items), 'tensor')})"
-        self.converted.append(Conversion(path, "module", _global_of(obj), detail))
-        return state_dict_node(items, meta)
-
-
-def _left_over(path: str, name: str) -> Conversion:
-    """The :class:`Conversion` of global ``name`` at ``path`` that no rule converts: rated as ``ckptool scan`` rates
-    it (:func:`ckptool.model.allowlist.classify_global`), its level and reason."""
-    status, reason = classify_global(name)
-    return Conversion(path, "unknown", name, reason, level_of(status))
 
 
 def _refuse_unwritable(opened: Opened, src: str) -> None:
@@ -427,43 +148,70 @@ def sanitize(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = N
     out = sanitize_output(src, dst, in_place)
     opened = open_checkpoint(src).require_file()
     _refuse_unwritable(opened, src)
-    ck = opened.graph()
+    p = _pass(opened.graph(), src, to, mapping, allow_missing, drop_unknown)
+    written = rewrite_file(p.kept, out, p.root, p.location_fn, p.new_records, progress)
+    return SanitizeResult(src, out, opened.format, p.converted, p.dropped, storages=p.storages,
+                          new_storages=len(p.new_records), bytes_written=written.bytes_written,
+                          devices=p.devices(), retagged=written.retagged)
+
+
+@dataclass
+class _Pass:
+    """One sanitizing pass over a checkpoint's graph, nothing written yet: the new ``root``, the checkpoint
+    ``kept`` (the storages still used, protocol 2, no class BUILD), the ``new_records`` of converted arrays, the
+    ``location_fn`` of ``to`` / ``mapping``, what was ``converted`` and ``dropped`` (or no rule converts)."""
+
+    root: Any
+    kept: Checkpoint
+    new_records: list[tuple[str, bytes]]
+    location_fn: LocationFn | None
+    converted: list[Conversion]
+    dropped: list[Conversion]
+    #: the refusal of what no rule converts (``dropped`` lists them), when the pass was asked not to raise it
+    refusal: UnsafeCheckpointError | None = None
+
+    @property
+    def storages(self) -> int:
+        """The storages the output holds: the input's still used, and one per converted array."""
+        return len(self.kept.storages) + len(self.new_records)
+
+    def devices(self) -> dict[str, int]:
+        """The output's storage tags, ``{tag: storage count}`` (converted arrays tagged ``cpu`` before re-tagging)."""
+        fn = self.location_fn
+        out: dict[str, int] = {}
+        for ref in self.kept.storages.values():
+            tag = fn(ref.location) if fn else ref.location
+            out[tag] = out.get(tag, 0) + 1
+        if self.new_records:
+            tag = fn("cpu") if fn else "cpu"
+            out[tag] = out.get(tag, 0) + len(self.new_records)
+        return out
+
+
+def _pass(ck: Checkpoint, src: str, to: str | None, mapping: Mapping[str, str] | None, allow_missing: bool,
+          drop_unknown: bool, *, refuse: bool = True) -> _Pass:
+    """Sanitize the graph of ``ck`` (read for this pass alone: its allowed nodes are changed in place). ``refuse``:
+    raise the refusal of what no rule converts (else it is the result's ``refusal``, ``dropped`` listing them).
+
+    Raises: what :func:`sanitize` raises once the file is read (a device mapping, something no rule converts).
+    """
     location_fn = retag_function(ck, to, mapping, allow_missing=allow_missing)
-    s = _Sanitizer(ck, drop_unknown)
+    s = Sanitizer([r.name for r in ck.records], ck.storages, drop_unknown)
     try:
         root = s.value(ck.root, "")
     except RecursionError as e:
         raise too_deep(e) from None
     for name in dict.fromkeys(qualified_name(m, n) for m, n in ck.globals):  # BUILD on a class: never written
         if split_use(name)[1] == CLASS_BUILD:
-            s.left.append(_left_over("", name))
-    if s.left and (not drop_unknown or root is _DROP):
-        raise _refusal(src, s.left)
+            s.left.append(left_over("", name))
+    refusal = _refusal(src, s.left) if s.left and (not drop_unknown or root is DROP) else None
+    if refusal is not None and refuse:
+        raise refusal
     keep = {"data/" + k for k in s.used}
     kept = replace(ck, protocol=2, _records=[r for r in ck.records if not r.name.startswith("data/") or r.name in keep],
                    storages={k: v for k, v in ck.storages.items() if k in s.used},
                    globals=[g for g in ck.globals if split_use(g[1])[1] != CLASS_BUILD])  # dropped: listed in left
-    written = rewrite_file(kept, out, root, location_fn, s.new_records, progress)
-    res = SanitizeResult(src, out, opened.format, s.converted, s.left, storages=len(kept.storages) + len(s.new_records),
-                         new_storages=len(s.new_records), bytes_written=written.bytes_written,
-                         retagged=written.retagged)
-    for ref in kept.storages.values():
-        tag = location_fn(ref.location) if location_fn else ref.location
-        res.devices[tag] = res.devices.get(tag, 0) + 1
-    if s.new_records:
-        tag = location_fn("cpu") if location_fn else "cpu"
-        res.devices[tag] = res.devices.get(tag, 0) + len(s.new_records)
-    return res
-
-
-def _request(obj: ReduceNode) -> int:
-    """The bytes the call ``obj`` asks to allocate when loaded (0: none sized by its arguments)."""
-    return request_bytes(obj.func, obj.args) if isinstance(obj.func, GlobalMeta) and obj.func.sizing else 0
-
-
-def _oversized(obj: PickledObject) -> bool:
-    """True for a call that asks to allocate more than the reader's limit (``bytearray(1500000000)``)."""
-    return isinstance(obj, ReduceNode) and _request(obj) > MAX_REQUEST_BYTES
+    return _Pass(root, kept, s.new_records, location_fn, s.converted, s.left, refusal)
 
 
 def sanitize_output(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None, in_place: bool = False) -> str:
@@ -473,3 +221,92 @@ def sanitize_output(src: str | os.PathLike[str], dst: str | os.PathLike[str] | N
         UsageError: as :func:`ckptool.ops.rewrite.stream.output_path`.
     """
     return output_path(os.fspath(src), os.fspath(dst) if dst is not None else None, in_place, "sanitized")
+
+
+@dataclass
+class SanitizeDryRun:
+    """What :func:`sanitize_dry_run` found: ``src``, the output ``dst`` a run would write, the input ``format``,
+    ``kind`` (``state_dict``, ``training_checkpoint``, ``full_model``, ``tensors``: as ``ckptool inspect`` says) and
+    ``tensors`` (every tensor reachable from the pickle, tied names each counted, as ``inspect`` lists them) of a
+    file sanitize reads (None for a format it refuses before reading: safetensors, TorchScript, a plain pickle...),
+    ``verdict`` (``ckptool scan``'s: :func:`ckptool.scanning.entry.scan_file`), every object a run would have
+    ``converted`` and, with ``drop_unknown``, ``dropped``, or, for a run that refuses the file for them, the
+    ``unconverted`` objects no rule converts (each with the level scan gives its global); the output's
+    ``storages`` (``new_storages`` of them converted arrays), its tags ``devices`` and ``retagged`` (as
+    :class:`SanitizeResult`); ``error``: the error a run would raise (nothing written), else None."""
+
+    src: str
+    dst: str
+    format: str
+    verdict: str
+    kind: str | None = None
+    tensors: int | None = None
+    converted: list[Conversion] = field(default_factory=list)
+    dropped: list[Conversion] = field(default_factory=list)
+    unconverted: list[Conversion] = field(default_factory=list)
+    storages: int = 0
+    new_storages: int = 0
+    devices: dict[str, int] = field(default_factory=dict)
+    retagged: dict[tuple[str, str], int] = field(default_factory=dict)
+    error: CkptError | None = None
+
+    def __str__(self) -> str:
+        """What ``ckptool sanitize --dry-run`` prints: what the file is, each object a run would convert and drop,
+        then what it would write (or, when it would refuse, nothing more: the command then prints the error)."""
+        what = [self.format] + ([self.kind] if self.kind else []) + (
+            [plural(self.tensors, "tensor")] if self.tensors is not None else [])
+        lines = [f"{self.src}: {', '.join(what)}; scan's verdict: {self.verdict}"]
+        if self.converted or self.error is None:
+            lines.append(f"Would convert {plural(len(self.converted), 'object')}" + (":" if self.converted else ""))
+            lines += [f"  {c.label}: {c.source} -> {c.detail}" for c in self.converted]
+        if self.dropped:
+            lines.append(f"Would drop {plural(len(self.dropped), 'object')} no rule converts (--drop-unknown):")
+            lines += [f"  {c.label}: {c.source} ({c.why})" for c in self.dropped]
+        if self.unconverted:
+            lines.append(f"No rule converts {plural(len(self.unconverted), 'object')} (a run refuses the file):")
+            lines += [f"  {c.label}: {c.source} ({c.why})" for c in self.unconverted]
+        if self.error is None:
+            retagged = retagged_words(self.retagged)
+            lines.append(f"Would write {self.dst} ({plural(self.storages, 'storage')}, {self.new_storages} new"
+                         + (f"; {retagged}" if retagged else "") + "); nothing written (--dry-run)")
+        return "\n".join(lines)
+
+
+@gc_paused
+def sanitize_dry_run(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = None, *,
+                     to: str | None = None, mapping: Mapping[str, str] | None = None, allow_missing: bool = False,
+                     drop_unknown: bool = False, in_place: bool = False) -> SanitizeDryRun:
+    """What :func:`sanitize` would do with these arguments, writing nothing: the same reading and the same pass
+    (arguments as there), and the verdict ``ckptool scan`` gives the file.
+
+    Returns:
+        A :class:`SanitizeDryRun`. A refusal that comes once the file is open (its format, a device mapping,
+        something no rule converts, a module whose state_dict needs its code) is its ``error``, not raised, so that
+        the caller can say what the file is before it.
+
+    Raises:
+        UsageError: ``dst`` is ``src`` without ``in_place`` (as :func:`sanitize`).
+        NotACheckpointError / CorruptCheckpointError / InputNotFoundError: the file cannot be opened as a checkpoint
+            (as :func:`sanitize`, before anything about it is known).
+    """
+    src = os.fspath(src)
+    out = sanitize_output(src, dst, in_place)
+    opened = open_checkpoint(src).require_file()
+    res = SanitizeDryRun(src, out, opened.format, str(scan_file(opened.target).verdict))
+    try:
+        _refuse_unwritable(opened, src)
+        ck = opened.graph()
+        res.kind = kind_of(ck.root, find_state_dicts(ck.root))
+        res.tensors = sum(1 for _t in iter_tensors(ck.root))
+        p = _pass(ck, src, to, mapping, allow_missing, drop_unknown, refuse=False)
+    except CkptError as e:
+        res.error = e
+        return res
+    res.converted, res.error = p.converted, p.refusal
+    if p.refusal is not None:
+        res.unconverted = p.dropped
+        return res
+    res.dropped = p.dropped
+    res.storages, res.new_storages = p.storages, len(p.new_records)
+    res.devices, res.retagged = p.devices(), retag_counts(p.kept.storages, p.location_fn)
+    return res

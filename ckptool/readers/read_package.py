@@ -20,20 +20,36 @@ a function of the package (a ``torch.fx.GraphModule``, a TorchScript module, any
 is refused (:class:`~ckptool.errors.UnsupportedError`) with the route through ``PackageImporter`` in a trusted
 environment. Storage sharing follows ``PackageImporter``: two tensors of one pickle on one storage share one
 :class:`~ckptool.formats.tensors.Storage`.
+
+**For a rewrite** (``remap`` of an archive, :func:`read_package_pickles`): every member that is a pickle, read with
+each persistent id kept as written, and refusals of what cannot be written back as it was.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import io
+import pickle
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptool import _source as source
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import storage_nbytes
-from ckptool.formats.nodes import GlobalMeta, PersistentRef, StorageRef
+from ckptool.formats.nodes import GlobalMeta, PersistentRef, StorageRef, qualified_name
+from ckptool.formats.pickle_check import call_with_stack, check_pickle, tuple_levels
 from ckptool.formats.tensors import Source, Storage
-from ckptool.formats.torch_package import Package, Resource, read_package
-from ckptool.formats.zipdir import data_offset
+from ckptool.formats.torch_package import (
+    MARKER,
+    TRUSTED_ROUTE,
+    Package,
+    PicklePids,
+    Resource,
+    check_storages,
+    read_package,
+)
+from ckptool.formats.unpickler import PICKLE_ERRORS, RestrictedUnpickler
+from ckptool.formats.zipdir import ZipEntry, data_offset, read_member_head
 from ckptool.model.graph import StateDictRef, depth_first, find_state_dicts, node_children
 from ckptool.model.keys import shared_prefixes
 from ckptool.model.nonstrided import find_non_strided
@@ -51,7 +67,8 @@ from ckptool.readers.reader import Reader, StateDictEntry
 if TYPE_CHECKING:
     from ckptool.readers import Opened
 
-__all__ = ["PackageReader", "package_source", "package_state_dicts", "split_key"]
+__all__ = ["PackagePickles", "PackageReader", "package_source", "package_state_dicts", "read_package_pickles",
+           "split_key"]
 
 
 def split_key(pkg: Package, key: str) -> tuple[Resource, str | None]:
@@ -230,3 +247,166 @@ class PackageReader(Reader):
         """Every state_dict of every pickle, keyed ``<member>:<path>`` as ``inspect`` prints them."""
         return [StateDictEntry(k, tuple(keys), tuple(shared_prefixes(keys)), r.is_module)
                 for k, r in package_state_dicts(self.package()) for keys in [r.keys()]]
+
+
+# ------------------------------------------------------------------------------------------------ for a rewrite
+#: the first bytes of a pickle of protocol 2 to 5 (``PROTO n``): a resource that begins so is read as a pickle
+_PROTO_HEADS = tuple(bytes((0x80, n)) for n in range(2, 6))
+#: the folder ``PackageExporter`` writes a TorchScript module's code and constants into (with ``reduce_package``)
+_TS_CODE = ".data/ts_code/"
+
+
+@dataclass
+class PackagePickles:
+    """A ``torch.package`` archive read for a rewrite (:func:`read_package_pickles`): ``entries`` its members in
+    directory order, ``top`` its top folder (with ``/``), ``pickles`` every member that is a pickle
+    (:class:`~ckptool.formats.torch_package.PicklePids`, persistent ids as written), ``storages`` every storage they
+    name, by key (one record per key, shared by the pickles as the exporter shares its storage context)."""
+
+    entries: list[ZipEntry]
+    top: str
+    pickles: list[PicklePids] = field(default_factory=list)
+    storages: dict[str, StorageRef] = field(default_factory=dict)
+
+
+class _PidsUnpickler(RestrictedUnpickler):
+    """The restricted unpickler (nothing imported or called) that also keeps every persistent id as the pickle wrote
+    it: ``pids`` lists ``(pid, record)`` in the order the pickle names them, ``record`` the
+    :class:`~ckptool.formats.nodes.StorageRef` (or other record) the restricted reader made of it."""
+
+    def __init__(self, file: BinaryIO, *, storages: dict[str, StorageRef],
+                 global_cache: dict[tuple[str, str], GlobalMeta]) -> None:
+        super().__init__(file, storages=storages, global_cache=global_cache)
+        record = self.persistent_load
+        pids: list[tuple[Any, Any]] = []
+        self.pids = pids
+
+        def persistent_load(pid: Any) -> Any:
+            rec = record(pid)
+            pids.append((pid, rec))
+            return rec
+
+        self.persistent_load = persistent_load  # type: ignore[method-assign]
+        # the C unpickler looks the callback up in __init__: look it up again
+        pickle.Unpickler.__init__(self, file, encoding="latin1")
+
+
+def read_package_pickles(opened: Opened) -> PackagePickles:
+    """Read the ``torch.package`` archive ``opened`` for a rewrite that keeps every member but its pickles' storage
+    location tags (``remap``; nothing imported or run): every member that is a pickle (the ``*.pkl`` resources
+    outside ``.data/``, and any other resource there but the modules' ``.py`` sources that begins like one,
+    ``PROTO 2`` to ``5``: ``save_pickle`` takes any resource name), each persistent id kept as written, each storage
+    checked to have its ``.data/<key>.storage`` record.
+
+    Raises:
+        UnsupportedError: not a package with one top folder; a member outside that folder, a name used twice, a
+            TorchScript part (``.data/ts_code/``); a member that begins like a pickle but is not one; a persistent id
+            other than a storage's of the 5 fields ``PackageExporter`` writes (``('reduce_package', ...)``: an
+            object a function of the package rebuilds), one storage named by two different ids; tuple nesting too
+            deep to read safely. Each names the member and the route through ``PackageImporter``.
+        CorruptCheckpointError: a damaged archive, ``.pkl`` member or storage record; a storage declared twice
+            differently.
+    """
+    src = opened.target
+    entries, top = _members(src, opened.zip_entries())
+    out = PackagePickles(entries, top)
+    cache: dict[tuple[str, str], GlobalMeta] = {}
+    with source.open_binary(src) as f:
+        for e in entries:
+            rel = e.name[len(top):]
+            if rel.startswith(".data/") or rel.endswith(("/", ".py")):
+                continue
+            named = rel.endswith(".pkl")
+            if not named and read_member_head(f, e, src, 2) not in _PROTO_HEADS:
+                continue
+            try:
+                p = _load(bytes(opened.pickle_member(e, f)), e, rel, f"{e.name} in {src}", out.storages, cache)
+            except CorruptCheckpointError as err:
+                if named:
+                    raise
+                raise UnsupportedError(f"{src}: member {e.name!r} begins like a pickle but ckptool cannot read it "
+                                       f"as one ({err}); remap cannot tell whether it names storages; nothing "
+                                       f"written. {TRUSTED_ROUTE}") from err
+            _check_pids(p, src)
+            out.pickles.append(p)
+    check_storages(Package(src, source.file_size(src), top, storages=out.storages),
+                   {e.name[len(top):]: e for e in entries})
+    return out
+
+
+def _members(src: str, entries: list[ZipEntry]) -> tuple[list[ZipEntry], str]:
+    """The archive's members in directory order (``entries``, its central directory) and its top folder (with
+    ``/``).
+
+    Raises:
+        UnsupportedError: not a ``torch.package`` archive with one top folder; a member outside that folder, a name
+            used twice, a TorchScript part.
+    """
+    entries = list(entries)
+    first = entries[0].name if entries else ""
+    top = first.split("/", 1)[0] + "/" if "/" in first else ""
+    if not top or not any(e.name == top + MARKER for e in entries):
+        raise UnsupportedError(f"{src} is not a torch.package archive with one top folder (no {top}{MARKER} "
+                               "record); `ckptool inspect` says what it is")
+    seen: set[str] = set()
+    for e in entries:
+        if not e.name.startswith(top) or e.name == top:
+            raise UnsupportedError(f"{src}: member {e.name!r} is outside the archive's folder {top!r} (a re-packed "
+                                   "zip); ckptool writes every member under that folder, as PackageExporter does, so "
+                                   "it cannot keep the member names; nothing written")
+        if e.name in seen:
+            raise UnsupportedError(f"{src}: member {e.name!r} is in the archive twice; which one a loader reads is "
+                                   "not defined, so ckptool does not rewrite it; nothing written")
+        seen.add(e.name)
+        if e.name[len(top):].startswith(_TS_CODE):
+            raise UnsupportedError(
+                f"{src}: member {e.name!r} is TorchScript code packaged with a ScriptModule, whose storages "
+                f"ckptool cannot re-tag; nothing written. {TRUSTED_ROUTE}")
+    return entries, top
+
+
+def _load(data: bytes, e: ZipEntry, rel: str, what: str, storages: dict[str, StorageRef],
+          cache: dict[tuple[str, str], GlobalMeta]) -> PicklePids:
+    """Check (:func:`~ckptool.formats.pickle_check.check_pickle`) then read one pickle member, as
+    :func:`ckptool.formats.unpickler.load_structure` does, keeping its persistent ids.
+
+    Raises:
+        CorruptCheckpointError: a truncated, malformed or hostile pickle, or bytes after its end.
+        UnsupportedError: tuple nesting too deep to read safely.
+    """
+    check_pickle(data, 0, what=what, exact=True)
+    up = _PidsUnpickler(io.BytesIO(data), storages=storages, global_cache=cache)
+    try:
+        root = call_with_stack(up.load, tuple_levels(data), what)
+    except PICKLE_ERRORS as err:
+        raise CorruptCheckpointError(f"{what} is corrupted or truncated ({type(err).__name__}: {err}); re-export "
+                                     "the package") from err
+    protocol = data[1] if data[:1] == b"\x80" else 2
+    return PicklePids(e, rel, root, protocol, up.pids, [qualified_name(m, n) for m, n in up.globals_seen])
+
+
+def _check_pids(p: PicklePids, src: str) -> None:
+    """Refuse a pickle whose persistent ids a rewrite cannot keep as written but for the location tag: an id that is
+    not a storage's (``('reduce_package', ...)``, whose object a function of the package rebuilds, or any other
+    kind, which ``PackageImporter`` would refuse), a storage id of other than the 5 fields ``PackageExporter``
+    writes, or one storage named by two different ids (the importer would then load it twice).
+
+    Raises:
+        UnsupportedError: as above, naming the member and the route.
+    """
+    first: dict[int, tuple[Any, ...]] = {}
+    for pid, rec in p.pids:
+        if not isinstance(rec, StorageRef):
+            kind = pid[0] if isinstance(pid, tuple) and pid else type(pid).__name__
+            what = ("an object that a function of the package rebuilds (__reduce_package__: a TorchScript module, "
+                    "a custom object), which ckptool neither runs nor rewrites" if kind == "reduce_package" else
+                    "not a storage, which ckptool cannot rewrite")
+            raise UnsupportedError(f"{src}: member {p.entry.name!r} holds a ({kind!r}, ...) persistent id: {what}; "
+                                   f"nothing written. {TRUSTED_ROUTE}")
+        if len(pid) != 5:
+            raise UnsupportedError(f"{src}: member {p.entry.name!r} names storage {rec.key!r} with {len(pid)} "
+                                   f"fields, not the 5 PackageExporter writes; nothing written. {TRUSTED_ROUTE}")
+        seen = first.setdefault(id(rec), pid)
+        if seen is not pid and [(type(x), x) for x in seen] != [(type(x), x) for x in pid]:
+            raise UnsupportedError(f"{src}: member {p.entry.name!r} names storage {rec.key!r} by two different "
+                                   f"persistent ids ({seen!r}, {pid!r}); nothing written. {TRUSTED_ROUTE}")

@@ -239,6 +239,18 @@ def state_dict_entries(src: Source, obj: Any, is_mod: bool) -> list[tuple[str, T
     return entries
 
 
+def torch_save_graph(path: str) -> Checkpoint:
+    """The pickle of the file at ``path`` read as the zip ``torch.save`` writes (:func:`read_checkpoint` of a
+    ``torch-zip``, nothing imported or run), whatever else its member names could make the file look like to
+    :func:`ckptool.readers.open_checkpoint` (a ``code/`` folder, a ``constants.pkl``): for bytes that ``torch.save``
+    wrote by construction, such as a DCP folder's non-tensor record, where ``torch.load`` reads them so.
+
+    Raises:
+        NotACheckpointError / CorruptCheckpointError: not a torch zip, or a damaged one (see :func:`read_checkpoint`).
+    """
+    return read_checkpoint(path, formats.TORCH_ZIP)
+
+
 def locate_records(ck: Checkpoint, f: Any) -> None:
     """Fill in the data offset of each record of the zip checkpoint ``ck`` (as :meth:`ckptool.readers.Opened.graph`
     read it; ``f`` its file, open for binary reading) that is not known yet, from the record's local header

@@ -69,6 +69,7 @@ Nothing is imported or called while scanning: the pickles are read by :mod:`ckpt
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, cast
@@ -106,7 +107,7 @@ __all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", 
 
 
 def scan_file(path: str | os.PathLike[str], *,
-              preparsed: Mapping[str, Preparsed] | None = None) -> ScanResult:
+              preparsed: Mapping[str, Preparsed] | None = None, key_paths: bool = True) -> ScanResult:
     """Scan one file, or one DCP folder: every pickle in it (see the module docstring), each global classified.
 
     Reads the file without importing or running anything from it, in time and memory bounded by its size (tensor
@@ -115,7 +116,9 @@ def scan_file(path: str | os.PathLike[str], *,
     short (``incomplete``, a pickle's ``truncated``), or ``dangerous`` when a dangerous global was found first.
     ``preparsed`` maps the ``where`` of a pickle the caller already read whole with the
     restricted unpickler (``inspect``: ``archive/data.pkl``) to its globals, root and end offset (or None), which
-    are then not read again.
+    are then not read again. ``key_paths=False`` leaves each pickle's :attr:`~PickleFinding.key_paths` empty (a
+    walk of its object graph a pickle that names a global not allowed), for a report that does not show them
+    (``scan``'s text report); the verdicts are the same.
 
     Returns:
         A :class:`ScanResult`; its ``exit_code`` is 0 (safe), 1 (dangerous), 2 (unreadable), 4 (needs trust) or
@@ -136,8 +139,8 @@ def scan_file(path: str | os.PathLike[str], *,
         return scan_dcp_folder(*dcp)
     if source.is_url(path):  # its opens share one HEAD and the ranges fetched (format check, directory, code finder)
         with source.object_reads(path):
-            return _scan_one(path, preparsed)
-    return _scan_one(path, preparsed)
+            return _scan_one(path, preparsed, key_paths)
+    return _scan_one(path, preparsed, key_paths)
 
 
 def scans_as_one(path: str | os.PathLike[str]) -> bool:
@@ -148,10 +151,11 @@ def scans_as_one(path: str | os.PathLike[str]) -> bool:
     return not os.path.isdir(path) or _dcp_part(path) is not None
 
 
-def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None) -> ScanResult:
+def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None, key_paths: bool = True) -> ScanResult:
     """:func:`scan_file` of the file (or URL) ``path``."""
     res = ScanResult(path)
-    sc = CodeScanner(res, preparsed)  # the pickles, and the code that ships in each zip (scanning/shipped_code.py)
+    # the pickles, and the code that ships in each zip (scanning/shipped_code.py)
+    sc = CodeScanner(res, preparsed, key_paths=key_paths)
     start = source.thread_bytes_transferred()
     layout: Layout | None = None  # what the file was found to be (None: unreadable)
     head = b""
@@ -450,17 +454,23 @@ def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
         if dcp:
             seen.add(os.path.realpath(root))
             yield root, []
+        real_root = None
         for name in sorted(files):
             full = os.path.join(root, name)
+            link = _is_link(full)  # one lstat a file answers the three questions below (issue 52)
             if name.endswith(INDEX_SUFFIX):
                 away += _index_shards(full, top)
                 if index_refusal(full) is not None:
                     yield full, []
             if dcp and (name == ".metadata" or name.endswith(".distcp")):
                 continue
-            if _is_candidate(full) or (configs and is_code_config(full)):
-                seen.add(os.path.realpath(full))
-                why = _cannot_open(full)
+            if _is_candidate(full, link) or (configs and is_code_config(full)):
+                if link:
+                    seen.add(os.path.realpath(full))
+                else:  # not a link: its real path is its folder's, once a folder, and its name
+                    real_root = real_root or os.path.realpath(root)
+                    seen.add(os.path.join(real_root, name))
+                why = _cannot_open(full, link)
                 yield full, [] if why is None else [f"{UNREADABLE}{full}: {why}"]
         for folder, why in loaded_tag_folders(root, (dirs, files)):
             away += [(f, f"{why}; DeepSpeed reads it from there") for f in _folder_files(folder)]
@@ -478,8 +488,18 @@ def _unlisted(failed: list[OSError]) -> Iterator[tuple[str, list[str]]]:
         yield where, [why]
 
 
-def _is_candidate(full: str) -> bool:
-    if os.path.islink(full) and not os.path.isfile(full):
+def _is_link(path: str) -> bool:
+    """``os.path.islink(path)``, and True where ``lstat`` fails (then every caller asks again, as for a link)."""
+    try:
+        return stat.S_ISLNK(os.lstat(path).st_mode)
+    except (OSError, ValueError):
+        return True
+
+
+def _is_candidate(full: str, link: bool = True) -> bool:
+    """Whether the walk scans the file ``full``: a checkpoint's name or first bytes, and not a dangling link or a
+    link to a folder; ``link=False`` when the caller knows ``full`` is no link (:func:`_is_link`)."""
+    if link and os.path.islink(full) and not os.path.isfile(full):
         return False
     return os.path.basename(full).lower().endswith(CHECKPOINT_SUFFIXES) or _looks_like_checkpoint(full)
 
@@ -566,9 +586,10 @@ def _followed(away: list[tuple[str, str]], seen: set[str]) -> Iterator[tuple[str
         yield path, [f"outside the scanned folder: {why}"] if why else []
 
 
-def _cannot_open(path: str) -> str | None:
-    """Why the local file ``path`` cannot be opened for reading (no permission), or None."""
-    if os.path.islink(path) and not os.path.exists(path):
+def _cannot_open(path: str, link: bool = True) -> str | None:
+    """Why the local file ``path`` cannot be opened for reading (no permission), or None; ``link=False`` when the
+    caller knows ``path`` is no link (:func:`_is_link`)."""
+    if link and os.path.islink(path) and not os.path.exists(path):
         return None
     if os.access(path, os.R_OK) or not os.path.isfile(path):
         return None
@@ -589,9 +610,9 @@ def _looks_like_checkpoint(path: str) -> bool:
     return head.startswith(ZIP_LOCAL) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
 
 
-def scan(paths: Iterable[str | os.PathLike[str]]) -> list[ScanResult]:
+def scan(paths: Iterable[str | os.PathLike[str]], *, key_paths: bool = True) -> list[ScanResult]:
     """:func:`scan_file` for everything :func:`iter_paths` yields (files as given, directories walked, DCP folders
-    as one each).
+    as one each); ``key_paths``: :func:`scan_file`'s.
 
     Raises:
         InputNotFoundError: a path does not exist.
@@ -603,7 +624,7 @@ def scan(paths: Iterable[str | os.PathLike[str]]) -> list[ScanResult]:
         if why is not None:
             results.append(ScanResult(p, error=why))
             continue
-        res = scan_file(p)
+        res = scan_file(p, key_paths=key_paths)
         res.notes += notes
         results.append(res)
     return results

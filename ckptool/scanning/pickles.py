@@ -57,8 +57,12 @@ class Scanner(WrapperWalk, LegacyWalk):
     """The container walk of one scan: reads every pickle of a file (zip members, nested zips, legacy streams and
     tars, plain pickles, data appended after them) and records its findings into :attr:`res`."""
 
-    def __init__(self, res: ScanResult, preparsed: Mapping[str, Preparsed] | None = None) -> None:
+    def __init__(self, res: ScanResult, preparsed: Mapping[str, Preparsed] | None = None, *,
+                 key_paths: bool = True) -> None:
         self.res = res
+        #: whether :meth:`record` locates the globals not allowed (:attr:`PickleFinding.key_paths`): not for a
+        #: report that does not show them (``scan``'s text report; a walk of each pickle's graph, issue 52)
+        self.want_key_paths = key_paths
         self.torchscript = False
         #: classify the globals of DCP ``.metadata`` (its own record classes and pathlib paths are data there)
         self.dcp_metadata = False
@@ -98,7 +102,7 @@ class Scanner(WrapperWalk, LegacyWalk):
         if bad_name is not None and finding.error is None:
             finding.error = (f"it names the global {bad_name!r}, which is not a Python name: a loader fails there "
                              "(nothing is imported or called)")
-        if root is not None and any(status != ALLOWED for _n, status, _r in rated):
+        if self.want_key_paths and root is not None and any(status != ALLOWED for _n, status, _r in rated):
             finding.key_paths = key_paths(root, {n for n, status, _r in rated if status != ALLOWED})
         for name, status, reason in rated:
             g = self._globals.get((name, status))

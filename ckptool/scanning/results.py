@@ -14,7 +14,7 @@ from ckptool.model.allowlist import (
     level_of,
     worst_level,
 )
-from ckptool.model.units import human_bytes, plural
+from ckptool.model.units import human_bytes, plural, text_table
 from ckptool.model.verdict import EXIT_CODES, STRICT_EXIT_CODES, Verdict, exit_code, verdict_of
 
 __all__ = ["EXIT_CODES", "INCOMPLETE", "STRICT_EXIT_CODES", "CodeFinding", "GlobalFinding", "PickleFinding",
@@ -200,10 +200,8 @@ class ScanResult:
                  f"{plural(len(self.globals), 'global')}" + (f", {len(bad)} not allowed)" if bad else ")")]
         rows = [(_shown_level(g.level), g.name, g.reason, ", ".join(g.where)) for g in (self.globals if show_all
                                                                                        else bad)]
-        if rows:  # a safe file prints no table, and its scan does not load tabulate (and what it loads: ~20 ms)
-            from tabulate import tabulate
-
-            lines.append(tabulate(rows, headers=["level", "global", "why", "in"]))
+        if rows:  # a safe file prints no table; text_table loads tabulate only for cells it does not write itself
+            lines.append(text_table(rows, ["level", "global", "why", "in"]))
         lines += [f"  code ({_shown_level(c.level)}, {c.kind}): {c.member}: {c.reason}" for c in self.code]
         if self.recognised is not None:
             lines.append(f"  recognised: {self.recognised[1]}")

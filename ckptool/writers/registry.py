@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 from ckptool.errors import UsageError
+from ckptool.formats import detect
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class Writer:
     top-level values (``epoch``, ``global_step``: :attr:`ckptool.formats.tensors.Source.scalars`) go without
     changing how the output loads: ``"metadata"`` (safetensors' ``__metadata__``, str -> str: written as strings),
     ``"state"`` (entries of the saved state itself), ``""`` nowhere, for the reason ``scalars_why``.
+    ``reads_as``: the format name the readers (:func:`ckptool.readers.open_checkpoint`, ``inspect``) give what it
+    writes (``torch-zip``, ``safetensors``, ``dcp``): the ``format`` a writing command's result reports for its output.
     """
 
     name: str
@@ -41,6 +44,7 @@ class Writer:
     location_tags: bool
     is_folder: bool
     hint: str
+    reads_as: str
     scalars: str = ""
     scalars_why: str = ""
 
@@ -49,15 +53,17 @@ class Writer:
 WRITERS: dict[str, Writer] = {
     "torch": Writer("torch", (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"), "pytorch_model.bin",
                     non_tensor_entries=True, shared_storages=True, strides=True, location_tags=True, is_folder=False,
-                    hint="torch.load({path}, weights_only=True)", scalars="",
+                    hint="torch.load({path}, weights_only=True)", reads_as=detect.TORCH_ZIP, scalars="",
                     scalars_why="a torch state_dict file holds them only as extra keys, which "
                                 "model.load_state_dict would reject as unexpected"),
     "safetensors": Writer("safetensors", (".safetensors",), "model.safetensors", non_tensor_entries=False,
                           shared_storages=False, strides=False, location_tags=False, is_folder=False,
-                          hint="safetensors.torch.load_file({path})", scalars="metadata"),
+                          hint="safetensors.torch.load_file({path})", reads_as=detect.SAFETENSORS,
+                          scalars="metadata"),
     "dcp": Writer("dcp", (), "", non_tensor_entries=True, shared_storages=False, strides=False,
                   location_tags=False, is_folder=True,
-                  hint="torch.distributed.checkpoint.load(state_dict, checkpoint_id={path})", scalars="state"),
+                  hint="torch.distributed.checkpoint.load(state_dict, checkpoint_id={path})", reads_as="dcp",
+                  scalars="state"),
 }
 
 

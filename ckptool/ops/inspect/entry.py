@@ -99,7 +99,8 @@ def inspect(path: str | os.PathLike[str] | Opened, limits: PreviewLimits | None 
     """
     given = path.path if isinstance(path, Opened) else os.fspath(path)
     if not source.is_url(given):
-        return _describe(path, limits)
+        with source.local_reads(given):  # a small file: its format, pickle and scan read one open's bytes
+            return _describe(path, limits)
     start = source.bytes_transferred()
     with source.object_reads(given):  # one HEAD, and no range fetched twice, however often the object is opened
         info = _describe(path, limits)

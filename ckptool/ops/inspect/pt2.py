@@ -20,10 +20,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool.formats.pt2 import Payload, Pt2Archive
 from ckptool.ops.inspect.info import TensorInfo
 from ckptool.ops.inspect.values import ValueInfo
 from ckptool.readers import Opened, open_checkpoint
+from ckptool.readers.structures import Payload, Pt2Archive
 from ckptool.scanning.entry import GlobalFinding, ScanResult, scan_file
 
 __all__ = ["Pt2Description", "describe_pt2", "tensor_key"]

@@ -61,7 +61,6 @@ from ckptool.errors import (
     UsageError,
     VerificationError,
 )
-from ckptool.formats import detect
 from ckptool.formats.nodes import PickledObject
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.ops.rewrite.dcp_nesting import Dropper, Renamer, drop_entries, rename_entries
@@ -70,6 +69,7 @@ from ckptool.ops.rewrite.parallel import current_executor, locked, run_each
 from ckptool.ops.rewrite.sets import SetRenameResult, SetWriteResult
 from ckptool.ops.rewrite.stream import ProgressFn, write_zip
 from ckptool.readers import Checkpoint, Opened, open_checkpoint
+from ckptool.readers.read_torch import torch_save_graph
 from ckptool.readers.structures import METADATA_FILE, DcpLayout, DcpMetadata
 from ckptool.scanning.dcp_safety import is_dcp_allowed
 from ckptool.writers.encoders import PicklerError, dumps
@@ -216,7 +216,7 @@ def _read_record(folder: str, r: _Record, scratch: str) -> Checkpoint:
                                      "not as a zip); the folder is damaged or was not written by "
                                      "torch.distributed.checkpoint")
     try:  # read as torch.save wrote it, whatever else its members could make it look like
-        return Opened(scratch, detect.TORCH_ZIP, scratch).graph()
+        return torch_save_graph(scratch)
     except CkptError as e:  # name the record, not the scratch copy
         raise type(e)(str(e).replace(scratch, what)) from None
 

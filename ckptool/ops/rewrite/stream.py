@@ -20,7 +20,6 @@ from typing import Any
 from ckptool import _source as source
 from ckptool._fileio import atomic_output, clone_block, copy_range, file_mode, same_file
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
-from ckptool.formats import detect as formats
 from ckptool.formats.nodes import CLASS_BUILD, PickledObject, StorageRef, split_use
 from ckptool.model.devices import LocationFn, location_function
 from ckptool.model.graph import mapping_items, set_mapping_items
@@ -29,7 +28,7 @@ from ckptool.model.units import plural, retagged_words, wrote_line
 from ckptool.readers import FORMATS, Checkpoint, Format
 from ckptool.readers.read_torch import locate_records
 from ckptool.readers.structures import ENCRYPTED, SafetensorsHeader, recorded_names
-from ckptool.writers import is_folder_form
+from ckptool.writers import is_folder_form, writer
 from ckptool.writers.encoders import PicklerError, TorchZipWriter, dumps, encode_header, rename_metadata
 
 
@@ -168,7 +167,7 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
         data_pkl = dumps(root, protocol=ck.protocol, storage_hook=hook)
     except PicklerError as e:
         raise UnsupportedError(f"{ck.path}: cannot write the pickle back ({e})") from e
-    res.retagged = _count_storages(ck, location_fn)
+    res.retagged = retag_counts(ck.storages, location_fn)
 
     w = TorchZipWriter(out, ck.archive_name, progress=progress)
     with source.open_binary(ck.path) as src:
@@ -207,11 +206,13 @@ def write_zip(ck: Checkpoint, out: Any, root: Any, location_fn: LocationFn | Non
     return res
 
 
-def _count_storages(ck: Checkpoint, location_fn: LocationFn | None) -> dict[tuple[str, str], int]:
+def retag_counts(storages: Mapping[str, StorageRef], location_fn: LocationFn | None) -> dict[tuple[str, str], int]:
+    """``{(old tag, new tag): storage count}`` of the location tags ``location_fn`` changes among ``storages``
+    (each storage once, by key); empty for None."""
     out: dict[tuple[str, str], int] = {}
     if location_fn is None:
         return out
-    for ref in ck.storages.values():
+    for ref in storages.values():
         new = location_fn(ref.location)
         if new != ref.location:
             out[(ref.location, new)] = out.get((ref.location, new), 0) + 1
@@ -294,4 +295,5 @@ def write_renamed_safetensors(src: str, out: str, header: SafetensorsHeader, map
             if progress is not None:
                 progress(header.data_size)
             written = o.tell()
-    return WriteResult(src, out, formats.SAFETENSORS, storages=len(entries), bytes_written=written)
+    # a renamed safetensors file is safetensors again: the format in is the format the output reads as
+    return WriteResult(src, out, writer("safetensors").reads_as, storages=len(entries), bytes_written=written)

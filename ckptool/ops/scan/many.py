@@ -23,10 +23,13 @@ Nothing here schedules work across machines: the executor does.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import stat
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ckptool import _listing
@@ -150,10 +153,11 @@ def not_a_checkpoint(t: Target) -> bool:
     return t.listed and not t.path.lower().endswith(CHECKPOINT_SUFFIXES) and not starts_like_checkpoint(t.path)
 
 
-def scan_target(t: Target) -> ScanResult | None:
+def scan_target(t: Target, *, key_paths: bool = True) -> ScanResult | None:
     """Scan one :class:`Target` (the task each executor runs): its :class:`ScanResult`, with the bytes it transferred
     for a URL; None for an object under a prefix that is no checkpoint by its content. Never raises for a problem of
-    the checkpoint or the network: the result's ``error`` says it."""
+    the checkpoint or the network: the result's ``error`` says it. ``key_paths``:
+    :func:`~ckptool.scanning.entry.scan_file`'s."""
     if t.error is not None:
         return ScanResult(t.path, error=t.error)
     start = source.thread_bytes_transferred()
@@ -161,7 +165,7 @@ def scan_target(t: Target) -> ScanResult | None:
         with target_reads(t):
             if not_a_checkpoint(t):
                 return None
-            res = scan_file(t.path)
+            res = scan_file(t.path, key_paths=key_paths)
     except (CkptError, OSError) as e:
         res = ScanResult(t.path, error=str(e))
     res.notes += t.notes
@@ -233,12 +237,18 @@ class ManyRun(Generic[R]):
         self.window = window or (4 * workers if isinstance(workers, int) else 64)
         #: checkpoints answered without running their task (from a cache) so far
         self.hits = 0
+        #: without an executor, the processes the tasks are shared among (this one and ``forks - 1`` forked
+        #: children, :meth:`_forked`); 1: all in this process
+        self.forks = 1
 
     def _lookups(self) -> Iterator[tuple[Target, str | None, tuple[bool, R | None]]]:
         """Each target with its cache key and what a cache holds for it (``(False, None)``: nothing, run the task)."""
         yield from ((t, None, (False, None)) for t in self.targets)
 
     def __iter__(self) -> Iterator[tuple[Target, R | None]]:
+        if self.executor is None and self.forks > 1:
+            yield from self._forked(self.forks)
+            return
         pending: dict[cf.Future[R | None], tuple[Target, str | None]] = {}
         for t, key, (found, cached) in self._lookups():
             if found:
@@ -258,6 +268,63 @@ class ManyRun(Generic[R]):
                 yield from self._drain(pending)
         while pending:
             yield from self._drain(pending)
+
+    def _forked(self, n: int) -> Iterator[tuple[Target, R | None]]:
+        """The tasks shared among this process and ``n - 1`` children forked from it (``os.fork``: they start with
+        everything this process imported, in about a millisecond, where a pool's worker imports ckptool again),
+        each a contiguous slice of :attr:`targets`, in order: this process runs the first slice and yields each
+        result as it comes, then each child's, sent back whole as a pickle over a pipe (our own results, from our
+        own process). A child that cannot be started or fails leaves its slice to this process: no target is lost.
+        Used without a cache (:attr:`forks`: set by ``--jobs N`` for many small local files); in one process when
+        this one runs other threads (a fork copies only the calling thread: a lock another one holds stays held).
+        """
+        threading = sys.modules.get("threading")
+        if threading is not None and threading.active_count() > 1:
+            n = 1
+        targets = self.targets
+        cut = [len(targets) * i // n for i in range(n + 1)]
+        children: list[tuple[int, int, int, int]] = []  # (pid, read end, first, end)
+        try:
+            for i in range(1, n):
+                try:
+                    r, w = os.pipe()
+                except OSError:
+                    break
+                gc.freeze()  # the child's collections skip what it shares with this process (fewer pages copied)
+                try:
+                    pid = os.fork()
+                except OSError:
+                    gc.unfreeze()
+                    os.close(r)
+                    os.close(w)
+                    break
+                if pid == 0:  # the child: its slice, its results down the pipe, and out (never back to the caller)
+                    code = 1
+                    try:
+                        os.close(r)
+                        data = _slice_results(self.task, targets[cut[i]:cut[i + 1]])
+                        with os.fdopen(w, "wb") as out:
+                            out.write(data)
+                        code = 0
+                    finally:
+                        os._exit(code)
+                gc.unfreeze()
+                os.close(w)
+                children.append((pid, r, cut[i], cut[i + 1]))
+            # this process's slice, each child's, then the slices of children that could not be started
+            tail = children[-1][3] if children else len(targets)
+            for t in targets[:children[0][2] if children else tail]:
+                yield t, self._done(t, None, self.task(t))
+            while children:
+                pid, r, first, end = children.pop(0)
+                results = _child_results(pid, r, end - first)  # closes r, reaps pid (also when interrupted)
+                for j, t in enumerate(targets[first:end]):
+                    yield t, self._done(t, None, results[j] if results is not None else self.task(t))
+            for t in targets[tail:]:
+                yield t, self._done(t, None, self.task(t))
+        finally:
+            for pid, r, _first, _end in children:  # the caller stopped early: end the children left
+                _end_child(pid, r)
 
     def _drain(self, pending: dict[cf.Future[R | None], tuple[Target, str | None]]
                ) -> Iterator[tuple[Target, R | None]]:
@@ -279,17 +346,61 @@ class ManyRun(Generic[R]):
         return res
 
 
+def _slice_results(task: Callable[[Target], Any], targets: list[Target]) -> bytes:
+    """A forked child's work (:meth:`ManyRun._forked`): ``task`` of each target, pickled as one list."""
+    import pickle  # noqa: PLC0415
+
+    return pickle.dumps([task(t) for t in targets], protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _child_results(pid: int, r: int, count: int) -> list[Any] | None:
+    """The ``count`` results the forked child ``pid`` sent down the pipe ``r`` (closed here, the child reaped), or
+    None when it failed (then its slice is run again in this process)."""
+    import pickle  # noqa: PLC0415
+
+    chunks = []
+    try:
+        while chunk := os.read(r, 1 << 20):
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        _pid, status = os.waitpid(pid, 0)
+    data = b"".join(chunks)
+    if status != 0 or not data:
+        return None
+    try:
+        results = pickle.loads(data)  # our own child's results (ScanResult, inspect rows): no checkpoint's data
+    except Exception:  # a child cut short: its slice is scanned here
+        return None
+    return results if isinstance(results, list) and len(results) == count else None
+
+
+def _end_child(pid: int, r: int) -> None:
+    """Stop the forked child ``pid`` whose results are no longer wanted, close its pipe ``r`` and reap it."""
+    import signal  # noqa: PLC0415
+
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        os.close(r)
+    with contextlib.suppress(OSError):
+        os.waitpid(pid, 0)
+
+
 def _scan_failed(t: Target, why: str) -> ScanResult:
     return ScanResult(t.path, error=f"the scan task failed: {why}")
 
 
 class ScanRun(ManyRun[ScanResult]):
     """One scan of many checkpoints (:class:`ManyRun` of :func:`scan_target`); ``cache``: a
-    :class:`~ckptool.ops.scan.cache.ScanCache`, read and written here, never by the tasks."""
+    :class:`~ckptool.ops.scan.cache.ScanCache`, read and written here, never by the tasks; ``key_paths=False``: the
+    results without key paths (a report that does not show them; never with a cache, whose rows serve any output)."""
 
     def __init__(self, paths: Iterable[str | os.PathLike[str]], *, executor: cf.Executor | None = None,
-                 cache: scan_cache.ScanCache | None = None, window: int | None = None) -> None:
-        super().__init__(paths, scan_target, _scan_failed, executor=executor, window=window)
+                 cache: scan_cache.ScanCache | None = None, window: int | None = None,
+                 key_paths: bool = True) -> None:
+        task = scan_target if key_paths or cache is not None else partial(scan_target, key_paths=False)
+        super().__init__(paths, task, _scan_failed, executor=executor, window=window)
         self.cache = cache
 
     def _lookups(self) -> Iterator[tuple[Target, str | None, tuple[bool, ScanResult | None]]]:

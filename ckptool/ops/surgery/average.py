@@ -31,7 +31,6 @@ from typing import Any, BinaryIO, overload
 
 from ckptool._fileio import same_file
 from ckptool.errors import UnsupportedError, UsageError
-from ckptool.formats import detect as formats
 from ckptool.formats.dtypes import contiguous_stride, element_size
 from ckptool.formats.tensors import Source, Storage, Tensor, is_contiguous
 from ckptool.model.units import plural, wrote_line
@@ -393,7 +392,7 @@ def _write(sources: list[Source], ws: list[float], paths: list[str], out: str,
     safetensors = fmt_out is OutputFormat.SAFETENSORS
     if safetensors:
         check_safetensors_dtypes(sources[0].tensors, None, out)
-    res = AverageResult(out, formats.SAFETENSORS if safetensors else formats.TORCH_ZIP, paths,
+    res = AverageResult(out, fmt_out.writer.reads_as, paths,
                         [s.format for s in sources], ws, key=sources[0].key, left_out=list(sources[0].left_out),
                         skipped=list(sources[0].skipped))
     res.notes += [n for s in sources for n in s.notes]

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool.errors import PrefixNotFoundError, UnsupportedError, UsageError
-from ckptool.formats import detect as formats
 from ckptool.formats.tensors import Source
 from ckptool.model.graph import StateDictRef, find_state_dicts, mapping_items
 from ckptool.model.keys import check_key_lengths
@@ -252,8 +251,8 @@ def write_safetensors_source(source: Source, out: str, progress: ProgressFn | No
     """Write ``source`` (a safetensors file read by ``convert``'s reader, changed) to ``out`` with ``convert``'s
     writer: storage sharing recorded anew for the names written, read back and checked before it is renamed into
     place (:func:`ckptool.ops.convert.outputs.write_outputs`)."""
-    cres = ConvertResult(source.path, out, formats.SAFETENSORS, "safetensors")
+    cres = ConvertResult(source.path, out, source.format, "safetensors")
     write_outputs(source, out, "safetensors", None, None, lambda s: s, None, True, progress, cres)
-    return WriteResult(source.path, out, formats.SAFETENSORS, storages=cres.stored, bytes_written=cres.bytes_written)
+    return WriteResult(source.path, out, source.format, storages=cres.stored, bytes_written=cres.bytes_written)
 
 
