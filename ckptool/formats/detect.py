@@ -165,6 +165,8 @@ def detect_format(path: str) -> str:
                 f"file ({size} bytes): truncated or not safetensors; re-download it"
             )
         return SAFETENSORS
+    if kind is not None and kind != PICKLE:  # a format its first bytes alone decide (HEAD_ACCEPTS)
+        return kind
     if kind == PICKLE or (kind is None and _is_old_pickle(path, head)):
         return PICKLE
     for magic, what in _KNOWN_MAGIC:

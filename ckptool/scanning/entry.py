@@ -76,7 +76,7 @@ from typing import Any, cast
 
 from ckptool import _source as source
 from ckptool._source import RangeView, leaves_folder
-from ckptool.errors import CkptError, InputNotFoundError, TruncatedError, UsageError
+from ckptool.errors import CkptError, InputNotFoundError, TruncatedError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats import plugin
 from ckptool.formats.detect import CHECKPOINT_SUFFIXES, INDEX_SUFFIX, starts_like_checkpoint
@@ -169,6 +169,8 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None, key_paths: b
             res.format = layout.format
             if layout.header:
                 plugin("ckptool.formats.safetensors:read_header")(path)
+            elif layout.read_by_reader:
+                _read_by_reader(path, layout.format)
     except NotAPickle:
         if is_code_config(path) and not source.is_url(path):
             layout = _scan_code_config(sc, path)
@@ -193,6 +195,25 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None, key_paths: b
     if source.is_url(path):
         res.bytes_read = source.thread_bytes_transferred() - start
     return res
+
+
+def _read_by_reader(path: str, fmt: str) -> None:
+    """A classifier answer with no scan layout of its own (:func:`ckptool.scanning.layouts.head_layout`): the
+    registry's reader of ``fmt`` reads the file's tensors as every command reads them (no tensor bytes).
+
+    Raises:
+        UnsupportedError: ``fmt`` is no registry format, or one whose structure is a pickle
+            (:attr:`ckptool.readers.Format.pickled`): a scan that walked no pickle does not say safe.
+        CkptError: what the reader raises (a damaged header).
+    """
+    opened = plugin("ckptool.readers:Opened")(path, fmt, path)
+    try:
+        pickled = opened.spec.pickled
+    except KeyError:  # a classifier answer the registry does not list
+        pickled = True
+    if pickled:
+        raise UnsupportedError(f"{path}: scan has no layout for a {fmt} file, so its pickles were not walked")
+    opened.state_dict()
 
 
 #: the names of the files of a DCP folder (``.metadata``, ``*.distcp``), the only files :func:`scan_file` reads

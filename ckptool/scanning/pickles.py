@@ -244,11 +244,12 @@ class Scanner(WrapperWalk, LegacyWalk):
             self.inflate_left = INFLATE_BUDGET + MAX_RATIO * len(buf)
         head = bytes(buf[:512])
         for kind in formats.head_kinds(head):
+            layout = layouts.head_layout(kind)
             walk: Callable[[PickleBuffer, bytes, str, int, BinaryIO | None], Layout | None] = getattr(
-                self, layouts.HEAD_LAYOUTS[kind].walk)
+                self, layout.walk)
             walked = walk(buf, head, where, depth, f)
             if walked is not None:
-                return walked
+                return layout if layout.read_by_reader else walked
         # what no checkpoint reader reads but a loader may unpack: scan reads inside it
         if head.startswith(wrappers.GZIP_MAGIC):
             self.gzip(buf, where, depth)
@@ -289,6 +290,13 @@ class Scanner(WrapperWalk, LegacyWalk):
             return None
         self.appended_zip(buf, end, where, depth)
         return layouts.SAFETENSORS
+
+    def walk_tensor_file(self, buf: PickleBuffer, head: bytes, where: str, depth: int,
+                         f: BinaryIO | None) -> Layout:
+        """A classifier answer with no layout of its own (:func:`ckptool.scanning.layouts.head_layout`): tensor
+        bytes and a header, nothing unpickled here; at the top level the registry's reader reads the file
+        (:func:`ckptool.scanning.entry.scan_file`)."""
+        return layouts.TENSOR_FILE  # :meth:`any` returns the answer's own (its name)
 
     def walk_pickle(self, buf: PickleBuffer, head: bytes, where: str, depth: int, f: BinaryIO | None) -> Layout:
         """The classifier's ``pickle`` (and bytes that begin like one): :meth:`pickle_file`."""
