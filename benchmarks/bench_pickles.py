@@ -4,7 +4,7 @@ picklescan and torch, as alternating pairs, with ckptool's peak RSS beside its b
 
 Usage::
 
-    python benchmarks/bench_pickles.py [--pairs 11] [--scale 1.0] [--workdir DIR] [--keep]
+    python benchmarks/bench_pickles.py [--pairs 11] [--scale 1.0] [--size-gb 2] [--workdir DIR] [--keep]
     python benchmarks/bench_pickles.py --smoke     # tiny inputs, one pair each: a few seconds (nothing to claim)
 
 The four inputs of the issue, written by a child process with torch (``--scale`` multiplies their sizes):
@@ -21,10 +21,14 @@ around every pair; a comparison during which it passed :data:`pairs.QUIET_LOAD` 
 that loads it (``torch.load(map_location="meta", weights_only=False)`` where torch reads the file; torch.load refuses
 a plain pickle, so there ``pickle.load``, the only loader, is the baseline); ``ckptool scan --jobs 2`` /
 ``--jobs 1`` of the folder. Peak RSS of one ``scan`` (and ``inspect``) run of each input (``wait4``'s ru_maxrss),
-beside the issue's bound of 64 MiB + 2 KiB per tensor. ckptool and picklescan run as in :mod:`pairs` (their own
-virtual environments; ``--smoke`` uses this interpreter's, no pip). Targets (issue 52, quiet machine, 11 pairs):
-scan of (1) and (2) <= 0.5x picklescan, inspect of (2) <= 0.5x the load, scan of (3) <= 1.0x, scan of (4) <= 1.0x,
-``--jobs 2`` <= ``--jobs 1``. Figures from a loaded machine are not claims.
+beside the issue's bound of 64 MiB + 2 KiB per tensor. ``--size-gb G`` also writes (1), (2) and (3) at about ``G``
+GB each (under ``WORKDIR/big``: the same 2,000 blobs and 500 tensors, larger, so the same structure) and adds the
+peak RSS of ``scan`` of each and of ``inspect`` of (2) and (3) beside the smaller ones (the issue: "a 2 GB version
+of each shows the same RSS"); no pairs are timed on them, and they are deleted after the run unless ``--keep``
+(about ``3 * G`` GB of disk, and ``G`` GB of memory while they are written). ckptool and picklescan run as in
+:mod:`pairs` (their own virtual environments; ``--smoke`` uses this interpreter's, no pip). Targets (issue 52, quiet
+machine, 11 pairs): scan of (1) and (2) <= 0.5x picklescan, inspect of (2) <= 0.5x the load, scan of (3) <= 1.0x,
+scan of (4) <= 1.0x, ``--jobs 2`` <= ``--jobs 1``. Figures from a loaded machine are not claims.
 """
 
 from __future__ import annotations
@@ -44,9 +48,10 @@ from children import REPO, run_child, warm_cache
 BUILD = """
 import collections, os, pickle, sys, torch
 out, scale = sys.argv[1], float(sys.argv[2])
-n_blobs, blob = max(2, int(2000 * scale)), 100_000
-n_tensors, numel = max(2, int(500 * scale)), 1 << 18
-n_small = max(2, int(500 * scale))
+size = int(sys.argv[3])  # bytes of (1) and of (2); 0: the issue's sizes, and the folder of small pickles
+n_blobs, n_tensors = max(2, int(2000 * scale)), max(2, int(500 * scale))
+blob, numel = (size // n_blobs, size // (4 * n_tensors)) if size else (100_000, 1 << 18)
+n_small = 0 if size else max(2, int(500 * scale))
 rnd = os.urandom(blob)
 with open(os.path.join(out, "blobs.pkl"), "wb") as f:
     pickle.dump(collections.OrderedDict((f"blob{i}", rnd[i % 97:] + rnd[:i % 97]) for i in range(n_blobs)), f)
@@ -55,8 +60,8 @@ sd = {f"layer{i}.weight": torch.randn(numel) for i in range(n_tensors)}
 with open(os.path.join(out, "tensors.pkl"), "wb") as f:
     pickle.dump(sd, f)
 torch.save(sd, os.path.join(out, "legacy.pt"), _use_new_zipfile_serialization=False)
-os.makedirs(os.path.join(out, "small"), exist_ok=True)
 for i in range(n_small):
+    os.makedirs(os.path.join(out, "small"), exist_ok=True)
     with open(os.path.join(out, "small", f"part{i:04d}.pkl"), "wb") as f:
         pickle.dump({"step": i, "w": torch.randn(8), "b": torch.zeros(2)}, f)
 print(n_tensors)
@@ -73,10 +78,12 @@ except RuntimeError:  # "Invalid magic number": torch.load refuses a plain pickl
 """
 
 
-def build(workdir: str, scale: float) -> int:
-    """Write the four inputs under ``workdir`` (a child with torch); returns the tensor count of (2) and (3)."""
-    proc = subprocess.run([sys.executable, "-c", BUILD, workdir, str(scale)], check=True, capture_output=True,
-                          text=True)
+def build(workdir: str, scale: float, size_gb: float = 0.0) -> int:
+    """Write the four inputs under ``workdir`` (a child with torch), or with ``size_gb`` (1), (2) and (3) only, each
+    about ``size_gb`` GB (as many blobs and tensors as without it, larger); returns the tensor count of (2) and
+    (3)."""
+    proc = subprocess.run([sys.executable, "-c", BUILD, workdir, str(scale), str(int(size_gb * 1e9))], check=True,
+                          capture_output=True, text=True)
     return int(proc.stdout.split()[-1])
 
 
@@ -106,10 +113,11 @@ def warm(path: str) -> None:
 TARGETS = (0.5, 0.5, 1.0, 1.0, 0.5, 1.0)
 
 
-def figures(workdir: str, scale: float, n_pairs: int, smoke: bool,
-            log: Callable[[str], None]) -> tuple[list[pairs.Pair], list[str], list[list[str]]]:
+def figures(workdir: str, scale: float, n_pairs: int, smoke: bool, log: Callable[[str], None],
+            size_gb: float = 0.0, keep: bool = False) -> tuple[list[pairs.Pair], list[str], list[list[str]]]:
     """Build the inputs under ``workdir`` and run the comparisons (see the module docstring): ``(pairs, notes on
-    the environments, peak RSS rows [run, MiB, bound MiB])``. ``smoke``: the tools of this interpreter, no pip."""
+    the environments, peak RSS rows [run, MiB, bound MiB])``. ``smoke``: the tools of this interpreter, no pip.
+    ``size_gb``: the peak RSS rows of the inputs at that size too (:func:`big_rss`; deleted after unless ``keep``)."""
     n_tensors = build(workdir, scale)
     paths = {name: os.path.join(workdir, name) for name in ("blobs.pkl", "tensors.pkl", "legacy.pt", "small")}
     os.makedirs(pairs.OUT_ROOT, exist_ok=True)  # where pairs.run_once runs its children
@@ -149,13 +157,44 @@ def figures(workdir: str, scale: float, n_pairs: int, smoke: bool,
     pairs.alternate(p, timed([*ck.entry, "scan", "--jobs", "2", folder], folder, ck_env),
                     timed([*ck.entry, "scan", "--jobs", "1", folder], folder, ck_env), n_pairs, log)
     rows.append(p)
-    bound = 64 + 2 * n_tensors / 1024
-    rss = []
-    for command, name in [("scan", n) for n in paths] + [("inspect", "tensors.pkl")]:
-        rc, wall, kib, _out, _err = run_child([*ck.entry, command, paths[name]], workdir, env=ck_env)
-        rss.append([f"ckptool {command} {name} ({wall:.2f} s, exit {rc})", f"{kib / 1024:.0f}",
-                    f"{bound:.1f}" if name in ("tensors.pkl", "legacy.pt") else "64 (no tensors)"])
+    runs = [("scan", n) for n in paths] + [("inspect", "tensors.pkl")]
+    rss = peak_rss(ck.entry, paths, runs, n_tensors, workdir, ck_env, "")
+    if size_gb:
+        rss += big_rss(ck.entry, os.path.join(workdir, "big"), scale, size_gb, ck_env, keep, log)
     return rows, [ck.note, ps.note, f"load baseline: {sys.executable}"], rss
+
+
+def peak_rss(entry: list[str], paths: dict[str, str], runs: list[tuple[str, str]], n_tensors: int, workdir: str,
+             env: dict[str, str], tag: str) -> list[list[str]]:
+    """The peak RSS rows ``[run, MiB, bound MiB]`` of one ``ckptool COMMAND PATH`` run each of ``runs`` (command,
+    input name), ``tag`` after the input's name; the bound is 64 MiB + 2 KiB per tensor (64 MiB without tensors)."""
+    bound = 64 + 2 * n_tensors / 1024
+    rows = []
+    for command, name in runs:
+        rc, wall, kib, _out, _err = run_child([*entry, command, paths[name]], workdir, env=env)
+        size = os.path.getsize(paths[name]) / 1e9 if os.path.isfile(paths[name]) else 0.0
+        rows.append([f"ckptool {command} {name}{tag} ({size:.2f} GB; {wall:.2f} s, exit {rc})", f"{kib / 1024:.0f}",
+                     f"{bound:.1f}" if name in ("tensors.pkl", "legacy.pt") else "64 (no tensors)"])
+    return rows
+
+
+def big_rss(entry: list[str], folder: str, scale: float, size_gb: float, env: dict[str, str], keep: bool,
+            log: Callable[[str], None]) -> list[list[str]]:
+    """Write (1), (2) and (3) at ``size_gb`` GB each under ``folder`` (:func:`build`) and return the peak RSS rows of
+    ``scan`` of each and ``inspect`` of (2) and (3) (:func:`peak_rss`); the files are deleted after unless
+    ``keep``."""
+    os.makedirs(folder, exist_ok=True)
+    try:
+        log(f"writing the {size_gb:g} GB inputs under {folder}")
+        n_tensors = build(folder, scale, size_gb)
+        paths = {name: os.path.join(folder, name) for name in ("blobs.pkl", "tensors.pkl", "legacy.pt")}
+        for path in paths.values():
+            warm(path)
+        runs = [("scan", n) for n in paths] + [("inspect", "tensors.pkl"), ("inspect", "legacy.pt")]
+        return peak_rss(entry, paths, runs, n_tensors, folder, env, f" at {size_gb:g} GB")
+    finally:
+        if not keep:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="size factor of the inputs (default 1.0: the issue's)")
     ap.add_argument("--workdir", default=None, help="where to write the inputs (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the inputs")
+    ap.add_argument("--size-gb", type=float, default=0.0, metavar="G",
+                    help="also write the blob, tensor and legacy inputs at about G GB each (same structure) and report "
+                         "the peak RSS of scan and inspect on them (no pairs; about 3*G GB of disk)")
     ap.add_argument("--smoke", action="store_true", help="--scale 0.02 --pairs 1, tools from this interpreter")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -172,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(workdir, exist_ok=True)
     try:
         rows, notes, rss = figures(workdir, args.scale, args.pairs, args.smoke,
-                                   lambda msg: print(msg, file=sys.stderr, flush=True))
+                                   lambda msg: print(msg, file=sys.stderr, flush=True), args.size_gb, args.keep)
         print(f"pickles at the speed of their opcodes (issue 52): {args.pairs} pairs after a warm-up, wall s, "
               f"scale {args.scale}{' (smoke: nothing to claim)' if args.smoke else ''}")
         print("\n".join("  " + n for n in notes))

@@ -130,7 +130,9 @@ def _blob_spans(data: bytes) -> list[tuple[int, int, int]]:
 def test_skipping_walk_reads_what_a_full_read_reads(base: int, which: int, how: str, value: int) -> None:
     """On pickles whose blob lengths are mutated (running past the end, negative, overlapping the next opcode,
     huge) or whose bytes are flipped, the skipping walk (views=True) and a full read give the same end offset,
-    globals and graph (views read back), or the same error with the same globals before it."""
+    globals and graph (views read back), or the same error with the same globals before it; and so does the
+    skipping walk of the same bytes read in place as a window of a larger buffer (``end``: a stream nested in a
+    ``_load_from_bytes`` blob), never reading past the window's end."""
     data = bytearray(BASES[base])
     spans = _blob_spans(bytes(data))
     if spans and how != "flip":
@@ -144,6 +146,29 @@ def test_skipping_walk_reads_what_a_full_read_reads(base: int, which: int, how: 
         data[value % len(data)] ^= 1 + which
     data = bytes(data)
     assert _read(data, views=True) == _read(data, views=False)
+    assert _read_window(data, which) == _read(data, views=True)
+
+
+#: what follows a window in :func:`_read_window`: a STOP, then a gadget pickle (what a walk past the window's end
+#: would read)
+_AFTER_WINDOW = b"." + hc.gadget_pickle("os", "system", "id", 2)
+
+
+def _read_window(data: bytes, before: int) -> tuple[str, Any]:
+    """:func:`_read` with views of ``data`` read in place as the window of a larger buffer (``before`` bytes before
+    it, a STOP and a gadget after it), as scan reads a stream nested in a ``_load_from_bytes`` blob: the offsets
+    counted from the window's start, the views read back from the larger buffer."""
+    start = 1 + before * 7
+    buf = b"\x80" * start + data + _AFTER_WINDOW
+    try:
+        root, up, end = load_pickle_at(buf, start, "pickle", views=True, end=start + len(data))
+    except CkptError as e:
+        up = getattr(e, "unpickler", None)
+        msg = re.sub(r"'(BlobView|bytes|bytearray|str)'", "'<blob type>'", str(e))
+        offset = getattr(e, "offset", None)
+        return "error", (type(e).__name__, msg, None if offset is None else offset - start,
+                         list(up.globals_seen) if up is not None else None)
+    return "ok", (end - start, list(up.globals_seen), _resolve(root, buf))
 
 
 def test_views_stand_for_the_blobs_and_the_skeleton_holds_no_blob_byte() -> None:
@@ -170,6 +195,44 @@ def test_invalid_utf8_string_blob_fails_where_a_full_read_fails() -> None:
     data = gadget[:-1] + b"0\x8d" + struct.pack("<Q", 5000) + b"\xff" * 5000 + b"."
     kind, (name, _msg, _off, seen) = _read(data, views=True)
     assert kind == "error" and name == "CorruptCheckpointError" and ("os", "system") in seen
+
+
+# ------------------------------------------------------------------------------------------------ nested streams
+#: the first bytes of a legacy torch.save stream (FORMATS.md: the magic number's pickle)
+_LEGACY_MAGIC = bytes.fromhex("80028a0a6cfc9c46f9206aa85019")
+
+
+def test_pickle_dump_of_tensors_lists_the_storage_class_of_each_stream(tmp_path: Path) -> None:
+    """``pickle.dump`` of real tensors (torch 2.x): each storage's ``_load_from_bytes`` stream is walked in place,
+    its storage class listed (allowed) at ``pickle at byte 0!_load_from_bytes at byte M!legacy main pickle``, where
+    the file's bytes at ``M`` are the legacy magic number; a stream under BLOB_MIN bytes at ``... call N``. Only the
+    outer ``_load_from_bytes`` is dangerous; torch.load (weights_only=False, this process) reads the same tensors."""
+    import torch
+
+    from ckptool.scanning.entry import scan_file
+    from ckptool.scanning.legacy_stream import TORCH_HEAD
+
+    value = {"w": torch.randn(2000), "h": torch.ones(3000, dtype=torch.bfloat16), "i": torch.arange(5),
+             "tied": None}
+    value["tied"] = value["w"][:10]  # a view: its storage pickled again, a second stream with the same bytes
+    path = tmp_path / "tensors.pkl"
+    path.write_bytes(pickle.dumps(value, protocol=4))
+    data = path.read_bytes()
+    res = scan_file(path)
+    assert res.verdict == "dangerous" and [g.name for g in res.unsafe] == ["torch.storage._load_from_bytes"]
+    storages = {g.name: g.where for g in res.globals if g.name.endswith("Storage")}
+    assert {n: len(w) for n, w in storages.items()} == {"torch.FloatStorage": 2, "torch.BFloat16Storage": 1,
+                                                        "torch.LongStorage": 1}
+    for where in [w for ws in storages.values() for w in ws]:
+        m = re.fullmatch(r"pickle at byte 0!_load_from_bytes (at byte (\d+)|call \d+)!legacy main pickle", where)
+        assert m is not None, where
+        assert m.group(2) is None or data[int(m.group(2)):int(m.group(2)) + 14] == _LEGACY_MAGIC
+        # torch's first three pickles are the ones scan records without reading them again
+        assert m.group(2) is None or data[int(m.group(2)):int(m.group(2)) + len(TORCH_HEAD)] == TORCH_HEAD
+    assert sum("_load_from_bytes at byte" in w for ws in storages.values() for w in ws) == 3  # "i": 40 bytes
+    assert not res.hidden and not res.notes and not res.cut_short
+    loaded = pickle.loads(data)  # torch.load refuses a plain pickle ("Invalid magic number"): pickle.load is its loader
+    assert torch.equal(loaded["h"], value["h"]) and loaded["w"].dtype == torch.float32
 
 
 # ------------------------------------------------------------------------------------------------ memory

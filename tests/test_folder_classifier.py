@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -129,3 +130,19 @@ def test_a_folder_no_format_accepts_is_refused(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(UsageError, match="is a folder but neither"):
         format_of(tmp_path)
+
+
+def test_a_folder_holding_one_checkpoint_file_is_that_file(tmp_path: Path) -> None:
+    """A folder none of the folder formats accepts, holding exactly one checkpoint file, in it or below it
+    (``outputs/last.ckpt``), is read as that file, the file ``scan`` of the folder reads (issue 46: inspect refused
+    it while scan read it); two such files are refused with their names, and other files do not count."""
+    top = tmp_path / "outputs"
+    (top / "run" / "weights").mkdir(parents=True)
+    (top / "notes.txt").write_text("lr 0.1\n")
+    ckpt = top / "run" / "weights" / "last.ckpt"
+    ckpt.write_bytes(pickle.dumps({"step": 3}, protocol=2))
+    assert folders.classify(str(top)) == (folders.ONE_CHECKPOINT, str(ckpt))
+    assert format_of(str(top)) == ("pickle", str(ckpt))
+    (top / "second.pt").write_bytes(b"PK\x03\x04 not really")
+    with pytest.raises(UsageError, match=r"several checkpoint files \(second\.pt, run/weights/last\.ckpt\)"):
+        folders.classify(str(top))

@@ -21,9 +21,9 @@ pytestmark = pytest.mark.torchfree
 
 
 def test_a_describer_for_every_registry_format() -> None:
-    from ckptool.ops.inspect.entry import DESCRIBE
+    from ckptool.ops.inspect.entry import DESCRIBE, inspect_tensors
 
-    assert all(callable(DESCRIBE.get(name)) for name in readers.FORMATS)
+    assert all(callable(DESCRIBE.get(name, inspect_tensors)) for name in readers.FORMATS)
 
 
 def _no_second_read(monkeypatch: pytest.MonkeyPatch) -> None:

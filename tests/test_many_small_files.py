@@ -193,9 +193,10 @@ def _legacy_stream(inner_global: bytes) -> bytes:
     return magic + protocol + sys_info + main + keys
 
 
-def test_load_from_bytes_stream_is_stepped_over_and_the_file_dangerous(tmp_path: Path, run_cli: Any) -> None:
+def test_load_from_bytes_stream_is_walked_and_its_gadget_named(tmp_path: Path, run_cli: Any) -> None:
     # docs/performance.md, "The streams inside torch.storage._load_from_bytes": the outer global makes the file
-    # dangerous; the inner stream (here one naming os.system) is stepped over, not walked
+    # dangerous, and the inner stream (here one naming os.system) is walked as the legacy stream it is: its five
+    # pickles listed, its gadget named with its where (tests/test_nested_streams.py has the rest)
     inner = _legacy_stream(b"os\nsystem")
     outer = (b"\x80\x02ctorch.storage\n_load_from_bytes\nq\x00B" + len(inner).to_bytes(4, "little") + inner
              + b"q\x01\x85q\x02Rq\x03.")
@@ -205,7 +206,10 @@ def test_load_from_bytes_stream_is_stepped_over_and_the_file_dangerous(tmp_path:
     assert r.exit_code == 1, r.output
     f = json.loads(r.output)["files"][0]
     assert f["verdict"] == "dangerous"
-    assert [p["globals"] for p in f["pickles"]] == [["torch.storage._load_from_bytes"]]
+    assert [p["globals"] for p in f["pickles"]] == [["torch.storage._load_from_bytes"], [], [], [], ["os.system"], []]
+    assert {g["name"]: g["where"] for g in f["globals"]} == {
+        "torch.storage._load_from_bytes": ["pickle at byte 0"],
+        "os.system": ["pickle at byte 0!_load_from_bytes call 1!legacy main pickle"]}
 
 
 # -- the text report's tables without tabulate (issue 52: a table a file of a folder's scan) --------------------
@@ -333,6 +337,17 @@ def test_rows_of_many_files_are_written_together_yet_as_they_come(
 
 
 # -- --jobs N of many small local files: shared with children forked from this process (issue 52 item 2) ---------
+@pytest.fixture
+def only_this_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork tests see this process as running one thread: an earlier test may leave a daemon thread that waits
+    (fsspec's IO loop, ``fsspecIO``), and --jobs then scans in one process (ManyRun._forked), which is right for a
+    run but would make these tests depend on the order they run in. The children scan local files only."""
+    import threading
+
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+
+
+@pytest.mark.usefixtures("only_this_thread")
 def test_jobs_3_where_the_second_fork_fails_scans_every_file(tmp_path: Path, run_cli: Any,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     # a child that cannot be started leaves its slice to this process, after the started children's, in order
@@ -393,6 +408,7 @@ def test_jobs_chooses_this_process_forked_children_or_a_pool_by_the_work(tmp_pat
 
 
 @pytest.mark.parametrize("child_fails", [False, True])
+@pytest.mark.usefixtures("only_this_thread")
 def test_jobs_2_shares_many_small_files_with_a_forked_child_and_prints_as_jobs_1(
         tmp_path: Path, run_cli: Any, monkeypatch: pytest.MonkeyPatch, child_fails: bool) -> None:
     from ckptool.cli import _many

@@ -43,13 +43,18 @@ def _roles() -> dict[str, tuple[Role[Any], type]]:
 @pytest.mark.torchfree
 def test_every_reference_resolves_to_a_callable() -> None:
     """Each plug-in a registry entry names imports and is callable; every format is described and loaded, and every
-    format whose tensors ckptool reads has a tensor reader."""
+    format whose tensors ckptool reads has a tensor reader (a format that registers no describer or loader gets the
+    role's default, its reader's tensors)."""
+    from ckptool.ops.inspect.entry import inspect_tensors
+    from ckptool.torch_ops.loaders import load_tensors
+
     roles = _roles()
     for f in FORMATS.values():
         for role, name in ROLES.items():
             if getattr(f, name):
                 assert callable(f.behaviour(role)), (f.name, role)  # type: ignore[arg-type]
-        assert callable(roles["describe"][0].get(f.name)) and callable(roles["load"][0].get(f.name)), f.name
+        assert callable(roles["describe"][0].get(f.name, inspect_tensors)), f.name
+        assert callable(roles["load"][0].get(f.name, load_tensors)), f.name
         assert f.reader, f.name  # every format has a reader class (its tensors refused first where not read)
         assert f.keyed or not f.tensors or f.flat, f.name  # a flat mapping says what it is when --key is refused
 

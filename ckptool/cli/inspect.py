@@ -20,6 +20,7 @@ from ckptool.model.units import human_count, plural
 from ckptool.ops.inspect.advice import advice_lines, hidden_level, metadata_lines, security_lines
 from ckptool.ops.inspect.entry import SCHEMA, CheckpointInfo, inspect
 from ckptool.ops.inspect.values import ALL_VALUES, ValueInfo
+from ckptool.readers import FORMATS
 
 #: the schema of ``inspect --tree --json``
 TREE_SCHEMA = "ckptool.inspect-tree/1"
@@ -55,16 +56,15 @@ def inspect_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, jsonl
                 limit: int, as_tree: bool, depth: int | None) -> None:
     """Show what checkpoint PATH holds, without running its code or reading tensor data.
 
-    Prints the format (torch-zip, torch-legacy, torchscript, torch-package, safetensors, sharded-safetensors,
-    sharded-bin, dcp, torch-export, deepspeed, megatron-legacy, megatron-dist, pickle), the kind (state_dict,
-    training_checkpoint, full_model, torchscript, exported_program, package, tensors), a table of tensors (key,
-    shape, dtype, saved device, size), storage bytes per device and dtype (a storage shared by several tensors, such
-    as tied weights, counted once), the state_dicts found with their wrapper prefixes and the command that removes
-    them, the non-tensor entries (epoch, steps, learning rates, hyper-parameters, scaler state; RNG states as "RNG
-    state (N bytes)"), and the globals the pickle would import, marked by whether torch.load(weights_only=True)
-    allows them and by the level `ckptool scan` gives them (safe, needs-trust, DANGEROUS). For a torch.export
-    archive (.pt2): its weights and constants, the program's signature (inputs, outputs, lifted parameters and
-    buffers) and the archive's versions. Torch is not imported and nothing from the file is run.
+    Prints the format (FORMATS), the kind (state_dict, training_checkpoint, full_model, torchscript,
+    exported_program, package, tensors), a table of tensors (key, shape, dtype, saved device, size), storage bytes
+    per device and dtype (a storage shared by several tensors, such as tied weights, counted once), the state_dicts
+    found with their wrapper prefixes and the command that removes them, the non-tensor entries (epoch, steps,
+    learning rates, hyper-parameters, scaler state; RNG states as "RNG state (N bytes)"), and the globals the pickle
+    would import, marked by whether torch.load(weights_only=True) allows them and by the level `ckptool scan` gives
+    them (safe, needs-trust, DANGEROUS). For a torch.export archive (.pt2): its weights and constants, the program's
+    signature (inputs, outputs, lifted parameters and buffers) and the archive's versions. Torch is not imported and
+    nothing from the file is run.
 
     PATH may be a URL fsspec reads (s3://, gs://, http(s)://, hf://; pip install 'ckptool[remote]'): only the
     zip directory, the pickle and the headers are fetched, by range requests, and the bytes read are shown.
@@ -95,6 +95,10 @@ def inspect_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, jsonl
         _echo_json(info)
         return
     _print_info(info, limit=None if show_all else limit)
+
+
+#: the format names of ``--help``, from the registry: a format added there is listed without editing this text
+inspect_cmd.help = (inspect_cmd.help or "").replace("(FORMATS)", f"({', '.join(FORMATS)})", 1)
 
 
 def _many(paths: tuple[str, ...], as_json: bool, jsonl: bool, jobs: int, show_all: bool, as_tree: bool) -> int:

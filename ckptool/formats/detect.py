@@ -165,6 +165,8 @@ def detect_format(path: str) -> str:
                 f"file ({size} bytes): truncated or not safetensors; re-download it"
             )
         return SAFETENSORS
+    if kind is not None and kind != PICKLE:  # a format its first bytes alone decide (HEAD_ACCEPTS)
+        return kind
     if kind == PICKLE or (kind is None and _is_old_pickle(path, head)):
         return PICKLE
     for magic, what in _KNOWN_MAGIC:
@@ -195,6 +197,20 @@ def _is_old_pickle(path: str, head: bytes) -> bool:
             return check_pickle(buf, 0, len(buf), what=path, exact=True) == len(buf)
         except CkptError:
             return False
+
+
+#: the file names ``ckptool scan`` takes for a checkpoint's when it walks a folder (beside first bytes that are a
+#: zip's or a pickle's, :func:`starts_like_checkpoint`), and the one-checkpoint folder answer of
+#: :data:`ckptool.formats.folders.FOLDER_ACCEPTS` too
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".jit", ".tar", ".zip", ".safetensors",
+                       ".model", ".pts", ".torchscript", ".mar", ".npy", ".joblib", ".dat", ".data", ".distcp",
+                       ".pt2", ".nemo")
+
+
+def starts_like_checkpoint(head: bytes) -> bool:
+    """``head`` (a file's first 4 bytes or more) is a zip's local header or a pickle's PROTO opcode of protocol 2 to
+    5: a file a folder walk takes for a checkpoint whatever its name."""
+    return head.startswith(b"PK\x03\x04") or accepts_pickle(head)
 
 
 #: the magic number a torch legacy stream starts with, as its first pickle (any protocol)

@@ -22,6 +22,8 @@ answer                 the folder holds (:mod:`ckptool.formats.megatron`, ``deep
                        model): named by that file's bytes (:func:`ckptool.formats.detect.detect_format`)
 :data:`PEFT_ADAPTER`   ``adapter_config.json`` beside ``adapter_model.safetensors`` / ``.bin`` (the file PEFT
                        loads): named by that file's bytes
+:data:`ONE_CHECKPOINT`  exactly one checkpoint file, in it or below it, as ``scan`` of the folder finds them
+                       (``outputs/last.ckpt``): named by that file's bytes
 =====================  ==========================================================================================
 
 Adding a folder format is one entry of :data:`FOLDER_ACCEPTS` and its reader. This module imports the folder
@@ -34,12 +36,20 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ckptool.errors import UsageError
+from ckptool import _source as source
+from ckptool.errors import CkptError, UsageError
 from ckptool.formats import dcp, deepspeed, megatron, sharded
-from ckptool.formats.detect import INDEX_SUFFIX, MEGATRON_DIST, MEGATRON_LEGACY
+from ckptool.formats.detect import (
+    CHECKPOINT_SUFFIXES,
+    INDEX_SUFFIX,
+    MEGATRON_DIST,
+    MEGATRON_LEGACY,
+    starts_like_checkpoint,
+)
 
-__all__ = ["DCP", "DCP_WRITTEN", "DEEPSPEED", "FOLDER_ACCEPTS", "ONE_FILE", "PEFT_ADAPTER", "SHARDED_SET",
-           "WEIGHTS_FILE", "Listing", "classify", "folder_kinds", "is_dcp_unit", "listing"]
+__all__ = ["DCP", "DCP_WRITTEN", "DEEPSPEED", "FOLDER_ACCEPTS", "ONE_CHECKPOINT", "ONE_FILE", "PEFT_ADAPTER",
+           "SHARDED_SET", "WEIGHTS_FILE", "Listing", "checkpoint_files", "classify", "folder_kinds", "is_dcp_unit",
+           "listing"]
 
 DCP = "dcp"
 DEEPSPEED = "deepspeed"
@@ -49,8 +59,12 @@ SHARDED_SET = "sharded-set"
 WEIGHTS_FILE = "weights-file"
 #: a PEFT adapter folder: the weights file PEFT loads, its format decided by its bytes
 PEFT_ADAPTER = "peft-adapter"
+#: a folder holding exactly one checkpoint file, in it or below it: that file, its format decided by its bytes
+ONE_CHECKPOINT = "one-checkpoint"
 #: the answers that name one file, whose format its first bytes decide
-ONE_FILE = frozenset({WEIGHTS_FILE, PEFT_ADAPTER})
+ONE_FILE = frozenset({WEIGHTS_FILE, PEFT_ADAPTER, ONE_CHECKPOINT})
+#: how many entries :func:`accepts_one_checkpoint` looks at before it gives up (a data folder is no checkpoint)
+MAX_WALKED = 10_000
 #: the folder formats written as a ``torch.distributed.checkpoint`` folder (``.metadata`` and ``*.distcp``), which
 #: ``scan`` reads as one unit (:func:`is_dcp_unit`)
 DCP_WRITTEN = frozenset({DCP, MEGATRON_DIST})
@@ -161,6 +175,57 @@ def accepts_peft_adapter(lst: Listing) -> str | None:
     return next((lst.join(n) for n in sharded.ADAPTER_FILES if n in lst.names), None)
 
 
+def checkpoint_files(top: str, stop: int = 2) -> list[str]:
+    """The files under the folder ``top`` that ``ckptool scan`` of it reads as checkpoints: a name ending in
+    :data:`~ckptool.formats.detect.CHECKPOINT_SUFFIXES` or first bytes of a zip or a pickle
+    (:func:`~ckptool.formats.detect.starts_like_checkpoint`), in sorted order, each folder's files before its
+    subfolders (links to folders not entered, links that lead nowhere left out), at most ``stop`` of them and none
+    past :data:`MAX_WALKED` entries listed (then those found so far). The listing's entry types spare a ``stat`` a
+    file, and a file with a checkpoint's name is not opened."""
+    found: list[str] = []
+    walked = 0
+    pending = [top]
+    while pending and walked <= MAX_WALKED:
+        folder = pending.pop(0)
+        try:
+            with os.scandir(folder) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:
+            continue
+        walked += len(entries)
+        subfolders = []
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    subfolders.append(e.path)
+                    continue
+                if not e.is_file():  # a dangling link, a link to a folder, a FIFO
+                    continue
+            except OSError:
+                continue
+            if e.name.lower().endswith(CHECKPOINT_SUFFIXES) or _head_is_checkpoint(e.path):
+                found.append(e.path)
+                if len(found) >= stop:
+                    return found
+        pending[:0] = subfolders
+    return found
+
+
+def _head_is_checkpoint(path: str) -> bool:
+    try:
+        with source.open_regular(path) as f:
+            return starts_like_checkpoint(f.read(4))
+    except (OSError, CkptError):
+        return False
+
+
+def accepts_one_checkpoint(lst: Listing) -> str | None:
+    """A folder none of the formats before accepts, holding exactly one checkpoint file (:func:`checkpoint_files`:
+    ``outputs/last.ckpt``, ``run/weights/model.pt``): that file, as ``scan`` of the folder reads it."""
+    found = checkpoint_files(lst.path)
+    return found[0] if len(found) == 1 else None
+
+
 #: THE classifier of folders: each folder format answers "is this mine?" from the folder's listing, in this order
 #: (Megatron first: its torch_dist folder is also a DCP folder, and Megatron-DeepSpeed trees hold DeepSpeed's
 #: files; a model's formats before the loose files a folder may also hold). The readers and scan take the first
@@ -168,7 +233,8 @@ def accepts_peft_adapter(lst: Listing) -> str | None:
 FOLDER_ACCEPTS: tuple[tuple[str, Callable[[Listing], str | None]], ...] = (
     (MEGATRON_DIST, accepts_megatron_dist), (MEGATRON_LEGACY, accepts_megatron_legacy),
     (DEEPSPEED, accepts_deepspeed), (DCP, accepts_dcp), (SHARDED_SET, accepts_sharded_set),
-    (WEIGHTS_FILE, accepts_weights_file), (PEFT_ADAPTER, accepts_peft_adapter))
+    (WEIGHTS_FILE, accepts_weights_file), (PEFT_ADAPTER, accepts_peft_adapter),
+    (ONE_CHECKPOINT, accepts_one_checkpoint))
 
 
 def folder_kinds(lst: Listing) -> Iterator[tuple[str, str]]:
@@ -193,9 +259,13 @@ def classify(path: str) -> tuple[str, str]:
     """
     found = next(folder_kinds(listing(path)), None)
     if found is None:
+        several = checkpoint_files(path, stop=4)
+        held = (f"; it holds several checkpoint files ({', '.join(os.path.relpath(f, path) for f in several[:3])}"
+                f"{', ...' if len(several) > 3 else ''}): pass one of them") if several else \
+            "; pass the checkpoint file"
         raise UsageError(
             f"{path} is a folder but neither a torch.distributed.checkpoint folder (no .metadata) nor a sharded "
-            "checkpoint (no *.index.json, model.safetensors or pytorch_model.bin); pass the checkpoint file")
+            f"checkpoint (no *.index.json, model.safetensors or pytorch_model.bin){held}")
     return found
 
 

@@ -30,6 +30,10 @@ REBUILD_PARAMETER_WITH_STATE = ("torch._utils", "_rebuild_parameter_with_state")
 REBUILD_FROM_TYPE_V2 = ("torch._tensor", "_rebuild_from_type_v2")
 #: the rebuild functions whose first argument is a storage (``_rebuild_from_type_v2`` wraps one of them)
 STORAGE_TENSOR_REBUILDERS = frozenset({REBUILD_TENSOR_V2, REBUILD_TENSOR_V3, REBUILD_TENSOR, REBUILD_QTENSOR})
+#: ``torch.storage._load_from_bytes(b)`` runs ``torch.load(io.BytesIO(b), weights_only=False)``: ``b`` is a whole
+#: torch.save stream (``pickle.dump`` of a tensor writes its storage so, in the legacy format); the argument of each
+#: call is kept (:attr:`GlobalMeta.streams`) for scan to walk
+LOAD_FROM_BYTES = ("torch.storage", "_load_from_bytes")
 
 def py3_global(module: str, name: str) -> tuple[str, str]:
     """``(module, name)`` of a global as Python 3's ``pickle`` resolves a Python 2 name: through the standard
@@ -103,8 +107,11 @@ class GlobalMeta(type):
     node_type: type[ReduceNode] | None
 
     #: how a call sizes the memory it allocates (:func:`_sizing_for`): 0 (it does not), ``_FIRST_ARG``, ``_INT_ARGS``
-    #: or ``_THIRD_ARG_SHAPE``
+    #: or ``_THIRD_ARG_SHAPE``; or ``_STREAM_ARG``: its argument is a stream torch.load reads (kept: :attr:`streams`)
     sizing: int
+    #: (``_STREAM_ARG`` globals only: :data:`LOAD_FROM_BYTES`) the argument of each call of one argument, in call
+    #: order, the same object once per call (a memo reference passes it again)
+    streams: list[Any]
     #: the most elements a call of this global asked to allocate (a class attribute, set only when one did)
     requested: int = 0
     #: how many BUILDs set attributes on the class itself (class mutation; set only when one did)
@@ -441,7 +448,7 @@ def node_type_for(module: str, name: str) -> type[ReduceNode] | None:
 #: ``torch.FloatStorage(n)``), 2 the product of its int arguments (a legacy tensor type ``torch.FloatTensor(a, b)``),
 #: 3 the product of its third argument (``torch._utils._rebuild_qtensor(storage, offset, size, ...)`` allocates a
 #: quantized tensor of ``size`` before it sets its storage)
-_FIRST_ARG, _INT_ARGS, _THIRD_ARG_SHAPE = 1, 2, 3
+_FIRST_ARG, _INT_ARGS, _THIRD_ARG_SHAPE, _STREAM_ARG = 1, 2, 3, 4
 _BYTES_TYPES = frozenset({("builtins", "bytearray"), ("builtins", "bytes")})
 _TORCH_TYPE_MODULES = frozenset({"torch", "torch.cuda", "torch.storage"})
 
@@ -450,6 +457,8 @@ def _sizing_for(module: str, name: str) -> int:
     """How a call of global ``module.name`` sizes the memory it allocates (a ``_FIRST_ARG``-style constant), 0 for
     a global whose call allocates nothing sized by its arguments."""
     module, name = py3_global(module, name)
+    if (module, name) == LOAD_FROM_BYTES:
+        return _STREAM_ARG
     if (module, name) in _BYTES_TYPES or (module in _TORCH_TYPE_MODULES and name.endswith("Storage")):
         return _FIRST_ARG
     if module in ("torch", "torch.cuda") and name.endswith("Tensor"):
@@ -537,7 +546,13 @@ def _note_passed(g: GlobalMeta, args: tuple[Any, ...]) -> None:
 
 
 def _note_request(g: GlobalMeta, args: tuple[Any, ...]) -> None:
-    """Remember on placeholder ``g`` the most elements a call of it asks to allocate (:func:`requested_elements`)."""
+    """Remember on placeholder ``g`` the most elements a call of it asks to allocate (:func:`requested_elements`),
+    or (``_STREAM_ARG``) the argument of a call of one argument (torch's ``_load_from_bytes(b)``; other calls fail
+    before loading anything)."""
+    if g.sizing == _STREAM_ARG:
+        if len(args) == 1:
+            g.streams.append(args[0])
+        return
     n = requested_elements(g, args)
     if n > g.requested:
         g.requested = n
@@ -546,9 +561,12 @@ def _note_request(g: GlobalMeta, args: tuple[Any, ...]) -> None:
 def new_global(module: str, name: str) -> GlobalMeta:
     """A new placeholder for global ``module.name``: a class whose call records a node (:func:`node_type_for`)
     instead of calling anything. The restricted unpickler makes one per name it reads (cached per file)."""
-    return GlobalMeta("Global", (ObjectNode,),
-                      {"__slots__": (), "module": module, "name": name, "node_type": node_type_for(module, name),
-                       "sizing": _sizing_for(module, name)})
+    sizing = _sizing_for(module, name)
+    ns: dict[str, Any] = {"__slots__": (), "module": module, "name": name, "node_type": node_type_for(module, name),
+                          "sizing": sizing}
+    if sizing == _STREAM_ARG:
+        ns["streams"] = []
+    return GlobalMeta("Global", (ObjectNode,), ns)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -157,7 +157,9 @@ def read_checkpoint(path: str, fmt: str | None = None) -> Checkpoint:
             f"command does not apply to it. `ckptool convert {path} -o model.safetensors` (or -o model.pt) writes its "
             "state_dict without running the package's code, then run the command on that file; `ckptool inspect "
             f"{path}` lists its pickles, tensors and modules, `ckptool scan {path}` says what loading it runs")
-    raise UnsupportedError(f"{path} is {fmt}, not a torch.save checkpoint")
+    raise UnsupportedError(f"{path} is {fmt}, not a torch.save checkpoint: this command does not apply to it. "
+                           f"`ckptool convert {path} -o model.pt` writes its tensors as a torch.save file, then run "
+                           "the command on that file")
 
 
 def read_pickle_file(path: str, *, views: bool = False) -> Checkpoint:

@@ -49,6 +49,7 @@ from ckptool.formats.dtypes import STORAGE_TYPES
 from ckptool.formats.nodes import (
     ALLOC,
     CLASS_BUILD,
+    LOAD_FROM_BYTES,
     MAX_ARGS_WALKED,
     BlobView,
     GlobalMeta,
@@ -136,6 +137,19 @@ class RestrictedUnpickler(pickle.Unpickler):
             if g is not None and not (g.called or g.passed or g.class_builds):
                 out.add(qualified_name(*key))
         return out
+
+    def streams(self) -> list[Any]:
+        """The argument of each ``torch.storage._load_from_bytes`` call the pickle made (one argument each, in call
+        order, a memo reference passing the same object again): a ``bytes`` or ``bytearray`` (a
+        :class:`~ckptool.formats.nodes.BlobView` when read with views), or whatever else the pickle passed. Each is
+        a whole torch.save stream that torch.load reads with ``weights_only=False`` (``torch/storage.py``); also after
+        a failed :meth:`load`, for the calls made before the failure. Taken once: the list is emptied."""
+        g = self._globals.get(LOAD_FROM_BYTES)
+        if g is None or not g.streams:
+            return []
+        got = list(g.streams)
+        g.streams.clear()
+        return got
 
     def find_class(self, module: str, name: str) -> GlobalMeta:
         """The placeholder for global ``module.name`` (one per name and ``global_cache``); imports nothing."""
@@ -287,7 +301,7 @@ def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exa
                    strict_frames: bool = True, storages: dict[str, StorageRef] | None = None,
                    global_cache: dict[tuple[str, str], GlobalMeta] | None = None,
                    weights_only: list[str | None] | None = None,
-                   views: bool = False) -> tuple[Any, RestrictedUnpickler, int]:
+                   views: bool = False, end: int | None = None) -> tuple[Any, RestrictedUnpickler, int]:
     """Check (:func:`check_pickle`) then unpickle the pickle that starts at ``buf[pos]`` into a node graph.
 
     ``buf`` is bytes or an ``mmap``; ``exact=True`` when the pickle ends exactly at the end of ``buf``;
@@ -299,9 +313,10 @@ def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exa
     :data:`~ckptool.formats.pickle_check.BLOB_MIN` bytes or more) is left in ``buf`` and stands in the graph as a
     :class:`~ckptool.formats.nodes.BlobView`: the walk steps over it by its declared length and the unpickler reads
     a skeleton of the opcodes without it (:func:`_skeleton`), so memory follows the pickle's structure, not its
-    size; the same opcodes run in the same order, so the globals and errors are those of a full read. If parsing
-    fails after the checks, the error's ``unpickler`` attribute still lists (``globals_seen``) the globals named
-    before the failure.
+    size; the same opcodes run in the same order, so the globals and errors are those of a full read. ``end``: the
+    data ends there (a window of ``buf``: a stream nested in a blob, read in place), not at ``len(buf)``; lengths
+    and a missing STOP are judged against it. If parsing fails after the checks, the error's ``unpickler``
+    attribute still lists (``globals_seen``) the globals named before the failure.
 
     Raises:
         CorruptCheckpointError: a truncated, malformed or hostile pickle (``what`` names it in the message).
@@ -309,7 +324,7 @@ def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exa
     """
     spans: list[Span] | None = [] if views else None
     gaps: list[tuple[bytes, bytes]] | None = [] if views else None
-    end = check_pickle(buf, pos, what=what, exact=exact, strict_frames=strict_frames, weights_only=weights_only,
+    end = check_pickle(buf, pos, end, what=what, exact=exact, strict_frames=strict_frames, weights_only=weights_only,
                        blobs=spans, gaps=gaps)
     chunk, found = _skeleton(buf, pos, end, spans, gaps) if spans else (_chunk(buf, pos, end), None)
     up = RestrictedUnpickler(_flat_reader(chunk), storages=storages, global_cache=global_cache, views=found)

@@ -266,11 +266,17 @@ def _extractable(src: str) -> Opened:
 
     Raises:
         UnsupportedError: a format the registry says this command refuses (safetensors: already a state_dict,
-            TorchScript, a plain pickle: :attr:`ckptool.readers.Format.refusals`); a folder or a set
+            TorchScript, a plain pickle: :attr:`ckptool.readers.Format.refusals`); any other format of one flat
+            mapping of tensors that is no pickle (not :attr:`~ckptool.readers.Format.keyed`: already a
+            state_dict, where the ``.pt2`` path would describe it as an exported program); a folder or a set
             (:meth:`ckptool.readers.Opened.require_file`).
     """
     opened = open_checkpoint(src).require_file()
-    refusal = opened.spec.refusals.get(OPERATION)
+    spec = opened.spec
+    refusal = spec.refusals.get(OPERATION)
+    if refusal is None and not spec.keyed and not spec.pickled:  # one flat mapping of tensors, no nn.Module
+        refusal = (f"is {spec.flat or 'a ' + spec.label.strip('`')}: it already is a state_dict (one flat mapping "
+                   "of tensors); use it as it is")
     if refusal:
         raise UnsupportedError(f"{src} {refusal}")
     return opened

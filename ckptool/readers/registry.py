@@ -165,7 +165,8 @@ class Format:
 
     What differs per format in the layers above (``inspect``'s describer, ``load_into``'s loader, a written
     output's load hint, ``remap``'s rewriter) is not named here: those layers register it in a :class:`Role` of
-    their own.
+    their own, whose default reads the format's tensors through ``reader`` (a new format of one flat mapping of
+    tensors registers nothing there).
 
     ``support`` is the format's row of the support matrix (:mod:`ckptool.ops.matrix`, ``docs/formats.md``):
     operation -> :class:`~ckptool.readers.support.Cell` for every operation that does not plainly work (a refusal

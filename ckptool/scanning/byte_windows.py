@@ -3,12 +3,13 @@ file seen as a file and as bytes, and where a zip's end record says the zip star
 
 from __future__ import annotations
 
+import io
 import struct
-from typing import Any, TypeAlias
+from typing import Any, BinaryIO, TypeAlias, cast
 
 from ckptool.formats.pickle_check import PickleBuffer
 
-__all__ = ["ZIP_EOCD", "ZIP_LOCAL", "Container", "Window", "end_record", "zip_end", "zip_start"]
+__all__ = ["ZIP_EOCD", "ZIP_LOCAL", "Container", "Window", "as_file", "end_record", "zip_end", "zip_start"]
 
 #: the signature of a zip local file header (the first bytes of a zip)
 ZIP_LOCAL = b"PK\x03\x04"
@@ -79,7 +80,7 @@ def end_record(buf: Container) -> tuple[int, int, int, int] | None:
     return lo + at, cd_size, cd_offset, clen
 
 
-def zip_start(buf: PickleBuffer, pos: int) -> int | None:
+def zip_start(buf: Container, pos: int) -> int | None:
     """Where a zip appended after ``pos`` starts (what ``zipfile`` computes: end record - directory size -
     directory offset), or None."""
     found = end_record(buf)
@@ -96,3 +97,10 @@ def zip_end(buf: Container) -> int | None:
     """The offset just after the last end of central directory record of ``buf`` (and its comment), or None."""
     found = end_record(buf)
     return None if found is None else found[0] + 22 + found[3]
+
+
+def as_file(buf: Container) -> BinaryIO:
+    """``buf`` as a file: a :class:`Window` is one already; bytes and mapped files get a ``BytesIO``."""
+    if isinstance(buf, Window):
+        return cast(BinaryIO, buf)
+    return io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf))

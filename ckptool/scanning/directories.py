@@ -12,7 +12,7 @@ from ckptool.formats import detect as formats
 from ckptool.formats.zipdir import Directory, ZipEntry, plain_directory, read_directory, zipfile_directory
 from ckptool.scanning.tar import inside
 
-__all__ = ["zip_directories"]
+__all__ = ["first_of_group", "zip_directories"]
 
 
 def zip_directories(f: BinaryIO, size: int, where: str, path: str, top_file: bool, note: Callable[[str], None]
@@ -87,3 +87,13 @@ def _plain_extra(f: BinaryIO, size: int, where: str, label: str, torch_view: Dir
          f"ZIP64 end record (which torch and zipfile read): its {len(plain)} entries were scanned too")
     seen = {(e.name, e.header_offset) for e in extra}
     return [e for e in more if (e.name, e.header_offset) not in seen]
+
+
+def first_of_group(shared: dict[tuple[int, int, int, int], list[str]] | None, e: ZipEntry, label: str) -> bool:
+    """Add ``label`` to the members sharing ``e``'s local header, sizes and method; True for the first of them
+    (the one read)."""
+    if shared is None:
+        return True
+    group = shared.setdefault((e.header_offset, e.compress_size, e.method, e.file_size), [])
+    group.append(label)
+    return len(group) == 1

@@ -76,10 +76,10 @@ from typing import Any, cast
 
 from ckptool import _source as source
 from ckptool._source import RangeView, leaves_folder
-from ckptool.errors import CkptError, InputNotFoundError, TruncatedError, UsageError
+from ckptool.errors import CkptError, InputNotFoundError, TruncatedError, UnsupportedError, UsageError
 from ckptool.formats import detect as formats
 from ckptool.formats import plugin
-from ckptool.formats.detect import INDEX_SUFFIX
+from ckptool.formats.detect import CHECKPOINT_SUFFIXES, INDEX_SUFFIX, starts_like_checkpoint
 from ckptool.formats.dtypes import element_size, numel, storage_element, tensor_dtype
 from ckptool.formats.nodes import TensorNode
 from ckptool.formats.pickle_check import PickleBuffer
@@ -102,8 +102,9 @@ from ckptool.scanning.results import (
 )
 from ckptool.scanning.shipped_code import CodeScanner
 
-__all__ = ["EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult", "combine_results",
-           "exit_status", "iter_paths", "iter_targets", "scan", "scan_file", "unreadable"]
+__all__ = ["CHECKPOINT_SUFFIXES", "EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult",
+           "add_results", "combine_results", "exit_status", "iter_paths", "iter_targets", "scan", "scan_file",
+           "scans_as_one", "unreadable"]
 
 
 def scan_file(path: str | os.PathLike[str], *,
@@ -168,6 +169,8 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None, key_paths: b
             res.format = layout.format
             if layout.header:
                 plugin("ckptool.formats.safetensors:read_header")(path)
+            elif layout.read_by_reader:
+                _read_by_reader(path, layout.format)
     except NotAPickle:
         if is_code_config(path) and not source.is_url(path):
             layout = _scan_code_config(sc, path)
@@ -192,6 +195,25 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None, key_paths: b
     if source.is_url(path):
         res.bytes_read = source.thread_bytes_transferred() - start
     return res
+
+
+def _read_by_reader(path: str, fmt: str) -> None:
+    """A classifier answer with no scan layout of its own (:func:`ckptool.scanning.layouts.head_layout`): the
+    registry's reader of ``fmt`` reads the file's tensors as every command reads them (no tensor bytes).
+
+    Raises:
+        UnsupportedError: ``fmt`` is no registry format, or one whose structure is a pickle
+            (:attr:`ckptool.readers.Format.pickled`): a scan that walked no pickle does not say safe.
+        CkptError: what the reader raises (a damaged header).
+    """
+    opened = plugin("ckptool.readers:Opened")(path, fmt, path)
+    try:
+        pickled = opened.spec.pickled
+    except KeyError:  # a classifier answer the registry does not list
+        pickled = True
+    if pickled:
+        raise UnsupportedError(f"{path}: scan has no layout for a {fmt} file, so its pickles were not walked")
+    opened.state_dict()
 
 
 #: the names of the files of a DCP folder (``.metadata``, ``*.distcp``), the only files :func:`scan_file` reads
@@ -338,9 +360,6 @@ def _not_a_pickle(path: str) -> str:
 
 
 #: file name endings scanned inside a directory (explicit file arguments are always scanned)
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".jit", ".tar", ".zip", ".safetensors",
-                       ".model", ".pts", ".torchscript", ".mar", ".npy", ".joblib", ".dat", ".data", ".distcp",
-                       ".pt2", ".nemo")
 
 
 def iter_paths(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
@@ -586,7 +605,7 @@ def _looks_like_checkpoint(path: str) -> bool:
         return True
     except (OSError, CkptError):
         return False
-    return head.startswith(ZIP_LOCAL) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+    return starts_like_checkpoint(head)
 
 
 def scan(paths: Iterable[str | os.PathLike[str]], *, key_paths: bool = True) -> list[ScanResult]:

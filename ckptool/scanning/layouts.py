@@ -4,13 +4,13 @@ safetensors header is read). The walk asks these facts; it never compares the na
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckptool.formats import detect
 
 __all__ = ["CONFIG", "EXPORT", "GZIP", "HEAD_LAYOUTS", "LEGACY", "LEGACY_TAR", "NPY", "PICKLE", "SAFETENSORS",
-           "SEVEN_ZIP", "TAR", "TORCHSCRIPT", "TORCH_PACKAGE", "TORCH_ZIP", "ZIP", "ZIP_LAYOUTS", "ZLIB", "Layout",
-           "zip_layout"]
+           "SEVEN_ZIP", "TAR", "TENSOR_FILE", "TORCHSCRIPT", "TORCH_PACKAGE", "TORCH_ZIP", "ZIP", "ZIP_LAYOUTS",
+           "ZLIB", "Layout", "head_layout", "zip_layout"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,9 @@ class Layout:
     storage_record: str = ""
     #: the records its loader cannot do without (``torch.jit.load`` fails on an archive without ``data.pkl``)
     required_records: tuple[str, ...] = ()
+    #: a classifier answer with no layout of its own (:func:`head_layout`): a registry format of tensor bytes and
+    #: a header, no pickle, whose reader reads the file as every command reads it (its error is the scan's error)
+    read_by_reader: bool = False
     #: the :class:`~ckptool.scanning.pickles.Scanner` method that walks a file the classifier's first bytes call
     #: this (:data:`ckptool.formats.detect.HEAD_ACCEPTS`); ``""`` for the layouts a zip's members decide
     walk: str = ""
@@ -74,8 +77,19 @@ SEVEN_ZIP = Layout("7z")
 NPY = Layout("npy")
 #: a config that makes a loader run code (a Hugging Face ``auto_map``, NeMo's Hydra ``_target_`` entries)
 CONFIG = Layout("config")
+#: what :func:`head_layout` gives a classifier answer with no layout here, under the answer's name
+TENSOR_FILE = Layout("tensor-file", read_by_reader=True, walk="walk_tensor_file")
 #: the layout of each answer of the one classifier of first bytes (:func:`ckptool.formats.detect.head_kinds`)
 HEAD_LAYOUTS: dict[str, Layout] = {layout.format: layout for layout in (ZIP, LEGACY_TAR, LEGACY, SAFETENSORS, PICKLE)}
+
+
+def head_layout(kind: str) -> Layout:
+    """The layout of the classifier's answer ``kind`` (:func:`ckptool.formats.detect.head_kinds`): its own in
+    :data:`HEAD_LAYOUTS`, else one that walks no pickle and has the registry's reader read the file
+    (:attr:`Layout.read_by_reader`), so that a format added to the registry and the classifier is scanned without a
+    layout here."""
+    found = HEAD_LAYOUTS.get(kind)
+    return found if found is not None else replace(TENSOR_FILE, format=kind)
 
 
 def zip_layout(kind: str | None) -> Layout:

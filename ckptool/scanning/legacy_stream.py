@@ -1,22 +1,48 @@
 """The torch legacy stream walk of ``ckptool scan`` (:class:`LegacyWalk`, a base class of
 :class:`ckptool.scanning.pickles.Scanner`): the five pickles of a file ``torch.save`` wrote before torch 1.6, then
-its storage blocks, to find data after them. Nothing is imported or called from the file.
+its storage blocks, to find data after them; and the streams nested in a pickle's ``torch.storage._load_from_bytes``
+calls (``pickle.dump`` of a tensor writes its storage so), each walked in place, as the stream torch.load reads it
+(:meth:`LegacyWalk.nested_streams`). Nothing is imported or called from the file.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptool.errors import CkptError, TruncatedError
 from ckptool.formats.dtypes import STORAGE_TYPES
-from ckptool.formats.nodes import StorageRef, qualified_name
-from ckptool.formats.pickle_check import PickleBuffer
+from ckptool.formats.nodes import LOAD_FROM_BYTES, BlobView, StorageRef, qualified_name
+from ckptool.formats.pickle_check import PickleBuffer, release_pages
+from ckptool.scanning.byte_windows import ZIP_LOCAL, Container, Window
 from ckptool.scanning.results import PickleFinding, ScanResult
 from ckptool.scanning.tar import inside, join_where
 
-__all__ = ["LegacyWalk", "failed"]
+if TYPE_CHECKING:
+    from ckptool.formats.unpickler import RestrictedUnpickler
+    from ckptool.scanning.layouts import Layout
+
+__all__ = ["MAX_STREAM_DEPTH", "STREAM_LOADER", "LegacyWalk", "failed"]
+
+#: ``torch.storage._load_from_bytes`` streams inside the stream of another are walked this deep (a real
+#: ``pickle.dump`` of tensors nests one); a stream deeper still is an unreadable finding (the verdict is then no
+#: better than ``error``)
+MAX_STREAM_DEPTH = 4
+#: the pages a walk of a stream touched are handed back in this many bytes around it: the kernel maps up to 64 KiB
+#: around a page read from a mapped file (fault-around), pages of the bytes before the stream included
+_AROUND = 64 << 10
+#: the first three pickles of every stream ``torch.save`` writes in the legacy format on a little-endian machine (the
+#: magic number, the protocol version 1001, the sys-info dict; torch/serialization.py ``_legacy_save``), and the
+#: offsets where each ends: they name no global, so a stream that starts with these bytes (each storage of a
+#: ``pickle.dump`` of tensors) has them recorded as a read records them, without reading them again
+TORCH_HEAD = (b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19.\x80\x02M\xe9\x03."
+              b"\x80\x02}q\x00(X\x10\x00\x00\x00protocol_versionq\x01M\xe9\x03X\r\x00\x00\x00little_endianq\x02\x88"
+              b"X\n\x00\x00\x00type_sizesq\x03}q\x04(X\x05\x00\x00\x00shortq\x05K\x02X\x03\x00\x00\x00intq\x06K\x04"
+              b"X\x04\x00\x00\x00longq\x07K\x04uu.")
+_HEAD_ENDS = (15, 21, len(TORCH_HEAD))
+#: the global whose calls pass a stream that torch.load reads (:meth:`LegacyWalk.nested_streams`)
+STREAM_LOADER = qualified_name(*LOAD_FROM_BYTES)
 
 
 def failed(where: str, offset: int, names: list[str], err: Exception) -> PickleFinding:
@@ -32,59 +58,140 @@ class LegacyWalk:
     res: ScanResult
     #: the pickles torch's loader reads (every other one is hidden)
     loaded: set[str]
+    #: the root of the first pickle torch's loader reads
+    root: Any
+    #: how many ``_load_from_bytes`` streams the walk is inside (:meth:`nested_streams`)
+    stream_depth: int = 0
 
     if TYPE_CHECKING:  # provided by Scanner
-        def load_at(self, buf: PickleBuffer, pos: int, where: str,
-                    storages: dict[str, StorageRef] | None) -> tuple[Any, Any, int]: ...
+        def load_at(self, buf: PickleBuffer, pos: int, where: str, storages: dict[str, StorageRef] | None,
+                    stop: int | None = None) -> tuple[Any, Any, int]: ...
         def record(self, finding: PickleFinding, root: Any = None, uncalled: Collection[str] = ()) -> None: ...
         def note(self, text: str) -> None: ...
-        def trailing(self, buf: PickleBuffer, pos: int, where: str, depth: int) -> None: ...
-        def globals_before_failure(self, buf: PickleBuffer, pos: int, what: str, e: CkptError) -> list[str]: ...
+        def trailing(self, buf: PickleBuffer, pos: int, where: str, depth: int, *, base: int = 0,
+                     stop: int | None = None) -> None: ...
+        def globals_before_failure(self, buf: PickleBuffer, pos: int, what: str, e: CkptError,
+                                   stop: int | None = None) -> list[str]: ...
+        def zip(self, buf: Container, where: str, depth: int, f: BinaryIO | None = None, *,
+                loaded: bool = False) -> Layout: ...
 
-    def legacy(self, buf: PickleBuffer, where: str, depth: int) -> None:
+    def legacy(self, buf: PickleBuffer, where: str, depth: int, *, start: int = 0, stop: int | None = None,
+               loaded: bool = False) -> None:
         """The five pickles of a torch legacy stream (torch/serialization.py ``_legacy_load``), then its storage
-        blocks, to find data after them."""
-        pos = 0
+        blocks, to find data after them. ``start``, ``stop``: the stream is ``buf[start:stop]`` (a window of the
+        outer buffer: a ``_load_from_bytes`` stream, read in place), its offsets counted from ``start``;
+        ``loaded``: torch's loader reads the stream (the file itself is always read)."""
+        stop = len(buf) if stop is None else stop
+        pos = start
         main_storages: dict[str, StorageRef] = {}
         keys: object = None
+        known = buf[start:start + len(TORCH_HEAD)] == TORCH_HEAD and start + len(TORCH_HEAD) <= stop
         for i, part in enumerate(("magic number", "protocol version", "sys_info", "main pickle", "storage keys")):
             label = join_where(where, f"legacy {part}")
-            if not where:
+            if loaded or not where:
                 self.loaded.add(label)
+            if known and i < len(_HEAD_ENDS):  # torch's own first pickles (TORCH_HEAD): what a read records
+                self.record(PickleFinding(label, pos - start, []))
+                pos = start + _HEAD_ENDS[i]
+                continue
             try:
-                root, up, end = self.load_at(buf, pos, label, main_storages if i == 3 else None)
+                root, up, end = self.load_at(buf, pos, label, main_storages if i == 3 else None, stop)
             except CkptError as e:
-                self.record(failed(label, pos, self.globals_before_failure(buf, pos, label, e), e))
+                self.record(failed(label, pos - start, self.globals_before_failure(buf, pos, label, e, stop), e))
+                self.nested_streams(buf, getattr(e, "unpickler", None), label, pos)
                 return
-            self.record(PickleFinding(label, pos, [qualified_name(m, n) for m, n in up.globals_seen]),
+            self.record(PickleFinding(label, pos - start, [qualified_name(m, n) for m, n in up.globals_seen]),
                         root if i == 3 else None, up.uncalled_globals())
+            self.nested_streams(buf, up, label, pos)
             if i == 4:
                 keys = root
             pos = end
-        # the storage blocks: 8-byte element count + numel * element size bytes each, in key order
+        after = self._storage_blocks(buf, keys, main_storages, pos, start, stop, where)
+        if after is not None and after < stop:
+            self.trailing(buf, after, where, depth, base=start, stop=stop)
+
+    def _storage_blocks(self, buf: PickleBuffer, keys: object, main_storages: dict[str, StorageRef], pos: int,
+                        start: int, stop: int, where: str) -> int | None:
+        """The storage blocks of a legacy stream ``buf[start:stop]`` from ``pos`` (after its pickles), in the order
+        of the storage ``keys`` (the last pickle's root): 8-byte element count + numel * element size bytes each,
+        stepped over by their declared sizes, never read. Returns where they end; None (a note, or what is cut
+        short) when they do not add up."""
         if not isinstance(keys, list):
-            self.note("the legacy storage key list is not a list; data after it was not checked")
-            return
+            self.note(f"the legacy storage key list{inside(where)} is not a list; data after it was not checked")
+            return None
         for key in keys:
             ref = main_storages.get(str(key)) if isinstance(key, (str, int)) else None
-            head = bytes(buf[pos:pos + 8])
+            head = bytes(buf[pos:min(pos + 8, stop)])
             if ref is not None and len(head) != 8:
-                self.res.incomplete.append(f"the data ends at byte {len(buf)}{inside(where)}, before the legacy "
+                self.res.incomplete.append(f"the data ends at byte {stop - start}{inside(where)}, before the legacy "
                                            f"storage {key}: the file is truncated (torch.load fails on it)")
-                return
+                return None
             if ref is None:
-                self.note("the legacy storage blocks do not match the storage keys; data after them was not checked")
-                return
+                self.note(f"the legacy storage blocks{inside(where)} do not match the storage keys; data after them "
+                          "was not checked")
+                return None
             numel = struct.unpack("<q", head)[0]
             elsize = STORAGE_TYPES.get(ref.storage_type_name, ("", 1))[1]
             if numel < 0:
-                self.note("a legacy storage block has a negative size; data after it was not checked")
-                return
-            if pos + 8 + numel * elsize > len(buf):
+                self.note(f"a legacy storage block{inside(where)} has a negative size; data after it was not checked")
+                return None
+            if pos + 8 + numel * elsize > stop:
                 self.res.incomplete.append(
-                    f"legacy storage {key} needs {numel * elsize} bytes at byte {pos + 8}{inside(where)}, but the "
-                    f"data ends at byte {len(buf)}: the file is truncated (torch.load fails on it)")
-                return
+                    f"legacy storage {key} needs {numel * elsize} bytes at byte {pos + 8 - start}{inside(where)}, but "
+                    f"the data ends at byte {stop - start}: the file is truncated (torch.load fails on it)")
+                return None
             pos += 8 + numel * elsize
-        if pos < len(buf):
-            self.trailing(buf, pos, where, depth)
+        return pos
+
+    def nested_streams(self, buf: PickleBuffer, up: RestrictedUnpickler | None, where: str, pos: int) -> None:
+        """The stream each ``torch.storage._load_from_bytes(b)`` call of the pickle just read at ``buf[pos]``
+        (``up``: its unpickler, :meth:`~ckptool.formats.unpickler.RestrictedUnpickler.streams`; None: none) passed:
+        ``torch.load(io.BytesIO(b), weights_only=False)`` runs what ``b``'s pickles name, so each ``b`` is walked
+        (:meth:`stream`), where ``b`` lies in ``buf`` (a :class:`~ckptool.formats.nodes.BlobView`: never copied), at
+        ``where!_load_from_bytes at byte M`` (``M``: its first byte, counted from the pickle's start); a short ``b``
+        (read as bytes) at ``where!_load_from_bytes call N``. A memo reference passing the same ``b`` again is not
+        walked again; an argument that is no bytes the pickle holds (a value built by a call) is a note."""
+        streams = up.streams() if up is not None else []
+        loaded = where in self.loaded
+        seen: set[int] = set()
+        for n, b in enumerate(streams, 1):
+            if id(b) in seen:
+                continue
+            seen.add(id(b))
+            if isinstance(b, BlobView) and b.kind != "str":
+                self.stream(buf, b.offset, b.offset + b.length,
+                            join_where(where, f"_load_from_bytes at byte {b.offset - pos}"), loaded)
+            elif isinstance(b, (bytes, bytearray)):
+                self.stream(b, 0, len(b), join_where(where, f"_load_from_bytes call {n}"), loaded)
+            else:
+                what = "a str" if isinstance(b, (str, BlobView)) else f"a {type(b).__name__} (not bytes the file holds)"
+                self.note(f"torch.storage._load_from_bytes call {n} in {where} is passed {what}: no stream to walk")
+
+    def stream(self, buf: PickleBuffer, start: int, stop: int, where: str, loaded: bool) -> None:
+        """``buf[start:stop]``, a stream ``torch.load`` reads from memory (``io.BytesIO``: it never tries the tar
+        layout there), walked in place: a zip (its first bytes ``PK\\x03\\x04``, torch's ``_is_zipfile``) by
+        :meth:`zip` over a :class:`~ckptool.scanning.byte_windows.Window`, anything else as a legacy stream
+        (:meth:`legacy`), whose first pickle torch unpickles whatever it is. ``loaded``: torch's loader reads the
+        pickle that passes it. Nested more than :data:`MAX_STREAM_DEPTH` deep: an unreadable finding. The pages of
+        a mapped ``buf`` the walk touched, and those the kernel mapped around them (:data:`_AROUND`), are handed
+        back after it (:func:`~ckptool.formats.pickle_check.release_pages`)."""
+        if loaded:
+            self.loaded.add(where)
+        if self.stream_depth >= MAX_STREAM_DEPTH:
+            self.record(PickleFinding(where, 0, [], f"not read: torch.storage._load_from_bytes streams nested more "
+                                                    f"than {MAX_STREAM_DEPTH} deep"))
+            return
+        root = self.root
+        self.stream_depth += 1
+        try:
+            if bytes(buf[start:min(start + 4, stop)]) == ZIP_LOCAL:
+                try:
+                    self.zip(Window(buf, start, stop - start), where, self.stream_depth, loaded=loaded)
+                except CkptError as err:
+                    self.record(failed(where, 0, [], err))
+            else:
+                self.legacy(buf, where, self.stream_depth, start=start, stop=stop, loaded=loaded)
+        finally:
+            self.stream_depth -= 1
+            self.root = root  # the root of the file's pickle, not of a stream inside it
+            release_pages(buf, start // _AROUND * _AROUND, min(len(buf), -(-stop // _AROUND) * _AROUND))

@@ -9,7 +9,6 @@ and :mod:`ckptool.scanning.legacy_stream`. Nothing is imported or called from th
 
 from __future__ import annotations
 
-import io
 import os
 import struct
 import zlib
@@ -17,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from itertools import compress, repeat
 from operator import not_, or_
-from typing import Any, BinaryIO, TypeAlias, cast
+from typing import Any, BinaryIO, TypeAlias
 
 from ckptool import _source as source
 from ckptool.errors import CkptError, CorruptCheckpointError, TruncatedError
@@ -29,11 +28,11 @@ from ckptool.formats.unpickler import RestrictedUnpickler, load_pickle_at, parti
 from ckptool.formats.zipdir import MAX_RATIO, TorchRecords, ZipEntry, duplicate_member, read_member, read_member_head
 from ckptool.model.allowlist import ALLOWED, is_importable_name, rate_global
 from ckptool.scanning import layouts, wrappers
-from ckptool.scanning.byte_windows import ZIP_LOCAL, Container, Window, end_record, zip_end, zip_start
-from ckptool.scanning.directories import zip_directories
+from ckptool.scanning.byte_windows import ZIP_LOCAL, Container, Window, as_file, end_record, zip_end, zip_start
+from ckptool.scanning.directories import first_of_group, zip_directories
 from ckptool.scanning.key_paths import MAX_KEY_PATHS, key_paths
 from ckptool.scanning.layouts import Layout
-from ckptool.scanning.legacy_stream import LegacyWalk, failed
+from ckptool.scanning.legacy_stream import STREAM_LOADER, LegacyWalk, failed
 from ckptool.scanning.results import GlobalFinding, PickleFinding, ScanResult
 from ckptool.scanning.tar import MAX_PICKLES_IN_A_ROW, PICKLE_FIRST, inside, join_where, leaves_archive
 from ckptool.scanning.wrappers import INFLATE_BUDGET, MAX_ZIP_DEPTH, NotAPickle, WrapperWalk
@@ -121,8 +120,8 @@ class Scanner(WrapperWalk, LegacyWalk):
         if got is None:
             return None
         names, root, known_end, counted = got
-        if any(rate_global(n, called=False)[0] != rate_global(n)[0] for n in names):
-            return None  # whether it calls them decides their level: read the ordinary way (uncalled_globals)
+        if any(rate_global(n, called=False)[0] != rate_global(n)[0] for n in names) or STREAM_LOADER in names:
+            return None  # whether it calls them decides their level, its streams are walked: read the ordinary way
         if known_end is not None and where == self._crc_checked and 0 < known_end <= len(buf):
             end = known_end
         else:
@@ -150,69 +149,80 @@ class Scanner(WrapperWalk, LegacyWalk):
         """The bytes a scan inflates, in words (:data:`INFLATE_BUDGET`, :data:`MAX_RATIO`), for findings past it."""
         return f"{INFLATE_BUDGET >> 20} MiB + {MAX_RATIO} times the file's size"
 
-    def load_at(self, buf: PickleBuffer, pos: int, where: str,
-                storages: dict[str, StorageRef] | None) -> tuple[Any, RestrictedUnpickler, int]:
-        """The pickle at ``buf[pos]``, read with views (:func:`~ckptool.formats.unpickler.load_pickle_at`, which
-        raises :class:`~ckptool.errors.CkptError`), its persistent ids into ``storages``: (root, unpickler, end)."""
-        return load_pickle_at(buf, pos, where, storages=storages, views=True)
+    def load_at(self, buf: PickleBuffer, pos: int, where: str, storages: dict[str, StorageRef] | None,
+                stop: int | None = None) -> tuple[Any, RestrictedUnpickler, int]:
+        """The pickle at ``buf[pos]`` (the data ending at ``stop``), read with views
+        (:func:`~ckptool.formats.unpickler.load_pickle_at`, which raises :class:`~ckptool.errors.CkptError`), its
+        persistent ids into ``storages``: (root, unpickler, end)."""
+        return load_pickle_at(buf, pos, where, storages=storages, views=True, end=stop)
 
     # -- one pickle ------------------------------------------------------------------------------------------
-    def parse(self, buf: PickleBuffer, pos: int, where: str, *, required: bool = True) -> int | None:
-        """Read the pickle at ``buf[pos]``; record it; return the offset after its STOP, or None if it failed.
-        A failed optional pickle (data after the last pickle) is recorded only when it named a global."""
+    def parse(self, buf: PickleBuffer, pos: int, where: str, *, required: bool = True, base: int = 0,
+              stop: int | None = None) -> int | None:
+        """Read the pickle at ``buf[pos]`` (the data from ``base`` to ``stop``: a window, its offsets counted from
+        ``base``); record it and walk the streams of its ``_load_from_bytes`` calls (:meth:`nested_streams`); return
+        the offset after its STOP, or None if it failed. A failed optional pickle (data after the last pickle) is
+        recorded only when it named a global."""
         if pos == 0 and where in self.preparsed and where in self.loaded:
             end = self.take_preparsed(buf, where)
             if end is not None:
                 return end
         try:
-            root, up, end = load_pickle_at(buf, pos, where, views=True)
+            root, up, end = self.load_at(buf, pos, where, None, stop)
         except CkptError as e:
-            names = self.globals_before_failure(buf, pos, where, e)
+            names = self.globals_before_failure(buf, pos, where, e, stop)
             if required or names:
-                self.record(failed(where, pos, names, e))
+                self.record(failed(where, pos - base, names, e))
+            self.nested_streams(buf, getattr(e, "unpickler", None), where, pos)
             return None
-        self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root,
+        self.record(PickleFinding(where, pos - base, [qualified_name(m, n) for m, n in up.globals_seen]), root,
                     up.uncalled_globals())
         if pos == 0 and where in self.loaded:
             self.storages_of[where] = up.storages
+        self.nested_streams(buf, up, where, pos)
         return end
 
-    def globals_before_failure(self, buf: PickleBuffer, pos: int, what: str, e: CkptError) -> list[str]:
+    def globals_before_failure(self, buf: PickleBuffer, pos: int, what: str, e: CkptError,
+                               stop: int | None = None) -> list[str]:
         up = getattr(e, "unpickler", None)
         if up is not None:  # unpickling itself failed: what it named so far
             return [qualified_name(m, n) for m, n in up.globals_seen]
-        stop = getattr(e, "offset", None)
-        if stop is None:
+        at = getattr(e, "offset", None)
+        if at is None:
             return []
         cut = isinstance(e, TruncatedError)  # a cut frame's opcodes count (partial_globals)
         try:  # refused by the checks: read the flat stream (frames ignored) as far as it is sound
-            end = check_pickle(buf, pos, what=what, exact=False, strict_frames=False, blobs=[])
+            end = check_pickle(buf, pos, stop, what=what, exact=False, strict_frames=False, blobs=[])
             seen = partial_globals(buf, pos, end, cut=cut)
         except CkptError as e2:
-            seen = partial_globals(buf, pos, getattr(e2, "offset", stop), cut=cut)
+            seen = partial_globals(buf, pos, getattr(e2, "offset", at), cut=cut)
         return [qualified_name(m, n) for m, n in seen]
 
     def parse_root(self, buf: PickleBuffer, pos: int, where: str) -> tuple[Any, int] | None:
         """:meth:`parse` that also returns the pickle's root: ``(root, end)``, or None when it failed (recorded)."""
         try:
-            root, up, end = load_pickle_at(buf, pos, where, views=True)
+            root, up, end = self.load_at(buf, pos, where, None)
         except CkptError as e:
             self.record(failed(where, pos, self.globals_before_failure(buf, pos, where, e), e))
+            self.nested_streams(buf, getattr(e, "unpickler", None), where, pos)
             return None
         self.record(PickleFinding(where, pos, [qualified_name(m, n) for m, n in up.globals_seen]), root,
                     up.uncalled_globals())
+        self.nested_streams(buf, up, where, pos)
         return root, end
 
-    def pickles_in_a_row(self, buf: PickleBuffer, pos: int, where: str, *, first_required: bool = True) -> int | None:
+    def pickles_in_a_row(self, buf: PickleBuffer, pos: int, where: str, *, first_required: bool = True,
+                         base: int = 0, stop: int | None = None) -> int | None:
         """Read pickles one after another from ``pos`` while the data looks like one; return the offset where
-        reading stopped (``len(buf)`` when everything was read), or None when the first, required, pickle failed."""
+        reading stopped (``stop``, by default ``len(buf)``, when everything was read), or None when the first,
+        required, pickle failed. ``base``, ``stop``: the data is the window ``buf[base:stop]``."""
         n = 0
-        size = len(buf)
+        size = len(buf) if stop is None else stop
         while pos < size and n < MAX_PICKLES_IN_A_ROW:
             if n and (buf[pos] not in PICKLE_FIRST or buf[pos:pos + 4] == ZIP_LOCAL):
                 return pos
-            label = where if n == 0 else f"{where} (pickle {n + 1} in a row, byte {pos})"
-            end = self.parse(buf, pos, label, required=n == 0 and first_required)
+            label = where if n == 0 else f"{where} (pickle {n + 1} in a row, byte {pos - base})"
+            end = self.parse(buf, pos, label, required=n == 0 and first_required, base=base, stop=size)
             if end is None:
                 return None if n == 0 and first_required else pos
             pos = end
@@ -234,11 +244,12 @@ class Scanner(WrapperWalk, LegacyWalk):
             self.inflate_left = INFLATE_BUDGET + MAX_RATIO * len(buf)
         head = bytes(buf[:512])
         for kind in formats.head_kinds(head):
+            layout = layouts.head_layout(kind)
             walk: Callable[[PickleBuffer, bytes, str, int, BinaryIO | None], Layout | None] = getattr(
-                self, layouts.HEAD_LAYOUTS[kind].walk)
+                self, layout.walk)
             walked = walk(buf, head, where, depth, f)
             if walked is not None:
-                return walked
+                return layout if layout.read_by_reader else walked
         # what no checkpoint reader reads but a loader may unpack: scan reads inside it
         if head.startswith(wrappers.GZIP_MAGIC):
             self.gzip(buf, where, depth)
@@ -280,6 +291,13 @@ class Scanner(WrapperWalk, LegacyWalk):
         self.appended_zip(buf, end, where, depth)
         return layouts.SAFETENSORS
 
+    def walk_tensor_file(self, buf: PickleBuffer, head: bytes, where: str, depth: int,
+                         f: BinaryIO | None) -> Layout:
+        """A classifier answer with no layout of its own (:func:`ckptool.scanning.layouts.head_layout`): tensor
+        bytes and a header, nothing unpickled here; at the top level the registry's reader reads the file
+        (:func:`ckptool.scanning.entry.scan_file`)."""
+        return layouts.TENSOR_FILE  # :meth:`any` returns the answer's own (its name)
+
     def walk_pickle(self, buf: PickleBuffer, head: bytes, where: str, depth: int, f: BinaryIO | None) -> Layout:
         """The classifier's ``pickle`` (and bytes that begin like one): :meth:`pickle_file`."""
         self.pickle_file(buf, where, depth)
@@ -305,16 +323,21 @@ class Scanner(WrapperWalk, LegacyWalk):
         if end is not None and end < len(buf):
             self.trailing(buf, end, where, depth)
 
-    def trailing(self, buf: PickleBuffer, pos: int, where: str, depth: int) -> None:
-        """Data after the structures a loader reads: further pickles in a row, then possibly an appended zip."""
+    def trailing(self, buf: PickleBuffer, pos: int, where: str, depth: int, *, base: int = 0,
+                 stop: int | None = None) -> None:
+        """Data after the structures a loader reads: further pickles in a row, then possibly an appended zip.
+        ``base``, ``stop``: the data is the window ``buf[base:stop]`` (its offsets counted from ``base``)."""
+        stop = len(buf) if stop is None else stop
         rest = pos
         if buf[pos] in PICKLE_FIRST and buf[pos:pos + 4] != ZIP_LOCAL:
-            rest = self.pickles_in_a_row(buf, pos, join_where(where, f"data after the last pickle, byte {pos}"),
-                                         first_required=False) or pos
-        if not self.appended_zip(buf, rest, where, depth) and rest < len(buf):
-            self.note(f"{len(buf) - rest} bytes at byte {rest}{inside(where)} are not a pickle (no loader reads them)")
+            rest = self.pickles_in_a_row(buf, pos, join_where(where, f"data after the last pickle, byte {pos - base}"),
+                                         first_required=False, base=base, stop=stop) or pos
+        window = buf if base == 0 and stop == len(buf) else Window(buf, base, stop - base)
+        if not self.appended_zip(window, rest - base, where, depth) and rest < stop:
+            self.note(f"{stop - rest} bytes at byte {rest - base}{inside(where)} are not a pickle (no loader reads "
+                      "them)")
 
-    def appended_zip(self, buf: PickleBuffer, pos: int, where: str, depth: int) -> bool:
+    def appended_zip(self, buf: Container, pos: int, where: str, depth: int) -> bool:
         """Scan the zip whose end record lies after byte ``pos`` of ``buf`` (after a pickle, a safetensors header,
         a legacy stream or a tar), as torch's zip reader (offsets from the file's start) and ``zipfile`` (offsets
         from the zip's start) read it: both views, whichever holds. Returns False when there is no such record."""
@@ -371,8 +394,9 @@ class Scanner(WrapperWalk, LegacyWalk):
             self._duplicate_errors(where, entries)
         shared: dict[tuple[int, int, int, int], list[str]] = {}
         for e in self._candidates(entries, names, top, layout):
-            self._labels = labels  # (a nested zip has its own)
+            self._labels = labels  # (a nested zip, or one in a member's _load_from_bytes stream, has its own)
             self.zip_member(f, e, top, layout, where, depth, shared)
+        self._labels = labels
         self._shared_notes(shared)
         if loaded and (layout.storage_record or layout.required_records):
             self._missing_records(where, layout, recs)
@@ -513,7 +537,7 @@ class Scanner(WrapperWalk, LegacyWalk):
         if name.endswith("/"):
             return
         is_pickle = self._member_role(e, top, layout, where)
-        if is_pickle is None or not _first_of_group(shared, e, label):
+        if is_pickle is None or not first_of_group(shared, e, label):
             return
         try:
             head = read_member_head(f, e, label)
@@ -578,23 +602,3 @@ class Scanner(WrapperWalk, LegacyWalk):
         if not crc_ok:
             self.note(f"member {label} fails its CRC-32 check (torch does not check it); scanned anyway")
         self._crc_checked = label if crc_ok else None
-
-
-
-def as_file(buf: Container) -> BinaryIO:
-    """``buf`` as a file: a :class:`Window` is one already; bytes and mapped files get a ``BytesIO``."""
-    if isinstance(buf, Window):
-        return cast(BinaryIO, buf)
-    return io.BytesIO(buf if isinstance(buf, bytes) else bytes(buf))
-
-
-def _first_of_group(shared: dict[tuple[int, int, int, int], list[str]] | None, e: ZipEntry, label: str) -> bool:
-    """Add ``label`` to the members sharing ``e``'s local header, sizes and method; True for the first of them
-    (the one read)."""
-    if shared is None:
-        return True
-    group = shared.setdefault((e.header_offset, e.compress_size, e.method, e.file_size), [])
-    group.append(label)
-    return len(group) == 1
-
-

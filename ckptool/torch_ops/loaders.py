@@ -48,8 +48,8 @@ from ckptool.torch_ops.zero import load_zero_state_dict
 
 __all__ = ["LOAD", "LoadRequest", "Loader", "first_line", "load_checkpoint", "load_dcp", "load_deepspeed",
            "load_package",
-           "load_pickle", "load_pt2", "load_safetensors", "load_set", "load_torch_legacy", "load_torch_zip",
-           "load_torchscript", "registered_safe_globals"]
+           "load_pickle", "load_pt2", "load_safetensors", "load_set", "load_tensors", "load_torch_legacy",
+           "load_torch_zip", "load_torchscript", "registered_safe_globals"]
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -142,7 +142,8 @@ class Loader(Protocol):
     def __call__(self, opened: Opened, req: LoadRequest, /) -> tuple[Any, dict[str, int]]: ...
 
 
-#: each format's loader, registered at the end of this module (the readers layer names none)
+#: each format's loader, registered at the end of this module (the readers layer names none); a format that
+#: registers none is loaded from its reader's tensors (:func:`load_tensors`)
 LOAD: Role[Loader] = Role("load", "ckptool.torch_ops")
 
 
@@ -199,7 +200,7 @@ def load_checkpoint(path: str | os.PathLike[str] | Opened, device: DeviceLike = 
     opened = path if isinstance(path, Opened) else open_checkpoint(path)
     if trust:
         refuse_dangerous(opened)
-    load = LOAD.get(opened.format)
+    load = LOAD.get(opened.format, load_tensors)
     return load(opened, LoadRequest(dev, trust, spans, key, max_expand))
 
 
@@ -287,6 +288,19 @@ def load_package(opened: Opened, req: LoadRequest) -> tuple[Any, dict[str, int]]
     for t in src.tensors:
         saved[t.storage.location] = saved.get(t.storage.location, 0) + 1
     return {src.key if req.key is None else req.key: load_source(src, req.device)}, saved
+
+
+def load_tensors(opened: Opened, req: LoadRequest) -> tuple[Any, dict[str, int]]:
+    """The loader of a format that registers none (:data:`LOAD`'s default): its reader's finished Source
+    (:meth:`ckptool.readers.Opened.source`: ``req.key`` where the format is keyed) read by
+    :func:`~ckptool.torch_ops.source_load.load_source` (no pickle run, so ``trust`` changes nothing), with the
+    saved location tags counted per tensor. A format whose tensors are not read raises its refusal
+    (:class:`~ckptool.errors.UnsupportedError`)."""
+    src = opened.source(req.key)
+    saved: dict[str, int] = {}
+    for t in src.tensors:
+        saved[t.storage.location] = saved.get(t.storage.location, 0) + 1
+    return load_source(src, req.device), saved
 
 
 def load_deepspeed(opened: Opened, req: LoadRequest) -> tuple[Any, dict[str, int]]:

@@ -54,7 +54,7 @@ from ckptool.readers.registry import Role
 from ckptool.scanning.entry import ScanResult, add_results, combine_results, iter_targets, scan_file
 
 __all__ = ["DESCRIBE", "SCHEMA", "ByteTotal", "CheckpointInfo", "Describer", "GlobalInfo", "StateDictInfo",
-           "TensorInfo", "byte_totals", "describe", "inspect", "inspect_set", "tensor_infos"]
+           "TensorInfo", "byte_totals", "describe", "inspect", "inspect_set", "inspect_tensors", "tensor_infos"]
 
 class Describer(Protocol):
     """The ``describe`` role: what ``ckptool inspect`` says of a format's checkpoint ``opened`` (tensors read
@@ -63,7 +63,8 @@ class Describer(Protocol):
     def __call__(self, opened: Opened, limits: PreviewLimits | None, /) -> CheckpointInfo: ...
 
 
-#: each format's describer, registered at the end of this module (the readers layer names none)
+#: each format's describer, registered at the end of this module (the readers layer names none); a format that
+#: registers none is described from its reader's tensors (:func:`inspect_tensors`)
 DESCRIBE: Role[Describer] = Role("describe", "ckptool.ops")
 
 
@@ -110,7 +111,7 @@ def inspect(path: str | os.PathLike[str] | Opened, limits: PreviewLimits | None 
 def _describe(path: str | os.PathLike[str] | Opened, limits: PreviewLimits | None) -> CheckpointInfo:
     """:func:`inspect` without the count of bytes read: the format recognised once, its describer run."""
     opened = path if isinstance(path, Opened) else open_checkpoint(path)
-    describer = DESCRIBE.get(opened.format)
+    describer = DESCRIBE.get(opened.format, inspect_tensors)
     info = describer(opened, limits)
     check_key_lengths((t.key for t in info.tensors), opened.path)  # the describers read headers themselves
     _scan_beside(opened, info)
@@ -172,6 +173,36 @@ def _as_scanned(info: CheckpointInfo) -> None:
     for mine in info.globals:
         if mine.name in scanned and mine.level == DANGEROUS:
             mine.status, mine.reason = scanned[mine.name]
+
+
+def inspect_tensors(o: Opened, _limits: PreviewLimits | None) -> CheckpointInfo:
+    """The describer of a format that registers none (:data:`DESCRIBE`'s default): its reader's tensors
+    (:meth:`ckptool.readers.Opened.state_dict`, a Source read from headers, no tensor bytes), each storage once
+    (tensors sharing one share its key: the first user's name), its state_dicts
+    (:meth:`~ckptool.readers.Opened.state_dicts`) and ``Source.metadata``, with the scan of ``scan_file``. Kind
+    ``tensors``: one flat mapping; a keyed format's selected state_dict. A format whose tensors are not read raises
+    its refusal (:class:`~ckptool.errors.UnsupportedError`)."""
+    src = o.state_dict()
+    keys: dict[int, str] = {}
+    storages: dict[str, tuple[str, str, int]] = {}
+    tensors = []
+    for t in src.tensors:
+        key = keys.setdefault(id(t.storage), t.name)
+        storages.setdefault(key, (t.storage.location, t.storage.dtype, t.storage.nbytes))
+        tensors.append(TensorInfo(t.name, list(t.shape), t.dtype, t.storage.location, t.nbytes, list(t.stride),
+                                  t.offset, key, t.requires_grad))
+    totals = byte_totals(tensors, storages)
+    devices: dict[str, int] = {}
+    for info_t in tensors:
+        devices[info_t.device] = devices.get(info_t.device, 0) + 1
+    folder = not source.is_url(o.target) and os.path.isdir(o.target)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _s, names in os.walk(o.target) for f in names
+               ) if folder else source.file_size(o.target)
+    info = CheckpointInfo(o.target, o.format, "tensors", size, tensors, devices, device_bytes(totals),
+                          [state_dict_info(e.path, list(e.keys)) for e in o.state_dicts()], [],
+                          storages=len(storages), metadata=src.metadata, totals=totals)
+    info.scan = scan_file(o.target)
+    return info
 
 
 def inspect_package(o: Opened, limits: PreviewLimits | None) -> CheckpointInfo:
