@@ -317,31 +317,25 @@ def check_pickle(buf: PickleBuffer, start: int = 0, end: int | None = None, *, w
 #: pickle of :data:`_FAST_FROM_START` bytes or more is walked with the expression from its first opcode
 _PY_PREFIX = 24 << 10
 _FAST_FROM_START = 1 << 20
-#: after this many walks of a first :data:`_PY_PREFIX` bytes in Python (a scan of a folder of many small pickles),
-#: the first bytes are walked with :func:`_prefix_pattern` (compiled once, about 2 ms; it then walks a small pickle
-#: in a third of the time)
+#: after this many walks of a first :data:`_PY_PREFIX` bytes (a scan of a folder of small pickles), those bytes are
+#: walked by :func:`_prefix_pattern` (compiled once, about 2 ms), not in Python (3 times slower on a small pickle)
 PREFIX_COMPILE_AFTER = 64
-_prefix_walks = [0]  # walks of a first _PY_PREFIX bytes so far (in this process)
+_prefix_walks = [0]  # such walks so far in this process
 _prefix_patterns: dict[bool, re.Pattern[bytes]] = {}
 
 
 def _prefix_pattern(weights_only: bool) -> re.Pattern[bytes]:
-    """The opcode-run expression that walks the first :data:`_PY_PREFIX` bytes of a pickle exactly as the check in
-    Python does (:func:`_check_one`): :func:`_run_pattern`'s (:func:`_weights_only_run_pattern`'s with
-    ``weights_only``) without the memo puts with an index (LONG_BINPUT, PUT: their index is checked against their
-    offset in Python, which no expression can do) and with strings of fewer than 64 bytes (a smaller expression,
-    faster to compile; a longer string is checked in Python). It stops at any opcode it cannot vouch for, as the
-    others."""
+    """The expression that walks the first :data:`_PY_PREFIX` bytes of a pickle as :func:`_check_one` does:
+    :func:`_run_pattern`'s (:func:`_weights_only_run_pattern`'s) without the memo puts with an index (LONG_BINPUT,
+    PUT: checked against their offset in Python) and with strings under 64 bytes (faster to compile)."""
     pat = _prefix_patterns.get(weights_only)
     if pat is None:
-        short = {_counted(b""): _counted(b"", 64), _counted(b"\x00\x00\x00"): _counted(b"\x00\x00\x00", 64)}
-        if weights_only:
-            groups = [(ops.replace(b"r", b"").replace(b".", b""), arg) for ops, arg in _WEIGHTS_ONLY_BY_ARGUMENT]
-        else:
-            groups = [(_ARG1, b"."), (_NOARG, b"+" + _POSSESSIVE),
-                      (_LEN4_UNSIGNED + _LEN4_SIGNED, _counted(b"\x00\x00\x00")), (b"M\x83", b".{2}"),
-                      (b"Jj\x84", b".{4}"), (b"G", b".{8}"), (_LEN1, _counted(b"")),
-                      (b"ILFSVPg", b"[^\\n]*\\n"), (_LINE2, b"[^\\n]*\\n[^\\n]*\\n")]
+        c1, c4 = _counted(b"", 64), _counted(b"\x00\x00\x00", 64)
+        groups = [(ops.replace(b"r", b"").replace(b".", b""), arg) for ops, arg in _WEIGHTS_ONLY_BY_ARGUMENT] \
+            if weights_only else [(_ARG1, b"."), (_NOARG, b"+" + _POSSESSIVE), (_LEN4_UNSIGNED + _LEN4_SIGNED, c4),
+                                  (b"M\x83", b".{2}"), (b"Jj\x84", b".{4}"), (b"G", b".{8}"), (_LEN1, c1),
+                                  (b"ILFSVPg", b"[^\\n]*\\n"), (_LINE2, b"[^\\n]*\\n[^\\n]*\\n")]
+        short = {_counted(b""): c1, _counted(b"\x00\x00\x00"): c4}
         alts = [_cls(ops) + short.get(arg, arg) for ops, arg in groups if ops]
         pat = _prefix_patterns[weights_only] = re.compile(b"(?:" + b"|".join(alts) + b")*" + _POSSESSIVE, re.DOTALL)
     return pat
@@ -356,11 +350,7 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
     pos = start
     limit = end  # the end of the current frame, or ``end``
     wo_left = wo is not None  # no opcode outside the weights_only list met yet (its expression walks)
-    prefix = None  # the match of _prefix_pattern, once enough walks of a prefix have been made
-    if fast_from > start:
-        _prefix_walks[0] += 1
-        if _prefix_walks[0] > PREFIX_COMPILE_AFTER:
-            prefix = _prefix_pattern(wo_left).match
+    prefix = _counted_prefix_walk(fast_from - start)  # the first bytes walked by _prefix_pattern (not in Python)
     while True:
         if pos >= fast_from:
             if match is None:
@@ -368,13 +358,10 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
             m = match(buf, pos, limit)
             assert m is not None  # the expression ends in a loop (``*``): it always matches, if only the empty string
             pos = m.end()
-        elif prefix is not None:
-            m = prefix(buf, pos, min(limit, fast_from))
-            assert m is not None
-            if m.end() >= fast_from:  # the rest is the fast expression's
-                pos = m.end()
+        elif prefix:
+            pos = _prefix_end(buf, pos, min(limit, fast_from), wo_left)
+            if pos >= fast_from:  # the rest is the fast expression's
                 continue
-            pos = m.end()
         at[0] = pos
         if pos == limit and limit != end:  # the frame is used up exactly
             limit = end
@@ -386,8 +373,6 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
             assert wo is not None
             wo[0] = f"opcode {_OPCODE_NAMES.get(op, 'unknown')} (0x{op:02x}) at byte {pos - start}"
             wo_left, match = False, None  # the whole expression from here
-            if prefix is not None:
-                prefix = _prefix_pattern(False).match
         if op == _STOP:
             return pos + 1
         if op == _FRAME:
@@ -397,13 +382,29 @@ def _walk(buf: PickleBuffer, start: int, end: int, what: str, exact: bool, stric
             continue
         nxt = _check_one(buf, op, pos, start, limit, what)
         if nxt < 0:
-            if limit != end and _check_one(buf, op, pos, start, end, what) >= 0:
-                raise _bad_frame(what, pos - start, "an opcode runs past the end of its FRAME")
-            raise _past_end(what, f"opcode {bytes([op])!r} at byte {pos - start} runs past the end of the data",
-                            _declared_end(buf, op, pos, end) - start, end - start)
-        if op in BLOB_KINDS:  # (FRAMEs are noted above; no other opcode is a span: no call for each opcode)
-            note(pos, nxt, op)
+            raise _runs_past(buf, op, pos, start, end, limit, what)
+        note(pos, nxt, op)
         pos = nxt
+
+
+def _counted_prefix_walk(prefix: int) -> bool:
+    """Whether a walk of a first ``prefix`` bytes (none: 0) runs :func:`_prefix_pattern` on them (counted)."""
+    _prefix_walks[0] += prefix > 0
+    return prefix > 0 and _prefix_walks[0] > PREFIX_COMPILE_AFTER
+
+
+def _prefix_end(buf: PickleBuffer, pos: int, stop: int, weights_only: bool) -> int:
+    """Where :func:`_prefix_pattern` (``weights_only``'s) stops walking ``buf`` from ``pos``, at ``stop`` at most."""
+    return _prefix_pattern(weights_only).match(buf, pos, stop).end()  # type: ignore[union-attr] # ``*``: a match
+
+
+def _runs_past(buf: PickleBuffer, op: int, pos: int, start: int, end: int, limit: int, what: str
+               ) -> CorruptCheckpointError:
+    """The error of the opcode at ``pos`` that runs past ``limit`` (the end of its FRAME, or ``end``)."""
+    if limit != end and _check_one(buf, op, pos, start, end, what) >= 0:
+        return _bad_frame(what, pos - start, "an opcode runs past the end of its FRAME")
+    return _past_end(what, f"opcode {bytes([op])!r} at byte {pos - start} runs past the end of the data",
+                     _declared_end(buf, op, pos, end) - start, end - start)
 
 
 def _ignore(pos: int, nxt: int, op: int) -> None:
@@ -412,10 +413,9 @@ def _ignore(pos: int, nxt: int, op: int) -> None:
 
 def _span_note(buf: PickleBuffer, start: int, blobs: list[Span] | None, gaps: list[tuple[bytes, bytes]] | None
                ) -> Callable[[int, int, int], None]:
-    """What :func:`_walk` calls with each FRAME and each opcode of :data:`BLOB_KINDS` it checks in Python,
-    ``(offset, next offset, opcode)``: appends FRAMEs and blobs to ``blobs`` (and what precedes each, and its first
-    bytes, to ``gaps``) and hands back the pages walked past every :data:`RELEASE_EVERY` bytes; nothing when
-    ``blobs`` is None."""
+    """What :func:`_walk` calls with each opcode it checks in Python, ``(offset, next offset, opcode)``: appends
+    FRAMEs and blobs to ``blobs`` (and what precedes each, and its first bytes, to ``gaps``) and hands back the
+    pages walked past every :data:`RELEASE_EVERY` bytes; nothing when ``blobs`` is None."""
     if blobs is None:
         return _ignore
     released = [start]  # the pages before this offset were handed back (release_pages)
