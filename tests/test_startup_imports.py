@@ -43,7 +43,8 @@ main()
 #: scan meets; ``_ranges`` is the range store split out of ``_remote``, ``formats.pickle_stack`` the
 #: C stack sizing split out of ``formats.pickle_check`` (the same code as before, in modules under 600 lines);
 #: ``scanning.wrappers``, ``scanning.legacy_stream`` and ``scanning.key_paths``: the base classes and key path walk
-#: of the pickle scanner, split out of ``scanning.pickles`` (the same code, in modules under 600 lines).
+#: of the pickle scanner, split out of ``scanning.pickles`` (the same code, in modules under 600 lines);
+#: ``scanning.targets``: what a scan reads for its paths, split out of ``scanning.entry`` (the same code).
 SCAN_ZIP_MODULES = {
     "ckptool", "ckptool._gc", "ckptool._ranges", "ckptool._remote", "ckptool._source", "ckptool.errors",
     "ckptool.cli", "ckptool.cli._common", "ckptool.cli._errors", "ckptool.cli._flags", "ckptool.cli.scan",
@@ -57,6 +58,7 @@ SCAN_ZIP_MODULES = {
     "ckptool.scanning.pickles",
     "ckptool.scanning.results", "ckptool.scanning.shipped_code", "ckptool.scanning.tar",
     "ckptool.scanning.key_paths", "ckptool.scanning.legacy_stream", "ckptool.scanning.wrappers",
+    "ckptool.scanning.targets",
 }
 
 #: every ckptool module ``inspect`` of one torch zip file loads: scan's (its safety analysis is scan's, less the

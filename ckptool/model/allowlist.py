@@ -521,10 +521,9 @@ def refusal_remedy(path: str, names: Iterable[str]) -> str:
 
 # ------------------------------------------------------------------------------------------------ uses of a global
 def is_importable_name(name: str) -> bool:
-    """True when ``module.qualname`` (a use key's global part, :func:`ckptool.formats.nodes.split_use`) is made of
-    Python identifiers joined by dots, as every name ``pickle`` can import is: ``find_class`` imports the module
-    (``__import__``) and walks the attributes, so ``hat_template: "{% for m in messages %}".bos: 1`` (a YAML file
-    read as a protocol-0 pickle) fails there, before anything is called."""
+    """True when ``module.qualname`` (a use key's global part, :func:`ckptool.formats.nodes.split_use`) is Python
+    identifiers joined by dots, as every name ``find_class`` can import is: ``hat_template: "{% for m %}".bos: 1``
+    (a YAML file read as a protocol-0 pickle) fails there, before anything is called."""
     base = split_use(name)[0]
     return bool(base) and all(part.isidentifier() for part in base.split("."))
 
@@ -540,24 +539,19 @@ def rate_global(name: str, *, called: bool = True, torchscript: bool = False,
 
     * A name that is not :func:`is_importable_name` is :data:`NEEDS_TRUST` at most, never dangerous (no loader can
       import it; the scan reports the pickle as unreadable).
-    * ``called=False`` (the pickle never calls it, instantiates it, BUILDs on it as a class nor passes it to a call:
-      :meth:`ckptool.formats.unpickler.RestrictedUnpickler.uncalled_globals`; ``typing.Any`` held as a value in
-      OmegaConf metadata): a name :func:`classify_global` makes dangerous only by the general rules (a function on
-      no list, a standard-library or numpy class on no list) needs trust instead: loading imports it and calls
-      nothing. A known gadget (:data:`DANGEROUS_NAMES`, :data:`DANGEROUS_MODULES`, also reached through a module
-      attribute) stays dangerous even as a value: code that uses the loaded object (a hook, a callback attribute)
-      may call it.
+    * ``called=False`` (never called, instantiated, BUILT on nor passed to a call:
+      :meth:`ckptool.formats.unpickler.RestrictedUnpickler.uncalled_globals`; ``typing.Any`` in OmegaConf
+      metadata): a name dangerous only by the general rules (a function, or a standard-library or numpy class, on
+      no list) needs trust instead. A known gadget (:data:`DANGEROUS_NAMES`, :data:`DANGEROUS_MODULES`, also
+      through a module attribute) stays dangerous: code that uses the loaded object may call it.
 
-    The rules read only this module's fixed tables, so a name's rating is remembered (:data:`RATED_NAME_CHARS`):
-    ``scan`` of many files rates ``torch._utils._rebuild_tensor_v2`` once, not once a file (issue 52).
+    The rules read fixed tables, so a rating is remembered (:data:`RATED_NAME_CHARS`; issue 52: many files).
     """
-    if len(name) <= RATED_NAME_CHARS:
-        return _rate_remembered(name, called, torchscript, dcp_metadata)
-    return _rate(name, called, torchscript, dcp_metadata)
+    rate = _rate_remembered if len(name) <= RATED_NAME_CHARS else _rate
+    return rate(name, called, torchscript, dcp_metadata)
 
 
-#: the longest global name whose :func:`rate_global` is remembered (an LRU of 4096 names): a hostile pickle's long
-#: names are rated each time rather than held
+#: the longest global name whose rating is remembered (an LRU of 4096 names); longer ones are rated each time
 RATED_NAME_CHARS = 200
 
 

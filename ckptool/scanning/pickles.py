@@ -1,10 +1,8 @@
 """The engine of ``ckptool scan``: every pickle in a byte container (zip members, nested zips, legacy streams and
-tars, plain pickles, data appended after any of them) read with the restricted unpickler, each global classified
-by :func:`ckptool.model.allowlist.classify_global` into a :class:`~ckptool.scanning.results.ScanResult`. The
-policy, and which pickles are read, are described in :mod:`ckptool.scanning.entry`; DCP folders are walked by
-:mod:`ckptool.scanning.dcp`, legacy tar archives by :mod:`ckptool.scanning.tar`; the wrappers (gzip, zlib, .npy,
-tar members) and torch legacy streams by the :class:`Scanner`'s base classes in :mod:`ckptool.scanning.wrappers`
-and :mod:`ckptool.scanning.legacy_stream`. Nothing is imported or called from the file.
+tars, plain pickles, data appended after any of them) read with the restricted unpickler, each global rated into
+a :class:`~ckptool.scanning.results.ScanResult` (policy: :mod:`ckptool.scanning.entry`; DCP folders:
+:mod:`~ckptool.scanning.dcp`; legacy tars: :mod:`~ckptool.scanning.tar`; wrappers and legacy streams: the base
+classes in :mod:`~ckptool.scanning.wrappers`, :mod:`~ckptool.scanning.legacy_stream`). Nothing is imported or run.
 """
 
 from __future__ import annotations
@@ -146,7 +144,7 @@ class Scanner(WrapperWalk, LegacyWalk):
 
     @property
     def budget_words(self) -> str:
-        """The bytes a scan inflates, in words (:data:`INFLATE_BUDGET`, :data:`MAX_RATIO`), for findings past it."""
+        """The inflate budget in words (:data:`INFLATE_BUDGET`, :data:`MAX_RATIO`)."""
         return f"{INFLATE_BUDGET >> 20} MiB + {MAX_RATIO} times the file's size"
 
     def load_at(self, buf: PickleBuffer, pos: int, where: str, storages: dict[str, StorageRef] | None,
@@ -213,9 +211,8 @@ class Scanner(WrapperWalk, LegacyWalk):
 
     def pickles_in_a_row(self, buf: PickleBuffer, pos: int, where: str, *, first_required: bool = True,
                          base: int = 0, stop: int | None = None) -> int | None:
-        """Read pickles one after another from ``pos`` while the data looks like one; return the offset where
-        reading stopped (``stop``, by default ``len(buf)``, when everything was read), or None when the first,
-        required, pickle failed. ``base``, ``stop``: the data is the window ``buf[base:stop]``."""
+        """Read pickles in a row from ``pos`` while the data looks like one; the offset where reading stopped, or
+        None when the first, required, one failed. ``base``, ``stop``: the window ``buf[base:stop]`` (``len(buf)``)."""
         n = 0
         size = len(buf) if stop is None else stop
         while pos < size and n < MAX_PICKLES_IN_A_ROW:
@@ -515,8 +512,8 @@ class Scanner(WrapperWalk, LegacyWalk):
             self.loaded.update(join_where(where, n) for n in names if n.endswith(".debug_pkl"))
 
     def _case_notes(self, where: str, recs: TorchRecords, records: Iterable[str]) -> None:
-        """A note for each pickle record whose name several members match but for case, or only in another case:
-        torch's reader ignores case, ``zipfile`` does not."""
+        """A note for each pickle record several members match but for case, or only in another case (torch's
+        reader ignores case, ``zipfile`` does not)."""
         for rec in records:
             found = recs.variants(rec)
             exact = (recs.prefix or "") + rec
@@ -529,9 +526,8 @@ class Scanner(WrapperWalk, LegacyWalk):
 
     def zip_member(self, f: BinaryIO, e: ZipEntry, top: str, layout: Layout, where: str, depth: int,
                    shared: dict[tuple[int, int, int, int], list[str]] | None = None) -> None:
-        """One member: read if its name or first bytes say pickle or zip; a member whose data another member
-        already had (the same local header, sizes and method) is not inflated again; the bytes inflated for the
-        whole file are capped (:data:`INFLATE_BUDGET`)."""
+        """One member, read if its name or first bytes say pickle or zip; data another member already had (same
+        local header, sizes, method) is not inflated again; inflating is capped (:data:`INFLATE_BUDGET`)."""
         name = e.name
         label = self._labels.get(id(e)) or join_where(where, name)
         if name.endswith("/"):

@@ -51,7 +51,8 @@ from ckptool.ops.inspect.totals import byte_totals, device_bytes, merge_totals
 from ckptool.ops.inspect.values import PreviewLimits, ValueInfo
 from ckptool.readers import Opened, open_checkpoint
 from ckptool.readers.registry import Role
-from ckptool.scanning.entry import ScanResult, add_results, combine_results, iter_targets, scan_file
+from ckptool.scanning.entry import ScanResult, add_results, combine_results, scan_file
+from ckptool.scanning.targets import iter_targets
 
 __all__ = ["DESCRIBE", "SCHEMA", "ByteTotal", "CheckpointInfo", "Describer", "GlobalInfo", "StateDictInfo",
            "TensorInfo", "byte_totals", "describe", "inspect", "inspect_set", "inspect_tensors", "tensor_infos"]

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from ckptool import _listing
 from ckptool import _source as source
 from ckptool.errors import CkptError
-from ckptool.scanning.entry import CHECKPOINT_SUFFIXES, ScanResult, iter_targets, scan_file, unreadable
+from ckptool.scanning.entry import CHECKPOINT_SUFFIXES, ScanResult, scan_file
+from ckptool.scanning.targets import iter_targets, unreadable
 
 if TYPE_CHECKING:  # the cache (sqlite3, hashlib) and the pools (concurrent.futures, logging) are imported only by
     # a run that has them: a run of many small files in this process needs neither (start-up)
