@@ -307,11 +307,11 @@ _ST_READERS = [r for r in fuzz_readers.readers() if r[0] in ("inspect", "safeten
 _SET_READERS = fuzz_readers.set_readers()
 
 
-def _prefix_walked(data: bytes, *, warm: bool, exact: bool) -> tuple[object, ...]:
+def _prefix_walked(data: bytes, *, warm: bool, exact: bool, with_wo: bool = True) -> tuple[object, ...]:
     """:func:`check_pickle` of ``data`` as a scan of many small files walks it (``warm``: the first bytes matched by
     :func:`pickle_check._prefix_pattern`) or as the first walks of a process do (every opcode of the first bytes
-    checked in Python): where it ends or the error it raises (with its offset), the weights_only verdict, the
-    blobs and FRAMEs and the gaps between them."""
+    checked in Python): where it ends or the error it raises (with its offset), the weights_only verdict (asked for
+    ``with_wo``: the walk then starts with the weights_only expression), the blobs and FRAMEs and the gaps."""
     saved = pickle_check.PREFIX_COMPILE_AFTER, pickle_check._PY_PREFIX
     pickle_check.PREFIX_COMPILE_AFTER = -1 if warm else 1 << 62
     pickle_check._PY_PREFIX = max(16, len(data) // 2)  # a prefix, then the fast expression, as in a large pickle
@@ -319,7 +319,7 @@ def _prefix_walked(data: bytes, *, warm: bool, exact: bool) -> tuple[object, ...
     blobs: list[pickle_check.Span] = []
     gaps: list[tuple[bytes, bytes]] = []
     try:
-        got: object = check_pickle(data, exact=exact, weights_only=wo, blobs=blobs, gaps=gaps)
+        got: object = check_pickle(data, exact=exact, weights_only=wo if with_wo else None, blobs=blobs, gaps=gaps)
     except CorruptCheckpointError as e:
         got = (f"{type(e).__name__}: {e}", e.offset)  # type: ignore[attr-defined]
     finally:
@@ -329,9 +329,10 @@ def _prefix_walked(data: bytes, *, warm: bool, exact: bool) -> tuple[object, ...
 
 @FUZZ_SETTINGS
 @given(obj=_values, protocol=st.integers(0, 5), rng_seed=st.integers(0, 2**32 - 1), rounds=st.integers(0, 6),
-       exact=st.booleans(), memo=st.sampled_from([b"", b"r\x05\x00\x00\x00", b"p7\n", b"r\x00\x00\x01\x00"]))
+       exact=st.booleans(), memo=st.sampled_from([b"", b"r\x05\x00\x00\x00", b"p7\n", b"r\x00\x00\x01\x00"]),
+       with_wo=st.booleans())
 def test_fuzz_prefix_expression_walks_as_python(obj: object, protocol: int, rng_seed: int, rounds: int,
-                                                exact: bool, memo: bytes) -> None:
+                                                exact: bool, memo: bytes, with_wo: bool) -> None:
     """A scan of many small pickles walks their first bytes with :func:`pickle_check._prefix_pattern` once
     :data:`~ckptool.formats.pickle_check.PREFIX_COMPILE_AFTER` walks were made (issue 52): on mutated pickles of
     random values, all protocols, with memo puts whose index no pickler could have written at their offset, it
@@ -341,7 +342,8 @@ def test_fuzz_prefix_expression_walks_as_python(obj: object, protocol: int, rng_
     data = pickle.dumps(obj, protocol=protocol)
     data = data[:2] + memo + data[2:] if memo and protocol else data
     data = fuzz_readers.mutate(data, random.Random(rng_seed), rounds=rounds) if rounds else data
-    assert _prefix_walked(data, warm=True, exact=exact) == _prefix_walked(data, warm=False, exact=exact)
+    warm = _prefix_walked(data, warm=True, exact=exact, with_wo=with_wo)
+    assert warm == _prefix_walked(data, warm=False, exact=exact, with_wo=with_wo)
 
 
 def test_prefix_expression_refuses_a_memo_bomb_in_the_first_bytes() -> None:
@@ -349,10 +351,11 @@ def test_prefix_expression_refuses_a_memo_bomb_in_the_first_bytes() -> None:
     pickle's LONG_BINPUT or PUT is refused by a warm walk too (the expression of large pickles would accept an
     index below 2**16)."""
     for put in (b"r\x00\x10\x00\x00", b"p4096\n"):
-        data = b"\x80\x02" + b"N" + put + b"."
-        warm = _prefix_walked(data, warm=True, exact=True)
-        assert warm == _prefix_walked(data, warm=False, exact=True)
-        assert "memo index 4096" in str(warm[0])
+        for with_wo in (True, False):
+            data = b"\x80\x02" + b"N" + put + b"."
+            warm = _prefix_walked(data, warm=True, exact=True, with_wo=with_wo)
+            assert warm == _prefix_walked(data, warm=False, exact=True, with_wo=with_wo)
+            assert "memo index 4096" in str(warm[0])
 
 
 def test_prefix_expression_is_compiled_after_many_walks(monkeypatch: pytest.MonkeyPatch) -> None:
