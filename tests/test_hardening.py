@@ -856,3 +856,16 @@ def test_dcp_entry_with_an_impossible_shape_is_refused(tmp_path: Path) -> None:
     meta.write_bytes(dumps(root))
     with pytest.raises(CorruptCheckpointError, match=r"DCP entry 'w' declares an impossible tensor: its element"):
         read_dcp_metadata(folder)
+
+
+def test_tuple_levels_bounds_the_nesting_and_counts_only_large_pickles() -> None:
+    """:func:`tuple_levels` is an upper bound on tuple nesting: a pickle of INLINE_TUPLE_LEVELS bytes or fewer is
+    bounded by its length (its tuple opcodes not counted: one small pickle a file of a folder's scan); a larger one
+    by its count of TUPLE, TUPLE1, TUPLE2 and TUPLE3 bytes, which decides the helper thread's stack."""
+    from ckptool.formats.pickle_stack import INLINE_TUPLE_LEVELS, tuple_levels
+
+    small = pickle.dumps(((((1,),),), (2, 3), (4, 5, 6), [7]), protocol=2)
+    assert tuple_levels(small) == len(small) <= INLINE_TUPLE_LEVELS
+    data = b"\x80\x02)" + b"\x85" * 3000 + b"."  # 3,000 nested TUPLE1s
+    assert len(data) > INLINE_TUPLE_LEVELS
+    assert tuple_levels(data) == sum(data.count(op) for op in (b"t", b"\x85", b"\x86", b"\x87")) >= 3000

@@ -26,8 +26,13 @@ _T = TypeVar("_T")
 
 
 def tuple_levels(data: bytes | bytearray) -> int:
-    """An upper bound on how deeply tuples can nest in pickle ``data``: its number of tuple-building opcode bytes."""
-    return sum(data.count(op) for op in _TUPLE_OPS)
+    """An upper bound on how deeply tuples can nest in pickle ``data``: its number of tuple-building opcode bytes;
+    its length when that is :data:`INLINE_TUPLE_LEVELS` or less (no count: a bound that says the same to
+    :func:`call_with_stack`, for the many small pickles of a folder's scan)."""
+    if len(data) <= INLINE_TUPLE_LEVELS:
+        return len(data)
+    t, t1, t2, t3 = _TUPLE_OPS
+    return data.count(t) + data.count(t1) + data.count(t2) + data.count(t3)
 
 
 def call_with_stack(fn: Callable[[], _T], levels: int, what: str = "pickle") -> _T:
