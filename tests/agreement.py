@@ -80,12 +80,12 @@ def answers(path: Path, tmp: Path) -> dict[str, Answer]:
     code, d = _run("diff", "--json", "--keys-only", path, path)
     out["diff"] = (Answer(True, d["format_a"], extra={"identical": d["identical"], "exit": code})
                    if code in (0, 1) and isinstance(d, dict) else Answer(False, error=str(d)))
-    if path.is_file():  # sanitize rewrites one file; it says what that file is, and writes nothing here
-        code, d = _run("sanitize", "--dry-run", "--json", "--drop-unknown", path, "-o", tmp / "sanitized.pt",
-                       "--force")
-        out["sanitize"] = (Answer(True, d["format"], d["kind"], d["tensors"], d["verdict"],
-                                  extra={"exit": code, "exit_code": d["exit_code"], "error": d["error"]})
-                           if isinstance(d, dict) else Answer(False, error=str(d), extra={"exit": code}))
+    # sanitize rewrites one file; its dry run says what the path is (a set or a folder: refused) and writes nothing
+    code, d = _run("sanitize", "--dry-run", "--json", "--drop-unknown", path, "-o", tmp / "sanitized.pt",
+                   "--force")
+    out["sanitize"] = (Answer(True, d["format"], d["kind"], d["tensors"], d["verdict"],
+                              extra={"exit": code, "exit_code": d["exit_code"], "error": d["error"]})
+                       if isinstance(d, dict) else Answer(False, error=str(d), extra={"exit": code}))
     return out
 
 

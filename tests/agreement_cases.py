@@ -170,11 +170,31 @@ def model_folder_with_training_args(root: Path) -> Path:
     return folder
 
 
+def folder_with_one_checkpoint(root: Path) -> Path:
+    """A run folder holding one checkpoint file two levels down (``run/weights/last.ckpt``) and a text file: read
+    as that file by every command, as ``scan`` of the folder reads it (inspect refused the folder before)."""
+    folder = root / "outputs"
+    (folder / "run" / "weights").mkdir(parents=True)
+    (folder / "notes.txt").write_text("lr 0.1\n")
+    torch.save({"model": _sd(), "epoch": 3}, folder / "run" / "weights" / "last.ckpt")
+    return folder
+
+
+def set_index_given(root: Path) -> Path:
+    """A sharded safetensors set given by its ``*.index.json``: sanitize's dry run says what it is before refusing
+    it, as inspect reads it."""
+    folder = root / "indexed"
+    names = _safetensors_set(folder)
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": names}))
+    return index
+
+
 #: every case, by name
 CASES: dict[str, Callable[[Path], Path]] = {f.__name__: f for f in (
     torch_zip_with_code, second_pickle_cut_short, safetensors_shards_named_bin, torch_package,
     index_with_url_shard, shard_symlink_dev_zero, shard_leaves_folder, peft_adapter,
-    model_folder_with_remote_code, model_folder_with_training_args)}
+    model_folder_with_remote_code, model_folder_with_training_args, folder_with_one_checkpoint, set_index_given)}
 
 
 def index_shard_outside(root: Path) -> Path:

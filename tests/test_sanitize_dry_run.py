@@ -164,3 +164,23 @@ def test_a_refusal_lists_what_no_rule_converts_with_scan_s_level(tmp_path: Path,
     assert "No rule converts 1 object (a run refuses the file):" in r.output and "Would write" not in r.output
     assert r.output.strip().splitlines()[-1].startswith("Error: ")
     assert list(tmp_path.iterdir()) == [src]
+
+
+def test_a_dry_run_of_a_set_says_what_it_is_and_the_refusal(tmp_path: Path, run_cli) -> None:
+    """A sharded set (its folder or its index) is refused by sanitize, and the dry run says so after saying what
+    it is: its format and the verdict ``scan`` gives the set, in JSON, with the run's exit status (before, the
+    refusal came first, as a plain Error line without the JSON)."""
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "set"
+    folder.mkdir()
+    save_file({"a": torch.ones(2)}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.ones(2)}, str(folder / "model-00002-of-00002.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    for path in (folder, folder / "model.safetensors.index.json"):
+        r = run_cli("sanitize", "--dry-run", "--json", path)
+        d = json.loads(r.stdout)
+        assert d["format"] == "sharded-safetensors" and d["verdict"] == "safe" and d["error"]
+        assert r.exit_code == d["exit_code"] != 0

@@ -42,7 +42,8 @@ from ckptool.ops.rewrite.stream import (
     rewrite_file,
 )
 from ckptool.readers import Checkpoint, Opened, open_checkpoint
-from ckptool.scanning.entry import scan_file
+from ckptool.scanning.entry import scan
+from ckptool.scanning.results import worst_verdict
 
 __all__ = ["Conversion", "SanitizeDryRun", "SanitizeResult", "sanitize", "sanitize_dry_run"]
 
@@ -229,10 +230,10 @@ class SanitizeDryRun:
     ``kind`` (``state_dict``, ``training_checkpoint``, ``full_model``, ``tensors``: as ``ckptool inspect`` says) and
     ``tensors`` (every tensor reachable from the pickle, tied names each counted, as ``inspect`` lists them) of a
     file sanitize reads (None for a format it refuses before reading: safetensors, TorchScript, a plain pickle...),
-    ``verdict`` (``ckptool scan``'s: :func:`ckptool.scanning.entry.scan_file`), every object a run would have
-    ``converted`` and, with ``drop_unknown``, ``dropped``, or, for a run that refuses the file for them, the
-    ``unconverted`` objects no rule converts (each with the level scan gives its global); the output's
-    ``storages`` (``new_storages`` of them converted arrays), its tags ``devices`` and ``retagged`` (as
+    ``verdict`` (what ``ckptool scan SRC`` says, a set's or folder's files too: :func:`ckptool.scanning.entry.scan`),
+    every object a run would have ``converted`` and, with ``drop_unknown``, ``dropped``, or, for a run that refuses
+    the file for them, the ``unconverted`` objects no rule converts (each with the level scan gives its global);
+    the output's ``storages`` (``new_storages`` of them converted arrays), its tags ``devices`` and ``retagged`` (as
     :class:`SanitizeResult`); ``error``: the error a run would raise (nothing written), else None."""
 
     src: str
@@ -291,9 +292,11 @@ def sanitize_dry_run(src: str | os.PathLike[str], dst: str | os.PathLike[str] | 
     """
     src = os.fspath(src)
     out = sanitize_output(src, dst, in_place)
-    opened = open_checkpoint(src).require_file()
-    res = SanitizeDryRun(src, out, opened.format, str(scan_file(opened.target).verdict))
+    opened = open_checkpoint(src)
+    # the verdict ``ckptool scan SRC`` gives: a set's shards, a model folder's files beside its weights included
+    res = SanitizeDryRun(src, out, opened.format, str(worst_verdict(scan([src]))))
     try:
+        opened.require_file()  # a folder or a set is refused as a run refuses it, once it is known what it is
         _refuse_unwritable(opened, src)
         ck = opened.graph()
         res.kind = kind_of(ck.root, find_state_dicts(ck.root))
