@@ -140,7 +140,8 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
 
     With --strict (a policy on the same verdicts): 0 safe, 1 a file is dangerous or needs trust (names a global
     outside the allowlist or ships code), 2 unreadable, 5 incomplete.
-    --quiet prints nothing (the exit status answers); --json gives "strict", "exit_code" and "files" (per file:
+    --quiet prints nothing (the exit status answers); --json gives "strict", "exit_code", "verdict" (the worst
+    file's) and "files" (per file:
     "verdict" (safe, incomplete, needs-trust, error or dangerous) and "exit_code", each global's "status" and
     "level", each pickle's "hidden" and "key_paths");
     --format sarif prints a SARIF 2.1.0 log (rules CKPT001 dangerous, CKPT002 needs trust, CKPT003 unreadable,
