@@ -242,3 +242,23 @@ def test_a_pickle_of_protocol_0_or_1_is_a_pickle_everywhere(protocol: int, tmp_p
     junk = tmp_path / "junk.pkl"
     junk.write_bytes(path.read_bytes() + b"x")
     assert run_cli("inspect", junk).exit_code != 0
+
+
+def test_a_storage_record_shorter_than_declared_is_an_error_everywhere(tmp_path: Path, run_cli) -> None:
+    """A torch zip whose storage record holds fewer bytes than its persistent id declares (torch reads that many
+    and fails): inspect and report refuse it as damaged, so scan's verdict is error, never safe (before: safe)."""
+    import io
+    import zipfile
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(3, 4)}, buf)
+    path = tmp_path / "short.pt"
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(path, "w") as dst:
+        for info in src.infolist():
+            body = src.read(info.filename)
+            dst.writestr(info.filename, body[:4] if info.filename.endswith("data/0") else body)
+    assert agreement.disagreements(path, tmp_path) == []
+    d = json.loads(run_cli("scan", "--json", path).stdout)
+    assert d["verdict"] == "error" and "declares 48 bytes but its record" in json.dumps(d)

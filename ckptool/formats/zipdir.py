@@ -1,9 +1,8 @@
 """A fast, read-only reader of a zip's central directory, for torch zip checkpoints.
 
-``zipfile.ZipFile`` builds a ``ZipInfo`` object per member, a third of a second for the 50,000 records of a
-large state_dict; checkpoints only need each record's name, local-header offset, sizes, CRC-32 and method. This
-parses exactly that (APPNOTE.TXT 4.3.12 central directory header, 4.3.14-4.3.16 ZIP64 end records, 4.5.3 ZIP64
-extra field) with ``struct.unpack_from`` over one read of the directory.
+``zipfile.ZipFile`` builds a ``ZipInfo`` per member (a third of a second for 50,000 records); checkpoints need
+each record's name, local-header offset, sizes, CRC-32 and method: parsed (APPNOTE.TXT 4.3.12, 4.3.14-4.3.16
+ZIP64 end records, 4.5.3 ZIP64 extra field) with ``struct.unpack_from`` over one read of the directory.
 """
 
 from __future__ import annotations
@@ -367,9 +366,8 @@ class TorchRecords:
         self._keys: list[bytes] = []
 
     def _index(self) -> dict[bytes, tuple[int, ...]]:
-        """Lower-cased raw name -> the indices of the entries that have it; built once, in C loops for the names
-        that are all ASCII and free of newlines (torch's: 50,000 records in a large state_dict), where a raw name's
-        lower-casing is its text's; only a name held more than once is looked for in Python."""
+        """Lower-cased raw name -> the indices of the entries that have it; built once, in C loops for ASCII
+        names free of newlines (torch's); only a name held more than once is looked for in Python."""
         if self._lower is None:
             names = [e.name for e in self.entries]
             text = "\n".join(names)
@@ -388,20 +386,23 @@ class TorchRecords:
             self._lower = lower
         return self._lower
 
-    def missing(self, template: str, keys: list[str]) -> list[str]:
-        """The ``keys`` whose record ``template.format(key=key)`` (``data/{key}``) torch finds no entry for
-        (:meth:`find` is None), in order. The names are built and looked up by string and set operations in C (the
-        50,000 storages of a large state_dict), each key in Python only when one is missing or a name is not plain
-        ASCII."""
+    def lacking(self, template: str, needs: dict[str, int]) -> tuple[list[str], list[str]]:
+        """The keys of ``needs`` (key -> bytes declared) whose record ``template.format(key=key)`` (``data/{key}``)
+        torch does not find (:meth:`find`), and those whose record holds fewer bytes, in order (in C loops for
+        plain ASCII keys: the 50,000 storages of a large state_dict)."""
+        keys = list(needs)
         head, _, tail = template.partition("{key}")
         text = "\n".join(keys)
-        plain = text.isascii() and text.count("\n") == len(keys) - 1 and template.isascii()
-        if keys and plain and self.prefix is not None and self._prefix_raw.isascii():
+        if keys and text.isascii() and text.count("\n") == len(keys) - 1 and template.isascii() and \
+                self.prefix is not None and self._prefix_raw.isascii():
             lead = self._prefix_raw.decode("ascii") + head
             names = (lead + text.replace("\n", tail + "\n" + lead) + tail).lower().encode("ascii").split(b"\n")
-            if not set(names).difference(self._index()):
-                return []
-        return [k for k in keys if self.find(template.format(key=k)) is None]
+            index, entries = self._index(), self.entries
+            hits = [index.get(n, ()) for n in names]
+            if all(len(h) == 1 for h in hits):  # each record there once: its size, in C loops
+                return [], [k for k, h, need in zip(keys, hits, needs.values()) if need > entries[h[0]].file_size]
+        found = {k: self.find(template.format(key=k)) for k in keys}
+        return [k for k, e in found.items() if e is None], [k for k, e in found.items() if e and needs[k] > e.file_size]
 
     def find(self, name: str) -> ZipEntry | None:
         """The entry torch reads for record ``name`` (``data.pkl``, ``data/0``), or None where torch finds none."""

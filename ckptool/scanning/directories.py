@@ -4,15 +4,25 @@ the scan reads the members of every directory any of them would read, and notes 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import BinaryIO, cast
+from collections.abc import Callable, Mapping
+from operator import attrgetter
+from typing import Any, BinaryIO, cast
 
 from ckptool.errors import CkptError
 from ckptool.formats import detect as formats
-from ckptool.formats.zipdir import Directory, ZipEntry, plain_directory, read_directory, zipfile_directory
+from ckptool.formats.dtypes import STORAGE_TYPES
+from ckptool.formats.nodes import StorageRef
+from ckptool.formats.zipdir import (
+    Directory,
+    TorchRecords,
+    ZipEntry,
+    plain_directory,
+    read_directory,
+    zipfile_directory,
+)
 from ckptool.scanning.tar import inside
 
-__all__ = ["first_of_group", "zip_directories"]
+__all__ = ["first_of_group", "record_problem", "zip_directories"]
 
 
 def zip_directories(f: BinaryIO, size: int, where: str, path: str, top_file: bool, note: Callable[[str], None]
@@ -97,3 +107,37 @@ def first_of_group(shared: dict[tuple[int, int, int, int], list[str]] | None, e:
     group = shared.setdefault((e.header_offset, e.compress_size, e.method, e.file_size), [])
     group.append(label)
     return len(group) == 1
+
+
+def record_problem(recs: TorchRecords, template: str, storages: Mapping[str, Any]) -> str | None:
+    """Why torch's loader fails on the storage records a ``data.pkl`` names (``storages``: key ->
+    :class:`~ckptool.formats.nodes.StorageRef`, as the restricted unpickler records them): a record the zip lacks
+    (``template``: ``data/{key}``), or one holding fewer bytes than its persistent id declares (``numel`` times the
+    element size of its storage type, :data:`~ckptool.formats.dtypes.STORAGE_TYPES`: torch reads that many, as
+    :func:`ckptool.formats.torchfile.check_storage_records` checks for the readers). The readers refuse such a file
+    as damaged, so the scan cannot call it safe. None when every record is there and whole."""
+    refs = list(storages.values())
+    numels = list(map(attrgetter("numel"), refs)) if all(type(r) is StorageRef for r in refs) else []
+    if len(numels) != len(refs) or set(map(type, numels)) - {int}:  # hostile: no StorageRef, a numel no int
+        numels = [r.numel if isinstance(r, StorageRef) and type(r.numel) is int else 0 for r in refs]
+    first = getattr(refs[0], "storage_type", None) if refs else None
+    if all(getattr(r, "storage_type", None) is first for r in refs):  # one storage type: one element size
+        n = _element_size(refs[0]) if refs else 1
+        needs = dict(zip(storages, [x * n for x in numels]))
+    else:
+        needs = {k: x * _element_size(r) for (k, r), x in zip(storages.items(), numels)}
+    missing, short = recs.lacking(template, needs)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        return (f"storage {missing[0]!r} has no record {template.format(key=missing[0])} in the archive{more}; the "
+                "file is damaged or incomplete")
+    if short:
+        more = f" (and {len(short) - 1} more)" if len(short) > 1 else ""
+        return (f"storage {short[0]!r} declares {needs[short[0]]} bytes but its record "
+                f"{template.format(key=short[0])} holds fewer{more}; the file is damaged or hostile")
+    return None
+
+
+def _element_size(ref: Any) -> int:
+    """The bytes of one element of ``ref``'s storage type (1 for an untyped or unknown one)."""
+    return STORAGE_TYPES.get(ref.storage_type_name if isinstance(ref, StorageRef) else "", ("", 1))[1]

@@ -27,7 +27,7 @@ from ckptool.formats.zipdir import MAX_RATIO, TorchRecords, ZipEntry, duplicate_
 from ckptool.model.allowlist import ALLOWED, is_importable_name, rate_global
 from ckptool.scanning import layouts, wrappers
 from ckptool.scanning.byte_windows import ZIP_LOCAL, Container, Window, as_file, end_record, zip_end, zip_start
-from ckptool.scanning.directories import first_of_group, zip_directories
+from ckptool.scanning.directories import first_of_group, record_problem, zip_directories
 from ckptool.scanning.key_paths import MAX_KEY_PATHS, key_paths
 from ckptool.scanning.layouts import Layout
 from ckptool.scanning.legacy_stream import STREAM_LOADER, LegacyWalk, failed
@@ -492,13 +492,9 @@ class Scanner(WrapperWalk, LegacyWalk):
         storages = self.storages_of.get(label or "")
         if not storages:
             return
-        missing = recs.missing(layout.storage_record, list(storages))
-        if missing:
-            self.record(PickleFinding(
-                f"{label} (its storages)", 0, [],
-                f"storage {missing[0]!r} has no record {layout.storage_record.format(key=missing[0])} in the archive"
-                f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; the file is damaged or "
-                "incomplete"))
+        problem = record_problem(recs, layout.storage_record, storages)  # a record missing or short
+        if problem:
+            self.record(PickleFinding(f"{label} (its storages)", 0, [], problem))
 
     def _mark_loaded(self, where: str, layout: Layout, recs: TorchRecords, names: list[str]) -> None:
         """Mark the members torch's loader unpickles in a zip it reads (as it finds them: ignoring case)."""
