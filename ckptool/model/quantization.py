@@ -20,6 +20,9 @@ from ckptool.model.units import human_bytes
 FP8_SCALE = "weight_scale_inv"
 #: float8 dtypes an FP8 weight is stored in
 FP8_DTYPES = ("float8_e4m3fn",)
+#: the dtypes a quantized weight of a known scheme is stored in (FP8, MXFP4's uint8 blocks): a checkpoint holding
+#: none, without a ``quantization_config``, has nothing :func:`describe` finds
+PAIR_DTYPES = frozenset((*FP8_DTYPES, "uint8"))
 #: ``quantization_config.quant_method`` values named and refused, with why
 REFUSED_METHODS = {
     "gptq": "GPTQ packs int4 weights with zero points and a group index (act-order); dequantize with its own library",

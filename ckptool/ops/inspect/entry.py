@@ -35,8 +35,8 @@ from ckptool.formats import plugin
 from ckptool.model.allowlist import DANGEROUS
 from ckptool.model.graph import too_deep
 from ckptool.model.keys import check_key_lengths
+from ckptool.model.quantization import PAIR_DTYPES, quantization_config
 from ckptool.model.quantization import describe as describe_quantization
-from ckptool.model.quantization import quantization_config
 from ckptool.ops.inspect.info import (
     SCHEMA,
     ByteTotal,
@@ -145,6 +145,8 @@ def _quantization(info: CheckpointInfo) -> dict[str, Any] | None:
         quant = quantization_config(folder)
     except UnsupportedError:
         quant = None
+    if quant is None and PAIR_DTYPES.isdisjoint({t.dtype for t in info.tensors}):
+        return None  # what describe finds, without the table of every tensor (50,000 tensors: 20 ms)
     return describe_quantization({t.key: (t.dtype, tuple(t.shape), t.nbytes) for t in info.tensors}, quant)
 
 
