@@ -11,6 +11,8 @@ import struct
 import zlib
 from collections import Counter
 from collections.abc import Callable
+from itertools import compress, repeat
+from operator import attrgetter, gt, itemgetter
 from typing import BinaryIO, NamedTuple
 
 from ckptool.errors import CorruptCheckpointError, TruncatedError
@@ -348,12 +350,10 @@ def _miniz_sorted(keys: list[bytes]) -> list[int]:
 
 
 class TorchRecords:
-    """The records of a zip as torch's ``PyTorchStreamReader`` (torch 2.13, miniz 3.0.2) finds them by name: under
-    the folder of the directory's first member (``archive/``), looked up as ``mz_zip_reader_locate_file`` does:
-    ignoring ASCII case (``archive/DATA.PKL`` is found for ``data.pkl``), and among several names that differ only in
-    case (or not at all), the one its binary search over the heap-sorted directory hits.
-
-    ``prefix`` is None when the first member is in no folder (torch refuses the file)."""
+    """The records of a zip as torch's ``PyTorchStreamReader`` (torch 2.13, miniz 3.0.2) finds them: under the
+    folder of the first member (``archive/``; ``prefix`` None when it is in none: torch refuses the file), as
+    ``mz_zip_reader_locate_file`` does: ignoring ASCII case, and among names equal but for case (or not at all), the
+    one its binary search over the heap-sorted directory hits."""
 
     def __init__(self, entries: list[ZipEntry]) -> None:
         self.entries = entries
@@ -390,17 +390,17 @@ class TorchRecords:
         """The keys of ``needs`` (key -> bytes declared) whose record ``template.format(key=key)`` (``data/{key}``)
         torch does not find (:meth:`find`), and those whose record holds fewer bytes, in order (in C loops for
         plain ASCII keys: the 50,000 storages of a large state_dict)."""
-        keys = list(needs)
-        head, _, tail = template.partition("{key}")
+        keys, (head, _, tail) = list(needs), template.partition("{key}")
         text = "\n".join(keys)
         if keys and text.isascii() and text.count("\n") == len(keys) - 1 and template.isascii() and \
                 self.prefix is not None and self._prefix_raw.isascii():
             lead = self._prefix_raw.decode("ascii") + head
             names = (lead + text.replace("\n", tail + "\n" + lead) + tail).lower().encode("ascii").split(b"\n")
             index, entries = self._index(), self.entries
-            hits = [index.get(n, ()) for n in names]
-            if all(len(h) == 1 for h in hits):  # each record there once: its size, in C loops
-                return [], [k for k, h, need in zip(keys, hits, needs.values()) if need > entries[h[0]].file_size]
+            hits = list(map(index.get, names, repeat(())))
+            if set(map(len, hits)) == {1}:  # each record there once: its size, in C loops
+                sizes = map(attrgetter("file_size"), map(entries.__getitem__, map(itemgetter(0), hits)))
+                return [], list(compress(keys, map(gt, needs.values(), sizes)))
         found = {k: self.find(template.format(key=k)) for k in keys}
         return [k for k, e in found.items() if e is None], [k for k, e in found.items() if e and needs[k] > e.file_size]
 

@@ -5,7 +5,8 @@ the scan reads the members of every directory any of them would read, and notes 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, mul
 from typing import Any, BinaryIO, cast
 
 from ckptool.errors import CkptError
@@ -117,13 +118,12 @@ def record_problem(recs: TorchRecords, template: str, storages: Mapping[str, Any
     :func:`ckptool.formats.torchfile.check_storage_records` checks for the readers). The readers refuse such a file
     as damaged, so the scan cannot call it safe. None when every record is there and whole."""
     refs = list(storages.values())
-    numels = list(map(attrgetter("numel"), refs)) if all(type(r) is StorageRef for r in refs) else []
-    if len(numels) != len(refs) or set(map(type, numels)) - {int}:  # hostile: no StorageRef, a numel no int
+    numels = list(map(attrgetter("numel"), refs)) if set(map(type, refs)) <= {StorageRef} else []
+    if len(numels) != len(refs) or not set(map(type, numels)) <= {int}:  # hostile: no StorageRef, a numel no int
         numels = [r.numel if isinstance(r, StorageRef) and type(r.numel) is int else 0 for r in refs]
-    first = getattr(refs[0], "storage_type", None) if refs else None
-    if all(getattr(r, "storage_type", None) is first for r in refs):  # one storage type: one element size
-        n = _element_size(refs[0]) if refs else 1
-        needs = dict(zip(storages, [x * n for x in numels]))
+    if refs and isinstance(refs[0], StorageRef) and \
+            len(set(map(id, map(attrgetter("storage_type"), refs)))) == 1:  # one storage type: one element size
+        needs = dict(zip(storages, map(mul, numels, repeat(_element_size(refs[0])))))
     else:
         needs = {k: x * _element_size(r) for (k, r), x in zip(storages.items(), numels)}
     missing, short = recs.lacking(template, needs)
