@@ -213,6 +213,19 @@ def starts_like_checkpoint(head: bytes) -> bool:
     return head.startswith(b"PK\x03\x04") or accepts_pickle(head)
 
 
+def file_starts_like_checkpoint(path: str, *, unreadable: bool = False) -> bool:
+    """:func:`starts_like_checkpoint` of the first bytes of the regular file ``path``; a FIFO, device or socket is
+    never opened (False), and a file that may not be read (no permission) is ``unreadable``: ``scan`` counts it
+    (a result with an error, never left out), the folder classifier does not."""
+    try:
+        with source.open_regular(path) as f:
+            return starts_like_checkpoint(f.read(4))
+    except PermissionError:
+        return unreadable
+    except (OSError, CkptError):
+        return False
+
+
 #: the magic number a torch legacy stream starts with, as its first pickle (any protocol)
 LEGACY_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 

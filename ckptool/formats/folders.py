@@ -36,15 +36,14 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ckptool import _source as source
-from ckptool.errors import CkptError, UsageError
+from ckptool.errors import UsageError
 from ckptool.formats import dcp, deepspeed, megatron, sharded
 from ckptool.formats.detect import (
     CHECKPOINT_SUFFIXES,
     INDEX_SUFFIX,
     MEGATRON_DIST,
     MEGATRON_LEGACY,
-    starts_like_checkpoint,
+    file_starts_like_checkpoint,
 )
 
 __all__ = ["DCP", "DCP_WRITTEN", "DEEPSPEED", "FOLDER_ACCEPTS", "ONE_CHECKPOINT", "ONE_FILE", "PEFT_ADAPTER",
@@ -203,20 +202,12 @@ def checkpoint_files(top: str, stop: int = 2) -> list[str]:
                     continue
             except OSError:
                 continue
-            if e.name.lower().endswith(CHECKPOINT_SUFFIXES) or _head_is_checkpoint(e.path):
+            if e.name.lower().endswith(CHECKPOINT_SUFFIXES) or file_starts_like_checkpoint(e.path):
                 found.append(e.path)
                 if len(found) >= stop:
                     return found
         pending[:0] = subfolders
     return found
-
-
-def _head_is_checkpoint(path: str) -> bool:
-    try:
-        with source.open_regular(path) as f:
-            return starts_like_checkpoint(f.read(4))
-    except (OSError, CkptError):
-        return False
 
 
 def accepts_one_checkpoint(lst: Listing) -> str | None:

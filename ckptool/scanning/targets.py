@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from ckptool import _source as source
 from ckptool._source import leaves_folder
 from ckptool.errors import CkptError, InputNotFoundError, UsageError
-from ckptool.formats.detect import CHECKPOINT_SUFFIXES, INDEX_SUFFIX, starts_like_checkpoint
+from ckptool.formats.detect import CHECKPOINT_SUFFIXES, INDEX_SUFFIX, file_starts_like_checkpoint
 from ckptool.scanning.configs import is_code_config
 
 __all__ = ["UNREADABLE", "index_refusal", "iter_paths", "iter_targets", "unreadable"]
@@ -156,7 +156,8 @@ def _is_candidate(full: str, link: bool = True) -> bool:
     link to a folder; ``link=False`` when the caller knows ``full`` is no link (:func:`_is_link`)."""
     if link and os.path.islink(full) and not os.path.isfile(full):
         return False
-    return os.path.basename(full).lower().endswith(CHECKPOINT_SUFFIXES) or _looks_like_checkpoint(full)
+    name = os.path.basename(full).lower()
+    return name.endswith(CHECKPOINT_SUFFIXES) or file_starts_like_checkpoint(full, unreadable=True)
 
 
 def _folder_files(folder: str) -> list[str]:
@@ -226,17 +227,3 @@ def _cannot_open(path: str, link: bool = True) -> str | None:
     if os.access(path, os.R_OK) or not os.path.isfile(path):
         return None
     return "this file cannot be opened (permission denied); it was not scanned: run as a user who may read it"
-
-
-def _looks_like_checkpoint(path: str) -> bool:
-    """The first bytes of ``path`` are a zip's or a pickle's; a FIFO, device or socket is never opened (a file of
-    a checkpoint's name is still scanned, to a refusal: :func:`_is_candidate`). A regular file that cannot be opened
-    counts as one (it is then a result with an error, never left out)."""
-    try:
-        with source.open_regular(path) as f:
-            head = f.read(4)
-    except PermissionError:
-        return True
-    except (OSError, CkptError):
-        return False
-    return starts_like_checkpoint(head)
