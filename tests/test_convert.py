@@ -404,6 +404,24 @@ def _flip_last_byte(f: Any) -> None:
     f.write(bytes([last ^ 0xFF]))
 
 
+def _corrupt_every_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every range convert's writer copies (the kernel copy and the copy that computes a CRC-32) gets its last byte
+    flipped after it is written, as a bad disk or a bug would: the verification must see it."""
+    real_crc, real_kernel = cv_write.copy_range_crc, cv_write.copy_range
+
+    def corrupting_crc(fsrc: Any, fdst: Any, offset: int, size: int, crc: int = 0, **kw: Any) -> int:
+        good = real_crc(fsrc, fdst, offset, size, crc, **kw)
+        _flip_last_byte(fdst)
+        return good
+
+    def corrupting_kernel(fsrc: Any, fdst: Any, offset: int, size: int, **kw: Any) -> None:
+        real_kernel(fsrc, fdst, offset, size, **kw)
+        _flip_last_byte(fdst)
+
+    monkeypatch.setattr(cv_write, "copy_range_crc", corrupting_crc)
+    monkeypatch.setattr(cv_write, "copy_range", corrupting_kernel)
+
+
 def test_verification_of_a_large_tensor_reads_it_in_pieces_and_catches_a_bad_write(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor over WHOLE_BYTES is not read whole by safe_open (its bytes would set convert's peak memory): its
@@ -423,19 +441,7 @@ def test_verification_of_a_large_tensor_reads_it_in_pieces_and_catches_a_bad_wri
     monkeypatch.setattr(cv_torch_verify, "_tensor_difference", spy)
     res = convert(tmp_path / "m.pt", tmp_path / "ok.safetensors")
     assert res.verified is not None and whole == []  # no tensor read whole by safe_open
-    real_crc, real_kernel = cv_write.copy_range_crc, cv_write.copy_range
-
-    def corrupting_crc(fsrc: Any, fdst: Any, offset: int, size: int, crc: int = 0, **kw: Any) -> int:
-        good = real_crc(fsrc, fdst, offset, size, crc, **kw)
-        _flip_last_byte(fdst)
-        return good
-
-    def corrupting_kernel(fsrc: Any, fdst: Any, offset: int, size: int, **kw: Any) -> None:
-        real_kernel(fsrc, fdst, offset, size, **kw)
-        _flip_last_byte(fdst)
-
-    monkeypatch.setattr(cv_write, "copy_range_crc", corrupting_crc)
-    monkeypatch.setattr(cv_write, "copy_range", corrupting_kernel)
+    _corrupt_every_copy(monkeypatch)
     with pytest.raises(VerificationError, match="different bytes"):
         convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
     assert not (tmp_path / "m.safetensors").exists()
@@ -446,19 +452,7 @@ def test_verification_catches_a_bad_write_and_keeps_nothing(tmp_path: Path, monk
                                                             legacy: bool) -> None:
     torch.save({"w": torch.randn(64), "b": torch.randn(8)}, tmp_path / "m.pt",
                _use_new_zipfile_serialization=not legacy)
-    real_crc, real_kernel = cv_write.copy_range_crc, cv_write.copy_range
-
-    def corrupting_crc(fsrc: Any, fdst: Any, offset: int, size: int, crc: int = 0, **kw: Any) -> int:
-        good = real_crc(fsrc, fdst, offset, size, crc, **kw)
-        _flip_last_byte(fdst)
-        return good
-
-    def corrupting_kernel(fsrc: Any, fdst: Any, offset: int, size: int, **kw: Any) -> None:
-        real_kernel(fsrc, fdst, offset, size, **kw)
-        _flip_last_byte(fdst)
-
-    monkeypatch.setattr(cv_write, "copy_range_crc", corrupting_crc)
-    monkeypatch.setattr(cv_write, "copy_range", corrupting_kernel)
+    _corrupt_every_copy(monkeypatch)
     with pytest.raises(VerificationError, match="different bytes"):
         convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]  # no output, no temporary file
