@@ -41,7 +41,8 @@ import io
 import mmap
 import os
 import pickle
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Collection
 from typing import Any, BinaryIO, cast
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedError
@@ -72,8 +73,67 @@ from ckptool.formats.pickle_check import (
     tuple_levels,
 )
 
-__all__ = ["MAX_REQUEST_BYTES", "PICKLE_ERRORS", "RestrictedUnpickler", "element_size", "load_pickle_at",
-           "load_structure", "partial_globals", "request_bytes"]
+__all__ = ["MAX_REQUEST_BYTES", "PICKLE_ERRORS", "PlaceholderPool", "RestrictedUnpickler", "element_size",
+           "load_pickle_at", "load_structure", "partial_globals", "request_bytes", "thread_pool"]
+
+#: what a pickle's use changes on a placeholder (:class:`~ckptool.formats.nodes.GlobalMeta`): class attributes
+#: that shadow the metaclass's defaults once set; :meth:`PlaceholderPool.take` deletes them
+_USE_STATE = ("called", "passed", "args_unread", "requested", "class_builds")
+
+
+class PlaceholderPool:
+    """Placeholders (:func:`~ckptool.formats.nodes.new_global`) reused from one pickle to the next, one per name:
+    making one is a class creation (about 5 µs), and a scan of a folder of small pickles names the same few
+    globals in every file. :meth:`take` hands one out reset to a new placeholder's state (:data:`_USE_STATE`
+    deleted, its kept ``streams`` emptied) and remembers which unpickler took it; that unpickler's
+    :meth:`RestrictedUnpickler.uncalled_globals` and :meth:`~RestrictedUnpickler.streams` raise ``RuntimeError``
+    once another unpickler took one of its placeholders (a read of state that is no
+    longer its own, rather than a wrong answer). Not shared between threads (:func:`thread_pool`); holds at most
+    ``limit`` names (beyond them a new placeholder each time, as without a pool). The node graphs of earlier pickles
+    keep their placeholders; only the use state above is taken from them."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._placeholders: dict[tuple[str, str], GlobalMeta] = {}
+        self._users: dict[tuple[str, str], object] = {}
+
+    def take(self, module: str, name: str, user: object) -> GlobalMeta:
+        """The placeholder of ``module.name`` for ``user`` (an unpickler), reset to a new one's state."""
+        key = (module, name)
+        g = self._placeholders.get(key)
+        if g is None:
+            g = new_global(module, name)
+            if len(self._placeholders) >= self.limit:
+                return g
+            self._placeholders[key] = g
+        else:
+            own = g.__dict__
+            for attr in _USE_STATE:
+                if attr in own:
+                    delattr(g, attr)
+            if "streams" in own:
+                g.streams.clear()
+        self._users[key] = user
+        return g
+
+    def check(self, user: object, keys: Collection[tuple[str, str]]) -> None:
+        """Raise ``RuntimeError`` when a placeholder of ``keys`` that ``user`` took was taken by another since."""
+        users = self._users
+        for key in keys:
+            if users.get(key, user) is not user:
+                raise RuntimeError(f"the placeholder of {qualified_name(*key)} was reused before its pickle's "
+                                   "uses were read")
+
+
+_THREAD = threading.local()
+
+
+def thread_pool() -> PlaceholderPool:
+    """This thread's :class:`PlaceholderPool` (the scan's: :meth:`ckptool.scanning.pickles.Scanner.load_at`)."""
+    pool: PlaceholderPool | None = getattr(_THREAD, "pool", None)
+    if pool is None:
+        pool = _THREAD.pool = PlaceholderPool()
+    return pool
 
 
 
@@ -87,8 +147,10 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def __init__(self, file: BinaryIO, *, storages: dict[str, StorageRef] | None = None,
                  global_cache: dict[tuple[str, str], GlobalMeta] | None = None,
-                 views: tuple[bytes, list[BlobView]] | None = None) -> None:
+                 views: tuple[bytes, list[BlobView]] | None = None, pool: PlaceholderPool | None = None) -> None:
         self._globals: dict[tuple[str, str], GlobalMeta] = global_cache if global_cache is not None else {}
+        #: where new placeholders come from (None: :func:`~ckptool.formats.nodes.new_global`, one each)
+        self._pool = pool
         self.globals_seen: dict[tuple[str, str], None] = {}
         self.storages: dict[str, StorageRef] = storages if storages is not None else {}
         #: one string per distinct location tag: torch pickles a new ``"cuda:0"`` for every storage
@@ -128,7 +190,13 @@ class RestrictedUnpickler(pickle.Unpickler):
         its arguments, at any depth of tuples, lists, sets and dicts): held only as values (BUILD state, dict values,
         list items). Empty when a call's arguments were too many to walk (``args_unread``).
         Meaningful after a :meth:`load` that read the pickle to its STOP (a pickle that failed may have called them
-        later); with a shared ``global_cache``, a call in any pickle that shares it counts."""
+        later); with a shared ``global_cache``, a call in any pickle that shares it counts.
+
+        Raises:
+            RuntimeError: a :class:`PlaceholderPool` gave one of its placeholders to another unpickler since.
+        """
+        if self._pool is not None:
+            self._pool.check(self, self._globals)
         if any(g.args_unread for g in self._globals.values()):
             return set()
         out = set()
@@ -143,7 +211,13 @@ class RestrictedUnpickler(pickle.Unpickler):
         order, a memo reference passing the same object again): a ``bytes`` or ``bytearray`` (a
         :class:`~ckptool.formats.nodes.BlobView` when read with views), or whatever else the pickle passed. Each is
         a whole torch.save stream that torch.load reads with ``weights_only=False`` (``torch/storage.py``); also after
-        a failed :meth:`load`, for the calls made before the failure. Taken once: the list is emptied."""
+        a failed :meth:`load`, for the calls made before the failure. Taken once: the list is emptied.
+
+        Raises:
+            RuntimeError: as :meth:`uncalled_globals`.
+        """
+        if self._pool is not None:
+            self._pool.check(self, self._globals)
         g = self._globals.get(LOAD_FROM_BYTES)
         if g is None or not g.streams:
             return []
@@ -159,7 +233,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         self.globals_seen[key] = None
         g = self._globals.get(key)
         if g is None:
-            g = new_global(module, name)
+            g = new_global(module, name) if self._pool is None else self._pool.take(module, name, self)
             self._globals[key] = g
         return g
 
@@ -300,8 +374,8 @@ def _flat_reader(data: bytes | bytearray) -> BinaryIO:
 def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exact: bool = False,
                    strict_frames: bool = True, storages: dict[str, StorageRef] | None = None,
                    global_cache: dict[tuple[str, str], GlobalMeta] | None = None,
-                   weights_only: list[str | None] | None = None,
-                   views: bool = False, end: int | None = None) -> tuple[Any, RestrictedUnpickler, int]:
+                   weights_only: list[str | None] | None = None, views: bool = False, end: int | None = None,
+                   pool: PlaceholderPool | None = None) -> tuple[Any, RestrictedUnpickler, int]:
     """Check (:func:`check_pickle`) then unpickle the pickle that starts at ``buf[pos]`` into a node graph.
 
     ``buf`` is bytes or an ``mmap``; ``exact=True`` when the pickle ends exactly at the end of ``buf``;
@@ -315,7 +389,8 @@ def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exa
     a skeleton of the opcodes without it (:func:`_skeleton`), so memory follows the pickle's structure, not its
     size; the same opcodes run in the same order, so the globals and errors are those of a full read. ``end``: the
     data ends there (a window of ``buf``: a stream nested in a blob, read in place), not at ``len(buf)``; lengths
-    and a missing STOP are judged against it. If parsing fails after the checks, the error's ``unpickler``
+    and a missing STOP are judged against it. ``pool``: where the unpickler's placeholders come from
+    (:class:`PlaceholderPool`; None: new ones). If parsing fails after the checks, the error's ``unpickler``
     attribute still lists (``globals_seen``) the globals named before the failure.
 
     Raises:
@@ -327,7 +402,8 @@ def load_pickle_at(buf: PickleBuffer, pos: int = 0, what: str = "pickle", *, exa
     end = check_pickle(buf, pos, end, what=what, exact=exact, strict_frames=strict_frames, weights_only=weights_only,
                        blobs=spans, gaps=gaps)
     chunk, found = _skeleton(buf, pos, end, spans, gaps) if spans else (_chunk(buf, pos, end), None)
-    up = RestrictedUnpickler(_flat_reader(chunk), storages=storages, global_cache=global_cache, views=found)
+    up = RestrictedUnpickler(_flat_reader(chunk), storages=storages, global_cache=global_cache, views=found,
+                             pool=pool)
     try:
         root = call_with_stack(up.load, tuple_levels(chunk), what)
     except MemoryError as e:  # not the file's fault as such: say which file needed it (the CLI reports it)

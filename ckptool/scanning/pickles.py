@@ -22,7 +22,7 @@ from ckptool.formats import detect as formats
 from ckptool.formats import plugin
 from ckptool.formats.nodes import StorageRef, qualified_name
 from ckptool.formats.pickle_check import PickleBuffer, check_pickle
-from ckptool.formats.unpickler import RestrictedUnpickler, load_pickle_at, partial_globals
+from ckptool.formats.unpickler import RestrictedUnpickler, load_pickle_at, partial_globals, thread_pool
 from ckptool.formats.zipdir import MAX_RATIO, TorchRecords, ZipEntry, duplicate_member, read_member, read_member_head
 from ckptool.model.allowlist import ALLOWED, is_importable_name, rate_global
 from ckptool.scanning import layouts, wrappers
@@ -151,8 +151,10 @@ class Scanner(WrapperWalk, LegacyWalk):
                 stop: int | None = None) -> tuple[Any, RestrictedUnpickler, int]:
         """The pickle at ``buf[pos]`` (the data ending at ``stop``), read with views
         (:func:`~ckptool.formats.unpickler.load_pickle_at`, which raises :class:`~ckptool.errors.CkptError`), its
-        persistent ids into ``storages``: (root, unpickler, end)."""
-        return load_pickle_at(buf, pos, where, storages=storages, views=True, end=stop)
+        persistent ids into ``storages``: (root, unpickler, end). Its placeholders come from this thread's pool
+        (:func:`~ckptool.formats.unpickler.thread_pool`): each pickle's uses are read (:meth:`record`,
+        :meth:`nested_streams`) before the next pickle is read."""
+        return load_pickle_at(buf, pos, where, storages=storages, views=True, end=stop, pool=thread_pool())
 
     # -- one pickle ------------------------------------------------------------------------------------------
     def parse(self, buf: PickleBuffer, pos: int, where: str, *, required: bool = True, base: int = 0,
