@@ -235,6 +235,31 @@ def test_pickle_dump_of_tensors_lists_the_storage_class_of_each_stream(tmp_path:
     assert torch.equal(loaded["h"], value["h"]) and loaded["w"].dtype == torch.float32
 
 
+def test_torch_s_own_storage_pickles_are_recognised_in_a_pickle_dump_of_tensors(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``_load_from_bytes`` stream that ``pickle.dump`` of real tensors (torch 2.x, every storage type, on
+    CPU) writes has its main pickle and key list read from their bytes (``legacy_stream.own_storage_pickles``: the
+    shortcut a scan of many small pickles relies on), with the storage class, key and element count torch wrote."""
+    import torch
+
+    from ckptool.scanning import legacy_stream
+    from ckptool.scanning.entry import scan_file
+
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16,
+              torch.int32, torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn]
+    value = {str(dt): torch.zeros(70_000 if i == 0 else 3, dtype=dt) for i, dt in enumerate(dtypes)}
+    path = tmp_path / "tensors.pkl"
+    path.write_bytes(pickle.dumps(value))
+    answers: list[Any] = []
+    own = legacy_stream.own_storage_pickles
+    monkeypatch.setattr(legacy_stream, "own_storage_pickles", lambda *a: answers.append(own(*a)) or answers[-1])
+    res = scan_file(path)
+    assert len(answers) == len(dtypes) and None not in answers
+    assert answers[0][4] == 70_000 and {a[3] for a in answers} == {"cpu"}
+    assert {a[1] for a in answers} >= {"FloatStorage", "BFloat16Storage", "BoolStorage", "UntypedStorage"}
+    assert [g.name for g in res.unsafe] == ["torch.storage._load_from_bytes"] and not res.notes
+
+
 # ------------------------------------------------------------------------------------------------ memory
 #: the child's peak RSS is its VmHWM (per address space): ``getrusage``'s ru_maxrss keeps the parent's peak across
 #: fork and exec on Linux

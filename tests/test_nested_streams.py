@@ -15,6 +15,7 @@ import sys
 import zipfile
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -365,3 +366,80 @@ def test_walking_the_streams_keeps_memory_to_the_structure(tmp_path: Path) -> No
     assert out[:2] == ["dangerous", str(1 + 5 * n)]
     peak_mib = int(out[2]) / 1024
     assert peak_mib < 64 + 2 * n / 1024, f"scan peaked at {peak_mib:.0f} MiB"
+
+
+# ------------------------------------------------------------------------------------------------ torch's own pickles
+def own_stream(type_name: bytes, key: str, location: str, numel: int) -> bytes:
+    """The legacy stream ``torch.save`` of one storage writes (``TORCH_HEAD``, the main pickle with the persistent
+    id ``('storage', <type_name: module, newline, name>, key, location, numel, None)``, the key list, the count, no
+    data), its ints written as ``pickle`` writes them at protocol 2 (BININT1, BININT2, BININT, LONG1)."""
+    k, loc = key.encode("utf-8", "surrogatepass"), location.encode("utf-8", "surrogatepass")
+    if 0 <= numel < 256:
+        n = b"K" + bytes([numel])
+    elif 0 <= numel < 65536:
+        n = b"M" + struct.pack("<H", numel)
+    elif -(1 << 31) <= numel < 1 << 31:
+        n = b"J" + struct.pack("<i", numel)
+    else:
+        body = numel.to_bytes((numel.bit_length() + 8) // 8, "little", signed=True)
+        n = b"\x8a" + bytes([len(body)]) + body
+    main = (b"\x80\x02(X\x07\x00\x00\x00storageq\x00c" + type_name + b"\nq\x01X" + struct.pack("<I", len(k)) + k
+            + b"q\x02X" + struct.pack("<I", len(loc)) + loc + b"q\x03" + n + b"Ntq\x04Q.")
+    keys = b"\x80\x02]q\x00X" + struct.pack("<I", len(k)) + k + b"q\x01a."
+    return TORCH_HEAD + main + keys + struct.pack("<q", max(numel, 0) if numel < 1 << 20 else 0)
+
+
+def test_torch_s_own_storage_pickles_are_read_without_unpickling() -> None:
+    b = own_stream(b"torch\nFloatStorage", "94366509553184", "cuda:1", 300)
+    got = legacy_stream.own_storage_pickles(b, len(TORCH_HEAD), len(b))
+    assert got == ("torch", "FloatStorage", "94366509553184", "cuda:1", 300, len(b) - 8 - 28, len(b) - 8)
+
+
+def _same_without_the_shortcut(tmp_path: Path, b: bytes) -> None:
+    """The findings of ``b`` in a pickle and as a file are the same with :func:`legacy_stream.own_storage_pickles` as
+    with it turned off (every pickle unpickled); its answer is returned for the caller's checks."""
+
+    def findings() -> list[Any]:
+        out = []
+        for data, name in ((outer(b), "in.pkl"), (b, "b.pt")):
+            res = scan_bytes(tmp_path, data, name)
+            out.append(([vars(p) for p in res.pickles], [vars(g) for g in res.globals], res.notes, res.incomplete,
+                        res.error, res.verdict))
+        return out
+
+    fast = findings()
+    with mock.patch.object(legacy_stream, "own_storage_pickles", lambda *_a: None):  # not monkeypatch: per example
+        assert fast == findings()
+
+
+@pytest.mark.parametrize(("type_name", "key", "numel"), [
+    (b"torch\nos", "0", 3),  # held as a value: unknown, where a call would be dangerous
+    (b"torch.storage\nUntypedStorage", "0", 3),
+    *[(b"torch\nFloatStorage", "0", n) for n in (-1, -(1 << 40), 255, 256, 65535, 65536, (1 << 31) - 1, 1 << 31,
+                                                  1 << 63)],
+    (b"torch\nFloatStorage", "x" * 255, 7), (b"torch\nFloatStorage", "x" * 256, 7)])
+def test_torch_s_own_storage_pickles_at_the_edges(tmp_path: Path, type_name: bytes, key: str, numel: int) -> None:
+    """Each int opcode's edges, negative counts, keys at the length where the shortcut stops, a storage type held
+    as a value: the findings the unpickle gives."""
+    _same_without_the_shortcut(tmp_path, own_stream(type_name, key, "cpu", numel))
+
+
+@settings(max_examples=150, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(type_name=st.sampled_from([b"torch\nFloatStorage", b"torch\nBFloat16Storage", b"torch.storage\nUntypedStorage",
+                                  b"torch\nBogus", b"torch.storage\nos", b"torch.storagex\nFloatStorage"]),
+       key=st.one_of(st.just("0"), st.text(max_size=20), st.text(min_size=250, max_size=300)),
+       location=st.sampled_from(["cpu", "cuda:0", "", "meta", "\udcff"]),
+       numel=st.one_of(st.integers(-3, 70000), st.integers(-(1 << 70), 1 << 70)),
+       how=st.sampled_from(["none", "flip", "cut"]), at=st.integers(len(TORCH_HEAD), 400), value=st.integers(1, 255))
+def test_torch_s_own_storage_pickles_give_what_their_unpickle_gives(
+        tmp_path: Path, type_name: bytes, key: str, location: str, numel: int, how: str, at: int, value: int) -> None:
+    """Streams of torch's own storage pickles (storage type names, keys of any text and length, location tags,
+    element counts of every int opcode, negative ones included), whole, with a byte flipped or cut short, in a
+    pickle and as a file: the same findings with :func:`legacy_stream.own_storage_pickles` as with it turned off."""
+    b = bytearray(own_stream(type_name, key, location, numel))
+    if how == "flip":
+        b[at % len(b)] ^= value
+    elif how == "cut":
+        del b[at % len(b):]
+    _same_without_the_shortcut(tmp_path, bytes(b))

@@ -7,6 +7,7 @@ calls (``pickle.dump`` of a tensor writes its storage so), each walked in place,
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -15,6 +16,7 @@ from ckptool.errors import CkptError, TruncatedError
 from ckptool.formats.dtypes import STORAGE_TYPES
 from ckptool.formats.nodes import LOAD_FROM_BYTES, BlobView, StorageRef, qualified_name
 from ckptool.formats.pickle_check import PickleBuffer, release_pages
+from ckptool.formats.unpickler import thread_pool
 from ckptool.scanning.byte_windows import ZIP_LOCAL, Container, Window
 from ckptool.scanning.results import PickleFinding, ScanResult
 from ckptool.scanning.tar import inside, join_where
@@ -41,6 +43,62 @@ TORCH_HEAD = (b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19.\x80\x02M\xe9\x03."
               b"X\n\x00\x00\x00type_sizesq\x03}q\x04(X\x05\x00\x00\x00shortq\x05K\x02X\x03\x00\x00\x00intq\x06K\x04"
               b"X\x04\x00\x00\x00longq\x07K\x04uu.")
 _HEAD_ENDS = (15, 21, len(TORCH_HEAD))
+#: the last two pickles of a stream ``torch.save`` of one storage writes in the legacy format (each storage of a
+#: ``pickle.dump`` of tensors): the main pickle, the persistent id ``('storage', torch.<Type>Storage, key, location,
+#: numel, None)`` (torch/serialization.py ``_legacy_save.persistent_id``, protocol 2; ``torch.storage.UntypedStorage``
+#: for dtypes with no storage class of their own: float8, uint16...), then the key list ``[key]``;
+#: :func:`own_storage_pickles` reads what an unpickle of them gives from their bytes
+_OWN_MAIN = re.compile(rb"\x80\x02\(X\x07\x00\x00\x00storageq\x00c(torch|torch\.storage)\n(\w{1,64})\nq\x01X(.{4})",
+                       re.DOTALL)
+#: a key or location tag this long or longer is left to the unpickler (under the blob size of a read with views)
+_OWN_MAX = 256
+#: the numel opcodes of protocol 2 (BININT1, BININT2, BININT, LONG1) and their argument's size (LONG1: its first byte)
+_NUMEL = {0x4B: 1, 0x4D: 2, 0x4A: 4, 0x8A: 0}
+
+
+def own_storage_pickles(buf: PickleBuffer, pos: int,
+                        stop: int) -> tuple[str, str, str, str, int, int, int] | None:
+    """``(storage type module, name, key, location, numel, end of the main pickle, end of the key list)`` when
+    ``buf[pos:stop]`` starts with the two pickles torch's legacy ``torch.save`` of one storage writes after its first
+    three (:data:`_OWN_MAIN`): what the restricted unpickler reads from them (the key and location decoded as
+    BINUNICODE is, UTF-8 with surrogates passed), without unpickling; None for anything else (a numel that is
+    negative, a key of the key list that is not the storage's, other opcodes), which is then unpickled. A hypothesis
+    test compares the two on mutated streams."""
+    w = bytes(buf[pos:min(stop, pos + 2 * _OWN_MAX + 192)])
+    m = _OWN_MAIN.match(w)
+    if m is None:
+        return None
+    at = m.end()
+    key_len = int.from_bytes(m[3], "little")
+    key_bytes = w[at:at + key_len]
+    at += key_len
+    if key_len >= _OWN_MAX or w[at:at + 3] != b"q\x02X":
+        return None
+    loc_len = int.from_bytes(w[at + 3:at + 7], "little")
+    at += 7
+    location, at = w[at:at + loc_len], at + loc_len
+    if loc_len >= _OWN_MAX or w[at:at + 2] != b"q\x03" or len(w) <= at + 2 or w[at + 2] not in _NUMEL:
+        return None
+    op, at = w[at + 2], at + 3
+    size = _NUMEL[op] or (w[at] if at < len(w) else 9)
+    at += 0 if _NUMEL[op] else 1
+    if size > 8 or at + size > len(w):
+        return None
+    numel = int.from_bytes(w[at:at + size], "little", signed=op != 0x4B and op != 0x4D)
+    at += size
+    if numel < 0 or w[at:at + 6] != b"Ntq\x04Q.":
+        return None
+    main_end = at + 6
+    keys = b"\x80\x02]q\x00X" + key_len.to_bytes(4, "little") + key_bytes + b"q\x01a."
+    if w[main_end:main_end + len(keys)] != keys:
+        return None
+    try:
+        key, loc = key_bytes.decode("utf-8", "surrogatepass"), location.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
+    return m[1].decode("ascii"), m[2].decode("ascii"), key, loc, numel, pos + main_end, pos + main_end + len(keys)
+
+
 #: the global whose calls pass a stream that torch.load reads (:meth:`LegacyWalk.nested_streams`)
 STREAM_LOADER = qualified_name(*LOAD_FROM_BYTES)
 
@@ -86,6 +144,7 @@ class LegacyWalk:
         main_storages: dict[str, StorageRef] = {}
         keys: object = None
         known = buf[start:start + len(TORCH_HEAD)] == TORCH_HEAD and start + len(TORCH_HEAD) <= stop
+        own = own_storage_pickles(buf, start + len(TORCH_HEAD), stop) if known else None
         for i, part in enumerate(("magic number", "protocol version", "sys_info", "main pickle", "storage keys")):
             label = join_where(where, f"legacy {part}")
             if loaded or not where:
@@ -93,6 +152,10 @@ class LegacyWalk:
             if known and i < len(_HEAD_ENDS):  # torch's own first pickles (TORCH_HEAD): what a read records
                 self.record(PickleFinding(label, pos - start, []))
                 pos = start + _HEAD_ENDS[i]
+                continue
+            if own is not None:  # torch's own storage pickles: what their unpickle records
+                pos, root = self._own_storage(own, i, label, pos - start, main_storages)
+                keys = root if i == 4 else keys
                 continue
             try:
                 root, up, end = self.load_at(buf, pos, label, main_storages if i == 3 else None, stop)
@@ -109,6 +172,22 @@ class LegacyWalk:
         after = self._storage_blocks(buf, keys, main_storages, pos, start, stop, where)
         if after is not None and after < stop:
             self.trailing(buf, after, where, depth, base=start, stop=stop)
+
+    def _own_storage(self, own: tuple[str, str, str, str, int, int, int], i: int, label: str, offset: int,
+                     main_storages: dict[str, StorageRef]) -> tuple[int, object]:
+        """Record pickle ``i`` (3: the main pickle, 4: the key list) of :func:`own_storage_pickles`' answer ``own``
+        at ``offset`` as its unpickle records it: the storage type global, held as a value (a persistent id's
+        part: never called), the :class:`~ckptool.formats.nodes.StorageRef` its root, into ``main_storages``.
+        Returns where the pickle ends and its root."""
+        module, type_name, key, location, numel, main_end, keys_end = own
+        if i == 4:
+            self.record(PickleFinding(label, offset, []))
+            return keys_end, [key]
+        name = qualified_name(module, type_name)
+        storage_type = thread_pool().take(module, type_name, self)
+        ref = main_storages[key] = StorageRef("storage", storage_type, key, location, numel, (None,))
+        self.record(PickleFinding(label, offset, [name]), ref, (name,))
+        return main_end, ref
 
     def _storage_blocks(self, buf: PickleBuffer, keys: object, main_storages: dict[str, StorageRef], pos: int,
                         start: int, stop: int, where: str) -> int | None:
