@@ -223,11 +223,13 @@ def refuse_special(path: str, what: str = "", *, mode: int | None = None) -> Non
         raise _special_error(path, kind, what)
 
 
-def open_regular(path: str, what: str = "") -> BinaryIO:
-    """``open(path, "rb")`` of a local regular file, checked without blocking: :func:`refuse_special` first, then
-    the file opened with ``O_NONBLOCK`` (a FIFO swapped in meanwhile neither blocks the open nor passes) and its
-    ``fstat`` checked again, the flag cleared for the reads that follow. The one place every reader of a local
-    input file opens it (:func:`open_binary` included).
+def open_regular(path: str, what: str = "", *, mode: int | None = None) -> BinaryIO:
+    """``open(path, "rb")`` of a local regular file, checked without blocking: :func:`refuse_special` first (from
+    ``mode``, the ``st_mode`` of an ``os.stat(path)`` the caller made, when given), then the file opened with
+    ``O_NONBLOCK`` (a FIFO swapped in meanwhile neither blocks the open nor passes) and its ``fstat`` checked again,
+    the flag cleared for the reads that follow; buffered as ``open`` buffers it (``st_blksize`` bytes), without
+    asking again whether it is a terminal. The one place every reader of a local input file opens it
+    (:func:`open_binary` included).
 
     Raises:
         NotACheckpointError: a FIFO, a device or a socket.
@@ -236,7 +238,7 @@ def open_regular(path: str, what: str = "") -> BinaryIO:
     held = _held_files.get((threading.get_ident(), path)) if _held_files else None
     if held is not None and held[1] is not None:
         return _HeldFile(held[1], path)  # read whole already in this local_reads block
-    refuse_special(path, what)
+    refuse_special(path, what, mode=mode)
     nonblock = getattr(os, "O_NONBLOCK", 0)
     fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -246,7 +248,10 @@ def open_regular(path: str, what: str = "") -> BinaryIO:
             raise _special_error(path, kind, what)
         if nonblock and hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
-        f = open(fd, "rb", closefd=True)  # noqa: SIM115 - the caller's to close
+        # the caller's to close; the buffer open() gives a regular file, from the fstat above (no second fstat, no
+        # isatty ioctl: a regular file is no terminal)
+        f = open(fd, "rb", buffering=st.st_blksize if st.st_blksize > 1 else io.DEFAULT_BUFFER_SIZE,  # noqa: SIM115
+                 closefd=True)
     except BaseException:
         os.close(fd)
         raise
@@ -290,7 +295,7 @@ def local_reads(path: str) -> Iterator[None]:
             del _held_files[key]
 
 
-def open_binary(path: str) -> BinaryIO:
+def open_binary(path: str, *, mode: int | None = None) -> BinaryIO:
     """A seekable binary reader of ``path``: the local file itself (``open(path, "rb")``), or for a URL fsspec's
     own file object (``fs.open``) whose cache reads :data:`BLOCK` bytes ahead, each miss one range request for the
     bytes not yet held (:class:`~ckptool._ranges.StoreCache`; inside :func:`object_reads` every open of the URL
@@ -298,7 +303,7 @@ def open_binary(path: str) -> BinaryIO:
     checked to bring exactly the bytes asked for (over HTTP: status 206 and a ``Content-Range``
     naming them, :func:`http_file`), and the object's size and ETag / modification time held to those of the
     open (:func:`consistent_reads` holds them across opens). A server that ignores ``Range`` has the object
-    downloaded once (:func:`_spooled`). Use it as a context manager.
+    downloaded once (:func:`_spooled`). Use it as a context manager. ``mode``: as :func:`open_regular`'s.
 
     Raises:
         InputNotFoundError: nothing at a URL.
@@ -307,7 +312,7 @@ def open_binary(path: str) -> BinaryIO:
         OSError: a local file could not be opened.
     """
     if not is_url(path):
-        return open_regular(path)
+        return open_regular(path, mode=mode)
     info = remote_info(path)
     if info is None:
         raise InputNotFoundError(f"{path}: no such file; check the URL")
@@ -436,11 +441,14 @@ def whole_view(f: BinaryIO, *, lazy: Callable[[RangeView], bool] | None = None) 
         return
     whole: mmap.mmap | bytes | None = None
     try:
-        if os.fstat(f.fileno()).st_size > READ_WHOLE_BYTES:
-            whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError):  # not mappable (a pipe, an odd filesystem, an empty file): read it
+        fd = f.fileno()
+        if os.fstat(fd).st_size > READ_WHOLE_BYTES:
+            whole = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        elif f.seekable():  # small: positioned reads of the file from byte 0 (no seek, no second fstat)
+            whole = _pread_all(fd)
+    except (OSError, ValueError, io.UnsupportedOperation):  # not mappable (a pipe, an odd filesystem, an empty file)
         pass
-    if whole is None:  # small, or not mappable
+    if whole is None:  # not mappable, nor read by position: read it
         f.seek(0)
         whole = f.read()
     try:
@@ -448,6 +456,17 @@ def whole_view(f: BinaryIO, *, lazy: Callable[[RangeView], bool] | None = None) 
     finally:
         if isinstance(whole, mmap.mmap):
             whole.close()
+
+
+def _pread_all(fd: int) -> bytes:
+    """The bytes of the open regular file ``fd`` from byte 0 to its end, by ``os.pread`` (its offset is left alone)
+    until a read returns nothing."""
+    chunks = []
+    pos = 0
+    while chunk := os.pread(fd, READ_WHOLE_BYTES + 1, pos):
+        chunks.append(chunk)
+        pos += len(chunk)
+    return b"".join(chunks) if len(chunks) != 1 else chunks[0]
 
 
 @contextlib.contextmanager

@@ -84,11 +84,12 @@ def test_scan_of_many_small_files_opens_each_once_and_jobs_2_does_no_more(
         # the walk: one lstat (a link?), which answers its real path (its folder's, resolved once a folder, and its
         # name) and whether it is a dangling link (three lstat a file before, and realpath's of each folder above)
         assert counts["lstat"] == {1}, counts
-    # per file: the walk's folder test, check_readable's one stat, the open's FIFO/device guard (was 6: issue 52)
-    assert one["stat"] == {3}, one
+    # per file: one stat, which answers scan_file's folder test, check_readable and the open's FIFO/device guard
+    # (6 before issue 52, then 3)
+    assert one["stat"] == {1}, one
     # --jobs 2 of small local work runs in this process: the same scan, plus one stat for the file's size (the
     # pool's choice and the progress bar), which is where isfile + getsize used to be two
-    assert two["stat"] == {4} and jsonl["stat"] == {4}, (two, jsonl)
+    assert two["stat"] == {2} and jsonl["stat"] == {2}, (two, jsonl)
 
 
 def test_inspect_of_many_small_files_opens_each_once_and_jobs_2_does_no_more(
@@ -104,8 +105,9 @@ def test_inspect_of_many_small_files_opens_each_once_and_jobs_2_does_no_more(
     # opens a file before)
     assert one["open"] == {1}, one
     # the folder's size stat, the format's (folder? version), the one open's check and FIFO/device guard, the scan's
-    # folder test, inspect's quantization-config folder test...: 9 (11 before: the two later opens' checks and guards)
-    assert one["stat"] == {9}, one
+    # folder test, inspect's quantization-config folder test...: 8 (11 before: the two later opens' checks and guards;
+    # 9 before the scan's folder test and check_readable shared one stat)
+    assert one["stat"] == {8}, one
 
 
 def test_check_readable_stats_a_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -351,13 +353,13 @@ def only_this_thread(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_jobs_3_where_the_second_fork_fails_scans_every_file(tmp_path: Path, run_cli: Any,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     # a child that cannot be started leaves its slice to this process, after the started children's, in order
-    from ckptool.cli import _many
+    from ckptool.ops.scan import many
 
     if not hasattr(os, "fork"):
         pytest.skip("no os.fork on this platform: --jobs runs small local work in this process")
     folder = _folder(tmp_path)
     want = run_cli("scan", str(folder)).output
-    monkeypatch.setattr(_many, "FORK_FILES_PER_JOB", 5)
+    monkeypatch.setattr(many, "FORK_FILES_PER_JOB", 5)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     real_fork, calls = os.fork, []
 
@@ -376,11 +378,11 @@ def test_jobs_3_where_the_second_fork_fails_scans_every_file(tmp_path: Path, run
 def test_jobs_chooses_this_process_forked_children_or_a_pool_by_the_work(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptool.cli import _many
-    from ckptool.ops.scan.many import ScanRun
+    from ckptool.ops.scan.many import FORK_FILES_PER_JOB, ScanRun
 
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     few, many = tmp_path / "few", tmp_path / "many"
-    for folder, n in ((few, _many.FORK_FILES_PER_JOB * 2 - 1), (many, _many.FORK_FILES_PER_JOB * 2)):
+    for folder, n in ((few, FORK_FILES_PER_JOB * 2 - 1), (many, FORK_FILES_PER_JOB * 2)):
         folder.mkdir()
         for i in range(n):
             (folder / f"f{i:03d}.pkl").write_bytes(pickle.dumps({"a": i}))
@@ -411,7 +413,6 @@ def test_jobs_chooses_this_process_forked_children_or_a_pool_by_the_work(tmp_pat
 @pytest.mark.usefixtures("only_this_thread")
 def test_jobs_2_shares_many_small_files_with_a_forked_child_and_prints_as_jobs_1(
         tmp_path: Path, run_cli: Any, monkeypatch: pytest.MonkeyPatch, child_fails: bool) -> None:
-    from ckptool.cli import _many
     from ckptool.ops.scan import many
 
     if not hasattr(os, "fork"):
@@ -419,7 +420,7 @@ def test_jobs_2_shares_many_small_files_with_a_forked_child_and_prints_as_jobs_1
     folder = _folder(tmp_path)
     (folder / "z_evil.pkl").write_bytes(b"\x80\x02cos\nsystem\nq\x00.")  # dangerous, last: the child's slice
     want = [run_cli("scan", str(folder), *args) for args in ((), ("--json",))]
-    monkeypatch.setattr(_many, "FORK_FILES_PER_JOB", 5)
+    monkeypatch.setattr(many, "FORK_FILES_PER_JOB", 5)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     forks: list[int] = []
     real_fork = os.fork
@@ -441,6 +442,45 @@ def test_jobs_2_shares_many_small_files_with_a_forked_child_and_prints_as_jobs_1
     assert [r.exit_code for r in got] == [r.exit_code for r in want] == [1, 1]
     assert got[0].output == want[0].output
     assert json.loads(got[1].output) == json.loads(want[1].output)
+
+
+@pytest.mark.usefixtures("only_this_thread")
+def test_scan_without_jobs_shares_many_files_among_the_usable_cpus_and_prints_as_jobs_1(
+        tmp_path: Path, run_cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # issue 52: without --jobs, a folder of many local files is shared among forked processes, one per usable CPU
+    # (the text report, --json and SARIF as with --jobs 1); --jobs 1, a single file and a few files are not
+    from ckptool.cli import scan as scan_cli
+    from ckptool.ops.scan import many
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no os.fork on this platform: a scan runs in this process")
+    folder = _folder(tmp_path)
+    (folder / "z_evil.pkl").write_bytes(b"\x80\x02cos\nsystem\nq\x00.")  # dangerous, last: a child's slice
+    args = [(), ("--json",), ("--format", "sarif")]
+    want = [run_cli("scan", str(folder), "--jobs", "1", *a) for a in args]
+    monkeypatch.setattr(many, "FORK_FILES_PER_JOB", 5)
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    monkeypatch.setattr(scan_cli, "usable_cpus", lambda: 3)
+    forks: list[int] = []
+    real_fork = os.fork
+
+    def fork() -> int:
+        pid = real_fork()
+        if pid:
+            forks.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", fork)
+    got = [run_cli("scan", str(folder), *a) for a in args]
+    assert len(forks) == 2 * len(args)  # this process and two children a run
+    assert [r.exit_code for r in got] == [r.exit_code for r in want] == [1, 1, 1]
+    assert got[0].output == want[0].output
+    assert json.loads(got[1].output) == json.loads(want[1].output)
+    assert json.loads(got[2].output)["runs"][0]["results"] == json.loads(want[2].output)["runs"][0]["results"]
+    forks.clear()
+    run_cli("scan", str(folder), "--jobs", "1")
+    run_cli("scan", str(folder / "f000.pkl"))
+    assert not forks
 
 
 def test_local_reads_share_one_open_of_a_small_file_and_not_of_a_big_one(tmp_path: Path,

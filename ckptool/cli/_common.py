@@ -407,3 +407,12 @@ def source_size(path: str) -> int | None:
     except (OSError, CkptError):
         return None
 
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (``os.sched_getaffinity``: a container's or ``taskset``'s limit, not the
+    machine's count), else ``os.cpu_count()``; at least 1. The default of ``scan --jobs``."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -16,7 +16,6 @@ would be slower than ``--jobs 1`` (:data:`PROCESS_BYTES_PER_JOB`).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from ckptool import _source as source
 from ckptool.cli._common import emit_json, human_bytes, is_quiet, progress_wanted
 from ckptool.cli._errors import EXIT_FAILURE, EXIT_OK
 from ckptool.errors import UsageError
-from ckptool.ops.scan.many import ManyRun, ScanRun
+from ckptool.ops.scan.many import ManyRun, ScanRun, fork_count
 from ckptool.scanning.results import ScanResult, exit_status, worst_verdict
 
 if TYPE_CHECKING:  # a pool is made only for URLs or big local work: many small files need neither import
@@ -51,12 +50,6 @@ def wants_many(paths: tuple[str, ...]) -> bool:
 PROCESS_BYTES_PER_JOB = 1 << 30
 
 
-#: small local files are shared with forked children (:meth:`~ckptool.ops.scan.many.ManyRun._forked`) only when
-#: each process gets this many or more: a child costs about a millisecond to fork, and its results are sent back as
-#: one pickle (a small pickle's scan: about 0.2 ms)
-FORK_FILES_PER_JOB = 64
-
-
 def _executor(run: ManyRun[Any], jobs: int) -> cf.Executor | None:
     """The pool of ``--jobs N``: none (this process, one file after another) for one job and for local work too
     small to repay starting processes (:data:`PROCESS_BYTES_PER_JOB`: CPU work in Python, which threads would run
@@ -68,8 +61,8 @@ def _executor(run: ManyRun[Any], jobs: int) -> cf.Executor | None:
             jobs, len(run.targets))):
         # in this process (threads would only take turns under the GIL), or, for many files, shared with children
         # forked from it, which start in a millisecond with everything imported (a pool's workers import ckptool)
-        if len(run.targets) >= FORK_FILES_PER_JOB * 2 and hasattr(os, "fork") and getattr(run, "cache", None) is None:
-            run.forks = min(jobs, len(run.targets) // FORK_FILES_PER_JOB, os.cpu_count() or 1)
+        if getattr(run, "cache", None) is None:
+            run.forks = fork_count(run.targets, jobs)
         return None
     import concurrent.futures as cf  # noqa: PLC0415 (only a pool needs it: not for the work done in this process)
 

@@ -10,11 +10,11 @@ import click
 
 from ckptool import __version__
 from ckptool import _source as source
-from ckptool.cli._common import emit_json, is_quiet, json_option
+from ckptool.cli._common import emit_json, is_quiet, json_option, usable_cpus
 from ckptool.errors import UsageError
 from ckptool.formats import plugin
 from ckptool.model.units import text_table
-from ckptool.scanning.entry import ScanResult, exit_status, scan
+from ckptool.scanning.entry import ScanResult, exit_status, iter_targets, scan
 from ckptool.scanning.results import INCOMPLETE, Verdict, worst_verdict
 
 
@@ -69,9 +69,11 @@ def _many(paths: tuple[str, ...], fmt: str, jsonl: bool, jobs: int, cache_path: 
                    "file, the pickle and the key path).")
 @click.option("--jsonl", is_flag=True,
               help="Print one JSON object per checkpoint (its entry of --json), one line each, as files finish.")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, metavar="N",
               help="Scan N checkpoints at once: threads for URLs (waits on the network), processes for local files "
-                   "(CPU work). Results come as files finish.")
+                   "(CPU work). Results come as files finish. Without it, a folder of many local files (128 or more) "
+                   "is shared among processes forked from this one, one per CPU it may use, and printed as with "
+                   "--jobs 1; anything else is scanned one file at a time.")
 @click.option("--cache", "cache_path", type=click.Path(dir_okay=False), default=None,
               help="A SQLite file of earlier results (made when missing): a checkpoint whose path or URL, size, "
                    "device, inode, modification and change times or ETag and ckptool version are unchanged is not "
@@ -84,7 +86,7 @@ def _many(paths: tuple[str, ...], fmt: str, jsonl: bool, jobs: int, cache_path: 
                    "(exit 0 safe, 1 dangerous or needs trust, 2 unreadable, 5 incomplete).")
 @click.pass_context
 def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_format: str | None, jsonl: bool,
-             jobs: int, cache_path: str | None, show_all: bool, strict: bool) -> None:
+             jobs: int | None, cache_path: str | None, show_all: bool, strict: bool) -> None:
     """Say whether loading each checkpoint in PATHS could run code, without running or importing anything.
 
     Every pickle in each file is read (zip members such as data.pkl and other .pkl files, nested zips, the five
@@ -159,14 +161,23 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
     if as_json and out_format not in (None, "json"):
         raise UsageError(f"--json and --format {out_format} ask for two outputs; give one")
     fmt = "json" if as_json else out_format or "text"
-    if jobs > 1 or jsonl or cache_path or any(_is_prefix(p) for p in paths):
-        ctx.exit(_many(paths, fmt, jsonl, jobs, cache_path, strict, show_all))
-    ctx.exit(_one_run(paths, fmt, strict, show_all))
+    if (jobs or 1) > 1 or jsonl or cache_path or any(_is_prefix(p) for p in paths):
+        ctx.exit(_many(paths, fmt, jsonl, jobs or 1, cache_path, strict, show_all))
+    ctx.exit(_one_run(paths, fmt, strict, show_all, usable_cpus() if jobs is None else jobs))
 
 
-def _one_run(paths: tuple[str, ...], fmt: str, strict: bool, show_all: bool) -> int:
-    """The checkpoints ``paths`` scanned and printed together (the report, --json or SARIF); the exit status."""
-    results = scan(paths, key_paths=fmt != "text")  # the text report shows no key paths: not looked for
+def _one_run(paths: tuple[str, ...], fmt: str, strict: bool, show_all: bool, jobs: int) -> int:
+    """The checkpoints ``paths`` scanned and printed together (the report, --json or SARIF); the exit status.
+    ``jobs``: many local files are shared among up to that many processes
+    (:func:`ckptool.ops.scan.many.scan_shared`)."""
+    listed = list(iter_targets(paths))  # a path that does not exist, a folder with no checkpoint: raised here
+    key_paths = fmt != "text"  # the text report shows no key paths: not looked for
+    if jobs > 1 and len(listed) > 1:  # many files may be shared with forked processes (a run of one file: not imported)
+        from ckptool.ops.scan.many import scan_shared  # noqa: PLC0415
+
+        results = scan_shared(listed, jobs=jobs, key_paths=key_paths)
+    else:
+        results = scan((), key_paths=key_paths, listed=listed)
     code = exit_status(results, strict=strict)
     if fmt == "json":
         emit_json("scan", {"strict": strict, "exit_code": code, "verdict": worst_verdict(results),

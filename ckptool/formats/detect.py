@@ -82,10 +82,11 @@ def index_refusal(path: str) -> str:
             f"{path} -o model.safetensors` (or -o model.pt) merges the set into one; then run the command on it")
 
 
-def check_readable(path: str) -> int:
+def check_readable(path: str, st: os.stat_result | None = None) -> int:
     """Return the size of ``path`` in bytes.
 
-    ``path`` may be a URL (:mod:`ckptool._source`).
+    ``path`` may be a URL (:mod:`ckptool._source`); ``st``: an ``os.stat(path)`` the caller made already (not made
+    again: many small files).
 
     Raises:
         InputNotFoundError: the path does not exist.
@@ -105,7 +106,7 @@ def check_readable(path: str) -> int:
             raise NotACheckpointError(f"{path} is empty (0 bytes); re-upload or re-save the checkpoint")
         return size
     try:  # one stat answers all four questions (exists, folder, FIFO/device/socket, size): many small files
-        st = os.stat(path)
+        st = os.stat(path) if st is None else st
     except (OSError, ValueError):  # as os.path.exists: any failure to stat is "no such file"
         raise InputNotFoundError(f"{path}: no such file; check the path") from None
     if stat.S_ISDIR(st.st_mode):

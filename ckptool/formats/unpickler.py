@@ -449,6 +449,12 @@ def _utf8_text(buf: PickleBuffer, start: int, stop: int) -> tuple[int, str] | No
     return chars, head
 
 
+#: the nonce of every skeleton's persistent ids (:func:`_skeleton`): 16 random bytes drawn once a process, before any
+#: file it reads was opened, so that no file can hold them (the skeleton is made from the file's bytes; the file's
+#: own bytes, nested streams included, are read from the file, never from a skeleton)
+_NONCE = os.urandom(16)
+
+
 def _skeleton(buf: PickleBuffer, pos: int, end: int, spans: list[Span], gaps: list[tuple[bytes, bytes]] | None = None
               ) -> tuple[bytes | bytearray, tuple[bytes, list[BlobView]] | None]:
     """The pickle ``buf[pos:end]`` with each blob of ``spans`` (:func:`check_pickle`'s ``blobs``) replaced by a
@@ -462,7 +468,7 @@ def _skeleton(buf: PickleBuffer, pos: int, end: int, spans: list[Span], gaps: li
     empty."""
     if not spans:
         return _chunk(buf, pos, end), None
-    nonce = os.urandom(16)
+    nonce = _NONCE
     views: list[BlobView] = []
     parts: list[bytes] = []
     prev = released = pos

@@ -69,6 +69,7 @@ Nothing is imported or called while scanning: the pickles are read by :mod:`ckpt
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any, cast
@@ -133,7 +134,8 @@ def scan_file(path: str | os.PathLike[str], *,
             from ckptool.formats.sharded import index_format  # noqa: PLC0415  (imported when a set is met)
 
             return ScanResult(path, index_format(path), error=refused)
-    dcp = _dcp_part(path) if os.path.isdir(path) or path.endswith(_DCP_NAMES) else None
+    st = _stat(path)  # one stat a file: the folder test here, check_readable and the open in _scan_one
+    dcp = _dcp_part(path) if (st is not None and stat.S_ISDIR(st.st_mode)) or path.endswith(_DCP_NAMES) else None
     if dcp is not None:
         from ckptool.scanning.dcp import scan_dcp_folder  # noqa: PLC0415  (imported when a DCP folder is met)
 
@@ -141,7 +143,17 @@ def scan_file(path: str | os.PathLike[str], *,
     if source.is_url(path):  # its opens share one HEAD and the ranges fetched (format check, directory, code finder)
         with source.object_reads(path):
             return _scan_one(path, preparsed, key_paths)
-    return _scan_one(path, preparsed, key_paths)
+    return _scan_one(path, preparsed, key_paths, st)
+
+
+def _stat(path: str) -> os.stat_result | None:
+    """``os.stat(path)`` of a local path; None for a URL or where it fails (its callers ask again, and say why)."""
+    if source.is_url(path):
+        return None
+    try:
+        return os.stat(path)
+    except (OSError, ValueError):
+        return None
 
 
 def scans_as_one(path: str | os.PathLike[str]) -> bool:
@@ -152,8 +164,9 @@ def scans_as_one(path: str | os.PathLike[str]) -> bool:
     return not os.path.isdir(path) or _dcp_part(path) is not None
 
 
-def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None, key_paths: bool = True) -> ScanResult:
-    """:func:`scan_file` of the file (or URL) ``path``."""
+def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None, key_paths: bool = True,
+              st: os.stat_result | None = None) -> ScanResult:
+    """:func:`scan_file` of the file (or URL) ``path``; ``st``: its ``os.stat``, made already."""
     res = ScanResult(path)
     # the pickles, and the code that ships in each zip (scanning/shipped_code.py)
     sc = CodeScanner(res, preparsed, key_paths=key_paths)
@@ -161,9 +174,10 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None, key_paths: b
     layout: Layout | None = None  # what the file was found to be (None: unreadable)
     head = b""
     try:
-        formats.check_readable(path)
+        formats.check_readable(path, st)
         # a URL: the zip / safetensors paths read by range (its directory, pickles and headers); others are copied
-        with source.open_binary(path) as f, source.whole_view(f, lazy=_indexed) as buf:
+        with source.open_binary(path, mode=None if st is None else st.st_mode) as f, \
+                source.whole_view(f, lazy=_indexed) as buf:
             head = bytes(buf[:2])
             layout = sc.any(buf, "", 0, f)
             res.format = layout.format
@@ -385,16 +399,18 @@ def _scan_code_config(sc: Scanner, path: str) -> Layout:
     return layouts.CONFIG
 
 
-def scan(paths: Iterable[str | os.PathLike[str]], *, key_paths: bool = True) -> list[ScanResult]:
+def scan(paths: Iterable[str | os.PathLike[str]], *, key_paths: bool = True,
+         listed: Iterable[tuple[str, list[str]]] | None = None) -> list[ScanResult]:
     """:func:`scan_file` for everything :func:`iter_paths` yields (files as given, directories walked, DCP folders
-    as one each); ``key_paths``: :func:`scan_file`'s.
+    as one each); ``key_paths``: :func:`scan_file`'s; ``listed``: what :func:`iter_targets` gave for ``paths``
+    already (not walked again).
 
     Raises:
         InputNotFoundError: a path does not exist.
         UsageError: a directory (or a sharded index) holds no checkpoint file.
     """
     results = []
-    for p, notes in iter_targets(paths):
+    for p, notes in iter_targets(paths) if listed is None else listed:
         why = unreadable(notes)
         if why is not None:
             results.append(ScanResult(p, error=why))

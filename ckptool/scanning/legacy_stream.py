@@ -43,6 +43,9 @@ TORCH_HEAD = (b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19.\x80\x02M\xe9\x03."
               b"X\n\x00\x00\x00type_sizesq\x03}q\x04(X\x05\x00\x00\x00shortq\x05K\x02X\x03\x00\x00\x00intq\x06K\x04"
               b"X\x04\x00\x00\x00longq\x07K\x04uu.")
 _HEAD_ENDS = (15, 21, len(TORCH_HEAD))
+#: the five pickles of a legacy stream, as their ``where`` names them
+_LEGACY_PARTS = ("legacy magic number", "legacy protocol version", "legacy sys_info", "legacy main pickle",
+                 "legacy storage keys")
 #: the last two pickles of a stream ``torch.save`` of one storage writes in the legacy format (each storage of a
 #: ``pickle.dump`` of tensors): the main pickle, the persistent id ``('storage', torch.<Type>Storage, key, location,
 #: numel, None)`` (torch/serialization.py ``_legacy_save.persistent_id``, protocol 2; ``torch.storage.UntypedStorage``
@@ -145,17 +148,15 @@ class LegacyWalk:
         keys: object = None
         known = buf[start:start + len(TORCH_HEAD)] == TORCH_HEAD and start + len(TORCH_HEAD) <= stop
         own = own_storage_pickles(buf, start + len(TORCH_HEAD), stop) if known else None
-        for i, part in enumerate(("magic number", "protocol version", "sys_info", "main pickle", "storage keys")):
-            label = join_where(where, f"legacy {part}")
+        if own is not None:  # torch's own five pickles of one storage: what their read records
+            pos, keys = self._own_storage(own, where, start, main_storages, loaded or not where)
+        for i, part in enumerate(_LEGACY_PARTS if own is None else ()):
+            label = join_where(where, part)
             if loaded or not where:
                 self.loaded.add(label)
             if known and i < len(_HEAD_ENDS):  # torch's own first pickles (TORCH_HEAD): what a read records
                 self.record(PickleFinding(label, pos - start, []))
                 pos = start + _HEAD_ENDS[i]
-                continue
-            if own is not None:  # torch's own storage pickles: what their unpickle records
-                pos, root = self._own_storage(own, i, label, pos - start, main_storages)
-                keys = root if i == 4 else keys
                 continue
             try:
                 root, up, end = self.load_at(buf, pos, label, main_storages if i == 3 else None, stop)
@@ -173,21 +174,25 @@ class LegacyWalk:
         if after is not None and after < stop:
             self.trailing(buf, after, where, depth, base=start, stop=stop)
 
-    def _own_storage(self, own: tuple[str, str, str, str, int, int, int], i: int, label: str, offset: int,
-                     main_storages: dict[str, StorageRef]) -> tuple[int, object]:
-        """Record pickle ``i`` (3: the main pickle, 4: the key list) of :func:`own_storage_pickles`' answer ``own``
-        at ``offset`` as its unpickle records it: the storage type global, held as a value (a persistent id's
-        part: never called), the :class:`~ckptool.formats.nodes.StorageRef` its root, into ``main_storages``.
-        Returns where the pickle ends and its root."""
+    def _own_storage(self, own: tuple[str, str, str, str, int, int, int], where: str, start: int,
+                     main_storages: dict[str, StorageRef], loaded: bool) -> tuple[int, list[str]]:
+        """Record the five pickles of a legacy stream at ``start`` that begins with :data:`TORCH_HEAD` and
+        :func:`own_storage_pickles`' answer ``own``, as their read records them: no global in the first four, the
+        storage type global in the main pickle, held as a value (a persistent id's part: never called), the
+        :class:`~ckptool.formats.nodes.StorageRef` its root, into ``main_storages``; ``loaded``: torch's loader
+        reads them. Returns where the key list ends and the key list."""
         module, type_name, key, location, numel, main_end, keys_end = own
-        if i == 4:
-            self.record(PickleFinding(label, offset, []))
-            return keys_end, [key]
+        labels = [join_where(where, part) for part in _LEGACY_PARTS]
+        if loaded:
+            self.loaded.update(labels)
+        for i in (0, 1, 2):
+            self.record(PickleFinding(labels[i], (0, *_HEAD_ENDS)[i], []))
         name = qualified_name(module, type_name)
-        storage_type = thread_pool().take(module, type_name, self)
-        ref = main_storages[key] = StorageRef("storage", storage_type, key, location, numel, (None,))
-        self.record(PickleFinding(label, offset, [name]), ref, (name,))
-        return main_end, ref
+        ref = main_storages[key] = StorageRef("storage", thread_pool().take(module, type_name, self), key, location,
+                                              numel, (None,))
+        self.record(PickleFinding(labels[3], len(TORCH_HEAD), [name]), ref, (name,))
+        self.record(PickleFinding(labels[4], main_end - start, []))
+        return keys_end, [key]
 
     def _storage_blocks(self, buf: PickleBuffer, keys: object, main_storages: dict[str, StorageRef], pos: int,
                         start: int, stop: int, where: str) -> int | None:

@@ -92,6 +92,8 @@ class Scanner(WrapperWalk, LegacyWalk):
         if not finding.hidden and self.root is None and root is not None:
             self.root = root
         self.res.pickles.append(finding)
+        if not finding.globals:  # nothing to rate (most pickles of a legacy stream)
+            return
         rated = [(name, *rate_global(name, called=name not in uncalled, torchscript=self.torchscript,
                                      dcp_metadata=self.dcp_metadata))
                  for name in finding.globals]

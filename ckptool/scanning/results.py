@@ -10,6 +10,7 @@ from typing import Any
 
 from ckptool.model.allowlist import (
     ALLOWED,
+    DANGEROUS,
     LEVELS,
     level_of,
     worst_level,
@@ -149,8 +150,10 @@ class ScanResult:
         :attr:`readable` and :attr:`cut_short`): ``dangerous`` if any global or code is; else ``error`` if a pickle
         (or the file) could not be read to its end; else ``needs-trust``; else ``incomplete`` if the data is cut
         short; else ``safe``. ``--strict`` changes only the exit status (:attr:`strict_exit_code`)."""
-        return verdict_of([*(g.level for g in self.globals), *(c.level for c in self.code)],
-                          readable=self.readable, cut_short=bool(self.cut_short))
+        levels = [*(g.level for g in self.globals), *(c.level for c in self.code)]
+        if DANGEROUS in levels:  # whatever else was found (verdict_of's first rule: no walk of the pickles)
+            return verdict_of(levels)
+        return verdict_of(levels, readable=self.readable, cut_short=bool(self.cut_short))
 
     @property
     def exit_code(self) -> int:

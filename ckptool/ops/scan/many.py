@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from ckptool import _listing
 from ckptool import _source as source
 from ckptool.errors import CkptError
-from ckptool.scanning.entry import CHECKPOINT_SUFFIXES, ScanResult, scan_file
+from ckptool.scanning.entry import CHECKPOINT_SUFFIXES, ScanResult, scan, scan_file
 from ckptool.scanning.targets import iter_targets, unreadable
 
 if TYPE_CHECKING:  # the cache (sqlite3, hashlib) and the pools (concurrent.futures, logging) are imported only by
@@ -51,8 +51,8 @@ else:
     cf = ModuleOnFirstUse("concurrent.futures")
     scan_cache = ModuleOnFirstUse("ckptool.ops.scan.cache")
 
-__all__ = ["ManyRun", "ScanRun", "Target", "expand", "not_a_checkpoint", "scan_many", "scan_target",
-           "starts_like_checkpoint", "target_reads"]
+__all__ = ["FORK_FILES_PER_JOB", "ManyRun", "ScanRun", "Target", "expand", "fork_count", "not_a_checkpoint",
+           "scan_many", "scan_shared", "scan_target", "starts_like_checkpoint", "target_reads"]
 
 R = TypeVar("R")
 
@@ -175,6 +175,36 @@ def scan_target(t: Target, *, key_paths: bool = True) -> ScanResult | None:
     return res
 
 
+#: small local files are shared with forked children (:meth:`ManyRun._forked`) only when each process gets this many
+#: or more: a child costs about a millisecond to fork, and its results are sent back as one pickle (a small pickle's
+#: scan: about 0.1 ms, sending its result back about 0.04 ms)
+FORK_FILES_PER_JOB = 64
+
+
+def fork_count(targets: list[Target], jobs: int) -> int:
+    """How many processes (this one and forked children) share ``targets`` when ``jobs`` may run at once: one for
+    each :data:`FORK_FILES_PER_JOB` local targets, at most ``jobs`` and ``os.cpu_count()``; 1 (this process alone)
+    where ``os.fork`` is missing or a target is a URL (threads wait on the network for those)."""
+    if jobs <= 1 or not hasattr(os, "fork") or any(source.is_url(t.path) for t in targets):
+        return 1
+    return max(1, min(jobs, len(targets) // FORK_FILES_PER_JOB, os.cpu_count() or 1))
+
+
+def scan_shared(listed: list[tuple[str, list[str]]], *, jobs: int, key_paths: bool = True) -> list[ScanResult]:
+    """:func:`ckptool.scanning.entry.scan` of the paths :func:`~ckptool.scanning.entry.iter_targets` listed as
+    ``listed`` (the same results, in the same order), the files shared among up to ``jobs`` processes
+    (:func:`fork_count`: this one and children forked from it, :meth:`ManyRun._forked`) when they are many local
+    files; else one after another in this process. ``key_paths``: as :func:`~ckptool.scanning.entry.scan_file`'s."""
+    targets = [Target(p, error=why) if (why := unreadable(notes)) is not None else Target(p, tuple(notes))
+               for p, notes in listed]
+    forks = fork_count(targets, jobs)
+    if forks <= 1:
+        return scan((), key_paths=key_paths, listed=listed)
+    run = ScanRun((), key_paths=key_paths, targets=targets)
+    run.forks = forks
+    return [res for _t, res in run if res is not None]
+
+
 def _stamped(t: Target) -> Target:
     """``t`` with its size and version (a local file's ``stat``, else a URL's ``HEAD``) where the listing gave none;
     ``error`` set when asking failed. A folder (a DCP checkpoint) gets none: it is not cached."""
@@ -224,13 +254,14 @@ class ManyRun(Generic[R]):
     checkpoint in its result, never by raising; ``failed(target, why)``: the result of a task that raised (a worker
     died, a bug), a row rather than the end of the run. ``executor``: any :class:`concurrent.futures.Executor`
     (None: one after another in this thread); ``window``: tasks in flight at most (default: 4 per worker of a pool
-    that says how many it has, else 64); ``whole``, ``configs``: as :func:`expand`'s."""
+    that says how many it has, else 64); ``whole``, ``configs``: as :func:`expand`'s; ``targets``: the targets,
+    listed already (``paths`` is then not expanded)."""
 
     def __init__(self, paths: Iterable[str | os.PathLike[str]], task: Callable[[Target], R | None],
                  failed: Callable[[Target, str], R], *, executor: cf.Executor | None = None,
                  window: int | None = None, whole: Callable[[str], bool] | None = None,
-                 configs: bool = True) -> None:
-        self.targets = list(expand(paths, whole, configs=configs))
+                 configs: bool = True, targets: list[Target] | None = None) -> None:
+        self.targets = targets if targets is not None else list(expand(paths, whole, configs=configs))
         self.task = task
         self.failed = failed
         self.executor = executor
@@ -399,9 +430,9 @@ class ScanRun(ManyRun[ScanResult]):
 
     def __init__(self, paths: Iterable[str | os.PathLike[str]], *, executor: cf.Executor | None = None,
                  cache: scan_cache.ScanCache | None = None, window: int | None = None,
-                 key_paths: bool = True) -> None:
+                 key_paths: bool = True, targets: list[Target] | None = None) -> None:
         task = scan_target if key_paths or cache is not None else partial(scan_target, key_paths=False)
-        super().__init__(paths, task, _scan_failed, executor=executor, window=window)
+        super().__init__(paths, task, _scan_failed, executor=executor, window=window, targets=targets)
         self.cache = cache
 
     def _lookups(self) -> Iterator[tuple[Target, str | None, tuple[bool, ScanResult | None]]]:
