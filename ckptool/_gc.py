@@ -8,9 +8,10 @@ points pause it and restore the caller's setting on the way out.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -40,3 +41,22 @@ def skip_final_collection() -> None:
     -> 0.573 s (mean -39 ms). ``atexit`` handlers and context managers still run; only cyclic garbage made before
     the call is left to the operating system."""
     gc.freeze()
+
+
+#: the generation-0 threshold of :func:`rare_collections`: allocations of container objects between collections
+RARE_THRESHOLD = 100_000
+
+
+@contextlib.contextmanager
+def rare_collections() -> Iterator[None]:
+    """Within the block, generation-0 collections run every :data:`RARE_THRESHOLD` allocations (``gc.set_threshold``;
+    700 by default), the caller's thresholds restored after it. For a run over many files (``scan FOLDER``) whose
+    graphs reference counting frees: each collection walks the results kept so far, about 7% of the scan of 500
+    small pickles at the default. Unlike :func:`gc_paused`, collections still run, so cyclic garbage stays bounded
+    however many files the run reads."""
+    old = gc.get_threshold()
+    gc.set_threshold(max(RARE_THRESHOLD, old[0]), *old[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)

@@ -10,6 +10,7 @@ import click
 
 from ckptool import __version__
 from ckptool import _source as source
+from ckptool._gc import rare_collections
 from ckptool.cli._common import emit_json, is_quiet, json_option, usable_cpus
 from ckptool.errors import UsageError
 from ckptool.formats import plugin
@@ -161,9 +162,12 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
     if as_json and out_format not in (None, "json"):
         raise UsageError(f"--json and --format {out_format} ask for two outputs; give one")
     fmt = "json" if as_json else out_format or "text"
-    if (jobs or 1) > 1 or jsonl or cache_path or any(_is_prefix(p) for p in paths):
-        ctx.exit(_many(paths, fmt, jsonl, jobs or 1, cache_path, strict, show_all))
-    ctx.exit(_one_run(paths, fmt, strict, show_all, usable_cpus() if jobs is None else jobs))
+    with rare_collections():  # the results of many files are kept: collections that walk them, rarely
+        if (jobs or 1) > 1 or jsonl or cache_path or any(_is_prefix(p) for p in paths):
+            code = _many(paths, fmt, jsonl, jobs or 1, cache_path, strict, show_all)
+        else:
+            code = _one_run(paths, fmt, strict, show_all, usable_cpus() if jobs is None else jobs)
+    ctx.exit(code)
 
 
 def _one_run(paths: tuple[str, ...], fmt: str, strict: bool, show_all: bool, jobs: int) -> int:

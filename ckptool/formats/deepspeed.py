@@ -22,12 +22,15 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ckptool._source import leaves_folder
 from ckptool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckptool.formats.dtypes import DTYPE_SIZES, numel, tensor_dtype
 from ckptool.formats.nodes import TensorNode
-from ckptool.formats.torchfile import Checkpoint, read_checkpoint, resolve_zip_offsets
+
+if TYPE_CHECKING:  # the torch file reader is imported by read_files: a scan's folder walk needs only the tags
+    from ckptool.formats.torchfile import Checkpoint
 
 __all__ = ["DeepSpeedFolder", "FlatBytes", "find_deepspeed", "is_deepspeed_folder", "loaded_tag_folders",
            "natural_key", "read_files", "tensor_bytes"]
@@ -231,6 +234,8 @@ def read_files(paths: list[str]) -> list[Checkpoint]:
         NotACheckpointError / CorruptCheckpointError / UnsupportedError: as ``read_checkpoint``; a big-endian
             file (UnsupportedError).
     """
+    from ckptool.formats.torchfile import read_checkpoint, resolve_zip_offsets  # noqa: PLC0415
+
     out = []
     for p in paths:
         ck = read_checkpoint(p)

@@ -106,6 +106,23 @@ def own_storage_pickles(buf: PickleBuffer, pos: int,
 STREAM_LOADER = qualified_name(*LOAD_FROM_BYTES)
 
 
+#: the labels of the five pickles of a stream at ``where`` (:func:`_labels`), remembered for so many places: the
+#: streams of a folder of like files are at the same places, and a label shared is one string in memory and in the
+#: pickle a forked child sends its results in
+_LABELS_KEPT = 1024
+_labels_of: dict[str, tuple[str, ...]] = {}
+
+
+def _labels(where: str) -> tuple[str, ...]:
+    """``where!legacy magic number`` ... ``where!legacy storage keys`` (:data:`_LEGACY_PARTS`)."""
+    got = _labels_of.get(where)
+    if got is None:
+        got = tuple(join_where(where, part) for part in _LEGACY_PARTS)
+        if len(_labels_of) < _LABELS_KEPT:
+            _labels_of[where] = got
+    return got
+
+
 def failed(where: str, offset: int, names: list[str], err: Exception) -> PickleFinding:
     """The finding of a pickle that could not be read to its end because of ``err``: ``truncated`` when the data
     ended first (:class:`~ckptool.errors.TruncatedError`)."""
@@ -182,7 +199,7 @@ class LegacyWalk:
         :class:`~ckptool.formats.nodes.StorageRef` its root, into ``main_storages``; ``loaded``: torch's loader
         reads them. Returns where the key list ends and the key list."""
         module, type_name, key, location, numel, main_end, keys_end = own
-        labels = [join_where(where, part) for part in _LEGACY_PARTS]
+        labels = _labels(where)
         if loaded:
             self.loaded.update(labels)
         for i in (0, 1, 2):

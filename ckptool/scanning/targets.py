@@ -97,7 +97,6 @@ def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
     note: what was not looked at is never taken as safe."""
     # the folder formats' code, imported when a folder is met (a scan of one file does without it)
     from ckptool.formats.deepspeed import loaded_tag_folders  # noqa: PLC0415
-    from ckptool.formats.folders import Listing, is_dcp_unit  # noqa: PLC0415
 
     seen: set[str] = set()
     away: list[tuple[str, str]] = []
@@ -105,7 +104,7 @@ def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
     for root, dirs, files in os.walk(top, onerror=failed.append):
         yield from _unlisted(failed)
         dirs.sort()
-        dcp = ".metadata" in files and is_dcp_unit(Listing.of_walk(root, dirs, files))
+        dcp = ".metadata" in files and _is_dcp_unit(root, dirs, files)
         if dcp:
             seen.add(os.path.realpath(root))
             yield root, []
@@ -131,6 +130,15 @@ def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
             away += [(f, f"{why}; DeepSpeed reads it from there") for f in _folder_files(folder)]
     yield from _unlisted(failed)
     yield from _followed(away, seen)
+
+
+def _is_dcp_unit(root: str, dirs: list[str], files: list[str]) -> bool:
+    """The folder classifier's answer (:func:`ckptool.formats.folders.is_dcp_unit`) for a folder ``os.walk`` listed
+    (the folder formats' code is imported when a folder holds a ``.metadata``: a walk of other folders does without
+    it)."""
+    from ckptool.formats.folders import Listing, is_dcp_unit  # noqa: PLC0415
+
+    return is_dcp_unit(Listing.of_walk(root, dirs, files))
 
 
 def _unlisted(failed: list[OSError]) -> Iterator[tuple[str, list[str]]]:
