@@ -263,6 +263,36 @@ def open_regular(path: str, what: str = "", *, mode: int | None = None) -> Binar
     return f
 
 
+def read_small(path: str, st: os.stat_result) -> bytes | None:
+    """The bytes of the local regular file ``path`` when ``st`` (its ``os.stat``, made by the caller) says it has
+    :data:`READ_WHOLE_BYTES` or fewer: opened as :func:`open_regular` opens it (``O_NONBLOCK``, its ``fstat``
+    checked again: a FIFO, device or socket refused) and read by position to its end, without a file object (a scan
+    of a folder of small pickles, issue 52); the bytes a :func:`local_reads` block holds. None when ``st`` or the
+    ``fstat`` says it is bigger (the caller opens it).
+
+    Raises:
+        NotACheckpointError: a FIFO, a device or a socket.
+        OSError: the file could not be opened or read.
+    """
+    held = _held_files.get((threading.get_ident(), path)) if _held_files else None
+    if held is not None:
+        got: bytes | None = held[1]  # None: not read yet, the block's first open (open_regular) reads it
+        return got
+    refuse_special(path, mode=st.st_mode)
+    if st.st_size > READ_WHOLE_BYTES:
+        return None
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+    try:
+        now = os.fstat(fd)
+        kind = special_kind(now.st_mode)
+        if kind is not None:
+            raise _special_error(path, kind, "")
+        return _pread_all(fd) if now.st_size <= READ_WHOLE_BYTES else None
+    finally:
+        os.close(fd)
+
+
 class _HeldFile(io.BytesIO):
     """The bytes of a local file a :func:`local_reads` block read whole, as a file named ``path`` (no ``fileno``:
     the readers that would map it read it instead)."""

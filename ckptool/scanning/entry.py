@@ -72,7 +72,7 @@ import os
 import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any, BinaryIO, cast
 
 from ckptool import _source as source
 from ckptool._source import RangeView
@@ -175,16 +175,16 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None, key_paths: b
     head = b""
     try:
         formats.check_readable(path, st)
-        # a URL: the zip / safetensors paths read by range (its directory, pickles and headers); others are copied
-        with source.open_binary(path, mode=None if st is None else st.st_mode) as f, \
-                source.whole_view(f, lazy=_indexed) as buf:
-            head = bytes(buf[:2])
-            layout = sc.any(buf, "", 0, f)
-            res.format = layout.format
-            if layout.header:
-                plugin("ckptool.formats.safetensors:read_header")(path)
-            elif layout.read_by_reader:
-                _read_by_reader(path, layout.format)
+        small = source.read_small(path, st) if st is not None else None  # no file object for a small file
+        if small is not None:
+            head = small[:2]
+            layout = _walk_bytes(sc, path, small, None)
+        else:
+            # a URL: the zip / safetensors paths read by range (its directory, pickles and headers); others copied
+            with source.open_binary(path, mode=None if st is None else st.st_mode) as f, \
+                    source.whole_view(f, lazy=_indexed) as buf:
+                head = bytes(buf[:2])
+                layout = _walk_bytes(sc, path, buf, f)
     except NotAPickle:
         if is_code_config(path) and not source.is_url(path):
             layout = _scan_code_config(sc, path)
@@ -209,6 +209,19 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None, key_paths: b
     if source.is_url(path):
         res.bytes_read = source.thread_bytes_transferred() - start
     return res
+
+
+def _walk_bytes(sc: CodeScanner, path: str, buf: Any, f: BinaryIO | None) -> Layout:
+    """The walk of the file ``path`` whose bytes are ``buf`` (``f``: the open file, or None), as its bytes say
+    (:meth:`~ckptool.scanning.pickles.Scanner.any`); then the registry's reader of a format with no layout of its
+    own. Returns what the file was found to be (the result's ``format`` set)."""
+    layout = sc.any(buf, "", 0, f)
+    sc.res.format = layout.format
+    if layout.header:
+        plugin("ckptool.formats.safetensors:read_header")(path)
+    elif layout.read_by_reader:
+        _read_by_reader(path, layout.format)
+    return layout
 
 
 def _read_by_reader(path: str, fmt: str) -> None:

@@ -24,7 +24,7 @@ from ckptool.formats.nodes import StorageRef, qualified_name
 from ckptool.formats.pickle_check import PickleBuffer, check_pickle
 from ckptool.formats.unpickler import RestrictedUnpickler, load_pickle_at, partial_globals, thread_pool
 from ckptool.formats.zipdir import MAX_RATIO, TorchRecords, ZipEntry, duplicate_member, read_member, read_member_head
-from ckptool.model.allowlist import ALLOWED, is_importable_name, rate_global
+from ckptool.model.allowlist import ALLOWED, NOT_IMPORTABLE, rate_global
 from ckptool.scanning import layouts, wrappers
 from ckptool.scanning.byte_windows import ZIP_LOCAL, Container, Window, as_file, end_record, zip_end, zip_start
 from ckptool.scanning.directories import first_of_group, record_problem, zip_directories
@@ -97,7 +97,8 @@ class Scanner(WrapperWalk, LegacyWalk):
         rated = [(name, *rate_global(name, called=name not in uncalled, torchscript=self.torchscript,
                                      dcp_metadata=self.dcp_metadata))
                  for name in finding.globals]
-        bad_name = next((name for name in finding.globals if not is_importable_name(name)), None)
+        # rate_global's reason for a name that is no Python name (is_importable_name), remembered with its rating
+        bad_name = next((name for name, _s, reason in rated if reason == NOT_IMPORTABLE), None)
         if bad_name is not None and finding.error is None:
             finding.error = (f"it names the global {bad_name!r}, which is not a Python name: a loader fails there "
                              "(nothing is imported or called)")
