@@ -23,7 +23,6 @@ import importlib
 import os
 import signal
 import sys
-import traceback
 from collections.abc import Iterator, Mapping, MutableMapping
 from types import FrameType
 from typing import IO, Any, NamedTuple
@@ -371,6 +370,9 @@ def main() -> None:
     try:
         cli.main(prog_name="ckptool")
     except Exception as e:
+        import traceback  # noqa: PLC0415 (only --debug gets here: its import, with linecache and tokenize, is not
+        # part of every start-up)
+
         traceback.print_exc()
         sys.exit(describe_error(e)[1])
     finally:  # the command has finished (click exits through SystemExit): leave what is alive to the exit
