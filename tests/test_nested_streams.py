@@ -443,3 +443,18 @@ def test_torch_s_own_storage_pickles_give_what_their_unpickle_gives(
     elif how == "cut":
         del b[at % len(b):]
     _same_without_the_shortcut(tmp_path, bytes(b))
+
+
+def test_torch_s_own_storage_pickles_in_a_hidden_pickle_are_hidden(tmp_path: Path) -> None:
+    """A ``_load_from_bytes`` stream of torch's own storage pickles in a pickle torch.load does not read (the second
+    of two in a row): its five pickles are hidden, as when they are unpickled."""
+    b = own_stream(b"torch\nFloatStorage", "0", "cpu", 3)
+
+    def findings() -> list[Any]:
+        res = scan_bytes(tmp_path, outer(b) + outer(b), "two.pkl")
+        return [vars(p) for p in res.pickles]
+
+    fast = findings()
+    assert [p["hidden"] for p in fast] == [False] * 6 + [True] * 6
+    with mock.patch.object(legacy_stream, "own_storage_pickles", lambda *_a: None):
+        assert fast == findings()

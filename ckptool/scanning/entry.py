@@ -134,22 +134,21 @@ def scan_file(path: str | os.PathLike[str], *,
             from ckptool.formats.sharded import index_format  # noqa: PLC0415  (imported when a set is met)
 
             return ScanResult(path, index_format(path), error=refused)
-    st = _stat(path)  # one stat a file: the folder test here, check_readable and the open in _scan_one
+    url = source.is_url(path)
+    st = None if url else _stat(path)  # one stat a file: the folder test here, check_readable, the open in _scan_one
     dcp = _dcp_part(path) if (st is not None and stat.S_ISDIR(st.st_mode)) or path.endswith(_DCP_NAMES) else None
     if dcp is not None:
         from ckptool.scanning.dcp import scan_dcp_folder  # noqa: PLC0415  (imported when a DCP folder is met)
 
         return scan_dcp_folder(*dcp)
-    if source.is_url(path):  # its opens share one HEAD and the ranges fetched (format check, directory, code finder)
+    if url:  # its opens share one HEAD and the ranges fetched (format check, directory, code finder)
         with source.object_reads(path):
             return _scan_one(path, preparsed, key_paths)
     return _scan_one(path, preparsed, key_paths, st)
 
 
 def _stat(path: str) -> os.stat_result | None:
-    """``os.stat(path)`` of a local path; None for a URL or where it fails (its callers ask again, and say why)."""
-    if source.is_url(path):
-        return None
+    """``os.stat(path)`` of a local path; None where it fails (its callers ask again, and say why)."""
     try:
         return os.stat(path)
     except (OSError, ValueError):
@@ -170,7 +169,8 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None, key_paths: b
     res = ScanResult(path)
     # the pickles, and the code that ships in each zip (scanning/shipped_code.py)
     sc = CodeScanner(res, preparsed, key_paths=key_paths)
-    start = source.thread_bytes_transferred()
+    url = source.is_url(path)
+    start = source.thread_bytes_transferred() if url else 0
     layout: Layout | None = None  # what the file was found to be (None: unreadable)
     head = b""
     try:
@@ -186,7 +186,7 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None, key_paths: b
                 head = bytes(buf[:2])
                 layout = _walk_bytes(sc, path, buf, f)
     except NotAPickle:
-        if is_code_config(path) and not source.is_url(path):
+        if is_code_config(path) and not url:
             layout = _scan_code_config(sc, path)
             res.format = layout.format
         else:
@@ -206,7 +206,7 @@ def _scan_one(path: str, preparsed: Mapping[str, Preparsed] | None, key_paths: b
             res.notes += _expansion_notes(sc.root, sc.root_bytes)
         except TooDeepError as e:  # the limit of every walk of the graph (inspect's refusal, in its words)
             res.error = str(e) if res.error is None else f"{res.error}; {e}"
-    if source.is_url(path):
+    if url:
         res.bytes_read = source.thread_bytes_transferred() - start
     return res
 

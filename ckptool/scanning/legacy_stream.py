@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptool.errors import CkptError, TruncatedError
 from ckptool.formats.dtypes import STORAGE_TYPES
-from ckptool.formats.nodes import LOAD_FROM_BYTES, BlobView, StorageRef, qualified_name
+from ckptool.formats.nodes import LOAD_FROM_BYTES, BlobView, StorageRef, global_placeholder, qualified_name
 from ckptool.formats.pickle_check import PickleBuffer, release_pages
-from ckptool.formats.unpickler import thread_pool
 from ckptool.scanning.byte_windows import ZIP_LOCAL, Container, Window
 from ckptool.scanning.results import PickleFinding, ScanResult
 from ckptool.scanning.tar import inside, join_where
@@ -43,6 +42,7 @@ TORCH_HEAD = (b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19.\x80\x02M\xe9\x03."
               b"X\n\x00\x00\x00type_sizesq\x03}q\x04(X\x05\x00\x00\x00shortq\x05K\x02X\x03\x00\x00\x00intq\x06K\x04"
               b"X\x04\x00\x00\x00longq\x07K\x04uu.")
 _HEAD_ENDS = (15, 21, len(TORCH_HEAD))
+_HEAD_OFFSETS = (0, *_HEAD_ENDS[:2])
 #: the five pickles of a legacy stream, as their ``where`` names them
 _LEGACY_PARTS = ("legacy magic number", "legacy protocol version", "legacy sys_info", "legacy main pickle",
                  "legacy storage keys")
@@ -200,15 +200,18 @@ class LegacyWalk:
         reads them. Returns where the key list ends and the key list."""
         module, type_name, key, location, numel, main_end, keys_end = own
         labels = _labels(where)
+        seen = self.loaded
         if loaded:
-            self.loaded.update(labels)
+            seen.update(labels)
+        pickles = self.res.pickles  # the pickles that name no global: what record() adds for them, hidden or not
         for i in (0, 1, 2):
-            self.record(PickleFinding(labels[i], (0, *_HEAD_ENDS)[i], []))
+            pickles.append(PickleFinding(labels[i], _HEAD_OFFSETS[i], [], None, labels[i] not in seen))
         name = qualified_name(module, type_name)
-        ref = main_storages[key] = StorageRef("storage", thread_pool().take(module, type_name, self), key, location,
-                                              numel, (None,))
+        # the storage type as a value (nothing calls it): the process's one placeholder of the name, never used
+        ref = main_storages[key] = StorageRef("storage", global_placeholder(module, type_name), key, location, numel,
+                                              (None,))
         self.record(PickleFinding(labels[3], len(TORCH_HEAD), [name]), ref, (name,))
-        self.record(PickleFinding(labels[4], main_end - start, []))
+        pickles.append(PickleFinding(labels[4], main_end - start, [], None, labels[4] not in seen))
         return keys_end, [key]
 
     def _storage_blocks(self, buf: PickleBuffer, keys: object, main_storages: dict[str, StorageRef], pos: int,
