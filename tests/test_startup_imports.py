@@ -37,7 +37,8 @@ main()
 #: legacy tar walk the pickle scanner shares. The code of the other formats (.pt2, DCP, DeepSpeed, sharded sets,
 #: safetensors, torch.package, native library headers) and of SARIF output is named as strings and imported only
 #: when met (:func:`ckptool.formats.plugin`); issue 41 took this set from 45 modules to 33; the tensor model
-#: (``formats.tensors``) came back with issue 36's note on tensors that expand past the input's budget; issue 46
+#: (``formats.tensors``) came back with issue 36's note on tensors that expand past the input's budget, and went
+#: again when that budget's two numbers moved to ``formats.dtypes`` (issue 52: its dataclasses, 2 ms); issue 46
 #: added the one verdict (``model.verdict``); issue 49 the name checks of configs that make a loader run code
 #: (``scanning.configs``: NeMo's Hydra targets and a transformers ``auto_map``, by name), asked of every file a
 #: scan meets; ``_ranges`` is the range store split out of ``_remote``, ``formats.pickle_stack`` the
@@ -49,7 +50,7 @@ SCAN_ZIP_MODULES = {
     "ckptool", "ckptool._gc", "ckptool._ranges", "ckptool._remote", "ckptool._source", "ckptool.errors",
     "ckptool.cli", "ckptool.cli._common", "ckptool.cli._errors", "ckptool.cli._flags", "ckptool.cli.scan",
     "ckptool.formats", "ckptool.formats.detect", "ckptool.formats.dtypes", "ckptool.formats.nodes",
-    "ckptool.formats.pickle_check", "ckptool.formats.pickle_stack", "ckptool.formats.tensors",
+    "ckptool.formats.pickle_check", "ckptool.formats.pickle_stack",
     "ckptool.formats.unpickler",
     "ckptool.formats.zipdir", "ckptool.model", "ckptool.model.allowlist", "ckptool.model.devices",
     "ckptool.model.graph", "ckptool.model.units", "ckptool.model.verdict", "ckptool.model.weights_only",
@@ -71,7 +72,7 @@ SCAN_ZIP_MODULES = {
 #: to ``ckptool.scanning`` (issue 46), a scan of one file imports no ``ckptool.ops`` module at all.
 INSPECT_ZIP_MODULES = (SCAN_ZIP_MODULES - {"ckptool.cli.scan"}) | {
     "ckptool.cli.inspect",
-    "ckptool.formats.segments", "ckptool.formats.strided", "ckptool.formats.torchfile",
+    "ckptool.formats.segments", "ckptool.formats.strided", "ckptool.formats.tensors", "ckptool.formats.torchfile",
     "ckptool.model.keys", "ckptool.model.nonstrided", "ckptool.model.numpy_nodes", "ckptool.model.paths",
     "ckptool.model.quantization",
     "ckptool.model.values",

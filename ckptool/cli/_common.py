@@ -25,7 +25,7 @@ from ckptool.cli._flags import output_folder_for
 from ckptool.cli._flags import progress_wanted as progress_wanted
 from ckptool.cli._flags import set_output as set_output
 from ckptool.errors import CkptError, UsageError
-from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND
+from ckptool.formats.dtypes import EXPAND_FLOOR, MAX_EXPAND
 from ckptool.model.devices import DEVICE_HELP, parse_mapping
 from ckptool.model.units import human_bytes as human_bytes
 from ckptool.model.units import wrote_line

@@ -17,6 +17,14 @@ from ckptool.errors import UnsupportedError
 if TYPE_CHECKING:
     from ckptool.formats.nodes import StorageRef, TensorNode
 
+#: ``--max-expand``'s default: the dense bytes of the tensors a command materialises may be this many times the
+#: bytes of their storages (tied views of one storage count each in full); :mod:`ckptool.readers.budget`. Here, with
+#: the element sizes that count both, rather than in :mod:`ckptool.formats.tensors` (which re-exports them): a scan
+#: and the CLI's options need the two numbers, not the tensor model's classes (start-up)
+MAX_EXPAND = 64.0
+#: dense bytes always allowed, whatever the storages hold (a small broadcast buffer in a tiny file)
+EXPAND_FLOOR = 16 << 20
+
 #: dtype name -> element size in bytes, for every dtype ``_rebuild_tensor_v3`` may name (``torch.<dtype>.itemsize``)
 DTYPE_SIZES: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,

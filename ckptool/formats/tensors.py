@@ -15,16 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ckptool.formats.dtypes import DTYPE_SIZES, element_size, numel
+from ckptool.formats.dtypes import DTYPE_SIZES, EXPAND_FLOOR, MAX_EXPAND, element_size, numel
 
 __all__ = ["EXPAND_FLOOR", "MAX_EXPAND", "Piece", "Segment", "Source", "Storage", "Tensor", "is_contiguous", "span",
            "view_nbytes"]
 
-#: ``--max-expand``'s default: the dense bytes of the tensors a command materialises may be this many times the
-#: bytes of their storages (tied views of one storage count each in full); :mod:`ckptool.readers.budget`
-MAX_EXPAND = 64.0
-#: dense bytes always allowed, whatever the storages hold (a small broadcast buffer in a tiny file)
-EXPAND_FLOOR = 16 << 20
 
 
 class Segment(NamedTuple):

@@ -80,10 +80,9 @@ from ckptool.errors import CkptError, TruncatedError, UnsupportedError
 from ckptool.formats import detect as formats
 from ckptool.formats import plugin
 from ckptool.formats.detect import CHECKPOINT_SUFFIXES, INDEX_SUFFIX
-from ckptool.formats.dtypes import element_size, numel, storage_element, tensor_dtype
+from ckptool.formats.dtypes import EXPAND_FLOOR, MAX_EXPAND, element_size, numel, storage_element, tensor_dtype
 from ckptool.formats.nodes import TensorNode
 from ckptool.formats.pickle_check import PickleBuffer
-from ckptool.formats.tensors import EXPAND_FLOOR, MAX_EXPAND
 from ckptool.model.allowlist import is_importable_name, recognise_file
 from ckptool.model.graph import TooDeepError, iter_tensors
 from ckptool.model.units import human_bytes
@@ -281,8 +280,8 @@ def _indexed(view: RangeView) -> bool:
 def _expansion_notes(root: Any, counted: tuple[int, int] | None = None) -> list[str]:
     """A note (not a danger: nothing runs) when the tensors of the pickle torch loads are far larger dense than the
     bytes their storages hold, past the budget every command that makes them dense holds to
-    (:mod:`ckptool.readers.budget`: :data:`~ckptool.formats.tensors.MAX_EXPAND` times, above
-    :data:`~ckptool.formats.tensors.EXPAND_FLOOR`): a stride-0 view such as ``zeros(1).expand(2**20, 2**20)``.
+    (:mod:`ckptool.readers.budget`: :data:`~ckptool.formats.dtypes.MAX_EXPAND` times, above
+    :data:`~ckptool.formats.dtypes.EXPAND_FLOOR`): a stride-0 view such as ``zeros(1).expand(2**20, 2**20)``.
     ``counted``: the (dense, storage) bytes of ``root``'s tensors as ``inspect`` added them up listing the tensors;
     within the budget they spare the walk, past it the walk names the most expanded tensor.
 
