@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from functools import partial
 
 import click
 
@@ -21,17 +22,30 @@ from ckptool.scanning.results import INCOMPLETE, Verdict, worst_verdict
 
 def _table(results: list[ScanResult], strict: bool) -> str:
     """One row per file: verdict, format, pickles (hidden ones counted apart), globals not allowed, the worst."""
-    rows = []
-    for r in results:
-        bad = r.unsafe
-        worst = f"{bad[0].name} ({bad[0].level})" if bad else ("-" if not r.error else "unreadable")
-        code = sorted(r.code, key=lambda c: (c.level != "dangerous", c.kind != "native-library"))
-        if code and (not bad or bad[0].level != "dangerous"):
-            worst = f"{code[0].kind} {code[0].member} ({code[0].level})"
-        hidden = len(r.hidden)
-        rows.append((r.path, r.verdict.shown, r.format,
-                     f"{len(r.pickles)}" + (f" ({hidden} hidden)" if hidden else ""), str(len(bad)), worst))
+    return _table_of([_row(r) for r in results])
+
+
+def _table_of(rows: list[tuple[str, ...]]) -> str:
+    """The table of :func:`_row` rows."""
     return text_table(rows, ["file", "verdict", "format", "pickles", "not allowed", "worst global"], numparse=False)
+
+
+def _row(r: ScanResult) -> tuple[str, ...]:
+    """The table's row of one file: its verdict, format, pickles (hidden ones counted apart), globals not allowed,
+    the worst of them (or of the code it ships)."""
+    bad = r.unsafe
+    worst = f"{bad[0].name} ({bad[0].level})" if bad else ("-" if not r.error else "unreadable")
+    code = sorted(r.code, key=lambda c: (c.level != "dangerous", c.kind != "native-library"))
+    if code and (not bad or bad[0].level != "dangerous"):
+        worst = f"{code[0].kind} {code[0].member} ({code[0].level})"
+    hidden = len(r.hidden)
+    return (r.path, r.verdict.shown, r.format, f"{len(r.pickles)}" + (f" ({hidden} hidden)" if hidden else ""),
+            str(len(bad)), worst)
+
+
+def _rendered(r: ScanResult, *, show_all: bool, strict: bool) -> tuple[str, tuple[str, ...]]:
+    """What the text output prints for one file: its report and its row of the table."""
+    return r.report(show_all=show_all, strict=strict), _row(r)
 
 
 def _summary(results: list[ScanResult], strict: bool) -> str:
@@ -175,13 +189,16 @@ def _one_run(paths: tuple[str, ...], fmt: str, strict: bool, show_all: bool, job
     ``jobs``: many local files are shared among up to that many processes
     (:func:`ckptool.ops.scan.many.scan_shared`)."""
     listed = list(iter_targets(paths))  # a path that does not exist, a folder with no checkpoint: raised here
-    key_paths = fmt != "text"  # the text report shows no key paths: not looked for
+    text = fmt == "text" and not is_quiet()
+    render = partial(_rendered, show_all=show_all, strict=strict) if text else None
     if jobs > 1 and len(listed) > 1:  # many files may be shared with forked processes (a run of one file: not imported)
         from ckptool.ops.scan.many import scan_shared  # noqa: PLC0415
 
-        results = scan_shared(listed, jobs=jobs, key_paths=key_paths)
+        # each file's report and row worked out where it was scanned; the text report shows no key paths
+        pairs = scan_shared(listed, jobs=jobs, key_paths=fmt != "text", render=render)
     else:
-        results = scan((), key_paths=key_paths, listed=listed)
+        pairs = [(r, None if render is None else render(r)) for r in scan((), key_paths=fmt != "text", listed=listed)]
+    results = [r for r, _ in pairs]
     code = exit_status(results, strict=strict)
     if fmt == "json":
         emit_json("scan", {"strict": strict, "exit_code": code, "verdict": worst_verdict(results),
@@ -189,10 +206,11 @@ def _one_run(paths: tuple[str, ...], fmt: str, strict: bool, show_all: bool, job
     elif fmt == "sarif":
         sarif = plugin("ckptool.ops.scan.sarif:to_sarif")  # only for --format sarif
         click.echo(json.dumps(sarif(results, version=__version__, strict=strict), indent=2))
-    elif not is_quiet():  # one write: the reports are all known by now (a row per echo flushed each, 2 per file)
-        parts = [r.report(show_all=show_all, strict=strict) for r in results]
+    elif text:  # one write: the reports are all known by now (a row per echo flushed each, 2 per file)
+        done = [got for _r, got in pairs if got is not None]
+        parts = [report for report, _row in done]
         if len(results) > 1:
-            parts += [_table(results, strict), _summary(results, strict)]
+            parts += [_table_of([row for _report, row in done]), _summary(results, strict)]
         click.echo("\n\n".join(parts))
     return code
 

@@ -55,6 +55,7 @@ __all__ = ["FORK_FILES_PER_JOB", "ManyRun", "ScanRun", "Target", "expand", "fork
            "scan_many", "scan_shared", "scan_target", "starts_like_checkpoint", "target_reads"]
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 #: threads that ask for the versions of objects the listing gave none for (``HEAD`` requests, for the cache)
 STAMP_THREADS = 64
@@ -190,19 +191,37 @@ def fork_count(targets: list[Target], jobs: int) -> int:
     return max(1, min(jobs, len(targets) // FORK_FILES_PER_JOB, os.cpu_count() or 1))
 
 
-def scan_shared(listed: list[tuple[str, list[str]]], *, jobs: int, key_paths: bool = True) -> list[ScanResult]:
+def scan_shared(listed: list[tuple[str, list[str]]], *, jobs: int, key_paths: bool = True,
+                render: Callable[[ScanResult], T] | None = None) -> list[tuple[ScanResult, T | None]]:
     """:func:`ckptool.scanning.entry.scan` of the paths :func:`~ckptool.scanning.entry.iter_targets` listed as
     ``listed`` (the same results, in the same order), the files shared among up to ``jobs`` processes
     (:func:`fork_count`: this one and children forked from it, :meth:`ManyRun._forked`) when they are many local
-    files; else one after another in this process. ``key_paths``: as :func:`~ckptool.scanning.entry.scan_file`'s."""
+    files; else one after another in this process. ``key_paths``: as :func:`~ckptool.scanning.entry.scan_file`'s.
+    Each result comes with ``render(result)`` (None without ``render``), worked out in the process that scanned it
+    (the text a report prints for it: the children's share of the printing is done beside their scans)."""
     targets = [Target(p, error=why) if (why := unreadable(notes)) is not None else Target(p, tuple(notes))
                for p, notes in listed]
     forks = fork_count(targets, jobs)
     if forks <= 1:
-        return scan((), key_paths=key_paths, listed=listed)
-    run = ScanRun((), key_paths=key_paths, targets=targets)
+        return [(r, None if render is None else render(r)) for r in scan((), key_paths=key_paths, listed=listed)]
+    run: ManyRun[tuple[ScanResult, T | None]] = ManyRun(
+        (), partial(_scan_rendered, key_paths=key_paths, render=render), partial(_failed_rendered, render=render),
+        targets=targets)
     run.forks = forks
-    return [res for _t, res in run if res is not None]
+    return [got for _t, got in run if got is not None]
+
+
+def _scan_rendered(t: Target, *, key_paths: bool, render: Callable[[ScanResult], T] | None
+                   ) -> tuple[ScanResult, T | None] | None:
+    """:func:`scan_target` of ``t`` with ``render`` of its result (:func:`scan_shared`'s task)."""
+    res = scan_target(t, key_paths=key_paths)
+    return None if res is None else (res, None if render is None else render(res))
+
+
+def _failed_rendered(t: Target, why: str, *, render: Callable[[ScanResult], T] | None
+                     ) -> tuple[ScanResult, T | None]:
+    res = _scan_failed(t, why)
+    return res, None if render is None else render(res)
 
 
 #: the share of a forked child's slice that this process takes on top of its own (:func:`slice_cuts`): a child
