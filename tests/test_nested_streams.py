@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -410,6 +411,14 @@ def _same_without_the_shortcut(tmp_path: Path, b: bytes) -> None:
     fast = findings()
     with mock.patch.object(legacy_stream, "own_storage_pickles", lambda *_a: None):  # not monkeypatch: per example
         assert fast == findings()
+    with mock.patch.object(legacy_stream, "_OWN_BOTH", re.compile(b"(?!)")):  # the opcode-by-opcode reading only
+        assert fast == findings()
+
+
+def test_a_key_list_that_names_another_storage_is_read_as_its_unpickle_reads_it(tmp_path: Path) -> None:
+    b = own_stream(b"torch\nFloatStorage", "11", "cpu", 3)
+    at = b.rindex(b"11")  # the key list's key: "12", of the same length (no storage of that key)
+    _same_without_the_shortcut(tmp_path, b[:at] + b"12" + b[at + 2:])
 
 
 @pytest.mark.parametrize(("type_name", "key", "numel"), [

@@ -59,6 +59,34 @@ _OWN_MAX = 256
 _NUMEL = {0x4B: 1, 0x4D: 2, 0x4A: 4, 0x8A: 0}
 
 
+#: :data:`_OWN_MAIN` and the key list in one expression, for a key and a location tag under 256 bytes and an
+#: element count of BININT1, BININT2 or BININT (:func:`_own_both` checks the lengths and the signs it leaves open)
+_OWN_BOTH = re.compile(rb"\x80\x02\(X\x07\x00\x00\x00storageq\x00c(torch|torch\.storage)\n(\w{1,64})\nq\x01"
+                       rb"X(.)\x00\x00\x00(.*?)q\x02X(.)\x00\x00\x00(.*?)q\x03(?:K(.)|M(..)|J(....))Ntq\x04Q\."
+                       rb"\x80\x02\]q\x00X(.)\x00\x00\x00(.*?)q\x01a\.", re.DOTALL)
+
+
+def _own_both(m: re.Match[bytes]) -> tuple[str, str, str, str, int, int, int] | None:
+    """:func:`own_storage_pickles`' answer from a match of :data:`_OWN_BOTH`; None where a length does
+    not hold (then the two pickles are read one opcode at a time, which decides)."""
+    key, loc = m[4], m[6]
+    if len(key) != m[3][0] or len(loc) != m[5][0] or m[10] != m[3] or m[11] != key:
+        return None
+    count = m[7] or m[8] or m[9]
+    numel = int.from_bytes(count, "little", signed=len(count) == 4)
+    if numel < 0:
+        return None
+    try:
+        text, tag = key.decode("utf-8", "surrogatepass"), loc.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
+    return m[1].decode("ascii"), m[2].decode("ascii"), text, tag, numel, m.start(10) - len(_KEYS_HEAD), m.end()
+
+
+#: the opcodes of the key list before its key's length (PROTO 2, EMPTY_LIST, BINPUT 0, BINUNICODE)
+_KEYS_HEAD = b"\x80\x02]q\x00X"
+
+
 def own_storage_pickles(buf: PickleBuffer, pos: int,
                         stop: int) -> tuple[str, str, str, str, int, int, int] | None:
     """``(storage type module, name, key, location, numel, end of the main pickle, end of the key list)`` when
@@ -67,7 +95,13 @@ def own_storage_pickles(buf: PickleBuffer, pos: int,
     BINUNICODE is, UTF-8 with surrogates passed), without unpickling; None for anything else (a numel that is
     negative, a key of the key list that is not the storage's, other opcodes), which is then unpickled. A hypothesis
     test compares the two on mutated streams."""
-    w = bytes(buf[pos:min(stop, pos + 2 * _OWN_MAX + 192)])
+    end = min(stop, pos + 2 * _OWN_MAX + 192)
+    both = _OWN_BOTH.match(buf, pos, end)  # the common case (keys and tags under 256 bytes, BININT counts) at once
+    if both is not None:
+        got = _own_both(both)
+        if got is not None:
+            return got
+    w = bytes(buf[pos:end])
     m = _OWN_MAIN.match(w)
     if m is None:
         return None
