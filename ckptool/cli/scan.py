@@ -177,11 +177,9 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
         raise UsageError(f"--json and --format {out_format} ask for two outputs; give one")
     fmt = "json" if as_json else out_format or "text"
     with rare_collections():  # the results of many files are kept: collections that walk them, rarely
-        if (jobs or 1) > 1 or jsonl or cache_path or any(_is_prefix(p) for p in paths):
-            code = _many(paths, fmt, jsonl, jobs or 1, cache_path, strict, show_all)
-        else:
-            code = _one_run(paths, fmt, strict, show_all, usable_cpus() if jobs is None else jobs)
-    ctx.exit(code)
+        ctx.exit(_many(paths, fmt, jsonl, jobs or 1, cache_path, strict, show_all)
+                 if (jobs or 1) > 1 or jsonl or cache_path or any(_is_prefix(p) for p in paths)
+                 else _one_run(paths, fmt, strict, show_all, usable_cpus() if jobs is None else jobs))
 
 
 def _one_run(paths: tuple[str, ...], fmt: str, strict: bool, show_all: bool, jobs: int) -> int:

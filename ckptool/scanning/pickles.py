@@ -97,8 +97,7 @@ class Scanner(WrapperWalk, LegacyWalk):
         rated = [(name, *rate_global(name, called=name not in uncalled, torchscript=self.torchscript,
                                      dcp_metadata=self.dcp_metadata))
                  for name in finding.globals]
-        # rate_global's reason for a name that is no Python name (is_importable_name), remembered with its rating
-        bad_name = next((name for name, _s, reason in rated if reason == NOT_IMPORTABLE), None)
+        bad_name = next((name for name, _s, reason in rated if reason == NOT_IMPORTABLE), None)  # no Python name
         if bad_name is not None and finding.error is None:
             finding.error = (f"it names the global {bad_name!r}, which is not a Python name: a loader fails there "
                              "(nothing is imported or called)")
