@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from functools import partial
+from typing import Any
 
 import click
 
@@ -17,7 +18,7 @@ from ckptool.errors import UsageError
 from ckptool.formats import plugin
 from ckptool.model.units import text_table
 from ckptool.scanning.entry import ScanResult, exit_status, iter_targets, scan
-from ckptool.scanning.results import INCOMPLETE, Verdict, worst_verdict
+from ckptool.scanning.results import INCOMPLETE, Verdict, verdicts_exit_status, worst_verdict
 
 
 def _table(results: list[ScanResult], strict: bool) -> str:
@@ -43,16 +44,22 @@ def _row(r: ScanResult) -> tuple[str, ...]:
             str(len(bad)), worst)
 
 
-def _rendered(r: ScanResult, *, show_all: bool, strict: bool) -> tuple[str, tuple[str, ...]]:
-    """What the text output prints for one file: its report and its row of the table."""
-    return r.report(show_all=show_all, strict=strict), _row(r)
+def _rendered(r: ScanResult, *, show_all: bool, strict: bool) -> tuple[str, tuple[str, ...], Verdict]:
+    """What the text output prints for one file: its report, its row of the table, and its verdict (the counts
+    line, the exit status)."""
+    return r.report(show_all=show_all, strict=strict), _row(r), r.verdict
 
 
 def _summary(results: list[ScanResult], strict: bool) -> str:
     """The counts line: one verdict vocabulary with or without ``--strict`` (the policy changes the exit status)."""
-    verdicts = Counter(r.verdict.value for r in results)  # each file's verdict worked out once, not once a word
+    return _summary_of([r.verdict for r in results])  # each file's verdict worked out once, not once a word
+
+
+def _summary_of(found: list[Verdict]) -> str:
+    """:func:`_summary` of files whose verdicts are ``found``."""
+    verdicts = Counter(v.value for v in found)
     counts = {v: verdicts[Verdict(v).value] for v in ("safe", "needs-trust", "dangerous", "error", INCOMPLETE)}
-    return (f"{len(results)} files: {counts['safe']} safe, {counts['needs-trust']} need trust, "
+    return (f"{len(found)} files: {counts['safe']} safe, {counts['needs-trust']} need trust, "
             f"{counts['dangerous']} dangerous, {counts['error']} unreadable" + _incomplete(counts))
 
 
@@ -187,28 +194,32 @@ def _one_run(paths: tuple[str, ...], fmt: str, strict: bool, show_all: bool, job
     ``jobs``: many local files are shared among up to that many processes
     (:func:`ckptool.ops.scan.many.scan_shared`)."""
     listed = list(iter_targets(paths))  # a path that does not exist, a folder with no checkpoint: raised here
-    text = fmt == "text" and not is_quiet()
-    render = partial(_rendered, show_all=show_all, strict=strict) if text else None
-    if jobs > 1 and len(listed) > 1:  # many files may be shared with forked processes (a run of one file: not imported)
-        from ckptool.ops.scan.many import scan_shared  # noqa: PLC0415
-
-        # each file's report and row worked out where it was scanned; the text report shows no key paths
-        pairs = scan_shared(listed, jobs=jobs, key_paths=fmt != "text", render=render)
-    else:
-        pairs = [(r, None if render is None else render(r)) for r in scan((), key_paths=fmt != "text", listed=listed)]
-    results = [r for r, _ in pairs]
+    if fmt == "text":  # each file's report, row and verdict: what the text prints (it shows no key paths)
+        rendered = _scanned(listed, jobs, False, partial(_rendered, show_all=show_all, strict=strict))
+        code = verdicts_exit_status([v for _r, _row, v in rendered], strict=strict)
+        if not is_quiet():  # one write: the reports are all known by now (a row per echo flushed each, 2 per file)
+            parts = [report for report, _row, _v in rendered]
+            if len(rendered) > 1:
+                parts += [_table_of([row for _r, row, _v in rendered]), _summary_of([v for _r, _row, v in rendered])]
+            click.echo("\n\n".join(parts))
+        return code
+    results = _scanned(listed, jobs, True, None)
     code = exit_status(results, strict=strict)
     if fmt == "json":
         emit_json("scan", {"strict": strict, "exit_code": code, "verdict": worst_verdict(results),
                            "files": [r.to_dict(strict=strict) for r in results]})
-    elif fmt == "sarif":
+    else:
         sarif = plugin("ckptool.ops.scan.sarif:to_sarif")  # only for --format sarif
         click.echo(json.dumps(sarif(results, version=__version__, strict=strict), indent=2))
-    elif text:  # one write: the reports are all known by now (a row per echo flushed each, 2 per file)
-        done = [got for _r, got in pairs if got is not None]
-        parts = [report for report, _row in done]
-        if len(results) > 1:
-            parts += [_table_of([row for _report, row in done]), _summary(results, strict)]
-        click.echo("\n\n".join(parts))
     return code
 
+
+def _scanned(listed: list[tuple[str, list[str]]], jobs: int, key_paths: bool, each: Any) -> list[Any]:
+    """The results of the paths ``listed`` (``each`` of each, when given), many files shared among up to ``jobs``
+    processes (:func:`ckptool.ops.scan.many.scan_shared`; a run of one file does not import it)."""
+    if jobs > 1 and len(listed) > 1:
+        from ckptool.ops.scan.many import scan_shared  # noqa: PLC0415
+
+        return scan_shared(listed, jobs=jobs, key_paths=key_paths, each=each)
+    results = scan((), key_paths=key_paths, listed=listed)
+    return results if each is None else [each(r) for r in results]

@@ -20,7 +20,7 @@ from ckptool.model.units import human_bytes, plural, text_table
 from ckptool.model.verdict import EXIT_CODES, STRICT_EXIT_CODES, Verdict, exit_code, verdict_of
 
 __all__ = ["EXIT_CODES", "INCOMPLETE", "STRICT_EXIT_CODES", "CodeFinding", "GlobalFinding", "PickleFinding",
-           "ScanResult", "Verdict", "exit_status", "worst_verdict"]
+           "ScanResult", "Verdict", "exit_status", "verdicts_exit_status", "worst_verdict"]
 
 #: the verdict of a file read to its end whose data is cut short (:attr:`ScanResult.incomplete`): never ``safe``
 INCOMPLETE = Verdict.INCOMPLETE
@@ -257,5 +257,10 @@ def exit_status(results: Iterable[ScanResult], *, strict: bool = False) -> int:
     """The ``ckptool scan`` exit status of several files: the worst file decides, in the order dangerous (1),
     unreadable (2), needs trust (4), incomplete (5), safe (0); with ``strict`` (the policy on the same verdicts):
     dangerous or needs trust (1), unreadable (2), incomplete (5), safe (0)."""
-    codes = {r.strict_exit_code if strict else r.exit_code for r in results}
+    return verdicts_exit_status([r.verdict for r in results], strict=strict)
+
+
+def verdicts_exit_status(verdicts: Iterable[Verdict], *, strict: bool = False) -> int:
+    """:func:`exit_status` of files whose verdicts are ``verdicts``."""
+    codes = {exit_code(v, strict=strict) for v in set(verdicts)}
     return next((c for c in (1, 2, 4, 5) if c in codes), 0)

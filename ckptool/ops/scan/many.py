@@ -192,36 +192,36 @@ def fork_count(targets: list[Target], jobs: int) -> int:
 
 
 def scan_shared(listed: list[tuple[str, list[str]]], *, jobs: int, key_paths: bool = True,
-                render: Callable[[ScanResult], T] | None = None) -> list[tuple[ScanResult, T | None]]:
+                each: Callable[[ScanResult], T] | None = None) -> list[T] | list[ScanResult]:
     """:func:`ckptool.scanning.entry.scan` of the paths :func:`~ckptool.scanning.entry.iter_targets` listed as
     ``listed`` (the same results, in the same order), the files shared among up to ``jobs`` processes
     (:func:`fork_count`: this one and children forked from it, :meth:`ManyRun._forked`) when they are many local
     files; else one after another in this process. ``key_paths``: as :func:`~ckptool.scanning.entry.scan_file`'s.
-    Each result comes with ``render(result)`` (None without ``render``), worked out in the process that scanned it
-    (the text a report prints for it: the children's share of the printing is done beside their scans)."""
+    With ``each``, ``each(result)`` in place of each result, worked out in the process that scanned it (what a
+    report prints for it: a child then prints its share beside its scans, and sends back only that)."""
     targets = [Target(p, error=why) if (why := unreadable(notes)) is not None else Target(p, tuple(notes))
                for p, notes in listed]
     forks = fork_count(targets, jobs)
     if forks <= 1:
-        return [(r, None if render is None else render(r)) for r in scan((), key_paths=key_paths, listed=listed)]
-    run: ManyRun[tuple[ScanResult, T | None]] = ManyRun(
-        (), partial(_scan_rendered, key_paths=key_paths, render=render), partial(_failed_rendered, render=render),
-        targets=targets)
+        results = scan((), key_paths=key_paths, listed=listed)
+        return results if each is None else [each(r) for r in results]
+    if each is None:
+        run: ManyRun[Any] = ScanRun((), key_paths=key_paths, targets=targets)
+    else:
+        run = ManyRun((), partial(_scan_each, key_paths=key_paths, each=each), partial(_failed_each, each=each),
+                      targets=targets)
     run.forks = forks
     return [got for _t, got in run if got is not None]
 
 
-def _scan_rendered(t: Target, *, key_paths: bool, render: Callable[[ScanResult], T] | None
-                   ) -> tuple[ScanResult, T | None] | None:
-    """:func:`scan_target` of ``t`` with ``render`` of its result (:func:`scan_shared`'s task)."""
+def _scan_each(t: Target, *, key_paths: bool, each: Callable[[ScanResult], T]) -> T | None:
+    """``each`` of :func:`scan_target` of ``t`` (:func:`scan_shared`'s task)."""
     res = scan_target(t, key_paths=key_paths)
-    return None if res is None else (res, None if render is None else render(res))
+    return None if res is None else each(res)
 
 
-def _failed_rendered(t: Target, why: str, *, render: Callable[[ScanResult], T] | None
-                     ) -> tuple[ScanResult, T | None]:
-    res = _scan_failed(t, why)
-    return res, None if render is None else render(res)
+def _failed_each(t: Target, why: str, *, each: Callable[[ScanResult], T]) -> T:
+    return each(_scan_failed(t, why))
 
 
 #: the share of a forked child's slice that this process takes on top of its own (:func:`slice_cuts`): a child
