@@ -225,9 +225,9 @@ def _failed_each(t: Target, why: str, *, each: Callable[[ScanResult], T]) -> T:
 
 
 #: the share of a forked child's slice that this process takes on top of its own (:func:`slice_cuts`): a child
-#: starts a fork later and sends its results back as a pickle, which this process loads; on 500 small pickles the
-#: two cost about a tenth of a child's slice (``scan`` of the benchmark's folder, 2 CPUs)
-CHILD_OVERHEAD = 0.1
+#: starts a fork later and sends its results back as a pickle, which this process loads; on 500 small pickles (2
+#: CPUs) 0.05 to 0.15 gave the same wall time within noise, 0 a slower median (the parent waits for the child)
+CHILD_OVERHEAD = 0.05
 
 
 def slice_cuts(count: int, n: int) -> list[int]:
