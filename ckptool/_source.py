@@ -288,7 +288,7 @@ def read_small(path: str, st: os.stat_result) -> bytes | None:
         kind = special_kind(now.st_mode)
         if kind is not None:
             raise _special_error(path, kind, "")
-        return _pread_all(fd) if now.st_size <= READ_WHOLE_BYTES else None
+        return _pread_all(fd, now.st_size) if now.st_size <= READ_WHOLE_BYTES else None
     finally:
         os.close(fd)
 
@@ -488,14 +488,19 @@ def whole_view(f: BinaryIO, *, lazy: Callable[[RangeView], bool] | None = None) 
             whole.close()
 
 
-def _pread_all(fd: int) -> bytes:
+def _pread_all(fd: int, size: int | None = None) -> bytes:
     """The bytes of the open regular file ``fd`` from byte 0 to its end, by ``os.pread`` (its offset is left alone)
-    until a read returns nothing."""
+    until a read returns nothing, or, given its ``fstat`` ``size``, until a read returns fewer bytes than asked for
+    with ``size`` bytes read (a short read of a regular file is its end: one read of a small file, not two)."""
     chunks = []
     pos = 0
-    while chunk := os.pread(fd, READ_WHOLE_BYTES + 1, pos):
+    ask = READ_WHOLE_BYTES + 1 if size is None else size + 1  # no buffer of 256 KiB for a small file (an mmap each)
+    while chunk := os.pread(fd, ask, pos):
         chunks.append(chunk)
         pos += len(chunk)
+        if pos == size and len(chunk) < ask:
+            break
+        ask = READ_WHOLE_BYTES + 1
     return b"".join(chunks) if len(chunks) != 1 else chunks[0]
 
 
