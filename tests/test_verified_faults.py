@@ -67,10 +67,10 @@ def _inject(monkeypatch: pytest.MonkeyPatch, victim: Path, at: int, mode: str) -
     """Make :func:`ckptool._source.open_binary` hand out :class:`Faulty` readers of ``victim``."""
     real = _source.open_binary
 
-    def open_binary(path: str) -> Any:
+    def open_binary(path: str, **kw: Any) -> Any:
         if os.path.abspath(str(path)) == str(victim):
             return io.BufferedReader(Faulty(str(victim), at, mode), buffer_size=8192)
-        return real(path)
+        return real(path, **kw)
 
     monkeypatch.setattr(_source, "open_binary", open_binary)
 
