@@ -86,3 +86,17 @@ def test_scan_of_two_files_does_not_carry_a_call_from_one_to_the_other(tmp_path:
     assert alone["verdict"] == "needs-trust"
     assert scan_file(calls).to_dict()["verdict"] == "dangerous"
     assert scan_file(holds).to_dict() == alone
+
+
+def test_the_pool_keeps_no_unpickler_alive() -> None:
+    """An unpickler holds its memo (every object the pickle built): the pool remembers which one took a placeholder
+    by its id, so the graph goes with the last reference to it (a 50,000-tensor scan's peak memory)."""
+    import gc
+    import weakref
+
+    pool = PlaceholderPool()
+    _, up, _ = load_pickle_at(CALLS, pool=pool)
+    gone = weakref.ref(up)
+    del up
+    gc.collect()
+    assert gone() is None

@@ -95,7 +95,9 @@ class PlaceholderPool:
     def __init__(self, limit: int = 4096) -> None:
         self.limit = limit
         self._placeholders: dict[tuple[str, str], GlobalMeta] = {}
-        self._users: dict[tuple[str, str], object] = {}
+        #: the ``id`` of the unpickler that took each placeholder last (not the unpickler: a reference would keep its
+        #: memo, and the whole graph it read, alive until the next pickle names the global)
+        self._users: dict[tuple[str, str], int] = {}
 
     def take(self, module: str, name: str, user: object) -> GlobalMeta:
         """The placeholder of ``module.name`` for ``user`` (an unpickler), reset to a new one's state."""
@@ -113,14 +115,14 @@ class PlaceholderPool:
                     delattr(g, attr)
             if "streams" in own:
                 g.streams.clear()
-        self._users[key] = user
+        self._users[key] = id(user)
         return g
 
     def check(self, user: object, keys: Collection[tuple[str, str]]) -> None:
         """Raise ``RuntimeError`` when a placeholder of ``keys`` that ``user`` took was taken by another since."""
-        users = self._users
+        users, me = self._users, id(user)
         for key in keys:
-            if users.get(key, user) is not user:
+            if users.get(key, me) != me:
                 raise RuntimeError(f"the placeholder of {qualified_name(*key)} was reused before its pickle's "
                                    "uses were read")
 
