@@ -353,13 +353,13 @@ def only_this_thread(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_jobs_3_where_the_second_fork_fails_scans_every_file(tmp_path: Path, run_cli: Any,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     # a child that cannot be started leaves its slice to this process, after the started children's, in order
-    from ckptool.ops.scan import many
+    from ckptool import _fork
 
     if not hasattr(os, "fork"):
         pytest.skip("no os.fork on this platform: --jobs runs small local work in this process")
     folder = _folder(tmp_path)
     want = run_cli("scan", str(folder)).output
-    monkeypatch.setattr(many, "FORK_FILES_PER_JOB", 5)
+    monkeypatch.setattr(_fork, "FORK_FILES_PER_JOB", 5)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     real_fork, calls = os.fork, []
 
@@ -377,8 +377,9 @@ def test_jobs_3_where_the_second_fork_fails_scans_every_file(tmp_path: Path, run
 
 def test_jobs_chooses_this_process_forked_children_or_a_pool_by_the_work(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptool._fork import FORK_FILES_PER_JOB
     from ckptool.cli import _many
-    from ckptool.ops.scan.many import FORK_FILES_PER_JOB, ScanRun
+    from ckptool.ops.scan.many import ScanRun
 
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     few, many = tmp_path / "few", tmp_path / "many"
@@ -413,14 +414,14 @@ def test_jobs_chooses_this_process_forked_children_or_a_pool_by_the_work(tmp_pat
 @pytest.mark.usefixtures("only_this_thread")
 def test_jobs_2_shares_many_small_files_with_a_forked_child_and_prints_as_jobs_1(
         tmp_path: Path, run_cli: Any, monkeypatch: pytest.MonkeyPatch, child_fails: bool) -> None:
-    from ckptool.ops.scan import many
+    from ckptool import _fork
 
     if not hasattr(os, "fork"):
         pytest.skip("no os.fork on this platform: --jobs runs small local work in this process")
     folder = _folder(tmp_path)
     (folder / "z_evil.pkl").write_bytes(b"\x80\x02cos\nsystem\nq\x00.")  # dangerous, last: the child's slice
     want = [run_cli("scan", str(folder), *args) for args in ((), ("--json",))]
-    monkeypatch.setattr(many, "FORK_FILES_PER_JOB", 5)
+    monkeypatch.setattr(_fork, "FORK_FILES_PER_JOB", 5)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     forks: list[int] = []
     real_fork = os.fork
@@ -436,7 +437,7 @@ def test_jobs_2_shares_many_small_files_with_a_forked_child_and_prints_as_jobs_1
         def fail(task: Any, targets: Any) -> bytes:
             raise RuntimeError("the child failed")
 
-        monkeypatch.setattr(many, "_slice_results", fail)
+        monkeypatch.setattr(_fork, "_slice_results", fail)
     got = [run_cli("scan", str(folder), "--jobs", "2", *args) for args in ((), ("--json",))]
     assert len(forks) == 2  # one child a run
     assert [r.exit_code for r in got] == [r.exit_code for r in want] == [1, 1]
@@ -449,8 +450,8 @@ def test_scan_without_jobs_shares_many_files_among_the_usable_cpus_and_prints_as
         tmp_path: Path, run_cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # issue 52: without --jobs, a folder of many local files is shared among forked processes, one per usable CPU
     # (the text report, --json and SARIF as with --jobs 1); --jobs 1, a single file and a few files are not
+    from ckptool import _fork
     from ckptool.cli import scan as scan_cli
-    from ckptool.ops.scan import many
 
     if not hasattr(os, "fork"):
         pytest.skip("no os.fork on this platform: a scan runs in this process")
@@ -458,7 +459,7 @@ def test_scan_without_jobs_shares_many_files_among_the_usable_cpus_and_prints_as
     (folder / "z_evil.pkl").write_bytes(b"\x80\x02cos\nsystem\nq\x00.")  # dangerous, last: a child's slice
     args = [(), ("--json",), ("--format", "sarif")]
     want = [run_cli("scan", str(folder), "--jobs", "1", *a) for a in args]
-    monkeypatch.setattr(many, "FORK_FILES_PER_JOB", 5)
+    monkeypatch.setattr(_fork, "FORK_FILES_PER_JOB", 5)
     monkeypatch.setattr(os, "cpu_count", lambda: 3)
     monkeypatch.setattr(scan_cli, "usable_cpus", lambda: 3)
     forks: list[int] = []

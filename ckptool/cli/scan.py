@@ -17,7 +17,7 @@ from ckptool.cli._common import emit_json, is_quiet, json_option, usable_cpus
 from ckptool.errors import UsageError
 from ckptool.formats import plugin
 from ckptool.model.units import text_table
-from ckptool.scanning.entry import ScanResult, exit_status, iter_targets, scan
+from ckptool.scanning.entry import ScanResult, exit_status, iter_targets, scan_listed
 from ckptool.scanning.results import INCOMPLETE, Verdict, verdicts_exit_status, worst_verdict
 
 
@@ -191,8 +191,7 @@ def scan_cmd(ctx: click.Context, paths: tuple[str, ...], as_json: bool, out_form
 
 def _one_run(paths: tuple[str, ...], fmt: str, strict: bool, show_all: bool, jobs: int) -> int:
     """The checkpoints ``paths`` scanned and printed together (the report, --json or SARIF); the exit status.
-    ``jobs``: many local files are shared among up to that many processes
-    (:func:`ckptool.ops.scan.many.scan_shared`)."""
+    ``jobs``: many local files are shared among up to that many processes (:func:`_scanned`)."""
     listed = list(iter_targets(paths))  # a path that does not exist, a folder with no checkpoint: raised here
     if fmt == "text":  # each file's report, row and verdict: what the text prints (it shows no key paths)
         rendered = _scanned(listed, jobs, False, partial(_rendered, show_all=show_all, strict=strict))
@@ -215,11 +214,20 @@ def _one_run(paths: tuple[str, ...], fmt: str, strict: bool, show_all: bool, job
 
 
 def _scanned(listed: list[tuple[str, list[str]]], jobs: int, key_paths: bool, each: Any) -> list[Any]:
-    """The results of the paths ``listed`` (``each`` of each, when given), many files shared among up to ``jobs``
-    processes (:func:`ckptool.ops.scan.many.scan_shared`; a run of one file does not import it)."""
-    if jobs > 1 and len(listed) > 1:
-        from ckptool.ops.scan.many import scan_shared  # noqa: PLC0415
+    """The results of the paths ``listed`` (``each`` of each, when given, worked out in the process that scanned
+    it: what a report prints for it), many local files shared among up to ``jobs`` processes forked from this one
+    (:func:`ckptool._fork.shared`; a run of one file does not import it)."""
+    task = partial(_scan_one_listed, key_paths=key_paths, each=each)
+    if jobs > 1 and len(listed) > 1 and not any(source.is_url(p) for p, _notes in listed):
+        from ckptool import _fork  # noqa: PLC0415
 
-        return scan_shared(listed, jobs=jobs, key_paths=key_paths, each=each)
-    results = scan((), key_paths=key_paths, listed=listed)
-    return results if each is None else [each(r) for r in results]
+        n = _fork.fork_count(len(listed), jobs)
+        if n > 1:
+            return list(_fork.shared(listed, task, n))
+    return [task(item) for item in listed]
+
+
+def _scan_one_listed(item: tuple[str, list[str]], *, key_paths: bool, each: Any) -> Any:
+    """:func:`~ckptool.scanning.entry.scan_listed` of one item of a listing (``each`` of its result, when given)."""
+    res = scan_listed(*item, key_paths=key_paths)
+    return res if each is None else each(res)

@@ -104,7 +104,7 @@ from ckptool.scanning.targets import index_refusal, iter_paths, iter_targets, un
 
 __all__ = ["CHECKPOINT_SUFFIXES", "EXIT_CODES", "STRICT_EXIT_CODES", "GlobalFinding", "PickleFinding", "ScanResult",
            "add_results", "combine_results", "exit_status", "iter_paths", "iter_targets", "scan", "scan_file",
-           "scans_as_one", "unreadable"]
+           "scan_listed", "scans_as_one", "unreadable"]
 
 
 def scan_file(path: str | os.PathLike[str], *,
@@ -421,13 +421,16 @@ def scan(paths: Iterable[str | os.PathLike[str]], *, key_paths: bool = True,
         InputNotFoundError: a path does not exist.
         UsageError: a directory (or a sharded index) holds no checkpoint file.
     """
-    results = []
-    for p, notes in iter_targets(paths) if listed is None else listed:
-        why = unreadable(notes)
-        if why is not None:
-            results.append(ScanResult(p, error=why))
-            continue
-        res = scan_file(p, key_paths=key_paths)
-        res.notes += notes
-        results.append(res)
-    return results
+    return [scan_listed(p, notes, key_paths=key_paths) for p, notes in (iter_targets(paths) if listed is None
+                                                                         else listed)]
+
+
+def scan_listed(path: str, notes: list[str], *, key_paths: bool = True) -> ScanResult:
+    """:func:`scan_file` of one path :func:`iter_targets` yielded with ``notes`` (added to its result); a path it
+    could not list or read (:func:`unreadable`) is a result with that error, not read."""
+    why = unreadable(notes)
+    if why is not None:
+        return ScanResult(path, error=why)
+    res = scan_file(path, key_paths=key_paths)
+    res.notes += notes
+    return res

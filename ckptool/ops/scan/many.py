@@ -23,19 +23,17 @@ Nothing here schedules work across machines: the executor does.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import stat
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from ckptool import _listing
+from ckptool import _fork, _listing
 from ckptool import _source as source
 from ckptool.errors import CkptError
-from ckptool.scanning.entry import CHECKPOINT_SUFFIXES, ScanResult, scan, scan_file
+from ckptool.scanning.entry import CHECKPOINT_SUFFIXES, ScanResult, scan_file
 from ckptool.scanning.targets import iter_targets, unreadable
 
 if TYPE_CHECKING:  # the cache (sqlite3, hashlib) and the pools (concurrent.futures, logging) are imported only by
@@ -51,11 +49,10 @@ else:
     cf = ModuleOnFirstUse("concurrent.futures")
     scan_cache = ModuleOnFirstUse("ckptool.ops.scan.cache")
 
-__all__ = ["FORK_FILES_PER_JOB", "ManyRun", "ScanRun", "Target", "expand", "fork_count", "not_a_checkpoint",
-           "scan_many", "scan_shared", "scan_target", "starts_like_checkpoint", "target_reads"]
+__all__ = ["ManyRun", "ScanRun", "Target", "expand", "fork_count", "not_a_checkpoint", "scan_many", "scan_target",
+           "starts_like_checkpoint", "target_reads"]
 
 R = TypeVar("R")
-T = TypeVar("T")
 
 #: threads that ask for the versions of objects the listing gave none for (``HEAD`` requests, for the cache)
 STAMP_THREADS = 64
@@ -176,66 +173,12 @@ def scan_target(t: Target, *, key_paths: bool = True) -> ScanResult | None:
     return res
 
 
-#: small local files are shared with forked children (:meth:`ManyRun._forked`) only when each process gets this many
-#: or more: a child costs about a millisecond to fork, and its results are sent back as one pickle (a small pickle's
-#: scan: about 0.1 ms, sending its result back about 0.04 ms)
-FORK_FILES_PER_JOB = 64
-
-
 def fork_count(targets: list[Target], jobs: int) -> int:
-    """How many processes (this one and forked children) share ``targets`` when ``jobs`` may run at once: one for
-    each :data:`FORK_FILES_PER_JOB` local targets, at most ``jobs`` and ``os.cpu_count()``; 1 (this process alone)
-    where ``os.fork`` is missing or a target is a URL (threads wait on the network for those)."""
-    if jobs <= 1 or not hasattr(os, "fork") or any(source.is_url(t.path) for t in targets):
+    """How many processes share ``targets`` when ``jobs`` may run at once (:func:`ckptool._fork.fork_count`); 1 when
+    a target is a URL (threads wait on the network for those)."""
+    if any(source.is_url(t.path) for t in targets):
         return 1
-    return max(1, min(jobs, len(targets) // FORK_FILES_PER_JOB, os.cpu_count() or 1))
-
-
-def scan_shared(listed: list[tuple[str, list[str]]], *, jobs: int, key_paths: bool = True,
-                each: Callable[[ScanResult], T] | None = None) -> list[T] | list[ScanResult]:
-    """:func:`ckptool.scanning.entry.scan` of the paths :func:`~ckptool.scanning.entry.iter_targets` listed as
-    ``listed`` (the same results, in the same order), the files shared among up to ``jobs`` processes
-    (:func:`fork_count`: this one and children forked from it, :meth:`ManyRun._forked`) when they are many local
-    files; else one after another in this process. ``key_paths``: as :func:`~ckptool.scanning.entry.scan_file`'s.
-    With ``each``, ``each(result)`` in place of each result, worked out in the process that scanned it (what a
-    report prints for it: a child then prints its share beside its scans, and sends back only that)."""
-    targets = [Target(p, error=why) if (why := unreadable(notes)) is not None else Target(p, tuple(notes))
-               for p, notes in listed]
-    forks = fork_count(targets, jobs)
-    if forks <= 1:
-        results = scan((), key_paths=key_paths, listed=listed)
-        return results if each is None else [each(r) for r in results]
-    if each is None:
-        run: ManyRun[Any] = ScanRun((), key_paths=key_paths, targets=targets)
-    else:
-        run = ManyRun((), partial(_scan_each, key_paths=key_paths, each=each), partial(_failed_each, each=each),
-                      targets=targets)
-    run.forks = forks
-    return [got for _t, got in run if got is not None]
-
-
-def _scan_each(t: Target, *, key_paths: bool, each: Callable[[ScanResult], T]) -> T | None:
-    """``each`` of :func:`scan_target` of ``t`` (:func:`scan_shared`'s task)."""
-    res = scan_target(t, key_paths=key_paths)
-    return None if res is None else each(res)
-
-
-def _failed_each(t: Target, why: str, *, each: Callable[[ScanResult], T]) -> T:
-    return each(_scan_failed(t, why))
-
-
-#: the share of a forked child's slice that this process takes on top of its own (:func:`slice_cuts`): a child
-#: starts a fork later and sends its results back as a pickle, which this process loads; on 500 small pickles (2
-#: CPUs) 0.05 to 0.15 gave the same wall time within noise, 0 a slower median (the parent waits for the child)
-CHILD_OVERHEAD = 0.05
-
-
-def slice_cuts(count: int, n: int) -> list[int]:
-    """Where :meth:`ManyRun._forked` cuts ``count`` targets into ``n`` contiguous slices (``n + 1`` offsets from 0
-    to ``count``): this process's first, :data:`CHILD_OVERHEAD` of a slice larger than each child's, so that the
-    children's results arrive as this process finishes its own."""
-    weight = n + CHILD_OVERHEAD
-    return [0, *(min(count, round(count * (1 + CHILD_OVERHEAD + i - 1) / weight)) for i in range(1, n)), count]
+    return _fork.fork_count(len(targets), jobs)
 
 
 def _stamped(t: Target) -> Target:
@@ -335,61 +278,11 @@ class ManyRun(Generic[R]):
             yield from self._drain(pending)
 
     def _forked(self, n: int) -> Iterator[tuple[Target, R | None]]:
-        """The tasks shared among this process and ``n - 1`` children forked from it (``os.fork``: they start with
-        everything this process imported, in about a millisecond, where a pool's worker imports ckptool again),
-        each a contiguous slice of :attr:`targets`, in order: this process runs the first slice and yields each
-        result as it comes, then each child's, sent back whole as a pickle over a pipe (our own results, from our
-        own process). A child that cannot be started or fails leaves its slice to this process: no target is lost.
-        Used without a cache (:attr:`forks`: set by ``--jobs N`` for many small local files); in one process when
-        this one runs other threads (a fork copies only the calling thread: a lock another one holds stays held).
-        """
-        threading = sys.modules.get("threading")
-        if threading is not None and threading.active_count() > 1:
-            n = 1
-        targets = self.targets
-        cut = slice_cuts(len(targets), n)
-        children: list[tuple[int, int, int, int]] = []  # (pid, read end, first, end)
-        try:
-            for i in range(1, n):
-                try:
-                    r, w = os.pipe()
-                except OSError:
-                    break
-                gc.freeze()  # the child's collections skip what it shares with this process (fewer pages copied)
-                try:
-                    pid = os.fork()
-                except OSError:
-                    gc.unfreeze()
-                    os.close(r)
-                    os.close(w)
-                    break
-                if pid == 0:  # the child: its slice, its results down the pipe, and out (never back to the caller)
-                    code = 1
-                    try:
-                        os.close(r)
-                        data = _slice_results(self.task, targets[cut[i]:cut[i + 1]])
-                        with os.fdopen(w, "wb") as out:
-                            out.write(data)
-                        code = 0
-                    finally:
-                        os._exit(code)
-                gc.unfreeze()
-                os.close(w)
-                children.append((pid, r, cut[i], cut[i + 1]))
-            # this process's slice, each child's, then the slices of children that could not be started
-            tail = children[-1][3] if children else len(targets)
-            for t in targets[:children[0][2] if children else tail]:
-                yield t, self._done(t, None, self.task(t))
-            while children:
-                pid, r, first, end = children.pop(0)
-                results = _child_results(pid, r, end - first)  # closes r, reaps pid (also when interrupted)
-                for j, t in enumerate(targets[first:end]):
-                    yield t, self._done(t, None, results[j] if results is not None else self.task(t))
-            for t in targets[tail:]:
-                yield t, self._done(t, None, self.task(t))
-        finally:
-            for pid, r, _first, _end in children:  # the caller stopped early: end the children left
-                _end_child(pid, r)
+        """The tasks shared among this process and ``n - 1`` children forked from it (:func:`ckptool._fork.shared`),
+        in order: this process's slice as each finishes, then each child's. Used without a cache (:attr:`forks`: set
+        by ``--jobs N`` for many small local files)."""
+        for t, res in zip(self.targets, _fork.shared(self.targets, self.task, n)):
+            yield t, self._done(t, None, res)
 
     def _drain(self, pending: dict[cf.Future[R | None], tuple[Target, str | None]]
                ) -> Iterator[tuple[Target, R | None]]:
@@ -409,47 +302,6 @@ class ManyRun(Generic[R]):
     def _done(self, t: Target, key: str | None, res: R | None) -> R | None:
         """What a task gave for ``t`` (``key``: its cache key), once it is done."""
         return res
-
-
-def _slice_results(task: Callable[[Target], Any], targets: list[Target]) -> bytes:
-    """A forked child's work (:meth:`ManyRun._forked`): ``task`` of each target, pickled as one list."""
-    import pickle  # noqa: PLC0415
-
-    return pickle.dumps([task(t) for t in targets], protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _child_results(pid: int, r: int, count: int) -> list[Any] | None:
-    """The ``count`` results the forked child ``pid`` sent down the pipe ``r`` (closed here, the child reaped), or
-    None when it failed (then its slice is run again in this process)."""
-    import pickle  # noqa: PLC0415
-
-    chunks = []
-    try:
-        while chunk := os.read(r, 1 << 20):
-            chunks.append(chunk)
-    finally:
-        os.close(r)
-        _pid, status = os.waitpid(pid, 0)
-    data = b"".join(chunks)
-    if status != 0 or not data:
-        return None
-    try:
-        results = pickle.loads(data)  # our own child's results (ScanResult, inspect rows): no checkpoint's data
-    except Exception:  # a child cut short: its slice is scanned here
-        return None
-    return results if isinstance(results, list) and len(results) == count else None
-
-
-def _end_child(pid: int, r: int) -> None:
-    """Stop the forked child ``pid`` whose results are no longer wanted, close its pipe ``r`` and reap it."""
-    import signal  # noqa: PLC0415
-
-    with contextlib.suppress(OSError):
-        os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(OSError):
-        os.close(r)
-    with contextlib.suppress(OSError):
-        os.waitpid(pid, 0)
 
 
 def _scan_failed(t: Target, why: str) -> ScanResult:
