@@ -109,8 +109,9 @@ def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
             seen.add(os.path.realpath(root))
             yield root, []
         real_root = None
+        prefix = os.path.join(root, "")  # the folder and its separator: os.path.join(root, name) for each name
         for name in sorted(files):
-            full = os.path.join(root, name)
+            full = prefix + name
             link = _is_link(full)  # one lstat a file answers the three questions below (issue 52)
             if name.endswith(INDEX_SUFFIX):
                 away += _index_shards(full, top)
@@ -122,8 +123,8 @@ def _walk(top: str, configs: bool = True) -> Iterator[tuple[str, list[str]]]:
                 if link:
                     seen.add(os.path.realpath(full))
                 else:  # not a link: its real path is its folder's, once a folder, and its name
-                    real_root = real_root or os.path.realpath(root)
-                    seen.add(os.path.join(real_root, name))
+                    real_root = real_root or os.path.join(os.path.realpath(root), "")
+                    seen.add(real_root + name)
                 why = _cannot_open(full, link)
                 yield full, [] if why is None else [f"{UNREADABLE}{full}: {why}"]
         for folder, why in loaded_tag_folders(root, (dirs, files)):
