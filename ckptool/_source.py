@@ -472,10 +472,11 @@ def whole_view(f: BinaryIO, *, lazy: Callable[[RangeView], bool] | None = None) 
     whole: mmap.mmap | bytes | None = None
     try:
         fd = f.fileno()
-        if os.fstat(fd).st_size > READ_WHOLE_BYTES:
+        size = os.fstat(fd).st_size
+        if size > READ_WHOLE_BYTES:
             whole = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         elif f.seekable():  # small: positioned reads of the file from byte 0 (no seek, no second fstat)
-            whole = _pread_all(fd)
+            whole = _pread_all(fd, size)
     except (OSError, ValueError, io.UnsupportedOperation):  # not mappable (a pipe, an odd filesystem, an empty file)
         pass
     if whole is None:  # not mappable, nor read by position: read it
