@@ -238,15 +238,9 @@ def open_regular(path: str, what: str = "", *, mode: int | None = None) -> Binar
     held = _held_files.get((threading.get_ident(), path)) if _held_files else None
     if held is not None and held[1] is not None:
         return _HeldFile(held[1], path)  # read whole already in this local_reads block
-    refuse_special(path, what, mode=mode)
-    nonblock = getattr(os, "O_NONBLOCK", 0)
-    fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0))
+    fd, st = _open_checked(path, what, mode)
     try:
-        st = os.fstat(fd)
-        kind = special_kind(st.st_mode)
-        if kind is not None:
-            raise _special_error(path, kind, what)
-        if nonblock and hasattr(os, "set_blocking"):
+        if getattr(os, "O_NONBLOCK", 0) and hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         # the caller's to close; the buffer open() gives a regular file, from the fstat above (no second fstat, no
         # isatty ioctl: a regular file is no terminal)
@@ -264,33 +258,44 @@ def open_regular(path: str, what: str = "", *, mode: int | None = None) -> Binar
 
 
 def read_small(path: str, st: os.stat_result) -> bytes | None:
-    """The bytes of the local regular file ``path`` when ``st`` (its ``os.stat``, made by the caller) says it has
-    :data:`READ_WHOLE_BYTES` or fewer: opened as :func:`open_regular` opens it (``O_NONBLOCK``, its ``fstat``
-    checked again: a FIFO, device or socket refused) and read by position to its end, without a file object (a scan
-    of a folder of small pickles, issue 52); the bytes a :func:`local_reads` block holds. None when ``st`` or the
-    ``fstat`` says it is bigger (the caller opens it).
-
-    Raises:
-        NotACheckpointError: a FIFO, a device or a socket.
-        OSError: the file could not be opened or read.
-    """
+    """The bytes of the local regular file ``path`` of :data:`READ_WHOLE_BYTES` or fewer by ``st`` (its ``os.stat``)
+    and its ``fstat``, opened by :func:`_open_checked` and read by position, without a file object (issue 52); the
+    bytes a :func:`local_reads` block holds. None when it is bigger (the caller opens it). Raises as
+    :func:`_open_checked`, and ``OSError`` when a read fails."""
     held = _held_files.get((threading.get_ident(), path)) if _held_files else None
     if held is not None:
         got: bytes | None = held[1]  # None: not read yet, the block's first open (open_regular) reads it
         return got
-    refuse_special(path, mode=st.st_mode)
     if st.st_size > READ_WHOLE_BYTES:
         return None
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
-                 | getattr(os, "O_CLOEXEC", 0))
+    fd, now = _open_checked(path, "", st.st_mode)
     try:
-        now = os.fstat(fd)
-        kind = special_kind(now.st_mode)
-        if kind is not None:
-            raise _special_error(path, kind, "")
         return _pread_all(fd, now.st_size) if now.st_size <= READ_WHOLE_BYTES else None
     finally:
         os.close(fd)
+
+
+def _open_checked(path: str, what: str, mode: int | None) -> tuple[int, os.stat_result]:
+    """The descriptor and ``fstat`` of the local file ``path``, the caller's to close: refused from its ``stat``
+    (:func:`refuse_special`; ``mode`` when the caller made it), opened with ``O_NONBLOCK`` (a FIFO swapped in
+    meanwhile neither blocks the open nor passes) and refused again from its ``fstat``.
+
+    Raises:
+        NotACheckpointError: a FIFO, a device or a socket.
+        OSError: the file could not be opened.
+    """
+    refuse_special(path, what, mode=mode)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        kind = special_kind(st.st_mode)
+        if kind is not None:
+            raise _special_error(path, kind, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 class _HeldFile(io.BytesIO):

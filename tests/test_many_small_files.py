@@ -410,6 +410,21 @@ def test_jobs_chooses_this_process_forked_children_or_a_pool_by_the_work(tmp_pat
     assert choice(many, 2) == ("ProcessPoolExecutor", 1)
 
 
+def _counted_forks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The pids of the children ``os.fork`` starts from now on (in this process, the parent), appended as they are."""
+    forks: list[int] = []
+    real_fork = os.fork
+
+    def fork() -> int:
+        pid = real_fork()
+        if pid:
+            forks.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", fork)
+    return forks
+
+
 @pytest.mark.parametrize("child_fails", [False, True])
 @pytest.mark.usefixtures("only_this_thread")
 def test_jobs_2_shares_many_small_files_with_a_forked_child_and_prints_as_jobs_1(
@@ -423,16 +438,7 @@ def test_jobs_2_shares_many_small_files_with_a_forked_child_and_prints_as_jobs_1
     want = [run_cli("scan", str(folder), *args) for args in ((), ("--json",))]
     monkeypatch.setattr(_fork, "FORK_FILES_PER_JOB", 5)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    forks: list[int] = []
-    real_fork = os.fork
-
-    def fork() -> int:
-        pid = real_fork()
-        if pid:
-            forks.append(pid)
-        return pid
-
-    monkeypatch.setattr(os, "fork", fork)
+    forks = _counted_forks(monkeypatch)
     if child_fails:  # a child that fails sends nothing: its slice is scanned in this process, nothing is lost
         def fail(task: Any, targets: Any) -> bytes:
             raise RuntimeError("the child failed")
@@ -462,16 +468,7 @@ def test_scan_without_jobs_shares_many_files_among_the_usable_cpus_and_prints_as
     monkeypatch.setattr(_fork, "FORK_FILES_PER_JOB", 5)
     monkeypatch.setattr(os, "cpu_count", lambda: 3)
     monkeypatch.setattr(scan_cli, "usable_cpus", lambda: 3)
-    forks: list[int] = []
-    real_fork = os.fork
-
-    def fork() -> int:
-        pid = real_fork()
-        if pid:
-            forks.append(pid)
-        return pid
-
-    monkeypatch.setattr(os, "fork", fork)
+    forks = _counted_forks(monkeypatch)
     got = [run_cli("scan", str(folder), *a) for a in args]
     assert len(forks) == 2 * len(args)  # this process and two children a run
     assert [r.exit_code for r in got] == [r.exit_code for r in want] == [1, 1, 1]

@@ -411,7 +411,7 @@ def _same_without_the_shortcut(tmp_path: Path, b: bytes) -> None:
     fast = findings()
     with mock.patch.object(legacy_stream, "own_storage_pickles", lambda *_a: None):  # not monkeypatch: per example
         assert fast == findings()
-    with mock.patch.object(legacy_stream, "_OWN_BOTH", re.compile(b"(?!)")):  # the opcode-by-opcode reading only
+    with mock.patch.object(legacy_stream, "_OWN_BOTH", re.compile(b"(?!)")):  # the expression matching nothing
         assert fast == findings()
 
 

@@ -161,6 +161,16 @@ class GlobalMeta(type):
     def _build_on_class(cls, state: Any) -> None:
         cls.class_builds = cls.class_builds + 1
 
+    def reset_uses(cls) -> None:
+        """Forget what a pickle did with this placeholder (the attributes above that a use sets, and the streams
+        kept): it answers as a new one (:class:`ckptool.formats.unpickler.PlaceholderPool`)."""
+        own = cls.__dict__
+        for attr in ("requested", "class_builds", "called", "passed", "args_unread"):
+            if attr in own:
+                delattr(cls, attr)
+        if "streams" in own:
+            cls.streams.clear()
+
     def __repr__(cls) -> str:
         return f"<global {cls.module}.{cls.name}>"
 

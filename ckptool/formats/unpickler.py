@@ -76,16 +76,11 @@ from ckptool.formats.pickle_check import (
 __all__ = ["MAX_REQUEST_BYTES", "PICKLE_ERRORS", "PlaceholderPool", "RestrictedUnpickler", "element_size",
            "load_pickle_at", "load_structure", "partial_globals", "request_bytes", "thread_pool"]
 
-#: what a pickle's use changes on a placeholder (:class:`~ckptool.formats.nodes.GlobalMeta`): class attributes
-#: that shadow the metaclass's defaults once set; :meth:`PlaceholderPool.take` deletes them
-_USE_STATE = ("called", "passed", "args_unread", "requested", "class_builds")
-
-
 class PlaceholderPool:
     """Placeholders (:func:`~ckptool.formats.nodes.new_global`) reused from one pickle to the next, one per name:
     making one is a class creation (about 5 µs), and a scan of a folder of small pickles names the same few
-    globals in every file. :meth:`take` hands one out reset to a new placeholder's state (:data:`_USE_STATE`
-    deleted, its kept ``streams`` emptied) and remembers which unpickler took it; that unpickler's
+    globals in every file. :meth:`take` hands one out reset to a new placeholder's state
+    (:meth:`~ckptool.formats.nodes.GlobalMeta.reset_uses`) and remembers which unpickler took it; that unpickler's
     :meth:`RestrictedUnpickler.uncalled_globals` and :meth:`~RestrictedUnpickler.streams` raise ``RuntimeError``
     once another unpickler took one of its placeholders (a read of state that is no
     longer its own, rather than a wrong answer). Not shared between threads (:func:`thread_pool`); holds at most
@@ -109,12 +104,7 @@ class PlaceholderPool:
                 return g
             self._placeholders[key] = g
         else:
-            own = g.__dict__
-            for attr in _USE_STATE:
-                if attr in own:
-                    delattr(g, attr)
-            if "streams" in own:
-                g.streams.clear()
+            g.reset_uses()
         self._users[key] = id(user)
         return g
 

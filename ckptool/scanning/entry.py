@@ -411,18 +411,15 @@ def _scan_code_config(sc: Scanner, path: str) -> Layout:
     return layouts.CONFIG
 
 
-def scan(paths: Iterable[str | os.PathLike[str]], *, key_paths: bool = True,
-         listed: Iterable[tuple[str, list[str]]] | None = None) -> list[ScanResult]:
+def scan(paths: Iterable[str | os.PathLike[str]], *, key_paths: bool = True) -> list[ScanResult]:
     """:func:`scan_file` for everything :func:`iter_paths` yields (files as given, directories walked, DCP folders
-    as one each); ``key_paths``: :func:`scan_file`'s; ``listed``: what :func:`iter_targets` gave for ``paths``
-    already (not walked again).
+    as one each); ``key_paths``: :func:`scan_file`'s.
 
     Raises:
         InputNotFoundError: a path does not exist.
         UsageError: a directory (or a sharded index) holds no checkpoint file.
     """
-    return [scan_listed(p, notes, key_paths=key_paths) for p, notes in (iter_targets(paths) if listed is None
-                                                                         else listed)]
+    return [scan_listed(p, notes, key_paths=key_paths) for p, notes in iter_targets(paths)]
 
 
 def scan_listed(path: str, notes: list[str], *, key_paths: bool = True) -> ScanResult:

@@ -47,28 +47,32 @@ _HEAD_OFFSETS = (0, *_HEAD_ENDS[:2])
 _LEGACY_PARTS = ("legacy magic number", "legacy protocol version", "legacy sys_info", "legacy main pickle",
                  "legacy storage keys")
 #: the last two pickles of a stream ``torch.save`` of one storage writes in the legacy format (each storage of a
-#: ``pickle.dump`` of tensors): the main pickle, the persistent id ``('storage', torch.<Type>Storage, key, location,
-#: numel, None)`` (torch/serialization.py ``_legacy_save.persistent_id``, protocol 2; ``torch.storage.UntypedStorage``
-#: for dtypes with no storage class of their own: float8, uint16...), then the key list ``[key]``;
-#: :func:`own_storage_pickles` reads what an unpickle of them gives from their bytes
-_OWN_MAIN = re.compile(rb"\x80\x02\(X\x07\x00\x00\x00storageq\x00c(torch|torch\.storage)\n(\w{1,64})\nq\x01X(.{4})",
-                       re.DOTALL)
-#: a key or location tag this long or longer is left to the unpickler (under the blob size of a read with views)
-_OWN_MAX = 256
-#: the numel opcodes of protocol 2 (BININT1, BININT2, BININT, LONG1) and their argument's size (LONG1: its first byte)
-_NUMEL = {0x4B: 1, 0x4D: 2, 0x4A: 4, 0x8A: 0}
-
-
-#: :data:`_OWN_MAIN` and the key list in one expression, for a key and a location tag under 256 bytes and an
-#: element count of BININT1, BININT2 or BININT (:func:`_own_both` checks the lengths and the signs it leaves open)
+#: ``pickle.dump`` of tensors), in one expression: the main pickle, the persistent id ``('storage',
+#: torch.<Type>Storage, key, location, numel, None)`` (torch/serialization.py ``_legacy_save.persistent_id``,
+#: protocol 2; ``torch.storage.UntypedStorage`` for dtypes with no storage class of their own: float8, uint16...),
+#: then the key list ``[key]``; for a key and a location tag under 256 bytes and an element count of BININT1, BININT2
+#: or BININT (:func:`own_storage_pickles` checks the lengths and the signs it leaves open). Any other is unpickled
 _OWN_BOTH = re.compile(rb"\x80\x02\(X\x07\x00\x00\x00storageq\x00c(torch|torch\.storage)\n(\w{1,64})\nq\x01"
                        rb"X(.)\x00\x00\x00(.*?)q\x02X(.)\x00\x00\x00(.*?)q\x03(?:K(.)|M(..)|J(....))Ntq\x04Q\."
                        rb"\x80\x02\]q\x00X(.)\x00\x00\x00(.*?)q\x01a\.", re.DOTALL)
+#: the bytes :data:`_OWN_BOTH` may span at most (its fixed opcodes, a 64-character type name, a key twice and a tag
+#: of 255 bytes each)
+_OWN_WINDOW = 1024
+#: the opcodes of the key list before its key's length (PROTO 2, EMPTY_LIST, BINPUT 0, BINUNICODE)
+_KEYS_HEAD = b"\x80\x02]q\x00X"
 
 
-def _own_both(m: re.Match[bytes]) -> tuple[str, str, str, str, int, int, int] | None:
-    """:func:`own_storage_pickles`' answer from a match of :data:`_OWN_BOTH`; None where a length does
-    not hold (then the two pickles are read one opcode at a time, which decides)."""
+def own_storage_pickles(buf: PickleBuffer, pos: int,
+                        stop: int) -> tuple[str, str, str, str, int, int, int] | None:
+    """``(storage type module, name, key, location, numel, end of the main pickle, end of the key list)`` when
+    ``buf[pos:stop]`` starts with the two pickles torch's legacy ``torch.save`` of one storage writes after its first
+    three (:data:`_OWN_BOTH`): what the restricted unpickler reads from them (the key and location decoded as
+    BINUNICODE is, UTF-8 with surrogates passed), without unpickling; None for anything else (a numel that is
+    negative, a key of the key list that is not the storage's, other opcodes), which is then unpickled. A hypothesis
+    test compares the two on mutated streams."""
+    m = _OWN_BOTH.match(buf, pos, min(stop, pos + _OWN_WINDOW))
+    if m is None:
+        return None
     key, loc = m[4], m[6]
     if len(key) != m[3][0] or len(loc) != m[5][0] or m[10] != m[3] or m[11] != key:
         return None
@@ -81,59 +85,6 @@ def _own_both(m: re.Match[bytes]) -> tuple[str, str, str, str, int, int, int] | 
     except UnicodeDecodeError:
         return None
     return m[1].decode("ascii"), m[2].decode("ascii"), text, tag, numel, m.start(10) - len(_KEYS_HEAD), m.end()
-
-
-#: the opcodes of the key list before its key's length (PROTO 2, EMPTY_LIST, BINPUT 0, BINUNICODE)
-_KEYS_HEAD = b"\x80\x02]q\x00X"
-
-
-def own_storage_pickles(buf: PickleBuffer, pos: int,
-                        stop: int) -> tuple[str, str, str, str, int, int, int] | None:
-    """``(storage type module, name, key, location, numel, end of the main pickle, end of the key list)`` when
-    ``buf[pos:stop]`` starts with the two pickles torch's legacy ``torch.save`` of one storage writes after its first
-    three (:data:`_OWN_MAIN`): what the restricted unpickler reads from them (the key and location decoded as
-    BINUNICODE is, UTF-8 with surrogates passed), without unpickling; None for anything else (a numel that is
-    negative, a key of the key list that is not the storage's, other opcodes), which is then unpickled. A hypothesis
-    test compares the two on mutated streams."""
-    end = min(stop, pos + 2 * _OWN_MAX + 192)
-    both = _OWN_BOTH.match(buf, pos, end)  # the common case (keys and tags under 256 bytes, BININT counts) at once
-    if both is not None:
-        got = _own_both(both)
-        if got is not None:
-            return got
-    w = bytes(buf[pos:end])
-    m = _OWN_MAIN.match(w)
-    if m is None:
-        return None
-    at = m.end()
-    key_len = int.from_bytes(m[3], "little")
-    key_bytes = w[at:at + key_len]
-    at += key_len
-    if key_len >= _OWN_MAX or w[at:at + 3] != b"q\x02X":
-        return None
-    loc_len = int.from_bytes(w[at + 3:at + 7], "little")
-    at += 7
-    location, at = w[at:at + loc_len], at + loc_len
-    if loc_len >= _OWN_MAX or w[at:at + 2] != b"q\x03" or len(w) <= at + 2 or w[at + 2] not in _NUMEL:
-        return None
-    op, at = w[at + 2], at + 3
-    size = _NUMEL[op] or (w[at] if at < len(w) else 9)
-    at += 0 if _NUMEL[op] else 1
-    if size > 8 or at + size > len(w):
-        return None
-    numel = int.from_bytes(w[at:at + size], "little", signed=op != 0x4B and op != 0x4D)
-    at += size
-    if numel < 0 or w[at:at + 6] != b"Ntq\x04Q.":
-        return None
-    main_end = at + 6
-    keys = b"\x80\x02]q\x00X" + key_len.to_bytes(4, "little") + key_bytes + b"q\x01a."
-    if w[main_end:main_end + len(keys)] != keys:
-        return None
-    try:
-        key, loc = key_bytes.decode("utf-8", "surrogatepass"), location.decode("utf-8", "surrogatepass")
-    except UnicodeDecodeError:
-        return None
-    return m[1].decode("ascii"), m[2].decode("ascii"), key, loc, numel, pos + main_end, pos + main_end + len(keys)
 
 
 #: the global whose calls pass a stream that torch.load reads (:meth:`LegacyWalk.nested_streams`)

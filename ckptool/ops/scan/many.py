@@ -230,14 +230,13 @@ class ManyRun(Generic[R]):
     checkpoint in its result, never by raising; ``failed(target, why)``: the result of a task that raised (a worker
     died, a bug), a row rather than the end of the run. ``executor``: any :class:`concurrent.futures.Executor`
     (None: one after another in this thread); ``window``: tasks in flight at most (default: 4 per worker of a pool
-    that says how many it has, else 64); ``whole``, ``configs``: as :func:`expand`'s; ``targets``: the targets,
-    listed already (``paths`` is then not expanded)."""
+    that says how many it has, else 64); ``whole``, ``configs``: as :func:`expand`'s."""
 
     def __init__(self, paths: Iterable[str | os.PathLike[str]], task: Callable[[Target], R | None],
                  failed: Callable[[Target, str], R], *, executor: cf.Executor | None = None,
                  window: int | None = None, whole: Callable[[str], bool] | None = None,
-                 configs: bool = True, targets: list[Target] | None = None) -> None:
-        self.targets = targets if targets is not None else list(expand(paths, whole, configs=configs))
+                 configs: bool = True) -> None:
+        self.targets = list(expand(paths, whole, configs=configs))
         self.task = task
         self.failed = failed
         self.executor = executor
@@ -315,9 +314,9 @@ class ScanRun(ManyRun[ScanResult]):
 
     def __init__(self, paths: Iterable[str | os.PathLike[str]], *, executor: cf.Executor | None = None,
                  cache: scan_cache.ScanCache | None = None, window: int | None = None,
-                 key_paths: bool = True, targets: list[Target] | None = None) -> None:
+                 key_paths: bool = True) -> None:
         task = scan_target if key_paths or cache is not None else partial(scan_target, key_paths=False)
-        super().__init__(paths, task, _scan_failed, executor=executor, window=window, targets=targets)
+        super().__init__(paths, task, _scan_failed, executor=executor, window=window)
         self.cache = cache
 
     def _lookups(self) -> Iterator[tuple[Target, str | None, tuple[bool, ScanResult | None]]]:
